@@ -1,0 +1,1 @@
+"""rmsft learner: rollouts -> parse -> match -> targets -> packed training -> weight sync."""

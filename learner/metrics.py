@@ -1,0 +1,26 @@
+"""Prometheus metrics of the learner. Dashboards may only query names defined here,
+in rollout_svc/metrics.py or in rmsft_operator/metrics.py (tests/test_dashboards.py checks)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+PHASES = ("rollout", "generate", "parse", "match", "pack", "forward", "backward", "optimizer", "sync")
+_PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+PHASE_SECONDS = Histogram(
+    "rmsft_learner_phase_seconds", "Duration of one phase of a training step", ["phase"],
+    buckets=_PHASE_BUCKETS,
+)
+STEP_SECONDS = Histogram("rmsft_learner_step_seconds", "Duration of one optimizer step", buckets=_PHASE_BUCKETS)
+GLOBAL_STEP = Gauge("rmsft_learner_global_step", "Optimizer steps done")
+WEIGHT_VERSION = Gauge("rmsft_learner_weight_version", "Weight version the learner holds")
+PACKING_FILL = Gauge("rmsft_learner_packing_fill_ratio", "Filled fraction of the last packed row")
+BUFFER_SEGMENTS = Gauge("rmsft_learner_buffer_segments", "Segments waiting in the packing carry buffer")
+OBJECTS = Counter("rmsft_learner_objects_total", "Matching outcomes", ["outcome"])  # matched|fp|fn
+DROPPED_OBJECTS = Counter("rmsft_learner_dropped_objects_total", "Rollout objects dropped by the parser")
+TRUNCATED_ROLLOUTS = Counter("rmsft_learner_truncated_rollouts_total", "Rollouts without a closed JSON object")
+LOSS = Gauge("rmsft_learner_loss", "Last step's loss by part", ["part"])
+TRAINED_TOKENS = Counter("rmsft_learner_trained_tokens_total", "Tokens in packed training rows")
+ROLLOUT_REQUESTS = Counter("rmsft_learner_rollout_requests_total", "Prompts sent to rollout servers")
+ROLLOUT_RETRIES = Counter("rmsft_learner_rollout_retries_total", "Chunks retried on another server", ["reason"])
+WEIGHT_SYNC_BYTES = Counter("rmsft_learner_weight_sync_bytes_total", "Bytes streamed to servers", ["mode"])
+SERVERS_READY = Gauge("rmsft_learner_servers_ready", "Rollout servers healthy and on the current version")

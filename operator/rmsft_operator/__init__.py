@@ -1,0 +1,1 @@
+"""rmsft Kubernetes operator (kopf). Never imports torch, vLLM or the learner."""

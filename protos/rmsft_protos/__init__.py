@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for the learner <-> rollout server contract (rollout.proto)."""

