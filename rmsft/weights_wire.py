@@ -1,0 +1,320 @@
+"""Wire format of a weight stream (`RolloutService.UpdateWeights`), shared by both ends.
+
+A stream is: one `WeightHeader`, then `TensorPiece`s, then one `WeightTrailer`.
+
+- Tensors are sent one after the other; the pieces of one tensor are consecutive and in byte
+  order (`offset` = bytes of that tensor already sent), each piece carries at most
+  `frame_bytes` of data, and every piece repeats name/dtype/shape (so a receiver can validate
+  on the first piece without buffering).
+- `header.tensor_count` / `header.total_bytes` count the tensors and their raw bytes (C order,
+  the tensor's own dtype, little-endian as torch stores it).
+- The trailer holds sha256 over the `data` of every piece, in stream order.
+
+The sender side is `iter_weight_chunks`; the receiver side is `StreamReader`, which checks the
+framing rules above plus an optional expected-tensor table, and tells the caller where each
+piece's bytes belong in a flat staging buffer of `header.total_bytes` bytes. This module has no
+gRPC server logic and imports torch lazily (the operator image imports `rmsft` without torch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rmsft_protos import rollout_pb2
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+SyncMode = int  # rollout_pb2.SyncMode value: rollout_pb2.FULL or rollout_pb2.ADAPTER
+FULL = rollout_pb2.FULL
+ADAPTER = rollout_pb2.ADAPTER
+
+DEFAULT_FRAME_BYTES = 4 << 20
+# What a server accepts per piece unless configured otherwise: twice the default frame, so a
+# sender may use a bigger frame without renegotiation, but one message can never be huge.
+DEFAULT_MAX_FRAME_BYTES = 8 << 20
+
+# safetensors dtype names <-> element sizes; torch names are resolved lazily.
+DTYPE_SIZES: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+_TORCH_NAMES: dict[str, str] = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """safetensors dtype name (F32, BF16, ...) -> torch dtype."""
+    import torch
+
+    try:
+        return getattr(torch, _TORCH_NAMES[name])
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(DTYPE_SIZES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch dtype -> safetensors dtype name."""
+    text = str(dtype).removeprefix("torch.")
+    for name, tname in _TORCH_NAMES.items():
+        if tname == text:
+            return name
+    raise ValueError(f"dtype {dtype} cannot be sent; supported: {sorted(_TORCH_NAMES.values())}")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: str  # safetensors name
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+
+def _flat_bytes(tensor: torch.Tensor):
+    """A uint8 numpy view of the tensor's bytes (CPU, contiguous); copies only when it must."""
+    import torch
+
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.contiguous().reshape(-1)
+    return t.view(torch.uint8).numpy()
+
+
+def iter_weight_chunks(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int,
+    mode: SyncMode,
+    adapter_config_json: str = "",
+    frame_bytes: int = DEFAULT_FRAME_BYTES,
+) -> Iterator[rollout_pb2.WeightChunk]:
+    """Yield header, pieces and trailer for `named_tensors` (the request iterator of UpdateWeights).
+
+    Tensors may live on any device; each is copied to the CPU only while its own pieces are
+    produced, so the sender's extra memory is one tensor plus one frame.
+    """
+    if frame_bytes <= 0:
+        raise ValueError(f"frame_bytes must be positive, got {frame_bytes}")
+    if mode not in (FULL, ADAPTER):
+        raise ValueError(f"mode must be FULL or ADAPTER, got {mode!r}")
+    if mode == ADAPTER and not adapter_config_json:
+        raise ValueError("ADAPTER sync needs adapter_config_json (the PEFT adapter_config.json text)")
+    items = list(named_tensors)
+    names = [n for n, _ in items]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"duplicate tensor names in weight stream: {dup[:5]}")
+    specs = [(n, TensorSpec(dtype_name(t.dtype), tuple(t.shape))) for n, t in items]
+    total = sum(s.nbytes for _, s in specs)
+    yield rollout_pb2.WeightChunk(
+        header=rollout_pb2.WeightHeader(
+            version=version,
+            mode=mode,
+            tensor_count=len(items),
+            total_bytes=total,
+            adapter_config_json=adapter_config_json,
+        )
+    )
+    digest = hashlib.sha256()
+    for (name, tensor), (_, spec) in zip(items, specs, strict=True):
+        flat = _flat_bytes(tensor)
+        n = flat.shape[0]
+        offset = 0
+        # A zero-size tensor still gets one (empty) piece so the receiver sees its name/shape.
+        while True:
+            data = flat[offset : offset + frame_bytes].tobytes()
+            digest.update(data)
+            yield rollout_pb2.WeightChunk(
+                piece=rollout_pb2.TensorPiece(
+                    name=name, dtype=spec.dtype, shape=spec.shape, offset=offset, data=data
+                )
+            )
+            offset += len(data)
+            if offset >= n:
+                break
+        del flat
+    yield rollout_pb2.WeightChunk(trailer=rollout_pb2.WeightTrailer(sha256=digest.digest()))
+
+
+class WireError(Exception):
+    """A stream that breaks the wire rules or does not fit the model.
+
+    `code` is a grpc.StatusCode name (kept as text so this module needs no grpc), `reason` a
+    short label for the sync-failure metric.
+    """
+
+    def __init__(self, message: str, *, code: str = "INVALID_ARGUMENT", reason: str = "malformed"):
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+
+
+@dataclass
+class StagedTensor:
+    name: str
+    spec: TensorSpec
+    start: int  # byte offset in the flat staging buffer
+
+
+@dataclass
+class StreamReader:
+    """Validates one stream chunk by chunk and maps piece bytes onto a flat staging buffer.
+
+    `expected`: tensor name -> spec the receiver accepts (None = accept any names/shapes).
+    `require_all`: every expected tensor must be in the stream (a FULL update).
+    """
+
+    expected: Mapping[str, TensorSpec] | None = None
+    require_all: bool = False
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    header: Any = None
+    tensors: list[StagedTensor] = field(default_factory=list)
+    received_bytes: int = 0
+    _current: StagedTensor | None = None
+    _current_done: int = 0
+    _next_start: int = 0
+    _seen: set[str] = field(default_factory=set)
+    _digest: Any = field(default_factory=hashlib.sha256)
+    finished: bool = False
+
+    def on_header(self, header: rollout_pb2.WeightHeader) -> None:
+        if self.header is not None:
+            raise WireError("second header in one weight stream")
+        if header.mode not in (FULL, ADAPTER):
+            raise WireError(f"header.mode must be FULL or ADAPTER, got {header.mode}")
+        if header.mode == ADAPTER and not header.adapter_config_json:
+            raise WireError("ADAPTER header without adapter_config_json")
+        if self.require_all and self.expected is not None and header.tensor_count != len(self.expected):
+            raise WireError(
+                f"FULL update announces {header.tensor_count} tensors but the model has "
+                f"{len(self.expected)}; a FULL update must carry every checkpoint tensor",
+                reason="count",
+            )
+        self.header = header
+
+    def on_piece(self, piece: rollout_pb2.TensorPiece) -> int:
+        """Check one piece; return the offset in the staging buffer where its data goes."""
+        if self.header is None:
+            raise WireError("tensor piece before the header")
+        if len(piece.data) > self.max_frame_bytes:
+            raise WireError(
+                f"piece of {piece.name!r} carries {len(piece.data)} bytes; the frame limit is "
+                f"{self.max_frame_bytes}",
+                reason="frame_size",
+            )
+        cur = self._current
+        if cur is not None and piece.name == cur.name:
+            if piece.offset != self._current_done:
+                raise WireError(
+                    f"piece of {piece.name!r} at offset {piece.offset}, expected {self._current_done} "
+                    "(pieces of a tensor must arrive in order)"
+                )
+            if piece.dtype != cur.spec.dtype or tuple(piece.shape) != cur.spec.shape:
+                raise WireError(f"dtype/shape of {piece.name!r} changed between its pieces")
+        else:
+            self._close_current()
+            cur = self._open(piece)
+        end = self._current_done + len(piece.data)
+        if end > cur.spec.nbytes:
+            raise WireError(
+                f"tensor {piece.name!r} gets {end} bytes but {cur.spec.dtype}{list(cur.spec.shape)} "
+                f"holds {cur.spec.nbytes}"
+            )
+        dest = cur.start + self._current_done
+        self._current_done = end
+        self.received_bytes += len(piece.data)
+        self._digest.update(piece.data)
+        return dest
+
+    def _open(self, piece: rollout_pb2.TensorPiece) -> StagedTensor:
+        name = piece.name
+        if not name:
+            raise WireError("tensor piece without a name")
+        if name in self._seen:
+            raise WireError(f"tensor {name!r} sent twice")
+        if piece.offset != 0:
+            raise WireError(f"first piece of {name!r} starts at offset {piece.offset}, not 0")
+        if piece.dtype not in DTYPE_SIZES:
+            raise WireError(f"tensor {name!r} has unknown dtype {piece.dtype!r}", reason="dtype")
+        spec = TensorSpec(piece.dtype, tuple(int(d) for d in piece.shape))
+        if self.expected is not None:
+            want = self.expected.get(name)
+            if want is None:
+                raise WireError(f"unknown tensor name {name!r}: the model has no such weight", reason="name")
+            if want.shape != spec.shape:
+                raise WireError(
+                    f"tensor {name!r} has shape {list(spec.shape)}, the model expects {list(want.shape)}",
+                    reason="shape",
+                )
+            if want.dtype != spec.dtype:
+                raise WireError(
+                    f"tensor {name!r} has dtype {spec.dtype}, the model expects {want.dtype}", reason="dtype"
+                )
+        if len(self._seen) >= self.header.tensor_count:
+            raise WireError(f"more tensors than the {self.header.tensor_count} announced", reason="count")
+        start = self._next_start
+        if start + spec.nbytes > self.header.total_bytes:
+            raise WireError(
+                f"tensor {name!r} overruns the {self.header.total_bytes} bytes announced in the header",
+                reason="count",
+            )
+        self._seen.add(name)
+        self._next_start = start + spec.nbytes
+        staged = StagedTensor(name, spec, start)
+        self.tensors.append(staged)
+        self._current = staged
+        self._current_done = 0
+        return staged
+
+    def _close_current(self) -> None:
+        cur = self._current
+        if cur is not None and self._current_done != cur.spec.nbytes:
+            raise WireError(
+                f"tensor {cur.name!r} ended after {self._current_done} of {cur.spec.nbytes} bytes"
+            )
+        self._current = None
+
+    def on_trailer(self, trailer: rollout_pb2.WeightTrailer) -> None:
+        """Final checks: completeness, counts and the digest."""
+        if self.header is None:
+            raise WireError("trailer before the header")
+        self._close_current()
+        h = self.header
+        if len(self.tensors) != h.tensor_count:
+            raise WireError(f"stream carried {len(self.tensors)} tensors, header announced {h.tensor_count}",
+                            reason="count")
+        if self.received_bytes != h.total_bytes:
+            raise WireError(f"stream carried {self.received_bytes} bytes, header announced {h.total_bytes}",
+                            reason="count")
+        if self.require_all and self.expected is not None:
+            missing = sorted(set(self.expected) - self._seen)
+            if missing:
+                raise WireError(f"FULL update lacks tensors {missing[:5]}", reason="count")
+        if trailer.sha256 != self._digest.digest():
+            raise WireError("sha256 of the received data does not match the trailer", reason="digest")
+        self.finished = True
+
+    def feed(self, chunk: rollout_pb2.WeightChunk) -> int | None:
+        """Dispatch one chunk; returns the staging offset for pieces, None otherwise."""
+        if self.finished:
+            raise WireError("data after the trailer")
+        kind = chunk.WhichOneof("kind")
+        if kind == "header":
+            self.on_header(chunk.header)
+        elif kind == "piece":
+            return self.on_piece(chunk.piece)
+        elif kind == "trailer":
+            self.on_trailer(chunk.trailer)
+        else:
+            raise WireError("empty WeightChunk")
+        return None

@@ -1,0 +1,165 @@
+"""Wire format round trips and every framing rule the receiver enforces (no server needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rmsft_protos import rollout_pb2
+
+from rmsft.weights_wire import (
+    ADAPTER,
+    FULL,
+    StreamReader,
+    TensorSpec,
+    WireError,
+    iter_weight_chunks,
+    torch_dtype,
+)
+
+
+def _tensors() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("a.weight", torch.randn(37, 11, generator=g)),
+        ("b.bias", torch.randn(5, generator=g).to(torch.bfloat16)),
+        ("c.scalar", torch.tensor(3.5)),
+        ("d.idx", torch.arange(9, dtype=torch.int64).reshape(3, 3).t()),  # non-contiguous
+    ]
+
+
+def _receive(chunks, reader: StreamReader) -> dict[str, torch.Tensor]:
+    buf = None
+    for chunk in chunks:
+        dest = reader.feed(chunk)
+        if chunk.WhichOneof("kind") == "header":
+            buf = bytearray(chunk.header.total_bytes)
+        if dest is not None:
+            data = chunk.piece.data
+            buf[dest : dest + len(data)] = data
+    out = {}
+    for t in reader.tensors:
+        raw = bytes(buf[t.start : t.start + t.spec.nbytes])
+        out[t.name] = torch.frombuffer(bytearray(raw), dtype=torch_dtype(t.spec.dtype)).reshape(t.spec.shape)
+    return out
+
+
+@pytest.mark.parametrize("frame", [1, 7, 64, 1 << 20])
+def test_round_trip_any_frame_size(frame: int) -> None:
+    src = _tensors()
+    chunks = list(iter_weight_chunks(src, version=3, mode=FULL, frame_bytes=frame))
+    header = chunks[0].header
+    assert header.version == 3 and header.tensor_count == 4
+    assert header.total_bytes == sum(t.numel() * t.element_size() for _, t in src)
+    assert all(len(c.piece.data) <= frame for c in chunks if c.WhichOneof("kind") == "piece")
+    reader = StreamReader(max_frame_bytes=frame)
+    got = _receive(chunks, reader)
+    assert reader.finished
+    for name, t in src:
+        assert got[name].dtype == t.dtype
+        assert torch.equal(got[name], t.contiguous())
+
+
+def _expected() -> dict[str, TensorSpec]:
+    return {
+        "a.weight": TensorSpec("F32", (37, 11)),
+        "b.bias": TensorSpec("BF16", (5,)),
+        "c.scalar": TensorSpec("F32", ()),
+        "d.idx": TensorSpec("I64", (3, 3)),
+    }
+
+
+def test_reader_accepts_matching_model_table() -> None:
+    chunks = iter_weight_chunks(_tensors(), version=1, mode=FULL, frame_bytes=100)
+    reader = StreamReader(expected=_expected(), require_all=True, max_frame_bytes=100)
+    _receive(chunks, reader)
+    assert reader.finished
+
+
+def _bad(mutate, **reader_kw) -> WireError:
+    chunks = list(iter_weight_chunks(_tensors(), version=1, mode=FULL, frame_bytes=100))
+    chunks = mutate(chunks)
+    reader = StreamReader(expected=_expected(), require_all=True, **reader_kw)
+    with pytest.raises(WireError) as info:
+        _receive(chunks, reader)
+    return info.value
+
+
+def test_wrong_shape_is_rejected() -> None:
+    def mutate(chunks):
+        chunks[1].piece.shape[:] = [11, 37]
+        return chunks
+
+    err = _bad(mutate)
+    assert err.reason == "shape" and "a.weight" in str(err)
+
+
+def test_unknown_name_is_rejected() -> None:
+    def mutate(chunks):
+        for c in chunks:
+            if c.WhichOneof("kind") == "piece" and c.piece.name == "b.bias":
+                c.piece.name = "zzz.weight"
+        return chunks
+
+    err = _bad(mutate)
+    assert err.reason == "name" and "zzz.weight" in str(err)
+
+
+def test_bad_digest_is_rejected() -> None:
+    def mutate(chunks):
+        chunks[-1].trailer.sha256 = b"\0" * 32
+        return chunks
+
+    assert _bad(mutate).reason == "digest"
+
+
+def test_flipped_byte_is_caught_by_digest() -> None:
+    def mutate(chunks):
+        data = bytearray(chunks[2].piece.data)
+        data[0] ^= 1
+        chunks[2].piece.data = bytes(data)
+        return chunks
+
+    assert _bad(mutate).reason == "digest"
+
+
+def test_oversize_frame_is_rejected() -> None:
+    err = _bad(lambda c: c, max_frame_bytes=50)
+    assert err.reason == "frame_size"
+
+
+def test_truncated_stream_and_missing_tensor() -> None:
+    # Dropping the last tensor's pieces: count mismatch at the trailer.
+    def drop_last(chunks):
+        return [c for c in chunks if not (c.WhichOneof("kind") == "piece" and c.piece.name == "d.idx")]
+
+    assert _bad(drop_last).reason == "count"
+
+    def drop_piece(chunks):
+        return chunks[:2] + chunks[3:]
+
+    with pytest.raises(WireError):
+        _receive(drop_piece(list(iter_weight_chunks(_tensors(), version=1, mode=FULL, frame_bytes=100))),
+                 StreamReader())
+
+
+def test_full_header_count_must_match_model() -> None:
+    chunks = iter_weight_chunks(_tensors()[:3], version=1, mode=FULL)
+    with pytest.raises(WireError, match="every checkpoint tensor"):
+        _receive(chunks, StreamReader(expected=_expected(), require_all=True))
+
+
+def test_encoder_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="adapter_config_json"):
+        list(iter_weight_chunks(_tensors(), version=1, mode=ADAPTER))
+    with pytest.raises(ValueError, match="duplicate"):
+        list(iter_weight_chunks(_tensors() + _tensors()[:1], version=1, mode=FULL))
+
+
+def test_piece_before_header_and_data_after_trailer() -> None:
+    chunks = list(iter_weight_chunks(_tensors(), version=1, mode=FULL))
+    with pytest.raises(WireError, match="before the header"):
+        StreamReader().feed(chunks[1])
+    reader = StreamReader()
+    _receive(chunks, reader)
+    with pytest.raises(WireError, match="after the trailer"):
+        reader.feed(rollout_pb2.WeightChunk(header=chunks[0].header))
