@@ -55,7 +55,7 @@ class DetObject:
     bins: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.desc, str) or not self.desc:
+        if not isinstance(self.desc, str) or not self.desc.strip():
             raise ValueError("object desc must be a non-empty string")
         if "<|coord_" in self.desc:
             raise ValueError(f"object desc must not contain coord token text: {self.desc!r}")
