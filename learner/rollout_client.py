@@ -1,0 +1,428 @@
+"""Ordered, fenced rollouts over the server pool.
+
+`RolloutClient.generate` splits N prompts contiguously over the ordered servers, sends the chunks
+concurrently (gRPC futures, at most `max_inflight_per_server` per server so a server's generate batch
+bound holds), and puts every completion back at its input index. A chunk whose server fails is sent
+again, unchanged (same prompts, same seeds), to the least-loaded healthy server, so the output never
+depends on which server answered. Every completion must carry the learner's current weight version:
+a server that holds another version (FAILED_PRECONDITION, a wrong version in its reply, or a stale
+GetStatus) is re-synced through the `resync` callback before it gets work again, and a stale
+completion is never returned.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from rmsft_protos import rollout_pb2
+
+from learner.metrics import PHASE_SECONDS, ROLLOUT_REQUESTS, ROLLOUT_RETRIES
+from learner.servers import NoServerAvailableError, RolloutServer, ServerPool, describe_rpc_error
+
+__all__ = [
+    "AllServersDownError",
+    "Chunk",
+    "NoServerAvailableError",
+    "Rollout",
+    "RolloutClient",
+    "RolloutError",
+    "RolloutRequest",
+    "StaleRolloutError",
+    "check_versions",
+    "plan_chunks",
+    "sampling_params",
+]
+
+_FINISH = {v: k.lower() for k, v in rollout_pb2.FinishReason.items()}
+# The request itself is wrong: sending it to another server cannot help.
+_FATAL_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNIMPLEMENTED}
+# The server is alive but busy: retry the chunk elsewhere without marking the server down.
+_BUSY_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+class RolloutError(RuntimeError):
+    """A rollout could not be completed; the message says which chunk, where, and why."""
+
+
+class AllServersDownError(RolloutError, NoServerAvailableError):
+    """No server could take (the rest of) the work; names every server and its last error."""
+
+
+class StaleRolloutError(RolloutError):
+    """A completion carries another weight version than the learner's current one."""
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One prompt. `token_ids` is the fully templated prompt; when empty, `messages` (role, content)
+    and `images` (bytes or URI strings) are rendered by the server."""
+
+    token_ids: Sequence[int] = ()
+    seed: int | None = None
+    request_id: str = ""
+    messages: Sequence[tuple[str, str]] = ()
+    images: Sequence[bytes | str] = ()
+
+
+@dataclass
+class Rollout:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "abort" | "finish_reason_unspecified"
+    weight_version: int
+    server: str  # address of the server that produced it
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Prompts [start, stop) initially planned for the server at position `slot` of the plan."""
+
+    start: int
+    stop: int
+    slot: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+def plan_chunks(n: int, n_servers: int, batch_size: int = 0) -> list[Chunk]:
+    """Contiguous, balanced split of `n` prompts over `n_servers` (the first `n % n_servers` get one
+    more), each share cut further into balanced pieces of at most `batch_size` (0 = no bound)."""
+    if n_servers <= 0:
+        raise ValueError("plan_chunks needs at least one server")
+    if batch_size < 0:
+        raise ValueError(f"batch_size must be >= 0, got {batch_size}")
+    chunks: list[Chunk] = []
+    base, extra = divmod(n, n_servers)
+    start = 0
+    for slot in range(n_servers):
+        share = base + (1 if slot < extra else 0)
+        if share == 0:
+            continue
+        pieces = -(-share // batch_size) if batch_size else 1
+        p_base, p_extra = divmod(share, pieces)
+        for p in range(pieces):
+            size = p_base + (1 if p < p_extra else 0)
+            chunks.append(Chunk(start, start + size, slot))
+            start += size
+    return chunks
+
+
+def sampling_params(sampling: rollout_pb2.SamplingParams | Mapping[str, Any] | None) -> rollout_pb2.SamplingParams:
+    """SamplingParams from a proto or a mapping with the proto's field names (clear error otherwise)."""
+    if sampling is None:
+        return rollout_pb2.SamplingParams()
+    if isinstance(sampling, rollout_pb2.SamplingParams):
+        return sampling
+    known = set(rollout_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
+    unknown = sorted(set(sampling) - known)
+    if unknown:
+        raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+    try:
+        return rollout_pb2.SamplingParams(**dict(sampling))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"bad sampling parameters {dict(sampling)}: {e}") from None
+
+
+def check_versions(rollouts: Sequence[Rollout], version: int) -> None:
+    """Raise StaleRolloutError when any rollout was not produced by weight version `version`."""
+    stale = [(i, r.request_id, r.weight_version, r.server) for i, r in enumerate(rollouts)
+             if r.weight_version != version]  # fmt: skip
+    if stale:
+        raise StaleRolloutError(
+            f"{len(stale)} rollout(s) not produced by the current weight version {version} "
+            f"(index, request id, version, server): {stale[:5]}"
+        )
+
+
+def _to_prompt(r: RolloutRequest) -> rollout_pb2.Prompt:
+    p = rollout_pb2.Prompt(token_ids=r.token_ids, request_id=r.request_id)
+    if r.seed is not None:
+        p.seed = r.seed
+    for role, content in r.messages:
+        p.messages.add(role=role, content=content)
+    for img in r.images:
+        if isinstance(img, bytes | bytearray):
+            p.images.add(data=bytes(img))
+        else:
+            p.images.add(uri=str(img))
+    return p
+
+
+@dataclass
+class _Call:
+    """Book-keeping of one `generate` call."""
+
+    expected: int | None
+    sampling: rollout_pb2.SamplingParams
+    prompts: list[rollout_pb2.Prompt]
+    results: list[Rollout | None]
+    queues: dict[int, deque[Chunk]]
+    orphans: deque[Chunk] = field(default_factory=deque)
+    inflight: dict[int, int] = field(default_factory=dict)  # server index -> running chunks
+    resyncing: set[int] = field(default_factory=set)
+    resynced: set[int] = field(default_factory=set)
+    excluded: dict[int, str] = field(default_factory=dict)  # server index -> why, for this call
+    failures: dict[Chunk, list[str]] = field(default_factory=dict)
+    stale_refused: int = 0  # completions thrown away because of their weight version
+    pending: int = 0  # futures not yet reported
+
+
+class RolloutClient:
+    """Sends rollouts to a `ServerPool`.
+
+    timeout_s: deadline of each Generate call (one chunk). generate_batch_size: most prompts per
+    Generate call (0 = a server's whole share in one call). max_attempts: tries per chunk before the
+    rollout fails (default: number of servers + 1). resync: called as `resync(server)` to push the
+    learner's current weights to a server that holds another version; it must raise on failure.
+    """
+
+    def __init__(
+        self,
+        pool: ServerPool,
+        *,
+        timeout_s: float = 600.0,
+        generate_batch_size: int = 0,
+        max_attempts: int | None = None,
+        max_inflight_per_server: int = 1,
+        resync: Callable[[RolloutServer], None] | None = None,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if max_inflight_per_server < 1:
+            raise ValueError(f"max_inflight_per_server must be >= 1, got {max_inflight_per_server}")
+        self.pool = pool
+        self.timeout_s = timeout_s
+        self.generate_batch_size = generate_batch_size
+        self.max_attempts = max_attempts or len(pool.servers) + 1
+        self.max_inflight = max_inflight_per_server
+        self.resync = resync
+        self._resync_pool = ThreadPoolExecutor(max_workers=len(pool.servers), thread_name_prefix="resync")
+
+    def close(self) -> None:
+        self._resync_pool.shutdown(wait=False, cancel_futures=True)
+
+    def generate(
+        self,
+        requests: Sequence[RolloutRequest],
+        sampling: rollout_pb2.SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        weight_version: int | None = None,
+    ) -> list[Rollout]:
+        """Completions for `requests`, in input order, all produced by `weight_version` (default: the
+        pool's current version; when neither is set, no version is enforced)."""
+        if not requests:
+            return []
+        t0 = time.perf_counter()
+        expected = weight_version if weight_version is not None else self.pool.current_version
+        call = _Call(
+            expected=expected,
+            sampling=sampling_params(sampling),
+            prompts=[_to_prompt(r) for r in requests],
+            results=[None] * len(requests),
+            queues={s.index: deque() for s in self.pool.servers},
+        )
+        self.pool.refresh_due()
+        planned = self._initial_servers(call)
+        if not planned:
+            raise AllServersDownError(
+                f"no rollout server can take the {len(requests)} prompt(s): " + self._describe(call)
+            )
+        for chunk in plan_chunks(len(requests), len(planned), self.generate_batch_size):
+            call.queues[planned[chunk.slot].index].append(chunk)
+
+        events: queue.Queue = queue.Queue()
+        self._pump(call, events)
+        while call.pending:
+            kind, server, chunk, payload = events.get()
+            call.pending -= 1
+            if kind == "resync":
+                self._on_resync(call, server, payload)
+            else:
+                call.inflight[server.index] -= 1
+                self._on_generate(call, server, chunk, payload)
+            self._pump(call, events)
+
+        missing = [i for i, r in enumerate(call.results) if r is None]
+        if missing:  # _pump only stops with work left when nothing can take it
+            if call.stale_refused:
+                raise StaleRolloutError(
+                    f"{len(missing)} of {len(requests)} prompt(s) have no completion from weight version "
+                    f"{expected}; {call.stale_refused} stale completion(s) were refused: " + self._describe(call)
+                )
+            raise AllServersDownError(
+                f"{len(missing)} of {len(requests)} prompt(s) could not be generated, no rollout server "
+                f"left: " + self._describe(call)
+            )
+        results: list[Rollout] = call.results  # type: ignore[assignment]
+        if expected is not None:
+            check_versions(results, expected)
+        ROLLOUT_REQUESTS.inc(len(requests))
+        PHASE_SECONDS.labels("generate").observe(time.perf_counter() - t0)
+        return results
+
+    # -- planning -------------------------------------------------------------------------------
+    def _initial_servers(self, call: _Call) -> list[RolloutServer]:
+        """Servers that get a share: up and current, or up and about to be re-synced."""
+        planned = []
+        for s in self.pool.servers:
+            with self.pool.lock:
+                up, version, err = s.state.up, s.state.version, s.state.last_error
+            if not up:
+                call.excluded[s.index] = err or "down"
+            elif call.expected is None or version == call.expected:
+                planned.append(s)
+            elif self._start_resync_ok(call, s, f"holds weight version {version}, learner at {call.expected}"):
+                planned.append(s)  # gets its share once the re-sync is done
+        return planned
+
+    def _start_resync_ok(self, call: _Call, server: RolloutServer, why: str) -> bool:
+        """Mark `server` for a re-sync in this call; False (and excluded) when that is not possible."""
+        if self.resync is None:
+            call.excluded[server.index] = f"{why}; no resync callback configured"
+            return False
+        if server.index in call.resynced:
+            call.excluded[server.index] = f"{why}, still after a re-sync"
+            self.pool.mark_down(server, call.excluded[server.index])
+            return False
+        call.resyncing.add(server.index)
+        return True
+
+    def _least_loaded(self, call: _Call, candidates: list[RolloutServer]) -> RolloutServer:
+        return min(
+            candidates,
+            key=lambda s: (sum(map(len, call.queues[s.index])) + call.inflight.get(s.index, 0), s.index),
+        )
+
+    def _pump(self, call: _Call, events: queue.Queue) -> None:
+        """Start re-syncs, hand orphaned chunks to servers, and keep every usable server busy."""
+        for idx in sorted(call.resyncing):
+            server = self.pool.servers[idx]
+            if idx not in call.resynced:
+                call.resynced.add(idx)
+                call.pending += 1
+                fut = self._resync_pool.submit(self.resync, server)  # type: ignore[arg-type]
+                fut.add_done_callback(lambda f, s=server: events.put(("resync", s, None, f)))
+        usable = [s for s in self.pool.servers if s.index not in call.excluded and s.index not in call.resyncing]
+        waiting = [self.pool.servers[i] for i in sorted(call.resyncing)]
+        while call.orphans and (usable or waiting):
+            chunk = call.orphans.popleft()
+            call.queues[self._least_loaded(call, usable or waiting).index].append(chunk)
+        for s in usable:
+            q = call.queues[s.index]
+            while q and call.inflight.get(s.index, 0) < self.max_inflight:
+                self._send(call, s, q.popleft(), events)
+        if not call.pending:  # nothing running: any work left is stranded
+            for q in call.queues.values():
+                call.orphans.extend(q)
+                q.clear()
+
+    def _send(self, call: _Call, server: RolloutServer, chunk: Chunk, events: queue.Queue) -> None:
+        req = rollout_pb2.GenerateRequest(prompts=call.prompts[chunk.start : chunk.stop], sampling=call.sampling)
+        if call.expected is not None:
+            req.expected_weight_version = call.expected
+        call.inflight[server.index] = call.inflight.get(server.index, 0) + 1
+        call.pending += 1
+        fut = server.stub.Generate.future(req, timeout=self.timeout_s, metadata=self.pool.metadata)
+        fut.add_done_callback(lambda f: events.put(("generate", server, chunk, f)))
+
+    # -- outcomes -------------------------------------------------------------------------------
+    def _on_resync(self, call: _Call, server: RolloutServer, fut: Any) -> None:
+        call.resyncing.discard(server.index)
+        err = fut.exception()
+        if err is None:
+            self.pool.mark_up(server, version=call.expected)
+            return
+        why = f"re-sync to weight version {call.expected} failed: {err}"
+        call.excluded[server.index] = why
+        self.pool.mark_down(server, why)
+        self._orphan_queue(call, server)
+
+    def _on_generate(self, call: _Call, server: RolloutServer, chunk: Chunk, fut: grpc.Future) -> None:
+        try:
+            reply: rollout_pb2.GenerateResponse = fut.result()
+        except grpc.RpcError as e:
+            self._on_rpc_error(call, server, chunk, e)
+            return
+        comps = reply.completions
+        problem = ""
+        if len(comps) != len(chunk):
+            problem = f"answered {len(comps)} completions for {len(chunk)} prompts"
+        else:
+            for c, p in zip(comps, call.prompts[chunk.start : chunk.stop], strict=True):
+                if c.request_id and p.request_id and c.request_id != p.request_id:
+                    problem = f"answered request id {c.request_id!r} for {p.request_id!r}"
+                    break
+        if problem:
+            call.excluded[server.index] = f"bad reply: {problem}"
+            self.pool.mark_down(server, call.excluded[server.index])
+            self._retry(call, server, chunk, "bad_reply", problem)
+            return
+        versions = {c.weight_version for c in comps}
+        if call.expected is not None and versions != {call.expected}:
+            # The server ignored expected_weight_version; its answers must not reach training.
+            why = f"replied with weight version(s) {sorted(versions)}, learner at {call.expected}"
+            call.stale_refused += len(comps)
+            self.pool.mark_stale(server, reply.weight_version, why)
+            self._start_resync_ok(call, server, why)
+            self._retry(call, server, chunk, "stale_version", why)
+            return
+        for i, c in enumerate(comps):
+            call.results[chunk.start + i] = Rollout(
+                request_id=c.request_id or call.prompts[chunk.start + i].request_id,
+                prompt_token_ids=list(c.prompt_token_ids),
+                token_ids=list(c.token_ids),
+                finish_reason=_FINISH.get(c.finish_reason, "finish_reason_unspecified"),
+                weight_version=c.weight_version,
+                server=server.address,
+            )
+        if not server.state.up or server.state.version != reply.weight_version:
+            self.pool.mark_up(server, version=reply.weight_version)
+
+    def _on_rpc_error(self, call: _Call, server: RolloutServer, chunk: Chunk, e: grpc.RpcError) -> None:
+        code = e.code()
+        why = describe_rpc_error(e)
+        if code in _FATAL_CODES:
+            raise RolloutError(
+                f"server {server.name} rejected prompts [{chunk.start}, {chunk.stop}) — {why}; "
+                "the request itself is invalid, so it is not retried elsewhere"
+            )
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            self.pool.mark_stale(server, None, why)
+            self._start_resync_ok(call, server, why)
+        elif code not in _BUSY_CODES:
+            call.excluded[server.index] = why
+            self.pool.mark_down(server, why)
+        self._retry(call, server, chunk, code.name.lower(), why)
+
+    def _retry(self, call: _Call, server: RolloutServer, chunk: Chunk, reason: str, why: str) -> None:
+        tries = call.failures.setdefault(chunk, [])
+        tries.append(f"{server.name}: {why}")
+        if len(tries) >= self.max_attempts:
+            raise RolloutError(
+                f"prompts [{chunk.start}, {chunk.stop}) failed {len(tries)} times, giving up: " + " | ".join(tries)
+            )
+        ROLLOUT_RETRIES.labels(reason=reason).inc()
+        call.orphans.append(chunk)
+        if server.index in call.excluded or server.index in call.resyncing:
+            self._orphan_queue(call, server)
+
+    def _orphan_queue(self, call: _Call, server: RolloutServer) -> None:
+        q = call.queues[server.index]
+        call.orphans.extend(q)
+        q.clear()
+
+    def _describe(self, call: _Call) -> str:
+        parts = []
+        for s in self.pool.servers:
+            why = call.excluded.get(s.index) or s.state.last_error or "no error recorded"
+            parts.append(f"{s.name}: {why}")
+        return "; ".join(parts)

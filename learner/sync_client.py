@@ -1,0 +1,242 @@
+"""Pushes the learner's weights to the rollout servers (`UpdateWeights` client streams).
+
+`WeightSyncClient.sync(version)` streams FULL (merged, HF names) or ADAPTER (PEFT LoRA tensors +
+adapter_config.json) weights to every reachable server in parallel and returns only when each of
+them acknowledged `version`; a server that rejects the stream fails the sync (after one switch to
+FULL when `fallback_to_full` is on and ADAPTER was rejected). A server that is unreachable is marked
+down and left out: the rollout client re-syncs it (`resync_server`) before it gets work again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import grpc
+from rmsft_protos import rollout_pb2
+
+from learner.metrics import PHASE_SECONDS, WEIGHT_SYNC_BYTES, WEIGHT_VERSION
+from learner.servers import RolloutServer, ServerPool, describe_rpc_error
+from learner.weight_export import (
+    adapter_named_tensors,
+    adapter_unsupported_reason,
+    full_named_tensors,
+)
+from rmsft.weights_wire import ADAPTER, DEFAULT_FRAME_BYTES, FULL, iter_weight_chunks
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+log = logging.getLogger("rmsft.learner.sync")
+
+Mode = Literal["full", "adapter", "auto"]
+_WIRE_MODE = {"full": FULL, "adapter": ADAPTER}
+# The server never got (or cannot answer about) the stream: leave it to the re-sync path.
+_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update was rejected, or no server acknowledged it."""
+
+
+@dataclass
+class SyncReport:
+    version: int
+    mode: str  # "full" | "adapter": what was finally sent
+    acked: dict[str, rollout_pb2.UpdateReply] = field(default_factory=dict)  # address -> reply
+    unreachable: dict[str, str] = field(default_factory=dict)  # address -> error
+    rejected: dict[str, str] = field(default_factory=dict)  # address -> error
+    tensor_bytes: int = 0  # per server
+    seconds: float = 0.0
+    fell_back: bool = False
+
+
+class WeightSyncClient:
+    """Weight sync of one training model to a `ServerPool`.
+
+    mode: "full" | "adapter" | "auto" (adapter when every target server runs LoRA and vLLM can load
+    the model's adapter type, else full). fallback_to_full: after an adapter update fails, send FULL
+    for the rest of the run. dtype: cast floating tensors (e.g. train fp32, serve bf16).
+    name_map: extra renaming of FULL names (e.g. a VLM whose checkpoint names differ from its
+    in-memory names).
+    """
+
+    def __init__(
+        self,
+        pool: ServerPool,
+        model: Any,
+        *,
+        mode: Mode = "full",
+        fallback_to_full: bool = True,
+        frame_bytes: int = DEFAULT_FRAME_BYTES,
+        timeout_s: float = 600.0,
+        dtype: torch.dtype | None = None,
+        name_map: Callable[[str], str] | None = None,
+    ) -> None:
+        if mode not in ("full", "adapter", "auto"):
+            raise ValueError(f"sync mode must be 'full', 'adapter' or 'auto', got {mode!r}")
+        self.pool = pool
+        self.model = model
+        self.mode: Mode = mode
+        self.fallback_to_full = fallback_to_full
+        self.frame_bytes = frame_bytes
+        self.timeout_s = timeout_s
+        self.dtype = dtype
+        self.name_map = name_map
+        self.forced_full_reason: str | None = None  # set once the run switched to FULL for good
+        self._export_lock = threading.Lock()  # merge/unmerge touches the live model
+        self._threads = ThreadPoolExecutor(max_workers=max(1, len(pool.servers)), thread_name_prefix="sync")
+        if mode == "adapter":
+            why = adapter_unsupported_reason(model)
+            if why is not None:
+                if not fallback_to_full:
+                    raise ValueError(f"sync mode 'adapter' is impossible: {why} (use 'full' or 'auto')")
+                self._force_full(f"adapter sync impossible: {why}")
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    # -- mode -----------------------------------------------------------------------------------
+    def _force_full(self, why: str) -> None:
+        if self.forced_full_reason is None:
+            log.warning("weight sync switches to FULL for the rest of the run: %s", why)
+            self.forced_full_reason = why
+
+    def resolve_mode(self, servers: Sequence[RolloutServer]) -> tuple[str, str]:
+        """("full" | "adapter", why) for a sync to `servers`."""
+        if self.forced_full_reason is not None:
+            return "full", self.forced_full_reason
+        if self.mode == "full":
+            return "full", "configured"
+        if self.mode == "adapter":
+            return "adapter", "configured"
+        unknown = [s for s in servers if s.state.lora_enabled is None]
+        if unknown:
+            self.pool.refresh(unknown)
+        no_lora = [s.name for s in servers if not s.state.lora_enabled]
+        if no_lora:
+            return "full", f"auto: servers without LoRA enabled: {no_lora}"
+        ranks = [s.state.max_lora_rank for s in servers if s.state.max_lora_rank]
+        why = adapter_unsupported_reason(self.model, min(ranks) if ranks else 0)
+        if why is not None:
+            return "full", f"auto: {why}"
+        return "adapter", "auto: servers run LoRA and the adapter is LoRA"
+
+    # -- sync -----------------------------------------------------------------------------------
+    def sync(self, version: int, servers: Sequence[RolloutServer] | None = None) -> SyncReport:
+        """Push the model's current weights as `version` to `servers` (default: every server that
+        is up, after re-probing the ones that were down). Returns when all reachable targets
+        acknowledged; raises WeightSyncError when one rejected the update or none acknowledged."""
+        t0 = time.perf_counter()
+        if servers is None:
+            self.pool.refresh_due()
+            servers = self.pool.up_servers()
+        if not servers:
+            raise WeightSyncError(f"no rollout server is reachable for weight version {version}: "
+                                  + self.pool.describe_down())
+        mode, why = self.resolve_mode(servers)
+        report = self._push(version, mode, servers)
+        if report.rejected and mode == "adapter" and self.fallback_to_full:
+            self._force_full(f"adapter update rejected: {report.rejected}")
+            retry = [s for s in servers if s.address not in report.unreachable]
+            report = self._push(version, "full", retry, previous=report)
+            report.fell_back = True
+        if report.rejected:
+            raise WeightSyncError(
+                f"weight version {version} ({report.mode}) was rejected by: "
+                + "; ".join(f"{a}: {e}" for a, e in report.rejected.items())
+            )
+        if not report.acked:
+            raise WeightSyncError(
+                f"no rollout server acknowledged weight version {version}: "
+                + "; ".join(f"{a}: {e}" for a, e in report.unreachable.items())
+            )
+        self.pool.set_current_version(version)
+        WEIGHT_VERSION.set(version)
+        report.seconds = time.perf_counter() - t0
+        PHASE_SECONDS.labels("sync").observe(report.seconds)
+        log.info(
+            "weight version %d synced (%s, %s) to %d server(s) in %.2fs%s",
+            version, report.mode, why, len(report.acked), report.seconds,
+            f"; unreachable: {sorted(report.unreachable)}" if report.unreachable else "",
+        )  # fmt: skip
+        return report
+
+    def resync_server(self, server: RolloutServer) -> None:
+        """Bring one server (e.g. a restarted pod on base weights) to the pool's current version.
+        The rollout client's `resync` callback; the model must still hold that version's weights."""
+        version = self.pool.current_version
+        if version is None:
+            raise WeightSyncError(f"cannot re-sync {server.name}: no weight version was synced yet")
+        if self.pool.status(server).weight_version == version:
+            return
+        mode, _ = self.resolve_mode([server])
+        report = self._push(version, mode, [server])
+        if report.rejected and mode == "adapter" and self.fallback_to_full:
+            self._force_full(f"adapter update rejected: {report.rejected}")
+            report = self._push(version, "full", [server], previous=report)
+        if not report.acked:
+            errors = {**report.unreachable, **report.rejected}
+            raise WeightSyncError(f"re-sync of {server.name} to weight version {version} failed: {errors}")
+
+    def _payload(self, mode: str) -> tuple[list[tuple[str, Any]], str]:
+        with self._export_lock:
+            if mode == "adapter":
+                return adapter_named_tensors(self.model)
+            return full_named_tensors(self.model, dtype=self.dtype, name_map=self.name_map), ""
+
+    def _push(
+        self, version: int, mode: str, servers: Sequence[RolloutServer], previous: SyncReport | None = None
+    ) -> SyncReport:
+        tensors, config_json = self._payload(mode)
+        wire_mode = _WIRE_MODE[mode]
+
+        headers: list[rollout_pb2.WeightHeader] = []
+
+        def stream() -> itertools.chain:
+            # The header is built here, in the caller: a bad tensor name or dtype raises a clear
+            # error now instead of surfacing as a cancelled RPC from inside gRPC's sender thread.
+            gen = iter_weight_chunks(
+                tensors, version=version, mode=wire_mode, adapter_config_json=config_json,
+                frame_bytes=self.frame_bytes,
+            )  # fmt: skip
+            first = next(gen)
+            headers.append(first.header)
+            return itertools.chain([first], gen)
+
+        streams = [stream() for _ in servers]
+        tensor_bytes = headers[0].total_bytes if headers else 0
+
+        def send(server: RolloutServer, requests: itertools.chain) -> tuple[str, Any]:
+            try:
+                reply = server.stub.UpdateWeights(requests, timeout=self.timeout_s, metadata=self.pool.metadata)
+            except grpc.RpcError as e:
+                return ("unreachable" if e.code() in _UNREACHABLE else "rejected"), describe_rpc_error(e)
+            if reply.version != version:
+                return "rejected", f"acknowledged version {reply.version}, expected {version}"
+            return "acked", reply
+
+        report = SyncReport(version=version, mode=mode, tensor_bytes=tensor_bytes)
+        if previous is not None:
+            report.unreachable.update(previous.unreachable)
+        futures = [self._threads.submit(send, s, st) for s, st in zip(servers, streams, strict=True)]
+        for server, fut in zip(servers, futures, strict=True):
+            outcome, detail = fut.result()
+            if outcome == "acked":
+                report.acked[server.address] = detail
+                self.pool.mark_up(server, version=version)
+                WEIGHT_SYNC_BYTES.labels(mode=mode).inc(tensor_bytes)
+            elif outcome == "unreachable":
+                report.unreachable[server.address] = detail
+                self.pool.mark_down(server, f"weight sync: {detail}")
+            else:
+                report.rejected[server.address] = detail
+                # Its old version is still serving (atomic apply); fence it until it is current.
+                self.pool.mark_stale(server, None, f"weight sync rejected: {detail}")
+        return report

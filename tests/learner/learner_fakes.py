@@ -1,0 +1,169 @@
+"""A real gRPC rollout server on loopback with a fake engine, for the learner's client tests.
+
+The engine answers deterministically from the prompt and its seed, so a chunk answered by any
+server gives the same completion. Faults are switched on per server: stop (the process dies),
+delay, a wrong version in replies, FAILED_PRECONDITION, rejecting ADAPTER updates.
+Weight updates are verified with the real wire reader and kept for the test to inspect.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from rmsft_protos import rollout_pb2, rollout_pb2_grpc
+
+from rmsft.weights_wire import ADAPTER, StreamReader, WireError, torch_dtype
+
+
+def fake_tokens(prompt_ids: list[int], seed: int | None) -> list[int]:
+    """What the fake engine 'generates': a pure function of the prompt and the seed."""
+    s = 0 if seed is None else seed
+    base = sum((i + 1) * t for i, t in enumerate(prompt_ids))
+    return [(base * 31 + s * 7 + k) % 1000 for k in range(3 + (s % 3))]
+
+
+@dataclass
+class Received:
+    header: rollout_pb2.WeightHeader
+    tensors: dict[str, torch.Tensor]
+    max_piece_bytes: int
+
+
+@dataclass
+class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
+    ordinal: int = 0
+    version: int = 0
+    lora_enabled: bool = False
+    max_lora_rank: int = 64
+    delay_s: float = 0.0
+    reply_version: int | None = None  # answer with this version, ignoring expected_weight_version
+    fail_generate: grpc.StatusCode | None = None
+    fail_times: int = 10**9  # how many Generate calls fail while fail_generate is set
+    reject_adapter: bool = False
+    token: str | None = None
+    calls: list[list[tuple[str, int | None]]] = field(default_factory=list)
+    updates: list[Received] = field(default_factory=list)
+    metadata: list[dict[str, str]] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+    inflight: int = 0
+    max_inflight: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _auth(self, context: grpc.ServicerContext) -> None:
+        md = dict(context.invocation_metadata())
+        with self.lock:
+            self.metadata.append(md)
+        if self.token is not None and md.get("authorization") != f"Bearer {self.token}":
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+
+    def Generate(self, request, context):  # noqa: N802 - gRPC method name
+        self._auth(context)
+        with self.lock:
+            self.calls.append([(p.request_id, p.seed if p.HasField("seed") else None) for p in request.prompts])
+            self.events.append("generate")
+            self.inflight += 1
+            self.max_inflight = max(self.max_inflight, self.inflight)
+            fail = self.fail_generate if self.fail_times > 0 else None
+            if fail is not None:
+                self.fail_times -= 1
+        try:
+            if fail is not None:
+                context.abort(fail, f"injected {fail.name} on server {self.ordinal}")
+            if (
+                self.reply_version is None
+                and request.HasField("expected_weight_version")
+                and request.expected_weight_version != self.version
+            ):
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"server has weight version {self.version}, request expects {request.expected_weight_version}",
+                )
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            version = self.version if self.reply_version is None else self.reply_version
+            out = rollout_pb2.GenerateResponse(weight_version=version)
+            for p in request.prompts:
+                ids = list(p.token_ids)
+                out.completions.add(
+                    prompt_token_ids=ids,
+                    token_ids=fake_tokens(ids, p.seed if p.HasField("seed") else None),
+                    finish_reason=rollout_pb2.STOP,
+                    weight_version=version,
+                    request_id=p.request_id,
+                )
+            return out
+        finally:
+            with self.lock:
+                self.inflight -= 1
+
+    def UpdateWeights(self, request_iterator, context):  # noqa: N802
+        self._auth(context)
+        reader = StreamReader()
+        buf = bytearray()
+        biggest = 0
+        try:
+            for chunk in request_iterator:
+                if chunk.WhichOneof("kind") == "piece":
+                    biggest = max(biggest, len(chunk.piece.data))
+                off = reader.feed(chunk)
+                if chunk.WhichOneof("kind") == "header":
+                    if chunk.header.mode == ADAPTER and (self.reject_adapter or not self.lora_enabled):
+                        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "LoRA is not enabled on this server")
+                    buf = bytearray(chunk.header.total_bytes)
+                elif off is not None:
+                    buf[off : off + len(chunk.piece.data)] = chunk.piece.data
+        except WireError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not reader.finished:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "stream ended without a trailer")
+        tensors = {}
+        for t in reader.tensors:
+            raw = bytes(buf[t.start : t.start + t.spec.nbytes])
+            flat = torch.frombuffer(bytearray(raw), dtype=torch_dtype(t.spec.dtype)) if raw else torch.empty(0)
+            tensors[t.name] = flat.reshape(t.spec.shape).clone()
+        with self.lock:
+            self.updates.append(Received(reader.header, tensors, biggest))
+            self.version = reader.header.version
+            self.events.append(f"update:{reader.header.version}")
+        return rollout_pb2.UpdateReply(
+            version=reader.header.version, tensors_applied=len(tensors), bytes_received=reader.received_bytes
+        )
+
+    def GetStatus(self, request, context):  # noqa: N802
+        self._auth(context)
+        with self.lock:
+            self.events.append("status")
+        return rollout_pb2.StatusReply(
+            model="fake", replica_ordinal=self.ordinal, weight_version=self.version, ready=True,
+            lora_enabled=self.lora_enabled, backend="fake", max_lora_rank=self.max_lora_rank,
+        )  # fmt: skip
+
+
+class FakeServer:
+    """One FakeEngine behind a real grpc.server on 127.0.0.1; can be stopped and restarted on the
+    same port (a restarted pod comes back with a fresh engine on base weights, version 0)."""
+
+    def __init__(self, engine: FakeEngine, port: int = 0) -> None:
+        self.engine = engine
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(engine, self._server)
+        self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
+        if self.port == 0:
+            raise RuntimeError(f"could not bind 127.0.0.1:{port}")
+        self._server.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self._server.stop(grace=None).wait()
+
+    def restart(self, engine: FakeEngine | None = None) -> FakeServer:
+        self.stop()
+        return FakeServer(engine or FakeEngine(ordinal=self.engine.ordinal), port=self.port)

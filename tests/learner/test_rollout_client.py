@@ -1,0 +1,299 @@
+"""Rollout client against real gRPC servers on loopback (fake engines, no vLLM)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from learner_fakes import FakeEngine, FakeServer, fake_tokens
+
+from learner.metrics import ROLLOUT_RETRIES
+from learner.rollout_client import (
+    NoServerAvailableError,
+    RolloutClient,
+    RolloutError,
+    RolloutRequest,
+    StaleRolloutError,
+    plan_chunks,
+)
+from learner.servers import ServerPool
+
+
+@pytest.fixture
+def cluster():
+    """Factory: cluster(n, **engine_kwargs) -> (servers, pool); everything stopped afterwards."""
+    made: list[tuple[list[FakeServer], ServerPool]] = []
+
+    def make(n: int, version: int = 1, token: str | None = None, **kw):
+        servers = [FakeServer(FakeEngine(ordinal=i, version=version, **kw)) for i in range(n)]
+        pool = ServerPool([s.address for s in servers], auth_token=token, reprobe_interval_s=0.0)
+        pool.set_current_version(version)
+        made.append((servers, pool))
+        return servers, pool
+
+    yield make
+    for servers, pool in made:
+        pool.close()
+        for s in servers:
+            s.stop()
+
+
+def requests(n: int, seed0: int = 100) -> list[RolloutRequest]:
+    return [RolloutRequest(token_ids=[i % 7 + 1, i, 3], seed=seed0 + i, request_id=f"r{i}") for i in range(n)]
+
+
+def assert_complete(out, reqs, version: int = 1) -> None:
+    assert [r.request_id for r in out] == [q.request_id for q in reqs]
+    for r, q in zip(out, reqs, strict=True):
+        assert r.prompt_token_ids == list(q.token_ids)
+        assert r.token_ids == fake_tokens(list(q.token_ids), q.seed)
+        assert r.weight_version == version
+
+
+def retries() -> float:
+    return sum(s.value for m in ROLLOUT_RETRIES.collect() for s in m.samples if s.name.endswith("_total"))
+
+
+# -- planning -------------------------------------------------------------------------------------
+@given(st.integers(0, 300), st.integers(1, 9), st.integers(0, 17))
+def test_plan_is_contiguous_balanced_and_bounded(n: int, k: int, batch: int) -> None:
+    chunks = plan_chunks(n, k, batch)
+    assert [c.start for c in chunks] == ([0] + [c.stop for c in chunks[:-1]] if chunks else [])
+    assert (chunks[-1].stop if chunks else 0) == n
+    shares = [sum(len(c) for c in chunks if c.slot == s) for s in range(k)]
+    assert max(shares) - min(shares) <= 1 and shares == sorted(shares, reverse=True)
+    assert [c.slot for c in chunks] == sorted(c.slot for c in chunks)
+    assert all(len(c) > 0 for c in chunks)
+    if batch:
+        assert all(len(c) <= batch for c in chunks)
+        for s in range(k):  # pieces of one share differ by at most one
+            sizes = [len(c) for c in chunks if c.slot == s]
+            assert not sizes or max(sizes) - min(sizes) <= 1
+
+
+def test_plan_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="at least one server"):
+        plan_chunks(3, 0)
+    with pytest.raises(ValueError, match="batch_size"):
+        plan_chunks(3, 1, -1)
+
+
+# -- ordering and splitting -----------------------------------------------------------------------
+def test_order_and_contiguous_split_over_ordered_servers(cluster) -> None:
+    servers, pool = cluster(3)
+    reqs = requests(10)
+    out = RolloutClient(pool).generate(reqs, {"max_tokens": 8, "temperature": 1.0})
+    assert_complete(out, reqs)
+    got = [[rid for call in s.engine.calls for rid, _ in call] for s in servers]
+    assert got == [[f"r{i}" for i in range(0, 4)], [f"r{i}" for i in range(4, 7)], [f"r{i}" for i in range(7, 10)]]
+    seeds = [seed for s in servers for call in s.engine.calls for _, seed in call]
+    assert seeds == [q.seed for q in reqs]
+    assert [r.server for r in out] == [servers[0].address] * 4 + [servers[1].address] * 3 + [servers[2].address] * 3
+
+
+def test_generate_batch_size_splits_further_and_keeps_one_call_per_server_in_flight(cluster) -> None:
+    servers, pool = cluster(2, delay_s=0.02)
+    reqs = requests(10)
+    out = RolloutClient(pool, generate_batch_size=2).generate(reqs)
+    assert_complete(out, reqs)
+    assert [[len(c) for c in s.engine.calls] for s in servers] == [[2, 2, 1], [2, 2, 1]]
+    assert all(s.engine.max_inflight == 1 for s in servers)
+
+
+def test_servers_run_concurrently(cluster) -> None:
+    servers, pool = cluster(4, delay_s=0.3)
+    t0 = time.perf_counter()
+    RolloutClient(pool).generate(requests(8))
+    assert time.perf_counter() - t0 < 0.3 * 2.5  # sequential would take 4 x 0.3 s
+
+
+def test_zero_requests_is_a_no_op(cluster) -> None:
+    servers, pool = cluster(2)
+    assert RolloutClient(pool).generate([]) == []
+    assert all(not s.engine.calls for s in servers)
+
+
+def test_fewer_prompts_than_servers(cluster) -> None:
+    servers, pool = cluster(4)
+    reqs = requests(2)
+    assert_complete(RolloutClient(pool).generate(reqs), reqs)
+    assert [len(s.engine.calls) for s in servers] == [1, 1, 0, 0]
+
+
+def test_auth_token_is_sent(cluster) -> None:
+    servers, pool = cluster(2, token="s3cret")
+    reqs = requests(4)
+    assert_complete(RolloutClient(pool).generate(reqs), reqs)
+    assert all(md.get("authorization") == "Bearer s3cret" for s in servers for md in s.engine.metadata)
+
+
+def test_bad_sampling_params_are_a_clear_error(cluster) -> None:
+    _, pool = cluster(1)
+    with pytest.raises(ValueError, match="unknown sampling parameter.*max_new_tokens"):
+        RolloutClient(pool).generate(requests(2), {"max_new_tokens": 3})
+
+
+# -- failover -------------------------------------------------------------------------------------
+def test_dead_server_chunk_is_retried_with_same_seeds(cluster) -> None:
+    servers, pool = cluster(3)
+    pool.refresh()
+    reqs = requests(12)
+    servers[1].stop()  # the pool still believes it is up
+    before = retries()
+    out = RolloutClient(pool).generate(reqs)
+    assert_complete(out, reqs)
+    assert retries() > before
+    answered = [rid for s in (servers[0], servers[2]) for call in s.engine.calls for rid, _ in call]
+    assert sorted(answered) == sorted(q.request_id for q in reqs)  # nothing lost or duplicated
+    seeds = {rid: seed for s in servers for call in s.engine.calls for rid, seed in call}
+    assert seeds == {q.request_id: q.seed for q in reqs}
+    assert not pool.servers[1].state.up and "UNAVAILABLE" in pool.servers[1].state.last_error
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN])
+def test_failing_server_mid_batch_is_retried_elsewhere(cluster, code) -> None:
+    servers, pool = cluster(2, delay_s=0.01)
+    servers[0].engine.fail_generate = code
+    servers[0].engine.fail_times = 1
+    reqs = requests(9)
+    before = retries()
+    out = RolloutClient(pool, generate_batch_size=2).generate(reqs)
+    assert_complete(out, reqs)
+    assert retries() == before + 1
+    assert "injected" in pool.servers[0].state.last_error  # marked down for the rest of this call
+    answered = [rid for s in servers for call in s.engine.calls for rid, _ in call]
+    # the failed chunk was asked twice (once failing); every other prompt exactly once
+    assert sorted(set(answered)) == sorted(q.request_id for q in reqs)
+    assert len(answered) == len(reqs) + len(servers[0].engine.calls[0])
+
+
+def test_deadline_exceeded_is_retried_on_another_server(cluster) -> None:
+    servers, pool = cluster(2)
+    servers[0].engine.delay_s = 2.0
+    reqs = requests(6)
+    t0 = time.perf_counter()
+    out = RolloutClient(pool, timeout_s=0.3).generate(reqs)
+    assert time.perf_counter() - t0 < 1.5
+    assert_complete(out, reqs)
+    assert "DEADLINE_EXCEEDED" in pool.servers[0].state.last_error
+    assert all(r.server == servers[1].address for r in out)
+
+
+def test_server_killed_during_generate(cluster) -> None:
+    servers, pool = cluster(2, delay_s=0.5)
+    reqs = requests(8)
+    killer = threading.Timer(0.15, servers[0].stop)
+    killer.start()
+    out = RolloutClient(pool).generate(reqs)
+    killer.join()
+    assert_complete(out, reqs)
+    assert all(r.server == servers[1].address for r in out)
+
+
+def test_invalid_argument_is_not_retried(cluster) -> None:
+    servers, pool = cluster(2)
+    servers[0].engine.fail_generate = grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(RolloutError, match="INVALID_ARGUMENT.*not retried"):
+        RolloutClient(pool).generate(requests(4))
+
+
+def test_all_servers_down_names_each_server_and_its_error(cluster) -> None:
+    servers, pool = cluster(2)
+    for s in servers:
+        s.stop()
+    with pytest.raises(NoServerAvailableError) as info:
+        RolloutClient(pool).generate(requests(4))
+    msg = str(info.value)
+    for s in servers:
+        assert s.address in msg
+    assert "UNAVAILABLE" in msg
+
+
+def test_every_server_failing_gives_a_clear_error(cluster) -> None:
+    servers, pool = cluster(2, fail_generate=grpc.StatusCode.INTERNAL)
+    with pytest.raises(RolloutError, match="INTERNAL") as info:
+        RolloutClient(pool).generate(requests(4))
+    assert all(s.address in str(info.value) for s in servers)
+
+
+# -- weight-version fencing -----------------------------------------------------------------------
+def test_stale_completions_are_never_returned(cluster) -> None:
+    servers, pool = cluster(2, reply_version=0)  # servers that ignore expected_weight_version
+    with pytest.raises(StaleRolloutError, match="weight version 1"):
+        RolloutClient(pool).generate(requests(4))
+
+
+def test_stale_server_without_resync_is_skipped(cluster) -> None:
+    servers, pool = cluster(2)
+    servers[1].engine.reply_version = 0
+    reqs = requests(6)
+    out = RolloutClient(pool).generate(reqs)
+    assert_complete(out, reqs)
+    assert all(r.server == servers[0].address for r in out)
+
+
+def test_failed_precondition_server_is_resynced_before_more_work(cluster) -> None:
+    servers, pool = cluster(2)
+    servers[1].engine.version = 0  # e.g. a restarted pod: pool does not know yet
+    resynced = []
+
+    def resync(server):
+        resynced.append(server.address)
+        servers[server.index].engine.version = pool.current_version
+
+    reqs = requests(8)
+    out = RolloutClient(pool, resync=resync, generate_batch_size=1).generate(reqs)
+    assert_complete(out, reqs)
+    assert resynced == [servers[1].address]
+    assert pool.servers[1].state.version == 1 and pool.servers[1].state.up
+    # after its FAILED_PRECONDITION the server was re-synced, then answered with the current version
+    assert any(r.server == servers[1].address for r in out)
+
+
+def test_wrong_version_in_reply_triggers_resync(cluster) -> None:
+    servers, pool = cluster(2)
+    servers[0].engine.reply_version = 0
+
+    def resync(server):
+        servers[server.index].engine.reply_version = None
+
+    reqs = requests(6)
+    out = RolloutClient(pool, resync=resync).generate(reqs)
+    assert_complete(out, reqs)
+
+
+def test_server_reported_stale_by_status_is_resynced_before_it_gets_work(cluster) -> None:
+    servers, pool = cluster(2)
+    pool.refresh()
+    servers[0].stop()
+    RolloutClient(pool).generate(requests(2))  # notices the dead server
+    assert not pool.servers[0].state.up
+    servers[0] = servers[0].restart()  # back on base weights, version 0
+    order = []
+
+    def resync(server):
+        order.append(("resync", list(servers[server.index].engine.events)))
+        servers[server.index].engine.version = pool.current_version
+
+    reqs = requests(8)
+    out = RolloutClient(pool, resync=resync).generate(reqs)
+    assert_complete(out, reqs)
+    assert order == [("resync", ["status"])]  # probed, then re-synced; no Generate before that
+    assert [r.server for r in out[:4]] == [servers[0].address] * 4  # gets its planned share back
+
+
+def test_failed_resync_excludes_the_server(cluster) -> None:
+    servers, pool = cluster(2)
+    servers[1].engine.version = 0
+
+    def resync(server):
+        raise RuntimeError("stream rejected")
+
+    reqs = requests(6)
+    out = RolloutClient(pool, resync=resync).generate(reqs)
+    assert_complete(out, reqs)
+    assert "re-sync" in pool.servers[1].state.last_error and not pool.servers[1].state.up
