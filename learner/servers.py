@@ -92,17 +92,13 @@ class ServerPool:
         self.lock = threading.RLock()
         self.probe_timeout_s = probe_timeout_s
         self.reprobe_interval_s = reprobe_interval_s
-        self.metadata: tuple[tuple[str, str], ...] = (
-            ((auth_header, f"Bearer {auth_token}"),) if auth_token else ()
-        )
+        self.metadata: tuple[tuple[str, str], ...] = ((auth_header, f"Bearer {auth_token}"),) if auth_token else ()
         self._current_version: int | None = None
         self._root_certificates = root_certificates
         self.servers: list[RolloutServer] = []
         for i, address in enumerate(addresses):
             channel = self._channel(address)
-            self.servers.append(
-                RolloutServer(i, address, rollout_pb2_grpc.RolloutServiceStub(channel), channel)
-            )
+            self.servers.append(RolloutServer(i, address, rollout_pb2_grpc.RolloutServiceStub(channel), channel))
         self._probe_pool = ThreadPoolExecutor(max_workers=min(32, len(addresses)), thread_name_prefix="probe")
 
     def _channel(self, address: str) -> grpc.Channel:

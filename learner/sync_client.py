@@ -138,8 +138,9 @@ class WeightSyncClient:
             self.pool.refresh_due()
             servers = self.pool.up_servers()
         if not servers:
-            raise WeightSyncError(f"no rollout server is reachable for weight version {version}: "
-                                  + self.pool.describe_down())
+            raise WeightSyncError(
+                f"no rollout server is reachable for weight version {version}: " + self.pool.describe_down()
+            )
         mode, why = self.resolve_mode(servers)
         report = self._push(version, mode, servers)
         if report.rejected and mode == "adapter" and self.fallback_to_full:

@@ -1,0 +1,251 @@
+"""Weight sync client: a tiny peft model streamed to real gRPC servers on loopback (fake engines that
+verify the stream with the real wire reader and keep the tensors)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from learner_fakes import FakeEngine, FakeServer
+from safetensors.torch import load_file
+
+from learner.metrics import WEIGHT_SYNC_BYTES
+from learner.rollout_client import RolloutClient, RolloutRequest
+from learner.servers import ServerPool
+from learner.sync_client import WeightSyncClient, WeightSyncError
+from learner.weight_export import adapter_named_tensors, full_named_tensors, hf_name
+
+TARGETS = ["q_proj", "v_proj", "o_proj", "up_proj"]
+
+
+def _peft_model(model_dir: Path, *, dora: bool = False, seed: int = 0, **lora_kw):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # init_lora_weights=False: B is random too, so the adapter really changes the weights
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False, use_dora=dora, **lora_kw)
+    return get_peft_model(base, cfg)
+
+
+@pytest.fixture(scope="module")
+def lora_model(tiny_model_dir):
+    return _peft_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def dora_model(tiny_model_dir):
+    return _peft_model(tiny_model_dir, dora=True, seed=1)
+
+
+@pytest.fixture
+def cluster():
+    made = []
+
+    def make(n: int, **kw):
+        servers = [FakeServer(FakeEngine(ordinal=i, **kw)) for i in range(n)]
+        pool = ServerPool([s.address for s in servers], reprobe_interval_s=0.0)
+        made.append((servers, pool))
+        return servers, pool
+
+    yield make
+    for servers, pool in made:
+        pool.close()
+        for s in servers:
+            s.stop()
+
+
+def _snapshot(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(got[k], v), k
+
+
+def _merged_reference(model) -> dict[str, torch.Tensor]:
+    """What peft's own merge_and_unload gives, minus the tied lm_head (not in HF checkpoints)."""
+    ref = copy.deepcopy(model).merge_and_unload().state_dict()
+    ref.pop("lm_head.weight")
+    return ref
+
+
+# -- export ---------------------------------------------------------------------------------------
+def test_hf_names_strip_peft_naming() -> None:
+    assert hf_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == (
+        "model.layers.0.self_attn.q_proj.weight"
+    )
+    assert hf_name("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight") is None
+    assert hf_name("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector.default.weight") is None
+    assert hf_name("base_model.model.lm_head.modules_to_save.default.weight") == "lm_head.weight"
+    assert hf_name("base_model.model.lm_head.original_module.weight") is None
+    assert hf_name("base_model.model.lm_head.modules_to_save.other.weight") is None
+
+
+@pytest.mark.parametrize("which", ["lora_model", "dora_model"])
+def test_full_export_equals_merged_model_and_leaves_training_model_unchanged(request, tiny_model_dir, which):
+    model = request.getfixturevalue(which)
+    before = _snapshot(model)
+    items = full_named_tensors(model)
+    _assert_same_tensors(dict(items), _merged_reference(model))
+    # the names are exactly the HF checkpoint's names
+    assert sorted(n for n, _ in items) == sorted(load_file(tiny_model_dir / "model.safetensors"))
+    after = model.state_dict()
+    assert sorted(after) == sorted(before)
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # bit-identical, not just close
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+
+
+def test_full_export_can_cast(lora_model) -> None:
+    items = full_named_tensors(lora_model, dtype=torch.bfloat16)
+    assert {t.dtype for _, t in items} == {torch.bfloat16}
+
+
+def test_adapter_export_matches_what_peft_saves(lora_model, tmp_path) -> None:
+    items, config_json = adapter_named_tensors(lora_model)
+    lora_model.save_pretrained(tmp_path)
+    _assert_same_tensors(dict(items), load_file(tmp_path / "adapter_model.safetensors"))
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    sent = json.loads(config_json)
+    assert sent["r"] == 4 and sent["use_dora"] is False and sent["inference_mode"] is True
+    # auto_mapping only tells the hub which auto class to load; vLLM does not read it
+    skip = {"target_modules", "auto_mapping"}
+    assert {k: v for k, v in sent.items() if k not in skip} == {k: v for k, v in saved.items() if k not in skip}
+    assert sorted(sent["target_modules"]) == sorted(saved["target_modules"]) == sorted(TARGETS)
+
+
+# -- sync -----------------------------------------------------------------------------------------
+def _bytes_sent(mode: str) -> float:
+    return WEIGHT_SYNC_BYTES.labels(mode=mode)._value.get()
+
+
+def test_full_sync_streams_merged_weights_in_bounded_frames_to_all_servers(cluster, lora_model) -> None:
+    servers, pool = cluster(3)
+    before = _snapshot(lora_model)
+    sent0 = _bytes_sent("full")
+    report = WeightSyncClient(pool, lora_model, mode="full", frame_bytes=64 << 10).sync(1)
+    assert report.mode == "full" and sorted(report.acked) == sorted(s.address for s in servers)
+    ref = _merged_reference(lora_model)
+    for s in servers:
+        (upd,) = s.engine.updates
+        assert upd.header.version == 1 and upd.header.mode == 1  # FULL
+        assert 0 < upd.max_piece_bytes <= 64 << 10
+        _assert_same_tensors(upd.tensors, ref)
+        assert s.engine.version == 1
+    assert pool.current_version == 1 and all(pool.is_current(s) for s in pool.servers)
+    assert _bytes_sent("full") - sent0 == 3 * sum(t.numel() * t.element_size() for t in ref.values())
+    assert all(torch.equal(lora_model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_adapter_sync_sends_only_the_lora_tensors_and_config(cluster, lora_model, tmp_path) -> None:
+    servers, pool = cluster(2, lora_enabled=True)
+    report = WeightSyncClient(pool, lora_model, mode="adapter").sync(4)
+    assert report.mode == "adapter"
+    lora_model.save_pretrained(tmp_path)
+    want = load_file(tmp_path / "adapter_model.safetensors")
+    for s in servers:
+        (upd,) = s.engine.updates
+        assert upd.header.mode == 2  # ADAPTER
+        assert json.loads(upd.header.adapter_config_json)["r"] == 4
+        _assert_same_tensors(upd.tensors, want)
+
+
+@pytest.mark.parametrize(
+    ("which", "lora_enabled", "expect"),
+    [("lora_model", True, "adapter"), ("lora_model", False, "full"), ("dora_model", True, "full")],
+)
+def test_auto_mode_choice(request, cluster, which, lora_enabled, expect) -> None:
+    model = request.getfixturevalue(which)
+    servers, pool = cluster(2, lora_enabled=lora_enabled)
+    report = WeightSyncClient(pool, model, mode="auto").sync(1)
+    assert report.mode == expect
+    assert all(s.engine.updates[0].header.mode == {"full": 1, "adapter": 2}[expect] for s in servers)
+
+
+def test_auto_mode_uses_full_when_one_server_lacks_lora(cluster, lora_model) -> None:
+    servers, pool = cluster(2, lora_enabled=True)
+    servers[1].engine.lora_enabled = False
+    assert WeightSyncClient(pool, lora_model, mode="auto").sync(1).mode == "full"
+
+
+def test_auto_mode_uses_full_when_rank_exceeds_server_limit(cluster, lora_model) -> None:
+    _, pool = cluster(1, lora_enabled=True, max_lora_rank=2)
+    assert WeightSyncClient(pool, lora_model, mode="auto").sync(1).mode == "full"
+
+
+def test_fallback_to_full_after_adapter_failure_sticks_for_the_run(cluster, lora_model) -> None:
+    servers, pool = cluster(2, lora_enabled=True)
+    servers[1].engine.reject_adapter = True
+    client = WeightSyncClient(pool, lora_model, mode="adapter", fallback_to_full=True)
+    report = client.sync(1)
+    assert report.fell_back and report.mode == "full"
+    assert all(s.engine.version == 1 for s in servers)
+    assert all(s.engine.updates[-1].header.mode == 1 for s in servers)
+    servers[1].engine.reject_adapter = False
+    assert client.sync(2).mode == "full"  # stays on FULL for the rest of the run
+    assert "rejected" in client.forced_full_reason
+
+
+def test_adapter_failure_without_fallback_raises(cluster, lora_model) -> None:
+    servers, pool = cluster(2, lora_enabled=True)
+    servers[0].engine.reject_adapter = True
+    with pytest.raises(WeightSyncError, match="rejected by.*FAILED_PRECONDITION"):
+        WeightSyncClient(pool, lora_model, mode="adapter", fallback_to_full=False).sync(1)
+    assert pool.current_version is None  # not considered done
+
+
+def test_adapter_mode_with_dora_is_refused_or_falls_back(cluster, dora_model) -> None:
+    _, pool = cluster(1, lora_enabled=True)
+    with pytest.raises(ValueError, match="DoRA"):
+        WeightSyncClient(pool, dora_model, mode="adapter", fallback_to_full=False)
+    assert WeightSyncClient(pool, dora_model, mode="adapter").sync(1).mode == "full"
+
+
+def test_unreachable_server_is_left_out_and_marked_down(cluster, lora_model) -> None:
+    servers, pool = cluster(2)
+    pool.refresh()
+    servers[1].stop()
+    report = WeightSyncClient(pool, lora_model, timeout_s=10).sync(1)
+    assert list(report.acked) == [servers[0].address] and list(report.unreachable) == [servers[1].address]
+    assert not pool.servers[1].state.up and pool.is_current(pool.servers[0])
+
+
+def test_no_reachable_server_is_an_error(cluster, lora_model) -> None:
+    servers, pool = cluster(2)
+    for s in servers:
+        s.stop()
+    with pytest.raises(WeightSyncError, match="no rollout server") as info:
+        WeightSyncClient(pool, lora_model).sync(1)
+    assert all(s.address in str(info.value) for s in servers)
+
+
+def test_restarted_server_is_resynced_by_the_rollout_client(cluster, lora_model) -> None:
+    servers, pool = cluster(2)
+    sync = WeightSyncClient(pool, lora_model)
+    sync.sync(3)
+    rollouts = RolloutClient(pool, resync=sync.resync_server)
+    reqs = [RolloutRequest(token_ids=[1, 2, i], seed=i, request_id=f"r{i}") for i in range(6)]
+    assert {r.weight_version for r in rollouts.generate(reqs)} == {3}
+    servers[1].stop()
+    rollouts.generate(reqs)  # served by server 0 alone
+    servers[1] = servers[1].restart(FakeEngine(ordinal=1, version=0))  # a restarted pod on base weights
+    out = rollouts.generate(reqs)
+    assert {r.weight_version for r in out} == {3}
+    (upd,) = servers[1].engine.updates  # the restarted server got the full current weights first
+    assert upd.header.version == 3
+    _assert_same_tensors(upd.tensors, _merged_reference(lora_model))
+    assert servers[1].engine.events.index("update:3") < servers[1].engine.events.index("generate")
+
+
+def test_rejected_stream_reports_the_server_error(cluster, lora_model) -> None:
+    servers, pool = cluster(1, token="t0k")  # the client sends no token
+    with pytest.raises(WeightSyncError, match=grpc.StatusCode.UNAUTHENTICATED.name):
+        WeightSyncClient(pool, lora_model).sync(1, servers=pool.servers)
