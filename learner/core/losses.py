@@ -67,7 +67,8 @@ def coord_loss_terms(
     num_bins = coord_logits.shape[-1]
     q = gaussian_targets(target_bins, sigma, num_bins).to(coord_logits.dtype)
     logp = torch.log_softmax(coord_logits, dim=-1)
-    soft_ce = -(q * logp).sum(-1)
+    # q underflows to 0 far from the target; 0 * -inf (a masked logit) must count as 0, not NaN.
+    soft_ce = -torch.where(q > 0, q * logp, torch.zeros_like(logp)).sum(-1)
     cdf_gap = torch.cumsum(logp.exp() - q, dim=-1)
     w1 = cdf_gap.abs().sum(-1) / num_bins
     gate = torch.logsumexp(full_logits.float(), dim=-1) - torch.logsumexp(coord_logits, dim=-1)

@@ -6,7 +6,8 @@ Public API
 - `pack(segments) -> PackedRow`: concatenate given segments (also used for one-segment rows).
 - `PackedRow`: tensors `input_ids`, `position_ids`, `labels` (shape [1, L]), `coord_positions`,
   `coord_bins` ([n], positions already shifted by each segment's offset), `segments`
-  (`SegmentInfo(offset, length, coord_start, coord_end, meta)`), `fill`. `.to(device)`.
+  (`SegmentInfo(offset, length, coord_start, coord_end, meta)`), `fill`. `.to(device)`;
+  `model(**row.model_inputs())` runs it (no attention mask, `use_cache=False`: both required).
 - Errors: `SegmentTooLongError` (a segment longer than packing_length), `BufferFullError`
   (adding would hold more than packing_buffer segments); nothing is added when either is raised.
 
@@ -64,6 +65,12 @@ class PackedRow:
     @property
     def length(self) -> int:
         return int(self.input_ids.shape[-1])
+
+    def model_inputs(self) -> dict:
+        """Forward kwargs for a transformers causal LM. No attention mask and no cache: that is
+        what makes transformers (>= 5) derive the block-causal mask from the restarting
+        `position_ids`; with a cache object present it silently attends across segments."""
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
 
     def to(self, device: torch.device | str) -> PackedRow:
         return PackedRow(
