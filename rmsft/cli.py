@@ -27,6 +27,19 @@ def tiny_model(
     console.print(f"[green]tiny model written to[/green] {path}")
 
 
+@app.command(
+    "serve",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+)
+def serve(ctx: typer.Context) -> None:
+    """Run one rollout server (gRPC + vLLM or HF engine). Flags: `rmsft serve --help`."""
+    from rollout_svc.server import main as serve_main
+
+    # The flag set lives in rollout_svc.config (shared with `python -m rollout_svc`).
+    serve_main(list(ctx.args), prog="rmsft serve")
+
+
 def main() -> None:
     app()
 

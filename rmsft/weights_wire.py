@@ -78,6 +78,14 @@ class TensorSpec:
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
 
+    def matches(self, other: TensorSpec) -> bool:
+        """`self` used as a pattern: dtype "*" = any float, dim -1 = any size."""
+        if self.dtype != other.dtype and not (self.dtype == "*" and other.dtype.startswith(("F", "BF"))):
+            return False
+        return len(self.shape) == len(other.shape) and all(
+            w in (-1, g) for w, g in zip(self.shape, other.shape, strict=True)
+        )
+
 
 def _flat_bytes(tensor: torch.Tensor):
     """A uint8 numpy view of the tensor's bytes (CPU, contiguous); copies only when it must."""
@@ -171,11 +179,13 @@ class StreamReader:
     """Validates one stream chunk by chunk and maps piece bytes onto a flat staging buffer.
 
     `expected`: tensor name -> spec the receiver accepts (None = accept any names/shapes).
-    `require_all`: every expected tensor must be in the stream (a FULL update).
+    `require_all`: every expected tensor not in `optional` must be in the stream (a FULL update).
+    In `expected`, dtype "*" accepts any floating dtype and a dimension of -1 accepts any size.
     """
 
     expected: Mapping[str, TensorSpec] | None = None
     require_all: bool = False
+    optional: set[str] = field(default_factory=set)
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     header: Any = None
     tensors: list[StagedTensor] = field(default_factory=list)
@@ -194,12 +204,14 @@ class StreamReader:
             raise WireError(f"header.mode must be FULL or ADAPTER, got {header.mode}")
         if header.mode == ADAPTER and not header.adapter_config_json:
             raise WireError("ADAPTER header without adapter_config_json")
-        if self.require_all and self.expected is not None and header.tensor_count != len(self.expected):
-            raise WireError(
-                f"FULL update announces {header.tensor_count} tensors but the model has "
-                f"{len(self.expected)}; a FULL update must carry every checkpoint tensor",
-                reason="count",
-            )
+        if self.require_all and self.expected is not None:
+            lo, hi = len(self.expected) - len(self.optional), len(self.expected)
+            if not lo <= header.tensor_count <= hi:
+                raise WireError(
+                    f"FULL update announces {header.tensor_count} tensors but the model has "
+                    f"{lo}; a FULL update must carry every checkpoint tensor",
+                    reason="count",
+                )
         self.header = header
 
     def on_piece(self, piece: rollout_pb2.TensorPiece) -> int:
@@ -251,12 +263,14 @@ class StreamReader:
             want = self.expected.get(name)
             if want is None:
                 raise WireError(f"unknown tensor name {name!r}: the model has no such weight", reason="name")
-            if want.shape != spec.shape:
+            if len(want.shape) != len(spec.shape) or any(
+                w not in (-1, g) for w, g in zip(want.shape, spec.shape, strict=True)
+            ):
                 raise WireError(
                     f"tensor {name!r} has shape {list(spec.shape)}, the model expects {list(want.shape)}",
                     reason="shape",
                 )
-            if want.dtype != spec.dtype:
+            if want.dtype != spec.dtype and not (want.dtype == "*" and spec.dtype.startswith(("F", "BF"))):
                 raise WireError(
                     f"tensor {name!r} has dtype {spec.dtype}, the model expects {want.dtype}", reason="dtype"
                 )
@@ -297,7 +311,7 @@ class StreamReader:
             raise WireError(f"stream carried {self.received_bytes} bytes, header announced {h.total_bytes}",
                             reason="count")
         if self.require_all and self.expected is not None:
-            missing = sorted(set(self.expected) - self._seen)
+            missing = sorted(set(self.expected) - self._seen - self.optional)
             if missing:
                 raise WireError(f"FULL update lacks tensors {missing[:5]}", reason="count")
         if trailer.sha256 != self._digest.digest():

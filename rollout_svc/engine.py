@@ -1,0 +1,92 @@
+"""The small interface every engine implements, and the request/answer types it speaks."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from rmsft.weights_wire import TensorSpec
+
+
+class EngineError(RuntimeError):
+    """The engine failed (start, generate or apply); the message says what to do about it."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class GenItem:
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    images: list = field(default_factory=list)  # PIL images (multimodal models only)
+    prompt_text: str | None = None  # set when images need the engine's own multimodal processing
+
+
+@dataclass
+class GenOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+class Engine(Protocol):
+    backend: str
+    model: str
+    tensor_parallel_size: int
+    lora_enabled: bool
+    max_lora_rank: int
+    max_model_len: int
+    vocab_size: int
+
+    def generate(self, items: list[GenItem]) -> list[GenOutput]: ...
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def apply_full(self, index_path: str | None) -> None:
+        """Load the staged weights described by `index_path` (None = the original checkpoint)."""
+
+    def apply_adapter(self, adapter_dir: str, adapter_id: int, name: str) -> None:
+        """Make the PEFT adapter in `adapter_dir` the one every generate uses."""
+
+    def clear_adapter(self) -> None: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def checkpoint_table(model_dir: str | Path) -> dict[str, TensorSpec]:
+    """Names, dtypes and shapes of the tensors in a model folder's safetensors files."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise EngineError(f"no *.safetensors files in {model_dir}; rmsft serves safetensors checkpoints only")
+    table: dict[str, TensorSpec] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
+                sl = sf.get_slice(name)
+                table[name] = TensorSpec(sl.get_dtype(), tuple(int(d) for d in sl.get_shape()))
+    return table
+
+
+def tied_lm_head(model_dir: str | Path) -> bool:
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    text = cfg.get("text_config", cfg)
+    return bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))

@@ -1,0 +1,140 @@
+"""Start `rmsft serve` as a subprocess on free loopback ports, wait until it is healthy, stop it.
+
+Used by the tests, the benchmarks and the learner's local mode:
+
+    with RolloutServer.start(model_dir, enable_lora=True) as srv:
+        stub = srv.stub()
+        ...
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _flags(options: dict[str, Any]) -> list[str]:
+    out = []
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+class RolloutServer:
+    def __init__(self, proc: subprocess.Popen, port: int, metrics_port: int, log_path: Path,
+                 token: str = "", host: str = "127.0.0.1"):
+        self.proc, self.port, self.metrics_port = proc, port, metrics_port
+        self.log_path, self.token, self.host = log_path, token, host
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def start(cls, model: str | Path, *, timeout: float = 300.0, port: int | None = None,
+              metrics_port: int | None = None, env: dict[str, str] | None = None,
+              log_path: str | Path | None = None, **options: Any) -> RolloutServer:
+        """Spawn the server and block until its health service says SERVING.
+
+        `options` are `rmsft serve` flags in snake_case (e.g. backend="hf", enable_lora=True).
+        Raises RuntimeError with the server's log tail if it exits or times out.
+        """
+        port = port or free_port()
+        metrics_port = free_port() if metrics_port is None else metrics_port
+        opts = {"host": "127.0.0.1", "gpu_memory_utilization": 0.08, "max_model_len": 2048, **options}
+        cmd = [sys.executable, "-m", "rollout_svc", "--model", str(model), "--port", str(port),
+               "--metrics-port", str(metrics_port), *_flags(opts)]
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"rmsft-serve-{port}-", suffix=".log")
+            os.close(fd)
+            log_path = name
+        log_path = Path(log_path)
+        full_env = {**os.environ, **(env or {})}
+        token = opts.get("auth_token") or full_env.get("RMSFT_AUTH_TOKEN", "")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                    start_new_session=True)
+        srv = cls(proc, port, metrics_port, log_path, token=token)
+        try:
+            srv.wait_healthy(timeout)
+        except BaseException:
+            srv.stop()
+            raise
+        return srv
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(
+            self.address,
+            options=[("grpc.max_receive_message_length", 256 << 20),
+                     ("grpc.max_send_message_length", 256 << 20)],
+        )
+
+    def stub(self, channel: grpc.Channel | None = None):
+        from rmsft_protos import rollout_pb2_grpc
+
+        return rollout_pb2_grpc.RolloutServiceStub(channel or self.channel())
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def health(self, timeout: float = 2.0) -> str:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(self.address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def wait_healthy(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"rmsft serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if self.health() == "SERVING":
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"rmsft serve not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                # The engine runs in child processes of its own session: end the whole group.
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def __enter__(self) -> RolloutServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

