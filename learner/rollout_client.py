@@ -16,7 +16,7 @@ import queue
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,6 +172,7 @@ class _Call:
     resynced: set[int] = field(default_factory=set)
     excluded: dict[int, str] = field(default_factory=dict)  # server index -> why, for this call
     failures: dict[Chunk, list[str]] = field(default_factory=dict)
+    accepted: list[tuple[Chunk, RolloutServer, rollout_pb2.GenerateResponse]] = field(default_factory=list)
     stale_refused: int = 0  # completions thrown away because of their weight version
     pending: int = 0  # futures not yet reported
 
@@ -206,9 +207,15 @@ class RolloutClient:
         self.max_inflight = max_inflight_per_server
         self.resync = resync
         self._resync_pool = ThreadPoolExecutor(max_workers=len(pool.servers), thread_name_prefix="resync")
+        # Blocking calls on worker threads: grpc's `.future()` starts a channel-spin thread per call
+        # (about 1 ms each), which is most of the learner's per-call overhead.
+        self._call_pool = ThreadPoolExecutor(
+            max_workers=len(pool.servers) * max_inflight_per_server, thread_name_prefix="generate"
+        )
 
     def close(self) -> None:
         self._resync_pool.shutdown(wait=False, cancel_futures=True)
+        self._call_pool.shutdown(wait=False, cancel_futures=True)
 
     def generate(
         self,
@@ -250,6 +257,8 @@ class RolloutClient:
                 call.inflight[server.index] -= 1
                 self._on_generate(call, server, chunk, payload)
             self._pump(call, events)
+            # Converting replies after the next chunk went out overlaps it with the server's work.
+            self._materialize(call)
 
         missing = [i for i, r in enumerate(call.results) if r is None]
         if missing:  # _pump only stops with work left when nothing can take it
@@ -331,7 +340,7 @@ class RolloutClient:
             req.expected_weight_version = call.expected
         call.inflight[server.index] = call.inflight.get(server.index, 0) + 1
         call.pending += 1
-        fut = server.stub.Generate.future(req, timeout=self.timeout_s, metadata=self.pool.metadata)
+        fut = self._call_pool.submit(server.stub.Generate, req, timeout=self.timeout_s, metadata=self.pool.metadata)
         fut.add_done_callback(lambda f: events.put(("generate", server, chunk, f)))
 
     # -- outcomes -------------------------------------------------------------------------------
@@ -346,7 +355,7 @@ class RolloutClient:
         self.pool.mark_down(server, why)
         self._orphan_queue(call, server)
 
-    def _on_generate(self, call: _Call, server: RolloutServer, chunk: Chunk, fut: grpc.Future) -> None:
+    def _on_generate(self, call: _Call, server: RolloutServer, chunk: Chunk, fut: Future) -> None:
         try:
             reply: rollout_pb2.GenerateResponse = fut.result()
         except grpc.RpcError as e:
@@ -375,17 +384,22 @@ class RolloutClient:
             self._start_resync_ok(call, server, why)
             self._retry(call, server, chunk, "stale_version", why)
             return
-        for i, c in enumerate(comps):
-            call.results[chunk.start + i] = Rollout(
-                request_id=c.request_id or call.prompts[chunk.start + i].request_id,
-                prompt_token_ids=list(c.prompt_token_ids),
-                token_ids=list(c.token_ids),
-                finish_reason=_FINISH.get(c.finish_reason, "finish_reason_unspecified"),
-                weight_version=c.weight_version,
-                server=server.address,
-            )
+        call.accepted.append((chunk, server, reply))
         if not server.state.up or server.state.version != reply.weight_version:
             self.pool.mark_up(server, version=reply.weight_version)
+
+    def _materialize(self, call: _Call) -> None:
+        for chunk, server, reply in call.accepted:
+            for i, c in enumerate(reply.completions):
+                call.results[chunk.start + i] = Rollout(
+                    request_id=c.request_id or call.prompts[chunk.start + i].request_id,
+                    prompt_token_ids=list(c.prompt_token_ids),
+                    token_ids=list(c.token_ids),
+                    finish_reason=_FINISH.get(c.finish_reason, "finish_reason_unspecified"),
+                    weight_version=c.weight_version,
+                    server=server.address,
+                )
+        call.accepted.clear()
 
     def _on_rpc_error(self, call: _Call, server: RolloutServer, chunk: Chunk, e: grpc.RpcError) -> None:
         code = e.code()
