@@ -1,0 +1,64 @@
+"""Rollout buffer: with m_steps = 3, every sample is trained on in exactly 3 optimizer steps."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from learner.core.rollout_buffer import RepeatingLoader, RolloutBuffer, RolloutBufferError
+
+
+def batches(n_samples: int, batch_size: int) -> list[list[int]]:
+    return [list(range(i, min(i + batch_size, n_samples))) for i in range(0, n_samples, batch_size)]
+
+
+@pytest.mark.parametrize(("n_samples", "batch_size", "m_steps"), [(10, 4, 3), (12, 4, 3), (7, 7, 3), (9, 2, 1)])
+def test_each_sample_gets_exactly_m_steps_optimizer_steps(n_samples, batch_size, m_steps):
+    loader = batches(n_samples, batch_size)
+    repeated = RepeatingLoader(loader, m_steps)
+    buffer: RolloutBuffer[list[int], list[str]] = RolloutBuffer(m_steps)
+    e_steps = []
+    uses: Counter[int] = Counter()
+
+    def e_step(raw: list[int]) -> list[str]:
+        e_steps.append(tuple(raw))
+        return [f"target-{i}" for i in raw]
+
+    steps = 0
+    for raw in repeated:  # one optimizer step per pulled raw batch
+        built = buffer.get(raw, e_step)
+        uses.update(int(t.split("-")[1]) for t in built)
+        steps += 1
+    assert steps == len(repeated) == len(loader) * m_steps
+    assert e_steps == [tuple(b) for b in loader]  # each raw batch rolled out exactly once, in order
+    assert uses == Counter({i: m_steps for i in range(n_samples)})
+    assert buffer.e_steps == len(loader)
+
+
+def test_plain_loader_is_caught_instead_of_skipping_samples():
+    buffer: RolloutBuffer[list[int], list[int]] = RolloutBuffer(3)
+    loader = batches(8, 2)
+    buffer.get(loader[0], list)
+    with pytest.raises(RolloutBufferError, match="RepeatingLoader"):
+        buffer.get(loader[1], list)
+
+
+def test_failed_e_step_keeps_previous_state():
+    buffer: RolloutBuffer[str, str] = RolloutBuffer(1)
+    assert buffer.get("a", str.upper) == "A"
+
+    def boom(raw: str) -> str:
+        raise RuntimeError("rollout failed")
+
+    with pytest.raises(RuntimeError):
+        buffer.get("b", boom)
+    assert buffer.e_steps == 1
+    assert buffer.get("b", str.upper) == "B"
+
+
+def test_m_steps_validation():
+    with pytest.raises(ValueError, match="m_steps"):
+        RolloutBuffer(0)
+    with pytest.raises(ValueError, match="m_steps"):
+        RepeatingLoader([], 0)
