@@ -2,7 +2,7 @@
 
 Public API
 - `Packer(packing_length, packing_buffer, min_fill=0.0)`; `.add(segments)` (all or nothing);
-  `.next_row() -> PackedRow | None`; `.pending`, `.pending_tokens`.
+  `.next_row() -> PackedRow | None`; `.pending`, `.pending_tokens`, `.pending_lengths`.
 - `pack(segments) -> PackedRow`: concatenate given segments (also used for one-segment rows).
 - `PackedRow`: tensors `input_ids`, `position_ids`, `labels` (shape [1, L]), `coord_positions`,
   `coord_bins` ([n], positions already shifted by each segment's offset), `segments`
@@ -154,6 +154,10 @@ class Packer:
     @property
     def pending(self) -> int:
         return len(self._buf)
+
+    @property
+    def pending_lengths(self) -> list[int]:
+        return [len(s) for s in self._buf]
 
     @property
     def pending_tokens(self) -> int:
