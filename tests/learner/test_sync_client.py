@@ -249,3 +249,74 @@ def test_rejected_stream_reports_the_server_error(cluster, lora_model) -> None:
     servers, pool = cluster(1, token="t0k")  # the client sends no token
     with pytest.raises(WeightSyncError, match=grpc.StatusCode.UNAUTHENTICATED.name):
         WeightSyncClient(pool, lora_model).sync(1, servers=pool.servers)
+
+
+# -- against the real rollout server --------------------------------------------------------------
+def _greedy_reference(model, prompts: list[list[int]], max_tokens: int, eos: set[int]) -> list[list[int]]:
+    merged = copy.deepcopy(model).merge_and_unload() if hasattr(model, "merge_and_unload") else model
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            gen = merged.generate(
+                input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=max_tokens, do_sample=False, eos_token_id=sorted(eos),
+            )[0, len(ids) :].tolist()  # fmt: skip
+            for j, t in enumerate(gen):
+                if t in eos:
+                    gen = gen[: j + 1]
+                    break
+            out.append(gen)
+    return out
+
+
+def _prompts(tokenizer, n: int) -> list[list[int]]:
+    texts = [f"Find every {w} in the picture." for w in ("dog", "car", "person", "red apple", "cup", "boat")]
+    return [
+        list(tokenizer.apply_chat_template([{"role": "user", "content": texts[i % len(texts)] + " " * (i // 6)}],
+                                           tokenize=True, add_generation_prompt=True)["input_ids"])
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def _check_served_weights(pool, model, tokenizer, version: int) -> None:
+    prompts = _prompts(tokenizer, 6)
+    eos = {tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    reqs = [RolloutRequest(token_ids=p, seed=i, request_id=f"q{i}") for i, p in enumerate(prompts)]
+    out = RolloutClient(pool, generate_batch_size=3).generate(reqs, {"max_tokens": 12, "temperature": 0.0})
+    assert {r.weight_version for r in out} == {version}
+    assert [r.token_ids for r in out] == _greedy_reference(model, prompts, 12, eos)
+
+
+@pytest.mark.slow
+def test_full_sync_to_real_rollout_server_hf_backend(tiny_model_dir, tiny_tokenizer, lora_model) -> None:
+    from rollout_svc.launcher import RolloutServer
+
+    with RolloutServer.start(tiny_model_dir, backend="hf", timeout=180) as srv, ServerPool([srv.address]) as pool:
+        report = WeightSyncClient(pool, lora_model, mode="auto").sync(1)  # hf backend: no LoRA -> FULL
+        assert report.mode == "full" and list(report.acked) == [srv.address]
+        _check_served_weights(pool, lora_model, tiny_tokenizer, 1)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_full_then_adapter_sync_to_real_vllm_server(tiny_model_dir, tiny_tokenizer) -> None:
+    """Names, dtypes and adapter_config that vLLM accepts: served greedy outputs equal the HF model
+    with the adapter merged, after a FULL and after an ADAPTER sync."""
+    from rollout_svc.launcher import RolloutServer
+
+    model = _peft_model(tiny_model_dir, seed=5)
+    with (
+        RolloutServer.start(tiny_model_dir, enable_lora=True, max_lora_rank=8, timeout=300) as srv,
+        ServerPool([srv.address]) as pool,
+    ):
+        full = WeightSyncClient(pool, model, mode="full")
+        assert full.sync(1).mode == "full"
+        _check_served_weights(pool, model, tiny_tokenizer, 1)
+        with torch.no_grad():  # a "training step" on the adapter only
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.add_(torch.randn_like(p) * 0.5)
+        auto = WeightSyncClient(pool, model, mode="auto", fallback_to_full=False)
+        report = auto.sync(2)
+        assert report.mode == "adapter" and not report.fell_back
+        _check_served_weights(pool, model, tiny_tokenizer, 2)
