@@ -40,6 +40,63 @@ def serve(ctx: typer.Context) -> None:
     serve_main(list(ctx.args), prog="rmsft serve")
 
 
+def _fail(exc: Exception) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[red]error:[/red] {exc}")
+    raise typer.Exit(2)
+
+
+@app.command("train")
+def train(
+    config: Path = typer.Option(..., "--config", help="RolloutMatchingJob manifest (YAML)."),
+    servers: str = typer.Option(
+        ..., envvar="RMSFT_ROLLOUT_SERVERS", help="Comma-separated host:port of the rollout servers, in order."
+    ),
+    auth_token: str = typer.Option("", envvar="RMSFT_AUTH_TOKEN", help="Shared gRPC auth token.", show_default=False),
+    resume: bool = typer.Option(True, help="Resume from the newest checkpoint in training.checkpoint.dir."),
+) -> None:
+    """Run the learner against running rollout servers (what the learner Job runs)."""
+    import logging
+
+    from learner.data import DataError
+    from learner.trainer import Trainer
+    from rmsft.jobspec import JobSpecError, load_job
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        job = load_job(config)
+        trainer = Trainer(job, [a.strip() for a in servers.split(",") if a.strip()], auth_token=auth_token or None)
+    except (JobSpecError, DataError, ValueError, RuntimeError) as exc:
+        _fail(exc)
+    try:
+        if resume:
+            trainer.resume()
+        trainer.run()
+    finally:
+        trainer.close()
+
+
+@app.command("local")
+def local(
+    job: Path = typer.Argument(..., help="RolloutMatchingJob manifest (YAML)."),
+    work_dir: Path = typer.Option(Path(".rmsft"), help="Where server logs go."),
+    resume: bool = typer.Option(False, help="Resume from the newest checkpoint in training.checkpoint.dir."),
+) -> None:
+    """Run a whole job on this machine: rollout servers as local processes, the learner in-process."""
+    import logging
+
+    from learner.data import DataError
+    from learner.local import run_local
+    from rmsft.jobspec import JobSpecError
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+    try:
+        run_local(job, work_dir=work_dir, resume=resume)
+    except (JobSpecError, DataError) as exc:
+        _fail(exc)
+
+
 def main() -> None:
     app()
 
