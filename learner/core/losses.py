@@ -16,6 +16,9 @@ loss = ce * mean CE over labelled tokens + mean over coord positions of
         + gate * (logsumexp(all logits) - logsumexp(coord logits))).
 Means are over all positions of the row (token-level, not per segment), which makes a packed
 row's loss exactly the loss of its segments run one by one with the same pooling.
+The Gaussian is truncated to the grid and renormalised: its minimiser over all distributions is
+the Gaussian itself (mode at the target), but within ~2 sigma of a border a one-hot prediction is
+pulled up to one bin inwards (the truncated target's mean/median sits inside).
 """
 
 from __future__ import annotations
@@ -129,7 +132,8 @@ def loss_sums(
     device = logits.device
     labels = row.labels[0].to(device)
     ce_pos = torch.nonzero(labels != IGNORE_INDEX).flatten()
-    zero = logits.sum() * 0.0  # keeps the graph connected when a row has no targets of a kind
+    # A zero that stays in the graph (backward works on rows without targets), NaN-free for inf logits.
+    zero = 0.0 * logits.reshape(-1)[0].clamp(-1.0, 1.0)
     ce_sum = zero
     if ce_pos.numel():
         ce_sum = F.cross_entropy(logits[ce_pos - 1].float(), labels[ce_pos], reduction="sum")

@@ -11,7 +11,7 @@ from learner.core.losses import LossWeights, compute_loss, coord_loss_terms, gau
 from learner.core.match import match
 from learner.core.packing import pack
 from learner.core.parse import parse
-from learner.core.targets import build_targets
+from learner.core.targets import IGNORE_INDEX, Segment, build_targets
 
 
 def peaked(centre: torch.Tensor, width: float = 3.0, scale: float = 1.0) -> torch.Tensor:
@@ -67,6 +67,22 @@ def test_extreme_logits_give_finite_gradients(dtype, magnitude):
     loss.backward()
     assert torch.isfinite(loss)
     assert torch.isfinite(full.grad).all()
+
+
+def test_row_without_targets_and_pooling_across_rows():
+    empty = pack([Segment((5, 6, 7), (IGNORE_INDEX,) * 3, (), (), 1, 0)])
+    logits = torch.randn(1, 3, NUM_BINS + 20, requires_grad=True)
+    out = compute_loss(logits, empty, list(range(NUM_BINS)))
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and torch.isfinite(logits.grad).all()
+    # Rows pool by token counts: the pooled CE is the count-weighted mean, not the mean of means.
+    a = pack([Segment((5, 6, 7), (IGNORE_INDEX, 6, 7), (), (), 1, 0)])
+    b = pack([Segment((5, 6), (IGNORE_INDEX, 6), (), (), 1, 0)])
+    la, lb = torch.randn(3, NUM_BINS + 20), torch.randn(2, NUM_BINS + 20)
+    ids = list(range(NUM_BINS))
+    pooled = (loss_sums(la, a, ids) + loss_sums(lb, b, ids)).finish()
+    ce_a, ce_b = compute_loss(la, a, ids).parts["ce"], compute_loss(lb, b, ids).parts["ce"]
+    assert pooled.loss.item() == pytest.approx((2 * ce_a.item() + ce_b.item()) / 3, rel=1e-6)
 
 
 # ---- packed vs unpacked on the tiny model ------------------------------------------------------
