@@ -175,3 +175,10 @@ def test_garbage_before_brace_and_stop_cut(tiny_vocab):
     ids = tiny_vocab.encode(render([obj])[:-1]) + [tiny_vocab.eos_id] + tiny_vocab.encode("}")
     parsed = parse(ids, tiny_vocab)
     assert [o.obj for o in parsed.objects] == [obj] and parsed.truncated and parsed.hit_stop
+
+
+@SETTINGS
+@given(text=st.text(max_size=40))
+def test_vocab_view_token_bytes_match_the_tokenizer(tiny_vocab, tiny_tokenizer, text):
+    ids = tiny_vocab.encode(text)
+    assert tiny_vocab.decode_bytes(ids) == tiny_tokenizer.decode(ids).encode("utf-8") == text.encode("utf-8")
