@@ -83,7 +83,7 @@ class _Scanner:
     def _stop(self) -> None:
         self.stopped = True
 
-    def coord(self, tok_index: int, k: int, pos: int, length: int) -> None:
+    def coord(self, tok_index: int, k: int, length: int) -> None:
         if self.state == "value" and self.in_string and self.str_len == 0 and self.entry is not None:
             self.pending_coord = (tok_index, k)
             self.str_len += length
@@ -207,7 +207,7 @@ def parse(response_ids: Sequence[int], vocab: VocabView, fmt: OutputFormat = COO
         data = vocab.token_bytes[t]
         k = vocab.coord_bin_of.get(t)
         if k is not None:
-            scanner.coord(ti, k, len(buf), len(data))
+            scanner.coord(ti, k, len(data))
             buf += data
             continue
         for c in data:
