@@ -6,8 +6,9 @@ Public API
   neither skips nor duplicates samples across an epoch when it reuses built batches.
 - `RolloutBuffer(m_steps)`: `.get(raw_batch, build)` returns the built batch for this step,
   calling `build(raw_batch)` (the E-step) on the first of every `m_steps` steps and reusing the
-  result otherwise. It checks the raw batch is the one it was built from (a loop that pulls from
-  the plain loader instead of `RepeatingLoader` fails loudly instead of silently skipping data).
+  result otherwise. It checks the raw batch equals the one it was built from (a loop that pulls from
+  the plain loader instead of `RepeatingLoader` fails loudly instead of silently skipping data;
+  an equal batch rebuilt by index, e.g. `order.batch(step // m_steps)`, is fine).
 - `m_steps = 1` is the default: a fresh E-step every step.
 """
 
@@ -28,6 +29,17 @@ def _check_m_steps(m_steps: int) -> int:
     if not isinstance(m_steps, int) or m_steps < 1:
         raise ValueError(f"m_steps must be an integer >= 1, got {m_steps!r}")
     return m_steps
+
+
+def _same_batch(a: object, b: object) -> bool:
+    """Identity or equality; batches whose `==` is not a plain bool (tensors) pass unchecked."""
+    if a is b:
+        return True
+    try:
+        eq = a == b
+    except Exception:
+        return True
+    return eq if isinstance(eq, bool) else True
 
 
 class RepeatingLoader(Generic[R]):
@@ -61,7 +73,7 @@ class RolloutBuffer(Generic[R, B]):
             built = build(raw_batch)  # on failure the old state stays untouched
             self._raw, self._built, self._uses = raw_batch, built, 0
             self.e_steps += 1
-        elif raw_batch is not self._raw:
+        elif not _same_batch(raw_batch, self._raw):
             raise RolloutBufferError(
                 f"raw batch changed after {self._uses} of {self.m_steps} M-steps: wrap the data loader "
                 "in RepeatingLoader(loader, m_steps) so each raw batch is pulled m_steps times"

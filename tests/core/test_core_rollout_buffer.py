@@ -44,6 +44,15 @@ def test_plain_loader_is_caught_instead_of_skipping_samples():
         buffer.get(loader[1], list)
 
 
+def test_equal_batches_rebuilt_by_index_are_accepted():
+    buffer: RolloutBuffer[list[int], int] = RolloutBuffer(3)
+    builds = []
+    for step in range(6):
+        raw = list(range(step // 3 * 2, step // 3 * 2 + 2))  # a fresh but equal list every step
+        buffer.get(raw, lambda r: builds.append(tuple(r)) or len(builds))
+    assert builds == [(0, 1), (2, 3)]
+
+
 def test_failed_e_step_keeps_previous_state():
     buffer: RolloutBuffer[str, str] = RolloutBuffer(1)
     assert buffer.get("a", str.upper) == "A"
