@@ -1,0 +1,47 @@
+"""Operator timings and switches, read from the environment so tests and small clusters can
+shorten them without code changes (the Helm chart sets them from values.yaml)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def _float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SystemExit(f"{name}={raw!r} is not a number") from None
+    if value < 0:
+        raise SystemExit(f"{name}={raw!r} must be >= 0")
+    return value
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    resync_seconds: float = 30.0        # periodic reconcile of every job (safety net for missed events)
+    retry_backoff_seconds: float = 5.0  # kopf handler retry delay after a failed reconcile
+    api_retries: int = 3                # in-place retries of one API call on 5xx/429/connection errors
+    api_backoff_seconds: float = 0.5    # first in-place retry delay (doubles each time)
+    consistency_seconds: float = 5.0    # kopf: wait this long for its own patch to come back
+    watch_timeout_seconds: float = 300  # server-side watch timeout (reconnects after it)
+    metrics_port: int = 8080            # 0 disables the operator's /metrics endpoint
+    # kopf's cluster scanning lists namespaces and CRDs cluster-wide; a namespaced install (and
+    # the kmock tests) turn it off and watch the exact namespaces given on the command line.
+    scanning: bool = True
+
+    @classmethod
+    def from_env(cls) -> OperatorConfig:
+        return cls(
+            resync_seconds=_float("RMSFT_OPERATOR_RESYNC_SECONDS", cls.resync_seconds) or cls.resync_seconds,
+            retry_backoff_seconds=_float("RMSFT_OPERATOR_RETRY_BACKOFF_SECONDS", cls.retry_backoff_seconds),
+            api_retries=int(_float("RMSFT_OPERATOR_API_RETRIES", cls.api_retries)),
+            api_backoff_seconds=_float("RMSFT_OPERATOR_API_BACKOFF_SECONDS", cls.api_backoff_seconds),
+            consistency_seconds=_float("RMSFT_OPERATOR_CONSISTENCY_SECONDS", cls.consistency_seconds),
+            watch_timeout_seconds=_float("RMSFT_OPERATOR_WATCH_TIMEOUT_SECONDS", cls.watch_timeout_seconds),
+            metrics_port=int(_float("RMSFT_OPERATOR_METRICS_PORT", cls.metrics_port)),
+            scanning=os.environ.get("RMSFT_OPERATOR_SCANNING", "true").lower() not in ("0", "false", "no"),
+        )

@@ -1,0 +1,302 @@
+"""The RolloutMatchingJob CRD, generated from the pydantic model in `rmsft.jobspec`.
+
+Generating it (instead of writing the YAML by hand) keeps one source of truth for field names,
+ranges, enums and defaults; CEL rules below cover what the schema cannot say and mirror
+`rmsft.jobspec.cross_field_errors` message for message. `python -m rmsft_operator.crd` prints the
+YAML that lives in charts/rmsft/crds/ (a test checks the two are identical).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from typing import Any
+
+import yaml
+
+from rmsft.jobspec import API_GROUP, API_VERSION, KIND, PLURAL, JobSpec
+
+SHORT_NAMES = ["rmj"]
+PHASES = ["Pending", "Starting", "Running", "Complete", "Failed", "Invalid"]
+CONDITION_TYPES = ["RolloutReady", "LearnerRunning", "Complete", "Failed", "InvalidSpec"]
+
+# Bounds that keep the API server's CEL cost estimate finite (unbounded strings/lists make
+# `self == oldSelf` rules "too expensive" and the CRD would be refused).
+_MAX_STRING = 1024
+_MAX_ITEMS = 64
+_MAX_PROPERTIES = 64
+
+# Cross-field rules on `spec` (same text as rmsft.jobspec.cross_field_errors).
+SPEC_RULES: list[dict[str, str]] = [
+    {
+        "rule": "self.placement.accelerator == 'none' || "
+        "self.rollout.replicas * self.rollout.tensorParallelSize + self.learner.gpus "
+        "<= self.placement.gpusPerNode",
+        "message": "spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus "
+        "must be <= spec.placement.gpusPerNode",
+        "fieldPath": ".placement.gpusPerNode",
+        "reason": "FieldValueInvalid",
+    },
+    {
+        "rule": "self.placement.accelerator != 'none' || self.learner.gpus == 0",
+        "message": "spec.learner.gpus must be 0 when spec.placement.accelerator is 'none'",
+        "fieldPath": ".learner.gpus",
+    },
+    {
+        "rule": "self.sync.mode != 'adapter' || self.rollout.enableLora",
+        "message": "spec.sync.mode 'adapter' requires spec.rollout.enableLora: true",
+        "fieldPath": ".sync.mode",
+    },
+    {
+        "rule": "self.sync.mode != 'adapter' || self.training.finetune == 'lora'",
+        "message": "spec.sync.mode 'adapter' requires spec.training.finetune: lora",
+        "fieldPath": ".sync.mode",
+    },
+    {
+        "rule": "self.sync.mode != 'adapter' || !self.training.lora.use_dora",
+        "message": "spec.sync.mode 'adapter' cannot serve DoRA (spec.training.lora.use_dora); use full",
+        "fieldPath": ".sync.mode",
+    },
+    {
+        "rule": "!self.rollout.enableLora || self.training.lora.r <= self.rollout.maxLoraRank",
+        "message": "spec.training.lora.r must be <= spec.rollout.maxLoraRank",
+        "fieldPath": ".training.lora.r",
+    },
+    {
+        "rule": "self.training.rollout.max_tokens < self.rollout.maxModelLen",
+        "message": "spec.training.rollout.max_tokens must be < spec.rollout.maxModelLen",
+        "fieldPath": ".training.rollout.max_tokens",
+    },
+]
+
+# Rules local to one object: {dotted path under spec: [rules]}.
+LOCAL_RULES: dict[str, list[dict[str, str]]] = {
+    "model.volume": [
+        {
+            "rule": "!(has(self.claimName) && has(self.hostPath))",
+            "message": "spec.model.volume: set only one of claimName and hostPath",
+        }
+    ],
+    "rollout": [
+        {"rule": "self.port != self.metricsPort", "message": "spec.rollout.port and metricsPort must differ"}
+    ],
+    "training": [
+        {"rule": "self.warmup_steps <= self.steps", "message": "spec.training.warmup_steps exceeds steps"}
+    ],
+}
+
+# Everything but the rollout pool size is fixed once the job exists: the StatefulSet template,
+# the suspended learner Job and the ConfigMap the learner already read cannot change in place.
+MUTABLE_SPEC_PATHS = {"rollout.replicas"}
+
+
+def _resolve(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, dict):
+        if "$ref" in node:
+            target = defs[node["$ref"].split("/")[-1]]
+            merged = {**_resolve(target, defs), **{k: v for k, v in node.items() if k != "$ref"}}
+            return _resolve(merged, defs)
+        return {k: _resolve(v, defs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_resolve(v, defs) for v in node]
+    return node
+
+
+def _to_openapi(node: dict[str, Any]) -> dict[str, Any]:
+    """JSON Schema (pydantic) -> Kubernetes structural OpenAPI v3."""
+    node = dict(node)
+    if "anyOf" in node:  # Optional[X] -> X (absent means None)
+        options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
+        if len(options) != 1:
+            raise ValueError(f"cannot express union in a structural schema: {options}")
+        default = node.pop("default", None)
+        node = {**options[0], **node}
+        if default is not None:
+            node["default"] = default
+    out: dict[str, Any] = {}
+    for key in ("description", "type", "enum", "default", "pattern", "minLength", "maxLength",
+                "minimum", "maximum", "minItems", "maxItems", "required"):
+        if key in node:
+            out[key] = node[key]
+    if "const" in node:
+        out["enum"] = [node["const"]]
+    if "exclusiveMinimum" in node:
+        out["minimum"], out["exclusiveMinimum"] = node["exclusiveMinimum"], True
+    if "exclusiveMaximum" in node:
+        out["maximum"], out["exclusiveMaximum"] = node["exclusiveMaximum"], True
+    if "enum" in out and "type" not in out:
+        out["type"] = "string"
+    t = out.get("type")
+    if t == "string" and "maxLength" not in out and "enum" not in out:
+        out["maxLength"] = _MAX_STRING
+    if t == "array":
+        out["items"] = _to_openapi(node["items"])
+        out.setdefault("maxItems", _MAX_ITEMS)
+    if t == "object" and "properties" in node:
+        props = {}
+        required = set(node.get("required", []))
+        for name, sub in node["properties"].items():
+            conv = _to_openapi(sub)
+            optional_object = "anyOf" in sub
+            if conv.get("type") == "object" and name not in required and "default" not in conv \
+                    and not optional_object:
+                conv["default"] = {}  # so nested defaults apply when the section is omitted
+            props[name] = conv
+        out["properties"] = props
+    elif t == "object":
+        extra = node.get("additionalProperties")
+        if isinstance(extra, dict):
+            out["additionalProperties"] = _to_openapi(extra)
+            out["maxProperties"] = _MAX_PROPERTIES
+        else:
+            out["x-kubernetes-preserve-unknown-fields"] = True
+    return out
+
+
+def _at(schema: dict[str, Any], dotted: str) -> dict[str, Any]:
+    node = schema
+    for part in dotted.split("."):
+        node = node["properties"][part]
+    return node
+
+
+def spec_schema() -> dict[str, Any]:
+    raw = JobSpec.model_json_schema(by_alias=True, mode="validation")
+    schema = _to_openapi(_resolve({k: v for k, v in raw.items() if k != "$defs"}, raw.get("$defs", {})))
+    schema.pop("description", None)
+    schema["x-kubernetes-validations"] = copy.deepcopy(SPEC_RULES)
+    for path, rules in LOCAL_RULES.items():
+        _at(schema, path).setdefault("x-kubernetes-validations", []).extend(copy.deepcopy(rules))
+    _at(schema, "training.data.path")["pattern"] = r"\.jsonl(\.gz)?$"
+    for section, sub in schema["properties"].items():
+        if section == "rollout":
+            for field, fsub in sub["properties"].items():
+                if f"rollout.{field}" not in MUTABLE_SPEC_PATHS:
+                    _immutable(fsub, f"spec.rollout.{field}")
+        else:
+            _immutable(sub, f"spec.{section}")
+    return schema
+
+
+def _immutable(node: dict[str, Any], where: str) -> None:
+    node.setdefault("x-kubernetes-validations", []).append(
+        {"rule": "self == oldSelf", "message": f"{where} is immutable once the job exists"}
+    )
+
+
+def status_schema() -> dict[str, Any]:
+    condition = {
+        "type": "object",
+        "required": ["type", "status"],
+        "properties": {
+            "type": {"type": "string", "enum": CONDITION_TYPES},
+            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+            "reason": {"type": "string", "maxLength": 256},
+            "message": {"type": "string", "maxLength": 4096},
+            "lastTransitionTime": {"type": "string", "format": "date-time"},
+            "observedGeneration": {"type": "integer", "minimum": 0},
+        },
+    }
+    return {
+        "type": "object",
+        "properties": {
+            "phase": {"type": "string", "enum": PHASES},
+            "conditions": {
+                "type": "array", "items": condition, "maxItems": 16,
+                "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"],
+            },
+            "observedGeneration": {"type": "integer", "minimum": 0},
+            "rolloutReplicas": {"type": "integer", "minimum": 0},
+            "readyRolloutReplicas": {"type": "integer", "minimum": 0},
+            "learnerActive": {"type": "integer", "minimum": 0},
+            "step": {"type": "integer", "minimum": 0, "description": "Optimizer step reported by the learner."},
+            "weightVersion": {"type": "integer", "minimum": 0},
+            "startTime": {"type": "string", "format": "date-time"},
+            "completionTime": {"type": "string", "format": "date-time"},
+            "message": {"type": "string", "maxLength": 4096},
+        },
+    }
+
+
+def build_crd() -> dict[str, Any]:
+    version = {
+        "name": API_VERSION,
+        "served": True,
+        "storage": True,
+        "subresources": {"status": {}},
+        "additionalPrinterColumns": [
+            {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+            {"name": "Ready", "type": "integer", "jsonPath": ".status.readyRolloutReplicas",
+             "description": "Rollout servers Ready"},
+            {"name": "Replicas", "type": "integer", "jsonPath": ".spec.rollout.replicas"},
+            {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+        "schema": {
+            "openAPIV3Schema": {
+                "type": "object",
+                "description": "Rollout-matching SFT of a vision-language detection model.",
+                "required": ["spec"],
+                "x-kubernetes-validations": [{
+                    "rule": "self.metadata.name.size() <= 40",
+                    "message": "metadata.name must be at most 40 characters (child names add suffixes)",
+                }],
+                "properties": {
+                    "apiVersion": {"type": "string"},
+                    "kind": {"type": "string"},
+                    "metadata": {"type": "object"},
+                    "spec": spec_schema(),
+                    "status": status_schema(),
+                },
+            }
+        },
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{PLURAL}.{API_GROUP}",
+            "labels": {"app.kubernetes.io/part-of": "rmsft"},
+        },
+        "spec": {
+            "group": API_GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": KIND.lower(),
+                "shortNames": SHORT_NAMES,
+                "categories": ["rmsft"],
+            },
+            "versions": [version],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    header = "# Generated by `python -m rmsft_operator.crd` from rmsft/jobspec.py: do not edit by hand.\n"
+    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=110)
+
+
+def openapi_spec_schema() -> dict[str, Any]:
+    return build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+def apply_defaults(schema: dict[str, Any], obj: Any) -> Any:
+    """Structural defaulting as the API server does it (defaults of absent keys, recursively)."""
+    if not isinstance(obj, dict) or schema.get("type") != "object":
+        if isinstance(obj, list) and "items" in schema:
+            return [apply_defaults(schema["items"], v) for v in obj]
+        return obj
+    out = dict(obj)
+    for name, sub in schema.get("properties", {}).items():
+        if name not in out and "default" in sub:
+            out[name] = copy.deepcopy(sub["default"])
+        if name in out:
+            out[name] = apply_defaults(sub, out[name])
+    return out
+
+
+if __name__ == "__main__":
+    sys.stdout.write(crd_yaml())

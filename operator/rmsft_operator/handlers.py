@@ -1,0 +1,127 @@
+"""kopf handlers: `kopf run -m rmsft_operator.handlers` (or `rmsft operator`).
+
+All triggers funnel into `reconcile.reconcile`. Handler-level retries come from kopf
+(TemporaryError with a configurable backoff); single API calls are retried inside `Kube`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import kopf
+from prometheus_client import start_http_server
+
+from rmsft.jobspec import API_GROUP, API_VERSION, PLURAL
+from rmsft_operator import metrics, reconcile, render
+from rmsft_operator.config import OperatorConfig
+from rmsft_operator.kube import ApiError, Kube, load_client_config
+
+CFG = OperatorConfig.from_env()
+log = logging.getLogger("rmsft_operator")
+_state: dict[str, Any] = {"kube": None, "metrics_started": False}
+_phases: dict[tuple[str, str], str] = {}
+CHILD_FILTER = {"app.kubernetes.io/managed-by": render.MANAGED_BY}
+
+
+def _kube() -> Kube:
+    if _state["kube"] is None:
+        load_client_config()
+        _state["kube"] = Kube(CFG)
+    return _state["kube"]
+
+
+def _record_phase(namespace: str, name: str, phase: str | None) -> None:
+    if phase is None:
+        _phases.pop((namespace, name), None)
+    else:
+        _phases[(namespace, name)] = phase
+    counts: dict[str, int] = {}
+    for p in _phases.values():
+        counts[p] = counts.get(p, 0) + 1
+    for p in ("Pending", "Starting", "Running", "Complete", "Failed", "Invalid"):
+        metrics.JOBS.labels(phase=p).set(counts.get(p, 0))
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Handler state in annotations under our own prefix: nothing lands in .status (which the
+    # structural schema would prune) and nothing is named after kopf.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=API_GROUP, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{API_GROUP}/operator"
+    settings.scanning.disabled = not CFG.scanning
+    settings.posting.level = logging.INFO
+    settings.persistence.consistency_timeout = CFG.consistency_seconds
+    settings.watching.server_timeout = CFG.watch_timeout_seconds
+    settings.networking.error_backoffs = [CFG.retry_backoff_seconds / 4, CFG.retry_backoff_seconds / 2,
+                                          CFG.retry_backoff_seconds]
+    if CFG.metrics_port and not _state["metrics_started"]:
+        start_http_server(CFG.metrics_port)
+        _state["metrics_started"] = True
+    _kube()
+
+
+def _run(body: dict[str, Any], trigger: str) -> reconcile.Outcome:
+    meta = body.get("metadata") or {}
+    t0 = time.perf_counter()
+    try:
+        outcome = reconcile.reconcile(_kube(), body)
+    except ApiError as exc:
+        metrics.RECONCILES.labels(trigger=trigger, result="error").inc()
+        raise kopf.TemporaryError(str(exc), delay=CFG.retry_backoff_seconds) from None
+    finally:
+        metrics.RECONCILE_SECONDS.observe(time.perf_counter() - t0)
+    metrics.RECONCILES.labels(trigger=trigger, result="ok").inc()
+    _record_phase(meta.get("namespace", ""), meta["name"], outcome.phase)
+    for kind, reason, message in outcome.events:
+        kopf.event(body, type=kind, reason=reason, message=message)
+    if outcome.created:
+        kopf.info(body, reason="Created", message="created " + ", ".join(outcome.created))
+    return outcome
+
+
+@kopf.on.resume(API_GROUP, API_VERSION, PLURAL)
+@kopf.on.create(API_GROUP, API_VERSION, PLURAL)
+@kopf.on.update(API_GROUP, API_VERSION, PLURAL, field="spec")
+def on_job(body: kopf.Body, reason: str, **_: Any) -> None:
+    _run(dict(body), trigger=str(reason))
+
+
+@kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=CFG.resync_seconds, initial_delay=CFG.resync_seconds)
+def resync(body: kopf.Body, **_: Any) -> None:
+    _run(dict(body), trigger="resync")
+
+
+@kopf.on.delete(API_GROUP, API_VERSION, PLURAL, optional=True)
+def forget(name: str, namespace: str, **_: Any) -> None:
+    # Children carry owner references: Kubernetes' garbage collector deletes them.
+    _record_phase(namespace, name, None)
+
+
+def _on_child(labels: dict[str, str], namespace: str, trigger: str) -> None:
+    job_name = labels.get(render.JOB_LABEL)
+    if not job_name:
+        return
+    try:
+        parent = _kube().get_job(namespace, job_name)
+        if parent is None or (parent.get("metadata") or {}).get("deletionTimestamp"):
+            return
+        _run(parent, trigger=trigger)
+    except (ApiError, kopf.TemporaryError) as exc:
+        # Events are not retried by kopf; the periodic resync picks the job up again.
+        log.warning("reconcile of %s/%s after a %s event failed: %s", namespace, job_name, trigger, exc)
+
+
+@kopf.on.event("apps", "v1", "statefulsets", labels=CHILD_FILTER)
+def on_statefulset(labels: kopf.Labels, namespace: str, type: str | None, **_: Any) -> None:
+    if type in ("ADDED", "MODIFIED", None):
+        _on_child(dict(labels), namespace, "statefulset")
+
+
+@kopf.on.event("batch", "v1", "jobs", labels=CHILD_FILTER)
+def on_learner_job(labels: kopf.Labels, namespace: str, type: str | None, **_: Any) -> None:
+    if type in ("ADDED", "MODIFIED", None):
+        _on_child(dict(labels), namespace, "job")

@@ -1,0 +1,147 @@
+"""Kubernetes API access as plain dicts, with in-place retries for transient errors.
+
+Objects travel as JSON dicts (no client models) so what the operator renders is exactly what it
+sends. Transient failures (5xx, 429, connection errors) are retried with exponential backoff;
+whatever still fails is raised as `ApiError` and the kopf handler retries the whole reconcile.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+
+from rmsft.jobspec import API_GROUP, API_VERSION, PLURAL
+from rmsft_operator import metrics
+from rmsft_operator.config import OperatorConfig
+
+log = logging.getLogger("rmsft_operator.kube")
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class ApiError(RuntimeError):
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        super().__init__(f"Kubernetes API error {status}: {message}")
+
+
+def _transient(status: int) -> bool:
+    return status == 0 or status == 429 or status >= 500
+
+
+def load_client_config() -> None:
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+
+
+# kind -> (API prefix, plural) for the objects the operator owns.
+RESOURCES: dict[str, tuple[str, str]] = {
+    "Secret": ("/api/v1", "secrets"),
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "Service": ("/api/v1", "services"),
+    "StatefulSet": ("/apis/apps/v1", "statefulsets"),
+    "Job": ("/apis/batch/v1", "jobs"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "RolloutMatchingJob": (f"/apis/{API_GROUP}/{API_VERSION}", PLURAL),
+}
+
+
+class Kube:
+    """Raw REST over the `kubernetes` client's configured connection (auth, TLS, host)."""
+
+    def __init__(self, cfg: OperatorConfig, api_client: client.ApiClient | None = None) -> None:
+        self.cfg = cfg
+        self.api = api_client or client.ApiClient()
+
+    def _once(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        m, url, headers, payload, post = self.api.param_serialize(
+            method=method, resource_path=path, body=body,
+            header_params={"Accept": "application/json", "Content-Type": content_type},
+            auth_settings=["BearerToken"],
+        )
+        resp = self.api.call_api(m, url, headers, payload, post, _request_timeout=(5, 30))
+        data = resp.read()
+        if not 200 <= resp.status < 300:
+            raise ApiException(status=resp.status, reason=resp.reason, http_resp=resp.response)
+        return json.loads(data) if data else {}
+
+    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        delay = self.cfg.api_backoff_seconds
+        for attempt in range(self.cfg.api_retries + 1):
+            try:
+                return self._once(method, path, body, content_type)
+            except ApiException as exc:
+                status = int(exc.status or 0)
+                metrics.ERRORS.labels(code=str(status)).inc()
+                if not _transient(status) or attempt == self.cfg.api_retries:
+                    raise ApiError(status, f"{method} {path}: {_reason(exc)}") from None
+            except OSError as exc:  # connection refused/reset (urllib3 errors derive from OSError)
+                metrics.ERRORS.labels(code="connection").inc()
+                if attempt == self.cfg.api_retries:
+                    raise ApiError(0, f"{method} {path}: {exc}") from None
+            metrics.API_RETRIES.inc()
+            log.info("retrying %s %s in %.2fs (attempt %d)", method, path, delay, attempt + 1)
+            time.sleep(delay)
+            delay *= 2
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+        prefix, plural = RESOURCES[kind]
+        out = f"{prefix}/namespaces/{namespace}/{plural}"
+        if name:
+            out += f"/{name}"
+        if sub:
+            out += f"/{sub}"
+        return out
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.request("GET", self.path(kind, namespace, name))
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def ensure(self, obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Create `obj` unless it exists; returns (live object, created?). Idempotent."""
+        kind, meta = obj["kind"], obj["metadata"]
+        live = self.get(kind, meta["namespace"], meta["name"])
+        if live is not None:
+            return live, False
+        try:
+            live = self.request("POST", self.path(kind, meta["namespace"]), obj)
+            metrics.CHILDREN_CREATED.labels(kind=kind).inc()
+            return (live or obj), True
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+        # 409: created meanwhile (a concurrent pass, or our own write whose response was lost).
+        live = self.get(kind, meta["namespace"], meta["name"])
+        if live is None:
+            raise ApiError(409, f"{kind} {meta['name']} conflicts but cannot be read")
+        return live, False
+
+    def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any],
+              sub: str | None = None) -> dict[str, Any]:
+        return self.request("PATCH", self.path(kind, namespace, name, sub), body, MERGE_PATCH)
+
+    def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.get("RolloutMatchingJob", namespace, name)
+
+    def patch_job_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        return self.patch("RolloutMatchingJob", namespace, name, {"status": status}, sub="status")
+
+
+def _reason(exc: ApiException) -> str:
+    try:
+        payload = json.loads(exc.body or "{}")
+        return str(payload.get("message") or exc.reason)
+    except (ValueError, TypeError):
+        return str(exc.reason)

@@ -1,0 +1,350 @@
+"""Pure functions: a validated RolloutMatchingJob -> the Kubernetes objects that run it.
+
+No API calls here, so every object can be validated offline (tests run kubernetes-validate on
+all of them) and the reconciler stays a thin create/patch loop.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import secrets
+from typing import Any
+
+import yaml
+
+from rmsft.jobspec import API_GROUP, API_VERSION, KIND, RolloutMatchingJob
+
+MANAGED_BY = "rmsft-operator"
+JOB_LABEL = "rmsft.io/job"
+ROLE_LABEL = "app.kubernetes.io/component"
+SPEC_HASH_ANNOTATION = "rmsft.io/spec-hash"
+CONFIG_KEY = "job.yaml"
+CONFIG_DIR = "/etc/rmsft"
+TOKEN_KEY = "token"
+GPU_RESOURCE = "nvidia.com/gpu"
+UID = 1000
+
+
+def names(job_name: str) -> dict[str, str]:
+    return {
+        "secret": f"{job_name}-token",
+        "config": f"{job_name}-config",
+        "service": f"{job_name}-rollout",
+        "statefulset": f"{job_name}-rollout",
+        "job": f"{job_name}-learner",
+        "networkpolicy": f"{job_name}-rollout",
+    }
+
+
+def labels(job_name: str, role: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "rmsft",
+        "app.kubernetes.io/instance": job_name,
+        ROLE_LABEL: role,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        JOB_LABEL: job_name,
+    }
+
+
+def selector(job_name: str, role: str) -> dict[str, str]:
+    return {JOB_LABEL: job_name, ROLE_LABEL: role}
+
+
+def owner_reference(job_name: str, uid: str) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
+        "kind": KIND,
+        "name": job_name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def server_addresses(job: RolloutMatchingJob, namespace: str) -> list[str]:
+    """Stable per-ordinal DNS names of the rollout servers (headless Service)."""
+    n = names(job.metadata.name)
+    port = job.spec.rollout.port
+    return [
+        f"{n['statefulset']}-{i}.{n['service']}.{namespace}.svc:{port}"
+        for i in range(job.spec.rollout.replicas)
+    ]
+
+
+def immutable_view(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec without the fields that may change in place (only rollout.replicas)."""
+    view = json.loads(json.dumps(spec))
+    view.get("rollout", {}).pop("replicas", None)
+    return view
+
+
+def spec_hash(spec: dict[str, Any]) -> str:
+    blob = json.dumps(immutable_view(spec), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _meta(job: RolloutMatchingJob, name: str, namespace: str, uid: str, role: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": namespace,
+        "labels": labels(job.metadata.name, role),
+        "ownerReferences": [owner_reference(job.metadata.name, uid)],
+    }
+
+
+def render_secret(job: RolloutMatchingJob, namespace: str, uid: str, token: str | None = None) -> dict[str, Any]:
+    token = token or secrets.token_urlsafe(32)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(job, names(job.metadata.name)["secret"], namespace, uid, "auth"),
+        "type": "Opaque",
+        "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def render_configmap(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:
+    manifest = job.to_manifest()
+    manifest["metadata"]["namespace"] = namespace
+    meta = _meta(job, names(job.metadata.name)["config"], namespace, uid, "config")
+    meta["annotations"] = {SPEC_HASH_ANNOTATION: spec_hash(manifest["spec"])}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta,
+        "data": {
+            CONFIG_KEY: yaml.safe_dump(manifest, sort_keys=False),
+            "servers": "\n".join(server_addresses(job, namespace)),
+        },
+    }
+
+
+def render_service(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:
+    r = job.spec.rollout
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(job, names(job.metadata.name)["service"], namespace, uid, "rollout"),
+        "spec": {
+            "clusterIP": "None",
+            # The learner resolves every ordinal up front and waits on gRPC health itself.
+            "publishNotReadyAddresses": True,
+            "selector": selector(job.metadata.name, "rollout"),
+            "ports": [
+                {"name": "grpc", "port": r.port, "targetPort": "grpc", "protocol": "TCP"},
+                {"name": "metrics", "port": r.metrics_port, "targetPort": "metrics", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def _resources(res: Any, gpus: int, accelerated: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if res.requests:
+        out["requests"] = dict(res.requests)
+    if res.limits:
+        out["limits"] = dict(res.limits)
+    if accelerated and gpus > 0:
+        out.setdefault("limits", {})[GPU_RESOURCE] = str(gpus)
+        out.setdefault("requests", {})[GPU_RESOURCE] = str(gpus)
+    return out
+
+
+def _pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": UID,
+        "runAsGroup": UID,
+        "fsGroup": UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _common_env(job: RolloutMatchingJob) -> list[dict[str, Any]]:
+    n = names(job.metadata.name)
+    return [
+        {"name": "RMSFT_AUTH_TOKEN",
+         "valueFrom": {"secretKeyRef": {"name": n["secret"], "key": TOKEN_KEY}}},
+        {"name": "RMSFT_LOG_LEVEL", "value": job.spec.monitoring.log_level},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "HOME", "value": "/tmp"},
+    ]
+
+
+def _volumes(job: RolloutMatchingJob, shm_size: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    n = names(job.metadata.name)
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": n["config"]}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    vol = job.spec.model.volume
+    if vol is not None and (vol.claim_name or vol.host_path):
+        if vol.claim_name:
+            volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": vol.claim_name,
+                                                                        "readOnly": True}})
+        else:
+            volumes.append({"name": "model", "hostPath": {"path": vol.host_path, "type": "Directory"}})
+        mounts.append({"name": "model", "mountPath": vol.mount_path, "readOnly": True})
+    return volumes, mounts
+
+
+def _pod_common(job: RolloutMatchingJob) -> dict[str, Any]:
+    p = job.spec.placement
+    spec: dict[str, Any] = {"securityContext": _pod_security(), "enableServiceLinks": False}
+    if p.node_selector:
+        spec["nodeSelector"] = dict(p.node_selector)
+    if p.tolerations:
+        spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in p.tolerations]
+    if job.spec.image.pull_secrets:
+        spec["imagePullSecrets"] = [{"name": s} for s in job.spec.image.pull_secrets]
+    return spec
+
+
+def render_statefulset(job: RolloutMatchingJob, namespace: str, uid: str,
+                       replicas: int | None = None) -> dict[str, Any]:
+    name = job.metadata.name
+    n = names(name)
+    r = job.spec.rollout
+    accelerated = job.spec.placement.accelerator == "nvidia"
+    volumes, mounts = _volumes(job, r.shm_size)
+    container = {
+        "name": "rollout",
+        "image": job.spec.image.ref,
+        "imagePullPolicy": job.spec.image.pull_policy,
+        # Port, metrics port and engine settings come from the manifest itself.
+        "args": ["serve", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}"],
+        "env": _common_env(job),
+        "ports": [
+            {"name": "grpc", "containerPort": r.port, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": r.metrics_port, "protocol": "TCP"},
+        ],
+        # Engine load takes minutes on big models: the startup probe holds liveness off until then.
+        "startupProbe": {"grpc": {"port": r.port}, "periodSeconds": 10, "failureThreshold": 90},
+        "readinessProbe": {"grpc": {"port": r.port}, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"grpc": {"port": r.port}, "periodSeconds": 20, "failureThreshold": 6},
+        "resources": _resources(r.resources, r.tensor_parallel_size, accelerated),
+        "volumeMounts": mounts,
+        "securityContext": _container_security(),
+    }
+    pod_labels = labels(name, "rollout")
+    pod_spec = {**_pod_common(job), "containers": [container], "volumes": volumes}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(job, n["statefulset"], namespace, uid, "rollout"),
+        "spec": {
+            "replicas": r.replicas if replicas is None else replicas,
+            "serviceName": n["service"],
+            # Servers are independent: start them all at once instead of one by one.
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector(name, "rollout")},
+            "template": {
+                "metadata": {
+                    "labels": pod_labels,
+                    "annotations": {
+                        "prometheus.io/scrape": str(job.spec.monitoring.enabled).lower(),
+                        "prometheus.io/port": str(r.metrics_port),
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:
+    name = job.metadata.name
+    n = names(name)
+    lr = job.spec.learner
+    accelerated = job.spec.placement.accelerator == "nvidia"
+    volumes, mounts = _volumes(job, lr.shm_size)
+    if lr.checkpoint_claim:
+        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": lr.checkpoint_claim}})
+        mounts.append({"name": "checkpoints", "mountPath": job.spec.training.checkpoint.dir})
+    env = _common_env(job) + [
+        {"name": "RMSFT_ROLLOUT_SERVERS", "value": ",".join(server_addresses(job, namespace))},
+        {"name": "RMSFT_LEARNER_GPUS", "value": str(lr.gpus)},
+    ]
+    container = {
+        "name": "learner",
+        "image": job.spec.image.ref,
+        "imagePullPolicy": job.spec.image.pull_policy,
+        "args": ["train", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}"],
+        "env": env,
+        "ports": [{"name": "metrics", "containerPort": lr.metrics_port, "protocol": "TCP"}],
+        "resources": _resources(lr.resources, lr.gpus, accelerated),
+        "volumeMounts": mounts,
+        "securityContext": _container_security(),
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _meta(job, n["job"], namespace, uid, "learner"),
+        "spec": {
+            # Created suspended: the operator resumes it once every rollout server is Ready.
+            "suspend": True,
+            "backoffLimit": lr.backoff_limit,
+            "completions": 1,
+            "parallelism": 1,
+            "template": {
+                "metadata": {
+                    "labels": labels(name, "learner"),
+                    "annotations": {
+                        "prometheus.io/scrape": str(job.spec.monitoring.enabled).lower(),
+                        "prometheus.io/port": str(lr.metrics_port),
+                    },
+                },
+                "spec": {**_pod_common(job), "restartPolicy": "Never", "containers": [container],
+                         "volumes": volumes},
+            },
+        },
+    }
+
+
+def render_networkpolicy(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:
+    name = job.metadata.name
+    r = job.spec.rollout
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(job, names(name)["networkpolicy"], namespace, uid, "rollout"),
+        "spec": {
+            "podSelector": {"matchLabels": selector(name, "rollout")},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {   # gRPC (Generate, UpdateWeights, health) only from this job's learner pod
+                    "from": [{"podSelector": {"matchLabels": selector(name, "learner")}}],
+                    "ports": [{"protocol": "TCP", "port": r.port}],
+                },
+                {   # metrics from the monitoring namespace
+                    "from": [{"namespaceSelector": {"matchLabels": {
+                        "kubernetes.io/metadata.name": job.spec.monitoring.namespace}}}],
+                    "ports": [{"protocol": "TCP", "port": r.metrics_port}],
+                },
+            ],
+        },
+    }
+
+
+def render_all(job: RolloutMatchingJob, namespace: str, uid: str, token: str | None = None) -> list[dict[str, Any]]:
+    """Every child in creation order (config before the pods that mount it)."""
+    return [
+        render_secret(job, namespace, uid, token),
+        render_configmap(job, namespace, uid),
+        render_service(job, namespace, uid),
+        render_networkpolicy(job, namespace, uid),
+        render_statefulset(job, namespace, uid),
+        render_job(job, namespace, uid),
+    ]

@@ -1,0 +1,380 @@
+"""The RolloutMatchingJob manifest as a pydantic model.
+
+One manifest drives the cluster (`kubectl apply`), the laptop (`rmsft local job.yaml`) and the
+learner (`rmsft train --config job.yaml`), so this module is the single place that says what a
+valid job is. The Kubernetes-facing sections use camelCase keys (Kubernetes convention); the
+`training` section is the learner's own config and uses snake_case keys. Unknown keys are errors.
+
+Torch-free on purpose: the operator image imports this module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+API_GROUP = "rmsft.io"
+API_VERSION = "v1alpha1"
+KIND = "RolloutMatchingJob"
+PLURAL = "rolloutmatchingjobs"
+
+_QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class JobSpecError(ValueError):
+    """A manifest that is not a valid RolloutMatchingJob; `errors` holds one line per bad key."""
+
+    def __init__(self, errors: list[str], source: str = "job spec") -> None:
+        self.errors = errors
+        super().__init__(f"invalid {source}:\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+class _K8s(BaseModel):
+    """camelCase keys, unknown keys rejected."""
+
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True)
+
+
+class _Learner(BaseModel):
+    """snake_case keys (the learner's own config), unknown keys rejected."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------- Kubernetes-facing sections
+
+
+class ModelVolume(_K8s):
+    """Where the weights live in the cluster: a PVC or a host path, mounted read-only."""
+
+    claim_name: str | None = Field(None, description="PersistentVolumeClaim holding the model.")
+    host_path: str | None = Field(None, description="Host directory holding the model (single node).")
+    mount_path: str = Field("/models", pattern=r"^/", description="Where the volume is mounted.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelVolume:
+        if self.claim_name and self.host_path:
+            raise ValueError("set only one of claimName and hostPath")
+        return self
+
+
+class ModelSpec(_K8s):
+    path: str = Field(..., min_length=1, description="Model directory (HF layout) as seen in the pods.")
+    volume: ModelVolume | None = Field(None, description="Volume that holds the model; none = baked in image.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+
+
+class ImageSpec(_K8s):
+    repository: str = Field("ghcr.io/rmsft/rmsft", min_length=1)
+    tag: str = Field("0.1.0", min_length=1)
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    pull_secrets: list[str] = Field(default_factory=list)
+
+    @property
+    def ref(self) -> str:
+        return f"{self.repository}:{self.tag}"
+
+
+class Toleration(_K8s):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(None, ge=0)
+
+
+class PlacementSpec(_K8s):
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    gpus_per_node: int = Field(8, ge=0, le=64, description="GPU budget of the node the job runs on.")
+    accelerator: Literal["nvidia", "none"] = Field(
+        "nvidia", description="'none' runs rollout and learner on CPUs (kind, laptops)."
+    )
+
+
+class ResourceSpec(_K8s):
+    requests: dict[str, str] = Field(default_factory=dict)
+    limits: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("requests", "limits")
+    @classmethod
+    def _quantities(cls, v: dict[str, str]) -> dict[str, str]:
+        import re
+
+        for k, q in v.items():
+            if not re.match(_QUANTITY, str(q)):
+                raise ValueError(f"{k}={q!r} is not a Kubernetes quantity (e.g. 4, 500m, 16Gi)")
+        return v
+
+
+class RolloutSpec(_K8s):
+    replicas: int = Field(1, ge=0, le=256, description="Data-parallel rollout servers (0 = paused).")
+    tensor_parallel_size: int = Field(1, ge=1, le=16, description="GPUs per rollout server.")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    max_model_len: int = Field(4096, ge=64, le=1_048_576)
+    enable_lora: bool = False
+    max_lora_rank: int = Field(64, ge=1, le=512)
+    enable_prefix_caching: bool = True
+    engine: Literal["vllm", "hf"] = "vllm"
+    port: int = Field(50051, ge=1024, le=65535, description="gRPC port (also serves grpc.health.v1).")
+    metrics_port: int = Field(9090, ge=1024, le=65535)
+    shm_size: str = Field("8Gi", pattern=_QUANTITY, description="Size of the /dev/shm memory volume.")
+    resources: ResourceSpec = Field(default_factory=ResourceSpec)
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> RolloutSpec:
+        if self.port == self.metrics_port:
+            raise ValueError("port and metricsPort must differ")
+        return self
+
+
+class LearnerSpec(_K8s):
+    gpus: int = Field(1, ge=0, le=64, description="GPUs for the learner pod (torchrun ranks).")
+    backoff_limit: int = Field(0, ge=0, le=20, description="Pod retries before the job is Failed.")
+    metrics_port: int = Field(9090, ge=1024, le=65535)
+    checkpoint_claim: str | None = Field(None, description="PVC mounted at training.checkpoint.dir.")
+    shm_size: str = Field("8Gi", pattern=_QUANTITY)
+    resources: ResourceSpec = Field(default_factory=ResourceSpec)
+
+
+class SyncSpec(_K8s):
+    mode: Literal["full", "adapter", "auto"] = "full"
+    fallback_to_full: bool = True
+    frame_bytes: int = Field(4 << 20, ge=64 << 10, le=256 << 20, description="Max bytes per stream frame.")
+    timeout_seconds: float = Field(600.0, gt=0)
+
+
+class MonitoringSpec(_K8s):
+    enabled: bool = True
+    namespace: str = Field("monitoring", pattern=_DNS_LABEL, description="Namespace allowed to scrape.")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+# ---------------------------------------------------------------- training (learner config)
+
+
+class DataConfig(_Learner):
+    path: str = Field(..., min_length=1, description="JSONL file of samples (image + objects).")
+    image_root: str | None = Field(None, description="Base folder for relative image paths.")
+
+    @field_validator("path")
+    @classmethod
+    def _jsonl(cls, v: str) -> str:
+        if not v.endswith((".jsonl", ".jsonl.gz")):
+            raise ValueError(f"{v!r} is not a .jsonl file")
+        return v
+
+
+class CheckpointConfig(_Learner):
+    dir: str = Field("/checkpoints", min_length=1)
+    every: int = Field(0, ge=0, description="Save every N optimizer steps (0 = only at the end).")
+    keep: int = Field(2, ge=1)
+
+
+class LoraConfig(_Learner):
+    r: int = Field(16, ge=1, le=512)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
+    )
+    use_dora: bool = False
+
+
+class RolloutDecoding(_Learner):
+    max_tokens: int = Field(1024, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 = disabled.")
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    seed: int = Field(0, ge=0)
+    generate_batch_size: int = Field(8, ge=1, description="Prompts per Generate call (chunk size).")
+    request_timeout_s: float = Field(300.0, gt=0)
+
+
+class BufferConfig(_Learner):
+    enabled: bool = False
+    m_steps: int = Field(1, ge=1, le=64, description="Optimizer steps per rollout (E-step reuse).")
+
+
+class MatchingConfig(_Learner):
+    iou_gate: float = Field(0.3, ge=0.0, le=1.0)
+    fp_cost: float = Field(0.5, ge=0.0)
+    fn_cost: float = Field(2.0, ge=0.0)
+
+
+class LossConfig(_Learner):
+    ce: float = Field(1.0, ge=0.0)
+    coord_soft_ce: float = Field(1.0, ge=0.0)
+    coord_w1: float = Field(1.0, ge=0.0)
+    coord_gate: float = Field(1.0, ge=0.0)
+    coord_sigma: float = Field(2.0, gt=0.0)
+
+
+class TrainingConfig(_Learner):
+    data: DataConfig
+    lr: float = Field(1e-5, gt=0.0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_steps: int = Field(0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    steps: int = Field(100, ge=1)
+    prompts_per_step: int = Field(8, ge=1)
+    grad_accumulation: int = Field(1, ge=1)
+    packing_length: int = Field(4096, ge=64)
+    packing_buffer: int = Field(256, ge=1)
+    packing_min_fill: float = Field(0.0, ge=0.0, le=1.0)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    deepspeed_stage: int = Field(0, ge=0, le=3, description="0 = no DeepSpeed.")
+    finetune: Literal["lora", "full"] = "lora"
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    rollout: RolloutDecoding = Field(default_factory=RolloutDecoding)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    matching: MatchingConfig = Field(default_factory=MatchingConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _warmup(self) -> TrainingConfig:
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds steps ({self.steps})")
+        return self
+
+
+# ---------------------------------------------------------------- the whole manifest
+
+
+class JobSpec(_K8s):
+    model: ModelSpec
+    image: ImageSpec = Field(default_factory=ImageSpec)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    learner: LearnerSpec = Field(default_factory=LearnerSpec)
+    training: TrainingConfig
+    sync: SyncSpec = Field(default_factory=SyncSpec)
+    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> JobSpec:
+        # Every rule here is also a CEL rule in the CRD (rmsft_operator.crd); the messages match
+        # so users see the same text from `kubectl apply` and from `rmsft local`.
+        for message in cross_field_errors(self):
+            raise ValueError(message)
+        return self
+
+    @property
+    def gpus_needed(self) -> int:
+        return self.rollout.replicas * self.rollout.tensor_parallel_size + self.learner.gpus
+
+
+def cross_field_errors(spec: JobSpec) -> list[str]:
+    """Rules that span sections; mirrored one-to-one by CEL rules in the CRD."""
+    errs: list[str] = []
+    if spec.placement.accelerator == "nvidia" and spec.gpus_needed > spec.placement.gpus_per_node:
+        errs.append(
+            f"spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus "
+            f"({spec.gpus_needed}) must be <= spec.placement.gpusPerNode ({spec.placement.gpus_per_node})"
+        )
+    if spec.placement.accelerator == "none" and spec.learner.gpus > 0:
+        errs.append("spec.learner.gpus must be 0 when spec.placement.accelerator is 'none'")
+    if spec.sync.mode == "adapter" and not spec.rollout.enable_lora:
+        errs.append("spec.sync.mode 'adapter' requires spec.rollout.enableLora: true")
+    if spec.sync.mode == "adapter" and spec.training.finetune != "lora":
+        errs.append("spec.sync.mode 'adapter' requires spec.training.finetune: lora")
+    if spec.sync.mode == "adapter" and spec.training.lora.use_dora:
+        errs.append("spec.sync.mode 'adapter' cannot serve DoRA (spec.training.lora.use_dora); use full")
+    if spec.rollout.enable_lora and spec.training.lora.r > spec.rollout.max_lora_rank:
+        errs.append(
+            f"spec.training.lora.r ({spec.training.lora.r}) must be <= spec.rollout.maxLoraRank "
+            f"({spec.rollout.max_lora_rank})"
+        )
+    if spec.training.rollout.max_tokens >= spec.rollout.max_model_len:
+        errs.append(
+            f"spec.training.rollout.max_tokens ({spec.training.rollout.max_tokens}) must be < "
+            f"spec.rollout.maxModelLen ({spec.rollout.max_model_len})"
+        )
+    return errs
+
+
+class ObjectMeta(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(..., pattern=_DNS_LABEL, max_length=40)
+    namespace: str | None = None
+
+
+class RolloutMatchingJob(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)  # status/other metadata pass through
+    api_version: Literal["rmsft.io/v1alpha1"] = Field(f"{API_GROUP}/{API_VERSION}", alias="apiVersion")
+    kind: Literal["RolloutMatchingJob"] = KIND
+    metadata: ObjectMeta
+    spec: JobSpec
+
+    def to_manifest(self) -> dict[str, Any]:
+        """The manifest with every default filled in (what the learner and servers read)."""
+        meta = {"name": self.metadata.name}
+        if self.metadata.namespace:
+            meta["namespace"] = self.metadata.namespace
+        return {
+            "apiVersion": self.api_version,
+            "kind": self.kind,
+            "metadata": meta,
+            "spec": self.spec.model_dump(mode="json", by_alias=True),
+        }
+
+
+def _format_errors(exc: ValidationError, prefix: str) -> list[str]:
+    out = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+        where = f"{prefix}.{loc}" if loc else prefix
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (not part of the RolloutMatchingJob schema)"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        elif "input" in err and err["type"] not in ("value_error",) and not isinstance(err["input"], dict):
+            msg = f"{msg} (got {err['input']!r})"
+        out.append(f"{where}: {msg}")
+    return out
+
+
+def parse_spec(spec: dict[str, Any]) -> JobSpec:
+    """Validate a bare `spec` mapping (what the operator sees); errors name `spec.<key>`."""
+    if not isinstance(spec, dict):
+        raise JobSpecError([f"spec: must be a mapping, got {type(spec).__name__}"])
+    try:
+        return JobSpec.model_validate(spec)
+    except ValidationError as exc:
+        raise JobSpecError(_format_errors(exc, "spec")) from None
+
+
+def parse_job(doc: dict[str, Any], source: str = "job spec") -> RolloutMatchingJob:
+    """Validate a whole manifest; every error line starts with the dotted path of the bad key."""
+    if not isinstance(doc, dict):
+        raise JobSpecError([f"<root>: must be a mapping, got {type(doc).__name__}"], source)
+    try:
+        return RolloutMatchingJob.model_validate(doc)
+    except ValidationError as exc:
+        errs = []
+        for line in _format_errors(exc, "<root>"):
+            errs.append(line.removeprefix("<root>."))
+        raise JobSpecError(errs, source) from None
+
+
+def load_job(path: str | Path) -> RolloutMatchingJob:
+    """Read a manifest from a YAML file (the first document of kind RolloutMatchingJob)."""
+    path = Path(path)
+    try:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    except OSError as exc:
+        raise JobSpecError([f"cannot read {path}: {exc.strerror}"], str(path)) from None
+    except yaml.YAMLError as exc:
+        raise JobSpecError([f"not valid YAML: {exc}"], str(path)) from None
+    jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
+    if not jobs:
+        raise JobSpecError([f"no document with kind: {KIND}"], str(path))
+    return parse_job(jobs[0], source=str(path))
