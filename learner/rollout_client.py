@@ -229,7 +229,13 @@ class RolloutClient:
         if not requests:
             return []
         t0 = time.perf_counter()
-        expected = weight_version if weight_version is not None else self.pool.current_version
+        current = self.pool.current_version
+        if weight_version is not None and current is not None and weight_version != current:
+            raise ValueError(
+                f"generate(weight_version={weight_version}) but the pool's current version is {current}: "
+                "servers are re-synced to the pool's version, so the two must agree"
+            )
+        expected = weight_version if weight_version is not None else current
         call = _Call(
             expected=expected,
             sampling=sampling_params(sampling),
@@ -347,8 +353,8 @@ class RolloutClient:
     def _on_resync(self, call: _Call, server: RolloutServer, fut: Any) -> None:
         call.resyncing.discard(server.index)
         err = fut.exception()
-        if err is None:
-            self.pool.mark_up(server, version=call.expected)
+        if err is None:  # the sync client recorded the version the server acknowledged
+            self.pool.mark_up(server)
             return
         why = f"re-sync to weight version {call.expected} failed: {err}"
         call.excluded[server.index] = why

@@ -47,6 +47,9 @@ class ServerState:
     version: int | None = None  # None: never seen a version from this server
     lora_enabled: bool | None = None
     max_lora_rank: int = 0
+    # The server's base weights are no longer the checkpoint's (a FULL update was applied), so a LoRA
+    # adapter sent now would sit on top of already-merged weights. None: unknown.
+    base_replaced: bool | None = None
     last_error: str = ""
     down_since: float | None = None
     last_probe: float = 0.0
@@ -182,6 +185,8 @@ class ServerPool:
         with self.lock:
             server.state.lora_enabled = reply.lora_enabled
             server.state.max_lora_rank = reply.max_lora_rank
+            # Version 0 is the checkpoint; a later version without an adapter came from a FULL update.
+            server.state.base_replaced = reply.weight_version != 0 and not reply.active_adapter
             server.state.last_probe = time.monotonic()
         if reply.ready:
             self.mark_up(server, version=reply.weight_version)

@@ -114,14 +114,24 @@ class WeightSyncClient:
             return "full", self.forced_full_reason
         if self.mode == "full":
             return "full", "configured"
-        if self.mode == "adapter":
-            return "adapter", "configured"
-        unknown = [s for s in servers if s.state.lora_enabled is None]
+        unknown = [s for s in servers if s.state.lora_enabled is None or s.state.base_replaced is None]
         if unknown:
             self.pool.refresh(unknown)
+        if self.mode == "adapter":
+            replaced = [s.name for s in servers if s.state.base_replaced]
+            if not replaced:
+                return "adapter", "configured"
+            why = f"{replaced} serve FULL-updated weights, an adapter would apply on top of them"
+            if not self.fallback_to_full:
+                raise WeightSyncError(f"ADAPTER sync impossible: {why} (restart them or use FULL)")
+            self._force_full(why)
+            return "full", why
         no_lora = [s.name for s in servers if not s.state.lora_enabled]
         if no_lora:
             return "full", f"auto: servers without LoRA enabled: {no_lora}"
+        replaced = [s.name for s in servers if s.state.base_replaced]
+        if replaced:
+            return "full", f"auto: {replaced} serve FULL-updated weights, an adapter would apply on top of them"
         ranks = [s.state.max_lora_rank for s in servers if s.state.max_lora_rank]
         why = adapter_unsupported_reason(self.model, min(ranks) if ranks else 0)
         if why is not None:
@@ -231,6 +241,8 @@ class WeightSyncClient:
             if outcome == "acked":
                 report.acked[server.address] = detail
                 self.pool.mark_up(server, version=version)
+                with self.pool.lock:
+                    server.state.base_replaced = mode == "full"
                 WEIGHT_SYNC_BYTES.labels(mode=mode).inc(tensor_bytes)
             elif outcome == "unreachable":
                 report.unreachable[server.address] = detail

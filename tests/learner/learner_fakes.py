@@ -46,6 +46,7 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
     fail_times: int = 10**9  # how many Generate calls fail while fail_generate is set
     reject_adapter: bool = False
     token: str | None = None
+    active_adapter: str = ""
     calls: list[list[tuple[str, int | None]]] = field(default_factory=list)
     updates: list[Received] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
@@ -129,6 +130,7 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
         with self.lock:
             self.updates.append(Received(reader.header, tensors, biggest))
             self.version = reader.header.version
+            self.active_adapter = f"adapter-v{self.version}" if reader.header.mode == ADAPTER else ""
             self.events.append(f"update:{reader.header.version}")
         return rollout_pb2.UpdateReply(
             version=reader.header.version, tensors_applied=len(tensors), bytes_received=reader.received_bytes
@@ -141,6 +143,7 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_pb2.StatusReply(
             model="fake", replica_ordinal=self.ordinal, weight_version=self.version, ready=True,
             lora_enabled=self.lora_enabled, backend="fake", max_lora_rank=self.max_lora_rank,
+            active_adapter=self.active_adapter,
         )  # fmt: skip
 
 

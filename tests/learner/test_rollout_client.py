@@ -297,3 +297,17 @@ def test_failed_resync_excludes_the_server(cluster) -> None:
     out = RolloutClient(pool, resync=resync).generate(reqs)
     assert_complete(out, reqs)
     assert "re-sync" in pool.servers[1].state.last_error and not pool.servers[1].state.up
+
+
+def test_version_argument_must_match_the_pool(cluster) -> None:
+    _, pool = cluster(1)
+    with pytest.raises(ValueError, match="current version is 1"):
+        RolloutClient(pool).generate(requests(2), weight_version=2)
+
+
+def test_wait_ready_names_the_missing_server(cluster) -> None:
+    servers, pool = cluster(2)
+    assert len(pool.wait_ready(timeout_s=5)) == 2
+    servers[1].stop()
+    with pytest.raises(NoServerAvailableError, match=servers[1].address.replace(".", r"\.")):
+        pool.wait_ready(timeout_s=0.5, poll_s=0.1)

@@ -194,6 +194,25 @@ def test_fallback_to_full_after_adapter_failure_sticks_for_the_run(cluster, lora
     assert "rejected" in client.forced_full_reason
 
 
+def test_adapter_never_goes_on_top_of_full_updated_weights(cluster, lora_model) -> None:
+    servers, pool = cluster(2, lora_enabled=True)
+    WeightSyncClient(pool, lora_model, mode="full").sync(1)
+    auto = WeightSyncClient(pool, lora_model, mode="auto").sync(2)
+    assert auto.mode == "full"
+    with pytest.raises(WeightSyncError, match="FULL-updated weights"):
+        WeightSyncClient(pool, lora_model, mode="adapter", fallback_to_full=False).sync(3)
+    # a new learner process only knows GetStatus: version > 0 without an adapter = FULL weights
+    fresh_pool = ServerPool([s.address for s in servers])
+    try:
+        assert WeightSyncClient(fresh_pool, lora_model, mode="auto").sync(3).mode == "full"
+    finally:
+        fresh_pool.close()
+    restarted = servers[0].restart(FakeEngine(ordinal=0, lora_enabled=True))  # back on the checkpoint
+    servers[0] = restarted
+    with ServerPool([restarted.address]) as p:
+        assert WeightSyncClient(p, lora_model, mode="auto").sync(1).mode == "adapter"
+
+
 def test_adapter_failure_without_fallback_raises(cluster, lora_model) -> None:
     servers, pool = cluster(2, lora_enabled=True)
     servers[0].engine.reject_adapter = True
@@ -299,24 +318,34 @@ def test_full_sync_to_real_rollout_server_hf_backend(tiny_model_dir, tiny_tokeni
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_full_then_adapter_sync_to_real_vllm_server(tiny_model_dir, tiny_tokenizer) -> None:
+def test_adapter_then_full_sync_to_real_vllm_server(tiny_model_dir, tiny_tokenizer) -> None:
     """Names, dtypes and adapter_config that vLLM accepts: served greedy outputs equal the HF model
-    with the adapter merged, after a FULL and after an ADAPTER sync."""
+    with the adapter merged, after ADAPTER syncs, a FULL sync, and an AUTO sync after that (which must
+    be FULL: the server's base weights are no longer the checkpoint's)."""
     from rollout_svc.launcher import RolloutServer
 
     model = _peft_model(tiny_model_dir, seed=5)
-    with (
-        RolloutServer.start(tiny_model_dir, enable_lora=True, max_lora_rank=8, timeout=300) as srv,
-        ServerPool([srv.address]) as pool,
-    ):
-        full = WeightSyncClient(pool, model, mode="full")
-        assert full.sync(1).mode == "full"
-        _check_served_weights(pool, model, tiny_tokenizer, 1)
-        with torch.no_grad():  # a "training step" on the adapter only
+
+    def train_step() -> None:  # changes the adapter only
+        with torch.no_grad():
             for n, p in model.named_parameters():
                 if "lora_B" in n:
                     p.add_(torch.randn_like(p) * 0.5)
+
+    with (
+        RolloutServer.start(tiny_model_dir, enable_lora=True, max_lora_rank=8, dtype="float32", timeout=400) as srv,
+        ServerPool([srv.address]) as pool,
+    ):
         auto = WeightSyncClient(pool, model, mode="auto", fallback_to_full=False)
-        report = auto.sync(2)
-        assert report.mode == "adapter" and not report.fell_back
+        assert auto.sync(1).mode == "adapter"
+        _check_served_weights(pool, model, tiny_tokenizer, 1)
+        train_step()
+        assert auto.sync(2).mode == "adapter"  # a second adapter replaces the first
         _check_served_weights(pool, model, tiny_tokenizer, 2)
+        train_step()
+        assert WeightSyncClient(pool, model, mode="full").sync(3).mode == "full"
+        _check_served_weights(pool, model, tiny_tokenizer, 3)
+        train_step()
+        fresh = WeightSyncClient(pool, model, mode="auto")  # knows only what GetStatus says
+        assert fresh.sync(4).mode == "full"
+        _check_served_weights(pool, model, tiny_tokenizer, 4)
