@@ -83,9 +83,9 @@ def start_servers(n: int, args: argparse.Namespace) -> tuple[list[subprocess.Pop
 def raw_grpc_time(address: str, reqs: list, args: argparse.Namespace) -> float:
     """The transport floor: the same chunks sent one after the other with a bare stub (prompt protos
     built beforehand, replies not converted), median over the repeats."""
-    from learner.rollout_client import _to_prompt
+    from learner.rollout_types import to_prompt_proto
 
-    prompts = [_to_prompt(r) for r in reqs]
+    prompts = [to_prompt_proto(r) for r in reqs]
     channel = grpc.insecure_channel(address)
     stub = rollout_pb2_grpc.RolloutServiceStub(channel)
     times = []

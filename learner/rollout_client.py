@@ -1,13 +1,13 @@
 """Ordered, fenced rollouts over the server pool.
 
 `RolloutClient.generate` splits N prompts contiguously over the ordered servers, sends the chunks
-concurrently (gRPC futures, at most `max_inflight_per_server` per server so a server's generate batch
-bound holds), and puts every completion back at its input index. A chunk whose server fails is sent
-again, unchanged (same prompts, same seeds), to the least-loaded healthy server, so the output never
-depends on which server answered. Every completion must carry the learner's current weight version:
-a server that holds another version (FAILED_PRECONDITION, a wrong version in its reply, or a stale
-GetStatus) is re-synced through the `resync` callback before it gets work again, and a stale
-completion is never returned.
+concurrently (blocking calls on worker threads, at most `max_inflight_per_server` per server, so a
+server's generate batch bound holds), and puts every completion back at its input index. A chunk
+whose server fails is sent again, unchanged (same prompts, same seeds), to the least-loaded healthy
+server, so the output never depends on which server answered. Every completion must carry the
+learner's current weight version: a server that holds another version (FAILED_PRECONDITION, a wrong
+version in its reply, or a stale GetStatus) is re-synced through the `resync` callback before it
+gets work again, and a stale completion is never returned.
 """
 
 from __future__ import annotations
@@ -24,6 +24,19 @@ import grpc
 from rmsft_protos import rollout_pb2
 
 from learner.metrics import PHASE_SECONDS, ROLLOUT_REQUESTS, ROLLOUT_RETRIES
+from learner.rollout_types import (
+    FINISH_REASONS,
+    AllServersDownError,
+    Chunk,
+    Rollout,
+    RolloutError,
+    RolloutRequest,
+    StaleRolloutError,
+    check_versions,
+    plan_chunks,
+    sampling_params,
+    to_prompt_proto,
+)
 from learner.servers import NoServerAvailableError, RolloutServer, ServerPool, describe_rpc_error
 
 __all__ = [
@@ -40,121 +53,10 @@ __all__ = [
     "sampling_params",
 ]
 
-_FINISH = {v: k.lower() for k, v in rollout_pb2.FinishReason.items()}
 # The request itself is wrong: sending it to another server cannot help.
 _FATAL_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNIMPLEMENTED}
 # The server is alive but busy: retry the chunk elsewhere without marking the server down.
 _BUSY_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED}
-
-
-class RolloutError(RuntimeError):
-    """A rollout could not be completed; the message says which chunk, where, and why."""
-
-
-class AllServersDownError(RolloutError, NoServerAvailableError):
-    """No server could take (the rest of) the work; names every server and its last error."""
-
-
-class StaleRolloutError(RolloutError):
-    """A completion carries another weight version than the learner's current one."""
-
-
-@dataclass(frozen=True)
-class RolloutRequest:
-    """One prompt. `token_ids` is the fully templated prompt; when empty, `messages` (role, content)
-    and `images` (bytes or URI strings) are rendered by the server."""
-
-    token_ids: Sequence[int] = ()
-    seed: int | None = None
-    request_id: str = ""
-    messages: Sequence[tuple[str, str]] = ()
-    images: Sequence[bytes | str] = ()
-
-
-@dataclass
-class Rollout:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str  # "stop" | "length" | "abort" | "finish_reason_unspecified"
-    weight_version: int
-    server: str  # address of the server that produced it
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Prompts [start, stop) initially planned for the server at position `slot` of the plan."""
-
-    start: int
-    stop: int
-    slot: int
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-
-def plan_chunks(n: int, n_servers: int, batch_size: int = 0) -> list[Chunk]:
-    """Contiguous, balanced split of `n` prompts over `n_servers` (the first `n % n_servers` get one
-    more), each share cut further into balanced pieces of at most `batch_size` (0 = no bound)."""
-    if n_servers <= 0:
-        raise ValueError("plan_chunks needs at least one server")
-    if batch_size < 0:
-        raise ValueError(f"batch_size must be >= 0, got {batch_size}")
-    chunks: list[Chunk] = []
-    base, extra = divmod(n, n_servers)
-    start = 0
-    for slot in range(n_servers):
-        share = base + (1 if slot < extra else 0)
-        if share == 0:
-            continue
-        pieces = -(-share // batch_size) if batch_size else 1
-        p_base, p_extra = divmod(share, pieces)
-        for p in range(pieces):
-            size = p_base + (1 if p < p_extra else 0)
-            chunks.append(Chunk(start, start + size, slot))
-            start += size
-    return chunks
-
-
-def sampling_params(sampling: rollout_pb2.SamplingParams | Mapping[str, Any] | None) -> rollout_pb2.SamplingParams:
-    """SamplingParams from a proto or a mapping with the proto's field names (clear error otherwise)."""
-    if sampling is None:
-        return rollout_pb2.SamplingParams()
-    if isinstance(sampling, rollout_pb2.SamplingParams):
-        return sampling
-    known = set(rollout_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
-    unknown = sorted(set(sampling) - known)
-    if unknown:
-        raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
-    try:
-        return rollout_pb2.SamplingParams(**dict(sampling))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"bad sampling parameters {dict(sampling)}: {e}") from None
-
-
-def check_versions(rollouts: Sequence[Rollout], version: int) -> None:
-    """Raise StaleRolloutError when any rollout was not produced by weight version `version`."""
-    stale = [(i, r.request_id, r.weight_version, r.server) for i, r in enumerate(rollouts)
-             if r.weight_version != version]  # fmt: skip
-    if stale:
-        raise StaleRolloutError(
-            f"{len(stale)} rollout(s) not produced by the current weight version {version} "
-            f"(index, request id, version, server): {stale[:5]}"
-        )
-
-
-def _to_prompt(r: RolloutRequest) -> rollout_pb2.Prompt:
-    p = rollout_pb2.Prompt(token_ids=r.token_ids, request_id=r.request_id)
-    if r.seed is not None:
-        p.seed = r.seed
-    for role, content in r.messages:
-        p.messages.add(role=role, content=content)
-    for img in r.images:
-        if isinstance(img, bytes | bytearray):
-            p.images.add(data=bytes(img))
-        else:
-            p.images.add(uri=str(img))
-    return p
 
 
 @dataclass
@@ -239,7 +141,7 @@ class RolloutClient:
         call = _Call(
             expected=expected,
             sampling=sampling_params(sampling),
-            prompts=[_to_prompt(r) for r in requests],
+            prompts=[to_prompt_proto(r) for r in requests],
             results=[None] * len(requests),
             queues={s.index: deque() for s in self.pool.servers},
         )
@@ -401,7 +303,7 @@ class RolloutClient:
                     request_id=c.request_id or call.prompts[chunk.start + i].request_id,
                     prompt_token_ids=list(c.prompt_token_ids),
                     token_ids=list(c.token_ids),
-                    finish_reason=_FINISH.get(c.finish_reason, "finish_reason_unspecified"),
+                    finish_reason=FINISH_REASONS.get(c.finish_reason, "finish_reason_unspecified"),
                     weight_version=c.weight_version,
                     server=server.address,
                 )
