@@ -22,7 +22,7 @@ API_VERSION = "v1alpha1"
 KIND = "RolloutMatchingJob"
 PLURAL = "rolloutmatchingjobs"
 
-_QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
@@ -107,7 +107,7 @@ class ResourceSpec(_K8s):
         import re
 
         for k, q in v.items():
-            if not re.match(_QUANTITY, str(q)):
+            if not re.match(QUANTITY_PATTERN, str(q)):
                 raise ValueError(f"{k}={q!r} is not a Kubernetes quantity (e.g. 4, 500m, 16Gi)")
         return v
 
@@ -123,13 +123,13 @@ class RolloutSpec(_K8s):
     engine: Literal["vllm", "hf"] = "vllm"
     port: int = Field(50051, ge=1024, le=65535, description="gRPC port (also serves grpc.health.v1).")
     metrics_port: int = Field(9090, ge=1024, le=65535)
-    shm_size: str = Field("8Gi", pattern=_QUANTITY, description="Size of the /dev/shm memory volume.")
+    shm_size: str = Field("8Gi", pattern=QUANTITY_PATTERN, description="Size of the /dev/shm memory volume.")
     resources: ResourceSpec = Field(default_factory=ResourceSpec)
 
     @model_validator(mode="after")
     def _ports_differ(self) -> RolloutSpec:
         if self.port == self.metrics_port:
-            raise ValueError("port and metricsPort must differ")
+            raise ValueError(f"spec.rollout.port and spec.rollout.metricsPort must differ (both {self.port})")
         return self
 
 
@@ -138,7 +138,7 @@ class LearnerSpec(_K8s):
     backoff_limit: int = Field(0, ge=0, le=20, description="Pod retries before the job is Failed.")
     metrics_port: int = Field(9090, ge=1024, le=65535)
     checkpoint_claim: str | None = Field(None, description="PVC mounted at training.checkpoint.dir.")
-    shm_size: str = Field("8Gi", pattern=_QUANTITY)
+    shm_size: str = Field("8Gi", pattern=QUANTITY_PATTERN)
     resources: ResourceSpec = Field(default_factory=ResourceSpec)
 
 
@@ -241,7 +241,8 @@ class TrainingConfig(_Learner):
     @model_validator(mode="after")
     def _warmup(self) -> TrainingConfig:
         if self.warmup_steps > self.steps:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds steps ({self.steps})")
+            raise ValueError(
+                f"spec.training.warmup_steps ({self.warmup_steps}) exceeds spec.training.steps ({self.steps})")
         return self
 
 
@@ -322,7 +323,7 @@ class RolloutMatchingJob(BaseModel):
             "apiVersion": self.api_version,
             "kind": self.kind,
             "metadata": meta,
-            "spec": self.spec.model_dump(mode="json", by_alias=True),
+            "spec": self.spec.model_dump(mode="json", by_alias=True, exclude_none=True),
         }
 
 

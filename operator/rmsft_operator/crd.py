@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from rmsft.jobspec import API_GROUP, API_VERSION, KIND, PLURAL, JobSpec
+from rmsft.jobspec import API_GROUP, API_VERSION, KIND, PLURAL, QUANTITY_PATTERN, JobSpec
 
 SHORT_NAMES = ["rmj"]
 PHASES = ["Pending", "Starting", "Running", "Complete", "Failed", "Invalid"]
@@ -168,6 +168,9 @@ def spec_schema() -> dict[str, Any]:
     for path, rules in LOCAL_RULES.items():
         _at(schema, path).setdefault("x-kubernetes-validations", []).extend(copy.deepcopy(rules))
     _at(schema, "training.data.path")["pattern"] = r"\.jsonl(\.gz)?$"
+    for owner in ("rollout", "learner"):
+        for kind in ("requests", "limits"):
+            _at(schema, f"{owner}.resources.{kind}")["additionalProperties"]["pattern"] = QUANTITY_PATTERN
     for section, sub in schema["properties"].items():
         if section == "rollout":
             for field, fsub in sub["properties"].items():

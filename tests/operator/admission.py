@@ -1,0 +1,89 @@
+"""What the API server does with a RolloutMatchingJob at admission, offline: structural
+defaulting, unknown-field rejection (kubectl's default Strict field validation), the OpenAPI
+schema (jsonschema, draft 4 semantics like Kubernetes) and every CEL rule of the CRD evaluated
+with cel-python, including transition rules against the old object."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import celpy
+import jsonschema
+from rmsft_operator.crd import apply_defaults, build_crd
+
+
+def root_schema() -> dict[str, Any]:
+    return build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def _path(parts: list[Any]) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _unknown(schema: dict[str, Any], obj: Any, where: str) -> list[str]:
+    if isinstance(obj, list) and "items" in schema:
+        return [e for i, v in enumerate(obj) for e in _unknown(schema["items"], v, f"{where}[{i}]")]
+    if not isinstance(obj, dict) or schema.get("type") != "object":
+        return []
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    props = schema.get("properties")
+    if props is None:
+        extra = schema.get("additionalProperties")
+        return [e for k, v in obj.items() for e in _unknown(extra or {}, v, f"{where}.{k}")]
+    errs = []
+    for key, value in obj.items():
+        if key not in props:
+            errs.append(f'{where}.{key}: unknown field "{where}.{key}"')
+        else:
+            errs += _unknown(props[key], value, f"{where}.{key}")
+    return errs
+
+
+_ENV = celpy.Environment()
+_PROGRAMS: dict[str, Any] = {}
+
+
+def _eval(rule: str, activation: dict[str, Any]) -> bool:
+    if rule not in _PROGRAMS:
+        _PROGRAMS[rule] = _ENV.program(_ENV.compile(rule))
+    result = _PROGRAMS[rule].evaluate({k: celpy.json_to_cel(v) for k, v in activation.items()})
+    if isinstance(result, Exception):
+        raise result
+    return bool(result)
+
+
+def _cel(schema: dict[str, Any], obj: Any, old: Any, where: str) -> list[str]:
+    errs = []
+    for rule in schema.get("x-kubernetes-validations", []):
+        transition = "oldSelf" in rule["rule"]
+        if transition and old is None:
+            continue  # transition rules only run on updates where the old value exists
+        activation = {"self": obj, **({"oldSelf": old} if transition else {})}
+        if not _eval(rule["rule"], activation):
+            errs.append(f"{where or '<root>'}: Invalid value: {rule['message']}")
+    if isinstance(obj, dict) and schema.get("type") == "object":
+        for key, sub in (schema.get("properties") or {}).items():
+            if key in obj:
+                old_sub = old.get(key) if isinstance(old, dict) else None
+                errs += _cel(sub, obj[key], old_sub, f"{where}.{key}" if where else key)
+    return errs
+
+
+def admit(doc: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
+    """Rejection messages for `doc` (empty list = admitted), as `kubectl apply` would show them."""
+    schema = root_schema()
+    errs = _unknown(schema["properties"]["spec"], doc.get("spec") or {}, "spec")
+    if errs:
+        return errs
+    obj = apply_defaults(schema, doc)
+    old_obj = apply_defaults(schema, old) if old is not None else None
+    validator = jsonschema.Draft4Validator(schema)
+    errs = [f"{_path(list(e.absolute_path)) or '<root>'}: {e.message}"
+            for e in validator.iter_errors(obj)]
+    if errs:
+        return errs
+    return _cel(schema, obj, old_obj, "")

@@ -1,0 +1,173 @@
+"""The CRD (schema + CEL) and the pydantic model agree: same valid examples, same defaults, and
+each invalid spec is rejected by both with a message that names the bad field."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from admission import admit
+from rmsft_operator.crd import apply_defaults, build_crd, crd_yaml
+
+from rmsft.jobspec import JobSpecError, load_job, parse_job
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ["configs/job.yaml", "configs/job-3v1.yaml", "configs/job-kind-cpu.yaml"]
+CRD_FILE = ROOT / "charts/rmsft/crds/rolloutmatchingjobs.yaml"
+
+
+def _base() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "configs/job.yaml").read_text())
+
+
+def _set(doc: dict[str, Any], dotted: str, value: Any) -> None:
+    node = doc
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    if value is _DELETE:
+        node.pop(leaf, None)
+    else:
+        node[leaf] = value
+
+
+_DELETE = object()
+
+# (id, {dotted path: value}, substrings every rejection message must contain)
+INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
+    ("negative-replicas", {"spec.rollout.replicas": -1}, ["spec.rollout.replicas"]),
+    ("zero-tp", {"spec.rollout.tensorParallelSize": 0}, ["spec.rollout.tensorParallelSize"]),
+    ("gpu-mem-above-1", {"spec.rollout.gpuMemoryUtilization": 1.5}, ["spec.rollout.gpuMemoryUtilization"]),
+    ("gpu-mem-zero", {"spec.rollout.gpuMemoryUtilization": 0}, ["spec.rollout.gpuMemoryUtilization"]),
+    ("privileged-port", {"spec.rollout.port": 80}, ["spec.rollout.port"]),
+    ("same-ports", {"spec.rollout.port": 9090}, ["spec.rollout.port"]),
+    ("sync-mode-enum", {"spec.sync.mode": "nccl"}, ["spec.sync.mode"]),
+    ("gpu-budget-dp", {"spec.rollout.replicas": 7}, ["spec.placement.gpusPerNode", "spec.rollout.replicas"]),
+    ("gpu-budget-tp", {"spec.rollout.replicas": 2, "spec.rollout.tensorParallelSize": 4},
+     ["spec.placement.gpusPerNode"]),
+    ("cpu-learner-gpus", {"spec.placement.accelerator": "none"}, ["spec.learner.gpus"]),
+    ("adapter-without-lora", {"spec.sync.mode": "adapter"}, ["spec.sync.mode", "enableLora"]),
+    ("adapter-dora", {"spec.sync.mode": "adapter", "spec.rollout.enableLora": True},
+     ["spec.sync.mode", "use_dora"]),
+    ("adapter-full-ft", {"spec.sync.mode": "adapter", "spec.rollout.enableLora": True,
+                         "spec.training.lora.use_dora": False, "spec.training.finetune": "full"},
+     ["spec.sync.mode", "finetune"]),
+    ("lora-rank", {"spec.rollout.enableLora": True, "spec.rollout.maxLoraRank": 16},
+     ["spec.training.lora.r", "maxLoraRank"]),
+    ("max-tokens", {"spec.training.rollout.max_tokens": 8192}, ["spec.training.rollout.max_tokens"]),
+    ("lr-zero", {"spec.training.lr": 0}, ["spec.training.lr"]),
+    ("data-not-jsonl", {"spec.training.data.path": "/data/train.csv"}, ["spec.training.data.path"]),
+    ("data-missing", {"spec.training.data": _DELETE}, ["spec.training", "data"]),
+    ("model-missing", {"spec.model": _DELETE}, ["spec", "model"]),
+    ("unknown-key", {"spec.rollout.bogus": 1}, ["spec.rollout.bogus"]),
+    ("iou-gate", {"spec.training.matching.iou_gate": 1.5}, ["spec.training.matching.iou_gate"]),
+    ("top-p-zero", {"spec.training.rollout.top_p": 0}, ["spec.training.rollout.top_p"]),
+    ("two-volume-sources", {"spec.model.volume.hostPath": "/mnt/models"}, ["spec.model.volume"]),
+    ("warmup", {"spec.training.warmup_steps": 5000}, ["spec.training.warmup_steps"]),
+    ("pull-policy", {"spec.image.pullPolicy": "Sometimes"}, ["spec.image.pullPolicy"]),
+    ("toleration-op", {"spec.placement.tolerations": [{"key": "a", "operator": "Maybe"}]},
+     ["spec.placement.tolerations", "operator"]),
+    ("name-too-long", {"metadata.name": "x" * 41}, ["metadata.name"]),
+    ("bad-quantity", {"spec.rollout.resources.requests.cpu": "lots"}, ["spec.rollout.resources.requests"]),
+    ("m-steps-zero", {"spec.training.buffer.m_steps": 0}, ["spec.training.buffer.m_steps"]),
+    ("deepspeed-stage", {"spec.training.deepspeed_stage": 4}, ["spec.training.deepspeed_stage"]),
+]
+
+
+def _normalise(msg: str) -> str:
+    # jsonschema writes list indexes as [0], pydantic as .0
+    import re
+
+    return re.sub(r"\.(\d+)(?=\.|:|$)", r"[\1]", msg)
+
+
+def test_there_are_at_least_twenty_invalid_specs() -> None:
+    assert len(INVALID) >= 20
+
+
+@pytest.mark.parametrize("case", INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_spec_rejected_by_crd_and_model(case: tuple[str, dict[str, Any], list[str]]) -> None:
+    _, edits, fields = case
+    doc = _base()
+    for dotted, value in edits.items():
+        _set(doc, dotted, value)
+    crd_errors = admit(doc)
+    assert crd_errors, "the CRD admitted an invalid spec"
+    crd_text = "\n".join(crd_errors)
+    for field in fields:
+        assert field in crd_text, f"CRD message does not name {field}: {crd_text}"
+    with pytest.raises(JobSpecError) as exc:
+        parse_job(doc)
+    model_text = _normalise("\n".join(exc.value.errors))
+    for field in fields:
+        assert field in model_text, f"model message does not name {field}: {model_text}"
+
+
+@pytest.mark.parametrize("path", EXAMPLES)
+def test_examples_are_admitted_and_defaults_agree(path: str) -> None:
+    doc = yaml.safe_load((ROOT / path).read_text())
+    assert admit(doc) == []
+    model = load_job(ROOT / path).to_manifest()
+    # The fully defaulted model dump is itself admitted (nothing the model fills in is invalid)...
+    assert admit(model) == []
+    # ...and every default the API server would fill in equals the model's default.
+    crd_defaulted = apply_defaults(build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"], doc)
+    _assert_subset(crd_defaulted["spec"], model["spec"], "spec")
+
+
+def _assert_subset(crd: Any, model: Any, where: str) -> None:
+    if isinstance(crd, dict):
+        assert isinstance(model, dict), where
+        for key, value in crd.items():
+            assert key in model, f"{where}.{key} defaulted by the CRD but unknown to the model"
+            _assert_subset(value, model[key], f"{where}.{key}")
+    else:
+        assert crd == model, f"{where}: CRD gives {crd!r}, model gives {model!r}"
+
+
+def test_replicas_may_change_everything_else_is_immutable() -> None:
+    old = _base()
+    scaled = copy.deepcopy(old)
+    scaled["spec"]["rollout"]["replicas"] = 4
+    assert admit(scaled, old=old) == []
+    for dotted, value in [("spec.training.lr", 0.001), ("spec.rollout.tensorParallelSize", 2),
+                          ("spec.model.path", "/models/other"), ("spec.learner.gpus", 1)]:
+        edited = copy.deepcopy(old)
+        _set(edited, dotted, value)
+        errors = admit(edited, old=old)
+        section = ".".join(dotted.split(".")[:3]) if "rollout" in dotted else ".".join(dotted.split(".")[:2])
+        assert any(section in e and "immutable" in e for e in errors), (dotted, errors)
+
+
+def test_crd_file_is_generated_from_the_model() -> None:
+    assert CRD_FILE.read_text() == crd_yaml(), "run: python -m rmsft_operator.crd > " + str(CRD_FILE)
+
+
+def test_crd_validates_against_kubernetes_schema() -> None:
+    kubernetes_validate.validate(yaml.safe_load(CRD_FILE.read_text()), "1.32", strict=True)
+
+
+def test_crd_has_status_printer_columns_and_short_name() -> None:
+    crd = build_crd()
+    version = crd["spec"]["versions"][0]
+    assert version["subresources"] == {"status": {}}
+    cols = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert cols["Phase"] == ".status.phase" and cols["Ready"] == ".status.readyRolloutReplicas"
+    assert "Step" in cols and "Age" in cols
+    assert "rmj" in crd["spec"]["names"]["shortNames"]
+
+
+def test_load_job_reports_file_problems(tmp_path: Path) -> None:
+    bad = tmp_path / "job.yaml"
+    bad.write_text("spec: [unclosed")
+    with pytest.raises(JobSpecError, match="not valid YAML"):
+        load_job(bad)
+    bad.write_text("kind: Pod\n")
+    with pytest.raises(JobSpecError, match="no document with kind: RolloutMatchingJob"):
+        load_job(bad)
+    with pytest.raises(JobSpecError, match="cannot read"):
+        load_job(tmp_path / "missing.yaml")
