@@ -21,6 +21,7 @@ JOB_LABEL = "rmsft.io/job"
 ROLE_LABEL = "app.kubernetes.io/component"
 SPEC_HASH_ANNOTATION = "rmsft.io/spec-hash"
 CONFIG_KEY = "job.yaml"
+SERVE_KEY = "serve.yaml"
 CONFIG_DIR = "/etc/rmsft"
 TOKEN_KEY = "token"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -105,6 +106,28 @@ def render_secret(job: RolloutMatchingJob, namespace: str, uid: str, token: str 
     }
 
 
+def serve_config(job: RolloutMatchingJob) -> dict[str, Any]:
+    """Flags of `rmsft serve --config` (rollout_svc.config.ServeConfig keys) for this job."""
+    r = job.spec.rollout
+    return {
+        "model": job.spec.model.path,
+        "backend": r.engine,
+        "tensor_parallel_size": r.tensor_parallel_size,
+        "gpu_memory_utilization": r.gpu_memory_utilization,
+        "max_model_len": r.max_model_len,
+        "enable_lora": r.enable_lora,
+        "max_lora_rank": r.max_lora_rank,
+        "enable_prefix_caching": r.enable_prefix_caching,
+        "dtype": job.spec.model.dtype,
+        "seed": job.spec.training.rollout.seed,
+        "port": r.port,
+        "metrics_port": r.metrics_port if job.spec.monitoring.enabled else 0,
+        # headroom over the learner's frame size for the per-piece header
+        "max_frame_bytes": 2 * job.spec.sync.frame_bytes,
+        "staging_dir": "/dev/shm",
+    }
+
+
 def render_configmap(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:
     manifest = job.to_manifest()
     manifest["metadata"]["namespace"] = namespace
@@ -116,6 +139,7 @@ def render_configmap(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[
         "metadata": meta,
         "data": {
             CONFIG_KEY: yaml.safe_dump(manifest, sort_keys=False),
+            SERVE_KEY: yaml.safe_dump(serve_config(job), sort_keys=False),
             "servers": "\n".join(server_addresses(job, namespace)),
         },
     }
@@ -223,8 +247,8 @@ def render_statefulset(job: RolloutMatchingJob, namespace: str, uid: str,
         "name": "rollout",
         "image": job.spec.image.ref,
         "imagePullPolicy": job.spec.image.pull_policy,
-        # Port, metrics port and engine settings come from the manifest itself.
-        "args": ["serve", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}"],
+        # Engine, ports and limits come from the serve config rendered from the job spec.
+        "args": ["serve", "--config", f"{CONFIG_DIR}/{SERVE_KEY}"],
         "env": _common_env(job),
         "ports": [
             {"name": "grpc", "containerPort": r.port, "protocol": "TCP"},

@@ -40,8 +40,11 @@ class Emulator(kmock.KubernetesEmulator):
     with generateName (kopf's Events), and a bounded request log."""
 
     _generated = 0
+    # (verb, apiGroup, plural[/subresource]) of every request not made by the test itself.
+    operator_access: set[tuple[str, str, str]] = set()
 
     async def _handle(self, request: kmock.Request) -> Any:
+        self._record_access(request)
         data = request.data if isinstance(request.data, dict) else None
         meta = data.get("metadata") if data else None
         if isinstance(meta, dict) and not meta.get("name") and meta.get("generateName"):
@@ -52,6 +55,27 @@ class Emulator(kmock.KubernetesEmulator):
         finally:
             if len(self._requests) > 2 * HISTORY:
                 del self._requests[:-HISTORY]
+
+
+def _verb(request: kmock.Request) -> str:
+    method = str(getattr(request.method, "value", request.method)).upper()
+    if method == "GET":
+        if request.name:
+            return "get"
+        return "watch" if request.params.get("watch") in ("true", "1") else "list"
+    return {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}.get(method, method)
+
+
+def _record(self: Emulator, request: kmock.Request) -> None:
+    if request.resource is None or not request.resource.plural:
+        return  # discovery
+    if "Python-urllib" in request.headers.get("User-Agent", ""):
+        return  # the test itself
+    plural = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+    self.operator_access.add((_verb(request), request.resource.group or "", plural))
+
+
+Emulator._record_access = _record  # type: ignore[attr-defined]
 
 
 class KmockCluster:

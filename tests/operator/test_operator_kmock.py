@@ -37,8 +37,8 @@ def operator(cluster: KmockCluster, operator_env: dict[str, str]) -> Iterator[An
     cluster.create_namespace(NAMESPACE)
     args = ["run", "--standalone", "--namespace", NAMESPACE, "-m", "rmsft_operator.handlers"]
     with KopfRunner(args, timeout=30) as runner:
-        wait_for(lambda: any(_method(r) == "GET" and "watch=true" in str(r.url)
-                             for r in list(cluster.emulator)), what="operator watching")
+        wait_for(lambda: ("watch", "rmsft.io", "rolloutmatchingjobs") in cluster.emulator.operator_access,
+                 what="operator watching")
         yield runner
     # The operator survived every scenario (no crash loop) and stopped cleanly.
     assert runner.exception is None, runner.output[-3000:]
@@ -312,3 +312,19 @@ def test_rendered_children_match_offline_rendering(cluster: KmockCluster, operat
         for key in ("spec", "data"):
             if key in obj:
                 assert json.loads(json.dumps(live[key])) == obj[key], (obj["kind"], key)
+
+
+def test_chart_rbac_allows_every_call_the_operator_made(cluster: KmockCluster, operator: Any,
+                                                        tmp_path: Path) -> None:
+    """Least privilege that still works: each (verb, resource) the real operator used against the
+    API in this module is granted by the chart's namespaced rules."""
+    from test_operator_chart import template
+
+    objs = template({"rbac": {"namespaced": True, "watchNamespaces": [NAMESPACE]}}, tmp_path)
+    role = next(o for o in objs if o["kind"] == "Role")
+    granted = {(verb, group, res) for rule in role["rules"] for group in rule["apiGroups"]
+               for res in rule["resources"] for verb in rule["verbs"]}
+    used = set(cluster.emulator.operator_access)
+    assert ("create", "apps", "statefulsets") in used and ("patch", "rmsft.io", "rolloutmatchingjobs/status") in used
+    missing = sorted(used - granted)
+    assert not missing, f"the chart's Role lacks permissions the operator used: {missing}"

@@ -39,7 +39,7 @@ def test_reference_job_gpu_layout_and_pod_settings() -> None:
     pod = sts["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    assert c["args"] == ["serve", "--config", "/etc/rmsft/job.yaml"]
+    assert c["args"] == ["serve", "--config", "/etc/rmsft/serve.yaml"]
     assert c["readinessProbe"]["grpc"]["port"] == 50051
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "metrics": 9090}
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
@@ -103,3 +103,22 @@ def test_spec_hash_ignores_replicas_only() -> None:
     assert render.spec_hash(spec) == render.spec_hash(scaled)
     scaled["rollout"]["maxModelLen"] = 4096
     assert render.spec_hash(spec) != render.spec_hash(scaled)
+
+
+@pytest.mark.parametrize("path", EXAMPLES)
+def test_serve_config_is_accepted_by_rmsft_serve(path: str, tmp_path: Path) -> None:
+    """The rendered serve.yaml goes through `rmsft serve`'s own config parser unchanged."""
+    from rollout_svc.config import parse_config
+
+    cm = _by_kind(path)["ConfigMap"]
+    serve = yaml.safe_load(cm["data"]["serve.yaml"])
+    job = load_job(ROOT / path)
+    assert serve["model"] == job.spec.model.path
+    serve["model"] = str(tmp_path)  # the parser checks that the folder exists
+    cfg_file = tmp_path / "serve.yaml"
+    cfg_file.write_text(yaml.safe_dump(serve))
+    cfg = parse_config(["--config", str(cfg_file)])
+    assert cfg.port == job.spec.rollout.port
+    assert cfg.tensor_parallel_size == job.spec.rollout.tensor_parallel_size
+    assert cfg.enable_lora == job.spec.rollout.enable_lora
+    assert cfg.gpu_memory_utilization == job.spec.rollout.gpu_memory_utilization
