@@ -97,6 +97,19 @@ def local(
         _fail(exc)
 
 
+@app.command("operator")
+def operator_cmd(
+    namespace: list[str] = typer.Option([], "--namespace", "-n", help="Namespace to watch (repeatable)."),
+    all_namespaces: bool = typer.Option(False, "--all-namespaces", "-A", help="Watch every namespace."),
+    liveness: str = typer.Option("", help="Liveness endpoint, e.g. http://0.0.0.0:8081/healthz."),
+    verbose: bool = typer.Option(False, help="Debug logging."),
+) -> None:
+    """Run the Kubernetes operator (kopf) that reconciles RolloutMatchingJobs."""
+    from rmsft_operator.__main__ import run
+
+    run(list(namespace), all_namespaces, liveness or None, verbose)
+
+
 def main() -> None:
     app()
 
