@@ -3,7 +3,7 @@ in rollout_svc/metrics.py or in rmsft_operator/metrics.py (tests/test_dashboards
 
 from prometheus_client import Counter, Gauge, Histogram
 
-PHASES = ("rollout", "generate", "parse", "match", "pack", "forward", "backward", "optimizer", "sync")
+PHASES = ("rollout", "generate", "parse", "match", "targets", "pack", "forward", "backward", "optimizer", "sync")
 _PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 PHASE_SECONDS = Histogram(
