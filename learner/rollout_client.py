@@ -82,7 +82,10 @@ class _Call:
 class RolloutClient:
     """Sends rollouts to a `ServerPool`.
 
-    timeout_s: deadline of each Generate call (one chunk). generate_batch_size: most prompts per
+    timeout_s: deadline of each Generate call (one chunk). max_inflight_per_server: Generate calls
+    outstanding per server; 2 keeps the next chunk queued at the server while the current one runs
+    (the server's engine thread takes queued calls back to back, merging them into one batch when it
+    can), so the round trip is off the critical path. generate_batch_size: most prompts per
     Generate call (0 = a server's whole share in one call). max_attempts: tries per chunk before the
     rollout fails (default: number of servers + 1). resync: called as `resync(server)` to push the
     learner's current weights to a server that holds another version; it must raise on failure.
@@ -95,7 +98,7 @@ class RolloutClient:
         timeout_s: float = 600.0,
         generate_batch_size: int = 0,
         max_attempts: int | None = None,
-        max_inflight_per_server: int = 1,
+        max_inflight_per_server: int = 2,
         resync: Callable[[RolloutServer], None] | None = None,
     ) -> None:
         if timeout_s <= 0:
