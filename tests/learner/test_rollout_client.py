@@ -313,3 +313,22 @@ def test_wait_ready_names_the_missing_server(cluster) -> None:
     servers[1].stop()
     with pytest.raises(NoServerAvailableError, match=servers[1].address.replace(".", r"\.")):
         pool.wait_ready(timeout_s=0.5, poll_s=0.1)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_faults_lose_and_duplicate_nothing(cluster, seed) -> None:
+    """Several servers failing in different ways at once, including a retry landing on a server
+    that fails too: the result is still every prompt once, in order, from the current version."""
+    import random
+
+    rng = random.Random(seed)
+    servers, pool = cluster(4, delay_s=0.005)
+    codes = [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN]  # fmt: skip
+    for s in rng.sample(servers, 3):  # one server always stays healthy
+        s.engine.fail_generate = rng.choice(codes)
+        s.engine.fail_times = rng.randint(1, 3)
+    reqs = requests(rng.randint(5, 40), seed0=seed * 1000)
+    out = RolloutClient(pool, generate_batch_size=rng.choice([0, 1, 3, 5])).generate(reqs)
+    assert_complete(out, reqs)
+    assert len({r.request_id for r in out}) == len(reqs)
