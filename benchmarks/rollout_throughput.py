@@ -22,8 +22,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rmsft.tiny_model import CLASS_NAMES, build_tiny_model  # noqa: E402
 from rmsft_protos import rollout_pb2  # noqa: E402
+
+from rmsft.tiny_model import CLASS_NAMES, build_tiny_model  # noqa: E402
 from rollout_svc.launcher import RolloutServer  # noqa: E402
 
 

@@ -12,7 +12,7 @@ staging file in /dev/shm). Server memory is sampled every 20 ms during the sync.
 from __future__ import annotations
 
 import argparse
-import hashlib
+import contextlib
 import json
 import os
 import socket
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rmsft.weights_wire import FULL, iter_weight_chunks  # noqa: E402
-from rollout_svc.launcher import RolloutServer, free_port  # noqa: E402
+from rollout_svc.launcher import RolloutServer  # noqa: E402
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -129,10 +129,8 @@ class MemSampler(threading.Thread):
         main = self.proc.memory_info().rss
         kids = 0
         for c in self.proc.children(recursive=True):
-            try:
+            with contextlib.suppress(psutil.Error):
                 kids += c.memory_info().rss
-            except psutil.Error:
-                pass
         shm = psutil.disk_usage(self.shm).used if os.path.isdir(self.shm) else 0
         return {"server": main, "engine": kids, "shm": shm}
 

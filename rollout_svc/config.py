@@ -38,6 +38,7 @@ class ServeConfig:
     max_batch_prompts: int = 1024  # prompts merged into one engine call
     max_frame_bytes: int = 8 << 20
     staging_dir: str = ""  # default: /dev/shm when present, else the temp dir
+    keep_rollback_copy: bool = True  # keep the last FULL stream staged to undo a failed apply
     replica_ordinal: int = -1  # -1 = from POD_NAME / HOSTNAME "<name>-<k>", else 0
     grace_seconds: float = 5.0
 
@@ -116,6 +117,8 @@ _HELP = {
     "max_batch_prompts": "prompts of queued calls merged into one engine call",
     "max_frame_bytes": "largest TensorPiece payload accepted in UpdateWeights",
     "staging_dir": "where weight streams are staged (default /dev/shm)",
+    "keep_rollback_copy": "keep the last applied FULL stream in the staging dir so a failed apply can be "
+    "undone (costs one model size of staging memory); without it a failed apply marks the server broken",
     "replica_ordinal": "replica index reported by GetStatus (default: from POD_NAME/HOSTNAME suffix)",
     "grace_seconds": "shutdown grace for in-flight calls",
 }

@@ -58,6 +58,13 @@ class RolloutServer:
         `options` are `rmsft serve` flags in snake_case (e.g. backend="hf", enable_lora=True).
         Raises RuntimeError with the server's log tail if it exits or times out.
         """
+        if port:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError as e:
+                    # A health check would reach whoever holds the port and look healthy.
+                    raise RuntimeError(f"port {port} is taken: {e}") from e
         port = port or free_port()
         metrics_port = free_port() if metrics_port is None else metrics_port
         opts = {"host": "127.0.0.1", "gpu_memory_utilization": 0.08, "max_model_len": 2048, **options}

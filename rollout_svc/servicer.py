@@ -53,7 +53,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._update_lock = threading.Lock()
         self._adapter_ids = itertools.count(1)
         self._adapter_dir: str | None = None
-        self._rollback: StagedWeights | None = None  # last applied FULL stream; None = checkpoint
+        self._rollback: StagedWeights | None = None  # last applied FULL stream
+        self._rollback_is_checkpoint = True  # no FULL applied yet: the checkpoint is the rollback
         self._broken = ""
         self._on_broken = on_broken
         self._last_applied: list = []
@@ -192,7 +193,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             else:
                 self._apply_adapter(staged)
         except WireError as e:
+            if e.reason == "truncated" and not context.is_active():
+                e.reason = "cancelled"  # grpc ends the request iterator quietly on a client cancel
             metrics.WEIGHT_SYNC_FAILURES.labels(reason=e.reason).inc()
+            log.warning("weight update refused (%s): %s", e.reason, e)
             self._finish("UpdateWeights", context, getattr(grpc.StatusCode, e.code), str(e))
         except EngineError as e:
             metrics.WEIGHT_SYNC_FAILURES.labels(reason="apply").inc()
@@ -223,6 +227,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self.engine.apply_full(staged.index_path)
         except EngineError as e:
             prev = self._rollback.index_path if self._rollback else None
+            if prev is None and not self._rollback_is_checkpoint:
+                self._broken = f"FULL apply failed ({e}) and no rollback copy is kept"
+                metrics.READY.set(0)
+                if self._on_broken:
+                    self._on_broken(self._broken)
+                staged.cleanup()
+                raise
             try:
                 self.engine.apply_full(prev)
                 if self._adapter_dir:  # the reload dropped the adapter that belongs to this version
@@ -239,7 +250,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.engine.reset_prefix_cache()
         if self._rollback is not None:
             self._rollback.cleanup()
-        self._rollback = staged
+        self._rollback_is_checkpoint = False
+        if self.cfg.keep_rollback_copy:
+            self._rollback = staged
+        else:
+            self._rollback = None
+            staged.cleanup()
         if self._adapter_dir:
             shutil.rmtree(self._adapter_dir, ignore_errors=True)
             self._adapter_dir = None

@@ -7,7 +7,10 @@ that must match whatever the server currently serves.
 
 from __future__ import annotations
 
+import glob
 import json
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -141,10 +144,16 @@ class Ref:
 
 # -- fixtures ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def srv(tiny_model_dir: Path):
+def stage_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("staging")
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model_dir: Path, stage_dir: Path):
     with RolloutServer.start(
-        tiny_model_dir, enable_lora=True, max_lora_rank=8, enable_prefix_caching=True, dtype="float32",
-        max_frame_bytes=MAX_FRAME, env={"RMSFT_AUTH_TOKEN": TOKEN}, timeout=400,
+        tiny_model_dir, staging_dir=str(stage_dir), enable_lora=True, max_lora_rank=8,
+        enable_prefix_caching=True, dtype="float32", max_frame_bytes=MAX_FRAME,
+        env={"RMSFT_AUTH_TOKEN": TOKEN}, timeout=400,
     ) as s:
         yield s
 
@@ -327,7 +336,13 @@ def test_fault_adapter_rank_above_server_limit(srv, ref, tmp_path) -> None:
     _expect_refused(srv, ref, chunks, grpc.StatusCode.FAILED_PRECONDITION, "max-lora-rank")
 
 
-def test_fault_stream_cancelled_midway(srv, ref) -> None:
+def _cut_failures(text: str) -> float:
+    # Depending on when the cancel reaches the server's reader it sees an error or an early end.
+    return sum(max(0.0, _metric(text, "rmsft_rollout_weight_sync_failures_total", f'reason="{r}"'))
+               for r in ("cancelled", "truncated"))
+
+
+def test_fault_stream_cancelled_midway(srv, ref, stage_dir) -> None:
     v = _status(srv).weight_version
     sd = _random_full_weights(Path(srv_model(srv)), seed=95).state_dict()
     chunks = list(iter_weight_chunks(sd.items(), version=1000, mode=FULL, frame_bytes=16 << 10))
@@ -342,22 +357,33 @@ def test_fault_stream_cancelled_midway(srv, ref) -> None:
                 return
             yield c
 
-    before = _metric(_scrape(srv), "rmsft_rollout_weight_sync_failures_total", 'reason="cancelled"')
+    before = _cut_failures(_scrape(srv))
     fut = srv.stub().UpdateWeights.future(gen(), metadata=srv.metadata(), timeout=60)
     assert half.wait(30)
-    time.sleep(0.5)
+    # Cancel only once the server is provably mid-stream: its staging file exists.
+    staged = []
+    deadline = time.monotonic() + 30
+    while not staged and time.monotonic() < deadline:
+        staged = glob.glob(str(stage_dir / "rmsft-stage-1000-*.bin"))
+        time.sleep(0.1)
+    assert staged, "server never started staging the stream"
     fut.cancel()
     hold.set()
     with pytest.raises(grpc.FutureCancelledError):
         fut.result()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        now = _metric(_scrape(srv), "rmsft_rollout_weight_sync_failures_total", 'reason="cancelled"')
-        if now > max(before, 0):
+        now = _cut_failures(_scrape(srv))
+        if now > before:
             break
         time.sleep(0.2)
-    assert now > max(before, 0)
+    assert now > before
+    assert not any(Path(p).exists() for p in staged)  # partial staging removed
     _assert_still_serving(srv, ref, v)
+    # The update slot was released: the next stream (the weights being served, as FULL) applies.
+    reply = _update(srv, _full_chunks(ref, v + 1))
+    assert reply.version == v + 1
+    _assert_still_serving(srv, ref, v + 1)
 
 
 def test_metrics_move_with_traffic(srv, ref) -> None:
@@ -365,8 +391,8 @@ def test_metrics_move_with_traffic(srv, ref) -> None:
     _generate(srv.stub(), srv.metadata(), ref.prompts)
     m1 = _scrape(srv)
     v = _status(srv).weight_version
-    assert _metric(m1, "rmsft_rollout_requests_total", 'method="Generate",code="OK"') > _metric(
-        m0, "rmsft_rollout_requests_total", 'method="Generate",code="OK"')
+    assert _metric(m1, "rmsft_rollout_requests_total", 'code="OK",method="Generate"') > _metric(
+        m0, "rmsft_rollout_requests_total", 'code="OK",method="Generate"')
     assert _metric(m1, "rmsft_rollout_generated_tokens_total") > _metric(m0, "rmsft_rollout_generated_tokens_total")
     assert _metric(m1, "rmsft_rollout_prompt_tokens_total") > _metric(m0, "rmsft_rollout_prompt_tokens_total")
     assert _metric(m1, "rmsft_rollout_generate_seconds_count") > _metric(m0, "rmsft_rollout_generate_seconds_count")
@@ -384,9 +410,17 @@ def test_metrics_move_with_traffic(srv, ref) -> None:
 
 def test_port_taken_fails_fast(srv, tiny_model_dir) -> None:
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match="port taken"):
+    r = subprocess.run(
+        [sys.executable, "-m", "rollout_svc", "--model", str(tiny_model_dir), "--host", "127.0.0.1",
+         "--port", str(srv.port), "--metrics-port", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode != 0
+    assert "port taken" in r.stderr, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 60  # before any engine work
+    assert srv.health() == "SERVING"
+    with pytest.raises(RuntimeError, match="is taken"):
         RolloutServer.start(tiny_model_dir, port=srv.port, timeout=60)
-    assert time.monotonic() - t0 < 30
 
 
 # -- HF backend server (no LoRA, concurrency bound 1) -----------------------------------------

@@ -1,0 +1,49 @@
+"""`rmsft serve` configuration: YAML + flags, defaults, validation (no engine started)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rollout_svc.config import ServeConfig, parse_config
+
+
+def test_yaml_then_flags_win(tmp_path: Path, tiny_model_dir: Path) -> None:
+    cfg_file = tmp_path / "serve.yaml"
+    cfg_file.write_text(f"model: {tiny_model_dir}\nport: 6000\nenable_lora: true\nmax_lora_rank: 32\n")
+    cfg = parse_config(["--config", str(cfg_file), "--port", "7000", "--no-enable-prefix-caching"])
+    assert cfg.model == str(tiny_model_dir)
+    assert cfg.port == 7000 and cfg.enable_lora and cfg.max_lora_rank == 32
+    assert cfg.enable_prefix_caching is False
+    assert cfg.backend == "vllm"  # never hf unless asked
+
+
+def test_unknown_yaml_key_and_bad_values_fail_clearly(tmp_path: Path, tiny_model_dir: Path) -> None:
+    cfg_file = tmp_path / "serve.yaml"
+    cfg_file.write_text(f"model: {tiny_model_dir}\nportt: 1\n")
+    with pytest.raises(SystemExit, match="unknown keys.*portt"):
+        parse_config(["--config", str(cfg_file)])
+    with pytest.raises(SystemExit, match="backend must be"):
+        parse_config(["--model", str(tiny_model_dir), "--backend", "tgi"])
+    with pytest.raises(SystemExit, match="does not exist"):
+        parse_config(["--model", str(tmp_path / "nope")])
+    with pytest.raises(SystemExit, match="TLS needs both"):
+        parse_config(["--model", str(tiny_model_dir), "--tls-cert", "c.pem"])
+
+
+def test_replica_ordinal_from_statefulset_pod_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RMSFT_REPLICA_ORDINAL", raising=False)
+    monkeypatch.setenv("POD_NAME", "job-a-rollout-3")
+    assert ServeConfig().resolved_replica_ordinal() == 3
+    assert ServeConfig(replica_ordinal=5).resolved_replica_ordinal() == 5
+
+
+def test_auth_token_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RMSFT_AUTH_TOKEN", "from-env")
+    assert ServeConfig().resolved_auth_token() == "from-env"
+    f = tmp_path / "token"
+    f.write_text("from-file\n")
+    assert ServeConfig(auth_token_file=str(f)).resolved_auth_token() == "from-file"
+    with pytest.raises(SystemExit, match="cannot read auth token file"):
+        ServeConfig(auth_token_file=str(tmp_path / "missing")).resolved_auth_token()
