@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +170,40 @@ class KmockCluster:
         status, body = self.request("GET", f"{prefix}/namespaces/{namespace}/{plural}")
         assert status == 200, (status, body)
         return body["items"]
+
+
+NAMESPACE = "rmsft-test"
+# Short timings so the real kopf operator reacts within a second (defaults are minutes-scale).
+FAST_ENV = {
+    "RMSFT_OPERATOR_RESYNC_SECONDS": "1",
+    "RMSFT_OPERATOR_RETRY_BACKOFF_SECONDS": "0.5",
+    "RMSFT_OPERATOR_API_RETRIES": "3",
+    "RMSFT_OPERATOR_API_BACKOFF_SECONDS": "0.05",
+    # kmock never bumps resourceVersion, so kopf would wait the whole consistency timeout after
+    # each of its own patches.
+    "RMSFT_OPERATOR_CONSISTENCY_SECONDS": "0.2",
+    "RMSFT_OPERATOR_WATCH_TIMEOUT_SECONDS": "60",
+    # kmock cannot list cluster-scoped namespaces: watch the exact namespace instead of scanning.
+    "RMSFT_OPERATOR_SCANNING": "false",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except (KeyError, TypeError, IndexError, AssertionError) as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")

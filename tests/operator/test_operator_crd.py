@@ -10,7 +10,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from admission import admit
+from crd_admission import admit
 from rmsft_operator.crd import apply_defaults, build_crd, crd_yaml
 
 from rmsft.jobspec import JobSpecError, load_job, parse_job

@@ -14,8 +14,7 @@ from typing import Any
 import kmock
 import pytest
 import yaml
-from conftest import NAMESPACE, wait_for
-from kmock_cluster import KmockCluster
+from kmock_cluster import NAMESPACE, KmockCluster, wait_for
 from rmsft_operator import render
 
 ROOT = Path(__file__).resolve().parents[2]
