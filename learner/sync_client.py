@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import grpc
 from rmsft_protos import rollout_pb2
 
+from learner.fanout import Fanout
 from learner.metrics import WEIGHT_SYNC_BYTES, WEIGHT_VERSION
 from learner.servers import RolloutServer, ServerPool, describe_rpc_error
 from learner.weight_export import (
@@ -207,27 +208,24 @@ class WeightSyncClient:
         tensors, config_json = self._payload(mode)
         wire_mode = _WIRE_MODE[mode]
 
-        headers: list[rollout_pb2.WeightHeader] = []
+        # Encoded once, fed to every server; the header is built here, in the caller, so a bad
+        # tensor name or dtype raises a clear error now instead of a cancelled RPC from gRPC's thread.
+        gen = iter_weight_chunks(
+            tensors, version=version, mode=wire_mode, adapter_config_json=config_json, frame_bytes=self.frame_bytes
+        )
+        header = next(gen)
+        tensor_bytes = header.header.total_bytes
+        fan = Fanout(itertools.chain([header], gen), len(servers))
 
-        def stream() -> itertools.chain:
-            # The header is built here, in the caller: a bad tensor name or dtype raises a clear
-            # error now instead of surfacing as a cancelled RPC from inside gRPC's sender thread.
-            gen = iter_weight_chunks(
-                tensors, version=version, mode=wire_mode, adapter_config_json=config_json,
-                frame_bytes=self.frame_bytes,
-            )  # fmt: skip
-            first = next(gen)
-            headers.append(first.header)
-            return itertools.chain([first], gen)
-
-        streams = [stream() for _ in servers]
-        tensor_bytes = headers[0].total_bytes if headers else 0
-
-        def send(server: RolloutServer, requests: itertools.chain) -> tuple[str, Any]:
+        def send(i: int, server: RolloutServer) -> tuple[str, Any]:
             try:
-                reply = server.stub.UpdateWeights(requests, timeout=self.timeout_s, metadata=self.pool.metadata)
+                reply = server.stub.UpdateWeights(fan.consumer(i), timeout=self.timeout_s, metadata=self.pool.metadata)
             except grpc.RpcError as e:
+                if fan.error is not None:
+                    raise WeightSyncError(f"encoding weight version {version} failed: {fan.error}") from fan.error
                 return ("unreachable" if e.code() in _UNREACHABLE else "rejected"), describe_rpc_error(e)
+            finally:
+                fan.close(i)  # a failed call must not hold the other servers' streams back
             if reply.version != version:
                 return "rejected", f"acknowledged version {reply.version}, expected {version}"
             return "acked", reply
@@ -235,7 +233,7 @@ class WeightSyncClient:
         report = SyncReport(version=version, mode=mode, tensor_bytes=tensor_bytes)
         if previous is not None:
             report.unreachable.update(previous.unreachable)
-        futures = [self._threads.submit(send, s, st) for s, st in zip(servers, streams, strict=True)]
+        futures = [self._threads.submit(send, i, s) for i, s in enumerate(servers)]
         for server, fut in zip(servers, futures, strict=True):
             outcome, detail = fut.result()
             if outcome == "acked":

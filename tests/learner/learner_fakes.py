@@ -47,6 +47,7 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
     reject_adapter: bool = False
     token: str | None = None
     active_adapter: str = ""
+    abort_update_after: tuple[int, grpc.StatusCode] | None = None  # (pieces, code): die mid-stream
     calls: list[list[tuple[str, int | None]]] = field(default_factory=list)
     updates: list[Received] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
@@ -107,10 +108,14 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
         reader = StreamReader()
         buf = bytearray()
         biggest = 0
+        pieces = 0
         try:
             for chunk in request_iterator:
                 if chunk.WhichOneof("kind") == "piece":
                     biggest = max(biggest, len(chunk.piece.data))
+                    pieces = pieces + 1
+                    if self.abort_update_after and pieces > self.abort_update_after[0]:
+                        context.abort(self.abort_update_after[1], f"injected: stream broken after {pieces - 1} pieces")
                 off = reader.feed(chunk)
                 if chunk.WhichOneof("kind") == "header":
                     if chunk.header.mode == ADAPTER and (self.reject_adapter or not self.lora_enabled):

@@ -349,3 +349,21 @@ def test_adapter_then_full_sync_to_real_vllm_server(tiny_model_dir, tiny_tokeniz
         fresh = WeightSyncClient(pool, model, mode="auto")  # knows only what GetStatus says
         assert fresh.sync(4).mode == "full"
         _check_served_weights(pool, model, tiny_tokenizer, 4)
+
+
+@pytest.mark.parametrize(("code", "outcome"), [("UNAVAILABLE", "unreachable"), ("INTERNAL", "rejected")])
+def test_a_stream_broken_mid_way_does_not_hold_back_the_others(cluster, lora_model, code, outcome) -> None:
+    servers, pool = cluster(3)
+    servers[1].engine.abort_update_after = (3, getattr(grpc.StatusCode, code))
+    client = WeightSyncClient(pool, lora_model, frame_bytes=16 << 10)  # many frames: the break is mid-way
+    if outcome == "rejected":
+        with pytest.raises(WeightSyncError, match="injected: stream broken"):
+            client.sync(1)
+    else:
+        report = client.sync(1)
+        assert list(report.unreachable) == [servers[1].address]
+    ref = _merged_reference(lora_model)
+    for s in (servers[0], servers[2]):  # got the whole stream, verified, applied
+        (upd,) = s.engine.updates
+        _assert_same_tensors(upd.tensors, ref)
+    assert not servers[1].engine.updates and servers[1].engine.version == 0
