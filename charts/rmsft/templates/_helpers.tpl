@@ -41,6 +41,10 @@ app.kubernetes.io/component: operator
 - apiGroups: ["rmsft.io"]
   resources: ["rolloutmatchingjobs/status"]
   verbs: ["get", "patch"]
+# Owner references with blockOwnerDeletion need this where OwnerReferencesPermissionEnforcement is on.
+- apiGroups: ["rmsft.io"]
+  resources: ["rolloutmatchingjobs/finalizers"]
+  verbs: ["update"]
 - apiGroups: [""]
   resources: ["secrets", "services"]
   verbs: ["get", "create"]
