@@ -17,11 +17,13 @@ from rmsft.jobspec import API_GROUP, API_VERSION, PLURAL
 from rmsft_operator import metrics, reconcile, render
 from rmsft_operator.config import OperatorConfig
 from rmsft_operator.kube import ApiError, Kube, load_client_config
+from rmsft_operator.serial import PerKeyRunner
 
 CFG = OperatorConfig.from_env()
 log = logging.getLogger("rmsft_operator")
 _state: dict[str, Any] = {"kube": None, "metrics_started": False}
 _phases: dict[tuple[str, str], str] = {}
+_serial = PerKeyRunner()
 CHILD_FILTER = {"app.kubernetes.io/managed-by": render.MANAGED_BY}
 
 
@@ -64,7 +66,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     _kube()
 
 
-def _run(body: dict[str, Any], trigger: str) -> reconcile.Outcome:
+def _run_once(body: dict[str, Any], trigger: str) -> reconcile.Outcome:
     meta = body.get("metadata") or {}
     t0 = time.perf_counter()
     try:
@@ -83,6 +85,20 @@ def _run(body: dict[str, Any], trigger: str) -> reconcile.Outcome:
     return outcome
 
 
+def _run(body: dict[str, Any], trigger: str, wait: bool = True) -> reconcile.Outcome | None:
+    """One pass (plus one more per event that arrived meanwhile); later passes re-read the job."""
+    meta = body.get("metadata") or {}
+    namespace, name = meta.get("namespace") or "default", meta["name"]
+
+    def one_pass(index: int) -> reconcile.Outcome | None:
+        current = body if index == 0 else _kube().get_job(namespace, name)
+        if current is None or (current.get("metadata") or {}).get("deletionTimestamp"):
+            return None
+        return _run_once(current, trigger if index == 0 else f"{trigger}+")
+
+    return _serial.run((namespace, name), one_pass, wait=wait)
+
+
 @kopf.on.resume(API_GROUP, API_VERSION, PLURAL)
 @kopf.on.create(API_GROUP, API_VERSION, PLURAL)
 @kopf.on.update(API_GROUP, API_VERSION, PLURAL, field="spec")
@@ -92,7 +108,7 @@ def on_job(body: kopf.Body, reason: str, **_: Any) -> None:
 
 @kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=CFG.resync_seconds, initial_delay=CFG.resync_seconds)
 def resync(body: kopf.Body, **_: Any) -> None:
-    _run(dict(body), trigger="resync")
+    _run(dict(body), trigger="resync", wait=False)
 
 
 @kopf.on.delete(API_GROUP, API_VERSION, PLURAL, optional=True)
@@ -109,7 +125,7 @@ def _on_child(labels: dict[str, str], namespace: str, trigger: str) -> None:
         parent = _kube().get_job(namespace, job_name)
         if parent is None or (parent.get("metadata") or {}).get("deletionTimestamp"):
             return
-        _run(parent, trigger=trigger)
+        _run(parent, trigger=trigger, wait=False)
     except (ApiError, kopf.TemporaryError) as exc:
         # Events are not retried by kopf; the periodic resync picks the job up again.
         log.warning("reconcile of %s/%s after a %s event failed: %s", namespace, job_name, trigger, exc)
