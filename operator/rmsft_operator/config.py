@@ -32,6 +32,8 @@ class OperatorConfig:
     # kopf's cluster scanning lists namespaces and CRDs cluster-wide; a namespaced install (and
     # the kmock tests) turn it off and watch the exact namespaces given on the command line.
     scanning: bool = True
+    # Read status.step / status.weightVersion from the learner pod's /metrics (0 disables).
+    progress_timeout_seconds: float = 1.0
 
     @classmethod
     def from_env(cls) -> OperatorConfig:
@@ -43,5 +45,7 @@ class OperatorConfig:
             consistency_seconds=_float("RMSFT_OPERATOR_CONSISTENCY_SECONDS", cls.consistency_seconds),
             watch_timeout_seconds=_float("RMSFT_OPERATOR_WATCH_TIMEOUT_SECONDS", cls.watch_timeout_seconds),
             metrics_port=int(_float("RMSFT_OPERATOR_METRICS_PORT", cls.metrics_port)),
+            progress_timeout_seconds=_float("RMSFT_OPERATOR_PROGRESS_TIMEOUT_SECONDS",
+                                            cls.progress_timeout_seconds),
             scanning=os.environ.get("RMSFT_OPERATOR_SCANNING", "true").lower() not in ("0", "false", "no"),
         )

@@ -70,7 +70,7 @@ def _run_once(body: dict[str, Any], trigger: str) -> reconcile.Outcome:
     meta = body.get("metadata") or {}
     t0 = time.perf_counter()
     try:
-        outcome = reconcile.reconcile(_kube(), body)
+        outcome = reconcile.reconcile(_kube(), body, progress_timeout=CFG.progress_timeout_seconds)
     except ApiError as exc:
         metrics.RECONCILES.labels(trigger=trigger, result="error").inc()
         raise kopf.TemporaryError(str(exc), delay=CFG.retry_backoff_seconds) from None

@@ -59,9 +59,10 @@ class Kube:
         self.cfg = cfg
         self.api = api_client or client.ApiClient()
 
-    def _once(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+    def _once(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+              query: list[tuple[str, str]] | None = None) -> Any:
         m, url, headers, payload, post = self.api.param_serialize(
-            method=method, resource_path=path, body=body,
+            method=method, resource_path=path, body=body, query_params=query or [],
             header_params={"Accept": "application/json", "Content-Type": content_type},
             auth_settings=["BearerToken"],
         )
@@ -71,11 +72,12 @@ class Kube:
             raise ApiException(status=resp.status, reason=resp.reason, http_resp=resp.response)
         return json.loads(data) if data else {}
 
-    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+                query: list[tuple[str, str]] | None = None) -> Any:
         delay = self.cfg.api_backoff_seconds
         for attempt in range(self.cfg.api_retries + 1):
             try:
-                return self._once(method, path, body, content_type)
+                return self._once(method, path, body, content_type, query)
             except ApiException as exc:
                 status = int(exc.status or 0)
                 metrics.ERRORS.labels(code=str(status)).inc()
@@ -131,6 +133,13 @@ class Kube:
     def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any],
               sub: str | None = None) -> dict[str, Any]:
         return self.request("PATCH", self.path(kind, namespace, name, sub), body, MERGE_PATCH)
+
+    def list_pods(self, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        items = self.request("GET", f"/api/v1/namespaces/{namespace}/pods",
+                             query=[("labelSelector", selector)]).get("items") or []
+        # filter here too: not every API (kmock) honours labelSelector
+        return [p for p in items if labels.items() <= ((p.get("metadata") or {}).get("labels") or {}).items()]
 
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.get("RolloutMatchingJob", namespace, name)

@@ -19,6 +19,7 @@ import yaml
 from rmsft.jobspec import API_GROUP, API_VERSION, KIND, JobSpecError, parse_job
 from rmsft_operator import render
 from rmsft_operator.kube import Kube
+from rmsft_operator.progress import learner_progress
 
 log = logging.getLogger("rmsft_operator.reconcile")
 
@@ -70,7 +71,7 @@ def _job_state(learner: dict[str, Any]) -> tuple[bool, bool, str]:
     return succeeded, False, ""
 
 
-def reconcile(kube: Kube, body: dict[str, Any]) -> Outcome:
+def reconcile(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> Outcome:
     meta = body.get("metadata") or {}
     name, namespace, uid = meta["name"], meta.get("namespace") or "default", meta.get("uid") or ""
     generation = meta.get("generation")
@@ -172,6 +173,9 @@ def reconcile(kube: Kube, body: dict[str, Any]) -> Outcome:
         kube.patch("Job", namespace, n["job"], {"spec": {"suspend": False}})
         suspended = False
         status["startTime"] = _now()
+    if not suspended and progress_timeout > 0:
+        pods = kube.list_pods(namespace, render.selector(name, "learner"))
+        status.update(learner_progress(pods, job.spec.learner.metrics_port, progress_timeout))
     pool_msg = f"{ready}/{want} rollout servers Ready"
     learner_msg = "learner waits for the rollout pool" if suspended else "learner Job resumed"
     conds = [

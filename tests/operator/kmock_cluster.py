@@ -28,6 +28,7 @@ RESOURCES = {
     "v1/configmaps": ("ConfigMap", set()),
     "v1/services": ("Service", set()),
     "v1/events": ("Event", set()),
+    "v1/pods": ("Pod", {"status"}),
     "apps/v1/statefulsets": ("StatefulSet", {"status", "scale"}),
     "batch/v1/jobs": ("Job", {"status"}),
     "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", set()),

@@ -31,3 +31,13 @@ def test_operator_command_needs_a_scope() -> None:
     assert proc.returncode != 0
     assert "--namespace NS (repeatable) or --all-namespaces" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_progress_is_parsed_from_prometheus_text() -> None:
+    from rmsft_operator.progress import parse_progress
+
+    text = ("# TYPE rmsft_learner_global_step gauge\nrmsft_learner_global_step 12.0\n"
+            "rmsft_learner_global_step_other 99\nrmsft_learner_weight_version{pod=\"x\"} 3\n")
+    assert parse_progress(text) == {"step": 12, "weightVersion": 3}
+    assert parse_progress("rmsft_learner_global_step NaN\n") == {}
+    assert parse_progress("") == {}

@@ -327,3 +327,41 @@ def test_chart_rbac_allows_every_call_the_operator_made(cluster: KmockCluster, o
     assert ("create", "apps", "statefulsets") in used and ("patch", "rmsft.io", "rolloutmatchingjobs/status") in used
     missing = sorted(used - granted)
     assert not missing, f"the chart's Role lacks permissions the operator used: {missing}"
+
+
+def test_learner_progress_fills_step_column(cluster: KmockCluster, operator: Any) -> None:
+    """status.step / weightVersion come from the learner pod's own /metrics endpoint."""
+    import http.server
+    import threading
+
+    from kmock_cluster import free_port
+
+    body = (b"# HELP rmsft_learner_global_step Optimizer steps done\n# TYPE rmsft_learner_global_step gauge\n"
+            b"rmsft_learner_global_step 7.0\nrmsft_learner_weight_version 8.0\n")
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    port = free_port()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        _create(cluster, _manifest("hotel", **{"learner.metricsPort": port}))
+        _start_pool(cluster, "hotel", 2)
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": "hotel-learner-abcde", "namespace": NAMESPACE,
+                            "labels": render.labels("hotel", "learner")},
+               "spec": {"containers": [{"name": "learner", "image": "rmsft:cpu"}]},
+               "status": {"phase": "Running", "podIP": "127.0.0.1"}}
+        code, out = cluster.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", pod)
+        assert code in (200, 201), out
+        cr = wait_for(lambda: (c := _cr(cluster, "hotel"))["status"].get("step") == 7 and c, what="step 7")
+        assert cr["status"]["weightVersion"] == 8
+    finally:
+        server.shutdown()

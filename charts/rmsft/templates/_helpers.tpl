@@ -51,6 +51,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["get", "create", "patch"]
+# Learner pods: found by label to read training progress from their /metrics.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list"]
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
   verbs: ["get", "list", "watch", "create", "patch"]
