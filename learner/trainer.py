@@ -165,9 +165,7 @@ class Trainer:
     def _sync(self) -> None:
         self.version += 1
         with self._phase("sync"):
-            report = self.sync_client.sync(self.version)
-        m.WEIGHT_VERSION.set(self.version)
-        m.WEIGHT_SYNC_BYTES.labels(report.mode).inc(report.tensor_bytes * len(report.acked))
+            self.sync_client.sync(self.version)  # counts bytes and sets the version gauge itself
 
     # -- E-step -------------------------------------------------------------------------------
     def _e_step(self, batch: tuple[int, ...]) -> _Built:
