@@ -87,7 +87,9 @@ def reconcile(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -
         if phase != old_phase:
             kind = "Warning" if phase in ("Failed", "Invalid") else "Normal"
             out.events.append((kind, f"Phase{phase}", status.get("message") or f"phase {phase}"))
-        kube.patch_job_status(namespace, name, status)
+        # Unchanged status is not rewritten: every write is a watch event for every client.
+        if any(old_status.get(k) != v for k, v in status.items()):
+            kube.patch_job_status(namespace, name, status)
         return out
 
     # 1. Validate. kmock or an old API server may not have enforced the CRD: check here too.
