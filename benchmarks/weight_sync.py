@@ -150,6 +150,8 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0, help="checkpoint size to stream")
     ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
     ap.add_argument("--frame-mib", type=float, default=4.0)
+    ap.add_argument("--kv-fraction", type=float, default=0.15,
+                    help="--gpu-memory-utilization for the server (CPU: share of RAM for weights + KV cache)")
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "rmsft-bench-sync-model"))
     args = ap.parse_args()
     frame = int(args.frame_mib * MIB)
@@ -171,6 +173,7 @@ def main() -> None:
     print(f"starting rmsft serve (backend={args.backend}) ...", flush=True)
     t0 = time.perf_counter()
     with RolloutServer.start(model_dir, backend=args.backend, dtype="float32", max_model_len=512,
+                             gpu_memory_utilization=args.kv_fraction,
                              max_frame_bytes=2 * frame, timeout=900) as srv:
         print(f"server ready in {time.perf_counter() - t0:.0f}s", flush=True)
         sampler = MemSampler(srv.proc.pid, "/dev/shm")

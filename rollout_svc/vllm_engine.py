@@ -17,6 +17,9 @@ _OOM_HINT = (
 
 def _explain(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}"
+    if "kv cache allocation" in text:
+        return (f"{text}. On the CPU backend --gpu-memory-utilization is the share of host RAM for the "
+                "worker including the weights: raise it until weights + KV cache fit, or free memory")
     if "out of memory" in text.lower() or isinstance(e, MemoryError):
         return f"{_OOM_HINT} ({text})"
     return text
