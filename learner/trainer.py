@@ -3,94 +3,75 @@
 One optimizer step = `grad_accumulation` packed rows (micro-steps). With the rollout buffer on, an
 E-step (rollouts + targets + packing) feeds `m_steps` optimizer steps; weights are synced only
 before fresh rollouts (and once before the first), never per micro-step.
+
+Several ranks (torchrun, or a process group passed in) train data-parallel: rank 0 alone owns the
+server pool, generates the whole global batch (`prompts_per_step` is global) and hands each rank a
+contiguous share; every rank builds its own segments into its own packer. The step's loss is the
+token-level mean over all ranks' rows (target counts are summed over ranks first), gradients are
+summed over ranks before clipping, and every rank takes the same optimizer step, so the result is
+one process training on all the rows. Rank 0 then syncs the servers. See learner/distributed.py.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from learner import metrics as m
-from learner.checkpoint import load_latest, rng_state, save_checkpoint, set_rng_state, trainable_state
+from learner.checkpoint import list_checkpoints, rng_state, save_checkpoint, set_rng_state, trainable_state
 from learner.core.losses import LossSums, LossWeights, loss_sums
 from learner.core.match import MatchConfig
 from learner.core.packing import PackedRow, Packer
 from learner.core.rollout_buffer import RolloutBuffer
 from learner.data import Record, load_records
+from learner.distributed import Ranks, share_bounds
 from learner.episode import EpisodeStats, build_segments
 from learner.model import Policy, load_policy, prompt_ids
 from learner.rollout_client import Rollout, RolloutClient, RolloutRequest
 from learner.servers import ServerPool
+from learner.step_types import DataOrder, StepResult, Summary
 from learner.sync_client import WeightSyncClient
 from rmsft.jobspec import RolloutMatchingJob
+
+__all__ = ["DataOrder", "StepResult", "Summary", "Trainer"]
 
 log = logging.getLogger("rmsft.learner")
 
 
 @dataclass
-class StepResult:
-    step: int  # 1-based optimizer step just finished
-    weight_version: int  # version the step's rollouts came from
-    rollouts: list[Rollout]  # this step's fresh rollouts, in input order (empty on M-steps)
-    record_ids: list[str]  # raw batch this step trained on
-    loss: float
-    parts: dict[str, float]
-    stats: EpisodeStats | None  # None on M-steps that reuse a built batch
-    rows: int
-    fill: float
-    seconds: float
-
-
-@dataclass
-class Summary:
-    steps: int
-    first_loss: float
-    last_loss: float
-    losses: list[float]
-    f1: list[float]
-    weight_version: int
-    phase_seconds: dict[str, float]
-    wall_seconds: float
-    retries: int = 0
-    history: list[StepResult] = field(default_factory=list)
-
-
-@dataclass
 class _Built:
     rows: list[PackedRow]
-    stats: EpisodeStats
-    rollouts: list[Rollout]
+    stats: EpisodeStats  # counts summed over ranks, timings of this rank
+    rollouts: list[Rollout]  # rank 0: the whole batch; other ranks: their share
+    local_ids: list[str]
 
 
-class DataOrder:
-    """Raw batch k (across epochs) is a pure function of (seed, k): resume needs only k."""
+_PARTS = ("ce", "soft_ce", "w1", "gate", "coord")
+_COUNTS = ("rollouts", "matched", "false_positives", "false_negatives", "dropped", "truncated", "response_tokens")
 
-    def __init__(self, n_records: int, batch_size: int, seed: int) -> None:
-        if batch_size > n_records:
-            raise ValueError(f"prompts_per_step ({batch_size}) exceeds the dataset size ({n_records})")
-        self.n, self.bs, self.seed = n_records, batch_size, seed
-        self.per_epoch = n_records // batch_size  # the tail of an epoch is dropped, reshuffled next epoch
-        self._cache: tuple[int, tuple[int, ...]] | None = None
 
-    def batch(self, k: int) -> tuple[int, ...]:
-        if self._cache and self._cache[0] == k:
-            return self._cache[1]  # same object: RolloutBuffer checks identity across M-steps
-        epoch, i = divmod(k, self.per_epoch)
-        order = list(range(self.n))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        out = tuple(order[i * self.bs : (i + 1) * self.bs])
-        self._cache = (k, out)
-        return out
+def collective_timeout_s(job: RolloutMatchingJob) -> float:
+    """How long a rank may wait for the others: long enough for rank 0's rollouts (with retries)
+    and a weight sync. RMSFT_DIST_TIMEOUT_S overrides."""
+    env = os.environ.get("RMSFT_DIST_TIMEOUT_S")
+    if env:
+        return float(env)
+    t = job.spec.training.rollout.request_timeout_s
+    return max(1800.0, 3 * t + 2 * job.spec.sync.timeout_seconds)
 
 
 class Trainer:
+    """The learner loop. Under torchrun (WORLD_SIZE > 1) or with `process_group`, one rank of a
+    data-parallel group: only rank 0 builds the server pool and talks to the rollout servers."""
+
     def __init__(
         self,
         job: RolloutMatchingJob,
@@ -99,18 +80,55 @@ class Trainer:
         auth_token: str | None = None,
         model_path: str | Path | None = None,
         on_step: Callable[[StepResult], None] | None = None,
+        process_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
         self.job = job
         self.cfg = job.spec.training
-        self.on_step = on_step
-        self.records: list[Record] = load_records(self.cfg.data.path)
-        torch.manual_seed(self.cfg.seed)
-        random.seed(self.cfg.seed)
-        self.policy: Policy = load_policy(model_path or job.spec.model.path, self.cfg, job.spec.model.dtype)
+        self.on_step = on_step  # called on every rank with that rank's StepResult
+        self.ranks = Ranks(process_group) if process_group is not None else Ranks.from_env(collective_timeout_s(job))
+        self.pool: ServerPool | None = None
+        self.sync_client: WeightSyncClient | None = None
+        self.rollouts: RolloutClient | None = None
+        self.engine = None  # DeepSpeed engine when training.deepspeed_stage > 0
+        try:
+            self._setup(job, addresses, auth_token, model_path)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, job: RolloutMatchingJob, addresses: Sequence[str], auth_token: str | None,
+               model_path: str | Path | None) -> None:
+        ranks = self.ranks
+        if not ranks.is_main:
+            log.setLevel(logging.WARNING)  # the one-line-per-step log is rank 0's
+        if self.cfg.prompts_per_step < ranks.world_size:
+            raise ValueError(
+                f"spec.training.prompts_per_step ({self.cfg.prompts_per_step}) is the global batch and must be "
+                f">= the number of learner ranks ({ranks.world_size})"
+            )
+        with ranks.guard("loading the data and the model"):
+            if self.cfg.deepspeed_stage:
+                from learner.zero import require_deepspeed
+
+                require_deepspeed(self.cfg.deepspeed_stage)
+            self.records: list[Record] = load_records(self.cfg.data.path)
+            torch.manual_seed(self.cfg.seed)
+            random.seed(self.cfg.seed)
+            self.policy: Policy = load_policy(model_path or job.spec.model.path, self.cfg, job.spec.model.dtype)
         self.model = self.policy.model
         params = [p for p in self.model.parameters() if p.requires_grad]
+        ranks.broadcast_params(params)  # every rank starts from rank 0's weights (e.g. LoRA init)
+        if ranks.rank:
+            torch.manual_seed(self.cfg.seed + ranks.rank)  # e.g. dropout masks differ per rank
+            random.seed(self.cfg.seed + ranks.rank)
         self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.params = params
+        if self.cfg.deepspeed_stage:
+            from learner.zero import deepspeed_engine
+
+            with ranks.guard("starting DeepSpeed"):
+                self.engine = deepspeed_engine(self.model, self.optimizer, self.cfg.deepspeed_stage,
+                                               self.cfg.max_grad_norm)  # fmt: skip
         self.order = DataOrder(len(self.records), self.cfg.prompts_per_step, self.cfg.seed)
         self.packer = Packer(self.cfg.packing_length, self.cfg.packing_buffer, self.cfg.packing_min_fill)
         self.buffer: RolloutBuffer = RolloutBuffer(self.cfg.buffer.m_steps if self.cfg.buffer.enabled else 1)
@@ -126,16 +144,18 @@ class Trainer:
             "max_tokens": dec.max_tokens, "temperature": dec.temperature, "top_p": dec.top_p,
             "top_k": dec.top_k, "repetition_penalty": dec.repetition_penalty,
         }  # fmt: skip
-        self.pool = ServerPool(list(addresses), auth_token=auth_token)
-        sync = job.spec.sync
-        self.sync_client = WeightSyncClient(
-            self.pool, self.model, mode=sync.mode, fallback_to_full=sync.fallback_to_full,
-            frame_bytes=sync.frame_bytes, timeout_s=sync.timeout_seconds,
-        )  # fmt: skip
-        self.rollouts = RolloutClient(
-            self.pool, timeout_s=dec.request_timeout_s, generate_batch_size=dec.generate_batch_size,
-            resync=self.sync_client.resync_server,
-        )  # fmt: skip
+        with ranks.guard("connecting to the rollout servers (rank 0)"):
+            if ranks.is_main:  # the only rank that talks to rollout servers
+                self.pool = ServerPool(list(addresses), auth_token=auth_token)
+                sync = job.spec.sync
+                self.sync_client = WeightSyncClient(
+                    self.pool, self.model, mode=sync.mode, fallback_to_full=sync.fallback_to_full,
+                    frame_bytes=sync.frame_bytes, timeout_s=sync.timeout_seconds,
+                )  # fmt: skip
+                self.rollouts = RolloutClient(
+                    self.pool, timeout_s=dec.request_timeout_s, generate_batch_size=dec.generate_batch_size,
+                    resync=self.sync_client.resync_server,
+                )  # fmt: skip
         self.step = 0
         self.version = 0
         self.phase_seconds: dict[str, float] = {}
@@ -164,119 +184,221 @@ class Trainer:
 
     def _sync(self) -> None:
         self.version += 1
-        with self._phase("sync"):
-            self.sync_client.sync(self.version)  # counts bytes and sets the version gauge itself
+        with self._phase("sync"), self.ranks.guard(f"syncing weight version {self.version} (rank 0)"):
+            if self.ranks.is_main:
+                self.sync_client.sync(self.version)  # counts bytes and sets the version gauge itself
 
     # -- E-step -------------------------------------------------------------------------------
-    def _e_step(self, batch: tuple[int, ...]) -> _Built:
+    def _generate(self, batch: tuple[int, ...]) -> list[Rollout] | None:
+        """Rank 0: the whole global batch's rollouts, in batch order (None on other ranks)."""
+        if not self.ranks.is_main:
+            return None
         k = self.step // self.buffer.m_steps
         base = self.cfg.rollout.seed + k * self.cfg.prompts_per_step
         requests = [
             RolloutRequest(token_ids=self._prompt(idx), seed=base + j, request_id=self.records[idx].id)
             for j, idx in enumerate(batch)
         ]
-        with self._phase("rollout"):
-            outs = self.rollouts.generate(requests, self.sampling, weight_version=self.version)
+        outs = self.rollouts.generate(requests, self.sampling, weight_version=self.version)
         versions = {o.weight_version for o in outs}
         if versions - {self.version}:  # the client fences too; never train on stale data
             raise RuntimeError(f"rollouts from weight versions {sorted(versions)}, learner at {self.version}")
-        recs = [self.records[i] for i in batch]
-        segments, stats = build_segments(
-            recs, [r.token_ids for r in requests], [o.prompt_token_ids for o in outs],
-            [o.token_ids for o in outs], self.policy.vocab, self.matching,
-        )  # fmt: skip
-        self._add_phase("parse", stats.parse_s)
-        self._add_phase("match", stats.match_s)
-        self._add_phase("targets", stats.targets_s)
-        with self._phase("pack"):
-            self.packer.add(segments)
-            rows = []
-            for _ in range(self.cfg.grad_accumulation):
-                row = self.packer.next_row()
-                if row is None:
-                    break
-                rows.append(row)
-        m.OBJECTS.labels("matched").inc(stats.matched)
-        m.OBJECTS.labels("fp").inc(stats.false_positives)
-        m.OBJECTS.labels("fn").inc(stats.false_negatives)
-        m.DROPPED_OBJECTS.inc(stats.dropped)
-        m.TRUNCATED_ROLLOUTS.inc(stats.truncated)
+        return outs
+
+    def _e_step(self, batch: tuple[int, ...]) -> _Built:
+        ranks = self.ranks
+        with self._phase("rollout"):
+            with ranks.guard("generating rollouts (rank 0)"):
+                everything = self._generate(batch)
+            if ranks.enabled:  # rank 0 hands each rank its contiguous share (token-id lists only)
+                shares = None
+                if ranks.is_main:
+                    bounds = [share_bounds(len(batch), ranks.world_size, r) for r in range(ranks.world_size)]
+                    shares = [everything[lo:hi] for lo, hi in bounds]
+                outs = ranks.scatter_from_main(shares)
+            else:
+                outs = everything
+        lo, hi = ranks.share(len(batch))
+        mine = batch[lo:hi]
+        with ranks.guard("building training segments"):
+            if len(outs) != len(mine) or any(o.weight_version != self.version for o in outs):
+                raise RuntimeError(f"rank {ranks.rank} got {len(outs)} rollout(s) for {len(mine)} prompt(s) "
+                                   f"or a weight version other than {self.version}")  # fmt: skip
+            recs = [self.records[i] for i in mine]
+            segments, stats = build_segments(
+                recs, [self._prompt(i) for i in mine], [o.prompt_token_ids for o in outs],
+                [o.token_ids for o in outs], self.policy.vocab, self.matching,
+            )  # fmt: skip
+            self._add_phase("parse", stats.parse_s)
+            self._add_phase("match", stats.match_s)
+            self._add_phase("targets", stats.targets_s)
+            with self._phase("pack"):
+                self.packer.add(segments)
+                rows = []
+                for _ in range(self.cfg.grad_accumulation):
+                    row = self.packer.next_row()
+                    if row is None:
+                        break
+                    rows.append(row)
+        if ranks.enabled:  # F1 and the counters are over the global batch
+            totals = ranks.sum([getattr(stats, f) for f in _COUNTS])
+            for f, v in zip(_COUNTS, totals, strict=True):
+                setattr(stats, f, int(v))
+        if ranks.is_main:
+            m.OBJECTS.labels("matched").inc(stats.matched)
+            m.OBJECTS.labels("fp").inc(stats.false_positives)
+            m.OBJECTS.labels("fn").inc(stats.false_negatives)
+            m.DROPPED_OBJECTS.inc(stats.dropped)
+            m.TRUNCATED_ROLLOUTS.inc(stats.truncated)
         m.BUFFER_SEGMENTS.set(self.packer.pending)
-        return _Built(rows, stats, outs)
+        return _Built(rows, stats, everything if ranks.is_main else outs, [r.id for r in recs])
 
     # -- M-step -------------------------------------------------------------------------------
-    def _train_rows(self, rows: list[PackedRow]) -> tuple[float, dict[str, float]]:
+    def _train_rows(self, rows: list[PackedRow]) -> tuple[float, dict[str, float], int, float]:
         """Forward/backward each row, scaled so the step's loss is the token-level mean over all
-        rows (same as one big packed row), then one optimizer step."""
-        ce_total = sum(int((r.labels != -100).sum()) for r in rows)
-        coord_total = sum(int(r.coord_positions.numel()) for r in rows)
+        rows of all ranks (same as one big packed row), then one optimizer step. Returns the loss,
+        its parts, the number of rows over all ranks and their mean fill."""
+        ce_total, coord_total, n_rows, fill_sum = self.ranks.sum([
+            sum(int((r.labels != -100).sum()) for r in rows),
+            sum(int(r.coord_positions.numel()) for r in rows),
+            len(rows), sum(r.fill for r in rows),
+        ])  # fmt: skip
+        if not n_rows:
+            raise RuntimeError("packer produced no row for this step (empty rollouts and carry buffer)")
+        ce_total, coord_total = int(ce_total), int(coord_total)
         coord_ids = self.policy.vocab.coord_token_ids
-        total_loss, parts_acc = 0.0, {}
-        self.optimizer.zero_grad(set_to_none=True)
-        for row in rows:
-            with self._phase("forward"):
-                logits = self.model(**row.model_inputs()).logits
-                s = loss_sums(logits, row, coord_ids, self.weights.sigma)
-                # Normalise by the step's totals: summing rows' losses gives the pooled mean.
-                out = LossSums(s.ce_sum, ce_total, s.soft_ce_sum, s.w1_sum, s.gate_sum, coord_total).finish(
-                    self.weights
-                )
-            with self._phase("backward"):
-                out.loss.backward()
-            total_loss += float(out.loss.detach())
-            for k, v in out.parts.items():
-                if not k.endswith("_count"):
-                    parts_acc[k] = parts_acc.get(k, 0.0) + float(v)
-            m.TRAINED_TOKENS.inc(row.length)
+        total_loss, parts_acc = 0.0, dict.fromkeys(_PARTS, 0.0)
+        if self.engine is None:
+            self.optimizer.zero_grad(set_to_none=True)
+        with self.ranks.guard("forward/backward"):
+            for row in rows:
+                with self._phase("forward"):
+                    logits = self.model(**row.model_inputs()).logits
+                    s = loss_sums(logits, row, coord_ids, self.weights.sigma)
+                    # Normalise by the step's global totals: summing rows' losses gives the pooled mean.
+                    out = LossSums(s.ce_sum, ce_total, s.soft_ce_sum, s.w1_sum, s.gate_sum, coord_total).finish(
+                        self.weights
+                    )
+                with self._phase("backward"):
+                    if self.engine is None:
+                        out.loss.backward()
+                    else:
+                        from learner.zero import zero_backward
+
+                        zero_backward(self.engine, out.loss, self.ranks.world_size)
+                total_loss += float(out.loss.detach())
+                for k in _PARTS:
+                    parts_acc[k] += float(out.parts[k])
+                m.TRAINED_TOKENS.inc(row.length)
+            if self.engine is not None:
+                from learner.zero import pad_micro_steps
+
+                with self._phase("backward"):
+                    pad_micro_steps(self.engine, self.model, len(rows), self.ranks)
         with self._phase("optimizer"):
             warm = self.cfg.warmup_steps
             lr = self.cfg.lr * min(1.0, (self.step + 1) / warm) if warm else self.cfg.lr
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
-            self.optimizer.step()
-        return total_loss, parts_acc
+            if self.engine is not None:
+                from learner.zero import zero_step
+
+                with self.ranks.guard("the DeepSpeed step"):
+                    zero_step(self.engine, self.model, lr)
+            else:
+                self.ranks.all_reduce_grads(self.params)
+                for g in self.optimizer.param_groups:
+                    g["lr"] = lr
+                torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+                self.optimizer.step()
+        total = self.ranks.sum([total_loss] + [parts_acc[k] for k in _PARTS])
+        return total[0], dict(zip(_PARTS, total[1:], strict=True)), int(n_rows), fill_sum / n_rows
 
     # -- checkpoint -----------------------------------------------------------------------------
+    def _rank_state(self) -> dict:
+        out = {"packer": list(self.packer._buf), "rng": rng_state()}
+        if self.engine is not None:  # ZeRO partitions the optimizer: every rank holds its own part
+            out["zero_optimizer"] = self.engine.optimizer.state_dict()
+        return out
+
     def state(self) -> dict:
+        """Rank 0's checkpoint (the single-rank layout plus `world_size` and `rank_states`)."""
         return {
             "step": self.step, "version": self.version, "model": trainable_state(self.model),
-            "optimizer": self.optimizer.state_dict(), "rng": rng_state(),
+            "optimizer": self.optimizer.state_dict() if self.engine is None else None, "rng": rng_state(),
             "packer": list(self.packer._buf), "phase_seconds": dict(self.phase_seconds),
+            "world_size": self.ranks.world_size, "deepspeed_stage": self.cfg.deepspeed_stage,
         }  # fmt: skip
 
-    def save(self) -> Path:
-        ck = self.cfg.checkpoint
-        return save_checkpoint(ck.dir, self.step, self.state(), keep=ck.keep)
+    def save(self) -> Path | None:
+        """Collective: every rank's packer carry buffer and RNG (and ZeRO optimizer part) go into
+        the one checkpoint rank 0 writes. Returns its path on rank 0, None elsewhere."""
+        rank_states = self.ranks.gather_to_main(self._rank_state())
+        path = None
+        with self.ranks.guard("saving the checkpoint (rank 0)"):
+            if self.ranks.is_main:
+                state = self.state()
+                state["rank_states"] = rank_states
+                ck = self.cfg.checkpoint
+                path = save_checkpoint(ck.dir, self.step, state, keep=ck.keep)
+        return path
 
     def resume(self) -> bool:
-        """Load the newest checkpoint in training.checkpoint.dir; False when there is none."""
-        state = load_latest(self.cfg.checkpoint.dir)
-        if state is None:
+        """Load the newest checkpoint in training.checkpoint.dir; False when there is none.
+        Collective; every rank reads the folder rank 0 picked (one pod: a shared filesystem)."""
+        name = None
+        with self.ranks.guard("looking for a checkpoint (rank 0)"):
+            if self.ranks.is_main:
+                found = list_checkpoints(self.cfg.checkpoint.dir)
+                name = str(found[-1]) if found else None
+        name = self.ranks.broadcast_from_main(name)
+        if name is None:
             return False
+        with self.ranks.guard(f"loading checkpoint {name}"):
+            # Our own file: it holds Python objects (packer segments, RNG state), hence weights_only=False.
+            state = torch.load(Path(name) / "state.pt", weights_only=False)
+            self._load_state(state, name)
+        log.info("resumed from step %d (weight version %d)", self.step, self.version)
+        return True
+
+    def _load_state(self, state: dict, name: str) -> None:
+        saved_ws, ws = state.get("world_size", 1), self.ranks.world_size
+        if saved_ws != ws:
+            raise RuntimeError(f"checkpoint {name} was written by {saved_ws} learner rank(s), this run has {ws}: "
+                               "resume with the same number of ranks (each rank's carry buffer and RNG are its own)")
+        if state.get("deepspeed_stage", 0) != self.cfg.deepspeed_stage:
+            raise RuntimeError(f"checkpoint {name} was written with deepspeed_stage {state.get('deepspeed_stage', 0)}, "
+                               f"this run uses {self.cfg.deepspeed_stage}")  # fmt: skip
         missing = set(trainable_state(self.model)) - set(state["model"])
         if missing:
             raise RuntimeError(f"checkpoint does not match the model: {len(missing)} trainable tensors missing")
         self.model.load_state_dict(state["model"], strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        set_rng_state(state["rng"])
-        self.packer._buf = list(state["packer"])
+        rank_states = state.get("rank_states") or [{"packer": state["packer"], "rng": state["rng"]}]
+        mine = rank_states[self.ranks.rank]
+        if self.engine is None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            from learner.zero import load_zero_optimizer
+
+            load_zero_optimizer(self.engine, [s["zero_optimizer"] for s in rank_states])
+        set_rng_state(mine["rng"])
+        self.packer._buf = list(mine["packer"])
         self.step, self.version = state["step"], state["version"]
         self.phase_seconds = dict(state["phase_seconds"])
-        log.info("resumed from step %d (weight version %d)", self.step, self.version)
-        return True
 
     # -- loop -----------------------------------------------------------------------------------
     def run(self, max_steps: int | None = None) -> Summary:
         """Train until training.steps (or `max_steps` more steps); returns the summary."""
         t_start = time.perf_counter()
         target = self.cfg.steps if max_steps is None else min(self.cfg.steps, self.step + max_steps)
-        log.info(
-            "rmsft learner: %d record(s), servers %s, sync %s, seed %d, steps %d -> %d",
-            len(self.records), [s.address for s in self.pool.servers], self.job.spec.sync.mode,
-            self.cfg.seed, self.step, target,
-        )  # fmt: skip
-        self.pool.wait_ready(timeout_s=self.cfg.rollout.request_timeout_s)
+        if self.ranks.is_main:
+            log.info(
+                "rmsft learner: %d record(s), servers %s, sync %s, seed %d, steps %d -> %d, ranks %d%s",
+                len(self.records), [s.address for s in self.pool.servers], self.job.spec.sync.mode,
+                self.cfg.seed, self.step, target, self.ranks.world_size,
+                f", DeepSpeed ZeRO-{self.cfg.deepspeed_stage}" if self.engine is not None else "",
+            )  # fmt: skip
+        with self.ranks.guard("waiting for the rollout servers (rank 0)"):
+            if self.ranks.is_main:
+                self.pool.wait_ready(timeout_s=self.cfg.rollout.request_timeout_s)
         self._sync()  # once before the first rollout, and again on resume
         ck_every = self.cfg.checkpoint.every
         while self.step < target:
@@ -284,15 +406,14 @@ class Trainer:
             batch = self.order.batch(self.step // self.buffer.m_steps)
             fresh = self.buffer.uses_left == 0
             built: _Built = self.buffer.get(batch, self._e_step)
-            if not built.rows:
-                raise RuntimeError("packer produced no row for this step (empty rollouts and carry buffer)")
-            loss, parts = self._train_rows(built.rows)
+            loss, parts, n_rows, fill = self._train_rows(built.rows)
             self.step += 1
             result = StepResult(
                 step=self.step, weight_version=self.version, rollouts=built.rollouts if fresh else [],
                 record_ids=[self.records[i].id for i in batch], loss=loss, parts=parts,
-                stats=built.stats if fresh else None, rows=len(built.rows),
-                fill=sum(r.fill for r in built.rows) / len(built.rows), seconds=time.perf_counter() - t0,
+                stats=built.stats if fresh else None, rows=n_rows, fill=fill, seconds=time.perf_counter() - t0,
+                rank=self.ranks.rank, local_record_ids=list(built.local_ids), local_rows=len(built.rows),
+                local_tokens=sum(r.length for r in built.rows),
             )  # fmt: skip
             self.history.append(result)
             self._publish(result)
@@ -311,12 +432,13 @@ class Trainer:
         m.LOSS.labels("total").set(r.loss)
         for k, v in r.parts.items():
             m.LOSS.labels(k).set(v)
-        f1 = f"{r.stats.f1:.3f}" if r.stats else "reuse"
-        log.info(
-            "step %d v%d loss %.4f (ce %.4f coord %.4f) f1 %s rows %d fill %.3f %.2fs",
-            r.step, r.weight_version, r.loss, r.parts.get("ce", 0.0), r.parts.get("coord", 0.0), f1,
-            r.rows, r.fill, r.seconds,
-        )  # fmt: skip
+        if self.ranks.is_main:
+            f1 = f"{r.stats.f1:.3f}" if r.stats else "reuse"
+            log.info(
+                "step %d v%d loss %.4f (ce %.4f coord %.4f) f1 %s rows %d fill %.3f %.2fs",
+                r.step, r.weight_version, r.loss, r.parts.get("ce", 0.0), r.parts.get("coord", 0.0), f1,
+                r.rows, r.fill, r.seconds,
+            )  # fmt: skip
         if self.on_step:
             self.on_step(r)
 
@@ -331,9 +453,10 @@ class Trainer:
         )  # fmt: skip
 
     def close(self) -> None:
-        self.rollouts.close()
-        self.sync_client.close()
-        self.pool.close()
+        for part in (self.rollouts, self.sync_client, self.pool):
+            if part is not None:
+                part.close()
+        self.ranks.close()
 
 
 def _counter_total(counter) -> float:

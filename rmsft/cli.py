@@ -69,10 +69,15 @@ def train(
         trainer = Trainer(job, [a.strip() for a in servers.split(",") if a.strip()], auth_token=auth_token or None)
     except (JobSpecError, DataError, ValueError, RuntimeError) as exc:
         _fail(exc)
+    from learner.distributed import RankFailedError
+    from learner.servers import NoServerAvailableError
+
     try:
         if resume:
             trainer.resume()
         trainer.run()
+    except (RankFailedError, NoServerAvailableError) as exc:  # every learner rank exits with the cause
+        _fail(exc)
     finally:
         trainer.close()
 

@@ -1,0 +1,64 @@
+"""What the training loop reports per step and per run, and the data order (pure, resumable)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from learner.episode import EpisodeStats
+from learner.rollout_client import Rollout
+
+
+@dataclass
+class StepResult:
+    step: int  # 1-based optimizer step just finished
+    weight_version: int  # version the step's rollouts came from
+    # This step's fresh rollouts in input order (empty on M-steps). Rank 0 holds the whole global
+    # batch's; another rank holds its own share.
+    rollouts: list[Rollout]
+    record_ids: list[str]  # global raw batch this step trained on (all ranks)
+    loss: float  # token-level mean over every rank's rows
+    parts: dict[str, float]
+    stats: EpisodeStats | None  # match counts summed over ranks; None on M-steps that reuse a batch
+    rows: int  # packed rows over all ranks
+    fill: float  # mean fill of those rows
+    seconds: float
+    rank: int = 0
+    local_record_ids: list[str] = field(default_factory=list)  # this rank's contiguous share
+    local_rows: int = 0  # rows this rank trained on
+    local_tokens: int = 0
+
+
+@dataclass
+class Summary:
+    steps: int
+    first_loss: float
+    last_loss: float
+    losses: list[float]
+    f1: list[float]
+    weight_version: int
+    phase_seconds: dict[str, float]
+    wall_seconds: float
+    retries: int = 0
+    history: list[StepResult] = field(default_factory=list)
+
+
+class DataOrder:
+    """Raw batch k (across epochs) is a pure function of (seed, k): resume needs only k."""
+
+    def __init__(self, n_records: int, batch_size: int, seed: int) -> None:
+        if batch_size > n_records:
+            raise ValueError(f"prompts_per_step ({batch_size}) exceeds the dataset size ({n_records})")
+        self.n, self.bs, self.seed = n_records, batch_size, seed
+        self.per_epoch = n_records // batch_size  # the tail of an epoch is dropped, reshuffled next epoch
+        self._cache: tuple[int, tuple[int, ...]] | None = None
+
+    def batch(self, k: int) -> tuple[int, ...]:
+        if self._cache and self._cache[0] == k:
+            return self._cache[1]  # same object: RolloutBuffer checks identity across M-steps
+        epoch, i = divmod(k, self.per_epoch)
+        order = list(range(self.n))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        out = tuple(order[i * self.bs : (i + 1) * self.bs])
+        self._cache = (k, out)
+        return out

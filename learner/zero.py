@@ -1,0 +1,109 @@
+"""DeepSpeed ZeRO-1/2 for the learner (`training.deepspeed_stage`), with the same step semantics as
+the plain loop: the step's loss is the token-level mean over every rank's rows.
+
+Why the details below:
+- DeepSpeed averages gradients over data-parallel ranks; our row losses are already normalised
+  by the global target counts, so each loss is multiplied by the world size (average -> sum).
+- ZeRO-2 reduces gradients from backward hooks, so every rank must run the same number of
+  backward passes: ranks with fewer rows pad with zero-loss passes on a 2-token input, and the
+  accumulation boundary is set by hand (rows per step vary), on a final zero-loss pass.
+- ZeRO keeps fp32 master partitions apart from the module's parameters: a checkpoint restores
+  them from every rank's saved partition (`load_zero_optimizer`), not from the module weights.
+Stage 3 is refused: weight export and checkpoints read full parameters from the module.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from learner.distributed import Ranks
+
+SUPPORTED_STAGES = (1, 2)
+
+
+def require_deepspeed(stage: int) -> None:
+    """Raise a clear error when `stage` cannot run here."""
+    if stage not in SUPPORTED_STAGES:
+        raise RuntimeError(
+            f"spec.training.deepspeed_stage {stage} is not supported by the learner (supported: "
+            f"{', '.join(map(str, SUPPORTED_STAGES))}; ZeRO-3 would need parameters gathered for weight sync)"
+        )
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - a broken install raises anything from its import
+        raise RuntimeError(
+            f"spec.training.deepspeed_stage {stage} needs DeepSpeed, which cannot be imported "
+            f"({type(exc).__name__}: {exc}); install it (`pip install deepspeed`) or set deepspeed_stage: 0 "
+            "(plain torch data-parallel all-reduce)"
+        ) from exc
+
+
+def _ensure_group() -> None:
+    """DeepSpeed needs torch.distributed even for one rank: a private one-rank gloo group."""
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def deepspeed_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int, max_grad_norm: float):
+    """Wrap `model` and the learner's AdamW in a DeepSpeed engine (ZeRO `stage`)."""
+    require_deepspeed(stage)
+    _ensure_group()
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,  # boundaries are set per step by zero_step
+        "gradient_clipping": max_grad_norm,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
+    return engine
+
+
+def _zero_loss(model: torch.nn.Module) -> torch.Tensor:
+    """A loss of exactly 0 whose backward reaches every trainable parameter (fires ZeRO's hooks)."""
+    device = next(model.parameters()).device
+    ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+    return model(input_ids=ids, use_cache=False).logits.float().sum() * 0.0
+
+
+def zero_backward(engine: Any, loss: torch.Tensor, world_size: int) -> None:
+    """One micro-step inside an optimizer step (never the boundary)."""
+    engine.set_gradient_accumulation_boundary(False)
+    engine.backward(loss * world_size)
+    engine.step()
+
+
+def pad_micro_steps(engine: Any, model: torch.nn.Module, n_local: int, ranks: Ranks) -> None:
+    """Zero-loss micro-steps up to the most rows any rank trained this step (ZeRO-2's gradient
+    reduction is collective, so every rank must run as many backward passes)."""
+    most = int(ranks.max([n_local])[0])
+    for _ in range(most - n_local):
+        zero_backward(engine, _zero_loss(model), ranks.world_size)
+
+
+def zero_step(engine: Any, model: torch.nn.Module, lr: float) -> None:
+    """The optimizer step (clipping by the global norm included) on a final zero-loss pass."""
+    for g in engine.optimizer.param_groups:
+        g["lr"] = lr
+    engine.set_gradient_accumulation_boundary(True)
+    engine.backward(_zero_loss(model))
+    engine.step()
+
+
+def load_zero_optimizer(engine: Any, rank_states: Sequence[dict]) -> None:
+    """Restore every rank's optimizer partition and fp32 master weights from a checkpoint."""
+    engine.optimizer.load_state_dict(list(rank_states), load_optimizer_states=True, load_from_fp32_weights=True)

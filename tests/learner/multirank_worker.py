@@ -1,0 +1,56 @@
+"""One learner rank for tests/learner/test_multirank.py: run as a plain process (1 rank) or under
+`python -m torch.distributed.run` (N ranks). Trains the job, then writes what the test checks:
+`rank<r>.json` (per-step record ids, rows, losses, rollouts) and `params-rank<r>.pt` (the
+trainable parameters) into the output folder.
+
+    python tests/learner/multirank_worker.py JOB.yaml SERVER_ADDRESS OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from learner.checkpoint import trainable_state
+from learner.trainer import Trainer
+from rmsft.jobspec import load_job
+
+
+def main(job_path: str, address: str, out_dir: str) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+    out = Path(out_dir)
+    trainer = Trainer(load_job(job_path), [address])
+    try:
+        trainer.run()
+        rank = trainer.ranks.rank
+        report = {
+            "rank": rank,
+            "world_size": trainer.ranks.world_size,
+            "has_pool": trainer.pool is not None,
+            "has_rollout_client": trainer.rollouts is not None,
+            "version": trainer.version,
+            "deepspeed": trainer.engine is not None,
+            "steps": [
+                {
+                    "step": h.step, "loss": h.loss, "parts": h.parts, "record_ids": h.record_ids,
+                    "local_record_ids": h.local_record_ids, "local_rows": h.local_rows, "rows": h.rows,
+                    "local_tokens": h.local_tokens, "weight_version": h.weight_version,
+                    "rollout_ids": [r.request_id for r in h.rollouts],
+                    "rollout_versions": sorted({r.weight_version for r in h.rollouts}),
+                    "matched": h.stats.matched, "fp": h.stats.false_positives, "fn": h.stats.false_negatives,
+                }
+                for h in trainer.history
+            ],
+        }  # fmt: skip
+        torch.save(trainable_state(trainer.model), out / f"params-rank{rank}.pt")
+        (out / f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        trainer.close()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,201 @@
+"""Data-parallel learner on CPU (gloo): 2 ranks under torchrun against one real rollout server (HF
+backend, greedy) must end with the same trainable parameters as 1 rank on the same global batch;
+rank 0 alone talks to the server; each rank trains on its contiguous share. The same check runs
+with DeepSpeed ZeRO-2, through `rmsft train` (with a resume), and for a rank-0 failure.
+
+Each run is a subprocess (tests/learner/multirank_worker.py or `rmsft.cli train`), so no process
+group leaks into the pytest process.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from learner.synthetic import write_synthetic_dataset
+from rmsft.jobspec import parse_job
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("multirank_worker.py")
+PROMPTS_PER_STEP = 4  # global: 2 per rank
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    from rollout_svc.launcher import RolloutServer
+
+    log = tmp_path_factory.mktemp("serve") / "rollout.log"
+    srv = RolloutServer.start(tiny_model_dir, backend="hf", max_model_len=1024, log_path=log, timeout=180)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n=16, seed=0)
+
+
+def write_job(path: Path, model_dir: Path, data: Path, ckpt: Path, *, steps: int = STEPS, **training) -> Path:
+    doc = copy.deepcopy(yaml.safe_load((ROOT / "configs" / "local-tiny.yaml").read_text()))
+    doc["metadata"].pop("annotations")
+    spec = doc["spec"]
+    spec["model"]["path"] = str(model_dir)
+    spec["rollout"].update(maxModelLen=1024, enableLora=False, engine="hf")
+    spec["sync"]["mode"] = "full"  # the HF backend serves no adapters
+    t = spec["training"]
+    # Every step's segments fit one row per rank, so no carry buffer differs between 1 and 2 ranks.
+    t.update(steps=steps, prompts_per_step=PROMPTS_PER_STEP, packing_length=4096, lr=2e-3)
+    t["data"]["path"] = str(data)
+    t["checkpoint"] = {"dir": str(ckpt), "every": 0, "keep": 2}
+    t["rollout"].update(max_tokens=48, temperature=0.0, generate_batch_size=4, request_timeout_s=60)
+    t.update(training)
+    parse_job(doc)  # fail here, not in a subprocess, on a bad spec
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _torchrun(n: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
+
+
+def _run(cmd: list[str], timeout: float = 420) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
+def _server_calls(server) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for method, value in re.findall(r'rmsft_rollout_requests_total\{[^}]*method="(\w+)"[^}]*\} ([0-9.e+]+)', text):
+        out[method] = out.get(method, 0.0) + float(value)
+    return out
+
+
+def _train(server, job: Path, out: Path, ranks: int) -> tuple[list[dict], list[dict[str, torch.Tensor]], dict]:
+    """Run the worker on `ranks` processes; returns per-rank reports, params, and the server calls made."""
+    out.mkdir(parents=True, exist_ok=True)
+    before = _server_calls(server)
+    prefix = _torchrun(ranks) if ranks > 1 else [sys.executable]
+    proc = _run([*prefix, str(WORKER), str(job), server.address, str(out)])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    after = _server_calls(server)
+    calls = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    params = [torch.load(out / f"params-rank{r}.pt") for r in range(ranks)]
+    return reports, params, calls
+
+
+def _assert_params_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= atol, f"trainable parameters differ by up to {worst:.3g}"
+
+
+@pytest.fixture(scope="module")
+def one_rank(server, tiny_model_dir, data_path, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("one-rank")
+    job = write_job(tmp / "job.yaml", tiny_model_dir, data_path, tmp / "ckpt")
+    return _train(server, job, tmp / "out", 1)
+
+
+def _check_two_ranks(one_rank, reports, params, calls) -> None:
+    (base,), (base_params,), base_calls = one_rank
+    r0, r1 = reports
+    assert (r0["world_size"], r1["world_size"]) == (2, 2)
+    # Only rank 0 builds a pool / rollout client; the server saw exactly what one rank sends.
+    assert r0["has_pool"] and r0["has_rollout_client"]
+    assert not r1["has_pool"] and not r1["has_rollout_client"]
+    assert calls.get("Generate", 0) == base_calls.get("Generate", 0) > 0
+    assert calls.get("UpdateWeights", 0) == base_calls.get("UpdateWeights", 0) == STEPS
+    assert len(r0["steps"]) == len(r1["steps"]) == len(base["steps"]) == STEPS
+    for s0, s1, sb in zip(r0["steps"], r1["steps"], base["steps"], strict=True):
+        assert s0["record_ids"] == s1["record_ids"] == sb["record_ids"]
+        half = PROMPTS_PER_STEP // 2
+        # Each rank trained on its contiguous share, in at least one row of its own.
+        assert s0["local_record_ids"] == sb["record_ids"][:half]
+        assert s1["local_record_ids"] == sb["record_ids"][half:]
+        assert s0["local_rows"] >= 1 and s1["local_rows"] >= 1 and s1["local_tokens"] > 0
+        assert s0["rows"] == s0["local_rows"] + s1["local_rows"]
+        # Rank 0 holds the whole batch's rollouts, rank 1 its share; all from the current weights.
+        assert s0["rollout_ids"] == sb["record_ids"] and s1["rollout_ids"] == sb["record_ids"][half:]
+        assert s0["rollout_versions"] == s1["rollout_versions"] == [s0["weight_version"]]
+        # Global loss and F1 counts: the same on both ranks, and as one rank computed them.
+        assert s0["loss"] == pytest.approx(s1["loss"], abs=1e-9)
+        assert s0["loss"] == pytest.approx(sb["loss"], rel=1e-5, abs=1e-6)
+        assert (s0["matched"], s0["fp"], s0["fn"]) == (s1["matched"], s1["fp"], s1["fn"])
+        assert (s0["matched"], s0["fp"], s0["fn"]) == (sb["matched"], sb["fp"], sb["fn"])
+    assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])  # ranks hold identical weights
+    _assert_params_close(params[0], base_params, atol=1e-5)
+    # Training moved the weights (LoRA B starts at zero): the comparison is not between untouched copies.
+    assert max(v.abs().max().item() for k, v in base_params.items() if "lora_B" in k) > 1e-4
+
+
+def test_two_ranks_equal_one_rank(server, one_rank, tiny_model_dir, data_path, tmp_path) -> None:
+    job = write_job(tmp_path / "job.yaml", tiny_model_dir, data_path, tmp_path / "ckpt")
+    reports, params, calls = _train(server, job, tmp_path / "out", 2)
+    _check_two_ranks(one_rank, reports, params, calls)
+    state = torch.load(tmp_path / "ckpt" / f"step-{STEPS}" / "state.pt", weights_only=False)
+    assert state["world_size"] == 2 and len(state["rank_states"]) == 2  # every rank's carry buffer and RNG
+
+
+def test_two_ranks_deepspeed_zero2_equal_one_rank(server, one_rank, tiny_model_dir, data_path, tmp_path) -> None:
+    pytest.importorskip("deepspeed")
+    job = write_job(tmp_path / "job.yaml", tiny_model_dir, data_path, tmp_path / "ckpt", deepspeed_stage=2)
+    reports, params, calls = _train(server, job, tmp_path / "out", 2)
+    assert reports[0]["deepspeed"] and reports[1]["deepspeed"]
+    _check_two_ranks(one_rank, reports, params, calls)
+
+
+def test_rmsft_train_under_torchrun_resumes(server, one_rank, tiny_model_dir, data_path, tmp_path) -> None:
+    """`torchrun -m rmsft.cli train`: 2 steps, then a resumed run to STEPS, ends where one rank does."""
+    ckpt = tmp_path / "ckpt"
+    cmd = [*_torchrun(2), "-m", "rmsft.cli", "train", "--servers", server.address, "--config"]
+    first = _run([*cmd, str(write_job(tmp_path / "a.yaml", tiny_model_dir, data_path, ckpt, steps=2))])
+    assert first.returncode == 0, first.stderr[-8000:]
+    assert "step 2 v2 loss" in first.stderr  # rank 0's one-line-per-step log
+    assert first.stderr.count("step 2 v2 loss") == 1  # ... and only rank 0's
+    second = _run([*cmd, str(write_job(tmp_path / "b.yaml", tiny_model_dir, data_path, ckpt))])
+    assert second.returncode == 0, second.stderr[-8000:]
+    assert "resumed from step 2" in second.stderr and f"step {STEPS} v4 loss" in second.stderr
+    state = torch.load(ckpt / f"step-{STEPS}" / "state.pt", weights_only=False)
+    assert state["step"] == STEPS and state["world_size"] == 2
+    (_,), (base_params,), _ = one_rank
+    _assert_params_close(state["model"], base_params, atol=1e-5)
+
+
+def test_rank0_failure_stops_every_rank(tiny_model_dir, data_path, tmp_path) -> None:
+    """No server answers: rank 0 fails waiting for it, and rank 1 exits too, naming rank 0's error."""
+    from rollout_svc.launcher import free_port
+
+    job = write_job(tmp_path / "job.yaml", tiny_model_dir, data_path, tmp_path / "ckpt")
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"]["training"]["rollout"]["request_timeout_s"] = 2
+    job.write_text(yaml.safe_dump(doc))
+    t0 = time.monotonic()
+    proc = _run([*_torchrun(2), "-m", "rmsft.cli", "train", "--servers", f"127.0.0.1:{free_port()}",
+                 "--config", str(job)], timeout=300)  # fmt: skip
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 240
+    err = re.sub(r"\s+", " ", proc.stderr)
+    assert "rollout servers not ready" in err  # rank 0's own error
+    assert "learner rank 0 failed while waiting for the rollout servers" in err  # rank 1's
