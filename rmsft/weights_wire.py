@@ -133,7 +133,7 @@ def iter_weight_chunks(
             adapter_config_json=adapter_config_json,
         )
     )
-    digest = hashlib.sha256()
+    digest = PipelinedDigest()
     for (name, tensor), (_, spec) in zip(items, specs, strict=True):
         flat = _flat_bytes(tensor)
         n = flat.shape[0]
@@ -142,16 +142,61 @@ def iter_weight_chunks(
         while True:
             data = flat[offset : offset + frame_bytes].tobytes()
             digest.update(data)
-            yield rollout_pb2.WeightChunk(
-                piece=rollout_pb2.TensorPiece(
-                    name=name, dtype=spec.dtype, shape=spec.shape, offset=offset, data=data
-                )
-            )
+            # Filling the nested message in place: building TensorPiece(...) and passing it to
+            # WeightChunk(piece=...) copies the payload again (~30x slower per 4 MiB frame).
+            chunk = rollout_pb2.WeightChunk()
+            piece = chunk.piece
+            piece.name, piece.dtype, piece.offset, piece.data = name, spec.dtype, offset, data
+            piece.shape.extend(spec.shape)
+            yield chunk
             offset += len(data)
             if offset >= n:
                 break
         del flat
     yield rollout_pb2.WeightChunk(trailer=rollout_pb2.WeightTrailer(sha256=digest.digest()))
+
+
+class PipelinedDigest:
+    """sha256 computed on a helper thread, one frame behind the caller.
+
+    hashlib releases the GIL on large buffers, so hashing frame k overlaps with producing or
+    receiving frame k+1; at most one frame waits, so memory stays bounded.
+    """
+
+    _MIN_THREADED = 1 << 20  # below this, a thread hop costs more than it saves
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+        self._pool: Any = None
+        self._pending: Any = None
+
+    def update(self, data: bytes) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        if len(data) < self._MIN_THREADED:
+            self._h.update(data)
+            return
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rmsft-sha256")
+        self._pending = self._pool.submit(self._h.update, data)
+
+    def digest(self) -> bytes:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        self.close()
+        return self._h.digest()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class WireError(Exception):
@@ -194,7 +239,7 @@ class StreamReader:
     _current_done: int = 0
     _next_start: int = 0
     _seen: set[str] = field(default_factory=set)
-    _digest: Any = field(default_factory=hashlib.sha256)
+    _digest: Any = field(default_factory=PipelinedDigest)
     finished: bool = False
 
     def on_header(self, header: rollout_pb2.WeightHeader) -> None:
@@ -214,13 +259,19 @@ class StreamReader:
                 )
         self.header = header
 
-    def on_piece(self, piece: rollout_pb2.TensorPiece) -> int:
-        """Check one piece; return the offset in the staging buffer where its data goes."""
+    def on_piece(self, piece: rollout_pb2.TensorPiece, data: bytes | None = None) -> int:
+        """Check one piece; return the offset in the staging buffer where its data goes.
+
+        Pass `data` when the caller already read `piece.data`: every read of a protobuf bytes
+        field makes a fresh copy.
+        """
         if self.header is None:
             raise WireError("tensor piece before the header")
-        if len(piece.data) > self.max_frame_bytes:
+        if data is None:
+            data = piece.data
+        if len(data) > self.max_frame_bytes:
             raise WireError(
-                f"piece of {piece.name!r} carries {len(piece.data)} bytes; the frame limit is "
+                f"piece of {piece.name!r} carries {len(data)} bytes; the frame limit is "
                 f"{self.max_frame_bytes}",
                 reason="frame_size",
             )
@@ -236,7 +287,7 @@ class StreamReader:
         else:
             self._close_current()
             cur = self._open(piece)
-        end = self._current_done + len(piece.data)
+        end = self._current_done + len(data)
         if end > cur.spec.nbytes:
             raise WireError(
                 f"tensor {piece.name!r} gets {end} bytes but {cur.spec.dtype}{list(cur.spec.shape)} "
@@ -244,8 +295,8 @@ class StreamReader:
             )
         dest = cur.start + self._current_done
         self._current_done = end
-        self.received_bytes += len(piece.data)
-        self._digest.update(piece.data)
+        self.received_bytes += len(data)
+        self._digest.update(data)
         return dest
 
     def _open(self, piece: rollout_pb2.TensorPiece) -> StagedTensor:

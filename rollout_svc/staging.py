@@ -90,11 +90,15 @@ class Stager:
         try:
             self._reserve(fd, header.total_bytes)
             for chunk in it:
-                dest = reader.feed(chunk)
-                if dest is not None:
-                    data = chunk.piece.data
+                if chunk.WhichOneof("kind") == "piece":
+                    if reader.finished:
+                        raise WireError("data after the trailer")
+                    data = chunk.piece.data  # one copy out of the message, used for all checks
+                    dest = reader.on_piece(chunk.piece, data)
                     if data:
                         os.pwrite(fd, data, dest)
+                else:
+                    reader.feed(chunk)
                 if reader.finished:
                     break
             if not reader.finished:
