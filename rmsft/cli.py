@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -55,19 +56,29 @@ def train(
     ),
     auth_token: str = typer.Option("", envvar="RMSFT_AUTH_TOKEN", help="Shared gRPC auth token.", show_default=False),
     resume: bool = typer.Option(True, help="Resume from the newest checkpoint in training.checkpoint.dir."),
+    metrics_port: int = typer.Option(
+        -1, envvar="RMSFT_METRICS_PORT", help="Prometheus /metrics port (-1 = spec.learner.metricsPort, 0 = off)."
+    ),
 ) -> None:
     """Run the learner against running rollout servers (what the learner Job runs)."""
     import logging
 
-    from learner.data import DataError
-    from learner.trainer import Trainer
+    from learner.data import DataError, load_records
     from rmsft.jobspec import JobSpecError, load_job
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        job = load_job(config)
+        job = load_job(config)  # validate the inputs before paying for torch's import
+        load_records(job.spec.training.data.path)
+        from learner.trainer import Trainer
+
+        port = job.spec.learner.metrics_port if metrics_port < 0 else metrics_port
+        if port and os.environ.get("RANK", "0") == "0":  # one endpoint per learner pod: rank 0's
+            from prometheus_client import start_http_server
+
+            start_http_server(port)
         trainer = Trainer(job, [a.strip() for a in servers.split(",") if a.strip()], auth_token=auth_token or None)
-    except (JobSpecError, DataError, ValueError, RuntimeError) as exc:
+    except (JobSpecError, DataError, ValueError, RuntimeError, OSError) as exc:
         _fail(exc)
     from learner.distributed import RankFailedError
     from learner.servers import NoServerAvailableError
