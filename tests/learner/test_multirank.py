@@ -176,7 +176,7 @@ def test_rmsft_train_under_torchrun_resumes(server, one_rank, tiny_model_dir, da
     assert first.stderr.count("step 2 v2 loss") == 1  # ... and only rank 0's
     second = _run([*cmd, str(write_job(tmp_path / "b.yaml", tiny_model_dir, data_path, ckpt))])
     assert second.returncode == 0, second.stderr[-8000:]
-    assert "resumed from step 2" in second.stderr and f"step {STEPS} v4 loss" in second.stderr
+    assert "resumed from step 2" in second.stderr and f"step {STEPS} v3 loss" in second.stderr  # re-synced once on resume
     state = torch.load(ckpt / f"step-{STEPS}" / "state.pt", weights_only=False)
     assert state["step"] == STEPS and state["world_size"] == 2
     (_,), (base_params,), _ = one_rank
