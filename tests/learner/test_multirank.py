@@ -26,7 +26,7 @@ import yaml
 from learner.synthetic import write_synthetic_dataset
 from rmsft.jobspec import parse_job
 
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("multirank_worker.py")
@@ -150,6 +150,7 @@ def _check_two_ranks(one_rank, reports, params, calls) -> None:
     assert max(v.abs().max().item() for k, v in base_params.items() if "lora_B" in k) > 1e-4
 
 
+@slow
 def test_two_ranks_equal_one_rank(server, one_rank, tiny_model_dir, data_path, tmp_path) -> None:
     job = write_job(tmp_path / "job.yaml", tiny_model_dir, data_path, tmp_path / "ckpt")
     reports, params, calls = _train(server, job, tmp_path / "out", 2)
@@ -158,6 +159,7 @@ def test_two_ranks_equal_one_rank(server, one_rank, tiny_model_dir, data_path, t
     assert state["world_size"] == 2 and len(state["rank_states"]) == 2  # every rank's carry buffer and RNG
 
 
+@slow
 def test_two_ranks_deepspeed_zero2_equal_one_rank(server, one_rank, tiny_model_dir, data_path, tmp_path) -> None:
     pytest.importorskip("deepspeed")
     job = write_job(tmp_path / "job.yaml", tiny_model_dir, data_path, tmp_path / "ckpt", deepspeed_stage=2)
@@ -166,6 +168,7 @@ def test_two_ranks_deepspeed_zero2_equal_one_rank(server, one_rank, tiny_model_d
     _check_two_ranks(one_rank, reports, params, calls)
 
 
+@slow
 def test_rmsft_train_under_torchrun_resumes(server, one_rank, tiny_model_dir, data_path, tmp_path) -> None:
     """`torchrun -m rmsft.cli train`: 2 steps, then a resumed run to STEPS, ends where one rank does."""
     ckpt = tmp_path / "ckpt"
@@ -176,13 +179,15 @@ def test_rmsft_train_under_torchrun_resumes(server, one_rank, tiny_model_dir, da
     assert first.stderr.count("step 2 v2 loss") == 1  # ... and only rank 0's
     second = _run([*cmd, str(write_job(tmp_path / "b.yaml", tiny_model_dir, data_path, ckpt))])
     assert second.returncode == 0, second.stderr[-8000:]
-    assert "resumed from step 2" in second.stderr and f"step {STEPS} v3 loss" in second.stderr  # re-synced once on resume
+    assert "resumed from step 2" in second.stderr
+    assert f"step {STEPS} v3 loss" in second.stderr  # re-synced once on resume (v2 -> v3)
     state = torch.load(ckpt / f"step-{STEPS}" / "state.pt", weights_only=False)
     assert state["step"] == STEPS and state["world_size"] == 2
     (_,), (base_params,), _ = one_rank
     _assert_params_close(state["model"], base_params, atol=1e-5)
 
 
+@slow
 def test_rank0_failure_stops_every_rank(tiny_model_dir, data_path, tmp_path) -> None:
     """No server answers: rank 0 fails waiting for it, and rank 1 exits too, naming rank 0's error."""
     from rollout_svc.launcher import free_port
@@ -199,3 +204,38 @@ def test_rank0_failure_stops_every_rank(tiny_model_dir, data_path, tmp_path) -> 
     err = re.sub(r"\s+", " ", proc.stderr)
     assert "rollout servers not ready" in err  # rank 0's own error
     assert "learner rank 0 failed while waiting for the rollout servers" in err  # rank 1's
+
+
+# -- fast checks (no processes, no servers) ---------------------------------------------------------
+
+
+def test_shares_are_contiguous_balanced_and_cover_the_batch() -> None:
+    from learner.distributed import share_bounds
+
+    for n in range(1, 20):
+        for ws in range(1, min(n, 6) + 1):
+            bounds = [share_bounds(n, ws, r) for r in range(ws)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+            sizes = [hi - lo for lo, hi in bounds]
+            assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+def test_single_rank_collectives_are_identity_and_guard_reraises() -> None:
+    from learner.distributed import Ranks
+
+    ranks = Ranks.single()
+    assert (ranks.rank, ranks.world_size, ranks.is_main, ranks.enabled) == (0, 1, True, False)
+    assert ranks.sum([1, 2.5]) == [1.0, 2.5] and ranks.scatter_from_main(["a"]) == "a"
+    with pytest.raises(KeyError, match="boom"), ranks.guard("testing"):
+        raise KeyError("boom")
+
+
+def test_unsupported_deepspeed_setups_are_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from learner.zero import require_deepspeed
+
+    with pytest.raises(RuntimeError, match="deepspeed_stage 3 is not supported"):
+        require_deepspeed(3)
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # what an absent package looks like to import
+    with pytest.raises(RuntimeError, match="needs DeepSpeed, which cannot be imported.*deepspeed_stage: 0"):
+        require_deepspeed(2)
