@@ -97,8 +97,8 @@ _HELP = {
     "model": "local model folder (HF layout, safetensors)",
     "backend": "engine: vllm (default) or hf (transformers, explicit only; never a fallback)",
     "tensor_parallel_size": "GPUs per engine (vLLM tensor parallelism)",
-    "gpu_memory_utilization": "vLLM memory share; on the CPU backend the share of host RAM for the KV "
-    "cache (default 0.9 on GPU, 0.08 on CPU)",
+    "gpu_memory_utilization": "vLLM memory share; on the CPU backend the share of host RAM for the worker "
+    "(weights + KV cache) (default 0.9 on GPU, 0.08 on CPU: raise it for models above ~1 GB)",
     "max_model_len": "longest prompt + completion in tokens",
     "enable_lora": "serve LoRA adapters (needed for ADAPTER weight sync)",
     "max_lora_rank": "largest adapter rank accepted (vLLM supports 8, 16, 32, 64, ...)",

@@ -13,134 +13,32 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
-import torch
 from rmsft_protos import rollout_pb2
+from rollout_svc_helpers import (
+    MAX_FRAME,
+    PROMPT_TEXTS,
+    TOKEN,
+    Ref,
+    generate,
+    hf_greedy,
+    hf_model,
+    lora_adapter,
+    metric,
+    prompt_ids,
+    random_full_weights,
+    scrape,
+    status,
+    update,
+)
 
 from rmsft.weights_wire import ADAPTER, FULL, iter_weight_chunks
 from rollout_svc.launcher import RolloutServer
 
 pytestmark = pytest.mark.vllm
-
-TOKEN = "s3cret-token"
-MAX_FRAME = 256 << 10  # small, so the "oversize frame" case needs only the tiny model
-PROMPT_TEXTS = [
-    "Detect every object in the image and answer in JSON.",
-    '{"object_1": {"desc": "person", "bbox_2d": [',
-    "The image shows car, dog, cat.",
-    "red apple on a bench",
-    '"object_2": {"desc": "traffic light", "poly": [',
-    "bird horse truck boat",
-    "Detect every object. The image shows umbrella, chair.",
-    '{"object_1": {"desc": "cup", "bbox_2d": ["<|coord_12|>", "<|coord_400|>",',
-]
-
-
-# -- helpers ----------------------------------------------------------------------------------
-def _hf_model(model_dir: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def _hf_greedy(model, prompts: list[list[int]], max_tokens: int, eos: int) -> list[list[int]]:
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
-                               do_sample=False, eos_token_id=eos, pad_token_id=eos)
-            toks = y[0, len(ids):].tolist()
-            if eos in toks:
-                toks = toks[: toks.index(eos) + 1]
-            outs.append(toks)
-    return outs
-
-
-def _prompt_ids(tok) -> list[list[int]]:
-    return [tok(t)["input_ids"] for t in PROMPT_TEXTS]
-
-
-def _generate(stub, md, prompts, *, max_tokens=16, temperature=0.0, seeds=None, expected=None, timeout=120):
-    req = rollout_pb2.GenerateRequest(
-        sampling=rollout_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature),
-    )
-    if expected is not None:
-        req.expected_weight_version = expected
-    for i, ids in enumerate(prompts):
-        p = req.prompts.add(token_ids=ids, request_id=f"r{i}")
-        if seeds is not None:
-            p.seed = seeds[i]
-    return stub.Generate(req, metadata=md, timeout=timeout)
-
-
-def _status(srv):
-    return srv.stub().GetStatus(rollout_pb2.StatusRequest(), metadata=srv.metadata(), timeout=10)
-
-
-def _update(srv, chunks, timeout=120):
-    return srv.stub().UpdateWeights(iter(chunks), metadata=srv.metadata(), timeout=timeout)
-
-
-def _scrape(srv) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10) as r:
-        return r.read().decode()
-
-
-def _metric(text: str, name: str, labels: str = "") -> float:
-    total = 0.0
-    found = False
-    for line in text.splitlines():
-        if line.startswith(name + ("{" if labels or "{" in line[: len(name) + 1] else " ")) and labels in line:
-            total += float(line.rsplit(" ", 1)[1])
-            found = True
-    return total if found else -1.0
-
-
-def _random_full_weights(model_dir: Path, seed: int):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(model_dir)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-
-
-def _lora_adapter(base, seed: int, tmp: Path):
-    """A PEFT LoRA (r=8, random A and B) on `base`: returns (tensors, config json, merged model)."""
-    import copy
-
-    from peft import LoraConfig, get_peft_model
-    from safetensors.torch import load_file
-
-    torch.manual_seed(seed)
-    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
-                     init_lora_weights=False, lora_dropout=0.0)
-    peft_model = get_peft_model(copy.deepcopy(base), cfg)
-    out = tmp / f"adapter-{seed}"
-    peft_model.save_pretrained(out)
-    tensors = load_file(out / "adapter_model.safetensors")
-    config_json = (out / "adapter_config.json").read_text()
-    merged = peft_model.merge_and_unload().eval()
-    return sorted(tensors.items()), config_json, merged
-
-
-class Ref:
-    """The HF model equal to what the server serves now, and its greedy answers."""
-
-    def __init__(self, model, tok):
-        self.model, self.tok = model, tok
-        self.eos = tok.eos_token_id
-        self.prompts = _prompt_ids(tok)
-        self.expected = _hf_greedy(model, self.prompts, 16, self.eos)
-
-    def set(self, model) -> None:
-        self.model = model
-        self.expected = _hf_greedy(model, self.prompts, 16, self.eos)
-
 
 # -- fixtures ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
@@ -160,7 +58,7 @@ def srv(tiny_model_dir: Path, stage_dir: Path):
 
 @pytest.fixture(scope="module")
 def ref(tiny_model_dir: Path, tiny_tokenizer):
-    return Ref(_hf_model(tiny_model_dir), tiny_tokenizer)
+    return Ref(hf_model(tiny_model_dir), tiny_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -172,23 +70,23 @@ def hf_srv(tiny_model_dir: Path):
 
 def _assert_still_serving(srv, ref, version: int) -> None:
     assert srv.health() == "SERVING"
-    st = _status(srv)
+    st = status(srv)
     assert st.ready and st.weight_version == version
-    resp = _generate(srv.stub(), srv.metadata(), ref.prompts)
+    resp = generate(srv.stub(), srv.metadata(), ref.prompts)
     assert resp.weight_version == version
     assert [list(c.token_ids) for c in resp.completions] == ref.expected
 
 
 # -- tests ------------------------------------------------------------------------------------
 def test_status_and_health(srv) -> None:
-    st = _status(srv)
+    st = status(srv)
     assert st.ready and st.backend == "vllm" and st.lora_enabled and st.max_lora_rank == 8
     assert st.weight_version == 0 and st.active_adapter == "" and st.tensor_parallel_size == 1
     assert srv.health() == "SERVING"
 
 
 def test_greedy_equals_hf(srv, ref) -> None:
-    resp = _generate(srv.stub(), srv.metadata(), ref.prompts)
+    resp = generate(srv.stub(), srv.metadata(), ref.prompts)
     assert len(resp.completions) == len(PROMPT_TEXTS) >= 8
     for c, ids, want in zip(resp.completions, ref.prompts, ref.expected, strict=True):
         assert list(c.prompt_token_ids) == ids
@@ -208,7 +106,7 @@ def test_messages_are_rendered_with_chat_template(srv, tiny_tokenizer) -> None:
 
 def test_64_prompts_come_back_in_order(srv, tiny_tokenizer) -> None:
     prompts = [tiny_tokenizer(f"prompt number {i}: {PROMPT_TEXTS[i % 8]}")["input_ids"] for i in range(64)]
-    resp = _generate(srv.stub(), srv.metadata(), prompts, max_tokens=8)
+    resp = generate(srv.stub(), srv.metadata(), prompts, max_tokens=8)
     assert [c.request_id for c in resp.completions] == [f"r{i}" for i in range(64)]
     assert [list(c.prompt_token_ids) for c in resp.completions] == prompts
     assert all(len(c.token_ids) >= 1 for c in resp.completions)
@@ -217,8 +115,8 @@ def test_64_prompts_come_back_in_order(srv, tiny_tokenizer) -> None:
 def test_seeded_sampling_is_reproducible(srv, ref) -> None:
     prompts = [ref.prompts[0]] * 4
     seeds = [11, 12, 13, 11]
-    a = _generate(srv.stub(), srv.metadata(), prompts, max_tokens=24, temperature=1.0, seeds=seeds)
-    b = _generate(srv.stub(), srv.metadata(), prompts, max_tokens=24, temperature=1.0, seeds=seeds)
+    a = generate(srv.stub(), srv.metadata(), prompts, max_tokens=24, temperature=1.0, seeds=seeds)
+    b = generate(srv.stub(), srv.metadata(), prompts, max_tokens=24, temperature=1.0, seeds=seeds)
     ta = [list(c.token_ids) for c in a.completions]
     tb = [list(c.token_ids) for c in b.completions]
     assert ta == tb
@@ -227,12 +125,12 @@ def test_seeded_sampling_is_reproducible(srv, ref) -> None:
 
 
 def test_stale_expected_version_is_refused(srv, ref) -> None:
-    v = _status(srv).weight_version
+    v = status(srv).weight_version
     with pytest.raises(grpc.RpcError) as info:
-        _generate(srv.stub(), srv.metadata(), ref.prompts, expected=v + 7)
+        generate(srv.stub(), srv.metadata(), ref.prompts, expected=v + 7)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert f"server has {v}" in info.value.details()
-    ok = _generate(srv.stub(), srv.metadata(), ref.prompts, expected=v)
+    ok = generate(srv.stub(), srv.metadata(), ref.prompts, expected=v)
     assert ok.weight_version == v
     _assert_still_serving(srv, ref, v)
 
@@ -241,7 +139,7 @@ def test_auth_required(srv, ref) -> None:
     stub = srv.stub()
     for call in (
         lambda md: stub.GetStatus(rollout_pb2.StatusRequest(), metadata=md, timeout=10),
-        lambda md: _generate(stub, md, ref.prompts[:1]),
+        lambda md: generate(stub, md, ref.prompts[:1]),
         lambda md: stub.UpdateWeights(iter([]), metadata=md, timeout=10),
     ):
         for md in ((), (("authorization", "Bearer wrong"),)):
@@ -251,36 +149,36 @@ def test_auth_required(srv, ref) -> None:
 
 
 def test_full_sync_matches_hf_and_resets_prefix_cache(srv, ref, tiny_model_dir) -> None:
-    v0 = _status(srv).weight_version
+    v0 = status(srv).weight_version
     # Warm the prefix cache with the prompts we ask again after the sync.
-    before = _generate(srv.stub(), srv.metadata(), ref.prompts)
-    new = _random_full_weights(tiny_model_dir, seed=1234)
+    before = generate(srv.stub(), srv.metadata(), ref.prompts)
+    new = random_full_weights(tiny_model_dir, seed=1234)
     chunks = list(iter_weight_chunks(new.state_dict().items(), version=v0 + 1, mode=FULL, frame_bytes=64 << 10))
     assert sum(c.WhichOneof("kind") == "piece" for c in chunks) > len(new.state_dict())  # tensors span frames
-    reply = _update(srv, chunks)
+    reply = update(srv, chunks)
     assert reply.version == v0 + 1 and reply.bytes_received == chunks[0].header.total_bytes
     ref.set(new)
-    after = _generate(srv.stub(), srv.metadata(), ref.prompts, expected=v0 + 1)
+    after = generate(srv.stub(), srv.metadata(), ref.prompts, expected=v0 + 1)
     assert after.weight_version == v0 + 1
     assert [list(c.token_ids) for c in after.completions] == ref.expected
     assert [list(c.token_ids) for c in after.completions] != [list(c.token_ids) for c in before.completions]
-    assert _status(srv).weight_version == v0 + 1
+    assert status(srv).weight_version == v0 + 1
 
 
 def test_adapter_sync_matches_merged_hf_and_replaces(srv, ref, tmp_path) -> None:
-    v0 = _status(srv).weight_version
+    v0 = status(srv).weight_version
     base = ref.model
     seen = []
     for k, seed in enumerate((7, 8)):
-        tensors, cfg_json, merged = _lora_adapter(base, seed, tmp_path)
-        reply = _update(srv, iter_weight_chunks(tensors, version=v0 + 1 + k, mode=ADAPTER,
+        tensors, cfg_json, merged = lora_adapter(base, seed, tmp_path)
+        reply = update(srv, iter_weight_chunks(tensors, version=v0 + 1 + k, mode=ADAPTER,
                                                 adapter_config_json=cfg_json, frame_bytes=32 << 10))
         assert reply.version == v0 + 1 + k
-        st = _status(srv)
+        st = status(srv)
         assert st.weight_version == v0 + 1 + k and st.active_adapter
         seen.append(st.active_adapter)
         ref.set(merged)
-        resp = _generate(srv.stub(), srv.metadata(), ref.prompts)
+        resp = generate(srv.stub(), srv.metadata(), ref.prompts)
         assert [list(c.token_ids) for c in resp.completions] == ref.expected
     assert seen[0] != seen[1]
 
@@ -292,16 +190,16 @@ def _full_chunks(ref, version, **kw):
 
 
 def _expect_refused(srv, ref, chunks, code, text) -> None:
-    v = _status(srv).weight_version
+    v = status(srv).weight_version
     with pytest.raises(grpc.RpcError) as info:
-        _update(srv, chunks)
+        update(srv, chunks)
     assert info.value.code() == code, info.value.details()
     assert text in info.value.details()
     _assert_still_serving(srv, ref, v)
 
 
 def test_fault_wrong_shape(srv, ref) -> None:
-    bad = _random_full_weights(Path(srv_model(srv)), seed=99).state_dict()
+    bad = random_full_weights(Path(srv_model(srv)), seed=99).state_dict()
     name = "model.layers.0.mlp.down_proj.weight"
     bad[name] = bad[name][:, :-1].contiguous()
     chunks = list(iter_weight_chunks(bad.items(), version=1000, mode=FULL, frame_bytes=64 << 10))
@@ -309,27 +207,27 @@ def test_fault_wrong_shape(srv, ref) -> None:
 
 
 def test_fault_unknown_name(srv, ref) -> None:
-    sd = _random_full_weights(Path(srv_model(srv)), seed=98).state_dict()
+    sd = random_full_weights(Path(srv_model(srv)), seed=98).state_dict()
     sd["model.layers.7.self_attn.q_proj.weight"] = sd.pop("model.layers.1.self_attn.q_proj.weight")
     chunks = list(iter_weight_chunks(sd.items(), version=1000, mode=FULL, frame_bytes=64 << 10))
     _expect_refused(srv, ref, chunks, grpc.StatusCode.INVALID_ARGUMENT, "unknown tensor name")
 
 
 def test_fault_bad_digest(srv, ref) -> None:
-    sd = _random_full_weights(Path(srv_model(srv)), seed=97).state_dict()
+    sd = random_full_weights(Path(srv_model(srv)), seed=97).state_dict()
     chunks = list(iter_weight_chunks(sd.items(), version=1000, mode=FULL, frame_bytes=64 << 10))
     chunks[-1].trailer.sha256 = bytes(32)
     _expect_refused(srv, ref, chunks, grpc.StatusCode.INVALID_ARGUMENT, "sha256")
 
 
 def test_fault_oversize_frame(srv, ref) -> None:
-    sd = _random_full_weights(Path(srv_model(srv)), seed=96).state_dict()
+    sd = random_full_weights(Path(srv_model(srv)), seed=96).state_dict()
     chunks = list(iter_weight_chunks(sd.items(), version=1000, mode=FULL, frame_bytes=4 * MAX_FRAME))
     _expect_refused(srv, ref, chunks, grpc.StatusCode.INVALID_ARGUMENT, "frame limit")
 
 
 def test_fault_adapter_rank_above_server_limit(srv, ref, tmp_path) -> None:
-    tensors, cfg_json, _ = _lora_adapter(ref.model, 5, tmp_path)
+    tensors, cfg_json, _ = lora_adapter(ref.model, 5, tmp_path)
     cfg = json.loads(cfg_json)
     cfg["r"] = 64
     chunks = list(iter_weight_chunks(tensors, version=1000, mode=ADAPTER, adapter_config_json=json.dumps(cfg)))
@@ -338,13 +236,13 @@ def test_fault_adapter_rank_above_server_limit(srv, ref, tmp_path) -> None:
 
 def _cut_failures(text: str) -> float:
     # Depending on when the cancel reaches the server's reader it sees an error or an early end.
-    return sum(max(0.0, _metric(text, "rmsft_rollout_weight_sync_failures_total", f'reason="{r}"'))
+    return sum(max(0.0, metric(text, "rmsft_rollout_weight_sync_failures_total", f'reason="{r}"'))
                for r in ("cancelled", "truncated"))
 
 
 def test_fault_stream_cancelled_midway(srv, ref, stage_dir) -> None:
-    v = _status(srv).weight_version
-    sd = _random_full_weights(Path(srv_model(srv)), seed=95).state_dict()
+    v = status(srv).weight_version
+    sd = random_full_weights(Path(srv_model(srv)), seed=95).state_dict()
     chunks = list(iter_weight_chunks(sd.items(), version=1000, mode=FULL, frame_bytes=16 << 10))
     half = threading.Event()
     hold = threading.Event()
@@ -357,7 +255,7 @@ def test_fault_stream_cancelled_midway(srv, ref, stage_dir) -> None:
                 return
             yield c
 
-    before = _cut_failures(_scrape(srv))
+    before = _cut_failures(scrape(srv))
     fut = srv.stub().UpdateWeights.future(gen(), metadata=srv.metadata(), timeout=60)
     assert half.wait(30)
     # Cancel only once the server is provably mid-stream: its staging file exists.
@@ -373,7 +271,7 @@ def test_fault_stream_cancelled_midway(srv, ref, stage_dir) -> None:
         fut.result()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        now = _cut_failures(_scrape(srv))
+        now = _cut_failures(scrape(srv))
         if now > before:
             break
         time.sleep(0.2)
@@ -381,31 +279,31 @@ def test_fault_stream_cancelled_midway(srv, ref, stage_dir) -> None:
     assert not any(Path(p).exists() for p in staged)  # partial staging removed
     _assert_still_serving(srv, ref, v)
     # The update slot was released: the next stream (the weights being served, as FULL) applies.
-    reply = _update(srv, _full_chunks(ref, v + 1))
+    reply = update(srv, _full_chunks(ref, v + 1))
     assert reply.version == v + 1
     _assert_still_serving(srv, ref, v + 1)
 
 
 def test_metrics_move_with_traffic(srv, ref) -> None:
-    m0 = _scrape(srv)
-    _generate(srv.stub(), srv.metadata(), ref.prompts)
-    m1 = _scrape(srv)
-    v = _status(srv).weight_version
-    assert _metric(m1, "rmsft_rollout_requests_total", 'code="OK",method="Generate"') > _metric(
+    m0 = scrape(srv)
+    generate(srv.stub(), srv.metadata(), ref.prompts)
+    m1 = scrape(srv)
+    v = status(srv).weight_version
+    assert metric(m1, "rmsft_rollout_requests_total", 'code="OK",method="Generate"') > metric(
         m0, "rmsft_rollout_requests_total", 'code="OK",method="Generate"')
-    assert _metric(m1, "rmsft_rollout_generated_tokens_total") > _metric(m0, "rmsft_rollout_generated_tokens_total")
-    assert _metric(m1, "rmsft_rollout_prompt_tokens_total") > _metric(m0, "rmsft_rollout_prompt_tokens_total")
-    assert _metric(m1, "rmsft_rollout_generate_seconds_count") > _metric(m0, "rmsft_rollout_generate_seconds_count")
-    assert _metric(m1, "rmsft_rollout_weight_version") == v > 0
-    assert _metric(m1, "rmsft_rollout_ready") == 1
-    assert _metric(m1, "rmsft_rollout_queue_depth") == 0
-    assert _metric(m1, "rmsft_rollout_inflight_requests") == 0
-    assert _metric(m1, "rmsft_rollout_weight_sync_bytes_total", 'mode="full"') > 0
-    assert _metric(m1, "rmsft_rollout_weight_sync_bytes_total", 'mode="adapter"') > 0
-    assert _metric(m1, "rmsft_rollout_weight_sync_seconds_count", 'mode="full"') >= 1
+    assert metric(m1, "rmsft_rollout_generated_tokens_total") > metric(m0, "rmsft_rollout_generated_tokens_total")
+    assert metric(m1, "rmsft_rollout_prompt_tokens_total") > metric(m0, "rmsft_rollout_prompt_tokens_total")
+    assert metric(m1, "rmsft_rollout_generate_seconds_count") > metric(m0, "rmsft_rollout_generate_seconds_count")
+    assert metric(m1, "rmsft_rollout_weight_version") == v > 0
+    assert metric(m1, "rmsft_rollout_ready") == 1
+    assert metric(m1, "rmsft_rollout_queue_depth") == 0
+    assert metric(m1, "rmsft_rollout_inflight_requests") == 0
+    assert metric(m1, "rmsft_rollout_weight_sync_bytes_total", 'mode="full"') > 0
+    assert metric(m1, "rmsft_rollout_weight_sync_bytes_total", 'mode="adapter"') > 0
+    assert metric(m1, "rmsft_rollout_weight_sync_seconds_count", 'mode="full"') >= 1
     for reason in ("shape", "name", "digest", "frame_size", "lora_rank"):
-        assert _metric(m1, "rmsft_rollout_weight_sync_failures_total", f'reason="{reason}"') >= 1, reason
-    assert _metric(m1, "rmsft_rollout_requests_total", 'code="UNAUTHENTICATED"') >= 1
+        assert metric(m1, "rmsft_rollout_weight_sync_failures_total", f'reason="{reason}"') >= 1, reason
+    assert metric(m1, "rmsft_rollout_requests_total", 'code="UNAUTHENTICATED"') >= 1
 
 
 def test_port_taken_fails_fast(srv, tiny_model_dir) -> None:
@@ -425,21 +323,21 @@ def test_port_taken_fails_fast(srv, tiny_model_dir) -> None:
 
 # -- HF backend server (no LoRA, concurrency bound 1) -----------------------------------------
 def test_hf_backend_adapter_refused_and_greedy_equal(hf_srv, ref, tiny_model_dir, tiny_tokenizer, tmp_path) -> None:
-    base = _hf_model(tiny_model_dir)
-    prompts = _prompt_ids(tiny_tokenizer)
-    resp = _generate(hf_srv.stub(), (), prompts)
-    assert [list(c.token_ids) for c in resp.completions] == _hf_greedy(base, prompts, 16, tiny_tokenizer.eos_token_id)
-    st = _status(hf_srv)
+    base = hf_model(tiny_model_dir)
+    prompts = prompt_ids(tiny_tokenizer)
+    resp = generate(hf_srv.stub(), (), prompts)
+    assert [list(c.token_ids) for c in resp.completions] == hf_greedy(base, prompts, 16, tiny_tokenizer.eos_token_id)
+    st = status(hf_srv)
     assert st.backend == "hf" and not st.lora_enabled
-    tensors, cfg_json, _ = _lora_adapter(base, 3, tmp_path)
+    tensors, cfg_json, _ = lora_adapter(base, 3, tmp_path)
     with pytest.raises(grpc.RpcError) as info:
         hf_srv.stub().UpdateWeights(iter_weight_chunks(tensors, version=5, mode=ADAPTER,
                                                        adapter_config_json=cfg_json), timeout=60)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "--enable-lora" in info.value.details()
-    st2 = _status(hf_srv)
+    st2 = status(hf_srv)
     assert st2.weight_version == 0 and st2.ready and hf_srv.health() == "SERVING"
-    again = _generate(hf_srv.stub(), (), prompts)
+    again = generate(hf_srv.stub(), (), prompts)
     assert [list(c.token_ids) for c in again.completions] == [list(c.token_ids) for c in resp.completions]
 
 
@@ -449,7 +347,7 @@ def test_concurrency_bound_refuses_never_drops(hf_srv, tiny_tokenizer) -> None:
 
     def call(i):
         try:
-            r = _generate(hf_srv.stub(), (), prompts, max_tokens=48)
+            r = generate(hf_srv.stub(), (), prompts, max_tokens=48)
             results[i] = len(r.completions)
         except grpc.RpcError as e:
             results[i] = e.code()
@@ -465,4 +363,4 @@ def test_concurrency_bound_refuses_never_drops(hf_srv, tiny_tokenizer) -> None:
 
 
 def srv_model(srv) -> str:
-    return _status(srv).model
+    return status(srv).model
