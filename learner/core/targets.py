@@ -11,8 +11,10 @@ Public API
 
 Y_train = prompt + prefix_ids (the rollout's own) + encode(", " + FN entries numbered from
 max_object_index + 1 + "}") + [eos]. Supervision:
-- prefix: nothing, except the coord tokens of matched predictions, pulled to the matched ground-truth
-  bins (only when kind and coord count agree; otherwise counted in meta["matched_unsupervised"]);
+- prefix (the rollout's own ids): nothing, except the coord tokens of matched predictions, pulled to
+  the matched ground-truth bins (only when kind and coord count agree; otherwise counted in
+  meta["matched_unsupervised"]); prefix ids the parser wrote itself (past `n_own_prefix_ids`: an
+  opening `{`, or a brace split off a fused token) get cross-entropy like the tail;
 - tail: coord tokens get the coordinate loss towards their own (ground-truth) bins, other tokens get
   cross-entropy, except the desc value tokens of appended objects when `supervise_fn_desc` is False
   (CoordExp's default: a missed object's name is not something the rollout can be blamed for).
@@ -164,7 +166,13 @@ def build_targets(
         raise TargetError("tail tokenization lost coord tokens of the missed objects")
 
     input_ids = tuple(int(t) for t in prompt_ids) + tuple(prefix) + tuple(tail)
-    labels = (IGNORE_INDEX,) * (prompt_len + prefix_len) + tuple(tail_labels)
+    # Prefix ids past `n_own_prefix_ids` were written by the parser, not sampled (the opening `{`
+    # of a rollout with no usable start, or the brace split off a fused `},` token): they are part
+    # of the target the model must learn to produce, so they get cross-entropy. Leaving them
+    # unlabelled trains a model that never learns to open the JSON object.
+    own = prompt_len + parsed.n_own_prefix_ids
+    prefix_labels = tuple(int(t) if i >= own else IGNORE_INDEX for i, t in enumerate(prefix, start=prompt_len))
+    labels = (IGNORE_INDEX,) * prompt_len + prefix_labels + tuple(tail_labels)
     order = sorted(range(len(coord_pos)), key=coord_pos.__getitem__)
     return Segment(
         input_ids=input_ids,
