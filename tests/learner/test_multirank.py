@@ -169,21 +169,29 @@ def test_two_ranks_deepspeed_zero2_equal_one_rank(server, one_rank, tiny_model_d
 
 
 @slow
-def test_rmsft_train_under_torchrun_resumes(server, one_rank, tiny_model_dir, data_path, tmp_path) -> None:
-    """`torchrun -m rmsft.cli train`: 2 steps, then a resumed run to STEPS, ends where one rank does."""
+@pytest.mark.parametrize("deepspeed_stage", [0, 2], ids=["torch", "zero2"])
+def test_rmsft_train_under_torchrun_resumes(server, one_rank, tiny_model_dir, data_path, tmp_path,
+                                            deepspeed_stage) -> None:  # fmt: skip
+    """`torchrun -m rmsft.cli train`: 2 steps, then a resumed run to STEPS, ends where one rank does
+    (with ZeRO-2 the optimizer partitions and fp32 master weights come back from the checkpoint)."""
+    if deepspeed_stage:
+        pytest.importorskip("deepspeed")
     ckpt = tmp_path / "ckpt"
     cmd = [*_torchrun(2), "-m", "rmsft.cli", "train", "--servers", server.address, "--config"]
-    first = _run([*cmd, str(write_job(tmp_path / "a.yaml", tiny_model_dir, data_path, ckpt, steps=2))])
+    ds = {"deepspeed_stage": deepspeed_stage}
+    first = _run([*cmd, str(write_job(tmp_path / "a.yaml", tiny_model_dir, data_path, ckpt, steps=2, **ds))])
     assert first.returncode == 0, first.stderr[-8000:]
     assert "step 2 v2 loss" in first.stderr  # rank 0's one-line-per-step log
     assert first.stderr.count("step 2 v2 loss") == 1  # ... and only rank 0's
-    second = _run([*cmd, str(write_job(tmp_path / "b.yaml", tiny_model_dir, data_path, ckpt))])
+    second = _run([*cmd, str(write_job(tmp_path / "b.yaml", tiny_model_dir, data_path, ckpt, **ds))])
     assert second.returncode == 0, second.stderr[-8000:]
     assert "resumed from step 2" in second.stderr
     assert f"step {STEPS} v3 loss" in second.stderr  # re-synced once on resume (v2 -> v3)
     state = torch.load(ckpt / f"step-{STEPS}" / "state.pt", weights_only=False)
     assert state["step"] == STEPS and state["world_size"] == 2
-    (_,), (base_params,), _ = one_rank
+    (base,), (base_params,), _ = one_rank
+    logged = [float(x) for x in re.findall(r"step \d+ v\d+ loss ([0-9.]+)", first.stderr + second.stderr)]
+    assert logged == pytest.approx([s["loss"] for s in base["steps"]], abs=2e-4)
     _assert_params_close(state["model"], base_params, atol=1e-5)
 
 
