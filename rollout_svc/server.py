@@ -10,8 +10,9 @@ from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from rmsft_protos import rollout_pb2_grpc
+from rmsft_protos import rollout_pb2
 
+from rmsft.weights_wire import decode_chunk
 from rollout_svc.config import ServeConfig
 from rollout_svc.engine import EngineError
 
@@ -22,6 +23,31 @@ SERVICE_NAME = "rmsft.v1.RolloutService"
 def _fail(msg: str) -> None:
     log.error(msg)
     raise SystemExit(f"rmsft serve: {msg}")
+
+
+def add_rollout_service(servicer, server: grpc.Server) -> None:
+    """Register `servicer` like `rollout_pb2_grpc.add_RolloutServiceServicer_to_server`, except
+    that UpdateWeights pieces are decoded by `decode_chunk` (payload not copied out of the
+    received message). Same method names, same messages on the wire."""
+    handlers = {
+        "Generate": grpc.unary_unary_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=rollout_pb2.GenerateRequest.FromString,
+            response_serializer=rollout_pb2.GenerateResponse.SerializeToString,
+        ),
+        "UpdateWeights": grpc.stream_unary_rpc_method_handler(
+            servicer.UpdateWeights,
+            request_deserializer=decode_chunk,
+            response_serializer=rollout_pb2.UpdateReply.SerializeToString,
+        ),
+        "GetStatus": grpc.unary_unary_rpc_method_handler(
+            servicer.GetStatus,
+            request_deserializer=rollout_pb2.StatusRequest.FromString,
+            response_serializer=rollout_pb2.StatusReply.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 def make_engine(cfg: ServeConfig):
@@ -51,6 +77,12 @@ def serve(cfg: ServeConfig) -> int:
             ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
             ("grpc.max_receive_message_length", max_msg),
             ("grpc.max_send_message_length", 256 << 20),
+            # A fixed HTTP/2 receive window of one maximal frame. With BDP probing on (the
+            # default) gRPC grows the window while a weight stream runs, and everything the
+            # sender pushes into it sits in this process; a fixed window bounds the buffered
+            # bytes and, on loopback, streamed no slower in benchmarks/weight_sync.py.
+            ("grpc.http2.bdp_probe", 0),
+            ("grpc.http2.lookahead_bytes", cfg.max_frame_bytes),
         ],
         maximum_concurrent_rpcs=cfg.max_concurrent_requests + 8,
     )
@@ -67,7 +99,7 @@ def serve(cfg: ServeConfig) -> int:
         servicer = RolloutServicer(cfg, on_broken=broken)
     except EngineError as e:
         _fail(str(e))
-    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
+    add_rollout_service(servicer, server)
     address = f"{cfg.host}:{cfg.port}"
     try:
         if cfg.tls_cert:

@@ -17,7 +17,15 @@ from pathlib import Path
 
 from rmsft_protos import rollout_pb2
 
-from rmsft.weights_wire import FULL, StagedTensor, StreamReader, TensorSpec, WireError, torch_dtype
+from rmsft.weights_wire import (
+    FULL,
+    PieceFrame,
+    StagedTensor,
+    StreamReader,
+    TensorSpec,
+    WireError,
+    torch_dtype,
+)
 
 
 @dataclass
@@ -51,6 +59,16 @@ def iter_staged_tensors(index_path: str):
             yield name, torch.empty(shape, dtype=dt)
         else:
             yield name, torch.frombuffer(mm, dtype=dt, count=numel, offset=start).reshape(shape)
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    """pwrite may write less than asked (signals, huge buffers); a short write must not pass."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(f"pwrite wrote {n} bytes at offset {offset}")
+        view, offset = view[n:], offset + n
 
 
 class Stager:
@@ -93,10 +111,12 @@ class Stager:
                 if chunk.WhichOneof("kind") == "piece":
                     if reader.finished:
                         raise WireError("data after the trailer")
-                    data = chunk.piece.data  # one copy out of the message, used for all checks
+                    # A PieceFrame (server deserializer `decode_chunk`) already holds a view of
+                    # the payload; a plain WeightChunk's `.data` is read once (each read copies).
+                    data = chunk.data if isinstance(chunk, PieceFrame) else chunk.piece.data
                     dest = reader.on_piece(chunk.piece, data)
                     if data:
-                        os.pwrite(fd, data, dest)
+                        _pwrite_all(fd, data, dest)
                 else:
                     reader.feed(chunk)
                 if reader.finished:
