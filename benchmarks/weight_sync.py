@@ -97,14 +97,20 @@ if fd is not None:
 """
 
 
-def tcp_send(tensors, total: int, frame: int, mode: str) -> float:
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def tcp_send(tensors, total: int, frame: int, mode: str) -> tuple[float, float, float]:
+    """Seconds, sender CPU seconds, receiver CPU seconds (the receiver's whole life)."""
     staging = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
                            f"rmsft-bench-tcp-{os.getpid()}")
     rx = subprocess.Popen([sys.executable, "-c", RECEIVER, mode, staging], stdout=subprocess.PIPE, text=True)
     port = int(rx.stdout.readline())
     s = socket.create_connection(("127.0.0.1", port))
     s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu()
     s.sendall(total.to_bytes(8, "little") + frame.to_bytes(8, "little"))
     digest = hashlib.sha256() if mode == "verify" else None
     for _, t in tensors:
@@ -117,10 +123,13 @@ def tcp_send(tensors, total: int, frame: int, mode: str) -> float:
     if digest is not None:
         s.sendall(digest.digest())
     assert s.recv(1) == b"k"
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, _cpu() - c0
     s.close()
-    rx.wait(30)
-    return dt
+    _, status, usage = os.wait4(rx.pid, 0)
+    rx.returncode = os.waitstatus_to_exitcode(status)
+    if rx.returncode != 0:
+        raise SystemExit(f"TCP receiver ({mode}) failed with exit code {rx.returncode}")
+    return dt, cpu, usage.ru_utime + usage.ru_stime
 
 
 def _status_kib(pid: int, key: str) -> int:
@@ -211,6 +220,7 @@ def main() -> None:
     print(f"starting rmsft serve (backend={args.backend}) ...", flush=True)
     t0 = time.perf_counter()
     runs: dict[str, list[float]] = {"grpc": [], "grpc_e2e": [], "apply": [], "raw": [], "stage": [], "verify": []}
+    cpu: dict[str, list[tuple[float, float]]] = {"grpc": [], "raw": [], "stage": [], "verify": []}
     mem: list[dict[str, int]] = []
     with RolloutServer.start(model_dir, backend=args.backend, dtype="float32", max_model_len=512,
                              gpu_memory_utilization=args.kv_fraction,
@@ -220,9 +230,13 @@ def main() -> None:
             sampler = MemSampler(srv.proc.pid, "/dev/shm")
             sampler.start()
             chunks = iter_weight_chunks(tensors, version=rnd + 1, mode=FULL, frame_bytes=frame)
+            server_proc = psutil.Process(srv.proc.pid)
+            s0, c0 = sum(server_proc.cpu_times()[:2]), _cpu()
             t1 = time.perf_counter()
             reply = srv.stub().UpdateWeights(chunks, metadata=srv.metadata(), timeout=1800)
             grpc_total = time.perf_counter() - t1
+            # The server's apply runs in the engine process (vLLM), so this is the receive side.
+            cpu["grpc"].append((_cpu() - c0, sum(server_proc.cpu_times()[:2]) - s0))
             mem.append(sampler.finish())
             exact = sampler.exact
             # The server verified the sha256 trailer, names, shapes and counts before applying.
@@ -231,7 +245,9 @@ def main() -> None:
             runs["grpc_e2e"].append(grpc_total)
             runs["apply"].append(reply.apply_seconds)
             for mode, key in (("discard", "raw"), ("stage", "stage"), ("verify", "verify")):
-                runs[key].append(tcp_send(tensors, total, frame, mode))
+                dt, c_send, c_recv = tcp_send(tensors, total, frame, mode)
+                runs[key].append(dt)
+                cpu[key].append((c_send, c_recv))
             print(f"round {rnd + 1}: gRPC {gbps(runs['grpc'][-1]):.3f} GB/s (+{reply.apply_seconds:.2f}s apply)  "
                   f"TCP raw {gbps(runs['raw'][-1]):.3f}  stage {gbps(runs['stage'][-1]):.3f}  "
                   f"verified {gbps(runs['verify'][-1]):.3f} GB/s   server RSS +{mem[-1]['server'] / MIB:.0f} MiB",
@@ -248,6 +264,12 @@ def main() -> None:
     r_stage, r_verify, r_raw = (best[k] / grpc_wire for k in ("stage", "verify", "raw"))
     print(f"ratio gRPC/TCP-stage: {r_stage:.2f} (target >= 0.8)   gRPC/TCP-verified: {r_verify:.2f}   "
           f"gRPC/raw socket: {r_raw:.2f}")
+    gb = total / 1e9
+    per_gb = {k: (min(c for c, _ in v) / gb, min(r for _, r in v) / gb) for k, v in cpu.items()}
+    print("CPU seconds per GB, sender / receiver (least over rounds; load-independent, unlike GB/s):")
+    for key, what in (("grpc", "gRPC (client process / server process)"), ("raw", "TCP raw"),
+                      ("stage", "TCP stage"), ("verify", "TCP verified")):
+        print(f"  {what:<40} {per_gb[key][0]:.2f} / {per_gb[key][1]:.2f}")
     cold, warm = mem[0], mem[-1]
     how = "exact VmHWM" if exact else "20 ms samples"
     print(f"server peak extra memory ({how}): gRPC process RSS first sync +{cold['server'] / MIB:.0f} MiB "
@@ -262,6 +284,9 @@ def main() -> None:
         f"ratio_vs_tcp_stage={r_stage:.2f} ratio_vs_tcp_verified={r_verify:.2f} ratio_vs_tcp_raw={r_raw:.2f} "
         f"server_extra_rss_mib={cold['server'] / MIB:.0f} server_extra_frames={cold['server'] / frame:.1f} "
         f"server_extra_frames_last={warm['server'] / frame:.1f} "
+        f"grpc_cpu_s_per_gb={per_gb['grpc'][0]:.2f}/{per_gb['grpc'][1]:.2f} "
+        f"tcp_stage_cpu_s_per_gb={per_gb['stage'][0]:.2f}/{per_gb['stage'][1]:.2f} "
+        f"tcp_verified_cpu_s_per_gb={per_gb['verify'][0]:.2f}/{per_gb['verify'][1]:.2f} "
         f"engine_extra_rss_mib={cold['engine'] / MIB:.0f} shm_extra_mib={cold['shm'] / MIB:.0f} "
         f"digest_ok=True"
     )
