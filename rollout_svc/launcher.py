@@ -60,6 +60,8 @@ class RolloutServer:
         """
         if port:
             with socket.socket() as s:
+                # As the gRPC server binds: a killed server's connections in TIME_WAIT do not hold the port.
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     s.bind(("127.0.0.1", port))
                 except OSError as e:
