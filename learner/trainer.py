@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 from learner import metrics as m
-from learner.checkpoint import list_checkpoints, rng_state, save_checkpoint, set_rng_state, trainable_state
 from learner.core.losses import LossSums, LossWeights, loss_sums
 from learner.core.match import MatchConfig
 from learner.core.packing import PackedRow, Packer
@@ -39,6 +38,7 @@ from learner.rollout_client import Rollout, RolloutClient, RolloutRequest
 from learner.servers import ServerPool
 from learner.step_types import DataOrder, StepResult, Summary
 from learner.sync_client import WeightSyncClient
+from learner.trainer_checkpoint import CheckpointMixin
 from rmsft.jobspec import RolloutMatchingJob
 
 __all__ = ["DataOrder", "StepResult", "Summary", "Trainer"]
@@ -68,7 +68,7 @@ def collective_timeout_s(job: RolloutMatchingJob) -> float:
     return max(1800.0, 3 * t + 2 * job.spec.sync.timeout_seconds)
 
 
-class Trainer:
+class Trainer(CheckpointMixin):
     """The learner loop. Under torchrun (WORLD_SIZE > 1) or with `process_group`, one rank of a
     data-parallel group: only rank 0 builds the server pool and talks to the rollout servers."""
 
@@ -311,78 +311,6 @@ class Trainer:
                 self.optimizer.step()
         total = self.ranks.sum([total_loss] + [parts_acc[k] for k in _PARTS])
         return total[0], dict(zip(_PARTS, total[1:], strict=True)), int(n_rows), fill_sum / n_rows
-
-    # -- checkpoint -----------------------------------------------------------------------------
-    def _rank_state(self) -> dict:
-        out = {"packer": list(self.packer._buf), "rng": rng_state()}
-        if self.engine is not None:  # ZeRO partitions the optimizer: every rank holds its own part
-            out["zero_optimizer"] = self.engine.optimizer.state_dict()
-        return out
-
-    def state(self) -> dict:
-        """Rank 0's checkpoint (the single-rank layout plus `world_size` and `rank_states`)."""
-        return {
-            "step": self.step, "version": self.version, "model": trainable_state(self.model),
-            "optimizer": self.optimizer.state_dict() if self.engine is None else None, "rng": rng_state(),
-            "packer": list(self.packer._buf), "phase_seconds": dict(self.phase_seconds),
-            "world_size": self.ranks.world_size, "deepspeed_stage": self.cfg.deepspeed_stage,
-        }  # fmt: skip
-
-    def save(self) -> Path | None:
-        """Collective: every rank's packer carry buffer and RNG (and ZeRO optimizer part) go into
-        the one checkpoint rank 0 writes. Returns its path on rank 0, None elsewhere."""
-        rank_states = self.ranks.gather_to_main(self._rank_state())
-        path = None
-        with self.ranks.guard("saving the checkpoint (rank 0)"):
-            if self.ranks.is_main:
-                state = self.state()
-                state["rank_states"] = rank_states
-                ck = self.cfg.checkpoint
-                path = save_checkpoint(ck.dir, self.step, state, keep=ck.keep)
-        return path
-
-    def resume(self) -> bool:
-        """Load the newest checkpoint in training.checkpoint.dir; False when there is none.
-        Collective; every rank reads the folder rank 0 picked (one pod: a shared filesystem)."""
-        name = None
-        with self.ranks.guard("looking for a checkpoint (rank 0)"):
-            if self.ranks.is_main:
-                found = list_checkpoints(self.cfg.checkpoint.dir)
-                name = str(found[-1]) if found else None
-        name = self.ranks.broadcast_from_main(name)
-        if name is None:
-            return False
-        with self.ranks.guard(f"loading checkpoint {name}"):
-            # Our own file: it holds Python objects (packer segments, RNG state), hence weights_only=False.
-            state = torch.load(Path(name) / "state.pt", weights_only=False)
-            self._load_state(state, name)
-        log.info("resumed from step %d (weight version %d)", self.step, self.version)
-        return True
-
-    def _load_state(self, state: dict, name: str) -> None:
-        saved_ws, ws = state.get("world_size", 1), self.ranks.world_size
-        if saved_ws != ws:
-            raise RuntimeError(f"checkpoint {name} was written by {saved_ws} learner rank(s), this run has {ws}: "
-                               "resume with the same number of ranks (each rank's carry buffer and RNG are its own)")
-        if state.get("deepspeed_stage", 0) != self.cfg.deepspeed_stage:
-            raise RuntimeError(f"checkpoint {name} was written with deepspeed_stage {state.get('deepspeed_stage', 0)}, "
-                               f"this run uses {self.cfg.deepspeed_stage}")  # fmt: skip
-        missing = set(trainable_state(self.model)) - set(state["model"])
-        if missing:
-            raise RuntimeError(f"checkpoint does not match the model: {len(missing)} trainable tensors missing")
-        self.model.load_state_dict(state["model"], strict=False)
-        rank_states = state.get("rank_states") or [{"packer": state["packer"], "rng": state["rng"]}]
-        mine = rank_states[self.ranks.rank]
-        if self.engine is None:
-            self.optimizer.load_state_dict(state["optimizer"])
-        else:
-            from learner.zero import load_zero_optimizer
-
-            load_zero_optimizer(self.engine, [s["zero_optimizer"] for s in rank_states])
-        set_rng_state(mine["rng"])
-        self.packer._buf = list(mine["packer"])
-        self.step, self.version = state["step"], state["version"]
-        self.phase_seconds = dict(state["phase_seconds"])
 
     # -- loop -----------------------------------------------------------------------------------
     def run(self, max_steps: int | None = None) -> Summary:
