@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from rmsft_protos import rollout_pb2
 
-from rmsft.weights_wire import decode_chunk
+from rmsft.weights_wire import decode_chunk, keep_frame_buffers
 from rollout_svc.config import ServeConfig
 from rollout_svc.engine import EngineError
 
@@ -65,6 +65,7 @@ def serve(cfg: ServeConfig) -> int:
     from rollout_svc.auth import TokenAuthInterceptor
     from rollout_svc.servicer import RolloutServicer
 
+    keep_frame_buffers(cfg.max_frame_bytes)  # weight frames: reuse heap buffers, no re-faulting
     token = cfg.resolved_auth_token()
     interceptors = [TokenAuthInterceptor(token)] if token else []
     # Room for one frame plus protobuf overhead; bigger frames are refused by the servicer with
