@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from learner.core.codec import DetObject
 from learner.core.match import MatchConfig, match
 from learner.core.parse import parse
-from learner.core.targets import Segment, build_targets
+from learner.core.targets import Segment, TargetConfig, build_targets
 from learner.core.vocab import VocabView
 from learner.data import Record
 
@@ -67,6 +67,7 @@ def build_segments(
     response_ids: Sequence[Sequence[int]],
     vocab: VocabView,
     matching: MatchConfig,
+    targets: TargetConfig | None = None,
 ) -> tuple[list[Segment], EpisodeStats]:
     """Parse, match and build Y_train for each (record, rollout) pair, in order."""
     if not len(records) == len(prompt_ids) == len(rollout_prompt_ids) == len(response_ids):
@@ -80,7 +81,7 @@ def build_segments(
         t1 = time.perf_counter()
         result = match([o.obj for o in parsed.objects], gt, matching)
         t2 = time.perf_counter()
-        segments.append(build_targets(p_ids, parsed, result, gt, vocab, rollout_prompt_ids=r_p_ids))
+        segments.append(build_targets(p_ids, parsed, result, gt, vocab, rollout_prompt_ids=r_p_ids, cfg=targets))
         t3 = time.perf_counter()
         stats += EpisodeStats(
             rollouts=1,

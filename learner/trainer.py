@@ -30,6 +30,7 @@ from learner.core.losses import LossSums, LossWeights, loss_sums
 from learner.core.match import MatchConfig
 from learner.core.packing import PackedRow, Packer
 from learner.core.rollout_buffer import RolloutBuffer
+from learner.core.targets import TargetConfig
 from learner.data import Record, load_records
 from learner.distributed import Ranks, share_bounds
 from learner.episode import EpisodeStats, build_segments
@@ -139,6 +140,7 @@ class Trainer(CheckpointMixin):
         self.matching = MatchConfig(
             iou_gate=self.cfg.matching.iou_gate, fp_cost=self.cfg.matching.fp_cost, fn_cost=self.cfg.matching.fn_cost
         )
+        self.targets = TargetConfig(supervise_fn_desc=self.cfg.targets.supervise_fn_desc)
         dec = self.cfg.rollout
         self.sampling = {
             "max_tokens": dec.max_tokens, "temperature": dec.temperature, "top_p": dec.top_p,
@@ -227,7 +229,7 @@ class Trainer(CheckpointMixin):
             recs = [self.records[i] for i in mine]
             segments, stats = build_segments(
                 recs, [self._prompt(i) for i in mine], [o.prompt_token_ids for o in outs],
-                [o.token_ids for o in outs], self.policy.vocab, self.matching,
+                [o.token_ids for o in outs], self.policy.vocab, self.matching, self.targets,
             )  # fmt: skip
             self._add_phase("parse", stats.parse_s)
             self._add_phase("match", stats.match_s)

@@ -208,6 +208,15 @@ class MatchingConfig(_Learner):
     fn_cost: float = Field(2.0, ge=0.0)
 
 
+class TargetsConfig(_Learner):
+    supervise_fn_desc: bool = Field(
+        False,
+        description="Cross-entropy on the desc values of appended missed objects. CoordExp leaves them "
+        "out (a model that can already name objects is not blamed for a miss's name); turn it on when "
+        "training from a model that has never produced the format.",
+    )
+
+
 class LossConfig(_Learner):
     ce: float = Field(1.0, ge=0.0)
     coord_soft_ce: float = Field(1.0, ge=0.0)
@@ -235,6 +244,7 @@ class TrainingConfig(_Learner):
     rollout: RolloutDecoding = Field(default_factory=RolloutDecoding)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     matching: MatchingConfig = Field(default_factory=MatchingConfig)
+    targets: TargetsConfig = Field(default_factory=TargetsConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     seed: int = Field(0, ge=0)
 
