@@ -45,6 +45,11 @@ fi
 
 log "installing rmsft and its dependencies"
 $PIP install -q -c "$C" -e ".[operator,train,dev]"
+if ! $PIP show -q deepspeed >/dev/null 2>&1; then
+  # Built against the torch already installed: with build isolation pip would fetch a CUDA torch.
+  log "installing deepspeed (ZeRO-1/2 for the learner)"
+  $PIP install -q --no-build-isolation -c "$C" deepspeed
+fi
 
 mkdir -p .tools/bin
 if [ ! -x .tools/bin/helm ] || ! grep -qx "$KUBECTL_LAYER_VERSION" .tools/VERSION 2>/dev/null; then

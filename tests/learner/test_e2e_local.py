@@ -8,6 +8,8 @@ kills and restarts a server.
 from __future__ import annotations
 
 import copy
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -170,7 +172,7 @@ def test_server_killed_mid_run(servers, tiny_model_dir, data_path, tmp_path) -> 
         # Kill the server after the step's weight sync reached it and before its chunk is served:
         # the learner still counts it as up, so its chunk fails in flight and must be retried.
         if trainer.step == 3 and victim.proc.poll() is None:
-            victim.proc.kill()
+            os.killpg(victim.proc.pid, signal.SIGKILL)  # the whole pod: server and engine processes
             victim.proc.wait()
         return real_generate(*args, **kwargs)
 
