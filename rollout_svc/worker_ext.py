@@ -18,6 +18,25 @@ class RmsftWorkerExtension:
 
             weights = list(iter_staged_tensors(index_path))
             count = len(weights)
+            weights += _tied_head(self, weights)
         reload = getattr(self, "reload_weights", None) or self.model_runner.reload_weights
         reload(weights_iterator=weights, is_checkpoint_format=True)
         return count
+
+
+_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _tied_head(worker, weights: list) -> list:
+    """With tied embeddings, checkpoints (and the learner) carry only the embedding, but vLLM's CPU
+    backend keeps a repacked copy of the output projection that a reload refreshes only when
+    `lm_head.weight` itself arrives: without it, rollouts keep the old head (measured: greedy output
+    differs from the synced model). Feed the embedding again under the head's name."""
+    runner = getattr(worker, "model_runner", None)
+    config = getattr(getattr(runner, "model_config", None), "hf_config", None)
+    if not getattr(config, "tie_word_embeddings", False):
+        return []
+    names = {name for name, _ in weights}
+    if _EMBED not in names or _HEAD in names:
+        return []
+    return [(_HEAD, next(t for name, t in weights if name == _EMBED))]

@@ -192,3 +192,42 @@ def test_server_killed_mid_run(servers, tiny_model_dir, data_path, tmp_path) -> 
     finally:
         trainer.close()
         servers[1] = restarted[0] if restarted else victim
+
+
+def test_full_sync_of_tied_embedding_reaches_the_output_head(servers, tiny_model_dir: Path, tiny_tokenizer) -> None:
+    """Full fine-tuning changes the tied embedding; the learner sends it once (as checkpoints do)
+    and the servers must refresh their output projection too, or rollouts keep the old head."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.rollout_client import RolloutClient
+    from learner.servers import ServerPool
+    from learner.sync_client import WeightSyncClient
+    from learner.weight_export import full_named_tensors
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(torch.randn_like(model.model.embed_tokens.weight) * 0.1)
+    assert "lm_head.weight" not in dict(full_named_tensors(model))  # only the embedding is sent
+    tok = tiny_tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"Find object {i}."}], add_generation_prompt=True,
+                                       tokenize=True)["input_ids"] for i in range(4)]
+    pool = ServerPool([s.address for s in servers])
+    sync = WeightSyncClient(pool, model, mode="full")
+    client = RolloutClient(pool, resync=sync.resync_server)
+    try:
+        pool.wait_ready(timeout_s=60)
+        version = max(pool.status(s).weight_version for s in pool.servers) + 1
+        sync.sync(version)
+        outs = client.generate([RolloutRequest(token_ids=p, seed=0, request_id=str(i)) for i, p in enumerate(prompts)],
+                               {"max_tokens": 16, "temperature": 0.0})
+        with torch.no_grad():
+            hf = [model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
+                  for p in prompts]
+        assert [o.token_ids for o in outs] == hf
+        assert {o.server for o in outs} == {s.address for s in servers}  # both servers checked
+    finally:
+        client.close()
+        sync.close()
+        pool.close()
