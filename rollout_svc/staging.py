@@ -19,13 +19,13 @@ from rmsft_protos import rollout_pb2
 
 from rmsft.weights_wire import (
     FULL,
-    PieceFrame,
     StagedTensor,
     StreamReader,
     TensorSpec,
     WireError,
     torch_dtype,
 )
+from rmsft.wire_decode import PieceFrame
 
 
 @dataclass

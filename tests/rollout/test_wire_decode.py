@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rmsft_protos import rollout_pb2
 
-from rmsft.weights_wire import FULL, PieceFrame, decode_chunk, iter_weight_chunks
+from rmsft.weights_wire import FULL, iter_weight_chunks
+from rmsft.wire_decode import PieceFrame, decode_chunk
 from rollout_svc.staging import Stager, iter_staged_tensors
 
 
