@@ -203,10 +203,23 @@ class Ranks:
         if self.enabled:
             dist.barrier(group=self.group)
 
-    def close(self) -> None:
-        if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-            self.owns_group = False
+    def close(self, *, barrier_timeout_s: float = 60.0) -> None:
+        """Leave the process group together: a rank that tears gloo down while a peer still
+        finishes its last collective (rank 0 writing the final checkpoint) can abort the peer's
+        process at exit ("terminate called without an active exception")."""
+        if not (self.owns_group and dist.is_initialized()):
+            return
+        if self.enabled:
+            try:
+                if dist.get_backend(self.group) == "gloo":
+                    timeout = datetime.timedelta(seconds=barrier_timeout_s)
+                    dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
+                else:
+                    dist.barrier(group=self.group)
+            except Exception as exc:  # noqa: BLE001 - a peer already gone must not hide the real exit status
+                log.warning("learner ranks did not meet before leaving the process group: %s", exc)
+        dist.destroy_process_group()
+        self.owns_group = False
 
 
 def _buckets(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:

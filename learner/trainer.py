@@ -386,6 +386,9 @@ class Trainer(CheckpointMixin):
         for part in (self.rollouts, self.sync_client, self.pool):
             if part is not None:
                 part.close()
+        if self.engine is not None:  # its optimizer holds buffers tied to the process group
+            self.engine.destroy()
+            self.engine = None
         self.ranks.close()
 
 
