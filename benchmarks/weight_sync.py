@@ -1,9 +1,11 @@
 """Weight sync over loopback: rmsft UpdateWeights (gRPC stream) vs the same bytes over plain TCP.
 
-    python benchmarks/weight_sync.py [--gib 1.0] [--backend vllm] [--frame-mib 4]
+    python benchmarks/weight_sync.py [--gib 1.0] [--backend vllm] [--frame-mib 4] [--sender both]
 
 Builds a random Qwen2 checkpoint of >= --gib GiB (tokenizer of the tiny model), starts
-`rmsft serve` on it, streams a FULL update of new random weights and, in the same run, sends the
+`rmsft serve` on it, streams a FULL update of new random weights (sent as the learner sends them:
+pre-serialized requests from `rmsft.wire_encode`; with `--sender both` also as protobuf messages
+through the generated stub, the path before that encoder) and, in the same run, sends the
 same tensor bytes over a plain TCP socket to a receiver process, twice: once discarding them
 (the raw socket ceiling) and once doing what the server does with them (sha256 + write into a
 staging file in /dev/shm). Server memory is sampled every 20 ms during the sync.
@@ -31,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rmsft.weights_wire import FULL, iter_weight_chunks  # noqa: E402
+from rmsft.wire_encode import encode_weight_stream, update_weights_raw  # noqa: E402
 from rollout_svc.launcher import RolloutServer  # noqa: E402
 
 GIB = 1 << 30
@@ -198,6 +201,9 @@ def main() -> None:
                     help="rounds of (gRPC sync, TCP raw, TCP stage, TCP verified); best round per path")
     ap.add_argument("--kv-fraction", type=float, default=0.15,
                     help="--gpu-memory-utilization for the server (CPU: share of RAM for weights + KV cache)")
+    ap.add_argument("--sender", default="both", choices=["raw", "proto", "both"],
+                    help="gRPC request path: raw = pre-serialized bytes (the learner's), proto = "
+                         "WeightChunk messages through the generated stub; both = each, every round")
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "rmsft-bench-sync-model"))
     args = ap.parse_args()
     frame = int(args.frame_mib * MIB)
@@ -219,56 +225,78 @@ def main() -> None:
 
     print(f"starting rmsft serve (backend={args.backend}) ...", flush=True)
     t0 = time.perf_counter()
-    runs: dict[str, list[float]] = {"grpc": [], "grpc_e2e": [], "apply": [], "raw": [], "stage": [], "verify": []}
-    cpu: dict[str, list[tuple[float, float]]] = {"grpc": [], "raw": [], "stage": [], "verify": []}
+    senders = ["raw", "proto"] if args.sender == "both" else [args.sender]
+    runs: dict[str, list[float]] = {"grpc_e2e": [], "apply": [], "raw": [], "stage": [], "verify": []}
+    cpu: dict[str, list[tuple[float, float]]] = {"raw": [], "stage": [], "verify": []}
+    for sender in senders:
+        runs[f"grpc_{sender}"], cpu[f"grpc_{sender}"] = [], []
     mem: list[dict[str, int]] = []
+    version = 0
     with RolloutServer.start(model_dir, backend=args.backend, dtype="float32", max_model_len=512,
                              gpu_memory_utilization=args.kv_fraction,
                              max_frame_bytes=2 * frame, timeout=900) as srv:
         print(f"server ready in {time.perf_counter() - t0:.0f}s", flush=True)
         for rnd in range(args.rounds):
-            sampler = MemSampler(srv.proc.pid, "/dev/shm")
-            sampler.start()
-            chunks = iter_weight_chunks(tensors, version=rnd + 1, mode=FULL, frame_bytes=frame)
-            server_proc = psutil.Process(srv.proc.pid)
-            s0, c0 = sum(server_proc.cpu_times()[:2]), _cpu()
-            t1 = time.perf_counter()
-            reply = srv.stub().UpdateWeights(chunks, metadata=srv.metadata(), timeout=1800)
-            grpc_total = time.perf_counter() - t1
-            # The server's apply runs in the engine process (vLLM), so this is the receive side.
-            cpu["grpc"].append((_cpu() - c0, sum(server_proc.cpu_times()[:2]) - s0))
-            mem.append(sampler.finish())
-            exact = sampler.exact
-            # The server verified the sha256 trailer, names, shapes and counts before applying.
-            assert reply.version == rnd + 1 and reply.bytes_received == total, reply
-            runs["grpc"].append(grpc_total - reply.apply_seconds)
-            runs["grpc_e2e"].append(grpc_total)
-            runs["apply"].append(reply.apply_seconds)
+            line = [f"round {rnd + 1}:"]
+            for sender in senders:
+                version += 1
+                sampler = MemSampler(srv.proc.pid, "/dev/shm")
+                sampler.start()
+                server_proc = psutil.Process(srv.proc.pid)
+                s0, c0 = sum(server_proc.cpu_times()[:2]), _cpu()
+                t1 = time.perf_counter()
+                if sender == "raw":
+                    _, requests = encode_weight_stream(tensors, version=version, mode=FULL, frame_bytes=frame)
+                    call = update_weights_raw(srv.channel())
+                else:
+                    requests = iter_weight_chunks(tensors, version=version, mode=FULL, frame_bytes=frame)
+                    call = srv.stub().UpdateWeights
+                reply = call(requests, metadata=srv.metadata(), timeout=1800)
+                grpc_total = time.perf_counter() - t1
+                # The server's apply runs in the engine process (vLLM), so this is the receive side.
+                cpu[f"grpc_{sender}"].append((_cpu() - c0, sum(server_proc.cpu_times()[:2]) - s0))
+                mem.append(sampler.finish())
+                exact = sampler.exact
+                # The server verified the sha256 trailer, names, shapes and counts before applying.
+                assert reply.version == version and reply.bytes_received == total, reply
+                runs[f"grpc_{sender}"].append(grpc_total - reply.apply_seconds)
+                runs["grpc_e2e"].append(grpc_total)
+                runs["apply"].append(reply.apply_seconds)
+                line.append(f"gRPC {sender} {gbps(runs[f'grpc_{sender}'][-1]):.3f} GB/s "
+                            f"(+{reply.apply_seconds:.2f}s apply, server RSS +{mem[-1]['server'] / MIB:.0f} MiB)")
             for mode, key in (("discard", "raw"), ("stage", "stage"), ("verify", "verify")):
                 dt, c_send, c_recv = tcp_send(tensors, total, frame, mode)
                 runs[key].append(dt)
                 cpu[key].append((c_send, c_recv))
-            print(f"round {rnd + 1}: gRPC {gbps(runs['grpc'][-1]):.3f} GB/s (+{reply.apply_seconds:.2f}s apply)  "
-                  f"TCP raw {gbps(runs['raw'][-1]):.3f}  stage {gbps(runs['stage'][-1]):.3f}  "
-                  f"verified {gbps(runs['verify'][-1]):.3f} GB/s   server RSS +{mem[-1]['server'] / MIB:.0f} MiB",
-                  flush=True)
+            line.append(f"TCP raw {gbps(runs['raw'][-1]):.3f}  stage {gbps(runs['stage'][-1]):.3f}  "
+                        f"verified {gbps(runs['verify'][-1]):.3f} GB/s")
+            print("  ".join(line), flush=True)
 
     best = {k: min(v) for k, v in runs.items()}
-    grpc_wire = best["grpc"]
+    main_sender = senders[0]
+    grpc_wire = best[f"grpc_{main_sender}"]
     print(f"best of {args.rounds} rounds per path (a busy shared machine only ever slows a path down):")
-    print(f"gRPC UpdateWeights stream+stage+verify: {grpc_wire:.2f}s  {gbps(grpc_wire):.3f} GB/s   "
-          f"end to end incl. apply ({args.backend}): {gbps(best['grpc_e2e']):.3f} GB/s")
+    for sender in senders:
+        what = "pre-serialized (learner)" if sender == "raw" else "protobuf messages"
+        print(f"gRPC UpdateWeights, {what:<26} stream+stage+verify: {best[f'grpc_{sender}']:.2f}s  "
+              f"{gbps(best[f'grpc_{sender}']):.3f} GB/s")
+    print(f"end to end incl. apply ({args.backend}), best sync: {gbps(best['grpc_e2e']):.3f} GB/s")
     for key, what in (("raw", "receiver discards"), ("stage", "receiver sha256 + /dev/shm"),
                       ("verify", "sender sha256 too, receiver checks it")):
         print(f"plain TCP, {what:<38} {best[key]:.2f}s  {gbps(best[key]):.3f} GB/s")
     r_stage, r_verify, r_raw = (best[k] / grpc_wire for k in ("stage", "verify", "raw"))
-    print(f"ratio gRPC/TCP-stage: {r_stage:.2f} (target >= 0.8)   gRPC/TCP-verified: {r_verify:.2f}   "
-          f"gRPC/raw socket: {r_raw:.2f}")
+    print(f"ratio gRPC ({main_sender})/TCP-stage: {r_stage:.2f} (target >= 0.8)   gRPC/TCP-verified: "
+          f"{r_verify:.2f}   gRPC/raw socket: {r_raw:.2f}")
+    speedup = best["grpc_proto"] / best["grpc_raw"] if len(senders) == 2 else float("nan")
+    if len(senders) == 2:
+        print(f"pre-serialized vs protobuf-message sender: {speedup:.2f}x")
     gb = total / 1e9
     per_gb = {k: (min(c for c, _ in v) / gb, min(r for _, r in v) / gb) for k, v in cpu.items()}
     print("CPU seconds per GB, sender / receiver (least over rounds; load-independent, unlike GB/s):")
-    for key, what in (("grpc", "gRPC (client process / server process)"), ("raw", "TCP raw"),
-                      ("stage", "TCP stage"), ("verify", "TCP verified")):
+    for key in [f"grpc_{x}" for x in senders] + ["raw", "stage", "verify"]:
+        what = {"grpc_raw": "gRPC pre-serialized (client / server)",
+                "grpc_proto": "gRPC protobuf msgs (client / server)", "raw": "TCP raw",
+                "stage": "TCP stage", "verify": "TCP verified"}[key]
         print(f"  {what:<40} {per_gb[key][0]:.2f} / {per_gb[key][1]:.2f}")
     cold, warm = mem[0], mem[-1]
     how = "exact VmHWM" if exact else "20 ms samples"
@@ -276,20 +304,27 @@ def main() -> None:
           f"({cold['server'] / frame:.1f} frames), last sync +{warm['server'] / MIB:.0f} MiB "
           f"({warm['server'] / frame:.1f} frames); engine processes RSS +{cold['engine'] / MIB:.0f} MiB; "
           f"/dev/shm +{cold['shm'] / MIB:.0f} MiB (staging = {total / MIB:.0f} MiB)")
-    print(
-        f"RESULT bytes={total} frame_bytes={frame} backend={args.backend} rounds={args.rounds} "
-        f"grpc_gbps={gbps(grpc_wire):.3f} grpc_e2e_gbps={gbps(best['grpc_e2e']):.3f} "
-        f"apply_s={best['apply']:.2f} tcp_raw_gbps={gbps(best['raw']):.3f} "
-        f"tcp_stage_gbps={gbps(best['stage']):.3f} tcp_verified_gbps={gbps(best['verify']):.3f} "
-        f"ratio_vs_tcp_stage={r_stage:.2f} ratio_vs_tcp_verified={r_verify:.2f} ratio_vs_tcp_raw={r_raw:.2f} "
-        f"server_extra_rss_mib={cold['server'] / MIB:.0f} server_extra_frames={cold['server'] / frame:.1f} "
-        f"server_extra_frames_last={warm['server'] / frame:.1f} "
-        f"grpc_cpu_s_per_gb={per_gb['grpc'][0]:.2f}/{per_gb['grpc'][1]:.2f} "
-        f"tcp_stage_cpu_s_per_gb={per_gb['stage'][0]:.2f}/{per_gb['stage'][1]:.2f} "
-        f"tcp_verified_cpu_s_per_gb={per_gb['verify'][0]:.2f}/{per_gb['verify'][1]:.2f} "
-        f"engine_extra_rss_mib={cold['engine'] / MIB:.0f} shm_extra_mib={cold['shm'] / MIB:.0f} "
-        f"digest_ok=True"
-    )
+    result = [
+        f"bytes={total}", f"frame_bytes={frame}", f"backend={args.backend}", f"rounds={args.rounds}",
+        f"sender={args.sender}", f"grpc_gbps={gbps(grpc_wire):.3f}",
+    ]
+    if len(senders) == 2:
+        result += [f"grpc_proto_gbps={gbps(best['grpc_proto']):.3f}", f"raw_vs_proto={speedup:.2f}"]
+    result += [
+        f"grpc_e2e_gbps={gbps(best['grpc_e2e']):.3f}", f"apply_s={best['apply']:.2f}",
+        f"tcp_raw_gbps={gbps(best['raw']):.3f}", f"tcp_stage_gbps={gbps(best['stage']):.3f}",
+        f"tcp_verified_gbps={gbps(best['verify']):.3f}", f"ratio_vs_tcp_stage={r_stage:.2f}",
+        f"ratio_vs_tcp_verified={r_verify:.2f}", f"ratio_vs_tcp_raw={r_raw:.2f}",
+        f"server_extra_rss_mib={cold['server'] / MIB:.0f}", f"server_extra_frames={cold['server'] / frame:.1f}",
+        f"server_extra_frames_last={warm['server'] / frame:.1f}",
+    ]
+    for key, label in [(f"grpc_{x}", "grpc" if x == main_sender else f"grpc_{x}") for x in senders] + [
+        ("stage", "tcp_stage"), ("verify", "tcp_verified")
+    ]:
+        result.append(f"{label}_cpu_s_per_gb={per_gb[key][0]:.2f}/{per_gb[key][1]:.2f}")
+    result += [f"engine_extra_rss_mib={cold['engine'] / MIB:.0f}", f"shm_extra_mib={cold['shm'] / MIB:.0f}",
+               "digest_ok=True"]
+    print("RESULT " + " ".join(result))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ down and left out: the rollout client re-syncs it (`resync_server`) before it ge
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -29,7 +28,8 @@ from learner.weight_export import (
     adapter_unsupported_reason,
     full_named_tensors,
 )
-from rmsft.weights_wire import ADAPTER, DEFAULT_FRAME_BYTES, FULL, iter_weight_chunks
+from rmsft.weights_wire import ADAPTER, DEFAULT_FRAME_BYTES, FULL
+from rmsft.wire_encode import encode_weight_stream, update_weights_raw
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -208,18 +208,19 @@ class WeightSyncClient:
         tensors, config_json = self._payload(mode)
         wire_mode = _WIRE_MODE[mode]
 
-        # Encoded once, fed to every server; the header is built here, in the caller, so a bad
-        # tensor name or dtype raises a clear error now instead of a cancelled RPC from gRPC's thread.
-        gen = iter_weight_chunks(
+        # Serialized once (payload copied once, see rmsft.wire_encode), fed to every server; the
+        # header is built here, in the caller, so a bad tensor name or dtype raises a clear error
+        # now instead of a cancelled RPC from gRPC's thread.
+        header, requests = encode_weight_stream(
             tensors, version=version, mode=wire_mode, adapter_config_json=config_json, frame_bytes=self.frame_bytes
         )
-        header = next(gen)
-        tensor_bytes = header.header.total_bytes
-        fan = Fanout(itertools.chain([header], gen), len(servers))
+        tensor_bytes = header.total_bytes
+        fan = Fanout(requests, len(servers))
 
         def send(i: int, server: RolloutServer) -> tuple[str, Any]:
             try:
-                reply = server.stub.UpdateWeights(fan.consumer(i), timeout=self.timeout_s, metadata=self.pool.metadata)
+                call = update_weights_raw(server.channel)
+                reply = call(fan.consumer(i), timeout=self.timeout_s, metadata=self.pool.metadata)
             except grpc.RpcError as e:
                 if fan.error is not None:
                     raise WeightSyncError(f"encoding weight version {version} failed: {fan.error}") from fan.error

@@ -130,18 +130,18 @@ def keep_frame_buffers(frame_bytes: int) -> bool:
     return _MALLOC_TUNED
 
 
-def iter_weight_chunks(
+def plan_weight_stream(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     *,
     version: int,
     mode: SyncMode,
     adapter_config_json: str = "",
     frame_bytes: int = DEFAULT_FRAME_BYTES,
-) -> Iterator[rollout_pb2.WeightChunk]:
-    """Yield header, pieces and trailer for `named_tensors` (the request iterator of UpdateWeights).
+) -> tuple[rollout_pb2.WeightHeader, list[tuple[str, torch.Tensor, TensorSpec]]]:
+    """Check a stream's arguments and build its header: (header, [(name, tensor, spec)]).
 
-    Tensors may live on any device; each is copied to the CPU only while its own pieces are
-    produced, so the sender's extra memory is one tensor plus one frame.
+    Raises ValueError on a bad frame size, mode, missing adapter config or duplicate names, in the
+    caller, before anything is sent.
     """
     if frame_bytes <= 0:
         raise ValueError(f"frame_bytes must be positive, got {frame_bytes}")
@@ -154,37 +154,65 @@ def iter_weight_chunks(
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"duplicate tensor names in weight stream: {dup[:5]}")
-    specs = [(n, TensorSpec(dtype_name(t.dtype), tuple(t.shape))) for n, t in items]
-    total = sum(s.nbytes for _, s in specs)
-    yield rollout_pb2.WeightChunk(
-        header=rollout_pb2.WeightHeader(
-            version=version,
-            mode=mode,
-            tensor_count=len(items),
-            total_bytes=total,
-            adapter_config_json=adapter_config_json,
-        )
+    planned = [(n, t, TensorSpec(dtype_name(t.dtype), tuple(t.shape))) for n, t in items]
+    header = rollout_pb2.WeightHeader(
+        version=version,
+        mode=mode,
+        tensor_count=len(items),
+        total_bytes=sum(s.nbytes for _, _, s in planned),
+        adapter_config_json=adapter_config_json,
     )
-    digest = PipelinedDigest()
-    for (name, tensor), (_, spec) in zip(items, specs, strict=True):
+    return header, planned
+
+
+def iter_pieces(
+    planned: Iterable[tuple[str, torch.Tensor, TensorSpec]], frame_bytes: int
+) -> Iterator[tuple[str, TensorSpec, int, Any]]:
+    """(name, spec, offset, payload) per piece, payload a uint8 numpy view of at most
+    `frame_bytes` (no copy for a contiguous CPU tensor of the wire dtype). Each tensor is copied
+    to the CPU only while its own pieces are produced, so the sender's extra memory is one
+    tensor plus what the caller keeps of the frames."""
+    for name, tensor, spec in planned:
         flat = _flat_bytes(tensor)
         n = flat.shape[0]
         offset = 0
         # A zero-size tensor still gets one (empty) piece so the receiver sees its name/shape.
         while True:
-            data = flat[offset : offset + frame_bytes].tobytes()
-            digest.update(data)
-            # Filling the nested message in place: building TensorPiece(...) and passing it to
-            # WeightChunk(piece=...) copies the payload again (~30x slower per 4 MiB frame).
-            chunk = rollout_pb2.WeightChunk()
-            piece = chunk.piece
-            piece.name, piece.dtype, piece.offset, piece.data = name, spec.dtype, offset, data
-            piece.shape.extend(spec.shape)
-            yield chunk
-            offset += len(data)
+            data = flat[offset : offset + frame_bytes]
+            yield name, spec, offset, data
+            offset += data.shape[0]
             if offset >= n:
                 break
         del flat
+
+
+def iter_weight_chunks(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int,
+    mode: SyncMode,
+    adapter_config_json: str = "",
+    frame_bytes: int = DEFAULT_FRAME_BYTES,
+) -> Iterator[rollout_pb2.WeightChunk]:
+    """Yield header, pieces and trailer for `named_tensors` as protobuf messages (for callers
+    that inspect or edit them; the learner sends `rmsft.wire_encode.encode_weight_stream`'s
+    pre-serialized bytes, the same bytes with two fewer payload copies)."""
+    header, planned = plan_weight_stream(
+        named_tensors, version=version, mode=mode, adapter_config_json=adapter_config_json,
+        frame_bytes=frame_bytes,
+    )  # fmt: skip
+    yield rollout_pb2.WeightChunk(header=header)
+    digest = PipelinedDigest()
+    for name, spec, offset, view in iter_pieces(planned, frame_bytes):
+        data = view.tobytes()
+        digest.update(data)
+        # Filling the nested message in place: building TensorPiece(...) and passing it to
+        # WeightChunk(piece=...) copies the payload again (~30x slower per 4 MiB frame).
+        chunk = rollout_pb2.WeightChunk()
+        piece = chunk.piece
+        piece.name, piece.dtype, piece.offset, piece.data = name, spec.dtype, offset, data
+        piece.shape.extend(spec.shape)
+        yield chunk
     yield rollout_pb2.WeightChunk(trailer=rollout_pb2.WeightTrailer(sha256=digest.digest()))
 
 
