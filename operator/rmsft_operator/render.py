@@ -312,6 +312,13 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
         "volumeMounts": mounts,
         "securityContext": _container_security(),
     }
+    if accelerated and lr.gpus > 1:
+        # One learner rank per GPU: torchrun starts them and sets WORLD_SIZE/RANK/LOCAL_RANK, which
+        # `rmsft train` reads (rank 0 talks to the rollout servers, the others get their share).
+        container["command"] = [
+            "python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(lr.gpus),
+            "-m", "rmsft.cli",
+        ]  # fmt: skip
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",

@@ -65,6 +65,20 @@ def test_tensor_parallel_sets_gpus_per_pod() -> None:
     assert sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
 
 
+def test_learner_runs_one_rank_per_gpu() -> None:
+    def learner(path: str) -> dict:
+        return _by_kind(path)["Job"]["spec"]["template"]["spec"]["containers"][0]
+
+    two = learner("configs/job.yaml")  # learner.gpus: 2
+    assert two["command"][:4] == ["python", "-m", "torch.distributed.run", "--standalone"]
+    assert two["command"][4:] == ["--nproc-per-node", "2", "-m", "rmsft.cli"]
+    assert two["args"][0] == "train"
+    # One GPU, or none: the image's entrypoint (`rmsft`) runs `train` as a single process.
+    for path in ("configs/job-3v1.yaml", "configs/job-kind-cpu.yaml"):
+        one = learner(path)
+        assert "command" not in one and one["args"][0] == "train"
+
+
 def test_cpu_job_requests_no_gpus() -> None:
     objs = _by_kind("configs/job-kind-cpu.yaml")
     for kind in ("StatefulSet", "Job"):
