@@ -32,8 +32,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rmsft.weights_wire import FULL, iter_weight_chunks  # noqa: E402
-from rmsft.wire_encode import encode_weight_stream, update_weights_raw  # noqa: E402
+from rmsft.weights_wire import FULL  # noqa: E402
+from rmsft.wire_encode import encode_weight_stream, iter_weight_chunks, update_weights_raw  # noqa: E402
 from rollout_svc.launcher import RolloutServer  # noqa: E402
 
 GIB = 1 << 30

@@ -10,7 +10,7 @@ A stream is: one `WeightHeader`, then `TensorPiece`s, then one `WeightTrailer`.
   the tensor's own dtype, little-endian as torch stores it).
 - The trailer holds sha256 over the `data` of every piece, in stream order.
 
-The sender side is `iter_weight_chunks`; the receiver side is `StreamReader`, which checks the
+The sender side is `rmsft.wire_encode`; the receiver side is `StreamReader`, which checks the
 framing rules above plus an optional expected-tensor table, and tells the caller where each
 piece's bytes belong in a flat staging buffer of `header.total_bytes` bytes. This module has no
 gRPC server logic and imports torch lazily (the operator image imports `rmsft` without torch).
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -85,135 +85,6 @@ class TensorSpec:
         return len(self.shape) == len(other.shape) and all(
             w in (-1, g) for w, g in zip(self.shape, other.shape, strict=True)
         )
-
-
-def _flat_bytes(tensor: torch.Tensor):
-    """A uint8 numpy view of the tensor's bytes (CPU, contiguous); copies only when it must."""
-    import torch
-
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    t = t.contiguous().reshape(-1)
-    return t.view(torch.uint8).numpy()
-
-
-_MALLOC_TUNED = False
-
-
-def keep_frame_buffers(frame_bytes: int) -> bool:
-    """Let glibc reuse freed frame-sized buffers instead of unmapping and re-faulting them.
-
-    Each 4 MiB frame passes through several fresh buffers (bytes copy, protobuf arena,
-    serialized message). With glibc's defaults they can be handed back to the kernel on free
-    and every page faults again on the next frame (in a bare encode loop: ~3,000 faults per
-    frame, 2.3-2.7 vs 0.3-0.4 CPU-s/GB with this tuning). Raising the mmap threshold above two
-    frames and the trim threshold to twice that keeps them on the heap; the cost is at most
-    that trim threshold of freed memory kept per malloc arena. Process-wide and set once; a
-    no-op where the C library is not glibc. `rmsft serve` calls it at startup; the sender side
-    does not (it did not lower the benchmark client's CPU, and the learner's allocator is
-    not this module's to change). Returns whether the settings were applied.
-    """
-    global _MALLOC_TUNED
-    if _MALLOC_TUNED:
-        return True
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc <malloc.h>
-    mmap_at = min(2 * frame_bytes + (1 << 20), 32 << 20)  # glibc caps the threshold at 32 MiB
-    _MALLOC_TUNED = bool(mallopt(m_mmap_threshold, mmap_at)) and bool(mallopt(m_trim_threshold, 2 * mmap_at))
-    return _MALLOC_TUNED
-
-
-def plan_weight_stream(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    *,
-    version: int,
-    mode: SyncMode,
-    adapter_config_json: str = "",
-    frame_bytes: int = DEFAULT_FRAME_BYTES,
-) -> tuple[rollout_pb2.WeightHeader, list[tuple[str, torch.Tensor, TensorSpec]]]:
-    """Check a stream's arguments and build its header: (header, [(name, tensor, spec)]).
-
-    Raises ValueError on a bad frame size, mode, missing adapter config or duplicate names, in the
-    caller, before anything is sent.
-    """
-    if frame_bytes <= 0:
-        raise ValueError(f"frame_bytes must be positive, got {frame_bytes}")
-    if mode not in (FULL, ADAPTER):
-        raise ValueError(f"mode must be FULL or ADAPTER, got {mode!r}")
-    if mode == ADAPTER and not adapter_config_json:
-        raise ValueError("ADAPTER sync needs adapter_config_json (the PEFT adapter_config.json text)")
-    items = list(named_tensors)
-    names = [n for n, _ in items]
-    if len(set(names)) != len(names):
-        dup = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"duplicate tensor names in weight stream: {dup[:5]}")
-    planned = [(n, t, TensorSpec(dtype_name(t.dtype), tuple(t.shape))) for n, t in items]
-    header = rollout_pb2.WeightHeader(
-        version=version,
-        mode=mode,
-        tensor_count=len(items),
-        total_bytes=sum(s.nbytes for _, _, s in planned),
-        adapter_config_json=adapter_config_json,
-    )
-    return header, planned
-
-
-def iter_pieces(
-    planned: Iterable[tuple[str, torch.Tensor, TensorSpec]], frame_bytes: int
-) -> Iterator[tuple[str, TensorSpec, int, Any]]:
-    """(name, spec, offset, payload) per piece, payload a uint8 numpy view of at most
-    `frame_bytes` (no copy for a contiguous CPU tensor of the wire dtype). Each tensor is copied
-    to the CPU only while its own pieces are produced, so the sender's extra memory is one
-    tensor plus what the caller keeps of the frames."""
-    for name, tensor, spec in planned:
-        flat = _flat_bytes(tensor)
-        n = flat.shape[0]
-        offset = 0
-        # A zero-size tensor still gets one (empty) piece so the receiver sees its name/shape.
-        while True:
-            data = flat[offset : offset + frame_bytes]
-            yield name, spec, offset, data
-            offset += data.shape[0]
-            if offset >= n:
-                break
-        del flat
-
-
-def iter_weight_chunks(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    *,
-    version: int,
-    mode: SyncMode,
-    adapter_config_json: str = "",
-    frame_bytes: int = DEFAULT_FRAME_BYTES,
-) -> Iterator[rollout_pb2.WeightChunk]:
-    """Yield header, pieces and trailer for `named_tensors` as protobuf messages (for callers
-    that inspect or edit them; the learner sends `rmsft.wire_encode.encode_weight_stream`'s
-    pre-serialized bytes, the same bytes with two fewer payload copies)."""
-    header, planned = plan_weight_stream(
-        named_tensors, version=version, mode=mode, adapter_config_json=adapter_config_json,
-        frame_bytes=frame_bytes,
-    )  # fmt: skip
-    yield rollout_pb2.WeightChunk(header=header)
-    digest = PipelinedDigest()
-    for name, spec, offset, view in iter_pieces(planned, frame_bytes):
-        data = view.tobytes()
-        digest.update(data)
-        # Filling the nested message in place: building TensorPiece(...) and passing it to
-        # WeightChunk(piece=...) copies the payload again (~30x slower per 4 MiB frame).
-        chunk = rollout_pb2.WeightChunk()
-        piece = chunk.piece
-        piece.name, piece.dtype, piece.offset, piece.data = name, spec.dtype, offset, data
-        piece.shape.extend(spec.shape)
-        yield chunk
-    yield rollout_pb2.WeightChunk(trailer=rollout_pb2.WeightTrailer(sha256=digest.digest()))
 
 
 class PipelinedDigest:

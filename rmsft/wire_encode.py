@@ -1,16 +1,17 @@
-"""Sender-side serializer of a weight stream: `UpdateWeights` requests as ready-made bytes.
+"""Sender side of a weight stream (`RolloutService.UpdateWeights`); the rules are in
+`rmsft.weights_wire`, the server's decoder in `rmsft.wire_decode`.
 
-gRPC's generated stub takes `WeightChunk` messages and serializes them itself. For a 4 MiB piece
-that path copies the payload three times before gRPC's own send copy: the tensor view to `bytes`,
-those bytes into the message (upb stores its own copy) and the message into its serialized form.
-Here each piece is written as protobuf would write it, with the payload copied once, straight from
-the tensor's memory into the request bytes; a channel's `stream_unary` with no request serializer
-sends them as they are (`update_weights_raw`). The bytes are identical to
-`WeightChunk.SerializeToString()` of `rmsft.weights_wire.iter_weight_chunks`'s messages
-(`tests/rollout/test_wire_encode.py`), so the server cannot tell the two apart.
-
-Kept apart from `rmsft.weights_wire` (the stream's rules, both ends) because it knows protobuf's
-encoding of one message shape, which only the sender needs; `rmsft.wire_decode` is its mirror.
+- `iter_weight_chunks`: header, pieces and trailer as `WeightChunk` messages (for callers that
+  inspect or edit them: tests, the benchmark's comparison path).
+- `encode_weight_stream`: the same stream as ready-made request bytes, what the learner sends.
+  gRPC's generated stub takes messages and serializes them itself; for a 4 MiB piece that path
+  copies the payload three times before gRPC's own send copy (the tensor view to `bytes`, those
+  bytes into the message, the message into its serialized form). Here each piece is written as
+  protobuf would write it, the payload copied once, straight from the tensor's memory; a
+  channel's `stream_unary` with no request serializer sends the bytes as they are
+  (`update_weights_raw`). The bytes are identical to `SerializeToString()` of
+  `iter_weight_chunks`'s messages (`tests/rollout/test_wire_encode.py`), so the server cannot
+  tell the two apart.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 from rmsft_protos import rollout_pb2
 
 from rmsft.weights_wire import (
+    ADAPTER,
     DEFAULT_FRAME_BYTES,
+    FULL,
     PipelinedDigest,
     SyncMode,
     TensorSpec,
-    iter_pieces,
-    plan_weight_stream,
+    dtype_name,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -35,6 +37,103 @@ if TYPE_CHECKING:  # pragma: no cover
 _PIECE_TAG = bytes([(2 << 3) | 2])  # WeightChunk.piece, length-delimited
 _DATA_TAG = bytes([(5 << 3) | 2])  # TensorPiece.data, length-delimited
 UPDATE_WEIGHTS_METHOD = "/" + rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name + "/UpdateWeights"
+
+
+def _flat_bytes(tensor: torch.Tensor):
+    """A uint8 numpy view of the tensor's bytes (CPU, contiguous); copies only when it must."""
+    import torch
+
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.contiguous().reshape(-1)
+    return t.view(torch.uint8).numpy()
+
+
+def plan_weight_stream(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int,
+    mode: SyncMode,
+    adapter_config_json: str = "",
+    frame_bytes: int = DEFAULT_FRAME_BYTES,
+) -> tuple[rollout_pb2.WeightHeader, list[tuple[str, torch.Tensor, TensorSpec]]]:
+    """Check a stream's arguments and build its header: (header, [(name, tensor, spec)]).
+
+    Raises ValueError on a bad frame size, mode, missing adapter config or duplicate names, in the
+    caller, before anything is sent.
+    """
+    if frame_bytes <= 0:
+        raise ValueError(f"frame_bytes must be positive, got {frame_bytes}")
+    if mode not in (FULL, ADAPTER):
+        raise ValueError(f"mode must be FULL or ADAPTER, got {mode!r}")
+    if mode == ADAPTER and not adapter_config_json:
+        raise ValueError("ADAPTER sync needs adapter_config_json (the PEFT adapter_config.json text)")
+    items = list(named_tensors)
+    names = [n for n, _ in items]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"duplicate tensor names in weight stream: {dup[:5]}")
+    planned = [(n, t, TensorSpec(dtype_name(t.dtype), tuple(t.shape))) for n, t in items]
+    header = rollout_pb2.WeightHeader(
+        version=version,
+        mode=mode,
+        tensor_count=len(items),
+        total_bytes=sum(s.nbytes for _, _, s in planned),
+        adapter_config_json=adapter_config_json,
+    )
+    return header, planned
+
+
+def iter_pieces(
+    planned: Iterable[tuple[str, torch.Tensor, TensorSpec]], frame_bytes: int
+) -> Iterator[tuple[str, TensorSpec, int, Any]]:
+    """(name, spec, offset, payload) per piece, payload a uint8 numpy view of at most
+    `frame_bytes` (no copy for a contiguous CPU tensor of the wire dtype). Each tensor is copied
+    to the CPU only while its own pieces are produced, so the sender's extra memory is one
+    tensor plus what the caller keeps of the frames."""
+    for name, tensor, spec in planned:
+        flat = _flat_bytes(tensor)
+        n = flat.shape[0]
+        offset = 0
+        # A zero-size tensor still gets one (empty) piece so the receiver sees its name/shape.
+        while True:
+            data = flat[offset : offset + frame_bytes]
+            yield name, spec, offset, data
+            offset += data.shape[0]
+            if offset >= n:
+                break
+        del flat
+
+
+def iter_weight_chunks(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int,
+    mode: SyncMode,
+    adapter_config_json: str = "",
+    frame_bytes: int = DEFAULT_FRAME_BYTES,
+) -> Iterator[rollout_pb2.WeightChunk]:
+    """Yield header, pieces and trailer for `named_tensors` as protobuf messages (for callers
+    that inspect or edit them; the learner sends `encode_weight_stream`'s pre-serialized bytes,
+    the same bytes with two fewer payload copies)."""
+    header, planned = plan_weight_stream(
+        named_tensors, version=version, mode=mode, adapter_config_json=adapter_config_json,
+        frame_bytes=frame_bytes,
+    )  # fmt: skip
+    yield rollout_pb2.WeightChunk(header=header)
+    digest = PipelinedDigest()
+    for name, spec, offset, view in iter_pieces(planned, frame_bytes):
+        data = view.tobytes()
+        digest.update(data)
+        # Filling the nested message in place: building TensorPiece(...) and passing it to
+        # WeightChunk(piece=...) copies the payload again (~30x slower per 4 MiB frame).
+        chunk = rollout_pb2.WeightChunk()
+        piece = chunk.piece
+        piece.name, piece.dtype, piece.offset, piece.data = name, spec.dtype, offset, data
+        piece.shape.extend(spec.shape)
+        yield chunk
+    yield rollout_pb2.WeightChunk(trailer=rollout_pb2.WeightTrailer(sha256=digest.digest()))
 
 
 def _varint(n: int) -> bytes:

@@ -126,7 +126,7 @@ class RolloutServer:
             try:
                 if self.health() == "SERVING":
                     return
-            except grpc.RpcError:
+            except grpc.RpcError:  # not listening yet: keep polling until the deadline
                 pass
             time.sleep(0.5)
         raise RuntimeError(f"rmsft serve not healthy after {timeout:.0f}s:\n{self.log_tail()}")

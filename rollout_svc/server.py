@@ -12,10 +12,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from rmsft_protos import rollout_pb2
 
-from rmsft.weights_wire import keep_frame_buffers
 from rmsft.wire_decode import decode_chunk
 from rollout_svc.config import ServeConfig
 from rollout_svc.engine import EngineError
+from rollout_svc.malloc_tuning import keep_frame_buffers
 
 log = logging.getLogger("rollout_svc")
 SERVICE_NAME = "rmsft.v1.RolloutService"

@@ -12,9 +12,9 @@ from rmsft.weights_wire import (
     StreamReader,
     TensorSpec,
     WireError,
-    iter_weight_chunks,
     torch_dtype,
 )
+from rmsft.wire_encode import iter_weight_chunks
 
 
 def _tensors() -> list[tuple[str, torch.Tensor]]:

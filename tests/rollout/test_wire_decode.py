@@ -16,8 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rmsft_protos import rollout_pb2
 
-from rmsft.weights_wire import FULL, iter_weight_chunks
+from rmsft.weights_wire import FULL
 from rmsft.wire_decode import PieceFrame, decode_chunk
+from rmsft.wire_encode import iter_weight_chunks
 from rollout_svc.staging import Stager, iter_staged_tensors
 
 
