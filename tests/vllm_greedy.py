@@ -13,7 +13,7 @@ def main() -> None:
     model_dir, prompts_path, out_path = sys.argv[1:4]
     with open(prompts_path) as f:
         prompts = json.load(f)
-    llm = LLM(model=model_dir, dtype="float32", gpu_memory_utilization=0.05, max_model_len=1024,
+    llm = LLM(model=model_dir, dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=1024,
               enforce_eager=True, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=prompts["max_tokens"])
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts["ids"]], params)

