@@ -7,7 +7,7 @@ Builds a random Qwen2 checkpoint of >= --gib GiB (tokenizer of the tiny model), 
 pre-serialized requests from `rmsft.wire_encode`; with `--sender both` also as protobuf messages
 through the generated stub, the path before that encoder) and, in the same run, sends the
 same tensor bytes over a plain TCP socket to a receiver process, twice: once discarding them
-(the raw socket ceiling) and once doing what the server does with them (sha256 + write into a
+(the raw socket ceiling) and once doing what the server does with them (digest + write into a
 staging file in /dev/shm). Server memory is sampled every 20 ms during the sync.
 """
 
@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rmsft.weights_wire import FULL  # noqa: E402
+from rmsft.weights_wire import BLAKE3, FULL, SHA256  # noqa: E402
 from rmsft.wire_encode import encode_weight_stream, iter_weight_chunks, update_weights_raw  # noqa: E402
 from rollout_svc.launcher import RolloutServer  # noqa: E402
 
@@ -69,7 +69,11 @@ def build_model(out: Path, gib: float) -> None:
 
 RECEIVER = r"""
 import hashlib, os, socket, sys
-mode, staging = sys.argv[1], sys.argv[2]
+mode, staging, algo = sys.argv[1], sys.argv[2], sys.argv[3]
+if algo == "blake3":
+    from blake3 import blake3 as new_hash
+else:
+    new_hash = hashlib.sha256
 srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
 print(srv.getsockname()[1], flush=True)
 conn, _ = srv.accept()
@@ -77,7 +81,7 @@ conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
 total = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "little")
 frame = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "little")
 buf = bytearray(frame); view = memoryview(buf)
-digest = hashlib.sha256()
+digest = new_hash()
 fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600) if mode != "discard" else None
 if fd is not None:
     os.posix_fallocate(fd, 0, total)
@@ -105,17 +109,25 @@ def _cpu() -> float:
     return t.user + t.system
 
 
-def tcp_send(tensors, total: int, frame: int, mode: str) -> tuple[float, float, float]:
+def _new_hash(algo: str):
+    if algo == "blake3":
+        from blake3 import blake3
+
+        return blake3()
+    return hashlib.sha256()
+
+
+def tcp_send(tensors, total: int, frame: int, mode: str, algo: str) -> tuple[float, float, float]:
     """Seconds, sender CPU seconds, receiver CPU seconds (the receiver's whole life)."""
     staging = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
                            f"rmsft-bench-tcp-{os.getpid()}")
-    rx = subprocess.Popen([sys.executable, "-c", RECEIVER, mode, staging], stdout=subprocess.PIPE, text=True)
+    rx = subprocess.Popen([sys.executable, "-c", RECEIVER, mode, staging, algo], stdout=subprocess.PIPE, text=True)
     port = int(rx.stdout.readline())
     s = socket.create_connection(("127.0.0.1", port))
     s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
     t0, c0 = time.perf_counter(), _cpu()
     s.sendall(total.to_bytes(8, "little") + frame.to_bytes(8, "little"))
-    digest = hashlib.sha256() if mode == "verify" else None
+    digest = _new_hash(algo) if mode == "verify" else None
     for _, t in tensors:
         flat = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         mv = memoryview(flat)
@@ -199,6 +211,8 @@ def main() -> None:
     ap.add_argument("--frame-mib", type=float, default=4.0)
     ap.add_argument("--rounds", type=int, default=2,
                     help="rounds of (gRPC sync, TCP raw, TCP stage, TCP verified); best round per path")
+    ap.add_argument("--digest", default="blake3", choices=["blake3", "sha256"],
+                    help="stream digest; the TCP baselines hash with the same algorithm")
     ap.add_argument("--kv-mib", type=int, default=256, help="--kv-cache-bytes for the server, in MiB")
     ap.add_argument("--sender", default="both", choices=["raw", "proto", "both"],
                     help="gRPC request path: raw = pre-serialized bytes (the learner's), proto = "
@@ -206,6 +220,7 @@ def main() -> None:
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "rmsft-bench-sync-model"))
     args = ap.parse_args()
     frame = int(args.frame_mib * MIB)
+    digest = BLAKE3 if args.digest == "blake3" else SHA256
     model_dir = Path(args.model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     build_model(model_dir, args.gib)
@@ -245,10 +260,12 @@ def main() -> None:
                 s0, c0 = sum(server_proc.cpu_times()[:2]), _cpu()
                 t1 = time.perf_counter()
                 if sender == "raw":
-                    _, requests = encode_weight_stream(tensors, version=version, mode=FULL, frame_bytes=frame)
+                    _, requests = encode_weight_stream(tensors, version=version, mode=FULL, frame_bytes=frame,
+                                                       digest=digest)
                     call = update_weights_raw(srv.channel())
                 else:
-                    requests = iter_weight_chunks(tensors, version=version, mode=FULL, frame_bytes=frame)
+                    requests = iter_weight_chunks(tensors, version=version, mode=FULL, frame_bytes=frame,
+                                                  digest=digest)
                     call = srv.stub().UpdateWeights
                 reply = call(requests, metadata=srv.metadata(), timeout=1800)
                 grpc_total = time.perf_counter() - t1
@@ -256,7 +273,7 @@ def main() -> None:
                 cpu[f"grpc_{sender}"].append((_cpu() - c0, sum(server_proc.cpu_times()[:2]) - s0))
                 mem.append(sampler.finish())
                 exact = sampler.exact
-                # The server verified the sha256 trailer, names, shapes and counts before applying.
+                # The server verified the digest trailer, names, shapes and counts before applying.
                 assert reply.version == version and reply.bytes_received == total, reply
                 runs[f"grpc_{sender}"].append(grpc_total - reply.apply_seconds)
                 runs["grpc_e2e"].append(grpc_total)
@@ -264,7 +281,7 @@ def main() -> None:
                 line.append(f"gRPC {sender} {gbps(runs[f'grpc_{sender}'][-1]):.3f} GB/s "
                             f"(+{reply.apply_seconds:.2f}s apply, server RSS +{mem[-1]['server'] / MIB:.0f} MiB)")
             for mode, key in (("discard", "raw"), ("stage", "stage"), ("verify", "verify")):
-                dt, c_send, c_recv = tcp_send(tensors, total, frame, mode)
+                dt, c_send, c_recv = tcp_send(tensors, total, frame, mode, args.digest)
                 runs[key].append(dt)
                 cpu[key].append((c_send, c_recv))
             line.append(f"TCP raw {gbps(runs['raw'][-1]):.3f}  stage {gbps(runs['stage'][-1]):.3f}  "
@@ -280,8 +297,8 @@ def main() -> None:
         print(f"gRPC UpdateWeights, {what:<26} stream+stage+verify: {best[f'grpc_{sender}']:.2f}s  "
               f"{gbps(best[f'grpc_{sender}']):.3f} GB/s")
     print(f"end to end incl. apply ({args.backend}), best sync: {gbps(best['grpc_e2e']):.3f} GB/s")
-    for key, what in (("raw", "receiver discards"), ("stage", "receiver sha256 + /dev/shm"),
-                      ("verify", "sender sha256 too, receiver checks it")):
+    for key, what in (("raw", "receiver discards"), ("stage", f"receiver {args.digest} + /dev/shm"),
+                      ("verify", f"sender {args.digest} too, receiver checks")):
         print(f"plain TCP, {what:<38} {best[key]:.2f}s  {gbps(best[key]):.3f} GB/s")
     r_stage, r_verify, r_raw = (best[k] / grpc_wire for k in ("stage", "verify", "raw"))
     print(f"ratio gRPC ({main_sender})/TCP-stage: {r_stage:.2f} (target >= 0.8)   gRPC/TCP-verified: "
@@ -305,7 +322,7 @@ def main() -> None:
           f"/dev/shm +{cold['shm'] / MIB:.0f} MiB (staging = {total / MIB:.0f} MiB)")
     result = [
         f"bytes={total}", f"frame_bytes={frame}", f"backend={args.backend}", f"rounds={args.rounds}",
-        f"sender={args.sender}", f"grpc_gbps={gbps(grpc_wire):.3f}",
+        f"sender={args.sender}", f"digest={args.digest}", f"grpc_gbps={gbps(grpc_wire):.3f}",
     ]
     if len(senders) == 2:
         result += [f"grpc_proto_gbps={gbps(best['grpc_proto']):.3f}", f"raw_vs_proto={speedup:.2f}"]

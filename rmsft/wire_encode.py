@@ -23,12 +23,14 @@ from rmsft_protos import rollout_pb2
 
 from rmsft.weights_wire import (
     ADAPTER,
+    DEFAULT_DIGEST,
     DEFAULT_FRAME_BYTES,
     FULL,
     PipelinedDigest,
     SyncMode,
     TensorSpec,
     dtype_name,
+    new_hash,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -57,12 +59,14 @@ def plan_weight_stream(
     mode: SyncMode,
     adapter_config_json: str = "",
     frame_bytes: int = DEFAULT_FRAME_BYTES,
+    digest: int = DEFAULT_DIGEST,
 ) -> tuple[rollout_pb2.WeightHeader, list[tuple[str, torch.Tensor, TensorSpec]]]:
     """Check a stream's arguments and build its header: (header, [(name, tensor, spec)]).
 
-    Raises ValueError on a bad frame size, mode, missing adapter config or duplicate names, in the
-    caller, before anything is sent.
+    Raises ValueError on a bad frame size, mode, digest, missing adapter config or duplicate
+    names, in the caller, before anything is sent.
     """
+    new_hash(digest)  # an unknown algorithm fails here, not after the first frames went out
     if frame_bytes <= 0:
         raise ValueError(f"frame_bytes must be positive, got {frame_bytes}")
     if mode not in (FULL, ADAPTER):
@@ -81,6 +85,7 @@ def plan_weight_stream(
         tensor_count=len(items),
         total_bytes=sum(s.nbytes for _, _, s in planned),
         adapter_config_json=adapter_config_json,
+        digest_algorithm=digest,
     )
     return header, planned
 
@@ -113,19 +118,20 @@ def iter_weight_chunks(
     mode: SyncMode,
     adapter_config_json: str = "",
     frame_bytes: int = DEFAULT_FRAME_BYTES,
+    digest: int = DEFAULT_DIGEST,
 ) -> Iterator[rollout_pb2.WeightChunk]:
     """Yield header, pieces and trailer for `named_tensors` as protobuf messages (for callers
     that inspect or edit them; the learner sends `encode_weight_stream`'s pre-serialized bytes,
     the same bytes with two fewer payload copies)."""
     header, planned = plan_weight_stream(
         named_tensors, version=version, mode=mode, adapter_config_json=adapter_config_json,
-        frame_bytes=frame_bytes,
+        frame_bytes=frame_bytes, digest=digest,
     )  # fmt: skip
     yield rollout_pb2.WeightChunk(header=header)
-    digest = PipelinedDigest()
+    hasher = PipelinedDigest(header.digest_algorithm)
     for name, spec, offset, view in iter_pieces(planned, frame_bytes):
         data = view.tobytes()
-        digest.update(data)
+        hasher.update(data)
         # Filling the nested message in place: building TensorPiece(...) and passing it to
         # WeightChunk(piece=...) copies the payload again (~30x slower per 4 MiB frame).
         chunk = rollout_pb2.WeightChunk()
@@ -133,7 +139,7 @@ def iter_weight_chunks(
         piece.name, piece.dtype, piece.offset, piece.data = name, spec.dtype, offset, data
         piece.shape.extend(spec.shape)
         yield chunk
-    yield rollout_pb2.WeightChunk(trailer=rollout_pb2.WeightTrailer(sha256=digest.digest()))
+    yield rollout_pb2.WeightChunk(trailer=rollout_pb2.WeightTrailer(digest=hasher.digest()))
 
 
 def _varint(n: int) -> bytes:
@@ -163,29 +169,30 @@ def encode_weight_stream(
     mode: SyncMode,
     adapter_config_json: str = "",
     frame_bytes: int = DEFAULT_FRAME_BYTES,
+    digest: int = DEFAULT_DIGEST,
 ) -> tuple[rollout_pb2.WeightHeader, Iterator[bytes]]:
-    """(header, serialized requests): header, pieces and the sha256 trailer of `named_tensors`.
+    """(header, serialized requests): header, pieces and the digest trailer of `named_tensors`.
 
     The arguments are checked and the header built now (a bad name or mode raises here, in the
     caller); the pieces are produced lazily, one frame at a time.
     """
     header, planned = plan_weight_stream(
         named_tensors, version=version, mode=mode, adapter_config_json=adapter_config_json,
-        frame_bytes=frame_bytes,
+        frame_bytes=frame_bytes, digest=digest,
     )  # fmt: skip
 
     def requests() -> Iterator[bytes]:
         yield rollout_pb2.WeightChunk(header=header).SerializeToString()
-        digest = PipelinedDigest()
+        hasher = PipelinedDigest(header.digest_algorithm)
         try:
             for name, spec, offset, payload in iter_pieces(planned, frame_bytes):
                 # The payload is a view of the tensor: hashed on the digest's thread while the
                 # request copy is made here (both only read it).
-                digest.update(payload)
+                hasher.update(payload)
                 yield encode_piece(name, spec, offset, payload)
-            trailer = rollout_pb2.WeightTrailer(sha256=digest.digest())
+            trailer = rollout_pb2.WeightTrailer(digest=hasher.digest())
         finally:
-            digest.close()
+            hasher.close()
         yield rollout_pb2.WeightChunk(trailer=trailer).SerializeToString()
 
     return header, requests()

@@ -19,6 +19,11 @@ class SyncMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SYNC_MODE_UNSPECIFIED: _ClassVar[SyncMode]
     FULL: _ClassVar[SyncMode]
     ADAPTER: _ClassVar[SyncMode]
+
+class DigestAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SHA256: _ClassVar[DigestAlgorithm]
+    BLAKE3: _ClassVar[DigestAlgorithm]
 FINISH_REASON_UNSPECIFIED: FinishReason
 STOP: FinishReason
 LENGTH: FinishReason
@@ -26,6 +31,8 @@ ABORT: FinishReason
 SYNC_MODE_UNSPECIFIED: SyncMode
 FULL: SyncMode
 ADAPTER: SyncMode
+SHA256: DigestAlgorithm
+BLAKE3: DigestAlgorithm
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "stop", "stop_token_ids")
@@ -110,18 +117,20 @@ class GenerateResponse(_message.Message):
     def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class WeightHeader(_message.Message):
-    __slots__ = ("version", "mode", "tensor_count", "total_bytes", "adapter_config_json")
+    __slots__ = ("version", "mode", "tensor_count", "total_bytes", "adapter_config_json", "digest_algorithm")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     version: int
     mode: SyncMode
     tensor_count: int
     total_bytes: int
     adapter_config_json: str
-    def __init__(self, version: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, str]] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., adapter_config_json: _Optional[str] = ...) -> None: ...
+    digest_algorithm: DigestAlgorithm
+    def __init__(self, version: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, str]] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., adapter_config_json: _Optional[str] = ..., digest_algorithm: _Optional[_Union[DigestAlgorithm, str]] = ...) -> None: ...
 
 class TensorPiece(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "data")
@@ -138,10 +147,10 @@ class TensorPiece(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WeightTrailer(_message.Message):
-    __slots__ = ("sha256",)
-    SHA256_FIELD_NUMBER: _ClassVar[int]
-    sha256: bytes
-    def __init__(self, sha256: _Optional[bytes] = ...) -> None: ...
+    __slots__ = ("digest",)
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    digest: bytes
+    def __init__(self, digest: _Optional[bytes] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("header", "piece", "trailer")

@@ -217,8 +217,8 @@ def test_fault_unknown_name(srv, ref) -> None:
 def test_fault_bad_digest(srv, ref) -> None:
     sd = random_full_weights(Path(srv_model(srv)), seed=97).state_dict()
     chunks = list(iter_weight_chunks(sd.items(), version=1000, mode=FULL, frame_bytes=64 << 10))
-    chunks[-1].trailer.sha256 = bytes(32)
-    _expect_refused(srv, ref, chunks, grpc.StatusCode.INVALID_ARGUMENT, "sha256")
+    chunks[-1].trailer.digest = bytes(32)
+    _expect_refused(srv, ref, chunks, grpc.StatusCode.INVALID_ARGUMENT, "BLAKE3 digest")
 
 
 def test_fault_oversize_frame(srv, ref) -> None:

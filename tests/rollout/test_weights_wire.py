@@ -106,7 +106,7 @@ def test_unknown_name_is_rejected() -> None:
 
 def test_bad_digest_is_rejected() -> None:
     def mutate(chunks):
-        chunks[-1].trailer.sha256 = b"\0" * 32
+        chunks[-1].trailer.digest = b"\0" * 32
         return chunks
 
     assert _bad(mutate).reason == "digest"
@@ -163,3 +163,47 @@ def test_piece_before_header_and_data_after_trailer() -> None:
     _receive(chunks, reader)
     with pytest.raises(WireError, match="after the trailer"):
         reader.feed(rollout_pb2.WeightChunk(header=chunks[0].header))
+
+
+@pytest.mark.parametrize("algorithm", [rollout_pb2.SHA256, rollout_pb2.BLAKE3])
+def test_digest_algorithms_round_trip_and_catch_a_flipped_byte(algorithm: int) -> None:
+    import hashlib
+
+    import blake3
+
+    src = _tensors()
+    chunks = list(iter_weight_chunks(src, version=1, mode=FULL, frame_bytes=64, digest=algorithm))
+    assert chunks[0].header.digest_algorithm == algorithm
+    data = b"".join(c.piece.data for c in chunks if c.WhichOneof("kind") == "piece")
+    want = (hashlib.sha256 if algorithm == rollout_pb2.SHA256 else blake3.blake3)(data).digest()
+    assert chunks[-1].trailer.digest == want  # independent of the pipelined hasher
+    reader = StreamReader()
+    got = _receive(chunks, reader)
+    assert reader.finished and torch.equal(got["a.weight"], src[0][1])
+
+    flipped = list(iter_weight_chunks(src, version=1, mode=FULL, frame_bytes=64, digest=algorithm))
+    piece = flipped[1].piece
+    piece.data = bytes([piece.data[0] ^ 1]) + piece.data[1:]
+    with pytest.raises(WireError, match=f"{rollout_pb2.DigestAlgorithm.Name(algorithm)} digest") as e:
+        _receive(flipped, StreamReader())
+    assert e.value.reason == "digest"
+
+
+def test_receiver_hashes_with_the_algorithm_the_header_names() -> None:
+    """A SHA-256 trailer on a stream announced as BLAKE3 does not pass."""
+    import hashlib
+
+    chunks = list(iter_weight_chunks(_tensors(), version=1, mode=FULL, digest=rollout_pb2.BLAKE3))
+    data = b"".join(c.piece.data for c in chunks if c.WhichOneof("kind") == "piece")
+    chunks[-1].trailer.digest = hashlib.sha256(data).digest()
+    with pytest.raises(WireError, match="BLAKE3 digest"):
+        _receive(chunks, StreamReader())
+
+
+def test_unknown_digest_algorithm_is_refused_by_both_ends() -> None:
+    with pytest.raises(ValueError, match="unknown digest algorithm 7"):
+        list(iter_weight_chunks(_tensors(), version=1, mode=FULL, digest=7))
+    chunks = list(iter_weight_chunks(_tensors(), version=1, mode=FULL))
+    chunks[0].header.digest_algorithm = 7
+    with pytest.raises(WireError, match="digest_algorithm 7"):
+        _receive(chunks, StreamReader())

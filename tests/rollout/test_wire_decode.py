@@ -56,7 +56,7 @@ def test_piece_fields_equal_protobuf(name, dtype, shape, offset, data):
 
 def test_header_trailer_and_odd_layouts_fall_back_to_protobuf():
     header = rollout_pb2.WeightChunk(header=rollout_pb2.WeightHeader(version=3, mode=FULL, tensor_count=1))
-    trailer = rollout_pb2.WeightChunk(trailer=rollout_pb2.WeightTrailer(sha256=b"x" * 32))
+    trailer = rollout_pb2.WeightChunk(trailer=rollout_pb2.WeightTrailer(digest=b"x" * 32))
     piece = rollout_pb2.WeightChunk()
     piece.piece.name, piece.piece.data = "w", b"abc"
     other = rollout_pb2.WeightChunk()
@@ -124,7 +124,7 @@ def test_stager_rejects_a_corrupted_decoded_payload(tmp_path):
     bad = bytearray(raws[1])
     bad[-1] ^= 0xFF  # last payload byte of the first piece
     raws[1] = bytes(bad)
-    with pytest.raises(WireError, match="sha256"):
+    with pytest.raises(WireError, match="digest of the received data"):
         Stager(str(tmp_path), 1 << 20).stage((decode_chunk(r) for r in raws), lambda h: (None, set(), False))
     assert not list(tmp_path.iterdir()), "a refused stream leaves no staging files"
 
