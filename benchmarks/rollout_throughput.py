@@ -1,6 +1,11 @@
-"""Rollout throughput on the tiny model: rmsft serve (vLLM) vs HF generate, same prompts.
+"""Rollout throughput: rmsft serve (vLLM) vs HF generate, same prompts, same random Qwen2.
 
     python benchmarks/rollout_throughput.py [--prompts 64] [--max-tokens 64] [--hf-single 8]
+                                            [--hidden 128 --layers 2]
+
+The defaults are the tiny test model (2 layers, hidden 128). There, compute is negligible and
+the comparison measures per-step overheads, which depend on the machine's load more than on the
+engines: `--hidden 1024 --layers 8` (~70M parameters) is a model where the work per token counts.
 
 Three ways to produce the same greedy rollouts (float32 everywhere):
   1. `rmsft serve` with the vLLM engine, one Generate call carrying all prompts over gRPC;
@@ -69,11 +74,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--hf-single", type=int, default=8, help="prompts timed one at a time with HF")
     ap.add_argument("--repeats", type=int, default=3, help="rmsft serve calls (best is reported)")
+    ap.add_argument("--hidden", type=int, default=128, help="hidden size of the random Qwen2 (multiple of 64)")
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers of the random Qwen2")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = build_tiny_model(Path(tempfile.gettempdir()) / "rmsft-bench-tiny", seed=0)
+    model_dir = build_tiny_model(Path(tempfile.gettempdir()) / f"rmsft-bench-h{args.hidden}-l{args.layers}", seed=0,
+                                 hidden_size=args.hidden, num_layers=args.layers)
     tok = AutoTokenizer.from_pretrained(model_dir)
     eos, pad = tok.eos_token_id, tok.pad_token_id
     prompts = make_prompts(tok, args.prompts)
@@ -120,7 +128,8 @@ def main() -> None:
     print(f"ratio vs HF per-sample: {r_single:.0f}x (target >= 100x)   vs HF batched: {r_batched:.1f}x "
           "(target >= 8x)")
     print(
-        f"RESULT prompts={len(prompts)} max_tokens={args.max_tokens} served_tok_s={served_tps:.0f} "
+        f"RESULT hidden={args.hidden} layers={args.layers} prompts={len(prompts)} max_tokens={args.max_tokens} "
+        f"served_tok_s={served_tps:.0f} "
         f"hf_single_tok_s={single_tps:.1f} hf_batched_tok_s={batched_tps:.0f} "
         f"ratio_vs_single={r_single:.1f} ratio_vs_batched={r_batched:.1f} greedy_agree={agree}/{len(sub)}"
     )
