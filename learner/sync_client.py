@@ -92,6 +92,9 @@ class WeightSyncClient:
         self.name_map = name_map
         self.forced_full_reason: str | None = None  # set once the run switched to FULL for good
         self._export_lock = threading.Lock()  # merge/unmerge touches the live model
+        # Why `resync_server` (rank 0 alone, mid-rollout) cannot export the model, or None: under
+        # ZeRO-3 only the trainer's collective sync sees whole parameters.
+        self.export_blocked: str | None = None
         self._threads = ThreadPoolExecutor(max_workers=max(1, len(pool.servers)), thread_name_prefix="sync")
         if mode == "adapter":
             why = adapter_unsupported_reason(model)
@@ -187,6 +190,8 @@ class WeightSyncClient:
             raise WeightSyncError(f"cannot re-sync {server.name}: no weight version was synced yet")
         if self.pool.status(server).weight_version == version:
             return
+        if self.export_blocked:
+            raise WeightSyncError(f"cannot re-sync {server.name} now: {self.export_blocked}")
         mode, _ = self.resolve_mode([server])
         report = self._push(version, mode, [server])
         if report.rejected and mode == "adapter" and self.fallback_to_full:

@@ -154,6 +154,9 @@ class Trainer(CheckpointMixin):
                     self.pool, self.model, mode=sync.mode, fallback_to_full=sync.fallback_to_full,
                     frame_bytes=sync.frame_bytes, timeout_s=sync.timeout_seconds,
                 )  # fmt: skip
+                if self.cfg.deepspeed_stage == 3:
+                    self.sync_client.export_blocked = ("ZeRO-3 partitions the weights across learner ranks; "
+                                                       "the next step's collective sync brings the server up")
                 self.rollouts = RolloutClient(
                     self.pool, timeout_s=dec.request_timeout_s, generate_batch_size=dec.generate_batch_size,
                     resync=self.sync_client.resync_server,
@@ -185,8 +188,12 @@ class Trainer(CheckpointMixin):
         return self._prompt_cache[idx]
 
     def _sync(self) -> None:
+        from learner.zero import gathered
+
         self.version += 1
-        with self._phase("sync"), self.ranks.guard(f"syncing weight version {self.version} (rank 0)"):
+        # ZeRO-3: whole weights on every rank while rank 0 exports them (collective).
+        with self._phase("sync"), self.ranks.guard(f"syncing weight version {self.version} (rank 0)"), \
+                gathered(self.engine, self.model):
             if self.ranks.is_main:
                 self.sync_client.sync(self.version)  # counts bytes and sets the version gauge itself
 
@@ -272,10 +279,13 @@ class Trainer(CheckpointMixin):
         total_loss, parts_acc = 0.0, dict.fromkeys(_PARTS, 0.0)
         if self.engine is None:
             self.optimizer.zero_grad(set_to_none=True)
+        # Under DeepSpeed the forward goes through the engine: ZeRO-3 counts micro-steps there
+        # (called on the module, every micro-step's gradients would replace the previous ones).
+        forward = self.model if self.engine is None else self.engine
         with self.ranks.guard("forward/backward"):
             for row in rows:
                 with self._phase("forward"):
-                    logits = self.model(**row.model_inputs()).logits
+                    logits = forward(**row.model_inputs()).logits
                     s = loss_sums(logits, row, coord_ids, self.weights.sigma)
                     # Normalise by the step's global totals: summing rows' losses gives the pooled mean.
                     out = LossSums(s.ce_sum, ce_total, s.soft_ce_sum, s.w1_sum, s.gate_sum, coord_total).finish(
@@ -296,7 +306,7 @@ class Trainer(CheckpointMixin):
                 from learner.zero import pad_micro_steps
 
                 with self._phase("backward"):
-                    pad_micro_steps(self.engine, self.model, len(rows), self.ranks)
+                    pad_micro_steps(self.engine, len(rows), self.ranks)
         with self._phase("optimizer"):
             warm = self.cfg.warmup_steps
             lr = self.cfg.lr * min(1.0, (self.step + 1) / warm) if warm else self.cfg.lr
@@ -304,7 +314,7 @@ class Trainer(CheckpointMixin):
                 from learner.zero import zero_step
 
                 with self.ranks.guard("the DeepSpeed step"):
-                    zero_step(self.engine, self.model, lr)
+                    zero_step(self.engine, lr)
             else:
                 self.ranks.all_reduce_grads(self.params)
                 for g in self.optimizer.param_groups:

@@ -27,10 +27,19 @@ class CheckpointMixin:
             out["zero_optimizer"] = self.engine.optimizer.state_dict()
         return out
 
-    def state(self) -> dict:
-        """Rank 0's checkpoint (the single-rank layout plus `world_size` and `rank_states`)."""
+    def gathered_trainable_state(self) -> dict[str, torch.Tensor]:
+        """The trainable weights as CPU copies, whole under ZeRO-3 too. Collective."""
+        from learner.zero import gathered
+
+        with gathered(self.engine, self.model):
+            return {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(self.model).items()}
+
+    def state(self, model_state: dict[str, torch.Tensor] | None = None) -> dict:
+        """Rank 0's checkpoint (the single-rank layout plus `world_size` and `rank_states`);
+        `model_state` = weights already gathered (ZeRO-3), else read from the module."""
         return {
-            "step": self.step, "version": self.version, "model": trainable_state(self.model),
+            "step": self.step, "version": self.version,
+            "model": model_state if model_state is not None else trainable_state(self.model),
             "optimizer": self.optimizer.state_dict() if self.engine is None else None, "rng": rng_state(),
             "packer": list(self.packer._buf), "phase_seconds": dict(self.phase_seconds),
             "world_size": self.ranks.world_size, "deepspeed_stage": self.cfg.deepspeed_stage,
@@ -40,10 +49,11 @@ class CheckpointMixin:
         """Collective: every rank's packer carry buffer and RNG (and ZeRO optimizer part) go into
         the one checkpoint rank 0 writes. Returns its path on rank 0, None elsewhere."""
         rank_states = self.ranks.gather_to_main(self._rank_state())
+        model_state = self.gathered_trainable_state()
         path = None
         with self.ranks.guard("saving the checkpoint (rank 0)"):
             if self.ranks.is_main:
-                state = self.state()
+                state = self.state(model_state)
                 state["rank_states"] = rank_states
                 ck = self.cfg.checkpoint
                 path = save_checkpoint(ck.dir, self.step, state, keep=ck.keep)
@@ -78,7 +88,10 @@ class CheckpointMixin:
         missing = set(trainable_state(self.model)) - set(state["model"])
         if missing:
             raise RuntimeError(f"checkpoint does not match the model: {len(missing)} trainable tensors missing")
-        self.model.load_state_dict(state["model"], strict=False)
+        from learner.zero import gathered
+
+        with gathered(self.engine, self.model, modifier_rank=0):  # ZeRO-3: rank 0's load is re-partitioned
+            self.model.load_state_dict(state["model"], strict=False)
         rank_states = state.get("rank_states") or [{"packer": state["packer"], "rng": state["rng"]}]
         mine = rank_states[self.ranks.rank]
         if self.engine is None:

@@ -1,5 +1,5 @@
-"""DeepSpeed ZeRO-1/2 for the learner (`training.deepspeed_stage`), with the same step semantics as
-the plain loop: the step's loss is the token-level mean over every rank's rows.
+"""DeepSpeed ZeRO-1/2/3 for the learner (`training.deepspeed_stage`), with the same step semantics
+as the plain loop: the step's loss is the token-level mean over every rank's rows.
 
 Why the details below:
 - DeepSpeed averages gradients over data-parallel ranks; our row losses are already normalised
@@ -9,14 +9,20 @@ Why the details below:
   accumulation boundary is set by hand (rows per step vary), on a final zero-loss pass.
 - ZeRO keeps fp32 master partitions apart from the module's parameters: a checkpoint restores
   them from every rank's saved partition (`load_zero_optimizer`), not from the module weights.
-Stage 3 is refused: weight export and checkpoints read full parameters from the module.
+- ZeRO-3 also partitions the parameters: every forward all-gathers them (collective, which the
+  padding passes above keep in step), and whatever reads whole weights (weight export for a sync,
+  checkpoints) runs inside `gathered`, entered by every rank at the same point. A rank-0-only
+  export (re-syncing a restarted server mid-rollout) is impossible then: the sync client refuses
+  it and the server is skipped until the next step's collective sync.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +30,7 @@ import torch.distributed as dist
 
 from learner.distributed import Ranks
 
-SUPPORTED_STAGES = (1, 2)
+SUPPORTED_STAGES = (1, 2, 3)
 
 
 def require_deepspeed(stage: int) -> None:
@@ -32,7 +38,7 @@ def require_deepspeed(stage: int) -> None:
     if stage not in SUPPORTED_STAGES:
         raise RuntimeError(
             f"spec.training.deepspeed_stage {stage} is not supported by the learner (supported: "
-            f"{', '.join(map(str, SUPPORTED_STAGES))}; ZeRO-3 would need parameters gathered for weight sync)"
+            f"{', '.join(map(str, SUPPORTED_STAGES))})"
         )
     try:
         import deepspeed  # noqa: F401
@@ -48,6 +54,7 @@ def _ensure_group() -> None:
     """DeepSpeed needs torch.distributed even for one rank: a private one-rank gloo group."""
     if dist.is_initialized():
         return
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's sanity check wants a launcher's variable
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -73,11 +80,31 @@ def deepspeed_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
     return engine
 
 
-def _zero_loss(model: torch.nn.Module) -> torch.Tensor:
-    """A loss of exactly 0 whose backward reaches every trainable parameter (fires ZeRO's hooks)."""
-    device = next(model.parameters()).device
+def partitions_parameters(engine: Any) -> bool:
+    """True when `engine` shards the parameters themselves (ZeRO-3)."""
+    return engine is not None and engine.zero_optimization_stage() == 3
+
+
+@contextlib.contextmanager
+def gathered(engine: Any, model: torch.nn.Module, *, modifier_rank: int | None = None) -> Iterator[None]:
+    """Whole parameters on every rank inside the block (ZeRO-3; a no-op otherwise). Collective:
+    every rank must enter at the same point. With `modifier_rank`, that rank's in-place changes
+    are kept (broadcast and re-partitioned on exit); without, they are dropped."""
+    if not partitions_parameters(engine):
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=modifier_rank):
+        yield
+
+
+def _zero_loss(engine: Any) -> torch.Tensor:
+    """A loss of exactly 0 whose backward reaches every trainable parameter (fires ZeRO's hooks).
+    Through the engine's forward, which advances ZeRO-3's micro-step count."""
+    device = next(engine.module.parameters()).device
     ids = torch.zeros((1, 2), dtype=torch.long, device=device)
-    return model(input_ids=ids, use_cache=False).logits.float().sum() * 0.0
+    return engine(input_ids=ids, use_cache=False).logits.float().sum() * 0.0
 
 
 def zero_backward(engine: Any, loss: torch.Tensor, world_size: int) -> None:
@@ -87,20 +114,20 @@ def zero_backward(engine: Any, loss: torch.Tensor, world_size: int) -> None:
     engine.step()
 
 
-def pad_micro_steps(engine: Any, model: torch.nn.Module, n_local: int, ranks: Ranks) -> None:
+def pad_micro_steps(engine: Any, n_local: int, ranks: Ranks) -> None:
     """Zero-loss micro-steps up to the most rows any rank trained this step (ZeRO-2's gradient
     reduction is collective, so every rank must run as many backward passes)."""
     most = int(ranks.max([n_local])[0])
     for _ in range(most - n_local):
-        zero_backward(engine, _zero_loss(model), ranks.world_size)
+        zero_backward(engine, _zero_loss(engine), ranks.world_size)
 
 
-def zero_step(engine: Any, model: torch.nn.Module, lr: float) -> None:
+def zero_step(engine: Any, lr: float) -> None:
     """The optimizer step (clipping by the global norm included) on a final zero-loss pass."""
     for g in engine.optimizer.param_groups:
         g["lr"] = lr
     engine.set_gradient_accumulation_boundary(True)
-    engine.backward(_zero_loss(model))
+    engine.backward(_zero_loss(engine))
     engine.step()
 
 

@@ -47,7 +47,7 @@ log "installing rmsft and its dependencies"
 $PIP install -q -c "$C" -e ".[operator,train,dev]"
 if ! $PIP show -q deepspeed >/dev/null 2>&1; then
   # Built against the torch already installed: with build isolation pip would fetch a CUDA torch.
-  log "installing deepspeed (ZeRO-1/2 for the learner)"
+  log "installing deepspeed (ZeRO-1/2/3 for the learner)"
   $PIP install -q --no-build-isolation -c "$C" deepspeed
 fi
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from learner.checkpoint import trainable_state
 from learner.trainer import Trainer
 from rmsft.jobspec import load_job
 
@@ -46,7 +45,7 @@ def main(job_path: str, address: str, out_dir: str) -> None:
                 for h in trainer.history
             ],
         }  # fmt: skip
-        torch.save(trainable_state(trainer.model), out / f"params-rank{rank}.pt")
+        torch.save(trainer.gathered_trainable_state(), out / f"params-rank{rank}.pt")  # collective
         (out / f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         trainer.close()

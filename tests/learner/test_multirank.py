@@ -160,16 +160,21 @@ def test_two_ranks_equal_one_rank(server, one_rank, tiny_model_dir, data_path, t
 
 
 @slow
-def test_two_ranks_deepspeed_zero2_equal_one_rank(server, one_rank, tiny_model_dir, data_path, tmp_path) -> None:
+@pytest.mark.parametrize("deepspeed_stage", [2, 3], ids=["zero2", "zero3"])
+def test_two_ranks_deepspeed_equal_one_rank(server, one_rank, tiny_model_dir, data_path, tmp_path,
+                                            deepspeed_stage) -> None:  # fmt: skip
+    """ZeRO-2 shards gradients and optimizer state; ZeRO-3 the parameters too, so every sync
+    gathers them on all ranks while rank 0 exports: the servers still see what one rank sends."""
     pytest.importorskip("deepspeed")
-    job = write_job(tmp_path / "job.yaml", tiny_model_dir, data_path, tmp_path / "ckpt", deepspeed_stage=2)
+    job = write_job(tmp_path / "job.yaml", tiny_model_dir, data_path, tmp_path / "ckpt",
+                    deepspeed_stage=deepspeed_stage)
     reports, params, calls = _train(server, job, tmp_path / "out", 2)
     assert reports[0]["deepspeed"] and reports[1]["deepspeed"]
     _check_two_ranks(one_rank, reports, params, calls)
 
 
 @slow
-@pytest.mark.parametrize("deepspeed_stage", [0, 2], ids=["torch", "zero2"])
+@pytest.mark.parametrize("deepspeed_stage", [0, 2, 3], ids=["torch", "zero2", "zero3"])
 def test_rmsft_train_under_torchrun_resumes(server, one_rank, tiny_model_dir, data_path, tmp_path,
                                             deepspeed_stage) -> None:  # fmt: skip
     """`torchrun -m rmsft.cli train`: 2 steps, then a resumed run to STEPS, ends where one rank does
@@ -242,8 +247,8 @@ def test_single_rank_collectives_are_identity_and_guard_reraises() -> None:
 def test_unsupported_deepspeed_setups_are_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     from learner.zero import require_deepspeed
 
-    with pytest.raises(RuntimeError, match="deepspeed_stage 3 is not supported"):
-        require_deepspeed(3)
+    with pytest.raises(RuntimeError, match="deepspeed_stage 4 is not supported"):
+        require_deepspeed(4)
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # what an absent package looks like to import
     with pytest.raises(RuntimeError, match="needs DeepSpeed, which cannot be imported.*deepspeed_stage: 0"):
         require_deepspeed(2)

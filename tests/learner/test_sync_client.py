@@ -264,6 +264,27 @@ def test_restarted_server_is_resynced_by_the_rollout_client(cluster, lora_model)
     assert servers[1].engine.events.index("update:3") < servers[1].engine.events.index("generate")
 
 
+def test_blocked_export_refuses_resync_and_the_next_sync_catches_the_server_up(cluster, lora_model) -> None:
+    """ZeRO-3: rank 0 alone cannot export partitioned weights mid-rollout. The re-sync is refused
+    (the rollout client then skips that server) and nothing is streamed; the next collective sync
+    brings the restarted server to the new version."""
+    servers, pool = cluster(2)
+    sync = WeightSyncClient(pool, lora_model)
+    sync.sync(3)
+    sync.export_blocked = "ZeRO-3 partitions the weights"
+    servers[1] = servers[1].restart(FakeEngine(ordinal=1, version=0))
+    with pytest.raises(WeightSyncError, match="cannot re-sync .* now: ZeRO-3 partitions the weights"):
+        sync.resync_server(pool.servers[1])
+    assert servers[1].engine.updates == []
+    rollouts = RolloutClient(pool, resync=sync.resync_server)
+    reqs = [RolloutRequest(token_ids=[1, 2, i], seed=i, request_id=f"r{i}") for i in range(4)]
+    out = rollouts.generate(reqs)  # served by server 0 alone, all from the current weights
+    assert [r.request_id for r in out] == [r.request_id for r in reqs] and {r.weight_version for r in out} == {3}
+    assert "generate" not in servers[1].engine.events
+    sync.sync(4)  # the trainer's collective sync: export allowed there even while blocked for re-syncs
+    assert [u.header.version for u in servers[1].engine.updates] == [4]
+
+
 def test_rejected_stream_reports_the_server_error(cluster, lora_model) -> None:
     servers, pool = cluster(1, token="t0k")  # the client sends no token
     with pytest.raises(WeightSyncError, match=grpc.StatusCode.UNAUTHENTICATED.name):
