@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from learner import metrics as m
+from learner import zero
 from learner.core.losses import LossSums, LossWeights, loss_sums
 from learner.core.match import MatchConfig
 from learner.core.packing import PackedRow, Packer
@@ -109,9 +110,7 @@ class Trainer(CheckpointMixin):
             )
         with ranks.guard("loading the data and the model"):
             if self.cfg.deepspeed_stage:
-                from learner.zero import require_deepspeed
-
-                require_deepspeed(self.cfg.deepspeed_stage)
+                zero.require_deepspeed(self.cfg.deepspeed_stage)
             self.records: list[Record] = load_records(self.cfg.data.path)
             torch.manual_seed(self.cfg.seed)
             random.seed(self.cfg.seed)
@@ -125,11 +124,9 @@ class Trainer(CheckpointMixin):
         self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.params = params
         if self.cfg.deepspeed_stage:
-            from learner.zero import deepspeed_engine
-
             with ranks.guard("starting DeepSpeed"):
-                self.engine = deepspeed_engine(self.model, self.optimizer, self.cfg.deepspeed_stage,
-                                               self.cfg.max_grad_norm)  # fmt: skip
+                self.engine = zero.deepspeed_engine(self.model, self.optimizer, self.cfg.deepspeed_stage,
+                                                    self.cfg.max_grad_norm)  # fmt: skip
         self.order = DataOrder(len(self.records), self.cfg.prompts_per_step, self.cfg.seed)
         self.packer = Packer(self.cfg.packing_length, self.cfg.packing_buffer, self.cfg.packing_min_fill)
         self.buffer: RolloutBuffer = RolloutBuffer(self.cfg.buffer.m_steps if self.cfg.buffer.enabled else 1)
@@ -188,12 +185,10 @@ class Trainer(CheckpointMixin):
         return self._prompt_cache[idx]
 
     def _sync(self) -> None:
-        from learner.zero import gathered
-
         self.version += 1
         # ZeRO-3: whole weights on every rank while rank 0 exports them (collective).
         with self._phase("sync"), self.ranks.guard(f"syncing weight version {self.version} (rank 0)"), \
-                gathered(self.engine, self.model):
+                zero.gathered(self.engine, self.model):
             if self.ranks.is_main:
                 self.sync_client.sync(self.version)  # counts bytes and sets the version gauge itself
 
@@ -295,26 +290,20 @@ class Trainer(CheckpointMixin):
                     if self.engine is None:
                         out.loss.backward()
                     else:
-                        from learner.zero import zero_backward
-
-                        zero_backward(self.engine, out.loss, self.ranks.world_size)
+                        zero.zero_backward(self.engine, out.loss, self.ranks.world_size)
                 total_loss += float(out.loss.detach())
                 for k in _PARTS:
                     parts_acc[k] += float(out.parts[k])
                 m.TRAINED_TOKENS.inc(row.length)
             if self.engine is not None:
-                from learner.zero import pad_micro_steps
-
                 with self._phase("backward"):
-                    pad_micro_steps(self.engine, len(rows), self.ranks)
+                    zero.pad_micro_steps(self.engine, len(rows), self.ranks)
         with self._phase("optimizer"):
             warm = self.cfg.warmup_steps
             lr = self.cfg.lr * min(1.0, (self.step + 1) / warm) if warm else self.cfg.lr
             if self.engine is not None:
-                from learner.zero import zero_step
-
                 with self.ranks.guard("the DeepSpeed step"):
-                    zero_step(self.engine, lr)
+                    zero.zero_step(self.engine, lr)
             else:
                 self.ranks.all_reduce_grads(self.params)
                 for g in self.optimizer.param_groups:

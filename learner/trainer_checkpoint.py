@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from learner.checkpoint import list_checkpoints, rng_state, save_checkpoint, set_rng_state, trainable_state
+from learner.zero import gathered
 
 log = logging.getLogger("rmsft.learner")
 
@@ -29,8 +30,6 @@ class CheckpointMixin:
 
     def gathered_trainable_state(self) -> dict[str, torch.Tensor]:
         """The trainable weights as CPU copies, whole under ZeRO-3 too. Collective."""
-        from learner.zero import gathered
-
         with gathered(self.engine, self.model):
             return {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(self.model).items()}
 
@@ -88,8 +87,6 @@ class CheckpointMixin:
         missing = set(trainable_state(self.model)) - set(state["model"])
         if missing:
             raise RuntimeError(f"checkpoint does not match the model: {len(missing)} trainable tensors missing")
-        from learner.zero import gathered
-
         with gathered(self.engine, self.model, modifier_rank=0):  # ZeRO-3: rank 0's load is re-partitioned
             self.model.load_state_dict(state["model"], strict=False)
         rank_states = state.get("rank_states") or [{"packer": state["packer"], "rng": state["rng"]}]
