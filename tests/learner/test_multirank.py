@@ -69,8 +69,13 @@ def write_job(path: Path, model_dir: Path, data: Path, ckpt: Path, *, steps: int
 
 
 def _env() -> dict[str, str]:
+    from rollout_svc.launcher import free_port
+
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
+    # `rmsft train` serves /metrics on spec.learner.metricsPort (9090) unless told otherwise: a
+    # fixed port fails whenever anything else on the machine holds it.
+    env["RMSFT_METRICS_PORT"] = str(free_port())
     return env
 
 
