@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import socket
@@ -32,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rmsft.weights_wire import BLAKE3, FULL, SHA256  # noqa: E402
+from rmsft.weights_wire import BLAKE3, FULL, SHA256, new_hash  # noqa: E402
 from rmsft.wire_encode import encode_weight_stream, iter_weight_chunks, update_weights_raw  # noqa: E402
 from rollout_svc.launcher import RolloutServer  # noqa: E402
 
@@ -109,16 +108,9 @@ def _cpu() -> float:
     return t.user + t.system
 
 
-def _new_hash(algo: str):
-    if algo == "blake3":
-        from blake3 import blake3
-
-        return blake3()
-    return hashlib.sha256()
-
-
 def tcp_send(tensors, total: int, frame: int, mode: str, algo: str) -> tuple[float, float, float]:
-    """Seconds, sender CPU seconds, receiver CPU seconds (the receiver's whole life)."""
+    """Seconds, sender CPU seconds, receiver CPU seconds (the receiver's whole life). `algo`:
+    "blake3" or "sha256", the stream's digest (the receiver script picks it by name)."""
     staging = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
                            f"rmsft-bench-tcp-{os.getpid()}")
     rx = subprocess.Popen([sys.executable, "-c", RECEIVER, mode, staging, algo], stdout=subprocess.PIPE, text=True)
@@ -127,7 +119,7 @@ def tcp_send(tensors, total: int, frame: int, mode: str, algo: str) -> tuple[flo
     s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
     t0, c0 = time.perf_counter(), _cpu()
     s.sendall(total.to_bytes(8, "little") + frame.to_bytes(8, "little"))
-    digest = _new_hash(algo) if mode == "verify" else None
+    digest = new_hash(BLAKE3 if algo == "blake3" else SHA256) if mode == "verify" else None
     for _, t in tensors:
         flat = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         mv = memoryview(flat)

@@ -33,12 +33,11 @@ class CheckpointMixin:
         with gathered(self.engine, self.model):
             return {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(self.model).items()}
 
-    def state(self, model_state: dict[str, torch.Tensor] | None = None) -> dict:
+    def state(self, model_state: dict[str, torch.Tensor]) -> dict:
         """Rank 0's checkpoint (the single-rank layout plus `world_size` and `rank_states`);
-        `model_state` = weights already gathered (ZeRO-3), else read from the module."""
+        `model_state` from `gathered_trainable_state` (whole weights under ZeRO-3 too)."""
         return {
-            "step": self.step, "version": self.version,
-            "model": model_state if model_state is not None else trainable_state(self.model),
+            "step": self.step, "version": self.version, "model": model_state,
             "optimizer": self.optimizer.state_dict() if self.engine is None else None, "rng": rng_state(),
             "packer": list(self.packer._buf), "phase_seconds": dict(self.phase_seconds),
             "world_size": self.ranks.world_size, "deepspeed_stage": self.cfg.deepspeed_stage,

@@ -124,10 +124,11 @@ class RolloutServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"rmsft serve exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if self.health() == "SERVING":
-                    return
+                healthy = self.health() == "SERVING"
             except grpc.RpcError:  # not listening yet: keep polling until the deadline
-                pass
+                healthy = False
+            if healthy:
+                return
             time.sleep(0.5)
         raise RuntimeError(f"rmsft serve not healthy after {timeout:.0f}s:\n{self.log_tail()}")
 
