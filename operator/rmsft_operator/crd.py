@@ -140,7 +140,11 @@ def _to_openapi(node: dict[str, Any]) -> dict[str, Any]:
             optional_object = "anyOf" in sub
             if conv.get("type") == "object" and name not in required and "default" not in conv \
                     and not optional_object:
-                conv["default"] = {}  # so nested defaults apply when the section is omitted
+                # An omitted section gets its nested defaults. Written out in full, not as `{}`:
+                # the API server checks every declared default against the schema and its CEL
+                # rules exactly as written, without filling in nested defaults first, so `{}`
+                # fails any rule that reads a defaulted key (e.g. rollout.port != metricsPort).
+                conv["default"] = apply_defaults(conv, {})
             props[name] = conv
         out["properties"] = props
     elif t == "object":
@@ -174,8 +178,18 @@ def spec_schema() -> dict[str, Any]:
     for section, sub in schema["properties"].items():
         if section == "rollout":
             for field, fsub in sub["properties"].items():
-                if f"rollout.{field}" not in MUTABLE_SPEC_PATHS:
-                    _immutable(fsub, f"spec.rollout.{field}")
+                if f"rollout.{field}" in MUTABLE_SPEC_PATHS:
+                    continue
+                _immutable(fsub, f"spec.rollout.{field}")
+                if "default" not in fsub:
+                    # A field's own transition rule runs only when both old and new values exist,
+                    # so adding or removing an optional field needs a rule on its parent.
+                    sub.setdefault("x-kubernetes-validations", []).append({
+                        "rule": f"has(self.{field}) == has(oldSelf.{field})",
+                        "message": f"spec.rollout.{field} is immutable once the job exists "
+                                   "(it cannot be added or removed)",
+                        "fieldPath": f".{field}",
+                    })
         else:
             _immutable(sub, f"spec.{section}")
     return schema
@@ -240,14 +254,18 @@ def build_crd() -> dict[str, Any]:
                 "type": "object",
                 "description": "Rollout-matching SFT of a vision-language detection model.",
                 "required": ["spec"],
-                "x-kubernetes-validations": [{
-                    "rule": "self.metadata.name.size() <= 40",
-                    "message": "metadata.name must be at most 40 characters (child names add suffixes)",
-                }],
                 "properties": {
                     "apiVersion": {"type": "string"},
                     "kind": {"type": "string"},
-                    "metadata": {"type": "object"},
+                    # The rule sits on the name itself (not on the root, where the API server
+                    # reports the field as `<nil>`); CRDs may restrict only name and generateName.
+                    "metadata": {"type": "object", "properties": {"name": {
+                        "type": "string",
+                        "x-kubernetes-validations": [{
+                            "rule": "self.size() <= 40",
+                            "message": "metadata.name must be at most 40 characters (child names add suffixes)",
+                        }],
+                    }}},
                     "spec": spec_schema(),
                     "status": status_schema(),
                 },

@@ -87,3 +87,22 @@ def admit(doc: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
     if errs:
         return errs
     return _cel(schema, obj, old_obj, "")
+
+
+def default_errors(schema: dict[str, Any], where: str = "") -> list[str]:
+    """What the API server says about the CRD's own `default`s when the CRD is created: every
+    default is validated against its schema node and that node's CEL rules *as written*, without
+    its nested defaults filled in (a section's `default: {}` reads no defaulted keys)."""
+    errs: list[str] = []
+    if "default" in schema:
+        value = schema["default"]
+        errs += [f"{where}.default: {e.message}" for e in jsonschema.Draft4Validator(schema).iter_errors(value)]
+        try:
+            errs += [f"{where}.default: {e}" for e in _cel(schema, value, None, where)]
+        except Exception as exc:  # noqa: BLE001 - cel-python raises its own types for missing keys
+            errs.append(f"{where}.default: {type(exc).__name__}: {exc} evaluating a rule")
+    for key, sub in (schema.get("properties") or {}).items():
+        errs += default_errors(sub, f"{where}.{key}" if where else key)
+    if isinstance(schema.get("items"), dict):
+        errs += default_errors(schema["items"], f"{where}[]")
+    return errs

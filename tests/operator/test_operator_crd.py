@@ -10,7 +10,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from crd_admission import admit
+from crd_admission import admit, default_errors, root_schema
 from rmsft_operator.crd import apply_defaults, build_crd, crd_yaml
 
 from rmsft.jobspec import JobSpecError, load_job, parse_job
@@ -141,6 +141,28 @@ def test_replicas_may_change_everything_else_is_immutable() -> None:
         errors = admit(edited, old=old)
         section = ".".join(dotted.split(".")[:3]) if "rollout" in dotted else ".".join(dotted.split(".")[:2])
         assert any(section in e and "immutable" in e for e in errors), (dotted, errors)
+
+
+def test_every_default_passes_its_rules_as_written() -> None:
+    # helm install failed on a real API server: `rollout.default: {}` broke
+    # `self.port != self.metricsPort` ("no such key: port"); the fast tier now sees the same.
+    assert default_errors(root_schema()) == []
+
+
+def test_default_checker_catches_a_rule_reading_a_nested_default() -> None:
+    section = {"type": "object", "default": {},
+               "properties": {"port": {"type": "integer", "default": 1}, "metricsPort": {"type": "integer",
+                                                                                         "default": 2}},
+               "x-kubernetes-validations": [{"rule": "self.port != self.metricsPort", "message": "differ"}]}
+    assert default_errors({"type": "object", "properties": {"rollout": section}})
+
+
+def test_adding_or_removing_an_optional_rollout_field_is_refused() -> None:
+    old = _base()
+    added = copy.deepcopy(old)
+    added["spec"]["rollout"]["kvCacheBytes"] = 1 << 30
+    assert any("spec.rollout.kvCacheBytes" in e and "immutable" in e for e in admit(added, old=old))
+    assert any("spec.rollout.kvCacheBytes" in e for e in admit(old, old=added))
 
 
 def test_crd_file_is_generated_from_the_model() -> None:
