@@ -46,6 +46,13 @@ def _record_phase(namespace: str, name: str, phase: str | None) -> None:
         metrics.JOBS.labels(phase=p).set(counts.get(p, 0))
 
 
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    # kopf's own readers (in-cluster token, then $KUBECONFIG at call time). Its default login via
+    # the kubernetes client would use the $KUBECONFIG seen when that library was first imported.
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Handler state in annotations under our own prefix: nothing lands in .status (which the

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -37,7 +38,8 @@ def load_client_config() -> None:
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        # The client reads $KUBECONFIG once, when it is imported: read it now instead.
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
 
 
 # kind -> (API prefix, plural) for the objects the operator owns.
@@ -73,13 +75,17 @@ class Kube:
         return json.loads(data) if data else {}
 
     def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
-                query: list[tuple[str, str]] | None = None) -> Any:
+                query: list[tuple[str, str]] | None = None, expected: tuple[int, ...] = ()) -> Any:
+        """`expected`: statuses that are answers, not errors (a 404 on get-before-create): raised as
+        ApiError like the rest but not counted in rmsft_operator_errors_total."""
         delay = self.cfg.api_backoff_seconds
         for attempt in range(self.cfg.api_retries + 1):
             try:
                 return self._once(method, path, body, content_type, query)
             except ApiException as exc:
                 status = int(exc.status or 0)
+                if status in expected:
+                    raise ApiError(status, f"{method} {path}: {_reason(exc)}") from None
                 metrics.ERRORS.labels(code=str(status)).inc()
                 if not _transient(status) or attempt == self.cfg.api_retries:
                     raise ApiError(status, f"{method} {path}: {_reason(exc)}") from None
@@ -105,7 +111,7 @@ class Kube:
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return self.request("GET", self.path(kind, namespace, name))
+            return self.request("GET", self.path(kind, namespace, name), expected=(404,))
         except ApiError as exc:
             if exc.status == 404:
                 return None
@@ -140,6 +146,10 @@ class Kube:
                              query=[("labelSelector", selector)]).get("items") or []
         # filter here too: not every API (kmock) honours labelSelector
         return [p for p in items if labels.items() <= ((p.get("metadata") or {}).get("labels") or {}).items()]
+
+    def list_events(self, namespace: str, field_selector: str) -> list[dict[str, Any]]:
+        return self.request("GET", f"/api/v1/namespaces/{namespace}/events",
+                            query=[("fieldSelector", field_selector)]).get("items") or []
 
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.get("RolloutMatchingJob", namespace, name)

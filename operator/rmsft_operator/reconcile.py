@@ -1,30 +1,73 @@
-"""One level-triggered reconcile pass over a RolloutMatchingJob.
+"""One level-triggered reconcile pass over a RolloutMatchingJob: observe -> decide -> act.
 
 Every trigger (create/update/resume of the job, an event on a child StatefulSet or Job, the
-periodic resync) runs the same pass: read the current state, create what is missing, scale the
-pool, resume the learner when the pool is Ready, write the status. Each step is idempotent, so a
-pass interrupted by an API error is simply run again.
+periodic resync) runs the same pass:
+
+- `observe` reads what exists: the job, its children, its pods, pod-creation failures and the
+  learner's progress. Only reads.
+- `decide` is a pure function of what was observed: which children to create, which to patch
+  (scale the pool, resume the learner, refresh the server list) and the status to report. It is
+  table-tested without any API (tests/operator/test_operator_decide.py).
+- `act` carries the decision out; every action is idempotent, so a pass interrupted by an API error
+  is simply run again. The status is written only when it changed (every write is a watch event
+  for every client).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
-from rmsft.jobspec import API_GROUP, API_VERSION, KIND, JobSpecError, parse_job
+from rmsft.jobspec import API_GROUP, API_VERSION, KIND, JobSpecError, LearnerSpec, parse_job
 from rmsft_operator import render
 from rmsft_operator.kube import Kube
 from rmsft_operator.progress import learner_progress
 
 log = logging.getLogger("rmsft_operator.reconcile")
 
-# (type, reason, message) for kubernetes Events; the handlers module posts them through kopf.
-EventSink = Callable[[dict[str, Any], str, str, str], None]
+CHILD_KINDS = ("Secret", "ConfigMap", "Service", "NetworkPolicy", "StatefulSet", "Job")
+# Container states that will not fix themselves: worth naming in a condition.
+_STUCK_WAITING = {"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
+                  "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
+_MAX_HINT = 600
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything one pass looked at (plain API dicts)."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int | None
+    spec: Any
+    status: dict[str, Any]
+    children: dict[str, dict[str, Any] | None]  # kind -> live object, None when absent
+    rollout_pods: list[dict[str, Any]] = field(default_factory=list)
+    learner_pods: list[dict[str, Any]] = field(default_factory=list)
+    # kind ("StatefulSet" | "Job") -> message of the newest FailedCreate event of that child
+    failed_creates: dict[str, str] = field(default_factory=dict)
+    progress: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Patch:
+    kind: str
+    name: str
+    body: dict[str, Any]
+
+
+@dataclass
+class Decision:
+    phase: str
+    status: dict[str, Any]
+    creates: list[dict[str, Any]] = field(default_factory=list)
+    patches: list[Patch] = field(default_factory=list)
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
 
 
 @dataclass
@@ -35,17 +78,64 @@ class Outcome:
     events: list[tuple[str, str, str]] = field(default_factory=list)
 
 
-def _now() -> str:
+def now_rfc3339() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+# ------------------------------------------------------------------------------------- observe
+
+
+def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> Observed:
+    meta = body.get("metadata") or {}
+    name, namespace = meta["name"], meta.get("namespace") or "default"
+    n = render.names(name)
+    key = {"Secret": "secret", "ConfigMap": "config", "Service": "service", "NetworkPolicy": "networkpolicy",
+           "StatefulSet": "statefulset", "Job": "job"}
+    children = {kind: kube.get(kind, namespace, n[key[kind]]) for kind in CHILD_KINDS}
+    sts, learner = children["StatefulSet"], children["Job"]
+    rollout_pods = kube.list_pods(namespace, render.selector(name, "rollout")) if sts else []
+    learner_pods = kube.list_pods(namespace, render.selector(name, "learner")) if learner else []
+
+    # Pods that could not even be created (Pod Security admission, quota...) exist only as
+    # FailedCreate events on their controller: look for them only when pods are missing.
+    missing = []
+    if sts and len(rollout_pods) < int((sts.get("spec") or {}).get("replicas") or 0):
+        missing.append(("StatefulSet", n["statefulset"]))
+    if learner and not (learner.get("spec") or {}).get("suspend") and not learner_pods \
+            and not _job_finished(learner):
+        missing.append(("Job", n["job"]))
+    failed_creates: dict[str, str] = {}
+    if missing:
+        events = kube.list_events(namespace, "reason=FailedCreate")
+        for kind, child in missing:
+            mine = [e for e in events if (e.get("involvedObject") or {}).get("kind") == kind
+                    and (e.get("involvedObject") or {}).get("name") == child and e.get("reason") == "FailedCreate"]
+            if mine:
+                newest = max(mine, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+                failed_creates[kind] = str(newest.get("message") or "FailedCreate")
+
+    progress: dict[str, int] = {}
+    if learner and not (learner.get("spec") or {}).get("suspend") and progress_timeout > 0:
+        spec = body.get("spec") if isinstance(body.get("spec"), dict) else {}
+        port = (spec.get("learner") or {}).get("metricsPort") or LearnerSpec().metrics_port
+        progress = learner_progress(learner_pods, int(port), progress_timeout)
+
+    return Observed(name=name, namespace=namespace, uid=meta.get("uid") or "", generation=meta.get("generation"),
+                    spec=body.get("spec"), status=body.get("status") or {}, children=children,
+                    rollout_pods=rollout_pods, learner_pods=learner_pods, failed_creates=failed_creates,
+                    progress=progress)
+
+
+# -------------------------------------------------------------------------------------- decide
+
+
 def _condition(old: list[dict[str, Any]], ctype: str, ok: bool, reason: str, message: str,
-               generation: int | None) -> dict[str, Any]:
+               generation: int | None, now: str) -> dict[str, Any]:
     status = "True" if ok else "False"
     prev = next((c for c in old if c.get("type") == ctype), None)
     since = prev.get("lastTransitionTime") if prev and prev.get("status") == status else None
     cond = {"type": ctype, "status": status, "reason": reason, "message": message[:4000],
-            "lastTransitionTime": since or _now()}
+            "lastTransitionTime": since or now}
     if generation is not None:
         cond["observedGeneration"] = generation
     return cond
@@ -60,6 +150,11 @@ def _diff_paths(old: Any, new: Any, prefix: str = "spec") -> list[str]:
     return [] if old == new else [prefix]
 
 
+def _job_finished(learner: dict[str, Any]) -> bool:
+    succeeded, failed, _ = _job_state(learner)
+    return succeeded or failed
+
+
 def _job_state(learner: dict[str, Any]) -> tuple[bool, bool, str]:
     """(succeeded, failed, failure reason) of a batch/v1 Job."""
     st = learner.get("status") or {}
@@ -71,42 +166,65 @@ def _job_state(learner: dict[str, Any]) -> tuple[bool, bool, str]:
     return succeeded, False, ""
 
 
-def reconcile(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> Outcome:
-    meta = body.get("metadata") or {}
-    name, namespace, uid = meta["name"], meta.get("namespace") or "default", meta.get("uid") or ""
-    generation = meta.get("generation")
-    old_status = body.get("status") or {}
+def pod_problem(pods: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """(reason, message) of the first pod that is stuck in a way that needs a person, else None."""
+    for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
+        pname = (pod.get("metadata") or {}).get("name", "?")
+        st = pod.get("status") or {}
+        for c in st.get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+                return "Unschedulable", f"pod {pname} cannot be scheduled: {c.get('message', '')}".strip()
+        for cs in st.get("containerStatuses") or []:
+            state, last = cs.get("state") or {}, cs.get("lastState") or {}
+            waiting = state.get("waiting") or {}
+            terminated = state.get("terminated") or last.get("terminated") or {}
+            said = (terminated.get("message") or "").strip()
+            if waiting.get("reason") in _STUCK_WAITING:
+                detail = said or waiting.get("message") or ""
+                return waiting["reason"], f"pod {pname}: {waiting['reason']}: {detail}".strip(": ")[:_MAX_HINT]
+            if (state.get("terminated") or {}).get("exitCode") not in (None, 0):
+                code = state["terminated"]["exitCode"]
+                return "ContainerFailed", f"pod {pname} exited with code {code}: {said}".strip(": ")[:_MAX_HINT]
+    return None
+
+
+def _by_kind(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {o["kind"]: o for o in objs}
+
+
+def decide(obs: Observed, now: str) -> Decision:
+    """What to create and patch, and the status to report, from what was observed. Pure."""
+    old_status = obs.status
     old_conds = old_status.get("conditions") or []
-    old_phase = old_status.get("phase")
+    gen = obs.generation
 
-    def finish(phase: str, status: dict[str, Any], created: list[str] | None = None) -> Outcome:
-        status = {**status, "phase": phase}
-        if generation is not None:
-            status["observedGeneration"] = generation
-        out = Outcome(phase, status, created or [])
-        if phase != old_phase:
-            kind = "Warning" if phase in ("Failed", "Invalid") else "Normal"
-            out.events.append((kind, f"Phase{phase}", status.get("message") or f"phase {phase}"))
-        # Unchanged status is not rewritten: every write is a watch event for every client.
-        if any(old_status.get(k) != v for k, v in status.items()):
-            kube.patch_job_status(namespace, name, status)
-        return out
+    def cond(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
+        return _condition(old_conds, ctype, ok, reason, message, gen, now)
 
-    # 1. Validate. kmock or an old API server may not have enforced the CRD: check here too.
+    def finish(d: Decision) -> Decision:
+        d.status["phase"] = d.phase
+        if gen is not None:
+            d.status["observedGeneration"] = gen
+        if d.phase != old_status.get("phase"):
+            kind = "Warning" if d.phase in ("Failed", "Invalid") else "Normal"
+            d.events.append((kind, f"Phase{d.phase}", d.status.get("message") or f"phase {d.phase}"))
+        return d
+
+    # 1. Validate. An API server without the CRD's validation may let anything through.
     try:
         job = parse_job({"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
-                         "metadata": {"name": name, "namespace": namespace}, "spec": body.get("spec")})
+                         "metadata": {"name": obs.name, "namespace": obs.namespace}, "spec": obs.spec})
     except JobSpecError as exc:
         msg = "; ".join(exc.errors)
-        conds = [_condition(old_conds, "InvalidSpec", True, "SpecInvalid", msg, generation)]
-        return finish("Invalid", {"conditions": conds, "message": msg})
+        return finish(Decision("Invalid", {"conditions": [cond("InvalidSpec", True, "SpecInvalid", msg)],
+                                           "message": msg}))
 
-    n = render.names(name)
+    n = render.names(obs.name)
     # 2. Edits that cannot be applied in place are refused; the job keeps running as applied.
     refused = ""
-    cm = kube.get("ConfigMap", namespace, n["config"])
+    cm = obs.children.get("ConfigMap")
     if cm is not None:
-        applied_hash = (cm.get("metadata", {}).get("annotations") or {}).get(render.SPEC_HASH_ANNOTATION)
+        applied_hash = ((cm.get("metadata") or {}).get("annotations") or {}).get(render.SPEC_HASH_ANNOTATION)
         new_spec = job.to_manifest()["spec"]
         if applied_hash and applied_hash != render.spec_hash(new_spec):
             applied = yaml.safe_load(cm["data"][render.CONFIG_KEY])
@@ -117,78 +235,117 @@ def reconcile(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -
             job = parse_job(applied)
             job.spec.rollout.replicas = replicas
 
-    # 3. Children: create what is missing (never overwrite the token).
-    created: list[str] = []
-    if cm is None:
-        desired = render.render_all(job, namespace, uid)
-    else:
-        desired = [o for o in render.render_all(job, namespace, uid) if o["kind"] != "ConfigMap"]
-        servers = "\n".join(render.server_addresses(job, namespace))
-        if (cm.get("data") or {}).get("servers") != servers:  # pool resized: learner reads the list
-            kube.patch("ConfigMap", namespace, n["config"], {"data": {"servers": servers}})
-    live: dict[str, dict[str, Any]] = {}
-    for obj in desired:
-        got, was_created = kube.ensure(obj)
-        live[obj["kind"]] = got
-        if was_created:
-            created.append(f"{obj['kind']}/{obj['metadata']['name']}")
+    # 3. Children: create what is missing (the token Secret is never rewritten).
+    desired = _by_kind(render.render_all(job, obs.namespace, obs.uid))
+    d = Decision("Pending", {})
+    d.creates = [desired[k] for k in CHILD_KINDS if obs.children.get(k) is None]
+    if cm is not None:
+        servers = desired["ConfigMap"]["data"][render.SERVERS_KEY]
+        if (cm.get("data") or {}).get(render.SERVERS_KEY) != servers:  # pool resized: the learner follows
+            d.patches.append(Patch("ConfigMap", n["config"], {"data": {render.SERVERS_KEY: servers}}))
+    if obs.children.get("Job") is None and not job.spec.learner.checkpoint_claim:
+        d.events.append(("Warning", "CheckpointsEphemeral",
+                         f"no spec.learner.checkpointClaim: checkpoints in {job.spec.training.checkpoint.dir} "
+                         f"live in an emptyDir and are lost with the learner pod"))
 
-    sts, learner = live["StatefulSet"], live["Job"]
+    sts = obs.children.get("StatefulSet") or desired["StatefulSet"]
+    learner = obs.children.get("Job") or desired["Job"]
     want = job.spec.rollout.replicas
     succeeded, failed, why = _job_state(learner)
     ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
-    status: dict[str, Any] = {"rolloutReplicas": want, "readyRolloutReplicas": ready,
-                              "learnerActive": int((learner.get("status") or {}).get("active") or 0)}
+    status = d.status
+    status.update({"rolloutReplicas": want, "readyRolloutReplicas": ready,
+                   "learnerActive": int((learner.get("status") or {}).get("active") or 0)})
     for key in ("startTime", "completionTime", "step", "weightVersion"):
         if key in old_status:
             status[key] = old_status[key]
-    invalid = _condition(old_conds, "InvalidSpec", bool(refused),
-                         "ImmutableFieldChanged" if refused else "SpecValid", refused or "spec accepted",
-                         generation)
+    status.update(obs.progress)
+    invalid = cond("InvalidSpec", bool(refused), "ImmutableFieldChanged" if refused else "SpecValid",
+                   refused or "spec accepted")
 
     # 4. Terminal states free the GPUs: the pool is scaled to zero.
     if succeeded or failed:
         if (sts.get("spec") or {}).get("replicas") != 0:
-            kube.patch("StatefulSet", namespace, n["statefulset"], {"spec": {"replicas": 0}})
+            d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": 0}}))
         status["rolloutReplicas"] = 0
-        status.setdefault("completionTime", _now())
-        phase = "Complete" if succeeded else "Failed"
+        status.setdefault("completionTime", now)
+        d.phase = "Complete" if succeeded else "Failed"
         status["message"] = "learner finished" if succeeded else f"learner failed: {why}"
-        conds = [
-            _condition(old_conds, "Complete", succeeded, "LearnerSucceeded" if succeeded else "NotComplete",
-                       status["message"], generation),
-            _condition(old_conds, "Failed", failed, "LearnerFailed" if failed else "NotFailed",
-                       status["message"], generation),
-            _condition(old_conds, "LearnerRunning", False, "LearnerFinished", status["message"], generation),
-            _condition(old_conds, "RolloutReady", False, "PoolScaledDown", "rollout pool scaled to zero",
-                       generation),
+        status["conditions"] = [
+            cond("Complete", succeeded, "LearnerSucceeded" if succeeded else "NotComplete", status["message"]),
+            cond("Failed", failed, "LearnerFailed" if failed else "NotFailed", status["message"]),
+            cond("LearnerRunning", False, "LearnerFinished", status["message"]),
+            cond("RolloutReady", False, "PoolScaledDown", "rollout pool scaled to zero"),
             invalid,
         ]
-        return finish(phase, {**status, "conditions": conds}, created)
+        return finish(d)
 
-    # 5. Scale the pool to the spec, resume the learner once every server is Ready.
+    # 5. Scale the pool to the spec; resume the learner once every server is Ready.
     if (sts.get("spec") or {}).get("replicas") != want:
-        kube.patch("StatefulSet", namespace, n["statefulset"], {"spec": {"replicas": want}})
+        d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": want}}))
     pool_ready = want > 0 and ready >= want
     suspended = bool((learner.get("spec") or {}).get("suspend"))
     if pool_ready and suspended:
-        kube.patch("Job", namespace, n["job"], {"spec": {"suspend": False}})
+        d.patches.append(Patch("Job", n["job"], {"spec": {"suspend": False}}))
         suspended = False
-        status["startTime"] = _now()
-    if not suspended and progress_timeout > 0:
-        pods = kube.list_pods(namespace, render.selector(name, "learner"))
-        status.update(learner_progress(pods, job.spec.learner.metrics_port, progress_timeout))
+        status["startTime"] = now
+
+    # 6. Conditions: say what holds the job up, in words a person can act on.
     pool_msg = f"{ready}/{want} rollout servers Ready"
-    learner_msg = "learner waits for the rollout pool" if suspended else "learner Job resumed"
-    conds = [
-        _condition(old_conds, "RolloutReady", pool_ready, "PoolReady" if pool_ready else "PoolNotReady",
-                   pool_msg, generation),
-        _condition(old_conds, "LearnerRunning", not suspended, "Resumed" if not suspended else "Suspended",
-                   learner_msg, generation),
-        _condition(old_conds, "Complete", False, "NotComplete", learner_msg, generation),
-        _condition(old_conds, "Failed", False, "NotFailed", learner_msg, generation),
+    pool_reason = "PoolReady" if pool_ready else "PoolNotReady"
+    if not pool_ready:
+        problem = pod_problem(obs.rollout_pods)
+        if "StatefulSet" in obs.failed_creates:
+            problem = ("FailedCreate", f"rollout pods cannot be created: {obs.failed_creates['StatefulSet']}")
+        if problem:
+            pool_reason, pool_msg = problem[0], f"{pool_msg}; {problem[1]}"
+    learner_ready = int((learner.get("status") or {}).get("ready") or 0)
+    learner_running = not suspended and (learner_ready >= 1 or any(
+        (p.get("status") or {}).get("phase") == "Running" for p in obs.learner_pods))
+    if suspended:
+        learner_reason, learner_msg = "Suspended", "learner waits for the rollout pool"
+    elif learner_running:
+        learner_reason, learner_msg = "Running", "learner pod running"
+    else:
+        learner_reason, learner_msg = "PodPending", "learner Job resumed; its pod is not running yet"
+        problem = pod_problem(obs.learner_pods)
+        if "Job" in obs.failed_creates:
+            problem = ("FailedCreate", f"learner pod cannot be created: {obs.failed_creates['Job']}")
+        if problem:
+            learner_reason, learner_msg = problem[0], f"{learner_msg}; {problem[1]}"
+    status["conditions"] = [
+        cond("RolloutReady", pool_ready, pool_reason, pool_msg),
+        cond("LearnerRunning", learner_running, learner_reason, learner_msg),
+        cond("Complete", False, "NotComplete", learner_msg),
+        cond("Failed", False, "NotFailed", learner_msg),
         invalid,
     ]
     status["message"] = refused or f"{pool_msg}; {learner_msg}"
-    phase = "Running" if not suspended else ("Starting" if ready or want == 0 else "Pending")
-    return finish(phase, {**status, "conditions": conds}, created)
+    if learner_running:
+        d.phase = "Running"
+    elif not suspended or ready:
+        d.phase = "Starting"
+    else:
+        d.phase = "Pending"
+    return finish(d)
+
+
+# ----------------------------------------------------------------------------------------- act
+
+
+def act(kube: Kube, obs: Observed, decision: Decision) -> Outcome:
+    created: list[str] = []
+    for obj in decision.creates:
+        _, was_created = kube.ensure(obj)  # a 409 (created meanwhile) reads the object instead
+        if was_created:
+            created.append(f"{obj['kind']}/{obj['metadata']['name']}")
+    for p in decision.patches:
+        kube.patch(p.kind, obs.namespace, p.name, p.body)
+    if any(obs.status.get(k) != v for k, v in decision.status.items()):
+        kube.patch_job_status(obs.namespace, obs.name, decision.status)
+    return Outcome(decision.phase, decision.status, created, decision.events)
+
+
+def reconcile(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> Outcome:
+    obs = observe(kube, body, progress_timeout)
+    return act(kube, obs, decide(obs, now_rfc3339()))

@@ -22,10 +22,13 @@ ROLE_LABEL = "app.kubernetes.io/component"
 SPEC_HASH_ANNOTATION = "rmsft.io/spec-hash"
 CONFIG_KEY = "job.yaml"
 SERVE_KEY = "serve.yaml"
+SERVERS_KEY = "servers"
 CONFIG_DIR = "/etc/rmsft"
 TOKEN_KEY = "token"
 GPU_RESOURCE = "nvidia.com/gpu"
 UID = 1000
+# Memory/emptyDir mounts every rollout and learner pod has (writable by the non-root user).
+WRITABLE_MOUNTS = ("/dev/shm", "/tmp")
 
 
 def names(job_name: str) -> dict[str, str]:
@@ -141,7 +144,9 @@ def render_configmap(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[
         "data": {
             CONFIG_KEY: yaml.safe_dump(manifest, sort_keys=False),
             SERVE_KEY: yaml.safe_dump(serve_config(job), sort_keys=False),
-            "servers": "\n".join(server_addresses(job, namespace)),
+            # The learner reads this file (not an env var frozen at creation) and follows it: the
+            # reconcile rewrites it when the pool is scaled, the kubelet refreshes the mount.
+            SERVERS_KEY: "\n".join(server_addresses(job, namespace)),
         },
     }
 
@@ -227,7 +232,9 @@ def _volumes(job: RolloutMatchingJob, shm_size: str) -> tuple[list[dict[str, Any
 
 def _pod_common(job: RolloutMatchingJob) -> dict[str, Any]:
     p = job.spec.placement
-    spec: dict[str, Any] = {"securityContext": _pod_security(), "enableServiceLinks": False}
+    # Neither rollout servers nor learners call the Kubernetes API: no token in their pods.
+    spec: dict[str, Any] = {"securityContext": _pod_security(), "enableServiceLinks": False,
+                            "automountServiceAccountToken": False}
     if p.node_selector:
         spec["nodeSelector"] = dict(p.node_selector)
     if p.tolerations:
@@ -262,6 +269,9 @@ def render_statefulset(job: RolloutMatchingJob, namespace: str, uid: str,
         "resources": _resources(r.resources, r.tensor_parallel_size, accelerated),
         "volumeMounts": mounts,
         "securityContext": _container_security(),
+        # A server that exits at start (e.g. /dev/shm too small for a FULL sync) says why in the
+        # pod's status, where the operator reads it into the RolloutReady condition.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     pod_labels = labels(name, "rollout")
     pod_spec = {**_pod_common(job), "containers": [container], "volumes": volumes}
@@ -295,23 +305,28 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
     lr = job.spec.learner
     accelerated = job.spec.placement.accelerator == "nvidia"
     volumes, mounts = _volumes(job, lr.shm_size)
+    # The learner saves at the end of every run: its checkpoint dir must be writable by the
+    # non-root user. A claim persists it; without one an emptyDir keeps the run from failing at
+    # its last step (the checkpoint then lives as long as the pod; the status says so).
+    ckpt_dir = job.spec.training.checkpoint.dir.rstrip("/") or "/"
     if lr.checkpoint_claim:
         volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": lr.checkpoint_claim}})
-        mounts.append({"name": "checkpoints", "mountPath": job.spec.training.checkpoint.dir})
-    env = _common_env(job) + [
-        {"name": "RMSFT_ROLLOUT_SERVERS", "value": ",".join(server_addresses(job, namespace))},
-        {"name": "RMSFT_LEARNER_GPUS", "value": str(lr.gpus)},
-    ]
+        mounts.append({"name": "checkpoints", "mountPath": ckpt_dir})
+    elif not any(ckpt_dir == m or ckpt_dir.startswith(m + "/") for m in WRITABLE_MOUNTS):
+        volumes.append({"name": "checkpoints", "emptyDir": {}})
+        mounts.append({"name": "checkpoints", "mountPath": ckpt_dir})
     container = {
         "name": "learner",
         "image": job.spec.image.ref,
         "imagePullPolicy": job.spec.image.pull_policy,
-        "args": ["train", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}"],
-        "env": env,
+        "args": ["train", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}",
+                 "--servers-file", f"{CONFIG_DIR}/{SERVERS_KEY}"],
+        "env": _common_env(job),
         "ports": [{"name": "metrics", "containerPort": lr.metrics_port, "protocol": "TCP"}],
         "resources": _resources(lr.resources, lr.gpus, accelerated),
         "volumeMounts": mounts,
         "securityContext": _container_security(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if accelerated and lr.gpus > 1:
         # One learner rank per GPU: torchrun starts them and sets WORLD_SIZE/RANK/LOCAL_RANK, which

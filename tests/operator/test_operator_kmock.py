@@ -112,6 +112,8 @@ def _start_pool(cluster: KmockCluster, name: str, replicas: int) -> None:
     _patch_status(cluster, "StatefulSet", n["statefulset"],
                   {"replicas": replicas, "readyReplicas": replicas, "availableReplicas": replicas})
     wait_for(lambda: _child(cluster, "Job", n["job"])["spec"]["suspend"] is False, what="learner resumed")
+    # The Job controller's view of a learner pod that runs and is Ready (LearnerRunning needs it).
+    _patch_status(cluster, "Job", n["job"], {"active": 1, "ready": 1})
 
 
 def test_create_renders_owned_children_and_suspended_learner(cluster: KmockCluster, operator: Any) -> None:
@@ -280,6 +282,9 @@ def test_operator_exports_its_metrics(operator: Any) -> None:
     assert any(k.startswith("rmsft_operator_reconciles_total{") for k in metrics)
     assert "rmsft_operator_reconcile_duration_seconds_count" in metrics
     assert any(k.startswith("rmsft_operator_jobs{") for k in metrics)
+    # get-before-create answers 404 for every new child: an answer, not an error (the dashboard
+    # plots this counter).
+    assert 'rmsft_operator_errors_total{code="404"}' not in metrics
 
 
 def _operator_metrics() -> dict[str, float]:

@@ -51,9 +51,14 @@ def test_reference_job_gpu_layout_and_pod_settings() -> None:
     assert job["spec"]["suspend"] is True
     learner = job["spec"]["template"]["spec"]["containers"][0]
     assert learner["resources"]["limits"]["nvidia.com/gpu"] == "2"
-    assert learner["args"] == ["train", "--config", "/etc/rmsft/job.yaml"]
-    servers = dict((e["name"], e.get("value")) for e in learner["env"])["RMSFT_ROLLOUT_SERVERS"]
-    assert servers.split(",")[5] == "qwen3vl-det-rollout-5.qwen3vl-det-rollout.team-a.svc:50051"
+    # The learner follows the ConfigMap's live server list (mounted at /etc/rmsft): no list frozen
+    # into its env at creation.
+    assert learner["args"] == ["train", "--config", "/etc/rmsft/job.yaml", "--servers-file", "/etc/rmsft/servers"]
+    env = {e["name"] for e in learner["env"]}
+    assert "RMSFT_ROLLOUT_SERVERS" not in env and "RMSFT_LEARNER_GPUS" not in env
+    servers = objs["ConfigMap"]["data"]["servers"].splitlines()
+    assert servers[5] == "qwen3vl-det-rollout-5.qwen3vl-det-rollout.team-a.svc:50051"
+    assert {"name": "config", "mountPath": "/etc/rmsft", "readOnly": True} in learner["volumeMounts"]
     token_env = next(e for e in learner["env"] if e["name"] == "RMSFT_AUTH_TOKEN")
     assert token_env["valueFrom"]["secretKeyRef"]["name"] == "qwen3vl-det-token"
 
@@ -137,3 +142,47 @@ def test_serve_config_is_accepted_by_rmsft_serve(path: str, tmp_path: Path) -> N
     assert cfg.enable_lora == job.spec.rollout.enable_lora
     assert cfg.gpu_memory_utilization == job.spec.rollout.gpu_memory_utilization
     assert cfg.kv_cache_bytes == (job.spec.rollout.kv_cache_bytes or 0)
+
+
+@pytest.mark.parametrize("path", EXAMPLES)
+def test_pods_mount_no_service_account_token(path: str) -> None:
+    for kind in ("StatefulSet", "Job"):
+        assert _by_kind(path)[kind]["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("path", EXAMPLES)
+def test_log_level_reaches_both_pods(path: str) -> None:
+    job = load_job(ROOT / path)
+    for kind in ("StatefulSet", "Job"):
+        env = _by_kind(path)[kind]["spec"]["template"]["spec"]["containers"][0]["env"]
+        assert {"name": "RMSFT_LOG_LEVEL", "value": job.spec.monitoring.log_level} in env
+
+
+def _learner_pod(doc: dict) -> dict:
+    return render.render_job(parse_job(doc), "ns", "u")["spec"]["template"]["spec"]
+
+
+def test_checkpoint_dir_is_writable_without_a_claim() -> None:
+    # configs/job-3v1.yaml has no checkpointClaim: its learner failed at step 100 writing to a
+    # /checkpoints the non-root user could not create.
+    doc = yaml.safe_load((ROOT / "configs/job-3v1.yaml").read_text())
+    assert "checkpointClaim" not in doc["spec"].get("learner", {})
+    pod = _learner_pod(doc)
+    ckpt = parse_job(doc).spec.training.checkpoint.dir
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == ckpt)
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume == {"name": "checkpoints", "emptyDir": {}}
+    assert not mount.get("readOnly")
+    assert pod["securityContext"]["fsGroup"] == render.UID  # the emptyDir is group-writable for uid 1000
+
+    doc["spec"].setdefault("learner", {})["checkpointClaim"] = "ckpt-pvc"
+    pod = _learner_pod(doc)
+    volume = next(v for v in pod["volumes"] if v["name"] == "checkpoints")
+    assert volume["persistentVolumeClaim"] == {"claimName": "ckpt-pvc"}
+
+    doc["spec"]["learner"].pop("checkpointClaim")
+    doc["spec"]["training"]["checkpoint"] = {"dir": "/tmp/ckpt"}  # already on a writable mount
+    pod = _learner_pod(doc)
+    assert not any(v["name"] == "checkpoints" for v in pod["volumes"])
+    mounts = [m["mountPath"] for m in pod["containers"][0]["volumeMounts"]]
+    assert len(mounts) == len(set(mounts))

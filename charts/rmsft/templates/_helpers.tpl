@@ -67,4 +67,8 @@ app.kubernetes.io/component: operator
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create"]
+# FailedCreate events of the job's StatefulSet/Job: why pods could not be created (a condition says it).
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["list"]
 {{- end -}}

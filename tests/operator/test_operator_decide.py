@@ -1,0 +1,186 @@
+"""`reconcile.decide` as a table: observed state in, actions and status out. No API, milliseconds."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from rmsft_operator import render
+from rmsft_operator.reconcile import CHILD_KINDS, Decision, Observed, Patch, decide
+
+from rmsft.jobspec import parse_job
+
+ROOT = Path(__file__).resolve().parents[2]
+NS, NAME, UID, NOW = "team-a", "demo", "uid-1", "2026-11-23T10:00:00Z"
+N = render.names(NAME)
+
+
+def _spec(**edits: Any) -> dict[str, Any]:
+    spec = yaml.safe_load((ROOT / "configs/job-kind-cpu.yaml").read_text())["spec"]
+    for dotted, value in edits.items():
+        node = spec
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return spec
+
+
+def _children(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    job = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
+                     "metadata": {"name": NAME, "namespace": NS}, "spec": spec})
+    return {o["kind"]: o for o in render.render_all(job, NS, UID, token="t")}
+
+
+def _pod(role: str, name: str, phase: str = "Pending", **status: Any) -> dict[str, Any]:
+    return {"metadata": {"name": name, "labels": render.labels(NAME, role)}, "status": {"phase": phase, **status}}
+
+
+@dataclass
+class World:
+    """A readable way to write an observed state: start from 'all children exist', then edit."""
+
+    spec: dict[str, Any] = field(default_factory=_spec)
+    ready: int = 0                      # StatefulSet readyReplicas
+    suspended: bool = True              # learner Job
+    job_status: dict[str, Any] = field(default_factory=dict)
+    exists: tuple[str, ...] = CHILD_KINDS
+    applied_spec: dict[str, Any] | None = None   # what the ConfigMap holds (default: spec)
+    rollout_pods: list[dict[str, Any]] = field(default_factory=list)
+    learner_pods: list[dict[str, Any]] = field(default_factory=list)
+    failed_creates: dict[str, str] = field(default_factory=dict)
+    status: dict[str, Any] = field(default_factory=dict)
+
+    def observed(self) -> Observed:
+        kids: dict[str, dict[str, Any] | None] = {k: None for k in CHILD_KINDS}
+        applied = _children(self.applied_spec or self.spec)
+        for kind in self.exists:
+            kids[kind] = copy.deepcopy(applied[kind])
+        if kids["StatefulSet"]:
+            kids["StatefulSet"]["status"] = {"readyReplicas": self.ready}
+        if kids["Job"]:
+            kids["Job"]["spec"]["suspend"] = self.suspended
+            kids["Job"]["status"] = self.job_status
+        return Observed(NAME, NS, UID, 1, copy.deepcopy(self.spec), self.status, kids, self.rollout_pods,
+                        self.learner_pods, self.failed_creates)
+
+
+def _cond(d: Decision, ctype: str) -> dict[str, Any]:
+    return next(c for c in d.status["conditions"] if c["type"] == ctype)
+
+
+def test_new_job_creates_every_child_in_order_and_warns_about_ephemeral_checkpoints() -> None:
+    d = decide(World(exists=()).observed(), NOW)
+    assert [o["kind"] for o in d.creates] == list(CHILD_KINDS)
+    assert d.creates[-1]["spec"]["suspend"] is True and d.patches == []
+    assert d.phase == "Pending"
+    assert _cond(d, "LearnerRunning")["reason"] == "Suspended"
+    assert any(e[1] == "CheckpointsEphemeral" for e in d.events)
+    assert d.events[-1][:2] == ("Normal", "PhasePending")
+
+
+def test_a_claim_means_no_ephemeral_checkpoint_warning() -> None:
+    d = decide(World(spec=_spec(**{"learner.checkpointClaim": "pvc"}), exists=()).observed(), NOW)
+    assert not any(e[1] == "CheckpointsEphemeral" for e in d.events)
+
+
+# (id, world, phase, RolloutReady reason, LearnerRunning (status, reason), patches)
+TABLE: list[tuple[str, World, str, str, tuple[str, str], list[Patch]]] = [
+    ("nothing-ready", World(), "Pending", "PoolNotReady", ("False", "Suspended"), []),
+    ("part-ready", World(ready=1), "Starting", "PoolNotReady", ("False", "Suspended"), []),
+    ("pool-ready-resumes-learner", World(ready=2), "Starting", "PoolReady", ("False", "PodPending"),
+     [Patch("Job", N["job"], {"spec": {"suspend": False}})]),
+    ("learner-pod-pending", World(ready=2, suspended=False, learner_pods=[_pod("learner", "l-1")]),
+     "Starting", "PoolReady", ("False", "PodPending"), []),
+    ("learner-pod-running", World(ready=2, suspended=False, job_status={"active": 1, "ready": 1},
+                                  learner_pods=[_pod("learner", "l-1", "Running")]),
+     "Running", "PoolReady", ("True", "Running"), []),
+    ("learner-unschedulable", World(ready=2, suspended=False, learner_pods=[_pod(
+        "learner", "l-1", conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                       "message": "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."}])]),
+     "Starting", "PoolReady", ("False", "Unschedulable"), []),
+    ("learner-pods-refused", World(ready=2, suspended=False,
+                                   failed_creates={"Job": 'pods "demo-learner-x" is forbidden: violates PodSecurity'}),
+     "Starting", "PoolReady", ("False", "FailedCreate"), []),
+    ("rollout-pods-refused", World(failed_creates={"StatefulSet": "violates PodSecurity \"baseline:latest\""}),
+     "Pending", "FailedCreate", ("False", "Suspended"), []),
+    ("rollout-crashloop", World(rollout_pods=[_pod("rollout", "demo-rollout-0", "Running", containerStatuses=[{
+        "name": "rollout", "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": {"exitCode": 2, "message": "staging dir /dev/shm has 64.0 MiB; raise "
+                                                               "spec.rollout.shmSize to at least 1Gi"}}}])]),
+     "Pending", "CrashLoopBackOff", ("False", "Suspended"), []),
+    ("scaled-down-before-learner", World(spec=_spec(**{"rollout.replicas": 1}), applied_spec=_spec()),
+     "Pending", "PoolNotReady", ("False", "Suspended"),
+     [Patch("ConfigMap", N["config"], {"data": {"servers": f"{N['statefulset']}-0.{N['service']}.{NS}.svc:50051"}}),
+      Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 1}})]),
+]
+
+
+@pytest.mark.parametrize("case", TABLE, ids=[c[0] for c in TABLE])
+def test_decide_table(case: tuple[str, World, str, str, tuple[str, str], list[Patch]]) -> None:
+    _, world, phase, pool_reason, (running, learner_reason), patches = case
+    d = decide(world.observed(), NOW)
+    assert d.creates == []
+    assert d.phase == phase and d.status["phase"] == phase
+    assert _cond(d, "RolloutReady")["reason"] == pool_reason
+    lr = _cond(d, "LearnerRunning")
+    assert (lr["status"], lr["reason"]) == (running, learner_reason)
+    assert d.patches == patches
+    assert _cond(d, "InvalidSpec")["status"] == "False"
+
+
+def test_conditions_carry_what_a_person_needs() -> None:
+    crash = next(c[1] for c in TABLE if c[0] == "rollout-crashloop")
+    msg = _cond(decide(crash.observed(), NOW), "RolloutReady")["message"]
+    assert "demo-rollout-0" in msg and "spec.rollout.shmSize" in msg
+    refused = next(c[1] for c in TABLE if c[0] == "rollout-pods-refused")
+    d = decide(refused.observed(), NOW)
+    assert "PodSecurity" in _cond(d, "RolloutReady")["message"] and "PodSecurity" in d.status["message"]
+    sched = next(c[1] for c in TABLE if c[0] == "learner-unschedulable")
+    assert "Insufficient nvidia.com/gpu" in _cond(decide(sched.observed(), NOW), "LearnerRunning")["message"]
+
+
+@pytest.mark.parametrize("conditions,phase,message", [
+    ([{"type": "Complete", "status": "True"}], "Complete", "learner finished"),
+    ([{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "backoff"}], "Failed",
+     "learner failed: BackoffLimitExceeded: backoff"),
+])
+def test_terminal_learner_frees_the_pool(conditions: list[dict[str, Any]], phase: str, message: str) -> None:
+    d = decide(World(ready=2, suspended=False, job_status={"conditions": conditions}).observed(), NOW)
+    assert d.phase == phase and d.status["message"] == message
+    assert d.patches == [Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 0}})]
+    assert d.status["rolloutReplicas"] == 0 and d.status["completionTime"] == NOW
+    assert _cond(d, "LearnerRunning")["status"] == "False"
+    assert d.events[-1][0] == ("Warning" if phase == "Failed" else "Normal")
+
+
+def test_immutable_edit_is_refused_and_the_applied_spec_keeps_running() -> None:
+    world = World(spec=_spec(**{"training.lr": 0.5, "rollout.replicas": 3}), applied_spec=_spec())
+    d = decide(world.observed(), NOW)
+    inv = _cond(d, "InvalidSpec")
+    assert inv["status"] == "True" and inv["reason"] == "ImmutableFieldChanged"
+    assert inv["message"].startswith("spec.training.lr cannot change")
+    # replicas still applies; nothing else is rewritten
+    assert Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 3}}) in d.patches
+    assert all(p.kind in ("StatefulSet", "ConfigMap") for p in d.patches)
+
+
+def test_invalid_spec_creates_nothing() -> None:
+    world = World(spec=_spec(**{"rollout.port": 9090, "rollout.metricsPort": 9090}), applied_spec=_spec(), exists=())
+    d = decide(world.observed(), NOW)
+    assert d.phase == "Invalid" and d.creates == [] and d.patches == []
+    assert "spec.rollout" in _cond(d, "InvalidSpec")["message"]
+
+
+def test_decide_is_a_fixed_point_once_status_is_written() -> None:
+    """A second pass over the same world yields the same status (so `act` writes nothing) and no
+    new phase event; transition times survive."""
+    world = World(ready=1)
+    first = decide(world.observed(), NOW)
+    again = decide(replace(world.observed(), status=first.status), "2026-11-23T11:00:00Z")
+    assert again.status == first.status
+    assert not any(e[1].startswith("Phase") for e in again.events)
