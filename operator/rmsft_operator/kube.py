@@ -137,8 +137,8 @@ class Kube:
         return live, False
 
     def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any],
-              sub: str | None = None) -> dict[str, Any]:
-        return self.request("PATCH", self.path(kind, namespace, name, sub), body, MERGE_PATCH)
+              sub: str | None = None, expected: tuple[int, ...] = ()) -> dict[str, Any]:
+        return self.request("PATCH", self.path(kind, namespace, name, sub), body, MERGE_PATCH, expected=expected)
 
     def list_pods(self, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
         selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
@@ -154,8 +154,9 @@ class Kube:
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.get("RolloutMatchingJob", namespace, name)
 
-    def patch_job_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
-        return self.patch("RolloutMatchingJob", namespace, name, {"status": status}, sub="status")
+    def patch_job_status(self, namespace: str, name: str, status: dict[str, Any],
+                         expected: tuple[int, ...] = ()) -> dict[str, Any]:
+        return self.patch("RolloutMatchingJob", namespace, name, {"status": status}, sub="status", expected=expected)
 
 
 def _reason(exc: ApiException) -> str:

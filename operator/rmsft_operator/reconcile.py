@@ -24,7 +24,7 @@ import yaml
 
 from rmsft.jobspec import API_GROUP, API_VERSION, KIND, JobSpecError, LearnerSpec, parse_job
 from rmsft_operator import render
-from rmsft_operator.kube import Kube
+from rmsft_operator.kube import ApiError, Kube
 from rmsft_operator.progress import learner_progress
 
 log = logging.getLogger("rmsft_operator.reconcile")
@@ -339,10 +339,18 @@ def act(kube: Kube, obs: Observed, decision: Decision) -> Outcome:
         _, was_created = kube.ensure(obj)  # a 409 (created meanwhile) reads the object instead
         if was_created:
             created.append(f"{obj['kind']}/{obj['metadata']['name']}")
-    for p in decision.patches:
-        kube.patch(p.kind, obs.namespace, p.name, p.body)
-    if any(obs.status.get(k) != v for k, v in decision.status.items()):
-        kube.patch_job_status(obs.namespace, obs.name, decision.status)
+    try:
+        for p in decision.patches:
+            kube.patch(p.kind, obs.namespace, p.name, p.body, expected=(404,))
+        if any(obs.status.get(k) != v for k, v in decision.status.items()):
+            kube.patch_job_status(obs.namespace, obs.name, decision.status, expected=(404,))
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+        # The job (and with it, through the garbage collector, its children) was deleted while
+        # this pass ran: nothing left to act on, and nothing that went wrong.
+        log.info("%s/%s: %s; the job is being deleted", obs.namespace, obs.name, exc)
+        return Outcome(decision.phase, decision.status, created, [])
     return Outcome(decision.phase, decision.status, created, decision.events)
 
 
