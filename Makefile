@@ -7,14 +7,21 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml requirements/constraints.txt scripts/setup.sh
+# A new ../shared/envtest archive (control-plane binaries for tests/envtest) re-runs setup too.
+$(STAMP): pyproject.toml requirements/constraints.txt scripts/setup.sh $(wildcard ../shared/envtest/k8s-*.tar.xz)
 	bash scripts/setup.sh
 	touch $@
 
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# The envtest tier (tests/envtest) reads KUBEBUILDER_ASSETS; a caller's own value (setup-envtest) wins,
+# else the binaries `make setup` unpacked into .tools/envtest/bin are used when they are there.
+ENVTEST_BIN := $(CURDIR)/.tools/envtest/bin
+
 test: lint
+	if [ -z "$$KUBEBUILDER_ASSETS" ] && [ -x "$(ENVTEST_BIN)/kube-apiserver" ]; then \
+	  export KUBEBUILDER_ASSETS="$(ENVTEST_BIN)"; fi; \
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 protos: setup

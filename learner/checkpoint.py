@@ -6,14 +6,45 @@ crash mid-save never leaves a half checkpoint that resume would pick up.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 
 _PREFIX = "step-"
+
+
+class CheckpointDirError(RuntimeError):
+    """training.checkpoint.dir cannot be written; the message names the path and what to change."""
+
+
+def check_checkpoint_dir(root: str | Path) -> None:
+    """Create `root` when needed and write + remove a probe file in it, so an unwritable folder (a
+    path the non-root learner cannot create, a read-only mount) fails the job at start instead of at
+    the final save, after all the training was paid for."""
+    root = Path(root)
+    probe = root / f".rmsft-write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"rmsft")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+        raise CheckpointDirError(
+            f"the checkpoint folder {root} (spec.training.checkpoint.dir) is not writable: "
+            f"{e.strerror or e}{f' ({e.filename})' if e.filename and str(e.filename) != str(root) else ''}; "
+            "give the learner a writable volume there (spec.learner.checkpointClaim: a PersistentVolumeClaim "
+            "mounted at that path) or point spec.training.checkpoint.dir at a writable path"
+        ) from e
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -19,6 +19,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from rmsft.jobspec import RolloutMatchingJob, load_job
+from rmsft.logs import ENV as LOG_LEVEL_ENV
+from rmsft.serve_options import serve_options
 
 log = logging.getLogger("rmsft.local")
 BUILD_TINY_MODEL = "rmsft.io/build-tiny-model"
@@ -47,24 +49,11 @@ def prepare_inputs(job: RolloutMatchingJob, console: Console) -> None:
 
 
 def server_options(job: RolloutMatchingJob) -> dict[str, Any]:
-    """`rmsft serve` options from the spec. On a machine without CUDA the spec's GPU memory
-    fraction is not used: `kvCacheBytes`, or the server's CPU default, sizes the KV cache."""
+    """`rmsft serve` options from the spec: the operator's translation (rmsft.serve_options), on
+    GPUs when this machine has CUDA."""
     import torch
 
-    r = job.spec.rollout
-    opts: dict[str, Any] = {
-        "backend": r.engine,
-        "max_model_len": r.max_model_len,
-        "enable_lora": r.enable_lora,
-        "max_lora_rank": r.max_lora_rank,
-        "enable_prefix_caching": r.enable_prefix_caching,
-        "tensor_parallel_size": r.tensor_parallel_size,
-        "gpu_memory_utilization": r.gpu_memory_utilization if torch.cuda.is_available() else None,
-        "kv_cache_bytes": r.kv_cache_bytes or 0,
-        "dtype": job.spec.model.dtype,
-        "seed": job.spec.training.seed,
-    }
-    return opts
+    return serve_options(job, gpus=torch.cuda.is_available())
 
 
 def start_servers(job: RolloutMatchingJob, log_dir: Path, console: Console) -> list:
@@ -75,12 +64,14 @@ def start_servers(job: RolloutMatchingJob, log_dir: Path, console: Console) -> l
         raise ValueError("spec.rollout.replicas must be >= 1 for `rmsft local`")
     log_dir.mkdir(parents=True, exist_ok=True)
     opts = server_options(job)
+    # The servers log at the job's spec.monitoring.logLevel, as they would in their pods.
+    env = {LOG_LEVEL_ENV: job.spec.monitoring.log_level}
     started: list = []
     with console.status(f"starting {n} rollout server(s) ({opts['backend']}), logs in {log_dir}"):
         with ThreadPoolExecutor(max_workers=n) as pool:
             futures = [
                 pool.submit(RolloutServer.start, job.spec.model.path, log_path=log_dir / f"rollout-{i}.log",
-                            replica_ordinal=i, **opts)
+                            replica_ordinal=i, env=env, **opts)
                 for i in range(n)
             ]
             errors = []

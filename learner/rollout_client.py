@@ -89,6 +89,9 @@ class RolloutClient:
     Generate call (0 = a server's whole share in one call). max_attempts: tries per chunk before the
     rollout fails (default: number of servers + 1). resync: called as `resync(server)` to push the
     learner's current weights to a server that holds another version; it must raise on failure.
+
+    Each `generate` first applies a changed server list (`ServerPool.follow`): servers that left get
+    no share, new ones are fenced (re-synced through `resync`) before they get any.
     """
 
     def __init__(
@@ -108,15 +111,30 @@ class RolloutClient:
         self.pool = pool
         self.timeout_s = timeout_s
         self.generate_batch_size = generate_batch_size
-        self.max_attempts = max_attempts or len(pool.servers) + 1
+        self._fixed_attempts = max_attempts
         self.max_inflight = max_inflight_per_server
         self.resync = resync
-        self._resync_pool = ThreadPoolExecutor(max_workers=len(pool.servers), thread_name_prefix="resync")
+        self._threads_for = 0  # pool size the executors below were made for
+        self._fit_threads()
+
+    @property
+    def max_attempts(self) -> int:
+        return self._fixed_attempts or len(self.pool.servers) + 1
+
+    def _fit_threads(self) -> None:
+        """One re-sync thread and `max_inflight` call threads per server; remade when the pool grew
+        (servers file), between calls, when the old executors have no work left."""
+        n = max(1, len(self.pool.servers))
+        if n <= self._threads_for:
+            return
+        old = (self._resync_pool, self._call_pool) if self._threads_for else ()
+        self._resync_pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="resync")
         # Blocking calls on worker threads: grpc's `.future()` starts a channel-spin thread per call
         # (about 1 ms each), which is most of the learner's per-call overhead.
-        self._call_pool = ThreadPoolExecutor(
-            max_workers=len(pool.servers) * max_inflight_per_server, thread_name_prefix="generate"
-        )
+        self._call_pool = ThreadPoolExecutor(max_workers=n * self.max_inflight, thread_name_prefix="generate")
+        self._threads_for = n
+        for ex in old:
+            ex.shutdown(wait=False)
 
     def close(self) -> None:
         self._resync_pool.shutdown(wait=False, cancel_futures=True)
@@ -134,6 +152,10 @@ class RolloutClient:
         if not requests:
             return []
         t0 = time.perf_counter()
+        self.pool.follow()
+        if not self.pool.servers:  # the pool was scaled to zero: wait for servers to be listed again
+            self.pool.wait_ready(timeout_s=self.timeout_s)
+        self._fit_threads()
         current = self.pool.current_version
         if weight_version is not None and current is not None and weight_version != current:
             raise ValueError(

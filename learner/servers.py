@@ -1,24 +1,35 @@
-"""The learner's view of the rollout pool: one gRPC channel per server, in a fixed order, with what the
+"""The learner's view of the rollout pool: one gRPC channel per server, in order, with what the
 learner knows about each (reachable? which weight version? LoRA enabled?).
 
-The order of `ServerPool.servers` is the order rollouts are split in; it never changes during a run.
-State is updated by the rollout and sync clients from every reply they see, so `GetStatus` is only
-needed for servers that were down (has a restarted pod come back?) or never contacted.
+The order of `ServerPool.servers` is the order rollouts are split in. State is updated by the rollout
+and sync clients from every reply they see, so `GetStatus` is only needed for servers that were down
+(has a restarted pod come back?) or never contacted.
+
+Membership can follow a file (`ServersFile`: the operator's ConfigMap key `servers`, mounted in the
+learner pod, which the operator rewrites when the pool is scaled). `ServerPool.follow()` re-reads it
+when it changed (one `stat` otherwise); the rollout and sync clients call it before each call and
+`wait_ready` while it waits. Servers that left are dropped (their share goes to the others); new
+ones start with an unknown weight version, so the clients' version fencing keeps them from Generate
+work until they were synced to the learner's current version.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from rmsft_protos import rollout_pb2, rollout_pb2_grpc
 
 from learner.metrics import SERVERS_READY
 
+log = logging.getLogger("rmsft.learner.servers")
 DEFAULT_AUTH_HEADER = "authorization"
 _MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 # A restarted pod should be noticed within seconds, not after gRPC's default 120 s reconnect backoff.
@@ -37,6 +48,86 @@ _CHANNEL_OPTIONS = (
 
 class NoServerAvailableError(RuntimeError):
     """No rollout server can take work; the message names every server and its last error."""
+
+
+class ServersFileError(ValueError):
+    """The rollout server list file is missing, unreadable, empty or malformed; the message names it."""
+
+
+def parse_server_list(text: str, source: str) -> list[str]:
+    """`host:port` entries in order: one per line (commas separate too), blank lines and `#`
+    comments skipped. Raises ServersFileError naming `source`, the line and the bad entry."""
+    out: list[str] = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        for item in line.split("#", 1)[0].split(","):
+            address = item.strip()
+            if not address:
+                continue
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ServersFileError(f"{source}:{lineno}: {address!r} is not host:port")
+            out.append(address)
+    dupes = sorted({a for a in out if out.count(a) > 1})
+    if dupes:
+        raise ServersFileError(f"{source}: rollout server addresses must be unique, repeated: {dupes}")
+    return out
+
+
+class ServersFile:
+    """The ordered rollout server list in a file that may change during the run: the operator's
+    ConfigMap key `servers` mounted at /etc/rmsft/servers (StatefulSet ordinal order, rewritten when
+    the pool is scaled; the kubelet swaps the mounted file atomically within about a minute).
+
+    `read()` parses it now. `poll()` returns the new list only when the file changed since the last
+    read; when it did not, the cost is one `os.stat`, so it can run before every rollout phase.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._stamp: tuple[int, ...] | None = None
+        self._addresses: list[str] | None = None
+        self._problem = ""  # last problem logged by poll(), so a lasting one is logged once
+
+    def _stat(self) -> tuple[int, ...]:
+        # stat follows the `..data` symlink the kubelet swaps, so a ConfigMap update changes inode
+        # and mtime even when the new content has the same size.
+        st = os.stat(self.path)
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def read(self, *, allow_empty: bool = False) -> list[str]:
+        """The addresses in the file, in order. ServersFileError when it is missing, unreadable,
+        malformed, or (unless `allow_empty`) lists no server."""
+        try:
+            stamp = self._stat()  # before reading: a change in between is seen by the next poll
+            text = self.path.read_text()
+        except FileNotFoundError:
+            raise ServersFileError(f"rollout server list {self.path} does not exist") from None
+        except OSError as e:
+            raise ServersFileError(f"cannot read rollout server list {self.path}: {e.strerror or e}") from None
+        addresses = parse_server_list(text, str(self.path))
+        if not addresses and not allow_empty:
+            raise ServersFileError(f"rollout server list {self.path} is empty (expected one host:port per line)")
+        self._stamp, self._addresses = stamp, addresses
+        return list(addresses)
+
+    def poll(self) -> list[str] | None:
+        """The new list when the file's content changed since the last read (an empty list when the
+        pool was scaled to zero), else None. A file that is missing or malformed (mid-rewrite, or
+        edited by hand) is not a change: the current list stays and a warning is logged."""
+        try:
+            stamp = self._stat()
+            if stamp == self._stamp:
+                return None
+            before = self._addresses
+            addresses = self.read(allow_empty=True)
+        except (OSError, ServersFileError) as e:
+            problem = f"{e}; keeping the current rollout servers"
+            if problem != self._problem:
+                log.warning("%s", problem)
+                self._problem = problem
+            return None
+        self._problem = ""
+        return None if addresses == before else addresses
 
 
 @dataclass
@@ -74,12 +165,13 @@ class ServerPool:
     """Ordered rollout servers plus the learner's current weight version.
 
     `addresses` are `host:port` strings in the order the pool is split in (StatefulSet ordinal order
-    on a cluster). `auth_token` is sent as `authorization: Bearer <token>` on every call.
+    on a cluster), or a `ServersFile` the pool reads now and follows (`follow()`). `auth_token` is
+    sent as `authorization: Bearer <token>` on every call.
     """
 
     def __init__(
         self,
-        addresses: Sequence[str],
+        addresses: Sequence[str] | ServersFile,
         *,
         auth_token: str | None = None,
         auth_header: str = DEFAULT_AUTH_HEADER,
@@ -87,11 +179,12 @@ class ServerPool:
         probe_timeout_s: float = 5.0,
         reprobe_interval_s: float = 2.0,
     ) -> None:
+        self.source = addresses if isinstance(addresses, ServersFile) else None
+        if self.source is not None:
+            addresses = self.source.read()
         if not addresses:
             raise ValueError("ServerPool needs at least one rollout server address")
-        dupes = sorted({a for a in addresses if list(addresses).count(a) > 1})
-        if dupes:
-            raise ValueError(f"rollout server addresses must be unique, repeated: {dupes}")
+        _check_unique(addresses)
         self.lock = threading.RLock()
         self.probe_timeout_s = probe_timeout_s
         self.reprobe_interval_s = reprobe_interval_s
@@ -102,13 +195,51 @@ class ServerPool:
         for i, address in enumerate(addresses):
             channel = self._channel(address)
             self.servers.append(RolloutServer(i, address, rollout_pb2_grpc.RolloutServiceStub(channel), channel))
-        self._probe_pool = ThreadPoolExecutor(max_workers=min(32, len(addresses)), thread_name_prefix="probe")
+        # Threads start on demand, so the bound costs nothing while the pool is small (and it may grow).
+        self._probe_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="probe")
 
     def _channel(self, address: str) -> grpc.Channel:
         if self._root_certificates is not None:
             creds = grpc.ssl_channel_credentials(root_certificates=self._root_certificates)
             return grpc.secure_channel(address, creds, options=_CHANNEL_OPTIONS)
         return grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+
+    # -- membership -----------------------------------------------------------------------------
+    def set_addresses(self, addresses: Sequence[str]) -> tuple[list[str], list[str]]:
+        """Make the pool exactly `addresses`, in that order; returns (added, removed). Servers that
+        stay keep their channel and state; new ones start with an unknown weight version, so the
+        clients fence them from Generate work until they were synced; the ones that left are closed.
+        Call it between rollout/sync calls, not during one: the clients index servers by position."""
+        addresses = list(addresses)
+        _check_unique(addresses)
+        with self.lock:
+            old = {s.address: s for s in self.servers}
+            added = [a for a in addresses if a not in old]
+            servers = []
+            for i, address in enumerate(addresses):
+                server = old.pop(address, None)
+                if server is None:
+                    channel = self._channel(address)
+                    server = RolloutServer(i, address, rollout_pb2_grpc.RolloutServiceStub(channel), channel)
+                server.index = i
+                servers.append(server)
+            self.servers = servers
+            self._publish()
+        for gone in old.values():
+            gone.channel.close()
+        return added, list(old)
+
+    def follow(self) -> bool:
+        """Apply the followed `ServersFile` when its content changed; True when membership changed.
+        Cheap (one stat) when it did not; a no-op for a fixed address list."""
+        if self.source is None:
+            return False
+        addresses = self.source.poll()
+        if addresses is None or addresses == [s.address for s in self.servers]:
+            return False
+        added, removed = self.set_addresses(addresses)
+        log.info("rollout servers now %s (from %s): added %s, removed %s", addresses, self.source.path, added, removed)
+        return True
 
     # -- version --------------------------------------------------------------------------------
     @property
@@ -220,14 +351,21 @@ class ServerPool:
             self.refresh(due)
 
     def wait_ready(self, timeout_s: float = 600.0, poll_s: float = 1.0) -> list[rollout_pb2.StatusReply]:
-        """Block until every server answers GetStatus with ready=True; raises NoServerAvailableError
+        """Block until every listed server answers GetStatus with ready=True (following the servers
+        file meanwhile, so a server that left is not waited for); raises NoServerAvailableError
         naming the servers that did not, after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while True:
+            self.follow()
             replies = self.refresh()
-            if all(r is not None and r.ready for r in replies):
+            if replies and all(r is not None and r.ready for r in replies):
                 return [r for r in replies if r is not None]
             if time.monotonic() >= deadline:
+                if not self.servers:
+                    raise NoServerAvailableError(
+                        f"no rollout server listed in {self.source.path if self.source else 'the pool'} after "
+                        f"{timeout_s:.0f}s (spec.rollout.replicas is 0?)"
+                    )
                 raise NoServerAvailableError(
                     f"rollout servers not ready after {timeout_s:.0f}s: " + self.describe_down()
                 )
@@ -252,6 +390,12 @@ class ServerPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_unique(addresses: Sequence[str]) -> None:
+    dupes = sorted({a for a in addresses if list(addresses).count(a) > 1})
+    if dupes:
+        raise ValueError(f"rollout server addresses must be unique, repeated: {dupes}")
 
 
 def describe_rpc_error(e: grpc.RpcError) -> str:

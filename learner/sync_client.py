@@ -95,7 +95,9 @@ class WeightSyncClient:
         # Why `resync_server` (rank 0 alone, mid-rollout) cannot export the model, or None: under
         # ZeRO-3 only the trainer's collective sync sees whole parameters.
         self.export_blocked: str | None = None
-        self._threads = ThreadPoolExecutor(max_workers=max(1, len(pool.servers)), thread_name_prefix="sync")
+        self._threads_lock = threading.Lock()
+        self._threads_for = max(1, len(pool.servers))
+        self._threads = ThreadPoolExecutor(max_workers=self._threads_for, thread_name_prefix="sync")
         if mode == "adapter":
             why = adapter_unsupported_reason(model)
             if why is not None:
@@ -105,6 +107,16 @@ class WeightSyncClient:
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
+
+    def _executor(self, n: int) -> ThreadPoolExecutor:
+        """An executor with a thread per target server: every stream of a Fanout must run at once
+        (the encoder blocks on the slowest consumer), and the pool may have grown (servers file)."""
+        with self._threads_lock:
+            if n > self._threads_for:
+                old, self._threads = self._threads, ThreadPoolExecutor(max_workers=n, thread_name_prefix="sync")
+                self._threads_for = n
+                old.shutdown(wait=False)
+            return self._threads
 
     # -- mode -----------------------------------------------------------------------------------
     def _force_full(self, why: str) -> None:
@@ -145,10 +157,14 @@ class WeightSyncClient:
     # -- sync -----------------------------------------------------------------------------------
     def sync(self, version: int, servers: Sequence[RolloutServer] | None = None) -> SyncReport:
         """Push the model's current weights as `version` to `servers` (default: every server that
-        is up, after re-probing the ones that were down). Returns when all reachable targets
-        acknowledged; raises WeightSyncError when one rejected the update or none acknowledged."""
+        is up, after applying a changed server list and re-probing the ones that were down).
+        Returns when all reachable targets acknowledged; raises WeightSyncError when one rejected
+        the update or none acknowledged."""
         t0 = time.perf_counter()
         if servers is None:
+            self.pool.follow()  # servers that left are not waited for; new ones get this version too
+            if not self.pool.servers:  # scaled to zero: wait for servers to be listed again
+                self.pool.wait_ready(timeout_s=self.timeout_s)
             self.pool.refresh_due()
             servers = self.pool.up_servers()
         if not servers:
@@ -239,7 +255,8 @@ class WeightSyncClient:
         report = SyncReport(version=version, mode=mode, tensor_bytes=tensor_bytes)
         if previous is not None:
             report.unreachable.update(previous.unreachable)
-        futures = [self._threads.submit(send, i, s) for i, s in enumerate(servers)]
+        threads = self._executor(len(servers))
+        futures = [threads.submit(send, i, s) for i, s in enumerate(servers)]
         for server, fut in zip(servers, futures, strict=True):
             outcome, detail = fut.result()
             if outcome == "acked":

@@ -27,6 +27,7 @@ import torch
 
 from learner import metrics as m
 from learner import zero
+from learner.checkpoint import check_checkpoint_dir
 from learner.core.losses import LossSums, LossWeights, loss_sums
 from learner.core.match import MatchConfig
 from learner.core.packing import PackedRow, Packer
@@ -37,7 +38,7 @@ from learner.distributed import Ranks, share_bounds
 from learner.episode import EpisodeStats, build_segments
 from learner.model import Policy, load_policy, prompt_ids
 from learner.rollout_client import Rollout, RolloutClient, RolloutRequest
-from learner.servers import ServerPool
+from learner.servers import ServerPool, ServersFile
 from learner.step_types import DataOrder, StepResult, Summary
 from learner.sync_client import WeightSyncClient
 from learner.trainer_checkpoint import CheckpointMixin
@@ -72,12 +73,13 @@ def collective_timeout_s(job: RolloutMatchingJob) -> float:
 
 class Trainer(CheckpointMixin):
     """The learner loop. Under torchrun (WORLD_SIZE > 1) or with `process_group`, one rank of a
-    data-parallel group: only rank 0 builds the server pool and talks to the rollout servers."""
+    data-parallel group: only rank 0 builds the server pool and talks to the rollout servers.
+    `addresses`: the ordered server list, or a `ServersFile` the pool follows during the run."""
 
     def __init__(
         self,
         job: RolloutMatchingJob,
-        addresses: Sequence[str],
+        addresses: Sequence[str] | ServersFile,
         *,
         auth_token: str | None = None,
         model_path: str | Path | None = None,
@@ -98,7 +100,7 @@ class Trainer(CheckpointMixin):
             self.close()
             raise
 
-    def _setup(self, job: RolloutMatchingJob, addresses: Sequence[str], auth_token: str | None,
+    def _setup(self, job: RolloutMatchingJob, addresses: Sequence[str] | ServersFile, auth_token: str | None,
                model_path: str | Path | None) -> None:
         ranks = self.ranks
         if not ranks.is_main:
@@ -108,6 +110,9 @@ class Trainer(CheckpointMixin):
                 f"spec.training.prompts_per_step ({self.cfg.prompts_per_step}) is the global batch and must be "
                 f">= the number of learner ranks ({ranks.world_size})"
             )
+        with ranks.guard("checking spec.training.checkpoint.dir (rank 0)"):
+            if ranks.is_main:  # the rank that writes checkpoints; before anything is paid for
+                check_checkpoint_dir(self.cfg.checkpoint.dir)
         with ranks.guard("loading the data and the model"):
             if self.cfg.deepspeed_stage:
                 zero.require_deepspeed(self.cfg.deepspeed_stage)
@@ -145,7 +150,8 @@ class Trainer(CheckpointMixin):
         }  # fmt: skip
         with ranks.guard("connecting to the rollout servers (rank 0)"):
             if ranks.is_main:  # the only rank that talks to rollout servers
-                self.pool = ServerPool(list(addresses), auth_token=auth_token)
+                followed = addresses if isinstance(addresses, ServersFile) else list(addresses)
+                self.pool = ServerPool(followed, auth_token=auth_token)
                 sync = job.spec.sync
                 self.sync_client = WeightSyncClient(
                     self.pool, self.model, mode=sync.mode, fallback_to_full=sync.fallback_to_full,

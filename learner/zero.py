@@ -45,7 +45,9 @@ def require_deepspeed(stage: int) -> None:
     except Exception as exc:  # noqa: BLE001 - a broken install raises anything from its import
         raise RuntimeError(
             f"spec.training.deepspeed_stage {stage} needs DeepSpeed, which cannot be imported "
-            f"({type(exc).__name__}: {exc}); install it (`pip install deepspeed`) or set deepspeed_stage: 0 "
+            f"({type(exc).__name__}: {exc}); install it (`pip install --no-build-isolation "
+            f"-c requirements/constraints.txt deepspeed`, so it builds against the installed torch) "
+            "or set deepspeed_stage: 0 "
             "(plain torch data-parallel all-reduce)"
         ) from exc
 

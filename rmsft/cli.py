@@ -52,7 +52,13 @@ def _fail(exc: Exception) -> None:
 def train(
     config: Path = typer.Option(..., "--config", help="RolloutMatchingJob manifest (YAML)."),
     servers: str = typer.Option(
-        ..., envvar="RMSFT_ROLLOUT_SERVERS", help="Comma-separated host:port of the rollout servers, in order."
+        "", envvar="RMSFT_ROLLOUT_SERVERS", show_default=False,
+        help="Comma-separated host:port of the rollout servers, in order (a fixed list).",
+    ),
+    servers_file: Path | None = typer.Option(
+        None, "--servers-file", envvar="RMSFT_ROLLOUT_SERVERS_FILE", show_default=False,
+        help="File with one host:port per line, in order, followed during the run (the operator's "
+        "/etc/rmsft/servers). Give exactly one of --servers and --servers-file.",
     ),
     auth_token: str = typer.Option("", envvar="RMSFT_AUTH_TOKEN", help="Shared gRPC auth token.", show_default=False),
     resume: bool = typer.Option(True, help="Resume from the newest checkpoint in training.checkpoint.dir."),
@@ -61,14 +67,26 @@ def train(
     ),
 ) -> None:
     """Run the learner against running rollout servers (what the learner Job runs)."""
-    import logging
-
     from learner.data import DataError, load_records
+    from learner.servers import ServersFile, ServersFileError
     from rmsft.jobspec import JobSpecError, load_job
+    from rmsft.logs import LogLevelError, configure_logging
+    from rmsft.requirements import MissingRequirementError, require_learner_runtime
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        configure_logging("info")
+        if bool(servers.strip()) == (servers_file is not None):
+            raise ValueError(
+                "give exactly one of --servers (RMSFT_ROLLOUT_SERVERS) and --servers-file (RMSFT_ROLLOUT_SERVERS_FILE)"
+            )
         job = load_job(config)  # validate the inputs before paying for torch's import
+        if servers_file is not None:
+            addresses: list[str] | ServersFile = ServersFile(servers_file)
+            addresses.read()  # missing or empty: fail now, naming the file
+        else:
+            addresses = [a.strip() for a in servers.split(",") if a.strip()]
+        # e.g. deepspeed_stage > 0 without DeepSpeed: say so now, not after the model loaded
+        require_learner_runtime(job)
         load_records(job.spec.training.data.path)
         from learner.trainer import Trainer
 
@@ -77,8 +95,9 @@ def train(
             from prometheus_client import start_http_server
 
             start_http_server(port)
-        trainer = Trainer(job, [a.strip() for a in servers.split(",") if a.strip()], auth_token=auth_token or None)
-    except (JobSpecError, DataError, ValueError, RuntimeError, OSError) as exc:
+        trainer = Trainer(job, addresses, auth_token=auth_token or None)
+    except (JobSpecError, DataError, ServersFileError, LogLevelError, MissingRequirementError, ValueError,
+            RuntimeError, OSError) as exc:
         _fail(exc)
     from learner.distributed import RankFailedError
     from learner.servers import NoServerAvailableError
@@ -100,16 +119,17 @@ def local(
     resume: bool = typer.Option(False, help="Resume from the newest checkpoint in training.checkpoint.dir."),
 ) -> None:
     """Run a whole job on this machine: rollout servers as local processes, the learner in-process."""
-    import logging
-
     from learner.data import DataError
-    from learner.local import run_local
     from rmsft.jobspec import JobSpecError
+    from rmsft.logs import LogLevelError, configure_logging
 
-    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
     try:
+        # warning by default: info lines would break up the progress bar
+        configure_logging("warning", fmt="%(name)s %(levelname)s %(message)s")
+        from learner.local import run_local
+
         run_local(job, work_dir=work_dir, resume=resume)
-    except (JobSpecError, DataError) as exc:
+    except (JobSpecError, DataError, LogLevelError) as exc:
         _fail(exc)
 
 

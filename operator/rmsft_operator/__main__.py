@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import logging
+
+from rmsft.logs import LogLevelError, configure_logging
 
 
 def run(namespaces: list[str], all_namespaces: bool, liveness: str | None, verbose: bool = False) -> None:
@@ -13,8 +14,10 @@ def run(namespaces: list[str], all_namespaces: bool, liveness: str | None, verbo
 
     if not namespaces and not all_namespaces:
         raise SystemExit("rmsft operator: give --namespace NS (repeatable) or --all-namespaces")
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:  # --verbose (the chart's logLevel: debug) wins; otherwise RMSFT_LOG_LEVEL, else info
+        configure_logging("info", override="debug" if verbose else None)
+    except LogLevelError as e:
+        raise SystemExit(f"rmsft operator: {e}") from None
     # One operator replica owns all jobs (no kopf peering objects to create or RBAC for).
     kopf.run(standalone=True, clusterwide=all_namespaces, namespaces=namespaces,
              liveness_endpoint=liveness)

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from rmsft.jobspec import API_GROUP, API_VERSION, KIND, RolloutMatchingJob
+from rmsft.serve_options import serve_options
 
 MANAGED_BY = "rmsft-operator"
 JOB_LABEL = "rmsft.io/job"
@@ -110,24 +111,14 @@ def render_secret(job: RolloutMatchingJob, namespace: str, uid: str, token: str 
 
 
 def serve_config(job: RolloutMatchingJob) -> dict[str, Any]:
-    """Flags of `rmsft serve --config` (rollout_svc.config.ServeConfig keys) for this job."""
+    """Flags of `rmsft serve --config` (rollout_svc.config.ServeConfig keys) for this job's pods."""
     r = job.spec.rollout
+    opts = serve_options(job, gpus=job.spec.placement.accelerator == "nvidia")
     return {
         "model": job.spec.model.path,
-        "backend": r.engine,
-        "tensor_parallel_size": r.tensor_parallel_size,
-        "gpu_memory_utilization": r.gpu_memory_utilization,
-        "kv_cache_bytes": r.kv_cache_bytes or 0,
-        "max_model_len": r.max_model_len,
-        "enable_lora": r.enable_lora,
-        "max_lora_rank": r.max_lora_rank,
-        "enable_prefix_caching": r.enable_prefix_caching,
-        "dtype": job.spec.model.dtype,
-        "seed": job.spec.training.rollout.seed,
+        **{k: v for k, v in opts.items() if v is not None},
         "port": r.port,
         "metrics_port": r.metrics_port if job.spec.monitoring.enabled else 0,
-        # headroom over the learner's frame size for the per-piece header
-        "max_frame_bytes": 2 * job.spec.sync.frame_bytes,
         "staging_dir": "/dev/shm",
     }
 

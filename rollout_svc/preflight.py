@@ -1,0 +1,136 @@
+"""Startup checks of `rmsft serve`: fail in seconds, before the engine loads, what would otherwise
+fail at the first weight sync, after the whole pool started and the learner paid for a step.
+
+Staging space. A FULL update is received into one file in the staging dir (`/dev/shm` in pods,
+`--staging-dir`), and after it was applied that file stays as the rollback copy (on by default,
+`--keep-rollback-copy`) until the next FULL update has been applied (rollout_svc/staging.py,
+`RolloutServicer._apply_full`). So from the second FULL update on, the staging dir holds the update
+being received plus the previous one: twice the model's weight bytes. The bytes are the
+checkpoint's, whatever `--dtype` the engine serves in: a FULL stream is accepted only with every
+tensor in its checkpoint dtype (`full_expectation` over `checkpoint_table`).
+
+FULL updates are always accepted today; a server that ever refuses them (adapter-only) would not
+need this check.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+from rmsft.weights_wire import DTYPE_SIZES, TensorSpec
+
+log = logging.getLogger("rollout_svc.preflight")
+
+GIB = 1 << 30
+# Kubernetes shows this file's content in the container's terminated state (the operator reads it
+# into the job's conditions); outside a pod it does not exist and nothing is written.
+TERMINATION_LOG = "/dev/termination-log"
+SHM = "/dev/shm"
+_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
+
+
+def safetensors_header(path: str | Path) -> dict:
+    """The JSON header of a safetensors file (an 8-byte little-endian length, then JSON): names,
+    dtypes, shapes and offsets, without reading any tensor data."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path} is not a safetensors file (shorter than its 8-byte header length)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > _MAX_HEADER_BYTES:
+            raise ValueError(f"{path} is not a safetensors file (header length {n})")
+        body = f.read(n)
+    try:
+        header = json.loads(body)
+    except ValueError as e:
+        raise ValueError(f"{path} has a malformed safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} has a malformed safetensors header (not a JSON object)")
+    return header
+
+
+def weight_bytes(model_dir: str | Path) -> int | None:
+    """Bytes of every tensor in the model folder's *.safetensors files (what a FULL update carries),
+    from the headers alone; None when there is no safetensors file (the engine reports that)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for f in files:
+        for name, info in safetensors_header(f).items():
+            if name == "__metadata__":
+                continue
+            dtype = info.get("dtype")
+            if dtype not in DTYPE_SIZES:
+                raise ValueError(f"{f}: tensor {name!r} has dtype {dtype!r}, which rmsft cannot stream")
+            total += TensorSpec(dtype, tuple(int(d) for d in info.get("shape", ()))).nbytes
+    return total
+
+
+def staging_copies(keep_rollback_copy: bool) -> int:
+    """How many model-sized copies the staging dir holds at most (see the module docstring)."""
+    return 2 if keep_rollback_copy else 1
+
+
+def staging_problem(weight_bytes: int, fs_bytes: int, staging_dir: str, *, copies: int = 2) -> str | None:
+    """The message when `copies` x `weight_bytes` do not fit a staging filesystem of `fs_bytes`,
+    else None. Pure, for the tests."""
+    need = copies * weight_bytes
+    if need <= fs_bytes:
+        return None
+    what = "the update + a rollback copy" if copies == 2 else "the update"
+    message = (
+        f"staging dir {staging_dir} has {fs_bytes / GIB:.1f} GiB; a FULL weight sync of this model needs about "
+        f"{need / GIB:.1f} GiB ({what}): raise spec.rollout.shmSize to at least {max(1, math.ceil(need / GIB))}Gi"
+    )
+    if os.path.normpath(staging_dir) != SHM:  # outside a pod the spec key alone would not help
+        message += " (or point --staging-dir at a bigger filesystem)"
+    return message
+
+
+def filesystem_bytes(path: str, statvfs: Callable[[str], os.statvfs_result] = os.statvfs) -> int:
+    """Total size of the filesystem holding `path` (a memory emptyDir: its sizeLimit)."""
+    st = statvfs(path)
+    return st.f_blocks * st.f_frsize
+
+
+def check_staging(
+    model_dir: str,
+    staging_dir: str,
+    keep_rollback_copy: bool = True,
+    statvfs: Callable[[str], os.statvfs_result] = os.statvfs,
+) -> str | None:
+    """What keeps FULL updates of `model_dir` from being staged in `staging_dir`, or None."""
+    if not os.path.isdir(staging_dir):
+        return f"staging dir {staging_dir} does not exist (--staging-dir)"
+    if not os.access(staging_dir, os.W_OK | os.X_OK):
+        return f"staging dir {staging_dir} is not writable by this user (--staging-dir)"
+    try:
+        wb = weight_bytes(model_dir)
+    except (OSError, ValueError) as e:
+        return f"cannot read the weights' sizes in {model_dir}: {e}"
+    if wb is None:
+        return None
+    size = filesystem_bytes(staging_dir, statvfs)
+    copies = staging_copies(keep_rollback_copy)
+    log.debug("staging preflight: %d weight bytes x %d copies, %s holds %d bytes", wb, copies, staging_dir, size)
+    return staging_problem(wb, size, staging_dir, copies=copies)
+
+
+def write_termination_log(message: str, path: str = TERMINATION_LOG) -> bool:
+    """Write `message` where Kubernetes reads a container's termination message; False (nothing
+    written, nothing created) outside a pod or when the file is not writable."""
+    if not os.path.isfile(path) or not os.access(path, os.W_OK):
+        return False
+    try:
+        with open(path, "w") as f:
+            f.write(message + "\n")
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,372 @@
+"""The real operator process on a real control plane, under the chart's ServiceAccount.
+
+`helm install` puts the chart in; the operator then runs here as a subprocess with exactly the
+args and env of the chart's Deployment (only its ports and timings shortened) and a TokenRequest
+token of the chart's ServiceAccount, so every call it makes goes through the API server's RBAC.
+The test is the kubelet: a fake GPU Node, pod status patched Running/Ready/Succeeded/Failed. The
+StatefulSet, Job and garbage-collection controllers and the scheduler are the real ones.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from controlplane import ControlPlane, free_port
+from rmsft_operator.kube import RESOURCES
+
+ROOT = Path(__file__).resolve().parents[2]
+RELEASE, OP_NS, JOBS_NS = "rmsft-lc", "rmsft-lc", "team-a"
+RMJ = "/apis/rmsft.io/v1alpha1"
+GPU_LABEL = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+KINDS = RESOURCES  # kind -> (API prefix, plural), as the operator addresses them
+
+
+class Operator:
+    def __init__(self, proc: subprocess.Popen[bytes], log: Path, metrics_port: int) -> None:
+        self.proc, self.log, self.metrics_port = proc, log, metrics_port
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+
+def _helm(cp: ControlPlane, *args: str) -> str:
+    exe = str(ROOT / ".tools/bin/helm") if (ROOT / ".tools/bin/helm").exists() else "helm"
+    env = {**os.environ, "KUBECONFIG": str(cp.admin_kubeconfig), "HELM_CACHE_HOME": str(cp.dir / "helm-lc/cache"),
+           "HELM_CONFIG_HOME": str(cp.dir / "helm-lc/config"), "HELM_DATA_HOME": str(cp.dir / "helm-lc/data")}
+    proc = subprocess.run([exe, *args], capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode == 0, f"helm {' '.join(args)}:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def _manifest(name: str, **edits: Any) -> dict[str, Any]:
+    doc = yaml.safe_load((ROOT / "configs/job.yaml").read_text())  # the reference 6 + 2 GPU job
+    doc["metadata"] = {"name": name, "namespace": JOBS_NS}
+    for dotted, value in edits.items():
+        node = doc["spec"]
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return doc
+
+
+def _static_claim(cp: ControlPlane, name: str) -> None:
+    """A PVC bound (by the real PV controller) to a hostPath PV: the reference job mounts two."""
+    pv = f"{JOBS_NS}-{name}"
+    cp.ok("POST", "/api/v1/persistentvolumes", {
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+        "spec": {"capacity": {"storage": "10Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+                 "hostPath": {"path": f"/srv/{pv}"}, "claimRef": {"namespace": JOBS_NS, "name": name}}})
+    cp.ok("POST", f"/api/v1/namespaces/{JOBS_NS}/persistentvolumeclaims", {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
+                 "resources": {"requests": {"storage": "10Gi"}}}})
+
+
+@pytest.fixture(scope="module")
+def operator(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    cp = control_plane
+    out = _helm(cp, "install", RELEASE, str(ROOT / "charts/rmsft"), "--namespace", OP_NS, "--create-namespace")
+    assert "STATUS: deployed" in out
+    cp.wait_for(lambda: cp.crd_established("rolloutmatchingjobs.rmsft.io"), 30, "CRD Established")
+    cp.create_namespace(JOBS_NS)
+    for i in range(3):
+        cp.create_node(f"gpu-{i}", gpus=8, labels=GPU_LABEL)
+    for claim in ("models", "checkpoints"):
+        _static_claim(cp, claim)
+    # The GC must know the new kind before deletion is tested (and before the operator runs, since
+    # the probe creates and deletes jobs).
+    probe_spec = {"spec": _manifest("probe", **{"rollout.replicas": 0})["spec"]}
+    cp.create_namespace("gc-probe")
+    took = cp.wait_for_gc_ready("rmsft.io/v1alpha1", "rolloutmatchingjobs", "RolloutMatchingJob", probe_spec,
+                                namespace="gc-probe")
+    print(f"\n[envtest] garbage collector knows RolloutMatchingJob after {took:.1f}s")
+
+    # Run what the chart's Deployment runs, as its ServiceAccount.
+    dep = cp.ok("GET", f"/apis/apps/v1/namespaces/{OP_NS}/deployments/{RELEASE}")
+    pod = dep["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    token = cp.token_for(OP_NS, pod["serviceAccountName"])
+    work = tmp_path_factory.mktemp("operator")
+    kubeconfig = cp.write_kubeconfig(work / "kubeconfig", token=token, namespace=OP_NS)
+    metrics_port = free_port()
+    args = [re.sub(r":\d+/healthz$", f":{free_port()}/healthz", a) for a in container["args"]]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")},
+           **{e["name"]: e["value"] for e in container.get("env", []) if "value" in e},
+           "KUBECONFIG": str(kubeconfig),
+           # shortened timings; the pod IPs are fake, so no progress scraping
+           "RMSFT_OPERATOR_RESYNC_SECONDS": "2", "RMSFT_OPERATOR_RETRY_BACKOFF_SECONDS": "1",
+           "RMSFT_OPERATOR_METRICS_PORT": str(metrics_port), "RMSFT_OPERATOR_PROGRESS_TIMEOUT_SECONDS": "0"}
+    log = work / "operator.log"
+    with log.open("wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "rmsft.cli", *args], stdout=fh, stderr=subprocess.STDOUT,
+                                env=env, cwd=ROOT, start_new_session=True)
+    op = Operator(proc, log, metrics_port)
+    try:
+        cp.wait_for(lambda: "Initial authentication has finished" in op.output() or proc.poll() is not None,
+                    60, "the operator logged in")
+        assert proc.poll() is None, op.output()[-4000:]
+        yield op
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        print(f"[envtest] operator log: {log}")
+    assert proc.returncode in (0, -15), op.output()[-4000:]
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _cr(cp: ControlPlane, name: str) -> dict[str, Any]:
+    return cp.ok("GET", f"{RMJ}/namespaces/{JOBS_NS}/rolloutmatchingjobs/{name}")
+
+
+def _cond(cr: dict[str, Any], ctype: str) -> dict[str, Any]:
+    return next((c for c in (cr.get("status") or {}).get("conditions", []) if c["type"] == ctype), {})
+
+
+def _wait_cr(cp: ControlPlane, op: Operator, name: str, pred: Any, what: str, timeout: float = 60) -> dict[str, Any]:
+    try:
+        return cp.wait_for(lambda: (c := _cr(cp, name)) and pred(c) and c, timeout, f"{name}: {what}")
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\nstatus: {_cr(cp, name).get('status')}\noperator:\n{op.output()[-3000:]}") \
+            from None
+
+
+def _child(cp: ControlPlane, kind: str, name: str) -> dict[str, Any] | None:
+    prefix, plural = KINDS[kind]
+    return cp.get(f"{prefix}/namespaces/{JOBS_NS}/{plural}/{name}")
+
+
+def _apply(cp: ControlPlane, doc: dict[str, Any]) -> None:
+    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+
+
+def _pods(cp: ControlPlane, job: str, role: str) -> list[dict[str, Any]]:
+    return cp.pods(JOBS_NS, f"rmsft.io/job={job},app.kubernetes.io/component={role}")
+
+
+def _bound(pods: list[dict[str, Any]], n: int) -> list[dict[str, Any]] | None:
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    return live if len(live) == n and all(p["spec"].get("nodeName") for p in live) else None
+
+
+def _start_pool(cp: ControlPlane, op: Operator, name: str, n: int) -> None:
+    pods = cp.wait_for(lambda: _bound(_pods(cp, name, "rollout"), n), 60, f"{n} rollout pods scheduled")
+    for p in pods:
+        cp.set_pod_phase(JOBS_NS, p["metadata"]["name"], "Running")
+    _wait_cr(cp, op, name, lambda c: (c.get("status") or {}).get("readyRolloutReplicas") == n, f"{n} ready")
+
+
+def _learner_pod(cp: ControlPlane, name: str) -> dict[str, Any]:
+    return cp.wait_for(lambda: (_bound(_pods(cp, name, "learner"), 1) or [None])[0], 60, "learner pod scheduled")
+
+
+def _finish(cp: ControlPlane, name: str) -> None:
+    """Deletes the job and lets pods that were deleted with a grace period go (no kubelet)."""
+    cp.kubectl("delete", "rolloutmatchingjob", name, "-n", JOBS_NS, "--wait=false")
+    cp.reap_terminating_pods(JOBS_NS)
+
+
+# -------------------------------------------------------------------------------------- tests
+
+
+def test_children_owner_references_and_suspended_learner(control_plane: ControlPlane, operator: Operator) -> None:
+    cp = control_plane
+    _apply(cp, _manifest("alpha"))
+    uid = _cr(cp, "alpha")["metadata"]["uid"]
+    kids = cp.wait_for(lambda: (k := {kind: _child(cp, kind, f"alpha-{s}") for kind, s in (
+        ("Secret", "token"), ("ConfigMap", "config"), ("Service", "rollout"), ("NetworkPolicy", "rollout"),
+        ("StatefulSet", "rollout"), ("Job", "learner"))}) and all(k.values()) and k, 60, "all six children")
+    for kind, obj in kids.items():
+        refs = obj["metadata"]["ownerReferences"]
+        assert [(r["kind"], r["name"], r["uid"], r["controller"]) for r in refs] == \
+            [("RolloutMatchingJob", "alpha", uid, True)], kind
+    assert kids["Job"]["spec"]["suspend"] is True
+    # The real StatefulSet controller made 6 pods and the scheduler put them on the fake GPU nodes.
+    pods = cp.wait_for(lambda: _bound(_pods(cp, "alpha", "rollout"), 6), 60, "6 rollout pods scheduled")
+    assert all(p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1" for p in pods)
+    assert all(p["spec"]["automountServiceAccountToken"] is False for p in pods)
+    assert not _pods(cp, "alpha", "learner")  # suspended: no learner pod yet
+    cr = _wait_cr(cp, operator, "alpha", lambda c: (c.get("status") or {}).get("phase") == "Pending", "Pending")
+    assert _cond(cr, "LearnerRunning")["reason"] == "Suspended"
+    events = cp.ok("GET", f"/api/v1/namespaces/{JOBS_NS}/events")["items"]
+    assert not any(e["reason"] == "CheckpointsEphemeral" and e["involvedObject"]["name"] == "alpha"
+                   for e in events)  # the reference job has a checkpoint claim
+
+
+def test_pool_ready_resumes_learner_then_complete_scales_pool_to_zero(control_plane: ControlPlane,
+                                                                     operator: Operator) -> None:
+    cp = control_plane
+    _start_pool(cp, operator, "alpha", 6)
+    # The Job controller creates the learner pod only now; until it runs, LearnerRunning is False.
+    learner = _learner_pod(cp, "alpha")
+    cr = _wait_cr(cp, operator, "alpha", lambda c: _cond(c, "LearnerRunning").get("reason") == "PodPending",
+                  "learner resumed, pod pending")
+    assert cr["status"]["phase"] == "Starting" and _cond(cr, "LearnerRunning")["status"] == "False"
+    assert _child(cp, "Job", "alpha-learner")["spec"]["suspend"] is False
+    args = learner["spec"]["containers"][0]["args"]
+    assert args[-2:] == ["--servers-file", "/etc/rmsft/servers"]
+
+    cp.set_pod_phase(JOBS_NS, learner["metadata"]["name"], "Running")
+    cr = _wait_cr(cp, operator, "alpha", lambda c: c["status"]["phase"] == "Running", "Running")
+    assert _cond(cr, "LearnerRunning")["status"] == "True" and _cond(cr, "RolloutReady")["status"] == "True"
+
+    cp.set_pod_phase(JOBS_NS, learner["metadata"]["name"], "Succeeded")
+    cr = _wait_cr(cp, operator, "alpha", lambda c: c["status"]["phase"] == "Complete", "Complete")
+    assert _cond(cr, "Complete")["status"] == "True"
+    cp.wait_for(lambda: _child(cp, "StatefulSet", "alpha-rollout")["spec"]["replicas"] == 0, 30, "pool scaled to 0")
+    cp.wait_for(lambda: cp.reap_terminating_pods(JOBS_NS) is not None and not _pods(cp, "alpha", "rollout"), 60,
+                "rollout pods gone")
+
+
+def test_learner_failure_marks_failed(control_plane: ControlPlane, operator: Operator) -> None:
+    cp = control_plane
+    _apply(cp, _manifest("bravo", **{"learner.backoffLimit": 0}))
+    _start_pool(cp, operator, "bravo", 6)
+    learner = _learner_pod(cp, "bravo")
+    cp.set_pod_phase(JOBS_NS, learner["metadata"]["name"], "Failed", exit_code=2)
+    cr = _wait_cr(cp, operator, "bravo", lambda c: c["status"]["phase"] == "Failed", "Failed")
+    assert _cond(cr, "Failed")["status"] == "True" and "learner failed" in cr["status"]["message"]
+    cp.wait_for(lambda: _child(cp, "StatefulSet", "bravo-rollout")["spec"]["replicas"] == 0, 30, "pool scaled to 0")
+    events = cp.ok("GET", f"/api/v1/namespaces/{JOBS_NS}/events")["items"]
+    assert any(e["reason"] == "PhaseFailed" and e["type"] == "Warning" and e["involvedObject"]["name"] == "bravo"
+               for e in events)
+    _finish(cp, "bravo")
+
+
+def test_scale_down_before_the_learner_starts_hands_it_only_live_servers(control_plane: ControlPlane,
+                                                                          operator: Operator) -> None:
+    cp = control_plane
+    _apply(cp, _manifest("charlie", **{"rollout.replicas": 3}))
+    cp.wait_for(lambda: _bound(_pods(cp, "charlie", "rollout"), 3), 60, "3 rollout pods")
+    doc = _manifest("charlie", **{"rollout.replicas": 2})
+    _apply(cp, doc)
+    cp.wait_for(lambda: _child(cp, "StatefulSet", "charlie-rollout")["spec"]["replicas"] == 2, 30, "scaled to 2")
+    cp.reap_terminating_pods(JOBS_NS)
+    _start_pool(cp, operator, "charlie", 2)
+    learner = _learner_pod(cp, "charlie")
+    servers = _child(cp, "ConfigMap", "charlie-config")["data"]["servers"].splitlines()
+    assert servers == [f"charlie-rollout-{i}.charlie-rollout.{JOBS_NS}.svc:50051" for i in range(2)]
+    # ...and the learner reads exactly that file: mounted from the ConfigMap, named in its args,
+    # with no frozen copy of the list anywhere in its pod.
+    c = learner["spec"]["containers"][0]
+    assert any(m["mountPath"] == "/etc/rmsft" for m in c["volumeMounts"])
+    assert c["args"][-1] == "/etc/rmsft/servers"
+    assert "charlie-rollout-2" not in yaml.safe_dump(learner["spec"])
+    _finish(cp, "charlie")
+
+
+def test_immutable_edit_is_refused_by_the_api_server(control_plane: ControlPlane, operator: Operator) -> None:
+    cp = control_plane
+    _apply(cp, _manifest("delta", **{"rollout.replicas": 1}))
+    doc = _manifest("delta", **{"rollout.replicas": 1, "training.lr": 0.5})
+    proc = cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc), check=False)
+    assert proc.returncode != 0 and "spec.training" in proc.stderr and "immutable" in proc.stderr, proc.stderr
+    doc = _manifest("delta", **{"rollout.replicas": 1, "rollout.kvCacheBytes": 1 << 30})
+    proc = cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc), check=False)
+    assert proc.returncode != 0 and "spec.rollout.kvCacheBytes" in proc.stderr, proc.stderr
+    _finish(cp, "delta")
+
+
+def test_pods_refused_by_pod_security_are_named_in_a_condition(control_plane: ControlPlane,
+                                                               operator: Operator) -> None:
+    cp = control_plane
+    ns = "restricted-team"
+    cp.create_namespace(ns, labels={"pod-security.kubernetes.io/enforce": "baseline"})
+    doc = _manifest("echo", **{"model.volume": {"hostPath": "/srv/models", "mountPath": "/models"},
+                               "learner.checkpointClaim": None})
+    doc["spec"]["learner"].pop("checkpointClaim")
+    doc["metadata"]["namespace"] = ns
+    _apply(cp, doc)
+    cr = _wait_cr_ns(cp, operator, ns, "echo", lambda c: _cond(c, "RolloutReady").get("reason") == "FailedCreate",
+                     "FailedCreate condition")
+    msg = _cond(cr, "RolloutReady")["message"]
+    assert "PodSecurity" in msg and "hostPath" in msg, msg
+    assert "PodSecurity" in cr["status"]["message"]
+    events = cp.ok("GET", f"/api/v1/namespaces/{ns}/events")["items"]
+    assert any(e["reason"] == "CheckpointsEphemeral" and e["involvedObject"]["name"] == "echo" for e in events)
+    cp.kubectl("delete", "rolloutmatchingjob", "echo", "-n", ns, "--wait=false")
+
+
+def _wait_cr_ns(cp: ControlPlane, op: Operator, ns: str, name: str, pred: Any, what: str,
+                timeout: float = 60) -> dict[str, Any]:
+    path = f"{RMJ}/namespaces/{ns}/rolloutmatchingjobs/{name}"
+    try:
+        return cp.wait_for(lambda: (c := cp.ok("GET", path)) and pred(c) and c, timeout, f"{name}: {what}")
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\nstatus: {cp.ok('GET', path).get('status')}\n{op.output()[-3000:]}") from None
+
+
+def test_a_server_that_exits_at_start_is_named_in_a_condition(control_plane: ControlPlane,
+                                                              operator: Operator) -> None:
+    cp = control_plane
+    _apply(cp, _manifest("foxtrot", **{"rollout.replicas": 1}))
+    pod = cp.wait_for(lambda: (_bound(_pods(cp, "foxtrot", "rollout"), 1) or [None])[0], 60, "rollout pod")
+    said = ("staging dir /dev/shm has 8.0 GiB; a FULL weight sync of this model needs about 16.4 GiB: "
+            "raise spec.rollout.shmSize to at least 17Gi")
+    cp.set_pod_phase(JOBS_NS, pod["metadata"]["name"], "Running", ready=False, container_state={
+        "waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s restarting failed container"}})
+    # lastState is where the kubelet keeps the exit message of the previous run
+    live = cp.ok("GET", f"/api/v1/namespaces/{JOBS_NS}/pods/{pod['metadata']['name']}")
+    statuses = copy.deepcopy(live["status"]["containerStatuses"])
+    statuses[0]["lastState"] = {"terminated": {"exitCode": 2, "reason": "Error", "message": said,
+                                               "startedAt": live["status"]["startTime"],
+                                               "finishedAt": live["status"]["startTime"]}}
+    cp.ok("PATCH", f"/api/v1/namespaces/{JOBS_NS}/pods/{pod['metadata']['name']}/status",
+          {"status": {"containerStatuses": statuses}})
+    cr = _wait_cr(cp, operator, "foxtrot", lambda c: _cond(c, "RolloutReady").get("reason") == "CrashLoopBackOff",
+                  "CrashLoopBackOff condition")
+    assert "spec.rollout.shmSize" in _cond(cr, "RolloutReady")["message"]
+    _finish(cp, "foxtrot")
+
+
+def test_delete_garbage_collects_every_child(control_plane: ControlPlane, operator: Operator) -> None:
+    cp = control_plane
+    _apply(cp, _manifest("golf", **{"rollout.replicas": 1}))
+    cp.wait_for(lambda: _child(cp, "Job", "golf-learner"), 60, "children")
+    cp.kubectl("delete", "rolloutmatchingjob", "golf", "-n", JOBS_NS, "--wait=false")
+    names = {"Secret": "golf-token", "ConfigMap": "golf-config", "Service": "golf-rollout",
+             "NetworkPolicy": "golf-rollout", "StatefulSet": "golf-rollout", "Job": "golf-learner"}
+
+    def gone() -> bool:
+        cp.reap_terminating_pods(JOBS_NS)
+        return cp.get(f"{RMJ}/namespaces/{JOBS_NS}/rolloutmatchingjobs/golf") is None and \
+            all(_child(cp, kind, name) is None for kind, name in names.items()) and not _pods(cp, "golf", "rollout")
+
+    t0 = time.monotonic()
+    cp.wait_for(gone, 90, "the job and all its children garbage-collected")
+    print(f"\n[envtest] job + children collected in {time.monotonic() - t0:.1f}s")
+
+
+def test_operator_worked_under_rbac_with_zero_denials(control_plane: ControlPlane, operator: Operator) -> None:
+    text = operator.output()
+    denials = [line for line in text.splitlines() if re.search(r"\b403\b|[Ff]orbidden", line)]
+    assert not denials, "\n".join(denials[:20])
+    metrics = operator.metrics()
+    assert not any(k.startswith("rmsft_operator_errors_total") for k in metrics), \
+        {k: v for k, v in metrics.items() if "errors" in k}
+    assert operator.proc.poll() is None, "the operator died"

@@ -1,0 +1,94 @@
+"""The learner checks at start that it can write training.checkpoint.dir: a job must never train
+for hours and then fail at its final save because the folder is not writable."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from learner_fakes import FakeEngine, FakeServer
+
+from learner.checkpoint import CheckpointDirError, check_checkpoint_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_creates_the_folder_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    target = tmp_path / "a" / "b" / "checkpoints"
+    check_checkpoint_dir(target)
+    assert target.is_dir() and list(target.iterdir()) == []
+
+
+def test_an_uncreatable_folder_names_path_spec_key_and_the_claim(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    target = tmp_path / "file" / "checkpoints"  # fails even as root, unlike a chmod
+    with pytest.raises(CheckpointDirError) as info:
+        check_checkpoint_dir(target)
+    msg = str(info.value)
+    assert str(target) in msg and "spec.training.checkpoint.dir" in msg and "spec.learner.checkpointClaim" in msg
+
+
+def test_a_folder_that_refuses_writes_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def read_only(fd: int) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(os, "fsync", read_only)  # e.g. a read-only mount
+    with pytest.raises(CheckpointDirError, match="Read-only file system"):
+        check_checkpoint_dir(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # the probe is removed on failure too
+
+
+def _job_doc(model_dir: Path, data: Path, ckpt: Path) -> dict:
+    doc = yaml.safe_load((ROOT / "configs" / "local-tiny.yaml").read_text())
+    doc["metadata"].pop("annotations")
+    doc["spec"]["model"]["path"] = str(model_dir)
+    doc["spec"]["training"]["data"]["path"] = str(data)
+    doc["spec"]["training"]["checkpoint"] = {"dir": str(ckpt), "every": 0, "keep": 1}
+    return doc
+
+
+@pytest.fixture
+def data_path(tmp_path: Path) -> Path:
+    from learner.synthetic import write_synthetic_dataset
+
+    return write_synthetic_dataset(tmp_path / "train.jsonl", n=4, seed=0)
+
+
+def test_trainer_fails_at_start_before_any_server_or_model_work(tiny_model_dir, data_path, tmp_path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import learner.trainer as trainer_mod
+    from rmsft.jobspec import parse_job
+
+    (tmp_path / "file").write_text("")
+    job = parse_job(_job_doc(tiny_model_dir, data_path, tmp_path / "file" / "ckpt"))
+
+    def no_model(*a, **kw):
+        raise AssertionError("the model was loaded before the checkpoint folder was checked")
+
+    monkeypatch.setattr(trainer_mod, "load_policy", no_model)
+    server = FakeServer(FakeEngine())
+    try:
+        with pytest.raises(CheckpointDirError, match="spec.training.checkpoint.dir"):
+            trainer_mod.Trainer(job, [server.address])
+        assert server.engine.events == []  # no status, no sync, no rollout
+    finally:
+        server.stop()
+
+
+def test_rmsft_train_exits_2_naming_the_folder(tiny_model_dir, data_path, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    target = tmp_path / "file" / "ckpt"
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(_job_doc(tiny_model_dir, data_path, target)))
+    res = subprocess.run(
+        [sys.executable, "-m", "rmsft.cli", "train", "--config", str(job), "--servers", "127.0.0.1:1",
+         "--metrics-port", "0"], capture_output=True, text=True, cwd=ROOT, timeout=180,
+    )  # fmt: skip
+    err = " ".join(res.stderr.split())
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert f"the checkpoint folder {target} (spec.training.checkpoint.dir) is not writable" in err
