@@ -244,6 +244,17 @@ class TrainingConfig(_Learner):
     packing_min_fill: float = Field(0.0, ge=0.0, le=1.0)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     deepspeed_stage: int = Field(0, ge=0, le=3, description="0 = no DeepSpeed.")
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+        description="Where the learner trains: auto = cuda:LOCAL_RANK when CUDA is available, else cpu.",
+    )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16: frozen weights in bf16, trainable weights and optimizer state in fp32.",
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (less memory).")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = Field(
+        "sdpa", description="Attention kernel of the learner's model; packed rows stay isolated under each.",
+    )
     finetune: Literal["lora", "full"] = "lora"
     lora: LoraConfig = Field(default_factory=LoraConfig)
     rollout: RolloutDecoding = Field(default_factory=RolloutDecoding)
