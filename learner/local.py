@@ -1,4 +1,10 @@
-"""`rmsft local job.yaml`: the job's rollout servers as local processes, the learner in-process.
+"""`rmsft local job.yaml`: the job's rollout servers as local processes, then the learner.
+
+On a GPU machine `learner.gpu_plan` gives every server its own `spec.rollout.tensorParallelSize`
+GPUs and the learner the next `spec.learner.gpus`, and refuses a job the machine cannot hold before
+anything starts. The learner runs in this process on its GPU (or on CPUs); with more than one
+learner GPU it runs as `torchrun` ranks in a subprocess, whose output is streamed and kept in
+`<work-dir>/logs/learner.log`.
 
 A manifest annotated `rmsft.io/build-tiny-model: "true"` gets the tiny model built at
 `spec.model.path` when that folder is absent, and `rmsft.io/synthetic-records: "N"` gets N
@@ -10,21 +16,44 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from learner.gpu_plan import CUDA_ENV, GpuPlan, plan_gpus, visible_gpu_count
 from rmsft.jobspec import RolloutMatchingJob, load_job
 from rmsft.logs import ENV as LOG_LEVEL_ENV
 from rmsft.serve_options import serve_options
 
+if TYPE_CHECKING:
+    from learner.step_types import Summary
+
 log = logging.getLogger("rmsft.local")
 BUILD_TINY_MODEL = "rmsft.io/build-tiny-model"
 SYNTHETIC_RECORDS = "rmsft.io/synthetic-records"
+AUTH_TOKEN_ENV = "RMSFT_AUTH_TOKEN"
+
+
+class LearnerExitError(SystemExit):
+    """The learner subprocess (torchrun) exited with an error. A SystemExit carrying its exit code:
+    its own output, streamed above, says why, so `rmsft local` ends with that code and one line
+    instead of a traceback of this process."""
+
+    def __init__(self, returncode: int, message: str) -> None:
+        # A rank killed by a signal shows as -N; a shell would report 128+N.
+        super().__init__(returncode if returncode > 0 else 128 - returncode)
+        self.returncode, self.message = returncode, message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def _annotations(job: RolloutMatchingJob) -> dict[str, str]:
@@ -48,22 +77,31 @@ def prepare_inputs(job: RolloutMatchingJob, console: Console) -> None:
         console.print(f"wrote {notes[SYNTHETIC_RECORDS]} synthetic records to {data}")
 
 
-def server_options(job: RolloutMatchingJob) -> dict[str, Any]:
+def machine_plan(job: RolloutMatchingJob) -> GpuPlan:
+    """The job placed on this machine's visible GPUs; GpuPlanError when they are too few."""
+    return plan_gpus(job, visible_gpu_count(), visible_devices=os.environ.get(CUDA_ENV))
+
+
+def server_options(job: RolloutMatchingJob, plan: GpuPlan | None = None) -> dict[str, Any]:
     """`rmsft serve` options from the spec: the operator's translation (rmsft.serve_options), on
-    GPUs when this machine has CUDA."""
+    GPUs when the plan puts the servers there (without a plan: when this machine has CUDA)."""
+    if plan is not None:
+        return serve_options(job, gpus=plan.accelerated)
     import torch
 
     return serve_options(job, gpus=torch.cuda.is_available())
 
 
-def start_servers(job: RolloutMatchingJob, log_dir: Path, console: Console) -> list:
+def start_servers(job: RolloutMatchingJob, log_dir: Path, console: Console, plan: GpuPlan | None = None) -> list:
+    """Start the job's servers, each on the GPUs `plan` gives it (default: this machine's plan)."""
     from rollout_svc.launcher import RolloutServer
 
     n = job.spec.rollout.replicas
     if n < 1:
         raise ValueError("spec.rollout.replicas must be >= 1 for `rmsft local`")
+    plan = plan or machine_plan(job)
     log_dir.mkdir(parents=True, exist_ok=True)
-    opts = server_options(job)
+    opts = server_options(job, plan)
     # The servers log at the job's spec.monitoring.logLevel, as they would in their pods.
     env = {LOG_LEVEL_ENV: job.spec.monitoring.log_level}
     started: list = []
@@ -71,7 +109,7 @@ def start_servers(job: RolloutMatchingJob, log_dir: Path, console: Console) -> l
         with ThreadPoolExecutor(max_workers=n) as pool:
             futures = [
                 pool.submit(RolloutServer.start, job.spec.model.path, log_path=log_dir / f"rollout-{i}.log",
-                            replica_ordinal=i, env=env, **opts)
+                            replica_ordinal=i, env={**env, **plan.server_env(i)}, **opts)
                 for i in range(n)
             ]
             errors = []
@@ -103,18 +141,21 @@ def print_summary(summary, console: Console) -> None:
     console.print(table)
 
 
-def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: bool = False,
-              console: Console | None = None):
-    """Run the whole job on this machine; servers are stopped on success, error or Ctrl-C."""
+def train_in_process(job: RolloutMatchingJob, addresses: list[str], *, auth_token: str, resume: bool,
+                     console: Console) -> Summary:
+    """The learner in this process, with a progress bar; `job.spec.training.device` says where."""
     from learner.trainer import Trainer
 
-    console = console or Console(stderr=True)
-    job = load_job(job_path)
-    prepare_inputs(job, console)
-    servers = start_servers(job, Path(work_dir) / "logs", console)
+    device = job.spec.training.device
+    if device.startswith("cuda"):
+        import torch
+
+        # The learner's GPU becomes this process's current device, so anything that allocates on
+        # "cuda" without an index lands there and not on cuda:0, a rollout server's GPU.
+        torch.cuda.set_device(device)
     trainer = None
     try:
-        trainer = Trainer(job, [s.address for s in servers])
+        trainer = Trainer(job, addresses, auth_token=auth_token or None)
         if resume:
             trainer.resume()
         columns = (TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -133,6 +174,110 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
     finally:
         if trainer is not None:
             trainer.close()
+
+
+def learner_command(job_path: str | Path, ranks: int, addresses: list[str], *, resume: bool) -> list[str]:
+    """`rmsft train` under torchrun: `ranks` data-parallel ranks on one node."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+        "-m", "rmsft.cli", "train", "--config", str(job_path), "--servers", ",".join(addresses),
+        "--resume" if resume else "--no-resume",
+        # No /metrics endpoint, as with the in-process learner: spec.learner.metricsPort is the
+        # pod's port and may well be taken on a workstation (Prometheus itself uses 9090).
+        "--metrics-port", "0",
+    ]
+
+
+def run_learner_process(cmd: list[str], env: dict[str, str], log_path: Path, console: Console) -> int:
+    """Run `cmd` with `env` added to this process's environment, its output (stdout and stderr)
+    streamed to the console and to `log_path`; returns its exit code. Stopped if this process is
+    interrupted."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log_file:
+        # Same process group: a Ctrl-C in the terminal reaches torchrun, which stops its ranks.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **env})
+        try:
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                log_file.write(raw)
+                log_file.flush()
+                console.out(raw.decode(errors="replace").rstrip("\r\n"), highlight=False)
+            return proc.wait()
+        except BaseException:
+            _stop_process(proc)
+            raise
+        finally:
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def _stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)  # torchrun passes it on to its ranks
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def train_with_torchrun(job_path: str | Path, job: RolloutMatchingJob, plan: GpuPlan, addresses: list[str], *,
+                        auth_token: str, resume: bool, log_dir: Path, console: Console) -> None:
+    """The learner as `len(plan.learner)` torchrun ranks in a subprocess on the learner's GPUs.
+
+    A subprocess because the ranks must see only their own GPUs (torchrun's `auto` device is
+    cuda:LOCAL_RANK) and `CUDA_VISIBLE_DEVICES` can only be set for a process before it starts.
+    Raises LearnerExitError when it fails."""
+    ranks = len(plan.learner)
+    env = {
+        **plan.learner_env(),
+        LOG_LEVEL_ENV: job.spec.monitoring.log_level,  # as the servers, and the learner pod
+        "PYTHONUNBUFFERED": "1",  # lines reach the console as the ranks write them
+    }
+    if auth_token:  # in the environment, not on the command line, where `ps` would show it
+        env[AUTH_TOKEN_ENV] = auth_token
+    log_path = log_dir / "learner.log"
+    console.print(f"learner: {ranks} ranks under torchrun on GPUs {plan.names(plan.learner)}, "
+                  f"output also in {log_path}")
+    rc = run_learner_process(learner_command(job_path, ranks, addresses, resume=resume), env, log_path, console)
+    if rc != 0:
+        message = f"the learner ({ranks} torchrun ranks) exited with {rc}; its output is in {log_path}"
+        console.print(f"[red]error:[/red] {message}")  # a SystemExit with a code prints nothing itself
+        raise LearnerExitError(rc, message)
+    console.print(f"[green]learner finished[/green] ({ranks} ranks); its output is in {log_path}")
+
+
+def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: bool = False,
+              console: Console | None = None) -> Summary | None:
+    """Run the whole job on this machine; servers are stopped on success, error or Ctrl-C.
+
+    Returns the learner's Summary when it ran in this process, None when it ran as torchrun ranks
+    (their output says how it went). Raises GpuPlanError before anything starts when the machine
+    cannot hold the job, LearnerExitError when the torchrun learner fails."""
+    console = console or Console(stderr=True)
+    job = load_job(job_path)
+    # Everything that can be refused from the spec and the machine alone, before anything starts.
+    plan = machine_plan(job)
+    # One learner GPU: the learner runs in this process, which already sees every GPU (and may have
+    # initialised CUDA), so CUDA_VISIBLE_DEVICES cannot narrow it any more; the learner is pointed
+    # at its GPU by index through training.device, which the Trainer honours.
+    job.spec.training.device = plan.learner_device(job.spec.training.device)
+    prepare_inputs(job, console)
+    log_dir = Path(work_dir) / "logs"
+    if plan.accelerated:
+        console.print(f"GPUs: {plan.describe()}")
+    servers = start_servers(job, log_dir, console, plan)
+    try:
+        addresses = [s.address for s in servers]
+        # The servers take RMSFT_AUTH_TOKEN from this environment: the learner must send the same.
+        token = servers[0].token
+        if len(plan.learner) > 1:
+            train_with_torchrun(job_path, job, plan, addresses, auth_token=token, resume=resume, log_dir=log_dir,
+                                console=console)
+            return None
+        return train_in_process(job, addresses, auth_token=token, resume=resume, console=console)
+    finally:
         for s in servers:
             with contextlib.suppress(Exception):
                 s.stop()

@@ -1,13 +1,36 @@
-"""Loading the policy for training: HF model + tokenizer, LoRA/DoRA via peft or full fine-tuning."""
+"""Loading the policy for training: HF model + tokenizer, LoRA/DoRA via peft or full fine-tuning.
+
+Public API
+- `load_policy(model_path, cfg, dtype="auto") -> Policy`: applies `cfg.precision`, `cfg.attn_implementation`
+  and `cfg.gradient_checkpointing`; refuses combinations that cannot train with a `ModelLoadError` naming
+  the spec field.
+- `Policy.autocast_dtype`: `torch.bfloat16` under `precision: bf16`, else None.
+- `policy_autocast(policy, device)`: the context the forward runs in (`torch.autocast` or a no-op).
+- `prompt_ids(tokenizer, messages)`.
+
+Precision (docs/architecture.md, "Precision, attention, memory"):
+- fp32: weights as `spec.model.dtype` says (default "auto": the checkpoint's dtype), no autocast.
+- bf16: frozen weights in bf16, every trainable parameter in fp32 (LoRA/DoRA adapters; with
+  `finetune: full` the whole model), forward under `torch.autocast(..., dtype=torch.bfloat16)`.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from learner.core.vocab import VocabView
 from rmsft.jobspec import TrainingConfig
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -23,26 +46,152 @@ class Policy:
     vocab: VocabView
     is_peft: bool
     use_dora: bool
+    # What the forward runs under (`policy_autocast`): bf16 for `precision: bf16`, None for fp32.
+    autocast_dtype: torch.dtype | None = None
+
+
+def policy_autocast(policy: Policy, device: str | torch.device) -> AbstractContextManager:
+    """Context for the policy's forward on `device`: `torch.autocast` in `policy.autocast_dtype`, or a no-op.
+
+    Run the forward (and the loss, which upcasts logits to fp32 itself) inside it and `backward()` outside:
+    autograd replays each op in the dtype the forward used."""
+    import torch
+
+    device_type = torch.device(device).type
+    # meta (shape-only placement tests) has no autocast; the dtypes are checked on the CPU instead.
+    if policy.autocast_dtype is None or device_type == "meta":
+        return nullcontext()
+    return torch.autocast(device_type=device_type, dtype=policy.autocast_dtype)
+
+
+def training_device_type(cfg: TrainingConfig) -> str:
+    """Device type of the training step, "cuda" or "cpu", from `spec.training.device` (auto = CUDA when visible)."""
+    import torch
+
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.device.split(":", 1)[0]
+
+
+def _flex_backward_on_cpu() -> bool:
+    """Whether this torch's FlexAttention has a backward pass on the CPU (torch 2.13: no, it raises
+    NotImplementedError at the first training forward). Asks torch's own device check so the refusal
+    lifts by itself when a later torch adds it; an unknown torch layout counts as "no"."""
+    import torch
+
+    try:
+        from torch.nn.attention.flex_attention import _validate_device
+    except ImportError:
+        return False
+    q = torch.zeros(1, 1, 1, 16, requires_grad=True)
+    try:
+        _validate_device(q, q, q)
+    except (NotImplementedError, ValueError):
+        return False
+    return True
+
+
+def _checkpoint_dtype(path: Path) -> Any:
+    """The dtype `from_pretrained(dtype="auto")` loads: the config's, float32 when it names none."""
+    import torch
+    from transformers import AutoConfig
+
+    dt = getattr(AutoConfig.from_pretrained(path), "dtype", None)
+    if isinstance(dt, str):
+        dt = getattr(torch, dt, None)
+    return dt or torch.float32
+
+
+def _check_attention(path: Path, cfg: TrainingConfig, dtype: str) -> None:
+    """Refuse, before any weight is read, an attention kernel that cannot train here."""
+    import torch
+
+    impl = cfg.attn_implementation
+    field = f"spec.training.attn_implementation: {impl}"
+    device_type = training_device_type(cfg)
+    if impl == "flash_attention_2":
+        missing = []
+        if device_type != "cuda":
+            missing.append(f"a CUDA device (spec.training.device {cfg.device!r} resolves to {device_type})")
+        elif not torch.cuda.is_available():
+            missing.append(f"a CUDA device (spec.training.device is {cfg.device!r} but torch sees no CUDA device)")
+        if importlib.util.find_spec("flash_attn") is None:
+            missing.append("the flash_attn package (not installed in the learner's image)")
+        if missing:
+            raise ModelLoadError(f"{field} needs {' and '.join(missing)}; use sdpa there instead")
+        # FA2 kernels exist for fp16/bf16 only; transformers feeds them q/k/v in the autocast dtype or,
+        # without autocast, in the weights' dtype, so fp32 weights without autocast fail at the first step.
+        if cfg.precision == "fp32":
+            weights = getattr(torch, _DTYPES[dtype]) if _DTYPES.get(dtype) else _checkpoint_dtype(path)
+            if weights == torch.float32:
+                raise ModelLoadError(
+                    f"{field} computes in bf16/fp16 only, but spec.training.precision is fp32 and the weights load "
+                    f"as float32; set spec.training.precision: bf16 (or spec.model.dtype: bfloat16)"
+                )
+    elif impl == "flex_attention" and device_type == "cpu" and not _flex_backward_on_cpu():
+        raise ModelLoadError(
+            f"{field} has no backward pass on the CPU in torch {torch.__version__} (it would fail at the first "
+            f"training step); use sdpa or eager on the CPU, or train on CUDA (spec.training.device)"
+        )
+
+
+def _load_dtype(cfg: TrainingConfig, dtype: str) -> Any:
+    """The dtype the weights are read in. bf16 + LoRA: the frozen base in bf16 (adapters are made fp32
+    after wrapping). bf16 + full: fp32, since every weight is trained and needs an fp32 master copy
+    (reading bf16 then upcasting would also round an fp32 checkpoint). fp32: `spec.model.dtype` as before."""
+    import torch
+
+    if cfg.precision == "bf16":
+        if dtype not in ("auto", "bfloat16"):
+            log.info("spec.training.precision bf16 decides the learner's weight dtypes; spec.model.dtype %s "
+                     "still applies to the rollout servers", dtype)  # fmt: skip
+        return torch.bfloat16 if cfg.finetune == "lora" else torch.float32
+    return getattr(torch, _DTYPES[dtype]) if _DTYPES.get(dtype) else "auto"
+
+
+def _enable_gradient_checkpointing(hf_model: Any) -> None:
+    """Recompute each decoder layer's activations in backward instead of keeping them.
+
+    Non-reentrant checkpointing (stated, not left to a default that has changed before): it needs no
+    input that requires grad, keeps the autocast state for the recompute, restores the RNG state so
+    dropout masks repeat, and works with peft's frozen base. transformers' checkpointed layers force
+    `use_cache=False` in training, which packed rows pass anyway (a cache breaks their block-causal mask)."""
+    if not getattr(hf_model, "supports_gradient_checkpointing", False):
+        raise ModelLoadError(
+            f"spec.training.gradient_checkpointing: {type(hf_model).__name__} does not support gradient checkpointing"
+        )
+    hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    emb = hf_model.get_input_embeddings()
+    # With frozen embeddings (LoRA) the first layer's input does not require grad; reentrant checkpointing
+    # would then drop every gradient of the layers it wraps. transformers registers this hook itself today;
+    # it is only added here when it did not, so a reentrant function swapped in later still trains.
+    if emb is not None and not emb.weight.requires_grad and not getattr(hf_model, "_require_grads_hooks", None):
+        hf_model.enable_input_require_grads()
 
 
 def load_policy(model_path: str | Path, cfg: TrainingConfig, dtype: str = "auto") -> Policy:
+    """Tokenizer + model for training with `cfg`'s fine-tuning mode, precision, attention kernel and
+    gradient checkpointing. The model stays on the CPU, in train mode; the caller moves it to its device."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(model_path)
     if not (path / "config.json").exists():
         raise ModelLoadError(f"model folder {path} has no config.json (is spec.model.path right?)")
+    _check_attention(path, cfg, dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        torch_dtype = getattr(torch, _DTYPES[dtype]) if _DTYPES.get(dtype) else "auto"
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
-    except (OSError, ValueError) as exc:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=_load_dtype(cfg, dtype), attn_implementation=cfg.attn_implementation
+        )
+    except (OSError, ValueError, ImportError) as exc:
         raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
     try:
         vocab = VocabView.from_hf_tokenizer(tokenizer)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
 
+    hf_model = model
     if cfg.finetune == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -55,9 +204,33 @@ def load_policy(model_path: str | Path, cfg: TrainingConfig, dtype: str = "auto"
             use_dora=lora.use_dora,
             task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, peft_cfg)
+        # autocast_adapter_dtype (peft's default) already makes adapters fp32 on a bf16 base.
+        model = get_peft_model(model, peft_cfg, autocast_adapter_dtype=True)
+    if cfg.precision == "bf16":
+        # fp32 master copies of what is trained: AdamW state follows the parameter dtype, and a bf16
+        # weight (8 mantissa bits) drops an update smaller than ~1/256 of itself, so small-lr steps vanish.
+        for p in _trainable(model):
+            if p.dtype != torch.float32:
+                p.data = p.data.float()
+    if cfg.gradient_checkpointing:
+        _enable_gradient_checkpointing(hf_model)
     model.train()
-    return Policy(model, tokenizer, vocab, is_peft=cfg.finetune == "lora", use_dora=cfg.lora.use_dora)
+    log.info(
+        "policy: finetune=%s precision=%s attn=%s gradient_checkpointing=%s",
+        cfg.finetune, cfg.precision, cfg.attn_implementation, cfg.gradient_checkpointing,
+    )  # fmt: skip
+    return Policy(
+        model,
+        tokenizer,
+        vocab,
+        is_peft=cfg.finetune == "lora",
+        use_dora=cfg.lora.use_dora,
+        autocast_dtype=torch.bfloat16 if cfg.precision == "bf16" else None,
+    )
+
+
+def _trainable(model: Any) -> Iterator[Any]:
+    return (p for p in model.parameters() if p.requires_grad)
 
 
 def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

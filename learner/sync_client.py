@@ -5,6 +5,10 @@ adapter_config.json) weights to every reachable server in parallel and returns o
 them acknowledged `version`; a server that rejects the stream fails the sync (after one switch to
 FULL when `fallback_to_full` is on and ADAPTER was rejected). A server that is unreachable is marked
 down and left out: the rollout client re-syncs it (`resync_server`) before it gets work again.
+
+FULL is a stream: its header comes from the model's metadata, then `learner.weight_export.full_export`
+merges one LoRA layer at a time as the frames are sent, in the servers' serving dtype, so a sync
+holds one layer's worth of extra memory on the training device, not a merged copy of the model.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import grpc
@@ -26,10 +31,11 @@ from learner.servers import RolloutServer, ServerPool, describe_rpc_error
 from learner.weight_export import (
     adapter_named_tensors,
     adapter_unsupported_reason,
-    full_named_tensors,
+    full_export,
+    serving_dtype,
 )
 from rmsft.weights_wire import ADAPTER, DEFAULT_FRAME_BYTES, FULL
-from rmsft.wire_encode import encode_weight_stream, update_weights_raw
+from rmsft.wire_encode import encode_planned_stream, encode_weight_stream, update_weights_raw
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -63,9 +69,12 @@ class WeightSyncClient:
 
     mode: "full" | "adapter" | "auto" (adapter when every target server runs LoRA and vLLM can load
     the model's adapter type, else full). fallback_to_full: after an adapter update fails, send FULL
-    for the rest of the run. dtype: cast floating tensors (e.g. train fp32, serve bf16).
-    name_map: extra renaming of FULL names (e.g. a VLM whose checkpoint names differ from its
-    in-memory names).
+    for the rest of the run. dtype: what FULL weights are sent in, the servers' serving dtype
+    (`spec.model.dtype`: "bfloat16" | "float16" | "float32" | "auto" = the checkpoint's dtype, read
+    from `checkpoint_dir`'s config.json; or a torch dtype; None = as trained, no cast). Floating
+    tensors are cast one at a time as they are streamed (e.g. train fp32, serve bf16: half the
+    bytes). name_map: extra renaming of FULL names (e.g. a VLM whose checkpoint names differ from
+    its in-memory names).
     """
 
     def __init__(
@@ -77,7 +86,8 @@ class WeightSyncClient:
         fallback_to_full: bool = True,
         frame_bytes: int = DEFAULT_FRAME_BYTES,
         timeout_s: float = 600.0,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
+        checkpoint_dir: str | Path | None = None,
         name_map: Callable[[str], str] | None = None,
     ) -> None:
         if mode not in ("full", "adapter", "auto"):
@@ -88,10 +98,13 @@ class WeightSyncClient:
         self.fallback_to_full = fallback_to_full
         self.frame_bytes = frame_bytes
         self.timeout_s = timeout_s
-        self.dtype = dtype
+        # Resolved now: an unknown dtype or an unreadable checkpoint fails at start, not at step 1.
+        self.dtype: torch.dtype | None = serving_dtype(dtype, checkpoint_dir)
         self.name_map = name_map
         self.forced_full_reason: str | None = None  # set once the run switched to FULL for good
-        self._export_lock = threading.Lock()  # merge/unmerge touches the live model
+        # A FULL stream merges/unmerges LoRA layers of the live model while it is sent: one stream
+        # at a time, held until its producer has stopped (see _push).
+        self._export_lock = threading.Lock()
         # Why `resync_server` (rank 0 alone, mid-rollout) cannot export the model, or None: under
         # ZeRO-3 only the trainer's collective sync sees whole parameters.
         self.export_blocked: str | None = None
@@ -217,26 +230,39 @@ class WeightSyncClient:
             errors = {**report.unreachable, **report.rejected}
             raise WeightSyncError(f"re-sync of {server.name} to weight version {version} failed: {errors}")
 
-    def _payload(self, mode: str) -> tuple[list[tuple[str, Any]], str]:
-        with self._export_lock:
-            if mode == "adapter":
-                return adapter_named_tensors(self.model)
-            return full_named_tensors(self.model, dtype=self.dtype, name_map=self.name_map), ""
+    def _encode(self, version: int, mode: str) -> tuple[Any, Any]:
+        """(header, request iterator) of one stream. FULL is planned from the model's metadata and
+        its tensors produced while the requests are pulled (one LoRA layer merged at a time)."""
+        if mode == "adapter":
+            tensors, config_json = adapter_named_tensors(self.model)
+            return encode_weight_stream(
+                tensors, version=version, mode=ADAPTER, adapter_config_json=config_json, frame_bytes=self.frame_bytes
+            )
+        export = full_export(self.model, dtype=self.dtype, name_map=self.name_map)
+        return encode_planned_stream(export.specs, export, version=version, mode=FULL, frame_bytes=self.frame_bytes)
 
     def _push(
         self, version: int, mode: str, servers: Sequence[RolloutServer], previous: SyncReport | None = None
     ) -> SyncReport:
-        tensors, config_json = self._payload(mode)
-        wire_mode = _WIRE_MODE[mode]
+        with self._export_lock:
+            # Serialized once (payload copied once, see rmsft.wire_encode), fed to every server; the
+            # header is built here, in the caller, so a bad tensor name or dtype raises a clear error
+            # now instead of a cancelled RPC from gRPC's thread.
+            header, requests = self._encode(version, mode)
+            source = _StoppableSource(requests)
+            try:
+                return self._send(version, mode, servers, header.total_bytes, source, previous)
+            finally:
+                # When every call has ended early (a server failed, a timeout) the fan-out thread may
+                # still be inside the producer, merging a LoRA layer: wait for it, then close the
+                # stream, so the model is not touched once the sync returned to the training loop.
+                source.stop()
 
-        # Serialized once (payload copied once, see rmsft.wire_encode), fed to every server; the
-        # header is built here, in the caller, so a bad tensor name or dtype raises a clear error
-        # now instead of a cancelled RPC from gRPC's thread.
-        header, requests = encode_weight_stream(
-            tensors, version=version, mode=wire_mode, adapter_config_json=config_json, frame_bytes=self.frame_bytes
-        )
-        tensor_bytes = header.total_bytes
-        fan = Fanout(requests, len(servers))
+    def _send(
+        self, version: int, mode: str, servers: Sequence[RolloutServer], tensor_bytes: int,
+        source: _StoppableSource, previous: SyncReport | None,
+    ) -> SyncReport:  # fmt: skip
+        fan = Fanout(source, len(servers))
 
         def send(i: int, server: RolloutServer) -> tuple[str, Any]:
             try:
@@ -273,3 +299,30 @@ class WeightSyncClient:
                 # Its old version is still serving (atomic apply); fence it until it is current.
                 self.pool.mark_stale(server, None, f"weight sync rejected: {detail}")
         return report
+
+
+class _StoppableSource:
+    """The request iterator handed to the fan-out thread, stoppable from the syncing thread:
+    `stop()` waits for a `next()` in progress and closes the iterator, after which `next()` ends
+    the stream without calling it."""
+
+    def __init__(self, requests: Any) -> None:
+        self._requests = requests
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def __iter__(self) -> _StoppableSource:
+        return self
+
+    def __next__(self) -> Any:
+        with self._lock:
+            if self._stopped:
+                raise StopIteration
+            return next(self._requests)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            close = getattr(self._requests, "close", None)
+            if close is not None:
+                close()

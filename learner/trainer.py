@@ -28,20 +28,20 @@ import torch
 from learner import metrics as m
 from learner import zero
 from learner.checkpoint import check_checkpoint_dir
-from learner.core.losses import LossSums, LossWeights, loss_sums
-from learner.core.match import MatchConfig
+from learner.core.losses import LossSums, loss_sums
 from learner.core.packing import PackedRow, Packer
 from learner.core.rollout_buffer import RolloutBuffer
-from learner.core.targets import TargetConfig
 from learner.data import Record, load_records
 from learner.distributed import Ranks, share_bounds
 from learner.episode import EpisodeStats, build_segments
 from learner.model import Policy, load_policy, prompt_ids
 from learner.rollout_client import Rollout, RolloutClient, RolloutRequest
 from learner.servers import ServerPool, ServersFile
+from learner.step import PlainStep, ZeroStep, gathered_weights, make_step, resolve_device
 from learner.step_types import DataOrder, StepResult, Summary
 from learner.sync_client import WeightSyncClient
-from learner.trainer_checkpoint import CheckpointMixin
+from learner.train_config import core_configs
+from learner.trainer_checkpoint import Checkpointer, TrainState
 from rmsft.jobspec import RolloutMatchingJob
 
 __all__ = ["DataOrder", "StepResult", "Summary", "Trainer"]
@@ -71,10 +71,11 @@ def collective_timeout_s(job: RolloutMatchingJob) -> float:
     return max(1800.0, 3 * t + 2 * job.spec.sync.timeout_seconds)
 
 
-class Trainer(CheckpointMixin):
+class Trainer:
     """The learner loop. Under torchrun (WORLD_SIZE > 1) or with `process_group`, one rank of a
     data-parallel group: only rank 0 builds the server pool and talks to the rollout servers.
-    `addresses`: the ordered server list, or a `ServersFile` the pool follows during the run."""
+    `addresses`: the ordered server list, or a `ServersFile` the pool follows during the run.
+    `device` overrides `training.device` (tests run a step on the `meta` device)."""
 
     def __init__(
         self,
@@ -85,6 +86,7 @@ class Trainer(CheckpointMixin):
         model_path: str | Path | None = None,
         on_step: Callable[[StepResult], None] | None = None,
         process_group: torch.distributed.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         self.job = job
         self.cfg = job.spec.training
@@ -93,61 +95,50 @@ class Trainer(CheckpointMixin):
         self.pool: ServerPool | None = None
         self.sync_client: WeightSyncClient | None = None
         self.rollouts: RolloutClient | None = None
-        self.engine = None  # DeepSpeed engine when training.deepspeed_stage > 0
+        self.train_step: PlainStep | ZeroStep | None = None
+        self.state = TrainState()
+        self.history: list[StepResult] = []
         try:
-            self._setup(job, addresses, auth_token, model_path)
+            self._setup(job, addresses, auth_token, model_path, device)
         except BaseException:
             self.close()
             raise
 
     def _setup(self, job: RolloutMatchingJob, addresses: Sequence[str] | ServersFile, auth_token: str | None,
-               model_path: str | Path | None) -> None:
-        ranks = self.ranks
+               model_path: str | Path | None, device: torch.device | str | None) -> None:
+        ranks, cfg = self.ranks, self.cfg
         if not ranks.is_main:
             log.setLevel(logging.WARNING)  # the one-line-per-step log is rank 0's
-        if self.cfg.prompts_per_step < ranks.world_size:
+        if cfg.prompts_per_step < ranks.world_size:
             raise ValueError(
-                f"spec.training.prompts_per_step ({self.cfg.prompts_per_step}) is the global batch and must be "
+                f"spec.training.prompts_per_step ({cfg.prompts_per_step}) is the global batch and must be "
                 f">= the number of learner ranks ({ranks.world_size})"
             )
         with ranks.guard("checking spec.training.checkpoint.dir (rank 0)"):
             if ranks.is_main:  # the rank that writes checkpoints; before anything is paid for
-                check_checkpoint_dir(self.cfg.checkpoint.dir)
+                check_checkpoint_dir(cfg.checkpoint.dir)
         with ranks.guard("loading the data and the model"):
-            if self.cfg.deepspeed_stage:
-                zero.require_deepspeed(self.cfg.deepspeed_stage)
-            self.records: list[Record] = load_records(self.cfg.data.path)
-            torch.manual_seed(self.cfg.seed)
-            random.seed(self.cfg.seed)
-            self.policy: Policy = load_policy(model_path or job.spec.model.path, self.cfg, job.spec.model.dtype)
-        self.model = self.policy.model
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        ranks.broadcast_params(params)  # every rank starts from rank 0's weights (e.g. LoRA init)
+            if cfg.deepspeed_stage:
+                zero.require_deepspeed(cfg.deepspeed_stage)
+            self.records: list[Record] = load_records(cfg.data.path)
+            torch.manual_seed(cfg.seed)
+            random.seed(cfg.seed)
+            self.device = torch.device(device) if device is not None else resolve_device(cfg.device)
+            self.policy: Policy = load_policy(model_path or job.spec.model.path, cfg, job.spec.model.dtype)
+        self.model = self.policy.model.to(self.device)
+        ranks.broadcast_params([p for p in self.model.parameters() if p.requires_grad])  # rank 0's init (LoRA)
         if ranks.rank:
-            torch.manual_seed(self.cfg.seed + ranks.rank)  # e.g. dropout masks differ per rank
-            random.seed(self.cfg.seed + ranks.rank)
-        self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
-        self.params = params
-        if self.cfg.deepspeed_stage:
-            with ranks.guard("starting DeepSpeed"):
-                self.engine = zero.deepspeed_engine(self.model, self.optimizer, self.cfg.deepspeed_stage,
-                                                    self.cfg.max_grad_norm)  # fmt: skip
-        self.order = DataOrder(len(self.records), self.cfg.prompts_per_step, self.cfg.seed)
-        self.packer = Packer(self.cfg.packing_length, self.cfg.packing_buffer, self.cfg.packing_min_fill)
-        self.buffer: RolloutBuffer = RolloutBuffer(self.cfg.buffer.m_steps if self.cfg.buffer.enabled else 1)
-        self.weights = LossWeights(
-            ce=self.cfg.loss.ce, soft_ce=self.cfg.loss.coord_soft_ce, w1=self.cfg.loss.coord_w1,
-            gate=self.cfg.loss.coord_gate, sigma=self.cfg.loss.coord_sigma,
-        )  # fmt: skip
-        self.matching = MatchConfig(
-            iou_gate=self.cfg.matching.iou_gate, fp_cost=self.cfg.matching.fp_cost, fn_cost=self.cfg.matching.fn_cost
-        )
-        self.targets = TargetConfig(supervise_fn_desc=self.cfg.targets.supervise_fn_desc)
-        dec = self.cfg.rollout
-        self.sampling = {
-            "max_tokens": dec.max_tokens, "temperature": dec.temperature, "top_p": dec.top_p,
-            "top_k": dec.top_k, "repetition_penalty": dec.repetition_penalty,
-        }  # fmt: skip
+            torch.manual_seed(cfg.seed + ranks.rank)  # e.g. dropout masks differ per rank
+            random.seed(cfg.seed + ranks.rank)
+        with ranks.guard("setting up the optimizer step"):
+            self.train_step = make_step(self.model, ranks, cfg, device=self.device,
+                                        autocast_dtype=self.policy.autocast_dtype)
+        self.device = self.train_step.device  # DeepSpeed may have placed the module itself
+        self.core = core_configs(cfg)
+        self.order = DataOrder(len(self.records), cfg.prompts_per_step, cfg.seed)
+        self.packer = Packer(*self.core.packing)
+        self.buffer: RolloutBuffer = RolloutBuffer(self.core.m_steps)
+        self.checkpointer = Checkpointer(cfg, ranks, self.model, self.train_step, self.packer, self.state)
         with ranks.guard("connecting to the rollout servers (rank 0)"):
             if ranks.is_main:  # the only rank that talks to rollout servers
                 followed = addresses if isinstance(addresses, ServersFile) else list(addresses)
@@ -156,64 +147,70 @@ class Trainer(CheckpointMixin):
                 self.sync_client = WeightSyncClient(
                     self.pool, self.model, mode=sync.mode, fallback_to_full=sync.fallback_to_full,
                     frame_bytes=sync.frame_bytes, timeout_s=sync.timeout_seconds,
+                    # FULL weights go out in the serving dtype (spec.model.dtype; auto = the checkpoint's)
+                    dtype=job.spec.model.dtype, checkpoint_dir=model_path or job.spec.model.path,
                 )  # fmt: skip
-                if self.cfg.deepspeed_stage == 3:
+                if cfg.deepspeed_stage == 3:
                     self.sync_client.export_blocked = ("ZeRO-3 partitions the weights across learner ranks; "
                                                        "the next step's collective sync brings the server up")
                 self.rollouts = RolloutClient(
-                    self.pool, timeout_s=dec.request_timeout_s, generate_batch_size=dec.generate_batch_size,
-                    resync=self.sync_client.resync_server,
+                    self.pool, timeout_s=cfg.rollout.request_timeout_s,
+                    generate_batch_size=cfg.rollout.generate_batch_size, resync=self.sync_client.resync_server,
                 )  # fmt: skip
-        self.step = 0
-        self.version = 0
-        self.phase_seconds: dict[str, float] = {}
-        self.history: list[StepResult] = []
         self._prompt_cache: dict[int, list[int]] = {}
         self._retries_at_start = _counter_total(m.ROLLOUT_RETRIES)
 
-    # -- helpers ------------------------------------------------------------------------------
-    @contextmanager
-    def _phase(self, name: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._add_phase(name, time.perf_counter() - t0)
-
-    def _add_phase(self, name: str, seconds: float) -> None:
-        m.PHASE_SECONDS.labels(name).observe(seconds)
-        self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + seconds
-
-    def _prompt(self, idx: int) -> list[int]:
-        if idx not in self._prompt_cache:
-            msgs = [msg.model_dump() for msg in self.records[idx].messages]
-            self._prompt_cache[idx] = prompt_ids(self.policy.tokenizer, msgs)
-        return self._prompt_cache[idx]
-
-    def _sync(self) -> None:
-        self.version += 1
-        # ZeRO-3: whole weights on every rank while rank 0 exports them (collective).
-        with self._phase("sync"), self.ranks.guard(f"syncing weight version {self.version} (rank 0)"), \
-                zero.gathered(self.engine, self.model):
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self, max_steps: int | None = None) -> Summary:
+        """Train until training.steps (or `max_steps` more steps); returns the summary.
+        Each step: rollouts -> targets -> pack (the E-step, reused for m_steps with the buffer on)
+        -> forward/backward/optimizer on the packed rows -> weight sync before fresh rollouts."""
+        t_start = time.perf_counter()
+        st = self.state
+        target = self.cfg.steps if max_steps is None else min(self.cfg.steps, st.step + max_steps)
+        self._log_start(target)
+        with self.ranks.guard("waiting for the rollout servers (rank 0)"):
             if self.ranks.is_main:
-                self.sync_client.sync(self.version)  # counts bytes and sets the version gauge itself
+                self.pool.wait_ready(timeout_s=self.cfg.rollout.request_timeout_s)
+        self._sync()  # once before the first rollout, and again on resume
+        ck_every = self.cfg.checkpoint.every
+        while st.step < target:
+            t0 = time.perf_counter()
+            batch = self.order.batch(st.step // self.core.m_steps)
+            fresh = self.buffer.uses_left == 0
+            built: _Built = self.buffer.get(batch, self._e_step)  # rollout -> targets -> pack
+            loss, parts, n_rows, fill = self._m_step(built.rows)  # forward/backward/optimizer
+            st.step += 1
+            result = StepResult(
+                step=st.step, weight_version=st.version, rollouts=built.rollouts if fresh else [],
+                record_ids=[self.records[i].id for i in batch], loss=loss, parts=parts,
+                stats=built.stats if fresh else None, rows=n_rows, fill=fill, seconds=time.perf_counter() - t0,
+                rank=self.ranks.rank, local_record_ids=list(built.local_ids), local_rows=len(built.rows),
+                local_tokens=sum(r.length for r in built.rows),
+            )  # fmt: skip
+            self.history.append(result)
+            self._publish(result)
+            if st.step < target and self.buffer.uses_left == 0:
+                self._sync()  # the next step starts with fresh rollouts
+            if ck_every and st.step % ck_every == 0:
+                self.save()
+        if ck_every == 0 or st.step % ck_every:
+            self.save()
+        return self.summary(time.perf_counter() - t_start)
 
-    # -- E-step -------------------------------------------------------------------------------
+    # -- E-step ---------------------------------------------------------------------------------
     def _generate(self, batch: tuple[int, ...]) -> list[Rollout] | None:
         """Rank 0: the whole global batch's rollouts, in batch order (None on other ranks)."""
         if not self.ranks.is_main:
             return None
-        k = self.step // self.buffer.m_steps
+        k = self.state.step // self.core.m_steps
         base = self.cfg.rollout.seed + k * self.cfg.prompts_per_step
         requests = [
             RolloutRequest(token_ids=self._prompt(idx), seed=base + j, request_id=self.records[idx].id)
             for j, idx in enumerate(batch)
         ]
-        outs = self.rollouts.generate(requests, self.sampling, weight_version=self.version)
-        versions = {o.weight_version for o in outs}
-        if versions - {self.version}:  # the client fences too; never train on stale data
-            raise RuntimeError(f"rollouts from weight versions {sorted(versions)}, learner at {self.version}")
-        return outs
+        # The client fences every completion to this version (never train on stale data).
+        return self.rollouts.generate(requests, self.core.sampling, weight_version=self.state.version)
 
     def _e_step(self, batch: tuple[int, ...]) -> _Built:
         ranks = self.ranks
@@ -231,13 +228,13 @@ class Trainer(CheckpointMixin):
         lo, hi = ranks.share(len(batch))
         mine = batch[lo:hi]
         with ranks.guard("building training segments"):
-            if len(outs) != len(mine) or any(o.weight_version != self.version for o in outs):
+            if len(outs) != len(mine) or any(o.weight_version != self.state.version for o in outs):
                 raise RuntimeError(f"rank {ranks.rank} got {len(outs)} rollout(s) for {len(mine)} prompt(s) "
-                                   f"or a weight version other than {self.version}")  # fmt: skip
+                                   f"or a weight version other than {self.state.version}")  # fmt: skip
             recs = [self.records[i] for i in mine]
             segments, stats = build_segments(
                 recs, [self._prompt(i) for i in mine], [o.prompt_token_ids for o in outs],
-                [o.token_ids for o in outs], self.policy.vocab, self.matching, self.targets,
+                [o.token_ids for o in outs], self.policy.vocab, self.core.matching, self.core.targets,
             )  # fmt: skip
             self._add_phase("parse", stats.parse_s)
             self._add_phase("match", stats.match_s)
@@ -263,11 +260,11 @@ class Trainer(CheckpointMixin):
         m.BUFFER_SEGMENTS.set(self.packer.pending)
         return _Built(rows, stats, everything if ranks.is_main else outs, [r.id for r in recs])
 
-    # -- M-step -------------------------------------------------------------------------------
-    def _train_rows(self, rows: list[PackedRow]) -> tuple[float, dict[str, float], int, float]:
-        """Forward/backward each row, scaled so the step's loss is the token-level mean over all
-        rows of all ranks (same as one big packed row), then one optimizer step. Returns the loss,
-        its parts, the number of rows over all ranks and their mean fill."""
+    # -- M-step ---------------------------------------------------------------------------------
+    def _m_step(self, rows: list[PackedRow]) -> tuple[float, dict[str, float], int, float]:
+        """One optimizer step on this step's rows; the loss is the token-level mean over all rows
+        of all ranks (same as one big packed row). Returns the loss, its parts, the number of rows
+        over all ranks and their mean fill."""
         ce_total, coord_total, n_rows, fill_sum = self.ranks.sum([
             sum(int((r.labels != -100).sum()) for r in rows),
             sum(int(r.coord_positions.numel()) for r in rows),
@@ -275,90 +272,95 @@ class Trainer(CheckpointMixin):
         ])  # fmt: skip
         if not n_rows:
             raise RuntimeError("packer produced no row for this step (empty rollouts and carry buffer)")
-        ce_total, coord_total = int(ce_total), int(coord_total)
-        coord_ids = self.policy.vocab.coord_token_ids
-        total_loss, parts_acc = 0.0, dict.fromkeys(_PARTS, 0.0)
-        if self.engine is None:
-            self.optimizer.zero_grad(set_to_none=True)
-        # Under DeepSpeed the forward goes through the engine: ZeRO-3 counts micro-steps there
-        # (called on the module, every micro-step's gradients would replace the previous ones).
-        forward = self.model if self.engine is None else self.engine
+        warm = self.cfg.warmup_steps
+        lr = self.cfg.lr * min(1.0, (self.state.step + 1) / warm) if warm else self.cfg.lr
         with self.ranks.guard("forward/backward"):
-            for row in rows:
-                with self._phase("forward"):
-                    logits = forward(**row.model_inputs()).logits
-                    s = loss_sums(logits, row, coord_ids, self.weights.sigma)
-                    # Normalise by the step's global totals: summing rows' losses gives the pooled mean.
-                    out = LossSums(s.ce_sum, ce_total, s.soft_ce_sum, s.w1_sum, s.gate_sum, coord_total).finish(
-                        self.weights
-                    )
-                with self._phase("backward"):
-                    if self.engine is None:
-                        out.loss.backward()
-                    else:
-                        zero.zero_backward(self.engine, out.loss, self.ranks.world_size)
-                total_loss += float(out.loss.detach())
-                for k in _PARTS:
-                    parts_acc[k] += float(out.parts[k])
-                m.TRAINED_TOKENS.inc(row.length)
-            if self.engine is not None:
-                with self._phase("backward"):
-                    zero.pad_micro_steps(self.engine, len(rows), self.ranks)
-        with self._phase("optimizer"):
-            warm = self.cfg.warmup_steps
-            lr = self.cfg.lr * min(1.0, (self.step + 1) / warm) if warm else self.cfg.lr
-            if self.engine is not None:
-                with self.ranks.guard("the DeepSpeed step"):
-                    zero.zero_step(self.engine, lr)
-            else:
-                self.ranks.all_reduce_grads(self.params)
-                for g in self.optimizer.param_groups:
-                    g["lr"] = lr
-                torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
-                self.optimizer.step()
-        total = self.ranks.sum([total_loss] + [parts_acc[k] for k in _PARTS])
+            sums = self.device_step(rows, int(ce_total), int(coord_total), lr)
+        # The only host reads of the step: after it, once.
+        total = self.ranks.sum([float(sums[k]) for k in ("loss", *_PARTS)])
         return total[0], dict(zip(_PARTS, total[1:], strict=True)), int(n_rows), fill_sum / n_rows
 
-    # -- loop -----------------------------------------------------------------------------------
-    def run(self, max_steps: int | None = None) -> Summary:
-        """Train until training.steps (or `max_steps` more steps); returns the summary."""
-        t_start = time.perf_counter()
-        target = self.cfg.steps if max_steps is None else min(self.cfg.steps, self.step + max_steps)
+    def device_step(self, rows: list[PackedRow], ce_total: int, coord_total: int, lr: float) -> dict[str, torch.Tensor]:
+        """Forward/backward of every row on the training device, then the optimizer step. Returns
+        the loss and its parts summed over the rows, as tensors on the device (no host reads, so
+        it runs with the parameters on `meta`)."""
+        step, coord_ids, weights = self.train_step, self.policy.vocab.coord_token_ids, self.core.weights
+        sums: dict[str, torch.Tensor] = {}
+        step.begin()
+        for cpu_row in rows:
+            row = cpu_row.to(step.device)
+            with self._phase("forward"), step.autocast():
+                logits = step.forward(**row.model_inputs()).logits
+                s = loss_sums(logits, row, coord_ids, weights.sigma)
+                # Normalised by the step's global totals: summing rows' losses gives the pooled mean.
+                out = LossSums(s.ce_sum, ce_total, s.soft_ce_sum, s.w1_sum, s.gate_sum, coord_total).finish(weights)
+            with self._phase("backward"):
+                step.backward(out.loss)
+            for k, v in (("loss", out.loss.detach()), *((k, out.parts[k]) for k in _PARTS)):
+                sums[k] = sums[k] + v if k in sums else v
+            m.TRAINED_TOKENS.inc(row.length)
+        with self._phase("optimizer"):
+            step.finish(len(rows), lr)
+        return sums
+
+    # -- sync, checkpoints ----------------------------------------------------------------------
+    def _sync(self) -> None:
+        self.state.version += 1
+        # ZeRO-3: whole weights on every rank while rank 0 exports them (collective).
+        with self._phase("sync"), self.ranks.guard(f"syncing weight version {self.state.version} (rank 0)"), \
+                gathered_weights(self.train_step, self.model):
+            if self.ranks.is_main:
+                self.sync_client.sync(self.state.version)  # counts bytes and sets the version gauge itself
+
+    def save(self) -> Path | None:
+        return self.checkpointer.save()
+
+    def resume(self) -> bool:
+        return self.checkpointer.resume()
+
+    def gathered_trainable_state(self) -> dict[str, torch.Tensor]:
+        return self.checkpointer.gathered_trainable_state()
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @property
+    def version(self) -> int:
+        return self.state.version
+
+    @property
+    def engine(self) -> object | None:
+        """The DeepSpeed engine, when training.deepspeed_stage > 0."""
+        return getattr(self.train_step, "engine", None)
+
+    # -- reporting ------------------------------------------------------------------------------
+    @contextmanager
+    def _phase(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._add_phase(name, time.perf_counter() - t0)
+
+    def _add_phase(self, name: str, seconds: float) -> None:
+        m.PHASE_SECONDS.labels(name).observe(seconds)
+        self.state.phase_seconds[name] = self.state.phase_seconds.get(name, 0.0) + seconds
+
+    def _prompt(self, idx: int) -> list[int]:
+        if idx not in self._prompt_cache:
+            msgs = [msg.model_dump() for msg in self.records[idx].messages]
+            self._prompt_cache[idx] = prompt_ids(self.policy.tokenizer, msgs)
+        return self._prompt_cache[idx]
+
+    def _log_start(self, target: int) -> None:
         if self.ranks.is_main:
             log.info(
-                "rmsft learner: %d record(s), servers %s, sync %s, seed %d, steps %d -> %d, ranks %d%s",
+                "rmsft learner: %d record(s), servers %s, sync %s, seed %d, steps %d -> %d, ranks %d, device %s%s",
                 len(self.records), [s.address for s in self.pool.servers], self.job.spec.sync.mode,
-                self.cfg.seed, self.step, target, self.ranks.world_size,
+                self.cfg.seed, self.state.step, target, self.ranks.world_size, self.device,
                 f", DeepSpeed ZeRO-{self.cfg.deepspeed_stage}" if self.engine is not None else "",
             )  # fmt: skip
-        with self.ranks.guard("waiting for the rollout servers (rank 0)"):
-            if self.ranks.is_main:
-                self.pool.wait_ready(timeout_s=self.cfg.rollout.request_timeout_s)
-        self._sync()  # once before the first rollout, and again on resume
-        ck_every = self.cfg.checkpoint.every
-        while self.step < target:
-            t0 = time.perf_counter()
-            batch = self.order.batch(self.step // self.buffer.m_steps)
-            fresh = self.buffer.uses_left == 0
-            built: _Built = self.buffer.get(batch, self._e_step)
-            loss, parts, n_rows, fill = self._train_rows(built.rows)
-            self.step += 1
-            result = StepResult(
-                step=self.step, weight_version=self.version, rollouts=built.rollouts if fresh else [],
-                record_ids=[self.records[i].id for i in batch], loss=loss, parts=parts,
-                stats=built.stats if fresh else None, rows=n_rows, fill=fill, seconds=time.perf_counter() - t0,
-                rank=self.ranks.rank, local_record_ids=list(built.local_ids), local_rows=len(built.rows),
-                local_tokens=sum(r.length for r in built.rows),
-            )  # fmt: skip
-            self.history.append(result)
-            self._publish(result)
-            if self.step < target and self.buffer.uses_left == 0:
-                self._sync()  # the next step starts with fresh rollouts
-            if ck_every and self.step % ck_every == 0:
-                self.save()
-        if ck_every == 0 or self.step % ck_every:
-            self.save()
-        return self.summary(time.perf_counter() - t_start)
 
     def _publish(self, r: StepResult) -> None:
         m.GLOBAL_STEP.set(r.step)
@@ -380,20 +382,18 @@ class Trainer(CheckpointMixin):
     def summary(self, wall: float) -> Summary:
         losses = [h.loss for h in self.history]
         return Summary(
-            steps=self.step, first_loss=losses[0] if losses else float("nan"),
+            steps=self.state.step, first_loss=losses[0] if losses else float("nan"),
             last_loss=losses[-1] if losses else float("nan"), losses=losses,
-            f1=[h.stats.f1 for h in self.history if h.stats], weight_version=self.version,
-            phase_seconds=dict(self.phase_seconds), wall_seconds=wall,
+            f1=[h.stats.f1 for h in self.history if h.stats], weight_version=self.state.version,
+            phase_seconds=dict(self.state.phase_seconds), wall_seconds=wall,
             retries=int(_counter_total(m.ROLLOUT_RETRIES) - self._retries_at_start), history=list(self.history),
         )  # fmt: skip
 
     def close(self) -> None:
-        for part in (self.rollouts, self.sync_client, self.pool):
+        for part in (self.rollouts, self.sync_client, self.pool, self.train_step):
             if part is not None:
                 part.close()
-        if self.engine is not None:  # its optimizer holds buffers tied to the process group
-            self.engine.destroy()
-            self.engine = None
+        self.train_step = None
         self.ranks.close()
 
 

@@ -4,18 +4,34 @@ names (FULL), or the PEFT adapter tensors and its adapter_config.json (ADAPTER).
 FULL merges each LoRA/DoRA layer with peft's own `merge` (so every adapter variant peft supports
 merges the way peft does it), copies the merged weight, unmerges and then restores the saved base
 weight bit for bit: merge + unmerge alone leaves float rounding in the training weights.
+
+FULL is a stream (`full_export`): its names, dtypes and shapes come from the model's metadata (no
+merged copy is needed to know them, so the stream's header is built first), then the tensors are
+produced one at a time, each LoRA layer merged only when its turn comes and its merged copy
+dropped once the encoder moved on. The export's extra memory on the training device is therefore
+one LoRA layer's worth (the saved base weight, the merged copy, and peft's delta temporaries while
+merging) instead of a merged copy of every LoRA-targeted weight at once. Tensors are cast to the
+serving dtype (`serving_dtype`) as they are produced, once each.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from rmsft.weights_wire import TensorSpec, dtype_name
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 _PEFT_PREFIX = "base_model.model."
+# What the servers can serve in (`spec.model.dtype`, `rmsft serve --dtype`), and the only dtypes a
+# FULL export casts: float8 weights (and integer buffers) keep their own dtype.
+SERVE_DTYPES = ("bfloat16", "float16", "float32")
+_CASTABLE = ("float16", "bfloat16", "float32", "float64")
 
 
 def is_peft_model(model: Any) -> bool:
@@ -50,18 +66,207 @@ def hf_name(key: str, adapter: str = "default") -> str | None:
     return ".".join(p for p in parts if p != "base_layer")
 
 
-def _dedupe_tied(items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """Drop the second name of tensors that share storage (tied embeddings), as save_pretrained
-    does: checkpoints and vLLM carry only the first."""
-    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
-    out = []
-    for name, t in items:
-        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
-        if t.numel() and key in seen:
-            continue
-        seen.add(key)
-        out.append((name, t))
+def checkpoint_dtype(model_dir: str | Path) -> str | None:
+    """The dtype of a model folder's checkpoint ("bfloat16", "float16", "float32"): config.json's
+    `dtype` (transformers >= 4.56) or `torch_dtype`, at the top or in `text_config` (VLMs); without
+    one, the floating dtype holding most bytes in the safetensors files; None when there is none.
+    The rollout server resolves `--dtype auto` by the same rule (rollout_svc.preflight.serving_dtype_name)."""
+    folder = Path(model_dir)
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    cfg = cfg if isinstance(cfg, dict) else {}
+    for section in (cfg, cfg.get("text_config")):
+        for key in ("dtype", "torch_dtype"):
+            value = section.get(key) if isinstance(section, dict) else None
+            if isinstance(value, str) and value.removeprefix("torch.") in SERVE_DTYPES:
+                return value.removeprefix("torch.")
+    from safetensors import safe_open
+
+    from rmsft.weights_wire import DTYPE_SIZES, torch_dtype
+
+    by_dtype: dict[str, int] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
+                sl = sf.get_slice(name)
+                dt = sl.get_dtype()
+                numel = 1
+                for d in sl.get_shape():
+                    numel *= int(d)
+                by_dtype[dt] = by_dtype.get(dt, 0) + numel * DTYPE_SIZES.get(dt, 0)
+    floats = {str(torch_dtype(d)).removeprefix("torch."): n for d, n in by_dtype.items() if d in ("F16", "BF16", "F32")}
+    return max(floats, key=floats.__getitem__) if floats else None
+
+
+def serving_dtype(dtype: str | torch.dtype | None, checkpoint_dir: str | Path | None = None) -> torch.dtype | None:
+    """The torch dtype FULL weights are sent in. `dtype` is `spec.model.dtype` ("bfloat16",
+    "float16", "float32", or "auto" = the checkpoint's, read from `checkpoint_dir`), a torch dtype,
+    or None (no cast: the training dtype). None as well for "auto" on a checkpoint without floating
+    tensors (the server then expects every tensor in its checkpoint dtype)."""
+    import torch
+
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if checkpoint_dir is None:
+            raise ValueError("serving dtype 'auto' means the checkpoint's dtype: pass the checkpoint folder too")
+        dtype = checkpoint_dtype(checkpoint_dir)
+        if dtype is None:
+            return None
+    if dtype not in SERVE_DTYPES:
+        raise ValueError(f"serving dtype must be 'auto' or one of {list(SERVE_DTYPES)}, got {dtype!r}")
+    return getattr(torch, dtype)
+
+
+def _wire_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    if dtype is not None and str(t.dtype).removeprefix("torch.") in _CASTABLE:
+        return dtype
+    return t.dtype
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str  # as sent (HF checkpoint name, after name_map)
+    key: str  # state-dict key
+    spec: TensorSpec
+    dtype: torch.dtype  # what the tensor is sent as
+    tensor: torch.Tensor | None  # the live tensor (a detached view); None for a LoRA base parameter
+    lora: Any = None  # the peft layer whose merge produces this parameter
+    prefix: str = ""  # state-dict prefix of that layer's base-layer parameters
+
+
+class FullExport:
+    """A FULL export: `specs` ((name, TensorSpec) in stream order, from metadata alone), and
+    iterating yields (name, tensor) one at a time in that order.
+
+    A LoRA/DoRA layer is merged when its first base parameter comes up: its base parameters are
+    saved, peft merges, the merged parameters are copied in the wire dtype, peft unmerges and the
+    saved bits are put back, all before the copy is yielded, so the live model is never left merged
+    between two tensors (a stream abandoned half way leaves it as it was). Other tensors are yielded
+    as they are (a view of the live model) or cast once. Read a yielded tensor before asking for the
+    next one: the export drops its own reference then (the memory bound relies on the consumer doing
+    the same), and while a later layer merges, a view that shares its storage (tied weights) reads
+    merged values. `rmsft.wire_encode.encode_planned_stream` consumes it so.
+
+    Iterate it under the same conditions as the model's forward: not during an optimizer step.
+    """
+
+    def __init__(self, entries: list[_Entry]) -> None:
+        self._entries = entries
+        self.specs: list[tuple[str, TensorSpec]] = [(e.name, e.spec) for e in entries]
+        # Per LoRA layer: state-dict key -> wire dtype of each of its base parameters.
+        self._layer_dtypes: dict[int, dict[str, torch.dtype]] = {}
+        for e in entries:
+            if e.lora is not None:
+                self._layer_dtypes.setdefault(id(e.lora), {})[e.key] = e.dtype
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for _, s in self.specs)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        merged: dict[str, torch.Tensor] = {}  # state-dict key -> merged copy, of the current layer only
+        layer = None
+        for e in self._entries:
+            if e.lora is None:
+                t = e.tensor if e.tensor.dtype == e.dtype else e.tensor.to(e.dtype)
+            else:
+                if e.lora is not layer:
+                    merged.clear()  # a previous layer's leftovers (none with peft's state-dict order)
+                    merged = _merged_copies(e.lora, e.prefix, self._layer_dtypes[id(e.lora)])
+                    layer = e.lora
+                t = merged.pop(e.key)
+                if tuple(t.shape) != e.spec.shape:
+                    raise RuntimeError(f"merged {e.key} has shape {list(t.shape)}, the model said {list(e.spec.shape)}")
+            yield e.name, t
+            del t  # the encoder is done with it: do not keep it while the next layer merges
+        merged.clear()
+
+
+def _merged_copies(module: Any, prefix: str, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+    """Merge one peft layer, copy its base layer's parameters (state-dict key -> copy in the dtype
+    `dtypes` names), unmerge and restore the saved parameters bit for bit."""
+    import torch
+
+    with torch.no_grad():
+        base = module.get_base_layer()
+        # The tensors the parameters hold now (their storage) and a copy of their bits: some peft
+        # variants (DoRA) merge and unmerge by swapping in new tensors, others write in place.
+        held = {n: p.data for n, p in base.named_parameters(recurse=False)}
+        saved = {n: t.clone() for n, t in held.items()}
+        try:
+            module.merge()
+            out = {}
+            for n, p in base.named_parameters(recurse=False):
+                key = f"{prefix}{n}"
+                # One copy, straight into the wire dtype (no full-precision copy first).
+                out[key] = p.detach().to(dtypes.get(key, p.dtype), copy=True)
+        finally:
+            if module.merged:
+                module.unmerge()
+            for n, p in base.named_parameters(recurse=False):
+                if p.data_ptr() != held[n].data_ptr():
+                    # Back to the parameter's own storage: views of it (tied weights), optimizers and
+                    # DeepSpeed keep pointing at it, and the swapped-in tensor is freed now.
+                    p.data = held[n]
+                p.data.copy_(saved[n])
+            del saved, held
     return out
+
+
+def full_export(
+    model: Any,
+    *,
+    dtype: torch.dtype | None = None,
+    name_map: Callable[[str], str] | None = None,
+) -> FullExport:
+    """The model's weights as the rollout servers load them, as a stream: LoRA/DoRA merged, PEFT
+    names stripped, tied duplicates dropped, floating tensors cast to `dtype` (None = as trained),
+    renamed by `name_map`. Planning touches metadata only; the model's parameters are
+    bit-identical after the stream was consumed (or abandoned)."""
+    peft = is_peft_model(model)
+    adapter = active_adapter(model) if peft else "default"
+    lora: dict[str, tuple[Any, str]] = {}  # state-dict key of a base-layer parameter -> (layer, prefix)
+    if peft:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for mod_name, module in model.named_modules():
+            if not isinstance(module, BaseTunerLayer) or not hasattr(module, "base_layer"):
+                continue
+            if module.merged:
+                raise RuntimeError(
+                    f"{mod_name} already has a merged adapter; weight sync needs the unmerged training model"
+                )
+            prefix = f"{mod_name}.base_layer."
+            for n, _ in module.get_base_layer().named_parameters(recurse=False):
+                lora[prefix + n] = (module, prefix)
+    # Tied tensors (shared storage) are sent once under the first name, as save_pretrained does:
+    # checkpoints and vLLM carry only the first. A LoRA layer's merged weight is its own tensor, so
+    # it neither drops nor is dropped as a duplicate.
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    entries = []
+    for key, t in model.state_dict(keep_vars=False).items():
+        name = hf_name(key, adapter) if peft else key
+        if name is None:
+            continue
+        name = name_map(name) if name_map else name
+        wire = _wire_dtype(t, dtype)
+        spec = TensorSpec(dtype_name(wire), tuple(t.shape))
+        if key in lora:
+            module, prefix = lora[key]
+            entries.append(_Entry(name, key, spec, wire, None, module, prefix))
+            continue
+        tie = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if t.numel() and tie in seen:
+            continue
+        seen.add(tie)
+        entries.append(_Entry(name, key, spec, wire, t.detach()))
+    return FullExport(entries)
 
 
 def full_named_tensors(
@@ -70,57 +275,10 @@ def full_named_tensors(
     dtype: torch.dtype | None = None,
     name_map: Callable[[str], str] | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """The model's weights as the rollout servers load them: LoRA/DoRA merged, PEFT names stripped,
-    tied duplicates dropped, optionally cast to `dtype` and renamed by `name_map`.
-
-    The returned tensors are detached; unmerged parameters are shared with the live model (no copy),
-    so use the list before the next optimizer step. The model's parameters are bit-identical after.
-    """
-    import torch
-
-    merged: dict[str, torch.Tensor] = {}
-    adapter = "default"
-    peft = is_peft_model(model)
-    with torch.no_grad():
-        if peft:
-            adapter = active_adapter(model)
-            merged = _merged_base_weights(model)
-        items = []
-        for key, t in model.state_dict(keep_vars=False).items():
-            name = hf_name(key, adapter) if peft else key
-            if name is None:
-                continue
-            t = merged.get(key, t).detach()
-            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-                t = t.to(dtype)
-            items.append((name_map(name) if name_map else name, t))
-    return _dedupe_tied(items)
-
-
-def _merged_base_weights(model: Any) -> dict[str, torch.Tensor]:
-    """state-dict key -> merged copy, for every parameter of a LoRA layer's base layer."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    out = {}
-    for mod_name, module in model.named_modules():
-        if not isinstance(module, BaseTunerLayer) or not hasattr(module, "base_layer"):
-            continue
-        if module.merged:
-            raise RuntimeError(
-                f"{mod_name} already has a merged adapter; weight sync needs the unmerged training model"
-            )
-        base = module.get_base_layer()
-        params = dict(base.named_parameters(recurse=False))
-        saved = {n: p.detach().clone() for n, p in params.items()}
-        module.merge()
-        try:
-            for n, p in base.named_parameters(recurse=False):
-                out[f"{mod_name}.base_layer.{n}"] = p.detach().clone()
-        finally:
-            module.unmerge()
-            for n, p in base.named_parameters(recurse=False):
-                p.data.copy_(saved[n])
-    return out
+    """`full_export` as a list, every merged copy held at once (tests, small models; the weight
+    sync streams `full_export` instead). Unmerged, uncast tensors are shared with the live model
+    (no copy), so use the list before the next optimizer step."""
+    return list(full_export(model, dtype=dtype, name_map=name_map))
 
 
 def adapter_named_tensors(model: Any) -> tuple[list[tuple[str, torch.Tensor]], str]:

@@ -12,11 +12,19 @@
   (`update_weights_raw`). The bytes are identical to `SerializeToString()` of
   `iter_weight_chunks`'s messages (`tests/rollout/test_wire_encode.py`), so the server cannot
   tell the two apart.
+- `encode_planned_stream`: the same, with the header built from names and specs alone and the
+  tensors produced lazily, one at a time (the learner's FULL export, which merges LoRA layers as
+  it goes, so the merged model never exists in memory at once).
+
+A tensor is read only until the next one is requested: each piece's payload is copied into its
+request (which is also what the digest reads) before the producer is asked for the next tensor.
+That lets a producer reuse or rewrite a tensor's memory once it moved on (the FULL export
+restores a LoRA base weight in place after copying its merged value).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rmsft_protos import rollout_pb2
@@ -52,16 +60,17 @@ def _flat_bytes(tensor: torch.Tensor):
     return t.view(torch.uint8).numpy()
 
 
-def plan_weight_stream(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
+def stream_header(
+    specs: Sequence[tuple[str, TensorSpec]],
     *,
     version: int,
     mode: SyncMode,
     adapter_config_json: str = "",
     frame_bytes: int = DEFAULT_FRAME_BYTES,
     digest: int = DEFAULT_DIGEST,
-) -> tuple[rollout_pb2.WeightHeader, list[tuple[str, torch.Tensor, TensorSpec]]]:
-    """Check a stream's arguments and build its header: (header, [(name, tensor, spec)]).
+) -> rollout_pb2.WeightHeader:
+    """Check a stream's arguments and build its header from (name, spec) pairs alone: no tensor
+    needs to exist yet.
 
     Raises ValueError on a bad frame size, mode, digest, missing adapter config or duplicate
     names, in the caller, before anything is sent.
@@ -73,21 +82,62 @@ def plan_weight_stream(
         raise ValueError(f"mode must be FULL or ADAPTER, got {mode!r}")
     if mode == ADAPTER and not adapter_config_json:
         raise ValueError("ADAPTER sync needs adapter_config_json (the PEFT adapter_config.json text)")
-    items = list(named_tensors)
-    names = [n for n, _ in items]
+    names = [n for n, _ in specs]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"duplicate tensor names in weight stream: {dup[:5]}")
-    planned = [(n, t, TensorSpec(dtype_name(t.dtype), tuple(t.shape))) for n, t in items]
-    header = rollout_pb2.WeightHeader(
+    return rollout_pb2.WeightHeader(
         version=version,
         mode=mode,
-        tensor_count=len(items),
-        total_bytes=sum(s.nbytes for _, _, s in planned),
+        tensor_count=len(specs),
+        total_bytes=sum(s.nbytes for _, s in specs),
         adapter_config_json=adapter_config_json,
         digest_algorithm=digest,
     )
+
+
+def plan_weight_stream(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int,
+    mode: SyncMode,
+    adapter_config_json: str = "",
+    frame_bytes: int = DEFAULT_FRAME_BYTES,
+    digest: int = DEFAULT_DIGEST,
+) -> tuple[rollout_pb2.WeightHeader, list[tuple[str, torch.Tensor, TensorSpec]]]:
+    """Check a stream's arguments and build its header: (header, [(name, tensor, spec)]).
+    Every tensor is taken up front (see `encode_planned_stream` for a lazy producer)."""
+    items = list(named_tensors)
+    planned = [(n, t, TensorSpec(dtype_name(t.dtype), tuple(t.shape))) for n, t in items]
+    header = stream_header(
+        [(n, s) for n, _, s in planned], version=version, mode=mode, adapter_config_json=adapter_config_json,
+        frame_bytes=frame_bytes, digest=digest,
+    )  # fmt: skip
     return header, planned
+
+
+def _checked(
+    specs: Sequence[tuple[str, TensorSpec]], tensors: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor, TensorSpec]]:
+    """Pair a lazy producer's tensors with the specs the header announced; a tensor that differs
+    would make the server reject the stream after it was sent, so it stops the stream here with
+    the reason instead."""
+    it = iter(tensors)
+    for i, (want_name, spec) in enumerate(specs):
+        try:
+            name, tensor = next(it)
+        except StopIteration:
+            raise ValueError(f"weight stream producer ended after {i} of {len(specs)} announced tensors") from None
+        got = TensorSpec(dtype_name(tensor.dtype), tuple(tensor.shape))
+        if name != want_name or got != spec:
+            raise ValueError(
+                f"weight stream tensor {i} is {name!r} {got.dtype}{list(got.shape)}, the header announced "
+                f"{want_name!r} {spec.dtype}{list(spec.shape)}"
+            )
+        yield name, tensor, spec
+        del tensor  # not kept alive while the producer makes the next one
+    for name, _ in it:
+        raise ValueError(f"weight stream producer has more tensors than the {len(specs)} announced ({name!r})")
 
 
 def iter_pieces(
@@ -96,16 +146,18 @@ def iter_pieces(
     """(name, spec, offset, payload) per piece, payload a uint8 numpy view of at most
     `frame_bytes` (no copy for a contiguous CPU tensor of the wire dtype). Each tensor is copied
     to the CPU only while its own pieces are produced, so the sender's extra memory is one
-    tensor plus what the caller keeps of the frames."""
+    tensor plus what the caller keeps of the frames. No reference to a tensor is left here when
+    the next one is requested (a lazy producer frees or reuses it then)."""
     for name, tensor, spec in planned:
         flat = _flat_bytes(tensor)
+        del tensor
         n = flat.shape[0]
         offset = 0
         # A zero-size tensor still gets one (empty) piece so the receiver sees its name/shape.
         while True:
-            data = flat[offset : offset + frame_bytes]
-            yield name, spec, offset, data
-            offset += data.shape[0]
+            size = min(frame_bytes, n - offset)
+            yield name, spec, offset, flat[offset : offset + size]
+            offset += size
             if offset >= n:
                 break
         del flat
@@ -131,6 +183,7 @@ def iter_weight_chunks(
     hasher = PipelinedDigest(header.digest_algorithm)
     for name, spec, offset, view in iter_pieces(planned, frame_bytes):
         data = view.tobytes()
+        del view  # see iter_pieces: no reference to the tensor while the next one is made
         hasher.update(data)
         # Filling the nested message in place: building TensorPiece(...) and passing it to
         # WeightChunk(piece=...) copies the payload again (~30x slower per 4 MiB frame).
@@ -180,22 +233,52 @@ def encode_weight_stream(
         named_tensors, version=version, mode=mode, adapter_config_json=adapter_config_json,
         frame_bytes=frame_bytes, digest=digest,
     )  # fmt: skip
+    return header, _requests(header, planned, frame_bytes)
 
-    def requests() -> Iterator[bytes]:
-        yield rollout_pb2.WeightChunk(header=header).SerializeToString()
-        hasher = PipelinedDigest(header.digest_algorithm)
-        try:
-            for name, spec, offset, payload in iter_pieces(planned, frame_bytes):
-                # The payload is a view of the tensor: hashed on the digest's thread while the
-                # request copy is made here (both only read it).
-                hasher.update(payload)
-                yield encode_piece(name, spec, offset, payload)
-            trailer = rollout_pb2.WeightTrailer(digest=hasher.digest())
-        finally:
-            hasher.close()
-        yield rollout_pb2.WeightChunk(trailer=trailer).SerializeToString()
 
-    return header, requests()
+def encode_planned_stream(
+    specs: Sequence[tuple[str, TensorSpec]],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int,
+    mode: SyncMode,
+    adapter_config_json: str = "",
+    frame_bytes: int = DEFAULT_FRAME_BYTES,
+    digest: int = DEFAULT_DIGEST,
+) -> tuple[rollout_pb2.WeightHeader, Iterator[bytes]]:
+    """Like `encode_weight_stream`, with the header built from `specs` ((name, TensorSpec) in
+    stream order) and `tensors` a lazy producer of the same names, dtypes and shapes, consumed
+    one tensor at a time as the frames are sent. A tensor that differs from its spec, or a
+    producer with too few or too many tensors, raises ValueError from the request iterator.
+    Same bytes as `encode_weight_stream` of the same tensors."""
+    specs = list(specs)
+    header = stream_header(
+        specs, version=version, mode=mode, adapter_config_json=adapter_config_json, frame_bytes=frame_bytes,
+        digest=digest,
+    )  # fmt: skip
+    return header, _requests(header, _checked(specs, tensors), frame_bytes)
+
+
+def _requests(
+    header: rollout_pb2.WeightHeader, planned: Iterable[tuple[str, torch.Tensor, TensorSpec]], frame_bytes: int
+) -> Iterator[bytes]:
+    yield rollout_pb2.WeightChunk(header=header).SerializeToString()
+    hasher = PipelinedDigest(header.digest_algorithm)
+    try:
+        for name, spec, offset, payload in iter_pieces(planned, frame_bytes):
+            size = memoryview(payload).nbytes
+            request = encode_piece(name, spec, offset, payload)
+            del payload  # no view of the tensor survives into the next tensor's production
+            if size:
+                # The digest reads the request's copy of the payload (its last `size` bytes), on
+                # its own thread while the next frame is made: a view of the tensor would keep
+                # the tensor alive, and readable only as long as its producer leaves it alone.
+                hasher.update(memoryview(request)[-size:])
+            yield request
+        trailer = rollout_pb2.WeightTrailer(digest=hasher.digest())
+    finally:
+        hasher.close()
+    yield rollout_pb2.WeightChunk(trailer=trailer).SerializeToString()
 
 
 def update_weights_raw(channel: Any) -> Any:

@@ -5,9 +5,10 @@ Staging space. A FULL update is received into one file in the staging dir (`/dev
 `--staging-dir`), and after it was applied that file stays as the rollback copy (on by default,
 `--keep-rollback-copy`) until the next FULL update has been applied (rollout_svc/staging.py,
 `RolloutServicer._apply_full`). So from the second FULL update on, the staging dir holds the update
-being received plus the previous one: twice the model's weight bytes. The bytes are the
-checkpoint's, whatever `--dtype` the engine serves in: a FULL stream is accepted only with every
-tensor in its checkpoint dtype (`full_expectation` over `checkpoint_table`).
+being received plus the previous one: twice the model's weight bytes. The bytes are the checkpoint's
+tensors in the dtype the engine serves in: a FULL stream is accepted only with every floating tensor
+in the serving dtype (`--dtype`, `auto` = the checkpoint's dtype, `serving_dtype_name`) and every
+other tensor in its checkpoint dtype (`RolloutServicer`, over `checkpoint_table`).
 
 FULL updates are always accepted today; a server that ever refuses them (adapter-only) would not
 need this check.
@@ -55,21 +56,80 @@ def safetensors_header(path: str | Path) -> dict:
     return header
 
 
-def weight_bytes(model_dir: str | Path) -> int | None:
-    """Bytes of every tensor in the model folder's *.safetensors files (what a FULL update carries),
-    from the headers alone; None when there is no safetensors file (the engine reports that)."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
+# Tensors stored in one of these are sent (and staged) in the serving dtype; float8 weights and
+# integer buffers keep their checkpoint dtype. Same rule as the learner's export.
+CASTABLE_DTYPES = ("F16", "BF16", "F32", "F64")
+SERVE_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+_ALIASES = {"half": "float16", "float": "float32"}  # what vLLM's --dtype also takes
+
+
+def config_dtype(model_dir: str | Path) -> str | None:
+    """config.json's `dtype` (transformers >= 4.56) or `torch_dtype`, at the top or in
+    `text_config` (VLMs), as a safetensors dtype name; None when it names none of SERVE_DTYPES."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
         return None
+    if not isinstance(cfg, dict):
+        return None
+    for section in (cfg, cfg.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            value = section.get(key) if isinstance(section, dict) else None
+            if isinstance(value, str) and value.removeprefix("torch.") in SERVE_DTYPES:
+                return SERVE_DTYPES[value.removeprefix("torch.")]
+    return None
+
+
+def _headers(model_dir: str | Path) -> list[tuple[Path, dict]]:
+    return [(f, safetensors_header(f)) for f in sorted(Path(model_dir).glob("*.safetensors"))]
+
+
+def serving_dtype_name(dtype: str, model_dir: str | Path) -> str | None:
+    """The safetensors dtype name the engine serves in for `--dtype dtype`: an explicit dtype, or
+    for `auto` the checkpoint's (config.json, else the floating dtype holding most bytes in the
+    safetensors files; the learner resolves `auto` by the same rule). None when `auto` finds no
+    floating tensor at all (then every tensor keeps its checkpoint dtype)."""
+    dtype = _ALIASES.get(dtype, dtype)
+    if dtype != "auto":
+        if dtype not in SERVE_DTYPES:
+            raise ValueError(f"--dtype must be auto or one of {sorted(SERVE_DTYPES)}, got {dtype!r}")
+        return SERVE_DTYPES[dtype]
+    found = config_dtype(model_dir)
+    if found is not None:
+        return found
+    by_dtype: dict[str, int] = {}
+    for _, header in _headers(model_dir):
+        for name, info in header.items():
+            if name != "__metadata__" and info.get("dtype") in SERVE_DTYPES.values():
+                spec = TensorSpec(info["dtype"], tuple(int(d) for d in info.get("shape", ())))
+                by_dtype[spec.dtype] = by_dtype.get(spec.dtype, 0) + spec.nbytes
+    return max(by_dtype, key=by_dtype.__getitem__) if by_dtype else None
+
+
+def served_spec(spec: TensorSpec, serve: str | None) -> TensorSpec:
+    """How a checkpoint tensor travels in a FULL update to an engine serving in `serve`."""
+    if serve is not None and spec.dtype in CASTABLE_DTYPES and spec.dtype != serve:
+        return TensorSpec(serve, spec.shape)
+    return spec
+
+
+def weight_bytes(model_dir: str | Path, dtype: str | None = None) -> int | None:
+    """Bytes of every tensor in the model folder's *.safetensors files as a FULL update carries them
+    to an engine started with `--dtype dtype` (None: as stored), from the headers alone; None when
+    there is no safetensors file (the engine reports that)."""
+    headers = _headers(model_dir)
+    if not headers:
+        return None
+    serve = None if dtype is None else serving_dtype_name(dtype, model_dir)
     total = 0
-    for f in files:
-        for name, info in safetensors_header(f).items():
+    for f, header in headers:
+        for name, info in header.items():
             if name == "__metadata__":
                 continue
-            dtype = info.get("dtype")
-            if dtype not in DTYPE_SIZES:
-                raise ValueError(f"{f}: tensor {name!r} has dtype {dtype!r}, which rmsft cannot stream")
-            total += TensorSpec(dtype, tuple(int(d) for d in info.get("shape", ()))).nbytes
+            kind = info.get("dtype")
+            if kind not in DTYPE_SIZES:
+                raise ValueError(f"{f}: tensor {name!r} has dtype {kind!r}, which rmsft cannot stream")
+            total += served_spec(TensorSpec(kind, tuple(int(d) for d in info.get("shape", ()))), serve).nbytes
     return total
 
 
@@ -105,14 +165,17 @@ def check_staging(
     staging_dir: str,
     keep_rollback_copy: bool = True,
     statvfs: Callable[[str], os.statvfs_result] = os.statvfs,
+    dtype: str | None = None,
 ) -> str | None:
-    """What keeps FULL updates of `model_dir` from being staged in `staging_dir`, or None."""
+    """What keeps FULL updates of `model_dir`, in the serving dtype `dtype` (`--dtype`; None = the
+    tensors as stored, which is what a caller that does not know the dtype gets), from being staged
+    in `staging_dir`, or None."""
     if not os.path.isdir(staging_dir):
         return f"staging dir {staging_dir} does not exist (--staging-dir)"
     if not os.access(staging_dir, os.W_OK | os.X_OK):
         return f"staging dir {staging_dir} is not writable by this user (--staging-dir)"
     try:
-        wb = weight_bytes(model_dir)
+        wb = weight_bytes(model_dir, dtype)
     except (OSError, ValueError) as e:
         return f"cannot read the weights' sizes in {model_dir}: {e}"
     if wb is None:

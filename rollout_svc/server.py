@@ -66,7 +66,7 @@ def make_engine(cfg: ServeConfig):
 def preflight(cfg: ServeConfig, termination_log: str = TERMINATION_LOG) -> None:
     """Exit now, before ports or the engine, when the staging dir cannot hold a FULL update (the
     message also goes to the pod's termination message, which the operator surfaces)."""
-    problem = check_staging(cfg.model, cfg.resolved_staging_dir(), cfg.keep_rollback_copy)
+    problem = check_staging(cfg.model, cfg.resolved_staging_dir(), cfg.keep_rollback_copy, dtype=cfg.dtype)
     if problem:
         write_termination_log(f"rmsft serve: {problem}", termination_log)
         _fail(problem)

@@ -17,6 +17,7 @@ from rmsft.weights_wire import ADAPTER, FULL, WireError
 from rollout_svc import metrics
 from rollout_svc.config import ServeConfig
 from rollout_svc.engine import EngineError, checkpoint_table, tied_lm_head
+from rollout_svc.preflight import SERVE_DTYPES, served_spec, serving_dtype_name
 from rollout_svc.prompts import PromptError, build_items
 from rollout_svc.runner import EngineRunner, VersionMismatch
 from rollout_svc.staging import (
@@ -48,6 +49,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.stager = Stager(cfg.resolved_staging_dir(), cfg.max_frame_bytes)
         self._table = checkpoint_table(cfg.model)
         self._tied = tied_lm_head(cfg.model)
+        # FULL weights arrive in the dtype the engine serves in (`--dtype`, auto = the checkpoint's),
+        # what the learner casts to; the engine's loader copies them into its parameters.
+        try:
+            self._serve_dtype = serving_dtype_name(cfg.dtype, cfg.model)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        self._full_table = {name: served_spec(spec, self._serve_dtype) for name, spec in self._table.items()}
         self._admit_lock = threading.Lock()
         self._admitted = 0
         self._update_lock = threading.Lock()
@@ -168,7 +176,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     def _expected_for(self, header):
         if header.mode == FULL:
-            return full_expectation(dict(self._table), self._tied)
+            return full_expectation(dict(self._full_table), self._tied)
         return adapter_expectation(self._table, json.loads(header.adapter_config_json)), set(), False
 
     def UpdateWeights(self, request_iterator, context):
@@ -183,8 +191,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._finish("UpdateWeights", context, grpc.StatusCode.ABORTED,
                          "another weight update is in progress on this server")
         staged = None
+        modes: list[int] = []  # the header's mode, once it arrived (for the error message)
+
+        def on_header(header) -> None:
+            modes.append(header.mode)
+            self._check_header(header)
+
         try:
-            staged = self.stager.stage(request_iterator, self._expected_for, on_header=self._check_header)
+            staged = self.stager.stage(request_iterator, self._expected_for, on_header=on_header)
             mode = _MODE_NAME[staged.header.mode]
             metrics.WEIGHT_SYNC_BYTES.labels(mode=mode).inc(staged.bytes_received)
             if staged.header.mode == FULL:
@@ -195,9 +209,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         except WireError as e:
             if e.reason == "truncated" and not context.is_active():
                 e.reason = "cancelled"  # grpc ends the request iterator quietly on a client cancel
+            message = str(e)
+            if e.reason == "dtype" and modes == [FULL]:
+                message += (f": this server serves {self._serve_dtype_text()}, and FULL weights must be sent in "
+                            "that dtype (the learner casts to spec.model.dtype)")
             metrics.WEIGHT_SYNC_FAILURES.labels(reason=e.reason).inc()
-            log.warning("weight update refused (%s): %s", e.reason, e)
-            self._finish("UpdateWeights", context, getattr(grpc.StatusCode, e.code), str(e))
+            log.warning("weight update refused (%s): %s", e.reason, message)
+            self._finish("UpdateWeights", context, getattr(grpc.StatusCode, e.code), message)
         except EngineError as e:
             metrics.WEIGHT_SYNC_FAILURES.labels(reason="apply").inc()
             self._finish("UpdateWeights", context, grpc.StatusCode.INTERNAL,
@@ -220,6 +238,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             bytes_received=self._last_bytes,
             apply_seconds=self._last_apply_seconds,
         )
+
+    def _serve_dtype_text(self) -> str:
+        served = {v: k for k, v in SERVE_DTYPES.items()}.get(self._serve_dtype, self._serve_dtype)
+        if self.cfg.dtype == "auto":
+            return f"{served} (--dtype auto: the checkpoint's dtype)"
+        return f"{served} (--dtype {self.cfg.dtype})"
 
     def _apply_full(self, staged: StagedWeights) -> None:
         t0 = time.perf_counter()

@@ -131,7 +131,10 @@ def loss_sums(
         raise ValueError(f"logits cover {logits.shape[0]} positions but the row has {row.length}")
     device = logits.device
     labels = row.labels[0].to(device)
-    ce_pos = torch.nonzero(labels != IGNORE_INDEX).flatten()
+    if row.ce_positions is not None:
+        ce_pos = row.ce_positions.to(device)
+    else:  # a row built by hand
+        ce_pos = torch.nonzero(labels != IGNORE_INDEX).flatten()
     # A zero that stays in the graph (backward works on rows without targets), NaN-free for inf logits.
     zero = 0.0 * logits.reshape(-1)[0].clamp(-1.0, 1.0)
     ce_sum = zero

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from learner.core.targets import Segment
+from learner.core.targets import IGNORE_INDEX, Segment
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,9 @@ class PackedRow:
     coord_bins: torch.Tensor
     segments: tuple[SegmentInfo, ...]
     fill: float
+    # Positions whose label is supervised, known when packing: the loss then needs no
+    # `nonzero` on the device (a host sync per row on a GPU).
+    ce_positions: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -81,6 +84,7 @@ class PackedRow:
             self.coord_bins.to(device),
             self.segments,
             self.fill,
+            None if self.ce_positions is None else self.ce_positions.to(device),
         )
 
 
@@ -112,6 +116,7 @@ def pack(segments: Sequence[Segment], packing_length: int | None = None) -> Pack
         coord_bins=torch.tensor(cbins, dtype=torch.long),
         segments=tuple(infos),
         fill=len(ids) / cap,
+        ce_positions=torch.tensor([i for i, lab in enumerate(labels) if lab != IGNORE_INDEX], dtype=torch.long),
     )
 
 
@@ -162,6 +167,14 @@ class Packer:
     @property
     def pending_tokens(self) -> int:
         return sum(len(s) for s in self._buf)
+
+    def carry(self) -> list[Segment]:
+        """The segments waiting for a row (what a checkpoint keeps)."""
+        return list(self._buf)
+
+    def restore(self, segments: Iterable[Segment]) -> None:
+        """Put back the carry buffer of a checkpoint (replaces what is pending)."""
+        self._buf = list(segments)
 
     def add(self, segments: Iterable[Segment]) -> None:
         new = list(segments)

@@ -5,7 +5,6 @@ loopback with fake engines (tests/learner/learner_fakes.py), no vLLM."""
 
 from __future__ import annotations
 
-import copy
 import os
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
+import trainer_fixtures
 from learner_fakes import FakeEngine, FakeServer, fake_tokens
 
 from learner.rollout_client import RolloutClient, RolloutRequest
@@ -198,18 +197,7 @@ def test_sync_reaches_servers_added_beyond_the_pools_first_size(tmp_path: Path, 
 
 # -- the trainer -----------------------------------------------------------------------------------
 def make_job(model_dir: Path, data: Path, ckpt: Path, steps: int):
-    from rmsft.jobspec import parse_job
-
-    doc = copy.deepcopy(yaml.safe_load((ROOT / "configs" / "local-tiny.yaml").read_text()))
-    doc["metadata"].pop("annotations")
-    spec = doc["spec"]
-    spec["model"]["path"] = str(model_dir)
-    t = spec["training"]
-    t.update(steps=steps, prompts_per_step=2, packing_length=1024, packing_buffer=16)
-    t["data"]["path"] = str(data)
-    t["checkpoint"] = {"dir": str(ckpt), "every": 0, "keep": 1}
-    t["rollout"].update(max_tokens=16, generate_batch_size=1, request_timeout_s=30)
-    return parse_job(doc)
+    return trainer_fixtures.make_job(model_dir, data, ckpt, steps=steps)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,40 @@
+"""The job spec's `training` section translated into the pure core's configs, in one place.
+
+The core (learner/core/) knows nothing of the job spec: it takes these small configs. Anything the
+training loop needs that is derived from the spec is derived here, once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from learner.core.losses import LossWeights
+from learner.core.match import MatchConfig
+from learner.core.targets import TargetConfig
+from rmsft.jobspec import TrainingConfig
+
+
+@dataclass(frozen=True)
+class CoreConfigs:
+    weights: LossWeights
+    matching: MatchConfig
+    targets: TargetConfig
+    sampling: dict[str, Any]  # the Generate call's sampling parameters
+    m_steps: int  # optimizer steps per rollout (1 = no rollout buffer)
+    packing: tuple[int, int, float]  # Packer(packing_length, packing_buffer, min_fill)
+
+
+def core_configs(cfg: TrainingConfig) -> CoreConfigs:
+    dec = cfg.rollout
+    return CoreConfigs(
+        weights=LossWeights(ce=cfg.loss.ce, soft_ce=cfg.loss.coord_soft_ce, w1=cfg.loss.coord_w1,
+                            gate=cfg.loss.coord_gate, sigma=cfg.loss.coord_sigma),
+        matching=MatchConfig(iou_gate=cfg.matching.iou_gate, fp_cost=cfg.matching.fp_cost,
+                             fn_cost=cfg.matching.fn_cost),
+        targets=TargetConfig(supervise_fn_desc=cfg.targets.supervise_fn_desc),
+        sampling={"max_tokens": dec.max_tokens, "temperature": dec.temperature, "top_p": dec.top_p,
+                  "top_k": dec.top_k, "repetition_penalty": dec.repetition_penalty},
+        m_steps=cfg.buffer.m_steps if cfg.buffer.enabled else 1,
+        packing=(cfg.packing_length, cfg.packing_buffer, cfg.packing_min_fill),
+    )

@@ -1,0 +1,120 @@
+"""The training loop's fast tier: the real Trainer (tiny model, real packing, losses, AdamW, FULL
+weight streams) against in-process fake rollout servers, each test in seconds. The real-vLLM
+end-to-end tests (test_e2e_local.py) stay for what only a real engine shows."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from learner_fakes import FakeEngine, FakeServer
+from trainer_fixtures import make_job
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from learner.synthetic import write_synthetic_dataset
+
+    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n=8, seed=0)
+
+
+@pytest.fixture
+def servers() -> Iterator[list[FakeServer]]:
+    made = [FakeServer(FakeEngine(ordinal=i)) for i in range(2)]
+    yield made
+    for s in made:
+        s.stop()
+
+
+def _run(job, addresses: list[str], **kw):
+    from learner.trainer import Trainer
+
+    trainer = Trainer(job, addresses, **kw)
+    try:
+        summary = trainer.run()
+    finally:
+        trainer.close()
+    return trainer, summary
+
+
+def test_rollout_buffer_reuses_each_e_step_for_m_steps(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
+                                                       servers: list[FakeServer]) -> None:
+    job = make_job(tiny_model_dir, data_path, tmp_path, steps=4, buffer={"enabled": True, "m_steps": 2})
+    trainer, summary = _run(job, [s.address for s in servers])
+    assert summary.steps == 4
+    # rollouts at steps 1 and 3 only; weights synced before the first rollout and before step 3's
+    assert [bool(h.rollouts) for h in trainer.history] == [True, False, True, False]
+    assert [h.weight_version for h in trainer.history] == [1, 1, 2, 2]
+    assert sorted({u.header.version for s in servers for u in s.engine.updates}) == [1, 2]
+    generated = sum(len(c) for s in servers for c in s.engine.calls)
+    assert generated == 2 * 2  # two E-steps x prompts_per_step, nothing generated for M-steps
+    # every M-step of one E-step trained on the same record ids
+    assert trainer.history[0].record_ids == trainer.history[1].record_ids
+
+
+def test_resume_continues_where_the_checkpoint_left(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
+                                                    servers: list[FakeServer]) -> None:
+    addrs = [s.address for s in servers]
+    straight, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "a", steps=3), addrs)
+    first, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=2), addrs)
+    from learner.trainer import Trainer
+
+    resumed = Trainer(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=3), addrs)
+    try:
+        assert resumed.resume() and (resumed.step, resumed.version) == (2, first.version)
+        resumed.run()
+    finally:
+        resumed.close()
+    assert [h.step for h in resumed.history] == [3]
+    assert resumed.history[0].record_ids == straight.history[2].record_ids
+    assert resumed.history[0].loss == pytest.approx(straight.history[2].loss, rel=1e-5)
+
+
+def test_a_server_dying_mid_run_fails_over(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
+                                           servers: list[FakeServer]) -> None:
+    from learner.trainer import Trainer
+
+    job = make_job(tiny_model_dir, data_path, tmp_path, steps=3)
+    trainer = Trainer(job, [s.address for s in servers])
+
+    def on_step(r) -> None:
+        if r.step == 1:  # the engine dies after step 1's sync: its Generate calls fail from now on
+            servers[1].engine.fail_generate = grpc.StatusCode.UNAVAILABLE
+
+    trainer.on_step = on_step
+    try:
+        summary = trainer.run()
+    finally:
+        trainer.close()
+    assert summary.steps == 3 and summary.retries >= 1
+    for h in trainer.history[1:]:
+        assert {r.server for r in h.rollouts} == {servers[0].address}
+        assert {r.weight_version for r in h.rollouts} == {h.weight_version}
+
+
+def test_a_server_answering_with_another_version_is_fenced(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
+                                                            servers: list[FakeServer]) -> None:
+    servers[1].engine.reply_version = 99  # a server that claims weights the learner never sent
+    trainer, summary = _run(make_job(tiny_model_dir, data_path, tmp_path, steps=2), [s.address for s in servers])
+    assert summary.steps == 2
+    for h in trainer.history:  # nothing from the wrong version was trained on
+        assert h.rollouts and {r.weight_version for r in h.rollouts} == {h.weight_version}
+        assert {r.server for r in h.rollouts} == {servers[0].address}
+
+
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_a_bf16_run_completes(tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer],
+                              finetune: str) -> None:
+    import math
+
+    import torch
+
+    job = make_job(tiny_model_dir, data_path, tmp_path, steps=2, precision="bf16", finetune=finetune)
+    trainer, summary = _run(job, [s.address for s in servers])
+    assert summary.steps == 2 and all(math.isfinite(x) for x in summary.losses)
+    trained = {p.dtype for p in trainer.model.parameters() if p.requires_grad}
+    assert trained == {torch.float32}  # what AdamW updates stays fp32
+    if finetune == "lora":
+        assert torch.bfloat16 in {p.dtype for p in trainer.model.parameters() if not p.requires_grad}
