@@ -103,7 +103,8 @@ class ZeroStep:
         self.params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
         # DeepSpeed moves the module to its own device (cuda:LOCAL_RANK, or the CPU); rows follow it.
-        self.engine = zero.deepspeed_engine(model, optimizer, stage, max_grad_norm)
+        precision = "bf16" if autocast_dtype == torch.bfloat16 else "fp32"
+        self.engine = zero.deepspeed_engine(model, optimizer, stage, max_grad_norm, precision)
         self.device = torch.device(self.engine.device) if device.type != "meta" else device
         self._autocast_dtype = autocast_dtype
         self._rows = 0

@@ -63,7 +63,19 @@ def _ensure_group() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
-def deepspeed_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int, max_grad_norm: float):
+def precision_section(precision: str) -> dict[str, Any]:
+    """DeepSpeed's precision keys for `training.precision`. Both precisions keep the trainable
+    parameters (and so ZeRO's optimizer partitions) in fp32 and the frozen ones as loaded
+    (learner/model.py); bf16 compute comes from the step's torch autocast (learner/step.py). So
+    DeepSpeed's own mixed precision stays off: its `bf16` mode would convert the module to bf16
+    and keep fp32 master copies itself, a second, conflicting answer to the same question."""
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"spec.training.precision {precision!r} is not fp32 or bf16")
+    return {"bf16": {"enabled": False}, "fp16": {"enabled": False}}
+
+
+def deepspeed_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int, max_grad_norm: float,
+                     precision: str = "fp32"):
     """Wrap `model` and the learner's AdamW in a DeepSpeed engine (ZeRO `stage`)."""
     require_deepspeed(stage)
     _ensure_group()
@@ -77,6 +89,7 @@ def deepspeed_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
         "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
+        **precision_section(precision),
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
     return engine

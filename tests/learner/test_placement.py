@@ -108,6 +108,13 @@ def test_a_whole_step_runs_on_the_training_device(tmp_path: Path, tiny_model_dir
         assert trained and all(p.grad is not None and p.grad.device.type == "meta" for p in trained)
         state = trainer.train_step.optimizer.state
         assert state and all(v.device.type == "meta" for s in state.values() for v in s.values() if v.dim())
+        # ...and the FULL export reads the weights where they are (merges included), in the serving dtype
+        from learner.weight_export import full_export
+
+        with fence:
+            exported = [(n, t.device.type, t.dtype) for n, t in full_export(trainer.model, dtype=torch.bfloat16)]
+        assert fence.violations == [], "\n".join(fence.violations[:20])
+        assert exported and {(d, dt) for _, d, dt in exported} == {("meta", torch.bfloat16)}
     finally:
         trainer.close()
 
@@ -142,10 +149,14 @@ def test_deepspeed_rows_follow_the_engine_device(tmp_path: Path, tiny_model_dir:
     from learner.trainer import Trainer
 
     rows, ce, coord = step_inputs
-    trainer = Trainer(make_job(tiny_model_dir, data_path, tmp_path, deepspeed_stage=2), [server.address])
+    job = make_job(tiny_model_dir, data_path, tmp_path, deepspeed_stage=2, precision="bf16")
+    trainer = Trainer(job, [server.address])
     try:
         engine = trainer.engine
         assert trainer.device == torch.device(engine.device)
+        # the matching precision section: DeepSpeed's own mixed precision off, fp32 trainable weights
+        assert not engine.bfloat16_enabled() and not engine.fp16_enabled()
+        assert {p.dtype for p in engine.module.parameters() if p.requires_grad} == {torch.float32}
         seen: list[torch.device] = []
         real = engine.forward
 
