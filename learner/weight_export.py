@@ -22,16 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rmsft.serving_dtype import CASTABLE_DTYPES, SERVE_DTYPES
 from rmsft.weights_wire import TensorSpec, dtype_name
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 _PEFT_PREFIX = "base_model.model."
-# What the servers can serve in (`spec.model.dtype`, `rmsft serve --dtype`), and the only dtypes a
-# FULL export casts: float8 weights (and integer buffers) keep their own dtype.
-SERVE_DTYPES = ("bfloat16", "float16", "float32")
-_CASTABLE = ("float16", "bfloat16", "float32", "float64")
 
 
 def is_peft_model(model: Any) -> bool:
@@ -67,37 +64,14 @@ def hf_name(key: str, adapter: str = "default") -> str | None:
 
 
 def checkpoint_dtype(model_dir: str | Path) -> str | None:
-    """The dtype of a model folder's checkpoint ("bfloat16", "float16", "float32"): config.json's
-    `dtype` (transformers >= 4.56) or `torch_dtype`, at the top or in `text_config` (VLMs); without
-    one, the floating dtype holding most bytes in the safetensors files; None when there is none.
-    The rollout server resolves `--dtype auto` by the same rule (rollout_svc.preflight.serving_dtype_name)."""
-    folder = Path(model_dir)
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        cfg = {}
-    cfg = cfg if isinstance(cfg, dict) else {}
-    for section in (cfg, cfg.get("text_config")):
-        for key in ("dtype", "torch_dtype"):
-            value = section.get(key) if isinstance(section, dict) else None
-            if isinstance(value, str) and value.removeprefix("torch.") in SERVE_DTYPES:
-                return value.removeprefix("torch.")
-    from safetensors import safe_open
+    """The dtype of a model folder's checkpoint ("bfloat16", "float16", "float32"), by the rule the
+    rollout server resolves `--dtype auto` with (rmsft/serving_dtype.py); None when the checkpoint
+    has no floating tensor."""
+    from rmsft.serving_dtype import serving_dtype_name
+    from rmsft.weights_wire import torch_dtype
 
-    from rmsft.weights_wire import DTYPE_SIZES, torch_dtype
-
-    by_dtype: dict[str, int] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
-                sl = sf.get_slice(name)
-                dt = sl.get_dtype()
-                numel = 1
-                for d in sl.get_shape():
-                    numel *= int(d)
-                by_dtype[dt] = by_dtype.get(dt, 0) + numel * DTYPE_SIZES.get(dt, 0)
-    floats = {str(torch_dtype(d)).removeprefix("torch."): n for d, n in by_dtype.items() if d in ("F16", "BF16", "F32")}
-    return max(floats, key=floats.__getitem__) if floats else None
+    wire = serving_dtype_name("auto", model_dir)
+    return None if wire is None else str(torch_dtype(wire)).removeprefix("torch.")
 
 
 def serving_dtype(dtype: str | torch.dtype | None, checkpoint_dir: str | Path | None = None) -> torch.dtype | None:
@@ -116,12 +90,13 @@ def serving_dtype(dtype: str | torch.dtype | None, checkpoint_dir: str | Path | 
         if dtype is None:
             return None
     if dtype not in SERVE_DTYPES:
-        raise ValueError(f"serving dtype must be 'auto' or one of {list(SERVE_DTYPES)}, got {dtype!r}")
+        raise ValueError(f"serving dtype must be 'auto' or one of {sorted(SERVE_DTYPES)}, got {dtype!r}")
     return getattr(torch, dtype)
 
 
 def _wire_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
-    if dtype is not None and str(t.dtype).removeprefix("torch.") in _CASTABLE:
+    """Floating tensors travel in the serving dtype; float8 weights and integer buffers keep theirs."""
+    if dtype is not None and dtype_name(t.dtype) in CASTABLE_DTYPES:
         return dtype
     return t.dtype
 

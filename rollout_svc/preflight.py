@@ -7,8 +7,7 @@ Staging space. A FULL update is received into one file in the staging dir (`/dev
 `RolloutServicer._apply_full`). So from the second FULL update on, the staging dir holds the update
 being received plus the previous one: twice the model's weight bytes. The bytes are the checkpoint's
 tensors in the dtype the engine serves in: a FULL stream is accepted only with every floating tensor
-in the serving dtype (`--dtype`, `auto` = the checkpoint's dtype, `serving_dtype_name`) and every
-other tensor in its checkpoint dtype (`RolloutServicer`, over `checkpoint_table`).
+in the serving dtype and every other tensor in its checkpoint dtype (the rule: rmsft/serving_dtype.py).
 
 FULL updates are always accepted today; a server that ever refuses them (adapter-only) would not
 need this check.
@@ -16,14 +15,13 @@ need this check.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import struct
 from collections.abc import Callable
 from pathlib import Path
 
+from rmsft.serving_dtype import safetensors_headers, served_spec, serving_dtype_name
 from rmsft.weights_wire import DTYPE_SIZES, TensorSpec
 
 log = logging.getLogger("rollout_svc.preflight")
@@ -33,91 +31,13 @@ GIB = 1 << 30
 # into the job's conditions); outside a pod it does not exist and nothing is written.
 TERMINATION_LOG = "/dev/termination-log"
 SHM = "/dev/shm"
-_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
-
-
-def safetensors_header(path: str | Path) -> dict:
-    """The JSON header of a safetensors file (an 8-byte little-endian length, then JSON): names,
-    dtypes, shapes and offsets, without reading any tensor data."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path} is not a safetensors file (shorter than its 8-byte header length)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > _MAX_HEADER_BYTES:
-            raise ValueError(f"{path} is not a safetensors file (header length {n})")
-        body = f.read(n)
-    try:
-        header = json.loads(body)
-    except ValueError as e:
-        raise ValueError(f"{path} has a malformed safetensors header: {e}") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path} has a malformed safetensors header (not a JSON object)")
-    return header
-
-
-# Tensors stored in one of these are sent (and staged) in the serving dtype; float8 weights and
-# integer buffers keep their checkpoint dtype. Same rule as the learner's export.
-CASTABLE_DTYPES = ("F16", "BF16", "F32", "F64")
-SERVE_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-_ALIASES = {"half": "float16", "float": "float32"}  # what vLLM's --dtype also takes
-
-
-def config_dtype(model_dir: str | Path) -> str | None:
-    """config.json's `dtype` (transformers >= 4.56) or `torch_dtype`, at the top or in
-    `text_config` (VLMs), as a safetensors dtype name; None when it names none of SERVE_DTYPES."""
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(cfg, dict):
-        return None
-    for section in (cfg, cfg.get("text_config") or {}):
-        for key in ("dtype", "torch_dtype"):
-            value = section.get(key) if isinstance(section, dict) else None
-            if isinstance(value, str) and value.removeprefix("torch.") in SERVE_DTYPES:
-                return SERVE_DTYPES[value.removeprefix("torch.")]
-    return None
-
-
-def _headers(model_dir: str | Path) -> list[tuple[Path, dict]]:
-    return [(f, safetensors_header(f)) for f in sorted(Path(model_dir).glob("*.safetensors"))]
-
-
-def serving_dtype_name(dtype: str, model_dir: str | Path) -> str | None:
-    """The safetensors dtype name the engine serves in for `--dtype dtype`: an explicit dtype, or
-    for `auto` the checkpoint's (config.json, else the floating dtype holding most bytes in the
-    safetensors files; the learner resolves `auto` by the same rule). None when `auto` finds no
-    floating tensor at all (then every tensor keeps its checkpoint dtype)."""
-    dtype = _ALIASES.get(dtype, dtype)
-    if dtype != "auto":
-        if dtype not in SERVE_DTYPES:
-            raise ValueError(f"--dtype must be auto or one of {sorted(SERVE_DTYPES)}, got {dtype!r}")
-        return SERVE_DTYPES[dtype]
-    found = config_dtype(model_dir)
-    if found is not None:
-        return found
-    by_dtype: dict[str, int] = {}
-    for _, header in _headers(model_dir):
-        for name, info in header.items():
-            if name != "__metadata__" and info.get("dtype") in SERVE_DTYPES.values():
-                spec = TensorSpec(info["dtype"], tuple(int(d) for d in info.get("shape", ())))
-                by_dtype[spec.dtype] = by_dtype.get(spec.dtype, 0) + spec.nbytes
-    return max(by_dtype, key=by_dtype.__getitem__) if by_dtype else None
-
-
-def served_spec(spec: TensorSpec, serve: str | None) -> TensorSpec:
-    """How a checkpoint tensor travels in a FULL update to an engine serving in `serve`."""
-    if serve is not None and spec.dtype in CASTABLE_DTYPES and spec.dtype != serve:
-        return TensorSpec(serve, spec.shape)
-    return spec
 
 
 def weight_bytes(model_dir: str | Path, dtype: str | None = None) -> int | None:
     """Bytes of every tensor in the model folder's *.safetensors files as a FULL update carries them
     to an engine started with `--dtype dtype` (None: as stored), from the headers alone; None when
     there is no safetensors file (the engine reports that)."""
-    headers = _headers(model_dir)
+    headers = safetensors_headers(model_dir)
     if not headers:
         return None
     serve = None if dtype is None else serving_dtype_name(dtype, model_dir)

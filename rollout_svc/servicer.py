@@ -13,11 +13,11 @@ import time
 import grpc
 from rmsft_protos import rollout_pb2, rollout_pb2_grpc
 
+from rmsft.serving_dtype import SERVE_DTYPES, served_spec, serving_dtype_name
 from rmsft.weights_wire import ADAPTER, FULL, WireError
 from rollout_svc import metrics
 from rollout_svc.config import ServeConfig
 from rollout_svc.engine import EngineError, checkpoint_table, tied_lm_head
-from rollout_svc.preflight import SERVE_DTYPES, served_spec, serving_dtype_name
 from rollout_svc.prompts import PromptError, build_items
 from rollout_svc.runner import EngineRunner, VersionMismatch
 from rollout_svc.staging import (

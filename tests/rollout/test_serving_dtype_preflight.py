@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rollout_svc.preflight import GIB, check_staging, serving_dtype_name, weight_bytes
+from rmsft.serving_dtype import serving_dtype_name
+from rollout_svc.preflight import GIB, check_staging, weight_bytes
 
 
 def _header_only_model(folder: Path, tensors: dict[str, tuple[str, list[int]]], config: dict) -> Path:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from rmsft.serving_dtype import safetensors_header
 from rmsft.weights_wire import FULL
 from rmsft.wire_decode import decode_chunk
 from rmsft.wire_encode import encode_weight_stream
@@ -24,7 +25,6 @@ from rollout_svc.config import ServeConfig
 from rollout_svc.preflight import (
     GIB,
     check_staging,
-    safetensors_header,
     staging_copies,
     staging_problem,
     weight_bytes,
