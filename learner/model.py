@@ -50,8 +50,8 @@ class Policy:
     autocast_dtype: torch.dtype | None = None
 
 
-def policy_autocast(policy: Policy, device: str | torch.device) -> AbstractContextManager:
-    """Context for the policy's forward on `device`: `torch.autocast` in `policy.autocast_dtype`, or a no-op.
+def autocast_context(device: str | torch.device, dtype: torch.dtype | None) -> AbstractContextManager:
+    """`torch.autocast(device, dtype)`, or a no-op for `dtype` None.
 
     Run the forward (and the loss, which upcasts logits to fp32 itself) inside it and `backward()` outside:
     autograd replays each op in the dtype the forward used."""
@@ -59,9 +59,14 @@ def policy_autocast(policy: Policy, device: str | torch.device) -> AbstractConte
 
     device_type = torch.device(device).type
     # meta (shape-only placement tests) has no autocast; the dtypes are checked on the CPU instead.
-    if policy.autocast_dtype is None or device_type == "meta":
+    if dtype is None or device_type == "meta":
         return nullcontext()
-    return torch.autocast(device_type=device_type, dtype=policy.autocast_dtype)
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def policy_autocast(policy: Policy, device: str | torch.device) -> AbstractContextManager:
+    """Context for the policy's forward on `device`: autocast in `policy.autocast_dtype`, or a no-op."""
+    return autocast_context(device, policy.autocast_dtype)
 
 
 def training_device_type(cfg: TrainingConfig) -> str:

@@ -152,9 +152,7 @@ class RolloutClient:
         if not requests:
             return []
         t0 = time.perf_counter()
-        self.pool.follow()
-        if not self.pool.servers:  # the pool was scaled to zero: wait for servers to be listed again
-            self.pool.wait_ready(timeout_s=self.timeout_s)
+        self.pool.follow_or_wait(self.timeout_s)
         self._fit_threads()
         current = self.pool.current_version
         if weight_version is not None and current is not None and weight_version != current:

@@ -20,6 +20,7 @@ import torch
 
 from learner import zero
 from learner.distributed import Ranks
+from learner.model import autocast_context
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -49,12 +50,6 @@ class TrainStep(Protocol):
     def close(self) -> None: ...
 
 
-def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
-    if dtype is None or device.type == "meta":  # meta has no autocast; dtypes are checked on the CPU
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
-
-
 class PlainStep:
     """torch AdamW; with several ranks, gradients are summed (all-reduce) before clipping."""
 
@@ -66,7 +61,7 @@ class PlainStep:
         self._autocast_dtype = autocast_dtype
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return _autocast(self.device, self._autocast_dtype)
+        return autocast_context(self.device, self._autocast_dtype)
 
     def forward(self, **inputs: Any) -> Any:
         return self.model(**inputs)
@@ -91,7 +86,7 @@ class PlainStep:
         self.optimizer.load_state_dict(states[0])
 
     def close(self) -> None:
-        pass  # nothing outlives the optimizer
+        """Nothing to release: the optimizer holds no process-group buffers (ZeroStep's engine does)."""
 
 
 class ZeroStep:
@@ -110,7 +105,7 @@ class ZeroStep:
         self._rows = 0
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return _autocast(self.device, self._autocast_dtype)
+        return autocast_context(self.device, self._autocast_dtype)
 
     def forward(self, **inputs: Any) -> Any:
         # Through the engine: ZeRO-3 counts micro-steps in engine.forward (on the bare module every

@@ -175,9 +175,7 @@ class WeightSyncClient:
         the update or none acknowledged."""
         t0 = time.perf_counter()
         if servers is None:
-            self.pool.follow()  # servers that left are not waited for; new ones get this version too
-            if not self.pool.servers:  # scaled to zero: wait for servers to be listed again
-                self.pool.wait_ready(timeout_s=self.timeout_s)
+            self.pool.follow_or_wait(self.timeout_s)  # servers that left are not waited for; new ones get this version
             self.pool.refresh_due()
             servers = self.pool.up_servers()
         if not servers:

@@ -3,34 +3,14 @@ checkpoint tensors in that dtype, float8 and integer tensors in their own."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from test_staging_preflight import header_only_model as _header_only_model
 
 from rmsft.serving_dtype import serving_dtype_name
 from rollout_svc.preflight import GIB, check_staging, weight_bytes
-
-
-def _header_only_model(folder: Path, tensors: dict[str, tuple[str, list[int]]], config: dict) -> Path:
-    """Safetensors header without data (the preflight never reads tensor bytes) + config.json."""
-    import struct
-
-    folder.mkdir(parents=True, exist_ok=True)
-    sizes = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "F8_E4M3": 1}
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, (dtype, shape) in tensors.items():
-        n = sizes[dtype]
-        for d in shape:
-            n *= d
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header).encode()
-    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
 
 TENSORS = {"w": ("BF16", [1024, 1024]), "f8": ("F8_E4M3", [1024]), "steps": ("I64", [8])}
 

@@ -38,12 +38,12 @@ def fake_statvfs(total_bytes: int, frsize: int = 4096):
     return lambda path: SimpleNamespace(f_blocks=total_bytes // frsize, f_frsize=frsize)
 
 
-def header_only_model(folder: Path, tensors: dict[str, tuple[str, list[int]]]) -> Path:
+def header_only_model(folder: Path, tensors: dict[str, tuple[str, list[int]]], config: dict | None = None) -> Path:
     """A model folder whose safetensors file has a header and no data: enough for the preflight,
     which must never read tensor bytes (a real 8 GiB model is read in milliseconds too)."""
     folder.mkdir(parents=True, exist_ok=True)
     header, offset = {"__metadata__": {"format": "pt"}}, 0
-    sizes = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8}
+    sizes = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "F8_E4M3": 1}
     for name, (dtype, shape) in tensors.items():
         n = sizes[dtype]
         for d in shape:
@@ -52,7 +52,7 @@ def header_only_model(folder: Path, tensors: dict[str, tuple[str, list[int]]]) -
         offset += n
     raw = json.dumps(header).encode()
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
-    (folder / "config.json").write_text("{}")
+    (folder / "config.json").write_text(json.dumps(config or {}))
     return folder
 
 
