@@ -55,7 +55,7 @@ def _corpus(rng: random.Random, n: int = 400) -> list[str]:
     return lines
 
 
-def build_tokenizer(seed: int = 0):
+def build_tokenizer(seed: int = 0, special_tokens: list[str] = CHAT_SPECIAL_TOKENS, chat_template: str = CHAT_TEMPLATE):
     """Byte-level BPE tokenizer wrapped as a `PreTrainedTokenizerFast` with a chat template."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -66,7 +66,7 @@ def build_tokenizer(seed: int = 0):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=1200,
-        special_tokens=CHAT_SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -77,9 +77,9 @@ def build_tokenizer(seed: int = 0):
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=CHAT_SPECIAL_TOKENS[1:],
+        additional_special_tokens=special_tokens[1:],
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
 
 
