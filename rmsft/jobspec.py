@@ -63,10 +63,30 @@ class ModelVolume(_K8s):
         return self
 
 
+class VisionSpec(_K8s):
+    """How images become tokens, for the learner's processor and every server's alike (the prompt ids
+    they render must agree). Unset pixel bounds keep the processor's own."""
+
+    min_pixels: int | None = Field(None, ge=1, le=1 << 30, description="Smallest resized image area, pixels.")
+    max_pixels: int | None = Field(None, ge=1, le=1 << 30, description="Largest resized image area, pixels.")
+    max_images_per_prompt: int = Field(4, ge=0, le=64, description="Images one prompt may carry (vLLM's limit).")
+    max_image_pixels: int = Field(
+        50_000_000, ge=1, le=1 << 34,
+        description="Largest source image (width x height) a record or a request may carry; larger ones are refused.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> VisionSpec:
+        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
+            raise ValueError(f"minPixels ({self.min_pixels}) exceeds maxPixels ({self.max_pixels})")
+        return self
+
+
 class ModelSpec(_K8s):
     path: str = Field(..., min_length=1, description="Model directory (HF layout) as seen in the pods.")
     volume: ModelVolume | None = Field(None, description="Volume that holds the model; none = baked in image.")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    vision: VisionSpec = Field(default_factory=VisionSpec, description="Image processing (vision-language models).")
 
 
 class ImageSpec(_K8s):
@@ -126,6 +146,10 @@ class RolloutSpec(_K8s):
     max_lora_rank: int = Field(64, ge=1, le=512)
     enable_prefix_caching: bool = True
     engine: Literal["vllm", "hf"] = "vllm"
+    model_impl: Literal["auto", "vllm", "transformers"] = Field(
+        "auto", description="vLLM's model implementation: auto = vLLM's native one on GPUs, the Transformers "
+        "backend for vision-language models on CPU engines (vLLM's native Qwen-VL code needs torchvision).",
+    )
     port: int = Field(50051, ge=1024, le=65535, description="gRPC port (also serves grpc.health.v1).")
     metrics_port: int = Field(9090, ge=1024, le=65535)
     shm_size: str = Field("8Gi", pattern=QUANTITY_PATTERN, description="Size of the /dev/shm memory volume.")
@@ -173,6 +197,15 @@ class DataConfig(_Learner):
         if not v.endswith((".jsonl", ".jsonl.gz")):
             raise ValueError(f"{v!r} is not a .jsonl file")
         return v
+
+
+class FreezeConfig(_Learner):
+    """Parts of a vision-language model kept fixed (and never resent by FULL sync). LoRA adapters go on
+    the language model only, whatever is frozen here."""
+
+    vision_tower: bool = Field(True, description="The image encoder's blocks and patch embedding.")
+    aligner: bool = Field(True, description="The merger that maps image features to the language model.")
+    embeddings: bool = Field(False, description="Input embeddings (tied output head included) under finetune: full.")
 
 
 class CheckpointConfig(_Learner):
@@ -257,6 +290,7 @@ class TrainingConfig(_Learner):
     )
     finetune: Literal["lora", "full"] = "lora"
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    freeze: FreezeConfig = Field(default_factory=FreezeConfig)
     rollout: RolloutDecoding = Field(default_factory=RolloutDecoding)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     matching: MatchingConfig = Field(default_factory=MatchingConfig)

@@ -18,3 +18,23 @@ def tiny_tokenizer(tiny_model_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session", params=["qwen3_vl", "qwen2_5_vl"])
+def tiny_vl_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random vision-language model folder (processor included), once per architecture."""
+    from rmsft.tiny_vl import build_tiny_vl_model
+    from rmsft.vl_processor import register
+
+    register()
+    return build_tiny_vl_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), arch=request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3-VL alone (tests that need one vision-language model, not both families)."""
+    from rmsft.tiny_vl import build_tiny_vl_model
+    from rmsft.vl_processor import register
+
+    register()
+    return build_tiny_vl_model(tmp_path_factory.mktemp("tiny-qwen3_vl-only"), arch="qwen3_vl")
