@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from learner.core.vocab import VocabView
-from rmsft.jobspec import TrainingConfig
+from rmsft.jobspec import TrainingConfig, VisionSpec
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +48,13 @@ class Policy:
     use_dora: bool
     # What the forward runs under (`policy_autocast`): bf16 for `precision: bf16`, None for fp32.
     autocast_dtype: torch.dtype | None = None
+    # Vision-language models: the processor that turns messages + images into the model's inputs
+    # (its pixel bounds set from spec.model.vision, as on every rollout server). None for text models.
+    processor: Any = None
+
+    @property
+    def is_vision_language(self) -> bool:
+        return self.processor is not None
 
 
 def autocast_context(device: str | torch.device, dtype: torch.dtype | None) -> AbstractContextManager:
@@ -174,19 +181,99 @@ def _enable_gradient_checkpointing(hf_model: Any) -> None:
         hf_model.enable_input_require_grads()
 
 
-def load_policy(model_path: str | Path, cfg: TrainingConfig, dtype: str = "auto") -> Policy:
-    """Tokenizer + model for training with `cfg`'s fine-tuning mode, precision, attention kernel and
-    gradient checkpointing. The model stays on the CPU, in train mode; the caller moves it to its device."""
+def is_vision_language(path: str | Path) -> bool:
+    """A model folder whose config has a vision tower."""
+    import json
+
+    try:
+        return "vision_config" in json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def load_processor(path: str | Path, vision: VisionSpec | None = None) -> Any:
+    """The model folder's processor with `vision`'s pixel bounds: what the rollout servers use too
+    (`rmsft serve --min-pixels/--max-pixels` from the same spec), so prompts tokenize alike."""
+    from transformers import AutoProcessor
+
+    from rmsft.vl_processor import register
+
+    register()  # rmsft's torchvision-free Qwen-VL processors, named by the tiny models' folders
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ModelLoadError(f"cannot load the processor of {path}: {exc}") from exc
+    image_processor = getattr(processor, "image_processor", None)
+    if image_processor is None:
+        raise ModelLoadError(
+            f"AutoProcessor found no image processor in {path} (got {type(processor).__name__}): a vision-language "
+            "model folder needs processor_config.json / preprocessor_config.json naming its processor"
+        )
+    if vision is not None and (vision.min_pixels or vision.max_pixels):
+        size = dict(image_processor.size)
+        if vision.min_pixels:
+            size["shortest_edge"] = vision.min_pixels
+        if vision.max_pixels:
+            size["longest_edge"] = vision.max_pixels
+        image_processor.size = size
+    return processor
+
+
+def _language_model_targets(names: list[str]) -> str:
+    """LoRA targets restricted to the language model: peft matches bare module names anywhere, which in
+    a vision-language model includes the vision tower (Qwen2.5-VL's vision MLP has gate/up/down_proj).
+    A regex over the full module path keeps adapters where vLLM serves them (ENV.md: LoRA on the language
+    model only)."""
+    import re
+
+    return r".*language_model\..*\.(" + "|".join(re.escape(n) for n in names) + r")$"
+
+
+def _vision_parts(model: Any) -> tuple[list[Any], list[Any]]:
+    """(vision tower parameters, aligner parameters) of a Qwen-VL model: the aligner is the merger that
+    maps patch features to the language model's width, the tower is everything else under `visual`."""
+    tower, aligner = [], []
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if "visual" not in parts:
+            continue
+        (aligner if any(q.startswith(("merger", "deepstack_merger")) for q in parts) else tower).append(p)
+    return tower, aligner
+
+
+def _apply_freeze(model: Any, cfg: TrainingConfig, vision_language: bool) -> None:
+    """`training.freeze` under `finetune: full` (LoRA freezes the whole base model itself)."""
+    frozen = []
+    if vision_language:
+        tower, aligner = _vision_parts(model)
+        if cfg.freeze.vision_tower:
+            frozen += tower
+        if cfg.freeze.aligner:
+            frozen += aligner
+    if cfg.freeze.embeddings:
+        frozen.append(model.get_input_embeddings().weight)
+    for p in frozen:
+        p.requires_grad_(False)
+
+
+def load_policy(model_path: str | Path, cfg: TrainingConfig, dtype: str = "auto",
+                vision: VisionSpec | None = None) -> Policy:
+    """Tokenizer (and processor, for a vision-language model) + model for training with `cfg`'s fine-tuning
+    mode, precision, attention kernel and gradient checkpointing. The model stays on the CPU, in train
+    mode; the caller moves it to its device."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     path = Path(model_path)
     if not (path / "config.json").exists():
         raise ModelLoadError(f"model folder {path} has no config.json (is spec.model.path right?)")
     _check_attention(path, cfg, dtype)
+    vision_language = is_vision_language(path)
+    processor = load_processor(path, vision) if vision_language else None
+    model_class = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(
+        tokenizer = processor.tokenizer if vision_language else AutoTokenizer.from_pretrained(path)
+        model = model_class.from_pretrained(
             path, dtype=_load_dtype(cfg, dtype), attn_implementation=cfg.attn_implementation
         )
     except (OSError, ValueError, ImportError) as exc:
@@ -201,16 +288,19 @@ def load_policy(model_path: str | Path, cfg: TrainingConfig, dtype: str = "auto"
         from peft import LoraConfig, get_peft_model
 
         lora = cfg.lora
+        targets = list(lora.target_modules)
         peft_cfg = LoraConfig(
             r=lora.r,
             lora_alpha=lora.alpha,
             lora_dropout=lora.dropout,
-            target_modules=list(lora.target_modules),
+            target_modules=_language_model_targets(targets) if vision_language else targets,
             use_dora=lora.use_dora,
             task_type="CAUSAL_LM",
         )
         # autocast_adapter_dtype (peft's default) already makes adapters fp32 on a bf16 base.
         model = get_peft_model(model, peft_cfg, autocast_adapter_dtype=True)
+    else:
+        _apply_freeze(model, cfg, vision_language)
     if cfg.precision == "bf16":
         # fp32 master copies of what is trained: AdamW state follows the parameter dtype, and a bf16
         # weight (8 mantissa bits) drops an update smaller than ~1/256 of itself, so small-lr steps vanish.
@@ -221,8 +311,9 @@ def load_policy(model_path: str | Path, cfg: TrainingConfig, dtype: str = "auto"
         _enable_gradient_checkpointing(hf_model)
     model.train()
     log.info(
-        "policy: finetune=%s precision=%s attn=%s gradient_checkpointing=%s",
-        cfg.finetune, cfg.precision, cfg.attn_implementation, cfg.gradient_checkpointing,
+        "policy: %s finetune=%s precision=%s attn=%s gradient_checkpointing=%s trainable=%d",
+        type(hf_model).__name__, cfg.finetune, cfg.precision, cfg.attn_implementation, cfg.gradient_checkpointing,
+        sum(p.numel() for p in _trainable(model)),
     )  # fmt: skip
     return Policy(
         model,
@@ -231,6 +322,7 @@ def load_policy(model_path: str | Path, cfg: TrainingConfig, dtype: str = "auto"
         is_peft=cfg.finetune == "lora",
         use_dora=cfg.lora.use_dora,
         autocast_dtype=torch.bfloat16 if cfg.precision == "bf16" else None,
+        processor=processor,
     )
 
 

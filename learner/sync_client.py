@@ -74,7 +74,8 @@ class WeightSyncClient:
     from `checkpoint_dir`'s config.json; or a torch dtype; None = as trained, no cast). Floating
     tensors are cast one at a time as they are streamed (e.g. train fp32, serve bf16: half the
     bytes). name_map: extra renaming of FULL names (e.g. a VLM whose checkpoint names differ from
-    its in-memory names).
+    its in-memory names). changed_only: FULL sends only the tensors training can change (a frozen vision
+    tower is never resent; the servers keep what they have).
     """
 
     def __init__(
@@ -89,6 +90,7 @@ class WeightSyncClient:
         dtype: torch.dtype | str | None = None,
         checkpoint_dir: str | Path | None = None,
         name_map: Callable[[str], str] | None = None,
+        changed_only: bool = False,
     ) -> None:
         if mode not in ("full", "adapter", "auto"):
             raise ValueError(f"sync mode must be 'full', 'adapter' or 'auto', got {mode!r}")
@@ -101,6 +103,7 @@ class WeightSyncClient:
         # Resolved now: an unknown dtype or an unreadable checkpoint fails at start, not at step 1.
         self.dtype: torch.dtype | None = serving_dtype(dtype, checkpoint_dir)
         self.name_map = name_map
+        self.changed_only = changed_only  # FULL sends only what training can change (weight_export.changed_keys)
         self.forced_full_reason: str | None = None  # set once the run switched to FULL for good
         # A FULL stream merges/unmerges LoRA layers of the live model while it is sent: one stream
         # at a time, held until its producer has stopped (see _push).
@@ -236,7 +239,8 @@ class WeightSyncClient:
             return encode_weight_stream(
                 tensors, version=version, mode=ADAPTER, adapter_config_json=config_json, frame_bytes=self.frame_bytes
             )
-        export = full_export(self.model, dtype=self.dtype, name_map=self.name_map)
+        export = full_export(self.model, dtype=self.dtype, name_map=self.name_map,
+                             changed_only=self.changed_only)
         return encode_planned_stream(export.specs, export, version=version, mode=FULL, frame_bytes=self.frame_bytes)
 
     def _push(

@@ -1,12 +1,22 @@
-"""A synthetic detection dataset for the tiny model: the prompt states each object's box,
-the ideal answer is the same objects in the CoordExp format. Text only (the tiny model has no
-vision tower), but it exercises the whole pipeline: rollouts, parsing, matching, packing, sync."""
+"""Synthetic detection datasets for the tiny models.
+
+- `write_synthetic_dataset`: text only. The prompt states each object's box, the ideal answer is
+  the same objects in the CoordExp format. It needs no vision tower, yet exercises the whole
+  pipeline: rollouts, parsing, matching, packing, sync.
+- `write_visual_dataset`: a real visual task. PNG images of coloured shapes (3 colours x circle,
+  rectangle, triangle) on pale backgrounds; the prompt does not give the answer away, so only a
+  model that looks at the image can find the objects. Small class set, large shapes, strong
+  contrast: learnable by a tiny vision-language model within minutes.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
+
+from PIL import Image, ImageChops, ImageDraw
 
 from learner.core.codec import pixel_to_bin
 from rmsft.tiny_model import CLASS_NAMES
@@ -45,4 +55,165 @@ def write_synthetic_dataset(path: str | Path, n: int = 64, seed: int = 0) -> Pat
     with path.open("w") as f:
         for i in range(n):
             f.write(json.dumps(make_record(rng, i)) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------- the visual task
+
+VISUAL_COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30),
+    "green": (20, 150, 40),
+    "blue": (30, 70, 220),
+}
+VISUAL_SHAPES = ("circle", "rectangle", "triangle")
+VISUAL_CLASS_NAMES = [f"{colour} {shape}" for colour in VISUAL_COLOURS for shape in VISUAL_SHAPES]
+VISUAL_PROMPT = "Detect every shape in the image. Answer in JSON with a description and a bbox_2d or poly for each."
+# Pale backgrounds: every channel >= 200 minus noise, far from the saturated shape colours.
+_BACKGROUNDS = ((246, 246, 246), (226, 226, 226), (242, 234, 212), (220, 232, 246), (244, 226, 230), (226, 242, 226))
+_NOISE_LEVELS = 16  # background noise amplitude, grey levels: texture, not camouflage
+
+
+def _background(rng: random.Random, width: int, height: int) -> Image.Image:
+    base = rng.choice(_BACKGROUNDS)
+    img = Image.new("RGB", (width, height), base)
+    kind = rng.choice(("plain", "gradient", "noise"))
+    if kind == "gradient":
+        other = rng.choice([c for c in _BACKGROUNDS if c != base])
+        turn = rng.choice((None, Image.Transpose.ROTATE_90, Image.Transpose.ROTATE_180, Image.Transpose.ROTATE_270))
+        mask = Image.linear_gradient("L")
+        if turn is not None:
+            mask = mask.transpose(turn)
+        img = Image.composite(Image.new("RGB", (width, height), other), img, mask.resize((width, height)))
+    elif kind == "noise":
+        # rng.randbytes, not Image.effect_noise (C rand(), not seeded): same seed, same pixels.
+        noise = Image.frombytes("L", (width, height), rng.randbytes(width * height))
+        noise = noise.point(lambda v: v * _NOISE_LEVELS // 256)
+        img = ImageChops.subtract(img, Image.merge("RGB", (noise, noise, noise)))
+    return img
+
+
+def _triangle(rng: random.Random, size: int) -> list[tuple[int, int]]:
+    """A fat triangle (vertices about 120 degrees apart on a circle) with its bbox at the origin."""
+    radius = size / 2
+    start = rng.uniform(0, 2 * math.pi)
+    pts = [(radius * math.cos(a), radius * math.sin(a))
+           for a in (start + k * 2 * math.pi / 3 + rng.uniform(-0.25, 0.25) for k in range(3))]
+    x0, y0 = min(p[0] for p in pts), min(p[1] for p in pts)
+    pts_int = [(round(x - x0), round(y - y0)) for x, y in pts]
+    # Canonical vertex order (top-most first, then clockwise as generated): one right answer per triangle.
+    first = min(range(3), key=lambda k: (pts_int[k][1], pts_int[k][0]))
+    return pts_int[first:] + pts_int[:first]
+
+
+def _covers(box: list[int], point: tuple[int, int], margin: int = 2) -> bool:
+    return box[0] - margin <= point[0] <= box[2] + margin and box[1] - margin <= point[1] <= box[3] + margin
+
+
+def _iou(a: list[int], b: list[int]) -> float:
+    iw, ih = min(a[2], b[2]) - max(a[0], b[0]), min(a[3], b[3]) - max(a[1], b[1])
+    if iw <= 0 or ih <= 0:
+        return 0.0
+    inter = iw * ih
+    return inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter)
+
+
+def visual_marker(obj: dict) -> tuple[int, int]:
+    """A pixel inside the object that no later shape covers: the box centre, or a triangle's centroid."""
+    if "poly" in obj:
+        xs, ys = obj["poly"][0::2], obj["poly"][1::2]
+        return round(sum(xs) / len(xs)), round(sum(ys) / len(ys))
+    x1, y1, x2, y2 = obj["bbox_2d"]
+    return (x1 + x2) // 2, (y1 + y2) // 2
+
+
+def _box_of(obj: dict) -> list[int]:
+    if "poly" in obj:
+        xs, ys = obj["poly"][0::2], obj["poly"][1::2]
+        return [min(xs), min(ys), max(xs), max(ys)]
+    return list(obj["bbox_2d"])
+
+
+def make_visual_sample(
+    seed: int, index: int, min_side: int = 96, max_side: int = 256, max_objects: int = 3
+) -> tuple[Image.Image, dict]:
+    """One image and its record (without `images`, which the writer sets). Each sample has its own
+    RNG, so sample i is the same whatever `n` the dataset has."""
+    rng = random.Random(f"rmsft-visual-{seed}-{index}")
+    width, height = rng.randint(min_side, max_side), rng.randint(min_side, max_side)
+    img = _background(rng, width, height)
+    draw = ImageDraw.Draw(img)
+    side = min(width, height)
+    placed: list[dict] = []  # in drawing order: later shapes lie on top
+    for _ in range(rng.randint(1, max_objects)):
+        for _attempt in range(50):
+            colour, shape = rng.choice(list(VISUAL_COLOURS)), rng.choice(VISUAL_SHAPES)
+            lo, hi = max(8, round(side * 0.25)), max(8, round(side * 0.5))
+            if shape == "triangle":
+                # A triangle spans ~0.8 of its circle: scale up so it is as large as the others.
+                local = _triangle(rng, min(side - 2, round(rng.randint(lo, hi) * 1.2)))
+                bw, bh = max(p[0] for p in local), max(p[1] for p in local)
+            elif shape == "circle":
+                bw = bh = rng.randint(lo, hi)
+            else:
+                bw, bh = rng.randint(lo, hi), rng.randint(lo, hi)
+            x1, y1 = rng.randint(0, width - 1 - bw), rng.randint(0, height - 1 - bh)
+            if shape == "triangle":
+                obj = {"desc": f"{colour} {shape}", "poly": [v for x, y in local for v in (x + x1, y + y1)]}
+            else:
+                obj = {"desc": f"{colour} {shape}", "bbox_2d": [x1, y1, x1 + bw, y1 + bh]}
+            box = _box_of(obj)
+            # Keep every earlier object identifiable: its marker pixel stays uncovered, overlaps stay
+            # partial, and overlapping shapes differ in colour (same-colour shapes would merge).
+            if all(not _covers(box, visual_marker(o)) and _iou(box, _box_of(o)) <= 0.4
+                   and (_iou(box, _box_of(o)) == 0 or o["desc"].split()[0] != colour) for o in placed):
+                break
+        else:
+            break  # no room for another object in this image
+        fill = VISUAL_COLOURS[colour]
+        if shape == "circle":
+            draw.ellipse([x1, y1, x1 + bw - 1, y1 + bh - 1], fill=fill)
+        elif shape == "rectangle":
+            draw.rectangle([x1, y1, x1 + bw - 1, y1 + bh - 1], fill=fill)
+        else:
+            draw.polygon([(obj["poly"][k], obj["poly"][k + 1]) for k in range(0, 6, 2)], fill=fill)
+        placed.append(obj)
+    # Reading order (top to bottom, then left to right): one canonical answer per image.
+    objects = sorted(placed, key=lambda o: (_box_of(o)[1], _box_of(o)[0]))
+    record = {
+        "id": f"visual-{index}",
+        "width": width,
+        "height": height,
+        "messages": [{"role": "user", "content": VISUAL_PROMPT}],
+        "objects": objects,
+    }
+    return img, record
+
+
+def write_visual_dataset(
+    path: str | Path,
+    n: int = 64,
+    seed: int = 0,
+    min_side: int = 96,
+    max_side: int = 256,
+    max_objects: int = 3,
+) -> Path:
+    """Write `n` PNG images to `<stem>-images/` next to `path` and their records to `path` (JSONL).
+
+    Image paths in the records are relative to the dataset file's folder, so the job needs no
+    `image_root`. Same arguments, byte-identical files (PIL writes no timestamp into a PNG).
+    """
+    if not 32 <= min_side <= max_side:
+        raise ValueError(f"need 32 <= min_side <= max_side, got min_side={min_side}, max_side={max_side}")
+    if max_objects < 1:
+        raise ValueError(f"max_objects must be >= 1, got {max_objects}")
+    path = Path(path)
+    folder = path.parent / f"{path.stem}-images"
+    folder.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for i in range(n):
+            img, record = make_visual_sample(seed, i, min_side, max_side, max_objects)
+            name = f"visual-{i:05d}.png"
+            img.save(folder / name, format="PNG")
+            record["images"] = [f"{folder.name}/{name}"]
+            f.write(json.dumps(record) + "\n")
     return path

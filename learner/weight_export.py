@@ -194,16 +194,64 @@ def _merged_copies(module: Any, prefix: str, dtypes: dict[str, torch.dtype]) -> 
     return out
 
 
+def checkpoint_name_map(model: Any) -> Callable[[str], str] | None:
+    """Renaming from the model's state-dict names to the names `save_pretrained` writes, which is
+    what vLLM's checkpoint-format reload expects; None when they are the same. They differ for some
+    vision-language families (Qwen2.5-VL: `model.language_model.layers.*` is `model.layers.*` on disk,
+    `model.visual.*` is `visual.*`; sending state-dict names kills vLLM's engine). transformers'
+    own reverse conversion decides, name by name, so no family's layout is written down here."""
+    import torch
+    from transformers.core_model_loading import revert_weight_conversion
+
+    peft = is_peft_model(model)
+    hf = model.get_base_model() if peft else model
+    adapter = active_adapter(model) if peft else "default"
+    # The names full_export renames: state-dict keys with peft's wrapping removed.
+    names = [n for n in (hf_name(k, adapter) if peft else k for k in model.state_dict()) if n is not None]
+    probe = torch.empty(0, device="meta")
+    mapping = {}
+    for n in names:
+        out = list(revert_weight_conversion(hf, {n: probe}))
+        if len(out) != 1:
+            raise ValueError(f"{type(hf).__name__}: {n} does not map to one checkpoint tensor ({out}); "
+                             "weight sync cannot rename it")
+        mapping[n] = out[0]
+    if all(k == v for k, v in mapping.items()):
+        return None
+    return lambda name: mapping.get(name, name)
+
+
+def changed_keys(model: Any) -> set[str]:
+    """State-dict keys of the tensors training can change: trainable parameters (base model names),
+    and the base weights of LoRA/DoRA layers (FULL sync sends them merged)."""
+    peft = is_peft_model(model)
+    keys = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if peft and any(part.startswith("lora_") for part in name.split(".")):
+            stem = name.split(".lora_")[0]
+            keys.add(f"{stem}.base_layer.weight")
+            keys.add(f"{stem}.base_layer.bias")
+            continue
+        keys.add(name)
+    return keys
+
+
 def full_export(
     model: Any,
     *,
     dtype: torch.dtype | None = None,
     name_map: Callable[[str], str] | None = None,
+    changed_only: bool = False,
 ) -> FullExport:
     """The model's weights as the rollout servers load them, as a stream: LoRA/DoRA merged, PEFT
     names stripped, tied duplicates dropped, floating tensors cast to `dtype` (None = as trained),
-    renamed by `name_map`. Planning touches metadata only; the model's parameters are
-    bit-identical after the stream was consumed (or abandoned)."""
+    renamed by `name_map`. `changed_only`: only what training can change (`changed_keys`), so a
+    frozen vision tower or frozen embeddings are never resent; the server keeps the rest. Planning
+    touches metadata only; the model's parameters are bit-identical after the stream was consumed
+    (or abandoned)."""
+    keep = changed_keys(model) if changed_only else None
     peft = is_peft_model(model)
     adapter = active_adapter(model) if peft else "default"
     lora: dict[str, tuple[Any, str]] = {}  # state-dict key of a base-layer parameter -> (layer, prefix)
@@ -226,6 +274,8 @@ def full_export(
     seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
     entries = []
     for key, t in model.state_dict(keep_vars=False).items():
+        if keep is not None and key not in keep:
+            continue
         name = hf_name(key, adapter) if peft else key
         if name is None:
             continue

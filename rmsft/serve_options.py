@@ -18,6 +18,7 @@ def serve_options(job: RolloutMatchingJob, *, gpus: bool) -> dict[str, Any]:
     CPU backend would read it as a fraction of the NUMA node's RAM; `kvCacheBytes` (or the server's
     CPU default) sizes the KV cache instead."""
     r = job.spec.rollout
+    vision = job.spec.model.vision
     return {
         "backend": r.engine,
         "tensor_parallel_size": r.tensor_parallel_size,
@@ -32,4 +33,10 @@ def serve_options(job: RolloutMatchingJob, *, gpus: bool) -> dict[str, Any]:
         "seed": job.spec.training.rollout.seed,
         # Headroom over the learner's frame size for each piece's header.
         "max_frame_bytes": 2 * job.spec.sync.frame_bytes,
+        # Images become the same tokens on the servers as in the learner's processor.
+        "model_impl": r.model_impl,
+        "min_pixels": vision.min_pixels or 0,
+        "max_pixels": vision.max_pixels or 0,
+        "max_images_per_prompt": vision.max_images_per_prompt,
+        "max_image_pixels": vision.max_image_pixels,
     }

@@ -207,8 +207,8 @@ class StreamReader:
             lo, hi = len(self.expected) - len(self.optional), len(self.expected)
             if not lo <= header.tensor_count <= hi:
                 raise WireError(
-                    f"FULL update announces {header.tensor_count} tensors but the model has "
-                    f"{lo}; a FULL update must carry every checkpoint tensor",
+                    f"FULL update announces {header.tensor_count} tensors; the receiver takes {lo} to {hi} "
+                    f"(the model has {hi}, and {lo} were changed by earlier updates and must be sent again)",
                     reason="count",
                 )
         self._digest = PipelinedDigest(header.digest_algorithm)

@@ -28,6 +28,13 @@ class ServeConfig:
     enforce_eager: bool | None = None  # None = True on CPU, False on GPU
     dtype: str = "auto"
     seed: int = 0
+    # Vision-language models (ignored for text models): how images become tokens, identical to the
+    # learner's processor settings (both from spec.model.vision).
+    model_impl: str = "auto"  # auto | vllm | transformers (see vllm_engine.model_impl_for)
+    min_pixels: int = 0  # 0 = the processor's own
+    max_pixels: int = 0
+    max_images_per_prompt: int = 4
+    max_image_pixels: int = 50_000_000
     host: str = "0.0.0.0"
     port: int = 50051
     metrics_port: int = 9400  # 0 = no metrics endpoint
@@ -85,6 +92,13 @@ class ServeConfig:
             problems.append("kv_cache_bytes must be >= 0 (0 = auto)")
         if self.tensor_parallel_size < 1:
             problems.append("tensor_parallel_size must be >= 1")
+        if self.model_impl not in ("auto", "vllm", "transformers"):
+            problems.append(f"model_impl must be auto, vllm or transformers, got {self.model_impl!r}")
+        if self.min_pixels < 0 or self.max_pixels < 0 or (self.min_pixels and self.max_pixels
+                                                          and self.min_pixels > self.max_pixels):
+            problems.append(f"pixel bounds must be >= 0 with min <= max, got {self.min_pixels}..{self.max_pixels}")
+        if self.max_images_per_prompt < 0 or self.max_image_pixels < 1:
+            problems.append("max_images_per_prompt must be >= 0 and max_image_pixels >= 1")
         if self.max_concurrent_requests < 1:
             problems.append("max_concurrent_requests must be >= 1")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -111,6 +125,13 @@ _HELP = {
     "enforce_eager": "skip CUDA graphs / compilation (default: on for CPU, off for GPU)",
     "dtype": "model dtype for vLLM (auto = checkpoint dtype)",
     "seed": "engine seed (per-request seeds still win)",
+    "model_impl": "vLLM model implementation: auto = native, except vision-language models on the CPU backend, "
+    "which need the Transformers backend (vLLM's native Qwen-VL code needs torchvision); vllm | transformers force one",
+    "min_pixels": "smallest resized image area in pixels for vision-language models (0 = the processor's own); "
+    "must equal the learner's",
+    "max_pixels": "largest resized image area in pixels (0 = the processor's own); must equal the learner's",
+    "max_images_per_prompt": "images one prompt may carry (vLLM's limit_mm_per_prompt); more are refused",
+    "max_image_pixels": "largest source image (width x height) accepted; larger ones are refused before decoding",
     "host": "address to listen on",
     "port": "gRPC port; startup fails when it is taken",
     "metrics_port": "Prometheus /metrics port (0 = off)",

@@ -14,6 +14,19 @@ class EngineError(RuntimeError):
     """The engine failed (start, generate or apply); the message says what to do about it."""
 
 
+class EngineInputError(EngineError):
+    """The engine refused the request itself (e.g. a prompt that expands past max_model_len once its
+    images are tokenized): sending it again, anywhere, cannot help."""
+
+
+@dataclass(frozen=True)
+class VisionLimits:
+    """What a vision-language engine accepts per prompt (None on an engine for text models)."""
+
+    max_images_per_prompt: int
+    max_image_pixels: int
+
+
 @dataclass(frozen=True)
 class Sampling:
     max_tokens: int
@@ -83,10 +96,19 @@ def checkpoint_table(model_dir: str | Path) -> dict[str, TensorSpec]:
     return table
 
 
-def tied_lm_head(model_dir: str | Path) -> bool:
+def model_config(model_dir: str | Path) -> dict:
     try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        return json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
-        return False
+        return {}
+
+
+def is_vision_language(model_dir: str | Path) -> bool:
+    """A model folder whose config has a vision tower (Qwen-VL and friends)."""
+    return "vision_config" in model_config(model_dir)
+
+
+def tied_lm_head(model_dir: str | Path) -> bool:
+    cfg = model_config(model_dir)
     text = cfg.get("text_config", cfg)
     return bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))

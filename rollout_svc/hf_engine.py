@@ -5,7 +5,7 @@ prompt at a time because `generate` has no per-row seed."""
 from __future__ import annotations
 
 from rollout_svc.config import ServeConfig
-from rollout_svc.engine import EngineError, GenItem, GenOutput
+from rollout_svc.engine import EngineError, GenItem, GenOutput, is_vision_language
 
 
 class HfEngine:
@@ -17,6 +17,10 @@ class HfEngine:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if is_vision_language(cfg.model):
+            raise EngineError(f"--backend hf serves text models only; {cfg.model} is a vision-language model: "
+                              "serve it with --backend vllm (spec.rollout.engine: vllm)")
+        self.vision = None
         self.model = cfg.model
         self.tensor_parallel_size = 1
         self.max_model_len = cfg.max_model_len

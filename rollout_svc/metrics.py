@@ -7,6 +7,7 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 12
 
 REQUESTS = Counter("rmsft_rollout_requests_total", "gRPC calls handled", ["method", "code"])
 PROMPTS = Counter("rmsft_rollout_prompts_total", "Prompts generated")
+IMAGES = Counter("rmsft_rollout_images_total", "Images in the prompts generated")
 PROMPT_TOKENS = Counter("rmsft_rollout_prompt_tokens_total", "Prompt tokens processed")
 GENERATED_TOKENS = Counter("rmsft_rollout_generated_tokens_total", "Completion tokens generated")
 GENERATE_SECONDS = Histogram(

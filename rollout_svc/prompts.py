@@ -35,54 +35,83 @@ def sampling_of(sp: rollout_pb2.SamplingParams, seed: int | None) -> Sampling:
     )
 
 
-def _image(img: rollout_pb2.Image):
-    from PIL import Image
+def _image(img: rollout_pb2.Image, max_pixels: int, where: str):
+    """Decode one image, refusing an oversized one from its header alone (before decoding it)."""
+    from PIL import Image, UnidentifiedImageError
 
     kind = img.WhichOneof("source")
     try:
         if kind == "data":
-            return Image.open(io.BytesIO(img.data)).convert("RGB")
-        if kind == "uri":
+            src = io.BytesIO(img.data)
+        elif kind == "uri":
             path = img.uri.removeprefix("file://")
             if "://" in path:
-                raise PromptError(f"image uri {img.uri!r}: only local paths / file:// are served")
-            return Image.open(Path(path)).convert("RGB")
+                raise PromptError(f"{where}: image uri {img.uri!r}: only local paths / file:// are served")
+            src = Path(path)
+        else:
+            raise PromptError(f"{where}: image without data or uri")
+        with Image.open(src) as im:  # reads the header only
+            w, h = im.size
+            if w * h > max_pixels:
+                raise PromptError(f"{where}: image of {w}x{h} = {w * h} pixels exceeds the server's limit of "
+                                  f"{max_pixels} (--max-image-pixels, spec.model.vision.maxImagePixels)")
+            return im.convert("RGB")
     except PromptError:
         raise
-    except Exception as e:
-        raise PromptError(f"cannot decode image: {e}") from e
-    raise PromptError("image without data or uri")
+    except FileNotFoundError:
+        raise PromptError(f"{where}: image file {img.uri!r} does not exist on the server") from None
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise PromptError(f"{where}: cannot decode image: {type(e).__name__}: {e}") from None
+
+
+def _with_images(msgs: list[dict], n: int) -> list[dict]:
+    """Images go before the text of the first user message (the learner renders the same way:
+    learner/vision.py); the processor expands each placeholder to the image's token count."""
+    out = [dict(m) for m in msgs]
+    i = next((k for k, m in enumerate(out) if m["role"] == "user"), None)
+    if i is None:
+        raise PromptError("images need a user message to go with")
+    out[i]["content"] = [{"type": "image"}] * n + [{"type": "text", "text": out[i]["content"]}]
+    return out
 
 
 def build_items(request: rollout_pb2.GenerateRequest, engine) -> list[GenItem]:
     if not request.prompts:
         raise PromptError("GenerateRequest has no prompts")
+    limits = getattr(engine, "vision", None)
     items = []
     for i, p in enumerate(request.prompts):
+        where = f"prompt {i}" + (f" ({p.request_id})" if p.request_id else "")
         s = sampling_of(request.sampling, p.seed if p.HasField("seed") else None)
-        images = [_image(img) for img in p.images]
+        if p.images:
+            if p.token_ids:
+                raise PromptError(f"{where}: images need messages, not token_ids (the server renders the image "
+                                  "tokens with its processor)")
+            if limits is None:
+                raise PromptError(f"{where}: carries {len(p.images)} image(s) but {engine.model} is not a "
+                                  "vision-language model")
+            if len(p.images) > limits.max_images_per_prompt:
+                raise PromptError(f"{where}: carries {len(p.images)} images; the server accepts at most "
+                                  f"{limits.max_images_per_prompt} per prompt (--max-images-per-prompt, "
+                                  "spec.model.vision.maxImagesPerPrompt)")
+        images = [_image(img, limits.max_image_pixels, where) for img in p.images] if p.images else []
         text = None
         if p.token_ids:
             ids = list(p.token_ids)
         elif p.messages:
             msgs = [{"role": m.role, "content": m.content} for m in p.messages]
             if images:
-                # Multimodal models: the engine's processor expands image placeholders itself.
-                msgs[0] = {"role": msgs[0]["role"],
-                           "content": [{"type": "image"}] * len(images)
-                           + [{"type": "text", "text": msgs[0]["content"]}]}
-                text = engine.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+                text = engine.tokenizer.apply_chat_template(_with_images(msgs, len(images)), tokenize=False,
+                                                            add_generation_prompt=True)
                 ids = []
             else:
                 ids = engine.render_chat(msgs)
         else:
-            raise PromptError(f"prompt {i} has neither token_ids nor messages")
-        if images and p.token_ids:
-            raise PromptError(f"prompt {i}: images need messages (the server renders the image tokens)")
+            raise PromptError(f"{where} has neither token_ids nor messages")
         bad = [t for t in ids if t >= engine.vocab_size]
         if bad:
-            raise PromptError(f"prompt {i} has token ids outside the vocabulary (size {engine.vocab_size}): {bad[:5]}")
+            raise PromptError(f"{where} has token ids outside the vocabulary (size {engine.vocab_size}): {bad[:5]}")
         if len(ids) + 1 > engine.max_model_len:
-            raise PromptError(f"prompt {i} has {len(ids)} tokens; max_model_len is {engine.max_model_len}")
+            raise PromptError(f"{where} has {len(ids)} tokens; max_model_len is {engine.max_model_len}")
         items.append(GenItem(ids, s, images, text))
     return items

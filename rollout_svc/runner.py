@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_svc import metrics
-from rollout_svc.engine import Engine, GenItem, GenOutput
+from rollout_svc.engine import Engine, EngineInputError, GenItem, GenOutput
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,13 @@ class EngineRunner:
         metrics.INFLIGHT.set(len(runnable))
         try:
             outs = self.engine.generate(items)
+        except EngineInputError as e:
+            if len(runnable) > 1:  # one call's bad prompt must not fail the calls merged with it
+                for job in runnable:
+                    self._run_generate([job])
+                return
+            runnable[0].future.set_exception(e)
+            return
         except BaseException as e:
             for job in runnable:
                 job.future.set_exception(e)

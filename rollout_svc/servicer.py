@@ -17,7 +17,7 @@ from rmsft.serving_dtype import SERVE_DTYPES, served_spec, serving_dtype_name
 from rmsft.weights_wire import ADAPTER, FULL, WireError
 from rollout_svc import metrics
 from rollout_svc.config import ServeConfig
-from rollout_svc.engine import EngineError, checkpoint_table, tied_lm_head
+from rollout_svc.engine import EngineError, EngineInputError, checkpoint_table, tied_lm_head
 from rollout_svc.prompts import PromptError, build_items
 from rollout_svc.runner import EngineRunner, VersionMismatch
 from rollout_svc.staging import (
@@ -63,6 +63,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._adapter_dir: str | None = None
         self._rollback: StagedWeights | None = None  # last applied FULL stream
         self._rollback_is_checkpoint = True  # no FULL applied yet: the checkpoint is the rollback
+        # Tensors FULL updates have changed since the checkpoint loaded; every later FULL update must
+        # carry them (so the last stream alone, over the checkpoint, rebuilds the served weights).
+        self._full_names: frozenset[str] = frozenset()
         self._broken = ""
         self._on_broken = on_broken
         self._last_applied: list = []
@@ -127,6 +130,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         except VersionMismatch as e:
             self._finish("Generate", context, grpc.StatusCode.FAILED_PRECONDITION,
                          f"{e}; sync weights first or drop expected_weight_version")
+        except EngineInputError as e:
+            self._finish("Generate", context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineError as e:
             self._finish("Generate", context, grpc.StatusCode.INTERNAL, str(e))
         finally:
@@ -145,6 +150,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             n_prompt += len(out.prompt_token_ids)
             n_gen += len(out.token_ids)
         metrics.PROMPTS.inc(len(outs))
+        metrics.IMAGES.inc(sum(len(p.images) for p in request.prompts))
         metrics.PROMPT_TOKENS.inc(n_prompt)
         metrics.GENERATED_TOKENS.inc(n_gen)
         metrics.GENERATE_SECONDS.observe(time.perf_counter() - t0)
@@ -176,7 +182,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     def _expected_for(self, header):
         if header.mode == FULL:
-            return full_expectation(dict(self._full_table), self._tied)
+            return full_expectation(dict(self._full_table), self._tied, self._full_names)
         return adapter_expectation(self._table, json.loads(header.adapter_config_json)), set(), False
 
     def UpdateWeights(self, request_iterator, context):
@@ -247,6 +253,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     def _apply_full(self, staged: StagedWeights) -> None:
         t0 = time.perf_counter()
+        names = frozenset(t.name for t in staged.tensors)
         try:
             self.engine.apply_full(staged.index_path)
         except EngineError as e:
@@ -259,6 +266,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 staged.cleanup()
                 raise
             try:
+                # Tensors the failed update named that no earlier update did still hold checkpoint
+                # values before it: reload the checkpoint first, then the last stream on top.
+                if prev is not None and names - self._full_names:
+                    self.engine.apply_full(None)
                 self.engine.apply_full(prev)
                 if self._adapter_dir:  # the reload dropped the adapter that belongs to this version
                     self.engine.apply_adapter(self._adapter_dir, next(self._adapter_ids),
@@ -272,6 +283,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             staged.cleanup()
             raise
         self.engine.reset_prefix_cache()
+        self._full_names = self._full_names | names
         if self._rollback is not None:
             self._rollback.cleanup()
         self._rollback_is_checkpoint = False

@@ -156,37 +156,45 @@ class Stager:
                                 code="RESOURCE_EXHAUSTED", reason="staging_space") from e
 
 
-def full_expectation(table: dict[str, TensorSpec], tied: bool):
-    """FULL: every checkpoint tensor; a tied `lm_head.weight` may come along and is ignored."""
-    optional: set[str] = set()
+def full_expectation(table: dict[str, TensorSpec], tied: bool, required: set[str] | frozenset[str] = frozenset()):
+    """FULL: any subset of the checkpoint's tensors that holds every name in `required` (the tensors
+    earlier FULL updates changed: leaving one out would leave it at a value no rollback copy holds).
+    Tensors left out keep their current values: the learner does not resend what cannot have changed
+    (a frozen vision tower). A tied `lm_head.weight` may come along and is ignored."""
     if tied and "lm_head.weight" not in table:
         for emb in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"):
             if emb in table:
                 table = {**table, "lm_head.weight": table[emb]}
-                optional.add("lm_head.weight")
                 break
-    return table, optional, True
+    return table, set(table) - set(required), True
 
 
 def adapter_expectation(table: dict[str, TensorSpec], config: dict) -> dict[str, TensorSpec]:
     """LoRA A/B tensors PEFT would save for each 2-D checkpoint weight, shaped by the config rank.
 
     Dtypes are checked only for being floating point ("*"): adapters are often kept in F32 on
-    top of a BF16 base.
+    top of a BF16 base. PEFT names modules as the model class does, which is not always the
+    checkpoint's layout: Qwen2-VL/Qwen2.5-VL checkpoints hold `model.layers.*` for what the model
+    calls `model.language_model.layers.*` (vLLM's LoRA loader maps both), so both are accepted.
     """
     r = int(config.get("r", 0))
     per_module_rank = bool(config.get("rank_pattern"))
+    vision_language = any(n.startswith(("visual.", "model.visual.")) for n in table)
     out: dict[str, TensorSpec] = {}
     for name, spec in table.items():
         if not name.endswith(".weight") or len(spec.shape) != 2:
             continue
         stem = name[: -len(".weight")]
+        stems = [stem]
+        if vision_language and stem.startswith("model.layers."):
+            stems.append("model.language_model." + stem.removeprefix("model."))
         rows, cols = spec.shape
         a_shape = (-1 if per_module_rank else r, cols)
         b_shape = (rows, -1 if per_module_rank else r)
         for prefix in ("base_model.model.", ""):
-            out[f"{prefix}{stem}.lora_A.weight"] = TensorSpec("*", a_shape)
-            out[f"{prefix}{stem}.lora_B.weight"] = TensorSpec("*", b_shape)
+            for st in stems:
+                out[f"{prefix}{st}.lora_A.weight"] = TensorSpec("*", a_shape)
+                out[f"{prefix}{st}.lora_B.weight"] = TensorSpec("*", b_shape)
     return out
 
 

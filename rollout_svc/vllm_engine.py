@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from rollout_svc.config import ServeConfig
-from rollout_svc.engine import EngineError, GenItem, GenOutput
+from rollout_svc.engine import EngineError, EngineInputError, GenItem, GenOutput, VisionLimits, is_vision_language
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,28 @@ def _explain(e: BaseException) -> str:
     return text
 
 
+def model_impl_for(setting: str, *, vision_language: bool, on_gpu: bool) -> str:
+    """vLLM's `model_impl`. vLLM's native Qwen-VL implementations import torchvision, which CPU
+    machines cannot install (../shared/ENV.md): there a vision-language model runs through vLLM's
+    Transformers backend. GPUs (with torchvision) keep the native implementation."""
+    if setting != "auto":
+        return setting
+    return "transformers" if vision_language and not on_gpu else "auto"
+
+
+def _vision_kwargs(cfg: ServeConfig, *, on_gpu: bool) -> dict:
+    """Engine arguments of a vision-language model: the implementation, the per-prompt image limit,
+    and the processor's pixel bounds (the learner's processor uses the same, from spec.model.vision)."""
+    kwargs = {
+        "model_impl": model_impl_for(cfg.model_impl, vision_language=True, on_gpu=on_gpu),
+        "limit_mm_per_prompt": {"image": cfg.max_images_per_prompt},
+    }
+    size = {k: v for k, v in (("shortest_edge", cfg.min_pixels), ("longest_edge", cfg.max_pixels)) if v}
+    if size:
+        kwargs["mm_processor_kwargs"] = {"size": size}
+    return kwargs
+
+
 class VllmEngine:
     backend = "vllm"
 
@@ -69,6 +91,12 @@ class VllmEngine:
             worker_extension_cls="rollout_svc.worker_ext.RmsftWorkerExtension",
         )
         kwargs.update(_memory_kwargs(cfg, on_gpu=torch.cuda.is_available()))
+        self.vision = None
+        if is_vision_language(cfg.model):
+            kwargs.update(_vision_kwargs(cfg, on_gpu=torch.cuda.is_available()))
+            self.vision = VisionLimits(cfg.max_images_per_prompt, cfg.max_image_pixels)
+        elif cfg.model_impl != "auto":
+            kwargs["model_impl"] = cfg.model_impl
         if cfg.enable_lora:
             kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
         try:
@@ -103,6 +131,8 @@ class VllmEngine:
                 prompts.append({"prompt_token_ids": it.prompt_token_ids})
         try:
             outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora)
+        except ValueError as e:  # vLLM's input checks (e.g. a prompt longer than max_model_len)
+            raise EngineInputError(f"vLLM refused the prompt: {e}") from e
         except Exception as e:
             raise EngineError(f"vLLM generate failed: {_explain(e)}") from e
         return [
@@ -151,7 +181,12 @@ class VllmEngine:
             self._lora = None
 
     def reset_prefix_cache(self) -> None:
+        """Forget what the old weights computed: cached prefixes, and the vision encoder's outputs (an
+        image seen before a reload would otherwise reuse stale features; on the CPU backend the next
+        request with such an image killed the engine with "Encoder cache miss")."""
         self.llm.reset_prefix_cache()
+        if self.vision is not None:
+            self.llm.llm_engine.reset_encoder_cache()
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)

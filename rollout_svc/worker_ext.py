@@ -24,7 +24,8 @@ class RmsftWorkerExtension:
         return count
 
 
-_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+# Checkpoint names of the input embedding: text models and Qwen2.5-VL, then Qwen3-VL.
+_EMBEDS, _HEAD = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"), "lm_head.weight"
 
 
 def _tied_head(worker, weights: list) -> list:
@@ -35,8 +36,11 @@ def _tied_head(worker, weights: list) -> list:
     runner = getattr(worker, "model_runner", None)
     config = getattr(getattr(runner, "model_config", None), "hf_config", None)
     if not getattr(config, "tie_word_embeddings", False):
-        return []
+        text = getattr(config, "get_text_config", None)
+        if text is None or not getattr(text(), "tie_word_embeddings", False):
+            return []
     names = {name for name, _ in weights}
-    if _EMBED not in names or _HEAD in names:
+    embed = next((e for e in _EMBEDS if e in names), None)
+    if embed is None or _HEAD in names:
         return []
-    return [(_HEAD, next(t for name, t in weights if name == _EMBED))]
+    return [(_HEAD, next(t for name, t in weights if name == embed))]

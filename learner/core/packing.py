@@ -8,8 +8,13 @@ Public API
   `coord_bins` ([n], positions already shifted by each segment's offset), `segments`
   (`SegmentInfo(offset, length, coord_start, coord_end, meta)`), `fill`. `.to(device)`;
   `model(**row.model_inputs())` runs it (no attention mask, `use_cache=False`: both required).
+  Vision-language rows (every segment carries `Segment.vision`): `position_ids` has shape
+  [4, 1, L] (row 0 the text positions restarting per segment, rows 1-3 the segments' M-RoPE
+  positions concatenated), and `pixel_values` / `image_grid_thw` hold the row's images in segment
+  order (None when no segment has one); `model_inputs()` passes them on.
 - Errors: `SegmentTooLongError` (a segment longer than packing_length), `BufferFullError`
   (adding would hold more than packing_buffer segments); nothing is added when either is raised.
+  `MixedVisionError`: segments with and without `vision` in one `pack` call or one packer.
 
 Selection: the oldest segment is always taken (nothing starves); the rest of the row is an exact
 subset-sum over the other buffered segments (a bitset DP over lengths: the buffer is small, the
@@ -43,6 +48,10 @@ class BufferFullError(PackingError):
     pass
 
 
+class MixedVisionError(PackingError):
+    pass
+
+
 @dataclass(frozen=True)
 class SegmentInfo:
     offset: int
@@ -64,6 +73,9 @@ class PackedRow:
     # Positions whose label is supervised, known when packing: the loss then needs no
     # `nonzero` on the device (a host sync per row on a GPU).
     ce_positions: torch.Tensor | None = None
+    # Vision-language rows with images: the images of all segments, in segment order.
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -72,8 +84,14 @@ class PackedRow:
     def model_inputs(self) -> dict:
         """Forward kwargs for a transformers causal LM. No attention mask and no cache: that is
         what makes transformers (>= 5) derive the block-causal mask from the restarting
-        `position_ids`; with a cache object present it silently attends across segments."""
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+        `position_ids`; with a cache object present it silently attends across segments.
+        Qwen-VL models take the [4, 1, L] ids: row 0 (the restarts) builds the mask, rows 1-3 the
+        rotary embedding; given position ids they skip computing their own M-RoPE positions."""
+        out = {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+        if self.pixel_values is not None:
+            out["pixel_values"] = self.pixel_values
+            out["image_grid_thw"] = self.image_grid_thw
+        return out
 
     def to(self, device: torch.device | str) -> PackedRow:
         return PackedRow(
@@ -85,6 +103,8 @@ class PackedRow:
             self.segments,
             self.fill,
             None if self.ce_positions is None else self.ce_positions.to(device),
+            None if self.pixel_values is None else self.pixel_values.to(device),
+            None if self.image_grid_thw is None else self.image_grid_thw.to(device),
         )
 
 
@@ -108,16 +128,48 @@ def pack(segments: Sequence[Segment], packing_length: int | None = None) -> Pack
         cbins.extend(seg.coord_bins)
         infos.append(SegmentInfo(off, len(seg), c0, len(cpos), dict(seg.meta)))
     cap = packing_length or len(ids)
+    text_pos = torch.tensor([pos], dtype=torch.long)
+    position_ids, pixel_values, image_grid_thw = _vision_inputs(segments, text_pos)
     return PackedRow(
         input_ids=torch.tensor([ids], dtype=torch.long),
-        position_ids=torch.tensor([pos], dtype=torch.long),
+        position_ids=position_ids,
         labels=torch.tensor([labels], dtype=torch.long),
         coord_positions=torch.tensor(cpos, dtype=torch.long),
         coord_bins=torch.tensor(cbins, dtype=torch.long),
         segments=tuple(infos),
         fill=len(ids) / cap,
         ce_positions=torch.tensor([i for i, lab in enumerate(labels) if lab != IGNORE_INDEX], dtype=torch.long),
+        pixel_values=pixel_values,
+        image_grid_thw=image_grid_thw,
     )
+
+
+def _vision_inputs(
+    segments: Sequence[Segment], text_pos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(position_ids, pixel_values, image_grid_thw) of a row: [1, L] ids and no images for text
+    segments; [4, 1, L] ids and the images in segment order when the segments carry vision."""
+    with_vision = sum(s.vision is not None for s in segments)
+    if with_vision == 0:
+        return text_pos, None, None
+    if with_vision != len(segments):
+        # A text segment's missing M-RoPE rows cannot be guessed here without knowing the model;
+        # filling them wrongly would train on wrong positions without any error.
+        raise MixedVisionError(
+            f"{with_vision} of {len(segments)} segments carry vision inputs (M-RoPE positions): in a "
+            "vision-language row every segment needs them, text-only ones too (learner.vision computes them)"
+        )
+    visions = [s.vision for s in segments]
+    mrope = torch.cat([v.mrope_positions.to(torch.long) for v in visions], dim=1)
+    # Row 0 (restarting per segment) is what transformers derives the block-causal mask from; rows
+    # 1-3 are the rotary positions. Without row 0 the mask would be causal over the whole row.
+    position_ids = torch.cat([text_pos, mrope], dim=0)[:, None, :]
+    with_images = [v for v in visions if v.pixel_values is not None]
+    if not with_images:
+        return position_ids, None, None
+    pixel_values = torch.cat([v.pixel_values for v in with_images], dim=0)
+    image_grid_thw = torch.cat([v.image_grid_thw for v in with_images], dim=0)
+    return position_ids, pixel_values, image_grid_thw
 
 
 def select_indices(lengths: Sequence[int], capacity: int) -> list[int]:
@@ -184,6 +236,12 @@ class Packer:
                     f"segment of {len(s)} tokens (prompt {s.prompt_len}) exceeds packing_length "
                     f"{self.packing_length}; raise packing_length or lower max_tokens/max prompt length"
                 )
+        if len({s.vision is not None for s in [*self._buf, *new]}) > 1:
+            # Refused here, not when a row is packed, so the buffer never holds a row it cannot pack.
+            raise MixedVisionError(
+                "segments with and without vision inputs cannot share a packer: a vision-language "
+                "model's segments all need M-RoPE positions (learner.vision computes them)"
+            )
         if len(self._buf) + len(new) > self.packing_buffer:
             raise BufferFullError(
                 f"packing buffer would hold {len(self._buf) + len(new)} segments, more than "

@@ -8,6 +8,10 @@ Public API
   and the target bin), `prompt_len`, `prefix_len`, `meta` counters. Positions index the *target*
   token; the loss reads the logits one position earlier.
 - `check_prompt_ids(teacher_forced, rollout)`: raises `PromptMismatchError` if they differ.
+- `SegmentVision(mrope_positions, pixel_values=None, image_grid_thw=None)`: what a segment of a
+  vision-language model carries besides its ids (`Segment.vision`, None for text-only models). The
+  core only validates shapes, carries it and concatenates it (packing); the learner computes it
+  (`learner.vision`). Attach it with `dataclasses.replace(segment, vision=...)`.
 
 Y_train = prompt + prefix_ids (the rollout's own) + encode(", " + FN entries numbered from
 max_object_index + 1 + "}") + [eos]. Supervision:
@@ -24,6 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from learner.core.codec import COORDEXP, DetObject, OutputFormat
 from learner.core.match import MatchResult
@@ -46,6 +52,60 @@ class TargetConfig:
     supervise_fn_desc: bool = False
 
 
+@dataclass(frozen=True, eq=False)
+class SegmentVision:
+    """A vision-language segment's model inputs besides its ids, as CPU tensors.
+
+    `mrope_positions` [3, len]: the (temporal, height, width) rotary positions of every token of the
+    whole segment, prompt and response (response positions continue after the images' positions,
+    so they cannot be derived from the prompt alone); text-only segments of a vision-language model
+    carry them too. `pixel_values` [patches, features] and `image_grid_thw` [images, 3], both or
+    neither: the segment's images in prompt order. Tensors survive `torch.save` and pickling, so a
+    checkpoint's packer carry buffer keeps them.
+    """
+
+    mrope_positions: torch.Tensor
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        m = self.mrope_positions
+        if not isinstance(m, torch.Tensor) or m.ndim != 2 or m.shape[0] != 3 or m.is_floating_point():
+            raise TargetError(f"mrope_positions must be an integer tensor of shape [3, len], got {_shape(m)}")
+        if (self.pixel_values is None) != (self.image_grid_thw is None):
+            raise TargetError("pixel_values and image_grid_thw go together: give both or neither")
+        if self.image_grid_thw is not None:
+            g, pv = self.image_grid_thw, self.pixel_values
+            if g.ndim != 2 or g.shape[1] != 3 or g.shape[0] < 1 or g.is_floating_point():
+                raise TargetError(f"image_grid_thw must be an integer tensor of shape [images, 3], got {_shape(g)}")
+            if pv.ndim < 1 or pv.shape[0] < 1:
+                raise TargetError(f"pixel_values must have a leading patch dimension, got {_shape(pv)}")
+
+    def __eq__(self, other: object) -> bool:
+        # Field-wise tensor `==` is elementwise (and ambiguous as a bool): compare values instead, so
+        # a segment restored from a checkpoint equals the one saved.
+        if not isinstance(other, SegmentVision):
+            return NotImplemented
+        return all(
+            (a is None and b is None) or (a is not None and b is not None and a.shape == b.shape and torch.equal(a, b))
+            for a, b in (
+                (self.mrope_positions, other.mrope_positions),
+                (self.pixel_values, other.pixel_values),
+                (self.image_grid_thw, other.image_grid_thw),
+            )
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # tensors compare by value: not hashable
+
+    @property
+    def n_images(self) -> int:
+        return 0 if self.image_grid_thw is None else int(self.image_grid_thw.shape[0])
+
+
+def _shape(x: object) -> str:
+    return str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
 @dataclass(frozen=True)
 class Segment:
     input_ids: tuple[int, ...]
@@ -55,11 +115,18 @@ class Segment:
     prompt_len: int
     prefix_len: int
     meta: dict = field(default_factory=dict)
+    # Vision-language models only (None for text-only ones): see SegmentVision.
+    vision: SegmentVision | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
 
     def __post_init__(self) -> None:
+        if self.vision is not None and self.vision.mrope_positions.shape[1] != len(self.input_ids):
+            raise TargetError(
+                f"mrope_positions cover {self.vision.mrope_positions.shape[1]} tokens but the segment has "
+                f"{len(self.input_ids)}: compute them for the whole segment (prompt and response)"
+            )
         if len(self.labels) != len(self.input_ids):
             raise TargetError("labels and input_ids differ in length")
         if len(self.coord_positions) != len(self.coord_bins):
