@@ -215,11 +215,17 @@ class ImageStore:
             except IsADirectoryError:
                 raise _Problem(f"{fp} is a folder, not an image file") from None
             except UnidentifiedImageError:
+                fmt = _sniff(data if data is not None else source.inline, source.path)
+                if fmt:  # PIL hides why its plugin gave up; the signature tells a cut file from a non-image
+                    raise _Problem(f"starts like a {fmt} file but its header is corrupt or truncated") from None
                 raise _Problem("is not an image PIL can read (not an image, or an unknown format)") from None
             except OSError as exc:
-                raise _Problem(f"cannot be read ({exc.strerror or _pil_reason(exc)})") from None
+                if exc.errno is not None:  # the system's: permissions, I/O error, ...
+                    raise _Problem(f"cannot be read ({exc.strerror or exc})") from None
+                # PIL's own OSError ("Truncated File Read"): the file ends inside its header.
+                raise _Problem(f"has a corrupt or truncated header ({_pil_reason(exc)})") from None
             except Exception as exc:  # a corrupt header: SyntaxError, struct.error, ValueError, ...
-                raise _Problem(f"has a corrupt header ({_pil_reason(exc)})") from None
+                raise _Problem(f"has a corrupt or truncated header ({_pil_reason(exc)})") from None
         width, height = im.size
         if width * height > self.max_image_pixels:
             im.close()
@@ -338,12 +344,30 @@ class ImageStore:
                 except IsADirectoryError:
                     raise _Problem(f"{source.path} is a folder, not an image file") from None
                 except OSError as exc:
-                    raise _Problem(f"cannot be read ({exc.strerror or _pil_reason(exc)})") from None
+                    raise _Problem(f"cannot be read ({exc.strerror or exc})") from None
             im = self._open(source, data)  # header of the bytes just read: the file may have changed
             im.close()
         except _Problem as exc:
             raise ImageError(f"{_where(record_id, ref)}: {exc}") from None
         return data, im.size[0], im.size[1]
+
+
+_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF8", "GIF"), (b"BM", "BMP"),
+               (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"))
+
+
+def _sniff(data: bytes | None, path: Path | None) -> str | None:
+    """The image format a file's first bytes announce, if any."""
+    if data is None and path is not None:
+        try:
+            with path.open("rb") as f:
+                data = f.read(16)
+        except OSError:
+            return None
+    head = (data or b"")[:16]
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "WebP"
+    return next((fmt for magic, fmt in _SIGNATURES if head.startswith(magic)), None)
 
 
 def _read_file(path: Path) -> bytes:

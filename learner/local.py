@@ -6,10 +6,12 @@ anything starts. The learner runs in this process on its GPU (or on CPUs); with 
 learner GPU it runs as `torchrun` ranks in a subprocess, whose output is streamed and kept in
 `<work-dir>/logs/learner.log`.
 
-A manifest annotated `rmsft.io/build-tiny-model: "true"` gets the tiny model built at
-`spec.model.path` when that folder is absent, and `rmsft.io/synthetic-records: "N"` gets N
-synthetic detection records written to `spec.training.data.path` when that file is absent: the
-shipped `configs/local-tiny.yaml` runs on a fresh machine with no downloads.
+A manifest annotated `rmsft.io/build-tiny-model: "true"` gets the tiny text model built at
+`spec.model.path` when that folder is absent (`"qwen3_vl"` or `"qwen2_5_vl"`: a tiny vision-language
+model), and `rmsft.io/synthetic-records: "N"` gets N synthetic detection records written to
+`spec.training.data.path` when that file is absent (`rmsft.io/synthetic-task: "visual"`: rendered
+images of shapes, the prompt giving nothing away). The shipped `configs/local-tiny-vl.yaml` and
+`configs/local-tiny.yaml` run on a fresh machine with no downloads.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("rmsft.local")
 BUILD_TINY_MODEL = "rmsft.io/build-tiny-model"
 SYNTHETIC_RECORDS = "rmsft.io/synthetic-records"
+SYNTHETIC_TASK = "rmsft.io/synthetic-task"
 AUTH_TOKEN_ENV = "RMSFT_AUTH_TOKEN"
 
 
@@ -64,17 +67,39 @@ def prepare_inputs(job: RolloutMatchingJob, console: Console) -> None:
     """Build the tiny model / synthetic data the manifest asks for, when they are absent."""
     notes = _annotations(job)
     model_dir = Path(job.spec.model.path)
-    if notes.get(BUILD_TINY_MODEL, "").lower() == "true" and not (model_dir / "config.json").exists():
-        from rmsft.tiny_model import build_tiny_model
-
+    build = notes.get(BUILD_TINY_MODEL, "").lower()
+    if build and build != "false" and not (model_dir / "config.json").exists():
         with console.status(f"building the tiny model in {model_dir}"):
-            build_tiny_model(model_dir, seed=job.spec.training.seed)
+            if build == "true":
+                from rmsft.tiny_model import build_tiny_model
+
+                build_tiny_model(model_dir, seed=job.spec.training.seed)
+            else:
+                from rmsft.tiny_vl import build_tiny_vl_model
+
+                try:
+                    build_tiny_vl_model(model_dir, arch=build, seed=job.spec.training.seed)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"metadata.annotations[{BUILD_TINY_MODEL!r}]: {exc} (or \"true\": a text model)"
+                    ) from None
+        console.print(f"built the tiny model in {model_dir}")
     data = Path(job.spec.training.data.path)
     if notes.get(SYNTHETIC_RECORDS) and not data.exists():
-        from learner.synthetic import write_synthetic_dataset
+        n = int(notes[SYNTHETIC_RECORDS])
+        task = notes.get(SYNTHETIC_TASK, "text")
+        if task == "visual":
+            from learner.synthetic import write_visual_dataset
 
-        write_synthetic_dataset(data, n=int(notes[SYNTHETIC_RECORDS]), seed=job.spec.training.seed)
-        console.print(f"wrote {notes[SYNTHETIC_RECORDS]} synthetic records to {data}")
+            with console.status(f"rendering {n} synthetic images for {data}"):
+                write_visual_dataset(data, n=n, seed=job.spec.training.seed)
+        elif task == "text":
+            from learner.synthetic import write_synthetic_dataset
+
+            write_synthetic_dataset(data, n=n, seed=job.spec.training.seed)
+        else:
+            raise ValueError(f"metadata.annotations[{SYNTHETIC_TASK!r}] must be \"text\" or \"visual\", got {task!r}")
+        console.print(f"wrote {n} synthetic {task} records to {data}")
 
 
 def machine_plan(job: RolloutMatchingJob) -> GpuPlan:

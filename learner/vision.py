@@ -92,8 +92,10 @@ def rope_model(model: torch.nn.Module) -> torch.nn.Module:
 def mm_token_type_ids(config: Any, input_ids: torch.Tensor) -> torch.Tensor:
     """Modality of each token (0 text, 1 image, 2 video), as the processor marks them: by token id."""
     types = torch.zeros_like(input_ids)
-    types[input_ids == config.image_token_id] = 1
-    types[input_ids == config.video_token_id] = 2
+    for kind, name in ((1, "image_token_id"), (2, "video_token_id")):
+        token = getattr(config, name, None)
+        if token is not None:
+            types[input_ids == token] = kind
     return types
 
 

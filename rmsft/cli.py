@@ -16,15 +16,26 @@ app.add_typer(dev_app, name="dev")
 def tiny_model(
     out_dir: Path = typer.Argument(..., help="Folder to write the tokenizer and weights to."),
     seed: int = typer.Option(0, help="Seed for the tokenizer corpus and the random weights."),
+    vl: bool = typer.Option(False, "--vl", help="A vision-language model (tiny Qwen-VL with a processor)."),
+    arch: str = typer.Option("qwen3_vl", help="With --vl: qwen3_vl or qwen2_5_vl."),
 ) -> None:
-    """Build a tiny random Qwen2 model with the CoordExp vocabulary (no downloads)."""
+    """Build a tiny random model with the CoordExp vocabulary (no downloads): a Qwen2 text model, or with
+    --vl a Qwen-VL model whose processor transformers and vLLM both load."""
     from rich.console import Console
 
-    from rmsft.tiny_model import build_tiny_model
-
     console = Console(stderr=True)
-    with console.status(f"building tiny model in {out_dir}"):
-        path = build_tiny_model(out_dir, seed=seed)
+    with console.status(f"building tiny {'vision-language ' if vl else ''}model in {out_dir}"):
+        if vl:
+            from rmsft.tiny_vl import build_tiny_vl_model
+
+            try:
+                path = build_tiny_vl_model(out_dir, arch=arch, seed=seed)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--arch") from None
+        else:
+            from rmsft.tiny_model import build_tiny_model
+
+            path = build_tiny_model(out_dir, seed=seed)
     console.print(f"[green]tiny model written to[/green] {path}")
 
 

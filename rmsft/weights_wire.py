@@ -319,7 +319,8 @@ class StreamReader:
         if self.require_all and self.expected is not None:
             missing = sorted(set(self.expected) - self._seen - self.optional)
             if missing:
-                raise WireError(f"FULL update lacks tensors {missing[:5]}", reason="count")
+                raise WireError(f"FULL update lacks tensors {missing[:5]} (changed by earlier updates, or required)",
+                               reason="count")
         if trailer.digest != self._digest.digest():
             raise WireError(
                 f"{digest_name(self.header.digest_algorithm)} digest of the received data does not match "
