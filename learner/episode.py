@@ -8,11 +8,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from learner.core.codec import DetObject
 from learner.core.match import MatchConfig, match
 from learner.core.parse import parse
-from learner.core.targets import Segment, TargetConfig, build_targets
+from learner.core.targets import PromptMismatchError, Segment, TargetConfig, build_targets
 from learner.core.vocab import VocabView
 from learner.data import Record
 
@@ -58,6 +59,53 @@ def ground_truth(record: Record) -> list[DetObject]:
         kind, coords = ("bbox_2d", o.bbox_2d) if o.bbox_2d is not None else ("poly", o.poly)
         out.append(DetObject.from_pixels(o.desc, kind, coords, record.width, record.height))
     return out
+
+
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+def vision_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids of the tokens that stand for image/video content in a Qwen-VL vocabulary."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    ids = (tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS)
+    return frozenset(int(i) for i in ids if i is not None and i != unk)
+
+
+def vision_safe_response(response: Sequence[int], vision_ids: frozenset[int]) -> list[int]:
+    """The response up to its first image/video token. A model may sample one (a young model samples
+    anything), but teacher-forcing it would ask the model for image features no image provides; cut
+    there, the parser sees a truncated answer and the targets complete it as they complete any other."""
+    for i, t in enumerate(response):
+        if t in vision_ids:
+            return list(response[:i])
+    return list(response)
+
+
+def check_rollout_prompts(records: Sequence[Record], learner_ids: Sequence[Sequence[int]],
+                          rollouts: Sequence[Any], tokenizer: Any) -> None:
+    """Refuse a rollout whose server rendered the prompt differently from the learner: training on it
+    would teacher-force a prompt the answer was not sampled from. The message says which record, which
+    server, where the ids part and what each side has there (decoded), and what usually causes it."""
+    for rec, mine, out in zip(records, learner_ids, rollouts, strict=True):
+        theirs = list(out.prompt_token_ids)
+        if list(mine) == theirs:
+            continue
+        i = next((k for k, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), min(len(mine), len(theirs)))
+        lo = max(0, i - 8)
+
+        def show(ids: Sequence[int], lo: int = lo, i: int = i) -> str:
+            return repr(tokenizer.decode(list(ids[lo : i + 8]), skip_special_tokens=False))
+
+        image_pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        hint = ""
+        if sum(t == image_pad for t in mine) != sum(t == image_pad for t in theirs):
+            hint = (" The image token counts differ: the server's processor resizes images differently (check that "
+                    "spec.model.vision minPixels/maxPixels reach both, and that both load the same processor).")
+        raise PromptMismatchError(
+            f"record {rec.id!r}: server {getattr(out, 'server', '?')} rendered a prompt of {len(theirs)} tokens, "
+            f"the learner {len(mine)}; they part at token {i}: learner {show(mine)} vs server {show(theirs)}.{hint} "
+            "Servers and learner must serve the same model folder (tokenizer, chat template, processor)."
+        )
 
 
 def build_segments(

@@ -160,6 +160,8 @@ def print_summary(summary, console: Console) -> None:
     table.add_row("weight version", str(summary.weight_version))
     table.add_row("rollout retries", str(summary.retries))
     table.add_row("wall time", f"{summary.wall_seconds:.1f}s")
+    if summary.pictures:
+        table.add_row("rollout pictures", f"{len(summary.pictures)} in {summary.pictures[0].parent}")
     total = sum(summary.phase_seconds.values()) or 1.0
     for name, sec in sorted(summary.phase_seconds.items(), key=lambda kv: -kv[1]):
         table.add_row(f"  {name}", f"{sec:.2f}s ({100 * sec / total:.0f}%)")

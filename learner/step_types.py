@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from learner.episode import EpisodeStats
 from learner.rollout_client import Rollout
@@ -41,6 +42,7 @@ class Summary:
     wall_seconds: float
     retries: int = 0
     history: list[StepResult] = field(default_factory=list)
+    pictures: list[Path] = field(default_factory=list)  # rollouts drawn on their images (vision-language runs)
 
 
 class DataOrder:

@@ -28,12 +28,22 @@ import torch
 from learner import metrics as m
 from learner import zero
 from learner.checkpoint import check_checkpoint_dir
+from learner.core.codec import bin_to_pixel
 from learner.core.losses import LossSums, loss_sums
 from learner.core.packing import PackedRow, Packer
+from learner.core.parse import parse
 from learner.core.rollout_buffer import RolloutBuffer
-from learner.data import Record, load_records
+from learner.data import Record, load_dataset
 from learner.distributed import Ranks, share_bounds
-from learner.episode import EpisodeStats, build_segments
+from learner.draw import RolloutPicture, save_rollout_pictures
+from learner.episode import (
+    EpisodeStats,
+    build_segments,
+    check_rollout_prompts,
+    vision_safe_response,
+    vision_token_ids,
+)
+from learner.images import ImageStore
 from learner.model import Policy, load_policy, prompt_ids
 from learner.rollout_client import Rollout, RolloutClient, RolloutRequest
 from learner.servers import ServerPool, ServersFile
@@ -42,6 +52,8 @@ from learner.step_types import DataOrder, StepResult, Summary
 from learner.sync_client import WeightSyncClient
 from learner.train_config import core_configs
 from learner.trainer_checkpoint import Checkpointer, TrainState
+from learner.vision import VisionPrompt, render_prompt, with_vision
+from learner.weight_export import checkpoint_name_map
 from rmsft.jobspec import RolloutMatchingJob
 
 __all__ = ["DataOrder", "StepResult", "Summary", "Trainer"]
@@ -120,11 +132,15 @@ class Trainer:
         with ranks.guard("loading the data and the model"):
             if cfg.deepspeed_stage:
                 zero.require_deepspeed(cfg.deepspeed_stage)
-            self.records: list[Record] = load_records(cfg.data.path)
+            vision = job.spec.model.vision
+            # Every image is opened and checked here, before anything is paid for.
+            self.images: ImageStore
+            self.records, self.images = load_dataset(cfg.data.path, cfg.data.image_root, vision.max_image_pixels)
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             self.device = torch.device(device) if device is not None else resolve_device(cfg.device)
-            self.policy: Policy = load_policy(model_path or job.spec.model.path, cfg, job.spec.model.dtype)
+            self.policy: Policy = load_policy(model_path or job.spec.model.path, cfg, job.spec.model.dtype, vision)
+            _check_images_fit(self.records, self.policy, vision.max_images_per_prompt, cfg.data.path)
         self.model = self.policy.model.to(self.device)
         ranks.broadcast_params([p for p in self.model.parameters() if p.requires_grad])  # rank 0's init (LoRA)
         if ranks.rank:
@@ -149,6 +165,10 @@ class Trainer:
                     frame_bytes=sync.frame_bytes, timeout_s=sync.timeout_seconds,
                     # FULL weights go out in the serving dtype (spec.model.dtype; auto = the checkpoint's)
                     dtype=job.spec.model.dtype, checkpoint_dir=model_path or job.spec.model.path,
+                    # Vision-language: checkpoint names (what vLLM reloads), and only what training can
+                    # change (a frozen vision tower is never resent).
+                    name_map=checkpoint_name_map(self.model) if self.policy.is_vision_language else None,
+                    changed_only=self.policy.is_vision_language,
                 )  # fmt: skip
                 if cfg.deepspeed_stage == 3:
                     self.sync_client.export_blocked = ("ZeRO-3 partitions the weights across learner ranks; "
@@ -157,7 +177,9 @@ class Trainer:
                     self.pool, timeout_s=cfg.rollout.request_timeout_s,
                     generate_batch_size=cfg.rollout.generate_batch_size, resync=self.sync_client.resync_server,
                 )  # fmt: skip
-        self._prompt_cache: dict[int, list[int]] = {}
+        self._prompt_cache: dict[int, list[int]] = {}  # text models: a record's prompt ids
+        self.pictures: list[Path] = []
+        self._vision_ids = vision_token_ids(self.policy.tokenizer) if self.policy.is_vision_language else frozenset()
         self._retries_at_start = _counter_total(m.ROLLOUT_RETRIES)
 
     # -- the loop -------------------------------------------------------------------------------
@@ -196,6 +218,7 @@ class Trainer:
                 self.save()
         if ck_every == 0 or st.step % ck_every:
             self.save()
+        self.pictures = self._write_pictures()
         return self.summary(time.perf_counter() - t_start)
 
     # -- E-step ---------------------------------------------------------------------------------
@@ -203,12 +226,21 @@ class Trainer:
         """Rank 0: the whole global batch's rollouts, in batch order (None on other ranks)."""
         if not self.ranks.is_main:
             return None
+        if self.state.step < self.cfg.warm_start_steps:
+            # Warm start: no generation; an empty answer makes the targets the whole ground truth.
+            return [Rollout(self.records[idx].id, self._prompt_ids(idx), [], "warm_start", self.state.version, "")
+                    for idx in batch]  # fmt: skip
         k = self.state.step // self.core.m_steps
         base = self.cfg.rollout.seed + k * self.cfg.prompts_per_step
-        requests = [
-            RolloutRequest(token_ids=self._prompt(idx), seed=base + j, request_id=self.records[idx].id)
-            for j, idx in enumerate(batch)
-        ]
+        # Messages (+ image bytes): each server renders the prompt with its own processor and returns the
+        # ids it used, which the E-step checks against the learner's rendering.
+        requests = []
+        for j, idx in enumerate(batch):
+            rec = self.records[idx]
+            requests.append(RolloutRequest(
+                seed=base + j, request_id=rec.id, messages=[(m.role, m.content) for m in rec.messages],
+                images=[img.data for img in self.images.load(rec)],
+            ))  # fmt: skip
         # The client fences every completion to this version (never train on stale data).
         return self.rollouts.generate(requests, self.core.sampling, weight_version=self.state.version)
 
@@ -232,10 +264,19 @@ class Trainer:
                 raise RuntimeError(f"rank {ranks.rank} got {len(outs)} rollout(s) for {len(mine)} prompt(s) "
                                    f"or a weight version other than {self.state.version}")  # fmt: skip
             recs = [self.records[i] for i in mine]
+            vl = self.policy.is_vision_language
+            vision = [self._vision_prompt(i) for i in mine] if vl else []
+            mine_ids = [v.input_ids for v in vision] if vl else [self._prompt(i) for i in mine]
+            check_rollout_prompts(recs, mine_ids, outs, self.policy.tokenizer)
+            responses = [o.token_ids for o in outs]
+            if vl:  # a sampled image/video token cannot be teacher-forced: the answer ends before it
+                responses = [vision_safe_response(r, self._vision_ids) for r in responses]
             segments, stats = build_segments(
-                recs, [self._prompt(i) for i in mine], [o.prompt_token_ids for o in outs],
-                [o.token_ids for o in outs], self.policy.vocab, self.core.matching, self.core.targets,
+                recs, mine_ids, [o.prompt_token_ids for o in outs], responses, self.policy.vocab,
+                self.core.matching, self.core.targets,
             )  # fmt: skip
+            if vl:  # pixels and per-segment M-RoPE positions for the packed forward
+                segments = [with_vision(self.model, seg, v) for seg, v in zip(segments, vision, strict=True)]
             self._add_phase("parse", stats.parse_s)
             self._add_phase("match", stats.match_s)
             self._add_phase("targets", stats.targets_s)
@@ -347,6 +388,45 @@ class Trainer:
         m.PHASE_SECONDS.labels(name).observe(seconds)
         self.state.phase_seconds[name] = self.state.phase_seconds.get(name, 0.0) + seconds
 
+    def _write_pictures(self, limit: int = 4) -> list[Path]:
+        """Rank 0: the last fresh rollouts of a vision-language run drawn on their images (predicted and
+        ground-truth boxes) under <checkpoint.dir>/rollouts/. A picture that cannot be written is a warning:
+        the trained model is what the run is for."""
+        last = next((h for h in reversed(self.history) if h.rollouts), None)
+        if not self.ranks.is_main or not self.policy.is_vision_language or last is None:
+            return []
+        by_id = {r.id: r for r in self.records}
+        items = []
+        for r in last.rollouts[:limit]:
+            rec = by_id.get(r.request_id)
+            if rec is None or not rec.images:
+                continue
+            parsed = parse(vision_safe_response(r.token_ids, self._vision_ids), self.policy.vocab)
+            predicted = [(o.obj.desc, o.obj.kind, _pixels(o.obj.bins, rec)) for o in parsed.objects]
+            truth = [(o.desc, "bbox_2d" if o.bbox_2d is not None else "poly", list(o.bbox_2d or o.poly or []))
+                     for o in rec.objects]  # fmt: skip
+            items.append(RolloutPicture(step=last.step, record_id=rec.id, image=self.images.load(rec)[0].pil(),
+                                        ground_truth=truth, predicted=predicted))  # fmt: skip
+        out = Path(self.cfg.checkpoint.dir) / "rollouts"
+        try:
+            paths = save_rollout_pictures(items, out)
+        except OSError as exc:
+            log.warning("could not write rollout pictures to %s: %s", out, exc)
+            return []
+        log.info("rollout pictures (predicted and ground-truth boxes) of step %d: %s", last.step, out)
+        return paths
+
+    def _vision_prompt(self, idx: int) -> VisionPrompt:
+        """The learner's rendering of a record's prompt with its images (read through the image store's
+        cache, the same bytes the servers got)."""
+        rec = self.records[idx]
+        images = [img.pil() for img in self.images.load(rec)]
+        return render_prompt(self.policy.processor, [m.model_dump() for m in rec.messages], images)
+
+    def _prompt_ids(self, idx: int) -> list[int]:
+        """The learner's prompt ids of a record (with its images expanded, for a vision-language model)."""
+        return self._vision_prompt(idx).input_ids if self.policy.is_vision_language else self._prompt(idx)
+
     def _prompt(self, idx: int) -> list[int]:
         if idx not in self._prompt_cache:
             msgs = [msg.model_dump() for msg in self.records[idx].messages]
@@ -387,6 +467,7 @@ class Trainer:
             f1=[h.stats.f1 for h in self.history if h.stats], weight_version=self.state.version,
             phase_seconds=dict(self.state.phase_seconds), wall_seconds=wall,
             retries=int(_counter_total(m.ROLLOUT_RETRIES) - self._retries_at_start), history=list(self.history),
+            pictures=list(self.pictures),
         )  # fmt: skip
 
     def close(self) -> None:
@@ -395,6 +476,22 @@ class Trainer:
                 part.close()
         self.train_step = None
         self.ranks.close()
+
+
+def _pixels(bins: Sequence[int], rec: Record) -> list[float]:
+    return [bin_to_pixel(b, rec.width if i % 2 == 0 else rec.height) for i, b in enumerate(bins)]
+
+
+def _check_images_fit(records: Sequence[Record], policy: Policy, max_images: int, path: str) -> None:
+    """Refuse at start what no server would take: images for a text model, more images than allowed."""
+    with_images = [r for r in records if r.images]
+    if with_images and not policy.is_vision_language:
+        raise ValueError(f"{path}: {len(with_images)} record(s) carry images (first: {with_images[0].id!r}) but "
+                         "spec.model.path is a text model; use a vision-language model or drop the images")
+    over = [r.id for r in with_images if len(r.images) > max_images]
+    if over:
+        raise ValueError(f"{path}: {len(over)} record(s) carry more than spec.model.vision.maxImagesPerPrompt="
+                         f"{max_images} images (first: {over[0]!r})")
 
 
 def _counter_total(counter) -> float:

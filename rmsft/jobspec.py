@@ -268,6 +268,10 @@ class TrainingConfig(_Learner):
     lr: float = Field(1e-5, gt=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_steps: int = Field(0, ge=0)
+    warm_start_steps: int = Field(
+        0, ge=0, description="First steps trained on the ground truth alone (empty rollouts, no generation): "
+        "the short SFT-style start a model that has never produced the format needs.",
+    )
     max_grad_norm: float = Field(1.0, gt=0.0)
     steps: int = Field(100, ge=1)
     prompts_per_step: int = Field(8, ge=1)

@@ -62,7 +62,8 @@ def test_polygons_are_outlines_and_labels_are_written() -> None:
     # The label sits above the outline's top-left: a dark box with text in the prediction colour.
     label = out.crop((20 * scale, header, 80 * scale, 20 * scale + header))
     colours = {c for _n, c in label.getcolors(1 << 16)}
-    assert (0, 0, 0) in colours and PRED_COLOUR in colours
+    text = [c for c in colours if c[0] > 150 and 50 < c[1] < 150 and c[2] < 40]  # antialiased orange glyphs
+    assert (0, 0, 0) in colours and len(text) >= 3, colours
 
 
 def test_large_images_keep_their_size_and_bad_geometry_is_refused() -> None:
@@ -90,6 +91,6 @@ def test_save_rollout_pictures_writes_one_png_per_rollout(tmp_path: Path) -> Non
     assert "/" not in names[2] and names[2].startswith("step000012-a_b-") and names[3] == "step000012-a_b.png"
     assert len(set(names)) == 4 and all(p.parent == tmp_path / "pics" for p in paths)
     with Image.open(paths[0]) as pic:
-        assert pic.format == "PNG" and pic.width == 96 * 4
+        assert pic.format == "PNG" and pic.size[0] == 96 * 3 and pic.size[1] > 128 * 3  # long side 128 -> x3
         assert PRED_COLOUR in {c for _n, c in pic.convert("RGB").getcolors(1 << 20)}
     assert picture_name(7, "x", 2) == "step000007-x-s2.png"
