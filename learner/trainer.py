@@ -179,7 +179,9 @@ class Trainer:
                 )  # fmt: skip
         self._prompt_cache: dict[int, list[int]] = {}  # text models: a record's prompt ids
         self.pictures: list[Path] = []
-        self._vision_ids = vision_token_ids(self.policy.tokenizer) if self.policy.is_vision_language else frozenset()
+        # Image/video tokens a rollout may sample: its answer is cut before the first (episode.vision_safe_response).
+        self.vision_token_ids = (vision_token_ids(self.policy.tokenizer) if self.policy.is_vision_language
+                                 else frozenset())  # fmt: skip
         self._retries_at_start = _counter_total(m.ROLLOUT_RETRIES)
 
     # -- the loop -------------------------------------------------------------------------------
@@ -270,7 +272,7 @@ class Trainer:
             check_rollout_prompts(recs, mine_ids, outs, self.policy.tokenizer)
             responses = [o.token_ids for o in outs]
             if vl:  # a sampled image/video token cannot be teacher-forced: the answer ends before it
-                responses = [vision_safe_response(r, self._vision_ids) for r in responses]
+                responses = [vision_safe_response(r, self.vision_token_ids) for r in responses]
             segments, stats = build_segments(
                 recs, mine_ids, [o.prompt_token_ids for o in outs], responses, self.policy.vocab,
                 self.core.matching, self.core.targets,
@@ -401,7 +403,7 @@ class Trainer:
             rec = by_id.get(r.request_id)
             if rec is None or not rec.images:
                 continue
-            parsed = parse(vision_safe_response(r.token_ids, self._vision_ids), self.policy.vocab)
+            parsed = parse(vision_safe_response(r.token_ids, self.vision_token_ids), self.policy.vocab)
             predicted = [(o.obj.desc, o.obj.kind, _pixels(o.obj.bins, rec)) for o in parsed.objects]
             truth = [(o.desc, "bbox_2d" if o.bbox_2d is not None else "poly", list(o.bbox_2d or o.poly or []))
                      for o in rec.objects]  # fmt: skip

@@ -206,9 +206,10 @@ class StreamReader:
         if self.require_all and self.expected is not None:
             lo, hi = len(self.expected) - len(self.optional), len(self.expected)
             if not lo <= header.tensor_count <= hi:
+                span = f"{lo}" if lo == hi else f"{lo} to {hi}"
                 raise WireError(
-                    f"FULL update announces {header.tensor_count} tensors; the receiver takes {lo} to {hi} "
-                    f"(the model has {hi}, and {lo} were changed by earlier updates and must be sent again)",
+                    f"FULL update announces {header.tensor_count} tensors but needs {span}: it must carry every "
+                    f"checkpoint tensor an earlier FULL update changed (the model has {hi})",
                     reason="count",
                 )
         self._digest = PipelinedDigest(header.digest_algorithm)

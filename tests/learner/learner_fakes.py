@@ -8,8 +8,10 @@ Weight updates are verified with the real wire reader and kept for the test to i
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -25,6 +27,20 @@ def fake_tokens(prompt_ids: list[int], seed: int | None) -> list[int]:
     s = 0 if seed is None else seed
     base = sum((i + 1) * t for i, t in enumerate(prompt_ids))
     return [(base * 31 + s * 7 + k) % 1000 for k in range(3 + (s % 3))]
+
+
+@functools.lru_cache(maxsize=4)
+def chat_renderer(model_dir: str) -> Callable[[list[dict[str, str]]], list[int]]:
+    """What a real server serving `model_dir` renders for chat messages (its tokenizer's chat template)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+
+    def render(messages: list[dict[str, str]]) -> list[int]:
+        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
+
+    return render
 
 
 @dataclass
@@ -55,6 +71,9 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
     inflight: int = 0
     max_inflight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Renders chat messages as a real server of the learner's model would (`chat_renderer(model_dir)`): the
+    # learner checks the prompt ids it gets back against its own.
+    render: Callable[[list[dict[str, str]]], list[int]] | None = None
 
     def _auth(self, context: grpc.ServicerContext) -> None:
         md = dict(context.invocation_metadata())
@@ -91,6 +110,8 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
             out = rollout_pb2.GenerateResponse(weight_version=version)
             for p in request.prompts:
                 ids = list(p.token_ids)
+                if not ids and self.render is not None:
+                    ids = self.render([{"role": m.role, "content": m.content} for m in p.messages])
                 out.completions.add(
                     prompt_token_ids=ids,
                     token_ids=fake_tokens(ids, p.seed if p.HasField("seed") else None),

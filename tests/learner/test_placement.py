@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from learner_fakes import FakeEngine, FakeServer
+from learner_fakes import FakeEngine, FakeServer, chat_renderer
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from trainer_fixtures import make_job
@@ -54,8 +54,8 @@ def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[FakeServer]:
-    s = FakeServer(FakeEngine())
+def server(tiny_model_dir: Path) -> Iterator[FakeServer]:
+    s = FakeServer(FakeEngine(render=chat_renderer(str(tiny_model_dir))))
     yield s
     s.stop()
 

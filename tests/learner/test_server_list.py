@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import trainer_fixtures
-from learner_fakes import FakeEngine, FakeServer, fake_tokens
+from learner_fakes import FakeEngine, FakeServer, chat_renderer, fake_tokens
 
 from learner.rollout_client import RolloutClient, RolloutRequest
 from learner.servers import ServerPool, ServersFile, ServersFileError, parse_server_list
@@ -30,12 +30,14 @@ def write_servers(path: Path, addresses: list[str]) -> None:
 
 
 @pytest.fixture
-def fakes():
-    """Factory: fakes(n, version) -> FakeServers at that weight version; all stopped afterwards."""
+def fakes(tiny_model_dir: Path):
+    """Factory: fakes(n, version) -> FakeServers at that weight version (rendering chat prompts as servers of
+    the tiny model do); all stopped afterwards."""
     made: list[FakeServer] = []
+    render = chat_renderer(str(tiny_model_dir))
 
     def make(n: int, version: int = 0) -> list[FakeServer]:
-        new = [FakeServer(FakeEngine(ordinal=len(made) + i, version=version)) for i in range(n)]
+        new = [FakeServer(FakeEngine(ordinal=len(made) + i, version=version, render=render)) for i in range(n)]
         made.extend(new)
         return new
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from learner_fakes import FakeEngine, FakeServer
+from learner_fakes import FakeEngine, FakeServer, chat_renderer
 from trainer_fixtures import make_job
 
 
@@ -21,8 +21,9 @@ def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def servers() -> Iterator[list[FakeServer]]:
-    made = [FakeServer(FakeEngine(ordinal=i)) for i in range(2)]
+def servers(tiny_model_dir: Path) -> Iterator[list[FakeServer]]:
+    render = chat_renderer(str(tiny_model_dir))
+    made = [FakeServer(FakeEngine(ordinal=i, render=render)) for i in range(2)]
     yield made
     for s in made:
         s.stop()

@@ -191,7 +191,7 @@ def test_full_sync_a_subset_then_every_tensor(vl_srv, oracle) -> None:
     vision_only = {n for n, _ in model.named_parameters() if "visual" in n}
     with pytest.raises(grpc.RpcError) as info:
         _full_update(vl_srv, newer, v0 + 3, only=vision_only)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "earlier updates" in info.value.details()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "earlier FULL update" in info.value.details()
     assert status(vl_srv).weight_version == v0 + 2
     _check_equal(vl_srv, processor, newer, expected=v0 + 2)
     # Back to the original weights for the tests after this one.

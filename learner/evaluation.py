@@ -1,0 +1,45 @@
+"""Greedy rollouts of held-out records on the training pool, scored by rmsft's own matcher.
+
+`evaluate(trainer, records, images)` asks the trainer's servers (same pool, same version fencing) for
+greedy answers to records the learner does not train on, parses them and matches them to the ground
+truth: precision, recall and F1 at the matcher's IoU gate. What `benchmarks/local_run.py` plots per
+step; the fuller held-out evaluation (COCO mAP, a job setting, tracking) is issue 14's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from learner.core.match import match
+from learner.core.parse import parse
+from learner.data import Record
+from learner.episode import EpisodeStats, ground_truth, vision_safe_response
+from learner.images import ImageStore
+from learner.rollout_client import RolloutRequest
+
+if TYPE_CHECKING:
+    from learner.trainer import Trainer
+
+
+def evaluate(trainer: Trainer, records: Sequence[Record], images: ImageStore, *, max_tokens: int | None = None
+             ) -> EpisodeStats:
+    """Match counts of greedy answers to `records` from the weights the servers hold now (rank 0 only)."""
+    if trainer.rollouts is None:
+        raise RuntimeError("evaluate runs on rank 0, the rank that talks to the rollout servers")
+    requests = [
+        RolloutRequest(request_id=r.id, messages=[(m.role, m.content) for m in r.messages],
+                       images=[img.data for img in images.load(r)])
+        for r in records
+    ]  # fmt: skip
+    sampling = {"max_tokens": max_tokens or trainer.cfg.rollout.max_tokens, "temperature": 0.0}
+    outs = trainer.rollouts.generate(requests, sampling, weight_version=trainer.version)
+    vocab, cut = trainer.policy.vocab, trainer.vision_token_ids
+    stats = EpisodeStats()
+    for rec, out in zip(records, outs, strict=True):
+        parsed = parse(vision_safe_response(out.token_ids, cut), vocab)
+        result = match([o.obj for o in parsed.objects], ground_truth(rec), trainer.core.matching)
+        stats += EpisodeStats(rollouts=1, matched=len(result.pairs), false_positives=len(result.false_positives),
+                              false_negatives=len(result.false_negatives), dropped=parsed.n_dropped,
+                              truncated=int(parsed.truncated), response_tokens=len(out.token_ids))  # fmt: skip
+    return stats
