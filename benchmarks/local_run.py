@@ -74,7 +74,8 @@ def main() -> None:
         def on_step(r) -> None:
             line = f"step {r.step} loss {r.loss:.3f}" + (f" f1 {r.stats.f1:.3f}" if r.stats else "")
             if held and (r.step % args.eval_every == 0 or r.step == 1 or r.step == job.spec.training.steps):
-                # The servers hold version r.weight_version: the weights this step's rollouts came from.
+                # The weights this step trained, on every server first (a new version).
+                trainer.sync_weights()
                 evals[r.step] = evaluate(trainer, held, held_images).f1
                 line += f" held-out f1 {evals[r.step]:.3f}"
             console.print(line)

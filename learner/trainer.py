@@ -214,8 +214,10 @@ class Trainer:
             )  # fmt: skip
             self.history.append(result)
             self._publish(result)
-            if st.step < target and self.buffer.uses_left == 0:
-                self._sync()  # the next step starts with fresh rollouts
+            # The next step starts with fresh rollouts: the servers need these weights (a warm-start step
+            # generates nothing, so they wait for the last warm-start step's).
+            if st.step < target and self.buffer.uses_left == 0 and st.step >= self.cfg.warm_start_steps:
+                self._sync()
             if ck_every and st.step % ck_every == 0:
                 self.save()
         if ck_every == 0 or st.step % ck_every:
@@ -347,6 +349,11 @@ class Trainer:
         return sums
 
     # -- sync, checkpoints ----------------------------------------------------------------------
+    def sync_weights(self) -> None:
+        """Push the learner's current weights to every server as a new version (evaluations between
+        steps, e.g. during a warm start that does not sync)."""
+        self._sync()
+
     def _sync(self) -> None:
         self.state.version += 1
         # ZeRO-3: whole weights on every rank while rank 0 exports them (collective).

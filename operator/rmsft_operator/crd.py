@@ -83,6 +83,12 @@ LOCAL_RULES: dict[str, list[dict[str, str]]] = {
     "training": [
         {"rule": "self.warmup_steps <= self.steps", "message": "spec.training.warmup_steps exceeds steps"}
     ],
+    "model.vision": [
+        {
+            "rule": "!(has(self.minPixels) && has(self.maxPixels)) || self.minPixels <= self.maxPixels",
+            "message": "spec.model.vision: minPixels exceeds maxPixels",
+        }
+    ],
 }
 
 # Everything but the rollout pool size is fixed once the job exists: the StatefulSet template,

@@ -20,6 +20,7 @@ import yaml
 from learner.rollout_client import RolloutRequest
 from learner.synthetic import write_visual_dataset
 from learner.trainer import Trainer
+from learner.vision import mm_token_type_ids
 from rmsft.jobspec import parse_job
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -98,11 +99,41 @@ def _greedy_hf(trainer: Trainer, idx: list[int]) -> list[list[int]]:
             ids = torch.tensor([p.input_ids])
             y = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=p.pixel_values,
                                image_grid_thw=p.image_grid_thw, max_new_tokens=16, do_sample=False,
+                               mm_token_type_ids=mm_token_type_ids(trainer.policy.model.config, ids),
                                eos_token_id=eos, pad_token_id=eos)
             toks = y[0, ids.shape[1]:].tolist()
             outs.append(toks[: toks.index(eos) + 1] if eos in toks else toks)
     model.train()
     return outs
+
+
+def _hf_margin(trainer: Trainer, i: int, prefix: list[int]) -> float:
+    """Top-1 minus top-2 logit of the learner's model after the prompt of record `i` and `prefix`."""
+    model = trainer.model
+    model.eval()
+    p = trainer._vision_prompt(i)
+    ids = torch.tensor([p.input_ids + prefix])
+    types = mm_token_type_ids(trainer.policy.model.config, ids)
+    with torch.no_grad():
+        logits = model(input_ids=ids, pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw,
+                       mm_token_type_ids=types).logits[0, -1]
+    model.train()
+    top = torch.topk(logits.float(), 2).values
+    return float(top[0] - top[1])
+
+
+def _assert_servers_answer_like_hf(trainer: Trainer, idx: list[int]) -> None:
+    """Greedy answers of the servers equal the learner's model token for token. Where they part, the learner's
+    own top-2 logits must be a float tie (two implementations sum in different orders); anything wider is a
+    real difference and fails with the margin."""
+    served, hf = _greedy_servers(trainer, idx), _greedy_hf(trainer, idx)
+    for i, a, b in zip(idx, served, hf, strict=True):
+        k = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        if k is None:
+            assert len(a) == len(b) or a[: len(b)] == b or b[: len(a)] == a
+            continue
+        margin = _hf_margin(trainer, i, b[:k])
+        assert margin < 1e-3, f"record {i}: server and learner part at token {k} ({a[k]} vs {b[k]}), margin {margin}"
 
 
 def _run_and_check(trainer: Trainer, servers, steps: int) -> None:
@@ -119,7 +150,7 @@ def _run_and_check(trainer: Trainer, servers, steps: int) -> None:
     first, last = summary.losses[:5], summary.losses[-5:]
     assert sum(last) / 5 < sum(first) / 5, summary.losses
     # After the run the servers answer as the learner's model does, images included.
-    assert _greedy_servers(trainer, [0, 1, 2, 3]) == _greedy_hf(trainer, [0, 1, 2, 3])
+    _assert_servers_answer_like_hf(trainer, [0, 1, 2, 3])
     for s in trainer.pool.servers:
         assert trainer.pool.status(s).weight_version == trainer.version
     # The run drew its last rollouts on their images.
@@ -187,7 +218,7 @@ def test_server_killed_mid_run(servers, tiny_qwen3_vl_dir: Path, data_path: Path
         assert late, "the restarted server never got work again"
         # The restarted server was brought to the learner's version with a subset FULL update.
         assert trainer.pool.status(trainer.pool.servers[1]).weight_version == trainer.version
-        assert _greedy_servers(trainer, [0, 1]) == _greedy_hf(trainer, [0, 1])
+        _assert_servers_answer_like_hf(trainer, [0, 1])
     finally:
         trainer.close()
         servers[1] = restarted[0] if restarted else victim

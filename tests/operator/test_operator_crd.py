@@ -75,6 +75,10 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("bad-quantity", {"spec.rollout.resources.requests.cpu": "lots"}, ["spec.rollout.resources.requests"]),
     ("m-steps-zero", {"spec.training.buffer.m_steps": 0}, ["spec.training.buffer.m_steps"]),
     ("deepspeed-stage", {"spec.training.deepspeed_stage": 4}, ["spec.training.deepspeed_stage"]),
+    ("vision-pixel-bounds", {"spec.model.vision": {"minPixels": 100000, "maxPixels": 1000}},
+     ["spec.model.vision", "minPixels"]),
+    ("model-impl", {"spec.rollout.modelImpl": "onnx"}, ["spec.rollout.modelImpl"]),
+    ("freeze-unknown", {"spec.training.freeze.text_tower": True}, ["spec.training.freeze"]),
 ]
 
 
