@@ -39,6 +39,10 @@ def _image(img: rollout_pb2.Image, max_pixels: int, where: str):
     """Decode one image, refusing an oversized one from its header alone (before decoding it)."""
     from PIL import Image, UnidentifiedImageError
 
+    # The server's limit is the authority: PIL's decompression-bomb guard (89 Mpx) would refuse images the spec
+    # allows; raised to the limit, never lowered. Anything above the limit gets the header check's message below.
+    if Image.MAX_IMAGE_PIXELS is not None and max_pixels > Image.MAX_IMAGE_PIXELS:
+        Image.MAX_IMAGE_PIXELS = max_pixels
     kind = img.WhichOneof("source")
     try:
         if kind == "data":
@@ -60,17 +64,20 @@ def _image(img: rollout_pb2.Image, max_pixels: int, where: str):
         raise
     except FileNotFoundError:
         raise PromptError(f"{where}: image file {img.uri!r} does not exist on the server") from None
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+    except Image.DecompressionBombError as e:  # PIL's guard fires before the header check for enormous sizes
+        raise PromptError(f"{where}: image exceeds the server's limit of {max_pixels} pixels "
+                          f"(--max-image-pixels, spec.model.vision.maxImagePixels): {e}") from None
+    except (UnidentifiedImageError, OSError, ValueError) as e:
         raise PromptError(f"{where}: cannot decode image: {type(e).__name__}: {e}") from None
 
 
-def _with_images(msgs: list[dict], n: int) -> list[dict]:
+def _with_images(msgs: list[dict], n: int, where: str) -> list[dict]:
     """Images go before the text of the first user message (the learner renders the same way:
     learner/vision.py); the processor expands each placeholder to the image's token count."""
     out = [dict(m) for m in msgs]
     i = next((k for k, m in enumerate(out) if m["role"] == "user"), None)
     if i is None:
-        raise PromptError("images need a user message to go with")
+        raise PromptError(f"{where}: images need a user message to go with")
     out[i]["content"] = [{"type": "image"}] * n + [{"type": "text", "text": out[i]["content"]}]
     return out
 
@@ -101,7 +108,7 @@ def build_items(request: rollout_pb2.GenerateRequest, engine) -> list[GenItem]:
         elif p.messages:
             msgs = [{"role": m.role, "content": m.content} for m in p.messages]
             if images:
-                text = engine.tokenizer.apply_chat_template(_with_images(msgs, len(images)), tokenize=False,
+                text = engine.tokenizer.apply_chat_template(_with_images(msgs, len(images), where), tokenize=False,
                                                             add_generation_prompt=True)
                 ids = []
             else:

@@ -59,7 +59,8 @@ def test_vision_token_ids_of_text_tokenizers(tiny_tokenizer) -> None:
 
 def test_vision_safe_response_cuts_at_the_first_vision_token(vl_tokenizer) -> None:
     vision = vision_token_ids(vl_tokenizer)
-    pad, start = vl_tokenizer.convert_tokens_to_ids("<|image_pad|>"), vl_tokenizer.convert_tokens_to_ids("<|vision_start|>")
+    pad = vl_tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    start = vl_tokenizer.convert_tokens_to_ids("<|vision_start|>")
     text = vl_tokenizer('{"object_1": {"desc": "cat"')["input_ids"]
     assert vision_safe_response(text, vision) == text  # nothing to cut: kept whole
     assert vision_safe_response([*text[:3], start, *text[3:], pad], vision) == text[:3]
