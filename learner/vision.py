@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from learner.core.targets import Segment, SegmentVision, check_prompt_ids
+from rmsft.chat import ChatImageError, with_image_items
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -51,19 +52,12 @@ class VisionPrompt:
 
 
 def vision_messages(messages: Sequence[dict], n_images: int) -> list[dict]:
-    """`messages` (string contents) with `n_images` image items put before the text of the first
-    user message: the Qwen-VL content-list convention the chat template renders."""
-    out = [dict(m) for m in messages]
-    for m in out:
-        if not isinstance(m.get("content"), str):
-            raise VisionInputError(f"message content must be a string, got {type(m.get('content')).__name__}")
-    if n_images == 0:
-        return out  # string contents: the same text as the tokenizer's own chat template
-    user = next((m for m in out if m.get("role") == "user"), None)
-    if user is None:
-        raise VisionInputError("images need a user message to go in; the messages have none")
-    user["content"] = [{"type": "image"}] * n_images + [{"type": "text", "text": user["content"]}]
-    return out
+    """`messages` with `n_images` image items before the text of the first user message, as every rollout
+    server places them (`rmsft.chat.with_image_items`, the one rule both sides use)."""
+    try:
+        return with_image_items(messages, n_images)
+    except ChatImageError as e:
+        raise VisionInputError(str(e)) from None
 
 
 def render_prompt(processor: Any, messages: Sequence[dict], images: Sequence[Image.Image]) -> VisionPrompt:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from rmsft_protos import rollout_pb2
 
+from rmsft.chat import ChatImageError, with_image_items
 from rollout_svc.engine import GenItem, Sampling
 
 
@@ -72,14 +73,12 @@ def _image(img: rollout_pb2.Image, max_pixels: int, where: str):
 
 
 def _with_images(msgs: list[dict], n: int, where: str) -> list[dict]:
-    """Images go before the text of the first user message (the learner renders the same way:
-    learner/vision.py); the processor expands each placeholder to the image's token count."""
-    out = [dict(m) for m in msgs]
-    i = next((k for k, m in enumerate(out) if m["role"] == "user"), None)
-    if i is None:
-        raise PromptError(f"{where}: images need a user message to go with")
-    out[i]["content"] = [{"type": "image"}] * n + [{"type": "text", "text": out[i]["content"]}]
-    return out
+    """Images before the text of the first user message: the rule the learner renders with too
+    (`rmsft.chat`); the processor expands each placeholder to the image's token count."""
+    try:
+        return with_image_items(msgs, n)
+    except ChatImageError as e:
+        raise PromptError(f"{where}: {e}") from None
 
 
 def build_items(request: rollout_pb2.GenerateRequest, engine) -> list[GenItem]:
