@@ -8,6 +8,7 @@ step; the fuller held-out evaluation (COCO mAP, a job setting, tracking) is issu
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -22,9 +23,10 @@ if TYPE_CHECKING:
     from learner.trainer import Trainer
 
 
-def evaluate(trainer: Trainer, records: Sequence[Record], images: ImageStore, *, max_tokens: int | None = None
-             ) -> EpisodeStats:
-    """Match counts of greedy answers to `records` from the weights the servers hold now (rank 0 only)."""
+def evaluate(trainer: Trainer, records: Sequence[Record], images: ImageStore, *, max_tokens: int | None = None,
+             iou_gates: Sequence[float] = ()) -> dict[float, EpisodeStats]:
+    """Match counts of greedy answers to `records` from the weights the servers hold now (rank 0 only), per IoU
+    gate: the training matcher's own, plus any in `iou_gates` (e.g. 0.5, the usual detection threshold)."""
     if trainer.rollouts is None:
         raise RuntimeError("evaluate runs on rank 0, the rank that talks to the rollout servers")
     requests = [
@@ -35,11 +37,16 @@ def evaluate(trainer: Trainer, records: Sequence[Record], images: ImageStore, *,
     sampling = {"max_tokens": max_tokens or trainer.cfg.rollout.max_tokens, "temperature": 0.0}
     outs = trainer.rollouts.generate(requests, sampling, weight_version=trainer.version)
     vocab, cut = trainer.policy.vocab, trainer.vision_token_ids
-    stats = EpisodeStats()
+    configs = {trainer.core.matching.iou_gate: trainer.core.matching}
+    configs.update({g: dataclasses.replace(trainer.core.matching, iou_gate=g) for g in iou_gates})
+    stats = {g: EpisodeStats() for g in configs}
     for rec, out in zip(records, outs, strict=True):
         parsed = parse(vision_safe_response(out.token_ids, cut), vocab)
-        result = match([o.obj for o in parsed.objects], ground_truth(rec), trainer.core.matching)
-        stats += EpisodeStats(rollouts=1, matched=len(result.pairs), false_positives=len(result.false_positives),
-                              false_negatives=len(result.false_negatives), dropped=parsed.n_dropped,
-                              truncated=int(parsed.truncated), response_tokens=len(out.token_ids))  # fmt: skip
+        for gate, cfg in configs.items():
+            result = match([o.obj for o in parsed.objects], ground_truth(rec), cfg)
+            stats[gate] += EpisodeStats(
+                rollouts=1, matched=len(result.pairs), false_positives=len(result.false_positives),
+                false_negatives=len(result.false_negatives), dropped=parsed.n_dropped,
+                truncated=int(parsed.truncated), response_tokens=len(out.token_ids),
+            )  # fmt: skip
     return stats

@@ -15,6 +15,7 @@ one process training on all the rows. Rank 0 then syncs the servers. See learner
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import time
@@ -54,7 +55,7 @@ from learner.train_config import core_configs
 from learner.trainer_checkpoint import Checkpointer, TrainState
 from learner.vision import VisionPrompt, render_prompt, with_vision
 from learner.weight_export import checkpoint_name_map
-from rmsft.jobspec import RolloutMatchingJob
+from rmsft.jobspec import RolloutMatchingJob, TrainingConfig
 
 __all__ = ["DataOrder", "StepResult", "Summary", "Trainer"]
 
@@ -317,8 +318,7 @@ class Trainer:
         ])  # fmt: skip
         if not n_rows:
             raise RuntimeError("packer produced no row for this step (empty rollouts and carry buffer)")
-        warm = self.cfg.warmup_steps
-        lr = self.cfg.lr * min(1.0, (self.state.step + 1) / warm) if warm else self.cfg.lr
+        lr = learning_rate(self.cfg, self.state.step)
         with self.ranks.guard("forward/backward"):
             sums = self.device_step(rows, int(ce_total), int(coord_total), lr)
         # The only host reads of the step: after it, once.
@@ -485,6 +485,19 @@ class Trainer:
                 part.close()
         self.train_step = None
         self.ranks.close()
+
+
+def learning_rate(cfg: TrainingConfig, step: int) -> float:
+    """`training.lr` at optimizer step `step` (0-based): linear warmup over `warmup_steps`, then constant, or
+    with `lr_schedule: cosine` decayed to `lr_min_ratio * lr` at the last step."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    span = max(1, cfg.steps - cfg.warmup_steps - 1)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.lr_min_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _pixels(bins: Sequence[int], rec: Record) -> list[float]:

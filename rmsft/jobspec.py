@@ -268,6 +268,9 @@ class TrainingConfig(_Learner):
     lr: float = Field(1e-5, gt=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="After warmup: constant, or cosine decay to lr_min_ratio * lr at the last step.")
+    lr_min_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Floor of the cosine schedule, as a share of lr.")
     warm_start_steps: int = Field(
         0, ge=0, description="First steps trained on the ground truth alone (empty rollouts, no generation): "
         "the short SFT-style start a model that has never produced the format needs.",

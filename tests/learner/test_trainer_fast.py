@@ -4,6 +4,7 @@ end-to-end tests (test_e2e_local.py) stay for what only a real engine shows."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -119,3 +120,34 @@ def test_a_bf16_run_completes(tmp_path: Path, tiny_model_dir: Path, data_path: P
     assert trained == {torch.float32}  # what AdamW updates stays fp32
     if finetune == "lora":
         assert torch.bfloat16 in {p.dtype for p in trainer.model.parameters() if not p.requires_grad}
+
+
+def test_warm_start_trains_on_ground_truth_without_generating(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
+                                                               servers: list[FakeServer]) -> None:
+    job = make_job(tiny_model_dir, data_path, tmp_path, steps=4, warm_start_steps=2)
+    trainer, summary = _run(job, [s.address for s in servers])
+    assert summary.steps == 4
+    warm, fresh = trainer.history[:2], trainer.history[2:]
+    assert all(r.finish_reason != "warm_start" and r.token_ids for h in fresh for r in h.rollouts)
+    # Warm-start steps: empty answers (the targets are the whole ground truth), nothing generated.
+    assert all(r.token_ids == [] and r.finish_reason == "warm_start" for h in warm for r in h.rollouts)
+    assert all(h.stats.false_negatives > 0 and h.stats.matched == 0 for h in warm)
+    generated = [r for s in servers for c in s.engine.calls for r in c]
+    assert len(generated) == 2 * 2  # steps 3 and 4 only
+    # No sync nobody reads: version 1 before the run, version 2 after the last warm-start step, then per step.
+    assert [h.weight_version for h in trainer.history] == [1, 1, 2, 3]
+    assert all(math.isfinite(h.loss) for h in trainer.history)
+
+
+def test_learning_rate_schedules() -> None:
+    from learner.trainer import learning_rate
+    from rmsft.jobspec import TrainingConfig
+
+    cfg = TrainingConfig(data={"path": "d.jsonl"}, lr=1.0, steps=10, warmup_steps=2, lr_schedule="cosine",
+                         lr_min_ratio=0.1)
+    lrs = [learning_rate(cfg, s) for s in range(10)]
+    assert lrs[:3] == [0.5, 1.0, 1.0]  # warmup, then the peak
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:], strict=False))  # decays monotonically
+    assert abs(lrs[-1] - 0.1) < 1e-9  # to the floor at the last step
+    constant = TrainingConfig(data={"path": "d.jsonl"}, lr=1.0, steps=10, warmup_steps=2)
+    assert [learning_rate(constant, s) for s in range(10)] == [0.5] + [1.0] * 9
