@@ -8,10 +8,10 @@ learner GPU it runs as `torchrun` ranks in a subprocess, whose output is streame
 
 A manifest annotated `rmsft.io/build-tiny-model: "true"` gets the tiny text model built at
 `spec.model.path` when that folder is absent (`"qwen3_vl"` or `"qwen2_5_vl"`: a tiny vision-language
-model), and `rmsft.io/synthetic-records: "N"` gets N synthetic detection records written to
-`spec.training.data.path` when that file is absent (`rmsft.io/synthetic-task: "visual"`: rendered
-images of shapes, the prompt giving nothing away). The shipped `configs/local-tiny-vl.yaml` and
-`configs/local-tiny.yaml` run on a fresh machine with no downloads.
+model, `rmsft.io/tiny-model-size: "small"` a larger one), and `rmsft.io/synthetic-records: "N"` gets N
+synthetic detection records written to `spec.training.data.path` when that file is absent
+(`rmsft.io/synthetic-task: "visual"`: rendered images of shapes, the prompt giving nothing away). The
+shipped `configs/local-tiny-vl.yaml` and `configs/local-tiny.yaml` run on a fresh machine with no downloads.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ log = logging.getLogger("rmsft.local")
 BUILD_TINY_MODEL = "rmsft.io/build-tiny-model"
 SYNTHETIC_RECORDS = "rmsft.io/synthetic-records"
 SYNTHETIC_TASK = "rmsft.io/synthetic-task"
+TINY_MODEL_SIZE = "rmsft.io/tiny-model-size"
 AUTH_TOKEN_ENV = "RMSFT_AUTH_TOKEN"
 
 
@@ -78,7 +79,8 @@ def prepare_inputs(job: RolloutMatchingJob, console: Console) -> None:
                 from rmsft.tiny_vl import build_tiny_vl_model
 
                 try:
-                    build_tiny_vl_model(model_dir, arch=build, seed=job.spec.training.seed)
+                    build_tiny_vl_model(model_dir, arch=build, seed=job.spec.training.seed,
+                                        size=notes.get(TINY_MODEL_SIZE, "tiny"))
                 except ValueError as exc:
                     raise ValueError(
                         f"metadata.annotations[{BUILD_TINY_MODEL!r}]: {exc} (or \"true\": a text model)"

@@ -38,10 +38,15 @@ MERGE_SIZE = 2
 MIN_PIXELS = 64 * 64
 MAX_PIXELS = 256 * 256
 MARKER_FILE = "rmsft_tiny_vl_model.json"
+# Sizes: "tiny" (tests: seconds per step), "small" (learns the synthetic visual task faster on a CPU).
+SIZES = {
+    "tiny": {"text_hidden": 128, "text_layers": 2, "vision_depth": 2, "vision_hidden": 64},
+    "small": {"text_hidden": 256, "text_layers": 4, "vision_depth": 4, "vision_hidden": 128},
+}
 
 
-def build_tiny_vl_model(out_dir: str | Path, arch: str = "qwen3_vl", seed: int = 0) -> Path:
-    """Write processor + random weights of a tiny `arch` model to `out_dir`; idempotent per (arch, seed)."""
+def build_tiny_vl_model(out_dir: str | Path, arch: str = "qwen3_vl", seed: int = 0, size: str = "tiny") -> Path:
+    """Write processor + random weights of a tiny `arch` model to `out_dir`; idempotent per (arch, seed, size)."""
     import torch
     from transformers import GenerationConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -50,16 +55,18 @@ def build_tiny_vl_model(out_dir: str | Path, arch: str = "qwen3_vl", seed: int =
 
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown tiny vision-language architecture {arch!r}; choose one of {ARCHITECTURES}")
+    if size not in SIZES:
+        raise ValueError(f"unknown tiny model size {size!r}; choose one of {sorted(SIZES)}")
     out = Path(out_dir)
     marker = out / MARKER_FILE
-    params = {"arch": arch, "seed": seed}
+    params = {"arch": arch, "seed": seed} | ({"size": size} if size != "tiny" else {})
     if marker.exists() and json.loads(marker.read_text()) == params:
         return out
     out.mkdir(parents=True, exist_ok=True)
 
     tokenizer = build_tokenizer(seed, VL_SPECIAL_TOKENS, VL_CHAT_TEMPLATE)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VL_SPECIAL_TOKENS}
-    config = _config(arch, len(tokenizer), ids, tokenizer)
+    config = _config(arch, len(tokenizer), ids, tokenizer, **SIZES[size])
     torch.manual_seed(seed)
     model = _model_class(arch)(config)
     model.generation_config = GenerationConfig(
@@ -86,15 +93,18 @@ def _model_class(arch: str):
     return Qwen2_5_VLForConditionalGeneration
 
 
-def _config(arch: str, vocab_size: int, ids: dict[str, int], tokenizer):
+def _config(arch: str, vocab_size: int, ids: dict[str, int], tokenizer, *, text_hidden: int, text_layers: int,
+            vision_depth: int, vision_hidden: int):
     text = dict(
-        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=8192,
+        vocab_size=vocab_size, hidden_size=text_hidden, intermediate_size=2 * text_hidden,
+        num_hidden_layers=text_layers, num_attention_heads=text_hidden // 64, num_key_value_heads=1, head_dim=64,
+        max_position_embeddings=8192,
         initializer_range=0.08, tie_word_embeddings=True,
         bos_token_id=ids["<|endoftext|>"], eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
-    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=PATCH_SIZE,
-                  spatial_merge_size=MERGE_SIZE, temporal_patch_size=2, out_hidden_size=128, initializer_range=0.08)
+    vision = dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
+                  patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=2,
+                  out_hidden_size=text_hidden, initializer_range=0.08)  # fmt: skip
     tokens = dict(
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
