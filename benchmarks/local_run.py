@@ -68,6 +68,7 @@ def main() -> None:
     servers = start_servers(job, work / "logs", console)
     evals: dict[int, float] = {}  # held-out F1 at the training matcher's IoU gate
     evals50: dict[int, float] = {}  # ... and at IoU 0.5
+    last_eval: list = []  # [(step, predictions)] of the last evaluation, drawn below
     trainer = None
     try:
         trainer = Trainer(job, [s.address for s in servers], auth_token=servers[0].token or None)
@@ -77,9 +78,10 @@ def main() -> None:
             if held and (r.step % args.eval_every == 0 or r.step == 1 or r.step == job.spec.training.steps):
                 # The weights this step trained, on every server first (a new version).
                 trainer.sync_weights()
-                scores = evaluate(trainer, held, held_images, iou_gates=(0.5,))
-                evals[r.step] = scores[trainer.core.matching.iou_gate].f1
-                evals50[r.step] = scores[0.5].f1
+                result = evaluate(trainer, held, held_images, iou_gates=(0.5,))
+                evals[r.step] = result.stats[trainer.core.matching.iou_gate].f1
+                evals50[r.step] = result.stats[0.5].f1
+                last_eval[:] = [(r.step, result.predictions)]
                 line += f" held-out f1 {evals[r.step]:.3f} (IoU 0.5: {evals50[r.step]:.3f})"
             console.print(line)
 
@@ -108,6 +110,18 @@ def main() -> None:
                         f"{h.seconds:.3f}"])
     for i, p in enumerate(summary.pictures[:2]):
         shutil.copy(p, out / f"{args.name}-rollout{i}.png")
+    if last_eval and held_images is not None:
+        from learner.draw import RolloutPicture, save_rollout_pictures
+
+        step, predictions = last_eval[0]
+        items = [
+            RolloutPicture(step=step, record_id=rec.id, image=held_images.load(rec)[0].pil(), predicted=pred,
+                           ground_truth=[(o.desc, "bbox_2d" if o.bbox_2d else "poly", list(o.bbox_2d or o.poly))
+                                         for o in rec.objects], title=f"held-out {rec.id}, step {step} (greedy)")
+            for rec, pred in list(zip(held, predictions, strict=True))[:4] if rec.images
+        ]  # fmt: skip
+        for i, p in enumerate(save_rollout_pictures(items, work / "heldout-pictures")):
+            shutil.copy(p, out / f"{args.name}-heldout{i}.png")
 
     import matplotlib
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from learner.core.codec import bin_to_pixel
 from learner.core.match import match
 from learner.core.parse import parse
 from learner.data import Record
@@ -23,10 +25,17 @@ if TYPE_CHECKING:
     from learner.trainer import Trainer
 
 
+@dataclass
+class Evaluation:
+    stats: dict[float, EpisodeStats]  # IoU gate -> match counts
+    predictions: list[list[tuple[str, str, list[float]]]]  # per record: (desc, kind, pixel coords) parsed
+
+
 def evaluate(trainer: Trainer, records: Sequence[Record], images: ImageStore, *, max_tokens: int | None = None,
-             iou_gates: Sequence[float] = ()) -> dict[float, EpisodeStats]:
+             iou_gates: Sequence[float] = ()) -> Evaluation:
     """Match counts of greedy answers to `records` from the weights the servers hold now (rank 0 only), per IoU
-    gate: the training matcher's own, plus any in `iou_gates` (e.g. 0.5, the usual detection threshold)."""
+    gate: the training matcher's own, plus any in `iou_gates` (e.g. 0.5, the usual detection threshold); and
+    the parsed predictions in pixels (for pictures)."""
     if trainer.rollouts is None:
         raise RuntimeError("evaluate runs on rank 0, the rank that talks to the rollout servers")
     requests = [
@@ -40,8 +49,11 @@ def evaluate(trainer: Trainer, records: Sequence[Record], images: ImageStore, *,
     configs = {trainer.core.matching.iou_gate: trainer.core.matching}
     configs.update({g: dataclasses.replace(trainer.core.matching, iou_gate=g) for g in iou_gates})
     stats = {g: EpisodeStats() for g in configs}
+    predictions = []
     for rec, out in zip(records, outs, strict=True):
         parsed = parse(vision_safe_response(out.token_ids, cut), vocab)
+        predictions.append([(o.obj.desc, o.obj.kind, [bin_to_pixel(b, rec.width if i % 2 == 0 else rec.height)
+                                                      for i, b in enumerate(o.obj.bins)]) for o in parsed.objects])
         for gate, cfg in configs.items():
             result = match([o.obj for o in parsed.objects], ground_truth(rec), cfg)
             stats[gate] += EpisodeStats(
@@ -49,4 +61,4 @@ def evaluate(trainer: Trainer, records: Sequence[Record], images: ImageStore, *,
                 false_negatives=len(result.false_negatives), dropped=parsed.n_dropped,
                 truncated=int(parsed.truncated), response_tokens=len(out.token_ids),
             )  # fmt: skip
-    return stats
+    return Evaluation(stats, predictions)
