@@ -112,12 +112,12 @@ def main() -> None:
         shutil.copy(p, out / f"{args.name}-rollout{i}.png")
     if last_eval and held_images is not None:
         from learner.draw import RolloutPicture, save_rollout_pictures
+        from learner.episode import ground_truth_detections
 
         step, predictions = last_eval[0]
         items = [
             RolloutPicture(step=step, record_id=rec.id, image=held_images.load(rec)[0].pil(), predicted=pred,
-                           ground_truth=[(o.desc, "bbox_2d" if o.bbox_2d else "poly", list(o.bbox_2d or o.poly))
-                                         for o in rec.objects], title=f"held-out {rec.id}, step {step} (greedy)")
+                           ground_truth=ground_truth_detections(rec), title=f"held-out {rec.id}, step {step} (greedy)")
             for rec, pred in list(zip(held, predictions, strict=True))[:4] if rec.images
         ]  # fmt: skip
         for i, p in enumerate(save_rollout_pictures(items, work / "heldout-pictures")):

@@ -10,12 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from learner.core.codec import DetObject
+from learner.core.codec import DetObject, bin_to_pixel
 from learner.core.match import MatchConfig, match
-from learner.core.parse import parse
+from learner.core.parse import ParsedRollout, parse
 from learner.core.targets import PromptMismatchError, Segment, TargetConfig, build_targets
 from learner.core.vocab import VocabView
 from learner.data import Record
+from learner.rollout_types import RolloutRequest
 
 
 @dataclass
@@ -59,6 +60,27 @@ def ground_truth(record: Record) -> list[DetObject]:
         kind, coords = ("bbox_2d", o.bbox_2d) if o.bbox_2d is not None else ("poly", o.poly)
         out.append(DetObject.from_pixels(o.desc, kind, coords, record.width, record.height))
     return out
+
+
+Detection = tuple[str, str, list[float]]  # (desc, "bbox_2d" | "poly", pixel coordinates): what pictures draw
+
+
+def rollout_request(record: Record, image_bytes: Sequence[bytes], seed: int | None = None) -> RolloutRequest:
+    """A record as the servers get it: its chat messages and its images' bytes (the server renders the prompt
+    with its own processor and returns the ids it used)."""
+    return RolloutRequest(seed=seed, request_id=record.id, messages=[(m.role, m.content) for m in record.messages],
+                          images=list(image_bytes))  # fmt: skip
+
+
+def ground_truth_detections(record: Record) -> list[Detection]:
+    return [(o.desc, "bbox_2d" if o.bbox_2d is not None else "poly", list(o.bbox_2d or o.poly or []))
+            for o in record.objects]  # fmt: skip
+
+
+def predicted_detections(parsed: ParsedRollout, record: Record) -> list[Detection]:
+    """The objects of a parsed response, in the record's pixel coordinates."""
+    return [(o.obj.desc, o.obj.kind, [bin_to_pixel(b, record.width if i % 2 == 0 else record.height)
+                                      for i, b in enumerate(o.obj.bins)]) for o in parsed.objects]  # fmt: skip
 
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")

@@ -13,13 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from learner.core.codec import bin_to_pixel
 from learner.core.match import match
 from learner.core.parse import parse
 from learner.data import Record
-from learner.episode import EpisodeStats, ground_truth, vision_safe_response
+from learner.episode import EpisodeStats, ground_truth, predicted_detections, rollout_request, vision_safe_response
 from learner.images import ImageStore
-from learner.rollout_client import RolloutRequest
 
 if TYPE_CHECKING:
     from learner.trainer import Trainer
@@ -38,11 +36,7 @@ def evaluate(trainer: Trainer, records: Sequence[Record], images: ImageStore, *,
     the parsed predictions in pixels (for pictures)."""
     if trainer.rollouts is None:
         raise RuntimeError("evaluate runs on rank 0, the rank that talks to the rollout servers")
-    requests = [
-        RolloutRequest(request_id=r.id, messages=[(m.role, m.content) for m in r.messages],
-                       images=[img.data for img in images.load(r)])
-        for r in records
-    ]  # fmt: skip
+    requests = [rollout_request(r, [img.data for img in images.load(r)]) for r in records]
     sampling = {"max_tokens": max_tokens or trainer.cfg.rollout.max_tokens, "temperature": 0.0}
     outs = trainer.rollouts.generate(requests, sampling, weight_version=trainer.version)
     vocab, cut = trainer.policy.vocab, trainer.vision_token_ids
@@ -52,8 +46,7 @@ def evaluate(trainer: Trainer, records: Sequence[Record], images: ImageStore, *,
     predictions = []
     for rec, out in zip(records, outs, strict=True):
         parsed = parse(vision_safe_response(out.token_ids, cut), vocab)
-        predictions.append([(o.obj.desc, o.obj.kind, [bin_to_pixel(b, rec.width if i % 2 == 0 else rec.height)
-                                                      for i, b in enumerate(o.obj.bins)]) for o in parsed.objects])
+        predictions.append(predicted_detections(parsed, rec))
         for gate, cfg in configs.items():
             result = match([o.obj for o in parsed.objects], ground_truth(rec), cfg)
             stats[gate] += EpisodeStats(

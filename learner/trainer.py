@@ -29,7 +29,6 @@ import torch
 from learner import metrics as m
 from learner import zero
 from learner.checkpoint import check_checkpoint_dir
-from learner.core.codec import bin_to_pixel
 from learner.core.losses import LossSums, loss_sums
 from learner.core.packing import PackedRow, Packer
 from learner.core.parse import parse
@@ -41,12 +40,15 @@ from learner.episode import (
     EpisodeStats,
     build_segments,
     check_rollout_prompts,
+    ground_truth_detections,
+    predicted_detections,
+    rollout_request,
     vision_safe_response,
     vision_token_ids,
 )
 from learner.images import ImageStore
 from learner.model import Policy, load_policy, prompt_ids
-from learner.rollout_client import Rollout, RolloutClient, RolloutRequest
+from learner.rollout_client import Rollout, RolloutClient
 from learner.servers import ServerPool, ServersFile
 from learner.step import PlainStep, ZeroStep, gathered_weights, make_step, resolve_device
 from learner.step_types import DataOrder, StepResult, Summary
@@ -179,6 +181,7 @@ class Trainer:
                     generate_batch_size=cfg.rollout.generate_batch_size, resync=self.sync_client.resync_server,
                 )  # fmt: skip
         self._prompt_cache: dict[int, list[int]] = {}  # text models: a record's prompt ids
+        self._step_prompts: dict[int, VisionPrompt] = {}  # vision-language models: this E-step's renderings
         self.pictures: list[Path] = []
         # Image/video tokens a rollout may sample: its answer is cut before the first (episode.vision_safe_response).
         self.vision_token_ids = (vision_token_ids(self.policy.tokenizer) if self.policy.is_vision_language
@@ -239,18 +242,14 @@ class Trainer:
         base = self.cfg.rollout.seed + k * self.cfg.prompts_per_step
         # Messages (+ image bytes): each server renders the prompt with its own processor and returns the
         # ids it used, which the E-step checks against the learner's rendering.
-        requests = []
-        for j, idx in enumerate(batch):
-            rec = self.records[idx]
-            requests.append(RolloutRequest(
-                seed=base + j, request_id=rec.id, messages=[(m.role, m.content) for m in rec.messages],
-                images=[img.data for img in self.images.load(rec)],
-            ))  # fmt: skip
+        requests = [rollout_request(rec, [img.data for img in self.images.load(rec)], seed=base + j)
+                    for j, rec in enumerate(self.records[idx] for idx in batch)]  # fmt: skip
         # The client fences every completion to this version (never train on stale data).
         return self.rollouts.generate(requests, self.core.sampling, weight_version=self.state.version)
 
     def _e_step(self, batch: tuple[int, ...]) -> _Built:
         ranks = self.ranks
+        self._step_prompts.clear()
         with self._phase("rollout"):
             with ranks.guard("generating rollouts (rank 0)"):
                 everything = self._generate(batch)
@@ -399,38 +398,37 @@ class Trainer:
 
     def _write_pictures(self, limit: int = 4) -> list[Path]:
         """Rank 0: the last fresh rollouts of a vision-language run drawn on their images (predicted and
-        ground-truth boxes) under <checkpoint.dir>/rollouts/. A picture that cannot be written is a warning:
+        ground-truth objects) under <checkpoint.dir>/rollouts/. A picture that cannot be written is a warning:
         the trained model is what the run is for."""
         last = next((h for h in reversed(self.history) if h.rollouts), None)
         if not self.ranks.is_main or not self.policy.is_vision_language or last is None:
             return []
         by_id = {r.id: r for r in self.records}
-        items = []
-        for r in last.rollouts[:limit]:
-            rec = by_id.get(r.request_id)
-            if rec is None or not rec.images:
-                continue
-            parsed = parse(vision_safe_response(r.token_ids, self.vision_token_ids), self.policy.vocab)
-            predicted = [(o.obj.desc, o.obj.kind, _pixels(o.obj.bins, rec)) for o in parsed.objects]
-            truth = [(o.desc, "bbox_2d" if o.bbox_2d is not None else "poly", list(o.bbox_2d or o.poly or []))
-                     for o in rec.objects]  # fmt: skip
-            items.append(RolloutPicture(step=last.step, record_id=rec.id, image=self.images.load(rec)[0].pil(),
-                                        ground_truth=truth, predicted=predicted))  # fmt: skip
+        items = [
+            RolloutPicture(step=last.step, record_id=rec.id, image=self.images.load(rec)[0].pil(),
+                           ground_truth=ground_truth_detections(rec),
+                           predicted=predicted_detections(
+                               parse(vision_safe_response(r.token_ids, self.vision_token_ids), self.policy.vocab), rec))
+            for r in last.rollouts[:limit] if (rec := by_id.get(r.request_id)) is not None and rec.images
+        ]  # fmt: skip
         out = Path(self.cfg.checkpoint.dir) / "rollouts"
         try:
             paths = save_rollout_pictures(items, out)
         except OSError as exc:
             log.warning("could not write rollout pictures to %s: %s", out, exc)
             return []
-        log.info("rollout pictures (predicted and ground-truth boxes) of step %d: %s", last.step, out)
+        log.info("rollout pictures (predicted and ground-truth objects) of step %d: %s", last.step, out)
         return paths
 
     def _vision_prompt(self, idx: int) -> VisionPrompt:
         """The learner's rendering of a record's prompt with its images (read through the image store's
-        cache, the same bytes the servers got)."""
-        rec = self.records[idx]
-        images = [img.pil() for img in self.images.load(rec)]
-        return render_prompt(self.policy.processor, [m.model_dump() for m in rec.messages], images)
+        cache, the same bytes the servers got); rendered once per E-step (pixels are not kept longer)."""
+        if idx not in self._step_prompts:
+            rec = self.records[idx]
+            images = [img.pil() for img in self.images.load(rec)]
+            self._step_prompts[idx] = render_prompt(self.policy.processor, [m.model_dump() for m in rec.messages],
+                                                    images)  # fmt: skip
+        return self._step_prompts[idx]
 
     def _prompt_ids(self, idx: int) -> list[int]:
         """The learner's prompt ids of a record (with its images expanded, for a vision-language model)."""
@@ -498,10 +496,6 @@ def learning_rate(cfg: TrainingConfig, step: int) -> float:
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     floor = cfg.lr * cfg.lr_min_ratio
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def _pixels(bins: Sequence[int], rec: Record) -> list[float]:
-    return [bin_to_pixel(b, rec.width if i % 2 == 0 else rec.height) for i, b in enumerate(bins)]
 
 
 def _check_images_fit(records: Sequence[Record], policy: Policy, max_images: int, path: str) -> None:
