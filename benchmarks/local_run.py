@@ -130,7 +130,7 @@ def main() -> None:
 
     warm = job.spec.training.warm_start_steps
     steps = [h.step for h in summary.history]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, summary.losses, label="loss", color="tab:blue")
     ax.plot(steps, [h.parts.get("ce", 0) for h in summary.history], label="ce", color="tab:cyan", lw=0.8)
     ax.plot(steps, [h.parts.get("coord", 0) for h in summary.history], label="coord", color="tab:purple", lw=0.8)
@@ -149,9 +149,9 @@ def main() -> None:
                  ms=4)
     ax2.set_ylabel("F1")
     ax2.set_ylim(0, 1)
-    fig.legend(loc="upper right", fontsize=7)
+    fig.legend(loc="lower center", ncol=4, fontsize=7, frameon=False)
     ax.set_title(f"rmsft local {Path(args.job).name}: {summary.steps} steps, {wall / 60:.1f} min")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.12, 1, 1))  # room for the legend below the axes
     fig.savefig(out / f"{args.name}.png", dpi=110)
 
     total = sum(summary.phase_seconds.values())
