@@ -19,6 +19,11 @@ class EngineInputError(EngineError):
     images are tokenized): sending it again, anywhere, cannot help."""
 
 
+class EngineDead(EngineError):
+    """The engine process is gone (vLLM's EngineDeadError): every later call would fail the same way, so the
+    server reports NOT_SERVING and exits for its pod (or `rmsft local`'s launcher) to restart it."""
+
+
 @dataclass(frozen=True)
 class VisionLimits:
     """What a vision-language engine accepts per prompt (None on an engine for text models)."""

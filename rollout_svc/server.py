@@ -108,9 +108,18 @@ def serve(cfg: ServeConfig) -> int:
         health_svc.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_svc, server)
 
-    def broken(reason: str) -> None:
+    stop = threading.Event()
+    exit_code = [0]
+
+    def broken(reason: str, fatal: bool = False) -> None:
+        """NOT_SERVING from now on, so the readiness probe and the learner's failover react; `fatal` (a dead
+        engine) also ends the process: its pod, or `rmsft local`'s launcher, restarts it."""
         for name in ("", SERVICE_NAME):
             health_svc.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if fatal:
+            write_termination_log(f"rmsft serve: {reason}")
+            exit_code[0] = 1
+            stop.set()
 
     try:
         servicer = RolloutServicer(cfg, on_broken=broken)
@@ -140,7 +149,6 @@ def serve(cfg: ServeConfig) -> int:
     log.info("listening on %s (metrics :%s), loading %s engine for %s", address, cfg.metrics_port,
              cfg.backend, cfg.model)
 
-    stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
@@ -153,11 +161,11 @@ def serve(cfg: ServeConfig) -> int:
         health_svc.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("ready: backend=%s lora=%s replica=%d", cfg.backend, cfg.enable_lora, servicer.ordinal)
     stop.wait()
-    log.info("shutting down")
+    log.info("shutting down" if not exit_code[0] else "shutting down: the engine is dead")
     health_svc.enter_graceful_shutdown()
     server.stop(cfg.grace_seconds).wait()
     servicer.close()
-    return 0
+    return exit_code[0]
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m rollout_svc") -> None:

@@ -17,7 +17,7 @@ from rmsft.serving_dtype import SERVE_DTYPES, served_spec, serving_dtype_name
 from rmsft.weights_wire import ADAPTER, FULL, WireError
 from rollout_svc import metrics
 from rollout_svc.config import ServeConfig
-from rollout_svc.engine import EngineError, EngineInputError, checkpoint_table, tied_lm_head
+from rollout_svc.engine import EngineDead, EngineError, EngineInputError, checkpoint_table, tied_lm_head
 from rollout_svc.prompts import PromptError, build_items
 from rollout_svc.runner import EngineRunner, VersionMismatch
 from rollout_svc.staging import (
@@ -132,6 +132,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                          f"{e}; sync weights first or drop expected_weight_version")
         except EngineInputError as e:
             self._finish("Generate", context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineDead as e:
+            self._dead(str(e))
+            self._finish("Generate", context, grpc.StatusCode.UNAVAILABLE,
+                         f"{e}; this server is exiting to be restarted: retry on another server")
         except EngineError as e:
             self._finish("Generate", context, grpc.StatusCode.INTERNAL, str(e))
         finally:
@@ -156,6 +160,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         metrics.GENERATE_SECONDS.observe(time.perf_counter() - t0)
         metrics.REQUESTS.labels(method="Generate", code="OK").inc()
         return reply
+
+    def _dead(self, reason: str) -> None:
+        """The engine is gone: refuse everything from now on (UNAVAILABLE), and tell the process to exit."""
+        self._broken = reason
+        metrics.READY.set(0)
+        log.error("engine dead: %s", reason)
+        if self._on_broken:
+            self._on_broken(reason, fatal=True)
 
     # UpdateWeights --------------------------------------------------------------------------
     def _check_header(self, header) -> None:
@@ -222,6 +234,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             metrics.WEIGHT_SYNC_FAILURES.labels(reason=e.reason).inc()
             log.warning("weight update refused (%s): %s", e.reason, message)
             self._finish("UpdateWeights", context, getattr(grpc.StatusCode, e.code), message)
+        except EngineDead as e:
+            metrics.WEIGHT_SYNC_FAILURES.labels(reason="apply").inc()
+            self._dead(str(e))
+            self._finish("UpdateWeights", context, grpc.StatusCode.UNAVAILABLE,
+                         f"{e}; this server is exiting to be restarted, and starts again from the checkpoint")
         except EngineError as e:
             metrics.WEIGHT_SYNC_FAILURES.labels(reason="apply").inc()
             self._finish("UpdateWeights", context, grpc.StatusCode.INTERNAL,
@@ -256,6 +273,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         names = frozenset(t.name for t in staged.tensors)
         try:
             self.engine.apply_full(staged.index_path)
+        except EngineDead:
+            staged.cleanup()  # no rollback into a dead engine: the process restarts from the checkpoint
+            raise
         except EngineError as e:
             prev = self._rollback.index_path if self._rollback else None
             if prev is None and not self._rollback_is_checkpoint:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import logging
 
 from rollout_svc.config import ServeConfig
-from rollout_svc.engine import EngineError, EngineInputError, GenItem, GenOutput, VisionLimits, is_vision_language
+from rollout_svc.engine import (
+    EngineDead,
+    EngineError,
+    EngineInputError,
+    GenItem,
+    GenOutput,
+    VisionLimits,
+    is_vision_language,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +46,11 @@ def _explain(e: BaseException) -> str:
     if "out of memory" in text.lower() or isinstance(e, MemoryError):
         return f"{_OOM_HINT} ({text})"
     return text
+
+
+def _engine_dead(e: BaseException) -> bool:
+    """vLLM's EngineDeadError (by name along the class's bases: the module moved between vLLM versions)."""
+    return any(c.__name__ == "EngineDeadError" for c in type(e).__mro__)
 
 
 def model_impl_for(setting: str, *, vision_language: bool, on_gpu: bool) -> str:
@@ -134,6 +147,9 @@ class VllmEngine:
         except ValueError as e:  # vLLM's input checks (e.g. a prompt longer than max_model_len)
             raise EngineInputError(f"vLLM refused the prompt: {e}") from e
         except Exception as e:
+            if _engine_dead(e):
+                raise EngineDead(f"vLLM's engine process died during generate ({_explain(e)}); its log above has "
+                                 "the cause") from e
             raise EngineError(f"vLLM generate failed: {_explain(e)}") from e
         return [
             GenOutput(list(o.prompt_token_ids), list(o.outputs[0].token_ids), o.outputs[0].finish_reason or "abort")
@@ -148,6 +164,8 @@ class VllmEngine:
         try:
             self.llm.collective_rpc("rmsft_reload_weights", args=(index_path,))
         except Exception as e:
+            if _engine_dead(e):
+                raise EngineDead(f"vLLM's engine process died while reloading weights ({_explain(e)})") from e
             raise EngineError(f"vLLM reload_weights failed: {_explain(e)}") from e
         # The merged weights already hold any adapter; serving it on top would apply it twice.
         self.clear_adapter()
