@@ -21,7 +21,8 @@ class EngineInputError(EngineError):
 
 class EngineDead(EngineError):
     """The engine process is gone (vLLM's EngineDeadError): every later call would fail the same way, so the
-    server reports NOT_SERVING and exits for its pod (or `rmsft local`'s launcher) to restart it."""
+    server reports NOT_SERVING and exits for its pod to be restarted (under `rmsft local` it stays down and
+    the learner fails over to the other servers)."""
 
 
 @dataclass(frozen=True)

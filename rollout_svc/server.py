@@ -113,7 +113,8 @@ def serve(cfg: ServeConfig) -> int:
 
     def broken(reason: str, fatal: bool = False) -> None:
         """NOT_SERVING from now on, so the readiness probe and the learner's failover react; `fatal` (a dead
-        engine) also ends the process: its pod, or `rmsft local`'s launcher, restarts it."""
+        engine) also ends the process, so its pod is restarted (`rmsft local` does not restart servers: the
+        learner fails over to the others)."""
         for name in ("", SERVICE_NAME):
             health_svc.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if fatal:

@@ -1,6 +1,5 @@
 """A dead vLLM engine is reported, not hidden: the call fails UNAVAILABLE naming the cause, health turns
-NOT_SERVING, later calls fail fast, and the server process exits non-zero so its pod (or `rmsft local`'s
-launcher) restarts it.
+NOT_SERVING, later calls fail fast, and the server process exits non-zero so its pod is restarted.
 
 The engine is killed the way it dies in practice on the CPU (../shared/ENV.md): seeded sampling on a batch
 whose prompt tokens exceed one engine step (chunked prefill rewinds a CPU generator, which cannot). Once the
