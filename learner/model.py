@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from learner.core.vocab import VocabView
 from rmsft.jobspec import TrainingConfig, VisionSpec
+from rmsft.model_folder import is_vision_language
 
 if TYPE_CHECKING:
     import torch
@@ -179,16 +180,6 @@ def _enable_gradient_checkpointing(hf_model: Any) -> None:
     # it is only added here when it did not, so a reentrant function swapped in later still trains.
     if emb is not None and not emb.weight.requires_grad and not getattr(hf_model, "_require_grads_hooks", None):
         hf_model.enable_input_require_grads()
-
-
-def is_vision_language(path: str | Path) -> bool:
-    """A model folder whose config has a vision tower."""
-    import json
-
-    try:
-        return "vision_config" in json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
 
 
 def load_processor(path: str | Path, vision: VisionSpec | None = None) -> Any:

@@ -6,6 +6,7 @@ training loop needs that is derived from the spec is derived here, once.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,3 +39,16 @@ def core_configs(cfg: TrainingConfig) -> CoreConfigs:
         m_steps=cfg.buffer.m_steps if cfg.buffer.enabled else 1,
         packing=(cfg.packing_length, cfg.packing_buffer, cfg.packing_min_fill),
     )
+
+
+def learning_rate(cfg: TrainingConfig, step: int) -> float:
+    """`training.lr` at optimizer step `step` (0-based): linear warmup over `warmup_steps`, then constant, or
+    with `lr_schedule: cosine` decayed to `lr_min_ratio * lr` at the last step."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    span = max(1, cfg.steps - cfg.warmup_steps - 1)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.lr_min_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -15,7 +15,6 @@ one process training on all the rows. Rank 0 then syncs the servers. See learner
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import time
@@ -53,11 +52,11 @@ from learner.servers import ServerPool, ServersFile
 from learner.step import PlainStep, ZeroStep, gathered_weights, make_step, resolve_device
 from learner.step_types import DataOrder, StepResult, Summary
 from learner.sync_client import WeightSyncClient
-from learner.train_config import core_configs
+from learner.train_config import core_configs, learning_rate
 from learner.trainer_checkpoint import Checkpointer, TrainState
 from learner.vision import VisionPrompt, render_prompt, with_vision
 from learner.weight_export import checkpoint_name_map
-from rmsft.jobspec import RolloutMatchingJob, TrainingConfig
+from rmsft.jobspec import RolloutMatchingJob
 
 __all__ = ["DataOrder", "StepResult", "Summary", "Trainer"]
 
@@ -483,19 +482,6 @@ class Trainer:
                 part.close()
         self.train_step = None
         self.ranks.close()
-
-
-def learning_rate(cfg: TrainingConfig, step: int) -> float:
-    """`training.lr` at optimizer step `step` (0-based): linear warmup over `warmup_steps`, then constant, or
-    with `lr_schedule: cosine` decayed to `lr_min_ratio * lr` at the last step."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return cfg.lr
-    span = max(1, cfg.steps - cfg.warmup_steps - 1)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    floor = cfg.lr * cfg.lr_min_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _check_images_fit(records: Sequence[Record], policy: Policy, max_images: int, path: str) -> None:

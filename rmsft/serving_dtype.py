@@ -14,6 +14,7 @@ import json
 import struct
 from pathlib import Path
 
+from rmsft.model_folder import model_config
 from rmsft.weights_wire import TensorSpec
 
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
@@ -49,12 +50,7 @@ _ALIASES = {"half": "float16", "float": "float32"}  # what vLLM's --dtype also t
 def config_dtype(model_dir: str | Path) -> str | None:
     """config.json's `dtype` (transformers >= 4.56) or `torch_dtype`, at the top or in
     `text_config` (VLMs), as a safetensors dtype name; None when it names none of SERVE_DTYPES."""
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(cfg, dict):
-        return None
+    cfg = model_config(model_dir)
     for section in (cfg, cfg.get("text_config") or {}):
         for key in ("dtype", "torch_dtype"):
             value = section.get(key) if isinstance(section, dict) else None

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from rmsft.model_folder import model_config
 from rmsft.weights_wire import TensorSpec
 
 
@@ -100,18 +100,6 @@ def checkpoint_table(model_dir: str | Path) -> dict[str, TensorSpec]:
                 sl = sf.get_slice(name)
                 table[name] = TensorSpec(sl.get_dtype(), tuple(int(d) for d in sl.get_shape()))
     return table
-
-
-def model_config(model_dir: str | Path) -> dict:
-    try:
-        return json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def is_vision_language(model_dir: str | Path) -> bool:
-    """A model folder whose config has a vision tower (Qwen-VL and friends)."""
-    return "vision_config" in model_config(model_dir)
 
 
 def tied_lm_head(model_dir: str | Path) -> bool:

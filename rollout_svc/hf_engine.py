@@ -4,8 +4,9 @@ prompt at a time because `generate` has no per-row seed."""
 
 from __future__ import annotations
 
+from rmsft.model_folder import is_vision_language
 from rollout_svc.config import ServeConfig
-from rollout_svc.engine import EngineError, GenItem, GenOutput, is_vision_language
+from rollout_svc.engine import EngineError, GenItem, GenOutput
 
 
 class HfEngine:

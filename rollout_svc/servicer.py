@@ -161,13 +161,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         metrics.REQUESTS.labels(method="Generate", code="OK").inc()
         return reply
 
-    def _dead(self, reason: str) -> None:
-        """The engine is gone: refuse everything from now on (UNAVAILABLE), and tell the process to exit."""
+    def _mark_broken(self, reason: str, *, fatal: bool = False) -> None:
+        """Refuse everything from now on (UNAVAILABLE naming `reason`) and tell the process: NOT_SERVING, and
+        with `fatal` (a dead engine) exit to be restarted."""
         self._broken = reason
         metrics.READY.set(0)
-        log.error("engine dead: %s", reason)
         if self._on_broken:
-            self._on_broken(reason, fatal=True)
+            self._on_broken(reason, fatal=fatal)
+
+    def _dead(self, reason: str) -> None:
+        log.error("engine dead: %s", reason)
+        self._mark_broken(reason, fatal=True)
 
     # UpdateWeights --------------------------------------------------------------------------
     def _check_header(self, header) -> None:
@@ -279,10 +283,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         except EngineError as e:
             prev = self._rollback.index_path if self._rollback else None
             if prev is None and not self._rollback_is_checkpoint:
-                self._broken = f"FULL apply failed ({e}) and no rollback copy is kept"
-                metrics.READY.set(0)
-                if self._on_broken:
-                    self._on_broken(self._broken)
+                self._mark_broken(f"FULL apply failed ({e}) and no rollback copy is kept")
                 staged.cleanup()
                 raise
             try:
@@ -296,10 +297,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                                               self.runner.active_adapter)
                 self.engine.reset_prefix_cache()
             except EngineError as e2:
-                self._broken = f"FULL apply failed ({e}) and rollback failed ({e2})"
-                metrics.READY.set(0)
-                if self._on_broken:
-                    self._on_broken(self._broken)
+                self._mark_broken(f"FULL apply failed ({e}) and rollback failed ({e2})")
             staged.cleanup()
             raise
         self.engine.reset_prefix_cache()

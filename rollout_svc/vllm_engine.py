@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from rmsft.model_folder import is_vision_language
 from rollout_svc.config import ServeConfig
 from rollout_svc.engine import (
     EngineDead,
@@ -12,7 +13,6 @@ from rollout_svc.engine import (
     GenItem,
     GenOutput,
     VisionLimits,
-    is_vision_language,
 )
 
 log = logging.getLogger(__name__)

@@ -140,7 +140,7 @@ def test_warm_start_trains_on_ground_truth_without_generating(tmp_path: Path, ti
 
 
 def test_learning_rate_schedules() -> None:
-    from learner.trainer import learning_rate
+    from learner.train_config import learning_rate
     from rmsft.jobspec import TrainingConfig
 
     cfg = TrainingConfig(data={"path": "d.jsonl"}, lr=1.0, steps=10, warmup_steps=2, lr_schedule="cosine",
