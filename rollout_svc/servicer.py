@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import shutil
+import tempfile
 import threading
 import time
 
@@ -318,12 +318,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def _apply_adapter(self, staged: StagedWeights) -> None:
         adapter_id = next(self._adapter_ids)
         name = f"rmsft-v{staged.header.version}-{adapter_id}"
-        out_dir = os.path.join(self.stager.staging_dir, name)
+        out_dir = ""
         try:
+            # A folder of its own: servers on one machine share /dev/shm, and the same version and adapter id
+            # on two of them once made one server truncate the adapter_config.json the other's vLLM was reading.
+            out_dir = tempfile.mkdtemp(prefix=f"{name}-", dir=self.stager.staging_dir)
             write_adapter_dir(staged, out_dir)
         except Exception as e:
-            shutil.rmtree(out_dir, ignore_errors=True)
-            raise EngineError(f"cannot write adapter folder {out_dir}: {e}") from e
+            if out_dir:
+                shutil.rmtree(out_dir, ignore_errors=True)
+            raise EngineError(f"cannot write adapter folder {out_dir or self.stager.staging_dir}: {e}") from e
 
         def apply() -> None:
             t0 = time.perf_counter()
