@@ -27,10 +27,11 @@ def test_a_dead_engine_is_reported_and_the_server_exits(tiny_model_dir: Path, ti
     with RolloutServer.start(tiny_model_dir, dtype="float32", timeout=400, log_path=log) as srv:
         prompts = prompt_ids(tiny_tokenizer)[:2]
         assert len(generate(srv.stub(), srv.metadata(), prompts).completions) == 2  # serving
-        # 128 seeded prompts of 60 tokens: 7680 prompt tokens, more than one CPU engine step prefills.
-        crash = [[(i * 7 + j) % 900 + 10 for j in range(60)] for i in range(128)]
+        # 16 seeded prompts of 1000 tokens: one CPU engine step (4096 tokens) must cut the fifth prompt's prefill
+        # in two (with 60-token prompts the scheduler sometimes fit whole prompts and the engine survived).
+        crash = [[(i * 7 + j) % 900 + 10 for j in range(1000)] for i in range(16)]
         with pytest.raises(grpc.RpcError) as info:
-            generate(srv.stub(), srv.metadata(), crash, max_tokens=8, temperature=1.0, seeds=list(range(128)),
+            generate(srv.stub(), srv.metadata(), crash, max_tokens=8, temperature=1.0, seeds=list(range(16)),
                      timeout=120)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
         assert "engine process died" in info.value.details()
