@@ -30,7 +30,7 @@ def heldout_records(job, work: Path, n: int):
     path = work / "heldout.jsonl"
     seed = job.spec.training.seed + 10_000
     if _annotations(job).get(SYNTHETIC_TASK) == "visual":
-        write_visual_dataset(path, n=n, seed=seed)
+        write_visual_dataset(path, n=n, seed=seed, fmt=job.spec.training.format)
     else:
         write_synthetic_dataset(path, n=n, seed=seed)
     return load_dataset(path, None, job.spec.model.vision.max_image_pixels)
@@ -78,7 +78,8 @@ def main() -> None:
             if held and (r.step % args.eval_every == 0 or r.step == 1 or r.step == job.spec.training.steps):
                 # The weights this step trained, on every server first (a new version).
                 trainer.sync_weights()
-                result = evaluate(trainer, held, held_images, iou_gates=(0.5,))
+                result = evaluate(trainer.rollouts, held, held_images, trainer.eval_setup(held_images),
+                                  version=trainer.version, max_tokens=job.spec.training.rollout.max_tokens, iou=0.5)
                 evals[r.step] = result.stats[trainer.core.matching.iou_gate].f1
                 evals50[r.step] = result.stats[0.5].f1
                 last_eval[:] = [(r.step, result.predictions)]

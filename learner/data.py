@@ -9,7 +9,10 @@ A record::
                  {"desc": "kite", "poly": [5, 5, 60, 5, 30, 40]}]}  # pixel coordinates
 
 Bad lines fail the load with the file, the line number and the field at fault; nothing is
-silently skipped.
+silently skipped. Object rules are the core's (`learner.core.codec.check_desc`, `DetObject`), applied
+here so that a bad object fails at load with its record's line, not later inside a training step: a
+desc blank after stripping or holding coordinate-token text (`<|coord_`), a box with x2 < x1 or
+y2 < y1, a coordinate that is not a finite number. Descs are kept as written; the core strips them.
 
 Image references (`images`), resolved by learner/images.py:
 
@@ -31,7 +34,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from learner.core.codec import check_desc
 
 if TYPE_CHECKING:
     from learner.images import ImageStore
@@ -44,10 +49,17 @@ class Message(BaseModel):
 
 
 class GroundTruthObject(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN/inf coordinates would only fail later, in the grid conversion of a training step.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     desc: str = Field(min_length=1)
     bbox_2d: list[float] | None = None
     poly: list[float] | None = None
+
+    @field_validator("desc")
+    @classmethod
+    def _desc(cls, v: str) -> str:
+        check_desc(v)  # raises ValueError with the reason; pydantic adds the field's path
+        return v
 
     @model_validator(mode="after")
     def _one_geometry(self) -> GroundTruthObject:

@@ -1,6 +1,12 @@
 """One E-step's worth of pure work: rollouts + ground truth -> training segments + match counts.
 
 No I/O: the training loop hands in the completions it got from the servers.
+
+The output format (`training.format`, `learner.train_config.CoreConfigs.fmt`) is a keyword argument
+everywhere it matters, COORDEXP by default. A format in resized-image pixels (qwen_json with
+`coordinates: pixels`) is bound per record to the size the processor resized that record's image to
+(`image_sizes`); bins stay relative to the image, so `predicted_detections` needs no format.
+Prompts are the records' own messages: nothing format-specific is added to them here.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from learner.core.codec import DetObject, bin_to_pixel
+from learner.core.codec import COORDEXP, DetObject, FormatError, OutputFormat, bin_to_pixel
 from learner.core.match import MatchConfig, match
 from learner.core.parse import ParsedRollout, parse
 from learner.core.targets import PromptMismatchError, Segment, TargetConfig, build_targets
@@ -53,13 +59,19 @@ class EpisodeStats:
         return 2 * p * r / (p + r) if p + r else 0.0
 
 
-def ground_truth(record: Record) -> list[DetObject]:
-    """A record's objects on the 1000-bin grid of its own image size."""
+def ground_truth(record: Record, fmt: OutputFormat = COORDEXP) -> list[DetObject]:
+    """A record's objects on the 1000-bin grid of its own image size, as `fmt` writes them (qwen_json:
+    a polygon becomes its enclosing box), so matching compares what the model is asked to write."""
     out = []
     for o in record.objects:
         kind, coords = ("bbox_2d", o.bbox_2d) if o.bbox_2d is not None else ("poly", o.poly)
-        out.append(DetObject.from_pixels(o.desc, kind, coords, record.width, record.height))
+        out.append(fmt.as_written(DetObject.from_pixels(o.desc, kind, coords, record.width, record.height)))
     return out
+
+
+def record_format(fmt: OutputFormat, image_size: tuple[int, int] | None) -> OutputFormat:
+    """`fmt` bound to a record's resized image size (a no-op for formats that need none)."""
+    return fmt.for_image(*image_size) if image_size is not None else fmt
 
 
 Detection = tuple[str, str, list[float]]  # (desc, "bbox_2d" | "poly", pixel coordinates): what pictures draw
@@ -138,20 +150,34 @@ def build_segments(
     vocab: VocabView,
     matching: MatchConfig,
     targets: TargetConfig | None = None,
+    *,
+    fmt: OutputFormat = COORDEXP,
+    image_sizes: Sequence[tuple[int, int] | None] | None = None,
 ) -> tuple[list[Segment], EpisodeStats]:
-    """Parse, match and build Y_train for each (record, rollout) pair, in order."""
+    """Parse, match and build Y_train for each (record, rollout) pair, in order. `fmt`: the output
+    format; `image_sizes`: per record, its image's (width, height) as the processor resized it (None for a
+    record without one), which a pixels format is bound to (`OutputFormat.for_image`)."""
     if not len(records) == len(prompt_ids) == len(rollout_prompt_ids) == len(response_ids):
         raise ValueError("records, prompts and rollouts differ in number")
+    if image_sizes is not None and len(image_sizes) != len(records):
+        raise ValueError(f"{len(image_sizes)} image size(s) for {len(records)} record(s)")
+    sizes = image_sizes if image_sizes is not None else [None] * len(records)
     stats = EpisodeStats()
     segments = []
-    for rec, p_ids, r_p_ids, resp in zip(records, prompt_ids, rollout_prompt_ids, response_ids, strict=True):
-        gt = ground_truth(rec)
-        t0 = time.perf_counter()
-        parsed = parse(resp, vocab)
-        t1 = time.perf_counter()
-        result = match([o.obj for o in parsed.objects], gt, matching)
-        t2 = time.perf_counter()
-        segments.append(build_targets(p_ids, parsed, result, gt, vocab, rollout_prompt_ids=r_p_ids, cfg=targets))
+    for rec, p_ids, r_p_ids, resp, size in zip(records, prompt_ids, rollout_prompt_ids, response_ids, sizes,
+                                               strict=True):  # fmt: skip
+        rec_fmt = record_format(fmt, size)
+        try:
+            gt = ground_truth(rec, rec_fmt)
+            t0 = time.perf_counter()
+            parsed = parse(resp, vocab, rec_fmt)
+            t1 = time.perf_counter()
+            result = match([o.obj for o in parsed.objects], gt, matching)
+            t2 = time.perf_counter()
+            segments.append(build_targets(p_ids, parsed, result, gt, vocab, rec_fmt, rollout_prompt_ids=r_p_ids,
+                                          cfg=targets))
+        except FormatError as exc:  # e.g. a pixels format and a record without an image size
+            raise FormatError(f"record {rec.id!r}: {exc}") from exc
         t3 = time.perf_counter()
         stats += EpisodeStats(
             rollouts=1,

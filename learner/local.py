@@ -8,10 +8,13 @@ learner GPU it runs as `torchrun` ranks in a subprocess, whose output is streame
 
 A manifest annotated `rmsft.io/build-tiny-model: "true"` gets the tiny text model built at
 `spec.model.path` when that folder is absent (`"qwen3_vl"` or `"qwen2_5_vl"`: a tiny vision-language
-model, `rmsft.io/tiny-model-size: "small"` a larger one), and `rmsft.io/synthetic-records: "N"` gets N
-synthetic detection records written to `spec.training.data.path` when that file is absent
-(`rmsft.io/synthetic-task: "visual"`: rendered images of shapes, the prompt giving nothing away). The
-shipped `configs/local-tiny-vl.yaml` and `configs/local-tiny.yaml` run on a fresh machine with no downloads.
+model, `rmsft.io/tiny-model-size: "small"` a larger one, `rmsft.io/tiny-model-stock: "true"` one with a
+stock vocabulary, without coordinate tokens, for `training.format: qwen_json`), and
+`rmsft.io/synthetic-records: "N"` gets N synthetic detection records written to
+`spec.training.data.path` when that file is absent (`rmsft.io/synthetic-task: "visual"`: rendered
+images of shapes, the prompt giving nothing away), and `rmsft.io/synthetic-eval-records: "N"` N more,
+rendered with another seed, to `spec.training.eval.data`. The shipped `configs/local-tiny*.yaml` run
+on a fresh machine with no downloads.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ log = logging.getLogger("rmsft.local")
 BUILD_TINY_MODEL = "rmsft.io/build-tiny-model"
 SYNTHETIC_RECORDS = "rmsft.io/synthetic-records"
 SYNTHETIC_TASK = "rmsft.io/synthetic-task"
+SYNTHETIC_EVAL_RECORDS = "rmsft.io/synthetic-eval-records"
 TINY_MODEL_SIZE = "rmsft.io/tiny-model-size"
+TINY_MODEL_STOCK = "rmsft.io/tiny-model-stock"  # "true": a stock vocabulary, without the coordinate tokens
 AUTH_TOKEN_ENV = "RMSFT_AUTH_TOKEN"
 
 
@@ -69,39 +74,47 @@ def prepare_inputs(job: RolloutMatchingJob, console: Console) -> None:
     notes = _annotations(job)
     model_dir = Path(job.spec.model.path)
     build = notes.get(BUILD_TINY_MODEL, "").lower()
+    coord_tokens = notes.get(TINY_MODEL_STOCK, "false").lower() != "true"
     if build and build != "false" and not (model_dir / "config.json").exists():
         with console.status(f"building the tiny model in {model_dir}"):
             if build == "true":
                 from rmsft.tiny_model import build_tiny_model
 
-                build_tiny_model(model_dir, seed=job.spec.training.seed)
+                build_tiny_model(model_dir, seed=job.spec.training.seed, coord_tokens=coord_tokens)
             else:
                 from rmsft.tiny_vl import build_tiny_vl_model
 
                 try:
                     build_tiny_vl_model(model_dir, arch=build, seed=job.spec.training.seed,
-                                        size=notes.get(TINY_MODEL_SIZE, "tiny"))
+                                        size=notes.get(TINY_MODEL_SIZE, "tiny"), coord_tokens=coord_tokens)
                 except ValueError as exc:
                     raise ValueError(
                         f"metadata.annotations[{BUILD_TINY_MODEL!r}]: {exc} (or \"true\": a text model)"
                     ) from None
         console.print(f"built the tiny model in {model_dir}")
-    data = Path(job.spec.training.data.path)
-    if notes.get(SYNTHETIC_RECORDS) and not data.exists():
-        n = int(notes[SYNTHETIC_RECORDS])
-        task = notes.get(SYNTHETIC_TASK, "text")
+    task = notes.get(SYNTHETIC_TASK, "text")
+    if task not in ("text", "visual"):
+        raise ValueError(f"metadata.annotations[{SYNTHETIC_TASK!r}] must be \"text\" or \"visual\", got {task!r}")
+    seed = job.spec.training.seed
+    wanted = [(SYNTHETIC_RECORDS, job.spec.training.data.path, seed, "")]
+    if job.spec.training.eval.data:  # held-out records: the same task rendered with another seed
+        wanted.append((SYNTHETIC_EVAL_RECORDS, job.spec.training.eval.data, seed + 10_000, "held-out "))
+    for key, path, data_seed, what in wanted:
+        data = Path(path)
+        if not notes.get(key) or data.exists():
+            continue
+        n = int(notes[key])
         if task == "visual":
             from learner.synthetic import write_visual_dataset
 
-            with console.status(f"rendering {n} synthetic images for {data}"):
-                write_visual_dataset(data, n=n, seed=job.spec.training.seed)
-        elif task == "text":
+            with console.status(f"rendering {n} synthetic {what}images for {data}"):
+                # The instruction asks for the job's own output format (same images and objects either way).
+                write_visual_dataset(data, n=n, seed=data_seed, fmt=job.spec.training.format)
+        else:
             from learner.synthetic import write_synthetic_dataset
 
-            write_synthetic_dataset(data, n=n, seed=job.spec.training.seed)
-        else:
-            raise ValueError(f"metadata.annotations[{SYNTHETIC_TASK!r}] must be \"text\" or \"visual\", got {task!r}")
-        console.print(f"wrote {n} synthetic {task} records to {data}")
+            write_synthetic_dataset(data, n=n, seed=data_seed)
+        console.print(f"wrote {n} synthetic {what}{task} records to {data}")
 
 
 def machine_plan(job: RolloutMatchingJob) -> GpuPlan:
@@ -164,6 +177,12 @@ def print_summary(summary, console: Console) -> None:
     table.add_row("wall time", f"{summary.wall_seconds:.1f}s")
     if summary.pictures:
         table.add_row("rollout pictures", f"{len(summary.pictures)} in {summary.pictures[0].parent}")
+    for step, f1, mean_ap in summary.evaluations:
+        table.add_row(f"held-out, step {step}", f"F1 {f1:.3f}  mAP {mean_ap:.3f}")
+    if summary.log_dir is not None:
+        table.add_row("TensorBoard", f"tensorboard --logdir {summary.log_dir}")
+    if summary.exported is not None:
+        table.add_row("trained model", str(summary.exported))
     total = sum(summary.phase_seconds.values()) or 1.0
     for name, sec in sorted(summary.phase_seconds.items(), key=lambda kv: -kv[1]):
         table.add_row(f"  {name}", f"{sec:.2f}s ({100 * sec / total:.0f}%)")
@@ -187,6 +206,8 @@ def train_in_process(job: RolloutMatchingJob, addresses: list[str], *, auth_toke
         trainer = Trainer(job, addresses, auth_token=auth_token or None)
         if resume:
             trainer.resume()
+        console.print(f"TensorBoard event files in {job.spec.training.tensorboard_dir} "
+                      f"(tensorboard --logdir {job.spec.training.tensorboard_dir})")
         columns = (TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.fields[info]}"))
         with Progress(*columns, console=console) as progress:
@@ -197,6 +218,8 @@ def train_in_process(job: RolloutMatchingJob, addresses: list[str], *, auth_toke
                 progress.update(task, completed=r.step, info=f"loss {r.loss:.3f}{f1} v{r.weight_version}")
 
             trainer.on_step = on_step
+            # A held-out evaluation gets its own line above the bar (the log is at warning level here).
+            trainer.on_eval = lambda ev: progress.console.print(f"step {ev.step}: {ev.describe()}")
             summary = trainer.run()
         print_summary(summary, console)
         return summary
@@ -297,6 +320,10 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
     if plan.accelerated:
         console.print(f"GPUs: {plan.describe()}")
     servers = start_servers(job, log_dir, console, plan)
+    from rollout_svc.launcher import Supervisor
+
+    # A server whose engine died exits 1; like a pod, it is restarted, and the learner re-syncs it.
+    supervisor = Supervisor(servers, report=lambda m: console.print(f"[yellow]{m}[/yellow]"))
     try:
         addresses = [s.address for s in servers]
         # The servers take RMSFT_AUTH_TOKEN from this environment: the learner must send the same.
@@ -307,6 +334,7 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
             return None
         return train_in_process(job, addresses, auth_token=token, resume=resume, console=console)
     finally:
+        supervisor.stop()
         for s in servers:
             with contextlib.suppress(Exception):
                 s.stop()

@@ -24,3 +24,14 @@ ROLLOUT_REQUESTS = Counter("rmsft_learner_rollout_requests_total", "Prompts sent
 ROLLOUT_RETRIES = Counter("rmsft_learner_rollout_retries_total", "Chunks retried on another server", ["reason"])
 WEIGHT_SYNC_BYTES = Counter("rmsft_learner_weight_sync_bytes_total", "Bytes streamed to servers", ["mode"])
 SERVERS_READY = Gauge("rmsft_learner_servers_ready", "Rollout servers healthy and on the current version")
+# Held-out evaluation (training.eval), set after each one; the operator copies them into
+# status.evaluation once EVAL_STEP is >= 1 (0, the initial value, means none yet).
+EVAL_STEP = Gauge("rmsft_learner_eval_step", "Optimizer step of the last held-out evaluation (0 = none yet)")
+EVAL_F1 = Gauge("rmsft_learner_eval_f1", "Held-out F1 at IoU training.eval.iou (0.5 by default), last evaluation")
+EVAL_MAP = Gauge("rmsft_learner_eval_map", "Held-out COCO bbox mAP@[.50:.95], last evaluation")
+EVAL_MAP50 = Gauge("rmsft_learner_eval_map50", "Held-out COCO bbox mAP@.50, last evaluation")
+
+
+def counter_total(counter: Counter) -> float:
+    """A counter's value summed over its labels (in this process)."""
+    return sum(s.value for mf in counter.collect() for s in mf.samples if s.name.endswith("_total"))

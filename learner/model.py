@@ -270,7 +270,8 @@ def load_policy(model_path: str | Path, cfg: TrainingConfig, dtype: str = "auto"
     except (OSError, ValueError, ImportError) as exc:
         raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
     try:
-        vocab = VocabView.from_hf_tokenizer(tokenizer)
+        # Only coordexp writes coord tokens; qwen_json works with a stock Qwen-VL tokenizer.
+        vocab = VocabView.from_hf_tokenizer(tokenizer, coord_tokens=cfg.format == "coordexp")
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
 

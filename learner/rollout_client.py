@@ -1,8 +1,10 @@
 """Ordered, fenced rollouts over the server pool.
 
 `RolloutClient.generate` splits N prompts contiguously over the ordered servers, sends the chunks
-concurrently (blocking calls on worker threads, at most `max_inflight_per_server` per server, so a
-server's generate batch bound holds), and puts every completion back at its input index. A chunk
+concurrently (blocking calls on worker threads), and puts every completion back at its input index. By
+default each server gets its whole share in one call (cut only to bound the message size), so its engine
+sees every prompt at once; the server's engine batches calls continuously, so more calls in flight join
+the same running batch. A chunk
 whose server fails is sent again, unchanged (same prompts, same seeds), to the least-loaded healthy
 server, so the output never depends on which server answered. Every completion must carry the
 learner's current weight version: a server that holds another version (FAILED_PRECONDITION, a wrong
@@ -59,6 +61,14 @@ _FATAL_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, 
 _BUSY_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
+def _message_bytes(prompt: rollout_pb2.Prompt, sampling: rollout_pb2.SamplingParams) -> int:
+    """A prompt's share of a Generate call's messages: its request bytes, and a bound on its reply (n completions,
+    each echoing the prompt ids and carrying up to max_tokens ids, ~3 bytes each, plus 4-byte log-probs)."""
+    n = sampling.n or 1
+    per_token = 3 + (5 if sampling.logprobs else 0)
+    return prompt.ByteSize() + n * (3 * len(prompt.token_ids) + per_token * sampling.max_tokens + 32)
+
+
 @dataclass
 class _Call:
     """Book-keeping of one `generate` call."""
@@ -82,12 +92,12 @@ class _Call:
 class RolloutClient:
     """Sends rollouts to a `ServerPool`.
 
-    timeout_s: deadline of each Generate call (one chunk). max_inflight_per_server: Generate calls
-    outstanding per server; 2 keeps the next chunk queued at the server while the current one runs
-    (the server's engine thread takes queued calls back to back, merging them into one batch when it
-    can), so the round trip is off the critical path. generate_batch_size: most prompts per
-    Generate call (0 = a server's whole share in one call). max_attempts: tries per chunk before the
-    rollout fails (default: number of servers + 1). resync: called as `resync(server)` to push the
+    timeout_s: deadline of each Generate call (one chunk); when it passes, the server aborts the call's
+    requests. generate_batch_size: most prompts per Generate call (0 = a server's whole share in one call,
+    cut only where its prompts pass MAX_CHUNK_BYTES). max_inflight_per_server: Generate calls outstanding
+    per server; they all join the server engine's running batch, so the default does not throttle (a user
+    who sets a small generate_batch_size still feeds the engine 16 chunks at once). max_attempts: tries per
+    chunk before the rollout fails (default: number of servers + 1). resync: called as `resync(server)` to push the
     learner's current weights to a server that holds another version; it must raise on failure.
 
     Each `generate` first applies a changed server list (`ServerPool.follow`): servers that left get
@@ -101,7 +111,7 @@ class RolloutClient:
         timeout_s: float = 600.0,
         generate_batch_size: int = 0,
         max_attempts: int | None = None,
-        max_inflight_per_server: int = 2,
+        max_inflight_per_server: int = 16,
         resync: Callable[[RolloutServer], None] | None = None,
     ) -> None:
         if timeout_s <= 0:
@@ -148,7 +158,8 @@ class RolloutClient:
         weight_version: int | None = None,
     ) -> list[Rollout]:
         """Completions for `requests`, in input order, all produced by `weight_version` (default: the
-        pool's current version; when neither is set, no version is enforced)."""
+        pool's current version; when neither is set, no version is enforced). With `sampling.n` = k, the k
+        samples of request i are at [i*k, (i+1)*k), in sample order."""
         if not requests:
             return []
         t0 = time.perf_counter()
@@ -161,11 +172,12 @@ class RolloutClient:
                 "servers are re-synced to the pool's version, so the two must agree"
             )
         expected = weight_version if weight_version is not None else current
+        params = sampling_params(sampling)
         call = _Call(
             expected=expected,
-            sampling=sampling_params(sampling),
+            sampling=params,
             prompts=[to_prompt_proto(r) for r in requests],
-            results=[None] * len(requests),
+            results=[None] * (len(requests) * (params.n or 1)),
             queues={s.index: deque() for s in self.pool.servers},
         )
         self.pool.refresh_due()
@@ -174,7 +186,8 @@ class RolloutClient:
             raise AllServersDownError(
                 f"no rollout server can take the {len(requests)} prompt(s): " + self._describe(call)
             )
-        for chunk in plan_chunks(len(requests), len(planned), self.generate_batch_size):
+        sizes = [_message_bytes(p, params) for p in call.prompts]
+        for chunk in plan_chunks(len(requests), len(planned), self.generate_batch_size, sizes):
             call.queues[planned[chunk.slot].index].append(chunk)
 
         events: queue.Queue = queue.Queue()
@@ -195,11 +208,11 @@ class RolloutClient:
         if missing:  # _pump only stops with work left when nothing can take it
             if call.stale_refused:
                 raise StaleRolloutError(
-                    f"{len(missing)} of {len(requests)} prompt(s) have no completion from weight version "
+                    f"{len(missing)} of {len(call.results)} completion(s) are missing from weight version "
                     f"{expected}; {call.stale_refused} stale completion(s) were refused: " + self._describe(call)
                 )
             raise AllServersDownError(
-                f"{len(missing)} of {len(requests)} prompt(s) could not be generated, no rollout server "
+                f"{len(missing)} of {len(call.results)} completion(s) could not be generated, no rollout server "
                 f"left: " + self._describe(call)
             )
         results: list[Rollout] = call.results  # type: ignore[assignment]
@@ -293,13 +306,18 @@ class RolloutClient:
             self._on_rpc_error(call, server, chunk, e)
             return
         comps = reply.completions
+        n = call.sampling.n or 1
         problem = ""
-        if len(comps) != len(chunk):
-            problem = f"answered {len(comps)} completions for {len(chunk)} prompts"
+        if len(comps) != len(chunk) * n:
+            problem = f"answered {len(comps)} completions for {len(chunk)} prompts x {n} samples"
         else:
-            for c, p in zip(comps, call.prompts[chunk.start : chunk.stop], strict=True):
+            for k, c in enumerate(comps):
+                p = call.prompts[chunk.start + k // n]
                 if c.request_id and p.request_id and c.request_id != p.request_id:
                     problem = f"answered request id {c.request_id!r} for {p.request_id!r}"
+                    break
+                if c.sample_index != k % n:
+                    problem = f"answered sample {c.sample_index} of {p.request_id!r} where sample {k % n} belongs"
                     break
         if problem:
             call.excluded[server.index] = f"bad reply: {problem}"
@@ -320,21 +338,30 @@ class RolloutClient:
             self.pool.mark_up(server, version=reply.weight_version)
 
     def _materialize(self, call: _Call) -> None:
+        n = call.sampling.n or 1
         for chunk, server, reply in call.accepted:
             for i, c in enumerate(reply.completions):
-                call.results[chunk.start + i] = Rollout(
-                    request_id=c.request_id or call.prompts[chunk.start + i].request_id,
+                call.results[chunk.start * n + i] = Rollout(
+                    request_id=c.request_id or call.prompts[chunk.start + i // n].request_id,
                     prompt_token_ids=list(c.prompt_token_ids),
                     token_ids=list(c.token_ids),
                     finish_reason=FINISH_REASONS.get(c.finish_reason, "finish_reason_unspecified"),
                     weight_version=c.weight_version,
                     server=server.address,
+                    sample_index=c.sample_index,
+                    logprobs=list(c.logprobs) if call.sampling.logprobs else None,
                 )
         call.accepted.clear()
 
     def _on_rpc_error(self, call: _Call, server: RolloutServer, chunk: Chunk, e: grpc.RpcError) -> None:
         code = e.code()
         why = describe_rpc_error(e)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (e.details() or ""):
+            raise RolloutError(
+                f"prompts [{chunk.start}, {chunk.stop}) on {server.name}: a message exceeded gRPC's size limit "
+                f"— {why}; "
+                "set spec.training.rollout.generate_batch_size to send fewer prompts per call"
+            )
         if code in _FATAL_CODES:
             raise RolloutError(
                 f"server {server.name} rejected prompts [{chunk.start}, {chunk.stop}) — {why}; "

@@ -46,6 +46,8 @@ class Rollout:
     finish_reason: str  # "stop" | "length" | "abort" | "finish_reason_unspecified"
     weight_version: int
     server: str  # address of the server that produced it
+    sample_index: int = 0  # which of the prompt's `sampling.n` samples
+    logprobs: list[float] | None = None  # per token, when `sampling.logprobs` asked for them
 
 
 @dataclass(frozen=True)
@@ -60,13 +62,28 @@ class Chunk:
         return self.stop - self.start
 
 
-def plan_chunks(n: int, n_servers: int, batch_size: int = 0) -> list[Chunk]:
+# Most bytes of prompts in one Generate call: a whole share goes in one call unless it is bigger (images), so
+# the message stays well under what a server accepts (rollout_svc/server.py, GENERATE_RECEIVE_BYTES).
+MAX_CHUNK_BYTES = 16 << 20
+
+
+def plan_chunks(
+    n: int,
+    n_servers: int,
+    batch_size: int = 0,
+    sizes: Sequence[int] | None = None,
+    max_bytes: int = MAX_CHUNK_BYTES,
+) -> list[Chunk]:
     """Contiguous, balanced split of `n` prompts over `n_servers` (the first `n % n_servers` get one
-    more), each share cut further into balanced pieces of at most `batch_size` (0 = no bound)."""
+    more), each share cut further into balanced pieces of at most `batch_size` (0 = no bound), and each
+    piece cut where its prompts' `sizes` (serialized bytes) would pass `max_bytes` (a prompt bigger than
+    that goes alone)."""
     if n_servers <= 0:
         raise ValueError("plan_chunks needs at least one server")
     if batch_size < 0:
         raise ValueError(f"batch_size must be >= 0, got {batch_size}")
+    if sizes is not None and len(sizes) != n:
+        raise ValueError(f"plan_chunks got {len(sizes)} sizes for {n} prompts")
     chunks: list[Chunk] = []
     base, extra = divmod(n, n_servers)
     start = 0
@@ -78,9 +95,22 @@ def plan_chunks(n: int, n_servers: int, batch_size: int = 0) -> list[Chunk]:
         p_base, p_extra = divmod(share, pieces)
         for p in range(pieces):
             size = p_base + (1 if p < p_extra else 0)
-            chunks.append(Chunk(start, start + size, slot))
+            chunks.extend(_cut_by_bytes(start, start + size, slot, sizes, max_bytes))
             start += size
     return chunks
+
+
+def _cut_by_bytes(start: int, stop: int, slot: int, sizes: Sequence[int] | None, max_bytes: int) -> list[Chunk]:
+    if sizes is None or max_bytes <= 0:
+        return [Chunk(start, stop, slot)]
+    out, first, total = [], start, 0
+    for i in range(start, stop):
+        if i > first and total + sizes[i] > max_bytes:
+            out.append(Chunk(first, i, slot))
+            first, total = i, 0
+        total += sizes[i]
+    out.append(Chunk(first, stop, slot))
+    return out
 
 
 def sampling_params(sampling: rollout_pb2.SamplingParams | Mapping[str, Any] | None) -> rollout_pb2.SamplingParams:

@@ -43,6 +43,9 @@ class Summary:
     retries: int = 0
     history: list[StepResult] = field(default_factory=list)
     pictures: list[Path] = field(default_factory=list)  # rollouts drawn on their images (vision-language runs)
+    evaluations: list[tuple[int, float, float]] = field(default_factory=list)  # held-out (step, F1, mAP)
+    log_dir: Path | None = None  # TensorBoard event files (rank 0)
+    exported: Path | None = None  # the Hugging Face folder written at the end (training.export)
 
 
 class DataOrder:

@@ -6,7 +6,12 @@
 - `write_visual_dataset`: a real visual task. PNG images of coloured shapes (3 colours x circle,
   rectangle, triangle) on pale backgrounds; the prompt does not give the answer away, so only a
   model that looks at the image can find the objects. Small class set, large shapes, strong
-  contrast: learnable by a tiny vision-language model within minutes.
+  contrast: learnable by a tiny vision-language model within minutes. `fmt` picks the instruction:
+  the CoordExp one (a description and a bbox_2d or poly) or the qwen_json one (a list of bbox_2d and
+  label); the records are the same (qwen_json answers a triangle with its enclosing box).
+
+The text-only prompt asks for "JSON with bbox_2d", which fits both formats; its stated boxes are on the
+1000-bin grid, which is qwen_json's relative convention too (text has no resized image for pixels).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import math
 import random
 from pathlib import Path
+from typing import Literal
 
 from PIL import Image, ImageChops, ImageDraw
 
@@ -68,6 +74,8 @@ VISUAL_COLOURS: dict[str, tuple[int, int, int]] = {
 VISUAL_SHAPES = ("circle", "rectangle", "triangle")
 VISUAL_CLASS_NAMES = [f"{colour} {shape}" for colour in VISUAL_COLOURS for shape in VISUAL_SHAPES]
 VISUAL_PROMPT = "Detect every shape in the image. Answer in JSON with a description and a bbox_2d or poly for each."
+VISUAL_PROMPT_QWEN_JSON = "Detect every shape in the image. Answer with a JSON list of its bbox_2d and label for each."
+VISUAL_PROMPTS = {"coordexp": VISUAL_PROMPT, "qwen_json": VISUAL_PROMPT_QWEN_JSON}
 # Pale backgrounds: every channel >= 200 minus noise, far from the saturated shape colours.
 _BACKGROUNDS = ((246, 246, 246), (226, 226, 226), (242, 234, 212), (220, 232, 246), (244, 226, 230), (226, 242, 226))
 _NOISE_LEVELS = 16  # background noise amplitude, grey levels: texture, not camouflage
@@ -134,10 +142,13 @@ def _box_of(obj: dict) -> list[int]:
 
 
 def make_visual_sample(
-    seed: int, index: int, min_side: int = 96, max_side: int = 256, max_objects: int = 3
+    seed: int, index: int, min_side: int = 96, max_side: int = 256, max_objects: int = 3,
+    fmt: Literal["coordexp", "qwen_json"] = "coordexp",
 ) -> tuple[Image.Image, dict]:
     """One image and its record (without `images`, which the writer sets). Each sample has its own
-    RNG, so sample i is the same whatever `n` the dataset has."""
+    RNG, so sample i is the same whatever `n` the dataset has; `fmt` only picks the instruction."""
+    if fmt not in VISUAL_PROMPTS:
+        raise ValueError(f"fmt must be one of {', '.join(VISUAL_PROMPTS)}, got {fmt!r}")
     rng = random.Random(f"rmsft-visual-{seed}-{index}")
     width, height = rng.randint(min_side, max_side), rng.randint(min_side, max_side)
     img = _background(rng, width, height)
@@ -183,7 +194,7 @@ def make_visual_sample(
         "id": f"visual-{index}",
         "width": width,
         "height": height,
-        "messages": [{"role": "user", "content": VISUAL_PROMPT}],
+        "messages": [{"role": "user", "content": VISUAL_PROMPTS[fmt]}],
         "objects": objects,
     }
     return img, record
@@ -196,8 +207,10 @@ def write_visual_dataset(
     min_side: int = 96,
     max_side: int = 256,
     max_objects: int = 3,
+    fmt: Literal["coordexp", "qwen_json"] = "coordexp",
 ) -> Path:
-    """Write `n` PNG images to `<stem>-images/` next to `path` and their records to `path` (JSONL).
+    """Write `n` PNG images to `<stem>-images/` next to `path` and their records to `path` (JSONL), with
+    the instruction of output format `fmt` (`training.format`).
 
     Image paths in the records are relative to the dataset file's folder, so the job needs no
     `image_root`. Same arguments, byte-identical files (PIL writes no timestamp into a PNG).
@@ -211,7 +224,7 @@ def write_visual_dataset(
     folder.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for i in range(n):
-            img, record = make_visual_sample(seed, i, min_side, max_side, max_objects)
+            img, record = make_visual_sample(seed, i, min_side, max_side, max_objects, fmt)
             name = f"visual-{i:05d}.png"
             img.save(folder / name, format="PNG")
             record["images"] = [f"{folder.name}/{name}"]

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from learner.core.codec import OutputFormat, output_format
 from learner.core.losses import LossWeights
 from learner.core.match import MatchConfig
 from learner.core.targets import TargetConfig
@@ -24,6 +25,8 @@ class CoreConfigs:
     sampling: dict[str, Any]  # the Generate call's sampling parameters
     m_steps: int  # optimizer steps per rollout (1 = no rollout buffer)
     packing: tuple[int, int, float]  # Packer(packing_length, packing_buffer, min_fill)
+    # `training.format` with its options; a pixels format still has to be bound per record (`for_image`).
+    fmt: OutputFormat
 
 
 def core_configs(cfg: TrainingConfig) -> CoreConfigs:
@@ -38,6 +41,8 @@ def core_configs(cfg: TrainingConfig) -> CoreConfigs:
                   "top_k": dec.top_k, "repetition_penalty": dec.repetition_penalty},
         m_steps=cfg.buffer.m_steps if cfg.buffer.enabled else 1,
         packing=(cfg.packing_length, cfg.packing_buffer, cfg.packing_min_fill),
+        fmt=output_format(cfg.format, coordinates=cfg.format_options.coordinates,
+                          polygons=cfg.format_options.polygons),
     )
 
 

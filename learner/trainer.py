@@ -14,6 +14,7 @@ one process training on all the rows. Rank 0 then syncs the servers. See learner
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -30,31 +31,33 @@ from learner import zero
 from learner.checkpoint import check_checkpoint_dir
 from learner.core.losses import LossSums, loss_sums
 from learner.core.packing import PackedRow, Packer
-from learner.core.parse import parse
 from learner.core.rollout_buffer import RolloutBuffer
 from learner.data import Record, load_dataset
 from learner.distributed import Ranks, share_bounds
-from learner.draw import RolloutPicture, save_rollout_pictures
+from learner.draw import save_rollout_pictures
 from learner.episode import (
     EpisodeStats,
     build_segments,
     check_rollout_prompts,
-    ground_truth_detections,
-    predicted_detections,
     rollout_request,
     vision_safe_response,
     vision_token_ids,
 )
+from learner.evaluation import EvalSetup, Evaluation, evaluate, score
+from learner.export import export_trained
 from learner.images import ImageStore
 from learner.model import Policy, load_policy, prompt_ids
+from learner.reporting import RunReporter
 from learner.rollout_client import Rollout, RolloutClient
+from learner.run_record import run_record, write_run_record
 from learner.servers import ServerPool, ServersFile
 from learner.step import PlainStep, ZeroStep, gathered_weights, make_step, resolve_device
 from learner.step_types import DataOrder, StepResult, Summary
 from learner.sync_client import WeightSyncClient
+from learner.tracking import Tracker, check_writable
 from learner.train_config import core_configs, learning_rate
 from learner.trainer_checkpoint import Checkpointer, TrainState
-from learner.vision import VisionPrompt, render_prompt, with_vision
+from learner.vision import VisionPrompt, patch_size, render_prompt, resized_image_size, with_vision
 from learner.weight_export import checkpoint_name_map
 from rmsft.jobspec import RolloutMatchingJob
 
@@ -105,6 +108,7 @@ class Trainer:
         self.job = job
         self.cfg = job.spec.training
         self.on_step = on_step  # called on every rank with that rank's StepResult
+        self.on_eval: Callable[[Evaluation], None] | None = None  # rank 0, after each held-out evaluation
         self.ranks = Ranks(process_group) if process_group is not None else Ranks.from_env(collective_timeout_s(job))
         self.pool: ServerPool | None = None
         self.sync_client: WeightSyncClient | None = None
@@ -112,6 +116,9 @@ class Trainer:
         self.train_step: PlainStep | ZeroStep | None = None
         self.state = TrainState()
         self.history: list[StepResult] = []
+        self.evaluations: list[Evaluation] = []
+        self.reporter: RunReporter | None = None  # rank 0's TensorBoard and held-out reports
+        self.exported: Path | None = None
         try:
             self._setup(job, addresses, auth_token, model_path, device)
         except BaseException:
@@ -131,6 +138,7 @@ class Trainer:
         with ranks.guard("checking spec.training.checkpoint.dir (rank 0)"):
             if ranks.is_main:  # the rank that writes checkpoints; before anything is paid for
                 check_checkpoint_dir(cfg.checkpoint.dir)
+                check_writable(Path(cfg.tensorboard_dir))  # TensorBoard's folder: now, not after training
         with ranks.guard("loading the data and the model"):
             if cfg.deepspeed_stage:
                 zero.require_deepspeed(cfg.deepspeed_stage)
@@ -138,6 +146,11 @@ class Trainer:
             # Every image is opened and checked here, before anything is paid for.
             self.images: ImageStore
             self.records, self.images = load_dataset(cfg.data.path, cfg.data.image_root, vision.max_image_pixels)
+            self.eval_records: list[Record] = []
+            self.eval_images: ImageStore | None = None
+            if cfg.eval.data and ranks.is_main:  # held-out records: rank 0 evaluates
+                held, self.eval_images = load_dataset(cfg.eval.data, cfg.eval.image_root, vision.max_image_pixels)
+                self.eval_records = held[: cfg.eval.max_samples]
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             self.device = torch.device(device) if device is not None else resolve_device(cfg.device)
@@ -177,7 +190,7 @@ class Trainer:
                                                        "the next step's collective sync brings the server up")
                 self.rollouts = RolloutClient(
                     self.pool, timeout_s=cfg.rollout.request_timeout_s,
-                    generate_batch_size=cfg.rollout.generate_batch_size, resync=self.sync_client.resync_server,
+                    generate_batch_size=cfg.rollout.generate_batch_size or 0, resync=self.sync_client.resync_server,
                 )  # fmt: skip
         self._prompt_cache: dict[int, list[int]] = {}  # text models: a record's prompt ids
         self._step_prompts: dict[int, VisionPrompt] = {}  # vision-language models: this E-step's renderings
@@ -185,7 +198,8 @@ class Trainer:
         # Image/video tokens a rollout may sample: its answer is cut before the first (episode.vision_safe_response).
         self.vision_token_ids = (vision_token_ids(self.policy.tokenizer) if self.policy.is_vision_language
                                  else frozenset())  # fmt: skip
-        self._retries_at_start = _counter_total(m.ROLLOUT_RETRIES)
+        self._retries_at_start = m.counter_total(m.ROLLOUT_RETRIES)
+        self._served_step = -1  # the step whose weights the servers hold (after a sync)
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self, max_steps: int | None = None) -> Summary:
@@ -195,6 +209,10 @@ class Trainer:
         t_start = time.perf_counter()
         st = self.state
         target = self.cfg.steps if max_steps is None else min(self.cfg.steps, st.step + max_steps)
+        if self.ranks.is_main and self.reporter is None:
+            # After resume(): TensorBoard hides what a crashed run wrote past its last checkpoint.
+            self.reporter = RunReporter(Tracker(self.cfg.tensorboard_dir, run_name=self.job.metadata.name,
+                                                config=self.job.to_manifest(), resume_step=st.step + 1))
         self._log_start(target)
         with self.ranks.guard("waiting for the rollout servers (rank 0)"):
             if self.ranks.is_main:
@@ -223,10 +241,64 @@ class Trainer:
                 self._sync()
             if ck_every and st.step % ck_every == 0:
                 self.save()
+            if self._eval_due(target):
+                self.evaluate_held_out()
         if ck_every == 0 or st.step % ck_every:
             self.save()
         self.pictures = self._write_pictures()
+        if st.step >= self.cfg.steps and self.cfg.export.enabled:
+            self.export()
         return self.summary(time.perf_counter() - t_start)
+
+    # -- held-out evaluation, export ------------------------------------------------------------
+    def _eval_due(self, target: int) -> bool:
+        """Every `eval.every` steps and after the last step of the run (same answer on every rank)."""
+        every = self.cfg.eval.every
+        return bool(self.cfg.eval.data) and (self.state.step == target or (every > 0 and self.state.step % every == 0))
+
+    def evaluate_held_out(self) -> Evaluation | None:
+        """Greedy answers to `training.eval`'s records from the servers holding this step's weights (synced
+        first when they hold older ones), scored and reported (log, /metrics, TensorBoard). Every rank calls
+        it (a sync is collective); rank 0 returns the evaluation, other ranks None."""
+        if self._served_step != self.state.step:
+            self._sync()
+        ev = None
+        # Every rank enters the guard (its failure agreement is collective); rank 0 alone talks to the servers.
+        with self._phase("eval"), self.ranks.guard("evaluating the held-out records (rank 0)"):
+            if self.ranks.is_main:
+                ev = evaluate(self.rollouts, self.eval_records, self.eval_images, self.eval_setup(self.eval_images),
+                              version=self.state.version, iou=self.cfg.eval.iou, step=self.state.step,
+                              max_tokens=self.cfg.eval.max_tokens or self.cfg.rollout.max_tokens)  # fmt: skip
+                self.evaluations.append(ev)
+                self.reporter.evaluation(ev, self.eval_images, self.cfg.eval.pictures)
+        if ev is not None and self.on_eval:
+            self.on_eval(ev)
+        return ev
+
+    def eval_setup(self, images: ImageStore) -> EvalSetup:
+        """How this run's answers to records whose images `images` holds are scored: its vocabulary, output
+        format (bound to each image's resized size when it measures in resized pixels) and matcher."""
+        size = None
+        if self.core.fmt.needs_image_size:
+            def size(rec: Record) -> tuple[int, int] | None:
+                imgs = images.load(rec)
+                return resized_image_size(self.policy.processor, imgs[0].pil()) if imgs else None
+        return EvalSetup(vocab=self.policy.vocab, fmt=self.core.fmt, matching=self.core.matching,
+                         vision_ids=self.vision_token_ids, image_size=size)
+
+    def export(self) -> Path | None:
+        """The trained model as a Hugging Face folder at `training.export` (rank 0 writes it; with ZeRO-3 every
+        rank gathers the weights first). A folder that cannot be written is an error: the export is what a
+        user takes away, but the checkpoint just saved still holds the weights (`rmsft export` redoes it)."""
+        out = Path(self.cfg.export_dir)
+        with self._phase("export"), self.ranks.guard(f"exporting the model to {out} (rank 0)"), \
+                gathered_weights(self.train_step, self.model):
+            if self.ranks.is_main:
+                self.exported = export_trained(self.model, self.policy, out, adapter_only=self.cfg.export.adapter,
+                                               base_model_dir=self.job.spec.model.path)
+                log.info("trained model exported to %s (%s)", self.exported,
+                         "adapter" if self.cfg.export.adapter else "merged weights")
+        return self.exported
 
     # -- E-step ---------------------------------------------------------------------------------
     def _generate(self, batch: tuple[int, ...]) -> list[Rollout] | None:
@@ -274,9 +346,12 @@ class Trainer:
             responses = [o.token_ids for o in outs]
             if vl:  # a sampled image/video token cannot be teacher-forced: the answer ends before it
                 responses = [vision_safe_response(r, self.vision_token_ids) for r in responses]
+            # A format in resized-image pixels (Qwen2.5-VL's) is bound to each record's image size.
+            sizes = ([v.image_size(patch_size(self.policy.processor)) for v in vision]
+                     if vl and self.core.fmt.needs_image_size else None)  # fmt: skip
             segments, stats = build_segments(
                 recs, mine_ids, [o.prompt_token_ids for o in outs], responses, self.policy.vocab,
-                self.core.matching, self.core.targets,
+                self.core.matching, self.core.targets, fmt=self.core.fmt, image_sizes=sizes,
             )  # fmt: skip
             if vl:  # pixels and per-segment M-RoPE positions for the packed forward
                 segments = [with_vision(self.model, seg, v) for seg, v in zip(segments, vision, strict=True)]
@@ -354,6 +429,7 @@ class Trainer:
 
     def _sync(self) -> None:
         self.state.version += 1
+        self._served_step = self.state.step
         # ZeRO-3: whole weights on every rank while rank 0 exports them (collective).
         with self._phase("sync"), self.ranks.guard(f"syncing weight version {self.state.version} (rank 0)"), \
                 gathered_weights(self.train_step, self.model):
@@ -403,13 +479,11 @@ class Trainer:
         if not self.ranks.is_main or not self.policy.is_vision_language or last is None:
             return []
         by_id = {r.id: r for r in self.records}
-        items = [
-            RolloutPicture(step=last.step, record_id=rec.id, image=self.images.load(rec)[0].pil(),
-                           ground_truth=ground_truth_detections(rec),
-                           predicted=predicted_detections(
-                               parse(vision_safe_response(r.token_ids, self.vision_token_ids), self.policy.vocab), rec))
-            for r in last.rollouts[:limit] if (rec := by_id.get(r.request_id)) is not None and rec.images
-        ]  # fmt: skip
+        shown = [(rec, r.token_ids) for r in last.rollouts if (rec := by_id.get(r.request_id)) is not None]
+        # Parsed with the run's own format, exactly as held-out answers are.
+        scored = score([rec for rec, _ in shown], [ids for _, ids in shown], self.eval_setup(self.images),
+                       iou=self.cfg.eval.iou, step=last.step)
+        items = scored.pictures(self.images, limit, label="rollout")
         out = Path(self.cfg.checkpoint.dir) / "rollouts"
         try:
             paths = save_rollout_pictures(items, out)
@@ -441,6 +515,18 @@ class Trainer:
 
     def _log_start(self, target: int) -> None:
         if self.ranks.is_main:
+            record = run_record(self.job, servers=[s.address for s in self.pool.servers],
+                                sync_mode=self.sync_client.mode, world_size=self.ranks.world_size,
+                                model_dir=self.job.spec.model.path, data_path=self.cfg.data.path,
+                                image_root=self.cfg.data.image_root, eval_data_path=self.cfg.eval.data,
+                                eval_image_root=self.cfg.eval.image_root)  # fmt: skip
+            try:
+                path = write_run_record(self.cfg.checkpoint.dir, record)
+                log.info("run record (servers, seeds, versions, hashes, resolved spec): %s", path)
+            except OSError as exc:  # the checkpoint dir was writable at start: say so, keep training
+                log.warning("could not write run.json to %s: %s", self.cfg.checkpoint.dir, exc)
+            # The record itself in the log too (the spec is long and already in run.json: left out here).
+            log.info("run: %s", json.dumps({k: v for k, v in record.items() if k != "job"}, default=str))
             log.info(
                 "rmsft learner: %d record(s), servers %s, sync %s, seed %d, steps %d -> %d, ranks %d, device %s%s",
                 len(self.records), [s.address for s in self.pool.servers], self.job.spec.sync.mode,
@@ -456,6 +542,7 @@ class Trainer:
         for k, v in r.parts.items():
             m.LOSS.labels(k).set(v)
         if self.ranks.is_main:
+            self.reporter.step(r, self.state.phase_seconds, learning_rate(self.cfg, r.step - 1))
             f1 = f"{r.stats.f1:.3f}" if r.stats else "reuse"
             log.info(
                 "step %d v%d loss %.4f (ce %.4f coord %.4f) f1 %s rows %d fill %.3f %.2fs",
@@ -472,12 +559,13 @@ class Trainer:
             last_loss=losses[-1] if losses else float("nan"), losses=losses,
             f1=[h.stats.f1 for h in self.history if h.stats], weight_version=self.state.version,
             phase_seconds=dict(self.state.phase_seconds), wall_seconds=wall,
-            retries=int(_counter_total(m.ROLLOUT_RETRIES) - self._retries_at_start), history=list(self.history),
-            pictures=list(self.pictures),
+            retries=int(m.counter_total(m.ROLLOUT_RETRIES) - self._retries_at_start), history=list(self.history),
+            pictures=list(self.pictures), evaluations=[(e.step, e.f1, e.map) for e in self.evaluations],
+            log_dir=Path(self.cfg.tensorboard_dir) if self.ranks.is_main else None, exported=self.exported,
         )  # fmt: skip
 
     def close(self) -> None:
-        for part in (self.rollouts, self.sync_client, self.pool, self.train_step):
+        for part in (self.rollouts, self.sync_client, self.pool, self.train_step, self.reporter):
             if part is not None:
                 part.close()
         self.train_step = None
@@ -494,7 +582,3 @@ def _check_images_fit(records: Sequence[Record], policy: Policy, max_images: int
     if over:
         raise ValueError(f"{path}: {len(over)} record(s) carry more than spec.model.vision.maxImagesPerPrompt="
                          f"{max_images} images (first: {over[0]!r})")
-
-
-def _counter_total(counter) -> float:
-    return sum(s.value for mf in counter.collect() for s in mf.samples if s.name.endswith("_total"))

@@ -50,6 +50,30 @@ class VisionPrompt:
     def n_images(self) -> int:
         return 0 if self.image_grid_thw is None else int(self.image_grid_thw.shape[0])
 
+    def image_size(self, patch_size: int) -> tuple[int, int] | None:
+        """(width, height) of the first image as the processor resized it (None without images): what a
+        format in resized-image pixels (Qwen2.5-VL's grounding output) measures coordinates in."""
+        if self.image_grid_thw is None:
+            return None
+        _, h, w = (int(v) for v in self.image_grid_thw[0])
+        return w * patch_size, h * patch_size
+
+
+def patch_size(processor: Any) -> int:
+    """The vision encoder's patch size in pixels, from the processor's image processor."""
+    size = getattr(getattr(processor, "image_processor", None), "patch_size", None)
+    if not isinstance(size, int) or size < 1:
+        raise VisionInputError("the processor has no image_processor.patch_size: is it a Qwen-VL processor?")
+    return size
+
+
+def resized_image_size(processor: Any, image: Image.Image) -> tuple[int, int]:
+    """(width, height) of `image` after the processor's resize (a multiple of the patch size)."""
+    grid = processor.image_processor(images=[image], return_tensors="pt")["image_grid_thw"]
+    _, h, w = (int(v) for v in grid[0])
+    p = patch_size(processor)
+    return w * p, h * p
+
 
 def vision_messages(messages: Sequence[dict], n_images: int) -> list[dict]:
     """`messages` with `n_images` image items before the text of the first user message, as every rollout

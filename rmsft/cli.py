@@ -18,9 +18,12 @@ def tiny_model(
     seed: int = typer.Option(0, help="Seed for the tokenizer corpus and the random weights."),
     vl: bool = typer.Option(False, "--vl", help="A vision-language model (tiny Qwen-VL with a processor)."),
     arch: str = typer.Option("qwen3_vl", help="With --vl: qwen3_vl or qwen2_5_vl."),
+    stock: bool = typer.Option(
+        False, "--stock", help="Without the <|coord_k|> tokens, as a stock checkpoint comes (for prepare-model)."
+    ),
 ) -> None:
     """Build a tiny random model with the CoordExp vocabulary (no downloads): a Qwen2 text model, or with
-    --vl a Qwen-VL model whose processor transformers and vLLM both load."""
+    --vl a Qwen-VL model whose processor transformers and vLLM both load. --stock leaves the coord tokens out."""
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -29,14 +32,14 @@ def tiny_model(
             from rmsft.tiny_vl import build_tiny_vl_model
 
             try:
-                path = build_tiny_vl_model(out_dir, arch=arch, seed=seed)
+                path = build_tiny_vl_model(out_dir, arch=arch, seed=seed, coord_tokens=not stock)
             except ValueError as exc:
                 raise typer.BadParameter(str(exc), param_hint="--arch") from None
         else:
             from rmsft.tiny_model import build_tiny_model
 
-            path = build_tiny_model(out_dir, seed=seed)
-    console.print(f"[green]tiny model written to[/green] {path}")
+            path = build_tiny_model(out_dir, seed=seed, coord_tokens=not stock)
+    console.print(f"[green]tiny {'stock ' if stock else ''}model written to[/green] {path}")
 
 
 @app.command(
@@ -141,6 +144,109 @@ def local(
 
         run_local(job, work_dir=work_dir, resume=resume)
     except (JobSpecError, DataError, LogLevelError) as exc:
+        _fail(exc)
+
+
+@app.command("prepare-model")
+def prepare_model_cmd(
+    src: Path = typer.Argument(..., help="Stock model folder (Qwen2 / Qwen2.5-VL / Qwen3-VL layout)."),
+    dst: Path = typer.Argument(..., help="Folder to write the CoordExp-ready model to (new or empty)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST when it is not empty."),
+) -> None:
+    """Add the 1000 <|coord_k|> tokens to a stock checkpoint: tokenizer, embedding rows (mean of the existing
+    rows plus a small ordered component), output head, config; writes a complete model folder to DST."""
+    from rich.console import Console
+
+    from rmsft.prepare_model import PrepareModelError, prepare_model
+
+    console = Console(stderr=True)
+    try:
+        with console.status(f"preparing {src} -> {dst}"):
+            summary = prepare_model(src, dst, overwrite=overwrite)
+    except PrepareModelError as exc:
+        _fail(exc)
+    head, *rest = summary.lines()
+    console.print(f"[green]{head}[/green]" if summary.changed else head)
+    for line in rest:
+        console.print(f"  {line}")
+
+
+@app.command("export")
+def export_cmd(
+    checkpoint: Path = typer.Argument(
+        ..., help="Learner checkpoint: <training.checkpoint.dir>/step-<n> (or the dir itself: its newest)."
+    ),
+    out: Path = typer.Argument(..., help="Folder to write the Hugging Face model to (new or empty)."),
+    config: Path | None = typer.Option(
+        None, "--config", show_default=False,
+        help="The job manifest the checkpoint was trained with (default: run.json beside the checkpoint).",
+    ),
+    adapter: bool = typer.Option(False, "--adapter", help="The PEFT adapter alone instead of merged weights."),
+    dtype: str = typer.Option("auto", help="Weights' dtype: auto (the base model's), bfloat16, float16, float32."),
+    base_model: Path | None = typer.Option(
+        None, "--base-model", show_default=False, help="Base model folder, when not at spec.model.path from here."
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT when it is not empty."),
+) -> None:
+    """Write a learner checkpoint as a model folder transformers and vLLM load: LoRA/DoRA merged into the base
+    weights (or, with --adapter, the adapter alone), full fine-tunes whole, with processor/tokenizer."""
+    from rich.console import Console
+
+    from learner.export import ExportError, export_checkpoint
+    from learner.model import ModelLoadError
+    from rmsft.jobspec import JobSpecError
+    from rmsft.logs import configure_logging
+
+    console = Console(stderr=True)
+    configure_logging("warning")
+    try:
+        with console.status("exporting") as status:
+            result = export_checkpoint(checkpoint, out, config=config, adapter_only=adapter, dtype=dtype,
+                                       base_model=base_model, overwrite=overwrite, progress=status.update)  # fmt: skip
+    except (ExportError, JobSpecError, ModelLoadError) as exc:
+        _fail(exc)
+    head, *rest = result.lines()
+    console.print(f"[green]{head}[/green]")
+    for line in rest:
+        console.print(f"  {line}")
+
+
+@app.command("eval")
+def eval_cmd(
+    model: Path = typer.Argument(..., help="Model folder, or a learner checkpoint (step-<n> or a checkpoint dir)."),
+    data: Path = typer.Argument(..., help="JSONL of held-out records (the training data's schema)."),
+    config: Path | None = typer.Option(
+        None, "--config", show_default=False,
+        help="Job manifest: output format, matcher, image bounds (default: run.json beside a checkpoint, else "
+        "the defaults).",
+    ),
+    image_root: str | None = typer.Option(None, help="Base folder for the records' relative image paths."),
+    max_samples: int = typer.Option(64, min=1, help="Records evaluated (the file's first N)."),
+    max_tokens: int | None = typer.Option(None, min=1, help="Answer length (default: training.rollout.max_tokens)."),
+    iou: float = typer.Option(0.5, min=0.0, max=1.0, help="IoU threshold of the reported F1."),
+    out: Path | None = typer.Option(None, help="Write eval.json and pictures of the first answers here."),
+    fmt: str | None = typer.Option(None, "--format", help="Override training.format: coordexp or qwen_json."),
+    coordinates: str | None = typer.Option(
+        None, help="Override training.format_options.coordinates (qwen_json): relative or pixels."),
+    work_dir: Path = typer.Option(Path(".rmsft/eval"), help="Where server logs go."),
+) -> None:
+    """Held-out evaluation offline: greedy answers from local rollout servers on MODEL, scored as the trainer
+    scores training.eval (F1 at an IoU threshold, COCO mAP)."""
+    from rich.console import Console
+
+    from learner.data import DataError
+    from learner.export import ExportError
+    from learner.model import ModelLoadError
+    from learner.offline_eval import EvalOptions, run_eval
+    from rmsft.jobspec import JobSpecError
+    from rmsft.logs import configure_logging
+
+    configure_logging("warning")
+    opts = EvalOptions(config=config, image_root=image_root, max_samples=max_samples, max_tokens=max_tokens,
+                       iou=iou, out=out, format=fmt, coordinates=coordinates, work_dir=work_dir)  # fmt: skip
+    try:
+        run_eval(model, data, opts, Console(stderr=True))
+    except (ExportError, JobSpecError, ModelLoadError, DataError, ValueError, RuntimeError, OSError) as exc:
         _fail(exc)
 
 

@@ -214,6 +214,34 @@ class CheckpointConfig(_Learner):
     keep: int = Field(2, ge=1)
 
 
+class EvalConfig(_Learner):
+    """Held-out evaluation: greedy answers to records the learner never trains on, from the same server
+    pool (same version fencing), scored with F1 at an IoU threshold and COCO mAP."""
+
+    data: str | None = Field(None, description="JSONL of held-out records (training schema); unset = no evaluation.")
+    image_root: str | None = Field(None, description="Base folder for its relative image paths.")
+    every: int = Field(0, ge=0, description="Evaluate every N optimizer steps (0 = only at the end).")
+    max_samples: int = Field(64, ge=1, le=100_000, description="Records evaluated (the file's first N).")
+    max_tokens: int | None = Field(None, ge=1, description="Answer length; unset = training.rollout.max_tokens.")
+    iou: float = Field(0.5, gt=0.0, le=1.0, description="IoU threshold of the reported F1.")
+    pictures: int = Field(4, ge=0, le=64, description="Answers drawn on their images per evaluation (TensorBoard).")
+
+    @field_validator("data")
+    @classmethod
+    def _jsonl(cls, v: str | None) -> str | None:
+        if v is not None and not v.endswith((".jsonl", ".jsonl.gz")):
+            raise ValueError(f"{v!r} is not a .jsonl file")
+        return v
+
+
+class ExportConfig(_Learner):
+    """The trained model as a Hugging Face folder at the end of the run (what `rmsft export` writes)."""
+
+    enabled: bool = Field(True, description="Write it (a merged model costs the model's size on disk).")
+    dir: str | None = Field(None, description="Where; unset = <checkpoint.dir>/export.")
+    adapter: bool = Field(False, description="The PEFT adapter alone instead of merged weights (LoRA/DoRA).")
+
+
 class LoraConfig(_Learner):
     r: int = Field(16, ge=1, le=512)
     alpha: float = Field(32.0, gt=0)
@@ -231,7 +259,11 @@ class RolloutDecoding(_Learner):
     top_k: int = Field(-1, ge=-1, description="-1 = disabled.")
     repetition_penalty: float = Field(1.0, gt=0.0)
     seed: int = Field(0, ge=0)
-    generate_batch_size: int = Field(8, ge=1, description="Prompts per Generate call (chunk size).")
+    generate_batch_size: int | None = Field(
+        None, ge=1,
+        description="Prompts per Generate call (chunk size). Unset: each server gets its whole share in one call "
+        "(cut only to bound the message size), which its engine batches continuously.",
+    )
     request_timeout_s: float = Field(300.0, gt=0)
 
 
@@ -263,8 +295,26 @@ class LossConfig(_Learner):
     coord_sigma: float = Field(2.0, gt=0.0)
 
 
+class FormatOptions(_Learner):
+    """Options of `training.format`; each applies to one format and is ignored by the other."""
+
+    coordinates: Literal["relative", "pixels"] = Field(
+        "relative", description="qwen_json only: integers 0..1000 relative to the image (Qwen3-VL), or pixels "
+        "of the processor-resized image (Qwen2.5-VL).",
+    )
+    polygons: Literal["pairs", "flat"] = Field(
+        "pairs", description="coordexp only: how a poly is written, as [x, y] pairs or a flat list (both are read).",
+    )
+
+
 class TrainingConfig(_Learner):
     data: DataConfig
+    format: Literal["coordexp", "qwen_json"] = Field(
+        "coordexp", description="Answer format: coordexp (coordinate tokens, coordinate losses; the model needs "
+        "them, see `rmsft prepare-model`) or qwen_json (Qwen-VL's native JSON list, plain-text integers, "
+        "cross-entropy only).",
+    )
+    format_options: FormatOptions = Field(default_factory=FormatOptions)
     lr: float = Field(1e-5, gt=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_steps: int = Field(0, ge=0)
@@ -304,12 +354,32 @@ class TrainingConfig(_Learner):
     targets: TargetsConfig = Field(default_factory=TargetsConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     seed: int = Field(0, ge=0)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    log_dir: str | None = Field(
+        None, min_length=1, description="TensorBoard event files (rank 0); unset = <checkpoint.dir>/tensorboard.",
+    )
+
+    @property
+    def tensorboard_dir(self) -> str:
+        """Where rank 0 writes TensorBoard event files (`log_dir`, else beside the checkpoints)."""
+        return self.log_dir or f"{self.checkpoint.dir.rstrip('/')}/tensorboard"
+
+    @property
+    def export_dir(self) -> str:
+        """Where the end-of-run export goes (`export.dir`, else beside the checkpoints)."""
+        return self.export.dir or f"{self.checkpoint.dir.rstrip('/')}/export"
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainingConfig:
         if self.warmup_steps > self.steps:
             raise ValueError(
                 f"spec.training.warmup_steps ({self.warmup_steps}) exceeds spec.training.steps ({self.steps})")
+        # An option of the other format would be silently ignored: say so instead (CEL rules mirror these).
+        if self.format == "coordexp" and self.format_options.coordinates != "relative":
+            raise ValueError("spec.training.format_options.coordinates applies to format qwen_json only")
+        if self.format == "qwen_json" and self.format_options.polygons != "pairs":
+            raise ValueError("spec.training.format_options.polygons applies to format coordexp only")
         return self
 
 

@@ -20,3 +20,14 @@ def model_config(model_dir: str | Path) -> dict:
 def is_vision_language(model_dir: str | Path) -> bool:
     """A model folder whose config has a vision tower (Qwen-VL and friends)."""
     return "vision_config" in model_config(model_dir)
+
+
+def forget_load_options(tokenizer_or_processor: object) -> None:
+    """Drop what transformers 5 remembers of how a tokenizer was loaded (`is_local`, `local_files_only`
+    in its init_kwargs): save_pretrained would write them into tokenizer_config.json, where they describe
+    the machine that loaded it, not the tokenizer."""
+    tok = getattr(tokenizer_or_processor, "tokenizer", tokenizer_or_processor)
+    kwargs = getattr(tok, "init_kwargs", None)
+    if isinstance(kwargs, dict):
+        for key in ("is_local", "local_files_only"):
+            kwargs.pop(key, None)

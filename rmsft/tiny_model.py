@@ -3,6 +3,9 @@
 The tokenizer is a byte-level BPE trained on generated detection-style strings, plus the chat
 special tokens and the 1000 `<|coord_k|>` tokens; the model is a random-weight Qwen2 with
 head_dim 64 (vLLM's CPU attention rejects 16). Same seed, same bytes on disk.
+
+`coord_tokens=False` builds a "stock" model instead: the same tokenizer (same BPE merges, same ids)
+without the coord tokens, as a real Qwen checkpoint comes, for `rmsft prepare-model` to convert.
 """
 
 from __future__ import annotations
@@ -55,8 +58,10 @@ def _corpus(rng: random.Random, n: int = 400) -> list[str]:
     return lines
 
 
-def build_tokenizer(seed: int = 0, special_tokens: list[str] = CHAT_SPECIAL_TOKENS, chat_template: str = CHAT_TEMPLATE):
-    """Byte-level BPE tokenizer wrapped as a `PreTrainedTokenizerFast` with a chat template."""
+def build_tokenizer(seed: int = 0, special_tokens: list[str] = CHAT_SPECIAL_TOKENS, chat_template: str = CHAT_TEMPLATE,
+                    coord_tokens: bool = True):
+    """Byte-level BPE tokenizer wrapped as a `PreTrainedTokenizerFast` with a chat template; with
+    `coord_tokens=False` the same tokenizer without the `<|coord_k|>` tokens (a stock vocabulary)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -71,8 +76,10 @@ def build_tokenizer(seed: int = 0, special_tokens: list[str] = CHAT_SPECIAL_TOKE
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(rng), trainer=trainer)
-    # Coord tokens are ordinary added tokens (not "special"): decode must keep them.
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in COORD_TOKENS])
+    # Coord tokens are ordinary added tokens (not "special"): decode must keep them. They come after
+    # the trained vocabulary, so a stock build differs only by their absence (every other id is equal).
+    if coord_tokens:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in COORD_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -89,8 +96,10 @@ def build_tiny_model(
     hidden_size: int = 128,
     num_layers: int = 2,
     max_position_embeddings: int = 8192,
+    coord_tokens: bool = True,
 ) -> Path:
-    """Write tokenizer + random Qwen2 weights to `out_dir` and return it. Idempotent per seed."""
+    """Write tokenizer + random Qwen2 weights to `out_dir` and return it. Idempotent per (seed, sizes, coord_tokens).
+    `coord_tokens=False`: a stock model whose tokenizer has no `<|coord_k|>` tokens."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -101,12 +110,14 @@ def build_tiny_model(
         "hidden_size": hidden_size,
         "num_layers": num_layers,
         "max_position_embeddings": max_position_embeddings,
-    }
+    } | ({} if coord_tokens else {"coord_tokens": False})  # default builds keep their old marker (no rebuild)
     if marker.exists() and json.loads(marker.read_text()) == params:
         return out
     out.mkdir(parents=True, exist_ok=True)
+    # Another build's marker goes first: a build that stops half way must not pass for the earlier one.
+    marker.unlink(missing_ok=True)
 
-    tokenizer = build_tokenizer(seed)
+    tokenizer = build_tokenizer(seed, coord_tokens=coord_tokens)
     head_dim = 64
     config = Qwen2Config(
         vocab_size=len(tokenizer),

@@ -45,8 +45,10 @@ SIZES = {
 }
 
 
-def build_tiny_vl_model(out_dir: str | Path, arch: str = "qwen3_vl", seed: int = 0, size: str = "tiny") -> Path:
-    """Write processor + random weights of a tiny `arch` model to `out_dir`; idempotent per (arch, seed, size)."""
+def build_tiny_vl_model(out_dir: str | Path, arch: str = "qwen3_vl", seed: int = 0, size: str = "tiny",
+                        coord_tokens: bool = True) -> Path:
+    """Write processor + random weights of a tiny `arch` model to `out_dir`; idempotent per (arch, seed, size,
+    coord_tokens). `coord_tokens=False`: a stock model whose tokenizer has no `<|coord_k|>` tokens."""
     import torch
     from transformers import GenerationConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -59,12 +61,16 @@ def build_tiny_vl_model(out_dir: str | Path, arch: str = "qwen3_vl", seed: int =
         raise ValueError(f"unknown tiny model size {size!r}; choose one of {sorted(SIZES)}")
     out = Path(out_dir)
     marker = out / MARKER_FILE
-    params = {"arch": arch, "seed": seed} | ({"size": size} if size != "tiny" else {})
+    # Non-default options only, so folders built before an option existed keep their marker (no rebuild).
+    params = ({"arch": arch, "seed": seed} | ({"size": size} if size != "tiny" else {})
+              | ({} if coord_tokens else {"coord_tokens": False}))
     if marker.exists() and json.loads(marker.read_text()) == params:
         return out
     out.mkdir(parents=True, exist_ok=True)
+    # Another build's marker goes first: a build that stops half way must not pass for the earlier one.
+    marker.unlink(missing_ok=True)
 
-    tokenizer = build_tokenizer(seed, VL_SPECIAL_TOKENS, VL_CHAT_TEMPLATE)
+    tokenizer = build_tokenizer(seed, VL_SPECIAL_TOKENS, VL_CHAT_TEMPLATE, coord_tokens=coord_tokens)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VL_SPECIAL_TOKENS}
     config = _config(arch, len(tokenizer), ids, tokenizer, **SIZES[size])
     torch.manual_seed(seed)

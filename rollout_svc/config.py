@@ -43,7 +43,7 @@ class ServeConfig:
     tls_cert: str = ""
     tls_key: str = ""
     max_concurrent_requests: int = 64  # Generate calls admitted (waiting + running)
-    max_batch_prompts: int = 1024  # prompts merged into one engine call
+    max_num_seqs: int = 0  # sequences the engine runs at once (vLLM's max_num_seqs; 0 = vLLM's default)
     max_frame_bytes: int = 8 << 20
     staging_dir: str = ""  # default: /dev/shm when present, else the temp dir
     keep_rollback_copy: bool = True  # keep the last FULL stream staged to undo a failed apply
@@ -140,7 +140,7 @@ _HELP = {
     "tls_cert": "PEM certificate chain; with --tls-key enables TLS",
     "tls_key": "PEM private key",
     "max_concurrent_requests": "Generate calls admitted at once; more get RESOURCE_EXHAUSTED",
-    "max_batch_prompts": "prompts of queued calls merged into one engine call",
+    "max_num_seqs": "sequences the vLLM engine runs in one batch (0 = vLLM's default); more wait in its queue",
     "max_frame_bytes": "largest TensorPiece payload accepted in UpdateWeights",
     "staging_dir": "where weight streams are staged (default /dev/shm)",
     "keep_rollback_copy": "keep the last applied FULL stream in the staging dir so a failed apply can be "

@@ -43,6 +43,7 @@ class Sampling:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    logprobs: bool = False  # return each sampled token's log-probability
 
 
 @dataclass
@@ -58,9 +59,15 @@ class GenOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     finish_reason: str  # "stop" | "length" | "abort"
+    logprobs: list[float] | None = None  # one per token id, when the sampling asked for them
 
 
 class Engine(Protocol):
+    """What the servicer drives. An engine may also offer `submit(items) -> Future[list[GenOutput]]`, safe to
+    call from many threads at once, whose requests join the running batch and whose `Future.cancel()` aborts
+    them (the vLLM engine does); `EngineRunner` runs a `generate`-only engine one call at a time instead. An
+    engine whose process can die offers `dead_reason() -> str` ("" while alive), which the server watches."""
+
     backend: str
     model: str
     tensor_parallel_size: int

@@ -9,12 +9,14 @@ Used by the tests, the benchmarks and the learner's local mode:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -40,9 +42,10 @@ def _flags(options: dict[str, Any]) -> list[str]:
 
 
 class RolloutServer:
-    def __init__(self, proc: subprocess.Popen, port: int, metrics_port: int, log_path: Path,
+    def __init__(self, proc: subprocess.Popen | None, port: int, metrics_port: int, log_path: Path,
                  token: str = "", host: str = "127.0.0.1"):
         self.proc, self.port, self.metrics_port = proc, port, metrics_port
+        self._launch: tuple[list[str], dict[str, str]] | None = None
         self.log_path, self.token, self.host = log_path, token, host
 
     @property
@@ -79,16 +82,35 @@ class RolloutServer:
         log_path = Path(log_path)
         full_env = {**os.environ, **(env or {})}
         token = opts.get("auth_token") or full_env.get("RMSFT_AUTH_TOKEN", "")
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                    start_new_session=True)
-        srv = cls(proc, port, metrics_port, log_path, token=token)
+        srv = cls(None, port, metrics_port, log_path, token=token)
+        srv._launch = (cmd, full_env)
+        srv._spawn(append=False)
         try:
             srv.wait_healthy(timeout)
         except BaseException:
             srv.stop()
             raise
         return srv
+
+    def _spawn(self, *, append: bool) -> None:
+        cmd, env = self._launch
+        with open(self.log_path, "ab" if append else "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def restart(self, timeout: float = 300.0, cancel: threading.Event | None = None) -> None:
+        """Start the server again after its process ended (a dead engine exits 1): same command, same ports, so
+        clients keep its address; its log goes on in the same file. Blocks until it is SERVING again (or
+        `cancel` is set)."""
+        if self.proc.poll() is None:
+            raise RuntimeError(f"rollout server {self.address} is still running")
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # engine processes the old one left behind
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._spawn(append=True)
+        try:
+            self.wait_healthy(timeout, cancel)
+        except BaseException:
+            self.stop()
+            raise
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -118,9 +140,11 @@ class RolloutServer:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
-    def wait_healthy(self, timeout: float = 300.0) -> None:
+    def wait_healthy(self, timeout: float = 300.0, cancel: threading.Event | None = None) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if cancel is not None and cancel.is_set():
+                raise RuntimeError(f"stopped waiting for rmsft serve on {self.address}")
             if self.proc.poll() is not None:
                 raise RuntimeError(f"rmsft serve exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
@@ -144,6 +168,58 @@ class RolloutServer:
         return self.proc.returncode
 
     def __enter__(self) -> RolloutServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class Supervisor:
+    """Restarts servers whose process ended while they should be serving (a dead engine exits 1), as Kubernetes
+    restarts a pod: same address, so the learner's pool finds it again, sees it on weight version 0 and re-syncs
+    it before it gets work. At most `max_restarts` per server over the run (the budget does not refill), so a
+    server that cannot start stays down (the learner fails over to the others) instead of looping; a server that
+    exited 0 was stopped on purpose and stays down; `report(message)` hears about every event."""
+
+    def __init__(self, servers: list[RolloutServer], *, report=print, max_restarts: int = 3,
+                 poll_s: float = 1.0, start_timeout: float = 300.0) -> None:
+        self.servers = servers
+        self.report = report
+        self.max_restarts = max_restarts
+        self.restarts = [0] * len(servers)
+        self._poll_s, self._start_timeout = poll_s, start_timeout
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="rmsft-supervisor", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            for i, srv in enumerate(self.servers):
+                code = srv.proc.poll()
+                # Exit code 0 is a server stopped on purpose (SIGTERM): not restarted.
+                if code in (None, 0) or self._stop.is_set() or self.restarts[i] < 0:
+                    continue
+                if self.restarts[i] >= self.max_restarts:
+                    self.report(f"rollout server {i} ({srv.address}) exited with {code} after {self.restarts[i]} "
+                                f"restart(s); leaving it down (log: {srv.log_path})")
+                    self.restarts[i] = -1  # reported once
+                    continue
+                self.restarts[i] += 1
+                self.report(f"rollout server {i} ({srv.address}) exited with {code}: restarting it "
+                            f"({self.restarts[i]}/{self.max_restarts}; log: {srv.log_path})")
+                try:
+                    srv.restart(self._start_timeout, cancel=self._stop)
+                except Exception as e:  # noqa: BLE001 - reported; the next poll sees it down again
+                    self.report(f"rollout server {i} did not come back: {e}")
+                else:
+                    self.report(f"rollout server {i} ({srv.address}) is serving again")
+
+    def stop(self) -> None:
+        """Stop watching (before the servers are stopped on purpose)."""
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> Supervisor:
         return self
 
     def __exit__(self, *exc) -> None:

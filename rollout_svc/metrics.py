@@ -13,8 +13,8 @@ GENERATED_TOKENS = Counter("rmsft_rollout_generated_tokens_total", "Completion t
 GENERATE_SECONDS = Histogram(
     "rmsft_rollout_generate_seconds", "Wall time of one Generate call", buckets=_LATENCY_BUCKETS
 )
-QUEUE_DEPTH = Gauge("rmsft_rollout_queue_depth", "Generate calls waiting for an engine slot")
-INFLIGHT = Gauge("rmsft_rollout_inflight_requests", "Generate calls running on the engine")
+QUEUE_DEPTH = Gauge("rmsft_rollout_queue_depth", "Generate calls held at the gate while a weight update applies")
+INFLIGHT = Gauge("rmsft_rollout_inflight_requests", "Generate calls whose requests are in the engine")
 WEIGHT_SYNC_SECONDS = Histogram(
     "rmsft_rollout_weight_sync_seconds", "Receive + verify + apply time of one weight update",
     ["mode"], buckets=_LATENCY_BUCKETS,

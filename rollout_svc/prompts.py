@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import io
 from pathlib import Path
 
@@ -13,6 +15,20 @@ from rollout_svc.engine import GenItem, Sampling
 
 class PromptError(ValueError):
     pass
+
+
+MAX_SAMPLES_PER_PROMPT = 256
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a prompt seeded with `seed`: a pure function of the two, so a retry on any
+    server reproduces every sample. Sample 0 keeps the prompt's seed (n = 1 behaves as before); the others are
+    hashed rather than `seed + index` (vLLM's own rule for `n`), because the learner seeds neighbouring prompts
+    with neighbouring seeds, and `seed + 1` would make sample 1 of one prompt replay sample 0 of the next."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"rmsft-sample:{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # 63 bits: a valid seed for vLLM and torch alike
 
 
 def sampling_of(sp: rollout_pb2.SamplingParams, seed: int | None) -> Sampling:
@@ -33,7 +49,15 @@ def sampling_of(sp: rollout_pb2.SamplingParams, seed: int | None) -> Sampling:
         stop=tuple(sp.stop),
         stop_token_ids=tuple(sp.stop_token_ids),
         seed=seed,
+        logprobs=sp.logprobs,
     )
+
+
+def samples_per_prompt(sp: rollout_pb2.SamplingParams) -> int:
+    n = sp.n or 1
+    if n > MAX_SAMPLES_PER_PROMPT:
+        raise PromptError(f"sampling.n is {n}; at most {MAX_SAMPLES_PER_PROMPT} samples per prompt are served")
+    return n
 
 
 def _image(img: rollout_pb2.Image, max_pixels: int, where: str):
@@ -82,8 +106,12 @@ def _with_images(msgs: list[dict], n: int, where: str) -> list[dict]:
 
 
 def build_items(request: rollout_pb2.GenerateRequest, engine) -> list[GenItem]:
+    """One item per sample: prompt by prompt, samples 0..n-1 within a prompt (the reply's order). The `n`
+    samples of a prompt are `n` engine requests with derived seeds (`sample_seed`); they share the rendered
+    prompt, and vLLM's prefix cache computes its tokens once."""
     if not request.prompts:
         raise PromptError("GenerateRequest has no prompts")
+    n = samples_per_prompt(request.sampling)
     limits = getattr(engine, "vision", None)
     items = []
     for i, p in enumerate(request.prompts):
@@ -120,4 +148,7 @@ def build_items(request: rollout_pb2.GenerateRequest, engine) -> list[GenItem]:
         if len(ids) + 1 > engine.max_model_len:
             raise PromptError(f"{where} has {len(ids)} tokens; max_model_len is {engine.max_model_len}")
         items.append(GenItem(ids, s, images, text))
+        for k in range(1, n):
+            seed = None if s.seed is None else sample_seed(s.seed, k)
+            items.append(GenItem(ids, dataclasses.replace(s, seed=seed), images, text))
     return items

@@ -1,19 +1,29 @@
-"""One thread owns the engine. Concurrent Generate calls queue here and are merged into one
-engine call (vLLM batches them together); weight applies run alone between batches, so a batch
-never sees half-applied weights and every answer carries the version that produced it."""
+"""The gate between Generate calls and weight applies.
+
+Generate calls run concurrently: each is handed to the engine as soon as it is admitted, and an engine
+with `submit` (vLLM's asynchronous engine) adds its requests to the batch already running (continuous
+batching). A weight apply (`call`) is exclusive: it closes the gate to new calls, waits for the calls
+already running to finish (drain), runs alone, and opens the gate again. So a completion is produced by
+exactly one weight version, and every answer carries the version that produced it.
+
+Drain, not abort: the learner syncs between steps, when its own rollouts are done, so what still runs at
+an apply is a call whose answer is still valid for the version it was admitted under; aborting it would
+throw away finished work and force a retry. A call whose client gave up (deadline passed, connection
+gone) is aborted in the engine (`cancel`), so a straggler cannot hold an apply for longer than the
+learner's own deadline. (An engine without `submit`, the HF debugging backend, cannot abort a call that
+already runs: cancelling drops only calls still queued for its single thread.)
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
 from rollout_svc import metrics
-from rollout_svc.engine import Engine, EngineInputError, GenItem, GenOutput
+from rollout_svc.engine import Engine, GenItem, GenOutput
 
 log = logging.getLogger(__name__)
 
@@ -24,120 +34,112 @@ class VersionMismatch(Exception):
         self.expected, self.actual = expected, actual
 
 
-@dataclass
-class _GenJob:
-    items: list[GenItem]
-    expected_version: int | None
-    future: Future = field(default_factory=Future)
+class RunnerStopped(RuntimeError):
+    """The server is shutting down: the call was refused or its running requests were aborted."""
 
 
-@dataclass
-class _CallJob:
-    fn: Callable[[], Any]
-    future: Future = field(default_factory=Future)
+class Cancelled(RuntimeError):
+    """The caller went away (deadline passed, connection closed): its requests were aborted in the engine."""
 
 
 class EngineRunner:
-    def __init__(self, engine: Engine, max_batch_prompts: int = 1024, version: int = 0):
+    def __init__(self, engine: Engine, version: int = 0):
         self.engine = engine
-        self.max_batch_prompts = max_batch_prompts
         self.version = version
         self.active_adapter = ""
-        self._jobs: deque = deque()
         self._cv = threading.Condition()
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="rmsft-engine", daemon=True)
-        self._thread.start()
+        self._running: set[Future] = set()  # engine work of admitted Generate calls
+        self._applying = 0  # weight applies waiting for, or holding, the gate
+        self._apply_mutex = threading.Lock()  # one apply at a time
+        self._stopped = False
+        # An engine without `submit` (the HF backend) is not thread-safe: one call at a time, in arrival order.
+        self._serial = None if hasattr(engine, "submit") else ThreadPoolExecutor(1, thread_name_prefix="rmsft-engine")
 
-    def generate(self, items: list[GenItem], expected_version: int | None) -> tuple[list[GenOutput], int]:
-        job = _GenJob(items, expected_version)
-        self._put(job)
-        return job.future.result()
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` on the engine thread with no generate in flight."""
-        job = _CallJob(fn)
-        self._put(job)
-        return job.future.result()
-
-    def _put(self, job) -> None:
+    # Generate ------------------------------------------------------------------------------------
+    def generate(
+        self,
+        items: list[GenItem],
+        expected_version: int | None,
+        on_cancel: Callable[[Callable[[], Any]], Any] | None = None,
+    ) -> tuple[list[GenOutput], int]:
+        """Run `items` under one weight version and return (outputs, that version). `on_cancel(fn)` registers
+        `fn` to be called when the caller goes away (grpc's `context.add_callback`); it aborts the requests."""
         with self._cv:
-            if self._stop:
-                raise RuntimeError("engine runner stopped")
-            self._jobs.append(job)
-            metrics.QUEUE_DEPTH.set(sum(isinstance(j, _GenJob) for j in self._jobs))
-            self._cv.notify()
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        self._thread.join(timeout=30)
-
-    def _take(self) -> list | None:
-        with self._cv:
-            while not self._jobs and not self._stop:
-                self._cv.wait()
-            if self._stop:
-                pending, self._jobs = list(self._jobs), deque()
-                for j in pending:
-                    j.future.set_exception(RuntimeError("server shutting down"))
-                return None
-            first = self._jobs.popleft()
-            batch = [first]
-            if isinstance(first, _GenJob):
-                n = len(first.items)
-                while (self._jobs and isinstance(self._jobs[0], _GenJob)
-                       and n + len(self._jobs[0].items) <= self.max_batch_prompts):
-                    job = self._jobs.popleft()
-                    n += len(job.items)
-                    batch.append(job)
-            metrics.QUEUE_DEPTH.set(sum(isinstance(j, _GenJob) for j in self._jobs))
-            return batch
-
-    def _loop(self) -> None:
-        while True:
-            batch = self._take()
-            if batch is None:
-                return
-            if isinstance(batch[0], _CallJob):
-                job = batch[0]
-                try:
-                    job.future.set_result(job.fn())
-                except BaseException as e:  # delivered to the caller
-                    job.future.set_exception(e)
-                continue
-            self._run_generate(batch)
-
-    def _run_generate(self, batch: list[_GenJob]) -> None:
-        version = self.version
-        runnable = []
-        for job in batch:
-            # Checked here as well as on arrival: a weight update may have landed in between.
-            if job.expected_version is not None and job.expected_version != version:
-                job.future.set_exception(VersionMismatch(job.expected_version, version))
-            else:
-                runnable.append(job)
-        if not runnable:
-            return
-        items = [it for job in runnable for it in job.items]
-        metrics.INFLIGHT.set(len(runnable))
+            metrics.QUEUE_DEPTH.inc()
+            try:
+                while self._applying and not self._stopped:  # an apply waits: no new work until it is done
+                    self._cv.wait()
+            finally:
+                metrics.QUEUE_DEPTH.dec()
+            if self._stopped:
+                raise RunnerStopped("server shutting down")
+            version = self.version
+            # Checked here as well as on arrival: a weight update may have landed while this call waited.
+            if expected_version is not None and expected_version != version:
+                raise VersionMismatch(expected_version, version)
+            fut = self._submit(items)
+            self._running.add(fut)
+            metrics.INFLIGHT.set(len(self._running))
         try:
-            outs = self.engine.generate(items)
-        except EngineInputError as e:
-            if len(runnable) > 1:  # one call's bad prompt must not fail the calls merged with it
-                for job in runnable:
-                    self._run_generate([job])
-                return
-            runnable[0].future.set_exception(e)
-            return
-        except BaseException as e:
-            for job in runnable:
-                job.future.set_exception(e)
-            return
+            # grpc's add_callback answers False when the RPC already ended (its deadline passed while this call
+            # waited at the gate): then nobody waits for the answer, so abort at once.
+            if on_cancel is not None and on_cancel(fut.cancel) is False:
+                fut.cancel()
+            return fut.result(), version
+        except CancelledError:
+            raise (RunnerStopped("server shutting down: the call's requests were aborted") if self._stopped
+                   else Cancelled("the call was cancelled: its requests were aborted")) from None
         finally:
-            metrics.INFLIGHT.set(0)
-        pos = 0
-        for job in runnable:
-            job.future.set_result((outs[pos : pos + len(job.items)], version))
-            pos += len(job.items)
+            with self._cv:
+                self._running.discard(fut)
+                metrics.INFLIGHT.set(len(self._running))
+                self._cv.notify_all()
+
+    def _submit(self, items: list[GenItem]) -> Future:
+        if self._serial is None:
+            return self.engine.submit(items)
+        return self._serial.submit(self.engine.generate, items)
+
+    # Weight applies ------------------------------------------------------------------------------
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` with no Generate call running: close the gate, drain the running calls, run, reopen.
+
+        `fn` runs without the condition's lock held (calls arriving meanwhile wait at the gate, `_applying`), so
+        `stop` can always proceed, even when `fn` hangs on a dying engine."""
+        with self._apply_mutex:
+            with self._cv:
+                if self._stopped:
+                    raise RunnerStopped("server shutting down")
+                self._applying += 1
+                try:
+                    while self._running and not self._stopped:
+                        self._cv.wait()
+                    if self._stopped:
+                        raise RunnerStopped("server shutting down")
+                except BaseException:
+                    self._applying -= 1
+                    self._cv.notify_all()
+                    raise
+            try:
+                return fn()
+            finally:
+                with self._cv:
+                    self._applying -= 1
+                    self._cv.notify_all()
+
+    # Shutdown ------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Refuse new work and abort what runs (each aborted call fails with RunnerStopped)."""
+        with self._cv:
+            self._stopped = True
+            running = list(self._running)
+            self._cv.notify_all()
+        for fut in running:
+            fut.cancel()
+        if self._serial is not None:
+            self._serial.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def running_calls(self) -> int:
+        with self._cv:
+            return len(self._running)

@@ -21,6 +21,10 @@ from rollout_svc.preflight import TERMINATION_LOG, check_staging, write_terminat
 
 log = logging.getLogger("rollout_svc")
 SERVICE_NAME = "rmsft.v1.RolloutService"
+# Largest message accepted: a Generate call carrying a server's whole share of prompts with their images (the
+# learner cuts chunks at learner.rollout_types.MAX_CHUNK_BYTES), or a weight frame (the servicer refuses frames
+# over --max-frame-bytes itself, with a clear message).
+GENERATE_RECEIVE_BYTES = 64 << 20
 
 
 def _fail(msg: str) -> None:
@@ -84,9 +88,9 @@ def serve(cfg: ServeConfig) -> int:
     keep_frame_buffers(cfg.max_frame_bytes)  # weight frames: reuse heap buffers, no re-faulting
     token = cfg.resolved_auth_token()
     interceptors = [TokenAuthInterceptor(token)] if token else []
-    # Room for one frame plus protobuf overhead; bigger frames are refused by the servicer with
-    # a clear message unless they exceed even this.
-    max_msg = 2 * cfg.max_frame_bytes + (1 << 20)
+    # Room for one frame plus protobuf overhead, or a whole share of prompts; bigger frames are refused by the
+    # servicer with a clear message unless they exceed even this.
+    max_msg = max(2 * cfg.max_frame_bytes + (1 << 20), GENERATE_RECEIVE_BYTES)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=cfg.max_concurrent_requests + 8, thread_name_prefix="rpc"),
         interceptors=interceptors,
@@ -113,8 +117,8 @@ def serve(cfg: ServeConfig) -> int:
 
     def broken(reason: str, fatal: bool = False) -> None:
         """NOT_SERVING from now on, so the readiness probe and the learner's failover react; `fatal` (a dead
-        engine) also ends the process, so its pod is restarted (`rmsft local` does not restart servers: the
-        learner fails over to the others)."""
+        engine) also ends the process, so its pod is restarted (`rmsft local` restarts it the same way; meanwhile
+        the learner fails over to the others)."""
         for name in ("", SERVICE_NAME):
             health_svc.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if fatal:
@@ -162,6 +166,8 @@ def serve(cfg: ServeConfig) -> int:
         health_svc.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("ready: backend=%s lora=%s replica=%d", cfg.backend, cfg.enable_lora, servicer.ordinal)
     stop.wait()
+    if not exit_code[0]:
+        servicer.shutting_down()
     log.info("shutting down" if not exit_code[0] else "shutting down: the engine is dead")
     health_svc.enter_graceful_shutdown()
     server.stop(cfg.grace_seconds).wait()

@@ -18,8 +18,8 @@ from rmsft.weights_wire import ADAPTER, FULL, WireError
 from rollout_svc import metrics
 from rollout_svc.config import ServeConfig
 from rollout_svc.engine import EngineDead, EngineError, EngineInputError, checkpoint_table, tied_lm_head
-from rollout_svc.prompts import PromptError, build_items
-from rollout_svc.runner import EngineRunner, VersionMismatch
+from rollout_svc.prompts import PromptError, build_items, samples_per_prompt
+from rollout_svc.runner import Cancelled, EngineRunner, RunnerStopped, VersionMismatch
 from rollout_svc.staging import (
     StagedWeights,
     Stager,
@@ -67,6 +67,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         # carry them (so the last stream alone, over the checkpoint, rebuilds the served weights).
         self._full_names: frozenset[str] = frozenset()
         self._broken = ""
+        self._closing = False
         self._on_broken = on_broken
         self._last_applied: list = []
         self._last_bytes = 0
@@ -77,14 +78,31 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     # lifecycle ------------------------------------------------------------------------------
     def attach(self, engine) -> None:
         self.engine = engine
-        self.runner = EngineRunner(engine, self.cfg.max_batch_prompts)
+        self.runner = EngineRunner(engine)
         metrics.READY.set(1)
+        if hasattr(engine, "dead_reason"):
+            threading.Thread(target=self._watch_engine, name="rmsft-engine-watch", daemon=True).start()
+
+    def _watch_engine(self, every_s: float = 0.5) -> None:
+        """Notice an engine that died while idle (its process killed, say): nothing else would until the next
+        call, and the readiness probe and the learner's failover must react now."""
+        while not self._closing and not self._broken:
+            reason = self.engine.dead_reason()
+            if reason and not self._closing:
+                self._dead(reason)
+                return
+            time.sleep(every_s)
 
     @property
     def ready(self) -> bool:
         return self.runner is not None and not self._broken
 
+    def shutting_down(self) -> None:
+        """From now on an engine that stops is not a dead one (Ctrl-C reaches vLLM's engine process too)."""
+        self._closing = True
+
     def close(self) -> None:
+        self.shutting_down()
         metrics.READY.set(0)
         if self.runner is not None:
             self.runner.stop()
@@ -122,7 +140,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             if expected is not None and expected != self.runner.version:
                 raise VersionMismatch(expected, self.runner.version)
             items = build_items(request, self.engine)
-            outs, version = self.runner.generate(items, expected)
+            # The callback runs when the call ends for any reason; when the client went away (deadline passed,
+            # cancelled, connection closed) that aborts its requests in the engine.
+            outs, version = self.runner.generate(items, expected, on_cancel=context.add_callback)
         except _Abort as e:
             self._finish("Generate", context, e.code, str(e))
         except PromptError as e:
@@ -138,22 +158,29 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                          f"{e}; this server is exiting to be restarted: retry on another server")
         except EngineError as e:
             self._finish("Generate", context, grpc.StatusCode.INTERNAL, str(e))
+        except Cancelled as e:
+            self._finish("Generate", context, grpc.StatusCode.CANCELLED, str(e))
+        except RunnerStopped as e:
+            self._finish("Generate", context, grpc.StatusCode.UNAVAILABLE, f"{e}; retry on another server")
         finally:
             with self._admit_lock:
                 self._admitted -= 1
         reply = rollout_pb2.GenerateResponse(weight_version=version)
+        n = samples_per_prompt(request.sampling)
         n_prompt = n_gen = 0
-        for prompt, out in zip(request.prompts, outs, strict=True):
+        for k, out in enumerate(outs):
             reply.completions.add(
                 prompt_token_ids=out.prompt_token_ids,
                 token_ids=out.token_ids,
                 finish_reason=_FINISH.get(out.finish_reason, rollout_pb2.FINISH_REASON_UNSPECIFIED),
                 weight_version=version,
-                request_id=prompt.request_id,
+                request_id=request.prompts[k // n].request_id,
+                sample_index=k % n,
+                logprobs=out.logprobs or (),
             )
-            n_prompt += len(out.prompt_token_ids)
+            n_prompt += len(out.prompt_token_ids) if k % n == 0 else 0
             n_gen += len(out.token_ids)
-        metrics.PROMPTS.inc(len(outs))
+        metrics.PROMPTS.inc(len(request.prompts))
         metrics.IMAGES.inc(sum(len(p.images) for p in request.prompts))
         metrics.PROMPT_TOKENS.inc(n_prompt)
         metrics.GENERATED_TOKENS.inc(n_gen)
@@ -170,6 +197,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._on_broken(reason, fatal=fatal)
 
     def _dead(self, reason: str) -> None:
+        if self._broken or self._closing:  # both the watcher and a failing call may notice; a shutdown is not death
+            return
         log.error("engine dead: %s", reason)
         self._mark_broken(reason, fatal=True)
 
@@ -243,6 +272,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._dead(str(e))
             self._finish("UpdateWeights", context, grpc.StatusCode.UNAVAILABLE,
                          f"{e}; this server is exiting to be restarted, and starts again from the checkpoint")
+        except RunnerStopped as e:
+            metrics.WEIGHT_SYNC_FAILURES.labels(reason="apply").inc()
+            self._finish("UpdateWeights", context, grpc.StatusCode.UNAVAILABLE, f"{e}: nothing was applied")
         except EngineError as e:
             metrics.WEIGHT_SYNC_FAILURES.labels(reason="apply").inc()
             self._finish("UpdateWeights", context, grpc.StatusCode.INTERNAL,
@@ -342,7 +374,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._adapter_dir = out_dir
             self._set_version(staged, name, time.perf_counter() - t0)
 
-        self.runner.call(apply)
+        try:
+            self.runner.call(apply)
+        except RunnerStopped:
+            shutil.rmtree(out_dir, ignore_errors=True)
+            raise
 
     def _set_version(self, staged: StagedWeights, adapter: str, apply_seconds: float) -> None:
         self.runner.version = staged.header.version

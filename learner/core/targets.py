@@ -2,7 +2,9 @@
 
 Public API
 - `build_targets(prompt_ids, parsed, matching, gt, vocab, fmt=COORDEXP, rollout_prompt_ids=None,
-  cfg=TargetConfig()) -> Segment`.
+  cfg=TargetConfig()) -> Segment`. `fmt` must be the format `parsed` was parsed with (bound to the
+  image size for a pixels format), and `gt` the ground truth as that format writes it
+  (`fmt.as_written`).
 - `Segment`: `input_ids` = prompt + Y_train, `labels` (IGNORE_INDEX = -100 where no cross-entropy),
   `coord_positions` / `coord_bins` (positions in `input_ids` whose token gets the coordinate loss,
   and the target bin), `prompt_len`, `prefix_len`, `meta` counters. Positions index the *target*
@@ -13,15 +15,22 @@ Public API
   core only validates shapes, carries it and concatenates it (packing); the learner computes it
   (`learner.vision`). Attach it with `dataclasses.replace(segment, vision=...)`.
 
-Y_train = prompt + prefix_ids (the rollout's own) + encode(", " + FN entries numbered from
-max_object_index + 1 + "}") + [eos]. Supervision:
-- prefix (the rollout's own ids): nothing, except the coord tokens of matched predictions, pulled to
-  the matched ground-truth bins (only when kind and coord count agree; otherwise counted in
-  meta["matched_unsupervised"]); prefix ids the parser wrote itself (past `n_own_prefix_ids`: an
-  opening `{`, or a brace split off a fused token) get cross-entropy like the tail;
+Y_train = prompt + prefix_ids (the rollout's own) + encode(", " + FN entries + closing bracket) +
+[eos]: for coordexp the FN entries are numbered from max_object_index + 1 and the bracket is `}`;
+for qwen_json they are list elements and the bracket is `]`. The leading ", " only follows a kept
+entry (after a bare opener, or a preamble and the opener, the first FN entry comes directly).
+Supervision:
+- prefix (the rollout's own ids, preamble included): nothing, except the coord tokens of matched
+  predictions, pulled to the matched ground-truth bins (only when kind and coord count agree;
+  otherwise counted in meta["matched_unsupervised"]); prefix ids the parser wrote itself (past
+  `n_own_prefix_ids`: an opening bracket, or a brace split off a fused token) get cross-entropy like
+  the tail. A format without coord tokens (qwen_json) supervises nothing in the prefix: its
+  coordinates are ordinary text the rollout chose, and cross-entropy on them would need another
+  prefix;
 - tail: coord tokens get the coordinate loss towards their own (ground-truth) bins, other tokens get
-  cross-entropy, except the desc value tokens of appended objects when `supervise_fn_desc` is False
-  (CoordExp's default: a missed object's name is not something the rollout can be blamed for).
+  cross-entropy (for qwen_json that includes the digits of the coordinates), except the desc/label
+  value tokens of appended objects when `supervise_fn_desc` is False (CoordExp's default: a missed
+  object's name is not something the rollout can be blamed for).
 """
 
 from __future__ import annotations
@@ -31,10 +40,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from learner.core.codec import COORDEXP, DetObject, OutputFormat
+from learner.core.codec import COORDEXP, DetObject, OutputFormat, container_brackets
 from learner.core.match import MatchResult
 from learner.core.parse import ParsedRollout
-from learner.core.vocab import VocabView
+from learner.core.vocab import VocabView, require_coord_tokens
 
 IGNORE_INDEX = -100
 
@@ -171,6 +180,7 @@ def build_targets(
 ) -> Segment:
     """Build one training segment; `matching` must index `parsed.objects` and `gt`."""
     cfg = cfg or TargetConfig()
+    require_coord_tokens(vocab, fmt)
     if rollout_prompt_ids is not None:
         check_prompt_ids(prompt_ids, rollout_prompt_ids)
     if len(prompt_ids) < 1:
@@ -189,7 +199,7 @@ def build_targets(
     coord_bins: list[int] = []
 
     unsupervised = 0
-    for p, g, _ in matching.pairs:
+    for p, g, _ in matching.pairs if fmt.coord_tokens else ():
         pred, target = parsed.objects[p], gt[g]
         if pred.obj.kind != target.kind or len(pred.obj.bins) != len(target.bins):
             unsupervised += 1
@@ -203,7 +213,7 @@ def build_targets(
     fn = [gt[g] for g in matching.false_negatives]
     entries = fmt.render_entries(fn, parsed.max_object_index + 1) if fn else ""
     lead = ", " if fn and parsed.n_entries else ""
-    tail_text = lead + entries + "}"
+    tail_text = lead + entries + container_brackets(fmt.container)[1]
     tail = list(vocab.encode(tail_text)) + [vocab.eos_id]
 
     # Which tail tokens are desc values: map character spans to byte spans, then to tokens.
@@ -213,7 +223,8 @@ def build_targets(
         for s, e in fmt.desc_value_spans(entries):
             desc_bytes.append((base + len(entries[:s].encode()), base + len(entries[:e].encode())))
 
-    fn_bins = [b for o in fn for b in o.bins]
+    # Coord tokens the tail must hold, in order (none for a plain-text format: any there is an error).
+    fn_bins = [b for o in fn for b in o.bins] if fmt.coord_tokens else []
     tail_labels: list[int] = []
     k = 0
     tail_start = prompt_len + prefix_len
@@ -233,7 +244,7 @@ def build_targets(
         raise TargetError("tail tokenization lost coord tokens of the missed objects")
 
     input_ids = tuple(int(t) for t in prompt_ids) + tuple(prefix) + tuple(tail)
-    # Prefix ids past `n_own_prefix_ids` were written by the parser, not sampled (the opening `{`
+    # Prefix ids past `n_own_prefix_ids` were written by the parser, not sampled (the opening bracket
     # of a rollout with no usable start, or the brace split off a fused `},` token): they are part
     # of the target the model must learn to produce, so they get cross-entropy. Leaving them
     # unlabelled trains a model that never learns to open the JSON object.

@@ -1,8 +1,16 @@
 """`VocabView`: the few tokenizer facts the core algorithm needs, built once at the edge.
 
 Core code never holds a tokenizer: it takes a `VocabView` (coord token ids, the bytes of every
-token, an `encode` callable, end-of-turn and stop ids). `VocabView.from_hf_tokenizer(tok)` builds
-one from a Hugging Face tokenizer; tests and other formats can build one by hand.
+token, an `encode` callable, end-of-turn and stop ids). `VocabView.from_hf_tokenizer(tok,
+coord_tokens=True)` builds one from a Hugging Face tokenizer; tests and other formats can build one by
+hand.
+
+Coord tokens: a format that writes coordinates as `<|coord_k|>` tokens (coordexp) needs all 1000 of
+them; one that writes plain-text numbers (qwen_json) needs none, so a stock Qwen-VL tokenizer works.
+`coord_token_ids` is therefore either exactly 1000 ids or empty (`from_hf_tokenizer(tok,
+coord_tokens=False)` does not look them up: any such tokens in the vocabulary are then plain text to
+the parser). `require_coord_tokens(vocab, fmt)` is the check that the two agree; the parser and the
+target builder run it.
 
 Token bytes matter because the parser scans bytes, not decoded strings: a byte-level BPE token can
 hold half of a UTF-8 character, and `decode([id])` would turn it into U+FFFD.
@@ -14,7 +22,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from learner.core.codec import NUM_BINS, coord_token_text
+from learner.core.codec import NUM_BINS, OutputFormat, coord_token_text
+
+MISSING_COORD_TOKENS = (
+    "the coordexp output format writes coordinates as the {n} tokens <|coord_0|>..<|coord_999|>, which this "
+    "tokenizer lacks{detail}: run `rmsft prepare-model` to add them to the model, or use `training.format: qwen_json` "
+    "(plain-text coordinates, the stock Qwen-VL answer format)"
+)
 
 
 def _byte_level_decoder() -> dict[str, int]:
@@ -35,10 +49,10 @@ def _byte_level_decoder() -> dict[str, int]:
 class VocabView:
     """Tokenizer facts used by parse/targets/losses.
 
-    coord_token_ids[k] is the id of `<|coord_k|>`; token_bytes[id] is the UTF-8 bytes that id
-    stands for; `encode(text)` returns ids without special tokens added; `eos_id` is appended as the
-    end-of-turn of Y_train; `stop_ids` cut a response; `special_ids` (other control tokens) end the
-    scan as garbage.
+    coord_token_ids[k] is the id of `<|coord_k|>` (empty for a format without coord tokens);
+    token_bytes[id] is the UTF-8 bytes that id stands for; `encode(text)` returns ids without special
+    tokens added; `eos_id` is appended as the end-of-turn of Y_train; `stop_ids` cut a response;
+    `special_ids` (other control tokens) end the scan as garbage.
     """
 
     coord_token_ids: tuple[int, ...]
@@ -50,12 +64,17 @@ class VocabView:
     coord_bin_of: dict[int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if len(self.coord_token_ids) != NUM_BINS:
-            raise ValueError(f"VocabView needs {NUM_BINS} coord token ids, got {len(self.coord_token_ids)}")
-        if len(set(self.coord_token_ids)) != NUM_BINS:
+        object.__setattr__(self, "coord_token_ids", tuple(int(t) for t in self.coord_token_ids))
+        if len(self.coord_token_ids) not in (0, NUM_BINS):
+            raise ValueError(f"VocabView needs {NUM_BINS} coord token ids or none, got {len(self.coord_token_ids)}")
+        if len(set(self.coord_token_ids)) != len(self.coord_token_ids):
             raise ValueError("VocabView coord token ids are not distinct")
         object.__setattr__(self, "coord_bin_of", {t: k for k, t in enumerate(self.coord_token_ids)})
         object.__setattr__(self, "stop_ids", frozenset(self.stop_ids) | {self.eos_id})
+
+    @property
+    def has_coord_tokens(self) -> bool:
+        return bool(self.coord_token_ids)
 
     @property
     def vocab_size(self) -> int:
@@ -65,15 +84,17 @@ class VocabView:
         return b"".join(self.token_bytes[i] for i in ids)
 
     @classmethod
-    def from_hf_tokenizer(cls, tok: Any) -> VocabView:
-        """Build from a transformers tokenizer with `<|coord_k|>` tokens (k = 0..999) in its vocab."""
+    def from_hf_tokenizer(cls, tok: Any, coord_tokens: bool = True) -> VocabView:
+        """Build from a transformers tokenizer. `coord_tokens`: the output format needs the `<|coord_k|>`
+        tokens (k = 0..999), and a tokenizer without them is an error saying how to get them; False
+        (a plain-text format) leaves `coord_token_ids` empty."""
         vocab_size = len(tok)
         unk = getattr(tok, "unk_token_id", None)
         coord_ids = []
-        for k in range(NUM_BINS):
+        for k in range(NUM_BINS if coord_tokens else 0):
             tid = tok.convert_tokens_to_ids(coord_token_text(k))
             if tid is None or tid == unk:
-                raise ValueError(f"tokenizer has no token {coord_token_text(k)!r}; is it a CoordExp tokenizer?")
+                raise ValueError(MISSING_COORD_TOKENS.format(n=NUM_BINS, detail=f" (no {coord_token_text(k)!r})"))
             coord_ids.append(int(tid))
         added = {int(i): str(t) for i, t in tok.added_tokens_decoder.items()}
         special = {int(i) for i, t in tok.added_tokens_decoder.items() if getattr(t, "special", False)}
@@ -102,3 +123,9 @@ class VocabView:
             stop_ids=frozenset({int(eos)}),
             special_ids=frozenset(special - set(coord_ids)),
         )
+
+
+def require_coord_tokens(vocab: VocabView, fmt: OutputFormat) -> None:
+    """Raise ValueError when `fmt` writes coord tokens and `vocab` has none (a configuration mismatch)."""
+    if fmt.coord_tokens and not vocab.coord_token_ids:
+        raise ValueError(MISSING_COORD_TOKENS.format(n=NUM_BINS, detail=" (the VocabView has no coord token ids)"))

@@ -1,29 +1,57 @@
-"""Training progress for `status.step` / `status.weightVersion` (the STEP printer column), read
-from the learner pod's own /metrics endpoint: the learner needs no API rights to report it."""
+"""Training progress for `status.step` / `status.weightVersion` (the STEP printer column) and
+`status.evaluation` (the last held-out evaluation: its step, F1, mAP, mAP50), read from the learner pod's
+own /metrics endpoint: the learner needs no API rights to report it."""
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 import urllib.request
 from typing import Any
 
 log = logging.getLogger("rmsft_operator.progress")
 _SERIES = {"step": "rmsft_learner_global_step", "weightVersion": "rmsft_learner_weight_version"}
+# status.evaluation key -> learner gauge (learner/metrics.py). The gauges start at 0: an eval step below 1
+# means no evaluation yet, and then there is no status.evaluation at all.
+EVAL_SERIES = {"step": "rmsft_learner_eval_step", "f1": "rmsft_learner_eval_f1",
+               "mAP": "rmsft_learner_eval_map", "mAP50": "rmsft_learner_eval_map50"}
+EVAL_DIGITS = 4  # status figures are read by people (printer columns); more digits only churn the status
 
 
-def parse_progress(text: str) -> dict[str, int]:
-    out: dict[str, int] = {}
+def _sample(text: str, name: str) -> float | None:
+    """The value of the unlabelled-or-labelled sample `name`, None when absent or not finite (NaN: e.g.
+    mAP of a held-out set without ground truth; the API server cannot store NaN)."""
+    m = re.search(rf"^{name}(?:\{{[^}}]*\}})?\s+(\S+)\s*$", text, flags=re.M)
+    if not m:
+        return None
+    try:
+        value = float(m.group(1))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def parse_progress(text: str) -> dict[str, Any]:
+    """`step` and `weightVersion` (ints, when reported and >= 0) and, once the learner has evaluated,
+    `evaluation`: {step: int, f1, mAP, mAP50: floats in [0, 1] rounded to 4 digits, each when finite}."""
+    out: dict[str, Any] = {}
     for key, name in _SERIES.items():
-        m = re.search(rf"^{name}(?:\{{[^}}]*\}})?\s+([-+0-9.eE]+|NaN)\s*$", text, flags=re.M)
-        if m and m.group(1) != "NaN":
-            value = float(m.group(1))
-            if value >= 0:
-                out[key] = int(value)
+        value = _sample(text, name)
+        if value is not None and value >= 0:
+            out[key] = int(value)
+    eval_step = _sample(text, EVAL_SERIES["step"])
+    if eval_step is not None and eval_step >= 1:
+        evaluation: dict[str, Any] = {"step": int(eval_step)}
+        for key, name in EVAL_SERIES.items():
+            value = _sample(text, name)
+            if key != "step" and value is not None and 0.0 <= value <= 1.0:
+                evaluation[key] = round(value, EVAL_DIGITS)
+        out["evaluation"] = evaluation
     return out
 
 
-def learner_progress(pods: list[dict[str, Any]], port: int, timeout: float) -> dict[str, int]:
+def learner_progress(pods: list[dict[str, Any]], port: int, timeout: float) -> dict[str, Any]:
     """Progress from the first running learner pod that answers; {} when none does."""
     for pod in pods:
         status = pod.get("status") or {}

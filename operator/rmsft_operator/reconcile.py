@@ -51,7 +51,7 @@ class Observed:
     learner_pods: list[dict[str, Any]] = field(default_factory=list)
     # kind ("StatefulSet" | "Job") -> message of the newest FailedCreate event of that child
     failed_creates: dict[str, str] = field(default_factory=dict)
-    progress: dict[str, int] = field(default_factory=dict)
+    progress: dict[str, Any] = field(default_factory=dict)  # rmsft_operator.progress.parse_progress
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
                 newest = max(mine, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
                 failed_creates[kind] = str(newest.get("message") or "FailedCreate")
 
-    progress: dict[str, int] = {}
+    progress: dict[str, Any] = {}
     if learner and not (learner.get("spec") or {}).get("suspend") and progress_timeout > 0:
         spec = body.get("spec") if isinstance(body.get("spec"), dict) else {}
         port = (spec.get("learner") or {}).get("metricsPort") or LearnerSpec().metrics_port
@@ -256,10 +256,16 @@ def decide(obs: Observed, now: str) -> Decision:
     status = d.status
     status.update({"rolloutReplicas": want, "readyRolloutReplicas": ready,
                    "learnerActive": int((learner.get("status") or {}).get("active") or 0)})
-    for key in ("startTime", "completionTime", "step", "weightVersion"):
+    for key in ("startTime", "completionTime", "step", "weightVersion", "evaluation"):
         if key in old_status:
             status[key] = old_status[key]
     status.update(obs.progress)
+    evaluation, old_eval = obs.progress.get("evaluation"), old_status.get("evaluation")
+    if isinstance(evaluation, dict) and isinstance(old_eval, dict):
+        # The status is written as a merge patch: a figure the new evaluation lacks (not finite, e.g. mAP
+        # of a held-out set without objects) would keep the old evaluation's value next to the new step.
+        # null removes it; the next pass no longer sees it in the old status, so nothing churns.
+        status["evaluation"] = {**{k: None for k in old_eval if k not in evaluation}, **evaluation}
     invalid = cond("InvalidSpec", bool(refused), "ImmutableFieldChanged" if refused else "SpecValid",
                    refused or "spec accepted")
 

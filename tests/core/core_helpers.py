@@ -7,18 +7,21 @@ import re
 
 from hypothesis import strategies as st
 
-from learner.core.codec import COORDEXP, NUM_BINS, DetObject, coord_token_text
+from learner.core.codec import COORDEXP, NUM_BINS, DetObject, OutputFormat, container_brackets, coord_token_text
 from learner.core.vocab import VocabView
 
-# Multi-character pieces that real BPE vocabularies fuse across the cut point of the kept prefix.
-FUSED = ["}}", "},", '"]}', '"]}}', '"]},', '{"', '}, "', 'é"}', '"}}', '"}', "}}\n", "} "]
+# Multi-character pieces that real BPE vocabularies fuse across the cut point of the kept prefix
+# (the last ones are qwen_json's: list brackets fused with braces and digits).
+FUSED = ["}}", "},", '"]}', '"]}}', '"]},', '{"', '}, "', 'é"}', '"}}', '"}', "}}\n", "} ", '"]]}', "]]},",
+         "}]", "},{", "}, {", '[{"', '"}]', '"},', "0]", '], "', ": [", ' {"']  # fmt: skip
 
 
-def fused_vocab() -> VocabView:
-    """Bytes 0..255, fused structural pieces, 1000 coord tokens, eos and one control token."""
+def fused_vocab(coord_tokens: bool = True) -> VocabView:
+    """Bytes 0..255, fused structural pieces, 1000 coord tokens (unless `coord_tokens` is False), eos and
+    one control token."""
     pieces: list[bytes] = [bytes([b]) for b in range(256)] + [f.encode() for f in FUSED]
-    coord_ids = list(range(len(pieces), len(pieces) + NUM_BINS))
-    pieces += [coord_token_text(k).encode() for k in range(NUM_BINS)]
+    coord_ids = list(range(len(pieces), len(pieces) + NUM_BINS)) if coord_tokens else []
+    pieces += [coord_token_text(k).encode() for k in range(len(coord_ids))]
     eos = len(pieces)
     pieces.append(b"<|im_end|>")
     ctrl = len(pieces)
@@ -29,7 +32,7 @@ def fused_vocab() -> VocabView:
     def encode(text: str) -> list[int]:
         data, out, i = text.encode(), [], 0
         while i < len(data):
-            m = coord_re.match(data, i)
+            m = coord_re.match(data, i) if coord_ids else None
             if m and int(m.group(1)) < NUM_BINS and str(int(m.group(1))) == m.group(1).decode():
                 out.append(coord_ids[int(m.group(1))])
                 i = m.end()
@@ -59,21 +62,37 @@ bins = st.integers(0, NUM_BINS - 1)
 
 
 @st.composite
+def boxes(draw, desc=descs) -> DetObject:
+    x = sorted(draw(st.lists(bins, min_size=2, max_size=2)))
+    y = sorted(draw(st.lists(bins, min_size=2, max_size=2)))
+    return DetObject(draw(desc), "bbox_2d", (x[0], y[0], x[1], y[1]))
+
+
+@st.composite
 def det_objects(draw) -> DetObject:
-    desc = draw(descs)
     if draw(st.booleans()):
-        return DetObject(desc, "bbox_2d", tuple(draw(st.lists(bins, min_size=4, max_size=4))))
+        return draw(boxes())
     n = draw(st.integers(3, 6))
-    return DetObject(desc, "poly", tuple(draw(st.lists(bins, min_size=2 * n, max_size=2 * n))))
+    return DetObject(draw(descs), "poly", tuple(draw(st.lists(bins, min_size=2 * n, max_size=2 * n))))
 
 
 object_lists = st.lists(det_objects(), min_size=0, max_size=5)
+box_lists = st.lists(boxes(), min_size=0, max_size=5)
 
 
-def entry_pairs(vocab: VocabView, prefix_ids) -> list[tuple[str, object]]:
-    """Decode a kept prefix, close it, and return its top-level (key, value) pairs (raises if invalid)."""
-    text = vocab.decode_bytes(prefix_ids).decode("utf-8") + "}"
-    return json.loads(text, object_pairs_hook=lambda pairs: pairs)
+def split_preamble(data: bytes) -> tuple[bytes, str]:
+    """(preamble, JSON text) of a kept prefix's bytes: the preamble never holds a bracket (the parser's
+    rule) and, being whatever the rollout wrote, need not be valid UTF-8; the JSON must be."""
+    cut = min((i for i in (data.find(b"{"), data.find(b"[")) if i >= 0), default=len(data))
+    return data[:cut], data[cut:].decode("utf-8")
+
+
+def entry_pairs(vocab: VocabView, prefix_ids, fmt: OutputFormat = COORDEXP) -> list[tuple[str | None, object]]:
+    """Decode a kept prefix, drop its preamble, close it, and return its top-level (key, value) pairs
+    ((None, value) for a list container); raises if it is not valid JSON."""
+    _, body = split_preamble(vocab.decode_bytes(prefix_ids))
+    data = json.loads(body + container_brackets(fmt.container)[1], object_pairs_hook=lambda pairs: pairs)
+    return [(None, v) for v in data] if fmt.container == "list" else data
 
 
 def pairs_to_value(value):
@@ -82,5 +101,5 @@ def pairs_to_value(value):
     return value
 
 
-def render(objects) -> str:
-    return COORDEXP.render(objects)
+def render(objects, fmt: OutputFormat = COORDEXP) -> str:
+    return fmt.render(objects)

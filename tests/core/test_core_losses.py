@@ -85,6 +85,43 @@ def test_row_without_targets_and_pooling_across_rows():
     assert pooled.loss.item() == pytest.approx((2 * ce_a.item() + ce_b.item()) / 3, rel=1e-6)
 
 
+def test_plain_text_format_without_coord_tokens_is_ce_only(stock_vocab):
+    """qwen_json with a vocabulary that has no coord tokens: rows carry no coord positions, the coordinate
+    terms are exact zeros (no NaN from an empty coord vocabulary), and all gradient is cross-entropy's."""
+    import torch.nn.functional as F
+
+    from learner.core.codec import QWEN_JSON
+
+    vocab = stock_vocab
+    gt = [CAT, QWEN_JSON.as_written(DOG), BIRD]
+    segs = []
+    for pred, cut in (([CAT], None), ([DetObject("kitten", "bbox_2d", (110, 100, 300, 310)), BIRD], -4)):
+        ids = list(vocab.encode(QWEN_JSON.render(pred))) + [vocab.eos_id]
+        parsed = parse(ids[:cut] if cut else ids, vocab, QWEN_JSON)
+        m = match([o.obj for o in parsed.objects], gt)
+        segs.append(build_targets([1, 2, 3], parsed, m, gt, vocab, QWEN_JSON))
+    assert all(s.coord_positions == () for s in segs)
+    row = pack(segs)
+    logits = (torch.randn(1, row.length, vocab.vocab_size) * 5).requires_grad_(True)
+    w = LossWeights(ce=0.8, soft_ce=1.0, w1=1.0, gate=1.0)
+    out = compute_loss(logits, row, (), w)
+    assert int(out.parts["coord_count"]) == 0 and int(out.parts["ce_count"]) > 0
+    for name in ("soft_ce", "w1", "gate", "coord"):
+        assert float(out.parts[name]) == 0.0, name
+    labels = row.labels[0]
+    ce_pos = torch.nonzero(labels != IGNORE_INDEX).flatten()
+    want = F.cross_entropy(logits.detach()[0, ce_pos - 1], labels[ce_pos])
+    assert torch.isfinite(out.loss) and out.loss.item() == pytest.approx(0.8 * want.item(), rel=1e-5)
+    out.loss.backward()
+    assert torch.isfinite(logits.grad).all()
+    touched = torch.nonzero(logits.grad[0].abs().sum(-1)).flatten()
+    assert touched.tolist() == (ce_pos - 1).tolist()  # gradient only where a CE target is read
+    # Coord targets with no coord token ids are a configuration error, not a silent zero.
+    coord_row = pack([Segment((5, 6, 7), (IGNORE_INDEX,) * 3, (2,), (10,), 1, 0)])
+    with pytest.raises(ValueError, match="coord token ids"):
+        loss_sums(torch.randn(1, 3, 50), coord_row, ())
+
+
 # ---- packed vs unpacked on the tiny model ------------------------------------------------------
 
 CAT = DetObject("cat", "bbox_2d", (100, 100, 300, 300))

@@ -20,6 +20,8 @@ import torch
 from rmsft_protos import rollout_pb2, rollout_pb2_grpc
 
 from rmsft.weights_wire import ADAPTER, StreamReader, WireError, torch_dtype
+from rollout_svc.prompts import sample_seed
+from rollout_svc.server import GENERATE_RECEIVE_BYTES
 
 
 def fake_tokens(prompt_ids: list[int], seed: int | None) -> list[int]:
@@ -112,13 +114,18 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
                 ids = list(p.token_ids)
                 if not ids and self.render is not None:
                     ids = self.render([{"role": m.role, "content": m.content} for m in p.messages])
-                out.completions.add(
-                    prompt_token_ids=ids,
-                    token_ids=fake_tokens(ids, p.seed if p.HasField("seed") else None),
-                    finish_reason=rollout_pb2.STOP,
-                    weight_version=version,
-                    request_id=p.request_id,
-                )
+                for k in range(request.sampling.n or 1):  # the real server's sample order and seed rule
+                    seed = sample_seed(p.seed, k) if p.HasField("seed") else None
+                    toks = fake_tokens(ids, seed)
+                    out.completions.add(
+                        prompt_token_ids=ids,
+                        token_ids=toks,
+                        finish_reason=rollout_pb2.STOP,
+                        weight_version=version,
+                        request_id=p.request_id,
+                        sample_index=k,
+                        logprobs=[-0.5] * len(toks) if request.sampling.logprobs else (),
+                    )
             return out
         finally:
             with self.lock:
@@ -179,7 +186,9 @@ class FakeServer:
 
     def __init__(self, engine: FakeEngine, port: int = 0) -> None:
         self.engine = engine
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        # Accepts what `rmsft serve` accepts (rollout_svc.server.GENERATE_RECEIVE_BYTES), not grpc's 4 MiB default.
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
+                                   options=[("grpc.max_receive_message_length", GENERATE_RECEIVE_BYTES)])
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(engine, self._server)
         self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
         if self.port == 0:

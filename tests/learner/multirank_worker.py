@@ -24,7 +24,7 @@ def main(job_path: str, address: str, out_dir: str) -> None:
     out = Path(out_dir)
     trainer = Trainer(load_job(job_path), [address])
     try:
-        trainer.run()
+        summary = trainer.run()
         rank = trainer.ranks.rank
         report = {
             "rank": rank,
@@ -33,6 +33,8 @@ def main(job_path: str, address: str, out_dir: str) -> None:
             "has_rollout_client": trainer.rollouts is not None,
             "version": trainer.version,
             "deepspeed": trainer.engine is not None,
+            "evaluations": summary.evaluations,  # held-out (step, F1, mAP): rank 0's
+            "exported": str(trainer.exported) if trainer.exported else None,
             "steps": [
                 {
                     "step": h.step, "loss": h.loss, "parts": h.parts, "record_ids": h.record_ids,

@@ -9,6 +9,11 @@ from learner.data import DataError, load_records
 from learner.synthetic import write_synthetic_dataset
 
 
+def _rec(objects: list[dict]) -> str:
+    return json.dumps({"id": "x", "width": 10, "height": 10, "messages": [{"role": "user", "content": "a"}],
+                       "objects": objects})
+
+
 def test_synthetic_dataset_loads_and_is_deterministic(tmp_path: Path) -> None:
     a = write_synthetic_dataset(tmp_path / "a.jsonl", n=20, seed=3)
     b = write_synthetic_dataset(tmp_path / "b.jsonl", n=20, seed=3)
@@ -38,6 +43,15 @@ def test_synthetic_dataset_loads_and_is_deterministic(tmp_path: Path) -> None:
                      "objects": [{"desc": "", "poly": [1, 2, 3, 4, 5, 6]}]}), "objects.0.desc"),
         (json.dumps({"id": "x", "width": 10, "height": 10, "messages": [{"role": "bot", "content": "a"}]}),
          "messages.0.role"),
+        # Object rules of the core, applied at load so the error names the line and the field:
+        (_rec([{"desc": "a", "bbox_2d": [1, 2, 3, 4]}, {"desc": " \t ", "bbox_2d": [1, 2, 3, 4]}]),
+         ":2: objects.1.desc: Value error, object desc must not be blank"),
+        (_rec([{"desc": "cat <|coord_12|>", "poly": [1, 2, 3, 4, 5, 6]}]),
+         ":2: objects.0.desc: Value error, object desc must not contain coordinate-token text"),
+        (_rec([{"desc": "a", "bbox_2d": [5, 2, 3, 4]}]), ":2: objects.0: Value error, bbox_2d [5.0, 2.0, 3.0, 4.0] "
+                                                         "has x2 < x1 or y2 < y1"),
+        (_rec([{"desc": "a", "bbox_2d": [1, 2, 3, 4]}]).replace("4]", "NaN]"),
+         ":2: objects.0.bbox_2d.3: Input should be a finite number"),
     ],
 )
 def test_bad_lines_name_line_and_field(tmp_path: Path, line: str, expected: str) -> None:
@@ -60,3 +74,19 @@ def test_missing_empty_and_duplicate(tmp_path: Path) -> None:
     (tmp_path / "dup.jsonl").write_text(rec + "\n" + rec + "\n")
     with pytest.raises(DataError, match="duplicate record id 'x'"):
         load_records(tmp_path / "dup.jsonl")
+
+
+def test_descs_load_as_written_and_reach_the_core_stripped(tmp_path: Path) -> None:
+    from learner.core.codec import COORDEXP, QWEN_JSON, DetObject
+    from learner.episode import ground_truth
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(_rec([{"desc": " cat ", "bbox_2d": [1, 2, 3, 4]},
+                          {"desc": "tri", "poly": [0, 0, 10, 0, 5, 5]}]) + "\n")  # fmt: skip
+    (record,) = load_records(path)
+    assert record.objects[0].desc == " cat "
+    gt = ground_truth(record)
+    assert gt[0] == DetObject("cat", "bbox_2d", (100, 200, 300, 400)) and gt[1].kind == "poly"
+    assert ground_truth(record, COORDEXP) == gt
+    # qwen_json writes boxes only: ground truth polygons are matched and appended as their enclosing box.
+    assert ground_truth(record, QWEN_JSON) == [gt[0], DetObject("tri", "bbox_2d", (0, 0, 999, 500))]

@@ -63,6 +63,7 @@ def make_job(model_dir: Path, data: Path, ckpt: Path, *, mode: str, finetune: st
              finetune=finetune, warmup_steps=0)
     t["freeze"] = {"vision_tower": True, "aligner": False}
     t["data"]["path"] = str(data)
+    t.pop("eval")  # the held-out set is written by `rmsft local` from the annotation; not tested here
     t["checkpoint"] = {"dir": str(ckpt), "every": 0, "keep": 1}
     t["rollout"].update(max_tokens=40, generate_batch_size=1)
     return parse_job(doc)

@@ -206,6 +206,23 @@ def test_rmsft_train_under_torchrun_resumes(server, one_rank, tiny_model_dir, da
 
 
 @slow
+def test_two_ranks_evaluate_held_out_and_export(server, tiny_model_dir, data_path, tmp_path) -> None:
+    """Held-out evaluation and the end-of-run export under two ranks: rank 0 evaluates (after a sync every rank
+    joins) and exports, rank 1 waits in the same collectives instead of deadlocking."""
+    held = write_synthetic_dataset(tmp_path / "held.jsonl", n=4, seed=1)
+    job = write_job(tmp_path / "job.yaml", tiny_model_dir, data_path, tmp_path / "ckpt",
+                    eval={"data": str(held), "every": 2, "max_samples": 4, "max_tokens": 32})
+    reports, _, calls = _train(server, job, tmp_path / "out", 2)
+    r0, r1 = reports
+    assert [e[0] for e in r0["evaluations"]] == [2, STEPS] and r1["evaluations"] == []
+    assert all(0.0 <= f1 <= 1.0 for _, f1, _ in r0["evaluations"])
+    # The syncs: before the first step, after steps 1 and 2, and one for the last step's evaluation.
+    assert calls.get("UpdateWeights", 0) == STEPS + 1
+    assert r0["exported"] and (Path(r0["exported"]) / "config.json").is_file() and r1["exported"] is None
+    assert (tmp_path / "ckpt" / "run.json").is_file()
+
+
+@slow
 def test_rank0_failure_stops_every_rank(tiny_model_dir, data_path, tmp_path) -> None:
     """No server answers: rank 0 fails waiting for it, and rank 1 exits too, naming rank 0's error."""
     from rollout_svc.launcher import free_port

@@ -20,6 +20,7 @@ from learner.rollout_client import (
     StaleRolloutError,
     plan_chunks,
 )
+from learner.rollout_types import MAX_CHUNK_BYTES
 from learner.servers import ServerPool
 
 
@@ -75,6 +76,22 @@ def test_plan_is_contiguous_balanced_and_bounded(n: int, k: int, batch: int) -> 
             assert not sizes or max(sizes) - min(sizes) <= 1
 
 
+@given(st.lists(st.integers(1, 50), min_size=0, max_size=60), st.integers(1, 5), st.integers(0, 7),
+       st.integers(1, 120))
+def test_plan_cuts_by_bytes_only_where_needed(sizes: list[int], k: int, batch: int, max_bytes: int) -> None:
+    chunks = plan_chunks(len(sizes), k, batch, sizes, max_bytes)
+    assert (chunks[-1].stop if chunks else 0) == len(sizes)
+    assert [c.start for c in chunks] == ([0] + [c.stop for c in chunks[:-1]] if chunks else [])
+    plain = plan_chunks(len(sizes), k, batch)
+    for c in chunks:  # a chunk is over the bound only when it holds a single prompt that is
+        assert sum(sizes[c.start : c.stop]) <= max_bytes or len(c) == 1
+        # every cut lies inside one piece of the plan without the bound: same shares, same batch pieces
+        assert any(p.start <= c.start and c.stop <= p.stop and p.slot == c.slot for p in plain)
+    for a, b in zip(chunks, chunks[1:], strict=False):  # cut only where the next prompt would not fit
+        if a.slot == b.slot and any(p.start <= a.start and b.stop <= p.stop for p in plain):
+            assert sum(sizes[a.start : a.stop + 1]) > max_bytes
+
+
 def test_plan_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="at least one server"):
         plan_chunks(3, 0)
@@ -103,6 +120,49 @@ def test_generate_batch_size_splits_further_and_bounds_calls_in_flight(cluster, 
     assert_complete(out, reqs)
     assert [[len(c) for c in s.engine.calls] for s in servers] == [[2, 2, 1], [2, 2, 1]]
     assert all(s.engine.max_inflight == inflight for s in servers)
+
+
+def test_by_default_each_server_gets_its_whole_share_in_one_call(cluster) -> None:
+    servers, pool = cluster(2)
+    reqs = requests(300)
+    assert_complete(RolloutClient(pool).generate(reqs), reqs)
+    assert [[len(c) for c in s.engine.calls] for s in servers] == [[150], [150]]
+
+
+def test_a_share_too_big_for_one_message_is_cut(cluster) -> None:
+    servers, pool = cluster(1)
+    big = [RolloutRequest(messages=[("user", "look")], images=[bytes(7 << 20)], seed=i, request_id=f"r{i}")
+           for i in range(5)]  # 35 MiB of images: more than one Generate call may carry (MAX_CHUNK_BYTES)
+    out = RolloutClient(pool).generate(big)
+    assert [r.request_id for r in out] == [q.request_id for q in big]
+    assert sorted(len(c) for c in servers[0].engine.calls) == [1, 2, 2]  # (the calls run concurrently)
+
+
+def test_a_share_whose_replies_would_be_too_big_is_cut(cluster) -> None:
+    servers, pool = cluster(1)
+    reqs = requests(300)
+    # 16 samples of up to 4096 tokens each: ~200 KB of reply per prompt, 60 MB for the share in one reply.
+    out = RolloutClient(pool).generate(reqs, {"max_tokens": 4096, "temperature": 1.0, "n": 16})
+    assert len(out) == 300 * 16
+    sizes = sorted(len(c) for c in servers[0].engine.calls)
+    assert sum(sizes) == 300 and len(sizes) >= 4
+    assert max(sizes) * 16 * (3 * 3 + 3 * 4096) <= MAX_CHUNK_BYTES
+
+
+def test_n_samples_come_back_in_order_and_reproduce_after_failover(cluster) -> None:
+    servers, pool = cluster(2)
+    reqs = requests(6)
+    sampling = {"max_tokens": 8, "temperature": 1.0, "n": 3, "logprobs": True}
+    healthy = RolloutClient(pool).generate(reqs, sampling)
+    assert [(r.request_id, r.sample_index) for r in healthy] == [(q.request_id, k) for q in reqs for k in range(3)]
+    assert all(r.logprobs == [-0.5] * len(r.token_ids) for r in healthy)
+    assert len({tuple(r.token_ids) for r in healthy}) == 18  # each sample its own seed
+    servers[0].engine.fail_generate = grpc.StatusCode.UNAVAILABLE  # server 0 dies: its share moves to server 1
+    failed_over = RolloutClient(pool).generate(reqs, sampling)
+    assert {r.server for r in failed_over} == {servers[1].address}
+    assert [(r.request_id, r.sample_index, r.token_ids) for r in failed_over] == [
+        (r.request_id, r.sample_index, r.token_ids) for r in healthy]
+    assert all(r.logprobs is None for r in RolloutClient(pool).generate(reqs[:1], {"max_tokens": 4, "n": 2}))
 
 
 def test_servers_run_concurrently(cluster) -> None:

@@ -155,3 +155,20 @@ def test_record_sizes_are_the_image_sizes(dataset: Path, records: list[Record]) 
     for line, r in zip(raw, records, strict=True):
         with Image.open(dataset.parent / r.images[0]) as im:
             assert im.size == (line["width"], line["height"]) and im.format == "PNG"
+
+
+def test_qwen_json_instruction_same_records(tmp_path: Path) -> None:
+    """`fmt` changes the instruction only: the same images and objects, asked for in Qwen-VL's own format."""
+    from learner.synthetic import VISUAL_PROMPT, VISUAL_PROMPT_QWEN_JSON
+
+    coordexp = write_visual_dataset(tmp_path / "c.jsonl", n=4, seed=1)
+    qwen = write_visual_dataset(tmp_path / "q.jsonl", n=4, seed=1, fmt="qwen_json")
+    for a, b in zip(coordexp.read_text().splitlines(), qwen.read_text().splitlines(), strict=True):
+        ra, rb = json.loads(a), json.loads(b)
+        assert ra["messages"][0]["content"] == VISUAL_PROMPT and rb["messages"][0]["content"] == VISUAL_PROMPT_QWEN_JSON
+        assert ra["objects"] == rb["objects"] and ra["width"] == rb["width"]
+    assert "label" in VISUAL_PROMPT_QWEN_JSON and "desc" not in VISUAL_PROMPT_QWEN_JSON
+    assert not re.search(r"\d|\[", VISUAL_PROMPT_QWEN_JSON.lower().replace("bbox_2d", ""))
+    assert not any(w in VISUAL_PROMPT_QWEN_JSON for w in (*VISUAL_COLOURS, "circle", "rectangle", "triangle"))
+    with pytest.raises(ValueError, match="fmt"):
+        write_visual_dataset(tmp_path / "x.jsonl", n=1, fmt="yolo")  # type: ignore[arg-type]

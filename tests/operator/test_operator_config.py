@@ -41,3 +41,22 @@ def test_progress_is_parsed_from_prometheus_text() -> None:
     assert parse_progress(text) == {"step": 12, "weightVersion": 3}
     assert parse_progress("rmsft_learner_global_step NaN\n") == {}
     assert parse_progress("") == {}
+
+
+def test_evaluation_is_parsed_once_the_learner_has_evaluated() -> None:
+    from rmsft_operator.progress import parse_progress
+
+    base = "rmsft_learner_global_step 40.0\nrmsft_learner_weight_version 40.0\n"
+    evaluated = (base + "# TYPE rmsft_learner_eval_step gauge\nrmsft_learner_eval_step 40.0\n"
+                 "rmsft_learner_eval_f1 0.4166666666\nrmsft_learner_eval_map 0.21234567\n"
+                 "rmsft_learner_eval_map50 0.5\n")
+    assert parse_progress(evaluated) == {"step": 40, "weightVersion": 40, "evaluation": {
+        "step": 40, "f1": 0.4167, "mAP": 0.2123, "mAP50": 0.5}}
+    # The gauges start at 0: no evaluation yet means no `evaluation` at all.
+    zero = base + ("rmsft_learner_eval_step 0.0\nrmsft_learner_eval_f1 0.0\nrmsft_learner_eval_map 0.0\n"
+                   "rmsft_learner_eval_map50 0.0\n")
+    assert parse_progress(zero) == {"step": 40, "weightVersion": 40}
+    assert parse_progress(base) == {"step": 40, "weightVersion": 40}  # an older learner without the gauges
+    # A figure that is not finite (mAP of a held-out set without objects) is left out, not sent as NaN.
+    nan = base + "rmsft_learner_eval_step 8.0\nrmsft_learner_eval_f1 0.25\nrmsft_learner_eval_map NaN\n"
+    assert parse_progress(nan)["evaluation"] == {"step": 8, "f1": 0.25}

@@ -79,6 +79,14 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
      ["spec.model.vision", "minPixels"]),
     ("model-impl", {"spec.rollout.modelImpl": "onnx"}, ["spec.rollout.modelImpl"]),
     ("freeze-unknown", {"spec.training.freeze.text_tower": True}, ["spec.training.freeze"]),
+    ("format-enum", {"spec.training.format": "yolo"}, ["spec.training.format"]),
+    ("coordexp-pixels", {"spec.training.format_options": {"coordinates": "pixels"}},
+     ["spec.training.format_options.coordinates"]),
+    ("qwen-json-flat-polys",
+     {"spec.training.format": "qwen_json", "spec.training.format_options": {"polygons": "flat"}},
+     ["spec.training.format_options.polygons"]),
+    ("eval-not-jsonl", {"spec.training.eval": {"data": "/data/held.csv"}}, ["spec.training.eval.data"]),
+    ("eval-iou-zero", {"spec.training.eval": {"data": "/data/held.jsonl", "iou": 0}}, ["spec.training.eval.iou"]),
 ]
 
 
@@ -184,6 +192,9 @@ def test_crd_has_status_printer_columns_and_short_name() -> None:
     cols = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert cols["Phase"] == ".status.phase" and cols["Ready"] == ".status.readyRolloutReplicas"
     assert "Step" in cols and "Age" in cols
+    assert cols["Eval-F1"] == ".status.evaluation.f1" and cols["Eval-mAP"] == ".status.evaluation.mAP"
+    evaluation = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["evaluation"]
+    assert set(evaluation["properties"]) == {"step", "f1", "mAP", "mAP50"}
     assert "rmj" in crd["spec"]["names"]["shortNames"]
 
 

@@ -176,6 +176,34 @@ def test_invalid_spec_creates_nothing() -> None:
     assert "spec.rollout" in _cond(d, "InvalidSpec")["message"]
 
 
+def test_learner_progress_is_reported_and_kept_while_unreachable() -> None:
+    running = World(ready=2, suspended=False, job_status={"active": 1, "ready": 1},
+                    learner_pods=[_pod("learner", "l-1", "Running")])
+    evaluation = {"step": 20, "f1": 0.41, "mAP": 0.22, "mAP50": 0.5}
+    progress = {"step": 23, "weightVersion": 23, "evaluation": evaluation}
+    d = decide(replace(running.observed(), progress=progress), NOW)
+    assert (d.status["step"], d.status["weightVersion"], d.status["evaluation"]) == (23, 23, evaluation)
+    # The learner's /metrics did not answer this pass (restarting, network): the last figures stay.
+    kept = decide(replace(running.observed(), status=d.status), NOW)
+    assert (kept.status["step"], kept.status["evaluation"]) == (23, evaluation)
+    # Before the first evaluation there is none.
+    assert "evaluation" not in decide(replace(running.observed(), progress={"step": 3}), NOW).status
+
+
+def test_a_figure_the_new_evaluation_lacks_is_removed_not_kept_stale() -> None:
+    running = World(ready=2, suspended=False, job_status={"active": 1, "ready": 1},
+                    learner_pods=[_pod("learner", "l-1", "Running")])
+    old = decide(replace(running.observed(), progress={"evaluation": {"step": 20, "f1": 0.4, "mAP": 0.2}}), NOW)
+    new = decide(replace(running.observed(), status=old.status,
+                         progress={"evaluation": {"step": 30, "f1": 0.5}}), NOW)
+    # The status is a merge patch: null deletes the old mAP instead of leaving it beside step 30.
+    assert new.status["evaluation"] == {"step": 30, "f1": 0.5, "mAP": None}
+    written = {**new.status, "evaluation": {"step": 30, "f1": 0.5}}  # what the API server stores
+    again = decide(replace(running.observed(), status=written, progress={"evaluation": {"step": 30, "f1": 0.5}}),
+                   NOW)
+    assert again.status == written  # a fixed point: nothing more to write
+
+
 def test_decide_is_a_fixed_point_once_status_is_written() -> None:
     """A second pass over the same world yields the same status (so `act` writes nothing) and no
     new phase event; transition times survive."""

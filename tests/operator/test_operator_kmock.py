@@ -335,14 +335,16 @@ def test_chart_rbac_allows_every_call_the_operator_made(cluster: KmockCluster, o
 
 
 def test_learner_progress_fills_step_column(cluster: KmockCluster, operator: Any) -> None:
-    """status.step / weightVersion come from the learner pod's own /metrics endpoint."""
+    """status.step / weightVersion / evaluation come from the learner pod's own /metrics endpoint."""
     import http.server
     import threading
 
     from kmock_cluster import free_port
 
     body = (b"# HELP rmsft_learner_global_step Optimizer steps done\n# TYPE rmsft_learner_global_step gauge\n"
-            b"rmsft_learner_global_step 7.0\nrmsft_learner_weight_version 8.0\n")
+            b"rmsft_learner_global_step 7.0\nrmsft_learner_weight_version 8.0\n"
+            b"rmsft_learner_eval_step 5.0\nrmsft_learner_eval_f1 0.5\nrmsft_learner_eval_map 0.25\n"
+            b"rmsft_learner_eval_map50 0.75\n")
 
     class Metrics(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802
@@ -368,5 +370,6 @@ def test_learner_progress_fills_step_column(cluster: KmockCluster, operator: Any
         assert code in (200, 201), out
         cr = wait_for(lambda: (c := _cr(cluster, "hotel"))["status"].get("step") == 7 and c, what="step 7")
         assert cr["status"]["weightVersion"] == 8
+        assert cr["status"]["evaluation"] == {"step": 5, "f1": 0.5, "mAP": 0.25, "mAP50": 0.75}
     finally:
         server.shutdown()

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import io
 import struct
-import threading
-import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +16,8 @@ from PIL import Image
 from rmsft_protos import rollout_pb2
 
 from rollout_svc.config import ServeConfig
-from rollout_svc.engine import EngineError, EngineInputError, GenItem, GenOutput, Sampling, VisionLimits
+from rollout_svc.engine import VisionLimits
 from rollout_svc.prompts import PromptError, build_items
-from rollout_svc.runner import EngineRunner
 from rollout_svc.vllm_engine import _vision_kwargs, model_impl_for
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -240,86 +237,6 @@ def test_images_without_a_user_message_name_the_prompt(engine: FakeEngine) -> No
     msgs = [rollout_pb2.ChatMessage(role="system", content="Describe.")]
     msg = _refusal(engine, {"messages": msgs, "images": [rollout_pb2.Image(data=_png((8, 8)))]})
     assert "user message" in msg
-
-
-# ---------------------------------------------------------------- EngineRunner
-
-
-class BatchingEngine:
-    """Records each generate batch; refuses (EngineInputError) any batch holding the BAD prompt."""
-
-    BAD = 666
-
-    def __init__(self, error: type[Exception] = EngineInputError) -> None:
-        self.batches: list[list[int]] = []
-        self.error = error
-
-    def generate(self, items: list[GenItem]) -> list[GenOutput]:
-        firsts = [it.prompt_token_ids[0] for it in items]
-        self.batches.append(firsts)
-        if self.BAD in firsts:
-            raise self.error("prompt expands past max_model_len")
-        return [GenOutput(list(it.prompt_token_ids), [t + 1000], "stop") for t, it in zip(firsts, items, strict=True)]
-
-
-def _item(first: int) -> GenItem:
-    return GenItem([first, 1, 2], Sampling(max_tokens=4))
-
-
-def _merged_calls(engine: BatchingEngine, calls: list[list[GenItem]]) -> list[tuple[str, Any]]:
-    """Run `calls` as concurrent Generate calls that the runner merges into one engine batch: the engine
-    thread is held busy until every call is queued."""
-    runner = EngineRunner(engine, version=5)
-    gate, busy = threading.Event(), threading.Event()
-    results: list[tuple[str, Any]] = [("pending", None)] * len(calls)
-    try:
-        blocker = threading.Thread(target=runner.call, args=(lambda: (busy.set(), gate.wait(10)),))
-        blocker.start()
-        assert busy.wait(10)
-
-        def one(k: int) -> None:
-            try:
-                results[k] = ("ok", runner.generate(calls[k], expected_version=None))
-            except Exception as e:  # noqa: BLE001 - the test inspects it
-                results[k] = ("error", e)
-
-        threads = [threading.Thread(target=one, args=(k,)) for k in range(len(calls))]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 10
-        while len(runner._jobs) < len(calls):  # every call queued behind the blocker
-            assert time.monotonic() < deadline, "Generate calls were not queued"
-            time.sleep(0.005)
-        gate.set()
-        for t in [blocker, *threads]:
-            t.join(10)
-            assert not t.is_alive()
-    finally:
-        gate.set()
-        runner.stop()
-    return results
-
-
-def test_one_calls_bad_prompt_does_not_fail_the_calls_merged_with_it() -> None:
-    engine = BatchingEngine()
-    results = _merged_calls(engine, [[_item(1), _item(2)], [_item(BatchingEngine.BAD)], [_item(3)]])
-    # Merged into one engine call (the calls queue in whichever order their threads got there).
-    assert sorted(engine.batches[0]) == sorted([1, 2, BatchingEngine.BAD, 3])
-    assert sorted(map(tuple, engine.batches[1:])) == [(1, 2), (3,), (BatchingEngine.BAD,)]  # then one by one
-    (k0, r0), (k1, r1), (k2, r2) = results
-    assert k0 == "ok" and k2 == "ok"
-    outs, version = r0
-    assert version == 5 and [o.token_ids for o in outs] == [[1001], [1002]]
-    assert [o.token_ids for o in r2[0]] == [[1003]]
-    assert k1 == "error" and isinstance(r1, EngineInputError)
-
-
-def test_an_engine_failure_still_fails_every_merged_call() -> None:
-    engine = BatchingEngine(error=EngineError)  # not the caller's input: nothing to retry alone
-    results = _merged_calls(engine, [[_item(1)], [_item(BatchingEngine.BAD)]])
-    assert len(engine.batches) == 1 and sorted(engine.batches[0]) == [1, BatchingEngine.BAD]
-    assert [k for k, _ in results] == ["error", "error"]
-    assert all(type(e) is EngineError for _, e in results)
 
 
 # ---------------------------------------------------------------- vLLM engine arguments

@@ -1,0 +1,222 @@
+"""The gate between Generate calls and weight applies (rollout_svc/runner.py), on fake engines: calls run
+concurrently, an apply waits for the running calls and holds new ones, cancellation reaches the engine, a
+bad prompt fails only its own call. The same rules on the real vLLM engine: tests/rollout/test_rollout_async.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+
+from rollout_svc.engine import EngineError, EngineInputError, GenItem, GenOutput, Sampling
+from rollout_svc.runner import Cancelled, EngineRunner, RunnerStopped, VersionMismatch
+
+
+class SubmitEngine:
+    """Hands out a Future per call and finishes it only when the test says so (`release`)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[GenItem], Future]] = []
+        self.lock = threading.Lock()
+        self.cancelled: list[Future] = []
+
+    def submit(self, items: list[GenItem]) -> Future:
+        fut: Future = Future()
+        fut.add_done_callback(lambda f: f.cancelled() and self.cancelled.append(f))
+        with self.lock:
+            self.calls.append((items, fut))
+        return fut
+
+    def release(self, k: int, error: Exception | None = None) -> None:
+        items, fut = self.calls[k]
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result([GenOutput(list(it.prompt_token_ids), [it.prompt_token_ids[0] + 1000], "stop")
+                            for it in items])
+
+    def wait_calls(self, n: int) -> None:
+        deadline = time.monotonic() + 10
+        while len(self.calls) < n:
+            assert time.monotonic() < deadline, f"{n} engine calls expected, saw {len(self.calls)}"
+            time.sleep(0.002)
+
+
+def _item(first: int) -> GenItem:
+    return GenItem([first, 1, 2], Sampling(max_tokens=4))
+
+
+class Caller:
+    """One Generate call on its own thread; `.result` is ("ok", value) or ("error", exception)."""
+
+    def __init__(self, runner: EngineRunner, items: list[GenItem], expected: int | None = None,
+                 on_cancel=None) -> None:
+        self.result: tuple[str, object] = ("pending", None)
+
+        def run() -> None:
+            try:
+                self.result = ("ok", runner.generate(items, expected, on_cancel=on_cancel))
+            except Exception as e:  # noqa: BLE001 - the test inspects it
+                self.result = ("error", e)
+
+        self.thread = threading.Thread(target=run)
+        self.thread.start()
+
+    def join(self) -> tuple[str, object]:
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+        return self.result
+
+
+def test_calls_reach_the_engine_while_others_run() -> None:
+    engine = SubmitEngine()
+    runner = EngineRunner(engine, version=3)
+    a = Caller(runner, [_item(1), _item(2)])
+    engine.wait_calls(1)
+    b = Caller(runner, [_item(3)])
+    engine.wait_calls(2)  # the second call was handed over while the first still ran
+    assert runner.running_calls == 2
+    engine.release(1)
+    engine.release(0)
+    (ka, ra), (kb, rb) = a.join(), b.join()
+    assert ka == kb == "ok"
+    outs, version = ra
+    assert version == 3 and [o.token_ids for o in outs] == [[1001], [1002]]
+    assert [o.token_ids for o in rb[0]] == [[1003]]
+    assert runner.running_calls == 0
+
+
+def test_an_apply_drains_running_calls_and_holds_new_ones() -> None:
+    engine = SubmitEngine()
+    runner = EngineRunner(engine, version=1)
+    running = Caller(runner, [_item(1)], expected=1)
+    engine.wait_calls(1)
+    applied = threading.Event()
+
+    def apply() -> None:
+        assert runner.running_calls == 0, "an apply ran while a Generate call was running"
+        runner.version = 2
+        applied.set()
+
+    applier = threading.Thread(target=runner.call, args=(apply,))
+    applier.start()
+    time.sleep(0.1)
+    assert not applied.is_set()  # waits for the running call
+    late_old = Caller(runner, [_item(2)], expected=1)  # arrives while the apply waits
+    late_any = Caller(runner, [_item(3)])
+    time.sleep(0.1)
+    assert len(engine.calls) == 1  # neither was handed to the engine before the apply
+    engine.release(0)
+    applier.join(10)
+    assert applied.is_set()
+    kind, (outs, version) = running.join()
+    assert kind == "ok" and version == 1  # produced by, and labelled with, the version it was admitted under
+    kind, err = late_old.join()
+    assert kind == "error" and isinstance(err, VersionMismatch) and (err.expected, err.actual) == (1, 2)
+    engine.wait_calls(2)
+    engine.release(1)
+    kind, (outs, version) = late_any.join()
+    assert kind == "ok" and version == 2
+
+
+def test_cancel_reaches_the_engine() -> None:
+    engine = SubmitEngine()
+    runner = EngineRunner(engine)
+    callbacks: list = []
+    caller = Caller(runner, [_item(1)], on_cancel=callbacks.append)
+    engine.wait_calls(1)
+    deadline = time.monotonic() + 5
+    while not callbacks:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    callbacks[0]()  # what grpc does when the client's deadline passes or it goes away
+    kind, err = caller.join()
+    assert kind == "error" and isinstance(err, Cancelled)
+    assert engine.cancelled == [engine.calls[0][1]]
+    assert runner.running_calls == 0
+
+
+def test_stop_aborts_running_calls_and_refuses_new_ones() -> None:
+    engine = SubmitEngine()
+    runner = EngineRunner(engine)
+    caller = Caller(runner, [_item(1)])
+    engine.wait_calls(1)
+    runner.stop()
+    kind, err = caller.join()
+    assert kind == "error" and isinstance(err, RunnerStopped)
+    assert engine.cancelled
+    with pytest.raises(RunnerStopped):
+        runner.generate([_item(2)], None)
+    with pytest.raises(RunnerStopped):
+        runner.call(lambda: None)
+
+
+@pytest.mark.parametrize("error", [EngineInputError("prompt expands past max_model_len"), EngineError("boom")])
+def test_an_engine_error_fails_only_its_own_call(error: Exception) -> None:
+    engine = SubmitEngine()
+    runner = EngineRunner(engine)
+    bad = Caller(runner, [_item(666)])
+    engine.wait_calls(1)
+    good = Caller(runner, [_item(1)])
+    engine.wait_calls(2)
+    engine.release(0, error)
+    engine.release(1)
+    kind, err = bad.join()
+    assert kind == "error" and err is error
+    assert good.join()[0] == "ok"
+
+
+class GenerateOnlyEngine:
+    """An engine without `submit` (the HF backend): not thread-safe, so the runner runs it one call at a time."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.most = 0
+        self.lock = threading.Lock()
+
+    def generate(self, items: list[GenItem]) -> list[GenOutput]:
+        with self.lock:
+            self.active += 1
+            self.most = max(self.most, self.active)
+        time.sleep(0.02)
+        with self.lock:
+            self.active -= 1
+        return [GenOutput(list(it.prompt_token_ids), [7], "stop") for it in items]
+
+
+def test_a_generate_only_engine_runs_one_call_at_a_time() -> None:
+    engine = GenerateOnlyEngine()
+    runner = EngineRunner(engine)
+    callers = [Caller(runner, [_item(k)]) for k in range(6)]
+    assert all(c.join()[0] == "ok" for c in callers)
+    assert engine.most == 1
+    runner.stop()
+
+
+def test_a_call_whose_client_is_already_gone_is_aborted_at_once() -> None:
+    engine = SubmitEngine()
+    runner = EngineRunner(engine)
+    # grpc's add_callback answers False when the RPC ended while the call waited at the gate.
+    caller = Caller(runner, [_item(1)], on_cancel=lambda fn: False)
+    kind, err = caller.join()
+    assert kind == "error" and isinstance(err, Cancelled)
+    assert engine.cancelled == [engine.calls[0][1]]
+
+
+def test_stop_is_not_blocked_by_an_apply_that_hangs() -> None:
+    """A weight apply stuck on a dying engine must not keep the server from shutting down."""
+    engine = SubmitEngine()
+    runner = EngineRunner(engine)
+    release = threading.Event()
+    applier = threading.Thread(target=runner.call, args=(lambda: release.wait(10),), daemon=True)
+    applier.start()
+    time.sleep(0.05)
+    done = threading.Event()
+    threading.Thread(target=lambda: (runner.stop(), done.set()), daemon=True).start()
+    assert done.wait(2), "stop waited for the hanging apply"
+    with pytest.raises(RunnerStopped):
+        runner.generate([_item(1)], None)
+    release.set()
+    applier.join(5)

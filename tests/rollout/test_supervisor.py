@@ -1,0 +1,47 @@
+"""`rmsft local` restarts a rollout server whose process ended, as Kubernetes restarts its pod: same address,
+log continued, a bounded number of times (HF backend: starts in seconds, no vLLM)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from rollout_svc_helpers import generate, prompt_ids
+
+from rollout_svc.launcher import RolloutServer, Supervisor
+
+
+def _wait(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def _kill(srv: RolloutServer) -> None:
+    os.killpg(srv.proc.pid, signal.SIGKILL)
+    srv.proc.wait(10)
+
+
+def test_a_server_that_exits_is_restarted_on_its_address(tiny_model_dir: Path, tiny_tokenizer, tmp_path: Path) -> None:
+    events: list[str] = []
+    log = tmp_path / "serve.log"
+    with RolloutServer.start(tiny_model_dir, backend="hf", timeout=120, log_path=log) as srv:
+        before = generate(srv.stub(), srv.metadata(), prompt_ids(tiny_tokenizer)[:2])
+        address, first_pid = srv.address, srv.proc.pid
+        with Supervisor([srv], report=events.append, max_restarts=1, poll_s=0.2, start_timeout=120):
+            _kill(srv)
+            _wait(lambda: any("serving again" in e for e in events), 150, f"not restarted: {events}")
+            assert srv.address == address and srv.proc.pid != first_pid
+            assert srv.health() == "SERVING"
+            after = generate(srv.stub(), srv.metadata(), prompt_ids(tiny_tokenizer)[:2])
+            assert [list(c.token_ids) for c in after.completions] == [list(c.token_ids) for c in before.completions]
+            _kill(srv)  # past max_restarts: left down, said once
+            _wait(lambda: any("leaving it down" in e for e in events), 20, f"no give-up report: {events}")
+            time.sleep(0.6)
+            assert srv.proc.poll() is not None
+            assert sum("leaving it down" in e for e in events) == 1
+    assert "exited with -9: restarting it (1/1" in " ".join(events)
+    assert log.read_text().count("listening on") == 2  # one log, both runs
