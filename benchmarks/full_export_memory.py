@@ -45,7 +45,7 @@ import sys
 from concurrent import futures
 import grpc
 from rmsft_protos import rollout_pb2, rollout_pb2_grpc
-from rmsft.weights_wire import StreamReader
+from rmsft.weight_wire import StreamReader
 
 class Sink(rollout_pb2_grpc.RolloutServiceServicer):
     version = 0
@@ -143,8 +143,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import learner.sync_client as sync_client
     from learner.servers import ServerPool
     from learner.weight_export import full_export
-    from rmsft.weights_wire import FULL
-    from rmsft.wire_encode import encode_weight_stream
+    from rmsft.weight_wire import FULL, encode_weight_stream
 
     torch.manual_seed(0)
     hidden = args.hidden

@@ -206,7 +206,7 @@ def _resolve_dtype(dtype: str | torch.dtype | None, model: Any, base_model_dir: 
 def _dtype_of(specs: list[Any]) -> str:
     """The floating dtype that holds most of the written bytes, as a torch name ("bfloat16")."""
     from rmsft.serving_dtype import CASTABLE_DTYPES
-    from rmsft.weights_wire import torch_dtype
+    from rmsft.weight_wire import torch_dtype
 
     by: dict[str, int] = {}
     for spec in specs:
@@ -275,7 +275,7 @@ def _write_adapter(model: Any, out: Path, dtype: torch.dtype | None) -> tuple[in
 
     from learner.weight_export import adapter_named_tensors
     from rmsft.serving_dtype import CASTABLE_DTYPES
-    from rmsft.weights_wire import TensorSpec, dtype_name
+    from rmsft.weight_wire import TensorSpec, dtype_name
 
     items, config_json = adapter_named_tensors(model)
     tensors = {}

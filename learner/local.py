@@ -22,9 +22,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -319,6 +322,38 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
     log_dir = Path(work_dir) / "logs"
     if plan.accelerated:
         console.print(f"GPUs: {plan.describe()}")
+    with shared_weights_dir(job, console):
+        return _run_started(job_path, job, plan, log_dir, resume=resume, console=console)
+
+
+@contextlib.contextmanager
+def shared_weights_dir(job: RolloutMatchingJob, console: Console) -> Iterator[str]:
+    """Transport shm (the default here: every process is on this machine): a fresh directory in
+    shared memory, handed to the servers and the learner through RMSFT_SHARED_WEIGHTS_DIR, removed
+    with whatever is left in it when the run ends. Yields "" for transport grpc."""
+    from rmsft.weight_wire import SHARED_DIR_ENV
+
+    if job.spec.sync.local_transport != "shm":
+        console.print("weight sync: grpc (one stream from the learner, relayed server to server)")
+        yield ""
+        return
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    path = tempfile.mkdtemp(prefix="rmsft-weights-", dir=base)
+    before = os.environ.get(SHARED_DIR_ENV)
+    os.environ[SHARED_DIR_ENV] = path  # the servers inherit it; the learner reads it
+    console.print(f"weight sync: shm (each update written once to {path}, read by every server)")
+    try:
+        yield path
+    finally:
+        if before is None:
+            os.environ.pop(SHARED_DIR_ENV, None)
+        else:
+            os.environ[SHARED_DIR_ENV] = before
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _run_started(job_path: str | Path, job: RolloutMatchingJob, plan: GpuPlan, log_dir: Path, *, resume: bool,
+                 console: Console) -> Summary | None:
     servers = start_servers(job, log_dir, console, plan)
     from rollout_svc.launcher import Supervisor
 

@@ -206,6 +206,7 @@ def run_record(
     servers: Sequence[str],
     sync_mode: str,
     world_size: int,
+    sync_transport: str = "grpc",
     model_dir: str | Path,
     data_path: str | Path,
     image_root: str | Path | None,
@@ -223,6 +224,7 @@ def run_record(
         "world_size": int(world_size),
         "servers": list(servers),
         "sync_mode": str(sync_mode),
+        "sync_transport": str(sync_transport),
         "seeds": {
             "data_order": training.seed,
             "rollout": {"seed": training.rollout.seed, "stride": training.prompts_per_step,

@@ -1,10 +1,15 @@
-"""Pushes the learner's weights to the rollout servers (`UpdateWeights` client streams).
+"""Pushes the learner's weights to the rollout servers (`UpdateWeights`, the contract in
+`rmsft.weight_wire`).
 
-`WeightSyncClient.sync(version)` streams FULL (merged, HF names) or ADAPTER (PEFT LoRA tensors +
-adapter_config.json) weights to every reachable server in parallel and returns only when each of
-them acknowledged `version`; a server that rejects the stream fails the sync (after one switch to
-FULL when `fallback_to_full` is on and ADAPTER was rejected). A server that is unreachable is marked
-down and left out: the rollout client re-syncs it (`resync_server`) before it gets work again.
+`WeightSyncClient.sync(version)` sends FULL (merged, HF names) or ADAPTER (PEFT LoRA tensors +
+adapter_config.json) weights to every reachable server and returns only when each of them
+acknowledged `version`. The learner produces and sends an update once whatever the pool's size:
+over grpc to the first server, which relays it to the others; over shm written once into
+node-local shared memory that every server reads. A sync's result is one outcome per server; a
+server that rejects the update fails the sync (after one switch to FULL when `fallback_to_full` is
+on and ADAPTER was rejected) and is fenced (its old version still serves, and no rollout goes to
+it until it is current). A server that is unreachable is marked down and left out: the rollout
+client re-syncs it (`resync_server`) before it gets work again.
 
 FULL is a stream: its header comes from the model's metadata, then `learner.weight_export.full_export`
 merges one LoRA layer at a time as the frames are sent, in the servers' serving dtype, so a sync
@@ -13,11 +18,12 @@ holds one layer's worth of extra memory on the training device, not a merged cop
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -25,17 +31,25 @@ from typing import TYPE_CHECKING, Any, Literal
 import grpc
 from rmsft_protos import rollout_pb2
 
-from learner.fanout import Fanout
 from learner.metrics import WEIGHT_SYNC_BYTES, WEIGHT_VERSION
-from learner.servers import RolloutServer, ServerPool, describe_rpc_error
+from learner.servers import RolloutServer, ServerPool
 from learner.weight_export import (
     adapter_named_tensors,
     adapter_unsupported_reason,
     full_export,
     serving_dtype,
 )
-from rmsft.weights_wire import ADAPTER, DEFAULT_FRAME_BYTES, FULL
-from rmsft.wire_encode import encode_planned_stream, encode_weight_stream, update_weights_raw
+from rmsft.weight_wire import (
+    ADAPTER,
+    DEFAULT_FRAME_BYTES,
+    FULL,
+    SharedSpaceError,
+    SharedUpdate,
+    encode_planned_stream,
+    plan_weight_stream,
+    update_weights_raw,
+)
+from rmsft.weight_wire.outcomes import outcome_of_error, relayed_from_error
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -43,9 +57,11 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("rmsft.learner.sync")
 
 Mode = Literal["full", "adapter", "auto"]
+Transport = Literal["grpc", "shm"]
 _WIRE_MODE = {"full": FULL, "adapter": ADAPTER}
 # The server never got (or cannot answer about) the stream: leave it to the re-sync path.
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+_STATUS_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 
 
 class WeightSyncError(RuntimeError):
@@ -75,7 +91,9 @@ class WeightSyncClient:
     tensors are cast one at a time as they are streamed (e.g. train fp32, serve bf16: half the
     bytes). name_map: extra renaming of FULL names (e.g. a VLM whose checkpoint names differ from
     its in-memory names). changed_only: FULL sends only the tensors training can change (a frozen vision
-    tower is never resent; the servers keep what they have).
+    tower is never resent; the servers keep what they have). transport: "grpc" (the stream goes to
+    the first server, which relays it to the others) or "shm" (written once into `shared_dir`, a
+    node-local shared-memory dir every server reads; gRPC carries only header and digest).
     """
 
     def __init__(
@@ -91,9 +109,27 @@ class WeightSyncClient:
         checkpoint_dir: str | Path | None = None,
         name_map: Callable[[str], str] | None = None,
         changed_only: bool = False,
+        transport: Transport = "grpc",
+        shared_dir: str = "",
     ) -> None:
         if mode not in ("full", "adapter", "auto"):
             raise ValueError(f"sync mode must be 'full', 'adapter' or 'auto', got {mode!r}")
+        if transport not in ("grpc", "shm"):
+            raise ValueError(f"sync transport must be 'grpc' or 'shm', got {transport!r}")
+        if transport == "shm" and not (shared_dir and Path(shared_dir).is_dir()):
+            raise ValueError(
+                f"sync transport 'shm' needs a shared-weights dir the servers read too (RMSFT_SHARED_WEIGHTS_DIR); "
+                f"{shared_dir or 'none'} is not a directory"
+            )
+        self.transport: Transport = transport
+        self.shared_dir = shared_dir
+        if transport == "shm":
+            # Files a learner killed before any server opened them (a restarted learner of this job
+            # comes here first); servers that still read one keep it open, only its name goes.
+            for stale in SharedUpdate.leftovers(shared_dir):
+                log.warning("removing %s, left by an earlier learner", stale)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(stale)
         self.pool = pool
         self.model = model
         self.mode: Mode = mode
@@ -111,9 +147,6 @@ class WeightSyncClient:
         # Why `resync_server` (rank 0 alone, mid-rollout) cannot export the model, or None: under
         # ZeRO-3 only the trainer's collective sync sees whole parameters.
         self.export_blocked: str | None = None
-        self._threads_lock = threading.Lock()
-        self._threads_for = max(1, len(pool.servers))
-        self._threads = ThreadPoolExecutor(max_workers=self._threads_for, thread_name_prefix="sync")
         if mode == "adapter":
             why = adapter_unsupported_reason(model)
             if why is not None:
@@ -122,17 +155,7 @@ class WeightSyncClient:
                 self._force_full(f"adapter sync impossible: {why}")
 
     def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
-
-    def _executor(self, n: int) -> ThreadPoolExecutor:
-        """An executor with a thread per target server: every stream of a Fanout must run at once
-        (the encoder blocks on the slowest consumer), and the pool may have grown (servers file)."""
-        with self._threads_lock:
-            if n > self._threads_for:
-                old, self._threads = self._threads, ThreadPoolExecutor(max_workers=n, thread_name_prefix="sync")
-                self._threads_for = n
-                old.shutdown(wait=False)
-            return self._threads
+        pass  # nothing held between syncs; kept for callers that close clients they made
 
     # -- mode -----------------------------------------------------------------------------------
     def _force_full(self, why: str) -> None:
@@ -231,76 +254,142 @@ class WeightSyncClient:
             errors = {**report.unreachable, **report.rejected}
             raise WeightSyncError(f"re-sync of {server.name} to weight version {version} failed: {errors}")
 
-    def _encode(self, version: int, mode: str) -> tuple[Any, Any]:
-        """(header, request iterator) of one stream. FULL is planned from the model's metadata and
-        its tensors produced while the requests are pulled (one LoRA layer merged at a time)."""
+    def _plan(self, mode: str) -> tuple[list, Any, str]:
+        """(specs, lazy tensors, adapter config JSON) of the update. FULL is planned from the model's
+        metadata and its tensors produced as they are consumed (one LoRA layer merged at a time)."""
         if mode == "adapter":
             tensors, config_json = adapter_named_tensors(self.model)
-            return encode_weight_stream(
-                tensors, version=version, mode=ADAPTER, adapter_config_json=config_json, frame_bytes=self.frame_bytes
-            )
-        export = full_export(self.model, dtype=self.dtype, name_map=self.name_map,
-                             changed_only=self.changed_only)
-        return encode_planned_stream(export.specs, export, version=version, mode=FULL, frame_bytes=self.frame_bytes)
+            _, planned = plan_weight_stream(tensors, version=0, mode=ADAPTER, adapter_config_json=config_json)
+            return [(n, spec) for n, _, spec in planned], [(n, t) for n, t, _ in planned], config_json
+        export = full_export(self.model, dtype=self.dtype, name_map=self.name_map, changed_only=self.changed_only)
+        return export.specs, export, ""
 
     def _push(
         self, version: int, mode: str, servers: Sequence[RolloutServer], previous: SyncReport | None = None
     ) -> SyncReport:
+        # One update at a time: a FULL export merges/unmerges LoRA layers of the live model while it runs.
         with self._export_lock:
-            # Serialized once (payload copied once, see rmsft.wire_encode), fed to every server; the
-            # header is built here, in the caller, so a bad tensor name or dtype raises a clear error
-            # now instead of a cancelled RPC from gRPC's thread.
-            header, requests = self._encode(version, mode)
-            source = _StoppableSource(requests)
-            try:
-                return self._send(version, mode, servers, header.total_bytes, source, previous)
-            finally:
-                # When every call has ended early (a server failed, a timeout) the fan-out thread may
-                # still be inside the producer, merging a LoRA layer: wait for it, then close the
-                # stream, so the model is not touched once the sync returned to the training loop.
-                source.stop()
-
-    def _send(
-        self, version: int, mode: str, servers: Sequence[RolloutServer], tensor_bytes: int,
-        source: _StoppableSource, previous: SyncReport | None,
-    ) -> SyncReport:  # fmt: skip
-        fan = Fanout(source, len(servers))
-
-        def send(i: int, server: RolloutServer) -> tuple[str, Any]:
-            try:
-                call = update_weights_raw(server.channel)
-                reply = call(fan.consumer(i), timeout=self.timeout_s, metadata=self.pool.metadata)
-            except grpc.RpcError as e:
-                if fan.error is not None:
-                    raise WeightSyncError(f"encoding weight version {version} failed: {fan.error}") from fan.error
-                return ("unreachable" if e.code() in _UNREACHABLE else "rejected"), describe_rpc_error(e)
-            finally:
-                fan.close(i)  # a failed call must not hold the other servers' streams back
-            if reply.version != version:
-                return "rejected", f"acknowledged version {reply.version}, expected {version}"
-            return "acked", reply
-
-        report = SyncReport(version=version, mode=mode, tensor_bytes=tensor_bytes)
+            replies: dict[str, rollout_pb2.UpdateReply] = {}  # the servers the learner called itself
+            if self.transport == "shm":
+                outcomes, total = self._push_shared(version, mode, servers, replies)
+            else:
+                outcomes, total = self._push_relayed(version, mode, servers, replies)
+        report = SyncReport(version=version, mode=mode, tensor_bytes=total)
         if previous is not None:
             report.unreachable.update(previous.unreachable)
-        threads = self._executor(len(servers))
-        futures = [threads.submit(send, i, s) for i, s in enumerate(servers)]
-        for server, fut in zip(servers, futures, strict=True):
-            outcome, detail = fut.result()
-            if outcome == "acked":
-                report.acked[server.address] = detail
+        for server in servers:
+            o = outcomes.get(server.address)
+            if o is None:
+                o = rollout_pb2.RelayOutcome(address=server.address, code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                             message="no outcome reported")
+            code = _STATUS_BY_VALUE.get(o.code, grpc.StatusCode.UNKNOWN)
+            if code == grpc.StatusCode.OK and o.version == version:
+                report.acked[server.address] = replies.get(server.address) or rollout_pb2.UpdateReply(version=o.version)
                 self.pool.mark_up(server, version=version)
                 with self.pool.lock:
                     server.state.base_replaced = mode == "full"
-                WEIGHT_SYNC_BYTES.labels(mode=mode).inc(tensor_bytes)
-            elif outcome == "unreachable":
+                WEIGHT_SYNC_BYTES.labels(mode=mode).inc(total)
+            elif code == grpc.StatusCode.OK:
+                detail = f"acknowledged version {o.version}, expected {version}"
+                report.rejected[server.address] = detail
+                self.pool.mark_stale(server, None, f"weight sync rejected: {detail}")
+            elif code in _UNREACHABLE:
+                detail = f"{code.name}: {o.message}"
                 report.unreachable[server.address] = detail
                 self.pool.mark_down(server, f"weight sync: {detail}")
             else:
+                detail = f"{code.name}: {o.message}"
                 report.rejected[server.address] = detail
                 # Its old version is still serving (atomic apply); fence it until it is current.
                 self.pool.mark_stale(server, None, f"weight sync rejected: {detail}")
         return report
+
+    def _push_relayed(
+        self, version: int, mode: str, servers: Sequence[RolloutServer], replies: dict[str, rollout_pb2.UpdateReply]
+    ) -> tuple[dict[str, rollout_pb2.RelayOutcome], int]:
+        """Transport grpc: the stream goes to the first server, which relays it down the list
+        (rollout_svc/relay.py), so the learner encodes and sends it once whatever the pool's size.
+        A head that cannot be reached, or that refused before relaying, is recorded and the next
+        server becomes the head of the rest (the update is produced again: only on failures)."""
+        outcomes: dict[str, rollout_pb2.RelayOutcome] = {}
+        pending = list(servers)
+        total = 0
+        while pending:
+            head, rest = pending[0], pending[1:]
+            specs, tensors, config_json = self._plan(mode)
+            # The header is built here, in the caller, so a bad tensor name or dtype raises a clear
+            # error now instead of a cancelled RPC from gRPC's thread.
+            header, requests = encode_planned_stream(
+                specs, tensors, version=version, mode=_WIRE_MODE[mode], adapter_config_json=config_json,
+                frame_bytes=self.frame_bytes, relay_to=[s.address for s in rest],
+            )  # fmt: skip
+            total = header.total_bytes
+            source = _StoppableSource(requests)
+            try:
+                reply = update_weights_raw(head.channel)(source, timeout=self.timeout_s, metadata=self.pool.metadata)
+                replies[head.address] = reply
+                got = [rollout_pb2.RelayOutcome(address=head.address, version=reply.version), *reply.relayed]
+            except grpc.RpcError as e:
+                if source.error is not None:
+                    raise WeightSyncError(f"encoding weight version {version} failed: {source.error}") from source.error
+                got = [outcome_of_error(head.address, e), *relayed_from_error(e)]
+            finally:
+                # When the call ended early (a refusal, a timeout) gRPC's thread may still be inside the
+                # producer, merging a LoRA layer: wait for it, then close the stream, so the model is not
+                # touched once the sync returned to the training loop.
+                source.stop()
+            for o in got:
+                outcomes.setdefault(o.address, o)
+            pending = [s for s in rest if s.address not in outcomes]
+        return outcomes, total
+
+    def _push_shared(
+        self, version: int, mode: str, servers: Sequence[RolloutServer], replies: dict[str, rollout_pb2.UpdateReply]
+    ) -> tuple[dict[str, rollout_pb2.RelayOutcome], int]:
+        """Transport shm: the update is written once into the shared-weights dir while every server
+        holds a call open on its header; the trailer (the digest) ends the calls, and the file is
+        removed once all of them answered, or on any failure."""
+        specs, tensors, config_json = self._plan(mode)
+        try:
+            update = SharedUpdate.create(self.shared_dir, specs, version=version, mode=_WIRE_MODE[mode],
+                                         adapter_config_json=config_json)
+        except SharedSpaceError as e:
+            raise WeightSyncError(f"RESOURCE_EXHAUSTED: {e}; nothing was sent (free memory there, or use "
+                                  "spec.sync.transport: grpc)") from e
+        done = threading.Event()
+        digest: list[bytes] = []
+
+        def requests() -> Any:
+            yield rollout_pb2.WeightChunk(header=update.header).SerializeToString()
+            done.wait()
+            if not digest:  # the write failed: ending the call without a trailer applies nothing
+                raise WeightSyncError("the shared update was not written")
+            yield rollout_pb2.WeightChunk(trailer=rollout_pb2.WeightTrailer(digest=digest[0])).SerializeToString()
+
+        results: list[rollout_pb2.RelayOutcome] = []
+        try:
+            calls = [update_weights_raw(s.channel).future(requests(), timeout=self.timeout_s,
+                                                          metadata=self.pool.metadata) for s in servers]
+            try:
+                # Write only once every server has the file open (or has already refused): from then on,
+                # if this process dies mid-write, each of them sees its call end and removes the file.
+                for call in calls:
+                    call.initial_metadata()
+                digest.append(update.write(tensors, self.frame_bytes))
+            except Exception as e:
+                raise WeightSyncError(f"writing weight version {version} to {update.path} failed: {e}") from e
+            finally:
+                done.set()
+                for server, call in zip(servers, calls, strict=True):
+                    try:
+                        reply = call.result()
+                        replies[server.address] = reply
+                        results.append(rollout_pb2.RelayOutcome(address=server.address, version=reply.version))
+                    except grpc.RpcError as e:
+                        results.append(outcome_of_error(server.address, e))
+        finally:
+            update.remove()
+        return {o.address: o for o in results}, update.header.total_bytes
 
 
 class _StoppableSource:
@@ -312,6 +401,7 @@ class _StoppableSource:
         self._requests = requests
         self._lock = threading.Lock()
         self._stopped = False
+        self.error: BaseException | None = None  # what broke the producer, if anything
 
     def __iter__(self) -> _StoppableSource:
         return self
@@ -320,7 +410,13 @@ class _StoppableSource:
         with self._lock:
             if self._stopped:
                 raise StopIteration
-            return next(self._requests)
+            try:
+                return next(self._requests)
+            except StopIteration:
+                raise
+            except BaseException as e:  # gRPC only sees a cancelled call; the sync reports this
+                self.error = e
+                raise
 
     def stop(self) -> None:
         with self._lock:

@@ -14,7 +14,7 @@ from learner.core.codec import OutputFormat, output_format
 from learner.core.losses import LossWeights
 from learner.core.match import MatchConfig
 from learner.core.targets import TargetConfig
-from rmsft.jobspec import TrainingConfig
+from rmsft.jobspec import SyncSpec, TrainingConfig
 
 
 @dataclass(frozen=True)
@@ -57,3 +57,20 @@ def learning_rate(cfg: TrainingConfig, step: int) -> float:
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     floor = cfg.lr * cfg.lr_min_ratio
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def sync_transport(sync: SyncSpec, shared_dir: str) -> str:
+    """The weight-sync transport this learner uses. `shared_dir`: the shared-weights dir it was given
+    (RMSFT_SHARED_WEIGHTS_DIR: set by `rmsft local` unless the job asks for grpc, and by the operator
+    in both the learner and the rollout pods of a job that asks for shm); auto is shm exactly when
+    there is one. Asking for shm without one is an error, never a silent fallback to grpc."""
+    if sync.transport == "grpc":
+        return "grpc"
+    if shared_dir:
+        return "shm"
+    if sync.transport == "shm":
+        raise ValueError(
+            "spec.sync.transport is 'shm' but this learner has no shared-weights dir (RMSFT_SHARED_WEIGHTS_DIR "
+            "is unset): run it under `rmsft local` or the operator, which provide one, or use transport grpc"
+        )
+    return "grpc"

@@ -55,11 +55,12 @@ from learner.step import PlainStep, ZeroStep, gathered_weights, make_step, resol
 from learner.step_types import DataOrder, StepResult, Summary
 from learner.sync_client import WeightSyncClient
 from learner.tracking import Tracker, check_writable
-from learner.train_config import core_configs, learning_rate
+from learner.train_config import core_configs, learning_rate, sync_transport
 from learner.trainer_checkpoint import Checkpointer, TrainState
 from learner.vision import VisionPrompt, patch_size, render_prompt, resized_image_size, with_vision
 from learner.weight_export import checkpoint_name_map
 from rmsft.jobspec import RolloutMatchingJob
+from rmsft.weight_wire import shared_dir_from_env
 
 __all__ = ["DataOrder", "StepResult", "Summary", "Trainer"]
 
@@ -184,6 +185,7 @@ class Trainer:
                     # change (a frozen vision tower is never resent).
                     name_map=checkpoint_name_map(self.model) if self.policy.is_vision_language else None,
                     changed_only=self.policy.is_vision_language,
+                    transport=sync_transport(sync, shared_dir_from_env()), shared_dir=shared_dir_from_env(),
                 )  # fmt: skip
                 if cfg.deepspeed_stage == 3:
                     self.sync_client.export_blocked = ("ZeRO-3 partitions the weights across learner ranks; "
@@ -516,7 +518,8 @@ class Trainer:
     def _log_start(self, target: int) -> None:
         if self.ranks.is_main:
             record = run_record(self.job, servers=[s.address for s in self.pool.servers],
-                                sync_mode=self.sync_client.mode, world_size=self.ranks.world_size,
+                                sync_mode=self.sync_client.mode, sync_transport=self.sync_client.transport,
+                                world_size=self.ranks.world_size,
                                 model_dir=self.job.spec.model.path, data_path=self.cfg.data.path,
                                 image_root=self.cfg.data.image_root, eval_data_path=self.cfg.eval.data,
                                 eval_image_root=self.cfg.eval.image_root)  # fmt: skip

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rmsft.serving_dtype import CASTABLE_DTYPES, SERVE_DTYPES
-from rmsft.weights_wire import TensorSpec, dtype_name
+from rmsft.weight_wire import TensorSpec, dtype_name
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -68,7 +68,7 @@ def checkpoint_dtype(model_dir: str | Path) -> str | None:
     rollout server resolves `--dtype auto` with (rmsft/serving_dtype.py); None when the checkpoint
     has no floating tensor."""
     from rmsft.serving_dtype import serving_dtype_name
-    from rmsft.weights_wire import torch_dtype
+    from rmsft.weight_wire import torch_dtype
 
     wire = serving_dtype_name("auto", model_dir)
     return None if wire is None else str(torch_dtype(wire)).removeprefix("torch.")
@@ -123,7 +123,7 @@ class FullExport:
     as they are (a view of the live model) or cast once. Read a yielded tensor before asking for the
     next one: the export drops its own reference then (the memory bound relies on the consumer doing
     the same), and while a later layer merges, a view that shares its storage (tied weights) reads
-    merged values. `rmsft.wire_encode.encode_planned_stream` consumes it so.
+    merged values. `rmsft.weight_wire.encode_planned_stream` consumes it so.
 
     Iterate it under the same conditions as the model's forward: not during an optimizer step.
     """

@@ -171,11 +171,31 @@ class LearnerSpec(_K8s):
     resources: ResourceSpec = Field(default_factory=ResourceSpec)
 
 
+SyncTransport = Literal["grpc", "shm"]
+
+
 class SyncSpec(_K8s):
     mode: Literal["full", "adapter", "auto"] = "full"
     fallback_to_full: bool = True
     frame_bytes: int = Field(4 << 20, ge=64 << 10, le=256 << 20, description="Max bytes per stream frame.")
     timeout_seconds: float = Field(600.0, gt=0)
+    transport: Literal["auto", "grpc", "shm"] = Field(
+        "auto", description="How an update reaches the rollout servers: grpc streams its bytes over gRPC (works "
+        "across nodes); shm writes it once to a file in node-local shared memory and gRPC carries only a header "
+        "naming the file. auto = shm under `rmsft local` (one machine), grpc in a cluster. shm in a cluster is "
+        "opt-in: the learner and the whole pool on one node (they fit spec.placement.gpusPerNode; the operator "
+        "adds pod affinity) and a namespace whose Pod Security level allows hostPath volumes (privileged).",
+    )
+
+    @property
+    def cluster_transport(self) -> SyncTransport:
+        """The transport the operator deploys: auto is grpc in a cluster, where pods may land on any node."""
+        return "shm" if self.transport == "shm" else "grpc"
+
+    @property
+    def local_transport(self) -> SyncTransport:
+        """The transport of `rmsft local`: every process is on one machine, so auto is shm."""
+        return "grpc" if self.transport == "grpc" else "shm"
 
 
 class MonitoringSpec(_K8s):
@@ -412,6 +432,16 @@ class JobSpec(_K8s):
 def cross_field_errors(spec: JobSpec) -> list[str]:
     """Rules that span sections; mirrored one-to-one by CEL rules in the CRD."""
     errs: list[str] = []
+    # First, so that an shm job too big for a node is told about the transport (the budget rule
+    # below then holds the same numbers; only the first message reaches the user here). Only an
+    # explicit shm: auto is grpc in a cluster, and `rmsft local` checks the machine's GPUs itself.
+    if spec.sync.transport == "shm" and spec.placement.accelerator == "nvidia" \
+            and spec.gpus_needed > spec.placement.gpus_per_node:
+        errs.append(
+            f"spec.sync.transport 'shm' needs the learner and the whole pool on one node: "
+            f"spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus ({spec.gpus_needed}) "
+            f"must be <= spec.placement.gpusPerNode ({spec.placement.gpus_per_node})"
+        )
     if spec.placement.accelerator == "nvidia" and spec.gpus_needed > spec.placement.gpus_per_node:
         errs.append(
             f"spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus "

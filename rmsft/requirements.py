@@ -42,7 +42,7 @@ _HINT = {
     "deepspeed": " (after torch, so it builds against it; the GPU image has it), "
     "or set spec.training.deepspeed_stage: 0 (plain torch all-reduce)",
 }
-# What every learner imports (learner/, rmsft.wire_encode) and every rollout server (rollout_svc/).
+# What every learner imports (learner/, rmsft.weight_wire) and every rollout server (rollout_svc/).
 _LEARNER_BASE = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "scipy", "grpcio", "protobuf",
                  "blake3", "prometheus-client")
 _ROLLOUT_BASE = ("torch", "transformers", "safetensors", "grpcio", "grpcio-health-checking", "protobuf", "blake3",

@@ -15,7 +15,7 @@ import struct
 from pathlib import Path
 
 from rmsft.model_folder import model_config
-from rmsft.weights_wire import TensorSpec
+from rmsft.weight_wire import TensorSpec
 
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
 

@@ -46,6 +46,7 @@ class ServeConfig:
     max_num_seqs: int = 0  # sequences the engine runs at once (vLLM's max_num_seqs; 0 = vLLM's default)
     max_frame_bytes: int = 8 << 20
     staging_dir: str = ""  # default: /dev/shm when present, else the temp dir
+    shared_weights_dir: str = ""  # transport shm: where the learner writes updates (default: $RMSFT_SHARED_WEIGHTS_DIR)
     keep_rollback_copy: bool = True  # keep the last FULL stream staged to undo a failed apply
     replica_ordinal: int = -1  # -1 = from POD_NAME / HOSTNAME "<name>-<k>", else 0
     grace_seconds: float = 5.0
@@ -77,6 +78,12 @@ class ServeConfig:
         import tempfile
 
         return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+    def resolved_shared_weights_dir(self) -> str:
+        """Where shm updates are read from; "" = this server refuses transport shm."""
+        from rmsft.weight_wire import shared_dir_from_env
+
+        return self.shared_weights_dir or shared_dir_from_env()
 
     def validate(self) -> None:
         problems = []
@@ -143,6 +150,8 @@ _HELP = {
     "max_num_seqs": "sequences the vLLM engine runs in one batch (0 = vLLM's default); more wait in its queue",
     "max_frame_bytes": "largest TensorPiece payload accepted in UpdateWeights",
     "staging_dir": "where weight streams are staged (default /dev/shm)",
+    "shared_weights_dir": "transport shm: the node-local shared-memory dir the learner writes updates into "
+    "(default: $RMSFT_SHARED_WEIGHTS_DIR; unset = shm updates refused)",
     "keep_rollback_copy": "keep the last applied FULL stream in the staging dir so a failed apply can be "
     "undone (costs one model size of staging memory); without it a failed apply marks the server broken",
     "replica_ordinal": "replica index reported by GetStatus (default: from POD_NAME/HOSTNAME suffix)",

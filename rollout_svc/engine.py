@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Protocol
 
 from rmsft.model_folder import model_config
-from rmsft.weights_wire import TensorSpec
+from rmsft.weight_wire import TensorSpec
 
 
 class EngineError(RuntimeError):

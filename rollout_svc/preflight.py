@@ -9,6 +9,9 @@ being received plus the previous one: twice the model's weight bytes. The bytes 
 tensors in the dtype the engine serves in: a FULL stream is accepted only with every floating tensor
 in the serving dtype and every other tensor in its checkpoint dtype (the rule: rmsft/serving_dtype.py).
 
+Transport shm (a shared-weights dir is set): the servers stage nothing of their own; the shared
+dir holds the update being written and the previous one (`check_shared_dir`).
+
 FULL updates are always accepted today; a server that ever refuses them (adapter-only) would not
 need this check.
 """
@@ -22,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rmsft.serving_dtype import safetensors_headers, served_spec, serving_dtype_name
-from rmsft.weights_wire import DTYPE_SIZES, TensorSpec
+from rmsft.weight_wire import DTYPE_SIZES, TensorSpec
 
 log = logging.getLogger("rollout_svc.preflight")
 
@@ -80,6 +83,14 @@ def filesystem_bytes(path: str, statvfs: Callable[[str], os.statvfs_result] = os
     return st.f_blocks * st.f_frsize
 
 
+def _weight_bytes_or_problem(model_dir: str, dtype: str | None) -> int | str | None:
+    """The FULL update's bytes; else the problem reading them, or None (no safetensors: nothing to check)."""
+    try:
+        return weight_bytes(model_dir, dtype)
+    except (OSError, ValueError) as e:
+        return f"cannot read the weights' sizes in {model_dir}: {e}"
+
+
 def check_staging(
     model_dir: str,
     staging_dir: str,
@@ -94,16 +105,36 @@ def check_staging(
         return f"staging dir {staging_dir} does not exist (--staging-dir)"
     if not os.access(staging_dir, os.W_OK | os.X_OK):
         return f"staging dir {staging_dir} is not writable by this user (--staging-dir)"
-    try:
-        wb = weight_bytes(model_dir, dtype)
-    except (OSError, ValueError) as e:
-        return f"cannot read the weights' sizes in {model_dir}: {e}"
-    if wb is None:
-        return None
+    wb = _weight_bytes_or_problem(model_dir, dtype)
+    if not isinstance(wb, int):
+        return wb
     size = filesystem_bytes(staging_dir, statvfs)
     copies = staging_copies(keep_rollback_copy)
     log.debug("staging preflight: %d weight bytes x %d copies, %s holds %d bytes", wb, copies, staging_dir, size)
     return staging_problem(wb, size, staging_dir, copies=copies)
+
+
+def check_shared_dir(
+    model_dir: str,
+    shared_dir: str,
+    statvfs: Callable[[str], os.statvfs_result] = os.statvfs,
+    dtype: str | None = None,
+) -> str | None:
+    """Transport shm: what keeps FULL updates of `model_dir` from passing through `shared_dir`, or
+    None. The servers stage nothing of their own then; the shared filesystem holds the update the
+    learner is writing plus the previous one, which the servers keep open as their rollback copy."""
+    if not os.path.isdir(shared_dir) or not os.access(shared_dir, os.R_OK | os.X_OK):
+        return (f"shared-weights dir {shared_dir} does not exist or is not readable (--shared-weights-dir / "
+                "RMSFT_SHARED_WEIGHTS_DIR)")
+    wb = _weight_bytes_or_problem(model_dir, dtype)
+    if not isinstance(wb, int):
+        return wb
+    size = filesystem_bytes(shared_dir, statvfs)
+    if 2 * wb <= size:
+        return None
+    return (f"shared-weights dir {shared_dir} has {size / GIB:.1f} GiB; transport shm needs about "
+            f"{2 * wb / GIB:.1f} GiB there (the update being written + the previous one, which the servers keep "
+            "as their rollback copy): give the node more shared memory or use spec.sync.transport: grpc")
 
 
 def write_termination_log(message: str, path: str = TERMINATION_LOG) -> bool:

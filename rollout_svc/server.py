@@ -13,11 +13,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from rmsft_protos import rollout_pb2
 
 from rmsft.logs import LogLevelError, configure_logging
-from rmsft.wire_decode import decode_chunk
+from rmsft.weight_wire import decode_chunk
 from rollout_svc.config import ServeConfig
 from rollout_svc.engine import EngineError
 from rollout_svc.malloc_tuning import keep_frame_buffers
-from rollout_svc.preflight import TERMINATION_LOG, check_staging, write_termination_log
+from rollout_svc.preflight import TERMINATION_LOG, check_shared_dir, check_staging, write_termination_log
 
 log = logging.getLogger("rollout_svc")
 SERVICE_NAME = "rmsft.v1.RolloutService"
@@ -68,9 +68,14 @@ def make_engine(cfg: ServeConfig):
 
 
 def preflight(cfg: ServeConfig, termination_log: str = TERMINATION_LOG) -> None:
-    """Exit now, before ports or the engine, when the staging dir cannot hold a FULL update (the
-    message also goes to the pod's termination message, which the operator surfaces)."""
-    problem = check_staging(cfg.model, cfg.resolved_staging_dir(), cfg.keep_rollback_copy, dtype=cfg.dtype)
+    """Exit now, before ports or the engine, when the staging dir (or, with transport shm, the
+    shared-weights dir) cannot hold a FULL update (the message also goes to the pod's termination
+    message, which the operator surfaces)."""
+    shared = cfg.resolved_shared_weights_dir()
+    if shared:  # transport shm: updates are read where the learner wrote them, not staged here
+        problem = check_shared_dir(cfg.model, shared, dtype=cfg.dtype)
+    else:
+        problem = check_staging(cfg.model, cfg.resolved_staging_dir(), cfg.keep_rollback_copy, dtype=cfg.dtype)
     if problem:
         write_termination_log(f"rmsft serve: {problem}", termination_log)
         _fail(problem)

@@ -9,16 +9,19 @@ import shutil
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import grpc
 from rmsft_protos import rollout_pb2, rollout_pb2_grpc
 
 from rmsft.serving_dtype import SERVE_DTYPES, served_spec, serving_dtype_name
-from rmsft.weights_wire import ADAPTER, FULL, WireError
+from rmsft.weight_wire import ADAPTER, FULL, WireError
+from rmsft.weight_wire.outcomes import SHARED_OPENED_METADATA, relayed_metadata
 from rollout_svc import metrics
 from rollout_svc.config import ServeConfig
 from rollout_svc.engine import EngineDead, EngineError, EngineInputError, checkpoint_table, tied_lm_head
 from rollout_svc.prompts import PromptError, build_items, samples_per_prompt
+from rollout_svc.relay import Relay, relay_deadline
 from rollout_svc.runner import Cancelled, EngineRunner, RunnerStopped, VersionMismatch
 from rollout_svc.staging import (
     StagedWeights,
@@ -46,7 +49,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.engine = None
         self.runner: EngineRunner | None = None
         self.ordinal = cfg.resolved_replica_ordinal()
-        self.stager = Stager(cfg.resolved_staging_dir(), cfg.max_frame_bytes)
+        self.stager = Stager(cfg.resolved_staging_dir(), cfg.max_frame_bytes, cfg.resolved_shared_weights_dir())
+        # How this server calls its peers when it relays an update: the pool shares one token, and
+        # (with TLS) one certificate chain, which then also serves as the roots to trust.
+        token = cfg.resolved_auth_token()
+        self._peer_metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._peer_roots = Path(cfg.tls_cert).read_bytes() if cfg.tls_cert else None
         self._table = checkpoint_table(cfg.model)
         self._tied = tied_lm_head(cfg.model)
         # FULL weights arrive in the dtype the engine serves in (`--dtype`, auto = the checkpoint's),
@@ -243,13 +251,24 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                          "another weight update is in progress on this server")
         staged = None
         modes: list[int] = []  # the header's mode, once it arrived (for the error message)
+        relays: list[Relay] = []  # the relay to header.relay_to, once the header asked for one
 
-        def on_header(header) -> None:
+        def on_header(header) -> Relay | None:
             modes.append(header.mode)
             self._check_header(header)
+            if not header.relay_to:
+                return None
+            relays.append(Relay(
+                header, metadata=self._peer_metadata, root_certificates=self._peer_roots,
+                deadline=relay_deadline(context.time_remaining(), len(header.relay_to)),
+            ))  # fmt: skip
+            return relays[0]
 
         try:
-            staged = self.stager.stage(request_iterator, self._expected_for, on_header=on_header)
+            staged = self.stager.stage(
+                request_iterator, self._expected_for, on_header=on_header,
+                on_shared_open=lambda: context.send_initial_metadata(SHARED_OPENED_METADATA),
+            )  # fmt: skip
             mode = _MODE_NAME[staged.header.mode]
             metrics.WEIGHT_SYNC_BYTES.labels(mode=mode).inc(staged.bytes_received)
             if staged.header.mode == FULL:
@@ -266,24 +285,24 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                             "that dtype (the learner casts to spec.model.dtype)")
             metrics.WEIGHT_SYNC_FAILURES.labels(reason=e.reason).inc()
             log.warning("weight update refused (%s): %s", e.reason, message)
-            self._finish("UpdateWeights", context, getattr(grpc.StatusCode, e.code), message)
+            self._refuse(context, relays, getattr(grpc.StatusCode, e.code), message)
         except EngineDead as e:
             metrics.WEIGHT_SYNC_FAILURES.labels(reason="apply").inc()
             self._dead(str(e))
-            self._finish("UpdateWeights", context, grpc.StatusCode.UNAVAILABLE,
+            self._refuse(context, relays, grpc.StatusCode.UNAVAILABLE,
                          f"{e}; this server is exiting to be restarted, and starts again from the checkpoint")
         except RunnerStopped as e:
             metrics.WEIGHT_SYNC_FAILURES.labels(reason="apply").inc()
-            self._finish("UpdateWeights", context, grpc.StatusCode.UNAVAILABLE, f"{e}: nothing was applied")
+            self._refuse(context, relays, grpc.StatusCode.UNAVAILABLE, f"{e}: nothing was applied")
         except EngineError as e:
             metrics.WEIGHT_SYNC_FAILURES.labels(reason="apply").inc()
-            self._finish("UpdateWeights", context, grpc.StatusCode.INTERNAL,
+            self._refuse(context, relays, grpc.StatusCode.INTERNAL,
                          f"{e}; the previous weights (version {self.runner.version}) are still serving")
         except grpc.RpcError as e:
             # The client cancelled or the connection dropped mid-stream: nothing was applied.
             metrics.WEIGHT_SYNC_FAILURES.labels(reason="cancelled").inc()
             log.warning("weight stream broken off: %s", e)
-            self._finish("UpdateWeights", context, grpc.StatusCode.CANCELLED, "weight stream broken off")
+            self._refuse(context, relays, grpc.StatusCode.CANCELLED, "weight stream broken off")
         finally:
             if staged is not None:
                 staged.cleanup()
@@ -296,7 +315,27 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             tensors_applied=len(self._last_applied),
             bytes_received=self._last_bytes,
             apply_seconds=self._last_apply_seconds,
+            relayed=self._relayed(relays),
         )
+
+    @staticmethod
+    def _relayed(relays: list[Relay]) -> list[rollout_pb2.RelayOutcome]:
+        """What the servers this one relayed to answered (waits for them; the relay's deadline is
+        inside the caller's)."""
+        if not relays:
+            return []
+        try:
+            return relays[0].wait()
+        finally:
+            relays[0].close()
+
+    def _refuse(self, context, relays: list[Relay], code: grpc.StatusCode, message: str) -> None:
+        """Abort the call; a relayed update still reports what the servers downstream answered
+        (trailing metadata), so its caller does not send them the update again."""
+        outcomes = self._relayed(relays)
+        if outcomes:
+            context.set_trailing_metadata(relayed_metadata(outcomes))
+        self._finish("UpdateWeights", context, code, message)
 
     def _serve_dtype_text(self) -> str:
         served = {v: k for k, v in SERVE_DTYPES.items()}.get(self._serve_dtype, self._serve_dtype)

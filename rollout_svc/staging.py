@@ -1,5 +1,5 @@
 """Staging of a weight stream: bytes go to one preallocated file (in /dev/shm by default) while
-`rmsft.weights_wire.StreamReader` checks every chunk; nothing touches the engine until the
+`rmsft.weight_wire.StreamReader` checks every chunk; nothing touches the engine until the
 trailer's digest matched. The file plus a JSON index is what the engine's worker loads from.
 """
 
@@ -14,18 +14,22 @@ import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from rmsft_protos import rollout_pb2
 
-from rmsft.weights_wire import (
+from rmsft.weight_wire import (
     FULL,
+    PieceFrame,
     StagedTensor,
     StreamReader,
     TensorSpec,
     WireError,
+    check_shared,
+    open_shared,
     torch_dtype,
 )
-from rmsft.wire_decode import PieceFrame
+from rmsft.weight_wire.shared import shared_path
 
 
 @dataclass
@@ -35,11 +39,33 @@ class StagedWeights:
     header: rollout_pb2.WeightHeader
     tensors: list[StagedTensor]
     bytes_received: int
+    fd: int = -1  # shm: the shared file, held open (data_path is /proc/<pid>/fd/<fd>) until cleanup
+    shared: bool = False  # shm: the data is the learner's file, never removed here
 
     def cleanup(self) -> None:
-        for p in (self.index_path, self.data_path):
+        for p in [self.index_path] if self.shared else [self.index_path, self.data_path]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
+        if self.fd >= 0:  # the shared file's memory is freed once every holder closed it
+            os.close(self.fd)
+            self.fd = -1
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes this server holds for the update in its own staging dir (0 for a shared file)."""
+        return 0 if self.shared else self.header.total_bytes
+
+
+class StageObserver(Protocol):
+    """Told what `Stager.stage` does with a grpc stream, in order (the relay forwards from it)."""
+
+    def opened(self, header: rollout_pb2.WeightHeader, data_path: str) -> None: ...
+
+    def piece(self, name: str, spec: TensorSpec, offset: int, dest: int, size: int) -> None: ...
+
+    def finished(self, trailer: rollout_pb2.WeightTrailer) -> None: ...
+
+    def failed(self, error: BaseException) -> None: ...
 
 
 def iter_staged_tensors(index_path: str):
@@ -72,19 +98,25 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
 
 
 class Stager:
-    def __init__(self, staging_dir: str, max_frame_bytes: int):
+    def __init__(self, staging_dir: str, max_frame_bytes: int, shared_dir: str = ""):
         self.staging_dir = staging_dir
         self.max_frame_bytes = max_frame_bytes
+        self.shared_dir = shared_dir  # where shm updates are read from ("" = transport shm refused)
 
     def stage(
         self,
         chunks: Iterable[rollout_pb2.WeightChunk],
         expected_for: callable,
         on_header: callable | None = None,
+        observer: StageObserver | None = None,
+        on_shared_open: callable | None = None,
     ) -> StagedWeights:
-        """Consume a whole stream. `expected_for(header)` -> (table, optional names, require_all).
+        """Consume a whole update. `expected_for(header)` -> (table, optional names, require_all).
+        `on_header(header)` may refuse it (raise) before anything is staged, or return the
+        `StageObserver` of this update (the relay). `on_shared_open()`: a shm update's file is open
+        here (the servicer tells the learner, which writes the file only once every server has it).
 
-        Raises WireError for any bad stream; the partial file is removed before raising.
+        Raises WireError for any bad update; a partial staging file is removed before raising.
         """
         it: Iterator = iter(chunks)
         reader = StreamReader(max_frame_bytes=self.max_frame_bytes)
@@ -96,17 +128,23 @@ class Stager:
             raise WireError("a weight stream must start with a header")
         header = first.header
         if on_header is not None:
-            on_header(header)
+            observer = on_header(header) or observer
         table, optional, require_all = expected_for(header)
         reader.expected = table
         reader.optional = optional
         reader.require_all = require_all
         reader.on_header(header)
         base = os.path.join(self.staging_dir, f"rmsft-stage-{header.version}-{uuid.uuid4().hex[:8]}")
+        if header.HasField("shared_file"):
+            if header.relay_to:
+                raise WireError("a shm update is read from the shared file by every server; it is never relayed")
+            return self._stage_shared(header, it, reader, base + ".json", on_shared_open)
         staged = StagedWeights(base + ".json", base + ".bin", header, reader.tensors, 0)
         fd = os.open(staged.data_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             self._reserve(fd, header.total_bytes)
+            if observer is not None:
+                observer.opened(header, staged.data_path)
             for chunk in it:
                 if chunk.WhichOneof("kind") == "piece":
                     if reader.finished:
@@ -117,6 +155,9 @@ class Stager:
                     dest = reader.on_piece(chunk.piece, data)
                     if data:
                         _pwrite_all(fd, data, dest)
+                    if observer is not None:
+                        p = chunk.piece
+                        observer.piece(p.name, reader.tensors[-1].spec, p.offset, dest, len(data))
                 else:
                     reader.feed(chunk)
                 if reader.finished:
@@ -126,18 +167,50 @@ class Stager:
             for _ in it:  # anything after the trailer is a protocol error
                 raise WireError("data after the trailer")
             staged.bytes_received = reader.received_bytes
-            index = {
-                "data": staged.data_path,
-                "mode": int(header.mode),
-                "tensors": [[t.name, t.spec.dtype, list(t.spec.shape), t.start] for t in reader.tensors],
-            }
-            Path(staged.index_path).write_text(json.dumps(index))
+            _write_index(staged)
+            if observer is not None:
+                observer.finished(chunk.trailer)
             return staged
-        except BaseException:
+        except BaseException as e:
+            if observer is not None:
+                observer.failed(e)
             staged.cleanup()
             raise
         finally:
             os.close(fd)
+
+    def _stage_shared(
+        self, header: rollout_pb2.WeightHeader, it: Iterator, reader: StreamReader, index_path: str,
+        on_open: callable | None,
+    ) -> StagedWeights:
+        fd = open_shared(self.shared_dir, header)
+        try:
+            if on_open is not None:
+                on_open()
+            try:
+                trailer = next(it)  # the learner writes the file meanwhile
+            except Exception as e:  # ended or broken off before the trailer: the learner is gone
+                # Nobody else would remove its file (every server does the same; the first wins).
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(shared_path(self.shared_dir, header))
+                if isinstance(e, StopIteration):
+                    raise WireError("stream ended before the trailer (the shared file was removed)",
+                                    reason="truncated") from None
+                raise
+            if trailer.WhichOneof("kind") != "trailer":
+                raise WireError("a shm update is a header and a trailer; the tensors are in the shared file")
+            for _ in it:
+                raise WireError("data after the trailer")
+            check_shared(fd, header, trailer.trailer, reader)
+            staged = StagedWeights(index_path, f"/proc/{os.getpid()}/fd/{fd}", header, reader.tensors,
+                                   reader.received_bytes, fd=fd, shared=True)
+            _write_index(staged)
+            return staged
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(index_path)
+            os.close(fd)
+            raise
 
     def _reserve(self, fd: int, nbytes: int) -> None:
         free = shutil.disk_usage(self.staging_dir).free
@@ -154,6 +227,15 @@ class Stager:
             except OSError as e:
                 raise WireError(f"cannot reserve {nbytes} staging bytes in {self.staging_dir}: {e}",
                                 code="RESOURCE_EXHAUSTED", reason="staging_space") from e
+
+
+def _write_index(staged: StagedWeights) -> None:
+    index = {
+        "data": staged.data_path,
+        "mode": int(staged.header.mode),
+        "tensors": [[t.name, t.spec.dtype, list(t.spec.shape), t.start] for t in staged.tensors],
+    }
+    Path(staged.index_path).write_text(json.dumps(index))
 
 
 def full_expectation(table: dict[str, TensorSpec], tied: bool, required: set[str] | frozenset[str] = frozenset()):

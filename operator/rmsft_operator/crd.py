@@ -29,6 +29,18 @@ _MAX_PROPERTIES = 64
 # Cross-field rules on `spec` (same text as rmsft.jobspec.cross_field_errors).
 SPEC_RULES: list[dict[str, str]] = [
     {
+        # The budget rule below holds the same numbers for every GPU job; this one names the
+        # transport, so an shm job too big for one node is told why one node matters.
+        "rule": "self.sync.transport != 'shm' || self.placement.accelerator == 'none' || "
+        "self.rollout.replicas * self.rollout.tensorParallelSize + self.learner.gpus "
+        "<= self.placement.gpusPerNode",
+        "message": "spec.sync.transport 'shm' needs the learner and the whole pool on one node: "
+        "spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus "
+        "must be <= spec.placement.gpusPerNode",
+        "fieldPath": ".sync.transport",
+        "reason": "FieldValueInvalid",
+    },
+    {
         "rule": "self.placement.accelerator == 'none' || "
         "self.rollout.replicas * self.rollout.tensorParallelSize + self.learner.gpus "
         "<= self.placement.gpusPerNode",

@@ -151,6 +151,18 @@ class Kube:
         return self.request("GET", f"/api/v1/namespaces/{namespace}/events",
                             query=[("fieldSelector", field_selector)]).get("items") or []
 
+    def namespace_labels(self, name: str) -> dict[str, str] | None:
+        """A namespace's labels (its Pod Security level), None when it cannot be read. A denial is
+        not fatal: it only costs the early refusal of an shm job (a chart whose RBAC predates it)."""
+        try:
+            ns = self.request("GET", f"/api/v1/namespaces/{name}", expected=(403, 404))
+        except ApiError as exc:
+            if exc.status not in (403, 404):
+                raise
+            log.warning("cannot read namespace %s (%s): its Pod Security level is not checked", name, exc)
+            return None
+        return dict(((ns or {}).get("metadata") or {}).get("labels") or {})
+
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.get("RolloutMatchingJob", namespace, name)
 

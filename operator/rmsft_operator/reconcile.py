@@ -22,7 +22,16 @@ from typing import Any
 
 import yaml
 
-from rmsft.jobspec import API_GROUP, API_VERSION, KIND, JobSpecError, LearnerSpec, parse_job
+from rmsft.jobspec import (
+    API_GROUP,
+    API_VERSION,
+    KIND,
+    JobSpecError,
+    LearnerSpec,
+    RolloutMatchingJob,
+    parse_job,
+    parse_spec,
+)
 from rmsft_operator import render
 from rmsft_operator.kube import ApiError, Kube
 from rmsft_operator.progress import learner_progress
@@ -34,6 +43,12 @@ CHILD_KINDS = ("Secret", "ConfigMap", "Service", "NetworkPolicy", "StatefulSet",
 _STUCK_WAITING = {"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
                   "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
 _MAX_HINT = 600
+# Pod Security admission: the namespace label that sets the enforced level, and the levels whose
+# policy refuses hostPath volumes (only `privileged` admits them).
+PSA_ENFORCE_LABEL = "pod-security.kubernetes.io/enforce"
+_HOSTPATH_REFUSED_LEVELS = ("baseline", "restricted")
+# Condition reason of an shm job that such a level keeps from starting.
+SHARED_MEMORY_FORBIDDEN = "SharedMemoryForbidden"
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,9 @@ class Observed:
     # kind ("StatefulSet" | "Job") -> message of the newest FailedCreate event of that child
     failed_creates: dict[str, str] = field(default_factory=dict)
     progress: dict[str, Any] = field(default_factory=dict)  # rmsft_operator.progress.parse_progress
+    # Labels of the job's namespace, read only for a job that asks for sync.transport shm (None:
+    # not read, or not readable).
+    namespace_labels: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -120,10 +138,21 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
         port = (spec.get("learner") or {}).get("metricsPort") or LearnerSpec().metrics_port
         progress = learner_progress(learner_pods, int(port), progress_timeout)
 
+    # The namespace's Pod Security level decides whether an shm job's hostPath volume is admitted;
+    # other jobs cost no extra call (and need no right on namespaces).
+    namespace_labels = kube.namespace_labels(namespace) if _asks_for_shm(body.get("spec")) else None
+
     return Observed(name=name, namespace=namespace, uid=meta.get("uid") or "", generation=meta.get("generation"),
                     spec=body.get("spec"), status=body.get("status") or {}, children=children,
                     rollout_pods=rollout_pods, learner_pods=learner_pods, failed_creates=failed_creates,
-                    progress=progress)
+                    progress=progress, namespace_labels=namespace_labels)
+
+
+def _asks_for_shm(spec: Any) -> bool:
+    try:
+        return parse_spec(spec).sync.cluster_transport == "shm"
+    except JobSpecError:
+        return False  # decide reports the invalid spec; nothing will be created
 
 
 # -------------------------------------------------------------------------------------- decide
@@ -188,6 +217,23 @@ def pod_problem(pods: list[dict[str, Any]]) -> tuple[str, str] | None:
     return None
 
 
+def shared_memory_refusal(job: RolloutMatchingJob, namespace: str, labels: dict[str, str] | None) -> str:
+    """Why Pod Security admission would refuse this job's pods for their shm volume; '' if it would not.
+
+    Only the namespace's own label is seen: without one the cluster's default level applies, which
+    the operator cannot read (pods refused anyway are then named by the FailedCreate condition)."""
+    if job.spec.sync.cluster_transport != "shm" or not labels:
+        return ""
+    level = labels.get(PSA_ENFORCE_LABEL, "")
+    if level not in _HOSTPATH_REFUSED_LEVELS:
+        return ""
+    return (f"spec.sync.transport 'shm' needs a hostPath volume (the node's "
+            f"{render.shared_weights_host_path(namespace, job.metadata.name)}, shared by the learner and the "
+            f"rollout servers), which namespace {namespace}'s Pod Security level forbids "
+            f"({PSA_ENFORCE_LABEL}={level}); nothing is created: recreate the job with spec.sync.transport: grpc, "
+            f"or set the namespace's label to privileged")
+
+
 def _by_kind(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {o["kind"]: o for o in objs}
 
@@ -227,15 +273,42 @@ def decide(obs: Observed, now: str) -> Decision:
         applied_hash = ((cm.get("metadata") or {}).get("annotations") or {}).get(render.SPEC_HASH_ANNOTATION)
         new_spec = job.to_manifest()["spec"]
         if applied_hash and applied_hash != render.spec_hash(new_spec):
-            applied = yaml.safe_load(cm["data"][render.CONFIG_KEY])
-            changed = _diff_paths(render.immutable_view(applied["spec"]), render.immutable_view(new_spec))
-            refused = (f"{', '.join(changed) or 'spec'} cannot change once the job exists (only "
-                       f"spec.rollout.replicas can); revert the edit, or delete and recreate the job")
-            replicas = job.spec.rollout.replicas
-            job = parse_job(applied)
-            job.spec.rollout.replicas = replicas
+            # Read back through the model: a key added to the schema after the job was applied (as
+            # spec.sync.transport was) is its default on both sides, not an edit.
+            applied = parse_job(yaml.safe_load(cm["data"][render.CONFIG_KEY]))
+            changed = _diff_paths(render.immutable_view(applied.to_manifest()["spec"]),
+                                  render.immutable_view(new_spec))
+            if changed:
+                refused = (f"{', '.join(changed)} cannot change once the job exists (only "
+                           f"spec.rollout.replicas can); revert the edit, or delete and recreate the job")
+                replicas = job.spec.rollout.replicas
+                job = applied
+                job.spec.rollout.replicas = replicas
 
-    # 3. Children: create what is missing (the token Secret is never rewritten).
+    # 3. An shm job in a namespace whose Pod Security level refuses its hostPath volume: every pod
+    # would be refused at creation. Create nothing and say why; the labels are read again on every
+    # pass, so relabelling the namespace lets the next pass go on. A job whose pool and learner Job
+    # exist already (the namespace was relabelled later) goes on as usual: a pod refused then is
+    # named by FailedCreate below.
+    forbidden = shared_memory_refusal(job, obs.namespace, obs.namespace_labels)
+    if forbidden and (obs.children.get("StatefulSet") is None or obs.children.get("Job") is None):
+        reason = SHARED_MEMORY_FORBIDDEN
+        status = {"rolloutReplicas": job.spec.rollout.replicas, "readyRolloutReplicas": 0, "learnerActive": 0,
+                  "message": forbidden, "conditions": [
+                      cond("RolloutReady", False, reason, forbidden),
+                      cond("LearnerRunning", False, reason, forbidden),
+                      cond("Complete", False, "NotComplete", forbidden),
+                      cond("Failed", False, "NotFailed", forbidden),
+                      cond("InvalidSpec", bool(refused), "ImmutableFieldChanged" if refused else "SpecValid",
+                           refused or "spec accepted"),
+                  ]}
+        d = Decision("Pending", status)
+        prev = next((c for c in old_conds if c.get("type") == "RolloutReady"), {})
+        if prev.get("reason") != reason:  # once, not on every pass
+            d.events.append(("Warning", reason, forbidden))
+        return finish(d)
+
+    # 4. Children: create what is missing (the token Secret is never rewritten).
     desired = _by_kind(render.render_all(job, obs.namespace, obs.uid))
     d = Decision("Pending", {})
     d.creates = [desired[k] for k in CHILD_KINDS if obs.children.get(k) is None]
@@ -269,7 +342,7 @@ def decide(obs: Observed, now: str) -> Decision:
     invalid = cond("InvalidSpec", bool(refused), "ImmutableFieldChanged" if refused else "SpecValid",
                    refused or "spec accepted")
 
-    # 4. Terminal states free the GPUs: the pool is scaled to zero.
+    # 5. Terminal states free the GPUs: the pool is scaled to zero.
     if succeeded or failed:
         if (sts.get("spec") or {}).get("replicas") != 0:
             d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": 0}}))
@@ -286,7 +359,7 @@ def decide(obs: Observed, now: str) -> Decision:
         ]
         return finish(d)
 
-    # 5. Scale the pool to the spec; resume the learner once every server is Ready.
+    # 6. Scale the pool to the spec; resume the learner once every server is Ready.
     if (sts.get("spec") or {}).get("replicas") != want:
         d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": want}}))
     pool_ready = want > 0 and ready >= want
@@ -296,7 +369,7 @@ def decide(obs: Observed, now: str) -> Decision:
         suspended = False
         status["startTime"] = now
 
-    # 6. Conditions: say what holds the job up, in words a person can act on.
+    # 7. Conditions: say what holds the job up, in words a person can act on.
     pool_msg = f"{ready}/{want} rollout servers Ready"
     pool_reason = "PoolReady" if pool_ready else "PoolNotReady"
     if not pool_ready:

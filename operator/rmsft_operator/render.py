@@ -30,6 +30,13 @@ GPU_RESOURCE = "nvidia.com/gpu"
 UID = 1000
 # Memory/emptyDir mounts every rollout and learner pod has (writable by the non-root user).
 WRITABLE_MOUNTS = ("/dev/shm", "/tmp")
+# spec.sync.transport shm: the learner writes each update once, as a file in a node-local memory
+# directory that every rollout server of the job mounts too; gRPC carries only a header naming it.
+SHARED_WEIGHTS_ENV = "RMSFT_SHARED_WEIGHTS_DIR"  # read by `rmsft train` and `rmsft serve`
+SHARED_WEIGHTS_VOLUME = "shared-weights"
+SHARED_WEIGHTS_MOUNT = "/rmsft-shared"
+SHARED_WEIGHTS_HOST_ROOT = "/dev/shm/rmsft"  # on the node; one directory per job below it
+HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 
 
 def names(job_name: str) -> dict[str, str]:
@@ -235,6 +242,63 @@ def _pod_common(job: RolloutMatchingJob) -> dict[str, Any]:
     return spec
 
 
+def shared_weights_host_path(namespace: str, job_name: str) -> str:
+    """The job's directory on the node (both parts are DNS labels, without dots: one per job)."""
+    return f"{SHARED_WEIGHTS_HOST_ROOT}/{namespace}.{job_name}"
+
+
+def _colocation(job_name: str) -> dict[str, Any]:
+    """Every pod of the job on one node: a file in the node's memory is seen on that node only.
+
+    One required term on both pod templates, matching any pod of the job (server or learner). The
+    first pod can schedule because the scheduler lets a pod whose required term matches no pod
+    yet go anywhere when the pod matches its own term; every later pod follows it: the other
+    servers, the learner (created suspended and resumed only once the pool is Ready, so the
+    servers are placed by then), a server added by a scale-up, a new server next to a learner
+    still running after the pool was scaled to zero. A preferred term would let servers spill onto
+    a second node when the first is full, where they could not open the learner's files; required
+    leaves such a pod Pending instead, and the RolloutReady condition quotes the scheduler.
+    """
+    return {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"labelSelector": {"matchLabels": {JOB_LABEL: job_name}}, "topologyKey": HOSTNAME_TOPOLOGY},
+    ]}}
+
+
+def _with_shared_weights(job: RolloutMatchingJob, namespace: str, pod: dict[str, Any], writer: bool) -> dict[str, Any]:
+    """The pod spec as sync.transport needs it: unchanged for grpc; for shm, the job's directory in
+    the node's /dev/shm (a hostPath: an emptyDir, even in memory, belongs to one pod), mounted at
+    SHARED_WEIGHTS_MOUNT and named by SHARED_WEIGHTS_ENV, and the pod bound to the job's node.
+    `writer`: the learner's pod, which writes the update files (the servers only read them). The
+    pod's own /dev/shm emptyDir stays as it is."""
+    if job.spec.sync.cluster_transport != "shm":
+        return pod
+    mount = {"name": SHARED_WEIGHTS_VOLUME, "mountPath": SHARED_WEIGHTS_MOUNT}
+    volume = {"name": SHARED_WEIGHTS_VOLUME, "hostPath": {
+        "path": shared_weights_host_path(namespace, job.metadata.name), "type": "DirectoryOrCreate"}}
+    (container,) = pod["containers"]
+    container = {**container, "env": [*container["env"], {"name": SHARED_WEIGHTS_ENV, "value": SHARED_WEIGHTS_MOUNT}],
+                 "volumeMounts": [*container["volumeMounts"], mount]}
+    pod = {**pod, "affinity": _colocation(job.metadata.name), "containers": [container],
+           "volumes": [*pod["volumes"], volume]}
+    if not writer:
+        return pod  # a directory made by the kubelet (root, 0755) or by the learner (below) is readable
+    # The kubelet creates a missing hostPath directory as root with mode 0755, and fsGroup does not
+    # reach hostPath volumes: without this the non-root learner could not write its files there.
+    owner = {
+        "name": "shared-weights-owner",
+        "image": job.spec.image.ref,
+        "imagePullPolicy": job.spec.image.pull_policy,
+        "command": ["sh", "-c", f"chown {UID}:{UID} {SHARED_WEIGHTS_MOUNT} && chmod 0770 {SHARED_WEIGHTS_MOUNT}"],
+        # Root, with only the two capabilities chown/chmod of a directory need (FOWNER: it is no
+        # longer root's once an earlier learner pod of the job ran this). The hostPath volume
+        # already needs a namespace at Pod Security level privileged, which admits it.
+        "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}},
+        "volumeMounts": [dict(mount)],
+    }
+    return {**pod, "initContainers": [owner]}
+
+
 def render_statefulset(job: RolloutMatchingJob, namespace: str, uid: str,
                        replicas: int | None = None) -> dict[str, Any]:
     name = job.metadata.name
@@ -265,7 +329,8 @@ def render_statefulset(job: RolloutMatchingJob, namespace: str, uid: str,
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     pod_labels = labels(name, "rollout")
-    pod_spec = {**_pod_common(job), "containers": [container], "volumes": volumes}
+    pod_spec = _with_shared_weights(job, namespace, {**_pod_common(job), "containers": [container],
+                                                     "volumes": volumes}, writer=False)
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -344,8 +409,9 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
                         "prometheus.io/port": str(lr.metrics_port),
                     },
                 },
-                "spec": {**_pod_common(job), "restartPolicy": "Never", "containers": [container],
-                         "volumes": volumes},
+                "spec": _with_shared_weights(job, namespace, {**_pod_common(job), "restartPolicy": "Never",
+                                                              "containers": [container], "volumes": volumes},
+                                             writer=True),
             },
         },
     }
@@ -362,8 +428,10 @@ def render_networkpolicy(job: RolloutMatchingJob, namespace: str, uid: str) -> d
             "podSelector": {"matchLabels": selector(name, "rollout")},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {   # gRPC (Generate, UpdateWeights, health) only from this job's learner pod
-                    "from": [{"podSelector": {"matchLabels": selector(name, "learner")}}],
+                {   # gRPC (Generate, UpdateWeights, health) only from this job's learner pod, and from
+                    # its other rollout pods: an update is relayed server to server (rollout_svc/relay.py)
+                    "from": [{"podSelector": {"matchLabels": selector(name, "learner")}},
+                             {"podSelector": {"matchLabels": selector(name, "rollout")}}],
                     "ports": [{"protocol": "TCP", "port": r.port}],
                 },
                 {   # metrics from the monitoring namespace

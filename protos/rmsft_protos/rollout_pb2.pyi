@@ -125,20 +125,44 @@ class GenerateResponse(_message.Message):
     def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class WeightHeader(_message.Message):
-    __slots__ = ("version", "mode", "tensor_count", "total_bytes", "adapter_config_json", "digest_algorithm")
+    __slots__ = ("version", "mode", "tensor_count", "total_bytes", "adapter_config_json", "digest_algorithm", "shared_file", "relay_to")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     DIGEST_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FILE_FIELD_NUMBER: _ClassVar[int]
+    RELAY_TO_FIELD_NUMBER: _ClassVar[int]
     version: int
     mode: SyncMode
     tensor_count: int
     total_bytes: int
     adapter_config_json: str
     digest_algorithm: DigestAlgorithm
-    def __init__(self, version: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, str]] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., adapter_config_json: _Optional[str] = ..., digest_algorithm: _Optional[_Union[DigestAlgorithm, str]] = ...) -> None: ...
+    shared_file: SharedFile
+    relay_to: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, str]] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., adapter_config_json: _Optional[str] = ..., digest_algorithm: _Optional[_Union[DigestAlgorithm, str]] = ..., shared_file: _Optional[_Union[SharedFile, _Mapping]] = ..., relay_to: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SharedFile(_message.Message):
+    __slots__ = ("path", "tensors")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    tensors: _containers.RepeatedCompositeFieldContainer[SharedTensor]
+    def __init__(self, path: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[SharedTensor, _Mapping]]] = ...) -> None: ...
+
+class SharedTensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "start")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    start: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ...) -> None: ...
 
 class TensorPiece(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "data")
@@ -171,16 +195,30 @@ class WeightChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., piece: _Optional[_Union[TensorPiece, _Mapping]] = ..., trailer: _Optional[_Union[WeightTrailer, _Mapping]] = ...) -> None: ...
 
 class UpdateReply(_message.Message):
-    __slots__ = ("version", "tensors_applied", "bytes_received", "apply_seconds")
+    __slots__ = ("version", "tensors_applied", "bytes_received", "apply_seconds", "relayed")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_APPLIED_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors_applied: int
     bytes_received: int
     apply_seconds: float
-    def __init__(self, version: _Optional[int] = ..., tensors_applied: _Optional[int] = ..., bytes_received: _Optional[int] = ..., apply_seconds: _Optional[float] = ...) -> None: ...
+    relayed: _containers.RepeatedCompositeFieldContainer[RelayOutcome]
+    def __init__(self, version: _Optional[int] = ..., tensors_applied: _Optional[int] = ..., bytes_received: _Optional[int] = ..., apply_seconds: _Optional[float] = ..., relayed: _Optional[_Iterable[_Union[RelayOutcome, _Mapping]]] = ...) -> None: ...
+
+class RelayOutcome(_message.Message):
+    __slots__ = ("address", "code", "message", "version")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    code: int
+    message: str
+    version: int
+    def __init__(self, address: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

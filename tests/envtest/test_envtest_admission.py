@@ -144,6 +144,7 @@ IMMUTABLE_EDITS = [
     ("spec.rollout.kvCacheBytes", 2**30, "spec.rollout.kvCacheBytes"),  # absent at creation, added now
     ("spec.rollout.tensorParallelSize", 2, "spec.rollout.tensorParallelSize"),
     ("spec.learner.gpus", 1, "spec.learner"),
+    ("spec.sync.transport", "grpc", "spec.sync"),  # the pods were placed for shm (one node, hostPath)
 ]
 
 

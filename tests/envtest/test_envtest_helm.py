@@ -127,6 +127,7 @@ def test_default_install(control_plane: ControlPlane, install: Any) -> None:
     assert _can(cp, token, "/apis/rmsft.io/v1alpha1/rolloutmatchingjobs") == 200
     assert _can(cp, token, "/apis/apps/v1/namespaces/default/statefulsets") == 200
     assert _can(cp, token, "/api/v1/namespaces") == 200  # kopf's cluster scanning
+    assert _can(cp, token, "/api/v1/namespaces/default") == 200  # a job's Pod Security level (shm)
     assert _can(cp, token, "/api/v1/namespaces/default/secrets") == 403  # get/create only, no list
     status, body = cp.request("DELETE", "/api/v1/namespaces/default/configmaps/kube-root-ca.crt", token=token)
     assert status == 403, body
@@ -165,6 +166,10 @@ def test_all_features_install(control_plane: ControlPlane, install: Any) -> None
     for ns in watched:
         assert _can(cp, token, f"/apis/rmsft.io/v1alpha1/namespaces/{ns}/rolloutmatchingjobs") == 200
         assert _can(cp, token, f"/apis/batch/v1/namespaces/{ns}/jobs") == 200
+        # A Role's `namespaces: get` reaches its own namespace object: the Pod Security level of an
+        # shm job's namespace can be read without any cluster-wide right.
+        assert _can(cp, token, f"/api/v1/namespaces/{ns}") == 200
+    assert _can(cp, token, "/api/v1/namespaces/default") == 403
     assert _can(cp, token, "/apis/rmsft.io/v1alpha1/namespaces/default/rolloutmatchingjobs") == 403
     assert _can(cp, token, "/apis/rmsft.io/v1alpha1/rolloutmatchingjobs") == 403
     assert _can(cp, token, "/api/v1/namespaces") == 403

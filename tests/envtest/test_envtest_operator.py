@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 from controlplane import ControlPlane, free_port
+from rmsft_operator import render
 from rmsft_operator.kube import RESOURCES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -210,6 +211,11 @@ def test_children_owner_references_and_suspended_learner(control_plane: ControlP
     pods = cp.wait_for(lambda: _bound(_pods(cp, "alpha", "rollout"), 6), 60, "6 rollout pods scheduled")
     assert all(p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1" for p in pods)
     assert all(p["spec"]["automountServiceAccountToken"] is False for p in pods)
+    # The reference job syncs through shm: Pod Security admission (privileged here, the default)
+    # let the hostPath pods through, and the real scheduler put all six on one of the three nodes.
+    assert len({p["spec"]["nodeName"] for p in pods}) == 1, [p["spec"]["nodeName"] for p in pods]
+    shared = next(v for v in pods[0]["spec"]["volumes"] if v["name"] == render.SHARED_WEIGHTS_VOLUME)
+    assert shared["hostPath"]["path"] == f"/dev/shm/rmsft/{JOBS_NS}.alpha"
     assert not _pods(cp, "alpha", "learner")  # suspended: no learner pod yet
     cr = _wait_cr(cp, operator, "alpha", lambda c: (c.get("status") or {}).get("phase") == "Pending", "Pending")
     assert _cond(cr, "LearnerRunning")["reason"] == "Suspended"
@@ -230,6 +236,9 @@ def test_pool_ready_resumes_learner_then_complete_scales_pool_to_zero(control_pl
     assert _child(cp, "Job", "alpha-learner")["spec"]["suspend"] is False
     args = learner["spec"]["containers"][0]["args"]
     assert args[-2:] == ["--servers-file", "/etc/rmsft/servers"]
+    # shm: the learner followed the pool to its node (the last 2 of its 8 GPUs).
+    pool_nodes = {p["spec"]["nodeName"] for p in _pods(cp, "alpha", "rollout")}
+    assert pool_nodes == {learner["spec"]["nodeName"]}, (pool_nodes, learner["spec"]["nodeName"])
 
     cp.set_pod_phase(JOBS_NS, learner["metadata"]["name"], "Running")
     cr = _wait_cr(cp, operator, "alpha", lambda c: c["status"]["phase"] == "Running", "Running")
@@ -297,8 +306,9 @@ def test_pods_refused_by_pod_security_are_named_in_a_condition(control_plane: Co
     cp = control_plane
     ns = "restricted-team"
     cp.create_namespace(ns, labels={"pod-security.kubernetes.io/enforce": "baseline"})
+    # grpc: this is about pods refused at creation (for the model's hostPath), which shm would not reach.
     doc = _manifest("echo", **{"model.volume": {"hostPath": "/srv/models", "mountPath": "/models"},
-                               "learner.checkpointClaim": None})
+                               "learner.checkpointClaim": None, "sync.transport": "grpc"})
     doc["spec"]["learner"].pop("checkpointClaim")
     doc["metadata"]["namespace"] = ns
     _apply(cp, doc)
@@ -310,6 +320,44 @@ def test_pods_refused_by_pod_security_are_named_in_a_condition(control_plane: Co
     events = cp.ok("GET", f"/api/v1/namespaces/{ns}/events")["items"]
     assert any(e["reason"] == "CheckpointsEphemeral" and e["involvedObject"]["name"] == "echo" for e in events)
     cp.kubectl("delete", "rolloutmatchingjob", "echo", "-n", ns, "--wait=false")
+
+
+def test_shm_in_a_namespace_that_forbids_hostpath_gets_a_condition_not_children(control_plane: ControlPlane,
+                                                                                 operator: Operator) -> None:
+    cp = control_plane
+    ns = "baseline-team"
+    cp.create_namespace(ns, labels={"pod-security.kubernetes.io/enforce": "baseline"})
+    doc = _manifest("hotel")  # the reference job: sync.transport shm
+    for section, key in (("model", "volume"), ("learner", "checkpointClaim")):
+        doc["spec"][section].pop(key)  # no claims in this namespace
+    doc["metadata"]["namespace"] = ns
+    _apply(cp, doc)
+    cr = _wait_cr_ns(cp, operator, ns, "hotel",
+                     lambda c: _cond(c, "RolloutReady").get("reason") == "SharedMemoryForbidden",
+                     "a SharedMemoryForbidden condition")
+    msg = _cond(cr, "RolloutReady")["message"]
+    assert "spec.sync.transport" in msg and "pod-security.kubernetes.io/enforce=baseline" in msg, msg
+    assert cr["status"]["phase"] == "Pending" and cr["status"]["message"] == msg
+    assert _cond(cr, "LearnerRunning")["reason"] == "SharedMemoryForbidden"
+    cp.wait_for(lambda: any(e["reason"] == "SharedMemoryForbidden" and e["type"] == "Warning"
+                            and e["involvedObject"]["name"] == "hotel"
+                            for e in cp.ok("GET", f"/api/v1/namespaces/{ns}/events")["items"]),
+                30, "a SharedMemoryForbidden Warning event")
+    for kind, child in (("StatefulSet", "hotel-rollout"), ("Job", "hotel-learner"), ("ConfigMap", "hotel-config")):
+        prefix, plural = KINDS[kind]
+        assert cp.get(f"{prefix}/namespaces/{ns}/{plural}/{child}") is None, f"{kind} created"
+    # The level is read on every pass: relabelled, the namespace admits the pods, all on one node.
+    cp.ok("PATCH", f"/api/v1/namespaces/{ns}",
+          {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "privileged"}}})
+    pods = cp.wait_for(lambda: _bound(cp.pods(ns, "rmsft.io/job=hotel,app.kubernetes.io/component=rollout"), 6),
+                       60, "6 rollout pods scheduled after the relabel")
+    assert len({p["spec"]["nodeName"] for p in pods}) == 1
+    _wait_cr_ns(cp, operator, ns, "hotel", lambda c: _cond(c, "RolloutReady").get("reason") == "PoolNotReady",
+                "the normal conditions back")
+    cp.kubectl("delete", "rolloutmatchingjob", "hotel", "-n", ns, "--wait=false")
+    cp.wait_for(lambda: cp.reap_terminating_pods(ns) is not None
+                and not cp.pods(ns, "rmsft.io/job=hotel,app.kubernetes.io/component=rollout"), 60,
+                "the pool's pods gone (their GPUs free for the next tests)")
 
 
 def _wait_cr_ns(cp: ControlPlane, op: Operator, ns: str, name: str, pred: Any, what: str,

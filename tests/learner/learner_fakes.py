@@ -19,7 +19,7 @@ import grpc
 import torch
 from rmsft_protos import rollout_pb2, rollout_pb2_grpc
 
-from rmsft.weights_wire import ADAPTER, StreamReader, WireError, torch_dtype
+from rmsft.weight_wire import ADAPTER, StreamReader, WireError, torch_dtype
 from rollout_svc.prompts import sample_seed
 from rollout_svc.server import GENERATE_RECEIVE_BYTES
 
@@ -137,8 +137,10 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
         buf = bytearray()
         biggest = 0
         pieces = 0
+        received: list[rollout_pb2.WeightChunk] = []  # kept to relay them, as a real server does
         try:
             for chunk in request_iterator:
+                received.append(chunk)
                 if chunk.WhichOneof("kind") == "piece":
                     biggest = max(biggest, len(chunk.piece.data))
                     pieces = pieces + 1
@@ -166,8 +168,35 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
             self.active_adapter = f"adapter-v{self.version}" if reader.header.mode == ADAPTER else ""
             self.events.append(f"update:{reader.header.version}")
         return rollout_pb2.UpdateReply(
-            version=reader.header.version, tensors_applied=len(tensors), bytes_received=reader.received_bytes
+            version=reader.header.version, tensors_applied=len(tensors), bytes_received=reader.received_bytes,
+            relayed=self._relay(received, context),
         )
+
+    def _relay(self, chunks: list[rollout_pb2.WeightChunk], context) -> list[rollout_pb2.RelayOutcome]:
+        """Forward the whole stream to header.relay_to, one server after the other (the real server
+        forwards while it receives: rollout_svc/relay.py; the outcomes have the same shape)."""
+        from rmsft.weight_wire.outcomes import outcome_of_error, relayed_from_error
+
+        targets = list(chunks[0].header.relay_to)
+        md = (("authorization", f"Bearer {self.token}"),) if self.token else ()
+        out: list[rollout_pb2.RelayOutcome] = []
+        while targets:
+            address, rest = targets[0], targets[1:]
+            header = rollout_pb2.WeightChunk()
+            header.CopyFrom(chunks[0])
+            del header.header.relay_to[:]
+            header.header.relay_to.extend(rest)
+            with grpc.insecure_channel(address) as channel:
+                stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+                try:
+                    reply = stub.UpdateWeights(iter([header, *chunks[1:]]), timeout=60, metadata=md)
+                    got = [rollout_pb2.RelayOutcome(address=address, version=reply.version), *reply.relayed]
+                except grpc.RpcError as e:
+                    got = [outcome_of_error(address, e), *relayed_from_error(e)]
+            out += got
+            covered = {o.address for o in got}
+            targets = [a for a in rest if a not in covered]
+        return out
 
     def GetStatus(self, request, context):  # noqa: N802
         self._auth(context)

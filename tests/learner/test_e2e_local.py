@@ -20,6 +20,7 @@ from learner.rollout_client import RolloutRequest
 from learner.synthetic import write_synthetic_dataset
 from learner.trainer import Trainer
 from rmsft.jobspec import parse_job
+from rmsft.weight_wire import SHARED_DIR_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -28,7 +29,13 @@ PROMPTS_PER_STEP = 2
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared-weights dir of transport shm (servers take both transports)."""
+    return tmp_path_factory.mktemp("shared-weights")
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, shared_dir: Path):
     from concurrent.futures import ThreadPoolExecutor
 
     from rollout_svc.launcher import RolloutServer
@@ -37,7 +44,7 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     with ThreadPoolExecutor(2) as pool:
         futs = [
             pool.submit(RolloutServer.start, tiny_model_dir, enable_lora=True, max_lora_rank=16, max_model_len=1024,
-                        dtype="float32", log_path=logs / f"rollout-{i}.log")
+                        dtype="float32", log_path=logs / f"rollout-{i}.log", env={SHARED_DIR_ENV: str(shared_dir)})
             for i in range(2)
         ]
         started = [f.result() for f in futs]
@@ -107,10 +114,30 @@ def _run_and_check(trainer: Trainer, steps: int) -> None:
     assert _greedy_servers(trainer, prompts) == _greedy_hf(trainer, prompts)
 
 
-def test_adapter_mode_20_steps(servers, tiny_model_dir: Path, data_path: Path, tmp_path: Path) -> None:
-    trainer = Trainer(make_job(tiny_model_dir, data_path, tmp_path, mode="adapter"), [s.address for s in servers])
+@pytest.fixture(params=["grpc", "shm"])
+def transport(request, shared_dir: Path, monkeypatch) -> str:
+    """Both weight-sync transports: grpc (the learner's stream relayed server to server) and shm
+    (one file in the shared dir, which the learner finds as `rmsft local` and the operator give it)."""
+    if request.param == "shm":
+        monkeypatch.setenv(SHARED_DIR_ENV, str(shared_dir))
+    else:
+        monkeypatch.delenv(SHARED_DIR_ENV, raising=False)
+    return request.param
+
+
+def _sync_spec(job, transport: str):
+    job.spec.sync.transport = transport
+    return job
+
+
+def test_adapter_mode_20_steps(servers, tiny_model_dir: Path, data_path: Path, tmp_path: Path, transport,
+                               shared_dir: Path) -> None:
+    job = _sync_spec(make_job(tiny_model_dir, data_path, tmp_path, mode="adapter"), transport)
+    trainer = Trainer(job, [s.address for s in servers])
     try:
+        assert trainer.sync_client.transport == transport
         _run_and_check(trainer, 20)
+        assert list(shared_dir.iterdir()) == []  # every update file removed once the servers answered
         assert trainer.sync_client.forced_full_reason is None  # really ran as ADAPTER
         statuses = [trainer.pool.status(s) for s in trainer.pool.servers]
         assert all(st.active_adapter for st in statuses)
@@ -118,10 +145,14 @@ def test_adapter_mode_20_steps(servers, tiny_model_dir: Path, data_path: Path, t
         trainer.close()
 
 
-def test_full_mode_20_steps(servers, tiny_model_dir: Path, data_path: Path, tmp_path: Path) -> None:
-    trainer = Trainer(make_job(tiny_model_dir, data_path, tmp_path, mode="full"), [s.address for s in servers])
+def test_full_mode_20_steps(servers, tiny_model_dir: Path, data_path: Path, tmp_path: Path, transport,
+                            shared_dir: Path) -> None:
+    job = _sync_spec(make_job(tiny_model_dir, data_path, tmp_path, mode="full"), transport)
+    trainer = Trainer(job, [s.address for s in servers])
     try:
+        assert trainer.sync_client.transport == transport
         _run_and_check(trainer, 20)
+        assert list(shared_dir.iterdir()) == []
         assert all(not trainer.pool.status(s).active_adapter for s in trainer.pool.servers)
     finally:
         trainer.close()

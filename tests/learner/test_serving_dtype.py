@@ -10,12 +10,11 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-from concurrent import futures
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
+from hf_servers import InProcessServer
 from learner_fakes import FakeEngine, FakeServer
 
 from learner.servers import ServerPool
@@ -108,37 +107,12 @@ def test_bf16_serving_sends_half_the_bytes_of_fp32(fp32_lora, tiny_model_dir: Pa
 
 
 # -- the rollout server accepts the dtype it serves in --------------------------------------------
-class _InProcessServer:
-    """`RolloutServicer` + HF engine behind a real gRPC server on loopback, as `rmsft serve
-    --backend hf --dtype <dtype>` registers it."""
-
-    def __init__(self, model_dir: Path, staging: Path, dtype: str) -> None:
-        from rollout_svc.config import ServeConfig
-        from rollout_svc.hf_engine import HfEngine
-        from rollout_svc.server import add_rollout_service
-        from rollout_svc.servicer import RolloutServicer
-
-        staging.mkdir(parents=True, exist_ok=True)
-        cfg = ServeConfig(model=str(model_dir), backend="hf", dtype=dtype, staging_dir=str(staging))
-        self.servicer = RolloutServicer(cfg)
-        self.engine = HfEngine(cfg)
-        self.servicer.attach(self.engine)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        add_rollout_service(self.servicer, self.server)
-        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
-        self.server.start()
-
-    def close(self) -> None:
-        self.server.stop(None).wait()
-        self.servicer.close()
-
-
 @pytest.fixture
 def hf_server(tiny_model_dir: Path, tmp_path: Path):
-    made: list[_InProcessServer] = []
+    made: list[InProcessServer] = []
 
-    def start(dtype: str) -> _InProcessServer:
-        made.append(_InProcessServer(tiny_model_dir, tmp_path / f"stage-{len(made)}", dtype))
+    def start(dtype: str) -> InProcessServer:
+        made.append(InProcessServer(tiny_model_dir, tmp_path / f"stage-{len(made)}", dtype=dtype))
         return made[-1]
 
     yield start

@@ -46,7 +46,15 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("privileged-port", {"spec.rollout.port": 80}, ["spec.rollout.port"]),
     ("same-ports", {"spec.rollout.port": 9090}, ["spec.rollout.port"]),
     ("sync-mode-enum", {"spec.sync.mode": "nccl"}, ["spec.sync.mode"]),
-    ("gpu-budget-dp", {"spec.rollout.replicas": 7}, ["spec.placement.gpusPerNode", "spec.rollout.replicas"]),
+    ("gpu-budget-dp", {"spec.rollout.replicas": 7, "spec.sync.transport": "grpc"},
+     ["spec.placement.gpusPerNode", "spec.rollout.replicas"]),
+    # An shm job must fit one node (gpusPerNode); the refusal names the transport.
+    ("shm-pool-too-big", {"spec.sync.transport": "shm", "spec.rollout.replicas": 7},
+     ["spec.sync.transport", "spec.placement.gpusPerNode"]),
+    ("shm-tp-too-big", {"spec.sync.transport": "shm", "spec.rollout.replicas": 3,
+                        "spec.rollout.tensorParallelSize": 2, "spec.learner.gpus": 4},
+     ["spec.sync.transport", "spec.placement.gpusPerNode"]),
+    ("sync-transport-enum", {"spec.sync.transport": "rdma"}, ["spec.sync.transport"]),
     ("gpu-budget-tp", {"spec.rollout.replicas": 2, "spec.rollout.tensorParallelSize": 4},
      ["spec.placement.gpusPerNode"]),
     ("cpu-learner-gpus", {"spec.placement.accelerator": "none"}, ["spec.learner.gpus"]),
@@ -141,13 +149,24 @@ def _assert_subset(crd: Any, model: Any, where: str) -> None:
         assert crd == model, f"{where}: CRD gives {crd!r}, model gives {model!r}"
 
 
+def test_shm_on_cpus_is_left_to_the_scheduler() -> None:
+    # No GPU count to check on CPU pods: the pod affinity keeps them on one node, and a pod that
+    # does not fit is named in RolloutReady (Unschedulable).
+    doc = yaml.safe_load((ROOT / "configs/job-kind-cpu.yaml").read_text())
+    doc["spec"]["sync"]["transport"] = "shm"
+    doc["spec"]["rollout"]["replicas"] = 12
+    assert admit(doc) == []
+    assert parse_job(doc).spec.sync.cluster_transport == "shm"
+
+
 def test_replicas_may_change_everything_else_is_immutable() -> None:
     old = _base()
     scaled = copy.deepcopy(old)
     scaled["spec"]["rollout"]["replicas"] = 4
     assert admit(scaled, old=old) == []
     for dotted, value in [("spec.training.lr", 0.001), ("spec.rollout.tensorParallelSize", 2),
-                          ("spec.model.path", "/models/other"), ("spec.learner.gpus", 1)]:
+                          ("spec.model.path", "/models/other"), ("spec.learner.gpus", 1),
+                          ("spec.sync.transport", "grpc")]:
         edited = copy.deepcopy(old)
         _set(edited, dotted, value)
         errors = admit(edited, old=old)

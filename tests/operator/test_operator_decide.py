@@ -10,7 +10,16 @@ from typing import Any
 import pytest
 import yaml
 from rmsft_operator import render
-from rmsft_operator.reconcile import CHILD_KINDS, Decision, Observed, Patch, decide
+from rmsft_operator.reconcile import (
+    CHILD_KINDS,
+    PSA_ENFORCE_LABEL,
+    Decision,
+    Observed,
+    Patch,
+    decide,
+    observe,
+    shared_memory_refusal,
+)
 
 from rmsft.jobspec import parse_job
 
@@ -54,6 +63,7 @@ class World:
     learner_pods: list[dict[str, Any]] = field(default_factory=list)
     failed_creates: dict[str, str] = field(default_factory=dict)
     status: dict[str, Any] = field(default_factory=dict)
+    namespace_labels: dict[str, str] | None = None  # read by observe for shm jobs only
 
     def observed(self) -> Observed:
         kids: dict[str, dict[str, Any] | None] = {k: None for k in CHILD_KINDS}
@@ -66,7 +76,7 @@ class World:
             kids["Job"]["spec"]["suspend"] = self.suspended
             kids["Job"]["status"] = self.job_status
         return Observed(NAME, NS, UID, 1, copy.deepcopy(self.spec), self.status, kids, self.rollout_pods,
-                        self.learner_pods, self.failed_creates)
+                        self.learner_pods, self.failed_creates, namespace_labels=self.namespace_labels)
 
 
 def _cond(d: Decision, ctype: str) -> dict[str, Any]:
@@ -212,3 +222,116 @@ def test_decide_is_a_fixed_point_once_status_is_written() -> None:
     again = decide(replace(world.observed(), status=first.status), "2026-11-23T11:00:00Z")
     assert again.status == first.status
     assert not any(e[1].startswith("Phase") for e in again.events)
+
+
+# ------------------------------------------------------------------------ sync.transport shm
+
+
+def _psa(level: str | None) -> dict[str, str]:
+    return {"kubernetes.io/metadata.name": NS, **({PSA_ENFORCE_LABEL: level} if level else {})}
+
+
+SHM = {"sync.transport": "shm"}
+
+# (id, world, refused?): a namespace whose Pod Security level refuses hostPath volumes gets no
+# children for an shm job; any other combination goes on as usual.
+SHM_TABLE: list[tuple[str, World, bool]] = [
+    ("shm-baseline", World(spec=_spec(**SHM), exists=(), namespace_labels=_psa("baseline")), True),
+    ("shm-restricted", World(spec=_spec(**SHM), exists=(), namespace_labels=_psa("restricted")), True),
+    ("shm-privileged", World(spec=_spec(**SHM), exists=(), namespace_labels=_psa("privileged")), False),
+    # no label: the cluster's default level, which the operator cannot see (FailedCreate names a refusal)
+    ("shm-unlabelled", World(spec=_spec(**SHM), exists=(), namespace_labels=_psa(None)), False),
+    ("shm-namespace-unreadable", World(spec=_spec(**SHM), exists=(), namespace_labels=None), False),
+    ("grpc-baseline", World(spec=_spec(**{"sync.transport": "grpc"}), exists=(),
+                            namespace_labels=_psa("baseline")), False),
+    ("auto-baseline", World(exists=(), namespace_labels=_psa("baseline")), False),  # auto = grpc in a cluster
+]
+
+
+@pytest.mark.parametrize("case", SHM_TABLE, ids=[c[0] for c in SHM_TABLE])
+def test_shm_in_a_namespace_that_refuses_hostpath_creates_nothing(case: tuple[str, World, bool]) -> None:
+    _, world, refused = case
+    d = decide(world.observed(), NOW)
+    assert d.phase == "Pending"
+    if not refused:
+        assert [o["kind"] for o in d.creates] == list(CHILD_KINDS)
+        assert _cond(d, "RolloutReady")["reason"] == "PoolNotReady"
+        return
+    assert d.creates == [] and d.patches == []
+    for ctype in ("RolloutReady", "LearnerRunning"):
+        c = _cond(d, ctype)
+        assert (c["status"], c["reason"]) == ("False", "SharedMemoryForbidden")
+    msg = d.status["message"]
+    assert msg == _cond(d, "RolloutReady")["message"]
+    level = world.namespace_labels[PSA_ENFORCE_LABEL]
+    for words in ("spec.sync.transport", "hostPath", f"{PSA_ENFORCE_LABEL}={level}", f"namespace {NS}",
+                  "spec.sync.transport: grpc", "privileged", f"/dev/shm/rmsft/{NS}.{NAME}"):
+        assert words in msg, (words, msg)
+    assert _cond(d, "InvalidSpec")["status"] == "False"
+    assert not any(e[1] == "CheckpointsEphemeral" for e in d.events)  # no learner is on its way
+    assert d.events == [("Warning", "SharedMemoryForbidden", msg), ("Normal", "PhasePending", msg)]
+    # Level-triggered: the same world again writes nothing new; relabelled, the next pass creates.
+    again = decide(replace(world.observed(), status=d.status), "2026-11-23T11:00:00Z")
+    assert again.status == d.status and again.events == []
+    relabelled = decide(replace(world.observed(), status=d.status, namespace_labels=_psa("privileged")), NOW)
+    assert [o["kind"] for o in relabelled.creates] == list(CHILD_KINDS)
+    assert _cond(relabelled, "RolloutReady")["reason"] == "PoolNotReady"
+
+
+def test_shm_job_already_running_when_the_namespace_is_relabelled_keeps_running() -> None:
+    world = World(spec=_spec(**SHM), ready=2, suspended=False, job_status={"active": 1, "ready": 1},
+                  learner_pods=[_pod("learner", "l-1", "Running")], namespace_labels=_psa("baseline"))
+    d = decide(world.observed(), NOW)
+    assert d.phase == "Running" and _cond(d, "RolloutReady")["reason"] == "PoolReady"
+
+
+def test_shared_memory_refusal_names_nothing_for_grpc() -> None:
+    job = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
+                     "metadata": {"name": NAME}, "spec": _spec(**{"sync.transport": "grpc"})})
+    assert shared_memory_refusal(job, NS, _psa("restricted")) == ""
+
+
+def test_a_key_added_to_the_schema_after_the_job_was_applied_is_not_an_edit() -> None:
+    # A job applied by an operator that predates spec.sync.transport: its ConfigMap's manifest (and
+    # the hash beside it) has no such key, the CR read back through today's CRD has the default.
+    world = World(ready=1)
+    obs = world.observed()
+    cm = copy.deepcopy(obs.children["ConfigMap"])
+    manifest = yaml.safe_load(cm["data"][render.CONFIG_KEY])
+    del manifest["spec"]["sync"]["transport"]
+    cm["data"][render.CONFIG_KEY] = yaml.safe_dump(manifest)
+    cm["metadata"]["annotations"][render.SPEC_HASH_ANNOTATION] = render.spec_hash(manifest["spec"])
+    d = decide(replace(obs, children={**obs.children, "ConfigMap": cm}), NOW)
+    inv = _cond(d, "InvalidSpec")
+    assert (inv["status"], inv["reason"]) == ("False", "SpecValid")
+    # ...while a real edit next to it is still refused, naming only the edited key.
+    edited = replace(obs, children={**obs.children, "ConfigMap": cm}, spec=_spec(**{"training.lr": 0.5}))
+    inv = _cond(decide(edited, NOW), "InvalidSpec")
+    assert inv["status"] == "True" and inv["message"].startswith("spec.training.lr cannot change")
+
+
+class _Reads:
+    """Just enough of `Kube` for `observe`: nothing exists yet; namespace reads are counted."""
+
+    def __init__(self) -> None:
+        self.namespaces: list[str] = []
+
+    def get(self, kind: str, namespace: str, name: str) -> None:
+        return None
+
+    def namespace_labels(self, name: str) -> dict[str, str]:
+        self.namespaces.append(name)
+        return _psa("baseline")
+
+
+@pytest.mark.parametrize("transport,reads", [("shm", True), ("grpc", False), ("auto", False)])
+def test_observe_reads_the_namespace_for_shm_jobs_only(transport: str, reads: bool) -> None:
+    kube = _Reads()
+    body = {"metadata": {"name": NAME, "namespace": NS, "uid": UID}, "spec": _spec(**{"sync.transport": transport})}
+    obs = observe(kube, body)  # type: ignore[arg-type]
+    assert kube.namespaces == ([NS] if reads else [])
+    assert obs.namespace_labels == (_psa("baseline") if reads else None)
+    # An invalid spec costs no read either (decide reports it; nothing will be created).
+    kube = _Reads()
+    observe(kube, {"metadata": {"name": NAME, "namespace": NS}, "spec": {"sync": {"transport": "shm"}}})  # type: ignore[arg-type]
+    assert kube.namespaces == []

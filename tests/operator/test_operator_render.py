@@ -3,6 +3,7 @@ what the issue asks for (GPUs, probes, shm, security, owner references, suspende
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import kubernetes_validate
@@ -91,11 +92,13 @@ def test_cpu_job_requests_no_gpus() -> None:
         assert "nvidia.com/gpu" not in res.get("limits", {}) and "nvidia.com/gpu" not in res.get("requests", {})
 
 
-def test_network_policy_admits_only_learner_to_grpc_and_monitoring_to_metrics() -> None:
+def test_network_policy_admits_only_learner_and_peers_to_grpc_and_monitoring_to_metrics() -> None:
     np = _by_kind("configs/job.yaml")["NetworkPolicy"]["spec"]
     assert np["podSelector"]["matchLabels"] == render.selector("qwen3vl-det", "rollout")
     grpc, metrics = np["ingress"]
-    assert grpc["from"] == [{"podSelector": {"matchLabels": render.selector("qwen3vl-det", "learner")}}]
+    # the learner, and the job's other rollout pods (an update is relayed server to server)
+    assert grpc["from"] == [{"podSelector": {"matchLabels": render.selector("qwen3vl-det", "learner")}},
+                            {"podSelector": {"matchLabels": render.selector("qwen3vl-det", "rollout")}}]
     assert grpc["ports"] == [{"protocol": "TCP", "port": 50051}]
     assert metrics["from"][0]["namespaceSelector"]["matchLabels"] == {
         "kubernetes.io/metadata.name": "monitoring"}
@@ -187,3 +190,105 @@ def test_checkpoint_dir_is_writable_without_a_claim() -> None:
     assert not any(v["name"] == "checkpoints" for v in pod["volumes"])
     mounts = [m["mountPath"] for m in pod["containers"][0]["volumeMounts"]]
     assert len(mounts) == len(set(mounts))
+
+
+def _pods(doc: dict) -> dict[str, dict]:
+    """role -> pod template (spec and labels) of the StatefulSet and the learner Job."""
+    objs = {o["kind"]: o for o in render.render_all(parse_job(doc), "team-a", "0000-uid", token="t")}
+    return {"rollout": objs["StatefulSet"]["spec"]["template"], "learner": objs["Job"]["spec"]["template"]}
+
+
+def _reference(transport: str | None) -> dict:
+    doc = yaml.safe_load((ROOT / "configs/job.yaml").read_text())
+    if transport is None:
+        doc["spec"]["sync"].pop("transport", None)
+    else:
+        doc["spec"]["sync"]["transport"] = transport
+    return doc
+
+
+def test_shm_shares_one_node_memory_directory_between_learner_and_servers() -> None:
+    job = parse_job(_reference("shm"))
+    assert job.spec.sync.cluster_transport == "shm"
+    host_path = "/dev/shm/rmsft/team-a.qwen3vl-det"
+    assert render.shared_weights_host_path("team-a", "qwen3vl-det") == host_path
+    for role, template in _pods(_reference("shm")).items():
+        pod, c = template["spec"], template["spec"]["containers"][0]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes[render.SHARED_WEIGHTS_VOLUME] == {
+            "name": render.SHARED_WEIGHTS_VOLUME, "hostPath": {"path": host_path, "type": "DirectoryOrCreate"}}
+        assert volumes["dshm"]["emptyDir"]["medium"] == "Memory", role  # the pod's own /dev/shm stays
+        assert {"name": render.SHARED_WEIGHTS_VOLUME, "mountPath": render.SHARED_WEIGHTS_MOUNT} in c["volumeMounts"]
+        assert {"name": "RMSFT_SHARED_WEIGHTS_DIR", "value": "/rmsft-shared"} in c["env"], role
+        # Every pod of the job on the node of the first one placed: the term matches both roles'
+        # labels (the learner follows the servers, a server follows the others or the learner).
+        (term,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        assert term["labelSelector"]["matchLabels"].items() <= template["metadata"]["labels"].items(), role
+        assert term["labelSelector"]["matchLabels"] == {render.JOB_LABEL: "qwen3vl-det"}
+        assert pod["securityContext"]["runAsNonRoot"] is True and "runAsUser" not in c.get("securityContext", {})
+        if role == "rollout":  # the servers only read the learner's files
+            assert "initContainers" not in pod
+            continue
+        # The kubelet makes the directory root's: in the learner's pod (the writer) a root init
+        # container with CHOWN/FOWNER only hands it to the non-root user before the learner starts.
+        (init,) = pod["initContainers"]
+        assert init["volumeMounts"] == [{"name": render.SHARED_WEIGHTS_VOLUME, "mountPath": "/rmsft-shared"}]
+        assert f"chown {render.UID}:{render.UID} /rmsft-shared" in init["command"][-1]
+        assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+        assert init["securityContext"]["allowPrivilegeEscalation"] is False
+        assert init["image"] == c["image"]
+    # The shm pods still pass the Kubernetes schemas.
+    for obj in render.render_all(job, "team-a", "0000-uid"):
+        kubernetes_validate.validate(obj, "1.32", strict=True)
+
+
+def _without_shared_weights(template: dict) -> dict:
+    pod = copy.deepcopy(template["spec"])
+    del pod["affinity"]
+    pod.pop("initContainers", None)  # the learner's only
+    pod["volumes"] = [v for v in pod["volumes"] if v["name"] != render.SHARED_WEIGHTS_VOLUME]
+    c = pod["containers"][0]
+    c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] != render.SHARED_WEIGHTS_VOLUME]
+    c["env"] = [e for e in c["env"] if e["name"] != render.SHARED_WEIGHTS_ENV]
+    return pod
+
+
+def test_grpc_renders_what_it_always_did_and_shm_only_adds_the_shared_directory() -> None:
+    def objects(doc: dict) -> list[dict]:
+        objs = render.render_all(parse_job(doc), "team-a", "0000-uid", token="t")
+        for o in objs:  # the ConfigMap carries the manifest itself, transport included
+            if o["kind"] == "ConfigMap":
+                o["data"].pop("job.yaml")
+                o["metadata"].pop("annotations")
+        return objs
+
+    # auto is grpc in a cluster: a job that never names the transport renders as before it existed.
+    grpc = objects(_reference("grpc"))
+    assert objects(_reference(None)) == grpc == objects(_reference("auto"))
+    for kind in ("StatefulSet", "Job"):
+        pod = next(o for o in grpc if o["kind"] == kind)["spec"]["template"]["spec"]
+        assert "affinity" not in pod and "initContainers" not in pod
+        assert not any("hostPath" in v for v in pod["volumes"])
+        assert not any(e["name"] == render.SHARED_WEIGHTS_ENV for e in pod["containers"][0]["env"])
+    # shm = grpc plus the volume, mount, env, init container and affinity; nothing else moves.
+    shm, by_kind = _pods(_reference("shm")), {o["kind"]: o for o in grpc}
+    assert _without_shared_weights(shm["rollout"]) == by_kind["StatefulSet"]["spec"]["template"]["spec"]
+    assert _without_shared_weights(shm["learner"]) == by_kind["Job"]["spec"]["template"]["spec"]
+    shm_objs = {o["kind"]: o for o in objects(_reference("shm"))}
+    for kind in ("Secret", "ConfigMap", "Service", "NetworkPolicy"):
+        assert shm_objs[kind] == by_kind[kind], kind  # same Service/NetworkPolicy: gRPC still carries the header
+
+
+@pytest.mark.parametrize("transport,local,cluster", [("auto", "shm", "grpc"), ("grpc", "grpc", "grpc"),
+                                                     ("shm", "shm", "shm")])
+def test_effective_transport(transport: str, local: str, cluster: str) -> None:
+    sync = parse_job(_reference(transport)).spec.sync
+    assert (sync.local_transport, sync.cluster_transport) == (local, cluster)
+
+
+def test_shared_weights_env_is_the_one_learner_and_servers_read() -> None:
+    # render keeps its own copy: the operator image imports no part of the weight-sync data path.
+    from rmsft.weight_wire import SHARED_DIR_ENV
+
+    assert render.SHARED_WEIGHTS_ENV == SHARED_DIR_ENV == "RMSFT_SHARED_WEIGHTS_DIR"

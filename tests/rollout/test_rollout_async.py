@@ -20,8 +20,7 @@ from rollout_svc_helpers import Ref, generate, hf_greedy, hf_model, metric, rand
 
 from learner.rollout_client import RolloutClient, RolloutRequest
 from learner.servers import ServerPool
-from rmsft.weights_wire import FULL
-from rmsft.wire_encode import iter_weight_chunks
+from rmsft.weight_wire import FULL, iter_weight_chunks
 from rollout_svc.launcher import RolloutServer
 from rollout_svc.vllm_metrics import VLLM_METRICS, exposed_series
 

@@ -35,8 +35,7 @@ from rollout_svc_helpers import (
     update,
 )
 
-from rmsft.weights_wire import ADAPTER, FULL
-from rmsft.wire_encode import iter_weight_chunks
+from rmsft.weight_wire import ADAPTER, FULL, iter_weight_chunks
 from rollout_svc.launcher import RolloutServer
 
 pytestmark = pytest.mark.vllm

@@ -10,8 +10,7 @@ import grpc
 import pytest
 from rollout_svc_helpers import generate, hf_greedy, hf_model, lora_adapter, prompt_ids, status
 
-from rmsft.weights_wire import ADAPTER
-from rmsft.wire_encode import encode_weight_stream, update_weights_raw
+from rmsft.weight_wire import ADAPTER, encode_weight_stream, update_weights_raw
 from rollout_svc.launcher import RolloutServer
 
 pytestmark = pytest.mark.vllm

@@ -22,8 +22,7 @@ from rollout_svc_helpers import metric, scrape, status, update
 from learner.model import load_processor
 from learner.weight_export import checkpoint_name_map, full_named_tensors
 from rmsft.jobspec import VisionSpec
-from rmsft.weights_wire import ADAPTER, FULL
-from rmsft.wire_encode import iter_weight_chunks
+from rmsft.weight_wire import ADAPTER, FULL, iter_weight_chunks
 from rollout_svc.launcher import RolloutServer
 
 pytestmark = pytest.mark.vllm

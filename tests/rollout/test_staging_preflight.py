@@ -18,9 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rmsft.serving_dtype import safetensors_header
-from rmsft.weights_wire import FULL
-from rmsft.wire_decode import decode_chunk
-from rmsft.wire_encode import encode_weight_stream
+from rmsft.weight_wire import FULL, decode_chunk, encode_weight_stream
 from rollout_svc.config import ServeConfig
 from rollout_svc.preflight import (
     GIB,
@@ -101,6 +99,19 @@ def test_check_staging_compares_twice_the_weights_with_the_filesystem_size(tmp_p
     assert problem and f"staging dir {stage} has 2.0 GiB" in problem and "at least 2Gi" in problem
     assert check_staging(str(model), str(stage), False, statvfs=fake_statvfs(GIB)) is None  # no rollback copy
     assert "does not exist" in check_staging(str(model), str(tmp_path / "absent"), statvfs=fake_statvfs(GIB))
+
+
+def test_shm_servers_check_the_shared_dir_for_two_updates_instead_of_staging(tmp_path: Path) -> None:
+    from rollout_svc.preflight import check_shared_dir
+
+    model = header_only_model(tmp_path / "m", {"w": ("F32", [1 << 20, 256])})  # 1 GiB
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    assert check_shared_dir(str(model), str(shared), statvfs=fake_statvfs(2 * GIB)) is None
+    problem = check_shared_dir(str(model), str(shared), statvfs=fake_statvfs(GIB))
+    assert problem and f"shared-weights dir {shared} has 1.0 GiB" in problem
+    assert "about 2.0 GiB" in problem and "spec.sync.transport: grpc" in problem
+    assert "does not exist" in check_shared_dir(str(model), str(tmp_path / "absent"), statvfs=fake_statvfs(GIB))
 
 
 def test_termination_log_is_written_only_where_it_exists(tmp_path: Path) -> None:

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rmsft.weights_wire import ADAPTER, FULL, StreamReader, TensorSpec, WireError
-from rmsft.wire_encode import iter_weight_chunks
+from rmsft.weight_wire import ADAPTER, FULL, StreamReader, TensorSpec, WireError, iter_weight_chunks
 from rollout_svc.staging import Stager, adapter_expectation, full_expectation, iter_staged_tensors
 
 # A Qwen2.5-VL-like checkpoint: language model under model.*, vision tower under visual.*, tied head.

@@ -6,15 +6,15 @@ import pytest
 import torch
 from rmsft_protos import rollout_pb2
 
-from rmsft.weights_wire import (
+from rmsft.weight_wire import (
     ADAPTER,
     FULL,
     StreamReader,
     TensorSpec,
     WireError,
+    iter_weight_chunks,
     torch_dtype,
 )
-from rmsft.wire_encode import iter_weight_chunks
 
 
 def _tensors() -> list[tuple[str, torch.Tensor]]:

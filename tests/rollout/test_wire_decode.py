@@ -16,9 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rmsft_protos import rollout_pb2
 
-from rmsft.weights_wire import FULL
-from rmsft.wire_decode import PieceFrame, decode_chunk
-from rmsft.wire_encode import iter_weight_chunks
+from rmsft.weight_wire import FULL, PieceFrame, decode_chunk, iter_weight_chunks
 from rollout_svc.staging import Stager, iter_staged_tensors
 
 
@@ -117,7 +115,7 @@ def test_stager_stages_decoded_frames_identically(tmp_path):
 
 
 def test_stager_rejects_a_corrupted_decoded_payload(tmp_path):
-    from rmsft.weights_wire import WireError
+    from rmsft.weight_wire import WireError
 
     tensors = [("a", torch.randn(64))]
     raws = [c.SerializeToString() for c in iter_weight_chunks(tensors, version=1, mode=FULL, frame_bytes=64)]

@@ -17,9 +17,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rmsft_protos import rollout_pb2, rollout_pb2_grpc
 
-from rmsft.weights_wire import ADAPTER, FULL, StreamReader, TensorSpec
-from rmsft.wire_decode import PieceFrame, decode_chunk
-from rmsft.wire_encode import encode_piece, encode_weight_stream, iter_weight_chunks, update_weights_raw
+from rmsft.weight_wire import (
+    ADAPTER,
+    FULL,
+    PieceFrame,
+    StreamReader,
+    TensorSpec,
+    decode_chunk,
+    encode_piece,
+    encode_weight_stream,
+    iter_weight_chunks,
+    update_weights_raw,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool]
 

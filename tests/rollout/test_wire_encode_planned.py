@@ -11,8 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rmsft.weights_wire import FULL, TensorSpec, dtype_name
-from rmsft.wire_encode import encode_planned_stream, encode_weight_stream
+from rmsft.weight_wire import FULL, TensorSpec, dtype_name, encode_planned_stream, encode_weight_stream
 
 
 def _spec(t: torch.Tensor) -> TensorSpec:

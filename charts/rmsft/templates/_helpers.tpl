@@ -71,4 +71,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["list"]
+# The job's own namespace, for its Pod Security level (a job with spec.sync.transport shm needs a
+# hostPath volume). In a Role this grants the Role's namespace only: the API server authorizes
+# GET /api/v1/namespaces/NAME as a request in namespace NAME.
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["get"]
 {{- end -}}

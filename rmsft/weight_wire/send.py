@@ -1,5 +1,5 @@
-"""Sender side of a weight stream (`RolloutService.UpdateWeights`); the rules are in
-`rmsft.weights_wire`, the server's decoder in `rmsft.wire_decode`.
+"""Sender side of a weight update over gRPC (`RolloutService.UpdateWeights`); the rules are in
+`rmsft.weight_wire.contract`, the receiver in `rmsft.weight_wire.receive`.
 
 - `iter_weight_chunks`: header, pieces and trailer as `WeightChunk` messages (for callers that
   inspect or edit them: tests, the benchmark's comparison path).
@@ -29,11 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 from rmsft_protos import rollout_pb2
 
-from rmsft.weights_wire import (
+from rmsft.weight_wire.contract import (
     ADAPTER,
+    DATA_TAG,
     DEFAULT_DIGEST,
     DEFAULT_FRAME_BYTES,
     FULL,
+    PIECE_TAG,
+    UPDATE_WEIGHTS_METHOD,
     PipelinedDigest,
     SyncMode,
     TensorSpec,
@@ -44,9 +47,6 @@ from rmsft.weights_wire import (
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-_PIECE_TAG = bytes([(2 << 3) | 2])  # WeightChunk.piece, length-delimited
-_DATA_TAG = bytes([(5 << 3) | 2])  # TensorPiece.data, length-delimited
-UPDATE_WEIGHTS_METHOD = "/" + rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name + "/UpdateWeights"
 
 
 def _flat_bytes(tensor: torch.Tensor):
@@ -68,9 +68,10 @@ def stream_header(
     adapter_config_json: str = "",
     frame_bytes: int = DEFAULT_FRAME_BYTES,
     digest: int = DEFAULT_DIGEST,
+    relay_to: Sequence[str] = (),
 ) -> rollout_pb2.WeightHeader:
     """Check a stream's arguments and build its header from (name, spec) pairs alone: no tensor
-    needs to exist yet.
+    needs to exist yet. `relay_to`: the servers the receiver forwards the stream to (in order).
 
     Raises ValueError on a bad frame size, mode, digest, missing adapter config or duplicate
     names, in the caller, before anything is sent.
@@ -93,6 +94,7 @@ def stream_header(
         total_bytes=sum(s.nbytes for _, s in specs),
         adapter_config_json=adapter_config_json,
         digest_algorithm=digest,
+        relay_to=list(relay_to),
     )
 
 
@@ -104,6 +106,7 @@ def plan_weight_stream(
     adapter_config_json: str = "",
     frame_bytes: int = DEFAULT_FRAME_BYTES,
     digest: int = DEFAULT_DIGEST,
+    relay_to: Sequence[str] = (),
 ) -> tuple[rollout_pb2.WeightHeader, list[tuple[str, torch.Tensor, TensorSpec]]]:
     """Check a stream's arguments and build its header: (header, [(name, tensor, spec)]).
     Every tensor is taken up front (see `encode_planned_stream` for a lazy producer)."""
@@ -111,7 +114,7 @@ def plan_weight_stream(
     planned = [(n, t, TensorSpec(dtype_name(t.dtype), tuple(t.shape))) for n, t in items]
     header = stream_header(
         [(n, s) for n, _, s in planned], version=version, mode=mode, adapter_config_json=adapter_config_json,
-        frame_bytes=frame_bytes, digest=digest,
+        frame_bytes=frame_bytes, digest=digest, relay_to=relay_to,
     )  # fmt: skip
     return header, planned
 
@@ -204,6 +207,10 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+_PIECE_TAG = _varint(PIECE_TAG)
+_DATA_TAG = _varint(DATA_TAG)
+
+
 def encode_piece(name: str, spec: TensorSpec, offset: int, payload: Any) -> bytes:
     """One `WeightChunk{piece}` as protobuf serializes it; `payload` is any contiguous buffer and
     is copied exactly once."""
@@ -223,6 +230,7 @@ def encode_weight_stream(
     adapter_config_json: str = "",
     frame_bytes: int = DEFAULT_FRAME_BYTES,
     digest: int = DEFAULT_DIGEST,
+    relay_to: Sequence[str] = (),
 ) -> tuple[rollout_pb2.WeightHeader, Iterator[bytes]]:
     """(header, serialized requests): header, pieces and the digest trailer of `named_tensors`.
 
@@ -231,7 +239,7 @@ def encode_weight_stream(
     """
     header, planned = plan_weight_stream(
         named_tensors, version=version, mode=mode, adapter_config_json=adapter_config_json,
-        frame_bytes=frame_bytes, digest=digest,
+        frame_bytes=frame_bytes, digest=digest, relay_to=relay_to,
     )  # fmt: skip
     return header, _requests(header, planned, frame_bytes)
 
@@ -245,6 +253,7 @@ def encode_planned_stream(
     adapter_config_json: str = "",
     frame_bytes: int = DEFAULT_FRAME_BYTES,
     digest: int = DEFAULT_DIGEST,
+    relay_to: Sequence[str] = (),
 ) -> tuple[rollout_pb2.WeightHeader, Iterator[bytes]]:
     """Like `encode_weight_stream`, with the header built from `specs` ((name, TensorSpec) in
     stream order) and `tensors` a lazy producer of the same names, dtypes and shapes, consumed
@@ -254,7 +263,7 @@ def encode_planned_stream(
     specs = list(specs)
     header = stream_header(
         specs, version=version, mode=mode, adapter_config_json=adapter_config_json, frame_bytes=frame_bytes,
-        digest=digest,
+        digest=digest, relay_to=relay_to,
     )  # fmt: skip
     return header, _requests(header, _checked(specs, tensors), frame_bytes)
 

@@ -1,167 +1,30 @@
-"""Wire format of a weight stream (`RolloutService.UpdateWeights`), shared by both ends.
-
-A stream is: one `WeightHeader`, then `TensorPiece`s, then one `WeightTrailer`.
-
-- Tensors are sent one after the other; the pieces of one tensor are consecutive and in byte
-  order (`offset` = bytes of that tensor already sent), each piece carries at most
-  `frame_bytes` of data, and every piece repeats name/dtype/shape (so a receiver can validate
-  on the first piece without buffering).
-- `header.tensor_count` / `header.total_bytes` count the tensors and their raw bytes (C order,
-  the tensor's own dtype, little-endian as torch stores it).
-- The trailer holds a digest over the `data` of every piece, in stream order, with the hash
-  the header names (`digest_algorithm`: BLAKE3, what rmsft sends, or SHA256, the proto default).
-
-The sender side is `rmsft.wire_encode`; the receiver side is `StreamReader`, which checks the
-framing rules above plus an optional expected-tensor table, and tells the caller where each
-piece's bytes belong in a flat staging buffer of `header.total_bytes` bytes. This module has no
-gRPC server logic and imports torch lazily (the operator image imports `rmsft` without torch).
+"""Receiver side of a weight update: `StreamReader` checks a stream (or a shared file read as
+one) against the framing rules and the model's tensor table and maps every piece onto a flat
+staging buffer; `decode_chunk` is the server's zero-copy deserializer of `UpdateWeights` messages.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rmsft_protos import rollout_pb2
 
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
-
-SyncMode = int  # rollout_pb2.SyncMode value: rollout_pb2.FULL or rollout_pb2.ADAPTER
-FULL = rollout_pb2.FULL
-ADAPTER = rollout_pb2.ADAPTER
-SHA256 = rollout_pb2.SHA256
-BLAKE3 = rollout_pb2.BLAKE3
-# What senders use: BLAKE3 costs ~0.15 CPU-s/GB per core here, SHA-256 ~0.6 (with SHA-NI); both
-# ends hash every byte, so this is most of the CPU a stream costs beyond copying it.
-DEFAULT_DIGEST = BLAKE3
-
-DEFAULT_FRAME_BYTES = 4 << 20
-# What a server accepts per piece unless configured otherwise: twice the default frame, so a
-# sender may use a bigger frame without renegotiation, but one message can never be huge.
-DEFAULT_MAX_FRAME_BYTES = 8 << 20
-
-# safetensors dtype names <-> element sizes; torch names are resolved lazily.
-DTYPE_SIZES: dict[str, int] = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-}  # fmt: skip
-_TORCH_NAMES: dict[str, str] = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-}  # fmt: skip
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """safetensors dtype name (F32, BF16, ...) -> torch dtype."""
-    import torch
-
-    try:
-        return getattr(torch, _TORCH_NAMES[name])
-    except KeyError:
-        raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(DTYPE_SIZES)}") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch dtype -> safetensors dtype name."""
-    text = str(dtype).removeprefix("torch.")
-    for name, tname in _TORCH_NAMES.items():
-        if tname == text:
-            return name
-    raise ValueError(f"dtype {dtype} cannot be sent; supported: {sorted(_TORCH_NAMES.values())}")
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    dtype: str  # safetensors name
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
-
-    def matches(self, other: TensorSpec) -> bool:
-        """`self` used as a pattern: dtype "*" = any float, dim -1 = any size."""
-        if self.dtype != other.dtype and not (self.dtype == "*" and other.dtype.startswith(("F", "BF"))):
-            return False
-        return len(self.shape) == len(other.shape) and all(
-            w in (-1, g) for w, g in zip(self.shape, other.shape, strict=True)
-        )
-
-
-def digest_name(algorithm: int) -> str:
-    return rollout_pb2.DigestAlgorithm.Name(algorithm) if algorithm in (SHA256, BLAKE3) else str(algorithm)
-
-
-def new_hash(algorithm: int) -> Any:
-    """A fresh hash object (`update`/`digest`) for a `DigestAlgorithm` value."""
-    if algorithm == SHA256:
-        return hashlib.sha256()
-    if algorithm == BLAKE3:
-        import blake3  # lazy: the operator image imports rmsft without the data-plane packages
-
-        return blake3.blake3()
-    raise ValueError(f"unknown digest algorithm {algorithm}; expected SHA256 (0) or BLAKE3 (1)")
-
-
-class PipelinedDigest:
-    """A digest computed on a helper thread, one frame behind the caller.
-
-    hashlib and blake3 release the GIL on large buffers, so hashing frame k overlaps with
-    producing or receiving frame k+1; at most one frame waits, so memory stays bounded.
-    """
-
-    _MIN_THREADED = 1 << 20  # below this, a thread hop costs more than it saves
-
-    def __init__(self, algorithm: int = DEFAULT_DIGEST) -> None:
-        self._h = new_hash(algorithm)
-        self._pool: Any = None
-        self._pending: Any = None
-
-    def update(self, data: bytes) -> None:
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
-        if len(data) < self._MIN_THREADED:
-            self._h.update(data)
-            return
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rmsft-digest")
-        self._pending = self._pool.submit(self._h.update, data)
-
-    def digest(self) -> bytes:
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
-        self.close()
-        return self._h.digest()
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
-
-    def __del__(self) -> None:
-        self.close()
-
-
-class WireError(Exception):
-    """A stream that breaks the wire rules or does not fit the model.
-
-    `code` is a grpc.StatusCode name (kept as text so this module needs no grpc), `reason` a
-    short label for the sync-failure metric.
-    """
-
-    def __init__(self, message: str, *, code: str = "INVALID_ARGUMENT", reason: str = "malformed"):
-        super().__init__(message)
-        self.code = code
-        self.reason = reason
+from rmsft.weight_wire.contract import (
+    ADAPTER,
+    BLAKE3,
+    DATA_FIELD,
+    DEFAULT_MAX_FRAME_BYTES,
+    DTYPE_SIZES,
+    FULL,
+    PIECE_TAG,
+    SHA256,
+    PipelinedDigest,
+    TensorSpec,
+    WireError,
+    digest_name,
+)
 
 
 @dataclass
@@ -329,6 +192,12 @@ class StreamReader:
             )
         self.finished = True
 
+    def close(self) -> None:
+        """Stop the digest's helper thread (waits for a hash in progress)."""
+        if self._digest is not None:
+            self._digest.settle()
+            self._digest.close()
+
     def feed(self, chunk: rollout_pb2.WeightChunk) -> int | None:
         """Dispatch one chunk; returns the staging offset for pieces, None otherwise."""
         if self.finished:
@@ -343,3 +212,85 @@ class StreamReader:
         else:
             raise WireError("empty WeightChunk")
         return None
+
+
+@dataclass
+class PieceFrame:
+    """A received piece whose `data` is a view into the gRPC message bytes (no copy).
+
+    `piece` is the `TensorPiece` with every field but `data` (parsed by protobuf); it quacks like
+    a `WeightChunk` holding that piece so the receiver treats both alike.
+    """
+
+    piece: Any
+    data: memoryview
+
+    def WhichOneof(self, _group: str) -> str:  # noqa: N802 - protobuf's spelling
+        return "piece"
+
+
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise IndexError("truncated varint")
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _skip(buf: memoryview, pos: int, wire_type: int) -> int:
+    if wire_type == 0:
+        return _varint(buf, pos)[1]
+    if wire_type == 1:
+        return pos + 8
+    if wire_type == 2:
+        n, pos = _varint(buf, pos)
+        return pos + n
+    if wire_type == 5:
+        return pos + 4
+    raise IndexError(f"wire type {wire_type}")
+
+
+def decode_chunk(raw: bytes) -> rollout_pb2.WeightChunk | PieceFrame:
+    """Server-side deserializer for UpdateWeights: like `WeightChunk.FromString`, but a piece's
+    payload is not copied (protobuf copies it once on parse and again on every `.data` read).
+
+    Only the common shape (one `piece` field holding at most one `data` field) takes the fast
+    path; the small remaining fields are still parsed by protobuf. Anything else, including
+    malformed input, goes through `WeightChunk.FromString` unchanged, so both paths accept and
+    reject exactly the same messages.
+    """
+    buf = memoryview(raw)
+    try:
+        tag, pos = _varint(buf, 0)
+        if tag != PIECE_TAG:
+            raise IndexError("not a lone piece")
+        n, start = _varint(buf, pos)
+        end = start + n
+        if end != len(buf):
+            raise IndexError("more than one field")
+        pos, data_span = start, None
+        while pos < end:
+            field_start = pos
+            tag, pos = _varint(buf, pos)
+            if tag >> 3 == DATA_FIELD and tag & 7 == 2:
+                if data_span is not None:
+                    raise IndexError("data twice")
+                size, pos = _varint(buf, pos)
+                data_span = (field_start, pos, pos + size)
+                pos += size
+            else:
+                pos = _skip(buf, pos, tag & 7)
+            if pos > end:
+                raise IndexError("field overruns the message")
+        if data_span is None:
+            raise IndexError("no data")
+    except IndexError:
+        return rollout_pb2.WeightChunk.FromString(raw)
+    field_start, data_start, data_end = data_span
+    meta = rollout_pb2.TensorPiece.FromString(bytes(buf[start:field_start]) + bytes(buf[data_end:end]))
+    return PieceFrame(meta, buf[data_start:data_end])
