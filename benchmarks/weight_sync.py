@@ -11,7 +11,8 @@ every server's verify and apply) for each transport and pool size, rounds in alt
 - grpc: one stream from the learner to the first server, relayed server to server;
 - shm: the update written once into the shared dir, read by every server.
 
-Per case: wall seconds and GB/s (update bytes / wall), learner CPU-seconds (this process),
+Per case: wall seconds and GB/s (update bytes / wall; and without the engine's apply, the copy of
+the verified tensors into the model, as the servers the learner called report it), learner CPU-seconds (this process),
 server CPU-seconds (all servers of the case, engine processes included), and memory: the peak
 growth of each server's own staging dir during the sync (tensor bytes it stages beyond what it
 held before: the rollback copy of the previous update stays until the new one is applied), the
@@ -98,9 +99,11 @@ class Sampler(threading.Thread):
         return [_dir_bytes(p) for p in self.staging] + [_dir_bytes(self.shared), shutil.disk_usage("/dev/shm").used]
 
     def run(self) -> None:
+        t0 = time.thread_time()
         while not self.stop_evt.is_set():
             self.peak = [max(a, b) for a, b in zip(self.peak, self._sample(), strict=True)]
             time.sleep(0.005)
+        self.cpu = time.thread_time() - t0  # runs in the learner's process: not the learner's work
 
     def finish(self) -> dict[str, int]:
         self.stop_evt.set()
@@ -156,6 +159,7 @@ def main() -> None:
     print(f"starting {max(sizes)} rmsft serve ({args.backend}) ...", flush=True)
     t0 = time.perf_counter()
     servers: list[RolloutServer] = []
+    version = 0
     try:
         for i, stage in enumerate(staging):
             servers.append(RolloutServer.start(
@@ -165,8 +169,12 @@ def main() -> None:
             ))  # fmt: skip
         print(f"servers ready in {time.perf_counter() - t0:.0f}s", flush=True)
         procs = [psutil.Process(s.proc.pid) for s in servers]
+        with ServerPool([s.address for s in servers]) as pool:  # untimed: first-time costs on both ends
+            for transport in transports:
+                version += 1
+                WeightSyncClient(pool, model, dtype="float32", transport=transport, shared_dir=str(shared),
+                                 timeout_s=1800).sync(version)
         results: dict[tuple[str, int], list[dict[str, float]]] = {}
-        version = 0
         cases = [(t, n) for t in transports for n in sizes]
         for rnd in range(args.rounds):
             for transport, n in cases if rnd % 2 == 0 else list(reversed(cases)):
@@ -181,10 +189,15 @@ def main() -> None:
                     wall = time.perf_counter() - w0
                     c1, s1 = _self_cpu(), _tree_cpu(procs[:n])
                     mem = sampler.finish()
+                    c1 -= sampler.cpu
                     client.close()
                 assert len(report.acked) == n, report
+                # The engine's apply (copying the verified tensors into the model) as the servers the
+                # learner called report it; the rest of the wall time is the transport's.
+                apply_s = max(r.apply_seconds for r in report.acked.values())
                 row = {"wall": wall, "gbps": report.tensor_bytes / wall / 1e9, "learner_cpu": c1 - c0,
-                       "server_cpu": s1 - s0, "bytes": report.tensor_bytes, **mem}
+                       "server_cpu": s1 - s0, "bytes": report.tensor_bytes, "apply": apply_s,
+                       "transfer_gbps": report.tensor_bytes / (wall - apply_s) / 1e9, **mem}
                 results.setdefault((transport, n), []).append(row)
                 print(f"round {rnd + 1} {transport:4s} x{n}: {wall:6.2f}s {row['gbps']:.3f} GB/s, learner "
                       f"{row['learner_cpu']:.2f} CPU-s, servers {row['server_cpu']:.2f} CPU-s, staging/server "
@@ -198,11 +211,12 @@ def main() -> None:
     med = {k: {f: statistics.median(r[f] for r in rows) for f in rows[0]} for k, rows in results.items()}
     update = next(iter(med.values()))["bytes"]
     print(f"\nmedian of {args.rounds} rounds; update {update / GIB:.2f} GiB, frame {DEFAULT_FRAME_BYTES / MIB:g} MiB")
-    print("| transport | servers | wall s | GB/s | learner CPU-s | server CPU-s | staging/server (peak growth) |"
-          " shared dir peak | /dev/shm peak growth |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| transport | servers | wall s | GB/s | apply s | GB/s without apply | learner CPU-s | server CPU-s |"
+          " staging/server (peak growth) | shared dir peak | /dev/shm peak growth |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for (transport, n), m in sorted(med.items()):
-        print(f"| {transport} | {n} | {m['wall']:.2f} | {m['gbps']:.3f} | {m['learner_cpu']:.2f} | "
+        print(f"| {transport} | {n} | {m['wall']:.2f} | {m['gbps']:.3f} | {m['apply']:.2f} | "
+              f"{m['transfer_gbps']:.3f} | {m['learner_cpu']:.2f} | "
               f"{m['server_cpu']:.2f} | {m['stage_per_server'] / MIB:.0f} MiB | {m['shared'] / MIB:.0f} MiB | "
               f"{m['shm'] / MIB:.0f} MiB |")
     lo, hi = min(sizes), max(sizes)
@@ -215,6 +229,8 @@ def main() -> None:
         fields.append(f"stage_over_bound_{t}={worst / (update + 2 * DEFAULT_FRAME_BYTES):.2f}")
     if "grpc" in transports and "shm" in transports:
         fields.append(f"shm_vs_grpc_{lo}={med[('shm', lo)]['gbps'] / med[('grpc', lo)]['gbps']:.2f}")
+        fields.append(f"shm_vs_grpc_{lo}_without_apply="
+                      f"{med[('shm', lo)]['transfer_gbps'] / med[('grpc', lo)]['transfer_gbps']:.2f}")
     print("RESULT " + " ".join(fields))
 
 

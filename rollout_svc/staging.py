@@ -133,6 +133,7 @@ class Stager:
         reader.expected = table
         reader.optional = optional
         reader.require_all = require_all
+        reader.parallel_digest = header.HasField("shared_file")  # a file in memory: hash it on every core
         reader.on_header(header)
         base = os.path.join(self.staging_dir, f"rmsft-stage-{header.version}-{uuid.uuid4().hex[:8]}")
         if header.HasField("shared_file"):

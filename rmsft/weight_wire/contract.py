@@ -83,14 +83,16 @@ def digest_name(algorithm: int) -> str:
     return rollout_pb2.DigestAlgorithm.Name(algorithm) if algorithm in (SHA256, BLAKE3) else str(algorithm)
 
 
-def new_hash(algorithm: int) -> Any:
-    """A fresh hash object (`update`/`digest`) for a `DigestAlgorithm` value."""
+def new_hash(algorithm: int, parallel: bool = False) -> Any:
+    """A fresh hash object (`update`/`digest`) for a `DigestAlgorithm` value. `parallel`: BLAKE3
+    hashes each large `update` on every core (a tree hash: the same digest), for a reader that has
+    the whole update in memory already (a shm file), not one receiving it frame by frame."""
     if algorithm == SHA256:
         return hashlib.sha256()
     if algorithm == BLAKE3:
         import blake3  # lazy: the operator image imports rmsft without the data-plane packages
 
-        return blake3.blake3()
+        return blake3.blake3(max_threads=blake3.blake3.AUTO) if parallel else blake3.blake3()
     raise ValueError(f"unknown digest algorithm {algorithm}; expected SHA256 (0) or BLAKE3 (1)")
 
 
@@ -103,8 +105,8 @@ class PipelinedDigest:
 
     _MIN_THREADED = 1 << 20  # below this, a thread hop costs more than it saves
 
-    def __init__(self, algorithm: int = DEFAULT_DIGEST) -> None:
-        self._h = new_hash(algorithm)
+    def __init__(self, algorithm: int = DEFAULT_DIGEST, parallel: bool = False) -> None:
+        self._h = new_hash(algorithm, parallel)
         self._pool: Any = None
         self._pending: Any = None
 

@@ -47,6 +47,7 @@ class StreamReader:
     require_all: bool = False
     optional: set[str] = field(default_factory=set)
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    parallel_digest: bool = False  # hash big pieces on every core (`new_hash`): a shm file's reader
     header: Any = None
     tensors: list[StagedTensor] = field(default_factory=list)
     received_bytes: int = 0
@@ -75,7 +76,7 @@ class StreamReader:
                     f"checkpoint tensor an earlier FULL update changed (the model has {hi})",
                     reason="count",
                 )
-        self._digest = PipelinedDigest(header.digest_algorithm)
+        self._digest = PipelinedDigest(header.digest_algorithm, parallel=self.parallel_digest)
         self.header = header
 
     def on_piece(self, piece: rollout_pb2.TensorPiece, data: bytes | None = None) -> int:

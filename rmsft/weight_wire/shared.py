@@ -20,6 +20,7 @@ learner never writes after sending the trailer (it has closed its descriptor by 
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import shutil
@@ -99,19 +100,15 @@ class SharedUpdate:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             os.fchmod(fd, 0o644)  # the umask must not take the servers' read permission away
-            if header.total_bytes:
-                free = shutil.disk_usage(directory).free
-                if header.total_bytes > free:
-                    raise SharedSpaceError(
-                        f"shared-weights dir {directory} has {free} bytes free; weight version {version} needs "
-                        f"{header.total_bytes}"
-                    )
-                try:
-                    os.posix_fallocate(fd, 0, header.total_bytes)
-                except OSError as e:
-                    raise SharedSpaceError(
-                        f"cannot reserve {header.total_bytes} bytes in shared-weights dir {directory}: {e}"
-                    ) from e
+            # Checked, not reserved: reserving (fallocate) zero-fills every page first, which costs as
+            # much as writing them (0.3 s/GiB here); a filesystem that fills up meanwhile fails a
+            # write, which ends the update before any server applies it.
+            free = shutil.disk_usage(directory).free
+            if header.total_bytes > free:
+                raise SharedSpaceError(
+                    f"shared-weights dir {directory} has {free} bytes free; weight version {version} needs "
+                    f"{header.total_bytes}"
+                )
         except BaseException:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
@@ -142,7 +139,13 @@ class SharedUpdate:
                 del tensor
                 for offset in range(0, flat.shape[0], frame_bytes):
                     frame = flat[offset : offset + frame_bytes]
-                    _pwrite_all(self._fd, frame, start + offset)
+                    try:
+                        _pwrite_all(self._fd, frame, start + offset)
+                    except OSError as e:
+                        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                            raise SharedSpaceError(f"shared-weights dir {os.path.dirname(self.path)} filled up "
+                                                   f"while writing: {e}") from e
+                        raise
                     hasher.update(frame)  # hashed on a helper thread while the next frame is written
                 hasher.settle()  # the producer may reuse this tensor's memory once asked for the next
                 del flat
@@ -209,23 +212,29 @@ class _PieceView:
     offset: int
 
 
+# Pieces a shm file is read in: big, so each hash `update` spreads over every core (the bytes are in
+# memory already; the frame limit of a stream bounds what a receiver buffers, nothing to bound here).
+SHARED_PIECE_BYTES = 256 << 20
+
+
 def check_shared(
     fd: int,
     header: rollout_pb2.WeightHeader,
     trailer: rollout_pb2.WeightTrailer,
     reader: StreamReader,
-    frame_bytes: int = DEFAULT_FRAME_BYTES,
+    frame_bytes: int = SHARED_PIECE_BYTES,
 ) -> None:
     """Check the shared file behind `fd` as a stream: every tensor of the header's index, read in
-    frames, goes through `reader` (which already took the header), then the trailer's digest.
-    Raises WireError; the file is only read."""
+    pieces of `frame_bytes`, goes through `reader` (which already took the header; its frame limit
+    and digest are set here for a file), then the trailer's digest. Raises WireError; the file is
+    only read."""
     size = os.fstat(fd).st_size
     if size != header.total_bytes:
         raise WireError(
             f"shared update file holds {size} bytes, the header announced {header.total_bytes} "
             "(truncated or replaced)", reason="truncated",
         )
-    frame_bytes = min(frame_bytes, reader.max_frame_bytes)
+    reader.max_frame_bytes = frame_bytes
     mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None
     data = None
     try:

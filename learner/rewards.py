@@ -1,0 +1,625 @@
+"""Rewards of the GRPO trainer: what a completion is worth, as a float, by plain Python callables.
+
+Public API
+- `RewardInput`: one completion to score: its `record`, `text`, `token_ids`, and when the output is a
+  detection its `parsed` rollout (rmsft's own parser) and `fmt` (the output format, bound to the record's
+  image size), plus `finish_reason`, `sample_index`, `image_size` and `answer` (a short-answer task's
+  expected answer, see "Text answers"). `RewardInput.from_completion(...)` parses with the real parser.
+  `RewardInput.objects`: the parsed objects (`DetObject`s), or None when nothing was parsed.
+- `Reward`: the protocol, `reward(inp: RewardInput) -> float`. Any callable will do; a `name` attribute,
+  when present, is what errors and metrics call it.
+- `RewardSpec(name, params={}, weight=1.0)`: a reward as a job spec names it; `RewardSpec.from_mapping`
+  reads `{"name": "detection", "metric": "f1", "format_weight": 0.1, "weight": 2.0}` (keys other than
+  `name`/`weight`/`params` are params; a nested `params` mapping works too).
+- `resolve_reward(name, params=None) -> Reward`, `build_rewards(specs) -> RewardSum` (the weighted sum,
+  itself a `Reward`; `RewardSum.scores(inp)` gives each component's unweighted value).
+- `score_batch(rewards, inputs, *, workers=4, executor=None) -> RewardScores`: a batch scored on a thread
+  pool, results in input order.
+- Built-ins: `DetectionReward` ("detection"), `TextMatchReward` ("text_match"); the pure pieces they use:
+  `detection_metric`, `format_score`, `token_f1`, `normalize_answer`.
+- Errors: `RewardConfigError` (a spec or params that cannot build a reward; `UnknownRewardError` for a name
+  that resolves to nothing, saying what was looked up and what exists), `RewardError` (a reward that raised
+  or returned a non-number while scoring; names the reward and the record, the original chained).
+
+Resolution of a name, in this order:
+1. `"package.module:attr"` (a colon): that module's attribute (`attr` may be dotted: `Class.method`);
+2. a built-in's short name (`BUILTIN_REWARDS`);
+3. an entry point of the group `rmsft.rewards` (`importlib.metadata.entry_points(group="rmsft.rewards")`),
+   as a third-party package declares it in its pyproject.toml:
+   `[project.entry-points."rmsft.rewards"] my_reward = "my_pkg.rewards:my_reward"`.
+   A built-in name wins over an entry point of the same name; two entry points of one name are an error.
+The resolved object becomes a reward this way: a class is instantiated with the params (its instances are
+the rewards); a function with no params is the reward itself; a function given params is a factory, called
+with them, and must return the reward.
+
+Detection reward (`DetectionReward`): the predicted objects (`parsed.objects`) are matched to the record's
+ground truth as the format writes it (`learner.episode.ground_truth`) by rmsft's matcher
+(`learner.core.match.match`, Hungarian on 1 - IoU with the IoU gate); then
+- `metric="f1"`: F1 at the matcher's gate, `2 * matched / (n_pred + n_gt)`;
+- `metric="mean_iou"`: the IoU of each matched pair summed, over `n_gt + n_false_positives` (every unmatched
+  ground-truth object, and every unmatched prediction, counts as 0; `penalize_false_positives=False`
+  divides by `n_gt` alone, which a model can raise by answering more boxes);
+- empty cases, both metrics: no ground truth and no prediction = 1.0 (nothing to find, nothing claimed);
+  either side empty and the other not = 0.0;
+- labels: `labels="ignore"` (default) compares geometry only, as the rollout-matching F1 and the held-out
+  evaluation's F1 do (the reward's F1 is the same figure); `labels="match"` matches each label's objects
+  among themselves (exact strings, after the core's stripping), so a box with the wrong label is a
+  false positive and a miss;
+- the format term (`format_score`): 0.0 when the answer did not parse to a closed container (cut by the
+  length limit, `finish_reason == "length"`, or broken JSON or garbage before the closing bracket), else
+  the fraction of its entries that were valid (1.0 for an empty, closed container). The objects parsed
+  before a failure still count in the metric (partial credit);
+- reward = `(1 - format_weight) * metric + format_weight * format_score`, in [0, 1].
+
+Text answers (`TextMatchReward`): the expected answer is `RewardInput.answer` when set, else the record's
+`answer` attribute (`getattr(record, "answer", None)`). `learner.data.Record` has no such field today (and
+forbids extra keys), so a short-answer dataset needs either the trainer to pass the answer in `RewardInput`
+or a Record with an `answer: str | list[str]` field; a list holds several accepted answers (the best
+counts). Both sides are normalized (`normalize_answer`: whitespace stripped and collapsed, casefolded by
+default, punctuation and English articles dropped on request); equal = 1.0, else `partial_weight` times
+the token-level F1 of their words (SQuAD's), or 0.0 with `partial="none"`. `partial_weight` defaults to
+0.5 so the exact answer always scores above a reordering of its words.
+
+Threads: `score_batch` calls rewards from several threads at once; a reward must be thread-safe or run with
+`workers=1`. The built-ins are (no state is written after construction).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import inspect
+import math
+import numbers
+import re
+import string
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from learner.core.codec import DetObject, FormatError, OutputFormat
+from learner.core.match import MatchConfig, match
+from learner.core.parse import ParsedRollout, parse
+from learner.core.vocab import VocabView
+from learner.data import Record
+from learner.episode import ground_truth, record_format
+
+ENTRY_POINT_GROUP = "rmsft.rewards"
+
+
+class RewardConfigError(ValueError):
+    """A reward spec, name or params that cannot build a reward; the message says which and why."""
+
+
+class UnknownRewardError(RewardConfigError, LookupError):
+    """A reward name that resolves to nothing; the message lists what was looked up and what exists."""
+
+
+class RewardError(RuntimeError):
+    """A reward that failed while scoring a completion: names the reward and the record (the original
+    exception is chained as `__cause__`)."""
+
+    def __init__(self, reward: str, record_id: str, sample_index: int, detail: str) -> None:
+        self.reward = reward
+        self.record_id = record_id
+        self.sample_index = sample_index
+        self.detail = detail
+        super().__init__(f"reward {reward!r} failed on record {record_id!r} (sample {sample_index}): {detail}")
+
+
+# ----------------------------------------------------------------------------------------------- the input
+
+
+@dataclass(frozen=True)
+class RewardInput:
+    """One completion to score. `parsed` and `fmt` are set when the output is a detection (`fmt` already
+    bound to the record's image size, `OutputFormat.for_image`); `answer` overrides the record's own
+    expected answer for text rewards."""
+
+    record: Record
+    text: str
+    token_ids: tuple[int, ...] = ()
+    parsed: ParsedRollout | None = None
+    fmt: OutputFormat | None = None
+    image_size: tuple[int, int] | None = None  # (width, height) as the processor resized the image
+    finish_reason: str | None = None  # the server's: "stop", "length", ...
+    sample_index: int = 0  # which of the prompt's n samples
+    answer: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
+        if isinstance(self.answer, list):
+            object.__setattr__(self, "answer", tuple(self.answer))
+
+    @property
+    def objects(self) -> tuple[DetObject, ...] | None:
+        """The valid predicted objects, or None when the completion was not parsed as a detection."""
+        return None if self.parsed is None else tuple(o.obj for o in self.parsed.objects)
+
+    @classmethod
+    def from_completion(
+        cls,
+        record: Record,
+        text: str,
+        token_ids: Sequence[int],
+        *,
+        vocab: VocabView | None = None,
+        fmt: OutputFormat | None = None,
+        image_size: tuple[int, int] | None = None,
+        finish_reason: str | None = None,
+        sample_index: int = 0,
+        answer: str | Sequence[str] | None = None,
+    ) -> RewardInput:
+        """The input for one completion; with `vocab` and `fmt` (a detection output) the token ids are parsed
+        by `learner.core.parse.parse` with `fmt` bound to `image_size`. Callers cut a vision-language
+        response at its first image token first (`learner.episode.vision_safe_response`), as the E-step does."""
+        if (vocab is None) != (fmt is None):
+            raise ValueError("RewardInput.from_completion: give both vocab and fmt (a detection output), or neither")
+        bound = parsed = None
+        if fmt is not None and vocab is not None:
+            bound = record_format(fmt, image_size)
+            try:
+                parsed = parse(token_ids, vocab, bound)
+            except FormatError as exc:  # e.g. a pixels format and a record without an image size
+                raise FormatError(f"record {record.id!r}: {exc}") from exc
+        ans = tuple(answer) if answer is not None and not isinstance(answer, str) else answer
+        return cls(record=record, text=text, token_ids=tuple(token_ids), parsed=parsed, fmt=bound,
+                   image_size=image_size, finish_reason=finish_reason, sample_index=sample_index, answer=ans)
+
+
+@runtime_checkable
+class Reward(Protocol):
+    """A reward: any callable from one `RewardInput` to a float (higher is better)."""
+
+    def __call__(self, inp: RewardInput, /) -> float: ...
+
+
+def reward_name(reward: Any) -> str:
+    """What errors and metrics call a reward: its `name` attribute, else its (qualified) name."""
+    name = getattr(reward, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    name = getattr(reward, "__qualname__", None) or type(reward).__qualname__
+    return str(name)
+
+
+# ------------------------------------------------------------------------------------------ pure scoring
+
+
+def format_score(parsed: ParsedRollout, finish_reason: str | None = None) -> float:
+    """1.0 for a well-formed answer; 0.0 when it did not close (cut by the length limit, broken JSON,
+    garbage before the closing bracket); otherwise the fraction of its entries that were valid."""
+    if parsed.truncated or finish_reason == "length":
+        return 0.0
+    if parsed.n_entries == 0:
+        return 1.0
+    return 1.0 - parsed.n_dropped / parsed.n_entries
+
+
+def _matched_ious(pred: Sequence[DetObject], gt: Sequence[DetObject], cfg: MatchConfig,
+                  labels: Literal["ignore", "match"]) -> list[float]:  # fmt: skip
+    """IoU of every matched (pred, gt) pair by rmsft's matcher, across all objects or label by label."""
+    if labels == "ignore":
+        return [iou for _, _, iou in match(pred, gt, cfg).pairs]
+    out: list[float] = []
+    for label in sorted({o.desc for o in pred} | {o.desc for o in gt}):
+        p = [o for o in pred if o.desc == label]
+        g = [o for o in gt if o.desc == label]
+        if p and g:
+            out.extend(iou for _, _, iou in match(p, g, cfg).pairs)
+    return out
+
+
+def detection_metric(
+    pred: Sequence[DetObject],
+    gt: Sequence[DetObject],
+    *,
+    metric: Literal["f1", "mean_iou"] = "f1",
+    matching: MatchConfig | None = None,
+    labels: Literal["ignore", "match"] = "ignore",
+    penalize_false_positives: bool = True,
+) -> float:
+    """F1 at the matcher's IoU gate, or the mean IoU of matched objects (unmatched ones count 0); both empty
+    = 1.0, one side empty = 0.0. See the module docstring."""
+    n_pred, n_gt = len(pred), len(gt)
+    if n_pred == 0 and n_gt == 0:
+        return 1.0
+    if n_pred == 0 or n_gt == 0:
+        return 0.0
+    ious = _matched_ious(pred, gt, matching or MatchConfig(), labels)
+    if metric == "f1":
+        return 2.0 * len(ious) / (n_pred + n_gt)
+    if metric == "mean_iou":
+        denom = n_gt + (n_pred - len(ious) if penalize_false_positives else 0)
+        return sum(ious) / denom
+    raise ValueError(f"metric: expected 'f1' or 'mean_iou', got {metric!r}")
+
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = str.maketrans("", "", string.punctuation)
+
+
+def normalize_answer(text: str, *, casefold: bool = True, punctuation: bool = False, articles: bool = False) -> str:
+    """Whitespace stripped and collapsed; casefolded; with `punctuation`, ASCII punctuation removed; with
+    `articles`, the English articles a/an/the removed (SQuAD's normalization is all of them)."""
+    if casefold:
+        text = text.casefold()
+    if punctuation:
+        text = text.translate(_PUNCT)
+    if articles:
+        text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    """SQuAD's token-level F1 of two (normalized) strings' whitespace-separated words, counted with
+    multiplicity; two empty strings = 1.0, one empty = 0.0."""
+    p, r = prediction.split(), reference.split()
+    if not p or not r:
+        return float(p == r)
+    same = sum((Counter(p) & Counter(r)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(p), same / len(r)
+    return 2 * precision * recall / (precision + recall)
+
+
+# ---------------------------------------------------------------------------------------------- built-ins
+
+
+def _check_choice(param: str, value: object, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{param}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _check_unit(param: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{param}: expected a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+class DetectionReward:
+    """`detection`: the metric of the parsed objects against the ground truth by rmsft's matcher, mixed with
+    the format term; see the module docstring. `iou_gate` overrides `matching`'s gate (default: the
+    matcher's default config)."""
+
+    name = "detection"
+
+    def __init__(
+        self,
+        metric: Literal["f1", "mean_iou"] = "f1",
+        format_weight: float = 0.1,
+        *,
+        iou_gate: float | None = None,
+        labels: Literal["ignore", "match"] = "ignore",
+        penalize_false_positives: bool = True,
+        matching: MatchConfig | None = None,
+    ) -> None:
+        _check_choice("metric", metric, ("f1", "mean_iou"))
+        _check_choice("labels", labels, ("ignore", "match"))
+        self.metric = metric
+        self.format_weight = _check_unit("format_weight", format_weight)
+        self.labels = labels
+        self.penalize_false_positives = bool(penalize_false_positives)
+        cfg = matching or MatchConfig()
+        if iou_gate is not None:
+            cfg = dataclasses.replace(cfg, iou_gate=_check_unit("iou_gate", iou_gate))
+        self.matching = cfg
+
+    def __call__(self, inp: RewardInput) -> float:
+        if inp.parsed is None or inp.fmt is None:
+            raise ValueError("the detection reward needs the parsed completion and its output format "
+                             "(RewardInput.from_completion with vocab= and fmt=)")  # fmt: skip
+        pred = [o.obj for o in inp.parsed.objects]
+        metric = detection_metric(pred, ground_truth(inp.record, inp.fmt), metric=self.metric,
+                                  matching=self.matching, labels=self.labels,
+                                  penalize_false_positives=self.penalize_false_positives)  # fmt: skip
+        fmt_score = format_score(inp.parsed, inp.finish_reason)
+        return (1.0 - self.format_weight) * metric + self.format_weight * fmt_score
+
+
+class TextMatchReward:
+    """`text_match`: 1.0 for the expected answer (after `normalize_answer`), else partial credit; see the
+    module docstring for where the expected answer comes from."""
+
+    name = "text_match"
+
+    def __init__(
+        self,
+        *,
+        casefold: bool = True,
+        punctuation: bool = False,
+        articles: bool = False,
+        partial: Literal["token_f1", "none"] = "token_f1",
+        partial_weight: float = 0.5,
+    ) -> None:
+        _check_choice("partial", partial, ("token_f1", "none"))
+        self.casefold, self.punctuation, self.articles = bool(casefold), bool(punctuation), bool(articles)
+        self.partial = partial
+        self.partial_weight = _check_unit("partial_weight", partial_weight)
+
+    def _norm(self, text: str) -> str:
+        return normalize_answer(text, casefold=self.casefold, punctuation=self.punctuation, articles=self.articles)
+
+    @staticmethod
+    def references(inp: RewardInput) -> tuple[str, ...]:
+        ref = inp.answer if inp.answer is not None else getattr(inp.record, "answer", None)
+        if ref is None:
+            raise ValueError("no expected answer: set RewardInput.answer or give the record an `answer` field")
+        refs = (ref,) if isinstance(ref, str) else tuple(ref)
+        if not refs or not all(isinstance(r, str) for r in refs):
+            raise ValueError(f"the expected answer must be a string or a non-empty list of strings, got {ref!r}")
+        return refs
+
+    def __call__(self, inp: RewardInput) -> float:
+        pred = self._norm(inp.text)
+        refs = [self._norm(r) for r in self.references(inp)]
+        if pred in refs:
+            return 1.0
+        if self.partial == "none":
+            return 0.0
+        return self.partial_weight * max(token_f1(pred, r) for r in refs)
+
+
+BUILTIN_REWARDS: Mapping[str, Callable[..., Reward]] = {
+    "detection": DetectionReward,
+    "text_match": TextMatchReward,
+}
+
+
+# --------------------------------------------------------------------------------------------- resolution
+
+
+def _import_path(path: str) -> Any:
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise UnknownRewardError(f"reward {path!r}: an import path is 'package.module:callable'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise UnknownRewardError(f"reward {path!r}: no module named {exc.name!r} (looked up as an import path "
+                                     "'package.module:callable')") from exc  # fmt: skip
+        raise UnknownRewardError(f"reward {path!r}: importing module {module_name!r} failed: "
+                                 f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+    except Exception as exc:
+        raise UnknownRewardError(f"reward {path!r}: importing module {module_name!r} failed: "
+                                 f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+    walked = module_name
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            public = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None)))
+            raise UnknownRewardError(f"reward {path!r}: {walked!r} has no attribute {part!r} (its public callables: "
+                                     f"{', '.join(public) or 'none'})")  # fmt: skip
+        obj = getattr(obj, part)
+        walked = f"{walked}:{part}" if walked == module_name else f"{walked}.{part}"
+    return obj
+
+
+def _entry_points() -> list[importlib.metadata.EntryPoint]:
+    return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+
+
+def _lookup(name: str) -> Any:
+    if ":" in name:
+        return _import_path(name)
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    eps = _entry_points()
+    found = [ep for ep in eps if ep.name == name]
+    if not found:
+        installed = sorted({ep.name for ep in eps})
+        raise UnknownRewardError(
+            f"unknown reward {name!r}: looked up as a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) and as an "
+            f"entry point of group {ENTRY_POINT_GROUP!r} (installed: {', '.join(installed) or 'none'}); a reward "
+            "outside both is named by its import path, 'package.module:callable'")
+    if len(found) > 1:
+        raise RewardConfigError(f"reward {name!r}: {len(found)} entry points of group {ENTRY_POINT_GROUP!r} have "
+                                f"that name ({', '.join(ep.value for ep in found)}); name one by its import path")
+    ep = found[0]
+    try:
+        return ep.load()
+    except Exception as exc:
+        raise UnknownRewardError(f"reward {name!r}: entry point {ep.value!r} of group {ENTRY_POINT_GROUP!r} failed "
+                                 f"to load: {type(exc).__name__}: {exc}") from exc  # fmt: skip
+
+
+def _signature(obj: Any) -> str:
+    try:
+        return str(inspect.signature(obj))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def resolve_reward(name: str, params: Mapping[str, Any] | None = None) -> Reward:
+    """The reward `name` names (an import path, a built-in, an entry point; see the module docstring), built
+    with `params`."""
+    if not isinstance(name, str) or not name.strip():
+        raise RewardConfigError(f"reward name must be a non-empty string, got {name!r}")
+    params = dict(params or {})
+    obj = _lookup(name.strip())
+    if isinstance(obj, type) or params:
+        try:
+            reward = obj(**params)
+        except (TypeError, ValueError) as exc:
+            raise RewardConfigError(f"reward {name!r}: cannot build it with params {params}: {exc} "
+                                    f"(it takes {_signature(obj)})") from exc  # fmt: skip
+    else:
+        reward = obj
+    if not callable(reward):
+        raise RewardConfigError(f"reward {name!r} resolved to {type(reward).__name__} {reward!r}, not a callable")
+    return reward
+
+
+# ------------------------------------------------------------------------------------------- specs, sums
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """A reward as a job spec holds it: its name (built-in, entry point or import path), its params, and its
+    weight in the sum."""
+
+    name: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise RewardConfigError(f"name: expected a non-empty string, got {self.name!r}")
+        if not isinstance(self.params, Mapping) or not all(isinstance(k, str) for k in self.params):
+            raise RewardConfigError(f"params: expected a mapping of names to values, got {self.params!r}")
+        w = self.weight
+        if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w):
+            raise RewardConfigError(f"weight: expected a finite number, got {w!r}")
+        object.__setattr__(self, "name", self.name.strip())
+        object.__setattr__(self, "params", dict(self.params))
+        object.__setattr__(self, "weight", float(w))
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any] | str) -> RewardSpec:
+        """`"detection"`, or `{"name": ..., "weight": ..., <param>: ...}` (params flat, or under `params`)."""
+        if isinstance(data, str):
+            return cls(data)
+        if not isinstance(data, Mapping):
+            raise RewardConfigError(f"expected a reward name or a mapping with 'name', got {data!r}")
+        if "name" not in data:
+            raise RewardConfigError(f"name: missing (a reward needs a name; got keys {', '.join(map(str, data))})")
+        params = dict(data.get("params") or {})
+        for k, v in data.items():
+            if k in ("name", "weight", "params"):
+                continue
+            if k in params:
+                raise RewardConfigError(f"params.{k}: given both flat and under 'params'")
+            params[k] = v
+        return cls(data["name"], params, data.get("weight", 1.0))
+
+    def to_mapping(self) -> dict[str, Any]:
+        return {"name": self.name, "weight": self.weight, "params": dict(self.params)}
+
+
+class RewardSum:
+    """The weighted sum of named rewards; itself a `Reward`. `components`: (label, weight, reward), the label
+    being the reward's name (with `#i`, its position, when two components share a name)."""
+
+    name = "sum"
+
+    def __init__(self, components: Sequence[tuple[str, float, Reward]]) -> None:
+        if not components:
+            raise RewardConfigError("a reward sum needs at least one reward")
+        self.components = tuple((str(n), float(w), r) for n, w, r in components)
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return tuple(n for n, _, _ in self.components)
+
+    def scores(self, inp: RewardInput) -> dict[str, float]:
+        """Each component's unweighted value; a failure is a `RewardError` naming the component and record."""
+        return {label: _call(label, reward, inp) for label, _, reward in self.components}
+
+    def total(self, scores: Mapping[str, float]) -> float:
+        return math.fsum(w * scores[label] for label, w, _ in self.components)
+
+    def __call__(self, inp: RewardInput) -> float:
+        return self.total(self.scores(inp))
+
+
+def _spec_name(raw: object) -> str | None:
+    if isinstance(raw, RewardSpec):
+        return raw.name
+    if isinstance(raw, str):
+        return raw
+    name = raw.get("name") if isinstance(raw, Mapping) else None
+    return name if isinstance(name, str) else None
+
+
+def build_rewards(specs: Iterable[RewardSpec | Mapping[str, Any] | str]) -> RewardSum:
+    """The weighted sum of the rewards `specs` name; an error says which entry (`rewards[i]`) is at fault."""
+    built: list[tuple[str, float, Reward]] = []
+    for i, raw in enumerate(specs):
+        try:
+            spec = raw if isinstance(raw, RewardSpec) else RewardSpec.from_mapping(raw)
+            reward = resolve_reward(spec.name, spec.params)
+        except RewardConfigError as exc:
+            where = f"rewards[{i}]" + (f" ({_spec_name(raw)})" if _spec_name(raw) else "")
+            raise type(exc)(f"{where}: {exc}") from exc
+        built.append((spec.name, spec.weight, reward))
+    if not built:
+        raise RewardConfigError("rewards: at least one reward is needed")
+    names = [n for n, _, _ in built]
+    labels = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
+    return RewardSum([(lab, w, r) for lab, (_, w, r) in zip(labels, built, strict=True)])
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+
+
+def _call(label: str, reward: Reward, inp: RewardInput) -> float:
+    rid = getattr(inp.record, "id", "?")
+    try:
+        value = reward(inp)
+    except RewardError:
+        raise
+    except Exception as exc:
+        raise RewardError(label, rid, inp.sample_index, f"{type(exc).__name__}: {exc}") from exc
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise RewardError(label, rid, inp.sample_index, f"returned {type(value).__name__} {value!r}, not a number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise RewardError(label, rid, inp.sample_index, f"returned {value}, not a finite number")
+    return value
+
+
+@dataclass(frozen=True)
+class RewardScores:
+    """A batch's rewards, in input order: `totals` (the weighted sums) and `per_reward` (each component's
+    unweighted values, by label), for the advantages and the metrics."""
+
+    totals: tuple[float, ...]
+    per_reward: Mapping[str, tuple[float, ...]]
+
+
+def score_batch(
+    rewards: RewardSum | Reward,
+    inputs: Sequence[RewardInput],
+    *,
+    workers: int = 4,
+    executor: Executor | None = None,
+) -> RewardScores:
+    """Score every input with every reward on a pool of `workers` threads (1: inline; `executor`: that
+    pool instead), results in input order whatever the finishing order. A failure raises the `RewardError`
+    of the first failing input (in input order) once the batch is done; the message says how many failed."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    total = rewards if isinstance(rewards, RewardSum) else RewardSum([(reward_name(rewards), 1.0, rewards)])
+    inputs = list(inputs)
+
+    def one(inp: RewardInput) -> dict[str, float] | RewardError:
+        try:
+            return total.scores(inp)
+        except RewardError as exc:
+            return exc
+
+    if executor is not None:
+        results = list(executor.map(one, inputs))
+    elif workers == 1 or len(inputs) <= 1:
+        results = [one(inp) for inp in inputs]
+    else:
+        with ThreadPoolExecutor(max_workers=min(workers, len(inputs)), thread_name_prefix="rmsft-reward") as pool:
+            results = list(pool.map(one, inputs))
+    failures = [r for r in results if isinstance(r, RewardError)]
+    if failures:
+        first = failures[0]
+        if len(failures) > 1:
+            err = RewardError(first.reward, first.record_id, first.sample_index,
+                              f"{first.detail} (and {len(failures) - 1} more failing "
+                              f"completion(s) in this batch of {len(inputs)})")  # fmt: skip
+            raise err from first.__cause__
+        raise first
+    scores = [r for r in results if not isinstance(r, RewardError)]
+    return RewardScores(
+        totals=tuple(total.total(s) for s in scores),
+        per_reward={label: tuple(s[label] for s in scores) for label in total.labels},
+    )
