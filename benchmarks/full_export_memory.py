@@ -190,7 +190,6 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         report = client.sync(2)
         seconds = time.perf_counter() - t0
         peak_rss = _hwm() - base_rss
-        client.close()
     _settle()
     return {
         "variant": args.child, "model_mib": sum(nbytes(p) for p in model.parameters()) / MIB,

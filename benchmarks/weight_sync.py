@@ -190,7 +190,6 @@ def main() -> None:
                     c1, s1 = _self_cpu(), _tree_cpu(procs[:n])
                     mem = sampler.finish()
                     c1 -= sampler.cpu
-                    client.close()
                 assert len(report.acked) == n, report
                 # The engine's apply (copying the verified tensors into the model) as the servers the
                 # learner called report it; the rest of the wall time is the transport's.

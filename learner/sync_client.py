@@ -154,9 +154,6 @@ class WeightSyncClient:
                     raise ValueError(f"sync mode 'adapter' is impossible: {why} (use 'full' or 'auto')")
                 self._force_full(f"adapter sync impossible: {why}")
 
-    def close(self) -> None:
-        pass  # nothing held between syncs; kept for callers that close clients they made
-
     # -- mode -----------------------------------------------------------------------------------
     def _force_full(self, why: str) -> None:
         if self.forced_full_reason is None:

@@ -568,7 +568,7 @@ class Trainer:
         )  # fmt: skip
 
     def close(self) -> None:
-        for part in (self.rollouts, self.sync_client, self.pool, self.train_step, self.reporter):
+        for part in (self.rollouts, self.pool, self.train_step, self.reporter):
             if part is not None:
                 part.close()
         self.train_step = None

@@ -263,5 +263,4 @@ def test_full_sync_of_tied_embedding_reaches_the_output_head(servers, tiny_model
         assert {o.server for o in outs} == {s.address for s in servers}  # both servers checked
     finally:
         client.close()
-        sync.close()
         pool.close()

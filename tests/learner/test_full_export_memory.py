@@ -93,7 +93,6 @@ def test_full_sync_holds_one_lora_layer_not_the_merged_model(tracked_sync, dtype
         with ServerPool([s.address for s in servers]) as pool:
             client = WeightSyncClient(pool, model, frame_bytes=64 * KIB, dtype=dtype)
             report = client.sync(1)
-            client.close()
         (tracker,) = tracked_sync
         assert sorted(report.acked) == sorted(s.address for s in servers)
         for s in servers:  # the stream is still the merged model, bit for bit
@@ -210,7 +209,6 @@ def test_a_sync_broken_off_mid_stream_leaves_the_model_alone_once_it_returns(mon
             with pytest.raises(WeightSyncError, match="injected: stream broken"):
                 client.sync(1)
             returned = time.monotonic()
-            client.close()
     finally:
         for s in servers:
             s.stop()

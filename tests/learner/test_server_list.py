@@ -194,7 +194,6 @@ def test_sync_reaches_servers_added_beyond_the_pools_first_size(tmp_path: Path, 
         report = sync.sync(2)
         assert sorted(report.acked) == sorted(s.address for s in (s0, s1, s2))
         assert [u.header.version for u in s2.engine.updates] == [2]
-        sync.close()
 
 
 # -- the trainer -----------------------------------------------------------------------------------
