@@ -143,7 +143,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import learner.sync_client as sync_client
     from learner.servers import ServerPool
     from learner.weight_export import full_export
-    from rmsft.weight_wire import FULL, encode_weight_stream
+    from rmsft.weight_wire import TensorSpec, dtype_name
 
     torch.manual_seed(0)
     hidden = args.hidden
@@ -161,19 +161,19 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     trackers = [AllocationTracker()]  # a fresh one for the measured sync
 
     if args.child == "old":
-        def encode(self, version: int, mode: str):  # the sync client before streaming: list, then encode
+        def plan(self, mode: str):  # the sync client before streaming: the whole merged list first
             with trackers[0]:
                 tensors = _old_full_named_tensors(self.model, self.dtype)
-            return encode_weight_stream(tensors, version=version, mode=FULL, frame_bytes=self.frame_bytes)
+            return [(n, TensorSpec(dtype_name(t.dtype), tuple(t.shape))) for n, t in tensors], tensors, ""
 
-        sync_client.WeightSyncClient._encode = encode
+        sync_client.WeightSyncClient._plan = plan
     else:
         class Tracked:
             def __init__(self, export) -> None:
                 self.export, self.specs = export, export.specs
 
             def __iter__(self):
-                with trackers[0]:  # entered on the fan-out thread, where the export runs
+                with trackers[0]:  # entered on gRPC's request thread, where the export runs
                     yield from self.export
 
         sync_client.full_export = lambda *a, **k: Tracked(full_export(*a, **k))
