@@ -84,10 +84,13 @@ class Background:
         return self.reply
 
 
-def _wait_running(srv, at_least: int, timeout: float = 30.0) -> None:
+def _wait_running(srv, at_least: int, call: Background, timeout: float = 60.0) -> None:
+    """Until the engine holds `at_least` of `call`'s requests (running or waiting: on a loaded machine the
+    scheduler may admit them over a few steps, and the gauges are updated once per step)."""
     deadline = time.monotonic() + timeout
-    while metric(scrape(srv), "vllm:num_requests_running") < at_least:
-        assert time.monotonic() < deadline, f"the engine never ran {at_least} requests"
+    while _engine_requests(srv) < at_least:
+        assert not call.done(), f"the call ended before the engine was seen holding {at_least} requests"
+        assert time.monotonic() < deadline, f"the engine never held {at_least} requests"
         time.sleep(0.05)
 
 
@@ -106,7 +109,7 @@ def test_seeded_batch_bigger_than_one_engine_step_completes(srv) -> None:
 
 def test_a_call_arriving_during_a_running_batch_joins_it(srv, ref) -> None:
     long = Background(srv, _random_prompts(16, 20), max_tokens=LONG, temperature=1.0, seeds=list(range(16)))
-    _wait_running(srv, 8)
+    _wait_running(srv, 8, long)
     t0 = time.monotonic()
     short = generate(srv.stub(), srv.metadata(), ref.prompts[:2])
     short_s = time.monotonic() - t0
@@ -268,7 +271,7 @@ def test_shutdown_aborts_running_calls_cleanly(srv) -> None:
     which is a clean shutdown too)."""
     long = Background(srv, _random_prompts(64, 20, salt=9), max_tokens=LONG * 2, temperature=1.0,
                       seeds=list(range(64)))
-    _wait_running(srv, 8)
+    _wait_running(srv, 8, long)
     t0 = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
     long.thread.join(60)
