@@ -50,11 +50,6 @@ class StagedWeights:
             os.close(self.fd)
             self.fd = -1
 
-    @property
-    def staged_bytes(self) -> int:
-        """Bytes this server holds for the update in its own staging dir (0 for a shared file)."""
-        return 0 if self.shared else self.header.total_bytes
-
 
 class StageObserver(Protocol):
     """Told what `Stager.stage` does with a grpc stream, in order (the relay forwards from it)."""
