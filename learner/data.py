@@ -8,6 +8,9 @@ A record::
      "objects": [{"desc": "person", "bbox_2d": [10, 20, 110, 220]},
                  {"desc": "kite", "poly": [5, 5, 60, 5, 30, 40]}]}  # pixel coordinates
 
+A record may also carry `"answer": "..."` (or a list of accepted answers): the expected answer of a
+short-answer task, which GRPO's text rewards score against (learner/rewards.py).
+
 Bad lines fail the load with the file, the line number and the field at fault; nothing is
 silently skipped. Object rules are the core's (`learner.core.codec.check_desc`, `DetObject`), applied
 here so that a bad object fails at load with its record's line, not later inside a training step: a
@@ -84,6 +87,8 @@ class Record(BaseModel):
     messages: list[Message] = Field(min_length=1)
     images: list[str] = Field(default_factory=list)
     objects: list[GroundTruthObject] = Field(default_factory=list)
+    # A short-answer task's expected answer (several accepted: a list), for GRPO's text rewards (`text_match`).
+    answer: str | list[str] | None = None
 
 
 class DataError(ValueError):

@@ -96,8 +96,9 @@ def prepare_inputs(job: RolloutMatchingJob, console: Console) -> None:
                     ) from None
         console.print(f"built the tiny model in {model_dir}")
     task = notes.get(SYNTHETIC_TASK, "text")
-    if task not in ("text", "visual"):
-        raise ValueError(f"metadata.annotations[{SYNTHETIC_TASK!r}] must be \"text\" or \"visual\", got {task!r}")
+    if task not in ("text", "visual", "answer"):
+        raise ValueError(f"metadata.annotations[{SYNTHETIC_TASK!r}] must be \"text\", \"visual\" or \"answer\", "
+                         f"got {task!r}")
     seed = job.spec.training.seed
     wanted = [(SYNTHETIC_RECORDS, job.spec.training.data.path, seed, "")]
     if job.spec.training.eval.data:  # held-out records: the same task rendered with another seed
@@ -113,6 +114,10 @@ def prepare_inputs(job: RolloutMatchingJob, console: Console) -> None:
             with console.status(f"rendering {n} synthetic {what}images for {data}"):
                 # The instruction asks for the job's own output format (same images and objects either way).
                 write_visual_dataset(data, n=n, seed=data_seed, fmt=job.spec.training.format)
+        elif task == "answer":  # a short-answer task for GRPO (learner.synthetic.CoordAnswerReward)
+            from learner.synthetic import write_answer_dataset
+
+            write_answer_dataset(data, n=n, seed=data_seed)
         else:
             from learner.synthetic import write_synthetic_dataset
 
@@ -175,6 +180,8 @@ def print_summary(summary, console: Console) -> None:
     table.add_row("loss (first -> last)", f"{summary.first_loss:.4f} -> {summary.last_loss:.4f}")
     if summary.f1:
         table.add_row("rollout F1 (first -> last)", f"{summary.f1[0]:.3f} -> {summary.f1[-1]:.3f}")
+    if summary.rewards:
+        table.add_row("mean reward (first -> last)", f"{summary.rewards[0]:.3f} -> {summary.rewards[-1]:.3f}")
     table.add_row("weight version", str(summary.weight_version))
     table.add_row("rollout retries", str(summary.retries))
     table.add_row("wall time", f"{summary.wall_seconds:.1f}s")
@@ -195,7 +202,7 @@ def print_summary(summary, console: Console) -> None:
 def train_in_process(job: RolloutMatchingJob, addresses: list[str], *, auth_token: str, resume: bool,
                      console: Console) -> Summary:
     """The learner in this process, with a progress bar; `job.spec.training.device` says where."""
-    from learner.trainer import Trainer
+    from learner.grpo_trainer import trainer_class
 
     device = job.spec.training.device
     if device.startswith("cuda"):
@@ -206,7 +213,7 @@ def train_in_process(job: RolloutMatchingJob, addresses: list[str], *, auth_toke
         torch.cuda.set_device(device)
     trainer = None
     try:
-        trainer = Trainer(job, addresses, auth_token=auth_token or None)
+        trainer = trainer_class(job)(job, addresses, auth_token=auth_token or None)
         if resume:
             trainer.resume()
         console.print(f"TensorBoard event files in {job.spec.training.tensorboard_dir} "
@@ -218,7 +225,8 @@ def train_in_process(job: RolloutMatchingJob, addresses: list[str], *, auth_toke
 
             def on_step(r) -> None:
                 f1 = f" f1 {r.stats.f1:.2f}" if r.stats else ""
-                progress.update(task, completed=r.step, info=f"loss {r.loss:.3f}{f1} v{r.weight_version}")
+                reward = f" reward {r.grpo.reward_mean:.3f}" if r.grpo else ""
+                progress.update(task, completed=r.step, info=f"loss {r.loss:.3f}{f1}{reward} v{r.weight_version}")
 
             trainer.on_step = on_step
             # A held-out evaluation gets its own line above the bar (the log is at warning level here).
@@ -318,6 +326,10 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
     # initialised CUDA), so CUDA_VISIBLE_DEVICES cannot narrow it any more; the learner is pointed
     # at its GPU by index through training.device, which the Trainer honours.
     job.spec.training.device = plan.learner_device(job.spec.training.device)
+    if job.spec.trainer == "grpo":  # a reward that resolves to nothing fails before any server starts
+        from learner.grpo_trainer import build_job_rewards
+
+        build_job_rewards(job)
     prepare_inputs(job, console)
     log_dir = Path(work_dir) / "logs"
     if plan.accelerated:

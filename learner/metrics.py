@@ -3,7 +3,8 @@ in rollout_svc/metrics.py or in rmsft_operator/metrics.py (tests/test_dashboards
 
 from prometheus_client import Counter, Gauge, Histogram
 
-PHASES = ("rollout", "generate", "parse", "match", "targets", "pack", "forward", "backward", "optimizer", "sync")
+PHASES = ("rollout", "generate", "parse", "match", "targets", "pack", "forward", "backward", "optimizer", "sync",
+          "reward", "reference")
 _PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 PHASE_SECONDS = Histogram(
@@ -30,6 +31,16 @@ EVAL_STEP = Gauge("rmsft_learner_eval_step", "Optimizer step of the last held-ou
 EVAL_F1 = Gauge("rmsft_learner_eval_f1", "Held-out F1 at IoU training.eval.iou (0.5 by default), last evaluation")
 EVAL_MAP = Gauge("rmsft_learner_eval_map", "Held-out COCO bbox mAP@[.50:.95], last evaluation")
 EVAL_MAP50 = Gauge("rmsft_learner_eval_map50", "Held-out COCO bbox mAP@.50, last evaluation")
+
+# GRPO (spec.trainer: grpo), set after each step.
+REWARD = Gauge("rmsft_learner_reward", "Last GRPO step's reward over its completions", ["stat"])  # mean|std|group_std
+REWARD_PART = Gauge("rmsft_learner_reward_part", "Last GRPO step's mean of each reward of the sum, unweighted",
+                    ["reward"])
+ZERO_STD_GROUPS = Gauge("rmsft_learner_grpo_zero_std_groups_ratio",
+                        "Share of the last step's groups whose rewards were all equal (no learning signal)")
+CLIP_FRACTION = Gauge("rmsft_learner_grpo_clip_fraction_ratio", "Completion tokens whose importance ratio was clipped")
+GRPO_KL = Gauge("rmsft_learner_grpo_kl", "k3 estimate of the KL to the reference policy, per completion token")
+COMPLETION_LENGTH = Gauge("rmsft_learner_completion_length_tokens", "Mean completion length of the last GRPO step")
 
 
 def counter_total(counter: Counter) -> float:

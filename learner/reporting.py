@@ -3,7 +3,8 @@ held-out evaluations (log line, Prometheus gauges, TensorBoard scalars and pictu
 
 The trainer decides when; this room only says where each figure goes, so the step loop stays readable.
 Tags: `train/*` (loss and its parts, rollout F1/precision/recall, fill, rows, learning rate, step
-seconds), `time/*` (seconds per phase in the step), `sync/bytes` (bytes streamed to the servers since
+seconds), `grpo/*` (GRPO steps: reward mean/std, each reward, clip fraction, ratio, KL, completion
+length), `time/*` (seconds per phase in the step), `sync/bytes` (bytes streamed to the servers since
 the start), `eval/*` (see `learner.evaluation.Evaluation.scalars`), images under `eval/<record id>`.
 """
 
@@ -39,6 +40,8 @@ class RunReporter:
             values.update({"train/f1": r.stats.f1, "train/precision": r.stats.precision,
                            "train/recall": r.stats.recall, "train/dropped": float(r.stats.dropped),
                            "train/truncated": float(r.stats.truncated)})
+        if r.grpo is not None:
+            values.update(r.grpo.scalars())
         # Phase seconds are cumulative in the trainer's state: report this step's share of each.
         for name, total in phase_seconds.items():
             values[f"time/{name}"] = total - self._phases_seen.get(name, 0.0)

@@ -52,13 +52,11 @@ ground truth as the format writes it (`learner.episode.ground_truth`) by rmsft's
 - reward = `(1 - format_weight) * metric + format_weight * format_score`, in [0, 1].
 
 Text answers (`TextMatchReward`): the expected answer is `RewardInput.answer` when set, else the record's
-`answer` attribute (`getattr(record, "answer", None)`). `learner.data.Record` has no such field today (and
-forbids extra keys), so a short-answer dataset needs either the trainer to pass the answer in `RewardInput`
-or a Record with an `answer: str | list[str]` field; a list holds several accepted answers (the best
-counts). Both sides are normalized (`normalize_answer`: whitespace stripped and collapsed, casefolded by
-default, punctuation and English articles dropped on request); equal = 1.0, else `partial_weight` times
-the token-level F1 of their words (SQuAD's), or 0.0 with `partial="none"`. `partial_weight` defaults to
-0.5 so the exact answer always scores above a reordering of its words.
+`answer` attribute (`getattr(record, "answer", None)`; `learner.data.Record.answer`, a string or a list of
+accepted answers, the best counting). Both sides are normalized (`normalize_answer`: whitespace stripped
+and collapsed, casefolded by default, punctuation and English articles dropped on request); equal = 1.0,
+else `partial_weight` times the token-level F1 of their words (SQuAD's), or 0.0 with `partial="none"`.
+`partial_weight` defaults to 0.5 so the exact answer always scores above a reordering of its words.
 
 Threads: `score_batch` calls rewards from several threads at once; a reward must be thread-safe or run with
 `workers=1`. The built-ins are (no state is written after construction).

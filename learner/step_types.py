@@ -11,6 +11,29 @@ from learner.rollout_client import Rollout
 
 
 @dataclass
+class GrpoStats:
+    """One GRPO step's figures over every rank's completions (the loss-side ones token-weighted like the loss)."""
+
+    reward_mean: float
+    reward_std: float  # over every completion of the step
+    group_reward_std: float  # each group's std (unbiased), averaged over the groups
+    zero_std_groups: float  # share of groups whose rewards were all equal: no signal, zero advantages
+    rewards: dict[str, float]  # each reward of the sum, unweighted, averaged over the completions
+    clip_fraction: float  # completion tokens whose importance ratio was clipped
+    ratio_mean: float  # mean importance ratio (1.0 when the learner and the servers agree)
+    kl: float  # k3 estimate of KL(policy || reference); 0 without kl_coef
+    completion_length: float  # mean completion tokens
+    truncated: float  # share of completions cut by max_tokens
+    completions: int
+    groups: int
+
+    def scalars(self) -> dict[str, float]:
+        out = {f"grpo/{k}": float(v) for k, v in vars(self).items() if k != "rewards"}
+        out.update({f"grpo/reward/{k}": v for k, v in self.rewards.items()})
+        return out
+
+
+@dataclass
 class StepResult:
     step: int  # 1-based optimizer step just finished
     weight_version: int  # version the step's rollouts came from
@@ -28,6 +51,7 @@ class StepResult:
     local_record_ids: list[str] = field(default_factory=list)  # this rank's contiguous share
     local_rows: int = 0  # rows this rank trained on
     local_tokens: int = 0
+    grpo: GrpoStats | None = None  # spec.trainer: grpo
 
 
 @dataclass
@@ -46,6 +70,7 @@ class Summary:
     evaluations: list[tuple[int, float, float]] = field(default_factory=list)  # held-out (step, F1, mAP)
     log_dir: Path | None = None  # TensorBoard event files (rank 0)
     exported: Path | None = None  # the Hugging Face folder written at the end (training.export)
+    rewards: list[float] = field(default_factory=list)  # GRPO: mean reward of each step
 
 
 class DataOrder:

@@ -10,6 +10,14 @@
   the CoordExp one (a description and a bbox_2d or poly) or the qwen_json one (a list of bbox_2d and
   label); the records are the same (qwen_json answers a triangle with its enclosing box).
 
+- `write_answer_dataset` + `CoordAnswerReward`: a short-answer task with a verifiable answer for GRPO on the
+  tiny text model. Each prompt names one of the tiny vocabulary's classes; the answer is that class's fixed
+  coordinate token (`answer_bin`). The reward scores the completion's first token: 1.0 for the answer, partial
+  credit by distance for another coordinate token (`width`: 0 from that many bins away), 0.0 for anything else.
+  About 45% of the tiny vocabulary is coordinate tokens, so a random-weight model's first samples already get
+  some signal; a width near the classes' spacing keeps any constant answer from scoring well (configs/
+  local-tiny-grpo.yaml says why).
+
 The text-only prompt asks for "JSON with bbox_2d", which fits both formats; its stated boxes are on the
 1000-bin grid, which is qwen_json's relative convention too (text has no resized image for pixels).
 """
@@ -19,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -62,6 +71,70 @@ def write_synthetic_dataset(path: str | Path, n: int = 64, seed: int = 0) -> Pat
         for i in range(n):
             f.write(json.dumps(make_record(rng, i)) + "\n")
     return path
+
+
+# ---------------------------------------------------------------- a short-answer task (GRPO)
+
+ANSWER_PROMPT = "Where is the {name}? Answer with its coordinate token."
+_COORD = re.compile(r"\s*<\|coord_(\d+)\|>")
+
+
+ANSWER_CLASSES = len(CLASS_NAMES)  # how many of the tiny vocabulary's classes the short-answer task asks about
+
+
+def answer_bin(name: str, classes: int = ANSWER_CLASSES) -> int:
+    """The coordinate bin that answers `name`: the task's first `classes` classes spread evenly over 0..999."""
+    i = CLASS_NAMES[:classes].index(name)
+    return (2 * i + 1) * 1000 // (2 * classes)
+
+
+def write_answer_dataset(path: str | Path, n: int = 64, seed: int = 0, classes: int = ANSWER_CLASSES) -> Path:
+    """`n` short-answer records (`answer`: the class's coordinate token) about the first `classes` classes, to
+    `path` (JSONL). Same arguments, same file. Width and height are the 1000-bin grid (the records carry no
+    image)."""
+    if not 1 <= classes <= len(CLASS_NAMES):
+        raise ValueError(f"classes must be in 1..{len(CLASS_NAMES)}, got {classes}")
+    names = CLASS_NAMES[:classes]
+    rng = random.Random(seed)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for i in range(n):
+            name = names[i % classes] if i < classes else rng.choice(names)
+            rec = {"id": f"answer-{i}", "width": 1000, "height": 1000,
+                   "messages": [{"role": "user", "content": ANSWER_PROMPT.format(name=name)}],
+                   "answer": f"<|coord_{answer_bin(name, classes)}|>"}
+            f.write(json.dumps(rec) + "\n")
+    return path
+
+
+def leading_bin(text: str) -> int | None:
+    """The bin of the coordinate token `text` starts with (after whitespace), else None."""
+    m = _COORD.match(text)
+    return int(m.group(1)) if m else None
+
+
+class CoordAnswerReward:
+    """`learner.synthetic:CoordAnswerReward`, the reward of `write_answer_dataset`'s task: the completion's
+    first token against the record's answer, 1 - |bin - answer| / `width` (at least 0) for a coordinate
+    token, `other` for anything else. Pure and thread-safe."""
+
+    name = "coord_answer"
+
+    def __init__(self, width: float = 1000.0, other: float = 0.0) -> None:
+        if not width > 0:
+            raise ValueError(f"width: expected a number > 0, got {width!r}")
+        self.width, self.other = float(width), float(other)
+
+    def __call__(self, inp) -> float:  # a learner.rewards.RewardInput
+        answer = inp.answer if inp.answer is not None else getattr(inp.record, "answer", None)
+        target = leading_bin(answer) if isinstance(answer, str) else None
+        if target is None:
+            raise ValueError(f"the record's answer must be one coordinate token, got {answer!r}")
+        got = leading_bin(inp.text)
+        if got is None:
+            return self.other
+        return max(0.0, 1.0 - abs(got - target) / self.width)
 
 
 # ---------------------------------------------------------------- the visual task

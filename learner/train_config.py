@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from learner.core.codec import OutputFormat, output_format
+from learner.core.grpo import GrpoConfig
 from learner.core.losses import LossWeights
 from learner.core.match import MatchConfig
 from learner.core.targets import TargetConfig
@@ -43,6 +44,32 @@ def core_configs(cfg: TrainingConfig) -> CoreConfigs:
         packing=(cfg.packing_length, cfg.packing_buffer, cfg.packing_min_fill),
         fmt=output_format(cfg.format, coordinates=cfg.format_options.coordinates,
                           polygons=cfg.format_options.polygons),
+    )
+
+
+@dataclass(frozen=True)
+class GrpoSetup:
+    """`training.grpo` for the GRPO trainer: the loss's config, the Generate call's sampling (n samples per
+    prompt, each with its log-probs), the group size and the packer (every sample of a step fits its buffer)."""
+
+    loss: GrpoConfig
+    sampling: dict[str, Any]
+    n: int
+    packing: tuple[int, int, float]
+
+
+def grpo_setup(cfg: TrainingConfig) -> GrpoSetup:
+    """Sampling at `grpo.temperature` alone (top-p, top-k and penalties off, which the job spec enforces): the
+    servers report log-probs of that distribution (`logprobs_mode: processed`, rmsft.serve_options) and the loss
+    divides the learner's logits by the same temperature, so both sides of the importance ratio are one
+    distribution. The packer takes a whole step's samples at once and is drained every step (min_fill 0)."""
+    g = cfg.grpo
+    return GrpoSetup(
+        loss=GrpoConfig(clip_eps=g.clip_eps, clip_eps_high=g.clip_eps_high, kl_coef=g.kl_coef,
+                        scale_rewards=g.scale_rewards, loss_norm=g.loss_norm, temperature=g.temperature),
+        sampling={"max_tokens": g.max_tokens, "temperature": g.temperature, "n": g.group_size, "logprobs": True},
+        n=g.group_size,
+        packing=(cfg.packing_length, max(cfg.packing_buffer, cfg.prompts_per_step * g.group_size), 0.0),
     )
 
 

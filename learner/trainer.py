@@ -168,7 +168,7 @@ class Trainer:
         self.device = self.train_step.device  # DeepSpeed may have placed the module itself
         self.core = core_configs(cfg)
         self.order = DataOrder(len(self.records), cfg.prompts_per_step, cfg.seed)
-        self.packer = Packer(*self.core.packing)
+        self.packer = self._make_packer()
         self.buffer: RolloutBuffer = RolloutBuffer(self.core.m_steps)
         self.checkpointer = Checkpointer(cfg, ranks, self.model, self.train_step, self.packer, self.state)
         with ranks.guard("connecting to the rollout servers (rank 0)"):
@@ -203,6 +203,10 @@ class Trainer:
         self._retries_at_start = m.counter_total(m.ROLLOUT_RETRIES)
         self._served_step = -1  # the step whose weights the servers hold (after a sync)
 
+    def _make_packer(self) -> Packer:
+        """This rank's packer (one per rank, lives across steps; the checkpoint keeps its carry buffer)."""
+        return Packer(*self.core.packing)
+
     # -- the loop -------------------------------------------------------------------------------
     def run(self, max_steps: int | None = None) -> Summary:
         """Train until training.steps (or `max_steps` more steps); returns the summary.
@@ -210,16 +214,7 @@ class Trainer:
         -> forward/backward/optimizer on the packed rows -> weight sync before fresh rollouts."""
         t_start = time.perf_counter()
         st = self.state
-        target = self.cfg.steps if max_steps is None else min(self.cfg.steps, st.step + max_steps)
-        if self.ranks.is_main and self.reporter is None:
-            # After resume(): TensorBoard hides what a crashed run wrote past its last checkpoint.
-            self.reporter = RunReporter(Tracker(self.cfg.tensorboard_dir, run_name=self.job.metadata.name,
-                                                config=self.job.to_manifest(), resume_step=st.step + 1))
-        self._log_start(target)
-        with self.ranks.guard("waiting for the rollout servers (rank 0)"):
-            if self.ranks.is_main:
-                self.pool.wait_ready(timeout_s=self.cfg.rollout.request_timeout_s)
-        self._sync()  # once before the first rollout, and again on resume
+        target = self._begin(max_steps)  # reporter, run.json, servers ready, first sync
         ck_every = self.cfg.checkpoint.every
         while st.step < target:
             t0 = time.perf_counter()
@@ -245,6 +240,27 @@ class Trainer:
                 self.save()
             if self._eval_due(target):
                 self.evaluate_held_out()
+        return self._end(t_start)
+
+    def _begin(self, max_steps: int | None) -> int:
+        """Start (or resume) a run: rank 0's reporter and run.json, the servers ready, weights synced once
+        before the first rollout. Returns the step to stop at."""
+        st = self.state
+        target = self.cfg.steps if max_steps is None else min(self.cfg.steps, st.step + max_steps)
+        if self.ranks.is_main and self.reporter is None:
+            # After resume(): TensorBoard hides what a crashed run wrote past its last checkpoint.
+            self.reporter = RunReporter(Tracker(self.cfg.tensorboard_dir, run_name=self.job.metadata.name,
+                                                config=self.job.to_manifest(), resume_step=st.step + 1))
+        self._log_start(target)
+        with self.ranks.guard("waiting for the rollout servers (rank 0)"):
+            if self.ranks.is_main:
+                self.pool.wait_ready(timeout_s=self.cfg.rollout.request_timeout_s)
+        self._sync()  # once before the first rollout, and again on resume
+        return target
+
+    def _end(self, t_start: float) -> Summary:
+        """The last checkpoint (unless one was just saved), rollout pictures, the export, the summary."""
+        st, ck_every = self.state, self.cfg.checkpoint.every
         if ck_every == 0 or st.step % ck_every:
             self.save()
         self.pictures = self._write_pictures()

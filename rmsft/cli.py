@@ -102,14 +102,15 @@ def train(
         # e.g. deepspeed_stage > 0 without DeepSpeed: say so now, not after the model loaded
         require_learner_runtime(job)
         load_records(job.spec.training.data.path)
-        from learner.trainer import Trainer
+        from learner.grpo_trainer import trainer_class
 
         port = job.spec.learner.metrics_port if metrics_port < 0 else metrics_port
         if port and os.environ.get("RANK", "0") == "0":  # one endpoint per learner pod: rank 0's
             from prometheus_client import start_http_server
 
             start_http_server(port)
-        trainer = Trainer(job, addresses, auth_token=auth_token or None)
+        # spec.trainer: rollout_matching (learner.trainer.Trainer) or grpo (learner.grpo_trainer.GrpoTrainer)
+        trainer = trainer_class(job)(job, addresses, auth_token=auth_token or None)
     except (JobSpecError, DataError, ServersFileError, LogLevelError, MissingRequirementError, ValueError,
             RuntimeError, OSError) as exc:
         _fail(exc)
@@ -134,6 +135,7 @@ def local(
 ) -> None:
     """Run a whole job on this machine: rollout servers as local processes, the learner in-process."""
     from learner.data import DataError
+    from learner.rewards import RewardConfigError
     from rmsft.jobspec import JobSpecError
     from rmsft.logs import LogLevelError, configure_logging
 
@@ -143,7 +145,7 @@ def local(
         from learner.local import run_local
 
         run_local(job, work_dir=work_dir, resume=resume)
-    except (JobSpecError, DataError, LogLevelError) as exc:
+    except (JobSpecError, DataError, LogLevelError, RewardConfigError) as exc:
         _fail(exc)
 
 

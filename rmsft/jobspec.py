@@ -327,6 +327,45 @@ class FormatOptions(_Learner):
     )
 
 
+class RewardEntry(_Learner):
+    """One GRPO reward: a built-in name (`detection`, `text_match`), an entry point of the group `rmsft.rewards`,
+    or an import path `package.module:callable`; its params, and its weight in the sum (learner/rewards.py)."""
+
+    name: str = Field(..., min_length=1, description="Built-in, entry point of rmsft.rewards, or package.module:attr.")
+    weight: float = Field(1.0, allow_inf_nan=False, description="Weight of this reward in the sum.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments the reward is built with.")
+
+
+class GrpoTrainingConfig(_Learner):
+    """GRPO (`spec.trainer: grpo`): `group_size` sampled completions per prompt, scored by `rewards`, group-normalised
+    advantages, the clipped objective. Sampling uses `temperature` and `max_tokens` from here (top-p, top-k and
+    repetition penalty stay off: the learner's log-probs must be those of the distribution sampled from);
+    `training.rollout` supplies the seed, the chunking and the request timeout. Ignored by rollout_matching."""
+
+    # Not `n`: YAML 1.1 readers (kubectl, helm: go-yaml) take a bare `n` key for the boolean false.
+    group_size: int = Field(8, ge=2, le=64, description="Completions sampled per prompt (n, the group).")
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature of the completions.")
+    max_tokens: int = Field(512, ge=1, description="Longest completion, in tokens.")
+    clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="Lower clip of the importance ratio: 1 - clip_eps.")
+    clip_eps_high: float | None = Field(
+        None, gt=0.0, le=10.0, description="Upper clip: 1 + clip_eps_high (DAPO's clip-higher); unset = clip_eps.",
+    )
+    kl_coef: float = Field(
+        0.0, ge=0.0, le=100.0, description="Weight of the KL to the reference policy (the base weights, adapters "
+        "disabled); 0 = no reference forward.",
+    )
+    scale_rewards: bool = Field(True, description="Divide each group's centred rewards by their std.")
+    loss_norm: Literal["token", "sequence"] = Field(
+        "token", description="token: mean over every completion token of the step; sequence: mean of each "
+        "completion's token mean.",
+    )
+    rewards: list[RewardEntry] = Field(
+        default_factory=lambda: [RewardEntry(name="detection")], min_length=1, max_length=16,
+        description="Rewards summed with their weights (default: the detection reward).",
+    )
+    reward_workers: int = Field(4, ge=1, le=64, description="Threads scoring completions.")
+
+
 class TrainingConfig(_Learner):
     data: DataConfig
     format: Literal["coordexp", "qwen_json"] = Field(
@@ -376,6 +415,9 @@ class TrainingConfig(_Learner):
     seed: int = Field(0, ge=0)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+    grpo: GrpoTrainingConfig = Field(
+        default_factory=GrpoTrainingConfig, description="GRPO settings (spec.trainer: grpo).",
+    )
     log_dir: str | None = Field(
         None, min_length=1, description="TensorBoard event files (rank 0); unset = <checkpoint.dir>/tensorboard.",
     )
@@ -407,6 +449,9 @@ class TrainingConfig(_Learner):
 
 
 class JobSpec(_K8s):
+    trainer: Literal["rollout_matching", "grpo"] = Field(
+        "rollout_matching", description="The learner's algorithm: rollout-matching SFT, or GRPO (training.grpo).",
+    )
     model: ModelSpec
     image: ImageSpec = Field(default_factory=ImageSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
@@ -465,6 +510,35 @@ def cross_field_errors(spec: JobSpec) -> list[str]:
             f"spec.training.rollout.max_tokens ({spec.training.rollout.max_tokens}) must be < "
             f"spec.rollout.maxModelLen ({spec.rollout.max_model_len})"
         )
+    if spec.trainer == "grpo":
+        errs.extend(grpo_errors(spec))
+    return errs
+
+
+def grpo_errors(spec: JobSpec) -> list[str]:
+    """What a `trainer: grpo` job cannot have (mirrored by CEL rules, as `cross_field_errors`)."""
+    t, g = spec.training, spec.training.grpo
+    errs: list[str] = []
+    if g.max_tokens >= spec.rollout.max_model_len:
+        errs.append(f"spec.training.grpo.max_tokens ({g.max_tokens}) must be < spec.rollout.maxModelLen "
+                    f"({spec.rollout.max_model_len})")
+    if t.buffer.enabled and t.buffer.m_steps > 1:
+        errs.append("spec.training.buffer.m_steps > 1 is not supported by spec.trainer 'grpo': every step samples "
+                    "fresh groups from the learner's current weights (disable the buffer or set m_steps: 1)")
+    if t.warm_start_steps > 0:
+        errs.append("spec.training.warm_start_steps applies to spec.trainer 'rollout_matching' only (GRPO has no "
+                    "ground-truth targets to warm start on)")
+    if t.grad_accumulation != 1:
+        errs.append("spec.training.grad_accumulation must be 1 with spec.trainer 'grpo': a step trains on every "
+                    "completion it sampled, in as many packed rows as they fill")
+    if g.kl_coef > 0 and t.finetune != "lora":
+        errs.append("spec.training.grpo.kl_coef > 0 needs spec.training.finetune: lora (the reference policy is the "
+                    "base weights, the adapters disabled); with finetune: full set kl_coef: 0")
+    d = t.rollout
+    if d.top_p != 1.0 or d.top_k > 0 or d.repetition_penalty != 1.0:
+        errs.append("spec.training.rollout.top_p, top_k and repetition_penalty must stay off with spec.trainer "
+                    "'grpo' (it samples at spec.training.grpo.temperature alone, so that the learner's log-probs "
+                    "are those of the distribution sampled from)")
     return errs
 
 

@@ -31,6 +31,9 @@ def serve_options(job: RolloutMatchingJob, *, gpus: bool) -> dict[str, Any]:
         "dtype": job.spec.model.dtype,
         # The engine's base seed; every request carries its own seed derived from this one.
         "seed": job.spec.training.rollout.seed,
+        # GRPO's importance ratio compares the learner's log-probs with the sampled distribution's (temperature
+        # applied); rollout-matching asks for none.
+        "logprobs_mode": "processed" if job.spec.trainer == "grpo" else "raw",
         # Headroom over the learner's frame size for each piece's header.
         "max_frame_bytes": 2 * job.spec.sync.frame_bytes,
         # Images become the same tokens on the servers as in the learner's processor.

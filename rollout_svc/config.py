@@ -28,6 +28,9 @@ class ServeConfig:
     enforce_eager: bool | None = None  # None = True on CPU, False on GPU
     dtype: str = "auto"
     seed: int = 0
+    # What Completion.logprobs hold: "raw" (log_softmax of the model's logits) or "processed" (of the distribution
+    # sampled from: after temperature, top-k/top-p, penalties), vLLM's logprobs_mode. GRPO needs "processed".
+    logprobs_mode: str = "raw"
     # Vision-language models (ignored for text models): how images become tokens, identical to the
     # learner's processor settings (both from spec.model.vision).
     model_impl: str = "auto"  # auto | vllm | transformers (see vllm_engine.model_impl_for)
@@ -99,6 +102,8 @@ class ServeConfig:
             problems.append("kv_cache_bytes must be >= 0 (0 = auto)")
         if self.tensor_parallel_size < 1:
             problems.append("tensor_parallel_size must be >= 1")
+        if self.logprobs_mode not in ("raw", "processed"):
+            problems.append(f"logprobs_mode must be raw or processed, got {self.logprobs_mode!r}")
         if self.model_impl not in ("auto", "vllm", "transformers"):
             problems.append(f"model_impl must be auto, vllm or transformers, got {self.model_impl!r}")
         if self.min_pixels < 0 or self.max_pixels < 0 or (self.min_pixels and self.max_pixels
@@ -132,6 +137,8 @@ _HELP = {
     "enforce_eager": "skip CUDA graphs / compilation (default: on for CPU, off for GPU)",
     "dtype": "model dtype for vLLM (auto = checkpoint dtype)",
     "seed": "engine seed (per-request seeds still win)",
+    "logprobs_mode": "what sampled tokens' log-probs are: raw (the model's own distribution) or processed (the "
+    "distribution sampled from, after temperature, top-k/top-p and penalties; what GRPO's importance ratio needs)",
     "model_impl": "vLLM model implementation: auto = native, except vision-language models on the CPU backend, "
     "which need the Transformers backend (vLLM's native Qwen-VL code needs torchvision); vllm | transformers force one",
     "min_pixels": "smallest resized image area in pixels for vision-language models (0 = the processor's own); "

@@ -44,6 +44,7 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     logprobs: bool = False  # return each sampled token's log-probability
+    min_tokens: int = 0  # no end-of-sequence or stop token before this many new tokens
 
 
 @dataclass

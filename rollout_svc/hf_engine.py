@@ -11,16 +11,20 @@ which only matter at a near-exact tie), and a retry on another server of the sam
 
 Per row: temperature (0 = greedy argmax, so greedy and sampled rows share a batch), top_k (0 = off),
 top_p, repetition_penalty (1.0 = off; HF's rule over the row's own prompt + output tokens), max_tokens,
-stop_token_ids plus the model's eos ids (the stop token is kept in the output, finish_reason "stop";
-reaching max_tokens is "length"). Finished rows are fed pad tokens until the whole batch is done.
+stop_token_ids plus the model's eos ids, none of them sampled before min_tokens (the stop token is kept in the
+output, finish_reason "stop"; reaching max_tokens is "length"). Finished rows are fed pad tokens until the
+whole batch is done.
 
 With `Sampling.logprobs`, each output carries the log-probability of every returned token under the
 model's raw distribution: log_softmax of the unmodified logits, before repetition penalty,
-temperature, top-k and top-p (vLLM's default `logprobs_mode="raw_logprobs"`).
+temperature, top-k and top-p (vLLM's default `logprobs_mode="raw_logprobs"`); with `--logprobs-mode
+processed`, under the distribution the token was sampled from: after the penalty, temperature, top-k
+and top-p (vLLM's `processed_logprobs`; a greedy row's: after the penalty alone).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from rmsft.model_folder import is_vision_language
@@ -59,6 +63,7 @@ class HfEngine:
         self.vocab_size = self.hf.config.get_text_config().vocab_size
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_ids = set(self._as_list(self.hf.generation_config.eos_token_id))
+        self.processed_logprobs = cfg.logprobs_mode == "processed"
 
     @staticmethod
     def _as_list(x) -> list[int]:
@@ -129,7 +134,8 @@ class HfEngine:
                 logits = res.logits[:, -1, :].float()
                 live = [r for r in range(n) if reasons[r] is None]
                 picked = [self._pick(logits[r], items[r].sampling, gens[r], None if seen is None else seen[r],
-                                     want_lp[r]) for r in live]
+                                     want_lp[r], self.processed_logprobs,
+                                     stops[r] if len(toks[r]) < items[r].sampling.min_tokens else ()) for r in live]
                 # One device->host copy per step rather than one per row.
                 chosen = torch.stack([t for t, _ in picked]).tolist()
                 chosen_lp = torch.stack([lp for _, lp in picked]).tolist() if any(want_lp) else [0.0] * len(live)
@@ -155,11 +161,15 @@ class HfEngine:
 
     @staticmethod
     def _pick(raw: torch.Tensor, s: Sampling, g: torch.Generator, seen: torch.Tensor | None,
-              want_lp: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Next token of one row (and its raw log-prob, or 0 when not asked), from that row's logits alone."""
+              want_lp: bool, processed: bool = False,
+              blocked: Collection[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next token of one row (and its log-prob, raw or `processed`, or 0 when not asked), from that row's
+        logits alone; `blocked` tokens (the stop tokens before min_tokens) cannot be picked."""
         import torch
 
         x = raw
+        if blocked:
+            x = x.index_fill(0, torch.tensor(sorted(blocked), device=x.device), float("-inf"))
         if s.repetition_penalty != 1.0 and seen is not None:
             # HF's rule: a seen token gets less likely whatever its logit's sign (divide if > 0, else multiply).
             x = torch.where(seen, torch.where(x > 0, x / s.repetition_penalty, x * s.repetition_penalty), x)
@@ -178,7 +188,7 @@ class HfEngine:
                 drop[0] = False
                 x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
             tok = torch.multinomial(torch.softmax(x, dim=-1), 1, generator=g)[0]
-        lp = torch.log_softmax(raw, dim=-1)[tok] if want_lp else raw.new_zeros(())
+        lp = torch.log_softmax(x if processed else raw, dim=-1)[tok] if want_lp else raw.new_zeros(())
         return tok, lp
 
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]:

@@ -40,6 +40,8 @@ def sampling_of(sp: rollout_pb2.SamplingParams, seed: int | None) -> Sampling:
         raise PromptError(f"sampling.top_p must be in [0, 1], got {sp.top_p}")
     if sp.repetition_penalty < 0:
         raise PromptError(f"sampling.repetition_penalty must be >= 0, got {sp.repetition_penalty}")
+    if sp.min_tokens > sp.max_tokens:
+        raise PromptError(f"sampling.min_tokens ({sp.min_tokens}) must be <= max_tokens ({sp.max_tokens})")
     return Sampling(
         max_tokens=sp.max_tokens,
         temperature=sp.temperature,
@@ -50,6 +52,7 @@ def sampling_of(sp: rollout_pb2.SamplingParams, seed: int | None) -> Sampling:
         stop_token_ids=tuple(sp.stop_token_ids),
         seed=seed,
         logprobs=sp.logprobs,
+        min_tokens=sp.min_tokens,
     )
 
 

@@ -117,6 +117,7 @@ def sampling_params(s: Sampling):
         stop=list(s.stop) or None,
         stop_token_ids=list(s.stop_token_ids) or None,
         seed=s.seed,
+        min_tokens=s.min_tokens,
         logprobs=0 if s.logprobs else None,  # 0: the sampled token's own log-probability only
         output_kind=RequestOutputKind.FINAL_ONLY,
         detokenize=bool(s.stop),
@@ -159,6 +160,10 @@ class VllmEngine:
         )
         if cfg.max_num_seqs:
             kwargs["max_num_seqs"] = cfg.max_num_seqs
+        if cfg.logprobs_mode == "processed":
+            # Log-probs of the distribution sampled from (after temperature), GRPO's importance ratio; vLLM's
+            # default (raw_logprobs) otherwise.
+            kwargs["logprobs_mode"] = "processed_logprobs"
         kwargs.update(_memory_kwargs(cfg, on_gpu=on_gpu))
         kwargs.update(scheduler_kwargs(cfg.max_model_len, on_gpu=on_gpu))
         self.vision = None

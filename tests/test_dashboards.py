@@ -141,6 +141,20 @@ def test_dashboards_cover_the_required_views() -> None:
         assert needed in text, needed
 
 
+def test_training_dashboard_has_the_grpo_row() -> None:
+    dash = json.loads((ROOT / "charts/rmsft/dashboards/training.json").read_text())
+    rows = [p for p in dash["panels"] if p.get("type") == "row" and p.get("title") == "GRPO"]
+    assert len(rows) == 1
+    below = [p for p in dash["panels"] if p.get("type") != "row" and p["gridPos"]["y"] > rows[0]["gridPos"]["y"]]
+    text = " ".join(t["expr"] for p in below for t in p.get("targets", []))
+    for needed in ('rmsft_learner_reward{stat="mean"', 'rmsft_learner_reward{stat="std"', "rmsft_learner_reward_part",
+                   "rmsft_learner_grpo_clip_fraction_ratio", "rmsft_learner_grpo_zero_std_groups_ratio",
+                   "rmsft_learner_grpo_kl", "rmsft_learner_completion_length_tokens"):
+        assert needed in text, needed
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+
+
 def _rollout_dashboard() -> dict[str, Any]:
     return json.loads((ROOT / "charts/rmsft/dashboards/rollout.json").read_text())
 

@@ -79,6 +79,44 @@ SPEC_RULES: list[dict[str, str]] = [
         "message": "spec.training.rollout.max_tokens must be < spec.rollout.maxModelLen",
         "fieldPath": ".training.rollout.max_tokens",
     },
+    # spec.trainer: grpo (rmsft.jobspec.grpo_errors)
+    {
+        "rule": "self.trainer != 'grpo' || self.training.grpo.max_tokens < self.rollout.maxModelLen",
+        "message": "spec.training.grpo.max_tokens must be < spec.rollout.maxModelLen",
+        "fieldPath": ".training.grpo.max_tokens",
+    },
+    {
+        "rule": "self.trainer != 'grpo' || !self.training.buffer.enabled || self.training.buffer.m_steps <= 1",
+        "message": "spec.training.buffer.m_steps > 1 is not supported by spec.trainer 'grpo': every step samples "
+        "fresh groups from the learner's current weights (disable the buffer or set m_steps: 1)",
+        "fieldPath": ".training.buffer.m_steps",
+    },
+    {
+        "rule": "self.trainer != 'grpo' || self.training.warm_start_steps == 0",
+        "message": "spec.training.warm_start_steps applies to spec.trainer 'rollout_matching' only (GRPO has no "
+        "ground-truth targets to warm start on)",
+        "fieldPath": ".training.warm_start_steps",
+    },
+    {
+        "rule": "self.trainer != 'grpo' || self.training.grad_accumulation == 1",
+        "message": "spec.training.grad_accumulation must be 1 with spec.trainer 'grpo': a step trains on every "
+        "completion it sampled, in as many packed rows as they fill",
+        "fieldPath": ".training.grad_accumulation",
+    },
+    {
+        "rule": "self.trainer != 'grpo' || self.training.grpo.kl_coef <= 0.0 || self.training.finetune == 'lora'",
+        "message": "spec.training.grpo.kl_coef > 0 needs spec.training.finetune: lora (the reference policy is the "
+        "base weights, the adapters disabled); with finetune: full set kl_coef: 0",
+        "fieldPath": ".training.grpo.kl_coef",
+    },
+    {
+        "rule": "self.trainer != 'grpo' || (self.training.rollout.top_p == 1.0 && self.training.rollout.top_k <= 0 "
+        "&& self.training.rollout.repetition_penalty == 1.0)",
+        "message": "spec.training.rollout.top_p, top_k and repetition_penalty must stay off with spec.trainer "
+        "'grpo' (it samples at spec.training.grpo.temperature alone, so that the learner's log-probs are those "
+        "of the distribution sampled from)",
+        "fieldPath": ".training.rollout",
+    },
 ]
 
 # Rules local to one object: {dotted path under spec: [rules]}.

@@ -93,7 +93,7 @@ def test_example_job_is_accepted(control_plane: ControlPlane, jobs_ns: str, path
 
 
 # Cases whose only fault is a key the schema does not know.
-UNKNOWN_FIELD_CASES = {"unknown-key", "freeze-unknown"}
+UNKNOWN_FIELD_CASES = {"unknown-key", "freeze-unknown", "grpo-reward-unknown-key"}
 
 
 @pytest.mark.parametrize("case", INVALID, ids=[c[0] for c in INVALID])

@@ -59,8 +59,8 @@ def _helm(cp: ControlPlane, *args: str) -> str:
     return proc.stdout
 
 
-def _manifest(name: str, **edits: Any) -> dict[str, Any]:
-    doc = yaml.safe_load((ROOT / "configs/job.yaml").read_text())  # the reference 6 + 2 GPU job
+def _manifest(name: str, path: str = "configs/job.yaml", **edits: Any) -> dict[str, Any]:
+    doc = yaml.safe_load((ROOT / path).read_text())  # by default the reference 6 + 2 GPU job
     doc["metadata"] = {"name": name, "namespace": JOBS_NS}
     for dotted, value in edits.items():
         node = doc["spec"]
@@ -393,6 +393,30 @@ def test_a_server_that_exits_at_start_is_named_in_a_condition(control_plane: Con
                   "a CrashLoopBackOff condition naming the container's exit message")
     assert _cond(cr, "RolloutReady")["reason"] == "CrashLoopBackOff"
     _finish(cp, "foxtrot")
+
+
+def test_a_grpo_job_runs_through_like_a_rollout_matching_one(control_plane: ControlPlane,
+                                                             operator: Operator) -> None:
+    # spec.trainer: grpo (configs/job-grpo-6v2.yaml): the same six children and lifecycle; the learner's
+    # `rmsft train` picks the GRPO trainer from the spec, the servers report processed log-probs.
+    cp = control_plane
+    _apply(cp, _manifest("grpo", "configs/job-grpo-6v2.yaml"))
+    kids = cp.wait_for(lambda: (k := {kind: _child(cp, kind, f"grpo-{s}") for kind, s in (
+        ("Secret", "token"), ("ConfigMap", "config"), ("Service", "rollout"), ("NetworkPolicy", "rollout"),
+        ("StatefulSet", "rollout"), ("Job", "learner"))}) and all(k.values()) and k, 60, "all six children")
+    assert kids["Job"]["spec"]["suspend"] is True
+    assert yaml.safe_load(kids["ConfigMap"]["data"]["serve.yaml"])["logprobs_mode"] == "processed"
+    assert yaml.safe_load(kids["ConfigMap"]["data"]["job.yaml"])["spec"]["trainer"] == "grpo"
+    _start_pool(cp, operator, "grpo", 6)
+    learner = _learner_pod(cp, "grpo")
+    c = learner["spec"]["containers"][0]
+    assert c["args"][:1] == ["train"] and c["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    cp.set_pod_phase(JOBS_NS, learner["metadata"]["name"], "Running")
+    _wait_cr(cp, operator, "grpo", lambda c: c["status"]["phase"] == "Running", "Running")
+    cp.set_pod_phase(JOBS_NS, learner["metadata"]["name"], "Succeeded")
+    _wait_cr(cp, operator, "grpo", lambda c: c["status"]["phase"] == "Complete", "Complete")
+    cp.wait_for(lambda: _child(cp, "StatefulSet", "grpo-rollout")["spec"]["replicas"] == 0, 30, "pool scaled to 0")
+    _finish(cp, "grpo")
 
 
 def test_delete_garbage_collects_every_child(control_plane: ControlPlane, operator: Operator) -> None:

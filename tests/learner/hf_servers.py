@@ -12,7 +12,7 @@ import torch
 
 class InProcessServer:
     def __init__(self, model_dir: Path, staging: Path, *, dtype: str = "auto", shared: Path | None = None,
-                 port: int = 0) -> None:
+                 port: int = 0, logprobs_mode: str = "raw") -> None:
         from rollout_svc.config import ServeConfig
         from rollout_svc.hf_engine import HfEngine
         from rollout_svc.server import add_rollout_service
@@ -21,7 +21,7 @@ class InProcessServer:
         staging.mkdir(parents=True, exist_ok=True)
         self.staging = staging
         cfg = ServeConfig(model=str(model_dir), backend="hf", dtype=dtype, staging_dir=str(staging),
-                          shared_weights_dir=str(shared or ""))
+                          shared_weights_dir=str(shared or ""), logprobs_mode=logprobs_mode)
         self.servicer = RolloutServicer(cfg)
         self.engine = HfEngine(cfg)
         self.servicer.attach(self.engine)

@@ -73,6 +73,20 @@ def _cel(schema: dict[str, Any], obj: Any, old: Any, where: str) -> list[str]:
     return errs
 
 
+def _typed(schema: dict[str, Any], obj: Any) -> Any:
+    """Values as the API server hands them to CEL: a `type: number` field is a double even when written as an
+    integer (`kl_coef: 1`), so a rule comparing it with `0.0` has an overload (cel-python, like CEL itself,
+    has no int/double comparison)."""
+    if schema.get("type") == "number" and isinstance(obj, int) and not isinstance(obj, bool):
+        return float(obj)
+    if isinstance(obj, list) and isinstance(schema.get("items"), dict):
+        return [_typed(schema["items"], v) for v in obj]
+    if isinstance(obj, dict):
+        props = schema.get("properties") or {}
+        return {k: _typed(props[k], v) if k in props else v for k, v in obj.items()}
+    return obj
+
+
 def admit(doc: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
     """Rejection messages for `doc` (empty list = admitted), as `kubectl apply` would show them."""
     schema = root_schema()
@@ -86,7 +100,7 @@ def admit(doc: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
             for e in validator.iter_errors(obj)]
     if errs:
         return errs
-    return _cel(schema, obj, old_obj, "")
+    return _cel(schema, _typed(schema, obj), _typed(schema, old_obj) if old_obj is not None else None, "")
 
 
 def default_errors(schema: dict[str, Any], where: str = "") -> list[str]:

@@ -16,7 +16,7 @@ from rmsft_operator.crd import apply_defaults, build_crd, crd_yaml
 from rmsft.jobspec import JobSpecError, load_job, parse_job
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = ["configs/job.yaml", "configs/job-3v1.yaml", "configs/job-kind-cpu.yaml"]
+EXAMPLES = ["configs/job.yaml", "configs/job-3v1.yaml", "configs/job-kind-cpu.yaml", "configs/job-grpo-6v2.yaml"]
 CRD_FILE = ROOT / "charts/rmsft/crds/rolloutmatchingjobs.yaml"
 
 
@@ -36,6 +36,8 @@ def _set(doc: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 _DELETE = object()
+# configs/job.yaml as a GRPO job: its sampling's top-p and repetition penalty turned off.
+_GRPO = {"spec.trainer": "grpo", "spec.training.rollout.top_p": 1.0, "spec.training.rollout.repetition_penalty": 1.0}
 
 # (id, {dotted path: value}, substrings every rejection message must contain)
 INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
@@ -95,6 +97,29 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
      ["spec.training.format_options.polygons"]),
     ("eval-not-jsonl", {"spec.training.eval": {"data": "/data/held.csv"}}, ["spec.training.eval.data"]),
     ("eval-iou-zero", {"spec.training.eval": {"data": "/data/held.jsonl", "iou": 0}}, ["spec.training.eval.iou"]),
+    # spec.trainer: grpo (configs/job.yaml samples with top-p and a repetition penalty, which GRPO refuses)
+    ("trainer-enum", {"spec.trainer": "ppo"}, ["spec.trainer"]),
+    ("grpo-group-of-one", {**_GRPO, "spec.training.grpo.group_size": 1}, ["spec.training.grpo.group_size"]),
+    ("grpo-clip-eps", {**_GRPO, "spec.training.grpo.clip_eps": 1.5}, ["spec.training.grpo.clip_eps"]),
+    ("grpo-clip-eps-high", {**_GRPO, "spec.training.grpo.clip_eps_high": 0}, ["spec.training.grpo.clip_eps_high"]),
+    ("grpo-greedy", {**_GRPO, "spec.training.grpo.temperature": 0}, ["spec.training.grpo.temperature"]),
+    ("grpo-kl-negative", {**_GRPO, "spec.training.grpo.kl_coef": -0.1}, ["spec.training.grpo.kl_coef"]),
+    ("grpo-loss-norm", {**_GRPO, "spec.training.grpo.loss_norm": "batch"}, ["spec.training.grpo.loss_norm"]),
+    ("grpo-no-rewards", {**_GRPO, "spec.training.grpo.rewards": []}, ["spec.training.grpo.rewards"]),
+    ("grpo-reward-without-name", {**_GRPO, "spec.training.grpo.rewards": [{"weight": 2.0}]},
+     ["spec.training.grpo.rewards[0]", "name"]),
+    ("grpo-reward-unknown-key", {**_GRPO, "spec.training.grpo.rewards": [{"name": "detection", "wieght": 2.0}]},
+     ["spec.training.grpo.rewards[0].wieght"]),
+    ("grpo-max-tokens", {**_GRPO, "spec.training.grpo.max_tokens": 8192}, ["spec.training.grpo.max_tokens"]),
+    ("grpo-rollout-buffer", {**_GRPO, "spec.training.buffer": {"enabled": True, "m_steps": 2}},
+     ["spec.training.buffer.m_steps", "grpo"]),
+    ("grpo-warm-start", {**_GRPO, "spec.training.warm_start_steps": 10}, ["spec.training.warm_start_steps"]),
+    ("grpo-grad-accumulation", {**_GRPO, "spec.training.grad_accumulation": 2},
+     ["spec.training.grad_accumulation", "grpo"]),
+    # written as an integer: the API server hands a `number` field to CEL as a double
+    ("grpo-kl-full-finetune", {**_GRPO, "spec.training.grpo.kl_coef": 1, "spec.training.finetune": "full"},
+     ["spec.training.grpo.kl_coef", "finetune"]),
+    ("grpo-top-p", {"spec.trainer": "grpo"}, ["spec.training.rollout", "top_p", "grpo"]),
 ]
 
 
@@ -227,3 +252,23 @@ def test_load_job_reports_file_problems(tmp_path: Path) -> None:
         load_job(bad)
     with pytest.raises(JobSpecError, match="cannot read"):
         load_job(tmp_path / "missing.yaml")
+
+
+# YAML 1.1 booleans: go-yaml (kubectl, helm) reads these bare keys as true/false, PyYAML as strings. A `n:` key
+# made helm's server-side apply of the CRD conflict (a property named "false") and kubectl send `"false": 8`.
+_YAML11_BOOLS = {"y", "yes", "n", "no", "on", "off", "true", "false"}
+
+
+def _keys(node: Any, where: str) -> list[tuple[str, str]]:
+    if isinstance(node, dict):
+        return [(where, str(k)) for k in node] + [kv for k, v in node.items() for kv in _keys(v, f"{where}.{k}")]
+    if isinstance(node, list):
+        return [kv for i, v in enumerate(node) for kv in _keys(v, f"{where}[{i}]")]
+    return []
+
+
+def test_no_key_reads_as_a_boolean_in_yaml_1_1() -> None:
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    docs = [("crd", schema)] + [(p.name, yaml.safe_load(p.read_text())) for p in (ROOT / "configs").glob("*.yaml")]
+    bad = [(name, where, k) for name, doc in docs for where, k in _keys(doc, "") if k.lower() in _YAML11_BOOLS]
+    assert not bad, bad

@@ -14,7 +14,7 @@ from rmsft_operator import render
 from rmsft.jobspec import load_job, parse_job
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = ["configs/job.yaml", "configs/job-3v1.yaml", "configs/job-kind-cpu.yaml"]
+EXAMPLES = ["configs/job.yaml", "configs/job-3v1.yaml", "configs/job-kind-cpu.yaml", "configs/job-grpo-6v2.yaml"]
 
 
 def _by_kind(path: str) -> dict[str, dict]:
@@ -31,6 +31,20 @@ def test_rendered_objects_validate_against_kubernetes_1_32(path: str) -> None:
         kubernetes_validate.validate(obj, "1.32", strict=True)
         ref = obj["metadata"]["ownerReferences"][0]
         assert (ref["kind"], ref["uid"], ref["controller"]) == ("RolloutMatchingJob", "0000-uid", True)
+
+
+def test_a_grpo_job_renders_the_same_children_with_processed_log_probs() -> None:
+    # spec.trainer picks the learner inside `rmsft train`; the pool differs only in what its log-probs are.
+    grpo, rm = _by_kind("configs/job-grpo-6v2.yaml"), _by_kind("configs/job.yaml")
+    assert grpo["StatefulSet"]["spec"]["replicas"] == 6
+    assert grpo["Job"]["spec"]["template"]["spec"]["containers"][0]["args"] == \
+        rm["Job"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert grpo["Job"]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    serve = yaml.safe_load(grpo["ConfigMap"]["data"]["serve.yaml"])
+    assert serve["logprobs_mode"] == "processed" and serve["gpu_memory_utilization"] == 0.6
+    assert serve["max_model_len"] == 8192 and serve["enable_lora"] is False
+    assert yaml.safe_load(rm["ConfigMap"]["data"]["serve.yaml"])["logprobs_mode"] == "raw"
+    assert yaml.safe_load(grpo["ConfigMap"]["data"]["job.yaml"])["spec"]["trainer"] == "grpo"
 
 
 def test_reference_job_gpu_layout_and_pod_settings() -> None:

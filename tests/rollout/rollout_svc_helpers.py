@@ -46,9 +46,10 @@ def prompt_ids(tok) -> list[list[int]]:
     return [tok(t)["input_ids"] for t in PROMPT_TEXTS]
 
 
-def generate(stub, md, prompts, *, max_tokens=16, temperature=0.0, seeds=None, expected=None, timeout=120):
+def generate(stub, md, prompts, *, max_tokens=16, temperature=0.0, seeds=None, expected=None, timeout=120,
+             min_tokens=0):
     req = rollout_pb2.GenerateRequest(
-        sampling=rollout_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature),
+        sampling=rollout_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, min_tokens=min_tokens),
     )
     if expected is not None:
         req.expected_weight_version = expected

@@ -120,6 +120,28 @@ def test_logprobs_are_the_raw_model_log_softmax(engine: HfEngine) -> None:
         assert o.logprobs == pytest.approx(want, abs=1e-4)
 
 
+def test_processed_logprobs_are_those_of_the_distribution_sampled_from(engine: HfEngine) -> None:
+    # --logprobs-mode processed (GRPO): after temperature (and top-k/top-p, the penalty), vLLM's processed_logprobs.
+    engine.processed_logprobs = True
+    try:
+        samplings = [sampled(5, logprobs=True, temperature=0.7), sampled(6, logprobs=True, temperature=1.3),
+                     Sampling(max_tokens=6, logprobs=True), sampled(7, logprobs=True, top_k=20)]
+        outs = engine.generate([GenItem(p, s) for p, s in zip(PROMPTS, samplings, strict=True)])
+        same_seed = engine.generate([GenItem(PROMPTS[0], samplings[0])])[0]
+    finally:
+        engine.processed_logprobs = False
+    assert same_seed.token_ids == outs[0].token_ids  # the mode changes what is reported, not what is sampled
+    for p, s, o in zip(PROMPTS, samplings, outs, strict=True):
+        with torch.no_grad():
+            logits = engine.hf(input_ids=torch.tensor([p + o.token_ids], device=engine.device)).logits[0].float()
+        x = logits / (s.temperature if s.temperature > 0 else 1.0)  # greedy: no temperature
+        if s.top_k > 0:
+            x = x.masked_fill(x < torch.topk(x, s.top_k, dim=-1).values[:, -1:], float("-inf"))
+        lp = torch.log_softmax(x, dim=-1)
+        want = [lp[len(p) - 1 + j, t].item() for j, t in enumerate(o.token_ids)]
+        assert o.logprobs == pytest.approx(want, abs=1e-4)
+
+
 def test_mixed_greedy_and_sampled_batch(engine: HfEngine) -> None:
     greedy = [Sampling(max_tokens=9), Sampling(max_tokens=5)]
     greedy_only = tokens(engine, PROMPTS[:2], greedy)
@@ -154,6 +176,10 @@ def test_stop_tokens_and_max_tokens(engine: HfEngine, monkeypatch: pytest.Monkey
     assert (both[0].token_ids, both[0].finish_reason) == (free.token_ids[:cut], "stop")
     assert (both[1].token_ids, both[1].finish_reason) == (other.token_ids, other.finish_reason)
     assert len(both[1].token_ids) > len(both[0].token_ids)
+    # min_tokens: no stop token before it (the row goes on past where it stopped), greedy otherwise unchanged.
+    held = engine.generate([GenItem(p, Sampling(max_tokens=12, stop_token_ids=(stop,), min_tokens=cut + 1))])[0]
+    assert held.token_ids[: cut - 1] == free.token_ids[: cut - 1]
+    assert stop not in held.token_ids[:cut] and len(held.token_ids) > cut
 
 
 def test_the_batch_shares_one_forward_pass_per_step(engine: HfEngine) -> None:

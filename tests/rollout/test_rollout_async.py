@@ -108,7 +108,8 @@ def test_seeded_batch_bigger_than_one_engine_step_completes(srv) -> None:
 
 
 def test_a_call_arriving_during_a_running_batch_joins_it(srv, ref) -> None:
-    long = Background(srv, _random_prompts(16, 20), max_tokens=LONG, temperature=1.0, seeds=list(range(16)))
+    long = Background(srv, _random_prompts(32, 20), max_tokens=LONG, min_tokens=LONG, temperature=1.0,
+                      seeds=list(range(32)))
     _wait_running(srv, 8, long)
     t0 = time.monotonic()
     short = generate(srv.stub(), srv.metadata(), ref.prompts[:2])
@@ -116,35 +117,31 @@ def test_a_call_arriving_during_a_running_batch_joins_it(srv, ref) -> None:
     # Answered while the long batch still runs: it joined that batch instead of waiting for it to finish.
     assert not long.done(), f"the long call finished before the short one ({short_s:.2f} s)"
     assert [list(c.token_ids) for c in short.completions] == ref.expected[:2]  # and it is still right
-    assert len(long.join().completions) == 16
+    completions = long.join().completions
+    assert [len(c.token_ids) for c in completions] == [LONG] * 32  # min_tokens: no end-of-turn before LONG
 
 
 def test_a_deadline_exceeded_call_leaves_nothing_running(srv) -> None:
     with pytest.raises(grpc.RpcError) as info:
-        generate(srv.stub(), srv.metadata(), _random_prompts(16, 20, salt=3), max_tokens=LONG * 2, temperature=1.0,
-                 seeds=list(range(16)), timeout=1.5)
+        generate(srv.stub(), srv.metadata(), _random_prompts(16, 20, salt=3), max_tokens=LONG * 2,
+                 min_tokens=LONG, temperature=1.0, seeds=list(range(16)), timeout=1.5)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert _wait_engine_idle(srv, timeout=10) == 0, "the engine still runs requests whose caller gave up"
     assert srv.health() == "SERVING"
 
 
 def test_a_cancelled_call_is_aborted_in_the_engine(srv) -> None:
-    # Sampled sequences of the random tiny model may end early at its end-of-turn token, and how early depends on
-    # the CPU's float kernels (CI's machine ended all 16 of one prompt set before 8 were seen running). So: cancel
-    # as soon as the engine runs any of the call's requests, and try another prompt set if the call finished first.
-    for salt in (4, 5, 6):
-        req = rollout_pb2.GenerateRequest(sampling=rollout_pb2.SamplingParams(max_tokens=LONG * 2, temperature=1.0))
-        for i, ids in enumerate(_random_prompts(16, 20, salt=salt)):
-            req.prompts.add(token_ids=ids, request_id=f"c{salt}-{i}", seed=i)
-        fut = srv.stub().Generate.future(req, metadata=srv.metadata(), timeout=120)
-        deadline = time.monotonic() + 30
-        while metric(scrape(srv), "vllm:num_requests_running") < 1 and not fut.done():
-            assert time.monotonic() < deadline, "the engine never ran the call's requests"
-            time.sleep(0.02)
-        if fut.cancel():  # False: the call had already finished, so there was nothing to abort
-            break
-    else:
-        pytest.fail("every call finished before it could be cancelled")
+    sampling = rollout_pb2.SamplingParams(max_tokens=LONG * 2, min_tokens=LONG, temperature=1.0)
+    req = rollout_pb2.GenerateRequest(sampling=sampling)
+    for i, ids in enumerate(_random_prompts(64, 20, salt=4)):  # 64 x at least 1500 tokens: ~15 s on 2 cores
+        req.prompts.add(token_ids=ids, request_id=f"c{i}", seed=i)
+    fut = srv.stub().Generate.future(req, metadata=srv.metadata(), timeout=120)
+    deadline = time.monotonic() + 30
+    while _engine_requests(srv) < 1:
+        assert not fut.done(), "the call ended before the engine was seen running it"
+        assert time.monotonic() < deadline, "the engine never ran the call's requests"
+        time.sleep(0.02)
+    assert fut.cancel()
     assert fut.cancelled()
     assert _wait_engine_idle(srv, timeout=10) == 0, "the engine still runs requests of a cancelled call"
 
@@ -266,11 +263,11 @@ def test_a_weight_apply_during_generation_never_mixes_versions(srv, ref, tiny_mo
 
 
 def test_shutdown_aborts_running_calls_cleanly(srv) -> None:
-    """Very last: it stops the module's server. 64 sampled prompts of up to 3000 tokens: some run past the 5 s grace
-    period on this machine, and those are cancelled (on a fast machine the call may finish inside the grace period,
-    which is a clean shutdown too)."""
-    long = Background(srv, _random_prompts(64, 20, salt=9), max_tokens=LONG * 2, temperature=1.0,
-                      seeds=list(range(64)))
+    """Very last: it stops the module's server. 64 sampled prompts of at least 1500 tokens: some run past the 5 s
+    grace period on this machine, and those are cancelled (on a fast machine the call may finish inside the grace
+    period, which is a clean shutdown too)."""
+    long = Background(srv, _random_prompts(64, 20, salt=9), max_tokens=LONG * 2, min_tokens=LONG,
+                      temperature=1.0, seeds=list(range(64)))
     _wait_running(srv, 8, long)
     t0 = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)

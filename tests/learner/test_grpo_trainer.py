@@ -1,0 +1,207 @@
+"""The GRPO trainer (learner/grpo_trainer.py) end to end against real rollout servers without vLLM: the HF
+engine behind real gRPC servers on loopback (tests/learner/hf_servers.py), reporting processed log-probs as
+`rmsft serve --logprobs-mode processed` does for a GRPO job. configs/local-tiny-grpo.yaml's task (a
+coordinate-token answer scored by learner.synthetic:CoordAnswerReward), shrunk to seconds."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hf_servers import InProcessServer
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS, N = 4, 4
+WIDTH = 1000  # the reward's: every coordinate token earns some, so 3 steps of a random model see signal
+
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from learner.synthetic import write_answer_dataset
+
+    return write_answer_dataset(tmp_path_factory.mktemp("answers") / "answers.jsonl", n=16, seed=0)
+
+
+@pytest.fixture
+def servers(tiny_model_dir: Path, tmp_path: Path) -> Iterator[list[InProcessServer]]:
+    made = [InProcessServer(tiny_model_dir, tmp_path / f"stage-{i}", logprobs_mode="processed") for i in range(2)]
+    yield made
+    for s in made:
+        s.close()
+
+
+def grpo_job(model_dir: Path, data: Path, ckpt: Path, *, steps: int = 3, grpo: dict | None = None, **training):
+    from rmsft.jobspec import parse_job
+
+    doc = copy.deepcopy(yaml.safe_load((ROOT / "configs" / "local-tiny-grpo.yaml").read_text()))
+    doc["metadata"].pop("annotations", None)
+    doc["spec"]["model"]["path"] = str(model_dir)
+    t = doc["spec"]["training"]
+    t.update(steps=steps, prompts_per_step=PROMPTS, lr=2e-3)
+    t["data"]["path"] = str(data)
+    t["checkpoint"] = {"dir": str(ckpt), "every": 0, "keep": 2}
+    t["export"] = {"enabled": False}
+    t["rollout"].update(request_timeout_s=30)
+    # A temperature other than 1: the learner's and the servers' log-probs only agree when both apply it.
+    wide = [{"name": "learner.synthetic:CoordAnswerReward", "params": {"width": WIDTH}}]
+    t["grpo"].update({"group_size": N, "temperature": 0.7, "max_tokens": 4, "rewards": wide, **(grpo or {})})
+    t.update(training)
+    return parse_job(doc)
+
+
+def run(job, addresses: list[str], resume: bool = False):
+    from learner.grpo_trainer import GrpoTrainer
+
+    trainer = GrpoTrainer(job, addresses)
+    captured: list[torch.Tensor] = []
+    pack = trainer._pack
+    trainer._pack = lambda groups, adv: captured.append(adv.clone()) or pack(groups, adv)
+    try:
+        if resume:
+            assert trainer.resume()
+        summary = trainer.run()
+    finally:
+        trainer.close()
+    return trainer, summary, captured
+
+
+def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model_dir: Path, answers: Path,
+                                                      servers: list[InProcessServer]) -> None:
+    from learner import metrics as m
+    from learner.core.grpo import group_advantages
+    from learner.data import load_records
+    from learner.rewards import RewardInput
+    from learner.synthetic import CoordAnswerReward
+    from learner.tracking import read_events
+
+    trainer, summary, advantages = run(grpo_job(tiny_model_dir, answers, tmp_path), [s.address for s in servers])
+    records = {r.id: r for r in load_records(answers)}
+    tok = trainer.policy.tokenizer
+    assert summary.steps == 3 and len(summary.rewards) == 3
+    assert [h.weight_version for h in trainer.history] == [1, 2, 3]  # a FULL sync before every step's samples
+    for h, adv in zip(trainer.history, advantages, strict=True):
+        # Every completion from the learner's version of that step: n per prompt, samples in order.
+        assert len(h.rollouts) == PROMPTS * N and {r.weight_version for r in h.rollouts} == {h.weight_version}
+        assert [r.sample_index for r in h.rollouts] == list(range(N)) * PROMPTS
+        assert [r.request_id for r in h.rollouts[::N]] == h.record_ids
+        assert all(r.logprobs is not None and len(r.logprobs) == len(r.token_ids) for r in h.rollouts)
+        # The rewards are the task's, per completion; the advantages are normalised within each prompt's group.
+        reward = CoordAnswerReward(width=WIDTH)
+        want = [reward(RewardInput(records[r.request_id], tok.decode(r.token_ids, skip_special_tokens=True)))
+                for r in h.rollouts]  # fmt: skip
+        g = h.grpo
+        assert g.reward_mean == pytest.approx(sum(want) / len(want))
+        assert g.rewards["learner.synthetic:CoordAnswerReward"] == pytest.approx(g.reward_mean)  # by spec name
+        assert torch.allclose(adv, group_advantages(want, N))
+        assert torch.allclose(adv.reshape(PROMPTS, N).sum(dim=1), torch.zeros(PROMPTS), atol=1e-5)
+        assert (g.completions, g.groups) == (PROMPTS * N, PROMPTS)
+        assert all(math.isfinite(v) for v in g.scalars().values()) and math.isfinite(h.loss)
+        # Same weights, same temperature on both sides of the ratio: 1 up to float noise, nothing clipped.
+        assert g.ratio_mean == pytest.approx(1.0, abs=1e-3) and g.clip_fraction == 0.0
+        assert g.kl == 0.0 and g.completion_length == pytest.approx(4.0)  # no stop token in 4 random tokens
+    assert m.REWARD.labels("mean")._value.get() == pytest.approx(summary.rewards[-1])
+    scalars, _ = read_events(summary.log_dir)
+    assert [v for _, v in scalars["grpo/reward_mean"]] == pytest.approx(summary.rewards)
+    assert {"grpo/clip_fraction", "grpo/kl", "grpo/completion_length",
+            "grpo/reward/learner.synthetic:CoordAnswerReward"} <= set(scalars)
+
+
+def test_kl_to_the_reference_is_zero_until_the_adapters_move(tmp_path: Path, tiny_model_dir: Path, answers: Path,
+                                                             servers: list[InProcessServer]) -> None:
+    # LoRA starts as the identity (B = 0): the policy is the reference, so the k3 term is exactly 0; one step
+    # later the adapters have moved and the KL is positive.
+    job = grpo_job(tiny_model_dir, answers, tmp_path, steps=2, grpo={"kl_coef": 0.5}, finetune="lora",
+                   lora={"r": 8, "alpha": 16})
+    trainer, summary, _ = run(job, [s.address for s in servers])
+    kls = [h.grpo.kl for h in trainer.history]
+    assert kls[0] == 0.0 and kls[1] > 0.0
+    assert all(math.isfinite(h.loss) for h in trainer.history)
+
+
+def test_resume_samples_and_trains_what_a_straight_run_does(tmp_path: Path, tiny_model_dir: Path, answers: Path,
+                                                            servers: list[InProcessServer]) -> None:
+    addrs = [s.address for s in servers]
+    straight, _, _ = run(grpo_job(tiny_model_dir, answers, tmp_path / "a", steps=3), addrs)
+    first, _, _ = run(grpo_job(tiny_model_dir, answers, tmp_path / "b", steps=2), addrs)
+    resumed, _, _ = run(grpo_job(tiny_model_dir, answers, tmp_path / "b", steps=3), addrs, resume=True)
+    assert [h.step for h in resumed.history] == [3] and resumed.history[0].weight_version == first.version + 1
+    last, again = straight.history[2], resumed.history[0]
+    assert [r.token_ids for r in again.rollouts] == [r.token_ids for r in last.rollouts]  # same seeds, same weights
+    assert again.grpo.reward_mean == pytest.approx(last.grpo.reward_mean)
+    assert again.loss == pytest.approx(last.loss, rel=1e-4, abs=1e-6)
+
+
+def test_raw_log_probs_at_another_temperature_show_in_the_ratio(tmp_path: Path, tiny_model_dir: Path,
+                                                                answers: Path) -> None:
+    # Why GRPO servers report processed log-probs: raw ones (the model's own distribution) against the learner's
+    # temperature-0.7 log-probs put the ratio far from 1 at the very first step, where the weights are equal.
+    raw = [InProcessServer(tiny_model_dir, tmp_path / f"raw-{i}") for i in range(2)]
+    try:
+        trainer, _, _ = run(grpo_job(tiny_model_dir, answers, tmp_path / "ck", steps=1), [s.address for s in raw])
+    finally:
+        for s in raw:
+            s.close()
+    assert abs(trainer.history[0].grpo.ratio_mean - 1.0) > 0.05
+
+
+def test_an_unknown_reward_is_refused_before_anything_starts(tmp_path: Path, tiny_model_dir: Path,
+                                                             answers: Path) -> None:
+    from learner.grpo_trainer import GrpoTrainer
+    from learner.rewards import UnknownRewardError
+
+    job = grpo_job(tiny_model_dir, answers, tmp_path, grpo={"rewards": [{"name": "detection"}, {"name": "nope"}]})
+    with pytest.raises(UnknownRewardError, match=r"spec\.training\.grpo\.rewards\[1\] \(nope\): unknown reward"):
+        GrpoTrainer(job, ["127.0.0.1:1"])
+
+
+def test_spec_trainer_picks_the_learner(tiny_model_dir: Path, answers: Path, tmp_path: Path) -> None:
+    from learner.grpo_trainer import GrpoTrainer, trainer_class
+    from learner.trainer import Trainer
+    from rmsft.jobspec import load_job
+
+    assert trainer_class(grpo_job(tiny_model_dir, answers, tmp_path)) is GrpoTrainer
+    assert trainer_class(load_job(ROOT / "configs" / "local-tiny.yaml")) is Trainer
+    with pytest.raises(ValueError, match="spec.trainer 'grpo'"):
+        GrpoTrainer(load_job(ROOT / "configs" / "local-tiny.yaml"), [])
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1], ids=["no-kl", "kl"])
+def test_a_whole_grpo_step_runs_on_the_training_device(tmp_path: Path, tiny_model_dir: Path, answers: Path,
+                                                       servers: list[InProcessServer], kl_coef: float) -> None:
+    # As tests/learner/test_placement.py proves for rollout matching: rows built on the CPU, then the device step
+    # (reference forward with the adapters disabled, policy forward, GRPO loss, backward, AdamW) with every
+    # parameter on `meta`, flagging any op given a tensor off the device and counting host reads.
+    from test_placement import DeviceFence
+
+    from learner.grpo_trainer import GrpoTrainer
+
+    kw = {"grpo": {"kl_coef": kl_coef}, "finetune": "lora", "lora": {"r": 8, "alpha": 16}}
+    cpu = GrpoTrainer(grpo_job(tiny_model_dir, answers, tmp_path / "cpu", steps=1, **kw), [s.address for s in servers])
+    seen = []
+    real = cpu.grpo_device_step
+    cpu.grpo_device_step = lambda *a, **k: seen.append(a) or real(*a, **k)
+    try:
+        cpu.run()
+    finally:
+        cpu.close()
+    rows, tokens, n_tokens, n_seqs, _ = seen[0]
+    assert rows and n_tokens == PROMPTS * N * 4 and n_seqs == PROMPTS * N
+    meta = GrpoTrainer(grpo_job(tiny_model_dir, answers, tmp_path / "meta", steps=1, **kw), ["127.0.0.1:1"],
+                       device="meta")  # fmt: skip
+    try:
+        fence = DeviceFence("meta")
+        with fence:
+            sums = meta.grpo_device_step(rows, tokens, n_tokens, n_seqs, lr=1e-3)
+        assert fence.violations == [], "\n".join(fence.violations[:20])
+        # transformers' packed-mask check, once per forward (the reference forward is one more per row)
+        assert fence.host_reads == len(rows) * (2 if kl_coef else 1)
+        assert {k: v.device.type for k, v in sums.items()} == dict.fromkeys(sums, "meta")
+        trained = [p for p in meta.model.parameters() if p.requires_grad]
+        assert trained and all(p.grad is not None and p.grad.device.type == "meta" for p in trained)
+    finally:
+        meta.close()
