@@ -27,6 +27,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from learner.core.codec import coord_token_text
     from learner.synthetic import CoordAnswerReward, leading_bin
 
     records = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
@@ -53,7 +54,7 @@ def main() -> None:
         print(f"{content[:58]:58s} {answer:>15s} {text:>15s} {p:6.3f} {r:6.3f}")
     # The best constant: every coordinate token as the one answer to every record.
     targets = [r["answer"] for r in records]
-    best = max(sum(score(a, f"<|coord_{b}|>") for a in targets) / len(targets) for b in range(1000))
+    best = max(sum(score(a, coord_token_text(b)) for a in targets) / len(targets) for b in range(1000))
     greedy = {p[0]: p[4] for p in rows}
     mean = sum(greedy[r["messages"][0]["content"]] for r in records) / len(records)
     distinct = len({leading_bin(t) for _, _, t, _, _ in rows})

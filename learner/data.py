@@ -9,7 +9,7 @@ A record::
                  {"desc": "kite", "poly": [5, 5, 60, 5, 30, 40]}]}  # pixel coordinates
 
 A record may also carry `"answer": "..."` (or a list of accepted answers): the expected answer of a
-short-answer task, which GRPO's text rewards score against (learner/rewards.py).
+short-answer task, which GRPO's text rewards score against (learner/reward_builtins.py).
 
 Bad lines fail the load with the file, the line number and the field at fault; nothing is
 silently skipped. Object rules are the core's (`learner.core.codec.check_desc`, `DetObject`), applied

@@ -27,13 +27,12 @@ from __future__ import annotations
 import json
 import math
 import random
-import re
 from pathlib import Path
 from typing import Literal
 
 from PIL import Image, ImageChops, ImageDraw
 
-from learner.core.codec import pixel_to_bin
+from learner.core.codec import coord_bin_from_text, coord_token_text, pixel_to_bin
 from rmsft.tiny_model import CLASS_NAMES
 
 SIZES = ((640, 480), (800, 600), (1024, 768), (512, 512))
@@ -76,7 +75,6 @@ def write_synthetic_dataset(path: str | Path, n: int = 64, seed: int = 0) -> Pat
 # ---------------------------------------------------------------- a short-answer task (GRPO)
 
 ANSWER_PROMPT = "Where is the {name}? Answer with its coordinate token."
-_COORD = re.compile(r"\s*<\|coord_(\d+)\|>")
 
 
 ANSWER_CLASSES = len(CLASS_NAMES)  # how many of the tiny vocabulary's classes the short-answer task asks about
@@ -103,15 +101,16 @@ def write_answer_dataset(path: str | Path, n: int = 64, seed: int = 0, classes: 
             name = names[i % classes] if i < classes else rng.choice(names)
             rec = {"id": f"answer-{i}", "width": 1000, "height": 1000,
                    "messages": [{"role": "user", "content": ANSWER_PROMPT.format(name=name)}],
-                   "answer": f"<|coord_{answer_bin(name, classes)}|>"}
+                   "answer": coord_token_text(answer_bin(name, classes))}
             f.write(json.dumps(rec) + "\n")
     return path
 
 
 def leading_bin(text: str) -> int | None:
     """The bin of the coordinate token `text` starts with (after whitespace), else None."""
-    m = _COORD.match(text)
-    return int(m.group(1)) if m else None
+    head = text.lstrip()
+    end = head.find("|>")
+    return coord_bin_from_text(head[: end + 2]) if end >= 0 else None
 
 
 class CoordAnswerReward:

@@ -1,6 +1,6 @@
-"""GRPO rewards (learner/rewards.py): hand-computed detection rewards on completions parsed by the real parser in
-both output formats, the format term, text answers, resolution by name (built-in, import path, entry point),
-weighted sums, and batch scoring (order, errors naming reward and record)."""
+"""GRPO rewards (learner/rewards.py, learner/reward_builtins.py): hand-computed detection rewards on completions
+parsed by the real parser in both output formats, the format term, text answers, resolution by name (built-in,
+import path, entry point), weighted sums, and batch scoring (order, errors naming reward and record)."""
 
 from __future__ import annotations
 
@@ -13,22 +13,18 @@ from learner.core.codec import COORDEXP, QWEN_JSON, QwenJsonFormat
 from learner.core.match import MatchConfig
 from learner.core.vocab import VocabView
 from learner.data import Record
+from learner.reward_builtins import DetectionReward, TextMatchReward, detection_metric, format_score, token_f1
 from learner.rewards import (
     ENTRY_POINT_GROUP,
-    DetectionReward,
     RewardConfigError,
     RewardError,
     RewardInput,
     RewardSpec,
     RewardSum,
-    TextMatchReward,
     UnknownRewardError,
     build_rewards,
-    detection_metric,
-    format_score,
     resolve_reward,
     score_batch,
-    token_f1,
 )
 
 
