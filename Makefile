@@ -8,8 +8,9 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 # A new ../shared/envtest archive (control-plane binaries for tests/envtest) re-runs setup too.
-$(STAMP): pyproject.toml requirements/constraints.txt scripts/setup.sh $(wildcard ../shared/envtest/k8s-*.tar.xz)
+$(STAMP): pyproject.toml requirements/constraints.txt scripts/setup.sh scripts/setup-cluster.sh $(wildcard ../shared/envtest/k8s-*.tar.xz)
 	bash scripts/setup.sh
+	bash scripts/setup-cluster.sh
 	touch $@
 
 lint: setup

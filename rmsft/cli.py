@@ -42,6 +42,27 @@ def tiny_model(
     console.print(f"[green]tiny {'stock ' if stock else ''}model written to[/green] {path}")
 
 
+@dev_app.command("prepare")
+def dev_prepare(
+    configs: list[Path] = typer.Argument(..., help="Job manifests whose rmsft.io/ annotations say what to build."),
+) -> None:
+    """Build the tiny models and synthetic data that job manifests ask for in their annotations
+    (rmsft.io/build-tiny-model, rmsft.io/synthetic-records, ...), where they are absent: what `rmsft local`
+    does before it starts, without starting anything. The CPU image bakes its cluster jobs' inputs so."""
+    from rich.console import Console
+
+    from learner.local import prepare_inputs
+    from rmsft.jobspec import load_job
+
+    console = Console(stderr=True)
+    for config in configs:
+        try:
+            job = load_job(config)
+            prepare_inputs(job, console)
+        except (OSError, ValueError) as exc:
+            _fail(exc)
+
+
 @app.command(
     "serve",
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
@@ -120,11 +141,34 @@ def train(
     try:
         if resume:
             trainer.resume()
-        trainer.run()
+        summary = trainer.run()
+        if os.environ.get("RANK", "0") == "0":
+            _log_summary(summary)
     except (RankFailedError, NoServerAvailableError) as exc:  # every learner rank exits with the cause
         _fail(exc)
     finally:
         trainer.close()
+
+
+def _log_summary(summary) -> None:
+    """The run's closing lines: what `rmsft local` prints as a table, as log lines."""
+    import logging
+
+    log = logging.getLogger("rmsft.train")
+    log.info("training done: %d steps, loss %.4f -> %.4f, weight version %d, rollout retries %d, %.1fs",
+             summary.steps, summary.first_loss, summary.last_loss, summary.weight_version, summary.retries,
+             summary.wall_seconds)
+    if summary.f1:
+        log.info("rollout F1 %.3f -> %.3f", summary.f1[0], summary.f1[-1])
+    if summary.rewards:
+        log.info("mean reward %.3f -> %.3f", summary.rewards[0], summary.rewards[-1])
+    for step, f1, mean_ap in summary.evaluations:
+        log.info("held-out evaluation at step %d: F1 %.3f mAP %.3f", step, f1, mean_ap)
+    total = sum(summary.phase_seconds.values()) or 1.0
+    log.info("time by phase: %s", ", ".join(f"{k} {v:.1f}s ({100 * v / total:.0f}%)"
+                                             for k, v in sorted(summary.phase_seconds.items(), key=lambda kv: -kv[1])))
+    if summary.exported is not None:
+        log.info("trained model exported to %s", summary.exported)
 
 
 @app.command("local")

@@ -13,7 +13,7 @@ from typing import Any
 import kopf
 from prometheus_client import start_http_server
 
-from rmsft.jobspec import API_GROUP, API_VERSION, PLURAL
+from rmsft.jobspec import API_GROUP, API_VERSION, KIND, PLURAL, JobSpecError, parse_job
 from rmsft_operator import metrics, reconcile, render
 from rmsft_operator.config import OperatorConfig
 from rmsft_operator.kube import ApiError, Kube, load_client_config
@@ -84,7 +84,12 @@ def _run_once(body: dict[str, Any], trigger: str) -> reconcile.Outcome:
     finally:
         metrics.RECONCILE_SECONDS.observe(time.perf_counter() - t0)
     metrics.RECONCILES.labels(trigger=trigger, result="ok").inc()
-    _record_phase(meta.get("namespace", ""), meta["name"], outcome.phase)
+    namespace = meta.get("namespace", "")
+    before = _phases.get((namespace, meta["name"]))
+    if outcome.phase != before:  # the operator's log tells each job's story (docs/operator.md, "Logs")
+        log.info("%s/%s: phase %s -> %s%s", namespace, meta["name"], before or "-", outcome.phase,
+                 f": {outcome.status['message']}" if outcome.status.get("message") else "")
+    _record_phase(namespace, meta["name"], outcome.phase)
     for kind, reason, message in outcome.events:
         kopf.event(body, type=kind, reason=reason, message=message)
     if outcome.created:
@@ -118,9 +123,24 @@ def resync(body: kopf.Body, **_: Any) -> None:
     _run(dict(body), trigger="resync", wait=False)
 
 
-@kopf.on.delete(API_GROUP, API_VERSION, PLURAL, optional=True)
-def forget(name: str, namespace: str, **_: Any) -> None:
-    # Children carry owner references: Kubernetes' garbage collector deletes them.
+@kopf.on.delete(API_GROUP, API_VERSION, PLURAL)
+def forget(body: kopf.Body, name: str, namespace: str, **_: Any) -> None:
+    """Children carry owner references: Kubernetes' garbage collector deletes them. What it cannot
+    delete is an shm job's directory in the node's /dev/shm (a hostPath): a short cleanup Job on that
+    node removes it (render.render_shm_cleanup). Not optional: kopf's finalizer keeps the job (and
+    its pods, which say which node) until this ran."""
+    try:
+        job = parse_job({"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
+                         "metadata": {"name": name, "namespace": namespace}, "spec": dict(body.get("spec") or {})})
+    except JobSpecError:  # an invalid spec never got children, nor a directory
+        job = None
+    if job is not None and job.spec.sync.cluster_transport == "shm":
+        nodes = {p["spec"].get("nodeName") for p in _kube().list_pods(namespace, {render.JOB_LABEL: name})} - {None}
+        for node in sorted(nodes):  # one node: the job's pods are co-located (required affinity)
+            cleanup = render.render_shm_cleanup(job, namespace, node)
+            _kube().ensure(cleanup)
+            log.info("%s/%s deleted: removing %s on node %s (Job %s)", namespace, name,
+                     render.shared_weights_host_path(namespace, name), node, cleanup["metadata"]["name"])
     _record_phase(namespace, name, None)
 
 

@@ -299,6 +299,35 @@ def _with_shared_weights(job: RolloutMatchingJob, namespace: str, pod: dict[str,
     return {**pod, "initContainers": [owner]}
 
 
+def render_shm_cleanup(job: RolloutMatchingJob, namespace: str, node: str) -> dict[str, Any]:
+    """A Job that removes the job's shared-weights directory (/dev/shm/rmsft/<ns>.<job>) from `node`,
+    created when an shm job is deleted: nothing else can, since the kubelet never removes a hostPath
+    directory and the operator cannot reach a node's files. No owner reference (its owner is going
+    away); `ttlSecondsAfterFinished: 0` has Kubernetes delete it, and its pod, once it has run."""
+    host_dir = shared_weights_host_path(namespace, job.metadata.name)
+    volume = {"name": "shared-weights-root", "hostPath": {"path": SHARED_WEIGHTS_HOST_ROOT, "type": "Directory"}}
+    container = {
+        "name": "remove",
+        "image": job.spec.image.ref,
+        "imagePullPolicy": job.spec.image.pull_policy,
+        "command": ["rm", "-rf", f"/shared-weights-root/{host_dir.rsplit('/', 1)[1]}"],
+        # Root with DAC_OVERRIDE only: the directory belongs to the learner's user (mode 0770) and
+        # sits in a root-owned parent. The namespace admits hostPath volumes already (the job ran).
+        "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}},
+        "volumeMounts": [{"name": "shared-weights-root", "mountPath": "/shared-weights-root"}],
+        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
+    }
+    pod = {**_pod_common(job), "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+           "restartPolicy": "Never", "nodeName": node, "containers": [container], "volumes": [volume]}
+    pod.pop("nodeSelector", None)  # nodeName places it; the job's selector chose that node already
+    meta = {"name": f"{job.metadata.name}-shm-cleanup", "namespace": namespace,
+            "labels": labels(job.metadata.name, "shm-cleanup")}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
+            "spec": {"backoffLimit": 2, "ttlSecondsAfterFinished": 0, "activeDeadlineSeconds": 300,
+                     "template": {"metadata": {"labels": labels(job.metadata.name, "shm-cleanup")}, "spec": pod}}}
+
+
 def render_statefulset(job: RolloutMatchingJob, namespace: str, uid: str,
                        replicas: int | None = None) -> dict[str, Any]:
     name = job.metadata.name

@@ -142,7 +142,23 @@ class ControlPlane(FakeKubelet):
 
     `start()` returns once `/readyz` answers 200 and the `default` ServiceAccount exists in the
     `default` namespace (i.e. the controller-manager runs). `stop()` is idempotent.
+
+    The class attributes below are what a control plane for a real kubelet changes
+    (tests/cluster/realnode.py): where the API server listens and what it advertises to pods, the
+    controllers that run, and the API server's client identity towards kubelets.
     """
+
+    bind_address = "127.0.0.1"
+    advertise_address = "127.0.0.1"
+    # No lease loop for the `kubernetes` Service's endpoints on loopback.
+    endpoint_reconciler = "none"
+    # Everything on by default, minus the node lifecycle controller: it would taint (and after
+    # 5 min evict from) any fake Node whose heartbeats stop, and a test is a poor kubelet
+    # (paused in a debugger, a slow assertion...). With it off a Node stays as the test
+    # made it (Ready, no taints: create_node lifts the not-ready taint every new Node gets),
+    # deterministically, without a heartbeat thread renewing Leases in kube-node-lease.
+    controllers = "*,-node-lifecycle-controller"
+    extra_server_ips: tuple[str, ...] = ()
 
     def __init__(self, assets: str | os.PathLike[str], *, keep_dir: bool = False) -> None:
         why = missing_binaries(assets)
@@ -262,8 +278,9 @@ class ControlPlane(FakeKubelet):
         self.ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
 
         service_ip = next(ipaddress.ip_network(SERVICE_CIDR).hosts())
-        sans: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                                        x509.IPAddress(service_ip), x509.DNSName("localhost")]
+        sans: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address(ip))
+                                        for ip in ("127.0.0.1", *self.extra_server_ips)]
+        sans += [x509.IPAddress(service_ip), x509.DNSName("localhost")]
         sans += [x509.DNSName(n) for n in ("kubernetes", "kubernetes.default", "kubernetes.default.svc",
                                            "kubernetes.default.svc.cluster.local")]
         srv_key = ec.generate_private_key(ec.SECP256R1())
@@ -279,8 +296,9 @@ class ControlPlane(FakeKubelet):
 
         # Client certs: the admin (system:masters) and the two components under their bootstrap
         # RBAC identities, so RBAC is exercised for them as in a real cluster.
+        # The API server's own client identity towards kubelets (logs, exec, port-forward).
         for user, org in (("admin", "system:masters"), ("system:kube-controller-manager", None),
-                          ("system:kube-scheduler", None)):
+                          ("system:kube-scheduler", None), ("kube-apiserver-kubelet-client", "system:masters")):
             key = ec.generate_private_key(ec.SECP256R1())
             cert = _cert(_name(user, org), key, ca_name, ca_key)
             base = user.split(":")[-1]
@@ -323,7 +341,8 @@ class ControlPlane(FakeKubelet):
         pki = self.pki
         self._spawn("kube-apiserver", [
             f"--etcd-servers={self.etcd_url}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self.port}",
+            f"--bind-address={self.bind_address}", f"--advertise-address={self.advertise_address}",
+            f"--secure-port={self.port}",
             f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--cert-dir={pki}",
             f"--client-ca-file={self.ca_file}",
@@ -331,9 +350,11 @@ class ControlPlane(FakeKubelet):
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki / 'sa.pub'}", f"--service-account-signing-key-file={pki / 'sa.key'}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
-            # No lease loop for the `kubernetes` Service's endpoints on loopback.
-            "--endpoint-reconciler-type=none",
+            f"--endpoint-reconciler-type={self.endpoint_reconciler}",
             "--allow-privileged=true",
+            f"--kubelet-client-certificate={pki / 'kube-apiserver-kubelet-client.crt'}",
+            f"--kubelet-client-key={pki / 'kube-apiserver-kubelet-client.key'}",
+            "--kubelet-preferred-address-types=InternalIP",
         ])
 
     def _start_controller_manager(self) -> None:
@@ -345,12 +366,7 @@ class ControlPlane(FakeKubelet):
             f"--root-ca-file={self.ca_file}",
             "--use-service-account-credentials=true",
             "--leader-elect=false",
-            # Everything on by default, minus the node lifecycle controller: it would taint (and after
-            # 5 min evict from) any fake Node whose heartbeats stop, and a test is a poor kubelet
-            # (paused in a debugger, a slow assertion...). With it off a Node stays as the test
-            # made it (Ready, no taints: create_node lifts the not-ready taint every new Node gets),
-            # deterministically, without a heartbeat thread renewing Leases in kube-node-lease.
-            "--controllers=*,-node-lifecycle-controller",
+            f"--controllers={self.controllers}",
             "--secure-port=0",  # no health/metrics server: nothing to collide with in parallel runs
             "--v=2",  # the log then shows the GC's discovery resyncs and what it deletes
         ])

@@ -1,0 +1,239 @@
+"""The README's cluster path, run as a user runs it: the CPU image built from the Dockerfile, the chart
+installed with helm, jobs applied with kubectl, on real pods (tests/cluster/conftest.py brings the
+cluster up). Faults are done to real pods: a rollout server deleted mid-run, the operator deleted
+mid-run, the learner killed mid-run and resumed from its checkpoint on a PersistentVolume. The tests
+run in file order and share the cluster; the last one uninstalls everything and checks that nothing
+is left behind."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from cluster import OPERATOR_NS, ROOT, Cluster
+
+DASHBOARDS = ROOT / "charts/rmsft/dashboards"
+NAMESPACES: list[str] = []  # every namespace a test made (the uninstall test checks them all)
+FAULT_STEPS = 120  # long enough for a recreated rollout pod to start, be re-synced and get work
+
+
+def manifest(config: str, name: str, **training: Any) -> dict[str, Any]:
+    doc = yaml.safe_load((ROOT / config).read_text())
+    doc["metadata"]["name"] = name
+    doc["spec"]["training"].update(training)
+    return doc
+
+
+def namespace(cluster: Cluster, name: str) -> str:
+    cluster.kubectl("create", "namespace", name, check=False)
+    NAMESPACES.append(name)
+    return name
+
+
+def learner_pod(cluster: Cluster, ns: str, job: str, running: bool = True) -> dict[str, Any] | None:
+    pods = [p for p in cluster.pods(ns, f"rmsft.io/job={job},app.kubernetes.io/component=learner")
+            if not p["metadata"].get("deletionTimestamp")]
+    if running:
+        pods = [p for p in pods if p["status"].get("phase") == "Running"]
+    return max(pods, key=lambda p: p["metadata"]["creationTimestamp"]) if pods else None
+
+
+def scrape(cluster: Cluster, ns: str, pod: str, url: str) -> dict[str, float]:
+    """GET a /metrics page from inside `pod` (every image has python): {series: value} of samples
+    without labels and the sum over labels of the others."""
+    code = ("import sys, urllib.request; "
+            "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())")
+    proc = cluster.kubectl("-n", ns, "exec", pod, "--", "python", "-c", code, url, check=False, timeout=60)
+    out: dict[str, float] = {}
+    for line in proc.stdout.splitlines():
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out
+
+
+def learner_metric(cluster: Cluster, ns: str, job: str, name: str) -> float | None:
+    pod = learner_pod(cluster, ns, job)
+    if pod is None:
+        return None
+    return scrape(cluster, ns, pod["metadata"]["name"], "http://127.0.0.1:9090/metrics").get(name)
+
+
+def wait_learner_step(cluster: Cluster, ns: str, job: str, step: int, timeout: float = 420) -> float:
+    return cluster.wait(lambda: (v := learner_metric(cluster, ns, job, "rmsft_learner_global_step")) is not None
+                        and v >= step and v, timeout, f"{job}'s learner at step {step}", namespace=ns)
+
+
+def dashboard_metrics(name: str) -> set[str]:
+    doc = json.loads((DASHBOARDS / name).read_text())
+    found: set[str] = set()
+
+    def walk(panels: list[dict[str, Any]]) -> None:
+        for p in panels:
+            for t in p.get("targets", []):
+                found.update(re.findall(r"\b(rmsft_[a-z0-9_]+|vllm:[a-z0-9_:]+)", t.get("expr", "")))
+            walk(p.get("panels", []))
+
+    walk(doc.get("panels", []))
+    return found
+
+
+def base_name(series: str) -> str:
+    return re.sub(r"_(bucket|count|sum|total|created)$", "", series)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+def test_text_job_over_grpc_survives_a_deleted_rollout_pod_and_operator(cluster: Cluster) -> None:
+    """configs/job-kind-cpu.yaml over grpc, longer: a rollout pod deleted mid-run (the learner fails
+    over, the StatefulSet recreates the pod, it is re-synced and gets work) and the operator pod deleted
+    mid-run; the job completes. On the way: each component's logs and /metrics as the docs say."""
+    ns = namespace(cluster, "rmsft-grpc")
+    job = "text-grpc"
+    doc = manifest("configs/job-kind-cpu.yaml", job, steps=FAULT_STEPS)
+    doc["spec"]["sync"]["transport"] = "grpc"
+    cluster.apply(doc, ns)
+    wait_learner_step(cluster, ns, job, 3)
+
+    old = cluster.get("pod", f"{job}-rollout-1", "-n", ns)
+    cluster.kubectl("-n", ns, "delete", "pod", f"{job}-rollout-1", "--wait=false")
+    op_pods = cluster.pods(OPERATOR_NS, "app.kubernetes.io/name=rmsft")
+    cluster.kubectl("-n", OPERATOR_NS, "delete", "pod", op_pods[0]["metadata"]["name"], "--wait=false")
+
+    def recreated_and_ready() -> dict[str, Any] | None:
+        pod = cluster.get("pod", f"{job}-rollout-1", "-n", ns)
+        if not pod or pod["metadata"]["uid"] == old["metadata"]["uid"]:
+            return None
+        ready = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}.get("Ready") == "True"
+        return pod if ready else None
+
+    cluster.wait(recreated_and_ready, 300, "the recreated rollout-1 pod Ready", namespace=ns)
+
+    # The new server is fenced until the learner re-syncs it, then gets its share of the rollouts.
+    def resynced_and_working() -> dict[str, float] | None:
+        m = scrape(cluster, ns, f"{job}-rollout-1", "http://127.0.0.1:9090/metrics")
+        return m if m.get("rmsft_rollout_weight_version", 0) > 0 and m.get("rmsft_rollout_prompts_total", 0) > 0 \
+            else None
+
+    rollout_metrics = cluster.wait(resynced_and_working, 300, "rollout-1 re-synced and serving", namespace=ns)
+    learner = learner_pod(cluster, ns, job)
+    assert learner is not None, cluster.diagnostics(ns)
+    learner_metrics = scrape(cluster, ns, learner["metadata"]["name"], "http://127.0.0.1:9090/metrics")
+    assert learner_metrics.get("rmsft_learner_rollout_retries_total", 0) >= 1, learner_metrics
+
+    # /metrics of every component, scraped from another pod through the network (the operator
+    # through the chart's metrics Service), and the names the dashboards query.
+    probe = f"{job}-rollout-0"
+    operator_metrics = scrape(cluster, ns, probe, f"http://rmsft-metrics.{OPERATOR_NS}.svc:8080/metrics")
+    learner_ip = learner["status"]["podIP"]
+    rollout_ip = cluster.get("pod", f"{job}-rollout-1", "-n", ns)["status"]["podIP"]
+    remote = {"operator": operator_metrics,
+              "learner": scrape(cluster, ns, probe, f"http://{learner_ip}:9090/metrics"),
+              "rollout": scrape(cluster, ns, probe, f"http://{rollout_ip}:9090/metrics")}
+    for component, got in remote.items():
+        assert any(k.startswith(f"rmsft_{component}_") for k in got), (component, sorted(got)[:20])
+    seen = {base_name(k) for got in remote.values() for k in got} | {base_name(k) for k in rollout_metrics}
+    for board, must in (("operator.json", {"rmsft_operator_"}), ("rollout.json", {"rmsft_rollout_", "vllm:"}),
+                        ("training.json", {"rmsft_learner_global_step", "rmsft_learner_weight_version"})):
+        queried = {base_name(q) for q in dashboard_metrics(board)}
+        shown = queried & seen
+        assert shown, f"{board}: none of {sorted(queried)} is exported by a running component"
+        for prefix in must:
+            assert any(q.startswith(prefix) for q in shown), (board, prefix, sorted(shown))
+
+    status = cluster.wait_phase(ns, job, {"Complete"}, timeout=900)
+    assert status.get("step") == FAULT_STEPS, status
+    # Logs as docs/operator.md describes them.
+    learner_log = cluster.logs(ns, f"job/{job}-learner")
+    assert re.search(rf"step {FAULT_STEPS} v\d+ loss ", learner_log), learner_log[-3000:]
+    assert "training done" in learner_log, learner_log[-3000:]
+    server_log = cluster.logs(ns, f"{job}-rollout-1", "--tail=200")  # scaled down: may be gone already
+    if server_log:
+        assert "weights v" in server_log, server_log[-3000:]
+    operator_log = cluster.logs(OPERATOR_NS, "deploy/rmsft", "--tail=400")
+    assert f"{ns}/{job}" in operator_log and "Complete" in operator_log, operator_log[-3000:]
+
+
+def test_text_job_over_shm_resumes_after_the_learner_pod_is_killed(cluster: Cluster) -> None:
+    """The same job over shm, its checkpoints on a PersistentVolume (a local volume on the node): the
+    learner pod is killed mid-run; the Job's retry resumes from the last checkpoint, not step 0, and
+    the job completes. Deleting the job removes the node's /dev/shm/rmsft/<ns>.<job> directory."""
+    ns = namespace(cluster, "rmsft-shm")
+    job = "text-shm"
+    host_dir = f"/tmp/rmsft-cluster-pv-{ns}"
+    cluster.backend.node_rmtree(host_dir)
+    cluster.backend.node_mkdir(host_dir, uid=1000)
+    cluster.apply([
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-checkpoints"},
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "manual",
+                  "persistentVolumeReclaimPolicy": "Delete", "hostPath": {"path": host_dir, "type": "Directory"},
+                  "claimRef": {"namespace": ns, "name": "checkpoints"}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "checkpoints", "namespace": ns},
+         "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "manual", "volumeName": f"{ns}-checkpoints",
+                  "resources": {"requests": {"storage": "1Gi"}}}},
+    ])
+    steps = 40
+    doc = manifest("configs/job-kind-cpu.yaml", job, steps=steps,
+                   checkpoint={"dir": "/checkpoints", "every": 5, "keep": 2})
+    doc["spec"]["sync"]["transport"] = "shm"
+    doc["spec"]["learner"].update(checkpointClaim="checkpoints", backoffLimit=2)
+    cluster.apply(doc, ns)
+    wait_learner_step(cluster, ns, job, 12)
+    first = learner_pod(cluster, ns, job)
+    assert first is not None
+    shm_dir = f"/dev/shm/rmsft/{ns}.{job}"
+    assert cluster.backend.node_exists(shm_dir)
+    cluster.kubectl("-n", ns, "delete", "pod", first["metadata"]["name"], "--grace-period=0", "--force")
+
+    status = cluster.wait_phase(ns, job, {"Complete"}, timeout=900)
+    assert status.get("step") == steps, status
+    second = learner_pod(cluster, ns, job, running=False)
+    assert second is not None and second["metadata"]["uid"] != first["metadata"]["uid"]
+    log = cluster.logs(ns, second["metadata"]["name"])
+    resumed = re.search(r"resumed from step (\d+) \(weight version (\d+)", log)
+    assert resumed, log[-3000:]
+    assert int(resumed.group(1)) >= 10, log[-3000:]  # the checkpoint of step 10 or later, not step 0
+    assert not re.search(r"step 1 v\d+ loss ", log), log[-3000:]  # it did not start over
+
+    cluster.kubectl("-n", ns, "delete", "rmj", job, "--wait=true", timeout=300)
+    cluster.wait(lambda: not cluster.backend.node_exists(shm_dir), 120,
+                 f"{shm_dir} removed from the node after the job was deleted", namespace=ns)
+
+
+@pytest.mark.parametrize("config", ["configs/job-kind-cpu-vl.yaml", "configs/job-kind-cpu-grpo.yaml"],
+                         ids=["vision-language", "grpo"])
+def test_cpu_job_runs_to_complete(cluster: Cluster, config: str) -> None:
+    """The vision-language job (tiny Qwen3-VL and its images baked into the image) and the GRPO job,
+    as shipped."""
+    doc = yaml.safe_load((ROOT / config).read_text())
+    ns = namespace(cluster, f"rmsft-{Path(config).stem.removeprefix('job-kind-cpu-')}")
+    cluster.apply(doc, ns)
+    name = doc["metadata"]["name"]
+    status = cluster.wait_phase(ns, name, {"Complete"}, timeout=900)
+    assert status.get("step") == doc["spec"]["training"]["steps"], status
+    sts = cluster.get("statefulset", f"{name}-rollout", "-n", ns)
+    assert sts["spec"]["replicas"] == 0  # the pool is released when the job ends
+
+
+def test_deleting_the_jobs_and_uninstalling_leaves_nothing(cluster: Cluster) -> None:
+    for ns in NAMESPACES:
+        cluster.kubectl("-n", ns, "delete", "rmj", "--all", "--wait=true", timeout=300)
+    cluster.helm("uninstall", "rmsft", "--namespace", OPERATOR_NS, "--wait", "--timeout", "5m")
+
+    def nothing_left() -> bool:
+        for ns in [*NAMESPACES, OPERATOR_NS]:
+            left = cluster.get("pods,statefulsets,jobs,services,configmaps,secrets,networkpolicies", "-n", ns,
+                               "-l", "app.kubernetes.io/name=rmsft")
+            if left and left["items"]:
+                return False
+        return not any(cluster.backend.node_exists(f"/dev/shm/rmsft/{ns}.{j}") for ns in NAMESPACES
+                       for j in ("text-grpc", "text-shm", "tiny-cpu-vl", "tiny-cpu-grpo"))
+
+    cluster.wait(nothing_left, 180, "no pods, children or /dev/shm/rmsft directories left")
+    for ns in NAMESPACES:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    cluster.kubectl("delete", "pv", "--all", "--wait=false", check=False)
