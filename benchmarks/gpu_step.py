@@ -49,8 +49,8 @@ def main() -> None:
     from learner.model import load_policy
     from learner.step import make_step
     from learner.train_config import core_configs
+    from rmsft.dev.tiny_model import build_tiny_model
     from rmsft.jobspec import TrainingConfig
-    from rmsft.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(Path(tempfile.gettempdir()) / f"rmsft-gpu-step-h{args.hidden}-l{args.layers}",
                                  seed=0, hidden_size=args.hidden, num_layers=args.layers,

@@ -52,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rmsft.tiny_model import CLASS_NAMES, build_tiny_model  # noqa: E402
+from rmsft.dev.tiny_model import CLASS_NAMES, build_tiny_model  # noqa: E402
 from rollout_svc.config import ServeConfig  # noqa: E402
 from rollout_svc.launcher import RolloutServer, free_port  # noqa: E402
 from rollout_svc.vllm_engine import _memory_kwargs, scheduler_kwargs  # noqa: E402 - the server's own rules

@@ -81,11 +81,11 @@ def prepare_inputs(job: RolloutMatchingJob, console: Console) -> None:
     if build and build != "false" and not (model_dir / "config.json").exists():
         with console.status(f"building the tiny model in {model_dir}"):
             if build == "true":
-                from rmsft.tiny_model import build_tiny_model
+                from rmsft.dev.tiny_model import build_tiny_model
 
                 build_tiny_model(model_dir, seed=job.spec.training.seed, coord_tokens=coord_tokens)
             else:
-                from rmsft.tiny_vl import build_tiny_vl_model
+                from rmsft.dev.tiny_vl import build_tiny_vl_model
 
                 try:
                     build_tiny_vl_model(model_dir, arch=build, seed=job.spec.training.seed,
@@ -109,17 +109,17 @@ def prepare_inputs(job: RolloutMatchingJob, console: Console) -> None:
             continue
         n = int(notes[key])
         if task == "visual":
-            from learner.synthetic import write_visual_dataset
+            from rmsft.dev.synthetic import write_visual_dataset
 
             with console.status(f"rendering {n} synthetic {what}images for {data}"):
                 # The instruction asks for the job's own output format (same images and objects either way).
                 write_visual_dataset(data, n=n, seed=data_seed, fmt=job.spec.training.format)
-        elif task == "answer":  # a short-answer task for GRPO (learner.synthetic.CoordAnswerReward)
-            from learner.synthetic import write_answer_dataset
+        elif task == "answer":  # a short-answer task for GRPO (rmsft.dev.synthetic.CoordAnswerReward)
+            from rmsft.dev.synthetic import write_answer_dataset
 
             write_answer_dataset(data, n=n, seed=data_seed)
         else:
-            from learner.synthetic import write_synthetic_dataset
+            from rmsft.dev.synthetic import write_synthetic_dataset
 
             write_synthetic_dataset(data, n=n, seed=data_seed)
         console.print(f"wrote {n} synthetic {what}{task} records to {data}")

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rmsft.prepare_model import MARKER_FILE, ORDER_SCALE, PrepareModelError, coord_rows, prepare_model
-from rmsft.tiny_model import COORD_TOKENS, build_tiny_model
-from rmsft.tiny_vl import build_tiny_vl_model
+from rmsft.dev.tiny_model import build_tiny_model
+from rmsft.dev.tiny_vl import build_tiny_vl_model
+from rmsft.prepare_model import COORD_TOKENS, MARKER_FILE, ORDER_SCALE, PrepareModelError, coord_rows, prepare_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -54,7 +54,7 @@ def _job_doc(model_dir: Path, data: Path, ckpt: Path) -> dict:
 
 @pytest.fixture
 def data_path(tmp_path: Path) -> Path:
-    from learner.synthetic import write_synthetic_dataset
+    from rmsft.dev.synthetic import write_synthetic_dataset
 
     return write_synthetic_dataset(tmp_path / "train.jsonl", n=4, seed=0)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from learner.data import DataError, load_records
-from learner.synthetic import write_synthetic_dataset
+from rmsft.dev.synthetic import write_synthetic_dataset
 
 
 def _rec(objects: list[dict]) -> str:

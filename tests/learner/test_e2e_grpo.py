@@ -17,7 +17,7 @@ import yaml
 
 from learner.rollout_client import RolloutClient, RolloutRequest
 from learner.servers import ServerPool
-from learner.synthetic import write_answer_dataset
+from rmsft.dev.synthetic import write_answer_dataset
 from rmsft.jobspec import parse_job
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -57,7 +57,7 @@ def grpo_job(model_dir: Path, data: Path, ckpt: Path, steps: int):
     t["export"] = {"enabled": False}
     # The widest reward: a few steps of a random model see non-zero advantages.
     t["grpo"].update(group_size=4, temperature=TEMPERATURE, max_tokens=6,
-                     rewards=[{"name": "learner.synthetic:CoordAnswerReward", "params": {"width": 1000}}])
+                     rewards=[{"name": "rmsft.dev.synthetic:CoordAnswerReward", "params": {"width": 1000}}])
     return parse_job(doc)
 
 

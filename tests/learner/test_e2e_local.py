@@ -17,8 +17,8 @@ import torch
 import yaml
 
 from learner.rollout_client import RolloutRequest
-from learner.synthetic import write_synthetic_dataset
 from learner.trainer import Trainer
+from rmsft.dev.synthetic import write_synthetic_dataset
 from rmsft.jobspec import parse_job
 from rmsft.weight_wire import SHARED_DIR_ENV
 

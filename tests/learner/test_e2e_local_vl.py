@@ -18,9 +18,9 @@ import torch
 import yaml
 
 from learner.rollout_client import RolloutRequest
-from learner.synthetic import write_visual_dataset
 from learner.trainer import Trainer
 from learner.vision import mm_token_type_ids
+from rmsft.dev.synthetic import write_visual_dataset
 from rmsft.jobspec import parse_job
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

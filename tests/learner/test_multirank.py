@@ -23,7 +23,7 @@ import pytest
 import torch
 import yaml
 
-from learner.synthetic import write_synthetic_dataset
+from rmsft.dev.synthetic import write_synthetic_dataset
 from rmsft.jobspec import parse_job
 
 slow = pytest.mark.slow

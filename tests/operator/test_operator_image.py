@@ -18,6 +18,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from setuptools import find_packages
 
 from rmsft.jobspec import ImageSpec, load_job, parse_job
 from rmsft.requirements import job_requirements, learner_requirements, rollout_requirements
@@ -161,7 +162,9 @@ def test_job_requirements_follow_the_spec() -> None:
 
 def test_image_carries_every_python_package() -> None:
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    dirs = {cfg.get("package-dir", {}).get(p, p).split("/")[0].split(".")[0] for p in cfg["packages"]}
+    find = cfg["packages"]["find"]  # packages by discovery: setuptools' own finder gives the same list
+    packages = [p for where in find["where"] for p in find_packages(str(ROOT / where), include=find["include"])]
+    dirs = {cfg.get("package-dir", {}).get(p, p).split("/")[0].split(".")[0] for p in packages if "." not in p}
     copied = set(re.findall(r"^COPY\s+(\S+)\s", _stages()["base"], flags=re.M))
     assert dirs <= copied, dirs - copied
 

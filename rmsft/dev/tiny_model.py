@@ -14,8 +14,8 @@ import json
 import random
 from pathlib import Path
 
-NUM_COORD_BINS = 1000
-COORD_TOKENS = [f"<|coord_{k}|>" for k in range(NUM_COORD_BINS)]
+from rmsft.prepare_model import COORD_TOKENS
+
 CHAT_SPECIAL_TOKENS = [
     "<|endoftext|>",
     "<|im_start|>",
