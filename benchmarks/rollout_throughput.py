@@ -246,8 +246,8 @@ def check_settings(name: str, found: dict[str, str], ctx: dict) -> None:
 def run_rmsft(ctx: dict) -> dict:
     from rmsft_protos import rollout_pb2
 
-    from learner.rollout_client import RolloutClient, RolloutRequest
-    from learner.servers import ServerPool
+    from learner.rollouts.client import RolloutClient, RolloutRequest
+    from learner.rollouts.pool import ServerPool
 
     if ctx["logprobs"] and "logprobs" not in rollout_pb2.SamplingParams.DESCRIPTOR.fields_by_name:
         return {"runs": {}, "error": "this rmsft proto has no SamplingParams.logprobs (--logprobs)"}

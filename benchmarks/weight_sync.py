@@ -39,8 +39,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from learner.servers import ServerPool  # noqa: E402
-from learner.sync_client import WeightSyncClient  # noqa: E402
+from learner.rollouts.pool import ServerPool  # noqa: E402
+from learner.sync.client import WeightSyncClient  # noqa: E402
 from rmsft.weight_wire import DEFAULT_FRAME_BYTES, SHARED_DIR_ENV  # noqa: E402
 from rollout_svc.launcher import RolloutServer  # noqa: E402
 

@@ -42,7 +42,7 @@ from rmsft.logs import ENV as LOG_LEVEL_ENV
 from rmsft.serve_options import serve_options
 
 if TYPE_CHECKING:
-    from learner.step_types import Summary
+    from learner.train.results import Summary
 
 log = logging.getLogger("rmsft.local")
 BUILD_TINY_MODEL = "rmsft.io/build-tiny-model"
@@ -202,7 +202,7 @@ def print_summary(summary, console: Console) -> None:
 def train_in_process(job: RolloutMatchingJob, addresses: list[str], *, auth_token: str, resume: bool,
                      console: Console) -> Summary:
     """The learner in this process, with a progress bar; `job.spec.training.device` says where."""
-    from learner.grpo_trainer import trainer_class
+    from learner.train.grpo_trainer import trainer_class
 
     device = job.spec.training.device
     if device.startswith("cuda"):
@@ -327,7 +327,7 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
     # at its GPU by index through training.device, which the Trainer honours.
     job.spec.training.device = plan.learner_device(job.spec.training.device)
     if job.spec.trainer == "grpo":  # a reward that resolves to nothing fails before any server starts
-        from learner.grpo_trainer import build_job_rewards
+        from learner.train.grpo_trainer import build_job_rewards
 
         build_job_rewards(job)
     prepare_inputs(job, console)

@@ -81,8 +81,8 @@ def train(
     ),
 ) -> None:
     """Run the learner against running rollout servers (what the learner Job runs)."""
-    from learner.data import DataError, load_records
-    from learner.servers import ServersFile, ServersFileError
+    from learner.data.records import DataError, load_records
+    from learner.rollouts.pool import ServersFile, ServersFileError
     from rmsft.jobspec import JobSpecError, load_job
     from rmsft.logs import LogLevelError, configure_logging
     from rmsft.requirements import MissingRequirementError, require_learner_runtime
@@ -102,20 +102,21 @@ def train(
         # e.g. deepspeed_stage > 0 without DeepSpeed: say so now, not after the model loaded
         require_learner_runtime(job)
         load_records(job.spec.training.data.path)
-        from learner.grpo_trainer import trainer_class
+        from learner.train.grpo_trainer import trainer_class
 
         port = job.spec.learner.metrics_port if metrics_port < 0 else metrics_port
         if port and os.environ.get("RANK", "0") == "0":  # one endpoint per learner pod: rank 0's
             from prometheus_client import start_http_server
 
             start_http_server(port)
-        # spec.trainer: rollout_matching (learner.trainer.Trainer) or grpo (learner.grpo_trainer.GrpoTrainer)
+        # spec.trainer: rollout_matching (learner.train.trainer.Trainer)
+        # or grpo (learner.train.grpo_trainer.GrpoTrainer)
         trainer = trainer_class(job)(job, addresses, auth_token=auth_token or None)
     except (JobSpecError, DataError, ServersFileError, LogLevelError, MissingRequirementError, ValueError,
             RuntimeError, OSError) as exc:
         _fail(exc)
-    from learner.distributed import RankFailedError
-    from learner.servers import NoServerAvailableError
+    from learner.rollouts.pool import NoServerAvailableError
+    from learner.train.ranks import RankFailedError
 
     try:
         if resume:
@@ -134,8 +135,8 @@ def local(
     resume: bool = typer.Option(False, help="Resume from the newest checkpoint in training.checkpoint.dir."),
 ) -> None:
     """Run a whole job on this machine: rollout servers as local processes, the learner in-process."""
-    from learner.data import DataError
-    from learner.rewards import RewardConfigError
+    from learner.data.records import DataError
+    from learner.rewards.interface import RewardConfigError
     from rmsft.jobspec import JobSpecError
     from rmsft.logs import LogLevelError, configure_logging
 
@@ -194,8 +195,8 @@ def export_cmd(
     weights (or, with --adapter, the adapter alone), full fine-tunes whole, with processor/tokenizer."""
     from rich.console import Console
 
-    from learner.export import ExportError, export_checkpoint
-    from learner.model import ModelLoadError
+    from learner.train.export import ExportError, export_checkpoint
+    from learner.train.policy import ModelLoadError
     from rmsft.jobspec import JobSpecError
     from rmsft.logs import configure_logging
 
@@ -236,10 +237,10 @@ def eval_cmd(
     scores training.eval (F1 at an IoU threshold, COCO mAP)."""
     from rich.console import Console
 
-    from learner.data import DataError
-    from learner.export import ExportError
-    from learner.model import ModelLoadError
-    from learner.offline_eval import EvalOptions, run_eval
+    from learner.data.records import DataError
+    from learner.offline_evaluation import EvalOptions, run_eval
+    from learner.train.export import ExportError
+    from learner.train.policy import ModelLoadError
     from rmsft.jobspec import JobSpecError
     from rmsft.logs import configure_logging
 

@@ -125,7 +125,7 @@ class CoordAnswerReward:
             raise ValueError(f"width: expected a number > 0, got {width!r}")
         self.width, self.other = float(width), float(other)
 
-    def __call__(self, inp) -> float:  # a learner.rewards.RewardInput
+    def __call__(self, inp) -> float:  # a learner.rewards.interface.RewardInput
         answer = inp.answer if inp.answer is not None else getattr(inp.record, "answer", None)
         target = leading_bin(answer) if isinstance(answer, str) else None
         if target is None:

@@ -20,7 +20,7 @@ pytestmark = [
 
 
 def _policy(tiny_model_dir: Path, **training):
-    from learner.model import load_policy
+    from learner.train.policy import load_policy
     from rmsft.jobspec import TrainingConfig
 
     cfg = TrainingConfig.model_validate({"data": {"path": "x.jsonl"}, **training})
@@ -65,7 +65,7 @@ def test_bf16_packed_loss_equals_unpacked_on_cuda(tiny_model_dir: Path) -> None:
 
 
 def test_full_export_reads_from_cuda_and_leaves_no_copy(tiny_model_dir: Path) -> None:
-    from learner.weight_export import full_named_tensors
+    from learner.sync.weights import full_named_tensors
 
     policy, _ = _policy(tiny_model_dir, finetune="lora")
     model = policy.model.to("cuda")

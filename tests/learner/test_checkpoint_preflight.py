@@ -13,7 +13,7 @@ import pytest
 import yaml
 from learner_fakes import FakeEngine, FakeServer
 
-from learner.checkpoint import CheckpointDirError, check_checkpoint_dir
+from learner.train.checkpoint_files import CheckpointDirError, check_checkpoint_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def data_path(tmp_path: Path) -> Path:
 
 def test_trainer_fails_at_start_before_any_server_or_model_work(tiny_model_dir, data_path, tmp_path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    import learner.trainer as trainer_mod
+    import learner.train.trainer as trainer_mod
     from rmsft.jobspec import parse_job
 
     (tmp_path / "file").write_text("")

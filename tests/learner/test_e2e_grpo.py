@@ -15,8 +15,8 @@ import pytest
 import torch
 import yaml
 
-from learner.rollout_client import RolloutClient, RolloutRequest
-from learner.servers import ServerPool
+from learner.rollouts.client import RolloutClient, RolloutRequest
+from learner.rollouts.pool import ServerPool
 from rmsft.dev.synthetic import write_answer_dataset
 from rmsft.jobspec import parse_job
 
@@ -62,7 +62,7 @@ def grpo_job(model_dir: Path, data: Path, ckpt: Path, steps: int):
 
 
 def test_grpo_steps_on_vllm(servers, tiny_model_dir: Path, tmp_path: Path) -> None:
-    from learner.grpo_trainer import GrpoTrainer
+    from learner.train.grpo_trainer import GrpoTrainer
 
     data = write_answer_dataset(tmp_path / "answers.jsonl", n=16, seed=0)
     trainer = GrpoTrainer(grpo_job(tiny_model_dir, data, tmp_path / "ckpt", steps=3), [s.address for s in servers])

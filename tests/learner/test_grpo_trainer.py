@@ -1,4 +1,4 @@
-"""The GRPO trainer (learner/grpo_trainer.py) end to end against real rollout servers without vLLM: the HF
+"""The GRPO trainer (learner/train/grpo_trainer.py) end to end against real rollout servers without vLLM: the HF
 engine behind real gRPC servers on loopback (tests/learner/hf_servers.py), reporting processed log-probs as
 `rmsft serve --logprobs-mode processed` does for a GRPO job. configs/local-tiny-grpo.yaml's task (a
 coordinate-token answer scored by rmsft.dev.synthetic:CoordAnswerReward), shrunk to seconds."""
@@ -55,7 +55,7 @@ def grpo_job(model_dir: Path, data: Path, ckpt: Path, *, steps: int = 3, grpo: d
 
 
 def run(job, addresses: list[str], resume: bool = False):
-    from learner.grpo_trainer import GrpoTrainer
+    from learner.train.grpo_trainer import GrpoTrainer
 
     trainer = GrpoTrainer(job, addresses)
     captured: list[torch.Tensor] = []
@@ -72,11 +72,11 @@ def run(job, addresses: list[str], resume: bool = False):
 
 def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model_dir: Path, answers: Path,
                                                       servers: list[InProcessServer]) -> None:
-    from learner import metrics as m
     from learner.core.grpo import group_advantages
-    from learner.data import load_records
-    from learner.rewards import RewardInput
-    from learner.tracking import read_events
+    from learner.data.records import load_records
+    from learner.rewards.interface import RewardInput
+    from learner.tracking import metrics as m
+    from learner.tracking.tracker import read_events
     from rmsft.dev.synthetic import CoordAnswerReward
 
     trainer, summary, advantages = run(grpo_job(tiny_model_dir, answers, tmp_path), [s.address for s in servers])
@@ -151,8 +151,8 @@ def test_raw_log_probs_at_another_temperature_show_in_the_ratio(tmp_path: Path, 
 
 def test_an_unknown_reward_is_refused_before_anything_starts(tmp_path: Path, tiny_model_dir: Path,
                                                              answers: Path) -> None:
-    from learner.grpo_trainer import GrpoTrainer
-    from learner.rewards import UnknownRewardError
+    from learner.rewards.interface import UnknownRewardError
+    from learner.train.grpo_trainer import GrpoTrainer
 
     job = grpo_job(tiny_model_dir, answers, tmp_path, grpo={"rewards": [{"name": "detection"}, {"name": "nope"}]})
     with pytest.raises(UnknownRewardError, match=r"spec\.training\.grpo\.rewards\[1\] \(nope\): unknown reward"):
@@ -160,8 +160,8 @@ def test_an_unknown_reward_is_refused_before_anything_starts(tmp_path: Path, tin
 
 
 def test_spec_trainer_picks_the_learner(tiny_model_dir: Path, answers: Path, tmp_path: Path) -> None:
-    from learner.grpo_trainer import GrpoTrainer, trainer_class
-    from learner.trainer import Trainer
+    from learner.train.grpo_trainer import GrpoTrainer, trainer_class
+    from learner.train.trainer import Trainer
     from rmsft.jobspec import load_job
 
     assert trainer_class(grpo_job(tiny_model_dir, answers, tmp_path)) is GrpoTrainer
@@ -178,7 +178,7 @@ def test_a_whole_grpo_step_runs_on_the_training_device(tmp_path: Path, tiny_mode
     # parameter on `meta`, flagging any op given a tensor off the device and counting host reads.
     from test_placement import DeviceFence
 
-    from learner.grpo_trainer import GrpoTrainer
+    from learner.train.grpo_trainer import GrpoTrainer
 
     kw = {"grpo": {"kl_coef": kl_coef}, "finetune": "lora", "lora": {"r": 8, "alpha": 16}}
     cpu = GrpoTrainer(grpo_job(tiny_model_dir, answers, tmp_path / "cpu", steps=1, **kw), [s.address for s in servers])

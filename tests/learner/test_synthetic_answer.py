@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from learner.data import load_records
-from learner.rewards import RewardInput
+from learner.data.records import load_records
+from learner.rewards.interface import RewardInput
 from rmsft.dev.synthetic import CoordAnswerReward, answer_bin, write_answer_dataset
 from rmsft.dev.tiny_model import CLASS_NAMES
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from learner.data import Record, load_dataset
+from learner.data.dataset import load_dataset
+from learner.data.records import Record
 from rmsft.dev.synthetic import VISUAL_CLASS_NAMES, VISUAL_COLOURS, VISUAL_SHAPES, write_visual_dataset
 
 N = 64

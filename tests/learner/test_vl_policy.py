@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from learner.model import load_policy
-from learner.weight_export import checkpoint_name_map, full_export, is_peft_model
+from learner.sync.weights import checkpoint_name_map, full_export, is_peft_model
+from learner.train.policy import load_policy
 from rmsft.dev.tiny_vl import MAX_PIXELS, MIN_PIXELS, PATCH_SIZE
 from rmsft.jobspec import TrainingConfig, VisionSpec
 from rollout_svc.engine import checkpoint_table

@@ -9,7 +9,7 @@ server pool, generates the whole global batch (`prompts_per_step` is global) and
 contiguous share; every rank builds its own segments into its own packer. The step's loss is the
 token-level mean over all ranks' rows (target counts are summed over ranks first), gradients are
 summed over ranks before clipping, and every rank takes the same optimizer step, so the result is
-one process training on all the rows. Rank 0 then syncs the servers. See learner/distributed.py.
+one process training on all the rows. Rank 0 then syncs the servers. See learner/train/ranks.py.
 """
 
 from __future__ import annotations
@@ -26,16 +26,11 @@ from pathlib import Path
 
 import torch
 
-from learner import metrics as m
-from learner import zero
-from learner.checkpoint import check_checkpoint_dir
 from learner.core.losses import LossSums, loss_sums
 from learner.core.packing import PackedRow, Packer
 from learner.core.rollout_buffer import RolloutBuffer
-from learner.data import Record, load_dataset
-from learner.distributed import Ranks, share_bounds
-from learner.draw import save_rollout_pictures
-from learner.episode import (
+from learner.data.dataset import load_dataset
+from learner.data.episode import (
     EpisodeStats,
     build_segments,
     check_rollout_prompts,
@@ -43,22 +38,29 @@ from learner.episode import (
     vision_safe_response,
     vision_token_ids,
 )
-from learner.evaluation import EvalSetup, Evaluation, evaluate, score
-from learner.export import export_trained
-from learner.images import ImageStore
-from learner.model import Policy, load_policy, prompt_ids
-from learner.reporting import RunReporter
-from learner.rollout_client import Rollout, RolloutClient
-from learner.run_record import run_record, write_run_record
-from learner.servers import ServerPool, ServersFile
-from learner.step import PlainStep, ZeroStep, gathered_weights, make_step, resolve_device
-from learner.step_types import DataOrder, StepResult, Summary
-from learner.sync_client import WeightSyncClient
-from learner.tracking import Tracker, check_writable
-from learner.train_config import core_configs, learning_rate, sync_transport
-from learner.trainer_checkpoint import Checkpointer, TrainState
-from learner.vision import VisionPrompt, patch_size, render_prompt, resized_image_size, with_vision
-from learner.weight_export import checkpoint_name_map
+from learner.data.images import ImageStore
+from learner.data.order import DataOrder
+from learner.data.records import Record
+from learner.data.vision import VisionPrompt, patch_size, render_prompt, resized_image_size, with_vision
+from learner.evaluation.draw import save_rollout_pictures
+from learner.evaluation.held_out import EvalSetup, Evaluation, evaluate, score
+from learner.rollouts.client import Rollout, RolloutClient
+from learner.rollouts.pool import ServerPool, ServersFile
+from learner.sync.client import WeightSyncClient
+from learner.sync.weights import checkpoint_name_map
+from learner.tracking import metrics as m
+from learner.tracking.run_record import run_record, write_run_record
+from learner.tracking.tracker import Tracker, check_writable
+from learner.train import zero
+from learner.train.checkpoint_files import check_checkpoint_dir
+from learner.train.checkpointer import Checkpointer, TrainState
+from learner.train.config import core_configs, learning_rate, sync_transport
+from learner.train.export import export_trained
+from learner.train.policy import Policy, load_policy, prompt_ids
+from learner.train.ranks import Ranks, share_bounds
+from learner.train.reporting import RunReporter
+from learner.train.results import StepResult, Summary
+from learner.train.step import PlainStep, ZeroStep, gathered_weights, make_step, resolve_device
 from rmsft.jobspec import RolloutMatchingJob
 from rmsft.weight_wire import shared_dir_from_env
 

@@ -9,7 +9,7 @@ A record::
                  {"desc": "kite", "poly": [5, 5, 60, 5, 30, 40]}]}  # pixel coordinates
 
 A record may also carry `"answer": "..."` (or a list of accepted answers): the expected answer of a
-short-answer task, which GRPO's text rewards score against (learner/reward_builtins.py).
+short-answer task, which GRPO's text rewards score against (learner/rewards/builtins.py).
 
 Bad lines fail the load with the file, the line number and the field at fault; nothing is
 silently skipped. Object rules are the core's (`learner.core.codec.check_desc`, `DetObject`), applied
@@ -17,17 +17,17 @@ here so that a bad object fails at load with its record's line, not later inside
 desc blank after stripping or holding coordinate-token text (`<|coord_`), a box with x2 < x1 or
 y2 < y1, a coordinate that is not a finite number. Descs are kept as written; the core strips them.
 
-Image references (`images`), resolved by learner/images.py:
+Image references (`images`), resolved by learner/data/images.py:
 
 - `"img-7.jpg"`, `"sub/img-7.jpg"`: relative to `spec.training.data.image_root`, or when that is
   unset to the folder holding the dataset file;
 - `"/data/img-7.jpg"` or `"file:///data/img-7.jpg"`: an absolute local path;
 - `"data:image/png;base64,iVBOR..."`: the image bytes inline.
 
-Remote URIs (http://, s3://, ...) are refused. `load_dataset` checks every image at load (exists,
-decodes, at most `spec.model.vision.max_image_pixels`, and for a record with one image, the image's
-size equals the record's `width`/`height`, the frame of its ground truth) and reports all problems
-at once. `load_records` reads the records only (text datasets, and callers that check images later).
+Remote URIs (http://, s3://, ...) are refused. `load_dataset` (learner/data/dataset.py) checks every
+image at load (exists, decodes, at most `spec.model.vision.max_image_pixels`, and for a record with one
+image, the image's size equals the record's `width`/`height`, the frame of its ground truth) and reports
+all problems at once. `load_records` reads the records only (text datasets, and callers that check images later).
 """
 
 from __future__ import annotations
@@ -35,14 +35,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from learner.core.codec import check_desc
-
-if TYPE_CHECKING:
-    from learner.images import ImageStore
 
 
 class Message(BaseModel):
@@ -132,19 +129,3 @@ def load_records(path: str | Path) -> list[Record]:
         seen.add(r.id)
     return records
 
-
-def load_dataset(
-    path: str | Path,
-    image_root: str | Path | None,
-    max_image_pixels: int,
-    cache_images: int = 256,
-) -> tuple[list[Record], ImageStore]:
-    """Records plus the `ImageStore` that reads their images; every image is validated here, at load,
-    when any record has one (a text-only dataset reads no image and the store stays unused)."""
-    from learner.images import ImageStore  # PIL only for datasets that reach this far
-
-    records = load_records(path)
-    store = ImageStore(image_root, path, max_image_pixels, cache_images=cache_images)
-    if any(r.images for r in records):
-        store.validate(records)
-    return records, store

@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 import torch
 
-from learner import zero
-from learner.distributed import Ranks
-from learner.model import autocast_context
+from learner.train import zero
+from learner.train.policy import autocast_context
+from learner.train.ranks import Ranks
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -90,7 +90,7 @@ class PlainStep:
 
 
 class ZeroStep:
-    """DeepSpeed ZeRO-1/2/3 (learner/zero.py has why each call is what it is)."""
+    """DeepSpeed ZeRO-1/2/3 (learner/train/zero.py has why each call is what it is)."""
 
     def __init__(self, model: torch.nn.Module, ranks: Ranks, *, stage: int, lr: float, weight_decay: float,
                  max_grad_norm: float, device: torch.device, autocast_dtype: torch.dtype | None = None) -> None:

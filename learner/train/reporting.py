@@ -5,7 +5,7 @@ The trainer decides when; this room only says where each figure goes, so the ste
 Tags: `train/*` (loss and its parts, rollout F1/precision/recall, fill, rows, learning rate, step
 seconds), `grpo/*` (GRPO steps: reward mean/std, each reward, clip fraction, ratio, KL, completion
 length), `time/*` (seconds per phase in the step), `sync/bytes` (bytes streamed to the servers since
-the start), `eval/*` (see `learner.evaluation.Evaluation.scalars`), images under `eval/<record id>`.
+the start), `eval/*` (see `learner.evaluation.held_out.Evaluation.scalars`), images under `eval/<record id>`.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from learner import metrics as m
-from learner.draw import draw_detections
-from learner.evaluation import Evaluation
-from learner.images import ImageStore
-from learner.step_types import StepResult
-from learner.tracking import Tracker
+from learner.data.images import ImageStore
+from learner.evaluation.draw import draw_detections
+from learner.evaluation.held_out import Evaluation
+from learner.tracking import metrics as m
+from learner.tracking.tracker import Tracker
+from learner.train.results import StepResult
 
 log = logging.getLogger("rmsft.learner")
 

@@ -1,8 +1,8 @@
-"""The built-in GRPO rewards, named in a job spec by their short names (`learner.rewards` resolves them),
+"""The built-in GRPO rewards, named in a job spec by their short names (`learner.rewards.scoring` resolves them),
 and the pure scoring they are made of.
 
 Detection reward (`DetectionReward`): the predicted objects (`parsed.objects`) are matched to the record's
-ground truth as the format writes it (`learner.episode.ground_truth`) by rmsft's matcher
+ground truth as the format writes it (`learner.data.episode.ground_truth`) by rmsft's matcher
 (`learner.core.match.match`, Hungarian on 1 - IoU with the IoU gate); then
 - `metric="f1"`: F1 at the matcher's gate, `2 * matched / (n_pred + n_gt)`;
 - `metric="mean_iou"`: the IoU of each matched pair summed, over `n_gt + n_false_positives` (every unmatched
@@ -21,13 +21,13 @@ ground truth as the format writes it (`learner.episode.ground_truth`) by rmsft's
 - reward = `(1 - format_weight) * metric + format_weight * format_score`, in [0, 1].
 
 Text answers (`TextMatchReward`): the expected answer is `RewardInput.answer` when set, else the record's
-`answer` attribute (`getattr(record, "answer", None)`; `learner.data.Record.answer`, a string or a list of
+`answer` attribute (`getattr(record, "answer", None)`; `learner.data.records.Record.answer`, a string or a list of
 accepted answers, the best counting). Both sides are normalized (`normalize_answer`: whitespace stripped
 and collapsed, casefolded by default, punctuation and English articles dropped on request); equal = 1.0,
 else `partial_weight` times the token-level F1 of their words (SQuAD's), or 0.0 with `partial="none"`.
 `partial_weight` defaults to 0.5 so the exact answer always scores above a reordering of its words.
 
-Both are thread-safe (no state is written after construction), as `learner.rewards.score_batch` needs.
+Both are thread-safe (no state is written after construction), as `learner.rewards.scoring.score_batch` needs.
 """
 
 from __future__ import annotations
@@ -38,15 +38,13 @@ import re
 import string
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from learner.core.codec import DetObject
 from learner.core.match import MatchConfig, match
 from learner.core.parse import ParsedRollout
-from learner.episode import ground_truth
-
-if TYPE_CHECKING:  # annotations only: learner.rewards imports this module
-    from learner.rewards import Reward, RewardInput
+from learner.data.episode import ground_truth
+from learner.rewards.interface import Reward, RewardInput
 
 # ------------------------------------------------------------------------------------------ pure scoring
 

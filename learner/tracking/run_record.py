@@ -136,7 +136,7 @@ def _image_refs(path: Path) -> Iterator[str]:
 
 
 def _image_path(ref: str, root: Path) -> Path | None:
-    """The local file an image reference names (learner/data.py's rules); None for inline data: URIs
+    """The local file an image reference names (learner/data/records.py's rules); None for inline data: URIs
     (hashed with the JSONL) and remote URIs (refused by the loader)."""
     if ref.startswith("data:"):
         return None

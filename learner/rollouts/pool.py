@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import grpc
 from rmsft_protos import rollout_pb2, rollout_pb2_grpc
 
-from learner.metrics import SERVERS_READY
-from learner.servers_file import ServersFile, ServersFileError, parse_server_list  # noqa: F401 - re-exported
+from learner.rollouts.servers_file import ServersFile, ServersFileError, parse_server_list  # noqa: F401 - re-exported
+from learner.tracking.metrics import SERVERS_READY
 
 log = logging.getLogger("rmsft.learner.servers")
 DEFAULT_AUTH_HEADER = "authorization"

@@ -5,7 +5,7 @@ same version fencing: every answer comes from weight version `version`) for gree
 `score(...)` parses them with the job's output format and reports:
 - F1 (precision, recall) at IoU `iou` (0.5 by default, the usual detection threshold), counted by
   rmsft's own Hungarian matcher with only the IoU gate changed, and at the training matcher's gate;
-- COCO-style bbox mAP (.50:.95, .50, .75) from `learner.detection_metrics` (a well-kept evaluator,
+- COCO-style bbox mAP (.50:.95, .50, .75) from `learner.evaluation.coco_map` (a well-kept evaluator,
   not hand-written). A greedy answer carries no confidence, so each predicted object is ranked by the
   order the model wrote it in (first = most confident); polygons are scored by their enclosing box.
 
@@ -23,10 +23,7 @@ from learner.core.codec import COORDEXP, OutputFormat
 from learner.core.match import MatchConfig, match
 from learner.core.parse import parse
 from learner.core.vocab import VocabView
-from learner.data import Record
-from learner.detection_metrics import boxes_from_detections, coco_map
-from learner.draw import RolloutPicture
-from learner.episode import (
+from learner.data.episode import (
     Detection,
     EpisodeStats,
     ground_truth,
@@ -36,8 +33,11 @@ from learner.episode import (
     rollout_request,
     vision_safe_response,
 )
-from learner.images import ImageStore
-from learner.rollout_client import RolloutClient
+from learner.data.images import ImageStore
+from learner.data.records import Record
+from learner.evaluation.coco_map import boxes_from_detections, coco_map
+from learner.evaluation.draw import RolloutPicture
+from learner.rollouts.client import RolloutClient
 
 ImageSize = Callable[[Record], "tuple[int, int] | None"]
 

@@ -9,7 +9,7 @@ Two ways in, one writer:
 What OUT holds:
 - merged (LoRA/DoRA, the default): every LoRA/DoRA layer merged into its base weight with peft's own
   `merge`, one layer at a time, and the live model put back bit for bit afterwards
-  (learner/weight_export.py's FULL stream, the one the rollout servers already load): no merged copy
+  (learner/sync/weights.py's FULL stream, the one the rollout servers already load): no merged copy
   of the whole model is ever held and the caller's model stays trainable. Full fine-tunes: the whole
   model. Weights go to `model.safetensors` (or shards + index) under the names `save_pretrained`
   writes, with config.json, generation_config.json and the processor / tokenizer (chat template
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from learner.run_record import RUN_FILE
+from learner.tracking.run_record import RUN_FILE
 from rmsft.jobspec import JobSpecError
 from rmsft.model_folder import forget_load_options
 from rmsft.output_folder import OutputFolderError, check_output_folder, staged_folder
@@ -104,7 +104,7 @@ def export_trained(
     as trained. An existing `out_dir` is replaced once the new folder is complete (`overwrite=False`
     refuses a non-empty one instead). `info` is added to rmsft_export.json; weights larger than
     `max_shard_bytes` are split into shards with an index. The model is left exactly as it was.
-    Call it where the whole weights are visible (under ZeRO-3: inside `learner.step.gathered_weights`,
+    Call it where the whole weights are visible (under ZeRO-3: inside `learner.train.step.gathered_weights`,
     which every rank enters, with rank 0 exporting). Raises `ExportError` (unwritable path, an adapter
     export of a model without one, a bad dtype, a model the writer cannot rename)."""
     return _export(model, _saver(policy_or_processor), Path(out_dir), adapter_only=adapter_only, dtype=dtype,
@@ -113,7 +113,7 @@ def export_trained(
 
 
 def _saver(policy_or_processor: Any) -> Any:
-    from learner.model import Policy
+    from learner.train.policy import Policy
 
     if isinstance(policy_or_processor, Policy):
         return policy_or_processor.processor or policy_or_processor.tokenizer
@@ -123,7 +123,7 @@ def _saver(policy_or_processor: Any) -> Any:
 def _export(model: Any, processor: Any, out: Path, *, adapter_only: bool, dtype: str | torch.dtype | None,
             base_model_dir: str | Path | None, overwrite: bool, info: dict[str, Any],
             flag: str = "overwrite=True", max_shard_bytes: int = MAX_SHARD_BYTES) -> ExportResult:
-    from learner.weight_export import is_peft_model
+    from learner.sync.weights import is_peft_model
 
     peft = is_peft_model(model)
     if adapter_only and not peft:
@@ -170,13 +170,13 @@ def _refuse_own_inputs(out: Path, inputs: dict[str, Any]) -> None:
 
 
 def _peft_config(model: Any) -> Any:
-    from learner.weight_export import active_adapter
+    from learner.sync.weights import active_adapter
 
     return model.peft_config[active_adapter(model)]
 
 
 def _hf_model(model: Any) -> Any:
-    from learner.weight_export import is_peft_model
+    from learner.sync.weights import is_peft_model
 
     return model.get_base_model() if is_peft_model(model) else model
 
@@ -186,7 +186,7 @@ def _resolve_dtype(dtype: str | torch.dtype | None, model: Any, base_model_dir: 
     """The torch dtype floating tensors are written in; None = as they are."""
     import torch
 
-    from learner.weight_export import serving_dtype
+    from learner.sync.weights import serving_dtype
 
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
@@ -223,7 +223,7 @@ def _write_merged(model: Any, out: Path, dtype: torch.dtype | None,
     generation config into `out`. Returns (tensors, bytes, dtype name)."""
     from safetensors.torch import save_file
 
-    from learner.weight_export import checkpoint_name_map, full_export
+    from learner.sync.weights import checkpoint_name_map, full_export
 
     hf = _hf_model(model)
     stream = full_export(model, dtype=dtype, name_map=checkpoint_name_map(model))
@@ -273,7 +273,7 @@ def _write_adapter(model: Any, out: Path, dtype: torch.dtype | None) -> tuple[in
     active adapter (the same tensors and config ADAPTER sync sends the rollout servers)."""
     from safetensors.torch import save_file
 
-    from learner.weight_export import adapter_named_tensors
+    from learner.sync.weights import adapter_named_tensors
     from rmsft.serving_dtype import CASTABLE_DTYPES
     from rmsft.weight_wire import TensorSpec, dtype_name
 
@@ -299,7 +299,7 @@ def _write_adapter(model: Any, out: Path, dtype: torch.dtype | None) -> tuple[in
 def resolve_checkpoint(path: str | Path) -> Path:
     """The `step-<n>` folder to export: `path` itself when it holds a checkpoint (state.pt), else the
     newest checkpoint in `path` (a training.checkpoint.dir)."""
-    from learner.checkpoint import list_checkpoints
+    from learner.train.checkpoint_files import list_checkpoints
 
     path = Path(path)
     if (path / "state.pt").is_file():
@@ -317,7 +317,7 @@ def job_for_checkpoint(checkpoint: str | Path, config: str | Path | None = None)
     """The job a checkpoint was trained with: `config` (a manifest YAML) when given, else the
     `run.json` the learner writes beside its checkpoints (its "job" key). JobSpecError for a bad
     manifest; ExportError when there is neither."""
-    from learner.run_record import job_from_run_record
+    from learner.tracking.run_record import job_from_run_record
     from rmsft.jobspec import load_job
 
     if config is not None:
@@ -378,8 +378,8 @@ def export_checkpoint(
         raise ExportError(f"--dtype must be one of {', '.join(_DTYPE_CHOICES)}, got {dtype!r}")
     import torch
 
-    from learner.checkpoint import trainable_state
-    from learner.model import load_policy
+    from learner.train.checkpoint_files import trainable_state
+    from learner.train.policy import load_policy
 
     say(f"reading {step_dir / 'state.pt'}")
     try:

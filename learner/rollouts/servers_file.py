@@ -1,6 +1,6 @@
 """The rollout server list as a file that may change during a run: the operator's ConfigMap key
 `servers`, mounted in the learner pod at /etc/rmsft/servers and rewritten when the pool is scaled.
-`learner.servers.ServerPool` follows it."""
+`learner.rollouts.pool.ServerPool` follows it."""
 
 from __future__ import annotations
 

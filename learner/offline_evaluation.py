@@ -1,10 +1,10 @@
 """`rmsft eval CHECKPOINT_OR_MODEL DATA`: the held-out evaluation of a training run, offline.
 
 The model is a Hugging Face folder, or a learner checkpoint (`step-<n>`, or a checkpoint dir: its newest),
-which is first exported to a temporary folder (`learner.export.export_checkpoint`, merged weights). Local
+which is first exported to a temporary folder (`learner.train.export.export_checkpoint`, merged weights). Local
 rollout servers are started on it the way `rmsft local` starts them (same serve options from the job spec),
 the records are answered greedily and scored exactly as the trainer scores `training.eval`
-(`learner.evaluation`): F1 at an IoU threshold and COCO mAP. The figures are printed, and with `--out` also
+(`learner.evaluation.held_out`): F1 at an IoU threshold and COCO mAP. The figures are printed, and with `--out` also
 written to `<out>/eval.json` with pictures of the first answers under `<out>/pictures/`.
 
 The job spec decides the output format, the matcher and the image bounds: `--config`, else the run.json
@@ -22,7 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from learner.evaluation import Evaluation
+from learner.evaluation.held_out import Evaluation
 from rmsft.jobspec import API_GROUP, API_VERSION, KIND, RolloutMatchingJob, load_job, parse_job
 
 
@@ -50,7 +50,7 @@ def _job(target: Path, data: Path, opts: EvalOptions, checkpoint: Path | None) -
     if opts.config is not None:
         job = load_job(opts.config)
     elif checkpoint is not None:
-        from learner.export import job_for_checkpoint
+        from learner.train.export import job_for_checkpoint
 
         job = job_for_checkpoint(checkpoint)
     else:
@@ -80,14 +80,14 @@ def run_eval(target: str | Path, data: str | Path, opts: EvalOptions, console: C
     target, data = Path(target), Path(data)
     checkpoint = None
     if not _is_model_folder(target):
-        from learner.export import resolve_checkpoint
+        from learner.train.export import resolve_checkpoint
 
         checkpoint = resolve_checkpoint(target)  # ExportError when it is neither
     job = _job(target, data, opts, checkpoint)
     with tempfile.TemporaryDirectory(prefix="rmsft-eval-") as tmp:
         model_dir = target
         if checkpoint is not None:
-            from learner.export import export_checkpoint
+            from learner.train.export import export_checkpoint
 
             model_dir = Path(tmp) / "model"
             with console.status(f"exporting {checkpoint} (merged weights) to a temporary folder"):
@@ -98,12 +98,12 @@ def run_eval(target: str | Path, data: str | Path, opts: EvalOptions, console: C
 
 def _evaluate_model(job: RolloutMatchingJob, data: Path, opts: EvalOptions, console: Console) -> Evaluation:
     from learner.core.vocab import VocabView
-    from learner.data import load_dataset
-    from learner.evaluation import EvalSetup, evaluate
+    from learner.data.dataset import load_dataset
+    from learner.evaluation.held_out import EvalSetup, evaluate
     from learner.local import start_servers
-    from learner.rollout_client import RolloutClient
-    from learner.servers import ServerPool
-    from learner.train_config import core_configs
+    from learner.rollouts.client import RolloutClient
+    from learner.rollouts.pool import ServerPool
+    from learner.train.config import core_configs
     from rmsft.model_folder import is_vision_language
 
     cfg, vision = job.spec.training, job.spec.model.vision
@@ -113,8 +113,8 @@ def _evaluate_model(job: RolloutMatchingJob, data: Path, opts: EvalOptions, cons
     core = core_configs(cfg)
     processor = None
     if is_vision_language(model_dir):
-        from learner.episode import vision_token_ids
-        from learner.model import load_processor
+        from learner.data.episode import vision_token_ids
+        from learner.train.policy import load_processor
 
         processor = load_processor(model_dir, vision)
         tokenizer = processor.tokenizer
@@ -126,7 +126,7 @@ def _evaluate_model(job: RolloutMatchingJob, data: Path, opts: EvalOptions, cons
     vocab = VocabView.from_hf_tokenizer(tokenizer, coord_tokens=cfg.format == "coordexp")
     size = None
     if core.fmt.needs_image_size:
-        from learner.vision import resized_image_size
+        from learner.data.vision import resized_image_size
 
         def size(rec):  # noqa: ANN001, ANN202 - a record of `records`
             imgs = images.load(rec)
@@ -161,7 +161,7 @@ def _report(ev: Evaluation, images: Any, opts: EvalOptions, console: Console) ->
     if opts.out is None:
         return
     opts.out.mkdir(parents=True, exist_ok=True)
-    from learner.draw import save_rollout_pictures
+    from learner.evaluation.draw import save_rollout_pictures
 
     paths = save_rollout_pictures(ev.pictures(images, opts.pictures), opts.out / "pictures")
     doc = {"records": len(ev.records), "iou": ev.iou, "figures": ev.scalars(),

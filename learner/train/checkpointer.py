@@ -1,4 +1,4 @@
-"""The training loop's train state and its checkpointer, composed into `learner.trainer.Trainer`.
+"""The training loop's train state and its checkpointer, composed into `learner.train.trainer.Trainer`.
 
 `TrainState` is what the loop advances (step, weight version, time by phase). The `Checkpointer`
 saves and restores it with the model, the optimizer (through the step strategy) and the packer's
@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from learner.checkpoint import list_checkpoints, rng_state, save_checkpoint, set_rng_state, trainable_state
 from learner.core.packing import Packer
-from learner.distributed import Ranks
-from learner.step import PlainStep, ZeroStep, gathered_weights
+from learner.train.checkpoint_files import list_checkpoints, rng_state, save_checkpoint, set_rng_state, trainable_state
+from learner.train.ranks import Ranks
+from learner.train.step import PlainStep, ZeroStep, gathered_weights
 from rmsft.jobspec import TrainingConfig
 
 log = logging.getLogger("rmsft.learner")

@@ -2,7 +2,7 @@
 
 No I/O: the training loop hands in the completions it got from the servers.
 
-The output format (`training.format`, `learner.train_config.CoreConfigs.fmt`) is a keyword argument
+The output format (`training.format`, `learner.train.config.CoreConfigs.fmt`) is a keyword argument
 everywhere it matters, COORDEXP by default. A format in resized-image pixels (qwen_json with
 `coordinates: pixels`) is bound per record to the size the processor resized that record's image to
 (`image_sizes`); bins stay relative to the image, so `predicted_detections` needs no format.
@@ -21,8 +21,8 @@ from learner.core.match import MatchConfig, match
 from learner.core.parse import ParsedRollout, parse
 from learner.core.targets import PromptMismatchError, Segment, TargetConfig, build_targets
 from learner.core.vocab import VocabView
-from learner.data import Record
-from learner.rollout_types import RolloutRequest
+from learner.data.records import Record
+from learner.rollouts.requests import RolloutRequest
 
 
 @dataclass

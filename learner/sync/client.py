@@ -11,7 +11,7 @@ on and ADAPTER was rejected) and is fenced (its old version still serves, and no
 it until it is current). A server that is unreachable is marked down and left out: the rollout
 client re-syncs it (`resync_server`) before it gets work again.
 
-FULL is a stream: its header comes from the model's metadata, then `learner.weight_export.full_export`
+FULL is a stream: its header comes from the model's metadata, then `learner.sync.weights.full_export`
 merges one LoRA layer at a time as the frames are sent, in the servers' serving dtype, so a sync
 holds one layer's worth of extra memory on the training device, not a merged copy of the model.
 """
@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Any, Literal
 import grpc
 from rmsft_protos import rollout_pb2
 
-from learner.metrics import WEIGHT_SYNC_BYTES, WEIGHT_VERSION
-from learner.servers import RolloutServer, ServerPool
-from learner.weight_export import (
+from learner.rollouts.pool import RolloutServer, ServerPool
+from learner.sync.weights import (
     adapter_named_tensors,
     adapter_unsupported_reason,
     full_export,
     serving_dtype,
 )
+from learner.tracking.metrics import WEIGHT_SYNC_BYTES, WEIGHT_VERSION
 from rmsft.weight_wire import (
     ADAPTER,
     DEFAULT_FRAME_BYTES,

@@ -4,7 +4,7 @@ One step, read top to bottom in `GrpoTrainer.run`:
 
     sample   n completions per prompt with their log-probs, from the pool, fenced (every completion carries the
              learner's weight version; a retry on another server reuses the same per-sample seeds)
-    score    every completion by the job's rewards (`learner.rewards.score_batch` on a thread pool, on the host,
+    score    every completion by the job's rewards (`learner.rewards.scoring.score_batch` on a thread pool, on the host,
              before the device step)
     advantage  group-normalised per prompt (`learner.core.grpo.group_advantages`; an all-equal group gets 0)
     pack     one segment per completion (`grpo_segment`: its sampling log-probs and advantage ride along), every
@@ -41,7 +41,6 @@ from dataclasses import dataclass
 
 import torch
 
-from learner import metrics as m
 from learner.core.grpo import (
     GrpoTokens,
     completion_logprobs,
@@ -51,15 +50,17 @@ from learner.core.grpo import (
     grpo_tokens,
 )
 from learner.core.packing import PackedRow, Packer
-from learner.distributed import share_bounds
-from learner.episode import check_rollout_prompts, rollout_request, vision_safe_response
-from learner.rewards import RewardConfigError, RewardInput, RewardScores, RewardSum, build_rewards, score_batch
-from learner.rollout_client import Rollout
-from learner.servers import ServersFile
-from learner.step_types import GrpoStats, StepResult, Summary
-from learner.train_config import grpo_setup, learning_rate
-from learner.trainer import Trainer
-from learner.vision import patch_size, with_vision
+from learner.data.episode import check_rollout_prompts, rollout_request, vision_safe_response
+from learner.data.vision import patch_size, with_vision
+from learner.rewards.interface import RewardConfigError, RewardInput
+from learner.rewards.scoring import RewardScores, RewardSum, build_rewards, score_batch
+from learner.rollouts.client import Rollout
+from learner.rollouts.pool import ServersFile
+from learner.tracking import metrics as m
+from learner.train.config import grpo_setup, learning_rate
+from learner.train.ranks import share_bounds
+from learner.train.results import GrpoStats, StepResult, Summary
+from learner.train.trainer import Trainer
 from rmsft.jobspec import RolloutMatchingJob
 
 __all__ = ["GrpoTrainer", "build_job_rewards", "trainer_class"]

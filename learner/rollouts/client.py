@@ -25,8 +25,8 @@ from typing import Any
 import grpc
 from rmsft_protos import rollout_pb2
 
-from learner.metrics import PHASE_SECONDS, ROLLOUT_REQUESTS, ROLLOUT_RETRIES
-from learner.rollout_types import (
+from learner.rollouts.pool import NoServerAvailableError, RolloutServer, ServerPool, describe_rpc_error
+from learner.rollouts.requests import (
     FINISH_REASONS,
     AllServersDownError,
     Chunk,
@@ -39,7 +39,7 @@ from learner.rollout_types import (
     sampling_params,
     to_prompt_proto,
 )
-from learner.servers import NoServerAvailableError, RolloutServer, ServerPool, describe_rpc_error
+from learner.tracking.metrics import PHASE_SECONDS, ROLLOUT_REQUESTS, ROLLOUT_RETRIES
 
 __all__ = [
     "AllServersDownError",

@@ -39,7 +39,7 @@ import numpy as np
 # --log-level debug would print them on every evaluation. Its warnings and errors still come through.
 logging.getLogger("faster_coco_eval").setLevel(logging.WARNING)
 
-Detection = tuple[str, str, Sequence[float]]  # (desc, "bbox_2d" | "poly", pixel coordinates), as learner.episode
+Detection = tuple[str, str, Sequence[float]]  # (desc, "bbox_2d" | "poly", pixel coordinates), as learner.data.episode
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def order_score(index: int) -> float:
 
 
 def boxes_from_detections(detections: Sequence[Detection], *, rank_by_order: bool = True) -> list[Box]:
-    """`(desc, kind, coords)` objects (what `learner.episode.predicted_detections` and
+    """`(desc, kind, coords)` objects (what `learner.data.episode.predicted_detections` and
     `ground_truth_detections` give) as boxes; a polygon becomes its enclosing box. With `rank_by_order`
     each gets `order_score(index)`, otherwise 1.0 (ground truth)."""
     out = []

@@ -1,6 +1,6 @@
 """Images of training records: resolve each reference, check them all at load, read each once.
 
-A record's `images` entries may be (see also learner/data.py):
+A record's `images` entries may be (see also learner/data/records.py):
 
 - a relative path, resolved against `spec.training.data.image_root`, or when that is unset against
   the folder of the dataset file;
@@ -37,10 +37,10 @@ from urllib.parse import unquote, urlsplit
 
 from PIL import Image, UnidentifiedImageError
 
-from learner.data import DataError
+from learner.data.records import DataError
 
 if TYPE_CHECKING:
-    from learner.data import Record
+    from learner.data.records import Record
 
 MAX_LISTED_PROBLEMS = 10
 _DATA_URI_SHOWN = 48  # characters of a data URI quoted in messages; the payload can be megabytes

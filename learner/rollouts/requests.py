@@ -9,7 +9,7 @@ from typing import Any
 
 from rmsft_protos import rollout_pb2
 
-from learner.servers import NoServerAvailableError
+from learner.rollouts.pool import NoServerAvailableError
 
 FINISH_REASONS = {v: k.lower() for k, v in rollout_pb2.FinishReason.items()}
 

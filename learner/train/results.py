@@ -1,13 +1,12 @@
-"""What the training loop reports per step and per run, and the data order (pure, resumable)."""
+"""What the training loop reports per step (`StepResult`, with `GrpoStats` for a GRPO step) and per run (`Summary`)."""
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from learner.episode import EpisodeStats
-from learner.rollout_client import Rollout
+from learner.data.episode import EpisodeStats
+from learner.rollouts.client import Rollout
 
 
 @dataclass
@@ -72,23 +71,3 @@ class Summary:
     exported: Path | None = None  # the Hugging Face folder written at the end (training.export)
     rewards: list[float] = field(default_factory=list)  # GRPO: mean reward of each step
 
-
-class DataOrder:
-    """Raw batch k (across epochs) is a pure function of (seed, k): resume needs only k."""
-
-    def __init__(self, n_records: int, batch_size: int, seed: int) -> None:
-        if batch_size > n_records:
-            raise ValueError(f"prompts_per_step ({batch_size}) exceeds the dataset size ({n_records})")
-        self.n, self.bs, self.seed = n_records, batch_size, seed
-        self.per_epoch = n_records // batch_size  # the tail of an epoch is dropped, reshuffled next epoch
-        self._cache: tuple[int, tuple[int, ...]] | None = None
-
-    def batch(self, k: int) -> tuple[int, ...]:
-        if self._cache and self._cache[0] == k:
-            return self._cache[1]  # same object: RolloutBuffer checks identity across M-steps
-        epoch, i = divmod(k, self.per_epoch)
-        order = list(range(self.n))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        out = tuple(order[i * self.bs : (i + 1) * self.bs])
-        self._cache = (k, out)
-        return out
