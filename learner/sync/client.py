@@ -139,7 +139,7 @@ class WeightSyncClient:
         # Resolved now: an unknown dtype or an unreadable checkpoint fails at start, not at step 1.
         self.dtype: torch.dtype | None = serving_dtype(dtype, checkpoint_dir)
         self.name_map = name_map
-        self.changed_only = changed_only  # FULL sends only what training can change (weight_export.changed_keys)
+        self.changed_only = changed_only  # FULL sends only what training can change (learner.sync.weights.changed_keys)
         self.forced_full_reason: str | None = None  # set once the run switched to FULL for good
         # A FULL stream merges/unmerges LoRA layers of the live model while it is sent: one stream
         # at a time, held until its producer has stopped (see _push).
