@@ -71,12 +71,12 @@ sys.stdin.read()  # until the benchmark closes our stdin
 
 
 def _old_full_named_tensors(model: Any, dtype: Any = None) -> list[tuple[str, Any]]:
-    """The FULL export before streaming (learner/weight_export.py up to this change), verbatim in
+    """The FULL export before streaming (learner/sync/weights.py up to this change), verbatim in
     what it allocates: a merged clone of every LoRA-targeted base weight, then the list."""
     import torch
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from learner.weight_export import active_adapter, hf_name
+    from learner.sync.weights import active_adapter, hf_name
 
     def merged_base_weights() -> dict[str, torch.Tensor]:
         out = {}
@@ -140,9 +140,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from peft.tuners.tuners_utils import BaseTunerLayer
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    import learner.sync_client as sync_client
-    from learner.servers import ServerPool
-    from learner.weight_export import full_export
+    import learner.sync.client as sync_client
+    from learner.rollouts.pool import ServerPool
+    from learner.sync.weights import full_export
     from rmsft.weight_wire import TensorSpec, dtype_name
 
     torch.manual_seed(0)

@@ -3,7 +3,7 @@
     python benchmarks/gpu_step.py --hidden 2048 --layers 24 --length 8192 --precision bf16
     python benchmarks/gpu_step.py --device cpu --hidden 256 --layers 2 --length 1024 --steps 2   # smoke run
 
-What runs is the Trainer's own step (`learner.step.make_step` + `Trainer.device_step`'s body:
+What runs is the Trainer's own step (`learner.train.step.make_step` + `Trainer.device_step`'s body:
 rows moved to the device, forward under the precision's autocast, the coordinate + CE losses,
 backward, clipping, AdamW) on one packed row of `--length` tokens made of `--segments` segments,
 a random Qwen2 of the given size (tokenizer with the 1000 coordinate tokens), LoRA or full.
@@ -45,12 +45,12 @@ def main() -> None:
 
     from learner.core.packing import pack
     from learner.core.targets import IGNORE_INDEX, Segment
-    from learner.distributed import Ranks
-    from learner.model import load_policy
-    from learner.step import make_step
-    from learner.train_config import core_configs
+    from learner.train.config import core_configs
+    from learner.train.policy import load_policy
+    from learner.train.ranks import Ranks
+    from learner.train.step import make_step
+    from rmsft.dev.tiny_model import build_tiny_model
     from rmsft.jobspec import TrainingConfig
-    from rmsft.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(Path(tempfile.gettempdir()) / f"rmsft-gpu-step-h{args.hidden}-l{args.layers}",
                                  seed=0, hidden_size=args.hidden, num_layers=args.layers,

@@ -20,7 +20,7 @@ def main() -> None:
     ap.add_argument("--name", default="local_run_grpo")
     args = ap.parse_args()
 
-    from learner.tracking import read_events
+    from learner.tracking.tracker import read_events
 
     scalars, _ = read_events(args.log_dir)
     tags = sorted(t for t in scalars if t.startswith("grpo/"))

@@ -91,7 +91,7 @@ def start_servers(n: int, args: argparse.Namespace) -> tuple[list[subprocess.Pop
 def raw_grpc_time(address: str, reqs: list, args: argparse.Namespace) -> float:
     """The transport floor: the same chunks sent one after the other with a bare stub (prompt protos
     built beforehand, replies not converted), median over the repeats."""
-    from learner.rollout_types import to_prompt_proto
+    from learner.rollouts.requests import to_prompt_proto
 
     prompts = [to_prompt_proto(r) for r in reqs]
     channel = grpc.insecure_channel(address)
@@ -109,7 +109,7 @@ def raw_grpc_time(address: str, reqs: list, args: argparse.Namespace) -> float:
 def sequential_client_time(pool, reqs: list, sampling: dict, args: argparse.Namespace) -> float:
     """The RolloutClient with one call in flight: the same call pattern as the bare loop, so the
     difference is the learner's own code (planning, protos, reassembly, version checks)."""
-    from learner.rollout_client import RolloutClient
+    from learner.rollouts.client import RolloutClient
 
     client = RolloutClient(pool, generate_batch_size=args.batch, max_inflight_per_server=1)
     times = []
@@ -122,8 +122,8 @@ def sequential_client_time(pool, reqs: list, sampling: dict, args: argparse.Name
 
 
 def run(args: argparse.Namespace) -> None:
-    from learner.rollout_client import RolloutClient, RolloutRequest
-    from learner.servers import ServerPool
+    from learner.rollouts.client import RolloutClient, RolloutRequest
+    from learner.rollouts.pool import ServerPool
 
     n = args.prompts
     reqs = [

@@ -23,9 +23,9 @@ import yaml
 
 def heldout_records(job, work: Path, n: int):
     """`n` records of the job's synthetic task rendered with another seed (never trained on)."""
-    from learner.data import load_dataset
+    from learner.data.dataset import load_dataset
     from learner.local import SYNTHETIC_TASK, _annotations
-    from learner.synthetic import write_synthetic_dataset, write_visual_dataset
+    from rmsft.dev.synthetic import write_synthetic_dataset, write_visual_dataset
 
     path = work / "heldout.jsonl"
     seed = job.spec.training.seed + 10_000
@@ -48,9 +48,9 @@ def main() -> None:
 
     from rich.console import Console
 
-    from learner.evaluation import evaluate
+    from learner.evaluation.held_out import evaluate
     from learner.local import prepare_inputs, start_servers
-    from learner.trainer import Trainer
+    from learner.train.trainer import Trainer
     from rmsft.jobspec import load_job
 
     console = Console(stderr=True)
@@ -112,8 +112,8 @@ def main() -> None:
     for i, p in enumerate(summary.pictures[:2]):
         shutil.copy(p, out / f"{args.name}-rollout{i}.png")
     if last_eval and held_images is not None:
-        from learner.draw import RolloutPicture, save_rollout_pictures
-        from learner.episode import ground_truth_detections
+        from learner.data.episode import ground_truth_detections
+        from learner.evaluation.draw import RolloutPicture, save_rollout_pictures
 
         step, predictions = last_eval[0]
         items = [

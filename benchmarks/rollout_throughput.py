@@ -52,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rmsft.tiny_model import CLASS_NAMES, build_tiny_model  # noqa: E402
+from rmsft.dev.tiny_model import CLASS_NAMES, build_tiny_model  # noqa: E402
 from rollout_svc.config import ServeConfig  # noqa: E402
 from rollout_svc.launcher import RolloutServer, free_port  # noqa: E402
 from rollout_svc.vllm_engine import _memory_kwargs, scheduler_kwargs  # noqa: E402 - the server's own rules
@@ -246,8 +246,8 @@ def check_settings(name: str, found: dict[str, str], ctx: dict) -> None:
 def run_rmsft(ctx: dict) -> dict:
     from rmsft_protos import rollout_pb2
 
-    from learner.rollout_client import RolloutClient, RolloutRequest
-    from learner.servers import ServerPool
+    from learner.rollouts.client import RolloutClient, RolloutRequest
+    from learner.rollouts.pool import ServerPool
 
     if ctx["logprobs"] and "logprobs" not in rollout_pb2.SamplingParams.DESCRIPTOR.fields_by_name:
         return {"runs": {}, "error": "this rmsft proto has no SamplingParams.logprobs (--logprobs)"}

@@ -39,8 +39,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from learner.servers import ServerPool  # noqa: E402
-from learner.sync_client import WeightSyncClient  # noqa: E402
+from learner.rollouts.pool import ServerPool  # noqa: E402
+from learner.sync.client import WeightSyncClient  # noqa: E402
 from rmsft.weight_wire import DEFAULT_FRAME_BYTES, SHARED_DIR_ENV  # noqa: E402
 from rollout_svc.launcher import RolloutServer  # noqa: E402
 
@@ -52,7 +52,7 @@ def build_model(out: Path, gib: float) -> None:
     """Random Qwen2 with enough layers to reach `gib` GiB of float32 weights."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rmsft.tiny_model import build_tokenizer
+    from rmsft.dev.tiny_model import build_tokenizer
 
     marker = out / "bench.json"
     if marker.exists() and json.loads(marker.read_text()).get("gib") == gib:

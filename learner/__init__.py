@@ -1,1 +1,18 @@
-"""rmsft learner: rollouts -> parse -> match -> targets -> packed training -> weight sync."""
+"""rmsft learner: rollouts -> parse -> match -> targets -> packed training -> weight sync.
+
+One subpackage per idea; each may import only the ones listed under it (tests/test_imports.py checks, with
+every import counted, the lazy ones inside functions too):
+
+    core/        the algorithm, pure (codec, parse, match, targets, packing, losses, grpo)   nothing
+    tracking/    Prometheus metrics, TensorBoard, run.json                                  -
+    rollouts/    the server pool, the servers file, requests and completions, the client    tracking
+    sync/        the weights the servers load, the weight-sync client                       rollouts, tracking
+    data/        records, images, datasets, data order, vision segments, the E-step glue    core, rollouts
+    rewards/     GRPO rewards: interface, built-ins, resolution and scoring                 core, data
+    evaluation/  held-out evaluation, COCO mAP, pictures of answers                         core, data, rollouts
+    train/       both trainer loops, step strategies, ranks, policy, checkpoints, export    all of the above
+    local.py, offline_evaluation.py, gpu_plan.py: `rmsft local` / `rmsft eval`, on top     everything
+
+Every subpackage but core may also import the base (`rmsft` outside `rmsft.cli` and `rmsft.dev`, and
+`rmsft_protos`); only the modules on top import `rmsft.dev` and `rollout_svc`.
+"""

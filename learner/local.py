@@ -42,7 +42,7 @@ from rmsft.logs import ENV as LOG_LEVEL_ENV
 from rmsft.serve_options import serve_options
 
 if TYPE_CHECKING:
-    from learner.step_types import Summary
+    from learner.train.results import Summary
 
 log = logging.getLogger("rmsft.local")
 BUILD_TINY_MODEL = "rmsft.io/build-tiny-model"
@@ -81,11 +81,11 @@ def prepare_inputs(job: RolloutMatchingJob, console: Console) -> None:
     if build and build != "false" and not (model_dir / "config.json").exists():
         with console.status(f"building the tiny model in {model_dir}"):
             if build == "true":
-                from rmsft.tiny_model import build_tiny_model
+                from rmsft.dev.tiny_model import build_tiny_model
 
                 build_tiny_model(model_dir, seed=job.spec.training.seed, coord_tokens=coord_tokens)
             else:
-                from rmsft.tiny_vl import build_tiny_vl_model
+                from rmsft.dev.tiny_vl import build_tiny_vl_model
 
                 try:
                     build_tiny_vl_model(model_dir, arch=build, seed=job.spec.training.seed,
@@ -109,17 +109,17 @@ def prepare_inputs(job: RolloutMatchingJob, console: Console) -> None:
             continue
         n = int(notes[key])
         if task == "visual":
-            from learner.synthetic import write_visual_dataset
+            from rmsft.dev.synthetic import write_visual_dataset
 
             with console.status(f"rendering {n} synthetic {what}images for {data}"):
                 # The instruction asks for the job's own output format (same images and objects either way).
                 write_visual_dataset(data, n=n, seed=data_seed, fmt=job.spec.training.format)
-        elif task == "answer":  # a short-answer task for GRPO (learner.synthetic.CoordAnswerReward)
-            from learner.synthetic import write_answer_dataset
+        elif task == "answer":  # a short-answer task for GRPO (rmsft.dev.synthetic.CoordAnswerReward)
+            from rmsft.dev.synthetic import write_answer_dataset
 
             write_answer_dataset(data, n=n, seed=data_seed)
         else:
-            from learner.synthetic import write_synthetic_dataset
+            from rmsft.dev.synthetic import write_synthetic_dataset
 
             write_synthetic_dataset(data, n=n, seed=data_seed)
         console.print(f"wrote {n} synthetic {what}{task} records to {data}")
@@ -202,7 +202,7 @@ def print_summary(summary, console: Console) -> None:
 def train_in_process(job: RolloutMatchingJob, addresses: list[str], *, auth_token: str, resume: bool,
                      console: Console) -> Summary:
     """The learner in this process, with a progress bar; `job.spec.training.device` says where."""
-    from learner.grpo_trainer import trainer_class
+    from learner.train.grpo_trainer import trainer_class
 
     device = job.spec.training.device
     if device.startswith("cuda"):
@@ -327,7 +327,7 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
     # at its GPU by index through training.device, which the Trainer honours.
     job.spec.training.device = plan.learner_device(job.spec.training.device)
     if job.spec.trainer == "grpo":  # a reward that resolves to nothing fails before any server starts
-        from learner.grpo_trainer import build_job_rewards
+        from learner.train.grpo_trainer import build_job_rewards
 
         build_job_rewards(job)
     prepare_inputs(job, console)

@@ -329,7 +329,7 @@ class FormatOptions(_Learner):
 
 class RewardEntry(_Learner):
     """One GRPO reward: a built-in name (`detection`, `text_match`), an entry point of the group `rmsft.rewards`,
-    or an import path `package.module:callable`; its params, and its weight in the sum (learner/rewards.py)."""
+    or an import path `package.module:callable`; its params, and its weight in the sum (learner/rewards/scoring.py)."""
 
     name: str = Field(..., min_length=1, description="Built-in, entry point of rmsft.rewards, or package.module:attr.")
     weight: float = Field(1.0, allow_inf_nan=False, description="Weight of this reward in the sum.")

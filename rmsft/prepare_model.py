@@ -28,11 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 from rmsft.model_folder import forget_load_options
 from rmsft.output_folder import OutputFolderError, check_output_folder, staged_folder
-from rmsft.tiny_model import COORD_TOKENS, NUM_COORD_BINS
 
 if TYPE_CHECKING:
     import torch
 
+# The coord tokens a CoordExp vocabulary has (the core's `learner.core.codec.coord_token_text`), in bin order;
+# the tiny builders (rmsft.dev) add the same ones.
+NUM_COORD_BINS = 1000
+COORD_TOKENS = [f"<|coord_{k}|>" for k in range(NUM_COORD_BINS)]
 MARKER_FILE = "rmsft_prepare_model.json"
 # The ordered component's radius, as a fraction of the existing rows' spread (root mean square
 # distance from their mean). Small: see `coord_rows`.

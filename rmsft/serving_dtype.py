@@ -3,7 +3,7 @@
 The rollout server serves in `--dtype` (`spec.model.dtype`; `auto` = the checkpoint's dtype), and
 a FULL update carries every floating tensor in that dtype and every other tensor (float8 weights,
 integer buffers) in its checkpoint dtype. The learner casts what it sends by this rule
-(learner/weight_export.py), the server checks what it receives by it (rollout_svc/servicer.py) and
+(learner/sync/weights.py), the server checks what it receives by it (rollout_svc/servicer.py) and
 sizes its staging space by it (rollout_svc/preflight.py). Torch-free: it reads config.json and the
 safetensors headers only.
 """

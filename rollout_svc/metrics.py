@@ -1,5 +1,5 @@
 """Prometheus metrics of the rollout server. Dashboards may only query names defined here,
-in learner/metrics.py or in rmsft_operator/metrics.py (tests/test_dashboards.py checks)."""
+in learner/tracking/metrics.py or in rmsft_operator/metrics.py (tests/test_dashboards.py checks)."""
 
 from prometheus_client import Counter, Gauge, Histogram
 

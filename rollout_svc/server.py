@@ -22,7 +22,7 @@ from rollout_svc.preflight import TERMINATION_LOG, check_shared_dir, check_stagi
 log = logging.getLogger("rollout_svc")
 SERVICE_NAME = "rmsft.v1.RolloutService"
 # Largest message accepted: a Generate call carrying a server's whole share of prompts with their images (the
-# learner cuts chunks at learner.rollout_types.MAX_CHUNK_BYTES), or a weight frame (the servicer refuses frames
+# learner cuts chunks at learner.rollouts.requests.MAX_CHUNK_BYTES), or a weight frame (the servicer refuses frames
 # over --max-frame-bytes itself, with a clear message).
 GENERATE_RECEIVE_BYTES = 64 << 20
 

@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny random Qwen2 + CoordExp tokenizer, built once per session (a few seconds)."""
-    from rmsft.tiny_model import build_tiny_model
+    from rmsft.dev.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
 
@@ -23,7 +23,7 @@ def tiny_tokenizer(tiny_model_dir: Path):
 @pytest.fixture(scope="session", params=["qwen3_vl", "qwen2_5_vl"])
 def tiny_vl_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random vision-language model folder (processor included), once per architecture."""
-    from rmsft.tiny_vl import build_tiny_vl_model
+    from rmsft.dev.tiny_vl import build_tiny_vl_model
     from rmsft.vl_processor import register
 
     register()
@@ -33,7 +33,7 @@ def tiny_vl_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.T
 @pytest.fixture(scope="session")
 def tiny_qwen3_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen3-VL alone (tests that need one vision-language model, not both families)."""
-    from rmsft.tiny_vl import build_tiny_vl_model
+    from rmsft.dev.tiny_vl import build_tiny_vl_model
     from rmsft.vl_processor import register
 
     register()

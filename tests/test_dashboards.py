@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rollout_svc.vllm_metrics import VLLM_METRICS, exposed_series, missing_vllm_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-METRIC_MODULES = ["rollout_svc/metrics.py", "learner/metrics.py", "operator/rmsft_operator/metrics.py"]
+METRIC_MODULES = ["rollout_svc/metrics.py", "learner/tracking/metrics.py", "operator/rmsft_operator/metrics.py"]
 DASHBOARDS = sorted((ROOT / "charts/rmsft/dashboards").glob("*.json"))
 _NAME = re.compile(r"(?<![A-Za-z0-9_:])(rmsft_[A-Za-z0-9_]+|vllm:[A-Za-z0-9_:]+)")
 _KINDS = {"Counter", "Gauge", "Histogram", "Summary", "Info", "Enum"}

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from rmsft.cli import app
+from rmsft.cli.app import app
 from rmsft.logs import ENV, LogLevelError, configure_logging, resolve_level
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rmsft.prepare_model import MARKER_FILE, ORDER_SCALE, PrepareModelError, coord_rows, prepare_model
-from rmsft.tiny_model import COORD_TOKENS, build_tiny_model
-from rmsft.tiny_vl import build_tiny_vl_model
+from rmsft.dev.tiny_model import build_tiny_model
+from rmsft.dev.tiny_vl import build_tiny_vl_model
+from rmsft.prepare_model import COORD_TOKENS, MARKER_FILE, ORDER_SCALE, PrepareModelError, coord_rows, prepare_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,7 +132,7 @@ def test_prepare_vl_model(tmp_path: Path, stock_vl: tuple[str, Path]) -> None:
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
     from learner.core.vocab import VocabView
-    from learner.model import load_processor
+    from learner.train.policy import load_processor
 
     arch, src = stock_vl
     src_files = _digests(src)
@@ -236,7 +236,7 @@ def test_prepare_text_model(tmp_path: Path, stock_text: Path, tied: bool) -> Non
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from learner.core.vocab import VocabView
-    from learner.model import prompt_ids
+    from learner.train.policy import prompt_ids
 
     src = stock_text if tied else _untied_copy(stock_text, tmp_path / "untied")
     dst = tmp_path / "prepared"
@@ -350,7 +350,7 @@ def test_vllm_serves_the_prepared_model_as_transformers_does(tmp_path: Path, sto
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from learner.model import prompt_ids
+    from learner.train.policy import prompt_ids
 
     dst = tmp_path / "prepared"
     prepare_model(stock_text, dst)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rmsft.tiny_model import COORD_TOKENS, build_tiny_model
+from rmsft.dev.tiny_model import build_tiny_model
+from rmsft.prepare_model import COORD_TOKENS
 
 PROMPTS = [
     "Detect every object in the image and answer in JSON.",

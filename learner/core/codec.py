@@ -9,7 +9,7 @@ Public API
     holding coordinate-token text (`<|coord_`), is refused (`check_desc`);
   - a box with reversed corners (x2 < x1 or y2 < y1) is refused: the parser drops it (counted in
     `n_dropped`, never repaired, never matched) and ground truth refuses it at load
-    (learner/data.py). Zero-width/height boxes (x1 == x2) are allowed.
+    (learner/data/records.py). Zero-width/height boxes (x1 == x2) are allowed.
 - `pixel_to_bin(v, size)`, `bin_to_pixel(k, size)`, `DetObject.from_pixels(...)`: grid conversion,
   `round(v / size * 1000)` clamped to 0..999.
 - `OutputFormat`: the interface a format implements (its container, rendering, strict validation

@@ -157,7 +157,7 @@ def _vision_inputs(
         # filling them wrongly would train on wrong positions without any error.
         raise MixedVisionError(
             f"{with_vision} of {len(segments)} segments carry vision inputs (M-RoPE positions): in a "
-            "vision-language row every segment needs them, text-only ones too (learner.vision computes them)"
+            "vision-language row every segment needs them, text-only ones too (learner.data.vision computes them)"
         )
     visions = [s.vision for s in segments]
     mrope = torch.cat([v.mrope_positions.to(torch.long) for v in visions], dim=1)
@@ -240,7 +240,7 @@ class Packer:
             # Refused here, not when a row is packed, so the buffer never holds a row it cannot pack.
             raise MixedVisionError(
                 "segments with and without vision inputs cannot share a packer: a vision-language "
-                "model's segments all need M-RoPE positions (learner.vision computes them)"
+                "model's segments all need M-RoPE positions (learner.data.vision computes them)"
             )
         if len(self._buf) + len(new) > self.packing_buffer:
             raise BufferFullError(

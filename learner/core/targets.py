@@ -13,7 +13,7 @@ Public API
 - `SegmentVision(mrope_positions, pixel_values=None, image_grid_thw=None)`: what a segment of a
   vision-language model carries besides its ids (`Segment.vision`, None for text-only models). The
   core only validates shapes, carries it and concatenates it (packing); the learner computes it
-  (`learner.vision`). Attach it with `dataclasses.replace(segment, vision=...)`.
+  (`learner.data.vision`). Attach it with `dataclasses.replace(segment, vision=...)`.
 
 Y_train = prompt + prefix_ids (the rollout's own) + encode(", " + FN entries + closing bracket) +
 [eos]: for coordexp the FN entries are numbered from max_object_index + 1 and the bracket is `}`;

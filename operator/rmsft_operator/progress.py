@@ -12,7 +12,7 @@ from typing import Any
 
 log = logging.getLogger("rmsft_operator.progress")
 _SERIES = {"step": "rmsft_learner_global_step", "weightVersion": "rmsft_learner_weight_version"}
-# status.evaluation key -> learner gauge (learner/metrics.py). The gauges start at 0: an eval step below 1
+# status.evaluation key -> learner gauge (learner/tracking/metrics.py). The gauges start at 0: an eval step below 1
 # means no evaluation yet, and then there is no status.evaluation at all.
 EVAL_SERIES = {"step": "rmsft_learner_eval_step", "f1": "rmsft_learner_eval_f1",
                "mAP": "rmsft_learner_eval_map", "mAP50": "rmsft_learner_eval_map50"}

@@ -239,7 +239,7 @@ def test_qwen_json_end_to_end(stock_vocab, coordinates):
     cat = _qbox(fmt, "cat", [100, 100, 300, 300] if rel else [64, 48, 192, 144])
     bird = _qbox(fmt, "bird", [800, 50, 900, 150] if rel else [512, 24, 576, 72])
     dog_poly = DetObject("dog", "poly", (500, 500, 700, 500, 600, 700))
-    gt = [cat, fmt.as_written(dog_poly), bird]  # as learner.episode.ground_truth hands it in
+    gt = [cat, fmt.as_written(dog_poly), bird]  # as learner.data.episode.ground_truth hands it in
     assert gt[1] == DetObject("dog", "bbox_2d", (500, 500, 700, 700))
     kitten = _qbox(fmt, "kitten", [110, 100, 300, 310] if rel else [70, 48, 192, 149])
     ghost = _qbox(fmt, "ghost", [0, 900, 20, 999] if rel else [0, 432, 13, 479])

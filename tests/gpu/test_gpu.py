@@ -20,7 +20,7 @@ pytestmark = [
 
 
 def _policy(tiny_model_dir: Path, **training):
-    from learner.model import load_policy
+    from learner.train.policy import load_policy
     from rmsft.jobspec import TrainingConfig
 
     cfg = TrainingConfig.model_validate({"data": {"path": "x.jsonl"}, **training})
@@ -65,7 +65,7 @@ def test_bf16_packed_loss_equals_unpacked_on_cuda(tiny_model_dir: Path) -> None:
 
 
 def test_full_export_reads_from_cuda_and_leaves_no_copy(tiny_model_dir: Path) -> None:
-    from learner.weight_export import full_named_tensors
+    from learner.sync.weights import full_named_tensors
 
     policy, _ = _policy(tiny_model_dir, finetune="lora")
     model = policy.model.to("cuda")
@@ -90,7 +90,7 @@ def test_zero2_two_ranks_on_nccl(tmp_path: Path, tiny_model_dir: Path) -> None:
     from learner_fakes import FakeEngine, FakeServer
     from trainer_fixtures import make_job
 
-    from learner.synthetic import write_synthetic_dataset
+    from rmsft.dev.synthetic import write_synthetic_dataset
 
     data = write_synthetic_dataset(tmp_path / "train.jsonl", n=8, seed=0)
     job = make_job(tiny_model_dir, data, tmp_path / "ckpt", steps=2, deepspeed_stage=2, precision="bf16")

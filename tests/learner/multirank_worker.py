@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from learner.trainer import Trainer
+from learner.train.trainer import Trainer
 from rmsft.jobspec import load_job
 
 

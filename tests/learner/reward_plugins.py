@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from learner.rewards import RewardInput
+from learner.rewards.interface import RewardInput
 
 
 def length_reward(inp: RewardInput) -> float:

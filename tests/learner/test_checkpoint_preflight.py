@@ -13,7 +13,7 @@ import pytest
 import yaml
 from learner_fakes import FakeEngine, FakeServer
 
-from learner.checkpoint import CheckpointDirError, check_checkpoint_dir
+from learner.train.checkpoint_files import CheckpointDirError, check_checkpoint_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,14 +54,14 @@ def _job_doc(model_dir: Path, data: Path, ckpt: Path) -> dict:
 
 @pytest.fixture
 def data_path(tmp_path: Path) -> Path:
-    from learner.synthetic import write_synthetic_dataset
+    from rmsft.dev.synthetic import write_synthetic_dataset
 
     return write_synthetic_dataset(tmp_path / "train.jsonl", n=4, seed=0)
 
 
 def test_trainer_fails_at_start_before_any_server_or_model_work(tiny_model_dir, data_path, tmp_path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    import learner.trainer as trainer_mod
+    import learner.train.trainer as trainer_mod
     from rmsft.jobspec import parse_job
 
     (tmp_path / "file").write_text("")

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from learner.data import DataError, load_records
-from learner.synthetic import write_synthetic_dataset
+from learner.data.records import DataError, load_records
+from rmsft.dev.synthetic import write_synthetic_dataset
 
 
 def _rec(objects: list[dict]) -> str:
@@ -78,7 +78,7 @@ def test_missing_empty_and_duplicate(tmp_path: Path) -> None:
 
 def test_descs_load_as_written_and_reach_the_core_stripped(tmp_path: Path) -> None:
     from learner.core.codec import COORDEXP, QWEN_JSON, DetObject
-    from learner.episode import ground_truth
+    from learner.data.episode import ground_truth
 
     path = tmp_path / "d.jsonl"
     path.write_text(_rec([{"desc": " cat ", "bbox_2d": [1, 2, 3, 4]},

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from learner.detection_metrics import Box, boxes_from_detections, coco_map, order_score
+from learner.evaluation.coco_map import Box, boxes_from_detections, coco_map, order_score
 
 SIZES = [(100, 100), (100, 100)]
 

@@ -1,4 +1,4 @@
-"""learner/draw.py: outlines land on the objects' edges in their colours, and pictures are written."""
+"""learner/evaluation/draw.py: outlines land on the objects' edges in their colours, and pictures are written."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from learner.draw import GT_COLOUR, PRED_COLOUR, RolloutPicture, draw_detections, picture_name, save_rollout_pictures
+from learner.evaluation.draw import (
+    GT_COLOUR,
+    PRED_COLOUR,
+    RolloutPicture,
+    draw_detections,
+    picture_name,
+    save_rollout_pictures,
+)
 
 BG = (120, 120, 120)
 

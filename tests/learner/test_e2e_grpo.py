@@ -15,9 +15,9 @@ import pytest
 import torch
 import yaml
 
-from learner.rollout_client import RolloutClient, RolloutRequest
-from learner.servers import ServerPool
-from learner.synthetic import write_answer_dataset
+from learner.rollouts.client import RolloutClient, RolloutRequest
+from learner.rollouts.pool import ServerPool
+from rmsft.dev.synthetic import write_answer_dataset
 from rmsft.jobspec import parse_job
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -57,12 +57,12 @@ def grpo_job(model_dir: Path, data: Path, ckpt: Path, steps: int):
     t["export"] = {"enabled": False}
     # The widest reward: a few steps of a random model see non-zero advantages.
     t["grpo"].update(group_size=4, temperature=TEMPERATURE, max_tokens=6,
-                     rewards=[{"name": "learner.synthetic:CoordAnswerReward", "params": {"width": 1000}}])
+                     rewards=[{"name": "rmsft.dev.synthetic:CoordAnswerReward", "params": {"width": 1000}}])
     return parse_job(doc)
 
 
 def test_grpo_steps_on_vllm(servers, tiny_model_dir: Path, tmp_path: Path) -> None:
-    from learner.grpo_trainer import GrpoTrainer
+    from learner.train.grpo_trainer import GrpoTrainer
 
     data = write_answer_dataset(tmp_path / "answers.jsonl", n=16, seed=0)
     trainer = GrpoTrainer(grpo_job(tiny_model_dir, data, tmp_path / "ckpt", steps=3), [s.address for s in servers])

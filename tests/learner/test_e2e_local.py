@@ -16,9 +16,9 @@ import pytest
 import torch
 import yaml
 
-from learner.rollout_client import RolloutRequest
-from learner.synthetic import write_synthetic_dataset
-from learner.trainer import Trainer
+from learner.rollouts.client import RolloutRequest
+from learner.train.trainer import Trainer
+from rmsft.dev.synthetic import write_synthetic_dataset
 from rmsft.jobspec import parse_job
 from rmsft.weight_wire import SHARED_DIR_ENV
 
@@ -233,10 +233,10 @@ def test_full_sync_of_tied_embedding_reaches_the_output_head(servers, tiny_model
     and the servers must refresh their output projection too, or rollouts keep the old head."""
     from transformers import AutoModelForCausalLM
 
-    from learner.rollout_client import RolloutClient
-    from learner.servers import ServerPool
-    from learner.sync_client import WeightSyncClient
-    from learner.weight_export import full_named_tensors
+    from learner.rollouts.client import RolloutClient
+    from learner.rollouts.pool import ServerPool
+    from learner.sync.client import WeightSyncClient
+    from learner.sync.weights import full_named_tensors
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()

@@ -17,10 +17,10 @@ import pytest
 import torch
 import yaml
 
-from learner.rollout_client import RolloutRequest
-from learner.synthetic import write_visual_dataset
-from learner.trainer import Trainer
-from learner.vision import mm_token_type_ids
+from learner.data.vision import mm_token_type_ids
+from learner.rollouts.client import RolloutRequest
+from learner.train.trainer import Trainer
+from rmsft.dev.synthetic import write_visual_dataset
 from rmsft.jobspec import parse_job
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -178,7 +178,7 @@ def test_full_mode_20_steps_sends_what_can_change(servers, tiny_qwen3_vl_dir: Pa
         assert tower and not any(p.requires_grad for n, p in trainer.model.named_parameters() if n in tower)
         _run_and_check(trainer, servers, 20)
         assert all(not trainer.pool.status(s).active_adapter for s in trainer.pool.servers)
-        from learner.weight_export import full_export
+        from learner.sync.weights import full_export
 
         names = [n for n, _ in full_export(trainer.model, name_map=trainer.sync_client.name_map,
                                            changed_only=True).specs]

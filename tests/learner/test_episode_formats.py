@@ -11,8 +11,8 @@ from learner.core.codec import COORDEXP, FormatError, QwenJsonFormat
 from learner.core.match import MatchConfig
 from learner.core.targets import IGNORE_INDEX
 from learner.core.vocab import VocabView
-from learner.data import Record
-from learner.episode import build_segments, ground_truth, predicted_detections
+from learner.data.episode import build_segments, ground_truth, predicted_detections
+from learner.data.records import Record
 
 
 def _record(rid: str, objects: list[dict], width: int = 640, height: int = 480) -> Record:
@@ -22,7 +22,7 @@ def _record(rid: str, objects: list[dict], width: int = 640, height: int = 480) 
 
 @pytest.fixture(scope="module")
 def stock_vocab() -> VocabView:
-    from rmsft.tiny_model import build_tokenizer
+    from rmsft.dev.tiny_model import build_tokenizer
 
     return VocabView.from_hf_tokenizer(build_tokenizer(0, coord_tokens=False), coord_tokens=False)
 
@@ -77,7 +77,7 @@ def test_job_spec_format_reaches_the_core() -> None:
     from typing import get_args
 
     from learner.core.codec import FORMAT_NAMES, QWEN_JSON, CoordExpFormat, output_format
-    from learner.train_config import core_configs
+    from learner.train.config import core_configs
     from rmsft.jobspec import FormatOptions, JobSpecError, TrainingConfig, parse_job
 
     assert set(get_args(TrainingConfig.model_fields["format"].annotation)) == set(FORMAT_NAMES)

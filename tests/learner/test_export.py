@@ -24,11 +24,11 @@ import yaml
 from trainer_fixtures import make_job
 
 from learner.core.packing import Packer
-from learner.distributed import Ranks
-from learner.export import EXPORT_INFO_FILE, RUN_FILE, ExportError, export_checkpoint, export_trained
-from learner.model import Policy, load_policy, prompt_ids
-from learner.step import PlainStep
-from learner.trainer_checkpoint import Checkpointer, TrainState
+from learner.train.checkpointer import Checkpointer, TrainState
+from learner.train.export import EXPORT_INFO_FILE, RUN_FILE, ExportError, export_checkpoint, export_trained
+from learner.train.policy import Policy, load_policy, prompt_ids
+from learner.train.ranks import Ranks
+from learner.train.step import PlainStep
 from rmsft.jobspec import JobSpecError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -178,7 +178,7 @@ def _check_merged_export(tmp_path: Path, t: Trained) -> None:
     from transformers import AutoTokenizer
 
     from learner.core.vocab import VocabView
-    from learner.model import load_processor
+    from learner.train.policy import load_processor
 
     policy, vl = t.policy, t.policy.is_vision_language
     eos = policy.tokenizer.eos_token_id

@@ -21,10 +21,10 @@ import torch
 from alloc_tracker import AllocationTracker
 from learner_fakes import FakeEngine, FakeServer
 
-import learner.sync_client as sync_client
-from learner.servers import ServerPool
-from learner.sync_client import WeightSyncClient
-from learner.weight_export import full_export, full_named_tensors
+import learner.sync.client as sync_client
+from learner.rollouts.pool import ServerPool
+from learner.sync.client import WeightSyncClient
+from learner.sync.weights import full_export, full_named_tensors
 
 KIB = 1 << 10
 SLACK = 64 * KIB  # norms, biases and other small tensors that may be alive next to a layer
@@ -190,7 +190,7 @@ def test_a_sync_broken_off_mid_stream_leaves_the_model_alone_once_it_returns(mon
     import grpc
     from peft.tuners.lora import Linear
 
-    from learner.sync_client import WeightSyncError
+    from learner.sync.client import WeightSyncError
 
     model = _model(layers=4)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -245,7 +245,7 @@ def test_local_refuses_a_job_bigger_than_the_machine_before_starting_anything(ma
     assert calls == {"servers": [], "in_process": [], "torchrun": []}
     assert not (tmp_path / "w").exists()
 
-    from rmsft.cli import app
+    from rmsft.cli.app import app
 
     res = CliRunner().invoke(app, ["local", str(job_path), "--work-dir", str(tmp_path / "w")])
     assert res.exit_code == 2 and "Traceback" not in res.output

@@ -15,7 +15,7 @@ import torch
 import yaml
 from test_multirank import _run, _torchrun
 
-from learner.synthetic import write_answer_dataset
+from rmsft.dev.synthetic import write_answer_dataset
 from rmsft.jobspec import parse_job
 
 pytestmark = pytest.mark.slow
@@ -50,7 +50,7 @@ def write_job(path: Path, model_dir: Path, data: Path, ckpt: Path) -> Path:
     t["rollout"].update(request_timeout_s=60, max_tokens=64)  # (< maxModelLen; what held-out answers would use)
     # The widest reward: a few steps of a random model see non-zero advantages.
     t["grpo"].update(group_size=4, temperature=0.7, max_tokens=4,
-                     rewards=[{"name": "learner.synthetic:CoordAnswerReward", "params": {"width": 1000}}])
+                     rewards=[{"name": "rmsft.dev.synthetic:CoordAnswerReward", "params": {"width": 1000}}])
     parse_job(doc)
     path.write_text(yaml.safe_dump(doc))
     return path

@@ -1,7 +1,7 @@
-"""The GRPO trainer (learner/grpo_trainer.py) end to end against real rollout servers without vLLM: the HF
+"""The GRPO trainer (learner/train/grpo_trainer.py) end to end against real rollout servers without vLLM: the HF
 engine behind real gRPC servers on loopback (tests/learner/hf_servers.py), reporting processed log-probs as
 `rmsft serve --logprobs-mode processed` does for a GRPO job. configs/local-tiny-grpo.yaml's task (a
-coordinate-token answer scored by learner.synthetic:CoordAnswerReward), shrunk to seconds."""
+coordinate-token answer scored by rmsft.dev.synthetic:CoordAnswerReward), shrunk to seconds."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ WIDTH = 1000  # the reward's: every coordinate token earns some, so 3 steps of a
 
 @pytest.fixture(scope="module")
 def answers(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from learner.synthetic import write_answer_dataset
+    from rmsft.dev.synthetic import write_answer_dataset
 
     return write_answer_dataset(tmp_path_factory.mktemp("answers") / "answers.jsonl", n=16, seed=0)
 
@@ -48,14 +48,14 @@ def grpo_job(model_dir: Path, data: Path, ckpt: Path, *, steps: int = 3, grpo: d
     t["export"] = {"enabled": False}
     t["rollout"].update(request_timeout_s=30)
     # A temperature other than 1: the learner's and the servers' log-probs only agree when both apply it.
-    wide = [{"name": "learner.synthetic:CoordAnswerReward", "params": {"width": WIDTH}}]
+    wide = [{"name": "rmsft.dev.synthetic:CoordAnswerReward", "params": {"width": WIDTH}}]
     t["grpo"].update({"group_size": N, "temperature": 0.7, "max_tokens": 4, "rewards": wide, **(grpo or {})})
     t.update(training)
     return parse_job(doc)
 
 
 def run(job, addresses: list[str], resume: bool = False):
-    from learner.grpo_trainer import GrpoTrainer
+    from learner.train.grpo_trainer import GrpoTrainer
 
     trainer = GrpoTrainer(job, addresses)
     captured: list[torch.Tensor] = []
@@ -72,12 +72,12 @@ def run(job, addresses: list[str], resume: bool = False):
 
 def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model_dir: Path, answers: Path,
                                                       servers: list[InProcessServer]) -> None:
-    from learner import metrics as m
     from learner.core.grpo import group_advantages
-    from learner.data import load_records
-    from learner.rewards import RewardInput
-    from learner.synthetic import CoordAnswerReward
-    from learner.tracking import read_events
+    from learner.data.records import load_records
+    from learner.rewards.interface import RewardInput
+    from learner.tracking import metrics as m
+    from learner.tracking.tracker import read_events
+    from rmsft.dev.synthetic import CoordAnswerReward
 
     trainer, summary, advantages = run(grpo_job(tiny_model_dir, answers, tmp_path), [s.address for s in servers])
     records = {r.id: r for r in load_records(answers)}
@@ -96,7 +96,7 @@ def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model
                 for r in h.rollouts]  # fmt: skip
         g = h.grpo
         assert g.reward_mean == pytest.approx(sum(want) / len(want))
-        assert g.rewards["learner.synthetic:CoordAnswerReward"] == pytest.approx(g.reward_mean)  # by spec name
+        assert g.rewards["rmsft.dev.synthetic:CoordAnswerReward"] == pytest.approx(g.reward_mean)  # by spec name
         assert torch.allclose(adv, group_advantages(want, N))
         assert torch.allclose(adv.reshape(PROMPTS, N).sum(dim=1), torch.zeros(PROMPTS), atol=1e-5)
         assert (g.completions, g.groups) == (PROMPTS * N, PROMPTS)
@@ -108,7 +108,7 @@ def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model
     scalars, _ = read_events(summary.log_dir)
     assert [v for _, v in scalars["grpo/reward_mean"]] == pytest.approx(summary.rewards)
     assert {"grpo/clip_fraction", "grpo/kl", "grpo/completion_length",
-            "grpo/reward/learner.synthetic:CoordAnswerReward"} <= set(scalars)
+            "grpo/reward/rmsft.dev.synthetic:CoordAnswerReward"} <= set(scalars)
 
 
 def test_kl_to_the_reference_is_zero_until_the_adapters_move(tmp_path: Path, tiny_model_dir: Path, answers: Path,
@@ -151,8 +151,8 @@ def test_raw_log_probs_at_another_temperature_show_in_the_ratio(tmp_path: Path, 
 
 def test_an_unknown_reward_is_refused_before_anything_starts(tmp_path: Path, tiny_model_dir: Path,
                                                              answers: Path) -> None:
-    from learner.grpo_trainer import GrpoTrainer
-    from learner.rewards import UnknownRewardError
+    from learner.rewards.interface import UnknownRewardError
+    from learner.train.grpo_trainer import GrpoTrainer
 
     job = grpo_job(tiny_model_dir, answers, tmp_path, grpo={"rewards": [{"name": "detection"}, {"name": "nope"}]})
     with pytest.raises(UnknownRewardError, match=r"spec\.training\.grpo\.rewards\[1\] \(nope\): unknown reward"):
@@ -160,8 +160,8 @@ def test_an_unknown_reward_is_refused_before_anything_starts(tmp_path: Path, tin
 
 
 def test_spec_trainer_picks_the_learner(tiny_model_dir: Path, answers: Path, tmp_path: Path) -> None:
-    from learner.grpo_trainer import GrpoTrainer, trainer_class
-    from learner.trainer import Trainer
+    from learner.train.grpo_trainer import GrpoTrainer, trainer_class
+    from learner.train.trainer import Trainer
     from rmsft.jobspec import load_job
 
     assert trainer_class(grpo_job(tiny_model_dir, answers, tmp_path)) is GrpoTrainer
@@ -178,7 +178,7 @@ def test_a_whole_grpo_step_runs_on_the_training_device(tmp_path: Path, tiny_mode
     # parameter on `meta`, flagging any op given a tensor off the device and counting host reads.
     from test_placement import DeviceFence
 
-    from learner.grpo_trainer import GrpoTrainer
+    from learner.train.grpo_trainer import GrpoTrainer
 
     kw = {"grpo": {"kl_coef": kl_coef}, "finetune": "lora", "lora": {"r": 8, "alpha": 16}}
     cpu = GrpoTrainer(grpo_job(tiny_model_dir, answers, tmp_path / "cpu", steps=1, **kw), [s.address for s in servers])

@@ -1,4 +1,4 @@
-"""learner/images.py: every reference form resolves, every broken image fails at load with a message
+"""learner/data/images.py: every reference form resolves, every broken image fails at load with a message
 that names the record and the reference, and a record's images are read from disk once."""
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageFile
 
-import learner.images as images_mod
-from learner.data import DataError, Record, load_dataset, load_records
-from learner.images import ImageError, ImageStore, LoadedImage
+import learner.data.images as images_mod
+from learner.data.dataset import load_dataset
+from learner.data.images import ImageError, ImageStore, LoadedImage
+from learner.data.records import DataError, Record, load_records
 
 BIG = 50_000_000
 

@@ -1,4 +1,4 @@
-"""learner.model options: attention kernels keep packed rows isolated, bf16 precision, gradient
+"""learner.train.policy options: attention kernels keep packed rows isolated, bf16 precision, gradient
 checkpointing, and clear refusals for what cannot train here. All on the tiny model, on the CPU."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from learner.core.losses import LossWeights, loss_sums
 from learner.core.packing import PackedRow, pack
 from learner.core.targets import IGNORE_INDEX, Segment
-from learner.model import ModelLoadError, Policy, load_policy, policy_autocast
+from learner.train.policy import ModelLoadError, Policy, load_policy, policy_autocast
 from rmsft.jobspec import TrainingConfig
 
 LENGTHS = (23, 31, 17)  # >= 3 segments of different lengths in one row

@@ -23,7 +23,7 @@ import pytest
 import torch
 import yaml
 
-from learner.synthetic import write_synthetic_dataset
+from rmsft.dev.synthetic import write_synthetic_dataset
 from rmsft.jobspec import parse_job
 
 slow = pytest.mark.slow
@@ -245,7 +245,7 @@ def test_rank0_failure_stops_every_rank(tiny_model_dir, data_path, tmp_path) -> 
 
 
 def test_shares_are_contiguous_balanced_and_cover_the_batch() -> None:
-    from learner.distributed import share_bounds
+    from learner.train.ranks import share_bounds
 
     for n in range(1, 20):
         for ws in range(1, min(n, 6) + 1):
@@ -257,7 +257,7 @@ def test_shares_are_contiguous_balanced_and_cover_the_batch() -> None:
 
 
 def test_single_rank_collectives_are_identity_and_guard_reraises() -> None:
-    from learner.distributed import Ranks
+    from learner.train.ranks import Ranks
 
     ranks = Ranks.single()
     assert (ranks.rank, ranks.world_size, ranks.is_main, ranks.enabled) == (0, 1, True, False)
@@ -267,7 +267,7 @@ def test_single_rank_collectives_are_identity_and_guard_reraises() -> None:
 
 
 def test_unsupported_deepspeed_setups_are_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    from learner.zero import require_deepspeed
+    from learner.train.zero import require_deepspeed
 
     with pytest.raises(RuntimeError, match="deepspeed_stage 4 is not supported"):
         require_deepspeed(4)

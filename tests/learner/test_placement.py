@@ -48,7 +48,7 @@ class DeviceFence(TorchDispatchMode):
 
 @pytest.fixture(scope="module")
 def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from learner.synthetic import write_synthetic_dataset
+    from rmsft.dev.synthetic import write_synthetic_dataset
 
     return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n=8, seed=0)
 
@@ -64,7 +64,7 @@ def server(tiny_model_dir: Path) -> Iterator[FakeServer]:
 def step_inputs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, data_path: Path,
                 server: FakeServer) -> tuple[list[Any], int, int]:
     """Real packed rows of one step (built on the CPU by a CPU trainer) and their target counts."""
-    from learner.trainer import Trainer
+    from learner.train.trainer import Trainer
 
     trainer = Trainer(make_job(tiny_model_dir, data_path, tmp_path_factory.mktemp("ck"), steps=1), [server.address])
     seen: list[tuple[list[Any], int, int]] = []
@@ -85,7 +85,7 @@ def step_inputs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, 
 
 
 def _meta_trainer(tmp_path: Path, tiny_model_dir: Path, data_path: Path, server: FakeServer, **training: Any):
-    from learner.trainer import Trainer
+    from learner.train.trainer import Trainer
 
     return Trainer(make_job(tiny_model_dir, data_path, tmp_path, **training), [server.address], device="meta")
 
@@ -109,7 +109,7 @@ def test_a_whole_step_runs_on_the_training_device(tmp_path: Path, tiny_model_dir
         state = trainer.train_step.optimizer.state
         assert state and all(v.device.type == "meta" for s in state.values() for v in s.values() if v.dim())
         # ...and the FULL export reads the weights where they are (merges included), in the serving dtype
-        from learner.weight_export import full_export
+        from learner.sync.weights import full_export
 
         with fence:
             exported = [(n, t.device.type, t.dtype) for n, t in full_export(trainer.model, dtype=torch.bfloat16)]
@@ -146,7 +146,7 @@ def test_deepspeed_rows_follow_the_engine_device(tmp_path: Path, tiny_model_dir:
     """ZeRO: DeepSpeed places the module itself (cuda:LOCAL_RANK on GPUs); the step's device is the
     engine's, and every row reaches the engine there."""
     pytest.importorskip("deepspeed")
-    from learner.trainer import Trainer
+    from learner.train.trainer import Trainer
 
     rows, ce, coord = step_inputs
     job = make_job(tiny_model_dir, data_path, tmp_path, deepspeed_stage=2, precision="bf16")
@@ -173,7 +173,7 @@ def test_deepspeed_rows_follow_the_engine_device(tmp_path: Path, tiny_model_dir:
 
 
 def test_auto_device_is_the_ranks_gpu_when_cuda_is_there(monkeypatch: pytest.MonkeyPatch) -> None:
-    from learner.step import resolve_device
+    from learner.train.step import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu")

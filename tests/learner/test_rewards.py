@@ -1,6 +1,6 @@
-"""GRPO rewards (learner/rewards.py, learner/reward_builtins.py): hand-computed detection rewards on completions
-parsed by the real parser in both output formats, the format term, text answers, resolution by name (built-in,
-import path, entry point), weighted sums, and batch scoring (order, errors naming reward and record)."""
+"""GRPO rewards (learner/rewards/: interface.py, builtins.py, scoring.py): hand-computed detection rewards on
+completions parsed by the real parser in both output formats, the format term, text answers, resolution by name
+(built-in, import path, entry point), weighted sums, and batch scoring (order, errors naming reward and record)."""
 
 from __future__ import annotations
 
@@ -12,32 +12,22 @@ import pytest
 from learner.core.codec import COORDEXP, QWEN_JSON, QwenJsonFormat
 from learner.core.match import MatchConfig
 from learner.core.vocab import VocabView
-from learner.data import Record
-from learner.reward_builtins import DetectionReward, TextMatchReward, detection_metric, format_score, token_f1
-from learner.rewards import (
-    ENTRY_POINT_GROUP,
-    RewardConfigError,
-    RewardError,
-    RewardInput,
-    RewardSpec,
-    RewardSum,
-    UnknownRewardError,
-    build_rewards,
-    resolve_reward,
-    score_batch,
-)
+from learner.data.records import Record
+from learner.rewards.builtins import DetectionReward, TextMatchReward, detection_metric, format_score, token_f1
+from learner.rewards.interface import RewardConfigError, RewardError, RewardInput, UnknownRewardError
+from learner.rewards.scoring import ENTRY_POINT_GROUP, RewardSpec, RewardSum, build_rewards, resolve_reward, score_batch
 
 
 @pytest.fixture(scope="module")
 def coord_vocab() -> VocabView:
-    from rmsft.tiny_model import build_tokenizer
+    from rmsft.dev.tiny_model import build_tokenizer
 
     return VocabView.from_hf_tokenizer(build_tokenizer(0))
 
 
 @pytest.fixture(scope="module")
 def stock_vocab() -> VocabView:
-    from rmsft.tiny_model import build_tokenizer
+    from rmsft.dev.tiny_model import build_tokenizer
 
     return VocabView.from_hf_tokenizer(build_tokenizer(0, coord_tokens=False), coord_tokens=False)
 
@@ -174,7 +164,7 @@ def test_detection_reward_refuses_bad_params_and_unparsed_input() -> None:
 
 
 class QARecord(Record):
-    """A record with an expected answer (learner.data.Record has no such field yet)."""
+    """A record with an expected answer (learner.data.records.Record has no such field yet)."""
 
     answer: str | list[str]
 

@@ -11,8 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from learner_fakes import FakeEngine, FakeServer, fake_tokens
 
-from learner.metrics import ROLLOUT_RETRIES
-from learner.rollout_client import (
+from learner.rollouts.client import (
     NoServerAvailableError,
     RolloutClient,
     RolloutError,
@@ -20,8 +19,9 @@ from learner.rollout_client import (
     StaleRolloutError,
     plan_chunks,
 )
-from learner.rollout_types import MAX_CHUNK_BYTES
-from learner.servers import ServerPool
+from learner.rollouts.pool import ServerPool
+from learner.rollouts.requests import MAX_CHUNK_BYTES
+from learner.tracking.metrics import ROLLOUT_RETRIES
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from safetensors.numpy import save_file
 
-from learner.run_record import (
+from learner.tracking.run_record import (
     RUN_FILE,
     data_digest,
     job_from_run_record,

@@ -16,8 +16,8 @@ import pytest
 import trainer_fixtures
 from learner_fakes import FakeEngine, FakeServer, chat_renderer, fake_tokens
 
-from learner.rollout_client import RolloutClient, RolloutRequest
-from learner.servers import ServerPool, ServersFile, ServersFileError, parse_server_list
+from learner.rollouts.client import RolloutClient, RolloutRequest
+from learner.rollouts.pool import ServerPool, ServersFile, ServersFileError, parse_server_list
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -181,7 +181,7 @@ def test_sync_reaches_servers_added_beyond_the_pools_first_size(tmp_path: Path, 
     threads grow with the pool, or a sync to the added servers would wait forever."""
     from transformers import AutoModelForCausalLM
 
-    from learner.sync_client import WeightSyncClient
+    from learner.sync.client import WeightSyncClient
 
     s0, s1, s2 = fakes(3)
     f = tmp_path / "servers"
@@ -203,14 +203,14 @@ def make_job(model_dir: Path, data: Path, ckpt: Path, steps: int):
 
 @pytest.fixture(scope="module")
 def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from learner.synthetic import write_synthetic_dataset
+    from rmsft.dev.synthetic import write_synthetic_dataset
 
     return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n=16, seed=0)
 
 
 @pytest.mark.timeout(300)
 def test_trainer_follows_the_pool_scaled_down_then_up(tmp_path: Path, fakes, tiny_model_dir, data_path) -> None:
-    from learner.trainer import Trainer
+    from learner.train.trainer import Trainer
 
     s0, s1 = fakes(2)
     f = tmp_path / "servers"
@@ -248,7 +248,7 @@ def test_trainer_follows_the_pool_scaled_down_then_up(tmp_path: Path, fakes, tin
 
 @pytest.mark.timeout(300)
 def test_trainer_does_not_wait_for_a_server_removed_before_the_run(tmp_path, fakes, tiny_model_dir, data_path):
-    from learner.trainer import Trainer
+    from learner.train.trainer import Trainer
 
     s0, s1 = fakes(2)
     f = tmp_path / "servers"

@@ -17,9 +17,9 @@ import torch
 from hf_servers import InProcessServer
 from learner_fakes import FakeEngine, FakeServer
 
-from learner.servers import ServerPool
-from learner.sync_client import WeightSyncClient, WeightSyncError
-from learner.weight_export import checkpoint_dtype, full_export, serving_dtype
+from learner.rollouts.pool import ServerPool
+from learner.sync.client import WeightSyncClient, WeightSyncError
+from learner.sync.weights import checkpoint_dtype, full_export, serving_dtype
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "up_proj"]
 

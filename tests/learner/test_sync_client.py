@@ -13,11 +13,11 @@ import torch
 from learner_fakes import FakeEngine, FakeServer
 from safetensors.torch import load_file
 
-from learner.metrics import WEIGHT_SYNC_BYTES
-from learner.rollout_client import RolloutClient, RolloutRequest
-from learner.servers import ServerPool
-from learner.sync_client import WeightSyncClient, WeightSyncError
-from learner.weight_export import adapter_named_tensors, full_named_tensors, hf_name
+from learner.rollouts.client import RolloutClient, RolloutRequest
+from learner.rollouts.pool import ServerPool
+from learner.sync.client import WeightSyncClient, WeightSyncError
+from learner.sync.weights import adapter_named_tensors, full_named_tensors, hf_name
+from learner.tracking.metrics import WEIGHT_SYNC_BYTES
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "up_proj"]
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from learner.data import load_records
-from learner.rewards import RewardInput
-from learner.synthetic import CoordAnswerReward, answer_bin, write_answer_dataset
-from rmsft.tiny_model import CLASS_NAMES
+from learner.data.records import load_records
+from learner.rewards.interface import RewardInput
+from rmsft.dev.synthetic import CoordAnswerReward, answer_bin, write_answer_dataset
+from rmsft.dev.tiny_model import CLASS_NAMES
 
 
 def test_answers_spread_the_classes_over_the_grid(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""TensorBoard event files written by `learner.tracking.Tracker` and read back with TensorBoard's reader;
+"""TensorBoard event files written by `learner.tracking.tracker.Tracker` and read back with TensorBoard's reader;
 optional Weights & Biases (a stand-in module: the real one is not installed and never needed)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from learner.draw import draw_detections
-from learner.tracking import Tracker, TrackingError, decode_png, read_events
+from learner.evaluation.draw import draw_detections
+from learner.tracking.tracker import Tracker, TrackingError, decode_png, read_events
 
 
 def _picture() -> Image.Image:

@@ -16,7 +16,7 @@ from trainer_fixtures import make_job
 
 @pytest.fixture(scope="module")
 def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from learner.synthetic import write_synthetic_dataset
+    from rmsft.dev.synthetic import write_synthetic_dataset
 
     return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n=8, seed=0)
 
@@ -31,7 +31,7 @@ def servers(tiny_model_dir: Path) -> Iterator[list[FakeServer]]:
 
 
 def _run(job, addresses: list[str], **kw):
-    from learner.trainer import Trainer
+    from learner.train.trainer import Trainer
 
     trainer = Trainer(job, addresses, **kw)
     try:
@@ -61,7 +61,7 @@ def test_resume_continues_where_the_checkpoint_left(tmp_path: Path, tiny_model_d
     addrs = [s.address for s in servers]
     straight, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "a", steps=3), addrs)
     first, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=2), addrs)
-    from learner.trainer import Trainer
+    from learner.train.trainer import Trainer
 
     resumed = Trainer(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=3), addrs)
     try:
@@ -76,7 +76,7 @@ def test_resume_continues_where_the_checkpoint_left(tmp_path: Path, tiny_model_d
 
 def test_a_server_dying_mid_run_fails_over(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
                                            servers: list[FakeServer]) -> None:
-    from learner.trainer import Trainer
+    from learner.train.trainer import Trainer
 
     job = make_job(tiny_model_dir, data_path, tmp_path, steps=3)
     trainer = Trainer(job, [s.address for s in servers])
@@ -140,7 +140,7 @@ def test_warm_start_trains_on_ground_truth_without_generating(tmp_path: Path, ti
 
 
 def test_learning_rate_schedules() -> None:
-    from learner.train_config import learning_rate
+    from learner.train.config import learning_rate
     from rmsft.jobspec import TrainingConfig
 
     cfg = TrainingConfig(data={"path": "d.jsonl"}, lr=1.0, steps=10, warmup_steps=2, lr_schedule="cosine",

@@ -20,7 +20,7 @@ from PIL import Image
 
 from learner.core.packing import PackedRow, pack
 from learner.core.targets import IGNORE_INDEX, Segment
-from learner.vision import VisionInputError, mm_token_type_ids, mrope_positions, render_prompt, with_vision
+from learner.data.vision import VisionInputError, mm_token_type_ids, mrope_positions, render_prompt, with_vision
 
 # (image sizes, user text, response text): 0, 1 and 2 images, several sizes, one reused.
 SPECS = [

@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from learner.model import load_policy
-from learner.weight_export import checkpoint_name_map, full_export, is_peft_model
+from learner.sync.weights import checkpoint_name_map, full_export, is_peft_model
+from learner.train.policy import load_policy
+from rmsft.dev.tiny_vl import MAX_PIXELS, MIN_PIXELS, PATCH_SIZE
 from rmsft.jobspec import TrainingConfig, VisionSpec
-from rmsft.tiny_vl import MAX_PIXELS, MIN_PIXELS, PATCH_SIZE
 from rollout_svc.engine import checkpoint_table
 
 TARGETS = ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]  # Qwen2.5-VL's vision MLP has the last three

@@ -26,9 +26,9 @@ import torch
 from hf_servers import InProcessServer
 from rmsft_protos import rollout_pb2
 
-import learner.sync_client as sync_client_module
-from learner.servers import ServerPool
-from learner.sync_client import WeightSyncClient, WeightSyncError
+import learner.sync.client as sync_client_module
+from learner.rollouts.pool import ServerPool
+from learner.sync.client import WeightSyncClient, WeightSyncError
 from rmsft.weight_wire import FULL, SharedUpdate, TensorSpec, dtype_name, update_weights_raw
 
 ROOT = Path(__file__).resolve().parents[2]

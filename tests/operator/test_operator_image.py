@@ -18,6 +18,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from setuptools import find_packages
 
 from rmsft.jobspec import ImageSpec, load_job, parse_job
 from rmsft.requirements import job_requirements, learner_requirements, rollout_requirements
@@ -165,8 +166,11 @@ def test_job_requirements_follow_the_spec() -> None:
 
 def test_image_carries_every_python_package() -> None:
     find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
-    tops = {i for i in find["include"] if "." not in i and "*" not in i}
-    dirs = {w for w in find["where"] if w != "."} | {t for t in tops if (ROOT / t).is_dir()}
+    # packages by discovery: setuptools' own finder over the same where/include, each top-level
+    # package mapped to the folder the Dockerfile must copy
+    dirs = {p if where == "." else where for where in find["where"]
+            for p in find_packages(str(ROOT / where), include=find["include"]) if "." not in p}
+    assert {"rmsft", "learner", "rollout_svc", "operator", "protos"} <= dirs
     copied = set(re.findall(r"^COPY\s+(\S+)\s", DOCKERFILE, flags=re.M))
     assert dirs <= copied, dirs - copied
 

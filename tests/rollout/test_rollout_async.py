@@ -18,8 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rmsft_protos import rollout_pb2
 from rollout_svc_helpers import Ref, generate, hf_greedy, hf_model, metric, random_full_weights, scrape, status, update
 
-from learner.rollout_client import RolloutClient, RolloutRequest
-from learner.servers import ServerPool
+from learner.rollouts.client import RolloutClient, RolloutRequest
+from learner.rollouts.pool import ServerPool
 from rmsft.weight_wire import FULL, iter_weight_chunks
 from rollout_svc.launcher import RolloutServer
 from rollout_svc.vllm_metrics import VLLM_METRICS, exposed_series

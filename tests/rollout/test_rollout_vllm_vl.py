@@ -19,8 +19,8 @@ from PIL import Image
 from rmsft_protos import rollout_pb2
 from rollout_svc_helpers import metric, scrape, status, update
 
-from learner.model import load_processor
-from learner.weight_export import checkpoint_name_map, full_named_tensors
+from learner.sync.weights import checkpoint_name_map, full_named_tensors
+from learner.train.policy import load_processor
 from rmsft.jobspec import VisionSpec
 from rmsft.weight_wire import ADAPTER, FULL, iter_weight_chunks
 from rollout_svc.launcher import RolloutServer
@@ -202,7 +202,7 @@ def test_adapter_sync_on_the_language_model(vl_srv, oracle, tmp_path) -> None:
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file
 
-    from learner.model import _language_model_targets
+    from learner.train.policy import _language_model_targets
 
     processor, model = oracle
     v0 = status(vl_srv).weight_version

@@ -1,0 +1,131 @@
+"""Training records: a JSONL file, one detection sample per line, validated on load.
+
+A record::
+
+    {"id": "img-7", "width": 640, "height": 480,
+     "messages": [{"role": "user", "content": "Detect every object ..."}],
+     "images": ["file:///data/img-7.jpg"],                       # optional
+     "objects": [{"desc": "person", "bbox_2d": [10, 20, 110, 220]},
+                 {"desc": "kite", "poly": [5, 5, 60, 5, 30, 40]}]}  # pixel coordinates
+
+A record may also carry `"answer": "..."` (or a list of accepted answers): the expected answer of a
+short-answer task, which GRPO's text rewards score against (learner/rewards/builtins.py).
+
+Bad lines fail the load with the file, the line number and the field at fault; nothing is
+silently skipped. Object rules are the core's (`learner.core.codec.check_desc`, `DetObject`), applied
+here so that a bad object fails at load with its record's line, not later inside a training step: a
+desc blank after stripping or holding coordinate-token text (`<|coord_`), a box with x2 < x1 or
+y2 < y1, a coordinate that is not a finite number. Descs are kept as written; the core strips them.
+
+Image references (`images`), resolved by learner/data/images.py:
+
+- `"img-7.jpg"`, `"sub/img-7.jpg"`: relative to `spec.training.data.image_root`, or when that is
+  unset to the folder holding the dataset file;
+- `"/data/img-7.jpg"` or `"file:///data/img-7.jpg"`: an absolute local path;
+- `"data:image/png;base64,iVBOR..."`: the image bytes inline.
+
+Remote URIs (http://, s3://, ...) are refused. `load_dataset` (learner/data/dataset.py) checks every
+image at load (exists, decodes, at most `spec.model.vision.max_image_pixels`, and for a record with one
+image, the image's size equals the record's `width`/`height`, the frame of its ground truth) and reports
+all problems at once. `load_records` reads the records only (text datasets, and callers that check images later).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from learner.core.codec import check_desc
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class GroundTruthObject(BaseModel):
+    # NaN/inf coordinates would only fail later, in the grid conversion of a training step.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    desc: str = Field(min_length=1)
+    bbox_2d: list[float] | None = None
+    poly: list[float] | None = None
+
+    @field_validator("desc")
+    @classmethod
+    def _desc(cls, v: str) -> str:
+        check_desc(v)  # raises ValueError with the reason; pydantic adds the field's path
+        return v
+
+    @model_validator(mode="after")
+    def _one_geometry(self) -> GroundTruthObject:
+        if (self.bbox_2d is None) == (self.poly is None):
+            raise ValueError("exactly one of bbox_2d or poly is required")
+        if self.bbox_2d is not None:
+            if len(self.bbox_2d) != 4:
+                raise ValueError(f"bbox_2d needs 4 numbers, got {len(self.bbox_2d)}")
+            x1, y1, x2, y2 = self.bbox_2d
+            if x2 < x1 or y2 < y1:
+                raise ValueError(f"bbox_2d {self.bbox_2d} has x2 < x1 or y2 < y1")
+        if self.poly is not None and (len(self.poly) < 6 or len(self.poly) % 2):
+            raise ValueError(f"poly needs an even count >= 6 of numbers, got {len(self.poly)}")
+        return self
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    width: int = Field(gt=0)
+    height: int = Field(gt=0)
+    messages: list[Message] = Field(min_length=1)
+    images: list[str] = Field(default_factory=list)
+    objects: list[GroundTruthObject] = Field(default_factory=list)
+    # A short-answer task's expected answer (several accepted: a list), for GRPO's text rewards (`text_match`).
+    answer: str | list[str] | None = None
+
+
+class DataError(ValueError):
+    """A dataset line that cannot be used; the message names file, line and field."""
+
+
+def _describe(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<record>"
+        parts.append(f"{loc}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def iter_records(path: str | Path) -> Iterator[Record]:
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"dataset {path} does not exist")
+    with path.open() as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                raw = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            try:
+                yield Record.model_validate(raw)
+            except ValidationError as exc:
+                raise DataError(f"{path}:{lineno}: {_describe(exc)}") from None
+
+
+def load_records(path: str | Path) -> list[Record]:
+    records = list(iter_records(path))
+    if not records:
+        raise DataError(f"dataset {path} holds no records")
+    seen: set[str] = set()
+    for r in records:
+        if r.id in seen:
+            raise DataError(f"{path}: duplicate record id {r.id!r}")
+        seen.add(r.id)
+    return records
+

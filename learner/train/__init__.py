@@ -1,0 +1,18 @@
+"""Training: the loops and what they are made of.
+
+- `trainer`: `Trainer`, the rollout-matching loop (rollouts -> targets -> packed rows -> step -> sync).
+- `grpo_trainer`: `GrpoTrainer` on the same pool; `trainer_class(job)` picks the loop for a job.
+- `step`: the step strategy (`PlainStep`, `ZeroStep`), which also owns the device and the autocast.
+- `zero`: DeepSpeed ZeRO-1/2/3.
+- `ranks`: data-parallel ranks (`Ranks`), rank 0's hand-out, failure agreement.
+- `policy`: the model being trained (`load_policy`: HF model, tokenizer, processor, LoRA/DoRA, precision).
+- `config`: the job spec's `training` section as the core's configs; the learning-rate schedule.
+- `checkpoint_files`: a checkpoint folder on disk (written atomically, listed, loaded).
+- `checkpointer`: `TrainState` and the `Checkpointer` that saves and restores it.
+- `results`: what a step and a run report (`StepResult`, `GrpoStats`, `Summary`).
+- `reporting`: where rank 0's figures go (TensorBoard, Prometheus gauges, pictures).
+- `export`: the trained model as a Hugging Face folder (`rmsft export`, `training.export`).
+
+May import every other learner subpackage (tests/test_imports.py); nothing imports it but the modules on
+top (learner/local.py, learner/offline_evaluation.py) and the CLI.
+"""

@@ -1,0 +1,119 @@
+"""The training loop's train state and its checkpointer, composed into `learner.train.trainer.Trainer`.
+
+`TrainState` is what the loop advances (step, weight version, time by phase). The `Checkpointer`
+saves and restores it with the model, the optimizer (through the step strategy) and the packer's
+carry buffer. Rank 0 writes model, optimizer, step and version; every rank's packer carry buffer
+and RNG (and, under DeepSpeed, its ZeRO optimizer partition) are gathered into the same
+`state.pt` as `rank_states`, so one atomic folder holds the whole group's state.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from learner.core.packing import Packer
+from learner.train.checkpoint_files import list_checkpoints, rng_state, save_checkpoint, set_rng_state, trainable_state
+from learner.train.ranks import Ranks
+from learner.train.step import PlainStep, ZeroStep, gathered_weights
+from rmsft.jobspec import TrainingConfig
+
+log = logging.getLogger("rmsft.learner")
+
+
+@dataclass
+class TrainState:
+    """What one training run advances. `version` is the learner's weight version: the one owner of
+    it (the sync client is told which version to push; rollouts must carry it)."""
+
+    step: int = 0
+    version: int = 0
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+
+
+class Checkpointer:
+    def __init__(self, cfg: TrainingConfig, ranks: Ranks, model: torch.nn.Module, step: PlainStep | ZeroStep,
+                 packer: Packer, state: TrainState) -> None:
+        self.cfg, self.ranks, self.model, self.step, self.packer, self.state = cfg, ranks, model, step, packer, state
+
+    def _rank_state(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"packer": self.packer.carry(), "rng": rng_state()}
+        if isinstance(self.step, ZeroStep):  # ZeRO partitions the optimizer: every rank holds its own part
+            out["zero_optimizer"] = self.step.optimizer_state()
+        return out
+
+    def gathered_trainable_state(self) -> dict[str, torch.Tensor]:
+        """The trainable weights as CPU copies, whole under ZeRO-3 too. Collective."""
+        with gathered_weights(self.step, self.model):
+            return {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(self.model).items()}
+
+    def checkpoint(self, model_state: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Rank 0's checkpoint (the single-rank layout plus `world_size` and `rank_states`);
+        `model_state` from `gathered_trainable_state` (whole weights under ZeRO-3 too)."""
+        s = self.state
+        return {
+            "step": s.step, "version": s.version, "model": model_state,
+            "optimizer": self.step.optimizer_state() if isinstance(self.step, PlainStep) else None,
+            "rng": rng_state(), "packer": self.packer.carry(), "phase_seconds": dict(s.phase_seconds),
+            "world_size": self.ranks.world_size, "deepspeed_stage": self.cfg.deepspeed_stage,
+        }  # fmt: skip
+
+    def save(self) -> Path | None:
+        """Collective: every rank's packer carry buffer and RNG (and ZeRO optimizer part) go into
+        the one checkpoint rank 0 writes. Returns its path on rank 0, None elsewhere."""
+        rank_states = self.ranks.gather_to_main(self._rank_state())
+        model_state = self.gathered_trainable_state()
+        path = None
+        with self.ranks.guard("saving the checkpoint (rank 0)"):
+            if self.ranks.is_main:
+                ckpt = self.checkpoint(model_state)
+                ckpt["rank_states"] = rank_states
+                ck = self.cfg.checkpoint
+                path = save_checkpoint(ck.dir, self.state.step, ckpt, keep=ck.keep)
+        return path
+
+    def resume(self) -> bool:
+        """Load the newest checkpoint in training.checkpoint.dir; False when there is none.
+        Collective; every rank reads the folder rank 0 picked (one pod: a shared filesystem)."""
+        name = None
+        with self.ranks.guard("looking for a checkpoint (rank 0)"):
+            if self.ranks.is_main:
+                found = list_checkpoints(self.cfg.checkpoint.dir)
+                name = str(found[-1]) if found else None
+        name = self.ranks.broadcast_from_main(name)
+        if name is None:
+            return False
+        with self.ranks.guard(f"loading checkpoint {name}"):
+            # Our own file: it holds Python objects (packer segments, RNG state), hence weights_only=False.
+            ckpt = torch.load(Path(name) / "state.pt", weights_only=False)
+            self._load(ckpt, name)
+        log.info("resumed from step %d (weight version %d)", self.state.step, self.state.version)
+        return True
+
+    def _load(self, ckpt: dict[str, Any], name: str) -> None:
+        saved_ws, ws = ckpt.get("world_size", 1), self.ranks.world_size
+        if saved_ws != ws:
+            raise RuntimeError(f"checkpoint {name} was written by {saved_ws} learner rank(s), this run has {ws}: "
+                               "resume with the same number of ranks (each rank's carry buffer and RNG are its own)")
+        if ckpt.get("deepspeed_stage", 0) != self.cfg.deepspeed_stage:
+            raise RuntimeError(f"checkpoint {name} was written with deepspeed_stage {ckpt.get('deepspeed_stage', 0)}, "
+                               f"this run uses {self.cfg.deepspeed_stage}")  # fmt: skip
+        missing = set(trainable_state(self.model)) - set(ckpt["model"])
+        if missing:
+            raise RuntimeError(f"checkpoint does not match the model: {len(missing)} trainable tensors missing")
+        with gathered_weights(self.step, self.model, modifier_rank=0):  # ZeRO-3: rank 0's load is re-partitioned
+            self.model.load_state_dict(ckpt["model"], strict=False)
+        rank_states = ckpt.get("rank_states") or [{"packer": ckpt["packer"], "rng": ckpt["rng"]}]
+        mine = rank_states[self.ranks.rank]
+        if isinstance(self.step, PlainStep):
+            self.step.load_optimizer_state([ckpt["optimizer"]])
+        else:
+            self.step.load_optimizer_state([s["zero_optimizer"] for s in rank_states])
+        set_rng_state(mine["rng"])
+        self.packer.restore(mine["packer"])
+        self.state.step, self.state.version = ckpt["step"], ckpt["version"]
+        self.state.phase_seconds = dict(ckpt["phase_seconds"])

@@ -1,0 +1,337 @@
+"""The GRPO trainer (`spec.trainer: grpo`): the second algorithm on the same rollout pool.
+
+One step, read top to bottom in `GrpoTrainer.run`:
+
+    sample   n completions per prompt with their log-probs, from the pool, fenced (every completion carries the
+             learner's weight version; a retry on another server reuses the same per-sample seeds)
+    score    every completion by the job's rewards (`learner.rewards.scoring.score_batch` on a thread pool, on the host,
+             before the device step)
+    advantage  group-normalised per prompt (`learner.core.grpo.group_advantages`; an all-equal group gets 0)
+    pack     one segment per completion (`grpo_segment`: its sampling log-probs and advantage ride along), every
+             segment of the step packed into rows (the packer is drained: nothing is carried to a later version)
+    update   forward, GRPO loss (clipped ratio against the sampling log-probs; the reference policy's log-probs,
+             the adapters disabled, when kl_coef > 0), backward, optimizer
+    sync     the new weights to every server (spec.sync.mode, FULL by default) before the next step samples.
+
+Everything else is the rollout-matching `Trainer`'s, inherited: the server pool, the rollout and weight-sync
+clients, ranks, the step strategy (plain AdamW or ZeRO), checkpoints and resume, run.json, the reporter
+(TensorBoard, Prometheus), held-out evaluation (a detection task) and the export.
+
+Temperature: the servers of a GRPO job report log-probs of the distribution they sampled from (vLLM's
+`logprobs_mode="processed_logprobs"`: after temperature; `rmsft.serve_options` asks for it) and the learner
+divides its logits by the same `training.grpo.temperature` (`GrpoConfig.temperature`), so the importance ratio
+compares one distribution. Top-p, top-k and penalties are refused by the job spec: the learner could not
+reproduce them. With one optimizer step per batch the ratio departs from 1 only by what the engine and the
+learner compute differently (`grpo/ratio_mean` shows it); the clip bounds that gap.
+
+Several ranks: rank 0 samples the whole batch and hands each rank the groups of its contiguous share of prompts
+(whole groups, so advantages need no exchange); each rank scores its own groups; the loss is normalised by
+totals over all ranks (tokens or sequences, counted before the forward), so the step is one process training on
+every completion.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from learner.core.grpo import (
+    GrpoTokens,
+    completion_logprobs,
+    group_advantages,
+    grpo_row_sums,
+    grpo_segment,
+    grpo_tokens,
+)
+from learner.core.packing import PackedRow, Packer
+from learner.data.episode import check_rollout_prompts, rollout_request, vision_safe_response
+from learner.data.vision import patch_size, with_vision
+from learner.rewards.interface import RewardConfigError, RewardInput
+from learner.rewards.scoring import RewardScores, RewardSum, build_rewards, score_batch
+from learner.rollouts.client import Rollout
+from learner.rollouts.pool import ServersFile
+from learner.tracking import metrics as m
+from learner.train.config import grpo_setup, learning_rate
+from learner.train.ranks import share_bounds
+from learner.train.results import GrpoStats, StepResult, Summary
+from learner.train.trainer import Trainer
+from rmsft.jobspec import RolloutMatchingJob
+
+__all__ = ["GrpoTrainer", "build_job_rewards", "trainer_class"]
+
+log = logging.getLogger("rmsft.learner")
+
+# Per-step sums of the device step (normalised by the step's totals, so rows and ranks add up).
+_LOSS_METRICS = ("loss", "clip_fraction", "ratio_mean", "kl")
+
+
+def trainer_class(job: RolloutMatchingJob) -> type[Trainer]:
+    """The learner `spec.trainer` asks for: `Trainer` (rollout-matching SFT) or `GrpoTrainer`."""
+    return GrpoTrainer if job.spec.trainer == "grpo" else Trainer
+
+
+def build_job_rewards(job: RolloutMatchingJob) -> RewardSum:
+    """The weighted sum `spec.training.grpo.rewards` names, resolved now (built-in, entry point, import path);
+    an error names the entry (`spec.training.grpo.rewards[i] (name): ...`)."""
+    specs = [{"name": r.name, "weight": r.weight, "params": dict(r.params)} for r in job.spec.training.grpo.rewards]
+    try:
+        return build_rewards(specs)
+    except RewardConfigError as exc:
+        raise type(exc)(f"spec.training.grpo.{exc}") from exc
+
+
+@dataclass
+class _Groups:
+    """This rank's share of a step's samples: whole groups, prompt by prompt, samples in order."""
+
+    indices: list[int]  # record index of each completion (a prompt's index n times)
+    rollouts: list[Rollout]  # this rank's completions
+    responses: list[list[int]]  # the completion ids trained on (cut before a sampled image token)
+    everything: list[Rollout]  # rank 0: the whole batch's completions; other ranks: their own
+
+
+class GrpoTrainer(Trainer):
+    """The GRPO learner; construction, checkpoints, sync, evaluation and reporting as `Trainer`."""
+
+    def __init__(self, job: RolloutMatchingJob, addresses: Sequence[str] | ServersFile, **kwargs) -> None:
+        if job.spec.trainer != "grpo":
+            raise ValueError(f"GrpoTrainer runs spec.trainer 'grpo' jobs, this one is {job.spec.trainer!r}")
+        self.grpo = grpo_setup(job.spec.training)
+        # Rewards are resolved before anything is paid for (a typo fails now, naming the entry).
+        self.rewards = build_job_rewards(job)
+        self._reward_pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            job.spec.training.grpo.reward_workers, thread_name_prefix="rmsft-reward")
+        super().__init__(job, addresses, **kwargs)
+
+    def _make_packer(self) -> Packer:
+        return Packer(*self.grpo.packing)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self, max_steps: int | None = None) -> Summary:
+        """Train until training.steps (or `max_steps` more steps); returns the summary."""
+        t_start = time.perf_counter()
+        st = self.state
+        target = self._begin(max_steps)  # reporter, run.json, servers ready, first sync
+        ck_every = self.cfg.checkpoint.every
+        while st.step < target:
+            t0 = time.perf_counter()
+            batch = self.order.batch(st.step)
+            groups = self._sample(batch)  # n completions per prompt, all from weight version st.version
+            scores = self._score(groups)  # rewards of every completion, on the host
+            advantages = group_advantages(scores.totals, self.grpo.n, scale=self.grpo.loss.scale_rewards)
+            rows = self._pack(groups, advantages)  # one segment per completion -> packed rows (all of them)
+            totals, n_rows, fill = self._update(rows)  # forward, loss, backward, optimizer
+            st.step += 1
+            result = StepResult(
+                step=st.step, weight_version=st.version, rollouts=groups.everything,
+                record_ids=[self.records[i].id for i in batch], loss=totals["loss"], parts={},
+                stats=None, rows=n_rows, fill=fill, seconds=time.perf_counter() - t0, rank=self.ranks.rank,
+                local_record_ids=[self.records[i].id for i in groups.indices[:: self.grpo.n]],
+                local_rows=len(rows), local_tokens=sum(r.length for r in rows),
+                grpo=self._stats(groups, scores, totals),
+            )  # fmt: skip
+            self.history.append(result)
+            self._publish(result)
+            if st.step < target:
+                self._sync()  # the next step samples from these weights
+            if ck_every and st.step % ck_every == 0:
+                self.save()
+            if self._eval_due(target):
+                self.evaluate_held_out()
+        return self._end(t_start)
+
+    # -- sample ---------------------------------------------------------------------------------
+    def _sample(self, batch: tuple[int, ...]) -> _Groups:
+        """Rank 0 samples the whole batch (n per prompt) and hands each rank the groups of its share of prompts;
+        every rank checks its completions: version, log-probs, and the prompt ids the server rendered."""
+        ranks, n, version = self.ranks, self.grpo.n, self.state.version
+        self._step_prompts.clear()
+        with self._phase("rollout"):
+            everything = None
+            with ranks.guard("sampling completions (rank 0)"):
+                if ranks.is_main:
+                    base = self.cfg.rollout.seed + self.state.step * self.cfg.prompts_per_step
+                    requests = [rollout_request(rec, [img.data for img in self.images.load(rec)], seed=base + j)
+                                for j, rec in enumerate(self.records[i] for i in batch)]  # fmt: skip
+                    # Sample k of prompt j is at j * n + k; the client fences every one to `version`.
+                    everything = self.rollouts.generate(requests, self.grpo.sampling, weight_version=version)
+            if ranks.enabled:
+                shares = None
+                if ranks.is_main:
+                    bounds = [share_bounds(len(batch), ranks.world_size, r) for r in range(ranks.world_size)]
+                    shares = [everything[lo * n : hi * n] for lo, hi in bounds]
+                outs = ranks.scatter_from_main(shares)
+            else:
+                outs = everything
+        lo, hi = ranks.share(len(batch))
+        indices = [i for i in batch[lo:hi] for _ in range(n)]
+        with ranks.guard("checking the sampled completions"):
+            if len(outs) != len(indices):
+                raise RuntimeError(f"rank {ranks.rank} got {len(outs)} completion(s) for {hi - lo} prompt(s) x {n}")
+            stale = [(o.request_id, o.weight_version, o.server) for o in outs if o.weight_version != version]
+            if stale:
+                raise RuntimeError(f"{len(stale)} completion(s) not from the learner's weight version {version} "
+                                   f"(request, version, server): {stale[:3]}")  # fmt: skip
+            bad = [(o.request_id, o.sample_index, o.server) for o in outs
+                   if o.logprobs is None or len(o.logprobs) != len(o.token_ids)]  # fmt: skip
+            if bad:
+                raise RuntimeError(f"{len(bad)} completion(s) came without one log-prob per token (request, sample, "
+                                   f"server): {bad[:3]}; GRPO needs the servers' sampling log-probs")  # fmt: skip
+            check_rollout_prompts([self.records[i] for i in indices], [self._prompt_ids(i) for i in indices], outs,
+                                  self.policy.tokenizer)  # fmt: skip
+            responses = [list(o.token_ids) for o in outs]
+            if self.policy.is_vision_language:  # a sampled image/video token cannot be teacher-forced
+                responses = [vision_safe_response(r, self.vision_token_ids) for r in responses]
+        return _Groups(indices, list(outs), responses, everything if ranks.is_main else list(outs))
+
+    # -- score ----------------------------------------------------------------------------------
+    def _score(self, groups: _Groups) -> RewardScores:
+        """Every completion's rewards, in order. Each is parsed with the run's output format first (a detection
+        reward reads the objects; others ignore them). A failing reward names itself and the record."""
+        tok, vl = self.policy.tokenizer, self.policy.is_vision_language
+        with self._phase("reward"), self.ranks.guard("scoring the completions"):
+            inputs = []
+            for idx, out, resp in zip(groups.indices, groups.rollouts, groups.responses, strict=True):
+                size = None
+                if vl and self.core.fmt.needs_image_size:
+                    size = self._vision_prompt(idx).image_size(patch_size(self.policy.processor))
+                inputs.append(RewardInput.from_completion(
+                    self.records[idx], tok.decode(resp, skip_special_tokens=True), resp,
+                    vocab=self.policy.vocab, fmt=self.core.fmt, image_size=size,
+                    finish_reason=out.finish_reason, sample_index=out.sample_index,
+                ))  # fmt: skip
+            return score_batch(self.rewards, inputs, executor=self._reward_pool)
+
+    # -- pack -----------------------------------------------------------------------------------
+    def _pack(self, groups: _Groups, advantages: torch.Tensor) -> list[PackedRow]:
+        """One segment per completion (prompt unlabelled; its tokens labelled, with their sampling log-probs and
+        the group advantage), every one of them packed into this step's rows."""
+        with self._phase("pack"), self.ranks.guard("packing the completions"):
+            segments = []
+            for j, (idx, out, resp) in enumerate(zip(groups.indices, groups.rollouts, groups.responses, strict=True)):
+                seg = grpo_segment(self._prompt_ids(idx), resp, out.logprobs[: len(resp)], float(advantages[j]),
+                                   meta={"record_id": out.request_id, "sample_index": out.sample_index})
+                if self.policy.is_vision_language:  # pixels and M-RoPE positions for the packed forward
+                    seg = with_vision(self.model, seg, self._vision_prompt(idx))
+                segments.append(seg)
+            self.packer.add(segments)
+            rows = []
+            while (row := self.packer.next_row()) is not None:
+                rows.append(row)
+        m.BUFFER_SEGMENTS.set(self.packer.pending)
+        return rows
+
+    # -- update ---------------------------------------------------------------------------------
+    def _update(self, rows: list[PackedRow]) -> tuple[dict[str, float], int, float]:
+        """One optimizer step on every row of every rank; the loss is normalised by the step's totals over all
+        ranks (completion tokens, or completions for loss_norm sequence). Returns the loss and the loss-side
+        metrics summed over rows and ranks, the number of rows and their mean fill."""
+        tokens = [grpo_tokens(r) for r in rows]  # host reads of the labels, before the rows move
+        n_tokens, n_seqs, n_rows, fill_sum = self.ranks.sum([
+            sum(t.n_tokens for t in tokens), sum(t.n_seqs for t in tokens), len(rows), sum(r.fill for r in rows),
+        ])  # fmt: skip
+        if not n_rows:
+            raise RuntimeError("the step's completions packed into no row")
+        lr = learning_rate(self.cfg, self.state.step)
+        with self.ranks.guard("forward/backward"):
+            sums = self.grpo_device_step(rows, tokens, int(n_tokens), int(n_seqs), lr)
+        # The only host reads of the step: after it, once.
+        total = self.ranks.sum([float(sums[k]) for k in _LOSS_METRICS])
+        return dict(zip(_LOSS_METRICS, total, strict=True)), int(n_rows), fill_sum / n_rows
+
+    def grpo_device_step(self, rows: list[PackedRow], tokens: list[GrpoTokens], total_tokens: int, total_seqs: int,
+                         lr: float) -> dict[str, torch.Tensor]:
+        """Forward/backward of every row on the training device, then the optimizer step. Each row's loss is its
+        share of the step's (normalised by the global totals), so the rows' gradients add up to the pooled
+        loss's. Returns the loss and metrics summed over the rows, as device tensors (no host reads)."""
+        step, cfg = self.train_step, self.grpo.loss
+        sums: dict[str, torch.Tensor] = {}
+        step.begin()
+        for cpu_row, toks in zip(rows, tokens, strict=True):
+            row, toks = cpu_row.to(step.device), toks.to(step.device)
+            ref = self._reference_logprobs(row) if cfg.kl_coef > 0 else None
+            with self._phase("forward"), step.autocast():
+                logits = step.forward(**row.model_inputs()).logits
+                out = grpo_row_sums(logits, row, cfg, ref, toks).finish(cfg, total_tokens, total_seqs)
+            with self._phase("backward"):
+                step.backward(out.loss)
+            for k, v in (("loss", out.loss.detach()), *((k, out.metrics[k]) for k in _LOSS_METRICS[1:])):
+                sums[k] = sums[k] + v if k in sums else v
+            m.TRAINED_TOKENS.inc(row.length)
+        with self._phase("optimizer"):
+            step.finish(len(rows), lr)
+        return sums
+
+    def _reference_logprobs(self, row: PackedRow) -> torch.Tensor:
+        """The reference policy's log-probs of the row's completion tokens: the base weights (LoRA/DoRA adapters
+        disabled; the job spec refuses kl_coef > 0 without LoRA), at the sampling temperature, without grad."""
+        with self._phase("reference"), torch.no_grad(), self.model.disable_adapter(), self.train_step.autocast():
+            logits = self.model(**row.model_inputs()).logits
+            return completion_logprobs(logits, row, self.grpo.loss.temperature)
+
+    # -- reporting ------------------------------------------------------------------------------
+    def _stats(self, groups: _Groups, scores: RewardScores, totals: dict[str, float]) -> GrpoStats:
+        """The step's reward and completion figures over every rank (sums exchanged once)."""
+        n = self.grpo.n
+        r = torch.tensor(scores.totals, dtype=torch.float64).reshape(-1, n)
+        labels = list(scores.per_reward)
+        local = [
+            float(r.sum()), float((r * r).sum()), float(r.numel()), float(r.std(dim=1).sum()), float(r.shape[0]),
+            float((r.amax(dim=1) == r.amin(dim=1)).sum()),
+            float(sum(len(x) for x in groups.responses)),
+            float(sum(o.finish_reason == "length" for o in groups.rollouts)),
+            *(math.fsum(scores.per_reward[k]) for k in labels),
+        ]  # fmt: skip
+        s = self.ranks.sum(local)
+        count, n_groups = max(s[2], 1.0), max(s[4], 1.0)
+        mean = s[0] / count
+        return GrpoStats(
+            reward_mean=mean, reward_std=math.sqrt(max(s[1] / count - mean * mean, 0.0)),
+            group_reward_std=s[3] / n_groups, zero_std_groups=s[5] / n_groups,
+            rewards={k: v / count for k, v in zip(labels, s[8:], strict=True)},
+            clip_fraction=totals["clip_fraction"], ratio_mean=totals["ratio_mean"], kl=totals["kl"],
+            completion_length=s[6] / count, truncated=s[7] / count, completions=int(s[2]), groups=int(s[4]),
+        )  # fmt: skip
+
+    def _publish(self, r: StepResult) -> None:
+        g = r.grpo
+        m.GLOBAL_STEP.set(r.step)
+        m.STEP_SECONDS.observe(r.seconds)
+        m.PACKING_FILL.set(r.fill)
+        m.LOSS.labels("total").set(r.loss)
+        m.REWARD.labels("mean").set(g.reward_mean)
+        m.REWARD.labels("std").set(g.reward_std)
+        m.REWARD.labels("group_std").set(g.group_reward_std)
+        for label, v in g.rewards.items():
+            m.REWARD_PART.labels(label).set(v)
+        m.ZERO_STD_GROUPS.set(g.zero_std_groups)
+        m.CLIP_FRACTION.set(g.clip_fraction)
+        m.GRPO_KL.set(g.kl)
+        m.COMPLETION_LENGTH.set(g.completion_length)
+        if self.ranks.is_main:
+            self.reporter.step(r, self.state.phase_seconds, learning_rate(self.cfg, r.step - 1))
+            log.info(
+                "step %d v%d loss %.4f reward %.3f (std %.3f, flat groups %.2f) clip %.3f ratio %.4f kl %.4f "
+                "len %.1f rows %d fill %.3f %.2fs",
+                r.step, r.weight_version, r.loss, g.reward_mean, g.reward_std, g.zero_std_groups, g.clip_fraction,
+                g.ratio_mean, g.kl, g.completion_length, r.rows, r.fill, r.seconds,
+            )  # fmt: skip
+        if self.on_step:
+            self.on_step(r)
+
+    def summary(self, wall: float) -> Summary:
+        out = super().summary(wall)
+        out.rewards = [h.grpo.reward_mean for h in self.history if h.grpo is not None]
+        return out
+
+    def close(self) -> None:
+        pool, self._reward_pool = getattr(self, "_reward_pool", None), None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        super().close()

@@ -1,0 +1,66 @@
+"""What rank 0 reports about a run besides its one log line per step: TensorBoard scalars per step,
+held-out evaluations (log line, Prometheus gauges, TensorBoard scalars and pictures with boxes drawn).
+
+The trainer decides when; this room only says where each figure goes, so the step loop stays readable.
+Tags: `train/*` (loss and its parts, rollout F1/precision/recall, fill, rows, learning rate, step
+seconds), `grpo/*` (GRPO steps: reward mean/std, each reward, clip fraction, ratio, KL, completion
+length), `time/*` (seconds per phase in the step), `sync/bytes` (bytes streamed to the servers since
+the start), `eval/*` (see `learner.evaluation.held_out.Evaluation.scalars`), images under `eval/<record id>`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from learner.data.images import ImageStore
+from learner.evaluation.draw import draw_detections
+from learner.evaluation.held_out import Evaluation
+from learner.tracking import metrics as m
+from learner.tracking.tracker import Tracker
+from learner.train.results import StepResult
+
+log = logging.getLogger("rmsft.learner")
+
+
+
+class RunReporter:
+    """Rank 0's reports of one run into `tracker` (a no-op tracker when tracking is off)."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
+        self._phases_seen: dict[str, float] = {}
+        self._sync_bytes_at_start = m.counter_total(m.WEIGHT_SYNC_BYTES)
+
+    def step(self, r: StepResult, phase_seconds: Mapping[str, float], lr: float) -> None:
+        values = {"train/loss": r.loss, "train/fill": r.fill, "train/rows": float(r.rows),
+                  "train/step_seconds": r.seconds, "train/lr": lr}
+        values.update({f"train/{k}": v for k, v in r.parts.items()})
+        if r.stats is not None:  # fresh rollouts this step (not an M-step reusing a batch)
+            values.update({"train/f1": r.stats.f1, "train/precision": r.stats.precision,
+                           "train/recall": r.stats.recall, "train/dropped": float(r.stats.dropped),
+                           "train/truncated": float(r.stats.truncated)})
+        if r.grpo is not None:
+            values.update(r.grpo.scalars())
+        # Phase seconds are cumulative in the trainer's state: report this step's share of each.
+        for name, total in phase_seconds.items():
+            values[f"time/{name}"] = total - self._phases_seen.get(name, 0.0)
+        self._phases_seen = dict(phase_seconds)
+        values["sync/bytes"] = m.counter_total(m.WEIGHT_SYNC_BYTES) - self._sync_bytes_at_start
+        self.tracker.scalars(r.step, values)
+
+    def evaluation(self, ev: Evaluation, images: ImageStore | None, pictures: int) -> None:
+        log.info("step %d %s", ev.step, ev.describe())
+        m.EVAL_STEP.set(ev.step)
+        m.EVAL_F1.set(ev.f1)
+        m.EVAL_MAP.set(ev.coco["map"])
+        m.EVAL_MAP50.set(ev.coco["map_50"])
+        self.tracker.scalars(ev.step, ev.scalars())
+        if images is not None and pictures:
+            for item in ev.pictures(images, pictures):
+                self.tracker.image(ev.step, f"eval/{item.record_id}",
+                                   draw_detections(item.image, item.ground_truth, item.predicted, title=item.title))
+        self.tracker.flush()
+
+    def close(self) -> None:
+        self.tracker.close()

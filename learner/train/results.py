@@ -1,0 +1,73 @@
+"""What the training loop reports per step (`StepResult`, with `GrpoStats` for a GRPO step) and per run (`Summary`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from learner.data.episode import EpisodeStats
+from learner.rollouts.client import Rollout
+
+
+@dataclass
+class GrpoStats:
+    """One GRPO step's figures over every rank's completions (the loss-side ones token-weighted like the loss)."""
+
+    reward_mean: float
+    reward_std: float  # over every completion of the step
+    group_reward_std: float  # each group's std (unbiased), averaged over the groups
+    zero_std_groups: float  # share of groups whose rewards were all equal: no signal, zero advantages
+    rewards: dict[str, float]  # each reward of the sum, unweighted, averaged over the completions
+    clip_fraction: float  # completion tokens whose importance ratio was clipped
+    ratio_mean: float  # mean importance ratio (1.0 when the learner and the servers agree)
+    kl: float  # k3 estimate of KL(policy || reference); 0 without kl_coef
+    completion_length: float  # mean completion tokens
+    truncated: float  # share of completions cut by max_tokens
+    completions: int
+    groups: int
+
+    def scalars(self) -> dict[str, float]:
+        out = {f"grpo/{k}": float(v) for k, v in vars(self).items() if k != "rewards"}
+        out.update({f"grpo/reward/{k}": v for k, v in self.rewards.items()})
+        return out
+
+
+@dataclass
+class StepResult:
+    step: int  # 1-based optimizer step just finished
+    weight_version: int  # version the step's rollouts came from
+    # This step's fresh rollouts in input order (empty on M-steps). Rank 0 holds the whole global
+    # batch's; another rank holds its own share.
+    rollouts: list[Rollout]
+    record_ids: list[str]  # global raw batch this step trained on (all ranks)
+    loss: float  # token-level mean over every rank's rows
+    parts: dict[str, float]
+    stats: EpisodeStats | None  # match counts summed over ranks; None on M-steps that reuse a batch
+    rows: int  # packed rows over all ranks
+    fill: float  # mean fill of those rows
+    seconds: float
+    rank: int = 0
+    local_record_ids: list[str] = field(default_factory=list)  # this rank's contiguous share
+    local_rows: int = 0  # rows this rank trained on
+    local_tokens: int = 0
+    grpo: GrpoStats | None = None  # spec.trainer: grpo
+
+
+@dataclass
+class Summary:
+    steps: int
+    first_loss: float
+    last_loss: float
+    losses: list[float]
+    f1: list[float]
+    weight_version: int
+    phase_seconds: dict[str, float]
+    wall_seconds: float
+    retries: int = 0
+    history: list[StepResult] = field(default_factory=list)
+    pictures: list[Path] = field(default_factory=list)  # rollouts drawn on their images (vision-language runs)
+    evaluations: list[tuple[int, float, float]] = field(default_factory=list)  # held-out (step, F1, mAP)
+    log_dir: Path | None = None  # TensorBoard event files (rank 0)
+    exported: Path | None = None  # the Hugging Face folder written at the end (training.export)
+    rewards: list[float] = field(default_factory=list)  # GRPO: mean reward of each step
+

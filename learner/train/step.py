@@ -1,0 +1,154 @@
+"""How one optimizer step is taken: plain torch (gradients all-reduced over ranks) or DeepSpeed ZeRO.
+
+The training loop calls the same four things either way:
+    step.begin() -> step.forward(**inputs) / step.backward(loss) per row -> step.finish(rows, lr)
+and never asks which it has. The step also owns where training runs (`device`) and the numeric
+context of the forward (`autocast`), so the loop writes `.to(step.device)` where rows move.
+
+Nothing here reads a tensor back to the host: a step runs unchanged with its parameters on the
+`meta` device (tests/learner/test_placement.py), which is how placement is proven without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+
+from learner.train import zero
+from learner.train.policy import autocast_context
+from learner.train.ranks import Ranks
+
+
+def resolve_device(setting: str) -> torch.device:
+    """`training.device`: auto = cuda:LOCAL_RANK when CUDA is available (each torchrun rank on its
+    own GPU), else cpu; or an explicit device."""
+    if setting == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+    device = torch.device(setting)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"spec.training.device is {setting!r} but CUDA is not available on this machine")
+    return device
+
+
+class TrainStep(Protocol):
+    device: torch.device
+    params: list[torch.nn.Parameter]
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]: ...
+    def forward(self, **inputs: Any) -> Any: ...
+    def begin(self) -> None: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def finish(self, n_rows: int, lr: float) -> None: ...
+    def optimizer_state(self) -> dict[str, Any]: ...
+    def load_optimizer_state(self, states: list[dict[str, Any]]) -> None: ...
+    def close(self) -> None: ...
+
+
+class PlainStep:
+    """torch AdamW; with several ranks, gradients are summed (all-reduce) before clipping."""
+
+    def __init__(self, model: torch.nn.Module, ranks: Ranks, *, lr: float, weight_decay: float,
+                 max_grad_norm: float, device: torch.device, autocast_dtype: torch.dtype | None = None) -> None:
+        self.model, self.ranks, self.device, self.max_grad_norm = model, ranks, device, max_grad_norm
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self._autocast_dtype = autocast_dtype
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return autocast_context(self.device, self._autocast_dtype)
+
+    def forward(self, **inputs: Any) -> Any:
+        return self.model(**inputs)
+
+    def begin(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def finish(self, n_rows: int, lr: float) -> None:
+        self.ranks.all_reduce_grads(self.params)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        self.optimizer.step()
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, states: list[dict[str, Any]]) -> None:
+        self.optimizer.load_state_dict(states[0])
+
+    def close(self) -> None:
+        """Nothing to release: the optimizer holds no process-group buffers (ZeroStep's engine does)."""
+
+
+class ZeroStep:
+    """DeepSpeed ZeRO-1/2/3 (learner/train/zero.py has why each call is what it is)."""
+
+    def __init__(self, model: torch.nn.Module, ranks: Ranks, *, stage: int, lr: float, weight_decay: float,
+                 max_grad_norm: float, device: torch.device, autocast_dtype: torch.dtype | None = None) -> None:
+        self.ranks, self.device = ranks, device
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        # DeepSpeed moves the module to its own device (cuda:LOCAL_RANK, or the CPU); rows follow it.
+        precision = "bf16" if autocast_dtype == torch.bfloat16 else "fp32"
+        self.engine = zero.deepspeed_engine(model, optimizer, stage, max_grad_norm, precision)
+        self.device = torch.device(self.engine.device) if device.type != "meta" else device
+        self._autocast_dtype = autocast_dtype
+        self._rows = 0
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return autocast_context(self.device, self._autocast_dtype)
+
+    def forward(self, **inputs: Any) -> Any:
+        # Through the engine: ZeRO-3 counts micro-steps in engine.forward (on the bare module every
+        # micro-step's gradients would replace the previous ones).
+        return self.engine(**inputs)
+
+    def begin(self) -> None:
+        self._rows = 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        zero.zero_backward(self.engine, loss, self.ranks.world_size)
+        self._rows += 1
+
+    def finish(self, n_rows: int, lr: float) -> None:
+        zero.pad_micro_steps(self.engine, self._rows, self.ranks)
+        zero.zero_step(self.engine, lr)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self.engine.optimizer.state_dict()
+
+    def load_optimizer_state(self, states: list[dict[str, Any]]) -> None:
+        zero.load_zero_optimizer(self.engine, states)
+
+    def close(self) -> None:
+        if self.engine is not None:  # its optimizer holds buffers tied to the process group
+            self.engine.destroy()
+            self.engine = None
+
+
+def make_step(model: torch.nn.Module, ranks: Ranks, cfg: Any, *, device: torch.device,
+              autocast_dtype: torch.dtype | None = None) -> PlainStep | ZeroStep:
+    """The step strategy `training.deepspeed_stage` asks for, with the model already on `device`."""
+    common = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "max_grad_norm": cfg.max_grad_norm,
+              "device": device, "autocast_dtype": autocast_dtype}
+    if cfg.deepspeed_stage:
+        return ZeroStep(model, ranks, stage=cfg.deepspeed_stage, **common)
+    return PlainStep(model, ranks, **common)
+
+
+@contextlib.contextmanager
+def gathered_weights(step: PlainStep | ZeroStep, model: torch.nn.Module, **kw: Any) -> Iterator[None]:
+    """Whole parameters inside the block (ZeRO-3: collective on every rank; otherwise a no-op)."""
+    with zero.gathered(getattr(step, "engine", None), model, **kw):
+        yield
+
+

@@ -1,0 +1,151 @@
+"""DeepSpeed ZeRO-1/2/3 for the learner (`training.deepspeed_stage`), with the same step semantics
+as the plain loop: the step's loss is the token-level mean over every rank's rows.
+
+Why the details below:
+- DeepSpeed averages gradients over data-parallel ranks; our row losses are already normalised
+  by the global target counts, so each loss is multiplied by the world size (average -> sum).
+- ZeRO-2 reduces gradients from backward hooks, so every rank must run the same number of
+  backward passes: ranks with fewer rows pad with zero-loss passes on a 2-token input, and the
+  accumulation boundary is set by hand (rows per step vary), on a final zero-loss pass.
+- ZeRO keeps fp32 master partitions apart from the module's parameters: a checkpoint restores
+  them from every rank's saved partition (`load_zero_optimizer`), not from the module weights.
+- ZeRO-3 also partitions the parameters: every forward all-gathers them (collective, which the
+  padding passes above keep in step), and whatever reads whole weights (weight export for a sync,
+  checkpoints) runs inside `gathered`, entered by every rank at the same point. A rank-0-only
+  export (re-syncing a restarted server mid-rollout) is impossible then: the sync client refuses
+  it and the server is skipped until the next step's collective sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from learner.train.ranks import Ranks
+
+SUPPORTED_STAGES = (1, 2, 3)
+
+
+def require_deepspeed(stage: int) -> None:
+    """Raise a clear error when `stage` cannot run here."""
+    if stage not in SUPPORTED_STAGES:
+        raise RuntimeError(
+            f"spec.training.deepspeed_stage {stage} is not supported by the learner (supported: "
+            f"{', '.join(map(str, SUPPORTED_STAGES))})"
+        )
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - a broken install raises anything from its import
+        raise RuntimeError(
+            f"spec.training.deepspeed_stage {stage} needs DeepSpeed, which cannot be imported "
+            f"({type(exc).__name__}: {exc}); install it (`pip install --no-build-isolation "
+            f"-c requirements/constraints.txt deepspeed`, so it builds against the installed torch) "
+            "or set deepspeed_stage: 0 "
+            "(plain torch data-parallel all-reduce)"
+        ) from exc
+
+
+def _ensure_group() -> None:
+    """DeepSpeed needs torch.distributed even for one rank: a private one-rank gloo group."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's sanity check wants a launcher's variable
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def precision_section(precision: str) -> dict[str, Any]:
+    """DeepSpeed's precision keys for `training.precision`. Both precisions keep the trainable
+    parameters (and so ZeRO's optimizer partitions) in fp32 and the frozen ones as loaded
+    (learner/train/policy.py); bf16 compute comes from the step's torch autocast (learner/train/step.py). So
+    DeepSpeed's own mixed precision stays off: its `bf16` mode would convert the module to bf16
+    and keep fp32 master copies itself, a second, conflicting answer to the same question."""
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"spec.training.precision {precision!r} is not fp32 or bf16")
+    return {"bf16": {"enabled": False}, "fp16": {"enabled": False}}
+
+
+def deepspeed_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int, max_grad_norm: float,
+                     precision: str = "fp32"):
+    """Wrap `model` and the learner's AdamW in a DeepSpeed engine (ZeRO `stage`)."""
+    require_deepspeed(stage)
+    _ensure_group()
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,  # boundaries are set per step by zero_step
+        "gradient_clipping": max_grad_norm,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        **precision_section(precision),
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
+    return engine
+
+
+def partitions_parameters(engine: Any) -> bool:
+    """True when `engine` shards the parameters themselves (ZeRO-3)."""
+    return engine is not None and engine.zero_optimization_stage() == 3
+
+
+@contextlib.contextmanager
+def gathered(engine: Any, model: torch.nn.Module, *, modifier_rank: int | None = None) -> Iterator[None]:
+    """Whole parameters on every rank inside the block (ZeRO-3; a no-op otherwise). Collective:
+    every rank must enter at the same point. With `modifier_rank`, that rank's in-place changes
+    are kept (broadcast and re-partitioned on exit); without, they are dropped."""
+    if not partitions_parameters(engine):
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=modifier_rank):
+        yield
+
+
+def _zero_loss(engine: Any) -> torch.Tensor:
+    """A loss of exactly 0 whose backward reaches every trainable parameter (fires ZeRO's hooks).
+    Through the engine's forward, which advances ZeRO-3's micro-step count."""
+    device = next(engine.module.parameters()).device
+    ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+    return engine(input_ids=ids, use_cache=False).logits.float().sum() * 0.0
+
+
+def zero_backward(engine: Any, loss: torch.Tensor, world_size: int) -> None:
+    """One micro-step inside an optimizer step (never the boundary)."""
+    engine.set_gradient_accumulation_boundary(False)
+    engine.backward(loss * world_size)
+    engine.step()
+
+
+def pad_micro_steps(engine: Any, n_local: int, ranks: Ranks) -> None:
+    """Zero-loss micro-steps up to the most rows any rank trained this step (ZeRO-2's gradient
+    reduction is collective, so every rank must run as many backward passes)."""
+    most = int(ranks.max([n_local])[0])
+    for _ in range(most - n_local):
+        zero_backward(engine, _zero_loss(engine), ranks.world_size)
+
+
+def zero_step(engine: Any, lr: float) -> None:
+    """The optimizer step (clipping by the global norm included) on a final zero-loss pass."""
+    for g in engine.optimizer.param_groups:
+        g["lr"] = lr
+    engine.set_gradient_accumulation_boundary(True)
+    engine.backward(_zero_loss(engine))
+    engine.step()
+
+
+def load_zero_optimizer(engine: Any, rank_states: Sequence[dict]) -> None:
+    """Restore every rank's optimizer partition and fp32 master weights from a checkpoint."""
+    engine.optimizer.load_state_dict(list(rank_states), load_optimizer_states=True, load_from_fp32_weights=True)

@@ -1,0 +1,318 @@
+"""The `rmsft` command. Heavy imports (torch, vLLM, kopf) happen inside the commands that need them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(help="Rollout-matching SFT for vision-language detection models.", no_args_is_help=True)
+dev_app = typer.Typer(help="Developer tools.", no_args_is_help=True)
+app.add_typer(dev_app, name="dev")
+
+
+@dev_app.command("tiny-model")
+def tiny_model(
+    out_dir: Path = typer.Argument(..., help="Folder to write the tokenizer and weights to."),
+    seed: int = typer.Option(0, help="Seed for the tokenizer corpus and the random weights."),
+    vl: bool = typer.Option(False, "--vl", help="A vision-language model (tiny Qwen-VL with a processor)."),
+    arch: str = typer.Option("qwen3_vl", help="With --vl: qwen3_vl or qwen2_5_vl."),
+    stock: bool = typer.Option(
+        False, "--stock", help="Without the <|coord_k|> tokens, as a stock checkpoint comes (for prepare-model)."
+    ),
+) -> None:
+    """Build a tiny random model with the CoordExp vocabulary (no downloads): a Qwen2 text model, or with
+    --vl a Qwen-VL model whose processor transformers and vLLM both load. --stock leaves the coord tokens out."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    with console.status(f"building tiny {'vision-language ' if vl else ''}model in {out_dir}"):
+        if vl:
+            from rmsft.dev.tiny_vl import build_tiny_vl_model
+
+            try:
+                path = build_tiny_vl_model(out_dir, arch=arch, seed=seed, coord_tokens=not stock)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--arch") from None
+        else:
+            from rmsft.dev.tiny_model import build_tiny_model
+
+            path = build_tiny_model(out_dir, seed=seed, coord_tokens=not stock)
+    console.print(f"[green]tiny {'stock ' if stock else ''}model written to[/green] {path}")
+
+
+@dev_app.command("prepare")
+def dev_prepare(
+    configs: list[Path] = typer.Argument(..., help="Job manifests whose rmsft.io/ annotations say what to build."),
+) -> None:
+    """Build the tiny models and synthetic data that job manifests ask for in their annotations
+    (rmsft.io/build-tiny-model, rmsft.io/synthetic-records, ...), where they are absent: what `rmsft local`
+    does before it starts, without starting anything. The CPU image bakes its cluster jobs' inputs so."""
+    from rich.console import Console
+
+    from learner.local import prepare_inputs
+    from rmsft.jobspec import load_job
+
+    console = Console(stderr=True)
+    for config in configs:
+        try:
+            job = load_job(config)
+            prepare_inputs(job, console)
+        except (OSError, ValueError) as exc:
+            _fail(exc)
+
+
+@app.command(
+    "serve",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+)
+def serve(ctx: typer.Context) -> None:
+    """Run one rollout server (gRPC + vLLM or HF engine). Flags: `rmsft serve --help`."""
+    from rollout_svc.server import main as serve_main
+
+    # The flag set lives in rollout_svc.config (shared with `python -m rollout_svc`).
+    serve_main(list(ctx.args), prog="rmsft serve")
+
+
+def _fail(exc: Exception) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[red]error:[/red] {exc}")
+    raise typer.Exit(2)
+
+
+@app.command("train")
+def train(
+    config: Path = typer.Option(..., "--config", help="RolloutMatchingJob manifest (YAML)."),
+    servers: str = typer.Option(
+        "", envvar="RMSFT_ROLLOUT_SERVERS", show_default=False,
+        help="Comma-separated host:port of the rollout servers, in order (a fixed list).",
+    ),
+    servers_file: Path | None = typer.Option(
+        None, "--servers-file", envvar="RMSFT_ROLLOUT_SERVERS_FILE", show_default=False,
+        help="File with one host:port per line, in order, followed during the run (the operator's "
+        "/etc/rmsft/servers). Give exactly one of --servers and --servers-file.",
+    ),
+    auth_token: str = typer.Option("", envvar="RMSFT_AUTH_TOKEN", help="Shared gRPC auth token.", show_default=False),
+    resume: bool = typer.Option(True, help="Resume from the newest checkpoint in training.checkpoint.dir."),
+    metrics_port: int = typer.Option(
+        -1, envvar="RMSFT_METRICS_PORT", help="Prometheus /metrics port (-1 = spec.learner.metricsPort, 0 = off)."
+    ),
+) -> None:
+    """Run the learner against running rollout servers (what the learner Job runs)."""
+    from learner.data.records import DataError, load_records
+    from learner.rollouts.pool import ServersFile, ServersFileError
+    from rmsft.jobspec import JobSpecError, load_job
+    from rmsft.logs import LogLevelError, configure_logging
+    from rmsft.requirements import MissingRequirementError, require_learner_runtime
+
+    try:
+        configure_logging("info")
+        if bool(servers.strip()) == (servers_file is not None):
+            raise ValueError(
+                "give exactly one of --servers (RMSFT_ROLLOUT_SERVERS) and --servers-file (RMSFT_ROLLOUT_SERVERS_FILE)"
+            )
+        job = load_job(config)  # validate the inputs before paying for torch's import
+        if servers_file is not None:
+            addresses: list[str] | ServersFile = ServersFile(servers_file)
+            addresses.read()  # missing or empty: fail now, naming the file
+        else:
+            addresses = [a.strip() for a in servers.split(",") if a.strip()]
+        # e.g. deepspeed_stage > 0 without DeepSpeed: say so now, not after the model loaded
+        require_learner_runtime(job)
+        load_records(job.spec.training.data.path)
+        from learner.train.grpo_trainer import trainer_class
+
+        port = job.spec.learner.metrics_port if metrics_port < 0 else metrics_port
+        if port and os.environ.get("RANK", "0") == "0":  # one endpoint per learner pod: rank 0's
+            from prometheus_client import start_http_server
+
+            start_http_server(port)
+        # spec.trainer: rollout_matching (learner.train.trainer.Trainer)
+        # or grpo (learner.train.grpo_trainer.GrpoTrainer)
+        trainer = trainer_class(job)(job, addresses, auth_token=auth_token or None)
+    except (JobSpecError, DataError, ServersFileError, LogLevelError, MissingRequirementError, ValueError,
+            RuntimeError, OSError) as exc:
+        _fail(exc)
+    from learner.rollouts.pool import NoServerAvailableError
+    from learner.train.ranks import RankFailedError
+
+    try:
+        if resume:
+            trainer.resume()
+        summary = trainer.run()
+        if os.environ.get("RANK", "0") == "0":
+            _log_summary(summary)
+    except (RankFailedError, NoServerAvailableError) as exc:  # every learner rank exits with the cause
+        _fail(exc)
+    finally:
+        trainer.close()
+
+
+def _log_summary(summary) -> None:
+    """The run's closing lines: what `rmsft local` prints as a table, as log lines."""
+    import logging
+
+    log = logging.getLogger("rmsft.train")
+    log.info("training done: %d steps, loss %.4f -> %.4f, weight version %d, rollout retries %d, %.1fs",
+             summary.steps, summary.first_loss, summary.last_loss, summary.weight_version, summary.retries,
+             summary.wall_seconds)
+    if summary.f1:
+        log.info("rollout F1 %.3f -> %.3f", summary.f1[0], summary.f1[-1])
+    if summary.rewards:
+        log.info("mean reward %.3f -> %.3f", summary.rewards[0], summary.rewards[-1])
+    for step, f1, mean_ap in summary.evaluations:
+        log.info("held-out evaluation at step %d: F1 %.3f mAP %.3f", step, f1, mean_ap)
+    total = sum(summary.phase_seconds.values()) or 1.0
+    log.info("time by phase: %s", ", ".join(f"{k} {v:.1f}s ({100 * v / total:.0f}%)"
+                                             for k, v in sorted(summary.phase_seconds.items(), key=lambda kv: -kv[1])))
+    if summary.exported is not None:
+        log.info("trained model exported to %s", summary.exported)
+
+
+@app.command("local")
+def local(
+    job: Path = typer.Argument(..., help="RolloutMatchingJob manifest (YAML)."),
+    work_dir: Path = typer.Option(Path(".rmsft"), help="Where server logs go."),
+    resume: bool = typer.Option(False, help="Resume from the newest checkpoint in training.checkpoint.dir."),
+) -> None:
+    """Run a whole job on this machine: rollout servers as local processes, the learner in-process."""
+    from learner.data.records import DataError
+    from learner.rewards.interface import RewardConfigError
+    from rmsft.jobspec import JobSpecError
+    from rmsft.logs import LogLevelError, configure_logging
+
+    try:
+        # warning by default: info lines would break up the progress bar
+        configure_logging("warning", fmt="%(name)s %(levelname)s %(message)s")
+        from learner.local import run_local
+
+        run_local(job, work_dir=work_dir, resume=resume)
+    except (JobSpecError, DataError, LogLevelError, RewardConfigError) as exc:
+        _fail(exc)
+
+
+@app.command("prepare-model")
+def prepare_model_cmd(
+    src: Path = typer.Argument(..., help="Stock model folder (Qwen2 / Qwen2.5-VL / Qwen3-VL layout)."),
+    dst: Path = typer.Argument(..., help="Folder to write the CoordExp-ready model to (new or empty)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST when it is not empty."),
+) -> None:
+    """Add the 1000 <|coord_k|> tokens to a stock checkpoint: tokenizer, embedding rows (mean of the existing
+    rows plus a small ordered component), output head, config; writes a complete model folder to DST."""
+    from rich.console import Console
+
+    from rmsft.prepare_model import PrepareModelError, prepare_model
+
+    console = Console(stderr=True)
+    try:
+        with console.status(f"preparing {src} -> {dst}"):
+            summary = prepare_model(src, dst, overwrite=overwrite)
+    except PrepareModelError as exc:
+        _fail(exc)
+    head, *rest = summary.lines()
+    console.print(f"[green]{head}[/green]" if summary.changed else head)
+    for line in rest:
+        console.print(f"  {line}")
+
+
+@app.command("export")
+def export_cmd(
+    checkpoint: Path = typer.Argument(
+        ..., help="Learner checkpoint: <training.checkpoint.dir>/step-<n> (or the dir itself: its newest)."
+    ),
+    out: Path = typer.Argument(..., help="Folder to write the Hugging Face model to (new or empty)."),
+    config: Path | None = typer.Option(
+        None, "--config", show_default=False,
+        help="The job manifest the checkpoint was trained with (default: run.json beside the checkpoint).",
+    ),
+    adapter: bool = typer.Option(False, "--adapter", help="The PEFT adapter alone instead of merged weights."),
+    dtype: str = typer.Option("auto", help="Weights' dtype: auto (the base model's), bfloat16, float16, float32."),
+    base_model: Path | None = typer.Option(
+        None, "--base-model", show_default=False, help="Base model folder, when not at spec.model.path from here."
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT when it is not empty."),
+) -> None:
+    """Write a learner checkpoint as a model folder transformers and vLLM load: LoRA/DoRA merged into the base
+    weights (or, with --adapter, the adapter alone), full fine-tunes whole, with processor/tokenizer."""
+    from rich.console import Console
+
+    from learner.train.export import ExportError, export_checkpoint
+    from learner.train.policy import ModelLoadError
+    from rmsft.jobspec import JobSpecError
+    from rmsft.logs import configure_logging
+
+    console = Console(stderr=True)
+    configure_logging("warning")
+    try:
+        with console.status("exporting") as status:
+            result = export_checkpoint(checkpoint, out, config=config, adapter_only=adapter, dtype=dtype,
+                                       base_model=base_model, overwrite=overwrite, progress=status.update)  # fmt: skip
+    except (ExportError, JobSpecError, ModelLoadError) as exc:
+        _fail(exc)
+    head, *rest = result.lines()
+    console.print(f"[green]{head}[/green]")
+    for line in rest:
+        console.print(f"  {line}")
+
+
+@app.command("eval")
+def eval_cmd(
+    model: Path = typer.Argument(..., help="Model folder, or a learner checkpoint (step-<n> or a checkpoint dir)."),
+    data: Path = typer.Argument(..., help="JSONL of held-out records (the training data's schema)."),
+    config: Path | None = typer.Option(
+        None, "--config", show_default=False,
+        help="Job manifest: output format, matcher, image bounds (default: run.json beside a checkpoint, else "
+        "the defaults).",
+    ),
+    image_root: str | None = typer.Option(None, help="Base folder for the records' relative image paths."),
+    max_samples: int = typer.Option(64, min=1, help="Records evaluated (the file's first N)."),
+    max_tokens: int | None = typer.Option(None, min=1, help="Answer length (default: training.rollout.max_tokens)."),
+    iou: float = typer.Option(0.5, min=0.0, max=1.0, help="IoU threshold of the reported F1."),
+    out: Path | None = typer.Option(None, help="Write eval.json and pictures of the first answers here."),
+    fmt: str | None = typer.Option(None, "--format", help="Override training.format: coordexp or qwen_json."),
+    coordinates: str | None = typer.Option(
+        None, help="Override training.format_options.coordinates (qwen_json): relative or pixels."),
+    work_dir: Path = typer.Option(Path(".rmsft/eval"), help="Where server logs go."),
+) -> None:
+    """Held-out evaluation offline: greedy answers from local rollout servers on MODEL, scored as the trainer
+    scores training.eval (F1 at an IoU threshold, COCO mAP)."""
+    from rich.console import Console
+
+    from learner.data.records import DataError
+    from learner.offline_evaluation import EvalOptions, run_eval
+    from learner.train.export import ExportError
+    from learner.train.policy import ModelLoadError
+    from rmsft.jobspec import JobSpecError
+    from rmsft.logs import configure_logging
+
+    configure_logging("warning")
+    opts = EvalOptions(config=config, image_root=image_root, max_samples=max_samples, max_tokens=max_tokens,
+                       iou=iou, out=out, format=fmt, coordinates=coordinates, work_dir=work_dir)  # fmt: skip
+    try:
+        run_eval(model, data, opts, Console(stderr=True))
+    except (ExportError, JobSpecError, ModelLoadError, DataError, ValueError, RuntimeError, OSError) as exc:
+        _fail(exc)
+
+
+@app.command("operator")
+def operator_cmd(
+    namespace: list[str] = typer.Option([], "--namespace", "-n", help="Namespace to watch (repeatable)."),
+    all_namespaces: bool = typer.Option(False, "--all-namespaces", "-A", help="Watch every namespace."),
+    liveness: str = typer.Option("", help="Liveness endpoint, e.g. http://0.0.0.0:8081/healthz."),
+    verbose: bool = typer.Option(False, help="Debug logging."),
+) -> None:
+    """Run the Kubernetes operator (kopf) that reconciles RolloutMatchingJobs."""
+    from rmsft_operator.__main__ import run
+
+    run(list(namespace), all_namespaces, liveness or None, verbose)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

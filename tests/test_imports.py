@@ -1,0 +1,199 @@
+"""The project's import graph: no import cycle anywhere, and every part imports only the parts below it.
+
+The graph is read from the source with `ast` (nothing is imported): one node per module of rmsft, learner,
+rollout_svc, rmsft_operator and rmsft_protos, one edge per import of another project module.
+
+What counts: every `import` and `from ... import` in a module, wherever it stands: at module level, inside a
+function (a lazy import is still a dependency: it runs when the function does), under `if TYPE_CHECKING:`
+(the annotations depend on it). `from pkg import name` is an edge to the module `pkg.name` when there is one,
+else to `pkg`. What does not count: the packages Python also runs on the way to a module (importing `a.b.c`
+runs `a/__init__.py` and `a/b/__init__.py`); a package whose `__init__` re-exports its modules would
+otherwise always close a circle. A package's own `__init__` imports are edges like any module's.
+
+The layers (docs/architecture.md has the same table): `LAYERS` maps each part to the parts it may import;
+a module belongs to the part with the longest matching name.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {
+    "rmsft": ROOT / "rmsft",
+    "learner": ROOT / "learner",
+    "rollout_svc": ROOT / "rollout_svc",
+    "rmsft_operator": ROOT / "operator" / "rmsft_operator",
+    "rmsft_protos": ROOT / "protos" / "rmsft_protos",
+}
+
+# The base: `rmsft` outside `rmsft.cli` and `rmsft.dev` (the job spec, the weight-update contract, the rules
+# learner and server share), and the generated gRPC stubs. Every part may import it; it imports none of them.
+BASE = {"rmsft", "rmsft_protos"}
+LEARNER_BELOW_TOP = {
+    "learner.core", "learner.tracking", "learner.rollouts", "learner.sync", "learner.data", "learner.rewards",
+    "learner.evaluation", "learner.train",
+}  # fmt: skip
+LAYERS: dict[str, set[str]] = {
+    "rmsft_protos": set(),
+    "rmsft": {"rmsft_protos"},
+    # learner, bottom to top: core <- data <- rewards / evaluation <- train <- the modules on top
+    "learner.core": set(),  # the pure algorithm: nothing of the project
+    "learner.tracking": BASE,
+    "learner.rollouts": BASE | {"learner.tracking"},
+    "learner.sync": BASE | {"learner.rollouts", "learner.tracking"},
+    "learner.data": BASE | {"learner.core", "learner.rollouts"},
+    "learner.rewards": BASE | {"learner.core", "learner.data"},
+    "learner.evaluation": BASE | {"learner.core", "learner.data", "learner.rollouts"},
+    "learner.train": BASE | LEARNER_BELOW_TOP - {"learner.train"},
+    # learner's top-level modules (`rmsft local`, `rmsft eval`, the GPU plan of `rmsft local`)
+    "learner": BASE | LEARNER_BELOW_TOP | {"rmsft.dev", "rollout_svc"},
+    "rmsft.dev": BASE | {"learner.core"},  # tiny models and synthetic tasks: dev builders, not runtime code
+    "rollout_svc": BASE,
+    "rmsft_operator": {"rmsft"},  # the operator image has no grpc: not even rmsft_protos
+    "rmsft.cli": BASE | LEARNER_BELOW_TOP | {"learner", "rmsft.dev", "rollout_svc", "rmsft_operator"},
+}
+# What sits at learner's top level; everything else lives in a subpackage of one idea.
+LEARNER_TOP_MODULES = {"__init__", "local", "offline_evaluation", "gpu_plan"}
+
+
+def _module_name(top: str, path: Path) -> str:
+    parts = [top, *path.relative_to(PACKAGES[top]).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    return {_module_name(top, f): f for top, folder in PACKAGES.items() for f in sorted(folder.rglob("*.py"))}
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The project module an imported name lives in (the longest module prefix), or None outside the project."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(module: str, source: str, modules: dict[str, Path], is_package: bool = False) -> set[str]:
+    """The project modules `module` imports, wherever the import statement stands."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                src = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                src = node.module or ""
+            # `from pkg import name`: the module pkg.name if there is one, else pkg itself
+            names = [f"{src}.{a.name}" if f"{src}.{a.name}" in modules else src for a in node.names]
+        for name in names:
+            target = _resolve(name, modules)
+            if target is not None and target != module:
+                out.add(target)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {m: imports_of(m, f.read_text(), modules, f.name == "__init__.py") for m, f in modules.items()}
+
+
+def layer_of(module: str) -> str:
+    matches = [layer for layer in LAYERS if module == layer or module.startswith(layer + ".")]
+    assert matches, f"{module} belongs to no layer: add it to LAYERS"
+    return max(matches, key=len)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path (first module repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return import_graph()
+
+
+def test_the_graph_sees_every_part_and_every_kind_of_import(graph: dict[str, set[str]]) -> None:
+    for top in PACKAGES:
+        assert top in graph
+    assert "learner.core.packing" in graph["learner.train.trainer"]  # module level
+    assert "learner.train.grpo_trainer" in graph["learner.local"]  # inside a function
+    assert "rmsft.cli.app" in graph["rmsft.cli.__main__"]
+    modules = project_modules()
+    lazy = '''
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:
+    from learner.data.records import Record
+def f():
+    from learner.train import zero
+    import learner.rollouts.client as c
+'''
+    assert imports_of("learner.x", lazy, modules) == {"learner.data.records", "learner.train.zero",
+                                                       "learner.rollouts.client"}  # fmt: skip
+    relative = "from . import codec\nfrom .parse import parse\nfrom .. import local\n"
+    assert imports_of("learner.core.x", relative, modules) == {"learner.core.codec", "learner.core.parse",
+                                                               "learner.local"}  # fmt: skip
+
+
+def test_no_import_cycle_anywhere(graph: dict[str, set[str]]) -> None:
+    assert find_cycle(graph) is None, "import cycle: " + " -> ".join(find_cycle(graph) or [])
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check itself
+
+
+def test_the_layers_form_no_cycle_themselves() -> None:
+    assert find_cycle({k: v - {k} for k, v in LAYERS.items()}) is None
+
+
+def test_every_part_imports_only_the_layers_below_it(graph: dict[str, set[str]]) -> None:
+    bad = sorted(f"{src} ({layer_of(src)}) imports {dst} ({layer_of(dst)})"
+                 for src, targets in graph.items() for dst in targets
+                 if layer_of(dst) != layer_of(src) and layer_of(dst) not in LAYERS[layer_of(src)])  # fmt: skip
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("part", "never"),
+    [
+        ("rmsft", ("learner", "rollout_svc", "rmsft_operator", "rmsft.cli", "rmsft.dev")),  # the base
+        ("rollout_svc", ("learner", "rmsft_operator", "rmsft.cli", "rmsft.dev")),
+        ("rmsft_operator", ("learner", "rollout_svc", "rmsft_protos", "rmsft.cli", "rmsft.dev")),
+        ("learner.core", ("rmsft", "rmsft_protos", "rollout_svc", "rmsft_operator")),
+    ],
+)
+def test_part_never_imports(graph: dict[str, set[str]], part: str, never: tuple[str, ...]) -> None:
+    bad = sorted(f"{src} imports {dst}" for src, targets in graph.items() if layer_of(src) == part
+                 for dst in targets if any(layer_of(dst) == n or layer_of(dst).startswith(n + ".") for n in never)
+                 and layer_of(dst) != part)  # fmt: skip
+    assert not bad, "\n".join(bad)
+
+
+def test_learner_top_level_holds_only_the_modules_on_top() -> None:
+    top = {f.stem for f in (ROOT / "learner").glob("*.py")}
+    assert top == LEARNER_TOP_MODULES, "a new learner module belongs in a subpackage (learner/__init__.py lists them)"
+    for sub in LEARNER_BELOW_TOP:
+        assert (ROOT / sub.replace(".", "/") / "__init__.py").exists(), sub
