@@ -25,6 +25,7 @@ from pathlib import Path
 from host import run
 
 ROOT = Path(__file__).resolve().parents[2]
+WHEELHOUSE_PORT = 38311
 
 
 def _pip_config(key: str) -> str | None:
@@ -37,9 +38,17 @@ def _pip_config(key: str) -> str | None:
 
 @contextlib.contextmanager
 def _serve(folder: Path) -> Iterator[str]:
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
-    handler.log_message = lambda *a, **k: None  # type: ignore[method-assign]
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:  # pip's requests are not worth a line each
+            pass
+
+    handler = functools.partial(Quiet, directory=str(folder))
+    # A fixed port when it is free: the URL is a build arg, and the legacy builder keys every RUN
+    # step's cache on the build args' values (a new port each build would rebuild every layer).
+    try:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", WHEELHOUSE_PORT), handler)
+    except OSError:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

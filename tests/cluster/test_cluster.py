@@ -18,7 +18,7 @@ from cluster import OPERATOR_NS, ROOT, Cluster
 
 DASHBOARDS = ROOT / "charts/rmsft/dashboards"
 NAMESPACES: list[str] = []  # every namespace a test made (the uninstall test checks them all)
-FAULT_STEPS = 120  # long enough for a recreated rollout pod to start, be re-synced and get work
+FAULT_STEPS = 80  # long enough for a recreated rollout pod to start, be re-synced and get work
 
 
 def manifest(config: str, name: str, **training: Any) -> dict[str, Any]:
@@ -96,6 +96,7 @@ def test_text_job_over_grpc_survives_a_deleted_rollout_pod_and_operator(cluster:
     job = "text-grpc"
     doc = manifest("configs/job-kind-cpu.yaml", job, steps=FAULT_STEPS)
     doc["spec"]["sync"]["transport"] = "grpc"
+    doc["spec"]["monitoring"] = {"enabled": True}  # the servers' /metrics (the learner always has one)
     cluster.apply(doc, ns)
     wait_learner_step(cluster, ns, job, 3)
 
@@ -122,8 +123,6 @@ def test_text_job_over_grpc_survives_a_deleted_rollout_pod_and_operator(cluster:
     rollout_metrics = cluster.wait(resynced_and_working, 300, "rollout-1 re-synced and serving", namespace=ns)
     learner = learner_pod(cluster, ns, job)
     assert learner is not None, cluster.diagnostics(ns)
-    learner_metrics = scrape(cluster, ns, learner["metadata"]["name"], "http://127.0.0.1:9090/metrics")
-    assert learner_metrics.get("rmsft_learner_rollout_retries_total", 0) >= 1, learner_metrics
 
     # /metrics of every component, scraped from another pod through the network (the operator
     # through the chart's metrics Service), and the names the dashboards query.
@@ -138,19 +137,22 @@ def test_text_job_over_grpc_survives_a_deleted_rollout_pod_and_operator(cluster:
         assert any(k.startswith(f"rmsft_{component}_") for k in got), (component, sorted(got)[:20])
     seen = {base_name(k) for got in remote.values() for k in got} | {base_name(k) for k in rollout_metrics}
     for board, must in (("operator.json", {"rmsft_operator_"}), ("rollout.json", {"rmsft_rollout_", "vllm:"}),
-                        ("training.json", {"rmsft_learner_global_step", "rmsft_learner_weight_version"})):
+                        ("training.json", {"rmsft_learner_"}), ("weight-sync.json", {"rmsft_learner_weight_sync"})):
         queried = {base_name(q) for q in dashboard_metrics(board)}
         shown = queried & seen
         assert shown, f"{board}: none of {sorted(queried)} is exported by a running component"
         for prefix in must:
             assert any(q.startswith(prefix) for q in shown), (board, prefix, sorted(shown))
 
-    status = cluster.wait_phase(ns, job, {"Complete"}, timeout=900)
-    assert status.get("step") == FAULT_STEPS, status
-    # Logs as docs/operator.md describes them.
+    cluster.wait_phase(ns, job, {"Complete"}, timeout=900)
+    # Logs as docs/operator.md describes them: every step, and the failover in the syncs: while
+    # rollout-1 was gone the learner synced (and rolled out on) the one server left, then both again.
     learner_log = cluster.logs(ns, f"job/{job}-learner")
     assert re.search(rf"step {FAULT_STEPS} v\d+ loss ", learner_log), learner_log[-3000:]
-    assert "training done" in learner_log, learner_log[-3000:]
+    assert re.search(rf"training done: {FAULT_STEPS} steps, .* weight version {FAULT_STEPS}\b", learner_log), \
+        learner_log[-3000:]
+    synced_to = [int(n) for n in re.findall(r"synced \(.*?\) to (\d+) server", learner_log)]
+    assert 1 in synced_to and synced_to[-1] == 2, synced_to
     server_log = cluster.logs(ns, f"{job}-rollout-1", "--tail=200")  # scaled down: may be gone already
     if server_log:
         assert "weights v" in server_log, server_log[-3000:]
@@ -189,11 +191,11 @@ def test_text_job_over_shm_resumes_after_the_learner_pod_is_killed(cluster: Clus
     assert cluster.backend.node_exists(shm_dir)
     cluster.kubectl("-n", ns, "delete", "pod", first["metadata"]["name"], "--grace-period=0", "--force")
 
-    status = cluster.wait_phase(ns, job, {"Complete"}, timeout=900)
-    assert status.get("step") == steps, status
+    cluster.wait_phase(ns, job, {"Complete"}, timeout=900)
     second = learner_pod(cluster, ns, job, running=False)
     assert second is not None and second["metadata"]["uid"] != first["metadata"]["uid"]
     log = cluster.logs(ns, second["metadata"]["name"])
+    assert re.search(rf"training done: {steps} steps", log), log[-3000:]
     resumed = re.search(r"resumed from step (\d+) \(weight version (\d+)", log)
     assert resumed, log[-3000:]
     assert int(resumed.group(1)) >= 10, log[-3000:]  # the checkpoint of step 10 or later, not step 0
@@ -213,8 +215,10 @@ def test_cpu_job_runs_to_complete(cluster: Cluster, config: str) -> None:
     ns = namespace(cluster, f"rmsft-{Path(config).stem.removeprefix('job-kind-cpu-')}")
     cluster.apply(doc, ns)
     name = doc["metadata"]["name"]
-    status = cluster.wait_phase(ns, name, {"Complete"}, timeout=900)
-    assert status.get("step") == doc["spec"]["training"]["steps"], status
+    cluster.wait_phase(ns, name, {"Complete"}, timeout=900)
+    steps = doc["spec"]["training"]["steps"]
+    log = cluster.logs(ns, f"job/{name}-learner")
+    assert re.search(rf"training done: {steps} steps", log), log[-3000:]
     sts = cluster.get("statefulset", f"{name}-rollout", "-n", ns)
     assert sts["spec"]["replicas"] == 0  # the pool is released when the job ends
 
