@@ -35,7 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("system", "deps", "project")
 # The order these run in (see `commands`); anything else in a variant's table is a typo.
-KEYS = ("constraints", "apt", "torch", "torch-index", "engine", "remove", "extras", "no-build-isolation")
+KEYS = ("constraints", "apt", "python-headers", "torch", "torch-index", "engine", "remove", "extras",
+        "no-build-isolation")
 
 
 def load(pyproject: Path = ROOT / "pyproject.toml") -> dict:
@@ -53,6 +54,18 @@ def variant_spec(project: dict, variant: str) -> dict:
     if not spec.get("constraints"):
         raise SystemExit(f"image_install: [tool.rmsft.image.{variant}] needs `constraints` (its lock file)")
     return spec
+
+
+def python_headers_package() -> list[str]:
+    """Debian's headers package for this interpreter when its own Python.h is missing: the official
+    python images carry the headers of their /usr/local Python, a Debian python3.X does not (its
+    headers are python3.X-dev). What compiles against Python at run time (torch's inductor for
+    vLLM's CPU sampler, Triton's launcher) needs them."""
+    import sysconfig
+
+    if (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        return []
+    return [f"python{sys.version_info.major}.{sys.version_info.minor}-dev"]
 
 
 def project_requirements(project: dict, extras: list[str]) -> list[str]:
@@ -82,9 +95,10 @@ def commands(project: dict, variant: str, python: str = sys.executable, phase: s
     pip = [python, "-m", "pip"]
     install = [*pip, "install", "-c", spec["constraints"]]
     out: list[list[str]] = []
-    if phase in (None, "system") and spec.get("apt"):
+    apt = [*spec.get("apt", []), *(python_headers_package() if spec.get("python-headers") else [])]
+    if phase in (None, "system") and apt:
         out.append(["apt-get", "update"])
-        out.append(["apt-get", "install", "-y", "--no-install-recommends", *spec["apt"]])
+        out.append(["apt-get", "install", "-y", "--no-install-recommends", *apt])
     if phase in (None, "deps"):
         if spec.get("torch"):
             index = spec.get("torch-index", "") if torch_index is None else torch_index
