@@ -45,21 +45,21 @@ import sys
 from concurrent import futures
 import grpc
 from rmsft_protos import rollout_pb2, rollout_pb2_grpc
-from rmsft.weight_wire import StreamReader
+from rmsft.weight_wire import FRESH, StreamReader, set_version, version_of
 
 class Sink(rollout_pb2_grpc.RolloutServiceServicer):
-    version = 0
+    version = FRESH
     def UpdateWeights(self, request_iterator, context):
         reader = StreamReader()
         for chunk in request_iterator:
             reader.feed(chunk)
         if not reader.finished:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no trailer")
-        Sink.version = reader.header.version
-        return rollout_pb2.UpdateReply(version=reader.header.version, tensors_applied=len(reader.tensors),
-                                       bytes_received=reader.received_bytes)
+        Sink.version = version_of(reader.header)
+        return set_version(rollout_pb2.UpdateReply(tensors_applied=len(reader.tensors),
+                                                   bytes_received=reader.received_bytes), Sink.version)
     def GetStatus(self, request, context):
-        return rollout_pb2.StatusReply(model="sink", weight_version=Sink.version, ready=True, backend="sink")
+        return set_version(rollout_pb2.StatusReply(model="sink", ready=True, backend="sink"), Sink.version)
 
 server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.max_receive_message_length", 64 << 20)])
 rollout_pb2_grpc.add_RolloutServiceServicer_to_server(Sink(), server)

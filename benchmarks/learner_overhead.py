@@ -33,12 +33,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "protos"))
 import grpc  # noqa: E402
 from rmsft_protos import rollout_pb2, rollout_pb2_grpc  # noqa: E402
 
+from rmsft.weight_wire import WeightVersion, set_version, version_of  # noqa: E402
+
+# The servers hold weight version 1 of this run, the learner's pool is this run's: what a sync would leave.
+RUN = WeightVersion("bench0000001", 1)
+
 
 class DelayServicer(rollout_pb2_grpc.RolloutServiceServicer):
     """Answers after `delay_s` per prompt with `response_len` tokens, one call at a time; enforces the
     weight version."""
 
-    def __init__(self, delay_s: float, response_len: int, version: int) -> None:
+    def __init__(self, delay_s: float, response_len: int, version: WeightVersion) -> None:
         # One engine slot (the conservative case; rmsft serve's engine now overlaps calls): calls queue.
         self.engine = threading.Lock()
         self.delay_s = delay_s
@@ -46,23 +51,24 @@ class DelayServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.version = version
 
     def Generate(self, request, context):  # noqa: N802 - gRPC method name
-        if request.HasField("expected_weight_version") and request.expected_weight_version != self.version:
+        expected = version_of(request)
+        if expected is not None and expected != self.version:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stale")
         with self.engine:
             time.sleep(self.delay_s * len(request.prompts))
-        out = rollout_pb2.GenerateResponse(weight_version=self.version)
+        out = set_version(rollout_pb2.GenerateResponse(), self.version)
         for p in request.prompts:
-            out.completions.add(
+            set_version(out.completions.add(
                 prompt_token_ids=p.token_ids, token_ids=self.response, finish_reason=rollout_pb2.STOP,
-                weight_version=self.version, request_id=p.request_id,
-            )  # fmt: skip
+                request_id=p.request_id,
+            ), self.version)  # fmt: skip
         return out
 
     def GetStatus(self, request, context):  # noqa: N802
-        return rollout_pb2.StatusReply(model="delay", weight_version=self.version, ready=True, backend="delay")
+        return set_version(rollout_pb2.StatusReply(model="delay", ready=True, backend="delay"), self.version)
 
 
-def serve(delay_ms: float, response_len: int, version: int) -> None:
+def serve(delay_ms: float, response_len: int, version: WeightVersion) -> None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(DelayServicer(delay_ms / 1000, response_len, version), server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -100,7 +106,7 @@ def raw_grpc_time(address: str, reqs: list, args: argparse.Namespace) -> float:
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         for k in range(0, len(prompts), args.batch):
-            stub.Generate(rollout_pb2.GenerateRequest(prompts=prompts[k : k + args.batch], expected_weight_version=1))
+            stub.Generate(set_version(rollout_pb2.GenerateRequest(prompts=prompts[k : k + args.batch]), RUN))
         times.append(time.perf_counter() - t0)
     channel.close()
     return statistics.median(times)
@@ -137,9 +143,9 @@ def run(args: argparse.Namespace) -> None:
     raw_s = seq_s = 0.0
     try:
         for s in args.servers:
-            pool = ServerPool(addrs[:s])
+            pool = ServerPool(addrs[:s], run_id=RUN.run_id)
             pool.wait_ready(timeout_s=30)
-            pool.set_current_version(1)
+            pool.set_current_version(RUN.number)
             client = RolloutClient(pool, generate_batch_size=args.batch, max_inflight_per_server=2)
             client.generate(reqs[: 2 * s * args.batch], sampling)  # warm up channels and threads
             times = []
@@ -147,7 +153,7 @@ def run(args: argparse.Namespace) -> None:
                 t0 = time.perf_counter()
                 out = client.generate(reqs, sampling)
                 times.append(time.perf_counter() - t0)
-                assert len(out) == n and all(o.weight_version == 1 for o in out)
+                assert len(out) == n and all(o.weights == RUN for o in out)
                 assert [o.request_id for o in out] == [r.request_id for r in reqs]
             per_server = -(-n // s)  # the busiest server's prompts: the critical path
             busy = per_server * args.delay_ms / 1000
@@ -211,7 +217,7 @@ def main() -> None:
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        serve(args.delay_ms, args.response_len, version=1)
+        serve(args.delay_ms, args.response_len, version=RUN)
         return
     if args.quick:
         args.repeats = 2

@@ -182,7 +182,8 @@ def print_summary(summary, console: Console) -> None:
         table.add_row("rollout F1 (first -> last)", f"{summary.f1[0]:.3f} -> {summary.f1[-1]:.3f}")
     if summary.rewards:
         table.add_row("mean reward (first -> last)", f"{summary.rewards[0]:.3f} -> {summary.rewards[-1]:.3f}")
-    table.add_row("weight version", str(summary.weight_version))
+    table.add_row("weight version", f"{summary.weight_version} of run {summary.run_id}" if summary.run_id
+                  else str(summary.weight_version))
     table.add_row("rollout retries", str(summary.retries))
     table.add_row("wall time", f"{summary.wall_seconds:.1f}s")
     if summary.pictures:

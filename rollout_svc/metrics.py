@@ -1,7 +1,14 @@
 """Prometheus metrics of the rollout server. Dashboards may only query names defined here,
 in learner/tracking/metrics.py or in rmsft_operator/metrics.py (tests/test_dashboards.py checks)."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from prometheus_client import Counter, Gauge, Histogram
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rmsft.weight_wire import WeightVersion
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -23,5 +30,17 @@ WEIGHT_SYNC_BYTES = Counter("rmsft_rollout_weight_sync_bytes_total", "Tensor byt
 WEIGHT_SYNC_FAILURES = Counter(
     "rmsft_rollout_weight_sync_failures_total", "Rejected or failed weight updates", ["reason"]
 )
-WEIGHT_VERSION = Gauge("rmsft_rollout_weight_version", "Weight version being served")
+WEIGHT_VERSION = Gauge("rmsft_rollout_weight_version", "Weight version being served (its number)")
+# Which learner run's weights are served: one series, value 1, labelled with the run id ("" before any
+# update: the checkpoint's weights). A weight version is (run id, number): the number alone repeats.
+WEIGHT_RUN = Gauge("rmsft_rollout_weight_run_info", "Learner run whose weight version is being served (1 per run_id)",
+                   ["run_id"])
 READY = Gauge("rmsft_rollout_ready", "1 when the engine is loaded and serving")
+
+
+def set_weights(weights: WeightVersion) -> None:
+    """Export the weight version served: its number, and its run as the only `rmsft_rollout_weight_run_info`
+    series (the previous run's label goes)."""
+    WEIGHT_VERSION.set(weights.number)
+    WEIGHT_RUN.clear()
+    WEIGHT_RUN.labels(run_id=weights.run_id).set(1)

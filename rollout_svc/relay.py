@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import grpc
 from rmsft_protos import rollout_pb2
 
-from rmsft.weight_wire import TensorSpec, encode_piece, update_weights_raw
+from rmsft.weight_wire import TensorSpec, encode_piece, set_version, update_weights_raw, version_of
 from rmsft.weight_wire.outcomes import outcome_of_error, relayed_from_error
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,9 @@ class Relay:
             try:
                 call = update_weights_raw(channel)
                 reply = call(self._requests(rest), timeout=remaining, metadata=self._metadata)
-                return [rollout_pb2.RelayOutcome(address=address, code=0, version=reply.version), *reply.relayed]
+                # What it holds now, run id and number (rmsft.weight_wire.version), as it answered.
+                ok = set_version(rollout_pb2.RelayOutcome(address=address, code=0), version_of(reply))
+                return [ok, *reply.relayed]
             except grpc.RpcError as e:
                 with self._cond:
                     broken = self._broken

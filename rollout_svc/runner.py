@@ -4,7 +4,10 @@ Generate calls run concurrently: each is handed to the engine as soon as it is a
 with `submit` (vLLM's asynchronous engine) adds its requests to the batch already running (continuous
 batching). A weight apply (`call`) is exclusive: it closes the gate to new calls, waits for the calls
 already running to finish (drain), runs alone, and opens the gate again. So a completion is produced by
-exactly one weight version, and every answer carries the version that produced it.
+exactly one weight version, and every answer carries the version that produced it. A weight version is
+the pair (run id, number) of `rmsft.weight_wire.WeightVersion`, held as one value (`weights`) and
+replaced only by an apply, so no reader ever sees one half of an update's version with the other
+half of the previous one.
 
 Drain, not abort: the learner syncs between steps, when its own rollouts are done, so what still runs at
 an apply is a call whose answer is still valid for the version it was admitted under; aborting it would
@@ -22,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
+from rmsft.weight_wire import FRESH, WeightVersion, mismatch_message
 from rollout_svc import metrics
 from rollout_svc.engine import Engine, GenItem, GenOutput
 
@@ -29,8 +33,10 @@ log = logging.getLogger(__name__)
 
 
 class VersionMismatch(Exception):
-    def __init__(self, expected: int, actual: int):
-        super().__init__(f"expected weight version {expected}, server has {actual}")
+    """A call fenced to a weight version the server does not hold (another number, or another run's)."""
+
+    def __init__(self, expected: WeightVersion, actual: WeightVersion):
+        super().__init__(mismatch_message(expected, actual))
         self.expected, self.actual = expected, actual
 
 
@@ -43,9 +49,10 @@ class Cancelled(RuntimeError):
 
 
 class EngineRunner:
-    def __init__(self, engine: Engine, version: int = 0):
+    def __init__(self, engine: Engine, weights: WeightVersion = FRESH):
         self.engine = engine
-        self.version = version
+        # The weight version served: set only by an apply (inside `call`), both halves at once.
+        self.weights = weights
         self.active_adapter = ""
         self._cv = threading.Condition()
         self._running: set[Future] = set()  # engine work of admitted Generate calls
@@ -55,15 +62,21 @@ class EngineRunner:
         # An engine without `submit` (the HF backend) is not thread-safe: one call at a time, in arrival order.
         self._serial = None if hasattr(engine, "submit") else ThreadPoolExecutor(1, thread_name_prefix="rmsft-engine")
 
+    @property
+    def version(self) -> int:
+        """The number of the weight version served (its run: `weights.run_id`)."""
+        return self.weights.number
+
     # Generate ------------------------------------------------------------------------------------
     def generate(
         self,
         items: list[GenItem],
-        expected_version: int | None,
+        expected_version: WeightVersion | None,
         on_cancel: Callable[[Callable[[], Any]], Any] | None = None,
-    ) -> tuple[list[GenOutput], int]:
-        """Run `items` under one weight version and return (outputs, that version). `on_cancel(fn)` registers
-        `fn` to be called when the caller goes away (grpc's `context.add_callback`); it aborts the requests."""
+    ) -> tuple[list[GenOutput], WeightVersion]:
+        """Run `items` under one weight version and return (outputs, that version). `expected_version`: refuse
+        (VersionMismatch) unless that is the version served. `on_cancel(fn)` registers `fn` to be called when
+        the caller goes away (grpc's `context.add_callback`); it aborts the requests."""
         with self._cv:
             metrics.QUEUE_DEPTH.inc()
             try:
@@ -73,7 +86,7 @@ class EngineRunner:
                 metrics.QUEUE_DEPTH.dec()
             if self._stopped:
                 raise RunnerStopped("server shutting down")
-            version = self.version
+            version = self.weights
             # Checked here as well as on arrival: a weight update may have landed while this call waited.
             if expected_version is not None and expected_version != version:
                 raise VersionMismatch(expected_version, version)

@@ -15,7 +15,7 @@ import grpc
 from rmsft_protos import rollout_pb2, rollout_pb2_grpc
 
 from rmsft.serving_dtype import SERVE_DTYPES, served_spec, serving_dtype_name
-from rmsft.weight_wire import ADAPTER, FULL, WireError
+from rmsft.weight_wire import ADAPTER, FRESH, FULL, WeightVersion, WireError, set_version, version_of
 from rmsft.weight_wire.outcomes import SHARED_OPENED_METADATA, relayed_metadata
 from rollout_svc import metrics
 from rollout_svc.config import ServeConfig
@@ -81,7 +81,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._last_bytes = 0
         self._last_apply_seconds = 0.0
         metrics.READY.set(0)
-        metrics.WEIGHT_VERSION.set(0)
+        metrics.set_weights(FRESH)
 
     # lifecycle ------------------------------------------------------------------------------
     def attach(self, engine) -> None:
@@ -144,9 +144,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._admitted += 1
         try:
             self._require_ready()
-            expected = request.expected_weight_version if request.HasField("expected_weight_version") else None
-            if expected is not None and expected != self.runner.version:
-                raise VersionMismatch(expected, self.runner.version)
+            # The fence is the pair (run id, number): another run's weights under the same number are refused.
+            expected = version_of(request)
+            if expected is not None and expected != self.runner.weights:
+                raise VersionMismatch(expected, self.runner.weights)
             items = build_items(request, self.engine)
             # The callback runs when the call ends for any reason; when the client went away (deadline passed,
             # cancelled, connection closed) that aborts its requests in the engine.
@@ -173,19 +174,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         finally:
             with self._admit_lock:
                 self._admitted -= 1
-        reply = rollout_pb2.GenerateResponse(weight_version=version)
+        reply = set_version(rollout_pb2.GenerateResponse(), version)
         n = samples_per_prompt(request.sampling)
         n_prompt = n_gen = 0
         for k, out in enumerate(outs):
-            reply.completions.add(
+            set_version(reply.completions.add(
                 prompt_token_ids=out.prompt_token_ids,
                 token_ids=out.token_ids,
                 finish_reason=_FINISH.get(out.finish_reason, rollout_pb2.FINISH_REASON_UNSPECIFIED),
-                weight_version=version,
                 request_id=request.prompts[k // n].request_id,
                 sample_index=k % n,
                 logprobs=out.logprobs or (),
-            )
+            ), version)  # fmt: skip
             n_prompt += len(out.prompt_token_ids) if k % n == 0 else 0
             n_gen += len(out.token_ids)
         metrics.PROMPTS.inc(len(request.prompts))
@@ -297,7 +297,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         except EngineError as e:
             metrics.WEIGHT_SYNC_FAILURES.labels(reason="apply").inc()
             self._refuse(context, relays, grpc.StatusCode.INTERNAL,
-                         f"{e}; the previous weights (version {self.runner.version}) are still serving")
+                         f"{e}; the previous weights ({self.runner.weights}) are still serving")
         except grpc.RpcError as e:
             # The client cancelled or the connection dropped mid-stream: nothing was applied.
             metrics.WEIGHT_SYNC_FAILURES.labels(reason="cancelled").inc()
@@ -310,13 +310,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         elapsed = time.perf_counter() - t0
         metrics.WEIGHT_SYNC_SECONDS.labels(mode=mode).observe(elapsed)
         metrics.REQUESTS.labels(method="UpdateWeights", code="OK").inc()
-        return rollout_pb2.UpdateReply(
-            version=self.runner.version,
+        return set_version(rollout_pb2.UpdateReply(
             tensors_applied=len(self._last_applied),
             bytes_received=self._last_bytes,
             apply_seconds=self._last_apply_seconds,
             relayed=self._relayed(relays),
-        )
+        ), self.runner.weights)  # fmt: skip
 
     @staticmethod
     def _relayed(relays: list[Relay]) -> list[rollout_pb2.RelayOutcome]:
@@ -420,27 +419,29 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise
 
     def _set_version(self, staged: StagedWeights, adapter: str, apply_seconds: float) -> None:
-        self.runner.version = staged.header.version
+        """The update applied: from now on the server holds its weight version, run id and number together
+        (one assignment, inside the runner's apply, so no Generate call sees one without the other)."""
+        weights: WeightVersion = version_of(staged.header)
+        self.runner.weights = weights
         self.runner.active_adapter = adapter
         self._last_applied = staged.tensors
         self._last_bytes = staged.bytes_received
         self._last_apply_seconds = apply_seconds
-        metrics.WEIGHT_VERSION.set(staged.header.version)
-        log.info("weights v%d applied (%s, %d tensors, %d bytes)", staged.header.version,
-                 adapter or "full", len(staged.tensors), staged.bytes_received)
+        metrics.set_weights(weights)
+        log.info("weights %s applied (%s, %d tensors, %d bytes)", weights, adapter or "full", len(staged.tensors),
+                 staged.bytes_received)
 
     # GetStatus ------------------------------------------------------------------------------
     def GetStatus(self, request, context):
         metrics.REQUESTS.labels(method="GetStatus", code="OK").inc()
-        eng = self.engine
-        return rollout_pb2.StatusReply(
+        eng, runner = self.engine, self.runner
+        return set_version(rollout_pb2.StatusReply(
             model=self.cfg.model,
             tensor_parallel_size=self.cfg.tensor_parallel_size if eng is None else eng.tensor_parallel_size,
             replica_ordinal=self.ordinal,
-            weight_version=self.runner.version if self.runner else 0,
-            active_adapter=self.runner.active_adapter if self.runner else "",
+            active_adapter=runner.active_adapter if runner else "",
             ready=self.ready,
             lora_enabled=bool(eng and eng.lora_enabled),
             backend=self.cfg.backend,
             max_lora_rank=eng.max_lora_rank if eng else 0,
-        )
+        ), runner.weights if runner else FRESH)  # fmt: skip

@@ -7,8 +7,9 @@ sees every prompt at once; the server's engine batches calls continuously, so mo
 the same running batch. A chunk
 whose server fails is sent again, unchanged (same prompts, same seeds), to the least-loaded healthy
 server, so the output never depends on which server answered. Every completion must carry the
-learner's current weight version: a server that holds another version (FAILED_PRECONDITION, a wrong
-version in its reply, or a stale GetStatus) is re-synced through the `resync` callback before it
+learner's current weight version, run id and number (`rmsft.weight_wire.version`): a server that holds
+another version (FAILED_PRECONDITION, a wrong version in its reply, or a stale GetStatus), including
+another run's weights under the same number, is re-synced through the `resync` callback before it
 gets work again, and a stale completion is never returned.
 """
 
@@ -40,6 +41,7 @@ from learner.rollouts.requests import (
     to_prompt_proto,
 )
 from learner.tracking.metrics import PHASE_SECONDS, ROLLOUT_REQUESTS, ROLLOUT_RETRIES
+from rmsft.weight_wire import WeightVersion, set_version, version_of
 
 __all__ = [
     "AllServersDownError",
@@ -73,7 +75,7 @@ def _message_bytes(prompt: rollout_pb2.Prompt, sampling: rollout_pb2.SamplingPar
 class _Call:
     """Book-keeping of one `generate` call."""
 
-    expected: int | None
+    expected: WeightVersion | None  # every completion must carry it (None: no fencing)
     sampling: rollout_pb2.SamplingParams
     prompts: list[rollout_pb2.Prompt]
     results: list[Rollout | None]
@@ -157,9 +159,9 @@ class RolloutClient:
         *,
         weight_version: int | None = None,
     ) -> list[Rollout]:
-        """Completions for `requests`, in input order, all produced by `weight_version` (default: the
-        pool's current version; when neither is set, no version is enforced). With `sampling.n` = k, the k
-        samples of request i are at [i*k, (i+1)*k), in sample order."""
+        """Completions for `requests`, in input order, all produced by weight version `weight_version` of the
+        pool's run (default: the pool's current version; when neither is set, no version is enforced). With
+        `sampling.n` = k, the k samples of request i are at [i*k, (i+1)*k), in sample order."""
         if not requests:
             return []
         t0 = time.perf_counter()
@@ -171,7 +173,8 @@ class RolloutClient:
                 f"generate(weight_version={weight_version}) but the pool's current version is {current}: "
                 "servers are re-synced to the pool's version, so the two must agree"
             )
-        expected = weight_version if weight_version is not None else current
+        number = weight_version if weight_version is not None else current
+        expected = None if number is None else self.pool.version(number)
         params = sampling_params(sampling)
         call = _Call(
             expected=expected,
@@ -199,7 +202,8 @@ class RolloutClient:
                 self._on_resync(call, server, payload)
             else:
                 call.inflight[server.index] -= 1
-                self._on_generate(call, server, chunk, payload)
+                fut, early = payload
+                self._on_generate(call, server, chunk, fut, early=early)
             self._pump(call, events)
             # Converting replies after the next chunk went out overlaps it with the server's work.
             self._materialize(call)
@@ -209,7 +213,8 @@ class RolloutClient:
             if call.stale_refused:
                 raise StaleRolloutError(
                     f"{len(missing)} of {len(call.results)} completion(s) are missing from weight version "
-                    f"{expected}; {call.stale_refused} stale completion(s) were refused: " + self._describe(call)
+                    f"{expected.describe()}; {call.stale_refused} stale completion(s) were refused: "
+                    + self._describe(call)
                 )
             raise AllServersDownError(
                 f"{len(missing)} of {len(call.results)} completion(s) could not be generated, no rollout server "
@@ -228,12 +233,13 @@ class RolloutClient:
         planned = []
         for s in self.pool.servers:
             with self.pool.lock:
-                up, version, err = s.state.up, s.state.version, s.state.last_error
+                up, held, err = s.state.up, s.state.weights, s.state.last_error
             if not up:
                 call.excluded[s.index] = err or "down"
-            elif call.expected is None or version == call.expected:
+            elif call.expected is None or held == call.expected:
                 planned.append(s)
-            elif self._start_resync_ok(call, s, f"holds weight version {version}, learner at {call.expected}"):
+            elif self._start_resync_ok(call, s, f"holds weight version {_version_text(held)}, learner at "
+                                                f"{call.expected.describe()}"):
                 planned.append(s)  # gets its share once the re-sync is done
         return planned
 
@@ -264,8 +270,10 @@ class RolloutClient:
                 call.pending += 1
                 fut = self._resync_pool.submit(self.resync, server)  # type: ignore[arg-type]
                 fut.add_done_callback(lambda f, s=server: events.put(("resync", s, None, f)))
+        for idx in call.excluded:  # what waits for a server that gets no more work goes to the others
+            self._orphan_queue(call, self.pool.servers[idx])
         usable = [s for s in self.pool.servers if s.index not in call.excluded and s.index not in call.resyncing]
-        waiting = [self.pool.servers[i] for i in sorted(call.resyncing)]
+        waiting = [self.pool.servers[i] for i in sorted(call.resyncing) if i not in call.excluded]
         while call.orphans and (usable or waiting):
             chunk = call.orphans.popleft()
             call.queues[self._least_loaded(call, usable or waiting).index].append(chunk)
@@ -281,11 +289,14 @@ class RolloutClient:
     def _send(self, call: _Call, server: RolloutServer, chunk: Chunk, events: queue.Queue) -> None:
         req = rollout_pb2.GenerateRequest(prompts=call.prompts[chunk.start : chunk.stop], sampling=call.sampling)
         if call.expected is not None:
-            req.expected_weight_version = call.expected
+            set_version(req, call.expected)  # the server refuses unless it holds this run's version
         call.inflight[server.index] = call.inflight.get(server.index, 0) + 1
         call.pending += 1
         fut = self._call_pool.submit(server.stub.Generate, req, timeout=self.timeout_s, metadata=self.pool.metadata)
-        fut.add_done_callback(lambda f: events.put(("generate", server, chunk, f)))
+        # Sent before any re-sync of this server in this call: should one start meanwhile (another chunk was
+        # refused), this chunk's refusal or stale answer says nothing about the re-sync (see `_sent_before`).
+        early = server.index not in call.resynced
+        fut.add_done_callback(lambda f: events.put(("generate", server, chunk, (f, early))))
 
     # -- outcomes -------------------------------------------------------------------------------
     def _on_resync(self, call: _Call, server: RolloutServer, fut: Any) -> None:
@@ -294,16 +305,24 @@ class RolloutClient:
         if err is None:  # the sync client recorded the version the server acknowledged
             self.pool.mark_up(server)
             return
-        why = f"re-sync to weight version {call.expected} failed: {err}"
+        why = f"re-sync to weight version {_version_text(call.expected)} failed: {err}"
         call.excluded[server.index] = why
         self.pool.mark_down(server, why)
         self._orphan_queue(call, server)
 
-    def _on_generate(self, call: _Call, server: RolloutServer, chunk: Chunk, fut: Future) -> None:
+    @staticmethod
+    def _sent_before(call: _Call, server: RolloutServer, early: bool) -> bool:
+        """The chunk went out before a re-sync of `server` that this call has started since: its answer
+        came from the weights the re-sync replaces, so a refusal or a stale answer is expected and is no
+        reason to re-sync again or to give up on the server."""
+        return early and server.index in call.resynced
+
+    def _on_generate(self, call: _Call, server: RolloutServer, chunk: Chunk, fut: Future, *,
+                     early: bool = False) -> None:
         try:
             reply: rollout_pb2.GenerateResponse = fut.result()
         except grpc.RpcError as e:
-            self._on_rpc_error(call, server, chunk, e)
+            self._on_rpc_error(call, server, chunk, e, early=early)
             return
         comps = reply.completions
         n = call.sampling.n or 1
@@ -324,18 +343,21 @@ class RolloutClient:
             self.pool.mark_down(server, call.excluded[server.index])
             self._retry(call, server, chunk, "bad_reply", problem)
             return
-        versions = {c.weight_version for c in comps}
+        versions = {version_of(c) for c in comps}
         if call.expected is not None and versions != {call.expected}:
-            # The server ignored expected_weight_version; its answers must not reach training.
-            why = f"replied with weight version(s) {sorted(versions)}, learner at {call.expected}"
+            # The server ignored the fence (another version, or another run's weights under this number);
+            # its answers must not reach training.
+            got = ", ".join(sorted(v.describe() for v in versions))
+            why = f"replied with weight version(s) {got}, learner at {call.expected.describe()}"
             call.stale_refused += len(comps)
-            self.pool.mark_stale(server, reply.weight_version, why)
-            self._start_resync_ok(call, server, why)
+            if not self._sent_before(call, server, early):
+                self.pool.mark_stale(server, version_of(reply), why)
+                self._start_resync_ok(call, server, why)
             self._retry(call, server, chunk, "stale_version", why)
             return
         call.accepted.append((chunk, server, reply))
-        if not server.state.up or server.state.version != reply.weight_version:
-            self.pool.mark_up(server, version=reply.weight_version)
+        if not server.state.up or server.state.weights != version_of(reply):
+            self.pool.mark_up(server, weights=version_of(reply))
 
     def _materialize(self, call: _Call) -> None:
         n = call.sampling.n or 1
@@ -347,13 +369,15 @@ class RolloutClient:
                     token_ids=list(c.token_ids),
                     finish_reason=FINISH_REASONS.get(c.finish_reason, "finish_reason_unspecified"),
                     weight_version=c.weight_version,
+                    weight_run_id=c.weight_run_id,
                     server=server.address,
                     sample_index=c.sample_index,
                     logprobs=list(c.logprobs) if call.sampling.logprobs else None,
                 )
         call.accepted.clear()
 
-    def _on_rpc_error(self, call: _Call, server: RolloutServer, chunk: Chunk, e: grpc.RpcError) -> None:
+    def _on_rpc_error(self, call: _Call, server: RolloutServer, chunk: Chunk, e: grpc.RpcError, *,
+                      early: bool = False) -> None:
         code = e.code()
         why = describe_rpc_error(e)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (e.details() or ""):
@@ -368,8 +392,9 @@ class RolloutClient:
                 "the request itself is invalid, so it is not retried elsewhere"
             )
         if code == grpc.StatusCode.FAILED_PRECONDITION:
-            self.pool.mark_stale(server, None, why)
-            self._start_resync_ok(call, server, why)
+            if not self._sent_before(call, server, early):  # else: refused by the weights its re-sync replaces
+                self.pool.mark_stale(server, None, why)
+                self._start_resync_ok(call, server, why)
         elif code not in _BUSY_CODES:
             call.excluded[server.index] = why
             self.pool.mark_down(server, why)
@@ -398,3 +423,7 @@ class RolloutClient:
             why = call.excluded.get(s.index) or s.state.last_error or "no error recorded"
             parts.append(f"{s.name}: {why}")
         return "; ".join(parts)
+
+
+def _version_text(weights: WeightVersion | None) -> str:
+    return "unknown" if weights is None else weights.describe()

@@ -1,6 +1,12 @@
 """The learner's view of the rollout pool: one gRPC channel per server, in order, with what the
 learner knows about each (reachable? which weight version? LoRA enabled?).
 
+A weight version is the pair (run id, number) (`rmsft.weight_wire.version`): the pool belongs to one
+learner run, `run_id` (made when the learner starts, new after every restart), and its current
+version is `WeightVersion(run_id, current_version)`. A server is current only when it is up and
+holds exactly that pair; one holding another run's weights is stale whatever its number, and is
+fenced until this run re-synced it.
+
 The order of `ServerPool.servers` is the order rollouts are split in. State is updated by the rollout
 and sync clients from every reply they see, so `GetStatus` is only needed for servers that were down
 (has a restarted pod come back?) or never contacted.
@@ -27,6 +33,7 @@ from rmsft_protos import rollout_pb2, rollout_pb2_grpc
 
 from learner.rollouts.servers_file import ServersFile, ServersFileError, parse_server_list  # noqa: F401 - re-exported
 from learner.tracking.metrics import SERVERS_READY
+from rmsft.weight_wire import WeightVersion, WireError, check_run_id, new_run_id, version_of
 
 log = logging.getLogger("rmsft.learner.servers")
 DEFAULT_AUTH_HEADER = "authorization"
@@ -55,6 +62,7 @@ class ServerState:
 
     up: bool = True
     version: int | None = None  # None: never seen a version from this server
+    run_id: str | None = None  # the run whose `version` it is (set together with it)
     lora_enabled: bool | None = None
     max_lora_rank: int = 0
     # The server's base weights are no longer the checkpoint's (a FULL update was applied), so a LoRA
@@ -63,6 +71,16 @@ class ServerState:
     last_error: str = ""
     down_since: float | None = None
     last_probe: float = 0.0
+
+    @property
+    def weights(self) -> WeightVersion | None:
+        """The weight version last seen on the server, or None (never seen, or unknown since a refusal)."""
+        if self.version is None or self.run_id is None:
+            return None
+        return WeightVersion(self.run_id, self.version)
+
+    def hold(self, weights: WeightVersion | None) -> None:
+        self.version, self.run_id = (None, None) if weights is None else (weights.number, weights.run_id)
 
 
 @dataclass
@@ -85,7 +103,8 @@ class ServerPool:
 
     `addresses` are `host:port` strings in the order the pool is split in (StatefulSet ordinal order
     on a cluster), or a `ServersFile` the pool reads now and follows (`follow()`). `auth_token` is
-    sent as `authorization: Bearer <token>` on every call.
+    sent as `authorization: Bearer <token>` on every call. `run_id`: the learner run the pool's
+    versions belong to (default: a new one, so two pools never share one).
     """
 
     def __init__(
@@ -97,7 +116,12 @@ class ServerPool:
         root_certificates: bytes | None = None,
         probe_timeout_s: float = 5.0,
         reprobe_interval_s: float = 2.0,
+        run_id: str | None = None,
     ) -> None:
+        try:
+            self._run_id = check_run_id(new_run_id() if run_id is None else run_id, allow_none=False)
+        except WireError as e:
+            raise ValueError(f"ServerPool: {e}") from None
         self.source = addresses if isinstance(addresses, ServersFile) else None
         if self.source is not None:
             addresses = self.source.read()
@@ -169,11 +193,27 @@ class ServerPool:
 
     # -- version --------------------------------------------------------------------------------
     @property
+    def run_id(self) -> str:
+        """The learner run whose weight versions this pool announces and fences to."""
+        return self._run_id
+
+    @property
     def current_version(self) -> int | None:
-        """The weight version the learner holds and every rollout must carry (None before the first
-        sync)."""
+        """The number of the weight version the learner holds and every rollout must carry (None
+        before the first sync); the version itself is `current`."""
         with self.lock:
             return self._current_version
+
+    @property
+    def current(self) -> WeightVersion | None:
+        """The weight version the learner holds: (this run's id, `current_version`); None before the
+        first sync."""
+        with self.lock:
+            return None if self._current_version is None else WeightVersion(self._run_id, self._current_version)
+
+    def version(self, number: int) -> WeightVersion:
+        """Weight version `number` of this pool's run."""
+        return WeightVersion(self._run_id, number)
 
     def set_current_version(self, version: int) -> None:
         with self.lock:
@@ -181,12 +221,13 @@ class ServerPool:
             self._publish()
 
     # -- state updates (called by the clients) --------------------------------------------------
-    def mark_up(self, server: RolloutServer, *, version: int | None = None) -> None:
+    def mark_up(self, server: RolloutServer, *, weights: WeightVersion | None = None) -> None:
+        """The server answers; `weights`: the version it reported holding (None: unchanged)."""
         with self.lock:
             st = server.state
             st.up, st.down_since, st.last_error = True, None, ""
-            if version is not None:
-                st.version = version
+            if weights is not None:
+                st.hold(weights)
             self._publish()
 
     def mark_down(self, server: RolloutServer, error: str) -> None:
@@ -199,20 +240,27 @@ class ServerPool:
             st.last_probe = time.monotonic()
             self._publish()
 
-    def mark_stale(self, server: RolloutServer, version: int | None, error: str = "") -> None:
-        """The server answers but holds other weights than the learner (e.g. a restarted pod)."""
+    def mark_stale(self, server: RolloutServer, weights: WeightVersion | None, error: str = "") -> None:
+        """The server answers but holds other weights than the learner (e.g. a restarted pod, or
+        another run's weights); `weights`: what it holds, None when unknown."""
         with self.lock:
-            server.state.version = version
+            server.state.hold(weights)
             if error:
                 server.state.last_error = error
             self._publish()
 
+    def holds_current(self, server: RolloutServer) -> bool:
+        """The server was last seen holding the learner's current weight version (run id and number)."""
+        with self.lock:
+            weights = server.state.weights
+            return weights is not None and weights == self.current
+
     def is_current(self, server: RolloutServer) -> bool:
         with self.lock:
-            return server.state.up and server.state.version == self._current_version
+            return server.state.up and self.holds_current(server)
 
     def _publish(self) -> None:
-        ready = sum(1 for s in self.servers if s.state.up and s.state.version == self._current_version)
+        ready = sum(1 for s in self.servers if self.is_current(s))
         SERVERS_READY.set(ready)
 
     # -- probing --------------------------------------------------------------------------------
@@ -246,7 +294,7 @@ class ServerPool:
             server.state.base_replaced = reply.weight_version != 0 and not reply.active_adapter
             server.state.last_probe = time.monotonic()
         if reply.ready:
-            self.mark_up(server, version=reply.weight_version)
+            self.mark_up(server, weights=version_of(reply))
         else:
             self.mark_down(server, "server reports not ready (engine still loading?)")
         return reply

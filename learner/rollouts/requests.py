@@ -10,6 +10,7 @@ from typing import Any
 from rmsft_protos import rollout_pb2
 
 from learner.rollouts.pool import NoServerAvailableError
+from rmsft.weight_wire import WeightVersion
 
 FINISH_REASONS = {v: k.lower() for k, v in rollout_pb2.FinishReason.items()}
 
@@ -23,7 +24,8 @@ class AllServersDownError(RolloutError, NoServerAvailableError):
 
 
 class StaleRolloutError(RolloutError):
-    """A completion carries another weight version than the learner's current one."""
+    """A completion carries another weight version than the learner's current one (another number, or
+    another run's weights)."""
 
 
 @dataclass(frozen=True)
@@ -44,10 +46,16 @@ class Rollout:
     prompt_token_ids: list[int]
     token_ids: list[int]
     finish_reason: str  # "stop" | "length" | "abort" | "finish_reason_unspecified"
-    weight_version: int
+    weight_version: int  # the number of the weight version that produced it ...
     server: str  # address of the server that produced it
     sample_index: int = 0  # which of the prompt's `sampling.n` samples
     logprobs: list[float] | None = None  # per token, when `sampling.logprobs` asked for them
+    weight_run_id: str = ""  # ... and the learner run whose version that is
+
+    @property
+    def weights(self) -> WeightVersion:
+        """The weight version that produced it (run id and number)."""
+        return WeightVersion(self.weight_run_id, self.weight_version)
 
 
 @dataclass(frozen=True)
@@ -129,13 +137,14 @@ def sampling_params(sampling: rollout_pb2.SamplingParams | Mapping[str, Any] | N
         raise ValueError(f"bad sampling parameters {dict(sampling)}: {e}") from None
 
 
-def check_versions(rollouts: Sequence[Rollout], version: int) -> None:
-    """Raise StaleRolloutError when any rollout was not produced by weight version `version`."""
-    stale = [(i, r.request_id, r.weight_version, r.server) for i, r in enumerate(rollouts)
-             if r.weight_version != version]  # fmt: skip
+def check_versions(rollouts: Sequence[Rollout], version: WeightVersion) -> None:
+    """Raise StaleRolloutError when any rollout was not produced by weight version `version` (its run
+    id and number)."""
+    stale = [(i, r.request_id, str(r.weights), r.server) for i, r in enumerate(rollouts)
+             if r.weights != version]  # fmt: skip
     if stale:
         raise StaleRolloutError(
-            f"{len(stale)} rollout(s) not produced by the current weight version {version} "
+            f"{len(stale)} rollout(s) not produced by the current weight version {version.describe()} "
             f"(index, request id, version, server): {stale[:5]}"
         )
 

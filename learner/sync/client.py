@@ -3,7 +3,9 @@
 
 `WeightSyncClient.sync(version)` sends FULL (merged, HF names) or ADAPTER (PEFT LoRA tensors +
 adapter_config.json) weights to every reachable server and returns only when each of them
-acknowledged `version`. The learner produces and sends an update once whatever the pool's size:
+acknowledged `version` of the pool's run: a weight version is the pair (run id, number)
+(`rmsft.weight_wire.version`), every update announces both, and an answer naming another pair
+is no acknowledgement. The learner produces and sends an update once whatever the pool's size:
 over grpc to the first server, which relays it to the others; over shm written once into
 node-local shared memory that every server reads. A sync's result is one outcome per server; a
 server that rejects the update fails the sync (after one switch to FULL when `fallback_to_full` is
@@ -47,7 +49,9 @@ from rmsft.weight_wire import (
     SharedUpdate,
     encode_planned_stream,
     plan_weight_stream,
+    set_version,
     update_weights_raw,
+    version_of,
 )
 from rmsft.weight_wire.outcomes import outcome_of_error, relayed_from_error
 
@@ -72,6 +76,7 @@ class WeightSyncError(RuntimeError):
 class SyncReport:
     version: int
     mode: str  # "full" | "adapter": what was finally sent
+    run_id: str = ""  # the run whose version `version` is (the pool's)
     acked: dict[str, rollout_pb2.UpdateReply] = field(default_factory=dict)  # address -> reply
     unreachable: dict[str, str] = field(default_factory=dict)  # address -> error
     rejected: dict[str, str] = field(default_factory=dict)  # address -> error
@@ -226,19 +231,21 @@ class WeightSyncClient:
         WEIGHT_VERSION.set(version)
         report.seconds = time.perf_counter() - t0  # the loop times its "sync" phase itself
         log.info(
-            "weight version %d synced (%s, %s) to %d server(s) in %.2fs%s",
-            version, report.mode, why, len(report.acked), report.seconds,
+            "weight version %s synced (%s, %s) to %d server(s) in %.2fs%s",
+            self.pool.version(version).describe(), report.mode, why, len(report.acked), report.seconds,
             f"; unreachable: {sorted(report.unreachable)}" if report.unreachable else "",
         )  # fmt: skip
         return report
 
     def resync_server(self, server: RolloutServer) -> None:
-        """Bring one server (e.g. a restarted pod on base weights) to the pool's current version.
-        The rollout client's `resync` callback; the model must still hold that version's weights."""
-        version = self.pool.current_version
-        if version is None:
+        """Bring one server (e.g. a restarted pod on base weights, or one holding another run's
+        weights) to the pool's current version. The rollout client's `resync` callback; the model
+        must still hold that version's weights."""
+        current = self.pool.current
+        if current is None:
             raise WeightSyncError(f"cannot re-sync {server.name}: no weight version was synced yet")
-        if self.pool.status(server).weight_version == version:
+        version = current.number
+        if version_of(self.pool.status(server)) == current:  # this run's version: the number alone is not enough
             return
         if self.export_blocked:
             raise WeightSyncError(f"cannot re-sync {server.name} now: {self.export_blocked}")
@@ -249,7 +256,7 @@ class WeightSyncClient:
             report = self._push(version, "full", [server], previous=report)
         if not report.acked:
             errors = {**report.unreachable, **report.rejected}
-            raise WeightSyncError(f"re-sync of {server.name} to weight version {version} failed: {errors}")
+            raise WeightSyncError(f"re-sync of {server.name} to weight version {current.describe()} failed: {errors}")
 
     def _plan(self, mode: str) -> tuple[list, Any, str]:
         """(specs, lazy tensors, adapter config JSON) of the update. FULL is planned from the model's
@@ -271,7 +278,8 @@ class WeightSyncClient:
                 outcomes, total = self._push_shared(version, mode, servers, replies)
             else:
                 outcomes, total = self._push_relayed(version, mode, servers, replies)
-        report = SyncReport(version=version, mode=mode, tensor_bytes=total)
+        want = self.pool.version(version)
+        report = SyncReport(version=version, mode=mode, run_id=want.run_id, tensor_bytes=total)
         if previous is not None:
             report.unreachable.update(previous.unreachable)
         for server in servers:
@@ -280,14 +288,16 @@ class WeightSyncClient:
                 o = rollout_pb2.RelayOutcome(address=server.address, code=grpc.StatusCode.UNAVAILABLE.value[0],
                                              message="no outcome reported")
             code = _STATUS_BY_VALUE.get(o.code, grpc.StatusCode.UNKNOWN)
-            if code == grpc.StatusCode.OK and o.version == version:
-                report.acked[server.address] = replies.get(server.address) or rollout_pb2.UpdateReply(version=o.version)
-                self.pool.mark_up(server, version=version)
+            got = version_of(o)
+            if code == grpc.StatusCode.OK and got == want:
+                report.acked[server.address] = (replies.get(server.address)
+                                                or set_version(rollout_pb2.UpdateReply(), got))  # fmt: skip
+                self.pool.mark_up(server, weights=want)
                 with self.pool.lock:
                     server.state.base_replaced = mode == "full"
                 WEIGHT_SYNC_BYTES.labels(mode=mode).inc(total)
             elif code == grpc.StatusCode.OK:
-                detail = f"acknowledged version {o.version}, expected {version}"
+                detail = f"acknowledged version {got.describe()}, expected {want.describe()}"
                 report.rejected[server.address] = detail
                 self.pool.mark_stale(server, None, f"weight sync rejected: {detail}")
             elif code in _UNREACHABLE:
@@ -317,15 +327,15 @@ class WeightSyncClient:
             # The header is built here, in the caller, so a bad tensor name or dtype raises a clear
             # error now instead of a cancelled RPC from gRPC's thread.
             header, requests = encode_planned_stream(
-                specs, tensors, version=version, mode=_WIRE_MODE[mode], adapter_config_json=config_json,
-                frame_bytes=self.frame_bytes, relay_to=[s.address for s in rest],
+                specs, tensors, version=version, run_id=self.pool.run_id, mode=_WIRE_MODE[mode],
+                adapter_config_json=config_json, frame_bytes=self.frame_bytes, relay_to=[s.address for s in rest],
             )  # fmt: skip
             total = header.total_bytes
             source = _StoppableSource(requests)
             try:
                 reply = update_weights_raw(head.channel)(source, timeout=self.timeout_s, metadata=self.pool.metadata)
                 replies[head.address] = reply
-                got = [rollout_pb2.RelayOutcome(address=head.address, version=reply.version), *reply.relayed]
+                got = [_outcome(head.address, reply), *reply.relayed]
             except grpc.RpcError as e:
                 if source.error is not None:
                     raise WeightSyncError(f"encoding weight version {version} failed: {source.error}") from source.error
@@ -348,8 +358,8 @@ class WeightSyncClient:
         removed once all of them answered, or on any failure."""
         specs, tensors, config_json = self._plan(mode)
         try:
-            update = SharedUpdate.create(self.shared_dir, specs, version=version, mode=_WIRE_MODE[mode],
-                                         adapter_config_json=config_json)
+            update = SharedUpdate.create(self.shared_dir, specs, version=version, run_id=self.pool.run_id,
+                                         mode=_WIRE_MODE[mode], adapter_config_json=config_json)
         except SharedSpaceError as e:
             raise WeightSyncError(f"RESOURCE_EXHAUSTED: {e}; nothing was sent (free memory there, or use "
                                   "spec.sync.transport: grpc)") from e
@@ -381,12 +391,17 @@ class WeightSyncClient:
                     try:
                         reply = call.result()
                         replies[server.address] = reply
-                        results.append(rollout_pb2.RelayOutcome(address=server.address, version=reply.version))
+                        results.append(_outcome(server.address, reply))
                     except grpc.RpcError as e:
                         results.append(outcome_of_error(server.address, e))
         finally:
             update.remove()
         return {o.address: o for o in results}, update.header.total_bytes
+
+
+def _outcome(address: str, reply: rollout_pb2.UpdateReply) -> rollout_pb2.RelayOutcome:
+    """A server's OK answer as an outcome: the weight version (run id and number) it holds now."""
+    return set_version(rollout_pb2.RelayOutcome(address=address), version_of(reply))
 
 
 class _StoppableSource:

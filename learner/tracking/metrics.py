@@ -13,7 +13,10 @@ PHASE_SECONDS = Histogram(
 )
 STEP_SECONDS = Histogram("rmsft_learner_step_seconds", "Duration of one optimizer step", buckets=_PHASE_BUCKETS)
 GLOBAL_STEP = Gauge("rmsft_learner_global_step", "Optimizer steps done")
-WEIGHT_VERSION = Gauge("rmsft_learner_weight_version", "Weight version the learner holds")
+WEIGHT_VERSION = Gauge("rmsft_learner_weight_version", "Weight version the learner holds (its number)")
+# The learner run those versions belong to: one series, value 1, labelled with the run id (new after every
+# restart). Compare with the servers' rmsft_rollout_weight_run_info to see which learner each one serves.
+RUN_INFO = Gauge("rmsft_learner_run_info", "This learner run's id (1 per run_id; new after every restart)", ["run_id"])
 PACKING_FILL = Gauge("rmsft_learner_packing_fill_ratio", "Filled fraction of the last packed row")
 BUFFER_SEGMENTS = Gauge("rmsft_learner_buffer_segments", "Segments waiting in the packing carry buffer")
 OBJECTS = Counter("rmsft_learner_objects_total", "Matching outcomes", ["outcome"])  # matched|fp|fn
@@ -41,6 +44,12 @@ ZERO_STD_GROUPS = Gauge("rmsft_learner_grpo_zero_std_groups_ratio",
 CLIP_FRACTION = Gauge("rmsft_learner_grpo_clip_fraction_ratio", "Completion tokens whose importance ratio was clipped")
 GRPO_KL = Gauge("rmsft_learner_grpo_kl", "k3 estimate of the KL to the reference policy, per completion token")
 COMPLETION_LENGTH = Gauge("rmsft_learner_completion_length_tokens", "Mean completion length of the last GRPO step")
+
+
+def set_run(run_id: str) -> None:
+    """Export this learner run's id as the only `rmsft_learner_run_info` series."""
+    RUN_INFO.clear()
+    RUN_INFO.labels(run_id=run_id).set(1)
 
 
 def counter_total(counter: Counter) -> float:

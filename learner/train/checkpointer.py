@@ -1,10 +1,18 @@
 """The training loop's train state and its checkpointer, composed into `learner.train.trainer.Trainer`.
 
-`TrainState` is what the loop advances (step, weight version, time by phase). The `Checkpointer`
-saves and restores it with the model, the optimizer (through the step strategy) and the packer's
-carry buffer. Rank 0 writes model, optimizer, step and version; every rank's packer carry buffer
-and RNG (and, under DeepSpeed, its ZeRO optimizer partition) are gathered into the same
-`state.pt` as `rank_states`, so one atomic folder holds the whole group's state.
+`TrainState` is what the loop advances (step, weight version, time by phase) and this run's
+identity. The `Checkpointer` saves and restores it with the model, the optimizer (through the step
+strategy) and the packer's carry buffer.
+
+Rank 0 writes model, optimizer, step and version; every rank's packer carry buffer and RNG (and,
+under DeepSpeed, its ZeRO optimizer partition) are gathered into the same `state.pt` as
+`rank_states`, so one atomic folder holds the whole group's state.
+
+A weight version is (run id, number) (`rmsft.weight_wire.version`). The run id is this learner
+process's own, made at start: a resume restores the step, the weights and the version *number*,
+never the run id, so the versions it announces next cannot be taken for the ones the run that
+wrote the checkpoint announced (with other weights) after it. The checkpoint records the run ids
+of the lives that led to it (`run_ids`, oldest first), for the record.
 """
 
 from __future__ import annotations
@@ -21,18 +29,39 @@ from learner.train.checkpoint_files import list_checkpoints, rng_state, save_che
 from learner.train.ranks import Ranks
 from learner.train.step import PlainStep, ZeroStep, gathered_weights
 from rmsft.jobspec import TrainingConfig
+from rmsft.weight_wire import NO_RUN, WeightVersion
 
 log = logging.getLogger("rmsft.learner")
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """The checkpoint a run resumed from: its step, its weight version (the run that wrote it and the
+    number), and the runs that led to it, oldest first (the writer last; empty for a checkpoint
+    written before runs had ids)."""
+
+    step: int
+    weights: WeightVersion
+    run_ids: tuple[str, ...]
+
+
 @dataclass
 class TrainState:
-    """What one training run advances. `version` is the learner's weight version: the one owner of
-    it (the sync client is told which version to push; rollouts must carry it)."""
+    """What one training run advances. `version` is the number of the learner's weight version: the
+    one owner of it (the sync client is told which version to push; rollouts must carry it), within
+    the run `run_id` (this process's, set at start; the version itself is `weights`). `resumed`: the
+    checkpoint this run resumed from (None when it started fresh)."""
 
     step: int = 0
     version: int = 0
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    run_id: str = NO_RUN
+    resumed: Resumed | None = None
+
+    @property
+    def weights(self) -> WeightVersion:
+        """The learner's current weight version (this run's id and `version`)."""
+        return WeightVersion(self.run_id, self.version)
 
 
 class Checkpointer:
@@ -60,6 +89,8 @@ class Checkpointer:
             "optimizer": self.step.optimizer_state() if isinstance(self.step, PlainStep) else None,
             "rng": rng_state(), "packer": self.packer.carry(), "phase_seconds": dict(s.phase_seconds),
             "world_size": self.ranks.world_size, "deepspeed_stage": self.cfg.deepspeed_stage,
+            # The record of which runs wrote it (a resumed run never reuses one: it makes its own).
+            "run_id": s.run_id, "run_ids": [*(s.resumed.run_ids if s.resumed else ()), s.run_id],
         }  # fmt: skip
 
     def save(self) -> Path | None:
@@ -91,7 +122,9 @@ class Checkpointer:
             # Our own file: it holds Python objects (packer segments, RNG state), hence weights_only=False.
             ckpt = torch.load(Path(name) / "state.pt", weights_only=False)
             self._load(ckpt, name)
-        log.info("resumed from step %d (weight version %d)", self.state.step, self.state.version)
+        s = self.state
+        log.info("resumed from step %d (weight version %d of run %s); this run is %s", s.step,
+                 s.resumed.weights.number, s.resumed.weights.run_id or "(not recorded)", s.run_id)
         return True
 
     def _load(self, ckpt: dict[str, Any], name: str) -> None:
@@ -115,5 +148,11 @@ class Checkpointer:
             self.step.load_optimizer_state([s["zero_optimizer"] for s in rank_states])
         set_rng_state(mine["rng"])
         self.packer.restore(mine["packer"])
-        self.state.step, self.state.version = ckpt["step"], ckpt["version"]
-        self.state.phase_seconds = dict(ckpt["phase_seconds"])
+        s = self.state
+        writer = ckpt.get("run_id", NO_RUN)
+        s.resumed = Resumed(ckpt["step"], WeightVersion(writer, ckpt["version"]),
+                            tuple(ckpt.get("run_ids") or ([writer] if writer else [])))
+        # The numbers go on from the checkpoint's (the run id makes them new); never back below one this
+        # run announced already, so no number of this run ever names two sets of weights.
+        s.step, s.version = ckpt["step"], max(ckpt["version"], s.version)
+        s.phase_seconds = dict(ckpt["phase_seconds"])

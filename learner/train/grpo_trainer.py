@@ -174,9 +174,10 @@ class GrpoTrainer(Trainer):
         with ranks.guard("checking the sampled completions"):
             if len(outs) != len(indices):
                 raise RuntimeError(f"rank {ranks.rank} got {len(outs)} completion(s) for {hi - lo} prompt(s) x {n}")
-            stale = [(o.request_id, o.weight_version, o.server) for o in outs if o.weight_version != version]
+            weights = self.state.weights  # this run's version: the number alone is not enough
+            stale = [(o.request_id, str(o.weights), o.server) for o in outs if o.weights != weights]
             if stale:
-                raise RuntimeError(f"{len(stale)} completion(s) not from the learner's weight version {version} "
+                raise RuntimeError(f"{len(stale)} completion(s) not from the learner's weight version {weights} "
                                    f"(request, version, server): {stale[:3]}")  # fmt: skip
             bad = [(o.request_id, o.sample_index, o.server) for o in outs
                    if o.logprobs is None or len(o.logprobs) != len(o.token_ids)]  # fmt: skip

@@ -70,4 +70,5 @@ class Summary:
     log_dir: Path | None = None  # TensorBoard event files (rank 0)
     exported: Path | None = None  # the Hugging Face folder written at the end (training.export)
     rewards: list[float] = field(default_factory=list)  # GRPO: mean reward of each step
+    run_id: str = ""  # the learner run whose weight version `weight_version` is
 

@@ -10,6 +10,10 @@ contiguous share; every rank builds its own segments into its own packer. The st
 token-level mean over all ranks' rows (target counts are summed over ranks first), gradients are
 summed over ranks before clipping, and every rank takes the same optimizer step, so the result is
 one process training on all the rows. Rank 0 then syncs the servers. See learner/train/ranks.py.
+
+Each learner process is one run with an id of its own (rank 0 makes it, the others receive it), new
+after every restart: weight versions are (run id, number), so what a resumed learner announces is never
+taken for what the run that wrote its checkpoint announced (`rmsft.weight_wire.version`).
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ from learner.train.reporting import RunReporter
 from learner.train.results import StepResult, Summary
 from learner.train.step import PlainStep, ZeroStep, gathered_weights, make_step, resolve_device
 from rmsft.jobspec import RolloutMatchingJob
-from rmsft.weight_wire import shared_dir_from_env
+from rmsft.weight_wire import new_run_id, shared_dir_from_env
 
 __all__ = ["DataOrder", "StepResult", "Summary", "Trainer"]
 
@@ -133,6 +137,11 @@ class Trainer:
         ranks, cfg = self.ranks, self.cfg
         if not ranks.is_main:
             log.setLevel(logging.WARNING)  # the one-line-per-step log is rank 0's
+        # This run's identity, in every weight version it announces: rank 0's, on every rank.
+        self.state.run_id = ranks.broadcast_from_main(new_run_id() if ranks.is_main else None)
+        if ranks.is_main:
+            m.set_run(self.state.run_id)
+            log.info("learner run %s (this process's own; a restart makes a new one)", self.state.run_id)
         if cfg.prompts_per_step < ranks.world_size:
             raise ValueError(
                 f"spec.training.prompts_per_step ({cfg.prompts_per_step}) is the global batch and must be "
@@ -176,7 +185,7 @@ class Trainer:
         with ranks.guard("connecting to the rollout servers (rank 0)"):
             if ranks.is_main:  # the only rank that talks to rollout servers
                 followed = addresses if isinstance(addresses, ServersFile) else list(addresses)
-                self.pool = ServerPool(followed, auth_token=auth_token)
+                self.pool = ServerPool(followed, auth_token=auth_token, run_id=self.state.run_id)
                 sync = job.spec.sync
                 self.sync_client = WeightSyncClient(
                     self.pool, self.model, mode=sync.mode, fallback_to_full=sync.fallback_to_full,
@@ -327,8 +336,8 @@ class Trainer:
             return None
         if self.state.step < self.cfg.warm_start_steps:
             # Warm start: no generation; an empty answer makes the targets the whole ground truth.
-            return [Rollout(self.records[idx].id, self._prompt_ids(idx), [], "warm_start", self.state.version, "")
-                    for idx in batch]  # fmt: skip
+            return [Rollout(self.records[idx].id, self._prompt_ids(idx), [], "warm_start", self.state.version, "",
+                            weight_run_id=self.state.run_id) for idx in batch]  # fmt: skip
         k = self.state.step // self.core.m_steps
         base = self.cfg.rollout.seed + k * self.cfg.prompts_per_step
         # Messages (+ image bytes): each server renders the prompt with its own processor and returns the
@@ -355,9 +364,9 @@ class Trainer:
         lo, hi = ranks.share(len(batch))
         mine = batch[lo:hi]
         with ranks.guard("building training segments"):
-            if len(outs) != len(mine) or any(o.weight_version != self.state.version for o in outs):
+            if len(outs) != len(mine) or any(o.weights != self.state.weights for o in outs):
                 raise RuntimeError(f"rank {ranks.rank} got {len(outs)} rollout(s) for {len(mine)} prompt(s) "
-                                   f"or a weight version other than {self.state.version}")  # fmt: skip
+                                   f"or a weight version other than {self.state.weights}")  # fmt: skip
             recs = [self.records[i] for i in mine]
             vl = self.policy.is_vision_language
             vision = [self._vision_prompt(i) for i in mine] if vl else []
@@ -460,7 +469,12 @@ class Trainer:
         return self.checkpointer.save()
 
     def resume(self) -> bool:
-        return self.checkpointer.resume()
+        """Continue from the newest checkpoint (False when there is none). The run id stays this run's:
+        the next sync announces a version no server can already hold (module doc)."""
+        found = self.checkpointer.resume()
+        if found:
+            self._served_step = -1  # the servers hold none of the checkpoint's weights under this run's id
+        return found
 
     def gathered_trainable_state(self) -> dict[str, torch.Tensor]:
         return self.checkpointer.gathered_trainable_state()
@@ -541,6 +555,12 @@ class Trainer:
                                 model_dir=self.job.spec.model.path, data_path=self.cfg.data.path,
                                 image_root=self.cfg.data.image_root, eval_data_path=self.cfg.eval.data,
                                 eval_image_root=self.cfg.eval.image_root)  # fmt: skip
+            # Which run this is, and which runs wrote the checkpoint it resumed from (oldest first).
+            st = self.state
+            record["run_id"] = st.run_id
+            if st.resumed is not None:
+                record["resumed_from"] = {"step": st.resumed.step, "weight_version": st.resumed.weights.number,
+                                          "run_id": st.resumed.weights.run_id, "run_ids": list(st.resumed.run_ids)}
             try:
                 path = write_run_record(self.cfg.checkpoint.dir, record)
                 log.info("run record (servers, seeds, versions, hashes, resolved spec): %s", path)
@@ -549,8 +569,9 @@ class Trainer:
             # The record itself in the log too (the spec is long and already in run.json: left out here).
             log.info("run: %s", json.dumps({k: v for k, v in record.items() if k != "job"}, default=str))
             log.info(
-                "rmsft learner: %d record(s), servers %s, sync %s, seed %d, steps %d -> %d, ranks %d, device %s%s",
-                len(self.records), [s.address for s in self.pool.servers], self.job.spec.sync.mode,
+                "rmsft learner run %s: %d record(s), servers %s, sync %s, seed %d, steps %d -> %d, ranks %d, "
+                "device %s%s", self.state.run_id, len(self.records), [s.address for s in self.pool.servers],
+                self.job.spec.sync.mode,
                 self.cfg.seed, self.state.step, target, self.ranks.world_size, self.device,
                 f", DeepSpeed ZeRO-{self.cfg.deepspeed_stage}" if self.engine is not None else "",
             )  # fmt: skip
@@ -579,6 +600,7 @@ class Trainer:
             steps=self.state.step, first_loss=losses[0] if losses else float("nan"),
             last_loss=losses[-1] if losses else float("nan"), losses=losses,
             f1=[h.stats.f1 for h in self.history if h.stats], weight_version=self.state.version,
+            run_id=self.state.run_id,
             phase_seconds=dict(self.state.phase_seconds), wall_seconds=wall,
             retries=int(m.counter_total(m.ROLLOUT_RETRIES) - self._retries_at_start), history=list(self.history),
             pictures=list(self.pictures), evaluations=[(e.step, e.f1, e.map) for e in self.evaluations],

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1armsft_protos/rollout.proto\x12\x08rmsft.v1\"\xca\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\t\n\x01n\x18\x08 \x01(\r\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"C\n\x05Image\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03uri\x18\x02 \x01(\tH\x00\x12\x11\n\tmime_type\x18\x03 \x01(\tB\x08\n\x06source\"\x95\x01\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\'\n\x08messages\x18\x02 \x03(\x0b\x32\x15.rmsft.v1.ChatMessage\x12\x1f\n\x06images\x18\x03 \x03(\x0b\x32\x0f.rmsft.v1.Image\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x07\n\x05_seed\"\xa2\x01\n\x0fGenerateRequest\x12!\n\x07prompts\x18\x01 \x03(\x0b\x32\x10.rmsft.v1.Prompt\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.rmsft.v1.SamplingParams\x12$\n\x17\x65xpected_weight_version\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x1a\n\x18_expected_weight_version\"\xbc\x01\n\nCompletion\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.rmsft.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x04 \x01(\x04\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x14\n\x0csample_index\x18\x06 \x01(\r\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\"U\n\x10GenerateResponse\x12)\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x14.rmsft.v1.Completion\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\"\xfb\x01\n\x0cWeightHeader\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12 \n\x04mode\x18\x02 \x01(\x0e\x32\x12.rmsft.v1.SyncMode\x12\x14\n\x0ctensor_count\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13\x61\x64\x61pter_config_json\x18\x05 \x01(\t\x12\x33\n\x10\x64igest_algorithm\x18\x06 \x01(\x0e\x32\x19.rmsft.v1.DigestAlgorithm\x12)\n\x0bshared_file\x18\x07 \x01(\x0b\x32\x14.rmsft.v1.SharedFile\x12\x10\n\x08relay_to\x18\x08 \x03(\t\"C\n\nSharedFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.rmsft.v1.SharedTensor\"I\n\x0cSharedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\r\n\x05start\x18\x04 \x01(\x04\"W\n\x0bTensorPiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x1f\n\rWeightTrailer\x12\x0e\n\x06\x64igest\x18\x01 \x01(\x0c\"\x93\x01\n\x0bWeightChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.rmsft.v1.WeightHeaderH\x00\x12&\n\x05piece\x18\x02 \x01(\x0b\x32\x15.rmsft.v1.TensorPieceH\x00\x12*\n\x07trailer\x18\x03 \x01(\x0b\x32\x17.rmsft.v1.WeightTrailerH\x00\x42\x06\n\x04kind\"\x8f\x01\n\x0bUpdateReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x17\n\x0ftensors_applied\x18\x02 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12\x15\n\rapply_seconds\x18\x04 \x01(\x01\x12\'\n\x07relayed\x18\x05 \x03(\x0b\x32\x16.rmsft.v1.RelayOutcome\"O\n\x0cRelayOutcome\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\"\x0f\n\rStatusRequest\"\xd0\x01\n\x0bStatusReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x02 \x01(\r\x12\x17\n\x0freplica_ordinal\x18\x03 \x01(\x05\x12\x16\n\x0eweight_version\x18\x04 \x01(\x04\x12\x16\n\x0e\x61\x63tive_adapter\x18\x05 \x01(\t\x12\r\n\x05ready\x18\x06 \x01(\x08\x12\x14\n\x0clora_enabled\x18\x07 \x01(\x08\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x15\n\rmax_lora_rank\x18\t \x01(\r*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03*<\n\x08SyncMode\x12\x19\n\x15SYNC_MODE_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46ULL\x10\x01\x12\x0b\n\x07\x41\x44\x41PTER\x10\x02*)\n\x0f\x44igestAlgorithm\x12\n\n\x06SHA256\x10\x00\x12\n\n\x06\x42LAKE3\x10\x01\x32\xd1\x01\n\x0eRolloutService\x12\x41\n\x08Generate\x12\x19.rmsft.v1.GenerateRequest\x1a\x1a.rmsft.v1.GenerateResponse\x12?\n\rUpdateWeights\x12\x15.rmsft.v1.WeightChunk\x1a\x15.rmsft.v1.UpdateReply(\x01\x12;\n\tGetStatus\x12\x17.rmsft.v1.StatusRequest\x1a\x15.rmsft.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1armsft_protos/rollout.proto\x12\x08rmsft.v1\"\xca\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\t\n\x01n\x18\x08 \x01(\r\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"C\n\x05Image\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03uri\x18\x02 \x01(\tH\x00\x12\x11\n\tmime_type\x18\x03 \x01(\tB\x08\n\x06source\"\x95\x01\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\'\n\x08messages\x18\x02 \x03(\x0b\x32\x15.rmsft.v1.ChatMessage\x12\x1f\n\x06images\x18\x03 \x03(\x0b\x32\x0f.rmsft.v1.Image\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x07\n\x05_seed\"\xc2\x01\n\x0fGenerateRequest\x12!\n\x07prompts\x18\x01 \x03(\x0b\x32\x10.rmsft.v1.Prompt\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.rmsft.v1.SamplingParams\x12$\n\x17\x65xpected_weight_version\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x1e\n\x16\x65xpected_weight_run_id\x18\x04 \x01(\tB\x1a\n\x18_expected_weight_version\"\xd3\x01\n\nCompletion\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.rmsft.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x04 \x01(\x04\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x14\n\x0csample_index\x18\x06 \x01(\r\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x15\n\rweight_run_id\x18\x08 \x01(\t\"l\n\x10GenerateResponse\x12)\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x14.rmsft.v1.Completion\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\x12\x15\n\rweight_run_id\x18\x03 \x01(\t\"\x8b\x02\n\x0cWeightHeader\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12 \n\x04mode\x18\x02 \x01(\x0e\x32\x12.rmsft.v1.SyncMode\x12\x14\n\x0ctensor_count\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13\x61\x64\x61pter_config_json\x18\x05 \x01(\t\x12\x33\n\x10\x64igest_algorithm\x18\x06 \x01(\x0e\x32\x19.rmsft.v1.DigestAlgorithm\x12)\n\x0bshared_file\x18\x07 \x01(\x0b\x32\x14.rmsft.v1.SharedFile\x12\x10\n\x08relay_to\x18\x08 \x03(\t\x12\x0e\n\x06run_id\x18\t \x01(\t\"C\n\nSharedFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.rmsft.v1.SharedTensor\"I\n\x0cSharedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\r\n\x05start\x18\x04 \x01(\x04\"W\n\x0bTensorPiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x1f\n\rWeightTrailer\x12\x0e\n\x06\x64igest\x18\x01 \x01(\x0c\"\x93\x01\n\x0bWeightChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.rmsft.v1.WeightHeaderH\x00\x12&\n\x05piece\x18\x02 \x01(\x0b\x32\x15.rmsft.v1.TensorPieceH\x00\x12*\n\x07trailer\x18\x03 \x01(\x0b\x32\x17.rmsft.v1.WeightTrailerH\x00\x42\x06\n\x04kind\"\x9f\x01\n\x0bUpdateReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x17\n\x0ftensors_applied\x18\x02 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12\x15\n\rapply_seconds\x18\x04 \x01(\x01\x12\'\n\x07relayed\x18\x05 \x03(\x0b\x32\x16.rmsft.v1.RelayOutcome\x12\x0e\n\x06run_id\x18\x06 \x01(\t\"_\n\x0cRelayOutcome\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x0e\n\x06run_id\x18\x05 \x01(\t\"\x0f\n\rStatusRequest\"\xe7\x01\n\x0bStatusReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x02 \x01(\r\x12\x17\n\x0freplica_ordinal\x18\x03 \x01(\x05\x12\x16\n\x0eweight_version\x18\x04 \x01(\x04\x12\x16\n\x0e\x61\x63tive_adapter\x18\x05 \x01(\t\x12\r\n\x05ready\x18\x06 \x01(\x08\x12\x14\n\x0clora_enabled\x18\x07 \x01(\x08\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x15\n\rmax_lora_rank\x18\t \x01(\r\x12\x15\n\rweight_run_id\x18\n \x01(\t*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03*<\n\x08SyncMode\x12\x19\n\x15SYNC_MODE_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46ULL\x10\x01\x12\x0b\n\x07\x41\x44\x41PTER\x10\x02*)\n\x0f\x44igestAlgorithm\x12\n\n\x06SHA256\x10\x00\x12\n\n\x06\x42LAKE3\x10\x01\x32\xd1\x01\n\x0eRolloutService\x12\x41\n\x08Generate\x12\x19.rmsft.v1.GenerateRequest\x1a\x1a.rmsft.v1.GenerateResponse\x12?\n\rUpdateWeights\x12\x15.rmsft.v1.WeightChunk\x1a\x15.rmsft.v1.UpdateReply(\x01\x12;\n\tGetStatus\x12\x17.rmsft.v1.StatusRequest\x1a\x15.rmsft.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rmsft_protos.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2080
-  _globals['_FINISHREASON']._serialized_end=2158
-  _globals['_SYNCMODE']._serialized_start=2160
-  _globals['_SYNCMODE']._serialized_end=2220
-  _globals['_DIGESTALGORITHM']._serialized_start=2222
-  _globals['_DIGESTALGORITHM']._serialized_end=2263
+  _globals['_FINISHREASON']._serialized_start=2229
+  _globals['_FINISHREASON']._serialized_end=2307
+  _globals['_SYNCMODE']._serialized_start=2309
+  _globals['_SYNCMODE']._serialized_end=2369
+  _globals['_DIGESTALGORITHM']._serialized_start=2371
+  _globals['_DIGESTALGORITHM']._serialized_end=2412
   _globals['_SAMPLINGPARAMS']._serialized_start=41
   _globals['_SAMPLINGPARAMS']._serialized_end=243
   _globals['_CHATMESSAGE']._serialized_start=245
@@ -46,31 +46,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROMPT']._serialized_start=361
   _globals['_PROMPT']._serialized_end=510
   _globals['_GENERATEREQUEST']._serialized_start=513
-  _globals['_GENERATEREQUEST']._serialized_end=675
-  _globals['_COMPLETION']._serialized_start=678
-  _globals['_COMPLETION']._serialized_end=866
-  _globals['_GENERATERESPONSE']._serialized_start=868
-  _globals['_GENERATERESPONSE']._serialized_end=953
-  _globals['_WEIGHTHEADER']._serialized_start=956
-  _globals['_WEIGHTHEADER']._serialized_end=1207
-  _globals['_SHAREDFILE']._serialized_start=1209
-  _globals['_SHAREDFILE']._serialized_end=1276
-  _globals['_SHAREDTENSOR']._serialized_start=1278
-  _globals['_SHAREDTENSOR']._serialized_end=1351
-  _globals['_TENSORPIECE']._serialized_start=1353
-  _globals['_TENSORPIECE']._serialized_end=1440
-  _globals['_WEIGHTTRAILER']._serialized_start=1442
-  _globals['_WEIGHTTRAILER']._serialized_end=1473
-  _globals['_WEIGHTCHUNK']._serialized_start=1476
-  _globals['_WEIGHTCHUNK']._serialized_end=1623
-  _globals['_UPDATEREPLY']._serialized_start=1626
-  _globals['_UPDATEREPLY']._serialized_end=1769
-  _globals['_RELAYOUTCOME']._serialized_start=1771
-  _globals['_RELAYOUTCOME']._serialized_end=1850
-  _globals['_STATUSREQUEST']._serialized_start=1852
-  _globals['_STATUSREQUEST']._serialized_end=1867
-  _globals['_STATUSREPLY']._serialized_start=1870
-  _globals['_STATUSREPLY']._serialized_end=2078
-  _globals['_ROLLOUTSERVICE']._serialized_start=2266
-  _globals['_ROLLOUTSERVICE']._serialized_end=2475
+  _globals['_GENERATEREQUEST']._serialized_end=707
+  _globals['_COMPLETION']._serialized_start=710
+  _globals['_COMPLETION']._serialized_end=921
+  _globals['_GENERATERESPONSE']._serialized_start=923
+  _globals['_GENERATERESPONSE']._serialized_end=1031
+  _globals['_WEIGHTHEADER']._serialized_start=1034
+  _globals['_WEIGHTHEADER']._serialized_end=1301
+  _globals['_SHAREDFILE']._serialized_start=1303
+  _globals['_SHAREDFILE']._serialized_end=1370
+  _globals['_SHAREDTENSOR']._serialized_start=1372
+  _globals['_SHAREDTENSOR']._serialized_end=1445
+  _globals['_TENSORPIECE']._serialized_start=1447
+  _globals['_TENSORPIECE']._serialized_end=1534
+  _globals['_WEIGHTTRAILER']._serialized_start=1536
+  _globals['_WEIGHTTRAILER']._serialized_end=1567
+  _globals['_WEIGHTCHUNK']._serialized_start=1570
+  _globals['_WEIGHTCHUNK']._serialized_end=1717
+  _globals['_UPDATEREPLY']._serialized_start=1720
+  _globals['_UPDATEREPLY']._serialized_end=1879
+  _globals['_RELAYOUTCOME']._serialized_start=1881
+  _globals['_RELAYOUTCOME']._serialized_end=1976
+  _globals['_STATUSREQUEST']._serialized_start=1978
+  _globals['_STATUSREQUEST']._serialized_end=1993
+  _globals['_STATUSREPLY']._serialized_start=1996
+  _globals['_STATUSREPLY']._serialized_end=2227
+  _globals['_ROLLOUTSERVICE']._serialized_start=2415
+  _globals['_ROLLOUTSERVICE']._serialized_end=2624
 # @@protoc_insertion_point(module_scope)

@@ -91,17 +91,19 @@ class Prompt(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., seed: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "sampling", "expected_weight_version")
+    __slots__ = ("prompts", "sampling", "expected_weight_version", "expected_weight_run_id")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_WEIGHT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     sampling: SamplingParams
     expected_weight_version: int
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., expected_weight_version: _Optional[int] = ...) -> None: ...
+    expected_weight_run_id: str
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., expected_weight_version: _Optional[int] = ..., expected_weight_run_id: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("prompt_token_ids", "token_ids", "finish_reason", "weight_version", "request_id", "sample_index", "logprobs")
+    __slots__ = ("prompt_token_ids", "token_ids", "finish_reason", "weight_version", "request_id", "sample_index", "logprobs", "weight_run_id")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +111,7 @@ class Completion(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
@@ -116,18 +119,21 @@ class Completion(_message.Message):
     request_id: str
     sample_index: int
     logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    weight_run_id: str
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_run_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("completions", "weight_version")
+    __slots__ = ("completions", "weight_version", "weight_run_id")
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     completions: _containers.RepeatedCompositeFieldContainer[Completion]
     weight_version: int
-    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    weight_run_id: str
+    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., weight_version: _Optional[int] = ..., weight_run_id: _Optional[str] = ...) -> None: ...
 
 class WeightHeader(_message.Message):
-    __slots__ = ("version", "mode", "tensor_count", "total_bytes", "adapter_config_json", "digest_algorithm", "shared_file", "relay_to")
+    __slots__ = ("version", "mode", "tensor_count", "total_bytes", "adapter_config_json", "digest_algorithm", "shared_file", "relay_to", "run_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +142,7 @@ class WeightHeader(_message.Message):
     DIGEST_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     SHARED_FILE_FIELD_NUMBER: _ClassVar[int]
     RELAY_TO_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     mode: SyncMode
     tensor_count: int
@@ -144,7 +151,8 @@ class WeightHeader(_message.Message):
     digest_algorithm: DigestAlgorithm
     shared_file: SharedFile
     relay_to: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, str]] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., adapter_config_json: _Optional[str] = ..., digest_algorithm: _Optional[_Union[DigestAlgorithm, str]] = ..., shared_file: _Optional[_Union[SharedFile, _Mapping]] = ..., relay_to: _Optional[_Iterable[str]] = ...) -> None: ...
+    run_id: str
+    def __init__(self, version: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, str]] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., adapter_config_json: _Optional[str] = ..., digest_algorithm: _Optional[_Union[DigestAlgorithm, str]] = ..., shared_file: _Optional[_Union[SharedFile, _Mapping]] = ..., relay_to: _Optional[_Iterable[str]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class SharedFile(_message.Message):
     __slots__ = ("path", "tensors")
@@ -197,37 +205,41 @@ class WeightChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., piece: _Optional[_Union[TensorPiece, _Mapping]] = ..., trailer: _Optional[_Union[WeightTrailer, _Mapping]] = ...) -> None: ...
 
 class UpdateReply(_message.Message):
-    __slots__ = ("version", "tensors_applied", "bytes_received", "apply_seconds", "relayed")
+    __slots__ = ("version", "tensors_applied", "bytes_received", "apply_seconds", "relayed", "run_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_APPLIED_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors_applied: int
     bytes_received: int
     apply_seconds: float
     relayed: _containers.RepeatedCompositeFieldContainer[RelayOutcome]
-    def __init__(self, version: _Optional[int] = ..., tensors_applied: _Optional[int] = ..., bytes_received: _Optional[int] = ..., apply_seconds: _Optional[float] = ..., relayed: _Optional[_Iterable[_Union[RelayOutcome, _Mapping]]] = ...) -> None: ...
+    run_id: str
+    def __init__(self, version: _Optional[int] = ..., tensors_applied: _Optional[int] = ..., bytes_received: _Optional[int] = ..., apply_seconds: _Optional[float] = ..., relayed: _Optional[_Iterable[_Union[RelayOutcome, _Mapping]]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class RelayOutcome(_message.Message):
-    __slots__ = ("address", "code", "message", "version")
+    __slots__ = ("address", "code", "message", "version", "run_id")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     address: str
     code: int
     message: str
     version: int
-    def __init__(self, address: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    run_id: str
+    def __init__(self, address: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., version: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("model", "tensor_parallel_size", "replica_ordinal", "weight_version", "active_adapter", "ready", "lora_enabled", "backend", "max_lora_rank")
+    __slots__ = ("model", "tensor_parallel_size", "replica_ordinal", "weight_version", "active_adapter", "ready", "lora_enabled", "backend", "max_lora_rank", "weight_run_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ORDINAL_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +249,7 @@ class StatusReply(_message.Message):
     LORA_ENABLED_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     tensor_parallel_size: int
     replica_ordinal: int
@@ -246,4 +259,5 @@ class StatusReply(_message.Message):
     lora_enabled: bool
     backend: str
     max_lora_rank: int
-    def __init__(self, model: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., replica_ordinal: _Optional[int] = ..., weight_version: _Optional[int] = ..., active_adapter: _Optional[str] = ..., ready: _Optional[bool] = ..., lora_enabled: _Optional[bool] = ..., backend: _Optional[str] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
+    weight_run_id: str
+    def __init__(self, model: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., replica_ordinal: _Optional[int] = ..., weight_version: _Optional[int] = ..., active_adapter: _Optional[str] = ..., ready: _Optional[bool] = ..., lora_enabled: _Optional[bool] = ..., backend: _Optional[str] = ..., max_lora_rank: _Optional[int] = ..., weight_run_id: _Optional[str] = ...) -> None: ...

@@ -156,9 +156,9 @@ def _log_summary(summary) -> None:
     import logging
 
     log = logging.getLogger("rmsft.train")
-    log.info("training done: %d steps, loss %.4f -> %.4f, weight version %d, rollout retries %d, %.1fs",
-             summary.steps, summary.first_loss, summary.last_loss, summary.weight_version, summary.retries,
-             summary.wall_seconds)
+    log.info("training done: %d steps, loss %.4f -> %.4f, weight version %d of run %s, rollout retries %d, %.1fs",
+             summary.steps, summary.first_loss, summary.last_loss, summary.weight_version, summary.run_id,
+             summary.retries, summary.wall_seconds)
     if summary.f1:
         log.info("rollout F1 %.3f -> %.3f", summary.f1[0], summary.f1[-1])
     if summary.rewards:

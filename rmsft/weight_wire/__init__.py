@@ -15,6 +15,9 @@ transports carry the bytes; everything else is common:
   stream carries no pieces. Each server checks the file against the same rules by reading it as
   if it were the pieces of a stream.
 
+Every update announces a weight version, `header.run_id` with `header.version`: the pair is what
+the server reports once the update applied, and what a fenced Generate must name (see `version`).
+
 Common rules: `header.tensor_count` / `header.total_bytes` count the tensors and their raw bytes
 (C order, the tensor's own dtype, little-endian as torch stores it). The trailer holds a digest
 over every tensor byte in stream (file) order with the hash the header names (`digest_algorithm`:
@@ -26,6 +29,8 @@ update, ABORTED when another update is in progress.
 
 - `contract`: the rules (dtypes, `TensorSpec`, digests, `WireError`, limits, field tags read from
   the protobuf descriptor);
+- `version`: what a weight version is, `WeightVersion` (the announcing learner run's id and a
+  number), and the fields of every message that carries one (`version_of` / `set_version`);
 - `send`: the learner's encoder (grpc) and `shared`: the shared-file writer and reader (shm);
 - `receive`: the server's `StreamReader` and zero-copy deserializer.
 
@@ -68,6 +73,16 @@ from rmsft.weight_wire.shared import (
     open_shared,
     shared_dir_from_env,
 )
+from rmsft.weight_wire.version import (
+    FRESH,
+    NO_RUN,
+    WeightVersion,
+    check_run_id,
+    mismatch_message,
+    new_run_id,
+    set_version,
+    version_of,
+)
 
 __all__ = [
     "ADAPTER", "BLAKE3", "DEFAULT_DIGEST", "DEFAULT_FRAME_BYTES", "DEFAULT_MAX_FRAME_BYTES", "DTYPE_SIZES", "FULL",
@@ -76,4 +91,5 @@ __all__ = [
     "WireError", "decode_chunk", "digest_name", "dtype_name", "encode_piece", "encode_planned_stream",
     "encode_weight_stream", "iter_weight_chunks", "new_hash", "plan_weight_stream", "stream_header",
     "torch_dtype", "update_weights_raw",
+    "FRESH", "NO_RUN", "WeightVersion", "check_run_id", "mismatch_message", "new_run_id", "set_version", "version_of",
 ]  # fmt: skip

@@ -25,6 +25,7 @@ from rmsft.weight_wire.contract import (
     WireError,
     digest_name,
 )
+from rmsft.weight_wire.version import check_run_id
 
 
 @dataclass
@@ -65,6 +66,7 @@ class StreamReader:
             raise WireError(f"header.mode must be FULL or ADAPTER, got {header.mode}")
         if header.mode == ADAPTER and not header.adapter_config_json:
             raise WireError("ADAPTER header without adapter_config_json")
+        check_run_id(header.run_id)  # it goes into logs and metric labels
         if header.digest_algorithm not in (SHA256, BLAKE3):
             raise WireError(f"header.digest_algorithm {header.digest_algorithm} is not SHA256 (0) or BLAKE3 (1)")
         if self.require_all and self.expected is not None:

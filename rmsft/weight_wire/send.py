@@ -40,9 +40,11 @@ from rmsft.weight_wire.contract import (
     PipelinedDigest,
     SyncMode,
     TensorSpec,
+    WireError,
     dtype_name,
     new_hash,
 )
+from rmsft.weight_wire.version import NO_RUN, check_run_id
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -65,6 +67,7 @@ def stream_header(
     *,
     version: int,
     mode: SyncMode,
+    run_id: str = NO_RUN,
     adapter_config_json: str = "",
     frame_bytes: int = DEFAULT_FRAME_BYTES,
     digest: int = DEFAULT_DIGEST,
@@ -73,9 +76,15 @@ def stream_header(
     """Check a stream's arguments and build its header from (name, spec) pairs alone: no tensor
     needs to exist yet. `relay_to`: the servers the receiver forwards the stream to (in order).
 
-    Raises ValueError on a bad frame size, mode, digest, missing adapter config or duplicate
+    `run_id`: the learner run announcing `version` (rmsft.weight_wire.version; NO_RUN outside any run).
+
+    Raises ValueError on a bad frame size, mode, digest, run id, missing adapter config or duplicate
     names, in the caller, before anything is sent.
     """
+    try:
+        check_run_id(run_id)
+    except WireError as e:
+        raise ValueError(str(e)) from None
     new_hash(digest)  # an unknown algorithm fails here, not after the first frames went out
     if frame_bytes <= 0:
         raise ValueError(f"frame_bytes must be positive, got {frame_bytes}")
@@ -89,6 +98,7 @@ def stream_header(
         raise ValueError(f"duplicate tensor names in weight stream: {dup[:5]}")
     return rollout_pb2.WeightHeader(
         version=version,
+        run_id=run_id,
         mode=mode,
         tensor_count=len(specs),
         total_bytes=sum(s.nbytes for _, s in specs),
@@ -103,6 +113,7 @@ def plan_weight_stream(
     *,
     version: int,
     mode: SyncMode,
+    run_id: str = NO_RUN,
     adapter_config_json: str = "",
     frame_bytes: int = DEFAULT_FRAME_BYTES,
     digest: int = DEFAULT_DIGEST,
@@ -113,7 +124,8 @@ def plan_weight_stream(
     items = list(named_tensors)
     planned = [(n, t, TensorSpec(dtype_name(t.dtype), tuple(t.shape))) for n, t in items]
     header = stream_header(
-        [(n, s) for n, _, s in planned], version=version, mode=mode, adapter_config_json=adapter_config_json,
+        [(n, s) for n, _, s in planned], version=version, run_id=run_id, mode=mode,
+        adapter_config_json=adapter_config_json,
         frame_bytes=frame_bytes, digest=digest, relay_to=relay_to,
     )  # fmt: skip
     return header, planned
@@ -171,6 +183,7 @@ def iter_weight_chunks(
     *,
     version: int,
     mode: SyncMode,
+    run_id: str = NO_RUN,
     adapter_config_json: str = "",
     frame_bytes: int = DEFAULT_FRAME_BYTES,
     digest: int = DEFAULT_DIGEST,
@@ -179,7 +192,7 @@ def iter_weight_chunks(
     that inspect or edit them; the learner sends `encode_weight_stream`'s pre-serialized bytes,
     the same bytes with two fewer payload copies)."""
     header, planned = plan_weight_stream(
-        named_tensors, version=version, mode=mode, adapter_config_json=adapter_config_json,
+        named_tensors, version=version, run_id=run_id, mode=mode, adapter_config_json=adapter_config_json,
         frame_bytes=frame_bytes, digest=digest,
     )  # fmt: skip
     yield rollout_pb2.WeightChunk(header=header)
@@ -227,6 +240,7 @@ def encode_weight_stream(
     *,
     version: int,
     mode: SyncMode,
+    run_id: str = NO_RUN,
     adapter_config_json: str = "",
     frame_bytes: int = DEFAULT_FRAME_BYTES,
     digest: int = DEFAULT_DIGEST,
@@ -238,7 +252,7 @@ def encode_weight_stream(
     caller); the pieces are produced lazily, one frame at a time.
     """
     header, planned = plan_weight_stream(
-        named_tensors, version=version, mode=mode, adapter_config_json=adapter_config_json,
+        named_tensors, version=version, run_id=run_id, mode=mode, adapter_config_json=adapter_config_json,
         frame_bytes=frame_bytes, digest=digest, relay_to=relay_to,
     )  # fmt: skip
     return header, _requests(header, planned, frame_bytes)
@@ -250,6 +264,7 @@ def encode_planned_stream(
     *,
     version: int,
     mode: SyncMode,
+    run_id: str = NO_RUN,
     adapter_config_json: str = "",
     frame_bytes: int = DEFAULT_FRAME_BYTES,
     digest: int = DEFAULT_DIGEST,
@@ -262,8 +277,8 @@ def encode_planned_stream(
     Same bytes as `encode_weight_stream` of the same tensors."""
     specs = list(specs)
     header = stream_header(
-        specs, version=version, mode=mode, adapter_config_json=adapter_config_json, frame_bytes=frame_bytes,
-        digest=digest, relay_to=relay_to,
+        specs, version=version, run_id=run_id, mode=mode, adapter_config_json=adapter_config_json,
+        frame_bytes=frame_bytes, digest=digest, relay_to=relay_to,
     )  # fmt: skip
     return header, _requests(header, _checked(specs, tensors), frame_bytes)
 

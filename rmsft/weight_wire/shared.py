@@ -43,6 +43,7 @@ from rmsft.weight_wire.contract import (
 )
 from rmsft.weight_wire.receive import StreamReader
 from rmsft.weight_wire.send import _checked, _flat_bytes, stream_header
+from rmsft.weight_wire.version import NO_RUN
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -88,12 +89,13 @@ class SharedUpdate:
         *,
         version: int,
         mode: SyncMode,
+        run_id: str = NO_RUN,
         adapter_config_json: str = "",
         digest: int = DEFAULT_DIGEST,
     ) -> SharedUpdate:
         specs = list(specs)
-        header = stream_header(specs, version=version, mode=mode, adapter_config_json=adapter_config_json,
-                               digest=digest)
+        header = stream_header(specs, version=version, run_id=run_id, mode=mode,
+                               adapter_config_json=adapter_config_json, digest=digest)
         directory = str(directory)
         path = os.path.join(directory, f"{FILE_PREFIX}v{version}-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin")
         # Readable by the servers, which may run as another user in their own pods.

@@ -196,9 +196,13 @@ def test_text_job_over_shm_resumes_after_the_learner_pod_is_killed(cluster: Clus
     assert second is not None and second["metadata"]["uid"] != first["metadata"]["uid"]
     log = cluster.logs(ns, second["metadata"]["name"])
     assert re.search(rf"training done: {steps} steps", log), log[-3000:]
-    resumed = re.search(r"resumed from step (\d+) \(weight version (\d+)", log)
+    resumed = re.search(r"resumed from step (\d+) \(weight version (\d+) of run ([\w.-]+)\); this run is ([\w.-]+)",
+                        log)
     assert resumed, log[-3000:]
     assert int(resumed.group(1)) >= 10, log[-3000:]  # the checkpoint of step 10 or later, not step 0
+    # A new run (issue 27): its weight versions are (its run id, number), never taken for the killed one's.
+    dead, live = resumed.group(3), resumed.group(4)
+    assert dead != live and f"learner run {live}" in log and f"of run {live} synced" in log, log[-3000:]
     assert not re.search(r"step 1 v\d+ loss ", log), log[-3000:]  # it did not start over
 
     cluster.kubectl("-n", ns, "delete", "rmj", job, "--wait=true", timeout=300)

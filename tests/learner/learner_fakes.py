@@ -4,6 +4,11 @@ The engine answers deterministically from the prompt and its seed, so a chunk an
 server gives the same completion. Faults are switched on per server: stop (the process dies),
 delay, a wrong version in replies, FAILED_PRECONDITION, rejecting ADAPTER updates.
 Weight updates are verified with the real wire reader and kept for the test to inspect.
+
+Weight versions follow the real server's rules (rmsft.weight_wire.version): the engine holds a run
+id with its version number, takes both from an update's header, reports both, and refuses a
+Generate fenced to another pair. An engine made at version > 0 holds that version of `FAKE_RUN`
+(the run of the pools the tests build with `run_id=FAKE_RUN`), as if that run had synced it.
 """
 
 from __future__ import annotations
@@ -19,9 +24,21 @@ import grpc
 import torch
 from rmsft_protos import rollout_pb2, rollout_pb2_grpc
 
-from rmsft.weight_wire import ADAPTER, StreamReader, WireError, torch_dtype
+from rmsft.weight_wire import (
+    ADAPTER,
+    NO_RUN,
+    StreamReader,
+    WeightVersion,
+    WireError,
+    mismatch_message,
+    set_version,
+    torch_dtype,
+    version_of,
+)
 from rollout_svc.prompts import sample_seed
 from rollout_svc.server import GENERATE_RECEIVE_BYTES
+
+FAKE_RUN = "fakerun00001"  # the learner run of engines made at version > 0 (and of the tests' pools)
 
 
 def fake_tokens(prompt_ids: list[int], seed: int | None) -> list[int]:
@@ -56,10 +73,12 @@ class Received:
 class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
     ordinal: int = 0
     version: int = 0
+    run_id: str | None = None  # None: FAKE_RUN at a version > 0, NO_RUN (a fresh server) at 0
     lora_enabled: bool = False
     max_lora_rank: int = 64
     delay_s: float = 0.0
-    reply_version: int | None = None  # answer with this version, ignoring expected_weight_version
+    reply_version: int | None = None  # answer with this version, ignoring the fence (expected version)
+    reply_run_id: str | None = None  # answer with this run id, ignoring the fence
     fail_generate: grpc.StatusCode | None = None
     fail_times: int = 10**9  # how many Generate calls fail while fail_generate is set
     reject_adapter: bool = False
@@ -76,6 +95,19 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
     # Renders chat messages as a real server of the learner's model would (`chat_renderer(model_dir)`): the
     # learner checks the prompt ids it gets back against its own.
     render: Callable[[list[dict[str, str]]], list[int]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.run_id is None:
+            self.run_id = FAKE_RUN if self.version else NO_RUN
+
+    @property
+    def weights(self) -> WeightVersion:
+        return WeightVersion(self.run_id, self.version)
+
+    def hold(self, weights: WeightVersion) -> None:
+        """Hold `weights` (what an applied update of that version leaves)."""
+        with self.lock:
+            self.run_id, self.version = weights.run_id, weights.number
 
     def _auth(self, context: grpc.ServicerContext) -> None:
         md = dict(context.invocation_metadata())
@@ -97,19 +129,15 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
         try:
             if fail is not None:
                 context.abort(fail, f"injected {fail.name} on server {self.ordinal}")
-            if (
-                self.reply_version is None
-                and request.HasField("expected_weight_version")
-                and request.expected_weight_version != self.version
-            ):
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"server has weight version {self.version}, request expects {request.expected_weight_version}",
-                )
+            expected = version_of(request)
+            ignore_fence = self.reply_version is not None or self.reply_run_id is not None
+            if not ignore_fence and expected is not None and expected != self.weights:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch_message(expected, self.weights))
             if self.delay_s:
                 time.sleep(self.delay_s)
-            version = self.version if self.reply_version is None else self.reply_version
-            out = rollout_pb2.GenerateResponse(weight_version=version)
+            version = WeightVersion(self.run_id if self.reply_run_id is None else self.reply_run_id,
+                                    self.version if self.reply_version is None else self.reply_version)
+            out = set_version(rollout_pb2.GenerateResponse(), version)
             for p in request.prompts:
                 ids = list(p.token_ids)
                 if not ids and self.render is not None:
@@ -117,15 +145,14 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
                 for k in range(request.sampling.n or 1):  # the real server's sample order and seed rule
                     seed = sample_seed(p.seed, k) if p.HasField("seed") else None
                     toks = fake_tokens(ids, seed)
-                    out.completions.add(
+                    set_version(out.completions.add(
                         prompt_token_ids=ids,
                         token_ids=toks,
                         finish_reason=rollout_pb2.STOP,
-                        weight_version=version,
                         request_id=p.request_id,
                         sample_index=k,
                         logprobs=[-0.5] * len(toks) if request.sampling.logprobs else (),
-                    )
+                    ), version)  # fmt: skip
             return out
         finally:
             with self.lock:
@@ -164,13 +191,13 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
             tensors[t.name] = flat.reshape(t.spec.shape).clone()
         with self.lock:
             self.updates.append(Received(reader.header, tensors, biggest))
-            self.version = reader.header.version
+            self.run_id, self.version = reader.header.run_id, reader.header.version  # together, as the server
             self.active_adapter = f"adapter-v{self.version}" if reader.header.mode == ADAPTER else ""
             self.events.append(f"update:{reader.header.version}")
-        return rollout_pb2.UpdateReply(
-            version=reader.header.version, tensors_applied=len(tensors), bytes_received=reader.received_bytes,
+        return set_version(rollout_pb2.UpdateReply(
+            tensors_applied=len(tensors), bytes_received=reader.received_bytes,
             relayed=self._relay(received, context),
-        )
+        ), version_of(reader.header))  # fmt: skip
 
     def _relay(self, chunks: list[rollout_pb2.WeightChunk], context) -> list[rollout_pb2.RelayOutcome]:
         """Forward the whole stream to header.relay_to, one server after the other (the real server
@@ -190,7 +217,8 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
                 stub = rollout_pb2_grpc.RolloutServiceStub(channel)
                 try:
                     reply = stub.UpdateWeights(iter([header, *chunks[1:]]), timeout=60, metadata=md)
-                    got = [rollout_pb2.RelayOutcome(address=address, version=reply.version), *reply.relayed]
+                    ok = set_version(rollout_pb2.RelayOutcome(address=address), version_of(reply))
+                    got = [ok, *reply.relayed]
                 except grpc.RpcError as e:
                     got = [outcome_of_error(address, e), *relayed_from_error(e)]
             out += got
@@ -202,11 +230,11 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
         self._auth(context)
         with self.lock:
             self.events.append("status")
-        return rollout_pb2.StatusReply(
-            model="fake", replica_ordinal=self.ordinal, weight_version=self.version, ready=True,
+        return set_version(rollout_pb2.StatusReply(
+            model="fake", replica_ordinal=self.ordinal, ready=True,
             lora_enabled=self.lora_enabled, backend="fake", max_lora_rank=self.max_lora_rank,
             active_adapter=self.active_adapter,
-        )  # fmt: skip
+        ), self.weights)  # fmt: skip
 
 
 class FakeServer:

@@ -32,6 +32,8 @@ def main(job_path: str, address: str, out_dir: str) -> None:
             "has_pool": trainer.pool is not None,
             "has_rollout_client": trainer.rollouts is not None,
             "version": trainer.version,
+            "run_id": trainer.state.run_id,  # rank 0's, on every rank
+            "rollout_run_ids": sorted({r.weight_run_id for h in trainer.history for r in h.rollouts}),
             "deepspeed": trainer.engine is not None,
             "evaluations": summary.evaluations,  # held-out (step, F1, mAP): rank 0's
             "exported": str(trainer.exported) if trainer.exported else None,

@@ -127,6 +127,9 @@ def _check_two_ranks(one_rank, reports, params, calls) -> None:
     (base,), (base_params,), base_calls = one_rank
     r0, r1 = reports
     assert (r0["world_size"], r1["world_size"]) == (2, 2)
+    # One run: rank 0 made its id and handed it out; every rollout either rank trained on carries it.
+    assert r0["run_id"] == r1["run_id"] != base["run_id"]
+    assert r0["rollout_run_ids"] == r1["rollout_run_ids"] == [r0["run_id"]]
     # Only rank 0 builds a pool / rollout client; the server saw exactly what one rank sends.
     assert r0["has_pool"] and r0["has_rollout_client"]
     assert not r1["has_pool"] and not r1["has_rollout_client"]

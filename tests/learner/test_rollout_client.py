@@ -9,7 +9,7 @@ import grpc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from learner_fakes import FakeEngine, FakeServer, fake_tokens
+from learner_fakes import FAKE_RUN, FakeEngine, FakeServer, fake_tokens
 
 from learner.rollouts.client import (
     NoServerAvailableError,
@@ -22,6 +22,7 @@ from learner.rollouts.client import (
 from learner.rollouts.pool import ServerPool
 from learner.rollouts.requests import MAX_CHUNK_BYTES
 from learner.tracking.metrics import ROLLOUT_RETRIES
+from rmsft.weight_wire import WeightVersion
 
 
 @pytest.fixture
@@ -31,7 +32,8 @@ def cluster():
 
     def make(n: int, version: int = 1, token: str | None = None, **kw):
         servers = [FakeServer(FakeEngine(ordinal=i, version=version, **kw)) for i in range(n)]
-        pool = ServerPool([s.address for s in servers], auth_token=token, reprobe_interval_s=0.0)
+        # The engines hold `version` of FAKE_RUN: as if this pool's run had synced them.
+        pool = ServerPool([s.address for s in servers], auth_token=token, reprobe_interval_s=0.0, run_id=FAKE_RUN)
         pool.set_current_version(version)
         made.append((servers, pool))
         return servers, pool
@@ -305,7 +307,7 @@ def test_failed_precondition_server_is_resynced_before_more_work(cluster) -> Non
 
     def resync(server):
         resynced.append(server.address)
-        servers[server.index].engine.version = pool.current_version
+        servers[server.index].engine.hold(pool.current)  # what a re-sync leaves
 
     reqs = requests(8)
     out = RolloutClient(pool, resync=resync, generate_batch_size=1).generate(reqs)
@@ -339,13 +341,69 @@ def test_server_reported_stale_by_status_is_resynced_before_it_gets_work(cluster
 
     def resync(server):
         order.append(("resync", list(servers[server.index].engine.events)))
-        servers[server.index].engine.version = pool.current_version
+        servers[server.index].engine.hold(pool.current)  # what a re-sync leaves
 
     reqs = requests(8)
     out = RolloutClient(pool, resync=resync).generate(reqs)
     assert_complete(out, reqs)
     assert order == [("resync", ["status"])]  # probed, then re-synced; no Generate before that
     assert [r.server for r in out[:4]] == [servers[0].address] * 4  # gets its planned share back
+
+
+def test_another_runs_weights_under_the_same_number_are_stale(cluster) -> None:
+    """A weight version is (run id, number): a server another learner run synced to the same number is
+    refused by its fence, re-synced, and only then given work; nothing of the other run is returned."""
+    servers, pool = cluster(2)
+    servers[1].engine.hold(WeightVersion("otherrun0001", 1))
+    pool.refresh()
+    assert pool.is_current(pool.servers[0]) and not pool.is_current(pool.servers[1])
+    pool.servers[1].state.hold(pool.current)  # as if the learner had not noticed: the server's fence refuses
+    resynced = []
+
+    def resync(server):
+        resynced.append(server.address)
+        servers[server.index].engine.hold(pool.current)  # what a re-sync leaves
+
+    reqs = requests(8)
+    out = RolloutClient(pool, resync=resync, generate_batch_size=1).generate(reqs)
+    assert_complete(out, reqs)
+    assert resynced == [servers[1].address]
+    assert {r.weights for r in out} == {WeightVersion(FAKE_RUN, 1)}
+    assert any(r.server == servers[1].address for r in out)
+
+
+def test_refusals_of_chunks_sent_before_a_resync_do_not_count_against_it(cluster) -> None:
+    """Every server holds another run's weights while the learner thinks them current (another learner synced
+    them meanwhile), and each has several chunks in flight: all are refused. The first refusal starts the
+    server's re-sync; the others were sent before it and say nothing about it: no server is given up on, and
+    every chunk is served after the re-syncs."""
+    servers, pool = cluster(2)
+    pool.refresh()
+    for s in servers:
+        s.engine.hold(WeightVersion("otherrun0001", 1))
+    resynced, given_up = [], []
+
+    def resync(server):
+        resynced.append(server.address)
+        servers[server.index].engine.hold(pool.current)
+
+    real_mark_down = pool.mark_down
+    pool.mark_down = lambda server, error: (given_up.append((server.address, error)), real_mark_down(server, error))
+    reqs = requests(8)  # 4 chunks per server, all in flight before the first refusal comes back
+    out = RolloutClient(pool, resync=resync, generate_batch_size=1).generate(reqs)
+    assert_complete(out, reqs)
+    assert sorted(resynced) == sorted(s.address for s in servers)  # once each
+    assert given_up == []
+
+
+def test_completions_of_another_run_are_never_returned(cluster) -> None:
+    servers, pool = cluster(2, reply_run_id="otherrun0001")  # ignore the fence: another run's v1
+    with pytest.raises(StaleRolloutError, match=f"1 of run {FAKE_RUN}"):
+        RolloutClient(pool).generate(requests(4))
+    servers[0].engine.reply_run_id = None
+    pool.refresh()  # server 0 reports this run's v1 again; server 1's replies stay another run's
+    out = RolloutClient(pool).generate(requests(4))
+    assert {r.server for r in out} == {servers[0].address} and {r.weight_run_id for r in out} == {FAKE_RUN}
 
 
 def test_failed_resync_excludes_the_server(cluster) -> None:

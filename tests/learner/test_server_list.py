@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import trainer_fixtures
-from learner_fakes import FakeEngine, FakeServer, chat_renderer, fake_tokens
+from learner_fakes import FAKE_RUN, FakeEngine, FakeServer, chat_renderer, fake_tokens
 
 from learner.rollouts.client import RolloutClient, RolloutRequest
 from learner.rollouts.pool import ServerPool, ServersFile, ServersFileError, parse_server_list
@@ -98,7 +98,7 @@ def test_pool_follows_membership_keeping_known_servers(tmp_path: Path, fakes) ->
     s0, s1, s2 = fakes(3, version=4)
     f = tmp_path / "servers"
     write_servers(f, [s0.address, s1.address])
-    with ServerPool(ServersFile(f), reprobe_interval_s=0.0) as pool:
+    with ServerPool(ServersFile(f), reprobe_interval_s=0.0, run_id=FAKE_RUN) as pool:
         pool.set_current_version(4)
         pool.refresh()
         first = pool.servers[1]
@@ -115,7 +115,7 @@ def test_scaled_down_pool_finishes_on_the_remaining_server(tmp_path: Path, fakes
     s0, s1 = fakes(2, version=1)
     f = tmp_path / "servers"
     write_servers(f, [s0.address, s1.address])
-    with ServerPool(ServersFile(f), reprobe_interval_s=0.0) as pool:
+    with ServerPool(ServersFile(f), reprobe_interval_s=0.0, run_id=FAKE_RUN) as pool:
         pool.set_current_version(1)
         client = RolloutClient(pool, generate_batch_size=2)
         reqs = requests(8)
@@ -139,7 +139,7 @@ def test_wait_ready_does_not_wait_for_a_server_that_left(tmp_path: Path, fakes) 
     gone.stop()
     f = tmp_path / "servers"
     write_servers(f, [s0.address, gone.address])
-    with ServerPool(ServersFile(f), reprobe_interval_s=0.0) as pool:
+    with ServerPool(ServersFile(f), reprobe_interval_s=0.0, run_id=FAKE_RUN) as pool:
         threading.Timer(0.5, write_servers, (f, [s0.address])).start()
         t0 = time.monotonic()
         replies = pool.wait_ready(timeout_s=30, poll_s=0.1)
@@ -157,12 +157,12 @@ def test_added_server_is_resynced_before_it_gets_work(tmp_path: Path, fakes) -> 
     def resync(server) -> None:  # stands in for WeightSyncClient.resync_server
         resynced.append(server.address)
         engine = {s.address: s.engine for s in (s0, s1, new)}[server.address]
+        engine.hold(pool.current)
         with engine.lock:
-            engine.version = 3
             engine.events.append("update:3")
-        pool.mark_up(server, version=3)
+        pool.mark_up(server, weights=pool.current)
 
-    with ServerPool(ServersFile(f), reprobe_interval_s=0.0) as pool:
+    with ServerPool(ServersFile(f), reprobe_interval_s=0.0, run_id=FAKE_RUN) as pool:
         pool.set_current_version(3)
         client = RolloutClient(pool, resync=resync)
         write_servers(f, [s0.address, s1.address, new.address])
@@ -187,7 +187,7 @@ def test_sync_reaches_servers_added_beyond_the_pools_first_size(tmp_path: Path, 
     f = tmp_path / "servers"
     write_servers(f, [s0.address])
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    with ServerPool(ServersFile(f), reprobe_interval_s=0.0) as pool:
+    with ServerPool(ServersFile(f), reprobe_interval_s=0.0, run_id=FAKE_RUN) as pool:
         sync = WeightSyncClient(pool, model, frame_bytes=64 << 10, timeout_s=60)
         sync.sync(1)
         write_servers(f, [s0.address, s1.address, s2.address])

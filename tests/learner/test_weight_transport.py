@@ -29,7 +29,16 @@ from rmsft_protos import rollout_pb2
 import learner.sync.client as sync_client_module
 from learner.rollouts.pool import ServerPool
 from learner.sync.client import WeightSyncClient, WeightSyncError
-from rmsft.weight_wire import FULL, SharedUpdate, TensorSpec, dtype_name, update_weights_raw
+from rmsft.weight_wire import (
+    FRESH,
+    FULL,
+    SharedUpdate,
+    TensorSpec,
+    WeightVersion,
+    dtype_name,
+    update_weights_raw,
+    version_of,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -188,11 +197,35 @@ def test_full_staging_is_resource_exhausted_and_applies_nothing(pool_of, model, 
         _bump(model, 0.04)
         with pytest.raises(WeightSyncError, match="RESOURCE_EXHAUSTED"):
             client.sync(1)
-        assert all(pool.status(s).weight_version == 0 for s in pool.servers)
+        assert all(version_of(pool.status(s)) == FRESH for s in pool.servers)  # run id and number both kept
     for s in servers:
         assert torch.equal(s.param(PROBE), before)
         assert not any(p.suffix == ".bin" for p in s.staging.iterdir())
     assert _shared_files(pool_of.shared) == []
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_the_run_id_travels_with_every_version_relayed_or_shared(pool_of, model, transport) -> None:
+    """A weight version is (run id, number): every server applies, reports and acknowledges the pair (the
+    relayed ones too), and another learner run's pool takes none of them for current at the same number
+    until its own re-sync."""
+    servers = pool_of(3)
+    mine = WeightVersion("3fa2c1d09e77", 1)
+    with ServerPool([s.address for s in servers], run_id=mine.run_id) as pool:
+        client = _client(pool, model, transport, pool_of.shared)
+        report = client.sync(1)
+        assert report.run_id == mine.run_id
+        assert {a: version_of(r) for a, r in report.acked.items()} == {s.address: mine for s in servers}
+        assert [version_of(pool.status(s)) for s in pool.servers] == [mine] * 3
+        assert all(pool.is_current(s) for s in pool.servers)
+        assert [s.servicer.runner.weights for s in servers] == [mine] * 3
+    with ServerPool([s.address for s in servers], run_id="9b0e5d2c4a11") as other:
+        other.set_current_version(1)
+        other.refresh()
+        assert not any(other.is_current(s) for s in other.servers)  # same number, another run's weights
+        _client(other, model, transport, pool_of.shared).resync_server(other.servers[0])
+        assert [other.is_current(s) for s in other.servers] == [True, False, False]
+        assert servers[0].servicer.runner.weights == WeightVersion("9b0e5d2c4a11", 1)
 
 
 # -- shm: the file itself -----------------------------------------------------------------------

@@ -10,6 +10,7 @@ from concurrent.futures import Future
 
 import pytest
 
+from rmsft.weight_wire import WeightVersion
 from rollout_svc.engine import EngineError, EngineInputError, GenItem, GenOutput, Sampling
 from rollout_svc.runner import Cancelled, EngineRunner, RunnerStopped, VersionMismatch
 
@@ -51,7 +52,7 @@ def _item(first: int) -> GenItem:
 class Caller:
     """One Generate call on its own thread; `.result` is ("ok", value) or ("error", exception)."""
 
-    def __init__(self, runner: EngineRunner, items: list[GenItem], expected: int | None = None,
+    def __init__(self, runner: EngineRunner, items: list[GenItem], expected: WeightVersion | None = None,
                  on_cancel=None) -> None:
         self.result: tuple[str, object] = ("pending", None)
 
@@ -72,7 +73,7 @@ class Caller:
 
 def test_calls_reach_the_engine_while_others_run() -> None:
     engine = SubmitEngine()
-    runner = EngineRunner(engine, version=3)
+    runner = EngineRunner(engine, WeightVersion("run1", 3))
     a = Caller(runner, [_item(1), _item(2)])
     engine.wait_calls(1)
     b = Caller(runner, [_item(3)])
@@ -83,28 +84,29 @@ def test_calls_reach_the_engine_while_others_run() -> None:
     (ka, ra), (kb, rb) = a.join(), b.join()
     assert ka == kb == "ok"
     outs, version = ra
-    assert version == 3 and [o.token_ids for o in outs] == [[1001], [1002]]
+    assert version == WeightVersion("run1", 3) and [o.token_ids for o in outs] == [[1001], [1002]]
     assert [o.token_ids for o in rb[0]] == [[1003]]
     assert runner.running_calls == 0
 
 
 def test_an_apply_drains_running_calls_and_holds_new_ones() -> None:
     engine = SubmitEngine()
-    runner = EngineRunner(engine, version=1)
-    running = Caller(runner, [_item(1)], expected=1)
+    v1, v2 = WeightVersion("run1", 1), WeightVersion("run1", 2)
+    runner = EngineRunner(engine, v1)
+    running = Caller(runner, [_item(1)], expected=v1)
     engine.wait_calls(1)
     applied = threading.Event()
 
     def apply() -> None:
         assert runner.running_calls == 0, "an apply ran while a Generate call was running"
-        runner.version = 2
+        runner.weights = v2
         applied.set()
 
     applier = threading.Thread(target=runner.call, args=(apply,))
     applier.start()
     time.sleep(0.1)
     assert not applied.is_set()  # waits for the running call
-    late_old = Caller(runner, [_item(2)], expected=1)  # arrives while the apply waits
+    late_old = Caller(runner, [_item(2)], expected=v1)  # arrives while the apply waits
     late_any = Caller(runner, [_item(3)])
     time.sleep(0.1)
     assert len(engine.calls) == 1  # neither was handed to the engine before the apply
@@ -112,13 +114,13 @@ def test_an_apply_drains_running_calls_and_holds_new_ones() -> None:
     applier.join(10)
     assert applied.is_set()
     kind, (outs, version) = running.join()
-    assert kind == "ok" and version == 1  # produced by, and labelled with, the version it was admitted under
+    assert kind == "ok" and version == v1  # produced by, and labelled with, the version it was admitted under
     kind, err = late_old.join()
-    assert kind == "error" and isinstance(err, VersionMismatch) and (err.expected, err.actual) == (1, 2)
+    assert kind == "error" and isinstance(err, VersionMismatch) and (err.expected, err.actual) == (v1, v2)
     engine.wait_calls(2)
     engine.release(1)
     kind, (outs, version) = late_any.join()
-    assert kind == "ok" and version == 2
+    assert kind == "ok" and version == v2
 
 
 def test_cancel_reaches_the_engine() -> None:
@@ -220,3 +222,20 @@ def test_stop_is_not_blocked_by_an_apply_that_hangs() -> None:
         runner.generate([_item(1)], None)
     release.set()
     applier.join(5)
+
+
+def test_the_same_number_of_another_run_is_another_version() -> None:
+    """A weight version is (run id, number): a call fenced to v7 of one run is refused by a runner holding v7
+    of another (a restarted learner counts from its checkpoint's number again), naming both."""
+    engine = SubmitEngine()
+    runner = EngineRunner(engine, WeightVersion("9b0e5d2c4a11", 7))
+    kind, err = Caller(runner, [_item(1)], expected=WeightVersion("3fa2c1d09e77", 7)).join()
+    assert kind == "error" and isinstance(err, VersionMismatch)
+    assert str(err) == ("expected weight version 7 of run 3fa2c1d09e77, server has 7 of run 9b0e5d2c4a11 "
+                        "(same number, another run's weights)")
+    assert engine.calls == []  # nothing reached the engine
+    ok = Caller(runner, [_item(2)], expected=WeightVersion("9b0e5d2c4a11", 7))
+    engine.wait_calls(1)
+    engine.release(0)
+    kind, (_, version) = ok.join()
+    assert kind == "ok" and version == WeightVersion("9b0e5d2c4a11", 7)

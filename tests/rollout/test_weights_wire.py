@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from rmsft_protos import rollout_pb2
@@ -207,3 +209,89 @@ def test_unknown_digest_algorithm_is_refused_by_both_ends() -> None:
     chunks[0].header.digest_algorithm = 7
     with pytest.raises(WireError, match="digest_algorithm 7"):
         _receive(chunks, StreamReader())
+
+
+# -- weight versions: (run id, number) ----------------------------------------------------------
+
+
+def test_the_header_carries_the_run_id_on_both_transports(tmp_path) -> None:
+    """The run id announced with a version arrives with it: grpc (message and pre-serialized paths, as the
+    receiver parses them) and shm (the header that names the shared file, the file checked as a stream)."""
+    from rmsft.weight_wire import (
+        PieceFrame,
+        SharedUpdate,
+        WeightVersion,
+        check_shared,
+        decode_chunk,
+        dtype_name,
+        encode_weight_stream,
+        open_shared,
+        version_of,
+    )
+
+    want = WeightVersion("3fa2c1d09e77", 22)
+    src = _tensors()
+    chunks = list(iter_weight_chunks(src, version=22, run_id=want.run_id, mode=FULL, frame_bytes=64))
+    reader = StreamReader()
+    _receive(chunks, reader)
+    assert reader.finished and version_of(reader.header) == want
+    header, requests = encode_weight_stream(src, version=22, run_id=want.run_id, mode=FULL, frame_bytes=64)
+    assert version_of(header) == want
+    reader = StreamReader()  # what the server does with the bytes: its deserializer, then the reader
+    for raw in requests:
+        chunk = decode_chunk(raw)
+        if isinstance(chunk, PieceFrame):  # a piece's payload is a view, as the stager reads it
+            reader.on_piece(chunk.piece, chunk.data)
+        else:
+            reader.feed(chunk)
+    assert reader.finished and version_of(reader.header) == want
+
+    specs = [(n, TensorSpec(dtype_name(t.dtype), tuple(t.shape))) for n, t in src]
+    update = SharedUpdate.create(tmp_path, specs, version=22, run_id=want.run_id, mode=FULL)
+    try:
+        digest = update.write(src)
+        wire = rollout_pb2.WeightChunk.FromString(rollout_pb2.WeightChunk(header=update.header).SerializeToString())
+        assert version_of(wire.header) == want
+        reader = StreamReader()
+        reader.on_header(wire.header)
+        fd = open_shared(str(tmp_path), wire.header)
+        try:
+            check_shared(fd, wire.header, rollout_pb2.WeightTrailer(digest=digest), reader)
+        finally:
+            os.close(fd)
+        assert reader.finished and version_of(reader.header) == want
+    finally:
+        update.remove()
+
+
+@pytest.mark.parametrize("run_id", ["bad id", 'q"uote', "-dash-first", "x" * 65, "ü"])
+def test_a_run_id_that_cannot_go_into_a_log_line_or_a_label_is_refused_by_both_ends(run_id: str) -> None:
+    with pytest.raises(ValueError, match="run id"):
+        list(iter_weight_chunks(_tensors(), version=1, run_id=run_id, mode=FULL))
+    chunks = list(iter_weight_chunks(_tensors(), version=1, run_id="ok", mode=FULL))
+    chunks[0].header.run_id = run_id
+    with pytest.raises(WireError, match="run id") as err:
+        StreamReader().feed(chunks[0])
+    assert err.value.code == "INVALID_ARGUMENT" and err.value.reason == "run_id"
+
+
+def test_weight_version_is_the_pair_on_every_message_that_carries_one() -> None:
+    from rmsft.weight_wire import FRESH, NO_RUN, WeightVersion, mismatch_message, new_run_id, set_version, version_of
+
+    v = WeightVersion("3fa2c1d09e77", 22)
+    for message in (rollout_pb2.WeightHeader(), rollout_pb2.UpdateReply(), rollout_pb2.RelayOutcome(),
+                    rollout_pb2.StatusReply(), rollout_pb2.GenerateResponse(), rollout_pb2.Completion(),
+                    rollout_pb2.GenerateRequest()):
+        assert version_of(type(message).FromString(set_version(message, v).SerializeToString())) == v
+    assert version_of(rollout_pb2.GenerateRequest()) is None  # not fenced
+    assert version_of(set_version(rollout_pb2.GenerateRequest(), FRESH)) == FRESH  # fenced to v0 of no run
+    assert version_of(rollout_pb2.StatusReply()) == FRESH == WeightVersion(NO_RUN, 0)
+    with pytest.raises(TypeError, match="carries no weight version"):
+        version_of(rollout_pb2.Prompt())
+    assert (str(v), v.describe(), str(FRESH)) == ("v22 of run 3fa2c1d09e77", "22 of run 3fa2c1d09e77", "v0 of no run")
+    assert v != WeightVersion("9b0e5d2c4a11", 22) and v != WeightVersion(v.run_id, 21)
+    assert mismatch_message(WeightVersion("9b0e5d2c4a11", 22), v) == (
+        "expected weight version 22 of run 9b0e5d2c4a11, server has 22 of run 3fa2c1d09e77 (same number, another "
+        "run's weights)")
+    ids = {new_run_id() for _ in range(1000)}
+    assert len(ids) == 1000 and all(len(i) == 12 and int(i, 16) >= 0 for i in ids)

@@ -51,9 +51,9 @@ def named_tensors(draw) -> list[tuple[str, torch.Tensor]]:
 
 @settings(max_examples=150, deadline=None)
 @given(tensors=named_tensors(), frame=st.integers(1, 200), version=st.integers(0, 2**63),
-       adapter=st.booleans())  # fmt: skip
-def test_encoded_stream_is_byte_identical_to_protobuf(tensors, frame, version, adapter):
-    kw = dict(version=version, mode=ADAPTER if adapter else FULL, frame_bytes=frame,
+       adapter=st.booleans(), run_id=st.sampled_from(["", "3fa2c1d09e77", "run.A_b-" + "x" * 55]))  # fmt: skip
+def test_encoded_stream_is_byte_identical_to_protobuf(tensors, frame, version, adapter, run_id):
+    kw = dict(version=version, run_id=run_id, mode=ADAPTER if adapter else FULL, frame_bytes=frame,
               adapter_config_json='{"r": 8}' if adapter else "")  # fmt: skip
     want = [c.SerializeToString() for c in iter_weight_chunks(tensors, **kw)]
     header, requests = encode_weight_stream(tensors, **kw)
