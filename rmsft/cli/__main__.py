@@ -1,5 +1,6 @@
 """`python -m rmsft.cli ...` (torchrun runs the learner's ranks this way): the `rmsft` command."""
 
-from rmsft.cli.app import main
+if __name__ == "__main__":  # importing the module (tests/test_wheel.py imports every module) runs nothing
+    from rmsft.cli.app import main
 
-main()
+    main()
