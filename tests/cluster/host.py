@@ -105,8 +105,8 @@ class DockerEngine:
         stop_group(self.proc, grace=20)
         self.proc = None
         # dockerd's own containerd (a child it normally stops itself) and its bridge
-        for pattern in ("containerd --config /var/run/docker/containerd/containerd.toml",):
-            subprocess.run(["pkill", "-f", pattern], capture_output=True)
+        subprocess.run(["pkill", "-f", "containerd --config /var/run/docker/containerd/containerd.toml"],
+                       capture_output=True)
         subprocess.run(["ip", "link", "del", "docker0"], capture_output=True)
 
 

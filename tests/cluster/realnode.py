@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 from host import HostGuard, run, spawn, stop_group, unmount_under
 
@@ -149,16 +150,13 @@ state = "{self.node / 'containerd-state'}"
         self._wait(lambda: self.sock.exists(), 30, "containerd's socket", "containerd")
         self._remove_containers()  # a run that died may have left CRI containers in the kept store
 
-    def ctr(self, *args: str, timeout: float = 600, check: bool = True, input_file: Path | None = None,
-            stdin: int | None = None) -> subprocess.CompletedProcess[str]:
+    def ctr(self, *args: str, timeout: float = 600, check: bool = True,
+            stdin: IO[bytes] | None = None) -> subprocess.CompletedProcess[str]:
+        """`ctr` against this node's containerd, namespace k8s.io; `stdin` feeds an image stream."""
         cmd = ["ctr", "--address", str(self.sock), "-n", "k8s.io", *args]
-        if input_file is not None or stdin is not None:
-            with (open(input_file, "rb") if input_file else contextlib.nullcontext()) as f:
-                proc = subprocess.run(cmd, stdin=f if f else stdin, capture_output=True, timeout=timeout)
-            out = subprocess.CompletedProcess(cmd, proc.returncode, proc.stdout.decode(errors="replace"),
-                                              proc.stderr.decode(errors="replace"))
-        else:
-            out = run(*cmd, timeout=timeout, check=False)
+        proc = subprocess.run(cmd, stdin=stdin, capture_output=True, timeout=timeout)
+        out = subprocess.CompletedProcess(cmd, proc.returncode, proc.stdout.decode(errors="replace"),
+                                          proc.stderr.decode(errors="replace"))
         if check and out.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed: {out.stderr[-2000:]}")
         return out
