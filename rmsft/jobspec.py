@@ -132,8 +132,46 @@ class ResourceSpec(_K8s):
         return v
 
 
+class ColocateSpec(_K8s):
+    """The engine inside the learner's ranks (spec.rollout.mode: colocate): vLLM in the training processes,
+    on the same devices, for no-grad decoding only. Read by the learner; the operator deploys no pool."""
+
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=16, description="Learner ranks per engine: each group of this many ranks shares one vLLM engine "
+        "(vLLM's external launcher), gathers its requests and keeps its own slice. Must divide spec.learner.gpus; "
+        "1 on CPUs.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.45, gt=0.0, lt=1.0, description="Share of each GPU the engine may take (weights + KV cache); the rest is "
+        "training's. `rmsft plan` shows both budgets.",
+    )
+    kv_cache_bytes: int | None = Field(
+        None, ge=1 << 20, le=1 << 40, description="Exact KV cache size per engine in bytes; overrides "
+        "gpuMemoryUtilization (set it on CPUs).",
+    )
+    sleep_level: int = Field(
+        0, ge=0, le=2, description="vLLM sleep mode between generations (CUDA only): 1 frees the KV cache and moves "
+        "weights to host memory, 2 frees both (the learner restores the weights itself on wake-up). 0 keeps the "
+        "engine resident; sleep is emergency relief for memory, not a default.",
+    )
+    generate_batch_size: int = Field(
+        0, ge=0, le=65536, description="Most prompts per engine call (0 = the group's whole share at once); bounds "
+        "the multimodal prefill peak.",
+    )
+    offload_model: bool = Field(False, description="Training parameters to host memory while the engine decodes.")
+    offload_optimizer: bool = Field(False, description="Optimizer state to host memory while the engine decodes.")
+
+
 class RolloutSpec(_K8s):
-    replicas: int = Field(1, ge=0, le=256, description="Data-parallel rollout servers (0 = paused).")
+    mode: Literal["server", "colocate"] = Field(
+        "server", description="server: a pool of rollout servers (StatefulSet, gRPC). colocate: the engine runs "
+        "inside the learner's ranks on the learner's devices (spec.rollout.colocate); no pool, no weight transport.",
+    )
+    replicas: int | None = Field(
+        None, ge=0, le=256, description="Data-parallel rollout servers (0 = paused). Default 1 in server mode; "
+        "unset (or 0) with mode colocate.",
+    )
+    colocate: ColocateSpec = Field(default_factory=ColocateSpec)
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="GPUs per rollout server.")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     kv_cache_bytes: int | None = Field(
@@ -160,6 +198,19 @@ class RolloutSpec(_K8s):
         if self.port == self.metrics_port:
             raise ValueError(f"spec.rollout.port and spec.rollout.metricsPort must differ (both {self.port})")
         return self
+
+    @model_validator(mode="after")
+    def _pool_size(self) -> RolloutSpec:
+        # Unset means "the mode's default": one server, or no pool at all with colocate (CEL rule of the CRD too).
+        if self.mode == "colocate" and self.replicas:
+            raise ValueError(COLOCATE_REPLICAS)
+        if self.replicas is None:
+            self.replicas = 0 if self.mode == "colocate" else 1
+        return self
+
+    @property
+    def colocated(self) -> bool:
+        return self.mode == "colocate"
 
 
 class LearnerSpec(_K8s):
@@ -471,6 +522,8 @@ class JobSpec(_K8s):
 
     @property
     def gpus_needed(self) -> int:
+        if self.rollout.colocated:  # the engine shares the learner's devices
+            return self.learner.gpus
         return self.rollout.replicas * self.rollout.tensor_parallel_size + self.learner.gpus
 
 
@@ -512,6 +565,40 @@ def cross_field_errors(spec: JobSpec) -> list[str]:
         )
     if spec.trainer == "grpo":
         errs.extend(grpo_errors(spec))
+    if spec.rollout.colocated:
+        errs.extend(colocate_errors(spec))
+    return errs
+
+
+COLOCATE_REPLICAS = ("spec.rollout.replicas must be unset or 0 with spec.rollout.mode 'colocate' (the engine runs "
+                     "inside the learner's ranks; there is no server pool)")
+
+
+def colocate_errors(spec: JobSpec) -> list[str]:
+    """What a colocate job cannot have (mirrored by CEL rules, as `cross_field_errors`)."""
+    c, errs = spec.rollout.colocate, []
+    cpu = spec.placement.accelerator == "none"
+    if cpu and c.tensor_parallel_size != 1:
+        errs.append("spec.rollout.colocate.tensorParallelSize must be 1 when spec.placement.accelerator is 'none' "
+                    "(vLLM's CPU backend runs TP > 1 in worker processes of its own, not in the learner's)")
+    if not cpu and (spec.learner.gpus < 1 or spec.learner.gpus % c.tensor_parallel_size):
+        errs.append(f"spec.rollout.colocate.tensorParallelSize ({c.tensor_parallel_size}) must divide "
+                    f"spec.learner.gpus ({spec.learner.gpus}): the learner's ranks form whole TP groups")
+    if c.sleep_level > 0 and (cpu or spec.rollout.engine != "vllm"):
+        errs.append("spec.rollout.colocate.sleepLevel > 0 needs spec.placement.accelerator 'nvidia' and "
+                    "spec.rollout.engine 'vllm' (vLLM's sleep mode is CUDA's; the CPU backend has none)")
+    if cpu and (c.offload_model or c.offload_optimizer):
+        errs.append("spec.rollout.colocate.offloadModel and offloadOptimizer move training state off the GPUs; "
+                    "with spec.placement.accelerator 'none' there is nothing to move (set them false)")
+    if spec.rollout.engine == "hf" and c.tensor_parallel_size != 1:
+        errs.append("spec.rollout.colocate.tensorParallelSize must be 1 with spec.rollout.engine 'hf' (the HF "
+                    "engine is the training model itself)")
+    if spec.sync.mode == "adapter":
+        errs.append("spec.sync.mode 'adapter' is not available with spec.rollout.mode 'colocate': the in-process "
+                    "engine takes merged weights (use full or auto)")
+    if spec.sync.transport != "auto":
+        errs.append("spec.sync.transport must stay 'auto' with spec.rollout.mode 'colocate': weights go straight "
+                    "into the in-process engine, with no transport")
     return errs
 
 

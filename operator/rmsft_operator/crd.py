@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from rmsft.jobspec import API_GROUP, API_VERSION, KIND, PLURAL, QUANTITY_PATTERN, JobSpec
+from rmsft.jobspec import API_GROUP, API_VERSION, COLOCATE_REPLICAS, KIND, PLURAL, QUANTITY_PATTERN, JobSpec
 
 SHORT_NAMES = ["rmj"]
 PHASES = ["Pending", "Starting", "Running", "Complete", "Failed", "Invalid"]
@@ -26,14 +26,18 @@ _MAX_STRING = 1024
 _MAX_ITEMS = 64
 _MAX_PROPERTIES = 64
 
+# GPUs of the rollout pool: none with colocate (the engine shares the learner's); replicas unset = 1 server.
+_POOL_GPUS = ("(self.rollout.mode == 'colocate' ? 0 : (has(self.rollout.replicas) ? self.rollout.replicas : 1) "
+              "* self.rollout.tensorParallelSize)")
+_COLOCATE = "self.rollout.mode != 'colocate' || "
+
 # Cross-field rules on `spec` (same text as rmsft.jobspec.cross_field_errors).
 SPEC_RULES: list[dict[str, str]] = [
     {
         # The budget rule below holds the same numbers for every GPU job; this one names the
         # transport, so an shm job too big for one node is told why one node matters.
         "rule": "self.sync.transport != 'shm' || self.placement.accelerator == 'none' || "
-        "self.rollout.replicas * self.rollout.tensorParallelSize + self.learner.gpus "
-        "<= self.placement.gpusPerNode",
+        f"{_POOL_GPUS} + self.learner.gpus <= self.placement.gpusPerNode",
         "message": "spec.sync.transport 'shm' needs the learner and the whole pool on one node: "
         "spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus "
         "must be <= spec.placement.gpusPerNode",
@@ -41,8 +45,7 @@ SPEC_RULES: list[dict[str, str]] = [
         "reason": "FieldValueInvalid",
     },
     {
-        "rule": "self.placement.accelerator == 'none' || "
-        "self.rollout.replicas * self.rollout.tensorParallelSize + self.learner.gpus "
+        "rule": f"self.placement.accelerator == 'none' || {_POOL_GPUS} + self.learner.gpus "
         "<= self.placement.gpusPerNode",
         "message": "spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus "
         "must be <= spec.placement.gpusPerNode",
@@ -117,6 +120,52 @@ SPEC_RULES: list[dict[str, str]] = [
         "of the distribution sampled from)",
         "fieldPath": ".training.rollout",
     },
+    # spec.rollout.mode: colocate (rmsft.jobspec.colocate_errors)
+    {
+        "rule": _COLOCATE + "self.placement.accelerator != 'none' || self.rollout.colocate.tensorParallelSize == 1",
+        "message": "spec.rollout.colocate.tensorParallelSize must be 1 when spec.placement.accelerator is 'none' "
+        "(vLLM's CPU backend runs TP > 1 in worker processes of its own, not in the learner's)",
+        "fieldPath": ".rollout.colocate.tensorParallelSize",
+    },
+    {
+        "rule": _COLOCATE + "self.placement.accelerator == 'none' || (self.learner.gpus >= 1 && "
+        "self.learner.gpus % self.rollout.colocate.tensorParallelSize == 0)",
+        "message": "spec.rollout.colocate.tensorParallelSize must divide spec.learner.gpus: the learner's ranks "
+        "form whole TP groups",
+        "fieldPath": ".rollout.colocate.tensorParallelSize",
+    },
+    {
+        "rule": _COLOCATE + "self.rollout.colocate.sleepLevel == 0 || (self.placement.accelerator == 'nvidia' && "
+        "self.rollout.engine == 'vllm')",
+        "message": "spec.rollout.colocate.sleepLevel > 0 needs spec.placement.accelerator 'nvidia' and "
+        "spec.rollout.engine 'vllm' (vLLM's sleep mode is CUDA's; the CPU backend has none)",
+        "fieldPath": ".rollout.colocate.sleepLevel",
+    },
+    {
+        "rule": _COLOCATE + "self.placement.accelerator != 'none' || (!self.rollout.colocate.offloadModel && "
+        "!self.rollout.colocate.offloadOptimizer)",
+        "message": "spec.rollout.colocate.offloadModel and offloadOptimizer move training state off the GPUs; "
+        "with spec.placement.accelerator 'none' there is nothing to move (set them false)",
+        "fieldPath": ".rollout.colocate",
+    },
+    {
+        "rule": _COLOCATE + "self.rollout.engine != 'hf' || self.rollout.colocate.tensorParallelSize == 1",
+        "message": "spec.rollout.colocate.tensorParallelSize must be 1 with spec.rollout.engine 'hf' (the HF "
+        "engine is the training model itself)",
+        "fieldPath": ".rollout.colocate.tensorParallelSize",
+    },
+    {
+        "rule": _COLOCATE + "self.sync.mode != 'adapter'",
+        "message": "spec.sync.mode 'adapter' is not available with spec.rollout.mode 'colocate': the in-process "
+        "engine takes merged weights (use full or auto)",
+        "fieldPath": ".sync.mode",
+    },
+    {
+        "rule": _COLOCATE + "self.sync.transport == 'auto'",
+        "message": "spec.sync.transport must stay 'auto' with spec.rollout.mode 'colocate': weights go straight "
+        "into the in-process engine, with no transport",
+        "fieldPath": ".sync.transport",
+    },
 ]
 
 # Rules local to one object: {dotted path under spec: [rules]}.
@@ -128,7 +177,9 @@ LOCAL_RULES: dict[str, list[dict[str, str]]] = {
         }
     ],
     "rollout": [
-        {"rule": "self.port != self.metricsPort", "message": "spec.rollout.port and metricsPort must differ"}
+        {"rule": "self.port != self.metricsPort", "message": "spec.rollout.port and metricsPort must differ"},
+        {"rule": "self.mode != 'colocate' || !has(self.replicas) || self.replicas == 0",
+         "message": COLOCATE_REPLICAS, "fieldPath": ".replicas"},
     ],
     "training": [
         {"rule": "self.warmup_steps <= self.steps", "message": "spec.training.warmup_steps exceeds steps"},

@@ -37,6 +37,8 @@ def _set(doc: dict[str, Any], dotted: str, value: Any) -> None:
 
 _DELETE = object()
 # configs/job.yaml as a GRPO job: its sampling's top-p and repetition penalty turned off.
+_COLOCATE = {"spec.rollout.mode": "colocate", "spec.rollout.replicas": _DELETE}
+_CPU = {"spec.placement.accelerator": "none", "spec.learner.gpus": 0}
 _GRPO = {"spec.trainer": "grpo", "spec.training.rollout.top_p": 1.0, "spec.training.rollout.repetition_penalty": 1.0}
 
 # (id, {dotted path: value}, substrings every rejection message must contain)
@@ -120,6 +122,27 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("grpo-kl-full-finetune", {**_GRPO, "spec.training.grpo.kl_coef": 1, "spec.training.finetune": "full"},
      ["spec.training.grpo.kl_coef", "finetune"]),
     ("grpo-top-p", {"spec.trainer": "grpo"}, ["spec.training.rollout", "top_p", "grpo"]),
+    # spec.rollout.mode: colocate (configs/job.yaml: 8 GPUs per node, a 4-GPU learner)
+    ("mode-enum", {"spec.rollout.mode": "hybrid"}, ["spec.rollout.mode"]),
+    ("colocate-with-replicas", {**_COLOCATE, "spec.rollout.replicas": 2}, ["spec.rollout.replicas", "colocate"]),
+    ("colocate-tp-not-dividing", {**_COLOCATE, "spec.rollout.colocate.tensorParallelSize": 3},
+     ["spec.rollout.colocate.tensorParallelSize", "spec.learner.gpus"]),
+    ("colocate-tp-on-cpu", {**_COLOCATE, **_CPU, "spec.rollout.colocate.tensorParallelSize": 2},
+     ["spec.rollout.colocate.tensorParallelSize", "'none'"]),
+    ("colocate-sleep-on-cpu", {**_COLOCATE, **_CPU, "spec.rollout.colocate.sleepLevel": 1},
+     ["spec.rollout.colocate.sleepLevel", "CPU"]),
+    ("colocate-sleep-level-3", {**_COLOCATE, "spec.rollout.colocate.sleepLevel": 3},
+     ["spec.rollout.colocate.sleepLevel"]),
+    ("colocate-offload-on-cpu", {**_COLOCATE, **_CPU, "spec.rollout.colocate.offloadModel": True},
+     ["spec.rollout.colocate.offloadModel"]),
+    ("colocate-hf-tp", {**_COLOCATE, "spec.rollout.engine": "hf", "spec.rollout.colocate.tensorParallelSize": 2},
+     ["spec.rollout.colocate.tensorParallelSize", "'hf'"]),
+    ("colocate-adapter-sync", {**_COLOCATE, "spec.sync.mode": "adapter", "spec.rollout.enableLora": True,
+                               "spec.training.finetune": "lora", "spec.training.lora.use_dora": False},
+     ["spec.sync.mode", "colocate"]),
+    ("colocate-shm", {**_COLOCATE, "spec.sync.transport": "shm"}, ["spec.sync.transport", "colocate"]),
+    ("colocate-gpu-memory", {**_COLOCATE, "spec.rollout.colocate.gpuMemoryUtilization": 1.0},
+     ["spec.rollout.colocate.gpuMemoryUtilization"]),
 ]
 
 
