@@ -346,6 +346,10 @@ def shared_weights_dir(job: RolloutMatchingJob, console: Console) -> Iterator[st
     with whatever is left in it when the run ends. Yields "" for transport grpc."""
     from rmsft.weight_wire import SHARED_DIR_ENV
 
+    if job.spec.rollout.colocated:
+        console.print("weight sync: in-process (the rollout engine lives in the learner)")
+        yield ""
+        return
     if job.spec.sync.local_transport != "shm":
         console.print("weight sync: grpc (one stream from the learner, relayed server to server)")
         yield ""
@@ -367,6 +371,13 @@ def shared_weights_dir(job: RolloutMatchingJob, console: Console) -> Iterator[st
 
 def _run_started(job_path: str | Path, job: RolloutMatchingJob, plan: GpuPlan, log_dir: Path, *, resume: bool,
                  console: Console) -> Summary | None:
+    if job.spec.rollout.colocated:  # no servers: every learner rank starts its own engine
+        console.print(f"rollouts: colocate (a {job.spec.rollout.engine} engine inside the learner)")
+        if len(plan.learner) > 1:
+            train_with_torchrun(job_path, job, plan, [], auth_token="", resume=resume, log_dir=log_dir,
+                                console=console)
+            return None
+        return train_in_process(job, [], auth_token="", resume=resume, console=console)
     servers = start_servers(job, log_dir, console, plan)
     from rollout_svc.launcher import Supervisor
 

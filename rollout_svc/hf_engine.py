@@ -65,6 +65,25 @@ class HfEngine:
         self.eos_ids = set(self._as_list(self.hf.generation_config.eos_token_id))
         self.processed_logprobs = cfg.logprobs_mode == "processed"
 
+    @classmethod
+    def around(cls, model, tokenizer, *, max_model_len: int, logprobs_mode: str = "raw", name: str = "") -> HfEngine:
+        """An engine that decodes with an already loaded model (the learner's own, in colocate mode): no copy,
+        so it always generates with the model's current weights."""
+        self = cls.__new__(cls)
+        self.vision = None
+        self.model = name or getattr(model.config, "_name_or_path", "model")
+        self.tensor_parallel_size = 1
+        self.max_model_len = max_model_len
+        self.device = next(model.parameters()).device
+        self.tokenizer = tokenizer
+        self.hf = model
+        self.vocab_size = model.config.get_text_config().vocab_size
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        gen = getattr(model, "generation_config", None)
+        self.eos_ids = set(self._as_list(gen.eos_token_id if gen is not None else tokenizer.eos_token_id))
+        self.processed_logprobs = logprobs_mode == "processed"
+        return self
+
     @staticmethod
     def _as_list(x) -> list[int]:
         return [] if x is None else [x] if isinstance(x, int) else list(x)

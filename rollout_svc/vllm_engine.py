@@ -124,6 +124,39 @@ def sampling_params(s: Sampling):
     )
 
 
+def engine_args(cfg: ServeConfig, *, on_gpu: bool) -> dict:
+    """vLLM's engine arguments for a serve config: one translation, used by the server's engine and by the
+    learner's in-process (colocated) engine, so both modes run the same engine settings."""
+    kwargs = dict(
+        model=cfg.model,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        max_model_len=cfg.max_model_len,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else not on_gpu,
+        dtype=cfg.dtype,
+        seed=cfg.seed,
+        worker_extension_cls="rollout_svc.worker_ext.RmsftWorkerExtension",
+        # No periodic stats lines in the log; the Prometheus logger is what rmsft wants.
+        disable_log_stats=True,
+        enable_log_requests=False,
+    )
+    if cfg.max_num_seqs:
+        kwargs["max_num_seqs"] = cfg.max_num_seqs
+    if cfg.logprobs_mode == "processed":
+        # Log-probs of the distribution sampled from (after temperature), GRPO's importance ratio; vLLM's
+        # default (raw_logprobs) otherwise.
+        kwargs["logprobs_mode"] = "processed_logprobs"
+    kwargs.update(_memory_kwargs(cfg, on_gpu=on_gpu))
+    kwargs.update(scheduler_kwargs(cfg.max_model_len, on_gpu=on_gpu))
+    if is_vision_language(cfg.model):
+        kwargs.update(_vision_kwargs(cfg, on_gpu=on_gpu))
+    elif cfg.model_impl != "auto":
+        kwargs["model_impl"] = cfg.model_impl
+    if cfg.enable_lora:
+        kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
+    return kwargs
+
+
 class VllmEngine:
     backend = "vllm"
 
@@ -144,36 +177,10 @@ class VllmEngine:
         self.lora_enabled = cfg.enable_lora
         self.max_lora_rank = cfg.max_lora_rank if cfg.enable_lora else 0
         self.max_model_len = cfg.max_model_len
-        enforce_eager = cfg.enforce_eager if cfg.enforce_eager is not None else not on_gpu
-        kwargs = dict(
-            model=cfg.model,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            max_model_len=cfg.max_model_len,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            enforce_eager=enforce_eager,
-            dtype=cfg.dtype,
-            seed=cfg.seed,
-            worker_extension_cls="rollout_svc.worker_ext.RmsftWorkerExtension",
-            # No periodic stats lines in the log; the Prometheus logger below is what rmsft wants.
-            disable_log_stats=True,
-            enable_log_requests=False,
-        )
-        if cfg.max_num_seqs:
-            kwargs["max_num_seqs"] = cfg.max_num_seqs
-        if cfg.logprobs_mode == "processed":
-            # Log-probs of the distribution sampled from (after temperature), GRPO's importance ratio; vLLM's
-            # default (raw_logprobs) otherwise.
-            kwargs["logprobs_mode"] = "processed_logprobs"
-        kwargs.update(_memory_kwargs(cfg, on_gpu=on_gpu))
-        kwargs.update(scheduler_kwargs(cfg.max_model_len, on_gpu=on_gpu))
+        kwargs = engine_args(cfg, on_gpu=on_gpu)
         self.vision = None
         if is_vision_language(cfg.model):
-            kwargs.update(_vision_kwargs(cfg, on_gpu=on_gpu))
             self.vision = VisionLimits(cfg.max_images_per_prompt, cfg.max_image_pixels)
-        elif cfg.model_impl != "auto":
-            kwargs["model_impl"] = cfg.model_impl
-        if cfg.enable_lora:
-            kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
         self._loop = EventLoopThread()
 
         async def start():

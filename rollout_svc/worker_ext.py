@@ -1,7 +1,8 @@
 """Methods vLLM mixes into its worker (`worker_extension_cls`); they run inside the engine process.
 
-Only a path crosses the process boundary: tensors sent through `collective_rpc` would arrive as
-Python lists. The worker maps the staged file itself.
+For a server's engine only a path crosses the process boundary: tensors sent through `collective_rpc` would
+arrive as Python lists, so the worker maps the staged file itself. An in-process engine (colocate) is handed
+the tensors directly.
 """
 
 from __future__ import annotations
@@ -24,8 +25,47 @@ class RmsftWorkerExtension:
         return count
 
 
+    def rmsft_load_tensors(self, weights, names: list[str]) -> int:
+        """In-process engines (colocate: the engine lives in the learner's process, so the tensors themselves
+        arrive, by reference): load `weights`, an iterable of (checkpoint name, tensor) consumed once, layer by
+        layer, whose names `names` lists in advance (for the tied head below)."""
+        head = _tied_head_source(self, names)
+        count = 0
+
+        def stream():
+            nonlocal count
+            embed = None
+            for name, t in weights:
+                count += 1
+                if name == head:
+                    embed = t
+                yield name, t
+            if head is not None and embed is not None:
+                yield _HEAD, embed
+
+        reload = getattr(self, "reload_weights", None) or self.model_runner.reload_weights
+        reload(weights_iterator=stream(), is_checkpoint_format=True)
+        return count
+
+
 # Checkpoint names of the input embedding: text models and Qwen2.5-VL, then Qwen3-VL.
 _EMBEDS, _HEAD = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"), "lm_head.weight"
+
+
+def _tied_head_source(worker, names: list[str]) -> str | None:
+    """The embedding's name when the head must be fed again under its own name (see `_tied_head`), else None."""
+    if not _ties_head(worker) or _HEAD in names:
+        return None
+    return next((e for e in _EMBEDS if e in names), None)
+
+
+def _ties_head(worker) -> bool:
+    runner = getattr(worker, "model_runner", None)
+    config = getattr(getattr(runner, "model_config", None), "hf_config", None)
+    if getattr(config, "tie_word_embeddings", False):
+        return True
+    text = getattr(config, "get_text_config", None)
+    return text is not None and bool(getattr(text(), "tie_word_embeddings", False))
 
 
 def _tied_head(worker, weights: list) -> list:
@@ -33,14 +73,7 @@ def _tied_head(worker, weights: list) -> list:
     backend keeps a repacked copy of the output projection that a reload refreshes only when
     `lm_head.weight` itself arrives: without it, rollouts keep the old head (measured: greedy output
     differs from the synced model). Feed the embedding again under the head's name."""
-    runner = getattr(worker, "model_runner", None)
-    config = getattr(getattr(runner, "model_config", None), "hf_config", None)
-    if not getattr(config, "tie_word_embeddings", False):
-        text = getattr(config, "get_text_config", None)
-        if text is None or not getattr(text(), "tie_word_embeddings", False):
-            return []
-    names = {name for name, _ in weights}
-    embed = next((e for e in _EMBEDS if e in names), None)
-    if embed is None or _HEAD in names:
+    embed = _tied_head_source(worker, [name for name, _ in weights])
+    if embed is None:
         return []
     return [(_HEAD, next(t for name, t in weights if name == embed))]

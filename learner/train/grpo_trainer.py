@@ -50,7 +50,7 @@ from learner.core.grpo import (
     grpo_tokens,
 )
 from learner.core.packing import PackedRow, Packer
-from learner.data.episode import check_rollout_prompts, rollout_request, vision_safe_response
+from learner.data.episode import check_rollout_prompts, vision_safe_response
 from learner.data.vision import patch_size, with_vision
 from learner.rewards.interface import RewardConfigError, RewardInput
 from learner.rewards.scoring import RewardScores, RewardSum, build_rewards, score_batch
@@ -58,7 +58,6 @@ from learner.rollouts.client import Rollout
 from learner.rollouts.pool import ServersFile
 from learner.tracking import metrics as m
 from learner.train.config import grpo_setup, learning_rate
-from learner.train.ranks import share_bounds
 from learner.train.results import GrpoStats, StepResult, Summary
 from learner.train.trainer import Trainer
 from rmsft.jobspec import RolloutMatchingJob
@@ -148,27 +147,15 @@ class GrpoTrainer(Trainer):
 
     # -- sample ---------------------------------------------------------------------------------
     def _sample(self, batch: tuple[int, ...]) -> _Groups:
-        """Rank 0 samples the whole batch (n per prompt) and hands each rank the groups of its share of prompts;
-        every rank checks its completions: version, log-probs, and the prompt ids the server rendered."""
-        ranks, n, version = self.ranks, self.grpo.n, self.state.version
+        """Each rank gets the groups of its share of prompts (n per prompt; rank 0's pool samples the whole batch,
+        or every rank's in-process engine its own share); every rank checks its completions: version, log-probs,
+        and the prompt ids the engine rendered."""
+        ranks, n = self.ranks, self.grpo.n
         self._step_prompts.clear()
         with self._phase("rollout"):
-            everything = None
-            with ranks.guard("sampling completions (rank 0)"):
-                if ranks.is_main:
-                    base = self.cfg.rollout.seed + self.state.step * self.cfg.prompts_per_step
-                    requests = [rollout_request(rec, [img.data for img in self.images.load(rec)], seed=base + j)
-                                for j, rec in enumerate(self.records[i] for i in batch)]  # fmt: skip
-                    # Sample k of prompt j is at j * n + k; the client fences every one to `version`.
-                    everything = self.rollouts.generate(requests, self.grpo.sampling, weight_version=version)
-            if ranks.enabled:
-                shares = None
-                if ranks.is_main:
-                    bounds = [share_bounds(len(batch), ranks.world_size, r) for r in range(ranks.world_size)]
-                    shares = [everything[lo * n : hi * n] for lo, hi in bounds]
-                outs = ranks.scatter_from_main(shares)
-            else:
-                outs = everything
+            # Sample k of prompt j is at j * n + k; every one is fenced to the learner's version.
+            base = self.cfg.rollout.seed + self.state.step * self.cfg.prompts_per_step
+            outs, everything = self._rollouts_for(batch, self.grpo.sampling, n=n, seed_base=base)
         lo, hi = ranks.share(len(batch))
         indices = [i for i in batch[lo:hi] for _ in range(n)]
         with ranks.guard("checking the sampled completions"):

@@ -24,12 +24,13 @@ import os
 import random
 import time
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from learner.colocate import colocated_rollouts
 from learner.core.losses import LossSums, loss_sums
 from learner.core.packing import PackedRow, Packer
 from learner.core.rollout_buffer import RolloutBuffer
@@ -48,25 +49,26 @@ from learner.data.records import Record
 from learner.data.vision import VisionPrompt, patch_size, render_prompt, resized_image_size, with_vision
 from learner.evaluation.draw import save_rollout_pictures
 from learner.evaluation.held_out import EvalSetup, Evaluation, evaluate, score
-from learner.rollouts.client import Rollout, RolloutClient
+from learner.rollouts.client import Rollout
 from learner.rollouts.pool import ServerPool, ServersFile
+from learner.rollouts.source import RolloutSource
 from learner.sync.client import WeightSyncClient
-from learner.sync.weights import checkpoint_name_map
 from learner.tracking import metrics as m
 from learner.tracking.run_record import run_record, write_run_record
 from learner.tracking.tracker import Tracker, check_writable
 from learner.train import zero
 from learner.train.checkpoint_files import check_checkpoint_dir
 from learner.train.checkpointer import Checkpointer, TrainState
-from learner.train.config import core_configs, learning_rate, sync_transport
+from learner.train.config import core_configs, learning_rate
 from learner.train.export import export_trained
 from learner.train.policy import Policy, load_policy, prompt_ids
 from learner.train.ranks import Ranks, share_bounds
 from learner.train.reporting import RunReporter
 from learner.train.results import StepResult, Summary
+from learner.train.sources import ServerRollouts
 from learner.train.step import PlainStep, ZeroStep, gathered_weights, make_step, resolve_device
 from rmsft.jobspec import RolloutMatchingJob
-from rmsft.weight_wire import new_run_id, shared_dir_from_env
+from rmsft.weight_wire import new_run_id
 
 __all__ = ["DataOrder", "StepResult", "Summary", "Trainer"]
 
@@ -117,9 +119,11 @@ class Trainer:
         self.on_step = on_step  # called on every rank with that rank's StepResult
         self.on_eval: Callable[[Evaluation], None] | None = None  # rank 0, after each held-out evaluation
         self.ranks = Ranks(process_group) if process_group is not None else Ranks.from_env(collective_timeout_s(job))
+        # Where rollouts come from (learner.rollouts.source): rank 0's server pool, or an engine in every rank
+        # (colocate). `pool` and `sync_client` are the server pool's parts (None with colocate).
+        self.rollouts: RolloutSource | None = None
         self.pool: ServerPool | None = None
         self.sync_client: WeightSyncClient | None = None
-        self.rollouts: RolloutClient | None = None
         self.train_step: PlainStep | ZeroStep | None = None
         self.state = TrainState()
         self.history: list[StepResult] = []
@@ -182,29 +186,21 @@ class Trainer:
         self.packer = self._make_packer()
         self.buffer: RolloutBuffer = RolloutBuffer(self.core.m_steps)
         self.checkpointer = Checkpointer(cfg, ranks, self.model, self.train_step, self.packer, self.state)
-        with ranks.guard("connecting to the rollout servers (rank 0)"):
-            if ranks.is_main:  # the only rank that talks to rollout servers
-                followed = addresses if isinstance(addresses, ServersFile) else list(addresses)
-                self.pool = ServerPool(followed, auth_token=auth_token, run_id=self.state.run_id)
-                sync = job.spec.sync
-                self.sync_client = WeightSyncClient(
-                    self.pool, self.model, mode=sync.mode, fallback_to_full=sync.fallback_to_full,
-                    frame_bytes=sync.frame_bytes, timeout_s=sync.timeout_seconds,
-                    # FULL weights go out in the serving dtype (spec.model.dtype; auto = the checkpoint's)
-                    dtype=job.spec.model.dtype, checkpoint_dir=model_path or job.spec.model.path,
-                    # Vision-language: checkpoint names (what vLLM reloads), and only what training can
-                    # change (a frozen vision tower is never resent).
-                    name_map=checkpoint_name_map(self.model) if self.policy.is_vision_language else None,
-                    changed_only=self.policy.is_vision_language,
-                    transport=sync_transport(sync, shared_dir_from_env()), shared_dir=shared_dir_from_env(),
+        model_dir = model_path or job.spec.model.path
+        if job.spec.rollout.colocated:
+            with ranks.guard("starting the in-process rollout engine"):
+                self.rollouts = colocated_rollouts(
+                    job, self.model, self.policy.tokenizer, run_id=self.state.run_id, world_size=ranks.world_size,
+                    rank=ranks.rank, model_dir=model_dir, vision_language=self.policy.is_vision_language,
+                    around_generation=self._around_generation,
                 )  # fmt: skip
-                if cfg.deepspeed_stage == 3:
-                    self.sync_client.export_blocked = ("ZeRO-3 partitions the weights across learner ranks; "
-                                                       "the next step's collective sync brings the server up")
-                self.rollouts = RolloutClient(
-                    self.pool, timeout_s=cfg.rollout.request_timeout_s,
-                    generate_batch_size=cfg.rollout.generate_batch_size or 0, resync=self.sync_client.resync_server,
-                )  # fmt: skip
+        else:
+            with ranks.guard("connecting to the rollout servers (rank 0)"):
+                if ranks.is_main:  # the only rank that talks to rollout servers
+                    source = ServerRollouts(job, addresses, self.model, run_id=self.state.run_id, auth_token=auth_token,
+                                            checkpoint_dir=model_dir, vision_language=self.policy.is_vision_language,
+                                            zero3=cfg.deepspeed_stage == 3)  # fmt: skip
+                    self.rollouts, self.pool, self.sync_client = source, source.pool, source.sync_client
         self._prompt_cache: dict[int, list[int]] = {}  # text models: a record's prompt ids
         self._step_prompts: dict[int, VisionPrompt] = {}  # vision-language models: this E-step's renderings
         self.pictures: list[Path] = []
@@ -264,8 +260,8 @@ class Trainer:
                                                 config=self.job.to_manifest(), resume_step=st.step + 1))
         self._log_start(target)
         with self.ranks.guard("waiting for the rollout servers (rank 0)"):
-            if self.ranks.is_main:
-                self.pool.wait_ready(timeout_s=self.cfg.rollout.request_timeout_s)
+            if self.rollouts is not None:
+                self.rollouts.wait_ready(timeout_s=self.cfg.rollout.request_timeout_s)
         self._sync()  # once before the first rollout, and again on resume
         return target
 
@@ -330,37 +326,63 @@ class Trainer:
         return self.exported
 
     # -- E-step ---------------------------------------------------------------------------------
-    def _generate(self, batch: tuple[int, ...]) -> list[Rollout] | None:
-        """Rank 0: the whole global batch's rollouts, in batch order (None on other ranks)."""
-        if not self.ranks.is_main:
-            return None
-        if self.state.step < self.cfg.warm_start_steps:
-            # Warm start: no generation; an empty answer makes the targets the whole ground truth.
-            return [Rollout(self.records[idx].id, self._prompt_ids(idx), [], "warm_start", self.state.version, "",
-                            weight_run_id=self.state.run_id) for idx in batch]  # fmt: skip
-        k = self.state.step // self.core.m_steps
-        base = self.cfg.rollout.seed + k * self.cfg.prompts_per_step
-        # Messages (+ image bytes): each server renders the prompt with its own processor and returns the
-        # ids it used, which the E-step checks against the learner's rendering.
-        requests = [rollout_request(rec, [img.data for img in self.images.load(rec)], seed=base + j)
-                    for j, rec in enumerate(self.records[idx] for idx in batch)]  # fmt: skip
-        # The client fences every completion to this version (never train on stale data).
-        return self.rollouts.generate(requests, self.core.sampling, weight_version=self.state.version)
+    def _rollouts_for(self, batch: tuple[int, ...], sampling: object, *, n: int = 1,
+                      seed_base: int) -> tuple[list[Rollout], list[Rollout] | None]:
+        """This rank's completions of its share of `batch` (n per prompt, prompt by prompt, every one fenced to
+        the learner's version) and, on rank 0, the whole batch's (None elsewhere). Server mode: rank 0 asks the
+        pool for everything and hands each rank its share. Colocate: every rank's engine generates its own share
+        (seeded by the prompt's place in the global batch, as in server mode) and rank 0 gathers the rest for
+        its records (token ids only)."""
+        ranks = self.ranks
+
+        def request(j: int) -> object:  # prompt j of the batch, with its images' bytes and its seed
+            rec = self.records[batch[j]]
+            return rollout_request(rec, [img.data for img in self.images.load(rec)], seed=seed_base + j)
+
+        if self.rollouts is not None and self.rollouts.per_rank:
+            lo, hi = ranks.share(len(batch))
+            with ranks.guard("generating rollouts (in-process engine)"):
+                mine = self.rollouts.generate([request(j) for j in range(lo, hi)], sampling,
+                                              weight_version=self.state.version)  # fmt: skip
+            parts = ranks.gather_to_main(mine)
+            return mine, [o for part in parts for o in part] if parts is not None else None
+        everything = None
+        with ranks.guard("generating rollouts (rank 0)"):
+            if ranks.is_main:
+                # Messages (+ image bytes): the engine renders the prompt with its own processor and returns the
+                # ids it used, which the E-step checks against the learner's rendering. Every completion is
+                # fenced to this version (never train on stale data).
+                everything = self.rollouts.generate([request(j) for j in range(len(batch))], sampling,
+                                                    weight_version=self.state.version)  # fmt: skip
+        return self._scatter(everything, len(batch), n), everything
+
+    def _scatter(self, everything: list[Rollout] | None, prompts: int, n: int = 1) -> list[Rollout]:
+        """Rank 0 hands each rank the completions of its contiguous share of the prompts (token-id lists)."""
+        ranks = self.ranks
+        if not ranks.enabled:
+            return everything
+        shares = None
+        if ranks.is_main:
+            bounds = [share_bounds(prompts, ranks.world_size, r) for r in range(ranks.world_size)]
+            shares = [everything[lo * n : hi * n] for lo, hi in bounds]
+        return ranks.scatter_from_main(shares)
 
     def _e_step(self, batch: tuple[int, ...]) -> _Built:
         ranks = self.ranks
         self._step_prompts.clear()
         with self._phase("rollout"):
-            with ranks.guard("generating rollouts (rank 0)"):
-                everything = self._generate(batch)
-            if ranks.enabled:  # rank 0 hands each rank its contiguous share (token-id lists only)
-                shares = None
+            if self.state.step < self.cfg.warm_start_steps:
+                # Warm start: no generation; an empty answer makes the targets the whole ground truth.
+                everything = None
                 if ranks.is_main:
-                    bounds = [share_bounds(len(batch), ranks.world_size, r) for r in range(ranks.world_size)]
-                    shares = [everything[lo:hi] for lo, hi in bounds]
-                outs = ranks.scatter_from_main(shares)
+                    everything = [Rollout(self.records[idx].id, self._prompt_ids(idx), [], "warm_start",
+                                          self.state.version, "", weight_run_id=self.state.run_id)
+                                  for idx in batch]  # fmt: skip
+                outs = self._scatter(everything, len(batch))
             else:
-                outs = everything
+                k = self.state.step // self.core.m_steps
+                outs, everything = self._rollouts_for(batch, self.core.sampling,
+                                                      seed_base=self.cfg.rollout.seed + k * self.cfg.prompts_per_step)
         lo, hi = ranks.share(len(batch))
         mine = batch[lo:hi]
         with ranks.guard("building training segments"):
@@ -460,10 +482,10 @@ class Trainer:
         self.state.version += 1
         self._served_step = self.state.step
         # ZeRO-3: whole weights on every rank while rank 0 exports them (collective).
-        with self._phase("sync"), self.ranks.guard(f"syncing weight version {self.state.version} (rank 0)"), \
+        with self._phase("sync"), self.ranks.guard(f"syncing weight version {self.state.version}"), \
                 gathered_weights(self.train_step, self.model):
-            if self.ranks.is_main:
-                self.sync_client.sync(self.state.version)  # counts bytes and sets the version gauge itself
+            if self.rollouts is not None:  # rank 0's pool, or every rank's in-process engine
+                self.rollouts.sync(self.state.version)
 
     def save(self) -> Path | None:
         return self.checkpointer.save()
@@ -491,6 +513,16 @@ class Trainer:
     def engine(self) -> object | None:
         """The DeepSpeed engine, when training.deepspeed_stage > 0."""
         return getattr(self.train_step, "engine", None)
+
+    def _around_generation(self) -> AbstractContextManager:
+        """Colocate: what happens to the training state while the in-process engine decodes: parameters and/or
+        optimizer state to host memory (spec.rollout.colocate offloadModel / offloadOptimizer), back after."""
+        c = self.job.spec.rollout.colocate
+        if not (c.offload_model or c.offload_optimizer):
+            return nullcontext()
+        from learner.colocate.offload import offloaded
+
+        return offloaded(self.train_step, self.model, params=c.offload_model, optimizer=c.offload_optimizer)
 
     # -- reporting ------------------------------------------------------------------------------
     @contextmanager
@@ -549,8 +581,9 @@ class Trainer:
 
     def _log_start(self, target: int) -> None:
         if self.ranks.is_main:
-            record = run_record(self.job, servers=[s.address for s in self.pool.servers],
-                                sync_mode=self.sync_client.mode, sync_transport=self.sync_client.transport,
+            source = self.rollouts.describe()
+            record = run_record(self.job, servers=list(source.servers), rollout_mode=source.mode,
+                                sync_mode=source.sync_mode, sync_transport=source.sync_transport,
                                 world_size=self.ranks.world_size,
                                 model_dir=self.job.spec.model.path, data_path=self.cfg.data.path,
                                 image_root=self.cfg.data.image_root, eval_data_path=self.cfg.eval.data,
@@ -569,9 +602,10 @@ class Trainer:
             # The record itself in the log too (the spec is long and already in run.json: left out here).
             log.info("run: %s", json.dumps({k: v for k, v in record.items() if k != "job"}, default=str))
             log.info(
-                "rmsft learner run %s: %d record(s), servers %s, sync %s, seed %d, steps %d -> %d, ranks %d, "
-                "device %s%s", self.state.run_id, len(self.records), [s.address for s in self.pool.servers],
-                self.job.spec.sync.mode,
+                "rmsft learner run %s: %d record(s), %s, sync %s, seed %d, steps %d -> %d, ranks %d, "
+                "device %s%s", self.state.run_id, len(self.records),
+                f"servers {list(source.servers)}" if source.mode == "server" else "rollout engine in-process",
+                self.job.spec.sync.mode if source.mode == "server" else source.sync_mode,
                 self.cfg.seed, self.state.step, target, self.ranks.world_size, self.device,
                 f", DeepSpeed ZeRO-{self.cfg.deepspeed_stage}" if self.engine is not None else "",
             )  # fmt: skip
@@ -608,7 +642,7 @@ class Trainer:
         )  # fmt: skip
 
     def close(self) -> None:
-        for part in (self.rollouts, self.pool, self.train_step, self.reporter):
+        for part in (self.rollouts, self.train_step, self.reporter):
             if part is not None:
                 part.close()
         self.train_step = None

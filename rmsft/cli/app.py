@@ -101,7 +101,8 @@ def train(
         -1, envvar="RMSFT_METRICS_PORT", help="Prometheus /metrics port (-1 = spec.learner.metricsPort, 0 = off)."
     ),
 ) -> None:
-    """Run the learner against running rollout servers (what the learner Job runs)."""
+    """Run the learner against running rollout servers, or with its own engine in colocate mode (what the learner
+    Job runs)."""
     from learner.data.records import DataError, load_records
     from learner.rollouts.pool import ServersFile, ServersFileError
     from rmsft.jobspec import JobSpecError, load_job
@@ -110,13 +111,19 @@ def train(
 
     try:
         configure_logging("info")
-        if bool(servers.strip()) == (servers_file is not None):
+        job = load_job(config)  # validate the inputs before paying for torch's import
+        given = bool(servers.strip()) or servers_file is not None
+        if job.spec.rollout.colocated and given:
+            raise ValueError("spec.rollout.mode is colocate (the rollout engine runs in the learner): give neither "
+                             "--servers nor --servers-file")
+        if not job.spec.rollout.colocated and bool(servers.strip()) == (servers_file is not None):
             raise ValueError(
                 "give exactly one of --servers (RMSFT_ROLLOUT_SERVERS) and --servers-file (RMSFT_ROLLOUT_SERVERS_FILE)"
             )
-        job = load_job(config)  # validate the inputs before paying for torch's import
-        if servers_file is not None:
-            addresses: list[str] | ServersFile = ServersFile(servers_file)
+        if job.spec.rollout.colocated:
+            addresses: list[str] | ServersFile = []
+        elif servers_file is not None:
+            addresses = ServersFile(servers_file)
             addresses.read()  # missing or empty: fail now, naming the file
         else:
             addresses = [a.strip() for a in servers.split(",") if a.strip()]

