@@ -311,7 +311,7 @@ def decide(obs: Observed, now: str) -> Decision:
     # 4. Children: create what is missing (the token Secret is never rewritten).
     desired = _by_kind(render.render_all(job, obs.namespace, obs.uid))
     d = Decision("Pending", {})
-    d.creates = [desired[k] for k in CHILD_KINDS if obs.children.get(k) is None]
+    d.creates = [desired[k] for k in CHILD_KINDS if k in desired and obs.children.get(k) is None]
     if cm is not None:
         servers = desired["ConfigMap"]["data"][render.SERVERS_KEY]
         if (cm.get("data") or {}).get(render.SERVERS_KEY) != servers:  # pool resized: the learner follows
@@ -321,7 +321,8 @@ def decide(obs: Observed, now: str) -> Decision:
                          f"no spec.learner.checkpointClaim: checkpoints in {job.spec.training.checkpoint.dir} "
                          f"live in an emptyDir and are lost with the learner pod"))
 
-    sts = obs.children.get("StatefulSet") or desired["StatefulSet"]
+    colocated = job.spec.rollout.colocated  # no pool: the engine is in the learner's ranks
+    sts = obs.children.get("StatefulSet") or desired.get("StatefulSet") or {}
     learner = obs.children.get("Job") or desired["Job"]
     want = job.spec.rollout.replicas
     succeeded, failed, why = _job_state(learner)
@@ -344,7 +345,7 @@ def decide(obs: Observed, now: str) -> Decision:
 
     # 5. Terminal states free the GPUs: the pool is scaled to zero.
     if succeeded or failed:
-        if (sts.get("spec") or {}).get("replicas") != 0:
+        if not colocated and (sts.get("spec") or {}).get("replicas") != 0:
             d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": 0}}))
         status["rolloutReplicas"] = 0
         status.setdefault("completionTime", now)
@@ -354,15 +355,16 @@ def decide(obs: Observed, now: str) -> Decision:
             cond("Complete", succeeded, "LearnerSucceeded" if succeeded else "NotComplete", status["message"]),
             cond("Failed", failed, "LearnerFailed" if failed else "NotFailed", status["message"]),
             cond("LearnerRunning", False, "LearnerFinished", status["message"]),
-            cond("RolloutReady", False, "PoolScaledDown", "rollout pool scaled to zero"),
+            cond("RolloutReady", False, "PoolScaledDown",
+                 "no rollout pool (colocate)" if colocated else "rollout pool scaled to zero"),
             invalid,
         ]
         return finish(d)
 
     # 6. Scale the pool to the spec; resume the learner once every server is Ready.
-    if (sts.get("spec") or {}).get("replicas") != want:
+    if not colocated and (sts.get("spec") or {}).get("replicas") != want:
         d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": want}}))
-    pool_ready = want > 0 and ready >= want
+    pool_ready = colocated or (want > 0 and ready >= want)
     suspended = bool((learner.get("spec") or {}).get("suspend"))
     if pool_ready and suspended:
         d.patches.append(Patch("Job", n["job"], {"spec": {"suspend": False}}))
@@ -370,8 +372,8 @@ def decide(obs: Observed, now: str) -> Decision:
         status["startTime"] = now
 
     # 7. Conditions: say what holds the job up, in words a person can act on.
-    pool_msg = f"{ready}/{want} rollout servers Ready"
-    pool_reason = "PoolReady" if pool_ready else "PoolNotReady"
+    pool_msg = "rollouts run inside the learner (colocate)" if colocated else f"{ready}/{want} rollout servers Ready"
+    pool_reason = "Colocated" if colocated else "PoolReady" if pool_ready else "PoolNotReady"
     if not pool_ready:
         problem = pod_problem(obs.rollout_pods)
         if "StatefulSet" in obs.failed_creates:

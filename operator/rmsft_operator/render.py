@@ -404,8 +404,9 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
         "name": "learner",
         "image": job.spec.image.ref,
         "imagePullPolicy": job.spec.image.pull_policy,
+        # Colocate: the rollout engine runs in the learner's own ranks, there are no servers to follow.
         "args": ["train", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}",
-                 "--servers-file", f"{CONFIG_DIR}/{SERVERS_KEY}"],
+                 *(() if job.spec.rollout.colocated else ("--servers-file", f"{CONFIG_DIR}/{SERVERS_KEY}"))],
         "env": _common_env(job),
         "ports": [{"name": "metrics", "containerPort": lr.metrics_port, "protocol": "TCP"}],
         "resources": _resources(lr.resources, lr.gpus, accelerated),
@@ -474,12 +475,12 @@ def render_networkpolicy(job: RolloutMatchingJob, namespace: str, uid: str) -> d
 
 
 def render_all(job: RolloutMatchingJob, namespace: str, uid: str, token: str | None = None) -> list[dict[str, Any]]:
-    """Every child in creation order (config before the pods that mount it)."""
-    return [
-        render_secret(job, namespace, uid, token),
-        render_configmap(job, namespace, uid),
+    """Every child in creation order (config before the pods that mount it). A colocate job has no rollout
+    pool: no StatefulSet, Service or NetworkPolicy, only the learner Job (its GPUs hold the engine too)."""
+    pool = [] if job.spec.rollout.colocated else [
         render_service(job, namespace, uid),
         render_networkpolicy(job, namespace, uid),
         render_statefulset(job, namespace, uid),
-        render_job(job, namespace, uid),
-    ]
+    ]  # fmt: skip
+    return [render_secret(job, namespace, uid, token), render_configmap(job, namespace, uid), *pool,
+            render_job(job, namespace, uid)]

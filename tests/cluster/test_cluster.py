@@ -210,11 +210,12 @@ def test_text_job_over_shm_resumes_after_the_learner_pod_is_killed(cluster: Clus
                  f"{shm_dir} removed from the node after the job was deleted", namespace=ns)
 
 
-@pytest.mark.parametrize("config", ["configs/job-kind-cpu-vl.yaml", "configs/job-kind-cpu-grpo.yaml"],
-                         ids=["vision-language", "grpo"])
+@pytest.mark.parametrize("config", ["configs/job-kind-cpu-vl.yaml", "configs/job-kind-cpu-grpo.yaml",
+                                    "configs/job-kind-cpu-colocate.yaml"],
+                         ids=["vision-language", "grpo", "colocate"])
 def test_cpu_job_runs_to_complete(cluster: Cluster, config: str) -> None:
-    """The vision-language job (tiny Qwen3-VL and its images baked into the image) and the GRPO job,
-    as shipped."""
+    """The vision-language job (tiny Qwen3-VL and its images baked into the image), the GRPO job and the
+    colocate job (the engine in the learner's pod, no pool), as shipped."""
     doc = yaml.safe_load((ROOT / config).read_text())
     ns = namespace(cluster, f"rmsft-{Path(config).stem.removeprefix('job-kind-cpu-')}")
     cluster.apply(doc, ns)
@@ -223,6 +224,11 @@ def test_cpu_job_runs_to_complete(cluster: Cluster, config: str) -> None:
     steps = doc["spec"]["training"]["steps"]
     log = cluster.logs(ns, f"job/{name}-learner")
     assert re.search(rf"training done: {steps} steps", log), log[-3000:]
+    if doc["spec"]["rollout"].get("mode") == "colocate":
+        assert "rollout engine in-process" in log, log[-3000:]
+        pods = cluster.get("pods", "-n", ns, "-l", "app.kubernetes.io/name=rmsft")["items"]
+        assert {p["metadata"]["labels"].get("app.kubernetes.io/component") for p in pods} == {"learner"}
+        return
     sts = cluster.get("statefulset", f"{name}-rollout", "-n", ns)
     assert sts["spec"]["replicas"] == 0  # the pool is released when the job ends
 
@@ -239,7 +245,7 @@ def test_deleting_the_jobs_and_uninstalling_leaves_nothing(cluster: Cluster) -> 
             if left and left["items"]:
                 return False
         return not any(cluster.backend.node_exists(f"/dev/shm/rmsft/{ns}.{j}") for ns in NAMESPACES
-                       for j in ("text-grpc", "text-shm", "tiny-cpu-vl", "tiny-cpu-grpo"))
+                       for j in ("text-grpc", "text-shm", "tiny-cpu-vl", "tiny-cpu-grpo", "tiny-cpu-colocate"))
 
     cluster.wait(nothing_left, 180, "no pods, children or /dev/shm/rmsft directories left")
     for ns in NAMESPACES:

@@ -421,6 +421,27 @@ def test_a_grpo_job_runs_through_like_a_rollout_matching_one(control_plane: Cont
     _finish(cp, "grpo")
 
 
+def test_a_colocate_job_runs_with_only_its_learner(control_plane: ControlPlane, operator: Operator) -> None:
+    # spec.rollout.mode: colocate: the engine lives in the learner's 4 GPUs; no pool, nothing to wait for.
+    cp = control_plane
+    doc = _manifest("hotel", **{"rollout": {"mode": "colocate", "maxModelLen": 8192,
+                                            "colocate": {"tensorParallelSize": 2}},
+                                "learner.gpus": 4, "sync": {"mode": "full"}})
+    _apply(cp, doc)
+    learner = _learner_pod(cp, "hotel")  # scheduled without any rollout pod: the Job was resumed at once
+    c = learner["spec"]["containers"][0]
+    assert "--servers-file" not in c["args"] and c["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    for kind, child in (("StatefulSet", "hotel-rollout"), ("Service", "hotel-rollout"),
+                        ("NetworkPolicy", "hotel-rollout")):
+        assert _child(cp, kind, child) is None, kind
+    cp.set_pod_phase(JOBS_NS, learner["metadata"]["name"], "Running")
+    cr = _wait_cr(cp, operator, "hotel", lambda c: c["status"]["phase"] == "Running", "Running")
+    assert _cond(cr, "RolloutReady")["reason"] == "Colocated"
+    cp.set_pod_phase(JOBS_NS, learner["metadata"]["name"], "Succeeded")
+    _wait_cr(cp, operator, "hotel", lambda c: c["status"]["phase"] == "Complete", "Complete")
+    _finish(cp, "hotel")
+
+
 def test_delete_garbage_collects_every_child(control_plane: ControlPlane, operator: Operator) -> None:
     cp = control_plane
     _apply(cp, _manifest("golf", **{"rollout.replicas": 1}))

@@ -335,3 +335,27 @@ def test_observe_reads_the_namespace_for_shm_jobs_only(transport: str, reads: bo
     kube = _Reads()
     observe(kube, {"metadata": {"name": NAME, "namespace": NS}, "spec": {"sync": {"transport": "shm"}}})  # type: ignore[arg-type]
     assert kube.namespaces == []
+
+
+def _colocate_spec() -> dict[str, Any]:
+    spec = _spec(**{"rollout.mode": "colocate"})
+    spec["rollout"].pop("replicas")
+    return spec
+
+
+def test_a_colocate_job_creates_no_pool_and_resumes_its_learner_at_once() -> None:
+    spec = _colocate_spec()
+    d = decide(World(spec=spec, exists=()).observed(), NOW)
+    assert [o["kind"] for o in d.creates] == ["Secret", "ConfigMap", "Job"]
+    d = decide(World(spec=spec, exists=("Secret", "ConfigMap", "Job")).observed(), NOW)
+    assert d.creates == []
+    assert d.patches == [Patch("Job", N["job"], {"spec": {"suspend": False}})]  # nothing to wait for
+    assert _cond(d, "RolloutReady")["reason"] == "Colocated"
+    running = World(spec=spec, exists=("Secret", "ConfigMap", "Job"), suspended=False,
+                    job_status={"active": 1, "ready": 1}, learner_pods=[_pod("learner", "l-1", "Running")])
+    d = decide(running.observed(), NOW)
+    assert d.phase == "Running" and d.patches == [] and d.status["rolloutReplicas"] == 0
+    done = World(spec=spec, exists=("Secret", "ConfigMap", "Job"), suspended=False,
+                 job_status={"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
+    d = decide(done.observed(), NOW)
+    assert d.phase == "Complete" and d.patches == []  # no StatefulSet to scale down

@@ -306,3 +306,30 @@ def test_shared_weights_env_is_the_one_learner_and_servers_read() -> None:
     from rmsft.weight_wire import SHARED_DIR_ENV
 
     assert render.SHARED_WEIGHTS_ENV == SHARED_DIR_ENV == "RMSFT_SHARED_WEIGHTS_DIR"
+
+
+def test_a_colocate_job_renders_only_the_learner_job() -> None:
+    """spec.rollout.mode colocate: the engine lives in the learner's ranks, so no pool, no Service, no
+    NetworkPolicy for it, and the learner follows no servers file."""
+    objs = render.render_all(load_job(ROOT / "configs/job-kind-cpu-colocate.yaml"), "team-a", "0000-uid")
+    assert [o["kind"] for o in objs] == ["Secret", "ConfigMap", "Job"]
+    for obj in objs:
+        kubernetes_validate.validate(obj, "1.32", strict=True)
+    job = objs[-1]
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args == ["train", "--config", f"{render.CONFIG_DIR}/{render.CONFIG_KEY}"]
+    doc = yaml.safe_load(objs[1]["data"][render.CONFIG_KEY])
+    assert doc["spec"]["rollout"]["mode"] == "colocate" and doc["spec"]["rollout"]["replicas"] == 0
+
+
+def test_a_gpu_colocate_job_gives_the_learner_all_its_gpus() -> None:
+    doc = yaml.safe_load((ROOT / "configs/job.yaml").read_text())
+    doc["spec"]["rollout"] = {"mode": "colocate", "maxModelLen": 8192,
+                              "colocate": {"tensorParallelSize": 2, "gpuMemoryUtilization": 0.4}}
+    doc["spec"]["learner"]["gpus"] = 4
+    doc["spec"]["sync"] = {"mode": "full"}
+    kids = {o["kind"]: o for o in render.render_all(parse_job(doc), "team-a", "0000-uid")}
+    assert set(kids) == {"Secret", "ConfigMap", "Job"}
+    pod = kids["Job"]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert pod["containers"][0]["command"][-2:] == ["-m", "rmsft.cli"]  # torchrun: one rank per GPU
