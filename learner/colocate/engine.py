@@ -50,6 +50,36 @@ def _rng_kept():
             torch.cuda.set_rng_state_all(cuda)
 
 
+_WRAPPED = ("__init__", "__call__")
+
+
+@contextmanager
+def _hf_classes_kept():
+    """vLLM's Transformers backend (what runs vision-language models on the CPU) decorates the Hugging Face class
+    it wraps for torch.compile: the class itself, its `__init__` and `__call__`. In a server that is harmless;
+    here the learner's model is an instance of the same class, and its forward would go through vLLM's wrapper
+    (and fail: it was built without the wrapper's attributes). The classes are put back as they were; vLLM's own
+    instance then runs its plain forward, which is what its eager mode runs anyway."""
+    import torch
+
+    def subclasses(cls: type) -> Iterable[type]:
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    saved = {c: {k: c.__dict__[k] for k in _WRAPPED if k in c.__dict__}
+             for c in set(subclasses(torch.nn.Module)) if c.__module__.startswith("transformers.")}  # fmt: skip
+    try:
+        yield
+    finally:
+        for cls, attrs in saved.items():
+            for k in _WRAPPED:
+                if k in attrs and cls.__dict__.get(k) is not attrs[k]:
+                    setattr(cls, k, attrs[k])
+                elif k not in attrs and k in cls.__dict__:
+                    delattr(cls, k)
+
+
 class InProcessVllm:
     backend = "vllm"
 
@@ -77,7 +107,7 @@ class InProcessVllm:
         previous = os.environ.get(_MP_ENV)
         os.environ[_MP_ENV] = "0"
         try:
-            with _rng_kept():
+            with _rng_kept(), _hf_classes_kept():
                 self.llm = LLM(**kwargs)
         except Exception as e:
             raise EngineError(f"vLLM failed to start in the learner's process on {cfg.model}: "

@@ -41,6 +41,7 @@ from learner.tracking import metrics as m
 from rmsft.jobspec import RolloutMatchingJob
 from rmsft.serve_options import serve_options
 from rmsft.weight_wire import WeightVersion
+from rollout_svc import metrics as engine_metrics
 from rollout_svc.engine import EngineError
 from rollout_svc.prompts import PromptError, build_items, samples_per_prompt
 
@@ -120,6 +121,7 @@ class ColocatedRollouts:
         self.weights = WeightVersion(self.run_id, version)
         m.WEIGHT_VERSION.set(version)
         self.last_sync_seconds = time.perf_counter() - t0
+        engine_metrics.WEIGHT_SYNC_SECONDS.labels("in-process").observe(self.last_sync_seconds)
 
     def close(self) -> None:
         engine, self.engine = self.engine, None
@@ -144,6 +146,7 @@ class ColocatedRollouts:
             items = build_items(proto, self.engine)
         except PromptError as e:  # the request itself is wrong: say which
             raise RolloutError(f"the in-process engine refused a prompt: {e}") from e
+        t0 = time.perf_counter()
         was_training = self.shares_model and self.model.training
         if was_training:
             self.model.eval()  # no dropout while the training model itself decodes
@@ -154,6 +157,13 @@ class ColocatedRollouts:
         finally:
             if was_training:
                 self.model.train()
+        # The rollout servers' own metrics, from the learner's /metrics: the dashboards' rollout row reads the same
+        # names in both modes (prompts, images, tokens, generate time).
+        engine_metrics.PROMPTS.inc(len(requests))
+        engine_metrics.IMAGES.inc(sum(len(r.images) for r in requests))
+        engine_metrics.PROMPT_TOKENS.inc(sum(len(o.prompt_token_ids) for k, o in enumerate(outs) if k % n == 0))
+        engine_metrics.GENERATED_TOKENS.inc(sum(len(o.token_ids) for o in outs))
+        engine_metrics.GENERATE_SECONDS.observe(time.perf_counter() - t0)
         version = self.weights.number if self.weights else 0
         run = self.weights.run_id if self.weights else ""
         return [Rollout(requests[k // n].request_id, o.prompt_token_ids, o.token_ids, o.finish_reason, version,
