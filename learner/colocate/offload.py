@@ -17,6 +17,7 @@ Why it is built this way:
   tensor on the training device (`step.device`), each once (tied weights are one Parameter). The plan reads no
   data, so on the `meta` device it shows where everything would go (tests/learner/test_colocate_offload.py);
   executing it needs data, which `meta` has not, so that refuses.
+- Buffers (rotary tables and the like) stay: they are small, and the engine has its own.
 - Tensors that share one storage as distinct objects (a flat buffer's views) are refused: moving them one by
   one would silently untie them. DeepSpeed's ZeRO keeps exactly such flat buffers, so under ZeRO the context
   uses DeepSpeed's own `engine.offload_states` / `reload_states` (DeepSpeed >= 0.16; 0.19 has them for

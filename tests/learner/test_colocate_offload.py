@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from learner.colocate import offload
 from learner.colocate.offload import OffloadReport, offloaded, plan_offload
@@ -95,6 +96,16 @@ def _fake_generation() -> None:
 # -- placement on meta ---------------------------------------------------------------------------------------
 
 
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.fixture()
 def meta_step(tiny_model_dir: Path) -> tuple[Any, torch.nn.Module]:
     """A LoRA policy on meta after one optimizer step: parameters (frozen base and adapters), the adapters'
@@ -118,7 +129,9 @@ def test_the_plan_sends_every_accelerator_tensor_to_the_host_once(meta_step: Any
     assert set(kinds.values()) == {"param", "grad", "optimizer"}
     assert any(not p.requires_grad for p in model.parameters())  # the frozen base moves too
 
-    moves = plan_offload(step, model, params=params, optimizer=optimizer)
+    with _OpRecorder() as ops:  # the plan reads no tensor: no op at all runs on the way
+        moves = plan_offload(step, model, params=params, optimizer=optimizer)
+    assert ops.seen == []
     wanted = {id(t) for name, t in on_device.items()
               if (kinds[name] != "optimizer" and params) or (kinds[name] == "optimizer" and optimizer)}  # fmt: skip
     planned = [id(mv.tensor) for mv in moves]
