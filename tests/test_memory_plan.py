@@ -199,6 +199,10 @@ def test_colocate_peak_is_the_sum_awake_and_the_max_asleep_with_offload() -> Non
     assert train["engine weights"] + train["KV cache"] + train["CUDA graphs, vLLM runtime"] \
         + awake.phases["generate"]["engine activations"] == share
     assert awake.peak_phase == "train"
+    lines = plan_memory(_colocate(), shape=SHAPE_7B).lines()  # what the learner logs at start
+    assert lines[0].startswith("memory plan of qwen3vl-det: model 8.29B parameters (preset)")
+    assert any(line.startswith("colocate (the job's mode)") for line in lines)
+    assert any(line.startswith("server (for comparison)") for line in lines)
     # Offloading shrinks the generate phase, not the peak, while the engine is awake.
     assert awake_offload.total("generate") < awake.total("generate")
     assert awake_offload.peak == awake.peak
