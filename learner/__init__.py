@@ -10,9 +10,12 @@ every import counted, the lazy ones inside functions too):
     data/        records, images, datasets, data order, vision segments, the E-step glue    core, rollouts
     rewards/     GRPO rewards: interface, built-ins, resolution and scoring                 core, data
     evaluation/  held-out evaluation, COCO mAP, pictures of answers                         core, data, rollouts
+    colocate/    the rollout engine inside the learner's ranks, the offload context        core, rollouts, sync,
+                                                                                            tracking, rollout_svc
     train/       both trainer loops, step strategies, ranks, policy, checkpoints, export    all of the above
     local.py, offline_evaluation.py, gpu_plan.py: `rmsft local` / `rmsft eval`, on top     everything
 
 Every subpackage but core may also import the base (`rmsft` outside `rmsft.cli` and `rmsft.dev`, and
-`rmsft_protos`); only the modules on top import `rmsft.dev` and `rollout_svc`.
+`rmsft_protos`); only the modules on top import `rmsft.dev`, and `rollout_svc` only they and colocate/ (the
+in-process engine reuses the server's engines).
 """

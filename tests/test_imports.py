@@ -40,7 +40,7 @@ LEARNER_BELOW_TOP = {
 LAYERS: dict[str, set[str]] = {
     "rmsft_protos": set(),
     "rmsft": {"rmsft_protos"},
-    # learner, bottom to top: core <- data <- rewards / evaluation <- train <- the modules on top
+    # learner, bottom to top: core <- data <- rewards / evaluation / colocate <- train <- the modules on top
     "learner.core": set(),  # the pure algorithm: nothing of the project
     "learner.tracking": BASE,
     "learner.rollouts": BASE | {"learner.tracking"},
@@ -48,8 +48,8 @@ LAYERS: dict[str, set[str]] = {
     "learner.data": BASE | {"learner.core", "learner.rollouts"},
     "learner.rewards": BASE | {"learner.core", "learner.data"},
     "learner.evaluation": BASE | {"learner.core", "learner.data", "learner.rollouts"},
-    # the engine inside the learner's ranks: the server's engine code, in-process
-    "learner.colocate": BASE | {"learner.rollouts", "learner.sync", "learner.tracking", "rollout_svc"},
+    # the engine inside the learner's ranks: it drives the rollout interface, syncs weights in-process, reports
+    "learner.colocate": BASE | {"learner.rollouts", "learner.sync", "learner.tracking", "learner.core", "rollout_svc"},
     "learner.train": BASE | LEARNER_BELOW_TOP - {"learner.train"},
     # learner's top-level modules (`rmsft local`, `rmsft eval`, the GPU plan of `rmsft local`)
     "learner": BASE | LEARNER_BELOW_TOP | {"rmsft.dev", "rollout_svc"},

@@ -201,6 +201,39 @@ def local(
         _fail(exc)
 
 
+@app.command("plan")
+def plan_cmd(
+    job: Path = typer.Argument(..., help="RolloutMatchingJob manifest (YAML)."),
+    gpu_memory: str | None = typer.Option(
+        None, "--gpu-memory", show_default=False,
+        help="Memory of one GPU, e.g. 80GiB, 141GiB (default: the size in the node selector's "
+        "nvidia.com/gpu.product, else 80 GiB).",
+    ),
+    model_config: str | None = typer.Option(
+        None, "--model-config", show_default=False,
+        help="config.json, model folder or preset (Qwen2.5-VL-7B, Qwen3-VL-2B, Qwen3-VL-4B, Qwen3-VL-8B) to plan "
+        "with, when spec.model.path is not on this machine.",
+    ),
+) -> None:
+    """The memory plan of a job, per GPU, in server and colocate mode: weights, gradients, optimizer state,
+    activations, engine and KV cache. Exit 0 when the job's own mode fits, 2 (with the knobs to turn) when not."""
+    from rich.console import Console
+
+    from rmsft.jobspec import JobSpecError, load_job
+    from rmsft.memory_plan import ModelShapeError, parse_bytes, plan_memory
+
+    try:
+        manifest = load_job(job)
+        memory = parse_bytes(gpu_memory) if gpu_memory is not None else None
+        plan = plan_memory(manifest, gpu_memory=memory, model_config=model_config)
+    except (JobSpecError, ModelShapeError, ValueError, OSError) as exc:
+        _fail(exc)
+    Console().print(plan.render())
+    if not plan.fits:
+        Console(stderr=True).print(f"[red]error:[/red] {plan.message()}")
+        raise typer.Exit(2)
+
+
 @app.command("prepare-model")
 def prepare_model_cmd(
     src: Path = typer.Argument(..., help="Stock model folder (Qwen2 / Qwen2.5-VL / Qwen3-VL layout)."),
