@@ -155,6 +155,8 @@ class Trainer:
             if ranks.is_main:  # the rank that writes checkpoints; before anything is paid for
                 check_checkpoint_dir(cfg.checkpoint.dir)
                 check_writable(Path(cfg.tensorboard_dir))  # TensorBoard's folder: now, not after training
+        with ranks.guard("checking the memory plan"):
+            _check_memory_plan(job, log_it=ranks.is_main)  # before anything is loaded: say which knob to turn
         with ranks.guard("loading the data and the model"):
             if cfg.deepspeed_stage:
                 zero.require_deepspeed(cfg.deepspeed_stage)
@@ -659,3 +661,36 @@ def _check_images_fit(records: Sequence[Record], policy: Policy, max_images: int
     if over:
         raise ValueError(f"{path}: {len(over)} record(s) carry more than spec.model.vision.maxImagesPerPrompt="
                          f"{max_images} images (first: {over[0]!r})")
+
+
+MEMORY_PLAN_ENV = "RMSFT_MEMORY_PLAN"
+
+
+def _check_memory_plan(job: RolloutMatchingJob, *, log_it: bool) -> None:
+    """The job's memory plan (rmsft.memory_plan, what `rmsft plan` prints) against this machine's GPU memory:
+    logged, and a job that cannot fit is refused before anything loads, naming the knob to turn. The plan is an
+    estimate: RMSFT_MEMORY_PLAN=warn makes a refusal a warning, =off skips the plan."""
+    from rmsft.memory_plan import MemoryPlanError, ModelShapeError, plan_memory
+
+    setting = os.environ.get(MEMORY_PLAN_ENV, "refuse")
+    if setting == "off":
+        return
+    gpu_memory = None
+    if torch.cuda.is_available():
+        gpu_memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    try:
+        plan = plan_memory(job, gpu_memory=gpu_memory)
+    except ModelShapeError as exc:
+        if log_it:
+            log.warning("no memory plan: %s", exc)
+        return
+    if log_it:
+        for line in plan.lines():
+            log.info("memory plan: %s", line)
+    if not plan.fits:
+        if setting == "warn":
+            log.warning("the memory plan says this job does not fit (%s=warn: going on): %s", MEMORY_PLAN_ENV,
+                        plan.message())
+            return
+        raise MemoryPlanError(f"{plan.message()} ({MEMORY_PLAN_ENV}=warn goes on anyway: the plan is an estimate)",
+                              plan)
