@@ -209,3 +209,39 @@ def test_the_learner_refuses_at_start_a_job_its_memory_plan_cannot_fit(tiny_mode
     assert "RMSFT_MEMORY_PLAN=warn" in str(exc.value)
     monkeypatch.setenv("RMSFT_MEMORY_PLAN", "warn")
     Trainer(job, []).close()
+
+
+def test_a_tp_group_gathers_its_requests_and_each_rank_keeps_its_slice(tiny_model_dir: Path,
+                                                                       tmp_path: Path) -> None:
+    """2 gloo ranks in one TP group (each a TP-1 HF engine standing in for its shard): whatever each rank brings
+    (uneven, or nothing) comes back to it alone, in order, exactly as one engine answers the same requests alone:
+    same per-prompt seeds, same n samples."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from colocate_group_worker import CALLS, SAMPLING, requests, source
+
+    from learner.colocate.groups import GroupSizeError, TpGroup, group_ranks
+    from rollout_svc.launcher import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
+    worker = Path(__file__).with_name("colocate_group_worker.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(worker), str(tiny_model_dir), str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    alone = source(str(tiny_model_dir), TpGroup(1, 0, 1), 0)
+    for k, call in enumerate(CALLS):
+        for r in range(2):
+            want = [[o.request_id, o.sample_index, list(o.token_ids), 1]
+                    for o in alone.generate(requests(call[r]), SAMPLING, weight_version=1)]
+            assert ranks[r][k] == want, (k, r)
+            assert [c[0] for c in ranks[r][k]] == [f"p{i}" for i in call[r] for _ in range(SAMPLING["n"])]
+    assert any(c[2] for c in ranks[0][0])
+    assert group_ranks(4, 2) == [[0, 1], [2, 3]]
+    with pytest.raises(GroupSizeError, match="tensorParallelSize \\(3\\) must divide the learner's ranks \\(4\\)"):
+        group_ranks(4, 3)

@@ -49,12 +49,16 @@ def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n=16, seed=0)
 
 
-def write_job(path: Path, model_dir: Path, data: Path, ckpt: Path, *, steps: int = STEPS, **training) -> Path:
+def write_job(path: Path, model_dir: Path, data: Path, ckpt: Path, *, steps: int = STEPS, colocate: bool = False,
+              **training) -> Path:
     doc = copy.deepcopy(yaml.safe_load((ROOT / "configs" / "local-tiny.yaml").read_text()))
     doc["metadata"].pop("annotations")
     spec = doc["spec"]
     spec["model"]["path"] = str(model_dir)
     spec["rollout"].update(maxModelLen=1024, enableLora=False, engine="hf")
+    if colocate:  # every rank decodes with its own replica of the training model (spec.rollout.engine hf)
+        spec["rollout"].pop("replicas")
+        spec["rollout"]["mode"] = "colocate"
     spec["sync"]["mode"] = "full"  # the HF backend serves no adapters
     t = spec["training"]
     # Every step's segments fit one row per rank, so no carry buffer differs between 1 and 2 ranks.
@@ -165,6 +169,28 @@ def test_two_ranks_equal_one_rank(server, one_rank, tiny_model_dir, data_path, t
     _check_two_ranks(one_rank, reports, params, calls)
     state = torch.load(tmp_path / "ckpt" / f"step-{STEPS}" / "state.pt", weights_only=False)
     assert state["world_size"] == 2 and len(state["rank_states"]) == 2  # every rank's carry buffer and RNG
+
+
+@slow
+def test_two_colocated_ranks_equal_one_rank_with_a_server(server, one_rank, tiny_model_dir, data_path,
+                                                          tmp_path) -> None:
+    """spec.rollout.mode colocate on 2 ranks: each rank's in-process engine generates its own share (same
+    per-prompt seeds), rank 0 gathers the batch's rollouts; the result is the one-rank server run's."""
+    (base,), (base_params,), _ = one_rank
+    job = write_job(tmp_path / "job.yaml", tiny_model_dir, data_path, tmp_path / "ckpt", colocate=True)
+    reports, params, calls = _train(server, job, tmp_path / "out", 2)
+    assert calls.get("Generate", 0) == 0 and calls.get("UpdateWeights", 0) == 0  # no server involved
+    r0, r1 = reports
+    assert not r0["has_pool"] and r0["has_rollout_client"] and r1["has_rollout_client"]
+    half = PROMPTS_PER_STEP // 2
+    for s0, s1, sb in zip(r0["steps"], r1["steps"], base["steps"], strict=True):
+        assert s0["record_ids"] == sb["record_ids"] and s0["rollout_ids"] == sb["record_ids"]
+        assert s1["rollout_ids"] == sb["record_ids"][half:]
+        assert (s0["matched"], s0["fp"], s0["fn"]) == (sb["matched"], sb["fp"], sb["fn"])
+        assert s0["loss"] == pytest.approx(s1["loss"], abs=1e-9)
+        assert s0["loss"] == pytest.approx(sb["loss"], rel=1e-5, abs=1e-6)
+    assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])
+    _assert_params_close(params[0], base_params, atol=1e-5)
 
 
 @slow
