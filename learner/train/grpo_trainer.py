@@ -50,7 +50,7 @@ from learner.core.grpo import (
     grpo_tokens,
 )
 from learner.core.packing import PackedRow, Packer
-from learner.data.episode import check_rollout_prompts, rollout_request, vision_safe_response
+from learner.data.episode import check_rollout_prompts, vision_safe_response
 from learner.data.vision import patch_size, with_vision
 from learner.rewards.interface import RewardConfigError, RewardInput
 from learner.rewards.scoring import RewardScores, RewardSum, build_rewards, score_batch
@@ -150,17 +150,15 @@ class GrpoTrainer(Trainer):
     def _sample(self, batch: tuple[int, ...]) -> _Groups:
         """Rank 0 samples the whole batch (n per prompt) and hands each rank the groups of its share of prompts;
         every rank checks its completions: version, log-probs, and the prompt ids the server rendered."""
-        ranks, n, version = self.ranks, self.grpo.n, self.state.version
+        ranks, n = self.ranks, self.grpo.n
         self._step_prompts.clear()
         with self._phase("rollout"):
             everything = None
             with ranks.guard("sampling completions (rank 0)"):
                 if ranks.is_main:
-                    base = self.cfg.rollout.seed + self.state.step * self.cfg.prompts_per_step
-                    requests = [rollout_request(rec, [img.data for img in self.images.load(rec)], seed=base + j)
-                                for j, rec in enumerate(self.records[i] for i in batch)]  # fmt: skip
-                    # Sample k of prompt j is at j * n + k; the client fences every one to `version`.
-                    everything = self.rollouts.generate(requests, self.grpo.sampling, weight_version=version)
+                    # Sample k of prompt j is at j * n + k; the client fences each call to the version it was made
+                    # with: the learner's, or up to max_staleness behind it (generated ahead, overlap.py).
+                    everything = self._take_rollouts(self.state.step, self.grpo.sampling)
             if ranks.enabled:
                 shares = None
                 if ranks.is_main:
@@ -175,9 +173,10 @@ class GrpoTrainer(Trainer):
             if len(outs) != len(indices):
                 raise RuntimeError(f"rank {ranks.rank} got {len(outs)} completion(s) for {hi - lo} prompt(s) x {n}")
             weights = self.state.weights  # this run's version: the number alone is not enough
-            stale = [(o.request_id, str(o.weights), o.server) for o in outs if o.weights != weights]
+            stale = [(o.request_id, str(o.weights), o.server) for o in outs if not self._within_window([o])]
             if stale:
                 raise RuntimeError(f"{len(stale)} completion(s) not from the learner's weight version {weights} "
+                                   f"(or max_staleness {self.cfg.rollout.max_staleness} behind it) "
                                    f"(request, version, server): {stale[:3]}")  # fmt: skip
             bad = [(o.request_id, o.sample_index, o.server) for o in outs
                    if o.logprobs is None or len(o.logprobs) != len(o.token_ids)]  # fmt: skip

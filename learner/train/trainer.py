@@ -60,6 +60,7 @@ from learner.train.checkpoint_files import check_checkpoint_dir
 from learner.train.checkpointer import Checkpointer, TrainState
 from learner.train.config import core_configs, learning_rate, sync_transport
 from learner.train.export import export_trained
+from learner.train.overlap import RolloutsAhead
 from learner.train.policy import Policy, load_policy, prompt_ids
 from learner.train.ranks import Ranks, share_bounds
 from learner.train.reporting import RunReporter
@@ -120,6 +121,8 @@ class Trainer:
         self.pool: ServerPool | None = None
         self.sync_client: WeightSyncClient | None = None
         self.rollouts: RolloutClient | None = None
+        self.ahead: RolloutsAhead | None = None  # rank 0: rollouts generated ahead of training (overlap.py)
+        self._resumed_ahead: list[dict] = []  # rank 0: a checkpoint's batches ahead, put back by _begin
         self.train_step: PlainStep | ZeroStep | None = None
         self.state = TrainState()
         self.history: list[StepResult] = []
@@ -201,9 +204,13 @@ class Trainer:
                 if cfg.deepspeed_stage == 3:
                     self.sync_client.export_blocked = ("ZeRO-3 partitions the weights across learner ranks; "
                                                        "the next step's collective sync brings the server up")
+                # Every E-step's rollouts go through it (max_staleness 0: generated inline, as always).
+                self.ahead = RolloutsAhead(lambda reqs, sampling, v: self.rollouts.generate(
+                    reqs, sampling, weight_version=v), cfg.rollout.max_staleness)
                 self.rollouts = RolloutClient(
                     self.pool, timeout_s=cfg.rollout.request_timeout_s,
-                    generate_batch_size=cfg.rollout.generate_batch_size or 0, resync=self.sync_client.resync_server,
+                    generate_batch_size=cfg.rollout.generate_batch_size or 0,
+                    resync=self.ahead.fenced_resync(self.sync_client.resync_server),  # none while weights move
                 )  # fmt: skip
         self._prompt_cache: dict[int, list[int]] = {}  # text models: a record's prompt ids
         self._step_prompts: dict[int, VisionPrompt] = {}  # vision-language models: this E-step's renderings
@@ -266,7 +273,13 @@ class Trainer:
         with self.ranks.guard("waiting for the rollout servers (rank 0)"):
             if self.ranks.is_main:
                 self.pool.wait_ready(timeout_s=self.cfg.rollout.request_timeout_s)
+        # Batches ahead (of a checkpoint, or of this process's previous run() call) keep their lag behind the
+        # weights across the sync below, which announces the same weights under a new number.
+        ahead = self.ahead.saved(st.version) if self.ahead is not None else []
         self._sync()  # once before the first rollout, and again on resume
+        if self.ahead is not None:
+            self.ahead.restore(ahead or self._resumed_ahead, st.version)
+            self._resumed_ahead = []
         return target
 
     def _end(self, t_start: float) -> Summary:
@@ -289,6 +302,8 @@ class Trainer:
         """Greedy answers to `training.eval`'s records from the servers holding this step's weights (synced
         first when they hold older ones), scored and reported (log, /metrics, TensorBoard). Every rank calls
         it (a sync is collective); rank 0 returns the evaluation, other ranks None."""
+        if self.ahead is not None:
+            self.ahead.drain()  # one generate call at a time on the client
         if self._served_step != self.state.step:
             self._sync()
         ev = None
@@ -338,14 +353,40 @@ class Trainer:
             # Warm start: no generation; an empty answer makes the targets the whole ground truth.
             return [Rollout(self.records[idx].id, self._prompt_ids(idx), [], "warm_start", self.state.version, "",
                             weight_run_id=self.state.run_id) for idx in batch]  # fmt: skip
-        k = self.state.step // self.core.m_steps
+        return self._take_rollouts(self.state.step // self.core.m_steps, self.core.sampling)
+
+    def _rollout_requests(self, k: int) -> list:
+        """E-step `k`'s requests, one per prompt of its batch, each with its own seed (the same whenever they
+        are made: a regenerated batch reproduces)."""
         base = self.cfg.rollout.seed + k * self.cfg.prompts_per_step
         # Messages (+ image bytes): each server renders the prompt with its own processor and returns the
         # ids it used, which the E-step checks against the learner's rendering.
-        requests = [rollout_request(rec, [img.data for img in self.images.load(rec)], seed=base + j)
-                    for j, rec in enumerate(self.records[idx] for idx in batch)]  # fmt: skip
-        # The client fences every completion to this version (never train on stale data).
-        return self.rollouts.generate(requests, self.core.sampling, weight_version=self.state.version)
+        return [rollout_request(rec, [img.data for img in self.images.load(rec)], seed=base + j)
+                for j, rec in enumerate(self.records[idx] for idx in self.order.batch(k))]  # fmt: skip
+
+    def _take_rollouts(self, k: int, sampling: object) -> list[Rollout]:
+        """Rank 0: E-step `k`'s rollouts, then the next E-steps (up to max_staleness, within the run) submitted
+        to generate while this one trains (learner/train/overlap.py). The client fences each call to the version
+        it was made with; `_within_window` is what the trainer accepts."""
+        st, ahead = self.state, self.ahead
+        taken = ahead.take(k, self._rollout_requests(k), sampling, st.version)
+        for j in range(k + 1, k + 1 + ahead.max_staleness):
+            if j * self.core.m_steps >= self.cfg.steps:
+                break
+            ahead.submit(j, self._rollout_requests(j), sampling, st.version)
+        return taken.rollouts
+
+    def _within_window(self, outs: Sequence[Rollout]) -> bool:
+        """Every rollout is from a weight version the learner may train on: its current one (max_staleness 0,
+        exactly), or this run's, at most max_staleness versions behind. A batch put back from a checkpoint
+        carries the version of the run that generated it (one the resumed run descends from): rank 0 checked
+        its lag when it took it."""
+        st, window = self.state, self.cfg.rollout.max_staleness
+        if not window:
+            return all(o.weights == st.weights for o in outs)
+        restored = set(st.resumed.run_ids) if st.resumed is not None else set()
+        return all((o.weight_run_id == st.run_id and 0 <= st.version - o.weight_version <= window)
+                   or o.weight_run_id in restored for o in outs)  # fmt: skip
 
     def _e_step(self, batch: tuple[int, ...]) -> _Built:
         ranks = self.ranks
@@ -364,9 +405,10 @@ class Trainer:
         lo, hi = ranks.share(len(batch))
         mine = batch[lo:hi]
         with ranks.guard("building training segments"):
-            if len(outs) != len(mine) or any(o.weights != self.state.weights for o in outs):
+            if len(outs) != len(mine) or not self._within_window(outs):
                 raise RuntimeError(f"rank {ranks.rank} got {len(outs)} rollout(s) for {len(mine)} prompt(s) "
-                                   f"or a weight version other than {self.state.weights}")  # fmt: skip
+                                   f"or a weight version outside {self.state.weights} minus max_staleness "
+                                   f"{self.cfg.rollout.max_staleness}")  # fmt: skip
             recs = [self.records[i] for i in mine]
             vl = self.policy.is_vision_language
             vision = [self._vision_prompt(i) for i in mine] if vl else []
@@ -457,15 +499,24 @@ class Trainer:
         self._sync()
 
     def _sync(self) -> None:
-        self.state.version += 1
+        # The sync policy (learner/train/overlap.py): no Generate call in flight across a weight update.
+        if self.ahead is not None and self.ahead.ahead():
+            with self._phase("sync_drain"):
+                self.ahead.drain()
+        version = self.state.version + 1
         self._served_step = self.state.step
         # ZeRO-3: whole weights on every rank while rank 0 exports them (collective).
-        with self._phase("sync"), self.ranks.guard(f"syncing weight version {self.state.version} (rank 0)"), \
+        with self._phase("sync"), self.ranks.guard(f"syncing weight version {version} (rank 0)"), \
                 gathered_weights(self.train_step, self.model):
             if self.ranks.is_main:
-                self.sync_client.sync(self.state.version)  # counts bytes and sets the version gauge itself
+                self.sync_client.sync(version)  # counts bytes and sets the version gauge itself
+        self.state.version = version  # only once the servers confirmed it (sync raises otherwise)
+        if self.ahead is not None:
+            self.ahead.synced()
 
     def save(self) -> Path | None:
+        if self.ahead is not None:  # rank 0: the rollouts generated ahead go into the checkpoint (overlap.py)
+            self.checkpointer.extra["rollouts_ahead"] = self.ahead.saved(self.state.version)
         return self.checkpointer.save()
 
     def resume(self) -> bool:
@@ -474,6 +525,7 @@ class Trainer:
         found = self.checkpointer.resume()
         if found:
             self._served_step = -1  # the servers hold none of the checkpoint's weights under this run's id
+            self._resumed_ahead = list(self.checkpointer.loaded_extra.get("rollouts_ahead", []))
         return found
 
     def gathered_trainable_state(self) -> dict[str, torch.Tensor]:
@@ -608,7 +660,7 @@ class Trainer:
         )  # fmt: skip
 
     def close(self) -> None:
-        for part in (self.rollouts, self.pool, self.train_step, self.reporter):
+        for part in (self.ahead, self.rollouts, self.pool, self.train_step, self.reporter):
             if part is not None:
                 part.close()
         self.train_step = None
