@@ -275,7 +275,7 @@ class Trainer:
                 self.pool.wait_ready(timeout_s=self.cfg.rollout.request_timeout_s)
         # Batches ahead (of a checkpoint, or of this process's previous run() call) keep their lag behind the
         # weights across the sync below, which announces the same weights under a new number.
-        ahead = self.ahead.saved(st.version) if self.ahead is not None else []
+        ahead = self.ahead.saved(self._served_version()) if self.ahead is not None else []
         self._sync()  # once before the first rollout, and again on resume
         if self.ahead is not None:
             self.ahead.restore(ahead or self._resumed_ahead, st.version)
@@ -514,9 +514,14 @@ class Trainer:
         if self.ahead is not None:
             self.ahead.synced()
 
+    def _served_version(self) -> int:
+        """The version number that serves the model's current weights: the last synced one, or the next when the
+        weights moved since (a batch ahead keeps its lag behind these weights across a checkpoint or a re-sync)."""
+        return self.state.version + (self._served_step != self.state.step)
+
     def save(self) -> Path | None:
         if self.ahead is not None:  # rank 0: the rollouts generated ahead go into the checkpoint (overlap.py)
-            self.checkpointer.extra["rollouts_ahead"] = self.ahead.saved(self.state.version)
+            self.checkpointer.extra["rollouts_ahead"] = self.ahead.saved(self._served_version())
         return self.checkpointer.save()
 
     def resume(self) -> bool:
