@@ -33,7 +33,13 @@ sys.path.insert(0, str(ROOT / "tests/learner"))
 
 
 def _steady_rate(ends: list[float]) -> float:
+    """Steps per second between the first and the last step's end (setup, first sync and first step left out)."""
     return (len(ends) - 1) / (ends[-1] - ends[0])
+
+
+def _steady_per_step(totals: list[float]) -> float:
+    """Per step, over the same window, of a running total sampled at each step's end."""
+    return (totals[-1] - totals[0]) / (len(totals) - 1)
 
 
 def run_fake(args: argparse.Namespace) -> str:
@@ -57,7 +63,9 @@ def run_fake(args: argparse.Namespace) -> str:
             job.spec.training.export.enabled = False
             trainer = Trainer(job, [s.address for s in servers])
             ends: list[float] = []
-            trainer.on_step = lambda r, ends=ends: ends.append(time.perf_counter())
+            waits: list[float] = []
+            trainer.on_step = lambda r, t=trainer, e=ends, w=waits: (e.append(time.perf_counter()),
+                                                                     w.append(t.ahead.stats.waited_s))
 
             def m_step(rows, t=trainer):  # the optimizer step, as a sleep of T (no CPU taken)
                 time.sleep(args.train)
@@ -69,11 +77,11 @@ def run_fake(args: argparse.Namespace) -> str:
             finally:
                 trainer.close()
             rate = _steady_rate(ends)
-            waits = trainer.ahead.stats
-            out[staleness] = {"rate": rate, "wait": waits.waited_s / len(waits.staleness),
-                              "idle": waits.pool_idle_s / max(1, len(waits.staleness) - 1)}
+            stats = trainer.ahead.stats
+            out[staleness] = {"rate": rate, "wait": _steady_per_step(waits),
+                              "idle": stats.pool_idle_s / max(1, len(stats.staleness) - 1)}
             print(f"max_staleness {staleness}: {rate:.3f} steps/s, waiting {out[staleness]['wait']:.3f} s/step, "
-                  f"pool idle {out[staleness]['idle']:.3f} s/step, staleness {waits.staleness}", file=sys.stderr)
+                  f"pool idle {out[staleness]['idle']:.3f} s/step, staleness {stats.staleness}", file=sys.stderr)
     finally:
         for s in servers:
             s.stop()
@@ -118,15 +126,18 @@ def run_vl(args: argparse.Namespace) -> str:
         for staleness, job in enumerate(jobs):
             trainer = Trainer(job, [s.address for s in servers], auth_token=servers[0].token or None)
             ends: list[float] = []
-            trainer.on_step = lambda r, ends=ends: ends.append(time.perf_counter())
+            waits: list[float] = []
+            trainer.on_step = lambda r, t=trainer, e=ends, w=waits: (e.append(time.perf_counter()),
+                                                                     w.append(t.ahead.stats.waited_s))
             try:
                 trainer.run()
             finally:
                 trainer.close()
-            rollout_ends = ends[args.warm:]  # from the last warm-start step's end: the rollout steps
+            # From the first rollout step's end on: its inline generation and the warm start left out.
+            rollout_ends = ends[args.warm:]
             stats = trainer.ahead.stats
             n = len(stats.staleness)
-            out[staleness] = {"wait": stats.waited_s / n, "wall": rollout_ends[-1] - rollout_ends[0],
+            out[staleness] = {"wait": _steady_per_step(waits[args.warm:]), "wall": rollout_ends[-1] - rollout_ends[0],
                               "rate": _steady_rate(rollout_ends), "idle": stats.pool_idle_s / max(1, n - 1),
                               "train": sum(trainer.state.phase_seconds.get(k, 0.0)
                                            for k in ("forward", "backward", "optimizer")) / len(ends)}

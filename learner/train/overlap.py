@@ -66,7 +66,7 @@ class Taken:
     rollouts: list[Rollout]
     version: int  # the learner version (this run's numbering) they were generated with
     staleness: int  # learner version at `take` minus `version`
-    waited_s: float  # learner time spent in `take` (waiting for the pool, or generating now)
+    waited_s: float  # learner time spent in `take` (waiting for the pool, or generating now); `drain` adds its own
     dropped: int = 0  # completions generated ahead, dropped as too stale, and regenerated here
 
 
@@ -81,7 +81,7 @@ class _Batch:
 class AheadStats:
     """Totals since start (also exported as Prometheus metrics)."""
 
-    waited_s: float = 0.0
+    waited_s: float = 0.0  # in `take` and in `drain`: all the learner's waiting on the pool
     pool_idle_s: float = 0.0
     dropped: int = 0
     staleness: list[int] = field(default_factory=list)  # per taken batch
@@ -150,9 +150,16 @@ class RolloutsAhead:
     def drain(self) -> None:
         """Wait for every submitted call (the sync policy: nothing generates while weights change). A failed
         call is kept as it is: `take` raises its error, or a checkpoint leaves it out (regenerated on resume)."""
+        if not self._ahead:
+            return
+        t0 = time.perf_counter()
         for b in list(self._ahead.values()):
             with contextlib.suppress(Exception):  # surfaced by `take`
                 b.future.result()
+        # Time the learner spends here is waiting for rollouts too (the pool still generating when it wants to sync).
+        waited = time.perf_counter() - t0
+        self.stats.waited_s += waited
+        m.ROLLOUT_WAIT_SECONDS.inc(waited)
 
     def synced(self) -> None:
         """The servers hold the learner's weights again (after a sync): re-syncs are safe."""
