@@ -121,6 +121,9 @@ class RolloutsAhead:
                          "%d); regenerating them now", key, dropped, made_at, version, self.max_staleness)
                 rollouts, made_at = None, version
         if rollouts is None:
+            # One generate call at a time: the client is not made for concurrent calls (its executors are remade
+            # when the server list grows), so a call still running ahead finishes first.
+            self._settle()
             rollouts = self._timed(requests, sampling, version)
         waited = time.perf_counter() - t0
         staleness = version - made_at
@@ -153,13 +156,16 @@ class RolloutsAhead:
         if not self._ahead:
             return
         t0 = time.perf_counter()
-        for b in list(self._ahead.values()):
-            with contextlib.suppress(Exception):  # surfaced by `take`
-                b.future.result()
+        self._settle()
         # Time the learner spends here is waiting for rollouts too (the pool still generating when it wants to sync).
         waited = time.perf_counter() - t0
         self.stats.waited_s += waited
         m.ROLLOUT_WAIT_SECONDS.inc(waited)
+
+    def _settle(self) -> None:
+        for b in list(self._ahead.values()):
+            with contextlib.suppress(Exception):  # surfaced by `take`
+                b.future.result()
 
     def synced(self) -> None:
         """The servers hold the learner's weights again (after a sync): re-syncs are safe."""
