@@ -212,6 +212,27 @@ def test_staleness_one_overlaps_generation_with_training_within_the_bound(
     assert any(inflight_during_training[:-1])  # the pool generated while the learner trained
 
 
+def test_an_extra_sync_makes_the_batch_ahead_too_stale_it_is_dropped_and_regenerated(
+        tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]) -> None:
+    addrs = [s.address for s in servers]
+    reference = _run(_job(tiny_model_dir, data_path, tmp_path / "ref", 1), addrs)
+    trainer = _trainer(_job(tiny_model_dir, data_path, tmp_path / "run", 1), addrs)
+
+    def on_step(r) -> None:
+        if r.step == 2:  # e.g. benchmarks/local_run.py's evaluation: a sync between the loop's own
+            trainer.sync_weights()
+
+    trainer.on_step = on_step
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    # step 3's batch (version 2) meets the learner at version 4: dropped, regenerated at 4 with the same seeds
+    assert trainer.ahead.stats.staleness == [0, 1, 0, 1] and trainer.ahead.stats.dropped == 2
+    assert [{r.weight_version for r in h.rollouts} for h in trainer.history] == [{1}, {1}, {4}, {4}]
+    assert _rollouts(trainer) == _rollouts(reference)
+
+
 def test_a_server_killed_while_the_next_rollouts_are_in_flight_fails_over_with_the_same_seeds(
         tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]) -> None:
     addrs = [s.address for s in servers]
