@@ -123,7 +123,8 @@ def run_vl(args: argparse.Namespace) -> str:
     servers = start_servers(jobs[0], work / "logs", console)
     out: dict[int, dict[str, float]] = {}
     try:
-        for staleness, job in enumerate(jobs):
+        for staleness in ((1, 0) if args.async_first else (0, 1)):
+            job = jobs[staleness]
             trainer = Trainer(job, [s.address for s in servers], auth_token=servers[0].token or None)
             ends: list[float] = []
             waits: list[float] = []
@@ -147,7 +148,8 @@ def run_vl(args: argparse.Namespace) -> str:
         for s in servers:
             s.stop()
     s0, s1 = out[0], out[1]
-    return (f"RESULT part=vl steps={args.steps} warm={args.warm} sync_wait_s={s0['wait']:.3f} "
+    order = "async,sync" if args.async_first else "sync,async"
+    return (f"RESULT part=vl steps={args.steps} warm={args.warm} order={order} sync_wait_s={s0['wait']:.3f} "
             f"async_wait_s={s1['wait']:.3f} wait_reduction={1 - s1['wait'] / s0['wait']:.3f} "
             f"sync_steps_per_s={s0['rate']:.4f} async_steps_per_s={s1['rate']:.4f} "
             f"speedup={s1['rate'] / s0['rate']:.3f} sync_wall_s={s0['wall']:.1f} async_wall_s={s1['wall']:.1f} "
@@ -166,6 +168,8 @@ def main() -> None:
     vl.add_argument("--job", default="configs/local-tiny-vl.yaml")
     vl.add_argument("--steps", type=int, default=16)
     vl.add_argument("--warm", type=int, default=2)
+    vl.add_argument("--async-first", action="store_true",
+                    help="run max_staleness 1 before 0 (the load of a shared machine drifts: run both orders)")
     args = ap.parse_args()
     print(run_fake(args) if args.part == "fake" else run_vl(args))
 
