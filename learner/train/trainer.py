@@ -48,7 +48,7 @@ from learner.data.records import Record
 from learner.data.vision import VisionPrompt, patch_size, render_prompt, resized_image_size, with_vision
 from learner.evaluation.draw import save_rollout_pictures
 from learner.evaluation.held_out import EvalSetup, Evaluation, evaluate, score
-from learner.rollouts.client import Rollout, RolloutClient
+from learner.rollouts.client import Rollout, RolloutClient, RolloutRequest
 from learner.rollouts.pool import ServerPool, ServersFile
 from learner.sync.client import WeightSyncClient
 from learner.sync.weights import checkpoint_name_map
@@ -355,7 +355,7 @@ class Trainer:
                             weight_run_id=self.state.run_id) for idx in batch]  # fmt: skip
         return self._take_rollouts(self.state.step // self.core.m_steps, self.core.sampling)
 
-    def _rollout_requests(self, k: int) -> list:
+    def _rollout_requests(self, k: int) -> list[RolloutRequest]:
         """E-step `k`'s requests, one per prompt of its batch, each with its own seed (the same whenever they
         are made: a regenerated batch reproduces)."""
         base = self.cfg.rollout.seed + k * self.cfg.prompts_per_step
