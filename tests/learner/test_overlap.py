@@ -281,6 +281,34 @@ def test_a_learner_restarted_mid_run_resumes_exactly(tmp_path: Path, tiny_model_
     assert sum(len(s.engine.calls) for s in servers) - calls_before == len(servers)
 
 
+def test_a_learner_crashing_mid_run_resumes_from_its_periodic_checkpoint_exactly(
+        tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]) -> None:
+    addrs = [s.address for s in servers]
+    straight = _run(_job(tiny_model_dir, data_path, tmp_path / "a", 1, steps=5), addrs)
+    ck = {"dir": str(tmp_path / "b"), "every": 2, "keep": 2}
+    crashing = _trainer(_job(tiny_model_dir, data_path, tmp_path / "b", 1, steps=5, checkpoint=ck), addrs)
+
+    def crash(r) -> None:
+        if r.step == 3:  # step 4's rollouts are generating: lost with the process, not in any checkpoint
+            raise KeyboardInterrupt("learner killed")
+
+    crashing.on_step = crash
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            crashing.run()
+        finally:
+            crashing.close()
+    resumed = _trainer(_job(tiny_model_dir, data_path, tmp_path / "b", 1, steps=5, checkpoint=ck), addrs)
+    try:
+        assert resumed.resume() and resumed.step == 2  # step-2's checkpoint holds step 3's batch ahead
+        resumed.run()
+    finally:
+        resumed.close()
+    assert resumed.ahead.stats.staleness == straight.ahead.stats.staleness[2:] == [1, 1, 1]
+    assert _rollouts(resumed) == _rollouts(straight)[2:]
+    assert [h.loss for h in resumed.history] == pytest.approx([h.loss for h in straight.history[2:]], rel=1e-5)
+
+
 def test_grpo_with_staleness_one_trains_within_the_bound(tmp_path: Path, tiny_model_dir: Path,
                                                          servers: list[FakeServer]) -> None:
     import copy
