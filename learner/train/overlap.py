@@ -109,14 +109,19 @@ class RolloutsAhead:
         """E-step `key`'s rollouts: the batch submitted ahead when it is within the window, else generated now at
         `version` from `requests` (the same requests, so the same seeds, as the batch submitted for it)."""
         t0 = time.perf_counter()
+        made_at, dropped = version, 0
+        # Batches for E-steps before this one will never be taken (a loop that moved on, e.g. resumed elsewhere):
+        # they must not hold admission slots.
+        for old in [k for k in self._ahead if k < key]:
+            stale = self._ahead.pop(old).future
+            dropped += len(stale.result()) if stale.done() and stale.exception() is None else 0
         batch = self._ahead.pop(key, None)
         rollouts: list[Rollout] | None = None
-        made_at, dropped = version, 0
         if batch is not None:
             rollouts = batch.future.result()  # a failure here fails the step, exactly as an inline call would
             made_at = batch.version
             if not 0 <= version - made_at <= self.max_staleness:
-                dropped = len(rollouts)
+                dropped += len(rollouts)
                 log.info("dropping E-step %d's %d rollout(s) of weight version %d (learner at %d, max_staleness "
                          "%d); regenerating them now", key, dropped, made_at, version, self.max_staleness)
                 rollouts, made_at = None, version

@@ -79,6 +79,16 @@ def test_a_batch_beyond_the_window_is_dropped_and_regenerated_with_the_same_requ
     ahead.close()
 
 
+def test_batches_for_e_steps_already_passed_free_their_admission_slots() -> None:
+    gen = _Gen()
+    ahead = RolloutsAhead(gen, 1)
+    ahead.submit(3, ["c"], None, 1)
+    ahead.drain()
+    taken = ahead.take(5, ["e"], None, 1)  # the loop is past E-step 3: its batch will never be taken
+    assert (taken.dropped, ahead.ahead()) == (1, []) and ahead.submit(6, ["f"], None, 1)
+    ahead.close()
+
+
 def test_batches_ahead_survive_a_checkpoint_with_their_lag() -> None:
     gen = _Gen()
     ahead = RolloutsAhead(gen, 1)
