@@ -269,6 +269,47 @@ def test_a_server_killed_while_the_next_rollouts_are_in_flight_fails_over_with_t
     assert trainer.ahead.stats.dropped == 0
 
 
+def test_a_server_needing_a_resync_while_the_learner_trains_is_left_to_the_next_sync(
+        tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]) -> None:
+    """Between `take` and the sync the learner's weights are no version: a server that turns stale then (here:
+    it suddenly holds weights of another run) is not re-synced with them; its chunks go to the other server and
+    the next sync brings it back."""
+    from rmsft.weight_wire import WeightVersion
+
+    addrs = [s.address for s in servers]
+    reference = _run(_job(tiny_model_dir, data_path, tmp_path / "ref", 2, steps=3), addrs)
+    for s in servers:
+        s.engine.delay_s = 1.5  # the batches ahead are still generating when step 1 has trained
+    trainer = _trainer(_job(tiny_model_dir, data_path, tmp_path / "run", 2, steps=3), addrs)
+    refused: list[str] = []
+    resync = trainer.rollouts.resync
+
+    def recording(server) -> None:
+        try:
+            resync(server)
+        except Exception as exc:
+            refused.append(type(exc).__name__)
+            raise
+
+    trainer.rollouts.resync = recording
+
+    def on_step(r) -> None:
+        if r.step == 1:
+            servers[1].engine.hold(WeightVersion("otherrun0001", 99))
+
+    trainer.on_step = on_step
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    assert "ResyncRefusedError" in refused
+    assert _rollouts(trainer) == _rollouts(reference)  # same seeds, nothing lost
+    for h in trainer.history:
+        assert {r.weight_run_id for r in h.rollouts} == {trainer.state.run_id}
+        assert all(0 <= h.weight_version - r.weight_version <= 2 for r in h.rollouts)
+    assert servers[1].engine.weights == trainer.state.weights  # the next sync brought it back
+
+
 def test_a_learner_restarted_mid_run_resumes_exactly(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
                                                      servers: list[FakeServer]) -> None:
     addrs = [s.address for s in servers]
