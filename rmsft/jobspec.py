@@ -336,6 +336,13 @@ class RolloutDecoding(_Learner):
         "(cut only to bound the message size), which its engine batches continuously.",
     )
     request_timeout_s: float = Field(300.0, gt=0)
+    max_staleness: int = Field(
+        0, ge=0, le=4,
+        description="Rollouts generated ahead, while the learner trains (learner/train/overlap.py). 0: every rollout "
+        "comes from the learner's current weights, generated after the previous sync (synchronous). k >= 1: the next "
+        "E-steps' rollouts (at most k) generate on the pool during training; a rollout is trained on only when the "
+        "learner's weight version minus the one that generated it is <= k, else it is dropped and regenerated.",
+    )
 
 
 class BufferConfig(_Learner):
@@ -570,6 +577,10 @@ def cross_field_errors(spec: JobSpec) -> list[str]:
     return errs
 
 
+COLOCATE_STALENESS = ("spec.training.rollout.max_staleness must be 0 with spec.rollout.mode 'colocate': the engine "
+                      "shares the learner's devices, so generation cannot overlap training")
+
+
 COLOCATE_REPLICAS = ("spec.rollout.replicas must be unset or 0 with spec.rollout.mode 'colocate' (the engine runs "
                      "inside the learner's ranks; there is no server pool)")
 
@@ -599,6 +610,8 @@ def colocate_errors(spec: JobSpec) -> list[str]:
     if spec.sync.transport != "auto":
         errs.append("spec.sync.transport must stay 'auto' with spec.rollout.mode 'colocate': weights go straight "
                     "into the in-process engine, with no transport")
+    if spec.training.rollout.max_staleness > 0:
+        errs.append(COLOCATE_STALENESS)
     return errs
 
 

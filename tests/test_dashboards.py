@@ -155,6 +155,17 @@ def test_training_dashboard_has_the_grpo_row() -> None:
     assert len(ids) == len(set(ids))
 
 
+def test_training_dashboard_has_the_rollouts_ahead_row() -> None:
+    dash = json.loads((ROOT / "charts/rmsft/dashboards/training.json").read_text())
+    rows = [p for p in dash["panels"] if p.get("type") == "row" and p.get("title") == "Rollouts ahead"]
+    assert len(rows) == 1
+    below = [p for p in dash["panels"] if p.get("type") != "row" and p["gridPos"]["y"] > rows[0]["gridPos"]["y"]]
+    text = " ".join(t["expr"] for p in below for t in p.get("targets", []))
+    for needed in ("rmsft_learner_rollout_wait_seconds_total", "rmsft_learner_pool_idle_seconds_total",
+                   "rmsft_learner_rollout_staleness_versions_bucket", "rmsft_learner_stale_rollouts_dropped_total"):
+        assert needed in text, needed
+
+
 def _rollout_dashboard() -> dict[str, Any]:
     return json.loads((ROOT / "charts/rmsft/dashboards/rollout.json").read_text())
 

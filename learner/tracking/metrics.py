@@ -46,6 +46,18 @@ GRPO_KL = Gauge("rmsft_learner_grpo_kl", "k3 estimate of the KL to the reference
 COMPLETION_LENGTH = Gauge("rmsft_learner_completion_length_tokens", "Mean completion length of the last GRPO step")
 
 
+# Rollouts generated ahead (spec.training.rollout.max_staleness, learner/train/overlap.py); rank 0.
+ROLLOUT_WAIT_SECONDS = Counter("rmsft_learner_rollout_wait_seconds_total",
+                               "Learner time waiting on the pool: a step's rollouts, or the batch ahead before a sync")
+POOL_IDLE_SECONDS = Counter("rmsft_learner_pool_idle_seconds_total",
+                            "Time the pool had no learner Generate call in flight (between the first and last call)")
+ROLLOUT_STALENESS = Histogram("rmsft_learner_rollout_staleness_versions",
+                              "Weight versions between the one that generated a consumed rollout and the learner's",
+                              buckets=(0, 1, 2, 3, 4))
+STALE_ROLLOUTS_DROPPED = Counter("rmsft_learner_stale_rollouts_dropped_total",
+                                 "Rollouts generated ahead but dropped (older than max_staleness) and regenerated")
+
+
 def set_run(run_id: str) -> None:
     """Export this learner run's id as the only `rmsft_learner_run_info` series."""
     RUN_INFO.clear()

@@ -68,6 +68,9 @@ class Checkpointer:
     def __init__(self, cfg: TrainingConfig, ranks: Ranks, model: torch.nn.Module, step: PlainStep | ZeroStep,
                  packer: Packer, state: TrainState) -> None:
         self.cfg, self.ranks, self.model, self.step, self.packer, self.state = cfg, ranks, model, step, packer, state
+        # Rank 0's further state for the next checkpoint (the rollouts generated ahead), and what the loaded one had.
+        self.extra: dict[str, Any] = {}
+        self.loaded_extra: dict[str, Any] = {}
 
     def _rank_state(self) -> dict[str, Any]:
         out: dict[str, Any] = {"packer": self.packer.carry(), "rng": rng_state()}
@@ -91,6 +94,7 @@ class Checkpointer:
             "world_size": self.ranks.world_size, "deepspeed_stage": self.cfg.deepspeed_stage,
             # The record of which runs wrote it (a resumed run never reuses one: it makes its own).
             "run_id": s.run_id, "run_ids": [*(s.resumed.run_ids if s.resumed else ()), s.run_id],
+            "extra": dict(self.extra),
         }  # fmt: skip
 
     def save(self) -> Path | None:
@@ -156,3 +160,4 @@ class Checkpointer:
         # run announced already, so no number of this run ever names two sets of weights.
         s.step, s.version = ckpt["step"], max(ckpt["version"], s.version)
         s.phase_seconds = dict(ckpt["phase_seconds"])
+        self.loaded_extra = dict(ckpt.get("extra") or {})

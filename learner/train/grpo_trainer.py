@@ -153,18 +153,19 @@ class GrpoTrainer(Trainer):
         ranks, n = self.ranks, self.grpo.n
         self._step_prompts.clear()
         with self._phase("rollout"):
-            # Sample k of prompt j is at j * n + k; every one is fenced to the learner's version.
-            base = self.cfg.rollout.seed + self.state.step * self.cfg.prompts_per_step
-            outs, everything = self._rollouts_for(batch, self.grpo.sampling, n=n, seed_base=base)
+            # Sample k of prompt j is at j * n + k; each call is fenced to the version it was made with: the
+            # learner's, or up to max_staleness behind it (generated ahead, overlap.py).
+            outs, everything = self._rollouts_for(self.state.step, self.grpo.sampling, n=n)
         lo, hi = ranks.share(len(batch))
         indices = [i for i in batch[lo:hi] for _ in range(n)]
         with ranks.guard("checking the sampled completions"):
             if len(outs) != len(indices):
                 raise RuntimeError(f"rank {ranks.rank} got {len(outs)} completion(s) for {hi - lo} prompt(s) x {n}")
             weights = self.state.weights  # this run's version: the number alone is not enough
-            stale = [(o.request_id, str(o.weights), o.server) for o in outs if o.weights != weights]
+            stale = [(o.request_id, str(o.weights), o.server) for o in outs if not self._within_window([o])]
             if stale:
                 raise RuntimeError(f"{len(stale)} completion(s) not from the learner's weight version {weights} "
+                                   f"(or max_staleness {self.cfg.rollout.max_staleness} behind it) "
                                    f"(request, version, server): {stale[:3]}")  # fmt: skip
             bad = [(o.request_id, o.sample_index, o.server) for o in outs
                    if o.logprobs is None or len(o.logprobs) != len(o.token_ids)]  # fmt: skip

@@ -9,7 +9,7 @@ it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ class ServerRollouts:
 
     def __init__(self, job: RolloutMatchingJob, addresses: Sequence[str] | ServersFile, model: Any, *,
                  run_id: str, auth_token: str | None, checkpoint_dir: str | Path, vision_language: bool,
-                 zero3: bool) -> None:
+                 zero3: bool, fence_resync: Callable[[Callable], Callable] | None = None) -> None:
         followed = addresses if isinstance(addresses, ServersFile) else list(addresses)
         self.pool = ServerPool(followed, auth_token=auth_token, run_id=run_id)
         sync, cfg = job.spec.sync, job.spec.training
@@ -53,7 +53,9 @@ class ServerRollouts:
                                                "the next step's collective sync brings the server up")
         self.client = RolloutClient(
             self.pool, timeout_s=cfg.rollout.request_timeout_s,
-            generate_batch_size=cfg.rollout.generate_batch_size or 0, resync=self.sync_client.resync_server,
+            generate_batch_size=cfg.rollout.generate_batch_size or 0,
+            # `fence_resync` wraps the re-sync of one server (e.g. refused while the learner's weights move).
+            resync=fence_resync(self.sync_client.resync_server) if fence_resync else self.sync_client.resync_server,
         )  # fmt: skip
 
     def wait_ready(self, timeout_s: float) -> None:

@@ -49,7 +49,7 @@ from learner.data.records import Record
 from learner.data.vision import VisionPrompt, patch_size, render_prompt, resized_image_size, with_vision
 from learner.evaluation.draw import save_rollout_pictures
 from learner.evaluation.held_out import EvalSetup, Evaluation, evaluate, score
-from learner.rollouts.client import Rollout
+from learner.rollouts.client import Rollout, RolloutRequest
 from learner.rollouts.pool import ServerPool, ServersFile
 from learner.rollouts.source import RolloutSource
 from learner.sync.client import WeightSyncClient
@@ -61,6 +61,7 @@ from learner.train.checkpoint_files import check_checkpoint_dir
 from learner.train.checkpointer import Checkpointer, TrainState
 from learner.train.config import core_configs, learning_rate
 from learner.train.export import export_trained
+from learner.train.overlap import RolloutsAhead
 from learner.train.policy import Policy, load_policy, prompt_ids
 from learner.train.ranks import Ranks, share_bounds
 from learner.train.reporting import RunReporter
@@ -124,6 +125,8 @@ class Trainer:
         self.rollouts: RolloutSource | None = None
         self.pool: ServerPool | None = None
         self.sync_client: WeightSyncClient | None = None
+        self.ahead: RolloutsAhead | None = None  # rank 0: rollouts generated ahead of training (overlap.py)
+        self._resumed_ahead: list[dict] = []  # rank 0: a checkpoint's batches ahead, put back by _begin
         self.train_step: PlainStep | ZeroStep | None = None
         self.state = TrainState()
         self.history: list[StepResult] = []
@@ -199,9 +202,13 @@ class Trainer:
         else:
             with ranks.guard("connecting to the rollout servers (rank 0)"):
                 if ranks.is_main:  # the only rank that talks to rollout servers
+                    # Every E-step's rollouts go through it (max_staleness 0: generated inline, as always).
+                    self.ahead = RolloutsAhead(lambda reqs, sampling, v: self.rollouts.generate(
+                        reqs, sampling, weight_version=v), cfg.rollout.max_staleness)
                     source = ServerRollouts(job, addresses, self.model, run_id=self.state.run_id, auth_token=auth_token,
                                             checkpoint_dir=model_dir, vision_language=self.policy.is_vision_language,
-                                            zero3=cfg.deepspeed_stage == 3)  # fmt: skip
+                                            zero3=cfg.deepspeed_stage == 3,
+                                            fence_resync=self.ahead.fenced_resync)  # none while weights move
                     self.rollouts, self.pool, self.sync_client = source, source.pool, source.sync_client
         self._prompt_cache: dict[int, list[int]] = {}  # text models: a record's prompt ids
         self._step_prompts: dict[int, VisionPrompt] = {}  # vision-language models: this E-step's renderings
@@ -264,7 +271,13 @@ class Trainer:
         with self.ranks.guard("waiting for the rollout servers (rank 0)"):
             if self.rollouts is not None:
                 self.rollouts.wait_ready(timeout_s=self.cfg.rollout.request_timeout_s)
+        # Batches ahead (of a checkpoint, or of this process's previous run() call) keep their lag behind the
+        # weights across the sync below, which announces the same weights under a new number.
+        ahead = self.ahead.saved(self._served_version()) if self.ahead is not None else []
         self._sync()  # once before the first rollout, and again on resume
+        if self.ahead is not None:
+            self.ahead.restore(ahead or self._resumed_ahead, st.version)
+            self._resumed_ahead = []
         return target
 
     def _end(self, t_start: float) -> Summary:
@@ -287,6 +300,8 @@ class Trainer:
         """Greedy answers to `training.eval`'s records from the servers holding this step's weights (synced
         first when they hold older ones), scored and reported (log, /metrics, TensorBoard). Every rank calls
         it (a sync is collective); rank 0 returns the evaluation, other ranks None."""
+        if self.ahead is not None:
+            self.ahead.drain()  # one generate call at a time on the client
         if self._served_step != self.state.step:
             self._sync()
         ev = None
@@ -328,35 +343,25 @@ class Trainer:
         return self.exported
 
     # -- E-step ---------------------------------------------------------------------------------
-    def _rollouts_for(self, batch: tuple[int, ...], sampling: object, *, n: int = 1,
-                      seed_base: int) -> tuple[list[Rollout], list[Rollout] | None]:
-        """This rank's completions of its share of `batch` (n per prompt, prompt by prompt, every one fenced to
-        the learner's version) and, on rank 0, the whole batch's (None elsewhere). Server mode: rank 0 asks the
-        pool for everything and hands each rank its share. Colocate: every rank's engine generates its own share
-        (seeded by the prompt's place in the global batch, as in server mode) and rank 0 gathers the rest for
-        its records (token ids only)."""
+    def _rollouts_for(self, k: int, sampling: object, *, n: int = 1) -> tuple[list[Rollout], list[Rollout] | None]:
+        """E-step `k`'s completions of this rank's share of its batch (n per prompt, prompt by prompt) and, on
+        rank 0, the whole batch's (None elsewhere). Server mode: rank 0 takes them from the pool (generated now,
+        or ahead of time within max_staleness: overlap.py) and hands each rank its share. Colocate: every rank's
+        engine generates its own share (seeded by the prompt's place in the global batch, as in server mode) and
+        rank 0 gathers the rest for its records (token ids only)."""
         ranks = self.ranks
-
-        def request(j: int) -> object:  # prompt j of the batch, with its images' bytes and its seed
-            rec = self.records[batch[j]]
-            return rollout_request(rec, [img.data for img in self.images.load(rec)], seed=seed_base + j)
-
         if self.rollouts is not None and self.rollouts.per_rank:
-            lo, hi = ranks.share(len(batch))
+            lo, hi = ranks.share(self.cfg.prompts_per_step)
             with ranks.guard("generating rollouts (in-process engine)"):
-                mine = self.rollouts.generate([request(j) for j in range(lo, hi)], sampling,
+                mine = self.rollouts.generate(self._rollout_requests(k, lo, hi), sampling,
                                               weight_version=self.state.version)  # fmt: skip
             parts = ranks.gather_to_main(mine)
             return mine, [o for part in parts for o in part] if parts is not None else None
         everything = None
         with ranks.guard("generating rollouts (rank 0)"):
             if ranks.is_main:
-                # Messages (+ image bytes): the engine renders the prompt with its own processor and returns the
-                # ids it used, which the E-step checks against the learner's rendering. Every completion is
-                # fenced to this version (never train on stale data).
-                everything = self.rollouts.generate([request(j) for j in range(len(batch))], sampling,
-                                                    weight_version=self.state.version)  # fmt: skip
-        return self._scatter(everything, len(batch), n), everything
+                everything = self._take_rollouts(k, sampling)
+        return self._scatter(everything, self.cfg.prompts_per_step, n), everything
 
     def _scatter(self, everything: list[Rollout] | None, prompts: int, n: int = 1) -> list[Rollout]:
         """Rank 0 hands each rank the completions of its contiguous share of the prompts (token-id lists)."""
@@ -368,6 +373,40 @@ class Trainer:
             bounds = [share_bounds(prompts, ranks.world_size, r) for r in range(ranks.world_size)]
             shares = [everything[lo * n : hi * n] for lo, hi in bounds]
         return ranks.scatter_from_main(shares)
+
+    def _rollout_requests(self, k: int, lo: int = 0, hi: int | None = None) -> list[RolloutRequest]:
+        """E-step `k`'s requests (prompts lo..hi of its batch), each with its own seed, from the prompt's place in
+        the global batch (the same whenever and wherever they are made: a regenerated batch reproduces)."""
+        base = self.cfg.rollout.seed + k * self.cfg.prompts_per_step
+        batch = self.order.batch(k)
+        # Messages (+ image bytes): the engine renders the prompt with its own processor and returns the ids it
+        # used, which the E-step checks against the learner's rendering.
+        return [rollout_request(rec, [img.data for img in self.images.load(rec)], seed=base + j)
+                for j, rec in ((j, self.records[batch[j]]) for j in range(lo, len(batch) if hi is None else hi))]
+
+    def _take_rollouts(self, k: int, sampling: object) -> list[Rollout]:
+        """Rank 0 (server mode): E-step `k`'s rollouts, then the next E-steps (up to max_staleness, within the
+        run) submitted to generate while this one trains (learner/train/overlap.py). The client fences each call
+        to the version it was made with; `_within_window` is what the trainer accepts."""
+        st, ahead = self.state, self.ahead
+        taken = ahead.take(k, self._rollout_requests(k), sampling, st.version)
+        for j in range(k + 1, k + 1 + ahead.max_staleness):
+            if j * self.core.m_steps >= self.cfg.steps:
+                break
+            ahead.submit(j, self._rollout_requests(j), sampling, st.version)
+        return taken.rollouts
+
+    def _within_window(self, outs: Sequence[Rollout]) -> bool:
+        """Every rollout is from a weight version the learner may train on: its current one (max_staleness 0,
+        exactly), or this run's, at most max_staleness versions behind. A batch put back from a checkpoint
+        carries the version of the run that generated it (one the resumed run descends from): rank 0 checked
+        its lag when it took it."""
+        st, window = self.state, self.cfg.rollout.max_staleness
+        if not window:
+            return all(o.weights == st.weights for o in outs)
+        restored = set(st.resumed.run_ids) if st.resumed is not None else set()
+        return all((o.weight_run_id == st.run_id and 0 <= st.version - o.weight_version <= window)
+                   or o.weight_run_id in restored for o in outs)  # fmt: skip
 
     def _e_step(self, batch: tuple[int, ...]) -> _Built:
         ranks = self.ranks
@@ -382,15 +421,14 @@ class Trainer:
                                   for idx in batch]  # fmt: skip
                 outs = self._scatter(everything, len(batch))
             else:
-                k = self.state.step // self.core.m_steps
-                outs, everything = self._rollouts_for(batch, self.core.sampling,
-                                                      seed_base=self.cfg.rollout.seed + k * self.cfg.prompts_per_step)
+                outs, everything = self._rollouts_for(self.state.step // self.core.m_steps, self.core.sampling)
         lo, hi = ranks.share(len(batch))
         mine = batch[lo:hi]
         with ranks.guard("building training segments"):
-            if len(outs) != len(mine) or any(o.weights != self.state.weights for o in outs):
+            if len(outs) != len(mine) or not self._within_window(outs):
                 raise RuntimeError(f"rank {ranks.rank} got {len(outs)} rollout(s) for {len(mine)} prompt(s) "
-                                   f"or a weight version other than {self.state.weights}")  # fmt: skip
+                                   f"or a weight version outside {self.state.weights} minus max_staleness "
+                                   f"{self.cfg.rollout.max_staleness}")  # fmt: skip
             recs = [self.records[i] for i in mine]
             vl = self.policy.is_vision_language
             vision = [self._vision_prompt(i) for i in mine] if vl else []
@@ -481,15 +519,29 @@ class Trainer:
         self._sync()
 
     def _sync(self) -> None:
-        self.state.version += 1
+        # The sync policy (learner/train/overlap.py): no Generate call in flight across a weight update.
+        if self.ahead is not None and self.ahead.ahead():
+            with self._phase("sync_drain"):
+                self.ahead.drain()
+        version = self.state.version + 1
         self._served_step = self.state.step
         # ZeRO-3: whole weights on every rank while rank 0 exports them (collective).
-        with self._phase("sync"), self.ranks.guard(f"syncing weight version {self.state.version}"), \
+        with self._phase("sync"), self.ranks.guard(f"syncing weight version {version}"), \
                 gathered_weights(self.train_step, self.model):
             if self.rollouts is not None:  # rank 0's pool, or every rank's in-process engine
-                self.rollouts.sync(self.state.version)
+                self.rollouts.sync(version)  # counts bytes and sets the version gauge itself
+        self.state.version = version  # only once the engines confirmed it (sync raises otherwise)
+        if self.ahead is not None:
+            self.ahead.synced()
+
+    def _served_version(self) -> int:
+        """The version number that serves the model's current weights: the last synced one, or the next when the
+        weights moved since (a batch ahead keeps its lag behind these weights across a checkpoint or a re-sync)."""
+        return self.state.version + (self._served_step != self.state.step)
 
     def save(self) -> Path | None:
+        if self.ahead is not None:  # rank 0: the rollouts generated ahead go into the checkpoint (overlap.py)
+            self.checkpointer.extra["rollouts_ahead"] = self.ahead.saved(self._served_version())
         return self.checkpointer.save()
 
     def resume(self) -> bool:
@@ -498,6 +550,7 @@ class Trainer:
         found = self.checkpointer.resume()
         if found:
             self._served_step = -1  # the servers hold none of the checkpoint's weights under this run's id
+            self._resumed_ahead = list(self.checkpointer.loaded_extra.get("rollouts_ahead", []))
         return found
 
     def gathered_trainable_state(self) -> dict[str, torch.Tensor]:
@@ -644,7 +697,7 @@ class Trainer:
         )  # fmt: skip
 
     def close(self) -> None:
-        for part in (self.rollouts, self.train_step, self.reporter):
+        for part in (self.ahead, self.rollouts, self.train_step, self.reporter):
             if part is not None:
                 part.close()
         self.train_step = None

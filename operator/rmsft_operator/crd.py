@@ -14,7 +14,16 @@ from typing import Any
 
 import yaml
 
-from rmsft.jobspec import API_GROUP, API_VERSION, COLOCATE_REPLICAS, KIND, PLURAL, QUANTITY_PATTERN, JobSpec
+from rmsft.jobspec import (
+    API_GROUP,
+    API_VERSION,
+    COLOCATE_REPLICAS,
+    COLOCATE_STALENESS,
+    KIND,
+    PLURAL,
+    QUANTITY_PATTERN,
+    JobSpec,
+)
 
 SHORT_NAMES = ["rmj"]
 PHASES = ["Pending", "Starting", "Running", "Complete", "Failed", "Invalid"]
@@ -165,6 +174,11 @@ SPEC_RULES: list[dict[str, str]] = [
         "message": "spec.sync.transport must stay 'auto' with spec.rollout.mode 'colocate': weights go straight "
         "into the in-process engine, with no transport",
         "fieldPath": ".sync.transport",
+    },
+    {
+        "rule": _COLOCATE + "self.training.rollout.max_staleness == 0",
+        "message": COLOCATE_STALENESS,
+        "fieldPath": ".training.rollout.max_staleness",
     },
 ]
 

@@ -235,6 +235,30 @@ def test_rmsft_train_under_torchrun_resumes(server, one_rank, tiny_model_dir, da
 
 
 @slow
+def test_two_ranks_with_rollouts_ahead_equal_one_rank(server, tiny_model_dir, data_path, tmp_path) -> None:
+    """max_staleness 1 (learner/train/overlap.py): rank 0 generates the next step's rollouts while every rank
+    trains; both ranks accept the lagged version, and 2 ranks still end where 1 rank does."""
+    runs = {}
+    for ranks in (1, 2):
+        job = write_job(tmp_path / f"job{ranks}.yaml", tiny_model_dir, data_path, tmp_path / f"ckpt{ranks}",
+                        rollout={"max_tokens": 48, "temperature": 0.0, "generate_batch_size": 4,
+                                 "request_timeout_s": 60, "max_staleness": 1})
+        runs[ranks] = _train(server, job, tmp_path / f"out{ranks}", ranks)
+    (base,), (base_params,), base_calls = runs[1]
+    (r0, r1), params, calls = runs[2]
+    assert calls.get("Generate", 0) == base_calls.get("Generate", 0) > 0
+    for s0, s1, sb in zip(r0["steps"], r1["steps"], base["steps"], strict=True):
+        # the first step's rollouts come from the first sync; later ones from one version before the step's
+        lag = 0 if s0["step"] == 1 else 1
+        assert s0["rollout_versions"] == s1["rollout_versions"] == sb["rollout_versions"] == [
+            s0["weight_version"] - lag]
+        assert s0["loss"] == pytest.approx(s1["loss"], abs=1e-9)
+        assert s0["loss"] == pytest.approx(sb["loss"], rel=1e-5, abs=1e-6)
+    assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])
+    _assert_params_close(params[0], base_params, atol=1e-5)
+
+
+@slow
 def test_two_ranks_evaluate_held_out_and_export(server, tiny_model_dir, data_path, tmp_path) -> None:
     """Held-out evaluation and the end-of-run export under two ranks: rank 0 evaluates (after a sync every rank
     joins) and exports, rank 1 waits in the same collectives instead of deadlocking."""

@@ -69,7 +69,7 @@ class _Recorder:
 
     def __init__(self, trainer: Trainer) -> None:
         self.events: list[tuple] = []
-        pool, rollouts = trainer.pool, trainer.rollouts
+        pool, rollouts = trainer.pool, trainer.rollouts.client
         real_status = pool.status
 
         def status(server, *a, **kw) -> rollout_pb2.StatusReply:

@@ -141,6 +141,10 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
                                "spec.training.finetune": "lora", "spec.training.lora.use_dora": False},
      ["spec.sync.mode", "colocate"]),
     ("colocate-shm", {**_COLOCATE, "spec.sync.transport": "shm"}, ["spec.sync.transport", "colocate"]),
+    ("colocate-max-staleness", {**_COLOCATE, "spec.sync.transport": "auto", "spec.training.rollout.max_staleness": 1},
+     ["spec.training.rollout.max_staleness", "spec.rollout.mode", "colocate"]),
+    ("max-staleness-negative", {"spec.training.rollout.max_staleness": -1}, ["max_staleness"]),
+    ("max-staleness-too-large", {"spec.training.rollout.max_staleness": 5}, ["max_staleness"]),
     ("colocate-gpu-memory", {**_COLOCATE, "spec.rollout.colocate.gpuMemoryUtilization": 1.0},
      ["spec.rollout.colocate.gpuMemoryUtilization"]),
 ]
