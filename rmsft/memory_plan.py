@@ -506,7 +506,9 @@ class MemoryPlan:
 
 
 def _gib(n: int | None) -> str:
-    return "?" if n is None else f"{n / GiB:.1f} GiB"
+    if n is None:
+        return "?"
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / (1 << 20):.0f} MiB"
 
 
 def _num(n: int | None) -> str:
@@ -959,6 +961,11 @@ def advise(spec: JobSpec, shape: ModelShape, gpu_memory: int | None) -> tuple[st
         return ()
     if base.host_limit is not None and base.host_total > base.host_limit and all(d.fits for d in base.devices):
         return (f"Raise spec.learner.resources.limits.memory to at least {_gib(base.host_total)} or offload less.",)
+    if spec.placement.accelerator == "none":  # CPU pods: their memory limits are the only capacity
+        need = max((d.peak for d in base.devices if d.capacity is not None and d.peak > d.capacity), default=0)
+        where = "spec.learner.resources.limits.memory" if spec.rollout.colocated else \
+            "spec.learner.resources.limits.memory / spec.rollout.resources.limits.memory"
+        return (f"Raise the pods' memory limit ({where}) to at least {_gib(need)}.",)
     knobs = _knobs(spec, shape, gpu_memory)
 
     def fits(*chosen: _Knob) -> bool:

@@ -333,7 +333,7 @@ def test_cli_plan_exit_codes_and_output(tmp_path: Path) -> None:
         assert row in out
     assert "preset Qwen3-VL-2B" in out and "assumptions:" in out
 
-    res = _rmsft("plan", str(ROOT / "configs" / "job.yaml"), "--gpu-memory", "40GiB")
+    res = _rmsft("plan", str(ROOT / "configs" / "job.yaml"), "--gpu-memory", "24GiB")
     assert res.returncode == 2
     err = " ".join(res.stderr.split())
     assert "does not fit (server mode)" in err and "spec.training." in err
