@@ -182,8 +182,15 @@ class Trainer:
         self.packer = self._make_packer()
         self.buffer: RolloutBuffer = RolloutBuffer(self.core.m_steps)
         self.checkpointer = Checkpointer(cfg, ranks, self.model, self.train_step, self.packer, self.state)
+        # No servers at all: a plain SFT run (every step a warm-start step, no held-out evaluation) needs none,
+        # e.g. the pretraining of `rmsft local`'s tiny model (learner.local.pretrain_tiny_model).
+        self.offline = not isinstance(addresses, ServersFile) and not list(addresses)
+        if self.offline and (cfg.warm_start_steps < cfg.steps or cfg.eval.data):
+            raise ValueError("no rollout servers given: only a run whose every step is a warm-start step "
+                             "(training.warm_start_steps >= training.steps) and that has no training.eval.data "
+                             "runs without them")
         with ranks.guard("connecting to the rollout servers (rank 0)"):
-            if ranks.is_main:  # the only rank that talks to rollout servers
+            if ranks.is_main and not self.offline:  # the only rank that talks to rollout servers
                 followed = addresses if isinstance(addresses, ServersFile) else list(addresses)
                 self.pool = ServerPool(followed, auth_token=auth_token, run_id=self.state.run_id)
                 sync = job.spec.sync
@@ -208,6 +215,7 @@ class Trainer:
         self._prompt_cache: dict[int, list[int]] = {}  # text models: a record's prompt ids
         self._step_prompts: dict[int, VisionPrompt] = {}  # vision-language models: this E-step's renderings
         self.pictures: list[Path] = []
+        self.eval_pictures: list[Path] = []
         # Image/video tokens a rollout may sample: its answer is cut before the first (episode.vision_safe_response).
         self.vision_token_ids = (vision_token_ids(self.policy.tokenizer) if self.policy.is_vision_language
                                  else frozenset())  # fmt: skip
@@ -263,6 +271,8 @@ class Trainer:
             self.reporter = RunReporter(Tracker(self.cfg.tensorboard_dir, run_name=self.job.metadata.name,
                                                 config=self.job.to_manifest(), resume_step=st.step + 1))
         self._log_start(target)
+        if self.offline:  # no servers to wait for or to sync (a plain SFT run)
+            return target
         with self.ranks.guard("waiting for the rollout servers (rank 0)"):
             if self.ranks.is_main:
                 self.pool.wait_ready(timeout_s=self.cfg.rollout.request_timeout_s)
@@ -275,6 +285,7 @@ class Trainer:
         if ck_every == 0 or st.step % ck_every:
             self.save()
         self.pictures = self._write_pictures()
+        self.eval_pictures = self._write_eval_pictures()
         if st.step >= self.cfg.steps and self.cfg.export.enabled:
             self.export()
         return self.summary(time.perf_counter() - t_start)
@@ -527,6 +538,19 @@ class Trainer:
         log.info("rollout pictures (predicted and ground-truth objects) of step %d: %s", last.step, out)
         return paths
 
+    def _write_eval_pictures(self) -> list[Path]:
+        """Rank 0: the last held-out evaluation's answers drawn on their images under <checkpoint.dir>/heldout/
+        (TensorBoard has every evaluation's; this folder is what a newcomer opens after the run)."""
+        ev = self.evaluations[-1] if self.evaluations else None
+        if ev is None or self.eval_images is None or not self.cfg.eval.pictures:
+            return []
+        out = Path(self.cfg.checkpoint.dir) / "heldout"
+        try:
+            return save_rollout_pictures(ev.pictures(self.eval_images, self.cfg.eval.pictures), out)
+        except OSError as exc:
+            log.warning("could not write held-out pictures to %s: %s", out, exc)
+            return []
+
     def _vision_prompt(self, idx: int) -> VisionPrompt:
         """The learner's rendering of a record's prompt with its images (read through the image store's
         cache, the same bytes the servers got); rendered once per E-step (pixels are not kept longer)."""
@@ -549,8 +573,11 @@ class Trainer:
 
     def _log_start(self, target: int) -> None:
         if self.ranks.is_main:
-            record = run_record(self.job, servers=[s.address for s in self.pool.servers],
-                                sync_mode=self.sync_client.mode, sync_transport=self.sync_client.transport,
+            servers = [s.address for s in self.pool.servers] if self.pool is not None else []
+            sync = self.sync_client
+            record = run_record(self.job, servers=servers,
+                                sync_mode=sync.mode if sync else "none",
+                                sync_transport=sync.transport if sync else "none",
                                 world_size=self.ranks.world_size,
                                 model_dir=self.job.spec.model.path, data_path=self.cfg.data.path,
                                 image_root=self.cfg.data.image_root, eval_data_path=self.cfg.eval.data,
@@ -570,7 +597,7 @@ class Trainer:
             log.info("run: %s", json.dumps({k: v for k, v in record.items() if k != "job"}, default=str))
             log.info(
                 "rmsft learner run %s: %d record(s), servers %s, sync %s, seed %d, steps %d -> %d, ranks %d, "
-                "device %s%s", self.state.run_id, len(self.records), [s.address for s in self.pool.servers],
+                "device %s%s", self.state.run_id, len(self.records), servers,
                 self.job.spec.sync.mode,
                 self.cfg.seed, self.state.step, target, self.ranks.world_size, self.device,
                 f", DeepSpeed ZeRO-{self.cfg.deepspeed_stage}" if self.engine is not None else "",
@@ -604,6 +631,7 @@ class Trainer:
             phase_seconds=dict(self.state.phase_seconds), wall_seconds=wall,
             retries=int(m.counter_total(m.ROLLOUT_RETRIES) - self._retries_at_start), history=list(self.history),
             pictures=list(self.pictures), evaluations=[(e.step, e.f1, e.map) for e in self.evaluations],
+            eval_iou=self.cfg.eval.iou, eval_pictures=list(self.eval_pictures),
             log_dir=Path(self.cfg.tensorboard_dir) if self.ranks.is_main else None, exported=self.exported,
         )  # fmt: skip
 
