@@ -280,10 +280,11 @@ GRID_SHAPES = ("circle", "rectangle")
 
 def make_grid_sample(
     seed: int, index: int, cells: int = 4, max_objects: int = 2, min_cells: int = 1, max_cells: int = 2,
+    min_objects: int = 1,
     fmt: Literal["coordexp", "qwen_json"] = "coordexp", colours: tuple[str, ...] = tuple(VISUAL_COLOURS),
     shapes: tuple[str, ...] = GRID_SHAPES,
 ) -> tuple[Image.Image, dict]:
-    """One image of `cells` x `cells` grid cells of GRID_CELL pixels and its record: 1..`max_objects` shapes
+    """One image of `cells` x `cells` grid cells of GRID_CELL pixels and its record: `min_objects`..`max_objects` shapes
     (circle or rectangle in one of `colours`), each covering `min_cells`..`max_cells` cells per side, placed on
     the grid and never overlapping. Every box edge lies on a cell edge, which is an image-token edge of the
     tiny models: the answer is which tokens hold a shape, so a tiny randomly initialised model can learn
@@ -291,6 +292,8 @@ def make_grid_sample(
     a possible edge, it does not). Same (seed, index), same sample."""
     if fmt not in VISUAL_PROMPTS:
         raise ValueError(f"fmt must be one of {', '.join(VISUAL_PROMPTS)}, got {fmt!r}")
+    if not 1 <= min_objects <= max_objects:
+        raise ValueError(f"need 1 <= min_objects <= max_objects, got {min_objects}, {max_objects}")
     if not 1 <= min_cells <= max_cells <= cells:
         raise ValueError(f"need 1 <= min_cells <= max_cells <= cells, got {min_cells}, {max_cells}, {cells}")
     rng = random.Random(f"rmsft-grid-{seed}-{index}")
@@ -299,7 +302,7 @@ def make_grid_sample(
     draw = ImageDraw.Draw(img)
     taken: set[tuple[int, int]] = set()
     objects: list[dict] = []
-    for _ in range(rng.randint(1, max_objects)):
+    for _ in range(rng.randint(min_objects, max_objects)):
         for _attempt in range(50):
             colour, shape = rng.choice(colours), rng.choice(shapes)
             cw = rng.randint(min_cells, max_cells)
