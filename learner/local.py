@@ -57,6 +57,7 @@ TINY_MODEL_STOCK = "rmsft.io/tiny-model-stock"  # "true": a stock vocabulary, wi
 TINY_MODEL_COORDS = "rmsft.io/tiny-model-coords"  # "smooth": coordinate embeddings smooth in the bin
 SYNTHETIC_MAX_OBJECTS = "rmsft.io/synthetic-max-objects"
 PRETRAIN_TINY_MODEL = "rmsft.io/pretrain-tiny-model"  # "N": N plain SFT steps on a separate synthetic set
+PRETRAIN_COORD_SIGMA = "rmsft.io/pretrain-coord-sigma"  # the pretraining's own coordinate target width
 PRETRAIN_SEED_OFFSET = 20_000  # the pretraining set's seed: neither the training set's (+0) nor the held-out one's
 SYNTHETIC_TASKS = ("text", "visual", "visual-grid", "answer")
 AUTH_TOKEN_ENV = "RMSFT_AUTH_TOKEN"
@@ -138,7 +139,8 @@ def pretrain_tiny_model(job: RolloutMatchingJob, random_dir: Path, out_dir: Path
                         console: Console) -> Path:
     """`steps` of plain SFT (every step a warm-start step: the targets are the whole ground truth) of the model
     at `random_dir` on a synthetic set of the job's task rendered with a seed of its own (never the training or
-    held-out records), with the job's own optimizer settings; the result is exported to `out_dir`.
+    held-out records), with the job's own optimizer settings (the coordinate target's width from
+    `rmsft.io/pretrain-coord-sigma` when set); the result is exported to `out_dir`.
 
     Why: a real user starts from a pretrained Qwen-VL that already sees and names objects and writes
     coordinates; rollout matching then refines its own answers. A random tiny model has nothing worth
@@ -155,8 +157,11 @@ def pretrain_tiny_model(job: RolloutMatchingJob, random_dir: Path, out_dir: Path
              checkpoint={"dir": str(work / "checkpoints"), "every": 0, "keep": 1},
              export={"enabled": True, "dir": str(out_dir)})
     doc["spec"]["model"]["path"] = str(random_dir)
-    pre = RolloutMatchingJob.model_validate(doc)
     notes = _annotations(job)
+    if notes.get(PRETRAIN_COORD_SIGMA):
+        # A wide target while the coordinates are far off gives them credit from afar; the run then sharpens it.
+        t["loss"]["coord_sigma"] = float(notes[PRETRAIN_COORD_SIGMA])
+    pre = RolloutMatchingJob.model_validate(doc)
     n = int(notes.get(SYNTHETIC_RECORDS, "1024"))
     _write_records(pre, notes, data, n, job.spec.training.seed + PRETRAIN_SEED_OFFSET, "pretraining ", console)
     trainer = Trainer(pre, [])

@@ -626,7 +626,9 @@ class Trainer:
         return Summary(
             steps=self.state.step, first_loss=losses[0] if losses else float("nan"),
             last_loss=losses[-1] if losses else float("nan"), losses=losses,
-            f1=[h.stats.f1 for h in self.history if h.stats], weight_version=self.state.version,
+            # Rollout F1 of steps that sampled (a warm-start step's empty answers score 0 and say nothing).
+            f1=[h.stats.f1 for h in self.history if h.stats and h.step > self.cfg.warm_start_steps],
+            weight_version=self.state.version,
             run_id=self.state.run_id,
             phase_seconds=dict(self.state.phase_seconds), wall_seconds=wall,
             retries=int(m.counter_total(m.ROLLOUT_RETRIES) - self._retries_at_start), history=list(self.history),
