@@ -15,7 +15,7 @@ import yaml
 from learner.data.dataset import load_dataset
 from learner.data.vision import vision_messages
 from learner.evaluation.held_out import score
-from learner.local import SYNTHETIC_MAX_OBJECTS, _annotations
+from learner.local import PRETRAIN_COORD_SIGMA, SYNTHETIC_MAX_OBJECTS, _annotations
 from learner.train.trainer import Trainer
 from rmsft.dev.synthetic import write_visual_dataset
 from rmsft.dev.tiny_vl import build_tiny_vl_model
@@ -46,7 +46,8 @@ def _greedy(trainer: Trainer, records, images, max_tokens: int) -> list[list[int
 def test_the_readme_task_moves_held_out_f1_off_zero(tmp_path: Path) -> None:
     doc = copy.deepcopy(yaml.safe_load((ROOT / "configs" / "local-tiny-vl.yaml").read_text()))
     job0 = parse_job(doc)
-    max_objects = int(_annotations(job0)[SYNTHETIC_MAX_OBJECTS])
+    notes = _annotations(job0)
+    max_objects = int(notes[SYNTHETIC_MAX_OBJECTS])
     doc["metadata"].pop("annotations")
     model = build_tiny_vl_model(tmp_path / "model", seed=job0.spec.training.seed, smooth_coords=True)
     data = write_visual_dataset(tmp_path / "train.jsonl", n=512, seed=0, layout="grid", max_objects=max_objects)
@@ -54,7 +55,9 @@ def test_the_readme_task_moves_held_out_f1_off_zero(tmp_path: Path) -> None:
                                 max_objects=max_objects)
     t = doc["spec"]["training"]
     doc["spec"]["model"]["path"] = str(model)
-    t.update(steps=STEPS, warm_start_steps=STEPS)  # plain SFT: the README job's own lr, loss and batch
+    # Plain SFT from the random model: what the README job's pretraining does (its lr, batch and coordinate target).
+    t.update(steps=STEPS, warm_start_steps=STEPS)
+    t["loss"]["coord_sigma"] = float(notes[PRETRAIN_COORD_SIGMA])
     t["data"]["path"] = str(data)
     t.pop("eval")
     t["checkpoint"] = {"dir": str(tmp_path / "ckpt"), "every": 0, "keep": 1}
