@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -152,7 +153,15 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=32)
     ap.add_argument("--out", default="docs/img")
     ap.add_argument("--name", default="method_compare")
+    ap.add_argument("--replot", nargs="*", type=Path, default=None,
+                    help="no training: rebuild the CSV, plot and RESULT line from these logs of earlier runs")
+    ap.add_argument("--wall", type=float, default=0.0, help="with --replot: the runs' wall seconds, for the title")
     args = ap.parse_args()
+    if args.replot:
+        results = parse_log(args.replot)
+        names = list(dict.fromkeys(setting for setting, _ in results))
+        report(results, [SETTINGS[n] for n in names], Path(args.out), args.name, args.wall)
+        return
 
     from rich.console import Console
 
@@ -187,13 +196,37 @@ def main() -> None:
     finally:
         for srv in servers:
             srv.stop()
-    wall = time.perf_counter() - t0
+    report(results, settings, Path(args.out), args.name, time.perf_counter() - t0)
 
-    out = Path(args.out)
+
+LINE = re.compile(r"^\s*compare-(?P<setting>\w+)-(?P<arm>sft|rm) step (?P<step>\d+): (?P<rest>.*)$")
+
+
+def parse_log(paths: list[Path]) -> dict[tuple[str, str], list[dict]]:
+    """The per-evaluation lines this benchmark prints ("  compare-SETTING-ARM step N: key value ..."), read back:
+    `--replot` rebuilds the CSV, plot and RESULT line from a run's output (e.g. one stopped before its end)."""
+    results: dict[tuple[str, str], list[dict]] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            m = LINE.match(line)
+            if not m:
+                continue
+            words = m["rest"].split()
+            row: dict = {"step": int(m["step"])}
+            for k, v in zip(words[0::2], words[1::2], strict=True):
+                row[k] = int(v) if k == "tokens_trained" else float(v)
+            results.setdefault((m["setting"], m["arm"]), []).append(row)
+    return results
+
+
+def report(results: dict[tuple[str, str], list[dict]], settings: list[Setting], out: Path, name: str,
+           wall: float) -> None:
+    """OUT/NAME.csv, OUT/NAME.png and the RESULT line of `results` ((setting, arm) -> evaluation rows)."""
+
     out.mkdir(parents=True, exist_ok=True)
     keys = ["step", "f1", "precision", "recall", "map", "map_50", "duplicate_rate", "hallucinated_rate",
             "count_error", "objects_per_answer", "truncated", "tokens_trained"]
-    with (out / f"{args.name}.csv").open("w", newline="") as f:
+    with (out / f"{name}.csv").open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["setting", "arm", *keys])
         for (setting, arm), rows in results.items():
@@ -222,10 +255,10 @@ def main() -> None:
             ax.set_xlabel("optimizer step", fontsize=8)
             ax.tick_params(labelsize=7)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"plain SFT vs rollout-matching SFT from one pretrained model, same steps, "
-                 f"{wall / 60:.0f} min", fontsize=10)
+    fig.suptitle("plain SFT vs rollout-matching SFT from one pretrained model, same steps"
+                 + (f", {wall / 60:.0f} min" if wall else ""), fontsize=10)
     fig.tight_layout()
-    fig.savefig(out / f"{args.name}.png", dpi=100)
+    fig.savefig(out / f"{name}.png", dpi=100)
 
     parts = []
     for (setting, arm), rows in results.items():
@@ -237,6 +270,8 @@ def main() -> None:
                      f"{setting}_{arm}_count_err={last['count_error']:.4f} "
                      f"{setting}_{arm}_tokens={last['tokens_trained']}")
     print("RESULT " + " ".join(parts) + f" wall_s={wall:.1f}")
+
+
 
 
 if __name__ == "__main__":
