@@ -109,6 +109,8 @@ def make_job(setting: Setting, arm: str, model: Path, data: Path, held: Path, wo
     t["eval"] = {"data": str(held), "every": eval_every or setting.eval_every, "max_samples": heldout,
                  "pictures": 0}
     t["rollout"]["max_tokens"] = setting.max_tokens
+    # Long crowded answers are many segments per row: room for them (64, the README job's, overflowed in `crowd`).
+    t["packing_buffer"] = 256
     t["checkpoint"] = {"dir": str(work / f"{setting.name}-{arm}"), "every": 0, "keep": 1}
     t["export"] = {"enabled": False}
     return parse_job(doc)
@@ -150,6 +152,7 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=0,
                     help="rm arm: this many ground-truth steps first, shared with the sft arm (0 = keep)")
     ap.add_argument("--eval-every", type=int, default=0)
+    ap.add_argument("--arms", default="sft,rm", help="which arms to run (replot several runs' logs together)")
     ap.add_argument("--heldout", type=int, default=32)
     ap.add_argument("--out", default="docs/img")
     ap.add_argument("--name", default="method_compare")
@@ -186,7 +189,7 @@ def main() -> None:
             data = write_visual_dataset(work / f"{s.name}-train.jsonl", n=s.records, seed=0, layout="grid", **s.grid)
             held = write_visual_dataset(work / f"{s.name}-held.jsonl", n=args.heldout, seed=10_000, layout="grid",
                                         **s.grid)
-            for arm in ("sft", "rm"):
+            for arm in args.arms.split(","):
                 console.print(f"[bold]{s.name} / {arm}[/bold]: {s.steps} steps, "
                               f"{s.steps if arm == 'sft' else s.warm} of them on the ground truth")
                 started = time.perf_counter()
@@ -246,7 +249,7 @@ def report(results: dict[tuple[str, str], list[dict]], settings: list[Setting], 
         for c, (key, label) in enumerate(panels):
             ax = axes[r][c]
             for arm, style in (("sft", "o-"), ("rm", "s-")):
-                rows = results[(s.name, arm)]
+                rows = results.get((s.name, arm), [])
                 ax.plot([x["step"] for x in rows], [x[key] for x in rows], style, ms=3,
                         label="plain SFT" if arm == "sft" else "rollout-matching SFT")
             if s.warm:
