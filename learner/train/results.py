@@ -67,8 +67,20 @@ class Summary:
     history: list[StepResult] = field(default_factory=list)
     pictures: list[Path] = field(default_factory=list)  # rollouts drawn on their images (vision-language runs)
     evaluations: list[tuple[int, float, float]] = field(default_factory=list)  # held-out (step, F1, mAP)
+    eval_iou: float = 0.5  # the IoU threshold of the held-out F1 (training.eval.iou)
+    eval_pictures: list[Path] = field(default_factory=list)  # the last held-out answers drawn on their images
     log_dir: Path | None = None  # TensorBoard event files (rank 0)
     exported: Path | None = None  # the Hugging Face folder written at the end (training.export)
     rewards: list[float] = field(default_factory=list)  # GRPO: mean reward of each step
     run_id: str = ""  # the learner run whose weight version `weight_version` is
+
+    @property
+    def final_evaluation(self) -> tuple[int, float, float] | None:
+        """The last held-out (step, F1, mAP): what the trained model scores."""
+        return self.evaluations[-1] if self.evaluations else None
+
+    @property
+    def best_evaluation(self) -> tuple[int, float, float] | None:
+        """The held-out (step, F1, mAP) of the highest F1 (the earliest on a tie)."""
+        return max(self.evaluations, key=lambda e: (e[1], -e[0])) if self.evaluations else None
 

@@ -51,7 +51,7 @@ from learner.evaluation.draw import save_rollout_pictures
 from learner.evaluation.held_out import EvalSetup, Evaluation, evaluate, score
 from learner.rollouts.client import Rollout, RolloutRequest
 from learner.rollouts.pool import ServerPool, ServersFile
-from learner.rollouts.source import RolloutSource
+from learner.rollouts.source import RolloutSource, SourceInfo
 from learner.sync.client import WeightSyncClient
 from learner.tracking import metrics as m
 from learner.tracking.run_record import run_record, write_run_record
@@ -192,6 +192,14 @@ class Trainer:
         self.buffer: RolloutBuffer = RolloutBuffer(self.core.m_steps)
         self.checkpointer = Checkpointer(cfg, ranks, self.model, self.train_step, self.packer, self.state)
         model_dir = model_path or job.spec.model.path
+        # No servers at all (server mode): a plain SFT run (every step a warm-start step, no held-out evaluation)
+        # needs none, e.g. the pretraining of `rmsft local`'s tiny model (learner.local.pretrain_tiny_model).
+        self.offline = (not job.spec.rollout.colocated and not isinstance(addresses, ServersFile)
+                        and not list(addresses))  # fmt: skip
+        if self.offline and (cfg.warm_start_steps < cfg.steps or cfg.eval.data):
+            raise ValueError("no rollout servers given: only a run whose every step is a warm-start step "
+                             "(training.warm_start_steps >= training.steps) and that has no training.eval.data "
+                             "runs without them")
         if job.spec.rollout.colocated:
             with ranks.guard("starting the in-process rollout engine"):
                 self.rollouts = colocated_rollouts(
@@ -201,7 +209,7 @@ class Trainer:
                 )  # fmt: skip
         else:
             with ranks.guard("connecting to the rollout servers (rank 0)"):
-                if ranks.is_main:  # the only rank that talks to rollout servers
+                if ranks.is_main and not self.offline:  # the only rank that talks to rollout servers
                     # Every E-step's rollouts go through it (max_staleness 0: generated inline, as always).
                     self.ahead = RolloutsAhead(lambda reqs, sampling, v: self.rollouts.generate(
                         reqs, sampling, weight_version=v), cfg.rollout.max_staleness)
@@ -213,6 +221,7 @@ class Trainer:
         self._prompt_cache: dict[int, list[int]] = {}  # text models: a record's prompt ids
         self._step_prompts: dict[int, VisionPrompt] = {}  # vision-language models: this E-step's renderings
         self.pictures: list[Path] = []
+        self.eval_pictures: list[Path] = []
         # Image/video tokens a rollout may sample: its answer is cut before the first (episode.vision_safe_response).
         self.vision_token_ids = (vision_token_ids(self.policy.tokenizer) if self.policy.is_vision_language
                                  else frozenset())  # fmt: skip
@@ -268,6 +277,8 @@ class Trainer:
             self.reporter = RunReporter(Tracker(self.cfg.tensorboard_dir, run_name=self.job.metadata.name,
                                                 config=self.job.to_manifest(), resume_step=st.step + 1))
         self._log_start(target)
+        if self.offline:  # no servers to wait for or to sync (a plain SFT run)
+            return target
         with self.ranks.guard("waiting for the rollout servers (rank 0)"):
             if self.rollouts is not None:
                 self.rollouts.wait_ready(timeout_s=self.cfg.rollout.request_timeout_s)
@@ -286,6 +297,7 @@ class Trainer:
         if ck_every == 0 or st.step % ck_every:
             self.save()
         self.pictures = self._write_pictures()
+        self.eval_pictures = self._write_eval_pictures()
         if st.step >= self.cfg.steps and self.cfg.export.enabled:
             self.export()
         return self.summary(time.perf_counter() - t_start)
@@ -614,6 +626,19 @@ class Trainer:
         log.info("rollout pictures (predicted and ground-truth objects) of step %d: %s", last.step, out)
         return paths
 
+    def _write_eval_pictures(self) -> list[Path]:
+        """Rank 0: the last held-out evaluation's answers drawn on their images under <checkpoint.dir>/heldout/
+        (TensorBoard has every evaluation's; this folder is what a newcomer opens after the run)."""
+        ev = self.evaluations[-1] if self.evaluations else None
+        if ev is None or self.eval_images is None or not self.cfg.eval.pictures:
+            return []
+        out = Path(self.cfg.checkpoint.dir) / "heldout"
+        try:
+            return save_rollout_pictures(ev.pictures(self.eval_images, self.cfg.eval.pictures), out)
+        except OSError as exc:
+            log.warning("could not write held-out pictures to %s: %s", out, exc)
+            return []
+
     def _vision_prompt(self, idx: int) -> VisionPrompt:
         """The learner's rendering of a record's prompt with its images (read through the image store's
         cache, the same bytes the servers got); rendered once per E-step (pixels are not kept longer)."""
@@ -636,7 +661,7 @@ class Trainer:
 
     def _log_start(self, target: int) -> None:
         if self.ranks.is_main:
-            source = self.rollouts.describe()
+            source = self.rollouts.describe() if self.rollouts is not None else SourceInfo("none", (), "none", "none")
             record = run_record(self.job, servers=list(source.servers), rollout_mode=source.mode,
                                 sync_mode=source.sync_mode, sync_transport=source.sync_transport,
                                 world_size=self.ranks.world_size,
@@ -659,7 +684,7 @@ class Trainer:
             log.info(
                 "rmsft learner run %s: %d record(s), %s, sync %s, seed %d, steps %d -> %d, ranks %d, "
                 "device %s%s", self.state.run_id, len(self.records),
-                f"servers {list(source.servers)}" if source.mode == "server" else "rollout engine in-process",
+                f"servers {list(source.servers)}" if source.mode != "colocate" else "rollout engine in-process",
                 self.job.spec.sync.mode if source.mode == "server" else source.sync_mode,
                 self.cfg.seed, self.state.step, target, self.ranks.world_size, self.device,
                 f", DeepSpeed ZeRO-{self.cfg.deepspeed_stage}" if self.engine is not None else "",
@@ -688,11 +713,14 @@ class Trainer:
         return Summary(
             steps=self.state.step, first_loss=losses[0] if losses else float("nan"),
             last_loss=losses[-1] if losses else float("nan"), losses=losses,
-            f1=[h.stats.f1 for h in self.history if h.stats], weight_version=self.state.version,
+            # Rollout F1 of steps that sampled (a warm-start step's empty answers score 0 and say nothing).
+            f1=[h.stats.f1 for h in self.history if h.stats and h.step > self.cfg.warm_start_steps],
+            weight_version=self.state.version,
             run_id=self.state.run_id,
             phase_seconds=dict(self.state.phase_seconds), wall_seconds=wall,
             retries=int(m.counter_total(m.ROLLOUT_RETRIES) - self._retries_at_start), history=list(self.history),
             pictures=list(self.pictures), evaluations=[(e.step, e.f1, e.map) for e in self.evaluations],
+            eval_iou=self.cfg.eval.iou, eval_pictures=list(self.eval_pictures),
             log_dir=Path(self.cfg.tensorboard_dir) if self.ranks.is_main else None, exported=self.exported,
         )  # fmt: skip
 

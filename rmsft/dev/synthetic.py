@@ -272,6 +272,59 @@ def make_visual_sample(
     return img, record
 
 
+# ---------------------------------------------------------------- the grid task (learnable in minutes)
+
+GRID_CELL = 32  # pixels: one image token of the tiny models (patch 16 x merge 2), so a cell is a token
+GRID_SHAPES = ("circle", "rectangle")
+
+
+def make_grid_sample(
+    seed: int, index: int, cells: int = 4, max_objects: int = 2, min_cells: int = 1, max_cells: int = 2,
+    min_objects: int = 1,
+    fmt: Literal["coordexp", "qwen_json"] = "coordexp", colours: tuple[str, ...] = tuple(VISUAL_COLOURS),
+    shapes: tuple[str, ...] = GRID_SHAPES,
+) -> tuple[Image.Image, dict]:
+    """One image of `cells` x `cells` grid cells of GRID_CELL pixels and its record: `min_objects`..`max_objects` shapes
+    (circle or rectangle in one of `colours`), each covering `min_cells`..`max_cells` cells per side, placed on
+    the grid and never overlapping. Every box edge lies on a cell edge, which is an image-token edge of the
+    tiny models: the answer is which tokens hold a shape, so a tiny randomly initialised model can learn
+    where things are within a few hundred steps (on the free layout of `make_visual_sample`, with any pixel
+    a possible edge, it does not). Same (seed, index), same sample."""
+    if fmt not in VISUAL_PROMPTS:
+        raise ValueError(f"fmt must be one of {', '.join(VISUAL_PROMPTS)}, got {fmt!r}")
+    if not 1 <= min_objects <= max_objects:
+        raise ValueError(f"need 1 <= min_objects <= max_objects, got {min_objects}, {max_objects}")
+    if not 1 <= min_cells <= max_cells <= cells:
+        raise ValueError(f"need 1 <= min_cells <= max_cells <= cells, got {min_cells}, {max_cells}, {cells}")
+    rng = random.Random(f"rmsft-grid-{seed}-{index}")
+    side = cells * GRID_CELL
+    img = _background(rng, side, side)
+    draw = ImageDraw.Draw(img)
+    taken: set[tuple[int, int]] = set()
+    objects: list[dict] = []
+    for _ in range(rng.randint(min_objects, max_objects)):
+        for _attempt in range(50):
+            colour, shape = rng.choice(colours), rng.choice(shapes)
+            cw = rng.randint(min_cells, max_cells)
+            ch = cw if shape == "circle" else rng.randint(min_cells, max_cells)
+            cx, cy = rng.randint(0, cells - cw), rng.randint(0, cells - ch)
+            mine = {(cx + i, cy + j) for i in range(cw) for j in range(ch)}
+            if not mine & taken:
+                break
+        else:
+            break  # no free cells left for another object
+        taken |= mine
+        box = [cx * GRID_CELL, cy * GRID_CELL, (cx + cw) * GRID_CELL, (cy + ch) * GRID_CELL]
+        fill = VISUAL_COLOURS[colour]
+        shape_box = [box[0], box[1], box[2] - 1, box[3] - 1]
+        (draw.ellipse if shape == "circle" else draw.rectangle)(shape_box, fill=fill)
+        objects.append({"desc": f"{colour} {shape}", "bbox_2d": box})
+    objects.sort(key=lambda o: (o["bbox_2d"][1], o["bbox_2d"][0]))  # reading order: one canonical answer
+    record = {"id": f"grid-{index}", "width": side, "height": side,
+              "messages": [{"role": "user", "content": VISUAL_PROMPTS[fmt]}], "objects": objects}
+    return img, record
+
+
 def write_visual_dataset(
     path: str | Path,
     n: int = 64,
@@ -280,6 +333,8 @@ def write_visual_dataset(
     max_side: int = 256,
     max_objects: int = 3,
     fmt: Literal["coordexp", "qwen_json"] = "coordexp",
+    layout: Literal["free", "grid"] = "free",
+    **grid: int,
 ) -> Path:
     """Write `n` PNG images to `<stem>-images/` next to `path` and their records to `path` (JSONL), with
     the instruction of output format `fmt` (`training.format`).
@@ -287,6 +342,8 @@ def write_visual_dataset(
     Image paths in the records are relative to the dataset file's folder, so the job needs no
     `image_root`. Same arguments, byte-identical files (PIL writes no timestamp into a PNG).
     """
+    if layout not in ("free", "grid"):
+        raise ValueError(f"layout must be 'free' or 'grid', got {layout!r}")
     if not 32 <= min_side <= max_side:
         raise ValueError(f"need 32 <= min_side <= max_side, got min_side={min_side}, max_side={max_side}")
     if max_objects < 1:
@@ -296,7 +353,8 @@ def write_visual_dataset(
     folder.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for i in range(n):
-            img, record = make_visual_sample(seed, i, min_side, max_side, max_objects, fmt)
+            img, record = (make_grid_sample(seed, i, max_objects=max_objects, fmt=fmt, **grid) if layout == "grid"
+                           else make_visual_sample(seed, i, min_side, max_side, max_objects, fmt))
             name = f"visual-{i:05d}.png"
             img.save(folder / name, format="PNG")
             record["images"] = [f"{folder.name}/{name}"]

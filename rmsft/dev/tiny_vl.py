@@ -46,9 +46,11 @@ SIZES = {
 
 
 def build_tiny_vl_model(out_dir: str | Path, arch: str = "qwen3_vl", seed: int = 0, size: str = "tiny",
-                        coord_tokens: bool = True) -> Path:
+                        coord_tokens: bool = True, smooth_coords: bool = False) -> Path:
     """Write processor + random weights of a tiny `arch` model to `out_dir`; idempotent per (arch, seed, size,
-    coord_tokens). `coord_tokens=False`: a stock model whose tokenizer has no `<|coord_k|>` tokens."""
+    coord_tokens, smooth_coords). `coord_tokens=False`: a stock model whose tokenizer has no `<|coord_k|>`
+    tokens. `smooth_coords`: the coordinate tokens' embedding rows start as a smooth function of the bin
+    (`smooth_coord_embeddings`) instead of random."""
     import torch
     from transformers import GenerationConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -63,7 +65,7 @@ def build_tiny_vl_model(out_dir: str | Path, arch: str = "qwen3_vl", seed: int =
     marker = out / MARKER_FILE
     # Non-default options only, so folders built before an option existed keep their marker (no rebuild).
     params = ({"arch": arch, "seed": seed} | ({"size": size} if size != "tiny" else {})
-              | ({} if coord_tokens else {"coord_tokens": False}))
+              | ({} if coord_tokens else {"coord_tokens": False}) | ({"smooth_coords": True} if smooth_coords else {}))
     if marker.exists() and json.loads(marker.read_text()) == params:
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -75,6 +77,11 @@ def build_tiny_vl_model(out_dir: str | Path, arch: str = "qwen3_vl", seed: int =
     config = _config(arch, len(tokenizer), ids, tokenizer, **SIZES[size])
     torch.manual_seed(seed)
     model = _model_class(arch)(config)
+    if smooth_coords and coord_tokens:
+        coord_ids = tokenizer.convert_tokens_to_ids([f"<|coord_{k}|>" for k in range(1000)])
+        emb = model.get_input_embeddings().weight
+        with torch.no_grad():  # tied embeddings: the output head's rows are the same smooth rows
+            emb[coord_ids] = smooth_coord_embeddings(len(coord_ids), emb.shape[1], config.text_config.initializer_range)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
     )
@@ -87,6 +94,27 @@ def build_tiny_vl_model(out_dir: str | Path, arch: str = "qwen3_vl", seed: int =
     processor.save_pretrained(out)
     marker.write_text(json.dumps(params))
     return out
+
+
+def smooth_coord_embeddings(bins: int, dim: int, std: float):
+    """`bins` x `dim` embedding rows that vary smoothly with the bin: sines and cosines of the bin's position
+    at geometric frequencies (1 to `bins` / 8 periods over the range), scaled to the random rows' `std`.
+
+    Why: with random rows, the 1000 coordinate tokens of a tiny model are 1000 unrelated classes and 1000
+    unrelated inputs. A coordinate the model writes one bin off the value it was trained on is then an input it
+    has never seen, and the rest of its answer falls apart; and the soft coordinate target (a Gaussian over
+    neighbouring bins) teaches each bin on its own. A pretrained model's number tokens are not like that; smooth
+    rows make neighbouring bins near-synonyms, in and out (tied embeddings), as they are there."""
+    import torch
+
+    pos = torch.arange(bins, dtype=torch.float64)[:, None] / bins
+    half = dim // 2
+    freqs = torch.logspace(0, torch.log10(torch.tensor(bins / 8.0)), half, dtype=torch.float64)[None, :]
+    angle = 2 * torch.pi * pos * freqs
+    rows = torch.cat([torch.sin(angle), torch.cos(angle)], dim=1)
+    if rows.shape[1] < dim:  # odd width: one constant column
+        rows = torch.cat([rows, torch.zeros(bins, dim - rows.shape[1], dtype=torch.float64)], dim=1)
+    return (rows * std).to(torch.float32)  # each sin/cos column has variance 1/2: rows a bit quieter than random
 
 
 def _model_class(arch: str):
