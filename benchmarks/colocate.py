@@ -71,8 +71,8 @@ def _vm_hwm(pid: int) -> int:
             for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
                 if line.startswith("VmHWM:"):
                     total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
+        except OSError:  # exited between the listing and the read: nothing left to count
+            continue
     return total
 
 

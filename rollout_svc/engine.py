@@ -94,6 +94,13 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """A chat's prompt ids with the generation prompt appended, as every engine renders it (`render_chat`);
+    tokenizers answer a list or a mapping with `input_ids` depending on their version."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def checkpoint_table(model_dir: str | Path) -> dict[str, TensorSpec]:
     """Names, dtypes and shapes of the tensors in a model folder's safetensors files."""
     from safetensors import safe_open

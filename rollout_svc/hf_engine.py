@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from rmsft.model_folder import is_vision_language
 from rollout_svc.config import ServeConfig
-from rollout_svc.engine import EngineError, EngineInputError, GenItem, GenOutput, Sampling
+from rollout_svc.engine import EngineError, EngineInputError, GenItem, GenOutput, Sampling, chat_prompt_ids
 
 if TYPE_CHECKING:
     import torch
@@ -211,8 +211,7 @@ class HfEngine:
         return tok, lp
 
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def apply_full(self, index_path: str | None) -> None:
         import torch

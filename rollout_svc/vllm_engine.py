@@ -22,6 +22,7 @@ from rollout_svc.engine import (
     GenOutput,
     Sampling,
     VisionLimits,
+    chat_prompt_ids,
 )
 
 log = logging.getLogger(__name__)
@@ -263,8 +264,7 @@ class VllmEngine:
         return ""
 
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     # weights (called by EngineRunner.call: nothing generates meanwhile) ----------------------------
     def _wait(self, coro, what: str):

@@ -22,7 +22,7 @@ from typing import Any
 
 from rmsft.model_folder import is_vision_language
 from rollout_svc.config import ServeConfig
-from rollout_svc.engine import EngineError, EngineInputError, GenItem, GenOutput, VisionLimits
+from rollout_svc.engine import EngineError, EngineInputError, GenItem, GenOutput, VisionLimits, chat_prompt_ids
 from rollout_svc.vllm_engine import engine_args, sampling_params
 
 log = logging.getLogger("rmsft.learner.colocate")
@@ -180,8 +180,7 @@ class InProcessVllm:
             torch.set_num_threads(training)
 
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]], names: list[str]) -> int:
         """Load (checkpoint name, tensor) pairs into the engine's model in place, one at a time as they come,

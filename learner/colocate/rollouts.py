@@ -75,7 +75,6 @@ class ColocatedRollouts:
         self.weights: WeightVersion | None = None  # what the engine holds; set once a sync completed
         self._asleep = False
         self._stale_engine = False  # asleep through a sync: the weights go in on wake-up
-        self.last_sync_seconds = 0.0
         if sleep_level:
             self._sleep()  # nothing generates until the first step: give the memory to training now
 
@@ -120,8 +119,7 @@ class ColocatedRollouts:
                 self._push()
         self.weights = WeightVersion(self.run_id, version)
         m.WEIGHT_VERSION.set(version)
-        self.last_sync_seconds = time.perf_counter() - t0
-        engine_metrics.WEIGHT_SYNC_SECONDS.labels("in-process").observe(self.last_sync_seconds)
+        engine_metrics.WEIGHT_SYNC_SECONDS.labels("in-process").observe(time.perf_counter() - t0)
 
     def close(self) -> None:
         engine, self.engine = self.engine, None

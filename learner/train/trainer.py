@@ -393,8 +393,9 @@ class Trainer:
         batch = self.order.batch(k)
         # Messages (+ image bytes): the engine renders the prompt with its own processor and returns the ids it
         # used, which the E-step checks against the learner's rendering.
-        return [rollout_request(rec, [img.data for img in self.images.load(rec)], seed=base + j)
-                for j, rec in ((j, self.records[batch[j]]) for j in range(lo, len(batch) if hi is None else hi))]
+        recs = [self.records[i] for i in batch]
+        return [rollout_request(recs[j], [img.data for img in self.images.load(recs[j])], seed=base + j)
+                for j in range(lo, len(recs) if hi is None else hi)]
 
     def _take_rollouts(self, k: int, sampling: object) -> list[Rollout]:
         """Rank 0 (server mode): E-step `k`'s rollouts, then the next E-steps (up to max_staleness, within the
