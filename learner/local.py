@@ -157,6 +157,9 @@ def pretrain_tiny_model(job: RolloutMatchingJob, random_dir: Path, out_dir: Path
              checkpoint={"dir": str(work / "checkpoints"), "every": 0, "keep": 1},
              export={"enabled": True, "dir": str(out_dir)})
     doc["spec"]["model"]["path"] = str(random_dir)
+    # Stage 1 is plain SFT with the first generation's coordinate losses (soft CE + W1 at weight 1, no box terms):
+    # the objective the shipped start (assets/tiny-vl-grid-model) was made with, whatever the job's recipe.
+    t["recipe"] = {"generation": 1}
     notes = _annotations(job)
     if notes.get(PRETRAIN_COORD_SIGMA):
         # A wide target while the coordinates are far off gives them credit from afar; the run then sharpens it.

@@ -26,6 +26,7 @@ pulled up to one bin inwards (the truncated target's mean/median sits inside).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,9 +45,15 @@ class LossWeights:
     w1: float = 1.0
     gate: float = 1.0
     sigma: float = 2.0
+    # The second-generation recipe's terms (0 = off, the first generation):
+    coord_ce: float = 0.0  # hard cross-entropy of the target bin's token over the whole vocabulary
+    smooth_l1: float = 0.0  # box terms on the coordinates' expected values (`box_terms`)
+    ciou: float = 0.0
+    unlikelihood: float = 0.0  # -log(1 - p(token)) at each duplicate's first diverging token
 
     def __post_init__(self) -> None:
-        if min(self.ce, self.soft_ce, self.w1, self.gate) < 0:
+        if min(self.ce, self.soft_ce, self.w1, self.gate, self.coord_ce, self.smooth_l1, self.ciou,
+               self.unlikelihood) < 0:
             raise ValueError("loss weights must be >= 0")
         if self.sigma <= 0:
             raise ValueError(f"sigma must be > 0, got {self.sigma}")
@@ -81,6 +88,41 @@ def coord_loss_terms(
     return soft_ce, w1, gate
 
 
+def expected_coord(coord_logits: torch.Tensor) -> torch.Tensor:
+    """[n] expected bin of each coordinate distribution, in [0, 1] (sum_k p(k) k / (bins - 1))."""
+    n_bins = coord_logits.shape[-1]
+    grid = torch.arange(n_bins, device=coord_logits.device, dtype=torch.float32) / (n_bins - 1)
+    return (torch.softmax(coord_logits.float(), dim=-1) * grid).sum(-1)
+
+
+def box_terms(pred: torch.Tensor, target: torch.Tensor, eps: float = 1e-7) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-box (SmoothL1 mean over the four coordinates, 1 - CIoU) of [b, 4] (x1, y1, x2, y2) boxes in [0, 1].
+    The predicted corners are put in order first (a model may write x2 < x1 early on)."""
+    p = torch.stack([torch.minimum(pred[:, 0], pred[:, 2]), torch.minimum(pred[:, 1], pred[:, 3]),
+                     torch.maximum(pred[:, 0], pred[:, 2]), torch.maximum(pred[:, 1], pred[:, 3])], dim=1)
+    t = target.float()
+    l1 = F.smooth_l1_loss(p, t, beta=1.0, reduction="none").mean(-1)
+    pw, ph = (p[:, 2] - p[:, 0]).clamp_min(eps), (p[:, 3] - p[:, 1]).clamp_min(eps)
+    tw, th = (t[:, 2] - t[:, 0]).clamp_min(eps), (t[:, 3] - t[:, 1]).clamp_min(eps)
+    iw = (torch.minimum(p[:, 2], t[:, 2]) - torch.maximum(p[:, 0], t[:, 0])).clamp_min(0)
+    ih = (torch.minimum(p[:, 3], t[:, 3]) - torch.maximum(p[:, 1], t[:, 1])).clamp_min(0)
+    inter = iw * ih
+    union = pw * ph + tw * th - inter + eps
+    iou = inter / union
+    cw = torch.maximum(p[:, 2], t[:, 2]) - torch.minimum(p[:, 0], t[:, 0])
+    ch = torch.maximum(p[:, 3], t[:, 3]) - torch.minimum(p[:, 1], t[:, 1])
+    diag = cw**2 + ch**2 + eps
+    rho = ((p[:, 0] + p[:, 2] - t[:, 0] - t[:, 2]) ** 2 + (p[:, 1] + p[:, 3] - t[:, 1] - t[:, 3]) ** 2) / 4
+    v = (4 / math.pi**2) * (torch.atan(tw / th) - torch.atan(pw / ph)) ** 2
+    alpha = v / (1 - iou + v + eps)
+    ciou = iou - rho / diag - alpha * v
+    return l1, 1 - ciou
+
+
+_SUM_FIELDS = ("ce_sum", "soft_ce_sum", "w1_sum", "gate_sum", "coord_ce_sum", "l1_sum", "ciou_sum", "ul_sum")
+_COUNT_FIELDS = ("ce_count", "coord_count", "box_count", "ul_count")
+
+
 @dataclass
 class LossSums:
     """Un-normalised sums (with grad) and counts of one row; add rows, then `finish`."""
@@ -91,35 +133,49 @@ class LossSums:
     w1_sum: torch.Tensor
     gate_sum: torch.Tensor
     coord_count: int
+    coord_ce_sum: torch.Tensor | float = 0.0
+    l1_sum: torch.Tensor | float = 0.0
+    ciou_sum: torch.Tensor | float = 0.0
+    box_count: int = 0
+    ul_sum: torch.Tensor | float = 0.0
+    ul_count: int = 0
 
     def __add__(self, other: LossSums) -> LossSums:
-        return LossSums(
-            self.ce_sum + other.ce_sum,
-            self.ce_count + other.ce_count,
-            self.soft_ce_sum + other.soft_ce_sum,
-            self.w1_sum + other.w1_sum,
-            self.gate_sum + other.gate_sum,
-            self.coord_count + other.coord_count,
-        )
+        kw = {f: getattr(self, f) + getattr(other, f) for f in (*_SUM_FIELDS, *_COUNT_FIELDS)}
+        return LossSums(**kw)
+
+    def normalised_by(self, ce: int, coord: int, box: int, ul: int) -> LossSums:
+        """These sums over other counts (a step's totals over all rows and ranks: summing the rows' losses
+        then gives the pooled mean)."""
+        kw = {f: getattr(self, f) for f in _SUM_FIELDS}
+        return LossSums(**kw, ce_count=ce, coord_count=coord, box_count=box, ul_count=ul)
 
     def finish(self, weights: LossWeights | None = None) -> LossOutput:
         """Token-level means over everything summed so far, weighted into one loss."""
         w = weights or LossWeights()
-        nc, nk = max(self.ce_count, 1), max(self.coord_count, 1)
+        nc, nk, nb, nu = (max(n, 1) for n in (self.ce_count, self.coord_count, self.box_count, self.ul_count))
         ce = self.ce_sum / nc
-        soft, w1, gate = self.soft_ce_sum / nk, self.w1_sum / nk, self.gate_sum / nk
-        coord = w.soft_ce * soft + w.w1 * w1 + w.gate * gate
-        loss = w.ce * ce + coord
+        soft, w1, gate, coord_ce = self.soft_ce_sum / nk, self.w1_sum / nk, self.gate_sum / nk, self.coord_ce_sum / nk
+        l1, ciou, ul = self.l1_sum / nb, self.ciou_sum / nb, self.ul_sum / nu
+        coord = w.soft_ce * soft + w.w1 * w1 + w.gate * gate + w.coord_ce * coord_ce
+        geo = w.smooth_l1 * l1 + w.ciou * ciou
+        loss = w.ce * ce + coord + geo + w.unlikelihood * ul
         parts = {
             "ce": ce.detach(),
             "soft_ce": soft.detach(),
             "w1": w1.detach(),
             "gate": gate.detach(),
             "coord": coord.detach(),
+            "geo": _detached(geo, ce),
+            "ul": _detached(ul, ce),
             "ce_count": torch.tensor(self.ce_count),
             "coord_count": torch.tensor(self.coord_count),
         }
         return LossOutput(loss, parts)
+
+
+def _detached(x: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
+    return x.detach() if isinstance(x, torch.Tensor) else torch.zeros((), device=like.device) + x
 
 
 def loss_sums(
@@ -142,8 +198,13 @@ def loss_sums(
     zero = 0.0 * logits.reshape(-1)[0].clamp(-1.0, 1.0)
     ce_sum = zero
     if ce_pos.numel():
-        ce_sum = F.cross_entropy(logits[ce_pos - 1].float(), labels[ce_pos], reduction="sum")
+        per_token = F.cross_entropy(logits[ce_pos - 1].float(), labels[ce_pos], reduction="none")
+        if row.ce_weights is not None:
+            per_token = per_token * row.ce_weights.to(device)[ce_pos]
+        ce_sum = per_token.sum()
     cpos = row.coord_positions.to(device)
+    soft_sum = w1_sum = gate_sum = coord_ce_sum = l1_sum = ciou_sum = zero
+    n_boxes = row.n_boxes
     if cpos.numel():
         ids = torch.as_tensor(coord_token_ids, dtype=torch.long, device=device)
         if ids.numel() != NUM_BINS:
@@ -151,11 +212,28 @@ def loss_sums(
                 f"the row has {cpos.numel()} coord position(s) but {ids.numel()} coord token ids were given "
                 f"(need {NUM_BINS}): a format without coord tokens must not produce coord targets")
         full = logits[cpos - 1]
-        soft_ce, w1, gate = coord_loss_terms(full[:, ids], full, row.coord_bins.to(device), sigma)
-        soft_sum, w1_sum, gate_sum = soft_ce.sum(), w1.sum(), gate.sum()
-    else:
-        soft_sum = w1_sum = gate_sum = zero
-    return LossSums(ce_sum, int(ce_pos.numel()), soft_sum, w1_sum, gate_sum, int(cpos.numel()))
+        coord_logits = full[:, ids]
+        bins = row.coord_bins.to(device)
+        soft_ce, w1, gate = coord_loss_terms(coord_logits, full, bins, sigma)
+        coord_ce = F.cross_entropy(full.float(), ids[bins], reduction="none")
+        if row.coord_weights is not None:
+            cw = row.coord_weights.to(device)
+            soft_ce, w1, gate, coord_ce = soft_ce * cw, w1 * cw, gate * cw, coord_ce * cw
+        soft_sum, w1_sum, gate_sum, coord_ce_sum = soft_ce.sum(), w1.sum(), gate.sum(), coord_ce.sum()
+        if n_boxes:
+            value = expected_coord(coord_logits)
+            l1, ciou = box_terms(value[row.box_coords.to(device)],
+                                 row.box_bins.to(device).float() / (NUM_BINS - 1))  # fmt: skip
+            bw = row.box_weights.to(device)
+            l1_sum, ciou_sum = (l1 * bw).sum(), (ciou * bw).sum()
+    ul_sum = zero
+    if row.n_unlikelihood:
+        upos = row.ul_positions.to(device)
+        logp = torch.log_softmax(logits[upos - 1].float(), dim=-1)
+        p = logp.gather(-1, row.ul_tokens.to(device)[:, None]).squeeze(-1).exp()
+        ul_sum = -torch.log((1 - p).clamp_min(1e-6)).sum()
+    return LossSums(ce_sum, int(ce_pos.numel()), soft_sum, w1_sum, gate_sum, int(cpos.numel()),
+                    coord_ce_sum, l1_sum, ciou_sum, n_boxes, ul_sum, row.n_unlikelihood)
 
 
 def compute_loss(

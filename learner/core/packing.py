@@ -76,6 +76,14 @@ class PackedRow:
     # Vision-language rows with images: the images of all segments, in segment order.
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    # The second-generation recipe's extras (Segment has their meaning); None / empty when no segment has them.
+    ce_weights: torch.Tensor | None = None  # [L] float
+    coord_weights: torch.Tensor | None = None  # [n] float, aligned with coord_positions
+    ul_positions: torch.Tensor | None = None  # [u]
+    ul_tokens: torch.Tensor | None = None  # [u]
+    box_coords: torch.Tensor | None = None  # [b, 4]: indices into coord_positions
+    box_bins: torch.Tensor | None = None  # [b, 4]
+    box_weights: torch.Tensor | None = None  # [b] float
 
     @property
     def length(self) -> int:
@@ -94,6 +102,9 @@ class PackedRow:
         return out
 
     def to(self, device: torch.device | str) -> PackedRow:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
         return PackedRow(
             self.input_ids.to(device),
             self.position_ids.to(device),
@@ -102,10 +113,25 @@ class PackedRow:
             self.coord_bins.to(device),
             self.segments,
             self.fill,
-            None if self.ce_positions is None else self.ce_positions.to(device),
-            None if self.pixel_values is None else self.pixel_values.to(device),
-            None if self.image_grid_thw is None else self.image_grid_thw.to(device),
+            move(self.ce_positions),
+            move(self.pixel_values),
+            move(self.image_grid_thw),
+            move(self.ce_weights),
+            move(self.coord_weights),
+            move(self.ul_positions),
+            move(self.ul_tokens),
+            move(self.box_coords),
+            move(self.box_bins),
+            move(self.box_weights),
         )
+
+    @property
+    def n_unlikelihood(self) -> int:
+        return 0 if self.ul_positions is None else int(self.ul_positions.numel())
+
+    @property
+    def n_boxes(self) -> int:
+        return 0 if self.box_coords is None else int(self.box_coords.shape[0])
 
 
 def pack(segments: Sequence[Segment], packing_length: int | None = None) -> PackedRow:
@@ -118,6 +144,13 @@ def pack(segments: Sequence[Segment], packing_length: int | None = None) -> Pack
     cpos: list[int] = []
     cbins: list[int] = []
     infos = []
+    ce_w: list[float] = []
+    coord_w: list[float] = []
+    ul_pos: list[int] = []
+    ul_tok: list[int] = []
+    box_coords: list[list[int]] = []
+    box_bins: list[tuple[int, ...]] = []
+    box_w: list[float] = []
     for seg in segments:
         off = len(ids)
         c0 = len(cpos)
@@ -127,6 +160,16 @@ def pack(segments: Sequence[Segment], packing_length: int | None = None) -> Pack
         cpos.extend(off + p for p in seg.coord_positions)
         cbins.extend(seg.coord_bins)
         infos.append(SegmentInfo(off, len(seg), c0, len(cpos), dict(seg.meta)))
+        ce_w.extend(seg.ce_weights if seg.ce_weights is not None
+                    else (0.0 if lab == IGNORE_INDEX else 1.0 for lab in seg.labels))  # fmt: skip
+        coord_w.extend(seg.coord_weights if seg.coord_weights is not None else [1.0] * len(seg.coord_positions))
+        ul_pos.extend(off + p for p in seg.ul_positions)
+        ul_tok.extend(seg.ul_tokens)
+        where = {p: c0 + i for i, p in enumerate(seg.coord_positions)}
+        box_coords.extend([where[p] for p in group] for group in seg.box_positions)
+        box_bins.extend(seg.box_bins)
+        box_w.extend(seg.box_weights)
+    weighted = any(s.ce_weights is not None or s.coord_weights is not None for s in segments)
     cap = packing_length or len(ids)
     text_pos = torch.tensor([pos], dtype=torch.long)
     position_ids, pixel_values, image_grid_thw = _vision_inputs(segments, text_pos)
@@ -141,6 +184,13 @@ def pack(segments: Sequence[Segment], packing_length: int | None = None) -> Pack
         ce_positions=torch.tensor([i for i, lab in enumerate(labels) if lab != IGNORE_INDEX], dtype=torch.long),
         pixel_values=pixel_values,
         image_grid_thw=image_grid_thw,
+        ce_weights=torch.tensor(ce_w, dtype=torch.float32) if weighted else None,
+        coord_weights=torch.tensor(coord_w, dtype=torch.float32) if weighted else None,
+        ul_positions=torch.tensor(ul_pos, dtype=torch.long) if ul_pos else None,
+        ul_tokens=torch.tensor(ul_tok, dtype=torch.long) if ul_pos else None,
+        box_coords=torch.tensor(box_coords, dtype=torch.long).reshape(-1, 4) if box_coords else None,
+        box_bins=torch.tensor(box_bins, dtype=torch.long).reshape(-1, 4) if box_coords else None,
+        box_weights=torch.tensor(box_w, dtype=torch.float32) if box_coords else None,
     )
 
 

@@ -126,6 +126,15 @@ class Segment:
     meta: dict = field(default_factory=dict)
     # Vision-language models only (None for text-only ones): see SegmentVision.
     vision: SegmentVision | None = None
+    # The second-generation recipe's extras (learner/core/clean_prefix.py); the defaults are the first
+    # generation's: every label and coordinate target at weight 1, no unlikelihood, no box terms.
+    ce_weights: tuple[float, ...] | None = None  # per position (0 where the label is ignored)
+    coord_weights: tuple[float, ...] | None = None  # per coord position
+    ul_positions: tuple[int, ...] = ()  # unlikelihood: position whose token `ul_tokens` is pushed down
+    ul_tokens: tuple[int, ...] = ()
+    box_positions: tuple[tuple[int, ...], ...] = ()  # four coord positions (x1, y1, x2, y2) of a box
+    box_bins: tuple[tuple[int, ...], ...] = ()  # its ground-truth bins
+    box_weights: tuple[float, ...] = ()
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -145,6 +154,20 @@ class Segment:
             raise TargetError("coord position outside 1..len-1")
         if self.labels and self.labels[0] != IGNORE_INDEX:
             raise TargetError("the first token of a segment cannot carry a label")
+        if self.ce_weights is not None and len(self.ce_weights) != len(self.input_ids):
+            raise TargetError("ce_weights and input_ids differ in length")
+        if self.coord_weights is not None and len(self.coord_weights) != len(self.coord_positions):
+            raise TargetError("coord_weights and coord_positions differ in length")
+        if len(self.ul_positions) != len(self.ul_tokens):
+            raise TargetError("ul_positions and ul_tokens differ in length")
+        if any(p < 1 or p >= len(self.input_ids) for p in self.ul_positions):
+            raise TargetError("unlikelihood position outside 1..len-1")
+        if not len(self.box_positions) == len(self.box_bins) == len(self.box_weights):
+            raise TargetError("box_positions, box_bins and box_weights differ in length")
+        coords = set(self.coord_positions)
+        for pos, bins in zip(self.box_positions, self.box_bins, strict=True):
+            if len(pos) != 4 or len(bins) != 4 or not set(pos) <= coords:
+                raise TargetError("a box is four coord positions with four target bins")
 
 
 def check_prompt_ids(teacher_forced: Sequence[int], rollout: Sequence[int]) -> None:

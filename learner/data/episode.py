@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from learner.core.clean_prefix import CleanPrefixConfig, DuplicateConfig, build_clean_targets, find_duplicates
 from learner.core.codec import COORDEXP, DetObject, FormatError, OutputFormat, bin_to_pixel
 from learner.core.match import MatchConfig, match
 from learner.core.parse import ParsedRollout, parse
@@ -34,6 +35,11 @@ class EpisodeStats:
     dropped: int = 0
     truncated: int = 0
     response_tokens: int = 0
+    predicted: int = 0  # valid objects in the answers (duplicates included)
+    gt_objects: int = 0
+    duplicates: int = 0  # objects repeating an earlier one of the same answer (same label, IoU >= 0.9 ...)
+    recovered: int = 0  # ground truth the anchor missed and an explorer found (generation 2)
+    fallback: int = 0  # answers with nothing to keep: trained on the whole ground truth
     parse_s: float = 0.0
     match_s: float = 0.0
     targets_s: float = 0.0
@@ -57,6 +63,19 @@ class EpisodeStats:
     def f1(self) -> float:
         p, r = self.precision, self.recall
         return 2 * p * r / (p + r) if p + r else 0.0
+
+    @property
+    def truncation_rate(self) -> float:
+        return self.truncated / self.rollouts if self.rollouts else 0.0
+
+    @property
+    def duplicate_rate(self) -> float:
+        return self.duplicates / self.predicted if self.predicted else 0.0
+
+    @property
+    def count_ratio(self) -> float:
+        """Predicted objects per ground-truth object (1 when the answers name as many as there are)."""
+        return self.predicted / self.gt_objects if self.gt_objects else 0.0
 
 
 def ground_truth(record: Record, fmt: OutputFormat = COORDEXP) -> list[DetObject]:
@@ -153,29 +172,55 @@ def build_segments(
     *,
     fmt: OutputFormat = COORDEXP,
     image_sizes: Sequence[tuple[int, int] | None] | None = None,
+    clean: CleanPrefixConfig | None = None,
+    duplicates: DuplicateConfig | None = None,
+    explorer_ids: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> tuple[list[Segment], EpisodeStats]:
     """Parse, match and build Y_train for each (record, rollout) pair, in order. `fmt`: the output
     format; `image_sizes`: per record, its image's (width, height) as the processor resized it (None for a
-    record without one), which a pixels format is bound to (`OutputFormat.for_image`)."""
+    record without one), which a pixels format is bound to (`OutputFormat.for_image`).
+    `clean` (recipe generation 2): the clean-prefix targets (learner/core/clean_prefix.py), duplicates found
+    with `duplicates` taken out of the prefix; `explorer_ids`: per record, its explorers' responses (the
+    ground truth they find and the answer missed gets the recovered weight). Without `clean`: the first
+    generation's targets (learner/core/targets.py)."""
     if not len(records) == len(prompt_ids) == len(rollout_prompt_ids) == len(response_ids):
         raise ValueError("records, prompts and rollouts differ in number")
     if image_sizes is not None and len(image_sizes) != len(records):
         raise ValueError(f"{len(image_sizes)} image size(s) for {len(records)} record(s)")
+    if explorer_ids is not None and len(explorer_ids) != len(records):
+        raise ValueError(f"explorer responses for {len(explorer_ids)} record(s), not {len(records)}")
     sizes = image_sizes if image_sizes is not None else [None] * len(records)
+    explorers = explorer_ids if explorer_ids is not None else [()] * len(records)
+    dup_cfg = duplicates or DuplicateConfig()
     stats = EpisodeStats()
     segments = []
-    for rec, p_ids, r_p_ids, resp, size in zip(records, prompt_ids, rollout_prompt_ids, response_ids, sizes,
-                                               strict=True):  # fmt: skip
+    for rec, p_ids, r_p_ids, resp, size, extra in zip(records, prompt_ids, rollout_prompt_ids, response_ids, sizes,
+                                                      explorers, strict=True):  # fmt: skip
         rec_fmt = record_format(fmt, size)
         try:
             gt = ground_truth(rec, rec_fmt)
             t0 = time.perf_counter()
             parsed = parse(resp, vocab, rec_fmt)
             t1 = time.perf_counter()
-            result = match([o.obj for o in parsed.objects], gt, matching)
+            objects = [o.obj for o in parsed.objects]
+            dups = find_duplicates(objects, dup_cfg)
+            recovered: set[int] = set()
+            if clean is None:
+                result = match(objects, gt, matching)
+            else:  # the clean prefix: duplicates out before matching
+                result = match([o for i, o in enumerate(objects) if i not in dups], gt, matching)
+                for ids in extra:  # an explorer's own answer, matched as it is
+                    found = match([o.obj for o in parse(ids, vocab, rec_fmt).objects], gt, matching)
+                    recovered |= {g for _, g, _ in found.pairs}
+                recovered &= set(result.false_negatives)
             t2 = time.perf_counter()
-            segments.append(build_targets(p_ids, parsed, result, gt, vocab, rec_fmt, rollout_prompt_ids=r_p_ids,
-                                          cfg=targets))
+            if clean is None:
+                seg = build_targets(p_ids, parsed, result, gt, vocab, rec_fmt, rollout_prompt_ids=r_p_ids,
+                                    cfg=targets)
+            else:
+                seg = build_clean_targets(p_ids, parsed, dups, result, gt, vocab, rec_fmt, rollout_prompt_ids=r_p_ids,
+                                          cfg=clean, recovered=recovered)
+            segments.append(seg)
         except FormatError as exc:  # e.g. a pixels format and a record without an image size
             raise FormatError(f"record {rec.id!r}: {exc}") from exc
         t3 = time.perf_counter()
@@ -187,6 +232,11 @@ def build_segments(
             dropped=parsed.n_dropped,
             truncated=int(parsed.truncated),
             response_tokens=len(resp),
+            predicted=len(objects),
+            gt_objects=len(gt),
+            duplicates=len(dups),
+            recovered=len(recovered),
+            fallback=int(clean is not None and len(objects) == len(dups)),
             parse_s=t1 - t0,
             match_s=t2 - t1,
             targets_s=t3 - t2,

@@ -10,12 +10,30 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from learner.core.clean_prefix import CleanPrefixConfig, DuplicateConfig
 from learner.core.codec import OutputFormat, output_format
 from learner.core.grpo import GrpoConfig
 from learner.core.losses import LossWeights
 from learner.core.match import MatchConfig
+from learner.core.schedule import is_channel_b
 from learner.core.targets import TargetConfig
-from rmsft.jobspec import SyncSpec, TrainingConfig
+from rmsft.jobspec import GENERATION_DEFAULTS, DuplicateControl, ExplorerConfig, SyncSpec, TrainingConfig
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """`training.recipe` resolved: which objective, which steps are channel B, how B steps sample and build."""
+
+    generation: int
+    channel_b_ratio: float  # 1.0 for generation 1: every step after the warm start is a rollout step
+    duplicates: DuplicateConfig | None  # generation 2 only
+    clean: CleanPrefixConfig | None  # generation 2 only
+    explorers: int  # explorer rollouts per prompt on a B step
+    explorer_sampling: dict[str, Any] | None
+
+    def channel_b(self, k: int) -> bool:
+        """E-step `k` (counted from the first step after the warm start) is rollout matching."""
+        return is_channel_b(k, self.channel_b_ratio)
 
 
 @dataclass(frozen=True)
@@ -23,27 +41,69 @@ class CoreConfigs:
     weights: LossWeights
     matching: MatchConfig
     targets: TargetConfig
-    sampling: dict[str, Any]  # the Generate call's sampling parameters
+    sampling: dict[str, Any]  # the Generate call's sampling parameters (generation 2: the anchor's)
     m_steps: int  # optimizer steps per rollout (1 = no rollout buffer)
     packing: tuple[int, int, float]  # Packer(packing_length, packing_buffer, min_fill)
     # `training.format` with its options; a pixels format still has to be bound per record (`for_image`).
     fmt: OutputFormat
+    recipe: Recipe = Recipe(1, 1.0, None, None, 0, None)
+
+
+def resolved(cfg: TrainingConfig, key: str) -> Any:
+    """A generation-dependent field of `training` (rmsft.jobspec.GENERATION_DEFAULTS): its value, or when unset
+    its recipe generation's default."""
+    section, name = key.split(".")
+    value = getattr(getattr(cfg, section), name)
+    if value is not None:
+        return value
+    return GENERATION_DEFAULTS[key][cfg.recipe.generation - 1]
+
+
+def recipe_setup(cfg: TrainingConfig) -> Recipe:
+    r = cfg.recipe
+    if r.generation == 1:
+        return Recipe(1, 1.0, None, None, 0, None)
+    dup = r.duplicates or DuplicateControl()
+    exp = r.explorers or ExplorerConfig()
+    # Explorers are a second Generate call on the step; with rollouts generated ahead (max_staleness > 0) an
+    # unset explorers section means none (the spec refuses an explicit count there).
+    count = exp.count if (r.explorers is not None or cfg.rollout.max_staleness == 0) else 0
+    return Recipe(
+        generation=2,
+        channel_b_ratio=0.05 if r.channel_b_ratio is None else r.channel_b_ratio,
+        duplicates=DuplicateConfig(iou=dup.iou, center_radius=dup.center_radius),
+        clean=CleanPrefixConfig(structure_ce=1.0 if r.structure_ce is None else r.structure_ce,
+                                supervise_fn_desc=resolved(cfg, "targets.supervise_fn_desc"),
+                                unlikelihood=dup.unlikelihood > 0, recovered_weight=exp.recovered_weight),
+        explorers=count,
+        explorer_sampling={"max_tokens": cfg.rollout.max_tokens, "temperature": exp.temperature, "top_p": exp.top_p,
+                           "top_k": exp.top_k, "repetition_penalty": cfg.rollout.repetition_penalty, "n": count}
+        if count else None,
+    )
 
 
 def core_configs(cfg: TrainingConfig) -> CoreConfigs:
     dec = cfg.rollout
+    recipe = recipe_setup(cfg)
+    greedy_anchor = recipe.generation == 2 and (cfg.recipe.anchor or "greedy") == "greedy"
+    dup = cfg.recipe.duplicates or DuplicateControl()
     return CoreConfigs(
-        weights=LossWeights(ce=cfg.loss.ce, soft_ce=cfg.loss.coord_soft_ce, w1=cfg.loss.coord_w1,
-                            gate=cfg.loss.coord_gate, sigma=cfg.loss.coord_sigma),
-        matching=MatchConfig(iou_gate=cfg.matching.iou_gate, fp_cost=cfg.matching.fp_cost,
-                             fn_cost=cfg.matching.fn_cost),
-        targets=TargetConfig(supervise_fn_desc=cfg.targets.supervise_fn_desc),
-        sampling={"max_tokens": dec.max_tokens, "temperature": dec.temperature, "top_p": dec.top_p,
-                  "top_k": dec.top_k, "repetition_penalty": dec.repetition_penalty},
+        weights=LossWeights(ce=cfg.loss.ce, soft_ce=resolved(cfg, "loss.coord_soft_ce"),
+                            w1=resolved(cfg, "loss.coord_w1"), gate=cfg.loss.coord_gate, sigma=cfg.loss.coord_sigma,
+                            coord_ce=resolved(cfg, "loss.coord_ce"), smooth_l1=resolved(cfg, "loss.smooth_l1"),
+                            ciou=resolved(cfg, "loss.ciou"),
+                            unlikelihood=dup.unlikelihood if recipe.generation == 2 else 0.0),
+        matching=MatchConfig(iou_gate=resolved(cfg, "matching.iou_gate"), fp_cost=resolved(cfg, "matching.fp_cost"),
+                             fn_cost=resolved(cfg, "matching.fn_cost")),
+        targets=TargetConfig(supervise_fn_desc=resolved(cfg, "targets.supervise_fn_desc")),
+        sampling={"max_tokens": dec.max_tokens, "temperature": 0.0 if greedy_anchor else dec.temperature,
+                  "top_p": 1.0 if greedy_anchor else dec.top_p, "top_k": -1 if greedy_anchor else dec.top_k,
+                  "repetition_penalty": dec.repetition_penalty},
         m_steps=cfg.buffer.m_steps if cfg.buffer.enabled else 1,
         packing=(cfg.packing_length, cfg.packing_buffer, cfg.packing_min_fill),
         fmt=output_format(cfg.format, coordinates=cfg.format_options.coordinates,
                           polygons=cfg.format_options.polygons),
+        recipe=recipe,
     )
 
 

@@ -36,10 +36,16 @@ class RunReporter:
         values = {"train/loss": r.loss, "train/fill": r.fill, "train/rows": float(r.rows),
                   "train/step_seconds": r.seconds, "train/lr": lr}
         values.update({f"train/{k}": v for k, v in r.parts.items()})
-        if r.stats is not None:  # fresh rollouts this step (not an M-step reusing a batch)
+        values["train/channel_b"] = float(r.channel == "B")
+        if r.stats is not None and r.channel == "B":  # fresh rollouts this step (not an M-step reusing a batch)
             values.update({"train/f1": r.stats.f1, "train/precision": r.stats.precision,
                            "train/recall": r.stats.recall, "train/dropped": float(r.stats.dropped),
-                           "train/truncated": float(r.stats.truncated)})
+                           "train/truncated": float(r.stats.truncated),
+                           "train/truncation_rate": r.stats.truncation_rate,
+                           "train/duplicate_rate": r.stats.duplicate_rate,
+                           "train/predicted_per_gt": r.stats.count_ratio,
+                           "train/predicted_objects": r.stats.predicted / max(r.stats.rollouts, 1),
+                           "train/gt_objects": r.stats.gt_objects / max(r.stats.rollouts, 1)})
         if r.grpo is not None:
             values.update(r.grpo.scalars())
         # Phase seconds are cumulative in the trainer's state: report this step's share of each.

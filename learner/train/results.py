@@ -51,6 +51,7 @@ class StepResult:
     local_rows: int = 0  # rows this rank trained on
     local_tokens: int = 0
     grpo: GrpoStats | None = None  # spec.trainer: grpo
+    channel: str = "B"  # rollout matching: "B" (the model's own answers) or "A" (the ground truth; warm start too)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from learner.colocate import colocated_rollouts
-from learner.core.losses import LossSums, loss_sums
+from learner.core.losses import loss_sums
 from learner.core.packing import PackedRow, Packer
 from learner.core.rollout_buffer import RolloutBuffer
 from learner.data.dataset import load_dataset
@@ -82,10 +82,15 @@ class _Built:
     stats: EpisodeStats  # counts summed over ranks, timings of this rank
     rollouts: list[Rollout]  # rank 0: the whole batch; other ranks: their share
     local_ids: list[str]
+    channel: str = "B"  # "B": rollout matching on fresh rollouts; "A": the ground truth (warm start too)
 
 
-_PARTS = ("ce", "soft_ce", "w1", "gate", "coord")
-_COUNTS = ("rollouts", "matched", "false_positives", "false_negatives", "dropped", "truncated", "response_tokens")
+_PARTS = ("ce", "soft_ce", "w1", "gate", "coord", "geo", "ul")
+_COUNTS = ("rollouts", "matched", "false_positives", "false_negatives", "dropped", "truncated", "response_tokens",
+           "predicted", "gt_objects", "duplicates", "recovered", "fallback")
+# Explorer rollouts (recipe generation 2) are seeded apart from the anchors': a request's explorer never repeats
+# another request's anchor.
+EXPLORER_SEED_OFFSET = 1 << 30
 
 
 def collective_timeout_s(job: RolloutMatchingJob) -> float:
@@ -250,16 +255,16 @@ class Trainer:
             st.step += 1
             result = StepResult(
                 step=st.step, weight_version=st.version, rollouts=built.rollouts if fresh else [],
-                record_ids=[self.records[i].id for i in batch], loss=loss, parts=parts,
+                record_ids=[self.records[i].id for i in batch], loss=loss, parts=parts, channel=built.channel,
                 stats=built.stats if fresh else None, rows=n_rows, fill=fill, seconds=time.perf_counter() - t0,
                 rank=self.ranks.rank, local_record_ids=list(built.local_ids), local_rows=len(built.rows),
                 local_tokens=sum(r.length for r in built.rows),
             )  # fmt: skip
             self.history.append(result)
             self._publish(result)
-            # The next step starts with fresh rollouts: the servers need these weights (a warm-start step
-            # generates nothing, so they wait for the last warm-start step's).
-            if st.step < target and self.buffer.uses_left == 0 and st.step >= self.cfg.warm_start_steps:
+            # The next step starts with fresh rollouts: the servers need these weights (a channel-A step, the
+            # warm start's included, generates nothing, so they wait for the weights of the step before a B step).
+            if st.step < target and self.buffer.uses_left == 0 and self._channel_b(st.step // self.core.m_steps):
                 self._sync()
             if ck_every and st.step % ck_every == 0:
                 self.save()
@@ -386,10 +391,11 @@ class Trainer:
             shares = [everything[lo * n : hi * n] for lo, hi in bounds]
         return ranks.scatter_from_main(shares)
 
-    def _rollout_requests(self, k: int, lo: int = 0, hi: int | None = None) -> list[RolloutRequest]:
+    def _rollout_requests(self, k: int, lo: int = 0, hi: int | None = None,
+                          seed_offset: int = 0) -> list[RolloutRequest]:
         """E-step `k`'s requests (prompts lo..hi of its batch), each with its own seed, from the prompt's place in
         the global batch (the same whenever and wherever they are made: a regenerated batch reproduces)."""
-        base = self.cfg.rollout.seed + k * self.cfg.prompts_per_step
+        base = self.cfg.rollout.seed + seed_offset + k * self.cfg.prompts_per_step
         batch = self.order.batch(k)
         # Messages (+ image bytes): the engine renders the prompt with its own processor and returns the ids it
         # used, which the E-step checks against the learner's rendering.
@@ -398,16 +404,48 @@ class Trainer:
                 for j in range(lo, len(recs) if hi is None else hi)]
 
     def _take_rollouts(self, k: int, sampling: object) -> list[Rollout]:
-        """Rank 0 (server mode): E-step `k`'s rollouts, then the next E-steps (up to max_staleness, within the
-        run) submitted to generate while this one trains (learner/train/overlap.py). The client fences each call
-        to the version it was made with; `_within_window` is what the trainer accepts."""
+        """Rank 0 (server mode): E-step `k`'s rollouts, then the next rollout-matching E-steps (up to max_staleness,
+        within the run) submitted to generate while this one trains (learner/train/overlap.py). The client fences
+        each call to the version it was made with; `_within_window` is what the trainer accepts."""
         st, ahead = self.state, self.ahead
         taken = ahead.take(k, self._rollout_requests(k), sampling, st.version)
-        for j in range(k + 1, k + 1 + ahead.max_staleness):
-            if j * self.core.m_steps >= self.cfg.steps:
-                break
+        last = -(-self.cfg.steps // self.core.m_steps)  # E-steps in the run
+        upcoming = [j for j in range(k + 1, last) if self._channel_b(j)][: ahead.max_staleness]
+        for j in upcoming:
             ahead.submit(j, self._rollout_requests(j), sampling, st.version)
         return taken.rollouts
+
+    def _channel_b(self, k: int) -> bool:
+        """E-step `k` is rollout matching (channel B): after the warm start, on the recipe's schedule (generation 1:
+        every step); the others teach the ground truth (channel A: no generation, no sync before them)."""
+        m_steps = self.core.m_steps
+        first = -(-self.cfg.warm_start_steps // m_steps)  # the first E-step after the warm start
+        return k * m_steps >= self.cfg.warm_start_steps and self.core.recipe.channel_b(k - first)
+
+    def _explorer_rollouts(self, k: int) -> list[list[list[int]]]:
+        """Recipe generation 2, a B step: this rank's prompts' explorer answers (`explorers` sampled completions per
+        prompt, seeded apart from the anchors), grouped per prompt. A Generate call of their own: with rollouts
+        generated ahead there are no explorers (the spec refuses them), so no other call is in flight."""
+        recipe, ranks, st = self.core.recipe, self.ranks, self.state
+        n = recipe.explorers
+        if self.rollouts is not None and self.rollouts.per_rank:
+            lo, hi = ranks.share(self.cfg.prompts_per_step)
+            with ranks.guard("generating explorer rollouts (in-process engine)"):
+                mine = self.rollouts.generate(self._rollout_requests(k, lo, hi, EXPLORER_SEED_OFFSET),
+                                              recipe.explorer_sampling, weight_version=st.version)  # fmt: skip
+        else:
+            everything = None
+            with ranks.guard("generating explorer rollouts (rank 0)"):
+                if ranks.is_main:
+                    everything = self.rollouts.generate(self._rollout_requests(k, seed_offset=EXPLORER_SEED_OFFSET),
+                                                        recipe.explorer_sampling, weight_version=st.version)
+            mine = self._scatter(everything, self.cfg.prompts_per_step, n)
+        if not self._within_window(mine):
+            raise RuntimeError(f"explorer rollouts from a weight version other than {st.weights}")
+        responses = [list(o.token_ids) for o in mine]
+        if self.policy.is_vision_language:
+            responses = [vision_safe_response(r, self.vision_token_ids) for r in responses]
+        return [responses[i * n : (i + 1) * n] for i in range(len(responses) // n)]
 
     def _within_window(self, outs: Sequence[Rollout]) -> bool:
         """Every rollout is from a weight version the learner may train on: its current one (max_staleness 0,
@@ -424,17 +462,24 @@ class Trainer:
     def _e_step(self, batch: tuple[int, ...]) -> _Built:
         ranks = self.ranks
         self._step_prompts.clear()
+        k = self.state.step // self.core.m_steps
+        channel_b = self._channel_b(k)
+        explorers = None
         with self._phase("rollout"):
-            if self.state.step < self.cfg.warm_start_steps:
-                # Warm start: no generation; an empty answer makes the targets the whole ground truth.
+            if not channel_b:
+                # Channel A (the warm start's steps too): no generation; an empty answer makes the targets the whole
+                # ground truth.
                 everything = None
                 if ranks.is_main:
-                    everything = [Rollout(self.records[idx].id, self._prompt_ids(idx), [], "warm_start",
+                    reason = "warm_start" if self.state.step < self.cfg.warm_start_steps else "channel_a"
+                    everything = [Rollout(self.records[idx].id, self._prompt_ids(idx), [], reason,
                                           self.state.version, "", weight_run_id=self.state.run_id)
                                   for idx in batch]  # fmt: skip
                 outs = self._scatter(everything, len(batch))
             else:
-                outs, everything = self._rollouts_for(self.state.step // self.core.m_steps, self.core.sampling)
+                outs, everything = self._rollouts_for(k, self.core.sampling)
+                if self.core.recipe.explorers:
+                    explorers = self._explorer_rollouts(k)
         lo, hi = ranks.share(len(batch))
         mine = batch[lo:hi]
         with ranks.guard("building training segments"):
@@ -453,9 +498,11 @@ class Trainer:
             # A format in resized-image pixels (Qwen2.5-VL's) is bound to each record's image size.
             sizes = ([v.image_size(patch_size(self.policy.processor)) for v in vision]
                      if vl and self.core.fmt.needs_image_size else None)  # fmt: skip
+            recipe = self.core.recipe
             segments, stats = build_segments(
                 recs, mine_ids, [o.prompt_token_ids for o in outs], responses, self.policy.vocab,
                 self.core.matching, self.core.targets, fmt=self.core.fmt, image_sizes=sizes,
+                clean=recipe.clean, duplicates=recipe.duplicates, explorer_ids=explorers,
             )  # fmt: skip
             if vl:  # pixels and per-segment M-RoPE positions for the packed forward
                 segments = [with_vision(self.model, seg, v) for seg, v in zip(segments, vision, strict=True)]
@@ -481,28 +528,31 @@ class Trainer:
             m.DROPPED_OBJECTS.inc(stats.dropped)
             m.TRUNCATED_ROLLOUTS.inc(stats.truncated)
         m.BUFFER_SEGMENTS.set(self.packer.pending)
-        return _Built(rows, stats, everything if ranks.is_main else outs, [r.id for r in recs])
+        return _Built(rows, stats, everything if ranks.is_main else outs, [r.id for r in recs],
+                      "B" if channel_b else "A")
 
     # -- M-step ---------------------------------------------------------------------------------
     def _m_step(self, rows: list[PackedRow]) -> tuple[float, dict[str, float], int, float]:
         """One optimizer step on this step's rows; the loss is the token-level mean over all rows
         of all ranks (same as one big packed row). Returns the loss, its parts, the number of rows
         over all ranks and their mean fill."""
-        ce_total, coord_total, n_rows, fill_sum = self.ranks.sum([
+        ce_total, coord_total, box_total, ul_total, n_rows, fill_sum = self.ranks.sum([
             sum(int((r.labels != -100).sum()) for r in rows),
             sum(int(r.coord_positions.numel()) for r in rows),
+            sum(r.n_boxes for r in rows), sum(r.n_unlikelihood for r in rows),
             len(rows), sum(r.fill for r in rows),
         ])  # fmt: skip
         if not n_rows:
             raise RuntimeError("packer produced no row for this step (empty rollouts and carry buffer)")
         lr = learning_rate(self.cfg, self.state.step)
         with self.ranks.guard("forward/backward"):
-            sums = self.device_step(rows, int(ce_total), int(coord_total), lr)
+            sums = self.device_step(rows, int(ce_total), int(coord_total), lr, int(box_total), int(ul_total))
         # The only host reads of the step: after it, once.
         total = self.ranks.sum([float(sums[k]) for k in ("loss", *_PARTS)])
         return total[0], dict(zip(_PARTS, total[1:], strict=True)), int(n_rows), fill_sum / n_rows
 
-    def device_step(self, rows: list[PackedRow], ce_total: int, coord_total: int, lr: float) -> dict[str, torch.Tensor]:
+    def device_step(self, rows: list[PackedRow], ce_total: int, coord_total: int, lr: float, box_total: int = 0,
+                    ul_total: int = 0) -> dict[str, torch.Tensor]:
         """Forward/backward of every row on the training device, then the optimizer step. Returns
         the loss and its parts summed over the rows, as tensors on the device (no host reads, so
         it runs with the parameters on `meta`)."""
@@ -515,7 +565,7 @@ class Trainer:
                 logits = step.forward(**row.model_inputs()).logits
                 s = loss_sums(logits, row, coord_ids, weights.sigma)
                 # Normalised by the step's global totals: summing rows' losses gives the pooled mean.
-                out = LossSums(s.ce_sum, ce_total, s.soft_ce_sum, s.w1_sum, s.gate_sum, coord_total).finish(weights)
+                out = s.normalised_by(ce_total, coord_total, box_total, ul_total).finish(weights)
             with self._phase("backward"):
                 step.backward(out.loss)
             for k, v in (("loss", out.loss.detach()), *((k, out.parts[k]) for k in _PARTS)):
@@ -700,7 +750,7 @@ class Trainer:
             m.LOSS.labels(k).set(v)
         if self.ranks.is_main:
             self.reporter.step(r, self.state.phase_seconds, learning_rate(self.cfg, r.step - 1))
-            f1 = f"{r.stats.f1:.3f}" if r.stats else "reuse"
+            f1 = f"{r.stats.f1:.3f}" if r.stats and r.channel == "B" else ("reuse" if r.channel == "B" else "- (A)")
             log.info(
                 "step %d v%d loss %.4f (ce %.4f coord %.4f) f1 %s rows %d fill %.3f %.2fs",
                 r.step, r.weight_version, r.loss, r.parts.get("ce", 0.0), r.parts.get("coord", 0.0), f1,
@@ -714,8 +764,8 @@ class Trainer:
         return Summary(
             steps=self.state.step, first_loss=losses[0] if losses else float("nan"),
             last_loss=losses[-1] if losses else float("nan"), losses=losses,
-            # Rollout F1 of steps that sampled (a warm-start step's empty answers score 0 and say nothing).
-            f1=[h.stats.f1 for h in self.history if h.stats and h.step > self.cfg.warm_start_steps],
+            # Rollout F1 of steps that sampled (a channel-A step's empty answers score 0 and say nothing).
+            f1=[h.stats.f1 for h in self.history if h.stats and h.channel == "B"],
             weight_version=self.state.version,
             run_id=self.state.run_id,
             phase_seconds=dict(self.state.phase_seconds), wall_seconds=wall,

@@ -22,7 +22,10 @@ from rmsft.jobspec import (
     KIND,
     PLURAL,
     QUANTITY_PATTERN,
+    RECIPE_EXPLORERS_STALENESS,
+    RECIPE_SECOND_ONLY,
     JobSpec,
+    RecipeConfig,
 )
 
 SHORT_NAMES = ["rmj"]
@@ -197,6 +200,10 @@ LOCAL_RULES: dict[str, list[dict[str, str]]] = {
     ],
     "training": [
         {"rule": "self.warmup_steps <= self.steps", "message": "spec.training.warmup_steps exceeds steps"},
+        *({"rule": f"self.recipe.generation == 2 || !has(self.recipe.{name})",
+           "message": RECIPE_SECOND_ONLY.format(name=name)} for name in RecipeConfig.SECOND_ONLY),
+        {"rule": "!has(self.recipe.explorers) || self.recipe.explorers.count == 0 "
+                 "|| self.rollout.max_staleness == 0", "message": RECIPE_EXPLORERS_STALENESS},
         {
             "rule": "(has(self.format) && self.format == 'qwen_json') || !has(self.format_options) "
             "|| !has(self.format_options.coordinates) || self.format_options.coordinates == 'relative'",
