@@ -41,14 +41,19 @@ def _ours(item: pytest.Item) -> bool:
     return Path(str(item.path)).resolve().is_relative_to(HERE)
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    ours = [item for item in items if _ours(item)]
-    for item in ours:
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # Marked as each item is collected, before any pytest_collection_modifyitems: pytest's own `-m`
+    # selection runs in that hook, so `-m cluster` / `-m "not cluster"` see these markers.
+    if _ours(item):
         item.add_marker(pytest.mark.cluster)
         item.add_marker(pytest.mark.slow)
         # the first test also pays for the image build (cold: minutes) and the node's bring-up
         item.add_marker(pytest.mark.timeout(3600))
+
+
+@pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselection and any reordering: the order seen here is the run order
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    ours = [item for item in items if _ours(item)]
     if ours:
         config.stash[_LAST_ITEM] = ours[-1].nodeid
 

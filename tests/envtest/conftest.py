@@ -31,12 +31,17 @@ def _ours(item: pytest.Item) -> bool:
     return Path(str(item.path)).resolve().is_relative_to(HERE)
 
 
-@pytest.hookimpl(trylast=True)  # after any reordering plugin: the order seen here is the run order
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # This hook sees every collected item of the session: mark only the ones under tests/envtest.
-    ours = [item for item in items if _ours(item)]
-    for item in ours:
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # Marked as each item is collected, before any pytest_collection_modifyitems: pytest's own `-m`
+    # selection runs in that hook, so `-m envtest` / `-m "not envtest"` see this marker.
+    if _ours(item):
         item.add_marker(pytest.mark.envtest)
+
+
+@pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselection and any reordering: the order seen here is the run order
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # This hook sees every collected item of the session: the last one under tests/envtest stops the control plane.
+    ours = [item for item in items if _ours(item)]
     if ours:
         config.stash[_LAST_ITEM] = ours[-1].nodeid
 
