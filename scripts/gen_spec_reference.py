@@ -19,8 +19,9 @@ for _path in (ROOT / "operator", ROOT):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from rmsft.jobspec import JobSpec  # noqa: E402
 from rmsft_operator.crd import LOCAL_RULES, SPEC_RULES, build_crd  # noqa: E402
+
+from rmsft.jobspec import JobSpec  # noqa: E402
 
 OUT = ROOT / "docs" / "spec-reference.md"
 
@@ -152,7 +153,8 @@ def render() -> str:
     crd = build_crd()
     version = crd["spec"]["versions"][0]
     root = version["schema"]["openAPIV3Schema"]
-    lines = [HEADER.format(group_version=f"{crd['spec']['group']}/{version['name']}", kind=crd["spec"]["names"]["kind"])]
+    group_version = f"{crd['spec']['group']}/{version['name']}"
+    lines = [HEADER.format(group_version=group_version, kind=crd["spec"]["names"]["kind"])]
     filled = _filled_in()
     for path, node in _sections(root["properties"]["spec"], "spec"):
         lines += _table(path, node, filled)

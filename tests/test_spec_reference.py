@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
+from rmsft_operator.crd import build_crd
 
 from rmsft.jobspec import JobSpec
-from rmsft_operator.crd import build_crd
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "spec-reference.md"
