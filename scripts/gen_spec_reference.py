@@ -9,6 +9,7 @@ tests/test_spec_reference.py fails when the committed page differs from what thi
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,8 @@ Every field of a `RolloutMatchingJob` (`apiVersion: {group_version}`, `kind: {ki
 its type, its default and what it does. The same text is what `kubectl explain rmj.spec.<field>` prints once
 the chart's CRD is installed, and the same model validates the manifest under `rmsft local`, `rmsft train`
 and the operator. The Kubernetes-facing sections use camelCase keys; `spec.training` is the learner's own
-config and uses snake_case keys. Unknown keys are errors everywhere.
+config and uses snake_case keys. Unknown keys are errors everywhere. `metadata.name` is a DNS label of at
+most 40 characters (the job's child objects add suffixes to it).
 
 In the tables: *required* marks a key with no default; *unset* a key whose absence means what its
 description says; a section's default is its fields' defaults. Ranges are inclusive unless written with
@@ -46,8 +48,13 @@ def _code(value: Any) -> str:
     return f"`{json.dumps(value)}`" if not isinstance(value, str) else f"`{value}`"
 
 
+def _text(text: str) -> str:
+    """A description as Markdown: one line, `<word` escaped (GitHub would take `<checkpoint.dir>` for a tag)."""
+    return re.sub(r"<(?=[A-Za-z])", r"\\<", " ".join(text.split()))
+
+
 def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
+    return _text(text).replace("|", "\\|")
 
 
 def _anchor(path: str) -> str:
@@ -92,7 +99,7 @@ def _type(node: dict[str, Any], path: str) -> str:
     if "minLength" in node and node["minLength"] > 0:
         out += ", not empty"
     if "pattern" in node:
-        out += f", pattern `{node['pattern']}`"
+        out += ", pattern `{}`".format(node["pattern"].replace("|", "\\|"))  # a bare | would split the cell
     return out
 
 
@@ -136,16 +143,20 @@ def _sections(node: dict[str, Any], path: str) -> list[tuple[str, dict[str, Any]
     return out
 
 
-def _table(path: str, node: dict[str, Any], filled: dict[str, Any]) -> list[str]:
+def _table(path: str, node: dict[str, Any], filled: dict[str, Any] | None) -> list[str]:
+    """One section's table; without `filled` (the status, which nobody writes) no Default column."""
     lines = [f"## {path}", ""]
     if node.get("description"):
-        lines += [" ".join(node["description"].split()), ""]
-    lines += ["| Field | Type | Default | Meaning |", "|---|---|---|---|"]
+        lines += [_text(node["description"]), ""]
+    if filled is None:
+        lines += ["| Field | Type | Meaning |", "|---|---|---|"]
+    else:
+        lines += ["| Field | Type | Default | Meaning |", "|---|---|---|---|"]
     required = set(node.get("required", []))
     for name, sub in node["properties"].items():
         child = f"{path}.{name}"
-        lines.append(f"| `{name}` | {_type(sub, child)} | {_default(sub, child, name in required, filled)} | "
-                     f"{_cell(sub.get('description', ''))} |")
+        default = "" if filled is None else f" {_default(sub, child, name in required, filled)} |"
+        lines.append(f"| `{name}` | {_type(sub, child)} |{default} {_cell(sub.get('description', ''))} |")
     return [*lines, ""]
 
 
@@ -165,7 +176,7 @@ def render() -> str:
     lines += ["- every field but `spec.rollout.replicas` is immutable once the job exists (scale the rollout pool "
               "with `replicas`; anything else: delete and re-create the job)", ""]
     for path, node in _sections(root["properties"]["status"], "status"):
-        lines += _table(path, node, filled)
+        lines += _table(path, node, None)
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -356,9 +356,9 @@ def status_schema() -> dict[str, Any]:
         "type": "object",
         "description": "What the operator observed, written by the operator.",
         "properties": {
-            "phase": {"type": "string", "enum": PHASES, "description": "Pending (waiting for the rollout pool), "
-                      "Starting (pool Ready or learner resumed, its pod not running yet), Running (learner pod "
-                      "running), Complete (the learner Job succeeded), Failed (the learner Job failed), "
+            "phase": {"type": "string", "enum": PHASES, "description": "Pending (no rollout server Ready yet), "
+                      "Starting (servers coming up, or the learner resumed and its pod not running yet), Running "
+                      "(learner pod running), Complete (the learner Job succeeded), Failed (the learner Job failed), "
                       "Invalid (the spec was refused)."},
             "conditions": {
                 "type": "array", "items": condition, "maxItems": 16,
