@@ -3,7 +3,7 @@ VENV ?= .venv
 STAMP := $(VENV)/.rmsft-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint protos clean
+.PHONY: setup test lint protos crd clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,11 @@ test: lint
 
 protos: setup
 	$(VENV)/bin/python scripts/gen_protos.py
+
+# The CRD and the spec reference page, both generated from rmsft/jobspec.py (tests fail when either is stale).
+crd: setup
+	$(VENV)/bin/python -m rmsft_operator.crd > charts/rmsft/crds/rolloutmatchingjobs.yaml
+	$(VENV)/bin/python scripts/gen_spec_reference.py
 
 clean:
 	rm -rf $(VENV) .tools

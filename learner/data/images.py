@@ -274,6 +274,15 @@ class ImageStore:
 
     # ------------------------------------------------------------------ public API
 
+    def inspect_file(self, path: str | Path) -> tuple[int, int]:
+        """(width, height) of the image file at `path`, checked as `validate` checks a record's image
+        (opens, verifies, decodes where verify checks nothing, within max_image_pixels); `ImageError`
+        saying why not. For tools that vet images before records exist (learner/data/coco.py)."""
+        try:
+            return self._inspect(_Source(key=str(path), path=Path(path)))
+        except _Problem as exc:
+            raise ImageError(f"{path}: {exc}") from None
+
     def validate(self, records: Iterable[Record]) -> None:
         """Check every image of every record; raise one `ImageError` listing the problems found."""
         problems: list[str] = []

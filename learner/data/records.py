@@ -32,6 +32,7 @@ all problems at once. `load_records` reads the records only (text datasets, and 
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,18 +105,27 @@ def iter_records(path: str | Path) -> Iterator[Record]:
     path = Path(path)
     if not path.exists():
         raise DataError(f"dataset {path} does not exist")
-    with path.open() as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                raw = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            try:
-                yield Record.model_validate(raw)
-            except ValidationError as exc:
-                raise DataError(f"{path}:{lineno}: {_describe(exc)}") from None
+    # spec.training.data.path may be .jsonl.gz: read through gzip, one line at a time as the plain file.
+    opener = gzip.open if path.suffix == ".gz" else open
+    lineno = 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    raw = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                try:
+                    yield Record.model_validate(raw)
+                except ValidationError as exc:
+                    raise DataError(f"{path}:{lineno}: {_describe(exc)}") from None
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}:{lineno + 1}: not UTF-8 text ({exc.reason} at byte {exc.start}); a compressed "
+                        "file needs the .gz suffix") from None
+    except (gzip.BadGzipFile, EOFError) as exc:
+        raise DataError(f"{path}: not a complete gzip file ({exc or type(exc).__name__})") from None
 
 
 def load_records(path: str | Path) -> list[Record]:

@@ -305,7 +305,6 @@ def _at(schema: dict[str, Any], dotted: str) -> dict[str, Any]:
 def spec_schema() -> dict[str, Any]:
     raw = JobSpec.model_json_schema(by_alias=True, mode="validation")
     schema = _to_openapi(_resolve({k: v for k, v in raw.items() if k != "$defs"}, raw.get("$defs", {})))
-    schema.pop("description", None)
     schema["x-kubernetes-validations"] = copy.deepcopy(SPEC_RULES)
     for path, rules in LOCAL_RULES.items():
         _at(schema, path).setdefault("x-kubernetes-validations", []).extend(copy.deepcopy(rules))
@@ -347,29 +346,41 @@ def status_schema() -> dict[str, Any]:
     condition = {
         "type": "object",
         "required": ["type", "status"],
+        "description": "One aspect of the job's state.",
         "properties": {
-            "type": {"type": "string", "enum": CONDITION_TYPES},
-            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
-            "reason": {"type": "string", "maxLength": 256},
-            "message": {"type": "string", "maxLength": 4096},
-            "lastTransitionTime": {"type": "string", "format": "date-time"},
-            "observedGeneration": {"type": "integer", "minimum": 0},
+            "type": {"type": "string", "enum": CONDITION_TYPES, "description": "The aspect: " + ", ".join(
+                CONDITION_TYPES) + "."},
+            "status": {"type": "string", "enum": ["True", "False", "Unknown"], "description": "Whether it holds."},
+            "reason": {"type": "string", "maxLength": 256, "description": "Why, in one CamelCase word."},
+            "message": {"type": "string", "maxLength": 4096, "description": "Why, in words a person can act on."},
+            "lastTransitionTime": {"type": "string", "format": "date-time",
+                                   "description": "When status last changed."},
+            "observedGeneration": {"type": "integer", "minimum": 0,
+                                   "description": "The metadata.generation the condition was set from."},
         },
     }
     return {
         "type": "object",
+        "description": "What the operator observed, written by the operator.",
         "properties": {
-            "phase": {"type": "string", "enum": PHASES},
+            "phase": {"type": "string", "enum": PHASES, "description": "Pending (no rollout server Ready yet), "
+                      "Starting (servers coming up, or the learner resumed and its pod not running yet), Running "
+                      "(learner pod running), Complete (the learner Job succeeded), Failed (the learner Job failed), "
+                      "Invalid (the spec was refused)."},
             "conditions": {
                 "type": "array", "items": condition, "maxItems": 16,
                 "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"],
+                "description": "RolloutReady, LearnerRunning, Complete, Failed and InvalidSpec, each with its reason "
+                "and message.",
             },
-            "observedGeneration": {"type": "integer", "minimum": 0},
-            "rolloutReplicas": {"type": "integer", "minimum": 0},
-            "readyRolloutReplicas": {"type": "integer", "minimum": 0},
-            "learnerActive": {"type": "integer", "minimum": 0},
+            "observedGeneration": {"type": "integer", "minimum": 0,
+                                   "description": "The metadata.generation this status was computed from."},
+            "rolloutReplicas": {"type": "integer", "minimum": 0, "description": "Rollout servers wanted now."},
+            "readyRolloutReplicas": {"type": "integer", "minimum": 0, "description": "Rollout servers Ready."},
+            "learnerActive": {"type": "integer", "minimum": 0, "description": "Active learner pods."},
             "step": {"type": "integer", "minimum": 0, "description": "Optimizer step reported by the learner."},
-            "weightVersion": {"type": "integer", "minimum": 0},
+            "weightVersion": {"type": "integer", "minimum": 0,
+                              "description": "Weight version reported by the learner (it counts weight updates)."},
             "evaluation": {
                 "type": "object",
                 "description": "The learner's last held-out evaluation (spec.training.eval); absent before the first.",
@@ -380,9 +391,12 @@ def status_schema() -> dict[str, Any]:
                     "mAP50": {**_FRACTION, "description": "COCO bbox mAP@.50."},
                 },
             },
-            "startTime": {"type": "string", "format": "date-time"},
-            "completionTime": {"type": "string", "format": "date-time"},
-            "message": {"type": "string", "maxLength": 4096},
+            "startTime": {"type": "string", "format": "date-time",
+                          "description": "When the learner was started (the rollout pool Ready)."},
+            "completionTime": {"type": "string", "format": "date-time",
+                               "description": "When the learner finished, successfully or not."},
+            "message": {"type": "string", "maxLength": 4096, "description": "The state in one line: the pool, the "
+                        "learner, or why the job stopped or was refused."},
         },
     }
 
@@ -412,12 +426,13 @@ def build_crd() -> dict[str, Any]:
                 "description": "Rollout-matching SFT of a vision-language detection model.",
                 "required": ["spec"],
                 "properties": {
-                    "apiVersion": {"type": "string"},
-                    "kind": {"type": "string"},
+                    "apiVersion": {"type": "string", "description": f"{API_GROUP}/{API_VERSION}"},
+                    "kind": {"type": "string", "description": KIND},
                     # The rule sits on the name itself (not on the root, where the API server
                     # reports the field as `<nil>`); CRDs may restrict only name and generateName.
-                    "metadata": {"type": "object", "properties": {"name": {
+                    "metadata": {"type": "object", "description": "Standard object metadata.", "properties": {"name": {
                         "type": "string",
+                        "description": "The job's name, at most 40 characters: its child objects add suffixes.",
                         "x-kubernetes-validations": [{
                             "rule": "self.size() <= 40",
                             "message": "metadata.name must be at most 40 characters (child names add suffixes)",

@@ -10,6 +10,8 @@ import typer
 app = typer.Typer(help="Rollout-matching SFT for vision-language detection models.", no_args_is_help=True)
 dev_app = typer.Typer(help="Developer tools.", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
+data_app = typer.Typer(help="Datasets: convert detection annotations to training records.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
 
 
 @dev_app.command("tiny-model")
@@ -61,6 +63,61 @@ def dev_prepare(
             prepare_inputs(job, console)
         except (OSError, ValueError) as exc:
             _fail(exc)
+
+
+@data_app.command("from-coco")
+def data_from_coco(
+    annotations: Path = typer.Argument(..., help="COCO instances file (JSON with images, annotations, categories)."),
+    images_dir: Path = typer.Argument(..., help="Folder the images' file_name entries are relative to."),
+    out: Path = typer.Argument(..., help="JSONL of training records to write (replaced if present)."),
+    fmt: str = typer.Option(
+        "coordexp", "--format", help="The job's training.format (coordexp or qwen_json): picks the default prompt."
+    ),
+    prompt: str | None = typer.Option(
+        None, show_default=False,
+        help="The user message of every record (default: the --format's detection prompt). {categories} in it is "
+        "replaced by the category names, comma-separated.",
+    ),
+    boxes: bool = typer.Option(False, "--boxes", help="Every object as its bbox_2d, polygons too."),
+    max_objects: int | None = typer.Option(
+        None, "--max-objects", min=1, show_default=False,
+        help="Skip images with more objects than this (their answer would outgrow training.rollout.max_tokens).",
+    ),
+    keep_empty: bool = typer.Option(
+        True, "--keep-empty/--drop-empty", help="Write images without any annotation as records with no objects."
+    ),
+    max_image_pixels: int | None = typer.Option(
+        None, "--max-image-pixels", min=1, show_default=False,
+        help="Skip images larger than this (width x height): the job's spec.model.vision.maxImagePixels "
+        "(default: that field's default).",
+    ),
+    paths: str = typer.Option(
+        "out", help="Image references: out (relative to OUT's folder), images (relative to IMAGES_DIR: set "
+        "spec.training.data.image_root to it) or absolute.",
+    ),
+) -> None:
+    """Convert COCO detection annotations to training records: category names as descs, one-part polygons as
+    poly, other objects as bbox_2d, crowd annotations skipped, every image checked. Prints what was converted
+    and what was skipped, with a count per reason (docs/data.md)."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from learner.data.coco import CocoError, CocoOptions, convert_coco
+
+    try:
+        limit = {} if max_image_pixels is None else {"max_image_pixels": max_image_pixels}
+        options = CocoOptions(format=fmt, prompt=prompt, geometry="box" if boxes else "auto",  # type: ignore[arg-type]
+                              max_objects=max_objects, keep_empty=keep_empty, paths=paths, **limit)  # type: ignore[arg-type]
+        summary = convert_coco(annotations, images_dir, out, options)
+    except (CocoError, ValueError, OSError) as exc:
+        _fail(exc)
+    console = Console(stderr=True)
+    head, *rest = summary.lines()
+    console.print(f"[green]{escape(head)}[/green]")
+    for line in rest:
+        console.print(escape(line), highlight=False)
+    if paths == "images":
+        console.print(f"set spec.training.data.image_root: {images_dir.resolve()}")
 
 
 @app.command(

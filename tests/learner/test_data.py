@@ -76,6 +76,24 @@ def test_missing_empty_and_duplicate(tmp_path: Path) -> None:
         load_records(tmp_path / "dup.jsonl")
 
 
+def test_gzip_dataset_loads_and_a_misnamed_one_is_named(tmp_path: Path) -> None:
+    """spec.training.data.path accepts .jsonl.gz: the loader reads it as the plain file."""
+    import gzip
+
+    lines = [json.dumps({"id": f"r{i}", "width": 10, "height": 10, "messages": [{"role": "user", "content": "a"}],
+                         "objects": [{"desc": "cat", "bbox_2d": [1, 1, 5, 5]}]}) for i in range(3)]
+    packed = tmp_path / "train.jsonl.gz"
+    packed.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    assert [r.id for r in load_records(packed)] == ["r0", "r1", "r2"]
+    # Compressed bytes under a plain name, and a cut gzip file: one clear line each, no traceback.
+    (tmp_path / "misnamed.jsonl").write_bytes(packed.read_bytes())
+    with pytest.raises(DataError, match=r"misnamed.jsonl:1: not UTF-8 text .* needs the .gz suffix"):
+        load_records(tmp_path / "misnamed.jsonl")
+    (tmp_path / "cut.jsonl.gz").write_bytes(packed.read_bytes()[:20])
+    with pytest.raises(DataError, match="cut.jsonl.gz: not a complete gzip file"):
+        load_records(tmp_path / "cut.jsonl.gz")
+
+
 def test_descs_load_as_written_and_reach_the_core_stripped(tmp_path: Path) -> None:
     from learner.core.codec import COORDEXP, QWEN_JSON, DetObject
     from learner.data.episode import ground_truth

@@ -1,0 +1,355 @@
+"""COCO detection annotations to training records (`rmsft data from-coco`; docs/data.md).
+
+Public API
+- `convert_coco(annotations, images_dir, out, options) -> CocoSummary`: read a COCO instances file
+  (`images`, `annotations`, `categories`), check every image, write one record per usable image
+  (learner/data/records.py) and say what was converted and what was skipped, with a count per reason.
+- `CocoOptions`: the prompt, the geometry written, the object cap, the image size limit, how image
+  paths are written.
+- `CocoError`: a file that is not a usable COCO instances file (the message names the file and key).
+
+What becomes what:
+- a category's `name` is the object's `desc`;
+- an annotation with one polygon in `segmentation` becomes a `poly` (pixels, clamped to the image);
+  with several polygons (an object split by an occluder) or an RLE mask (`{"counts", "size"}`) it
+  becomes its `bbox` as a `bbox_2d`: a record's `poly` is one outline, and decoding RLE masks into
+  outlines is not done here (both are counted in the summary); `geometry="box"` writes every object
+  as its box;
+- `iscrowd: 1` annotations are skipped: they mark a region of many instances, not one object, and COCO's
+  own evaluation ignores them rather than counting them as objects;
+- `bbox` [x, y, w, h] becomes [x, y, x + w, y + h], clamped to the image; a box of zero width or height
+  after clamping is skipped.
+
+Images are checked by the loader's own check (`ImageStore.inspect_file`: exists, Pillow opens and
+verifies it, decodes it where verify checks nothing, at most `max_image_pixels`) and their size, so the
+output loads. An image whose real size differs from the annotation's `width`/`height` is skipped: the
+coordinates were drawn in the frame the annotation names, and rescaling them to another frame would
+guess (a rotated or re-encoded copy moves objects, not just scales them). An image whose every
+annotation was skipped is skipped too: written without objects it would teach the model that nothing
+is there. An image with no annotation at all is written with no objects (a negative example) unless
+`keep_empty=False`. Objects are written in reading order (top to bottom, then left to right), one
+canonical answer per image as the synthetic tasks have. An RLE mask or a polygon in several parts is
+not a crowd and not skipped: its box keeps the object in the answer.
+
+Torch-free: only PIL (through the image store) and the record schema.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from learner.core.codec import check_desc
+from learner.data.images import ImageError, ImageStore
+from learner.data.records import Record
+from rmsft.jobspec import VisionSpec
+
+# Prompts that name the answer's keys of each output format (spec.training.format), as the shipped
+# synthetic tasks' do; `{categories}` in a prompt is replaced by the category names, comma-separated.
+DEFAULT_PROMPTS = {
+    "coordexp": "Detect every object in the image. Answer in JSON with a description and a bbox_2d or poly for each.",
+    "qwen_json": "Detect every object in the image. Answer with a JSON list of its bbox_2d and label for each.",
+}
+CATEGORIES_PLACEHOLDER = "{categories}"
+_DECIMALS = 2  # coordinates are kept to 1/100 pixel: finer means nothing on the 1000-bin grid
+
+# Reasons, as the summary prints them (one counter per reason).
+SKIP_CROWD = "crowd annotation (iscrowd: 1)"
+SKIP_UNKNOWN_IMAGE = "annotation of an image id not in `images`"
+SKIP_UNKNOWN_CATEGORY = "annotation of a category id not in `categories`"
+SKIP_BAD_CATEGORY = "category name unusable as a desc"
+SKIP_BAD_BOX = "bbox missing or not 4 finite numbers"
+SKIP_EMPTY_BOX = "box of zero width or height inside the image"
+IMG_MISSING = "image file missing"
+IMG_UNUSABLE = "image unreadable, corrupt or over --max-image-pixels"
+IMG_SIZE = "image size differs from the annotation's width/height"
+IMG_ALL_SKIPPED = "every annotation of the image skipped"
+IMG_TOO_MANY = "more objects than --max-objects"
+IMG_EMPTY = "no annotation (--drop-empty)"
+AS_BOX_MULTI = "polygon in several parts, written as its box"
+AS_BOX_RLE = "RLE mask, written as its box"
+AS_BOX_BAD_POLYGON = "polygon of fewer than 3 points or no area, written as its box"
+
+
+class CocoError(ValueError):
+    """A COCO file that cannot be converted; the message names the file and the key at fault."""
+
+
+@dataclass(frozen=True)
+class CocoOptions:
+    """How records are written. `prompt` None = the default prompt of `format`."""
+
+    format: Literal["coordexp", "qwen_json"] = "coordexp"
+    prompt: str | None = None
+    geometry: Literal["auto", "box"] = "auto"  # auto: one-part polygons as poly, the rest as boxes
+    max_objects: int | None = None
+    keep_empty: bool = True
+    # Image references: "out" relative to the output file's folder (the job needs no image_root),
+    # "images" relative to IMAGES_DIR (set spec.training.data.image_root to it), "absolute".
+    paths: Literal["out", "images", "absolute"] = "out"
+    # Largest source image accepted: the job's spec.model.vision.maxImagePixels, which the loader enforces.
+    max_image_pixels: int = VisionSpec.model_fields["max_image_pixels"].default
+
+    def __post_init__(self) -> None:
+        if self.format not in DEFAULT_PROMPTS:
+            raise ValueError(f"format must be one of {', '.join(DEFAULT_PROMPTS)}, got {self.format!r}")
+        if self.geometry not in ("auto", "box"):
+            raise ValueError(f"geometry must be 'auto' or 'box', got {self.geometry!r}")
+        if self.paths not in ("out", "images", "absolute"):
+            raise ValueError(f"paths must be 'out', 'images' or 'absolute', got {self.paths!r}")
+        if self.max_objects is not None and self.max_objects < 1:
+            raise ValueError(f"max_objects must be >= 1, got {self.max_objects}")
+        if self.max_image_pixels < 1:
+            raise ValueError(f"max_image_pixels must be >= 1, got {self.max_image_pixels}")
+        if self.prompt is not None and not self.prompt.strip():
+            raise ValueError("the prompt must not be blank")
+
+
+@dataclass
+class CocoSummary:
+    """What a conversion wrote and skipped."""
+
+    out: Path
+    images_in: int = 0
+    annotations_in: int = 0
+    records: int = 0
+    objects: int = 0
+    polygons: int = 0
+    boxes: int = 0
+    empty_records: int = 0
+    skipped_annotations: Counter[str] = field(default_factory=Counter)
+    skipped_images: Counter[str] = field(default_factory=Counter)
+    as_box: Counter[str] = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)  # reason -> first case, for the summary
+
+    def note(self, counter: Counter[str], reason: str, example: str) -> None:
+        counter[reason] += 1
+        self.examples.setdefault(reason, example)
+
+    def lines(self) -> list[str]:
+        """The summary as printed: totals first, then one line per reason with its count and first case."""
+        out = [
+            f"{_n(self.records, 'record')} with {_n(self.objects, 'object')} ({_n(self.polygons, 'polygon')}, "
+            f"{_n(self.boxes, 'box', 'boxes')}) written to {self.out}",
+            f"read {_n(self.images_in, 'image')} and {_n(self.annotations_in, 'annotation')}; "
+            f"{_n(self.empty_records, 'record')} without objects (images with no annotation)",
+        ]
+        for title, counter in (("skipped annotations", self.skipped_annotations),
+                               ("skipped images", self.skipped_images),
+                               ("written as boxes", self.as_box)):  # fmt: skip
+            if counter:
+                out.append(f"{title}: {sum(counter.values())}")
+                out.extend(f"  {n} {reason} (first: {self.examples[reason]})" for reason, n in counter.most_common())
+        return out
+
+
+def _n(count: int, one: str, many: str | None = None) -> str:
+    return f"{count} {one if count == 1 else many or one + 's'}"
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CocoError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise CocoError(f"{path}: cannot be read ({exc.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CocoError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise CocoError(f"{path}: expected a JSON object with images, annotations and categories")
+    for key in ("images", "annotations", "categories"):
+        if not isinstance(doc.get(key), list):
+            raise CocoError(f"{path}: key {key!r} must be a list (a COCO instances file has images, annotations "
+                            "and categories)")
+    return doc
+
+
+def _entry(path: Path, key: str, i: int, item: Any, fields: dict[str, type | tuple[type, ...]]) -> dict[str, Any]:
+    """One entry of `images`/`categories` with its required fields checked (these are the file's own
+    structure: a bad one stops the conversion instead of being skipped)."""
+    if not isinstance(item, dict):
+        raise CocoError(f"{path}: {key}[{i}] must be an object")
+    for name, kind in fields.items():
+        value = item.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise CocoError(f"{path}: {key}[{i}].{name} is missing or not a {getattr(kind, '__name__', 'number')}")
+    return item
+
+
+def _finite(values: Any, n: int | None = None) -> list[float] | None:
+    if not isinstance(values, list) or (n is not None and len(values) != n):
+        return None
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        return None
+    return [float(v) for v in values]
+
+
+def _clamp(v: float, hi: int) -> float | int:
+    v = round(min(max(v, 0.0), float(hi)), _DECIMALS)
+    return int(v) if v.is_integer() else v  # 12, not 12.0: COCO's integer pixels stay integers
+
+
+def _geometry(ann: dict[str, Any], width: int, height: int, geometry: str) -> tuple[dict[str, list[float]] | None,
+                                                                                   str | None, str | None]:
+    """(geometry, skip reason, why a segmented object became a box) of one annotation. An annotation
+    without segmentation (a detection-only file) is a box as a matter of course: nothing to report."""
+    seg = ann.get("segmentation")
+    as_box = None
+    if geometry == "auto" and isinstance(seg, dict):
+        as_box = AS_BOX_RLE
+    elif geometry == "auto" and isinstance(seg, list) and len(seg) > 1:
+        as_box = AS_BOX_MULTI
+    elif geometry == "auto" and isinstance(seg, list) and len(seg) == 1:
+        part = _finite(seg[0])
+        if part is not None and len(part) >= 6 and len(part) % 2 == 0:
+            poly = [_clamp(v, width if k % 2 == 0 else height) for k, v in enumerate(part)]
+            xs, ys = poly[0::2], poly[1::2]
+            if max(xs) > min(xs) and max(ys) > min(ys):
+                return {"poly": poly}, None, None
+        as_box = AS_BOX_BAD_POLYGON
+    bbox = _finite(ann.get("bbox"), 4)
+    if bbox is None:
+        return None, SKIP_BAD_BOX, None
+    x, y, w, h = bbox
+    if w < 0 or h < 0:
+        return None, SKIP_BAD_BOX, None
+    box = [_clamp(x, width), _clamp(y, height), _clamp(x + w, width), _clamp(y + h, height)]
+    if box[2] <= box[0] or box[3] <= box[1]:
+        return None, SKIP_EMPTY_BOX, None
+    return {"bbox_2d": box}, None, as_box
+
+
+def _check_image(store: ImageStore, path: Path, width: int, height: int) -> tuple[str, str] | None:
+    """(reason, what exactly) when the image cannot be used, else None: the loader's own check."""
+    if not path.is_file():
+        return IMG_MISSING, str(path)
+    try:
+        size = store.inspect_file(path)
+    except ImageError as exc:
+        return IMG_UNUSABLE, str(exc)
+    if size != (width, height):
+        return IMG_SIZE, f"{path} is {size[0]}x{size[1]}, the annotation says {width}x{height}"
+    return None
+
+
+def _reading_order(obj: dict[str, Any]) -> tuple[float, float]:
+    if "bbox_2d" in obj:
+        return obj["bbox_2d"][1], obj["bbox_2d"][0]
+    return min(obj["poly"][1::2]), min(obj["poly"][0::2])
+
+
+def _image_ref(path: Path, file_name: str, out: Path, paths: str) -> str:
+    if paths == "images":
+        return file_name
+    if paths == "absolute":
+        return str(path.resolve())
+    return os.path.relpath(path.resolve(), out.resolve().parent)
+
+
+def convert_coco(annotations: str | Path, images_dir: str | Path, out: str | Path,
+                 options: CocoOptions | None = None) -> CocoSummary:
+    """Convert a COCO instances file to a JSONL of training records at `out` (overwritten); see the module
+    docstring for what becomes what. Raises `CocoError` for a file that is not COCO or that yields no record."""
+    options = options or CocoOptions()
+    annotations, images_dir, out = Path(annotations), Path(images_dir), Path(out)
+    if out.name.endswith(".gz") or not out.name.endswith(".jsonl"):
+        raise CocoError(f"{out}: the output must be a .jsonl file (what spec.training.data.path takes)")
+    if not images_dir.is_dir():
+        raise CocoError(f"{images_dir}: no such folder (IMAGES_DIR: the folder the images' file_name are relative to)")
+    doc = _load(annotations)
+    summary = CocoSummary(out=out, images_in=len(doc["images"]), annotations_in=len(doc["annotations"]))
+
+    categories: dict[int, str | None] = {}
+    for i, raw in enumerate(doc["categories"]):
+        cat = _entry(annotations, "categories", i, raw, {"id": int, "name": str})
+        try:
+            categories[cat["id"]] = check_desc(cat["name"])
+        except ValueError:
+            categories[cat["id"]] = None  # its annotations are skipped, each counted
+    images: dict[int, dict[str, Any]] = {}
+    for i, raw in enumerate(doc["images"]):
+        img = _entry(annotations, "images", i, raw, {"id": int, "file_name": str, "width": int, "height": int})
+        if img["id"] in images:
+            raise CocoError(f"{annotations}: images[{i}].id {img['id']} is used by another image too")
+        if img["width"] < 1 or img["height"] < 1:
+            raise CocoError(f"{annotations}: images[{i}] ({img['file_name']}) has width/height "
+                            f"{img['width']}x{img['height']}; both must be >= 1")
+        images[img["id"]] = img
+
+    # Per image: (object, why it is a box when it is one by fallback, where) - counted once written.
+    objects: dict[int, list[tuple[dict[str, Any], str | None, str]]] = {image_id: [] for image_id in images}
+    annotated: Counter[int] = Counter()  # annotations per image, skipped ones included
+    for i, ann in enumerate(doc["annotations"]):
+        if not isinstance(ann, dict):
+            raise CocoError(f"{annotations}: annotations[{i}] must be an object")
+        where = f"annotation id {ann.get('id', f'#{i}')}"
+        image_id = ann.get("image_id")
+        image = images.get(image_id) if isinstance(image_id, int) else None
+        if image is None:
+            summary.note(summary.skipped_annotations, SKIP_UNKNOWN_IMAGE, f"{where}, image_id {ann.get('image_id')!r}")
+            continue
+        annotated[image["id"]] += 1
+        if ann.get("iscrowd") in (1, True):
+            summary.note(summary.skipped_annotations, SKIP_CROWD, where)
+            continue
+        cat_id = ann.get("category_id")
+        if not isinstance(cat_id, int) or cat_id not in categories:
+            summary.note(summary.skipped_annotations, SKIP_UNKNOWN_CATEGORY, f"{where}, category_id {cat_id!r}")
+            continue
+        desc = categories[cat_id]
+        if desc is None:
+            summary.note(summary.skipped_annotations, SKIP_BAD_CATEGORY, f"{where}, category_id {cat_id!r}")
+            continue
+        geometry, skip, as_box = _geometry(ann, image["width"], image["height"], options.geometry)
+        if geometry is None:
+            summary.note(summary.skipped_annotations, skip or SKIP_BAD_BOX, where)
+            continue
+        objects[image["id"]].append(({"desc": desc, **geometry}, as_box, where))
+
+    names = ", ".join(sorted({n for n in categories.values() if n}))
+    prompt = (options.prompt or DEFAULT_PROMPTS[options.format]).replace(CATEGORIES_PLACEHOLDER, names)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    store = ImageStore(None, out, options.max_image_pixels, cache_images=0)
+    tmp = out.with_name(out.name + ".tmp")
+    with tmp.open("w") as f:
+        for image_id, image in images.items():
+            name = image["file_name"]
+            entries = sorted(objects[image_id], key=lambda e: _reading_order(e[0]))
+            objs = [obj for obj, _, _ in entries]
+            if not objs:
+                reason = IMG_ALL_SKIPPED if annotated[image_id] else (None if options.keep_empty else IMG_EMPTY)
+                if reason is not None:
+                    summary.note(summary.skipped_images, reason, name)
+                    continue
+            if options.max_objects is not None and len(objs) > options.max_objects:
+                summary.note(summary.skipped_images, IMG_TOO_MANY, f"{name} ({len(objs)} objects)")
+                continue
+            path = images_dir / name
+            problem = _check_image(store, path, image["width"], image["height"])
+            if problem is not None:
+                summary.note(summary.skipped_images, *problem)
+                continue
+            record = {"id": str(image_id), "width": image["width"], "height": image["height"],
+                      "messages": [{"role": "user", "content": prompt}],
+                      "images": [_image_ref(path, name, out, options.paths)], "objects": objs}  # fmt: skip
+            Record.model_validate(record)  # what the learner's loader will check; a failure here is a bug
+            f.write(json.dumps(record) + "\n")
+            for _, as_box, where in entries:
+                if as_box is not None:
+                    summary.note(summary.as_box, as_box, where)
+            summary.records += 1
+            summary.objects += len(objs)
+            summary.polygons += sum("poly" in o for o in objs)
+            summary.empty_records += not objs
+    summary.boxes = summary.objects - summary.polygons
+    if summary.records == 0:
+        tmp.unlink()
+        raise CocoError(f"{annotations}: no image could be converted:\n" + "\n".join(summary.lines()[1:]))
+    tmp.replace(out)  # never a half-written dataset at OUT
+    return summary
