@@ -384,18 +384,23 @@ class LoraConfig(_Learner):
 
 
 class RolloutDecoding(_Learner):
-    max_tokens: int = Field(1024, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=10.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """How the learner asks for rollouts: sampling, seeds, deadlines, rollouts generated ahead."""
+
+    max_tokens: int = Field(1024, ge=1, description="Longest rollout answer, in tokens (longer: truncated).")
+    temperature: float = Field(
+        1.0, ge=0.0, le=10.0, description="Sampling temperature of rollouts (recipe generation 2: of a sampled "
+        "anchor; the default anchor is greedy).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling of rollouts.")
     top_k: int = Field(-1, ge=-1, description="-1 = disabled.")
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    seed: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0.0, description="vLLM repetition penalty (1: off).")
+    seed: int = Field(0, ge=0, description="Base seed of rollout sampling (per request: base + step stride + index).")
     generate_batch_size: int | None = Field(
         None, ge=1,
         description="Prompts per Generate call (chunk size). Unset: each server gets its whole share in one call "
         "(cut only to bound the message size), which its engine batches continuously.",
     )
-    request_timeout_s: float = Field(300.0, gt=0)
+    request_timeout_s: float = Field(
+        300.0, gt=0, description="Deadline of one Generate call before it is retried on another server.")
     max_staleness: int = Field(
         0, ge=0, le=4,
         description="Rollouts generated ahead, while the learner trains (learner/train/overlap.py). 0: every rollout "
@@ -588,9 +593,9 @@ class TrainingConfig(_Learner):
         "cross-entropy only).",
     )
     format_options: FormatOptions = Field(default_factory=FormatOptions)
-    lr: float = Field(1e-5, gt=0.0, le=1.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    warmup_steps: int = Field(0, ge=0)
+    lr: float = Field(1e-5, gt=0.0, le=1.0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear learning-rate warmup.")
     lr_schedule: Literal["constant", "cosine"] = Field(
         "constant", description="After warmup: constant, or cosine decay to lr_min_ratio * lr at the last step.")
     lr_min_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Floor of the cosine schedule, as a share of lr.")
@@ -598,13 +603,17 @@ class TrainingConfig(_Learner):
         0, ge=0, description="First steps trained on the ground truth alone (empty rollouts, no generation): "
         "the short SFT-style start a model that has never produced the format needs.",
     )
-    max_grad_norm: float = Field(1.0, gt=0.0)
-    steps: int = Field(100, ge=1)
-    prompts_per_step: int = Field(8, ge=1)
-    grad_accumulation: int = Field(1, ge=1)
-    packing_length: int = Field(4096, ge=64)
-    packing_buffer: int = Field(256, ge=1)
-    packing_min_fill: float = Field(0.0, ge=0.0, le=1.0)
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradients are clipped to this global norm.")
+    steps: int = Field(100, ge=1, description="Optimizer steps of the run.")
+    prompts_per_step: int = Field(
+        8, ge=1, description="Records per optimizer step over all learner ranks (the global batch).")
+    grad_accumulation: int = Field(1, ge=1, description="Packed rows (micro-steps) per optimizer step and rank.")
+    packing_length: int = Field(
+        4096, ge=64, description="Tokens per packed row; a segment (prompt + answer) longer than this is an error.")
+    packing_buffer: int = Field(
+        256, ge=1, description="Segments the packer may hold waiting for a row (beyond it: an error).")
+    packing_min_fill: float = Field(
+        0.0, ge=0.0, le=1.0, description="A row filled below this share is logged as a warning.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     deepspeed_stage: int = Field(0, ge=0, le=3, description="0 = no DeepSpeed.")
     device: str = Field(
@@ -618,16 +627,18 @@ class TrainingConfig(_Learner):
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = Field(
         "sdpa", description="Attention kernel of the learner's model; packed rows stay isolated under each.",
     )
-    finetune: Literal["lora", "full"] = "lora"
+    finetune: Literal["lora", "full"] = Field(
+        "lora", description="lora: train a LoRA/DoRA adapter (training.lora); full: every unfrozen weight.")
     lora: LoraConfig = Field(default_factory=LoraConfig)
     freeze: FreezeConfig = Field(default_factory=FreezeConfig)
-    rollout: RolloutDecoding = Field(default_factory=RolloutDecoding)
+    rollout: RolloutDecoding = Field(
+        default_factory=RolloutDecoding, description="How rollouts are sampled and requested.")
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     matching: MatchingConfig = Field(default_factory=MatchingConfig)
-    targets: TargetsConfig = Field(default_factory=TargetsConfig)
-    loss: LossConfig = Field(default_factory=LossConfig)
-    recipe: RecipeConfig = Field(default_factory=RecipeConfig)
-    seed: int = Field(0, ge=0)
+    targets: TargetsConfig = Field(default_factory=TargetsConfig, description="What Y_train supervises.")
+    loss: LossConfig = Field(default_factory=LossConfig, description="Weights of the loss terms.")
+    recipe: RecipeConfig = Field(default_factory=RecipeConfig, description="Which rollout-matching objective.")
+    seed: int = Field(0, ge=0, description="Seed of the data order and of the model's random initialisations.")
     eval: EvalConfig = Field(default_factory=EvalConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     grpo: GrpoTrainingConfig = Field(
