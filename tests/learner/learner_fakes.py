@@ -86,6 +86,7 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
     active_adapter: str = ""
     abort_update_after: tuple[int, grpc.StatusCode] | None = None  # (pieces, code): die mid-stream
     calls: list[list[tuple[str, int | None]]] = field(default_factory=list)
+    samplings: list[tuple[float, int]] = field(default_factory=list)  # (temperature, n) of each Generate call
     updates: list[Received] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
@@ -120,6 +121,7 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
         self._auth(context)
         with self.lock:
             self.calls.append([(p.request_id, p.seed if p.HasField("seed") else None) for p in request.prompts])
+            self.samplings.append((round(request.sampling.temperature, 3), request.sampling.n or 1))
             self.events.append("generate")
             self.inflight += 1
             self.max_inflight = max(self.max_inflight, self.inflight)

@@ -1,0 +1,117 @@
+"""The second-generation recipe in the real training loop (tiny model, fake rollout servers over real gRPC):
+channel A steps generate nothing and sync nothing, B steps sample an anchor and explorers, the schedule resumes
+exactly from a checkpoint, generation 1 stays what it was."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from learner_fakes import FakeEngine, FakeServer, chat_renderer
+from trainer_fixtures import make_job
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rmsft.dev.synthetic import write_synthetic_dataset
+
+    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n=8, seed=0)
+
+
+@pytest.fixture
+def servers(tiny_model_dir: Path) -> Iterator[list[FakeServer]]:
+    render = chat_renderer(str(tiny_model_dir))
+    made = [FakeServer(FakeEngine(ordinal=i, render=render)) for i in range(2)]
+    yield made
+    for s in made:
+        s.stop()
+
+
+def _trainer(job, servers):
+    from learner.train.trainer import Trainer
+
+    return Trainer(job, [s.address for s in servers])
+
+
+def _run(job, servers):
+    trainer = _trainer(job, servers)
+    try:
+        summary = trainer.run()
+    finally:
+        trainer.close()
+    return trainer, summary
+
+
+def _seeds(servers) -> list[int]:
+    return sorted(seed for s in servers for call in s.engine.calls for _, seed in call)
+
+
+def test_channels_follow_the_schedule_and_a_steps_neither_generate_nor_sync(tmp_path, tiny_model_dir, data_path,
+                                                                          servers) -> None:
+    recipe = {"channel_b_ratio": 0.5, "explorers": {"count": 0}}
+    trainer, summary = _run(make_job(tiny_model_dir, data_path, tmp_path, steps=5, warm_start_steps=1,
+                                     recipe=recipe), servers)
+    # Step 1: the warm start; then A B A B (ratio 0.5 counted from the end of the warm start).
+    assert [h.channel for h in trainer.history] == ["A", "A", "B", "A", "B"]
+    assert [bool(h.rollouts and h.rollouts[0].token_ids) for h in trainer.history] == [False, False, True, False, True]
+    generated = sum(len(c) for s in servers for c in s.engine.calls)
+    assert generated == 2 * 2  # two B steps x prompts_per_step
+    # Weights go out once at the start and before each B step only (the engines hold versions 1..3).
+    assert sorted({u.header.version for s in servers for u in s.engine.updates}) == [1, 2, 3]
+    assert [h.weight_version for h in trainer.history] == [1, 1, 2, 2, 3]
+    # The rollout F1 of the summary counts B steps only.
+    assert len(summary.f1) == 2
+    # Channel A trains on the whole ground truth: every A step's answer is empty and every object missed.
+    assert all(h.stats.matched == 0 and h.stats.false_negatives > 0 for h in trainer.history if h.channel == "A")
+
+
+def test_anchor_is_greedy_and_explorers_sample_apart(tmp_path, tiny_model_dir, data_path, servers) -> None:
+    from learner.train.trainer import EXPLORER_SEED_OFFSET
+
+    recipe = {"channel_b_ratio": 1.0, "explorers": {"count": 2, "temperature": 0.7}}
+    trainer, summary = _run(make_job(tiny_model_dir, data_path, tmp_path, steps=2, recipe=recipe), servers)
+    # Per step: the anchors greedy, one sample each; the explorers at their temperature, two each.
+    assert sorted({x for s in servers for x in s.engine.samplings}) == [(0.0, 1), (0.7, 2)]
+    anchors = [s for s in _seeds(servers) if s < EXPLORER_SEED_OFFSET]
+    explorers = [s for s in _seeds(servers) if s >= EXPLORER_SEED_OFFSET]
+    assert len(anchors) == len(explorers) == 2 * 2  # prompts_per_step x steps, one call each way
+    assert [s - EXPLORER_SEED_OFFSET for s in explorers] == anchors
+    assert summary.steps == 2 and all(h.channel == "B" and h.rollouts for h in trainer.history)
+
+
+def test_schedule_resumes_exactly_from_a_checkpoint(tmp_path, tiny_model_dir, data_path, servers) -> None:
+    recipe = {"channel_b_ratio": 0.5, "explorers": {"count": 0}}
+    straight, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "a", steps=4, recipe=recipe), servers)
+    _run(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=3, recipe=recipe), servers)
+    resumed = _trainer(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=4, recipe=recipe), servers)
+    try:
+        assert resumed.resume() and resumed.step == 3
+        resumed.run()
+    finally:
+        resumed.close()
+    assert [h.channel for h in straight.history] == ["A", "B", "A", "B"]
+    assert [(h.step, h.channel) for h in resumed.history] == [(4, "B")]
+    assert resumed.history[0].record_ids == straight.history[3].record_ids
+    assert resumed.history[0].loss == pytest.approx(straight.history[3].loss, rel=1e-5)
+
+
+def test_generation_1_samples_every_step_with_its_own_targets(tmp_path, tiny_model_dir, data_path, servers) -> None:
+    trainer, _ = _run(make_job(tiny_model_dir, data_path, tmp_path, steps=2, recipe={"generation": 1}), servers)
+    assert [h.channel for h in trainer.history] == ["B", "B"]
+    core = trainer.core
+    assert core.recipe.clean is None and core.recipe.explorers == 0
+    assert (core.matching.iou_gate, core.weights.soft_ce, core.weights.smooth_l1) == (0.3, 1.0, 0.0)
+    assert "geo" in trainer.history[0].parts and trainer.history[0].parts["geo"] == 0.0
+
+
+def test_recipe_settings_are_refused_by_name(tiny_model_dir, data_path, tmp_path) -> None:
+    from rmsft.jobspec import JobSpecError
+
+    with pytest.raises(JobSpecError, match=r"spec.training.recipe: channel_b_ratio applies to recipe generation 2"):
+        make_job(tiny_model_dir, data_path, tmp_path, recipe={"generation": 1, "channel_b_ratio": 0.5})
+    with pytest.raises(JobSpecError, match=r"spec.training.recipe.explorers.count must be 0 with"):
+        make_job(tiny_model_dir, data_path, tmp_path, recipe={"explorers": {"count": 1}},
+                 rollout={"max_tokens": 16, "max_staleness": 1})
+    with pytest.raises(JobSpecError, match=r"channel_b_ratio"):
+        make_job(tiny_model_dir, data_path, tmp_path, recipe={"channel_b_ratio": 1.5})
