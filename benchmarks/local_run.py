@@ -158,9 +158,10 @@ def main() -> None:
     if warm:
         ax.axvspan(0.5, warm + 0.5, color="0.92", label="warm start (ground truth)")
     ax2 = ax.twinx()
-    ax2.plot([s for s in steps if s > warm], [h.stats.f1 for h in summary.history if h.step > warm and h.stats],
-             label="training-rollout F1", color="tab:orange", lw=0.8)
-    gate = job.spec.training.matching.iou_gate
+    sampled = [h for h in summary.history if h.stats and h.channel == "B"]
+    ax2.plot([h.step for h in sampled], [h.stats.f1 for h in sampled], label="training-rollout F1",
+             color="tab:orange", lw=0.8)
+    gate = trainer_gate(job)
     if evals:
         n_held = len(held) or job.spec.training.eval.max_samples
         ax2.plot(list(evals), list(evals.values()), "o-", label=f"held-out F1, IoU {gate} ({n_held} greedy)",
@@ -191,3 +192,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def trainer_gate(job) -> float:
+    """The IoU gate the trainer matches with (its recipe generation's default when the job leaves it unset)."""
+    from learner.train.config import resolved
+
+    return resolved(job.spec.training, "matching.iou_gate")
