@@ -243,14 +243,14 @@ def build_clean_targets(
             coord_k += 1
             label(t, 0.0)
             continue
-        if bs >= close_start:  # closing bracket: always supervised
-            label(t, 1.0)
-        elif part is not None and any(bs < de and ds < be for ds, de in part.desc_spans):
-            label(t, part.weight if part.desc_supervised else 0.0)
+        if part is not None and any(bs < de and ds < be for ds, de in part.desc_spans):
+            w = part.weight if part.desc_supervised else 0.0
         elif part is not None:
-            label(t, cfg.structure_ce if part.kind == "kept" else 1.0)
+            w = cfg.structure_ce if part.kind == "kept" else 1.0
         else:  # a separator: between the model's own objects it is structure, after them the tail's
-            label(t, cfg.structure_ce if be <= kept_end else 1.0)
+            w = cfg.structure_ce if be <= kept_end else 1.0
+        # The closing bracket is always supervised, also inside a token it shares with the last entry (`}}`).
+        label(t, max(w, 1.0) if be > close_start else w)
     if part_i < len(parts) and coord_k != len(parts[part_i].obj.bins if fmt.coord_tokens else ()):
         raise TargetError("body tokenization lost coord tokens of the last entry")
     label(vocab.eos_id, 1.0)  # end of turn: always supervised

@@ -101,7 +101,9 @@ def _labels_by_part(vocab, seg):
             for t, lab, w in zip(seg.input_ids, seg.labels, weights, strict=True)][len(PROMPT):]
 
 
-def test_supervision_of_each_part(tiny_vocab) -> None:
+@pytest.mark.parametrize("vocab_name", ["tiny_vocab", "fused"])
+def test_supervision_of_each_part(request, vocab_name) -> None:
+    tiny_vocab = request.getfixturevalue(vocab_name)
     wrong = DetObject("cow", "bbox_2d", (800, 50, 900, 150))
     seg, _ = build(tiny_vocab, answer(tiny_vocab, [CAT, wrong]), [CAT, DOG], CleanPrefixConfig(structure_ce=0.0))
     parts = _labels_by_part(tiny_vocab, seg)
@@ -116,6 +118,11 @@ def test_supervision_of_each_part(tiny_vocab) -> None:
     assert own and not any(own)
     # ... but the closing bracket and the end of turn always do.
     assert parts[-1][1] and parts[-2][0].endswith("}") and parts[-2][1]
+    # Also when nothing was missed and the bracket shares a token with the last kept entry (`}}` fused).
+    alone, _ = build(tiny_vocab, answer(tiny_vocab, [CAT]), [CAT], CleanPrefixConfig(structure_ce=0.0))
+    tail = _labels_by_part(tiny_vocab, alone)
+    assert tail[-1][1] and tail[-2][0].endswith("}") and tail[-2][1]
+    assert sum(sup for _, sup, _ in tail) == 2
     assert seg.labels[-1] == tiny_vocab.eos_id
     # Coordinates: the matched cat's towards its ground truth, the missed dog's; none for the unmatched cow.
     assert list(seg.coord_bins) == list(CAT.bins) + list(DOG.bins)
