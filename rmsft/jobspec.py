@@ -10,6 +10,7 @@ Torch-free on purpose: the operator image imports this module.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -186,6 +187,33 @@ class ColocateSpec(_K8s):
     offload_optimizer: bool = Field(False, description="Optimizer state to host memory while the engine decodes.")
 
 
+# spec.rollout.startupTimeout: whole seconds, or hours/minutes/seconds in that order (Go's duration syntax, the
+# units Kubernetes users write). The CRD's CEL rule holds the same pattern.
+DURATION_PATTERN = r"^([0-9]+h)?([0-9]+m)?([0-9]+s)?$"
+DEFAULT_STARTUP_TIMEOUT = "30m"  # a 70B model's image pull + load + CUDA graphs fit; a typo'd path fails in 30 min
+
+
+def duration_seconds(value: int | str, field: str) -> int:
+    """Seconds of `value`: an int (or a string of digits) is seconds; '1h30m', '45m', '90s' are durations. > 0."""
+    if isinstance(value, bool):  # a bool is an int to Python, not to a person writing YAML
+        raise ValueError(f"{field} must be seconds or a duration such as 30m, got {value!r}")
+    if isinstance(value, int):
+        seconds = value
+    else:
+        text = str(value).strip()
+        m = re.fullmatch(DURATION_PATTERN, text)
+        if text.isdigit():
+            seconds = int(text)
+        elif text and m:
+            h, mi, s = (int(g[:-1]) if g else 0 for g in m.groups())
+            seconds = 3600 * h + 60 * mi + s
+        else:
+            raise ValueError(f"{field} must be seconds or a duration such as 30m, 1h30m or 90s, got {value!r}")
+    if seconds < 1:
+        raise ValueError(f"{field} must be at least 1 second, got {value!r}")
+    return seconds
+
+
 class RolloutSpec(_K8s):
     """The rollout engines that generate the answers trained on: a pool of servers, or one engine inside the
     learner (mode colocate)."""
@@ -226,6 +254,21 @@ class RolloutSpec(_K8s):
     shm_size: str = Field("8Gi", pattern=QUANTITY_PATTERN, description="Size of the /dev/shm memory volume.")
     resources: ResourceSpec = Field(
         default_factory=ResourceSpec, description="CPU and memory of each rollout server container.")
+    startup_timeout: int | str = Field(
+        DEFAULT_STARTUP_TIMEOUT, description="How long the rollout pool may take to become Ready (and a learner pod "
+        "to be scheduled) before the job is Failed and its pool scaled to zero: seconds (1800) or a duration "
+        "(30m, 1h30m, 90s). Covers image pull, model load and engine warm-up of the biggest server.",
+    )
+
+    @field_validator("startup_timeout", mode="before")
+    @classmethod
+    def _startup_timeout(cls, v: Any) -> Any:
+        duration_seconds(v, "spec.rollout.startupTimeout")  # refuses what it cannot read
+        return v
+
+    @property
+    def startup_timeout_seconds(self) -> int:
+        return duration_seconds(self.startup_timeout, "spec.rollout.startupTimeout")
 
     @model_validator(mode="after")
     def _ports_differ(self) -> RolloutSpec:

@@ -19,6 +19,7 @@ from rmsft.jobspec import (
     API_VERSION,
     COLOCATE_REPLICAS,
     COLOCATE_STALENESS,
+    DURATION_PATTERN,
     KIND,
     PLURAL,
     QUANTITY_PATTERN,
@@ -42,6 +43,14 @@ _MAX_PROPERTIES = 64
 _POOL_GPUS = ("(self.rollout.mode == 'colocate' ? 0 : (has(self.rollout.replicas) ? self.rollout.replicas : 1) "
               "* self.rollout.tensorParallelSize)")
 _COLOCATE = "self.rollout.mode != 'colocate' || "
+
+# spec.rollout.startupTimeout as rmsft.jobspec.duration_seconds reads it: seconds >= 1, or a duration of
+# hours/minutes/seconds that is not all zeros. The length bound keeps the rule's cost estimate finite.
+DURATION_RULE: dict[str, str] = {
+    "rule": "type(self) == int ? self >= 1 : (self.size() <= 32 && "
+    f"(self.matches('^[0-9]+$') || (self != '' && self.matches('{DURATION_PATTERN}'))) && self.matches('[1-9]'))",
+    "message": "spec.rollout.startupTimeout must be seconds (>= 1) or a duration such as 30m, 1h30m or 90s",
+}
 
 # Cross-field rules on `spec` (same text as rmsft.jobspec.cross_field_errors).
 SPEC_RULES: list[dict[str, str]] = [
@@ -243,6 +252,11 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
 def _to_openapi(node: dict[str, Any]) -> dict[str, Any]:
     """JSON Schema (pydantic) -> Kubernetes structural OpenAPI v3."""
     node = dict(node)
+    if sorted(o.get("type", "") for o in node.get("anyOf", [])) == ["integer", "string"]:
+        # int | str (seconds or a duration): Kubernetes' int-or-string, the one union a structural schema has.
+        # Its form is checked by a CEL rule (DURATION_RULE), which a plain pattern cannot do for an integer.
+        return {**{k: node[k] for k in ("description", "default") if k in node},
+                "x-kubernetes-int-or-string": True}
     if "anyOf" in node:  # Optional[X] -> X (absent means None)
         options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
         if len(options) != 1:
@@ -308,6 +322,8 @@ def spec_schema() -> dict[str, Any]:
     schema["x-kubernetes-validations"] = copy.deepcopy(SPEC_RULES)
     for path, rules in LOCAL_RULES.items():
         _at(schema, path).setdefault("x-kubernetes-validations", []).extend(copy.deepcopy(rules))
+    _at(schema, "rollout.startupTimeout").setdefault("x-kubernetes-validations", []).append(
+        copy.deepcopy(DURATION_RULE))
     for path in ("training.data.path", "training.eval.data"):  # the models' `_jsonl` validators
         _at(schema, path)["pattern"] = r"\.jsonl(\.gz)?$"
     for owner in ("rollout", "learner"):

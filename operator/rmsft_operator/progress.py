@@ -1,6 +1,7 @@
 """Training progress for `status.step` / `status.weightVersion` (the STEP printer column) and
 `status.evaluation` (the last held-out evaluation: its step, F1, mAP, mAP50), read from the learner pod's
-own /metrics endpoint: the learner needs no API rights to report it."""
+own /metrics endpoint while it runs, and from its termination message once it finished (the endpoint is
+gone by then; rmsft.termination): the learner needs no API rights to report it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import math
 import re
 import urllib.request
 from typing import Any
+
+from rmsft.termination import parse_final_progress
 
 log = logging.getLogger("rmsft_operator.progress")
 _SERIES = {"step": "rmsft_learner_global_step", "weightVersion": "rmsft_learner_weight_version"}
@@ -65,3 +68,16 @@ def learner_progress(pods: list[dict[str, Any]], port: int, timeout: float) -> d
         except (OSError, ValueError) as exc:  # not up yet, restarted, network policy...
             log.debug("no progress from %s: %s", pod.get("metadata", {}).get("name"), exc)
     return {}
+
+
+def learner_final_progress(pods: list[dict[str, Any]]) -> dict[str, int]:
+    """The highest final step (and its weight version) any finished learner container wrote as its termination
+    message; {} when none did (still running, failed, or an image that predates the message)."""
+    best: dict[str, int] = {}
+    for pod in pods:
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            done = (cs.get("state") or {}).get("terminated") or {}
+            found = parse_final_progress(done.get("message") or "")
+            if found and found["step"] >= best.get("step", -1):
+                best = found
+    return best

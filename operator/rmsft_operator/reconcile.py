@@ -34,7 +34,7 @@ from rmsft.jobspec import (
 )
 from rmsft_operator import render
 from rmsft_operator.kube import ApiError, Kube
-from rmsft_operator.progress import learner_progress
+from rmsft_operator.progress import learner_final_progress, learner_progress
 
 log = logging.getLogger("rmsft_operator.reconcile")
 
@@ -49,6 +49,17 @@ PSA_ENFORCE_LABEL = "pod-security.kubernetes.io/enforce"
 _HOSTPATH_REFUSED_LEVELS = ("baseline", "restricted")
 # Condition reason of an shm job that such a level keeps from starting.
 SHARED_MEMORY_FORBIDDEN = "SharedMemoryForbidden"
+# What `rmsft serve` says (rollout_svc.config.ServeConfig.validate) when its configuration cannot work, e.g. a
+# model folder that does not exist: restarting the container changes nothing. Its exit code (1) is the one of
+# every other failure, so the words are what tell it apart.
+SERVE_INVALID_CONFIG = "rmsft serve: invalid configuration"
+SERVE_SAYS = "rmsft serve:"
+# Restarts of a rollout container before the pool was ever Ready that make it a crash loop (the kubelet's
+# back-off between them is 10 s, 20 s, 40 s...: a few minutes, well inside any startup timeout).
+CRASH_LOOP_RESTARTS = 3
+# Failed-condition reasons of a job whose start could not succeed. Such a job stays Failed (its pool at zero,
+# its learner suspended) until it is deleted, as one whose learner failed does.
+STARTUP_FAILURES = ("RolloutInvalidConfig", "RolloutCrashLoop", "RolloutStartupTimeout", "LearnerUnschedulable")
 
 
 @dataclass(frozen=True)
@@ -217,6 +228,105 @@ def pod_problem(pods: list[dict[str, Any]]) -> tuple[str, str] | None:
     return None
 
 
+def _time(text: Any) -> dt.datetime | None:
+    try:
+        return dt.datetime.fromisoformat(str(text).replace("Z", "+00:00")) if text else None
+    except ValueError:
+        return None
+
+
+def _pod_ready(pod: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def _server_says(message: str) -> str:
+    """The server's own words from a termination message (the file it wrote, or the kubelet's copy of its log
+    tail): from its last `rmsft serve:` line on, else the last non-empty line."""
+    message = message.strip()
+    at = message.rfind(SERVE_SAYS)
+    if at >= 0:
+        return message[at:][:_MAX_HINT]
+    lines = [line for line in message.splitlines() if line.strip()]
+    return lines[-1].strip()[:_MAX_HINT] if lines else ""
+
+
+def _span(seconds: int) -> str:
+    return f"{seconds // 60} min" if seconds % 60 == 0 and seconds >= 60 else f"{seconds} s"
+
+
+def startup_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[str, Any]], pool_starting: bool,
+                    timeout_s: int, now: dt.datetime) -> tuple[str, str] | None:
+    """(reason, message) when the job cannot start and should fail now, else None. Pure.
+
+    While the pool is starting (the learner still waits for it): a rollout server that said its configuration
+    is invalid, one that restarted CRASH_LOOP_RESTARTS times without being Ready, or a pod not Ready
+    `timeout_s` after it was created (unschedulable, image not pulled, model still loading). At any time: a
+    learner pod the scheduler could not place for `timeout_s`. The message is the server's (or scheduler's)
+    own words, prefixed with the pod's name."""
+    limit = dt.timedelta(seconds=timeout_s)
+    if pool_starting:
+        for pod in sorted(rollout_pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
+            if _pod_ready(pod) or (pod.get("metadata") or {}).get("deletionTimestamp"):
+                continue
+            pname = (pod.get("metadata") or {}).get("name", "?")
+            for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+                ended = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated") \
+                    or {}
+                said = str(ended.get("message") or "")
+                if SERVE_INVALID_CONFIG in said:
+                    return "RolloutInvalidConfig", f"rollout pod {pname}: {said[said.rfind(SERVE_INVALID_CONFIG):]}"[
+                        :_MAX_HINT]
+                restarts = int(cs.get("restartCount") or 0)
+                if restarts >= CRASH_LOOP_RESTARTS:
+                    code = ended.get("exitCode")
+                    why = _server_says(said) or ended.get("reason") or "no message"
+                    return "RolloutCrashLoop", (f"rollout pod {pname} restarted {restarts} times without becoming "
+                                                f"Ready (last exit code {code}): {why}")[:_MAX_HINT]
+            created = _time((pod.get("metadata") or {}).get("creationTimestamp"))
+            if created is not None and now - created >= limit:
+                problem = pod_problem([pod])
+                detail = problem[1] if problem else f"pod {pname} is still starting"
+                return "RolloutStartupTimeout", (f"rollout pool not Ready within spec.rollout.startupTimeout "
+                                                 f"({_span(timeout_s)}): {detail}")[:_MAX_HINT]
+    for pod in sorted(learner_pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
+        st = pod.get("status") or {}
+        if st.get("phase") in ("Succeeded", "Failed") or (pod.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        for c in st.get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+                since = _time(c.get("lastTransitionTime")) or _time((pod.get("metadata") or {}).get(
+                    "creationTimestamp"))
+                if since is not None and now - since >= limit:
+                    pname = (pod.get("metadata") or {}).get("name", "?")
+                    return "LearnerUnschedulable", (f"learner pod {pname} not scheduled within "
+                                                    f"spec.rollout.startupTimeout ({_span(timeout_s)}): "
+                                                    f"{c.get('message', '')}").strip()[:_MAX_HINT]
+    return None
+
+
+def _held_failure(status: dict[str, Any]) -> tuple[str, str] | None:
+    """(reason, message) of an earlier start failure of this job, which stays: Failed is final."""
+    if status.get("phase") != "Failed":
+        return None
+    cond = next((c for c in status.get("conditions") or [] if c.get("type") == "Failed"), {})
+    if cond.get("status") == "True" and cond.get("reason") in STARTUP_FAILURES:
+        return cond["reason"], str(status.get("message") or cond.get("message") or "")
+    return None
+
+
+def _monotonic_progress(old: dict[str, Any], scraped: dict[str, Any], final: dict[str, int]) -> dict[str, Any]:
+    """Progress to report: the newest of what was reported before, what /metrics says now and the finished
+    learner's own last word. Step and weight version never go back: a restarted learner reports 0 until it
+    finished its first step after resuming, yet the steps before it were done."""
+    out = dict(scraped)
+    for key in ("step", "weightVersion"):
+        seen = [v for v in (old.get(key), scraped.get(key), final.get(key)) if isinstance(v, int)]
+        if seen:
+            out[key] = max(seen)
+    return out
+
+
 def shared_memory_refusal(job: RolloutMatchingJob, namespace: str, labels: dict[str, str] | None) -> str:
     """Why Pod Security admission would refuse this job's pods for their shm volume; '' if it would not.
 
@@ -333,7 +443,7 @@ def decide(obs: Observed, now: str) -> Decision:
     for key in ("startTime", "completionTime", "step", "weightVersion", "evaluation"):
         if key in old_status:
             status[key] = old_status[key]
-    status.update(obs.progress)
+    status.update(_monotonic_progress(old_status, obs.progress, learner_final_progress(obs.learner_pods)))
     evaluation, old_eval = obs.progress.get("evaluation"), old_status.get("evaluation")
     if isinstance(evaluation, dict) and isinstance(old_eval, dict):
         # The status is written as a merge patch: a figure the new evaluation lacks (not finite, e.g. mAP
@@ -361,11 +471,37 @@ def decide(obs: Observed, now: str) -> Decision:
         ]
         return finish(d)
 
+    # 5b. A start that cannot succeed fails the job and frees what it holds (the pool scaled to zero, the
+    # learner Job suspended, which removes a pod that waits for a node), instead of crash-looping forever.
+    suspended = bool((learner.get("spec") or {}).get("suspend"))
+    failure = _held_failure(old_status) or startup_failure(
+        obs.rollout_pods, obs.learner_pods, pool_starting=not colocated and suspended,
+        timeout_s=job.spec.rollout.startup_timeout_seconds, now=_time(now) or dt.datetime.now(dt.UTC))
+    if failure:
+        reason, message = failure
+        if not colocated and (sts.get("spec") or {}).get("replicas") != 0:
+            d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": 0}}))
+        if not suspended:
+            d.patches.append(Patch("Job", n["job"], {"spec": {"suspend": True}}))
+        status["rolloutReplicas"] = 0
+        status.setdefault("completionTime", now)
+        status["message"] = message
+        learner_reason = "LearnerUnschedulable" if reason == "LearnerUnschedulable" else "Suspended"
+        status["conditions"] = [
+            cond("Complete", False, "NotComplete", message),
+            cond("Failed", True, reason, message),
+            cond("LearnerRunning", False, learner_reason, message),
+            cond("RolloutReady", False, "PoolScaledDown",
+                 "no rollout pool (colocate)" if colocated else "rollout pool scaled to zero"),
+            invalid,
+        ]
+        d.phase = "Failed"
+        return finish(d)
+
     # 6. Scale the pool to the spec; resume the learner once every server is Ready.
     if not colocated and (sts.get("spec") or {}).get("replicas") != want:
         d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": want}}))
     pool_ready = colocated or (want > 0 and ready >= want)
-    suspended = bool((learner.get("spec") or {}).get("suspend"))
     if pool_ready and suspended:
         d.patches.append(Patch("Job", n["job"], {"spec": {"suspend": False}}))
         suspended = False

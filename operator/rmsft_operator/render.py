@@ -37,6 +37,7 @@ SHARED_WEIGHTS_VOLUME = "shared-weights"
 SHARED_WEIGHTS_MOUNT = "/rmsft-shared"
 SHARED_WEIGHTS_HOST_ROOT = "/dev/shm/rmsft"  # on the node; one directory per job below it
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
+STARTUP_PROBE_PERIOD = 10  # seconds between the rollout server's startup probes
 
 
 def names(job_name: str) -> dict[str, str]:
@@ -346,8 +347,11 @@ def render_statefulset(job: RolloutMatchingJob, namespace: str, uid: str,
             {"name": "grpc", "containerPort": r.port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": r.metrics_port, "protocol": "TCP"},
         ],
-        # Engine load takes minutes on big models: the startup probe holds liveness off until then.
-        "startupProbe": {"grpc": {"port": r.port}, "periodSeconds": 10, "failureThreshold": 90},
+        # Engine load takes minutes on big models: the startup probe holds liveness off until then, for as
+        # long as spec.rollout.startupTimeout allows (the kubelet must not restart a server the operator
+        # still waits for; past it the operator fails the job anyway).
+        "startupProbe": {"grpc": {"port": r.port}, "periodSeconds": STARTUP_PROBE_PERIOD,
+                         "failureThreshold": -(-r.startup_timeout_seconds // STARTUP_PROBE_PERIOD)},
         "readinessProbe": {"grpc": {"port": r.port}, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {"grpc": {"port": r.port}, "periodSeconds": 20, "failureThreshold": 6},
         "resources": _resources(r.resources, r.tensor_parallel_size, accelerated),

@@ -209,6 +209,11 @@ def train(
         summary = trainer.run()
         if os.environ.get("RANK", "0") == "0":
             _log_summary(summary)
+            from rmsft.termination import final_progress_message
+            from rollout_svc.preflight import write_termination_log
+
+            # In a pod: the operator reads the final step from here (status.step); /metrics ends with the process.
+            write_termination_log(final_progress_message(summary.steps, summary.weight_version))
     except (RankFailedError, NoServerAvailableError) as exc:  # every learner rank exits with the cause
         _fail(exc)
     finally:

@@ -144,7 +144,8 @@ def test_text_job_over_grpc_survives_a_deleted_rollout_pod_and_operator(cluster:
         for prefix in must:
             assert any(q.startswith(prefix) for q in shown), (board, prefix, sorted(shown))
 
-    cluster.wait_phase(ns, job, {"Complete"}, timeout=900)
+    status = cluster.wait_phase(ns, job, {"Complete"}, timeout=900)
+    assert status.get("step") == FAULT_STEPS, status  # the STEP column: the learner's last step, not a late read
     # Logs as docs/operator.md describes them: every step, and the failover in the syncs: while
     # rollout-1 was gone the learner synced (and rolled out on) the one server left, then both again.
     learner_log = cluster.logs(ns, f"job/{job}-learner")
@@ -191,7 +192,8 @@ def test_text_job_over_shm_resumes_after_the_learner_pod_is_killed(cluster: Clus
     assert cluster.backend.node_exists(shm_dir)
     cluster.kubectl("-n", ns, "delete", "pod", first["metadata"]["name"], "--grace-period=0", "--force")
 
-    cluster.wait_phase(ns, job, {"Complete"}, timeout=900)
+    status = cluster.wait_phase(ns, job, {"Complete"}, timeout=900)
+    assert status.get("step") == steps, status  # across the learner's restart too
     second = learner_pod(cluster, ns, job, running=False)
     assert second is not None and second["metadata"]["uid"] != first["metadata"]["uid"]
     log = cluster.logs(ns, second["metadata"]["name"])
@@ -220,8 +222,9 @@ def test_cpu_job_runs_to_complete(cluster: Cluster, config: str) -> None:
     ns = namespace(cluster, f"rmsft-{Path(config).stem.removeprefix('job-kind-cpu-')}")
     cluster.apply(doc, ns)
     name = doc["metadata"]["name"]
-    cluster.wait_phase(ns, name, {"Complete"}, timeout=900)
+    status = cluster.wait_phase(ns, name, {"Complete"}, timeout=900)
     steps = doc["spec"]["training"]["steps"]
+    assert status.get("step") == steps, status
     log = cluster.logs(ns, f"job/{name}-learner")
     assert re.search(rf"training done: {steps} steps", log), log[-3000:]
     if doc["spec"]["rollout"].get("mode") == "colocate":
@@ -231,6 +234,24 @@ def test_cpu_job_runs_to_complete(cluster: Cluster, config: str) -> None:
         return
     sts = cluster.get("statefulset", f"{name}-rollout", "-n", ns)
     assert sts["spec"]["replicas"] == 0  # the pool is released when the job ends
+
+
+def test_a_job_whose_model_path_does_not_exist_fails_and_frees_its_pool(cluster: Cluster) -> None:
+    """The rollout server refuses its configuration: the job is Failed with the server's own words well within
+    its startup timeout (not Pending in CrashLoopBackOff for ever), its pool at 0 replicas, a Warning event."""
+    ns = namespace(cluster, "rmsft-bad-model")
+    job = "bad-model"
+    doc = manifest("configs/job-kind-cpu.yaml", job)
+    doc["spec"]["model"]["path"] = "/models/does-not-exist"
+    doc["spec"]["rollout"]["startupTimeout"] = "5m"
+    cluster.apply(doc, ns)
+    status = cluster.wait_phase(ns, job, {"Failed"}, timeout=300)
+    assert "model folder /models/does-not-exist does not exist" in status["message"], status
+    assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == "RolloutInvalidConfig", status
+    cluster.wait(lambda: cluster.get("statefulset", f"{job}-rollout", "-n", ns)["spec"]["replicas"] == 0, 60,
+                 "the pool scaled to 0", namespace=ns)
+    events = cluster.get("events", "-n", ns, "--field-selector", f"involvedObject.name={job},type=Warning")
+    assert any("/models/does-not-exist" in e["message"] for e in events["items"]), events
 
 
 def test_deleting_the_jobs_and_uninstalling_leaves_nothing(cluster: Cluster) -> None:

@@ -92,6 +92,20 @@ def test_example_job_is_accepted(control_plane: ControlPlane, jobs_ns: str, path
         _delete(control_plane, jobs_ns, doc["metadata"]["name"])
 
 
+@pytest.mark.parametrize("value", [1800, "1h30m", None], ids=["seconds", "duration", "default"])
+def test_startup_timeout_is_seconds_or_a_duration(control_plane: ControlPlane, jobs_ns: str, value: Any) -> None:
+    doc = _job()
+    doc["metadata"]["name"] = f"startup-{uuid.uuid4().hex[:6]}"
+    if value is not None:
+        doc["spec"]["rollout"]["startupTimeout"] = value
+    status, body = _create(control_plane, jobs_ns, doc)
+    try:
+        assert status == 201, _message(body)
+        assert body["spec"]["rollout"]["startupTimeout"] == (value if value is not None else "30m")
+    finally:
+        _delete(control_plane, jobs_ns, doc["metadata"]["name"])
+
+
 # Cases whose only fault is a key the schema does not know.
 UNKNOWN_FIELD_CASES = {"unknown-key", "freeze-unknown", "grpo-reward-unknown-key"}
 

@@ -244,9 +244,17 @@ def test_pool_ready_resumes_learner_then_complete_scales_pool_to_zero(control_pl
     cr = _wait_cr(cp, operator, "alpha", lambda c: c["status"]["phase"] == "Running", "Running")
     assert _cond(cr, "LearnerRunning")["status"] == "True" and _cond(cr, "RolloutReady")["status"] == "True"
 
-    cp.set_pod_phase(JOBS_NS, learner["metadata"]["name"], "Succeeded")
+    # The learner's last word (its termination message) carries its final step: /metrics is gone by now, and
+    # this operator does not even read it (RMSFT_OPERATOR_PROGRESS_TIMEOUT_SECONDS=0).
+    started = cp.ok("GET", f"/api/v1/namespaces/{JOBS_NS}/pods/{learner['metadata']['name']}")["status"]["startTime"]
+    cp.set_pod_phase(JOBS_NS, learner["metadata"]["name"], "Succeeded", container_state={"terminated": {
+        "exitCode": 0, "reason": "Completed", "message": "rmsft train: finished at step 24, weight version 24\n",
+        "startedAt": started, "finishedAt": started}})
     cr = _wait_cr(cp, operator, "alpha", lambda c: c["status"]["phase"] == "Complete", "Complete")
     assert _cond(cr, "Complete")["status"] == "True"
+    assert (cr["status"].get("step"), cr["status"].get("weightVersion")) == (24, 24), cr["status"]
+    row = cp.kubectl("get", "rmj", "alpha", "-n", JOBS_NS).stdout.splitlines()
+    assert dict(zip(row[0].split(), row[1].split(), strict=True))["STEP"] == "24", row
     cp.wait_for(lambda: _child(cp, "StatefulSet", "alpha-rollout")["spec"]["replicas"] == 0, 30, "pool scaled to 0")
     cp.wait_for(lambda: cp.reap_terminating_pods(JOBS_NS) is not None and not _pods(cp, "alpha", "rollout"), 60,
                 "rollout pods gone")
@@ -395,6 +403,62 @@ def test_a_server_that_exits_at_start_is_named_in_a_condition(control_plane: Con
                   "a CrashLoopBackOff condition naming the container's exit message")
     assert _cond(cr, "RolloutReady")["reason"] == "CrashLoopBackOff"
     _finish(cp, "foxtrot")
+
+
+def _events_of(cp: ControlPlane, name: str) -> list[dict[str, Any]]:
+    return [e for e in cp.ok("GET", f"/api/v1/namespaces/{JOBS_NS}/events")["items"]
+            if e["involvedObject"]["name"] == name]
+
+
+def test_a_server_with_an_invalid_configuration_fails_the_job_and_frees_the_pool(control_plane: ControlPlane,
+                                                                                 operator: Operator) -> None:
+    cp = control_plane
+    _apply(cp, _manifest("india", **{"rollout.replicas": 1, "model.path": "/models/missing"}))
+    pod = cp.wait_for(lambda: (_bound(_pods(cp, "india", "rollout"), 1) or [None])[0], 60, "rollout pod")
+    name = pod["metadata"]["name"]
+    cp.set_pod_phase(JOBS_NS, name, "Running", ready=False, container_state={
+        "waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s restarting failed container"}})
+    # What the kubelet keeps of the previous run: with FallbackToLogsOnError, the tail of its log.
+    live = cp.ok("GET", f"/api/v1/namespaces/{JOBS_NS}/pods/{name}")
+    statuses = copy.deepcopy(live["status"]["containerStatuses"])
+    statuses[0]["restartCount"] = 1
+    statuses[0]["lastState"] = {"terminated": {
+        "exitCode": 1, "reason": "Error", "startedAt": live["status"]["startTime"],
+        "finishedAt": live["status"]["startTime"],
+        "message": "INFO rollout_svc: starting\nrmsft serve: invalid configuration:\n"
+                   "  model folder /models/missing does not exist\n"}}
+    cp.ok("PATCH", f"/api/v1/namespaces/{JOBS_NS}/pods/{name}/status", {"status": {"containerStatuses": statuses}})
+    cr = _wait_cr(cp, operator, "india", lambda c: c["status"].get("phase") == "Failed", "Failed")
+    assert _cond(cr, "Failed")["reason"] == "RolloutInvalidConfig"
+    assert "model folder /models/missing does not exist" in cr["status"]["message"], cr["status"]
+    assert "INFO rollout_svc" not in cr["status"]["message"]
+    cp.wait_for(lambda: _child(cp, "StatefulSet", "india-rollout")["spec"]["replicas"] == 0, 30, "pool scaled to 0")
+    cp.wait_for(lambda: any(e["type"] == "Warning" and "model folder /models/missing" in e["message"]
+                            for e in _events_of(cp, "india")), 30, "a Warning event with the server's words")
+    assert _child(cp, "Job", "india-learner")["spec"]["suspend"] is True
+    # Failed is final: the next passes (resync every 2 s) keep the pool at zero.
+    time.sleep(5)
+    assert _cr(cp, "india")["status"]["phase"] == "Failed"
+    assert _child(cp, "StatefulSet", "india-rollout")["spec"]["replicas"] == 0
+    _finish(cp, "india")
+
+
+def test_a_learner_the_scheduler_cannot_place_fails_the_job_after_the_startup_timeout(
+        control_plane: ControlPlane, operator: Operator) -> None:
+    cp = control_plane
+    _apply(cp, _manifest("juliet", **{"rollout.replicas": 1, "rollout.startupTimeout": "20s",
+                                      "learner.resources": {"requests": {"cpu": "500"}}}))
+    _start_pool(cp, operator, "juliet", 1)
+    # The real scheduler finds no node with 500 CPUs: PodScheduled False, Unschedulable.
+    cp.wait_for(lambda: any(c.get("reason") == "Unschedulable" for p in _pods(cp, "juliet", "learner")
+                            for c in p.get("status", {}).get("conditions", [])), 60, "learner Unschedulable")
+    cr = _wait_cr(cp, operator, "juliet", lambda c: c["status"].get("phase") == "Failed", "Failed", timeout=90)
+    assert _cond(cr, "Failed")["reason"] == "LearnerUnschedulable"
+    assert "Insufficient cpu" in cr["status"]["message"] and "startupTimeout (20 s)" in cr["status"]["message"]
+    cp.wait_for(lambda: _child(cp, "StatefulSet", "juliet-rollout")["spec"]["replicas"] == 0, 30, "pool scaled to 0")
+    assert _child(cp, "Job", "juliet-learner")["spec"]["suspend"] is True  # its pending pod goes with it
+    cp.wait_for(lambda: not _pods(cp, "juliet", "learner"), 60, "the learner's pending pod removed")
+    _finish(cp, "juliet")
 
 
 def test_a_grpo_job_runs_through_like_a_rollout_matching_one(control_plane: ControlPlane,

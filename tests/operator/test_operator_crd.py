@@ -148,7 +148,7 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("recipe-generation-3", {"spec.training.recipe.generation": 3}, ["generation"]),
     ("recipe-gen1-with-ratio", {"spec.training.recipe.generation": 1, "spec.training.recipe.channel_b_ratio": 0.5},
      ["spec.training.recipe", "channel_b_ratio", "generation 2 only"]),
-    ("recipe-gen1-with-explorers", {"spec.training.recipe.generation": 1,
+    ("recipe-gen1-with-explorers", {"spec.training.recipe.generation": 1, "spec.training.recipe.channel_b_ratio": _DELETE,
                                     "spec.training.recipe.explorers": {"count": 0}},
      ["spec.training.recipe", "explorers", "generation 2 only"]),
     ("recipe-explorers-ahead", {"spec.training.recipe.explorers": {"count": 1},
@@ -158,6 +158,11 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("max-staleness-too-large", {"spec.training.rollout.max_staleness": 5}, ["max_staleness"]),
     ("colocate-gpu-memory", {**_COLOCATE, "spec.rollout.colocate.gpuMemoryUtilization": 1.0},
      ["spec.rollout.colocate.gpuMemoryUtilization"]),
+    # spec.rollout.startupTimeout: seconds or a duration, more than zero
+    ("startup-timeout-zero", {"spec.rollout.startupTimeout": 0}, ["spec.rollout.startupTimeout"]),
+    ("startup-timeout-zero-duration", {"spec.rollout.startupTimeout": "0m0s"}, ["spec.rollout.startupTimeout"]),
+    ("startup-timeout-words", {"spec.rollout.startupTimeout": "30 minutes"}, ["spec.rollout.startupTimeout"]),
+    ("startup-timeout-order", {"spec.rollout.startupTimeout": "30m1h"}, ["spec.rollout.startupTimeout"]),
 ]
 
 
@@ -310,3 +315,20 @@ def test_no_key_reads_as_a_boolean_in_yaml_1_1() -> None:
     docs = [("crd", schema)] + [(p.name, yaml.safe_load(p.read_text())) for p in (ROOT / "configs").glob("*.yaml")]
     bad = [(name, where, k) for name, doc in docs for where, k in _keys(doc, "") if k.lower() in _YAML11_BOOLS]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("value,seconds", [(1800, 1800), ("1800", 1800), ("45m", 2700), ("1h30m", 5400),
+                                           ("90s", 90), ("2h", 7200)])
+def test_startup_timeout_takes_seconds_or_a_duration(value: Any, seconds: int) -> None:
+    doc = _base()
+    doc["spec"]["rollout"]["startupTimeout"] = value
+    assert admit(doc) == []
+    assert parse_job(doc).spec.rollout.startup_timeout_seconds == seconds
+
+
+def test_startup_timeout_defaults_to_half_an_hour_on_both_sides() -> None:
+    doc = _base()
+    doc["spec"]["rollout"].pop("startupTimeout", None)
+    crd_defaulted = apply_defaults(root_schema(), doc)
+    assert crd_defaulted["spec"]["rollout"]["startupTimeout"] == "30m"
+    assert parse_job(doc).spec.rollout.startup_timeout_seconds == 1800

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 from rmsft_operator import render
+from rmsft_operator.progress import learner_final_progress
 from rmsft_operator.reconcile import (
     CHILD_KINDS,
     PSA_ENFORCE_LABEL,
@@ -22,6 +23,7 @@ from rmsft_operator.reconcile import (
 )
 
 from rmsft.jobspec import parse_job
+from rmsft.termination import final_progress_message, parse_final_progress
 
 ROOT = Path(__file__).resolve().parents[2]
 NS, NAME, UID, NOW = "team-a", "demo", "uid-1", "2026-11-23T10:00:00Z"
@@ -359,3 +361,169 @@ def test_a_colocate_job_creates_no_pool_and_resumes_its_learner_at_once() -> Non
                  job_status={"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
     d = decide(done.observed(), NOW)
     assert d.phase == "Complete" and d.patches == []  # no StatefulSet to scale down
+
+
+# ------------------------------------------------------------------- a start that cannot succeed
+
+MIN_AGO = {m: f"2026-11-23T{(600 - m) // 60:02d}:{(600 - m) % 60:02d}:00Z" for m in (4, 6, 29, 31, 120)}  # NOW=10:00
+LOG_TAIL = ("INFO 11-23 09:59:58 [__init__.py:244] Automatically detected platform cuda.\n"
+            "rmsft serve: invalid configuration:\n  model folder /models/missing does not exist\n")
+
+
+def _server(name: str = "demo-rollout-0", created: int = 4, ready: bool = False, restarts: int = 0,
+            ended: dict[str, Any] | None = None, **status: Any) -> dict[str, Any]:
+    """A rollout pod `created` minutes before NOW, in CrashLoopBackOff after `ended` when given."""
+    cs: dict[str, Any] = {"name": "rollout", "restartCount": restarts, "ready": ready,
+                          "state": {"running": {}} if ready or not ended else
+                          {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}}}
+    if ended:
+        cs["lastState"] = {"terminated": {"reason": "Error", **ended}}
+    pod = _pod("rollout", name, "Running", containerStatuses=[cs], conditions=[
+        {"type": "Ready", "status": "True" if ready else "False"}], **status)
+    pod["metadata"]["creationTimestamp"] = MIN_AGO[created]
+    return pod
+
+
+def _unschedulable(role: str, name: str, since: int) -> dict[str, Any]:
+    pod = _pod(role, name, conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                        "lastTransitionTime": MIN_AGO[since],
+                                        "message": "0/1 nodes are available: 1 Insufficient cpu."}])
+    pod["metadata"]["creationTimestamp"] = MIN_AGO[since]
+    return pod
+
+
+_STARTED = {"ready": 2, "suspended": False, "job_status": {"active": 1}}
+# (id, world, Failed reason or None, words the message holds)
+STARTUP_TABLE: list[tuple[str, World, str | None, list[str]]] = [
+    ("invalid-config", World(rollout_pods=[_server(ended={"exitCode": 1, "message": LOG_TAIL})]),
+     "RolloutInvalidConfig", ["demo-rollout-0", "rmsft serve: invalid configuration",
+                              "model folder /models/missing does not exist"]),
+    ("invalid-config-written-at-exit", World(rollout_pods=[_server(), _server("demo-rollout-1", ended={
+        "exitCode": 1, "message": "rmsft serve: invalid configuration:\n  tensor_parallel_size must be >= 1"})]),
+     "RolloutInvalidConfig", ["demo-rollout-1", "tensor_parallel_size must be >= 1"]),
+    ("crash-loop", World(rollout_pods=[_server(restarts=3, ended={"exitCode": 1, "message": (
+        "Traceback (most recent call last):\n...\nRuntimeError: CUDA error: out of memory")})]),
+     "RolloutCrashLoop", ["demo-rollout-0", "restarted 3 times", "exit code 1", "CUDA error: out of memory"]),
+    ("two-restarts-is-not-yet-a-loop", World(rollout_pods=[_server(restarts=2, ended={"exitCode": 1})]), None, []),
+    ("pool-not-ready-past-the-deadline", World(rollout_pods=[_unschedulable("rollout", "demo-rollout-1", 31)]),
+     "RolloutStartupTimeout", ["spec.rollout.startupTimeout (30 min)", "demo-rollout-1", "Insufficient cpu"]),
+    ("still-loading-past-the-deadline", World(rollout_pods=[_server(created=31)]),
+     "RolloutStartupTimeout", ["spec.rollout.startupTimeout (30 min)", "demo-rollout-0 is still starting"]),
+    ("pool-not-ready-within-the-deadline", World(rollout_pods=[_unschedulable("rollout", "demo-rollout-1", 29)]),
+     None, []),
+    ("own-deadline", World(spec=_spec(**{"rollout.startupTimeout": "5m"}), rollout_pods=[_server(created=6)]),
+     "RolloutStartupTimeout", ["spec.rollout.startupTimeout (5 min)"]),
+    ("own-deadline-in-seconds", World(spec=_spec(**{"rollout.startupTimeout": 3000}),
+                                      rollout_pods=[_server(created=31)]), None, []),
+    ("a-ready-server-is-not-late", World(ready=1, rollout_pods=[_server(created=120, ready=True)]), None, []),
+    # Once the learner runs, a server that restarts is the failover's business, not a failed start.
+    ("learner-started", World(**_STARTED, rollout_pods=[_server(created=120, restarts=5, ended={
+        "exitCode": 1, "message": "rmsft serve: the engine is dead"})]), None, []),
+    ("learner-unschedulable-past-the-deadline", World(**_STARTED, learner_pods=[
+        _unschedulable("learner", "demo-learner-x", 31)]),
+     "LearnerUnschedulable", ["demo-learner-x", "spec.rollout.startupTimeout (30 min)", "Insufficient cpu"]),
+    ("learner-unschedulable-within-the-deadline", World(**_STARTED, learner_pods=[
+        _unschedulable("learner", "demo-learner-x", 29)]), None, []),
+]
+
+
+@pytest.mark.parametrize("case", STARTUP_TABLE, ids=[c[0] for c in STARTUP_TABLE])
+def test_a_start_that_cannot_succeed_fails_the_job_and_frees_the_pool(
+        case: tuple[str, World, str | None, list[str]]) -> None:
+    _, world, reason, words = case
+    d = decide(world.observed(), NOW)
+    scale_to_zero = Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 0}})
+    if reason is None:
+        assert d.phase in ("Pending", "Starting") and _cond(d, "Failed")["status"] == "False"
+        assert scale_to_zero not in d.patches
+        return
+    assert d.phase == "Failed" and d.status["phase"] == "Failed"
+    failed = _cond(d, "Failed")
+    assert (failed["status"], failed["reason"]) == ("True", reason)
+    for w in words:
+        assert w in d.status["message"], (w, d.status["message"])
+    assert "Automatically detected platform" not in d.status["message"]  # the server's words, not its log
+    assert failed["message"] == d.status["message"]
+    # Nothing held: the pool at zero; a learner that was let go is suspended (its pending pod removed).
+    expected = [scale_to_zero] + ([Patch("Job", N["job"], {"spec": {"suspend": True}})] if not world.suspended
+                                  else [])
+    assert d.patches == expected
+    assert d.status["rolloutReplicas"] == 0 and d.status["completionTime"] == NOW
+    assert d.events[-1] == ("Warning", "PhaseFailed", d.status["message"])
+
+
+def test_a_failed_start_stays_failed_once_its_pods_are_gone() -> None:
+    world = World(rollout_pods=[_server(ended={"exitCode": 1, "message": LOG_TAIL})])
+    first = decide(world.observed(), NOW)
+    # Next pass: the pool was scaled to zero, its pods are gone, nothing crash-loops any more.
+    obs = replace(World().observed(), status=first.status)
+    obs.children["StatefulSet"]["spec"]["replicas"] = 0
+    later = decide(obs, "2026-11-23T10:05:00Z")
+    assert later.phase == "Failed" and later.patches == [] and later.events == []
+    assert later.status == first.status  # a fixed point: nothing more to write
+
+
+def test_admission_checks_come_before_the_start_deadline() -> None:
+    world = World(spec=_spec(**{"rollout.port": 9090, "rollout.metricsPort": 9090}), applied_spec=_spec(),
+                  rollout_pods=[_server(ended={"exitCode": 1, "message": LOG_TAIL})])
+    d = decide(world.observed(), NOW)
+    assert d.phase == "Invalid" and d.patches == []
+
+
+def test_the_startup_probe_waits_as_long_as_the_deadline() -> None:
+    for value, threshold in (("30m", 180), (95, 10), ("1h", 360)):
+        job = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
+                         "metadata": {"name": NAME}, "spec": _spec(**{"rollout.startupTimeout": value})})
+        probe = render.render_statefulset(job, NS, UID)["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+        assert probe["periodSeconds"] * probe["failureThreshold"] >= job.spec.rollout.startup_timeout_seconds
+        assert probe["failureThreshold"] == threshold
+
+
+# ----------------------------------------------------------------------------- status.step
+
+
+def _finished_learner(name: str, message: str, phase: str = "Succeeded") -> dict[str, Any]:
+    code = 0 if phase == "Succeeded" else 1
+    return _pod("learner", name, phase, containerStatuses=[{"name": "learner", "restartCount": 0, "state": {
+        "terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error", "message": message}}}])
+
+
+def test_step_never_goes_back_across_a_learner_restart() -> None:
+    running = World(ready=2, suspended=False, job_status={"active": 1, "ready": 1},
+                    learner_pods=[_pod("learner", "l-2", "Running")])
+    before = {**running.observed().status, "step": 14, "weightVersion": 14}
+    # The restarted learner's /metrics says 0 until it finished its first step after resuming.
+    d = decide(replace(running.observed(), status=before, progress={"step": 0, "weightVersion": 0}), NOW)
+    assert (d.status["step"], d.status["weightVersion"]) == (14, 14)
+    d = decide(replace(running.observed(), status=d.status, progress={"step": 15, "weightVersion": 15}), NOW)
+    assert (d.status["step"], d.status["weightVersion"]) == (15, 15)
+
+
+def test_a_complete_job_reports_the_learners_last_step_not_the_last_scrape() -> None:
+    # The last /metrics read saw step 14; the learner went on to 24 and said so when it exited.
+    done = World(ready=2, suspended=False, job_status={"succeeded": 1, "conditions": [
+        {"type": "Complete", "status": "True"}]}, learner_pods=[
+        _finished_learner("l-1", "rmsft train: finished at step 24, weight version 24\n")],
+        status={"phase": "Running", "step": 14, "weightVersion": 14})
+    d = decide(done.observed(), NOW)
+    assert d.phase == "Complete"
+    assert (d.status["step"], d.status["weightVersion"]) == (24, 24)
+
+
+def test_a_failed_learner_keeps_the_last_step_seen() -> None:
+    failed = World(ready=2, suspended=False, job_status={"failed": 1, "conditions": [
+        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}, learner_pods=[
+        _finished_learner("l-1", "Traceback ...\nRuntimeError: boom", "Failed")],
+        status={"phase": "Running", "step": 14, "weightVersion": 14})
+    d = decide(failed.observed(), NOW)
+    assert d.phase == "Failed" and d.status["step"] == 14
+
+
+def test_final_progress_is_the_highest_any_finished_learner_pod_wrote() -> None:
+    pods = [_finished_learner("l-1", "rmsft train: finished at step 25, weight version 25"),
+            _finished_learner("l-2", "rmsft train: finished at step 60, weight version 61"),
+            _finished_learner("l-3", "RuntimeError: boom", "Failed"), _pod("learner", "l-4", "Running")]
+    assert learner_final_progress(pods) == {"step": 60, "weightVersion": 61}
+    assert learner_final_progress(pods[2:]) == {}
+    # what the learner writes is what the operator reads
+    assert parse_final_progress(final_progress_message(24, 25)) == {"step": 24, "weightVersion": 25}
