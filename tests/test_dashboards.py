@@ -259,3 +259,31 @@ def test_installed_vllm_declares_the_metrics_dashboards_query() -> None:
                     built[kw.value.value] = kinds[node.func.attr]
     wrong = {n: (m.kind, built.get(n)) for n, m in VLLM_METRICS.items() if built.get(n) != m.kind}
     assert not wrong, f"declared kind vs what {loggers} builds: {wrong}"
+
+
+def test_training_dashboard_shows_the_held_out_evaluation() -> None:
+    """The held-out F1 and mAP the learner exports after each evaluation (learner/tracking/metrics.py) have a
+    panel, and it draws nothing before the first evaluation (the gauges read 0 then, `eval_step` 0)."""
+    dash = json.loads((ROOT / "charts/rmsft/dashboards/training.json").read_text())
+    panels = [p for p in dash["panels"] if p.get("title") == "Held-out F1 / mAP"]
+    assert len(panels) == 1
+    exprs = [t["expr"] for t in panels[0]["targets"]]
+    shown = {m for e in exprs for m in _NAME.findall(e)}
+    assert {"rmsft_learner_eval_f1", "rmsft_learner_eval_map", "rmsft_learner_eval_map50"} <= shown
+    assert len(exprs) == 3
+    for expr in exprs:
+        assert re.search(r"\band on \(namespace, pod\) \(rmsft_learner_eval_step\{[^}]*\} > 0\)", expr), expr
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=[d.stem for d in DASHBOARDS])
+def test_dashboard_panels_do_not_overlap(path: Path) -> None:
+    """Grafana stacks overlapping panels on each other: a panel added on a taken cell would hide one."""
+    cells: dict[tuple[int, int], str] = {}
+    for p in json.loads(path.read_text())["panels"]:
+        g = p["gridPos"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, f"{path.name}: {p.get('title')!r} overlaps {cells[(x, y)]!r}"
+                cells[(x, y)] = p.get("title", "?")
