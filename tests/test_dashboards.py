@@ -287,3 +287,10 @@ def test_dashboard_panels_do_not_overlap(path: Path) -> None:
             for y in range(g["y"], g["y"] + g["h"]):
                 assert (x, y) not in cells, f"{path.name}: {p.get('title')!r} overlaps {cells[(x, y)]!r}"
                 cells[(x, y)] = p.get("title", "?")
+
+
+def test_monitoring_page_lists_exactly_the_declared_metrics() -> None:
+    """docs/monitoring.md's reference tables name every metric the components declare, and nothing else."""
+    text = (ROOT / "docs/monitoring.md").read_text()
+    listed = set(re.findall(r"^\| `(rmsft_[a-z0-9_]+)` \|", text, flags=re.M))
+    assert listed == set(declared_metrics())
