@@ -5,7 +5,7 @@
 # the annotations of configs/job-kind-cpu*.yaml (`rmsft dev prepare`), which those jobs use: no
 # downloads inside the cluster.
 #
-# Mirrored or air-gapped builds (README, "Building the image without the internet"): every build arg
+# Mirrored or air-gapped builds (docs/cluster.md, "Building the image without the internet"): every build arg
 # below is optional; pip reads the PIP_* ones from the environment of each RUN.
 #   PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_TRUSTED_HOST  a PyPI mirror (e.g. your Artifactory/devpi)
 #   PIP_FIND_LINKS     a wheelhouse URL or path with wheels pip may take first (e.g. the CPU torch)
