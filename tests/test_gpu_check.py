@@ -98,3 +98,28 @@ def test_the_host_keeps_its_own_packages_unless_older_than_a_replace_older_pin()
 def test_the_tree_leaves_room_for_the_wheels_in_a_hosts_64_mib() -> None:
     """`make gpu-check-wheels` measured the wheels at 10.4 MiB; the tree must leave them 16 MiB."""
     assert 0 < git_tree_bytes() <= 48 * MiB
+
+
+def test_the_real_shapes_build_as_a_job_trains_them_and_the_plan_counts_them() -> None:
+    """The 2B- and 7B-like policies gpu-check trains, built on the meta device (no memory): peft's DoRA on the
+    decoder, fp32 adapters over a bf16 base, and exactly the parameters the memory plan counts for that job."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_step import build_policy, decoder_config, job_for
+
+    from rmsft.memory_plan import shape_from_config, trainable_params
+
+    for name, length, hidden in (("qwen3-vl-2b", 8192, 2048), ("7b", 4096, 3584)):
+        job = job_for(length, True, "cuda")
+        config = decoder_config(name, length)
+        policy = build_policy(config, job.spec.training, torch.device("meta"))
+        params = list(policy.model.parameters())
+        trained = [p for p in params if p.requires_grad]
+        shape = shape_from_config(config.to_dict())
+        assert shape.hidden == hidden and shape.layers == 28
+        assert sum(p.numel() for p in trained) == trainable_params(job.spec, shape) > 0
+        assert sum(p.numel() for p in params) == shape.total_params + trainable_params(job.spec, shape)
+        assert {p.dtype for p in trained} == {torch.float32}
+        assert {p.dtype for p in params if not p.requires_grad} == {torch.bfloat16}
+        assert policy.model.base_model.model.config.num_hidden_layers == 28
