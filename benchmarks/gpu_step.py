@@ -201,6 +201,8 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
         "params_m": round(sum(p.numel() for p in policy.model.parameters()) / 1e6, 1),
         "plan_estimate_gib": round(estimate / GiB, 3),
     }  # fmt: skip
+    if device.type == "cuda":
+        out["gpu_gib"] = round(torch.cuda.get_device_properties(device).total_memory / GiB, 1)
 
     def one() -> float:
         t0 = time.perf_counter()
@@ -224,7 +226,9 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
             "peak_gib": round(peak / GiB, 3)}
     if device.type == "cuda":
         # On the CPU the peak is the process's RSS (Python, libraries): no figure the plan's bytes compare to.
+        # Reserved: what the caching allocator held at most (its fragmentation on top of the tensors' peak).
         out["plan_ratio"] = round(peak / estimate, 3)
+        out["reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / GiB, 3)
     return out
 
 

@@ -275,7 +275,8 @@ def _part_from(name: str, result: dict[str, Any], keys: tuple[str, ...], seconds
     return Part(name, result.get("status", "FAIL"), result.get("reason", ""), figures, seconds)
 
 
-STEP_KEYS = ("device", "length", "params_m", "step_ms", "tokens_per_s", "peak_gib", "plan_estimate_gib")
+STEP_KEYS = ("device", "length", "params_m", "step_ms", "tokens_per_s", "peak_gib", "reserved_gib",
+             "plan_estimate_gib")
 PACK_KEYS = ("device", "segments", "real_tokens", "padded_tokens", "packed_tokens_per_s", "padded_tokens_per_s",
              "speedup", "packed_peak_gib", "padded_peak_gib")
 OFFLOAD_KEYS = ("moved_gib", "freed_gib", "resident_gib", "during_gib", "back_equal", "offload_s", "reload_s")
@@ -292,11 +293,17 @@ def plan_part(shape: str, length: int, ckpt: bool, step: dict[str, Any] | None) 
     estimate = gpu_step.plan_estimate(gpu_step.job_for(length, ckpt, "cuda"),
                                       gpu_step.decoder_config(shape, max(8192, length)))
     figures: dict[str, Any] = {"length": length, "plan_estimate_gib": round(estimate / gpu_step.GiB, 3)}
+    oom = step is not None and str(step.get("reason", "")).startswith("out of memory") and "gpu_gib" in step
+    if oom and estimate / gpu_step.GiB + 1 <= step["gpu_gib"]:
+        figures["gpu_gib"] = step["gpu_gib"]
+        return Part(name, "FAIL", f"the step ran out of memory on a {step['gpu_gib']} GiB GPU, which the plan says "
+                    "it fits (with its 1 GiB CUDA-context reserve): the plan would let this job through",
+                    figures, time.perf_counter() - t0)
     if step is None or step.get("status") != "PASS" or "plan_ratio" not in step:
         why = "no GPU peak to compare (needs CUDA)" if step is None else \
             f"the step did not run ({step.get('reason', step.get('status'))})"
         return Part(name, "SKIP", why, figures, time.perf_counter() - t0)
-    figures |= {"peak_gib": step["peak_gib"], "ratio": step["plan_ratio"]}
+    figures |= {"peak_gib": step["peak_gib"], "reserved_gib": step.get("reserved_gib"), "ratio": step["plan_ratio"]}
     if step["plan_ratio"] > 1.0:
         return Part(name, "FAIL", "the measured peak is above the plan's estimate: the plan would let through a job "
                     "that does not fit (rmsft/memory_plan.py ASSUMPTIONS)", figures, time.perf_counter() - t0)

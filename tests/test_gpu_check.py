@@ -123,3 +123,19 @@ def test_the_real_shapes_build_as_a_job_trains_them_and_the_plan_counts_them() -
         assert {p.dtype for p in trained} == {torch.float32}
         assert {p.dtype for p in params if not p.requires_grad} == {torch.bfloat16}
         assert policy.model.base_model.model.config.num_hidden_layers == 28
+
+
+def test_the_plan_part_fails_when_a_gpu_peak_or_an_out_of_memory_proves_the_plan_low() -> None:
+    """Judged from a step's figures as a GPU run reports them (the judgement runs only there otherwise)."""
+    from gpu_check import plan_part
+
+    within = plan_part("7b", 4096, True, {"status": "PASS", "peak_gib": 20.0, "reserved_gib": 21.5, "plan_ratio": 0.8})
+    assert within.status == "PASS" and within.figures["ratio"] == 0.8 and within.figures["plan_estimate_gib"] > 20
+    above = plan_part("7b", 4096, True, {"status": "PASS", "peak_gib": 30.0, "reserved_gib": 31.0, "plan_ratio": 1.2})
+    assert above.status == "FAIL" and "above the plan's estimate" in above.reason
+    oom = {"status": "FAIL", "reason": "out of memory: CUDA out of memory. Tried to allocate 2 GiB", "gpu_gib": 79.2}
+    # 7B at 4096 tokens without checkpointing: the plan says ~60 GiB, so running out on 79 GiB proves it low ...
+    assert plan_part("7b", 4096, False, oom).status == "FAIL"
+    # ... at 8192 tokens it says ~105 GiB: an out-of-memory there is what it predicted, no verdict on it
+    assert plan_part("7b", 8192, False, oom).status == "SKIP"
+    assert plan_part("7b", 4096, False, None).status == "SKIP"
