@@ -3,7 +3,7 @@ VENV ?= .venv
 STAMP := $(VENV)/.rmsft-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint protos crd clean
+.PHONY: setup test lint protos crd clean gpu-check gpu-check-wheels
 
 setup: $(STAMP)
 
@@ -32,6 +32,18 @@ protos: setup
 crd: setup
 	$(VENV)/bin/python -m rmsft_operator.crd > charts/rmsft/crds/rolloutmatchingjobs.yaml
 	$(VENV)/bin/python scripts/gen_spec_reference.py
+
+# One command on an offline GPU host (scripts/gpu_check.py): the gpu tests, the step at real shapes, the memory
+# plan beside the measured peaks, packed vs padded, offload, colocated HF-engine steps; a report in $$OUT or
+# ./gpu-check. Runs with the host's python3 (its CUDA torch) unless PYTHON is given; needs no setup, no network.
+PYTHON ?= python3
+gpu-check:
+	$(PYTHON) scripts/gpu_check.py $(GPU_CHECK_ARGS)
+
+# Beforehand, with network: the wheels such a host lacks (requirements/gpu-check-wheels.txt) into
+# .gpu-check-wheels/, and the check that the tree plus that folder fit the 64 MiB a host takes.
+gpu-check-wheels:
+	$(PYTHON) scripts/gpu_check_wheels.py
 
 clean:
 	rm -rf $(VENV) .tools

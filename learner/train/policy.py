@@ -4,6 +4,8 @@ Public API
 - `load_policy(model_path, cfg, dtype="auto") -> Policy`: applies `cfg.precision`, `cfg.attn_implementation`
   and `cfg.gradient_checkpointing`; refuses combinations that cannot train with a `ModelLoadError` naming
   the spec field.
+- `policy_from_model(model, tokenizer, cfg) -> Policy`: the same for a model already built (in
+  `load_dtype(cfg, dtype)`), e.g. from a config with random weights.
 - `Policy.autocast_dtype`: `torch.bfloat16` under `precision: bf16`, else None.
 - `policy_autocast(policy, device)`: the context the forward runs in (`torch.autocast` or a no-op).
 - `prompt_ids(tokenizer, messages)`.
@@ -148,7 +150,7 @@ def _check_attention(path: Path, cfg: TrainingConfig, dtype: str) -> None:
         )
 
 
-def _load_dtype(cfg: TrainingConfig, dtype: str) -> Any:
+def load_dtype(cfg: TrainingConfig, dtype: str) -> Any:
     """The dtype the weights are read in. bf16 + LoRA: the frozen base in bf16 (adapters are made fp32
     after wrapping). bf16 + full: fp32, since every weight is trained and needs an fp32 master copy
     (reading bf16 then upcasting would also round an fp32 checkpoint). fp32: `spec.model.dtype` as before."""
@@ -252,7 +254,6 @@ def load_policy(model_path: str | Path, cfg: TrainingConfig, dtype: str = "auto"
     """Tokenizer (and processor, for a vision-language model) + model for training with `cfg`'s fine-tuning
     mode, precision, attention kernel and gradient checkpointing. The model stays on the CPU, in train
     mode; the caller moves it to its device."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     path = Path(model_path)
@@ -265,10 +266,21 @@ def load_policy(model_path: str | Path, cfg: TrainingConfig, dtype: str = "auto"
     try:
         tokenizer = processor.tokenizer if vision_language else AutoTokenizer.from_pretrained(path)
         model = model_class.from_pretrained(
-            path, dtype=_load_dtype(cfg, dtype), attn_implementation=cfg.attn_implementation
+            path, dtype=load_dtype(cfg, dtype), attn_implementation=cfg.attn_implementation
         )
     except (OSError, ValueError, ImportError) as exc:
         raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
+    return policy_from_model(model, tokenizer, cfg, vision_language=vision_language, processor=processor)
+
+
+def policy_from_model(model: Any, tokenizer: Any, cfg: TrainingConfig, *, vision_language: bool = False,
+                      processor: Any = None) -> Policy:
+    """A loaded transformers model (weights in `load_dtype(cfg, dtype)`) made the training
+    policy `cfg` asks for: LoRA/DoRA or freezing, fp32 masters under bf16, gradient checkpointing, train
+    mode. `load_policy` ends here; benchmarks/gpu_step.py, which builds real-size models from a config with
+    random weights (no folder of many GiB to write and read back), enters here so it trains what a job would."""
+    import torch
+
     try:
         # Only coordexp writes coord tokens; qwen_json works with a stock Qwen-VL tokenizer.
         vocab = VocabView.from_hf_tokenizer(tokenizer, coord_tokens=cfg.format == "coordexp")
