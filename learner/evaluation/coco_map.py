@@ -7,7 +7,10 @@ reads the figures back; the matching and the 101-point interpolated AP are the e
 
 Conventions:
 
-- Categories are the labels (`Box.label`, the object's `desc`), compared as exact strings.
+- Categories are the labels (`Box.label`, the object's `desc`), compared as exact strings unless the caller
+  passes `category`, the function that maps a label to its category: the held-out evaluation passes
+  `learner.core.clean_prefix.normalize_label` ("Red_Circle" and "red circle" are one category) and, for the
+  class-agnostic figure beside it, a constant (every object one category: geometry alone).
 - Scores rank predictions, within an image and across images (COCO sorts each category's predictions by
   score over the whole set). A greedy rollout has no confidence: `boxes_from_detections` ranks objects by
   the order the model wrote them in, earliest = most confident, with score `1 / (1 + index)`, so every
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,9 +102,11 @@ def coco_map(
     ground_truth: Sequence[Sequence[Box]],
     predictions: Sequence[Sequence[Box]],
     image_sizes: Sequence[tuple[int, int]],
+    *,
+    category: Callable[[str], str] | None = None,
 ) -> dict[str, float]:
     """COCO bbox metrics of `predictions` against `ground_truth`, one list of boxes per image, images of
-    `image_sizes` (width, height) pixels.
+    `image_sizes` (width, height) pixels; `category(label)` names each box's category (None: the label).
 
     Returns `map` (AP averaged over IoU .50:.05:.95 and the categories with ground truth), `map_50`,
     `map_75`, `mar` (recall averaged the same way, every prediction counted), and the counts `n_images`,
@@ -110,8 +115,9 @@ def coco_map(
     if not len(ground_truth) == len(predictions) == len(image_sizes):
         raise ValueError(f"{len(ground_truth)} ground-truth list(s), {len(predictions)} prediction list(s) and "
                          f"{len(image_sizes)} image size(s): one of each per image")
-    gt_labels = {b.label for boxes in ground_truth for b in boxes}
-    labels = sorted(gt_labels | {b.label for boxes in predictions for b in boxes})
+    cat = category or (lambda label: label)
+    gt_labels = {cat(b.label) for boxes in ground_truth for b in boxes}
+    labels = sorted(gt_labels | {cat(b.label) for boxes in predictions for b in boxes})
     cat_id = {label: i + 1 for i, label in enumerate(labels)}  # COCO ids start at 1
     images, gts, dts = [], [], []
     for i, (gt_boxes, dt_boxes, size) in enumerate(zip(ground_truth, predictions, image_sizes, strict=True)):
@@ -121,15 +127,15 @@ def coco_map(
         images.append({"id": i + 1, "width": width, "height": height})
         for b in gt_boxes:
             xywh = _xywh(b, width, height, f"image {i} ground truth {b.label!r}")
-            gts.append({"id": len(gts) + 1, "image_id": i + 1, "category_id": cat_id[b.label], "bbox": xywh,
+            gts.append({"id": len(gts) + 1, "image_id": i + 1, "category_id": cat_id[cat(b.label)], "bbox": xywh,
                         "area": xywh[2] * xywh[3], "iscrowd": 0})
         for b in dt_boxes:
             if not math.isfinite(b.score):
                 raise ValueError(f"image {i} prediction {b.label!r}: score {b.score!r} is not finite")
-            dts.append({"image_id": i + 1, "category_id": cat_id[b.label], "score": float(b.score),
+            dts.append({"image_id": i + 1, "category_id": cat_id[cat(b.label)], "score": float(b.score),
                         "bbox": _xywh(b, width, height, f"image {i} prediction {b.label!r}")})
     counts = {"n_images": float(len(images)), "n_ground_truth": float(len(gts)), "n_predictions": float(len(dts)),
-              "n_unknown_label": float(sum(b.label not in gt_labels for boxes in predictions for b in boxes))}
+              "n_unknown_label": float(sum(cat(b.label) not in gt_labels for boxes in predictions for b in boxes))}
     if not gts:  # nothing to find: AP is undefined for every category
         return {**dict.fromkeys(KEYS, math.nan), **counts}
 

@@ -31,9 +31,21 @@ SERVERS_READY = Gauge("rmsft_learner_servers_ready", "Rollout servers healthy an
 # Held-out evaluation (training.eval), set after each one; the operator copies them into
 # status.evaluation once EVAL_STEP is >= 1 (0, the initial value, means none yet).
 EVAL_STEP = Gauge("rmsft_learner_eval_step", "Optimizer step of the last held-out evaluation (0 = none yet)")
-EVAL_F1 = Gauge("rmsft_learner_eval_f1", "Held-out F1 at IoU training.eval.iou (0.5 by default), last evaluation")
-EVAL_MAP = Gauge("rmsft_learner_eval_map", "Held-out COCO bbox mAP@[.50:.95], last evaluation")
-EVAL_MAP50 = Gauge("rmsft_learner_eval_map50", "Held-out COCO bbox mAP@.50, last evaluation")
+# Label-aware (a prediction counts only with its ground truth's label, normalized) unless named otherwise.
+EVAL_F1 = Gauge("rmsft_learner_eval_f1",
+                "Held-out label-aware F1 at IoU training.eval.iou (0.5 by default), last evaluation")
+EVAL_F1_GEOMETRY = Gauge("rmsft_learner_eval_f1_geometry",
+                         "Held-out F1 at IoU training.eval.iou, labels not compared, last evaluation")
+EVAL_MAP = Gauge("rmsft_learner_eval_map", "Held-out label-aware COCO bbox mAP@[.50:.95], last evaluation")
+EVAL_MAP50 = Gauge("rmsft_learner_eval_map50", "Held-out label-aware COCO bbox mAP@.50, last evaluation")
+EVAL_MAP_AGNOSTIC = Gauge("rmsft_learner_eval_map_agnostic",
+                          "Held-out class-agnostic COCO bbox mAP@[.50:.95], last evaluation")
+EVAL_TRUNCATION = Gauge("rmsft_learner_eval_truncation_ratio",
+                        "Share of the last evaluation's held-out answers cut by max_tokens before they closed")
+EVAL_DUPLICATES = Gauge("rmsft_learner_eval_duplicate_ratio",
+                        "Share of the last evaluation's predicted objects repeating an earlier one of their answer")
+EVAL_PREDICTED_PER_GT = Gauge("rmsft_learner_eval_predicted_per_gt_ratio",
+                              "Predicted objects per ground-truth object in the last held-out evaluation")
 
 # GRPO (spec.trainer: grpo), set after each step.
 REWARD = Gauge("rmsft_learner_reward", "Last GRPO step's reward over its completions", ["stat"])  # mean|std|group_std

@@ -1,5 +1,7 @@
 """What rank 0 reports about a run besides its one log line per step: TensorBoard scalars per step,
-held-out evaluations (log line, Prometheus gauges, TensorBoard scalars and pictures with boxes drawn).
+held-out evaluations (log line, Prometheus gauges, TensorBoard scalars and pictures with boxes drawn;
+label-aware F1 and mAP as the headline, geometry-only F1 and class-agnostic mAP beside them, the answers'
+truncation and duplicate rates and object counts).
 
 The trainer decides when; this room only says where each figure goes, so the step loop stays readable.
 Tags: `train/*` (loss and its parts, rollout F1/precision/recall, fill, rows, learning rate, step
@@ -21,7 +23,6 @@ from learner.tracking.tracker import Tracker
 from learner.train.results import StepResult
 
 log = logging.getLogger("rmsft.learner")
-
 
 
 class RunReporter:
@@ -58,9 +59,15 @@ class RunReporter:
     def evaluation(self, ev: Evaluation, images: ImageStore | None, pictures: int) -> None:
         log.info("step %d %s", ev.step, ev.describe())
         m.EVAL_STEP.set(ev.step)
+        fig = ev.figures()
         m.EVAL_F1.set(ev.f1)
+        m.EVAL_F1_GEOMETRY.set(ev.f1_geometry)
         m.EVAL_MAP.set(ev.coco["map"])
         m.EVAL_MAP50.set(ev.coco["map_50"])
+        m.EVAL_MAP_AGNOSTIC.set(ev.map_agnostic)
+        m.EVAL_TRUNCATION.set(fig.truncation_rate)
+        m.EVAL_DUPLICATES.set(fig.duplicate_rate)
+        m.EVAL_PREDICTED_PER_GT.set(fig.count_ratio)
         self.tracker.scalars(ev.step, ev.scalars())
         if images is not None and pictures:
             for item in ev.pictures(images, pictures):

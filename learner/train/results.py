@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from learner.data.episode import EpisodeStats
+from learner.evaluation.held_out import HeldOutFigures
 from learner.rollouts.client import Rollout
 
 
@@ -67,13 +68,27 @@ class Summary:
     retries: int = 0
     history: list[StepResult] = field(default_factory=list)
     pictures: list[Path] = field(default_factory=list)  # rollouts drawn on their images (vision-language runs)
-    evaluations: list[tuple[int, float, float]] = field(default_factory=list)  # held-out (step, F1, mAP)
+    # held-out (step, label-aware F1 at eval_iou, label-aware mAP); `held_out` has every figure of each
+    evaluations: list[tuple[int, float, float]] = field(default_factory=list)
     eval_iou: float = 0.5  # the IoU threshold of the held-out F1 (training.eval.iou)
+    held_out: list[HeldOutFigures] = field(default_factory=list)  # the same evaluations, every figure
     eval_pictures: list[Path] = field(default_factory=list)  # the last held-out answers drawn on their images
     log_dir: Path | None = None  # TensorBoard event files (rank 0)
     exported: Path | None = None  # the Hugging Face folder written at the end (training.export)
     rewards: list[float] = field(default_factory=list)  # GRPO: mean reward of each step
     run_id: str = ""  # the learner run whose weight version `weight_version` is
+
+    def rollout_rates(self) -> dict[str, float] | None:
+        """What the training rollouts looked like: the truncation rate, duplicate rate and predicted objects per
+        ground-truth object, each the mean over the steps that trained on fresh rollouts (channel B; not the
+        ground-truth steps, which generate nothing, nor the M-steps reusing a batch). None without such a step."""
+        stats = [h.stats for h in self.history if h.channel == "B" and h.stats is not None and h.stats.rollouts]
+        if not stats:
+            return None
+        n = len(stats)
+        return {"steps": float(n), "truncation_rate": sum(s.truncation_rate for s in stats) / n,
+                "duplicate_rate": sum(s.duplicate_rate for s in stats) / n,
+                "predicted_per_gt": sum(s.count_ratio for s in stats) / n}
 
     @property
     def final_evaluation(self) -> tuple[int, float, float] | None:

@@ -771,7 +771,8 @@ class Trainer:
             phase_seconds=dict(self.state.phase_seconds), wall_seconds=wall,
             retries=int(m.counter_total(m.ROLLOUT_RETRIES) - self._retries_at_start), history=list(self.history),
             pictures=list(self.pictures), evaluations=[(e.step, e.f1, e.map) for e in self.evaluations],
-            eval_iou=self.cfg.eval.iou, eval_pictures=list(self.eval_pictures),
+            eval_iou=self.cfg.eval.iou, held_out=[e.figures() for e in self.evaluations],
+            eval_pictures=list(self.eval_pictures),
             log_dir=Path(self.cfg.tensorboard_dir) if self.ranks.is_main else None, exported=self.exported,
         )  # fmt: skip
 

@@ -232,8 +232,19 @@ def _log_summary(summary) -> None:
         log.info("rollout F1 %.3f -> %.3f", summary.f1[0], summary.f1[-1])
     if summary.rewards:
         log.info("mean reward %.3f -> %.3f", summary.rewards[0], summary.rewards[-1])
+    rates = summary.rollout_rates()
+    if rates is not None:
+        log.info("training rollouts (mean of %d rollout-matching steps): truncated %.1f%%, duplicates %.1f%%, "
+                 "%.2f predicted per ground-truth object", rates["steps"], 100 * rates["truncation_rate"],
+                 100 * rates["duplicate_rate"], rates["predicted_per_gt"])
+    figures = {f.step: f for f in summary.held_out}
     for step, f1, mean_ap in summary.evaluations:
-        log.info("held-out evaluation at step %d: F1 %.3f mAP %.3f", step, f1, mean_ap)
+        fig = figures.get(step)
+        log.info("held-out evaluation at step %d: label-aware F1@%g %.3f mAP %.3f%s", step, summary.eval_iou, f1,
+                 mean_ap, "" if fig is None else
+                 f"; geometry F1 {fig.f1_geometry:.3f}, class-agnostic mAP {fig.map_agnostic:.3f}, truncated "
+                 f"{fig.truncation_rate:.1%}, duplicates {fig.duplicate_rate:.1%}, objects "
+                 f"{fig.predicted_per_answer:.2f}/answer vs {fig.gt_per_record:.2f} true")
     total = sum(summary.phase_seconds.values()) or 1.0
     log.info("time by phase: %s", ", ".join(f"{k} {v:.1f}s ({100 * v / total:.0f}%)"
                                              for k, v in sorted(summary.phase_seconds.items(), key=lambda kv: -kv[1])))

@@ -125,3 +125,17 @@ def test_boxes_from_detections_ranks_by_written_order() -> None:
     assert coco_map(gt, [answer[::-1]], [(50, 50)])["map"] == pytest.approx(1.0)  # scores, not list order
     late = boxes_from_detections([("cat", "bbox_2d", [20, 20, 30, 30]), ("cat", "bbox_2d", [0, 0, 10, 10])])
     assert coco_map(gt, [late], [(50, 50)])["map"] == pytest.approx(0.5)
+
+
+def test_category_maps_labels_to_categories() -> None:
+    from learner.core.clean_prefix import normalize_label
+
+    gt = [[Box("red circle", (0, 0, 10, 10)), Box("blue square", (20, 20, 30, 30))]]
+    pred = [[Box("Red_Circle", (0, 0, 10, 10)), Box("green square", (20, 20, 30, 30), 0.5)]]
+    # Exact strings: neither prediction names a ground-truth category, both are missed.
+    assert coco_map(gt, pred, [(50, 50)])["map"] == pytest.approx(0.0)
+    # Normalized: the red circle is found, the blue square missed ("green square" has no ground truth).
+    r = coco_map(gt, pred, [(50, 50)], category=normalize_label)
+    assert r["map"] == pytest.approx(0.5) and r["n_unknown_label"] == 1
+    # One category: geometry alone, both boxes found.
+    assert coco_map(gt, pred, [(50, 50)], category=lambda _: "object")["map"] == pytest.approx(1.0)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
+from learner.data.episode import EpisodeStats
+from learner.evaluation.held_out import HeldOutFigures
 from learner.local import print_summary
-from learner.train.results import Summary
+from learner.train.results import StepResult, Summary
 
 
 def _summary(**kw) -> Summary:
@@ -30,7 +33,39 @@ def test_print_summary_names_them_and_the_pictures_folder(tmp_path: Path) -> Non
     console = Console(record=True, width=200)
     print_summary(s, console)
     text = console.export_text()
-    assert "held-out F1@0.5, final" in text and "0.700 (mAP 0.450) at step 60" in text
-    assert "held-out F1@0.5, best" in text and "0.750 (mAP 0.500) at step 40" in text
+    assert "held-out label-aware F1@0.5, final" in text and "0.700 (mAP 0.450) at step 60" in text
+    assert "held-out label-aware F1@0.5, best" in text and "0.750 (mAP 0.500) at step 40" in text
     assert f"4 in {tmp_path / 'heldout'}" in text
     assert "rollout F1 (first -> last)" in text and "0.400 -> 0.600" in text
+
+
+def _step(step: int, channel: str, stats: EpisodeStats | None) -> StepResult:
+    return StepResult(step=step, weight_version=step, rollouts=[], record_ids=[], loss=1.0, parts={}, stats=stats,
+                      rows=1, fill=1.0, seconds=0.1, channel=channel)
+
+
+def test_rollout_rates_are_the_mean_over_rollout_matching_steps() -> None:
+    # Step 1 is channel A (nothing generated: its stats would say 0 truncated of 0); step 4 reuses a batch.
+    history = [_step(1, "A", EpisodeStats(rollouts=8, gt_objects=12)),
+               _step(2, "B", EpisodeStats(rollouts=4, truncated=1, predicted=10, duplicates=1, gt_objects=5)),
+               _step(3, "B", EpisodeStats(rollouts=4, truncated=3, predicted=6, duplicates=3, gt_objects=6)),
+               _step(4, "B", None)]
+    rates = _summary(history=history).rollout_rates()
+    assert rates == {"steps": 2.0, "truncation_rate": pytest.approx((0.25 + 0.75) / 2),
+                     "duplicate_rate": pytest.approx((0.1 + 0.5) / 2), "predicted_per_gt": pytest.approx((2 + 1) / 2)}
+    assert _summary(history=history[:1]).rollout_rates() is None
+
+
+def test_print_summary_shows_every_held_out_figure_and_the_rollout_rates() -> None:
+    fig = HeldOutFigures(step=20, f1=0.5, f1_geometry=0.625, map=0.25, map_agnostic=0.375, truncation_rate=0.125,
+                         duplicate_rate=0.0625, predicted_per_answer=1.75, gt_per_record=1.5)
+    history = [_step(21, "B", EpisodeStats(rollouts=4, truncated=1, predicted=8, duplicates=2, gt_objects=4))]
+    s = _summary(evaluations=[(20, 0.5, 0.25)], held_out=[fig], history=history)
+    console = Console(record=True, width=400)
+    print_summary(s, console)
+    text = console.export_text()
+    assert "label-aware F1 0.500  mAP 0.250" in text
+    assert "geometry F1 0.625, class-agnostic mAP 0.375" in text
+    assert "truncated 12.5%, duplicates 6.2%, objects 1.75/answer vs 1.50 true" in text
+    assert "training rollouts (mean of 1 rollout-matching steps)" in text
+    assert "truncated 25.0%, duplicates 25.0%, 2.00 predicted per ground-truth object" in text
