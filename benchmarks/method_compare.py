@@ -4,11 +4,12 @@ Usage: python benchmarks/method_compare.py [--settings readme,crowd] [--arms sft
            [--seeds 0,1,2] [--steps 60] [--warm 20] [--ratio R] [--eval-every 0] [--heldout 32]
            [--model DIR] [--work .rmsft/method-compare] [--out docs/img] [--name method_compare] [--replot [CSV ...]]
 
-Every run of a setting and seed starts from the same point: the README job's pretrained tiny Qwen3-VL
-(`rmsft.io/pretrain-tiny-model`, built and cached by `rmsft local configs/local-tiny-vl.yaml`, or here; `--model`
-for another) trained `--warm` plain-SFT steps (channel A, ground truth only) by the README job once, checkpointed,
-and evaluated. Every arm resumes that checkpoint (weights, optimizer state, data order, learning-rate schedule)
-and trains to `--steps` optimizer steps in total with the README job's optimizer, loss and data:
+Run it from the repository root (the README job's paths are relative to it). Every run of a setting and seed
+starts from the same point: the README job's pretrained tiny Qwen3-VL (its `spec.model.path`; built by its
+annotations when absent; `--model` for another) trained `--warm` plain-SFT steps (channel A, ground truth only)
+by the README job once, checkpointed, and evaluated. Every arm resumes that checkpoint (weights, optimizer state,
+data order, learning-rate schedule) and trains to `--steps` optimizer steps in total with the README job's
+optimizer, loss and data:
 - `sft`: plain SFT continued (every step channel A: `warm_start_steps = steps`);
 - `gen1`: the first-generation rollout-matching objective (`training.recipe: {generation: 1}`): every step
   trains on the model's own answer, unmatched predictions kept with no loss;
@@ -395,7 +396,7 @@ def train_grid(todo: list[tuple], settings: list[Setting], plan: Plan, args, row
     work.mkdir(parents=True, exist_ok=True)
     base = load_job(README_JOB)
     if args.model is None:
-        prepare_inputs(base, console)  # the pretrained start, built once and cached under .rmsft/
+        prepare_inputs(base, console)  # the README job's start (and data), built when absent
         model = Path(base.spec.model.path).resolve()
     else:
         model = args.model.resolve()

@@ -69,3 +69,16 @@ def test_print_summary_shows_every_held_out_figure_and_the_rollout_rates() -> No
     assert "truncated 12.5%, duplicates 6.2%, objects 1.75/answer vs 1.50 true" in text
     assert "training rollouts (mean of 1 rollout-matching steps)" in text
     assert "truncated 25.0%, duplicates 25.0%, 2.00 predicted per ground-truth object" in text
+
+
+def test_the_learner_log_closes_with_the_same_figures(caplog: pytest.LogCaptureFixture) -> None:
+    from rmsft.cli.app import _log_summary
+
+    fig = HeldOutFigures(step=20, f1=0.5, f1_geometry=0.625, map=0.25, map_agnostic=0.375, truncation_rate=0.125,
+                         duplicate_rate=0.0625, predicted_per_answer=1.75, gt_per_record=1.5)
+    history = [_step(21, "B", EpisodeStats(rollouts=4, truncated=1, predicted=8, duplicates=2, gt_objects=4))]
+    with caplog.at_level("INFO", logger="rmsft.train"):
+        _log_summary(_summary(evaluations=[(20, 0.5, 0.25)], held_out=[fig], history=history))
+    text = caplog.text
+    assert "held-out evaluation at step 20: label-aware F1@0.5 0.500 mAP 0.250; geometry F1 0.625" in text
+    assert "training rollouts (mean of 1 rollout-matching steps): truncated 25.0%, duplicates 25.0%" in text

