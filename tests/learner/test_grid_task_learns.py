@@ -57,6 +57,7 @@ def test_the_readme_task_moves_held_out_f1_off_zero(tmp_path: Path) -> None:
     doc["spec"]["model"]["path"] = str(model)
     # Plain SFT from the random model: what the README job's pretraining does (its lr, batch and coordinate target).
     t.update(steps=STEPS, warm_start_steps=STEPS)
+    t["recipe"] = {"generation": 1}  # the pretraining's objective (learner.local.pretrain_tiny_model)
     t["loss"]["coord_sigma"] = float(notes[PRETRAIN_COORD_SIGMA])
     t["data"]["path"] = str(data)
     t.pop("eval")
