@@ -445,10 +445,10 @@ def build_crd() -> dict[str, Any]:
                     "apiVersion": {"type": "string", "description": f"{API_GROUP}/{API_VERSION}"},
                     "kind": {"type": "string", "description": KIND},
                     # The rule sits on the name itself (not on the root, where the API server
-                    # reports the field as `<nil>`); CRDs may restrict only name and generateName.
-                    "metadata": {"type": "object", "description": "Standard object metadata.", "properties": {"name": {
+                    # reports the field as `<nil>`); CRDs may restrict only name and generateName, and the API
+                    # server refuses anything else on `metadata`, a description included.
+                    "metadata": {"type": "object", "properties": {"name": {
                         "type": "string",
-                        "description": "The job's name, at most 40 characters: its child objects add suffixes.",
                         "x-kubernetes-validations": [{
                             "rule": "self.size() <= 40",
                             "message": "metadata.name must be at most 40 characters (child names add suffixes)",
