@@ -42,6 +42,7 @@ from rich.table import Table
 from learner.gpu_plan import CUDA_ENV, GpuPlan, plan_gpus, visible_gpu_count
 from rmsft.jobspec import RolloutMatchingJob, load_job
 from rmsft.logs import ENV as LOG_LEVEL_ENV
+from rmsft.model_check import check_model
 from rmsft.serve_options import serve_options
 
 if TYPE_CHECKING:
@@ -432,7 +433,8 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
 
     Returns the learner's Summary when it ran in this process, None when it ran as torchrun ranks
     (their output says how it went). Raises GpuPlanError before anything starts when the machine
-    cannot hold the job, LearnerExitError when the torchrun learner fails."""
+    cannot hold the job, ModelCheckError when the model folder does not fit training.format,
+    LearnerExitError when the torchrun learner fails."""
     console = console or Console(stderr=True)
     job = load_job(job_path)
     # Everything that can be refused from the spec and the machine alone, before anything starts.
@@ -446,6 +448,8 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
 
         build_job_rewards(job)
     prepare_inputs(job, console)
+    # The model must fit training.format before any server loads it (the check the operator's pods run first).
+    console.print(f"model: {check_model(job.spec.model.path, job.spec.training.format)}", highlight=False)
     log_dir = Path(work_dir) / "logs"
     if plan.accelerated:
         console.print(f"GPUs: {plan.describe()}")

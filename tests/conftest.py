@@ -38,3 +38,23 @@ def tiny_qwen3_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     register()
     return build_tiny_vl_model(tmp_path_factory.mktemp("tiny-qwen3_vl-only"), arch="qwen3_vl")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two model folders without weights, enough for checks that read only config.json and the tokenizer
+    files: "coordexp" (the tiny tokenizer with the 1000 coord tokens) and "stock" (the same one without them,
+    as a stock checkpoint comes). Their configs have as many embedding rows as the coordexp vocabulary."""
+    import json
+
+    from rmsft.dev.tiny_model import build_tokenizer
+
+    out = {}
+    for name, coords in (("coordexp", True), ("stock", False)):
+        folder = tmp_path_factory.mktemp(f"tokenizer-{name}")
+        tok = build_tokenizer(0, coord_tokens=coords)
+        tok.save_pretrained(folder)
+        rows = len(build_tokenizer(0, coord_tokens=True)) if not coords else len(tok)
+        (folder / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": rows}))
+        out[name] = folder
+    return out

@@ -59,7 +59,10 @@ SERVE_SAYS = "rmsft serve:"
 CRASH_LOOP_RESTARTS = 3
 # Failed-condition reasons of a job whose start could not succeed. Such a job stays Failed (its pool at zero,
 # its learner suspended) until it is deleted, as one whose learner failed does.
-STARTUP_FAILURES = ("RolloutInvalidConfig", "RolloutCrashLoop", "RolloutStartupTimeout", "LearnerUnschedulable")
+STARTUP_FAILURES = ("ModelPreflightFailed", "RolloutInvalidConfig", "RolloutCrashLoop", "RolloutStartupTimeout",
+                    "LearnerUnschedulable")
+# What `rmsft preflight` (the pods' init container, render.PREFLIGHT_CONTAINER) starts its message with.
+PREFLIGHT_SAYS = "rmsft preflight:"
 
 
 @dataclass(frozen=True)
@@ -253,6 +256,32 @@ def _server_says(message: str) -> str:
 
 def _span(seconds: int) -> str:
     return f"{seconds // 60} min" if seconds % 60 == 0 and seconds >= 60 else f"{seconds} s"
+
+
+def preflight_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """("ModelPreflightFailed", message) when the model preflight init container of a rollout or learner pod
+    exited non-zero, else None. Pure. Its verdict (the model folder does not fit the job, e.g. a stock
+    checkpoint with training.format coordexp) holds for every pod of the job and no restart changes it, so
+    the job fails at once, before any container loaded the model. The message is the preflight's own words,
+    prefixed with the pod's name."""
+    for role, pods in (("rollout", rollout_pods), ("learner", learner_pods)):
+        for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
+            if (pod.get("metadata") or {}).get("deletionTimestamp"):
+                continue
+            for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
+                if cs.get("name") != render.PREFLIGHT_CONTAINER:
+                    continue
+                ended = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated") \
+                    or {}
+                if ended.get("exitCode") in (None, 0):
+                    continue
+                said = str(ended.get("message") or "").strip()
+                at = said.rfind(PREFLIGHT_SAYS)
+                why = said[at:] if at >= 0 else _server_says(said) or ended.get("reason") or "no message"
+                pname = (pod.get("metadata") or {}).get("name", "?")
+                return "ModelPreflightFailed", (f"{role} pod {pname}: model preflight failed (exit code "
+                                                f"{ended['exitCode']}): {why}")[:_MAX_HINT * 2]
+    return None
 
 
 def startup_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[str, Any]], pool_starting: bool,
@@ -453,8 +482,10 @@ def decide(obs: Observed, now: str) -> Decision:
     invalid = cond("InvalidSpec", bool(refused), "ImmutableFieldChanged" if refused else "SpecValid",
                    refused or "spec accepted")
 
-    # 5. Terminal states free the GPUs: the pool is scaled to zero.
-    if succeeded or failed:
+    # 5. Terminal states free the GPUs: the pool is scaled to zero. A learner Job that failed because its
+    # pod's model preflight failed is reported with the preflight's words (5b), not as a learner failure.
+    preflight = preflight_failure(obs.rollout_pods, obs.learner_pods)
+    if succeeded or (failed and not preflight):
         if not colocated and (sts.get("spec") or {}).get("replicas") != 0:
             d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": 0}}))
         status["rolloutReplicas"] = 0
@@ -474,14 +505,14 @@ def decide(obs: Observed, now: str) -> Decision:
     # 5b. A start that cannot succeed fails the job and frees what it holds (the pool scaled to zero, the
     # learner Job suspended, which removes a pod that waits for a node), instead of crash-looping forever.
     suspended = bool((learner.get("spec") or {}).get("suspend"))
-    failure = _held_failure(old_status) or startup_failure(
+    failure = _held_failure(old_status) or preflight or startup_failure(
         obs.rollout_pods, obs.learner_pods, pool_starting=not colocated and suspended,
         timeout_s=job.spec.rollout.startup_timeout_seconds, now=_time(now) or dt.datetime.now(dt.UTC))
     if failure:
         reason, message = failure
         if not colocated and (sts.get("spec") or {}).get("replicas") != 0:
             d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": 0}}))
-        if not suspended:
+        if not suspended and not failed:
             d.patches.append(Patch("Job", n["job"], {"spec": {"suspend": True}}))
         status["rolloutReplicas"] = 0
         status.setdefault("completionTime", now)

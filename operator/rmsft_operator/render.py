@@ -38,6 +38,10 @@ SHARED_WEIGHTS_MOUNT = "/rmsft-shared"
 SHARED_WEIGHTS_HOST_ROOT = "/dev/shm/rmsft"  # on the node; one directory per job below it
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 STARTUP_PROBE_PERIOD = 10  # seconds between the rollout server's startup probes
+# The init container of every rollout and learner pod that checks the model folder against training.format
+# (`rmsft preflight`) before the pod's container loads the model; the operator fails the job when it fails.
+PREFLIGHT_CONTAINER = "preflight"
+PREFLIGHT_RESOURCES = {"cpu": "250m", "memory": "512Mi"}
 
 
 def names(job_name: str) -> dict[str, str]:
@@ -229,6 +233,31 @@ def _volumes(job: RolloutMatchingJob, shm_size: str) -> tuple[list[dict[str, Any
     return volumes, mounts
 
 
+def _preflight_container(job: RolloutMatchingJob, mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    """`rmsft preflight` on the job's manifest: reads the model folder's tokenizer files (JSON, under a
+    second) and exits 2 with the fix when the model does not fit training.format, e.g. a stock checkpoint
+    with coordexp, before the pod's container loads the model on its GPUs. Same image and mounts (the
+    config and the model volume), no GPU: an init container's requests count only towards the pod's
+    largest single request, and it loads nothing on a device. NVIDIA_VISIBLE_DEVICES=void keeps the NVIDIA
+    runtime from handing it the node's GPUs anyway (images built on CUDA bases ask for all of them)."""
+    wanted = {CONFIG_DIR, "/tmp"} | ({job.spec.model.volume.mount_path} if job.spec.model.volume else set())
+    return {
+        "name": PREFLIGHT_CONTAINER,
+        "image": job.spec.image.ref,
+        "imagePullPolicy": job.spec.image.pull_policy,
+        "args": ["preflight", f"{CONFIG_DIR}/{CONFIG_KEY}"],
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
+                {"name": "CUDA_VISIBLE_DEVICES", "value": ""}],
+        # A Qwen-VL tokenizer (150k tokens) takes about 0.6 s and 110 MiB. Requests equal to limits: a pod whose
+        # containers all have that keeps its Guaranteed QoS class.
+        "resources": {"requests": dict(PREFLIGHT_RESOURCES), "limits": dict(PREFLIGHT_RESOURCES)},
+        "volumeMounts": [dict(m) for m in mounts if m["mountPath"] in wanted],
+        "securityContext": _container_security(),
+        # `rmsft preflight` writes its message to /dev/termination-log; the log's tail if it could not.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+
+
 def _pod_common(job: RolloutMatchingJob) -> dict[str, Any]:
     p = job.spec.placement
     # Neither rollout servers nor learners call the Kubernetes API: no token in their pods.
@@ -297,7 +326,7 @@ def _with_shared_weights(job: RolloutMatchingJob, namespace: str, pod: dict[str,
                             "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}},
         "volumeMounts": [dict(mount)],
     }
-    return {**pod, "initContainers": [owner]}
+    return {**pod, "initContainers": [*pod.get("initContainers", []), owner]}
 
 
 def render_shm_cleanup(job: RolloutMatchingJob, namespace: str, node: str) -> dict[str, Any]:
@@ -363,6 +392,7 @@ def render_statefulset(job: RolloutMatchingJob, namespace: str, uid: str,
     }
     pod_labels = labels(name, "rollout")
     pod_spec = _with_shared_weights(job, namespace, {**_pod_common(job), "containers": [container],
+                                                     "initContainers": [_preflight_container(job, mounts)],
                                                      "volumes": volumes}, writer=False)
     return {
         "apiVersion": "apps/v1",
@@ -443,9 +473,9 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
                         "prometheus.io/port": str(lr.metrics_port),
                     },
                 },
-                "spec": _with_shared_weights(job, namespace, {**_pod_common(job), "restartPolicy": "Never",
-                                                              "containers": [container], "volumes": volumes},
-                                             writer=True),
+                "spec": _with_shared_weights(job, namespace, {
+                    **_pod_common(job), "restartPolicy": "Never", "containers": [container],
+                    "initContainers": [_preflight_container(job, mounts)], "volumes": volumes}, writer=True),
             },
         },
     }

@@ -263,6 +263,7 @@ def local(
     from learner.rewards.interface import RewardConfigError
     from rmsft.jobspec import JobSpecError
     from rmsft.logs import LogLevelError, configure_logging
+    from rmsft.model_check import ModelCheckError
 
     try:
         # warning by default: info lines would break up the progress bar
@@ -270,7 +271,7 @@ def local(
         from learner.local import run_local
 
         run_local(job, work_dir=work_dir, resume=resume)
-    except (JobSpecError, DataError, LogLevelError, RewardConfigError) as exc:
+    except (JobSpecError, DataError, LogLevelError, RewardConfigError, ModelCheckError) as exc:
         _fail(exc)
 
 
@@ -329,6 +330,32 @@ def prepare_model_cmd(
     console.print(f"[green]{head}[/green]" if summary.changed else head)
     for line in rest:
         console.print(f"  {line}")
+
+
+@app.command("preflight")
+def preflight_cmd(
+    job: Path = typer.Argument(..., help="RolloutMatchingJob manifest (YAML)."),
+) -> None:
+    """Check, in a second and without a GPU, that spec.model.path is a model folder whose tokenizer fits
+    spec.training.format (coordexp needs the 1000 <|coord_k|> tokens). Exit 0, or 2 with the fix. The operator
+    runs it in an init container of every pod before the model is loaded; `rmsft local` runs it too."""
+    import sys
+
+    from rmsft.jobspec import JobSpecError, load_job
+    from rmsft.model_check import ModelCheckError, check_model
+    from rollout_svc.preflight import write_termination_log
+
+    try:
+        manifest = load_job(job)
+        line = check_model(manifest.spec.model.path, manifest.spec.training.format)
+    except (JobSpecError, ModelCheckError) as exc:
+        message = f"rmsft preflight: {exc}"
+        # Plain text, one line (no rich wrapping): in a pod the operator quotes it from the termination
+        # message, which is this file or, failing that, the log's tail.
+        write_termination_log(message)
+        print(message, file=sys.stderr)
+        raise typer.Exit(2) from None
+    print(f"rmsft preflight: {line}")
 
 
 @app.command("export")

@@ -237,8 +237,9 @@ def test_cpu_job_runs_to_complete(cluster: Cluster, config: str) -> None:
 
 
 def test_a_job_whose_model_path_does_not_exist_fails_and_frees_its_pool(cluster: Cluster) -> None:
-    """The rollout server refuses its configuration: the job is Failed with the server's own words well within
-    its startup timeout (not Pending in CrashLoopBackOff for ever), its pool at 0 replicas, a Warning event."""
+    """The pods' model preflight (an init container, before any rollout container starts) refuses the folder:
+    the job is Failed with the preflight's own words well within its startup timeout (not Pending in
+    Init:CrashLoopBackOff for ever), its pool at 0 replicas, a Warning event."""
     ns = namespace(cluster, "rmsft-bad-model")
     job = "bad-model"
     doc = manifest("configs/job-kind-cpu.yaml", job)
@@ -247,7 +248,7 @@ def test_a_job_whose_model_path_does_not_exist_fails_and_frees_its_pool(cluster:
     cluster.apply(doc, ns)
     status = cluster.wait_phase(ns, job, {"Failed"}, timeout=300)
     assert "model folder /models/does-not-exist does not exist" in status["message"], status
-    assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == "RolloutInvalidConfig", status
+    assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == "ModelPreflightFailed", status
     cluster.wait(lambda: cluster.get("statefulset", f"{job}-rollout", "-n", ns)["spec"]["replicas"] == 0, 60,
                  "the pool scaled to 0", namespace=ns)
     events = cluster.get("events", "-n", ns, "--field-selector", f"involvedObject.name={job},type=Warning")

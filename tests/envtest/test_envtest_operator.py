@@ -443,6 +443,40 @@ def test_a_server_with_an_invalid_configuration_fails_the_job_and_frees_the_pool
     _finish(cp, "india")
 
 
+def test_a_model_the_preflight_refuses_fails_the_job_before_any_server_starts(control_plane: ControlPlane,
+                                                                              operator: Operator) -> None:
+    cp = control_plane
+    _apply(cp, _manifest("kilo", **{"rollout.replicas": 1}))
+    (pod,) = cp.wait_for(lambda: _bound(_pods(cp, "kilo", "rollout"), 1), 60, "rollout pod")
+    name = pod["metadata"]["name"]
+    live = cp.ok("GET", f"/api/v1/namespaces/{JOBS_NS}/pods/{name}")
+    (init,) = live["spec"]["initContainers"]
+    assert init["name"] == render.PREFLIGHT_CONTAINER
+    said = ("rmsft preflight: the model in /models/Qwen3-VL-2B-Instruct (spec.model.path) does not fit "
+            "training.format coordexp: its tokenizer has none of the 1000 coordinate tokens. Fix: run "
+            "`rmsft prepare-model /models/Qwen3-VL-2B-Instruct DST` and set spec.model.path to DST, or set "
+            "spec.training.format: qwen_json")
+    # What the kubelet reports of a pod whose init container exited 2: Init:CrashLoopBackOff, the exit kept in
+    # lastState, the rollout container never started.
+    cp.ok("PATCH", f"/api/v1/namespaces/{JOBS_NS}/pods/{name}/status", {"status": {
+        "phase": "Pending",
+        "initContainerStatuses": [{
+            "name": init["name"], "image": init["image"], "imageID": "", "ready": False, "restartCount": 1,
+            "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s"}},
+            "lastState": {"terminated": {"exitCode": 2, "reason": "Error", "message": said,
+                                         "startedAt": "2026-11-23T10:00:00Z", "finishedAt": "2026-11-23T10:00:01Z"}}}],
+        "containerStatuses": [{"name": "rollout", "image": init["image"], "imageID": "", "ready": False,
+                               "restartCount": 0, "state": {"waiting": {"reason": "PodInitializing"}}}]}})
+    cr = _wait_cr(cp, operator, "kilo", lambda c: c["status"].get("phase") == "Failed", "Failed")
+    assert _cond(cr, "Failed")["reason"] == "ModelPreflightFailed"
+    assert f"rollout pod {name}" in cr["status"]["message"] and "rmsft prepare-model" in cr["status"]["message"]
+    cp.wait_for(lambda: _child(cp, "StatefulSet", "kilo-rollout")["spec"]["replicas"] == 0, 30, "pool scaled to 0")
+    assert _child(cp, "Job", "kilo-learner")["spec"]["suspend"] is True
+    cp.wait_for(lambda: any(e["type"] == "Warning" and "rmsft prepare-model" in e["message"]
+                            for e in _events_of(cp, "kilo")), 30, "a Warning event with the preflight's words")
+    _finish(cp, "kilo")
+
+
 def test_a_learner_the_scheduler_cannot_place_fails_the_job_after_the_startup_timeout(
         control_plane: ControlPlane, operator: Operator) -> None:
     cp = control_plane

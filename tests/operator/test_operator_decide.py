@@ -23,6 +23,7 @@ from rmsft_operator.reconcile import (
 )
 
 from rmsft.jobspec import parse_job
+from rmsft.model_check import coordexp_fix
 from rmsft.termination import final_progress_message, parse_final_progress
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -393,6 +394,26 @@ def _unschedulable(role: str, name: str, since: int) -> dict[str, Any]:
 
 
 _STARTED = {"ready": 2, "suspended": False, "job_status": {"active": 1}}
+PREFLIGHT_SAID = ("rmsft preflight: the model in /models/Qwen3-VL-2B-Instruct (spec.model.path) does not fit "
+                  f"training.format coordexp: ... Fix: {coordexp_fix('/models/Qwen3-VL-2B-Instruct')}")
+
+
+def _preflight(role: str = "rollout", name: str = "demo-rollout-0", exit_code: int = 2, restarted: bool = True,
+               container: str = render.PREFLIGHT_CONTAINER, message: str = PREFLIGHT_SAID) -> dict[str, Any]:
+    """A pod whose init container `container` exited with `exit_code`: a rollout pod then waits in
+    Init:CrashLoopBackOff (the exit in lastState) unless not yet `restarted`; a learner pod (restartPolicy
+    Never) is Failed."""
+    ended = {"terminated": {"exitCode": exit_code, "reason": "Error" if exit_code else "Completed",
+                            "message": message}}
+    init = {"name": container, "restartCount": 1 if restarted else 0, "ready": exit_code == 0,
+            **({"state": {"waiting": {"reason": "CrashLoopBackOff"}}, "lastState": ended} if restarted and exit_code
+               else {"state": ended, "lastState": {}})}
+    main = {"name": role, "restartCount": 0, "ready": False,
+            "state": {"waiting": {"reason": "PodInitializing"}} if exit_code else {"running": {}}}
+    phase = "Failed" if role == "learner" and exit_code else "Pending" if exit_code else "Running"
+    pod = _pod(role, name, phase, initContainerStatuses=[init], containerStatuses=[main])
+    pod["metadata"]["creationTimestamp"] = MIN_AGO[4]
+    return pod
 # (id, world, Failed reason or None, words the message holds)
 STARTUP_TABLE: list[tuple[str, World, str | None, list[str]]] = [
     ("invalid-config", World(rollout_pods=[_server(ended={"exitCode": 1, "message": LOG_TAIL})]),
@@ -424,6 +445,22 @@ STARTUP_TABLE: list[tuple[str, World, str | None, list[str]]] = [
      "LearnerUnschedulable", ["demo-learner-x", "spec.rollout.startupTimeout (30 min)", "Insufficient cpu"]),
     ("learner-unschedulable-within-the-deadline", World(**_STARTED, learner_pods=[
         _unschedulable("learner", "demo-learner-x", 29)]), None, []),
+    # The model preflight (init container) refused the checkpoint: fail at once, whatever the pool does.
+    ("preflight-refused-the-model", World(rollout_pods=[_server(), _preflight(name="demo-rollout-1")]),
+     "ModelPreflightFailed", ["rollout pod demo-rollout-1", "exit code 2", "rmsft prepare-model", "DST",
+                              "spec.training.format: qwen_json"]),
+    ("preflight-refused-before-its-first-restart", World(rollout_pods=[_preflight(restarted=False)]),
+     "ModelPreflightFailed", ["rollout pod demo-rollout-0", "rmsft prepare-model"]),
+    ("preflight-said-it-in-its-log-tail", World(rollout_pods=[_preflight(message=(
+        "INFO 11-23 09:59:58 [__init__.py:244] Automatically detected platform cuda.\n" + PREFLIGHT_SAID))]),
+     "ModelPreflightFailed", ["rollout pod demo-rollout-0", "rmsft preflight: the model in"]),
+    ("preflight-refused-the-learners-model", World(**_STARTED, learner_pods=[
+        _preflight("learner", "demo-learner-x", restarted=False)]),
+     "ModelPreflightFailed", ["learner pod demo-learner-x", "rmsft prepare-model"]),
+    ("preflight-passed", World(rollout_pods=[_preflight(exit_code=0, message="")]), None, []),
+    ("another-init-container-failed", World(**_STARTED, learner_pods=[
+        _preflight("learner", "demo-learner-x", exit_code=1, restarted=False, container="shared-weights-owner",
+                   message="chown: /rmsft-shared: Operation not permitted")]), None, []),
 ]
 
 
@@ -450,6 +487,18 @@ def test_a_start_that_cannot_succeed_fails_the_job_and_frees_the_pool(
     assert d.patches == expected
     assert d.status["rolloutReplicas"] == 0 and d.status["completionTime"] == NOW
     assert d.events[-1] == ("Warning", "PhaseFailed", d.status["message"])
+
+
+def test_a_learner_job_failed_by_its_preflight_reports_the_preflights_words() -> None:
+    # backoffLimit reached before the operator saw the pod: the Job is Failed, its pod kept with the exit.
+    world = World(**{**_STARTED, "job_status": {"conditions": [
+        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "Job has reached the "
+         "specified backoff limit"}]}}, learner_pods=[_preflight("learner", "demo-learner-x", restarted=False)])
+    d = decide(world.observed(), NOW)
+    assert d.phase == "Failed" and _cond(d, "Failed")["reason"] == "ModelPreflightFailed"
+    assert "rmsft prepare-model" in d.status["message"] and "BackoffLimitExceeded" not in d.status["message"]
+    # A finished Job is not suspended; the pool is freed.
+    assert d.patches == [Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 0}})]
 
 
 def test_a_failed_start_stays_failed_once_its_pods_are_gone() -> None:

@@ -4,6 +4,8 @@ what the issue asks for (GPUs, probes, shm, security, owner references, suspende
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from pathlib import Path
 
 import kubernetes_validate
@@ -242,11 +244,13 @@ def test_shm_shares_one_node_memory_directory_between_learner_and_servers() -> N
         assert term["labelSelector"]["matchLabels"] == {render.JOB_LABEL: "qwen3vl-det"}
         assert pod["securityContext"]["runAsNonRoot"] is True and "runAsUser" not in c.get("securityContext", {})
         if role == "rollout":  # the servers only read the learner's files
-            assert "initContainers" not in pod
+            assert [i["name"] for i in pod["initContainers"]] == [render.PREFLIGHT_CONTAINER]
             continue
         # The kubelet makes the directory root's: in the learner's pod (the writer) a root init
-        # container with CHOWN/FOWNER only hands it to the non-root user before the learner starts.
-        (init,) = pod["initContainers"]
+        # container with CHOWN/FOWNER only hands it to the non-root user before the learner starts
+        # (after the model preflight, which fails faster).
+        preflight, init = pod["initContainers"]
+        assert preflight["name"] == render.PREFLIGHT_CONTAINER
         assert init["volumeMounts"] == [{"name": render.SHARED_WEIGHTS_VOLUME, "mountPath": "/rmsft-shared"}]
         assert f"chown {render.UID}:{render.UID} /rmsft-shared" in init["command"][-1]
         assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
@@ -260,7 +264,7 @@ def test_shm_shares_one_node_memory_directory_between_learner_and_servers() -> N
 def _without_shared_weights(template: dict) -> dict:
     pod = copy.deepcopy(template["spec"])
     del pod["affinity"]
-    pod.pop("initContainers", None)  # the learner's only
+    pod["initContainers"] = pod["initContainers"][:1]  # the learner's owner container goes; the preflight stays
     pod["volumes"] = [v for v in pod["volumes"] if v["name"] != render.SHARED_WEIGHTS_VOLUME]
     c = pod["containers"][0]
     c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] != render.SHARED_WEIGHTS_VOLUME]
@@ -282,7 +286,8 @@ def test_grpc_renders_what_it_always_did_and_shm_only_adds_the_shared_directory(
     assert objects(_reference(None)) == grpc == objects(_reference("auto"))
     for kind in ("StatefulSet", "Job"):
         pod = next(o for o in grpc if o["kind"] == kind)["spec"]["template"]["spec"]
-        assert "affinity" not in pod and "initContainers" not in pod
+        assert "affinity" not in pod
+        assert [i["name"] for i in pod["initContainers"]] == [render.PREFLIGHT_CONTAINER]
         assert not any("hostPath" in v for v in pod["volumes"])
         assert not any(e["name"] == render.SHARED_WEIGHTS_ENV for e in pod["containers"][0]["env"])
     # shm = grpc plus the volume, mount, env, init container and affinity; nothing else moves.
@@ -333,3 +338,51 @@ def test_a_gpu_colocate_job_gives_the_learner_all_its_gpus() -> None:
     pod = kids["Job"]["spec"]["template"]["spec"]
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
     assert pod["containers"][0]["command"][-2:] == ["-m", "rmsft.cli"]  # torchrun: one rank per GPU
+
+
+@pytest.mark.parametrize("path", ["configs/job.yaml", "configs/job-kind-cpu-colocate.yaml"])
+def test_every_pod_checks_the_model_before_its_container_loads_it(path: str) -> None:
+    job = load_job(ROOT / path)
+    pods = {kind: o["spec"]["template"]["spec"] for kind, o in _by_kind(path).items() if kind in ("StatefulSet", "Job")}
+    assert set(pods) == ({"Job"} if job.spec.rollout.colocated else {"StatefulSet", "Job"})
+    for kind, pod in pods.items():
+        init, main = pod["initContainers"][0], pod["containers"][0]
+        assert init["name"] == render.PREFLIGHT_CONTAINER, kind  # first: before anything else of the pod runs
+        assert init["args"] == ["preflight", "/etc/rmsft/job.yaml"]
+        assert (init["image"], init["imagePullPolicy"]) == (main["image"], main["imagePullPolicy"])
+        # No GPU: none requested, and the NVIDIA runtime hands it none.
+        assert init["resources"]["requests"] == init["resources"]["limits"] == render.PREFLIGHT_RESOURCES
+        assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in init["env"]
+        # It reads what the main container reads: the manifest and the model, at the same paths.
+        assert {"name": "config", "mountPath": "/etc/rmsft", "readOnly": True} in init["volumeMounts"]
+        model = [m for m in main["volumeMounts"] if m["name"] == "model"]
+        assert [m for m in init["volumeMounts"] if m["name"] == "model"] == model
+        assert bool(model) == (job.spec.model.volume is not None), kind
+        assert init["terminationMessagePolicy"] == "FallbackToLogsOnError"
+        assert init["securityContext"]["allowPrivilegeEscalation"] is False
+    if "StatefulSet" in pods:
+        assert "nvidia.com/gpu" in pods["StatefulSet"]["containers"][0]["resources"]["limits"]
+
+
+@pytest.mark.parametrize("fmt,code", [("coordexp", 2), ("qwen_json", 0)])
+def test_the_preflight_container_refuses_a_stock_checkpoint_for_coordexp(
+        tokenizer_folders: dict[str, Path], tmp_path: Path, fmt: str, code: int) -> None:
+    """What the init container runs, on the manifest the ConfigMap mounts: a stock checkpoint with coordexp
+    exits 2 with both fixes, with qwen_json it passes."""
+    doc = yaml.safe_load((ROOT / "configs/job-kind-cpu.yaml").read_text())
+    stock = tokenizer_folders["stock"]
+    doc["spec"]["model"]["path"] = str(stock)
+    doc["spec"]["training"]["format"] = fmt
+    objs = {o["kind"]: o for o in render.render_all(parse_job(doc), "team-a", "0000-uid", token="t")}
+    (tmp_path / "job.yaml").write_text(objs["ConfigMap"]["data"]["job.yaml"])
+    init = objs["StatefulSet"]["spec"]["template"]["spec"]["initContainers"][0]
+    args = [a.replace("/etc/rmsft", str(tmp_path)) for a in init["args"]]
+    proc = subprocess.run([sys.executable, "-m", "rmsft.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == code, proc.stderr
+    if code:
+        said = proc.stderr.strip()
+        assert said.startswith("rmsft preflight:") and "\n" not in said, said  # one line, no traceback
+        assert f"rmsft prepare-model {stock} DST" in said and "spec.training.format: qwen_json" in said, said
+    else:
+        assert "qwen_json needs nothing more" in proc.stdout
