@@ -460,6 +460,9 @@ class BufferConfig(_Learner):
     m_steps: int = Field(1, ge=1, le=64, description="Optimizer steps per rollout (E-step reuse).")
 
 
+COLOCATE_SLEEP_ZERO3 = (
+    "spec.rollout.colocate.sleepLevel > 0 cannot be combined with spec.training.deepspeed_stage 3: a sleeping engine "
+    "with partitioned training weights has not been proven on a GPU (use stage 0-2, or sleepLevel 0)")
 RECIPE_EXPLORERS_STALENESS = (
     "spec.training.recipe.explorers.count must be 0 with spec.training.rollout.max_staleness > 0 (explorers are "
     "generated on their step, not ahead)")
@@ -821,6 +824,8 @@ def colocate_errors(spec: JobSpec) -> list[str]:
     if c.sleep_level > 0 and (cpu or spec.rollout.engine != "vllm"):
         errs.append("spec.rollout.colocate.sleepLevel > 0 needs spec.placement.accelerator 'nvidia' and "
                     "spec.rollout.engine 'vllm' (vLLM's sleep mode is CUDA's; the CPU backend has none)")
+    if c.sleep_level > 0 and spec.training.deepspeed_stage == 3:
+        errs.append(COLOCATE_SLEEP_ZERO3)
     if cpu and (c.offload_model or c.offload_optimizer):
         errs.append("spec.rollout.colocate.offloadModel and offloadOptimizer move training state off the GPUs; "
                     "with spec.placement.accelerator 'none' there is nothing to move (set them false)")

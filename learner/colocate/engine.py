@@ -200,11 +200,17 @@ class InProcessVllm:
             raise EngineError("vLLM refused to reset its prefix cache after a weight change")
         if self.vision is not None:
             reset = getattr(self.llm, "reset_mm_cache", None)
+            engine = self.llm.llm_engine
+            encoder = getattr(engine, "reset_encoder_cache", None)
+            if reset is None and encoder is None:
+                # Without either, an image seen before this reload would be decoded from the old weights' features.
+                raise EngineError("this vLLM has neither LLM.reset_mm_cache nor reset_encoder_cache: the vision "
+                                  "features cached under the old weights cannot be dropped after a weight change; "
+                                  "use the vLLM version rmsft pins (requirements/constraints*.txt)")
             if reset is not None:
                 reset()
-            engine = self.llm.llm_engine
-            if hasattr(engine, "reset_encoder_cache"):
-                engine.reset_encoder_cache()
+            if encoder is not None:
+                encoder()
 
     def sleep(self, level: int) -> None:
         self.llm.sleep(level=level)

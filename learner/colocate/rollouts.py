@@ -74,7 +74,6 @@ class ColocatedRollouts:
         self.shares_model = getattr(engine, "backend", "") == "hf"  # the HF engine decodes with the model itself
         self.weights: WeightVersion | None = None  # what the engine holds; set once a sync completed
         self._asleep = False
-        self._stale_engine = False  # asleep through a sync: the weights go in on wake-up
         if sleep_level:
             self._sleep()  # nothing generates until the first step: give the memory to training now
 
@@ -109,12 +108,17 @@ class ColocatedRollouts:
 
     def sync(self, version: int) -> None:
         """The learner's current weights into the engine, as `version`. vLLM: every tensor straight from the
-        training model (merged, cast, renamed), loaded in place; prefix and encoder caches reset. Asleep: the
-        weights go in when the engine wakes (before it generates anything)."""
+        training model (merged, cast, renamed), loaded in place; prefix and encoder caches reset. Asleep: the engine
+        wakes for the push and sleeps again, so the weights always go in here, where the trainer calls it: inside
+        its ZeRO-3 gather (whole parameters) and outside the offload context (parameters on the device)."""
         t0 = time.perf_counter()
         if not self.shares_model:
             if self._asleep:
-                self._stale_engine = True
+                self._wake()
+                try:
+                    self._push()
+                finally:
+                    self._sleep()
             else:
                 self._push()
         self.weights = WeightVersion(self.run_id, version)
@@ -170,15 +174,19 @@ class ColocatedRollouts:
 
     @contextlib.contextmanager
     def _generating(self):
-        """Training state off the device (offload), the engine awake (with its current weights), then back."""
-        with self.around_generation() if self.around_generation else contextlib.nullcontext():
-            if self.sleep_level:
-                self._wake()
-            try:
+        """The engine awake with the current weights (a level-2 sleep discarded them: written back now, while the
+        training parameters are still on the device), then the training state off the device (offload) while it
+        decodes, then back, then asleep again."""
+        if self.sleep_level:
+            self._wake()
+            if self.sleep_level == 2:
+                self._push()
+        try:
+            with self.around_generation() if self.around_generation else contextlib.nullcontext():
                 yield
-            finally:
-                if self.sleep_level:
-                    self._sleep()
+        finally:
+            if self.sleep_level:
+                self._sleep()
 
     def _sleep(self) -> None:
         try:
@@ -193,10 +201,6 @@ class ColocatedRollouts:
         except Exception as e:  # noqa: BLE001
             raise ColocateError(f"the in-process engine could not wake up: {e}") from e
         self._asleep = False
-        # Level 2 discarded the weights; level 1 kept the old ones, stale if a sync came while asleep.
-        if self.sleep_level == 2 or self._stale_engine:
-            self._push()
-            self._stale_engine = False
 
 
 def colocated_rollouts(job: RolloutMatchingJob, model: Any, tokenizer: Any, *, run_id: str, world_size: int,

@@ -18,6 +18,7 @@ from rmsft.jobspec import (
     API_GROUP,
     API_VERSION,
     COLOCATE_REPLICAS,
+    COLOCATE_SLEEP_ZERO3,
     COLOCATE_STALENESS,
     DURATION_PATTERN,
     KIND,
@@ -160,6 +161,11 @@ SPEC_RULES: list[dict[str, str]] = [
         "self.rollout.engine == 'vllm')",
         "message": "spec.rollout.colocate.sleepLevel > 0 needs spec.placement.accelerator 'nvidia' and "
         "spec.rollout.engine 'vllm' (vLLM's sleep mode is CUDA's; the CPU backend has none)",
+        "fieldPath": ".rollout.colocate.sleepLevel",
+    },
+    {
+        "rule": _COLOCATE + "self.rollout.colocate.sleepLevel == 0 || self.training.deepspeed_stage != 3",
+        "message": COLOCATE_SLEEP_ZERO3,
         "fieldPath": ".rollout.colocate.sleepLevel",
     },
     {
