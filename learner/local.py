@@ -42,6 +42,7 @@ from rich.table import Table
 from learner.gpu_plan import CUDA_ENV, GpuPlan, plan_gpus, visible_gpu_count
 from rmsft.jobspec import RolloutMatchingJob, load_job
 from rmsft.logs import ENV as LOG_LEVEL_ENV
+from rmsft.memory_plan import memory_plan_setting
 from rmsft.serve_options import serve_options
 
 if TYPE_CHECKING:
@@ -419,6 +420,7 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
     cannot hold the job, LearnerExitError when the torchrun learner fails."""
     console = console or Console(stderr=True)
     job = load_job(job_path)
+    memory_plan_setting()  # a typo in RMSFT_MEMORY_PLAN fails now, not once the servers are up
     # Everything that can be refused from the spec and the machine alone, before anything starts.
     plan = machine_plan(job)
     # One learner GPU: the learner runs in this process, which already sees every GPU (and may have

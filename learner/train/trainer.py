@@ -745,16 +745,14 @@ def _check_images_fit(records: Sequence[Record], policy: Policy, max_images: int
                          f"{max_images} images (first: {over[0]!r})")
 
 
-MEMORY_PLAN_ENV = "RMSFT_MEMORY_PLAN"
-
-
 def _check_memory_plan(job: RolloutMatchingJob, *, log_it: bool) -> None:
     """The job's memory plan (rmsft.memory_plan, what `rmsft plan` prints) against this machine's GPU memory:
     logged, and a job that cannot fit is refused before anything loads, naming the knob to turn. The plan is an
-    estimate: RMSFT_MEMORY_PLAN=warn makes a refusal a warning, =off skips the plan."""
-    from rmsft.memory_plan import MemoryPlanError, ModelShapeError, plan_memory
+    estimate: RMSFT_MEMORY_PLAN=warn makes a refusal a warning, =off skips the plan (any other value but refuse,
+    the default, is a MemoryPlanSettingError)."""
+    from rmsft.memory_plan import MEMORY_PLAN_ENV, MemoryPlanError, ModelShapeError, memory_plan_setting, plan_memory
 
-    setting = os.environ.get(MEMORY_PLAN_ENV, "refuse")
+    setting = memory_plan_setting()
     if setting == "off":
         return
     gpu_memory = None

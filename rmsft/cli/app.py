@@ -190,6 +190,7 @@ def local(
     from learner.rewards.interface import RewardConfigError
     from rmsft.jobspec import JobSpecError
     from rmsft.logs import LogLevelError, configure_logging
+    from rmsft.memory_plan import MemoryPlanSettingError
 
     try:
         # warning by default: info lines would break up the progress bar
@@ -197,7 +198,7 @@ def local(
         from learner.local import run_local
 
         run_local(job, work_dir=work_dir, resume=resume)
-    except (JobSpecError, DataError, LogLevelError, RewardConfigError) as exc:
+    except (JobSpecError, DataError, LogLevelError, RewardConfigError, MemoryPlanSettingError) as exc:
         _fail(exc)
 
 
