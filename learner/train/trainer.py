@@ -218,6 +218,7 @@ class Trainer:
                                             zero3=cfg.deepspeed_stage == 3,
                                             fence_resync=self.ahead.fenced_resync)  # none while weights move
                     self.rollouts, self.pool, self.sync_client = source, source.pool, source.sync_client
+                    self.ahead.abort = source.abort  # close(): a call still running ahead is ended, then waited for
         self._prompt_cache: dict[int, list[int]] = {}  # text models: a record's prompt ids
         self._step_prompts: dict[int, VisionPrompt] = {}  # vision-language models: this E-step's renderings
         self.pictures: list[Path] = []
@@ -284,6 +285,8 @@ class Trainer:
                 self.rollouts.wait_ready(timeout_s=self.cfg.rollout.request_timeout_s)
         # Batches ahead (of a checkpoint, or of this process's previous run() call) keep their lag behind the
         # weights across the sync below, which announces the same weights under a new number.
+        if self.ahead is not None:
+            self.ahead.drain()  # a batch still generating is kept too (saved() takes complete ones)
         ahead = self.ahead.saved(self._served_version()) if self.ahead is not None else []
         self._sync()  # once before the first rollout, and again on resume
         if self.ahead is not None:
@@ -532,18 +535,19 @@ class Trainer:
         self._sync()
 
     def _sync(self) -> None:
-        # The sync policy (learner/train/overlap.py): no Generate call in flight across a weight update.
-        if self.ahead is not None and self.ahead.ahead():
+        # The sync policy (learner/train/overlap.py): no Generate call in flight across a weight update, including
+        # one whose batch was abandoned.
+        if self.ahead is not None and self.ahead.pending():
             with self._phase("sync_drain"):
                 self.ahead.drain()
         version = self.state.version + 1
-        self._served_step = self.state.step
         # ZeRO-3: whole weights on every rank while rank 0 exports them (collective).
         with self._phase("sync"), self.ranks.guard(f"syncing weight version {version}"), \
                 gathered_weights(self.train_step, self.model):
             if self.rollouts is not None:  # rank 0's pool, or every rank's in-process engine
                 self.rollouts.sync(version)  # counts bytes and sets the version gauge itself
         self.state.version = version  # only once the engines confirmed it (sync raises otherwise)
+        self._served_step = self.state.step  # likewise: a failed sync leaves the servers on the last version
         if self.ahead is not None:
             self.ahead.synced()
 
