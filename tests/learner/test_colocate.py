@@ -125,7 +125,7 @@ def test_in_process_engine_equals_hf_after_every_sync(tiny_model_dir: Path, data
                                             {"max_tokens": 16, "temperature": 0.0}, weight_version=trainer.version)
             hf = _hf_greedy(copy.deepcopy(trainer.model).eval(), prompts, 16)
             got = [list(r.token_ids) for r in eng]
-            assert got == [h[: len(g)] for h, g in zip(hf, got, strict=True)], (result.step, got, hf)
+            assert got == hf and all(got), (result.step, got, hf)  # whole answers: an empty one matches nothing
             checked.append(result.step)
             answers.append(hf)
 
