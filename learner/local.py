@@ -496,7 +496,8 @@ def stop_on_signals() -> Iterator[None]:
         yield
     finally:
         for sig, old in previous.items():
-            signal.signal(sig, old)
+            if old is not None:  # None: a handler not installed from Python, which cannot be put back
+                signal.signal(sig, old)
 
 
 @contextlib.contextmanager

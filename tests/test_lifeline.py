@@ -178,3 +178,53 @@ def test_rmsft_local_clean_removes_killed_runs_only(tmp_path: Path, monkeypatch:
     assert f"removed{dead}(itsrunisgone)" in said and f"1ofliverunskept:{live.path}" in said
     assert not dead.exists() and live.path.exists()
     live.close()
+
+
+# -- rmsft local's own shutdown -----------------------------------------------------------------------------------
+def test_sigterm_while_the_servers_start_kills_every_one_and_unwinds(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM raises `Terminated` in the main thread (its handler put back afterwards), the wait for the servers
+    stops, and every server started so far is killed before the error leaves start_servers; a second signal while
+    unwinding is ignored."""
+    import threading
+
+    import yaml
+    from rich.console import Console
+
+    from learner import local
+    from rmsft.jobspec import parse_job
+    from rollout_svc.launcher import RolloutServer
+
+    spawned: list = []
+
+    class Loading:
+        def __init__(self, i: int) -> None:
+            self.address, self.killed, self.i = f"127.0.0.1:{9000 + i}", False, i
+
+        def wait_healthy(self, timeout: float, cancel: threading.Event) -> None:
+            if self.i == 0:
+                return  # ready; the other one is still loading its engine
+            cancel.wait(30)
+            raise RuntimeError("stopped waiting for rmsft serve")
+
+        def kill(self) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)  # a second signal while unwinding: ignored
+            self.killed = True
+
+    def spawn(model, *, replica_ordinal: int, **kw) -> Loading:
+        spawned.append(Loading(replica_ordinal))
+        return spawned[-1]
+
+    monkeypatch.setattr(RolloutServer, "spawn", staticmethod(spawn))
+    doc = yaml.safe_load((ROOT / "configs" / "local-tiny.yaml").read_text())
+    job = parse_job(doc)
+    before = signal.getsignal(signal.SIGTERM)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(local.Terminated) as info, local.stop_on_signals():
+        local.start_servers(job, tmp_path, Console(file=open(os.devnull, "w")))  # noqa: SIM115
+    timer.join()
+    assert info.value.signum == signal.SIGTERM and time.monotonic() - t0 < 10
+    assert len(spawned) == 2 and all(s.killed for s in spawned)
+    assert signal.getsignal(signal.SIGTERM) == before
