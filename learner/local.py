@@ -25,11 +25,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,8 +39,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from learner.gpu_plan import CUDA_ENV, GpuPlan, plan_gpus, visible_gpu_count
+from rmsft import lifeline, run_dir
 from rmsft.jobspec import RolloutMatchingJob, load_job
 from rmsft.logs import ENV as LOG_LEVEL_ENV
+from rmsft.memory_plan import memory_plan_setting
 from rmsft.model_check import check_model
 from rmsft.serve_options import serve_options
 
@@ -62,6 +63,15 @@ PRETRAIN_COORD_SIGMA = "rmsft.io/pretrain-coord-sigma"  # the pretraining's own 
 PRETRAIN_SEED_OFFSET = 20_000  # the pretraining set's seed: neither the training set's (+0) nor the held-out one's
 SYNTHETIC_TASKS = ("text", "visual", "visual-grid", "answer")
 AUTH_TOKEN_ENV = "RMSFT_AUTH_TOKEN"
+
+
+class Terminated(KeyboardInterrupt):
+    """`rmsft local` was sent SIGTERM or SIGHUP: raised in the main thread like Ctrl-C's KeyboardInterrupt, so the
+    run unwinds the same way (the learner closes, the servers stop, the run's shared memory is removed)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 class LearnerExitError(SystemExit):
@@ -233,8 +243,12 @@ def server_options(job: RolloutMatchingJob, plan: GpuPlan | None = None) -> dict
     return serve_options(job, gpus=torch.cuda.is_available())
 
 
-def start_servers(job: RolloutMatchingJob, log_dir: Path, console: Console, plan: GpuPlan | None = None) -> list:
-    """Start the job's servers, each on the GPUs `plan` gives it (default: this machine's plan)."""
+def start_servers(job: RolloutMatchingJob, log_dir: Path, console: Console, plan: GpuPlan | None = None, *,
+                  staging: list[Path] | None = None, timeout_s: float = 300.0) -> list:
+    """Start the job's servers, each on the GPUs `plan` gives it (default: this machine's plan) and, when given,
+    with `staging[i]` as its staging dir. The processes are started from this thread (their parent-death signal
+    is tied to it: rmsft.lifeline), then waited for together. If anything stops the wait (a server that fails, a
+    signal), every server is killed before this returns or raises: none outlives a failed start."""
     from rollout_svc.launcher import RolloutServer
 
     n = job.spec.rollout.replicas
@@ -246,23 +260,34 @@ def start_servers(job: RolloutMatchingJob, log_dir: Path, console: Console, plan
     # The servers log at the job's spec.monitoring.logLevel, as they would in their pods.
     env = {LOG_LEVEL_ENV: job.spec.monitoring.log_level}
     started: list = []
-    with console.status(f"starting {n} rollout server(s) ({opts['backend']}), logs in {log_dir}"):
-        with ThreadPoolExecutor(max_workers=n) as pool:
-            futures = [
-                pool.submit(RolloutServer.start, job.spec.model.path, log_path=log_dir / f"rollout-{i}.log",
-                            replica_ordinal=i, env={**env, **plan.server_env(i)}, **opts)
-                for i in range(n)
-            ]
-            errors = []
-            for f in futures:
-                try:
-                    started.append(f.result())
-                except Exception as exc:  # noqa: BLE001 - reported together below
-                    errors.append(exc)
-        if errors:
-            for s in started:
-                s.stop()
-            raise RuntimeError(f"{len(errors)} of {n} rollout server(s) failed to start: {errors[0]}")
+    cancel = threading.Event()
+    try:
+        with console.status(f"starting {n} rollout server(s) ({opts['backend']}), logs in {log_dir}"):
+            for i in range(n):
+                extra = {"staging_dir": str(staging[i])} if staging else {}
+                started.append(RolloutServer.spawn(job.spec.model.path, log_path=log_dir / f"rollout-{i}.log",
+                                                   replica_ordinal=i, env={**env, **plan.server_env(i)},
+                                                   **opts, **extra))
+            pool = ThreadPoolExecutor(max_workers=n)
+            try:
+                futures = [pool.submit(s.wait_healthy, timeout_s, cancel) for s in started]
+                errors = []
+                for f in futures:
+                    try:
+                        f.result()
+                    except Exception as exc:  # noqa: BLE001 - reported together below
+                        errors.append(exc)
+                        cancel.set()  # one failed: the run cannot start, stop waiting for the others
+            finally:
+                cancel.set()
+                pool.shutdown(wait=True)
+            if errors:
+                first = next((e for e in errors if "stopped waiting" not in str(e)), errors[0])
+                raise RuntimeError(f"rollout server(s) failed to start: {first}")
+    except BaseException:
+        for s in started:  # not serving yet: nothing to drain
+            s.kill()
+        raise
     console.print(f"rollout servers ready: {', '.join(s.address for s in started)}")
     return started
 
@@ -373,8 +398,10 @@ def run_learner_process(cmd: list[str], env: dict[str, str], log_path: Path, con
     interrupted."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log_file:
-        # Same process group: a Ctrl-C in the terminal reaches torchrun, which stops its ranks.
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **env})
+        # Same process group: a Ctrl-C in the terminal reaches torchrun, which stops its ranks. SIGTERM (which
+        # torchrun passes on to its ranks) when this process ends without stopping it: rmsft.lifeline.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                **lifeline.popen_options({**os.environ, **env}))
         try:
             assert proc.stdout is not None
             for raw in proc.stdout:
@@ -437,6 +464,7 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
     LearnerExitError when the torchrun learner fails."""
     console = console or Console(stderr=True)
     job = load_job(job_path)
+    memory_plan_setting()  # a typo in RMSFT_MEMORY_PLAN fails now, not once the servers are up
     # Everything that can be refused from the spec and the machine alone, before anything starts.
     plan = machine_plan(job)
     # One learner GPU: the learner runs in this process, which already sees every GPU (and may have
@@ -453,42 +481,81 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
     log_dir = Path(work_dir) / "logs"
     if plan.accelerated:
         console.print(f"GPUs: {plan.describe()}")
-    with shared_weights_dir(job, console):
-        return _run_started(job_path, job, plan, log_dir, resume=resume, console=console)
+    with stop_on_signals(), shared_weights_dir(job, console) as run:
+        return _run_started(job_path, job, plan, log_dir, resume=resume, console=console, run=run)
 
 
 @contextlib.contextmanager
-def shared_weights_dir(job: RolloutMatchingJob, console: Console) -> Iterator[str]:
-    """Transport shm (the default here: every process is on this machine): a fresh directory in
-    shared memory, handed to the servers and the learner through RMSFT_SHARED_WEIGHTS_DIR, removed
-    with whatever is left in it when the run ends. Yields "" for transport grpc."""
+def stop_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP (what `timeout`, systemd, a CI runner or a closing terminal send) raise `Terminated` in
+    the main thread, as SIGINT raises KeyboardInterrupt, so the run shuts down in order instead of dying with its
+    servers left behind. A second signal while shutting down is ignored (SIGKILL still ends it; the servers then die
+    with this process: rmsft.lifeline). Does nothing off the main thread (Python delivers signals there only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stopping = threading.Event()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+
+    def handler(signum: int, frame: object) -> None:
+        if stopping.is_set():
+            return
+        stopping.set()
+        if signum == signal.SIGHUP:  # the terminal is gone: writing to it would fail the shutdown
+            with contextlib.suppress(OSError):
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, 1)
+                os.dup2(devnull, 2)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Terminated(signum)
+
+    for sig in previous:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            if old is not None:  # None: a handler not installed from Python, which cannot be put back
+                signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def shared_weights_dir(job: RolloutMatchingJob, console: Console) -> Iterator[run_dir.RunDir | None]:
+    """The run's directory in shared memory (rmsft.run_dir: named after this process and locked by it while it
+    lives, so a later run can tell it from a live one), for the servers' staging dirs and, with transport shm (the
+    default here: every process is on this machine), the shared-weights dir handed to the servers and the learner
+    through RMSFT_SHARED_WEIGHTS_DIR. Removed with whatever is in it when the run ends; what dead runs left is
+    removed first. Yields None in colocate mode (no servers)."""
     from rmsft.weight_wire import SHARED_DIR_ENV
 
     if job.spec.rollout.colocated:
         console.print("weight sync: in-process (the rollout engine lives in the learner)")
-        yield ""
+        yield None
         return
-    if job.spec.sync.local_transport != "shm":
-        console.print("weight sync: grpc (one stream from the learner, relayed server to server)")
-        yield ""
-        return
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    path = tempfile.mkdtemp(prefix="rmsft-weights-", dir=base)
+    removed = run_dir.remove_stale()
+    if removed:
+        console.print(f"removed {len(removed)} shared-memory folder(s) of runs that were killed: "
+                      f"{', '.join(str(p) for p in removed)}")
     before = os.environ.get(SHARED_DIR_ENV)
-    os.environ[SHARED_DIR_ENV] = path  # the servers inherit it; the learner reads it
-    console.print(f"weight sync: shm (each update written once to {path}, read by every server)")
-    try:
-        yield path
-    finally:
-        if before is None:
-            os.environ.pop(SHARED_DIR_ENV, None)
+    with run_dir.owned() as run:
+        if job.spec.sync.local_transport != "shm":
+            console.print("weight sync: grpc (one stream from the learner, relayed server to server)")
         else:
-            os.environ[SHARED_DIR_ENV] = before
-        shutil.rmtree(path, ignore_errors=True)
+            path = str(run.sub("weights"))
+            os.environ[SHARED_DIR_ENV] = path  # the servers inherit it; the learner reads it
+            console.print(f"weight sync: shm (each update written once to {path}, read by every server)")
+        try:
+            yield run
+        finally:
+            if before is None:
+                os.environ.pop(SHARED_DIR_ENV, None)
+            else:
+                os.environ[SHARED_DIR_ENV] = before
 
 
 def _run_started(job_path: str | Path, job: RolloutMatchingJob, plan: GpuPlan, log_dir: Path, *, resume: bool,
-                 console: Console) -> Summary | None:
+                 console: Console, run: run_dir.RunDir | None = None) -> Summary | None:
     if job.spec.rollout.colocated:  # no servers: every learner rank starts its own engine
         console.print(f"rollouts: colocate (a {job.spec.rollout.engine} engine inside the learner)")
         if len(plan.learner) > 1:
@@ -496,7 +563,8 @@ def _run_started(job_path: str | Path, job: RolloutMatchingJob, plan: GpuPlan, l
                                 console=console)
             return None
         return train_in_process(job, [], auth_token="", resume=resume, console=console)
-    servers = start_servers(job, log_dir, console, plan)
+    staging = [run.sub(f"serve-{i}") for i in range(job.spec.rollout.replicas)] if run is not None else None
+    servers = start_servers(job, log_dir, console, plan, staging=staging)
     from rollout_svc.launcher import Supervisor
 
     # A server whose engine died exits 1; like a pod, it is restarted, and the learner re-syncs it.
@@ -511,7 +579,9 @@ def _run_started(job_path: str | Path, job: RolloutMatchingJob, plan: GpuPlan, l
             return None
         return train_in_process(job, addresses, auth_token=token, resume=resume, console=console)
     finally:
+        # In order: the learner has closed (no call in flight), nothing restarts a server any more, the servers
+        # drain and stop (together: each may take its grace period).
         supervisor.stop()
-        for s in servers:
-            with contextlib.suppress(Exception):
-                s.stop()
+        with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+            for s in servers:
+                pool.submit(s.stop, 15.0)

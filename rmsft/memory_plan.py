@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pydantic import ValidationError
 
 from rmsft.jobspec import JobSpec, JobSpecError, RolloutMatchingJob
 
@@ -81,6 +84,25 @@ class MemoryPlanError(JobSpecError):
         self.plan = plan
         self.advice = plan.advice
         ValueError.__init__(self, message)
+
+
+MEMORY_PLAN_ENV = "RMSFT_MEMORY_PLAN"
+MEMORY_PLAN_SETTINGS = ("refuse", "warn", "off")  # refuse: the default
+
+
+class MemoryPlanSettingError(ValueError):
+    """RMSFT_MEMORY_PLAN holds something other than its documented values."""
+
+
+def memory_plan_setting(environ: Mapping[str, str] | None = None) -> str:
+    """What the learner does with a plan that does not fit: RMSFT_MEMORY_PLAN's value, "refuse" when unset or
+    empty. Anything but `MEMORY_PLAN_SETTINGS` is an error (a typo must not silently mean "refuse")."""
+    raw = (os.environ if environ is None else environ).get(MEMORY_PLAN_ENV, "")
+    value = raw.strip().lower() or "refuse"
+    if value not in MEMORY_PLAN_SETTINGS:
+        raise MemoryPlanSettingError(f"{MEMORY_PLAN_ENV} must be one of {', '.join(MEMORY_PLAN_SETTINGS)} "
+                                     f"(refuse when unset), got {raw!r}")
+    return value
 
 
 class ModelShapeError(ValueError):
@@ -953,6 +975,32 @@ def _knobs(spec: JobSpec, shape: ModelShape, gpu_memory: int | None) -> list[_Kn
     return knobs
 
 
+OFFLOAD_OPTIMIZER_ZERO3 = ("spec.rollout.colocate.offloadOptimizer is not available with "
+                           "spec.training.deepspeed_stage 3 (the learner refuses it at start)")
+
+
+def changed(spec: JobSpec, *chosen: _Knob) -> JobSpec:
+    """A copy of `spec` with the knobs' changes applied (not validated: see `refusal`)."""
+    s = spec.model_copy(deep=True)
+    for _, apply in chosen:
+        apply(s)
+    return s
+
+
+def refusal(spec: JobSpec) -> str | None:
+    """Why `spec` (e.g. a job changed by advice) would be refused before it trains, else None: the job spec
+    validator (the same rules as the CRD's and `rmsft local`'s), then what the learner refuses at start although
+    the spec allows it (offloading the optimizer under ZeRO-3: learner.colocate.offload)."""
+    try:
+        checked = JobSpec.model_validate(spec.model_dump(by_alias=True))
+    except ValidationError as exc:
+        return "; ".join(e["msg"] for e in exc.errors())
+    c = checked.rollout.colocate
+    if checked.rollout.colocated and c.offload_optimizer and checked.training.deepspeed_stage == 3:
+        return OFFLOAD_OPTIMIZER_ZERO3
+    return None
+
+
 def advise(spec: JobSpec, shape: ModelShape, gpu_memory: int | None) -> tuple[str, ...]:
     """What to turn so that the job's own mode fits: each single knob that alone makes it fit, else the
     first pair that does, else the plain fact."""
@@ -966,24 +1014,7 @@ def advise(spec: JobSpec, shape: ModelShape, gpu_memory: int | None) -> tuple[st
         where = "spec.learner.resources.limits.memory" if spec.rollout.colocated else \
             "spec.learner.resources.limits.memory / spec.rollout.resources.limits.memory"
         return (f"Raise the pods' memory limit ({where}) to at least {_gib(need)}.",)
-    knobs = _knobs(spec, shape, gpu_memory)
-
-    def fits(*chosen: _Knob) -> bool:
-        s = spec.model_copy(deep=True)
-        for _, apply in chosen:
-            apply(s)
-        return _plan_mode(s, shape, gpu_memory).fits
-
-    singles = [k for k in knobs if fits(k)]
-    # Switching full fine-tuning to LoRA changes the experiment: when it is the only single knob, also look
-    # for a pair of the others.
-    gentle = [k for k in knobs if not k[0].startswith("set spec.training.finetune")]
-    pair = None
-    if not any(k in gentle for k in singles):
-        for pool in (gentle, knobs) if not singles else (gentle,):
-            pair = next(((a, b) for i, a in enumerate(pool) for b in pool[i + 1:] if fits(a, b)), None)
-            if pair is not None:
-                break
+    singles, pair = advised_knobs(spec, shape, gpu_memory)
     out = []
     if singles:
         names = [k[0] for k in singles]
@@ -996,6 +1027,31 @@ def advise(spec: JobSpec, shape: ModelShape, gpu_memory: int | None) -> tuple[st
         more = "GPUs with more memory, more GPUs (spec.learner.gpus / replicas), or a smaller model"
         out.append(f"No knob of this job is enough, alone or in pairs: it needs {more}.")
     return tuple(out)
+
+
+def advised_knobs(spec: JobSpec, shape: ModelShape,
+                  gpu_memory: int | None) -> tuple[list[_Knob], tuple[_Knob, _Knob] | None]:
+    """The knobs `advise` names for a GPU job that does not fit: the single ones that each make it fit, and a
+    pair that does together (None when there is no pair or a gentle single knob is enough)."""
+    # Only changes the job would be accepted with: what the validator refuses, or the learner refuses at start,
+    # is no advice (every knob alone here, every pair below).
+    knobs = [k for k in _knobs(spec, shape, gpu_memory) if refusal(changed(spec, k)) is None]
+
+    def fits(*chosen: _Knob) -> bool:
+        s = changed(spec, *chosen)
+        return refusal(s) is None and _plan_mode(s, shape, gpu_memory).fits
+
+    singles = [k for k in knobs if fits(k)]
+    # Switching full fine-tuning to LoRA changes the experiment: when it is the only single knob, also look
+    # for a pair of the others.
+    gentle = [k for k in knobs if not k[0].startswith("set spec.training.finetune")]
+    pair = None
+    if not any(k in gentle for k in singles):
+        for pool in (gentle, knobs) if not singles else (gentle,):
+            pair = next(((a, b) for i, a in enumerate(pool) for b in pool[i + 1:] if fits(a, b)), None)
+            if pair is not None:
+                break
+    return singles, pair
 
 
 # ---------------------------------------------------------------- entry points

@@ -23,6 +23,8 @@ from typing import Any
 
 import grpc
 
+from rmsft.lifeline import popen_options
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -61,6 +63,19 @@ class RolloutServer:
         `options` are `rmsft serve` flags in snake_case (e.g. backend="hf", enable_lora=True).
         Raises RuntimeError with the server's log tail if it exits or times out.
         """
+        srv = cls.spawn(model, port=port, metrics_port=metrics_port, env=env, log_path=log_path, **options)
+        try:
+            srv.wait_healthy(timeout)
+        except BaseException:
+            srv.stop()
+            raise
+        return srv
+
+    @classmethod
+    def spawn(cls, model: str | Path, *, port: int | None = None, metrics_port: int | None = None,
+              env: dict[str, str] | None = None, log_path: str | Path | None = None, **options: Any) -> RolloutServer:
+        """Start the server process and return at once (`wait_healthy` waits for it). The process dies with this
+        one, whatever ends this one (rmsft.lifeline)."""
         if port:
             with socket.socket() as s:
                 # As the gRPC server binds: a killed server's connections in TIME_WAIT do not hold the port.
@@ -85,17 +100,15 @@ class RolloutServer:
         srv = cls(None, port, metrics_port, log_path, token=token)
         srv._launch = (cmd, full_env)
         srv._spawn(append=False)
-        try:
-            srv.wait_healthy(timeout)
-        except BaseException:
-            srv.stop()
-            raise
         return srv
 
     def _spawn(self, *, append: bool) -> None:
         cmd, env = self._launch
         with open(self.log_path, "ab" if append else "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            # A session of its own: a Ctrl-C in the terminal reaches the learner, which stops the servers in
+            # order, not all at once. Its own process group, so its engine processes are stopped with it.
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         **popen_options(env))
 
     def restart(self, timeout: float = 300.0, cancel: threading.Event | None = None) -> None:
         """Start the server again after its process ended (a dead engine exits 1): same command, same ports, so
@@ -157,14 +170,22 @@ class RolloutServer:
         raise RuntimeError(f"rmsft serve not healthy after {timeout:.0f}s:\n{self.log_tail()}")
 
     def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (the server drains and shuts its engine down), SIGKILL to its whole process group after
+        `timeout`; engine processes left behind by a server that ended are killed too."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                # The engine runs in child processes of its own session: end the whole group.
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> int | None:
+        """SIGKILL the server's whole process group (its engine runs in child processes of the same group) and
+        reap it: for a server not worth a graceful stop, e.g. one still loading when the run is stopped."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
         return self.proc.returncode
 
     def __enter__(self) -> RolloutServer:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -12,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from rmsft_protos import rollout_pb2
 
+from rmsft.lifeline import kill_own_group_later, watch_parent
 from rmsft.logs import LogLevelError, configure_logging
 from rmsft.weight_wire import decode_chunk
 from rollout_svc.config import ServeConfig
@@ -81,11 +83,26 @@ def preflight(cfg: ServeConfig, termination_log: str = TERMINATION_LOG) -> None:
         _fail(problem)
 
 
+# How long a server whose starter died may take to stop cleanly before its process group (engine processes
+# included) is killed.
+ORPHAN_GRACE_S = 10.0
+
+
+def _starter_gone() -> None:
+    """The process that started this server (`rmsft local`, a test) ended without stopping it: stop as on SIGTERM
+    (the handler, once installed, shuts down in order; before that, SIGTERM ends the process, which has no engine
+    yet), and kill the whole process group if that takes longer than ORPHAN_GRACE_S (an engine still loading)."""
+    log.warning("the process that started this server is gone: shutting down")
+    kill_own_group_later(ORPHAN_GRACE_S)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def serve(cfg: ServeConfig) -> int:
     try:
         configure_logging("info", fmt="%(asctime)s %(levelname)s %(name)s: %(message)s")
     except LogLevelError as e:
         raise SystemExit(f"rmsft serve: {e}") from None
+    watch_parent(_starter_gone)  # started with a lifeline (rollout_svc.launcher): die with the starter
     preflight(cfg)
     from rollout_svc.auth import TokenAuthInterceptor
     from rollout_svc.servicer import RolloutServicer

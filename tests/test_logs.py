@@ -124,9 +124,9 @@ def test_local_starts_servers_at_the_jobs_log_level(tmp_path: Path, monkeypatch:
 
     def fake_start(model, **kw):
         started.append(kw)
-        return type("S", (), {"address": f"127.0.0.1:{len(started)}"})()
+        return type("S", (), {"address": f"127.0.0.1:{len(started)}", "wait_healthy": lambda self, *a: None})()
 
-    monkeypatch.setattr(RolloutServer, "start", staticmethod(fake_start))
+    monkeypatch.setattr(RolloutServer, "spawn", staticmethod(fake_start))
     start_servers(parse_job(doc), tmp_path, Console(file=open(os.devnull, "w")))  # noqa: SIM115
     assert [kw["env"] for kw in started] == [{ENV: "debug"}] * 2
 

@@ -359,3 +359,101 @@ def test_a_sync_wakes_a_sleeping_engines_weights_and_moe_is_refused() -> None:
            "num_attention_heads": 2, "vocab_size": 100, "num_experts": 8}  # fmt: skip
     with pytest.raises(ModelShapeError, match="mixture-of-experts"):
         shape_from_config(moe)
+
+
+# ---------------------------------------------------------------- the advice is a job the validator accepts
+
+
+def _advice_cases() -> list[tuple[str, Any, int]]:
+    """Jobs that do not fit, over the knobs' whole range: colocate at ZeRO 1-3 (where offloading the optimizer
+    is refused at stage 3), server jobs whose rollout GPUs are short (where a larger TP would need more GPUs
+    than the node has), full and LoRA fine-tuning, fp32."""
+    cases = []
+    for stage in (1, 2, 3):
+        for finetune in ("full", "lora"):
+            for share, sleep in ((0.45, 0), (0.55, 1), (0.9, 1)):
+                job = _colocate(**{"training.finetune": finetune, "training.precision": "bf16",
+                                   "training.deepspeed_stage": stage, "learner.resources": {},
+                                   "rollout.colocate": {"sleepLevel": sleep, "gpuMemoryUtilization": share}})
+                cases += [(f"colocate z{stage} {finetune} {share}/{sleep}", job, gib) for gib in (48, 64, 80)]
+    for replicas in (4, 7):
+        job = _job(**{"rollout.replicas": replicas, "learner.gpus": 8 - replicas, "sync.transport": "grpc",
+                      "rollout.gpuMemoryUtilization": 0.2})
+        cases += [(f"server {replicas}+{8 - replicas} u0.2", job, gib) for gib in (64, 80)]
+    job = _job(**{"training.finetune": "full", "training.precision": "fp32", "training.deepspeed_stage": 1,
+                  "rollout.replicas": 4, "learner.gpus": 4, "sync.transport": "grpc"})
+    cases += [("server full fp32", job, gib) for gib in (40, 80)]
+    return cases
+
+
+def test_every_piece_of_advice_is_a_job_the_validator_accepts_and_that_fits() -> None:
+    from rmsft.jobspec import JobSpec
+    from rmsft.memory_plan import advised_knobs, changed
+
+    checked: list[str] = []
+    for name, job, gib in _advice_cases():
+        plan = plan_memory(job, shape=SHAPE_7B, gpu_memory=gib * GiB)
+        if plan.fits:  # some corners of the sweep fit as they are: no advice to check
+            continue
+        singles, pair = advised_knobs(job.spec, SHAPE_7B, gib * GiB)
+        text = " ".join(plan.advice)
+        for chosen in [(k,) for k in singles] + ([pair] if pair else []):
+            label = f"{name} at {gib} GiB: {' + '.join(k[0] for k in chosen)}"
+            assert all(k[0] in text for k in chosen), label  # the structured advice is what the text says
+            s = changed(job.spec, *chosen)
+            try:  # through the validator, as the user would apply it (a manifest, not the object)
+                fixed = JobSpec.model_validate(s.model_dump(by_alias=True))
+            except Exception as exc:  # noqa: BLE001 - reported with the advice that made it
+                pytest.fail(f"{label}: refused by the validator: {exc}")
+            c = fixed.rollout.colocate
+            assert not (fixed.rollout.colocated and c.offload_optimizer and fixed.training.deepspeed_stage == 3), \
+                f"{label}: offloadOptimizer under ZeRO-3 (the learner refuses it at start)"
+            doc = job.to_manifest()
+            doc["spec"] = fixed.model_dump(by_alias=True)
+            assert plan_memory(parse_job(doc), shape=SHAPE_7B, gpu_memory=gib * GiB).fits, label
+            checked.append(label)
+    # The sweep reaches the knobs that needed the filter, and still finds advice for them.
+    assert len(checked) >= 40
+    joined = "\n".join(checked)
+    assert "offloadOptimizer" in joined and "deepspeed_stage: 3" in joined and "tensorParallelSize" not in joined
+
+
+def test_advice_never_offloads_the_optimizer_under_zero3_nor_outgrows_the_node() -> None:
+    # Offloading the optimizer is advice under ZeRO 1 and 2, never under ZeRO-3 (DeepSpeed moves ZeRO-3's
+    # optimizer state only for its own FusedAdam): neither alone at stage 3 nor paired with going to stage 3.
+    def job(stage: int, share: float) -> Any:
+        return _colocate(**{"training.finetune": "full", "training.precision": "bf16",
+                            "training.deepspeed_stage": stage, "learner.resources": {},
+                            "rollout.colocate": {"sleepLevel": 1, "gpuMemoryUtilization": share}})
+
+    offload = "set spec.rollout.colocate.offloadOptimizer: true"
+    assert offload in " ".join(plan_memory(job(2, 0.55), shape=SHAPE_7B).advice)
+    for stage in (1, 2, 3):
+        plan = plan_memory(job(stage, 0.9), shape=SHAPE_7B, gpu_memory=64 * GiB)
+        assert not plan.fits and plan.advice, stage
+        assert "offloadOptimizer" not in " ".join(plan.advice), (stage, plan.advice)
+    # 7 servers at TP 1 and 1 learner fill the node: TP 2 would need 15 GPUs, the node has 8.
+    job = _job(**{"rollout.replicas": 7, "learner.gpus": 1, "sync.transport": "grpc",
+                  "rollout.gpuMemoryUtilization": 0.2})
+    plan = plan_memory(job, shape=SHAPE_7B, gpu_memory=80 * GiB)
+    assert plan.advice and "tensorParallelSize" not in " ".join(plan.advice)
+    assert "raise spec.rollout.gpuMemoryUtilization to" in " ".join(plan.advice)
+
+
+@pytest.mark.parametrize("value,expected", [(None, "refuse"), ("", "refuse"), ("refuse", "refuse"),
+                                            ("warn", "warn"), ("off", "off"), (" WARN ", "warn")])
+def test_memory_plan_setting_takes_its_documented_values(value: str | None, expected: str) -> None:
+    from rmsft.memory_plan import MEMORY_PLAN_ENV, memory_plan_setting
+
+    assert memory_plan_setting({} if value is None else {MEMORY_PLAN_ENV: value}) == expected
+
+
+@pytest.mark.parametrize("value", ["wran", "0", "false", "no", "refused"])
+def test_memory_plan_setting_refuses_anything_else_naming_the_values(value: str) -> None:
+    from rmsft.memory_plan import MEMORY_PLAN_ENV, MemoryPlanSettingError, memory_plan_setting
+
+    with pytest.raises(MemoryPlanSettingError) as info:
+        memory_plan_setting({MEMORY_PLAN_ENV: value})
+    text = str(info.value)
+    assert MEMORY_PLAN_ENV in text and repr(value) in text
+    assert all(v in text for v in ("refuse", "warn", "off"))

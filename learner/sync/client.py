@@ -369,8 +369,8 @@ class WeightSyncClient:
         def requests() -> Any:
             yield rollout_pb2.WeightChunk(header=update.header).SerializeToString()
             done.wait()
-            if not digest:  # the write failed: ending the call without a trailer applies nothing
-                raise WeightSyncError("the shared update was not written")
+            if not digest:  # the write failed or was interrupted: the call was cancelled, nothing is applied
+                return
             yield rollout_pb2.WeightChunk(trailer=rollout_pb2.WeightTrailer(digest=digest[0])).SerializeToString()
 
         results: list[rollout_pb2.RelayOutcome] = []
@@ -386,6 +386,9 @@ class WeightSyncClient:
             except Exception as e:
                 raise WeightSyncError(f"writing weight version {version} to {update.path} failed: {e}") from e
             finally:
+                if not digest:  # abandoned (a failure, or a signal stopping the run): every server applies nothing
+                    for call in calls:
+                        call.cancel()
                 done.set()
                 for server, call in zip(servers, calls, strict=True):
                     try:
@@ -394,6 +397,10 @@ class WeightSyncClient:
                         results.append(_outcome(server.address, reply))
                     except grpc.RpcError as e:
                         results.append(outcome_of_error(server.address, e))
+                    except grpc.FutureCancelledError:  # abandoned above
+                        results.append(rollout_pb2.RelayOutcome(address=server.address,
+                                                                code=grpc.StatusCode.CANCELLED.value[0],
+                                                                message="the update was not written"))
         finally:
             update.remove()
         return {o.address: o for o in results}, update.header.total_bytes

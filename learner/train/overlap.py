@@ -26,9 +26,18 @@ The rules, all of them deterministic (a resumed or repeated run makes the same c
   pool still serves the last synced version; a server that needs a re-sync in that window (a restarted one) would
   be handed weights that are no version at all. `fenced_resync` refuses such re-syncs until the next sync; the
   client then takes that server out of the call (its chunks go to the others) and the next sync brings it back.
-- **Checkpoints.** `saved` drains and returns the batches ahead with their lag (versions behind the learner);
-  `restore` puts them back after a resume relative to the version the resumed run announces for the checkpoint's
-  weights, so the resumed run trains on exactly the rollouts the uninterrupted one would have.
+- **Every call is owned.** A batch that will never be taken (`take` moved past it, `restore` replaced it) is
+  cancelled when it has not started, else waited for, so "nothing generates while weights change" holds for
+  abandoned calls too; `pending` tells whether any call still runs. `close` cancels what has not started, asks
+  the running call to stop (`abort`, e.g. closing the client's channels) and waits for it, so the client and the
+  pool are never closed under a call.
+- **Checkpoints.** `saved` returns the batches ahead that are complete, with their lag (versions behind the
+  learner), without waiting for one still generating (the overlap goes on across a checkpoint); `restore` puts
+  them back after a resume relative to the version the resumed run announces for the checkpoint's weights, so the
+  resumed run trains on exactly the rollouts the uninterrupted one would have. A batch still generating when the
+  checkpoint was written is not in it: a resumed run generates it when it is due (same requests, same seeds, at
+  the resumed run's version). The trainer's checkpoints follow its syncs, which drain, so that only happens to a
+  checkpoint between syncs (`buffer.m_steps` > 1).
 
 `max_staleness` 0 is the synchronous loop: nothing is submitted ahead, `take` generates inline at the current
 version, and the metrics below are kept all the same.
@@ -41,7 +50,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,12 +100,17 @@ class RolloutsAhead:
     """The bounded prefetcher (module doc). One background thread: submitted batches generate one after the
     other, in submission order. Not for concurrent use by several learner threads."""
 
-    def __init__(self, generate: GenerateFn, max_staleness: int) -> None:
+    def __init__(self, generate: GenerateFn, max_staleness: int, *, abort: Callable[[], None] | None = None,
+                 close_timeout_s: float = 60.0) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self._generate = generate
         self.max_staleness = max_staleness
+        # Makes a running `generate` call return soon (it may raise); `close` calls it. None: close waits.
+        self.abort = abort
+        self._close_timeout_s = close_timeout_s
         self._ahead: dict[int, _Batch] = {}
+        self._calls: set[Future] = set()  # every call submitted and not finished, taken, dropped or abandoned
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollouts-ahead") if max_staleness else None
         self._lock = threading.Lock()
         self._busy = 0
@@ -112,9 +126,9 @@ class RolloutsAhead:
         made_at, dropped = version, 0
         # Batches for E-steps before this one will never be taken (a loop that moved on, e.g. resumed elsewhere):
         # they must not hold admission slots.
-        for old in [k for k in self._ahead if k < key]:
-            stale = self._ahead.pop(old).future
-            dropped += len(stale.result()) if stale.done() and stale.exception() is None else 0
+        passed = [self._ahead.pop(k).future for k in sorted(self._ahead) if k < key]
+        self._abandon(passed)
+        dropped += sum(len(f.result()) for f in passed if not f.cancelled() and f.exception() is None)
         batch = self._ahead.pop(key, None)
         rollouts: list[Rollout] | None = None
         if batch is not None:
@@ -148,8 +162,17 @@ class RolloutsAhead:
         already ahead or when `max_staleness` batches are; with max_staleness 0 nothing ever is."""
         if key in self._ahead or len(self._ahead) >= self.max_staleness or self._executor is None:
             return False
-        self._ahead[key] = _Batch(key, version, self._executor.submit(self._timed, requests, sampling, version))
+        fut = self._executor.submit(self._timed, requests, sampling, version)
+        with self._lock:
+            self._calls.add(fut)
+        fut.add_done_callback(self._finished)
+        self._ahead[key] = _Batch(key, version, fut)
         return True
+
+    def pending(self) -> bool:
+        """Whether any call submitted ahead still runs or waits to (abandoned ones included)."""
+        with self._lock:
+            return any(not f.done() for f in self._calls)
 
     def ahead(self) -> list[int]:
         """The E-steps submitted and not yet taken, in order."""
@@ -158,7 +181,7 @@ class RolloutsAhead:
     def drain(self) -> None:
         """Wait for every submitted call (the sync policy: nothing generates while weights change). A failed
         call is kept as it is: `take` raises its error, or a checkpoint leaves it out (regenerated on resume)."""
-        if not self._ahead:
+        if not self.pending():
             return
         t0 = time.perf_counter()
         self._settle()
@@ -168,9 +191,24 @@ class RolloutsAhead:
         m.ROLLOUT_WAIT_SECONDS.inc(waited)
 
     def _settle(self) -> None:
-        for b in list(self._ahead.values()):
-            with contextlib.suppress(Exception):  # surfaced by `take`
-                b.future.result()
+        """Wait for every call submitted, abandoned ones included (their errors are `take`'s to raise)."""
+        with self._lock:
+            calls = list(self._calls)
+        for fut in calls:
+            with contextlib.suppress(Exception, CancelledError):  # surfaced by `take`
+                fut.result()
+
+    def _finished(self, fut: Future) -> None:
+        with self._lock:
+            self._calls.discard(fut)
+
+    def _abandon(self, futures: Sequence[Future]) -> None:
+        """Calls whose batches will never be taken: cancelled when not started, else waited for (one call at a
+        time on the client, and no call across a sync). All cancelled first, so that none starts meanwhile."""
+        running = [f for f in futures if not f.cancel()]
+        for fut in running:
+            with contextlib.suppress(Exception, CancelledError):
+                fut.result()
 
     def synced(self) -> None:
         """The servers hold the learner's weights again (after a sync): re-syncs are safe."""
@@ -189,18 +227,19 @@ class RolloutsAhead:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def saved(self, version: int) -> list[dict[str, Any]]:
-        """The batches ahead, drained, for a checkpoint: key, lag (versions behind `version`), rollouts. A batch
-        whose call failed is left out: the resumed run generates it when it is due (same requests, same seeds)."""
-        self.drain()
+        """The complete batches ahead, for a checkpoint: key, lag (versions behind `version`), rollouts. Nothing is
+        waited for: a batch still generating goes on (and is taken as usual) but is not in the checkpoint, nor
+        is one whose call failed; a resumed run generates those when they are due (same requests, same seeds)."""
         out = []
         for b in (self._ahead[k] for k in sorted(self._ahead)):
-            if b.future.exception() is None:
+            if b.future.done() and not b.future.cancelled() and b.future.exception() is None:
                 out.append({"key": b.key, "lag": version - b.version, "rollouts": b.future.result()})
         return out
 
     def restore(self, saved: Sequence[dict[str, Any]], version: int) -> None:
         """Put a checkpoint's batches back, `lag` versions behind `version` (the version under which the resumed
         run serves the checkpoint's weights)."""
+        self._abandon([b.future for b in self._ahead.values()])
         self._ahead.clear()
         for item in list(saved)[: self.max_staleness]:
             fut: Future = Future()
@@ -208,9 +247,18 @@ class RolloutsAhead:
             self._ahead[int(item["key"])] = _Batch(int(item["key"]), version - int(item["lag"]), fut)
 
     def close(self) -> None:
-        """Stop the background thread; a call in flight is abandoned (its server aborts it at its deadline)."""
+        """Stop the background thread before the client it calls is closed: calls not started are cancelled, a
+        running one is asked to stop (`abort`) and waited for (at most `close_timeout_s`, then logged)."""
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+            if self.pending() and self.abort is not None:
+                self.abort()
+            with self._lock:
+                calls = [f for f in self._calls if not f.done()]
+            _, running = wait(calls, timeout=self._close_timeout_s)
+            if running:
+                log.warning("closing the rollouts-ahead prefetcher: a generate call still runs after %.0fs",
+                            self._close_timeout_s)
         self._ahead.clear()
 
     # -- internals ------------------------------------------------------------------------------

@@ -72,6 +72,11 @@ class ServerRollouts:
         return SourceInfo("server", tuple(s.address for s in self.pool.servers), self.sync_client.mode,
                           self.sync_client.transport)
 
+    def abort(self) -> None:
+        """End a generate call in flight now: its RPCs are cancelled with the servers' channels (it then raises).
+        For shutting down; the source takes no calls after it."""
+        self.pool.close()
+
     def close(self) -> None:
         self.client.close()
         self.pool.close()

@@ -223,6 +223,7 @@ class Trainer:
                                             zero3=cfg.deepspeed_stage == 3,
                                             fence_resync=self.ahead.fenced_resync)  # none while weights move
                     self.rollouts, self.pool, self.sync_client = source, source.pool, source.sync_client
+                    self.ahead.abort = source.abort  # close(): a call still running ahead is ended, then waited for
         self._prompt_cache: dict[int, list[int]] = {}  # text models: a record's prompt ids
         self._step_prompts: dict[int, VisionPrompt] = {}  # vision-language models: this E-step's renderings
         self.pictures: list[Path] = []
@@ -289,6 +290,8 @@ class Trainer:
                 self.rollouts.wait_ready(timeout_s=self.cfg.rollout.request_timeout_s)
         # Batches ahead (of a checkpoint, or of this process's previous run() call) keep their lag behind the
         # weights across the sync below, which announces the same weights under a new number.
+        if self.ahead is not None:
+            self.ahead.drain()  # a batch still generating is kept too (saved() takes complete ones)
         ahead = self.ahead.saved(self._served_version()) if self.ahead is not None else []
         self._sync()  # once before the first rollout, and again on resume
         if self.ahead is not None:
@@ -582,18 +585,19 @@ class Trainer:
         self._sync()
 
     def _sync(self) -> None:
-        # The sync policy (learner/train/overlap.py): no Generate call in flight across a weight update.
-        if self.ahead is not None and self.ahead.ahead():
+        # The sync policy (learner/train/overlap.py): no Generate call in flight across a weight update, including
+        # one whose batch was abandoned.
+        if self.ahead is not None and self.ahead.pending():
             with self._phase("sync_drain"):
                 self.ahead.drain()
         version = self.state.version + 1
-        self._served_step = self.state.step
         # ZeRO-3: whole weights on every rank while rank 0 exports them (collective).
         with self._phase("sync"), self.ranks.guard(f"syncing weight version {version}"), \
                 gathered_weights(self.train_step, self.model):
             if self.rollouts is not None:  # rank 0's pool, or every rank's in-process engine
                 self.rollouts.sync(version)  # counts bytes and sets the version gauge itself
         self.state.version = version  # only once the engines confirmed it (sync raises otherwise)
+        self._served_step = self.state.step  # likewise: a failed sync leaves the servers on the last version
         if self.ahead is not None:
             self.ahead.synced()
 
@@ -796,16 +800,14 @@ def _check_images_fit(records: Sequence[Record], policy: Policy, max_images: int
                          f"{max_images} images (first: {over[0]!r})")
 
 
-MEMORY_PLAN_ENV = "RMSFT_MEMORY_PLAN"
-
-
 def _check_memory_plan(job: RolloutMatchingJob, *, log_it: bool) -> None:
     """The job's memory plan (rmsft.memory_plan, what `rmsft plan` prints) against this machine's GPU memory:
     logged, and a job that cannot fit is refused before anything loads, naming the knob to turn. The plan is an
-    estimate: RMSFT_MEMORY_PLAN=warn makes a refusal a warning, =off skips the plan."""
-    from rmsft.memory_plan import MemoryPlanError, ModelShapeError, plan_memory
+    estimate: RMSFT_MEMORY_PLAN=warn makes a refusal a warning, =off skips the plan (any other value but refuse,
+    the default, is a MemoryPlanSettingError)."""
+    from rmsft.memory_plan import MEMORY_PLAN_ENV, MemoryPlanError, ModelShapeError, memory_plan_setting, plan_memory
 
-    setting = os.environ.get(MEMORY_PLAN_ENV, "refuse")
+    setting = memory_plan_setting()
     if setting == "off":
         return
     gpu_memory = None

@@ -254,25 +254,53 @@ def _log_summary(summary) -> None:
 
 @app.command("local")
 def local(
-    job: Path = typer.Argument(..., help="RolloutMatchingJob manifest (YAML)."),
+    job: Path | None = typer.Argument(None, help="RolloutMatchingJob manifest (YAML).", show_default=False),
     work_dir: Path = typer.Option(Path(".rmsft"), help="Where server logs go."),
     resume: bool = typer.Option(False, help="Resume from the newest checkpoint in training.checkpoint.dir."),
+    clean: bool = typer.Option(False, "--clean", help="Remove the shared-memory folders (/dev/shm/rmsft-run-*) of "
+                               "runs that were killed, then run JOB if one is given. A live run's are never "
+                               "touched; every run also does this when it starts."),
 ) -> None:
     """Run a whole job on this machine: rollout servers as local processes, the learner in-process."""
+    from rich.console import Console
+
     from learner.data.records import DataError
     from learner.rewards.interface import RewardConfigError
     from rmsft.jobspec import JobSpecError
     from rmsft.logs import LogLevelError, configure_logging
+    from rmsft.memory_plan import MemoryPlanSettingError
     from rmsft.model_check import ModelCheckError
 
+    console = Console(stderr=True)
+    if clean:
+        from rmsft import run_dir
+
+        removed = run_dir.remove_stale()
+        for path in removed:
+            console.print(f"removed {path} (its run is gone)")
+        kept = run_dir.live()
+        console.print(f"{len(removed)} folder(s) of killed runs removed"
+                      + (f"; {len(kept)} of live runs kept: {', '.join(map(str, kept))}" if kept else ""))
+        if job is None:
+            return
+    if job is None:
+        _fail(ValueError("give a job manifest (JOB), or --clean alone"))
     try:
         # warning by default: info lines would break up the progress bar
         configure_logging("warning", fmt="%(name)s %(levelname)s %(message)s")
         from learner.local import run_local
 
         run_local(job, work_dir=work_dir, resume=resume)
-    except (JobSpecError, DataError, LogLevelError, RewardConfigError, ModelCheckError) as exc:
+    except (JobSpecError, DataError, LogLevelError, RewardConfigError, ModelCheckError,
+            MemoryPlanSettingError) as exc:
         _fail(exc)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (learner.local.Terminated)
+        import signal
+
+        signum = getattr(exc, "signum", signal.SIGINT)
+        console.print(f"stopped ({signal.Signals(signum).name}): the rollout servers and the run's shared memory "
+                      "are gone; --resume continues from the last checkpoint")
+        raise typer.Exit(128 + signum) from None
 
 
 @app.command("plan")

@@ -133,7 +133,13 @@ class FakeServer:
         self.address, self.token, self.env, self.options = f"127.0.0.1:{5000 + n}", "s3cret", env, options
         self.stopped = False
 
-    def stop(self) -> None:
+    def wait_healthy(self, timeout: float, cancel: object = None) -> None:
+        pass
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.stopped = True
+
+    def kill(self) -> None:
         self.stopped = True
 
 
@@ -157,7 +163,7 @@ def machine(monkeypatch: pytest.MonkeyPatch):
         calls["torchrun"].append({"cmd": cmd, "env": env, "log": log_path})
         return calls.get("rc", 0)
 
-    monkeypatch.setattr(RolloutServer, "start", staticmethod(fake_start))
+    monkeypatch.setattr(RolloutServer, "spawn", staticmethod(fake_start))
     monkeypatch.setattr(local, "train_in_process", fake_in_process)
     monkeypatch.setattr(local, "run_learner_process", fake_process)
 

@@ -1,7 +1,8 @@
 """The README job's task stays learnable: a short plain-SFT run (every step a warm-start step, so the trainer
 runs without rollout servers, as `rmsft local`'s pretraining does) moves held-out F1@0.5 of the tiny Qwen3-VL,
-greedy through transformers, off zero. No vLLM, no timing: a guard that a change to the synthetic grid task,
-the tiny model or the loss does not make the shipped task unlearnable (docs/benchmarks.md has the real run)."""
+greedy through transformers, above the untrained model's. No vLLM, no timing: a guard that a change to the
+synthetic grid task, the tiny model or the loss does not make the shipped task unlearnable (docs/benchmarks.md
+has the real run)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _greedy(trainer: Trainer, records, images, max_tokens: int) -> list[list[int
     return answers
 
 
-def test_the_readme_task_moves_held_out_f1_off_zero(tmp_path: Path) -> None:
+def test_the_readme_task_moves_held_out_f1_above_the_untrained_models(tmp_path: Path) -> None:
     doc = copy.deepcopy(yaml.safe_load((ROOT / "configs" / "local-tiny-vl.yaml").read_text()))
     job0 = parse_job(doc)
     notes = _annotations(job0)
@@ -65,16 +66,24 @@ def test_the_readme_task_moves_held_out_f1_off_zero(tmp_path: Path) -> None:
     t["export"] = {"enabled": False}
     job = parse_job(doc)
     trainer = Trainer(job, [])  # no servers: nothing is generated
+    max_tokens = job.spec.training.rollout.max_tokens
     try:
+        records, images = load_dataset(held, None, 10**8)
+        # The untrained model's answers, scored the same way: what training must beat.
+        before = score(records, _greedy(trainer, records, images, max_tokens), trainer.eval_setup(images), iou=0.5)
+        trainer.model.train()
         trainer.run()
         assert len(trainer.history) == STEPS and trainer.history[-1].loss < trainer.history[0].loss
-        records, images = load_dataset(held, None, 10**8)
-        ev = score(records, _greedy(trainer, records, images, job.spec.training.rollout.max_tokens),
-                   trainer.eval_setup(images), iou=0.5)
+        ev = score(records, _greedy(trainer, records, images, max_tokens), trainer.eval_setup(images), iou=0.5)
     finally:
         trainer.close()
     at = ev.stats[0.5]
-    assert at.matched > 0 and ev.f1 > 0.0, f"held-out F1@0.5 {ev.f1:.3f}: the shipped task no longer learns"
+    said = (f"held-out F1@0.5 {before.f1:.3f} -> {ev.f1:.3f}, mAP@0.5 {before.coco['map_50']:.3f} -> "
+            f"{ev.coco['map_50']:.3f}: the shipped task no longer learns")
+    # Against the untrained model's figures, not against zero. The matcher pairs objects by place (label-blind):
+    # 120 steps teach where the shapes are, not yet their names (COCO's mAP@0.5, which wants both, stays 0 here;
+    # the README run's pretraining is longer).
+    assert at.matched > before.stats[0.5].matched and ev.f1 > before.f1, said
     # Answers stay well-formed: at most a stray object dropped over all held-out answers.
     assert at.dropped <= 1 and at.truncated == 0
 

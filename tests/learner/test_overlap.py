@@ -93,6 +93,7 @@ def test_batches_ahead_survive_a_checkpoint_with_their_lag() -> None:
     gen = _Gen()
     ahead = RolloutsAhead(gen, 1)
     ahead.submit(4, ["x"], None, 7)
+    ahead.drain()  # complete (a batch still generating is not waited for: see the mid-overlap test)
     saved = ahead.saved(8)  # the weights the checkpoint holds are (or will be) served as version 8
     assert [(s["key"], s["lag"]) for s in saved] == [(4, 1)]
     ahead.close()
@@ -110,6 +111,7 @@ def test_a_failed_call_ahead_fails_the_step_that_takes_it_and_is_left_out_of_che
 
     ahead = RolloutsAhead(broken, 1)
     ahead.submit(1, ["b"], None, 1)
+    ahead.drain()
     assert ahead.saved(1) == []
     with pytest.raises(RuntimeError, match="all servers down"):
         ahead.take(1, ["b"], None, 1)
@@ -128,6 +130,116 @@ def test_resyncs_are_refused_while_the_weights_move() -> None:
     resync("s2")
     assert pushed == ["s0", "s2"]
     ahead.close()
+
+
+class _Held(_Gen):
+    """A `_Gen` whose calls for the requests in `hold` block until `release` is set (or `abort` is called)."""
+
+    def __init__(self, hold: set[str]) -> None:
+        super().__init__()
+        self.hold = hold
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.aborted = 0
+
+    def __call__(self, requests, sampling, version: int) -> list[Rollout]:
+        with self.lock:
+            self.calls.append((tuple(requests), version))
+            self.inflight += 1
+            self.max_inflight = max(self.max_inflight, self.inflight)
+        try:
+            if self.hold & set(requests):
+                self.started.set()
+                if not self.release.wait(20):
+                    raise RuntimeError("never released")
+                if self.aborted:
+                    raise RuntimeError("aborted")
+            return [Rollout(r, [1], [2], "stop", version, "fake", weight_run_id="run") for r in requests]
+        finally:
+            with self.lock:
+                self.inflight -= 1
+
+    def abort(self) -> None:
+        self.aborted += 1
+        self.release.set()
+
+
+def _release_later(gen: _Held, after_s: float) -> threading.Timer:
+    timer = threading.Timer(after_s, gen.release.set)
+    timer.start()
+    return timer
+
+
+def test_a_batch_abandoned_by_take_is_waited_for_so_no_call_runs_across_the_next_sync() -> None:
+    gen = _Held({"c"})
+    ahead = RolloutsAhead(gen, 2)
+    try:
+        ahead.submit(3, ["c"], None, 1)
+        ahead.submit(4, ["d"], None, 1)  # queued behind 3: never started when 5 is taken
+        assert gen.started.wait(5)
+        timer = _release_later(gen, 0.3)
+        taken = ahead.take(5, ["e"], None, 1)  # the loop is past E-steps 3 and 4: both abandoned
+        # What take returns with is a pool with nothing running: the trainer may sync now.
+        assert gen.inflight == 0 and not ahead.pending()
+        assert gen.max_inflight == 1  # E-step 5 was not generated beside the abandoned call
+        assert [r for r, _ in gen.calls] == [("c",), ("e",)]  # 4 was cancelled before it started
+        assert taken.dropped == 1 and [r.request_id for r in taken.rollouts] == ["e"]
+        timer.join()
+    finally:
+        gen.release.set()
+        ahead.close()
+
+
+def test_a_sync_waits_for_a_call_whose_batch_was_replaced_by_restore() -> None:
+    gen = _Held({"x"})
+    ahead = RolloutsAhead(gen, 1)
+    try:
+        ahead.submit(2, ["x"], None, 1)
+        assert gen.started.wait(5)
+        timer = _release_later(gen, 0.3)
+        ahead.restore([], 5)  # a resume puts other batches in place of the running one
+        assert gen.inflight == 0 and not ahead.pending() and ahead.ahead() == []
+        timer.join()
+    finally:
+        gen.release.set()
+        ahead.close()
+
+
+def test_close_during_a_call_ends_it_before_returning() -> None:
+    gen = _Held({"b"})
+    ahead = RolloutsAhead(gen, 1, abort=gen.abort)
+    ahead.submit(1, ["b"], None, 1)
+    assert gen.started.wait(5)
+    t0 = time.perf_counter()
+    ahead.close()  # the trainer closes the client and the pool right after this
+    assert gen.aborted == 1 and gen.inflight == 0
+    assert time.perf_counter() - t0 < 5
+    # Without an abort hook, close waits for the running call.
+    slow = _Gen(delay_s=0.3)
+    ahead = RolloutsAhead(slow, 1)
+    ahead.submit(1, ["b"], None, 1)
+    time.sleep(0.05)
+    ahead.close()
+    assert slow.inflight == 0 and len(slow.calls) == 1
+
+
+def test_a_checkpoint_mid_overlap_keeps_the_overlap() -> None:
+    gen = _Held({"y"})
+    ahead = RolloutsAhead(gen, 2)
+    try:
+        ahead.submit(1, ["x"], None, 3)
+        ahead.submit(2, ["y"], None, 3)
+        assert gen.started.wait(5)  # 1 is complete, 2 generating
+        t0 = time.perf_counter()
+        saved = ahead.saved(4)  # a checkpoint while 2 generates: not waited for
+        assert time.perf_counter() - t0 < 1 and ahead.pending()
+        assert [(b["key"], b["lag"], [r.request_id for r in b["rollouts"]]) for b in saved] == [(1, 1, ["x"])]
+        gen.release.set()
+        taken = ahead.take(2, ["y"], None, 4)  # the running batch was kept and is trained on as usual
+        assert (taken.staleness, [r.request_id for r in taken.rollouts], len(gen.calls)) == (1, ["y"], 2)
+    finally:
+        gen.release.set()
+        ahead.close()
 
 
 # -- the trainer against fake servers -------------------------------------------------------------
@@ -389,3 +501,29 @@ def test_grpo_with_staleness_one_trains_within_the_bound(tmp_path: Path, tiny_mo
     assert trainer.ahead.stats.staleness == [0, 1, 1]
     for h in trainer.history:
         assert h.rollouts and {h.weight_version - r.weight_version for r in h.rollouts} <= {0, 1}
+
+
+def test_a_failed_sync_leaves_the_servers_weights_where_they_were(tmp_path: Path, tiny_model_dir: Path,
+                                                                 data_path: Path, servers: list[FakeServer]) -> None:
+    """The sync bookkeeping advances only once the servers confirmed: after a failed sync the trainer still knows
+    they hold the previous step's weights, so a held-out evaluation syncs first and a checkpoint's batches ahead
+    keep the right lag."""
+    trainer = _trainer(_job(tiny_model_dir, data_path, tmp_path, 1, steps=4), [s.address for s in servers])
+    try:
+        trainer.run(max_steps=1)  # synced once before the step; the step moved the weights past that version
+        version = trainer.state.version
+        assert trainer._served_version() == version + 1  # noqa: SLF001 - the bookkeeping under test
+
+        def broken(v: int) -> None:
+            raise RuntimeError("weight sync failed on every server")
+
+        real, trainer.rollouts.sync = trainer.rollouts.sync, broken
+        with pytest.raises(RuntimeError, match="weight sync failed"):
+            trainer.sync_weights()
+        assert trainer.state.version == version
+        assert trainer._served_version() == version + 1  # noqa: SLF001 - still not served
+        trainer.rollouts.sync = real
+        trainer.sync_weights()  # a retry goes through and only then counts
+        assert (trainer.state.version, trainer._served_version()) == (version + 1, version + 1)  # noqa: SLF001
+    finally:
+        trainer.close()

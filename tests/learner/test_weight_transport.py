@@ -12,6 +12,7 @@ file (refused, old weights intact) and a learner killed mid-write (no file left 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -325,3 +326,31 @@ def test_a_learner_killed_mid_write_leaves_no_file_behind(pool_of, tmp_path) -> 
         proc.kill()
         proc.wait()
     assert server.servicer.runner.version == 0
+
+
+def test_a_sync_interrupted_mid_write_is_abandoned_whole_and_quietly(pool_of, model, monkeypatch, caplog) -> None:
+    """A signal stopping the run (KeyboardInterrupt in the learner's thread) while the shared file is written:
+    every server's call is cancelled, none applies anything, the file is removed, and nothing is logged as an
+    error (the user stopped the run; gRPC's request thread is not made to fail)."""
+    servers = pool_of(2)
+    before = servers[0].param(PROBE).detach().clone()
+    real_write = SharedUpdate.write
+
+    def interrupted(self, *a, **kw):
+        os.pwrite(self._fd, bytes(4096), 0)  # part of the data
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SharedUpdate, "write", interrupted)
+    with ServerPool([s.address for s in servers]) as pool, caplog.at_level(logging.ERROR):
+        client = _client(pool, model, "shm", pool_of.shared)
+        _bump(model, 0.05)
+        with pytest.raises(KeyboardInterrupt):
+            client.sync(1)
+        assert all(version_of(pool.status(s)) == FRESH for s in pool.servers)
+        assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+        monkeypatch.setattr(SharedUpdate, "write", real_write)
+        want = _bump(model, 0.0)
+        assert sorted(client.sync(2).acked) == sorted(s.address for s in servers)  # the next sync goes through
+    for s in servers:
+        assert not torch.equal(s.param(PROBE), before) and torch.equal(s.param(PROBE), want)
+    assert _shared_files(pool_of.shared) == []

@@ -3,6 +3,7 @@ log continued, a bounded number of times (HF backend: starts in seconds, no vLLM
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -45,3 +46,52 @@ def test_a_server_that_exits_is_restarted_on_its_address(tiny_model_dir: Path, t
             assert sum("leaving it down" in e for e in events) == 1
     assert "exited with -9: restarting it (1/1" in " ".join(events)
     assert log.read_text().count("listening on") == 2  # one log, both runs
+
+
+_STARTER = """
+import sys, time
+from rollout_svc.launcher import RolloutServer
+srv = RolloutServer.start(sys.argv[1], backend="hf", timeout=120, log_path=sys.argv[2])
+print(srv.proc.pid, srv.port, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_server_whose_starter_is_killed_stops_by_itself(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SIGKILL gives its starter (`rmsft local`, a test) no chance to stop the server: the server sees its lifeline
+    end (rmsft.lifeline), shuts down and frees its port."""
+    import socket
+    import subprocess
+    import sys
+
+    import psutil
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "protos")])}
+    log = tmp_path / "serve.log"
+    starter = subprocess.Popen([sys.executable, "-c", _STARTER, str(tiny_model_dir), str(log)], env=env,
+                               stdout=subprocess.PIPE, text=True)
+    pid = None
+    try:
+        pid, port = map(int, starter.stdout.readline().split())
+        assert psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        starter.kill()
+        starter.wait(10)
+
+        def gone() -> bool:
+            try:
+                return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        _wait(gone, 30, f"server {pid} still running after its starter was killed:\n{log.read_text()[-2000:]}")
+        assert "the process that started this server is gone: shutting down" in log.read_text()
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))  # free again
+    finally:
+        starter.kill()
+        starter.wait(10)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
