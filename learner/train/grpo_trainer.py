@@ -179,6 +179,9 @@ class GrpoTrainer(Trainer):
                 responses = [vision_safe_response(r, self.vision_token_ids) for r in responses]
         return _Groups(indices, list(outs), responses, everything if ranks.is_main else list(outs))
 
+    def _channel_b(self, k: int) -> bool:  # noqa: ARG002 - every GRPO step samples (the recipe's channels are SFT's)
+        return True
+
     # -- score ----------------------------------------------------------------------------------
     def _score(self, groups: _Groups) -> RewardScores:
         """Every completion's rewards, in order. Each is parsed with the run's output format first (a detection

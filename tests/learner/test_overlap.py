@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from learner_fakes import FakeEngine, FakeServer, chat_renderer
+from learner_fakes import FakeServer
 from trainer_fixtures import make_job
 
 from learner.rollouts.client import Rollout
@@ -243,22 +242,6 @@ def test_a_checkpoint_mid_overlap_keeps_the_overlap() -> None:
 
 
 # -- the trainer against fake servers -------------------------------------------------------------
-@pytest.fixture(scope="module")
-def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rmsft.dev.synthetic import write_synthetic_dataset
-
-    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n=8, seed=0)
-
-
-@pytest.fixture
-def servers(tiny_model_dir: Path) -> Iterator[list[FakeServer]]:
-    render = chat_renderer(str(tiny_model_dir))
-    made = [FakeServer(FakeEngine(ordinal=i, render=render)) for i in range(2)]
-    yield made
-    for s in made:
-        s.stop()
-
-
 def _job(model: Path, data: Path, ckpt: Path, staleness: int, steps: int = 4, **kw):
     job = make_job(model, data, ckpt, steps=steps, **kw)
     job.spec.training.rollout.max_staleness = staleness

@@ -4,28 +4,8 @@ exactly from a checkpoint, generation 1 stays what it was."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
-from learner_fakes import FakeEngine, FakeServer, chat_renderer
 from trainer_fixtures import make_job
-
-
-@pytest.fixture(scope="module")
-def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rmsft.dev.synthetic import write_synthetic_dataset
-
-    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n=8, seed=0)
-
-
-@pytest.fixture
-def servers(tiny_model_dir: Path) -> Iterator[list[FakeServer]]:
-    render = chat_renderer(str(tiny_model_dir))
-    made = [FakeServer(FakeEngine(ordinal=i, render=render)) for i in range(2)]
-    yield made
-    for s in made:
-        s.stop()
 
 
 def _trainer(job, servers):
