@@ -70,9 +70,9 @@ def step_inputs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, 
     seen: list[tuple[list[Any], int, int]] = []
     real = trainer.device_step
 
-    def spy(rows: list[Any], ce: int, coord: int, lr: float) -> dict[str, torch.Tensor]:
+    def spy(rows: list[Any], ce: int, coord: int, lr: float, *counts: int) -> dict[str, torch.Tensor]:
         seen.append((rows, ce, coord))
-        return real(rows, ce, coord, lr)
+        return real(rows, ce, coord, lr, *counts)
 
     trainer.device_step = spy  # type: ignore[method-assign]
     try:
