@@ -305,8 +305,9 @@ def plan_part(shape: str, length: int, ckpt: bool, step: dict[str, Any] | None) 
         return Part(name, "SKIP", why, figures, time.perf_counter() - t0)
     figures |= {"peak_gib": step["peak_gib"], "reserved_gib": step.get("reserved_gib"), "ratio": step["plan_ratio"]}
     if step["plan_ratio"] > 1.0:
-        return Part(name, "FAIL", "the measured peak is above the plan's estimate: the plan would let through a job "
-                    "that does not fit (rmsft/memory_plan.py ASSUMPTIONS)", figures, time.perf_counter() - t0)
+        why = ("the measured peak is above the plan's estimate: the plan would let through a job that does not fit "
+               "(rmsft/memory_plan/arithmetic.py ASSUMPTIONS)")
+        return Part(name, "FAIL", why, figures, time.perf_counter() - t0)
     return Part(name, "PASS", "", figures, time.perf_counter() - t0)
 
 

@@ -1,4 +1,4 @@
-"""The memory plan (rmsft/memory_plan.py): parameter counts against real transformers models, the sharding and
+"""The memory plan (rmsft/memory_plan/): parameter counts against real transformers models, the sharding and
 phase arithmetic, refusals that name the knob, and `rmsft plan`'s exit codes."""
 
 from __future__ import annotations

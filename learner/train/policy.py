@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from learner.core.vocab import VocabView
 from rmsft.jobspec import TrainingConfig, VisionSpec
 from rmsft.model_folder import is_vision_language
+from rmsft.model_parts import ALIGNER, VISION_TOWER, part_of
 
 if TYPE_CHECKING:
     import torch
@@ -223,14 +224,16 @@ def _language_model_targets(names: list[str]) -> str:
 
 
 def _vision_parts(model: Any) -> tuple[list[Any], list[Any]]:
-    """(vision tower parameters, aligner parameters) of a Qwen-VL model: the aligner is the merger that
-    maps patch features to the language model's width, the tower is everything else under `visual`."""
+    """(vision tower parameters, aligner parameters) of a Qwen-VL model, split by rmsft.model_parts: the aligner
+    is the merger that maps patch features to the language model's width, the tower is everything else under
+    `visual`. The memory plan counts trainable parameters by the same split."""
     tower, aligner = [], []
     for name, p in model.named_parameters():
-        parts = name.split(".")
-        if "visual" not in parts:
-            continue
-        (aligner if any(q.startswith(("merger", "deepstack_merger")) for q in parts) else tower).append(p)
+        part = part_of(name)
+        if part == VISION_TOWER:
+            tower.append(p)
+        elif part == ALIGNER:
+            aligner.append(p)
     return tower, aligner
 
 
