@@ -231,9 +231,10 @@ def test_a_colocate_job_that_cannot_fit_is_refused_naming_the_knob() -> None:
     text = str(err)
     assert "does not fit (colocate mode): a GPU needs" in text and "generate phase" in text
     for knob in ("lower spec.rollout.colocate.gpuMemoryUtilization to 0.45",
-                 "set spec.rollout.colocate.offloadOptimizer: true", "set spec.rollout.colocate.offloadModel: true",
-                 "set spec.training.deepspeed_stage: 3"):
+                 "set spec.rollout.colocate.offloadOptimizer: true", "set spec.rollout.colocate.offloadModel: true"):
         assert knob in text, text
+    # ZeRO-3 would fit too, but the spec refuses it with a sleeping engine: the advice never names a refused job.
+    assert "deepspeed_stage: 3" not in text, text
     fixed = _colocate(**{"training.finetune": "full", "training.precision": "bf16", "training.deepspeed_stage": 2,
                          "rollout.colocate": {"sleepLevel": 1, "gpuMemoryUtilization": 0.55, "offloadOptimizer": True},
                          "learner.resources": {}})
@@ -348,12 +349,11 @@ def test_cli_plan_exit_codes_and_output(tmp_path: Path) -> None:
 
 
 def test_a_sync_wakes_a_sleeping_engines_weights_and_moe_is_refused() -> None:
-    job = _colocate(**{"training.finetune": "full", "training.precision": "bf16", "training.deepspeed_stage": 3,
+    job = _colocate(**{"training.finetune": "full", "training.precision": "bf16", "training.deepspeed_stage": 2,
                        "rollout.colocate": {"sleepLevel": 2}})  # fmt: skip
     d = plan_memory(job, shape=SHAPE_7B).own.devices[0]
     assert "engine weights" not in d.phases["train"]
     assert d.phases["sync"]["engine weights"] == d.phases["generate"]["engine weights"] > 0
-    assert d.phases["sync"]["training weights"] == 4 * SHAPE_7B.total_params  # ZeRO-3 gathers it whole
     assert d.host_bytes == 0  # level 2 discards the engine's weights; the learner restores them
     moe = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
            "num_attention_heads": 2, "vocab_size": 100, "num_experts": 8}  # fmt: skip
@@ -372,6 +372,8 @@ def _advice_cases() -> list[tuple[str, Any, int]]:
     for stage in (1, 2, 3):
         for finetune in ("full", "lora"):
             for share, sleep in ((0.45, 0), (0.55, 1), (0.9, 1)):
+                if stage == 3 and sleep:  # refused by the spec (a sleeping engine under ZeRO-3 is unproven)
+                    continue
                 job = _colocate(**{"training.finetune": finetune, "training.precision": "bf16",
                                    "training.deepspeed_stage": stage, "learner.resources": {},
                                    "rollout.colocate": {"sleepLevel": sleep, "gpuMemoryUtilization": share}})
@@ -424,7 +426,8 @@ def test_advice_never_offloads_the_optimizer_under_zero3_nor_outgrows_the_node()
     def job(stage: int, share: float) -> Any:
         return _colocate(**{"training.finetune": "full", "training.precision": "bf16",
                             "training.deepspeed_stage": stage, "learner.resources": {},
-                            "rollout.colocate": {"sleepLevel": 1, "gpuMemoryUtilization": share}})
+                            # a sleeping engine under ZeRO-3 is refused by the spec: awake there
+                            "rollout.colocate": {"sleepLevel": 0 if stage == 3 else 1, "gpuMemoryUtilization": share}})
 
     offload = "set spec.rollout.colocate.offloadOptimizer: true"
     assert offload in " ".join(plan_memory(job(2, 0.55), shape=SHAPE_7B).advice)

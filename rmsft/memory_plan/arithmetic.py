@@ -337,6 +337,8 @@ def _learner_phases(spec: JobSpec, tr: _Training, gpu: bool, engine: dict[str, i
     if spec.training.deepspeed_stage == 3:
         phases["sync"] = {"training weights": tr.weights_full, "optimizer state": tr.optimizer, **sync_engine,
                           **runtime}
+    elif sync_engine != engine:  # a sleeping colocated engine wakes for the push, on top of the training state
+        phases["sync"] = {"training weights": tr.weights, "optimizer state": tr.optimizer, **sync_engine, **runtime}
     return phases
 
 
