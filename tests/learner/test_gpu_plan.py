@@ -166,6 +166,8 @@ def machine(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(RolloutServer, "spawn", staticmethod(fake_start))
     monkeypatch.setattr(local, "train_in_process", fake_in_process)
     monkeypatch.setattr(local, "run_learner_process", fake_process)
+    # The simulated machine has no model folder: what these tests check is where every process runs.
+    monkeypatch.setattr(local, "check_model", lambda path, fmt: f"{path} (not read: a simulated machine)")
 
     def make(n: int, visible: str | None = None) -> dict[str, list]:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
