@@ -66,6 +66,8 @@ def make_job(model_dir: Path, data: Path, ckpt: Path, *, mode: str, finetune: st
     t.pop("eval")  # the held-out set is written by `rmsft local` from the annotation; not tested here
     t["checkpoint"] = {"dir": str(ckpt), "every": 0, "keep": 1}
     t["rollout"].update(max_tokens=40, generate_batch_size=1)
+    # Every step samples and syncs: these tests check the weight path and the rollouts, not the recipe's schedule.
+    t["recipe"] = {"channel_b_ratio": 1.0, "explorers": {"count": 0}}
     return parse_job(doc)
 
 

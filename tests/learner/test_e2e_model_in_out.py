@@ -71,7 +71,8 @@ def test_stock_model_trains_with_qwen_json_evaluates_tracks_and_exports(stock_vl
     # Held-out evaluation every 2 steps (and the last step is one of them), each reported as it happens
     assert [s for s, _, _ in summary.evaluations] == [2, 4]
     said = console.file.getvalue()
-    assert "step 2: held-out F1@0.5" in said and "step 4: held-out F1@0.5" in said and "mAP" in said
+    assert "step 2: held-out label-aware F1@0.5" in said and "mAP" in said
+    assert "step 4: held-out label-aware F1@0.5" in said
     assert f"tensorboard --logdir {summary.log_dir}" in said
     assert all(0.0 <= f1 <= 1.0 and 0.0 <= ap <= 1.0 for _, f1, ap in summary.evaluations)
     # ... on /metrics (this process's registry is what the learner's endpoint serves)
