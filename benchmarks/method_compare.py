@@ -71,12 +71,16 @@ class Setting:
     # Rough seconds per step (channel A, channel B) and per evaluation on 2 idle cores, for the first estimate
     # (later ones come from the runs already in the CSV).
     cost: tuple[float, float, float] = (1.5, 6.0, 10.0)
+    # Packed rows per optimizer step: enough for a step's segments, so every step trains on its own targets (one
+    # 2048-token row holds 8 README answers but only 3-4 crowded ones: the rest would wait in the packer's carry
+    # buffer and the arms would train on the same backlog of warm-start segments).
+    grad_accumulation: int = 1
 
 
 SETTINGS = {
     "readme": Setting("readme", {"cells": 4, "max_objects": 2}, max_tokens=96),
     "crowd": Setting("crowd", {"cells": 6, "max_objects": 8, "min_objects": 3, "max_cells": 1}, max_tokens=360,
-                     cost=(3.0, 20.0, 30.0)),
+                     cost=(3.0, 20.0, 30.0), grad_accumulation=3),
 }
 
 KEY = ("setting", "arm", "seed", "steps", "warm", "heldout", "ratio")
@@ -140,6 +144,7 @@ def make_job(setting: Setting, arm: str, seed: int, plan: Plan, model: Path, dat
     t["rollout"]["seed"] = seed
     # Long crowded answers are many segments per row: room for them (64, the README job's, overflowed in `crowd`).
     t["packing_buffer"] = 256
+    t["grad_accumulation"] = setting.grad_accumulation
     t["checkpoint"] = {"dir": str(ckpt), "every": 0, "keep": 1}
     t["export"] = {"enabled": False}
     return parse_job(doc)
