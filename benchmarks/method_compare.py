@@ -315,11 +315,11 @@ def report(rows: list[dict], out: Path, name: str, wall: float) -> str:
                 start = spread([float(x[key]) for x in finals[(setting, "warm")]])[0]
                 ax.axhline(start, color="k", lw=0.8, ls=":", label="after the warm start")
             ax.set_xticks(range(len(trained)), trained, fontsize=7)
-            ax.set_title(f"{setting}: {label}", fontsize=9)
+            seeds = len(finals.get((setting, trained[0]), [])) if trained else 0
+            ax.set_title(f"{setting} ({seeds} seed{'s' if seeds != 1 else ''}): {label}", fontsize=9)
             ax.tick_params(labelsize=7)
     axes[0][0].legend(fontsize=7)
-    n_seeds = max((len(v) for v in finals.values()), default=0)
-    fig.suptitle(f"same start, same optimizer steps: mean over {n_seeds} seed(s), bars min-max"
+    fig.suptitle("same start, same optimizer steps: mean over the seeds, bars min-max"
                  + (f", {wall / 60:.0f} min" if wall else ""), fontsize=10)
     fig.tight_layout()
     fig.savefig(out / f"{name}.png", dpi=100)
