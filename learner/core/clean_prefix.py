@@ -290,7 +290,7 @@ def build_clean_targets(
         coord_positions=tuple(coord_pos[i] for i in order),
         coord_bins=tuple(coord_bins[i] for i in order),
         prompt_len=prompt_len,
-        prefix_len=len(head_ids) + len(vocab.encode(body[:kept_end])) if n_kept else len(head_ids),
+        prefix_len=len(head_ids) + sum(1 for _, be in _byte_spans(body_ids, vocab) if be <= kept_end),
         meta={
             "n_pred": len(objs),
             "n_gt": n_gt,

@@ -215,7 +215,9 @@ def loss_sums(
         coord_logits = full[:, ids]
         bins = row.coord_bins.to(device)
         soft_ce, w1, gate = coord_loss_terms(coord_logits, full, bins, sigma)
-        coord_ce = F.cross_entropy(full.float(), ids[bins], reduction="none")
+        # Hard CE over the whole vocabulary = gate (log of the mass off the coord tokens) + CE over the coord
+        # logits: the whole-vocabulary logsumexp is the gate's, not computed a second time.
+        coord_ce = gate + F.cross_entropy(coord_logits.float(), bins, reduction="none")
         if row.coord_weights is not None:
             cw = row.coord_weights.to(device)
             soft_ce, w1, gate, coord_ce = soft_ce * cw, w1 * cw, gate * cw, coord_ce * cw

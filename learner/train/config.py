@@ -30,6 +30,7 @@ class Recipe:
     clean: CleanPrefixConfig | None  # generation 2 only
     explorers: int  # explorer rollouts per prompt on a B step
     explorer_sampling: dict[str, Any] | None
+    unlikelihood: float = 0.0  # weight of the duplicates' unlikelihood term (generation 2)
 
     def channel_b(self, k: int) -> bool:
         """E-step `k` (counted from the first step after the warm start) is rollout matching."""
@@ -79,6 +80,7 @@ def recipe_setup(cfg: TrainingConfig) -> Recipe:
         explorer_sampling={"max_tokens": cfg.rollout.max_tokens, "temperature": exp.temperature, "top_p": exp.top_p,
                            "top_k": exp.top_k, "repetition_penalty": cfg.rollout.repetition_penalty, "n": count}
         if count else None,
+        unlikelihood=dup.unlikelihood,
     )
 
 
@@ -86,13 +88,12 @@ def core_configs(cfg: TrainingConfig) -> CoreConfigs:
     dec = cfg.rollout
     recipe = recipe_setup(cfg)
     greedy_anchor = recipe.generation == 2 and (cfg.recipe.anchor or "greedy") == "greedy"
-    dup = cfg.recipe.duplicates or DuplicateControl()
     return CoreConfigs(
         weights=LossWeights(ce=cfg.loss.ce, soft_ce=resolved(cfg, "loss.coord_soft_ce"),
                             w1=resolved(cfg, "loss.coord_w1"), gate=cfg.loss.coord_gate, sigma=cfg.loss.coord_sigma,
                             coord_ce=resolved(cfg, "loss.coord_ce"), smooth_l1=resolved(cfg, "loss.smooth_l1"),
                             ciou=resolved(cfg, "loss.ciou"),
-                            unlikelihood=dup.unlikelihood if recipe.generation == 2 else 0.0),
+                            unlikelihood=recipe.unlikelihood),
         matching=MatchConfig(iou_gate=resolved(cfg, "matching.iou_gate"), fp_cost=resolved(cfg, "matching.fp_cost"),
                              fn_cost=resolved(cfg, "matching.fn_cost")),
         targets=TargetConfig(supervise_fn_desc=resolved(cfg, "targets.supervise_fn_desc")),

@@ -293,3 +293,14 @@ def test_channel_schedule() -> None:
     with pytest.raises(ValueError):
         is_channel_b(0, 1.5)
 
+
+
+def test_hard_coordinate_ce_is_the_whole_vocabulary_cross_entropy(tiny_vocab) -> None:
+    a, _ = _segments(tiny_vocab)
+    row = pack([a])
+    ids = torch.as_tensor(tiny_vocab.coord_token_ids)
+    logits = torch.randn(len(a), tiny_vocab.vocab_size, generator=torch.Generator().manual_seed(3))
+    sums = loss_sums(logits, row, tiny_vocab.coord_token_ids)
+    full = logits[row.coord_positions - 1]
+    per = torch.nn.functional.cross_entropy(full, ids[row.coord_bins], reduction="none") * row.coord_weights
+    assert sums.coord_ce_sum.item() == pytest.approx(per.sum().item(), rel=1e-5)
