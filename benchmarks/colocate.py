@@ -78,7 +78,7 @@ def _vm_hwm(pid: int) -> int:
 
 def child(mode: str, model: Path, data: Path, steps: int, out: Path, transport: str) -> None:
     """One run of one mode in this (fresh) process; writes its figures as JSON to `out`."""
-    from learner.train.trainer import Trainer
+    from learner.train.rollout_matching import Trainer
     from rmsft.jobspec import parse_job
     from rmsft.serve_options import serve_options
     from rmsft.weight_wire import SHARED_DIR_ENV

@@ -381,7 +381,7 @@ def colocate_job(work: Path, device_type: str, steps: int) -> Any:
 def run_colocate(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from learner.train.trainer import Trainer
+    from learner.train.rollout_matching import Trainer
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

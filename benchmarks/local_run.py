@@ -58,7 +58,7 @@ def main() -> None:
 
     from learner.evaluation.held_out import evaluate
     from learner.local import prepare_inputs, start_servers
-    from learner.train.trainer import Trainer
+    from learner.train.rollout_matching import Trainer
     from rmsft.jobspec import load_job
 
     console = Console(stderr=True)

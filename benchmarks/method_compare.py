@@ -152,7 +152,7 @@ def make_job(setting: Setting, arm: str, seed: int, plan: Plan, model: Path, dat
 
 def train(job, servers, *, resume: bool, max_steps: int | None, tokens_before: int) -> list[dict]:
     """Train `job` (resumed from its checkpoint folder when `resume`) and return one row per held-out evaluation."""
-    from learner.train.trainer import Trainer
+    from learner.train.rollout_matching import Trainer
 
     rows: list[dict] = []
     tokens = tokens_before

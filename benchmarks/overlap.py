@@ -46,7 +46,7 @@ def run_fake(args: argparse.Namespace) -> str:
     from learner_fakes import FakeEngine, FakeServer, chat_renderer
     from trainer_fixtures import make_job
 
-    from learner.train.trainer import Trainer
+    from learner.train.rollout_matching import Trainer
     from rmsft.dev.synthetic import write_synthetic_dataset
     from rmsft.dev.tiny_model import build_tiny_model
 
@@ -102,7 +102,7 @@ def run_vl(args: argparse.Namespace) -> str:
     from rich.console import Console
 
     from learner.local import prepare_inputs, start_servers
-    from learner.train.trainer import Trainer
+    from learner.train.rollout_matching import Trainer
     from rmsft.jobspec import load_job
 
     console = Console(stderr=True)

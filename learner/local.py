@@ -157,7 +157,7 @@ def pretrain_tiny_model(job: RolloutMatchingJob, random_dir: Path, out_dir: Path
     coordinates; rollout matching then refines its own answers. A random tiny model has nothing worth
     matching, so the local demo gives it that starting point once, cached under `.rmsft/` (a later run
     reuses `out_dir`). Runs in this process without rollout servers; deterministic (same job, same weights)."""
-    from learner.train.trainer import Trainer
+    from learner.train.rollout_matching import Trainer
 
     work = pretrain_dir(out_dir)
     doc = job.to_manifest()
@@ -343,7 +343,7 @@ def print_summary(summary, console: Console) -> None:
 def train_in_process(job: RolloutMatchingJob, addresses: list[str], *, auth_token: str, resume: bool,
                      console: Console) -> Summary:
     """The learner in this process, with a progress bar; `job.spec.training.device` says where."""
-    from learner.train.grpo_trainer import trainer_class
+    from learner.train.grpo import trainer_class
 
     device = job.spec.training.device
     if device.startswith("cuda"):
@@ -472,7 +472,7 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
     # at its GPU by index through training.device, which the Trainer honours.
     job.spec.training.device = plan.learner_device(job.spec.training.device)
     if job.spec.trainer == "grpo":  # a reward that resolves to nothing fails before any server starts
-        from learner.train.grpo_trainer import build_job_rewards
+        from learner.train.grpo import build_job_rewards
 
         build_job_rewards(job)
     prepare_inputs(job, console)

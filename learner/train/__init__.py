@@ -1,7 +1,10 @@
 """Training: the loops and what they are made of.
 
-- `trainer`: `Trainer`, the rollout-matching loop (rollouts -> targets -> packed rows -> step -> sync).
-- `grpo_trainer`: `GrpoTrainer` on the same pool; `trainer_class(job)` picks the loop for a job.
+- `loop`: `TrainingLoop`, the one training loop (step, sync, checkpoint, evaluation, export; setup and reporting).
+- `rollout_matching`: `Trainer`, rollout-matching steps (channel A: the ground truth; channel B: the model's answers).
+- `grpo`: `GrpoTrainer`, GRPO steps; `trainer_class(job)` picks the objective for a job.
+- `handout`: who gets which rollouts between ranks, the channel schedule and the staleness window.
+- `start_checks`: what is refused before anything loads (memory plan, images), the ranks' collective timeout.
 - `step`: the step strategy (`PlainStep`, `ZeroStep`), which also owns the device and the autocast.
 - `zero`: DeepSpeed ZeRO-1/2/3.
 - `ranks`: data-parallel ranks (`Ranks`), rank 0's hand-out, failure agreement.

@@ -1,4 +1,4 @@
-"""The training loop's train state and its checkpointer, composed into `learner.train.trainer.Trainer`.
+"""The training loop's train state and its checkpointer, composed into `learner.train.loop.TrainingLoop`.
 
 `TrainState` is what the loop advances (step, weight version, time by phase) and this run's
 identity. The `Checkpointer` saves and restores it with the model, the optimizer (through the step

@@ -13,11 +13,13 @@ the start), `eval/*` (see `learner.evaluation.held_out.Evaluation.scalars`), ima
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from learner.data.images import ImageStore
-from learner.evaluation.draw import draw_detections
-from learner.evaluation.held_out import Evaluation
+from learner.data.records import Record
+from learner.evaluation.draw import draw_detections, save_rollout_pictures
+from learner.evaluation.held_out import EvalSetup, Evaluation, score
 from learner.tracking import metrics as m
 from learner.tracking.tracker import Tracker
 from learner.train.results import StepResult
@@ -77,3 +79,41 @@ class RunReporter:
 
     def close(self) -> None:
         self.tracker.close()
+
+
+def write_rollout_pictures(history: Sequence[StepResult], records: Sequence[Record], images: ImageStore,
+                           checkpoint_dir: str, vision_language: bool, setup: EvalSetup, *, iou: float,
+                           limit: int = 4) -> list[Path]:
+    """Rank 0: the last fresh rollouts of a vision-language run drawn on their images (predicted and ground-truth
+    objects) under <checkpoint.dir>/rollouts/. A picture that cannot be written is a warning: the trained model is
+    what the run is for."""
+    last = next((h for h in reversed(history) if h.rollouts), None)
+    if not vision_language or last is None:
+        return []
+    by_id = {r.id: r for r in records}
+    shown = [(rec, r.token_ids) for r in last.rollouts if (rec := by_id.get(r.request_id)) is not None]
+    # Parsed with the run's own format, exactly as held-out answers are.
+    scored = score([rec for rec, _ in shown], [ids for _, ids in shown], setup, iou=iou, step=last.step)
+    items = scored.pictures(images, limit, label="rollout")
+    out = Path(checkpoint_dir) / "rollouts"
+    try:
+        paths = save_rollout_pictures(items, out)
+    except OSError as exc:
+        log.warning("could not write rollout pictures to %s: %s", out, exc)
+        return []
+    log.info("rollout pictures (predicted and ground-truth objects) of step %d: %s", last.step, out)
+    return paths
+
+
+def write_eval_pictures(ev: Evaluation | None, images: ImageStore | None, checkpoint_dir: str,
+                        pictures: int) -> list[Path]:
+    """Rank 0: the last held-out evaluation's answers drawn on their images under <checkpoint.dir>/heldout/
+    (TensorBoard has every evaluation's; this folder is what a newcomer opens after the run)."""
+    if ev is None or images is None or not pictures:
+        return []
+    out = Path(checkpoint_dir) / "heldout"
+    try:
+        return save_rollout_pictures(ev.pictures(images, pictures), out)
+    except OSError as exc:
+        log.warning("could not write held-out pictures to %s: %s", out, exc)
+        return []

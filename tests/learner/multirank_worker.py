@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from learner.train.trainer import Trainer
+from learner.train.rollout_matching import Trainer
 from rmsft.jobspec import load_job
 
 

@@ -61,7 +61,7 @@ def data_path(tmp_path: Path) -> Path:
 
 def test_trainer_fails_at_start_before_any_server_or_model_work(tiny_model_dir, data_path, tmp_path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    import learner.train.trainer as trainer_mod
+    import learner.train.rollout_matching as trainer_mod
     from rmsft.jobspec import parse_job
 
     (tmp_path / "file").write_text("")

@@ -18,7 +18,7 @@ import yaml
 
 from learner.colocate import ColocatedRollouts, ColocateError
 from learner.rollouts.client import RolloutRequest
-from learner.train.trainer import Trainer
+from learner.train.rollout_matching import Trainer
 from rmsft.dev.synthetic import write_synthetic_dataset
 from rmsft.jobspec import parse_job
 from rmsft.serve_options import serve_options

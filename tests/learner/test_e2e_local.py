@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from learner.rollouts.client import RolloutRequest
-from learner.train.trainer import Trainer
+from learner.train.rollout_matching import Trainer
 from rmsft.dev.synthetic import write_synthetic_dataset
 from rmsft.jobspec import parse_job
 from rmsft.weight_wire import SHARED_DIR_ENV

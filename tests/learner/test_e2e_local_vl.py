@@ -19,7 +19,7 @@ import yaml
 
 from learner.data.vision import mm_token_type_ids
 from learner.rollouts.client import RolloutRequest
-from learner.train.trainer import Trainer
+from learner.train.rollout_matching import Trainer
 from rmsft.dev.synthetic import write_visual_dataset
 from rmsft.jobspec import parse_job
 

@@ -11,7 +11,7 @@ import pytest
 from learner.core.targets import PromptMismatchError
 from learner.data.episode import VISION_TOKENS, check_rollout_prompts, vision_safe_response, vision_token_ids
 from learner.data.records import Record
-from learner.train.trainer import _check_images_fit
+from learner.train.start_checks import check_images_fit
 from rmsft.dev.tiny_model import CHAT_SPECIAL_TOKENS, build_tokenizer
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -143,19 +143,19 @@ def test_images_need_a_vision_language_policy() -> None:
     text_policy = SimpleNamespace(is_vision_language=False)
     records = [_record("plain"), _record("pic-1", 1), _record("pic-2", 2)]
     with pytest.raises(ValueError) as err:
-        _check_images_fit(records, text_policy, 4, "/data/train.jsonl")
+        check_images_fit(records, text_policy, 4, "/data/train.jsonl")
     msg = str(err.value)
     assert msg.startswith("/data/train.jsonl: 2 record(s) carry images (first: 'pic-1')")
     assert "text model" in msg
-    _check_images_fit([_record("plain")], text_policy, 4, "/data/train.jsonl")  # text records: fine
+    check_images_fit([_record("plain")], text_policy, 4, "/data/train.jsonl")  # text records: fine
 
 
 def test_too_many_images_per_record_are_refused() -> None:
     vl_policy = SimpleNamespace(is_vision_language=True)
     records = [_record("one", 1), _record("three", 3), _record("two", 2), _record("four", 4)]
     with pytest.raises(ValueError) as err:
-        _check_images_fit(records, vl_policy, 2, "train.jsonl")
+        check_images_fit(records, vl_policy, 2, "train.jsonl")
     msg = str(err.value)
     assert "2 record(s) carry more than spec.model.vision.maxImagesPerPrompt=2 images (first: 'three')" in msg
-    _check_images_fit(records[:3:2], vl_policy, 2, "train.jsonl")  # at the limit: fine
-    _check_images_fit([_record("none")], vl_policy, 0, "train.jsonl")
+    check_images_fit(records[:3:2], vl_policy, 2, "train.jsonl")  # at the limit: fine
+    check_images_fit([_record("none")], vl_policy, 0, "train.jsonl")

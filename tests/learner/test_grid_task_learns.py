@@ -17,7 +17,7 @@ from learner.data.dataset import load_dataset
 from learner.data.vision import vision_messages
 from learner.evaluation.held_out import score
 from learner.local import PRETRAIN_COORD_SIGMA, SYNTHETIC_MAX_OBJECTS, _annotations
-from learner.train.trainer import Trainer
+from learner.train.rollout_matching import Trainer
 from rmsft.dev.synthetic import write_visual_dataset
 from rmsft.dev.tiny_vl import build_tiny_vl_model
 from rmsft.jobspec import parse_job

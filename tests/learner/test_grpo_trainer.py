@@ -1,4 +1,4 @@
-"""The GRPO trainer (learner/train/grpo_trainer.py) end to end against real rollout servers without vLLM: the HF
+"""The GRPO trainer (learner/train/grpo.py) end to end against real rollout servers without vLLM: the HF
 engine behind real gRPC servers on loopback (tests/learner/hf_servers.py), reporting processed log-probs as
 `rmsft serve --logprobs-mode processed` does for a GRPO job. configs/local-tiny-grpo.yaml's task (a
 coordinate-token answer scored by rmsft.dev.synthetic:CoordAnswerReward), shrunk to seconds."""
@@ -55,7 +55,7 @@ def grpo_job(model_dir: Path, data: Path, ckpt: Path, *, steps: int = 3, grpo: d
 
 
 def run(job, addresses: list[str], resume: bool = False):
-    from learner.train.grpo_trainer import GrpoTrainer
+    from learner.train.grpo import GrpoTrainer
 
     trainer = GrpoTrainer(job, addresses)
     captured: list[torch.Tensor] = []
@@ -152,7 +152,7 @@ def test_raw_log_probs_at_another_temperature_show_in_the_ratio(tmp_path: Path, 
 def test_an_unknown_reward_is_refused_before_anything_starts(tmp_path: Path, tiny_model_dir: Path,
                                                              answers: Path) -> None:
     from learner.rewards.interface import UnknownRewardError
-    from learner.train.grpo_trainer import GrpoTrainer
+    from learner.train.grpo import GrpoTrainer
 
     job = grpo_job(tiny_model_dir, answers, tmp_path, grpo={"rewards": [{"name": "detection"}, {"name": "nope"}]})
     with pytest.raises(UnknownRewardError, match=r"spec\.training\.grpo\.rewards\[1\] \(nope\): unknown reward"):
@@ -160,8 +160,8 @@ def test_an_unknown_reward_is_refused_before_anything_starts(tmp_path: Path, tin
 
 
 def test_spec_trainer_picks_the_learner(tiny_model_dir: Path, answers: Path, tmp_path: Path) -> None:
-    from learner.train.grpo_trainer import GrpoTrainer, trainer_class
-    from learner.train.trainer import Trainer
+    from learner.train.grpo import GrpoTrainer, trainer_class
+    from learner.train.rollout_matching import Trainer
     from rmsft.jobspec import load_job
 
     assert trainer_class(grpo_job(tiny_model_dir, answers, tmp_path)) is GrpoTrainer
@@ -178,7 +178,7 @@ def test_a_whole_grpo_step_runs_on_the_training_device(tmp_path: Path, tiny_mode
     # parameter on `meta`, flagging any op given a tensor off the device and counting host reads.
     from test_placement import DeviceFence
 
-    from learner.train.grpo_trainer import GrpoTrainer
+    from learner.train.grpo import GrpoTrainer
 
     kw = {"grpo": {"kl_coef": kl_coef}, "finetune": "lora", "lora": {"r": 8, "alpha": 16}}
     cpu = GrpoTrainer(grpo_job(tiny_model_dir, answers, tmp_path / "cpu", steps=1, **kw), [s.address for s in servers])

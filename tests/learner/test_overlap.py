@@ -249,7 +249,7 @@ def _job(model: Path, data: Path, ckpt: Path, staleness: int, steps: int = 4, **
 
 
 def _trainer(job, addresses: list[str]):
-    from learner.train.trainer import Trainer
+    from learner.train.rollout_matching import Trainer
 
     return Trainer(job, addresses)
 
@@ -462,7 +462,7 @@ def test_grpo_with_staleness_one_trains_within_the_bound(tmp_path: Path, tiny_mo
     import yaml
     from trainer_fixtures import ROOT
 
-    from learner.train.grpo_trainer import GrpoTrainer
+    from learner.train.grpo import GrpoTrainer
     from rmsft.dev.synthetic import write_answer_dataset
     from rmsft.jobspec import parse_job
 

@@ -64,7 +64,7 @@ def server(tiny_model_dir: Path) -> Iterator[FakeServer]:
 def step_inputs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, data_path: Path,
                 server: FakeServer) -> tuple[list[Any], int, int]:
     """Real packed rows of one step (built on the CPU by a CPU trainer) and their target counts."""
-    from learner.train.trainer import Trainer
+    from learner.train.rollout_matching import Trainer
 
     trainer = Trainer(make_job(tiny_model_dir, data_path, tmp_path_factory.mktemp("ck"), steps=1), [server.address])
     seen: list[tuple[list[Any], int, int]] = []
@@ -85,7 +85,7 @@ def step_inputs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, 
 
 
 def _meta_trainer(tmp_path: Path, tiny_model_dir: Path, data_path: Path, server: FakeServer, **training: Any):
-    from learner.train.trainer import Trainer
+    from learner.train.rollout_matching import Trainer
 
     return Trainer(make_job(tiny_model_dir, data_path, tmp_path, **training), [server.address], device="meta")
 
@@ -146,7 +146,7 @@ def test_deepspeed_rows_follow_the_engine_device(tmp_path: Path, tiny_model_dir:
     """ZeRO: DeepSpeed places the module itself (cuda:LOCAL_RANK on GPUs); the step's device is the
     engine's, and every row reaches the engine there."""
     pytest.importorskip("deepspeed")
-    from learner.train.trainer import Trainer
+    from learner.train.rollout_matching import Trainer
 
     rows, ce, coord = step_inputs
     job = make_job(tiny_model_dir, data_path, tmp_path, deepspeed_stage=2, precision="bf16")

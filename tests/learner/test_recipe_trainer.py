@@ -9,7 +9,7 @@ from trainer_fixtures import make_job
 
 
 def _trainer(job, servers):
-    from learner.train.trainer import Trainer
+    from learner.train.rollout_matching import Trainer
 
     return Trainer(job, [s.address for s in servers])
 

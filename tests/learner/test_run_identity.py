@@ -24,7 +24,7 @@ from net_faults import BlockingProxy
 from rmsft_protos import rollout_pb2
 from trainer_fixtures import make_job
 
-from learner.train.trainer import Trainer
+from learner.train.rollout_matching import Trainer
 from rmsft.weight_wire import (
     FRESH,
     FULL,

@@ -210,7 +210,7 @@ def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.timeout(300)
 def test_trainer_follows_the_pool_scaled_down_then_up(tmp_path: Path, fakes, tiny_model_dir, data_path) -> None:
-    from learner.train.trainer import Trainer
+    from learner.train.rollout_matching import Trainer
 
     s0, s1 = fakes(2)
     f = tmp_path / "servers"
@@ -248,7 +248,7 @@ def test_trainer_follows_the_pool_scaled_down_then_up(tmp_path: Path, fakes, tin
 
 @pytest.mark.timeout(300)
 def test_trainer_does_not_wait_for_a_server_removed_before_the_run(tmp_path, fakes, tiny_model_dir, data_path):
-    from learner.train.trainer import Trainer
+    from learner.train.rollout_matching import Trainer
 
     s0, s1 = fakes(2)
     f = tmp_path / "servers"

@@ -14,7 +14,7 @@ from trainer_fixtures import make_job
 
 
 def _run(job, addresses: list[str], **kw):
-    from learner.train.trainer import Trainer
+    from learner.train.rollout_matching import Trainer
 
     trainer = Trainer(job, addresses, **kw)
     try:
@@ -44,7 +44,7 @@ def test_resume_continues_where_the_checkpoint_left(tmp_path: Path, tiny_model_d
     addrs = [s.address for s in servers]
     straight, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "a", steps=3), addrs)
     first, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=2), addrs)
-    from learner.train.trainer import Trainer
+    from learner.train.rollout_matching import Trainer
 
     resumed = Trainer(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=3), addrs)
     try:
@@ -59,7 +59,7 @@ def test_resume_continues_where_the_checkpoint_left(tmp_path: Path, tiny_model_d
 
 def test_a_server_dying_mid_run_fails_over(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
                                            servers: list[FakeServer]) -> None:
-    from learner.train.trainer import Trainer
+    from learner.train.rollout_matching import Trainer
 
     job = make_job(tiny_model_dir, data_path, tmp_path, steps=3)
     trainer = Trainer(job, [s.address for s in servers])

@@ -1,54 +1,51 @@
-"""The learner's training loop: rollouts -> segments -> packed rows -> optimizer step -> weight sync.
+"""The learner's one training loop, read top to bottom in `TrainingLoop.run`:
 
-One optimizer step = `grad_accumulation` packed rows (micro-steps). With the rollout buffer on, an
-E-step (rollouts + targets + packing) feeds `m_steps` optimizer steps; weights are synced only
-before fresh rollouts (and once before the first), never per micro-step.
+    step     the step kind's rollouts -> targets -> packed rows -> one optimizer step (`_train_step`)
+    publish  the step's figures: log line, /metrics, TensorBoard (`_publish`)
+    sync     the new weights to the rollout engines, when the next step samples (`_samples_at`)
+    checkpoint, held-out evaluation, and at the end the last checkpoint, pictures and the export.
 
-Several ranks (torchrun, or a process group passed in) train data-parallel: rank 0 alone owns the
-server pool, generates the whole global batch (`prompts_per_step` is global) and hands each rank a
-contiguous share; every rank builds its own segments into its own packer. The step's loss is the
-token-level mean over all ranks' rows (target counts are summed over ranks first), gradients are
-summed over ranks before clipping, and every rank takes the same optimizer step, so the result is
-one process training on all the rows. Rank 0 then syncs the servers. See learner/train/ranks.py.
+What a step is belongs to the objective, a subclass that supplies `_train_step`, `_samples_at`, its packer and
+its figures: `learner.train.rollout_matching.Trainer` (rollout-matching SFT; the recipe's channel-A steps teach
+the ground truth, channel-B steps the model's own answers) and `learner.train.grpo.GrpoTrainer`. Everything
+else is written once here: setup, the rollout source (server pool or in-process engine), weight sync, checkpoints
+and resume, evaluation, export, reporting. Who gets which rollouts between ranks, the channel schedule and the
+staleness window are `learner.train.handout`'s.
 
-Each learner process is one run with an id of its own (rank 0 makes it, the others receive it), new
-after every restart: weight versions are (run id, number), so what a resumed learner announces is never
-taken for what the run that wrote its checkpoint announced (`rmsft.weight_wire.version`).
+One optimizer step = `grad_accumulation` packed rows (micro-steps). Several ranks (torchrun, or a process group
+passed in) train data-parallel: rank 0 alone owns the server pool, generates the whole global batch
+(`prompts_per_step` is global) and hands each rank a contiguous share; every rank builds its own segments into its
+own packer. The step's loss is normalised by totals over all ranks, gradients are summed over ranks before
+clipping, and every rank takes the same optimizer step, so the result is one process training on all the rows.
+Rank 0 then syncs the servers. See learner/train/ranks.py.
+
+Each learner process is one run with an id of its own (rank 0 makes it, the others receive it), new after every
+restart: weight versions are (run id, number), so what a resumed learner announces is never taken for what the
+run that wrote its checkpoint announced (`rmsft.weight_wire.version`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from learner.colocate import colocated_rollouts
-from learner.core.losses import loss_sums
 from learner.core.packing import PackedRow, Packer
-from learner.core.rollout_buffer import RolloutBuffer
 from learner.data.dataset import load_dataset
-from learner.data.episode import (
-    EpisodeStats,
-    build_segments,
-    check_rollout_prompts,
-    vision_safe_response,
-    vision_token_ids,
-)
+from learner.data.episode import vision_token_ids
 from learner.data.images import ImageStore
 from learner.data.order import DataOrder
 from learner.data.records import Record
-from learner.data.vision import VisionPrompt, patch_size, render_prompt, resized_image_size, with_vision
-from learner.evaluation.draw import save_rollout_pictures
-from learner.evaluation.held_out import EvalSetup, Evaluation, evaluate, score
-from learner.rollouts.client import Rollout
+from learner.data.vision import VisionPrompt, render_prompt, resized_image_size
+from learner.evaluation.held_out import EvalSetup, Evaluation, evaluate
 from learner.rollouts.pool import ServerPool, ServersFile
 from learner.rollouts.source import RolloutSource, SourceInfo
 from learner.sync.client import WeightSyncClient
@@ -64,46 +61,27 @@ from learner.train.handout import RolloutHandout
 from learner.train.overlap import RolloutsAhead
 from learner.train.policy import Policy, load_policy, prompt_ids
 from learner.train.ranks import Ranks
-from learner.train.reporting import RunReporter
+from learner.train.reporting import RunReporter, write_eval_pictures, write_rollout_pictures
 from learner.train.results import StepResult, Summary
 from learner.train.sources import ServerRollouts
+from learner.train.start_checks import check_images_fit, check_memory_plan, collective_timeout_s
 from learner.train.step import PlainStep, ZeroStep, gathered_weights, make_step, resolve_device
 from rmsft.jobspec import RolloutMatchingJob
 from rmsft.weight_wire import new_run_id
 
-__all__ = ["DataOrder", "StepResult", "Summary", "Trainer"]
+__all__ = ["TrainingLoop"]
 
 log = logging.getLogger("rmsft.learner")
 
-
-@dataclass
-class _Built:
-    rows: list[PackedRow]
-    stats: EpisodeStats  # counts summed over ranks, timings of this rank
-    rollouts: list[Rollout]  # rank 0: the whole batch; other ranks: their share
-    local_ids: list[str]
-    channel: str = "B"  # "B": rollout matching on fresh rollouts; "A": the ground truth (warm start too)
+# One row's loss and the metrics summed beside it (device tensors), given the row on the device, its logits and
+# what `prepare` computed for it before the forward.
+RowLoss = Callable[[PackedRow, torch.Tensor, Any], tuple[torch.Tensor, Mapping[str, torch.Tensor]]]
 
 
-_PARTS = ("ce", "soft_ce", "w1", "gate", "coord", "geo", "ul")
-_COUNTS = ("rollouts", "matched", "false_positives", "false_negatives", "dropped", "truncated", "response_tokens",
-           "predicted", "gt_objects", "duplicates", "recovered", "fallback")
-
-
-def collective_timeout_s(job: RolloutMatchingJob) -> float:
-    """How long a rank may wait for the others: long enough for rank 0's rollouts (with retries)
-    and a weight sync. RMSFT_DIST_TIMEOUT_S overrides."""
-    env = os.environ.get("RMSFT_DIST_TIMEOUT_S")
-    if env:
-        return float(env)
-    t = job.spec.training.rollout.request_timeout_s
-    return max(1800.0, 3 * t + 2 * job.spec.sync.timeout_seconds)
-
-
-class Trainer(RolloutHandout):
-    """The learner loop. Under torchrun (WORLD_SIZE > 1) or with `process_group`, one rank of a
-    data-parallel group: only rank 0 builds the server pool and talks to the rollout servers.
-    `addresses`: the ordered server list, or a `ServersFile` the pool follows during the run.
+class TrainingLoop(RolloutHandout):
+    """The learner loop (module doc); an objective subclass says what one step is. Under torchrun (WORLD_SIZE > 1)
+    or with `process_group`, one rank of a data-parallel group: only rank 0 builds the server pool and talks to the
+    rollout servers. `addresses`: the ordered server list, or a `ServersFile` the pool follows during the run.
     `device` overrides `training.device` (tests run a step on the `meta` device)."""
 
     def __init__(
@@ -161,7 +139,7 @@ class Trainer(RolloutHandout):
                 check_checkpoint_dir(cfg.checkpoint.dir)
                 check_writable(Path(cfg.tensorboard_dir))  # TensorBoard's folder: now, not after training
         with ranks.guard("checking the memory plan"):
-            _check_memory_plan(job, log_it=ranks.is_main)  # before anything is loaded: say which knob to turn
+            check_memory_plan(job, log_it=ranks.is_main)  # before anything is loaded: say which knob to turn
         with ranks.guard("loading the data and the model"):
             if cfg.deepspeed_stage:
                 zero.require_deepspeed(cfg.deepspeed_stage)
@@ -178,7 +156,7 @@ class Trainer(RolloutHandout):
             random.seed(cfg.seed)
             self.device = torch.device(device) if device is not None else resolve_device(cfg.device)
             self.policy: Policy = load_policy(model_path or job.spec.model.path, cfg, job.spec.model.dtype, vision)
-            _check_images_fit(self.records, self.policy, vision.max_images_per_prompt, cfg.data.path)
+            check_images_fit(self.records, self.policy, vision.max_images_per_prompt, cfg.data.path)
         self.model = self.policy.model.to(self.device)
         ranks.broadcast_params([p for p in self.model.parameters() if p.requires_grad])  # rank 0's init (LoRA)
         if ranks.rank:
@@ -191,14 +169,13 @@ class Trainer(RolloutHandout):
         self.core = core_configs(cfg)
         self.order = DataOrder(len(self.records), cfg.prompts_per_step, cfg.seed)
         self.packer = self._make_packer()
-        self.buffer: RolloutBuffer = RolloutBuffer(self.core.m_steps)
         self.checkpointer = Checkpointer(cfg, ranks, self.model, self.train_step, self.packer, self.state)
         model_dir = model_path or job.spec.model.path
         # No servers at all (server mode): a plain SFT run (every step a warm-start step, no held-out evaluation)
         # needs none, e.g. the pretraining of `rmsft local`'s tiny model (learner.local.pretrain_tiny_model).
-        self.offline = (not job.spec.rollout.colocated and not isinstance(addresses, ServersFile)
-                        and not list(addresses))  # fmt: skip
-        if self.offline and (cfg.warm_start_steps < cfg.steps or cfg.eval.data):
+        self.no_rollouts = (not job.spec.rollout.colocated and not isinstance(addresses, ServersFile)
+                            and not list(addresses))  # fmt: skip
+        if self.no_rollouts and (cfg.warm_start_steps < cfg.steps or cfg.eval.data):
             raise ValueError("no rollout servers given: only a run whose every step is a warm-start step "
                              "(training.warm_start_steps >= training.steps) and that has no training.eval.data "
                              "runs without them")
@@ -211,7 +188,7 @@ class Trainer(RolloutHandout):
                 )  # fmt: skip
         else:
             with ranks.guard("connecting to the rollout servers (rank 0)"):
-                if ranks.is_main and not self.offline:  # the only rank that talks to rollout servers
+                if ranks.is_main and not self.no_rollouts:  # the only rank that talks to rollout servers
                     # Every E-step's rollouts go through it (max_staleness 0: generated inline, as always).
                     self.ahead = RolloutsAhead(lambda reqs, sampling, v: self.rollouts.generate(
                         reqs, sampling, weight_version=v), cfg.rollout.max_staleness)
@@ -230,39 +207,46 @@ class Trainer(RolloutHandout):
                                  else frozenset())  # fmt: skip
         self._retries_at_start = m.counter_total(m.ROLLOUT_RETRIES)
         self._served_step = -1  # the step whose weights the servers hold (after a sync)
+        self._setup_objective()
+
+    # -- what the objective supplies --------------------------------------------------------------
+    def _setup_objective(self) -> None:
+        """The objective's own parts, once the loop's are set up."""
 
     def _make_packer(self) -> Packer:
         """This rank's packer (one per rank, lives across steps; the checkpoint keeps its carry buffer)."""
-        return Packer(*self.core.packing)
+        raise NotImplementedError
+
+    def _train_step(self, t0: float) -> StepResult:
+        """Optimizer step `state.step + 1`: its rollouts (or ground truth), targets, packed rows, the update."""
+        raise NotImplementedError
+
+    def _samples_at(self, step: int) -> bool:
+        """Optimizer step `step` (0-based) starts from fresh rollouts, so the engines need the weights before it."""
+        raise NotImplementedError
+
+    def _step_metrics(self, r: StepResult) -> None:
+        """The objective's own gauges of a step (the loop sets the step, its time, fill and total loss)."""
+
+    def _step_line(self, r: StepResult) -> str:
+        """Rank 0's one log line of a step."""
+        raise NotImplementedError
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self, max_steps: int | None = None) -> Summary:
-        """Train until training.steps (or `max_steps` more steps); returns the summary.
-        Each step: rollouts -> targets -> pack (the E-step, reused for m_steps with the buffer on)
-        -> forward/backward/optimizer on the packed rows -> weight sync before fresh rollouts."""
+        """Train until training.steps (or `max_steps` more steps); returns the summary."""
         t_start = time.perf_counter()
         st = self.state
         target = self._begin(max_steps)  # reporter, run.json, servers ready, first sync
         ck_every = self.cfg.checkpoint.every
         while st.step < target:
-            t0 = time.perf_counter()
-            batch = self.order.batch(st.step // self.core.m_steps)
-            fresh = self.buffer.uses_left == 0
-            built: _Built = self.buffer.get(batch, self._e_step)  # rollout -> targets -> pack
-            loss, parts, n_rows, fill = self._m_step(built.rows)  # forward/backward/optimizer
+            result = self._train_step(time.perf_counter())  # rollouts -> targets -> rows -> optimizer step
             st.step += 1
-            result = StepResult(
-                step=st.step, weight_version=st.version, rollouts=built.rollouts if fresh else [],
-                record_ids=[self.records[i].id for i in batch], loss=loss, parts=parts, channel=built.channel,
-                stats=built.stats if fresh else None, rows=n_rows, fill=fill, seconds=time.perf_counter() - t0,
-                rank=self.ranks.rank, local_record_ids=list(built.local_ids), local_rows=len(built.rows),
-                local_tokens=sum(r.length for r in built.rows),
-            )  # fmt: skip
             self.history.append(result)
             self._publish(result)
-            # The next step starts with fresh rollouts: the servers need these weights (a channel-A step, the
-            # warm start's included, generates nothing, so they wait for the weights of the step before a B step).
-            if st.step < target and self.buffer.uses_left == 0 and self._channel_b(st.step // self.core.m_steps):
+            # The engines need these weights when the next step samples (a channel-A step, the warm start's
+            # included, generates nothing, so they wait for the weights of the step before one that does).
+            if st.step < target and self._samples_at(st.step):
                 self._sync()
             if ck_every and st.step % ck_every == 0:
                 self.save()
@@ -280,7 +264,7 @@ class Trainer(RolloutHandout):
             self.reporter = RunReporter(Tracker(self.cfg.tensorboard_dir, run_name=self.job.metadata.name,
                                                 config=self.job.to_manifest(), resume_step=st.step + 1))
         self._log_start(target)
-        if self.offline:  # no servers to wait for or to sync (a plain SFT run)
+        if self.no_rollouts:  # no servers to wait for or to sync (a plain SFT run)
             return target
         with self.ranks.guard("waiting for the rollout servers (rank 0)"):
             if self.rollouts is not None:
@@ -301,8 +285,13 @@ class Trainer(RolloutHandout):
         st, ck_every = self.state, self.cfg.checkpoint.every
         if ck_every == 0 or st.step % ck_every:
             self.save()
-        self.pictures = self._write_pictures()
-        self.eval_pictures = self._write_eval_pictures()
+        if self.ranks.is_main:
+            self.pictures = write_rollout_pictures(self.history, self.records, self.images, self.cfg.checkpoint.dir,
+                                                   self.policy.is_vision_language, self.eval_setup(self.images),
+                                                   iou=self.cfg.eval.iou)  # fmt: skip
+            self.eval_pictures = write_eval_pictures(self.evaluations[-1] if self.evaluations else None,
+                                                     self.eval_images, self.cfg.checkpoint.dir,
+                                                     self.cfg.eval.pictures)  # fmt: skip
         if st.step >= self.cfg.steps and self.cfg.export.enabled:
             self.export()
         return self.summary(time.perf_counter() - t_start)
@@ -359,117 +348,30 @@ class Trainer(RolloutHandout):
                          "adapter" if self.cfg.export.adapter else "merged weights")
         return self.exported
 
-    # -- E-step ---------------------------------------------------------------------------------
-    def _e_step(self, batch: tuple[int, ...]) -> _Built:
-        ranks = self.ranks
-        self._step_prompts.clear()
-        k = self.state.step // self.core.m_steps
-        channel_b = self._channel_b(k)
-        explorers = None
-        with self._phase("rollout"):
-            if not channel_b:
-                # Channel A (the warm start's steps too): no generation; an empty answer makes the targets the whole
-                # ground truth.
-                everything = None
-                if ranks.is_main:
-                    reason = "warm_start" if self.state.step < self.cfg.warm_start_steps else "channel_a"
-                    everything = [Rollout(self.records[idx].id, self._prompt_ids(idx), [], reason,
-                                          self.state.version, "", weight_run_id=self.state.run_id)
-                                  for idx in batch]  # fmt: skip
-                outs = self._scatter(everything, len(batch))
-            else:
-                outs, everything = self._rollouts_for(k, self.core.sampling)
-                if self.core.recipe.explorers:
-                    explorers = self._explorer_rollouts(k)
-        lo, hi = ranks.share(len(batch))
-        mine = batch[lo:hi]
-        with ranks.guard("building training segments"):
-            if len(outs) != len(mine) or not self._within_window(outs):
-                raise RuntimeError(f"rank {ranks.rank} got {len(outs)} rollout(s) for {len(mine)} prompt(s) "
-                                   f"or a weight version outside {self.state.weights} minus max_staleness "
-                                   f"{self.cfg.rollout.max_staleness}")  # fmt: skip
-            recs = [self.records[i] for i in mine]
-            vl = self.policy.is_vision_language
-            vision = [self._vision_prompt(i) for i in mine] if vl else []
-            mine_ids = [v.input_ids for v in vision] if vl else [self._prompt(i) for i in mine]
-            check_rollout_prompts(recs, mine_ids, outs, self.policy.tokenizer)
-            responses = [o.token_ids for o in outs]
-            if vl:  # a sampled image/video token cannot be teacher-forced: the answer ends before it
-                responses = [vision_safe_response(r, self.vision_token_ids) for r in responses]
-            # A format in resized-image pixels (Qwen2.5-VL's) is bound to each record's image size.
-            sizes = ([v.image_size(patch_size(self.policy.processor)) for v in vision]
-                     if vl and self.core.fmt.needs_image_size else None)  # fmt: skip
-            recipe = self.core.recipe
-            segments, stats = build_segments(
-                recs, mine_ids, [o.prompt_token_ids for o in outs], responses, self.policy.vocab,
-                self.core.matching, self.core.targets, fmt=self.core.fmt, image_sizes=sizes,
-                clean=recipe.clean, duplicates=recipe.duplicates, explorer_ids=explorers,
-            )  # fmt: skip
-            if vl:  # pixels and per-segment M-RoPE positions for the packed forward
-                segments = [with_vision(self.model, seg, v) for seg, v in zip(segments, vision, strict=True)]
-            self._add_phase("parse", stats.parse_s)
-            self._add_phase("match", stats.match_s)
-            self._add_phase("targets", stats.targets_s)
-            with self._phase("pack"):
-                self.packer.add(segments)
-                rows = []
-                for _ in range(self.cfg.grad_accumulation):
-                    row = self.packer.next_row()
-                    if row is None:
-                        break
-                    rows.append(row)
-        if ranks.enabled:  # F1 and the counters are over the global batch
-            totals = ranks.sum([getattr(stats, f) for f in _COUNTS])
-            for f, v in zip(_COUNTS, totals, strict=True):
-                setattr(stats, f, int(v))
-        if ranks.is_main:
-            m.OBJECTS.labels("matched").inc(stats.matched)
-            m.OBJECTS.labels("fp").inc(stats.false_positives)
-            m.OBJECTS.labels("fn").inc(stats.false_negatives)
-            m.DROPPED_OBJECTS.inc(stats.dropped)
-            m.TRUNCATED_ROLLOUTS.inc(stats.truncated)
-        m.BUFFER_SEGMENTS.set(self.packer.pending)
-        return _Built(rows, stats, everything if ranks.is_main else outs, [r.id for r in recs],
-                      "B" if channel_b else "A")
+    # -- one optimizer step ---------------------------------------------------------------------
+    def _step_result(self, t0: float, **fields: Any) -> StepResult:
+        """The step's result: the loop's fields (step number, weight version, rank, seconds) and the objective's."""
+        return StepResult(step=self.state.step + 1, weight_version=self.state.version, rank=self.ranks.rank,
+                          seconds=time.perf_counter() - t0, **fields)
 
-    # -- M-step ---------------------------------------------------------------------------------
-    def _m_step(self, rows: list[PackedRow]) -> tuple[float, dict[str, float], int, float]:
-        """One optimizer step on this step's rows; the loss is the token-level mean over all rows
-        of all ranks (same as one big packed row). Returns the loss, its parts, the number of rows
-        over all ranks and their mean fill."""
-        ce_total, coord_total, box_total, ul_total, n_rows, fill_sum = self.ranks.sum([
-            sum(int((r.labels != -100).sum()) for r in rows),
-            sum(int(r.coord_positions.numel()) for r in rows),
-            sum(r.n_boxes for r in rows), sum(r.n_unlikelihood for r in rows),
-            len(rows), sum(r.fill for r in rows),
-        ])  # fmt: skip
-        if not n_rows:
-            raise RuntimeError("packer produced no row for this step (empty rollouts and carry buffer)")
-        lr = learning_rate(self.cfg, self.state.step)
-        with self.ranks.guard("forward/backward"):
-            sums = self.device_step(rows, int(ce_total), int(coord_total), lr, int(box_total), int(ul_total))
-        # The only host reads of the step: after it, once.
-        total = self.ranks.sum([float(sums[k]) for k in ("loss", *_PARTS)])
-        return total[0], dict(zip(_PARTS, total[1:], strict=True)), int(n_rows), fill_sum / n_rows
-
-    def device_step(self, rows: list[PackedRow], ce_total: int, coord_total: int, lr: float, box_total: int = 0,
-                    ul_total: int = 0) -> dict[str, torch.Tensor]:
-        """Forward/backward of every row on the training device, then the optimizer step. Returns
-        the loss and its parts summed over the rows, as tensors on the device (no host reads, so
-        it runs with the parameters on `meta`)."""
-        step, coord_ids, weights = self.train_step, self.policy.vocab.coord_token_ids, self.core.weights
+    def _optimize(self, rows: Sequence[PackedRow], lr: float, row_loss: RowLoss,
+                  prepare: Callable[[PackedRow], Any] | None = None) -> dict[str, torch.Tensor]:
+        """Forward/backward of every row on the training device, then the optimizer step. `row_loss` gives each
+        row's share of the step's loss (normalised by the step's global totals, so the rows' gradients add up to the
+        pooled loss's); `prepare` what a row needs before its forward (e.g. reference log-probs). Returns the loss and
+        metrics summed over the rows as device tensors: no host reads, so it runs with the parameters on `meta`."""
+        step = self.train_step
         sums: dict[str, torch.Tensor] = {}
         step.begin()
         for cpu_row in rows:
             row = cpu_row.to(step.device)
+            before = prepare(row) if prepare is not None else None
             with self._phase("forward"), step.autocast():
                 logits = step.forward(**row.model_inputs()).logits
-                s = loss_sums(logits, row, coord_ids, weights.sigma)
-                # Normalised by the step's global totals: summing rows' losses gives the pooled mean.
-                out = s.normalised_by(ce_total, coord_total, box_total, ul_total).finish(weights)
+                loss, metrics = row_loss(row, logits, before)
             with self._phase("backward"):
-                step.backward(out.loss)
-            for k, v in (("loss", out.loss.detach()), *((k, out.parts[k]) for k in _PARTS)):
+                step.backward(loss)
+            for k, v in (("loss", loss.detach()), *metrics.items()):
                 sums[k] = sums[k] + v if k in sums else v
             m.TRAINED_TOKENS.inc(row.length)
         with self._phase("optimizer"):
@@ -557,41 +459,6 @@ class Trainer(RolloutHandout):
         m.PHASE_SECONDS.labels(name).observe(seconds)
         self.state.phase_seconds[name] = self.state.phase_seconds.get(name, 0.0) + seconds
 
-    def _write_pictures(self, limit: int = 4) -> list[Path]:
-        """Rank 0: the last fresh rollouts of a vision-language run drawn on their images (predicted and
-        ground-truth objects) under <checkpoint.dir>/rollouts/. A picture that cannot be written is a warning:
-        the trained model is what the run is for."""
-        last = next((h for h in reversed(self.history) if h.rollouts), None)
-        if not self.ranks.is_main or not self.policy.is_vision_language or last is None:
-            return []
-        by_id = {r.id: r for r in self.records}
-        shown = [(rec, r.token_ids) for r in last.rollouts if (rec := by_id.get(r.request_id)) is not None]
-        # Parsed with the run's own format, exactly as held-out answers are.
-        scored = score([rec for rec, _ in shown], [ids for _, ids in shown], self.eval_setup(self.images),
-                       iou=self.cfg.eval.iou, step=last.step)
-        items = scored.pictures(self.images, limit, label="rollout")
-        out = Path(self.cfg.checkpoint.dir) / "rollouts"
-        try:
-            paths = save_rollout_pictures(items, out)
-        except OSError as exc:
-            log.warning("could not write rollout pictures to %s: %s", out, exc)
-            return []
-        log.info("rollout pictures (predicted and ground-truth objects) of step %d: %s", last.step, out)
-        return paths
-
-    def _write_eval_pictures(self) -> list[Path]:
-        """Rank 0: the last held-out evaluation's answers drawn on their images under <checkpoint.dir>/heldout/
-        (TensorBoard has every evaluation's; this folder is what a newcomer opens after the run)."""
-        ev = self.evaluations[-1] if self.evaluations else None
-        if ev is None or self.eval_images is None or not self.cfg.eval.pictures:
-            return []
-        out = Path(self.cfg.checkpoint.dir) / "heldout"
-        try:
-            return save_rollout_pictures(ev.pictures(self.eval_images, self.cfg.eval.pictures), out)
-        except OSError as exc:
-            log.warning("could not write held-out pictures to %s: %s", out, exc)
-            return []
-
     def _vision_prompt(self, idx: int) -> VisionPrompt:
         """The learner's rendering of a record's prompt with its images (read through the image store's
         cache, the same bytes the servers got); rendered once per E-step (pixels are not kept longer)."""
@@ -648,16 +515,10 @@ class Trainer(RolloutHandout):
         m.STEP_SECONDS.observe(r.seconds)
         m.PACKING_FILL.set(r.fill)
         m.LOSS.labels("total").set(r.loss)
-        for k, v in r.parts.items():
-            m.LOSS.labels(k).set(v)
+        self._step_metrics(r)
         if self.ranks.is_main:
             self.reporter.step(r, self.state.phase_seconds, learning_rate(self.cfg, r.step - 1))
-            f1 = f"{r.stats.f1:.3f}" if r.stats and r.channel == "B" else ("reuse" if r.channel == "B" else "- (A)")
-            log.info(
-                "step %d v%d loss %.4f (ce %.4f coord %.4f) f1 %s rows %d fill %.3f %.2fs",
-                r.step, r.weight_version, r.loss, r.parts.get("ce", 0.0), r.parts.get("coord", 0.0), f1,
-                r.rows, r.fill, r.seconds,
-            )  # fmt: skip
+            log.info("%s", self._step_line(r))
         if self.on_step:
             self.on_step(r)
 
@@ -685,45 +546,3 @@ class Trainer(RolloutHandout):
         self.train_step = None
         self.ranks.close()
 
-
-def _check_images_fit(records: Sequence[Record], policy: Policy, max_images: int, path: str) -> None:
-    """Refuse at start what no server would take: images for a text model, more images than allowed."""
-    with_images = [r for r in records if r.images]
-    if with_images and not policy.is_vision_language:
-        raise ValueError(f"{path}: {len(with_images)} record(s) carry images (first: {with_images[0].id!r}) but "
-                         "spec.model.path is a text model; use a vision-language model or drop the images")
-    over = [r.id for r in with_images if len(r.images) > max_images]
-    if over:
-        raise ValueError(f"{path}: {len(over)} record(s) carry more than spec.model.vision.maxImagesPerPrompt="
-                         f"{max_images} images (first: {over[0]!r})")
-
-
-def _check_memory_plan(job: RolloutMatchingJob, *, log_it: bool) -> None:
-    """The job's memory plan (rmsft.memory_plan, what `rmsft plan` prints) against this machine's GPU memory:
-    logged, and a job that cannot fit is refused before anything loads, naming the knob to turn. The plan is an
-    estimate: RMSFT_MEMORY_PLAN=warn makes a refusal a warning, =off skips the plan (any other value but refuse,
-    the default, is a MemoryPlanSettingError)."""
-    from rmsft.memory_plan import MEMORY_PLAN_ENV, MemoryPlanError, ModelShapeError, memory_plan_setting, plan_memory
-
-    setting = memory_plan_setting()
-    if setting == "off":
-        return
-    gpu_memory = None
-    if torch.cuda.is_available():
-        gpu_memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    try:
-        plan = plan_memory(job, gpu_memory=gpu_memory)
-    except ModelShapeError as exc:
-        if log_it:
-            log.warning("no memory plan: %s", exc)
-        return
-    if log_it:
-        for line in plan.lines():
-            log.info("memory plan: %s", line)
-    if not plan.fits:
-        if setting == "warn":
-            log.warning("the memory plan says this job does not fit (%s=warn: going on): %s", MEMORY_PLAN_ENV,
-                        plan.message())
-            return
-        raise MemoryPlanError(f"{plan.message()} ({MEMORY_PLAN_ENV}=warn goes on anyway: the plan is an estimate)",
-                              plan)

@@ -13,9 +13,10 @@ One step, read top to bottom in `GrpoTrainer.run`:
              the adapters disabled, when kl_coef > 0), backward, optimizer
     sync     the new weights to every server (spec.sync.mode, FULL by default) before the next step samples.
 
-Everything else is the rollout-matching `Trainer`'s, inherited: the server pool, the rollout and weight-sync
-clients, ranks, the step strategy (plain AdamW or ZeRO), checkpoints and resume, run.json, the reporter
-(TensorBoard, Prometheus), held-out evaluation (a detection task) and the export.
+Every step samples, so every step but the last is followed by a sync. Everything else is the training loop's
+(`learner.train.loop`): the rollout source (server pool or in-process engine) and weight sync, ranks, the step
+strategy (plain AdamW or ZeRO), checkpoints and resume, run.json, the reporter (TensorBoard, Prometheus),
+held-out evaluation (a detection task) and the export.
 
 Temperature: the servers of a GRPO job report log-probs of the distribution they sampled from (vLLM's
 `logprobs_mode="processed_logprobs"`: after temperature; `rmsft.serve_options` asks for it) and the learner
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -58,8 +58,9 @@ from learner.rollouts.client import Rollout
 from learner.rollouts.pool import ServersFile
 from learner.tracking import metrics as m
 from learner.train.config import grpo_setup, learning_rate
+from learner.train.loop import TrainingLoop
 from learner.train.results import GrpoStats, StepResult, Summary
-from learner.train.trainer import Trainer
+from learner.train.rollout_matching import Trainer
 from rmsft.jobspec import RolloutMatchingJob
 
 __all__ = ["GrpoTrainer", "build_job_rewards", "trainer_class"]
@@ -70,7 +71,7 @@ log = logging.getLogger("rmsft.learner")
 _LOSS_METRICS = ("loss", "clip_fraction", "ratio_mean", "kl")
 
 
-def trainer_class(job: RolloutMatchingJob) -> type[Trainer]:
+def trainer_class(job: RolloutMatchingJob) -> type[TrainingLoop]:
     """The learner `spec.trainer` asks for: `Trainer` (rollout-matching SFT) or `GrpoTrainer`."""
     return GrpoTrainer if job.spec.trainer == "grpo" else Trainer
 
@@ -95,8 +96,8 @@ class _Groups:
     everything: list[Rollout]  # rank 0: the whole batch's completions; other ranks: their own
 
 
-class GrpoTrainer(Trainer):
-    """The GRPO learner; construction, checkpoints, sync, evaluation and reporting as `Trainer`."""
+class GrpoTrainer(TrainingLoop):
+    """The GRPO learner: the training loop (`TrainingLoop`) with GRPO steps; construction as there."""
 
     def __init__(self, job: RolloutMatchingJob, addresses: Sequence[str] | ServersFile, **kwargs) -> None:
         if job.spec.trainer != "grpo":
@@ -111,39 +112,23 @@ class GrpoTrainer(Trainer):
     def _make_packer(self) -> Packer:
         return Packer(*self.grpo.packing)
 
-    # -- the loop -------------------------------------------------------------------------------
-    def run(self, max_steps: int | None = None) -> Summary:
-        """Train until training.steps (or `max_steps` more steps); returns the summary."""
-        t_start = time.perf_counter()
-        st = self.state
-        target = self._begin(max_steps)  # reporter, run.json, servers ready, first sync
-        ck_every = self.cfg.checkpoint.every
-        while st.step < target:
-            t0 = time.perf_counter()
-            batch = self.order.batch(st.step)
-            groups = self._sample(batch)  # n completions per prompt, all from weight version st.version
-            scores = self._score(groups)  # rewards of every completion, on the host
-            advantages = group_advantages(scores.totals, self.grpo.n, scale=self.grpo.loss.scale_rewards)
-            rows = self._pack(groups, advantages)  # one segment per completion -> packed rows (all of them)
-            totals, n_rows, fill = self._update(rows)  # forward, loss, backward, optimizer
-            st.step += 1
-            result = StepResult(
-                step=st.step, weight_version=st.version, rollouts=groups.everything,
-                record_ids=[self.records[i].id for i in batch], loss=totals["loss"], parts={},
-                stats=None, rows=n_rows, fill=fill, seconds=time.perf_counter() - t0, rank=self.ranks.rank,
-                local_record_ids=[self.records[i].id for i in groups.indices[:: self.grpo.n]],
-                local_rows=len(rows), local_tokens=sum(r.length for r in rows),
-                grpo=self._stats(groups, scores, totals),
-            )  # fmt: skip
-            self.history.append(result)
-            self._publish(result)
-            if st.step < target:
-                self._sync()  # the next step samples from these weights
-            if ck_every and st.step % ck_every == 0:
-                self.save()
-            if self._eval_due(target):
-                self.evaluate_held_out()
-        return self._end(t_start)
+    # -- one step -------------------------------------------------------------------------------
+    def _train_step(self, t0: float) -> StepResult:
+        batch = self.order.batch(self.state.step)
+        groups = self._sample(batch)  # n completions per prompt, all from weight version state.version
+        scores = self._score(groups)  # rewards of every completion, on the host
+        advantages = group_advantages(scores.totals, self.grpo.n, scale=self.grpo.loss.scale_rewards)
+        rows = self._pack(groups, advantages)  # one segment per completion -> packed rows (all of them)
+        totals, n_rows, fill = self._update(rows)  # forward, loss, backward, optimizer
+        return self._step_result(
+            t0, rollouts=groups.everything, record_ids=[self.records[i].id for i in batch], loss=totals["loss"],
+            parts={}, stats=None, rows=n_rows, fill=fill,
+            local_record_ids=[self.records[i].id for i in groups.indices[:: self.grpo.n]],
+            local_rows=len(rows), local_tokens=sum(r.length for r in rows), grpo=self._stats(groups, scores, totals),
+        )  # fmt: skip
+
+    def _samples_at(self, step: int) -> bool:  # noqa: ARG002 - every GRPO step samples from the latest weights
+        return True
 
     # -- sample ---------------------------------------------------------------------------------
     def _sample(self, batch: tuple[int, ...]) -> _Groups:
@@ -242,23 +227,22 @@ class GrpoTrainer(Trainer):
         """Forward/backward of every row on the training device, then the optimizer step. Each row's loss is its
         share of the step's (normalised by the global totals), so the rows' gradients add up to the pooled
         loss's. Returns the loss and metrics summed over the rows, as device tensors (no host reads)."""
-        step, cfg = self.train_step, self.grpo.loss
-        sums: dict[str, torch.Tensor] = {}
-        step.begin()
-        for cpu_row, toks in zip(rows, tokens, strict=True):
-            row, toks = cpu_row.to(step.device), toks.to(step.device)
+        cfg, device = self.grpo.loss, self.train_step.device
+        if len(rows) != len(tokens):
+            raise ValueError(f"{len(rows)} row(s) but {len(tokens)} token count(s)")
+        pending = iter(tokens)  # `prepare` is called once per row, in order
+
+        def prepare(row: PackedRow) -> tuple[GrpoTokens, torch.Tensor | None]:
             ref = self._reference_logprobs(row) if cfg.kl_coef > 0 else None
-            with self._phase("forward"), step.autocast():
-                logits = step.forward(**row.model_inputs()).logits
-                out = grpo_row_sums(logits, row, cfg, ref, toks).finish(cfg, total_tokens, total_seqs)
-            with self._phase("backward"):
-                step.backward(out.loss)
-            for k, v in (("loss", out.loss.detach()), *((k, out.metrics[k]) for k in _LOSS_METRICS[1:])):
-                sums[k] = sums[k] + v if k in sums else v
-            m.TRAINED_TOKENS.inc(row.length)
-        with self._phase("optimizer"):
-            step.finish(len(rows), lr)
-        return sums
+            return next(pending).to(device), ref
+
+        def row_loss(row: PackedRow, logits: torch.Tensor, before: tuple[GrpoTokens, torch.Tensor | None]
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            row_tokens, ref = before
+            out = grpo_row_sums(logits, row, cfg, ref, row_tokens).finish(cfg, total_tokens, total_seqs)
+            return out.loss, {k: out.metrics[k] for k in _LOSS_METRICS[1:]}
+
+        return self._optimize(rows, lr, row_loss, prepare)
 
     def _reference_logprobs(self, row: PackedRow) -> torch.Tensor:
         """The reference policy's log-probs of the row's completion tokens: the base weights (LoRA/DoRA adapters
@@ -291,12 +275,8 @@ class GrpoTrainer(Trainer):
             completion_length=s[6] / count, truncated=s[7] / count, completions=int(s[2]), groups=int(s[4]),
         )  # fmt: skip
 
-    def _publish(self, r: StepResult) -> None:
+    def _step_metrics(self, r: StepResult) -> None:
         g = r.grpo
-        m.GLOBAL_STEP.set(r.step)
-        m.STEP_SECONDS.observe(r.seconds)
-        m.PACKING_FILL.set(r.fill)
-        m.LOSS.labels("total").set(r.loss)
         m.REWARD.labels("mean").set(g.reward_mean)
         m.REWARD.labels("std").set(g.reward_std)
         m.REWARD.labels("group_std").set(g.group_reward_std)
@@ -306,16 +286,13 @@ class GrpoTrainer(Trainer):
         m.CLIP_FRACTION.set(g.clip_fraction)
         m.GRPO_KL.set(g.kl)
         m.COMPLETION_LENGTH.set(g.completion_length)
-        if self.ranks.is_main:
-            self.reporter.step(r, self.state.phase_seconds, learning_rate(self.cfg, r.step - 1))
-            log.info(
-                "step %d v%d loss %.4f reward %.3f (std %.3f, flat groups %.2f) clip %.3f ratio %.4f kl %.4f "
-                "len %.1f rows %d fill %.3f %.2fs",
-                r.step, r.weight_version, r.loss, g.reward_mean, g.reward_std, g.zero_std_groups, g.clip_fraction,
-                g.ratio_mean, g.kl, g.completion_length, r.rows, r.fill, r.seconds,
-            )  # fmt: skip
-        if self.on_step:
-            self.on_step(r)
+
+    def _step_line(self, r: StepResult) -> str:
+        g = r.grpo
+        return (f"step {r.step} v{r.weight_version} loss {r.loss:.4f} reward {g.reward_mean:.3f} (std "
+                f"{g.reward_std:.3f}, flat groups {g.zero_std_groups:.2f}) clip {g.clip_fraction:.3f} ratio "
+                f"{g.ratio_mean:.4f} kl {g.kl:.4f} len {g.completion_length:.1f} rows {r.rows} fill {r.fill:.3f} "
+                f"{r.seconds:.2f}s")
 
     def summary(self, wall: float) -> Summary:
         out = super().summary(wall)
