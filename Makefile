@@ -28,7 +28,7 @@ test: lint
 protos: setup
 	$(VENV)/bin/python scripts/gen_protos.py
 
-# The CRD and the spec reference page, both generated from rmsft/jobspec.py (tests fail when either is stale).
+# The CRD and the spec reference page, both generated from rmsft/jobspec/ (tests fail when either is stale).
 crd: setup
 	$(VENV)/bin/python -m rmsft_operator.crd > charts/rmsft/crds/rolloutmatchingjobs.yaml
 	$(VENV)/bin/python scripts/gen_spec_reference.py

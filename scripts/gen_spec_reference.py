@@ -1,5 +1,5 @@
 """Generates docs/spec-reference.md, the RolloutMatchingJob field reference, from the CRD schema (which
-`rmsft_operator.crd` generates from the pydantic model in rmsft/jobspec.py): every field with its type,
+`rmsft_operator.crd` generates from the pydantic model in rmsft/jobspec/): every field with its type,
 default and description, one table per section, and the cross-field rules. Never hand-edit the page.
 
 Usage: python scripts/gen_spec_reference.py [OUT]   (default: docs/spec-reference.md)

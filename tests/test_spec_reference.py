@@ -1,5 +1,5 @@
 """The job spec is documented where users look: every field of the CRD has a description (what `kubectl
-explain rmj.spec...` prints, taken from the pydantic model in rmsft/jobspec.py or, for status, from
+explain rmj.spec...` prints, taken from the pydantic model in rmsft/jobspec/ or, for status, from
 rmsft_operator.crd), and docs/spec-reference.md is what scripts/gen_spec_reference.py writes today."""
 
 from __future__ import annotations

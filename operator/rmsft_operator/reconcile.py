@@ -7,7 +7,8 @@ periodic resync) runs the same pass:
   learner's progress. Only reads.
 - `decide` is a pure function of what was observed: which children to create, which to patch
   (scale the pool, resume the learner, refresh the server list) and the status to report. It is
-  table-tested without any API (tests/operator/test_operator_decide.py).
+  table-tested without any API (tests/operator/test_operator_decide.py). Why a job cannot go on (a
+  stuck pod, a failed preflight, a crash loop, the startup deadline) is read from its pods by `failures`.
 - `act` carries the decision out; every action is idempotent, so a pass interrupted by an API error
   is simply run again. The status is written only when it changed (every write is a watch event
   for every client).
@@ -33,36 +34,27 @@ from rmsft.jobspec import (
     parse_spec,
 )
 from rmsft_operator import render
+from rmsft_operator.failures import (
+    held_failure,
+    job_finished,
+    job_state,
+    parse_time,
+    pod_problem,
+    preflight_failure,
+    startup_failure,
+)
 from rmsft_operator.kube import ApiError, Kube
 from rmsft_operator.progress import learner_final_progress, learner_progress
 
 log = logging.getLogger("rmsft_operator.reconcile")
 
 CHILD_KINDS = ("Secret", "ConfigMap", "Service", "NetworkPolicy", "StatefulSet", "Job")
-# Container states that will not fix themselves: worth naming in a condition.
-_STUCK_WAITING = {"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
-                  "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
-_MAX_HINT = 600
 # Pod Security admission: the namespace label that sets the enforced level, and the levels whose
 # policy refuses hostPath volumes (only `privileged` admits them).
 PSA_ENFORCE_LABEL = "pod-security.kubernetes.io/enforce"
 _HOSTPATH_REFUSED_LEVELS = ("baseline", "restricted")
 # Condition reason of an shm job that such a level keeps from starting.
 SHARED_MEMORY_FORBIDDEN = "SharedMemoryForbidden"
-# What `rmsft serve` says (rollout_svc.config.ServeConfig.validate) when its configuration cannot work, e.g. a
-# model folder that does not exist: restarting the container changes nothing. Its exit code (1) is the one of
-# every other failure, so the words are what tell it apart.
-SERVE_INVALID_CONFIG = "rmsft serve: invalid configuration"
-SERVE_SAYS = "rmsft serve:"
-# Restarts of a rollout container before the pool was ever Ready that make it a crash loop (the kubelet's
-# back-off between them is 10 s, 20 s, 40 s...: a few minutes, well inside any startup timeout).
-CRASH_LOOP_RESTARTS = 3
-# Failed-condition reasons of a job whose start could not succeed. Such a job stays Failed (its pool at zero,
-# its learner suspended) until it is deleted, as one whose learner failed does.
-STARTUP_FAILURES = ("ModelPreflightFailed", "RolloutInvalidConfig", "RolloutCrashLoop", "RolloutStartupTimeout",
-                    "LearnerUnschedulable")
-# What `rmsft preflight` (the pods' init container, render.PREFLIGHT_CONTAINER) starts its message with.
-PREFLIGHT_SAYS = "rmsft preflight:"
 
 
 @dataclass(frozen=True)
@@ -134,7 +126,7 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
     if sts and len(rollout_pods) < int((sts.get("spec") or {}).get("replicas") or 0):
         missing.append(("StatefulSet", n["statefulset"]))
     if learner and not (learner.get("spec") or {}).get("suspend") and not learner_pods \
-            and not _job_finished(learner):
+            and not job_finished(learner):
         missing.append(("Job", n["job"]))
     failed_creates: dict[str, str] = {}
     if missing:
@@ -192,156 +184,6 @@ def _diff_paths(old: Any, new: Any, prefix: str = "spec") -> list[str]:
         return out
     return [] if old == new else [prefix]
 
-
-def _job_finished(learner: dict[str, Any]) -> bool:
-    succeeded, failed, _ = _job_state(learner)
-    return succeeded or failed
-
-
-def _job_state(learner: dict[str, Any]) -> tuple[bool, bool, str]:
-    """(succeeded, failed, failure reason) of a batch/v1 Job."""
-    st = learner.get("status") or {}
-    conds = {c.get("type"): c for c in st.get("conditions") or [] if c.get("status") == "True"}
-    if "Failed" in conds:
-        c = conds["Failed"]
-        return False, True, f"{c.get('reason', 'Failed')}: {c.get('message', '')}".strip(": ")
-    succeeded = "Complete" in conds or int(st.get("succeeded") or 0) >= 1
-    return succeeded, False, ""
-
-
-def pod_problem(pods: list[dict[str, Any]]) -> tuple[str, str] | None:
-    """(reason, message) of the first pod that is stuck in a way that needs a person, else None."""
-    for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
-        pname = (pod.get("metadata") or {}).get("name", "?")
-        st = pod.get("status") or {}
-        for c in st.get("conditions") or []:
-            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
-                return "Unschedulable", f"pod {pname} cannot be scheduled: {c.get('message', '')}".strip()
-        for cs in st.get("containerStatuses") or []:
-            state, last = cs.get("state") or {}, cs.get("lastState") or {}
-            waiting = state.get("waiting") or {}
-            terminated = state.get("terminated") or last.get("terminated") or {}
-            said = (terminated.get("message") or "").strip()
-            if waiting.get("reason") in _STUCK_WAITING:
-                detail = said or waiting.get("message") or ""
-                return waiting["reason"], f"pod {pname}: {waiting['reason']}: {detail}".strip(": ")[:_MAX_HINT]
-            if (state.get("terminated") or {}).get("exitCode") not in (None, 0):
-                code = state["terminated"]["exitCode"]
-                return "ContainerFailed", f"pod {pname} exited with code {code}: {said}".strip(": ")[:_MAX_HINT]
-    return None
-
-
-def _time(text: Any) -> dt.datetime | None:
-    try:
-        return dt.datetime.fromisoformat(str(text).replace("Z", "+00:00")) if text else None
-    except ValueError:
-        return None
-
-
-def _pod_ready(pod: dict[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or [])
-
-
-def _server_says(message: str) -> str:
-    """The server's own words from a termination message (the file it wrote, or the kubelet's copy of its log
-    tail): from its last `rmsft serve:` line on, else the last non-empty line."""
-    message = message.strip()
-    at = message.rfind(SERVE_SAYS)
-    if at >= 0:
-        return message[at:][:_MAX_HINT]
-    lines = [line for line in message.splitlines() if line.strip()]
-    return lines[-1].strip()[:_MAX_HINT] if lines else ""
-
-
-def _span(seconds: int) -> str:
-    return f"{seconds // 60} min" if seconds % 60 == 0 and seconds >= 60 else f"{seconds} s"
-
-
-def preflight_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[str, Any]]) -> tuple[str, str] | None:
-    """("ModelPreflightFailed", message) when the model preflight init container of a rollout or learner pod
-    exited non-zero, else None. Pure. Its verdict (the model folder does not fit the job, e.g. a stock
-    checkpoint with training.format coordexp) holds for every pod of the job and no restart changes it, so
-    the job fails at once, before any container loaded the model. The message is the preflight's own words,
-    prefixed with the pod's name."""
-    for role, pods in (("rollout", rollout_pods), ("learner", learner_pods)):
-        for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
-            if (pod.get("metadata") or {}).get("deletionTimestamp"):
-                continue
-            for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
-                if cs.get("name") != render.PREFLIGHT_CONTAINER:
-                    continue
-                ended = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated") \
-                    or {}
-                if ended.get("exitCode") in (None, 0):
-                    continue
-                said = str(ended.get("message") or "").strip()
-                at = said.rfind(PREFLIGHT_SAYS)
-                why = said[at:] if at >= 0 else _server_says(said) or ended.get("reason") or "no message"
-                pname = (pod.get("metadata") or {}).get("name", "?")
-                return "ModelPreflightFailed", (f"{role} pod {pname}: model preflight failed (exit code "
-                                                f"{ended['exitCode']}): {why}")[:_MAX_HINT * 2]
-    return None
-
-
-def startup_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[str, Any]], pool_starting: bool,
-                    timeout_s: int, now: dt.datetime) -> tuple[str, str] | None:
-    """(reason, message) when the job cannot start and should fail now, else None. Pure.
-
-    While the pool is starting (the learner still waits for it): a rollout server that said its configuration
-    is invalid, one that restarted CRASH_LOOP_RESTARTS times without being Ready, or a pod not Ready
-    `timeout_s` after it was created (unschedulable, image not pulled, model still loading). At any time: a
-    learner pod the scheduler could not place for `timeout_s`. The message is the server's (or scheduler's)
-    own words, prefixed with the pod's name."""
-    limit = dt.timedelta(seconds=timeout_s)
-    if pool_starting:
-        for pod in sorted(rollout_pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
-            if _pod_ready(pod) or (pod.get("metadata") or {}).get("deletionTimestamp"):
-                continue
-            pname = (pod.get("metadata") or {}).get("name", "?")
-            for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-                ended = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated") \
-                    or {}
-                said = str(ended.get("message") or "")
-                if SERVE_INVALID_CONFIG in said:
-                    return "RolloutInvalidConfig", f"rollout pod {pname}: {said[said.rfind(SERVE_INVALID_CONFIG):]}"[
-                        :_MAX_HINT]
-                restarts = int(cs.get("restartCount") or 0)
-                if restarts >= CRASH_LOOP_RESTARTS:
-                    code = ended.get("exitCode")
-                    why = _server_says(said) or ended.get("reason") or "no message"
-                    return "RolloutCrashLoop", (f"rollout pod {pname} restarted {restarts} times without becoming "
-                                                f"Ready (last exit code {code}): {why}")[:_MAX_HINT]
-            created = _time((pod.get("metadata") or {}).get("creationTimestamp"))
-            if created is not None and now - created >= limit:
-                problem = pod_problem([pod])
-                detail = problem[1] if problem else f"pod {pname} is still starting"
-                return "RolloutStartupTimeout", (f"rollout pool not Ready within spec.rollout.startupTimeout "
-                                                 f"({_span(timeout_s)}): {detail}")[:_MAX_HINT]
-    for pod in sorted(learner_pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
-        st = pod.get("status") or {}
-        if st.get("phase") in ("Succeeded", "Failed") or (pod.get("metadata") or {}).get("deletionTimestamp"):
-            continue
-        for c in st.get("conditions") or []:
-            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
-                since = _time(c.get("lastTransitionTime")) or _time((pod.get("metadata") or {}).get(
-                    "creationTimestamp"))
-                if since is not None and now - since >= limit:
-                    pname = (pod.get("metadata") or {}).get("name", "?")
-                    return "LearnerUnschedulable", (f"learner pod {pname} not scheduled within "
-                                                    f"spec.rollout.startupTimeout ({_span(timeout_s)}): "
-                                                    f"{c.get('message', '')}").strip()[:_MAX_HINT]
-    return None
-
-
-def _held_failure(status: dict[str, Any]) -> tuple[str, str] | None:
-    """(reason, message) of an earlier start failure of this job, which stays: Failed is final."""
-    if status.get("phase") != "Failed":
-        return None
-    cond = next((c for c in status.get("conditions") or [] if c.get("type") == "Failed"), {})
-    if cond.get("status") == "True" and cond.get("reason") in STARTUP_FAILURES:
-        return cond["reason"], str(status.get("message") or cond.get("message") or "")
-    return None
 
 
 def _monotonic_progress(old: dict[str, Any], scraped: dict[str, Any], final: dict[str, int]) -> dict[str, Any]:
@@ -464,7 +306,7 @@ def decide(obs: Observed, now: str) -> Decision:
     sts = obs.children.get("StatefulSet") or desired.get("StatefulSet") or {}
     learner = obs.children.get("Job") or desired["Job"]
     want = job.spec.rollout.replicas
-    succeeded, failed, why = _job_state(learner)
+    succeeded, failed, why = job_state(learner)
     ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
     status = d.status
     status.update({"rolloutReplicas": want, "readyRolloutReplicas": ready,
@@ -505,9 +347,9 @@ def decide(obs: Observed, now: str) -> Decision:
     # 5b. A start that cannot succeed fails the job and frees what it holds (the pool scaled to zero, the
     # learner Job suspended, which removes a pod that waits for a node), instead of crash-looping forever.
     suspended = bool((learner.get("spec") or {}).get("suspend"))
-    failure = _held_failure(old_status) or preflight or startup_failure(
+    failure = held_failure(old_status) or preflight or startup_failure(
         obs.rollout_pods, obs.learner_pods, pool_starting=not colocated and suspended,
-        timeout_s=job.spec.rollout.startup_timeout_seconds, now=_time(now) or dt.datetime.now(dt.UTC))
+        timeout_s=job.spec.rollout.startup_timeout_seconds, now=parse_time(now) or dt.datetime.now(dt.UTC))
     if failure:
         reason, message = failure
         if not colocated and (sts.get("spec") or {}).get("replicas") != 0:

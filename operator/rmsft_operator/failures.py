@@ -1,0 +1,187 @@
+"""Why a RolloutMatchingJob cannot go on, read from its pods and its learner Job: a container stuck in a way
+that needs a person, a failed model preflight, a rollout server that says its configuration is invalid or
+restarts without ever becoming Ready, the startup deadline, and a start failure that stays (Failed is final).
+
+Pure functions of plain API dicts and a clock, called by `reconcile` (table-tested through `decide` in
+tests/operator/test_operator_decide.py). The rules return (reason, message) or None, the message in the pod's
+(or the scheduler's) own words.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from rmsft_operator import render
+
+# Container states that will not fix themselves: worth naming in a condition.
+_STUCK_WAITING = {"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
+                  "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
+_MAX_HINT = 600
+# What `rmsft serve` says (rollout_svc.config.ServeConfig.validate) when its configuration cannot work, e.g. a
+# model folder that does not exist: restarting the container changes nothing. Its exit code (1) is the one of
+# every other failure, so the words are what tell it apart.
+SERVE_INVALID_CONFIG = "rmsft serve: invalid configuration"
+SERVE_SAYS = "rmsft serve:"
+# Restarts of a rollout container before the pool was ever Ready that make it a crash loop (the kubelet's
+# back-off between them is 10 s, 20 s, 40 s...: a few minutes, well inside any startup timeout).
+CRASH_LOOP_RESTARTS = 3
+# Failed-condition reasons of a job whose start could not succeed. Such a job stays Failed (its pool at zero,
+# its learner suspended) until it is deleted, as one whose learner failed does.
+STARTUP_FAILURES = ("ModelPreflightFailed", "RolloutInvalidConfig", "RolloutCrashLoop", "RolloutStartupTimeout",
+                    "LearnerUnschedulable")
+# What `rmsft preflight` (the pods' init container, render.PREFLIGHT_CONTAINER) starts its message with.
+PREFLIGHT_SAYS = "rmsft preflight:"
+
+
+def job_finished(learner: dict[str, Any]) -> bool:
+    """Whether the learner's batch/v1 Job succeeded or failed (either way, no pod of it will come)."""
+    succeeded, failed, _ = job_state(learner)
+    return succeeded or failed
+
+
+def job_state(learner: dict[str, Any]) -> tuple[bool, bool, str]:
+    """(succeeded, failed, failure reason) of a batch/v1 Job."""
+    st = learner.get("status") or {}
+    conds = {c.get("type"): c for c in st.get("conditions") or [] if c.get("status") == "True"}
+    if "Failed" in conds:
+        c = conds["Failed"]
+        return False, True, f"{c.get('reason', 'Failed')}: {c.get('message', '')}".strip(": ")
+    succeeded = "Complete" in conds or int(st.get("succeeded") or 0) >= 1
+    return succeeded, False, ""
+
+
+def pod_problem(pods: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """(reason, message) of the first pod that is stuck in a way that needs a person, else None."""
+    for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
+        pname = (pod.get("metadata") or {}).get("name", "?")
+        st = pod.get("status") or {}
+        for c in st.get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+                return "Unschedulable", f"pod {pname} cannot be scheduled: {c.get('message', '')}".strip()
+        for cs in st.get("containerStatuses") or []:
+            state, last = cs.get("state") or {}, cs.get("lastState") or {}
+            waiting = state.get("waiting") or {}
+            terminated = state.get("terminated") or last.get("terminated") or {}
+            said = (terminated.get("message") or "").strip()
+            if waiting.get("reason") in _STUCK_WAITING:
+                detail = said or waiting.get("message") or ""
+                return waiting["reason"], f"pod {pname}: {waiting['reason']}: {detail}".strip(": ")[:_MAX_HINT]
+            if (state.get("terminated") or {}).get("exitCode") not in (None, 0):
+                code = state["terminated"]["exitCode"]
+                return "ContainerFailed", f"pod {pname} exited with code {code}: {said}".strip(": ")[:_MAX_HINT]
+    return None
+
+
+def parse_time(text: Any) -> dt.datetime | None:
+    """An API timestamp (RFC 3339, `Z` for UTC) as a datetime; None when absent or unreadable."""
+    try:
+        return dt.datetime.fromisoformat(str(text).replace("Z", "+00:00")) if text else None
+    except ValueError:
+        return None
+
+
+def _pod_ready(pod: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def _server_says(message: str) -> str:
+    """The server's own words from a termination message (the file it wrote, or the kubelet's copy of its log
+    tail): from its last `rmsft serve:` line on, else the last non-empty line."""
+    message = message.strip()
+    at = message.rfind(SERVE_SAYS)
+    if at >= 0:
+        return message[at:][:_MAX_HINT]
+    lines = [line for line in message.splitlines() if line.strip()]
+    return lines[-1].strip()[:_MAX_HINT] if lines else ""
+
+
+def _span(seconds: int) -> str:
+    return f"{seconds // 60} min" if seconds % 60 == 0 and seconds >= 60 else f"{seconds} s"
+
+
+def preflight_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """("ModelPreflightFailed", message) when the model preflight init container of a rollout or learner pod
+    exited non-zero, else None. Pure. Its verdict (the model folder does not fit the job, e.g. a stock
+    checkpoint with training.format coordexp) holds for every pod of the job and no restart changes it, so
+    the job fails at once, before any container loaded the model. The message is the preflight's own words,
+    prefixed with the pod's name."""
+    for role, pods in (("rollout", rollout_pods), ("learner", learner_pods)):
+        for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
+            if (pod.get("metadata") or {}).get("deletionTimestamp"):
+                continue
+            for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
+                if cs.get("name") != render.PREFLIGHT_CONTAINER:
+                    continue
+                ended = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated") \
+                    or {}
+                if ended.get("exitCode") in (None, 0):
+                    continue
+                said = str(ended.get("message") or "").strip()
+                at = said.rfind(PREFLIGHT_SAYS)
+                why = said[at:] if at >= 0 else _server_says(said) or ended.get("reason") or "no message"
+                pname = (pod.get("metadata") or {}).get("name", "?")
+                return "ModelPreflightFailed", (f"{role} pod {pname}: model preflight failed (exit code "
+                                                f"{ended['exitCode']}): {why}")[:_MAX_HINT * 2]
+    return None
+
+
+def startup_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[str, Any]], pool_starting: bool,
+                    timeout_s: int, now: dt.datetime) -> tuple[str, str] | None:
+    """(reason, message) when the job cannot start and should fail now, else None. Pure.
+
+    While the pool is starting (the learner still waits for it): a rollout server that said its configuration
+    is invalid, one that restarted CRASH_LOOP_RESTARTS times without being Ready, or a pod not Ready
+    `timeout_s` after it was created (unschedulable, image not pulled, model still loading). At any time: a
+    learner pod the scheduler could not place for `timeout_s`. The message is the server's (or scheduler's)
+    own words, prefixed with the pod's name."""
+    limit = dt.timedelta(seconds=timeout_s)
+    if pool_starting:
+        for pod in sorted(rollout_pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
+            if _pod_ready(pod) or (pod.get("metadata") or {}).get("deletionTimestamp"):
+                continue
+            pname = (pod.get("metadata") or {}).get("name", "?")
+            for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+                ended = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated") \
+                    or {}
+                said = str(ended.get("message") or "")
+                if SERVE_INVALID_CONFIG in said:
+                    return "RolloutInvalidConfig", f"rollout pod {pname}: {said[said.rfind(SERVE_INVALID_CONFIG):]}"[
+                        :_MAX_HINT]
+                restarts = int(cs.get("restartCount") or 0)
+                if restarts >= CRASH_LOOP_RESTARTS:
+                    code = ended.get("exitCode")
+                    why = _server_says(said) or ended.get("reason") or "no message"
+                    return "RolloutCrashLoop", (f"rollout pod {pname} restarted {restarts} times without becoming "
+                                                f"Ready (last exit code {code}): {why}")[:_MAX_HINT]
+            created = parse_time((pod.get("metadata") or {}).get("creationTimestamp"))
+            if created is not None and now - created >= limit:
+                problem = pod_problem([pod])
+                detail = problem[1] if problem else f"pod {pname} is still starting"
+                return "RolloutStartupTimeout", (f"rollout pool not Ready within spec.rollout.startupTimeout "
+                                                 f"({_span(timeout_s)}): {detail}")[:_MAX_HINT]
+    for pod in sorted(learner_pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
+        st = pod.get("status") or {}
+        if st.get("phase") in ("Succeeded", "Failed") or (pod.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        for c in st.get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+                since = parse_time(c.get("lastTransitionTime")) or parse_time((pod.get("metadata") or {}).get(
+                    "creationTimestamp"))
+                if since is not None and now - since >= limit:
+                    pname = (pod.get("metadata") or {}).get("name", "?")
+                    return "LearnerUnschedulable", (f"learner pod {pname} not scheduled within "
+                                                    f"spec.rollout.startupTimeout ({_span(timeout_s)}): "
+                                                    f"{c.get('message', '')}").strip()[:_MAX_HINT]
+    return None
+
+
+def held_failure(status: dict[str, Any]) -> tuple[str, str] | None:
+    """(reason, message) of an earlier start failure of this job, which stays: Failed is final."""
+    if status.get("phase") != "Failed":
+        return None
+    cond = next((c for c in status.get("conditions") or [] if c.get("type") == "Failed"), {})
+    if cond.get("status") == "True" and cond.get("reason") in STARTUP_FAILURES:
+        return cond["reason"], str(status.get("message") or cond.get("message") or "")
+    return None

@@ -1,0 +1,161 @@
+"""spec as a whole (`JobSpec`): its sections, and the rules that span them (each mirrored by a CEL rule of the
+CRD, message for message).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rmsft.jobspec.base import _K8s
+from rmsft.jobspec.model import ModelSpec
+from rmsft.jobspec.pods import ImageSpec, LearnerSpec, MonitoringSpec, PlacementSpec
+from rmsft.jobspec.rollout import RolloutSpec
+from rmsft.jobspec.sync import SyncSpec
+from rmsft.jobspec.training import TrainingConfig
+
+
+class JobSpec(_K8s):
+    """What a RolloutMatchingJob runs: the model, the pods (image, placement, rollout pool, learner), the
+    training, the weight sync and monitoring."""
+
+    trainer: Literal["rollout_matching", "grpo"] = Field(
+        "rollout_matching", description="The learner's algorithm: rollout-matching SFT, or GRPO (training.grpo).",
+    )
+    model: ModelSpec
+    image: ImageSpec = Field(default_factory=ImageSpec)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    learner: LearnerSpec = Field(default_factory=LearnerSpec)
+    training: TrainingConfig = Field(
+        ..., description="The learner's own config (snake_case keys): data, format, optimizer, steps, rollouts, "
+        "matching, losses, evaluation, export.",
+    )
+    sync: SyncSpec = Field(default_factory=SyncSpec)
+    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> JobSpec:
+        # Every rule here is also a CEL rule in the CRD (rmsft_operator.crd); the messages match
+        # so users see the same text from `kubectl apply` and from `rmsft local`.
+        for message in cross_field_errors(self):
+            raise ValueError(message)
+        return self
+
+    @property
+    def gpus_needed(self) -> int:
+        if self.rollout.colocated:  # the engine shares the learner's devices
+            return self.learner.gpus
+        return self.rollout.replicas * self.rollout.tensor_parallel_size + self.learner.gpus
+
+
+def cross_field_errors(spec: JobSpec) -> list[str]:
+    """Rules that span sections; mirrored one-to-one by CEL rules in the CRD."""
+    errs: list[str] = []
+    # First, so that an shm job too big for a node is told about the transport (the budget rule
+    # below then holds the same numbers; only the first message reaches the user here). Only an
+    # explicit shm: auto is grpc in a cluster, and `rmsft local` checks the machine's GPUs itself.
+    if spec.sync.transport == "shm" and spec.placement.accelerator == "nvidia" \
+            and spec.gpus_needed > spec.placement.gpus_per_node:
+        errs.append(
+            f"spec.sync.transport 'shm' needs the learner and the whole pool on one node: "
+            f"spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus ({spec.gpus_needed}) "
+            f"must be <= spec.placement.gpusPerNode ({spec.placement.gpus_per_node})"
+        )
+    if spec.placement.accelerator == "nvidia" and spec.gpus_needed > spec.placement.gpus_per_node:
+        errs.append(
+            f"spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus "
+            f"({spec.gpus_needed}) must be <= spec.placement.gpusPerNode ({spec.placement.gpus_per_node})"
+        )
+    if spec.placement.accelerator == "none" and spec.learner.gpus > 0:
+        errs.append("spec.learner.gpus must be 0 when spec.placement.accelerator is 'none'")
+    if spec.sync.mode == "adapter" and not spec.rollout.enable_lora:
+        errs.append("spec.sync.mode 'adapter' requires spec.rollout.enableLora: true")
+    if spec.sync.mode == "adapter" and spec.training.finetune != "lora":
+        errs.append("spec.sync.mode 'adapter' requires spec.training.finetune: lora")
+    if spec.sync.mode == "adapter" and spec.training.lora.use_dora:
+        errs.append("spec.sync.mode 'adapter' cannot serve DoRA (spec.training.lora.use_dora); use full")
+    if spec.rollout.enable_lora and spec.training.lora.r > spec.rollout.max_lora_rank:
+        errs.append(
+            f"spec.training.lora.r ({spec.training.lora.r}) must be <= spec.rollout.maxLoraRank "
+            f"({spec.rollout.max_lora_rank})"
+        )
+    if spec.training.rollout.max_tokens >= spec.rollout.max_model_len:
+        errs.append(
+            f"spec.training.rollout.max_tokens ({spec.training.rollout.max_tokens}) must be < "
+            f"spec.rollout.maxModelLen ({spec.rollout.max_model_len})"
+        )
+    if spec.trainer == "grpo":
+        errs.extend(grpo_errors(spec))
+    if spec.rollout.colocated:
+        errs.extend(colocate_errors(spec))
+    return errs
+
+
+COLOCATE_STALENESS = ("spec.training.rollout.max_staleness must be 0 with spec.rollout.mode 'colocate': the engine "
+                      "shares the learner's devices, so generation cannot overlap training")
+
+
+COLOCATE_SLEEP_ZERO3 = (
+    "spec.rollout.colocate.sleepLevel > 0 cannot be combined with spec.training.deepspeed_stage 3: a sleeping engine "
+    "with partitioned training weights has not been proven on a GPU (use stage 0-2, or sleepLevel 0)")
+
+
+def colocate_errors(spec: JobSpec) -> list[str]:
+    """What a colocate job cannot have (mirrored by CEL rules, as `cross_field_errors`)."""
+    c, errs = spec.rollout.colocate, []
+    cpu = spec.placement.accelerator == "none"
+    if cpu and c.tensor_parallel_size != 1:
+        errs.append("spec.rollout.colocate.tensorParallelSize must be 1 when spec.placement.accelerator is 'none' "
+                    "(vLLM's CPU backend runs TP > 1 in worker processes of its own, not in the learner's)")
+    if not cpu and (spec.learner.gpus < 1 or spec.learner.gpus % c.tensor_parallel_size):
+        errs.append(f"spec.rollout.colocate.tensorParallelSize ({c.tensor_parallel_size}) must divide "
+                    f"spec.learner.gpus ({spec.learner.gpus}): the learner's ranks form whole TP groups")
+    if c.sleep_level > 0 and (cpu or spec.rollout.engine != "vllm"):
+        errs.append("spec.rollout.colocate.sleepLevel > 0 needs spec.placement.accelerator 'nvidia' and "
+                    "spec.rollout.engine 'vllm' (vLLM's sleep mode is CUDA's; the CPU backend has none)")
+    if c.sleep_level > 0 and spec.training.deepspeed_stage == 3:
+        errs.append(COLOCATE_SLEEP_ZERO3)
+    if cpu and (c.offload_model or c.offload_optimizer):
+        errs.append("spec.rollout.colocate.offloadModel and offloadOptimizer move training state off the GPUs; "
+                    "with spec.placement.accelerator 'none' there is nothing to move (set them false)")
+    if spec.rollout.engine == "hf" and c.tensor_parallel_size != 1:
+        errs.append("spec.rollout.colocate.tensorParallelSize must be 1 with spec.rollout.engine 'hf' (the HF "
+                    "engine is the training model itself)")
+    if spec.sync.mode == "adapter":
+        errs.append("spec.sync.mode 'adapter' is not available with spec.rollout.mode 'colocate': the in-process "
+                    "engine takes merged weights (use full or auto)")
+    if spec.sync.transport != "auto":
+        errs.append("spec.sync.transport must stay 'auto' with spec.rollout.mode 'colocate': weights go straight "
+                    "into the in-process engine, with no transport")
+    if spec.training.rollout.max_staleness > 0:
+        errs.append(COLOCATE_STALENESS)
+    return errs
+
+
+def grpo_errors(spec: JobSpec) -> list[str]:
+    """What a `trainer: grpo` job cannot have (mirrored by CEL rules, as `cross_field_errors`)."""
+    t, g = spec.training, spec.training.grpo
+    errs: list[str] = []
+    if g.max_tokens >= spec.rollout.max_model_len:
+        errs.append(f"spec.training.grpo.max_tokens ({g.max_tokens}) must be < spec.rollout.maxModelLen "
+                    f"({spec.rollout.max_model_len})")
+    if t.buffer.enabled and t.buffer.m_steps > 1:
+        errs.append("spec.training.buffer.m_steps > 1 is not supported by spec.trainer 'grpo': every step samples "
+                    "fresh groups from the learner's current weights (disable the buffer or set m_steps: 1)")
+    if t.warm_start_steps > 0:
+        errs.append("spec.training.warm_start_steps applies to spec.trainer 'rollout_matching' only (GRPO has no "
+                    "ground-truth targets to warm start on)")
+    if t.grad_accumulation != 1:
+        errs.append("spec.training.grad_accumulation must be 1 with spec.trainer 'grpo': a step trains on every "
+                    "completion it sampled, in as many packed rows as they fill")
+    if g.kl_coef > 0 and t.finetune != "lora":
+        errs.append("spec.training.grpo.kl_coef > 0 needs spec.training.finetune: lora (the reference policy is the "
+                    "base weights, the adapters disabled); with finetune: full set kl_coef: 0")
+    d = t.rollout
+    if d.top_p != 1.0 or d.top_k > 0 or d.repetition_penalty != 1.0:
+        errs.append("spec.training.rollout.top_p, top_k and repetition_penalty must stay off with spec.trainer "
+                    "'grpo' (it samples at spec.training.grpo.temperature alone, so that the learner's log-probs "
+                    "are those of the distribution sampled from)")
+    return errs

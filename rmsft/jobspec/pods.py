@@ -1,0 +1,95 @@
+"""The pods the operator deploys: their image, placement (node, tolerations, GPU budget), container
+resources, the learner pod (spec.learner) and monitoring.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from rmsft.jobspec.base import _DNS_LABEL, QUANTITY_PATTERN, _K8s
+
+
+class ImageSpec(_K8s):
+    """The container image of the rollout and learner pods (both run the same image)."""
+
+    repository: str = Field("ghcr.io/rmsft/rmsft", min_length=1, description="Image repository, registry included.")
+    tag: str = Field("0.1.0", min_length=1, description="Image tag.")
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="The pods' imagePullPolicy.")
+    pull_secrets: list[str] = Field(
+        default_factory=list, description="Names of Secrets in the job's namespace used to pull the image "
+        "(the pods' imagePullSecrets).",
+    )
+
+    @property
+    def ref(self) -> str:
+        return f"{self.repository}:{self.tag}"
+
+
+class Toleration(_K8s):
+    """A Kubernetes toleration, copied into the rollout and learner pods."""
+
+    key: str | None = Field(None, description="Taint key it matches; unset with operator Exists = every taint.")
+    operator: Literal["Exists", "Equal"] = Field("Equal", description="Equal: the taint's value must be value.")
+    value: str | None = Field(None, description="Taint value it matches (operator Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect it matches; unset = every effect.")
+    toleration_seconds: int | None = Field(
+        None, ge=0, description="With effect NoExecute: how long the pod stays bound after the taint appears.")
+
+
+class PlacementSpec(_K8s):
+    """Where the job's pods run, and the node's GPU budget the job must fit."""
+
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels the rollout and learner pods require (their nodeSelector).")
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Taints the rollout and learner pods tolerate.")
+    gpus_per_node: int = Field(8, ge=0, le=64, description="GPU budget of the node the job runs on.")
+    accelerator: Literal["nvidia", "none"] = Field(
+        "nvidia", description="'none' runs rollout and learner on CPUs (kind, laptops)."
+    )
+
+
+class ResourceSpec(_K8s):
+    """Container resources as Kubernetes quantities (cpu, memory, ...). nvidia.com/gpu is set by the operator
+    from the spec's GPU counts (rollout.tensorParallelSize, learner.gpus); a value given here is replaced."""
+
+    requests: dict[str, str] = Field(
+        default_factory=dict, description="Resource requests, e.g. {cpu: 8, memory: 64Gi}.")
+    limits: dict[str, str] = Field(default_factory=dict, description="Resource limits, e.g. {memory: 96Gi}.")
+
+    @field_validator("requests", "limits")
+    @classmethod
+    def _quantities(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, q in v.items():
+            if not re.match(QUANTITY_PATTERN, str(q)):
+                raise ValueError(f"{k}={q!r} is not a Kubernetes quantity (e.g. 4, 500m, 16Gi)")
+        return v
+
+
+class LearnerSpec(_K8s):
+    """The learner pod: one Job running `rmsft train`, one rank per GPU."""
+
+    gpus: int = Field(1, ge=0, le=64, description="GPUs for the learner pod (torchrun ranks).")
+    backoff_limit: int = Field(0, ge=0, le=20, description="Pod retries before the job is Failed.")
+    metrics_port: int = Field(9090, ge=1024, le=65535, description="Prometheus /metrics port of the learner.")
+    checkpoint_claim: str | None = Field(None, description="PVC mounted at training.checkpoint.dir.")
+    shm_size: str = Field("8Gi", pattern=QUANTITY_PATTERN, description="Size of the /dev/shm memory volume.")
+    resources: ResourceSpec = Field(
+        default_factory=ResourceSpec, description="CPU and memory of the learner container.")
+
+
+class MonitoringSpec(_K8s):
+    """Metrics and logs of the job's pods."""
+
+    enabled: bool = Field(
+        True, description="Prometheus scraping: the pods' prometheus.io/scrape annotations, and the rollout "
+        "servers' /metrics endpoint (off when false).",
+    )
+    namespace: str = Field("monitoring", pattern=_DNS_LABEL, description="Namespace allowed to scrape.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level of the rollout servers and the learner (RMSFT_LOG_LEVEL).")
