@@ -61,6 +61,7 @@ def data_path(tmp_path: Path) -> Path:
 
 def test_trainer_fails_at_start_before_any_server_or_model_work(tiny_model_dir, data_path, tmp_path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import learner.train.loop as loop_mod
     import learner.train.rollout_matching as trainer_mod
     from rmsft.jobspec import parse_job
 
@@ -70,7 +71,7 @@ def test_trainer_fails_at_start_before_any_server_or_model_work(tiny_model_dir, 
     def no_model(*a, **kw):
         raise AssertionError("the model was loaded before the checkpoint folder was checked")
 
-    monkeypatch.setattr(trainer_mod, "load_policy", no_model)
+    monkeypatch.setattr(loop_mod, "load_policy", no_model)  # the loop's setup loads the model
     server = FakeServer(FakeEngine())
     try:
         with pytest.raises(CheckpointDirError, match="spec.training.checkpoint.dir"):
