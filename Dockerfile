@@ -56,6 +56,7 @@ COPY pyproject.toml README.md /tmp/rmsft-src/
 COPY rmsft /tmp/rmsft-src/rmsft
 COPY learner /tmp/rmsft-src/learner
 COPY rollout_svc /tmp/rmsft-src/rollout_svc
+COPY rollout_engine /tmp/rmsft-src/rollout_engine
 COPY operator /tmp/rmsft-src/operator
 COPY protos /tmp/rmsft-src/protos
 RUN python scripts/image_install.py "$VARIANT" --phase project --source /tmp/rmsft-src

@@ -11,11 +11,11 @@ every import counted, the lazy ones inside functions too):
     rewards/     GRPO rewards: interface, built-ins, resolution and scoring                 core, data
     evaluation/  held-out evaluation, COCO mAP, pictures of answers                         core, data, rollouts
     colocate/    the rollout engine inside the learner's ranks, the offload context        core, rollouts, sync,
-                                                                                            tracking, rollout_svc
+                                                                                            tracking, rollout_engine
     train/       both trainer loops, step strategies, ranks, policy, checkpoints, export    all of the above
     local.py, offline_evaluation.py, gpu_plan.py: `rmsft local` / `rmsft eval`, on top     everything
 
 Every subpackage but core may also import the base (`rmsft` outside `rmsft.cli` and `rmsft.dev`, and
-`rmsft_protos`); only the modules on top import `rmsft.dev`, and `rollout_svc` only they and colocate/ (the
-in-process engine reuses the server's engines).
+`rmsft_protos`); only the modules on top import `rmsft.dev` and `rollout_svc` (to start servers), and only colocate/
+imports `rollout_engine` (the engines the servers run too).
 """

@@ -26,6 +26,7 @@ PACKAGES = {
     "rmsft": ROOT / "rmsft",
     "learner": ROOT / "learner",
     "rollout_svc": ROOT / "rollout_svc",
+    "rollout_engine": ROOT / "rollout_engine",
     "rmsft_operator": ROOT / "operator" / "rmsft_operator",
     "rmsft_protos": ROOT / "protos" / "rmsft_protos",
 }
@@ -49,12 +50,14 @@ LAYERS: dict[str, set[str]] = {
     "learner.rewards": BASE | {"learner.core", "learner.data"},
     "learner.evaluation": BASE | {"learner.core", "learner.data", "learner.rollouts"},
     # the engine inside the learner's ranks: it drives the rollout interface, syncs weights in-process, reports
-    "learner.colocate": BASE | {"learner.rollouts", "learner.sync", "learner.tracking", "learner.core", "rollout_svc"},
+    "learner.colocate": BASE | {"learner.rollouts", "learner.sync", "learner.tracking", "learner.core",
+                                "rollout_engine"},
     "learner.train": BASE | LEARNER_BELOW_TOP - {"learner.train"},
     # learner's top-level modules (`rmsft local`, `rmsft eval`, the GPU plan of `rmsft local`)
     "learner": BASE | LEARNER_BELOW_TOP | {"rmsft.dev", "rollout_svc"},
     "rmsft.dev": BASE | {"learner.core"},  # tiny models and synthetic tasks: dev builders, not runtime code
-    "rollout_svc": BASE,
+    "rollout_engine": BASE,  # the engines both homes drive: the server and the colocated engine
+    "rollout_svc": BASE | {"rollout_engine"},
     "rmsft_operator": {"rmsft"},  # the operator image has no grpc: not even rmsft_protos
     "rmsft.cli": BASE | LEARNER_BELOW_TOP | {"learner", "rmsft.dev", "rollout_svc", "rmsft_operator"},
 }
@@ -181,10 +184,11 @@ def test_every_part_imports_only_the_layers_below_it(graph: dict[str, set[str]])
 @pytest.mark.parametrize(
     ("part", "never"),
     [
-        ("rmsft", ("learner", "rollout_svc", "rmsft_operator", "rmsft.cli", "rmsft.dev")),  # the base
+        ("rmsft", ("learner", "rollout_svc", "rollout_engine", "rmsft_operator", "rmsft.cli", "rmsft.dev")),  # the base
+        ("rollout_engine", ("learner", "rollout_svc", "rmsft_operator", "rmsft.cli", "rmsft.dev")),
         ("rollout_svc", ("learner", "rmsft_operator", "rmsft.cli", "rmsft.dev")),
-        ("rmsft_operator", ("learner", "rollout_svc", "rmsft_protos", "rmsft.cli", "rmsft.dev")),
-        ("learner.core", ("rmsft", "rmsft_protos", "rollout_svc", "rmsft_operator")),
+        ("rmsft_operator", ("learner", "rollout_svc", "rollout_engine", "rmsft_protos", "rmsft.cli", "rmsft.dev")),
+        ("learner.core", ("rmsft", "rmsft_protos", "rollout_svc", "rollout_engine", "rmsft_operator")),
     ],
 )
 def test_part_never_imports(graph: dict[str, set[str]], part: str, never: tuple[str, ...]) -> None:

@@ -4,7 +4,7 @@ vLLM (or, explicitly, the HF engine) lives in the training process on the traini
 gradients between optimizer steps: no server pool, no weight transport. `ColocatedRollouts` implements the same
 rollout interface as the server pool (`learner.rollouts.source`), so the trainers' loops do not know which one
 they drive. Weights go straight from the training model into the engine (merged, layer by layer; no gRPC, no
-file), and prompts go through the server's own request path (`rollout_svc.prompts`), so both modes render, seed
+file), and prompts go through the server's own request path (`rollout_engine.prompts`), so both modes render, seed
 and sample alike.
 
     engine.py     vLLM in this process (its engine core in-process; the external launcher for TP groups on GPUs)

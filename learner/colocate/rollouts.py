@@ -1,7 +1,7 @@
 """`ColocatedRollouts`: the rollout source of spec.rollout.mode colocate (see the package doc).
 
 Requests take the rollout server's own path: the learner's `RolloutRequest`s become the same GenerateRequest
-proto a server receives, `rollout_svc.prompts.build_items` renders them with the engine's tokenizer/processor
+proto a server receives, `rollout_engine.prompts.build_items` renders them with the engine's tokenizer/processor
 and derives the per-sample seeds, and the engine answers GenItems. So a colocate run and a server run of one job
 render the same prompt ids, sample with the same seeds and give the same greedy rollouts.
 
@@ -41,9 +41,9 @@ from learner.tracking import metrics as m
 from rmsft.jobspec import RolloutMatchingJob
 from rmsft.serve_options import serve_options
 from rmsft.weight_wire import WeightVersion
-from rollout_svc import metrics as engine_metrics
-from rollout_svc.engine import EngineError
-from rollout_svc.prompts import PromptError, build_items, samples_per_prompt
+from rollout_engine import metrics as engine_metrics
+from rollout_engine.engine import EngineError
+from rollout_engine.prompts import PromptError, build_items, samples_per_prompt
 
 log = logging.getLogger("rmsft.learner.colocate")
 
@@ -211,8 +211,8 @@ def colocated_rollouts(job: RolloutMatchingJob, model: Any, tokenizer: Any, *, r
     import torch
 
     from learner.colocate.engine import InProcessVllm
-    from rollout_svc.config import ServeConfig
-    from rollout_svc.hf_engine import HfEngine
+    from rollout_engine.config import ServeConfig
+    from rollout_engine.hf_engine import HfEngine
 
     r, c = job.spec.rollout, job.spec.rollout.colocate
     on_gpu = torch.cuda.is_available()

@@ -49,7 +49,7 @@ PSA_ENFORCE_LABEL = "pod-security.kubernetes.io/enforce"
 _HOSTPATH_REFUSED_LEVELS = ("baseline", "restricted")
 # Condition reason of an shm job that such a level keeps from starting.
 SHARED_MEMORY_FORBIDDEN = "SharedMemoryForbidden"
-# What `rmsft serve` says (rollout_svc.config.ServeConfig.validate) when its configuration cannot work, e.g. a
+# What `rmsft serve` says (rollout_engine.config.ServeConfig.validate) when its configuration cannot work, e.g. a
 # model folder that does not exist: restarting the container changes nothing. Its exit code (1) is the one of
 # every other failure, so the words are what tell it apart.
 SERVE_INVALID_CONFIG = "rmsft serve: invalid configuration"

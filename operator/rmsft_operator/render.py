@@ -123,7 +123,7 @@ def render_secret(job: RolloutMatchingJob, namespace: str, uid: str, token: str 
 
 
 def serve_config(job: RolloutMatchingJob) -> dict[str, Any]:
-    """Flags of `rmsft serve --config` (rollout_svc.config.ServeConfig keys) for this job's pods."""
+    """Flags of `rmsft serve --config` (rollout_engine.config.ServeConfig keys) for this job's pods."""
     r = job.spec.rollout
     opts = serve_options(job, gpus=job.spec.placement.accelerator == "nvidia")
     return {

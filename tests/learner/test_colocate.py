@@ -160,7 +160,7 @@ def test_hf_engine_colocated_trains_and_matches_hf_server(tiny_model_dir: Path, 
 
 def test_engine_failure_mid_run_fails_fast_with_its_cause(tiny_model_dir: Path, data_path: Path,
                                                          tmp_path: Path) -> None:
-    from rollout_svc.engine import EngineError
+    from rollout_engine.engine import EngineError
 
     job = make_job(tiny_model_dir, data_path, tmp_path / "ck", mode="colocate", engine="hf")
     trainer = Trainer(job, [])

@@ -34,7 +34,7 @@ from rmsft.weight_wire import (
     set_version,
     version_of,
 )
-from rollout_svc import metrics as server_metrics
+from rollout_engine import metrics as server_metrics
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ from rollout_svc_helpers import Ref, generate, hf_greedy, hf_model, metric, rand
 from learner.rollouts.client import RolloutClient, RolloutRequest
 from learner.rollouts.pool import ServerPool
 from rmsft.weight_wire import FULL, iter_weight_chunks
+from rollout_engine.vllm_metrics import VLLM_METRICS, exposed_series
 from rollout_svc.launcher import RolloutServer
-from rollout_svc.vllm_metrics import VLLM_METRICS, exposed_series
 
 pytestmark = pytest.mark.vllm
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from rmsft.serving_dtype import safetensors_header
 from rmsft.weight_wire import FULL, decode_chunk, encode_weight_stream
-from rollout_svc.config import ServeConfig
+from rollout_engine.config import ServeConfig
 from rollout_svc.preflight import (
     GIB,
     check_staging,

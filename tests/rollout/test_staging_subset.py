@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rmsft.weight_wire import ADAPTER, FULL, StreamReader, TensorSpec, WireError, iter_weight_chunks
-from rollout_svc.staging import Stager, adapter_expectation, full_expectation, iter_staged_tensors
+from rollout_engine.staged_file import iter_staged_tensors
+from rollout_svc.staging import Stager, adapter_expectation, full_expectation
 
 # A Qwen2.5-VL-like checkpoint: language model under model.*, vision tower under visual.*, tied head.
 TABLE = {

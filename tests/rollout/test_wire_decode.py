@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from rmsft_protos import rollout_pb2
 
 from rmsft.weight_wire import FULL, PieceFrame, decode_chunk, iter_weight_chunks
-from rollout_svc.staging import Stager, iter_staged_tensors
+from rollout_engine.staged_file import iter_staged_tensors
+from rollout_svc.staging import Stager
 
 
 def _fields(chunk) -> tuple:
