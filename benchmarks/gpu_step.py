@@ -106,7 +106,7 @@ def build_policy(config: Any, cfg: Any, device: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     from learner.train.policy import load_dtype, policy_from_model
-    from rmsft.dev.tiny_model import build_tokenizer
+    from rmsft_dev.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer(0)
     if len(tokenizer) > config.vocab_size:
@@ -353,9 +353,9 @@ def colocate_job(work: Path, device_type: str, steps: int) -> Any:
     """configs/local-tiny.yaml colocated with the HF engine on `device_type`, tiny model and data under `work`."""
     import yaml
 
-    from rmsft.dev.synthetic import write_synthetic_dataset
-    from rmsft.dev.tiny_model import build_tiny_model
     from rmsft.jobspec import parse_job
+    from rmsft_dev.synthetic import write_synthetic_dataset
+    from rmsft_dev.tiny_model import build_tiny_model
 
     model = build_tiny_model(work / "model", seed=0)
     data = write_synthetic_dataset(work / "train.jsonl", n=16, seed=0)

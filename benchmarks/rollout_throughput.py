@@ -52,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rmsft.dev.tiny_model import CLASS_NAMES, build_tiny_model  # noqa: E402
+from rmsft_dev.tiny_model import CLASS_NAMES, build_tiny_model  # noqa: E402
 from rollout_engine.config import ServeConfig  # noqa: E402
 from rollout_engine.vllm_engine import engine_args  # noqa: E402 - the server's own rules
 from rollout_svc.launcher import RolloutServer, free_port  # noqa: E402

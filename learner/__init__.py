@@ -15,7 +15,7 @@ every import counted, the lazy ones inside functions too):
     train/       both trainer loops, step strategies, ranks, policy, checkpoints, export    all of the above
     local.py, offline_evaluation.py, gpu_plan.py: `rmsft local` / `rmsft eval`, on top     everything
 
-Every subpackage but core may also import the base (`rmsft` outside `rmsft.cli` and `rmsft.dev`, and
-`rmsft_protos`); only the modules on top import `rmsft.dev` and `rollout_svc` (to start servers), and only colocate/
+Every subpackage but core may also import the base (`rmsft` and
+`rmsft_protos`); only the modules on top import `rmsft_dev` and `rollout_svc` (to start servers), and only colocate/
 imports `rollout_engine` (the engines the servers run too).
 """

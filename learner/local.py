@@ -120,11 +120,11 @@ def _build_model(job: RolloutMatchingJob, notes: dict[str, str], build: str, mod
     if build and build != "false" and not (model_dir / "config.json").exists():
         with console.status(f"building the tiny model in {model_dir}"):
             if build == "true":
-                from rmsft.dev.tiny_model import build_tiny_model
+                from rmsft_dev.tiny_model import build_tiny_model
 
                 build_tiny_model(model_dir, seed=job.spec.training.seed, coord_tokens=coord_tokens)
             else:
-                from rmsft.dev.tiny_vl import build_tiny_vl_model
+                from rmsft_dev.tiny_vl import build_tiny_vl_model
 
                 coords = notes.get(TINY_MODEL_COORDS, "random").lower()
                 if coords not in ("random", "smooth"):
@@ -210,19 +210,19 @@ def _write_records(job: RolloutMatchingJob, notes: dict[str, str], data: Path, n
     task = notes.get(SYNTHETIC_TASK, "text")
     max_objects = int(notes.get(SYNTHETIC_MAX_OBJECTS, "0")) or None
     if task in ("visual", "visual-grid"):
-        from rmsft.dev.synthetic import write_visual_dataset
+        from rmsft_dev.synthetic import write_visual_dataset
 
         with console.status(f"rendering {n} synthetic {what}images for {data}"):
             # The instruction asks for the job's own output format (same images and objects either way).
             write_visual_dataset(data, n=n, seed=data_seed, fmt=job.spec.training.format,
                                  layout="grid" if task == "visual-grid" else "free",
                                  **({"max_objects": max_objects} if max_objects else {}))
-    elif task == "answer":  # a short-answer task for GRPO (rmsft.dev.synthetic.CoordAnswerReward)
-        from rmsft.dev.synthetic import write_answer_dataset
+    elif task == "answer":  # a short-answer task for GRPO (rmsft_dev.synthetic.CoordAnswerReward)
+        from rmsft_dev.synthetic import write_answer_dataset
 
         write_answer_dataset(data, n=n, seed=data_seed)
     else:
-        from rmsft.dev.synthetic import write_synthetic_dataset
+        from rmsft_dev.synthetic import write_synthetic_dataset
 
         write_synthetic_dataset(data, n=n, seed=data_seed)
     console.print(f"wrote {n} synthetic {what}{task} records to {data}")
@@ -384,7 +384,7 @@ def learner_command(job_path: str | Path, ranks: int, addresses: list[str], *, r
     """`rmsft train` under torchrun: `ranks` data-parallel ranks on one node."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-        "-m", "rmsft.cli", "train", "--config", str(job_path), "--servers", ",".join(addresses),
+        "-m", "rmsft_cli", "train", "--config", str(job_path), "--servers", ",".join(addresses),
         "--resume" if resume else "--no-resume",
         # No /metrics endpoint, as with the in-process learner: spec.learner.metricsPort is the
         # pod's port and may well be taken on a workstation (Prometheus itself uses 9090).

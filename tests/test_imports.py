@@ -24,6 +24,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {
     "rmsft": ROOT / "rmsft",
+    "rmsft_cli": ROOT / "rmsft_cli",
+    "rmsft_dev": ROOT / "rmsft_dev",
     "learner": ROOT / "learner",
     "rollout_svc": ROOT / "rollout_svc",
     "rollout_engine": ROOT / "rollout_engine",
@@ -31,7 +33,7 @@ PACKAGES = {
     "rmsft_protos": ROOT / "protos" / "rmsft_protos",
 }
 
-# The base: `rmsft` outside `rmsft.cli` and `rmsft.dev` (the job spec, the weight-update contract, the rules
+# The base: `rmsft` (the job spec, the weight-update contract, the rules
 # learner and server share), and the generated gRPC stubs. Every part may import it; it imports none of them.
 BASE = {"rmsft", "rmsft_protos"}
 LEARNER_BELOW_TOP = {
@@ -54,12 +56,12 @@ LAYERS: dict[str, set[str]] = {
                                 "rollout_engine"},
     "learner.train": BASE | LEARNER_BELOW_TOP - {"learner.train"},
     # learner's top-level modules (`rmsft local`, `rmsft eval`, the GPU plan of `rmsft local`)
-    "learner": BASE | LEARNER_BELOW_TOP | {"rmsft.dev", "rollout_svc"},
-    "rmsft.dev": BASE | {"learner.core"},  # tiny models and synthetic tasks: dev builders, not runtime code
+    "learner": BASE | LEARNER_BELOW_TOP | {"rmsft_dev", "rollout_svc"},
+    "rmsft_dev": BASE | {"learner.core"},  # tiny models and synthetic tasks: dev builders, not runtime code
     "rollout_engine": BASE,  # the engines both homes drive: the server and the colocated engine
     "rollout_svc": BASE | {"rollout_engine"},
     "rmsft_operator": {"rmsft"},  # the operator image has no grpc: not even rmsft_protos
-    "rmsft.cli": BASE | LEARNER_BELOW_TOP | {"learner", "rmsft.dev", "rollout_svc", "rmsft_operator"},
+    "rmsft_cli": BASE | LEARNER_BELOW_TOP | {"learner", "rmsft_dev", "rollout_svc", "rmsft_operator"},
 }
 # What sits at learner's top level; everything else lives in a subpackage of one idea.
 LEARNER_TOP_MODULES = {"__init__", "local", "offline_evaluation", "gpu_plan"}
@@ -148,7 +150,7 @@ def test_the_graph_sees_every_part_and_every_kind_of_import(graph: dict[str, set
         assert top in graph
     assert "learner.core.packing" in graph["learner.train.trainer"]  # module level
     assert "learner.train.grpo_trainer" in graph["learner.local"]  # inside a function
-    assert "rmsft.cli.app" in graph["rmsft.cli.__main__"]
+    assert "rmsft_cli.app" in graph["rmsft_cli.__main__"]
     modules = project_modules()
     lazy = '''
 from typing import TYPE_CHECKING
@@ -184,10 +186,10 @@ def test_every_part_imports_only_the_layers_below_it(graph: dict[str, set[str]])
 @pytest.mark.parametrize(
     ("part", "never"),
     [
-        ("rmsft", ("learner", "rollout_svc", "rollout_engine", "rmsft_operator", "rmsft.cli", "rmsft.dev")),  # the base
-        ("rollout_engine", ("learner", "rollout_svc", "rmsft_operator", "rmsft.cli", "rmsft.dev")),
-        ("rollout_svc", ("learner", "rmsft_operator", "rmsft.cli", "rmsft.dev")),
-        ("rmsft_operator", ("learner", "rollout_svc", "rollout_engine", "rmsft_protos", "rmsft.cli", "rmsft.dev")),
+        ("rmsft", ("learner", "rollout_svc", "rollout_engine", "rmsft_operator", "rmsft_cli", "rmsft_dev")),  # the base
+        ("rollout_engine", ("learner", "rollout_svc", "rmsft_operator", "rmsft_cli", "rmsft_dev")),
+        ("rollout_svc", ("learner", "rmsft_operator", "rmsft_cli", "rmsft_dev")),
+        ("rmsft_operator", ("learner", "rollout_svc", "rollout_engine", "rmsft_protos", "rmsft_cli", "rmsft_dev")),
         ("learner.core", ("rmsft", "rmsft_protos", "rollout_svc", "rollout_engine", "rmsft_operator")),
     ],
 )

@@ -453,7 +453,7 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
         # `rmsft train` reads (rank 0 talks to the rollout servers, the others get their share).
         container["command"] = [
             "python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(lr.gpus),
-            "-m", "rmsft.cli",
+            "-m", "rmsft_cli",
         ]  # fmt: skip
     return {
         "apiVersion": "batch/v1",

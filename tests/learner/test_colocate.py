@@ -19,9 +19,9 @@ import yaml
 from learner.colocate import ColocatedRollouts, ColocateError
 from learner.rollouts.client import RolloutRequest
 from learner.train.trainer import Trainer
-from rmsft.dev.synthetic import write_synthetic_dataset
 from rmsft.jobspec import parse_job
 from rmsft.serve_options import serve_options
+from rmsft_dev.synthetic import write_synthetic_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4

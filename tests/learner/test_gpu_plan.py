@@ -203,7 +203,7 @@ def test_local_on_8_gpus_gives_every_process_its_own(machine, tmp_path: Path) ->
     (run,) = calls["torchrun"]
     cmd = run["cmd"]
     assert cmd[1:] == [
-        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "rmsft.cli", "train",
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "rmsft_cli", "train",
         "--config", str(job_path), "--servers", ",".join(f"127.0.0.1:{5000 + i}" for i in range(6)),
         "--no-resume", "--metrics-port", "0",
     ]  # fmt: skip
@@ -253,7 +253,7 @@ def test_local_refuses_a_job_bigger_than_the_machine_before_starting_anything(ma
     assert calls == {"servers": [], "in_process": [], "torchrun": []}
     assert not (tmp_path / "w").exists()
 
-    from rmsft.cli.app import app
+    from rmsft_cli.app import app
 
     res = CliRunner().invoke(app, ["local", str(job_path), "--work-dir", str(tmp_path / "w")])
     assert res.exit_code == 2 and "Traceback" not in res.output

@@ -39,7 +39,7 @@ from rollout_engine import metrics as server_metrics
 
 @pytest.fixture(scope="module")
 def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rmsft.dev.synthetic import write_synthetic_dataset
+    from rmsft_dev.synthetic import write_synthetic_dataset
 
     return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n=16, seed=0)
 

@@ -179,7 +179,7 @@ def test_serve_exits_before_the_engine_when_staging_is_too_small(tmp_path: Path)
     stage.mkdir()
     t0 = time.monotonic()
     res = subprocess.run(
-        [sys.executable, "-m", "rmsft.cli", "serve", "--model", str(model), "--backend", "hf",
+        [sys.executable, "-m", "rmsft_cli", "serve", "--model", str(model), "--backend", "hf",
          "--staging-dir", str(stage), "--port", "0", "--metrics-port", "0"],
         capture_output=True, text=True, cwd=ROOT, timeout=120, env={**os.environ, "RMSFT_LOG_LEVEL": "info"},
     )  # fmt: skip

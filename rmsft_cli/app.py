@@ -31,14 +31,14 @@ def tiny_model(
     console = Console(stderr=True)
     with console.status(f"building tiny {'vision-language ' if vl else ''}model in {out_dir}"):
         if vl:
-            from rmsft.dev.tiny_vl import build_tiny_vl_model
+            from rmsft_dev.tiny_vl import build_tiny_vl_model
 
             try:
                 path = build_tiny_vl_model(out_dir, arch=arch, seed=seed, coord_tokens=not stock)
             except ValueError as exc:
                 raise typer.BadParameter(str(exc), param_hint="--arch") from None
         else:
-            from rmsft.dev.tiny_model import build_tiny_model
+            from rmsft_dev.tiny_model import build_tiny_model
 
             path = build_tiny_model(out_dir, seed=seed, coord_tokens=not stock)
     console.print(f"[green]tiny {'stock ' if stock else ''}model written to[/green] {path}")
