@@ -26,7 +26,7 @@ Modes, each writing one JSON object (`--json`) and a RESULT line:
   phase less its 1 GiB CUDA-context reserve, which the allocator does not count).
 - packing: the same segments of uneven lengths as one packed row and as one right-padded batch (attention
   mask, pads ignored by the loss), the same step; tokens/s counts real tokens only.
-- offload: one step, then `learner.colocate.offload.offloaded(params=True, optimizer=True)`: the bytes it moves,
+- offload: one step, then `learner.train.offload.offloaded(params=True, optimizer=True)`: the bytes it moves,
   the drop of torch.cuda.memory_allocated, the seconds each way (CUDA only).
 - colocate: a few steps of a colocated job with the HF engine (spec.rollout.engine: hf; the training model
   decodes itself, so no vLLM) on the tiny model: seconds per step and the rollouts made.
@@ -313,7 +313,7 @@ def run_packing(args: argparse.Namespace) -> dict[str, Any]:
 def run_offload(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from learner.colocate.offload import offloaded
+    from learner.train.offload import offloaded
 
     out: dict[str, Any] = {"mode": "offload", "shape": args.shape, "device": args.device}
     if not args.device.startswith("cuda") or not torch.cuda.is_available():

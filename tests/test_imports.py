@@ -38,7 +38,7 @@ PACKAGES = {
 BASE = {"rmsft", "rmsft_protos"}
 LEARNER_BELOW_TOP = {
     "learner.core", "learner.tracking", "learner.rollouts", "learner.sync", "learner.data", "learner.rewards",
-    "learner.evaluation", "learner.colocate", "learner.train",
+    "learner.evaluation", "learner.rollouts.colocate", "learner.train",
 }  # fmt: skip
 LAYERS: dict[str, set[str]] = {
     "rmsft_protos": set(),
@@ -52,7 +52,7 @@ LAYERS: dict[str, set[str]] = {
     "learner.rewards": BASE | {"learner.core", "learner.data"},
     "learner.evaluation": BASE | {"learner.core", "learner.data", "learner.rollouts"},
     # the engine inside the learner's ranks: it drives the rollout interface, syncs weights in-process, reports
-    "learner.colocate": BASE | {"learner.rollouts", "learner.sync", "learner.tracking", "learner.core",
+    "learner.rollouts.colocate": BASE | {"learner.rollouts", "learner.sync", "learner.tracking", "learner.core",
                                 "rollout_engine"},
     "learner.train": BASE | LEARNER_BELOW_TOP - {"learner.train"},
     # learner's top-level modules (`rmsft local`, `rmsft eval`, the GPU plan of `rmsft local`)

@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-from learner.colocate import colocated_rollouts
 from learner.core.losses import loss_sums
 from learner.core.packing import PackedRow, Packer
 from learner.core.rollout_buffer import RolloutBuffer
@@ -49,8 +48,9 @@ from learner.data.vision import VisionPrompt, patch_size, render_prompt, resized
 from learner.evaluation.draw import save_rollout_pictures
 from learner.evaluation.held_out import EvalSetup, Evaluation, evaluate, score
 from learner.rollouts.client import Rollout
+from learner.rollouts.colocate import colocated_rollouts
+from learner.rollouts.interface import RolloutSource, SourceInfo
 from learner.rollouts.pool import ServerPool, ServersFile
-from learner.rollouts.source import RolloutSource, SourceInfo
 from learner.sync.client import WeightSyncClient
 from learner.tracking import metrics as m
 from learner.tracking.run_record import run_record, write_run_record
@@ -66,7 +66,7 @@ from learner.train.policy import Policy, load_policy, prompt_ids
 from learner.train.ranks import Ranks
 from learner.train.reporting import RunReporter
 from learner.train.results import StepResult, Summary
-from learner.train.sources import ServerRollouts
+from learner.train.server_setup import build_server_rollouts
 from learner.train.step import PlainStep, ZeroStep, gathered_weights, make_step, resolve_device
 from rmsft.jobspec import RolloutMatchingJob
 from rmsft.weight_wire import new_run_id
@@ -215,10 +215,12 @@ class Trainer(RolloutHandout):
                     # Every E-step's rollouts go through it (max_staleness 0: generated inline, as always).
                     self.ahead = RolloutsAhead(lambda reqs, sampling, v: self.rollouts.generate(
                         reqs, sampling, weight_version=v), cfg.rollout.max_staleness)
-                    source = ServerRollouts(job, addresses, self.model, run_id=self.state.run_id, auth_token=auth_token,
-                                            checkpoint_dir=model_dir, vision_language=self.policy.is_vision_language,
-                                            zero3=cfg.deepspeed_stage == 3,
-                                            fence_resync=self.ahead.fenced_resync)  # none while weights move
+                    source = build_server_rollouts(
+                        job, addresses, self.model, run_id=self.state.run_id, auth_token=auth_token,
+                        checkpoint_dir=model_dir, vision_language=self.policy.is_vision_language,
+                        zero3=cfg.deepspeed_stage == 3,
+                        fence_resync=self.ahead.fenced_resync,  # none while weights move
+                    )  # fmt: skip
                     self.rollouts, self.pool, self.sync_client = source, source.pool, source.sync_client
                     self.ahead.abort = source.abort  # close(): a call still running ahead is ended, then waited for
         self._prompt_cache: dict[int, list[int]] = {}  # text models: a record's prompt ids
@@ -540,7 +542,7 @@ class Trainer(RolloutHandout):
         c = self.job.spec.rollout.colocate
         if not (c.offload_model or c.offload_optimizer):
             return nullcontext()
-        from learner.colocate.offload import offloaded
+        from learner.train.offload import offloaded
 
         return offloaded(self.train_step, self.model, params=c.offload_model, optimizer=c.offload_optimizer)
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from learner.colocate.groups import TpGroup
-from learner.colocate.rollouts import ColocatedRollouts
+from learner.rollouts.colocate.groups import TpGroup
+from learner.rollouts.colocate.rollouts import ColocatedRollouts
 from learner.rollouts.requests import RolloutRequest
 from rollout_engine.hf_engine import HfEngine
 

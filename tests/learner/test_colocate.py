@@ -16,8 +16,8 @@ import pytest
 import torch
 import yaml
 
-from learner.colocate import ColocatedRollouts, ColocateError
 from learner.rollouts.client import RolloutRequest
+from learner.rollouts.colocate import ColocatedRollouts, ColocateError
 from learner.train.trainer import Trainer
 from rmsft.jobspec import parse_job
 from rmsft.serve_options import serve_options
@@ -226,7 +226,7 @@ def test_a_tp_group_gathers_its_requests_and_each_rank_keeps_its_slice(tiny_mode
 
     from colocate_group_worker import CALLS, SAMPLING, requests, source
 
-    from learner.colocate.groups import GroupSizeError, TpGroup, group_ranks
+    from learner.rollouts.colocate.groups import GroupSizeError, TpGroup, group_ranks
     from rollout_svc.launcher import free_port
 
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
@@ -255,7 +255,7 @@ def test_offload_around_generation_leaves_training_bit_identical(tiny_model_dir:
     """The trainer wraps every in-process generation in the offload context (spec.rollout.colocate offloadModel /
     offloadOptimizer; refused on CPUs by the spec, set here past it: the CPU is both "device" and "host"). The
     optimizer state really goes (its storage swapped) and comes back: the same losses and weights as without."""
-    import learner.colocate.offload as offload
+    import learner.train.offload as offload
 
     moved: list[int] = []
     real = offload.offloaded

@@ -1,4 +1,4 @@
-"""The offload context (learner/colocate/offload.py), proven on the CPU.
+"""The offload context (learner/train/offload.py), proven on the CPU.
 
 - Placement, the way tests/learner/test_placement.py proves it: the training state of a step on the `meta`
   device (the stand-in accelerator) and the plan of moves, which reads no data: every parameter, gradient and
@@ -25,8 +25,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from learner.colocate import offload
-from learner.colocate.offload import OffloadReport, offloaded, plan_offload
+from learner.train import offload
+from learner.train.offload import OffloadReport, offloaded, plan_offload
 
 
 def _policy(tiny_model_dir: Path, **training: Any) -> torch.nn.Module:

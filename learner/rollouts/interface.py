@@ -1,8 +1,8 @@
 """Where the learner's rollouts come from: one interface, two homes (../../docs/architecture.md).
 
-`learner.train.sources.ServerRollouts` is the pool of rollout servers over gRPC: rank 0 alone holds it and
-asks for the whole global batch. `learner.colocate.ColocatedRollouts` is an engine inside every learner rank
-(spec.rollout.mode: colocate): each rank generates its own share. Both answer `generate` in request order,
+`learner.rollouts.server_home.ServerRollouts` is the pool of rollout servers over gRPC: rank 0 alone holds it
+and asks for the whole global batch. `learner.rollouts.colocate.ColocatedRollouts` is an engine inside every
+learner rank (spec.rollout.mode: colocate): each rank generates its own share. Both answer `generate` in request order,
 with the same seeds, `n` samples and log-probs, and every completion fenced to the weight version asked for;
 both take the learner's weights with `sync`. The trainers' loops are the same above this interface.
 """

@@ -26,7 +26,8 @@ from typing import Any
 
 from rmsft_protos import rollout_pb2
 
-from learner.colocate.groups import TpGroup
+from learner.rollouts.colocate.groups import TpGroup
+from learner.rollouts.interface import SourceInfo
 from learner.rollouts.requests import (
     Rollout,
     RolloutError,
@@ -35,7 +36,6 @@ from learner.rollouts.requests import (
     sampling_params,
     to_prompt_proto,
 )
-from learner.rollouts.source import SourceInfo
 from learner.sync.weights import checkpoint_name_map, full_export, serving_dtype
 from learner.tracking import metrics as m
 from rmsft.jobspec import RolloutMatchingJob
@@ -210,7 +210,7 @@ def colocated_rollouts(job: RolloutMatchingJob, model: Any, tokenizer: Any, *, r
     engine around the training model itself, when spec.rollout.engine is hf)."""
     import torch
 
-    from learner.colocate.engine import InProcessVllm
+    from learner.rollouts.colocate.engine import InProcessVllm
     from rollout_engine.config import ServeConfig
     from rollout_engine.hf_engine import HfEngine
 
