@@ -15,7 +15,7 @@ every import counted, the lazy ones inside functions too):
                                                                                             tracking, rollout_engine
     train/       both trainer loops, step strategies, ranks, policy, checkpoints, export,   all of the above
                  the server home's wiring, the offload context
-    local.py, offline_evaluation.py, gpu_plan.py: `rmsft local` / `rmsft eval`, on top     everything
+    local.py, checkpoint_eval.py, gpu_assignment.py: `rmsft local` / `rmsft eval`, on top     everything
 
 Every subpackage but core may also import the base (`rmsft` and `rmsft_protos`); only the modules on top
 import `rmsft_dev` and `rollout_svc` (to start servers), and only rollouts/colocate/ imports `rollout_engine`

@@ -445,12 +445,12 @@ def eval_cmd(
         None, help="Override training.format_options.coordinates (qwen_json): relative or pixels."),
     work_dir: Path = typer.Option(Path(".rmsft/eval"), help="Where server logs go."),
 ) -> None:
-    """Held-out evaluation offline: greedy answers from local rollout servers on MODEL, scored as the trainer
+    """Held-out evaluation of a checkpoint: greedy answers from local rollout servers on MODEL, scored as the trainer
     scores training.eval (F1 at an IoU threshold, COCO mAP)."""
     from rich.console import Console
 
+    from learner.checkpoint_eval import EvalOptions, run_eval
     from learner.data.records import DataError
-    from learner.offline_evaluation import EvalOptions, run_eval
     from learner.train.export import ExportError
     from learner.train.policy import ModelLoadError
     from rmsft.jobspec import JobSpecError

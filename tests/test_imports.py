@@ -64,7 +64,7 @@ LAYERS: dict[str, set[str]] = {
     "rmsft_cli": BASE | LEARNER_BELOW_TOP | {"learner", "rmsft_dev", "rollout_svc", "rmsft_operator"},
 }
 # What sits at learner's top level; everything else lives in a subpackage of one idea.
-LEARNER_TOP_MODULES = {"__init__", "local", "offline_evaluation", "gpu_plan"}
+LEARNER_TOP_MODULES = {"__init__", "local", "checkpoint_eval", "gpu_assignment"}
 
 
 def _module_name(top: str, path: Path) -> str:

@@ -39,9 +39,9 @@ class RolloutSource(Protocol):
         """One completion per request and sample, in request order, each produced by `weight_version` of this
         run (None: no fencing)."""
 
-    def sync(self, version: int) -> None:
-        """Make the learner's current weights the engine's, as `version` of this run. Raises on failure; the
-        version is the engine's only once this returned."""
+    def sync(self, number: int) -> None:
+        """Make the learner's current weights the engine's, as weight version `number` of this run. Raises on
+        failure; the version is the engine's only once this returned."""
 
     def describe(self) -> SourceInfo: ...
 

@@ -24,8 +24,9 @@ class WeightSender(Protocol):
     mode: str  # full | adapter | auto
     transport: str  # grpc | shm
 
-    def sync(self, version: int) -> Any:
-        """Push the learner's current weights as `version` to every server that is up; raise on failure."""
+    def sync(self, number: int) -> Any:
+        """Push the learner's current weights as version `number` of this run to every server that is up; raise
+        on failure."""
 
     def resync_server(self, server: RolloutServer) -> None:
         """Bring one server to the pool's current weight version (the rollout client's failover callback)."""
@@ -53,8 +54,8 @@ class ServerRollouts:
                  weight_version: int | None = None) -> list[Rollout]:
         return self.client.generate(requests, sampling, weight_version=weight_version)
 
-    def sync(self, version: int) -> None:
-        self.sync_client.sync(version)  # counts bytes and sets the version gauge itself
+    def sync(self, number: int) -> None:
+        self.sync_client.sync(number)  # counts bytes and sets the version gauge itself
 
     def describe(self) -> SourceInfo:
         return SourceInfo("server", tuple(s.address for s in self.pool.servers), self.sync_client.mode,

@@ -16,5 +16,5 @@
 - `offload`: training parameters and/or optimizer state in host memory while a colocated engine generates.
 
 May import every other learner subpackage (tests/test_imports.py); nothing imports it but the modules on
-top (learner/local.py, learner/offline_evaluation.py) and the CLI.
+top (learner/local.py, learner/checkpoint_eval.py) and the CLI.
 """

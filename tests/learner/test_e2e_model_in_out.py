@@ -60,7 +60,7 @@ def _quiet() -> Console:
 def test_stock_model_trains_with_qwen_json_evaluates_tracks_and_exports(stock_vl: Path, tmp_path: Path) -> None:
     from prometheus_client import generate_latest
 
-    from learner.offline_evaluation import EvalOptions, run_eval
+    from learner.checkpoint_eval import EvalOptions, run_eval
     from learner.tracking.run_record import job_from_run_record
     from learner.tracking.tracker import decode_png, read_events
 

@@ -235,7 +235,7 @@ def test_the_run_id_travels_with_every_version_relayed_or_shared(pool_of, model,
 def _shared_update(model, shared: Path, version: int) -> tuple[SharedUpdate, bytes]:
     named = [(n, p.detach()) for n, p in model.named_parameters() if n != "lm_head.weight"]
     specs = [(n, TensorSpec(dtype_name(t.dtype), tuple(t.shape))) for n, t in named]
-    update = SharedUpdate.create(shared, specs, version=version, mode=FULL)
+    update = SharedUpdate.create(shared, specs, number=version, mode=FULL)
     return update, update.write(named)
 
 

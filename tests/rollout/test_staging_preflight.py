@@ -162,7 +162,7 @@ def test_full_updates_hold_staging_copies_times_the_weights(tiny_model_dir: Path
     tensors = load_file(tiny_model_dir / "model.safetensors")
     try:
         for version in (1, 2, 3):
-            _, requests = encode_weight_stream(tensors.items(), version=version, mode=FULL)
+            _, requests = encode_weight_stream(tensors.items(), number=version, mode=FULL)
             servicer.UpdateWeights((decode_chunk(r) for r in requests), _Context())
     finally:
         servicer.close()

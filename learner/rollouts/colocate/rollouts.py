@@ -106,8 +106,8 @@ class ColocatedRollouts:
         m.ROLLOUT_REQUESTS.inc(hi - lo)
         return out[lo * n: hi * n]
 
-    def sync(self, version: int) -> None:
-        """The learner's current weights into the engine, as `version`. vLLM: every tensor straight from the
+    def sync(self, number: int) -> None:
+        """The learner's current weights into the engine, as version `number`. vLLM: every tensor straight from the
         training model (merged, cast, renamed), loaded in place; prefix and encoder caches reset. Asleep: the engine
         wakes for the push and sleeps again, so the weights always go in here, where the trainer calls it: inside
         its ZeRO-3 gather (whole parameters) and outside the offload context (parameters on the device)."""
@@ -121,8 +121,8 @@ class ColocatedRollouts:
                     self._sleep()
             else:
                 self._push()
-        self.weights = WeightVersion(self.run_id, version)
-        m.WEIGHT_VERSION.set(version)
+        self.weights = WeightVersion(self.run_id, number)
+        m.WEIGHT_VERSION.set(number)
         engine_metrics.WEIGHT_SYNC_SECONDS.labels("in-process").observe(time.perf_counter() - t0)
 
     def close(self) -> None:
