@@ -294,7 +294,7 @@ _DYING_LEARNER = textwrap.dedent('''
     from rmsft.weight_wire import FULL, SharedUpdate, TensorSpec, update_weights_raw
     shared, address = sys.argv[1], sys.argv[2]
     specs = [("model.layers.0.mlp.up_proj.weight", TensorSpec("F32", (64, 32)))]
-    update = SharedUpdate.create(shared, specs, version=1, mode=FULL)
+    update = SharedUpdate.create(shared, specs, number=1, mode=FULL)
     def requests():
         yield rollout_pb2.WeightChunk(header=update.header).SerializeToString()
         time.sleep(600)
