@@ -54,8 +54,11 @@ RUN DS_BUILD_OPS=0 DS_ACCELERATOR=cpu python scripts/image_install.py "$VARIANT"
 
 COPY pyproject.toml README.md /tmp/rmsft-src/
 COPY rmsft /tmp/rmsft-src/rmsft
+COPY rmsft_cli /tmp/rmsft-src/rmsft_cli
+COPY rmsft_dev /tmp/rmsft-src/rmsft_dev
 COPY learner /tmp/rmsft-src/learner
 COPY rollout_svc /tmp/rmsft-src/rollout_svc
+COPY rollout_engine /tmp/rmsft-src/rollout_engine
 COPY operator /tmp/rmsft-src/operator
 COPY protos /tmp/rmsft-src/protos
 RUN python scripts/image_install.py "$VARIANT" --phase project --source /tmp/rmsft-src

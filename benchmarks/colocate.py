@@ -129,8 +129,8 @@ def main() -> None:
         mode, model, data, steps, out = args.child
         child(mode, Path(model), Path(data), int(steps), Path(out), args.transport)
         return
-    from rmsft.dev.synthetic import write_synthetic_dataset
-    from rmsft.dev.tiny_model import build_tiny_model
+    from rmsft_dev.synthetic import write_synthetic_dataset
+    from rmsft_dev.tiny_model import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="bench-colocate-"))
     model = build_tiny_model(work / "model", hidden_size=args.hidden, num_layers=args.layers)

@@ -26,7 +26,7 @@ Modes, each writing one JSON object (`--json`) and a RESULT line:
   phase less its 1 GiB CUDA-context reserve, which the allocator does not count).
 - packing: the same segments of uneven lengths as one packed row and as one right-padded batch (attention
   mask, pads ignored by the loss), the same step; tokens/s counts real tokens only.
-- offload: one step, then `learner.colocate.offload.offloaded(params=True, optimizer=True)`: the bytes it moves,
+- offload: one step, then `learner.train.offload.offloaded(params=True, optimizer=True)`: the bytes it moves,
   the drop of torch.cuda.memory_allocated, the seconds each way (CUDA only).
 - colocate: a few steps of a colocated job with the HF engine (spec.rollout.engine: hf; the training model
   decodes itself, so no vLLM) on the tiny model: seconds per step and the rollouts made.
@@ -106,7 +106,7 @@ def build_policy(config: Any, cfg: Any, device: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     from learner.train.policy import load_dtype, policy_from_model
-    from rmsft.dev.tiny_model import build_tokenizer
+    from rmsft_dev.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer(0)
     if len(tokenizer) > config.vocab_size:
@@ -313,7 +313,7 @@ def run_packing(args: argparse.Namespace) -> dict[str, Any]:
 def run_offload(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from learner.colocate.offload import offloaded
+    from learner.train.offload import offloaded
 
     out: dict[str, Any] = {"mode": "offload", "shape": args.shape, "device": args.device}
     if not args.device.startswith("cuda") or not torch.cuda.is_available():
@@ -353,9 +353,9 @@ def colocate_job(work: Path, device_type: str, steps: int) -> Any:
     """configs/local-tiny.yaml colocated with the HF engine on `device_type`, tiny model and data under `work`."""
     import yaml
 
-    from rmsft.dev.synthetic import write_synthetic_dataset
-    from rmsft.dev.tiny_model import build_tiny_model
     from rmsft.jobspec import parse_job
+    from rmsft_dev.synthetic import write_synthetic_dataset
+    from rmsft_dev.tiny_model import build_tiny_model
 
     model = build_tiny_model(work / "model", seed=0)
     data = write_synthetic_dataset(work / "train.jsonl", n=16, seed=0)

@@ -28,7 +28,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from learner.core.codec import coord_token_text
-    from rmsft.dev.synthetic import CoordAnswerReward, leading_bin
+    from rmsft_dev.synthetic import CoordAnswerReward, leading_bin
 
     records = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
     prompts = {r["messages"][0]["content"]: r["answer"] for r in records}  # distinct prompts, their answer

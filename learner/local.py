@@ -1,6 +1,6 @@
 """`rmsft local job.yaml`: the job's rollout servers as local processes, then the learner.
 
-On a GPU machine `learner.gpu_plan` gives every server its own `spec.rollout.tensorParallelSize`
+On a GPU machine `learner.gpu_assignment` gives every server its own `spec.rollout.tensorParallelSize`
 GPUs and the learner the next `spec.learner.gpus`, and refuses a job the machine cannot hold before
 anything starts. The learner runs in this process on its GPU (or on CPUs); with more than one
 learner GPU it runs as `torchrun` ranks in a subprocess, whose output is streamed and kept in
@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from learner.gpu_plan import CUDA_ENV, GpuPlan, plan_gpus, visible_gpu_count
+from learner.gpu_assignment import CUDA_ENV, GpuAssignment, assign_gpus, visible_gpu_count
 from rmsft import lifeline, run_dir
 from rmsft.jobspec import RolloutMatchingJob, load_job
 from rmsft.logs import ENV as LOG_LEVEL_ENV
@@ -120,11 +120,11 @@ def _build_model(job: RolloutMatchingJob, notes: dict[str, str], build: str, mod
     if build and build != "false" and not (model_dir / "config.json").exists():
         with console.status(f"building the tiny model in {model_dir}"):
             if build == "true":
-                from rmsft.dev.tiny_model import build_tiny_model
+                from rmsft_dev.tiny_model import build_tiny_model
 
                 build_tiny_model(model_dir, seed=job.spec.training.seed, coord_tokens=coord_tokens)
             else:
-                from rmsft.dev.tiny_vl import build_tiny_vl_model
+                from rmsft_dev.tiny_vl import build_tiny_vl_model
 
                 coords = notes.get(TINY_MODEL_COORDS, "random").lower()
                 if coords not in ("random", "smooth"):
@@ -210,42 +210,42 @@ def _write_records(job: RolloutMatchingJob, notes: dict[str, str], data: Path, n
     task = notes.get(SYNTHETIC_TASK, "text")
     max_objects = int(notes.get(SYNTHETIC_MAX_OBJECTS, "0")) or None
     if task in ("visual", "visual-grid"):
-        from rmsft.dev.synthetic import write_visual_dataset
+        from rmsft_dev.synthetic import write_visual_dataset
 
         with console.status(f"rendering {n} synthetic {what}images for {data}"):
             # The instruction asks for the job's own output format (same images and objects either way).
             write_visual_dataset(data, n=n, seed=data_seed, fmt=job.spec.training.format,
                                  layout="grid" if task == "visual-grid" else "free",
                                  **({"max_objects": max_objects} if max_objects else {}))
-    elif task == "answer":  # a short-answer task for GRPO (rmsft.dev.synthetic.CoordAnswerReward)
-        from rmsft.dev.synthetic import write_answer_dataset
+    elif task == "answer":  # a short-answer task for GRPO (rmsft_dev.synthetic.CoordAnswerReward)
+        from rmsft_dev.synthetic import write_answer_dataset
 
         write_answer_dataset(data, n=n, seed=data_seed)
     else:
-        from rmsft.dev.synthetic import write_synthetic_dataset
+        from rmsft_dev.synthetic import write_synthetic_dataset
 
         write_synthetic_dataset(data, n=n, seed=data_seed)
     console.print(f"wrote {n} synthetic {what}{task} records to {data}")
 
 
-def machine_plan(job: RolloutMatchingJob) -> GpuPlan:
-    """The job placed on this machine's visible GPUs; GpuPlanError when they are too few."""
-    return plan_gpus(job, visible_gpu_count(), visible_devices=os.environ.get(CUDA_ENV))
+def machine_gpus(job: RolloutMatchingJob) -> GpuAssignment:
+    """The job placed on this machine's visible GPUs; GpuAssignmentError when they are too few."""
+    return assign_gpus(job, visible_gpu_count(), visible_devices=os.environ.get(CUDA_ENV))
 
 
-def server_options(job: RolloutMatchingJob, plan: GpuPlan | None = None) -> dict[str, Any]:
+def server_options(job: RolloutMatchingJob, assignment: GpuAssignment | None = None) -> dict[str, Any]:
     """`rmsft serve` options from the spec: the operator's translation (rmsft.serve_options), on
-    GPUs when the plan puts the servers there (without a plan: when this machine has CUDA)."""
-    if plan is not None:
-        return serve_options(job, gpus=plan.accelerated)
+    GPUs when the assignment puts the servers there (without one: when this machine has CUDA)."""
+    if assignment is not None:
+        return serve_options(job, gpus=assignment.accelerated)
     import torch
 
     return serve_options(job, gpus=torch.cuda.is_available())
 
 
-def start_servers(job: RolloutMatchingJob, log_dir: Path, console: Console, plan: GpuPlan | None = None, *,
+def start_servers(job: RolloutMatchingJob, log_dir: Path, console: Console, assignment: GpuAssignment | None = None, *,
                   staging: list[Path] | None = None, timeout_s: float = 300.0) -> list:
-    """Start the job's servers, each on the GPUs `plan` gives it (default: this machine's plan) and, when given,
+    """Start the job's servers, each on the GPUs `assignment` gives it (default: this machine's) and, when given,
     with `staging[i]` as its staging dir. The processes are started from this thread (their parent-death signal
     is tied to it: rmsft.lifeline), then waited for together. If anything stops the wait (a server that fails, a
     signal), every server is killed before this returns or raises: none outlives a failed start."""
@@ -254,9 +254,9 @@ def start_servers(job: RolloutMatchingJob, log_dir: Path, console: Console, plan
     n = job.spec.rollout.replicas
     if n < 1:
         raise ValueError("spec.rollout.replicas must be >= 1 for `rmsft local`")
-    plan = plan or machine_plan(job)
+    assignment = assignment or machine_gpus(job)
     log_dir.mkdir(parents=True, exist_ok=True)
-    opts = server_options(job, plan)
+    opts = server_options(job, assignment)
     # The servers log at the job's spec.monitoring.logLevel, as they would in their pods.
     env = {LOG_LEVEL_ENV: job.spec.monitoring.log_level}
     started: list = []
@@ -266,7 +266,7 @@ def start_servers(job: RolloutMatchingJob, log_dir: Path, console: Console, plan
             for i in range(n):
                 extra = {"staging_dir": str(staging[i])} if staging else {}
                 started.append(RolloutServer.spawn(job.spec.model.path, log_path=log_dir / f"rollout-{i}.log",
-                                                   replica_ordinal=i, env={**env, **plan.server_env(i)},
+                                                   replica_ordinal=i, env={**env, **assignment.server_env(i)},
                                                    **opts, **extra))
             pool = ThreadPoolExecutor(max_workers=n)
             try:
@@ -384,7 +384,7 @@ def learner_command(job_path: str | Path, ranks: int, addresses: list[str], *, r
     """`rmsft train` under torchrun: `ranks` data-parallel ranks on one node."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-        "-m", "rmsft.cli", "train", "--config", str(job_path), "--servers", ",".join(addresses),
+        "-m", "rmsft_cli", "train", "--config", str(job_path), "--servers", ",".join(addresses),
         "--resume" if resume else "--no-resume",
         # No /metrics endpoint, as with the in-process learner: spec.learner.metricsPort is the
         # pod's port and may well be taken on a workstation (Prometheus itself uses 9090).
@@ -428,23 +428,24 @@ def _stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> None:
         proc.wait(10)
 
 
-def train_with_torchrun(job_path: str | Path, job: RolloutMatchingJob, plan: GpuPlan, addresses: list[str], *,
-                        auth_token: str, resume: bool, log_dir: Path, console: Console) -> None:
-    """The learner as `len(plan.learner)` torchrun ranks in a subprocess on the learner's GPUs.
+def train_with_torchrun(job_path: str | Path, job: RolloutMatchingJob, assignment: GpuAssignment,
+                        addresses: list[str], *, auth_token: str, resume: bool, log_dir: Path,
+                        console: Console) -> None:
+    """The learner as `len(assignment.learner)` torchrun ranks in a subprocess on the learner's GPUs.
 
     A subprocess because the ranks must see only their own GPUs (torchrun's `auto` device is
     cuda:LOCAL_RANK) and `CUDA_VISIBLE_DEVICES` can only be set for a process before it starts.
     Raises LearnerExitError when it fails."""
-    ranks = len(plan.learner)
+    ranks = len(assignment.learner)
     env = {
-        **plan.learner_env(),
+        **assignment.learner_env(),
         LOG_LEVEL_ENV: job.spec.monitoring.log_level,  # as the servers, and the learner pod
         "PYTHONUNBUFFERED": "1",  # lines reach the console as the ranks write them
     }
     if auth_token:  # in the environment, not on the command line, where `ps` would show it
         env[AUTH_TOKEN_ENV] = auth_token
     log_path = log_dir / "learner.log"
-    console.print(f"learner: {ranks} ranks under torchrun on GPUs {plan.names(plan.learner)}, "
+    console.print(f"learner: {ranks} ranks under torchrun on GPUs {assignment.names(assignment.learner)}, "
                   f"output also in {log_path}")
     rc = run_learner_process(learner_command(job_path, ranks, addresses, resume=resume), env, log_path, console)
     if rc != 0:
@@ -459,18 +460,18 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
     """Run the whole job on this machine; servers are stopped on success, error or Ctrl-C.
 
     Returns the learner's Summary when it ran in this process, None when it ran as torchrun ranks
-    (their output says how it went). Raises GpuPlanError before anything starts when the machine
+    (their output says how it went). Raises GpuAssignmentError before anything starts when the machine
     cannot hold the job, ModelCheckError when the model folder does not fit training.format,
     LearnerExitError when the torchrun learner fails."""
     console = console or Console(stderr=True)
     job = load_job(job_path)
     memory_plan_setting()  # a typo in RMSFT_MEMORY_PLAN fails now, not once the servers are up
     # Everything that can be refused from the spec and the machine alone, before anything starts.
-    plan = machine_plan(job)
+    assignment = machine_gpus(job)
     # One learner GPU: the learner runs in this process, which already sees every GPU (and may have
     # initialised CUDA), so CUDA_VISIBLE_DEVICES cannot narrow it any more; the learner is pointed
     # at its GPU by index through training.device, which the Trainer honours.
-    job.spec.training.device = plan.learner_device(job.spec.training.device)
+    job.spec.training.device = assignment.learner_device(job.spec.training.device)
     if job.spec.trainer == "grpo":  # a reward that resolves to nothing fails before any server starts
         from learner.train.grpo import build_job_rewards
 
@@ -479,10 +480,10 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
     # The model must fit training.format before any server loads it (the check the operator's pods run first).
     console.print(f"model: {check_model(job.spec.model.path, job.spec.training.format)}", highlight=False)
     log_dir = Path(work_dir) / "logs"
-    if plan.accelerated:
-        console.print(f"GPUs: {plan.describe()}")
+    if assignment.accelerated:
+        console.print(f"GPUs: {assignment.describe()}")
     with stop_on_signals(), shared_weights_dir(job, console) as run:
-        return _run_started(job_path, job, plan, log_dir, resume=resume, console=console, run=run)
+        return _run_started(job_path, job, assignment, log_dir, resume=resume, console=console, run=run)
 
 
 @contextlib.contextmanager
@@ -554,17 +555,17 @@ def shared_weights_dir(job: RolloutMatchingJob, console: Console) -> Iterator[ru
                 os.environ[SHARED_DIR_ENV] = before
 
 
-def _run_started(job_path: str | Path, job: RolloutMatchingJob, plan: GpuPlan, log_dir: Path, *, resume: bool,
-                 console: Console, run: run_dir.RunDir | None = None) -> Summary | None:
+def _run_started(job_path: str | Path, job: RolloutMatchingJob, assignment: GpuAssignment, log_dir: Path, *,
+                 resume: bool, console: Console, run: run_dir.RunDir | None = None) -> Summary | None:
     if job.spec.rollout.colocated:  # no servers: every learner rank starts its own engine
         console.print(f"rollouts: colocate (a {job.spec.rollout.engine} engine inside the learner)")
-        if len(plan.learner) > 1:
-            train_with_torchrun(job_path, job, plan, [], auth_token="", resume=resume, log_dir=log_dir,
+        if len(assignment.learner) > 1:
+            train_with_torchrun(job_path, job, assignment, [], auth_token="", resume=resume, log_dir=log_dir,
                                 console=console)
             return None
         return train_in_process(job, [], auth_token="", resume=resume, console=console)
     staging = [run.sub(f"serve-{i}") for i in range(job.spec.rollout.replicas)] if run is not None else None
-    servers = start_servers(job, log_dir, console, plan, staging=staging)
+    servers = start_servers(job, log_dir, console, assignment, staging=staging)
     from rollout_svc.launcher import Supervisor
 
     # A server whose engine died exits 1; like a pod, it is restarted, and the learner re-syncs it.
@@ -573,8 +574,8 @@ def _run_started(job_path: str | Path, job: RolloutMatchingJob, plan: GpuPlan, l
         addresses = [s.address for s in servers]
         # The servers take RMSFT_AUTH_TOKEN from this environment: the learner must send the same.
         token = servers[0].token
-        if len(plan.learner) > 1:
-            train_with_torchrun(job_path, job, plan, addresses, auth_token=token, resume=resume, log_dir=log_dir,
+        if len(assignment.learner) > 1:
+            train_with_torchrun(job_path, job, assignment, addresses, auth_token=token, resume=resume, log_dir=log_dir,
                                 console=console)
             return None
         return train_in_process(job, addresses, auth_token=token, resume=resume, console=console)

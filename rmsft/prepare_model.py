@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import torch
 
 # The coord tokens a CoordExp vocabulary has (the core's `learner.core.codec.coord_token_text`), in bin order;
-# the tiny builders (rmsft.dev) add the same ones.
+# the tiny builders (rmsft_dev) add the same ones.
 NUM_COORD_BINS = 1000
 COORD_TOKENS = [f"<|coord_{k}|>" for k in range(NUM_COORD_BINS)]
 MARKER_FILE = "rmsft_prepare_model.json"

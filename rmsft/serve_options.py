@@ -2,7 +2,7 @@
 `serve.yaml` of the job's ConfigMap) and by `rmsft local` (the flags of its server processes), so
 the two can never disagree. Torch-free: the operator imports it.
 
-Keys are `rollout_svc.config.ServeConfig` fields. What depends on where the server runs (model
+Keys are `rollout_engine.config.ServeConfig` fields. What depends on where the server runs (model
 path as mounted, ports, staging dir) is added by the caller.
 """
 

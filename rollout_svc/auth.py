@@ -10,7 +10,7 @@ import hmac
 
 import grpc
 
-from rollout_svc import metrics
+from rollout_engine import metrics
 
 _EXEMPT_PREFIX = "/grpc.health.v1.Health/"
 

@@ -26,8 +26,8 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
 from rmsft.weight_wire import FRESH, WeightVersion, mismatch_message
-from rollout_svc import metrics
-from rollout_svc.engine import Engine, GenItem, GenOutput
+from rollout_engine import metrics
+from rollout_engine.engine import Engine, GenItem, GenOutput
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from rmsft_protos import rollout_pb2
 from rmsft.lifeline import kill_own_group_later, watch_parent
 from rmsft.logs import LogLevelError, configure_logging
 from rmsft.weight_wire import decode_chunk
-from rollout_svc.config import ServeConfig
-from rollout_svc.engine import EngineError
+from rollout_engine.config import ServeConfig
+from rollout_engine.engine import EngineError
 from rollout_svc.malloc_tuning import keep_frame_buffers
 from rollout_svc.preflight import TERMINATION_LOG, check_shared_dir, check_staging, write_termination_log
 
@@ -61,10 +61,10 @@ def add_rollout_service(servicer, server: grpc.Server) -> None:
 
 def make_engine(cfg: ServeConfig):
     if cfg.backend == "hf":
-        from rollout_svc.hf_engine import HfEngine
+        from rollout_engine.hf_engine import HfEngine
 
         return HfEngine(cfg)
-    from rollout_svc.vllm_engine import VllmEngine
+    from rollout_engine.vllm_engine import VllmEngine
 
     return VllmEngine(cfg)
 

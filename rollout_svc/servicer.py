@@ -17,10 +17,10 @@ from rmsft_protos import rollout_pb2, rollout_pb2_grpc
 from rmsft.serving_dtype import SERVE_DTYPES, served_spec, serving_dtype_name
 from rmsft.weight_wire import ADAPTER, FRESH, FULL, WeightVersion, WireError, set_version, version_of
 from rmsft.weight_wire.outcomes import SHARED_OPENED_METADATA, relayed_metadata
-from rollout_svc import metrics
-from rollout_svc.config import ServeConfig
-from rollout_svc.engine import EngineDead, EngineError, EngineInputError, checkpoint_table, tied_lm_head
-from rollout_svc.prompts import PromptError, build_items, samples_per_prompt
+from rollout_engine import metrics
+from rollout_engine.config import ServeConfig
+from rollout_engine.engine import EngineDead, EngineError, EngineInputError, checkpoint_table, tied_lm_head
+from rollout_engine.prompts import PromptError, build_items, samples_per_prompt
 from rollout_svc.relay import Relay, relay_deadline
 from rollout_svc.runner import Cancelled, EngineRunner, RunnerStopped, VersionMismatch
 from rollout_svc.staging import (

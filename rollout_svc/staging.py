@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import mmap
 import os
 import shutil
 import uuid
@@ -27,9 +26,9 @@ from rmsft.weight_wire import (
     WireError,
     check_shared,
     open_shared,
-    torch_dtype,
 )
 from rmsft.weight_wire.shared import shared_path
+from rollout_engine.staged_file import iter_staged_tensors
 
 
 @dataclass
@@ -61,25 +60,6 @@ class StageObserver(Protocol):
     def finished(self, trailer: rollout_pb2.WeightTrailer) -> None: ...
 
     def failed(self, error: BaseException) -> None: ...
-
-
-def iter_staged_tensors(index_path: str):
-    """(name, tensor) pairs backed by a private mmap of the staged file (no copy until written)."""
-    import torch
-
-    index = json.loads(Path(index_path).read_text())
-    size = os.path.getsize(index["data"])
-    with open(index["data"], "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
-    for name, dtype, shape, start in index["tensors"]:
-        dt = torch_dtype(dtype)
-        numel = 1
-        for d in shape:
-            numel *= d
-        if numel == 0:
-            yield name, torch.empty(shape, dtype=dt)
-        else:
-            yield name, torch.frombuffer(mm, dtype=dt, count=numel, offset=start).reshape(shape)
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:
@@ -287,5 +267,5 @@ def write_adapter_dir(staged: StagedWeights, out_dir: str) -> str:
     return out_dir
 
 
-__all__ = ["FULL", "Stager", "StagedWeights", "iter_staged_tensors", "full_expectation",
+__all__ = ["FULL", "Stager", "StagedWeights", "full_expectation",
            "adapter_expectation", "write_adapter_dir"]

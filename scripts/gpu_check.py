@@ -17,7 +17,7 @@ Parts, each PASS / FAIL / SKIP with its reason and figures:
 - plan:SHAPE:ckpt0/1: the memory plan's estimate for the same job and shape beside that peak; FAIL when the
   measured peak is above the estimate (the plan would let a job through that does not fit).
 - packing: one packed row vs a padded batch of the same segments (tokens/s ratio).
-- offload: the offload context's freed bytes (learner/colocate/offload.py).
+- offload: the offload context's freed bytes (learner/train/offload.py).
 - colocate: a few colocated steps with the HF engine on the GPU (no vLLM needed).
 Without CUDA the CPU-possible parts run at a tiny shape (step, packing; the plan's estimates for the real
 shapes are still computed) and the rest say SKIP with the reason; tests/test_gpu_check.py runs that form.

@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny random Qwen2 + CoordExp tokenizer, built once per session (a few seconds)."""
-    from rmsft.dev.tiny_model import build_tiny_model
+    from rmsft_dev.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
 
@@ -23,8 +23,8 @@ def tiny_tokenizer(tiny_model_dir: Path):
 @pytest.fixture(scope="session", params=["qwen3_vl", "qwen2_5_vl"])
 def tiny_vl_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random vision-language model folder (processor included), once per architecture."""
-    from rmsft.dev.tiny_vl import build_tiny_vl_model
     from rmsft.vl_processor import register
+    from rmsft_dev.tiny_vl import build_tiny_vl_model
 
     register()
     return build_tiny_vl_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), arch=request.param)
@@ -33,8 +33,8 @@ def tiny_vl_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.T
 @pytest.fixture(scope="session")
 def tiny_qwen3_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen3-VL alone (tests that need one vision-language model, not both families)."""
-    from rmsft.dev.tiny_vl import build_tiny_vl_model
     from rmsft.vl_processor import register
+    from rmsft_dev.tiny_vl import build_tiny_vl_model
 
     register()
     return build_tiny_vl_model(tmp_path_factory.mktemp("tiny-qwen3_vl-only"), arch="qwen3_vl")
@@ -47,7 +47,7 @@ def tokenizer_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
     as a stock checkpoint comes). Their configs have as many embedding rows as the coordexp vocabulary."""
     import json
 
-    from rmsft.dev.tiny_model import build_tokenizer
+    from rmsft_dev.tiny_model import build_tokenizer
 
     out = {}
     for name, coords in (("coordexp", True), ("stock", False)):

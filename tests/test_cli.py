@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _rmsft(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rmsft.cli", *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "rmsft_cli", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=120)
 
 

@@ -2,7 +2,7 @@
 
 rmsft's own names come from the three metrics modules, read with `ast` (no imports, so this test
 needs neither torch nor vLLM). vLLM's own names (`vllm:*`, registered by vLLM's PrometheusStatLogger
-in the rollout server process) come from rollout_svc/vllm_metrics.py, which imports only
+in the rollout server process) come from rollout_engine/vllm_metrics.py, which imports only
 prometheus_client. A PromQL query mentions a metric as an `rmsft_*` or `vllm:*` identifier;
 histogram series (`_bucket`, `_sum`, `_count`) and counter `_total`/`_created` map to their base name.
 """
@@ -19,10 +19,10 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rollout_svc.vllm_metrics import VLLM_METRICS, exposed_series, missing_vllm_metrics
+from rollout_engine.vllm_metrics import VLLM_METRICS, exposed_series, missing_vllm_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-METRIC_MODULES = ["rollout_svc/metrics.py", "learner/tracking/metrics.py", "operator/rmsft_operator/metrics.py"]
+METRIC_MODULES = ["rollout_engine/metrics.py", "learner/tracking/metrics.py", "operator/rmsft_operator/metrics.py"]
 DASHBOARDS = sorted((ROOT / "charts/rmsft/dashboards").glob("*.json"))
 _NAME = re.compile(r"(?<![A-Za-z0-9_:])(rmsft_[A-Za-z0-9_]+|vllm:[A-Za-z0-9_:]+)")
 _KINDS = {"Counter", "Gauge", "Histogram", "Summary", "Info", "Enum"}

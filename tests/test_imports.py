@@ -1,7 +1,7 @@
 """The project's import graph: no import cycle anywhere, and every part imports only the parts below it.
 
-The graph is read from the source with `ast` (nothing is imported): one node per module of rmsft, learner,
-rollout_svc, rmsft_operator and rmsft_protos, one edge per import of another project module.
+The graph is read from the source with `ast` (nothing is imported): one node per module of every top-level
+package (`PACKAGES`), one edge per import of another project module.
 
 What counts: every `import` and `from ... import` in a module, wherever it stands: at module level, inside a
 function (a lazy import is still a dependency: it runs when the function does), under `if TYPE_CHECKING:`
@@ -11,7 +11,8 @@ runs `a/__init__.py` and `a/b/__init__.py`); a package whose `__init__` re-expor
 otherwise always close a circle. A package's own `__init__` imports are edges like any module's.
 
 The layers (docs/architecture.md has the same table): `LAYERS` maps each part to the parts it may import;
-a module belongs to the part with the longest matching name.
+a module belongs to the part with the longest matching name. The folder tree is the layering: each top-level
+package is one layer, except `learner`, which holds a stack of its own (one subpackage per idea).
 """
 
 from __future__ import annotations
@@ -24,18 +25,21 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {
     "rmsft": ROOT / "rmsft",
+    "rmsft_cli": ROOT / "rmsft_cli",
+    "rmsft_dev": ROOT / "rmsft_dev",
     "learner": ROOT / "learner",
     "rollout_svc": ROOT / "rollout_svc",
+    "rollout_engine": ROOT / "rollout_engine",
     "rmsft_operator": ROOT / "operator" / "rmsft_operator",
     "rmsft_protos": ROOT / "protos" / "rmsft_protos",
 }
 
-# The base: `rmsft` outside `rmsft.cli` and `rmsft.dev` (the job spec, the weight-update contract, the rules
-# learner and server share), and the generated gRPC stubs. Every part may import it; it imports none of them.
+# The base: `rmsft` (the job spec, the weight-update contract, the rules learner and server share) and the
+# generated gRPC stubs. Every part may import it; it imports none of them.
 BASE = {"rmsft", "rmsft_protos"}
 LEARNER_BELOW_TOP = {
     "learner.core", "learner.tracking", "learner.rollouts", "learner.sync", "learner.data", "learner.rewards",
-    "learner.evaluation", "learner.colocate", "learner.train",
+    "learner.evaluation", "learner.rollouts.colocate", "learner.train",
 }  # fmt: skip
 LAYERS: dict[str, set[str]] = {
     "rmsft_protos": set(),
@@ -43,23 +47,27 @@ LAYERS: dict[str, set[str]] = {
     # learner, bottom to top: core <- data <- rewards / evaluation / colocate <- train <- the modules on top
     "learner.core": set(),  # the pure algorithm: nothing of the project
     "learner.tracking": BASE,
+    # the rollout interface and its server home; it is given its weight sender (learner.sync sits above it)
     "learner.rollouts": BASE | {"learner.tracking"},
     "learner.sync": BASE | {"learner.rollouts", "learner.tracking"},
     "learner.data": BASE | {"learner.core", "learner.rollouts"},
     "learner.rewards": BASE | {"learner.core", "learner.data"},
     "learner.evaluation": BASE | {"learner.core", "learner.data", "learner.rollouts"},
-    # the engine inside the learner's ranks: it drives the rollout interface, syncs weights in-process, reports
-    "learner.colocate": BASE | {"learner.rollouts", "learner.sync", "learner.tracking", "learner.core", "rollout_svc"},
+    # the other home, the engine inside the learner's ranks: it drives the rollout engines, syncs weights
+    # in-process, reports
+    "learner.rollouts.colocate": BASE | {"learner.rollouts", "learner.sync", "learner.tracking", "learner.core",
+                                         "rollout_engine"},
     "learner.train": BASE | LEARNER_BELOW_TOP - {"learner.train"},
-    # learner's top-level modules (`rmsft local`, `rmsft eval`, the GPU plan of `rmsft local`)
-    "learner": BASE | LEARNER_BELOW_TOP | {"rmsft.dev", "rollout_svc"},
-    "rmsft.dev": BASE | {"learner.core"},  # tiny models and synthetic tasks: dev builders, not runtime code
-    "rollout_svc": BASE,
+    # learner's top-level modules (`rmsft local`, `rmsft eval`, the GPU assignment of `rmsft local`)
+    "learner": BASE | LEARNER_BELOW_TOP | {"rmsft_dev", "rollout_svc"},
+    "rmsft_dev": BASE | {"learner.core"},  # tiny models and synthetic tasks: dev builders, not runtime code
+    "rollout_engine": BASE,  # the engines both homes drive: the gRPC server and the colocated engine
+    "rollout_svc": BASE | {"rollout_engine"},  # `rmsft serve`: the gRPC server around one engine
     "rmsft_operator": {"rmsft"},  # the operator image has no grpc: not even rmsft_protos
-    "rmsft.cli": BASE | LEARNER_BELOW_TOP | {"learner", "rmsft.dev", "rollout_svc", "rmsft_operator"},
+    "rmsft_cli": BASE | LEARNER_BELOW_TOP | {"learner", "rmsft_dev", "rollout_svc", "rmsft_operator"},  # the command
 }
 # What sits at learner's top level; everything else lives in a subpackage of one idea.
-LEARNER_TOP_MODULES = {"__init__", "local", "offline_evaluation", "gpu_plan"}
+LEARNER_TOP_MODULES = {"__init__", "local", "checkpoint_eval", "gpu_assignment"}
 
 
 def _module_name(top: str, path: Path) -> str:
@@ -145,7 +153,7 @@ def test_the_graph_sees_every_part_and_every_kind_of_import(graph: dict[str, set
         assert top in graph
     assert "learner.core.packing" in graph["learner.train.rollout_matching"]  # module level
     assert "learner.train.grpo" in graph["learner.local"]  # inside a function
-    assert "rmsft.cli.app" in graph["rmsft.cli.__main__"]
+    assert "rmsft_cli.app" in graph["rmsft_cli.__main__"]
     modules = project_modules()
     lazy = '''
 from typing import TYPE_CHECKING
@@ -181,10 +189,17 @@ def test_every_part_imports_only_the_layers_below_it(graph: dict[str, set[str]])
 @pytest.mark.parametrize(
     ("part", "never"),
     [
-        ("rmsft", ("learner", "rollout_svc", "rmsft_operator", "rmsft.cli", "rmsft.dev")),  # the base
-        ("rollout_svc", ("learner", "rmsft_operator", "rmsft.cli", "rmsft.dev")),
-        ("rmsft_operator", ("learner", "rollout_svc", "rmsft_protos", "rmsft.cli", "rmsft.dev")),
-        ("learner.core", ("rmsft", "rmsft_protos", "rollout_svc", "rmsft_operator")),
+        # the base
+        ("rmsft", ("learner", "rollout_svc", "rollout_engine", "rmsft_operator", "rmsft_cli", "rmsft_dev")),
+        ("rollout_engine", ("learner", "rollout_svc", "rmsft_operator", "rmsft_cli", "rmsft_dev")),
+        ("rollout_svc", ("learner", "rmsft_operator", "rmsft_cli", "rmsft_dev")),
+        ("rmsft_operator", ("learner", "rollout_svc", "rollout_engine", "rmsft_protos", "rmsft_cli", "rmsft_dev")),
+        ("learner.core", ("rmsft", "rmsft_protos", "rollout_svc", "rollout_engine", "rmsft_operator")),
+        # the server home is given its weight sender; only the colocated home reaches the engines
+        ("learner.rollouts", ("learner.sync", "learner.rollouts.colocate", "learner.train", "rollout_engine",
+                              "rollout_svc")),
+        ("rmsft_dev", ("learner.rollouts", "learner.sync", "learner.train", "rollout_svc", "rollout_engine",
+                       "rmsft_operator", "rmsft_cli")),
     ],
 )
 def test_part_never_imports(graph: dict[str, set[str]], part: str, never: tuple[str, ...]) -> None:
@@ -199,3 +214,14 @@ def test_learner_top_level_holds_only_the_modules_on_top() -> None:
     assert top == LEARNER_TOP_MODULES, "a new learner module belongs in a subpackage (learner/__init__.py lists them)"
     for sub in LEARNER_BELOW_TOP:
         assert (ROOT / sub.replace(".", "/") / "__init__.py").exists(), sub
+
+
+def test_each_top_level_folder_is_one_layer(graph: dict[str, set[str]]) -> None:
+    """Every module of a top-level package is in that package's layer; only `learner` is split further (its
+    subpackages are layers of their own, learner/__init__.py lists them)."""
+    for top in PACKAGES:
+        assert top in LAYERS, f"{top} is a top-level package with no layer"
+    split = sorted(layer for layer in LAYERS if "." in layer and not layer.startswith("learner."))
+    assert not split, f"layers inside a top-level package other than learner: {split}"
+    mixed = sorted(m for m in graph if m.split(".")[0] != "learner" and layer_of(m) != m.split(".")[0])
+    assert not mixed, mixed

@@ -68,9 +68,10 @@ def _imported_modules(path: Path) -> set[str]:
 @pytest.mark.parametrize(
     ("folder", "forbidden"),
     [
-        ("learner/core", {"grpc", "vllm", "kubernetes", "kopf", "rollout_svc", "rmsft_protos", "socket",
-                          "requests", "subprocess", "urllib"}),
-        ("operator/rmsft_operator", {"torch", "vllm", "learner", "rollout_svc", "transformers", "peft"}),
+        ("learner/core", {"grpc", "vllm", "kubernetes", "kopf", "rollout_svc", "rollout_engine", "rmsft_protos",
+                          "socket", "requests", "subprocess", "urllib"}),
+        ("operator/rmsft_operator", {"torch", "vllm", "learner", "rollout_svc", "rollout_engine", "transformers",
+                                     "peft"}),
     ],
 )
 def test_forbidden_imports(folder: str, forbidden: set[str]) -> None:

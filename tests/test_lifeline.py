@@ -164,7 +164,7 @@ def test_a_folder_without_its_lock_is_judged_by_the_pid_in_its_name(tmp_path: Pa
 def test_rmsft_local_clean_removes_killed_runs_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
-    from rmsft.cli.app import app
+    from rmsft_cli.app import app
 
     owner = _python(OWNER, str(tmp_path), stdout=subprocess.PIPE, text=True)
     dead = Path(owner.stdout.readline().strip())

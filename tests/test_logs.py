@@ -16,8 +16,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from rmsft.cli.app import app
 from rmsft.logs import ENV, LogLevelError, configure_logging, resolve_level
+from rmsft_cli.app import app
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,7 @@ def _huge_model(folder: Path) -> Path:
 def _serve(tmp_path: Path, level: str) -> subprocess.CompletedProcess:
     model = tmp_path / "huge" if (tmp_path / "huge").exists() else _huge_model(tmp_path / "huge")
     return subprocess.run(
-        [sys.executable, "-m", "rmsft.cli", "serve", "--model", str(model), "--backend", "hf",
+        [sys.executable, "-m", "rmsft_cli", "serve", "--model", str(model), "--backend", "hf",
          "--staging-dir", str(tmp_path), "--port", "0", "--metrics-port", "0"],
         capture_output=True, text=True, cwd=ROOT, timeout=120, env={**os.environ, ENV: level},
     )  # fmt: skip
@@ -96,7 +96,7 @@ def test_train_honours_the_level(tmp_path: Path, root_logger, level: str, expect
 
 def test_train_rejects_a_bad_level(tmp_path: Path) -> None:
     res = subprocess.run(
-        [sys.executable, "-m", "rmsft.cli", "train", "--config", str(_job(tmp_path)), "--servers", "x:1"],
+        [sys.executable, "-m", "rmsft_cli", "train", "--config", str(_job(tmp_path)), "--servers", "x:1"],
         capture_output=True, text=True, cwd=ROOT, timeout=120, env={**os.environ, ENV: "chatty"},
     )
     assert res.returncode == 2 and "Traceback" not in res.stderr

@@ -317,7 +317,7 @@ def test_runtime_reserve_is_counted_once_per_training_gpu() -> None:
 
 
 def _rmsft(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rmsft.cli", *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "rmsft_cli", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=120, env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"})  # fmt: skip
 
 

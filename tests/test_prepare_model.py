@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rmsft.dev.tiny_model import build_tiny_model
-from rmsft.dev.tiny_vl import build_tiny_vl_model
 from rmsft.prepare_model import COORD_TOKENS, MARKER_FILE, ORDER_SCALE, PrepareModelError, coord_rows, prepare_model
+from rmsft_dev.tiny_model import build_tiny_model
+from rmsft_dev.tiny_vl import build_tiny_vl_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,7 +88,7 @@ def test_stock_vl_marker_and_rebuild(tmp_path: Path) -> None:
 
 def test_cli_builds_a_stock_model(tmp_path: Path) -> None:
     out = tmp_path / "stock"
-    res = subprocess.run([sys.executable, "-m", "rmsft.cli", "dev", "tiny-model", str(out), "--stock"],
+    res = subprocess.run([sys.executable, "-m", "rmsft_cli", "dev", "tiny-model", str(out), "--stock"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "stock" in res.stderr
@@ -333,11 +333,11 @@ def test_cli_refuses_a_non_empty_dst(tmp_path: Path, stock_text: Path) -> None:
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "x").write_text("x")
-    res = subprocess.run([sys.executable, "-m", "rmsft.cli", "prepare-model", str(stock_text), str(busy)],
+    res = subprocess.run([sys.executable, "-m", "rmsft_cli", "prepare-model", str(stock_text), str(busy)],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
     assert res.returncode == 2, res.stderr
     assert "not empty" in res.stderr and "--overwrite" in res.stderr and "Traceback" not in res.stderr
-    ok = subprocess.run([sys.executable, "-m", "rmsft.cli", "prepare-model", str(stock_text), str(tmp_path / "out")],
+    ok = subprocess.run([sys.executable, "-m", "rmsft_cli", "prepare-model", str(stock_text), str(tmp_path / "out")],
                         capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
     assert ok.returncode == 0, ok.stderr
     assert "tokens added: 1000" in ok.stderr and "1200 -> 2200" in ok.stderr

@@ -52,7 +52,7 @@ def test_rmsft_train_without_deepspeed_fails_at_start(tmp_path: Path) -> None:
     job.write_text(yaml.safe_dump(doc))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim.parent), os.environ.get("PYTHONPATH", "")])}
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "rmsft.cli", "train", "--config", str(job), "--servers", "h:1"],
+    res = subprocess.run([sys.executable, "-m", "rmsft_cli", "train", "--config", str(job), "--servers", "h:1"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
     err = " ".join(res.stderr.split())
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rmsft.dev.tiny_model import build_tiny_model
 from rmsft.prepare_model import COORD_TOKENS
+from rmsft_dev.tiny_model import build_tiny_model
 
 PROMPTS = [
     "Detect every object in the image and answer in JSON.",
@@ -52,7 +52,7 @@ def test_vocabulary(tiny_tokenizer) -> None:
 def test_cli_builds_model(tmp_path: Path) -> None:
     out = tmp_path / "cli-model"
     res = subprocess.run(
-        [sys.executable, "-m", "rmsft.cli", "dev", "tiny-model", str(out)], capture_output=True, text=True
+        [sys.executable, "-m", "rmsft_cli", "dev", "tiny-model", str(out)], capture_output=True, text=True
     )
     assert res.returncode == 0, res.stderr
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()

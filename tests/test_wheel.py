@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = {"rmsft": ROOT / "rmsft", "learner": ROOT / "learner", "rollout_svc": ROOT / "rollout_svc",
+SOURCES = {"rmsft": ROOT / "rmsft", "rmsft_cli": ROOT / "rmsft_cli", "rmsft_dev": ROOT / "rmsft_dev",
+           "learner": ROOT / "learner", "rollout_svc": ROOT / "rollout_svc", "rollout_engine": ROOT / "rollout_engine",
            "rmsft_operator": ROOT / "operator" / "rmsft_operator", "rmsft_protos": ROOT / "protos" / "rmsft_protos"}
 
 pytestmark = pytest.mark.slow
@@ -45,7 +46,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = tmp_path_factory.mktemp("src")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for top in ("rmsft", "learner", "rollout_svc", "operator", "protos"):
+    for top in ("rmsft", "rmsft_cli", "rmsft_dev", "learner", "rollout_svc", "rollout_engine", "operator", "protos"):
         shutil.copytree(ROOT / top, src / top, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),

@@ -81,7 +81,7 @@ class LoadedImage:
 
     def pil(self) -> Image.Image:
         """The image decoded to RGB, exactly as the rollout server decodes the same bytes
-        (rollout_svc/prompts.py: `Image.open(...).convert("RGB")`, no EXIF rotation, alpha dropped),
+        (rollout_engine/prompts.py: `Image.open(...).convert("RGB")`, no EXIF rotation, alpha dropped),
         so the learner's processor sees the pixels the servers saw."""
         try:
             with Image.open(io.BytesIO(self.data)) as im:

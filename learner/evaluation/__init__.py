@@ -4,6 +4,6 @@
 - `coco_map`: COCO bbox mAP (faster-coco-eval).
 - `draw`: pictures of answers, ground truth and predictions drawn on the image.
 
-`rmsft eval` (the same evaluation offline, on local servers) sits on top: learner/offline_evaluation.py.
+`rmsft eval` (the same evaluation of a checkpoint, on local servers it starts) sits on top: learner/checkpoint_eval.py.
 May import `learner.core`, `learner.data`, `learner.rollouts` (tests/test_imports.py).
 """

@@ -36,8 +36,8 @@ from learner.rollouts.requests import (
     RolloutRequest,
     StaleRolloutError,
     check_versions,
-    plan_chunks,
     sampling_params,
+    split_into_chunks,
     to_prompt_proto,
 )
 from learner.tracking.metrics import PHASE_SECONDS, ROLLOUT_REQUESTS, ROLLOUT_RETRIES
@@ -53,7 +53,7 @@ __all__ = [
     "RolloutRequest",
     "StaleRolloutError",
     "check_versions",
-    "plan_chunks",
+    "split_into_chunks",
     "sampling_params",
 ]
 
@@ -190,7 +190,7 @@ class RolloutClient:
                 f"no rollout server can take the {len(requests)} prompt(s): " + self._describe(call)
             )
         sizes = [_message_bytes(p, params) for p in call.prompts]
-        for chunk in plan_chunks(len(requests), len(planned), self.generate_batch_size, sizes):
+        for chunk in split_into_chunks(len(requests), len(planned), self.generate_batch_size, sizes):
             call.queues[planned[chunk.slot].index].append(chunk)
 
         events: queue.Queue = queue.Queue()

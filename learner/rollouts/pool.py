@@ -132,7 +132,7 @@ class ServerPool:
         self.probe_timeout_s = probe_timeout_s
         self.reprobe_interval_s = reprobe_interval_s
         self.metadata: tuple[tuple[str, str], ...] = ((auth_header, f"Bearer {auth_token}"),) if auth_token else ()
-        self._current_version: int | None = None
+        self._current_number: int | None = None
         self._root_certificates = root_certificates
         self.servers: list[RolloutServer] = []
         for i, address in enumerate(addresses):
@@ -202,22 +202,22 @@ class ServerPool:
         """The number of the weight version the learner holds and every rollout must carry (None
         before the first sync); the version itself is `current`."""
         with self.lock:
-            return self._current_version
+            return self._current_number
 
     @property
     def current(self) -> WeightVersion | None:
         """The weight version the learner holds: (this run's id, `current_version`); None before the
         first sync."""
         with self.lock:
-            return None if self._current_version is None else WeightVersion(self._run_id, self._current_version)
+            return None if self._current_number is None else WeightVersion(self._run_id, self._current_number)
 
     def version(self, number: int) -> WeightVersion:
         """Weight version `number` of this pool's run."""
         return WeightVersion(self._run_id, number)
 
-    def set_current_version(self, version: int) -> None:
+    def set_current_version(self, number: int) -> None:
         with self.lock:
-            self._current_version = version
+            self._current_number = number
             self._publish()
 
     # -- state updates (called by the clients) --------------------------------------------------

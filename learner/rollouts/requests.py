@@ -75,7 +75,7 @@ class Chunk:
 MAX_CHUNK_BYTES = 16 << 20
 
 
-def plan_chunks(
+def split_into_chunks(
     n: int,
     n_servers: int,
     batch_size: int = 0,
@@ -87,11 +87,11 @@ def plan_chunks(
     piece cut where its prompts' `sizes` (serialized bytes) would pass `max_bytes` (a prompt bigger than
     that goes alone)."""
     if n_servers <= 0:
-        raise ValueError("plan_chunks needs at least one server")
+        raise ValueError("split_into_chunks needs at least one server")
     if batch_size < 0:
         raise ValueError(f"batch_size must be >= 0, got {batch_size}")
     if sizes is not None and len(sizes) != n:
-        raise ValueError(f"plan_chunks got {len(sizes)} sizes for {n} prompts")
+        raise ValueError(f"split_into_chunks got {len(sizes)} sizes for {n} prompts")
     chunks: list[Chunk] = []
     base, extra = divmod(n, n_servers)
     start = 0

@@ -1,7 +1,7 @@
 """Pushes the learner's weights to the rollout servers (`UpdateWeights`, the contract in
 `rmsft.weight_wire`).
 
-`WeightSyncClient.sync(version)` sends FULL (merged, HF names) or ADAPTER (PEFT LoRA tensors +
+`WeightSyncClient.sync(number)` sends FULL (merged, HF names) or ADAPTER (PEFT LoRA tensors +
 adapter_config.json) weights to every reachable server and returns only when each of them
 acknowledged `version` of the pool's run: a weight version is the pair (run id, number)
 (`rmsft.weight_wire.version`), every update announces both, and an answer naming another pair
@@ -48,8 +48,8 @@ from rmsft.weight_wire import (
     SharedSpaceError,
     SharedUpdate,
     encode_planned_stream,
-    plan_weight_stream,
     set_version,
+    stream_header_and_specs,
     update_weights_raw,
     version_of,
 )
@@ -74,9 +74,9 @@ class WeightSyncError(RuntimeError):
 
 @dataclass
 class SyncReport:
-    version: int
+    number: int  # the weight version's number; with `run_id`, the version
     mode: str  # "full" | "adapter": what was finally sent
-    run_id: str = ""  # the run whose version `version` is (the pool's)
+    run_id: str = ""  # the run whose version number `number` is (the pool's)
     acked: dict[str, rollout_pb2.UpdateReply] = field(default_factory=dict)  # address -> reply
     unreachable: dict[str, str] = field(default_factory=dict)  # address -> error
     rejected: dict[str, str] = field(default_factory=dict)  # address -> error
@@ -196,8 +196,8 @@ class WeightSyncClient:
         return "adapter", "auto: servers run LoRA and the adapter is LoRA"
 
     # -- sync -----------------------------------------------------------------------------------
-    def sync(self, version: int, servers: Sequence[RolloutServer] | None = None) -> SyncReport:
-        """Push the model's current weights as `version` to `servers` (default: every server that
+    def sync(self, number: int, servers: Sequence[RolloutServer] | None = None) -> SyncReport:
+        """Push the model's current weights as version `number` to `servers` (default: every server that
         is up, after applying a changed server list and re-probing the ones that were down).
         Returns when all reachable targets acknowledged; raises WeightSyncError when one rejected
         the update or none acknowledged."""
@@ -208,31 +208,31 @@ class WeightSyncClient:
             servers = self.pool.up_servers()
         if not servers:
             raise WeightSyncError(
-                f"no rollout server is reachable for weight version {version}: " + self.pool.describe_down()
+                f"no rollout server is reachable for weight version {number}: " + self.pool.describe_down()
             )
         mode, why = self.resolve_mode(servers)
-        report = self._push(version, mode, servers)
+        report = self._push(number, mode, servers)
         if report.rejected and mode == "adapter" and self.fallback_to_full:
             self._force_full(f"adapter update rejected: {report.rejected}")
             retry = [s for s in servers if s.address not in report.unreachable]
-            report = self._push(version, "full", retry, previous=report)
+            report = self._push(number, "full", retry, previous=report)
             report.fell_back = True
         if report.rejected:
             raise WeightSyncError(
-                f"weight version {version} ({report.mode}) was rejected by: "
+                f"weight version {number} ({report.mode}) was rejected by: "
                 + "; ".join(f"{a}: {e}" for a, e in report.rejected.items())
             )
         if not report.acked:
             raise WeightSyncError(
-                f"no rollout server acknowledged weight version {version}: "
+                f"no rollout server acknowledged weight version {number}: "
                 + "; ".join(f"{a}: {e}" for a, e in report.unreachable.items())
             )
-        self.pool.set_current_version(version)
-        WEIGHT_VERSION.set(version)
+        self.pool.set_current_version(number)
+        WEIGHT_VERSION.set(number)
         report.seconds = time.perf_counter() - t0  # the loop times its "sync" phase itself
         log.info(
             "weight version %s synced (%s, %s) to %d server(s) in %.2fs%s",
-            self.pool.version(version).describe(), report.mode, why, len(report.acked), report.seconds,
+            self.pool.version(number).describe(), report.mode, why, len(report.acked), report.seconds,
             f"; unreachable: {sorted(report.unreachable)}" if report.unreachable else "",
         )  # fmt: skip
         return report
@@ -244,16 +244,16 @@ class WeightSyncClient:
         current = self.pool.current
         if current is None:
             raise WeightSyncError(f"cannot re-sync {server.name}: no weight version was synced yet")
-        version = current.number
+        number = current.number
         if version_of(self.pool.status(server)) == current:  # this run's version: the number alone is not enough
             return
         if self.export_blocked:
             raise WeightSyncError(f"cannot re-sync {server.name} now: {self.export_blocked}")
         mode, _ = self.resolve_mode([server])
-        report = self._push(version, mode, [server])
+        report = self._push(number, mode, [server])
         if report.rejected and mode == "adapter" and self.fallback_to_full:
             self._force_full(f"adapter update rejected: {report.rejected}")
-            report = self._push(version, "full", [server], previous=report)
+            report = self._push(number, "full", [server], previous=report)
         if not report.acked:
             errors = {**report.unreachable, **report.rejected}
             raise WeightSyncError(f"re-sync of {server.name} to weight version {current.describe()} failed: {errors}")
@@ -263,23 +263,23 @@ class WeightSyncClient:
         metadata and its tensors produced as they are consumed (one LoRA layer merged at a time)."""
         if mode == "adapter":
             tensors, config_json = adapter_named_tensors(self.model)
-            _, planned = plan_weight_stream(tensors, version=0, mode=ADAPTER, adapter_config_json=config_json)
+            _, planned = stream_header_and_specs(tensors, number=0, mode=ADAPTER, adapter_config_json=config_json)
             return [(n, spec) for n, _, spec in planned], [(n, t) for n, t, _ in planned], config_json
         export = full_export(self.model, dtype=self.dtype, name_map=self.name_map, changed_only=self.changed_only)
         return export.specs, export, ""
 
     def _push(
-        self, version: int, mode: str, servers: Sequence[RolloutServer], previous: SyncReport | None = None
+        self, number: int, mode: str, servers: Sequence[RolloutServer], previous: SyncReport | None = None
     ) -> SyncReport:
         # One update at a time: a FULL export merges/unmerges LoRA layers of the live model while it runs.
         with self._export_lock:
             replies: dict[str, rollout_pb2.UpdateReply] = {}  # the servers the learner called itself
             if self.transport == "shm":
-                outcomes, total = self._push_shared(version, mode, servers, replies)
+                outcomes, total = self._push_shared(number, mode, servers, replies)
             else:
-                outcomes, total = self._push_relayed(version, mode, servers, replies)
-        want = self.pool.version(version)
-        report = SyncReport(version=version, mode=mode, run_id=want.run_id, tensor_bytes=total)
+                outcomes, total = self._push_relayed(number, mode, servers, replies)
+        want = self.pool.version(number)
+        report = SyncReport(number=number, mode=mode, run_id=want.run_id, tensor_bytes=total)
         if previous is not None:
             report.unreachable.update(previous.unreachable)
         for server in servers:
@@ -312,7 +312,7 @@ class WeightSyncClient:
         return report
 
     def _push_relayed(
-        self, version: int, mode: str, servers: Sequence[RolloutServer], replies: dict[str, rollout_pb2.UpdateReply]
+        self, number: int, mode: str, servers: Sequence[RolloutServer], replies: dict[str, rollout_pb2.UpdateReply]
     ) -> tuple[dict[str, rollout_pb2.RelayOutcome], int]:
         """Transport grpc: the stream goes to the first server, which relays it down the list
         (rollout_svc/relay.py), so the learner encodes and sends it once whatever the pool's size.
@@ -327,7 +327,7 @@ class WeightSyncClient:
             # The header is built here, in the caller, so a bad tensor name or dtype raises a clear
             # error now instead of a cancelled RPC from gRPC's thread.
             header, requests = encode_planned_stream(
-                specs, tensors, version=version, run_id=self.pool.run_id, mode=_WIRE_MODE[mode],
+                specs, tensors, number=number, run_id=self.pool.run_id, mode=_WIRE_MODE[mode],
                 adapter_config_json=config_json, frame_bytes=self.frame_bytes, relay_to=[s.address for s in rest],
             )  # fmt: skip
             total = header.total_bytes
@@ -338,7 +338,7 @@ class WeightSyncClient:
                 got = [_outcome(head.address, reply), *reply.relayed]
             except grpc.RpcError as e:
                 if source.error is not None:
-                    raise WeightSyncError(f"encoding weight version {version} failed: {source.error}") from source.error
+                    raise WeightSyncError(f"encoding weight version {number} failed: {source.error}") from source.error
                 got = [outcome_of_error(head.address, e), *relayed_from_error(e)]
             finally:
                 # When the call ended early (a refusal, a timeout) gRPC's thread may still be inside the
@@ -351,14 +351,14 @@ class WeightSyncClient:
         return outcomes, total
 
     def _push_shared(
-        self, version: int, mode: str, servers: Sequence[RolloutServer], replies: dict[str, rollout_pb2.UpdateReply]
+        self, number: int, mode: str, servers: Sequence[RolloutServer], replies: dict[str, rollout_pb2.UpdateReply]
     ) -> tuple[dict[str, rollout_pb2.RelayOutcome], int]:
         """Transport shm: the update is written once into the shared-weights dir while every server
         holds a call open on its header; the trailer (the digest) ends the calls, and the file is
         removed once all of them answered, or on any failure."""
         specs, tensors, config_json = self._plan(mode)
         try:
-            update = SharedUpdate.create(self.shared_dir, specs, version=version, run_id=self.pool.run_id,
+            update = SharedUpdate.create(self.shared_dir, specs, number=number, run_id=self.pool.run_id,
                                          mode=_WIRE_MODE[mode], adapter_config_json=config_json)
         except SharedSpaceError as e:
             raise WeightSyncError(f"RESOURCE_EXHAUSTED: {e}; nothing was sent (free memory there, or use "
@@ -384,7 +384,7 @@ class WeightSyncClient:
                     call.initial_metadata()
                 digest.append(update.write(tensors, self.frame_bytes))
             except Exception as e:
-                raise WeightSyncError(f"writing weight version {version} to {update.path} failed: {e}") from e
+                raise WeightSyncError(f"writing weight version {number} to {update.path} failed: {e}") from e
             finally:
                 if not digest:  # abandoned (a failure, or a signal stopping the run): every server applies nothing
                     for call in calls:

@@ -1,5 +1,5 @@
 """Prometheus metrics of the learner. Dashboards may only query names defined here,
-in rollout_svc/metrics.py or in rmsft_operator/metrics.py (tests/test_dashboards.py checks)."""
+in rollout_engine/metrics.py or in rmsft_operator/metrics.py (tests/test_dashboards.py checks)."""
 
 from prometheus_client import Counter, Gauge, Histogram
 

@@ -15,7 +15,9 @@
 - `results`: what a step and a run report (`StepResult`, `GrpoStats`, `Summary`).
 - `reporting`: where rank 0's figures go (TensorBoard, Prometheus gauges, pictures).
 - `export`: the trained model as a Hugging Face folder (`rmsft export`, `training.export`).
+- `server_setup`: rank 0's server home wired: the pool, its weight-sync client, the rollout interface over both.
+- `offload`: training parameters and/or optimizer state in host memory while a colocated engine generates.
 
 May import every other learner subpackage (tests/test_imports.py); nothing imports it but the modules on
-top (learner/local.py, learner/offline_evaluation.py) and the CLI.
+top (learner/local.py, learner/checkpoint_eval.py) and the CLI.
 """

@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 
-from learner.colocate import colocated_rollouts
 from learner.core.packing import PackedRow, Packer
 from learner.data.dataset import load_dataset
 from learner.data.episode import vision_token_ids
@@ -46,8 +45,9 @@ from learner.data.order import DataOrder
 from learner.data.records import Record
 from learner.data.vision import VisionPrompt, render_prompt, resized_image_size
 from learner.evaluation.held_out import EvalSetup, Evaluation, evaluate
+from learner.rollouts.colocate import colocated_rollouts
+from learner.rollouts.interface import RolloutSource, SourceInfo
 from learner.rollouts.pool import ServerPool, ServersFile
-from learner.rollouts.source import RolloutSource, SourceInfo
 from learner.sync.client import WeightSyncClient
 from learner.tracking import metrics as m
 from learner.tracking.run_record import run_record, write_run_record
@@ -63,7 +63,7 @@ from learner.train.policy import Policy, load_policy, prompt_ids
 from learner.train.ranks import Ranks
 from learner.train.reporting import RunReporter, write_eval_pictures, write_rollout_pictures
 from learner.train.results import StepResult, Summary
-from learner.train.sources import ServerRollouts
+from learner.train.server_setup import build_server_rollouts
 from learner.train.start_checks import check_images_fit, check_memory_plan, collective_timeout_s
 from learner.train.step import PlainStep, ZeroStep, gathered_weights, make_step, resolve_device
 from rmsft.jobspec import RolloutMatchingJob
@@ -100,7 +100,7 @@ class TrainingLoop(RolloutHandout):
         self.on_step = on_step  # called on every rank with that rank's StepResult
         self.on_eval: Callable[[Evaluation], None] | None = None  # rank 0, after each held-out evaluation
         self.ranks = Ranks(process_group) if process_group is not None else Ranks.from_env(collective_timeout_s(job))
-        # Where rollouts come from (learner.rollouts.source): rank 0's server pool, or an engine in every rank
+        # Where rollouts come from (learner.rollouts.interface): rank 0's server pool, or an engine in every rank
         # (colocate). `pool` and `sync_client` are the server pool's parts (None with colocate).
         self.rollouts: RolloutSource | None = None
         self.pool: ServerPool | None = None
@@ -192,10 +192,12 @@ class TrainingLoop(RolloutHandout):
                     # Every E-step's rollouts go through it (max_staleness 0: generated inline, as always).
                     self.ahead = RolloutsAhead(lambda reqs, sampling, v: self.rollouts.generate(
                         reqs, sampling, weight_version=v), cfg.rollout.max_staleness)
-                    source = ServerRollouts(job, addresses, self.model, run_id=self.state.run_id, auth_token=auth_token,
-                                            checkpoint_dir=model_dir, vision_language=self.policy.is_vision_language,
-                                            zero3=cfg.deepspeed_stage == 3,
-                                            fence_resync=self.ahead.fenced_resync)  # none while weights move
+                    source = build_server_rollouts(
+                        job, addresses, self.model, run_id=self.state.run_id, auth_token=auth_token,
+                        checkpoint_dir=model_dir, vision_language=self.policy.is_vision_language,
+                        zero3=cfg.deepspeed_stage == 3,
+                        fence_resync=self.ahead.fenced_resync,  # none while weights move
+                    )  # fmt: skip
                     self.rollouts, self.pool, self.sync_client = source, source.pool, source.sync_client
                     self.ahead.abort = source.abort  # close(): a call still running ahead is ended, then waited for
         self._prompt_cache: dict[int, list[int]] = {}  # text models: a record's prompt ids
@@ -442,7 +444,7 @@ class TrainingLoop(RolloutHandout):
         c = self.job.spec.rollout.colocate
         if not (c.offload_model or c.offload_optimizer):
             return nullcontext()
-        from learner.colocate.offload import offloaded
+        from learner.train.offload import offloaded
 
         return offloaded(self.train_step, self.model, params=c.offload_model, optimizer=c.offload_optimizer)
 

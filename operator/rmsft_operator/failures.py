@@ -18,7 +18,7 @@ from rmsft_operator import render
 _STUCK_WAITING = {"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
                   "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
 _MAX_HINT = 600
-# What `rmsft serve` says (rollout_svc.config.ServeConfig.validate) when its configuration cannot work, e.g. a
+# What `rmsft serve` says (rollout_engine.config.ServeConfig.validate) when its configuration cannot work, e.g. a
 # model folder that does not exist: restarting the container changes nothing. Its exit code (1) is the one of
 # every other failure, so the words are what tell it apart.
 SERVE_INVALID_CONFIG = "rmsft serve: invalid configuration"

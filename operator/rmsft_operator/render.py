@@ -123,7 +123,7 @@ def render_secret(job: RolloutMatchingJob, namespace: str, uid: str, token: str 
 
 
 def serve_config(job: RolloutMatchingJob) -> dict[str, Any]:
-    """Flags of `rmsft serve --config` (rollout_svc.config.ServeConfig keys) for this job's pods."""
+    """Flags of `rmsft serve --config` (rollout_engine.config.ServeConfig keys) for this job's pods."""
     r = job.spec.rollout
     opts = serve_options(job, gpus=job.spec.placement.accelerator == "nvidia")
     return {
@@ -453,7 +453,7 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
         # `rmsft train` reads (rank 0 talks to the rollout servers, the others get their share).
         container["command"] = [
             "python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(lr.gpus),
-            "-m", "rmsft.cli",
+            "-m", "rmsft_cli",
         ]  # fmt: skip
     return {
         "apiVersion": "batch/v1",

@@ -140,7 +140,7 @@ def changed(spec: JobSpec, *chosen: _Knob) -> JobSpec:
 def refusal(spec: JobSpec) -> str | None:
     """Why `spec` (e.g. a job changed by advice) would be refused before it trains, else None: the job spec
     validator (the same rules as the CRD's and `rmsft local`'s), then what the learner refuses at start although
-    the spec allows it (offloading the optimizer under ZeRO-3: learner.colocate.offload)."""
+    the spec allows it (offloading the optimizer under ZeRO-3: learner.train.offload)."""
     try:
         checked = JobSpec.model_validate(spec.model_dump(by_alias=True))
     except ValidationError as exc:

@@ -23,7 +23,7 @@ ENGINE_GRAPHS_BYTES = 1 * GiB
 RUNTIME_BYTES = 1 * GiB
 # DeepSpeed's default reduce bucket (elements) under ZeRO-2/3: a full-size gradient buffer next to the shards.
 ZERO_REDUCE_BUCKET = 500_000_000
-# vLLM-CPU's KV cache when neither kvCacheBytes nor a share is given (rollout_svc.vllm_engine).
+# vLLM-CPU's KV cache when neither kvCacheBytes nor a share is given (rollout_engine.vllm_engine).
 CPU_DEFAULT_KV_CACHE_BYTES = 1 * GiB
 # Share of a packed row taken by image tokens, for the vision tower's activations when it is trained.
 IMAGE_TOKEN_SHARE = 0.5

@@ -61,8 +61,8 @@ from rmsft.weight_wire.send import (
     encode_planned_stream,
     encode_weight_stream,
     iter_weight_chunks,
-    plan_weight_stream,
     stream_header,
+    stream_header_and_specs,
     update_weights_raw,
 )
 from rmsft.weight_wire.shared import (
@@ -89,7 +89,7 @@ __all__ = [
     "SHA256", "SHARED_DIR_ENV", "SharedSpaceError", "SharedUpdate", "check_shared", "open_shared",
     "shared_dir_from_env", "PieceFrame", "PipelinedDigest", "StagedTensor", "StreamReader", "SyncMode", "TensorSpec",
     "WireError", "decode_chunk", "digest_name", "dtype_name", "encode_piece", "encode_planned_stream",
-    "encode_weight_stream", "iter_weight_chunks", "new_hash", "plan_weight_stream", "stream_header",
+    "encode_weight_stream", "iter_weight_chunks", "new_hash", "stream_header_and_specs", "stream_header",
     "torch_dtype", "update_weights_raw",
     "FRESH", "NO_RUN", "WeightVersion", "check_run_id", "mismatch_message", "new_run_id", "set_version", "version_of",
 ]  # fmt: skip

@@ -65,7 +65,7 @@ def _flat_bytes(tensor: torch.Tensor):
 def stream_header(
     specs: Sequence[tuple[str, TensorSpec]],
     *,
-    version: int,
+    number: int,
     mode: SyncMode,
     run_id: str = NO_RUN,
     adapter_config_json: str = "",
@@ -76,7 +76,8 @@ def stream_header(
     """Check a stream's arguments and build its header from (name, spec) pairs alone: no tensor
     needs to exist yet. `relay_to`: the servers the receiver forwards the stream to (in order).
 
-    `run_id`: the learner run announcing `version` (rmsft.weight_wire.version; NO_RUN outside any run).
+    `number` with `run_id` (the learner run announcing it; NO_RUN outside any run) is the weight version the
+    header announces (rmsft.weight_wire.version).
 
     Raises ValueError on a bad frame size, mode, digest, run id, missing adapter config or duplicate
     names, in the caller, before anything is sent.
@@ -97,7 +98,7 @@ def stream_header(
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"duplicate tensor names in weight stream: {dup[:5]}")
     return rollout_pb2.WeightHeader(
-        version=version,
+        version=number,
         run_id=run_id,
         mode=mode,
         tensor_count=len(specs),
@@ -108,10 +109,10 @@ def stream_header(
     )
 
 
-def plan_weight_stream(
+def stream_header_and_specs(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     *,
-    version: int,
+    number: int,
     mode: SyncMode,
     run_id: str = NO_RUN,
     adapter_config_json: str = "",
@@ -124,7 +125,7 @@ def plan_weight_stream(
     items = list(named_tensors)
     planned = [(n, t, TensorSpec(dtype_name(t.dtype), tuple(t.shape))) for n, t in items]
     header = stream_header(
-        [(n, s) for n, _, s in planned], version=version, run_id=run_id, mode=mode,
+        [(n, s) for n, _, s in planned], number=number, run_id=run_id, mode=mode,
         adapter_config_json=adapter_config_json,
         frame_bytes=frame_bytes, digest=digest, relay_to=relay_to,
     )  # fmt: skip
@@ -181,7 +182,7 @@ def iter_pieces(
 def iter_weight_chunks(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     *,
-    version: int,
+    number: int,
     mode: SyncMode,
     run_id: str = NO_RUN,
     adapter_config_json: str = "",
@@ -191,8 +192,8 @@ def iter_weight_chunks(
     """Yield header, pieces and trailer for `named_tensors` as protobuf messages (for callers
     that inspect or edit them; the learner sends `encode_weight_stream`'s pre-serialized bytes,
     the same bytes with two fewer payload copies)."""
-    header, planned = plan_weight_stream(
-        named_tensors, version=version, run_id=run_id, mode=mode, adapter_config_json=adapter_config_json,
+    header, planned = stream_header_and_specs(
+        named_tensors, number=number, run_id=run_id, mode=mode, adapter_config_json=adapter_config_json,
         frame_bytes=frame_bytes, digest=digest,
     )  # fmt: skip
     yield rollout_pb2.WeightChunk(header=header)
@@ -238,7 +239,7 @@ def encode_piece(name: str, spec: TensorSpec, offset: int, payload: Any) -> byte
 def encode_weight_stream(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     *,
-    version: int,
+    number: int,
     mode: SyncMode,
     run_id: str = NO_RUN,
     adapter_config_json: str = "",
@@ -251,8 +252,8 @@ def encode_weight_stream(
     The arguments are checked and the header built now (a bad name or mode raises here, in the
     caller); the pieces are produced lazily, one frame at a time.
     """
-    header, planned = plan_weight_stream(
-        named_tensors, version=version, run_id=run_id, mode=mode, adapter_config_json=adapter_config_json,
+    header, planned = stream_header_and_specs(
+        named_tensors, number=number, run_id=run_id, mode=mode, adapter_config_json=adapter_config_json,
         frame_bytes=frame_bytes, digest=digest, relay_to=relay_to,
     )  # fmt: skip
     return header, _requests(header, planned, frame_bytes)
@@ -262,7 +263,7 @@ def encode_planned_stream(
     specs: Sequence[tuple[str, TensorSpec]],
     tensors: Iterable[tuple[str, torch.Tensor]],
     *,
-    version: int,
+    number: int,
     mode: SyncMode,
     run_id: str = NO_RUN,
     adapter_config_json: str = "",
@@ -277,7 +278,7 @@ def encode_planned_stream(
     Same bytes as `encode_weight_stream` of the same tensors."""
     specs = list(specs)
     header = stream_header(
-        specs, version=version, run_id=run_id, mode=mode, adapter_config_json=adapter_config_json,
+        specs, number=number, run_id=run_id, mode=mode, adapter_config_json=adapter_config_json,
         frame_bytes=frame_bytes, digest=digest, relay_to=relay_to,
     )  # fmt: skip
     return header, _requests(header, _checked(specs, tensors), frame_bytes)

@@ -87,17 +87,17 @@ class SharedUpdate:
         directory: str | Path,
         specs: Sequence[tuple[str, TensorSpec]],
         *,
-        version: int,
+        number: int,
         mode: SyncMode,
         run_id: str = NO_RUN,
         adapter_config_json: str = "",
         digest: int = DEFAULT_DIGEST,
     ) -> SharedUpdate:
         specs = list(specs)
-        header = stream_header(specs, version=version, run_id=run_id, mode=mode,
+        header = stream_header(specs, number=number, run_id=run_id, mode=mode,
                                adapter_config_json=adapter_config_json, digest=digest)
         directory = str(directory)
-        path = os.path.join(directory, f"{FILE_PREFIX}v{version}-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin")
+        path = os.path.join(directory, f"{FILE_PREFIX}v{number}-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin")
         # Readable by the servers, which may run as another user in their own pods.
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -108,7 +108,7 @@ class SharedUpdate:
             free = shutil.disk_usage(directory).free
             if header.total_bytes > free:
                 raise SharedSpaceError(
-                    f"shared-weights dir {directory} has {free} bytes free; weight version {version} needs "
+                    f"shared-weights dir {directory} has {free} bytes free; weight version {number} needs "
                     f"{header.total_bytes}"
                 )
         except BaseException:

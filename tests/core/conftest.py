@@ -25,7 +25,7 @@ def fused_plain() -> VocabView:
 @pytest.fixture(scope="session")
 def stock_tokenizer():
     """A real byte-level BPE tokenizer without the `<|coord_k|>` tokens, as a stock Qwen-VL comes."""
-    from rmsft.dev.tiny_model import build_tokenizer
+    from rmsft_dev.tiny_model import build_tokenizer
 
     return build_tokenizer(0, coord_tokens=False)
 

@@ -120,7 +120,7 @@ def operator(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFacto
            "RMSFT_OPERATOR_METRICS_PORT": str(metrics_port), "RMSFT_OPERATOR_PROGRESS_TIMEOUT_SECONDS": "0"}
     log = work / "operator.log"
     with log.open("wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "rmsft.cli", *args], stdout=fh, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, "-m", "rmsft_cli", *args], stdout=fh, stderr=subprocess.STDOUT,
                                 env=env, cwd=ROOT, start_new_session=True)
     op = Operator(proc, log, metrics_port)
     try:

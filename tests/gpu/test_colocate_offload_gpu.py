@@ -1,4 +1,4 @@
-"""The offload context on CUDA (learner/colocate/offload.py): what the CPU cannot show. During the block the
+"""The offload context on CUDA (learner/train/offload.py): what the CPU cannot show. During the block the
 training state's device memory is handed back (torch.cuda.memory_allocated drops by what moved), the host
 copies are pinned, and afterwards everything is back on the GPU, bit for bit, in the same objects; the same for
 ZeRO-2 through DeepSpeed's offload_states. Skipped, saying why, without CUDA (the plan, the exactness and the
@@ -50,7 +50,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 
 def test_plain_step_offload_frees_the_gpu_and_comes_back_bit_for_bit(tiny_model_dir: Path) -> None:
-    from learner.colocate.offload import offloaded
+    from learner.train.offload import offloaded
     from learner.train.ranks import Ranks
     from learner.train.step import PlainStep
 
@@ -81,7 +81,7 @@ def test_plain_step_offload_frees_the_gpu_and_comes_back_bit_for_bit(tiny_model_
 
 def test_zero2_offload_through_deepspeed_frees_the_gpu(tiny_model_dir: Path) -> None:
     pytest.importorskip("deepspeed")
-    from learner.colocate.offload import offloaded
+    from learner.train.offload import offloaded
     from learner.train.ranks import Ranks
     from learner.train.step import ZeroStep
 

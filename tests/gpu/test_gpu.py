@@ -90,7 +90,7 @@ def test_zero2_two_ranks_on_nccl(tmp_path: Path, tiny_model_dir: Path) -> None:
     from learner_fakes import FakeEngine, FakeServer
     from trainer_fixtures import make_job
 
-    from rmsft.dev.synthetic import write_synthetic_dataset
+    from rmsft_dev.synthetic import write_synthetic_dataset
 
     data = write_synthetic_dataset(tmp_path / "train.jsonl", n=8, seed=0)
     job = make_job(tiny_model_dir, data, tmp_path / "ckpt", steps=2, deepspeed_stage=2, precision="bf16")

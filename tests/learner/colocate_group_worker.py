@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from learner.colocate.groups import TpGroup
-from learner.colocate.rollouts import ColocatedRollouts
+from learner.rollouts.colocate.groups import TpGroup
+from learner.rollouts.colocate.rollouts import ColocatedRollouts
 from learner.rollouts.requests import RolloutRequest
-from rollout_svc.hf_engine import HfEngine
+from rollout_engine.hf_engine import HfEngine
 
 # Per call: which prompts (by index) each rank brings. Uneven, and a rank that brings none.
 CALLS = [{0: [0, 1, 2], 1: [3, 4]}, {0: [5, 6], 1: []}, {0: [], 1: [7]}]

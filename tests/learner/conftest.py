@@ -13,7 +13,7 @@ from learner_fakes import FakeEngine, FakeServer, chat_renderer
 @pytest.fixture(scope="module")
 def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Eight synthetic text records."""
-    from rmsft.dev.synthetic import write_synthetic_dataset
+    from rmsft_dev.synthetic import write_synthetic_dataset
 
     return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n=8, seed=0)
 

@@ -13,8 +13,8 @@ import torch
 class InProcessServer:
     def __init__(self, model_dir: Path, staging: Path, *, dtype: str = "auto", shared: Path | None = None,
                  port: int = 0, logprobs_mode: str = "raw") -> None:
-        from rollout_svc.config import ServeConfig
-        from rollout_svc.hf_engine import HfEngine
+        from rollout_engine.config import ServeConfig
+        from rollout_engine.hf_engine import HfEngine
         from rollout_svc.server import add_rollout_service
         from rollout_svc.servicer import RolloutServicer
 

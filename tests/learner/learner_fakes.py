@@ -35,7 +35,7 @@ from rmsft.weight_wire import (
     torch_dtype,
     version_of,
 )
-from rollout_svc.prompts import sample_seed
+from rollout_engine.prompts import sample_seed
 from rollout_svc.server import GENERATE_RECEIVE_BYTES
 
 FAKE_RUN = "fakerun00001"  # the learner run of engines made at version > 0 (and of the tests' pools)

@@ -54,7 +54,7 @@ def _job_doc(model_dir: Path, data: Path, ckpt: Path) -> dict:
 
 @pytest.fixture
 def data_path(tmp_path: Path) -> Path:
-    from rmsft.dev.synthetic import write_synthetic_dataset
+    from rmsft_dev.synthetic import write_synthetic_dataset
 
     return write_synthetic_dataset(tmp_path / "train.jsonl", n=4, seed=0)
 
@@ -87,7 +87,7 @@ def test_rmsft_train_exits_2_naming_the_folder(tiny_model_dir, data_path, tmp_pa
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(_job_doc(tiny_model_dir, data_path, target)))
     res = subprocess.run(
-        [sys.executable, "-m", "rmsft.cli", "train", "--config", str(job), "--servers", "127.0.0.1:1",
+        [sys.executable, "-m", "rmsft_cli", "train", "--config", str(job), "--servers", "127.0.0.1:1",
          "--metrics-port", "0"], capture_output=True, text=True, cwd=ROOT, timeout=180,
     )  # fmt: skip
     err = " ".join(res.stderr.split())

@@ -175,14 +175,14 @@ def test_bad_files_name_the_key(tmp_path: Path, doc: object, expected: str) -> N
 def test_cli_prints_the_summary_and_fails_cleanly(tmp_path: Path) -> None:
     ann, images = write_coco(tmp_path)
     out = tmp_path / "train.jsonl"
-    run = subprocess.run([sys.executable, "-m", "rmsft.cli", "data", "from-coco", str(ann), str(images), str(out),
+    run = subprocess.run([sys.executable, "-m", "rmsft_cli", "data", "from-coco", str(ann), str(images), str(out),
                           "--max-objects", "10"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode == 0, run.stderr
     said = " ".join(run.stderr.split())  # rich wraps long lines
     assert "2 records with 6 objects (1 polygon, 5 boxes)" in said
     assert f"1 {coco.IMG_UNUSABLE}" in said and "skipped annotations: 6" in said
     assert len(out.read_text().splitlines()) == 2
-    bad = subprocess.run([sys.executable, "-m", "rmsft.cli", "data", "from-coco", str(tmp_path / "nope.json"),
+    bad = subprocess.run([sys.executable, "-m", "rmsft_cli", "data", "from-coco", str(tmp_path / "nope.json"),
                           str(images), str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "nope.json: no such file" in " ".join(bad.stderr.split())

@@ -16,12 +16,12 @@ import pytest
 import torch
 import yaml
 
-from learner.colocate import ColocatedRollouts, ColocateError
 from learner.rollouts.client import RolloutRequest
+from learner.rollouts.colocate import ColocatedRollouts, ColocateError
 from learner.train.rollout_matching import Trainer
-from rmsft.dev.synthetic import write_synthetic_dataset
 from rmsft.jobspec import parse_job
 from rmsft.serve_options import serve_options
+from rmsft_dev.synthetic import write_synthetic_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -160,7 +160,7 @@ def test_hf_engine_colocated_trains_and_matches_hf_server(tiny_model_dir: Path, 
 
 def test_engine_failure_mid_run_fails_fast_with_its_cause(tiny_model_dir: Path, data_path: Path,
                                                          tmp_path: Path) -> None:
-    from rollout_svc.engine import EngineError
+    from rollout_engine.engine import EngineError
 
     job = make_job(tiny_model_dir, data_path, tmp_path / "ck", mode="colocate", engine="hf")
     trainer = Trainer(job, [])
@@ -226,7 +226,7 @@ def test_a_tp_group_gathers_its_requests_and_each_rank_keeps_its_slice(tiny_mode
 
     from colocate_group_worker import CALLS, SAMPLING, requests, source
 
-    from learner.colocate.groups import GroupSizeError, TpGroup, group_ranks
+    from learner.rollouts.colocate.groups import GroupSizeError, TpGroup, group_ranks
     from rollout_svc.launcher import free_port
 
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
@@ -255,7 +255,7 @@ def test_offload_around_generation_leaves_training_bit_identical(tiny_model_dir:
     """The trainer wraps every in-process generation in the offload context (spec.rollout.colocate offloadModel /
     offloadOptimizer; refused on CPUs by the spec, set here past it: the CPU is both "device" and "host"). The
     optimizer state really goes (its storage swapped) and comes back: the same losses and weights as without."""
-    import learner.colocate.offload as offload
+    import learner.train.offload as offload
 
     moved: list[int] = []
     real = offload.offloaded

@@ -1,4 +1,4 @@
-"""The offload context (learner/colocate/offload.py), proven on the CPU.
+"""The offload context (learner/train/offload.py), proven on the CPU.
 
 - Placement, the way tests/learner/test_placement.py proves it: the training state of a step on the `meta`
   device (the stand-in accelerator) and the plan of moves, which reads no data: every parameter, gradient and
@@ -25,8 +25,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from learner.colocate import offload
-from learner.colocate.offload import OffloadReport, offloaded, plan_offload
+from learner.train import offload
+from learner.train.offload import OffloadReport, offload_moves, offloaded
 
 
 def _policy(tiny_model_dir: Path, **training: Any) -> torch.nn.Module:
@@ -130,7 +130,7 @@ def test_the_plan_sends_every_accelerator_tensor_to_the_host_once(meta_step: Any
     assert any(not p.requires_grad for p in model.parameters())  # the frozen base moves too
 
     with _OpRecorder() as ops:  # the plan reads no tensor: no op at all runs on the way
-        moves = plan_offload(step, model, params=params, optimizer=optimizer)
+        moves = offload_moves(step, model, params=params, optimizer=optimizer)
     assert ops.seen == []
     wanted = {id(t) for name, t in on_device.items()
               if (kinds[name] != "optimizer" and params) or (kinds[name] == "optimizer" and optimizer)}  # fmt: skip
@@ -147,12 +147,12 @@ def test_tied_weights_move_once_and_views_of_one_buffer_are_refused() -> None:
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
     model[1].weight = model[0].weight  # tied, as an LM head often is: one Parameter
     step = _plain_step(model)
-    assert len(plan_offload(step, model, params=True, optimizer=False)) == 1
+    assert len(offload_moves(step, model, params=True, optimizer=False)) == 1
     flat = torch.zeros(8)
     a, b = torch.nn.Parameter(flat[:4]), torch.nn.Parameter(flat[4:])  # a flat buffer's views (ZeRO-1/2 style)
     views = torch.nn.ParameterList([a, b])
     with pytest.raises(RuntimeError, match="shares its storage"):
-        plan_offload(_plain_step(views), views, params=True, optimizer=False)
+        offload_moves(_plain_step(views), views, params=True, optimizer=False)
 
 
 def test_meta_has_no_data_to_move_and_says_so(meta_step: Any) -> None:

@@ -8,9 +8,9 @@ import contextlib
 
 import pytest
 
-from learner.colocate.engine import EngineError, InProcessVllm
-from learner.colocate.groups import TpGroup
-from learner.colocate.rollouts import ColocatedRollouts
+from learner.rollouts.colocate.engine import EngineError, InProcessVllm
+from learner.rollouts.colocate.groups import TpGroup
+from learner.rollouts.colocate.rollouts import ColocatedRollouts
 from learner.rollouts.requests import RolloutRequest
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from learner.data.records import DataError, load_records
-from rmsft.dev.synthetic import write_synthetic_dataset
+from rmsft_dev.synthetic import write_synthetic_dataset
 
 
 def _rec(objects: list[dict]) -> str:

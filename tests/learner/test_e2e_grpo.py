@@ -17,8 +17,8 @@ import yaml
 
 from learner.rollouts.client import RolloutClient, RolloutRequest
 from learner.rollouts.pool import ServerPool
-from rmsft.dev.synthetic import write_answer_dataset
 from rmsft.jobspec import parse_job
+from rmsft_dev.synthetic import write_answer_dataset
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -57,7 +57,7 @@ def grpo_job(model_dir: Path, data: Path, ckpt: Path, steps: int):
     t["export"] = {"enabled": False}
     # The widest reward: a few steps of a random model see non-zero advantages.
     t["grpo"].update(group_size=4, temperature=TEMPERATURE, max_tokens=6,
-                     rewards=[{"name": "rmsft.dev.synthetic:CoordAnswerReward", "params": {"width": 1000}}])
+                     rewards=[{"name": "rmsft_dev.synthetic:CoordAnswerReward", "params": {"width": 1000}}])
     return parse_job(doc)
 
 

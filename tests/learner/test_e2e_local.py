@@ -18,9 +18,9 @@ import yaml
 
 from learner.rollouts.client import RolloutRequest
 from learner.train.rollout_matching import Trainer
-from rmsft.dev.synthetic import write_synthetic_dataset
 from rmsft.jobspec import parse_job
 from rmsft.weight_wire import SHARED_DIR_ENV
+from rmsft_dev.synthetic import write_synthetic_dataset
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -20,8 +20,8 @@ import yaml
 from learner.data.vision import mm_token_type_ids
 from learner.rollouts.client import RolloutRequest
 from learner.train.rollout_matching import Trainer
-from rmsft.dev.synthetic import write_visual_dataset
 from rmsft.jobspec import parse_job
+from rmsft_dev.synthetic import write_visual_dataset
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

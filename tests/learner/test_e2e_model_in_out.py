@@ -19,7 +19,7 @@ import yaml
 from rich.console import Console
 
 from learner.local import run_local
-from rmsft.dev.synthetic import write_visual_dataset
+from rmsft_dev.synthetic import write_visual_dataset
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -29,7 +29,7 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def stock_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rmsft.dev.tiny_vl import build_tiny_vl_model
+    from rmsft_dev.tiny_vl import build_tiny_vl_model
 
     return build_tiny_vl_model(tmp_path_factory.mktemp("stock-vl") / "model", coord_tokens=False)
 
@@ -60,7 +60,7 @@ def _quiet() -> Console:
 def test_stock_model_trains_with_qwen_json_evaluates_tracks_and_exports(stock_vl: Path, tmp_path: Path) -> None:
     from prometheus_client import generate_latest
 
-    from learner.offline_evaluation import EvalOptions, run_eval
+    from learner.checkpoint_eval import EvalOptions, run_eval
     from learner.tracking.run_record import job_from_run_record
     from learner.tracking.tracker import decode_png, read_events
 

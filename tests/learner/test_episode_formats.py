@@ -22,7 +22,7 @@ def _record(rid: str, objects: list[dict], width: int = 640, height: int = 480) 
 
 @pytest.fixture(scope="module")
 def stock_vocab() -> VocabView:
-    from rmsft.dev.tiny_model import build_tokenizer
+    from rmsft_dev.tiny_model import build_tokenizer
 
     return VocabView.from_hf_tokenizer(build_tokenizer(0, coord_tokens=False), coord_tokens=False)
 

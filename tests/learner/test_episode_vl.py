@@ -12,7 +12,7 @@ from learner.core.targets import PromptMismatchError
 from learner.data.episode import VISION_TOKENS, check_rollout_prompts, vision_safe_response, vision_token_ids
 from learner.data.records import Record
 from learner.train.start_checks import check_images_fit
-from rmsft.dev.tiny_model import CHAT_SPECIAL_TOKENS, build_tokenizer
+from rmsft_dev.tiny_model import CHAT_SPECIAL_TOKENS, build_tokenizer
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 

@@ -375,7 +375,7 @@ def test_cli_export_without_a_job_says_to_pass_config(tmp_path: Path) -> None:
     step = tmp_path / "ckpt" / "step-3"
     step.mkdir(parents=True)
     torch.save({"step": 3, "model": {}}, step / "state.pt")
-    res = subprocess.run([sys.executable, "-m", "rmsft.cli", "export", str(step), str(tmp_path / "out")],
+    res = subprocess.run([sys.executable, "-m", "rmsft_cli", "export", str(step), str(tmp_path / "out")],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
     assert res.returncode == 2, res.stderr
     assert "--config" in res.stderr and "run.json" in res.stderr and "Traceback" not in res.stderr
@@ -387,7 +387,7 @@ def test_cli_export(tmp_path: Path, tiny_model_dir: Path) -> None:
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(t.job.to_manifest()))
     (t.ckpt.parent / RUN_FILE).unlink()
-    res = subprocess.run([sys.executable, "-m", "rmsft.cli", "export", str(t.ckpt), str(tmp_path / "out"), "--config",
+    res = subprocess.run([sys.executable, "-m", "rmsft_cli", "export", str(t.ckpt), str(tmp_path / "out"), "--config",
                           str(config)], capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "merged" in res.stderr and "step 5" in res.stderr

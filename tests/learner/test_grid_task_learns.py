@@ -18,9 +18,9 @@ from learner.data.vision import vision_messages
 from learner.evaluation.held_out import score
 from learner.local import PRETRAIN_COORD_SIGMA, SYNTHETIC_MAX_OBJECTS, _annotations
 from learner.train.rollout_matching import Trainer
-from rmsft.dev.synthetic import write_visual_dataset
-from rmsft.dev.tiny_vl import build_tiny_vl_model
 from rmsft.jobspec import parse_job
+from rmsft_dev.synthetic import write_visual_dataset
+from rmsft_dev.tiny_vl import build_tiny_vl_model
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 120

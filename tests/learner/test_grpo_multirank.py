@@ -15,8 +15,8 @@ import torch
 import yaml
 from test_multirank import _run, _torchrun
 
-from rmsft.dev.synthetic import write_answer_dataset
 from rmsft.jobspec import parse_job
+from rmsft_dev.synthetic import write_answer_dataset
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def write_job(path: Path, model_dir: Path, data: Path, ckpt: Path) -> Path:
     t["rollout"].update(request_timeout_s=60, max_tokens=64)  # (< maxModelLen; what held-out answers would use)
     # The widest reward: a few steps of a random model see non-zero advantages.
     t["grpo"].update(group_size=4, temperature=0.7, max_tokens=4,
-                     rewards=[{"name": "rmsft.dev.synthetic:CoordAnswerReward", "params": {"width": 1000}}])
+                     rewards=[{"name": "rmsft_dev.synthetic:CoordAnswerReward", "params": {"width": 1000}}])
     parse_job(doc)
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -60,7 +60,7 @@ def _train(server, tmp: Path, model_dir: Path, data: Path, ranks: int) -> tuple[
     tmp.mkdir(parents=True, exist_ok=True)
     job = write_job(tmp / "job.yaml", model_dir, data, tmp / "ckpt")
     prefix = _torchrun(ranks) if ranks > 1 else [sys.executable]
-    proc = _run([*prefix, "-m", "rmsft.cli", "train", "--servers", server.address, "--config", str(job)])
+    proc = _run([*prefix, "-m", "rmsft_cli", "train", "--servers", server.address, "--config", str(job)])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     steps = [(int(s), int(v), float(loss), float(r)) for s, v, loss, r in _STEP.findall(proc.stderr)]
     assert [s[:2] for s in steps] == [(k, k) for k in range(1, STEPS + 1)], proc.stderr[-4000:]  # rank 0's lines

@@ -1,7 +1,7 @@
 """The GRPO trainer (learner/train/grpo.py) end to end against real rollout servers without vLLM: the HF
 engine behind real gRPC servers on loopback (tests/learner/hf_servers.py), reporting processed log-probs as
 `rmsft serve --logprobs-mode processed` does for a GRPO job. configs/local-tiny-grpo.yaml's task (a
-coordinate-token answer scored by rmsft.dev.synthetic:CoordAnswerReward), shrunk to seconds."""
+coordinate-token answer scored by rmsft_dev.synthetic:CoordAnswerReward), shrunk to seconds."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ WIDTH = 1000  # the reward's: every coordinate token earns some, so 3 steps of a
 
 @pytest.fixture(scope="module")
 def answers(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rmsft.dev.synthetic import write_answer_dataset
+    from rmsft_dev.synthetic import write_answer_dataset
 
     return write_answer_dataset(tmp_path_factory.mktemp("answers") / "answers.jsonl", n=16, seed=0)
 
@@ -48,7 +48,7 @@ def grpo_job(model_dir: Path, data: Path, ckpt: Path, *, steps: int = 3, grpo: d
     t["export"] = {"enabled": False}
     t["rollout"].update(request_timeout_s=30)
     # A temperature other than 1: the learner's and the servers' log-probs only agree when both apply it.
-    wide = [{"name": "rmsft.dev.synthetic:CoordAnswerReward", "params": {"width": WIDTH}}]
+    wide = [{"name": "rmsft_dev.synthetic:CoordAnswerReward", "params": {"width": WIDTH}}]
     t["grpo"].update({"group_size": N, "temperature": 0.7, "max_tokens": 4, "rewards": wide, **(grpo or {})})
     t.update(training)
     return parse_job(doc)
@@ -77,7 +77,7 @@ def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model
     from learner.rewards.interface import RewardInput
     from learner.tracking import metrics as m
     from learner.tracking.tracker import read_events
-    from rmsft.dev.synthetic import CoordAnswerReward
+    from rmsft_dev.synthetic import CoordAnswerReward
 
     trainer, summary, advantages = run(grpo_job(tiny_model_dir, answers, tmp_path), [s.address for s in servers])
     records = {r.id: r for r in load_records(answers)}
@@ -96,7 +96,7 @@ def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model
                 for r in h.rollouts]  # fmt: skip
         g = h.grpo
         assert g.reward_mean == pytest.approx(sum(want) / len(want))
-        assert g.rewards["rmsft.dev.synthetic:CoordAnswerReward"] == pytest.approx(g.reward_mean)  # by spec name
+        assert g.rewards["rmsft_dev.synthetic:CoordAnswerReward"] == pytest.approx(g.reward_mean)  # by spec name
         assert torch.allclose(adv, group_advantages(want, N))
         assert torch.allclose(adv.reshape(PROMPTS, N).sum(dim=1), torch.zeros(PROMPTS), atol=1e-5)
         assert (g.completions, g.groups) == (PROMPTS * N, PROMPTS)
@@ -108,7 +108,7 @@ def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model
     scalars, _ = read_events(summary.log_dir)
     assert [v for _, v in scalars["grpo/reward_mean"]] == pytest.approx(summary.rewards)
     assert {"grpo/clip_fraction", "grpo/kl", "grpo/completion_length",
-            "grpo/reward/rmsft.dev.synthetic:CoordAnswerReward"} <= set(scalars)
+            "grpo/reward/rmsft_dev.synthetic:CoordAnswerReward"} <= set(scalars)
 
 
 def test_kl_to_the_reference_is_zero_until_the_adapters_move(tmp_path: Path, tiny_model_dir: Path, answers: Path,

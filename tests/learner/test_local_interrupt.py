@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from rmsft import run_dir
-from rmsft.dev.synthetic import write_synthetic_dataset
+from rmsft_dev.synthetic import write_synthetic_dataset
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -108,7 +108,7 @@ def test_rmsft_local_stopped_at_any_moment_leaves_nothing_behind(job_path: Path,
     out = tmp_path / "out.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     with open(out, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "rmsft.cli", "local", str(job_path), "--work-dir",
+        proc = subprocess.Popen([sys.executable, "-m", "rmsft_cli", "local", str(job_path), "--work-dir",
                                  str(tmp_path / "work")], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     pid = proc.pid
     try:
@@ -134,7 +134,7 @@ def test_rmsft_local_stopped_at_any_moment_leaves_nothing_behind(job_path: Path,
             assert rc == -signal.SIGKILL
             dirs = _shm_dirs(pid)
             assert len(dirs) == 1  # nothing runs in a killed process: the next run or --clean removes it
-            clean = subprocess.run([sys.executable, "-m", "rmsft.cli", "local", "--clean"], capture_output=True,
+            clean = subprocess.run([sys.executable, "-m", "rmsft_cli", "local", "--clean"], capture_output=True,
                                    text=True, env=env, cwd=tmp_path, timeout=60)
             assert clean.returncode == 0, clean.stderr
             assert str(dirs[0]) in "".join(clean.stderr.split())

@@ -3,7 +3,7 @@ backend, greedy) must end with the same trainable parameters as 1 rank on the sa
 rank 0 alone talks to the server; each rank trains on its contiguous share. The same check runs
 with DeepSpeed ZeRO-2, through `rmsft train` (with a resume), and for a rank-0 failure.
 
-Each run is a subprocess (tests/learner/multirank_worker.py or `rmsft.cli train`), so no process
+Each run is a subprocess (tests/learner/multirank_worker.py or `rmsft_cli train`), so no process
 group leaks into the pytest process.
 """
 
@@ -23,8 +23,8 @@ import pytest
 import torch
 import yaml
 
-from rmsft.dev.synthetic import write_synthetic_dataset
 from rmsft.jobspec import parse_job
+from rmsft_dev.synthetic import write_synthetic_dataset
 
 slow = pytest.mark.slow
 
@@ -216,12 +216,12 @@ def test_two_ranks_deepspeed_equal_one_rank(server, one_rank, tiny_model_dir, da
 @pytest.mark.parametrize("deepspeed_stage", [0, 2, 3], ids=["torch", "zero2", "zero3"])
 def test_rmsft_train_under_torchrun_resumes(server, one_rank, tiny_model_dir, data_path, tmp_path,
                                             deepspeed_stage) -> None:  # fmt: skip
-    """`torchrun -m rmsft.cli train`: 2 steps, then a resumed run to STEPS, ends where one rank does
+    """`torchrun -m rmsft_cli train`: 2 steps, then a resumed run to STEPS, ends where one rank does
     (with ZeRO-2 the optimizer partitions and fp32 master weights come back from the checkpoint)."""
     if deepspeed_stage:
         pytest.importorskip("deepspeed")
     ckpt = tmp_path / "ckpt"
-    cmd = [*_torchrun(2), "-m", "rmsft.cli", "train", "--servers", server.address, "--config"]
+    cmd = [*_torchrun(2), "-m", "rmsft_cli", "train", "--servers", server.address, "--config"]
     ds = {"deepspeed_stage": deepspeed_stage}
     first = _run([*cmd, str(write_job(tmp_path / "a.yaml", tiny_model_dir, data_path, ckpt, steps=2, **ds))])
     assert first.returncode == 0, first.stderr[-8000:]
@@ -290,7 +290,7 @@ def test_rank0_failure_stops_every_rank(tiny_model_dir, data_path, tmp_path) -> 
     doc["spec"]["training"]["rollout"]["request_timeout_s"] = 2
     job.write_text(yaml.safe_dump(doc))
     t0 = time.monotonic()
-    proc = _run([*_torchrun(2), "-m", "rmsft.cli", "train", "--servers", f"127.0.0.1:{free_port()}",
+    proc = _run([*_torchrun(2), "-m", "rmsft_cli", "train", "--servers", f"127.0.0.1:{free_port()}",
                  "--config", str(job)], timeout=300)  # fmt: skip
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 240

@@ -463,8 +463,8 @@ def test_grpo_with_staleness_one_trains_within_the_bound(tmp_path: Path, tiny_mo
     from trainer_fixtures import ROOT
 
     from learner.train.grpo import GrpoTrainer
-    from rmsft.dev.synthetic import write_answer_dataset
     from rmsft.jobspec import parse_job
+    from rmsft_dev.synthetic import write_answer_dataset
 
     doc = copy.deepcopy(yaml.safe_load((ROOT / "configs" / "local-tiny-grpo.yaml").read_text()))
     doc["metadata"].pop("annotations", None)

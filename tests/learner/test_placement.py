@@ -48,7 +48,7 @@ class DeviceFence(TorchDispatchMode):
 
 @pytest.fixture(scope="module")
 def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rmsft.dev.synthetic import write_synthetic_dataset
+    from rmsft_dev.synthetic import write_synthetic_dataset
 
     return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n=8, seed=0)
 

@@ -20,14 +20,14 @@ from learner.rewards.scoring import ENTRY_POINT_GROUP, RewardSpec, RewardSum, bu
 
 @pytest.fixture(scope="module")
 def coord_vocab() -> VocabView:
-    from rmsft.dev.tiny_model import build_tokenizer
+    from rmsft_dev.tiny_model import build_tokenizer
 
     return VocabView.from_hf_tokenizer(build_tokenizer(0))
 
 
 @pytest.fixture(scope="module")
 def stock_vocab() -> VocabView:
-    from rmsft.dev.tiny_model import build_tokenizer
+    from rmsft_dev.tiny_model import build_tokenizer
 
     return VocabView.from_hf_tokenizer(build_tokenizer(0, coord_tokens=False), coord_tokens=False)
 

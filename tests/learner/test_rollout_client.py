@@ -17,7 +17,7 @@ from learner.rollouts.client import (
     RolloutError,
     RolloutRequest,
     StaleRolloutError,
-    plan_chunks,
+    split_into_chunks,
 )
 from learner.rollouts.pool import ServerPool
 from learner.rollouts.requests import MAX_CHUNK_BYTES
@@ -64,7 +64,7 @@ def retries() -> float:
 # -- planning -------------------------------------------------------------------------------------
 @given(st.integers(0, 300), st.integers(1, 9), st.integers(0, 17))
 def test_plan_is_contiguous_balanced_and_bounded(n: int, k: int, batch: int) -> None:
-    chunks = plan_chunks(n, k, batch)
+    chunks = split_into_chunks(n, k, batch)
     assert [c.start for c in chunks] == ([0] + [c.stop for c in chunks[:-1]] if chunks else [])
     assert (chunks[-1].stop if chunks else 0) == n
     shares = [sum(len(c) for c in chunks if c.slot == s) for s in range(k)]
@@ -81,10 +81,10 @@ def test_plan_is_contiguous_balanced_and_bounded(n: int, k: int, batch: int) -> 
 @given(st.lists(st.integers(1, 50), min_size=0, max_size=60), st.integers(1, 5), st.integers(0, 7),
        st.integers(1, 120))
 def test_plan_cuts_by_bytes_only_where_needed(sizes: list[int], k: int, batch: int, max_bytes: int) -> None:
-    chunks = plan_chunks(len(sizes), k, batch, sizes, max_bytes)
+    chunks = split_into_chunks(len(sizes), k, batch, sizes, max_bytes)
     assert (chunks[-1].stop if chunks else 0) == len(sizes)
     assert [c.start for c in chunks] == ([0] + [c.stop for c in chunks[:-1]] if chunks else [])
-    plain = plan_chunks(len(sizes), k, batch)
+    plain = split_into_chunks(len(sizes), k, batch)
     for c in chunks:  # a chunk is over the bound only when it holds a single prompt that is
         assert sum(sizes[c.start : c.stop]) <= max_bytes or len(c) == 1
         # every cut lies inside one piece of the plan without the bound: same shares, same batch pieces
@@ -96,9 +96,9 @@ def test_plan_cuts_by_bytes_only_where_needed(sizes: list[int], k: int, batch: i
 
 def test_plan_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="at least one server"):
-        plan_chunks(3, 0)
+        split_into_chunks(3, 0)
     with pytest.raises(ValueError, match="batch_size"):
-        plan_chunks(3, 1, -1)
+        split_into_chunks(3, 1, -1)
 
 
 # -- ordering and splitting -----------------------------------------------------------------------

@@ -34,12 +34,12 @@ from rmsft.weight_wire import (
     set_version,
     version_of,
 )
-from rollout_svc import metrics as server_metrics
+from rollout_engine import metrics as server_metrics
 
 
 @pytest.fixture(scope="module")
 def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rmsft.dev.synthetic import write_synthetic_dataset
+    from rmsft_dev.synthetic import write_synthetic_dataset
 
     return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n=16, seed=0)
 
@@ -262,7 +262,7 @@ def test_a_server_refuses_a_call_fenced_to_another_runs_version_naming_both(
         assert version_of(status) == FRESH  # no run, version 0: never current for any learner
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         mine = WeightVersion("3fa2c1d09e77", 22)
-        reply = stub.UpdateWeights(iter_weight_chunks(model.state_dict().items(), version=22, run_id=mine.run_id,
+        reply = stub.UpdateWeights(iter_weight_chunks(model.state_dict().items(), number=22, run_id=mine.run_id,
                                                       mode=FULL), timeout=60)
         assert version_of(reply) == mine
         assert version_of(stub.GetStatus(rollout_pb2.StatusRequest(), timeout=10)) == mine
@@ -290,7 +290,7 @@ def test_a_server_refuses_a_call_fenced_to_another_runs_version_naming_both(
 
         # A header whose run id cannot go into a log line or a label is refused; nothing changes.
         with pytest.raises(grpc.RpcError) as err:
-            chunks = list(iter_weight_chunks(model.state_dict().items(), version=23, mode=FULL))
+            chunks = list(iter_weight_chunks(model.state_dict().items(), number=23, mode=FULL))
             chunks[0].header.run_id = 'bad id"'
             stub.UpdateWeights(iter(chunks), timeout=60)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "run id" in err.value.details()

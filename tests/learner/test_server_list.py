@@ -203,7 +203,7 @@ def make_job(model_dir: Path, data: Path, ckpt: Path, steps: int):
 
 @pytest.fixture(scope="module")
 def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rmsft.dev.synthetic import write_synthetic_dataset
+    from rmsft_dev.synthetic import write_synthetic_dataset
 
     return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n=16, seed=0)
 
@@ -269,7 +269,7 @@ def test_trainer_does_not_wait_for_a_server_removed_before_the_run(tmp_path, fak
 # -- rmsft train -------------------------------------------------------------------------------------
 def _train(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("RMSFT_ROLLOUT_SERVERS")}
-    return subprocess.run([sys.executable, "-m", "rmsft.cli", "train", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rmsft_cli", "train", *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=120, env={**full_env, **(env or {})})
 
 

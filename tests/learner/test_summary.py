@@ -72,7 +72,7 @@ def test_print_summary_shows_every_held_out_figure_and_the_rollout_rates() -> No
 
 
 def test_the_learner_log_closes_with_the_same_figures(caplog: pytest.LogCaptureFixture) -> None:
-    from rmsft.cli.app import _log_summary
+    from rmsft_cli.app import _log_summary
 
     fig = HeldOutFigures(step=20, f1=0.5, f1_geometry=0.625, map=0.25, map_agnostic=0.375, truncation_rate=0.125,
                          duplicate_rate=0.0625, predicted_per_answer=1.75, gt_per_record=1.5)

@@ -9,8 +9,8 @@ import pytest
 
 from learner.data.records import load_records
 from learner.rewards.interface import RewardInput
-from rmsft.dev.synthetic import CoordAnswerReward, answer_bin, write_answer_dataset
-from rmsft.dev.tiny_model import CLASS_NAMES
+from rmsft_dev.synthetic import CoordAnswerReward, answer_bin, write_answer_dataset
+from rmsft_dev.tiny_model import CLASS_NAMES
 
 
 def test_answers_spread_the_classes_over_the_grid(tmp_path: Path) -> None:

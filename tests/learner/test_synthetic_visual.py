@@ -12,7 +12,7 @@ from PIL import Image
 
 from learner.data.dataset import load_dataset
 from learner.data.records import Record
-from rmsft.dev.synthetic import VISUAL_CLASS_NAMES, VISUAL_COLOURS, VISUAL_SHAPES, write_visual_dataset
+from rmsft_dev.synthetic import VISUAL_CLASS_NAMES, VISUAL_COLOURS, VISUAL_SHAPES, write_visual_dataset
 
 N = 64
 
@@ -160,7 +160,7 @@ def test_record_sizes_are_the_image_sizes(dataset: Path, records: list[Record]) 
 
 def test_qwen_json_instruction_same_records(tmp_path: Path) -> None:
     """`fmt` changes the instruction only: the same images and objects, asked for in Qwen-VL's own format."""
-    from rmsft.dev.synthetic import VISUAL_PROMPT, VISUAL_PROMPT_QWEN_JSON
+    from rmsft_dev.synthetic import VISUAL_PROMPT, VISUAL_PROMPT_QWEN_JSON
 
     coordexp = write_visual_dataset(tmp_path / "c.jsonl", n=4, seed=1)
     qwen = write_visual_dataset(tmp_path / "q.jsonl", n=4, seed=1, fmt="qwen_json")

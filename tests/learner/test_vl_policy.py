@@ -13,9 +13,9 @@ from PIL import Image
 
 from learner.sync.weights import checkpoint_name_map, full_export, is_peft_model
 from learner.train.policy import load_policy
-from rmsft.dev.tiny_vl import MAX_PIXELS, MIN_PIXELS, PATCH_SIZE
 from rmsft.jobspec import TrainingConfig, VisionSpec
-from rollout_svc.engine import checkpoint_table
+from rmsft_dev.tiny_vl import MAX_PIXELS, MIN_PIXELS, PATCH_SIZE
+from rollout_engine.engine import checkpoint_table
 
 TARGETS = ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]  # Qwen2.5-VL's vision MLP has the last three
 VISION = VisionSpec(min_pixels=32 * 32, max_pixels=96 * 96)

@@ -235,7 +235,7 @@ def test_the_run_id_travels_with_every_version_relayed_or_shared(pool_of, model,
 def _shared_update(model, shared: Path, version: int) -> tuple[SharedUpdate, bytes]:
     named = [(n, p.detach()) for n, p in model.named_parameters() if n != "lm_head.weight"]
     specs = [(n, TensorSpec(dtype_name(t.dtype), tuple(t.shape))) for n, t in named]
-    update = SharedUpdate.create(shared, specs, version=version, mode=FULL)
+    update = SharedUpdate.create(shared, specs, number=version, mode=FULL)
     return update, update.write(named)
 
 
@@ -294,7 +294,7 @@ _DYING_LEARNER = textwrap.dedent('''
     from rmsft.weight_wire import FULL, SharedUpdate, TensorSpec, update_weights_raw
     shared, address = sys.argv[1], sys.argv[2]
     specs = [("model.layers.0.mlp.up_proj.weight", TensorSpec("F32", (64, 32)))]
-    update = SharedUpdate.create(shared, specs, version=1, mode=FULL)
+    update = SharedUpdate.create(shared, specs, number=1, mode=FULL)
     def requests():
         yield rollout_pb2.WeightChunk(header=update.header).SerializeToString()
         time.sleep(600)

@@ -93,7 +93,7 @@ def test_learner_runs_one_rank_per_gpu() -> None:
 
     two = learner("configs/job.yaml")  # learner.gpus: 2
     assert two["command"][:4] == ["python", "-m", "torch.distributed.run", "--standalone"]
-    assert two["command"][4:] == ["--nproc-per-node", "2", "-m", "rmsft.cli"]
+    assert two["command"][4:] == ["--nproc-per-node", "2", "-m", "rmsft_cli"]
     assert two["args"][0] == "train"
     # One GPU, or none: the image's entrypoint (`rmsft`) runs `train` as a single process.
     for path in ("configs/job-3v1.yaml", "configs/job-kind-cpu.yaml"):
@@ -337,7 +337,7 @@ def test_a_gpu_colocate_job_gives_the_learner_all_its_gpus() -> None:
     assert set(kids) == {"Secret", "ConfigMap", "Job"}
     pod = kids["Job"]["spec"]["template"]["spec"]
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
-    assert pod["containers"][0]["command"][-2:] == ["-m", "rmsft.cli"]  # torchrun: one rank per GPU
+    assert pod["containers"][0]["command"][-2:] == ["-m", "rmsft_cli"]  # torchrun: one rank per GPU
 
 
 @pytest.mark.parametrize("path", ["configs/job.yaml", "configs/job-kind-cpu-colocate.yaml"])
@@ -377,7 +377,7 @@ def test_the_preflight_container_refuses_a_stock_checkpoint_for_coordexp(
     (tmp_path / "job.yaml").write_text(objs["ConfigMap"]["data"]["job.yaml"])
     init = objs["StatefulSet"]["spec"]["template"]["spec"]["initContainers"][0]
     args = [a.replace("/etc/rmsft", str(tmp_path)) for a in init["args"]]
-    proc = subprocess.run([sys.executable, "-m", "rmsft.cli", *args], capture_output=True, text=True, cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "rmsft_cli", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=120)
     assert proc.returncode == code, proc.stderr
     if code:

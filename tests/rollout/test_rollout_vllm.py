@@ -153,7 +153,7 @@ def test_full_sync_matches_hf_and_resets_prefix_cache(srv, ref, tiny_model_dir) 
     # Warm the prefix cache with the prompts we ask again after the sync.
     before = generate(srv.stub(), srv.metadata(), ref.prompts)
     new = random_full_weights(tiny_model_dir, seed=1234)
-    chunks = list(iter_weight_chunks(new.state_dict().items(), version=v0 + 1, mode=FULL, frame_bytes=64 << 10))
+    chunks = list(iter_weight_chunks(new.state_dict().items(), number=v0 + 1, mode=FULL, frame_bytes=64 << 10))
     assert sum(c.WhichOneof("kind") == "piece" for c in chunks) > len(new.state_dict())  # tensors span frames
     reply = update(srv, chunks)
     assert reply.version == v0 + 1 and reply.bytes_received == chunks[0].header.total_bytes
@@ -171,7 +171,7 @@ def test_adapter_sync_matches_merged_hf_and_replaces(srv, ref, tmp_path) -> None
     seen = []
     for k, seed in enumerate((7, 8)):
         tensors, cfg_json, merged = lora_adapter(base, seed, tmp_path)
-        reply = update(srv, iter_weight_chunks(tensors, version=v0 + 1 + k, mode=ADAPTER,
+        reply = update(srv, iter_weight_chunks(tensors, number=v0 + 1 + k, mode=ADAPTER,
                                                 adapter_config_json=cfg_json, frame_bytes=32 << 10))
         assert reply.version == v0 + 1 + k
         st = status(srv)
@@ -185,7 +185,7 @@ def test_adapter_sync_matches_merged_hf_and_replaces(srv, ref, tmp_path) -> None
 
 # -- faults: each leaves the server healthy on the old version, answering as before ------------
 def _full_chunks(ref, version, **kw):
-    return list(iter_weight_chunks(ref.model.state_dict().items(), version=version, mode=FULL,
+    return list(iter_weight_chunks(ref.model.state_dict().items(), number=version, mode=FULL,
                                    frame_bytes=kw.pop("frame_bytes", 64 << 10), **kw))
 
 
@@ -202,27 +202,27 @@ def test_fault_wrong_shape(srv, ref) -> None:
     bad = random_full_weights(Path(srv_model(srv)), seed=99).state_dict()
     name = "model.layers.0.mlp.down_proj.weight"
     bad[name] = bad[name][:, :-1].contiguous()
-    chunks = list(iter_weight_chunks(bad.items(), version=1000, mode=FULL, frame_bytes=64 << 10))
+    chunks = list(iter_weight_chunks(bad.items(), number=1000, mode=FULL, frame_bytes=64 << 10))
     _expect_refused(srv, ref, chunks, grpc.StatusCode.INVALID_ARGUMENT, name)
 
 
 def test_fault_unknown_name(srv, ref) -> None:
     sd = random_full_weights(Path(srv_model(srv)), seed=98).state_dict()
     sd["model.layers.7.self_attn.q_proj.weight"] = sd.pop("model.layers.1.self_attn.q_proj.weight")
-    chunks = list(iter_weight_chunks(sd.items(), version=1000, mode=FULL, frame_bytes=64 << 10))
+    chunks = list(iter_weight_chunks(sd.items(), number=1000, mode=FULL, frame_bytes=64 << 10))
     _expect_refused(srv, ref, chunks, grpc.StatusCode.INVALID_ARGUMENT, "unknown tensor name")
 
 
 def test_fault_bad_digest(srv, ref) -> None:
     sd = random_full_weights(Path(srv_model(srv)), seed=97).state_dict()
-    chunks = list(iter_weight_chunks(sd.items(), version=1000, mode=FULL, frame_bytes=64 << 10))
+    chunks = list(iter_weight_chunks(sd.items(), number=1000, mode=FULL, frame_bytes=64 << 10))
     chunks[-1].trailer.digest = bytes(32)
     _expect_refused(srv, ref, chunks, grpc.StatusCode.INVALID_ARGUMENT, "BLAKE3 digest")
 
 
 def test_fault_oversize_frame(srv, ref) -> None:
     sd = random_full_weights(Path(srv_model(srv)), seed=96).state_dict()
-    chunks = list(iter_weight_chunks(sd.items(), version=1000, mode=FULL, frame_bytes=4 * MAX_FRAME))
+    chunks = list(iter_weight_chunks(sd.items(), number=1000, mode=FULL, frame_bytes=4 * MAX_FRAME))
     _expect_refused(srv, ref, chunks, grpc.StatusCode.INVALID_ARGUMENT, "frame limit")
 
 
@@ -230,7 +230,7 @@ def test_fault_adapter_rank_above_server_limit(srv, ref, tmp_path) -> None:
     tensors, cfg_json, _ = lora_adapter(ref.model, 5, tmp_path)
     cfg = json.loads(cfg_json)
     cfg["r"] = 64
-    chunks = list(iter_weight_chunks(tensors, version=1000, mode=ADAPTER, adapter_config_json=json.dumps(cfg)))
+    chunks = list(iter_weight_chunks(tensors, number=1000, mode=ADAPTER, adapter_config_json=json.dumps(cfg)))
     _expect_refused(srv, ref, chunks, grpc.StatusCode.FAILED_PRECONDITION, "max-lora-rank")
 
 
@@ -243,7 +243,7 @@ def _cut_failures(text: str) -> float:
 def test_fault_stream_cancelled_midway(srv, ref, stage_dir) -> None:
     v = status(srv).weight_version
     sd = random_full_weights(Path(srv_model(srv)), seed=95).state_dict()
-    chunks = list(iter_weight_chunks(sd.items(), version=1000, mode=FULL, frame_bytes=16 << 10))
+    chunks = list(iter_weight_chunks(sd.items(), number=1000, mode=FULL, frame_bytes=16 << 10))
     half = threading.Event()
     hold = threading.Event()
 
@@ -331,7 +331,7 @@ def test_hf_backend_adapter_refused_and_greedy_equal(hf_srv, ref, tiny_model_dir
     assert st.backend == "hf" and not st.lora_enabled
     tensors, cfg_json, _ = lora_adapter(base, 3, tmp_path)
     with pytest.raises(grpc.RpcError) as info:
-        hf_srv.stub().UpdateWeights(iter_weight_chunks(tensors, version=5, mode=ADAPTER,
+        hf_srv.stub().UpdateWeights(iter_weight_chunks(tensors, number=5, mode=ADAPTER,
                                                        adapter_config_json=cfg_json), timeout=60)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "--enable-lora" in info.value.details()

@@ -30,7 +30,7 @@ def test_adapter_on_vllm_without_lora_is_refused(plain_srv, tiny_model_dir, tiny
     assert st.backend == "vllm" and not st.lora_enabled and st.weight_version == 0
 
     tensors, cfg_json, _ = lora_adapter(base, 3, tmp_path)
-    _, requests = encode_weight_stream(tensors, version=1, mode=ADAPTER, adapter_config_json=cfg_json)
+    _, requests = encode_weight_stream(tensors, number=1, mode=ADAPTER, adapter_config_json=cfg_json)
     with grpc.insecure_channel(plain_srv.address) as channel, pytest.raises(grpc.RpcError) as info:
         update_weights_raw(channel)(requests, metadata=plain_srv.metadata(), timeout=60)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -168,7 +168,7 @@ def _full_update(srv, model, version: int, *, only=None):
     if only is not None:
         keep = {names(k) if names else k for k in only}
         tensors = [(n, t) for n, t in tensors if n in keep]
-    return update(srv, iter_weight_chunks(tensors, version=version, mode=FULL, frame_bytes=64 << 10))
+    return update(srv, iter_weight_chunks(tensors, number=version, mode=FULL, frame_bytes=64 << 10))
 
 
 def test_full_sync_a_subset_then_every_tensor(vl_srv, oracle) -> None:
@@ -213,7 +213,7 @@ def test_adapter_sync_on_the_language_model(vl_srv, oracle, tmp_path) -> None:
     peft_model.save_pretrained(tmp_path / "adapter")
     tensors = sorted(load_file(tmp_path / "adapter" / "adapter_model.safetensors").items())
     assert tensors and all("language_model" in n for n, _ in tensors)
-    reply = update(vl_srv, iter_weight_chunks(tensors, version=v0 + 1, mode=ADAPTER, frame_bytes=32 << 10,
+    reply = update(vl_srv, iter_weight_chunks(tensors, number=v0 + 1, mode=ADAPTER, frame_bytes=32 << 10,
                                               adapter_config_json=(tmp_path / "adapter" / "adapter_config.json")
                                               .read_text()))
     assert reply.version == v0 + 1 and status(vl_srv).active_adapter

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 import pytest
 
 from rmsft.weight_wire import WeightVersion
-from rollout_svc.engine import EngineError, EngineInputError, GenItem, GenOutput, Sampling
+from rollout_engine.engine import EngineError, EngineInputError, GenItem, GenOutput, Sampling
 from rollout_svc.runner import Cancelled, EngineRunner, RunnerStopped, VersionMismatch
 
 

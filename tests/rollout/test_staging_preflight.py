@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from rmsft.serving_dtype import safetensors_header
 from rmsft.weight_wire import FULL, decode_chunk, encode_weight_stream
-from rollout_svc.config import ServeConfig
+from rollout_engine.config import ServeConfig
 from rollout_svc.preflight import (
     GIB,
     check_staging,
@@ -162,7 +162,7 @@ def test_full_updates_hold_staging_copies_times_the_weights(tiny_model_dir: Path
     tensors = load_file(tiny_model_dir / "model.safetensors")
     try:
         for version in (1, 2, 3):
-            _, requests = encode_weight_stream(tensors.items(), version=version, mode=FULL)
+            _, requests = encode_weight_stream(tensors.items(), number=version, mode=FULL)
             servicer.UpdateWeights((decode_chunk(r) for r in requests), _Context())
     finally:
         servicer.close()
@@ -179,7 +179,7 @@ def test_serve_exits_before_the_engine_when_staging_is_too_small(tmp_path: Path)
     stage.mkdir()
     t0 = time.monotonic()
     res = subprocess.run(
-        [sys.executable, "-m", "rmsft.cli", "serve", "--model", str(model), "--backend", "hf",
+        [sys.executable, "-m", "rmsft_cli", "serve", "--model", str(model), "--backend", "hf",
          "--staging-dir", str(stage), "--port", "0", "--metrics-port", "0"],
         capture_output=True, text=True, cwd=ROOT, timeout=120, env={**os.environ, "RMSFT_LOG_LEVEL": "info"},
     )  # fmt: skip

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rmsft.weight_wire import ADAPTER, FULL, StreamReader, TensorSpec, WireError, iter_weight_chunks
-from rollout_svc.staging import Stager, adapter_expectation, full_expectation, iter_staged_tensors
+from rollout_engine.staged_file import iter_staged_tensors
+from rollout_svc.staging import Stager, adapter_expectation, full_expectation
 
 # A Qwen2.5-VL-like checkpoint: language model under model.*, vision tower under visual.*, tied head.
 TABLE = {
@@ -34,7 +35,7 @@ def _tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
 def _stream(names, table=TABLE, *, version: int = 1):
     specs = full_expectation(dict(table), True)[0]  # lm_head.weight shaped as the embedding
     tensors = [(n, _tensor(specs[n], k)) for k, n in enumerate(names)]
-    return tensors, list(iter_weight_chunks(tensors, version=version, mode=FULL, frame_bytes=64))
+    return tensors, list(iter_weight_chunks(tensors, number=version, mode=FULL, frame_bytes=64))
 
 
 def _read(chunks, table, optional, require_all) -> StreamReader:
@@ -149,7 +150,7 @@ def test_adapter_names_of_the_language_model_layout_are_accepted_for_a_vl_checkp
     a = torch.zeros(4, 8, dtype=torch.float32)
     b = torch.zeros(8, 4, dtype=torch.bfloat16)  # any float dtype
     stem = "base_model.model.model.language_model.layers.0.self_attn.q_proj"
-    chunks = iter_weight_chunks([(f"{stem}.lora_A.weight", a), (f"{stem}.lora_B.weight", b)], version=2,
+    chunks = iter_weight_chunks([(f"{stem}.lora_A.weight", a), (f"{stem}.lora_B.weight", b)], number=2,
                                 mode=ADAPTER, adapter_config_json=json.dumps(CONFIG))
     reader = _read(chunks, out, set(), False)
     assert [t.name for t in reader.tensors] == [f"{stem}.lora_A.weight", f"{stem}.lora_B.weight"]
@@ -161,7 +162,7 @@ def test_a_text_checkpoint_gets_no_language_model_alias() -> None:
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in out
     assert not any("language_model" in n for n in out)
     stem = "base_model.model.model.language_model.layers.0.self_attn.q_proj"
-    chunks = iter_weight_chunks([(f"{stem}.lora_A.weight", torch.zeros(4, 8))], version=2, mode=ADAPTER,
+    chunks = iter_weight_chunks([(f"{stem}.lora_A.weight", torch.zeros(4, 8))], number=2, mode=ADAPTER,
                                 adapter_config_json=json.dumps(CONFIG))
     with pytest.raises(WireError) as err:
         _read(chunks, out, set(), False)

@@ -48,7 +48,7 @@ def _receive(chunks, reader: StreamReader) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("frame", [1, 7, 64, 1 << 20])
 def test_round_trip_any_frame_size(frame: int) -> None:
     src = _tensors()
-    chunks = list(iter_weight_chunks(src, version=3, mode=FULL, frame_bytes=frame))
+    chunks = list(iter_weight_chunks(src, number=3, mode=FULL, frame_bytes=frame))
     header = chunks[0].header
     assert header.version == 3 and header.tensor_count == 4
     assert header.total_bytes == sum(t.numel() * t.element_size() for _, t in src)
@@ -71,14 +71,14 @@ def _expected() -> dict[str, TensorSpec]:
 
 
 def test_reader_accepts_matching_model_table() -> None:
-    chunks = iter_weight_chunks(_tensors(), version=1, mode=FULL, frame_bytes=100)
+    chunks = iter_weight_chunks(_tensors(), number=1, mode=FULL, frame_bytes=100)
     reader = StreamReader(expected=_expected(), require_all=True, max_frame_bytes=100)
     _receive(chunks, reader)
     assert reader.finished
 
 
 def _bad(mutate, **reader_kw) -> WireError:
-    chunks = list(iter_weight_chunks(_tensors(), version=1, mode=FULL, frame_bytes=100))
+    chunks = list(iter_weight_chunks(_tensors(), number=1, mode=FULL, frame_bytes=100))
     chunks = mutate(chunks)
     reader = StreamReader(expected=_expected(), require_all=True, **reader_kw)
     with pytest.raises(WireError) as info:
@@ -140,25 +140,25 @@ def test_truncated_stream_and_missing_tensor() -> None:
         return chunks[:2] + chunks[3:]
 
     with pytest.raises(WireError):
-        _receive(drop_piece(list(iter_weight_chunks(_tensors(), version=1, mode=FULL, frame_bytes=100))),
+        _receive(drop_piece(list(iter_weight_chunks(_tensors(), number=1, mode=FULL, frame_bytes=100))),
                  StreamReader())
 
 
 def test_full_header_count_must_match_model() -> None:
-    chunks = iter_weight_chunks(_tensors()[:3], version=1, mode=FULL)
+    chunks = iter_weight_chunks(_tensors()[:3], number=1, mode=FULL)
     with pytest.raises(WireError, match="every checkpoint tensor"):
         _receive(chunks, StreamReader(expected=_expected(), require_all=True))
 
 
 def test_encoder_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="adapter_config_json"):
-        list(iter_weight_chunks(_tensors(), version=1, mode=ADAPTER))
+        list(iter_weight_chunks(_tensors(), number=1, mode=ADAPTER))
     with pytest.raises(ValueError, match="duplicate"):
-        list(iter_weight_chunks(_tensors() + _tensors()[:1], version=1, mode=FULL))
+        list(iter_weight_chunks(_tensors() + _tensors()[:1], number=1, mode=FULL))
 
 
 def test_piece_before_header_and_data_after_trailer() -> None:
-    chunks = list(iter_weight_chunks(_tensors(), version=1, mode=FULL))
+    chunks = list(iter_weight_chunks(_tensors(), number=1, mode=FULL))
     with pytest.raises(WireError, match="before the header"):
         StreamReader().feed(chunks[1])
     reader = StreamReader()
@@ -174,7 +174,7 @@ def test_digest_algorithms_round_trip_and_catch_a_flipped_byte(algorithm: int) -
     import blake3
 
     src = _tensors()
-    chunks = list(iter_weight_chunks(src, version=1, mode=FULL, frame_bytes=64, digest=algorithm))
+    chunks = list(iter_weight_chunks(src, number=1, mode=FULL, frame_bytes=64, digest=algorithm))
     assert chunks[0].header.digest_algorithm == algorithm
     data = b"".join(c.piece.data for c in chunks if c.WhichOneof("kind") == "piece")
     want = (hashlib.sha256 if algorithm == rollout_pb2.SHA256 else blake3.blake3)(data).digest()
@@ -183,7 +183,7 @@ def test_digest_algorithms_round_trip_and_catch_a_flipped_byte(algorithm: int) -
     got = _receive(chunks, reader)
     assert reader.finished and torch.equal(got["a.weight"], src[0][1])
 
-    flipped = list(iter_weight_chunks(src, version=1, mode=FULL, frame_bytes=64, digest=algorithm))
+    flipped = list(iter_weight_chunks(src, number=1, mode=FULL, frame_bytes=64, digest=algorithm))
     piece = flipped[1].piece
     piece.data = bytes([piece.data[0] ^ 1]) + piece.data[1:]
     with pytest.raises(WireError, match=f"{rollout_pb2.DigestAlgorithm.Name(algorithm)} digest") as e:
@@ -195,7 +195,7 @@ def test_receiver_hashes_with_the_algorithm_the_header_names() -> None:
     """A SHA-256 trailer on a stream announced as BLAKE3 does not pass."""
     import hashlib
 
-    chunks = list(iter_weight_chunks(_tensors(), version=1, mode=FULL, digest=rollout_pb2.BLAKE3))
+    chunks = list(iter_weight_chunks(_tensors(), number=1, mode=FULL, digest=rollout_pb2.BLAKE3))
     data = b"".join(c.piece.data for c in chunks if c.WhichOneof("kind") == "piece")
     chunks[-1].trailer.digest = hashlib.sha256(data).digest()
     with pytest.raises(WireError, match="BLAKE3 digest"):
@@ -204,8 +204,8 @@ def test_receiver_hashes_with_the_algorithm_the_header_names() -> None:
 
 def test_unknown_digest_algorithm_is_refused_by_both_ends() -> None:
     with pytest.raises(ValueError, match="unknown digest algorithm 7"):
-        list(iter_weight_chunks(_tensors(), version=1, mode=FULL, digest=7))
-    chunks = list(iter_weight_chunks(_tensors(), version=1, mode=FULL))
+        list(iter_weight_chunks(_tensors(), number=1, mode=FULL, digest=7))
+    chunks = list(iter_weight_chunks(_tensors(), number=1, mode=FULL))
     chunks[0].header.digest_algorithm = 7
     with pytest.raises(WireError, match="digest_algorithm 7"):
         _receive(chunks, StreamReader())
@@ -231,11 +231,11 @@ def test_the_header_carries_the_run_id_on_both_transports(tmp_path) -> None:
 
     want = WeightVersion("3fa2c1d09e77", 22)
     src = _tensors()
-    chunks = list(iter_weight_chunks(src, version=22, run_id=want.run_id, mode=FULL, frame_bytes=64))
+    chunks = list(iter_weight_chunks(src, number=22, run_id=want.run_id, mode=FULL, frame_bytes=64))
     reader = StreamReader()
     _receive(chunks, reader)
     assert reader.finished and version_of(reader.header) == want
-    header, requests = encode_weight_stream(src, version=22, run_id=want.run_id, mode=FULL, frame_bytes=64)
+    header, requests = encode_weight_stream(src, number=22, run_id=want.run_id, mode=FULL, frame_bytes=64)
     assert version_of(header) == want
     reader = StreamReader()  # what the server does with the bytes: its deserializer, then the reader
     for raw in requests:
@@ -247,7 +247,7 @@ def test_the_header_carries_the_run_id_on_both_transports(tmp_path) -> None:
     assert reader.finished and version_of(reader.header) == want
 
     specs = [(n, TensorSpec(dtype_name(t.dtype), tuple(t.shape))) for n, t in src]
-    update = SharedUpdate.create(tmp_path, specs, version=22, run_id=want.run_id, mode=FULL)
+    update = SharedUpdate.create(tmp_path, specs, number=22, run_id=want.run_id, mode=FULL)
     try:
         digest = update.write(src)
         wire = rollout_pb2.WeightChunk.FromString(rollout_pb2.WeightChunk(header=update.header).SerializeToString())
@@ -267,8 +267,8 @@ def test_the_header_carries_the_run_id_on_both_transports(tmp_path) -> None:
 @pytest.mark.parametrize("run_id", ["bad id", 'q"uote', "-dash-first", "x" * 65, "ü"])
 def test_a_run_id_that_cannot_go_into_a_log_line_or_a_label_is_refused_by_both_ends(run_id: str) -> None:
     with pytest.raises(ValueError, match="run id"):
-        list(iter_weight_chunks(_tensors(), version=1, run_id=run_id, mode=FULL))
-    chunks = list(iter_weight_chunks(_tensors(), version=1, run_id="ok", mode=FULL))
+        list(iter_weight_chunks(_tensors(), number=1, run_id=run_id, mode=FULL))
+    chunks = list(iter_weight_chunks(_tensors(), number=1, run_id="ok", mode=FULL))
     chunks[0].header.run_id = run_id
     with pytest.raises(WireError, match="run id") as err:
         StreamReader().feed(chunks[0])

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from rmsft_protos import rollout_pb2
 
 from rmsft.weight_wire import FULL, PieceFrame, decode_chunk, iter_weight_chunks
-from rollout_svc.staging import Stager, iter_staged_tensors
+from rollout_engine.staged_file import iter_staged_tensors
+from rollout_svc.staging import Stager
 
 
 def _fields(chunk) -> tuple:
@@ -101,7 +102,7 @@ def test_truncated_bytes_raise_like_protobuf(cut):
 def test_stager_stages_decoded_frames_identically(tmp_path):
     torch.manual_seed(0)
     tensors = [("a", torch.randn(37, 5)), ("b", torch.arange(10, dtype=torch.int64)), ("c", torch.empty(0, 3))]
-    chunks = list(iter_weight_chunks(tensors, version=7, mode=FULL, frame_bytes=64))
+    chunks = list(iter_weight_chunks(tensors, number=7, mode=FULL, frame_bytes=64))
     decoded = [decode_chunk(c.SerializeToString()) for c in chunks]
     assert any(isinstance(c, PieceFrame) for c in decoded)
     staged = Stager(str(tmp_path), 1 << 20).stage(iter(decoded), lambda h: (None, set(), False))
@@ -118,7 +119,7 @@ def test_stager_rejects_a_corrupted_decoded_payload(tmp_path):
     from rmsft.weight_wire import WireError
 
     tensors = [("a", torch.randn(64))]
-    raws = [c.SerializeToString() for c in iter_weight_chunks(tensors, version=1, mode=FULL, frame_bytes=64)]
+    raws = [c.SerializeToString() for c in iter_weight_chunks(tensors, number=1, mode=FULL, frame_bytes=64)]
     bad = bytearray(raws[1])
     bad[-1] ^= 0xFF  # last payload byte of the first piece
     raws[1] = bytes(bad)

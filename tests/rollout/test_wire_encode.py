@@ -53,7 +53,7 @@ def named_tensors(draw) -> list[tuple[str, torch.Tensor]]:
 @given(tensors=named_tensors(), frame=st.integers(1, 200), version=st.integers(0, 2**63),
        adapter=st.booleans(), run_id=st.sampled_from(["", "3fa2c1d09e77", "run.A_b-" + "x" * 55]))  # fmt: skip
 def test_encoded_stream_is_byte_identical_to_protobuf(tensors, frame, version, adapter, run_id):
-    kw = dict(version=version, run_id=run_id, mode=ADAPTER if adapter else FULL, frame_bytes=frame,
+    kw = dict(number=version, run_id=run_id, mode=ADAPTER if adapter else FULL, frame_bytes=frame,
               adapter_config_json='{"r": 8}' if adapter else "")  # fmt: skip
     want = [c.SerializeToString() for c in iter_weight_chunks(tensors, **kw)]
     header, requests = encode_weight_stream(tensors, **kw)
@@ -78,11 +78,11 @@ def test_piece_round_trips_through_both_parsers(name, shape, offset, data):
 def test_bad_arguments_raise_in_the_caller():
     t = torch.zeros(2)
     with pytest.raises(ValueError, match="duplicate tensor names"):
-        encode_weight_stream([("w", t), ("w", t)], version=1, mode=FULL)
+        encode_weight_stream([("w", t), ("w", t)], number=1, mode=FULL)
     with pytest.raises(ValueError, match="adapter_config_json"):
-        encode_weight_stream([("w", t)], version=1, mode=ADAPTER)
+        encode_weight_stream([("w", t)], number=1, mode=ADAPTER)
     with pytest.raises(ValueError, match="frame_bytes"):
-        encode_weight_stream([("w", t)], version=1, mode=FULL, frame_bytes=0)
+        encode_weight_stream([("w", t)], number=1, mode=FULL, frame_bytes=0)
 
 
 class _Recorder(rollout_pb2_grpc.RolloutServiceServicer):
@@ -111,7 +111,7 @@ def test_raw_call_is_accepted_by_a_protobuf_server():
     server.start()
     try:
         tensors = [("a", torch.randn(300, 7)), ("b", torch.arange(1000, dtype=torch.int64)), ("c", torch.zeros(0))]
-        header, requests = encode_weight_stream(tensors, version=9, mode=FULL, frame_bytes=1000)
+        header, requests = encode_weight_stream(tensors, number=9, mode=FULL, frame_bytes=1000)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             reply = update_weights_raw(channel)(requests, timeout=30)
         assert reply.version == 9 and reply.bytes_received == header.total_bytes

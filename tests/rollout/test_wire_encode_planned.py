@@ -24,8 +24,8 @@ def _spec(t: torch.Tensor) -> TensorSpec:
 def test_planned_stream_is_byte_identical(shapes, frame, bf16) -> None:
     dtype = torch.bfloat16 if bf16 else torch.float32
     tensors = [(f"w{i}", torch.randn(shape).to(dtype)) for i, shape in enumerate(shapes)]
-    want_header, want = encode_weight_stream(tensors, version=3, mode=FULL, frame_bytes=frame)
-    header, got = encode_planned_stream([(n, _spec(t)) for n, t in tensors], iter(tensors), version=3, mode=FULL,
+    want_header, want = encode_weight_stream(tensors, number=3, mode=FULL, frame_bytes=frame)
+    header, got = encode_planned_stream([(n, _spec(t)) for n, t in tensors], iter(tensors), number=3, mode=FULL,
                                         frame_bytes=frame)  # fmt: skip
     assert header == want_header
     assert list(got) == list(want)
@@ -40,7 +40,7 @@ def test_header_needs_no_tensor_and_the_producer_runs_only_as_frames_are_pulled(
             yield f"w{i}", torch.ones(1000)
 
     specs = [(f"w{i}", TensorSpec("F32", (1000,))) for i in range(3)]
-    header, requests = encode_planned_stream(specs, produce(), version=1, mode=FULL, frame_bytes=1000)
+    header, requests = encode_planned_stream(specs, produce(), number=1, mode=FULL, frame_bytes=1000)
     assert header.tensor_count == 3 and header.total_bytes == 12000 and made == []
     next(requests)  # the header
     next(requests)  # the first piece of w0
@@ -62,7 +62,7 @@ def test_no_tensor_is_kept_once_the_next_is_requested() -> None:
             del t
 
     specs = [(f"w{i}", TensorSpec("F32", (300, 100))) for i in range(4)]
-    _, requests = encode_planned_stream(specs, produce(), version=1, mode=FULL, frame_bytes=16 << 10)
+    _, requests = encode_planned_stream(specs, produce(), number=1, mode=FULL, frame_bytes=16 << 10)
     assert list(requests)
     assert alive_when_asked == [0, 0, 0, 0]  # the previous tensor was gone each time, digest included
 
@@ -78,11 +78,11 @@ def test_no_tensor_is_kept_once_the_next_is_requested() -> None:
 )
 def test_a_producer_that_breaks_its_announcement_stops_the_stream(produced, match) -> None:
     specs = [("a", TensorSpec("F32", (2,))), ("b", TensorSpec("F32", (3,)))]
-    _, requests = encode_planned_stream(specs, iter(produced), version=1, mode=FULL)
+    _, requests = encode_planned_stream(specs, iter(produced), number=1, mode=FULL)
     with pytest.raises(ValueError, match=match):
         list(requests)
 
 
 def test_bad_arguments_raise_before_anything_is_produced() -> None:
     with pytest.raises(ValueError, match="duplicate tensor names"):
-        encode_planned_stream([("a", TensorSpec("F32", (1,)))] * 2, iter(()), version=1, mode=FULL)
+        encode_planned_stream([("a", TensorSpec("F32", (1,)))] * 2, iter(()), number=1, mode=FULL)

@@ -28,8 +28,8 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from rmsft.model_folder import is_vision_language
-from rollout_svc.config import ServeConfig
-from rollout_svc.engine import EngineError, EngineInputError, GenItem, GenOutput, Sampling, chat_prompt_ids
+from rollout_engine.config import ServeConfig
+from rollout_engine.engine import EngineError, EngineInputError, GenItem, GenOutput, Sampling, chat_prompt_ids
 
 if TYPE_CHECKING:
     import torch
@@ -216,7 +216,7 @@ class HfEngine:
     def apply_full(self, index_path: str | None) -> None:
         import torch
 
-        from rollout_svc.staging import iter_staged_tensors
+        from rollout_engine.staged_file import iter_staged_tensors
 
         if index_path is None:
             raise EngineError("the hf backend cannot roll back to the checkpoint")

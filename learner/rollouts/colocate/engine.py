@@ -1,5 +1,5 @@
 """vLLM inside the learner's process: `InProcessVllm` speaks the rollout server's engine interface
-(`rollout_svc.engine.Engine`: generate GenItems -> GenOutputs, render_chat, vocab_size, vision limits) so the
+(`rollout_engine.engine.Engine`: generate GenItems -> GenOutputs, render_chat, vocab_size, vision limits) so the
 server's request path builds its items, and adds what only an in-process engine can do: take tensors straight
 from the training model.
 
@@ -8,7 +8,7 @@ cross a process boundary again. `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps it in t
 backend keeps the uni-process executor, which vLLM otherwise swaps for its multiprocessing one). On GPUs with
 several learner ranks, vLLM's external launcher makes each rank one worker of its TP group, using the learner's
 own torch.distributed world. Engine settings come from the same translation the servers use
-(`rollout_svc.vllm_engine.engine_args`).
+(`rollout_engine.vllm_engine.engine_args`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from rmsft.model_folder import is_vision_language
-from rollout_svc.config import ServeConfig
-from rollout_svc.engine import EngineError, EngineInputError, GenItem, GenOutput, VisionLimits, chat_prompt_ids
-from rollout_svc.vllm_engine import engine_args, sampling_params
+from rollout_engine.config import ServeConfig
+from rollout_engine.engine import EngineError, EngineInputError, GenItem, GenOutput, VisionLimits, chat_prompt_ids
+from rollout_engine.vllm_engine import engine_args, sampling_params
 
 log = logging.getLogger("rmsft.learner.colocate")
 

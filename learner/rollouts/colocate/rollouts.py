@@ -1,7 +1,7 @@
 """`ColocatedRollouts`: the rollout source of spec.rollout.mode colocate (see the package doc).
 
 Requests take the rollout server's own path: the learner's `RolloutRequest`s become the same GenerateRequest
-proto a server receives, `rollout_svc.prompts.build_items` renders them with the engine's tokenizer/processor
+proto a server receives, `rollout_engine.prompts.build_items` renders them with the engine's tokenizer/processor
 and derives the per-sample seeds, and the engine answers GenItems. So a colocate run and a server run of one job
 render the same prompt ids, sample with the same seeds and give the same greedy rollouts.
 
@@ -26,7 +26,8 @@ from typing import Any
 
 from rmsft_protos import rollout_pb2
 
-from learner.colocate.groups import TpGroup
+from learner.rollouts.colocate.groups import TpGroup
+from learner.rollouts.interface import SourceInfo
 from learner.rollouts.requests import (
     Rollout,
     RolloutError,
@@ -35,15 +36,14 @@ from learner.rollouts.requests import (
     sampling_params,
     to_prompt_proto,
 )
-from learner.rollouts.source import SourceInfo
 from learner.sync.weights import checkpoint_name_map, full_export, serving_dtype
 from learner.tracking import metrics as m
 from rmsft.jobspec import RolloutMatchingJob
 from rmsft.serve_options import serve_options
 from rmsft.weight_wire import WeightVersion
-from rollout_svc import metrics as engine_metrics
-from rollout_svc.engine import EngineError
-from rollout_svc.prompts import PromptError, build_items, samples_per_prompt
+from rollout_engine import metrics as engine_metrics
+from rollout_engine.engine import EngineError
+from rollout_engine.prompts import PromptError, build_items, samples_per_prompt
 
 log = logging.getLogger("rmsft.learner.colocate")
 
@@ -106,8 +106,8 @@ class ColocatedRollouts:
         m.ROLLOUT_REQUESTS.inc(hi - lo)
         return out[lo * n: hi * n]
 
-    def sync(self, version: int) -> None:
-        """The learner's current weights into the engine, as `version`. vLLM: every tensor straight from the
+    def sync(self, number: int) -> None:
+        """The learner's current weights into the engine, as version `number`. vLLM: every tensor straight from the
         training model (merged, cast, renamed), loaded in place; prefix and encoder caches reset. Asleep: the engine
         wakes for the push and sleeps again, so the weights always go in here, where the trainer calls it: inside
         its ZeRO-3 gather (whole parameters) and outside the offload context (parameters on the device)."""
@@ -121,8 +121,8 @@ class ColocatedRollouts:
                     self._sleep()
             else:
                 self._push()
-        self.weights = WeightVersion(self.run_id, version)
-        m.WEIGHT_VERSION.set(version)
+        self.weights = WeightVersion(self.run_id, number)
+        m.WEIGHT_VERSION.set(number)
         engine_metrics.WEIGHT_SYNC_SECONDS.labels("in-process").observe(time.perf_counter() - t0)
 
     def close(self) -> None:
@@ -210,9 +210,9 @@ def colocated_rollouts(job: RolloutMatchingJob, model: Any, tokenizer: Any, *, r
     engine around the training model itself, when spec.rollout.engine is hf)."""
     import torch
 
-    from learner.colocate.engine import InProcessVllm
-    from rollout_svc.config import ServeConfig
-    from rollout_svc.hf_engine import HfEngine
+    from learner.rollouts.colocate.engine import InProcessVllm
+    from rollout_engine.config import ServeConfig
+    from rollout_engine.hf_engine import HfEngine
 
     r, c = job.spec.rollout, job.spec.rollout.colocate
     on_gpu = torch.cuda.is_available()

@@ -10,7 +10,7 @@ from pathlib import Path
 from rmsft_protos import rollout_pb2
 
 from rmsft.chat import ChatImageError, with_image_items
-from rollout_svc.engine import GenItem, Sampling
+from rollout_engine.engine import GenItem, Sampling
 
 
 class PromptError(ValueError):

@@ -2,7 +2,7 @@
 
 On a cluster the scheduler gives every rollout pod `spec.rollout.tensorParallelSize` GPUs and the
 learner pod `spec.learner.gpus`; on one machine nobody does, and every process would open GPU 0.
-`plan_gpus` is that scheduler for one machine: rollout server i gets the contiguous indices
+`assign_gpus` is that scheduler for one machine: rollout server i gets the contiguous indices
 [i*TP, (i+1)*TP), the learner the next `learner.gpus`; no two processes share a GPU. Indices are
 positions among this process's visible devices; the `CUDA_VISIBLE_DEVICES` handed to each child
 names them as the user's own `CUDA_VISIBLE_DEVICES` does (ids, UUIDs or MIG names), so a user who
@@ -21,7 +21,7 @@ from rmsft.jobspec import JobSpecError, RolloutMatchingJob
 CUDA_ENV = "CUDA_VISIBLE_DEVICES"
 
 
-class GpuPlanError(JobSpecError):
+class GpuAssignmentError(JobSpecError):
     """The job cannot be placed on this machine's GPUs.
 
     A JobSpecError so `rmsft local` reports it like a bad spec (one `error:` line, exit code 2, no
@@ -34,7 +34,7 @@ class GpuPlanError(JobSpecError):
 
 
 @dataclass(frozen=True)
-class GpuPlan:
+class GpuAssignment:
     """Where each process of a local job runs.
 
     `servers[i]` / `learner`: indices into this process's visible devices (empty: on CPUs).
@@ -83,7 +83,7 @@ class GpuPlan:
             return "cpu"
         if len(self.learner) > 1:
             if requested != "auto":
-                raise GpuPlanError(
+                raise GpuAssignmentError(
                     f"spec.training.device {requested} would put all {len(self.learner)} learner ranks "
                     f"(spec.learner.gpus) on one GPU; use auto (each rank on cuda:LOCAL_RANK)")
             return requested
@@ -92,11 +92,11 @@ class GpuPlan:
         k = int(requested.partition(":")[2] or 0)
         if not self.accelerated:
             why = "spec.placement.accelerator is none" if self.device_ids else "this machine has no GPU"
-            raise GpuPlanError(f"spec.training.device {requested} asks for a GPU, but {why}")
+            raise GpuAssignmentError(f"spec.training.device {requested} asks for a GPU, but {why}")
         if not self.learner:
-            raise GpuPlanError(f"spec.training.device {requested} asks for a GPU, but spec.learner.gpus is 0")
+            raise GpuAssignmentError(f"spec.training.device {requested} asks for a GPU, but spec.learner.gpus is 0")
         if k > 0:  # one learner GPU here: several were handled above
-            raise GpuPlanError(
+            raise GpuAssignmentError(
                 f"spec.training.device {requested} is the learner's GPU {k}, but spec.learner.gpus is 1 "
                 f"(its GPU is cuda:0); use auto")
         return f"cuda:{self.learner[0]}"
@@ -123,16 +123,16 @@ def _device_ids(available: int, visible_devices: str | None) -> tuple[str, ...]:
     ids = tuple(p.strip() for p in visible_devices.split(",") if p.strip())
     # CUDA stops at the first entry it cannot use, so it may see fewer devices than listed, never more.
     if len(ids) < available:
-        raise GpuPlanError(
+        raise GpuAssignmentError(
             f"{CUDA_ENV}={visible_devices!r} names {len(ids)} device(s) but CUDA sees {available}; "
             f"cannot tell which device is which")
     return ids[:available]
 
 
-def plan_gpus(job: RolloutMatchingJob, available: int, *, visible_devices: str | None = None) -> GpuPlan:
+def assign_gpus(job: RolloutMatchingJob, available: int, *, visible_devices: str | None = None) -> GpuAssignment:
     """Place the job's rollout servers and learner on `available` GPUs (0 = no CUDA).
 
-    `visible_devices`: this process's `CUDA_VISIBLE_DEVICES` (None when unset). Raises GpuPlanError,
+    `visible_devices`: this process's `CUDA_VISIBLE_DEVICES` (None when unset). Raises GpuAssignmentError,
     naming the spec keys and the numbers, when the machine has too few GPUs."""
     if available < 0:
         raise ValueError(f"available must be >= 0, got {available}")
@@ -140,20 +140,20 @@ def plan_gpus(job: RolloutMatchingJob, available: int, *, visible_devices: str |
     ids = _device_ids(available, visible_devices)
     n, tp, learner = spec.rollout.replicas, spec.rollout.tensor_parallel_size, spec.learner.gpus
     if spec.placement.accelerator == "none":  # the spec already holds learner.gpus at 0 here
-        return GpuPlan(servers=((),) * n, learner=(), device_ids=ids, accelerated=False)
+        return GpuAssignment(servers=((),) * n, learner=(), device_ids=ids, accelerated=False)
     needed = n * tp + learner
     if needed > available:
         sum_ = (f"spec.rollout.replicas {n} x spec.rollout.tensorParallelSize {tp} + spec.learner.gpus {learner} "
                 f"= {needed} GPUs needed")
         if available == 0:
             seen = f" ({CUDA_ENV}={visible_devices!r})" if visible_devices is not None else ""
-            raise GpuPlanError(
+            raise GpuAssignmentError(
                 f"the job asks for GPUs (spec.placement.accelerator nvidia: {sum_}), but this machine has none"
                 f"{seen}; to run on CPUs set spec.placement.accelerator: none and spec.learner.gpus: 0")
         seen = f" visible ({CUDA_ENV}={visible_devices})" if visible_devices is not None else ""
-        raise GpuPlanError(f"{sum_}, this machine has {available}{seen}")
+        raise GpuAssignmentError(f"{sum_}, this machine has {available}{seen}")
     servers = tuple(tuple(range(i * tp, (i + 1) * tp)) for i in range(n))
-    return GpuPlan(servers=servers, learner=tuple(range(n * tp, needed)), device_ids=ids, accelerated=True)
+    return GpuAssignment(servers=servers, learner=tuple(range(n * tp, needed)), device_ids=ids, accelerated=True)
 
 
 def visible_gpu_count() -> int:

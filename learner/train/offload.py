@@ -13,7 +13,7 @@ Why it is built this way:
   own allocator, not torch's cache) can have them.
 - The copies are exact: a host tensor of the same dtype and strides, filled by `copy_`, and back the same way.
   No cast, no re-layout, so training resumes bit for bit as if nothing had moved.
-- What moves is decided first, as a pure plan (`plan_offload`): every parameter, gradient and optimizer-state
+- What moves is decided first, as a pure plan (`offload_moves`): every parameter, gradient and optimizer-state
   tensor on the training device (`step.device`), each once (tied weights are one Parameter). The plan reads no
   data, so on the `meta` device it shows where everything would go (tests/learner/test_colocate_offload.py);
   executing it needs data, which `meta` has not, so that refuses.
@@ -82,7 +82,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def plan_offload(step: OffloadableStep, model: torch.nn.Module, *, params: bool, optimizer: bool) -> list[Move]:
+def offload_moves(step: OffloadableStep, model: torch.nn.Module, *, params: bool, optimizer: bool) -> list[Move]:
     """Every tensor the torch path would move to host: the model's parameters on the training device and their
     gradients (`params`), the optimizer's state tensors there (`optimizer`). Reads no tensor data."""
     if getattr(step, "engine", None) is not None:
@@ -169,7 +169,7 @@ def offloaded(step: OffloadableStep, model: torch.nn.Module, *, params: bool, op
         with _deepspeed_offloaded(engine, torch.device(step.device), params, optimizer, host, report):
             yield report
         return
-    moves = plan_offload(step, model, params=params, optimizer=optimizer)
+    moves = offload_moves(step, model, params=params, optimizer=optimizer)
     with _torch_offloaded(moves, torch.device(step.device), host, report):
         yield report
 
@@ -178,7 +178,7 @@ def offloaded(step: OffloadableStep, model: torch.nn.Module, *, params: bool, op
 def _torch_offloaded(moves: list[Move], device: torch.device, host: torch.device,
                      report: OffloadReport) -> Iterator[None]:
     if device.type == "meta":
-        raise ValueError("the training device is meta: its tensors have no data to copy to the host (plan_offload "
+        raise ValueError("the training device is meta: its tensors have no data to copy to the host (offload_moves "
                          "shows where they would go)")
     pin = host.type == "cpu" and device.type == "cuda"
     report.via = "torch"

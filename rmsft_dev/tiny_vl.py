@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rmsft.dev.tiny_model import CHAT_SPECIAL_TOKENS, build_tokenizer
+from rmsft_dev.tiny_model import CHAT_SPECIAL_TOKENS, build_tokenizer
 
 ARCHITECTURES = ("qwen3_vl", "qwen2_5_vl")
 VL_SPECIAL_TOKENS = [*CHAT_SPECIAL_TOKENS, "<|video_pad|>"]

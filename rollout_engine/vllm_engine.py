@@ -12,9 +12,9 @@ import logging
 from concurrent.futures import Future
 
 from rmsft.model_folder import is_vision_language
-from rollout_svc.async_loop import EngineCall, EventLoopThread
-from rollout_svc.config import ServeConfig
-from rollout_svc.engine import (
+from rollout_engine.async_loop import EngineCall, EventLoopThread
+from rollout_engine.config import ServeConfig
+from rollout_engine.engine import (
     EngineDead,
     EngineError,
     EngineInputError,
@@ -136,7 +136,7 @@ def engine_args(cfg: ServeConfig, *, on_gpu: bool) -> dict:
         enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else not on_gpu,
         dtype=cfg.dtype,
         seed=cfg.seed,
-        worker_extension_cls="rollout_svc.worker_ext.RmsftWorkerExtension",
+        worker_extension_cls="rollout_engine.worker_ext.RmsftWorkerExtension",
         # No periodic stats lines in the log; the Prometheus logger is what rmsft wants.
         disable_log_stats=True,
         enable_log_requests=False,

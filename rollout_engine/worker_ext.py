@@ -15,7 +15,7 @@ class RmsftWorkerExtension:
             weights = None
             count = -1
         else:
-            from rollout_svc.staging import iter_staged_tensors
+            from rollout_engine.staged_file import iter_staged_tensors
 
             weights = list(iter_staged_tensors(index_path))
             count = len(weights)

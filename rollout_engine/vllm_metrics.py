@@ -3,7 +3,7 @@
 These are NOT registered by rmsft. The rollout server runs vLLM's `AsyncLLM` with stats logging on,
 and vLLM's `PrometheusStatLogger` (vllm/v1/metrics/loggers.py) then registers them in the default
 prometheus_client registry of the server process, so they are served on the same /metrics as
-rollout_svc/metrics.py. This module only *declares* the ones charts/rmsft/dashboards rely on, as data:
+rollout_engine/metrics.py. This module only *declares* the ones charts/rmsft/dashboards rely on, as data:
 tests/test_dashboards.py treats it as the source of truth for `vllm:*` names, and
 `missing_vllm_metrics()` lets a test with a running engine check that vLLM still registers them (a
 vLLM upgrade that renames one then fails loudly instead of leaving an empty panel).

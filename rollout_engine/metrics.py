@@ -1,5 +1,7 @@
-"""Prometheus metrics of the rollout server. Dashboards may only query names defined here,
-in learner/tracking/metrics.py or in rmsft_operator/metrics.py (tests/test_dashboards.py checks)."""
+"""Prometheus metrics of rollouts (`rmsft_rollout_*`): the rollout server (`rollout_svc`) reports them all, the
+colocated engine (learner/rollouts/colocate) the generation and weight-sync ones, so one dashboard reads both
+modes. Dashboards may only query names defined here, in learner/tracking/metrics.py or in
+rmsft_operator/metrics.py (tests/test_dashboards.py checks)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`rmsft eval CHECKPOINT_OR_MODEL DATA`: the held-out evaluation of a training run, offline.
+"""`rmsft eval CHECKPOINT_OR_MODEL DATA`: the held-out evaluation of a checkpoint, on rollout servers it starts.
 
 The model is a Hugging Face folder, or a learner checkpoint (`step-<n>`, or a checkpoint dir: its newest),
 which is first exported to a temporary folder (`learner.train.export.export_checkpoint`, merged weights). Local

@@ -33,7 +33,7 @@ from typing import Literal
 from PIL import Image, ImageChops, ImageDraw
 
 from learner.core.codec import coord_bin_from_text, coord_token_text, pixel_to_bin
-from rmsft.dev.tiny_model import CLASS_NAMES
+from rmsft_dev.tiny_model import CLASS_NAMES
 
 SIZES = ((640, 480), (800, 600), (1024, 768), (512, 512))
 
@@ -114,7 +114,7 @@ def leading_bin(text: str) -> int | None:
 
 
 class CoordAnswerReward:
-    """`rmsft.dev.synthetic:CoordAnswerReward`, the reward of `write_answer_dataset`'s task: the completion's
+    """`rmsft_dev.synthetic:CoordAnswerReward`, the reward of `write_answer_dataset`'s task: the completion's
     first token against the record's answer, 1 - |bin - answer| / `width` (at least 0) for a coordinate
     token, `other` for anything else. Pure and thread-safe."""
 

@@ -31,14 +31,14 @@ def tiny_model(
     console = Console(stderr=True)
     with console.status(f"building tiny {'vision-language ' if vl else ''}model in {out_dir}"):
         if vl:
-            from rmsft.dev.tiny_vl import build_tiny_vl_model
+            from rmsft_dev.tiny_vl import build_tiny_vl_model
 
             try:
                 path = build_tiny_vl_model(out_dir, arch=arch, seed=seed, coord_tokens=not stock)
             except ValueError as exc:
                 raise typer.BadParameter(str(exc), param_hint="--arch") from None
         else:
-            from rmsft.dev.tiny_model import build_tiny_model
+            from rmsft_dev.tiny_model import build_tiny_model
 
             path = build_tiny_model(out_dir, seed=seed, coord_tokens=not stock)
     console.print(f"[green]tiny {'stock ' if stock else ''}model written to[/green] {path}")
@@ -445,12 +445,12 @@ def eval_cmd(
         None, help="Override training.format_options.coordinates (qwen_json): relative or pixels."),
     work_dir: Path = typer.Option(Path(".rmsft/eval"), help="Where server logs go."),
 ) -> None:
-    """Held-out evaluation offline: greedy answers from local rollout servers on MODEL, scored as the trainer
+    """Held-out evaluation of a checkpoint: greedy answers from local rollout servers on MODEL, scored as the trainer
     scores training.eval (F1 at an IoU threshold, COCO mAP)."""
     from rich.console import Console
 
+    from learner.checkpoint_eval import EvalOptions, run_eval
     from learner.data.records import DataError
-    from learner.offline_evaluation import EvalOptions, run_eval
     from learner.train.export import ExportError
     from learner.train.policy import ModelLoadError
     from rmsft.jobspec import JobSpecError

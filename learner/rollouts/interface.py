@@ -1,8 +1,8 @@
 """Where the learner's rollouts come from: one interface, two homes (../../docs/architecture.md).
 
-`learner.train.sources.ServerRollouts` is the pool of rollout servers over gRPC: rank 0 alone holds it and
-asks for the whole global batch. `learner.colocate.ColocatedRollouts` is an engine inside every learner rank
-(spec.rollout.mode: colocate): each rank generates its own share. Both answer `generate` in request order,
+`learner.rollouts.server_home.ServerRollouts` is the pool of rollout servers over gRPC: rank 0 alone holds it
+and asks for the whole global batch. `learner.rollouts.colocate.ColocatedRollouts` is an engine inside every
+learner rank (spec.rollout.mode: colocate): each rank generates its own share. Both answer `generate` in request order,
 with the same seeds, `n` samples and log-probs, and every completion fenced to the weight version asked for;
 both take the learner's weights with `sync`. The trainers' loops are the same above this interface.
 """
@@ -39,9 +39,9 @@ class RolloutSource(Protocol):
         """One completion per request and sample, in request order, each produced by `weight_version` of this
         run (None: no fencing)."""
 
-    def sync(self, version: int) -> None:
-        """Make the learner's current weights the engine's, as `version` of this run. Raises on failure; the
-        version is the engine's only once this returned."""
+    def sync(self, number: int) -> None:
+        """Make the learner's current weights the engine's, as weight version `number` of this run. Raises on
+        failure; the version is the engine's only once this returned."""
 
     def describe(self) -> SourceInfo: ...
 

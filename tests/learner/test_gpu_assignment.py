@@ -18,7 +18,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from learner import local
-from learner.gpu_plan import CUDA_ENV, GpuPlanError, plan_gpus
+from learner.gpu_assignment import CUDA_ENV, GpuAssignmentError, assign_gpus
 from rmsft.jobspec import parse_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,7 +53,7 @@ def gpu_job(replicas: int = 6, tp: int = 1, learner: int = 2, device: str = "aut
 ])  # fmt: skip
 def test_plan_table(replicas: int, tp: int, learner: int, available: int, visible: str | None, servers: list[str],
                     learner_env: str) -> None:
-    plan = plan_gpus(gpu_job(replicas, tp, learner), available, visible_devices=visible)
+    plan = assign_gpus(gpu_job(replicas, tp, learner), available, visible_devices=visible)
     assert plan.accelerated
     assert [plan.server_env(i)[CUDA_ENV] for i in range(replicas)] == servers
     assert plan.learner_env()[CUDA_ENV] == learner_env
@@ -65,10 +65,10 @@ def test_every_fitting_plan_gives_disjoint_contiguous_gpus() -> None:
         job = gpu_job(replicas, tp, learner)
         needed = replicas * tp + learner
         if needed > available:
-            with pytest.raises(GpuPlanError, match=f"= {needed} GPUs needed, this machine has {available}"):
-                plan_gpus(job, available)
+            with pytest.raises(GpuAssignmentError, match=f"= {needed} GPUs needed, this machine has {available}"):
+                assign_gpus(job, available)
             continue
-        plan = plan_gpus(job, available)
+        plan = assign_gpus(job, available)
         used = [k for g in plan.servers for k in g] + list(plan.learner)
         assert len(used) == len(set(used)) == needed and all(0 <= k < available for k in used)
         assert all(len(g) == tp and list(g) == list(range(g[0], g[0] + tp)) for g in plan.servers)
@@ -88,21 +88,22 @@ def test_every_fitting_plan_gives_disjoint_contiguous_gpus() -> None:
 ])  # fmt: skip
 def test_too_few_gpus_names_the_keys_and_numbers(replicas: int, tp: int, learner: int, available: int,
                                                  visible: str | None, message: str) -> None:
-    with pytest.raises(GpuPlanError) as err:
-        plan_gpus(gpu_job(replicas, tp, learner), available, visible_devices=visible)
+    with pytest.raises(GpuAssignmentError) as err:
+        assign_gpus(gpu_job(replicas, tp, learner), available, visible_devices=visible)
     assert message in str(err.value)
 
 
 def test_cpu_job_on_cpu_and_gpu_machines() -> None:
     job = parse_job(CPU_JOB)  # accelerator: none, learner.gpus 0
-    cpu = plan_gpus(job, 0)
+    cpu = assign_gpus(job, 0)
     assert not cpu.accelerated and cpu.server_env(0) == cpu.server_env(1) == {} and cpu.learner_device("auto") == "cpu"
     assert cpu.describe() == "on CPUs"
-    gpu = plan_gpus(job, 8)  # GPUs hidden from the servers, as a CPU pod on a cluster sees none
+    gpu = assign_gpus(job, 8)  # GPUs hidden from the servers, as a CPU pod on a cluster sees none
     assert not gpu.accelerated and gpu.server_env(1) == {CUDA_ENV: ""} and gpu.learner_device("auto") == "cpu"
-    with pytest.raises(GpuPlanError, match="spec.training.device cuda:0 asks for a GPU, but spec.placement.acc"):
+    with pytest.raises(GpuAssignmentError, match="spec.training.device cuda:0 asks for a GPU, but spec.placement.acc"):
         gpu.learner_device("cuda:0")
-    with pytest.raises(GpuPlanError, match="spec.training.device cuda asks for a GPU, but this machine has no GPU"):
+    with pytest.raises(GpuAssignmentError,
+                       match="spec.training.device cuda asks for a GPU, but this machine has no GPU"):
         cpu.learner_device("cuda")
 
 
@@ -119,9 +120,9 @@ def test_cpu_job_on_cpu_and_gpu_machines() -> None:
     (2, "cuda:0", "spec.training.device cuda:0 would put all 2 learner ranks (spec.learner.gpus) on one GPU"),
 ])  # fmt: skip
 def test_learner_device(learner: int, requested: str, expected: str) -> None:
-    plan = plan_gpus(gpu_job(6, 1, learner), 8)
+    plan = assign_gpus(gpu_job(6, 1, learner), 8)
     if expected.startswith("spec."):
-        with pytest.raises(GpuPlanError, match=re.escape(expected)):
+        with pytest.raises(GpuAssignmentError, match=re.escape(expected)):
             plan.learner_device(requested)
     else:
         assert plan.learner_device(requested) == expected
@@ -203,7 +204,7 @@ def test_local_on_8_gpus_gives_every_process_its_own(machine, tmp_path: Path) ->
     (run,) = calls["torchrun"]
     cmd = run["cmd"]
     assert cmd[1:] == [
-        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "rmsft.cli", "train",
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "rmsft_cli", "train",
         "--config", str(job_path), "--servers", ",".join(f"127.0.0.1:{5000 + i}" for i in range(6)),
         "--no-resume", "--metrics-port", "0",
     ]  # fmt: skip
@@ -247,13 +248,13 @@ def test_local_refuses_a_job_bigger_than_the_machine_before_starting_anything(ma
     job_path = _write(tmp_path, gpu_doc(6, 1, 2))
     message = ("spec.rollout.replicas 6 x spec.rollout.tensorParallelSize 1 + spec.learner.gpus 2 = 8 GPUs "
                "needed, this machine has 4")
-    with pytest.raises(GpuPlanError) as err:
+    with pytest.raises(GpuAssignmentError) as err:
         local.run_local(job_path, work_dir=tmp_path / "w", console=_quiet())
     assert str(err.value) == message
     assert calls == {"servers": [], "in_process": [], "torchrun": []}
     assert not (tmp_path / "w").exists()
 
-    from rmsft.cli.app import app
+    from rmsft_cli.app import app
 
     res = CliRunner().invoke(app, ["local", str(job_path), "--work-dir", str(tmp_path / "w")])
     assert res.exit_code == 2 and "Traceback" not in res.output

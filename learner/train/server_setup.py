@@ -1,0 +1,43 @@
+"""Rank 0's server home, wired: the ordered pool, the weight-sync client on it (what the job's spec.sync asks),
+and the rollout interface over both (`learner.rollouts.server_home.ServerRollouts`, which is given its weight
+sender rather than building it: the rollout room sits below the sync room).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from learner.rollouts.pool import ServerPool, ServersFile
+from learner.rollouts.server_home import ServerRollouts
+from learner.sync.client import WeightSyncClient
+from learner.sync.weights import checkpoint_name_map
+from learner.train.config import sync_transport
+from rmsft.jobspec import RolloutMatchingJob
+from rmsft.weight_wire import shared_dir_from_env
+
+
+def build_server_rollouts(job: RolloutMatchingJob, addresses: Sequence[str] | ServersFile, model: Any, *,
+                          run_id: str, auth_token: str | None, checkpoint_dir: str | Path, vision_language: bool,
+                          zero3: bool, fence_resync: Callable[[Callable], Callable] | None = None) -> ServerRollouts:
+    """The pool of `addresses` (a fixed list, or the servers file the operator keeps current), the weight
+    sender of `model` on it, and the rollout interface over both."""
+    followed = addresses if isinstance(addresses, ServersFile) else list(addresses)
+    pool = ServerPool(followed, auth_token=auth_token, run_id=run_id)
+    sync, cfg = job.spec.sync, job.spec.training
+    sync_client = WeightSyncClient(
+        pool, model, mode=sync.mode, fallback_to_full=sync.fallback_to_full,
+        frame_bytes=sync.frame_bytes, timeout_s=sync.timeout_seconds,
+        # FULL weights go out in the serving dtype (spec.model.dtype; auto = the checkpoint's)
+        dtype=job.spec.model.dtype, checkpoint_dir=checkpoint_dir,
+        # Vision-language: checkpoint names (what vLLM reloads), and only what training can
+        # change (a frozen vision tower is never resent).
+        name_map=checkpoint_name_map(model) if vision_language else None, changed_only=vision_language,
+        transport=sync_transport(sync, shared_dir_from_env()), shared_dir=shared_dir_from_env(),
+    )  # fmt: skip
+    if zero3:
+        sync_client.export_blocked = ("ZeRO-3 partitions the weights across learner ranks; "
+                                      "the next step's collective sync brings the server up")
+    return ServerRollouts(pool, sync_client, timeout_s=cfg.rollout.request_timeout_s,
+                          generate_batch_size=cfg.rollout.generate_batch_size or 0, fence_resync=fence_resync)

@@ -1,6 +1,0 @@
-"""`python -m rmsft.cli ...` (torchrun runs the learner's ranks this way): the `rmsft` command."""
-
-if __name__ == "__main__":  # importing the module (tests/test_wheel.py imports every module) runs nothing
-    from rmsft.cli.app import main
-
-    main()
