@@ -1,7 +1,7 @@
 """Where an E-step's rollouts come from and who gets which: the hand-out between ranks, the channel schedule and
-the staleness window. A mixin of the trainers (`Trainer`, `GrpoTrainer`): its methods read the trainer's `ranks`,
-`rollouts` (the rollout source), `ahead` (rank 0's prefetcher), `cfg`, `core`, `state`, `order`, `records`, `images`,
-`policy` and `vision_token_ids`; it holds no state of its own.
+the staleness window. A mixin of the training loop (`learner.train.loop.TrainingLoop`, so of every objective): its
+methods read the loop's `ranks`, `rollouts` (the rollout source), `ahead` (rank 0's prefetcher), `cfg`, `core`,
+`state`, `order`, `records`, `images`, `policy` and `vision_token_ids`; it holds no state of its own.
 
 - Server mode: rank 0 alone talks to the pool; it takes the E-step's batch (generated now, or ahead of time within
   `max_staleness`: learner/train/overlap.py) and scatters each rank its contiguous share of the prompts.
@@ -25,7 +25,7 @@ EXPLORER_SEED_OFFSET = 1 << 30
 
 
 class RolloutHandout:
-    """The trainers' rollout hand-out (module doc); mixed into `Trainer`."""
+    """The loop's rollout hand-out (module doc); mixed into `TrainingLoop`."""
 
     ranks: Any
     rollouts: Any
