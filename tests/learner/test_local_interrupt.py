@@ -11,10 +11,11 @@ is found too), no port of its server is held, no half checkpoint is left for a r
 shared-memory folder is gone: at once after SIGTERM/SIGINT (the run unwinds), after the next run or
 `rmsft local --clean` after SIGKILL (nothing runs in a killed process).
 
-Each start is used for one fault (a kill ends the run and its servers). Two cells of the matrix are a chain instead,
-which also checks that nothing is lost: killed (SIGKILL) mid-checkpoint of step 4, resumed with `--resume` (which
-must remove the killed run's shared memory, and take step 2, the last complete checkpoint), that run stopped
-(SIGTERM) mid-sync after step 5, resumed again to the end; every step's loss equals an uninterrupted run's.
+Each start is used for one fault (a kill ends the run and its servers). Three cells of the matrix also check that
+nothing is lost: a run stopped (SIGINT) mid-checkpoint of its last step, all its steps trained; and a chain: killed
+(SIGKILL) mid-checkpoint of step 4, resumed with `--resume` (which must remove the killed run's shared memory, and
+take step 2, the last complete checkpoint), that run stopped (SIGTERM) mid-sync after step 5, resumed again to the
+end. Every step the resumed runs trained has the first run's loss.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ STEPS, EVERY = 6, 2
 # The moment -> the pause point armed for it (None: the server-start moment, found by watching the processes).
 MOMENTS = {"server-start": None, "generate": "generate:3", "sync": "sync:4", "checkpoint": "checkpoint:4"}
 # The cells the resume chain covers (test_killed_and_resumed_runs_lose_nothing), not started twice.
-IN_CHAIN = {("checkpoint", signal.SIGKILL), ("sync", signal.SIGTERM)}
+IN_CHAIN = {("checkpoint", signal.SIGINT), ("checkpoint", signal.SIGKILL), ("sync", signal.SIGTERM)}
 
 
 @pytest.fixture(scope="module")
@@ -168,14 +169,12 @@ class Run:
         left = [(p.pid, " ".join(p.cmdline())[:120]) for p in _run_processes(self.pid) if p.is_running()]
         assert left == [], f"still running {time.monotonic() - t0:.0f}s after {sig.name}: {left}\n{said[-3000:]}"
         assert [p for p in ports if not _port_free(p)] == []
-        if sig == signal.SIGKILL:
-            assert rc == -signal.SIGKILL
-            assert len(_shm_dirs(self.pid)) == 1  # nothing runs in a killed process: the next run or --clean
-        else:
-            assert rc == 128 + sig, said[-3000:]
-            assert re.search(rf"stopped \({sig.name}\)", said), said[-3000:]
-            assert "Traceback" not in said, said[-3000:]
-            assert _shm_dirs(self.pid) == []
+        caught = sig != signal.SIGKILL  # SIGINT/SIGTERM unwind the run; nothing runs in a killed process
+        assert rc == (128 + sig if caught else -signal.SIGKILL), said[-3000:]
+        assert bool(re.search(rf"stopped \({sig.name}\)", said)) == caught, said[-3000:]
+        assert "Traceback" not in said, said[-3000:]
+        # A killed run's shared memory is left to the next run or `rmsft local --clean`.
+        assert len(_shm_dirs(self.pid)) == (0 if caught else 1)
         return rc
 
     def finish(self, timeout_s: float = 300.0) -> None:
@@ -216,23 +215,24 @@ def test_rmsft_local_stopped_at_any_moment_leaves_nothing_behind(job_doc: dict, 
             time.sleep(3)
         else:
             assert run.paused() == f"{run.pid} {MOMENTS[moment]}"
-        # Where it was stopped, seen before the signal.
-        if moment == "sync":
-            assert len(_update_files(run.pid)) == 1  # the update is being written
-        if moment == "checkpoint":
-            assert _half_checkpoints(ckpt) == [".tmp-step-4"]
-            assert [p.name for p in list_checkpoints(ckpt)] == ["step-2"]
+        # Where it was stopped, seen before the signal: the update being written, the checkpoint not yet in place.
+        assert len(_update_files(run.pid)) == (moment == "sync")
+        assert _half_checkpoints(ckpt) == ([".tmp-step-4"] if moment == "checkpoint" else [])
+        complete = [] if moment == "server-start" else ["step-2"]
+        assert [p.name for p in list_checkpoints(ckpt)] == complete
         run.stop(sig)
-        assert [p.name for p in list_checkpoints(ckpt)] == ([] if moment == "server-start" else ["step-2"])
-        if sig == signal.SIGKILL:
-            dirs = _shm_dirs(run.pid)
+        # Nothing half written: an interrupted checkpoint's temporary folder went with the unwinding.
+        assert _half_checkpoints(ckpt) == []
+        assert [p.name for p in list_checkpoints(ckpt)] == complete
+        left = _shm_dirs(run.pid)
+        cleaned = ""
+        if left:  # after SIGKILL (Run.stop checks which signal leaves it)
             clean = subprocess.run([sys.executable, "-m", "rmsft.cli", "local", "--clean"], capture_output=True,
                                    text=True, env=run.env, cwd=tmp_path, timeout=60)
             assert clean.returncode == 0, clean.stderr
-            assert str(dirs[0]) in "".join(clean.stderr.split())
-            assert _shm_dirs(run.pid) == []
-        else:  # nothing half written: the interrupted checkpoint's temporary folder went with the unwinding
-            assert _half_checkpoints(ckpt) == []
+            cleaned = "".join(clean.stderr.split())
+        assert [d for d in left if str(d) not in cleaned] == []
+        assert _shm_dirs(run.pid) == []
     finally:
         run.cleanup()
 
@@ -245,13 +245,19 @@ def _losses(ckpt: Path) -> dict[int, float]:
 
 
 def test_killed_and_resumed_runs_lose_nothing(job_doc: dict, tmp_path: Path) -> None:
-    whole = tmp_path / "whole"
-    ref = Run(_job(job_doc, whole))
+    # The losses of a run never stopped while it trained: stopped (SIGINT) mid-checkpoint of its last step, all six
+    # steps trained and reported.
+    whole = _job(job_doc, tmp_path / "whole")
+    ref = Run(whole, pause=f"checkpoint:{STEPS}")
     try:
-        ref.finish()
+        ref.paused()
+        assert _half_checkpoints(whole.parent / "ckpt") == [f".tmp-step-{STEPS}"]
+        ref.stop(signal.SIGINT)
+        assert _half_checkpoints(whole.parent / "ckpt") == []
+        assert [p.name for p in list_checkpoints(whole.parent / "ckpt")] == ["step-2", "step-4"]
     finally:
         ref.cleanup()
-    expected = _losses(whole / "ckpt")
+    expected = _losses(whole.parent / "ckpt")
     assert sorted(expected) == list(range(1, STEPS + 1))
 
     job = _job(job_doc, tmp_path / "stopped")
@@ -275,6 +281,7 @@ def test_killed_and_resumed_runs_lose_nothing(job_doc: dict, tmp_path: Path) -> 
         record = json.loads((ckpt / "run.json").read_text())
         assert record["resumed_from"]["step"] == 2
         assert [p.name for p in list_checkpoints(ckpt)] == ["step-2", "step-4"]
+        assert len(_update_files(second.pid)) == 1
         second.stop(signal.SIGTERM)
         # Resumed again from step 4, to the end.
         third = Run(job, resume=True)
@@ -287,6 +294,6 @@ def test_killed_and_resumed_runs_lose_nothing(job_doc: dict, tmp_path: Path) -> 
     got = _losses(ckpt)
     # Steps 3-6 were trained by the resumed runs (3-5 by the second, 5 again and 6 by the third); steps 1-2 by the
     # killed run, whose events may never have been flushed. Same weights, optimizer state, data, packer carry and
-    # rollout seeds as the uninterrupted run: the same losses (why exactly equal: docs/development.md, Tests).
+    # rollout seeds as the run never stopped: the same losses, exactly (docs/development.md, Tests and tiers).
     resumed = {s: got.get(s) for s in range(3, STEPS + 1)}
     assert resumed == {s: expected[s] for s in range(3, STEPS + 1)}, (resumed, expected)
