@@ -10,8 +10,9 @@ and sends SIGINT, SIGTERM or SIGKILL at that moment. The points (the number, whe
 
 - `generate:<weight version>`: the rollout client has sent the Generate calls of a batch and not taken their
   answers (learner.rollouts.client);
-- `sync:<weight version>`: an update is going out to the servers: its first tensor is written (transport shm) or
-  streamed, the rest is not (learner.sync.client);
+- `sync:<weight version>`: an update is going out to the servers: its first tensor is written into the shared
+  file, the rest is not (learner.sync.client; transport shm, `rmsft local`'s: with transport grpc the tensors are
+  produced on gRPC's thread, where the point raises);
 - `checkpoint:<step>`: the step's checkpoint is written into its temporary folder, not yet renamed into place
   (learner.train.checkpoint_files).
 

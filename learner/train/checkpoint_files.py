@@ -94,13 +94,14 @@ def save_checkpoint(root: str | Path, step: int, state: dict[str, Any], keep: in
         _fsync_path(tmp / _STATE)
         pause_points.pause_at("checkpoint", step)  # tests: stopped here, the checkpoint is not one yet
         if final.exists():  # a resumed run saving a step again: the old one goes only once the new one is in place
-            old = root / f"{_OLD}{_PREFIX}{step}"
-            final.rename(old)
+            replaced = root / f"{_OLD}{_PREFIX}{step}"
+            final.rename(replaced)
             tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(replaced, ignore_errors=True)
         else:
             tmp.rename(final)
-        _fsync_path(root)  # the rename itself
+        with contextlib.suppress(OSError):  # the rename itself; some filesystems cannot sync a folder
+            _fsync_path(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half is left behind (a killed process leaves it: above)
         raise
