@@ -7,7 +7,8 @@ and blocks, the test then signals), with the Generate calls of step 3 out, mid-s
 file half written in shared memory) and mid-checkpoint of step 4 (written into its temporary folder, not renamed).
 Within 30 s of the signal no process of the run is left (found by the run's shared-memory folder, which every
 process it started carries in its command line or environment, so an engine process started after the last look
-is found too), no port of its server is held, no half checkpoint is left for a resume to take, and its
+is found too), no port of its server is held, the update stopped midway was applied by no server, no half
+checkpoint is left for a resume to take, and its
 shared-memory folder is gone: at once after SIGTERM/SIGINT (the run unwinds), after the next run or
 `rmsft local --clean` after SIGKILL (nothing runs in a killed process).
 
@@ -51,6 +52,8 @@ GONE_WITHIN_S = 30.0
 STEPS, EVERY = 6, 2
 # The moment -> the pause point armed for it (None: the server-start moment, found by watching the processes).
 MOMENTS = {"server-start": None, "generate": "generate:3", "sync": "sync:4", "checkpoint": "checkpoint:4"}
+# The weight versions the server applied before the moment: a sync stopped midway is applied nowhere.
+APPLIED = {"server-start": 0, "generate": 3, "sync": 3, "checkpoint": 5}
 # The cells the resume chain covers (test_killed_and_resumed_runs_lose_nothing), not started twice.
 IN_CHAIN = {("checkpoint", signal.SIGINT), ("checkpoint", signal.SIGKILL), ("sync", signal.SIGTERM)}
 
@@ -130,6 +133,7 @@ class Run:
         if pause:
             env.update({PAUSE_AT_ENV: pause, MARKER_ENV: str(self.marker)})
         self.env = env
+        self.server_log = where / f"work-{n}" / "logs" / "rollout-0.log"
         cmd = [sys.executable, "-m", "rmsft.cli", "local", str(job), "--work-dir", str(where / f"work-{n}")]
         with open(self.out, "wb") as log:
             self.proc = subprocess.Popen([*cmd, "--resume"] if resume else cmd, stdout=log, stderr=subprocess.STDOUT,
@@ -138,6 +142,10 @@ class Run:
 
     def said(self) -> str:
         return self.out.read_text(errors="replace")
+
+    def applied(self) -> list[int]:
+        """The weight versions its server says it applied, in order."""
+        return [int(v) for v in re.findall(r"weights v(\d+) of run \S+ applied", self.server_log.read_text())]
 
     def wait_for(self, what: str, check: Callable[[], bool], timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -221,6 +229,7 @@ def test_rmsft_local_stopped_at_any_moment_leaves_nothing_behind(job_doc: dict, 
         complete = [] if moment == "server-start" else ["step-2"]
         assert [p.name for p in list_checkpoints(ckpt)] == complete
         run.stop(sig)
+        assert run.applied() == list(range(1, APPLIED[moment] + 1))
         # Nothing half written: an interrupted checkpoint's temporary folder went with the unwinding.
         assert _half_checkpoints(ckpt) == []
         assert [p.name for p in list_checkpoints(ckpt)] == complete
@@ -283,6 +292,7 @@ def test_killed_and_resumed_runs_lose_nothing(job_doc: dict, tmp_path: Path) -> 
         assert [p.name for p in list_checkpoints(ckpt)] == ["step-2", "step-4"]
         assert len(_update_files(second.pid)) == 1
         second.stop(signal.SIGTERM)
+        assert second.applied() == [4, 5, 6]  # step 2's weights (the checkpoint's) as version 4, then steps 3 and 4's
         # Resumed again from step 4, to the end.
         third = Run(job, resume=True)
         runs.append(third)
