@@ -8,9 +8,8 @@ file half written in shared memory) and mid-checkpoint of step 4 (written into i
 Within 30 s of the signal no process of the run is left (found by the run's shared-memory folder, which every
 process it started carries in its command line or environment, so an engine process started after the last look
 is found too), no port of its server is held, the update stopped midway was applied by no server, no half
-checkpoint is left for a resume to take, and its
-shared-memory folder is gone: at once after SIGTERM/SIGINT (the run unwinds), after the next run or
-`rmsft local --clean` after SIGKILL (nothing runs in a killed process).
+checkpoint is left for a resume to take, and its shared-memory folder is gone: at once after SIGTERM/SIGINT (the
+run unwinds), after the next run or `rmsft local --clean` after SIGKILL (nothing runs in a killed process).
 
 Each start is used for one fault (a kill ends the run and its servers). Three cells of the matrix also check that
 nothing is lost: a run stopped (SIGINT) mid-checkpoint of its last step, all its steps trained; and a chain: killed
