@@ -26,8 +26,11 @@ from rmsft.pause_points import MARKER_ENV, PAUSE_AT_ENV, PausePointError
 ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
-import os, sys, torch
+import os, signal, sys, torch
 from learner.train.checkpoint_files import save_checkpoint
+# Ctrl-C raises, as in a terminal: a test run started in the background inherits SIGINT ignored (POSIX shells do that
+# to background jobs), and so would this process.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 root, again = sys.argv[1], int(sys.argv[2])
 armed = os.environ.pop("RMSFT_TEST_PAUSE_AT")  # the first save is not stopped
 save_checkpoint(root, 2, {"step": 2, "w": torch.full((64,), 2.0)})
