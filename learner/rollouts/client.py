@@ -41,6 +41,7 @@ from learner.rollouts.requests import (
     to_prompt_proto,
 )
 from learner.tracking.metrics import PHASE_SECONDS, ROLLOUT_REQUESTS, ROLLOUT_RETRIES
+from rmsft import pause_points
 from rmsft.weight_wire import WeightVersion, set_version, version_of
 
 __all__ = [
@@ -195,6 +196,8 @@ class RolloutClient:
 
         events: queue.Queue = queue.Queue()
         self._pump(call, events)
+        if call.pending and number is not None:  # tests: stopped with the calls out (rmsft.pause_points)
+            pause_points.pause_at("generate", number)
         while call.pending:
             kind, server, chunk, payload = events.get()
             call.pending -= 1

@@ -41,6 +41,7 @@ from learner.sync.weights import (
     serving_dtype,
 )
 from learner.tracking.metrics import WEIGHT_SYNC_BYTES, WEIGHT_VERSION
+from rmsft import pause_points
 from rmsft.weight_wire import (
     ADAPTER,
     DEFAULT_FRAME_BYTES,
@@ -258,15 +259,19 @@ class WeightSyncClient:
             errors = {**report.unreachable, **report.rejected}
             raise WeightSyncError(f"re-sync of {server.name} to weight version {current.describe()} failed: {errors}")
 
-    def _plan(self, mode: str) -> tuple[list, Any, str]:
+    def _update_parts(self, mode: str, number: int) -> tuple[list, Any, str]:
         """(specs, lazy tensors, adapter config JSON) of the update. FULL is planned from the model's
         metadata and its tensors produced as they are consumed (one LoRA layer merged at a time)."""
         if mode == "adapter":
             tensors, config_json = adapter_named_tensors(self.model)
             _, planned = stream_header_and_specs(tensors, number=0, mode=ADAPTER, adapter_config_json=config_json)
-            return [(n, spec) for n, _, spec in planned], [(n, t) for n, t, _ in planned], config_json
-        export = full_export(self.model, dtype=self.dtype, name_map=self.name_map, changed_only=self.changed_only)
-        return export.specs, export, ""
+            specs, lazy = [(n, spec) for n, _, spec in planned], [(n, t) for n, t, _ in planned]
+        else:
+            export = full_export(self.model, dtype=self.dtype, name_map=self.name_map, changed_only=self.changed_only)
+            specs, lazy, config_json = export.specs, export, ""
+        if pause_points.armed("sync"):  # tests: stopped mid-update (rmsft.pause_points)
+            lazy = _pausing_after_first(lazy, number)
+        return specs, lazy, config_json
 
     def _push(
         self, number: int, mode: str, servers: Sequence[RolloutServer], previous: SyncReport | None = None
@@ -323,7 +328,7 @@ class WeightSyncClient:
         total = 0
         while pending:
             head, rest = pending[0], pending[1:]
-            specs, tensors, config_json = self._plan(mode)
+            specs, tensors, config_json = self._update_parts(mode, number)
             # The header is built here, in the caller, so a bad tensor name or dtype raises a clear
             # error now instead of a cancelled RPC from gRPC's thread.
             header, requests = encode_planned_stream(
@@ -356,7 +361,7 @@ class WeightSyncClient:
         """Transport shm: the update is written once into the shared-weights dir while every server
         holds a call open on its header; the trailer (the digest) ends the calls, and the file is
         removed once all of them answered, or on any failure."""
-        specs, tensors, config_json = self._plan(mode)
+        specs, tensors, config_json = self._update_parts(mode, number)
         try:
             update = SharedUpdate.create(self.shared_dir, specs, number=number, run_id=self.pool.run_id,
                                          mode=_WIRE_MODE[mode], adapter_config_json=config_json)
@@ -404,6 +409,15 @@ class WeightSyncClient:
         finally:
             update.remove()
         return {o.address: o for o in results}, update.header.total_bytes
+
+
+def _pausing_after_first(tensors: Any, number: int) -> Any:
+    """`tensors`, with the sync pause point (rmsft.pause_points) reached when the one after the first is asked for:
+    the first is out (written into the shared file, or streamed), the rest not."""
+    for i, item in enumerate(tensors):
+        if i == 1:
+            pause_points.pause_at("sync", number)
+        yield item
 
 
 def _outcome(address: str, reply: rollout_pb2.UpdateReply) -> rollout_pb2.RelayOutcome:

@@ -1,7 +1,10 @@
 """Checkpoints: trainable weights, optimizer, data position, RNG, packer carry buffer, step, version.
 
-A checkpoint is a folder `step-<n>` written under a temporary name and renamed into place, so a
-crash mid-save never leaves a half checkpoint that resume would pick up.
+A checkpoint is a folder `step-<n>` holding `state.pt`, written under a temporary name (`.tmp-step-<n>`), flushed
+to disk and renamed into place, so a run stopped mid-save (any signal, SIGKILL included, or a crash) never leaves a
+half checkpoint that a resume would pick up: the newest complete one is taken. A save interrupted by an exception
+(SIGINT, `rmsft local`'s SIGTERM) removes its temporary folder; one left by a killed process is ignored, and removed
+by the next save. A folder named like a checkpoint but without its `state.pt` is not one.
 """
 
 from __future__ import annotations
@@ -16,7 +19,12 @@ from typing import Any
 
 import torch
 
+from rmsft import pause_points
+
 _PREFIX = "step-"
+_STATE = "state.pt"
+_TMP = ".tmp-"  # a save in progress, or one a killed process left
+_OLD = ".old-"  # a checkpoint being replaced by a save of the same step
 
 
 class CheckpointDirError(RuntimeError):
@@ -62,16 +70,41 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(root: str | Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
+    """Write `state` as the checkpoint of `step` under `root` (module doc: all or nothing), then keep the newest
+    `keep` checkpoints. Returns the checkpoint's folder."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    for left in (*root.glob(f"{_TMP}{_PREFIX}*"), *root.glob(f"{_OLD}{_PREFIX}*")):  # what killed saves left
+        shutil.rmtree(left, ignore_errors=True)
     final = root / f"{_PREFIX}{step}"
-    tmp = root / f".tmp-{_PREFIX}{step}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = root / f"{_TMP}{_PREFIX}{step}"
     tmp.mkdir()
-    torch.save(state, tmp / "state.pt")
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    try:
+        torch.save(state, tmp / _STATE)
+        # On disk before the name says "complete": after a power loss a renamed folder must not hold an empty file.
+        _fsync_path(tmp / _STATE)
+        pause_points.pause_at("checkpoint", step)  # tests: stopped here, the checkpoint is not one yet
+        if final.exists():  # a resumed run saving a step again: the old one goes only once the new one is in place
+            replaced = root / f"{_OLD}{_PREFIX}{step}"
+            final.rename(replaced)
+            tmp.rename(final)
+            shutil.rmtree(replaced, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        with contextlib.suppress(OSError):  # the rename itself; some filesystems cannot sync a folder
+            _fsync_path(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half is left behind (a killed process leaves it: above)
+        raise
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -81,7 +114,9 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and p.name[5:].isdigit()]
+    # Only complete checkpoints: a `step-<n>` folder without its state file is not one (nothing rmsft writes).
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)
+             and p.name[len(_PREFIX):].isdigit() and (p / _STATE).is_file()]
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
@@ -90,4 +125,4 @@ def load_latest(root: str | Path) -> dict[str, Any] | None:
     if not found:
         return None
     # Our own file: it holds Python objects (packer segments, RNG state), hence weights_only=False.
-    return torch.load(found[-1] / "state.pt", weights_only=False)
+    return torch.load(found[-1] / _STATE, weights_only=False)
