@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from cluster import OPERATOR_NS, ROOT, Cluster
+from rmsft_operator.reconcile import CRASH_LOOP_RESTARTS
 
 DASHBOARDS = ROOT / "charts/rmsft/dashboards"
 NAMESPACES: list[str] = []  # every namespace a test made (the uninstall test checks them all)
@@ -253,6 +255,84 @@ def test_a_job_whose_model_path_does_not_exist_fails_and_frees_its_pool(cluster:
                  "the pool scaled to 0", namespace=ns)
     events = cluster.get("events", "-n", ns, "--field-selector", f"involvedObject.name={job},type=Warning")
     assert any("/models/does-not-exist" in e["message"] for e in events["items"]), events
+
+
+def test_a_stock_checkpoint_with_the_coordexp_format_is_refused_before_any_server_starts(cluster: Cluster) -> None:
+    """configs/job-kind-cpu-stock.yaml as shipped: a stock tiny checkpoint (no coordinate tokens in its tokenizer,
+    baked into the image) with the coordexp format. The model preflight (an init container) refuses it: the job
+    is Failed with reason ModelPreflightFailed and the fix in its message, no rollout (or learner) container ever
+    started (the kubelet's events and every pod status seen on the way), the pool at 0 replicas, a Warning event."""
+    doc = yaml.safe_load((ROOT / "configs/job-kind-cpu-stock.yaml").read_text())
+    job, model = doc["metadata"]["name"], doc["spec"]["model"]["path"]
+    assert doc["spec"]["training"]["format"] == "coordexp", doc["spec"]["training"]  # what a stock model cannot fit
+    ns = namespace(cluster, "rmsft-stock")
+    cluster.apply(doc, ns)
+    seen: dict[str, list[dict[str, Any]]] = {}  # every status of every pod of the job seen until it failed
+
+    def failed() -> dict[str, Any] | None:
+        for pod in cluster.pods(ns, f"rmsft.io/job={job}"):
+            seen.setdefault(pod["metadata"]["name"], []).append(pod)
+        status = cluster.job(ns, job).get("status") or {}
+        if status.get("phase") in ("Running", "Complete", "Invalid"):
+            raise AssertionError(f"job {ns}/{job} went {status['phase']}: {status}\n{cluster.diagnostics(ns)}")
+        return status if status.get("phase") == "Failed" else None
+
+    status = cluster.wait(failed, 300, f"job {ns}/{job} Failed", interval=1.0, namespace=ns)
+    assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == "ModelPreflightFailed", status
+    message = status["message"]
+    for words in (f"the model in {model}", "coordinate tokens", f"rmsft prepare-model {model}",
+                  "spec.training.format: qwen_json"):
+        assert words in message, (words, message)
+    cluster.wait(lambda: cluster.get("statefulset", f"{job}-rollout", "-n", ns)["spec"]["replicas"] == 0, 60,
+                 "the pool scaled to 0", namespace=ns)
+    learner = cluster.get("job", f"{job}-learner", "-n", ns)
+    assert learner["spec"]["suspend"] is True, learner["spec"]  # the learner never got to start either
+
+    # No container of the job ever started: the pods were seen only Pending, their containers waiting
+    # (PodInitializing) and never restarted; the kubelet started the preflight init container and nothing else.
+    rollout_pods = {name for name in seen if name.startswith(f"{job}-rollout-")}
+    assert rollout_pods, seen.keys()
+    for name, statuses in seen.items():
+        for pod in statuses:
+            assert pod["status"].get("phase") == "Pending", (name, pod["status"])
+            for cs in pod["status"].get("containerStatuses") or []:
+                assert set(cs.get("state") or {}) <= {"waiting"} and not cs.get("lastState"), (name, cs)
+                assert cs.get("restartCount", 0) == 0 and not cs.get("started"), (name, cs)
+    events = cluster.get("events", "-n", ns, "--field-selector", "involvedObject.kind=Pod")["items"]
+    started = {(e["involvedObject"]["name"], e["involvedObject"].get("fieldPath", "")) for e in events
+               if e["reason"] == "Started" and e["involvedObject"]["name"].startswith(f"{job}-")}
+    assert any(pod in rollout_pods and path.startswith("spec.initContainers{") for pod, path in started), events
+    assert not [s for s in started if not s[1].startswith("spec.initContainers{")], started
+    warnings = cluster.get("events", "-n", ns, "--field-selector", f"involvedObject.name={job},type=Warning")
+    assert any(f"rmsft prepare-model {model}" in e["message"] for e in warnings["items"]), warnings
+
+
+def test_a_rollout_server_that_crash_loops_fails_the_job_within_its_startup_timeout(cluster: Cluster) -> None:
+    """A server that exits at every start for another reason than an invalid configuration: its /dev/shm
+    (spec.rollout.shmSize, a memory emptyDir of that size) cannot stage a FULL weight sync of the model. The
+    kubelet restarts it with back-off; the operator's crash-loop rule fails the job with the server's own
+    message well before spec.rollout.startupTimeout, the pool at 0 replicas, a Warning event."""
+    ns = namespace(cluster, "rmsft-crash-loop")
+    job = "crash-loop"
+    doc = manifest("configs/job-kind-cpu.yaml", job)
+    deadline_s = 300
+    doc["spec"]["rollout"].update(replicas=1, shmSize="1Mi", startupTimeout=f"{deadline_s}s")
+    doc["spec"]["sync"]["transport"] = "grpc"  # the server stages FULL updates in its own /dev/shm
+    t0 = time.monotonic()
+    cluster.apply(doc, ns)
+    status = cluster.wait_phase(ns, job, {"Failed"}, timeout=deadline_s + 60)
+    took = time.monotonic() - t0
+    assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == "RolloutCrashLoop", status
+    said = re.search(rf"rollout pod {job}-rollout-0 restarted (\d+) times without becoming Ready \(last exit code "
+                     r"(\d+)\): (rmsft serve: staging dir /dev/shm has .*)", status["message"])
+    assert said, status["message"]
+    assert int(said.group(1)) >= CRASH_LOOP_RESTARTS and int(said.group(2)) != 0, status["message"]
+    assert "raise spec.rollout.shmSize" in said.group(3), status["message"]  # the server's words, with the fix
+    assert took < deadline_s, (took, status)
+    cluster.wait(lambda: cluster.get("statefulset", f"{job}-rollout", "-n", ns)["spec"]["replicas"] == 0, 60,
+                 "the pool scaled to 0", namespace=ns)
+    events = cluster.get("events", "-n", ns, "--field-selector", f"involvedObject.name={job},type=Warning")
+    assert any(said.group(3)[:80] in e["message"] for e in events["items"]), events
 
 
 def test_deleting_the_jobs_and_uninstalling_leaves_nothing(cluster: Cluster) -> None:
