@@ -63,7 +63,8 @@ COPY operator /tmp/rmsft-src/operator
 COPY protos /tmp/rmsft-src/protos
 RUN python scripts/image_install.py "$VARIANT" --phase project --source /tmp/rmsft-src
 
-# CPU image: the tiny models and data the cluster's CPU jobs name (their annotations say what to build).
+# CPU image: the tiny models and data the cluster's CPU jobs name (their annotations say what to build),
+# job-kind-cpu-stock.yaml's stock tiny model (no coordinate tokens, a few MB) among them.
 COPY configs /tmp/rmsft-configs
 RUN if [ "$VARIANT" = cpu ]; then rmsft dev prepare /tmp/rmsft-configs/job-kind-cpu*.yaml \
       && chmod -R a+rX /opt/rmsft; fi \

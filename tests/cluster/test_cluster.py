@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from cluster import OPERATOR_NS, ROOT, Cluster
+from rmsft_operator.reconcile import CRASH_LOOP_RESTARTS
 
 DASHBOARDS = ROOT / "charts/rmsft/dashboards"
 NAMESPACES: list[str] = []  # every namespace a test made (the uninstall test checks them all)
+JOBS: list[tuple[str, str]] = []  # (namespace, name) of every job a test applied, deleted since or not
 FAULT_STEPS = 80  # long enough for a recreated rollout pod to start, be re-synced and get work
 
 
@@ -32,6 +35,13 @@ def namespace(cluster: Cluster, name: str) -> str:
     cluster.kubectl("create", "namespace", name, check=False)
     NAMESPACES.append(name)
     return name
+
+
+def apply_job(cluster: Cluster, doc: dict[str, Any], ns: str) -> str:
+    """kubectl apply of a job manifest; the job is remembered for the uninstall test. Returns its name."""
+    cluster.apply(doc, ns)
+    JOBS.append((ns, doc["metadata"]["name"]))
+    return doc["metadata"]["name"]
 
 
 def learner_pod(cluster: Cluster, ns: str, job: str, running: bool = True) -> dict[str, Any] | None:
@@ -97,7 +107,7 @@ def test_text_job_over_grpc_survives_a_deleted_rollout_pod_and_operator(cluster:
     doc = manifest("configs/job-kind-cpu.yaml", job, steps=FAULT_STEPS)
     doc["spec"]["sync"]["transport"] = "grpc"
     doc["spec"]["monitoring"] = {"enabled": True}  # the servers' /metrics (the learner always has one)
-    cluster.apply(doc, ns)
+    apply_job(cluster, doc, ns)
     wait_learner_step(cluster, ns, job, 3)
 
     old = cluster.get("pod", f"{job}-rollout-1", "-n", ns)
@@ -121,6 +131,10 @@ def test_text_job_over_grpc_survives_a_deleted_rollout_pod_and_operator(cluster:
             else None
 
     rollout_metrics = cluster.wait(resynced_and_working, 300, "rollout-1 re-synced and serving", namespace=ns)
+    # Read now, while the pod runs (the pool is scaled to 0 at the end): the recreated server says it applied
+    # the learner's weights.
+    server_log = cluster.logs(ns, f"{job}-rollout-1", "--tail=400")
+    assert re.search(r"weights v[1-9]\d* of run [\w.-]+ applied \(", server_log), server_log[-3000:]
     learner = learner_pod(cluster, ns, job)
     assert learner is not None, cluster.diagnostics(ns)
 
@@ -154,9 +168,6 @@ def test_text_job_over_grpc_survives_a_deleted_rollout_pod_and_operator(cluster:
         learner_log[-3000:]
     synced_to = [int(n) for n in re.findall(r"synced \(.*?\) to (\d+) server", learner_log)]
     assert 1 in synced_to and synced_to[-1] == 2, synced_to
-    server_log = cluster.logs(ns, f"{job}-rollout-1", "--tail=200")  # scaled down: may be gone already
-    if server_log:
-        assert "weights v" in server_log, server_log[-3000:]
     operator_log = cluster.logs(OPERATOR_NS, "deploy/rmsft", "--tail=400")
     assert f"{ns}/{job}" in operator_log and "Complete" in operator_log, operator_log[-3000:]
 
@@ -184,7 +195,7 @@ def test_text_job_over_shm_resumes_after_the_learner_pod_is_killed(cluster: Clus
                    checkpoint={"dir": "/checkpoints", "every": 5, "keep": 2})
     doc["spec"]["sync"]["transport"] = "shm"
     doc["spec"]["learner"].update(checkpointClaim="checkpoints", backoffLimit=2)
-    cluster.apply(doc, ns)
+    apply_job(cluster, doc, ns)
     wait_learner_step(cluster, ns, job, 12)
     first = learner_pod(cluster, ns, job)
     assert first is not None
@@ -220,7 +231,7 @@ def test_cpu_job_runs_to_complete(cluster: Cluster, config: str) -> None:
     colocate job (the engine in the learner's pod, no pool), as shipped."""
     doc = yaml.safe_load((ROOT / config).read_text())
     ns = namespace(cluster, f"rmsft-{Path(config).stem.removeprefix('job-kind-cpu-')}")
-    cluster.apply(doc, ns)
+    apply_job(cluster, doc, ns)
     name = doc["metadata"]["name"]
     status = cluster.wait_phase(ns, name, {"Complete"}, timeout=900)
     steps = doc["spec"]["training"]["steps"]
@@ -245,7 +256,7 @@ def test_a_job_whose_model_path_does_not_exist_fails_and_frees_its_pool(cluster:
     doc = manifest("configs/job-kind-cpu.yaml", job)
     doc["spec"]["model"]["path"] = "/models/does-not-exist"
     doc["spec"]["rollout"]["startupTimeout"] = "5m"
-    cluster.apply(doc, ns)
+    apply_job(cluster, doc, ns)
     status = cluster.wait_phase(ns, job, {"Failed"}, timeout=300)
     assert "model folder /models/does-not-exist does not exist" in status["message"], status
     assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == "ModelPreflightFailed", status
@@ -255,21 +266,110 @@ def test_a_job_whose_model_path_does_not_exist_fails_and_frees_its_pool(cluster:
     assert any("/models/does-not-exist" in e["message"] for e in events["items"]), events
 
 
+def test_a_stock_checkpoint_with_the_coordexp_format_is_refused_before_any_server_starts(cluster: Cluster) -> None:
+    """configs/job-kind-cpu-stock.yaml as shipped: a stock tiny checkpoint (no coordinate tokens in its tokenizer,
+    baked into the image) with the coordexp format. The model preflight (an init container) refuses it: the job
+    is Failed with reason ModelPreflightFailed and the fix in its message, no rollout (or learner) container ever
+    started (the kubelet's events and every pod status seen on the way), the pool at 0 replicas, a Warning event."""
+    doc = yaml.safe_load((ROOT / "configs/job-kind-cpu-stock.yaml").read_text())
+    job, model = doc["metadata"]["name"], doc["spec"]["model"]["path"]
+    assert doc["spec"]["training"]["format"] == "coordexp", doc["spec"]["training"]  # what a stock model cannot fit
+    ns = namespace(cluster, "rmsft-stock")
+    apply_job(cluster, doc, ns)
+    seen: dict[str, list[dict[str, Any]]] = {}  # every status of every pod of the job seen until it failed
+
+    def failed() -> dict[str, Any] | None:
+        for pod in cluster.pods(ns, f"rmsft.io/job={job}"):
+            seen.setdefault(pod["metadata"]["name"], []).append(pod)
+        status = cluster.job(ns, job).get("status") or {}
+        if status.get("phase") in ("Running", "Complete", "Invalid"):
+            raise AssertionError(f"job {ns}/{job} went {status['phase']}: {status}\n{cluster.diagnostics(ns)}")
+        return status if status.get("phase") == "Failed" else None
+
+    status = cluster.wait(failed, 300, f"job {ns}/{job} Failed", interval=1.0, namespace=ns)
+    assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == "ModelPreflightFailed", status
+    message = status["message"]
+    for words in (f"the model in {model}", "coordinate tokens", f"rmsft prepare-model {model}",
+                  "spec.training.format: qwen_json"):
+        assert words in message, (words, message)
+    cluster.wait(lambda: cluster.get("statefulset", f"{job}-rollout", "-n", ns)["spec"]["replicas"] == 0, 60,
+                 "the pool scaled to 0", namespace=ns)
+    learner = cluster.get("job", f"{job}-learner", "-n", ns)
+    assert learner["spec"]["suspend"] is True, learner["spec"]  # the learner never got to start either
+
+    # No container of the job ever started: the pods were seen only Pending, their containers waiting
+    # (PodInitializing) and never restarted; the kubelet started the preflight init container and nothing else.
+    rollout_pods = {name for name in seen if name.startswith(f"{job}-rollout-")}
+    assert rollout_pods, seen.keys()
+    for name, statuses in seen.items():
+        for pod in statuses:
+            assert pod["status"].get("phase") == "Pending", (name, pod["status"])
+            for cs in pod["status"].get("containerStatuses") or []:
+                assert set(cs.get("state") or {}) <= {"waiting"} and not cs.get("lastState"), (name, cs)
+                assert cs.get("restartCount", 0) == 0 and not cs.get("started"), (name, cs)
+    events = cluster.get("events", "-n", ns, "--field-selector", "involvedObject.kind=Pod")["items"]
+    started = {(e["involvedObject"]["name"], e["involvedObject"].get("fieldPath", "")) for e in events
+               if e["reason"] == "Started" and e["involvedObject"]["name"].startswith(f"{job}-")}
+    assert any(pod in rollout_pods and path.startswith("spec.initContainers{") for pod, path in started), events
+    assert not [s for s in started if not s[1].startswith("spec.initContainers{")], started
+    warnings = cluster.get("events", "-n", ns, "--field-selector", f"involvedObject.name={job},type=Warning")
+    assert any(f"rmsft prepare-model {model}" in e["message"] for e in warnings["items"]), warnings
+
+
+def test_a_rollout_server_that_crash_loops_fails_the_job_within_its_startup_timeout(cluster: Cluster) -> None:
+    """A server that exits at every start for another reason than an invalid configuration: its /dev/shm
+    (spec.rollout.shmSize, a memory emptyDir of that size) cannot stage a FULL weight sync of the model. The
+    kubelet restarts it with back-off; the operator's crash-loop rule fails the job with the server's own
+    message well before spec.rollout.startupTimeout, the pool at 0 replicas, a Warning event."""
+    ns = namespace(cluster, "rmsft-crash-loop")
+    job = "crash-loop"
+    doc = manifest("configs/job-kind-cpu.yaml", job)
+    deadline_s = 300
+    doc["spec"]["rollout"].update(replicas=1, shmSize="1Mi", startupTimeout=f"{deadline_s}s")
+    doc["spec"]["sync"]["transport"] = "grpc"  # the server stages FULL updates in its own /dev/shm
+    t0 = time.monotonic()
+    apply_job(cluster, doc, ns)
+    status = cluster.wait_phase(ns, job, {"Failed"}, timeout=deadline_s + 60)
+    took = time.monotonic() - t0
+    assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == "RolloutCrashLoop", status
+    said = re.search(rf"rollout pod {job}-rollout-0 restarted (\d+) times without becoming Ready \(last exit code "
+                     r"(\d+)\): (rmsft serve: staging dir /dev/shm has .*)", status["message"])
+    assert said, status["message"]
+    assert int(said.group(1)) >= CRASH_LOOP_RESTARTS and int(said.group(2)) != 0, status["message"]
+    assert "raise spec.rollout.shmSize" in said.group(3), status["message"]  # the server's words, with the fix
+    assert took < deadline_s, (took, status)
+    cluster.wait(lambda: cluster.get("statefulset", f"{job}-rollout", "-n", ns)["spec"]["replicas"] == 0, 60,
+                 "the pool scaled to 0", namespace=ns)
+    events = cluster.get("events", "-n", ns, "--field-selector", f"involvedObject.name={job},type=Warning")
+    assert any(said.group(3)[:80] in e["message"] for e in events["items"]), events
+
+
 def test_deleting_the_jobs_and_uninstalling_leaves_nothing(cluster: Cluster) -> None:
-    for ns in NAMESPACES:
-        cluster.kubectl("-n", ns, "delete", "rmj", "--all", "--wait=true", timeout=300)
+    """Every job is deleted (those the tests before left and one applied here, whose children are seen to exist
+    first, so the check never runs on nothing), then `helm uninstall`: no pod or child with the rmsft labels in
+    any namespace, no /dev/shm/rmsft/<ns>.<job> directory of any job a test applied."""
+    ns = namespace(cluster, "rmsft-uninstall")
+    doc = yaml.safe_load((ROOT / "configs/job-kind-cpu-stock.yaml").read_text())  # fails at once: cheap
+    job = apply_job(cluster, doc, ns)
+    children = "pods,statefulsets,jobs,services,configmaps,secrets,networkpolicies"
+    kinds = {"StatefulSet", "Job", "ConfigMap", "Secret", "Service", "NetworkPolicy"}
+    cluster.wait(lambda: kinds <= {o["kind"] for o in cluster.get(children, "-n", ns, "-l", f"rmsft.io/job={job}")[
+        "items"]}, 120, f"{job}'s children", namespace=ns)
+    on_cluster = [(j["metadata"]["namespace"], j["metadata"]["name"]) for j in cluster.get("rmj", "-A")["items"]]
+    assert (ns, job) in on_cluster, on_cluster
+    for job_ns in sorted({n for n, _ in on_cluster}):
+        cluster.kubectl("-n", job_ns, "delete", "rmj", "--all", "--wait=true", timeout=300)
     cluster.helm("uninstall", "rmsft", "--namespace", OPERATOR_NS, "--wait", "--timeout", "5m")
+    applied = sorted(set(JOBS) | set(on_cluster))
 
     def nothing_left() -> bool:
-        for ns in [*NAMESPACES, OPERATOR_NS]:
-            left = cluster.get("pods,statefulsets,jobs,services,configmaps,secrets,networkpolicies", "-n", ns,
-                               "-l", "app.kubernetes.io/name=rmsft")
-            if left and left["items"]:
-                return False
-        return not any(cluster.backend.node_exists(f"/dev/shm/rmsft/{ns}.{j}") for ns in NAMESPACES
-                       for j in ("text-grpc", "text-shm", "tiny-cpu-vl", "tiny-cpu-grpo", "tiny-cpu-colocate"))
+        left = cluster.get(children, "-A", "-l", "app.kubernetes.io/name=rmsft")
+        if left is None or left["items"]:
+            return False
+        return not any(cluster.backend.node_exists(f"/dev/shm/rmsft/{n}.{j}") for n, j in applied)
 
     cluster.wait(nothing_left, 180, "no pods, children or /dev/shm/rmsft directories left")
-    for ns in NAMESPACES:
-        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    assert cluster.get("rmj", "-A")["items"] == []
+    for name in NAMESPACES:
+        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
     cluster.kubectl("delete", "pv", "--all", "--wait=false", check=False)
