@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 from cluster import OPERATOR_NS, ROOT, Cluster
-from rmsft_operator.reconcile import CRASH_LOOP_RESTARTS
+from rmsft_operator.failures import CRASH_LOOP_RESTARTS
 
 DASHBOARDS = ROOT / "charts/rmsft/dashboards"
 NAMESPACES: list[str] = []  # every namespace a test made (the uninstall test checks them all)
