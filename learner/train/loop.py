@@ -30,6 +30,7 @@ import json
 import logging
 import random
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -78,7 +79,7 @@ log = logging.getLogger("rmsft.learner")
 RowLoss = Callable[[PackedRow, torch.Tensor, Any], tuple[torch.Tensor, Mapping[str, torch.Tensor]]]
 
 
-class TrainingLoop(RolloutHandout):
+class TrainingLoop(RolloutHandout, ABC):
     """The learner loop (module doc); an objective subclass says what one step is. Under torchrun (WORLD_SIZE > 1)
     or with `process_group`, one rank of a data-parallel group: only rank 0 builds the server pool and talks to the
     rollout servers. `addresses`: the ordered server list, or a `ServersFile` the pool follows during the run.
@@ -215,24 +216,24 @@ class TrainingLoop(RolloutHandout):
     def _setup_objective(self) -> None:
         """The objective's own parts, once the loop's are set up."""
 
+    @abstractmethod
     def _make_packer(self) -> Packer:
         """This rank's packer (one per rank, lives across steps; the checkpoint keeps its carry buffer)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _train_step(self, t0: float) -> StepResult:
         """Optimizer step `state.step + 1`: its rollouts (or ground truth), targets, packed rows, the update."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _samples_at(self, step: int) -> bool:
         """Optimizer step `step` (0-based) starts from fresh rollouts, so the engines need the weights before it."""
-        raise NotImplementedError
 
     def _step_metrics(self, r: StepResult) -> None:
         """The objective's own gauges of a step (the loop sets the step, its time, fill and total loss)."""
 
+    @abstractmethod
     def _step_line(self, r: StepResult) -> str:
         """Rank 0's one log line of a step."""
-        raise NotImplementedError
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self, max_steps: int | None = None) -> Summary:
