@@ -231,10 +231,10 @@ class HfEngine:
         raise EngineError("the hf backend does not serve LoRA adapters")
 
     def clear_adapter(self) -> None:
-        pass
+        pass  # never holds an adapter (apply_adapter refuses)
 
     def reset_prefix_cache(self) -> None:
-        pass
+        pass  # no prefix cache: every generate runs the whole prompt
 
     def close(self) -> None:
-        pass
+        pass  # nothing outside the process: the model goes with the object

@@ -230,11 +230,10 @@ class GrpoTrainer(TrainingLoop):
         cfg, device = self.grpo.loss, self.train_step.device
         if len(rows) != len(tokens):
             raise ValueError(f"{len(rows)} row(s) but {len(tokens)} token count(s)")
-        pending = iter(tokens)  # `prepare` is called once per row, in order
 
-        def prepare(row: PackedRow) -> tuple[GrpoTokens, torch.Tensor | None]:
+        def prepare(i: int, row: PackedRow) -> tuple[GrpoTokens, torch.Tensor | None]:
             ref = self._reference_logprobs(row) if cfg.kl_coef > 0 else None
-            return next(pending).to(device), ref
+            return tokens[i].to(device), ref
 
         def row_loss(row: PackedRow, logits: torch.Tensor, before: tuple[GrpoTokens, torch.Tensor | None]
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

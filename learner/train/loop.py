@@ -289,9 +289,10 @@ class TrainingLoop(RolloutHandout, ABC):
         if ck_every == 0 or st.step % ck_every:
             self.save()
         if self.ranks.is_main:
-            self.pictures = write_rollout_pictures(self.history, self.records, self.images, self.cfg.checkpoint.dir,
-                                                   self.policy.is_vision_language, self.eval_setup(self.images),
-                                                   iou=self.cfg.eval.iou)  # fmt: skip
+            if self.policy.is_vision_language:  # the last rollouts drawn on their images
+                self.pictures = write_rollout_pictures(self.history, self.records, self.images,
+                                                       self.cfg.checkpoint.dir, self.eval_setup(self.images),
+                                                       iou=self.cfg.eval.iou)  # fmt: skip
             self.eval_pictures = write_eval_pictures(self.evaluations[-1] if self.evaluations else None,
                                                      self.eval_images, self.cfg.checkpoint.dir,
                                                      self.cfg.eval.pictures)  # fmt: skip
@@ -358,17 +359,18 @@ class TrainingLoop(RolloutHandout, ABC):
                           seconds=time.perf_counter() - t0, **fields)
 
     def _optimize(self, rows: Sequence[PackedRow], lr: float, row_loss: RowLoss,
-                  prepare: Callable[[PackedRow], Any] | None = None) -> dict[str, torch.Tensor]:
+                  prepare: Callable[[int, PackedRow], Any] | None = None) -> dict[str, torch.Tensor]:
         """Forward/backward of every row on the training device, then the optimizer step. `row_loss` gives each
         row's share of the step's loss (normalised by the step's global totals, so the rows' gradients add up to the
-        pooled loss's); `prepare` what a row needs before its forward (e.g. reference log-probs). Returns the loss and
-        metrics summed over the rows as device tensors: no host reads, so it runs with the parameters on `meta`."""
+        pooled loss's); `prepare(i, row)` what row i needs before its forward (e.g. reference log-probs). Returns
+        the loss and metrics summed over the rows as device tensors: no host reads, so it runs with the parameters
+        on `meta`."""
         step = self.train_step
         sums: dict[str, torch.Tensor] = {}
         step.begin()
-        for cpu_row in rows:
+        for i, cpu_row in enumerate(rows):
             row = cpu_row.to(step.device)
-            before = prepare(row) if prepare is not None else None
+            before = prepare(i, row) if prepare is not None else None
             with self._phase("forward"), step.autocast():
                 logits = step.forward(**row.model_inputs()).logits
                 loss, metrics = row_loss(row, logits, before)

@@ -82,13 +82,12 @@ class RunReporter:
 
 
 def write_rollout_pictures(history: Sequence[StepResult], records: Sequence[Record], images: ImageStore,
-                           checkpoint_dir: str, vision_language: bool, setup: EvalSetup, *, iou: float,
-                           limit: int = 4) -> list[Path]:
+                           checkpoint_dir: str, setup: EvalSetup, *, iou: float, limit: int = 4) -> list[Path]:
     """Rank 0: the last fresh rollouts of a vision-language run drawn on their images (predicted and ground-truth
     objects) under <checkpoint.dir>/rollouts/. A picture that cannot be written is a warning: the trained model is
     what the run is for."""
     last = next((h for h in reversed(history) if h.rollouts), None)
-    if not vision_language or last is None:
+    if last is None:
         return []
     by_id = {r.id: r for r in records}
     shown = [(rec, r.token_ids) for r in last.rollouts if (rec := by_id.get(r.request_id)) is not None]

@@ -27,15 +27,14 @@ from learner.core.losses import loss_sums
 from learner.core.packing import PackedRow, Packer
 from learner.core.rollout_buffer import RolloutBuffer
 from learner.data.episode import EpisodeStats, build_segments, check_rollout_prompts, vision_safe_response
-from learner.data.order import DataOrder
 from learner.data.vision import patch_size, with_vision
 from learner.rollouts.client import Rollout
 from learner.tracking import metrics as m
 from learner.train.config import learning_rate
 from learner.train.loop import TrainingLoop
-from learner.train.results import StepResult, Summary
+from learner.train.results import StepResult
 
-__all__ = ["DataOrder", "StepResult", "Summary", "Trainer"]
+__all__ = ["Trainer"]
 
 log = logging.getLogger("rmsft.learner")
 
