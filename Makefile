@@ -2,6 +2,10 @@
 VENV ?= .venv
 STAMP := $(VENV)/.rmsft-installed
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): 2 uses both cores of a CI machine while one test waits on a process start, a model
+# load or a pod; 0 runs every test in this process (for -s, --pdb). Work units and their order: tests/suite_clock.py.
+PYTEST_WORKERS ?= 0
+XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
 .PHONY: setup test lint protos crd clean gpu-check gpu-check-wheels
 
@@ -23,7 +27,7 @@ ENVTEST_BIN := $(CURDIR)/.tools/envtest/bin
 test: lint
 	if [ -z "$$KUBEBUILDER_ASSETS" ] && [ -x "$(ENVTEST_BIN)/kube-apiserver" ]; then \
 	  export KUBEBUILDER_ASSETS="$(ENVTEST_BIN)"; fi; \
-	PATH="$(CURDIR)/.tools/bin:$$PATH" $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	PATH="$(CURDIR)/.tools/bin:$$PATH" $(VENV)/bin/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 protos: setup
 	$(VENV)/bin/python scripts/gen_protos.py

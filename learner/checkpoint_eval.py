@@ -76,7 +76,7 @@ def _is_model_folder(path: Path) -> bool:
 
 def run_eval(target: str | Path, data: str | Path, opts: EvalOptions, console: Console | None = None) -> Evaluation:
     """Evaluate `target` (model folder or learner checkpoint) on the records of `data`; see the module doc."""
-    console = console or Console(stderr=True)
+    console = console or Console(stderr=True, soft_wrap=True)
     target, data = Path(target), Path(data)
     checkpoint = None
     if not _is_model_folder(target):

@@ -463,7 +463,7 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
     (their output says how it went). Raises GpuAssignmentError before anything starts when the machine
     cannot hold the job, ModelCheckError when the model folder does not fit training.format,
     LearnerExitError when the torchrun learner fails."""
-    console = console or Console(stderr=True)
+    console = console or Console(stderr=True, soft_wrap=True)
     job = load_job(job_path)
     memory_plan_setting()  # a typo in RMSFT_MEMORY_PLAN fails now, not once the servers are up
     # Everything that can be refused from the spec and the machine alone, before anything starts.

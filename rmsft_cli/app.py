@@ -28,7 +28,7 @@ def tiny_model(
     --vl a Qwen-VL model whose processor transformers and vLLM both load. --stock leaves the coord tokens out."""
     from rich.console import Console
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     with console.status(f"building tiny {'vision-language ' if vl else ''}model in {out_dir}"):
         if vl:
             from rmsft_dev.tiny_vl import build_tiny_vl_model
@@ -56,7 +56,7 @@ def dev_prepare(
     from learner.local import prepare_inputs
     from rmsft.jobspec import load_job
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     for config in configs:
         try:
             job = load_job(config)
@@ -111,7 +111,7 @@ def data_from_coco(
         summary = convert_coco(annotations, images_dir, out, options)
     except (CocoError, ValueError, OSError) as exc:
         _fail(exc)
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     head, *rest = summary.lines()
     console.print(f"[green]{escape(head)}[/green]")
     for line in rest:
@@ -135,8 +135,11 @@ def serve(ctx: typer.Context) -> None:
 
 def _fail(exc: Exception) -> None:
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True).print(f"[red]error:[/red] {exc}")
+    # soft_wrap: a message is one line even when piped (rich would cut it at 80 columns, paths mid-name);
+    # escape: a path with square brackets is text, not markup
+    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {escape(str(exc))}")
     raise typer.Exit(2)
 
 
@@ -271,7 +274,7 @@ def local(
     from rmsft.memory_plan import MemoryPlanSettingError
     from rmsft.model_check import ModelCheckError
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     if clean:
         from rmsft import run_dir
 
@@ -332,7 +335,7 @@ def plan_cmd(
         _fail(exc)
     Console().print(plan.render())
     if not plan.fits:
-        Console(stderr=True).print(f"[red]error:[/red] {plan.message()}")
+        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {plan.message()}")
         raise typer.Exit(2)
 
 
@@ -348,7 +351,7 @@ def prepare_model_cmd(
 
     from rmsft.prepare_model import PrepareModelError, prepare_model
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     try:
         with console.status(f"preparing {src} -> {dst}"):
             summary = prepare_model(src, dst, overwrite=overwrite)
@@ -412,7 +415,7 @@ def export_cmd(
     from rmsft.jobspec import JobSpecError
     from rmsft.logs import configure_logging
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     configure_logging("warning")
     try:
         with console.status("exporting") as status:
@@ -460,7 +463,7 @@ def eval_cmd(
     opts = EvalOptions(config=config, image_root=image_root, max_samples=max_samples, max_tokens=max_tokens,
                        iou=iou, out=out, format=fmt, coordinates=coordinates, work_dir=work_dir)  # fmt: skip
     try:
-        run_eval(model, data, opts, Console(stderr=True))
+        run_eval(model, data, opts, Console(stderr=True, soft_wrap=True))
     except (ExportError, JobSpecError, ModelLoadError, DataError, ValueError, RuntimeError, OSError) as exc:
         _fail(exc)
 

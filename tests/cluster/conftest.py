@@ -66,6 +66,9 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if item.config.stash.get(_LAST_ITEM, None) == item.nodeid:
         while _TEARDOWN:
             _TEARDOWN.pop()()
+        # on this test's teardown report: the suite's clock (tests/suite_clock.py) prints them from the
+        # process that reports, which under xdist is not this one
+        item.user_properties.append(("tier timings", {"cluster": dict(TIMINGS)}))
     return result
 
 

@@ -119,7 +119,28 @@ class RealNode:
     def sock(self) -> Path:
         return self.node / "containerd.sock"
 
+    def _stop_stale_containerd(self) -> None:
+        """A containerd left by a run that was killed (its pytest got SIGKILL, or an xdist worker was stopped)
+        still holds the image store's lock in self.state: the new one would wait for it for ever. Such a one is
+        a node containerd of this tier (its config in another rmsft-cluster-* folder) whose store is ours."""
+        import psutil
+
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            cmd = proc.info["cmdline"] or []
+            if len(cmd) == 3 and Path(cmd[0]).name == "containerd" and cmd[1] == "--config" \
+                    and "/rmsft-cluster-" in cmd[2] and not cmd[2].startswith(str(self.node)):
+                try:
+                    stale = f'root = "{self.state / "containerd"}"' in Path(cmd[2]).read_text()
+                except OSError:  # its folder is gone: judged by the name alone
+                    stale = True
+                if stale:
+                    print(f"realnode: stopping a containerd a killed run left (pid {proc.pid}, {cmd[2]})",
+                          file=sys.stderr)
+                    proc.kill()
+                    psutil.wait_procs([proc], timeout=30)
+
     def _start_containerd(self) -> None:
+        self._stop_stale_containerd()
         (self.node / "cni").mkdir(parents=True, exist_ok=True)
         self.state.mkdir(parents=True, exist_ok=True)
         config = self.node / "containerd.toml"

@@ -144,9 +144,16 @@ def test_text_job_over_grpc_survives_a_deleted_rollout_pod_and_operator(cluster:
     operator_metrics = scrape(cluster, ns, probe, f"http://rmsft-metrics.{OPERATOR_NS}.svc:8080/metrics")
     learner_ip = learner["status"]["podIP"]
     rollout_ip = cluster.get("pod", f"{job}-rollout-1", "-n", ns)["status"]["podIP"]
-    remote = {"operator": operator_metrics,
-              "learner": scrape(cluster, ns, probe, f"http://{learner_ip}:9090/metrics"),
-              "rollout": scrape(cluster, ns, probe, f"http://{rollout_ip}:9090/metrics")}
+
+    def scraped() -> dict[str, dict[str, float]] | None:
+        # again until every component answered: on a loaded machine one GET can take past its 10 s
+        got = {"operator": operator_metrics or scrape(cluster, ns, probe,
+                                                      f"http://rmsft-metrics.{OPERATOR_NS}.svc:8080/metrics"),
+               "learner": scrape(cluster, ns, probe, f"http://{learner_ip}:9090/metrics"),
+               "rollout": scrape(cluster, ns, probe, f"http://{rollout_ip}:9090/metrics")}
+        return got if all(any(k.startswith(f"rmsft_{c}_") for k in m) for c, m in got.items()) else None
+
+    remote = cluster.wait(scraped, 120, "every component's /metrics scraped through the network", namespace=ns)
     for component, got in remote.items():
         assert any(k.startswith(f"rmsft_{component}_") for k in got), (component, sorted(got)[:20])
     seen = {base_name(k) for got in remote.values() for k in got} | {base_name(k) for k in rollout_metrics}
