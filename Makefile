@@ -2,8 +2,9 @@
 VENV ?= .venv
 STAMP := $(VENV)/.rmsft-installed
 PYTEST_ARGS ?=
-# Test processes (pytest-xdist): 2 uses both cores of a CI machine while one test waits on a process start, a model
-# load or a pod; 0 runs every test in this process (for -s, --pdb). Work units and their order: tests/suite_clock.py.
+# Test processes (pytest-xdist): 0 runs every test in this process (needed for -s, --pdb); N runs N, each taking the
+# suite's work units longest first (tests/suite_clock.py). On 2 cores the suite is CPU-bound and two processes gain
+# little: docs/development.md, "Test time".
 PYTEST_WORKERS ?= 0
 XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
