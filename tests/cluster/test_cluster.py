@@ -141,14 +141,12 @@ def test_text_job_over_grpc_survives_a_deleted_rollout_pod_and_operator(cluster:
     # /metrics of every component, scraped from another pod through the network (the operator
     # through the chart's metrics Service), and the names the dashboards query.
     probe = f"{job}-rollout-0"
-    operator_metrics = scrape(cluster, ns, probe, f"http://rmsft-metrics.{OPERATOR_NS}.svc:8080/metrics")
     learner_ip = learner["status"]["podIP"]
     rollout_ip = cluster.get("pod", f"{job}-rollout-1", "-n", ns)["status"]["podIP"]
 
     def scraped() -> dict[str, dict[str, float]] | None:
         # again until every component answered: on a loaded machine one GET can take past its 10 s
-        got = {"operator": operator_metrics or scrape(cluster, ns, probe,
-                                                      f"http://rmsft-metrics.{OPERATOR_NS}.svc:8080/metrics"),
+        got = {"operator": scrape(cluster, ns, probe, f"http://rmsft-metrics.{OPERATOR_NS}.svc:8080/metrics"),
                "learner": scrape(cluster, ns, probe, f"http://{learner_ip}:9090/metrics"),
                "rollout": scrape(cluster, ns, probe, f"http://{rollout_ip}:9090/metrics")}
         return got if all(any(k.startswith(f"rmsft_{c}_") for k in m) for c, m in got.items()) else None
