@@ -335,8 +335,7 @@ def plan_cmd(
         _fail(exc)
     Console().print(plan.render())
     if not plan.fits:
-        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {plan.message()}")
-        raise typer.Exit(2)
+        _fail(ValueError(plan.message()))
 
 
 @app.command("prepare-model")

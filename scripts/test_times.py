@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from suite_clock import DURATIONS, SLOWEST, TIMES_OUT, work_unit  # noqa: E402
+from suite_clock import DURATIONS, SLOWEST, TIMES_OUT, slowest, work_unit  # noqa: E402
 
 
 def markdown(times: dict) -> str:
@@ -29,8 +29,7 @@ def markdown(times: dict) -> str:
     for tier, figures in times.get("tier_timings", {}).items():
         lines += ["", f"{tier} bring-up: " + ", ".join(f"{k} {v:.0f} s" for k, v in figures.items()) + "."]
     lines += ["", f"Slowest {SLOWEST} tests (setup + call + teardown):", "", "| s | tier | test |", "|---:|---|---|"]
-    slow = sorted(times["tests"].items(), key=lambda kv: -kv[1][1])[:SLOWEST]
-    lines += [f"| {s:.0f} | {tier} | `{nodeid}` |" for nodeid, (tier, s) in slow]
+    lines += [f"| {s:.0f} | {tier} | `{nodeid}` |" for nodeid, (tier, s) in slowest(times["tests"])]
     return "\n".join(lines)
 
 

@@ -43,6 +43,11 @@ def tier_of(names: Any) -> str:
     return next((t for t in TIERS if t in names), "other")
 
 
+def slowest(tests: dict[str, list[Any]], n: int = SLOWEST) -> list[tuple[str, list[Any]]]:
+    """The n slowest of {nodeid: [tier, seconds]}, slowest first (the summary and scripts/test_times.py)."""
+    return sorted(tests.items(), key=lambda kv: -kv[1][1])[:n]
+
+
 def work_unit(nodeid: str) -> str:
     """The work unit of a test: its tier for the grouped tiers (each is a folder), else its module's path."""
     path = nodeid.split("::", 1)[0]
@@ -153,7 +158,7 @@ class SuiteClock:
         tr.write_line(f"wall {s['wall_s']:.0f} s on {s['workers']} worker(s); test time by tier: {tiers}")
         for tier, figures in s["tier_timings"].items():
             tr.write_line(f"{tier} bring-up: " + ", ".join(f"{k} {v:.0f} s" for k, v in figures.items()))
-        slow = sorted(s["tests"].items(), key=lambda kv: -kv[1][1])[:SLOWEST]
+        slow = slowest(s["tests"])
         tr.write_line(f"slowest {len(slow)} tests (setup + call + teardown):")
         for nodeid, (tier, seconds) in slow:
             tr.write_line(f"  {seconds:8.1f} s  {tier:8s} {nodeid}")
