@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 
 from rmsft.model_folder import is_vision_language
 from rollout_engine.async_loop import EngineCall, EventLoopThread
@@ -26,6 +29,28 @@ from rollout_engine.engine import (
 )
 
 log = logging.getLogger(__name__)
+
+MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+@contextmanager
+def v1_multiprocessing_off(off: bool = True) -> Iterator[None]:
+    """`VLLM_ENABLE_V1_MULTIPROCESSING=0` while an engine starts (a process vLLM spawns inherits it), then the
+    variable as it was. Two uses: the learner's in-process engine (no engine-core process at all), and a rollout
+    server on the CPU with one worker, whose engine core then runs that worker itself: vLLM's CPU platform swaps
+    the uni-process executor for its multiprocessing one while the variable is on, a third process that imports
+    vLLM again for a single worker (15-20 s of a 60 s start on 2 cores, measured). On GPUs, or with TP > 1,
+    servers leave it alone (`off=False`)."""
+    previous = os.environ.get(MP_ENV)
+    if off:
+        os.environ[MP_ENV] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(MP_ENV, None)
+        else:
+            os.environ[MP_ENV] = previous
 
 _OOM_HINT = (
     "vLLM ran out of memory: lower --gpu-memory-utilization or --kv-cache-bytes, or --max-model-len"
@@ -190,7 +215,8 @@ class VllmEngine:
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[PrometheusStatLogger])
 
         try:
-            self.llm = self._loop.wait(start())
+            with v1_multiprocessing_off(not on_gpu and cfg.tensor_parallel_size == 1):
+                self.llm = self._loop.wait(start())
         except Exception as e:
             self._loop.stop()
             raise EngineError(f"vLLM failed to start on {cfg.model}: {_explain(e)}") from e

@@ -23,11 +23,9 @@ from typing import Any
 from rmsft.model_folder import is_vision_language
 from rollout_engine.config import ServeConfig
 from rollout_engine.engine import EngineError, EngineInputError, GenItem, GenOutput, VisionLimits, chat_prompt_ids
-from rollout_engine.vllm_engine import engine_args, sampling_params
+from rollout_engine.vllm_engine import engine_args, sampling_params, v1_multiprocessing_off
 
 log = logging.getLogger("rmsft.learner.colocate")
-
-_MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 @contextmanager
@@ -120,19 +118,12 @@ class InProcessVllm:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if sleep_mode:
             kwargs["enable_sleep_mode"] = True
-        previous = os.environ.get(_MP_ENV)
-        os.environ[_MP_ENV] = "0"
         try:
-            with _rng_kept(), _hf_classes_kept(), _torch_threads_kept():
+            with v1_multiprocessing_off(), _rng_kept(), _hf_classes_kept(), _torch_threads_kept():
                 self.llm = LLM(**kwargs)
         except Exception as e:
             raise EngineError(f"vLLM failed to start in the learner's process on {cfg.model}: "
                               f"{type(e).__name__}: {e}") from e
-        finally:
-            if previous is None:
-                os.environ.pop(_MP_ENV, None)
-            else:
-                os.environ[_MP_ENV] = previous
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         # vLLM decodes on one torch thread in steady-state serving (`set_torch_threads_for_runtime`: multi-threaded
