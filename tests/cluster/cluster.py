@@ -18,16 +18,16 @@ T = TypeVar("T")
 
 
 class Cluster:
-    def __init__(self, backend: Any, kubeconfig: Path, tools: Path) -> None:
+    def __init__(self, backend: Any, kubeconfig: Path, tools: dict[str, str]) -> None:
         self.backend = backend
         self.kubeconfig = kubeconfig
-        self.tools = tools
+        self.tools = tools  # exe -> its path (helm, kubectl)
 
     # ---- the user's commands --------------------------------------------------------------------
 
     def _run(self, exe: str, args: tuple[str, ...], check: bool, input: str | None,
              timeout: float) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([str(self.tools / exe), "--kubeconfig", str(self.kubeconfig), *args], cwd=ROOT,
+        proc = subprocess.run([self.tools[exe], "--kubeconfig", str(self.kubeconfig), *args], cwd=ROOT,
                               capture_output=True, text=True, input=input, timeout=timeout)
         if check and proc.returncode != 0:
             raise AssertionError(f"{exe} {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")

@@ -30,6 +30,7 @@ from host import DockerEngine, HostGuard, run  # noqa: E402
 from image import build_image  # noqa: E402
 from kind import Kind  # noqa: E402
 from realnode import REALNODE, RealNode  # noqa: E402
+from tiers import unavailable  # noqa: E402
 
 IMAGE = "rmsft:cpu"
 TIMINGS: dict[str, float] = {}
@@ -77,10 +78,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line("cluster tier: " + ", ".join(f"{k} {v:.0f}s" for k, v in TIMINGS.items()))
 
 
-def _backend(workdir: Path):
-    tools = ROOT / ".tools" / "bin"
+def _backend(workdir: Path, kubectl: str):
     choice = os.environ.get("RMSFT_CLUSTER_BACKEND", "auto")
-    real = RealNode(workdir, os.environ.get("KUBEBUILDER_ASSETS"), str(tools / "kubectl"))
+    real = RealNode(workdir, os.environ.get("KUBEBUILDER_ASSETS"), kubectl)
     kind = Kind(workdir)
     reasons = {}
     for backend in ([real] if choice == "realnode" else [kind] if choice == "kind" else [real, kind]):
@@ -93,20 +93,22 @@ def _backend(workdir: Path):
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
-    tools = ROOT / ".tools" / "bin"
-    if not (tools / "helm").exists() or not (tools / "kubectl").exists():
-        pytest.skip("helm/kubectl not in .tools/bin: run `make setup`")
+    # From PATH, as the other tiers and the user take them (`make test` puts .tools/bin first on it).
+    tools = {exe: shutil.which(exe) for exe in ("helm", "kubectl")}
+    missing = [exe for exe, path in tools.items() if path is None]
+    if missing:
+        unavailable("cluster", f"{' and '.join(missing)} not on PATH: run `make setup` (it puts them in .tools/bin)")
     keep = os.environ.get("RMSFT_CLUSTER_KEEP") == "1"
     workdir = Path(tempfile.mkdtemp(prefix="rmsft-cluster-"))
     engine = DockerEngine(workdir)
     why = engine.why_not()
     if why:
         shutil.rmtree(workdir, ignore_errors=True)
-        pytest.skip(f"no Docker engine: {why}")
-    backend, why = _backend(workdir)
+        unavailable("cluster", f"no Docker engine: {why}")
+    backend, why = _backend(workdir, str(tools["kubectl"]))
     if backend is None:
         shutil.rmtree(workdir, ignore_errors=True)
-        pytest.skip(f"no cluster backend can run here: {why}")
+        unavailable("cluster", f"no cluster backend can run here: {why}")
 
     guard = HostGuard()  # before anything starts: restores iptables and links at the end
     done = False
@@ -140,7 +142,7 @@ def cluster() -> Iterator[Cluster]:
         t0 = time.monotonic()
         imported = backend.load_image(IMAGE, image_id)
         TIMINGS["image load" if imported else "image load (cached)"] = time.monotonic() - t0
-        c = Cluster(backend, backend.kubeconfig, tools)
+        c = Cluster(backend, backend.kubeconfig, {k: str(v) for k, v in tools.items()})
         t0 = time.monotonic()
         # The README's command, with the locally built image.
         c.helm("upgrade", "--install", "rmsft", "charts/rmsft", "--namespace", OPERATOR_NS, "--create-namespace",

@@ -1,8 +1,8 @@
-"""The envtest tier: tests against a real kube-apiserver/etcd/controller-manager/scheduler, found
-through KUBEBUILDER_ASSETS (controller-runtime's convention; `make test` and .ci/run point it at
-.tools/envtest/bin, which `make setup` unpacks from ../shared/envtest). Skipped with the reason
-when the binaries are not there. One control plane for all of tests/envtest (about 7-10 s to
-start), stopped after its last test. RMSFT_ENVTEST_KEEP=1 keeps its folder (logs) afterwards."""
+"""The envtest tier: tests against a real kube-apiserver/etcd/controller-manager/scheduler, found through
+KUBEBUILDER_ASSETS (controller-runtime's convention; `make test` and .ci/run point it at .tools/envtest/bin, which
+`make setup` unpacks from ../shared/envtest). Skipped with the reason when the binaries are not there (in CI a
+failure: tests/tiers.py). One control plane for all of tests/envtest (about 7-10 s to start), stopped after its last
+test. RMSFT_ENVTEST_KEEP=1 keeps its folder (logs) afterwards."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ CRD_FILE = ROOT / "charts/rmsft/crds/rolloutmatchingjobs.yaml"
 sys.path.insert(0, str(HERE))
 
 from controlplane import ControlPlane, missing_binaries  # noqa: E402
+from tiers import unavailable  # noqa: E402
 
 _LAST_ITEM = pytest.StashKey[str]()
 _RUNNING: list[ControlPlane] = []
@@ -65,7 +66,7 @@ def control_plane(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
     assets = os.environ.get("KUBEBUILDER_ASSETS")
     why = missing_binaries(assets)
     if why:
-        pytest.skip(why)
+        unavailable("envtest", why)
     cp = ControlPlane(assets, keep_dir=bool(os.environ.get("RMSFT_ENVTEST_KEEP")))
     request.addfinalizer(cp.stop)  # registered before start: runs even if a test (or start) fails
     _RUNNING.append(cp)

@@ -96,6 +96,8 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
     # Renders chat messages as a real server of the learner's model would (`chat_renderer(model_dir)`): the
     # learner checks the prompt ids it gets back against its own.
     render: Callable[[list[dict[str, str]]], list[int]] | None = None
+    # What the engine answers, (prompt ids, temperature, seed) -> token ids; None: `fake_tokens`.
+    answer: Callable[[list[int], float, int | None], list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.run_id is None:
@@ -146,7 +148,8 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
                     ids = self.render([{"role": m.role, "content": m.content} for m in p.messages])
                 for k in range(request.sampling.n or 1):  # the real server's sample order and seed rule
                     seed = sample_seed(p.seed, k) if p.HasField("seed") else None
-                    toks = fake_tokens(ids, seed)
+                    toks = (fake_tokens(ids, seed) if self.answer is None
+                            else self.answer(ids, request.sampling.temperature, seed))
                     set_version(out.completions.add(
                         prompt_token_ids=ids,
                         token_ids=toks,

@@ -11,11 +11,12 @@ is found too), no port of its server is held, the update stopped midway was appl
 checkpoint is left for a resume to take, and its shared-memory folder is gone: at once after SIGTERM/SIGINT (the
 run unwinds), after the next run or `rmsft local --clean` after SIGKILL (nothing runs in a killed process).
 
-Each start is used for one fault (a kill ends the run and its servers). Three cells of the matrix also check that
-nothing is lost: a run stopped (SIGINT) mid-checkpoint of its last step, all its steps trained; and a chain: killed
-(SIGKILL) mid-checkpoint of step 4, resumed with `--resume` (which must remove the killed run's shared memory, and
-take step 2, the last complete checkpoint), that run stopped (SIGTERM) mid-sync after step 5, resumed again to the
-end. Every step the resumed runs trained has the first run's loss.
+Each start is used for one fault (a kill ends the run and its servers); SIGINT, which `rmsft local` handles as it
+handles SIGTERM, is not started again at the moments where SIGTERM is (SAME_PATH). Three cells of the matrix also
+check that nothing is lost: a run stopped (SIGINT) mid-checkpoint of its last step, all its steps trained; and a
+chain: killed (SIGKILL) mid-checkpoint of step 4, resumed with `--resume` (which must remove the killed run's shared
+memory, and take step 2, the last complete checkpoint), that run stopped (SIGTERM) mid-sync after step 5, resumed
+again to the end. Every step the resumed runs trained has the first run's loss.
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ MOMENTS = {"server-start": None, "generate": "generate:3", "sync": "sync:4", "ch
 APPLIED = {"server-start": 0, "generate": 3, "sync": 3, "checkpoint": 5}
 # The cells the resume chain covers (test_killed_and_resumed_runs_lose_nothing), not started twice.
 IN_CHAIN = {("checkpoint", signal.SIGINT), ("checkpoint", signal.SIGKILL), ("sync", signal.SIGTERM)}
+# SIGINT and SIGTERM take one path through `rmsft local` (learner.local.stop_on_signals: one handler, which raises
+# KeyboardInterrupt or Terminated, a KeyboardInterrupt, and both unwind alike); each is started where the other is
+# not, and SIGINT's own exit code and words are checked at server-start and in the chain (mid-checkpoint). A run
+# costs a minute or more here (issue 40): these two cells would repeat the SIGTERM cell of their moment.
+SAME_PATH = {("generate", signal.SIGINT): ("generate", signal.SIGTERM),
+             ("sync", signal.SIGINT): ("sync", signal.SIGTERM)}
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +216,8 @@ def _half_checkpoints(ckpt: Path) -> list[str]:
 
 @pytest.mark.parametrize(("moment", "sig"), [
     pytest.param(moment, sig, id=f"{moment}-{sig.name}")
-    for moment in MOMENTS for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL) if (moment, sig) not in IN_CHAIN
+    for moment in MOMENTS for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)
+    if (moment, sig) not in IN_CHAIN and (moment, sig) not in SAME_PATH
 ])
 def test_rmsft_local_stopped_at_any_moment_leaves_nothing_behind(job_doc: dict, tmp_path: Path, moment: str,
                                                                  sig: signal.Signals) -> None:

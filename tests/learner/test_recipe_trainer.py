@@ -60,6 +60,32 @@ def test_anchor_is_greedy_and_explorers_sample_apart(tmp_path, tiny_model_dir, d
     assert summary.steps == 2 and all(h.channel == "B" and h.rollouts for h in trainer.history)
 
 
+def test_what_only_the_explorers_found_reaches_the_targets(tmp_path, tiny_model_dir, data_path, servers,
+                                                          tiny_tokenizer) -> None:
+    """The anchor (greedy) answers nothing; the explorers answer every object the prompt states (the text task's
+    prompt lists them): each one is a ground-truth object the anchor missed and an explorer found, and the targets
+    take it as recovered. Without the explorers' answers in the targets, nothing is recovered."""
+    import re
+
+    from learner.core.codec import CoordExpFormat, DetObject
+
+    def answer(ids: list[int], temperature: float, seed: int | None) -> list[int]:
+        stated = re.findall(r"(\w+) at \[(\d+), (\d+), (\d+), (\d+)\]", tiny_tokenizer.decode(ids))
+        objects = [DetObject(desc, "bbox_2d", tuple(map(int, box))) for desc, *box in stated] if temperature else []
+        text = CoordExpFormat().render(objects)
+        return tiny_tokenizer(text, add_special_tokens=False)["input_ids"] + [tiny_tokenizer.eos_token_id]
+
+    for s in servers:
+        s.engine.answer = answer
+    recipe = {"channel_b_ratio": 1.0, "explorers": {"count": 2, "temperature": 0.7}}
+    trainer, _ = _run(make_job(tiny_model_dir, data_path, tmp_path, steps=2, recipe=recipe), servers)
+    stats = [h.stats for h in trainer.history]
+    gt = sum(st.gt_objects for st in stats)
+    assert gt >= 2 * 2  # two prompts a step, one object or more each
+    assert [st.matched for st in stats] == [0, 0]  # the anchors found nothing
+    assert sum(st.recovered for st in stats) == gt  # every object, through the explorers
+
+
 def test_schedule_resumes_exactly_from_a_checkpoint(tmp_path, tiny_model_dir, data_path, servers) -> None:
     recipe = {"channel_b_ratio": 0.5, "explorers": {"count": 0}}
     straight, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "a", steps=4, recipe=recipe), servers)

@@ -321,13 +321,16 @@ def test_failed_precondition_server_is_resynced_before_more_work(cluster) -> Non
 def test_wrong_version_in_reply_triggers_resync(cluster) -> None:
     servers, pool = cluster(2)
     servers[0].engine.reply_version = 0
+    resynced = []
 
     def resync(server):
+        resynced.append(server.index)
         servers[server.index].engine.reply_version = None
 
     reqs = requests(6)
     out = RolloutClient(pool, resync=resync).generate(reqs)
-    assert_complete(out, reqs)
+    assert_complete(out, reqs)  # every answer at the current version: the stale reply was never returned
+    assert resynced == [0]  # the server whose reply had the wrong version, once
 
 
 def test_server_reported_stale_by_status_is_resynced_before_it_gets_work(cluster) -> None:

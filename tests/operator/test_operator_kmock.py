@@ -277,7 +277,15 @@ def test_delete_leaves_only_owned_objects(cluster: KmockCluster, operator: Any) 
             assert obj["metadata"].get("ownerReferences"), f"{kind} {obj['metadata']['name']} has no owner"
 
 
-def test_operator_exports_its_metrics(operator: Any) -> None:
+def _reconciled(cluster: KmockCluster, name: str) -> dict[str, list[dict[str, Any]]]:
+    """A job of this test's own, created and reconciled (its children made): no test reads another's objects."""
+    _create(cluster, _manifest(name))
+    wait_for(lambda: _all_children_present(cluster, name), what=f"{name}'s children")
+    return _children(cluster, name)
+
+
+def test_operator_exports_its_metrics(cluster: KmockCluster, operator: Any) -> None:
+    _reconciled(cluster, "india")
     metrics = _operator_metrics()
     assert any(k.startswith("rmsft_operator_reconciles_total{") for k in metrics)
     assert "rmsft_operator_reconcile_duration_seconds_count" in metrics
@@ -304,13 +312,13 @@ def test_rendered_children_match_offline_rendering(cluster: KmockCluster, operat
     """What the operator sent equals `render` output (so offline schema checks cover it)."""
     from rmsft.jobspec import parse_job
 
-    kids = _children(cluster, "alpha")
-    doc = copy.deepcopy(_manifest("alpha"))
+    kids = _reconciled(cluster, "juliet")
+    doc = copy.deepcopy(_manifest("juliet"))
     job = parse_job(doc)
     token_b64 = kids["Secret"][0]["data"]["token"]
     import base64
 
-    expected = render.render_all(job, NAMESPACE, "uid-alpha", base64.b64decode(token_b64).decode())
+    expected = render.render_all(job, NAMESPACE, "uid-juliet", base64.b64decode(token_b64).decode())
     for obj in expected:
         live = kids[obj["kind"]][0]
         for key in ("spec", "data"):
@@ -324,6 +332,7 @@ def test_chart_rbac_allows_every_call_the_operator_made(cluster: KmockCluster, o
     API in this module is granted by the chart's namespaced rules."""
     from test_operator_chart import template
 
+    _reconciled(cluster, "kilo")  # the calls a job's creation makes, whatever ran before
     objs = template({"rbac": {"namespaced": True, "watchNamespaces": [NAMESPACE]}}, tmp_path)
     role = next(o for o in objs if o["kind"] == "Role")
     granted = {(verb, group, res) for rule in role["rules"] for group in rule["apiGroups"]

@@ -33,6 +33,7 @@ def test_events_during_a_pass_fold_into_exactly_one_more_pass() -> None:
     assert [runner.run("job", fn, wait=False) for _ in range(5)] == [None] * 5
     release.set()
     t.join(5)
+    assert not t.is_alive()          # the waiting caller came back (a lost wake-up would hang it)
     assert passes == [0, 1]          # one extra pass covers the whole burst
     assert result["r"] == "pass 1"   # the caller gets the latest outcome
     assert active["max"] == 1
@@ -43,9 +44,11 @@ def test_waiting_callers_run_one_after_another_and_keys_are_independent() -> Non
     active: dict[str, int] = {"a": 0, "b": 0}
     overlap = {"a": 0}
     both = threading.Event()
+    calls: list[str] = []
 
     def make(key: str):
         def fn(index: int) -> None:
+            calls.append(key)
             active[key] += 1
             overlap[key] = max(overlap.get(key, 0), active[key])
             if active["a"] and active["b"]:
@@ -59,6 +62,8 @@ def test_waiting_callers_run_one_after_another_and_keys_are_independent() -> Non
         t.start()
     for t in threads:
         t.join(5)
+    assert [t.is_alive() for t in threads] == [False] * 4  # every waiting caller got its turn
+    assert sorted(calls) == ["a", "a", "a", "b"]  # one pass each: a waiting caller is never folded away
     assert overlap["a"] == 1      # same key never overlaps
     assert both.is_set()          # different keys do run side by side
 
