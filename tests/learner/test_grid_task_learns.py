@@ -24,7 +24,7 @@ from rmsft_dev.tiny_vl import build_tiny_vl_model
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 120
-HELD_OUT = 12
+HELD_OUT = 32  # about 52 objects: one lucky match is 2% of them, not the difference the test looks for
 
 
 def _greedy(trainer: Trainer, records, images, max_tokens: int) -> list[list[int]]:
@@ -73,19 +73,26 @@ def test_the_readme_task_moves_held_out_f1_above_the_untrained_models(tmp_path: 
         before = score(records, _greedy(trainer, records, images, max_tokens), trainer.eval_setup(images), iou=0.5)
         trainer.model.train()
         trainer.run()
-        assert len(trainer.history) == STEPS and trainer.history[-1].loss < trainer.history[0].loss
+        assert len(trainer.history) == STEPS
         ev = score(records, _greedy(trainer, records, images, max_tokens), trainer.eval_setup(images), iou=0.5)
     finally:
         trainer.close()
     at = ev.geometry[0.5]
-    said = (f"held-out geometry F1@0.5 {before.f1_geometry:.3f} -> {ev.f1_geometry:.3f}, label-aware "
-            f"{before.f1:.3f} -> {ev.f1:.3f}, mAP@0.5 {before.coco['map_50']:.3f} -> {ev.coco['map_50']:.3f}: the "
-            "shipped task no longer learns")
-    # Against the untrained model's figures, not against zero, on geometry (objects paired by place): 120 steps
-    # teach where the shapes are, not yet reliably their names (the label-aware figures and COCO's mAP@0.5, which
-    # want both, stay near 0 here; the README run's pretraining is longer).
-    assert at.matched > before.geometry[0.5].matched and ev.f1_geometry > before.f1_geometry, said
-    # Answers stay well-formed: at most a stray object dropped over all held-out answers.
+    near = ev.geometry[min(ev.geometry)]  # the matching gate (0.3): objects paired by place, looser
+    said = (f"held-out geometry F1@0.5 {before.f1_geometry:.3f} -> {ev.f1_geometry:.3f}, matched "
+            f"{before.geometry[0.5].matched} -> {at.matched} at IoU 0.5 and {near.matched} at IoU {min(ev.geometry)} "
+            f"of {at.gt_objects} objects, {at.predicted} predicted; label-aware F1 {before.f1:.3f} -> {ev.f1:.3f}, "
+            f"mAP@0.5 {before.coco['map_50']:.3f} -> {ev.coco['map_50']:.3f}: the shipped task no longer learns")
+    # Against the untrained model's figures (it matches nothing: its answers run to the token limit), on geometry
+    # (objects paired by place): 120 steps teach where the shapes are and how many, not yet reliably their names
+    # (the label-aware figures and COCO's mAP@0.5, which want both, stay near 0 here; the README run's pretraining
+    # is longer). Measured on this setting: 5 of 52 objects at IoU 0.5, 10 at 0.3, 47 predicted; the bounds leave
+    # room for another machine's float rounding, not for a task that stopped teaching place or count.
+    assert before.geometry[0.5].matched == 0 and at.matched >= 3 and near.matched >= 6, said
+    assert ev.f1_geometry > before.f1_geometry, said
+    assert 0.75 * at.gt_objects <= at.predicted <= 1.25 * at.gt_objects, said  # the count, per image, learned
+    losses = [h.loss for h in trainer.history]
+    assert sum(losses[-10:]) / 10 < 0.4 * losses[0], losses[::10]  # not a step's noise: 0.24 measured
     assert at.dropped <= 1 and at.truncated == 0
 
 
