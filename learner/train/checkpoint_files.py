@@ -5,11 +5,19 @@ to disk and renamed into place, so a run stopped mid-save (any signal, SIGKILL i
 half checkpoint that a resume would pick up: the newest complete one is taken. A save interrupted by an exception
 (SIGINT, `rmsft local`'s SIGTERM) removes its temporary folder; one left by a killed process is ignored, and removed
 by the next save. A folder named like a checkpoint but without its `state.pt` is not one.
+
+Saving a step that is already there (a run resumed at its final step saves it again) swaps the new folder in with
+one atomic exchange (Linux's renameat2 RENAME_EXCHANGE) and only then removes the old copy. Where the filesystem
+cannot exchange, the old copy is renamed aside (`.old-step-<n>`) before the new one goes in: a process killed between
+those two renames leaves the old copy complete under that name, and it is taken as the checkpoint of its step
+(`list_checkpoints`) and put back by the next save, never deleted for being a leftover.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import random
 import shutil
@@ -78,13 +86,53 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (renameat2 RENAME_EXCHANGE). False where the kernel, the C library or the
+    filesystem cannot (the caller then renames in two steps)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _step_of(path: Path, prefix: str) -> int | None:
+    rest = path.name[len(prefix):] if path.name.startswith(prefix) else ""
+    return int(rest) if rest.isdigit() else None
+
+
+def _restore_set_aside(root: Path) -> None:
+    """Put back a checkpoint a killed re-save had renamed aside (`.old-step-<n>`) when no complete `step-<n>` took
+    its place; remove it when one did."""
+    for old in root.glob(f"{_OLD}{_PREFIX}*"):
+        step = _step_of(old, f"{_OLD}{_PREFIX}")
+        final = root / f"{_PREFIX}{step}"
+        if step is None or (final / _STATE).is_file() or not (old / _STATE).is_file():
+            shutil.rmtree(old, ignore_errors=True)
+            continue
+        shutil.rmtree(final, ignore_errors=True)  # a `step-<n>` without its state file is not a checkpoint
+        old.rename(final)
+
+
 def save_checkpoint(root: str | Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
     """Write `state` as the checkpoint of `step` under `root` (module doc: all or nothing), then keep the newest
     `keep` checkpoints. Returns the checkpoint's folder."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    for left in (*root.glob(f"{_TMP}{_PREFIX}*"), *root.glob(f"{_OLD}{_PREFIX}*")):  # what killed saves left
+    for left in root.glob(f"{_TMP}{_PREFIX}*"):  # what killed saves left
         shutil.rmtree(left, ignore_errors=True)
+    _restore_set_aside(root)
     final = root / f"{_PREFIX}{step}"
     tmp = root / f"{_TMP}{_PREFIX}{step}"
     tmp.mkdir()
@@ -94,10 +142,13 @@ def save_checkpoint(root: str | Path, step: int, state: dict[str, Any], keep: in
         _fsync_path(tmp / _STATE)
         pause_points.pause_at("checkpoint", step)  # tests: stopped here, the checkpoint is not one yet
         if final.exists():  # a resumed run saving a step again: the old one goes only once the new one is in place
-            replaced = root / f"{_OLD}{_PREFIX}{step}"
-            final.rename(replaced)
-            tmp.rename(final)
-            shutil.rmtree(replaced, ignore_errors=True)
+            if _exchange(tmp, final):
+                shutil.rmtree(tmp, ignore_errors=True)  # now the old copy
+            else:
+                replaced = root / f"{_OLD}{_PREFIX}{step}"
+                final.rename(replaced)
+                tmp.rename(final)
+                shutil.rmtree(replaced, ignore_errors=True)
         else:
             tmp.rename(final)
         with contextlib.suppress(OSError):  # the rename itself; some filesystems cannot sync a folder
@@ -114,10 +165,15 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    # Only complete checkpoints: a `step-<n>` folder without its state file is not one (nothing rmsft writes).
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)
-             and p.name[len(_PREFIX):].isdigit() and (p / _STATE).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
+    # Only complete checkpoints: a `step-<n>` folder without its state file is not one (nothing rmsft writes). A
+    # copy a killed re-save set aside stands for its step until the next save puts it back (module doc).
+    found: dict[int, Path] = {}
+    for prefix in (f"{_OLD}{_PREFIX}", _PREFIX):  # `step-<n>` wins over its set-aside copy
+        for p in root.glob(f"{prefix}*"):
+            step = _step_of(p, prefix)
+            if step is not None and p.is_dir() and (p / _STATE).is_file():
+                found[step] = p
+    return [found[k] for k in sorted(found)]
 
 
 def load_latest(root: str | Path) -> dict[str, Any] | None:

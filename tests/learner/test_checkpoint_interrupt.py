@@ -96,6 +96,56 @@ def test_a_step_folder_without_its_state_is_no_checkpoint(tmp_path: Path) -> Non
     assert load_latest(tmp_path)["step"] == 4
 
 
+def test_saving_a_step_again_swaps_it_in_whole(tmp_path: Path) -> None:
+    """A run resumed at its final step saves that step again: one atomic exchange, the new copy in, nothing aside."""
+    from learner.train import checkpoint_files
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir(), (a / "in-a").touch()
+    assert checkpoint_files._exchange(a, b)  # this filesystem can exchange: the path below is the one taken
+    assert [p.name for p in b.iterdir()] == ["in-a"] and list(a.iterdir()) == []
+    a.rmdir(), (b / "in-a").unlink(), b.rmdir()
+    save_checkpoint(tmp_path, 4, {"step": 4, "copy": "first"})
+    save_checkpoint(tmp_path, 4, {"step": 4, "copy": "second"})
+    assert load_latest(tmp_path)["copy"] == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4"]
+
+
+def test_a_re_save_killed_between_its_renames_loses_neither_copy(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the filesystem cannot exchange, the old copy is renamed aside first; stopped right after that rename
+    (the new one not yet in place), the old copy is still the checkpoint of its step, and the next save puts it back
+    instead of deleting it as a leftover (issue 41)."""
+    from learner.train import checkpoint_files
+
+    monkeypatch.setattr(checkpoint_files, "_exchange", lambda a, b: False)
+    save_checkpoint(tmp_path, 2, {"step": 2})
+    save_checkpoint(tmp_path, 4, {"step": 4, "copy": "first"})
+    real_rename = Path.rename
+
+    def rename(self: Path, target: Path) -> Path:
+        if self.name == ".tmp-step-4":  # the second rename: the process dies here
+            raise KeyboardInterrupt
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 4, {"step": 4, "copy": "second"})
+    monkeypatch.setattr(Path, "rename", real_rename)
+    assert not (tmp_path / "step-4").exists() and (tmp_path / ".old-step-4" / "state.pt").is_file()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-2", ".old-step-4"]
+    assert load_latest(tmp_path) == {"step": 4, "copy": "first"}  # what a resume takes
+    save_checkpoint(tmp_path, 6, {"step": 6}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-6"]
+    assert [torch_load(tmp_path / n)["step"] for n in ("step-4", "step-6")] == [4, 6]
+
+
+def torch_load(folder: Path) -> dict:
+    import torch
+
+    return torch.load(folder / "state.pt", weights_only=False)
+
+
 @pytest.mark.parametrize("value", ["syncs", "sync:x", "checkpoint:-1", ":3"])
 def test_a_wrong_pause_point_names_the_variable_and_the_points(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv(PAUSE_AT_ENV, value)
