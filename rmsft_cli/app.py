@@ -10,7 +10,8 @@ import typer
 app = typer.Typer(help="Rollout-matching SFT for vision-language detection models.", no_args_is_help=True)
 dev_app = typer.Typer(help="Developer tools.", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
-data_app = typer.Typer(help="Datasets: convert detection annotations to training records.", no_args_is_help=True)
+data_app = typer.Typer(help="Datasets: convert detection annotations to training records, check a records file.",
+                       no_args_is_help=True)
 app.add_typer(data_app, name="data")
 
 
@@ -69,14 +70,16 @@ def dev_prepare(
 def data_from_coco(
     annotations: Path = typer.Argument(..., help="COCO instances file (JSON with images, annotations, categories)."),
     images_dir: Path = typer.Argument(..., help="Folder the images' file_name entries are relative to."),
-    out: Path = typer.Argument(..., help="JSONL of training records to write (replaced if present)."),
+    out: Path = typer.Argument(
+        ..., help="Training records to write (replaced if present): a .jsonl file, or .jsonl.gz for gzip."
+    ),
     fmt: str = typer.Option(
         "coordexp", "--format", help="The job's training.format (coordexp or qwen_json): picks the default prompt."
     ),
     prompt: str | None = typer.Option(
         None, show_default=False,
         help="The user message of every record (default: the --format's detection prompt). {categories} in it is "
-        "replaced by the category names, comma-separated.",
+        "replaced by the names of the categories the written objects have, comma-separated.",
     ),
     boxes: bool = typer.Option(False, "--boxes", help="Every object as its bbox_2d, polygons too."),
     max_objects: int | None = typer.Option(
@@ -95,6 +98,11 @@ def data_from_coco(
         "out", help="Image references: out (relative to OUT's folder), images (relative to IMAGES_DIR: set "
         "spec.training.data.image_root to it) or absolute.",
     ),
+    allow_no_annotations: bool = typer.Option(
+        False, "--allow-no-annotations",
+        help="Convert a file without any annotation (an image list or test split) into records without objects; "
+        "refused otherwise.",
+    ),
 ) -> None:
     """Convert COCO detection annotations to training records: category names as descs, one-part polygons as
     poly, other objects as bbox_2d, crowd annotations skipped, every image checked. Prints what was converted
@@ -107,7 +115,8 @@ def data_from_coco(
     try:
         limit = {} if max_image_pixels is None else {"max_image_pixels": max_image_pixels}
         options = CocoOptions(format=fmt, prompt=prompt, geometry="box" if boxes else "auto",  # type: ignore[arg-type]
-                              max_objects=max_objects, keep_empty=keep_empty, paths=paths, **limit)  # type: ignore[arg-type]
+                              max_objects=max_objects, keep_empty=keep_empty,
+                              allow_no_annotations=allow_no_annotations, paths=paths, **limit)  # type: ignore[arg-type]
         summary = convert_coco(annotations, images_dir, out, options)
     except (CocoError, ValueError, OSError) as exc:
         _fail(exc)
@@ -117,7 +126,51 @@ def data_from_coco(
     for line in rest:
         console.print(escape(line), highlight=False)
     if paths == "images":
-        console.print(f"set spec.training.data.image_root: {images_dir.resolve()}")
+        console.print(f"set spec.training.data.image_root: {escape(str(images_dir.resolve()))}", highlight=False)
+
+
+@data_app.command("check")
+def data_check(
+    file: Path = typer.Argument(..., help="Training records (.jsonl or .jsonl.gz), as spec.training.data.path."),
+    images: Path | None = typer.Option(
+        None, "--images", show_default=False,
+        help="Folder the records' relative image paths are relative to: the job's spec.training.data.image_root "
+        "(default: FILE's folder, as when that is unset).",
+    ),
+    max_image_pixels: int | None = typer.Option(
+        None, "--max-image-pixels", min=1, show_default=False,
+        help="The job's spec.model.vision.maxImagePixels (default: that field's default).",
+    ),
+    max_images_per_prompt: int | None = typer.Option(
+        None, "--max-images-per-prompt", min=0, show_default=False,
+        help="The job's spec.model.vision.maxImagesPerPrompt (default: that field's default).",
+    ),
+) -> None:
+    """Load a records file with the learner's own loader and image check, as a job does: counts, a label
+    histogram, the images found and missing and their sizes, and what a job would refuse. Exit 0 when a job
+    would accept the file, 2 when not (docs/data.md)."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from learner.data.check import check_records
+    from learner.data.records import DataError
+
+    limits = {k: v for k, v in (("max_image_pixels", max_image_pixels),
+                                ("max_images_per_prompt", max_images_per_prompt)) if v is not None}  # fmt: skip
+    try:
+        report = check_records(file, images, **limits)
+    except (DataError, ValueError, OSError) as exc:  # the records themselves do not load: one line, as a job says
+        _fail(exc)
+    # The report is the command's output (stdout); soft_wrap and escape as in _fail: labels and paths are text,
+    # one line each when piped.
+    console = Console(soft_wrap=True)
+    for line in report.lines():
+        text = escape(line)
+        if line.startswith("a job would "):  # the verdict
+            text = f"[{'green' if report.accepted else 'red'}]{text}[/]"
+        console.print(text, highlight=False)
+    if not report.accepted:
+        raise typer.Exit(2)
 
 
 @app.command(

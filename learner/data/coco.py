@@ -1,12 +1,15 @@
-"""COCO detection annotations to training records (`rmsft data from-coco`; docs/data.md).
+"""COCO detection annotations to training records (`rmsft data from-coco`), and the check of a records file
+(`rmsft data check`); docs/data.md.
 
 Public API
 - `convert_coco(annotations, images_dir, out, options) -> CocoSummary`: read a COCO instances file
   (`images`, `annotations`, `categories`), check every image, write one record per usable image
-  (learner/data/records.py) and say what was converted and what was skipped, with a count per reason.
+  (learner/data/records.py) to a `.jsonl` file, or gzip-compressed to a `.jsonl.gz` one (the loader reads
+  both), and say what was converted and what was skipped, with a count per reason.
 - `CocoOptions`: the prompt, the geometry written, the object cap, the image size limit, how image
-  paths are written.
+  paths are written, whether a file without annotations is converted.
 - `CocoError`: a file that is not a usable COCO instances file (the message names the file and key).
+(`rmsft data check`, which reads what this writes, is learner/data/check.py.)
 
 What becomes what:
 - a category's `name` is the object's `desc`;
@@ -15,10 +18,15 @@ What becomes what:
   becomes its `bbox` as a `bbox_2d`: a record's `poly` is one outline, and decoding RLE masks into
   outlines is not done here (both are counted in the summary); `geometry="box"` writes every object
   as its box;
-- `iscrowd: 1` annotations are skipped: they mark a region of many instances, not one object, and COCO's
-  own evaluation ignores them rather than counting them as objects;
+- `iscrowd` 1 (or `true`, or the string "1", as some exporters write it) annotations are skipped: they mark a
+  region of many instances, not one object, and COCO's own evaluation ignores them rather than counting them
+  as objects; a value that is neither 0 nor 1 refuses the file, since guessing would either teach a crowd
+  region as one object or drop an object;
 - `bbox` [x, y, w, h] becomes [x, y, x + w, y + h], clamped to the image; a box of zero width or height
-  after clamping is skipped.
+  after clamping is skipped;
+- `{categories}` in the prompt becomes the names of the categories at least one written object has: a
+  category no object uses (labelme's `_background_`, a placeholder id 0) would ask the model for something
+  it is never shown.
 
 Images are checked by the loader's own check (`ImageStore.inspect_file`: exists, Pillow opens and
 verifies it, decodes it where verify checks nothing, at most `max_image_pixels`) and their size, so the
@@ -31,32 +39,48 @@ is there. An image with no annotation at all is written with no objects (a negat
 canonical answer per image as the synthetic tasks have. An RLE mask or a polygon in several parts is
 not a crowd and not skipped: its box keeps the object in the answer.
 
+Files that look like COCO but are not instances files are refused, not converted into nothing: a file with
+no annotation at all (an image list such as image_info_test2017.json; `allow_no_annotations` converts it
+into records without objects), a panoptic or a captions file (their annotations have no `bbox` or
+`category_id`), two categories with one id (which name would their objects get?).
+
 Torch-free: only PIL (through the image store) and the record schema.
 """
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import math
 import os
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 from learner.core.codec import check_desc
 from learner.data.images import ImageError, ImageStore
 from learner.data.records import Record
 from rmsft.jobspec import VisionSpec
 
+if TYPE_CHECKING:
+    pass
+
 # Prompts that name the answer's keys of each output format (spec.training.format), as the shipped
-# synthetic tasks' do; `{categories}` in a prompt is replaced by the category names, comma-separated.
+# synthetic tasks' do; `{categories}` in a prompt is replaced by the names of the categories the written
+# objects have, comma-separated.
 DEFAULT_PROMPTS = {
     "coordexp": "Detect every object in the image. Answer in JSON with a description and a bbox_2d or poly for each.",
     "qwen_json": "Detect every object in the image. Answer with a JSON list of its bbox_2d and label for each.",
 }
 CATEGORIES_PLACEHOLDER = "{categories}"
 _DECIMALS = 2  # coordinates are kept to 1/100 pixel: finer means nothing on the 1000-bin grid
+# What spec.training.data.path (and training.eval.data) take; the loader reads a .gz name through gzip.
+OUT_SUFFIXES = (".jsonl", ".jsonl.gz")
+_LISTED = 10  # names, paths or problems quoted in a summary line before "... and N more"
 
 # Reasons, as the summary prints them (one counter per reason).
 SKIP_CROWD = "crowd annotation (iscrowd: 1)"
@@ -94,6 +118,9 @@ class CocoOptions:
     paths: Literal["out", "images", "absolute"] = "out"
     # Largest source image accepted: the job's spec.model.vision.maxImagePixels, which the loader enforces.
     max_image_pixels: int = VisionSpec.model_fields["max_image_pixels"].default
+    # A file without any annotation (an image list, a test split) is refused unless this is set: converted,
+    # it is records without objects, which teach the model that the images hold nothing.
+    allow_no_annotations: bool = False
 
     def __post_init__(self) -> None:
         if self.format not in DEFAULT_PROMPTS:
@@ -112,7 +139,8 @@ class CocoOptions:
 
 @dataclass
 class CocoSummary:
-    """What a conversion wrote and skipped."""
+    """What a conversion wrote and skipped. Every annotation read is counted once: written as an object, in
+    `skipped_annotations`, or in `annotations_of_skipped_images` (usable, but its image was skipped)."""
 
     out: Path
     images_in: int = 0
@@ -122,6 +150,10 @@ class CocoSummary:
     polygons: int = 0
     boxes: int = 0
     empty_records: int = 0
+    annotations_of_skipped_images: int = 0
+    # Usable categories no written object has: left out of `{categories}` (only reported when the prompt has it).
+    unused_categories: list[str] = field(default_factory=list)
+    prompt_has_categories: bool = False
     skipped_annotations: Counter[str] = field(default_factory=Counter)
     skipped_images: Counter[str] = field(default_factory=Counter)
     as_box: Counter[str] = field(default_factory=Counter)
@@ -143,8 +175,16 @@ class CocoSummary:
                                ("skipped images", self.skipped_images),
                                ("written as boxes", self.as_box)):  # fmt: skip
             if counter:
-                out.append(f"{title}: {sum(counter.values())}")
+                head = f"{title}: {sum(counter.values())}"
+                if counter is self.skipped_images:
+                    # Skipping an image drops its objects too; said here, since no annotation reason counts them.
+                    head += f" ({_n(self.annotations_of_skipped_images, 'annotation')} of them not written)"
+                out.append(head)
                 out.extend(f"  {n} {reason} (first: {self.examples[reason]})" for reason, n in counter.most_common())
+        if self.prompt_has_categories and self.unused_categories:
+            left_out = _n(len(self.unused_categories), "category", "categories")
+            out.append(f"{CATEGORIES_PLACEHOLDER} leaves out {left_out} no written object has: "
+                       f"{_listed(self.unused_categories)}")
         return out
 
 
@@ -152,7 +192,29 @@ def _n(count: int, one: str, many: str | None = None) -> str:
     return f"{count} {one if count == 1 else many or one + 's'}"
 
 
+def _listed(items: list[str]) -> str:
+    more = len(items) - _LISTED
+    return ", ".join(items[:_LISTED]) + (f", ... and {more} more" if more > 0 else "")
+
+
+def _not_instances(path: Path, annotations: list[Any]) -> str | None:
+    """What kind of COCO file this is when its annotations are not detection annotations: panoptic and
+    captions files have `images` and `annotations` too, and every annotation would otherwise be skipped one by
+    one as "category id not in categories", hiding that the wrong file was given."""
+    anns = [a for a in annotations if isinstance(a, dict)]
+    if not anns or any("category_id" in a or "bbox" in a for a in anns):
+        return None
+    if any("segments_info" in a for a in anns):
+        return ("a panoptic file (its annotations are segments_info lists and PNG file_names, with no bbox or "
+                "category_id)")
+    if any("caption" in a for a in anns):
+        return "a captions file (its annotations are captions, with no bbox or category_id)"
+    return None
+
+
 def _load(path: Path) -> dict[str, Any]:
+    """The file's JSON with `images`, `categories` and `annotations` lists; a missing or null `annotations`
+    (an image-list or test-split file has none) reads as an empty list, which `convert_coco` decides on."""
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
@@ -163,6 +225,14 @@ def _load(path: Path) -> dict[str, Any]:
         raise CocoError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise CocoError(f"{path}: expected a JSON object with images, annotations and categories")
+    if isinstance(doc.get("annotations"), list):
+        # Before the keys: a captions file has no `categories`, and "key missing" would not say what it is.
+        kind = _not_instances(path, doc["annotations"])
+        if kind is not None:
+            raise CocoError(f"{path}: this is not an instances (detection) file: it looks like {kind}; give the "
+                            "split's instances_*.json")
+    if doc.get("annotations") is None and isinstance(doc.get("images"), list):
+        doc["annotations"] = []
     for key in ("images", "annotations", "categories"):
         if not isinstance(doc.get(key), list):
             raise CocoError(f"{path}: key {key!r} must be a list (a COCO instances file has images, annotations "
@@ -180,6 +250,34 @@ def _entry(path: Path, key: str, i: int, item: Any, fields: dict[str, type | tup
         if not isinstance(value, kind) or isinstance(value, bool):
             raise CocoError(f"{path}: {key}[{i}].{name} is missing or not a {getattr(kind, '__name__', 'number')}")
     return item
+
+
+def _pixels(path: Path, i: int, image: dict[str, Any], key: str) -> int:
+    """An image's `width` or `height` as an integer. Some exporters write 500.0: a whole number is a size as
+    good as 500; 500.5 or 0 is no pixel size, and the record's frame would be a guess."""
+    value = image.get(key)
+    where = f"{path}: images[{i}] (id {image['id']}, {image['file_name']})"
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise CocoError(f"{where}: {key} is missing or not a number ({value!r})")
+    if not (math.isfinite(value) and float(value).is_integer()):
+        raise CocoError(f"{where}: {key} {value!r} is not a whole number of pixels")
+    if value < 1:
+        raise CocoError(f"{where}: {key} {value!r} must be >= 1")
+    return int(value)
+
+
+_CROWD_WORDS = {"0": False, "1": True, "false": False, "true": True}
+
+
+def _is_crowd(value: Any) -> bool | None:
+    """`iscrowd` as a flag (absent or null: not a crowd); None for a value that says neither."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        return _CROWD_WORDS.get(value.strip().lower())
+    return None
 
 
 def _finite(values: Any, n: int | None = None) -> list[float] | None:
@@ -252,35 +350,71 @@ def _image_ref(path: Path, file_name: str, out: Path, paths: str) -> str:
     return os.path.relpath(path.resolve(), out.resolve().parent)
 
 
+def _check_out(out: Path) -> None:
+    """Refuse an OUT that cannot be written before anything is read or written: found after the conversion, it
+    would leave OUT.tmp behind and say only what the OS said."""
+    if not out.name.endswith(OUT_SUFFIXES):
+        raise CocoError(f"{out}: the output must be a .jsonl file, or .jsonl.gz for gzip (what "
+                        "spec.training.data.path takes)")
+    if out.is_dir():
+        raise CocoError(f"{out}: is a folder; OUT is the file to write (e.g. {out / 'train.jsonl'})")
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise CocoError(f"{out}: cannot be written: {above} is a file, not a folder")
+
+
+@contextmanager
+def _writer(tmp: Path, out: Path) -> Iterator[TextIO]:
+    """Text written to `tmp`, gzip-compressed when OUT is a .gz file (the loader reads .gz through gzip)."""
+    with tmp.open("wb") as raw:
+        if not out.name.endswith(".gz"):
+            with io.TextIOWrapper(raw, encoding="utf-8") as f:
+                yield f
+            return
+        # OUT's name in the header, not the temporary one (gunzip -N restores it), and mtime 0: the same
+        # conversion writes the same bytes.
+        with gzip.GzipFile(filename=out.name, mode="wb", fileobj=raw, mtime=0) as gz, \
+                io.TextIOWrapper(gz, encoding="utf-8") as f:  # fmt: skip
+            yield f
+
+
 def convert_coco(annotations: str | Path, images_dir: str | Path, out: str | Path,
                  options: CocoOptions | None = None) -> CocoSummary:
-    """Convert a COCO instances file to a JSONL of training records at `out` (overwritten); see the module
-    docstring for what becomes what. Raises `CocoError` for a file that is not COCO or that yields no record."""
+    """Convert a COCO instances file to a JSONL of training records at `out` (overwritten; gzip when it ends in
+    .gz); see the module docstring for what becomes what. Raises `CocoError` for a file that is not COCO
+    instances or that yields no record, and for an `out` that cannot be written (nothing is left behind)."""
     options = options or CocoOptions()
     annotations, images_dir, out = Path(annotations), Path(images_dir), Path(out)
-    if out.name.endswith(".gz") or not out.name.endswith(".jsonl"):
-        raise CocoError(f"{out}: the output must be a .jsonl file (what spec.training.data.path takes)")
+    _check_out(out)
     if not images_dir.is_dir():
         raise CocoError(f"{images_dir}: no such folder (IMAGES_DIR: the folder the images' file_name are relative to)")
     doc = _load(annotations)
     summary = CocoSummary(out=out, images_in=len(doc["images"]), annotations_in=len(doc["annotations"]))
 
     categories: dict[int, str | None] = {}
+    raw_names: dict[int, str] = {}
     for i, raw in enumerate(doc["categories"]):
         cat = _entry(annotations, "categories", i, raw, {"id": int, "name": str})
+        if cat["id"] in raw_names:  # the last would win silently, renaming every object of the first
+            raise CocoError(f"{annotations}: categories[{i}].id {cat['id']} is used by {raw_names[cat['id']]!r} "
+                            f"and {cat['name']!r}; category ids must be unique")
+        raw_names[cat["id"]] = cat["name"]
         try:
             categories[cat["id"]] = check_desc(cat["name"])
         except ValueError:
             categories[cat["id"]] = None  # its annotations are skipped, each counted
     images: dict[int, dict[str, Any]] = {}
     for i, raw in enumerate(doc["images"]):
-        img = _entry(annotations, "images", i, raw, {"id": int, "file_name": str, "width": int, "height": int})
+        img = _entry(annotations, "images", i, raw, {"id": int, "file_name": str})
         if img["id"] in images:
             raise CocoError(f"{annotations}: images[{i}].id {img['id']} is used by another image too")
-        if img["width"] < 1 or img["height"] < 1:
-            raise CocoError(f"{annotations}: images[{i}] ({img['file_name']}) has width/height "
-                            f"{img['width']}x{img['height']}; both must be >= 1")
-        images[img["id"]] = img
+        images[img["id"]] = {**img, "width": _pixels(annotations, i, img, "width"),
+                             "height": _pixels(annotations, i, img, "height")}  # fmt: skip
+
+    # After the structure's checks, which say more about a broken file than "no annotations" would.
+    if not doc["annotations"] and not options.allow_no_annotations:
+        raise CocoError(f"{annotations}: the file has no annotations (it looks like an image-list or test-split "
+                        "file): every record would be without objects; --allow-no-annotations converts it anyway")
 
     # Per image: (object, why it is a box when it is one by fallback, where) - counted once written.
     objects: dict[int, list[tuple[dict[str, Any], str | None, str]]] = {image_id: [] for image_id in images}
@@ -295,7 +429,11 @@ def convert_coco(annotations: str | Path, images_dir: str | Path, out: str | Pat
             summary.note(summary.skipped_annotations, SKIP_UNKNOWN_IMAGE, f"{where}, image_id {ann.get('image_id')!r}")
             continue
         annotated[image["id"]] += 1
-        if ann.get("iscrowd") in (1, True):
+        crowd = _is_crowd(ann.get("iscrowd"))
+        if crowd is None:
+            raise CocoError(f"{annotations}: annotations[{i}] ({where}): iscrowd {ann['iscrowd']!r} is neither 0 nor "
+                            "1 (nor true/false); whether it is one object or a crowd region is not guessed")
+        if crowd:
             summary.note(summary.skipped_annotations, SKIP_CROWD, where)
             continue
         cat_id = ann.get("category_id")
@@ -312,44 +450,63 @@ def convert_coco(annotations: str | Path, images_dir: str | Path, out: str | Pat
             continue
         objects[image["id"]].append(({"desc": desc, **geometry}, as_box, where))
 
-    names = ", ".join(sorted({n for n in categories.values() if n}))
-    prompt = (options.prompt or DEFAULT_PROMPTS[options.format]).replace(CATEGORIES_PLACEHOLDER, names)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    # Images first, then the prompt: `{categories}` names what the written objects have, which is known only
+    # once every image is checked (an image that is skipped takes its objects with it).
     store = ImageStore(None, out, options.max_image_pixels, cache_images=0)
-    tmp = out.with_name(out.name + ".tmp")
-    with tmp.open("w") as f:
-        for image_id, image in images.items():
-            name = image["file_name"]
-            entries = sorted(objects[image_id], key=lambda e: _reading_order(e[0]))
-            objs = [obj for obj, _, _ in entries]
-            if not objs:
-                reason = IMG_ALL_SKIPPED if annotated[image_id] else (None if options.keep_empty else IMG_EMPTY)
-                if reason is not None:
-                    summary.note(summary.skipped_images, reason, name)
-                    continue
-            if options.max_objects is not None and len(objs) > options.max_objects:
-                summary.note(summary.skipped_images, IMG_TOO_MANY, f"{name} ({len(objs)} objects)")
-                continue
-            path = images_dir / name
-            problem = _check_image(store, path, image["width"], image["height"])
-            if problem is not None:
-                summary.note(summary.skipped_images, *problem)
-                continue
-            record = {"id": str(image_id), "width": image["width"], "height": image["height"],
-                      "messages": [{"role": "user", "content": prompt}],
-                      "images": [_image_ref(path, name, out, options.paths)], "objects": objs}  # fmt: skip
-            Record.model_validate(record)  # what the learner's loader will check; a failure here is a bug
-            f.write(json.dumps(record) + "\n")
-            for _, as_box, where in entries:
-                if as_box is not None:
-                    summary.note(summary.as_box, as_box, where)
-            summary.records += 1
-            summary.objects += len(objs)
-            summary.polygons += sum("poly" in o for o in objs)
-            summary.empty_records += not objs
+    kept: list[tuple[dict[str, Any], list[tuple[dict[str, Any], str | None, str]], Path]] = []
+    for image_id, image in images.items():
+        name = image["file_name"]
+        entries = sorted(objects[image_id], key=lambda e: _reading_order(e[0]))
+        skipped: tuple[str, str] | None = None
+        if not entries:
+            reason = IMG_ALL_SKIPPED if annotated[image_id] else (None if options.keep_empty else IMG_EMPTY)
+            skipped = None if reason is None else (reason, name)
+        if skipped is None and options.max_objects is not None and len(entries) > options.max_objects:
+            skipped = IMG_TOO_MANY, f"{name} ({len(entries)} objects)"
+        path = images_dir / name
+        if skipped is None:
+            skipped = _check_image(store, path, image["width"], image["height"])
+        if skipped is not None:
+            summary.note(summary.skipped_images, *skipped)
+            summary.annotations_of_skipped_images += len(entries)
+            continue
+        kept.append((image, entries, path))
+
+    usable = sorted({n for n in categories.values() if n})
+    used = sorted({obj["desc"] for _, entries, _ in kept for obj, _, _ in entries})
+    # No object at all (allow_no_annotations): the file's categories are all there is to name.
+    names = used or usable
+    summary.unused_categories = [n for n in usable if n not in set(names)]
+    template = options.prompt or DEFAULT_PROMPTS[options.format]
+    summary.prompt_has_categories = CATEGORIES_PLACEHOLDER in template
+    prompt = template.replace(CATEGORIES_PLACEHOLDER, ", ".join(names))
+    records = []
+    for image, entries, path in kept:
+        objs = [obj for obj, _, _ in entries]
+        record = {"id": str(image["id"]), "width": image["width"], "height": image["height"],
+                  "messages": [{"role": "user", "content": prompt}],
+                  "images": [_image_ref(path, image["file_name"], out, options.paths)], "objects": objs}  # fmt: skip
+        Record.model_validate(record)  # what the learner's loader will check; a failure here is a bug
+        records.append(record)
+        for _, as_box, where in entries:
+            if as_box is not None:
+                summary.note(summary.as_box, as_box, where)
+        summary.records += 1
+        summary.objects += len(objs)
+        summary.polygons += sum("poly" in o for o in objs)
+        summary.empty_records += not objs
     summary.boxes = summary.objects - summary.polygons
     if summary.records == 0:
-        tmp.unlink()
         raise CocoError(f"{annotations}: no image could be converted:\n" + "\n".join(summary.lines()[1:]))
-    tmp.replace(out)  # never a half-written dataset at OUT
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with _writer(tmp, out) as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+        tmp.replace(out)  # never a half-written dataset at OUT
+    except OSError as exc:  # a full disk, a folder that appeared at OUT meanwhile: nothing left behind
+        tmp.unlink(missing_ok=True)
+        raise CocoError(f"{out}: cannot be written ({exc.strerror or exc})") from None
     return summary
+
