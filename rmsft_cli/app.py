@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import typer
@@ -257,8 +258,12 @@ def train(
             RuntimeError, OSError) as exc:
         _fail(exc)
     from learner.rollouts.pool import NoServerAvailableError
+    from learner.train.loop import StopRequested
     from learner.train.ranks import RankFailedError
 
+    # An eviction, a drain or a preemption sends SIGTERM, then SIGKILL after the pod's grace period: stop after the
+    # step in progress with a checkpoint of it (the restarted pod resumes there), not at the kill with nothing saved.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: trainer.request_stop(signal.Signals(signum).name))
     try:
         if resume:
             trainer.resume()
@@ -272,6 +277,11 @@ def train(
             write_termination_log(final_progress_message(summary.steps, summary.weight_version))
     except (RankFailedError, NoServerAvailableError) as exc:  # every learner rank exits with the cause
         _fail(exc)
+    except StopRequested as exc:
+        import logging
+
+        logging.getLogger("rmsft.train").warning("%s", exc)
+        raise typer.Exit(128 + signal.SIGTERM) from None
     finally:
         trainer.close()
 

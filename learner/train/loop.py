@@ -79,6 +79,17 @@ log = logging.getLogger("rmsft.learner")
 RowLoss = Callable[[PackedRow, torch.Tensor, Any], tuple[torch.Tensor, Mapping[str, torch.Tensor]]]
 
 
+class StopRequested(Exception):  # noqa: N818 - a request, not an error
+    """The run was asked to stop (`TrainingLoop.request_stop`: SIGTERM to `rmsft train`, i.e. an eviction, a node
+    drain, a preemption): raised on every rank after the step in progress, once the checkpoint of that step is
+    written, so a restart resumes there instead of at the last periodic checkpoint."""
+
+    def __init__(self, why: str, step: int, checkpoint: Path | None) -> None:
+        where = f"checkpoint {checkpoint} written" if checkpoint is not None else "its checkpoint written by rank 0"
+        super().__init__(f"stopped ({why}) after step {step}: {where}; a restart resumes from it")
+        self.why, self.step, self.checkpoint = why, step, checkpoint
+
+
 class TrainingLoop(RolloutHandout, ABC):
     """The learner loop (module doc); an objective subclass says what one step is. Under torchrun (WORLD_SIZE > 1)
     or with `process_group`, one rank of a data-parallel group: only rank 0 builds the server pool and talks to the
@@ -114,6 +125,7 @@ class TrainingLoop(RolloutHandout, ABC):
         self.evaluations: list[Evaluation] = []
         self.reporter: RunReporter | None = None  # rank 0's TensorBoard and held-out reports
         self.exported: Path | None = None
+        self._stop_why: str | None = None  # request_stop's reason (set from a signal handler)
         try:
             self._setup(job, addresses, auth_token, model_path, device)
         except BaseException:
@@ -251,11 +263,28 @@ class TrainingLoop(RolloutHandout, ABC):
             # included, generates nothing, so they wait for the weights of the step before one that does).
             if st.step < target and self._samples_at(st.step):
                 self._sync()
-            if ck_every and st.step % ck_every == 0:
-                self.save()
+            due = bool(ck_every) and st.step % ck_every == 0
+            saved = self.save() if due else None
             if self._eval_due(target):
                 self.evaluate_held_out()
+            why = self._stop_agreed()
+            if why is not None:  # the step is whole: keep it, then stop (a restart resumes here)
+                raise StopRequested(why, st.step, saved if due else self.save())
         return self._end(t_start)
+
+    def request_stop(self, why: str) -> None:
+        """Stop after the step in progress, with a checkpoint of it (`StopRequested`). Only sets a field: safe from
+        a signal handler, and the step in progress (a collective on several ranks) is never cut midway."""
+        self._stop_why = why
+
+    def _stop_agreed(self) -> str | None:
+        """The reason to stop now, agreed by every rank: one rank asked is every rank stopping at this same step
+        (the checkpoint is collective). One small all-reduce per step on several ranks, nothing on one."""
+        why = self._stop_why
+        if self.ranks.enabled:
+            asked = self.ranks.sum([0.0 if why is None else 1.0])[0]
+            why = (why or "another rank was asked to stop") if asked > 0 else None
+        return why
 
     def _begin(self, max_steps: int | None) -> int:
         """Start (or resume) a run: rank 0's reporter and run.json, the servers ready, weights synced once

@@ -57,6 +57,38 @@ def test_resume_continues_where_the_checkpoint_left(tmp_path: Path, tiny_model_d
     assert resumed.history[0].loss == pytest.approx(straight.history[2].loss, rel=1e-5)
 
 
+def test_a_stop_request_ends_the_run_after_its_step_with_a_checkpoint(tmp_path: Path, tiny_model_dir: Path,
+                                                                      data_path: Path,
+                                                                      servers: list[FakeServer]) -> None:
+    """What `rmsft train` does on SIGTERM (an eviction, a drain, a preemption): the step in progress finishes, its
+    checkpoint is written though none was due (checkpoint.every 0), the run stops; resumed, it trains on as if never
+    stopped (issue 41)."""
+    from learner.train.checkpoint_files import list_checkpoints
+    from learner.train.loop import StopRequested
+    from learner.train.rollout_matching import Trainer
+
+    addrs = [s.address for s in servers]
+    straight, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "a", steps=3), addrs)
+    ckpt = tmp_path / "b"
+    stopped = Trainer(make_job(tiny_model_dir, data_path, ckpt, steps=3), addrs,
+                      on_step=lambda r: stopped.request_stop("SIGTERM") if r.step == 2 else None)
+    try:
+        with pytest.raises(StopRequested, match=r"stopped \(SIGTERM\) after step 2: checkpoint .*step-2 written"):
+            stopped.run()
+    finally:
+        stopped.close()
+    assert [h.step for h in stopped.history] == [1, 2]
+    assert [p.name for p in list_checkpoints(ckpt)] == ["step-2"]
+    resumed = Trainer(make_job(tiny_model_dir, data_path, ckpt, steps=3), addrs)
+    try:
+        assert resumed.resume() and resumed.step == 2
+        resumed.run()
+    finally:
+        resumed.close()
+    assert [h.step for h in resumed.history] == [3]
+    assert resumed.history[0].loss == pytest.approx(straight.history[2].loss, rel=1e-5)
+
+
 def test_a_server_dying_mid_run_fails_over(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
                                            servers: list[FakeServer]) -> None:
     from learner.train.rollout_matching import Trainer
