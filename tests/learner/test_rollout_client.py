@@ -358,6 +358,9 @@ def test_another_runs_weights_under_the_same_number_are_stale(cluster) -> None:
     refused by its fence, re-synced, and only then given work; nothing of the other run is returned."""
     servers, pool = cluster(2)
     servers[1].engine.hold(WeightVersion("otherrun0001", 1))
+    # Server 0 answers slowly, so the prompts left once server 1 is re-synced go to it on any machine load: without
+    # this, a busy machine let server 0 answer all eight before the re-sync came back (seen under two processes).
+    servers[0].engine.delay_s = 0.2
     pool.refresh()
     assert pool.is_current(pool.servers[0]) and not pool.is_current(pool.servers[1])
     pool.servers[1].state.hold(pool.current)  # as if the learner had not noticed: the server's fence refuses
