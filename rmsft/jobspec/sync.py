@@ -12,7 +12,8 @@ SyncTransport = Literal["grpc", "shm"]
 
 
 class SyncSpec(_K8s):
-    """How the learner's new weights reach the rollout engines after every optimizer step."""
+    """How the learner's new weights reach the rollout engines, before each step that samples: every step under
+    recipe generation 1, channel-B steps and held-out evaluations under generation 2."""
 
     mode: Literal["full", "adapter", "auto"] = Field(
         "full", description="full: the model's weights (LoRA merged); adapter: the LoRA adapter alone (needs "
