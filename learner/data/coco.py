@@ -59,15 +59,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TextIO
+from typing import Any, Literal, TextIO
 
 from learner.core.codec import check_desc
 from learner.data.images import ImageError, ImageStore
 from learner.data.records import Record
 from rmsft.jobspec import VisionSpec
-
-if TYPE_CHECKING:
-    pass
 
 # Prompts that name the answer's keys of each output format (spec.training.format), as the shipped
 # synthetic tasks' do; `{categories}` in a prompt is replaced by the names of the categories the written
