@@ -2,28 +2,45 @@
 
 Public API
 - `normalize_label(desc) -> str`: lower case, `_ / ( )` as spaces, single spaces: "the same label".
-- `DuplicateConfig(iou=0.9, center_radius=0.8)`; `find_duplicates(objects, cfg) -> dict[int, int]`:
-  duplicate index -> the earlier kept object it repeats: same normalized label, and IoU >= `iou` or
-  centres closer than `center_radius * sqrt(min(area_a, area_b))` (bins of the 1000-bin grid: a radius
-  that scales with the objects' size). Objects are compared, in answer order, with the earlier objects
-  that are kept (not themselves duplicates), so the first of a burst stays.
+- `DuplicateConfig(iou=0.9, center_radius=0.8, clusters=True, support_iou=0.9, spread=2.5)`;
+  `find_duplicates(objects, cfg, support=None) -> dict[int, int]`: duplicate index -> the object of the answer
+  that stays in its place. Two objects are duplicate-like when they have the same normalized label, and IoU >=
+  `iou` or centres closer than `center_radius * sqrt(max(1, min(area_a, area_b)))` (bins of the 1000-bin grid: a
+  radius that scales with the objects' size). With `clusters` (the reference's rule, the default) the
+  duplicate-like pairs are joined into clusters (connected components); a cluster stays whole when two or more of
+  its members are supported by an explorer (`support`: per object, the explorer answers holding it, from
+  `label_support`) or when it is spread wide (two members' centres farther apart than `spread * center_radius *
+  sqrt(max(1, largest area))`: a row of like objects, not a burst on one); else one member survives (the most
+  supported, then one not touching the grid's border, then the first) and the others are duplicates. Without
+  `clusters`: greedy in answer order, each object against the earlier kept ones (the first of a burst stays).
+- `label_support(objects, explorers, min_iou) -> list[int]`: per object, how many explorer answers hold an
+  object of the same label at IoU >= `min_iou` in a one-to-one pairing (duplicate exemptions and survivor).
+- `dead_anchors(kept, kept_matching, explorers, min_iou) -> list[int]`: the kept objects no ground truth and no
+  explorer supports ("dead anchors", left out of the prefix). An unmatched kept object is supported by an
+  explorer answer when the one-to-one IoU pairing of the kept objects with that answer's (labels not compared)
+  pairs it at IoU >= `min_iou` with an object the explorer did not match to the ground truth, and it is not
+  itself at IoU >= `min_iou` with a matched kept object. `explorers`: per explorer answer, its objects and the
+  indices of those it matched to the ground truth.
 - `CleanPrefixConfig(structure_ce=1.0, supervise_fn_desc=True, unlikelihood=True, recovered_weight=2.0,
-  geometry=True)`.
+  geometry=True, prefix_labels=True, dead_anchors=True)`.
 - `build_clean_targets(prompt_ids, parsed, duplicates, kept_matching, gt, vocab, fmt, rollout_prompt_ids,
-  cfg, recovered) -> Segment`. `kept_matching` matches the kept objects (answer order, duplicates left
-  out) to `gt`; `recovered`: ground-truth indices the anchor missed and an explorer found.
+  cfg, recovered, dead) -> Segment`. `kept_matching` matches the kept objects (answer order, duplicates and
+  dead anchors left out) to `gt`; `recovered`: ground-truth indices the anchor missed and an explorer found;
+  `dead`: indices of parsed objects left out of the prefix with no other term (dead anchors).
 
 Y_train = prompt + encode(opener) + encode(entries of the kept objects, then the missed ground truth,
 numbered 1.., + closer) + [eos]: the prefix is the model's own objects (its choice, order and place of
-every valid, non-duplicate object) written canonically, so a duplicate can be taken out of the middle and
-nothing invalid or truncated stays in it. With no kept object (an invalid, empty or unparseable answer) it
+every valid object that is neither a duplicate nor a dead anchor) written canonically, so an object can be
+taken out of the middle and nothing invalid or truncated stays in it. With dead anchors out, "close" is
+trained right after the last object that ground truth or an explorer supports, not after a hallucination.
+With no kept object (an invalid, empty or unparseable answer, or only duplicates and dead anchors) it
 is exactly the ground-truth target of channel A (and of a warm-start step).
 Supervision (weights per position; a weight 0 is no supervision):
-- opener, separators and structure tokens of kept entries (keys, braces, punctuation): cross-entropy at
-  `structure_ce`; the desc value and coordinates of an unmatched kept object: nothing (the model's own,
-  neither right nor wrong as far as the ground truth knows); a matched object's coordinates: the
-  coordinate loss towards its ground-truth bins (and the box terms), its desc: nothing (matching is
-  geometry only: the label is not what it was matched on);
+- opener, separators and every non-coordinate token of kept entries (keys, braces, punctuation, and with
+  `prefix_labels` their labels, as the reference's code does): cross-entropy at `structure_ce`; an unmatched
+  kept object's coordinates: nothing (the model's own, neither right nor wrong as far as the ground truth
+  knows); a matched object's coordinates: the coordinate loss towards its ground-truth bins (and the box
+  terms). Without `prefix_labels` kept labels get nothing (matching is geometry only);
 - appended missed objects: cross-entropy on structure, on the label when `supervise_fn_desc`, the
   coordinate loss on coordinates; `recovered` ones (missed by this answer, found by an explorer) with
   their label and coordinate terms at `recovered_weight`;
@@ -38,8 +55,10 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from learner.core.codec import COORDEXP, DetObject, OutputFormat, container_brackets
-from learner.core.match import MatchResult, iou
+import numpy as np
+
+from learner.core.codec import COORDEXP, NUM_BINS, DetObject, OutputFormat, container_brackets
+from learner.core.match import MatchResult, iou, pair_by_iou
 from learner.core.parse import ParsedRollout
 from learner.core.targets import (
     IGNORE_INDEX,
@@ -61,12 +80,19 @@ def normalize_label(desc: str) -> str:
 class DuplicateConfig:
     iou: float = 0.9
     center_radius: float = 0.8  # times sqrt(the smaller area, in bins^2); 0 = IoU alone
+    clusters: bool = True  # the reference's clusters with exemptions; False: greedy in answer order
+    support_iou: float = 0.9  # an explorer's object at this IoU (same label) supports an object
+    spread: float = 2.5  # a cluster wider than spread * center_radius * sqrt(largest area) is a row, kept
 
     def __post_init__(self) -> None:
         if not 0.0 < self.iou <= 1.0:
             raise ValueError(f"duplicate iou must be in (0, 1], got {self.iou}")
         if self.center_radius < 0:
             raise ValueError(f"duplicate center_radius must be >= 0, got {self.center_radius}")
+        if not 0.0 < self.support_iou <= 1.0:
+            raise ValueError(f"support_iou must be in (0, 1], got {self.support_iou}")
+        if self.spread <= 0:
+            raise ValueError(f"spread must be > 0, got {self.spread}")
 
 
 def _center(o: DetObject) -> tuple[float, float]:
@@ -89,17 +115,87 @@ def is_duplicate(a: DetObject, b: DetObject, cfg: DuplicateConfig) -> bool:
     return iou(a, b) >= cfg.iou
 
 
-def find_duplicates(objects: Sequence[DetObject], cfg: DuplicateConfig | None = None) -> dict[int, int]:
+def _touches_border(o: DetObject) -> bool:
+    return any(b in (0, NUM_BINS - 1) for b in o.bins)
+
+
+def find_duplicates(objects: Sequence[DetObject], cfg: DuplicateConfig | None = None,
+                    support: Sequence[int] | None = None) -> dict[int, int]:
     cfg = cfg or DuplicateConfig()
-    kept: list[int] = []
-    dups: dict[int, int] = {}
-    for i, o in enumerate(objects):
-        first = next((k for k in kept if is_duplicate(o, objects[k], cfg)), None)
-        if first is None:
-            kept.append(i)
-        else:
-            dups[i] = first
+    if support is not None and len(support) != len(objects):
+        raise ValueError(f"support for {len(support)} object(s), not {len(objects)}")
+    if not cfg.clusters:
+        kept: list[int] = []
+        dups: dict[int, int] = {}
+        for i, o in enumerate(objects):
+            first = next((k for k in kept if is_duplicate(o, objects[k], cfg)), None)
+            if first is None:
+                kept.append(i)
+            else:
+                dups[i] = first
+        return dups
+    sup = list(support) if support is not None else [0] * len(objects)
+    root = list(range(len(objects)))  # union-find over duplicate-like pairs
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+
+    for i in range(len(objects)):
+        for j in range(i + 1, len(objects)):
+            if is_duplicate(objects[i], objects[j], cfg):
+                root[find(j)] = find(i)
+    clusters: dict[int, list[int]] = {}
+    for i in range(len(objects)):
+        clusters.setdefault(find(i), []).append(i)
+    dups = {}
+    for members in clusters.values():
+        if len(members) < 2 or sum(1 for m in members if sup[m] > 0) >= 2 or _spread_wide(
+                [objects[m] for m in members], cfg):
+            continue
+        survivor = min(members, key=lambda m: (-sup[m], _touches_border(objects[m]), m))
+        dups.update({m: survivor for m in members if m != survivor})
     return dups
+
+
+def _spread_wide(members: Sequence[DetObject], cfg: DuplicateConfig) -> bool:
+    """Two members' centres farther apart than `spread * center_radius * sqrt(max(1, largest area))`: a row
+    of like objects side by side, not a burst on one object (off without a centre radius)."""
+    if cfg.center_radius <= 0:
+        return False
+    limit = cfg.spread * cfg.center_radius * math.sqrt(max(1.0, max(_area(o) for o in members)))
+    centers = [_center(o) for o in members]
+    return any(math.hypot(ax - bx, ay - by) > limit
+               for k, (ax, ay) in enumerate(centers) for bx, by in centers[k + 1:])
+
+
+def label_support(objects: Sequence[DetObject], explorers: Sequence[Sequence[DetObject]], min_iou: float) -> list[int]:
+    """Per object, the explorer answers that hold it: an object of the same normalized label paired with it at IoU
+    >= `min_iou` in a one-to-one pairing of the highest total IoU."""
+    support = [0] * len(objects)
+    labels = [normalize_label(o.desc) for o in objects]
+    for view in explorers:
+        same = np.array([[a == normalize_label(b.desc) for b in view] for a in labels], dtype=bool).reshape(
+            len(objects), len(view))
+        for i in pair_by_iou(objects, view, min_iou, same):
+            support[i] += 1
+    return support
+
+
+def dead_anchors(kept: Sequence[DetObject], kept_matching: MatchResult,
+                 explorers: Sequence[tuple[Sequence[DetObject], Collection[int]]], min_iou: float) -> list[int]:
+    """Indices of `kept` unmatched and supported by no explorer answer (see the module docstring)."""
+    matched = sorted(kept_matching.gt_of_pred())
+    unmatched = [i for i in range(len(kept)) if i not in set(matched)]
+    # An unmatched object that repeats a matched one is not supported by the explorer's copy of that one.
+    free = [i for i in unmatched if all(iou(kept[i], kept[m]) < min_iou for m in matched)]
+    supported: set[int] = set()
+    for view, view_matched in explorers:
+        pairs = pair_by_iou(kept, view, min_iou)
+        supported |= {i for i in free if i in pairs and pairs[i] not in set(view_matched)}
+    return [i for i in unmatched if i not in supported]
 
 
 @dataclass(frozen=True)
@@ -109,6 +205,8 @@ class CleanPrefixConfig:
     unlikelihood: bool = True
     recovered_weight: float = 2.0
     geometry: bool = True  # box groups (expected-value SmoothL1 + CIoU) for matched and appended boxes
+    prefix_labels: bool = True  # CE (at structure_ce) on the labels of kept objects, as the reference's code
+    dead_anchors: bool = True  # unmatched kept objects no explorer supports leave the prefix (the caller finds them)
 
     def __post_init__(self) -> None:
         if self.structure_ce < 0:
@@ -164,6 +262,7 @@ def build_clean_targets(
     rollout_prompt_ids: Sequence[int] | None = None,
     cfg: CleanPrefixConfig | None = None,
     recovered: Collection[int] = (),
+    dead: Collection[int] = (),
 ) -> Segment:
     cfg = cfg or CleanPrefixConfig()
     require_coord_tokens(vocab, fmt)
@@ -174,7 +273,10 @@ def build_clean_targets(
     objs = [p.obj for p in parsed.objects]
     if any(not 0 <= d < len(objs) or not 0 <= k < len(objs) for d, k in duplicates.items()):
         raise TargetError("duplicate index outside the parsed objects")
-    kept_idx = [i for i in range(len(objs)) if i not in duplicates]
+    dead = set(dead)
+    if any(not 0 <= d < len(objs) or d in duplicates for d in dead):
+        raise TargetError("a dead anchor index outside the parsed objects or also a duplicate")
+    kept_idx = [i for i in range(len(objs)) if i not in duplicates and i not in dead]
     n_kept, n_gt = len(kept_idx), len(gt)
     for p, g, _ in kept_matching.pairs:
         if not (0 <= p < n_kept and 0 <= g < n_gt):
@@ -244,7 +346,10 @@ def build_clean_targets(
             label(t, 0.0)
             continue
         if part is not None and any(bs < de and ds < be for ds, de in part.desc_spans):
-            w = part.weight if part.desc_supervised else 0.0
+            if part.kind == "kept":  # the model's own label, as prefix structure (the reference's code)
+                w = cfg.structure_ce if cfg.prefix_labels else 0.0
+            else:
+                w = part.weight if part.desc_supervised else 0.0
         elif part is not None:
             w = cfg.structure_ce if part.kind == "kept" else 1.0
         else:  # a separator: between the model's own objects it is structure, after them the tail's
@@ -299,6 +404,7 @@ def build_clean_targets(
             "n_fp": len(kept_matching.false_positives),
             "n_dropped": parsed.n_dropped,
             "n_duplicates": len(duplicates),
+            "n_dead": len(dead),
             "n_recovered": sum(1 for g in kept_matching.false_negatives if g in recovered),
             "truncated": parsed.truncated,
             "fallback": n_kept == 0,

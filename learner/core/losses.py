@@ -12,13 +12,18 @@ Public API
   no coord positions, the coordinate terms are exact zeros in the graph and all gradient is CE's;
   coord positions with no coord token ids are an error.
 - `coord_loss_terms(coord_logits, full_logits, target_bins, sigma)`: per-position soft CE, W1, gate.
+- `row_totals(row, weighted) -> (ce, coord, box, ul)`: a row's share of a step's denominators: counts of
+  supervised positions, boxes and unlikelihood terms, or with `weighted` the sums of their weights (summed over
+  a step's rows and ranks, then `LossSums.normalised_by`).
 
 loss = ce * mean CE over labelled tokens + mean over coord positions of
        (soft_ce * CE(Gaussian(target, sigma) || softmax(coord logits))
         + w1 * sum_k |CDF_p(k) - CDF_q(k)| / 1000
         + gate * (logsumexp(all logits) - logsumexp(coord logits))).
 Means are over all positions of the row (token-level, not per segment), which makes a packed
-row's loss exactly the loss of its segments run one by one with the same pooling.
+row's loss exactly the loss of its segments run one by one with the same pooling. A position's weight
+(`ce_weights`, `coord_weights`, `box_weights`) multiplies its term; the mean divides by the number of
+positions, or by the sum of the weights (`LossWeights.weighted_mean`, the second generation's default).
 The Gaussian is truncated to the grid and renormalised: its minimiser over all distributions is
 the Gaussian itself (mode at the target), but within ~2 sigma of a border a one-hot prediction is
 pulled up to one bin inwards (the truncated target's mean/median sits inside).
@@ -50,6 +55,9 @@ class LossWeights:
     smooth_l1: float = 0.0  # box terms on the coordinates' expected values (`box_terms`)
     ciou: float = 0.0
     unlikelihood: float = 0.0  # -log(1 - p(token)) at each duplicate's first diverging token
+    # How a term is averaged: False divides sum(w * loss) by the number of positions (boxes), True by sum(w), the
+    # reference's weighted mean (`step_totals`); the unlikelihood term is a plain mean either way.
+    weighted_mean: bool = False
 
     def __post_init__(self) -> None:
         if min(self.ce, self.soft_ce, self.w1, self.gate, self.coord_ce, self.smooth_l1, self.ciou,
@@ -128,23 +136,23 @@ class LossSums:
     """Un-normalised sums (with grad) and counts of one row; add rows, then `finish`."""
 
     ce_sum: torch.Tensor
-    ce_count: int
+    ce_count: float  # the denominators: counts, or sums of weights (`row_totals`)
     soft_ce_sum: torch.Tensor
     w1_sum: torch.Tensor
     gate_sum: torch.Tensor
-    coord_count: int
+    coord_count: float
     coord_ce_sum: torch.Tensor | float = 0.0
     l1_sum: torch.Tensor | float = 0.0
     ciou_sum: torch.Tensor | float = 0.0
-    box_count: int = 0
+    box_count: float = 0
     ul_sum: torch.Tensor | float = 0.0
-    ul_count: int = 0
+    ul_count: float = 0
 
     def __add__(self, other: LossSums) -> LossSums:
         kw = {f: getattr(self, f) + getattr(other, f) for f in (*_SUM_FIELDS, *_COUNT_FIELDS)}
         return LossSums(**kw)
 
-    def normalised_by(self, ce: int, coord: int, box: int, ul: int) -> LossSums:
+    def normalised_by(self, ce: float, coord: float, box: float, ul: float) -> LossSums:
         """These sums over other counts (a step's totals over all rows and ranks: summing the rows' losses
         then gives the pooled mean)."""
         kw = {f: getattr(self, f) for f in _SUM_FIELDS}
@@ -153,7 +161,9 @@ class LossSums:
     def finish(self, weights: LossWeights | None = None) -> LossOutput:
         """Token-level means over everything summed so far, weighted into one loss."""
         w = weights or LossWeights()
-        nc, nk, nb, nu = (max(n, 1) for n in (self.ce_count, self.coord_count, self.box_count, self.ul_count))
+        # A denominator of 0 has no term to divide (its sum is 0 too); weighted ones may be below 1.
+        nc, nk, nb, nu = (n if n > 0 else 1 for n in (self.ce_count, self.coord_count, self.box_count,
+                                                       self.ul_count))
         ce = self.ce_sum / nc
         soft, w1, gate, coord_ce = self.soft_ce_sum / nk, self.w1_sum / nk, self.gate_sum / nk, self.coord_ce_sum / nk
         l1, ciou, ul = self.l1_sum / nb, self.ciou_sum / nb, self.ul_sum / nu
@@ -179,7 +189,8 @@ def _detached(x: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
 
 
 def loss_sums(
-    logits: torch.Tensor, row: PackedRow, coord_token_ids: Sequence[int] | torch.Tensor, sigma: float = 2.0
+    logits: torch.Tensor, row: PackedRow, coord_token_ids: Sequence[int] | torch.Tensor, sigma: float = 2.0,
+    weighted: bool = False,
 ) -> LossSums:
     """Per-row sums of every loss term; see the module docstring for shapes."""
     if logits.dim() == 3:
@@ -234,8 +245,30 @@ def loss_sums(
         logp = torch.log_softmax(logits[upos - 1].float(), dim=-1)
         p = logp.gather(-1, row.ul_tokens.to(device)[:, None]).squeeze(-1).exp()
         ul_sum = -torch.log((1 - p).clamp_min(1e-6)).sum()
-    return LossSums(ce_sum, int(ce_pos.numel()), soft_sum, w1_sum, gate_sum, int(cpos.numel()),
-                    coord_ce_sum, l1_sum, ciou_sum, n_boxes, ul_sum, row.n_unlikelihood)
+    # Weighted denominators read the weights on the host: the training loop computes them once per step, before the
+    # rows go to the device (`row_totals`), and calls this with `weighted` False.
+    ce_n, coord_n, box_n, ul_n = (row_totals(row, True) if weighted else
+                                  (int(ce_pos.numel()), int(cpos.numel()), n_boxes, row.n_unlikelihood))
+    return LossSums(ce_sum, ce_n, soft_sum, w1_sum, gate_sum, coord_n,
+                    coord_ce_sum, l1_sum, ciou_sum, box_n, ul_sum, ul_n)
+
+
+def row_totals(row: PackedRow, weighted: bool = False) -> tuple[float, float, float, float]:
+    """The row's denominators of (CE, coordinate terms, box terms, unlikelihood): positions, or with `weighted` the
+    sums of their weights (a row without weights has weight 1 everywhere, so both agree)."""
+    labels = row.labels[0]
+    ce_pos = row.ce_positions if row.ce_positions is not None else torch.nonzero(labels != IGNORE_INDEX).flatten()
+    ce: float = int(ce_pos.numel())
+    coord: float = int(row.coord_positions.numel())
+    box: float = row.n_boxes
+    if weighted:
+        if row.ce_weights is not None:
+            ce = float(row.ce_weights[ce_pos.to(row.ce_weights.device)].sum())
+        if row.coord_weights is not None:
+            coord = float(row.coord_weights.sum())
+        if row.n_boxes and row.box_weights is not None:
+            box = float(row.box_weights.sum())
+    return ce, coord, box, row.n_unlikelihood
 
 
 def compute_loss(
@@ -246,4 +279,4 @@ def compute_loss(
 ) -> LossOutput:
     """Loss of one packed row (token-level means over the row)."""
     w = weights or LossWeights()
-    return loss_sums(logits, row, coord_token_ids, w.sigma).finish(w)
+    return loss_sums(logits, row, coord_token_ids, w.sigma, w.weighted_mean).finish(w)

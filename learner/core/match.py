@@ -5,6 +5,11 @@ Public API
 - `match(pred, gt, cfg) -> MatchResult` with `pairs` ((pred_i, gt_j, iou), sorted by gt_j),
   `false_negatives` (unmatched gt indices, ascending) and `false_positives` (unmatched preds).
 - `iou(a, b, mask_resolution)`: boxes exactly; anything with a polygon by mask IoU.
+- `pair_by_iou(a, b, min_iou, allowed=None) -> dict[int, int]`: a one-to-one pairing of `a` with `b` of the
+  highest total IoU among pairs at `min_iou` or above (`allowed`: an [len(a), len(b)] mask of pairs that may
+  pair, e.g. same label); what an explorer's answer "supports" of the anchor's (recipe generation 2).
+- `MatchResult.without_predictions(removed)`: the same matching with unmatched predictions taken out and the
+  others renumbered (the prefix's objects once dead anchors leave it).
 
 Cost is `1 - IoU`; pairs with IoU below the gate are forbidden. The Hungarian problem is solved on
 an (n_pred + n_gt) square matrix: the top-right diagonal is "pred i unmatched" (fp_cost), the
@@ -50,6 +55,16 @@ class MatchResult:
 
     def gt_of_pred(self) -> dict[int, int]:
         return {p: g for p, g, _ in self.pairs}
+
+    def without_predictions(self, removed: set[int] | frozenset[int]) -> MatchResult:
+        """This matching over the predictions left once `removed` (unmatched ones) are taken out, renumbered in
+        order."""
+        if removed & {p for p, _, _ in self.pairs}:
+            raise ValueError(f"predictions {sorted(removed)} include matched ones")
+        n = len(self.pairs) + len(self.false_positives)
+        new = {old: i for i, old in enumerate(j for j in range(n) if j not in removed)}
+        return MatchResult(tuple((new[p], g, v) for p, g, v in self.pairs), self.false_negatives,
+                           tuple(new[p] for p in self.false_positives if p not in removed))
 
 
 def _box_of(o: DetObject) -> tuple[float, float, float, float]:
@@ -148,3 +163,19 @@ def match(pred: Sequence[DetObject], gt: Sequence[DetObject], cfg: MatchConfig |
         false_negatives=tuple(j for j in range(m) if j not in matched_g),
         false_positives=tuple(i for i in range(n) if i not in matched_p),
     )
+
+
+def pair_by_iou(a: Sequence[DetObject], b: Sequence[DetObject], min_iou: float, allowed: np.ndarray | None = None,
+                mask_resolution: int = 128) -> dict[int, int]:
+    """One-to-one pairs (index in `a` -> index in `b`) of the highest total IoU, each at `min_iou` or above and
+    allowed by `allowed` (all pairs when None). Labels play no part unless `allowed` says so."""
+    if not a or not b:
+        return {}
+    ious = iou_matrix(a, b, mask_resolution)
+    ok = ious >= min_iou
+    if allowed is not None:
+        ok &= allowed
+    if not ok.any():
+        return {}
+    rows, cols = linear_sum_assignment(np.where(ok, ious, 0.0), maximize=True)
+    return {int(r): int(c) for r, c in zip(rows.tolist(), cols.tolist(), strict=True) if ok[r, c]}

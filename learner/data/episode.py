@@ -16,7 +16,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from learner.core.clean_prefix import CleanPrefixConfig, DuplicateConfig, build_clean_targets, find_duplicates
+from learner.core.clean_prefix import (
+    CleanPrefixConfig,
+    DuplicateConfig,
+    build_clean_targets,
+    dead_anchors,
+    find_duplicates,
+    label_support,
+)
 from learner.core.codec import COORDEXP, DetObject, FormatError, OutputFormat, bin_to_pixel
 from learner.core.match import MatchConfig, match
 from learner.core.parse import ParsedRollout, parse
@@ -37,7 +44,8 @@ class EpisodeStats:
     response_tokens: int = 0
     predicted: int = 0  # valid objects in the answers (duplicates included)
     gt_objects: int = 0
-    duplicates: int = 0  # objects repeating an earlier one of the same answer (same label, IoU >= 0.9 ...)
+    duplicates: int = 0  # objects repeating another of the same answer (same label, IoU >= 0.9 ...)
+    dead: int = 0  # unmatched objects no explorer supports, left out of the prefix (generation 2)
     recovered: int = 0  # ground truth the anchor missed and an explorer found (generation 2)
     fallback: int = 0  # answers with nothing to keep: trained on the whole ground truth
     parse_s: float = 0.0
@@ -203,23 +211,33 @@ def build_segments(
             parsed = parse(resp, vocab, rec_fmt)
             t1 = time.perf_counter()
             objects = [o.obj for o in parsed.objects]
-            dups = find_duplicates(objects, dup_cfg)
             recovered: set[int] = set()
+            dead: list[int] = []
             if clean is None:
+                dups = find_duplicates(objects, dup_cfg)
                 result = match(objects, gt, matching)
-            else:  # the clean prefix: duplicates out before matching
-                result = match([o for i, o in enumerate(objects) if i not in dups], gt, matching)
-                for ids in extra:  # an explorer's own answer, matched as it is
-                    found = match([o.obj for o in parse(ids, vocab, rec_fmt).objects], gt, matching)
-                    recovered |= {g for _, g, _ in found.pairs}
+            else:  # the clean prefix: duplicates out before matching, then dead anchors out after it
+                views = [[o.obj for o in parse(ids, vocab, rec_fmt).objects] for ids in extra]
+                dups = find_duplicates(objects, dup_cfg, label_support(objects, views, dup_cfg.support_iou))
+                kept = [i for i in range(len(objects)) if i not in dups]
+                result = match([objects[i] for i in kept], gt, matching)
+                found = [match(view, gt, matching) for view in views]  # each explorer's own answer, as it is
+                for f in found:
+                    recovered |= {g for _, g, _ in f.pairs}
                 recovered &= set(result.false_negatives)
+                if clean.dead_anchors:
+                    local = dead_anchors([objects[i] for i in kept], result,
+                                         [(v, set(f.gt_of_pred())) for v, f in zip(views, found, strict=True)],
+                                         dup_cfg.support_iou)  # fmt: skip
+                    dead = [kept[j] for j in local]
             t2 = time.perf_counter()
             if clean is None:
                 seg = build_targets(p_ids, parsed, result, gt, vocab, rec_fmt, rollout_prompt_ids=r_p_ids,
                                     cfg=targets)
             else:
-                seg = build_clean_targets(p_ids, parsed, dups, result, gt, vocab, rec_fmt, rollout_prompt_ids=r_p_ids,
-                                          cfg=clean, recovered=recovered)
+                kept_result = result.without_predictions(frozenset(kept.index(i) for i in dead))
+                seg = build_clean_targets(p_ids, parsed, dups, kept_result, gt, vocab, rec_fmt,
+                                          rollout_prompt_ids=r_p_ids, cfg=clean, recovered=recovered, dead=dead)
             segments.append(seg)
         except FormatError as exc:  # e.g. a pixels format and a record without an image size
             raise FormatError(f"record {rec.id!r}: {exc}") from exc
@@ -235,8 +253,9 @@ def build_segments(
             predicted=len(objects),
             gt_objects=len(gt),
             duplicates=len(dups),
+            dead=len(dead),
             recovered=len(recovered),
-            fallback=int(clean is not None and len(objects) == len(dups)),
+            fallback=int(clean is not None and len(objects) == len(dups) + len(dead)),
             parse_s=t1 - t0,
             match_s=t2 - t1,
             targets_s=t3 - t2,

@@ -186,6 +186,9 @@ class RolloutClient:
         )
         self.pool.refresh_due()
         planned = self._initial_servers(call)
+        if not planned and self.pool.wait_for_a_server(f"{len(requests)} prompt(s)"):
+            call.excluded.clear()
+            planned = self._initial_servers(call)
         if not planned:
             raise AllServersDownError(
                 f"no rollout server can take the {len(requests)} prompt(s): " + self._describe(call)
@@ -219,10 +222,21 @@ class RolloutClient:
                     f"{expected.describe()}; {call.stale_refused} stale completion(s) were refused: "
                     + self._describe(call)
                 )
-            raise AllServersDownError(
-                f"{len(missing)} of {len(call.results)} completion(s) could not be generated, no rollout server "
-                f"left: " + self._describe(call)
-            )
+            k = params.n or 1
+            again = sorted({i // k for i in missing})
+            # Waited for only when every server is down (a server that is up but failed the chunks has had its
+            # attempts); then once one is back.
+            if self.pool.up_servers() or not self.pool.wait_for_a_server(
+                    f"{len(missing)} completion(s) left when every server failed"):
+                raise AllServersDownError(
+                    f"{len(missing)} of {len(call.results)} completion(s) could not be generated, no rollout "
+                    f"server left: " + self._describe(call)
+                )
+            # A server came back (a restart, a recreated pod): the prompts still missing, again; their seeds are
+            # theirs, so the answers are the ones the lost calls would have given.
+            redo = self.generate([requests[i] for i in again], sampling, weight_version=weight_version)
+            for j, i in enumerate(again):
+                call.results[i * k : (i + 1) * k] = redo[j * k : (j + 1) * k]
         results: list[Rollout] = call.results  # type: ignore[assignment]
         if expected is not None:
             check_versions(results, expected)

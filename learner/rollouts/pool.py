@@ -104,7 +104,9 @@ class ServerPool:
     `addresses` are `host:port` strings in the order the pool is split in (StatefulSet ordinal order
     on a cluster), or a `ServersFile` the pool reads now and follows (`follow()`). `auth_token` is
     sent as `authorization: Bearer <token>` on every call. `run_id`: the learner run the pool's
-    versions belong to (default: a new one, so two pools never share one).
+    versions belong to (default: a new one, so two pools never share one). `recovery_s`: how long the
+    learner waits for a server to come back when none is up (`wait_for_a_server`; spec.rollout.recoveryTimeout):
+    a restart or an eviction of the only server is waited out instead of ending the run (0: not waited).
     """
 
     def __init__(
@@ -117,7 +119,11 @@ class ServerPool:
         probe_timeout_s: float = 5.0,
         reprobe_interval_s: float = 2.0,
         run_id: str | None = None,
+        recovery_s: float = 0.0,
     ) -> None:
+        if recovery_s < 0:
+            raise ValueError(f"recovery_s must be >= 0, got {recovery_s}")
+        self.recovery_s = recovery_s
         try:
             self._run_id = check_run_id(new_run_id() if run_id is None else run_id, allow_none=False)
         except WireError as e:
@@ -343,6 +349,29 @@ class ServerPool:
                 raise NoServerAvailableError(
                     f"rollout servers not ready after {timeout_s:.0f}s: " + self.describe_down()
                 )
+            time.sleep(poll_s)
+
+    def wait_for_a_server(self, what: str, poll_s: float = 1.0) -> bool:
+        """With no server up, probe every listed one (following the servers file) until one answers ready, for at
+        most `recovery_s`. True when one is up (at once when one already is), False when none came back in time
+        (or `recovery_s` is 0): the caller then raises its own error, as without a wait."""
+        if self.up_servers():
+            return True
+        if self.recovery_s <= 0:
+            return False
+        t0 = time.monotonic()
+        log.warning("no rollout server is up for %s (%s): waiting up to %.0fs for one to come back "
+                    "(spec.rollout.recoveryTimeout)", what, self.describe_down(), self.recovery_s)
+        while True:
+            self.follow()
+            self.refresh()
+            up = self.up_servers()
+            if up:
+                log.warning("rollout server(s) %s back after %.0fs; going on with %s",
+                            ", ".join(s.name for s in up), time.monotonic() - t0, what)
+                return True
+            if time.monotonic() - t0 >= self.recovery_s:
+                return False
             time.sleep(poll_s)
 
     def up_servers(self) -> list[RolloutServer]:

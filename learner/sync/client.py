@@ -207,12 +207,19 @@ class WeightSyncClient:
             self.pool.follow_or_wait(self.timeout_s)  # servers that left are not waited for; new ones get this version
             self.pool.refresh_due()
             servers = self.pool.up_servers()
+            if not servers and self.pool.wait_for_a_server(f"weight version {number}"):
+                servers = self.pool.up_servers()
         if not servers:
             raise WeightSyncError(
                 f"no rollout server is reachable for weight version {number}: " + self.pool.describe_down()
             )
         mode, why = self.resolve_mode(servers)
         report = self._push(number, mode, servers)
+        if not report.acked and not report.rejected and self.pool.wait_for_a_server(f"weight version {number}"):
+            # Every target was unreachable (the only server restarting): once one is back, to it.
+            servers = self.pool.up_servers()
+            mode, why = self.resolve_mode(servers)
+            report = self._push(number, mode, servers)
         if report.rejected and mode == "adapter" and self.fallback_to_full:
             self._force_full(f"adapter update rejected: {report.rejected}")
             retry = [s for s in servers if s.address not in report.unreachable]

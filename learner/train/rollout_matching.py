@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.core.losses import loss_sums
+from learner.core.losses import loss_sums, row_totals
 from learner.core.packing import PackedRow, Packer
 from learner.core.rollout_buffer import RolloutBuffer
 from learner.data.episode import EpisodeStats, build_segments, check_rollout_prompts, vision_safe_response
@@ -165,23 +165,23 @@ class Trainer(TrainingLoop):
         """One optimizer step on this step's rows; the loss is the token-level mean over all rows
         of all ranks (same as one big packed row). Returns the loss, its parts, the number of rows
         over all ranks and their mean fill."""
+        # The denominators of the step's means (positions, or weights with loss.normalization weighted), over every
+        # row of every rank.
+        per_row = [row_totals(r, self.core.weights.weighted_mean) for r in rows]
         ce_total, coord_total, box_total, ul_total, n_rows, fill_sum = self.ranks.sum([
-            sum(int((r.labels != -100).sum()) for r in rows),
-            sum(int(r.coord_positions.numel()) for r in rows),
-            sum(r.n_boxes for r in rows), sum(r.n_unlikelihood for r in rows),
-            len(rows), sum(r.fill for r in rows),
+            *(sum(t[i] for t in per_row) for i in range(4)), len(rows), sum(r.fill for r in rows),
         ])  # fmt: skip
         if not n_rows:
             raise RuntimeError("packer produced no row for this step (empty rollouts and carry buffer)")
         lr = learning_rate(self.cfg, self.state.step)
         with self.ranks.guard("forward/backward"):
-            sums = self.device_step(rows, int(ce_total), int(coord_total), lr, int(box_total), int(ul_total))
+            sums = self.device_step(rows, ce_total, coord_total, lr, box_total, ul_total)
         # The only host reads of the step: after it, once.
         total = self.ranks.sum([float(sums[k]) for k in ("loss", *_PARTS)])
         return total[0], dict(zip(_PARTS, total[1:], strict=True)), int(n_rows), fill_sum / n_rows
 
-    def device_step(self, rows: list[PackedRow], ce_total: int, coord_total: int, lr: float, box_total: int = 0,
-                    ul_total: int = 0) -> dict[str, torch.Tensor]:
+    def device_step(self, rows: list[PackedRow], ce_total: float, coord_total: float, lr: float,
+                    box_total: float = 0, ul_total: float = 0) -> dict[str, torch.Tensor]:
         """Forward/backward of every row on the training device, then the optimizer step. Returns
         the loss and its parts summed over the rows, as tensors on the device (no host reads, so
         it runs with the parameters on `meta`)."""

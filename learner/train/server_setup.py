@@ -24,7 +24,9 @@ def build_server_rollouts(job: RolloutMatchingJob, addresses: Sequence[str] | Se
     """The pool of `addresses` (a fixed list, or the servers file the operator keeps current), the weight
     sender of `model` on it, and the rollout interface over both."""
     followed = addresses if isinstance(addresses, ServersFile) else list(addresses)
-    pool = ServerPool(followed, auth_token=auth_token, run_id=run_id)
+    # A restart of every server (the only one, most often) is waited out for spec.rollout.recoveryTimeout.
+    pool = ServerPool(followed, auth_token=auth_token, run_id=run_id,
+                      recovery_s=job.spec.rollout.recovery_timeout_seconds)
     sync, cfg = job.spec.sync, job.spec.training
     sync_client = WeightSyncClient(
         pool, model, mode=sync.mode, fallback_to_full=sync.fallback_to_full,

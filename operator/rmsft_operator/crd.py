@@ -45,13 +45,18 @@ _POOL_GPUS = ("(self.rollout.mode == 'colocate' ? 0 : (has(self.rollout.replicas
               "* self.rollout.tensorParallelSize)")
 _COLOCATE = "self.rollout.mode != 'colocate' || "
 
-# spec.rollout.startupTimeout as rmsft.jobspec.duration_seconds reads it: seconds >= 1, or a duration of
-# hours/minutes/seconds that is not all zeros. The length bound keeps the rule's cost estimate finite.
-DURATION_RULE: dict[str, str] = {
-    "rule": "type(self) == int ? self >= 1 : (self.size() <= 32 && "
-    f"(self.matches('^[0-9]+$') || (self != '' && self.matches('{DURATION_PATTERN}'))) && self.matches('[1-9]'))",
-    "message": "spec.rollout.startupTimeout must be seconds (>= 1) or a duration such as 30m, 1h30m or 90s",
-}
+# spec.rollout.startupTimeout and recoveryTimeout as rmsft.jobspec.duration_seconds reads them: seconds >= 1, or a
+# duration of hours/minutes/seconds that is not all zeros. The length bound keeps the rule's cost estimate finite.
+DURATION_FIELDS = ("rollout.startupTimeout", "rollout.recoveryTimeout")
+
+
+def duration_rule(field: str) -> dict[str, str]:
+    return {
+        "rule": "type(self) == int ? self >= 1 : (self.size() <= 32 && "
+        f"(self.matches('^[0-9]+$') || (self != '' && self.matches('{DURATION_PATTERN}'))) && self.matches('[1-9]'))",
+        "message": f"spec.{field} must be seconds (>= 1) or a duration such as 30m, 1h30m or 90s",
+    }
+
 
 # Cross-field rules on `spec` (same text as rmsft.jobspec.cross_field_errors).
 SPEC_RULES: list[dict[str, str]] = [
@@ -136,7 +141,7 @@ SPEC_RULES: list[dict[str, str]] = [
     },
     {
         "rule": "self.trainer != 'grpo' || (self.training.rollout.top_p == 1.0 && self.training.rollout.top_k <= 0 "
-        "&& self.training.rollout.repetition_penalty == 1.0)",
+        "&& (!has(self.training.rollout.repetition_penalty) || self.training.rollout.repetition_penalty == 1.0))",
         "message": "spec.training.rollout.top_p, top_k and repetition_penalty must stay off with spec.trainer "
         "'grpo' (it samples at spec.training.grpo.temperature alone, so that the learner's log-probs are those "
         "of the distribution sampled from)",
@@ -260,7 +265,7 @@ def _to_openapi(node: dict[str, Any]) -> dict[str, Any]:
     node = dict(node)
     if sorted(o.get("type", "") for o in node.get("anyOf", [])) == ["integer", "string"]:
         # int | str (seconds or a duration): Kubernetes' int-or-string, the one union a structural schema has.
-        # Its form is checked by a CEL rule (DURATION_RULE), which a plain pattern cannot do for an integer.
+        # Its form is checked by a CEL rule (duration_rule), which a plain pattern cannot do for an integer.
         return {**{k: node[k] for k in ("description", "default") if k in node},
                 "x-kubernetes-int-or-string": True}
     if "anyOf" in node:  # Optional[X] -> X (absent means None)
@@ -328,8 +333,8 @@ def spec_schema() -> dict[str, Any]:
     schema["x-kubernetes-validations"] = copy.deepcopy(SPEC_RULES)
     for path, rules in LOCAL_RULES.items():
         _at(schema, path).setdefault("x-kubernetes-validations", []).extend(copy.deepcopy(rules))
-    _at(schema, "rollout.startupTimeout").setdefault("x-kubernetes-validations", []).append(
-        copy.deepcopy(DURATION_RULE))
+    for field in DURATION_FIELDS:
+        _at(schema, field).setdefault("x-kubernetes-validations", []).append(duration_rule(field))
     for path in ("training.data.path", "training.eval.data"):  # the models' `_jsonl` validators
         _at(schema, path)["pattern"] = r"\.jsonl(\.gz)?$"
     for owner in ("rollout", "learner"):

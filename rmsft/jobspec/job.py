@@ -154,7 +154,7 @@ def grpo_errors(spec: JobSpec) -> list[str]:
         errs.append("spec.training.grpo.kl_coef > 0 needs spec.training.finetune: lora (the reference policy is the "
                     "base weights, the adapters disabled); with finetune: full set kl_coef: 0")
     d = t.rollout
-    if d.top_p != 1.0 or d.top_k > 0 or d.repetition_penalty != 1.0:
+    if d.top_p != 1.0 or d.top_k > 0 or d.repetition_penalty not in (None, 1.0):
         errs.append("spec.training.rollout.top_p, top_k and repetition_penalty must stay off with spec.trainer "
                     "'grpo' (it samples at spec.training.grpo.temperature alone, so that the learner's log-probs "
                     "are those of the distribution sampled from)")

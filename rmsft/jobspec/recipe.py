@@ -28,6 +28,8 @@ GENERATION_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "loss.coord_ce": (0.0, 0.02),
     "loss.smooth_l1": (0.0, 1.0),
     "loss.ciou": (0.0, 0.5),
+    "loss.normalization": ("count", "weighted"),
+    "rollout.repetition_penalty": (1.0, 1.1),
 }
 
 
@@ -78,15 +80,27 @@ class LossConfig(_Learner):
     ciou: float | None = Field(
         None, ge=0.0,
         description="1 - CIoU of the same expected box and the ground truth." + _by_generation("loss.ciou"))
+    normalization: Literal["weighted", "count"] | None = Field(
+        None, description="How each term is averaged over a step: weighted = sum(w * loss) / sum(w) (the reference's; "
+        "an object's weight, e.g. an explorer-recovered one's, then reweights the step instead of adding loss), "
+        "count = sum(w * loss) / number of positions." + _by_generation("loss.normalization"))
 
 
 class DuplicateControl(_Learner):
-    """Recipe generation 2: duplicates of an earlier object of the same answer are taken out of the kept prefix."""
+    """Recipe generation 2: duplicates of another object of the same answer are taken out of the kept prefix."""
 
     iou: float = Field(0.9, gt=0.0, le=1.0, description="Same normalized label and IoU at least this: a duplicate.")
     center_radius: float = Field(
         0.8, ge=0.0, description="Or same label and centres closer than this times sqrt(the smaller box's area), "
         "on the 1000-bin grid (0: IoU alone).")
+    method: Literal["clusters", "greedy"] = Field(
+        "clusters", description="clusters (the reference's): duplicate-like objects are joined into clusters; a "
+        "cluster stays whole when two or more members are held by an explorer or when it is spread wide (a row of "
+        "like objects), else its best-supported member stays and the others are duplicates. greedy: each object "
+        "against the earlier kept ones, in answer order.")
+    spread: float = Field(
+        2.5, gt=0.0, description="clusters: a cluster whose members' centres lie farther apart than this times "
+        "center_radius times sqrt(the largest member's area) is a row, kept whole.")
     unlikelihood: float = Field(
         1.0, ge=0.0, description="Weight of -log(1 - p) on the token that started each duplicate (0: removal only).")
 
@@ -101,6 +115,9 @@ class ExplorerConfig(_Learner):
     top_k: int = Field(64, ge=-1, description="Top-k of the explorers (-1: off).")
     recovered_weight: float = Field(
         2.0, gt=0.0, description="Weight of an object the anchor missed and an explorer found.")
+    support_iou: float = Field(
+        0.9, gt=0.0, le=1.0, description="An explorer's object at this IoU or more supports an anchor object: keeps "
+        "an unmatched one in the prefix (dead anchors) and counts for duplicate exemptions (same label there).")
 
 
 class RecipeConfig(_Learner):
@@ -122,7 +139,16 @@ class RecipeConfig(_Learner):
     structure_ce: float | None = Field(
         None, ge=0.0, description="Generation 2: cross-entropy weight on the kept prefix's structure tokens (keys, "
         "brackets, punctuation). Unset: 1.0.")
+    prefix_labels: bool | None = Field(
+        None, description="Generation 2: cross-entropy (at structure_ce) on the labels of the kept prefix's objects, "
+        "as the reference's code trains them; false: the labels the model wrote get no loss. Unset: true.")
+    dead_anchors: Literal["remove", "keep"] | None = Field(
+        None, description="Generation 2: unmatched objects of the answer that no explorer supports (dead anchors; "
+        "see explorers.support_iou): remove them from the prefix, so that closing is trained right after the last "
+        "supported object (the reference's default), or keep them with no loss on their content. With no explorer "
+        "(explorers.count 0) every unmatched object is dead. Unset: remove.")
     duplicates: DuplicateControl | None = Field(None, description="Generation 2: duplicate control (unset: defaults).")
     explorers: ExplorerConfig | None = Field(None, description="Generation 2: explorer rollouts (unset: defaults).")
 
-    SECOND_ONLY: ClassVar[tuple[str, ...]] = ("channel_b_ratio", "anchor", "structure_ce", "duplicates", "explorers")
+    SECOND_ONLY: ClassVar[tuple[str, ...]] = ("channel_b_ratio", "anchor", "structure_ce", "prefix_labels",
+                                              "dead_anchors", "duplicates", "explorers")

@@ -47,6 +47,7 @@ class ColocateSpec(_K8s):
 # units Kubernetes users write). The CRD's CEL rule holds the same pattern.
 DURATION_PATTERN = r"^([0-9]+h)?([0-9]+m)?([0-9]+s)?$"
 DEFAULT_STARTUP_TIMEOUT = "30m"  # a 70B model's image pull + load + CUDA graphs fit; a typo'd path fails in 30 min
+DEFAULT_RECOVERY_TIMEOUT = "10m"  # a restarted server's reload (or a recreated pod's start) on a warm node fits
 
 
 def duration_seconds(value: int | str, field: str) -> int:
@@ -120,15 +121,32 @@ class RolloutSpec(_K8s):
         "(30m, 1h30m, 90s). Covers image pull, model load and engine warm-up of the biggest server.",
     )
 
+    recovery_timeout: int | str = Field(
+        DEFAULT_RECOVERY_TIMEOUT, description="How long the learner waits, mid-run, for a rollout server to come "
+        "back when none is up (the only server restarted, its pod evicted or recreated) before it fails the run: "
+        "seconds or a duration. The server that comes back is re-synced to the learner's weights before it "
+        "generates. Cover the model's load time on a warm node.",
+    )
+
     @field_validator("startup_timeout", mode="before")
     @classmethod
     def _startup_timeout(cls, v: Any) -> Any:
         duration_seconds(v, "spec.rollout.startupTimeout")  # refuses what it cannot read
         return v
 
+    @field_validator("recovery_timeout", mode="before")
+    @classmethod
+    def _recovery_timeout(cls, v: Any) -> Any:
+        duration_seconds(v, "spec.rollout.recoveryTimeout")
+        return v
+
     @property
     def startup_timeout_seconds(self) -> int:
         return duration_seconds(self.startup_timeout, "spec.rollout.startupTimeout")
+
+    @property
+    def recovery_timeout_seconds(self) -> int:
+        return duration_seconds(self.recovery_timeout, "spec.rollout.recoveryTimeout")
 
     @model_validator(mode="after")
     def _ports_differ(self) -> RolloutSpec:

@@ -105,7 +105,9 @@ class RolloutDecoding(_Learner):
         "anchor; the default anchor is greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling of rollouts.")
     top_k: int = Field(-1, ge=-1, description="-1 = disabled.")
-    repetition_penalty: float = Field(1.0, gt=0.0, description="vLLM repetition penalty (1: off).")
+    repetition_penalty: float | None = Field(
+        None, gt=0.0, description="vLLM repetition penalty (1: off) of the rollouts (generation 2: the anchor's and "
+        "the explorers'). Unset: 1.1 (recipe generation 2, the reference's), 1.0 (generation 1; GRPO: off).")
     seed: int = Field(0, ge=0, description="Base seed of rollout sampling (per request: base + step stride + index).")
     generate_batch_size: int | None = Field(
         None, ge=1,

@@ -284,6 +284,63 @@ def test_every_server_failing_gives_a_clear_error(cluster) -> None:
     assert all(s.address in str(info.value) for s in servers)
 
 
+# -- the only server restarted (issue 41: spec.rollout.recoveryTimeout) -------------------------------------------
+def _restarting(servers: list, i: int, down_at: float, up_after: float) -> threading.Thread:
+    """Stops server i at `down_at` s and starts a new one (base weights, version 0) on its port `up_after` s later."""
+
+    def run() -> None:
+        time.sleep(down_at)
+        servers[i].stop()
+        time.sleep(up_after)
+        servers[i] = servers[i].restart()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def _resync_into(servers: list, pool: ServerPool, done: list) -> object:
+    def resync(server) -> None:
+        done.append(server.index)
+        servers[server.index].engine.hold(pool.current)  # what a re-sync leaves
+
+    return resync
+
+
+@pytest.mark.parametrize("down_at", [0.0, 0.15], ids=["before-the-call", "mid-call"])
+def test_a_restart_of_the_only_server_is_waited_out_and_it_is_resynced_first(cluster, down_at) -> None:
+    servers, pool = cluster(1, delay_s=0.4)
+    pool.recovery_s = 30.0
+    resynced: list[int] = []
+    t = _restarting(servers, 0, down_at, 1.0)
+    if not down_at:
+        time.sleep(0.2)  # down before the call starts
+    reqs = requests(6)
+    t0 = time.monotonic()
+    out = RolloutClient(pool, resync=_resync_into(servers, pool, resynced)).generate(reqs)
+    t.join()
+    # Every prompt answered, with its own seed's tokens and the learner's version: by the restarted server, which was
+    # re-synced (it came back on base weights) before it got any work.
+    assert_complete(out, reqs)
+    assert resynced == [0] and time.monotonic() - t0 >= 0.8
+    assert servers[0].engine.calls and all(r.server == servers[0].address for r in out)
+
+
+def test_a_server_that_does_not_come_back_in_time_fails_the_call(cluster) -> None:
+    servers, pool = cluster(1)
+    pool.recovery_s = 1.0
+    servers[0].stop()
+    t0 = time.monotonic()
+    with pytest.raises(NoServerAvailableError, match=servers[0].address.replace(".", r"\.")):
+        RolloutClient(pool).generate(requests(2))
+    assert 1.0 <= time.monotonic() - t0 < 10.0
+    pool.recovery_s = 0.0  # not waited for at all (the pool's default)
+    t0 = time.monotonic()
+    with pytest.raises(NoServerAvailableError):
+        RolloutClient(pool).generate(requests(2))
+    assert time.monotonic() - t0 < 1.0
+
+
 # -- weight-version fencing -----------------------------------------------------------------------
 def test_stale_completions_are_never_returned(cluster) -> None:
     servers, pool = cluster(2, reply_version=0)  # servers that ignore expected_weight_version

@@ -246,6 +246,29 @@ def test_no_reachable_server_is_an_error(cluster, lora_model) -> None:
     assert all(s.address in str(info.value) for s in servers)
 
 
+def test_a_sync_with_every_server_restarting_waits_for_one(cluster, lora_model) -> None:
+    """spec.rollout.recoveryTimeout (issue 41): the only server is down when a sync is due; the sync waits for it to
+    come back instead of ending the run, then the new server holds the version."""
+    import threading
+    import time
+
+    servers, pool = cluster(1)
+    pool.refresh()
+    pool.recovery_s = 30.0
+    servers[0].stop()
+
+    def back() -> None:
+        time.sleep(1.0)
+        servers[0] = servers[0].restart(FakeEngine(ordinal=0, version=0))
+
+    t = threading.Thread(target=back)
+    t.start()
+    report = WeightSyncClient(pool, lora_model, timeout_s=10).sync(1)
+    t.join()
+    assert list(report.acked) == [servers[0].address] and pool.is_current(pool.servers[0])
+    assert servers[0].engine.version == 1
+
+
 def test_restarted_server_is_resynced_by_the_rollout_client(cluster, lora_model) -> None:
     servers, pool = cluster(2)
     sync = WeightSyncClient(pool, lora_model)

@@ -167,6 +167,8 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("startup-timeout-zero-duration", {"spec.rollout.startupTimeout": "0m0s"}, ["spec.rollout.startupTimeout"]),
     ("startup-timeout-words", {"spec.rollout.startupTimeout": "30 minutes"}, ["spec.rollout.startupTimeout"]),
     ("startup-timeout-order", {"spec.rollout.startupTimeout": "30m1h"}, ["spec.rollout.startupTimeout"]),
+    ("recovery-timeout-zero", {"spec.rollout.recoveryTimeout": 0}, ["spec.rollout.recoveryTimeout"]),
+    ("recovery-timeout-words", {"spec.rollout.recoveryTimeout": "ten minutes"}, ["spec.rollout.recoveryTimeout"]),
 ]
 
 
