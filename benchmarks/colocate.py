@@ -113,7 +113,7 @@ def child(mode: str, model: Path, data: Path, steps: int, out: Path, transport: 
         "mode": mode, "step_s": steady, "sync_s": sync_s / max(1, syncs), "syncs": syncs,
         "peak_bytes": learner_peak + server_peak, "learner_peak": learner_peak, "server_peak": server_peak,
         "phases": phases,
-    }))  # fmt: skip
+    }))
 
 
 def main() -> None:
@@ -144,7 +144,7 @@ def main() -> None:
             out = work / f"{mode}-{r}.json"
             proc = subprocess.run([sys.executable, __file__, "--transport", args.transport, "--child", mode,
                                    str(model), str(data), str(args.steps), str(out)],
-                                  cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+                                  cwd=ROOT, capture_output=True, text=True)
             if proc.returncode:
                 sys.exit(f"{mode} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
             res = json.loads(out.read_text())

@@ -151,10 +151,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         vocab_size=4096, hidden_size=hidden, intermediate_size=int(2.75 * hidden), num_hidden_layers=args.layers,
         num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 512), head_dim=64,
         tie_word_embeddings=True,
-    )  # fmt: skip
+    )
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = get_peft_model(Qwen2ForCausalLM(cfg), LoraConfig(r=16, lora_alpha=32, target_modules=targets,
-                                                             init_lora_weights=False))  # fmt: skip
+                                                             init_lora_weights=False))
     dtype = getattr(torch, args.dtype) if args.dtype else None
     bases = [m.get_base_layer().weight for m in model.modules() if isinstance(m, BaseTunerLayer)]
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
@@ -196,7 +196,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "lora_weights_mib": sum(nbytes(w) for w in bases) / MIB, "largest_mib": max(nbytes(w) for w in bases) / MIB,
         "stream_mib": report.tensor_bytes / MIB, "seconds": seconds, "peak_rss_mib": peak_rss / MIB,
         "peak_tensors_mib": tracker.peak / MIB, "left_after_mib": tracker.live_bytes() / MIB,
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -212,13 +212,13 @@ def main() -> None:
         return
 
     sink = subprocess.Popen([sys.executable, "-c", SINK], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            cwd=ROOT)  # fmt: skip
+                            cwd=ROOT)
     try:
         address = f"127.0.0.1:{int(sink.stdout.readline())}"
         rows = []
         for variant in ("old", "new"):
             cmd = [sys.executable, __file__, "--child", variant, "--sink", address, "--hidden", str(args.hidden),
-                   "--layers", str(args.layers), "--dtype", args.dtype]  # fmt: skip
+                   "--layers", str(args.layers), "--dtype", args.dtype]
             out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT_JSON ")), None)
             if out.returncode != 0 or line is None:
@@ -230,15 +230,15 @@ def main() -> None:
     r = rows[0]
     print(f"model {r['model_mib']:.0f} MiB ({args.layers} layers, hidden {args.hidden}), LoRA-targeted weights "
           f"{r['lora_weights_mib']:.0f} MiB, largest {r['largest_mib']:.1f} MiB, stream {r['stream_mib']:.0f} MiB "
-          f"({args.dtype or 'as trained'})")  # fmt: skip
+          f"({args.dtype or 'as trained'})")
     print(f"{'variant':8} {'peak RSS MiB':>13} {'peak tensors MiB':>17} {'left after MiB':>15} {'sync s':>7}")
     for r in rows:
         print(f"{r['variant']:8} {r['peak_rss_mib']:13.1f} {r['peak_tensors_mib']:17.1f} {r['left_after_mib']:15.1f} "
-              f"{r['seconds']:7.2f}")  # fmt: skip
+              f"{r['seconds']:7.2f}")
     old, new = rows
     print(f"RESULT old_rss_mib={old['peak_rss_mib']:.1f} new_rss_mib={new['peak_rss_mib']:.1f} "
           f"old_tensors_mib={old['peak_tensors_mib']:.1f} new_tensors_mib={new['peak_tensors_mib']:.1f} "
-          f"largest_mib={new['largest_mib']:.1f} old_s={old['seconds']:.2f} new_s={new['seconds']:.2f}")  # fmt: skip
+          f"largest_mib={new['largest_mib']:.1f} old_s={old['seconds']:.2f} new_s={new['seconds']:.2f}")
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def decoder_config(shape: str, max_positions: int) -> Any:
     if shape == "tiny":
         return Qwen2Config(vocab_size=2304, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                            num_attention_heads=2, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True,
-                           max_position_embeddings=max_positions)  # fmt: skip
+                           max_position_embeddings=max_positions)
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads")
     if shape == "qwen3-vl-2b":
@@ -200,7 +200,7 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
         "grad_ckpt": int(args.gradient_checkpointing), "finetune": cfg.finetune, "use_dora": cfg.lora.use_dora,
         "params_m": round(sum(p.numel() for p in policy.model.parameters()) / 1e6, 1),
         "plan_estimate_gib": round(estimate / GiB, 3),
-    }  # fmt: skip
+    }
     if device.type == "cuda":
         out["gpu_gib"] = round(torch.cuda.get_device_properties(device).total_memory / GiB, 1)
 

@@ -61,7 +61,7 @@ class DelayServicer(rollout_pb2_grpc.RolloutServiceServicer):
             set_version(out.completions.add(
                 prompt_token_ids=p.token_ids, token_ids=self.response, finish_reason=rollout_pb2.STOP,
                 request_id=p.request_id,
-            ), self.version)  # fmt: skip
+            ), self.version)
         return out
 
     def GetStatus(self, request, context):  # noqa: N802
@@ -84,7 +84,7 @@ def start_servers(n: int, args: argparse.Namespace) -> tuple[list[subprocess.Pop
             [sys.executable, __file__, "--serve", "--delay-ms", str(args.delay_ms),
              "--response-len", str(args.response_len)],
             stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        )
         procs.append(p)
     for p in procs:
         line = p.stdout.readline().strip()
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> None:
         RolloutRequest(token_ids=[(i * 7 + j) % 2000 for j in range(args.prompt_len)], seed=1000 + i,
                        request_id=f"r{i}")
         for i in range(n)
-    ]  # fmt: skip
+    ]
     sampling = {"max_tokens": args.response_len, "temperature": 1.0, "top_p": 0.95}
     procs, addrs = start_servers(max(args.servers), args)
     rows = []
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> None:
                     "servers": s, "time_s": t, "busy_s": busy, "overhead_ms_per_prompt": (t - busy) / per_server * 1e3,
                     "overhead_ms_per_call": (t - busy) / calls * 1e3, "min_s": min(times),
                 }
-            )  # fmt: skip
+            )
             if s == 1:
                 raw_s = raw_grpc_time(addrs[0], reqs, args)
                 seq_s = sequential_client_time(pool, reqs, sampling, args)
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> None:
         f"{args.delay_ms} ms/prompt, generate batch {args.batch}, median of {args.repeats} runs"
     )
     print(f"{'servers':>7} {'time s':>8} {'ideal s':>8} {'speed-up':>9} {'x/S':>6} {'ovh ms/prompt':>14} "
-          f"{'ovh ms/call':>12}")  # fmt: skip
+          f"{'ovh ms/call':>12}")
     for r in rows:
         sp = t1 / r["time_s"]
         print(

@@ -138,7 +138,7 @@ def main() -> None:
             RolloutPicture(step=step, record_id=rec.id, image=held_images.load(rec)[0].pil(), predicted=pred,
                            ground_truth=ground_truth_detections(rec), title=f"held-out {rec.id}, step {step} (greedy)")
             for rec, pred in list(zip(held, predictions, strict=True))[:4] if rec.images
-        ]  # fmt: skip
+        ]
         for i, p in enumerate(save_rollout_pictures(items, work / "heldout-pictures")):
             shutil.copy(p, out / f"{args.name}-heldout{i}.png")
 

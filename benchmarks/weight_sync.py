@@ -166,7 +166,7 @@ def main() -> None:
                 model_dir, backend=args.backend, dtype="float32", max_model_len=512, kv_cache_bytes=64 * MIB,
                 staging_dir=str(stage), env={SHARED_DIR_ENV: str(shared)}, timeout=900,
                 log_path=work / f"serve-{i}.log",
-            ))  # fmt: skip
+            ))
         print(f"servers ready in {time.perf_counter() - t0:.0f}s", flush=True)
         procs = [psutil.Process(s.proc.pid) for s in servers]
         with ServerPool([s.address for s in servers]) as pool:  # untimed: first-time costs on both ends

@@ -43,7 +43,7 @@ class EvalOptions:
 def _default_job(model: Path, data: Path) -> RolloutMatchingJob:
     return parse_job({"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "metadata": {"name": "eval"},
                       "spec": {"model": {"path": str(model)}, "training": {"data": {"path": str(data)}}}},
-                     source="rmsft eval defaults")  # fmt: skip
+                     source="rmsft eval defaults")
 
 
 def _job(target: Path, data: Path, opts: EvalOptions, checkpoint: Path | None) -> RolloutMatchingJob:
@@ -142,7 +142,7 @@ def _evaluate_model(job: RolloutMatchingJob, data: Path, opts: EvalOptions, cons
         with console.status(f"answering {len(records)} record(s) greedily"):
             # The model as served, never synced: no version to enforce.
             ev = evaluate(client, records, images, setup, version=None,
-                          max_tokens=opts.max_tokens or cfg.rollout.max_tokens, iou=opts.iou)  # fmt: skip
+                          max_tokens=opts.max_tokens or cfg.rollout.max_tokens, iou=opts.iou)
     finally:
         for part in (client, pool):
             if part is not None:

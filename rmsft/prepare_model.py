@@ -48,7 +48,7 @@ ORDER_SEED = 0  # the two directions of the ordered component: the same for ever
 # model were there).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _NOT_COPIED = {"config.json", "added_tokens.json", MARKER_FILE, "rmsft_tiny_model.json", "rmsft_tiny_vl_model.json",
-               "model.safetensors.index.json", "pytorch_model.bin.index.json"}  # fmt: skip
+               "model.safetensors.index.json", "pytorch_model.bin.index.json"}
 
 
 class PrepareModelError(ValueError):
@@ -185,7 +185,7 @@ def _already_done(src: Path, dst: Path, fingerprint: str) -> PrepareSummary | No
         return None
     fields = {k: v for k, v in (marker.get("summary") or {}).items() if k in PrepareSummary.__dataclass_fields__}
     fields.update(src=str(src), dst=str(dst), changed=False,
-                  reason=f"{dst} already holds {src} prepared (nothing changed)")  # fmt: skip
+                  reason=f"{dst} already holds {src} prepared (nothing changed)")
     return PrepareSummary(**fields)
 
 
@@ -210,7 +210,7 @@ def prepare_model(src: str | Path, dst: str | Path, *, overwrite: bool = False) 
             )
         return PrepareSummary(str(src), str(dst), changed=False, vision_language=vision_language,
                               reason=f"{src} already has the {NUM_COORD_BINS} coord tokens: nothing to do "
-                                     "(use it as it is; nothing was written)")  # fmt: skip
+                                     "(use it as it is; nothing was written)")
     if present:
         missing = [t for t in COORD_TOKENS if t not in set(present)]
         raise PrepareModelError(
@@ -240,7 +240,7 @@ def prepare_model(src: str | Path, dst: str | Path, *, overwrite: bool = False) 
             _check_written(tmp, summary)
             (tmp / MARKER_FILE).write_text(json.dumps(
                 {"source": str(src.resolve()), "source_fingerprint": fingerprint, "summary": asdict(summary)},
-                indent=2))  # fmt: skip
+                indent=2))
     except OutputFolderError as exc:
         raise PrepareModelError(str(exc)) from None
     except OSError as exc:
@@ -273,12 +273,12 @@ def _add_coord_tokens(model: Any, tokenizer: Any, src: Path, dst: Path, vision_l
     tied = head is not None and head.weight.data_ptr() == inp.weight.data_ptr()
     if old_ids and old_ids[-1] >= old_rows:
         raise PrepareModelError(f"{src}: the tokenizer has ids up to {old_ids[-1]} but the model only {old_rows} "
-                                "embedding rows; the folder is inconsistent")  # fmt: skip
+                                "embedding rows; the folder is inconsistent")
     added = tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in COORD_TOKENS])
     ids = tokenizer.convert_tokens_to_ids(COORD_TOKENS)
     if added != NUM_COORD_BINS or len(set(ids)) != NUM_COORD_BINS or min(ids) < old_vocab:
         raise PrepareModelError(f"{src}: the tokenizer gave the coord tokens unexpected ids ({added} added, ids "
-                                f"{min(ids)}..{max(ids)} for {old_vocab} tokens before)")  # fmt: skip
+                                f"{min(ids)}..{max(ids)} for {old_vocab} tokens before)")
     need = max(ids) + 1
     if need > old_rows:
         # mean_resizing=False: transformers' own mean init samples rows at random; ours replace them below.
@@ -301,7 +301,7 @@ def _add_coord_tokens(model: Any, tokenizer: Any, src: Path, dst: Path, vision_l
         str(src), str(dst), changed=True, reason=f"prepared {src} -> {dst}", tokens_added=added,
         first_coord_id=ids[0], last_coord_id=ids[-1], old_vocab=old_vocab, new_vocab=len(tokenizer),
         old_rows=old_rows, new_rows=new_rows, tied=tied, vision_language=vision_language, dtype=dtype,
-    )  # fmt: skip
+    )
 
 
 def _set_vocab_size(config: Any, rows: int) -> None:
@@ -329,4 +329,4 @@ def _check_written(folder: Path, summary: PrepareSummary) -> None:
     ids = tok.convert_tokens_to_ids(COORD_TOKENS)
     if ids[0] != summary.first_coord_id or ids[-1] != summary.last_coord_id or len(tok) != summary.new_vocab:
         raise PrepareModelError(f"the tokenizer written to {folder} does not read back with the coord tokens "
-                                f"at ids {summary.first_coord_id}..{summary.last_coord_id}")  # fmt: skip
+                                f"at ids {summary.first_coord_id}..{summary.last_coord_id}")

@@ -157,7 +157,7 @@ def data_check(
     from learner.data.records import DataError
 
     limits = {k: v for k, v in (("max_image_pixels", max_image_pixels),
-                                ("max_images_per_prompt", max_images_per_prompt)) if v is not None}  # fmt: skip
+                                ("max_images_per_prompt", max_images_per_prompt)) if v is not None}
     try:
         report = check_records(file, images, **limits)
     except (DataError, ValueError, OSError) as exc:  # the records themselves do not load: one line, as a job says
@@ -482,7 +482,7 @@ def export_cmd(
     try:
         with console.status("exporting") as status:
             result = export_checkpoint(checkpoint, out, config=config, adapter_only=adapter, dtype=dtype,
-                                       base_model=base_model, overwrite=overwrite, progress=status.update)  # fmt: skip
+                                       base_model=base_model, overwrite=overwrite, progress=status.update)
     except (ExportError, JobSpecError, ModelLoadError) as exc:
         _fail(exc)
     head, *rest = result.lines()
@@ -523,7 +523,7 @@ def eval_cmd(
 
     configure_logging("warning")
     opts = EvalOptions(config=config, image_root=image_root, max_samples=max_samples, max_tokens=max_tokens,
-                       iou=iou, out=out, format=fmt, coordinates=coordinates, work_dir=work_dir)  # fmt: skip
+                       iou=iou, out=out, format=fmt, coordinates=coordinates, work_dir=work_dir)
     try:
         run_eval(model, data, opts, Console(stderr=True, soft_wrap=True))
     except (ExportError, JobSpecError, ModelLoadError, DataError, ValueError, RuntimeError, OSError) as exc:

@@ -33,7 +33,7 @@ CHAT_TEMPLATE = (
 CLASS_NAMES = [
     "person", "car", "dog", "cat", "bicycle", "traffic light", "chair", "bottle",
     "cup", "bird", "horse", "truck", "boat", "bench", "umbrella", "red apple",
-]  # fmt: skip
+]
 MARKER_FILE = "rmsft_tiny_model.json"
 
 

@@ -88,7 +88,7 @@ def build_tiny_vl_model(out_dir: str | Path, arch: str = "qwen3_vl", seed: int =
     image_processor = Qwen2VLImageProcessorPil(
         size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
         patch_size=PATCH_SIZE, temporal_patch_size=2, merge_size=MERGE_SIZE,
-    )  # fmt: skip
+    )
     processor = PROCESSORS[arch](image_processor=image_processor, tokenizer=tokenizer, chat_template=VL_CHAT_TEMPLATE)
     model.save_pretrained(out, safe_serialization=True)
     processor.save_pretrained(out)
@@ -135,14 +135,14 @@ def _config(arch: str, vocab_size: int, ids: dict[str, int], tokenizer, *, text_
         max_position_embeddings=8192,
         initializer_range=0.08, tie_word_embeddings=True,
         bos_token_id=ids["<|endoftext|>"], eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+    )
     vision = dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
                   patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=2,
-                  out_hidden_size=text_hidden, initializer_range=0.08)  # fmt: skip
+                  out_hidden_size=text_hidden, initializer_range=0.08)
     tokens = dict(
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-    )  # fmt: skip
+    )
     if arch == "qwen3_vl":
         from transformers import Qwen3VLConfig
 
@@ -150,7 +150,7 @@ def _config(arch: str, vocab_size: int, ids: dict[str, int], tokenizer, *, text_
                                    "mrope_section": [8, 12, 12], "mrope_interleaved": True}
         vision.update(deepstack_visual_indexes=[], num_position_embeddings=256)
         return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
-                             dtype="float32", **tokens)  # fmt: skip
+                             dtype="float32", **tokens)
     from transformers import Qwen2_5_VLConfig
 
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]}

@@ -178,7 +178,7 @@ class Relay:
                     return [rollout_pb2.RelayOutcome(
                         address=address, code=grpc.StatusCode.CANCELLED.value[0],
                         message=f"relay stopped: the stream was refused upstream ({broken})",
-                    )]  # fmt: skip
+                    )]
                 if e.code() == grpc.StatusCode.ABORTED and attempt < _BUSY_RETRIES:
                     time.sleep(_BUSY_WAIT_S)  # e.g. still ending a stream from a relay that died
                     continue

@@ -185,7 +185,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 request_id=request.prompts[k // n].request_id,
                 sample_index=k % n,
                 logprobs=out.logprobs or (),
-            ), version)  # fmt: skip
+            ), version)
             n_prompt += len(out.prompt_token_ids) if k % n == 0 else 0
             n_gen += len(out.token_ids)
         metrics.PROMPTS.inc(len(request.prompts))
@@ -261,14 +261,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             relays.append(Relay(
                 header, metadata=self._peer_metadata, root_certificates=self._peer_roots,
                 deadline=relay_deadline(context.time_remaining(), len(header.relay_to)),
-            ))  # fmt: skip
+            ))
             return relays[0]
 
         try:
             staged = self.stager.stage(
                 request_iterator, self._expected_for, on_header=on_header,
                 on_shared_open=lambda: context.send_initial_metadata(SHARED_OPENED_METADATA),
-            )  # fmt: skip
+            )
             mode = _MODE_NAME[staged.header.mode]
             metrics.WEIGHT_SYNC_BYTES.labels(mode=mode).inc(staged.bytes_received)
             if staged.header.mode == FULL:
@@ -315,7 +315,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             bytes_received=self._last_bytes,
             apply_seconds=self._last_apply_seconds,
             relayed=self._relayed(relays),
-        ), self.runner.weights)  # fmt: skip
+        ), self.runner.weights)
 
     @staticmethod
     def _relayed(relays: list[Relay]) -> list[rollout_pb2.RelayOutcome]:
@@ -444,4 +444,4 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             lora_enabled=bool(eng and eng.lora_enabled),
             backend=self.cfg.backend,
             max_lora_rank=eng.max_lora_rank if eng else 0,
-        ), runner.weights if runner else FRESH)  # fmt: skip
+        ), runner.weights if runner else FRESH)

@@ -151,7 +151,7 @@ def install_wheels(wheels_dir: Path, site: Path) -> Part:
             site.mkdir(parents=True, exist_ok=True)
             cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                    "--no-cache-dir", "--disable-pip-version-check", "--upgrade", "--target", str(site),
-                   *map(str, chosen)]  # fmt: skip
+                   *map(str, chosen)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 return Part("wheels", "FAIL", f"pip install from {wheels_dir} failed: {proc.stderr[-800:]}",

@@ -37,7 +37,7 @@ def download(dest: Path, pinned: dict[str, tuple[str, bool]]) -> None:
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
            "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312",
            "--abi", "abi3", "--abi", "none", *(a for p in PLATFORMS for a in ("--platform", p)), "--platform", "any",
-           "-d", str(dest), *(f"{name}=={version}" for name, (version, _) in pinned.items())]  # fmt: skip
+           "-d", str(dest), *(f"{name}=={version}" for name, (version, _) in pinned.items())]
     subprocess.run(cmd, check=True)
 
 

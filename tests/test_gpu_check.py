@@ -27,7 +27,7 @@ def test_cpu_form_runs_what_a_cpu_can_and_skips_the_rest_saying_why(tmp_path: Pa
     env.pop("OUT", None)
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(tmp_path / "r"),
                            "--wheels", str(tmp_path / "no-wheels"), "--cpu"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "r" / "gpu-check-report.json").read_text())
     parts = {p["name"]: p for p in report["parts"]}
@@ -80,7 +80,7 @@ def test_the_host_keeps_its_own_packages_unless_older_than_a_replace_older_pin()
     pinned = {"pydantic": ("2.14.3", False), "grpcio": ("1.85.1", True), "typing-inspection": ("0.4.5", False)}
     wheels = [Path(w) for w in ("pydantic-2.14.3-py3-none-any.whl", "grpcio-1.85.1-cp312-cp312-manylinux2014.whl",
                                 "typing_inspection-0.4.5-py3-none-any.whl", "pydantic-2.0.0-py3-none-any.whl",
-                                "scipy-1.17.1-cp312-cp312-manylinux2014.whl")]  # fmt: skip
+                                "scipy-1.17.1-cp312-cp312-manylinux2014.whl")]
 
     def host(versions: dict[str, str]):
         return lambda dist: versions.get(dist)

@@ -40,7 +40,7 @@ BASE = {"rmsft", "rmsft_protos"}
 LEARNER_BELOW_TOP = {
     "learner.core", "learner.tracking", "learner.rollouts", "learner.sync", "learner.data", "learner.rewards",
     "learner.evaluation", "learner.rollouts.colocate", "learner.train",
-}  # fmt: skip
+}
 LAYERS: dict[str, set[str]] = {
     "rmsft_protos": set(),
     "rmsft": {"rmsft_protos"},
@@ -164,10 +164,10 @@ def f():
     import learner.rollouts.client as c
 '''
     assert imports_of("learner.x", lazy, modules) == {"learner.data.records", "learner.train.zero",
-                                                       "learner.rollouts.client"}  # fmt: skip
+                                                       "learner.rollouts.client"}
     relative = "from . import codec\nfrom .parse import parse\nfrom .. import local\n"
     assert imports_of("learner.core.x", relative, modules) == {"learner.core.codec", "learner.core.parse",
-                                                               "learner.local"}  # fmt: skip
+                                                               "learner.local"}
 
 
 def test_no_import_cycle_anywhere(graph: dict[str, set[str]]) -> None:
@@ -182,7 +182,7 @@ def test_the_layers_form_no_cycle_themselves() -> None:
 def test_every_part_imports_only_the_layers_below_it(graph: dict[str, set[str]]) -> None:
     bad = sorted(f"{src} ({layer_of(src)}) imports {dst} ({layer_of(dst)})"
                  for src, targets in graph.items() for dst in targets
-                 if layer_of(dst) != layer_of(src) and layer_of(dst) not in LAYERS[layer_of(src)])  # fmt: skip
+                 if layer_of(dst) != layer_of(src) and layer_of(dst) not in LAYERS[layer_of(src)])
     assert not bad, "\n".join(bad)
 
 
@@ -205,7 +205,7 @@ def test_every_part_imports_only_the_layers_below_it(graph: dict[str, set[str]])
 def test_part_never_imports(graph: dict[str, set[str]], part: str, never: tuple[str, ...]) -> None:
     bad = sorted(f"{src} imports {dst}" for src, targets in graph.items() if layer_of(src) == part
                  for dst in targets if any(layer_of(dst) == n or layer_of(dst).startswith(n + ".") for n in never)
-                 and layer_of(dst) != part)  # fmt: skip
+                 and layer_of(dst) != part)
     assert not bad, "\n".join(bad)
 
 

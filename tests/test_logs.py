@@ -62,7 +62,7 @@ def _serve(tmp_path: Path, level: str) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "rmsft_cli", "serve", "--model", str(model), "--backend", "hf",
          "--staging-dir", str(tmp_path), "--port", "0", "--metrics-port", "0"],
         capture_output=True, text=True, cwd=ROOT, timeout=120, env={**os.environ, ENV: level},
-    )  # fmt: skip
+    )
 
 
 def test_serve_honours_the_level(tmp_path: Path) -> None:
@@ -89,7 +89,7 @@ def _job(tmp_path: Path) -> Path:
                                                  ("", logging.INFO)])
 def test_train_honours_the_level(tmp_path: Path, root_logger, level: str, expected: int) -> None:
     res = CliRunner().invoke(app, ["train", "--config", str(_job(tmp_path)), "--servers-file",
-                                   str(tmp_path / "absent")], env={ENV: level})  # fmt: skip
+                                   str(tmp_path / "absent")], env={ENV: level})
     assert res.exit_code == 2  # stops at the missing servers file, after logging was set up
     assert root_logger.level == expected
 
@@ -134,7 +134,7 @@ def test_local_starts_servers_at_the_jobs_log_level(tmp_path: Path, monkeypatch:
 # -- rmsft operator ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(("level", "verbose", "expected"), [
     ("warning", False, logging.WARNING), ("", False, logging.INFO), ("error", True, logging.DEBUG),
-])  # fmt: skip
+])
 def test_operator_honours_the_level_and_verbose_wins(monkeypatch: pytest.MonkeyPatch, root_logger, level: str,
                                                      verbose: bool, expected: int) -> None:
     import kopf
@@ -155,5 +155,5 @@ def test_nothing_reads_rmsft_learner_gpus() -> None:
     sources = [p for d in ("rmsft", "learner", "rollout_svc", "operator") for p in (ROOT / d).rglob("*.py")]
     # render.py is where the operator wrote it (a writer, not a reader), if it still does.
     readers = [str(p.relative_to(ROOT)) for p in sources
-               if "RMSFT_LEARNER_GPUS" in p.read_text() and p.name != "render.py"]  # fmt: skip
+               if "RMSFT_LEARNER_GPUS" in p.read_text() and p.name != "render.py"]
     assert not readers

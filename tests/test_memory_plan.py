@@ -40,14 +40,14 @@ def _qwen2_text(tied: bool) -> Any:
     from transformers import Qwen2Config
 
     return Qwen2Config(vocab_size=1000, hidden_size=128, intermediate_size=320, num_hidden_layers=3,
-                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)  # fmt: skip
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
 
 
 def _vl(arch: str, tied: bool, deepstack: list[int]) -> Any:
     text = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=64, tie_word_embeddings=tied)  # fmt: skip
+                num_key_value_heads=1, head_dim=64, tie_word_embeddings=tied)
     vision = dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=2, patch_size=16, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=128)  # fmt: skip
+                  temporal_patch_size=2, out_hidden_size=128)
     if arch == "qwen3_vl":
         from transformers import Qwen3VLConfig
 
@@ -80,7 +80,7 @@ CASES = [
     ("qwen2", lambda: _qwen2_text(False)), ("qwen2 tied", lambda: _qwen2_text(True)),
     ("qwen2.5-vl", lambda: _vl("qwen2_5_vl", True, [])), ("qwen2.5-vl untied", lambda: _vl("qwen2_5_vl", False, [])),
     ("qwen3-vl", lambda: _vl("qwen3_vl", True, [])), ("qwen3-vl deepstack", lambda: _vl("qwen3_vl", False, [0, 1])),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("name", "make"), CASES, ids=[c[0] for c in CASES])
@@ -163,7 +163,7 @@ def test_full_finetuning_trains_what_freeze_leaves() -> None:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stages_shard_optimizer_then_gradients_then_weights(stage: int) -> None:
     job = _job(**{"training.finetune": "full", "training.precision": "bf16", "training.deepspeed_stage": stage,
-                  "rollout.replicas": 4, "learner.gpus": 4, "sync.transport": "grpc"})  # fmt: skip
+                  "rollout.replicas": 4, "learner.gpus": 4, "sync.transport": "grpc"})
     plan = plan_memory(job, shape=SHAPE_7B)
     learner = plan.plans["server"].devices[1]
     assert learner.role == "learner GPU" and learner.count == 4
@@ -182,7 +182,7 @@ def test_zero_stages_shard_optimizer_then_gradients_then_weights(stage: int) -> 
 
 def _colocate(**changes: Any) -> Any:
     base = {"rollout.mode": "colocate", "rollout.replicas": None, "learner.gpus": 8, "sync.transport": "auto",
-            "training.gradient_checkpointing": True, "training.packing_length": 8192}  # fmt: skip
+            "training.gradient_checkpointing": True, "training.packing_length": 8192}
     return _job(**{**base, **changes})
 
 
@@ -263,7 +263,7 @@ def test_lowering_the_engine_share_is_advised_with_the_value_that_fits() -> None
 
 def test_a_kv_cache_smaller_than_one_sequence_is_refused() -> None:
     job = _job(**{"rollout.gpuMemoryUtilization": 0.1, "rollout.maxModelLen": 32768,
-                  "training.gradient_checkpointing": True})  # fmt: skip
+                  "training.gradient_checkpointing": True})
     plan = plan_memory(job, shape=SHAPE_7B)
     assert not plan.fits
     assert any("maxModelLen" in p for p in plan.own.devices[0].problems)
@@ -282,7 +282,7 @@ def test_gpu_memory_and_presets_from_the_spec() -> None:
     assert default_gpu_memory(job.spec) == 80 * GiB  # NVIDIA-H100-80GB-HBM3
     assert default_gpu_memory(_job(**{"placement.nodeSelector": {}}).spec) == 80 * GiB
     assert default_gpu_memory(_job(**{"placement.nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200-141GB"}
-                                      }).spec) == 141 * GiB  # fmt: skip
+                                      }).spec) == 141 * GiB
     assert preset_for("/models/Qwen3-VL-2B-Instruct") == "Qwen3-VL-2B"
     assert preset_for("/models/qwen2.5-vl-7b-instruct/") == "Qwen2.5-VL-7B"
     assert preset_for("/models/Qwen3-VL-235B-A22B") is None
@@ -318,7 +318,7 @@ def test_runtime_reserve_is_counted_once_per_training_gpu() -> None:
 
 def _rmsft(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rmsft_cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120, env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"})  # fmt: skip
+                          timeout=120, env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"})
 
 
 def test_cli_plan_exit_codes_and_output(tmp_path: Path) -> None:
@@ -350,13 +350,13 @@ def test_cli_plan_exit_codes_and_output(tmp_path: Path) -> None:
 
 def test_a_sync_wakes_a_sleeping_engines_weights_and_moe_is_refused() -> None:
     job = _colocate(**{"training.finetune": "full", "training.precision": "bf16", "training.deepspeed_stage": 2,
-                       "rollout.colocate": {"sleepLevel": 2}})  # fmt: skip
+                       "rollout.colocate": {"sleepLevel": 2}})
     d = plan_memory(job, shape=SHAPE_7B).own.devices[0]
     assert "engine weights" not in d.phases["train"]
     assert d.phases["sync"]["engine weights"] == d.phases["generate"]["engine weights"] > 0
     assert d.host_bytes == 0  # level 2 discards the engine's weights; the learner restores them
     moe = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-           "num_attention_heads": 2, "vocab_size": 100, "num_experts": 8}  # fmt: skip
+           "num_attention_heads": 2, "vocab_size": 100, "num_experts": 8}
     with pytest.raises(ModelShapeError, match="mixture-of-experts"):
         shape_from_config(moe)
 

@@ -230,7 +230,7 @@ class CoordExpFormat:
         if all(isinstance(c, str) for c in coords):
             return coords
         if kind == "poly" and all(isinstance(p, list) and len(p) == 2 and all(isinstance(c, str) for c in p)
-                                  for p in coords):  # fmt: skip
+                                  for p in coords):
             return [c for p in coords for c in p]
         return None
 
@@ -281,7 +281,7 @@ class QwenJsonFormat:
         if (self.width is None) != (self.height is None):
             raise FormatError("qwen_json: give both width and height, or neither")
         if self.width is not None and not (_is_int(self.width) and _is_int(self.height)
-                                           and self.width > 0 and self.height > 0):  # fmt: skip
+                                           and self.width > 0 and self.height > 0):
             raise FormatError(f"qwen_json: image size must be positive integers, got {self.width}x{self.height}")
 
     @property

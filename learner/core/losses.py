@@ -236,7 +236,7 @@ def loss_sums(
         if n_boxes:
             value = expected_coord(coord_logits)
             l1, ciou = box_terms(value[row.box_coords.to(device)],
-                                 row.box_bins.to(device).float() / (NUM_BINS - 1))  # fmt: skip
+                                 row.box_bins.to(device).float() / (NUM_BINS - 1))
             bw = row.box_weights.to(device)
             l1_sum, ciou_sum = (l1 * bw).sum(), (ciou * bw).sum()
     ul_sum = zero

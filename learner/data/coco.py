@@ -170,7 +170,7 @@ class CocoSummary:
         ]
         for title, counter in (("skipped annotations", self.skipped_annotations),
                                ("skipped images", self.skipped_images),
-                               ("written as boxes", self.as_box)):  # fmt: skip
+                               ("written as boxes", self.as_box)):
             if counter:
                 head = f"{title}: {sum(counter.values())}"
                 if counter is self.skipped_images:
@@ -371,7 +371,7 @@ def _writer(tmp: Path, out: Path) -> Iterator[TextIO]:
         # OUT's name in the header, not the temporary one (gunzip -N restores it), and mtime 0: the same
         # conversion writes the same bytes.
         with gzip.GzipFile(filename=out.name, mode="wb", fileobj=raw, mtime=0) as gz, \
-                io.TextIOWrapper(gz, encoding="utf-8") as f:  # fmt: skip
+                io.TextIOWrapper(gz, encoding="utf-8") as f:
             yield f
 
 
@@ -406,7 +406,7 @@ def convert_coco(annotations: str | Path, images_dir: str | Path, out: str | Pat
         if img["id"] in images:
             raise CocoError(f"{annotations}: images[{i}].id {img['id']} is used by another image too")
         images[img["id"]] = {**img, "width": _pixels(annotations, i, img, "width"),
-                             "height": _pixels(annotations, i, img, "height")}  # fmt: skip
+                             "height": _pixels(annotations, i, img, "height")}
 
     # After the structure's checks, which say more about a broken file than "no annotations" would.
     if not doc["annotations"] and not options.allow_no_annotations:
@@ -482,7 +482,7 @@ def convert_coco(annotations: str | Path, images_dir: str | Path, out: str | Pat
         objs = [obj for obj, _, _ in entries]
         record = {"id": str(image["id"]), "width": image["width"], "height": image["height"],
                   "messages": [{"role": "user", "content": prompt}],
-                  "images": [_image_ref(path, image["file_name"], out, options.paths)], "objects": objs}  # fmt: skip
+                  "images": [_image_ref(path, image["file_name"], out, options.paths)], "objects": objs}
         Record.model_validate(record)  # what the learner's loader will check; a failure here is a bug
         records.append(record)
         for _, as_box, where in entries:

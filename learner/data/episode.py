@@ -108,18 +108,18 @@ def rollout_request(record: Record, image_bytes: Sequence[bytes], seed: int | No
     """A record as the servers get it: its chat messages and its images' bytes (the server renders the prompt
     with its own processor and returns the ids it used)."""
     return RolloutRequest(seed=seed, request_id=record.id, messages=[(m.role, m.content) for m in record.messages],
-                          images=list(image_bytes))  # fmt: skip
+                          images=list(image_bytes))
 
 
 def ground_truth_detections(record: Record) -> list[Detection]:
     return [(o.desc, "bbox_2d" if o.bbox_2d is not None else "poly", list(o.bbox_2d or o.poly or []))
-            for o in record.objects]  # fmt: skip
+            for o in record.objects]
 
 
 def predicted_detections(parsed: ParsedRollout, record: Record) -> list[Detection]:
     """The objects of a parsed response, in the record's pixel coordinates."""
     return [(o.obj.desc, o.obj.kind, [bin_to_pixel(b, record.width if i % 2 == 0 else record.height)
-                                      for i, b in enumerate(o.obj.bins)]) for o in parsed.objects]  # fmt: skip
+                                      for i, b in enumerate(o.obj.bins)]) for o in parsed.objects]
 
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
@@ -203,7 +203,7 @@ def build_segments(
     stats = EpisodeStats()
     segments = []
     for rec, p_ids, r_p_ids, resp, size, extra in zip(records, prompt_ids, rollout_prompt_ids, response_ids, sizes,
-                                                      explorers, strict=True):  # fmt: skip
+                                                      explorers, strict=True):
         rec_fmt = record_format(fmt, size)
         try:
             gt = ground_truth(rec, rec_fmt)
@@ -228,7 +228,7 @@ def build_segments(
                 if clean.dead_anchors:
                     local = dead_anchors([objects[i] for i in kept], result,
                                          [(v, set(f.gt_of_pred())) for v, f in zip(views, found, strict=True)],
-                                         dup_cfg.support_iou)  # fmt: skip
+                                         dup_cfg.support_iou)
                     dead = [kept[j] for j in local]
             t2 = time.perf_counter()
             if clean is None:

@@ -219,7 +219,7 @@ def score(records: Sequence[Record], answers: Sequence[Sequence[int]], setup: Ev
         objs = [o.obj for o in parsed.objects]
         answer = EpisodeStats(rollouts=1, dropped=parsed.n_dropped, truncated=int(parsed.truncated),
                               response_tokens=len(ids), predicted=len(objs), gt_objects=len(gt),
-                              duplicates=len(find_duplicates(objs)))  # fmt: skip
+                              duplicates=len(find_duplicates(objs)))
         for gate, cfg in configs.items():
             for into, result in ((stats, match_by_label(objs, gt, cfg)), (geometry, match(objs, gt, cfg))):
                 into[gate] += dataclasses.replace(answer, matched=len(result.pairs),

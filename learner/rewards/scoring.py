@@ -59,18 +59,18 @@ def _import_path(path: str) -> Any:
     except ModuleNotFoundError as exc:
         if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
             raise UnknownRewardError(f"reward {path!r}: no module named {exc.name!r} (looked up as an import path "
-                                     "'package.module:callable')") from exc  # fmt: skip
+                                     "'package.module:callable')") from exc
         raise UnknownRewardError(f"reward {path!r}: importing module {module_name!r} failed: "
-                                 f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+                                 f"{type(exc).__name__}: {exc}") from exc
     except Exception as exc:
         raise UnknownRewardError(f"reward {path!r}: importing module {module_name!r} failed: "
-                                 f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+                                 f"{type(exc).__name__}: {exc}") from exc
     walked = module_name
     for part in attr.split("."):
         if not hasattr(obj, part):
             public = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None)))
             raise UnknownRewardError(f"reward {path!r}: {walked!r} has no attribute {part!r} (its public callables: "
-                                     f"{', '.join(public) or 'none'})")  # fmt: skip
+                                     f"{', '.join(public) or 'none'})")
         obj = getattr(obj, part)
         walked = f"{walked}:{part}" if walked == module_name else f"{walked}.{part}"
     return obj
@@ -101,7 +101,7 @@ def _lookup(name: str) -> Any:
         return ep.load()
     except Exception as exc:
         raise UnknownRewardError(f"reward {name!r}: entry point {ep.value!r} of group {ENTRY_POINT_GROUP!r} failed "
-                                 f"to load: {type(exc).__name__}: {exc}") from exc  # fmt: skip
+                                 f"to load: {type(exc).__name__}: {exc}") from exc
 
 
 def _signature(obj: Any) -> str:
@@ -123,7 +123,7 @@ def resolve_reward(name: str, params: Mapping[str, Any] | None = None) -> Reward
             reward = obj(**params)
         except (TypeError, ValueError) as exc:
             raise RewardConfigError(f"reward {name!r}: cannot build it with params {params}: {exc} "
-                                    f"(it takes {_signature(obj)})") from exc  # fmt: skip
+                                    f"(it takes {_signature(obj)})") from exc
     else:
         reward = obj
     if not callable(reward):
@@ -292,7 +292,7 @@ def score_batch(
         if len(failures) > 1:
             err = RewardError(first.reward, first.record_id, first.sample_index,
                               f"{first.detail} (and {len(failures) - 1} more failing "
-                              f"completion(s) in this batch of {len(inputs)})")  # fmt: skip
+                              f"completion(s) in this batch of {len(inputs)})")
             raise err from first.__cause__
         raise first
     scores = [r for r in results if not isinstance(r, RewardError)]

@@ -326,7 +326,7 @@ class ServerPool:
                 s for s in self.servers
                 if (not s.state.up or s.state.version is None)
                 and (s.state.version is None or now - s.state.last_probe >= self.reprobe_interval_s)
-            ]  # fmt: skip
+            ]
         if due:
             self.refresh(due)
 

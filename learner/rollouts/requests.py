@@ -141,7 +141,7 @@ def check_versions(rollouts: Sequence[Rollout], version: WeightVersion) -> None:
     """Raise StaleRolloutError when any rollout was not produced by weight version `version` (its run
     id and number)."""
     stale = [(i, r.request_id, str(r.weights), r.server) for i, r in enumerate(rollouts)
-             if r.weights != version]  # fmt: skip
+             if r.weights != version]
     if stale:
         raise StaleRolloutError(
             f"{len(stale)} rollout(s) not produced by the current weight version {version.describe()} "

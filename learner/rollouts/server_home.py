@@ -45,7 +45,7 @@ class ServerRollouts:
             pool, timeout_s=timeout_s, generate_batch_size=generate_batch_size,
             # `fence_resync` wraps the re-sync of one server (e.g. refused while the learner's weights move).
             resync=fence_resync(sync_client.resync_server) if fence_resync else sync_client.resync_server,
-        )  # fmt: skip
+        )
 
     def wait_ready(self, timeout_s: float) -> None:
         self.pool.wait_ready(timeout_s=timeout_s)

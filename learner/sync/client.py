@@ -242,7 +242,7 @@ class WeightSyncClient:
             "weight version %s synced (%s, %s) to %d server(s) in %.2fs%s",
             self.pool.version(number).describe(), report.mode, why, len(report.acked), report.seconds,
             f"; unreachable: {sorted(report.unreachable)}" if report.unreachable else "",
-        )  # fmt: skip
+        )
         return report
 
     def resync_server(self, server: RolloutServer) -> None:
@@ -303,7 +303,7 @@ class WeightSyncClient:
             got = version_of(o)
             if code == grpc.StatusCode.OK and got == want:
                 report.acked[server.address] = (replies.get(server.address)
-                                                or set_version(rollout_pb2.UpdateReply(), got))  # fmt: skip
+                                                or set_version(rollout_pb2.UpdateReply(), got))
                 self.pool.mark_up(server, weights=want)
                 with self.pool.lock:
                     server.state.base_replaced = mode == "full"
@@ -341,7 +341,7 @@ class WeightSyncClient:
             header, requests = encode_planned_stream(
                 specs, tensors, number=number, run_id=self.pool.run_id, mode=_WIRE_MODE[mode],
                 adapter_config_json=config_json, frame_bytes=self.frame_bytes, relay_to=[s.address for s in rest],
-            )  # fmt: skip
+            )
             total = header.total_bytes
             source = _StoppableSource(requests)
             try:

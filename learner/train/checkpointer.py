@@ -95,7 +95,7 @@ class Checkpointer:
             # The record of which runs wrote it (a resumed run never reuses one: it makes its own).
             "run_id": s.run_id, "run_ids": [*(s.resumed.run_ids if s.resumed else ()), s.run_id],
             "extra": dict(self.extra),
-        }  # fmt: skip
+        }
 
     def save(self) -> Path | None:
         """Collective: every rank's packer carry buffer and RNG (and ZeRO optimizer part) go into
@@ -138,7 +138,7 @@ class Checkpointer:
                                "resume with the same number of ranks (each rank's carry buffer and RNG are its own)")
         if ckpt.get("deepspeed_stage", 0) != self.cfg.deepspeed_stage:
             raise RuntimeError(f"checkpoint {name} was written with deepspeed_stage {ckpt.get('deepspeed_stage', 0)}, "
-                               f"this run uses {self.cfg.deepspeed_stage}")  # fmt: skip
+                               f"this run uses {self.cfg.deepspeed_stage}")
         missing = set(trainable_state(self.model)) - set(ckpt["model"])
         if missing:
             raise RuntimeError(f"checkpoint does not match the model: {len(missing)} trainable tensors missing")

@@ -70,7 +70,7 @@ class ExportResult:
 
     def lines(self) -> list[str]:
         what = {"merged": "LoRA/DoRA merged into the base weights", "full": "the fully fine-tuned model",
-                "adapter": "the PEFT adapter alone"}[self.mode]  # fmt: skip
+                "adapter": "the PEFT adapter alone"}[self.mode]
         out = [f"exported {what} to {self.path}",
                f"{self.tensors} tensors, {self.nbytes / 2**20:.1f} MiB, {self.dtype}; files: {', '.join(self.files)}"]
         if self.info.get("step") is not None:
@@ -109,7 +109,7 @@ def export_trained(
     export of a model without one, a bad dtype, a model the writer cannot rename)."""
     return _export(model, _saver(policy_or_processor), Path(out_dir), adapter_only=adapter_only, dtype=dtype,
                    base_model_dir=base_model_dir, overwrite=overwrite, info=info or {},
-                   max_shard_bytes=max_shard_bytes).path  # fmt: skip
+                   max_shard_bytes=max_shard_bytes).path
 
 
 def _saver(policy_or_processor: Any) -> Any:
@@ -128,9 +128,9 @@ def _export(model: Any, processor: Any, out: Path, *, adapter_only: bool, dtype:
     peft = is_peft_model(model)
     if adapter_only and not peft:
         raise ExportError("an adapter export needs a LoRA/DoRA model (training.finetune: lora); this model was "
-                          "fully fine-tuned: export the whole model instead (no --adapter)")  # fmt: skip
+                          "fully fine-tuned: export the whole model instead (no --adapter)")
     _refuse_own_inputs(out, {"base model": base_model_dir or getattr(_hf_model(model), "name_or_path", None),
-                             **{k: v for k, v in info.items() if k == "checkpoint"}})  # fmt: skip
+                             **{k: v for k, v in info.items() if k == "checkpoint"}})
     wire = _resolve_dtype(dtype, model, base_model_dir, adapter_only)
     mode = "adapter" if adapter_only else ("merged" if peft else "full")
     try:
@@ -152,7 +152,7 @@ def _export(model: Any, processor: Any, out: Path, *, adapter_only: bool, dtype:
         raise
     except OSError as exc:
         raise ExportError(f"cannot write the export to {out}: {exc.strerror or exc}"
-                          f"{f' ({exc.filename})' if exc.filename else ''}") from None  # fmt: skip
+                          f"{f' ({exc.filename})' if exc.filename else ''}") from None
     except (ValueError, RuntimeError) as exc:  # e.g. a model whose tensors cannot be named or merged
         raise ExportError(f"cannot export the model to {out}: {type(exc).__name__}: {exc}") from exc
     return ExportResult(out, mode, dtype_str, tensors, nbytes, files, info)
@@ -342,7 +342,7 @@ def export_config(cfg: TrainingConfig) -> TrainingConfig:
     checkpointing. Fine-tuning mode, LoRA settings and freezes (which decide the trainable tensors a
     checkpoint holds) stay as trained."""
     return cfg.model_copy(update={"precision": "fp32", "gradient_checkpointing": False, "attn_implementation": "sdpa",
-                                  "device": "cpu", "deepspeed_stage": 0})  # fmt: skip
+                                  "device": "cpu", "deepspeed_stage": 0})
 
 
 def export_checkpoint(
@@ -368,7 +368,7 @@ def export_checkpoint(
     cfg = job.spec.training
     if adapter_only and cfg.finetune != "lora":
         raise ExportError(f"--adapter needs a LoRA/DoRA run; {step_dir} was trained with training.finetune: "
-                          f"{cfg.finetune}: export the whole model instead (no --adapter)")  # fmt: skip
+                          f"{cfg.finetune}: export the whole model instead (no --adapter)")
     try:
         check_output_folder(out_dir, overwrite=overwrite)  # before minutes of loading
     except OutputFolderError as exc:
@@ -415,7 +415,7 @@ def export_checkpoint(
     model.eval()
     info = {"source": "checkpoint", "checkpoint": str(step_dir.resolve()), "step": state.get("step"),
             "weight_version": state.get("version"), "base_model": str(base.resolve()),
-            "job": job.metadata.name}  # fmt: skip
+            "job": job.metadata.name}
     say(f"writing {out_dir}")
     return _export(model, policy.processor or policy.tokenizer, Path(out_dir), adapter_only=adapter_only,
-                   dtype=dtype, base_model_dir=base, overwrite=overwrite, info=info, flag="--overwrite")  # fmt: skip
+                   dtype=dtype, base_model_dir=base, overwrite=overwrite, info=info, flag="--overwrite")

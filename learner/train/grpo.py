@@ -125,7 +125,7 @@ class GrpoTrainer(TrainingLoop):
             parts={}, stats=None, rows=n_rows, fill=fill,
             local_record_ids=[self.records[i].id for i in groups.indices[:: self.grpo.n]],
             local_rows=len(rows), local_tokens=sum(r.length for r in rows), grpo=self._stats(groups, scores, totals),
-        )  # fmt: skip
+        )
 
     def _samples_at(self, step: int) -> bool:  # noqa: ARG002 - every GRPO step samples from the latest weights
         return True
@@ -151,14 +151,14 @@ class GrpoTrainer(TrainingLoop):
             if stale:
                 raise RuntimeError(f"{len(stale)} completion(s) not from the learner's weight version {weights} "
                                    f"(or max_staleness {self.cfg.rollout.max_staleness} behind it) "
-                                   f"(request, version, server): {stale[:3]}")  # fmt: skip
+                                   f"(request, version, server): {stale[:3]}")
             bad = [(o.request_id, o.sample_index, o.server) for o in outs
-                   if o.logprobs is None or len(o.logprobs) != len(o.token_ids)]  # fmt: skip
+                   if o.logprobs is None or len(o.logprobs) != len(o.token_ids)]
             if bad:
                 raise RuntimeError(f"{len(bad)} completion(s) came without one log-prob per token (request, sample, "
-                                   f"server): {bad[:3]}; GRPO needs the servers' sampling log-probs")  # fmt: skip
+                                   f"server): {bad[:3]}; GRPO needs the servers' sampling log-probs")
             check_rollout_prompts([self.records[i] for i in indices], [self._prompt_ids(i) for i in indices], outs,
-                                  self.policy.tokenizer)  # fmt: skip
+                                  self.policy.tokenizer)
             responses = [list(o.token_ids) for o in outs]
             if self.policy.is_vision_language:  # a sampled image/video token cannot be teacher-forced
                 responses = [vision_safe_response(r, self.vision_token_ids) for r in responses]
@@ -182,7 +182,7 @@ class GrpoTrainer(TrainingLoop):
                     self.records[idx], tok.decode(resp, skip_special_tokens=True), resp,
                     vocab=self.policy.vocab, fmt=self.core.fmt, image_size=size,
                     finish_reason=out.finish_reason, sample_index=out.sample_index,
-                ))  # fmt: skip
+                ))
             return score_batch(self.rewards, inputs, executor=self._reward_pool)
 
     # -- pack -----------------------------------------------------------------------------------
@@ -212,7 +212,7 @@ class GrpoTrainer(TrainingLoop):
         tokens = [grpo_tokens(r) for r in rows]  # host reads of the labels, before the rows move
         n_tokens, n_seqs, n_rows, fill_sum = self.ranks.sum([
             sum(t.n_tokens for t in tokens), sum(t.n_seqs for t in tokens), len(rows), sum(r.fill for r in rows),
-        ])  # fmt: skip
+        ])
         if not n_rows:
             raise RuntimeError("the step's completions packed into no row")
         lr = learning_rate(self.cfg, self.state.step)
@@ -262,7 +262,7 @@ class GrpoTrainer(TrainingLoop):
             float(sum(len(x) for x in groups.responses)),
             float(sum(o.finish_reason == "length" for o in groups.rollouts)),
             *(math.fsum(scores.per_reward[k]) for k in labels),
-        ]  # fmt: skip
+        ]
         s = self.ranks.sum(local)
         count, n_groups = max(s[2], 1.0), max(s[4], 1.0)
         mean = s[0] / count
@@ -272,7 +272,7 @@ class GrpoTrainer(TrainingLoop):
             rewards={k: v / count for k, v in zip(labels, s[8:], strict=True)},
             clip_fraction=totals["clip_fraction"], ratio_mean=totals["ratio_mean"], kl=totals["kl"],
             completion_length=s[6] / count, truncated=s[7] / count, completions=int(s[2]), groups=int(s[4]),
-        )  # fmt: skip
+        )
 
     def _step_metrics(self, r: StepResult) -> None:
         g = r.grpo

@@ -50,7 +50,7 @@ class RolloutHandout:
             lo, hi = ranks.share(self.cfg.prompts_per_step)
             with ranks.guard("generating rollouts (in-process engine)"):
                 mine = self.rollouts.generate(self._rollout_requests(k, lo, hi), sampling,
-                                              weight_version=self.state.version)  # fmt: skip
+                                              weight_version=self.state.version)
             parts = ranks.gather_to_main(mine)
             return mine, [o for part in parts for o in part] if parts is not None else None
         everything = None
@@ -111,7 +111,7 @@ class RolloutHandout:
             lo, hi = ranks.share(self.cfg.prompts_per_step)
             with ranks.guard("generating explorer rollouts (in-process engine)"):
                 mine = self.rollouts.generate(self._rollout_requests(k, lo, hi, EXPLORER_SEED_OFFSET),
-                                              recipe.explorer_sampling, weight_version=st.version)  # fmt: skip
+                                              recipe.explorer_sampling, weight_version=st.version)
         else:
             everything = None
             with ranks.guard("generating explorer rollouts (rank 0)"):
@@ -136,4 +136,4 @@ class RolloutHandout:
             return all(o.weights == st.weights for o in outs)
         restored = set(st.resumed.run_ids) if st.resumed is not None else set()
         return all((o.weight_run_id == st.run_id and 0 <= st.version - o.weight_version <= window)
-                   or o.weight_run_id in restored for o in outs)  # fmt: skip
+                   or o.weight_run_id in restored for o in outs)

@@ -187,7 +187,7 @@ class TrainingLoop(RolloutHandout, ABC):
         # No servers at all (server mode): a plain SFT run (every step a warm-start step, no held-out evaluation)
         # needs none, e.g. the pretraining of `rmsft local`'s tiny model (learner.local.pretrain_tiny_model).
         self.no_rollouts = (not job.spec.rollout.colocated and not isinstance(addresses, ServersFile)
-                            and not list(addresses))  # fmt: skip
+                            and not list(addresses))
         if self.no_rollouts and (cfg.warm_start_steps < cfg.steps or cfg.eval.data):
             raise ValueError("no rollout servers given: only a run whose every step is a warm-start step "
                              "(training.warm_start_steps >= training.steps) and that has no training.eval.data "
@@ -198,7 +198,7 @@ class TrainingLoop(RolloutHandout, ABC):
                     job, self.model, self.policy.tokenizer, run_id=self.state.run_id, world_size=ranks.world_size,
                     rank=ranks.rank, model_dir=model_dir, vision_language=self.policy.is_vision_language,
                     around_generation=self._around_generation,
-                )  # fmt: skip
+                )
         else:
             with ranks.guard("connecting to the rollout servers (rank 0)"):
                 if ranks.is_main and not self.no_rollouts:  # the only rank that talks to rollout servers
@@ -210,7 +210,7 @@ class TrainingLoop(RolloutHandout, ABC):
                         checkpoint_dir=model_dir, vision_language=self.policy.is_vision_language,
                         zero3=cfg.deepspeed_stage == 3,
                         fence_resync=self.ahead.fenced_resync,  # none while weights move
-                    )  # fmt: skip
+                    )
                     self.rollouts, self.pool, self.sync_client = source, source.pool, source.sync_client
                     self.ahead.abort = source.abort  # close(): a call still running ahead is ended, then waited for
         self._prompt_cache: dict[int, list[int]] = {}  # text models: a record's prompt ids
@@ -219,7 +219,7 @@ class TrainingLoop(RolloutHandout, ABC):
         self.eval_pictures: list[Path] = []
         # Image/video tokens a rollout may sample: its answer is cut before the first (episode.vision_safe_response).
         self.vision_token_ids = (vision_token_ids(self.policy.tokenizer) if self.policy.is_vision_language
-                                 else frozenset())  # fmt: skip
+                                 else frozenset())
         self._retries_at_start = m.counter_total(m.ROLLOUT_RETRIES)
         self._served_step = -1  # the step whose weights the servers hold (after a sync)
         self._setup_objective()
@@ -321,10 +321,10 @@ class TrainingLoop(RolloutHandout, ABC):
             if self.policy.is_vision_language:  # the last rollouts drawn on their images
                 self.pictures = write_rollout_pictures(self.history, self.records, self.images,
                                                        self.cfg.checkpoint.dir, self.eval_setup(self.images),
-                                                       iou=self.cfg.eval.iou)  # fmt: skip
+                                                       iou=self.cfg.eval.iou)
             self.eval_pictures = write_eval_pictures(self.evaluations[-1] if self.evaluations else None,
                                                      self.eval_images, self.cfg.checkpoint.dir,
-                                                     self.cfg.eval.pictures)  # fmt: skip
+                                                     self.cfg.eval.pictures)
         if st.step >= self.cfg.steps and self.cfg.export.enabled:
             self.export()
         return self.summary(time.perf_counter() - t_start)
@@ -349,7 +349,7 @@ class TrainingLoop(RolloutHandout, ABC):
             if self.ranks.is_main:
                 ev = evaluate(self.rollouts, self.eval_records, self.eval_images, self.eval_setup(self.eval_images),
                               version=self.state.version, iou=self.cfg.eval.iou, step=self.state.step,
-                              max_tokens=self.cfg.eval.max_tokens or self.cfg.rollout.max_tokens)  # fmt: skip
+                              max_tokens=self.cfg.eval.max_tokens or self.cfg.rollout.max_tokens)
                 self.evaluations.append(ev)
                 self.reporter.evaluation(ev, self.eval_images, self.cfg.eval.pictures)
         if ev is not None and self.on_eval:
@@ -500,7 +500,7 @@ class TrainingLoop(RolloutHandout, ABC):
             rec = self.records[idx]
             images = [img.pil() for img in self.images.load(rec)]
             self._step_prompts[idx] = render_prompt(self.policy.processor, [m.model_dump() for m in rec.messages],
-                                                    images)  # fmt: skip
+                                                    images)
         return self._step_prompts[idx]
 
     def _prompt_ids(self, idx: int) -> list[int]:
@@ -521,7 +521,7 @@ class TrainingLoop(RolloutHandout, ABC):
                                 world_size=self.ranks.world_size,
                                 model_dir=self.job.spec.model.path, data_path=self.cfg.data.path,
                                 image_root=self.cfg.data.image_root, eval_data_path=self.cfg.eval.data,
-                                eval_image_root=self.cfg.eval.image_root)  # fmt: skip
+                                eval_image_root=self.cfg.eval.image_root)
             # Which run this is, and which runs wrote the checkpoint it resumed from (oldest first).
             st = self.state
             record["run_id"] = st.run_id
@@ -542,7 +542,7 @@ class TrainingLoop(RolloutHandout, ABC):
                 self.job.spec.sync.mode if source.mode == "server" else source.sync_mode,
                 self.cfg.seed, self.state.step, target, self.ranks.world_size, self.device,
                 f", DeepSpeed ZeRO-{self.cfg.deepspeed_stage}" if self.engine is not None else "",
-            )  # fmt: skip
+            )
 
     def _publish(self, r: StepResult) -> None:
         m.GLOBAL_STEP.set(r.step)
@@ -571,7 +571,7 @@ class TrainingLoop(RolloutHandout, ABC):
             eval_iou=self.cfg.eval.iou, held_out=[e.figures() for e in self.evaluations],
             eval_pictures=list(self.eval_pictures),
             log_dir=Path(self.cfg.tensorboard_dir) if self.ranks.is_main else None, exported=self.exported,
-        )  # fmt: skip
+        )
 
     def close(self) -> None:
         for part in (self.ahead, self.rollouts, self.train_step, self.reporter):

@@ -160,7 +160,7 @@ def load_dtype(cfg: TrainingConfig, dtype: str) -> Any:
     if cfg.precision == "bf16":
         if dtype not in ("auto", "bfloat16"):
             log.info("spec.training.precision bf16 decides the learner's weight dtypes; spec.model.dtype %s "
-                     "still applies to the rollout servers", dtype)  # fmt: skip
+                     "still applies to the rollout servers", dtype)
         return torch.bfloat16 if cfg.finetune == "lora" else torch.float32
     return getattr(torch, _DTYPES[dtype]) if _DTYPES.get(dtype) else "auto"
 
@@ -321,7 +321,7 @@ def policy_from_model(model: Any, tokenizer: Any, cfg: TrainingConfig, *, vision
         "policy: %s finetune=%s precision=%s attn=%s gradient_checkpointing=%s trainable=%d",
         type(hf_model).__name__, cfg.finetune, cfg.precision, cfg.attn_implementation, cfg.gradient_checkpointing,
         sum(p.numel() for p in _trainable(model)),
-    )  # fmt: skip
+    )
     return Policy(
         model,
         tokenizer,

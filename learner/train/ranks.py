@@ -135,7 +135,7 @@ class Ranks:
             return per_rank[0]
         out: list[Any] = [None]
         dist.scatter_object_list(out, list(per_rank) if self.is_main else None, src=self._global(0),
-                                 group=self.group)  # fmt: skip
+                                 group=self.group)
         return out[0]
 
     def broadcast_from_main(self, obj: Any) -> Any:

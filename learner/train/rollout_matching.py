@@ -75,7 +75,7 @@ class Trainer(TrainingLoop):
             parts=parts, channel=built.channel, stats=built.stats if fresh else None, rows=n_rows, fill=fill,
             local_record_ids=list(built.local_ids), local_rows=len(built.rows),
             local_tokens=sum(r.length for r in built.rows),
-        )  # fmt: skip
+        )
 
     def _samples_at(self, step: int) -> bool:
         """Step `step` starts a new E-step (the buffer is used up) and that E-step is channel B."""
@@ -97,7 +97,7 @@ class Trainer(TrainingLoop):
             if len(outs) != len(mine) or not self._within_window(outs):
                 raise RuntimeError(f"rank {ranks.rank} got {len(outs)} rollout(s) for {len(mine)} prompt(s) "
                                    f"or a weight version outside {self.state.weights} minus max_staleness "
-                                   f"{self.cfg.rollout.max_staleness}")  # fmt: skip
+                                   f"{self.cfg.rollout.max_staleness}")
             recs = [self.records[i] for i in mine]
             vl = self.policy.is_vision_language
             vision = [self._vision_prompt(i) for i in mine] if vl else []
@@ -108,13 +108,13 @@ class Trainer(TrainingLoop):
                 responses = [vision_safe_response(r, self.vision_token_ids) for r in responses]
             # A format in resized-image pixels (Qwen2.5-VL's) is bound to each record's image size.
             sizes = ([v.image_size(patch_size(self.policy.processor)) for v in vision]
-                     if vl and self.core.fmt.needs_image_size else None)  # fmt: skip
+                     if vl and self.core.fmt.needs_image_size else None)
             recipe = self.core.recipe
             segments, stats = build_segments(
                 recs, mine_ids, [o.prompt_token_ids for o in outs], responses, self.policy.vocab,
                 self.core.matching, self.core.targets, fmt=self.core.fmt, image_sizes=sizes,
                 clean=recipe.clean, duplicates=recipe.duplicates, explorer_ids=explorers,
-            )  # fmt: skip
+            )
             if vl:  # pixels and per-segment M-RoPE positions for the packed forward
                 segments = [with_vision(self.model, seg, v) for seg, v in zip(segments, vision, strict=True)]
             self._add_phase("parse", stats.parse_s)
@@ -150,7 +150,7 @@ class Trainer(TrainingLoop):
             st = self.state
             reason = "warm_start" if st.step < self.cfg.warm_start_steps else "channel_a"
             everything = [Rollout(self.records[idx].id, self._prompt_ids(idx), [], reason, st.version, "",
-                                  weight_run_id=st.run_id) for idx in batch]  # fmt: skip
+                                  weight_run_id=st.run_id) for idx in batch]
         return self._scatter(everything, len(batch)), everything, None
 
     def _channel_b_rollouts(self, k: int) -> tuple[list[Rollout], list[Rollout] | None, list | None]:
@@ -170,7 +170,7 @@ class Trainer(TrainingLoop):
         per_row = [row_totals(r, self.core.weights.weighted_mean) for r in rows]
         ce_total, coord_total, box_total, ul_total, n_rows, fill_sum = self.ranks.sum([
             *(sum(t[i] for t in per_row) for i in range(4)), len(rows), sum(r.fill for r in rows),
-        ])  # fmt: skip
+        ])
         if not n_rows:
             raise RuntimeError("packer produced no row for this step (empty rollouts and carry buffer)")
         lr = learning_rate(self.cfg, self.state.step)

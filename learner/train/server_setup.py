@@ -37,7 +37,7 @@ def build_server_rollouts(job: RolloutMatchingJob, addresses: Sequence[str] | Se
         # change (a frozen vision tower is never resent).
         name_map=checkpoint_name_map(model) if vision_language else None, changed_only=vision_language,
         transport=sync_transport(sync, shared_dir_from_env()), shared_dir=shared_dir_from_env(),
-    )  # fmt: skip
+    )
     if zero3:
         sync_client.export_blocked = ("ZeRO-3 partitions the weights across learner ranks; "
                                       "the next step's collective sync brings the server up")

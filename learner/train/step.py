@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -34,20 +34,6 @@ def resolve_device(setting: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"spec.training.device is {setting!r} but CUDA is not available on this machine")
     return device
-
-
-class TrainStep(Protocol):
-    device: torch.device
-    params: list[torch.nn.Parameter]
-
-    def autocast(self) -> contextlib.AbstractContextManager[Any]: ...
-    def forward(self, **inputs: Any) -> Any: ...
-    def begin(self) -> None: ...
-    def backward(self, loss: torch.Tensor) -> None: ...
-    def finish(self, n_rows: int, lr: float) -> None: ...
-    def optimizer_state(self) -> dict[str, Any]: ...
-    def load_optimizer_state(self, states: list[dict[str, Any]]) -> None: ...
-    def close(self) -> None: ...
 
 
 class PlainStep:

@@ -499,10 +499,6 @@ def crd_yaml() -> str:
     return header + yaml.safe_dump(build_crd(), sort_keys=False, width=110)
 
 
-def openapi_spec_schema() -> dict[str, Any]:
-    return build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-
-
 def apply_defaults(schema: dict[str, Any], obj: Any) -> Any:
     """Structural defaulting as the API server does it (defaults of absent keys, recursively)."""
     if not isinstance(obj, dict) or schema.get("type") != "object":

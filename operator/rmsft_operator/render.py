@@ -454,7 +454,7 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
         container["command"] = [
             "python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(lr.gpus),
             "-m", "rmsft_cli",
-        ]  # fmt: skip
+        ]
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -515,6 +515,6 @@ def render_all(job: RolloutMatchingJob, namespace: str, uid: str, token: str | N
         render_service(job, namespace, uid),
         render_networkpolicy(job, namespace, uid),
         render_statefulset(job, namespace, uid),
-    ]  # fmt: skip
+    ]
     return [render_secret(job, namespace, uid, token), render_configmap(job, namespace, uid), *pool,
             render_job(job, namespace, uid)]

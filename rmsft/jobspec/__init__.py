@@ -77,4 +77,4 @@ __all__ = [
     "RecipeConfig", "ResourceSpec", "RewardEntry", "RolloutDecoding", "RolloutMatchingJob", "RolloutSpec",
     "SyncSpec", "SyncTransport", "TargetsConfig", "Toleration", "TrainingConfig", "VisionSpec", "colocate_errors",
     "cross_field_errors", "duration_seconds", "grpo_errors", "load_job", "parse_job", "parse_spec",
-]  # fmt: skip
+]

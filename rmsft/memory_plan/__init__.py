@@ -45,4 +45,4 @@ __all__ = [
     "MemoryPlanSettingError", "ModelShapeError", "advised_knobs", "changed", "check_memory_plan",
     "default_gpu_memory", "memory_plan_setting", "parse_bytes", "plan_memory", "preset_for", "shape_from_config",
     "shape_from_folder", "trainable_params",
-]  # fmt: skip
+]

@@ -182,7 +182,7 @@ def _training(spec: JobSpec, shape: ModelShape, ranks: int) -> _Training:
         step_temp //= ranks
     act = 2 if (t.precision == "bf16" or base == 2) else 4  # autocast or 16-bit weights compute in 16 bits
     return _Training(weights, weights_full, grads, optimizer, step_temp,
-                     activation_bytes(spec, shape, act, base), trainable)  # fmt: skip
+                     activation_bytes(spec, shape, act, base), trainable)
 
 
 def activation_bytes(spec: JobSpec, shape: ModelShape, act: int = 2, residual: int = 2) -> int:
@@ -208,7 +208,7 @@ def activation_bytes(spec: JobSpec, shape: ModelShape, act: int = 2, residual: i
         per_patch = act * (8 * vh + 4 * vi)
         depth = 1 if t.gradient_checkpointing else shape.vision_depth
         vision = patches * per_patch * depth + (patches * vh * residual * shape.vision_depth
-                                                if t.gradient_checkpointing else 0)  # fmt: skip
+                                                if t.gradient_checkpointing else 0)
     return layers + logits + vision
 
 
@@ -330,9 +330,9 @@ def _learner_phases(spec: JobSpec, tr: _Training, gpu: bool, engine: dict[str, i
     engine = engine or {}
     sync_engine = engine if sync_engine is None else sync_engine
     train = {"training weights": tr.weights, "gradients": tr.grads, "optimizer state": tr.optimizer,
-             "activations": tr.activations, **engine, **runtime}  # fmt: skip
+             "activations": tr.activations, **engine, **runtime}
     step = {"training weights": tr.weights, "gradients": tr.grads, "optimizer state": tr.optimizer,
-            "optimizer step temp": tr.step_temp, **engine, **runtime}  # fmt: skip
+            "optimizer step temp": tr.step_temp, **engine, **runtime}
     phases = {"train": train, "step": step}
     if spec.training.deepspeed_stage == 3:
         phases["sync"] = {"training weights": tr.weights_full, "optimizer state": tr.optimizer, **sync_engine,
@@ -368,7 +368,7 @@ def _colocate_plan(spec: JobSpec, shape: ModelShape, gpu_memory: int | None) -> 
         "training weights": 0 if c.offload_model else tr.weights,
         "optimizer state": 0 if c.offload_optimizer else tr.optimizer,
         "engine weights": eng.weights, "engine activations": eng.activations, "KV cache": eng.kv, **graphs,
-    }  # fmt: skip
+    }
     if gpu:
         generate["CUDA context, NCCL"] = RUNTIME_BYTES
     phases["generate"] = {k: v for k, v in generate.items() if v or k == "training weights"}

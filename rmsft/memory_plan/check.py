@@ -70,7 +70,7 @@ def plan_memory(job: RolloutMatchingJob, *, gpu_memory: int | None = None,
                         "--gpu-memory to change)"))
     return MemoryPlan(job=job.metadata.name, mode=spec.rollout.mode, accelerator=spec.placement.accelerator,
                       model=shape, trainable_params=trainable_params(spec, shape), plans=ordered,
-                      advice=advise(spec, shape, memory), notes=tuple(notes))  # fmt: skip
+                      advice=advise(spec, shape, memory), notes=tuple(notes))
 
 
 def check_memory_plan(job: RolloutMatchingJob, *, gpu_memory: int | None = None,

@@ -48,7 +48,7 @@ class ModelShape:
     @property
     def total_params(self) -> int:
         return (self.embed_params + self.lm_head_params + self.decoder_params + self.vision_tower_params
-                + self.aligner_params)  # fmt: skip
+                + self.aligner_params)
 
     @property
     def vision_language(self) -> bool:
@@ -58,7 +58,7 @@ class ModelShape:
         """(in, out) features of each decoder-layer linear LoRA may target, by module name."""
         h, qd, kvd, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
         return {"q_proj": (h, qd), "k_proj": (h, kvd), "v_proj": (h, kvd), "o_proj": (qd, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
     def lora_params(self, r: int, targets: list[str], dora: bool) -> int:
         """Adapter parameters peft adds on the language model's decoder layers: r x (in + out) per targeted
@@ -128,7 +128,7 @@ def shape_from_config(cfg: dict, source: str = "config.json (analytic)") -> Mode
         decoder_params=decoder, vision_tower_params=tower, aligner_params=aligner, checkpoint_dtype=dtype,
         vision_hidden=v.get("hidden", 0), vision_depth=v.get("depth", 0), vision_intermediate=v.get("inter", 0),
         spatial_merge=v.get("merge", 1),
-    )  # fmt: skip
+    )
 
 
 def _vision_params(cfg: dict, model_type: str) -> tuple[int, int, dict[str, Any]]:
@@ -195,7 +195,7 @@ def shape_from_folder(folder: str | Path) -> ModelShape:
            "vision_tower_params": counts["vision_tower"], "aligner_params": counts["aligner"],
            "checkpoint_dtype": dtype,
            "exact": True},
-    )  # fmt: skip
+    )
 
 
 # Stock checkpoints' config.json values (Hugging Face, Qwen org), only what the counts read. A folder prepared
@@ -203,7 +203,7 @@ def shape_from_folder(folder: str | Path) -> ModelShape:
 _QWEN3_VL_VISION = {"model_type": "qwen3_vl", "depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
                     "num_heads": 16, "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2,
                     "temporal_patch_size": 2, "num_position_embeddings": 2304,
-                    "deepstack_visual_indexes": [8, 16, 24]}  # fmt: skip
+                    "deepstack_visual_indexes": [8, 16, 24]}
 PRESETS: dict[str, dict[str, Any]] = {
     "Qwen2.5-VL-7B": {
         "model_type": "qwen2_5_vl", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
@@ -236,7 +236,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                         "head_dim": 128, "vocab_size": 151936, "attention_bias": False, "dtype": "bfloat16"},
         "vision_config": {**_QWEN3_VL_VISION, "out_hidden_size": 4096},
     },
-}  # fmt: skip
+}
 
 
 def preset_for(name: str) -> str | None:

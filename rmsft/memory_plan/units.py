@@ -18,7 +18,7 @@ def gib(n: int | None) -> str:
 _QUANTITY = re.compile(r"^\s*([0-9.]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*$")
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "kb": 10**3, "mb": 10**6, "gb": 10**9,
           "tb": 10**12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40, "kib": 1 << 10,
-          "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
+          "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
 def parse_bytes(text: str) -> int:

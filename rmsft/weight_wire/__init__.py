@@ -92,4 +92,4 @@ __all__ = [
     "encode_weight_stream", "iter_weight_chunks", "new_hash", "stream_header_and_specs", "stream_header",
     "torch_dtype", "update_weights_raw",
     "FRESH", "NO_RUN", "WeightVersion", "check_run_id", "mismatch_message", "new_run_id", "set_version", "version_of",
-]  # fmt: skip
+]

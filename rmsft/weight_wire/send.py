@@ -128,7 +128,7 @@ def stream_header_and_specs(
         [(n, s) for n, _, s in planned], number=number, run_id=run_id, mode=mode,
         adapter_config_json=adapter_config_json,
         frame_bytes=frame_bytes, digest=digest, relay_to=relay_to,
-    )  # fmt: skip
+    )
     return header, planned
 
 
@@ -195,7 +195,7 @@ def iter_weight_chunks(
     header, planned = stream_header_and_specs(
         named_tensors, number=number, run_id=run_id, mode=mode, adapter_config_json=adapter_config_json,
         frame_bytes=frame_bytes, digest=digest,
-    )  # fmt: skip
+    )
     yield rollout_pb2.WeightChunk(header=header)
     hasher = PipelinedDigest(header.digest_algorithm)
     for name, spec, offset, view in iter_pieces(planned, frame_bytes):
@@ -255,7 +255,7 @@ def encode_weight_stream(
     header, planned = stream_header_and_specs(
         named_tensors, number=number, run_id=run_id, mode=mode, adapter_config_json=adapter_config_json,
         frame_bytes=frame_bytes, digest=digest, relay_to=relay_to,
-    )  # fmt: skip
+    )
     return header, _requests(header, planned, frame_bytes)
 
 
@@ -280,7 +280,7 @@ def encode_planned_stream(
     header = stream_header(
         specs, number=number, run_id=run_id, mode=mode, adapter_config_json=adapter_config_json,
         frame_bytes=frame_bytes, digest=digest, relay_to=relay_to,
-    )  # fmt: skip
+    )
     return header, _requests(header, _checked(specs, tensors), frame_bytes)
 
 

@@ -105,7 +105,7 @@ def test_det_object_rules():
     for bad, match in [(("  ", "bbox_2d", (1, 2, 3, 4)), "blank"), (("a<|coord_1|>", "bbox_2d", (1, 2, 3, 4)), "coord"),
                        (("a", "bbox_2d", (1, 2, 0, 4)), "reversed"), (("a", "bbox_2d", (1, 5, 3, 4)), "reversed"),
                        (("a", "bbox_2d", (True, 2, 3, 4)), "outside"), (("a", "bbox_2d", (1.0, 2, 3, 4)), "outside"),
-                       ((5, "bbox_2d", (1, 2, 3, 4)), "string")]:  # fmt: skip
+                       ((5, "bbox_2d", (1, 2, 3, 4)), "string")]:
         with pytest.raises(ValueError, match=match):
             DetObject(*bad)
     tri = DetObject("t", "poly", (500, 10, 900, 700, 100, 400))
@@ -190,7 +190,7 @@ def test_output_format_factory():
     assert (QWEN_JSON.container, QWEN_JSON.coord_tokens) == ("list", False)
     for kwargs, key in [({"name": "qwen"}, "training.format:"),
                         ({"name": "qwen_json", "coordinates": "abs"}, "training.format_options.coordinates:"),
-                        ({"name": "coordexp", "polygons": "rings"}, "training.format_options.polygons:")]:  # fmt: skip
+                        ({"name": "coordexp", "polygons": "rings"}, "training.format_options.polygons:")]:
         with pytest.raises(FormatError, match=key):
             output_format(**kwargs)
 

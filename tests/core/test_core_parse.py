@@ -30,11 +30,11 @@ CASES = [
     ("tiny_vocab", "coordexp"), ("fused", "coordexp"), ("fused", "coordexp_flat"),
     ("stock_vocab", "qwen_relative"), ("fused_plain", "qwen_relative"), ("tiny_vocab", "qwen_relative"),
     ("stock_vocab", "qwen_pixels"), ("fused_plain", "qwen_pixels"),
-]  # fmt: skip
+]
 
 
 def check_invariants(ids: list[int], parsed: ParsedRollout, vocab: VocabView,
-                     fmt: OutputFormat = COORDEXP) -> list[tuple[str | None, object]]:  # fmt: skip
+                     fmt: OutputFormat = COORDEXP) -> list[tuple[str | None, object]]:
     n_own = parsed.n_own_prefix_ids
     assert list(parsed.prefix_ids[:n_own]) == list(ids[:n_own]), "own prefix ids must be the rollout's"
     assert len(parsed.prefix_ids) - n_own <= 8, "only the straddling token may be re-encoded"
@@ -93,7 +93,7 @@ def test_truncated(request, vocab_name, fmt_name, objects, data):
     # Every object whose tokens are all inside the cut (and followed by its closing brace) is kept.
     full_prefix = vocab.decode_bytes(ids[:cut])
     complete = sum(1 for i in range(len(objects))
-                   if full_prefix.startswith(render(objects[: i + 1], fmt)[:-1].encode()))  # fmt: skip
+                   if full_prefix.startswith(render(objects[: i + 1], fmt)[:-1].encode()))
     assert len(kept) == complete
 
 
@@ -103,7 +103,7 @@ def corrupted(draw, vocab: VocabView, fmt: OutputFormat = COORDEXP):
     ids = list(vocab.encode(render(objects, fmt)))
     coords = [vocab.coord_token_ids[0], vocab.coord_token_ids[999]] if vocab.coord_token_ids else []
     hot = [vocab.eos_id, *vocab.special_ids, *coords, -1,
-           vocab.vocab_size, *vocab.encode('"}],{[: \\7')]  # fmt: skip
+           vocab.vocab_size, *vocab.encode('"}],{[: \\7')]
     any_id = st.one_of(st.integers(-3, vocab.vocab_size + 3), st.sampled_from(hot))
     for _ in range(draw(st.integers(1, 4))):
         op = draw(st.sampled_from(["sub", "ins", "del", "cut"]))
@@ -122,7 +122,7 @@ def corrupted(draw, vocab: VocabView, fmt: OutputFormat = COORDEXP):
 @pytest.mark.parametrize(("vocab_name", "fmt_name", "n"), [
     ("tiny_vocab", "coordexp", 700), ("fused", "coordexp", 400), ("fused", "coordexp_flat", 200),
     ("stock_vocab", "qwen_relative", 400), ("tiny_vocab", "qwen_relative", 300), ("fused_plain", "qwen_pixels", 300),
-])  # fmt: skip
+])
 def test_corrupted_never_raises(request, vocab_name, fmt_name, n):
     vocab, fmt = request.getfixturevalue(vocab_name), FORMATS[fmt_name]
 
@@ -222,7 +222,7 @@ def test_vocab_view_token_bytes_match_the_tokenizer(tiny_vocab, tiny_tokenizer, 
     ("fused", "coordexp", "Here you go:\n```json\n", "\n```"),
     ("stock_vocab", "qwen_relative", "```json\n", "\n```"),
     ("fused_plain", "qwen_pixels", "Boxes é: ", ""),
-])  # fmt: skip
+])
 def test_preamble_is_kept_and_the_container_parsed(request, vocab_name, fmt_name, preamble, after):
     """Decision (as CoordExp): text before the opening bracket stays in the prefix as the rollout's own
     ids and the container after it is parsed."""
@@ -251,7 +251,7 @@ def test_preamble_is_kept_and_the_container_parsed(request, vocab_name, fmt_name
 
 
 @pytest.mark.parametrize(("vocab_name", "fmt_name"), [("tiny_vocab", "coordexp"), ("tiny_vocab", "qwen_relative"),
-                                                      ("fused", "coordexp")])  # fmt: skip
+                                                      ("fused", "coordexp")])
 def test_coord_or_special_token_before_the_container_ends_the_scan(request, vocab_name, fmt_name):
     vocab, fmt = request.getfixturevalue(vocab_name), FORMATS[fmt_name]
     answer = list(vocab.encode(render([DetObject("cat", "bbox_2d", (1, 2, 3, 4))], fmt))) + [vocab.eos_id]
@@ -306,7 +306,7 @@ def test_poly_as_pairs_or_flat(request, vocab_name):
              '"object_2": {"desc": "y", "poly": [[' + _coord(1) + ", " + _coord(2) + ", " + _coord(3) + "], ["
              + _coord(4) + ", " + _coord(5) + ", " + _coord(6) + "]]}, "
              '"object_3": {"desc": "z", "bbox_2d": [[' + _coord(1) + ", " + _coord(2) + "], ["
-             + _coord(3) + ", " + _coord(4) + "]]}}")  # fmt: skip
+             + _coord(3) + ", " + _coord(4) + "]]}}")
     ids = list(vocab.encode(mixed)) + [vocab.eos_id]
     parsed = parse(ids, vocab)
     check_invariants(ids, parsed, vocab)
@@ -339,7 +339,7 @@ def test_desc_and_label_are_stripped(tiny_vocab, stock_vocab):
     """Decision: surrounding whitespace of a desc/label is not part of the name (DetObject strips it)."""
     assert DetObject(" cat\n", "bbox_2d", (1, 2, 3, 4)) == DetObject("cat", "bbox_2d", (1, 2, 3, 4))
     ids = list(tiny_vocab.encode('{"object_1": {"desc": "  cat ", "bbox_2d": [' + ", ".join(
-        _coord(k) for k in (1, 2, 3, 4)) + "]}}")) + [tiny_vocab.eos_id]  # fmt: skip
+        _coord(k) for k in (1, 2, 3, 4)) + "]}}")) + [tiny_vocab.eos_id]
     assert [o.obj.desc for o in parse(ids, tiny_vocab).objects] == ["cat"]
     ids = list(stock_vocab.encode('[{"bbox_2d": [1, 2, 3, 4], "label": " cat "}]')) + [stock_vocab.eos_id]
     assert [o.obj.desc for o in parse(ids, stock_vocab, QWEN_JSON).objects] == ["cat"]

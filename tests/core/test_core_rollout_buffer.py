@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from learner.core.rollout_buffer import RepeatingLoader, RolloutBuffer, RolloutBufferError
+from learner.core.rollout_buffer import RolloutBuffer, RolloutBufferError
 
 
 def batches(n_samples: int, batch_size: int) -> list[list[int]]:
@@ -16,7 +16,6 @@ def batches(n_samples: int, batch_size: int) -> list[list[int]]:
 @pytest.mark.parametrize(("n_samples", "batch_size", "m_steps"), [(10, 4, 3), (12, 4, 3), (7, 7, 3), (9, 2, 1)])
 def test_each_sample_gets_exactly_m_steps_optimizer_steps(n_samples, batch_size, m_steps):
     loader = batches(n_samples, batch_size)
-    repeated = RepeatingLoader(loader, m_steps)
     buffer: RolloutBuffer[list[int], list[str]] = RolloutBuffer(m_steps)
     e_steps = []
     uses: Counter[int] = Counter()
@@ -26,21 +25,21 @@ def test_each_sample_gets_exactly_m_steps_optimizer_steps(n_samples, batch_size,
         return [f"target-{i}" for i in raw]
 
     steps = 0
-    for raw in repeated:  # one optimizer step per pulled raw batch
-        built = buffer.get(raw, e_step)
+    for step in range(len(loader) * m_steps):  # as the training loop does: batch index = step // m_steps
+        built = buffer.get(loader[step // m_steps], e_step)
         uses.update(int(t.split("-")[1]) for t in built)
         steps += 1
-    assert steps == len(repeated) == len(loader) * m_steps
+    assert steps == len(loader) * m_steps
     assert e_steps == [tuple(b) for b in loader]  # each raw batch rolled out exactly once, in order
     assert uses == Counter({i: m_steps for i in range(n_samples)})
     assert buffer.e_steps == len(loader)
 
 
-def test_plain_loader_is_caught_instead_of_skipping_samples():
+def test_a_new_batch_every_step_is_caught_instead_of_skipping_samples():
     buffer: RolloutBuffer[list[int], list[int]] = RolloutBuffer(3)
     loader = batches(8, 2)
     buffer.get(loader[0], list)
-    with pytest.raises(RolloutBufferError, match="RepeatingLoader"):
+    with pytest.raises(RolloutBufferError, match="same batch"):
         buffer.get(loader[1], list)
 
 
@@ -70,4 +69,4 @@ def test_m_steps_validation():
     with pytest.raises(ValueError, match="m_steps"):
         RolloutBuffer(0)
     with pytest.raises(ValueError, match="m_steps"):
-        RepeatingLoader([], 0)
+        RolloutBuffer(1.5)  # type: ignore[arg-type]

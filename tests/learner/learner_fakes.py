@@ -157,7 +157,7 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
                         request_id=p.request_id,
                         sample_index=k,
                         logprobs=[-0.5] * len(toks) if request.sampling.logprobs else (),
-                    ), version)  # fmt: skip
+                    ), version)
             return out
         finally:
             with self.lock:
@@ -202,7 +202,7 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
         return set_version(rollout_pb2.UpdateReply(
             tensors_applied=len(tensors), bytes_received=reader.received_bytes,
             relayed=self._relay(received, context),
-        ), version_of(reader.header))  # fmt: skip
+        ), version_of(reader.header))
 
     def _relay(self, chunks: list[rollout_pb2.WeightChunk], context) -> list[rollout_pb2.RelayOutcome]:
         """Forward the whole stream to header.relay_to, one server after the other (the real server
@@ -239,7 +239,7 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
             model="fake", replica_ordinal=self.ordinal, ready=True,
             lora_enabled=self.lora_enabled, backend="fake", max_lora_rank=self.max_lora_rank,
             active_adapter=self.active_adapter,
-        ), self.weights)  # fmt: skip
+        ), self.weights)
 
 
 class FakeServer:

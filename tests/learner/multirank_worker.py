@@ -48,7 +48,7 @@ def main(job_path: str, address: str, out_dir: str) -> None:
                 }
                 for h in trainer.history
             ],
-        }  # fmt: skip
+        }
         torch.save(trainer.gathered_trainable_state(), out / f"params-rank{rank}.pt")  # collective
         (out / f"rank{rank}.json").write_text(json.dumps(report))
     finally:

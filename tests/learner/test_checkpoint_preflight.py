@@ -89,7 +89,7 @@ def test_rmsft_train_exits_2_naming_the_folder(tiny_model_dir, data_path, tmp_pa
     res = subprocess.run(
         [sys.executable, "-m", "rmsft_cli", "train", "--config", str(job), "--servers", "127.0.0.1:1",
          "--metrics-port", "0"], capture_output=True, text=True, cwd=ROOT, timeout=180,
-    )  # fmt: skip
+    )
     err = " ".join(res.stderr.split())
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert f"the checkpoint folder {target} (spec.training.checkpoint.dir) is not writable" in err

@@ -234,7 +234,7 @@ def test_a_tp_group_gathers_its_requests_and_each_rank_keeps_its_slice(tiny_mode
     worker = Path(__file__).with_name("colocate_group_worker.py")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(worker), str(tiny_model_dir), str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     alone = source(str(tiny_model_dir), TpGroup(1, 0, 1), 0)

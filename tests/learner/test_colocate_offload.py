@@ -125,7 +125,7 @@ def test_the_plan_sends_every_accelerator_tensor_to_the_host_once(meta_step: Any
     step, model = meta_step
     on_device = {name: t for name, t in _tensors(step, model).items() if t.device.type == "meta"}
     kinds = {name: "grad" if name.endswith(".grad") else "optimizer" if name.startswith("opt") else "param"
-             for name in on_device}  # fmt: skip
+             for name in on_device}
     assert set(kinds.values()) == {"param", "grad", "optimizer"}
     assert any(not p.requires_grad for p in model.parameters())  # the frozen base moves too
 
@@ -133,12 +133,12 @@ def test_the_plan_sends_every_accelerator_tensor_to_the_host_once(meta_step: Any
         moves = offload_moves(step, model, params=params, optimizer=optimizer)
     assert ops.seen == []
     wanted = {id(t) for name, t in on_device.items()
-              if (kinds[name] != "optimizer" and params) or (kinds[name] == "optimizer" and optimizer)}  # fmt: skip
+              if (kinds[name] != "optimizer" and params) or (kinds[name] == "optimizer" and optimizer)}
     planned = [id(mv.tensor) for mv in moves]
     assert len(planned) == len(set(planned)) and set(planned) == wanted  # all of them, each once, nothing else
     assert all(mv.device == torch.device("meta") for mv in moves)
     assert sum(mv.nbytes for mv in moves) == sum(t.numel() * t.element_size() for t in on_device.values()
-                                                 if id(t) in wanted)  # fmt: skip
+                                                 if id(t) in wanted)
     # the host-side state stays where it is (AdamW's step counters)
     assert all(t.device.type == "cpu" for name, t in _tensors(step, model).items() if name not in on_device)
 
@@ -270,7 +270,7 @@ def _zero_run(tiny_model_dir: Path, stage: int, flags: tuple[bool, bool] | None)
     torch.manual_seed(0)
     model = _policy(tiny_model_dir, finetune="full")
     step = ZeroStep(model, Ranks.single(), stage=stage, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0,
-                    device=torch.device("cpu"))  # fmt: skip
+                    device=torch.device("cpu"))
     try:
         losses = []
         for ids in _rows():
@@ -307,10 +307,10 @@ def test_zero3_optimizer_offload_is_refused_and_an_exception_reloads(tiny_model_
 
     model = _policy(tiny_model_dir, finetune="full")
     step = ZeroStep(model, Ranks.single(), stage=3, lr=1e-2, weight_decay=0.0, max_grad_norm=1.0,
-                    device=torch.device("cpu"))  # fmt: skip
+                    device=torch.device("cpu"))
     try:
         with pytest.raises(RuntimeError, match="offloadOptimizer.*FusedAdam"), \
-                offloaded(step, model, params=True, optimizer=True):  # fmt: skip
+                offloaded(step, model, params=True, optimizer=True):
             pass
         assert not step.engine.optimizer.offloaded_states
         with pytest.raises(RuntimeError, match="engine died"), offloaded(step, model, params=True, optimizer=False):

@@ -100,7 +100,7 @@ def test_descs_load_as_written_and_reach_the_core_stripped(tmp_path: Path) -> No
 
     path = tmp_path / "d.jsonl"
     path.write_text(_rec([{"desc": " cat ", "bbox_2d": [1, 2, 3, 4]},
-                          {"desc": "tri", "poly": [0, 0, 10, 0, 5, 5]}]) + "\n")  # fmt: skip
+                          {"desc": "tri", "poly": [0, 0, 10, 0, 5, 5]}]) + "\n")
     (record,) = load_records(path)
     assert record.objects[0].desc == " cat "
     gt = ground_truth(record)

@@ -87,7 +87,7 @@ def _greedy_servers(trainer: Trainer, idx: list[int]) -> list[list[int]]:
         [RolloutRequest(request_id=r.id, messages=[(m.role, m.content) for m in r.messages],
                         images=[img.data for img in trainer.images.load(r)]) for r in recs],
         {"max_tokens": 16, "temperature": 0.0},
-    )  # fmt: skip
+    )
     return [o.token_ids for o in outs]
 
 

@@ -50,7 +50,7 @@ def gpu_job(replicas: int = 6, tp: int = 1, learner: int = 2, device: str = "aut
     (1, 2, 1, 3, "7, 2,5", ["7,2"], "5"),
     (1, 1, 1, 2, "GPU-aaaa,GPU-bbbb", ["GPU-aaaa"], "GPU-bbbb"),  # UUIDs pass through as given
     (1, 1, 1, 2, "3,1,-1,0", ["3"], "1"),  # CUDA stops at the invalid entry: 2 devices visible
-])  # fmt: skip
+])
 def test_plan_table(replicas: int, tp: int, learner: int, available: int, visible: str | None, servers: list[str],
                     learner_env: str) -> None:
     plan = assign_gpus(gpu_job(replicas, tp, learner), available, visible_devices=visible)
@@ -85,7 +85,7 @@ def test_every_fitting_plan_gives_disjoint_contiguous_gpus() -> None:
                        "machine has none; to run on CPUs set spec.placement.accelerator: none"),
     (1, 1, 0, 0, "", "this machine has none (CUDA_VISIBLE_DEVICES='')"),
     (1, 1, 1, 2, "0", "CUDA_VISIBLE_DEVICES='0' names 1 device(s) but CUDA sees 2"),
-])  # fmt: skip
+])
 def test_too_few_gpus_names_the_keys_and_numbers(replicas: int, tp: int, learner: int, available: int,
                                                  visible: str | None, message: str) -> None:
     with pytest.raises(GpuAssignmentError) as err:
@@ -118,7 +118,7 @@ def test_cpu_job_on_cpu_and_gpu_machines() -> None:
     (1, "cuda:1", "spec.training.device cuda:1 is the learner's GPU 1, but spec.learner.gpus is 1"),
     (0, "cuda:0", "spec.training.device cuda:0 asks for a GPU, but spec.learner.gpus is 0"),
     (2, "cuda:0", "spec.training.device cuda:0 would put all 2 learner ranks (spec.learner.gpus) on one GPU"),
-])  # fmt: skip
+])
 def test_learner_device(learner: int, requested: str, expected: str) -> None:
     plan = assign_gpus(gpu_job(6, 1, learner), 8)
     if expected.startswith("spec."):
@@ -207,7 +207,7 @@ def test_local_on_8_gpus_gives_every_process_its_own(machine, tmp_path: Path) ->
         "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "rmsft_cli", "train",
         "--config", str(job_path), "--servers", ",".join(f"127.0.0.1:{5000 + i}" for i in range(6)),
         "--no-resume", "--metrics-port", "0",
-    ]  # fmt: skip
+    ]
     assert run["env"][CUDA_ENV] == "6,7" and run["env"]["RMSFT_AUTH_TOKEN"] == "s3cret"
     assert "s3cret" not in cmd
     assert run["log"] == tmp_path / "w" / "logs" / "learner.log"
@@ -221,7 +221,7 @@ def test_local_one_learner_gpu_trains_in_process_on_it(machine, tmp_path: Path) 
     assert sorted(s.env[CUDA_ENV] for s in calls["servers"]) == ["0,1", "2,3", "4,5"]
     assert all(s.options["tensor_parallel_size"] == 2 for s in calls["servers"])
     assert calls["in_process"] == [{"device": "cuda:6", "addresses": [f"127.0.0.1:{5000 + i}" for i in range(3)],
-                                    "token": "s3cret"}]  # fmt: skip
+                                    "token": "s3cret"}]
     assert not calls["torchrun"]
 
 

@@ -31,7 +31,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
     log = tmp_path_factory.mktemp("serve") / "rollout.log"
     srv = RolloutServer.start(tiny_model_dir, backend="hf", max_model_len=1024, logprobs_mode="processed",
-                              log_path=log, timeout=180)  # fmt: skip
+                              log_path=log, timeout=180)
     yield srv
     srv.stop()
 

@@ -93,7 +93,7 @@ def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model
         # The rewards are the task's, per completion; the advantages are normalised within each prompt's group.
         reward = CoordAnswerReward(width=WIDTH)
         want = [reward(RewardInput(records[r.request_id], tok.decode(r.token_ids, skip_special_tokens=True)))
-                for r in h.rollouts]  # fmt: skip
+                for r in h.rollouts]
         g = h.grpo
         assert g.reward_mean == pytest.approx(sum(want) / len(want))
         assert g.rewards["rmsft_dev.synthetic:CoordAnswerReward"] == pytest.approx(g.reward_mean)  # by spec name
@@ -192,7 +192,7 @@ def test_a_whole_grpo_step_runs_on_the_training_device(tmp_path: Path, tiny_mode
     rows, tokens, n_tokens, n_seqs, _ = seen[0]
     assert rows and n_tokens == PROMPTS * N * 4 and n_seqs == PROMPTS * N
     meta = GrpoTrainer(grpo_job(tiny_model_dir, answers, tmp_path / "meta", steps=1, **kw), ["127.0.0.1:1"],
-                       device="meta")  # fmt: skip
+                       device="meta")
     try:
         fence = DeviceFence("meta")
         with fence:

@@ -55,7 +55,7 @@ def assert_isolated(model, segs: list[Segment], atol: float, device: str = "cpu"
         packed = next_token_logprobs(model, row, device)
         # The same tokens with positions running on: a mask that ignored the restarts would match this.
         unrestarted = PackedRow(row.input_ids, torch.arange(row.length)[None], row.labels, row.coord_positions,
-                                row.coord_bins, row.segments, row.fill)  # fmt: skip
+                                row.coord_bins, row.segments, row.fill)
         leaky = next_token_logprobs(model, unrestarted, device)
         for info, seg in zip(row.segments, segs, strict=True):
             alone = next_token_logprobs(model, pack([seg]), device)
@@ -127,7 +127,7 @@ def test_packed_rows_stay_isolated(impl: str, tiny_model_dir: Path, monkeypatch:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
-                    reason="torch.compile on the CPU needs a C++ compiler")  # fmt: skip
+                    reason="torch.compile on the CPU needs a C++ compiler")
 def test_compiled_flex_attention_isolates_packed_rows(tiny_model_dir: Path) -> None:
     """The real path: transformers' compiled FlexAttention kernel and compiled block mask (forward only,
     on the CPU; equal segment lengths keep it to two compiled shapes). 12-30 s, mostly compiling."""
@@ -161,7 +161,7 @@ def test_flash_attention_2_prerequisites_named(tiny_model_dir: Path, monkeypatch
             load_policy(tiny_model_dir, cfg(attn_implementation="flash_attention_2", device="cuda"))
         assert "CUDA" not in str(err.value)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn"
-                        else real_find_spec(name, *a))  # fmt: skip
+                        else real_find_spec(name, *a))
     for dtype in ("auto", "float32"):  # the tiny checkpoint is float32
         with pytest.raises(ModelLoadError, match=r"bf16/fp16 only.*spec\.training\.precision: bf16"):
             load_policy(tiny_model_dir, cfg(attn_implementation="flash_attention_2", device="cuda"), dtype=dtype)

@@ -201,7 +201,7 @@ def test_two_colocated_ranks_equal_one_rank_with_a_server(server, one_rank, tiny
 @slow
 @pytest.mark.parametrize("deepspeed_stage", [2, 3], ids=["zero2", "zero3"])
 def test_two_ranks_deepspeed_equal_one_rank(server, one_rank, tiny_model_dir, data_path, tmp_path,
-                                            deepspeed_stage) -> None:  # fmt: skip
+                                            deepspeed_stage) -> None:
     """ZeRO-2 shards gradients and optimizer state; ZeRO-3 the parameters too, so every sync
     gathers them on all ranks while rank 0 exports: the servers still see what one rank sends."""
     pytest.importorskip("deepspeed")
@@ -215,7 +215,7 @@ def test_two_ranks_deepspeed_equal_one_rank(server, one_rank, tiny_model_dir, da
 @slow
 @pytest.mark.parametrize("deepspeed_stage", [0, 2, 3], ids=["torch", "zero2", "zero3"])
 def test_rmsft_train_under_torchrun_resumes(server, one_rank, tiny_model_dir, data_path, tmp_path,
-                                            deepspeed_stage) -> None:  # fmt: skip
+                                            deepspeed_stage) -> None:
     """`torchrun -m rmsft_cli train`: 2 steps, then a resumed run to STEPS, ends where one rank does
     (with ZeRO-2 the optimizer partitions and fp32 master weights come back from the checkpoint)."""
     if deepspeed_stage:
@@ -291,7 +291,7 @@ def test_rank0_failure_stops_every_rank(tiny_model_dir, data_path, tmp_path) -> 
     job.write_text(yaml.safe_dump(doc))
     t0 = time.monotonic()
     proc = _run([*_torchrun(2), "-m", "rmsft_cli", "train", "--servers", f"127.0.0.1:{free_port()}",
-                 "--config", str(job)], timeout=300)  # fmt: skip
+                 "--config", str(job)], timeout=300)
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 240
     err = re.sub(r"\s+", " ", proc.stderr)

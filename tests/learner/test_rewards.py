@@ -40,7 +40,7 @@ def _record(rid: str, objects: list[dict], width: int = 1000, height: int = 1000
 # A 1000x1000 image: pixels are bins. cat: IoU 0.5 with the answer below (half its height); dog: exact;
 # bird: missed; the answer's fish: a false positive.
 GT = [{"desc": "cat", "bbox_2d": [0, 0, 100, 100]}, {"desc": "dog", "bbox_2d": [200, 200, 300, 300]},
-      {"desc": "bird", "bbox_2d": [500, 500, 600, 600]}]  # fmt: skip
+      {"desc": "bird", "bbox_2d": [500, 500, 600, 600]}]
 
 
 def _c(*bins: int) -> str:
@@ -49,9 +49,9 @@ def _c(*bins: int) -> str:
 
 COORDEXP_ANSWER = ('{"object_1": {"desc": "cat", "bbox_2d": [' + _c(0, 0, 100, 50) + ']}, '
                    '"object_2": {"desc": "dog", "bbox_2d": [' + _c(200, 200, 300, 300) + ']}, '
-                   '"object_3": {"desc": "fish", "bbox_2d": [' + _c(800, 800, 900, 900) + ']}}')  # fmt: skip
+                   '"object_3": {"desc": "fish", "bbox_2d": [' + _c(800, 800, 900, 900) + ']}}')
 QWEN_ANSWER = ('[{"bbox_2d": [0, 0, 100, 50], "label": "cat"}, {"bbox_2d": [200, 200, 300, 300], "label": "dog"}, '
-               '{"bbox_2d": [800, 800, 900, 900], "label": "fish"}]')  # fmt: skip
+               '{"bbox_2d": [800, 800, 900, 900], "label": "fish"}]')
 
 
 def _inp(rec: Record, text: str, vocab: VocabView, fmt, *, eos: bool = True, **kw) -> RewardInput:
@@ -95,7 +95,7 @@ def test_labels_match_pairs_within_a_label(coord_vocab: VocabView) -> None:
     rec = _record("lab", GT[:2])
     # Both boxes exact, both called "dog": geometry alone matches both; label by label only the real dog.
     text = ('{"object_1": {"desc": "dog", "bbox_2d": [' + _c(0, 0, 100, 100) + ']}, '
-            '"object_2": {"desc": "dog", "bbox_2d": [' + _c(200, 200, 300, 300) + ']}}')  # fmt: skip
+            '"object_2": {"desc": "dog", "bbox_2d": [' + _c(200, 200, 300, 300) + ']}}')
     inp = _inp(rec, text, coord_vocab, COORDEXP)
     assert DetectionReward("f1", 0.0)(inp) == 1.0
     assert DetectionReward("f1", 0.0, labels="match")(inp) == pytest.approx(2 * 1 / 4)
@@ -133,7 +133,7 @@ def test_parse_failure_costs_the_format_term(coord_vocab: VocabView, stock_vocab
 
     # One entry of two invalid (reversed corners: dropped, never repaired): format 1 - 1/2.
     bad = _inp(_record("r3", GT[:1]), '[{"bbox_2d": [0, 0, 100, 100], "label": "cat"}, '
-               '{"bbox_2d": [300, 0, 200, 100], "label": "dog"}]', stock_vocab, QWEN_JSON)  # fmt: skip
+               '{"bbox_2d": [300, 0, 200, 100], "label": "dog"}]', stock_vocab, QWEN_JSON)
     assert bad.parsed.n_dropped == 1
     assert format_score(bad.parsed) == 0.5
     assert DetectionReward("f1", 0.5)(bad) == pytest.approx(0.5 * 1.0 + 0.5 * 0.5)
@@ -194,7 +194,7 @@ def test_text_exact_and_partial() -> None:
 
 def test_text_without_answer_names_the_record() -> None:
     with pytest.raises(RewardError, match=r"reward 'text_match' failed on record 'plain' \(sample 0\): "
-                                          r"ValueError: no expected answer"):  # fmt: skip
+                                          r"ValueError: no expected answer"):
         score_batch(TextMatchReward(), [RewardInput(_record("plain", []), "x")])
 
 
@@ -206,7 +206,7 @@ def test_builtins_by_name() -> None:
     det = resolve_reward("detection", {"metric": "mean_iou", "format_weight": 0.2})
     assert (det.metric, det.format_weight) == ("mean_iou", 0.2)
     with pytest.raises(RewardConfigError, match=r"reward 'detection': cannot build it with params \{'metrc': 'f1'\}"
-                                                r".*unexpected keyword.*it takes \(metric"):  # fmt: skip
+                                                r".*unexpected keyword.*it takes \(metric"):
         resolve_reward("detection", {"metrc": "f1"})
 
 
@@ -245,7 +245,7 @@ def test_entry_points(monkeypatch: pytest.MonkeyPatch) -> None:
     assert reward(RewardInput(_record("p", []), "", (7, 7))) == 1.0
     assert isinstance(resolve_reward("detection"), DetectionReward)  # a built-in name wins
     with pytest.raises(UnknownRewardError, match="entry point 'no_such_module_xyz:fn' of group 'rmsft.rewards' "
-                                                 "failed to load: ModuleNotFoundError"):  # fmt: skip
+                                                 "failed to load: ModuleNotFoundError"):
         resolve_reward("broken")
     with pytest.raises(UnknownRewardError) as err:
         resolve_reward("bleu")
@@ -280,13 +280,13 @@ def test_spec_from_mapping() -> None:
 def test_build_rewards_weighted_sum(coord_vocab: VocabView) -> None:
     total = build_rewards([{"name": "detection", "format_weight": 0.0, "weight": 2.0},
                            {"name": "reward_plugins:length_reward", "weight": -0.01},
-                           {"name": "detection", "metric": "mean_iou", "format_weight": 0.0}])  # fmt: skip
+                           {"name": "detection", "metric": "mean_iou", "format_weight": 0.0}])
     assert isinstance(total, RewardSum)
     assert total.labels == ("detection#0", "reward_plugins:length_reward", "detection#2")
     inp = _inp(_record("w", GT), COORDEXP_ANSWER, coord_vocab, COORDEXP)
     n = len(inp.token_ids)
     assert total.scores(inp) == pytest.approx({"detection#0": 2 / 3, "reward_plugins:length_reward": n,
-                                               "detection#2": 0.375})  # fmt: skip
+                                               "detection#2": 0.375})
     assert total(inp) == pytest.approx(2 * 2 / 3 - 0.01 * n + 0.375)
     with pytest.raises(RewardConfigError, match=r"rewards\[1\] \(detection\): reward 'detection': cannot build"):
         build_rewards(["text_match", {"name": "detection", "iou": 0.5}])
@@ -322,7 +322,7 @@ def test_score_batch_keeps_input_order_on_a_pool() -> None:
 def test_score_batch_errors_name_reward_and_record() -> None:
     total = build_rewards(["text_match", "reward_plugins:fails_on_bad"])
     inputs = [RewardInput(_record(rid, []), "a", answer="a", sample_index=i)
-              for i, rid in enumerate(["ok", "bad-1", "ok2", "bad-2"])]  # fmt: skip
+              for i, rid in enumerate(["ok", "bad-1", "ok2", "bad-2"])]
     with pytest.raises(RewardError) as err:
         score_batch(total, inputs, workers=3)
     e = err.value

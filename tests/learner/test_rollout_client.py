@@ -505,7 +505,7 @@ def test_random_faults_lose_and_duplicate_nothing(cluster, seed) -> None:
     rng = random.Random(seed)
     servers, pool = cluster(4, delay_s=0.005)
     codes = [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED,
-             grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN]  # fmt: skip
+             grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN]
     for s in rng.sample(servers, 3):  # one server always stays healthy
         s.engine.fail_generate = rng.choice(codes)
         s.engine.fail_times = rng.randint(1, 3)

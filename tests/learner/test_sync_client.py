@@ -323,7 +323,7 @@ def _greedy_reference(model, prompts: list[list[int]], max_tokens: int, eos: set
             gen = merged.generate(
                 input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                 max_new_tokens=max_tokens, do_sample=False, eos_token_id=sorted(eos),
-            )[0, len(ids) :].tolist()  # fmt: skip
+            )[0, len(ids) :].tolist()
             for j, t in enumerate(gen):
                 if t in eos:
                     gen = gen[: j + 1]
@@ -338,7 +338,7 @@ def _prompts(tokenizer, n: int) -> list[list[int]]:
         list(tokenizer.apply_chat_template([{"role": "user", "content": texts[i % len(texts)] + " " * (i // 6)}],
                                            tokenize=True, add_generation_prompt=True)["input_ids"])
         for i in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def _check_served_weights(pool, model, tokenizer, version: int) -> None:

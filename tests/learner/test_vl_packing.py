@@ -44,7 +44,7 @@ def vl(tiny_vl_model_dir: Path):
 
     processor = AutoProcessor.from_pretrained(tiny_vl_model_dir)
     model = AutoModelForImageTextToText.from_pretrained(tiny_vl_model_dir, dtype=torch.float32,
-                                                        attn_implementation="sdpa").eval()  # fmt: skip
+                                                        attn_implementation="sdpa").eval()
     tok = processor.tokenizer
     segments, prompts = [], []
     for i, (sizes, user, response) in enumerate(SPECS):
@@ -53,7 +53,7 @@ def vl(tiny_vl_model_dir: Path):
         resp = tok.encode(response, add_special_tokens=False) + [tok.eos_token_id]
         n = len(prompt.input_ids)
         seg = Segment(tuple(prompt.input_ids) + tuple(resp), (IGNORE_INDEX,) * n + tuple(resp),
-                      (n + 1,), (7 * i,), n, 0, {"i": i})  # fmt: skip
+                      (n + 1,), (7 * i,), n, 0, {"i": i})
         segments.append(with_vision(model, seg, prompt))
         prompts.append(prompt)
     return model, processor, segments, prompts
@@ -69,7 +69,7 @@ def alone_forward(model, seg: Segment) -> torch.Tensor:
     ids = torch.tensor([seg.input_ids])
     v = seg.vision
     out = model(input_ids=ids, pixel_values=v.pixel_values, image_grid_thw=v.image_grid_thw,
-                mm_token_type_ids=mm_token_type_ids(model.config, ids), use_cache=False)  # fmt: skip
+                mm_token_type_ids=mm_token_type_ids(model.config, ids), use_cache=False)
     return out.logits[0]
 
 
@@ -96,7 +96,7 @@ def test_render_prompt_matches_processor_and_tokenizer(vl):
     imgs = [image(s, 20 + k) for k, s in enumerate(SPECS[2][0])]
     content = [{"type": "image"}] * 2 + [{"type": "text", "text": "two images"}]
     text = processor.apply_chat_template([msgs[0], {"role": "user", "content": content}],
-                                         add_generation_prompt=True, tokenize=False)  # fmt: skip
+                                         add_generation_prompt=True, tokenize=False)
     enc = processor(text=[text], images=imgs, return_tensors="pt")
     assert prompts[2].input_ids == enc["input_ids"][0].tolist()
     assert torch.equal(prompts[2].pixel_values, enc["pixel_values"])
@@ -115,7 +115,7 @@ def test_row_layout(vl):
     row = pack(segments)
     assert row.position_ids.shape == (4, 1, row.length)
     assert row.pixel_values.shape[0] == sum(int(s.vision.image_grid_thw.prod(-1).sum())
-                                            for s in segments if s.vision.image_grid_thw is not None)  # fmt: skip
+                                            for s in segments if s.vision.image_grid_thw is not None)
     assert row.image_grid_thw.shape == (6, 3)
     inputs = row.to("cpu").model_inputs()
     assert set(inputs) == {"input_ids", "position_ids", "use_cache", "pixel_values", "image_grid_thw"}
@@ -148,7 +148,7 @@ def test_packed_gradients_match_segments_alone(vl):
 
     def grads(loss: torch.Tensor) -> list[torch.Tensor]:
         return [g if g is not None else torch.zeros_like(p)
-                for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True), strict=True)]  # fmt: skip
+                for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True), strict=True)]
 
     def supervised_logprob_sum(logits: torch.Tensor, seg_labels: torch.Tensor) -> torch.Tensor:
         pos = (seg_labels != IGNORE_INDEX).nonzero()[:, 0]

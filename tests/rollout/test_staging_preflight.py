@@ -182,7 +182,7 @@ def test_serve_exits_before_the_engine_when_staging_is_too_small(tmp_path: Path)
         [sys.executable, "-m", "rmsft_cli", "serve", "--model", str(model), "--backend", "hf",
          "--staging-dir", str(stage), "--port", "0", "--metrics-port", "0"],
         capture_output=True, text=True, cwd=ROOT, timeout=120, env={**os.environ, "RMSFT_LOG_LEVEL": "info"},
-    )  # fmt: skip
+    )
     assert res.returncode != 0
     assert f"rmsft serve: staging dir {stage} has" in res.stderr
     assert "needs about 8192.0 GiB (the update + a rollback copy): raise spec.rollout.shmSize to at least 8192Gi" \

@@ -66,7 +66,7 @@ def _hf_classes_kept():
             yield from subclasses(sub)
 
     saved = {c: {k: c.__dict__[k] for k in _WRAPPED if k in c.__dict__}
-             for c in set(subclasses(torch.nn.Module)) if c.__module__.startswith("transformers.")}  # fmt: skip
+             for c in set(subclasses(torch.nn.Module)) if c.__module__.startswith("transformers.")}
     try:
         yield
     finally:
@@ -111,7 +111,7 @@ class InProcessVllm:
         self.max_model_len = cfg.max_model_len
         self.lora_enabled, self.max_lora_rank = False, 0
         self.vision = (VisionLimits(cfg.max_images_per_prompt, cfg.max_image_pixels)
-                       if is_vision_language(cfg.model) else None)  # fmt: skip
+                       if is_vision_language(cfg.model) else None)
         kwargs = engine_args(cfg, on_gpu=on_gpu)
         kwargs.pop("enable_log_requests", None)  # AsyncEngineArgs' alone; LLM never logs requests
         if external_launcher:
@@ -136,7 +136,7 @@ class InProcessVllm:
         prompts: list[Any] = [
             {"prompt": it.prompt_text, "multi_modal_data": {"image": it.images}} if it.images
             else {"prompt_token_ids": it.prompt_token_ids} for it in items
-        ]  # fmt: skip
+        ]
         params = [sampling_params(it.sampling) for it in items]
         try:
             with self._serving_threads():

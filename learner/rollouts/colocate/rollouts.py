@@ -170,7 +170,7 @@ class ColocatedRollouts:
         run = self.weights.run_id if self.weights else ""
         return [Rollout(requests[k // n].request_id, o.prompt_token_ids, o.token_ids, o.finish_reason, version,
                         self.name, sample_index=k % n, logprobs=o.logprobs, weight_run_id=run)
-                for k, o in enumerate(outs)]  # fmt: skip
+                for k, o in enumerate(outs)]
 
     @contextlib.contextmanager
     def _generating(self):
@@ -240,7 +240,7 @@ def colocated_rollouts(job: RolloutMatchingJob, model: Any, tokenizer: Any, *, r
         sleep_level=c.sleep_level, dtype=serving_dtype(job.spec.model.dtype, model_dir),
         name_map=checkpoint_name_map(model) if vision_language else None, changed_only=vision_language,
         around_generation=around_generation,
-    )  # fmt: skip
+    )
 
 
 def _sleep_mode_available() -> bool:
