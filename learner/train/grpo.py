@@ -164,7 +164,7 @@ class GrpoTrainer(TrainingLoop):
                 responses = [vision_safe_response(r, self.vision_token_ids) for r in responses]
         return _Groups(indices, list(outs), responses, everything if ranks.is_main else list(outs))
 
-    def _channel_b(self, k: int) -> bool:  # noqa: ARG002 - every GRPO step samples (the recipe's channels are SFT's)
+    def _e_step_samples(self, k: int) -> bool:  # noqa: ARG002 - every GRPO step samples (the recipe's channels are SFT's)
         return True
 
     # -- score ----------------------------------------------------------------------------------

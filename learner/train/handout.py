@@ -7,7 +7,7 @@ methods read the loop's `ranks`, `rollouts` (the rollout source), `ahead` (rank 
   `max_staleness`: learner/train/overlap.py) and scatters each rank its contiguous share of the prompts.
 - Colocate: every rank's engine generates its own share (seeded by the prompt's place in the global batch, as in
   server mode) and rank 0 gathers the token ids of the rest for its records.
-- Recipe generation 2: only channel-B E-steps sample (`_channel_b`), with explorer rollouts beside the anchors.
+- Recipe generation 2: only channel-B E-steps sample (`_e_step_samples`), with explorer rollouts beside the anchors.
 """
 
 from __future__ import annotations
@@ -89,12 +89,12 @@ class RolloutHandout:
         st, ahead = self.state, self.ahead
         taken = ahead.take(k, self._rollout_requests(k), sampling, st.version)
         last = -(-self.cfg.steps // self.core.m_steps)  # E-steps in the run
-        upcoming = [j for j in range(k + 1, last) if self._channel_b(j)][: ahead.max_staleness]
+        upcoming = [j for j in range(k + 1, last) if self._e_step_samples(j)][: ahead.max_staleness]
         for j in upcoming:
             ahead.submit(j, self._rollout_requests(j), sampling, st.version)
         return taken.rollouts
 
-    def _channel_b(self, k: int) -> bool:
+    def _e_step_samples(self, k: int) -> bool:
         """E-step `k` is rollout matching (channel B): after the warm start, on the recipe's schedule (generation 1:
         every step); the others teach the ground truth (channel A: no generation, no sync before them)."""
         m_steps = self.core.m_steps

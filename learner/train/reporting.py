@@ -39,7 +39,8 @@ class RunReporter:
         values = {"train/loss": r.loss, "train/fill": r.fill, "train/rows": float(r.rows),
                   "train/step_seconds": r.seconds, "train/lr": lr}
         values.update({f"train/{k}": v for k, v in r.parts.items()})
-        values["train/channel_b"] = float(r.channel == "B")
+        if r.channel is not None:
+            values["train/channel_b"] = float(r.channel == "B")
         if r.stats is not None and r.channel == "B":  # fresh rollouts this step (not an M-step reusing a batch)
             values.update({"train/f1": r.stats.f1, "train/precision": r.stats.precision,
                            "train/recall": r.stats.recall, "train/dropped": float(r.stats.dropped),

@@ -52,7 +52,9 @@ class StepResult:
     local_rows: int = 0  # rows this rank trained on
     local_tokens: int = 0
     grpo: GrpoStats | None = None  # spec.trainer: grpo
-    channel: str = "B"  # rollout matching: "B" (the model's own answers) or "A" (the ground truth; warm start too)
+    # Rollout matching's channel: "B" (the model's own answers) or "A" (the ground truth; warm start too); None for
+    # an objective without channels (GRPO), which logs no train/channel_b.
+    channel: str | None = None
 
 
 @dataclass

@@ -79,7 +79,7 @@ class Trainer(TrainingLoop):
 
     def _samples_at(self, step: int) -> bool:
         """Step `step` starts a new E-step (the buffer is used up) and that E-step is channel B."""
-        return self.buffer.uses_left == 0 and self._channel_b(step // self.core.m_steps)
+        return self.buffer.uses_left == 0 and self._e_step_samples(step // self.core.m_steps)
 
     # -- E-step ---------------------------------------------------------------------------------
     def _e_step(self, batch: tuple[int, ...]) -> _Built:
@@ -88,7 +88,7 @@ class Trainer(TrainingLoop):
         ranks = self.ranks
         self._step_prompts.clear()
         k = self.state.step // self.core.m_steps
-        channel_b = self._channel_b(k)
+        channel_b = self._e_step_samples(k)
         with self._phase("rollout"):
             outs, everything, explorers = self._channel_b_rollouts(k) if channel_b else self._channel_a_rollouts(batch)
         lo, hi = ranks.share(len(batch))

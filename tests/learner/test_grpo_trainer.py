@@ -109,6 +109,7 @@ def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model
     assert [v for _, v in scalars["grpo/reward_mean"]] == pytest.approx(summary.rewards)
     assert {"grpo/clip_fraction", "grpo/kl", "grpo/completion_length",
             "grpo/reward/rmsft_dev.synthetic:CoordAnswerReward"} <= set(scalars)
+    assert "train/channel_b" not in scalars  # rollout matching's channels are not GRPO's (issue 42)
 
 
 def test_kl_to_the_reference_is_zero_until_the_adapters_move(tmp_path: Path, tiny_model_dir: Path, answers: Path,
