@@ -11,6 +11,11 @@ one atomic exchange (Linux's renameat2 RENAME_EXCHANGE) and only then removes th
 cannot exchange, the old copy is renamed aside (`.old-step-<n>`) before the new one goes in: a process killed between
 those two renames leaves the old copy complete under that name, and it is taken as the checkpoint of its step
 (`list_checkpoints`) and put back by the next save, never deleted for being a leftover.
+
+A fresh run (not resumed) in a folder that holds checkpoints moves them into
+`earlier-runs/<time>-before-run-<run id>/` first (`set_aside_earlier`; the new run's id names the folder): pruning
+keeps the highest step numbers in the folder, so beside an earlier run's checkpoints a new run would delete each of
+its own right after writing it, and a later `--resume` would continue the other run.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import errno
 import os
 import random
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -159,6 +165,28 @@ def save_checkpoint(root: str | Path, step: int, state: dict[str, Any], keep: in
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+EARLIER_RUNS = "earlier-runs"
+
+
+def set_aside_earlier(root: str | Path, run_id: str) -> tuple[Path, list[int]] | None:
+    """Move the checkpoints in `root` (an earlier run's: called when a run starts without resuming) into
+    `root/earlier-runs/<UTC time>-before-run-<run_id>/`, names unchanged (`run_id`: the new run's). Returns that
+    folder and their steps, or None when there were none. Nothing is deleted."""
+    found = list_checkpoints(root)
+    if not found:
+        return None
+    dest = Path(root) / EARLIER_RUNS / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-before-run-{run_id}"
+    dest.mkdir(parents=True)
+    steps = []
+    for p in found:
+        step = _step_of(p, _PREFIX) if p.name.startswith(_PREFIX) else _step_of(p, f"{_OLD}{_PREFIX}")
+        p.rename(dest / f"{_PREFIX}{step}")
+        steps.append(int(step or 0))
+    with contextlib.suppress(OSError):
+        _fsync_path(Path(root))
+    return dest, steps
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:

@@ -25,7 +25,14 @@ from typing import Any
 import torch
 
 from learner.core.packing import Packer
-from learner.train.checkpoint_files import list_checkpoints, rng_state, save_checkpoint, set_rng_state, trainable_state
+from learner.train.checkpoint_files import (
+    list_checkpoints,
+    rng_state,
+    save_checkpoint,
+    set_aside_earlier,
+    set_rng_state,
+    trainable_state,
+)
 from learner.train.ranks import Ranks
 from learner.train.step import PlainStep, ZeroStep, gathered_weights
 from rmsft.jobspec import TrainingConfig
@@ -110,6 +117,18 @@ class Checkpointer:
                 ck = self.cfg.checkpoint
                 path = save_checkpoint(ck.dir, self.state.step, ckpt, keep=ck.keep)
         return path
+
+    def start_fresh(self) -> None:
+        """A run that did not resume: an earlier run's checkpoints in training.checkpoint.dir are moved aside
+        (checkpoint_files.set_aside_earlier), so this run's pruning and a later resume see only this run's. Rank 0."""
+        if not self.ranks.is_main:
+            return
+        moved = set_aside_earlier(self.cfg.checkpoint.dir, self.state.run_id)
+        if moved is not None:
+            where, steps = moved
+            log.warning("training.checkpoint.dir %s held checkpoint(s) of an earlier run (step %s): moved to %s; this "
+                        "run starts fresh (--resume continues the newest checkpoint instead)", self.cfg.checkpoint.dir,
+                        ", ".join(map(str, steps)), where)
 
     def resume(self) -> bool:
         """Load the newest checkpoint in training.checkpoint.dir; False when there is none.

@@ -119,6 +119,7 @@ class TrainingLoop(RolloutHandout, ABC):
         self.sync_client: WeightSyncClient | None = None
         self.ahead: RolloutsAhead | None = None  # rank 0: rollouts generated ahead of training (overlap.py)
         self._resumed_ahead: list[dict] = []  # rank 0: a checkpoint's batches ahead, put back by _begin
+        self._fresh_start_done = False  # an earlier run's checkpoints moved aside (`_begin`, runs not resumed)
         self.train_step: PlainStep | ZeroStep | None = None
         self.state = TrainState()
         self.history: list[StepResult] = []
@@ -291,6 +292,10 @@ class TrainingLoop(RolloutHandout, ABC):
         before the first rollout. Returns the step to stop at."""
         st = self.state
         target = self.cfg.steps if max_steps is None else min(self.cfg.steps, st.step + max_steps)
+        if st.resumed is None and not self._fresh_start_done:  # once: a later run() call continues this run
+            with self.ranks.guard("moving an earlier run's checkpoints aside (rank 0)"):
+                self.checkpointer.start_fresh()
+            self._fresh_start_done = True
         if self.ranks.is_main and self.reporter is None:
             # After resume(): TensorBoard hides what a crashed run wrote past its last checkpoint.
             self.reporter = RunReporter(Tracker(self.cfg.tensorboard_dir, run_name=self.job.metadata.name,

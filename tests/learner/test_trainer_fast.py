@@ -89,6 +89,34 @@ def test_a_stop_request_ends_the_run_after_its_step_with_a_checkpoint(tmp_path: 
     assert resumed.history[0].loss == pytest.approx(straight.history[2].loss, rel=1e-5)
 
 
+def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
+                                                              servers: list[FakeServer]) -> None:
+    """Issue 41: pruning keeps the highest steps in the folder, so a fresh run beside an earlier run's step-3 and
+    step-4 deleted each checkpoint of its own right after writing it, and --resume then continued the other run.
+    The earlier checkpoints now go to earlier-runs/ first, whole; the new run's own are kept and resumed from."""
+    import torch
+
+    from learner.train.checkpoint_files import EARLIER_RUNS, list_checkpoints
+    from learner.train.rollout_matching import Trainer
+
+    addrs = [s.address for s in servers]
+    ckpt = tmp_path / "ckpt"
+    every = {"dir": str(ckpt), "every": 1, "keep": 2}
+    earlier, _ = _run(make_job(tiny_model_dir, data_path, ckpt, steps=4, checkpoint=every), addrs)
+    assert [p.name for p in list_checkpoints(ckpt)] == ["step-3", "step-4"]
+    fresh, _ = _run(make_job(tiny_model_dir, data_path, ckpt, steps=2, checkpoint=every), addrs)
+    assert [p.name for p in list_checkpoints(ckpt)] == ["step-1", "step-2"]  # its own, not pruned away
+    aside = list((ckpt / EARLIER_RUNS).iterdir())
+    assert len(aside) == 1 and aside[0].name.endswith(f"-before-run-{fresh.state.run_id}")
+    assert sorted(p.name for p in aside[0].iterdir()) == ["step-3", "step-4"]
+    assert torch.load(aside[0] / "step-4" / "state.pt", weights_only=False)["run_id"] == earlier.state.run_id
+    resumed = Trainer(make_job(tiny_model_dir, data_path, ckpt, steps=3, checkpoint=every), addrs)
+    try:
+        assert resumed.resume() and resumed.step == 2 and resumed.state.resumed.weights.run_id == fresh.state.run_id
+    finally:
+        resumed.close()
+
+
 def test_a_server_dying_mid_run_fails_over(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
                                            servers: list[FakeServer]) -> None:
     from learner.train.rollout_matching import Trainer
