@@ -164,12 +164,23 @@ def _asks_for_shm(spec: Any) -> bool:
 # -------------------------------------------------------------------------------------- decide
 
 
+MESSAGE_LIMIT = 4096  # the CRD's maxLength of status.message and of a condition's message
+
+
+def fit_message(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    """`text` cut to the CRD's limit, saying how much was cut: a longer one makes the whole status write fail."""
+    if len(text) <= limit:
+        return text
+    keep = limit - len(f" ... [{len(text)} more characters cut]")
+    return f"{text[:keep]} ... [{len(text) - keep} more characters cut]"
+
+
 def _condition(old: list[dict[str, Any]], ctype: str, ok: bool, reason: str, message: str,
                generation: int | None, now: str) -> dict[str, Any]:
     status = "True" if ok else "False"
     prev = next((c for c in old if c.get("type") == ctype), None)
     since = prev.get("lastTransitionTime") if prev and prev.get("status") == status else None
-    cond = {"type": ctype, "status": status, "reason": reason, "message": message[:4000],
+    cond = {"type": ctype, "status": status, "reason": reason, "message": fit_message(message),
             "lastTransitionTime": since or now}
     if generation is not None:
         cond["observedGeneration"] = generation
@@ -229,6 +240,8 @@ def decide(obs: Observed, now: str) -> Decision:
         return _condition(old_conds, ctype, ok, reason, message, gen, now)
 
     def finish(d: Decision) -> Decision:
+        if "message" in d.status:
+            d.status["message"] = fit_message(str(d.status["message"]))
         d.status["phase"] = d.phase
         if gen is not None:
             d.status["observedGeneration"] = gen
@@ -247,6 +260,20 @@ def decide(obs: Observed, now: str) -> Decision:
                                            "message": msg}))
 
     n = render.names(obs.name)
+    # 1b. Final is final: a Complete or Failed job never runs again, whatever happens to its children later (its
+    # learner Job deleted by hand or by a TTL, the pool edited): nothing is created, the pool stays at zero, the
+    # status stays as it was written.
+    if old_status.get("phase") in ("Complete", "Failed"):
+        d = Decision(old_status["phase"], {k: v for k, v in old_status.items() if k != "observedGeneration"})
+        sts = obs.children.get("StatefulSet")
+        if sts is not None and (sts.get("spec") or {}).get("replicas") != 0:
+            d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": 0}}))
+        job_obj = obs.children.get("Job")
+        if job_obj is not None and not job_state(job_obj)[0] and not job_state(job_obj)[1] \
+                and not (job_obj.get("spec") or {}).get("suspend"):
+            d.patches.append(Patch("Job", n["job"], {"spec": {"suspend": True}}))
+        return finish(d)
+
     # 2. Edits that cannot be applied in place are refused; the job keeps running as applied.
     refused = ""
     cm = obs.children.get("ConfigMap")

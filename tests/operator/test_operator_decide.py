@@ -171,6 +171,36 @@ def test_terminal_learner_frees_the_pool(conditions: list[dict[str, Any]], phase
     assert d.events[-1][0] == ("Warning" if phase == "Failed" else "Normal")
 
 
+@pytest.mark.parametrize("phase", ["Complete", "Failed"])
+def test_a_final_job_never_runs_again(phase: str) -> None:
+    """Issue 41: the learner Job of a finished job deleted (by hand, by a TTL): nothing is created again, the pool stays
+    at zero, the status stays. Before, the Job was recreated, the pool scaled up and the run started over."""
+    done = decide(World(ready=2, suspended=False, job_status={"conditions": [
+        {"type": phase, "status": "True", "reason": "BackoffLimitExceeded", "message": "m"}]}).observed(), NOW)
+    assert done.phase == phase
+    gone = World(ready=0, exists=tuple(k for k in CHILD_KINDS if k != "Job"), status=done.status,
+                 spec=_spec(**{"rollout.replicas": 2}))
+    d = decide(gone.observed(), "2026-11-23T12:00:00Z")
+    assert d.phase == phase and d.creates == [] and d.status == done.status
+    assert d.patches == [Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 0}})]  # the render's 2
+    assert not any(e[1].startswith("Phase") for e in d.events)
+
+
+def test_every_status_message_fits_the_crd() -> None:
+    from rmsft_operator.reconcile import MESSAGE_LIMIT, fit_message
+
+    long = "x" * 10_000
+    d = decide(World(ready=2, suspended=False, job_status={"conditions": [
+        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": long}]}).observed(), NOW)
+    assert MESSAGE_LIMIT - 5 <= len(d.status["message"]) <= MESSAGE_LIMIT
+    assert d.status["message"].endswith("more characters cut]")
+    assert all(len(c["message"]) <= MESSAGE_LIMIT for c in d.status["conditions"])
+    cut = fit_message("y" * 5000)
+    assert MESSAGE_LIMIT - 5 <= len(cut) <= MESSAGE_LIMIT and cut.startswith("y" * 4000)
+    assert int(cut.rsplit("[", 1)[1].split()[0]) == 5000 - cut.index(" ... [")  # the count is what was cut
+    assert fit_message("short") == "short"
+
+
 def test_immutable_edit_is_refused_and_the_applied_spec_keeps_running() -> None:
     world = World(spec=_spec(**{"training.lr": 0.5, "rollout.replicas": 3}), applied_spec=_spec())
     d = decide(world.observed(), NOW)
