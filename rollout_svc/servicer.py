@@ -50,6 +50,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.runner: EngineRunner | None = None
         self.ordinal = cfg.resolved_replica_ordinal()
         self.stager = Stager(cfg.resolved_staging_dir(), cfg.max_frame_bytes, cfg.resolved_shared_weights_dir())
+        if self.stager.removed_at_start:
+            log.info("removed %d staging file(s) of rollout servers that are gone: %s",
+                     len(self.stager.removed_at_start), ", ".join(self.stager.removed_at_start))
         # How this server calls its peers when it relays an update: the pool shares one token, and
         # (with TLS) one certificate chain, which then also serves as the roots to trust.
         token = cfg.resolved_auth_token()

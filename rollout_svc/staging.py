@@ -72,11 +72,43 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+STAGE_PREFIX = "rmsft-stage-"  # + <server pid>-<version>-<random>.bin / .json
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def remove_dead_servers_staging(staging_dir: str) -> list[str]:
+    """Remove the staging files of servers that are gone (their pid, in the name, is not running): a server
+    killed mid-update (SIGKILL, an OOM kill) cannot remove its own, and /dev/shm is memory. Files of live
+    servers, and names this does not recognise, stay. Returns what was removed."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(staging_dir):
+            head = entry.name.removeprefix(STAGE_PREFIX)
+            pid = head.split("-", 1)[0]
+            if head == entry.name or not pid.isdigit() or not head.endswith((".bin", ".json")) or head.count("-") != 2:
+                continue
+            if int(pid) != os.getpid() and not _alive(int(pid)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                removed.append(entry.path)
+    return removed
+
+
 class Stager:
     def __init__(self, staging_dir: str, max_frame_bytes: int, shared_dir: str = ""):
         self.staging_dir = staging_dir
         self.max_frame_bytes = max_frame_bytes
         self.shared_dir = shared_dir  # where shm updates are read from ("" = transport shm refused)
+        self.removed_at_start = remove_dead_servers_staging(staging_dir)
 
     def stage(
         self,
@@ -110,7 +142,7 @@ class Stager:
         reader.require_all = require_all
         reader.parallel_digest = header.HasField("shared_file")  # a file in memory: hash it on every core
         reader.on_header(header)
-        base = os.path.join(self.staging_dir, f"rmsft-stage-{header.version}-{uuid.uuid4().hex[:8]}")
+        base = os.path.join(self.staging_dir, f"{STAGE_PREFIX}{os.getpid()}-{header.version}-{uuid.uuid4().hex[:8]}")
         if header.HasField("shared_file"):
             if header.relay_to:
                 raise WireError("a shm update is read from the shared file by every server; it is never relayed")

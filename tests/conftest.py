@@ -3,12 +3,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from shm_sweep import ShmSweep
 from suite_clock import SuiteClock
 from suite_clock import pytest_addoption as pytest_addoption  # the budget's ini key (rmsft_suite_budget_s)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(SuiteClock(config), "rmsft-suite-clock")
+    config.pluginmanager.register(ShmSweep(), "rmsft-shm-sweep")
 
 
 @pytest.fixture(scope="session")

@@ -262,7 +262,7 @@ def test_fault_stream_cancelled_midway(srv, ref, stage_dir) -> None:
     staged = []
     deadline = time.monotonic() + 30
     while not staged and time.monotonic() < deadline:
-        staged = glob.glob(str(stage_dir / "rmsft-stage-1000-*.bin"))
+        staged = glob.glob(str(stage_dir / "rmsft-stage-*-1000-*.bin"))
         time.sleep(0.1)
     assert staged, "server never started staging the stream"
     fut.cancel()

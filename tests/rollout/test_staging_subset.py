@@ -175,3 +175,31 @@ def test_a_qwen3_vl_checkpoint_keeps_its_own_names() -> None:
     out = adapter_expectation(table, CONFIG)
     assert "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight" in out
     assert not any("language_model.language_model" in n for n in out)
+
+
+def test_a_killed_servers_staging_files_are_removed_by_the_next_server(tmp_path) -> None:
+    """Issue 41: a server killed mid-update (SIGKILL, an OOM kill) leaves its staging file in /dev/shm, memory that
+    nothing freed. The next server's Stager removes the files of servers that are gone (the pid in the name),
+    never a live server's, nor names it does not make."""
+    import os
+    import subprocess
+    import sys
+
+    from rollout_svc.staging import Stager
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        names = {f"rmsft-stage-{gone.pid}-3-0123abcd.bin": False, f"rmsft-stage-{gone.pid}-3-0123abcd.json": False,
+                 f"rmsft-stage-{live.pid}-4-89abcdef.bin": True, f"rmsft-stage-{os.getpid()}-5-00000000.bin": True,
+                 "rmsft-stage-3-2f81ce71.bin": True, "other.bin": True}
+        for n in names:
+            (tmp_path / n).write_bytes(b"x")
+        stager = Stager(str(tmp_path), max_frame_bytes=1 << 20)
+        assert {p.name for p in tmp_path.iterdir()} == {n for n, stays in names.items() if stays}
+        assert sorted(os.path.basename(p) for p in stager.removed_at_start) == sorted(
+            n for n, stays in names.items() if not stays)
+    finally:
+        live.kill()
+        live.wait()
