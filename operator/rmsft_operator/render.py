@@ -35,6 +35,7 @@ WRITABLE_MOUNTS = ("/dev/shm", "/tmp")
 SHARED_WEIGHTS_ENV = "RMSFT_SHARED_WEIGHTS_DIR"  # read by `rmsft train` and `rmsft serve`
 SHARED_WEIGHTS_VOLUME = "shared-weights"
 SHARED_WEIGHTS_MOUNT = "/rmsft-shared"
+CONFIG_EXIT_CODE = 2  # `rmsft train` refusing its configuration (rmsft_cli.app._fail): no retry can help
 SHARED_WEIGHTS_HOST_ROOT = "/dev/shm/rmsft"  # on the node; one directory per job below it
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 STARTUP_PROBE_PERIOD = 10  # seconds between the rollout server's startup probes
@@ -463,6 +464,15 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
             # Created suspended: the operator resumes it once every rollout server is Ready.
             "suspend": True,
             "backoffLimit": lr.backoff_limit,
+            # A pod lost to a disruption (an eviction, a drain, a preemption: the pod gets a DisruptionTarget
+            # condition) does not count against backoffLimit: its retry resumes from the checkpoint it saved on
+            # SIGTERM. A learner that refused its configuration (exit 2: the same spec fails the same way) fails the
+            # job at once instead of retrying.
+            "podFailurePolicy": {"rules": [
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                {"action": "FailJob", "onExitCodes": {"containerName": "learner", "operator": "In",
+                                                      "values": [CONFIG_EXIT_CODE]}},
+            ]},
             "completions": 1,
             "parallelism": 1,
             "template": {

@@ -75,7 +75,10 @@ class LearnerSpec(_K8s):
     """The learner pod: one Job running `rmsft train`, one rank per GPU."""
 
     gpus: int = Field(1, ge=0, le=64, description="GPUs for the learner pod (torchrun ranks).")
-    backoff_limit: int = Field(0, ge=0, le=20, description="Pod retries before the job is Failed.")
+    backoff_limit: int = Field(
+        2, ge=0, le=20, description="Learner pod failures retried before the job is Failed (a retry resumes from the "
+        "newest checkpoint: give the job a checkpointClaim). Disruptions (eviction, drain, preemption) do not count; "
+        "a learner that refuses its configuration fails the job at once.")
     metrics_port: int = Field(9090, ge=1024, le=65535, description="Prometheus /metrics port of the learner.")
     checkpoint_claim: str | None = Field(None, description="PVC mounted at training.checkpoint.dir.")
     shm_size: str = Field("8Gi", pattern=QUANTITY_PATTERN, description="Size of the /dev/shm memory volume.")

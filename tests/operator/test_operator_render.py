@@ -386,3 +386,21 @@ def test_the_preflight_container_refuses_a_stock_checkpoint_for_coordexp(
         assert f"rmsft prepare-model {stock} DST" in said and "spec.training.format: qwen_json" in said, said
     else:
         assert "qwen_json needs nothing more" in proc.stdout
+
+
+def test_a_disruption_is_not_a_failure_and_a_refused_configuration_is_final() -> None:
+    """Issue 41: an evicted, drained or preempted learner is retried without counting against backoffLimit (its
+    retry resumes from the save it made on SIGTERM); `rmsft train` refusing its configuration (exit 2) fails the job
+    at once; by default a learner crash is retried."""
+    job = load_job(ROOT / "configs/job.yaml")
+    spec = render.render_job(job, "ns", "uid-1")["spec"]
+    rules = spec["podFailurePolicy"]["rules"]
+    assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    assert rules[1]["action"] == "FailJob" and rules[1]["onExitCodes"]["values"] == [render.CONFIG_EXIT_CODE]
+    names = [c["name"] for c in spec["template"]["spec"]["containers"]]
+    assert rules[1]["onExitCodes"]["containerName"] in names and spec["template"]["spec"]["restartPolicy"] == "Never"
+    assert spec["backoffLimit"] == job.spec.learner.backoff_limit == 1  # as configs/job.yaml sets it
+    assert load_job(ROOT / "configs/job-kind-cpu.yaml").spec.learner.backoff_limit == 2  # the default
+    refused = subprocess.run([sys.executable, "-m", "rmsft_cli", "train", "--config", str(ROOT / "README.md"),
+                              "--servers", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == render.CONFIG_EXIT_CODE, refused.stderr[-2000:]
