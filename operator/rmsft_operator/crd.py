@@ -32,7 +32,7 @@ from rmsft.jobspec import (
 
 SHORT_NAMES = ["rmj"]
 PHASES = ["Pending", "Starting", "Running", "Complete", "Failed", "Invalid"]
-CONDITION_TYPES = ["RolloutReady", "LearnerRunning", "Complete", "Failed", "InvalidSpec"]
+CONDITION_TYPES = ["RolloutReady", "LearnerRunning", "Progressing", "Complete", "Failed", "InvalidSpec"]
 
 # Bounds that keep the API server's CEL cost estimate finite (unbounded strings/lists make
 # `self == oldSelf` rules "too expensive" and the CRD would be refused).
@@ -47,7 +47,7 @@ _COLOCATE = "self.rollout.mode != 'colocate' || "
 
 # spec.rollout.startupTimeout and recoveryTimeout as rmsft.jobspec.duration_seconds reads them: seconds >= 1, or a
 # duration of hours/minutes/seconds that is not all zeros. The length bound keeps the rule's cost estimate finite.
-DURATION_FIELDS = ("rollout.startupTimeout", "rollout.recoveryTimeout")
+DURATION_FIELDS = ("rollout.startupTimeout", "rollout.recoveryTimeout", "learner.stallTimeout")
 
 
 def duration_rule(field: str) -> dict[str, str]:
@@ -397,8 +397,8 @@ def status_schema() -> dict[str, Any]:
             "conditions": {
                 "type": "array", "items": condition, "maxItems": 16,
                 "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"],
-                "description": "RolloutReady, LearnerRunning, Complete, Failed and InvalidSpec, each with its reason "
-                "and message.",
+                "description": "RolloutReady, LearnerRunning, Progressing, Complete, Failed and InvalidSpec, each with "
+                "its reason and message.",
             },
             "observedGeneration": {"type": "integer", "minimum": 0,
                                    "description": "The metadata.generation this status was computed from."},
@@ -420,6 +420,8 @@ def status_schema() -> dict[str, Any]:
             },
             "startTime": {"type": "string", "format": "date-time",
                           "description": "When the learner was started (the rollout pool Ready)."},
+            "lastStepTime": {"type": "string", "format": "date-time",
+                             "description": "When status.step last moved (spec.learner.stallTimeout counts from it)."},
             "completionTime": {"type": "string", "format": "date-time",
                                "description": "When the learner finished, successfully or not."},
             "message": {"type": "string", "maxLength": 4096, "description": "The state in one line: the pool, the "

@@ -209,6 +209,22 @@ def _monotonic_progress(old: dict[str, Any], scraped: dict[str, Any], final: dic
     return out
 
 
+def _stalled(status: dict[str, Any], job: RolloutMatchingJob, suspended: bool, learner_pods: list[dict[str, Any]],
+             now: str) -> str:
+    """Why the running learner counts as stalled (no optimizer step for spec.learner.stallTimeout, the first one
+    counted from its start), or "" when it does not."""
+    running = not suspended and any((p.get("status") or {}).get("phase") == "Running" for p in learner_pods)
+    since = parse_time(status.get("lastStepTime") or status.get("startTime"))
+    at = parse_time(now)
+    limit = job.spec.learner.stall_timeout_seconds
+    if not running or since is None or at is None or (at - since).total_seconds() <= limit:
+        return ""
+    step = status.get("step")
+    what = f"no optimizer step since step {step}" if step else "no optimizer step since the learner started"
+    return (f"learner stalled: {what} ({int((at - since).total_seconds())}s, spec.learner.stallTimeout {limit}s); "
+            f"its logs say where it waits (kubectl logs job/{render.names(job.metadata.name)['job']})")
+
+
 def shared_memory_refusal(job: RolloutMatchingJob, namespace: str, labels: dict[str, str] | None) -> str:
     """Why Pod Security admission would refuse this job's pods for their shm volume; '' if it would not.
 
@@ -338,10 +354,12 @@ def decide(obs: Observed, now: str) -> Decision:
     status = d.status
     status.update({"rolloutReplicas": want, "readyRolloutReplicas": ready,
                    "learnerActive": int((learner.get("status") or {}).get("active") or 0)})
-    for key in ("startTime", "completionTime", "step", "weightVersion", "evaluation"):
+    for key in ("startTime", "completionTime", "step", "weightVersion", "evaluation", "lastStepTime"):
         if key in old_status:
             status[key] = old_status[key]
     status.update(_monotonic_progress(old_status, obs.progress, learner_final_progress(obs.learner_pods)))
+    if status.get("step") is not None and status.get("step") != old_status.get("step"):
+        status["lastStepTime"] = now
     evaluation, old_eval = obs.progress.get("evaluation"), old_status.get("evaluation")
     if isinstance(evaluation, dict) and isinstance(old_eval, dict):
         # The status is written as a merge patch: a figure the new evaluation lacks (not finite, e.g. mAP
@@ -374,9 +392,11 @@ def decide(obs: Observed, now: str) -> Decision:
     # 5b. A start that cannot succeed fails the job and frees what it holds (the pool scaled to zero, the
     # learner Job suspended, which removes a pod that waits for a node), instead of crash-looping forever.
     suspended = bool((learner.get("spec") or {}).get("suspend"))
+    stalled = _stalled(status, job, suspended, obs.learner_pods, now)
     failure = held_failure(old_status) or preflight or startup_failure(
         obs.rollout_pods, obs.learner_pods, pool_starting=not colocated and suspended,
-        timeout_s=job.spec.rollout.startup_timeout_seconds, now=parse_time(now) or dt.datetime.now(dt.UTC))
+        timeout_s=job.spec.rollout.startup_timeout_seconds, now=parse_time(now) or dt.datetime.now(dt.UTC)) \
+        or (("LearnerStalled", stalled) if stalled and job.spec.learner.fail_when_stalled else None)
     if failure:
         reason, message = failure
         if not colocated and (sts.get("spec") or {}).get("replicas") != 0:
@@ -430,9 +450,19 @@ def decide(obs: Observed, now: str) -> Decision:
             problem = ("FailedCreate", f"learner pod cannot be created: {obs.failed_creates['Job']}")
         if problem:
             learner_reason, learner_msg = problem[0], f"{learner_msg}; {problem[1]}"
+    if stalled:
+        progressing = cond("Progressing", False, "LearnerStalled", stalled)
+        prev = next((c for c in old_conds if c.get("type") == "Progressing"), {})
+        if prev.get("reason") != "LearnerStalled":  # once, when it stalls, not on every pass
+            d.events.append(("Warning", "LearnerStalled", stalled))
+    elif learner_running:
+        progressing = cond("Progressing", True, "StepsAdvancing", f"step {status.get('step', 0)}")
+    else:
+        progressing = cond("Progressing", False, "NotStarted", learner_msg)
     status["conditions"] = [
         cond("RolloutReady", pool_ready, pool_reason, pool_msg),
         cond("LearnerRunning", learner_running, learner_reason, learner_msg),
+        progressing,
         cond("Complete", False, "NotComplete", learner_msg),
         cond("Failed", False, "NotFailed", learner_msg),
         invalid,

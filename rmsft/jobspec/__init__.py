@@ -21,7 +21,16 @@ One module per idea, each importing only those above it in this list:
 This package re-exports what the rest of the project imports.
 """
 
-from rmsft.jobspec.base import API_GROUP, API_VERSION, KIND, PLURAL, QUANTITY_PATTERN, JobSpecError
+from rmsft.jobspec.base import (
+    API_GROUP,
+    API_VERSION,
+    DURATION_PATTERN,
+    KIND,
+    PLURAL,
+    QUANTITY_PATTERN,
+    JobSpecError,
+    duration_seconds,
+)
 from rmsft.jobspec.grpo import GrpoTrainingConfig, RewardEntry
 from rmsft.jobspec.job import (
     COLOCATE_SLEEP_ZERO3,
@@ -48,10 +57,8 @@ from rmsft.jobspec.recipe import (
 from rmsft.jobspec.rollout import (
     COLOCATE_REPLICAS,
     DEFAULT_STARTUP_TIMEOUT,
-    DURATION_PATTERN,
     ColocateSpec,
     RolloutSpec,
-    duration_seconds,
 )
 from rmsft.jobspec.sync import SyncSpec, SyncTransport
 from rmsft.jobspec.training import (

@@ -4,6 +4,8 @@ the two key conventions (camelCase Kubernetes-facing sections, the snake_case `t
 
 from __future__ import annotations
 
+import re
+
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
@@ -34,3 +36,30 @@ class _Learner(BaseModel):
     """snake_case keys (the learner's own config), unknown keys rejected."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+# Durations (spec.rollout.startupTimeout and recoveryTimeout, spec.learner.stallTimeout): whole seconds, or
+# hours/minutes/seconds in that order (Go's duration syntax, the units Kubernetes users write). The CRD's CEL rule
+# holds the same pattern.
+DURATION_PATTERN = r"^([0-9]+h)?([0-9]+m)?([0-9]+s)?$"
+
+
+def duration_seconds(value: int | str, field: str) -> int:
+    """Seconds of `value`: an int (or a string of digits) is seconds; '1h30m', '45m', '90s' are durations. > 0."""
+    if isinstance(value, bool):  # a bool is an int to Python, not to a person writing YAML
+        raise ValueError(f"{field} must be seconds or a duration such as 30m, got {value!r}")
+    if isinstance(value, int):
+        seconds = value
+    else:
+        text = str(value).strip()
+        m = re.fullmatch(DURATION_PATTERN, text)
+        if text.isdigit():
+            seconds = int(text)
+        elif text and m:
+            h, mi, s = (int(g[:-1]) if g else 0 for g in m.groups())
+            seconds = 3600 * h + 60 * mi + s
+        else:
+            raise ValueError(f"{field} must be seconds or a duration such as 30m, 1h30m or 90s, got {value!r}")
+    if seconds < 1:
+        raise ValueError(f"{field} must be at least 1 second, got {value!r}")
+    return seconds

@@ -5,11 +5,11 @@ resources, the learner pod (spec.learner) and monitoring.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from rmsft.jobspec.base import _DNS_LABEL, QUANTITY_PATTERN, _K8s
+from rmsft.jobspec.base import _DNS_LABEL, QUANTITY_PATTERN, _K8s, duration_seconds
 
 
 class ImageSpec(_K8s):
@@ -81,9 +81,26 @@ class LearnerSpec(_K8s):
         "a learner that refuses its configuration fails the job at once.")
     metrics_port: int = Field(9090, ge=1024, le=65535, description="Prometheus /metrics port of the learner.")
     checkpoint_claim: str | None = Field(None, description="PVC mounted at training.checkpoint.dir.")
+    stall_timeout: int | str = Field(
+        "1h", description="How long the running learner may go without finishing an optimizer step (the first one "
+        "counted from its start) before the job reports it stalled: condition Progressing False, reason "
+        "LearnerStalled, a Warning event. Seconds or a duration; cover the slowest step and evaluation.")
+    fail_when_stalled: bool = Field(
+        False, description="A stalled learner fails the job (reason LearnerStalled) and frees its GPUs, instead of "
+        "only being reported.")
     shm_size: str = Field("8Gi", pattern=QUANTITY_PATTERN, description="Size of the /dev/shm memory volume.")
     resources: ResourceSpec = Field(
         default_factory=ResourceSpec, description="CPU and memory of the learner container.")
+
+    @field_validator("stall_timeout", mode="before")
+    @classmethod
+    def _stall_timeout(cls, v: Any) -> Any:
+        duration_seconds(v, "spec.learner.stallTimeout")
+        return v
+
+    @property
+    def stall_timeout_seconds(self) -> int:
+        return duration_seconds(self.stall_timeout, "spec.learner.stallTimeout")
 
 
 class MonitoringSpec(_K8s):

@@ -4,12 +4,11 @@ ranks (mode colocate), and the startup deadline of the pool.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rmsft.jobspec.base import QUANTITY_PATTERN, _K8s
+from rmsft.jobspec.base import QUANTITY_PATTERN, _K8s, duration_seconds
 from rmsft.jobspec.pods import ResourceSpec
 
 
@@ -43,32 +42,8 @@ class ColocateSpec(_K8s):
     offload_optimizer: bool = Field(False, description="Optimizer state to host memory while the engine decodes.")
 
 
-# spec.rollout.startupTimeout: whole seconds, or hours/minutes/seconds in that order (Go's duration syntax, the
-# units Kubernetes users write). The CRD's CEL rule holds the same pattern.
-DURATION_PATTERN = r"^([0-9]+h)?([0-9]+m)?([0-9]+s)?$"
 DEFAULT_STARTUP_TIMEOUT = "30m"  # a 70B model's image pull + load + CUDA graphs fit; a typo'd path fails in 30 min
 DEFAULT_RECOVERY_TIMEOUT = "10m"  # a restarted server's reload (or a recreated pod's start) on a warm node fits
-
-
-def duration_seconds(value: int | str, field: str) -> int:
-    """Seconds of `value`: an int (or a string of digits) is seconds; '1h30m', '45m', '90s' are durations. > 0."""
-    if isinstance(value, bool):  # a bool is an int to Python, not to a person writing YAML
-        raise ValueError(f"{field} must be seconds or a duration such as 30m, got {value!r}")
-    if isinstance(value, int):
-        seconds = value
-    else:
-        text = str(value).strip()
-        m = re.fullmatch(DURATION_PATTERN, text)
-        if text.isdigit():
-            seconds = int(text)
-        elif text and m:
-            h, mi, s = (int(g[:-1]) if g else 0 for g in m.groups())
-            seconds = 3600 * h + 60 * mi + s
-        else:
-            raise ValueError(f"{field} must be seconds or a duration such as 30m, 1h30m or 90s, got {value!r}")
-    if seconds < 1:
-        raise ValueError(f"{field} must be at least 1 second, got {value!r}")
-    return seconds
 
 
 COLOCATE_REPLICAS = ("spec.rollout.replicas must be unset or 0 with spec.rollout.mode 'colocate' (the engine runs "

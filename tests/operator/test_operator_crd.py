@@ -169,6 +169,7 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("startup-timeout-order", {"spec.rollout.startupTimeout": "30m1h"}, ["spec.rollout.startupTimeout"]),
     ("recovery-timeout-zero", {"spec.rollout.recoveryTimeout": 0}, ["spec.rollout.recoveryTimeout"]),
     ("recovery-timeout-words", {"spec.rollout.recoveryTimeout": "ten minutes"}, ["spec.rollout.recoveryTimeout"]),
+    ("stall-timeout-zero", {"spec.learner.stallTimeout": "0s"}, ["spec.learner.stallTimeout"]),
 ]
 
 

@@ -201,6 +201,36 @@ def test_every_status_message_fits_the_crd() -> None:
     assert fit_message("short") == "short"
 
 
+def test_a_learner_with_no_step_for_its_stall_timeout_is_reported_and_failed_only_if_asked() -> None:
+    """Issue 41: a running learner that finishes no optimizer step for spec.learner.stallTimeout (a hung collective,
+    a server that never answers) holds its GPUs with no clock: it is reported (condition Progressing False, a
+    Warning event once) and, with spec.learner.failWhenStalled, failed with the pool freed."""
+    pods = [_pod("learner", "l-1", "Running")]
+    spec = _spec(**{"learner.stallTimeout": "30m"})
+    running = World(spec=spec, ready=2, suspended=False, job_status={"active": 1, "ready": 1}, learner_pods=pods)
+    first = decide(replace(running.observed(), progress={"step": 5}), NOW)
+    assert first.status["lastStepTime"] == NOW and _cond(first, "Progressing")["status"] == "True"
+    quiet = replace(running.observed(), status=first.status, progress={"step": 5})
+    assert _cond(decide(quiet, "2026-11-23T10:29:00Z"), "Progressing")["status"] == "True"  # inside its 30 min
+    late = decide(quiet, "2026-11-23T10:31:00Z")
+    prog = _cond(late, "Progressing")
+    assert (prog["status"], prog["reason"], late.phase) == ("False", "LearnerStalled", "Running")
+    assert "no optimizer step since step 5 (1860s, spec.learner.stallTimeout 1800s)" in prog["message"]
+    assert [e[:2] for e in late.events] == [("Warning", "LearnerStalled")] and late.patches == []
+    again = decide(replace(quiet, status=late.status), "2026-11-23T10:40:00Z")
+    assert not any(e[1] == "LearnerStalled" for e in again.events)  # once, not on every pass
+    moved = decide(replace(quiet, status=late.status, progress={"step": 6}), "2026-11-23T10:41:00Z")
+    assert _cond(moved, "Progressing")["status"] == "True" and moved.status["lastStepTime"] == "2026-11-23T10:41:00Z"
+    # Asked to fail: Failed, the pool scaled to zero, the learner Job suspended (its pod removed).
+    failing = World(spec=_spec(**{"learner.stallTimeout": "30m", "learner.failWhenStalled": True}), ready=2,
+                    suspended=False, job_status={"active": 1, "ready": 1}, learner_pods=pods)
+    obs = replace(failing.observed(), status=first.status, progress={"step": 5})
+    failed = decide(obs, "2026-11-23T10:31:00Z")
+    assert failed.phase == "Failed" and _cond(failed, "Failed")["reason"] == "LearnerStalled"
+    assert Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 0}}) in failed.patches
+    assert Patch("Job", N["job"], {"spec": {"suspend": True}}) in failed.patches
+
+
 def test_immutable_edit_is_refused_and_the_applied_spec_keeps_running() -> None:
     world = World(spec=_spec(**{"training.lr": 0.5, "rollout.replicas": 3}), applied_spec=_spec())
     d = decide(world.observed(), NOW)
