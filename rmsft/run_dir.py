@@ -74,7 +74,8 @@ def owned(base: str | Path | None = None) -> Iterator[RunDir]:
         run.close()
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """A process `pid` exists (another user's counts: it cannot be signalled, but it is there)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -93,7 +94,7 @@ def _take_if_dead(path: Path) -> int | None:
         fd = os.open(path / LOCK_NAME, os.O_RDWR)
     except FileNotFoundError:
         # No lock file: being made by a live owner, or left by one that died in between.
-        if _pid_alive(int(m.group(1))):
+        if pid_alive(int(m.group(1))):
             return None
         try:
             fd = os.open(path, os.O_RDONLY)  # a lock on the directory itself, against a second cleaner

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from rmsft_protos import rollout_pb2
 
+from rmsft.run_dir import pid_alive
 from rmsft.weight_wire import (
     FULL,
     PieceFrame,
@@ -75,16 +76,6 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
 STAGE_PREFIX = "rmsft-stage-"  # + <server pid>-<version>-<random>.bin / .json
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
-
-
 def remove_dead_servers_staging(staging_dir: str) -> list[str]:
     """Remove the staging files of servers that are gone (their pid, in the name, is not running): a server
     killed mid-update (SIGKILL, an OOM kill) cannot remove its own, and /dev/shm is memory. Files of live
@@ -96,7 +87,7 @@ def remove_dead_servers_staging(staging_dir: str) -> list[str]:
             pid = head.split("-", 1)[0]
             if head == entry.name or not pid.isdigit() or not head.endswith((".bin", ".json")) or head.count("-") != 2:
                 continue
-            if int(pid) != os.getpid() and not _alive(int(pid)):
+            if int(pid) != os.getpid() and not pid_alive(int(pid)):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
                 removed.append(entry.path)
