@@ -50,7 +50,7 @@ class _Built:
 
 _PARTS = ("ce", "soft_ce", "w1", "gate", "coord", "geo", "ul")
 _COUNTS = ("rollouts", "matched", "false_positives", "false_negatives", "dropped", "truncated", "response_tokens",
-           "predicted", "gt_objects", "duplicates", "recovered", "fallback")
+           "predicted", "gt_objects", "duplicates", "dead", "recovered", "fallback")
 
 
 class Trainer(TrainingLoop):
