@@ -47,6 +47,8 @@ class RunReporter:
                            "train/truncated": float(r.stats.truncated),
                            "train/truncation_rate": r.stats.truncation_rate,
                            "train/duplicate_rate": r.stats.duplicate_rate,
+                           # unmatched objects no explorer supports, out of the prefix (recipe generation 2)
+                           "train/dead_anchors": r.stats.dead / max(r.stats.rollouts, 1),
                            "train/predicted_per_gt": r.stats.count_ratio,
                            "train/predicted_objects": r.stats.predicted / max(r.stats.rollouts, 1),
                            "train/gt_objects": r.stats.gt_objects / max(r.stats.rollouts, 1)})
