@@ -187,14 +187,14 @@ def label_support(objects: Sequence[DetObject], explorers: Sequence[Sequence[Det
 def dead_anchors(kept: Sequence[DetObject], kept_matching: MatchResult,
                  explorers: Sequence[tuple[Sequence[DetObject], Collection[int]]], min_iou: float) -> list[int]:
     """Indices of `kept` unmatched and supported by no explorer answer (see the module docstring)."""
-    matched = sorted(kept_matching.gt_of_pred())
-    unmatched = [i for i in range(len(kept)) if i not in set(matched)]
+    matched = set(kept_matching.gt_of_pred())
+    unmatched = [i for i in range(len(kept)) if i not in matched]
     # An unmatched object that repeats a matched one is not supported by the explorer's copy of that one.
     free = [i for i in unmatched if all(iou(kept[i], kept[m]) < min_iou for m in matched)]
     supported: set[int] = set()
     for view, view_matched in explorers:
         pairs = pair_by_iou(kept, view, min_iou)
-        supported |= {i for i in free if i in pairs and pairs[i] not in set(view_matched)}
+        supported |= {i for i in free if i in pairs and pairs[i] not in view_matched}
     return [i for i in unmatched if i not in supported]
 
 

@@ -212,7 +212,8 @@ def build_segments(
             t1 = time.perf_counter()
             objects = [o.obj for o in parsed.objects]
             recovered: set[int] = set()
-            dead: list[int] = []
+            dead: list[int] = []  # indices into `objects`
+            dead_kept: frozenset[int] = frozenset()  # the same, as indices into the kept objects
             if clean is None:
                 dups = find_duplicates(objects, dup_cfg)
                 result = match(objects, gt, matching)
@@ -226,16 +227,16 @@ def build_segments(
                     recovered |= {g for _, g, _ in f.pairs}
                 recovered &= set(result.false_negatives)
                 if clean.dead_anchors:
-                    local = dead_anchors([objects[i] for i in kept], result,
-                                         [(v, set(f.gt_of_pred())) for v, f in zip(views, found, strict=True)],
-                                         dup_cfg.support_iou)
-                    dead = [kept[j] for j in local]
+                    dead_kept = frozenset(dead_anchors(
+                        [objects[i] for i in kept], result,
+                        [(v, set(f.gt_of_pred())) for v, f in zip(views, found, strict=True)], dup_cfg.support_iou))
+                    dead = [kept[j] for j in sorted(dead_kept)]
             t2 = time.perf_counter()
             if clean is None:
                 seg = build_targets(p_ids, parsed, result, gt, vocab, rec_fmt, rollout_prompt_ids=r_p_ids,
                                     cfg=targets)
             else:
-                kept_result = result.without_predictions(frozenset(kept.index(i) for i in dead))
+                kept_result = result.without_predictions(dead_kept)
                 seg = build_clean_targets(p_ids, parsed, dups, kept_result, gt, vocab, rec_fmt,
                                           rollout_prompt_ids=r_p_ids, cfg=clean, recovered=recovered, dead=dead)
             segments.append(seg)
