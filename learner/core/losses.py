@@ -56,7 +56,7 @@ class LossWeights:
     ciou: float = 0.0
     unlikelihood: float = 0.0  # -log(1 - p(token)) at each duplicate's first diverging token
     # How a term is averaged: False divides sum(w * loss) by the number of positions (boxes), True by sum(w), the
-    # reference's weighted mean (`step_totals`); the unlikelihood term is a plain mean either way.
+    # reference's weighted mean (`row_totals`); the unlikelihood term is a plain mean either way.
     weighted_mean: bool = False
 
     def __post_init__(self) -> None:

@@ -180,10 +180,10 @@ def set_aside_earlier(root: str | Path, run_id: str) -> tuple[Path, list[int]] |
     dest = Path(root) / EARLIER_RUNS / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-before-run-{run_id}"
     dest.mkdir(parents=True)
     steps = []
-    for p in found:
-        step = _step_of(p, _PREFIX) if p.name.startswith(_PREFIX) else _step_of(p, f"{_OLD}{_PREFIX}")
-        p.rename(dest / f"{_PREFIX}{step}")
-        steps.append(int(step or 0))
+    for p in found:  # `step-<n>`, or a killed re-save's `.old-step-<n>` that stands for its step
+        name = p.name.removeprefix(_OLD)
+        p.rename(dest / name)
+        steps.append(int(name.removeprefix(_PREFIX)))
     with contextlib.suppress(OSError):
         _fsync_path(Path(root))
     return dest, steps
