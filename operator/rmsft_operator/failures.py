@@ -175,13 +175,3 @@ def startup_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[
                                                     f"spec.rollout.startupTimeout ({_span(timeout_s)}): "
                                                     f"{c.get('message', '')}").strip()[:_MAX_HINT]
     return None
-
-
-def held_failure(status: dict[str, Any]) -> tuple[str, str] | None:
-    """(reason, message) of an earlier start failure of this job, which stays: Failed is final."""
-    if status.get("phase") != "Failed":
-        return None
-    cond = next((c for c in status.get("conditions") or [] if c.get("type") == "Failed"), {})
-    if cond.get("status") == "True" and cond.get("reason") in STARTUP_FAILURES:
-        return cond["reason"], str(status.get("message") or cond.get("message") or "")
-    return None

@@ -35,7 +35,6 @@ from rmsft.jobspec import (
 )
 from rmsft_operator import render
 from rmsft_operator.failures import (
-    held_failure,
     job_finished,
     job_state,
     parse_time,
@@ -285,9 +284,8 @@ def decide(obs: Observed, now: str) -> Decision:
         if sts is not None and (sts.get("spec") or {}).get("replicas") != 0:
             d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": 0}}))
         job_obj = obs.children.get("Job")
-        if job_obj is not None and not job_state(job_obj)[0] and not job_state(job_obj)[1] \
-                and not (job_obj.get("spec") or {}).get("suspend"):
-            d.patches.append(Patch("Job", n["job"], {"spec": {"suspend": True}}))
+        if job_obj is not None and not any(job_state(job_obj)[:2]) and not (job_obj.get("spec") or {}).get("suspend"):
+            d.patches.append(Patch("Job", n["job"], {"spec": {"suspend": True}}))  # a running Job of a final job
         return finish(d)
 
     # 2. Edits that cannot be applied in place are refused; the job keeps running as applied.
@@ -393,7 +391,7 @@ def decide(obs: Observed, now: str) -> Decision:
     # learner Job suspended, which removes a pod that waits for a node), instead of crash-looping forever.
     suspended = bool((learner.get("spec") or {}).get("suspend"))
     stalled = _stalled(status, job, suspended, obs.learner_pods, now)
-    failure = held_failure(old_status) or preflight or startup_failure(
+    failure = preflight or startup_failure(
         obs.rollout_pods, obs.learner_pods, pool_starting=not colocated and suspended,
         timeout_s=job.spec.rollout.startup_timeout_seconds, now=parse_time(now) or dt.datetime.now(dt.UTC)) \
         or (("LearnerStalled", stalled) if stalled and job.spec.learner.fail_when_stalled else None)
