@@ -63,6 +63,19 @@ def _ensure_group() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
+def _no_shm_allreduce_kernel(deepspeed: Any) -> None:
+    """Keep DeepSpeed from compiling its CPU shared-memory all-reduce kernel (`deepspeed_shm_comm`) when its
+    communication backend starts. On a CPU machine it builds the C++ op on first use (a minute of compiler time
+    on 2 cores, every fresh machine or container) for `inference_all_reduce` alone, which ZeRO training never
+    calls: its gradient and parameter collectives go through torch.distributed. DeepSpeed builds only the ops its
+    compatibility table marks usable, so marking this one unusable skips the build and changes no collective.
+    On GPUs the op does not exist and the table entry changes nothing."""
+    ops = getattr(deepspeed, "ops", None)
+    table = getattr(ops, "__compatible_ops__", None) if ops is not None else None
+    if isinstance(table, dict):
+        table["deepspeed_shm_comm"] = False
+
+
 def precision_section(precision: str) -> dict[str, Any]:
     """DeepSpeed's precision keys for `training.precision`. Both precisions keep the trainable
     parameters (and so ZeRO's optimizer partitions) in fp32 and the frozen ones as loaded
@@ -81,6 +94,7 @@ def deepspeed_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
     _ensure_group()
     import deepspeed
 
+    _no_shm_allreduce_kernel(deepspeed)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     config = {
         "train_micro_batch_size_per_gpu": 1,

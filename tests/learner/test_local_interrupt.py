@@ -58,9 +58,10 @@ APPLIED = {"server-start": 0, "generate": 3, "sync": 3, "checkpoint": 5}
 IN_CHAIN = {("checkpoint", signal.SIGINT), ("checkpoint", signal.SIGKILL), ("sync", signal.SIGTERM)}
 # SIGINT and SIGTERM take one path through `rmsft local` (learner.local.stop_on_signals: one handler, which raises
 # KeyboardInterrupt or Terminated, a KeyboardInterrupt, and both unwind alike); each is started where the other is
-# not, and SIGINT's own exit code and words are checked at server-start and in the chain (mid-checkpoint). A run
-# costs a minute or more here (issue 40): these two cells would repeat the SIGTERM cell of their moment.
-SAME_PATH = {("generate", signal.SIGINT): ("generate", signal.SIGTERM),
+# not, and SIGINT's own exit code and words are checked in the chain (mid-checkpoint). A run costs a minute or more
+# here (issue 40): these cells would repeat the SIGTERM cell of their moment.
+SAME_PATH = {("server-start", signal.SIGINT): ("server-start", signal.SIGTERM),
+             ("generate", signal.SIGINT): ("generate", signal.SIGTERM),
              ("sync", signal.SIGINT): ("sync", signal.SIGTERM)}
 
 

@@ -47,7 +47,8 @@ def prompt_ids(tok) -> list[list[int]]:
 
 
 def generate(stub, md, prompts, *, max_tokens=16, temperature=0.0, seeds=None, expected=None, timeout=120,
-             min_tokens=0):
+             min_tokens=0, future=False):
+    """One Generate call; with `future`, its grpc.Future (which can be cancelled) instead of the reply."""
     req = rollout_pb2.GenerateRequest(
         sampling=rollout_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, min_tokens=min_tokens),
     )
@@ -57,7 +58,7 @@ def generate(stub, md, prompts, *, max_tokens=16, temperature=0.0, seeds=None, e
         p = req.prompts.add(token_ids=ids, request_id=f"r{i}")
         if seeds is not None:
             p.seed = seeds[i]
-    return stub.Generate(req, metadata=md, timeout=timeout)
+    return (stub.Generate.future if future else stub.Generate)(req, metadata=md, timeout=timeout)
 
 
 def status(srv):
