@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sys
 from pathlib import Path
 
 import typer
@@ -544,7 +546,23 @@ def operator_cmd(
 
 
 def main() -> None:
-    app()
+    """The `rmsft` command. A command that returns or exits with a code ends the process at once, logs and output
+    flushed: by then it has closed what it opened (servers, the learner, checkpoint and TensorBoard files), and
+    the interpreter's own exit would spend 2-3 s on a last garbage-collection pass over torch, transformers and
+    vLLM, paid by every run, every learner rank under torchrun, and every test that starts one. An exception that
+    escapes a command still exits the normal way, with its traceback."""
+    try:
+        app()
+        code: int | str | None = 0
+    except SystemExit as e:
+        code = e.code
+    if isinstance(code, str):  # sys.exit("message"): Python prints it and exits 1
+        print(code, file=sys.stderr)
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":

@@ -65,21 +65,29 @@ def _rollouts(history) -> list[list[tuple[str, list[int], int]]]:
     return [[(r.request_id, list(r.token_ids), r.weight_version) for r in h.rollouts] for h in history]
 
 
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, data_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One `rmsft serve` for both temperatures, started with the options the server-mode job gives it. Each run
+    is a new run id whose first sync replaces whatever an earlier run left on the server (the e2e tests rely on
+    the same), and a start costs most of a minute here (issue 40)."""
+    from rollout_svc.launcher import RolloutServer
+
+    tmp = tmp_path_factory.mktemp("colocate-server")
+    opts = serve_options(make_job(tiny_model_dir, data_path, tmp / "ckpt", mode="server"), gpus=False)
+    with RolloutServer.start(tiny_model_dir, log_path=tmp / "serve.log", **opts) as srv:
+        yield srv
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_colocate_equals_server_mode_step_by_step(tiny_model_dir: Path, data_path: Path, tmp_path: Path,
+def test_colocate_equals_server_mode_step_by_step(server, tiny_model_dir: Path, data_path: Path, tmp_path: Path,
                                                   temperature: float) -> None:
-    from rollout_svc.launcher import RolloutServer
-
     server_job = make_job(tiny_model_dir, data_path, tmp_path / "server", mode="server", temperature=temperature)
     colocate_job = make_job(tiny_model_dir, data_path, tmp_path / "colocate", mode="colocate", temperature=temperature)
-    opts = serve_options(server_job, gpus=False)
-    srv = RolloutServer.start(tiny_model_dir, log_path=tmp_path / "serve.log", **opts)
-    try:
-        server_history, server_info = _run(server_job, [srv.address])
-    finally:
-        srv.stop()
+    assert serve_options(server_job, gpus=False) == serve_options(
+        make_job(tiny_model_dir, data_path, tmp_path / "x", mode="server"), gpus=False)  # the shared server fits
+    server_history, server_info = _run(server_job, [server.address])
     colocate_history, colocate_info = _run(colocate_job, [])
     assert (server_info.mode, colocate_info.mode) == ("server", "colocate")
     assert colocate_info.sync_transport == "in-process" and colocate_info.servers == ()
