@@ -52,6 +52,24 @@ def v1_multiprocessing_off(off: bool = True) -> Iterator[None]:
         else:
             os.environ[MP_ENV] = previous
 
+@contextmanager
+def one_serving_thread(on_cpu: bool) -> Iterator[None]:
+    """`OMP_NUM_THREADS=1` while a CPU engine starts (its engine process, spawned meanwhile, inherits it), unless
+    the variable is set: vLLM means to decode on one torch thread on the CPU (`set_torch_threads_for_runtime`:
+    multi-threaded ops leave OpenMP workers spin-waiting after every parallel region), but its CPU worker has made
+    `torch.set_num_threads` a no-op by then, so the engine kept one thread per core. Two servers on two cores then
+    spun against each other: a 48-token call took 1-5 s instead of 0.4 s (measured, 2 cores). The colocated engine
+    makes the same choice in the learner's process (learner/rollouts/colocate/engine.py)."""
+    previous = os.environ.get("OMP_NUM_THREADS")
+    if on_cpu and previous is None:
+        os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+
+
 _OOM_HINT = (
     "vLLM ran out of memory: lower --gpu-memory-utilization or --kv-cache-bytes, or --max-model-len"
 )
@@ -215,7 +233,7 @@ class VllmEngine:
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[PrometheusStatLogger])
 
         try:
-            with v1_multiprocessing_off(not on_gpu and cfg.tensor_parallel_size == 1):
+            with v1_multiprocessing_off(not on_gpu and cfg.tensor_parallel_size == 1), one_serving_thread(not on_gpu):
                 self.llm = self._loop.wait(start())
         except Exception as e:
             self._loop.stop()
