@@ -21,8 +21,6 @@ its own right after writing it, and a later `--resume` would continue the other 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import os
 import random
 import shutil
@@ -34,6 +32,7 @@ from typing import Any
 import torch
 
 from rmsft import pause_points
+from rmsft.output_folder import exchange as _exchange
 
 _PREFIX = "step-"
 _STATE = "state.pt"
@@ -90,27 +89,6 @@ def _fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-_RENAME_EXCHANGE = 2  # linux/fs.h
-_AT_FDCWD = -100
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths in one atomic step (renameat2 RENAME_EXCHANGE). False where the kernel, the C library or the
-    filesystem cannot (the caller then renames in two steps)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 def _step_of(path: Path, prefix: str) -> int | None:
