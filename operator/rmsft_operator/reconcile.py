@@ -75,6 +75,9 @@ class Observed:
     # Labels of the job's namespace, read only for a job that asks for sync.transport shm (None:
     # not read, or not readable).
     namespace_labels: dict[str, str] | None = None
+    # kind -> name of an object that has a child's name but is not this job's (no controller reference to its
+    # uid): never patched, never counted as a child (`children` has None for it); the job waits, saying so.
+    foreign: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,11 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
     n = render.names(name)
     key = {"Secret": "secret", "ConfigMap": "config", "Service": "service", "NetworkPolicy": "networkpolicy",
            "StatefulSet": "statefulset", "Job": "job"}
-    children = {kind: kube.get(kind, namespace, n[key[kind]]) for kind in CHILD_KINDS}
+    found = {kind: kube.get(kind, namespace, n[key[kind]]) for kind in CHILD_KINDS}
+    uid = meta.get("uid") or ""
+    foreign = {kind: obj["metadata"]["name"] for kind, obj in found.items()
+               if obj is not None and not owned_by(obj, uid)}
+    children = {kind: None if kind in foreign else obj for kind, obj in found.items()}
     sts, learner = children["StatefulSet"], children["Job"]
     rollout_pods = kube.list_pods(namespace, render.selector(name, "rollout")) if sts else []
     learner_pods = kube.list_pods(namespace, render.selector(name, "learner")) if learner else []
@@ -147,10 +154,16 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
     # other jobs cost no extra call (and need no right on namespaces).
     namespace_labels = kube.namespace_labels(namespace) if _asks_for_shm(body.get("spec")) else None
 
-    return Observed(name=name, namespace=namespace, uid=meta.get("uid") or "", generation=meta.get("generation"),
+    return Observed(name=name, namespace=namespace, uid=uid, generation=meta.get("generation"),
                     spec=body.get("spec"), status=body.get("status") or {}, children=children,
                     rollout_pods=rollout_pods, learner_pods=learner_pods, failed_creates=failed_creates,
-                    progress=progress, namespace_labels=namespace_labels)
+                    progress=progress, namespace_labels=namespace_labels, foreign=foreign)
+
+
+def owned_by(obj: dict[str, Any], uid: str) -> bool:
+    """`obj` is a child of the job with `uid`: its controller reference names that uid (render.owner_reference)."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return any(r.get("uid") == uid and r.get("controller") for r in refs)
 
 
 def _asks_for_shm(spec: Any) -> bool:
@@ -328,6 +341,30 @@ def decide(obs: Observed, now: str) -> Decision:
         prev = next((c for c in old_conds if c.get("type") == "RolloutReady"), {})
         if prev.get("reason") != reason:  # once, not on every pass
             d.events.append(("Warning", reason, forbidden))
+        return finish(d)
+
+    # 3b. An object with a child's name that another owner made (or that someone made by hand): the operator
+    # acts only on what it owns, so it neither adopts nor replaces it. Nothing is created; every pass looks again,
+    # so once it is deleted or renamed the job goes on.
+    if obs.foreign:
+        named = ", ".join(f"{kind} {name}" for kind, name in sorted(obs.foreign.items()))
+        message = (f"{named} already exists in namespace {obs.namespace} and is not this job's (no controller "
+                   f"reference to it): rmsft does not adopt or replace objects it did not create; delete or rename "
+                   f"it, or recreate the job under another name")
+        reason = "NameConflict"
+        status = {"rolloutReplicas": job.spec.rollout.replicas, "readyRolloutReplicas": 0, "learnerActive": 0,
+                  "message": message, "conditions": [
+                      cond("RolloutReady", False, reason, message),
+                      cond("LearnerRunning", False, reason, message),
+                      cond("Complete", False, "NotComplete", message),
+                      cond("Failed", False, "NotFailed", message),
+                      cond("InvalidSpec", bool(refused), "ImmutableFieldChanged" if refused else "SpecValid",
+                           refused or "spec accepted"),
+                  ]}
+        d = Decision("Pending", status)
+        prev = next((c for c in old_conds if c.get("type") == "RolloutReady"), {})
+        if prev.get("reason") != reason:  # once, not on every pass
+            d.events.append(("Warning", reason, message))
         return finish(d)
 
     # 4. Children: create what is missing (the token Secret is never rewritten).

@@ -400,6 +400,53 @@ def test_observe_reads_the_namespace_for_shm_jobs_only(transport: str, reads: bo
     assert kube.namespaces == []
 
 
+class _Existing(_Reads):
+    """`observe`'s reads over a namespace holding these objects (by kind); no pods."""
+
+    def __init__(self, objects: dict[str, dict[str, Any]]) -> None:
+        super().__init__()
+        self.objects = objects
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:  # type: ignore[override]
+        obj = self.objects.get(kind)
+        return obj if obj is not None and obj["metadata"]["name"] == name else None
+
+    def list_pods(self, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        return []
+
+    def list_events(self, namespace: str, field_selector: str) -> list[dict[str, Any]]:
+        return []
+
+
+@pytest.mark.parametrize("owner", ["none", "another job"])
+def test_an_object_with_a_childs_name_that_is_not_the_jobs_is_never_adopted_or_touched(owner: str) -> None:
+    mine = _children(_spec())
+    theirs = copy.deepcopy(mine["StatefulSet"])
+    theirs["spec"]["replicas"] = 7
+    if owner == "none":  # made by hand
+        theirs["metadata"].pop("ownerReferences")
+    else:  # a job of the same name deleted and recreated: its children name the old uid
+        theirs["metadata"]["ownerReferences"][0]["uid"] = "uid-of-another-job"
+    kube = _Existing({**mine, "StatefulSet": theirs})
+    obs = observe(kube, {"metadata": {"name": NAME, "namespace": NS, "uid": UID}, "spec": _spec()})  # type: ignore[arg-type]
+    assert obs.foreign == {"StatefulSet": N["statefulset"]}
+    assert obs.children["StatefulSet"] is None and obs.children["Job"] is mine["Job"]  # the job's own stay children
+    d = decide(obs, NOW)
+    assert (d.phase, d.creates, d.patches) == ("Pending", [], [])  # not scaled, not replaced, nothing made beside it
+    ready = _cond(d, "RolloutReady")
+    assert ready["status"] == "False" and ready["reason"] == "NameConflict"
+    message = d.status["message"]
+    assert f"StatefulSet {N['statefulset']} already exists in namespace {NS} and is not this job's" in message
+    assert "delete or rename it" in message
+    assert [(t, r) for t, r, _ in d.events] == [("Warning", "NameConflict"), ("Normal", "PhasePending")]
+    # Written back, the next pass says nothing new; once the object is gone the job creates its own.
+    again = decide(replace(obs, status=d.status), NOW)
+    assert [r for _, r, _ in again.events] == [] and again.patches == []
+    del kube.objects["StatefulSet"]
+    freed = decide(observe(kube, {"metadata": {"name": NAME, "namespace": NS, "uid": UID}, "spec": _spec()}), NOW)  # type: ignore[arg-type]
+    assert [o["kind"] for o in freed.creates] == ["StatefulSet"]
+
+
 def _colocate_spec() -> dict[str, Any]:
     spec = _spec(**{"rollout.mode": "colocate"})
     spec["rollout"].pop("replicas")
