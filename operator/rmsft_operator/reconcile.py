@@ -515,10 +515,61 @@ def decide(obs: Observed, now: str) -> Decision:
 # ----------------------------------------------------------------------------------------- act
 
 
+# A create the API server answers with one of these is refused as asked, not failed on the way: repeating it at
+# once changes nothing. 400/422: the object itself is invalid (it never will be accepted); 403: a policy says no
+# (RBAC, a ResourceQuota, an admission webhook), which an administrator may change.
+INVALID_OBJECT = (400, 422)
+FORBIDDEN = 403
+
+
+def refused_create(obs: Observed, decision: Decision, obj: dict[str, Any], exc: ApiError, now: str) -> Decision:
+    """The pass's decision once the API server refused to create `obj`. Pure. An invalid object fails the job (the
+    next pass, final, scales to zero and suspends whatever was created before it); a forbidden one leaves it
+    Pending, retried on every resync (not in a tight loop), with the API's words in its status. Either way one
+    Warning event, not one per retry, and nothing else of the pass is applied."""
+    old_conds = obs.status.get("conditions") or []
+    gen = obs.generation
+
+    def cond(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
+        return _condition(old_conds, ctype, ok, reason, message, gen, now)
+
+    kind, name = obj["kind"], obj["metadata"]["name"]
+    invalid = exc.status in INVALID_OBJECT
+    reason = "CreateRefused"
+    message = fit_message(
+        f"the API server refused to create {kind} {name}: {exc}; "
+        + ("the object is invalid as rendered from this spec: fix the spec (or report it) and recreate the job"
+           if invalid else "a policy forbids it (RBAC, a ResourceQuota or an admission webhook): the operator tries "
+           "again on every resync until it is allowed"))
+    phase = "Failed" if invalid else "Pending"
+    status = {"rolloutReplicas": 0 if invalid else decision.status.get("rolloutReplicas", 0),
+              "readyRolloutReplicas": 0, "learnerActive": 0, "message": message, "phase": phase, "conditions": [
+                  cond("RolloutReady", False, reason, message),
+                  cond("LearnerRunning", False, reason, message),
+                  cond("Complete", False, "NotComplete", message),
+                  cond("Failed", invalid, reason if invalid else "NotFailed", message),
+              ]}
+    if invalid:
+        status["completionTime"] = obs.status.get("completionTime") or now
+    if gen is not None:
+        status["observedGeneration"] = gen
+    events = []
+    prev = next((c for c in old_conds if c.get("type") == "RolloutReady"), {})
+    if prev.get("reason") != reason or obs.status.get("phase") != phase:
+        events.append(("Warning", reason, message))
+    return Decision(phase, status, events=events)
+
+
 def act(kube: Kube, obs: Observed, decision: Decision) -> Outcome:
     created: list[str] = []
     for obj in decision.creates:
-        _, was_created = kube.ensure(obj)  # a 409 (created meanwhile) reads the object instead
+        try:
+            _, was_created = kube.ensure(obj)  # a 409 (created meanwhile) reads the object instead
+        except ApiError as exc:
+            if exc.status not in (*INVALID_OBJECT, FORBIDDEN):
+                raise
+            decision = refused_create(obs, decision, obj, exc, now_rfc3339())
+            break
         if was_created:
             created.append(f"{obj['kind']}/{obj['metadata']['name']}")
     try:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 from rmsft_operator import render
+from rmsft_operator.kube import ApiError
 from rmsft_operator.progress import learner_final_progress
 from rmsft_operator.reconcile import (
     CHILD_KINDS,
@@ -17,6 +18,7 @@ from rmsft_operator.reconcile import (
     Decision,
     Observed,
     Patch,
+    act,
     decide,
     observe,
     shared_memory_refusal,
@@ -445,6 +447,63 @@ def test_an_object_with_a_childs_name_that_is_not_the_jobs_is_never_adopted_or_t
     del kube.objects["StatefulSet"]
     freed = decide(observe(kube, {"metadata": {"name": NAME, "namespace": NS, "uid": UID}, "spec": _spec()}), NOW)  # type: ignore[arg-type]
     assert [o["kind"] for o in freed.creates] == ["StatefulSet"]
+
+
+class _Refusing(_Existing):
+    """An empty namespace whose API server refuses to create one kind with `status`; records every write."""
+
+    def __init__(self, kind: str, status: int) -> None:
+        super().__init__({})
+        self.kind, self.status = kind, status
+        self.writes: list[tuple[str, str]] = []
+
+    def ensure(self, obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        if obj["kind"] == self.kind:
+            raise ApiError(self.status, f"POST {obj['kind']}: admission webhook said no")
+        self.objects[obj["kind"]] = obj
+        self.writes.append(("create", obj["kind"]))
+        return obj, True
+
+    def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any], sub: str | None = None,
+              expected: tuple[int, ...] = ()) -> dict[str, Any]:
+        self.writes.append(("patch", kind))
+        return body
+
+    def patch_job_status(self, namespace: str, name: str, status: dict[str, Any],
+                         expected: tuple[int, ...] = ()) -> dict[str, Any]:
+        self.writes.append(("status", status["phase"]))
+        return status
+
+
+@pytest.mark.parametrize("status,phase", [(422, "Failed"), (400, "Failed"), (403, "Pending")])
+def test_a_create_the_api_refuses_is_reported_once_not_retried_in_a_loop(status: int, phase: str) -> None:
+    kube = _Refusing("StatefulSet", status)
+    body = {"metadata": {"name": NAME, "namespace": NS, "uid": UID, "generation": 1}, "spec": _spec()}
+    out = act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
+    # What came before the refused child was created; nothing after it, and no patch of this pass was applied.
+    assert kube.writes == [("create", "Secret"), ("create", "ConfigMap"), ("create", "Service"),
+                           ("create", "NetworkPolicy"), ("status", phase)]
+    assert out.phase == phase
+    failed = next(c for c in out.status["conditions"] if c["type"] == "Failed")
+    assert (failed["status"], failed["reason"]) == (("True", "CreateRefused") if phase == "Failed"
+                                                    else ("False", "NotFailed"))
+    assert f"refused to create StatefulSet {N['statefulset']}" in out.status["message"]
+    assert "admission webhook said no" in out.status["message"]
+    assert [(t, r) for t, r, _ in out.events] == [("Warning", "CreateRefused")]
+    # The next pass (the resync) with that status written: no second event, whatever it decides.
+    body["status"] = out.status
+    kube.writes.clear()
+    again = act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
+    assert again.events == [] and again.phase == phase
+    if phase == "Failed":  # final: nothing is created again
+        assert ("create", "StatefulSet") not in kube.writes and not any(w[0] == "create" for w in kube.writes)
+
+
+def test_other_api_errors_on_create_are_left_to_the_retry() -> None:
+    kube = _Refusing("StatefulSet", 500)
+    body = {"metadata": {"name": NAME, "namespace": NS, "uid": UID}, "spec": _spec()}
+    with pytest.raises(ApiError, match="500"):
+        act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
 
 
 def _colocate_spec() -> dict[str, Any]:
