@@ -37,6 +37,12 @@ setting, arm and figure, the mean over seeds and its min and max (`<setting>_<ar
 `..._min`, `..._max`; arm `warm` is the shared starting point). `--replot` rebuilds the plot, table and RESULT line
 from the CSV (or the CSVs given) without training.
 
+Paired comparison: OUT/NAME-records.csv keeps every final evaluation's label-aware counts per held-out record
+(matched, false positives, false negatives). From it each arm is compared with plain SFT on the same records and
+seeds: the difference of label-aware F1@0.5 with a 95% interval from a two-level paired bootstrap (seeds drawn with
+replacement, then records, the same records for both arms), printed and in the RESULT line as
+`<setting>_<arm>_minus_sft_f1` (`_lo`, `_hi`). A ledger from before the counts were kept gives no interval.
+
 Smoke mode (what tests/benchmarks/test_method_compare.py runs): `--steps 2 --warm 1 --heldout 2 --seeds 0
 --settings readme --arms sft,gen2_b`.
 """
@@ -180,7 +186,7 @@ def train(job, servers, *, resume: bool, max_steps: int | None, tokens_before: i
                    "train_truncation_rate": sum(s.truncation_rate for s in b_stats) / n if n else math.nan,
                    "train_duplicate_rate": sum(s.duplicate_rate for s in b_stats) / n if n else math.nan,
                    "train_predicted_per_gt": sum(s.count_ratio for s in b_stats) / n if n else math.nan,
-                   "tokens_trained": tokens, "wall_s": time.perf_counter() - t0}
+                   "tokens_trained": tokens, "wall_s": time.perf_counter() - t0, "per_record": list(ev.per_record)}
             rows.append(row)
             print(f"  {job.metadata.name} step {ev.step}: {ev.describe()}", flush=True)
 
@@ -221,6 +227,81 @@ def append_rows(path: Path, rows: list[dict]) -> None:
             w.writerow(COLUMNS)
         for row in rows:
             w.writerow([f"{row[k]:.6g}" if isinstance(row[k], float) else row[k] for k in COLUMNS])
+
+
+RECORD_COLUMNS = (*KEY, "step", "record", "matched", "fp", "fn")
+
+
+def records_ledger(ledger: Path) -> Path:
+    """Beside OUT/NAME.csv: OUT/NAME-records.csv, each final evaluation's label-aware counts per held-out record."""
+    return ledger.with_name(f"{ledger.stem}-records.csv")
+
+
+def append_record_rows(path: Path, rows: list[dict]) -> None:
+    """The per-record counts of the final evaluations among `rows` (a warm start's: its step `warm`)."""
+    finals = [r for r in rows if r["step"] == (r["warm"] if r["arm"] == "warm" else r["steps"]) and r.get("per_record")]
+    if not finals:
+        return
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(RECORD_COLUMNS)
+        for r in finals:
+            key = [f"{r[k]:.6g}" if isinstance(r[k], float) else r[k] for k in (*KEY, "step")]
+            for i, (m, fp, fn) in enumerate(r["per_record"]):
+                w.writerow([*key, i, m, fp, fn])
+
+
+def _key_of(row: dict) -> tuple:
+    return tuple(round(float(row[k]), 6) if k == "ratio" else int(row[k]) if k in ("seed", "steps", "warm", "heldout")
+                 else row[k] for k in KEY)
+
+
+def read_record_rows(path: Path) -> dict[tuple, list[tuple[int, int, int]]]:
+    """Run key (KEY) -> its final evaluation's (matched, fp, fn) per record (a later run of the same key replaces
+    an earlier one)."""
+    out: dict[tuple, dict[int, tuple[int, int, int]]] = {}
+    if not path.exists():
+        return {}
+    with path.open(newline="") as f:
+        for raw in csv.DictReader(f):
+            out.setdefault(_key_of(raw), {})[int(raw["record"])] = (int(raw["matched"]), int(raw["fp"]),
+                                                                    int(raw["fn"]))
+    return {k: [v[i] for i in sorted(v)] for k, v in out.items()}
+
+
+def _pooled_f1(counts: list[tuple[int, int, int]], idx: list[int]) -> float:
+    m = sum(counts[i][0] for i in idx)
+    fp = sum(counts[i][1] for i in idx)
+    fn = sum(counts[i][2] for i in idx)
+    return 2 * m / (2 * m + fp + fn) if m else 0.0
+
+
+def paired_bootstrap(a: dict[int, list[tuple[int, int, int]]], b: dict[int, list[tuple[int, int, int]]], *,
+                     draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """F1(a) - F1(b) on the same held-out records over the same seeds (each side: seed -> per-record counts):
+    the observed difference (mean over seeds of the pooled label-aware F1) and a 95% percentile interval from a
+    two-level bootstrap: seeds drawn with replacement, then records, the same records for both sides (paired: what
+    one image does to both models cancels). Seeds only one side has are left out."""
+    import random
+
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        raise ValueError("no seed that both arms ran")
+    n = len(a[seeds[0]])
+    if any(len(a[s]) != n or len(b[s]) != n for s in seeds):
+        raise ValueError("the arms were evaluated on different held-out sets")
+    every = list(range(n))
+    observed = statistics.fmean(_pooled_f1(a[s], every) - _pooled_f1(b[s], every) for s in seeds)
+    rng = random.Random(seed)
+    diffs = []
+    for _ in range(draws):
+        picked = [rng.choice(seeds) for _ in seeds]
+        idx = [rng.randrange(n) for _ in range(n)]
+        diffs.append(statistics.fmean(_pooled_f1(a[s], idx) - _pooled_f1(b[s], idx) for s in picked))
+    diffs.sort()
+    return observed, diffs[int(0.025 * draws)], diffs[min(draws - 1, int(0.975 * draws))]
 
 
 def run_key(setting: str, arm: str, seed: int, plan: Plan) -> tuple:
@@ -272,8 +353,35 @@ def spread(values: list[float]) -> tuple[float, float, float]:
     return sum(kept) / len(kept), min(kept), max(kept)
 
 
-def report(rows: list[dict], out: Path, name: str, wall: float) -> str:
-    """The plot OUT/NAME.png, a table on stdout and the RESULT line (returned) of the ledger `rows`."""
+def paired_lines(finals: dict[tuple[str, str], list[dict]], records: dict[tuple, list[tuple[int, int, int]]],
+                 settings: list[str], arms: list[str]) -> tuple[list[str], list[str]]:
+    """Each arm against plain SFT on the same held-out records and seeds (paired_bootstrap): printed lines and
+    RESULT parts. Arms without per-record counts (a ledger from before they were kept) are left out."""
+    lines, parts = [], []
+    for setting in settings:
+        base = {r["seed"]: records.get(_key_of(r)) for r in finals.get((setting, "sft"), [])}
+        base = {k: v for k, v in base.items() if v}
+        for arm in arms:
+            if arm in ("sft", "warm") or not base:
+                continue
+            other = {r["seed"]: records.get(_key_of(r)) for r in finals.get((setting, arm), [])}
+            other = {k: v for k, v in other.items() if v}
+            seeds = sorted(set(base) & set(other))
+            if not seeds:
+                continue
+            d, lo, hi = paired_bootstrap(other, base)
+            n = len(base[seeds[0]])
+            lines.append(f"{setting}: {arm} - sft label-aware F1@0.5 {d:+.3f}, 95% interval [{lo:+.3f}, {hi:+.3f}] "
+                         f"(paired bootstrap over {n} held-out records x {len(seeds)} seed(s))")
+            parts.append(f"{setting}_{arm}_minus_sft_f1={d:.4g} {setting}_{arm}_minus_sft_f1_lo={lo:.4g} "
+                         f"{setting}_{arm}_minus_sft_f1_hi={hi:.4g}")
+    return lines, parts
+
+
+def report(rows: list[dict], out: Path, name: str, wall: float,
+           records: dict[tuple, list[tuple[int, int, int]]] | None = None) -> str:
+    """The plot OUT/NAME.png, a table on stdout and the RESULT line (returned) of the ledger `rows` (with
+    `records`, the per-record counts: each arm against plain SFT, paired)."""
     finals = final_rows(rows)
     settings = list(dict.fromkeys(s for s, _ in finals))
     arms = [a for a in ("warm", *ARMS) if any(a == arm for _, arm in finals)]
@@ -293,6 +401,10 @@ def report(rows: list[dict], out: Path, name: str, wall: float) -> str:
                              f"{setting}_{arm}_{k}_max={hi:.4g}")
             print(f"{setting:8} {arm:7} {len(finals_sa):5} " + " ".join(f"{c:>22}" for c in cells))
     print("(mean over seeds [min, max]; warm: the shared start every arm resumes)")
+    lines, paired = paired_lines(finals, records or {}, settings, arms)
+    for line in lines:
+        print(line)
+    parts += paired
 
     import matplotlib
 
@@ -354,7 +466,11 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     ledger = args.out / f"{args.name}.csv"
     if args.replot is not None:
-        print(report(read_rows(args.replot or [ledger]), args.out, args.name, 0.0))
+        csvs = args.replot or [ledger]
+        records: dict[tuple, list[tuple[int, int, int]]] = {}
+        for path in csvs:
+            records.update(read_record_rows(records_ledger(path)))
+        print(report(read_rows(csvs), args.out, args.name, 0.0, records))
         return
 
     settings = [SETTINGS[s] for s in args.settings.split(",")]
@@ -382,7 +498,8 @@ def main(argv: list[str] | None = None) -> None:
     if todo:
         train_grid(todo, settings, plan, args, rows, ledger)
         rows = read_rows([ledger])
-    print(report(rows, args.out, args.name, sum(r["wall_s"] for r in final_rows_list(rows))))
+    print(report(rows, args.out, args.name, sum(r["wall_s"] for r in final_rows_list(rows)),
+                 read_record_rows(records_ledger(ledger))))
 
 
 def final_rows_list(rows: list[dict]) -> list[dict]:
@@ -431,6 +548,7 @@ def train_grid(todo: list[tuple], settings: list[Setting], plan: Plan, args, row
                 new = [{**dict(zip(KEY, warm_key, strict=True)), **r} for r in got]
                 if warm_key not in done_runs(rows):
                     append_rows(ledger, new)
+                    append_record_rows(records_ledger(ledger), new)
                     rows += new
             warm_tokens = next(r["tokens_trained"] for r in rows if tuple(
                 round(r[k], 6) if k == "ratio" else r[k] for k in KEY) == warm_key and r["step"] == plan.warm)
@@ -444,6 +562,7 @@ def train_grid(todo: list[tuple], settings: list[Setting], plan: Plan, args, row
             key = run_key(s.name, arm, seed, plan)
             new = [{**dict(zip(KEY, key, strict=True)), **r} for r in got]
             append_rows(ledger, new)
+            append_record_rows(records_ledger(ledger), new)
             rows += new
             shutil.rmtree(arm_dir, ignore_errors=True)
             left = todo[i + 1:]

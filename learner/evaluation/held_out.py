@@ -124,6 +124,9 @@ class Evaluation:
     answers: list[list[int]]  # per record: the answer's token ids
     geometry: dict[float, EpisodeStats] = field(default_factory=dict)  # the same gates, labels not compared
     coco_agnostic: dict[str, float] = field(default_factory=dict)  # every object one category
+    # per record, label-aware at `iou`: (matched, false positives, false negatives); what a paired comparison of
+    # two models on the same records resamples (benchmarks/method_compare.py)
+    per_record: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def answer_stats(self) -> EpisodeStats:
@@ -210,6 +213,7 @@ def score(records: Sequence[Record], answers: Sequence[Sequence[int]], setup: Ev
     stats = {g: EpisodeStats() for g in configs}
     geometry = {g: EpisodeStats() for g in configs}
     predictions: list[list[Detection]] = []
+    per_record: list[tuple[int, int, int]] = []
     cut = [vision_safe_response(a, setup.vision_ids) for a in answers]
     for rec, ids in zip(records, cut, strict=True):
         fmt = setup.format_for(rec)
@@ -225,13 +229,17 @@ def score(records: Sequence[Record], answers: Sequence[Sequence[int]], setup: Ev
                 into[gate] += dataclasses.replace(answer, matched=len(result.pairs),
                                                   false_positives=len(result.false_positives),
                                                   false_negatives=len(result.false_negatives))
+                if gate == iou and into is stats:
+                    per_record.append((len(result.pairs), len(result.false_positives),
+                                       len(result.false_negatives)))
     # Written order as confidence (a greedy answer has no other): the first object ranks first.
     truth = [boxes_from_detections(ground_truth_detections(r), rank_by_order=False) for r in records]
     ranked = [boxes_from_detections(p) for p in predictions]
     sizes = [(r.width, r.height) for r in records]
     return Evaluation(step=step, iou=iou, stats=stats, coco=coco_map(truth, ranked, sizes, category=normalize_label),
                       records=list(records), predictions=predictions, answers=[list(a) for a in cut],
-                      geometry=geometry, coco_agnostic=coco_map(truth, ranked, sizes, category=_one_category))
+                      geometry=geometry, coco_agnostic=coco_map(truth, ranked, sizes, category=_one_category),
+                      per_record=per_record)
 
 
 def evaluate(client: RolloutClient, records: Sequence[Record], images: ImageStore, setup: EvalSetup, *,

@@ -47,8 +47,36 @@ def test_smoke_grid_trains_once_and_resumes(tiny_qwen3_vl_dir: Path, tmp_path: P
         assert 0.0 <= float(figures[f"readme_{arm}_f1"]) <= 1.0
         assert float(figures[f"readme_{arm}_f1_min"]) <= float(figures[f"readme_{arm}_f1_max"])
     assert "2 run(s) to train, 1 warm start(s), 0 already" in printed
+    # The final evaluations' per-record counts, for the paired comparison with plain SFT.
+    with (tmp_path / "out" / "method_compare-records.csv").open() as f:
+        per_record = [(r["arm"], int(r["step"]), int(r["record"])) for r in csv.DictReader(f)]
+    assert sorted(per_record) == [(a, s, i) for a, s in (("gen2_b", 2), ("sft", 2), ("warm", 1)) for i in range(2)]
+    lo, hi = float(figures["readme_gen2_b_minus_sft_f1_lo"]), float(figures["readme_gen2_b_minus_sft_f1_hi"])
+    assert -1.0 <= lo <= float(figures["readme_gen2_b_minus_sft_f1"]) <= hi <= 1.0
+    assert "readme: gen2_b - sft label-aware F1@0.5" in printed
 
     mc.main(argv)  # resumed: nothing left to train (no servers start), the same report
     again = capsys.readouterr().out
     assert "0 run(s) to train, 0 warm start(s), 2 already" in again
     assert next(line for line in again.splitlines() if line.startswith("RESULT ")).split()[:-1] == result.split()[:-1]
+
+
+def test_paired_bootstrap_cancels_what_the_records_share_and_sees_a_consistent_gain() -> None:
+    """Pure: no servers. Two arms on the same 40 records and 3 seeds."""
+    mc = _benchmark()
+    # Records differ wildly in difficulty (some all missed, some all found), the same for both arms.
+    records = [(3, 0, 0) if i % 2 else (0, 1, 3) for i in range(40)]
+    same = {s: list(records) for s in range(3)}
+    d, lo, hi = mc.paired_bootstrap(same, same, draws=500)
+    assert (d, lo, hi) == (0.0, 0.0, 0.0)  # paired: the records' own spread does not widen the interval
+    # One more object found on every fourth record, every seed: a small gain, yet outside zero.
+    better = {s: [(m + 1, fp, fn - 1) if i % 4 == 0 and fn else (m, fp, fn) for i, (m, fp, fn) in enumerate(records)]
+              for s in range(3)}
+    d, lo, hi = mc.paired_bootstrap(better, same, draws=500)
+    assert 0.0 < lo <= d <= hi
+    d2, lo2, hi2 = mc.paired_bootstrap(same, better, draws=500)
+    assert (d2, lo2, hi2) == pytest.approx((-d, -hi, -lo))
+    with pytest.raises(ValueError, match="different held-out sets"):
+        mc.paired_bootstrap({0: records}, {0: records[:-1]})
+    with pytest.raises(ValueError, match="no seed that both arms ran"):
+        mc.paired_bootstrap({0: records}, {1: records})
