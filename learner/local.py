@@ -245,10 +245,18 @@ def server_options(job: RolloutMatchingJob, assignment: GpuAssignment | None = N
 
 def start_servers(job: RolloutMatchingJob, log_dir: Path, console: Console, assignment: GpuAssignment | None = None, *,
                   staging: list[Path] | None = None, timeout_s: float = 300.0) -> list:
-    """Start the job's servers, each on the GPUs `assignment` gives it (default: this machine's) and, when given,
-    with `staging[i]` as its staging dir. The processes are started from this thread (their parent-death signal
-    is tied to it: rmsft.lifeline), then waited for together. If anything stops the wait (a server that fails, a
-    signal), every server is killed before this returns or raises: none outlives a failed start."""
+    """Start the job's servers and wait until every one serves (spawn_servers, then await_servers)."""
+    started = spawn_servers(job, log_dir, assignment, staging=staging)
+    await_servers(started, log_dir, console, backend=job.spec.rollout.engine, timeout_s=timeout_s)
+    return started
+
+
+def spawn_servers(job: RolloutMatchingJob, log_dir: Path, assignment: GpuAssignment | None = None, *,
+                  staging: list[Path] | None = None) -> list:
+    """Start the job's server processes, each on the GPUs `assignment` gives it (default: this machine's) and, when
+    given, with `staging[i]` as its staging dir, and return at once: they load their engines while the caller does
+    something else (await_servers waits for them). The processes are started from this thread (their parent-death
+    signal is tied to it: rmsft.lifeline); if starting one fails, those already started are killed."""
     from rollout_svc.launcher import RolloutServer
 
     n = job.spec.rollout.replicas
@@ -260,15 +268,28 @@ def start_servers(job: RolloutMatchingJob, log_dir: Path, console: Console, assi
     # The servers log at the job's spec.monitoring.logLevel, as they would in their pods.
     env = {LOG_LEVEL_ENV: job.spec.monitoring.log_level}
     started: list = []
+    try:
+        for i in range(n):
+            extra = {"staging_dir": str(staging[i])} if staging else {}
+            started.append(RolloutServer.spawn(job.spec.model.path, log_path=log_dir / f"rollout-{i}.log",
+                                               replica_ordinal=i, env={**env, **assignment.server_env(i)},
+                                               **opts, **extra))
+    except BaseException:
+        for s in started:
+            s.kill()
+        raise
+    return started
+
+
+def await_servers(started: list, log_dir: Path, console: Console, *, backend: str = "",
+                  timeout_s: float = 300.0) -> None:
+    """Wait for every spawned server to serve, together. If anything stops the wait (a server that fails, a
+    signal), every server is killed before this raises: none outlives a failed start."""
     cancel = threading.Event()
     try:
-        with console.status(f"starting {n} rollout server(s) ({opts['backend']}), logs in {log_dir}"):
-            for i in range(n):
-                extra = {"staging_dir": str(staging[i])} if staging else {}
-                started.append(RolloutServer.spawn(job.spec.model.path, log_path=log_dir / f"rollout-{i}.log",
-                                                   replica_ordinal=i, env={**env, **assignment.server_env(i)},
-                                                   **opts, **extra))
-            pool = ThreadPoolExecutor(max_workers=n)
+        with console.status(f"starting {len(started)} rollout server(s){f' ({backend})' if backend else ''}, "
+                            f"logs in {log_dir}"):
+            pool = ThreadPoolExecutor(max_workers=len(started))
             try:
                 futures = [pool.submit(s.wait_healthy, timeout_s, cancel) for s in started]
                 errors = []
@@ -289,7 +310,6 @@ def start_servers(job: RolloutMatchingJob, log_dir: Path, console: Console, assi
             s.kill()
         raise
     console.print(f"rollout servers ready: {', '.join(s.address for s in started)}")
-    return started
 
 
 def print_summary(summary, console: Console) -> None:
@@ -340,9 +360,9 @@ def print_summary(summary, console: Console) -> None:
     console.print(table)
 
 
-def train_in_process(job: RolloutMatchingJob, addresses: list[str], *, auth_token: str, resume: bool,
-                     console: Console) -> Summary:
-    """The learner in this process, with a progress bar; `job.spec.training.device` says where."""
+def build_trainer(job: RolloutMatchingJob, addresses: list[str], *, auth_token: str, resume: bool):
+    """The learner of this process (imports, data, model, optimizer, a resumed checkpoint), on
+    `job.spec.training.device`. Talks to no server: `rmsft local` builds it while its servers load their engines."""
     from learner.train.grpo import trainer_class
 
     device = job.spec.training.device
@@ -352,11 +372,23 @@ def train_in_process(job: RolloutMatchingJob, addresses: list[str], *, auth_toke
         # The learner's GPU becomes this process's current device, so anything that allocates on
         # "cuda" without an index lands there and not on cuda:0, a rollout server's GPU.
         torch.cuda.set_device(device)
-    trainer = None
+    trainer = trainer_class(job)(job, addresses, auth_token=auth_token or None)
     try:
-        trainer = trainer_class(job)(job, addresses, auth_token=auth_token or None)
         if resume:
             trainer.resume()
+    except BaseException:
+        trainer.close()
+        raise
+    return trainer
+
+
+def train_in_process(job: RolloutMatchingJob, addresses: list[str], *, auth_token: str, resume: bool,
+                     console: Console, trainer=None) -> Summary:
+    """The learner in this process, with a progress bar; `job.spec.training.device` says where. `trainer`: one
+    build_trainer made already (it is closed here either way)."""
+    try:
+        if trainer is None:
+            trainer = build_trainer(job, addresses, auth_token=auth_token, resume=resume)
         console.print(f"TensorBoard event files in {job.spec.training.tensorboard_dir} "
                       f"(tensorboard --logdir {job.spec.training.tensorboard_dir})")
         columns = (TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -565,20 +597,34 @@ def _run_started(job_path: str | Path, job: RolloutMatchingJob, assignment: GpuA
             return None
         return train_in_process(job, [], auth_token="", resume=resume, console=console)
     staging = [run.sub(f"serve-{i}") for i in range(job.spec.rollout.replicas)] if run is not None else None
-    servers = start_servers(job, log_dir, console, assignment, staging=staging)
+    servers = spawn_servers(job, log_dir, assignment, staging=staging)
+    addresses = [s.address for s in servers]
+    # The servers take RMSFT_AUTH_TOKEN from this environment: the learner must send the same.
+    token = servers[0].token
+    trainer = None
+    try:
+        # One learner in this process: it is built (imports, data, model) while the servers load their engines,
+        # which it does not need until its first sync. torchrun's ranks start once the servers serve (their wait
+        # for the servers is bounded by the request timeout, shorter than an engine's load).
+        if len(assignment.learner) <= 1:
+            trainer = build_trainer(job, addresses, auth_token=token, resume=resume)
+        await_servers(servers, log_dir, console, backend=job.spec.rollout.engine)
+    except BaseException:
+        for s in servers:  # none outlives a failed start (await_servers kills them itself when it fails)
+            s.kill()
+        if trainer is not None:
+            trainer.close()
+        raise
     from rollout_svc.launcher import Supervisor
 
     # A server whose engine died exits 1; like a pod, it is restarted, and the learner re-syncs it.
     supervisor = Supervisor(servers, report=lambda m: console.print(f"[yellow]{m}[/yellow]"))
     try:
-        addresses = [s.address for s in servers]
-        # The servers take RMSFT_AUTH_TOKEN from this environment: the learner must send the same.
-        token = servers[0].token
         if len(assignment.learner) > 1:
             train_with_torchrun(job_path, job, assignment, addresses, auth_token=token, resume=resume, log_dir=log_dir,
                                 console=console)
             return None
-        return train_in_process(job, addresses, auth_token=token, resume=resume, console=console)
+        return train_in_process(job, addresses, auth_token=token, resume=resume, console=console, trainer=trainer)
     finally:
         # In order: the learner has closed (no call in flight), nothing restarts a server any more, the servers
         # drain and stop (together: each may take its grace period).
