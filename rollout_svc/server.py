@@ -88,13 +88,28 @@ def preflight(cfg: ServeConfig, termination_log: str = TERMINATION_LOG) -> None:
 ORPHAN_GRACE_S = 10.0
 
 
+_starter_report = threading.Lock()
+_starter_reported: list[bool] = []  # done once: by the lifeline's thread or by the shutdown, whichever comes first
+
+
+def _report_starter_gone() -> bool:
+    """Say (once) that the starter is gone and arm the group kill; False when that was done already. Under a lock
+    held while it logs, so a caller that finds it done knows the line is written (the process may end right after)."""
+    with _starter_report:
+        if _starter_reported:
+            return False
+        _starter_reported.append(True)
+        log.warning("the process that started this server is gone: shutting down")
+        kill_own_group_later(ORPHAN_GRACE_S)
+        return True
+
+
 def _starter_gone() -> None:
     """The process that started this server (`rmsft local`, a test) ended without stopping it: stop as on SIGTERM
     (the handler, once installed, shuts down in order; before that, SIGTERM ends the process, which has no engine
     yet), and kill the whole process group if that takes longer than ORPHAN_GRACE_S (an engine still loading)."""
-    log.warning("the process that started this server is gone: shutting down")
-    kill_own_group_later(ORPHAN_GRACE_S)
-    os.kill(os.getpid(), signal.SIGTERM)
+    if _report_starter_gone():
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def serve(cfg: ServeConfig) -> int:
@@ -103,6 +118,7 @@ def serve(cfg: ServeConfig) -> int:
     except LogLevelError as e:
         raise SystemExit(f"rmsft serve: {e}") from None
     watch_parent(_starter_gone)  # started with a lifeline (rollout_svc.launcher): die with the starter
+    starter = os.getppid()
     preflight(cfg)
     from rollout_svc.auth import TokenAuthInterceptor
     from rollout_svc.servicer import RolloutServicer
@@ -188,6 +204,8 @@ def serve(cfg: ServeConfig) -> int:
         health_svc.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("ready: backend=%s lora=%s replica=%d", cfg.backend, cfg.enable_lora, servicer.ordinal)
     stop.wait()
+    if os.getppid() != starter:  # re-parented: the starter is gone, and its death signal came before the lifeline
+        _report_starter_gone()  # thread read its end of file (the process may exit before that thread runs again)
     if not exit_code[0]:
         servicer.shutting_down()
     log.info("shutting down" if not exit_code[0] else "shutting down: the engine is dead")
@@ -201,12 +219,4 @@ def main(argv: list[str] | None = None, prog: str = "python -m rollout_svc") -> 
     from rollout_svc.config import parse_config
 
     cfg = parse_config(argv, prog=prog)
-    code = serve(cfg)
-    # Everything the server opened is closed by now (gRPC server, engine and its process, staging files). A normal
-    # exit would still run a last cyclic-GC pass over vLLM, torch and the model it imported, which took about 3 s of
-    # a 6 s stop on 2 cores: time a pod's termination grace period, a restart and every test pays. So the logs are
-    # flushed and the process ends here.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(serve(cfg))
