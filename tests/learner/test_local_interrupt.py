@@ -241,15 +241,15 @@ def test_rmsft_local_stopped_at_any_moment_leaves_nothing_behind(job_doc: dict, 
         # Nothing half written: an interrupted checkpoint's temporary folder went with the unwinding.
         assert _half_checkpoints(ckpt) == []
         assert [p.name for p in list_checkpoints(ckpt)] == complete
-        left = _shm_dirs(run.pid)
-        cleaned = ""
-        if left:  # after SIGKILL (Run.stop checks which signal leaves it)
+        said = ""
+        if sig == signal.SIGKILL:  # its folder is left (Run.stop checked): `rmsft local --clean` removes it
             clean = subprocess.run([sys.executable, "-m", "rmsft_cli", "local", "--clean"], capture_output=True,
                                    text=True, env=run.env, cwd=tmp_path, timeout=60)
             assert clean.returncode == 0, clean.stderr
-            cleaned = "".join(clean.stderr.split())
-        assert [d for d in left if str(d) not in cleaned] == []
-        assert _shm_dirs(run.pid) == []
+            said = clean.stderr
+        # Gone, by --clean or, under pytest-xdist, by another test's `rmsft local` starting meanwhile (a next run
+        # removes a killed run's folder too); that --clean names what it removes is tests/test_lifeline.py's.
+        assert _shm_dirs(run.pid) == [], said
     finally:
         run.cleanup()
 
