@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from rmsft.run_dir import pid_alive
+
 
 class OutputFolderError(RuntimeError):
     """The output folder cannot be written (exists and is not empty, not a folder, no permission, ...)."""
@@ -69,15 +71,7 @@ def exchange(a: Path, b: Path) -> bool:
 def _writer_alive(pid: int) -> bool:
     """The writer that named a leftover still runs. This process's own pid is a previous incarnation's (a
     restarted container often gets the same pid): this process has no write in progress when it sweeps."""
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
+    return pid != os.getpid() and pid_alive(pid)
 
 
 def sweep_leftovers(dst: str | Path) -> list[Path]:

@@ -320,38 +320,8 @@ def decide(obs: Observed, now: str) -> Decision:
                 job = applied
                 job.spec.rollout.replicas = replicas
 
-    # 3. An shm job in a namespace whose Pod Security level refuses its hostPath volume: every pod
-    # would be refused at creation. Create nothing and say why; the labels are read again on every
-    # pass, so relabelling the namespace lets the next pass go on. A job whose pool and learner Job
-    # exist already (the namespace was relabelled later) goes on as usual: a pod refused then is
-    # named by FailedCreate below.
-    forbidden = shared_memory_refusal(job, obs.namespace, obs.namespace_labels)
-    if forbidden and (obs.children.get("StatefulSet") is None or obs.children.get("Job") is None):
-        reason = SHARED_MEMORY_FORBIDDEN
-        status = {"rolloutReplicas": job.spec.rollout.replicas, "readyRolloutReplicas": 0, "learnerActive": 0,
-                  "message": forbidden, "conditions": [
-                      cond("RolloutReady", False, reason, forbidden),
-                      cond("LearnerRunning", False, reason, forbidden),
-                      cond("Complete", False, "NotComplete", forbidden),
-                      cond("Failed", False, "NotFailed", forbidden),
-                      cond("InvalidSpec", bool(refused), "ImmutableFieldChanged" if refused else "SpecValid",
-                           refused or "spec accepted"),
-                  ]}
-        d = Decision("Pending", status)
-        prev = next((c for c in old_conds if c.get("type") == "RolloutReady"), {})
-        if prev.get("reason") != reason:  # once, not on every pass
-            d.events.append(("Warning", reason, forbidden))
-        return finish(d)
-
-    # 3b. An object with a child's name that another owner made (or that someone made by hand): the operator
-    # acts only on what it owns, so it neither adopts nor replaces it. Nothing is created; every pass looks again,
-    # so once it is deleted or renamed the job goes on.
-    if obs.foreign:
-        named = ", ".join(f"{kind} {name}" for kind, name in sorted(obs.foreign.items()))
-        message = (f"{named} already exists in namespace {obs.namespace} and is not this job's (no controller "
-                   f"reference to it): rmsft does not adopt or replace objects it did not create; delete or rename "
-                   f"it, or recreate the job under another name")
-        reason = "NameConflict"
+    def held(reason: str, message: str) -> Decision:
+        """Pending with nothing created, saying why (the Warning event once, not on every pass)."""
         status = {"rolloutReplicas": job.spec.rollout.replicas, "readyRolloutReplicas": 0, "learnerActive": 0,
                   "message": message, "conditions": [
                       cond("RolloutReady", False, reason, message),
@@ -363,9 +333,27 @@ def decide(obs: Observed, now: str) -> Decision:
                   ]}
         d = Decision("Pending", status)
         prev = next((c for c in old_conds if c.get("type") == "RolloutReady"), {})
-        if prev.get("reason") != reason:  # once, not on every pass
+        if prev.get("reason") != reason:
             d.events.append(("Warning", reason, message))
         return finish(d)
+
+    # 3. An shm job in a namespace whose Pod Security level refuses its hostPath volume: every pod
+    # would be refused at creation. Create nothing and say why; the labels are read again on every
+    # pass, so relabelling the namespace lets the next pass go on. A job whose pool and learner Job
+    # exist already (the namespace was relabelled later) goes on as usual: a pod refused then is
+    # named by FailedCreate below.
+    forbidden = shared_memory_refusal(job, obs.namespace, obs.namespace_labels)
+    if forbidden and (obs.children.get("StatefulSet") is None or obs.children.get("Job") is None):
+        return held(SHARED_MEMORY_FORBIDDEN, forbidden)
+
+    # 3b. An object with a child's name that another owner made (or that someone made by hand): the operator
+    # acts only on what it owns, so it neither adopts nor replaces it. Nothing is created; every pass looks again,
+    # so once it is deleted or renamed the job goes on.
+    if obs.foreign:
+        named = ", ".join(f"{kind} {name}" for kind, name in sorted(obs.foreign.items()))
+        return held("NameConflict", f"{named} already exists in namespace {obs.namespace} and is not this job's (no "
+                    f"controller reference to it): rmsft does not adopt or replace objects it did not create; delete "
+                    f"or rename it, or recreate the job under another name")
 
     # 4. Children: create what is missing (the token Secret is never rewritten).
     desired = _by_kind(render.render_all(job, obs.namespace, obs.uid))
