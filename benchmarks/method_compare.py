@@ -218,6 +218,11 @@ def read_rows(paths: list[Path]) -> list[dict]:
     return rows
 
 
+def _cell(value: object) -> object:
+    """A CSV cell: floats to 6 significant digits (what `_key_of` reads back), the rest as they are."""
+    return f"{value:.6g}" if isinstance(value, float) else value
+
+
 def append_rows(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists()
@@ -226,7 +231,7 @@ def append_rows(path: Path, rows: list[dict]) -> None:
         if new:
             w.writerow(COLUMNS)
         for row in rows:
-            w.writerow([f"{row[k]:.6g}" if isinstance(row[k], float) else row[k] for k in COLUMNS])
+            w.writerow([_cell(row[k]) for k in COLUMNS])
 
 
 RECORD_COLUMNS = (*KEY, "step", "record", "matched", "fp", "fn")
@@ -248,12 +253,13 @@ def append_record_rows(path: Path, rows: list[dict]) -> None:
         if new:
             w.writerow(RECORD_COLUMNS)
         for r in finals:
-            key = [f"{r[k]:.6g}" if isinstance(r[k], float) else r[k] for k in (*KEY, "step")]
+            key = [_cell(r[k]) for k in (*KEY, "step")]
             for i, (m, fp, fn) in enumerate(r["per_record"]):
                 w.writerow([*key, i, m, fp, fn])
 
 
 def _key_of(row: dict) -> tuple:
+    """A run's key (KEY) from a ledger row, read back from the CSV or as written: the same tuple either way."""
     return tuple(round(float(row[k]), 6) if k == "ratio" else int(row[k]) if k in ("seed", "steps", "warm", "heldout")
                  else row[k] for k in KEY)
 
@@ -310,7 +316,7 @@ def run_key(setting: str, arm: str, seed: int, plan: Plan) -> tuple:
 
 def done_runs(rows: list[dict]) -> set[tuple]:
     """Keys of the runs whose last evaluation is in the ledger (a warm start's last step is `warm`)."""
-    return {tuple(round(r[k], 6) if k == "ratio" else r[k] for k in KEY) for r in rows
+    return {_key_of(r) for r in rows
             if r["step"] == (r["warm"] if r["arm"] == "warm" else r["steps"])}
 
 
@@ -550,8 +556,7 @@ def train_grid(todo: list[tuple], settings: list[Setting], plan: Plan, args, row
                     append_rows(ledger, new)
                     append_record_rows(records_ledger(ledger), new)
                     rows += new
-            warm_tokens = next(r["tokens_trained"] for r in rows if tuple(
-                round(r[k], 6) if k == "ratio" else r[k] for k in KEY) == warm_key and r["step"] == plan.warm)
+            warm_tokens = next(r["tokens_trained"] for r in rows if _key_of(r) == warm_key and r["step"] == plan.warm)
             arm_dir = work / f"{tag}-{arm}"
             shutil.rmtree(arm_dir, ignore_errors=True)
             shutil.copytree(warm_dir, arm_dir, ignore=shutil.ignore_patterns("tensorboard"))

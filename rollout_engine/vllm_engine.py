@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 from rmsft.model_folder import is_vision_language
 from rollout_engine.async_loop import EngineCall, EventLoopThread
@@ -34,40 +34,39 @@ MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 @contextmanager
-def v1_multiprocessing_off(off: bool = True) -> Iterator[None]:
+def _env_while(name: str, value: str | None) -> Iterator[None]:
+    """`name=value` in this process's environment for the block (a process started meanwhile inherits it), then
+    the variable as it was; `value` None leaves it alone."""
+    previous = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
+def v1_multiprocessing_off(off: bool = True) -> AbstractContextManager[None]:
     """`VLLM_ENABLE_V1_MULTIPROCESSING=0` while an engine starts (a process vLLM spawns inherits it), then the
     variable as it was. Two uses: the learner's in-process engine (no engine-core process at all), and a rollout
     server on the CPU with one worker, whose engine core then runs that worker itself: vLLM's CPU platform swaps
     the uni-process executor for its multiprocessing one while the variable is on, a third process that imports
     vLLM again for a single worker (15-20 s of a 60 s start on 2 cores, measured). On GPUs, or with TP > 1,
     servers leave it alone (`off=False`)."""
-    previous = os.environ.get(MP_ENV)
-    if off:
-        os.environ[MP_ENV] = "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(MP_ENV, None)
-        else:
-            os.environ[MP_ENV] = previous
+    return _env_while(MP_ENV, "0" if off else None)
 
-@contextmanager
-def one_serving_thread(on_cpu: bool) -> Iterator[None]:
+
+def one_serving_thread(on_cpu: bool) -> AbstractContextManager[None]:
     """`OMP_NUM_THREADS=1` while a CPU engine starts (its engine process, spawned meanwhile, inherits it), unless
     the variable is set: vLLM means to decode on one torch thread on the CPU (`set_torch_threads_for_runtime`:
     multi-threaded ops leave OpenMP workers spin-waiting after every parallel region), but its CPU worker has made
     `torch.set_num_threads` a no-op by then, so the engine kept one thread per core. Two servers on two cores then
     spun against each other: a 48-token call took 1-5 s instead of 0.4 s (measured, 2 cores). The colocated engine
     makes the same choice in the learner's process (learner/rollouts/colocate/engine.py)."""
-    previous = os.environ.get("OMP_NUM_THREADS")
-    if on_cpu and previous is None:
-        os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
+    return _env_while("OMP_NUM_THREADS", "1" if on_cpu and "OMP_NUM_THREADS" not in os.environ else None)
 
 
 _OOM_HINT = (

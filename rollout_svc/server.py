@@ -89,16 +89,16 @@ ORPHAN_GRACE_S = 10.0
 
 
 _starter_report = threading.Lock()
-_starter_reported: list[bool] = []  # done once: by the lifeline's thread or by the shutdown, whichever comes first
+_starter_reported = threading.Event()  # set once: by the lifeline's thread or by the shutdown, whichever is first
 
 
 def _report_starter_gone() -> bool:
     """Say (once) that the starter is gone and arm the group kill; False when that was done already. Under a lock
     held while it logs, so a caller that finds it done knows the line is written (the process may end right after)."""
     with _starter_report:
-        if _starter_reported:
+        if _starter_reported.is_set():
             return False
-        _starter_reported.append(True)
+        _starter_reported.set()
         log.warning("the process that started this server is gone: shutting down")
         kill_own_group_later(ORPHAN_GRACE_S)
         return True
