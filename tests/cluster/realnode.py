@@ -190,11 +190,34 @@ state = "{self.node / 'containerd-state'}"
         digest = f"{archive.stat().st_size}-{archive.stat().st_mtime_ns}"
         if stamp.exists() and stamp.read_text() == digest and self._has_image("registry.k8s.io/pause:3.10"):
             return
-        xz = subprocess.Popen(["xz", "-dc", str(archive)], stdout=subprocess.PIPE)
-        self.ctr("images", "import", "--all-platforms", "-", stdin=xz.stdout)
-        xz.wait()
+        self._import(["xz", "-dc", str(archive)], timeout=600)
         stamp.parent.mkdir(parents=True, exist_ok=True)
         stamp.write_text(digest)
+
+    def _import(self, producer: list[str], timeout: float) -> None:
+        """`producer | ctr images import`, once more if containerd lost a layer's snapshot under it. A kept
+        store holding an older build of the same tag meets a known containerd race (containerd#3787,
+        #2382): the import moves the tag first, the old build's snapshots are then referenced by no image,
+        and the garbage collector removes a shared parent while the new one is being unpacked on it
+        ("parent snapshot ... does not exist: not found"). The second import finds that parent gone
+        for good and unpacks it again."""
+        for attempt in (1, 2):
+            feed = subprocess.Popen(producer, stdout=subprocess.PIPE)
+            assert feed.stdout is not None
+            try:
+                self.ctr("images", "import", "--all-platforms", "-", stdin=feed.stdout, timeout=timeout)
+            except RuntimeError as err:
+                feed.kill()
+                feed.wait()
+                if attempt == 2 or "snapshot" not in str(err) or "not found" not in str(err):
+                    raise
+                print(f"realnode: {err}; importing once more", file=sys.stderr)
+                continue
+            finally:
+                feed.stdout.close()  # ours: a producer must not wait on a reader that is gone
+            if feed.wait() != 0:
+                raise RuntimeError(f"{' '.join(producer)} failed (exit {feed.returncode})")
+            return
 
     def _has_image(self, ref: str) -> bool:
         names = self.ctr("images", "ls", "-q", check=False).stdout.split()
@@ -206,10 +229,7 @@ state = "{self.node / 'containerd-state'}"
         stamp = self._stamp(tag.replace("/", "_").replace(":", "_"))
         if stamp.exists() and stamp.read_text() == image_id and self._has_image(tag):
             return False
-        save = subprocess.Popen(["docker", "save", tag], stdout=subprocess.PIPE)
-        self.ctr("images", "import", "--all-platforms", "-", stdin=save.stdout, timeout=900)
-        if save.wait() != 0:
-            raise RuntimeError(f"docker save {tag} failed")
+        self._import(["docker", "save", tag], timeout=900)
         stamp.parent.mkdir(parents=True, exist_ok=True)
         stamp.write_text(image_id)
         return True
