@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
-.PHONY: setup test lint protos crd clean gpu-check gpu-check-wheels
+.PHONY: setup test lint protos crd clean gpu-check gpu-check-wheels test-reverse
 
 setup: $(STAMP)
 
@@ -30,6 +30,11 @@ test: lint
 	if [ -z "$$KUBEBUILDER_ASSETS" ] && [ -x "$(ENVTEST_BIN)/kube-apiserver" ]; then \
 	  export KUBEBUILDER_ASSETS="$(ENVTEST_BIN)"; fi; \
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(VENV)/bin/python -m pytest $(XDIST) $(PYTEST_ARGS)
+
+# Order independence: the operator and trainer tiers' tests in reverse order (about 3 minutes, one process).
+test-reverse: setup
+	PYTHONPATH=tests/plugins $(VENV)/bin/python -m pytest -p no:xdist -p reverse_order -q \
+	  tests/operator tests/learner/test_trainer_fast.py tests/learner/test_objectives.py $(PYTEST_ARGS)
 
 protos: setup
 	$(VENV)/bin/python scripts/gen_protos.py

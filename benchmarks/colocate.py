@@ -78,7 +78,7 @@ def _vm_hwm(pid: int) -> int:
 
 def child(mode: str, model: Path, data: Path, steps: int, out: Path, transport: str) -> None:
     """One run of one mode in this (fresh) process; writes its figures as JSON to `out`."""
-    from learner.train.rollout_matching import Trainer
+    from learner.train.loop import TrainingLoop
     from rmsft.jobspec import parse_job
     from rmsft.serve_options import serve_options
     from rmsft.weight_wire import SHARED_DIR_ENV
@@ -95,7 +95,7 @@ def child(mode: str, model: Path, data: Path, steps: int, out: Path, transport: 
                                      **serve_options(job, gpus=False))
         addresses = [server.address]
     ticks: list[float] = []
-    trainer = Trainer(job, addresses)
+    trainer = TrainingLoop(job, addresses)
     try:
         trainer.on_step = lambda r: ticks.append(time.perf_counter())
         trainer.run()

@@ -19,7 +19,7 @@ precision bf16) with deepspeed_stage 0, the given packing_length and gradient ch
 `learner.train.policy.policy_from_model` (the end of `load_policy`) and `learner.train.step.make_step`.
 
 Modes, each writing one JSON object (`--json`) and a RESULT line:
-- step: one packed row of `--length` tokens in `--segments` segments, the Trainer's step (rows moved to the
+- step: one packed row of `--length` tokens in `--segments` segments, the training loop's step (rows moved to the
   device, forward under autocast, CE + coordinate losses, backward, clipping, AdamW); tokens/s (median of
   `--steps` after a warm-up step), the peak of torch.cuda.max_memory_allocated (the process's peak RSS on the
   CPU) and the memory plan's estimate for the same job and shape (rmsft.memory_plan: the learner GPU's peak
@@ -381,14 +381,14 @@ def colocate_job(work: Path, device_type: str, steps: int) -> Any:
 def run_colocate(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from learner.train.rollout_matching import Trainer
+    from learner.train.loop import TrainingLoop
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here: pass --device cpu")
     job = colocate_job(Path(tempfile.mkdtemp(prefix="rmsft-gpu-colocate-")), device.type, args.steps)
     out: dict[str, Any] = {"mode": "colocate", "engine": "hf", "device": str(device), "steps": args.steps}
-    trainer = Trainer(job, [])
+    trainer = TrainingLoop(job, [])
     try:
         model_device = next(trainer.policy.model.parameters()).device
         t0 = time.perf_counter()

@@ -58,7 +58,7 @@ def main() -> None:
 
     from learner.evaluation.held_out import evaluate
     from learner.local import prepare_inputs, start_servers
-    from learner.train.rollout_matching import Trainer
+    from learner.train.loop import TrainingLoop
     from rmsft.jobspec import load_job
 
     console = Console(stderr=True)
@@ -80,7 +80,7 @@ def main() -> None:
     last_eval: list = []  # [(step, predictions)] of the last evaluation, drawn below
     trainer = None
     try:
-        trainer = Trainer(job, [s.address for s in servers], auth_token=servers[0].token or None)
+        trainer = TrainingLoop(job, [s.address for s in servers], auth_token=servers[0].token or None)
 
         def on_step(r) -> None:
             line = f"step {r.step} loss {r.loss:.3f}" + (f" f1 {r.stats.f1:.3f}" if r.stats else "")

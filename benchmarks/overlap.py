@@ -3,7 +3,7 @@
     python benchmarks/overlap.py fake [--gen 0.5] [--train 0.5] [--steps 12]
     python benchmarks/overlap.py vl [--steps 16] [--warm 2]
 
-fake: the real Trainer (tiny text model, real E-step, real FULL weight syncs over gRPC) against two in-process
+fake: the real training loop (tiny text model, real E-step, real FULL weight syncs over gRPC) against two in-process
 fake rollout servers (tests/learner/learner_fakes.py) whose every Generate call sleeps G (`--gen`), with the
 optimizer step replaced by a sleep of T (`--train`): no CPU contention between the two, so what is measured is
 the loop's overlap alone. Steady-state steps/s (between the first and the last step's end) at max_staleness 0
@@ -46,7 +46,7 @@ def run_fake(args: argparse.Namespace) -> str:
     from learner_fakes import FakeEngine, FakeServer, chat_renderer
     from trainer_fixtures import make_job
 
-    from learner.train.rollout_matching import Trainer
+    from learner.train.loop import TrainingLoop
     from rmsft_dev.synthetic import write_synthetic_dataset
     from rmsft_dev.tiny_model import build_tiny_model
 
@@ -61,7 +61,7 @@ def run_fake(args: argparse.Namespace) -> str:
             job = make_job(model, data, work / f"ck{staleness}", steps=args.steps)
             job.spec.training.rollout.max_staleness = staleness
             job.spec.training.export.enabled = False
-            trainer = Trainer(job, [s.address for s in servers])
+            trainer = TrainingLoop(job, [s.address for s in servers])
             ends: list[float] = []
             waits: list[float] = []
             trainer.on_step = lambda r, t=trainer, e=ends, w=waits: (e.append(time.perf_counter()),
@@ -102,7 +102,7 @@ def run_vl(args: argparse.Namespace) -> str:
     from rich.console import Console
 
     from learner.local import prepare_inputs, start_servers
-    from learner.train.rollout_matching import Trainer
+    from learner.train.loop import TrainingLoop
     from rmsft.jobspec import load_job
 
     console = Console(stderr=True)
@@ -125,7 +125,7 @@ def run_vl(args: argparse.Namespace) -> str:
     try:
         for staleness in ((1, 0) if args.async_first else (0, 1)):
             job = jobs[staleness]
-            trainer = Trainer(job, [s.address for s in servers], auth_token=servers[0].token or None)
+            trainer = TrainingLoop(job, [s.address for s in servers], auth_token=servers[0].token or None)
             ends: list[float] = []
             waits: list[float] = []
             trainer.on_step = lambda r, t=trainer, e=ends, w=waits: (e.append(time.perf_counter()),

@@ -157,7 +157,7 @@ def pretrain_tiny_model(job: RolloutMatchingJob, random_dir: Path, out_dir: Path
     coordinates; rollout matching then refines its own answers. A random tiny model has nothing worth
     matching, so the local demo gives it that starting point once, cached under `.rmsft/` (a later run
     reuses `out_dir`). Runs in this process without rollout servers; deterministic (same job, same weights)."""
-    from learner.train.rollout_matching import Trainer
+    from learner.train.loop import TrainingLoop
 
     work = pretrain_dir(out_dir)
     doc = job.to_manifest()
@@ -178,7 +178,7 @@ def pretrain_tiny_model(job: RolloutMatchingJob, random_dir: Path, out_dir: Path
     pre = RolloutMatchingJob.model_validate(doc)
     n = int(notes.get(SYNTHETIC_RECORDS, "1024"))
     _write_records(pre, notes, data, n, job.spec.training.seed + PRETRAIN_SEED_OFFSET, "pretraining ", console)
-    trainer = Trainer(pre, [])
+    trainer = TrainingLoop(pre, [])
     try:
         columns = (TextColumn("[bold]pretraining the tiny model"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
@@ -363,7 +363,7 @@ def print_summary(summary, console: Console) -> None:
 def build_trainer(job: RolloutMatchingJob, addresses: list[str], *, auth_token: str, resume: bool):
     """The learner of this process (imports, data, model, optimizer, a resumed checkpoint), on
     `job.spec.training.device`. Talks to no server: `rmsft local` builds it while its servers load their engines."""
-    from learner.train.grpo import trainer_class
+    from learner.train.loop import TrainingLoop
 
     device = job.spec.training.device
     if device.startswith("cuda"):
@@ -372,7 +372,7 @@ def build_trainer(job: RolloutMatchingJob, addresses: list[str], *, auth_token: 
         # The learner's GPU becomes this process's current device, so anything that allocates on
         # "cuda" without an index lands there and not on cuda:0, a rollout server's GPU.
         torch.cuda.set_device(device)
-    trainer = trainer_class(job)(job, addresses, auth_token=auth_token or None)
+    trainer = TrainingLoop(job, addresses, auth_token=auth_token or None)  # the objective spec.trainer names
     try:
         if resume:
             trainer.resume()
@@ -502,10 +502,10 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
     assignment = machine_gpus(job)
     # One learner GPU: the learner runs in this process, which already sees every GPU (and may have
     # initialised CUDA), so CUDA_VISIBLE_DEVICES cannot narrow it any more; the learner is pointed
-    # at its GPU by index through training.device, which the Trainer honours.
+    # at its GPU by index through training.device, which the training loop honours.
     job.spec.training.device = assignment.learner_device(job.spec.training.device)
     if job.spec.trainer == "grpo":  # a reward that resolves to nothing fails before any server starts
-        from learner.train.grpo import build_job_rewards
+        from learner.train.objectives.grpo import build_job_rewards
 
         build_job_rewards(job)
     prepare_inputs(job, console)

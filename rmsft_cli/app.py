@@ -246,16 +246,15 @@ def train(
         # e.g. deepspeed_stage > 0 without DeepSpeed: say so now, not after the model loaded
         require_learner_runtime(job)
         load_records(job.spec.training.data.path)
-        from learner.train.grpo import trainer_class
+        from learner.train.loop import TrainingLoop
 
         port = job.spec.learner.metrics_port if metrics_port < 0 else metrics_port
         if port and os.environ.get("RANK", "0") == "0":  # one endpoint per learner pod: rank 0's
             from prometheus_client import start_http_server
 
             start_http_server(port)
-        # spec.trainer: rollout_matching (learner.train.rollout_matching.Trainer)
-        # or grpo (learner.train.grpo.GrpoTrainer)
-        trainer = trainer_class(job)(job, addresses, auth_token=auth_token or None)
+        # the objective spec.trainer names (learner.train.objectives: rollout_matching or grpo)
+        trainer = TrainingLoop(job, addresses, auth_token=auth_token or None)
     except (JobSpecError, DataError, ServersFileError, LogLevelError, MissingRequirementError, ValueError,
             RuntimeError, OSError) as exc:
         _fail(exc)

@@ -14,14 +14,12 @@ class DataOrder:
             raise ValueError(f"prompts_per_step ({batch_size}) exceeds the dataset size ({n_records})")
         self.n, self.bs, self.seed = n_records, batch_size, seed
         self.per_epoch = n_records // batch_size  # the tail of an epoch is dropped, reshuffled next epoch
-        self._cache: tuple[int, tuple[int, ...]] | None = None
+        self._epoch: tuple[int, list[int]] | None = None  # the last epoch's shuffled order
 
     def batch(self, k: int) -> tuple[int, ...]:
-        if self._cache and self._cache[0] == k:
-            return self._cache[1]  # same object: RolloutBuffer checks identity across M-steps
         epoch, i = divmod(k, self.per_epoch)
-        order = list(range(self.n))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        out = tuple(order[i * self.bs : (i + 1) * self.bs])
-        self._cache = (k, out)
-        return out
+        if self._epoch is None or self._epoch[0] != epoch:
+            order = list(range(self.n))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._epoch = (epoch, order)
+        return tuple(self._epoch[1][i * self.bs : (i + 1) * self.bs])

@@ -18,7 +18,7 @@ WEIGHT_VERSION = Gauge("rmsft_learner_weight_version", "Weight version the learn
 # restart). Compare with the servers' rmsft_rollout_weight_run_info to see which learner each one serves.
 RUN_INFO = Gauge("rmsft_learner_run_info", "This learner run's id (1 per run_id; new after every restart)", ["run_id"])
 PACKING_FILL = Gauge("rmsft_learner_packing_fill_ratio", "Filled fraction of the last packed row")
-BUFFER_SEGMENTS = Gauge("rmsft_learner_buffer_segments", "Segments waiting in the packing carry buffer")
+PACKER_PENDING = Gauge("rmsft_learner_packer_pending_segments", "Segments waiting in the packer's carry buffer")
 OBJECTS = Counter("rmsft_learner_objects_total", "Matching outcomes", ["outcome"])  # matched|fp|fn
 DROPPED_OBJECTS = Counter("rmsft_learner_dropped_objects_total", "Rollout objects dropped by the parser")
 TRUNCATED_ROLLOUTS = Counter("rmsft_learner_truncated_rollouts_total", "Rollouts without a closed JSON object")

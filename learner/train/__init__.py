@@ -1,11 +1,12 @@
 """Training: the loops and what they are made of.
 
 - `loop`: `TrainingLoop`, the one training loop (step, sync, checkpoint, evaluation, export; setup and reporting).
-- `rollout_matching`: `Trainer`, rollout-matching steps (channel A: the ground truth; channel B: the model's answers).
-- `grpo`: `GrpoTrainer`, GRPO steps; `trainer_class(job)` picks the objective for a job.
-- `handout`: who gets which rollouts between ranks, the channel schedule and the staleness window.
+- `objectives/`: what a step trains on and its loss, one module per objective (`rollout_matching`: channel A the
+  ground truth, channel B the model's answers; `grpo`), chosen by `spec.trainer` from `OBJECTIVES`.
+- `feed`: `RolloutFeed`, what a step reads from the engines: prompts, rollouts handed out between ranks, the
+  staleness window, what the engines serve.
 - `start_checks`: what is refused before anything loads (memory plan, images), the ranks' collective timeout.
-- `step`: the step strategy (`PlainStep`, `ZeroStep`), which also owns the device and the autocast.
+- `step`: the updater, how the optimizer steps (`PlainStep`, `ZeroStep`); it also owns the device and the autocast.
 - `zero`: DeepSpeed ZeRO-1/2/3.
 - `ranks`: data-parallel ranks (`Ranks`), rank 0's hand-out, failure agreement.
 - `policy`: the model being trained (`load_policy`: HF model, tokenizer, processor, LoRA/DoRA, precision).

@@ -18,9 +18,10 @@ of the lives that led to it (`run_ids`, oldest first), for the record.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -39,6 +40,13 @@ from rmsft.jobspec import TrainingConfig
 from rmsft.weight_wire import NO_RUN, WeightVersion
 
 log = logging.getLogger("rmsft.learner")
+
+
+class Stateful(Protocol):
+    """A part whose state a checkpoint keeps, per rank (`Checkpointer(parts=...)`)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, saved: dict[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -72,22 +80,26 @@ class TrainState:
 
 
 class Checkpointer:
-    def __init__(self, cfg: TrainingConfig, ranks: Ranks, model: torch.nn.Module, step: PlainStep | ZeroStep,
-                 packer: Packer, state: TrainState) -> None:
-        self.cfg, self.ranks, self.model, self.step, self.packer, self.state = cfg, ranks, model, step, packer, state
+    def __init__(self, cfg: TrainingConfig, ranks: Ranks, model: torch.nn.Module, updater: PlainStep | ZeroStep,
+                 packer: Packer, state: TrainState, parts: Mapping[str, Stateful] | None = None) -> None:
+        self.cfg, self.ranks, self.model, self.packer, self.state = cfg, ranks, model, packer, state
+        self.updater = updater  # how the optimizer steps (learner/train/step.py): its optimizer state is saved
+        # Each rank's further parts with a state of their own (the objective's), saved and restored per rank.
+        self.parts: dict[str, Stateful] = dict(parts or {})
         # Rank 0's further state for the next checkpoint (the rollouts generated ahead), and what the loaded one had.
         self.extra: dict[str, Any] = {}
         self.loaded_extra: dict[str, Any] = {}
 
     def _rank_state(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"packer": self.packer.carry(), "rng": rng_state()}
-        if isinstance(self.step, ZeroStep):  # ZeRO partitions the optimizer: every rank holds its own part
-            out["zero_optimizer"] = self.step.optimizer_state()
+        out: dict[str, Any] = {"packer": self.packer.carry(), "rng": rng_state(),
+                               **{name: part.state_dict() for name, part in self.parts.items()}}
+        if isinstance(self.updater, ZeroStep):  # ZeRO partitions the optimizer: every rank holds its own part
+            out["zero_optimizer"] = self.updater.optimizer_state()
         return out
 
     def gathered_trainable_state(self) -> dict[str, torch.Tensor]:
         """The trainable weights as CPU copies, whole under ZeRO-3 too. Collective."""
-        with gathered_weights(self.step, self.model):
+        with gathered_weights(self.updater, self.model):
             return {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(self.model).items()}
 
     def checkpoint(self, model_state: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -96,7 +108,7 @@ class Checkpointer:
         s = self.state
         return {
             "step": s.step, "version": s.version, "model": model_state,
-            "optimizer": self.step.optimizer_state() if isinstance(self.step, PlainStep) else None,
+            "optimizer": self.updater.optimizer_state() if isinstance(self.updater, PlainStep) else None,
             "rng": rng_state(), "packer": self.packer.carry(), "phase_seconds": dict(s.phase_seconds),
             "world_size": self.ranks.world_size, "deepspeed_stage": self.cfg.deepspeed_stage,
             # The record of which runs wrote it (a resumed run never reuses one: it makes its own).
@@ -161,16 +173,18 @@ class Checkpointer:
         missing = set(trainable_state(self.model)) - set(ckpt["model"])
         if missing:
             raise RuntimeError(f"checkpoint does not match the model: {len(missing)} trainable tensors missing")
-        with gathered_weights(self.step, self.model, modifier_rank=0):  # ZeRO-3: rank 0's load is re-partitioned
+        with gathered_weights(self.updater, self.model, modifier_rank=0):  # ZeRO-3: rank 0's load is re-partitioned
             self.model.load_state_dict(ckpt["model"], strict=False)
         rank_states = ckpt.get("rank_states") or [{"packer": ckpt["packer"], "rng": ckpt["rng"]}]
         mine = rank_states[self.ranks.rank]
-        if isinstance(self.step, PlainStep):
-            self.step.load_optimizer_state([ckpt["optimizer"]])
+        if isinstance(self.updater, PlainStep):
+            self.updater.load_optimizer_state([ckpt["optimizer"]])
         else:
-            self.step.load_optimizer_state([s["zero_optimizer"] for s in rank_states])
+            self.updater.load_optimizer_state([s["zero_optimizer"] for s in rank_states])
         set_rng_state(mine["rng"])
         self.packer.restore(mine["packer"])
+        for part_name, part in self.parts.items():
+            part.load_state_dict(mine.get(part_name) or {})
         s = self.state
         writer = ckpt.get("run_id", NO_RUN)
         s.resumed = Resumed(ckpt["step"], WeightVersion(writer, ckpt["version"]),

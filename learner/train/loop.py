@@ -1,16 +1,15 @@
 """The learner's one training loop, read top to bottom in `TrainingLoop.run`:
 
-    step     the step kind's rollouts -> targets -> packed rows -> one optimizer step (`_train_step`)
+    step     the objective's plan -> its rows -> forward/loss/backward/optimizer (`_train_step`, one place)
     publish  the step's figures: log line, /metrics, TensorBoard (`_publish`)
-    sync     the new weights to the rollout engines, when the next step samples (`_samples_at`)
+    sync     the new weights to the rollout engines, when the next step samples (its plan says so)
     checkpoint, held-out evaluation, and at the end the last checkpoint, pictures and the export.
 
-What a step is belongs to the objective, a subclass that supplies `_train_step`, `_samples_at`, its packer and
-its figures: `learner.train.rollout_matching.Trainer` (rollout-matching SFT; the recipe's channel-A steps teach
-the ground truth, channel-B steps the model's own answers) and `learner.train.grpo.GrpoTrainer`. Everything
-else is written once here: setup, the rollout source (server pool or in-process engine), weight sync, checkpoints
-and resume, evaluation, export, reporting. Who gets which rollouts between ranks, the channel schedule and the
-staleness window are `learner.train.handout`'s.
+The loop holds two collaborators. The **objective** (`learner.train.objectives`, chosen by `spec.trainer` from a
+registry) says what a step trains on and its loss: rollout-matching SFT (channel-A steps teach the ground truth,
+channel-B steps the model's own answers) or GRPO. The **rollout feed** (`learner.train.feed`) is what a step reads
+from the engines: prompts, rollouts handed out between ranks, the staleness window, and what the engines serve.
+Everything else is written once here: setup, weight sync, checkpoints and resume, evaluation, export, reporting.
 
 One optimizer step = `grad_accumulation` packed rows (micro-steps). Several ranks (torchrun, or a process group
 passed in) train data-parallel: rank 0 alone owns the server pool, generates the whole global batch
@@ -26,57 +25,50 @@ run that wrote its checkpoint announced (`rmsft.weight_wire.version`).
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from learner.core.packing import PackedRow, Packer
+from learner.core.packing import PackedRow
 from learner.data.dataset import load_dataset
-from learner.data.episode import vision_token_ids
 from learner.data.images import ImageStore
 from learner.data.order import DataOrder
 from learner.data.records import Record
-from learner.data.vision import VisionPrompt, render_prompt, resized_image_size
 from learner.evaluation.held_out import EvalSetup, Evaluation, evaluate
 from learner.rollouts.colocate import colocated_rollouts
-from learner.rollouts.interface import RolloutSource, SourceInfo
+from learner.rollouts.interface import RolloutSource
 from learner.rollouts.pool import ServerPool, ServersFile
 from learner.sync.client import WeightSyncClient
 from learner.tracking import metrics as m
-from learner.tracking.run_record import run_record, write_run_record
 from learner.tracking.tracker import Tracker, check_writable
 from learner.train import zero
 from learner.train.checkpoint_files import check_checkpoint_dir
 from learner.train.checkpointer import Checkpointer, TrainState
 from learner.train.config import core_configs, learning_rate
 from learner.train.export import export_trained
-from learner.train.handout import RolloutHandout
+from learner.train.feed import RolloutFeed
+from learner.train.objectives import Built, Objective, objective_for
+from learner.train.objectives.base import Prepare, RowLoss
+from learner.train.offload import around_generation
 from learner.train.overlap import RolloutsAhead
-from learner.train.policy import Policy, load_policy, prompt_ids
+from learner.train.policy import Policy, load_policy
 from learner.train.ranks import Ranks
-from learner.train.reporting import RunReporter, write_eval_pictures, write_rollout_pictures
+from learner.train.reporting import RunReporter, log_run_start, write_eval_pictures, write_rollout_pictures
 from learner.train.results import StepResult, Summary
-from learner.train.server_setup import build_server_rollouts
+from learner.train.server_setup import server_rollouts_ahead
 from learner.train.start_checks import check_images_fit, check_memory_plan, collective_timeout_s
 from learner.train.step import PlainStep, ZeroStep, gathered_weights, make_step, resolve_device
 from rmsft.jobspec import RolloutMatchingJob
 from rmsft.weight_wire import new_run_id
 
-__all__ = ["TrainingLoop"]
+__all__ = ["StopRequested", "TrainingLoop"]
 
 log = logging.getLogger("rmsft.learner")
-
-# One row's loss and the metrics summed beside it (device tensors), given the row on the device, its logits and
-# what `prepare` computed for it before the forward.
-RowLoss = Callable[[PackedRow, torch.Tensor, Any], tuple[torch.Tensor, Mapping[str, torch.Tensor]]]
 
 
 class StopRequested(Exception):  # noqa: N818 - a request, not an error
@@ -90,11 +82,12 @@ class StopRequested(Exception):  # noqa: N818 - a request, not an error
         self.why, self.step, self.checkpoint = why, step, checkpoint
 
 
-class TrainingLoop(RolloutHandout, ABC):
-    """The learner loop (module doc); an objective subclass says what one step is. Under torchrun (WORLD_SIZE > 1)
-    or with `process_group`, one rank of a data-parallel group: only rank 0 builds the server pool and talks to the
-    rollout servers. `addresses`: the ordered server list, or a `ServersFile` the pool follows during the run.
-    `device` overrides `training.device` (tests run a step on the `meta` device)."""
+class TrainingLoop:
+    """The learner loop (module doc). `objective`: what a step is (default: the one `spec.trainer` names, from
+    `learner.train.objectives.OBJECTIVES`). Under torchrun (WORLD_SIZE > 1) or with `process_group`, one rank of a
+    data-parallel group: only rank 0 builds the server pool and talks to the rollout servers. `addresses`: the
+    ordered server list, or a `ServersFile` the pool follows during the run. `device` overrides `training.device`
+    (tests run a step on the `meta` device)."""
 
     def __init__(
         self,
@@ -106,7 +99,10 @@ class TrainingLoop(RolloutHandout, ABC):
         on_step: Callable[[StepResult], None] | None = None,
         process_group: torch.distributed.ProcessGroup | None = None,
         device: torch.device | str | None = None,
+        objective: Objective | None = None,
     ) -> None:
+        # What can fail in the objective (a reward's name) fails before anything is paid for.
+        self.objective = objective if objective is not None else objective_for(job)
         self.job = job
         self.cfg = job.spec.training
         self.on_step = on_step  # called on every rank with that rank's StepResult
@@ -118,9 +114,9 @@ class TrainingLoop(RolloutHandout, ABC):
         self.pool: ServerPool | None = None
         self.sync_client: WeightSyncClient | None = None
         self.ahead: RolloutsAhead | None = None  # rank 0: rollouts generated ahead of training (overlap.py)
-        self._resumed_ahead: list[dict] = []  # rank 0: a checkpoint's batches ahead, put back by _begin
+        self.feed: RolloutFeed | None = None  # prompts, rollouts, what the engines serve (learner/train/feed.py)
         self._fresh_start_done = False  # an earlier run's checkpoints moved aside (`_begin`, runs not resumed)
-        self.train_step: PlainStep | ZeroStep | None = None
+        self.updater: PlainStep | ZeroStep | None = None
         self.state = TrainState()
         self.history: list[StepResult] = []
         self.evaluations: list[Evaluation] = []
@@ -177,76 +173,44 @@ class TrainingLoop(RolloutHandout, ABC):
             torch.manual_seed(cfg.seed + ranks.rank)  # e.g. dropout masks differ per rank
             random.seed(cfg.seed + ranks.rank)
         with ranks.guard("setting up the optimizer step"):
-            self.train_step = make_step(self.model, ranks, cfg, device=self.device,
+            self.updater = make_step(self.model, ranks, cfg, device=self.device,
                                         autocast_dtype=self.policy.autocast_dtype)
-        self.device = self.train_step.device  # DeepSpeed may have placed the module itself
+        self.device = self.updater.device  # DeepSpeed may have placed the module itself
         self.core = core_configs(cfg)
         self.order = DataOrder(len(self.records), cfg.prompts_per_step, cfg.seed)
-        self.packer = self._make_packer()
-        self.checkpointer = Checkpointer(cfg, ranks, self.model, self.train_step, self.packer, self.state)
+        self.packer = self.objective.make_packer()  # one per rank, lives across steps
+        self.checkpointer = Checkpointer(cfg, ranks, self.model, self.updater, self.packer, self.state,
+                                         parts={"objective": self.objective})
         model_dir = model_path or job.spec.model.path
-        # No servers at all (server mode): a plain SFT run (every step a warm-start step, no held-out evaluation)
+        # No servers at all (server mode): a run whose objective samples nothing and that has no held-out evaluation
         # needs none, e.g. the pretraining of `rmsft local`'s tiny model (learner.local.pretrain_tiny_model).
         self.no_rollouts = (not job.spec.rollout.colocated and not isinstance(addresses, ServersFile)
                             and not list(addresses))
-        if self.no_rollouts and (cfg.warm_start_steps < cfg.steps or cfg.eval.data):
-            raise ValueError("no rollout servers given: only a run whose every step is a warm-start step "
-                             "(training.warm_start_steps >= training.steps) and that has no training.eval.data "
-                             "runs without them")
+        if self.no_rollouts:
+            why = self.objective.needs_rollouts() or ("training.eval.data is set: the held-out evaluation asks "
+                                                       "the servers" if cfg.eval.data else None)
+            if why:
+                raise ValueError(f"no rollout servers given, and this run needs them: {why}")
         if job.spec.rollout.colocated:
             with ranks.guard("starting the in-process rollout engine"):
                 self.rollouts = colocated_rollouts(
                     job, self.model, self.policy.tokenizer, run_id=self.state.run_id, world_size=ranks.world_size,
                     rank=ranks.rank, model_dir=model_dir, vision_language=self.policy.is_vision_language,
-                    around_generation=self._around_generation,
+                    around_generation=lambda: around_generation(job, self.updater, self.model),
                 )
         else:
             with ranks.guard("connecting to the rollout servers (rank 0)"):
                 if ranks.is_main and not self.no_rollouts:  # the only rank that talks to rollout servers
-                    # Every E-step's rollouts go through it (max_staleness 0: generated inline, as always).
-                    self.ahead = RolloutsAhead(lambda reqs, sampling, v: self.rollouts.generate(
-                        reqs, sampling, weight_version=v), cfg.rollout.max_staleness)
-                    source = build_server_rollouts(
+                    self.rollouts, self.ahead = server_rollouts_ahead(
                         job, addresses, self.model, run_id=self.state.run_id, auth_token=auth_token,
-                        checkpoint_dir=model_dir, vision_language=self.policy.is_vision_language,
-                        zero3=cfg.deepspeed_stage == 3,
-                        fence_resync=self.ahead.fenced_resync,  # none while weights move
-                    )
-                    self.rollouts, self.pool, self.sync_client = source, source.pool, source.sync_client
-                    self.ahead.abort = source.abort  # close(): a call still running ahead is ended, then waited for
-        self._prompt_cache: dict[int, list[int]] = {}  # text models: a record's prompt ids
-        self._step_prompts: dict[int, VisionPrompt] = {}  # vision-language models: this E-step's renderings
+                        checkpoint_dir=model_dir, vision_language=self.policy.is_vision_language)
+                    self.pool, self.sync_client = self.rollouts.pool, self.rollouts.sync_client
+        self.feed = RolloutFeed(cfg=cfg, ranks=ranks, state=self.state, order=self.order, records=self.records,
+                                images=self.images, policy=self.policy, source=self.rollouts, ahead=self.ahead)
         self.pictures: list[Path] = []
         self.eval_pictures: list[Path] = []
-        # Image/video tokens a rollout may sample: its answer is cut before the first (episode.vision_safe_response).
-        self.vision_token_ids = (vision_token_ids(self.policy.tokenizer) if self.policy.is_vision_language
-                                 else frozenset())
         self._retries_at_start = m.counter_total(m.ROLLOUT_RETRIES)
-        self._served_step = -1  # the step whose weights the servers hold (after a sync)
-        self._setup_objective()
-
-    # -- what the objective supplies --------------------------------------------------------------
-    def _setup_objective(self) -> None:
-        """The objective's own parts, once the loop's are set up."""
-
-    @abstractmethod
-    def _make_packer(self) -> Packer:
-        """This rank's packer (one per rank, lives across steps; the checkpoint keeps its carry buffer)."""
-
-    @abstractmethod
-    def _train_step(self, t0: float) -> StepResult:
-        """Optimizer step `state.step + 1`: its rollouts (or ground truth), targets, packed rows, the update."""
-
-    @abstractmethod
-    def _samples_at(self, step: int) -> bool:
-        """Optimizer step `step` (0-based) starts from fresh rollouts, so the engines need the weights before it."""
-
-    def _step_metrics(self, r: StepResult) -> None:
-        """The objective's own gauges of a step (the loop sets the step, its time, fill and total loss)."""
-
-    @abstractmethod
-    def _step_line(self, r: StepResult) -> str:
-        """Rank 0's one log line of a step."""
+        self.objective.bind(self)  # last: the objective reads the parts above
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self, max_steps: int | None = None) -> Summary:
@@ -256,14 +220,14 @@ class TrainingLoop(RolloutHandout, ABC):
         target = self._begin(max_steps)  # reporter, run.json, servers ready, first sync
         ck_every = self.cfg.checkpoint.every
         while st.step < target:
-            result = self._train_step(time.perf_counter())  # rollouts -> targets -> rows -> optimizer step
+            result = self._train_step(time.perf_counter())  # plan -> rows -> forward/backward/optimizer
             st.step += 1
             self.history.append(result)
             self._publish(result)
-            # The engines need these weights when the next step samples (a channel-A step, the warm start's
-            # included, generates nothing, so they wait for the weights of the step before one that does).
-            if st.step < target and self._samples_at(st.step):
-                self._sync()
+            # The engines need these weights when the next step samples (a step that generates nothing, e.g. rollout
+            # matching's ground-truth steps, waits for the weights of the step before one that does).
+            if st.step < target and self.objective.plan(st.step).samples:
+                self.sync_weights()
             due = bool(ck_every) and st.step % ck_every == 0
             saved = self.save() if due else None
             if self._eval_due(target):
@@ -306,15 +270,9 @@ class TrainingLoop(RolloutHandout, ABC):
         with self.ranks.guard("waiting for the rollout servers (rank 0)"):
             if self.rollouts is not None:
                 self.rollouts.wait_ready(timeout_s=self.cfg.rollout.request_timeout_s)
-        # Batches ahead (of a checkpoint, or of this process's previous run() call) keep their lag behind the
-        # weights across the sync below, which announces the same weights under a new number.
-        if self.ahead is not None:
-            self.ahead.drain()  # a batch still generating is kept too (saved() takes complete ones)
-        ahead = self.ahead.saved(self._served_version()) if self.ahead is not None else []
-        self._sync()  # once before the first rollout, and again on resume
-        if self.ahead is not None:
-            self.ahead.restore(ahead or self._resumed_ahead, st.version)
-            self._resumed_ahead = []
+        held = self.feed.hold_ahead()  # batches ahead keep their lag behind the weights across this sync
+        self.sync_weights()  # once before the first rollout, and again on resume
+        self.feed.restore_ahead(held)
         return target
 
     def _end(self, t_start: float) -> Summary:
@@ -346,11 +304,11 @@ class TrainingLoop(RolloutHandout, ABC):
         it (a sync is collective); rank 0 returns the evaluation, other ranks None."""
         if self.ahead is not None:
             self.ahead.drain()  # one generate call at a time on the client
-        if self._served_step != self.state.step:
-            self._sync()
+        if self.feed.served_step != self.state.step:
+            self.sync_weights()
         ev = None
         # Every rank enters the guard (its failure agreement is collective); rank 0 alone talks to the servers.
-        with self._phase("eval"), self.ranks.guard("evaluating the held-out records (rank 0)"):
+        with self.phase("eval"), self.ranks.guard("evaluating the held-out records (rank 0)"):
             if self.ranks.is_main:
                 ev = evaluate(self.rollouts, self.eval_records, self.eval_images, self.eval_setup(self.eval_images),
                               version=self.state.version, iou=self.cfg.eval.iou, step=self.state.step,
@@ -362,23 +320,16 @@ class TrainingLoop(RolloutHandout, ABC):
         return ev
 
     def eval_setup(self, images: ImageStore) -> EvalSetup:
-        """How this run's answers to records whose images `images` holds are scored: its vocabulary, output
-        format (bound to each image's resized size when it measures in resized pixels) and matcher."""
-        size = None
-        if self.core.fmt.needs_image_size:
-            def size(rec: Record) -> tuple[int, int] | None:
-                imgs = images.load(rec)
-                return resized_image_size(self.policy.processor, imgs[0].pil()) if imgs else None
-        return EvalSetup(vocab=self.policy.vocab, fmt=self.core.fmt, matching=self.core.matching,
-                         vision_ids=self.vision_token_ids, image_size=size)
+        """How this run's answers to records whose images `images` holds are scored (`RolloutFeed.eval_setup`)."""
+        return self.feed.eval_setup(images, self.core.fmt, self.core.matching)
 
     def export(self) -> Path | None:
         """The trained model as a Hugging Face folder at `training.export` (rank 0 writes it; with ZeRO-3 every
         rank gathers the weights first). A folder that cannot be written is an error: the export is what a
         user takes away, but the checkpoint just saved still holds the weights (`rmsft export` redoes it)."""
         out = Path(self.cfg.export_dir)
-        with self._phase("export"), self.ranks.guard(f"exporting the model to {out} (rank 0)"), \
-                gathered_weights(self.train_step, self.model):
+        with self.phase("export"), self.ranks.guard(f"exporting the model to {out} (rank 0)"), \
+                gathered_weights(self.updater, self.model):
             if self.ranks.is_main:
                 self.exported = export_trained(self.model, self.policy, out, adapter_only=self.cfg.export.adapter,
                                                base_model_dir=self.job.spec.model.path)
@@ -387,80 +338,89 @@ class TrainingLoop(RolloutHandout, ABC):
         return self.exported
 
     # -- one optimizer step ---------------------------------------------------------------------
-    def _step_result(self, t0: float, **fields: Any) -> StepResult:
-        """The step's result: the loop's fields (step number, weight version, rank, seconds) and the objective's."""
-        return StepResult(step=self.state.step + 1, weight_version=self.state.version, rank=self.ranks.rank,
-                          seconds=time.perf_counter() - t0, **fields)
+    def _train_step(self, t0: float) -> StepResult:
+        """Optimizer step `state.step + 1`, the whole of it."""
+        st, objective = self.state, self.objective
+        plan = objective.plan(st.step)  # what the step needs: a pure function of the step index
+        built = objective.build(plan)  # this rank's rows: rollouts (or the ground truth) -> targets -> packed rows
+        totals, n_rows, fill = self._update(built)  # forward, loss, backward, optimizer over every rank's rows
+        return StepResult(
+            step=st.step + 1, weight_version=st.version, rank=self.ranks.rank, seconds=time.perf_counter() - t0,
+            record_ids=[self.records[i].id for i in plan.batch], loss=totals["loss"], rows=n_rows, fill=fill,
+            local_rows=len(built.rows), local_tokens=sum(r.length for r in built.rows),
+            **objective.figures(plan, built, totals),  # the objective's own fields (rollouts, loss parts, ...)
+        )
+
+    def _update(self, built: Built) -> tuple[dict[str, float], int, float]:
+        """One optimizer step on every rank's rows. The loss is normalised by the objective's totals over all ranks
+        (exchanged before the forward), so the step is one process training on all the rows. Returns the device
+        step's sums over rows and ranks, the number of rows and their mean fill."""
+        *totals, n_rows, fill_sum = self.ranks.sum([*self.objective.denominators(built), len(built.rows),
+                                                    sum(r.fill for r in built.rows)])
+        if not n_rows:
+            raise RuntimeError(f"the step packed into no row on any rank ({self.objective.name}: empty rollouts and "
+                               "an empty carry buffer)")
+        lr = learning_rate(self.cfg, self.state.step)
+        with self.ranks.guard("forward/backward"):
+            sums = self.device_step(built, totals, lr)
+        keys = self.objective.loss_keys  # the only host reads of the step: after it, once
+        return dict(zip(keys, self.ranks.sum([float(sums[k]) for k in keys]), strict=True)), int(n_rows), \
+            fill_sum / n_rows
+
+    def device_step(self, built: Built, totals: Sequence[float], lr: float) -> dict[str, torch.Tensor]:
+        """Forward/backward of every row on the training device, then the optimizer step. The objective's row loss
+        gives each row's share of the step's loss (normalised by the step's global `totals`, so the rows' gradients
+        add up to the pooled loss's), its `prepare` what a row needs before its forward. Returns the loss and
+        metrics summed over the rows as device tensors: no host reads, so it runs with the parameters on `meta`."""
+        row_loss, prepare = self.objective.row_loss(built, totals)
+        return self._optimize(built.rows, lr, row_loss, prepare)
 
     def _optimize(self, rows: Sequence[PackedRow], lr: float, row_loss: RowLoss,
-                  prepare: Callable[[int, PackedRow], Any] | None = None) -> dict[str, torch.Tensor]:
-        """Forward/backward of every row on the training device, then the optimizer step. `row_loss` gives each
-        row's share of the step's loss (normalised by the step's global totals, so the rows' gradients add up to the
-        pooled loss's); `prepare(i, row)` what row i needs before its forward (e.g. reference log-probs). Returns
-        the loss and metrics summed over the rows as device tensors: no host reads, so it runs with the parameters
-        on `meta`."""
-        step = self.train_step
+                  prepare: Prepare | None = None) -> dict[str, torch.Tensor]:
+        step = self.updater
         sums: dict[str, torch.Tensor] = {}
         step.begin()
         for i, cpu_row in enumerate(rows):
             row = cpu_row.to(step.device)
             before = prepare(i, row) if prepare is not None else None
-            with self._phase("forward"), step.autocast():
+            with self.phase("forward"), step.autocast():
                 logits = step.forward(**row.model_inputs()).logits
                 loss, metrics = row_loss(row, logits, before)
-            with self._phase("backward"):
+            with self.phase("backward"):
                 step.backward(loss)
             for k, v in (("loss", loss.detach()), *metrics.items()):
                 sums[k] = sums[k] + v if k in sums else v
             m.TRAINED_TOKENS.inc(row.length)
-        with self._phase("optimizer"):
+        with self.phase("optimizer"):
             step.finish(len(rows), lr)
         return sums
 
     # -- sync, checkpoints ----------------------------------------------------------------------
     def sync_weights(self) -> None:
-        """Push the learner's current weights to every server as a new version (evaluations between
-        steps, e.g. during a warm start that does not sync)."""
-        self._sync()
-
-    def _sync(self) -> None:
-        # The sync policy (learner/train/overlap.py): no Generate call in flight across a weight update, including
-        # one whose batch was abandoned.
-        if self.ahead is not None and self.ahead.pending():
-            with self._phase("sync_drain"):
-                self.ahead.drain()
+        """Push the learner's current weights to every engine as a new version (before each step that samples, and
+        when an evaluation finds the engines behind); every rank calls it (collective under ZeRO-3 and colocate)."""
+        with self.phase("sync_drain"):
+            self.feed.before_sync()  # no Generate call in flight across a weight update (overlap.py)
         version = self.state.version + 1
         # ZeRO-3: whole weights on every rank while rank 0 exports them (collective).
-        with self._phase("sync"), self.ranks.guard(f"syncing weight version {version}"), \
-                gathered_weights(self.train_step, self.model):
+        with self.phase("sync"), self.ranks.guard(f"syncing weight version {version}"), \
+                gathered_weights(self.updater, self.model):
             if self.rollouts is not None:  # rank 0's pool, or every rank's in-process engine
                 self.rollouts.sync(version)  # counts bytes and sets the version gauge itself
         self.state.version = version  # only once the engines confirmed it (sync raises otherwise)
-        self._served_step = self.state.step  # likewise: a failed sync leaves the servers on the last version
-        if self.ahead is not None:
-            self.ahead.synced()
-
-    def _served_version(self) -> int:
-        """The version number that serves the model's current weights: the last synced one, or the next when the
-        weights moved since (a batch ahead keeps its lag behind these weights across a checkpoint or a re-sync)."""
-        return self.state.version + (self._served_step != self.state.step)
+        self.feed.synced()  # likewise: a failed sync leaves the servers on the last version
 
     def save(self) -> Path | None:
-        if self.ahead is not None:  # rank 0: the rollouts generated ahead go into the checkpoint (overlap.py)
-            self.checkpointer.extra["rollouts_ahead"] = self.ahead.saved(self._served_version())
+        self.checkpointer.extra.update(self.feed.state_dict())  # rank 0's rollouts generated ahead (overlap.py)
         return self.checkpointer.save()
 
     def resume(self) -> bool:
         """Continue from the newest checkpoint (False when there is none). The run id stays this run's:
         the next sync announces a version no server can already hold (module doc)."""
         found = self.checkpointer.resume()
-        if found:
-            self._served_step = -1  # the servers hold none of the checkpoint's weights under this run's id
-            self._resumed_ahead = list(self.checkpointer.loaded_extra.get("rollouts_ahead", []))
+        if found:  # the servers hold none of the checkpoint's weights under this run's id
+            self.feed.load_state_dict(self.checkpointer.loaded_extra)
         return found
-
-    def gathered_trainable_state(self) -> dict[str, torch.Tensor]:
-        return self.checkpointer.gathered_trainable_state()
 
     @property
     def step(self) -> int:
@@ -471,117 +431,55 @@ class TrainingLoop(RolloutHandout, ABC):
         return self.state.version
 
     @property
-    def engine(self) -> object | None:
-        """The DeepSpeed engine, when training.deepspeed_stage > 0."""
-        return getattr(self.train_step, "engine", None)
-
-    def _around_generation(self) -> AbstractContextManager:
-        """Colocate: what happens to the training state while the in-process engine decodes: parameters and/or
-        optimizer state to host memory (spec.rollout.colocate offloadModel / offloadOptimizer), back after."""
-        c = self.job.spec.rollout.colocate
-        if not (c.offload_model or c.offload_optimizer):
-            return nullcontext()
-        from learner.train.offload import offloaded
-
-        return offloaded(self.train_step, self.model, params=c.offload_model, optimizer=c.offload_optimizer)
+    def deepspeed_engine(self) -> object | None:
+        """The DeepSpeed engine, when training.deepspeed_stage > 0 (not a rollout engine)."""
+        return getattr(self.updater, "engine", None)
 
     # -- reporting ------------------------------------------------------------------------------
     @contextmanager
-    def _phase(self, name: str):
+    def phase(self, name: str):
+        """Time the block as one of the step's phases (the step log's and /metrics' phase seconds)."""
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            self._add_phase(name, time.perf_counter() - t0)
+            self.add_phase(name, time.perf_counter() - t0)
 
-    def _add_phase(self, name: str, seconds: float) -> None:
+    def add_phase(self, name: str, seconds: float) -> None:
         m.PHASE_SECONDS.labels(name).observe(seconds)
         self.state.phase_seconds[name] = self.state.phase_seconds.get(name, 0.0) + seconds
 
-    def _vision_prompt(self, idx: int) -> VisionPrompt:
-        """The learner's rendering of a record's prompt with its images (read through the image store's
-        cache, the same bytes the servers got); rendered once per E-step (pixels are not kept longer)."""
-        if idx not in self._step_prompts:
-            rec = self.records[idx]
-            images = [img.pil() for img in self.images.load(rec)]
-            self._step_prompts[idx] = render_prompt(self.policy.processor, [m.model_dump() for m in rec.messages],
-                                                    images)
-        return self._step_prompts[idx]
-
-    def _prompt_ids(self, idx: int) -> list[int]:
-        """The learner's prompt ids of a record (with its images expanded, for a vision-language model)."""
-        return self._vision_prompt(idx).input_ids if self.policy.is_vision_language else self._prompt(idx)
-
-    def _prompt(self, idx: int) -> list[int]:
-        if idx not in self._prompt_cache:
-            msgs = [msg.model_dump() for msg in self.records[idx].messages]
-            self._prompt_cache[idx] = prompt_ids(self.policy.tokenizer, msgs)
-        return self._prompt_cache[idx]
-
     def _log_start(self, target: int) -> None:
-        if self.ranks.is_main:
-            source = self.rollouts.describe() if self.rollouts is not None else SourceInfo("none", (), "none", "none")
-            record = run_record(self.job, servers=list(source.servers), rollout_mode=source.mode,
-                                sync_mode=source.sync_mode, sync_transport=source.sync_transport,
-                                world_size=self.ranks.world_size,
-                                model_dir=self.job.spec.model.path, data_path=self.cfg.data.path,
-                                image_root=self.cfg.data.image_root, eval_data_path=self.cfg.eval.data,
-                                eval_image_root=self.cfg.eval.image_root)
-            # Which run this is, and which runs wrote the checkpoint it resumed from (oldest first).
-            st = self.state
-            record["run_id"] = st.run_id
-            if st.resumed is not None:
-                record["resumed_from"] = {"step": st.resumed.step, "weight_version": st.resumed.weights.number,
-                                          "run_id": st.resumed.weights.run_id, "run_ids": list(st.resumed.run_ids)}
-            try:
-                path = write_run_record(self.cfg.checkpoint.dir, record)
-                log.info("run record (servers, seeds, versions, hashes, resolved spec): %s", path)
-            except OSError as exc:  # the checkpoint dir was writable at start: say so, keep training
-                log.warning("could not write run.json to %s: %s", self.cfg.checkpoint.dir, exc)
-            # The record itself in the log too (the spec is long and already in run.json: left out here).
-            log.info("run: %s", json.dumps({k: v for k, v in record.items() if k != "job"}, default=str))
-            log.info(
-                "rmsft learner run %s: %d record(s), %s, sync %s, seed %d, steps %d -> %d, ranks %d, "
-                "device %s%s", self.state.run_id, len(self.records),
-                f"servers {list(source.servers)}" if source.mode != "colocate" else "rollout engine in-process",
-                self.job.spec.sync.mode if source.mode == "server" else source.sync_mode,
-                self.cfg.seed, self.state.step, target, self.ranks.world_size, self.device,
-                f", DeepSpeed ZeRO-{self.cfg.deepspeed_stage}" if self.engine is not None else "",
-            )
+        if self.ranks.is_main:  # run.json and the run's first log lines
+            log_run_start(self.job, self.state, self.rollouts.describe() if self.rollouts is not None else None,
+                          records=len(self.records), target=target, world_size=self.ranks.world_size,
+                          device=self.device, deepspeed=self.deepspeed_engine is not None)
 
     def _publish(self, r: StepResult) -> None:
         m.GLOBAL_STEP.set(r.step)
         m.STEP_SECONDS.observe(r.seconds)
         m.PACKING_FILL.set(r.fill)
         m.LOSS.labels("total").set(r.loss)
-        self._step_metrics(r)
+        self.objective.gauges(r)
         if self.ranks.is_main:
             self.reporter.step(r, self.state.phase_seconds, learning_rate(self.cfg, r.step - 1))
-            log.info("%s", self._step_line(r))
+            log.info("%s", self.objective.line(r))
         if self.on_step:
             self.on_step(r)
 
     def summary(self, wall: float) -> Summary:
-        losses = [h.loss for h in self.history]
-        return Summary(
-            steps=self.state.step, first_loss=losses[0] if losses else float("nan"),
-            last_loss=losses[-1] if losses else float("nan"), losses=losses,
-            # Rollout F1 of steps that sampled (a channel-A step's empty answers score 0 and say nothing).
-            f1=[h.stats.f1 for h in self.history if h.stats and h.channel == "B"],
-            weight_version=self.state.version,
-            run_id=self.state.run_id,
-            phase_seconds=dict(self.state.phase_seconds), wall_seconds=wall,
-            retries=int(m.counter_total(m.ROLLOUT_RETRIES) - self._retries_at_start), history=list(self.history),
-            pictures=list(self.pictures), evaluations=[(e.step, e.f1, e.map) for e in self.evaluations],
-            eval_iou=self.cfg.eval.iou, held_out=[e.figures() for e in self.evaluations],
-            eval_pictures=list(self.eval_pictures),
-            log_dir=Path(self.cfg.tensorboard_dir) if self.ranks.is_main else None, exported=self.exported,
-        )
+        out = Summary.of_run(
+            self.state, self.history, self.evaluations, wall_seconds=wall, eval_iou=self.cfg.eval.iou,
+            retries=int(m.counter_total(m.ROLLOUT_RETRIES) - self._retries_at_start), pictures=list(self.pictures),
+            eval_pictures=list(self.eval_pictures), exported=self.exported,
+            log_dir=Path(self.cfg.tensorboard_dir) if self.ranks.is_main else None)
+        self.objective.summarise(out)  # its own fields (rollout F1, rewards)
+        return out
 
     def close(self) -> None:
-        for part in (self.ahead, self.rollouts, self.train_step, self.reporter):
+        for part in (self.ahead, self.rollouts, self.updater, self.reporter, self.objective):
             if part is not None:
                 part.close()
-        self.train_step = None
+        self.updater = None
         self.ranks.close()
 

@@ -35,10 +35,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+from rmsft.jobspec import RolloutMatchingJob
 
 KINDS = ("param", "grad", "optimizer")
 
@@ -273,3 +276,12 @@ def _deepspeed_offloaded(engine: Any, device: torch.device, params: bool, optimi
         t1 = time.perf_counter()
         engine.reload_states(non_blocking=False)
         report.reload_s = time.perf_counter() - t1
+
+
+def around_generation(job: RolloutMatchingJob, step: OffloadableStep, model: torch.nn.Module) -> AbstractContextManager:
+    """Colocate: what happens to the training state while the in-process engine decodes: parameters and/or
+    optimizer state to host memory (spec.rollout.colocate offloadModel / offloadOptimizer), back after."""
+    c = job.spec.rollout.colocate
+    if not (c.offload_model or c.offload_optimizer):
+        return nullcontext()
+    return offloaded(step, model, params=c.offload_model, optimizer=c.offload_optimizer)

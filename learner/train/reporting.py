@@ -12,19 +12,57 @@ the start), `eval/*` (see `learner.evaluation.held_out.Evaluation.scalars`), ima
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+import torch
 
 from learner.data.images import ImageStore
 from learner.data.records import Record
 from learner.evaluation.draw import draw_detections, save_rollout_pictures
 from learner.evaluation.held_out import EvalSetup, Evaluation, score
+from learner.rollouts.interface import SourceInfo
 from learner.tracking import metrics as m
+from learner.tracking.run_record import run_record, write_run_record
 from learner.tracking.tracker import Tracker
+from learner.train.checkpointer import TrainState
 from learner.train.results import StepResult
+from rmsft.jobspec import RolloutMatchingJob
 
 log = logging.getLogger("rmsft.learner")
+
+
+def log_run_start(job: RolloutMatchingJob, st: TrainState, source: SourceInfo | None, *, records: int, target: int,
+                  world_size: int, device: torch.device, deepspeed: bool) -> None:
+    """Rank 0, as a run starts (or resumes): run.json in the checkpoint folder (servers, seeds, versions, hashes,
+    the resolved spec; which run this is and which runs wrote the checkpoint it resumed from) and the run's first
+    log lines. A run.json that cannot be written is a warning: the folder was writable at start."""
+    cfg = job.spec.training
+    source = source or SourceInfo("none", (), "none", "none")
+    record = run_record(job, servers=list(source.servers), rollout_mode=source.mode, sync_mode=source.sync_mode,
+                        sync_transport=source.sync_transport, world_size=world_size, model_dir=job.spec.model.path,
+                        data_path=cfg.data.path, image_root=cfg.data.image_root, eval_data_path=cfg.eval.data,
+                        eval_image_root=cfg.eval.image_root)
+    record["run_id"] = st.run_id
+    if st.resumed is not None:  # oldest first
+        record["resumed_from"] = {"step": st.resumed.step, "weight_version": st.resumed.weights.number,
+                                  "run_id": st.resumed.weights.run_id, "run_ids": list(st.resumed.run_ids)}
+    try:
+        path = write_run_record(cfg.checkpoint.dir, record)
+        log.info("run record (servers, seeds, versions, hashes, resolved spec): %s", path)
+    except OSError as exc:
+        log.warning("could not write run.json to %s: %s", cfg.checkpoint.dir, exc)
+    # The record itself in the log too (the spec is long and already in run.json: left out here).
+    log.info("run: %s", json.dumps({k: v for k, v in record.items() if k != "job"}, default=str))
+    log.info(
+        "rmsft learner run %s: %d record(s), %s, sync %s, seed %d, steps %d -> %d, ranks %d, device %s%s",
+        st.run_id, records,
+        f"servers {list(source.servers)}" if source.mode != "colocate" else "rollout engine in-process",
+        job.spec.sync.mode if source.mode == "server" else source.sync_mode,
+        cfg.seed, st.step, target, world_size, device, f", DeepSpeed ZeRO-{cfg.deepspeed_stage}" if deepspeed else "",
+    )
 
 
 class RunReporter:

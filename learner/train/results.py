@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from learner.data.episode import EpisodeStats
 from learner.evaluation.held_out import HeldOutFigures
 from learner.rollouts.client import Rollout
+
+if TYPE_CHECKING:
+    from learner.evaluation.held_out import Evaluation
+    from learner.train.checkpointer import TrainState
 
 
 @dataclass
@@ -63,11 +69,11 @@ class Summary:
     first_loss: float
     last_loss: float
     losses: list[float]
-    f1: list[float]
     weight_version: int
     phase_seconds: dict[str, float]
     wall_seconds: float
     retries: int = 0
+    f1: list[float] = field(default_factory=list)  # rollout matching: the rollout F1 of each step that sampled
     history: list[StepResult] = field(default_factory=list)
     pictures: list[Path] = field(default_factory=list)  # rollouts drawn on their images (vision-language runs)
     # held-out (step, label-aware F1 at eval_iou, label-aware mAP); `held_out` has every figure of each
@@ -79,6 +85,17 @@ class Summary:
     exported: Path | None = None  # the Hugging Face folder written at the end (training.export)
     rewards: list[float] = field(default_factory=list)  # GRPO: mean reward of each step
     run_id: str = ""  # the learner run whose weight version `weight_version` is
+
+    @classmethod
+    def of_run(cls, state: TrainState, history: Sequence[StepResult], evaluations: Sequence[Evaluation],
+               **fields: Any) -> Summary:
+        """The summary of a run at `state`, from its steps and held-out evaluations; `fields` the rest."""
+        losses = [h.loss for h in history]
+        return cls(steps=state.step, first_loss=losses[0] if losses else float("nan"),
+                   last_loss=losses[-1] if losses else float("nan"), losses=losses, weight_version=state.version,
+                   run_id=state.run_id, phase_seconds=dict(state.phase_seconds), history=list(history),
+                   evaluations=[(e.step, e.f1, e.map) for e in evaluations],
+                   held_out=[e.figures() for e in evaluations], **fields)
 
     def rollout_rates(self) -> dict[str, float] | None:
         """What the training rollouts looked like: the truncation rate, duplicate rate and predicted objects per

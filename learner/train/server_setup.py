@@ -1,6 +1,7 @@
 """Rank 0's server home, wired: the ordered pool, the weight-sync client on it (what the job's spec.sync asks),
-and the rollout interface over both (`learner.rollouts.server_home.ServerRollouts`, which is given its weight
-sender rather than building it: the rollout room sits below the sync room).
+the rollout interface over both (`learner.rollouts.server_home.ServerRollouts`, which is given its weight
+sender rather than building it: the rollout room sits below the sync room), and the prefetcher of rollouts
+generated ahead (learner/train/overlap.py) in front of it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from learner.rollouts.server_home import ServerRollouts
 from learner.sync.client import WeightSyncClient
 from learner.sync.weights import checkpoint_name_map
 from learner.train.config import sync_transport
+from learner.train.overlap import RolloutsAhead
 from rmsft.jobspec import RolloutMatchingJob
 from rmsft.weight_wire import shared_dir_from_env
 
@@ -43,3 +45,20 @@ def build_server_rollouts(job: RolloutMatchingJob, addresses: Sequence[str] | Se
                                       "the next step's collective sync brings the server up")
     return ServerRollouts(pool, sync_client, timeout_s=cfg.rollout.request_timeout_s,
                           generate_batch_size=cfg.rollout.generate_batch_size or 0, fence_resync=fence_resync)
+
+
+def server_rollouts_ahead(job: RolloutMatchingJob, addresses: Sequence[str] | ServersFile, model: Any, *, run_id: str,
+                          auth_token: str | None, checkpoint_dir: str | Path,
+                          vision_language: bool) -> tuple[ServerRollouts, RolloutsAhead]:
+    """Rank 0's rollout source in server mode and its prefetcher: every E-step's rollouts go through the prefetcher
+    (max_staleness 0: generated inline, as always); the servers' re-syncs are fenced by it (none while weights
+    move), and closing it ends a call still running ahead before waiting for it."""
+    cfg = job.spec.training
+    source: ServerRollouts | None = None
+    ahead = RolloutsAhead(lambda reqs, sampling, v: source.generate(reqs, sampling, weight_version=v),
+                          cfg.rollout.max_staleness)
+    source = build_server_rollouts(job, addresses, model, run_id=run_id, auth_token=auth_token,
+                                   checkpoint_dir=checkpoint_dir, vision_language=vision_language,
+                                   zero3=cfg.deepspeed_stage == 3, fence_resync=ahead.fenced_resync)
+    ahead.abort = source.abort
+    return source, ahead

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from learner.train.rollout_matching import Trainer
+from learner.train.loop import TrainingLoop
 from rmsft.jobspec import load_job
 
 
 def main(job_path: str, address: str, out_dir: str) -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     out = Path(out_dir)
-    trainer = Trainer(load_job(job_path), [address])
+    trainer = TrainingLoop(load_job(job_path), [address])
     try:
         summary = trainer.run()
         rank = trainer.ranks.rank
@@ -34,7 +34,7 @@ def main(job_path: str, address: str, out_dir: str) -> None:
             "version": trainer.version,
             "run_id": trainer.state.run_id,  # rank 0's, on every rank
             "rollout_run_ids": sorted({r.weight_run_id for h in trainer.history for r in h.rollouts}),
-            "deepspeed": trainer.engine is not None,
+            "deepspeed": trainer.deepspeed_engine is not None,
             "evaluations": summary.evaluations,  # held-out (step, F1, mAP): rank 0's
             "exported": str(trainer.exported) if trainer.exported else None,
             "steps": [
@@ -49,7 +49,7 @@ def main(job_path: str, address: str, out_dir: str) -> None:
                 for h in trainer.history
             ],
         }
-        torch.save(trainer.gathered_trainable_state(), out / f"params-rank{rank}.pt")  # collective
+        torch.save(trainer.checkpointer.gathered_trainable_state(), out / f"params-rank{rank}.pt")  # collective
         (out / f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         trainer.close()

@@ -62,7 +62,7 @@ def data_path(tmp_path: Path) -> Path:
 def test_trainer_fails_at_start_before_any_server_or_model_work(tiny_model_dir, data_path, tmp_path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     import learner.train.loop as loop_mod
-    import learner.train.rollout_matching as trainer_mod
+    import learner.train.loop as trainer_mod
     from rmsft.jobspec import parse_job
 
     (tmp_path / "file").write_text("")
@@ -75,7 +75,7 @@ def test_trainer_fails_at_start_before_any_server_or_model_work(tiny_model_dir, 
     server = FakeServer(FakeEngine())
     try:
         with pytest.raises(CheckpointDirError, match="spec.training.checkpoint.dir"):
-            trainer_mod.Trainer(job, [server.address])
+            trainer_mod.TrainingLoop(job, [server.address])
         assert server.engine.events == []  # no status, no sync, no rollout
     finally:
         server.stop()

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from learner.rollouts.client import RolloutRequest
-from learner.train.rollout_matching import Trainer
+from learner.train.loop import TrainingLoop
 from rmsft.jobspec import parse_job
 from rmsft.weight_wire import SHARED_DIR_ENV
 from rmsft_dev.synthetic import write_synthetic_dataset
@@ -78,7 +78,7 @@ def make_job(model_dir: Path, data: Path, ckpt: Path, *, mode: str = "full", ste
     return parse_job(doc)
 
 
-def _greedy_servers(trainer: Trainer, prompts: list[list[int]]) -> list[list[int]]:
+def _greedy_servers(trainer: TrainingLoop, prompts: list[list[int]]) -> list[list[int]]:
     outs = trainer.rollouts.generate(
         [RolloutRequest(token_ids=p, seed=0, request_id=f"g{i}") for i, p in enumerate(prompts)],
         {"max_tokens": 16, "temperature": 0.0},
@@ -86,7 +86,7 @@ def _greedy_servers(trainer: Trainer, prompts: list[list[int]]) -> list[list[int
     return [o.token_ids for o in outs]
 
 
-def _greedy_hf(trainer: Trainer, prompts: list[list[int]]) -> list[list[int]]:
+def _greedy_hf(trainer: TrainingLoop, prompts: list[list[int]]) -> list[list[int]]:
     model = trainer.model
     model.eval()
     with torch.no_grad():
@@ -96,7 +96,7 @@ def _greedy_hf(trainer: Trainer, prompts: list[list[int]]) -> list[list[int]]:
         ]
 
 
-def _run_and_check(trainer: Trainer, steps: int) -> None:
+def _run_and_check(trainer: TrainingLoop, steps: int) -> None:
     summary = trainer.run()
     assert summary.steps == steps
     assert trainer.version >= steps  # one sync before the first rollout, then one per step
@@ -113,7 +113,7 @@ def _run_and_check(trainer: Trainer, steps: int) -> None:
     # The last step's update is not synced (nothing generates after it): bring the servers to it, then they
     # must answer as the learner's model does.
     trainer.sync_weights()
-    prompts = [trainer._prompt(i) for i in range(4)]
+    prompts = [trainer.feed.text_prompt(i) for i in range(4)]
     assert _greedy_servers(trainer, prompts) == _greedy_hf(trainer, prompts)
 
 
@@ -136,7 +136,7 @@ def _sync_spec(job, transport: str):
 def test_adapter_mode_run(servers, tiny_model_dir: Path, data_path: Path, tmp_path: Path, transport,
                                shared_dir: Path) -> None:
     job = _sync_spec(make_job(tiny_model_dir, data_path, tmp_path, mode="adapter"), transport)
-    trainer = Trainer(job, [s.address for s in servers])
+    trainer = TrainingLoop(job, [s.address for s in servers])
     try:
         assert trainer.sync_client.transport == transport
         _run_and_check(trainer, STEPS)
@@ -151,7 +151,7 @@ def test_adapter_mode_run(servers, tiny_model_dir: Path, data_path: Path, tmp_pa
 def test_full_mode_run(servers, tiny_model_dir: Path, data_path: Path, tmp_path: Path, transport,
                             shared_dir: Path) -> None:
     job = _sync_spec(make_job(tiny_model_dir, data_path, tmp_path, mode="full"), transport)
-    trainer = Trainer(job, [s.address for s in servers])
+    trainer = TrainingLoop(job, [s.address for s in servers])
     try:
         assert trainer.sync_client.transport == transport
         _run_and_check(trainer, STEPS)
@@ -163,14 +163,14 @@ def test_full_mode_run(servers, tiny_model_dir: Path, data_path: Path, tmp_path:
 
 def test_resume_continues_data_order_and_steps(servers, tiny_model_dir, data_path, tmp_path) -> None:
     addrs = [s.address for s in servers]
-    straight = Trainer(make_job(tiny_model_dir, data_path, tmp_path / "a", steps=6), addrs)
+    straight = TrainingLoop(make_job(tiny_model_dir, data_path, tmp_path / "a", steps=6), addrs)
     try:
         straight.run()
         expected = [h.record_ids for h in straight.history]
     finally:
         straight.close()
 
-    first = Trainer(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=6), addrs)
+    first = TrainingLoop(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=6), addrs)
     try:
         first.run(max_steps=3)  # saves a checkpoint at the end
         assert first.step == 3
@@ -178,7 +178,7 @@ def test_resume_continues_data_order_and_steps(servers, tiny_model_dir, data_pat
         packer_left = first.packer.pending
     finally:
         first.close()
-    resumed = Trainer(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=6), addrs)
+    resumed = TrainingLoop(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=6), addrs)
     try:
         assert resumed.resume()
         assert resumed.step == 3 and resumed.packer.pending == packer_left
@@ -201,7 +201,7 @@ def test_server_killed_mid_run(servers, tiny_model_dir, data_path, tmp_path) -> 
             restarted.append(RolloutServer.start(tiny_model_dir, port=victim.port, enable_lora=True,
                                                  max_lora_rank=16, max_model_len=1024, dtype="float32"))
 
-    trainer = Trainer(make_job(tiny_model_dir, data_path, tmp_path, steps=12), [s.address for s in servers],
+    trainer = TrainingLoop(make_job(tiny_model_dir, data_path, tmp_path, steps=12), [s.address for s in servers],
                       on_step=on_step)
     real_generate = trainer.rollouts.generate
 

@@ -19,7 +19,7 @@ import yaml
 
 from learner.data.vision import mm_token_type_ids
 from learner.rollouts.client import RolloutRequest
-from learner.train.rollout_matching import Trainer
+from learner.train.loop import TrainingLoop
 from rmsft.jobspec import parse_job
 from rmsft_dev.synthetic import write_visual_dataset
 
@@ -82,7 +82,7 @@ def _images_served(servers) -> float:
     return total
 
 
-def _greedy_servers(trainer: Trainer, idx: list[int]) -> list[list[int]]:
+def _greedy_servers(trainer: TrainingLoop, idx: list[int]) -> list[list[int]]:
     recs = [trainer.records[i] for i in idx]
     outs = trainer.rollouts.generate(
         [RolloutRequest(request_id=r.id, messages=[(m.role, m.content) for m in r.messages],
@@ -92,14 +92,14 @@ def _greedy_servers(trainer: Trainer, idx: list[int]) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-def _greedy_hf(trainer: Trainer, idx: list[int]) -> list[list[int]]:
+def _greedy_hf(trainer: TrainingLoop, idx: list[int]) -> list[list[int]]:
     model = trainer.model
     model.eval()
     eos = trainer.policy.tokenizer.eos_token_id
     outs = []
     with torch.no_grad():
         for i in idx:
-            p = trainer._vision_prompt(i)
+            p = trainer.feed.vision_prompt(i)
             ids = torch.tensor([p.input_ids])
             y = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=p.pixel_values,
                                image_grid_thw=p.image_grid_thw, max_new_tokens=16, do_sample=False,
@@ -111,11 +111,11 @@ def _greedy_hf(trainer: Trainer, idx: list[int]) -> list[list[int]]:
     return outs
 
 
-def _hf_margin(trainer: Trainer, i: int, prefix: list[int]) -> float:
+def _hf_margin(trainer: TrainingLoop, i: int, prefix: list[int]) -> float:
     """Top-1 minus top-2 logit of the learner's model after the prompt of record `i` and `prefix`."""
     model = trainer.model
     model.eval()
-    p = trainer._vision_prompt(i)
+    p = trainer.feed.vision_prompt(i)
     ids = torch.tensor([p.input_ids + prefix])
     types = mm_token_type_ids(trainer.policy.model.config, ids)
     with torch.no_grad():
@@ -126,7 +126,7 @@ def _hf_margin(trainer: Trainer, i: int, prefix: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-def _assert_servers_answer_like_hf(trainer: Trainer, idx: list[int]) -> None:
+def _assert_servers_answer_like_hf(trainer: TrainingLoop, idx: list[int]) -> None:
     """The servers (brought to the learner's final weights first: the run's last step is not synced, nothing
     generates after it) answer greedily as the learner's model does, token for token. A failure reports the
     learner's top-2 logit margin where they part, which tells a float near-tie from a real difference."""
@@ -140,7 +140,7 @@ def _assert_servers_answer_like_hf(trainer: Trainer, idx: list[int]) -> None:
         assert a == b
 
 
-def _run_and_check(trainer: Trainer, servers, steps: int) -> None:
+def _run_and_check(trainer: TrainingLoop, servers, steps: int) -> None:
     images_before = _images_served(servers)
     summary = trainer.run()
     assert summary.steps == steps
@@ -163,7 +163,7 @@ def _run_and_check(trainer: Trainer, servers, steps: int) -> None:
 
 def test_adapter_mode_run(servers, tiny_qwen3_vl_dir: Path, data_path: Path, tmp_path: Path) -> None:
     job = make_job(tiny_qwen3_vl_dir, data_path, tmp_path, mode="adapter", finetune="lora")
-    trainer = Trainer(job, [s.address for s in servers])
+    trainer = TrainingLoop(job, [s.address for s in servers])
     try:
         _run_and_check(trainer, servers, STEPS)
         assert trainer.sync_client.forced_full_reason is None  # really ran as ADAPTER
@@ -175,7 +175,7 @@ def test_adapter_mode_run(servers, tiny_qwen3_vl_dir: Path, data_path: Path, tmp
 def test_full_mode_run_sends_what_can_change(servers, tiny_qwen3_vl_dir: Path, data_path: Path,
                                                   tmp_path: Path) -> None:
     job = make_job(tiny_qwen3_vl_dir, data_path, tmp_path, mode="full", finetune="full")
-    trainer = Trainer(job, [s.address for s in servers])
+    trainer = TrainingLoop(job, [s.address for s in servers])
     try:
         tower = [n for n, p in trainer.model.named_parameters() if "visual" in n and "merger" not in n]
         assert tower and not any(p.requires_grad for n, p in trainer.model.named_parameters() if n in tower)
@@ -202,7 +202,7 @@ def test_server_killed_mid_run(servers, tiny_qwen3_vl_dir: Path, data_path: Path
             restarted.append(RolloutServer.start(tiny_qwen3_vl_dir, port=victim.port, **SERVE))
 
     job = make_job(tiny_qwen3_vl_dir, data_path, tmp_path, mode="full", finetune="full", steps=10)
-    trainer = Trainer(job, [s.address for s in servers], on_step=on_step)
+    trainer = TrainingLoop(job, [s.address for s in servers], on_step=on_step)
     real_generate = trainer.rollouts.generate
 
     def generate_killing_once(*args, **kwargs):

@@ -17,7 +17,7 @@ from learner.data.dataset import load_dataset
 from learner.data.vision import vision_messages
 from learner.evaluation.held_out import score
 from learner.local import PRETRAIN_COORD_SIGMA, SYNTHETIC_MAX_OBJECTS, _annotations
-from learner.train.rollout_matching import Trainer
+from learner.train.loop import TrainingLoop
 from rmsft.jobspec import parse_job
 from rmsft_dev.synthetic import write_visual_dataset
 from rmsft_dev.tiny_vl import build_tiny_vl_model
@@ -27,7 +27,7 @@ STEPS = 120
 HELD_OUT = 32  # about 52 objects: one lucky match is 2% of them, not the difference the test looks for
 
 
-def _greedy(trainer: Trainer, records, images, max_tokens: int) -> list[list[int]]:
+def _greedy(trainer: TrainingLoop, records, images, max_tokens: int) -> list[list[int]]:
     """The trained model's greedy answers through transformers (what a server holding its weights samples)."""
     processor, model = trainer.policy.processor, trainer.model
     eos = processor.tokenizer.eos_token_id
@@ -65,7 +65,7 @@ def test_the_readme_task_moves_held_out_f1_above_the_untrained_models(tmp_path: 
     t["checkpoint"] = {"dir": str(tmp_path / "ckpt"), "every": 0, "keep": 1}
     t["export"] = {"enabled": False}
     job = parse_job(doc)
-    trainer = Trainer(job, [])  # no servers: nothing is generated
+    trainer = TrainingLoop(job, [])  # no servers: nothing is generated
     max_tokens = job.spec.training.rollout.max_tokens
     try:
         records, images = load_dataset(held, None, 10**8)
@@ -106,7 +106,7 @@ def test_a_run_that_generates_needs_servers(tmp_path: Path) -> None:
     t.pop("eval")
     t["checkpoint"] = {"dir": str(tmp_path / "ckpt"), "every": 0, "keep": 1}
     with pytest.raises(ValueError, match="no rollout servers given"):
-        Trainer(parse_job(doc), [])
+        TrainingLoop(parse_job(doc), [])
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""The GRPO trainer (learner/train/grpo.py) end to end against real rollout servers without vLLM: the HF
+"""The GRPO objective (learner/train/objectives/grpo.py) end to end against real rollout servers without vLLM: the HF
 engine behind real gRPC servers on loopback (tests/learner/hf_servers.py), reporting processed log-probs as
 `rmsft serve --logprobs-mode processed` does for a GRPO job. configs/local-tiny-grpo.yaml's task (a
 coordinate-token answer scored by rmsft_dev.synthetic:CoordAnswerReward), shrunk to seconds."""
@@ -55,12 +55,13 @@ def grpo_job(model_dir: Path, data: Path, ckpt: Path, *, steps: int = 3, grpo: d
 
 
 def run(job, addresses: list[str], resume: bool = False):
-    from learner.train.grpo import GrpoTrainer
+    from learner.train.loop import TrainingLoop
 
-    trainer = GrpoTrainer(job, addresses)
+    trainer = TrainingLoop(job, addresses)
     captured: list[torch.Tensor] = []
-    pack = trainer._pack
-    trainer._pack = lambda groups, adv: captured.append(adv.clone()) or pack(groups, adv)
+    objective = trainer.objective
+    pack = objective._pack
+    objective._pack = lambda groups, adv: captured.append(adv.clone()) or pack(groups, adv)
     try:
         if resume:
             assert trainer.resume()
@@ -153,22 +154,21 @@ def test_raw_log_probs_at_another_temperature_show_in_the_ratio(tmp_path: Path, 
 def test_an_unknown_reward_is_refused_before_anything_starts(tmp_path: Path, tiny_model_dir: Path,
                                                              answers: Path) -> None:
     from learner.rewards.interface import UnknownRewardError
-    from learner.train.grpo import GrpoTrainer
+    from learner.train.loop import TrainingLoop
 
     job = grpo_job(tiny_model_dir, answers, tmp_path, grpo={"rewards": [{"name": "detection"}, {"name": "nope"}]})
     with pytest.raises(UnknownRewardError, match=r"spec\.training\.grpo\.rewards\[1\] \(nope\): unknown reward"):
-        GrpoTrainer(job, ["127.0.0.1:1"])
+        TrainingLoop(job, ["127.0.0.1:1"])
 
 
-def test_spec_trainer_picks_the_learner(tiny_model_dir: Path, answers: Path, tmp_path: Path) -> None:
-    from learner.train.grpo import GrpoTrainer, trainer_class
-    from learner.train.rollout_matching import Trainer
+def test_spec_trainer_picks_the_objective(tiny_model_dir: Path, answers: Path, tmp_path: Path) -> None:
+    from learner.train.objectives import Grpo, RolloutMatching, objective_for
     from rmsft.jobspec import load_job
 
-    assert trainer_class(grpo_job(tiny_model_dir, answers, tmp_path)) is GrpoTrainer
-    assert trainer_class(load_job(ROOT / "configs" / "local-tiny.yaml")) is Trainer
+    assert type(objective_for(grpo_job(tiny_model_dir, answers, tmp_path))) is Grpo
+    assert type(objective_for(load_job(ROOT / "configs" / "local-tiny.yaml"))) is RolloutMatching
     with pytest.raises(ValueError, match="spec.trainer 'grpo'"):
-        GrpoTrainer(load_job(ROOT / "configs" / "local-tiny.yaml"), [])
+        Grpo(load_job(ROOT / "configs" / "local-tiny.yaml"))
 
 
 @pytest.mark.parametrize("kl_coef", [0.0, 0.1], ids=["no-kl", "kl"])
@@ -179,25 +179,26 @@ def test_a_whole_grpo_step_runs_on_the_training_device(tmp_path: Path, tiny_mode
     # parameter on `meta`, flagging any op given a tensor off the device and counting host reads.
     from test_placement import DeviceFence
 
-    from learner.train.grpo import GrpoTrainer
+    from learner.train.loop import TrainingLoop
 
     kw = {"grpo": {"kl_coef": kl_coef}, "finetune": "lora", "lora": {"r": 8, "alpha": 16}}
-    cpu = GrpoTrainer(grpo_job(tiny_model_dir, answers, tmp_path / "cpu", steps=1, **kw), [s.address for s in servers])
+    cpu = TrainingLoop(grpo_job(tiny_model_dir, answers, tmp_path / "cpu", steps=1, **kw), [s.address for s in servers])
     seen = []
-    real = cpu.grpo_device_step
-    cpu.grpo_device_step = lambda *a, **k: seen.append(a) or real(*a, **k)
+    real = cpu.device_step
+    cpu.device_step = lambda *a, **k: seen.append(a) or real(*a, **k)
     try:
         cpu.run()
     finally:
         cpu.close()
-    rows, tokens, n_tokens, n_seqs, _ = seen[0]
+    built, (n_tokens, n_seqs), _ = seen[0]
+    rows = built.rows
     assert rows and n_tokens == PROMPTS * N * 4 and n_seqs == PROMPTS * N
-    meta = GrpoTrainer(grpo_job(tiny_model_dir, answers, tmp_path / "meta", steps=1, **kw), ["127.0.0.1:1"],
+    meta = TrainingLoop(grpo_job(tiny_model_dir, answers, tmp_path / "meta", steps=1, **kw), ["127.0.0.1:1"],
                        device="meta")
     try:
         fence = DeviceFence("meta")
         with fence:
-            sums = meta.grpo_device_step(rows, tokens, n_tokens, n_seqs, lr=1e-3)
+            sums = meta.device_step(built, (n_tokens, n_seqs), lr=1e-3)
         assert fence.violations == [], "\n".join(fence.violations[:20])
         # transformers' packed-mask check, once per forward (the reference forward is one more per row)
         assert fence.host_reads == len(rows) * (2 if kl_coef else 1)

@@ -1,7 +1,7 @@
 """Rollouts that overlap training (spec.training.rollout.max_staleness, learner/train/overlap.py).
 
 The prefetcher alone against a fake `generate` callable (admission, the staleness window, drops, checkpoints, the
-re-sync fence), then the real Trainer against in-process fake rollout servers (tests/learner/learner_fakes.py,
+re-sync fence), then the real training loop against in-process fake rollout servers (tests/learner/learner_fakes.py,
 deterministic: a completion is a function of its prompt and seed, so runs can be compared rollout for rollout):
 staleness 0 is the synchronous loop, staleness 1 trains only within the bound, a server killed while the next
 step's rollouts are in flight fails over with the same seeds, a learner restarted mid-run resumes exactly."""
@@ -249,9 +249,9 @@ def _job(model: Path, data: Path, ckpt: Path, staleness: int, steps: int = 4, **
 
 
 def _trainer(job, addresses: list[str]):
-    from learner.train.rollout_matching import Trainer
+    from learner.train.loop import TrainingLoop
 
-    return Trainer(job, addresses)
+    return TrainingLoop(job, addresses)
 
 
 def _run(job, addresses: list[str], max_steps: int | None = None):
@@ -462,7 +462,7 @@ def test_grpo_with_staleness_one_trains_within_the_bound(tmp_path: Path, tiny_mo
     import yaml
     from trainer_fixtures import ROOT
 
-    from learner.train.grpo import GrpoTrainer
+    from learner.train.loop import TrainingLoop
     from rmsft.jobspec import parse_job
     from rmsft_dev.synthetic import write_answer_dataset
 
@@ -476,7 +476,7 @@ def test_grpo_with_staleness_one_trains_within_the_bound(tmp_path: Path, tiny_mo
     t["export"] = {"enabled": False}
     t["rollout"].update(request_timeout_s=30, max_staleness=1)
     t["grpo"].update({"group_size": 2, "max_tokens": 4})
-    trainer = GrpoTrainer(parse_job(doc), [s.address for s in servers])
+    trainer = TrainingLoop(parse_job(doc), [s.address for s in servers])
     try:
         trainer.run()
     finally:
@@ -495,7 +495,7 @@ def test_a_failed_sync_leaves_the_servers_weights_where_they_were(tmp_path: Path
     try:
         trainer.run(max_steps=1)  # synced once before the step; the step moved the weights past that version
         version = trainer.state.version
-        assert trainer._served_version() == version + 1  # noqa: SLF001 - the bookkeeping under test
+        assert trainer.feed.served_version() == version + 1  # the bookkeeping under test
 
         def broken(v: int) -> None:
             raise RuntimeError("weight sync failed on every server")
@@ -504,9 +504,9 @@ def test_a_failed_sync_leaves_the_servers_weights_where_they_were(tmp_path: Path
         with pytest.raises(RuntimeError, match="weight sync failed"):
             trainer.sync_weights()
         assert trainer.state.version == version
-        assert trainer._served_version() == version + 1  # noqa: SLF001 - still not served
+        assert trainer.feed.served_version() == version + 1  # still not served
         trainer.rollouts.sync = real
         trainer.sync_weights()  # a retry goes through and only then counts
-        assert (trainer.state.version, trainer._served_version()) == (version + 1, version + 1)  # noqa: SLF001
+        assert (trainer.state.version, trainer.feed.served_version()) == (version + 1, version + 1)
     finally:
         trainer.close()

@@ -62,51 +62,53 @@ def server(tiny_model_dir: Path) -> Iterator[FakeServer]:
 
 @pytest.fixture(scope="module")
 def step_inputs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, data_path: Path,
-                server: FakeServer) -> tuple[list[Any], int, int]:
-    """Real packed rows of one step (built on the CPU by a CPU trainer) and their target counts."""
-    from learner.train.rollout_matching import Trainer
+                server: FakeServer) -> tuple[Any, list[float]]:
+    """Real packed rows of one step (built on the CPU by a CPU trainer) and the step's loss denominators."""
+    from learner.train.loop import TrainingLoop
 
-    trainer = Trainer(make_job(tiny_model_dir, data_path, tmp_path_factory.mktemp("ck"), steps=1), [server.address])
-    seen: list[tuple[list[Any], int, int]] = []
+    job = make_job(tiny_model_dir, data_path, tmp_path_factory.mktemp("ck"), steps=1)
+    trainer = TrainingLoop(job, [server.address])
+    seen: list[tuple[Any, list[float]]] = []
     real = trainer.device_step
 
-    def spy(rows: list[Any], ce: int, coord: int, lr: float, *counts: int) -> dict[str, torch.Tensor]:
-        seen.append((rows, ce, coord))
-        return real(rows, ce, coord, lr, *counts)
+    def spy(built: Any, totals: list[float], lr: float) -> dict[str, torch.Tensor]:
+        seen.append((built, list(totals)))
+        return real(built, totals, lr)
 
     trainer.device_step = spy  # type: ignore[method-assign]
     try:
         trainer.run()
     finally:
         trainer.close()
-    rows, ce, coord = seen[0]
-    assert rows and all(r.input_ids.device.type == "cpu" for r in rows) and ce > 0
-    return rows, ce, coord
+    built, totals = seen[0]
+    assert built.rows and all(r.input_ids.device.type == "cpu" for r in built.rows) and totals[0] > 0
+    return built, totals
 
 
 def _meta_trainer(tmp_path: Path, tiny_model_dir: Path, data_path: Path, server: FakeServer, **training: Any):
-    from learner.train.rollout_matching import Trainer
+    from learner.train.loop import TrainingLoop
 
-    return Trainer(make_job(tiny_model_dir, data_path, tmp_path, **training), [server.address], device="meta")
+    return TrainingLoop(make_job(tiny_model_dir, data_path, tmp_path, **training), [server.address], device="meta")
 
 
 @pytest.mark.parametrize("finetune", ["lora", "full"])
 def test_a_whole_step_runs_on_the_training_device(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
                                                   server: FakeServer, step_inputs: Any, finetune: str) -> None:
-    rows, ce, coord = step_inputs
+    built, totals = step_inputs
+    rows = built.rows
     trainer = _meta_trainer(tmp_path, tiny_model_dir, data_path, server, finetune=finetune)
     try:
         assert trainer.device == torch.device("meta")
         assert {p.device.type for p in trainer.model.parameters()} == {"meta"}
         fence = DeviceFence("meta")
         with fence:
-            sums = trainer.device_step(rows, ce, coord, lr=1e-3)
+            sums = trainer.device_step(built, totals, lr=1e-3)
         assert fence.violations == [], "\n".join(fence.violations[:20])
         assert fence.host_reads == len(rows)  # transformers' packed-mask check, once per forward
         assert {k: v.device.type for k, v in sums.items()} == dict.fromkeys(sums, "meta")
         trained = [p for p in trainer.model.parameters() if p.requires_grad]
         assert trained and all(p.grad is not None and p.grad.device.type == "meta" for p in trained)
-        state = trainer.train_step.optimizer.state
+        state = trainer.updater.optimizer.state
         assert state and all(v.device.type == "meta" for s in state.values() for v in s.values() if v.dim())
         # ...and the FULL export reads the weights where they are (merges included), in the serving dtype
         from learner.sync.weights import full_export
@@ -125,7 +127,7 @@ def test_the_fence_catches_a_row_left_on_the_cpu(tmp_path: Path, tiny_model_dir:
     """The control: forget the one `.to(device)` of the rows and the test above would fail."""
     from learner.core.packing import PackedRow
 
-    rows, ce, coord = step_inputs
+    built, totals = step_inputs
     trainer = _meta_trainer(tmp_path, tiny_model_dir, data_path, server)
     monkeypatch.setattr(PackedRow, "to", lambda self, device: self)
     try:
@@ -133,7 +135,7 @@ def test_the_fence_catches_a_row_left_on_the_cpu(tmp_path: Path, tiny_model_dir:
         crashed = ""
         try:
             with fence:
-                trainer.device_step(rows, ce, coord, lr=1e-3)
+                trainer.device_step(built, totals, lr=1e-3)
         except RuntimeError as exc:  # what a GPU would do with the same mistake
             crashed = str(exc)
         assert "embedding" in " ".join(fence.violations) and "device" in crashed, (fence.violations[:5], crashed)
@@ -146,13 +148,13 @@ def test_deepspeed_rows_follow_the_engine_device(tmp_path: Path, tiny_model_dir:
     """ZeRO: DeepSpeed places the module itself (cuda:LOCAL_RANK on GPUs); the step's device is the
     engine's, and every row reaches the engine there."""
     pytest.importorskip("deepspeed")
-    from learner.train.rollout_matching import Trainer
+    from learner.train.loop import TrainingLoop
 
-    rows, ce, coord = step_inputs
+    built, totals = step_inputs
     job = make_job(tiny_model_dir, data_path, tmp_path, deepspeed_stage=2, precision="bf16")
-    trainer = Trainer(job, [server.address])
+    trainer = TrainingLoop(job, [server.address])
     try:
-        engine = trainer.engine
+        engine = trainer.deepspeed_engine
         assert trainer.device == torch.device(engine.device)
         # the matching precision section: DeepSpeed's own mixed precision off, fp32 trainable weights
         assert not engine.bfloat16_enabled() and not engine.fp16_enabled()
@@ -165,7 +167,7 @@ def test_deepspeed_rows_follow_the_engine_device(tmp_path: Path, tiny_model_dir:
             return real(**inputs)
 
         engine.forward = spy
-        trainer.device_step(rows, ce, coord, lr=1e-3)
+        trainer.device_step(built, totals, lr=1e-3)
         assert seen and set(seen) == {trainer.device}
         assert {p.device for p in engine.module.parameters()} == {trainer.device}
     finally:

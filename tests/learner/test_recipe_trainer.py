@@ -9,9 +9,9 @@ from trainer_fixtures import make_job
 
 
 def _trainer(job, servers):
-    from learner.train.rollout_matching import Trainer
+    from learner.train.loop import TrainingLoop
 
-    return Trainer(job, [s.address for s in servers])
+    return TrainingLoop(job, [s.address for s in servers])
 
 
 def _run(job, servers):
@@ -47,7 +47,7 @@ def test_channels_follow_the_schedule_and_a_steps_neither_generate_nor_sync(tmp_
 
 
 def test_anchor_is_greedy_and_explorers_sample_apart(tmp_path, tiny_model_dir, data_path, servers) -> None:
-    from learner.train.handout import EXPLORER_SEED_OFFSET
+    from learner.train.feed import EXPLORER_SEED_OFFSET
 
     recipe = {"channel_b_ratio": 1.0, "explorers": {"count": 2, "temperature": 0.7}}
     trainer, summary = _run(make_job(tiny_model_dir, data_path, tmp_path, steps=2, recipe=recipe), servers)

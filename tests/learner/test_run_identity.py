@@ -3,7 +3,7 @@ run id new for every learner process, so no server holding another run's weights
 this one, is ever taken for current, whatever number it reports.
 
 Real rollout servers without subprocesses: `RolloutServicer` + the HF engine behind gRPC on loopback
-(tests/learner/hf_servers.py), the real `Trainer` (tiny model) on the other side. A server is "held back"
+(tests/learner/hf_servers.py), the real `TrainingLoop` (tiny model) on the other side. A server is "held back"
 by a TCP proxy in front of it that drops and refuses connections (tests/learner/net_faults.py): it keeps
 running and keeps what it holds, unlike a restarted pod. Each test takes seconds (tiny model, 16 tokens).
 """
@@ -24,7 +24,7 @@ from net_faults import BlockingProxy
 from rmsft_protos import rollout_pb2
 from trainer_fixtures import make_job
 
-from learner.train.rollout_matching import Trainer
+from learner.train.loop import TrainingLoop
 from rmsft.weight_wire import (
     FRESH,
     FULL,
@@ -67,7 +67,7 @@ class _Killed(RuntimeError):
 class _Recorder:
     """What a learner saw and did, in order: servers' GetStatus answers, re-syncs done, completions accepted."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: TrainingLoop) -> None:
         self.events: list[tuple] = []
         pool, rollouts = trainer.pool, trainer.rollouts.client
         real_status = pool.status
@@ -130,7 +130,7 @@ def test_a_server_held_back_from_the_resumed_learners_first_sync_is_fenced_and_r
         if r.step == 4:  # after the sync of v4 (following step 3), before step 4's checkpoint
             raise _Killed("learner killed")
 
-    first = Trainer(job(), addresses, on_step=killed_at_step_4)
+    first = TrainingLoop(job(), addresses, on_step=killed_at_step_4)
     try:
         assert first.sync_client.transport == transport
         with pytest.raises(_Killed):
@@ -145,7 +145,7 @@ def test_a_server_held_back_from_the_resumed_learners_first_sync_is_fenced_and_r
     assert (saved["step"], saved["version"], saved["run_id"], saved["run_ids"]) == (2, 3, dead, [dead])
     assert not (ckpt / "step-4").exists()
 
-    second = Trainer(job(), addresses)
+    second = TrainingLoop(job(), addresses)
     try:
         assert second.resume()
         live = second.state.run_id
@@ -206,13 +206,13 @@ def test_two_learner_runs_against_one_pool_never_accept_each_others_rollouts(
     same version number, each one's requests are refused by servers holding the other's weights (naming both
     runs), it re-syncs them, and trains only on completions of its own weights."""
     addresses = [s.address for s in servers]
-    one = Trainer(_job(tiny_model_dir, data_path, tmp_path / "one", steps=1), addresses)
-    two = Trainer(_job(tiny_model_dir, data_path, tmp_path / "two", steps=1), addresses)
+    one = TrainingLoop(_job(tiny_model_dir, data_path, tmp_path / "one", steps=1), addresses)
+    two = TrainingLoop(_job(tiny_model_dir, data_path, tmp_path / "two", steps=1), addresses)
     try:
         assert one.state.run_id != two.state.run_id
         seen = {t.state.run_id: _Recorder(t) for t in (one, two)}
 
-        def interleave(trainer: Trainer, other: Trainer) -> None:
+        def interleave(trainer: TrainingLoop, other: TrainingLoop) -> None:
             """Before `trainer`'s rollouts, `other` syncs the servers to the version number `trainer` is at."""
             real_generate = trainer.rollouts.generate
 
@@ -322,7 +322,7 @@ def test_a_run_id_is_new_for_every_learner_and_named_in_its_start_log(caplog, se
 
     caplog.set_level(logging.INFO, logger="rmsft.learner")
     t0 = time.monotonic()
-    made = [Trainer(_job(tiny_model_dir, data_path, tmp_path / f"c{i}", steps=1), [servers[0].address])
+    made = [TrainingLoop(_job(tiny_model_dir, data_path, tmp_path / f"c{i}", steps=1), [servers[0].address])
             for i in range(2)]
     try:
         ids = [t.state.run_id for t in made]

@@ -1,4 +1,4 @@
-"""The training loop's fast tier: the real Trainer (tiny model, real packing, losses, AdamW, FULL
+"""The training loop's fast tier: the real training loop (tiny model, real packing, losses, AdamW, FULL
 weight streams) against in-process fake rollout servers, each test in seconds. The real-vLLM
 end-to-end tests (test_e2e_local.py) stay for what only a real engine shows."""
 
@@ -14,9 +14,9 @@ from trainer_fixtures import make_job
 
 
 def _run(job, addresses: list[str], **kw):
-    from learner.train.rollout_matching import Trainer
+    from learner.train.loop import TrainingLoop
 
-    trainer = Trainer(job, addresses, **kw)
+    trainer = TrainingLoop(job, addresses, **kw)
     try:
         summary = trainer.run()
     finally:
@@ -39,14 +39,47 @@ def test_rollout_buffer_reuses_each_e_step_for_m_steps(tmp_path: Path, tiny_mode
     assert trainer.history[0].record_ids == trainer.history[1].record_ids
 
 
+def test_a_run_resumed_inside_an_e_step_equals_the_uninterrupted_run(
+        tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]) -> None:
+    """Issue 41: a checkpoint between an E-step's M-steps (m_steps 2, a checkpoint every step) used to stop the
+    resumed run with RolloutBufferError (the built rows were not in the checkpoint) and to skip the sync before the
+    next E-step (the sync decision read the buffer's state, not the step). The checkpoint now keeps each rank's rows
+    of the E-step in progress and the plan is a function of the step: the resumed run trains what the uninterrupted
+    one did, and syncs before the next E-step."""
+    from learner.train.loop import TrainingLoop
+
+    addrs = [s.address for s in servers]
+    buffer = {"enabled": True, "m_steps": 2}
+    every = {"dir": str(tmp_path / "ck"), "every": 1, "keep": 2}
+    straight, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "a", steps=6, buffer=buffer), addrs)
+    first, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "ck", steps=3, buffer=buffer, checkpoint=every),
+                    addrs)
+    resumed = TrainingLoop(make_job(tiny_model_dir, data_path, tmp_path / "ck", steps=6, buffer=buffer,
+                                    checkpoint=every), addrs)
+    try:
+        assert resumed.resume() and resumed.step == 3  # inside E-step 1 (steps 3 and 4, 1-based)
+        resumed.run()
+    finally:
+        resumed.close()
+    steps = resumed.history
+    assert [h.step for h in steps] == [4, 5, 6]
+    assert [h.record_ids for h in steps] == [h.record_ids for h in straight.history[3:]]
+    assert [bool(h.rollouts) for h in steps] == [False, True, False]  # step 4 reuses E-step 1's rows, as straight
+    assert [h.loss for h in steps] == pytest.approx([h.loss for h in straight.history[3:]], rel=1e-5)
+    v = steps[0].weight_version
+    assert v == first.version + 1  # the resume's sync before its first step
+    assert [h.weight_version for h in steps] == [v, v + 1, v + 1]  # and the sync before E-step 2: not skipped
+    assert all(max(u.header.version for u in s.engine.updates) == v + 1 for s in servers)  # what they serve
+
+
 def test_resume_continues_where_the_checkpoint_left(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
                                                     servers: list[FakeServer]) -> None:
     addrs = [s.address for s in servers]
     straight, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "a", steps=3), addrs)
     first, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=2), addrs)
-    from learner.train.rollout_matching import Trainer
+    from learner.train.loop import TrainingLoop
 
-    resumed = Trainer(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=3), addrs)
+    resumed = TrainingLoop(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=3), addrs)
     try:
         assert resumed.resume() and (resumed.step, resumed.version) == (2, first.version)
         resumed.run()
@@ -64,13 +97,12 @@ def test_a_stop_request_ends_the_run_after_its_step_with_a_checkpoint(tmp_path: 
     checkpoint is written though none was due (checkpoint.every 0), the run stops; resumed, it trains on as if never
     stopped (issue 41)."""
     from learner.train.checkpoint_files import list_checkpoints
-    from learner.train.loop import StopRequested
-    from learner.train.rollout_matching import Trainer
+    from learner.train.loop import StopRequested, TrainingLoop
 
     addrs = [s.address for s in servers]
     straight, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "a", steps=3), addrs)
     ckpt = tmp_path / "b"
-    stopped = Trainer(make_job(tiny_model_dir, data_path, ckpt, steps=3), addrs,
+    stopped = TrainingLoop(make_job(tiny_model_dir, data_path, ckpt, steps=3), addrs,
                       on_step=lambda r: stopped.request_stop("SIGTERM") if r.step == 2 else None)
     try:
         with pytest.raises(StopRequested, match=r"stopped \(SIGTERM\) after step 2: checkpoint .*step-2 written"):
@@ -79,7 +111,7 @@ def test_a_stop_request_ends_the_run_after_its_step_with_a_checkpoint(tmp_path: 
         stopped.close()
     assert [h.step for h in stopped.history] == [1, 2]
     assert [p.name for p in list_checkpoints(ckpt)] == ["step-2"]
-    resumed = Trainer(make_job(tiny_model_dir, data_path, ckpt, steps=3), addrs)
+    resumed = TrainingLoop(make_job(tiny_model_dir, data_path, ckpt, steps=3), addrs)
     try:
         assert resumed.resume() and resumed.step == 2
         resumed.run()
@@ -97,7 +129,7 @@ def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside(tmp_path: Path, tin
     import torch
 
     from learner.train.checkpoint_files import EARLIER_RUNS, list_checkpoints
-    from learner.train.rollout_matching import Trainer
+    from learner.train.loop import TrainingLoop
 
     addrs = [s.address for s in servers]
     ckpt = tmp_path / "ckpt"
@@ -110,7 +142,7 @@ def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside(tmp_path: Path, tin
     assert len(aside) == 1 and aside[0].name.endswith(f"-before-run-{fresh.state.run_id}")
     assert sorted(p.name for p in aside[0].iterdir()) == ["step-3", "step-4"]
     assert torch.load(aside[0] / "step-4" / "state.pt", weights_only=False)["run_id"] == earlier.state.run_id
-    resumed = Trainer(make_job(tiny_model_dir, data_path, ckpt, steps=3, checkpoint=every), addrs)
+    resumed = TrainingLoop(make_job(tiny_model_dir, data_path, ckpt, steps=3, checkpoint=every), addrs)
     try:
         assert resumed.resume() and resumed.step == 2 and resumed.state.resumed.weights.run_id == fresh.state.run_id
     finally:
@@ -119,10 +151,10 @@ def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside(tmp_path: Path, tin
 
 def test_a_server_dying_mid_run_fails_over(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
                                            servers: list[FakeServer]) -> None:
-    from learner.train.rollout_matching import Trainer
+    from learner.train.loop import TrainingLoop
 
     job = make_job(tiny_model_dir, data_path, tmp_path, steps=3)
-    trainer = Trainer(job, [s.address for s in servers])
+    trainer = TrainingLoop(job, [s.address for s in servers])
 
     def on_step(r) -> None:
         if r.step == 1:  # the engine dies after step 1's sync: its Generate calls fail from now on
