@@ -4,8 +4,11 @@ checkpointing, and clear refusals for what cannot train here. All on the tiny mo
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 import shutil
+import subprocess
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from learner.train.policy import ModelLoadError, Policy, load_policy, policy_aut
 from rmsft.jobspec import TrainingConfig
 
 LENGTHS = (23, 31, 17)  # >= 3 segments of different lengths in one row
+HERE = Path(__file__).resolve().parent
 HAS_FA2 = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
@@ -128,19 +132,32 @@ def test_packed_rows_stay_isolated(impl: str, tiny_model_dir: Path, monkeypatch:
 @pytest.mark.slow
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
                     reason="torch.compile on the CPU needs a C++ compiler")
-def test_compiled_flex_attention_isolates_packed_rows(tiny_model_dir: Path) -> None:
+def test_compiled_flex_attention_isolates_packed_rows(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The real path: transformers' compiled FlexAttention kernel and compiled block mask (forward only,
     on the CPU; equal segment lengths keep it to two compiled shapes). 12-30 s, mostly compiling.
 
-    Inductor is held to 256-bit (AVX2) C++ here, the width every x86 CI machine has: on one CI machine it chose
-    its widest ISA and wrote an int64 reduction that g++ refused (`vec_reduce_all<int64_t, 2>`, torch 2.13).
-    Scalar code is not an option (its CPU flex-attention template needs a vector ISA), and a GPU run compiles
-    Triton kernels, not these; what this test checks is the mask, which is the same at any width."""
-    from torch._inductor import config as inductor_config
+    In a process of its own, with an inductor cache of its own and without the environment vLLM's CPU platform sets
+    (TORCHINDUCTOR_*, VLLM_*, LD_PRELOAD). In a whole `make test` (CI, twice, and here once) inductor's C++ for the
+    block mask failed to compile (`'at::vec' has not been declared`: vectorised code, compiled in C++-wrapper mode
+    with no vector-ISA flag and the precompiled header under /tmp/torchinductor_root); run alone it compiles, and
+    after an in-process vLLM engine in the same process too. Not pinned down: state another test left in pytest's
+    process (vLLM patches inductor and sets its environment where an engine starts), or that inductor cache, which
+    the suite's processes and rollout servers share. This process has neither. A GPU run compiles Triton kernels,
+    not these; what the test checks is the mask."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCHINDUCTOR_", "VLLM_")) and k != "LD_PRELOAD"}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_model_options as t; "
+            f"t.check_compiled_flex({str(tiny_model_dir)!r})")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "packed rows isolated" in proc.stdout, proc.stderr[-4000:]
 
-    policy = load_policy(tiny_model_dir, cfg(attn_implementation="flex_attention", device="cuda"))
-    with inductor_config.patch({"cpp.simdlen": 256}):
-        assert_isolated(policy.model, segments(policy, lengths=(16, 16, 16)), atol=1e-5)
+
+def check_compiled_flex(model_dir: str) -> None:
+    """`test_compiled_flex_attention_isolates_packed_rows`'s body, run in its own process."""
+    policy = load_policy(Path(model_dir), cfg(attn_implementation="flex_attention", device="cuda"))
+    assert_isolated(policy.model, segments(policy, lengths=(16, 16, 16)), atol=1e-5)
+    print("packed rows isolated")
 
 
 @pytest.mark.parametrize("device", ["cpu", "auto"])
