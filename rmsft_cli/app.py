@@ -189,14 +189,20 @@ def serve(ctx: typer.Context) -> None:
     serve_main(list(ctx.args), prog="rmsft serve")
 
 
-def _fail(exc: Exception) -> None:
+def _fail(exc: Exception, code: int = 2) -> None:
+    """Print `exc` as one line and exit with `code`: 2, the learner Job's podFailurePolicy reads as a configuration
+    that no retry fixes; another code (e.g. BUSY_EXIT) is retried under its backoffLimit."""
     from rich.console import Console
     from rich.markup import escape
 
     # soft_wrap: a message is one line even when piped (rich would cut it at 80 columns, paths mid-name);
     # escape: a path with square brackets is text, not markup
     Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {escape(str(exc))}")
-    raise typer.Exit(2)
+    raise typer.Exit(code)
+
+
+# `rmsft train`'s exit code when another learner holds the checkpoint folder (EX_TEMPFAIL): the pod is retried.
+BUSY_EXIT = 75
 
 
 @app.command("train")
@@ -257,8 +263,11 @@ def train(
         trainer = TrainingLoop(job, addresses, auth_token=auth_token or None)
     except (JobSpecError, DataError, ServersFileError, LogLevelError, MissingRequirementError, ValueError,
             RuntimeError, OSError) as exc:
-        _fail(exc)
+        from learner.train.checkpoint_owner import CheckpointFolderBusyError
+
+        _fail(exc, BUSY_EXIT if isinstance(exc, CheckpointFolderBusyError) else 2)
     from learner.rollouts.pool import NoServerAvailableError
+    from learner.train.checkpoint_owner import CheckpointLineageError
     from learner.train.loop import StopRequested
     from learner.train.ranks import RankFailedError
 
@@ -276,7 +285,7 @@ def train(
 
             # In a pod: the operator reads the final step from here (status.step); /metrics ends with the process.
             write_termination_log(final_progress_message(summary.steps, summary.weight_version))
-    except (RankFailedError, NoServerAvailableError) as exc:  # every learner rank exits with the cause
+    except (RankFailedError, NoServerAvailableError, CheckpointLineageError) as exc:  # every rank exits with the cause
         _fail(exc)
     except StopRequested as exc:
         import logging
@@ -333,6 +342,7 @@ def local(
 
     from learner.data.records import DataError
     from learner.rewards.interface import RewardConfigError
+    from learner.train.checkpoint_owner import CheckpointFolderBusyError, CheckpointLineageError
     from rmsft.jobspec import JobSpecError
     from rmsft.logs import LogLevelError, configure_logging
     from rmsft.memory_plan import MemoryPlanSettingError
@@ -359,7 +369,7 @@ def local(
 
         run_local(job, work_dir=work_dir, resume=resume)
     except (JobSpecError, DataError, LogLevelError, RewardConfigError, ModelCheckError,
-            MemoryPlanSettingError) as exc:
+            MemoryPlanSettingError, CheckpointLineageError, CheckpointFolderBusyError) as exc:
         _fail(exc)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (learner.local.Terminated)
         import signal

@@ -12,6 +12,9 @@ cannot exchange, the old copy is renamed aside (`.old-step-<n>`) before the new 
 those two renames leaves the old copy complete under that name, and it is taken as the checkpoint of its step
 (`list_checkpoints`) and put back by the next save, never deleted for being a leftover.
 
+Each checkpoint records its run's lineage (`lineage.json`, learner/train/checkpoint_owner.py): pruning deletes only
+checkpoints of the saving run's lineage, and a resume refuses another lineage's.
+
 A fresh run (not resumed) in a folder that holds checkpoints moves them into
 `earlier-runs/<time>-before-run-<run id>/` first (`set_aside_earlier`; the new run's id names the folder): pruning
 keeps the highest step numbers in the folder, so beside an earlier run's checkpoints a new run would delete each of
@@ -21,6 +24,7 @@ its own right after writing it, and a later `--resume` would continue the other 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -31,6 +35,7 @@ from typing import Any
 
 import torch
 
+from learner.train.checkpoint_owner import LINEAGE_FILE, read_lineage
 from rmsft import pause_points
 from rmsft.output_folder import exchange as _exchange
 
@@ -109,9 +114,11 @@ def _restore_set_aside(root: Path) -> None:
         old.rename(final)
 
 
-def save_checkpoint(root: str | Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
+def save_checkpoint(root: str | Path, step: int, state: dict[str, Any], keep: int = 2,
+                    lineage: dict[str, Any] | None = None) -> Path:
     """Write `state` as the checkpoint of `step` under `root` (module doc: all or nothing), then keep the newest
-    `keep` checkpoints. Returns the checkpoint's folder."""
+    `keep` checkpoints. With `lineage` (checkpoint_owner.lineage_of) the checkpoint records it and pruning counts
+    and deletes only checkpoints of that lineage: another run's are never touched. Returns the checkpoint's folder."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for left in root.glob(f"{_TMP}{_PREFIX}*"):  # what killed saves left
@@ -121,6 +128,9 @@ def save_checkpoint(root: str | Path, step: int, state: dict[str, Any], keep: in
     tmp = root / f"{_TMP}{_PREFIX}{step}"
     tmp.mkdir()
     try:
+        if lineage is not None:
+            (tmp / LINEAGE_FILE).write_text(json.dumps(lineage, sort_keys=True))
+            _fsync_path(tmp / LINEAGE_FILE)
         torch.save(state, tmp / _STATE)
         # On disk before the name says "complete": after a power loss a renamed folder must not hold an empty file.
         _fsync_path(tmp / _STATE)
@@ -140,7 +150,9 @@ def save_checkpoint(root: str | Path, step: int, state: dict[str, Any], keep: in
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half is left behind (a killed process leaves it: above)
         raise
-    for old in list_checkpoints(root)[:-keep]:
+    ours = [p for p in list_checkpoints(root)
+            if lineage is None or (read_lineage(p) or {}).get("digest") == lineage["digest"]]
+    for old in ours[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

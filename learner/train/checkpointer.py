@@ -34,6 +34,7 @@ from learner.train.checkpoint_files import (
     set_rng_state,
     trainable_state,
 )
+from learner.train.checkpoint_owner import check_resumable
 from learner.train.ranks import Ranks
 from learner.train.step import PlainStep, ZeroStep, gathered_weights
 from rmsft.jobspec import TrainingConfig
@@ -81,8 +82,12 @@ class TrainState:
 
 class Checkpointer:
     def __init__(self, cfg: TrainingConfig, ranks: Ranks, model: torch.nn.Module, updater: PlainStep | ZeroStep,
-                 packer: Packer, state: TrainState, parts: Mapping[str, Stateful] | None = None) -> None:
+                 packer: Packer, state: TrainState, parts: Mapping[str, Stateful] | None = None,
+                 lineage: dict[str, Any] | None = None) -> None:
         self.cfg, self.ranks, self.model, self.packer, self.state = cfg, ranks, model, packer, state
+        # This run's lineage (checkpoint_owner.lineage_of): recorded in each checkpoint, checked on resume; pruning
+        # deletes only its own. None: not recorded, nothing refused (tests that build a Checkpointer bare).
+        self.lineage = lineage
         self.updater = updater  # how the optimizer steps (learner/train/step.py): its optimizer state is saved
         # Each rank's further parts with a state of their own (the objective's), saved and restored per rank.
         self.parts: dict[str, Stateful] = dict(parts or {})
@@ -127,7 +132,7 @@ class Checkpointer:
                 ckpt = self.checkpoint(model_state)
                 ckpt["rank_states"] = rank_states
                 ck = self.cfg.checkpoint
-                path = save_checkpoint(ck.dir, self.state.step, ckpt, keep=ck.keep)
+                path = save_checkpoint(ck.dir, self.state.step, ckpt, keep=ck.keep, lineage=self.lineage)
         return path
 
     def start_fresh(self) -> None:
@@ -150,6 +155,10 @@ class Checkpointer:
             if self.ranks.is_main:
                 found = list_checkpoints(self.cfg.checkpoint.dir)
                 name = str(found[-1]) if found else None
+                if found and self.lineage is not None:  # another run's checkpoint: refused before it is loaded
+                    warning = check_resumable(found[-1], self.lineage, resume_any=self.cfg.checkpoint.resume_any)
+                    if warning:
+                        log.warning("%s", warning)
         name = self.ranks.broadcast_from_main(name)
         if name is None:
             return False

@@ -48,6 +48,7 @@ from learner.tracking import metrics as m
 from learner.tracking.tracker import Tracker, check_writable
 from learner.train import zero
 from learner.train.checkpoint_files import check_checkpoint_dir
+from learner.train.checkpoint_owner import WriterLock, lineage_of
 from learner.train.checkpointer import Checkpointer, TrainState
 from learner.train.config import core_configs, learning_rate
 from learner.train.export import export_trained
@@ -123,6 +124,8 @@ class TrainingLoop:
         self.reporter: RunReporter | None = None  # rank 0's TensorBoard and held-out reports
         self.exported: Path | None = None
         self._stop_why: str | None = None  # request_stop's reason (set from a signal handler)
+        self.lineage = lineage_of(job)  # what this run's checkpoints record and a resume must match
+        self._writer_lock: WriterLock | None = None  # rank 0's hold on training.checkpoint.dir
         try:
             self._setup(job, addresses, auth_token, model_path, device)
         except BaseException:
@@ -147,6 +150,9 @@ class TrainingLoop:
         with ranks.guard("checking spec.training.checkpoint.dir (rank 0)"):
             if ranks.is_main:  # the rank that writes checkpoints; before anything is paid for
                 check_checkpoint_dir(cfg.checkpoint.dir)
+                # One writer per folder for the whole run (checkpoint_owner): a second learner waits, then stops.
+                self._writer_lock = WriterLock(cfg.checkpoint.dir, run_id=self.state.run_id,
+                                               job=self.lineage["job"], on_wait=log.warning)
                 check_writable(Path(cfg.tensorboard_dir))  # TensorBoard's folder: now, not after training
         with ranks.guard("checking the memory plan"):
             check_memory_plan(job, log_it=ranks.is_main)  # before anything is loaded: say which knob to turn
@@ -180,7 +186,7 @@ class TrainingLoop:
         self.order = DataOrder(len(self.records), cfg.prompts_per_step, cfg.seed)
         self.packer = self.objective.make_packer()  # one per rank, lives across steps
         self.checkpointer = Checkpointer(cfg, ranks, self.model, self.updater, self.packer, self.state,
-                                         parts={"objective": self.objective})
+                                         parts={"objective": self.objective}, lineage=self.lineage)
         model_dir = model_path or job.spec.model.path
         # No servers at all (server mode): a run whose objective samples nothing and that has no held-out evaluation
         # needs none, e.g. the pretraining of `rmsft local`'s tiny model (learner.local.pretrain_tiny_model).
@@ -481,5 +487,7 @@ class TrainingLoop:
             if part is not None:
                 part.close()
         self.updater = None
+        if self._writer_lock is not None:
+            self._writer_lock.release()
         self.ranks.close()
 

@@ -28,8 +28,16 @@ SERVE_SAYS = "rmsft serve:"
 CRASH_LOOP_RESTARTS = 3
 # Failed-condition reasons of a job whose start could not succeed. Such a job stays Failed (its pool at zero,
 # its learner suspended) until it is deleted, as one whose learner failed does.
-STARTUP_FAILURES = ("ModelPreflightFailed", "RolloutInvalidConfig", "RolloutCrashLoop", "RolloutStartupTimeout",
-                    "LearnerUnschedulable")
+STARTUP_FAILURES = ("ModelPreflightFailed", "ImageUnavailable", "RolloutInvalidConfig", "RolloutCrashLoop",
+                    "RolloutStartupTimeout", "LearnerUnschedulable", "LearnerStartupTimeout")
+# The kubelet's waiting reasons for an image it will never get with this spec (imagePullPolicy Never and the
+# image not on the node; a name that is not an image reference).
+_IMAGE_NEVER = {"ErrImageNeverPull", "InvalidImageName"}
+# A pull error in these words is the registry's answer (the image or tag is not there, or not for these
+# credentials), not network trouble: retrying the same pull gets the same answer. Other pull errors (a timeout,
+# a rate limit) wait for the start deadline.
+_PULL_REFUSED = ("not found", "manifest unknown", "name unknown", "repository does not exist", "pull access denied",
+                 "unauthorized", "authorization failed", "403 forbidden")
 # What `rmsft preflight` (the pods' init container, render.PREFLIGHT_CONTAINER) starts its message with.
 PREFLIGHT_SAYS = "rmsft preflight:"
 
@@ -127,16 +135,53 @@ def preflight_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dic
     return None
 
 
+def image_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """("ImageUnavailable", message) when a container (init containers included) of any of the job's pods waits
+    for an image it cannot have (`_IMAGE_NEVER`, or a pull the registry refused: `_PULL_REFUSED`), else None. Pure.
+    No restart gets it, so the job fails at once, whatever the start deadline, with the kubelet's words."""
+    for role, pods in (("rollout", rollout_pods), ("learner", learner_pods)):
+        for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
+            if (pod.get("metadata") or {}).get("deletionTimestamp"):
+                continue
+            st = pod.get("status") or {}
+            for cs in [*(st.get("initContainerStatuses") or []), *(st.get("containerStatuses") or [])]:
+                waiting = (cs.get("state") or {}).get("waiting") or {}
+                reason, said = waiting.get("reason"), str(waiting.get("message") or "").strip()
+                if reason in _IMAGE_NEVER or (reason in ("ErrImagePull", "ImagePullBackOff")
+                                              and any(w in said.lower() for w in _PULL_REFUSED)):
+                    pname = (pod.get("metadata") or {}).get("name", "?")
+                    return "ImageUnavailable", (f"{role} pod {pname}: container {cs.get('name', '?')} cannot get "
+                                                f"image {cs.get('image') or '?'}: {reason}: {said}").strip(": ")[
+                        :_MAX_HINT]
+    return None
+
+
+def _scheduled_since(pod: dict[str, Any]) -> dt.datetime | None:
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "True":
+            return parse_time(c.get("lastTransitionTime"))
+    return None
+
+
 def startup_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[str, Any]], pool_starting: bool,
-                    timeout_s: int, now: dt.datetime) -> tuple[str, str] | None:
+                    timeout_s: int, now: dt.datetime, pool_since: dt.datetime | None = None,
+                    pool_refused: str | None = None) -> tuple[str, str] | None:
     """(reason, message) when the job cannot start and should fail now, else None. Pure.
 
     While the pool is starting (the learner still waits for it): a rollout server that said its configuration
-    is invalid, one that restarted CRASH_LOOP_RESTARTS times without being Ready, or a pod not Ready
-    `timeout_s` after it was created (unschedulable, image not pulled, model still loading). At any time: a
-    learner pod the scheduler could not place for `timeout_s`. The message is the server's (or scheduler's)
-    own words, prefixed with the pod's name."""
+    is invalid, one that restarted CRASH_LOOP_RESTARTS times without being Ready, a pod not Ready `timeout_s`
+    after the pool was made (`pool_since`, the StatefulSet's creation: the clock is the job's, so a pod deleted
+    and made again does not restart it; the pod's own creation when not given), whether unschedulable, not
+    pulled or still loading, or pods the API refused to create (`pool_refused`, the FailedCreate words) that long.
+    At any time: a learner pod the scheduler could not place for `timeout_s`, or one placed that long ago whose
+    containers never started (a volume that does not attach or mount, an image still pulling, a missing
+    ConfigMap key). The message is the server's (or scheduler's, or kubelet's) own words, prefixed with the pod's
+    name."""
     limit = dt.timedelta(seconds=timeout_s)
+    if pool_starting and pool_refused and pool_since is not None and now - pool_since >= limit:
+        return "RolloutStartupTimeout", (f"rollout pool not Ready within spec.rollout.startupTimeout "
+                                         f"({_span(timeout_s)}): rollout pods cannot be created: {pool_refused}")[
+            :_MAX_HINT]
     if pool_starting:
         for pod in sorted(rollout_pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
             if _pod_ready(pod) or (pod.get("metadata") or {}).get("deletionTimestamp"):
@@ -155,7 +200,7 @@ def startup_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[
                     why = _server_says(said) or ended.get("reason") or "no message"
                     return "RolloutCrashLoop", (f"rollout pod {pname} restarted {restarts} times without becoming "
                                                 f"Ready (last exit code {code}): {why}")[:_MAX_HINT]
-            created = parse_time((pod.get("metadata") or {}).get("creationTimestamp"))
+            created = pool_since or parse_time((pod.get("metadata") or {}).get("creationTimestamp"))
             if created is not None and now - created >= limit:
                 problem = pod_problem([pod])
                 detail = problem[1] if problem else f"pod {pname} is still starting"
@@ -174,4 +219,16 @@ def startup_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[
                     return "LearnerUnschedulable", (f"learner pod {pname} not scheduled within "
                                                     f"spec.rollout.startupTimeout ({_span(timeout_s)}): "
                                                     f"{c.get('message', '')}").strip()[:_MAX_HINT]
+        placed = _scheduled_since(pod)
+        if st.get("phase") == "Pending" and placed is not None and now - placed >= limit:
+            pname = (pod.get("metadata") or {}).get("name", "?")
+            problem = pod_problem([pod])
+            waits = [f"{cs.get('name', '?')}: {w.get('reason')}{': ' + w['message'] if w.get('message') else ''}"
+                     for cs in [*(st.get("initContainerStatuses") or []), *(st.get("containerStatuses") or [])]
+                     if (w := (cs.get("state") or {}).get("waiting") or {}).get("reason")]
+            detail = problem[1] if problem else "; ".join(waits) or "its containers were never started"
+            return "LearnerStartupTimeout", (f"learner pod {pname} placed on a node but not started within "
+                                             f"spec.rollout.startupTimeout ({_span(timeout_s)}): {detail} (a volume "
+                                             "that does not attach or mount shows in `kubectl describe pod "
+                                             f"{pname}`)")[:_MAX_HINT]
     return None

@@ -35,6 +35,7 @@ from rmsft.jobspec import (
 )
 from rmsft_operator import render
 from rmsft_operator.failures import (
+    image_failure,
     job_finished,
     job_state,
     parse_time,
@@ -47,7 +48,17 @@ from rmsft_operator.progress import learner_final_progress, learner_progress
 
 log = logging.getLogger("rmsft_operator.reconcile")
 
-CHILD_KINDS = ("Secret", "ConfigMap", "Service", "NetworkPolicy", "StatefulSet", "Job")
+# The children of a job, in creation order: kinds, except the two PodDisruptionBudgets (render.child_key).
+CHILD_KINDS = ("Secret", "ConfigMap", "Service", "NetworkPolicy", "PoolDisruptionBudget", "StatefulSet",
+               "LearnerDisruptionBudget", "Job")
+_CHILD_NAME = {"Secret": "secret", "ConfigMap": "config", "Service": "service", "NetworkPolicy": "networkpolicy",
+               "PoolDisruptionBudget": "pool_budget", "StatefulSet": "statefulset",
+               "LearnerDisruptionBudget": "learner_budget", "Job": "job"}
+
+
+def api_kind(child: str) -> str:
+    """The API kind of a child key of CHILD_KINDS."""
+    return "PodDisruptionBudget" if child.endswith("DisruptionBudget") else child
 # Pod Security admission: the namespace label that sets the enforced level, and the levels whose
 # policy refuses hostPath volumes (only `privileged` admits them).
 PSA_ENFORCE_LABEL = "pod-security.kubernetes.io/enforce"
@@ -115,9 +126,7 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
     meta = body.get("metadata") or {}
     name, namespace = meta["name"], meta.get("namespace") or "default"
     n = render.names(name)
-    key = {"Secret": "secret", "ConfigMap": "config", "Service": "service", "NetworkPolicy": "networkpolicy",
-           "StatefulSet": "statefulset", "Job": "job"}
-    found = {kind: kube.get(kind, namespace, n[key[kind]]) for kind in CHILD_KINDS}
+    found = {kind: kube.get(api_kind(kind), namespace, n[_CHILD_NAME[kind]]) for kind in CHILD_KINDS}
     uid = meta.get("uid") or ""
     foreign = {kind: obj["metadata"]["name"] for kind, obj in found.items()
                if obj is not None and not owned_by(obj, uid)}
@@ -255,7 +264,7 @@ def shared_memory_refusal(job: RolloutMatchingJob, namespace: str, labels: dict[
 
 
 def _by_kind(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {o["kind"]: o for o in objs}
+    return {render.child_key(o): o for o in objs}
 
 
 def decide(obs: Observed, now: str) -> Decision:
@@ -350,7 +359,7 @@ def decide(obs: Observed, now: str) -> Decision:
     # acts only on what it owns, so it neither adopts nor replaces it. Nothing is created; every pass looks again,
     # so once it is deleted or renamed the job goes on.
     if obs.foreign:
-        named = ", ".join(f"{kind} {name}" for kind, name in sorted(obs.foreign.items()))
+        named = ", ".join(f"{api_kind(kind)} {name}" for kind, name in sorted(obs.foreign.items()))
         return held("NameConflict", f"{named} already exists in namespace {obs.namespace} and is not this job's (no "
                     f"controller reference to it): rmsft does not adopt or replace objects it did not create; delete "
                     f"or rename it, or recreate the job under another name")
@@ -416,9 +425,15 @@ def decide(obs: Observed, now: str) -> Decision:
     # learner Job suspended, which removes a pod that waits for a node), instead of crash-looping forever.
     suspended = bool((learner.get("spec") or {}).get("suspend"))
     stalled = _stalled(status, job, suspended, obs.learner_pods, now)
-    failure = preflight or startup_failure(
-        obs.rollout_pods, obs.learner_pods, pool_starting=not colocated and suspended,
-        timeout_s=job.spec.rollout.startup_timeout_seconds, now=parse_time(now) or dt.datetime.now(dt.UTC)) \
+    # A rollout pod that cannot get its image fails the start; once the learner runs, a replacement server's
+    # trouble is the failover's (the other servers go on), as in startup_failure.
+    pool_starting = not colocated and suspended
+    failure = preflight or image_failure(obs.rollout_pods if pool_starting else [], obs.learner_pods) \
+        or startup_failure(
+        obs.rollout_pods, obs.learner_pods, pool_starting=pool_starting,
+        timeout_s=job.spec.rollout.startup_timeout_seconds, now=parse_time(now) or dt.datetime.now(dt.UTC),
+        pool_since=parse_time((sts.get("metadata") or {}).get("creationTimestamp")),
+        pool_refused=obs.failed_creates.get("StatefulSet")) \
         or (("LearnerStalled", stalled) if stalled and job.spec.learner.fail_when_stalled else None)
     if failure:
         reason, message = failure
@@ -429,7 +444,7 @@ def decide(obs: Observed, now: str) -> Decision:
         status["rolloutReplicas"] = 0
         status.setdefault("completionTime", now)
         status["message"] = message
-        learner_reason = "LearnerUnschedulable" if reason == "LearnerUnschedulable" else "Suspended"
+        learner_reason = reason if reason in ("LearnerUnschedulable", "LearnerStartupTimeout") else "Suspended"
         status["conditions"] = [
             cond("Complete", False, "NotComplete", message),
             cond("Failed", True, reason, message),

@@ -53,6 +53,8 @@ def names(job_name: str) -> dict[str, str]:
         "statefulset": f"{job_name}-rollout",
         "job": f"{job_name}-learner",
         "networkpolicy": f"{job_name}-rollout",
+        "pool_budget": f"{job_name}-rollout",
+        "learner_budget": f"{job_name}-learner",
     }
 
 
@@ -518,13 +520,45 @@ def render_networkpolicy(job: RolloutMatchingJob, namespace: str, uid: str) -> d
     }
 
 
+def render_disruption_budget(job: RolloutMatchingJob, namespace: str, uid: str, role: str) -> dict[str, Any]:
+    """The PodDisruptionBudget of the rollout pool (`role` rollout: maxUnavailable 1, one server evicted at a time)
+    or of the learner (`learner`: minAvailable 1, its eviction refused). A Job's pods can only be budgeted with an
+    integer minAvailable (the disruption controller cannot scale a Job), the StatefulSet's with maxUnavailable.
+    unhealthyPodEvictionPolicy AlwaysAllow: a pod that is not Ready (crash-looping, still loading) never holds up
+    a drain."""
+    pool = role == "rollout"
+    n = names(job.metadata.name)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(job, n["pool_budget" if pool else "learner_budget"], namespace, uid, role),
+        "spec": {
+            **({"maxUnavailable": 1} if pool else {"minAvailable": 1}),
+            "selector": {"matchLabels": selector(job.metadata.name, role)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def child_key(obj: dict[str, Any]) -> str:
+    """Which of a job's children `obj` is: its kind, except the two PodDisruptionBudgets (reconcile.CHILD_KINDS)."""
+    if obj["kind"] != "PodDisruptionBudget":
+        return obj["kind"]
+    role = (obj.get("metadata") or {}).get("labels", {}).get(ROLE_LABEL)
+    return "PoolDisruptionBudget" if role == "rollout" else "LearnerDisruptionBudget"
+
+
 def render_all(job: RolloutMatchingJob, namespace: str, uid: str, token: str | None = None) -> list[dict[str, Any]]:
-    """Every child in creation order (config before the pods that mount it). A colocate job has no rollout
-    pool: no StatefulSet, Service or NetworkPolicy, only the learner Job (its GPUs hold the engine too)."""
+    """Every child in creation order (config before the pods that mount it, a budget before the pods it covers).
+    A colocate job has no rollout pool: no StatefulSet, Service, NetworkPolicy or pool budget, only the learner
+    Job (its GPUs hold the engine too)."""
     pool = [] if job.spec.rollout.colocated else [
         render_service(job, namespace, uid),
         render_networkpolicy(job, namespace, uid),
+        *([render_disruption_budget(job, namespace, uid, "rollout")] if job.spec.rollout.disruption_budget else []),
         render_statefulset(job, namespace, uid),
     ]
+    learner_budget = [render_disruption_budget(job, namespace, uid, "learner")] \
+        if job.spec.learner.disruption_budget else []
     return [render_secret(job, namespace, uid, token), render_configmap(job, namespace, uid), *pool,
-            render_job(job, namespace, uid)]
+            *learner_budget, render_job(job, namespace, uid)]

@@ -91,6 +91,11 @@ class LearnerSpec(_K8s):
     shm_size: str = Field("8Gi", pattern=QUANTITY_PATTERN, description="Size of the /dev/shm memory volume.")
     resources: ResourceSpec = Field(
         default_factory=ResourceSpec, description="CPU and memory of the learner container.")
+    disruption_budget: bool = Field(
+        True, description="A PodDisruptionBudget (minAvailable 1) for the running learner pod: an eviction (a "
+        "drain, the cluster autoscaler) is refused, so a drain waits for the run to end or for someone to delete "
+        "the pod (which stops at a step boundary with a checkpoint, and the Job's retry resumes it). A learner "
+        "pod not Ready is never protected. false: evictions go through (the same save and resume).")
 
     @field_validator("stall_timeout", mode="before")
     @classmethod

@@ -96,6 +96,10 @@ class RolloutSpec(_K8s):
         "(30m, 1h30m, 90s). Covers image pull, model load and engine warm-up of the biggest server.",
     )
 
+    disruption_budget: bool = Field(
+        True, description="A PodDisruptionBudget (maxUnavailable 1) for the rollout pool: a drain or the cluster "
+        "autoscaler evicts one server at a time, the others serve meanwhile and the learner re-syncs the one that "
+        "comes back. Servers not Ready never block a drain. No effect in mode colocate.")
     recovery_timeout: int | str = Field(
         DEFAULT_RECOVERY_TIMEOUT, description="How long the learner waits, mid-run, for a rollout server to come "
         "back when none is up (the only server restarted, its pod evicted or recreated) before it fails the run: "

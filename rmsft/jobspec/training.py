@@ -52,7 +52,11 @@ class CheckpointConfig(_Learner):
         "learner.checkpointClaim mounted here, else a volume that lives as long as the pod).",
     )
     every: int = Field(0, ge=0, description="Save every N optimizer steps (0 = only at the end).")
-    keep: int = Field(2, ge=1, description="Newest checkpoints kept; older ones are deleted.")
+    keep: int = Field(2, ge=1, description="Newest checkpoints of this run kept; its older ones are deleted (another "
+                      "run's never are).")
+    resume_any: bool = Field(
+        False, description="Resume the newest checkpoint even when another job, or other model, objective, data, "
+        "format, trained weights, seed or batch, wrote it (refused by default, naming what differs).")
 
 
 class EvalConfig(_Learner):

@@ -245,6 +245,76 @@ def test_cpu_job_runs_to_complete(cluster: Cluster, config: str) -> None:
     assert sts["spec"]["replicas"] == 0  # the pool is released when the job ends
 
 
+def test_deleting_the_learner_job_of_a_complete_job_runs_nothing_again(cluster: Cluster) -> None:
+    """Issue 41, final is final: the GRPO job above is Complete; its learner Job deleted (by hand, or by a TTL),
+    the operator neither recreates it nor scales the pool up, and the status stays Complete, over two resyncs."""
+    doc = yaml.safe_load((ROOT / "configs/job-kind-cpu-grpo.yaml").read_text())
+    ns, name = "rmsft-grpo", doc["metadata"]["name"]
+    before = cluster.job(ns, name)["status"]
+    assert before["phase"] == "Complete", before  # the job test_cpu_job_runs_to_complete[grpo] ran
+    cluster.kubectl("-n", ns, "delete", "job", f"{name}-learner", "--wait=true", timeout=120)
+    time.sleep(25)  # the chart runs the operator with resyncSeconds 10 here: two passes and an event
+    assert cluster.get("job", f"{name}-learner", "-n", ns) is None, "the learner Job was recreated"
+    assert cluster.get("statefulset", f"{name}-rollout", "-n", ns)["spec"]["replicas"] == 0
+    after = cluster.job(ns, name)["status"]
+    assert after["phase"] == "Complete" and after.get("step") == before.get("step"), after
+    cluster.wait(lambda: not cluster.pods(ns, f"rmsft.io/job={name}"), 60,
+                 "no pod of the finished job (its learner pod goes with the Job; nothing comes back)", namespace=ns)
+
+
+def test_a_learner_whose_image_cannot_be_had_fails_at_once_in_the_kubelets_words(cluster: Cluster) -> None:
+    """Issue 41: a colocate job (the learner is the job's only pod) whose image tag is not on the node, with pull
+    policy Never. Before, it waited for its start deadline and then said "pod ... is still starting"; now it is
+    Failed (ImageUnavailable) as soon as the kubelet says ErrImageNeverPull, far inside the deadline, with the
+    kubelet's words, and the learner Job suspended (its waiting pod removed)."""
+    ns = namespace(cluster, "rmsft-no-image")
+    job = "no-image"
+    doc = yaml.safe_load((ROOT / "configs/job-kind-cpu-colocate.yaml").read_text())
+    doc["metadata"]["name"] = job
+    doc["spec"]["image"]["tag"] = "no-such-tag"
+    doc["spec"]["rollout"]["startupTimeout"] = "10m"
+    t0 = time.monotonic()
+    apply_job(cluster, doc, ns)
+    status = cluster.wait_phase(ns, job, {"Failed"}, timeout=240)
+    took = time.monotonic() - t0
+    assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == "ImageUnavailable", status
+    assert re.search(rf"learner pod {job}-learner-\S+: container \S+ cannot get image \S*rmsft:no-such-tag: "
+                     r"ErrImageNeverPull: .*not present with pull policy of Never", status["message"]), status
+    assert took < 180, took  # the start deadline is 10 minutes
+    cluster.wait(lambda: cluster.get("job", f"{job}-learner", "-n", ns)["spec"].get("suspend") is True, 60,
+                 "the learner Job suspended", namespace=ns)
+
+
+def test_a_job_named_like_a_statefulset_it_does_not_own_leaves_it_untouched(cluster: Cluster) -> None:
+    """Issue 41, no adoption: a StatefulSet named as the job's pool already exists, made by someone else. The
+    operator does not scale, patch or own it; the job stays Pending saying why (NameConflict) and creates
+    nothing."""
+    ns = namespace(cluster, "rmsft-squatter")
+    job = "squatter"
+    theirs = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": f"{job}-rollout",
+                                                                            "labels": {"made-by": "someone-else"}},
+              "spec": {"replicas": 0, "serviceName": "none", "selector": {"matchLabels": {"app": "theirs"}},
+                       "template": {"metadata": {"labels": {"app": "theirs"}}, "spec": {"containers": [
+                           {"name": "c", "image": "rmsft:cpu", "imagePullPolicy": "Never"}]}}}}
+    cluster.apply(theirs, ns)
+    before = cluster.get("statefulset", f"{job}-rollout", "-n", ns)
+    apply_job(cluster, manifest("configs/job-kind-cpu.yaml", job), ns)
+
+    def conflict() -> dict[str, Any] | None:
+        status = cluster.job(ns, job).get("status") or {}
+        conds = {c["type"]: c for c in status.get("conditions") or []}
+        return status if (conds.get("RolloutReady") or {}).get("reason") == "NameConflict" else None
+
+    status = cluster.wait(conflict, 120, f"{job} Pending with NameConflict", namespace=ns)
+    assert status["phase"] == "Pending" and f"StatefulSet {job}-rollout" in status["message"], status
+    after = cluster.get("statefulset", f"{job}-rollout", "-n", ns)
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"], after["metadata"]
+    assert not after["metadata"].get("ownerReferences") and after["spec"]["replicas"] == 0, after
+    assert cluster.get("job", f"{job}-learner", "-n", ns) is None  # nothing of the job was created
+    events = cluster.get("events", "-n", ns, "--field-selector", f"involvedObject.name={job},type=Warning")
+    assert any(e["reason"] == "NameConflict" for e in events["items"]), events
+
+
 def test_a_job_whose_model_path_does_not_exist_fails_and_frees_its_pool(cluster: Cluster) -> None:
     """The pods' model preflight (an init container, before any rollout container starts) refuses the folder:
     the job is Failed with the preflight's own words well within its startup timeout (not Pending in

@@ -199,9 +199,15 @@ def test_children_owner_references_and_suspended_learner(control_plane: ControlP
     cp = control_plane
     _apply(cp, _manifest("alpha"))
     uid = _cr(cp, "alpha")["metadata"]["uid"]
-    kids = cp.wait_for(lambda: (k := {kind: _child(cp, kind, f"alpha-{s}") for kind, s in (
+    kids = cp.wait_for(lambda: (k := {(kind, s): _child(cp, kind, f"alpha-{s}") for kind, s in (
         ("Secret", "token"), ("ConfigMap", "config"), ("Service", "rollout"), ("NetworkPolicy", "rollout"),
-        ("StatefulSet", "rollout"), ("Job", "learner"))}) and all(k.values()) and k, 60, "all six children")
+        ("PodDisruptionBudget", "rollout"), ("StatefulSet", "rollout"), ("PodDisruptionBudget", "learner"),
+        ("Job", "learner"))}) and all(k.values()) and k, 60, "all eight children")
+    # The real API server admitted both disruption budgets as rendered (policy/v1, unhealthyPodEvictionPolicy).
+    assert kids[("PodDisruptionBudget", "rollout")]["spec"]["maxUnavailable"] == 1
+    assert kids[("PodDisruptionBudget", "learner")]["spec"]["minAvailable"] == 1
+    kids = {kind: obj for (kind, _), obj in kids.items() if kind != "PodDisruptionBudget"} | {
+        f"PodDisruptionBudget/{s}": obj for (kind, s), obj in kids.items() if kind == "PodDisruptionBudget"}
     for kind, obj in kids.items():
         refs = obj["metadata"]["ownerReferences"]
         assert [(r["kind"], r["name"], r["uid"], r["controller"]) for r in refs] == \
@@ -545,13 +551,15 @@ def test_delete_garbage_collects_every_child(control_plane: ControlPlane, operat
     _apply(cp, _manifest("golf", **{"rollout.replicas": 1}))
     cp.wait_for(lambda: _child(cp, "Job", "golf-learner"), 60, "children")
     cp.kubectl("delete", "rolloutmatchingjob", "golf", "-n", JOBS_NS, "--wait=false")
-    names = {"Secret": "golf-token", "ConfigMap": "golf-config", "Service": "golf-rollout",
-             "NetworkPolicy": "golf-rollout", "StatefulSet": "golf-rollout", "Job": "golf-learner"}
+    names = [("Secret", "golf-token"), ("ConfigMap", "golf-config"), ("Service", "golf-rollout"),
+             ("NetworkPolicy", "golf-rollout"), ("PodDisruptionBudget", "golf-rollout"),
+             ("StatefulSet", "golf-rollout"), ("PodDisruptionBudget", "golf-learner"), ("Job", "golf-learner")]
+    assert all(_child(cp, kind, name) is not None for kind, name in names)  # every one of them was made
 
     def gone() -> bool:
         cp.reap_terminating_pods(JOBS_NS)
         return cp.get(f"{RMJ}/namespaces/{JOBS_NS}/rolloutmatchingjobs/golf") is None and \
-            all(_child(cp, kind, name) is None for kind, name in names.items()) and not _pods(cp, "golf", "rollout")
+            all(_child(cp, kind, name) is None for kind, name in names) and not _pods(cp, "golf", "rollout")
 
     t0 = time.monotonic()
     cp.wait_for(gone, 90, "the job and all its children garbage-collected")

@@ -147,6 +147,22 @@ def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside(tmp_path: Path, tin
         assert resumed.resume() and resumed.step == 2 and resumed.state.resumed.weights.run_id == fresh.state.run_id
     finally:
         resumed.close()
+    # A job with another seed is another run: its resume is refused before anything is loaded, unless asked for.
+    from learner.train.checkpoint_owner import CheckpointLineageError
+
+    other = TrainingLoop(make_job(tiny_model_dir, data_path, ckpt, steps=3, checkpoint=every, seed=5), addrs)
+    try:
+        with pytest.raises(CheckpointLineageError, match=r"spec.training.seed 0 \(this job: 5\)"):
+            other.resume()
+        assert other.step == 0
+    finally:
+        other.close()
+    anyway = TrainingLoop(make_job(tiny_model_dir, data_path, ckpt, steps=3, seed=5,
+                                   checkpoint={**every, "resume_any": True}), addrs)
+    try:
+        assert anyway.resume() and anyway.step == 2
+    finally:
+        anyway.close()
 
 
 def test_a_server_dying_mid_run_fails_over(tmp_path: Path, tiny_model_dir: Path, data_path: Path,

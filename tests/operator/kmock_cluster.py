@@ -32,6 +32,7 @@ RESOURCES = {
     "apps/v1/statefulsets": ("StatefulSet", {"status", "scale"}),
     "batch/v1/jobs": ("Job", {"status"}),
     "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", set()),
+    "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", set()),
 }
 VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
 # kmock re-filters its whole request history for every new request (cost grows with it): keep

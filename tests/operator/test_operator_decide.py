@@ -47,7 +47,7 @@ def _spec(**edits: Any) -> dict[str, Any]:
 def _children(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
     job = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
                      "metadata": {"name": NAME, "namespace": NS}, "spec": spec})
-    return {o["kind"]: o for o in render.render_all(job, NS, UID, token="t")}
+    return {render.child_key(o): o for o in render.render_all(job, NS, UID, token="t")}
 
 
 def _pod(role: str, name: str, phase: str = "Pending", **status: Any) -> dict[str, Any]:
@@ -69,6 +69,7 @@ class World:
     failed_creates: dict[str, str] = field(default_factory=dict)
     status: dict[str, Any] = field(default_factory=dict)
     namespace_labels: dict[str, str] | None = None  # read by observe for shm jobs only
+    pool_created: str | None = None     # the StatefulSet's creationTimestamp (the job's start clock)
 
     def observed(self) -> Observed:
         kids: dict[str, dict[str, Any] | None] = {k: None for k in CHILD_KINDS}
@@ -77,6 +78,8 @@ class World:
             kids[kind] = copy.deepcopy(applied[kind])
         if kids["StatefulSet"]:
             kids["StatefulSet"]["status"] = {"readyReplicas": self.ready}
+            if self.pool_created:
+                kids["StatefulSet"]["metadata"]["creationTimestamp"] = self.pool_created
         if kids["Job"]:
             kids["Job"]["spec"]["suspend"] = self.suspended
             kids["Job"]["status"] = self.job_status
@@ -90,7 +93,7 @@ def _cond(d: Decision, ctype: str) -> dict[str, Any]:
 
 def test_new_job_creates_every_child_in_order_and_warns_about_ephemeral_checkpoints() -> None:
     d = decide(World(exists=()).observed(), NOW)
-    assert [o["kind"] for o in d.creates] == list(CHILD_KINDS)
+    assert [render.child_key(o) for o in d.creates] == list(CHILD_KINDS)
     assert d.creates[-1]["spec"]["suspend"] is True and d.patches == []
     assert d.phase == "Pending"
     assert _cond(d, "LearnerRunning")["reason"] == "Suspended"
@@ -319,7 +322,7 @@ def test_shm_in_a_namespace_that_refuses_hostpath_creates_nothing(case: tuple[st
     d = decide(world.observed(), NOW)
     assert d.phase == "Pending"
     if not refused:
-        assert [o["kind"] for o in d.creates] == list(CHILD_KINDS)
+        assert [render.child_key(o) for o in d.creates] == list(CHILD_KINDS)
         assert _cond(d, "RolloutReady")["reason"] == "PoolNotReady"
         return
     assert d.creates == [] and d.patches == []
@@ -339,7 +342,7 @@ def test_shm_in_a_namespace_that_refuses_hostpath_creates_nothing(case: tuple[st
     again = decide(replace(world.observed(), status=d.status), "2026-11-23T11:00:00Z")
     assert again.status == d.status and again.events == []
     relabelled = decide(replace(world.observed(), status=d.status, namespace_labels=_psa("privileged")), NOW)
-    assert [o["kind"] for o in relabelled.creates] == list(CHILD_KINDS)
+    assert [render.child_key(o) for o in relabelled.creates] == list(CHILD_KINDS)
     assert _cond(relabelled, "RolloutReady")["reason"] == "PoolNotReady"
 
 
@@ -403,15 +406,14 @@ def test_observe_reads_the_namespace_for_shm_jobs_only(transport: str, reads: bo
 
 
 class _Existing(_Reads):
-    """`observe`'s reads over a namespace holding these objects (by kind); no pods."""
+    """`observe`'s reads over a namespace holding these objects (by child key: render.child_key); no pods."""
 
     def __init__(self, objects: dict[str, dict[str, Any]]) -> None:
         super().__init__()
         self.objects = objects
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:  # type: ignore[override]
-        obj = self.objects.get(kind)
-        return obj if obj is not None and obj["metadata"]["name"] == name else None
+        return next((o for o in self.objects.values() if o["kind"] == kind and o["metadata"]["name"] == name), None)
 
     def list_pods(self, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
         return []
@@ -460,7 +462,7 @@ class _Refusing(_Existing):
     def ensure(self, obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         if obj["kind"] == self.kind:
             raise ApiError(self.status, f"POST {obj['kind']}: admission webhook said no")
-        self.objects[obj["kind"]] = obj
+        self.objects[render.child_key(obj)] = obj
         self.writes.append(("create", obj["kind"]))
         return obj, True
 
@@ -482,7 +484,7 @@ def test_a_create_the_api_refuses_is_reported_once_not_retried_in_a_loop(status:
     out = act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
     # What came before the refused child was created; nothing after it, and no patch of this pass was applied.
     assert kube.writes == [("create", "Secret"), ("create", "ConfigMap"), ("create", "Service"),
-                           ("create", "NetworkPolicy"), ("status", phase)]
+                           ("create", "NetworkPolicy"), ("create", "PodDisruptionBudget"), ("status", phase)]
     assert out.phase == phase
     failed = next(c for c in out.status["conditions"] if c["type"] == "Failed")
     assert (failed["status"], failed["reason"]) == (("True", "CreateRefused") if phase == "Failed"
@@ -506,6 +508,9 @@ def test_other_api_errors_on_create_are_left_to_the_retry() -> None:
         act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
 
 
+COLOCATE_CHILDREN = ("Secret", "ConfigMap", "LearnerDisruptionBudget", "Job")
+
+
 def _colocate_spec() -> dict[str, Any]:
     spec = _spec(**{"rollout.mode": "colocate"})
     spec["rollout"].pop("replicas")
@@ -515,16 +520,16 @@ def _colocate_spec() -> dict[str, Any]:
 def test_a_colocate_job_creates_no_pool_and_resumes_its_learner_at_once() -> None:
     spec = _colocate_spec()
     d = decide(World(spec=spec, exists=()).observed(), NOW)
-    assert [o["kind"] for o in d.creates] == ["Secret", "ConfigMap", "Job"]
-    d = decide(World(spec=spec, exists=("Secret", "ConfigMap", "Job")).observed(), NOW)
+    assert [render.child_key(o) for o in d.creates] == ["Secret", "ConfigMap", "LearnerDisruptionBudget", "Job"]
+    d = decide(World(spec=spec, exists=COLOCATE_CHILDREN).observed(), NOW)
     assert d.creates == []
     assert d.patches == [Patch("Job", N["job"], {"spec": {"suspend": False}})]  # nothing to wait for
     assert _cond(d, "RolloutReady")["reason"] == "Colocated"
-    running = World(spec=spec, exists=("Secret", "ConfigMap", "Job"), suspended=False,
+    running = World(spec=spec, exists=COLOCATE_CHILDREN, suspended=False,
                     job_status={"active": 1, "ready": 1}, learner_pods=[_pod("learner", "l-1", "Running")])
     d = decide(running.observed(), NOW)
     assert d.phase == "Running" and d.patches == [] and d.status["rolloutReplicas"] == 0
-    done = World(spec=spec, exists=("Secret", "ConfigMap", "Job"), suspended=False,
+    done = World(spec=spec, exists=COLOCATE_CHILDREN, suspended=False,
                  job_status={"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
     d = decide(done.observed(), NOW)
     assert d.phase == "Complete" and d.patches == []  # no StatefulSet to scale down
@@ -580,6 +585,27 @@ def _preflight(role: str = "rollout", name: str = "demo-rollout-0", exit_code: i
     pod = _pod(role, name, phase, initContainerStatuses=[init], containerStatuses=[main])
     pod["metadata"]["creationTimestamp"] = MIN_AGO[4]
     return pod
+def _waiting_for_image(reason: str, message: str, role: str = "rollout", name: str = "demo-rollout-0",
+                       init: bool = False) -> dict[str, Any]:
+    """A pod created 4 minutes before NOW whose container (the preflight init container when `init`) waits with
+    the kubelet's `reason` and `message`."""
+    waiting = {"name": render.PREFLIGHT_CONTAINER if init else role, "image": "rmsft:missing", "ready": False,
+               "restartCount": 0, "state": {"waiting": {"reason": reason, "message": message}}}
+    pod = _pod(role, name, **{"initContainerStatuses" if init else "containerStatuses": [waiting]})
+    pod["metadata"]["creationTimestamp"] = MIN_AGO[4]
+    return pod
+
+
+def _placed_not_started(since: int) -> dict[str, Any]:
+    """A learner pod placed on a node `since` minutes before NOW, its container still being created."""
+    pod = _pod("learner", "demo-learner-x", conditions=[
+        {"type": "PodScheduled", "status": "True", "lastTransitionTime": MIN_AGO[since]}],
+        containerStatuses=[{"name": "learner", "ready": False, "restartCount": 0,
+                            "state": {"waiting": {"reason": "ContainerCreating"}}}])
+    pod["metadata"]["creationTimestamp"] = MIN_AGO[since]
+    return pod
+
+
 # (id, world, Failed reason or None, words the message holds)
 STARTUP_TABLE: list[tuple[str, World, str | None, list[str]]] = [
     ("invalid-config", World(rollout_pods=[_server(ended={"exitCode": 1, "message": LOG_TAIL})]),
@@ -624,6 +650,36 @@ STARTUP_TABLE: list[tuple[str, World, str | None, list[str]]] = [
         _preflight("learner", "demo-learner-x", restarted=False)]),
      "ModelPreflightFailed", ["learner pod demo-learner-x", "rmsft prepare-model"]),
     ("preflight-passed", World(rollout_pods=[_preflight(exit_code=0, message="")]), None, []),
+    # Issue 41: an image that cannot be had fails at once, in the kubelet's words (before: the start deadline,
+    # 30 minutes, and "pod ... is still starting").
+    ("image-never-pulled", World(rollout_pods=[_waiting_for_image("ErrImageNeverPull", (
+        'Container image "rmsft:missing" is not present with pull policy of Never'))]),
+     "ImageUnavailable", ["rollout pod demo-rollout-0", "container rollout", "rmsft:missing", "ErrImageNeverPull",
+                          "is not present with pull policy of Never"]),
+    ("preflight-image-invalid", World(rollout_pods=[_waiting_for_image("InvalidImageName", (
+        'Failed to apply default image tag "Rmsft:Bad": invalid reference format'), init=True)]),
+     "ImageUnavailable", ["container preflight", "InvalidImageName", "invalid reference format"]),
+    ("learner-image-not-in-the-registry", World(**_STARTED, learner_pods=[_waiting_for_image("ErrImagePull", (
+        'failed to pull and unpack image "ghcr.io/x/rmsft:v9": ghcr.io/x/rmsft:v9: not found'),
+        role="learner", name="demo-learner-x")]),
+     "ImageUnavailable", ["learner pod demo-learner-x", "ErrImagePull", "rmsft:v9: not found"]),
+    ("a-pull-timeout-waits-for-the-deadline", World(rollout_pods=[_waiting_for_image("ErrImagePull", (
+        'failed to pull image "ghcr.io/x/rmsft:v9": dial tcp 10.0.0.1:443: i/o timeout'))]), None, []),
+    # A learner pod placed on a node whose containers never start (a volume that does not attach) gets the
+    # start deadline too (before: no clock at all).
+    ("learner-never-starts", World(**_STARTED, learner_pods=[_placed_not_started(31)]),
+     "LearnerStartupTimeout", ["learner pod demo-learner-x", "spec.rollout.startupTimeout (30 min)",
+                               "learner: ContainerCreating", "kubectl describe pod demo-learner-x"]),
+    ("learner-starting-within-the-deadline", World(**_STARTED, learner_pods=[_placed_not_started(29)]), None, []),
+    # The pool's clock is the job's (the StatefulSet's creation), not each pod's: a pod made again 4 minutes ago
+    # in a pool asked for 31 minutes ago is late, and so are pods the API refused to create all along.
+    ("pool-clock-is-the-jobs", World(pool_created=MIN_AGO[31], rollout_pods=[_server(created=4)]),
+     "RolloutStartupTimeout", ["spec.rollout.startupTimeout (30 min)", "demo-rollout-0 is still starting"]),
+    ("pool-pods-refused-past-the-deadline", World(pool_created=MIN_AGO[31], failed_creates={
+        "StatefulSet": 'pods "demo-rollout-1" is forbidden: exceeded quota: gpu, requested: nvidia.com/gpu=1'}),
+     "RolloutStartupTimeout", ["rollout pods cannot be created", "exceeded quota"]),
+    ("pool-pods-refused-within-the-deadline", World(pool_created=MIN_AGO[29], failed_creates={
+        "StatefulSet": 'pods "demo-rollout-1" is forbidden: exceeded quota'}), None, []),
     ("another-init-container-failed", World(**_STARTED, learner_pods=[
         _preflight("learner", "demo-learner-x", exit_code=1, restarted=False, container="shared-weights-owner",
                    message="chown: /rmsft-shared: Operation not permitted")]), None, []),

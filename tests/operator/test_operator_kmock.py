@@ -26,7 +26,10 @@ KINDS = {  # kind -> (API prefix, plural)
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "StatefulSet": ("/apis/apps/v1", "statefulsets"),
     "Job": ("/apis/batch/v1", "jobs"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
 }
+# How many of each kind a server-mode job has: one, and two budgets (the pool's and the learner's).
+EACH = {**{kind: 1 for kind in KINDS}, "PodDisruptionBudget": 2}
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +106,7 @@ def _phase(cluster: KmockCluster, name: str) -> str | None:
 
 def _all_children_present(cluster: KmockCluster, job: str) -> bool:
     kids = _children(cluster, job)
-    return all(len(v) == 1 for v in kids.values())
+    return all(len(kids[k]) == EACH[k] for k in KINDS)
 
 
 def _start_pool(cluster: KmockCluster, name: str, replicas: int) -> None:
@@ -251,7 +254,7 @@ def test_api_errors_are_retried_without_duplicates(cluster: KmockCluster, operat
     _start_pool(cluster, "foxtrot", 2)
     wait_for(lambda: _phase(cluster, "foxtrot") == "Running", what="Running")
     kids = _children(cluster, "foxtrot")
-    assert {k: len(v) for k, v in kids.items()} == {k: 1 for k in KINDS}
+    assert {k: len(v) for k, v in kids.items()} == EACH
     assert _child(cluster, "Job", n["job"])["spec"]["suspend"] is False
     metrics = _operator_metrics()
     assert metrics.get('rmsft_operator_errors_total{code="500"}', 0) >= 1
@@ -267,7 +270,7 @@ def test_delete_leaves_only_owned_objects(cluster: KmockCluster, operator: Any) 
     # kmock has no garbage collector: what remains must all be collectable via owner references
     # to the deleted job, i.e. nothing was left that Kubernetes would not clean up.
     leftovers = _children(cluster, "golf")
-    assert sum(len(v) for v in leftovers.values()) == len(KINDS)
+    assert sum(len(v) for v in leftovers.values()) == sum(EACH.values())
     for kind, objs in leftovers.items():
         for obj in objs:
             refs = obj["metadata"].get("ownerReferences") or []
@@ -320,7 +323,7 @@ def test_rendered_children_match_offline_rendering(cluster: KmockCluster, operat
 
     expected = render.render_all(job, NAMESPACE, "uid-juliet", base64.b64decode(token_b64).decode())
     for obj in expected:
-        live = kids[obj["kind"]][0]
+        live = next(o for o in kids[obj["kind"]] if o["metadata"]["name"] == obj["metadata"]["name"])
         for key in ("spec", "data"):
             if key in obj:
                 assert json.loads(json.dumps(live[key])) == obj[key], (obj["kind"], key)

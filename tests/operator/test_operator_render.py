@@ -21,18 +21,43 @@ EXAMPLES = ["configs/job.yaml", "configs/job-3v1.yaml", "configs/job-kind-cpu.ya
 
 def _by_kind(path: str) -> dict[str, dict]:
     job = load_job(ROOT / path)
-    return {o["kind"]: o for o in render.render_all(job, "team-a", "0000-uid")}
+    return {render.child_key(o): o for o in render.render_all(job, "team-a", "0000-uid")}
 
 
 @pytest.mark.parametrize("path", EXAMPLES)
 def test_rendered_objects_validate_against_kubernetes_1_32(path: str) -> None:
     objs = render.render_all(load_job(ROOT / path), "team-a", "0000-uid")
-    assert [o["kind"] for o in objs] == ["Secret", "ConfigMap", "Service", "NetworkPolicy",
-                                         "StatefulSet", "Job"]
+    assert [render.child_key(o) for o in objs] == ["Secret", "ConfigMap", "Service", "NetworkPolicy",
+                                                   "PoolDisruptionBudget", "StatefulSet", "LearnerDisruptionBudget",
+                                                   "Job"]
     for obj in objs:
         kubernetes_validate.validate(obj, "1.32", strict=True)
         ref = obj["metadata"]["ownerReferences"][0]
         assert (ref["kind"], ref["uid"], ref["controller"]) == ("RolloutMatchingJob", "0000-uid", True)
+
+
+def _selects(budget: dict, pod_template: dict) -> bool:
+    return budget["spec"]["selector"]["matchLabels"].items() <= pod_template["metadata"]["labels"].items()
+
+
+def test_disruption_budgets_cover_the_pool_and_the_learner_by_default_and_go_when_asked() -> None:
+    """Issue 41: a drain evicts one rollout server at a time (maxUnavailable 1 over the StatefulSet's pods) and not
+    the running learner (minAvailable 1: a Job's pods take only an integer minAvailable); a pod not Ready never
+    holds a drain up. Each budget selects its own pods and no other's."""
+    kids = _by_kind("configs/job.yaml")
+    pool, learner = kids["PoolDisruptionBudget"], kids["LearnerDisruptionBudget"]
+    rollout_pods, learner_pods = kids["StatefulSet"]["spec"]["template"], kids["Job"]["spec"]["template"]
+    assert pool["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pool["spec"]
+    assert learner["spec"]["minAvailable"] == 1 and "maxUnavailable" not in learner["spec"]
+    assert _selects(pool, rollout_pods) and not _selects(pool, learner_pods)
+    assert _selects(learner, learner_pods) and not _selects(learner, rollout_pods)
+    assert {pool["spec"]["unhealthyPodEvictionPolicy"], learner["spec"]["unhealthyPodEvictionPolicy"]} == {
+        "AlwaysAllow"}
+    doc = yaml.safe_load((ROOT / "configs/job.yaml").read_text())
+    doc["spec"]["rollout"]["disruptionBudget"] = False
+    doc["spec"]["learner"]["disruptionBudget"] = False
+    kinds = [o["kind"] for o in render.render_all(parse_job(doc), "team-a", "0000-uid")]
+    assert "PodDisruptionBudget" not in kinds and "StatefulSet" in kinds
 
 
 def test_a_grpo_job_renders_the_same_children_with_processed_log_probs() -> None:
@@ -317,7 +342,7 @@ def test_a_colocate_job_renders_only_the_learner_job() -> None:
     """spec.rollout.mode colocate: the engine lives in the learner's ranks, so no pool, no Service, no
     NetworkPolicy for it, and the learner follows no servers file."""
     objs = render.render_all(load_job(ROOT / "configs/job-kind-cpu-colocate.yaml"), "team-a", "0000-uid")
-    assert [o["kind"] for o in objs] == ["Secret", "ConfigMap", "Job"]
+    assert [o["kind"] for o in objs] == ["Secret", "ConfigMap", "PodDisruptionBudget", "Job"]  # the learner's budget
     for obj in objs:
         kubernetes_validate.validate(obj, "1.32", strict=True)
     job = objs[-1]
@@ -334,7 +359,7 @@ def test_a_gpu_colocate_job_gives_the_learner_all_its_gpus() -> None:
     doc["spec"]["learner"]["gpus"] = 4
     doc["spec"]["sync"] = {"mode": "full"}
     kids = {o["kind"]: o for o in render.render_all(parse_job(doc), "team-a", "0000-uid")}
-    assert set(kids) == {"Secret", "ConfigMap", "Job"}
+    assert set(kids) == {"Secret", "ConfigMap", "PodDisruptionBudget", "Job"}
     pod = kids["Job"]["spec"]["template"]["spec"]
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
     assert pod["containers"][0]["command"][-2:] == ["-m", "rmsft_cli"]  # torchrun: one rank per GPU

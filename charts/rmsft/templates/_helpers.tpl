@@ -64,6 +64,10 @@ app.kubernetes.io/component: operator
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "create"]
+# The pool's and the learner's disruption budgets (spec.rollout.disruptionBudget, spec.learner.disruptionBudget).
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create"]
