@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -265,8 +266,11 @@ def spawn_servers(job: RolloutMatchingJob, log_dir: Path, assignment: GpuAssignm
     assignment = assignment or machine_gpus(job)
     log_dir.mkdir(parents=True, exist_ok=True)
     opts = server_options(job, assignment)
-    # The servers log at the job's spec.monitoring.logLevel, as they would in their pods.
-    env = {LOG_LEVEL_ENV: job.spec.monitoring.log_level}
+    # The servers log at the job's spec.monitoring.logLevel, as they would in their pods. They take callers with
+    # this run's token only: the user's RMSFT_AUTH_TOKEN, else a random one made for this run, so another process
+    # on the machine (another user's, another run's learner) cannot generate on them or push weights into them.
+    env = {LOG_LEVEL_ENV: job.spec.monitoring.log_level,
+           AUTH_TOKEN_ENV: os.environ.get(AUTH_TOKEN_ENV) or secrets.token_urlsafe(24)}
     started: list = []
     try:
         for i in range(n):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import uuid
@@ -19,6 +20,7 @@ from rmsft_protos import rollout_pb2
 
 from rmsft.run_dir import pid_alive
 from rmsft.weight_wire import (
+    DTYPE_SIZES,
     FULL,
     PieceFrame,
     StagedTensor,
@@ -133,6 +135,10 @@ class Stager:
         reader.require_all = require_all
         reader.parallel_digest = header.HasField("shared_file")  # a file in memory: hash it on every core
         reader.on_header(header)
+        most = most_bytes(table)
+        if most is not None and header.total_bytes > most:  # before any space is taken
+            raise WireError(f"the update announces {header.total_bytes} bytes, more than the {most} bytes every tensor "
+                            f"it may carry takes ({len(table)} tensors): refused before staging", reason="count")
         base = os.path.join(self.staging_dir, f"{STAGE_PREFIX}{os.getpid()}-{header.version}-{uuid.uuid4().hex[:8]}")
         if header.HasField("shared_file"):
             if header.relay_to:
@@ -226,6 +232,15 @@ class Stager:
             except OSError as e:
                 raise WireError(f"cannot reserve {nbytes} staging bytes in {self.staging_dir}: {e}",
                                 code="RESOURCE_EXHAUSTED", reason="staging_space") from e
+
+
+def most_bytes(table: dict[str, TensorSpec] | None) -> int | None:
+    """The most bytes an update against `table` (the tensors it may carry) can hold: each tensor once, a pattern's
+    "*" dtype at 8 bytes an element. None when it cannot be bounded (no table, or a dimension left open: -1)."""
+    if table is None or any(-1 in spec.shape for spec in table.values()):
+        return None
+    return sum(math.prod(spec.shape) * (8 if spec.dtype == "*" else DTYPE_SIZES[spec.dtype])
+               for spec in table.values())
 
 
 def _write_index(staged: StagedWeights) -> None:

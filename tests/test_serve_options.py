@@ -46,3 +46,23 @@ def test_large_frames_seed_and_cpu_memory(tmp_path: Path) -> None:
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(serve))
     cfg = parse_config(["--config", str(tmp_path / "serve.yaml")])
     assert cfg.max_frame_bytes == 64 << 20 and cfg.seed == 17 and cfg.gpu_memory_utilization is None
+
+
+def test_local_servers_take_only_this_runs_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 41: `rmsft local`'s servers took any caller unless the user set a token. Each run now gives its servers
+    a random token of its own (the learner sends it; another run or user on the machine cannot generate on them or
+    push weights into them); a token the user set is kept."""
+    from rollout_svc.launcher import RolloutServer
+
+    launched: list[dict[str, str]] = []
+    monkeypatch.setattr(RolloutServer, "_spawn", lambda self, append: launched.append(self._launch[1]))
+    monkeypatch.delenv("RMSFT_AUTH_TOKEN", raising=False)
+    job = load_job(ROOT / "configs/local-tiny.yaml")
+    first = local.spawn_servers(job, tmp_path / "a")
+    second = local.spawn_servers(job, tmp_path / "b")
+    assert len(first) == job.spec.rollout.replicas == 2
+    assert len({s.token for s in first}) == 1 and len(first[0].token) >= 24  # one token per run, for every server
+    assert first[0].token != second[0].token  # and another for the next run
+    assert [env["RMSFT_AUTH_TOKEN"] for env in launched[:2]] == [first[0].token] * 2  # what the processes get
+    monkeypatch.setenv("RMSFT_AUTH_TOKEN", "users-own")
+    assert {s.token for s in local.spawn_servers(job, tmp_path / "c")} == {"users-own"}

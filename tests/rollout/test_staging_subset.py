@@ -129,6 +129,21 @@ def test_the_stager_stages_a_subset(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_header_announcing_more_bytes_than_the_model_holds_is_refused_before_staging(tmp_path: Path) -> None:
+    """Issue 41: the staging space was reserved (posix_fallocate) for whatever size a header announced, so one
+    header could fill /dev/shm; now an announcement beyond every tensor the update may carry is refused first."""
+    _, chunks = _stream(LM)
+    header = chunks[0].header
+    most = sum(spec.nbytes for spec in full_expectation(dict(TABLE), True)[0].values())
+    assert header.total_bytes < most  # a subset: honest
+    header.total_bytes = 64 << 30  # 64 GiB for a checkpoint of a few kB
+    with pytest.raises(WireError, match=rf"announces {64 << 30} bytes, more than the {most} bytes") as err:
+        Stager(str(tmp_path), max_frame_bytes=1 << 20).stage(iter(chunks),
+                                                             lambda h: full_expectation(dict(TABLE), True))
+    assert err.value.reason == "count"
+    assert list(tmp_path.iterdir()) == []  # no staging file was made, no space taken
+
+
 # ---------------------------------------------------------------- ADAPTER
 
 CONFIG = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "down_proj"]}
