@@ -276,3 +276,23 @@ def test_the_import_picture_in_the_docs_is_current(graph: dict[str, set[str]]) -
     # The reduction itself: train -> core is implied by train -> data -> core.
     toy = {"learner.train.x": {"learner.data.y", "learner.core.z"}, "learner.data.y": {"learner.core.z"}}
     assert layer_edges(toy) == {("learner.train", "learner.data"), ("learner.data", "learner.core")}
+
+
+MAX_CLASS_LINES = 400  # issue 42: the training loop's parts stay readable in one sitting
+
+
+def test_no_class_of_the_training_loop_grows_past_its_limit_and_none_is_a_mixin() -> None:
+    """Every class in learner/train/ fits MAX_CLASS_LINES (the loop's step reads in one place; what grows goes into
+    a collaborator: an objective, the feed, the checkpointer), and none is a mixin (a class another one inherits
+    besides its real base)."""
+    sizes: dict[str, int] = {}
+    bases: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "learner" / "train").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                name = f"{path.relative_to(ROOT)}::{node.name}"
+                sizes[name] = node.end_lineno - node.lineno + 1
+                bases[name] = [ast.unparse(b) for b in node.bases]
+    assert any(name.endswith("::TrainingLoop") for name in sizes), sorted(sizes)  # the scan sees the loop
+    assert {n: s for n, s in sizes.items() if s > MAX_CLASS_LINES} == {}
+    assert {n: b for n, b in bases.items() if len([x for x in b if x not in ("Protocol", "Generic")]) > 1} == {}

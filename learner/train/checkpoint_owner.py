@@ -155,6 +155,8 @@ class WriterLock:
             os.ftruncate(fd, 0)  # the holder's record goes with the hold
         os.close(fd)  # releases the lock
 
+    close = release  # a part the training loop closes with the rest
+
 
 def _read_holder(fd: int) -> str:
     try:

@@ -72,6 +72,13 @@ __all__ = ["StopRequested", "TrainingLoop"]
 log = logging.getLogger("rmsft.learner")
 
 
+def claim_checkpoint_dir(root: str, run_id: str, job: str) -> WriterLock:
+    """Rank 0, before anything is paid for: `root` must be writable, and this run its one writer for as long as it
+    lives (checkpoint_owner.WriterLock: a second learner waits for it, then stops naming the holder)."""
+    check_checkpoint_dir(root)
+    return WriterLock(root, run_id=run_id, job=job, on_wait=log.warning)
+
+
 class StopRequested(Exception):  # noqa: N818 - a request, not an error
     """The run was asked to stop (`TrainingLoop.request_stop`: SIGTERM to `rmsft train`, i.e. an eviction, a node
     drain, a preemption): raised on every rank after the step in progress, once the checkpoint of that step is
@@ -124,8 +131,7 @@ class TrainingLoop:
         self.reporter: RunReporter | None = None  # rank 0's TensorBoard and held-out reports
         self.exported: Path | None = None
         self._stop_why: str | None = None  # request_stop's reason (set from a signal handler)
-        self.lineage = lineage_of(job)  # what this run's checkpoints record and a resume must match
-        self._writer_lock: WriterLock | None = None  # rank 0's hold on training.checkpoint.dir
+        self.lineage, self._writer_lock = lineage_of(job), None  # what checkpoints record; rank 0's hold on their dir
         try:
             self._setup(job, addresses, auth_token, model_path, device)
         except BaseException:
@@ -149,10 +155,7 @@ class TrainingLoop:
             )
         with ranks.guard("checking spec.training.checkpoint.dir (rank 0)"):
             if ranks.is_main:  # the rank that writes checkpoints; before anything is paid for
-                check_checkpoint_dir(cfg.checkpoint.dir)
-                # One writer per folder for the whole run (checkpoint_owner): a second learner waits, then stops.
-                self._writer_lock = WriterLock(cfg.checkpoint.dir, run_id=self.state.run_id,
-                                               job=self.lineage["job"], on_wait=log.warning)
+                self._writer_lock = claim_checkpoint_dir(cfg.checkpoint.dir, self.state.run_id, self.lineage["job"])
                 check_writable(Path(cfg.tensorboard_dir))  # TensorBoard's folder: now, not after training
         with ranks.guard("checking the memory plan"):
             check_memory_plan(job, log_it=ranks.is_main)  # before anything is loaded: say which knob to turn
@@ -428,13 +431,8 @@ class TrainingLoop:
             self.feed.load_state_dict(self.checkpointer.loaded_extra)
         return found
 
-    @property
-    def step(self) -> int:
-        return self.state.step
-
-    @property
-    def version(self) -> int:
-        return self.state.version
+    step = property(lambda self: self.state.step, doc="The last optimizer step done (state.step).")
+    version = property(lambda self: self.state.version, doc="The learner's weight version number (state.version).")
 
     @property
     def deepspeed_engine(self) -> object | None:
@@ -483,11 +481,9 @@ class TrainingLoop:
         return out
 
     def close(self) -> None:
-        for part in (self.ahead, self.rollouts, self.updater, self.reporter, self.objective):
+        for part in (self.ahead, self.rollouts, self.updater, self.reporter, self.objective, self._writer_lock):
             if part is not None:
                 part.close()
         self.updater = None
-        if self._writer_lock is not None:
-            self._writer_lock.release()
         self.ranks.close()
 
