@@ -32,7 +32,8 @@ from rmsft.jobspec import (
 
 SHORT_NAMES = ["rmj"]
 PHASES = ["Pending", "Starting", "Running", "Complete", "Failed", "Invalid"]
-CONDITION_TYPES = ["RolloutReady", "LearnerRunning", "Progressing", "Complete", "Failed", "InvalidSpec"]
+CONDITION_TYPES = ["RolloutReady", "LearnerRunning", "Progressing", "Complete", "Failed", "InvalidSpec",
+                   "CheckpointsDurable"]
 
 # Bounds that keep the API server's CEL cost estimate finite (unbounded strings/lists make
 # `self == oldSelf` rules "too expensive" and the CRD would be refused).
@@ -397,8 +398,8 @@ def status_schema() -> dict[str, Any]:
             "conditions": {
                 "type": "array", "items": condition, "maxItems": 16,
                 "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"],
-                "description": "RolloutReady, LearnerRunning, Progressing, Complete, Failed and InvalidSpec, each with "
-                "its reason and message.",
+                "description": "RolloutReady, LearnerRunning, Progressing, Complete, Failed, InvalidSpec and "
+                "CheckpointsDurable, each with its reason and message.",
             },
             "observedGeneration": {"type": "integer", "minimum": 0,
                                    "description": "The metadata.generation this status was computed from."},

@@ -276,7 +276,12 @@ def decide(obs: Observed, now: str) -> Decision:
     def cond(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
         return _condition(old_conds, ctype, ok, reason, message, gen, now)
 
+    durable: list[dict[str, Any]] = []  # the CheckpointsDurable condition, once the spec is read
+
     def finish(d: Decision) -> Decision:
+        conds = d.status.get("conditions")
+        if durable and isinstance(conds, list) and not any(c.get("type") == "CheckpointsDurable" for c in conds):
+            conds.append(durable[0])
         if "message" in d.status:
             d.status["message"] = fit_message(str(d.status["message"]))
         d.status["phase"] = d.phase
@@ -297,6 +302,13 @@ def decide(obs: Observed, now: str) -> Decision:
                                            "message": msg}))
 
     n = render.names(obs.name)
+    # Where the checkpoints live, said where users look (kubectl describe, the conditions): without a claim, a
+    # learner pod lost (evicted, its node gone) takes them along, and its retry starts again from step 0.
+    claim, ck_dir = job.spec.learner.checkpoint_claim, job.spec.training.checkpoint.dir
+    durable.append(cond("CheckpointsDurable", bool(claim), "OnClaim" if claim else "NoCheckpointClaim",
+                        f"checkpoints in {ck_dir} on PersistentVolumeClaim {claim}" if claim else
+                        f"no spec.learner.checkpointClaim: checkpoints in {ck_dir} live in an emptyDir of the learner "
+                        "pod and are lost with it; its retry starts again from step 0"))
     # 1b. Final is final: a Complete or Failed job never runs again, whatever happens to its children later (its
     # learner Job deleted by hand or by a TTL, the pool edited): nothing is created, the pool stays at zero, the
     # status stays as it was written.
@@ -373,9 +385,7 @@ def decide(obs: Observed, now: str) -> Decision:
         if (cm.get("data") or {}).get(render.SERVERS_KEY) != servers:  # pool resized: the learner follows
             d.patches.append(Patch("ConfigMap", n["config"], {"data": {render.SERVERS_KEY: servers}}))
     if obs.children.get("Job") is None and not job.spec.learner.checkpoint_claim:
-        d.events.append(("Warning", "CheckpointsEphemeral",
-                         f"no spec.learner.checkpointClaim: checkpoints in {job.spec.training.checkpoint.dir} "
-                         f"live in an emptyDir and are lost with the learner pod"))
+        d.events.append(("Warning", "CheckpointsEphemeral", durable[0]["message"]))
 
     colocated = job.spec.rollout.colocated  # no pool: the engine is in the learner's ranks
     sts = obs.children.get("StatefulSet") or desired.get("StatefulSet") or {}

@@ -199,7 +199,9 @@ def _pod_security() -> dict[str, Any]:
 
 
 def _container_security() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    # A read-only image: what the processes write goes to /tmp (an emptyDir, HOME too: vLLM's, Triton's and
+    # inductor's caches), /dev/shm, the checkpoint folder and the mounted volumes.
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True}
 
 
 def _common_env(job: RolloutMatchingJob) -> list[dict[str, Any]]:
@@ -326,7 +328,8 @@ def _with_shared_weights(job: RolloutMatchingJob, namespace: str, pod: dict[str,
         # longer root's once an earlier learner pod of the job ran this). The hostPath volume
         # already needs a namespace at Pod Security level privileged, which admits it.
         "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
-                            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}},
+                            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]},
+                            "readOnlyRootFilesystem": True},
         "volumeMounts": [dict(mount)],
     }
     return {**pod, "initContainers": [*pod.get("initContainers", []), owner]}
@@ -347,7 +350,8 @@ def render_shm_cleanup(job: RolloutMatchingJob, namespace: str, node: str) -> di
         # Root with DAC_OVERRIDE only: the directory belongs to the learner's user (mode 0770) and
         # sits in a root-owned parent. The namespace admits hostPath volumes already (the job ran).
         "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
-                            "capabilities": {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}},
+                            "capabilities": {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]},
+                            "readOnlyRootFilesystem": True},
         "volumeMounts": [{"name": "shared-weights-root", "mountPath": "/shared-weights-root"}],
         "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
     }
@@ -487,6 +491,8 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
                 },
                 "spec": _with_shared_weights(job, namespace, {
                     **_pod_common(job), "restartPolicy": "Never", "containers": [container],
+                    # After SIGTERM: the step in progress, a checkpoint, exit (rmsft train), then the retry resumes.
+                    "terminationGracePeriodSeconds": lr.termination_grace_period_seconds,
                     "initContainers": [_preflight_container(job, mounts)], "volumes": volumes}, writer=True),
             },
         },

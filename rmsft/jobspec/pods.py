@@ -91,6 +91,11 @@ class LearnerSpec(_K8s):
     shm_size: str = Field("8Gi", pattern=QUANTITY_PATTERN, description="Size of the /dev/shm memory volume.")
     resources: ResourceSpec = Field(
         default_factory=ResourceSpec, description="CPU and memory of the learner container.")
+    termination_grace_period: int | str = Field(
+        "10m", description="How long the learner pod has after SIGTERM (an eviction, a drain, a preemption, a "
+        "deleted pod) before it is killed: `rmsft train` finishes the step in progress, saves a checkpoint and "
+        "exits, and the Job's retry resumes there. Seconds or a duration; cover one step plus one save (Kubernetes' "
+        "own default, 30 s, is shorter than one step of a big model).")
     disruption_budget: bool = Field(
         True, description="A PodDisruptionBudget (minAvailable 1) for the running learner pod: an eviction (a "
         "drain, the cluster autoscaler) is refused, so a drain waits for the run to end or for someone to delete "
@@ -102,6 +107,16 @@ class LearnerSpec(_K8s):
     def _stall_timeout(cls, v: Any) -> Any:
         duration_seconds(v, "spec.learner.stallTimeout")
         return v
+
+    @field_validator("termination_grace_period", mode="before")
+    @classmethod
+    def _termination_grace_period(cls, v: Any) -> Any:
+        duration_seconds(v, "spec.learner.terminationGracePeriod")
+        return v
+
+    @property
+    def termination_grace_period_seconds(self) -> int:
+        return duration_seconds(self.termination_grace_period, "spec.learner.terminationGracePeriod")
 
     @property
     def stall_timeout_seconds(self) -> int:

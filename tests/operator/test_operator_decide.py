@@ -106,6 +106,22 @@ def test_a_claim_means_no_ephemeral_checkpoint_warning() -> None:
     assert not any(e[1] == "CheckpointsEphemeral" for e in d.events)
 
 
+@pytest.mark.parametrize("world", [World(), World(ready=2, suspended=False, job_status={"active": 1, "ready": 1},
+                                                  learner_pods=[_pod("learner", "l-1", "Running")]),
+                                   World(ready=2, suspended=False, job_status={"succeeded": 1})],
+                         ids=["pending", "running", "complete"])
+def test_where_the_checkpoints_live_is_a_condition_in_every_phase(world: World) -> None:
+    """Issue 41: a job whose checkpoints are not on a claim says so where users look (the Warning event once at
+    creation, and a condition for as long as the job lives); with a claim it says which."""
+    d = decide(world.observed(), NOW)
+    durable = _cond(d, "CheckpointsDurable")
+    assert (durable["status"], durable["reason"]) == ("False", "NoCheckpointClaim")
+    assert "lost with it" in durable["message"] and "step 0" in durable["message"]
+    claimed = decide(replace(world, spec=_spec(**{"learner.checkpointClaim": "ckpt-pvc"})).observed(), NOW)
+    durable = _cond(claimed, "CheckpointsDurable")
+    assert (durable["status"], durable["reason"]) == ("True", "OnClaim") and "ckpt-pvc" in durable["message"]
+
+
 # (id, world, phase, RolloutReady reason, LearnerRunning (status, reason), patches)
 TABLE: list[tuple[str, World, str, str, tuple[str, str], list[Patch]]] = [
     ("nothing-ready", World(), "Pending", "PoolNotReady", ("False", "Suspended"), []),

@@ -429,3 +429,33 @@ def test_a_disruption_is_not_a_failure_and_a_refused_configuration_is_final() ->
     refused = subprocess.run([sys.executable, "-m", "rmsft_cli", "train", "--config", str(ROOT / "README.md"),
                               "--servers", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
     assert refused.returncode == render.CONFIG_EXIT_CODE, refused.stderr[-2000:]
+
+
+def _containers(pod_spec: dict) -> list[dict]:
+    return [*pod_spec.get("initContainers", []), *pod_spec["containers"]]
+
+
+@pytest.mark.parametrize("path", ["configs/job.yaml", "configs/job-kind-cpu.yaml",
+                                  "configs/job-kind-cpu-colocate.yaml"])
+def test_every_container_runs_on_a_read_only_image_and_the_learner_has_time_to_save(path: str) -> None:
+    """Issue 41: readOnlyRootFilesystem on every rmsft container (the rollout server, the learner, their model
+    preflight, the shared-weights owner and the shm cleanup), what they write going to mounted volumes; and the
+    learner pod's grace period (spec.learner.terminationGracePeriod, 10 minutes by default, not Kubernetes' 30 s)
+    covers the step in progress and the checkpoint `rmsft train` saves on SIGTERM."""
+    job = load_job(ROOT / path)
+    kids = {render.child_key(o): o for o in render.render_all(job, "team-a", "0000-uid")}
+    pods = [kids[k]["spec"]["template"]["spec"] for k in ("StatefulSet", "Job") if k in kids]
+    pods.append(render.render_shm_cleanup(job, "team-a", "node-1")["spec"]["template"]["spec"])
+    containers = [c for pod in pods for c in _containers(pod)]
+    assert len(containers) >= 2
+    assert {c["name"]: c["securityContext"].get("readOnlyRootFilesystem") for c in containers} == {
+        c["name"]: True for c in containers}
+    for pod in pods:  # what they write has a place: /tmp is a volume in every pod that runs rmsft
+        mounted = {m["mountPath"] for c in pod["containers"] for m in c.get("volumeMounts", [])}
+        assert "/tmp" in mounted or pod["containers"][0]["name"] == "remove", mounted
+    learner = kids["Job"]["spec"]["template"]["spec"]
+    assert learner["terminationGracePeriodSeconds"] == 600
+    doc = yaml.safe_load((ROOT / path).read_text())
+    doc["spec"].setdefault("learner", {})["terminationGracePeriod"] = "90s"
+    assert render.render_job(parse_job(doc), "team-a", "0000-uid")["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"] == 90
