@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from learner.core.codec import check_desc
-from learner.data.coco import _LISTED, OUT_SUFFIXES, _listed, _n
+from learner.data.coco import OUT_SUFFIXES
 from learner.data.images import ImageError, ImageStore
 from learner.data.records import load_records
+from learner.data.wording import LISTED, counted, listed
 from rmsft.jobspec import VisionSpec
 
 if TYPE_CHECKING:
@@ -46,9 +47,9 @@ class RecordsCheck:
         """The report as printed: counts, the label histogram, the images, then the verdict and each refusal."""
         per_record = self.objects / self.records if self.records else 0.0
         out = [
-            f"{self.path}: {_n(self.records, 'record')} with {_n(self.objects, 'object')} "
-            f"({_n(self.polygons, 'polygon')}, {_n(self.objects - self.polygons, 'box', 'boxes')}); "
-            f"{_n(self.empty_records, 'record')} without objects",
+            f"{self.path}: {counted(self.records, 'record')} with {counted(self.objects, 'object')} "
+            f"({counted(self.polygons, 'polygon')}, {counted(self.objects - self.polygons, 'box', 'boxes')}); "
+            f"{counted(self.empty_records, 'record')} without objects",
             f"objects per record: {per_record:.2f} on average, {self.most_objects} at most",
             f"labels: {len(self.labels)}",
         ]
@@ -59,7 +60,7 @@ class RecordsCheck:
             out.append(f"images: {self.images} distinct ({self.image_refs} references) under {self.image_root}: "
                        f"{self.found} found, {len(self.missing)} missing, {self.unusable} unusable")
             if self.missing:
-                out.append(f"  missing: {_listed(self.missing)}")
+                out.append(f"  missing: {listed(self.missing)}")
             if self.sizes:
                 (w0, h0), (w1, h1) = (f(self.sizes, key=lambda s: s[0] * s[1]) for f in (min, max))
                 common = ", ".join(f"{w}x{h} ({n})" for (w, h), n in self.sizes.most_common(5))
@@ -69,10 +70,10 @@ class RecordsCheck:
         if self.accepted:
             out.append("a job would accept this file")
         else:
-            out.append(f"a job would refuse this file: {_n(len(self.refusals), 'problem')}")
-            out.extend(f"  - {p}" for p in self.refusals[:_LISTED])
-            if len(self.refusals) > _LISTED:
-                out.append(f"  ... and {len(self.refusals) - _LISTED} more")
+            out.append(f"a job would refuse this file: {counted(len(self.refusals), 'problem')}")
+            out.extend(f"  - {p}" for p in self.refusals[:LISTED])
+            if len(self.refusals) > LISTED:
+                out.append(f"  ... and {len(self.refusals) - LISTED} more")
         return out
 
 
@@ -124,7 +125,7 @@ def check_records(path: str | Path, image_root: str | Path | None = None,
     # What the learner refuses at start (learner/train/start_checks.py), before the model is loaded.
     over = [r.id for r in records if len(r.images) > max_images_per_prompt]
     if over:
-        check.refusals.append(f"{_n(len(over), 'record')} carry more than spec.model.vision.maxImagesPerPrompt="
+        check.refusals.append(f"{counted(len(over), 'record')} carry more than spec.model.vision.maxImagesPerPrompt="
                               f"{max_images_per_prompt} images (first: {over[0]!r})")
     try:
         store.validate(records)

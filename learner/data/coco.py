@@ -64,6 +64,7 @@ from typing import Any, Literal, TextIO
 from learner.core.codec import check_desc
 from learner.data.images import ImageError, ImageStore
 from learner.data.records import Record
+from learner.data.wording import counted, listed
 from rmsft.jobspec import VisionSpec
 
 # Prompts that name the answer's keys of each output format (spec.training.format), as the shipped
@@ -77,7 +78,6 @@ CATEGORIES_PLACEHOLDER = "{categories}"
 _DECIMALS = 2  # coordinates are kept to 1/100 pixel: finer means nothing on the 1000-bin grid
 # What spec.training.data.path (and training.eval.data) take; the loader reads a .gz name through gzip.
 OUT_SUFFIXES = (".jsonl", ".jsonl.gz")
-_LISTED = 10  # names, paths or problems quoted in a summary line before "... and N more"
 
 # Reasons, as the summary prints them (one counter per reason).
 SKIP_CROWD = "crowd annotation (iscrowd: 1)"
@@ -163,10 +163,10 @@ class CocoSummary:
     def lines(self) -> list[str]:
         """The summary as printed: totals first, then one line per reason with its count and first case."""
         out = [
-            f"{_n(self.records, 'record')} with {_n(self.objects, 'object')} ({_n(self.polygons, 'polygon')}, "
-            f"{_n(self.boxes, 'box', 'boxes')}) written to {self.out}",
-            f"read {_n(self.images_in, 'image')} and {_n(self.annotations_in, 'annotation')}; "
-            f"{_n(self.empty_records, 'record')} without objects (images with no annotation)",
+            f"{counted(self.records, 'record')} with {counted(self.objects, 'object')} "
+            f"({counted(self.polygons, 'polygon')}, {counted(self.boxes, 'box', 'boxes')}) written to {self.out}",
+            f"read {counted(self.images_in, 'image')} and {counted(self.annotations_in, 'annotation')}; "
+            f"{counted(self.empty_records, 'record')} without objects (images with no annotation)",
         ]
         for title, counter in (("skipped annotations", self.skipped_annotations),
                                ("skipped images", self.skipped_images),
@@ -175,23 +175,14 @@ class CocoSummary:
                 head = f"{title}: {sum(counter.values())}"
                 if counter is self.skipped_images:
                     # Skipping an image drops its objects too; said here, since no annotation reason counts them.
-                    head += f" ({_n(self.annotations_of_skipped_images, 'annotation')} of them not written)"
+                    head += f" ({counted(self.annotations_of_skipped_images, 'annotation')} of them not written)"
                 out.append(head)
                 out.extend(f"  {n} {reason} (first: {self.examples[reason]})" for reason, n in counter.most_common())
         if self.prompt_has_categories and self.unused_categories:
-            left_out = _n(len(self.unused_categories), "category", "categories")
+            left_out = counted(len(self.unused_categories), "category", "categories")
             out.append(f"{CATEGORIES_PLACEHOLDER} leaves out {left_out} no written object has: "
-                       f"{_listed(self.unused_categories)}")
+                       f"{listed(self.unused_categories)}")
         return out
-
-
-def _n(count: int, one: str, many: str | None = None) -> str:
-    return f"{count} {one if count == 1 else many or one + 's'}"
-
-
-def _listed(items: list[str]) -> str:
-    more = len(items) - _LISTED
-    return ", ".join(items[:_LISTED]) + (f", ... and {more} more" if more > 0 else "")
 
 
 def _not_instances(path: Path, annotations: list[Any]) -> str | None:
