@@ -466,7 +466,8 @@ class TrainingLoop:
         m.LOSS.labels("total").set(r.loss)
         self.objective.gauges(r)
         if self.ranks.is_main:
-            self.reporter.step(r, self.state.phase_seconds, learning_rate(self.cfg, r.step - 1))
+            self.reporter.step(r, self.state.phase_seconds, learning_rate(self.cfg, r.step - 1),
+                               self.objective.scalars(r))
             log.info("%s", self.objective.line(r))
         if self.on_step:
             self.on_step(r)

@@ -73,25 +73,13 @@ class RunReporter:
         self._phases_seen: dict[str, float] = {}
         self._sync_bytes_at_start = m.counter_total(m.WEIGHT_SYNC_BYTES)
 
-    def step(self, r: StepResult, phase_seconds: Mapping[str, float], lr: float) -> None:
+    def step(self, r: StepResult, phase_seconds: Mapping[str, float], lr: float,
+             objective_values: Mapping[str, float] | None = None) -> None:
+        """A step's figures: the loop's own, and `objective_values`, the objective's (`Objective.scalars`)."""
         values = {"train/loss": r.loss, "train/fill": r.fill, "train/rows": float(r.rows),
                   "train/step_seconds": r.seconds, "train/lr": lr}
         values.update({f"train/{k}": v for k, v in r.parts.items()})
-        if r.channel is not None:
-            values["train/channel_b"] = float(r.channel == "B")
-        if r.stats is not None and r.channel == "B":  # fresh rollouts this step (not an M-step reusing a batch)
-            values.update({"train/f1": r.stats.f1, "train/precision": r.stats.precision,
-                           "train/recall": r.stats.recall, "train/dropped": float(r.stats.dropped),
-                           "train/truncated": float(r.stats.truncated),
-                           "train/truncation_rate": r.stats.truncation_rate,
-                           "train/duplicate_rate": r.stats.duplicate_rate,
-                           # unmatched objects no explorer supports, out of the prefix (recipe generation 2)
-                           "train/dead_anchors": r.stats.dead / max(r.stats.rollouts, 1),
-                           "train/predicted_per_gt": r.stats.count_ratio,
-                           "train/predicted_objects": r.stats.predicted / max(r.stats.rollouts, 1),
-                           "train/gt_objects": r.stats.gt_objects / max(r.stats.rollouts, 1)})
-        if r.grpo is not None:
-            values.update(r.grpo.scalars())
+        values.update(objective_values or {})
         # Phase seconds are cumulative in the trainer's state: report this step's share of each.
         for name, total in phase_seconds.items():
             values[f"time/{name}"] = total - self._phases_seen.get(name, 0.0)

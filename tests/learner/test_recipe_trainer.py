@@ -44,6 +44,14 @@ def test_channels_follow_the_schedule_and_a_steps_neither_generate_nor_sync(tmp_
     assert len(summary.f1) == 2
     # Channel A trains on the whole ground truth: every A step's answer is empty and every object missed.
     assert all(h.stats.matched == 0 and h.stats.false_negatives > 0 for h in trainer.history if h.channel == "A")
+    # TensorBoard gets the objective's own figures (Objective.scalars): the channel of every step, the rollout
+    # figures of the B steps only.
+    from learner.tracking.tracker import read_events
+
+    scalars, _ = read_events(summary.log_dir)
+    assert [v for _, v in scalars["train/channel_b"]] == [0.0, 0.0, 1.0, 0.0, 1.0]
+    assert [s for s, _ in scalars["train/f1"]] == [3, 5] and [v for _, v in scalars["train/f1"]] == summary.f1
+    assert [s for s, _ in scalars["train/dead_anchors"]] == [3, 5] and "grpo/reward_mean" not in scalars
 
 
 def test_anchor_is_greedy_and_explorers_sample_apart(tmp_path, tiny_model_dir, data_path, servers) -> None:

@@ -154,6 +154,11 @@ class Objective(ABC):
         """The objective's own Prometheus gauges of a step (the loop sets the step, its time, fill and loss)."""
         return None
 
+    def scalars(self, r: StepResult) -> dict[str, float]:
+        """The objective's own TensorBoard figures of a step (the loop writes the loss, its parts, fill, rows,
+        time, learning rate and sync bytes); {} by default."""
+        return {}
+
     def summarise(self, summary: Summary) -> None:
         """The objective's own fields of the run's summary."""
         return None

@@ -255,6 +255,9 @@ class Grpo(Objective):
             completion_length=s[6] / count, truncated=s[7] / count, completions=int(s[2]), groups=int(s[4]),
         )
 
+    def scalars(self, r: StepResult) -> dict[str, float]:
+        return r.grpo.scalars() if r.grpo is not None else {}
+
     def gauges(self, r: StepResult) -> None:
         g = r.grpo
         m.REWARD.labels("mean").set(g.reward_mean)

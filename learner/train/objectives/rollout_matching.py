@@ -220,6 +220,19 @@ class RolloutMatching(Objective):
                 "local_record_ids": list(built.local_ids)}
 
     # -- reporting ------------------------------------------------------------------------------------
+    def scalars(self, r: StepResult) -> dict[str, float]:
+        values = {"train/channel_b": float(r.channel == "B")}
+        st = r.stats
+        if st is not None and r.channel == "B":  # fresh rollouts this step (not an M-step reusing a batch)
+            n = max(st.rollouts, 1)
+            values.update({"train/f1": st.f1, "train/precision": st.precision, "train/recall": st.recall,
+                           "train/dropped": float(st.dropped), "train/truncated": float(st.truncated),
+                           "train/truncation_rate": st.truncation_rate, "train/duplicate_rate": st.duplicate_rate,
+                           # unmatched objects no explorer supports, out of the prefix (recipe generation 2)
+                           "train/dead_anchors": st.dead / n, "train/predicted_per_gt": st.count_ratio,
+                           "train/predicted_objects": st.predicted / n, "train/gt_objects": st.gt_objects / n})
+        return values
+
     def gauges(self, r: StepResult) -> None:
         for k, v in r.parts.items():
             m.LOSS.labels(k).set(v)
