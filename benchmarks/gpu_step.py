@@ -16,7 +16,7 @@ are not what the step spends its memory on).
 
 What trains is what a job trains: configs/job.yaml's `training` (DoRA r 32 on all seven linears, dropout 0.05,
 precision bf16) with deepspeed_stage 0, the given packing_length and gradient checkpointing, through
-`learner.train.policy.policy_from_model` (the end of `load_policy`) and `learner.train.step.make_step`.
+`learner.train.policy.policy_from_model` (the end of `load_policy`) and `learner.train.updater.make_updater`.
 
 Modes, each writing one JSON object (`--json`) and a RESULT line:
 - step: one packed row of `--length` tokens in `--segments` segments, the training loop's step (rows moved to the
@@ -160,7 +160,7 @@ def _setup(args: argparse.Namespace, gradient_checkpointing: bool) -> tuple[Any,
     import torch
 
     from learner.train.ranks import Ranks
-    from learner.train.step import make_step
+    from learner.train.updater import make_updater
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -169,7 +169,7 @@ def _setup(args: argparse.Namespace, gradient_checkpointing: bool) -> tuple[Any,
     job = job_for(args.length, gradient_checkpointing, args.device)
     cfg = job.spec.training
     policy = build_policy(config, cfg, device)
-    step = make_step(policy.model, Ranks.single(), cfg, device=device, autocast_dtype=policy.autocast_dtype)
+    step = make_updater(policy.model, Ranks.single(), cfg, device=device, autocast_dtype=policy.autocast_dtype)
     return device, config, job, policy, step
 
 

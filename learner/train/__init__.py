@@ -6,7 +6,7 @@
 - `feed`: `RolloutFeed`, what a step reads from the engines: prompts, rollouts handed out between ranks, the
   staleness window, what the engines serve.
 - `start_checks`: what is refused before anything loads (memory plan, images), the ranks' collective timeout.
-- `step`: the updater, how the optimizer steps (`PlainStep`, `ZeroStep`); it also owns the device and the autocast.
+- `updater`: how the optimizer steps (`PlainUpdater`, `ZeroUpdater`); it also owns the device and the autocast.
 - `zero`: DeepSpeed ZeRO-1/2/3.
 - `ranks`: data-parallel ranks (`Ranks`), rank 0's hand-out, failure agreement.
 - `policy`: the model being trained (`load_policy`: HF model, tokenizer, processor, LoRA/DoRA, precision).

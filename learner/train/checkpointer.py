@@ -36,7 +36,7 @@ from learner.train.checkpoint_files import (
 )
 from learner.train.checkpoint_owner import check_resumable
 from learner.train.ranks import Ranks
-from learner.train.step import PlainStep, ZeroStep, gathered_weights
+from learner.train.updater import PlainUpdater, ZeroUpdater, gathered_weights
 from rmsft.jobspec import TrainingConfig
 from rmsft.weight_wire import NO_RUN, WeightVersion
 
@@ -81,14 +81,14 @@ class TrainState:
 
 
 class Checkpointer:
-    def __init__(self, cfg: TrainingConfig, ranks: Ranks, model: torch.nn.Module, updater: PlainStep | ZeroStep,
+    def __init__(self, cfg: TrainingConfig, ranks: Ranks, model: torch.nn.Module, updater: PlainUpdater | ZeroUpdater,
                  packer: Packer, state: TrainState, parts: Mapping[str, Stateful] | None = None,
                  lineage: dict[str, Any] | None = None) -> None:
         self.cfg, self.ranks, self.model, self.packer, self.state = cfg, ranks, model, packer, state
         # This run's lineage (checkpoint_owner.lineage_of): recorded in each checkpoint, checked on resume; pruning
         # deletes only its own. None: not recorded, nothing refused (tests that build a Checkpointer bare).
         self.lineage = lineage
-        self.updater = updater  # how the optimizer steps (learner/train/step.py): its optimizer state is saved
+        self.updater = updater  # how the optimizer steps (learner/train/updater.py): its optimizer state is saved
         # Each rank's further parts with a state of their own (the objective's), saved and restored per rank.
         self.parts: dict[str, Stateful] = dict(parts or {})
         # Rank 0's further state for the next checkpoint (the rollouts generated ahead), and what the loaded one had.
@@ -98,7 +98,7 @@ class Checkpointer:
     def _rank_state(self) -> dict[str, Any]:
         out: dict[str, Any] = {"packer": self.packer.carry(), "rng": rng_state(),
                                **{name: part.state_dict() for name, part in self.parts.items()}}
-        if isinstance(self.updater, ZeroStep):  # ZeRO partitions the optimizer: every rank holds its own part
+        if isinstance(self.updater, ZeroUpdater):  # ZeRO partitions the optimizer: every rank holds its own part
             out["zero_optimizer"] = self.updater.optimizer_state()
         return out
 
@@ -113,7 +113,7 @@ class Checkpointer:
         s = self.state
         return {
             "step": s.step, "version": s.version, "model": model_state,
-            "optimizer": self.updater.optimizer_state() if isinstance(self.updater, PlainStep) else None,
+            "optimizer": self.updater.optimizer_state() if isinstance(self.updater, PlainUpdater) else None,
             "rng": rng_state(), "packer": self.packer.carry(), "phase_seconds": dict(s.phase_seconds),
             "world_size": self.ranks.world_size, "deepspeed_stage": self.cfg.deepspeed_stage,
             # The record of which runs wrote it (a resumed run never reuses one: it makes its own).
@@ -186,7 +186,7 @@ class Checkpointer:
             self.model.load_state_dict(ckpt["model"], strict=False)
         rank_states = ckpt.get("rank_states") or [{"packer": ckpt["packer"], "rng": ckpt["rng"]}]
         mine = rank_states[self.ranks.rank]
-        if isinstance(self.updater, PlainStep):
+        if isinstance(self.updater, PlainUpdater):
             self.updater.load_optimizer_state([ckpt["optimizer"]])
         else:
             self.updater.load_optimizer_state([s["zero_optimizer"] for s in rank_states])

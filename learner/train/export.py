@@ -104,7 +104,7 @@ def export_trained(
     as trained. An existing `out_dir` is replaced once the new folder is complete (`overwrite=False`
     refuses a non-empty one instead). `info` is added to rmsft_export.json; weights larger than
     `max_shard_bytes` are split into shards with an index. The model is left exactly as it was.
-    Call it where the whole weights are visible (under ZeRO-3: inside `learner.train.step.gathered_weights`,
+    Call it where the whole weights are visible (under ZeRO-3: inside `learner.train.updater.gathered_weights`,
     which every rank enters, with rank 0 exporting). Raises `ExportError` (unwritable path, an adapter
     export of a model without one, a bad dtype, a model the writer cannot rename)."""
     return _export(model, _saver(policy_or_processor), Path(out_dir), adapter_only=adapter_only, dtype=dtype,

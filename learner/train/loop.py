@@ -63,7 +63,7 @@ from learner.train.reporting import RunReporter, log_run_start, write_eval_pictu
 from learner.train.results import StepResult, Summary
 from learner.train.server_setup import server_rollouts_ahead
 from learner.train.start_checks import check_images_fit, check_memory_plan, collective_timeout_s
-from learner.train.step import PlainStep, ZeroStep, gathered_weights, make_step, resolve_device
+from learner.train.updater import PlainUpdater, ZeroUpdater, gathered_weights, make_updater, resolve_device
 from rmsft.jobspec import RolloutMatchingJob
 from rmsft.weight_wire import new_run_id
 
@@ -124,7 +124,7 @@ class TrainingLoop:
         self.ahead: RolloutsAhead | None = None  # rank 0: rollouts generated ahead of training (overlap.py)
         self.feed: RolloutFeed | None = None  # prompts, rollouts, what the engines serve (learner/train/feed.py)
         self._fresh_start_done = False  # an earlier run's checkpoints moved aside (`_begin`, runs not resumed)
-        self.updater: PlainStep | ZeroStep | None = None
+        self.updater: PlainUpdater | ZeroUpdater | None = None
         self.state = TrainState()
         self.history: list[StepResult] = []
         self.evaluations: list[Evaluation] = []
@@ -182,7 +182,7 @@ class TrainingLoop:
             torch.manual_seed(cfg.seed + ranks.rank)  # e.g. dropout masks differ per rank
             random.seed(cfg.seed + ranks.rank)
         with ranks.guard("setting up the optimizer step"):
-            self.updater = make_step(self.model, ranks, cfg, device=self.device,
+            self.updater = make_updater(self.model, ranks, cfg, device=self.device,
                                         autocast_dtype=self.policy.autocast_dtype)
         self.device = self.updater.device  # DeepSpeed may have placed the module itself
         self.core = core_configs(cfg)

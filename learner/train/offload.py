@@ -47,8 +47,8 @@ KINDS = ("param", "grad", "optimizer")
 
 
 class OffloadableStep(Protocol):
-    """What the context reads of a step strategy (learner/train/step.py): where training runs, and either a torch
-    optimizer (`PlainStep.optimizer`) or a DeepSpeed engine (`ZeroStep.engine`), found with getattr so this
+    """What the context reads of a step strategy (learner/train/updater.py): where training runs, and either a torch
+    optimizer (`PlainUpdater.optimizer`) or a DeepSpeed engine (`ZeroUpdater.engine`), found with getattr so this
     room needs nothing from learner.train (which sits above it)."""
 
     device: torch.device

@@ -79,7 +79,7 @@ def _no_shm_allreduce_kernel(deepspeed: Any) -> None:
 def precision_section(precision: str) -> dict[str, Any]:
     """DeepSpeed's precision keys for `training.precision`. Both precisions keep the trainable
     parameters (and so ZeRO's optimizer partitions) in fp32 and the frozen ones as loaded
-    (learner/train/policy.py); bf16 compute comes from the step's torch autocast (learner/train/step.py). So
+    (learner/train/policy.py); bf16 compute comes from the step's torch autocast (learner/train/updater.py). So
     DeepSpeed's own mixed precision stays off: its `bf16` mode would convert the module to bf16
     and keep fp32 master copies itself, a second, conflicting answer to the same question."""
     if precision not in ("fp32", "bf16"):

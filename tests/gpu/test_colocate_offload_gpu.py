@@ -52,11 +52,11 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 def test_plain_step_offload_frees_the_gpu_and_comes_back_bit_for_bit(tiny_model_dir: Path) -> None:
     from learner.train.offload import offloaded
     from learner.train.ranks import Ranks
-    from learner.train.step import PlainStep
+    from learner.train.updater import PlainUpdater
 
     device = torch.device("cuda", 0)
     model = _model(tiny_model_dir).to(device)
-    step = PlainStep(model, Ranks.single(), lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, device=device)
+    step = PlainUpdater(model, Ranks.single(), lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, device=device)
     _one_step(step)
     objects = [id(p) for p in model.parameters()]
     before = _snapshot(model, step)
@@ -83,10 +83,10 @@ def test_zero2_offload_through_deepspeed_frees_the_gpu(tiny_model_dir: Path) -> 
     pytest.importorskip("deepspeed")
     from learner.train.offload import offloaded
     from learner.train.ranks import Ranks
-    from learner.train.step import ZeroStep
+    from learner.train.updater import ZeroUpdater
 
     model = _model(tiny_model_dir)
-    step = ZeroStep(model, Ranks.single(), stage=2, lr=1e-3, weight_decay=0.0, max_grad_norm=1.0,
+    step = ZeroUpdater(model, Ranks.single(), stage=2, lr=1e-3, weight_decay=0.0, max_grad_norm=1.0,
                     device=torch.device("cuda", 0))
     try:
         _one_step(step)

@@ -39,9 +39,10 @@ def _policy(tiny_model_dir: Path, **training: Any) -> torch.nn.Module:
 
 def _plain_step(model: torch.nn.Module, device: str = "cpu") -> Any:
     from learner.train.ranks import Ranks
-    from learner.train.step import PlainStep
+    from learner.train.updater import PlainUpdater
 
-    return PlainStep(model, Ranks.single(), lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, device=torch.device(device))
+    return PlainUpdater(model, Ranks.single(), lr=1e-2, weight_decay=0.01, max_grad_norm=1.0,
+                        device=torch.device(device))
 
 
 def _rows(n: int = 3, length: int = 24) -> list[torch.Tensor]:
@@ -265,11 +266,11 @@ def test_a_failure_half_way_out_brings_back_what_had_moved(tiny_model_dir: Path,
 def _zero_run(tiny_model_dir: Path, stage: int, flags: tuple[bool, bool] | None) -> tuple[list[float], list[bytes]]:
     pytest.importorskip("deepspeed")
     from learner.train.ranks import Ranks
-    from learner.train.step import ZeroStep
+    from learner.train.updater import ZeroUpdater
 
     torch.manual_seed(0)
     model = _policy(tiny_model_dir, finetune="full")
-    step = ZeroStep(model, Ranks.single(), stage=stage, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0,
+    step = ZeroUpdater(model, Ranks.single(), stage=stage, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0,
                     device=torch.device("cpu"))
     try:
         losses = []
@@ -303,10 +304,10 @@ def test_zero_offload_through_deepspeed_is_bit_identical(tiny_model_dir: Path, s
 def test_zero3_optimizer_offload_is_refused_and_an_exception_reloads(tiny_model_dir: Path) -> None:
     pytest.importorskip("deepspeed")
     from learner.train.ranks import Ranks
-    from learner.train.step import ZeroStep
+    from learner.train.updater import ZeroUpdater
 
     model = _policy(tiny_model_dir, finetune="full")
-    step = ZeroStep(model, Ranks.single(), stage=3, lr=1e-2, weight_decay=0.0, max_grad_norm=1.0,
+    step = ZeroUpdater(model, Ranks.single(), stage=3, lr=1e-2, weight_decay=0.0, max_grad_norm=1.0,
                     device=torch.device("cpu"))
     try:
         with pytest.raises(RuntimeError, match="offloadOptimizer.*FusedAdam"), \

@@ -28,7 +28,7 @@ from learner.train.checkpointer import Checkpointer, TrainState
 from learner.train.export import EXPORT_INFO_FILE, RUN_FILE, ExportError, export_checkpoint, export_trained
 from learner.train.policy import Policy, load_policy, prompt_ids
 from learner.train.ranks import Ranks
-from learner.train.step import PlainStep
+from learner.train.updater import PlainUpdater
 from rmsft.jobspec import JobSpecError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +77,7 @@ def _train(model_dir: Path, tmp: Path, *, finetune: str = "lora", dora: bool = F
     policy = load_policy(model_dir, cfg, job.spec.model.dtype, job.spec.model.vision)
     _perturb(policy.model, seed)
     ranks = Ranks.single()
-    step = PlainStep(policy.model, ranks, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+    step = PlainUpdater(policy.model, ranks, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
                      device=torch.device("cpu"))
     packer = Packer(cfg.packing_length, cfg.packing_buffer)
     ckpt = Checkpointer(cfg, ranks, policy.model, step, packer, TrainState(step=5, version=5)).save()

@@ -175,7 +175,7 @@ def test_deepspeed_rows_follow_the_engine_device(tmp_path: Path, tiny_model_dir:
 
 
 def test_auto_device_is_the_ranks_gpu_when_cuda_is_there(monkeypatch: pytest.MonkeyPatch) -> None:
-    from learner.train.step import resolve_device
+    from learner.train.updater import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu")

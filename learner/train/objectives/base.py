@@ -56,7 +56,7 @@ class LoopParts(Protocol):
     images: ImageStore
     policy: Policy  # tokenizer, processor, vocabulary
     model: torch.nn.Module
-    updater: Any  # how the optimizer steps: plain AdamW or DeepSpeed ZeRO (learner/train/step.py); its autocast
+    updater: Any  # how the optimizer steps: plain AdamW or DeepSpeed ZeRO (learner/train/updater.py); its autocast
     packer: Packer
     core: CoreConfigs  # the output format and the matching of the run
 

@@ -1,11 +1,12 @@
-"""How one optimizer step is taken: plain torch (gradients all-reduced over ranks) or DeepSpeed ZeRO.
+"""The updater: how one optimizer step is taken, plain torch (gradients all-reduced over ranks, `PlainUpdater`) or
+DeepSpeed ZeRO (`ZeroUpdater`). The training loop holds one as `loop.updater`.
 
 The training loop calls the same four things either way:
-    step.begin() -> step.forward(**inputs) / step.backward(loss) per row -> step.finish(rows, lr)
-and never asks which it has. The step also owns where training runs (`device`) and the numeric
-context of the forward (`autocast`), so the loop writes `.to(step.device)` where rows move.
+    updater.begin() -> updater.forward(**inputs) / updater.backward(loss) per row -> updater.finish(rows, lr)
+and never asks which it has. The updater also owns where training runs (`device`) and the numeric
+context of the forward (`autocast`), so the loop writes `.to(updater.device)` where rows move.
 
-Nothing here reads a tensor back to the host: a step runs unchanged with its parameters on the
+Nothing here reads a tensor back to the host: an updater runs unchanged with its parameters on the
 `meta` device (tests/learner/test_placement.py), which is how placement is proven without a GPU.
 """
 
@@ -36,7 +37,7 @@ def resolve_device(setting: str) -> torch.device:
     return device
 
 
-class PlainStep:
+class PlainUpdater:
     """torch AdamW; with several ranks, gradients are summed (all-reduce) before clipping."""
 
     def __init__(self, model: torch.nn.Module, ranks: Ranks, *, lr: float, weight_decay: float,
@@ -72,10 +73,10 @@ class PlainStep:
         self.optimizer.load_state_dict(states[0])
 
     def close(self) -> None:
-        """Nothing to release: the optimizer holds no process-group buffers (ZeroStep's engine does)."""
+        """Nothing to release: the optimizer holds no process-group buffers (ZeroUpdater's engine does)."""
 
 
-class ZeroStep:
+class ZeroUpdater:
     """DeepSpeed ZeRO-1/2/3 (learner/train/zero.py has why each call is what it is)."""
 
     def __init__(self, model: torch.nn.Module, ranks: Ranks, *, stage: int, lr: float, weight_decay: float,
@@ -121,18 +122,18 @@ class ZeroStep:
             self.engine = None
 
 
-def make_step(model: torch.nn.Module, ranks: Ranks, cfg: Any, *, device: torch.device,
-              autocast_dtype: torch.dtype | None = None) -> PlainStep | ZeroStep:
+def make_updater(model: torch.nn.Module, ranks: Ranks, cfg: Any, *, device: torch.device,
+              autocast_dtype: torch.dtype | None = None) -> PlainUpdater | ZeroUpdater:
     """The step strategy `training.deepspeed_stage` asks for, with the model already on `device`."""
     common = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "max_grad_norm": cfg.max_grad_norm,
               "device": device, "autocast_dtype": autocast_dtype}
     if cfg.deepspeed_stage:
-        return ZeroStep(model, ranks, stage=cfg.deepspeed_stage, **common)
-    return PlainStep(model, ranks, **common)
+        return ZeroUpdater(model, ranks, stage=cfg.deepspeed_stage, **common)
+    return PlainUpdater(model, ranks, **common)
 
 
 @contextlib.contextmanager
-def gathered_weights(step: PlainStep | ZeroStep, model: torch.nn.Module, **kw: Any) -> Iterator[None]:
+def gathered_weights(step: PlainUpdater | ZeroUpdater, model: torch.nn.Module, **kw: Any) -> Iterator[None]:
     """Whole parameters inside the block (ZeRO-3: collective on every rank; otherwise a no-op)."""
     with zero.gathered(getattr(step, "engine", None), model, **kw):
         yield
