@@ -151,7 +151,8 @@ def make_job(setting: Setting, arm: str, seed: int, plan: Plan, model: Path, dat
     # Long crowded answers are many segments per row: room for them (64, the README job's, overflowed in `crowd`).
     t["packing_buffer"] = 256
     t["grad_accumulation"] = setting.grad_accumulation
-    t["checkpoint"] = {"dir": str(ckpt), "every": 0, "keep": 1}
+    # Every arm continues the shared warm start, which another job (`...-warm-...`) wrote: asked for, not refused.
+    t["checkpoint"] = {"dir": str(ckpt), "every": 0, "keep": 1, "resume_any": arm != "warm"}
     t["export"] = {"enabled": False}
     return parse_job(doc)
 

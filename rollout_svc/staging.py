@@ -234,13 +234,17 @@ class Stager:
                                 code="RESOURCE_EXHAUSTED", reason="staging_space") from e
 
 
+_WIDEST = max(DTYPE_SIZES.values())  # bytes of the widest element the wire knows
+
+
 def most_bytes(table: dict[str, TensorSpec] | None) -> int | None:
-    """The most bytes an update against `table` (the tensors it may carry) can hold: each tensor once, a pattern's
-    "*" dtype at 8 bytes an element. None when it cannot be bounded (no table, or a dimension left open: -1)."""
+    """The most bytes an update against `table` (the tensors it may carry) can hold: each tensor once, at 8 bytes an
+    element whatever its dtype (a stream in another dtype than the model's is refused later, with the dtype named:
+    this bound only stops an announcement no model of this shape could need). None when it cannot be bounded (no
+    table, or a dimension left open: -1)."""
     if table is None or any(-1 in spec.shape for spec in table.values()):
         return None
-    return sum(math.prod(spec.shape) * (8 if spec.dtype == "*" else DTYPE_SIZES[spec.dtype])
-               for spec in table.values())
+    return sum(math.prod(spec.shape) * _WIDEST for spec in table.values())
 
 
 def _write_index(staged: StagedWeights) -> None:

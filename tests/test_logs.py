@@ -128,7 +128,7 @@ def test_local_starts_servers_at_the_jobs_log_level(tmp_path: Path, monkeypatch:
 
     monkeypatch.setattr(RolloutServer, "spawn", staticmethod(fake_start))
     start_servers(parse_job(doc), tmp_path, Console(file=open(os.devnull, "w")))  # noqa: SIM115
-    assert [kw["env"] for kw in started] == [{ENV: "debug"}] * 2
+    assert [kw["env"][ENV] for kw in started] == ["debug"] * 2
 
 
 # -- rmsft operator ----------------------------------------------------------------------------------

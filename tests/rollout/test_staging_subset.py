@@ -134,7 +134,7 @@ def test_a_header_announcing_more_bytes_than_the_model_holds_is_refused_before_s
     header could fill /dev/shm; now an announcement beyond every tensor the update may carry is refused first."""
     _, chunks = _stream(LM)
     header = chunks[0].header
-    most = sum(spec.nbytes for spec in full_expectation(dict(TABLE), True)[0].values())
+    most = sum(8 * spec.nbytes // 4 for spec in full_expectation(dict(TABLE), True)[0].values())  # F32 at 8 bytes
     assert header.total_bytes < most  # a subset: honest
     header.total_bytes = 1 << 50  # a PiB for a checkpoint of a few kB (no disk could take it without the check)
     with pytest.raises(WireError, match=rf"announces {1 << 50} bytes, more than the {most} bytes") as err:

@@ -85,7 +85,9 @@ def test_a_server_whose_starter_is_killed_stops_by_itself(tiny_model_dir: Path, 
                 return True
 
         _wait(gone, 30, f"server {pid} still running after its starter was killed:\n{log.read_text()[-2000:]}")
-        assert "the process that started this server is gone: shutting down" in log.read_text()
+        # Two mechanisms race here by design (rmsft.lifeline): the lifeline pipe's end ("the process that started
+        # this server is gone") or the parent-death SIGTERM; either one shuts the server down in order.
+        assert "shutting down" in log.read_text(), log.read_text()[-2000:]
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))  # free again
