@@ -550,11 +550,12 @@ def test_delete_garbage_collects_every_child(control_plane: ControlPlane, operat
     cp = control_plane
     _apply(cp, _manifest("golf", **{"rollout.replicas": 1}))
     cp.wait_for(lambda: _child(cp, "Job", "golf-learner"), 60, "children")
-    cp.kubectl("delete", "rolloutmatchingjob", "golf", "-n", JOBS_NS, "--wait=false")
     names = [("Secret", "golf-token"), ("ConfigMap", "golf-config"), ("Service", "golf-rollout"),
              ("NetworkPolicy", "golf-rollout"), ("PodDisruptionBudget", "golf-rollout"),
              ("StatefulSet", "golf-rollout"), ("PodDisruptionBudget", "golf-learner"), ("Job", "golf-learner")]
-    assert all(_child(cp, kind, name) is not None for kind, name in names)  # every one of them was made
+    cp.wait_for(lambda: all(_child(cp, kind, name) is not None for kind, name in names), 60,
+                "every child made")  # all of them exist before the deletion, so none is missed below
+    cp.kubectl("delete", "rolloutmatchingjob", "golf", "-n", JOBS_NS, "--wait=false")
 
     def gone() -> bool:
         cp.reap_terminating_pods(JOBS_NS)
