@@ -135,7 +135,7 @@ class WriterLock:
                     on_wait(f"the checkpoint folder {root} is held by another learner ({_read_holder(fd)}); waiting "
                             f"up to {wait_s:.0f} s for it to finish")
                     told = True
-                time.sleep(poll_s)
+                time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))  # never past the deadline
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id, "job": job,
                                   "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode(), 0)
