@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -219,4 +220,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m rollout_svc") -> 
     from rollout_svc.config import parse_config
 
     cfg = parse_config(argv, prog=prog)
-    sys.exit(serve(cfg))
+    code = serve(cfg)
+    # Everything the server made is released (engine, staging, ports); what is left is the heap of torch, vLLM and
+    # gRPC, which the interpreter's last full garbage collection would walk for about 2.5 s on 2 cores at every
+    # stop. Frozen objects are skipped by it and freed by the exit itself; exit handlers still run.
+    gc.freeze()
+    sys.exit(code)

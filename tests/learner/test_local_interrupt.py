@@ -12,11 +12,11 @@ checkpoint is left for a resume to take, and its shared-memory folder is gone: a
 run unwinds), after the next run or `rmsft local --clean` after SIGKILL (nothing runs in a killed process).
 
 Each start is used for one fault (a kill ends the run and its servers); SIGINT, which `rmsft local` handles as it
-handles SIGTERM, is not started again at the moments where SIGTERM is (SAME_PATH). Three cells of the matrix also
-check that nothing is lost: a run stopped (SIGINT) mid-checkpoint of its last step, all its steps trained; and a
-chain: killed (SIGKILL) mid-checkpoint of step 4, resumed with `--resume` (which must remove the killed run's shared
-memory, and take step 2, the last complete checkpoint), that run stopped (SIGTERM) mid-sync after step 5, resumed
-again to the end. Every step the resumed runs trained has the first run's loss.
+handles SIGTERM, is not started again at the moments where SIGTERM is, nor SIGTERM mid-checkpoint, where SIGINT is
+(SAME_PATH). Three cells of the matrix also check that nothing is lost: a run stopped (SIGINT) mid-checkpoint of its
+last step, all its steps trained; and a chain: killed (SIGKILL) mid-checkpoint of step 4, resumed with `--resume` (which
+must remove the killed run's shared memory, and take step 2, the last complete checkpoint), that run stopped (SIGTERM)
+mid-sync after step 5, resumed again to the end. Every step the resumed runs trained has the first run's loss.
 """
 
 from __future__ import annotations
@@ -59,10 +59,12 @@ IN_CHAIN = {("checkpoint", signal.SIGINT), ("checkpoint", signal.SIGKILL), ("syn
 # SIGINT and SIGTERM take one path through `rmsft local` (learner.local.stop_on_signals: one handler, which raises
 # KeyboardInterrupt or Terminated, a KeyboardInterrupt, and both unwind alike); each is started where the other is
 # not, and SIGINT's own exit code and words are checked in the chain (mid-checkpoint). A run costs a minute or more
-# here (issue 40): these cells would repeat the SIGTERM cell of their moment.
+# here (issue 40): these cells would repeat the other signal's cell of their moment (mid-checkpoint, SIGINT's is the
+# chain's reference run, stopped mid-checkpoint of its last step: temporary folder gone, complete ones kept).
 SAME_PATH = {("server-start", signal.SIGINT): ("server-start", signal.SIGTERM),
              ("generate", signal.SIGINT): ("generate", signal.SIGTERM),
-             ("sync", signal.SIGINT): ("sync", signal.SIGTERM)}
+             ("sync", signal.SIGINT): ("sync", signal.SIGTERM),
+             ("checkpoint", signal.SIGTERM): ("checkpoint", signal.SIGINT)}
 
 
 @pytest.fixture(scope="module")
