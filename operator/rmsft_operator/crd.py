@@ -404,6 +404,10 @@ def status_schema() -> dict[str, Any]:
             "observedGeneration": {"type": "integer", "minimum": 0,
                                    "description": "The metadata.generation this status was computed from."},
             "rolloutReplicas": {"type": "integer", "minimum": 0, "description": "Rollout servers wanted now."},
+            "releasedRolloutReplicas": {"type": "integer", "minimum": 0,
+                                        "description": "Rollout servers given back mid-run: not Ready for "
+                                                       "spec.rollout.startupTimeout (condition RolloutReady, reason "
+                                                       "ServerLost)."},
             "readyRolloutReplicas": {"type": "integer", "minimum": 0, "description": "Rollout servers Ready."},
             "learnerActive": {"type": "integer", "minimum": 0, "description": "Active learner pods."},
             "step": {"type": "integer", "minimum": 0, "description": "Optimizer step reported by the learner."},

@@ -232,3 +232,53 @@ def startup_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[
                                              "that does not attach or mount shows in `kubectl describe pod "
                                              f"{pname}`)")[:_MAX_HINT]
     return None
+
+
+def _ordinal(pod: dict[str, Any]) -> int | None:
+    tail = str((pod.get("metadata") or {}).get("name", "")).rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def _not_ready_since(pod: dict[str, Any]) -> dt.datetime | None:
+    """Since when a pod is not Ready: its Ready condition's last change, else (never placed, no condition yet)
+    its creation."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Ready" and c.get("status") != "True" and c.get("lastTransitionTime"):
+            return parse_time(c["lastTransitionTime"])
+    return parse_time((pod.get("metadata") or {}).get("creationTimestamp"))
+
+
+def lost_servers(rollout_pods: list[dict[str, Any]], replicas: int, timeout_s: int,
+                 now: dt.datetime) -> tuple[int, str] | None:
+    """Mid-run (the pool was Ready and the learner runs): (release, message) when a rollout pod of the first
+    `replicas` ordinals has not been Ready for `timeout_s` (spec.rollout.startupTimeout, the time a server has to
+    start at the beginning too): a replacement or added server that crash-loops, cannot be scheduled or never
+    finishes loading. It holds its GPUs while the others serve. `release`: how many of them the pool can give
+    back now, the lost ones among its highest ordinals (a StatefulSet removes pods from the top), never the last
+    server (with none up the learner fails the run after spec.rollout.recoveryTimeout, which frees the pool).
+    Lost pods below a Ready one are named and kept. Pure."""
+    limit = dt.timedelta(seconds=timeout_s)
+    by_ordinal = {o: p for p in rollout_pods if (o := _ordinal(p)) is not None and o < replicas
+                  and not (p.get("metadata") or {}).get("deletionTimestamp")}
+    lost: dict[int, str] = {}
+    for o, pod in sorted(by_ordinal.items()):
+        since = _not_ready_since(pod)
+        if _pod_ready(pod) or since is None or now - since < limit:
+            continue
+        problem = pod_problem([pod])
+        pname = (pod.get("metadata") or {}).get("name", "?")
+        lost[o] = problem[1] if problem else f"pod {pname} is still starting"
+    if not lost:
+        return None
+    release = 0
+    while replicas - release - 1 in lost and replicas - release > 1:
+        release += 1
+    kept = sorted(set(lost) - set(range(replicas - release, replicas)))
+    said = "; ".join(lost[o] for o in sorted(lost))
+    message = f"rollout server(s) not Ready for spec.rollout.startupTimeout ({_span(timeout_s)}) mid-run: {said}"
+    if release:
+        message += f"; released the top {release} (the pool scaled to {replicas - release})"
+    if kept:
+        message += (f"; kept ordinal(s) {', '.join(map(str, kept))}: a StatefulSet gives back only its highest "
+                    "ordinals (delete the pod to retry it, or lower spec.rollout.replicas)")
+    return release, message[:_MAX_HINT]

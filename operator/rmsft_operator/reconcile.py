@@ -38,6 +38,7 @@ from rmsft_operator.failures import (
     image_failure,
     job_finished,
     job_state,
+    lost_servers,
     parse_time,
     pod_problem,
     preflight_failure,
@@ -376,6 +377,14 @@ def decide(obs: Observed, now: str) -> Decision:
                     f"controller reference to it): rmsft does not adopt or replace objects it did not create; delete "
                     f"or rename it, or recreate the job under another name")
 
+    # 3c. Servers given back mid-run (5c) stay given back: the pool and the learner's server list are rendered
+    # without them, so no pass scales them up again and the learner stops probing them.
+    released = 0 if job.spec.rollout.colocated else max(0, min(int(old_status.get("releasedRolloutReplicas") or 0),
+                                                               job.spec.rollout.replicas - 1))
+    if released:
+        job = job.model_copy(deep=True)
+        job.spec.rollout.replicas -= released
+
     # 4. Children: create what is missing (the token Secret is never rewritten).
     desired = _by_kind(render.render_all(job, obs.namespace, obs.uid))
     d = Decision("Pending", {})
@@ -466,6 +475,22 @@ def decide(obs: Observed, now: str) -> Decision:
         d.phase = "Failed"
         return finish(d)
 
+    # 5c. Mid-run, a server that has not been Ready for the startup timeout (a replacement or added server that
+    # crash-loops, cannot be scheduled or never loads) holds its GPUs while the others serve: said (condition, one
+    # event), and given back when the pool can give it back (its highest ordinals, never the last server).
+    lost = lost_servers(obs.rollout_pods, want, job.spec.rollout.startup_timeout_seconds,
+                        parse_time(now) or dt.datetime.now(dt.UTC)) \
+        if not colocated and not suspended and status.get("startTime") else None
+    if lost:
+        release, lost_msg = lost
+        want -= release
+        released += release
+        prev = next((c for c in old_conds if c.get("type") == "RolloutReady"), {})
+        if release or prev.get("reason") != "ServerLost":
+            d.events.append(("Warning", "ServerLost", lost_msg))
+    if released:
+        status.update(rolloutReplicas=want, releasedRolloutReplicas=released)
+
     # 6. Scale the pool to the spec; resume the learner once every server is Ready.
     if not colocated and (sts.get("spec") or {}).get("replicas") != want:
         d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": want}}))
@@ -478,7 +503,11 @@ def decide(obs: Observed, now: str) -> Decision:
     # 7. Conditions: say what holds the job up, in words a person can act on.
     pool_msg = "rollouts run inside the learner (colocate)" if colocated else f"{ready}/{want} rollout servers Ready"
     pool_reason = "Colocated" if colocated else "PoolReady" if pool_ready else "PoolNotReady"
-    if not pool_ready:
+    if released:
+        pool_msg += f" ({released} given back mid-run: not Ready for spec.rollout.startupTimeout)"
+    if lost:
+        pool_reason, pool_msg = "ServerLost", f"{pool_msg}; {lost[1]}"
+    elif not pool_ready:
         problem = pod_problem(obs.rollout_pods)
         if "StatefulSet" in obs.failed_creates:
             problem = ("FailedCreate", f"rollout pods cannot be created: {obs.failed_creates['StatefulSet']}")

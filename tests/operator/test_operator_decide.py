@@ -814,3 +814,62 @@ def test_final_progress_is_the_highest_any_finished_learner_pod_wrote() -> None:
     assert learner_final_progress(pods[2:]) == {}
     # what the learner writes is what the operator reads
     assert parse_final_progress(final_progress_message(24, 25)) == {"step": 24, "weightVersion": 25}
+
+
+def test_a_server_lost_mid_run_is_said_once_and_given_back_when_it_is_the_pools_top() -> None:
+    """Issue 41: mid-run (the learner resumed, status.startTime set), a replacement or added rollout server that is
+    not Ready for spec.rollout.startupTimeout (30 min here) holds its GPUs while the others serve. It is said
+    (RolloutReady False, ServerLost, the pod's own words, one Warning event) and, when it is among the pool's
+    highest ordinals, given back: the StatefulSet scaled down, the learner's server list without it, and no later
+    pass scales it up again. A lost server below a Ready one is named and kept; inside its 30 minutes nothing
+    happens."""
+    spec = _spec(**{"rollout.replicas": 3})
+    crash = {"exitCode": 1, "message": "rmsft serve: CUDA out of memory"}
+    ready = [_server(f"demo-rollout-{i}", ready=True) for i in (0, 1)]
+
+    def running(pods: list[dict[str, Any]], status: dict[str, Any] | None = None, pool: int = 3) -> Observed:
+        obs = World(spec=spec, ready=sum(_pod_ready_in(p) for p in pods), suspended=False,
+                    job_status={"active": 1, "ready": 1}, rollout_pods=pods,
+                    status={"startTime": MIN_AGO[120], **(status or {})}).observed()
+        obs.children["StatefulSet"]["spec"]["replicas"] = pool  # as the last patch left it
+        return obs
+
+    # rollout-2 crash-looping, not Ready since 29 minutes: inside its startup timeout, only the usual words.
+    young = _server("demo-rollout-2", created=29, restarts=5, ended=crash)
+    early = decide(running([*ready, young]), NOW)
+    assert _cond(early, "RolloutReady")["reason"] == "CrashLoopBackOff" and early.patches == []
+    assert not any(e[1] == "ServerLost" for e in early.events)
+    # Since 31 minutes: given back, the pool scaled to 2, the server list without it, said once.
+    lost = _server("demo-rollout-2", created=31, restarts=7, ended=crash)
+    d = decide(running([*ready, lost]), NOW)
+    assert Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 2}}) in d.patches
+    assert d.status["rolloutReplicas"] == 2 and d.status["releasedRolloutReplicas"] == 1 and d.phase == "Running"
+    pool = _cond(d, "RolloutReady")
+    assert pool["reason"] == "ServerLost" and "demo-rollout-2" in pool["message"], pool
+    assert "rmsft serve: CUDA out of memory" in pool["message"] and "the pool scaled to 2" in pool["message"]
+    assert [e[:2] for e in d.events if e[1] == "ServerLost"] == [("Warning", "ServerLost")]
+    # The next pass, the pod gone: the pool stays at 2, the learner's list names 2 servers, no new event.
+    after = decide(running(ready, d.status, pool=2), NOW)
+    assert not any(p.kind == "StatefulSet" for p in after.patches)
+    cm = next(p for p in after.patches if p.kind == "ConfigMap")
+    assert "demo-rollout-1" in cm.body["data"][render.SERVERS_KEY]
+    assert "demo-rollout-2" not in cm.body["data"][render.SERVERS_KEY]
+    assert after.status["rolloutReplicas"] == 2 and _cond(after, "RolloutReady")["status"] == "True"
+    assert "1 given back mid-run" in _cond(after, "RolloutReady")["message"]
+    assert not any(e[1] == "ServerLost" for e in after.events)
+    # rollout-1 lost below a Ready rollout-2: named and kept (a StatefulSet gives back only its top).
+    middle = [_server("demo-rollout-0", ready=True), _server("demo-rollout-1", created=120, restarts=9, ended=crash),
+              _server("demo-rollout-2", ready=True)]
+    kept = decide(running(middle), NOW)
+    assert not any(p.kind == "StatefulSet" for p in kept.patches) and "releasedRolloutReplicas" not in kept.status
+    assert "kept ordinal(s) 1" in _cond(kept, "RolloutReady")["message"]
+    assert [e[1] for e in kept.events if e[0] == "Warning"] == ["ServerLost"]
+    again = decide(running(middle, kept.status), NOW)
+    assert not any(e[1] == "ServerLost" for e in again.events)  # once, not on every pass
+    # Before the learner started (the pool starting), the start's own rules hold: no ServerLost.
+    starting = World(spec=spec, ready=2, rollout_pods=[*ready, lost]).observed()
+    assert _cond(decide(starting, NOW), "Failed")["reason"] == "RolloutCrashLoop"
+
+
+def _pod_ready_in(pod: dict[str, Any]) -> int:
+    return int(any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", [])))
