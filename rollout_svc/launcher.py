@@ -165,9 +165,29 @@ class RolloutServer:
             except grpc.RpcError:  # not listening yet: keep polling until the deadline
                 healthy = False
             if healthy:
+                self._check_identity()
                 return
             time.sleep(0.5)
         raise RuntimeError(f"rmsft serve not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def _check_identity(self) -> None:
+        """The server that said SERVING on this port is the process started here. A port is chosen free, then bound
+        by the server it is given to: meanwhile (a restart on the same port, above all) another run's server can
+        take it, and its health would pass for this one's."""
+        from rmsft_protos import rollout_pb2
+
+        try:
+            with self.channel() as ch:
+                pid = self.stub(ch).GetStatus(rollout_pb2.StatusRequest(), metadata=self.metadata(), timeout=10).pid
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAUTHENTICATED:
+                raise RuntimeError(f"rmsft serve on {self.address} said SERVING, then failed GetStatus: "
+                                   f"{e.code().name}: {e.details()}") from e
+            pid = None  # this run's token refused: another run's server
+        if pid != self.proc.pid:
+            who = f"pid {pid}" if pid else "a server that refused this run's token"
+            raise RuntimeError(f"port {self.port} is answered by another process ({who}), not by the rmsft serve "
+                               f"started here (pid {self.proc.pid}), which could not bind it:\n{self.log_tail()}")
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (the server drains and shuts its engine down), SIGKILL to its whole process group after

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -447,4 +448,5 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             lora_enabled=bool(eng and eng.lora_enabled),
             backend=self.cfg.backend,
             max_lora_rank=eng.max_lora_rank if eng else 0,
+            pid=os.getpid(),
         ), runner.weights if runner else FRESH)

@@ -239,7 +239,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("model", "tensor_parallel_size", "replica_ordinal", "weight_version", "active_adapter", "ready", "lora_enabled", "backend", "max_lora_rank", "weight_run_id")
+    __slots__ = ("model", "tensor_parallel_size", "replica_ordinal", "weight_version", "active_adapter", "ready", "lora_enabled", "backend", "max_lora_rank", "weight_run_id", "pid")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ORDINAL_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +250,7 @@ class StatusReply(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     model: str
     tensor_parallel_size: int
     replica_ordinal: int
@@ -260,4 +261,5 @@ class StatusReply(_message.Message):
     backend: str
     max_lora_rank: int
     weight_run_id: str
-    def __init__(self, model: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., replica_ordinal: _Optional[int] = ..., weight_version: _Optional[int] = ..., active_adapter: _Optional[str] = ..., ready: _Optional[bool] = ..., lora_enabled: _Optional[bool] = ..., backend: _Optional[str] = ..., max_lora_rank: _Optional[int] = ..., weight_run_id: _Optional[str] = ...) -> None: ...
+    pid: int
+    def __init__(self, model: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., replica_ordinal: _Optional[int] = ..., weight_version: _Optional[int] = ..., active_adapter: _Optional[str] = ..., ready: _Optional[bool] = ..., lora_enabled: _Optional[bool] = ..., backend: _Optional[str] = ..., max_lora_rank: _Optional[int] = ..., weight_run_id: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...

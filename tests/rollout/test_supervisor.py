@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from rollout_svc_helpers import generate, prompt_ids
 
 from rollout_svc.launcher import RolloutServer, Supervisor
@@ -97,3 +98,27 @@ def test_a_server_whose_starter_is_killed_stops_by_itself(tiny_model_dir: Path, 
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
+
+
+def test_a_health_check_only_passes_for_the_server_started_here(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Issue 41: a port is chosen free and then bound by the server it is given to; meanwhile (a restart on the same
+    port, above all) another run's server can take it. Its SERVING must not pass for this run's server: the starter
+    checks the process answering is the one it started (StatusReply.pid), and another run's server (its own
+    token) refuses this run's token."""
+    import subprocess
+    import sys
+
+    with RolloutServer.start(tiny_model_dir, backend="hf", timeout=120, log_path=tmp_path / "other.log",
+                             auth_token="other-run") as other:
+        assert other.health() == "SERVING"  # the check passes for the server started here
+        for token in ("other-run", "this-run"):  # the same token (a user's fixed one), and a per-run one
+            # This run's server, started on the port the other took: it cannot bind it (here: a process that
+            # does not even try), while the port answers SERVING.
+            ours = RolloutServer(None, other.port, 0, tmp_path / f"ours-{token}.log", token=token)
+            ours.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            try:
+                with pytest.raises(RuntimeError, match=rf"port {other.port} is answered by another process"):
+                    ours.wait_healthy(timeout=30)
+            finally:
+                ours.proc.kill()
+                ours.proc.wait(10)
