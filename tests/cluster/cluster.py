@@ -5,16 +5,36 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_NS = "rmsft-system"
 T = TypeVar("T")
+
+
+class FollowedLogs:
+    def __init__(self, proc: subprocess.Popen[bytes], out: IO[bytes]) -> None:
+        self.proc, self.out = proc, out
+
+    def wait(self, timeout: float) -> str:
+        """The log, once the container ended (the stream closes then); killed and failed at `timeout`."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"the followed container still ran after {timeout:.0f}s") from None
+        finally:
+            self.out.seek(0)
+        text = self.out.read().decode(errors="replace")
+        self.out.close()
+        return text
 
 
 class Cluster:
@@ -55,6 +75,14 @@ class Cluster:
 
     def logs(self, namespace: str, target: str, *extra: str) -> str:
         return self.kubectl("-n", namespace, "logs", target, *extra, check=False, timeout=60).stdout
+
+    def follow_logs(self, namespace: str, pod: str) -> FollowedLogs:
+        """`kubectl logs -f` of a running pod, in the background: its whole log once its container ends, even when
+        the pod is deleted then (an eviction)."""
+        out = tempfile.TemporaryFile()  # noqa: SIM115 - FollowedLogs.wait closes it
+        proc = subprocess.Popen([self.tools["kubectl"], "--kubeconfig", str(self.kubeconfig), "-n", namespace, "logs",
+                                 "-f", pod], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        return FollowedLogs(proc, out)
 
     # ---- waiting --------------------------------------------------------------------------------
 
