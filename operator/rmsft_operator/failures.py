@@ -277,8 +277,9 @@ def lost_servers(rollout_pods: list[dict[str, Any]], replicas: int, timeout_s: i
     said = "; ".join(lost[o] for o in sorted(lost))
     message = f"rollout server(s) not Ready for spec.rollout.startupTimeout ({_span(timeout_s)}) mid-run: {said}"
     if release:
-        message += f"; released the top {release} (the pool scaled to {replicas - release})"
+        message += f"; the top {release} given back (the pool scaled to {replicas - release})"
     if kept:
         message += (f"; kept ordinal(s) {', '.join(map(str, kept))}: a StatefulSet gives back only its highest "
-                    "ordinals (delete the pod to retry it, or lower spec.rollout.replicas)")
+                    "ordinals and the last server stays (delete the pod to retry it, or lower "
+                    "spec.rollout.replicas)")
     return release, message[:_MAX_HINT]
