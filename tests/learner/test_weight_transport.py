@@ -354,3 +354,23 @@ def test_a_sync_interrupted_mid_write_is_abandoned_whole_and_quietly(pool_of, mo
     for s in servers:
         assert not torch.equal(s.param(PROBE), before) and torch.equal(s.param(PROBE), want)
     assert _shared_files(pool_of.shared) == []
+
+
+def test_a_server_relays_only_to_its_allowed_peers(pool_of, model) -> None:
+    """Issue 41: `relay_to` comes from the caller; a server forwards weights only to the peers its `relay_allow`
+    names (the operator: the job's own StatefulSet pods; `rmsft local`: loopback). An update whose relay list names
+    another address is refused whole, with the reason (the learner stops: a configuration to fix), and applies
+    nothing there; within the allowed peers the same update goes through."""
+    servers = pool_of(2)
+    before = servers[0].param(PROBE).detach().clone()
+    servers[0].servicer.cfg.relay_allow = "rollout-*.pool.team-a.svc:50051"  # not the loopback address it relays to
+    with ServerPool([s.address for s in servers]) as pool:
+        client = _client(pool, model, "grpc", pool_of.shared)
+        _bump(model, 0.01)
+        with pytest.raises(WeightSyncError, match=rf"PERMISSION_DENIED: relay to {servers[1].address} refused: not "
+                                                  r"among this server's peers \(--relay-allow rollout-\*"):
+            client.sync(1)
+        assert torch.equal(servers[0].param(PROBE), before)  # nothing applied where it was refused
+        servers[0].servicer.cfg.relay_allow = "127.0.0.1:*"
+        report = client.sync(2)
+    assert sorted(report.acked) == sorted(s.address for s in servers), report

@@ -873,3 +873,19 @@ def test_a_server_lost_mid_run_is_said_once_and_given_back_when_it_is_the_pools_
 
 def _pod_ready_in(pod: dict[str, Any]) -> int:
     return int(any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", [])))
+
+
+def test_the_servers_flags_follow_the_operator_so_an_older_configmap_gets_the_relay_allowlist() -> None:
+    """Issue 41: a server relays weight updates only to the job's own servers (`relay_allow`, the StatefulSet's pod
+    names); a job applied under an older operator has a ConfigMap without it, and its servers, restarted on the new
+    image, would refuse the job's own relays. The ConfigMap's serve.yaml is brought to what this operator renders."""
+    world = World(spec=_spec(**{"rollout.replicas": 3}), **_STARTED)
+    obs = world.observed()
+    serve = yaml.safe_load(obs.children["ConfigMap"]["data"][render.SERVE_KEY])
+    assert serve["relay_allow"] == f"{N['statefulset']}-*.{N['service']}.{NS}.svc:{serve['port']}"
+    assert decide(obs, NOW).patches == []  # as rendered: nothing to patch
+    old = {k: v for k, v in serve.items() if k != "relay_allow"}
+    obs.children["ConfigMap"]["data"][render.SERVE_KEY] = yaml.safe_dump(old, sort_keys=False)
+    patch = next(p for p in decide(obs, NOW).patches if p.kind == "ConfigMap")
+    assert yaml.safe_load(patch.body["data"][render.SERVE_KEY])["relay_allow"] == serve["relay_allow"]
+    assert render.SERVERS_KEY not in patch.body["data"]  # the server list was right: not rewritten
