@@ -883,6 +883,12 @@ def test_the_servers_flags_follow_the_operator_so_an_older_configmap_gets_the_re
     obs = world.observed()
     serve = yaml.safe_load(obs.children["ConfigMap"]["data"][render.SERVE_KEY])
     assert serve["relay_allow"] == f"{N['statefulset']}-*.{N['service']}.{NS}.svc:{serve['port']}"
+    from rollout_engine.config import ServeConfig
+
+    allow = ServeConfig(model="m", relay_allow=serve["relay_allow"])
+    servers = obs.children["ConfigMap"]["data"][render.SERVERS_KEY].split()
+    assert len(servers) == 3 and all(map(allow.relay_allowed, servers))  # every address the learner relays to
+    assert not allow.relay_allowed(f"{N['statefulset']}-0.{N['service']}.other-team.svc:{serve['port']}")
     assert decide(obs, NOW).patches == []  # as rendered: nothing to patch
     old = {k: v for k, v in serve.items() if k != "relay_allow"}
     obs.children["ConfigMap"]["data"][render.SERVE_KEY] = yaml.safe_dump(old, sort_keys=False)
