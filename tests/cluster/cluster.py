@@ -29,12 +29,11 @@ class FollowedLogs:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+            self.out.close()
             raise AssertionError(f"the followed container still ran after {timeout:.0f}s") from None
-        finally:
+        with self.out:
             self.out.seek(0)
-        text = self.out.read().decode(errors="replace")
-        self.out.close()
-        return text
+            return self.out.read().decode(errors="replace")
 
 
 class Cluster:
