@@ -113,6 +113,37 @@ def _starter_gone() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+# The plaintext port that serves grpc.health.v1 alone, beside a TLS port: Kubernetes' gRPC probes cannot speak TLS.
+# The operator sets it with spec.rollout.tls (render.HEALTH_PORT_ENV); an environment variable, not a serve option,
+# so `rmsft serve`'s flags (rollout_engine.config.ServeConfig) stay as they are.
+HEALTH_PORT_ENV = "RMSFT_HEALTH_PORT"
+
+
+def _health_port() -> int:
+    raw = os.environ.get(HEALTH_PORT_ENV, "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        _fail(f"{HEALTH_PORT_ENV}={raw!r} is not a port number")
+    return int(raw)
+
+
+def _health_only_server(health_svc: health.HealthServicer, host: str, port: int) -> grpc.Server:
+    """grpc.health.v1 and nothing else, in plaintext: what it tells (SERVING or not) is what the TLS port's own
+    health service tells, the same servicer object; no rollout call, no token, no weights."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"),
+                         options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(health_svc, server)
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except (RuntimeError, OSError) as e:
+        _fail(f"cannot listen on {address} for health checks (port taken?): {e}")
+    if not bound:
+        _fail(f"cannot listen on {address} for health checks (port taken?)")
+    return server
+
+
 def serve(cfg: ServeConfig) -> int:
     try:
         configure_logging("info", fmt="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -182,6 +213,11 @@ def serve(cfg: ServeConfig) -> int:
         _fail(f"cannot listen on {address} (port taken?): {e}")
     if not bound:
         _fail(f"cannot listen on {address} (port taken?)")
+    health_port = _health_port()
+    if health_port and not cfg.tls_cert:
+        _fail(f"{HEALTH_PORT_ENV} is for a server with TLS (--tls-cert/--tls-key); without TLS the gRPC port "
+              "answers health checks itself")
+    health_server = _health_only_server(health_svc, cfg.host, health_port) if health_port else None
     if cfg.metrics_port:
         from prometheus_client import start_http_server
 
@@ -190,8 +226,10 @@ def serve(cfg: ServeConfig) -> int:
         except OSError as e:
             _fail(f"cannot serve metrics on port {cfg.metrics_port}: {e}")
     server.start()
-    log.info("listening on %s (metrics :%s), loading %s engine for %s", address, cfg.metrics_port,
-             cfg.backend, cfg.model)
+    if health_server is not None:
+        health_server.start()
+    log.info("listening on %s%s (metrics :%s%s), loading %s engine for %s", address, " (TLS)" if cfg.tls_cert else "",
+             cfg.metrics_port, f", health :{health_port} plaintext" if health_server else "", cfg.backend, cfg.model)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -199,6 +237,8 @@ def serve(cfg: ServeConfig) -> int:
         engine = make_engine(cfg)
     except EngineError as e:
         server.stop(0)
+        if health_server is not None:
+            health_server.stop(0)
         _fail(str(e))
     servicer.attach(engine)
     for name in ("", SERVICE_NAME):
@@ -212,6 +252,8 @@ def serve(cfg: ServeConfig) -> int:
     log.info("shutting down" if not exit_code[0] else "shutting down: the engine is dead")
     health_svc.enter_graceful_shutdown()
     server.stop(cfg.grace_seconds).wait()
+    if health_server is not None:
+        health_server.stop(0)
     servicer.close()
     return exit_code[0]
 

@@ -6,6 +6,7 @@ generated ahead (learner/train/overlap.py) in front of it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,25 @@ from learner.train.overlap import RolloutsAhead
 from rmsft.jobspec import RolloutMatchingJob
 from rmsft.weight_wire import shared_dir_from_env
 
+# spec.rollout.tls: the folder of the job's kubernetes.io/tls Secret in the learner's pod (set by the operator,
+# rmsft_operator.render.TLS_DIR_ENV); unset: plaintext channels.
+TLS_DIR_ENV = "RMSFT_ROLLOUT_TLS_DIR"
+
+
+def tls_roots_from_env() -> bytes | None:
+    """The PEM roots the learner trusts the rollout servers with: the Secret's ca.crt (an issuer's CA, e.g.
+    cert-manager's), else its tls.crt (a self-signed certificate is its own root); None without TLS. The host name
+    gRPC checks is each server's address, the name its certificate must cover."""
+    folder = os.environ.get(TLS_DIR_ENV, "").strip()
+    if not folder:
+        return None
+    for name in ("ca.crt", "tls.crt"):
+        path = Path(folder) / name
+        if path.is_file() and path.stat().st_size:
+            return path.read_bytes()
+    raise ValueError(f"{TLS_DIR_ENV}={folder}: neither ca.crt nor tls.crt is there; spec.rollout.tls.secretName must "
+                     "name a Secret of type kubernetes.io/tls")
+
 
 def build_server_rollouts(job: RolloutMatchingJob, addresses: Sequence[str] | ServersFile, model: Any, *,
                           run_id: str, auth_token: str | None, checkpoint_dir: str | Path, vision_language: bool,
@@ -27,7 +47,7 @@ def build_server_rollouts(job: RolloutMatchingJob, addresses: Sequence[str] | Se
     sender of `model` on it, and the rollout interface over both."""
     followed = addresses if isinstance(addresses, ServersFile) else list(addresses)
     # A restart of every server (the only one, most often) is waited out for spec.rollout.recoveryTimeout.
-    pool = ServerPool(followed, auth_token=auth_token, run_id=run_id,
+    pool = ServerPool(followed, auth_token=auth_token, run_id=run_id, root_certificates=tls_roots_from_env(),
                       recovery_s=job.spec.rollout.recovery_timeout_seconds)
     sync, cfg = job.spec.sync, job.spec.training
     sync_client = WeightSyncClient(

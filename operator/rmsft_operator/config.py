@@ -20,6 +20,18 @@ def _float(name: str, default: float) -> float:
     return value
 
 
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+
+def _pull_policy(name: str, default: str) -> str:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if raw not in PULL_POLICIES:
+        raise SystemExit(f"{name}={raw!r} must be one of {', '.join(PULL_POLICIES)}")
+    return raw
+
+
 @dataclass(frozen=True)
 class OperatorConfig:
     resync_seconds: float = 30.0        # periodic reconcile of every job (safety net for missed events)
@@ -34,6 +46,12 @@ class OperatorConfig:
     scanning: bool = True
     # Read status.step / status.weightVersion from the learner pod's /metrics (0 disables).
     progress_timeout_seconds: float = 1.0
+    # The operator's own image, which the shm cleanup Job runs (render.render_shm_cleanup); the chart
+    # sets it from its image values. Empty (`rmsft operator` run outside the chart, which cannot know
+    # its image): each cleanup Job runs its job's own image instead, under the same least privilege
+    # (the pod's security context limits it, not the image); the operator says so at start.
+    image: str = ""
+    image_pull_policy: str = "IfNotPresent"
 
     @classmethod
     def from_env(cls) -> OperatorConfig:
@@ -47,5 +65,7 @@ class OperatorConfig:
             metrics_port=int(_float("RMSFT_OPERATOR_METRICS_PORT", cls.metrics_port)),
             progress_timeout_seconds=_float("RMSFT_OPERATOR_PROGRESS_TIMEOUT_SECONDS",
                                             cls.progress_timeout_seconds),
+            image=os.environ.get("RMSFT_OPERATOR_IMAGE", "").strip(),
+            image_pull_policy=_pull_policy("RMSFT_OPERATOR_IMAGE_PULL_POLICY", cls.image_pull_policy),
             scanning=os.environ.get("RMSFT_OPERATOR_SCANNING", "true").lower() not in ("0", "false", "no"),
         )

@@ -26,6 +26,8 @@ from rmsft.jobspec import (
     QUANTITY_PATTERN,
     RECIPE_EXPLORERS_STALENESS,
     RECIPE_SECOND_ONLY,
+    TLS_COLOCATE,
+    TLS_HEALTH_PORT,
     JobSpec,
     RecipeConfig,
 )
@@ -218,6 +220,9 @@ LOCAL_RULES: dict[str, list[dict[str, str]]] = {
         {"rule": "self.port != self.metricsPort", "message": "spec.rollout.port and metricsPort must differ"},
         {"rule": "self.mode != 'colocate' || !has(self.replicas) || self.replicas == 0",
          "message": COLOCATE_REPLICAS, "fieldPath": ".replicas"},
+        {"rule": "self.mode != 'colocate' || !has(self.tls)", "message": TLS_COLOCATE, "fieldPath": ".tls"},
+        {"rule": "!has(self.tls) || (self.tls.healthPort != self.port && self.tls.healthPort != self.metricsPort)",
+         "message": TLS_HEALTH_PORT, "fieldPath": ".tls.healthPort"},
     ],
     "training": [
         {"rule": "self.warmup_steps <= self.steps", "message": "spec.training.warmup_steps exceeds steps"},

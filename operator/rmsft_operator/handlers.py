@@ -67,6 +67,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = CFG.watch_timeout_seconds
     settings.networking.error_backoffs = [CFG.retry_backoff_seconds / 4, CFG.retry_backoff_seconds / 2,
                                           CFG.retry_backoff_seconds]
+    if not CFG.image:
+        log.warning("RMSFT_OPERATOR_IMAGE is not set (the chart sets it): the cleanup Job of a deleted shm job will "
+                    "run that job's own image (as UID %d, no capabilities, on the job's own folder only)", render.UID)
     if CFG.metrics_port and not _state["metrics_started"]:
         start_http_server(CFG.metrics_port)
         _state["metrics_started"] = True
@@ -126,8 +129,8 @@ def resync(body: kopf.Body, **_: Any) -> None:
 @kopf.on.delete(API_GROUP, API_VERSION, PLURAL)
 def forget(body: kopf.Body, name: str, namespace: str, **_: Any) -> None:
     """Children carry owner references: Kubernetes' garbage collector deletes them. What it cannot
-    delete is an shm job's directory in the node's /dev/shm (a hostPath): a short cleanup Job on that
-    node removes it (render.render_shm_cleanup). Not optional: kopf's finalizer keeps the job (and
+    delete is what an shm job left in its directory in the node's /dev/shm (a hostPath): a short cleanup
+    Job on that node empties it (render.render_shm_cleanup). Not optional: kopf's finalizer keeps the job (and
     its pods, which say which node) until this ran."""
     try:
         job = parse_job({"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
@@ -137,9 +140,9 @@ def forget(body: kopf.Body, name: str, namespace: str, **_: Any) -> None:
     if job is not None and job.spec.sync.cluster_transport == "shm":
         nodes = {p["spec"].get("nodeName") for p in _kube().list_pods(namespace, {render.JOB_LABEL: name})} - {None}
         for node in sorted(nodes):  # one node: the job's pods are co-located (required affinity)
-            cleanup = render.render_shm_cleanup(job, namespace, node)
+            cleanup = render.render_shm_cleanup(job, namespace, node, CFG.image, CFG.image_pull_policy)
             _kube().ensure(cleanup)
-            log.info("%s/%s deleted: removing %s on node %s (Job %s)", namespace, name,
+            log.info("%s/%s deleted: emptying %s on node %s (Job %s)", namespace, name,
                      render.shared_weights_host_path(namespace, name), node, cleanup["metadata"]["name"])
     _record_phase(namespace, name, None)
 

@@ -43,6 +43,12 @@ STARTUP_PROBE_PERIOD = 10  # seconds between the rollout server's startup probes
 # (`rmsft preflight`) before the pod's container loads the model; the operator fails the job when it fails.
 PREFLIGHT_CONTAINER = "preflight"
 PREFLIGHT_RESOURCES = {"cpu": "250m", "memory": "512Mi"}
+# spec.rollout.tls: the kubernetes.io/tls Secret, mounted read-only in the rollout and learner containers (beside
+# the ConfigMap's folder, not inside it: a mount point cannot be made in a read-only ConfigMap volume).
+TLS_VOLUME = "rollout-tls"
+TLS_DIR = "/etc/rmsft-tls"
+TLS_DIR_ENV = "RMSFT_ROLLOUT_TLS_DIR"  # read by `rmsft train` (learner.train.server_setup.tls_roots_from_env)
+HEALTH_PORT_ENV = "RMSFT_HEALTH_PORT"  # read by `rmsft serve` (rollout_svc.server): the plaintext health port
 
 
 def names(job_name: str) -> dict[str, str]:
@@ -138,6 +144,8 @@ def serve_config(job: RolloutMatchingJob, namespace: str) -> dict[str, Any]:
         "staging_dir": "/dev/shm",
         # Weight updates are relayed to this job's servers only (server_addresses' names, any ordinal).
         "relay_allow": f"{n['statefulset']}-*.{n['service']}.{namespace}.svc:{r.port}",
+        # spec.rollout.tls: the Secret's files (the server trusts its own tls.crt for its relays).
+        **({"tls_cert": f"{TLS_DIR}/tls.crt", "tls_key": f"{TLS_DIR}/tls.key"} if r.tls else {}),
     }
 
 
@@ -241,6 +249,19 @@ def _volumes(job: RolloutMatchingJob, shm_size: str) -> tuple[list[dict[str, Any
     return volumes, mounts
 
 
+def _with_tls(job: RolloutMatchingJob, volumes: list[dict[str, Any]], mounts: list[dict[str, Any]]) -> None:
+    """spec.rollout.tls: the Secret as a volume, mounted read-only in the pod's main container (`mounts`; the
+    preflight init container gets only the mounts it needs). Mode 0440 with the pods' fsGroup: readable by the
+    non-root user, by no other. The operator never reads the Secret (no RBAC on Secrets' contents needed): the
+    kubelet mounts it; a missing one holds the pod in ContainerCreating (a FailedMount event) until the startup
+    timeout fails the job."""
+    tls = job.spec.rollout.tls
+    if tls is None:
+        return
+    volumes.append({"name": TLS_VOLUME, "secret": {"secretName": tls.secret_name, "defaultMode": 0o440}})
+    mounts.append({"name": TLS_VOLUME, "mountPath": TLS_DIR, "readOnly": True})
+
+
 def _preflight_container(job: RolloutMatchingJob, mounts: list[dict[str, Any]]) -> dict[str, Any]:
     """`rmsft preflight` on the job's manifest: reads the model folder's tokenizer files (JSON, under a
     second) and exits 2 with the fix when the model does not fit training.format, e.g. a stock checkpoint
@@ -338,27 +359,52 @@ def _with_shared_weights(job: RolloutMatchingJob, namespace: str, pod: dict[str,
     return {**pod, "initContainers": [*pod.get("initContainers", []), owner]}
 
 
-def render_shm_cleanup(job: RolloutMatchingJob, namespace: str, node: str) -> dict[str, Any]:
-    """A Job that removes the job's shared-weights directory (/dev/shm/rmsft/<ns>.<job>) from `node`,
+SHM_CLEANUP_MOUNT = "/shared-weights"  # the job's own folder, in the cleanup container
+
+
+def render_shm_cleanup(job: RolloutMatchingJob, namespace: str, node: str, image: str = "",
+                       pull_policy: str = "IfNotPresent") -> dict[str, Any]:
+    """A Job that empties the job's shared-weights directory (/dev/shm/rmsft/<ns>.<job>) on `node`,
     created when an shm job is deleted: nothing else can, since the kubelet never removes a hostPath
     directory and the operator cannot reach a node's files. No owner reference (its owner is going
-    away); `ttlSecondsAfterFinished: 0` has Kubernetes delete it, and its pod, once it has run."""
-    host_dir = shared_weights_host_path(namespace, job.metadata.name)
-    volume = {"name": "shared-weights-root", "hostPath": {"path": SHARED_WEIGHTS_HOST_ROOT, "type": "Directory"}}
+    away); `ttlSecondsAfterFinished: 0` has Kubernetes delete it, and its pod, once it has run.
+
+    `image`: the operator's own (RMSFT_OPERATOR_IMAGE, which the chart sets); empty, for an operator
+    run outside the chart, the job's own image, which grants nothing more: the learner pod already
+    ran that image on that folder, and the privilege below comes from the pod's security context,
+    whatever the image.
+
+    Least privilege: the learner's non-root user (UID: the folder is the learner's, chowned to it with
+    mode 0770 by the shared-weights-owner init container), no capability, a read-only image, and only
+    the job's own folder mounted (never the node's whole /dev/shm/rmsft, where the other jobs' folders
+    are). It removes everything inside the folder and leaves the folder itself, empty: removing it
+    would need write access on its root-owned parent, that is root (or DAC_OVERRIDE) with the parent
+    mounted, which is what this Job must not have. An empty directory in tmpfs holds no pages (an
+    inode's worth of kernel memory); it goes with the node's next reboot, and a job created again
+    under the same name and namespace reuses it."""
+    if not image:
+        image, pull_policy = job.spec.image.ref, job.spec.image.pull_policy
+    volume = {"name": SHARED_WEIGHTS_VOLUME, "hostPath": {
+        # Directory, not DirectoryOrCreate: a folder that is not there has nothing to remove, and
+        # creating it would leave a root-owned one behind (the pod then never starts; the deadline
+        # below ends the Job and the TTL deletes it).
+        "path": shared_weights_host_path(namespace, job.metadata.name), "type": "Directory"}}
     container = {
         "name": "remove",
-        "image": job.spec.image.ref,
-        "imagePullPolicy": job.spec.image.pull_policy,
-        "command": ["rm", "-rf", f"/shared-weights-root/{host_dir.rsplit('/', 1)[1]}"],
-        # Root with DAC_OVERRIDE only: the directory belongs to the learner's user (mode 0770) and
-        # sits in a root-owned parent. The namespace admits hostPath volumes already (the job ran).
-        "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
-                            "capabilities": {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]},
-                            "readOnlyRootFilesystem": True},
-        "volumeMounts": [{"name": "shared-weights-root", "mountPath": "/shared-weights-root"}],
+        "image": image,
+        "imagePullPolicy": pull_policy,
+        # Everything in the folder, not the folder (the mount point itself cannot go anyway). The
+        # learner's files and subfolders are its user's: the folder's write bit is all it takes.
+        "command": ["find", SHM_CLEANUP_MOUNT, "-mindepth", "1", "-delete"],
+        "securityContext": _container_security(),
+        "volumeMounts": [{"name": SHARED_WEIGHTS_VOLUME, "mountPath": SHM_CLEANUP_MOUNT}],
         "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
     }
-    pod = {**_pod_common(job), "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+    # No fsGroup: it would add nothing (a hostPath volume is never chowned to it) and the user's own
+    # group is the folder's group already.
+    security = {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID,
+                "seccompProfile": {"type": "RuntimeDefault"}}
+    pod = {**_pod_common(job), "securityContext": security,
            "restartPolicy": "Never", "nodeName": node, "containers": [container], "volumes": [volume]}
     pod.pop("nodeSelector", None)  # nodeName places it; the job's selector chose that node already
     meta = {"name": f"{job.metadata.name}-shm-cleanup", "namespace": namespace,
@@ -375,24 +421,35 @@ def render_statefulset(job: RolloutMatchingJob, namespace: str, uid: str,
     r = job.spec.rollout
     accelerated = job.spec.placement.accelerator == "nvidia"
     volumes, mounts = _volumes(job, r.shm_size)
+    preflight = _preflight_container(job, mounts)
+    _with_tls(job, volumes, mounts)
+    # The kubelet's gRPC probes cannot speak TLS (nor present a token). With spec.rollout.tls the server also
+    # answers grpc.health.v1, and nothing else, in plaintext on tls.healthPort, and the probes go there: the
+    # same health state as on the TLS port, no rollout call, no weights; the NetworkPolicy opens that port to no
+    # pod (the kubelet probes from its node). An exec probe would need a client in the image and start a Python
+    # process per probe, every 5 s.
+    probe_port = r.tls.health_port if r.tls else r.port
+    env = _common_env(job)
+    ports = [{"name": "grpc", "containerPort": r.port, "protocol": "TCP"},
+             {"name": "metrics", "containerPort": r.metrics_port, "protocol": "TCP"}]
+    if r.tls:
+        env = [*env, {"name": HEALTH_PORT_ENV, "value": str(r.tls.health_port)}]
+        ports.append({"name": "health", "containerPort": r.tls.health_port, "protocol": "TCP"})
     container = {
         "name": "rollout",
         "image": job.spec.image.ref,
         "imagePullPolicy": job.spec.image.pull_policy,
         # Engine, ports and limits come from the serve config rendered from the job spec.
         "args": ["serve", "--config", f"{CONFIG_DIR}/{SERVE_KEY}"],
-        "env": _common_env(job),
-        "ports": [
-            {"name": "grpc", "containerPort": r.port, "protocol": "TCP"},
-            {"name": "metrics", "containerPort": r.metrics_port, "protocol": "TCP"},
-        ],
+        "env": env,
+        "ports": ports,
         # Engine load takes minutes on big models: the startup probe holds liveness off until then, for as
         # long as spec.rollout.startupTimeout allows (the kubelet must not restart a server the operator
         # still waits for; past it the operator fails the job anyway).
-        "startupProbe": {"grpc": {"port": r.port}, "periodSeconds": STARTUP_PROBE_PERIOD,
+        "startupProbe": {"grpc": {"port": probe_port}, "periodSeconds": STARTUP_PROBE_PERIOD,
                          "failureThreshold": -(-r.startup_timeout_seconds // STARTUP_PROBE_PERIOD)},
-        "readinessProbe": {"grpc": {"port": r.port}, "periodSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {"grpc": {"port": r.port}, "periodSeconds": 20, "failureThreshold": 6},
+        "readinessProbe": {"grpc": {"port": probe_port}, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"grpc": {"port": probe_port}, "periodSeconds": 20, "failureThreshold": 6},
         "resources": _resources(r.resources, r.tensor_parallel_size, accelerated),
         "volumeMounts": mounts,
         "securityContext": _container_security(),
@@ -402,7 +459,7 @@ def render_statefulset(job: RolloutMatchingJob, namespace: str, uid: str,
     }
     pod_labels = labels(name, "rollout")
     pod_spec = _with_shared_weights(job, namespace, {**_pod_common(job), "containers": [container],
-                                                     "initContainers": [_preflight_container(job, mounts)],
+                                                     "initContainers": [preflight],
                                                      "volumes": volumes}, writer=False)
     return {
         "apiVersion": "apps/v1",
@@ -444,6 +501,14 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
     elif not any(ckpt_dir == m or ckpt_dir.startswith(m + "/") for m in WRITABLE_MOUNTS):
         volumes.append({"name": "checkpoints", "emptyDir": {}})
         mounts.append({"name": "checkpoints", "mountPath": ckpt_dir})
+    preflight = _preflight_container(job, mounts)
+    env = _common_env(job)
+    if job.spec.rollout.tls and not job.spec.rollout.colocated:
+        _with_tls(job, volumes, mounts)
+        # What the learner trusts: ca.crt of the Secret, or its tls.crt (self-signed) when it has none. It reaches
+        # the servers by the names the certificate must cover (server_addresses), so gRPC's own host name check of
+        # each channel is the server name check.
+        env = [*env, {"name": TLS_DIR_ENV, "value": TLS_DIR}]
     container = {
         "name": "learner",
         "image": job.spec.image.ref,
@@ -451,7 +516,7 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
         # Colocate: the rollout engine runs in the learner's own ranks, there are no servers to follow.
         "args": ["train", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}",
                  *(() if job.spec.rollout.colocated else ("--servers-file", f"{CONFIG_DIR}/{SERVERS_KEY}"))],
-        "env": _common_env(job),
+        "env": env,
         "ports": [{"name": "metrics", "containerPort": lr.metrics_port, "protocol": "TCP"}],
         "resources": _resources(lr.resources, lr.gpus, accelerated),
         "volumeMounts": mounts,
@@ -496,7 +561,7 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
                     **_pod_common(job), "restartPolicy": "Never", "containers": [container],
                     # After SIGTERM: the step in progress, a checkpoint, exit (rmsft train), then the retry resumes.
                     "terminationGracePeriodSeconds": lr.termination_grace_period_seconds,
-                    "initContainers": [_preflight_container(job, mounts)], "volumes": volumes}, writer=True),
+                    "initContainers": [preflight], "volumes": volumes}, writer=True),
             },
         },
     }

@@ -57,8 +57,11 @@ from rmsft.jobspec.recipe import (
 from rmsft.jobspec.rollout import (
     COLOCATE_REPLICAS,
     DEFAULT_STARTUP_TIMEOUT,
+    TLS_COLOCATE,
+    TLS_HEALTH_PORT,
     ColocateSpec,
     RolloutSpec,
+    RolloutTLSSpec,
 )
 from rmsft.jobspec.sync import SyncSpec, SyncTransport
 from rmsft.jobspec.training import (
@@ -82,6 +85,7 @@ __all__ = [
     "FreezeConfig", "GrpoTrainingConfig", "ImageSpec", "JobSpec", "JobSpecError", "LearnerSpec", "LoraConfig",
     "LossConfig", "MatchingConfig", "ModelSpec", "ModelVolume", "MonitoringSpec", "ObjectMeta", "PlacementSpec",
     "RecipeConfig", "ResourceSpec", "RewardEntry", "RolloutDecoding", "RolloutMatchingJob", "RolloutSpec",
+    "RolloutTLSSpec", "TLS_COLOCATE", "TLS_HEALTH_PORT",
     "SyncSpec", "SyncTransport", "TargetsConfig", "Toleration", "TrainingConfig", "VisionSpec", "colocate_errors",
     "cross_field_errors", "duration_seconds", "grpo_errors", "load_job", "parse_job", "parse_spec",
 ]

@@ -42,6 +42,29 @@ class ColocateSpec(_K8s):
     offload_optimizer: bool = Field(False, description="Optimizer state to host memory while the engine decodes.")
 
 
+# A Secret's name: a DNS subdomain (RFC 1123).
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+TLS_COLOCATE = ("spec.rollout.tls needs spec.rollout.mode 'server': with 'colocate' the engine runs inside the "
+                "learner's ranks and no traffic goes to a rollout server")
+TLS_HEALTH_PORT = ("spec.rollout.tls.healthPort must differ from spec.rollout.port and spec.rollout.metricsPort")
+
+
+class RolloutTLSSpec(_K8s):
+    """TLS on the gRPC traffic to the rollout servers (the learner's calls, the weight relays between servers), from
+    a Secret of type kubernetes.io/tls in the job's namespace (`tls.crt`, `tls.key`, and `ca.crt` when the issuer
+    puts one there). The operator mounts it read-only in the rollout and learner pods (it never reads it). Its
+    certificate must cover the servers' names, <job>-rollout-<i>.<job>-rollout.<namespace>.svc, e.g. with the SAN
+    *.<job>-rollout.<namespace>.svc (docs/operator.md, "TLS"). Server mode only."""
+
+    secret_name: str = Field(
+        ..., min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN,
+        description="The kubernetes.io/tls Secret in the job's namespace. The learner trusts its ca.crt (its tls.crt "
+        "when it has none: a self-signed certificate); the servers present tls.crt and trust it for their relays.")
+    health_port: int = Field(
+        50052, ge=1024, le=65535, description="Plaintext port serving only grpc.health.v1, for the kubelet's gRPC "
+        "probes (which cannot speak TLS); the NetworkPolicy opens it to no pod.")
+
+
 DEFAULT_STARTUP_TIMEOUT = "30m"  # a 70B model's image pull + load + CUDA graphs fit; a typo'd path fails in 30 min
 DEFAULT_RECOVERY_TIMEOUT = "10m"  # a restarted server's reload (or a recreated pod's start) on a warm node fits
 
@@ -96,6 +119,9 @@ class RolloutSpec(_K8s):
         "(30m, 1h30m, 90s). Covers image pull, model load and engine warm-up of the biggest server.",
     )
 
+    tls: RolloutTLSSpec | None = Field(
+        None, description="TLS for the rollout servers' gRPC from a kubernetes.io/tls Secret (unset: plaintext, "
+        "inside the NetworkPolicy, with the job's token on every call). Server mode only.")
     disruption_budget: bool = Field(
         True, description="A PodDisruptionBudget (maxUnavailable 1) for the rollout pool: a drain or the cluster "
         "autoscaler evicts one server at a time, the others serve meanwhile and the learner re-syncs the one that "
@@ -131,6 +157,14 @@ class RolloutSpec(_K8s):
     def _ports_differ(self) -> RolloutSpec:
         if self.port == self.metrics_port:
             raise ValueError(f"spec.rollout.port and spec.rollout.metricsPort must differ (both {self.port})")
+        return self
+
+    @model_validator(mode="after")
+    def _tls(self) -> RolloutSpec:
+        if self.tls is not None and self.mode == "colocate":
+            raise ValueError(TLS_COLOCATE)
+        if self.tls is not None and self.tls.health_port in (self.port, self.metrics_port):
+            raise ValueError(TLS_HEALTH_PORT)
         return self
 
     @model_validator(mode="after")

@@ -48,6 +48,11 @@ class Kind:
     def node_exists(self, path: str) -> bool:
         return run("docker", "exec", self.node, "test", "-e", path, check=False).returncode == 0
 
+    def node_holds_anything(self, path: str) -> bool:
+        """`path` is there and not an empty directory."""
+        empty = f'[ ! -e {path} ] || {{ [ -d {path} ] && [ -z "$(ls -A {path})" ]; }}'
+        return run("docker", "exec", self.node, "sh", "-c", empty, check=False).returncode != 0
+
     def node_mkdir(self, path: str, uid: int = 1000) -> None:
         run("docker", "exec", self.node, "sh", "-c", f"mkdir -p {path} && chown {uid}:{uid} {path}")
 

@@ -331,6 +331,11 @@ enforceNodeAllocatable: []
     def node_exists(self, path: str) -> bool:
         return Path(path).exists()
 
+    def node_holds_anything(self, path: str) -> bool:
+        """`path` is there and not an empty directory."""
+        p = Path(path)
+        return p.exists() and (not p.is_dir() or any(p.iterdir()))
+
     def node_mkdir(self, path: str, uid: int = 1000) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
         os.chown(path, uid, uid)

@@ -547,14 +547,20 @@ def test_a_colocate_job_runs_with_only_its_learner(control_plane: ControlPlane, 
 
 
 def test_delete_garbage_collects_every_child(control_plane: ControlPlane, operator: Operator) -> None:
+    """Deleting a job deletes its children; an shm job's (the reference job's transport) also gets the Job that
+    empties its folder on its node, whose pod the API server admits: the operator's own image (the chart's, not the
+    job author's), as the learner's non-root user, with no capability, on the job's own folder only (issue 41)."""
     cp = control_plane
-    _apply(cp, _manifest("golf", **{"rollout.replicas": 1}))
+    # A job image that is not the chart's, so the cleanup's image shows whose it is.
+    _apply(cp, _manifest("golf", **{"rollout.replicas": 1, "image.tag": "job-author-0.9"}))
     cp.wait_for(lambda: _child(cp, "Job", "golf-learner"), 60, "children")
     names = [("Secret", "golf-token"), ("ConfigMap", "golf-config"), ("Service", "golf-rollout"),
              ("NetworkPolicy", "golf-rollout"), ("PodDisruptionBudget", "golf-rollout"),
              ("StatefulSet", "golf-rollout"), ("PodDisruptionBudget", "golf-learner"), ("Job", "golf-learner")]
     cp.wait_for(lambda: all(_child(cp, kind, name) is not None for kind, name in names), 60,
                 "every child made")  # all of them exist before the deletion, so none is missed below
+    # ... and its pod placed: the operator learns the node to clean from the job's pods.
+    cp.wait_for(lambda: _bound(_pods(cp, "golf", "rollout"), 1), 60, "the rollout pod scheduled")
     cp.kubectl("delete", "rolloutmatchingjob", "golf", "-n", JOBS_NS, "--wait=false")
 
     def gone() -> bool:
@@ -565,6 +571,17 @@ def test_delete_garbage_collects_every_child(control_plane: ControlPlane, operat
     t0 = time.monotonic()
     cp.wait_for(gone, 90, "the job and all its children garbage-collected")
     print(f"\n[envtest] job + children collected in {time.monotonic() - t0:.1f}s")
+
+    (cleanup,) = cp.wait_for(lambda: cp.pods(JOBS_NS, "rmsft.io/job=golf,app.kubernetes.io/component=shm-cleanup"),
+                             60, "the shm cleanup Job's pod created")
+    pod = cleanup["spec"]
+    chart_image = cp.ok("GET", f"/apis/apps/v1/namespaces/{OP_NS}/deployments/{RELEASE}")[
+        "spec"]["template"]["spec"]["containers"][0]["image"]
+    (c,) = pod["containers"]
+    assert c["image"] == chart_image != "ghcr.io/rmsft/rmsft:job-author-0.9", c["image"]
+    assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsNonRoot"]) == (1000, True)
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert [v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v] == [f"/dev/shm/rmsft/{JOBS_NS}.golf"]
 
 
 def test_operator_worked_under_rbac_with_zero_denials(control_plane: ControlPlane, operator: Operator) -> None:

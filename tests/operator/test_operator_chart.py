@@ -72,6 +72,10 @@ def full_objects(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return template(ALL_FEATURES, tmp_path_factory.mktemp("full"))
 
 
+def _app_version() -> str:
+    return str(yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"])
+
+
 def _kinds(objs: list[dict]) -> list[str]:
     return sorted(o["kind"] for o in objs)
 
@@ -112,6 +116,10 @@ def test_default_install_is_cluster_wide_least_privilege(default_objects: list[d
     assert c["args"][:2] == ["operator", "--all-namespaces"]
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    # The shm cleanup Job runs the operator's own image (config.OperatorConfig.image), not a job author's.
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["RMSFT_OPERATOR_IMAGE"] == c["image"] == f"ghcr.io/rmsft/rmsft:{_app_version()}"
+    assert env["RMSFT_OPERATOR_IMAGE_PULL_POLICY"] == c["imagePullPolicy"] == "IfNotPresent"
 
 
 def test_namespaced_option_grants_roles_only_where_jobs_live(full_objects: list[dict]) -> None:
@@ -127,6 +135,7 @@ def test_namespaced_option_grants_roles_only_where_jobs_live(full_objects: list[
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["RMSFT_OPERATOR_SCANNING"] == "false"  # no cluster-wide listing without a ClusterRole
     assert c["image"] == "ghcr.io/rmsft/rmsft:1.2.3"
+    assert env["RMSFT_OPERATOR_IMAGE"] == c["image"] and env["RMSFT_OPERATOR_IMAGE_PULL_POLICY"] == "Always"
 
 
 def test_monitors_and_dashboards(full_objects: list[dict]) -> None:

@@ -25,6 +25,45 @@ def test_bad_timing_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, value: str
         OperatorConfig.from_env()
 
 
+def test_cleanup_image_is_the_operators_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chart passes the operator's own image (and pull policy), which the shm cleanup Job runs; unset (an
+    operator run outside the chart) it is empty, and each cleanup Job then runs its job's own image."""
+    monkeypatch.setenv("RMSFT_OPERATOR_IMAGE", " registry.example/rmsft:1.2.3 ")
+    monkeypatch.setenv("RMSFT_OPERATOR_IMAGE_PULL_POLICY", "Always")
+    cfg = OperatorConfig.from_env()
+    assert (cfg.image, cfg.image_pull_policy) == ("registry.example/rmsft:1.2.3", "Always")
+    monkeypatch.delenv("RMSFT_OPERATOR_IMAGE")
+    monkeypatch.delenv("RMSFT_OPERATOR_IMAGE_PULL_POLICY")
+    cfg = OperatorConfig.from_env()
+    assert (cfg.image, cfg.image_pull_policy) == ("", "IfNotPresent")
+    monkeypatch.setenv("RMSFT_OPERATOR_IMAGE_PULL_POLICY", "sometimes")
+    with pytest.raises(SystemExit, match="RMSFT_OPERATOR_IMAGE_PULL_POLICY='sometimes' must be one of Always, "
+                                         "IfNotPresent, Never"):
+        OperatorConfig.from_env()
+
+
+def test_an_operator_without_its_image_says_what_the_cleanup_runs(monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Outside the chart the operator cannot know its image: it says so at start, and what the cleanup runs."""
+    from types import SimpleNamespace
+
+    from rmsft_operator import handlers
+
+    monkeypatch.setattr(handlers, "CFG", OperatorConfig(metrics_port=0))
+    monkeypatch.setattr(handlers, "_kube", lambda: None)
+    settings = SimpleNamespace(persistence=SimpleNamespace(), scanning=SimpleNamespace(), posting=SimpleNamespace(),
+                               watching=SimpleNamespace(), networking=SimpleNamespace())
+    with caplog.at_level("WARNING", logger="rmsft_operator"):
+        handlers.configure(settings)
+    assert "RMSFT_OPERATOR_IMAGE is not set (the chart sets it): the cleanup Job of a deleted shm job will run " \
+           "that job's own image (as UID 1000, no capabilities, on the job's own folder only)" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(handlers, "CFG", OperatorConfig(metrics_port=0, image="registry.example/rmsft:1"))
+    with caplog.at_level("WARNING", logger="rmsft_operator"):
+        handlers.configure(settings)
+    assert "RMSFT_OPERATOR_IMAGE" not in caplog.text
+
+
 def test_operator_command_needs_a_scope() -> None:
     proc = subprocess.run([sys.executable, "-m", "rmsft_operator"], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "RMSFT_OPERATOR_METRICS_PORT": "0"})

@@ -170,6 +170,15 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("recovery-timeout-zero", {"spec.rollout.recoveryTimeout": 0}, ["spec.rollout.recoveryTimeout"]),
     ("recovery-timeout-words", {"spec.rollout.recoveryTimeout": "ten minutes"}, ["spec.rollout.recoveryTimeout"]),
     ("stall-timeout-zero", {"spec.learner.stallTimeout": "0s"}, ["spec.learner.stallTimeout"]),
+    # spec.rollout.tls: a Secret's name, server mode only, a health port of its own
+    ("tls-without-secret", {"spec.rollout.tls": {}}, ["spec.rollout.tls", "secretName"]),
+    ("tls-secret-not-a-name", {"spec.rollout.tls": {"secretName": "Rollout_TLS"}}, ["spec.rollout.tls.secretName"]),
+    ("tls-with-colocate", {**_COLOCATE, "spec.sync.transport": "auto", "spec.rollout.tls": {"secretName": "tls"}},
+     ["spec.rollout.tls", "colocate"]),
+    ("tls-health-port-is-metrics", {"spec.rollout.tls": {"secretName": "tls", "healthPort": 9090}},
+     ["spec.rollout.tls.healthPort"]),
+    ("tls-health-port-is-grpc", {"spec.rollout.tls": {"secretName": "tls", "healthPort": 50051}},
+     ["spec.rollout.tls.healthPort"]),
 ]
 
 

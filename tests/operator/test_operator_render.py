@@ -286,6 +286,141 @@ def test_shm_shares_one_node_memory_directory_between_learner_and_servers() -> N
         kubernetes_validate.validate(obj, "1.32", strict=True)
 
 
+def test_shm_cleanup_runs_the_operators_image_unprivileged_on_the_jobs_own_folder() -> None:
+    """Issue 41, least privilege: the Job that empties a deleted shm job's folder runs the operator's image (the
+    chart's RMSFT_OPERATOR_IMAGE), as the learner's non-root user (the owner of the folder), with no capability, a
+    read-only image and the RuntimeDefault seccomp profile, and mounts the job's own folder only, never the node's
+    whole /dev/shm/rmsft; without an operator image it runs the job's own, under the same security context."""
+    job = parse_job(_reference("shm"))
+    cleanup = render.render_shm_cleanup(job, "team-a", "node-1", "registry.example/ops/rmsft:9.9", "Always")
+    kubernetes_validate.validate(cleanup, "1.32", strict=True)
+    pod = cleanup["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert (c["image"], c["imagePullPolicy"]) == ("registry.example/ops/rmsft:9.9", "Always")
+    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": render.UID, "runAsGroup": render.UID,
+                                      "seccompProfile": {"type": "RuntimeDefault"}}
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                                    "readOnlyRootFilesystem": True}
+    assert "initContainers" not in pod and pod["nodeName"] == "node-1" and pod["automountServiceAccountToken"] is False
+    (volume,) = pod["volumes"]
+    assert volume["hostPath"] == {"path": "/dev/shm/rmsft/team-a.qwen3vl-det", "type": "Directory"}
+    assert c["volumeMounts"] == [{"name": volume["name"], "mountPath": render.SHM_CLEANUP_MOUNT}]
+    assert c["command"] == ["find", render.SHM_CLEANUP_MOUNT, "-mindepth", "1", "-delete"]
+    fallback = render.render_shm_cleanup(job, "team-a", "node-1")["spec"]["template"]["spec"]
+    assert (fallback["containers"][0]["image"], fallback["containers"][0]["imagePullPolicy"]) == (
+        job.spec.image.ref, job.spec.image.pull_policy)
+    assert fallback["securityContext"] == pod["securityContext"]
+    assert fallback["containers"][0]["securityContext"] == c["securityContext"]
+
+
+def test_shm_cleanup_command_empties_the_folder_as_its_owner_and_touches_nothing_else() -> None:
+    """The rendered command, run on a copy of the node's layout (as the learner's UID when this runs as root, as the
+    kubelet would run it): everything the learner left in its folder goes (files, a folder of files), the folder
+    stays (its root-owned parent is not writable by that user, and is not mounted), another job's folder beside it
+    is untouched."""
+    import os
+    import shutil
+    import tempfile
+
+    cleanup = render.render_shm_cleanup(parse_job(_reference("shm")), "team-a", "node-1", "img:1")
+    (c,) = cleanup["spec"]["template"]["spec"]["containers"]
+    as_root = os.geteuid() == 0
+    root = Path(tempfile.mkdtemp(prefix="rmsft-shm-"))  # stands for the node's /dev/shm/rmsft (root's, 0755)
+    try:
+        root.chmod(0o755)
+        folders = {name: root / name for name in ("team-a.qwen3vl-det", "team-a.other")}
+        for folder in folders.values():
+            (folder / "sub").mkdir(parents=True)
+            (folder / "update-v7.safetensors").write_bytes(b"x" * 64)
+            (folder / ".partial").write_bytes(b"y")
+            (folder / "sub" / "f").write_bytes(b"z")
+            if as_root:  # the shared-weights-owner init container's chown and chmod, then the learner's files
+                for path in [folder, *folder.rglob("*")]:
+                    os.chown(path, render.UID, render.UID)
+                folder.chmod(0o770)
+        mine = folders["team-a.qwen3vl-det"]
+        command = [str(mine) if a == render.SHM_CLEANUP_MOUNT else a for a in c["command"]]
+        ids = {"user": render.UID, "group": render.UID, "extra_groups": []} if as_root else {}
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=60, **ids)
+        assert proc.returncode == 0, proc.stderr
+        assert mine.is_dir() and list(mine.iterdir()) == []
+        other = folders["team-a.other"]
+        assert sorted(p.name for p in other.rglob("*")) == [".partial", "f", "sub", "update-v7.safetensors"]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _tls_job(transport: str = "grpc") -> dict:
+    doc = _reference(transport)
+    doc["spec"]["rollout"]["tls"] = {"secretName": "qwen-rollout-tls"}
+    return doc
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_rollout_tls_mounts_the_secret_and_probes_a_plaintext_health_port(transport: str, tmp_path: Path) -> None:
+    """spec.rollout.tls: the kubernetes.io/tls Secret mounted read-only (mode 0440, the pods' fsGroup reads it) in the
+    rollout and learner containers only; serve.yaml names its tls.crt and tls.key (and `rmsft serve`'s own parser
+    takes it); the server gets RMSFT_HEALTH_PORT and the kubelet's gRPC probes go there (they cannot speak TLS); the
+    learner gets the Secret's folder (what it trusts) and reaches the servers by names the documented SAN covers;
+    the NetworkPolicy opens the health port to no pod. With either transport (shm only moves the bytes)."""
+    from fnmatch import fnmatch
+
+    from rollout_svc.config import parse_config
+
+    job = parse_job(_tls_job(transport))
+    objs = {render.child_key(o): o for o in render.render_all(job, "team-a", "0000-uid", token="t")}
+    for obj in objs.values():
+        kubernetes_validate.validate(obj, "1.32", strict=True)
+    volume = {"name": render.TLS_VOLUME, "secret": {"secretName": "qwen-rollout-tls", "defaultMode": 0o440}}
+    mount = {"name": render.TLS_VOLUME, "mountPath": "/etc/rmsft-tls", "readOnly": True}
+    pods = {"rollout": objs["StatefulSet"]["spec"]["template"]["spec"],
+            "learner": objs["Job"]["spec"]["template"]["spec"]}
+    for role, pod in pods.items():
+        assert volume in pod["volumes"], role
+        (c,) = pod["containers"]
+        assert mount in c["volumeMounts"], role
+        for init in pod["initContainers"]:  # the preflight and the shared-weights owner read no certificate
+            assert render.TLS_VOLUME not in {m["name"] for m in init["volumeMounts"]}, (role, init["name"])
+        assert pod["securityContext"]["fsGroup"] == render.UID
+    rollout = pods["rollout"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in rollout["env"]}
+    assert env["RMSFT_HEALTH_PORT"] == "50052" and "RMSFT_ROLLOUT_TLS_DIR" not in env
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert rollout[probe]["grpc"] == {"port": 50052}, probe
+    assert {"name": "health", "containerPort": 50052, "protocol": "TCP"} in rollout["ports"]
+    learner_env = {e["name"]: e.get("value") for e in pods["learner"]["containers"][0]["env"]}
+    assert learner_env["RMSFT_ROLLOUT_TLS_DIR"] == "/etc/rmsft-tls" and "RMSFT_HEALTH_PORT" not in learner_env
+
+    serve = yaml.safe_load(objs["ConfigMap"]["data"]["serve.yaml"])
+    assert (serve["tls_cert"], serve["tls_key"]) == ("/etc/rmsft-tls/tls.crt", "/etc/rmsft-tls/tls.key")
+    serve["model"] = str(tmp_path)
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(serve))
+    cfg = parse_config(["--config", str(tmp_path / "serve.yaml")])
+    assert (cfg.tls_cert, cfg.tls_key) == ("/etc/rmsft-tls/tls.crt", "/etc/rmsft-tls/tls.key")
+    # The names the learner and the relays dial are what docs/operator.md tells the certificate to cover.
+    servers = objs["ConfigMap"]["data"]["servers"].split()
+    hosts = [a.rsplit(":", 1)[0] for a in servers]
+    assert hosts and all(fnmatch(h, "*.qwen3vl-det-rollout.team-a.svc") for h in hosts)
+    # A certificate wildcard stands for one label only: each name has one before that suffix.
+    assert all("." not in h.removesuffix(".qwen3vl-det-rollout.team-a.svc") for h in hosts)
+    # Only the learner and the job's pods reach the gRPC port; nobody is let in on the health port.
+    opened = {p["port"] for rule in objs["NetworkPolicy"]["spec"]["ingress"] for p in rule["ports"]}
+    assert 50052 not in opened and 50051 in opened
+
+
+def test_without_tls_nothing_of_it_is_rendered() -> None:
+    """No spec.rollout.tls: no Secret volume, no health port, the probes on the gRPC port, serve.yaml without TLS."""
+    objs = {render.child_key(o): o for o in render.render_all(parse_job(_reference("grpc")), "team-a", "u", token="t")}
+    for kind in ("StatefulSet", "Job"):
+        pod = objs[kind]["spec"]["template"]["spec"]
+        assert render.TLS_VOLUME not in {v["name"] for v in pod["volumes"]}
+        names = {e["name"] for e in pod["containers"][0]["env"]}
+        assert not names & {"RMSFT_HEALTH_PORT", "RMSFT_ROLLOUT_TLS_DIR"}
+    rollout = objs["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
+    assert {rollout[p]["grpc"]["port"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} == {50051}
+    assert not {"tls_cert", "tls_key"} & set(yaml.safe_load(objs["ConfigMap"]["data"]["serve.yaml"]))
+
+
 def _without_shared_weights(template: dict) -> dict:
     pod = copy.deepcopy(template["spec"])
     del pod["affinity"]
