@@ -1,20 +1,28 @@
 """Plain SFT against the rollout-matching recipes, from one start, over seeds, on the grid visual task.
 
-Usage: python benchmarks/method_compare.py [--settings readme,crowd] [--arms sft,gen1,gen2,gen2_b]
+Usage: python benchmarks/method_compare.py [--settings readme,crowd,row]
+           [--arms sft,gen1,gen2,gen2_ref,gen2_rows,gen2_b]
            [--seeds 0,1,2] [--steps 60] [--warm 20] [--ratio R] [--eval-every 0] [--heldout 32]
-           [--model DIR] [--work .rmsft/method-compare] [--out docs/img] [--name method_compare] [--replot [CSV ...]]
+           [--split heldout|validation] [--model DIR] [--work .rmsft/method-compare] [--out docs/img]
+           [--name method_compare] [--replot [CSV ...]]
 
 Run it from the repository root (the README job's paths are relative to it). Every run of a setting and seed
-starts from the same point: the README job's pretrained tiny Qwen3-VL (its `spec.model.path`; built by its
-annotations when absent; `--model` for another) trained `--warm` plain-SFT steps (channel A, ground truth only)
-by the README job once, checkpointed, and evaluated. Every arm resumes that checkpoint (weights, optimizer state,
-data order, learning-rate schedule) and trains to `--steps` optimizer steps in total with the README job's
-optimizer, loss and data:
+starts from the same point: the setting's start (`readme`: the README job's pretrained tiny Qwen3-VL, its
+`spec.model.path`, built by its annotations when absent; `crowd` and `row`: assets/tiny-vl-dense-model, that model
+taught to write long lists by benchmarks/dense_start.py; `--model` for another) trained `--warm` plain-SFT steps
+(channel A, ground truth only) by the README job once, checkpointed, and evaluated. Every arm resumes that
+checkpoint (weights, optimizer state, data order, learning-rate schedule) and trains to `--steps` optimizer steps in
+total with the README job's optimizer, loss and data:
 - `sft`: plain SFT continued (every step channel A: `warm_start_steps = steps`);
 - `gen1`: the first-generation rollout-matching objective (`training.recipe: {generation: 1}`): every step
   trains on the model's own answer, unmatched predictions kept with no loss;
 - `gen2`: the second-generation recipe with the README job's channel-B ratio (its `training.recipe.channel_b_ratio`
-  when it sets one, else 0.25; `--ratio` overrides): mostly ground-truth steps, some clean-prefix rollout steps;
+  when it sets one, else 0.25; `--ratio` overrides) and the README job's losses: mostly ground-truth steps, some
+  clean-prefix rollout steps;
+- `gen2_ref`: the same with the reference's losses (the recipe's defaults: SmoothL1 and CIoU on the expected box,
+  small soft CE, W1 and hard CE; docs/method.md), not the README job's;
+- `gen2_rows`: gen2 with the duplicate rule's centre radius at ROWS_CENTER_RADIUS (0.5) instead of its default 0.8,
+  which calls about a sixth of the true objects of the row setting duplicates of their neighbours (docs/benchmarks.md);
 - `gen2_b`: the same recipe with `channel_b_ratio: 1.0` (rollout matching on every step).
 Seeds (`--seeds`) set `training.seed` (data order) and `training.rollout.seed` (sampling); the data are the same.
 
@@ -25,9 +33,15 @@ truncation rate, duplicate rate and predicted/ground-truth count ratio; also the
 over the run's rollout-matching steps), tokens trained (warm start included) and wall seconds (the arm's own,
 warm start excluded: that is shared).
 
-Settings: `readme` is the README job's task (4 x 4 cells, 1-2 objects, answers up to ~90 tokens); `crowd` moves the
-same model to crowded images (6 x 6 cells, 3-8 one-cell objects, answers up to ~350 tokens), where duplicates and
-truncation show.
+Settings: `readme` is the README job's task (4 x 4 cells, 1-2 objects, answers up to ~90 tokens); `crowd` is crowded
+images (6 x 6 cells, 3-8 one-cell objects, answers up to ~350 tokens), where duplicates and truncation show; `row`
+is a row of 3-6 same-label tall rectangles side by side with up to 2 other shapes (people in a queue, bottles on a
+shelf: rmsft_dev.synthetic.make_row_sample), where duplicate control and dead anchors decide the target.
+
+Validation and held-out: `--split validation` evaluates on a validation set (rendered with seed 20_000) and writes
+its own ledger (NAME-validation.csv): choose settings (steps, ratio, losses) there; the default `--split heldout`
+evaluates on the held-out set (seed 10_000), to be reported once the settings are chosen. The training set is
+rendered with seed 0, the dense start's with seeds of its own.
 
 Outputs: OUT/NAME.csv, one row per evaluation of every run (the ledger: a run whose final row is there, for the same
 steps, warm start, held-out size and ratio, is skipped, so an interrupted grid resumes where it stopped; warm-start
@@ -41,7 +55,8 @@ Paired comparison: OUT/NAME-records.csv keeps every final evaluation's label-awa
 (matched, false positives, false negatives). From it each arm is compared with plain SFT on the same records and
 seeds: the difference of label-aware F1@0.5 with a 95% interval from a two-level paired bootstrap (seeds drawn with
 replacement, then records, the same records for both arms), printed and in the RESULT line as
-`<setting>_<arm>_minus_sft_f1` (`_lo`, `_hi`). A ledger from before the counts were kept gives no interval.
+`<setting>_<arm>_minus_sft_f1` (`_lo`, `_hi`); each recipe arm is compared with generation 1 the same way
+(`<setting>_<arm>_minus_gen1_f1`). A ledger from before the counts were kept gives no interval.
 
 Smoke mode (what tests/benchmarks/test_method_compare.py runs): `--steps 2 --warm 1 --heldout 2 --seeds 0
 --settings readme --arms sft,gen2_b`.
@@ -63,16 +78,27 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from dense_start import CROWD_GRID, ROW_GRID  # noqa: E402  (the start and the settings share their layouts)
+
 README_JOB = ROOT / "configs" / "local-tiny-vl.yaml"
-ARMS = ("sft", "gen1", "gen2", "gen2_b")
+DENSE_START = ROOT / "assets" / "tiny-vl-dense-model"
+ARMS = ("sft", "gen1", "gen2", "gen2_ref", "gen2_rows", "gen2_b")
+# gen2_rows: a radius under which same-label neighbours one cell apart in a row are not duplicates of each other
+# (tall 1 x 2-cell boxes on 6 x 6 cells: 0.8 flags 17% of the row setting's true objects, 0.5 none).
+ROWS_CENTER_RADIUS = 0.5
+# Paired comparisons (arm, baseline): every arm against plain SFT, every recipe arm against generation 1.
+BASELINES = ("sft", "gen1")
+SPLIT_SEEDS = {"heldout": 10_000, "validation": 20_000}
 DEFAULT_RATIO = 0.25
 
 
 @dataclass(frozen=True)
 class Setting:
     name: str
-    grid: dict  # write_visual_dataset's grid keyword arguments
+    grid: dict  # write_visual_dataset's keyword arguments: the layout and its grid
     max_tokens: int
+    start: Path | None = None  # the model every arm starts from; None: the README job's (or --model)
     records: int = 1024
     # Rough seconds per step (channel A, channel B) and per evaluation on 2 idle cores, for the first estimate
     # (later ones come from the runs already in the CSV).
@@ -84,9 +110,11 @@ class Setting:
 
 
 SETTINGS = {
-    "readme": Setting("readme", {"cells": 4, "max_objects": 2}, max_tokens=96),
-    "crowd": Setting("crowd", {"cells": 6, "max_objects": 8, "min_objects": 3, "max_cells": 1}, max_tokens=360,
-                     cost=(3.0, 20.0, 30.0), grad_accumulation=3),
+    "readme": Setting("readme", {"layout": "grid", "cells": 4, "max_objects": 2}, max_tokens=96),
+    "crowd": Setting("crowd", CROWD_GRID, max_tokens=360, start=DENSE_START, cost=(3.0, 20.0, 30.0),
+                     grad_accumulation=3),
+    # Up to 8 objects of about 43 tokens each and the end.
+    "row": Setting("row", ROW_GRID, max_tokens=400, start=DENSE_START, cost=(3.0, 20.0, 30.0), grad_accumulation=3),
 }
 
 KEY = ("setting", "arm", "seed", "steps", "warm", "heldout", "ratio")
@@ -122,7 +150,9 @@ def readme_ratio(doc: dict) -> float | None:
 
 def arm_ratio(arm: str, plan: Plan) -> float:
     """The share of post-warm-start steps that are rollout matching (the CSV's `ratio`)."""
-    return {"sft": 0.0, "gen1": 1.0, "gen2": plan.ratio, "gen2_b": 1.0, "warm": 0.0}[arm]
+    if arm.startswith("gen2") and arm != "gen2_b":
+        return plan.ratio
+    return {"sft": 0.0, "gen1": 1.0, "gen2_b": 1.0, "warm": 0.0}[arm]
 
 
 def make_job(setting: Setting, arm: str, seed: int, plan: Plan, model: Path, data: Path, held: Path, ckpt: Path):
@@ -139,8 +169,12 @@ def make_job(setting: Setting, arm: str, seed: int, plan: Plan, model: Path, dat
     if arm == "gen1":  # the first objective: every second-generation key goes
         recipe = {k: v for k, v in recipe.items() if k not in RecipeConfig.SECOND_ONLY and k != "generation"}
         recipe["generation"] = 1
-    elif arm in ("gen2", "gen2_b"):
+    elif arm in ("gen2", "gen2_ref", "gen2_rows", "gen2_b"):
         recipe.update(generation=2, channel_b_ratio=arm_ratio(arm, plan))
+    if arm == "gen2_ref":  # the recipe's own defaults, which are the reference's (docs/method.md)
+        t.pop("loss", None)
+    if arm == "gen2_rows":
+        recipe["duplicates"] = {**(recipe.get("duplicates") or {}), "center_radius": ROWS_CENTER_RADIUS}
     if recipe:
         t["recipe"] = recipe
     t["data"]["path"] = str(data)
@@ -362,26 +396,32 @@ def spread(values: list[float]) -> tuple[float, float, float]:
 
 def paired_lines(finals: dict[tuple[str, str], list[dict]], records: dict[tuple, list[tuple[int, int, int]]],
                  settings: list[str], arms: list[str]) -> tuple[list[str], list[str]]:
-    """Each arm against plain SFT on the same held-out records and seeds (paired_bootstrap): printed lines and
-    RESULT parts. Arms without per-record counts (a ledger from before they were kept) are left out."""
+    """Each arm against plain SFT, and each recipe arm against generation 1, on the same held-out records and seeds
+    (paired_bootstrap): printed lines and RESULT parts. Arms without per-record counts (a ledger from before they
+    were kept) are left out."""
     lines, parts = [], []
+
+    def counts(setting: str, arm: str) -> dict[int, list[tuple[int, int, int]]]:
+        got = {r["seed"]: records.get(_key_of(r)) for r in finals.get((setting, arm), [])}
+        return {k: v for k, v in got.items() if v}
+
     for setting in settings:
-        base = {r["seed"]: records.get(_key_of(r)) for r in finals.get((setting, "sft"), [])}
-        base = {k: v for k, v in base.items() if v}
-        for arm in arms:
-            if arm in ("sft", "warm") or not base:
-                continue
-            other = {r["seed"]: records.get(_key_of(r)) for r in finals.get((setting, arm), [])}
-            other = {k: v for k, v in other.items() if v}
-            seeds = sorted(set(base) & set(other))
-            if not seeds:
-                continue
-            d, lo, hi = paired_bootstrap(other, base)
-            n = len(base[seeds[0]])
-            lines.append(f"{setting}: {arm} - sft label-aware F1@0.5 {d:+.3f}, 95% interval [{lo:+.3f}, {hi:+.3f}] "
-                         f"(paired bootstrap over {n} held-out records x {len(seeds)} seed(s))")
-            parts.append(f"{setting}_{arm}_minus_sft_f1={d:.4g} {setting}_{arm}_minus_sft_f1_lo={lo:.4g} "
-                         f"{setting}_{arm}_minus_sft_f1_hi={hi:.4g}")
+        for baseline in BASELINES:
+            base = counts(setting, baseline)
+            for arm in arms:
+                if arm in ("sft", "warm", baseline) or (baseline == "gen1" and not arm.startswith("gen2")) or not base:
+                    continue
+                other = counts(setting, arm)
+                seeds = sorted(set(base) & set(other))
+                if not seeds:
+                    continue
+                d, lo, hi = paired_bootstrap(other, base)
+                n = len(base[seeds[0]])
+                lines.append(f"{setting}: {arm} - {baseline} label-aware F1@0.5 {d:+.3f}, 95% interval "
+                             f"[{lo:+.3f}, {hi:+.3f}] (half-width {(hi - lo) / 2:.3f}; paired bootstrap over {n} "
+                             f"records x {len(seeds)} seed(s))")
+                key = f"{setting}_{arm}_minus_{baseline}_f1"
+                parts.append(f"{key}={d:.4g} {key}_lo={lo:.4g} {key}_hi={hi:.4g}")
     return lines, parts
 
 
@@ -453,7 +493,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     readme = readme_doc()
     t = readme["spec"]["training"]
-    ap.add_argument("--settings", default="readme,crowd")
+    ap.add_argument("--settings", default="readme,crowd,row")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=int(t["steps"]), help="optimizer steps in all (README job's)")
@@ -462,15 +502,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ratio", type=float, default=None,
                     help=f"gen2's channel-B ratio (default: the README job's, else {DEFAULT_RATIO})")
     ap.add_argument("--eval-every", type=int, default=0, help="held-out evaluations between (0: warm start and end)")
-    ap.add_argument("--heldout", type=int, default=32)
-    ap.add_argument("--model", type=Path, default=None, help="start model (default: the README job's pretrained one)")
+    ap.add_argument("--heldout", type=int, default=32, help="records evaluated (of the held-out or validation set)")
+    ap.add_argument("--split", choices=tuple(SPLIT_SEEDS), default="heldout",
+                    help="evaluate on the held-out set (report) or the validation set (choose settings)")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="start model of every setting (default: each setting's: the README job's, the dense start)")
     ap.add_argument("--work", type=Path, default=ROOT / ".rmsft" / "method-compare",
                     help="data, warm-start checkpoints and server logs (kept for resuming)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
-    ap.add_argument("--name", default="method_compare")
+    ap.add_argument("--name", default=None, help="ledger and plot name (default: method_compare, with "
+                    "-validation appended for --split validation)")
     ap.add_argument("--replot", nargs="*", type=Path, default=None,
                     help="no training: plot, table and RESULT line from the CSV (or these CSVs)")
     args = ap.parse_args(argv)
+    if args.name is None:
+        args.name = "method_compare" + ("-validation" if args.split == "validation" else "")
     ledger = args.out / f"{args.name}.csv"
     if args.replot is not None:
         csvs = args.replot or [ledger]
@@ -526,25 +572,34 @@ def train_grid(todo: list[tuple], settings: list[Setting], plan: Plan, args, row
     base = load_job(README_JOB)
     if args.model is None:
         prepare_inputs(base, console)  # the README job's start (and data), built when absent
-        model = Path(base.spec.model.path).resolve()
+        readme_model = Path(base.spec.model.path).resolve()
     else:
-        model = args.model.resolve()
+        readme_model = args.model.resolve()
+    models = {s.name: readme_model if args.model is not None or s.start is None else s.start.resolve()
+              for s in settings}
+    missing = sorted({str(m) for m in models.values() if not (m / "config.json").exists()})
+    if missing:
+        sys.exit(f"no start model in {', '.join(missing)} (assets/tiny-vl-dense-model is shipped; "
+                 "python benchmarks/dense_start.py builds it again)")
     by_name = {s.name: s for s in settings}
     # One pair of servers for every run: each trainer's first FULL sync puts its own weights on them.
     unused = work / "unused.jsonl"  # the servers read the model and spec.rollout only
-    servers = start_servers(make_job(settings[0], "warm", 0, plan, model, unused, unused, work / "unused"),
-                            work / "logs", console)
+    # The servers load the first setting's start; every run's first sync puts its own weights (same architecture).
+    servers = start_servers(make_job(settings[0], "warm", 0, plan, models[settings[0].name], unused, unused,
+                                     work / "unused"), work / "logs", console)
     t_grid = time.perf_counter()
     try:
         for i, (name, arm, seed) in enumerate(todo):
             s = by_name[name]
-            tag = f"{s.name}-s{seed}-n{plan.steps}-w{plan.warm}-h{plan.heldout}"
+            model = models[s.name]
+            split = "" if args.split == "heldout" else f"-{args.split}"
+            tag = f"{s.name}-s{seed}-n{plan.steps}-w{plan.warm}-h{plan.heldout}{split}"
             data = work / f"{s.name}-train.jsonl"
-            held = work / f"{s.name}-held{plan.heldout}.jsonl"
+            held = work / f"{s.name}-{'held' if args.split == 'heldout' else 'val'}{plan.heldout}.jsonl"
             if not data.exists():
-                write_visual_dataset(data, n=s.records, seed=0, layout="grid", **s.grid)
+                write_visual_dataset(data, n=s.records, seed=0, **s.grid)
             if not held.exists():
-                write_visual_dataset(held, n=plan.heldout, seed=10_000, layout="grid", **s.grid)
+                write_visual_dataset(held, n=plan.heldout, seed=SPLIT_SEEDS[args.split], **s.grid)
             warm_dir = work / f"{tag}-warm"
             warm_key = run_key(s.name, "warm", seed, plan)
             if warm_key not in done_runs(rows) or not any(warm_dir.glob("step-*")):

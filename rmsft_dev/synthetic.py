@@ -325,6 +325,51 @@ def make_grid_sample(
     return img, record
 
 
+def make_row_sample(
+    seed: int, index: int, cells: int = 6, min_row: int = 3, max_row: int = 6, max_others: int = 2,
+    fmt: Literal["coordexp", "qwen_json"] = "coordexp",
+) -> tuple[Image.Image, dict]:
+    """One image of `cells` x `cells` grid cells with a row of `min_row`..`max_row` same-label tall rectangles side
+    by side (one cell wide, two or three tall, in adjacent columns: people in a queue, bottles on a shelf) and up to
+    `max_others` one-cell shapes of other labels in free cells. Neighbours in the row share an edge and a label, so a
+    box one column off overlaps the next object of its kind: the scene where duplicate control (which same-label
+    overlaps are one object answered twice) and dead anchors decide the rollout-matching target. Same (seed,
+    index), same sample."""
+    if fmt not in VISUAL_PROMPTS:
+        raise ValueError(f"fmt must be one of {', '.join(VISUAL_PROMPTS)}, got {fmt!r}")
+    if not 2 <= min_row <= max_row <= cells:
+        raise ValueError(f"need 2 <= min_row <= max_row <= cells, got {min_row}, {max_row}, {cells}")
+    if cells < 3:
+        raise ValueError(f"need cells >= 3 (a row of objects two or more cells tall), got {cells}")
+    rng = random.Random(f"rmsft-row-{seed}-{index}")
+    side = cells * GRID_CELL
+    img = _background(rng, side, side)
+    draw = ImageDraw.Draw(img)
+    colour = rng.choice(list(VISUAL_COLOURS))
+    k, tall = rng.randint(min_row, max_row), rng.randint(2, 3)
+    x0, y0 = rng.randint(0, cells - k), rng.randint(0, cells - tall)
+    taken = {(x0 + i, y0 + j) for i in range(k) for j in range(tall)}
+    objects = [{"desc": f"{colour} rectangle",
+                "bbox_2d": [(x0 + i) * GRID_CELL, y0 * GRID_CELL, (x0 + i + 1) * GRID_CELL, (y0 + tall) * GRID_CELL]}
+               for i in range(k)]
+    free = sorted({(x, y) for x in range(cells) for y in range(cells)} - taken)
+    for _ in range(rng.randint(0, max_others)):
+        other = rng.choice([c for c in VISUAL_COLOURS if c != colour])
+        x, y = free.pop(rng.randrange(len(free)))
+        objects.append({"desc": f"{other} {rng.choice(GRID_SHAPES)}",
+                        "bbox_2d": [x * GRID_CELL, y * GRID_CELL, (x + 1) * GRID_CELL, (y + 1) * GRID_CELL]})
+    for obj in objects:
+        b = obj["bbox_2d"]
+        # One pixel in from the right and bottom edges: neighbours in the row stay two shapes, not one long bar.
+        shape_box = [b[0], b[1], b[2] - 2, b[3] - 1]
+        fill = VISUAL_COLOURS[obj["desc"].split()[0]]
+        (draw.ellipse if obj["desc"].endswith("circle") else draw.rectangle)(shape_box, fill=fill)
+    objects.sort(key=lambda o: (o["bbox_2d"][1], o["bbox_2d"][0]))  # reading order: one canonical answer
+    record = {"id": f"row-{index}", "width": side, "height": side,
+              "messages": [{"role": "user", "content": VISUAL_PROMPTS[fmt]}], "objects": objects}
+    return img, record
+
+
 def write_visual_dataset(
     path: str | Path,
     n: int = 64,
@@ -333,7 +378,7 @@ def write_visual_dataset(
     max_side: int = 256,
     max_objects: int = 3,
     fmt: Literal["coordexp", "qwen_json"] = "coordexp",
-    layout: Literal["free", "grid"] = "free",
+    layout: Literal["free", "grid", "row"] = "free",
     **grid: int,
 ) -> Path:
     """Write `n` PNG images to `<stem>-images/` next to `path` and their records to `path` (JSONL), with
@@ -342,8 +387,8 @@ def write_visual_dataset(
     Image paths in the records are relative to the dataset file's folder, so the job needs no
     `image_root`. Same arguments, byte-identical files (PIL writes no timestamp into a PNG).
     """
-    if layout not in ("free", "grid"):
-        raise ValueError(f"layout must be 'free' or 'grid', got {layout!r}")
+    if layout not in ("free", "grid", "row"):
+        raise ValueError(f"layout must be 'free', 'grid' or 'row', got {layout!r}")
     if not 32 <= min_side <= max_side:
         raise ValueError(f"need 32 <= min_side <= max_side, got min_side={min_side}, max_side={max_side}")
     if max_objects < 1:
@@ -353,8 +398,12 @@ def write_visual_dataset(
     folder.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for i in range(n):
-            img, record = (make_grid_sample(seed, i, max_objects=max_objects, fmt=fmt, **grid) if layout == "grid"
-                           else make_visual_sample(seed, i, min_side, max_side, max_objects, fmt))
+            if layout == "grid":
+                img, record = make_grid_sample(seed, i, max_objects=max_objects, fmt=fmt, **grid)
+            elif layout == "row":  # `grid` holds make_row_sample's keywords (cells, min_row, max_row, max_others)
+                img, record = make_row_sample(seed, i, fmt=fmt, **grid)
+            else:
+                img, record = make_visual_sample(seed, i, min_side, max_side, max_objects, fmt)
             name = f"visual-{i:05d}.png"
             img.save(folder / name, format="PNG")
             record["images"] = [f"{folder.name}/{name}"]

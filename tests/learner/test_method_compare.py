@@ -80,3 +80,66 @@ def test_paired_bootstrap_cancels_what_the_records_share_and_sees_a_consistent_g
         mc.paired_bootstrap({0: records}, {0: records[:-1]})
     with pytest.raises(ValueError, match="no seed that both arms ran"):
         mc.paired_bootstrap({0: records}, {1: records})
+
+
+def test_recipe_arms_are_compared_with_generation_1_and_every_arm_with_plain_sft() -> None:
+    """Pure: the paired lines of a ledger's final rows (two seeds, 20 records): sft is the baseline of every arm,
+    gen1 of the recipe arms only; the gain of an arm that finds one more object on every other record is seen."""
+    mc = _benchmark()
+    plan = mc.Plan(steps=4, warm=2, heldout=20, eval_every=0, ratio=0.25)
+    base = [(1, 1, 1)] * 20
+    gain = [(2, 1, 0) if i % 2 else (1, 1, 1) for i in range(20)]
+    per_arm = {"sft": base, "gen1": base, "gen2": gain, "gen2_ref": base}
+    finals, records = {}, {}
+    for arm, counts in per_arm.items():
+        for seed in (0, 1):
+            row = {**dict(zip(mc.KEY, mc.run_key("row", arm, seed, plan), strict=True)), "step": 4}
+            finals.setdefault(("row", arm), []).append(row)
+            records[mc._key_of(row)] = counts
+    lines, parts = mc.paired_lines(finals, records, ["row"], list(per_arm))
+    pairs = [line.split(" label-aware")[0] for line in lines]
+    assert pairs == ["row: gen1 - sft", "row: gen2 - sft", "row: gen2_ref - sft", "row: gen2 - gen1",
+                     "row: gen2_ref - gen1"]
+    figures = dict(kv.split("=") for part in parts for kv in part.split())
+    assert float(figures["row_gen2_minus_gen1_f1_lo"]) > 0  # the gain, outside zero
+    assert float(figures["row_gen2_ref_minus_gen1_f1"]) == 0.0
+    assert "half-width" in lines[1]
+
+
+def test_the_reference_losses_arm_drops_only_the_readme_jobs_loss_settings(tmp_path: Path) -> None:
+    """gen2_ref is gen2 with the recipe's default losses (the reference's: SmoothL1 and CIoU on), not the README
+    job's (none of them); the same recipe and ratio otherwise."""
+    mc = _benchmark()
+    plan = mc.Plan(steps=4, warm=2, heldout=2, eval_every=0, ratio=0.25)
+    jobs = {arm: mc.make_job(mc.SETTINGS["row"], arm, 0, plan, tmp_path, tmp_path / "d.jsonl", tmp_path / "h.jsonl",
+                             tmp_path / "ckpt") for arm in ("gen2", "gen2_ref")}
+    from learner.train.config import resolved
+
+    ours, ref = (jobs[a].spec.training for a in ("gen2", "gen2_ref"))
+    assert (resolved(ours, "loss.smooth_l1"), resolved(ours, "loss.ciou")) == (0.0, 0.0)
+    assert resolved(ref, "loss.smooth_l1") > 0 and resolved(ref, "loss.ciou") > 0
+    assert ours.recipe.channel_b_ratio == ref.recipe.channel_b_ratio == 0.25
+    assert ours.recipe.generation == ref.recipe.generation == 2
+    assert jobs["gen2"].spec.training.rollout.max_tokens == mc.SETTINGS["row"].max_tokens
+
+
+def test_the_rows_arm_changes_only_the_duplicate_radius(tmp_path: Path) -> None:
+    """gen2_rows is gen2 with the duplicate rule's centre radius at ROWS_CENTER_RADIUS, everything else alike; under
+    it no two true neighbours of a rendered row are duplicates, under the default 0.8 some are."""
+    mc = _benchmark()
+    plan = mc.Plan(steps=4, warm=2, heldout=2, eval_every=0, ratio=0.25)
+    jobs = {arm: mc.make_job(mc.SETTINGS["row"], arm, 0, plan, tmp_path, tmp_path / "d.jsonl", tmp_path / "h.jsonl",
+                             tmp_path / "ckpt") for arm in ("gen2", "gen2_rows")}
+    from learner.core.clean_prefix import find_duplicates
+    from learner.data.episode import ground_truth
+    from learner.data.records import load_records
+    from learner.train.config import recipe_setup
+    from rmsft_dev.synthetic import write_visual_dataset
+
+    base, rows = (recipe_setup(jobs[a].spec.training) for a in ("gen2", "gen2_rows"))
+    assert (base.duplicates.center_radius, rows.duplicates.center_radius) == (0.8, mc.ROWS_CENTER_RADIUS)
+    assert base.channel_b_ratio == rows.channel_b_ratio == 0.25
+    data = write_visual_dataset(tmp_path / "rows.jsonl", n=16, seed=10_000, **mc.ROW_GRID)
+    truth = [ground_truth(r) for r in load_records(data)]
+    assert sum(len(find_duplicates(g, base.duplicates)) for g in truth) > 0
+    assert sum(len(find_duplicates(g, rows.duplicates)) for g in truth) == 0

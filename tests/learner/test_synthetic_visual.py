@@ -173,3 +173,35 @@ def test_qwen_json_instruction_same_records(tmp_path: Path) -> None:
     assert not any(w in VISUAL_PROMPT_QWEN_JSON for w in (*VISUAL_COLOURS, "circle", "rectangle", "triangle"))
     with pytest.raises(ValueError, match="fmt"):
         write_visual_dataset(tmp_path / "x.jsonl", n=1, fmt="yolo")  # type: ignore[arg-type]
+
+
+def test_row_layout_is_a_row_of_same_label_neighbours_drawn_where_the_boxes_say(tmp_path: Path) -> None:
+    """The benchmark's row setting (benchmarks/method_compare.py): 3-6 same-label tall rectangles in adjacent
+    columns, each a shape of its own in the pixels (a gap between neighbours), other shapes elsewhere."""
+    path = write_visual_dataset(tmp_path / "row.jsonl", n=24, seed=5, layout="row", cells=6, min_row=3, max_row=6,
+                                max_others=2)
+    records, _store = load_dataset(path, None, 50_000_000)
+    lengths = set()
+    for record in records:
+        boxes = [tuple(o.bbox_2d) for o in record.objects]
+        assert boxes == sorted(boxes, key=lambda b: (b[1], b[0]))  # reading order
+        label, n = max(((d, sum(o.desc == d for o in record.objects)) for d in {o.desc for o in record.objects}),
+                       key=lambda dn: dn[1])
+        row = sorted(tuple(o.bbox_2d) for o in record.objects if o.desc == label)
+        assert 3 <= n <= 6 and label.endswith("rectangle")
+        lengths.add(n)
+        # Side by side: one column each, same top and bottom, each starting where the last ends.
+        assert all(b[2] - b[0] == 32 and b[3] - b[1] in (64, 96) for b in row)
+        assert len({(b[1], b[3]) for b in row}) == 1
+        assert all(nxt[0] == prev[2] for prev, nxt in zip(row, row[1:], strict=False))
+        others = [o for o in record.objects if o.desc != label]
+        assert len(others) <= 2 and not any(_overlap(tuple(o.bbox_2d), b) for o in others for b in row)
+        img = _image(path, record)
+        colour = VISUAL_COLOURS[label.split()[0]]
+        for b in row:  # the shape's colour inside its box, the background in the gap before its right edge
+            assert img.getpixel((b[0] + 16, (b[1] + b[3]) // 2)) == colour
+            assert img.getpixel((b[2] - 1, (b[1] + b[3]) // 2)) != colour
+    assert len(lengths) >= 3  # rows of several lengths, not one
+    again = write_visual_dataset(tmp_path / "again" / "row.jsonl", n=24, seed=5, layout="row", cells=6, min_row=3,
+                                 max_row=6, max_others=2)
+    assert again.read_text() == path.read_text()
