@@ -134,14 +134,18 @@ def _health_only_server(health_svc: health.HealthServicer, host: str, port: int)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"),
                          options=[("grpc.so_reuseport", 0)])
     health_pb2_grpc.add_HealthServicer_to_server(health_svc, server)
-    address = f"{host}:{port}"
-    try:
-        bound = server.add_insecure_port(address)
-    except (RuntimeError, OSError) as e:
-        _fail(f"cannot listen on {address} for health checks (port taken?): {e}")
-    if not bound:
-        _fail(f"cannot listen on {address} for health checks (port taken?)")
+    _listen(server, f"{host}:{port}", None, " for health checks")
     return server
+
+
+def _listen(server: grpc.Server, address: str, creds: grpc.ServerCredentials | None, what: str = "") -> None:
+    """Bind `address` (TLS with `creds`) or exit with why."""
+    try:
+        bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    except (RuntimeError, OSError) as e:
+        _fail(f"cannot listen on {address}{what} (port taken?): {e}")
+    if not bound:
+        _fail(f"cannot listen on {address}{what} (port taken?)")
 
 
 def serve(cfg: ServeConfig) -> int:
@@ -202,17 +206,14 @@ def serve(cfg: ServeConfig) -> int:
         _fail(str(e))
     add_rollout_service(servicer, server)
     address = f"{cfg.host}:{cfg.port}"
-    try:
-        if cfg.tls_cert:
+    creds = None
+    if cfg.tls_cert:
+        try:
             with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c:
                 creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-            bound = server.add_secure_port(address, creds)
-        else:
-            bound = server.add_insecure_port(address)
-    except (RuntimeError, OSError) as e:
-        _fail(f"cannot listen on {address} (port taken?): {e}")
-    if not bound:
-        _fail(f"cannot listen on {address} (port taken?)")
+        except OSError as e:
+            _fail(f"cannot read the TLS key or certificate (--tls-key, --tls-cert): {e}")
+    _listen(server, address, creds)
     health_port = _health_port()
     if health_port and not cfg.tls_cert:
         _fail(f"{HEALTH_PORT_ENV} is for a server with TLS (--tls-cert/--tls-key); without TLS the gRPC port "
