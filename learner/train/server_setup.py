@@ -40,15 +40,22 @@ def tls_roots_from_env() -> bytes | None:
                      "name a Secret of type kubernetes.io/tls")
 
 
+def server_pool(job: RolloutMatchingJob, addresses: Sequence[str] | ServersFile, *, run_id: str | None,
+                auth_token: str | None) -> ServerPool:
+    """The learner's channels to the servers: the job's token, TLS when the operator mounted spec.rollout.tls's
+    Secret (tls_roots_from_env), and a restart of every server (the only one, most often) waited out for
+    spec.rollout.recoveryTimeout."""
+    followed = addresses if isinstance(addresses, ServersFile) else list(addresses)
+    return ServerPool(followed, auth_token=auth_token, run_id=run_id, root_certificates=tls_roots_from_env(),
+                      recovery_s=job.spec.rollout.recovery_timeout_seconds)
+
+
 def build_server_rollouts(job: RolloutMatchingJob, addresses: Sequence[str] | ServersFile, model: Any, *,
                           run_id: str, auth_token: str | None, checkpoint_dir: str | Path, vision_language: bool,
                           zero3: bool, fence_resync: Callable[[Callable], Callable] | None = None) -> ServerRollouts:
     """The pool of `addresses` (a fixed list, or the servers file the operator keeps current), the weight
     sender of `model` on it, and the rollout interface over both."""
-    followed = addresses if isinstance(addresses, ServersFile) else list(addresses)
-    # A restart of every server (the only one, most often) is waited out for spec.rollout.recoveryTimeout.
-    pool = ServerPool(followed, auth_token=auth_token, run_id=run_id, root_certificates=tls_roots_from_env(),
-                      recovery_s=job.spec.rollout.recovery_timeout_seconds)
+    pool = server_pool(job, addresses, run_id=run_id, auth_token=auth_token)
     sync, cfg = job.spec.sync, job.spec.training
     sync_client = WeightSyncClient(
         pool, model, mode=sync.mode, fallback_to_full=sync.fallback_to_full,

@@ -15,9 +15,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rollout_svc_helpers import generate, prompt_ids
 
 from learner.rollouts.pool import ServerPool
-from learner.train.server_setup import TLS_DIR_ENV, tls_roots_from_env
+from learner.train.server_setup import TLS_DIR_ENV, server_pool, tls_roots_from_env
+from rmsft.jobspec import load_job
 from rollout_svc.launcher import RolloutServer, free_port
 from rollout_svc.server import HEALTH_PORT_ENV
+
+ROOT = Path(__file__).resolve().parents[2]
 
 x509 = pytest.importorskip("cryptography.x509")
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
@@ -109,7 +112,9 @@ def test_a_tls_server_is_probed_in_plaintext_and_reached_by_name_with_the_secret
         monkeypatch.setenv(TLS_DIR_ENV, str(secret))
         roots = tls_roots_from_env()
         assert roots == _pem(ca)
-        pool = ServerPool([f"localhost:{srv.port}"], auth_token="tok", root_certificates=roots)
+        # The learner's own pool (learner.train.server_setup.server_pool, what `rmsft train` builds).
+        pool = server_pool(load_job(ROOT / "configs" / "local-tiny-vl.yaml"), [f"localhost:{srv.port}"],
+                           run_id=None, auth_token="tok")
         try:
             server = pool.servers[0]
             got = generate(server.stub, pool.metadata, prompt_ids(tiny_tokenizer)[:2], max_tokens=4)
