@@ -119,9 +119,6 @@ class ServeConfig:
             problems.append("max_concurrent_requests must be >= 1")
         if bool(self.tls_cert) != bool(self.tls_key):
             problems.append("TLS needs both tls_cert and tls_key")
-        for flag, path in (("tls_cert", self.tls_cert), ("tls_key", self.tls_key)):
-            if path and not (Path(path).is_file() and os.access(path, os.R_OK)):
-                problems.append(f"{flag} {path} is not a readable file (in a cluster: the spec.rollout.tls Secret's)")
         if problems:
             raise SystemExit("rmsft serve: invalid configuration:\n  " + "\n  ".join(problems))
 

@@ -148,6 +148,18 @@ def _listen(server: grpc.Server, address: str, creds: grpc.ServerCredentials | N
         _fail(f"cannot listen on {address}{what} (port taken?)")
 
 
+def _tls_pair(cfg: ServeConfig) -> tuple[bytes, bytes] | None:
+    """(key, certificate chain) PEM of --tls-key/--tls-cert, read before anything starts; None without TLS."""
+    if not cfg.tls_cert:
+        return None
+    try:
+        with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c:
+            return k.read(), c.read()
+    except OSError as e:
+        _fail(f"cannot read --tls-key/--tls-cert (in a cluster: the spec.rollout.tls Secret's files): {e}")
+    return None
+
+
 def serve(cfg: ServeConfig) -> int:
     try:
         configure_logging("info", fmt="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -159,6 +171,7 @@ def serve(cfg: ServeConfig) -> int:
     from rollout_svc.auth import TokenAuthInterceptor
     from rollout_svc.servicer import RolloutServicer
 
+    tls_pair = _tls_pair(cfg)
     keep_frame_buffers(cfg.max_frame_bytes)  # weight frames: reuse heap buffers, no re-faulting
     token = cfg.resolved_auth_token()
     interceptors = [TokenAuthInterceptor(token)] if token else []
@@ -206,13 +219,7 @@ def serve(cfg: ServeConfig) -> int:
         _fail(str(e))
     add_rollout_service(servicer, server)
     address = f"{cfg.host}:{cfg.port}"
-    creds = None
-    if cfg.tls_cert:
-        try:
-            with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c:
-                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-        except OSError as e:
-            _fail(f"cannot read the TLS key or certificate (--tls-key, --tls-cert): {e}")
+    creds = grpc.ssl_server_credentials([tls_pair]) if tls_pair else None
     _listen(server, address, creds)
     health_port = _health_port()
     if health_port and not cfg.tls_cert:

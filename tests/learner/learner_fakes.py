@@ -77,6 +77,7 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
     lora_enabled: bool = False
     max_lora_rank: int = 64
     delay_s: float = 0.0
+    gate: threading.Event | None = None  # Generate answers (or fails) once it is set, 30 s at most: an order
     reply_version: int | None = None  # answer with this version, ignoring the fence (expected version)
     reply_run_id: str | None = None  # answer with this run id, ignoring the fence
     fail_generate: grpc.StatusCode | None = None
@@ -131,6 +132,8 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
             if fail is not None:
                 self.fail_times -= 1
         try:
+            if self.gate is not None:
+                self.gate.wait(30)
             if fail is not None:
                 context.abort(fail, f"injected {fail.name} on server {self.ordinal}")
             expected = version_of(request)

@@ -415,9 +415,13 @@ def test_another_runs_weights_under_the_same_number_are_stale(cluster) -> None:
     refused by its fence, re-synced, and only then given work; nothing of the other run is returned."""
     servers, pool = cluster(2)
     servers[1].engine.hold(WeightVersion("otherrun0001", 1))
-    # Server 0 answers slowly, so the prompts left once server 1 is re-synced go to it on any machine load: without
-    # this, a busy machine let server 0 answer all eight before the re-sync came back (seen under two processes).
-    servers[0].engine.delay_s = 0.2
+    # Server 1's refused prompts go to server 0 while it re-syncs. Server 0 answers nothing before that re-sync is back
+    # and then turns its first call away as busy: that call's prompts go to the least loaded server, the re-synced
+    # one, on any machine load. (A delay on server 0 alone was a race: a busy machine handed all eight to server 0
+    # before the re-sync came back, seen in a fresh-clone run.)
+    resynced_event = threading.Event()
+    servers[0].engine.gate = resynced_event
+    servers[0].engine.fail_generate, servers[0].engine.fail_times = grpc.StatusCode.RESOURCE_EXHAUSTED, 1
     pool.refresh()
     assert pool.is_current(pool.servers[0]) and not pool.is_current(pool.servers[1])
     pool.servers[1].state.hold(pool.current)  # as if the learner had not noticed: the server's fence refuses
@@ -426,6 +430,7 @@ def test_another_runs_weights_under_the_same_number_are_stale(cluster) -> None:
     def resync(server):
         resynced.append(server.address)
         servers[server.index].engine.hold(pool.current)  # what a re-sync leaves
+        resynced_event.set()
 
     reqs = requests(8)
     out = RolloutClient(pool, resync=resync, generate_batch_size=1).generate(reqs)

@@ -155,3 +155,16 @@ def test_a_health_port_without_tls_is_refused(tiny_model_dir: Path, tmp_path: Pa
         assert f"{HEALTH_PORT_ENV} is for a server with TLS" in srv.log_tail()
     finally:
         srv.stop()
+
+
+def test_an_unreadable_tls_key_is_refused_with_the_flag_not_a_traceback(tiny_model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "tls.crt").write_text("not read: the key is missing")
+    srv = RolloutServer.spawn(tiny_model_dir, backend="hf", tls_cert=str(tmp_path / "tls.crt"),
+                              tls_key=str(tmp_path / "missing.key"), log_path=tmp_path / "serve.log")
+    try:
+        assert srv.proc.wait(120) != 0
+        tail = srv.log_tail()
+        assert "rmsft serve: cannot read --tls-key/--tls-cert" in tail and "missing.key" in tail, tail
+        assert "Traceback" not in tail, tail
+    finally:
+        srv.stop()
