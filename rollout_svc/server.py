@@ -116,7 +116,7 @@ def _starter_gone() -> None:
 # The plaintext port that serves grpc.health.v1 alone, beside a TLS port: Kubernetes' gRPC probes cannot speak TLS.
 # The operator sets it with spec.rollout.tls (render.HEALTH_PORT_ENV); an environment variable, not a serve option,
 # so `rmsft serve`'s flags (rollout_engine.config.ServeConfig) stay as they are.
-HEALTH_PORT_ENV = "RMSFT_HEALTH_PORT"
+from rmsft.jobspec.rollout import HEALTH_PORT_ENV  # noqa: E402
 
 
 def _health_port() -> int:

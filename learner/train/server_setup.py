@@ -18,11 +18,8 @@ from learner.sync.weights import checkpoint_name_map
 from learner.train.config import sync_transport
 from learner.train.overlap import RolloutsAhead
 from rmsft.jobspec import RolloutMatchingJob
+from rmsft.jobspec.rollout import TLS_DIR_ENV  # noqa: E402  (the Secret's folder the operator names; unset: plaintext)
 from rmsft.weight_wire import shared_dir_from_env
-
-# spec.rollout.tls: the folder of the job's kubernetes.io/tls Secret in the learner's pod (set by the operator,
-# rmsft_operator.render.TLS_DIR_ENV); unset: plaintext channels.
-TLS_DIR_ENV = "RMSFT_ROLLOUT_TLS_DIR"
 
 
 def tls_roots_from_env() -> bytes | None:

@@ -47,8 +47,7 @@ PREFLIGHT_RESOURCES = {"cpu": "250m", "memory": "512Mi"}
 # the ConfigMap's folder, not inside it: a mount point cannot be made in a read-only ConfigMap volume).
 TLS_VOLUME = "rollout-tls"
 TLS_DIR = "/etc/rmsft-tls"
-TLS_DIR_ENV = "RMSFT_ROLLOUT_TLS_DIR"  # read by `rmsft train` (learner.train.server_setup.tls_roots_from_env)
-HEALTH_PORT_ENV = "RMSFT_HEALTH_PORT"  # read by `rmsft serve` (rollout_svc.server): the plaintext health port
+from rmsft.jobspec.rollout import HEALTH_PORT_ENV, TLS_DIR_ENV  # noqa: E402  (what the pods read)
 
 
 def names(job_name: str) -> dict[str, str]:

@@ -42,6 +42,11 @@ class ColocateSpec(_K8s):
     offload_optimizer: bool = Field(False, description="Optimizer state to host memory while the engine decodes.")
 
 
+# Where the operator tells the pods about spec.rollout.tls: the Secret's folder (read by `rmsft train`) and the
+# plaintext health-only port (read by `rmsft serve`). Here, in the base, so the operator and both readers share them.
+TLS_DIR_ENV = "RMSFT_ROLLOUT_TLS_DIR"
+HEALTH_PORT_ENV = "RMSFT_HEALTH_PORT"
+
 # A Secret's name: a DNS subdomain (RFC 1123).
 _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 TLS_COLOCATE = ("spec.rollout.tls needs spec.rollout.mode 'server': with 'colocate' the engine runs inside the "
