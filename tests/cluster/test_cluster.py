@@ -2,8 +2,9 @@
 installed with helm, jobs applied with kubectl, on real pods (tests/cluster/conftest.py brings the
 cluster up). Faults are done to real pods: a one-server job's server deleted mid-run, the operator
 deleted mid-run, the learner evicted mid-run and resumed from the checkpoint it saved on SIGTERM, on a
-PersistentVolume. The tests run in file order and share the cluster; the last one uninstalls everything
-and checks that nothing is left behind."""
+PersistentVolume; then the same job with no fault trains the same 40 steps to the printed digit. The tests
+run in file order and share the cluster; the last one uninstalls everything and checks that nothing is left
+behind."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ DASHBOARDS = ROOT / "charts/rmsft/dashboards"
 NAMESPACES: list[str] = []  # every namespace a test made (the uninstall test checks them all)
 JOBS: list[tuple[str, str]] = []  # (namespace, name) of every job a test applied, deleted since or not
 FAULT_STEPS = 40  # enough steps left after the server restart (the learner waits meanwhile) for the scrape and eviction
+FAULT_NS = "rmsft-faults"
+FAULTED: dict[int, tuple[str, ...]] = {}  # the faulted run's step lines (test 1), for its uninterrupted twin (test 2)
+STEP_LINE = re.compile(r"step (\d+) v\d+ loss (\S+) \(ce (\S+) coord (\S+)\) f1 (\S+) rows (\d+)")
 
 
 def manifest(config: str, name: str, **training: Any) -> dict[str, Any]:
@@ -96,6 +100,23 @@ def base_name(series: str) -> str:
     return re.sub(r"_(bucket|count|sum|total|created)$", "", series)
 
 
+def step_lines(log: str) -> dict[int, tuple[str, ...]]:
+    """{step: (loss, ce, coord, f1, rows)} as the learner printed them (the weight version is left out: a restart
+    re-syncs, which numbers a new version)."""
+    return {int(m.group(1)): m.groups()[1:] for m in STEP_LINE.finditer(log)}
+
+
+def fault_job(name: str, checkpoint_dir: str) -> dict[str, Any]:
+    """The faulted job of test 1 and its uninterrupted twin of test 2: configs/job-kind-cpu.yaml, longer, one
+    server (the default) over shm, a checkpoint every 5 steps."""
+    doc = manifest("configs/job-kind-cpu.yaml", name, steps=FAULT_STEPS,
+                   checkpoint={"dir": checkpoint_dir, "every": 5, "keep": 2})
+    doc["spec"]["rollout"]["replicas"] = 1
+    doc["spec"]["sync"]["transport"] = "shm"
+    doc["spec"]["monitoring"] = {"enabled": True}  # the servers' /metrics (the learner always has one)
+    return doc
+
+
 # ---------------------------------------------------------------------------------------------------
 
 def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_learner(cluster: Cluster) -> None:
@@ -109,7 +130,7 @@ def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_
     job empties the node's /dev/shm/rmsft/<ns>.<job> directory (its cleanup Job, least privilege, leaves the
     directory itself). (The cluster's default transport, grpc, is what
     the vision-language and GRPO jobs below run; two servers failing over is tests/learner/test_e2e_local.py's.)"""
-    ns = namespace(cluster, "rmsft-faults")
+    ns = namespace(cluster, FAULT_NS)
     job = "text-faults"
     host_dir = f"/tmp/rmsft-cluster-pv-{ns}"
     cluster.backend.node_rmtree(host_dir)
@@ -123,14 +144,10 @@ def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_
          "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "manual", "volumeName": f"{ns}-checkpoints",
                   "resources": {"requests": {"storage": "1Gi"}}}},
     ])
-    doc = manifest("configs/job-kind-cpu.yaml", job, steps=FAULT_STEPS,
-                   checkpoint={"dir": "/checkpoints", "every": 5, "keep": 2})
-    doc["spec"]["rollout"]["replicas"] = 1
-    doc["spec"]["sync"]["transport"] = "shm"
+    doc = fault_job(job, "/checkpoints")
     # No learner budget: it would refuse the eviction (docs/operator.md); backoffLimit 0: only a retry that is
     # not counted (the podFailurePolicy's disruption rule) can resume the run.
     doc["spec"]["learner"].update(checkpointClaim="checkpoints", backoffLimit=0, disruptionBudget=False)
-    doc["spec"]["monitoring"] = {"enabled": True}  # the servers' /metrics (the learner always has one)
     apply_job(cluster, doc, ns)
     wait_learner_step(cluster, ns, job, 3)
     shm_dir = f"/dev/shm/rmsft/{ns}.{job}"
@@ -196,6 +213,7 @@ def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_
     cluster.kubectl("create", "--raw", f"/api/v1/namespaces/{ns}/pods/{first['metadata']['name']}/eviction",
                     "-f", "-", input=json.dumps(eviction))
     log = first_log.wait(timeout=600)
+    before = step_lines(log)
     # Logs as docs/operator.md describes them: it waited for its only server, which came back and was re-synced.
     assert re.search(r"no rollout server is up for .* waiting up to \d+s for one to come back", log), log[-3000:]
     assert re.search(r"rollout server\(s\) .+ back after \d+s; going on", log), log[-3000:]
@@ -218,6 +236,10 @@ def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_
     dead, live = resumed.group(3), resumed.group(4)
     assert dead != live and f"learner run {live}" in log and f"of run {live} synced" in log, log[-3000:]
     assert not re.search(rf"step {saved} v\d+ loss ", log), log[-3000:]  # it went on from there, nothing redone
+    after = step_lines(log)
+    assert sorted(before) == list(range(1, saved + 1)) and sorted(after) == list(range(saved + 1, FAULT_STEPS + 1)), \
+        (sorted(before), sorted(after))
+    FAULTED.update(before | after)
     operator_log = cluster.logs(OPERATOR_NS, "deploy/rmsft", "--tail=400")
     assert f"{ns}/{job}" in operator_log and "Complete" in operator_log, operator_log[-3000:]
 
@@ -228,6 +250,23 @@ def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_
     cluster.kubectl("-n", ns, "delete", "rmj", job, "--wait=true", timeout=300)
     cluster.wait(lambda: not cluster.backend.node_holds_anything(shm_dir), 120,
                  f"{shm_dir} emptied on the node after the job was deleted", namespace=ns)
+
+
+def test_the_faulted_run_trained_what_an_uninterrupted_run_trains(cluster: Cluster) -> None:
+    """Issue 41 (b): the run above, its only server deleted mid-run and its learner evicted and resumed, against
+    the same job run with no fault (its checkpoints in the pod, every 5 steps as above): every one of the 40 steps
+    has the same loss, CE and coordinate parts, rollout F1 and row count, to the digit the learner prints. The
+    rollouts are sampled with seeds that are a function of the step, the retried request after the server restart
+    is the same request, and the resumed run restores the optimizer and the data order, so nothing may differ."""
+    assert sorted(FAULTED) == list(range(1, FAULT_STEPS + 1)), "the faulted run above did not finish"
+    job = "text-straight"
+    apply_job(cluster, fault_job(job, "/tmp/checkpoints"), FAULT_NS)
+    cluster.wait_phase(FAULT_NS, job, {"Complete"}, timeout=900)
+    straight = step_lines(cluster.logs(FAULT_NS, f"job/{job}-learner"))
+    assert sorted(straight) == list(range(1, FAULT_STEPS + 1)), sorted(straight)
+    differ = {s: (FAULTED[s], straight[s]) for s in straight if FAULTED[s] != straight[s]}
+    assert not differ, f"(loss, ce, coord, f1, rows) faulted vs uninterrupted, by step: {differ}"
+    cluster.kubectl("-n", FAULT_NS, "delete", "rmj", job, "--wait=true", timeout=300)
 
 
 @pytest.mark.parametrize("config", ["configs/job-kind-cpu-vl.yaml", "configs/job-kind-cpu-grpo.yaml",
