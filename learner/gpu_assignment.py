@@ -137,6 +137,15 @@ def assign_gpus(job: RolloutMatchingJob, available: int, *, visible_devices: str
     if available < 0:
         raise ValueError(f"available must be >= 0, got {available}")
     spec = job.spec
+    # The learner's pod layout is a cluster's (rmsft_operator.render): here the learner is one process group on this
+    # machine, one rank per learner GPU, or one process on the CPU.
+    if spec.learner.nodes > 1:
+        raise GpuAssignmentError(f"spec.learner.nodes ({spec.learner.nodes}) spreads the learner over pods of a "
+                                 "cluster; `rmsft local` runs it on this machine: set spec.learner.nodes to 1")
+    if spec.learner.ranks_per_pod not in (None, 1) and spec.placement.accelerator == "none":
+        raise GpuAssignmentError(f"spec.learner.ranksPerPod ({spec.learner.ranks_per_pod}) runs several CPU ranks in "
+                                 "a cluster's learner pod; `rmsft local` runs the learner in one process on the "
+                                 "CPU: leave it unset")
     ids = _device_ids(available, visible_devices)
     n, tp, learner = spec.rollout.replicas, spec.rollout.tensor_parallel_size, spec.learner.gpus
     if spec.placement.accelerator == "none":  # the spec already holds learner.gpus at 0 here

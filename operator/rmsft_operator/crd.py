@@ -75,12 +75,44 @@ SPEC_RULES: list[dict[str, str]] = [
         "reason": "FieldValueInvalid",
     },
     {
-        "rule": f"self.placement.accelerator == 'none' || {_POOL_GPUS} + self.learner.gpus "
+        "rule": f"self.placement.accelerator == 'none' || self.learner.nodes > 1 || {_POOL_GPUS} + self.learner.gpus "
         "<= self.placement.gpusPerNode",
         "message": "spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus "
         "must be <= spec.placement.gpusPerNode",
         "fieldPath": ".placement.gpusPerNode",
         "reason": "FieldValueInvalid",
+    },
+    {
+        "rule": "self.placement.accelerator != 'nvidia' || !has(self.learner.ranksPerPod) "
+        "|| self.learner.ranksPerPod == self.learner.gpus",
+        "message": "spec.learner.ranksPerPod must equal spec.learner.gpus when spec.placement.accelerator is "
+        "'nvidia' (one rank per GPU; leave it unset)",
+        "fieldPath": ".learner.ranksPerPod",
+    },
+    {
+        "rule": "self.placement.accelerator != 'nvidia' || self.learner.nodes == 1 "
+        "|| self.learner.gpus <= self.placement.gpusPerNode",
+        "message": "spec.learner.gpus must be <= spec.placement.gpusPerNode: with spec.learner.nodes > 1 it counts "
+        "GPUs per learner pod",
+        "fieldPath": ".learner.gpus",
+    },
+    {
+        "rule": "self.learner.nodes == 1 || self.rollout.mode != 'colocate'",
+        "message": "spec.learner.nodes > 1 is not available with spec.rollout.mode 'colocate' yet (one learner pod "
+        "holds the engines); use server mode",
+        "fieldPath": ".learner.nodes",
+    },
+    {
+        "rule": "self.learner.nodes == 1 || self.sync.transport != 'shm'",
+        "message": "spec.sync.transport 'shm' cannot reach learner pods on several nodes (host memory is one "
+        "node's): with spec.learner.nodes > 1 use grpc or auto",
+        "fieldPath": ".sync.transport",
+    },
+    {
+        "rule": "self.learner.nodes == 1 || has(self.learner.checkpointClaim)",
+        "message": "spec.learner.nodes > 1 needs spec.learner.checkpointClaim: every learner pod saves its share "
+        "of a checkpoint into one folder and resumes from it (a ReadWriteMany claim across nodes)",
+        "fieldPath": ".learner.checkpointClaim",
     },
     {
         "rule": "self.placement.accelerator != 'none' || self.learner.gpus == 0",
@@ -414,6 +446,10 @@ def status_schema() -> dict[str, Any]:
                                                        "spec.rollout.startupTimeout (condition RolloutReady, reason "
                                                        "ServerLost)."},
             "readyRolloutReplicas": {"type": "integer", "minimum": 0, "description": "Rollout servers Ready."},
+            "learnerAttempt": {"type": "integer", "minimum": 1,
+                               "description": "spec.learner.nodes > 1: the learner's attempt (1 first); a lost pod "
+                                              "fails the attempt and the next resumes from the newest checkpoint, up "
+                                              "to spec.learner.backoffLimit restarts."},
             "learnerActive": {"type": "integer", "minimum": 0, "description": "Active learner pods."},
             "step": {"type": "integer", "minimum": 0, "description": "Optimizer step reported by the learner."},
             "weightVersion": {"type": "integer", "minimum": 0,

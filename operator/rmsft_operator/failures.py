@@ -52,11 +52,27 @@ def job_state(learner: dict[str, Any]) -> tuple[bool, bool, str]:
     """(succeeded, failed, failure reason) of a batch/v1 Job."""
     st = learner.get("status") or {}
     conds = {c.get("type"): c for c in st.get("conditions") or [] if c.get("status") == "True"}
-    if "Failed" in conds:
-        c = conds["Failed"]
+    # FailureTarget: the Job controller has decided (a podFailurePolicy FailJob rule, the backoff limit) and is
+    # terminating the Job's other pods; Failed follows once they are gone, which for a learner pod still in a
+    # collective whose peer is lost can be its whole grace period. The decision is what counts.
+    for kind in ("Failed", "FailureTarget"):
+        if kind not in conds:
+            continue
+        c = conds[kind]
         return False, True, f"{c.get('reason', 'Failed')}: {c.get('message', '')}".strip(": ")
     succeeded = "Complete" in conds or int(st.get("succeeded") or 0) >= 1
     return succeeded, False, ""
+
+
+def refused_configuration(pods: list[dict[str, Any]]) -> str | None:
+    """The name of a learner pod whose learner container exited with render.CONFIG_EXIT_CODE (`rmsft train` refused
+    its configuration: every attempt would), else None."""
+    for pod in pods:
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            done = (cs.get("state") or {}).get("terminated") or {}
+            if cs.get("name") == "learner" and done.get("exitCode") == render.CONFIG_EXIT_CODE:
+                return str((pod.get("metadata") or {}).get("name", "?"))
+    return None
 
 
 def pod_problem(pods: list[dict[str, Any]]) -> tuple[str, str] | None:

@@ -141,6 +141,12 @@ class Kube:
               sub: str | None = None, expected: tuple[int, ...] = ()) -> dict[str, Any]:
         return self.request("PATCH", self.path(kind, namespace, name, sub), body, MERGE_PATCH, expected=expected)
 
+    def delete(self, kind: str, namespace: str, name: str, uid: str, expected: tuple[int, ...] = ()) -> None:
+        """Deletes the object `name` only while it is the one with `uid` (a precondition: never a namesake created
+        since it was observed); its dependents go through the garbage collector."""
+        self.request("DELETE", self.path(kind, namespace, name),
+                     {"propagationPolicy": "Background", "preconditions": {"uid": uid}}, expected=expected)
+
     def list_pods(self, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
         selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
         items = self.request("GET", f"/api/v1/namespaces/{namespace}/pods",

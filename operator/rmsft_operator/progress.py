@@ -54,9 +54,16 @@ def parse_progress(text: str) -> dict[str, Any]:
     return out
 
 
+def _completion_index(pod: dict[str, Any]) -> int:
+    """The pod's index in an Indexed Job (learner.nodes > 1; 0 for the one pod of any other job)."""
+    value = ((pod.get("metadata") or {}).get("annotations") or {}).get("batch.kubernetes.io/job-completion-index")
+    return int(value) if value is not None and str(value).isdigit() else 0
+
+
 def learner_progress(pods: list[dict[str, Any]], port: int, timeout: float) -> dict[str, Any]:
-    """Progress from the first running learner pod that answers; {} when none does."""
-    for pod in pods:
+    """Progress from the first running learner pod that answers, pod 0 first (its rank 0 is the one that reports
+    evaluations); {} when none does."""
+    for pod in sorted(pods, key=_completion_index):
         status = pod.get("status") or {}
         ip = status.get("podIP")
         if status.get("phase") != "Running" or not ip:

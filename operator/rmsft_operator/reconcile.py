@@ -42,6 +42,7 @@ from rmsft_operator.failures import (
     parse_time,
     pod_problem,
     preflight_failure,
+    refused_configuration,
     startup_failure,
 )
 from rmsft_operator.kube import ApiError, Kube
@@ -51,14 +52,16 @@ log = logging.getLogger("rmsft_operator.reconcile")
 
 # The children of a job, in creation order: kinds, except the two PodDisruptionBudgets (render.child_key).
 CHILD_KINDS = ("Secret", "ConfigMap", "Service", "NetworkPolicy", "PoolDisruptionBudget", "StatefulSet",
-               "LearnerDisruptionBudget", "Job")
+               "LearnerDisruptionBudget", "LearnerService", "Job")
 _CHILD_NAME = {"Secret": "secret", "ConfigMap": "config", "Service": "service", "NetworkPolicy": "networkpolicy",
                "PoolDisruptionBudget": "pool_budget", "StatefulSet": "statefulset",
-               "LearnerDisruptionBudget": "learner_budget", "Job": "job"}
+               "LearnerDisruptionBudget": "learner_budget", "LearnerService": "learner_service", "Job": "job"}
 
 
 def api_kind(child: str) -> str:
     """The API kind of a child key of CHILD_KINDS."""
+    if child == "LearnerService":
+        return "Service"
     return "PodDisruptionBudget" if child.endswith("DisruptionBudget") else child
 # Pod Security admission: the namespace label that sets the enforced level, and the levels whose
 # policy refuses hostPath volumes (only `privileged` admits them).
@@ -99,12 +102,20 @@ class Patch:
     body: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Delete:
+    kind: str
+    name: str
+    uid: str  # only this object, never a namesake created since it was observed
+
+
 @dataclass
 class Decision:
     phase: str
     status: dict[str, Any]
     creates: list[dict[str, Any]] = field(default_factory=list)
     patches: list[Patch] = field(default_factory=list)
+    deletes: list[Delete] = field(default_factory=list)
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
 
 
@@ -127,7 +138,12 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
     meta = body.get("metadata") or {}
     name, namespace = meta["name"], meta.get("namespace") or "default"
     n = render.names(name)
-    found = {kind: kube.get(api_kind(kind), namespace, n[_CHILD_NAME[kind]]) for kind in CHILD_KINDS}
+    raw_spec = body.get("spec") if isinstance(body.get("spec"), dict) else {}
+    # The learner's Service exists only for learner.nodes > 1: for any other job an object of that name is no
+    # concern of this job's (not read, never a conflict).
+    several = int((raw_spec.get("learner") or {}).get("nodes") or 1) > 1
+    found = {kind: kube.get(api_kind(kind), namespace, n[_CHILD_NAME[kind]])
+             if kind != "LearnerService" or several else None for kind in CHILD_KINDS}
     uid = meta.get("uid") or ""
     foreign = {kind: obj["metadata"]["name"] for kind, obj in found.items()
                if obj is not None and not owned_by(obj, uid)}
@@ -141,7 +157,8 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
     missing = []
     if sts and len(rollout_pods) < int((sts.get("spec") or {}).get("replicas") or 0):
         missing.append(("StatefulSet", n["statefulset"]))
-    if learner and not (learner.get("spec") or {}).get("suspend") and not learner_pods \
+    if learner and not (learner.get("spec") or {}).get("suspend") \
+            and len(learner_pods) < int((learner.get("spec") or {}).get("parallelism") or 1) \
             and not job_finished(learner):
         missing.append(("Job", n["job"]))
     failed_creates: dict[str, str] = {}
@@ -427,6 +444,17 @@ def decide(obs: Observed, now: str) -> Decision:
     # 5. Terminal states free the GPUs: the pool is scaled to zero. A learner Job that failed because its
     # pod's model preflight failed is reported with the preflight's words (5b), not as a learner failure.
     preflight = preflight_failure(obs.rollout_pods, obs.learner_pods)
+    # 5a. A learner on several pods is one torchrun world: one lost pod fails the Job's attempt as a whole (its
+    # podFailurePolicy). Unless the learner refused its configuration (every attempt would), the next attempt
+    # resumes from the newest checkpoint on the claim, up to spec.learner.backoffLimit restarts: the failed Job is
+    # deleted once the Job controller has stopped its pods (condition Failed, not only FailureTarget: no pod of the
+    # old world may still hold the rendezvous name or the checkpoint folder), and the next pass creates it again.
+    if job.spec.learner.nodes > 1:
+        attempt = int(old_status.get("learnerAttempt") or 1)
+        status["learnerAttempt"] = attempt
+        if failed and not preflight and not refused_configuration(obs.learner_pods) \
+                and attempt <= job.spec.learner.backoff_limit:
+            return finish(_next_attempt(d, job, learner, attempt, why, ready, cond, invalid))
     if succeeded or (failed and not preflight):
         if not colocated and (sts.get("spec") or {}).get("replicas") != 0:
             d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": 0}}))
@@ -558,6 +586,38 @@ def decide(obs: Observed, now: str) -> Decision:
     return finish(d)
 
 
+def _next_attempt(d: Decision, job: RolloutMatchingJob, learner: dict[str, Any], attempt: int, why: str, ready: int,
+                  cond: Any, invalid: dict[str, Any]) -> Decision:
+    """Step 5a's decision: a failed attempt of a learner on several pods, another one allowed. The pool keeps
+    running (the next attempt re-syncs it); the Job is deleted once its pods have stopped."""
+    limit = job.spec.learner.backoff_limit + 1
+    conds = {c.get("type"): c for c in (learner.get("status") or {}).get("conditions") or []
+             if c.get("status") == "True"}
+    head = f"learner attempt {attempt} of {limit} failed: {why}"
+    if "Failed" in conds:
+        d.deletes.append(Delete("Job", render.names(job.metadata.name)["job"], learner["metadata"]["uid"]))
+        d.status["learnerAttempt"] = attempt + 1
+        message = f"{head}; attempt {attempt + 1} resumes from the newest checkpoint"
+        d.events.append(("Warning", "LearnerRestarted", message))
+    else:
+        message = f"{head}; its other pods are stopping, then attempt {attempt + 1} starts"
+    message = fit_message(message)
+    want = job.spec.rollout.replicas
+    pool_ready = job.spec.rollout.colocated or ready >= want
+    d.status["message"] = message
+    d.status["conditions"] = [
+        cond("RolloutReady", pool_ready, "PoolReady" if pool_ready else "PoolNotReady", f"{ready}/{want} rollout "
+             "servers Ready"),
+        cond("LearnerRunning", False, "AttemptFailed", message),
+        cond("Progressing", False, "AttemptFailed", message),
+        cond("Complete", False, "NotComplete", message),
+        cond("Failed", False, "NotFailed", message),
+        invalid,
+    ]
+    d.phase = "Running"
+    return d
+
+
 # ----------------------------------------------------------------------------------------- act
 
 
@@ -623,6 +683,16 @@ def act(kube: Kube, obs: Observed, decision: Decision) -> Outcome:
             kube.patch(p.kind, obs.namespace, p.name, p.body, expected=(404,))
         if any(obs.status.get(k) != v for k, v in decision.status.items()):
             kube.patch_job_status(obs.namespace, obs.name, decision.status, expected=(404,))
+        # After the status: an attempt is counted before its Job goes, so a lost status write can only count one
+        # twice (ending the restarts sooner), never let them run on uncounted.
+        for gone in decision.deletes:  # 404: gone already; 409: the uid precondition (a namesake): left alone
+            try:
+                kube.delete(gone.kind, obs.namespace, gone.name, gone.uid, expected=(404, 409))
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+                log.info("%s/%s: %s %s is not the one observed; not deleted", obs.namespace, obs.name, gone.kind,
+                         gone.name)
     except ApiError as exc:
         if exc.status != 404:
             raise

@@ -45,6 +45,11 @@ PREFLIGHT_CONTAINER = "preflight"
 PREFLIGHT_RESOURCES = {"cpu": "250m", "memory": "512Mi"}
 # spec.rollout.tls: the kubernetes.io/tls Secret, mounted read-only in the rollout and learner containers (beside
 # the ConfigMap's folder, not inside it: a mount point cannot be made in a read-only ConfigMap volume).
+# spec.learner.nodes > 1: torchrun's static rendezvous on learner pod 0 (its TCP store), and where each pod reads its
+# node rank (the Indexed Job's completion index).
+RENDEZVOUS_PORT = 29500
+COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+NODE_RANK_ENV = "RMSFT_NODE_RANK"
 TLS_VOLUME = "rollout-tls"
 TLS_DIR = "/etc/rmsft-tls"
 from rmsft.jobspec.rollout import HEALTH_PORT_ENV, TLS_DIR_ENV  # noqa: E402  (what the pods read)
@@ -60,6 +65,7 @@ def names(job_name: str) -> dict[str, str]:
         "networkpolicy": f"{job_name}-rollout",
         "pool_budget": f"{job_name}-rollout",
         "learner_budget": f"{job_name}-learner",
+        "learner_service": f"{job_name}-learner",  # learner.nodes > 1: the pods' DNS names (pod 0: the rendezvous)
     }
 
 
@@ -522,13 +528,40 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
         "securityContext": _container_security(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    if accelerated and lr.gpus > 1:
-        # One learner rank per GPU: torchrun starts them and sets WORLD_SIZE/RANK/LOCAL_RANK, which
-        # `rmsft train` reads (rank 0 talks to the rollout servers, the others get their share).
+    ranks = lr.ranks(accelerated)
+    pods = lr.nodes
+    if pods > 1:
+        # Several pods: torchrun in each meets the others at pod 0 (static rendezvous: its TCP store on pod 0's
+        # stable name, which the Indexed Job's hostname and the headless Service give it), each pod's node rank its
+        # completion index; WORLD_SIZE = pods x ranks, RANK = node rank x ranks + local rank (`rmsft train` reads them:
+        # global rank 0 talks to the rollout servers, every rank gets its share of the batch).
+        container["env"] = [*container["env"], {"name": NODE_RANK_ENV, "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}}}]
+        container["ports"].append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
         container["command"] = [
-            "python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(lr.gpus),
+            "python", "-m", "torch.distributed.run", "--nnodes", str(pods), "--node-rank", f"$({NODE_RANK_ENV})",
+            "--nproc-per-node", str(ranks), "--master-addr", learner_pod_host(job, namespace, 0),
+            "--master-port", str(RENDEZVOUS_PORT), "-m", "rmsft_cli",
+        ]
+    elif ranks > 1:
+        # One learner rank per GPU (or ranksPerPod gloo ranks on the CPU): torchrun starts them and sets
+        # WORLD_SIZE/RANK/LOCAL_RANK, which `rmsft train` reads (rank 0 talks to the rollout servers, the others get
+        # their share).
+        container["command"] = [
+            "python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
             "-m", "rmsft_cli",
         ]
+    pod_spec = _with_shared_weights(job, namespace, {
+        **_pod_common(job), "restartPolicy": "Never", "containers": [container],
+        # After SIGTERM: the step in progress, a checkpoint, exit (rmsft train), then the retry resumes.
+        "terminationGracePeriodSeconds": lr.termination_grace_period_seconds,
+        "initContainers": [preflight], "volumes": volumes}, writer=True)
+    if pods > 1:
+        pod_spec["subdomain"] = n["learner_service"]  # hostname <job>-learner-<index>, resolvable in the Service
+        if lr.spread:
+            apart = {"labelSelector": {"matchLabels": selector(name, "learner")}, "topologyKey": HOSTNAME_TOPOLOGY}
+            pod_spec.setdefault("affinity", {})["podAntiAffinity"] = {
+                "requiredDuringSchedulingIgnoredDuringExecution": [apart]}
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -541,13 +574,10 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
             # condition) does not count against backoffLimit: its retry resumes from the checkpoint it saved on
             # SIGTERM. A learner that refused its configuration (exit 2: the same spec fails the same way) fails the
             # job at once instead of retrying.
-            "podFailurePolicy": {"rules": [
-                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-                {"action": "FailJob", "onExitCodes": {"containerName": "learner", "operator": "In",
-                                                      "values": [CONFIG_EXIT_CODE]}},
-            ]},
-            "completions": 1,
-            "parallelism": 1,
+            "podFailurePolicy": {"rules": _learner_failure_rules(pods)},
+            "completions": pods,
+            "parallelism": pods,
+            **({"completionMode": "Indexed"} if pods > 1 else {}),
             "template": {
                 "metadata": {
                     "labels": labels(name, "learner"),
@@ -556,12 +586,48 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
                         "prometheus.io/port": str(lr.metrics_port),
                     },
                 },
-                "spec": _with_shared_weights(job, namespace, {
-                    **_pod_common(job), "restartPolicy": "Never", "containers": [container],
-                    # After SIGTERM: the step in progress, a checkpoint, exit (rmsft train), then the retry resumes.
-                    "terminationGracePeriodSeconds": lr.termination_grace_period_seconds,
-                    "initContainers": [preflight], "volumes": volumes}, writer=True),
+                "spec": pod_spec,
             },
+        },
+    }
+
+
+def _learner_failure_rules(pods: int) -> list[dict[str, Any]]:
+    """The learner Job's podFailurePolicy. One pod: a disruption is not counted (the retry resumes from the checkpoint
+    saved on SIGTERM) and a refused configuration fails at once. Several pods are one torchrun world: a pod lost for
+    any reason (a disruption, an exit that is not 0 in any container) leaves its peers blocked in a collective, so the
+    Job fails at once and its condition names the pod, instead of restarting that pod alone into a world that is
+    gone."""
+    if pods > 1:
+        return [{"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                {"action": "FailJob", "onExitCodes": {"operator": "NotIn", "values": [0]}}]
+    return [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            {"action": "FailJob", "onExitCodes": {"containerName": "learner", "operator": "In",
+                                                  "values": [CONFIG_EXIT_CODE]}}]
+
+
+def learner_pod_host(job: RolloutMatchingJob, namespace: str, index: int) -> str:
+    """The stable DNS name of learner pod `index` of a learner.nodes > 1 job: the Indexed Job names its pods' hosts
+    <job>-learner-<index>, and the headless Service makes them resolvable in the namespace."""
+    n = names(job.metadata.name)
+    return f"{n['job']}-{index}.{n['learner_service']}.{namespace}.svc"
+
+
+def render_learner_service(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:
+    """learner.nodes > 1: the headless Service that gives each learner pod a DNS name (pod 0's is the rendezvous).
+    publishNotReadyAddresses: the learner pods have no readiness probe, and the names must resolve as soon as the pods
+    have addresses, before any is Ready."""
+    name = job.metadata.name
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(job, names(name)["learner_service"], namespace, uid, "learner"),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector(name, "learner"),
+            "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT,
+                       "protocol": "TCP"}],
         },
     }
 
@@ -614,10 +680,13 @@ def render_disruption_budget(job: RolloutMatchingJob, namespace: str, uid: str, 
 
 
 def child_key(obj: dict[str, Any]) -> str:
-    """Which of a job's children `obj` is: its kind, except the two PodDisruptionBudgets (reconcile.CHILD_KINDS)."""
+    """Which of a job's children `obj` is: its kind, except the two PodDisruptionBudgets and the learner's Service
+    (reconcile.CHILD_KINDS)."""
+    role = (obj.get("metadata") or {}).get("labels", {}).get(ROLE_LABEL)
+    if obj["kind"] == "Service":
+        return "LearnerService" if role == "learner" else "Service"
     if obj["kind"] != "PodDisruptionBudget":
         return obj["kind"]
-    role = (obj.get("metadata") or {}).get("labels", {}).get(ROLE_LABEL)
     return "PoolDisruptionBudget" if role == "rollout" else "LearnerDisruptionBudget"
 
 
@@ -633,5 +702,6 @@ def render_all(job: RolloutMatchingJob, namespace: str, uid: str, token: str | N
     ]
     learner_budget = [render_disruption_budget(job, namespace, uid, "learner")] \
         if job.spec.learner.disruption_budget else []
+    learner_service = [render_learner_service(job, namespace, uid)] if job.spec.learner.nodes > 1 else []
     return [render_secret(job, namespace, uid, token), render_configmap(job, namespace, uid), *pool,
-            *learner_budget, render_job(job, namespace, uid)]
+            *learner_budget, *learner_service, render_job(job, namespace, uid)]

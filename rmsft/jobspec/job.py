@@ -63,7 +63,8 @@ def cross_field_errors(spec: JobSpec) -> list[str]:
             f"spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus ({spec.gpus_needed}) "
             f"must be <= spec.placement.gpusPerNode ({spec.placement.gpus_per_node})"
         )
-    if spec.placement.accelerator == "nvidia" and spec.gpus_needed > spec.placement.gpus_per_node:
+    if spec.placement.accelerator == "nvidia" and spec.learner.nodes == 1 \
+            and spec.gpus_needed > spec.placement.gpus_per_node:
         errs.append(
             f"spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus "
             f"({spec.gpus_needed}) must be <= spec.placement.gpusPerNode ({spec.placement.gpus_per_node})"
@@ -86,10 +87,35 @@ def cross_field_errors(spec: JobSpec) -> list[str]:
             f"spec.training.rollout.max_tokens ({spec.training.rollout.max_tokens}) must be < "
             f"spec.rollout.maxModelLen ({spec.rollout.max_model_len})"
         )
+    errs.extend(learner_pods_errors(spec))
     if spec.trainer == "grpo":
         errs.extend(grpo_errors(spec))
     if spec.rollout.colocated:
         errs.extend(colocate_errors(spec))
+    return errs
+
+
+def learner_pods_errors(spec: JobSpec) -> list[str]:
+    """How many learner pods and ranks a job can have (mirrored by CEL rules, as `cross_field_errors`)."""
+    lr, errs = spec.learner, []
+    accelerated = spec.placement.accelerator == "nvidia"
+    if accelerated and lr.ranks_per_pod is not None and lr.ranks_per_pod != lr.gpus:
+        errs.append(f"spec.learner.ranksPerPod ({lr.ranks_per_pod}) must equal spec.learner.gpus ({lr.gpus}) when "
+                    "spec.placement.accelerator is 'nvidia' (one rank per GPU; leave it unset)")
+    if lr.nodes == 1:
+        return errs
+    if accelerated and lr.gpus > spec.placement.gpus_per_node:
+        errs.append(f"spec.learner.gpus ({lr.gpus}) must be <= spec.placement.gpusPerNode "
+                    f"({spec.placement.gpus_per_node}): with spec.learner.nodes > 1 it counts GPUs per learner pod")
+    if spec.rollout.colocated:
+        errs.append("spec.learner.nodes > 1 is not available with spec.rollout.mode 'colocate' yet (one learner pod "
+                    "holds the engines); use server mode")
+    if spec.sync.transport == "shm":
+        errs.append("spec.sync.transport 'shm' cannot reach learner pods on several nodes (host memory is one "
+                    "node's): with spec.learner.nodes > 1 use grpc or auto")
+    if not lr.checkpoint_claim:
+        errs.append("spec.learner.nodes > 1 needs spec.learner.checkpointClaim: every learner pod saves its share "
+                    "of a checkpoint into one folder and resumes from it (a ReadWriteMany claim across nodes)")
     return errs
 
 

@@ -72,9 +72,23 @@ class ResourceSpec(_K8s):
 
 
 class LearnerSpec(_K8s):
-    """The learner pod: one Job running `rmsft train`, one rank per GPU."""
+    """The learner: one Job running `rmsft train` under torchrun, one rank per GPU, on one pod or (nodes > 1) an
+    Indexed Job of pods whose ranks meet at pod 0."""
 
-    gpus: int = Field(1, ge=0, le=64, description="GPUs for the learner pod (torchrun ranks).")
+    gpus: int = Field(1, ge=0, le=64, description="GPUs for each learner pod (torchrun ranks).")
+    nodes: int = Field(
+        1, ge=1, le=64, description="Learner pods. Above 1: an Indexed Job of this many pods and a headless Service; "
+        "torchrun in each pod meets the others at pod 0 (a static rendezvous on its stable DNS name, the pod's node "
+        "rank its completion index), so the world is nodes x ranks per pod. Needs a checkpointClaim every pod can "
+        "mount (ReadWriteMany across nodes) and a network transport for weights (sync.transport grpc or auto). A "
+        "learner pod that fails fails the job at once, naming the pod (its peers cannot go on without it).")
+    ranks_per_pod: int | None = Field(
+        None, ge=1, le=64, description="torchrun ranks in each learner pod. Default: learner.gpus (one per GPU), or 1 "
+        "when placement.accelerator is 'none'. Set it only on the CPU (accelerator 'none'), to run several gloo "
+        "ranks in one pod; with GPUs it must equal learner.gpus.")
+    spread: bool = Field(
+        True, description="With nodes > 1, at most one learner pod per node (required pod anti-affinity on "
+        "kubernetes.io/hostname). false lets learner pods share a node (a one-node test cluster).")
     backoff_limit: int = Field(
         2, ge=0, le=20, description="Learner pod failures retried before the job is Failed (a retry resumes from the "
         "newest checkpoint: give the job a checkpointClaim). Disruptions (eviction, drain, preemption) do not count; "
@@ -121,6 +135,12 @@ class LearnerSpec(_K8s):
     @property
     def stall_timeout_seconds(self) -> int:
         return duration_seconds(self.stall_timeout, "spec.learner.stallTimeout")
+
+    def ranks(self, accelerated: bool) -> int:
+        """torchrun ranks in each learner pod."""
+        if self.ranks_per_pod is not None:
+            return self.ranks_per_pod
+        return self.gpus if accelerated else 1
 
 
 class MonitoringSpec(_K8s):

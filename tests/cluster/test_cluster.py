@@ -460,6 +460,102 @@ def test_a_rollout_server_that_crash_loops_fails_the_job_within_its_startup_time
     assert any(said.group(3)[:80] in e["message"] for e in events["items"]), events
 
 
+def claim_on_node(cluster: Cluster, ns: str, name: str) -> None:
+    """A PersistentVolumeClaim bound to a fresh folder on the node (a local volume), writable by the learner's user."""
+    host_dir = f"/tmp/rmsft-cluster-pv-{ns}-{name}"
+    cluster.backend.node_rmtree(host_dir)
+    cluster.backend.node_mkdir(host_dir, uid=1000)
+    cluster.apply([
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-{name}"},
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "manual",
+                  "persistentVolumeReclaimPolicy": "Delete", "hostPath": {"path": host_dir, "type": "Directory"},
+                  "claimRef": {"namespace": ns, "name": name}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": ns},
+         "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "manual", "volumeName": f"{ns}-{name}",
+                  "resources": {"requests": {"storage": "1Gi"}}}},
+    ])
+
+
+def completion_index(pod: dict[str, Any]) -> int:
+    return int((pod["metadata"].get("annotations") or {}).get("batch.kubernetes.io/job-completion-index", "0"))
+
+
+def test_a_learner_on_two_pods_survives_a_lost_pod_and_trains_what_one_pod_of_two_ranks_trains(
+        cluster: Cluster) -> None:
+    """Issue 45: configs/job-kind-cpu.yaml with learner.nodes 2 (one gloo rank per pod, both pods on this one node:
+    spread false; checkpoints every 4 steps on a claim both mount; weights over grpc): the two pods find each other by
+    pod 0's DNS name (torchrun's static rendezvous, the node rank from the Indexed Job's completion index). Learner pod
+    1 deleted mid-run: every rank stops at the same step boundary with a checkpoint (the stop is agreed), the Job's
+    attempt fails at once (podFailurePolicy), an event names the pod, the operator starts attempt 2, which resumes
+    from that checkpoint and completes. Then the same job on one pod of two ranks (ranksPerPod 2), never stopped:
+    every one of the steps has the same loss, parts, rollout F1 and rows, to the digit the learner prints.
+    (DeepSpeed is not in the CPU image: plain data parallel.)"""
+    ns = namespace(cluster, "rmsft-nodes")
+    claim_on_node(cluster, ns, "checkpoints")
+    steps = 12
+
+    def job_doc(job: str, checkpoint_dir: str, **learner: Any) -> dict[str, Any]:
+        doc = manifest("configs/job-kind-cpu.yaml", job, steps=steps,
+                       checkpoint={"dir": checkpoint_dir, "every": 4})
+        doc["spec"]["rollout"]["replicas"] = 1
+        doc["spec"]["sync"]["transport"] = "grpc"
+        doc["spec"]["learner"].update(learner)
+        return doc
+
+    def learner_pods(job: str) -> list[dict[str, Any]]:
+        return sorted(cluster.pods(ns, f"rmsft.io/job={job},app.kubernetes.io/component=learner"),
+                      key=completion_index)
+
+    def rank0_log(job: str) -> str:
+        log = cluster.logs(ns, learner_pods(job)[0]["metadata"]["name"])
+        assert re.search(r"ranks 2, device cpu", log), log[-3000:]  # one world of two ranks, either way
+        return log
+
+    # Two pods, pod 1 lost mid-run.
+    job = "pods-2x1"
+    apply_job(cluster, job_doc(job, "/checkpoints", nodes=2, spread=False, checkpointClaim="checkpoints",
+                               backoffLimit=1), ns)
+    pods = cluster.wait(lambda: (live := [p for p in learner_pods(job) if p["status"].get("phase") == "Running"])
+                        and len(live) == 2 and live, 420, "both learner pods running", namespace=ns)
+    assert [p["spec"].get("hostname") for p in pods] == [f"{job}-learner-0", f"{job}-learner-1"]
+    pod0, lost = pods[0]["metadata"]["name"], pods[1]["metadata"]["name"]
+    first_log = cluster.follow_logs(ns, pod0)
+    cluster.wait(lambda: (v := scrape(cluster, ns, pod0, "http://127.0.0.1:9090/metrics").get(
+        "rmsft_learner_global_step")) is not None and v >= 5 and v, 420, "attempt 1 at step 5", namespace=ns)
+    cluster.kubectl("-n", ns, "delete", "pod", lost, "--wait=false")
+    log = first_log.wait(timeout=600)
+    stopped = re.search(r"stopped \((?:SIGTERM|another rank was asked to stop)\) after step (\d+): "
+                        r"checkpoint /checkpoints/step-(\d+) written", log)
+    assert stopped and stopped.group(1) == stopped.group(2), log[-3000:]
+    saved = int(stopped.group(1))
+    before = step_lines(log)
+    assert sorted(before) == list(range(1, saved + 1)), (saved, sorted(before))
+    status = cluster.wait_phase(ns, job, {"Complete"}, timeout=900)
+    assert status.get("step") == steps and status.get("learnerAttempt") == 2, status
+    events = json.loads(cluster.kubectl("-n", ns, "get", "events", "--field-selector", "reason=LearnerRestarted",
+                                        "-o", "json").stdout)["items"]
+    assert any("attempt 1 of 2 failed" in e["message"] and f"{job}-learner-" in e["message"] for e in events), \
+        [e["message"] for e in events]
+    log = rank0_log(job)
+    resumed = re.search(r"resumed from step (\d+) ", log)
+    assert resumed and int(resumed.group(1)) == saved, log[-3000:]
+    after = step_lines(log)
+    assert sorted(after) == list(range(saved + 1, steps + 1)), sorted(after)
+    faulted = before | after
+    cluster.kubectl("-n", ns, "delete", "rmj", job, "--wait=true", timeout=300)
+
+    # One pod of two ranks, never stopped.
+    job = "pod-1x2"
+    apply_job(cluster, job_doc(job, "/tmp/checkpoints", ranksPerPod=2), ns)
+    status = cluster.wait_phase(ns, job, {"Complete"}, timeout=900)
+    assert status.get("step") == steps, status
+    straight = step_lines(rank0_log(job))
+    assert sorted(straight) == list(range(1, steps + 1)), sorted(straight)
+    cluster.kubectl("-n", ns, "delete", "rmj", job, "--wait=true", timeout=300)
+    differ = {s: (faulted[s], straight[s]) for s in range(1, steps + 1) if faulted[s] != straight[s]}
+    assert not differ, f"(loss, ce, coord, f1, rows) two pods, one lost, vs one pod of two ranks, by step: {differ}"
+
+
 def test_deleting_the_jobs_and_uninstalling_leaves_nothing(cluster: Cluster) -> None:
     """Every job is deleted (those the tests before left and one applied here, whose children are seen to exist
     first, so the check never runs on nothing), then `helm uninstall`: no pod or child with the rmsft labels in

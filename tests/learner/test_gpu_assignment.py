@@ -107,6 +107,20 @@ def test_cpu_job_on_cpu_and_gpu_machines() -> None:
         cpu.learner_device("cuda")
 
 
+def test_a_learner_laid_out_for_a_clusters_pods_is_refused_by_rmsft_local() -> None:
+    """Issue 45's learner.nodes and ranksPerPod describe a cluster's learner pods; `rmsft local` says so before
+    anything starts instead of running something else than asked."""
+    doc = copy.deepcopy(CPU_JOB)
+    doc["spec"]["learner"].update(nodes=2, checkpointClaim="ck")
+    doc["spec"]["sync"] = {**doc["spec"].get("sync", {}), "transport": "grpc"}
+    with pytest.raises(GpuAssignmentError, match=r"spec.learner.nodes \(2\) spreads the learner over pods"):
+        assign_gpus(parse_job(doc), 0)
+    doc = copy.deepcopy(CPU_JOB)
+    doc["spec"]["learner"]["ranksPerPod"] = 2
+    with pytest.raises(GpuAssignmentError, match=r"spec.learner.ranksPerPod \(2\) runs several CPU ranks"):
+        assign_gpus(parse_job(doc), 0)
+
+
 @pytest.mark.parametrize(("learner", "requested", "expected"), [
     (1, "auto", "cuda:6"),
     (1, "cuda", "cuda:6"),     # the learner's own GPU 0, as in its pod

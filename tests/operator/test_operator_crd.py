@@ -179,6 +179,16 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
      ["spec.rollout.tls.healthPort"]),
     ("tls-health-port-is-grpc", {"spec.rollout.tls": {"secretName": "tls", "healthPort": 50051}},
      ["spec.rollout.tls.healthPort"]),
+    # spec.learner.nodes > 1 (issue 45): a network transport, one checkpoint folder, server mode, GPUs per pod
+    ("learner-nodes-zero", {"spec.learner.nodes": 0}, ["spec.learner.nodes"]),
+    ("learner-nodes-over-shm", {"spec.learner.nodes": 2}, ["spec.sync.transport", "spec.learner.nodes > 1"]),
+    ("learner-nodes-without-claim", {"spec.learner.nodes": 2, "spec.sync.transport": "grpc",
+                                     "spec.learner.checkpointClaim": _DELETE}, ["spec.learner.checkpointClaim"]),
+    ("learner-nodes-colocate", {**_COLOCATE, "spec.sync.transport": "auto", "spec.learner.nodes": 2},
+     ["spec.learner.nodes > 1", "colocate"]),
+    ("learner-nodes-gpus-per-pod", {"spec.learner.nodes": 2, "spec.sync.transport": "grpc", "spec.learner.gpus": 9},
+     ["spec.learner.gpus", "spec.placement.gpusPerNode", "per learner pod"]),
+    ("learner-ranks-per-pod-with-gpus", {"spec.learner.ranksPerPod": 3}, ["spec.learner.ranksPerPod"]),
 ]
 
 

@@ -16,6 +16,7 @@ from rmsft_operator.reconcile import (
     CHILD_KINDS,
     PSA_ENFORCE_LABEL,
     Decision,
+    Delete,
     Observed,
     Patch,
     act,
@@ -75,7 +76,8 @@ class World:
         kids: dict[str, dict[str, Any] | None] = {k: None for k in CHILD_KINDS}
         applied = _children(self.applied_spec or self.spec)
         for kind in self.exists:
-            kids[kind] = copy.deepcopy(applied[kind])
+            if kind in applied:  # (the learner's Service is rendered for learner.nodes > 1 only)
+                kids[kind] = copy.deepcopy(applied[kind])
         if kids["StatefulSet"]:
             kids["StatefulSet"]["status"] = {"readyReplicas": self.ready}
             if self.pool_created:
@@ -83,6 +85,7 @@ class World:
         if kids["Job"]:
             kids["Job"]["spec"]["suspend"] = self.suspended
             kids["Job"]["status"] = self.job_status
+            kids["Job"]["metadata"]["uid"] = "job-uid-1"
         return Observed(NAME, NS, UID, 1, copy.deepcopy(self.spec), self.status, kids, self.rollout_pods,
                         self.learner_pods, self.failed_creates, namespace_labels=self.namespace_labels)
 
@@ -93,11 +96,24 @@ def _cond(d: Decision, ctype: str) -> dict[str, Any]:
 
 def test_new_job_creates_every_child_in_order_and_warns_about_ephemeral_checkpoints() -> None:
     d = decide(World(exists=()).observed(), NOW)
-    assert [render.child_key(o) for o in d.creates] == list(CHILD_KINDS)
+    assert [render.child_key(o) for o in d.creates] == [k for k in CHILD_KINDS if k != "LearnerService"]
     assert d.creates[-1]["spec"]["suspend"] is True and d.patches == []
     assert d.phase == "Pending"
     assert _cond(d, "LearnerRunning")["reason"] == "Suspended"
     assert any(e[1] == "CheckpointsEphemeral" for e in d.events)
+
+
+def test_a_learner_on_several_pods_gets_its_service_before_its_job() -> None:
+    """Issue 45: learner.nodes 2 adds the learner's headless Service (the pods' DNS names, pod 0's the rendezvous),
+    created before the Job whose pods need it, and nothing else changes."""
+    spec = _spec(**{"learner.nodes": 2, "learner.spread": False, "learner.checkpointClaim": "ck",
+                    "sync.transport": "grpc"})
+    d = decide(World(spec=spec, exists=()).observed(), NOW)
+    assert [render.child_key(o) for o in d.creates] == list(CHILD_KINDS)
+    service = d.creates[-2]
+    assert service["kind"] == "Service" and service["metadata"]["name"] == N["learner_service"]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert d.creates[-1]["spec"]["completionMode"] == "Indexed" and d.creates[-1]["spec"]["suspend"] is True
     assert d.events[-1][:2] == ("Normal", "PhasePending")
 
 
@@ -182,6 +198,13 @@ def test_conditions_carry_what_a_person_needs() -> None:
     ([{"type": "Complete", "status": "True"}], "Complete", "learner finished"),
     ([{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "backoff"}], "Failed",
      "learner failed: BackoffLimitExceeded: backoff"),
+    # The Job controller's decision, before its other pods are gone (a learner on several pods, issue 45: pod 0
+    # may sit in a collective for its grace period while Failed waits for it)
+    ([{"type": "FailureTarget", "status": "True", "reason": "PodFailurePolicy",
+       "message": "Container learner for pod team-a/demo-learner-1-x9 failed with exit code 1 matching FailJob rule "
+                  "at index 1"}], "Failed",
+     "learner failed: PodFailurePolicy: Container learner for pod team-a/demo-learner-1-x9 failed with exit code 1 "
+     "matching FailJob rule at index 1"),
 ])
 def test_terminal_learner_frees_the_pool(conditions: list[dict[str, Any]], phase: str, message: str) -> None:
     d = decide(World(ready=2, suspended=False, job_status={"conditions": conditions}).observed(), NOW)
@@ -190,6 +213,52 @@ def test_terminal_learner_frees_the_pool(conditions: list[dict[str, Any]], phase
     assert d.status["rolloutReplicas"] == 0 and d.status["completionTime"] == NOW
     assert _cond(d, "LearnerRunning")["status"] == "False"
     assert d.events[-1][0] == ("Warning" if phase == "Failed" else "Normal")
+
+
+_GANG = {"learner.nodes": 2, "learner.spread": False, "learner.checkpointClaim": "ck", "sync.transport": "grpc",
+         "learner.backoffLimit": 2}
+_LOST = ("Container learner for pod team-a/demo-learner-1-x9 failed with exit code 1 matching FailJob rule at "
+         "index 1")
+
+
+def _gang_failed(*kinds: str, attempt: int = 1, pods: list[dict[str, Any]] | None = None) -> Decision:
+    conditions = [{"type": k, "status": "True", "reason": "PodFailurePolicy", "message": _LOST} for k in kinds]
+    world = World(spec=_spec(**_GANG), ready=2, suspended=False, job_status={"conditions": conditions},
+                  status={"phase": "Running", "learnerAttempt": attempt}, learner_pods=pods or [])
+    return decide(world.observed(), NOW)
+
+
+def test_a_failed_attempt_of_a_learner_on_several_pods_is_restarted_once_its_pods_have_stopped() -> None:
+    """Issue 45: pod 1 of a 2-pod learner lost. While the Job controller stops the other pod (FailureTarget), the job
+    says so and waits; once the Job is Failed, the operator deletes it (by uid) and counts the attempt, so the next pass
+    creates it again and its pods resume together from the newest checkpoint. The pool keeps running throughout."""
+    stopping = _gang_failed("FailureTarget")
+    assert stopping.phase == "Running" and stopping.deletes == [] and stopping.patches == []
+    assert stopping.status["learnerAttempt"] == 1
+    assert "attempt 1 of 3 failed" in stopping.status["message"] and "demo-learner-1-x9" in stopping.status["message"]
+    assert _cond(stopping, "LearnerRunning")["reason"] == "AttemptFailed"
+    stopped = _gang_failed("FailureTarget", "Failed")
+    assert stopped.phase == "Running" and stopped.patches == []  # the pool is not scaled down
+    assert stopped.deletes == [Delete("Job", N["job"], "job-uid-1")]
+    assert stopped.status["learnerAttempt"] == 2
+    assert "attempt 2 resumes from the newest checkpoint" in stopped.status["message"]
+    assert [e[1] for e in stopped.events] == ["LearnerRestarted"]
+    # the next pass: the Job is gone, so it is created again (suspended, resumed at once: the pool is Ready)
+    again = decide(World(spec=_spec(**_GANG), ready=2, exists=tuple(k for k in CHILD_KINDS if k != "Job"),
+                         status={"phase": "Running", "learnerAttempt": 2}).observed(), NOW)
+    assert [o["kind"] for o in again.creates] == ["Job"] and again.status["learnerAttempt"] == 2
+    assert Patch("Job", N["job"], {"spec": {"suspend": False}}) in again.patches
+
+
+def test_a_learner_on_several_pods_fails_the_job_when_its_attempts_are_spent_or_it_refused_its_configuration() -> None:
+    spent = _gang_failed("FailureTarget", "Failed", attempt=3)  # backoffLimit 2: three attempts
+    assert spent.phase == "Failed" and spent.deletes == []
+    assert "demo-learner-1-x9" in spent.status["message"]
+    assert Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 0}}) in spent.patches
+    refused = _pod("learner", "demo-learner-0-ab", "Failed", containerStatuses=[
+        {"name": "learner", "state": {"terminated": {"exitCode": 2}}}])
+    config = _gang_failed("FailureTarget", "Failed", pods=[refused])
+    assert config.phase == "Failed" and config.deletes == []
 
 
 @pytest.mark.parametrize("phase", ["Complete", "Failed"])
@@ -338,7 +407,7 @@ def test_shm_in_a_namespace_that_refuses_hostpath_creates_nothing(case: tuple[st
     d = decide(world.observed(), NOW)
     assert d.phase == "Pending"
     if not refused:
-        assert [render.child_key(o) for o in d.creates] == list(CHILD_KINDS)
+        assert [render.child_key(o) for o in d.creates] == [k for k in CHILD_KINDS if k != "LearnerService"]
         assert _cond(d, "RolloutReady")["reason"] == "PoolNotReady"
         return
     assert d.creates == [] and d.patches == []
@@ -358,7 +427,7 @@ def test_shm_in_a_namespace_that_refuses_hostpath_creates_nothing(case: tuple[st
     again = decide(replace(world.observed(), status=d.status), "2026-11-23T11:00:00Z")
     assert again.status == d.status and again.events == []
     relabelled = decide(replace(world.observed(), status=d.status, namespace_labels=_psa("privileged")), NOW)
-    assert [render.child_key(o) for o in relabelled.creates] == list(CHILD_KINDS)
+    assert [render.child_key(o) for o in relabelled.creates] == [k for k in CHILD_KINDS if k != "LearnerService"]
     assert _cond(relabelled, "RolloutReady")["reason"] == "PoolNotReady"
 
 

@@ -126,6 +126,68 @@ def test_learner_runs_one_rank_per_gpu() -> None:
         assert "command" not in one and one["args"][0] == "train"
 
 
+def _several(path: str = "configs/job-kind-cpu.yaml", **learner: object) -> dict:
+    """A job of `path` with its learner on pods: learner.nodes 2 by default, a checkpoint claim, weights over grpc."""
+    doc = yaml.safe_load((ROOT / path).read_text())
+    doc["spec"]["learner"].update({"nodes": 2, "checkpointClaim": "ck", **learner})
+    doc["spec"]["sync"]["transport"] = "grpc"
+    return doc
+
+
+def test_a_learner_on_several_pods_is_an_indexed_job_whose_pods_meet_at_pod_0() -> None:
+    """Issue 45, learner.nodes 2 on the CPU with 2 ranks per pod: an Indexed Job of 2 pods (hostnames
+    <job>-learner-<index> under the headless Service), torchrun in each with a static rendezvous on pod 0's stable
+    name and the pod's completion index as its node rank (read from the annotation the Job controller sets), one pod
+    per node, and a lost pod failing the Job at once (any exit but 0, or a disruption): its peers cannot go on. The
+    objects validate against the 1.32 schemas."""
+    objs = render.render_all(parse_job(_several(ranksPerPod=2)), "team-a", "0000-uid")
+    for obj in objs:
+        kubernetes_validate.validate(obj, "1.32", strict=True)
+    kids = {render.child_key(o): o for o in objs}
+    assert list(kids)[-2:] == ["LearnerService", "Job"]  # the names resolve before the pods look them up
+    job, svc = kids["Job"], kids["LearnerService"]
+    assert (job["spec"]["completionMode"], job["spec"]["completions"], job["spec"]["parallelism"]) == ("Indexed", 2, 2)
+    pod = job["spec"]["template"]["spec"]
+    assert pod["subdomain"] == svc["metadata"]["name"] == "tiny-cpu-learner"
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    assert svc["spec"]["selector"] == render.selector("tiny-cpu", "learner")
+    c = pod["containers"][0]
+    assert c["command"] == ["python", "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                            "$(RMSFT_NODE_RANK)", "--nproc-per-node", "2", "--master-addr",
+                            "tiny-cpu-learner-0.tiny-cpu-learner.team-a.svc", "--master-port", "29500",
+                            "-m", "rmsft_cli"]
+    rank = next(e for e in c["env"] if e["name"] == "RMSFT_NODE_RANK")
+    assert rank["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert {"name": "rendezvous", "containerPort": 29500, "protocol": "TCP"} in c["ports"]
+    assert svc["spec"]["ports"][0]["port"] == 29500
+    apart = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert apart == [{"labelSelector": {"matchLabels": render.selector("tiny-cpu", "learner")},
+                      "topologyKey": "kubernetes.io/hostname"}]
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    assert [r["action"] for r in rules] == ["FailJob", "FailJob"]
+    assert rules[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
+    assert rules[1]["onExitCodes"] == {"operator": "NotIn", "values": [0]}  # any container, the preflight's too
+    # spread: false lets the pods share a node (a one-node cluster); nothing else changes
+    shared = render.render_job(parse_job(_several(spread=False)), "team-a", "0000-uid")
+    assert "affinity" not in shared["spec"]["template"]["spec"]
+    assert shared["spec"]["template"]["spec"]["containers"][0]["command"][8] == "1"  # --nproc-per-node: 1 on CPU
+
+
+def test_one_learner_pod_keeps_its_retry_rules_and_cpu_ranks_use_torchrun_standalone() -> None:
+    """learner.nodes 1 (the default): no Service, a plain Job, disruptions not counted; ranksPerPod 2 on the CPU runs
+    two gloo ranks in the one pod (torchrun --standalone), as learner.gpus 2 does on GPUs."""
+    one = _by_kind("configs/job-kind-cpu.yaml")
+    assert "LearnerService" not in one and "completionMode" not in one["Job"]["spec"]
+    assert one["Job"]["spec"]["podFailurePolicy"]["rules"][0]["action"] == "Ignore"
+    doc = yaml.safe_load((ROOT / "configs/job-kind-cpu.yaml").read_text())
+    doc["spec"]["learner"]["ranksPerPod"] = 2
+    c = render.render_job(parse_job(doc), "ns", "u")["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "rmsft_cli"]
+
+
 def test_cpu_job_requests_no_gpus() -> None:
     objs = _by_kind("configs/job-kind-cpu.yaml")
     for kind in ("StatefulSet", "Job"):

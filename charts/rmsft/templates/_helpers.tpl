@@ -58,9 +58,11 @@ app.kubernetes.io/component: operator
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
   verbs: ["get", "list", "watch", "create", "patch"]
+# delete: the learner Job of a job whose learner runs on several pods (spec.learner.nodes > 1), once an attempt has
+# failed, so that the next attempt's pods start together (only its own Job, by uid).
 - apiGroups: ["batch"]
   resources: ["jobs"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "create"]
