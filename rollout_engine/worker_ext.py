@@ -7,6 +7,12 @@ the tensors directly.
 
 from __future__ import annotations
 
+from rollout_engine.weight_transfer_gloo import register as _register_gloo_transfer
+
+# vLLM imports this module in every engine worker (worker_extension_cls): the gloo weight-transfer engine is added to
+# the worker's registry before the engine is created (rollout_engine/weight_transfer_gloo.py).
+_register_gloo_transfer()
+
 
 class RmsftWorkerExtension:
     def rmsft_reload_weights(self, index_path: str | None) -> int:
