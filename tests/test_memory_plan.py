@@ -180,6 +180,19 @@ def test_zero_stages_shard_optimizer_then_gradients_then_weights(stage: int) -> 
         assert learner.phases["sync"]["training weights"] == 4 * n  # a sync gathers the whole model
 
 
+def test_a_learner_on_several_pods_shards_over_every_pods_gpus() -> None:
+    """Issue 45: learner.nodes 2 x 4 GPUs is a world of 8: ZeRO-3 keeps an eighth of the weights, optimizer state and
+    gradients per GPU, as 8 GPUs in one pod would; the layout says where they are."""
+    common = {"training.finetune": "full", "training.precision": "bf16", "training.deepspeed_stage": 3,
+              "rollout.replicas": 4, "sync.transport": "grpc"}
+    pods = plan_memory(_job(**common, **{"learner.gpus": 4, "learner.nodes": 2}), shape=SHAPE_7B).plans["server"]
+    one = plan_memory(_job(**common, **{"learner.gpus": 8, "placement.gpusPerNode": 16}),
+                      shape=SHAPE_7B).plans["server"]
+    assert pods.devices[1].count == 8 and pods.devices[1].phases["step"] == one.devices[1].phases["step"]
+    assert pods.devices[1].phases["step"]["training weights"] == 4 * SHAPE_7B.total_params // 8
+    assert "2 learner pods x 4 GPU(s)" in pods.layout, pods.layout
+
+
 def _colocate(**changes: Any) -> Any:
     base = {"rollout.mode": "colocate", "rollout.replicas": None, "learner.gpus": 8, "sync.transport": "auto",
             "training.gradient_checkpointing": True, "training.packing_length": 8192}

@@ -294,7 +294,8 @@ def _completions_per_step(spec: JobSpec) -> int:
 def _server_plan(spec: JobSpec, shape: ModelShape, gpu_memory: int | None) -> ModePlan:
     r, gpu = spec.rollout, spec.placement.accelerator != "none"
     tp = r.tensor_parallel_size if gpu else 1
-    ranks = max(1, spec.learner.gpus)
+    # The learner's world: every GPU of every learner pod (spec.learner.nodes); ZeRO partitions over all of them.
+    ranks = max(1, spec.learner.gpus) * spec.learner.nodes
     rollout_cap = gpu_memory if gpu else _limit(r.resources)
     learner_cap = gpu_memory if gpu else _limit(spec.learner.resources)
     if r.engine == "hf":
@@ -317,8 +318,11 @@ def _server_plan(spec: JobSpec, shape: ModelShape, gpu_memory: int | None) -> Mo
                problems=eng.problems, notes=eng.notes),
         Device(f"learner {unit}", ranks if gpu else 1, learner_cap, learner_phases),
     )
-    layout = (f"{r.replicas} rollout server(s) x TP {tp} + {spec.learner.gpus} learner GPU(s)" if gpu
-              else f"{r.replicas} rollout server process(es) + 1 learner process, host memory")
+    pods = spec.learner.nodes
+    learner = f"{spec.learner.gpus} learner GPU(s)" if pods == 1 else \
+        f"{pods} learner pods x {spec.learner.gpus} GPU(s) (one node each)"
+    layout = (f"{r.replicas} rollout server(s) x TP {tp} + {learner}" if gpu
+              else f"{r.replicas} rollout server process(es) + {pods} learner process(es), host memory")
     return ModePlan("server", layout, devices)
 
 
