@@ -31,6 +31,7 @@ from rmsft.jobspec import (
     JobSpec,
     RecipeConfig,
 )
+from rmsft.jobspec.pods import _LABEL_VALUE, _QUALIFIED_KEY, RESERVED_KEY_PREFIXES
 
 SHORT_NAMES = ["rmj"]
 PHASES = ["Pending", "Starting", "Running", "Complete", "Failed", "Invalid"]
@@ -95,6 +96,12 @@ SPEC_RULES: list[dict[str, str]] = [
         "message": "spec.learner.gpus must be <= spec.placement.gpusPerNode: with spec.learner.nodes > 1 it counts "
         "GPUs per learner pod",
         "fieldPath": ".learner.gpus",
+    },
+    {
+        "rule": "self.learner.nodes > 1 || !has(self.scheduling) || !has(self.scheduling.learnerTopologyKey)",
+        "message": "spec.scheduling.learnerTopologyKey applies to spec.learner.nodes > 1 (the learner's pods meeting "
+        "in one topology domain)",
+        "fieldPath": ".scheduling.learnerTopologyKey",
     },
     {
         "rule": "self.learner.nodes == 1 || self.rollout.mode != 'colocate'",
@@ -272,6 +279,22 @@ LOCAL_RULES: dict[str, list[dict[str, str]]] = {
             "|| !has(self.format_options.polygons) || self.format_options.polygons == 'pairs'",
             "message": "spec.training.format_options.polygons applies to format coordexp only",
         },
+    ],
+    "scheduling": [
+        *({"rule": f"!has(self.{field}) || self.{field}.all(k, "
+                   + " && ".join(f"!k.startsWith('{pre}')" for pre in RESERVED_KEY_PREFIXES) + ")",
+           "message": f"spec.scheduling.{field}: keys under {', '.join(RESERVED_KEY_PREFIXES)} are rmsft's own (the "
+                      "operator sets them on its pods)", "fieldPath": f".{field}"}
+          for field in ("podLabels", "podAnnotations")),
+        *({"rule": f"!has(self.{field}) || self.{field}.all(k, k.size() <= 253 && k.matches('{_QUALIFIED_KEY}'))",
+           "message": f"spec.scheduling.{field}: a key is not a Kubernetes qualified name (prefix/name)",
+           "fieldPath": f".{field}"} for field in ("podLabels", "podAnnotations")),
+        {"rule": "!has(self.podLabels) || self.podLabels.all(k, self.podLabels[k].size() <= 63 && "
+                 f"self.podLabels[k].matches('{_LABEL_VALUE}'))",
+         "message": "spec.scheduling.podLabels: a value is not a label value (<= 63 chars: letters, digits, -_. "
+                    "inside)", "fieldPath": ".podLabels"},
+        {"rule": f"!has(self.learnerTopologyKey) || self.learnerTopologyKey.matches('{_QUALIFIED_KEY}')",
+         "message": "spec.scheduling.learnerTopologyKey is not a node label key", "fieldPath": ".learnerTopologyKey"},
     ],
     "model.vision": [
         {

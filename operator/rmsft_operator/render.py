@@ -303,7 +303,19 @@ def _pod_common(job: RolloutMatchingJob) -> dict[str, Any]:
         spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in p.tolerations]
     if job.spec.image.pull_secrets:
         spec["imagePullSecrets"] = [{"name": s} for s in job.spec.image.pull_secrets]
+    if job.spec.scheduling.scheduler_name:
+        spec["schedulerName"] = job.spec.scheduling.scheduler_name
     return spec
+
+
+def _pod_meta(job: RolloutMatchingJob, role: str, metrics_port: int) -> dict[str, Any]:
+    """A rollout or learner pod template's metadata: rmsft's labels and scrape annotations, and the user's
+    (spec.scheduling.podLabels / podAnnotations, whose keys cannot be rmsft's: the spec refuses them)."""
+    sch = job.spec.scheduling
+    return {"labels": {**sch.pod_labels, **labels(job.metadata.name, role)},
+            "annotations": {**sch.pod_annotations,
+                            "prometheus.io/scrape": str(job.spec.monitoring.enabled).lower(),
+                            "prometheus.io/port": str(metrics_port)}}
 
 
 def shared_weights_host_path(namespace: str, job_name: str) -> str:
@@ -462,7 +474,6 @@ def render_statefulset(job: RolloutMatchingJob, namespace: str, uid: str,
         # pod's status, where the operator reads it into the RolloutReady condition.
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    pod_labels = labels(name, "rollout")
     pod_spec = _with_shared_weights(job, namespace, {**_pod_common(job), "containers": [container],
                                                      "initContainers": [preflight],
                                                      "volumes": volumes}, writer=False)
@@ -476,16 +487,7 @@ def render_statefulset(job: RolloutMatchingJob, namespace: str, uid: str,
             # Servers are independent: start them all at once instead of one by one.
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector(name, "rollout")},
-            "template": {
-                "metadata": {
-                    "labels": pod_labels,
-                    "annotations": {
-                        "prometheus.io/scrape": str(job.spec.monitoring.enabled).lower(),
-                        "prometheus.io/port": str(r.metrics_port),
-                    },
-                },
-                "spec": pod_spec,
-            },
+            "template": {"metadata": _pod_meta(job, "rollout", r.metrics_port), "spec": pod_spec},
         },
     }
 
@@ -558,10 +560,16 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
         "initContainers": [preflight], "volumes": volumes}, writer=True)
     if pods > 1:
         pod_spec["subdomain"] = n["learner_service"]  # hostname <job>-learner-<index>, resolvable in the Service
+        mine = {"matchLabels": selector(name, "learner")}
         if lr.spread:
-            apart = {"labelSelector": {"matchLabels": selector(name, "learner")}, "topologyKey": HOSTNAME_TOPOLOGY}
             pod_spec.setdefault("affinity", {})["podAntiAffinity"] = {
-                "requiredDuringSchedulingIgnoredDuringExecution": [apart]}
+                "requiredDuringSchedulingIgnoredDuringExecution": [
+                    {"labelSelector": mine, "topologyKey": HOSTNAME_TOPOLOGY}]}
+        if job.spec.scheduling.learner_topology_key:
+            # Every learner pod in the domain of the first one placed (a pod whose required term matches no pod yet
+            # may go anywhere when it matches its own term: the first one picks the domain).
+            pod_spec.setdefault("affinity", {})["podAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": mine, "topologyKey": job.spec.scheduling.learner_topology_key}]}
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -578,16 +586,7 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
             "completions": pods,
             "parallelism": pods,
             **({"completionMode": "Indexed"} if pods > 1 else {}),
-            "template": {
-                "metadata": {
-                    "labels": labels(name, "learner"),
-                    "annotations": {
-                        "prometheus.io/scrape": str(job.spec.monitoring.enabled).lower(),
-                        "prometheus.io/port": str(lr.metrics_port),
-                    },
-                },
-                "spec": pod_spec,
-            },
+            "template": {"metadata": _pod_meta(job, "learner", lr.metrics_port), "spec": pod_spec},
         },
     }
 

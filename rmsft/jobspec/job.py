@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from rmsft.jobspec.base import _K8s
 from rmsft.jobspec.model import ModelSpec
-from rmsft.jobspec.pods import ImageSpec, LearnerSpec, MonitoringSpec, PlacementSpec
+from rmsft.jobspec.pods import ImageSpec, LearnerSpec, MonitoringSpec, PlacementSpec, SchedulingSpec
 from rmsft.jobspec.rollout import RolloutSpec
 from rmsft.jobspec.sync import SyncSpec
 from rmsft.jobspec.training import TrainingConfig
@@ -34,6 +34,7 @@ class JobSpec(_K8s):
     )
     sync: SyncSpec = Field(default_factory=SyncSpec)
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> JobSpec:
@@ -103,6 +104,9 @@ def learner_pods_errors(spec: JobSpec) -> list[str]:
         errs.append(f"spec.learner.ranksPerPod ({lr.ranks_per_pod}) must equal spec.learner.gpus ({lr.gpus}) when "
                     "spec.placement.accelerator is 'nvidia' (one rank per GPU; leave it unset)")
     if lr.nodes == 1:
+        if spec.scheduling.learner_topology_key:
+            errs.append("spec.scheduling.learnerTopologyKey applies to spec.learner.nodes > 1 (the learner's pods "
+                        "meeting in one topology domain)")
         return errs
     if accelerated and lr.gpus > spec.placement.gpus_per_node:
         errs.append(f"spec.learner.gpus ({lr.gpus}) must be <= spec.placement.gpusPerNode "

@@ -143,6 +143,65 @@ class LearnerSpec(_K8s):
         return self.gpus if accelerated else 1
 
 
+# A Kubernetes qualified name with an optional DNS-subdomain prefix (label and annotation keys).
+# ([.] rather than an escaped dot: the same text is a CEL string literal in the CRD.)
+_QUALIFIED_KEY = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                  r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+# Keys rmsft sets on its pods itself: the selectors, the learner's completion index, the scrape annotations.
+RESERVED_KEY_PREFIXES = ("app.kubernetes.io/", "rmsft.io/", "batch.kubernetes.io/", "prometheus.io/")
+
+
+def _check_keys(where: str, v: dict[str, str], values: bool) -> dict[str, str]:
+    for k, val in v.items():
+        if len(k) > 253 or not re.match(_QUALIFIED_KEY, k) or len(k.rsplit("/", 1)[-1]) > 63:
+            raise ValueError(f"{where} key {k!r} is not a Kubernetes qualified name (prefix/name, name <= 63 chars)")
+        if k.startswith(RESERVED_KEY_PREFIXES):
+            raise ValueError(f"{where} key {k!r} is rmsft's own (keys under {', '.join(RESERVED_KEY_PREFIXES)}): the "
+                             "operator sets them on its pods")
+        if values and (len(val) > 63 or not re.match(_LABEL_VALUE, val)):
+            raise ValueError(f"{where} value {val!r} of {k!r} is not a label value (<= 63 chars: letters, digits, "
+                             "-_. inside)")
+    return v
+
+
+class SchedulingSpec(_K8s):
+    """What shared clusters ask of every pod of the job: a scheduler, labels and annotations (secondary networks,
+    cost centres), and where the learner's pods must meet."""
+
+    scheduler_name: str | None = Field(
+        None, pattern=_DNS_LABEL, description="The scheduler of the rollout and learner pods (their schedulerName, "
+        "e.g. a gang scheduler); the cluster's default when unset.")
+    pod_labels: dict[str, str] = Field(
+        default_factory=dict, max_length=64, description="Labels added to every rollout and learner pod (not to the "
+        "objects that own them). Keys under app.kubernetes.io/, rmsft.io/, batch.kubernetes.io/ and prometheus.io/ "
+        "are rmsft's.")
+    pod_annotations: dict[str, str] = Field(
+        default_factory=dict, max_length=64, description="Annotations added to every rollout and learner pod, e.g. "
+        "k8s.v1.cni.cncf.io/networks for a secondary network (Multus). The same keys are rmsft's as for podLabels.")
+    learner_topology_key: str | None = Field(
+        None, max_length=253, description="With spec.learner.nodes > 1: a node label whose value every learner pod's "
+        "node must share (required pod affinity on it), e.g. a rack or network-block label, so that the ranks "
+        "talk over the fast fabric. One learner pod per node still holds (learner.spread).")
+
+    @field_validator("pod_labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_keys("spec.scheduling.podLabels", v, values=True)
+
+    @field_validator("pod_annotations")
+    @classmethod
+    def _annotations(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_keys("spec.scheduling.podAnnotations", v, values=False)
+
+    @field_validator("learner_topology_key")
+    @classmethod
+    def _topology_key(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(_QUALIFIED_KEY, v):
+            raise ValueError(f"spec.scheduling.learnerTopologyKey {v!r} is not a node label key")
+        return v
+
+
 class MonitoringSpec(_K8s):
     """Metrics and logs of the job's pods."""
 

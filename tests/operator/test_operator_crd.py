@@ -189,6 +189,16 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("learner-nodes-gpus-per-pod", {"spec.learner.nodes": 2, "spec.sync.transport": "grpc", "spec.learner.gpus": 9},
      ["spec.learner.gpus", "spec.placement.gpusPerNode", "per learner pod"]),
     ("learner-ranks-per-pod-with-gpus", {"spec.learner.ranksPerPod": 3}, ["spec.learner.ranksPerPod"]),
+    # spec.scheduling (issue 45): the user's pod labels and annotations never take rmsft's keys, and are valid
+    ("scheduling-reserved-label", {"spec.scheduling.podLabels": {"rmsft.io/job": "other"}},
+     ["spec.scheduling.podLabels", "rmsft's own"]),
+    ("scheduling-reserved-annotation", {"spec.scheduling.podAnnotations": {"prometheus.io/port": "1"}},
+     ["spec.scheduling.podAnnotations", "rmsft's own"]),
+    ("scheduling-label-value", {"spec.scheduling.podLabels": {"team": "not ok!"}}, ["spec.scheduling.podLabels"]),
+    ("scheduling-label-key", {"spec.scheduling.podLabels": {"bad key": "x"}}, ["spec.scheduling.podLabels"]),
+    ("scheduling-scheduler-name", {"spec.scheduling.schedulerName": "Not_A_Name"}, ["spec.scheduling.schedulerName"]),
+    ("scheduling-topology-with-one-pod", {"spec.scheduling.learnerTopologyKey": "topology.kubernetes.io/zone"},
+     ["spec.scheduling.learnerTopologyKey", "spec.learner.nodes > 1"]),
 ]
 
 

@@ -175,6 +175,37 @@ def test_a_learner_on_several_pods_is_an_indexed_job_whose_pods_meet_at_pod_0() 
     assert shared["spec"]["template"]["spec"]["containers"][0]["command"][8] == "1"  # --nproc-per-node: 1 on CPU
 
 
+def test_scheduling_pass_throughs_reach_every_rollout_and_learner_pod_and_never_replace_rmsfts_keys() -> None:
+    """Issue 45, item 3: spec.scheduling's scheduler, pod labels and annotations on both pod templates (a secondary
+    network's annotation, a cost-centre label), beside rmsft's own selectors and scrape annotations; the learner's
+    pods of a learner.nodes 2 job held to one domain of learnerTopologyKey as well as one pod per node."""
+    doc = _several()
+    doc["spec"]["scheduling"] = {"schedulerName": "volcano", "podLabels": {"team": "vision", "example.com/cost": "a1"},
+                                 "podAnnotations": {"k8s.v1.cni.cncf.io/networks": "roce-net"},
+                                 "learnerTopologyKey": "example.com/network-block"}
+    objs = render.render_all(parse_job(doc), "team-a", "0000-uid")
+    for obj in objs:
+        kubernetes_validate.validate(obj, "1.32", strict=True)
+    kids = {render.child_key(o): o for o in objs}
+    for kind, role in (("StatefulSet", "rollout"), ("Job", "learner")):
+        template = kids[kind]["spec"]["template"]
+        assert template["spec"]["schedulerName"] == "volcano"
+        assert template["metadata"]["labels"] == {"team": "vision", "example.com/cost": "a1",
+                                                  **render.labels("tiny-cpu", role)}
+        assert template["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "roce-net"
+        assert template["metadata"]["annotations"]["prometheus.io/scrape"] in ("true", "false")
+    for kind in ("StatefulSet", "Job", "Service", "ConfigMap"):  # the owners keep only rmsft's labels
+        assert "team" not in kids[kind]["metadata"]["labels"]
+    affinity = kids["Job"]["spec"]["template"]["spec"]["affinity"]
+    mine = {"matchLabels": render.selector("tiny-cpu", "learner")}
+    assert affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [
+        {"labelSelector": mine, "topologyKey": "example.com/network-block"}]
+    assert affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [
+        {"labelSelector": mine, "topologyKey": "kubernetes.io/hostname"}]
+    plain = _by_kind("configs/job-kind-cpu.yaml")["Job"]["spec"]["template"]
+    assert "schedulerName" not in plain["spec"] and "team" not in plain["metadata"]["labels"]
+
+
 def test_one_learner_pod_keeps_its_retry_rules_and_cpu_ranks_use_torchrun_standalone() -> None:
     """learner.nodes 1 (the default): no Service, a plain Job, disruptions not counted; ranksPerPod 2 on the CPU runs
     two gloo ranks in the one pod (torchrun --standalone), as learner.gpus 2 does on GPUs."""
