@@ -173,23 +173,26 @@ def render_configmap(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[
     }
 
 
-def render_service(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:
-    r = job.spec.rollout
+def _headless_service(job: RolloutMatchingJob, namespace: str, uid: str, role: str, name: str,
+                      ports: list[dict[str, Any]]) -> dict[str, Any]:
+    """A headless Service over the job's `role` pods: DNS names for each pod, published before any is Ready (the
+    learner resolves every server ordinal up front and waits on gRPC health itself; learner pods have no readiness
+    probe, and their names must resolve as soon as they have addresses)."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(job, names(job.metadata.name)["service"], namespace, uid, "rollout"),
-        "spec": {
-            "clusterIP": "None",
-            # The learner resolves every ordinal up front and waits on gRPC health itself.
-            "publishNotReadyAddresses": True,
-            "selector": selector(job.metadata.name, "rollout"),
-            "ports": [
-                {"name": "grpc", "port": r.port, "targetPort": "grpc", "protocol": "TCP"},
-                {"name": "metrics", "port": r.metrics_port, "targetPort": "metrics", "protocol": "TCP"},
-            ],
-        },
+        "metadata": _meta(job, name, namespace, uid, role),
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                 "selector": selector(job.metadata.name, role), "ports": ports},
     }
+
+
+def render_service(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:
+    r = job.spec.rollout
+    return _headless_service(job, namespace, uid, "rollout", names(job.metadata.name)["service"], [
+        {"name": "grpc", "port": r.port, "targetPort": "grpc", "protocol": "TCP"},
+        {"name": "metrics", "port": r.metrics_port, "targetPort": "metrics", "protocol": "TCP"},
+    ])
 
 
 def _resources(res: Any, gpus: int, accelerated: bool) -> dict[str, Any]:
@@ -613,22 +616,9 @@ def learner_pod_host(job: RolloutMatchingJob, namespace: str, index: int) -> str
 
 
 def render_learner_service(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:
-    """learner.nodes > 1: the headless Service that gives each learner pod a DNS name (pod 0's is the rendezvous).
-    publishNotReadyAddresses: the learner pods have no readiness probe, and the names must resolve as soon as the pods
-    have addresses, before any is Ready."""
-    name = job.metadata.name
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(job, names(name)["learner_service"], namespace, uid, "learner"),
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": True,
-            "selector": selector(name, "learner"),
-            "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT,
-                       "protocol": "TCP"}],
-        },
-    }
+    """learner.nodes > 1: the headless Service that gives each learner pod a DNS name (pod 0's is the rendezvous)."""
+    return _headless_service(job, namespace, uid, "learner", names(job.metadata.name)["learner_service"], [
+        {"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT, "protocol": "TCP"}])
 
 
 def render_networkpolicy(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:

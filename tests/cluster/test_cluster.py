@@ -22,6 +22,7 @@ from rmsft_operator.failures import CRASH_LOOP_RESTARTS
 DASHBOARDS = ROOT / "charts/rmsft/dashboards"
 NAMESPACES: list[str] = []  # every namespace a test made (the uninstall test checks them all)
 JOBS: list[tuple[str, str]] = []  # (namespace, name) of every job a test applied, deleted since or not
+CLAIM_DIRS: list[str] = []  # the node folders behind the tests' PersistentVolumes (removed by the uninstall test)
 FAULT_STEPS = 40  # enough steps left after the server restart (the learner waits meanwhile) for the scrape and eviction
 FAULT_NS = "rmsft-faults"
 FAULTED: dict[int, tuple[str, ...]] = {}  # the faulted run's step lines (test 1), for its uninterrupted twin (test 2)
@@ -117,6 +118,23 @@ def fault_job(name: str, checkpoint_dir: str) -> dict[str, Any]:
     return doc
 
 
+def claim_on_node(cluster: Cluster, ns: str, name: str) -> None:
+    """A PersistentVolumeClaim bound to a fresh folder on the node (a local volume), writable by the learner's user."""
+    host_dir = f"/tmp/rmsft-cluster-pv-{ns}-{name}"
+    CLAIM_DIRS.append(host_dir)
+    cluster.backend.node_rmtree(host_dir)
+    cluster.backend.node_mkdir(host_dir, uid=1000)
+    cluster.apply([
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-{name}"},
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "manual",
+                  "persistentVolumeReclaimPolicy": "Delete", "hostPath": {"path": host_dir, "type": "Directory"},
+                  "claimRef": {"namespace": ns, "name": name}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": ns},
+         "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "manual", "volumeName": f"{ns}-{name}",
+                  "resources": {"requests": {"storage": "1Gi"}}}},
+    ])
+
+
 # ---------------------------------------------------------------------------------------------------
 
 def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_learner(cluster: Cluster) -> None:
@@ -132,18 +150,7 @@ def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_
     the vision-language and GRPO jobs below run; two servers failing over is tests/learner/test_e2e_local.py's.)"""
     ns = namespace(cluster, FAULT_NS)
     job = "text-faults"
-    host_dir = f"/tmp/rmsft-cluster-pv-{ns}"
-    cluster.backend.node_rmtree(host_dir)
-    cluster.backend.node_mkdir(host_dir, uid=1000)
-    cluster.apply([
-        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-checkpoints"},
-         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "manual",
-                  "persistentVolumeReclaimPolicy": "Delete", "hostPath": {"path": host_dir, "type": "Directory"},
-                  "claimRef": {"namespace": ns, "name": "checkpoints"}}},
-        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "checkpoints", "namespace": ns},
-         "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "manual", "volumeName": f"{ns}-checkpoints",
-                  "resources": {"requests": {"storage": "1Gi"}}}},
-    ])
+    claim_on_node(cluster, ns, "checkpoints")
     doc = fault_job(job, "/checkpoints")
     # No learner budget: it would refuse the eviction (docs/operator.md); backoffLimit 0: only a retry that is
     # not counted (the podFailurePolicy's disruption rule) can resume the run.
@@ -460,22 +467,6 @@ def test_a_rollout_server_that_crash_loops_fails_the_job_within_its_startup_time
     assert any(said.group(3)[:80] in e["message"] for e in events["items"]), events
 
 
-def claim_on_node(cluster: Cluster, ns: str, name: str) -> None:
-    """A PersistentVolumeClaim bound to a fresh folder on the node (a local volume), writable by the learner's user."""
-    host_dir = f"/tmp/rmsft-cluster-pv-{ns}-{name}"
-    cluster.backend.node_rmtree(host_dir)
-    cluster.backend.node_mkdir(host_dir, uid=1000)
-    cluster.apply([
-        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-{name}"},
-         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "manual",
-                  "persistentVolumeReclaimPolicy": "Delete", "hostPath": {"path": host_dir, "type": "Directory"},
-                  "claimRef": {"namespace": ns, "name": name}}},
-        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": ns},
-         "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "manual", "volumeName": f"{ns}-{name}",
-                  "resources": {"requests": {"storage": "1Gi"}}}},
-    ])
-
-
 def completion_index(pod: dict[str, Any]) -> int:
     return int((pod["metadata"].get("annotations") or {}).get("batch.kubernetes.io/job-completion-index", "0"))
 
@@ -586,3 +577,5 @@ def test_deleting_the_jobs_and_uninstalling_leaves_nothing(cluster: Cluster) -> 
     for name in NAMESPACES:
         cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
     cluster.kubectl("delete", "pv", "--all", "--wait=false", check=False)
+    for host_dir in CLAIM_DIRS:  # hostPath volumes have no deleter: the checkpoints the tests wrote go here
+        cluster.backend.node_rmtree(host_dir)
