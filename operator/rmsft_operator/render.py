@@ -43,13 +43,13 @@ STARTUP_PROBE_PERIOD = 10  # seconds between the rollout server's startup probes
 # (`rmsft preflight`) before the pod's container loads the model; the operator fails the job when it fails.
 PREFLIGHT_CONTAINER = "preflight"
 PREFLIGHT_RESOURCES = {"cpu": "250m", "memory": "512Mi"}
-# spec.rollout.tls: the kubernetes.io/tls Secret, mounted read-only in the rollout and learner containers (beside
-# the ConfigMap's folder, not inside it: a mount point cannot be made in a read-only ConfigMap volume).
 # spec.learner.nodes > 1: torchrun's static rendezvous on learner pod 0 (its TCP store), and where each pod reads its
 # node rank (the Indexed Job's completion index).
 RENDEZVOUS_PORT = 29500
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 NODE_RANK_ENV = "RMSFT_NODE_RANK"
+# spec.rollout.tls: the kubernetes.io/tls Secret, mounted read-only in the rollout and learner containers (beside
+# the ConfigMap's folder, not inside it: a mount point cannot be made in a read-only ConfigMap volume).
 TLS_VOLUME = "rollout-tls"
 TLS_DIR = "/etc/rmsft-tls"
 from rmsft.jobspec.rollout import HEALTH_PORT_ENV, TLS_DIR_ENV  # noqa: E402  (what the pods read)
@@ -650,7 +650,7 @@ def render_networkpolicy(job: RolloutMatchingJob, namespace: str, uid: str) -> d
 
 def render_disruption_budget(job: RolloutMatchingJob, namespace: str, uid: str, role: str) -> dict[str, Any]:
     """The PodDisruptionBudget of the rollout pool (`role` rollout: maxUnavailable 1, one server evicted at a time)
-    or of the learner (`learner`: minAvailable 1, its eviction refused). A Job's pods can only be budgeted with an
+    or of the learner (`learner`: minAvailable = its pods, any eviction refused). A Job's pods can only be budgeted with an
     integer minAvailable (the disruption controller cannot scale a Job), the StatefulSet's with maxUnavailable.
     unhealthyPodEvictionPolicy AlwaysAllow: a pod that is not Ready (crash-looping, still loading) never holds up
     a drain."""
@@ -661,7 +661,8 @@ def render_disruption_budget(job: RolloutMatchingJob, namespace: str, uid: str, 
         "kind": "PodDisruptionBudget",
         "metadata": _meta(job, n["pool_budget" if pool else "learner_budget"], namespace, uid, role),
         "spec": {
-            **({"maxUnavailable": 1} if pool else {"minAvailable": 1}),
+            # The learner's pods are one world (spec.learner.nodes): evicting any of them stops them all.
+            **({"maxUnavailable": 1} if pool else {"minAvailable": job.spec.learner.nodes}),
             "selector": {"matchLabels": selector(job.metadata.name, role)},
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },

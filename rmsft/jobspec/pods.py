@@ -111,7 +111,8 @@ class LearnerSpec(_K8s):
         "exits, and the Job's retry resumes there. Seconds or a duration; cover one step plus one save (Kubernetes' "
         "own default, 30 s, is shorter than one step of a big model).")
     disruption_budget: bool = Field(
-        True, description="A PodDisruptionBudget (minAvailable 1) for the running learner pod: an eviction (a "
+        True, description="A PodDisruptionBudget (minAvailable: every learner pod, spec.learner.nodes) for the "
+        "running learner: an eviction (a "
         "drain, the cluster autoscaler) is refused, so a drain waits for the run to end or for someone to delete "
         "the pod (which stops at a step boundary with a checkpoint, and the Job's retry resumes it). A learner "
         "pod not Ready is never protected. false: evictions go through (the same save and resume).")

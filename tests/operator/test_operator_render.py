@@ -165,6 +165,7 @@ def test_a_learner_on_several_pods_is_an_indexed_job_whose_pods_meet_at_pod_0() 
     apart = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert apart == [{"labelSelector": {"matchLabels": render.selector("tiny-cpu", "learner")},
                       "topologyKey": "kubernetes.io/hostname"}]
+    assert kids["LearnerDisruptionBudget"]["spec"]["minAvailable"] == 2  # evicting either pod stops both
     rules = job["spec"]["podFailurePolicy"]["rules"]
     assert [r["action"] for r in rules] == ["FailJob", "FailJob"]
     assert rules[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
