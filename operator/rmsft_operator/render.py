@@ -650,8 +650,9 @@ def render_networkpolicy(job: RolloutMatchingJob, namespace: str, uid: str) -> d
 
 def render_disruption_budget(job: RolloutMatchingJob, namespace: str, uid: str, role: str) -> dict[str, Any]:
     """The PodDisruptionBudget of the rollout pool (`role` rollout: maxUnavailable 1, one server evicted at a time)
-    or of the learner (`learner`: minAvailable = its pods, any eviction refused). A Job's pods can only be budgeted with an
-    integer minAvailable (the disruption controller cannot scale a Job), the StatefulSet's with maxUnavailable.
+    or of the learner (`learner`: minAvailable = its pods, any eviction refused). A Job's pods can only be budgeted
+    with an integer minAvailable (the disruption controller cannot scale a Job), the StatefulSet's with
+    maxUnavailable.
     unhealthyPodEvictionPolicy AlwaysAllow: a pod that is not Ready (crash-looping, still loading) never holds up
     a drain."""
     pool = role == "rollout"
