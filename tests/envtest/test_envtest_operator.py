@@ -603,6 +603,23 @@ def test_a_learner_on_two_pods_is_placed_apart_named_and_restarted_as_one(contro
     _finish(cp, "juliet")
 
 
+def test_scheduling_pass_throughs_reach_the_pods_the_controllers_make(control_plane: ControlPlane,
+                                                                       operator: Operator) -> None:
+    """Issue 45, item 3: spec.scheduling's pod labels and annotations on the pods the real StatefulSet and Job
+    controllers create (not only on the templates); a schedulerName the cluster does not run leaves them unbound."""
+    cp = control_plane
+    _apply(cp, _manifest("lima", **{"rollout.replicas": 1, "scheduling": {
+        "podLabels": {"team": "vision"}, "podAnnotations": {"k8s.v1.cni.cncf.io/networks": "roce-net"}}}))
+    pods = cp.wait_for(lambda: _bound(_pods(cp, "lima", "rollout"), 1), 60, "the rollout pod scheduled")
+    assert pods[0]["metadata"]["labels"]["team"] == "vision"
+    assert pods[0]["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "roce-net"
+    _finish(cp, "lima")
+    _apply(cp, _manifest("mike", **{"rollout.replicas": 1, "scheduling": {"schedulerName": "gang-scheduler"}}))
+    pod = cp.wait_for(lambda: (p := _pods(cp, "mike", "rollout")) and p[0], 60, "the rollout pod created")
+    assert pod["spec"]["schedulerName"] == "gang-scheduler" and not pod["spec"].get("nodeName")
+    _finish(cp, "mike")
+
+
 def test_delete_garbage_collects_every_child(control_plane: ControlPlane, operator: Operator) -> None:
     """Deleting a job deletes its children; an shm job's (the reference job's transport) also gets the Job that
     empties its folder on its node, whose pod the API server admits: the operator's own image (the chart's, not the
