@@ -2,7 +2,8 @@
 with all-features values (those of tests/operator/test_operator_chart.py): the install succeeds,
 the CRD is Established, the operator's Deployment, ServiceAccount and RBAC exist, and the
 ServiceAccount's real rights (a TokenRequest token, checked by the server's RBAC) are what the
-chart promises: its namespaces only in namespaced mode, and no delete anywhere."""
+chart promises: its namespaces only in namespaced mode, and no delete but of batch Jobs (the learner Job of a job
+whose learner runs on several pods, between two attempts)."""
 
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ def test_default_install(control_plane: ControlPlane, install: Any) -> None:
     cp.wait_for(lambda: cp.ok("GET", f"/apis/apps/v1/namespaces/{NAMESPACE}/replicasets")["items"], 30,
                 "the operator Deployment's ReplicaSet")
 
-    # The operator's own identity, checked by the server's RBAC: jobs everywhere, no deletes.
+    # The operator's own identity, checked by the server's RBAC: jobs everywhere, no deletes but of batch Jobs.
     token = cp.token_for(NAMESPACE, RELEASE)
     assert _can(cp, token, "/apis/rmsft.io/v1alpha1/rolloutmatchingjobs") == 200
     assert _can(cp, token, "/apis/apps/v1/namespaces/default/statefulsets") == 200
@@ -130,6 +131,8 @@ def test_default_install(control_plane: ControlPlane, install: Any) -> None:
     assert _can(cp, token, "/api/v1/namespaces/default") == 200  # a job's Pod Security level (shm)
     assert _can(cp, token, "/api/v1/namespaces/default/secrets") == 403  # get/create only, no list
     status, body = cp.request("DELETE", "/api/v1/namespaces/default/configmaps/kube-root-ca.crt", token=token)
+    assert status == 403, body
+    status, body = cp.request("DELETE", "/apis/apps/v1/namespaces/default/statefulsets/any", token=token)
     assert status == 403, body
 
 
