@@ -510,13 +510,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work", type=Path, default=ROOT / ".rmsft" / "method-compare",
                     help="data, warm-start checkpoints and server logs (kept for resuming)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
-    ap.add_argument("--name", default=None, help="ledger and plot name (default: method_compare, with "
-                    "-validation appended for --split validation)")
+    ap.add_argument("--name", default=None, help="ledger and plot name (default: method_compare; -validation is "
+                    "appended for --split validation, so that a validation ledger is never taken for a held-out one)")
     ap.add_argument("--replot", nargs="*", type=Path, default=None,
                     help="no training: plot, table and RESULT line from the CSV (or these CSVs)")
     args = ap.parse_args(argv)
-    if args.name is None:
-        args.name = "method_compare" + ("-validation" if args.split == "validation" else "")
+    args.name = args.name or "method_compare"
+    if args.split == "validation" and not args.name.endswith("-validation"):
+        args.name += "-validation"
     ledger = args.out / f"{args.name}.csv"
     if args.replot is not None:
         csvs = args.replot or [ledger]
