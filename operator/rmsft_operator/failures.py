@@ -55,10 +55,8 @@ def job_state(learner: dict[str, Any]) -> tuple[bool, bool, str]:
     # FailureTarget: the Job controller has decided (a podFailurePolicy FailJob rule, the backoff limit) and is
     # terminating the Job's other pods; Failed follows once they are gone, which for a learner pod still in a
     # collective whose peer is lost can be its whole grace period. The decision is what counts.
-    for kind in ("Failed", "FailureTarget"):
-        if kind not in conds:
-            continue
-        c = conds[kind]
+    c = conds.get("Failed") or conds.get("FailureTarget")
+    if c is not None:
         return False, True, f"{c.get('reason', 'Failed')}: {c.get('message', '')}".strip(": ")
     succeeded = "Complete" in conds or int(st.get("succeeded") or 0) >= 1
     return succeeded, False, ""

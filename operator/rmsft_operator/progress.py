@@ -12,6 +12,7 @@ import urllib.request
 from typing import Any
 
 from rmsft.termination import parse_final_progress
+from rmsft_operator.render import COMPLETION_INDEX_ANNOTATION
 
 log = logging.getLogger("rmsft_operator.progress")
 _SERIES = {"step": "rmsft_learner_global_step", "weightVersion": "rmsft_learner_weight_version"}
@@ -54,16 +55,16 @@ def parse_progress(text: str) -> dict[str, Any]:
     return out
 
 
-def _completion_index(pod: dict[str, Any]) -> int:
+def completion_index(pod: dict[str, Any]) -> int:
     """The pod's index in an Indexed Job (learner.nodes > 1; 0 for the one pod of any other job)."""
-    value = ((pod.get("metadata") or {}).get("annotations") or {}).get("batch.kubernetes.io/job-completion-index")
+    value = ((pod.get("metadata") or {}).get("annotations") or {}).get(COMPLETION_INDEX_ANNOTATION)
     return int(value) if value is not None and str(value).isdigit() else 0
 
 
 def learner_progress(pods: list[dict[str, Any]], port: int, timeout: float) -> dict[str, Any]:
     """Progress from the first running learner pod that answers, pod 0 first (its rank 0 is the one that reports
     evaluations); {} when none does."""
-    for pod in sorted(pods, key=_completion_index):
+    for pod in sorted(pods, key=completion_index):
         status = pod.get("status") or {}
         ip = status.get("podIP")
         if status.get("phase") != "Running" or not ip:

@@ -18,6 +18,7 @@ import pytest
 import yaml
 from cluster import OPERATOR_NS, ROOT, Cluster
 from rmsft_operator.failures import CRASH_LOOP_RESTARTS
+from rmsft_operator.progress import completion_index
 
 DASHBOARDS = ROOT / "charts/rmsft/dashboards"
 NAMESPACES: list[str] = []  # every namespace a test made (the uninstall test checks them all)
@@ -465,10 +466,6 @@ def test_a_rollout_server_that_crash_loops_fails_the_job_within_its_startup_time
                  "the pool scaled to 0", namespace=ns)
     events = cluster.get("events", "-n", ns, "--field-selector", f"involvedObject.name={job},type=Warning")
     assert any(said.group(3)[:80] in e["message"] for e in events["items"]), events
-
-
-def completion_index(pod: dict[str, Any]) -> int:
-    return int((pod["metadata"].get("annotations") or {}).get("batch.kubernetes.io/job-completion-index", "0"))
 
 
 def test_a_learner_on_two_pods_survives_a_lost_pod_and_trains_what_one_pod_of_two_ranks_trains(
