@@ -5,6 +5,7 @@
     python benchmarks/gpu_step.py packing --shape qwen3-vl-2b --length 8192
     python benchmarks/gpu_step.py offload --shape qwen3-vl-2b
     python benchmarks/gpu_step.py colocate --steps 3
+    python benchmarks/gpu_step.py broadcast --length 2048   # MiB; NCCL between two GPUs (gloo with --device cpu)
     python benchmarks/gpu_step.py step --device cpu --shape tiny --length 512   # smoke run, no GPU
 
 Shapes are decoders built from a transformers config with random weights (no download, no folder written):
@@ -30,6 +31,9 @@ Modes, each writing one JSON object (`--json`) and a RESULT line:
   the drop of torch.cuda.memory_allocated, the seconds each way (CUDA only).
 - colocate: a few steps of a colocated job with the HF engine (spec.rollout.engine: hf; the training model
   decodes itself, so no vLLM) on the tiny model: seconds per step and the rollouts made.
+- broadcast: transport nccl's data path (what the learner's rank 0 does over the weight-transfer group) without
+  vLLM: `--length` MiB of bf16 broadcast in 64 MiB tensors from one process to another, NCCL between two GPUs
+  (SKIP on a one-GPU host: NCCL refuses two ranks on one device), gloo with --device cpu; GB/s.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 GiB = 1 << 30
+MiB = 1 << 20
 SHAPES = ("tiny", "qwen3-vl-2b", "7b")
 
 
@@ -409,7 +414,69 @@ def run_colocate(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-RUNNERS = {"step": run_step, "packing": run_packing, "offload": run_offload, "colocate": run_colocate}
+def _broadcast_rank(rank: int, port: int, backend: str, total_mib: int, piece_mib: int, out: str) -> None:
+    """One rank of `run_broadcast` (rank 0 sends, as the learner does over transport nccl's group)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    n = piece_mib * MiB // 2
+    pieces = max(1, total_mib // piece_mib)
+    sent = torch.arange(n, device=device, dtype=torch.int32).to(torch.bfloat16)
+    buf = sent.clone() if rank == 0 else torch.empty(n, device=device, dtype=torch.bfloat16)
+    dist.broadcast(buf, 0)  # warm-up: the communicator's first use sets up its connections
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(pieces):
+        if rank != 0:
+            buf.zero_()
+        dist.broadcast(buf, 0)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - t0
+    if rank == 1:
+        Path(out).write_text(json.dumps({"wall_s": wall, "equal": bool(torch.equal(buf, sent)),
+                                         "bytes": pieces * n * 2}))
+    dist.destroy_process_group()
+
+
+def run_broadcast(args: argparse.Namespace) -> dict[str, Any]:
+    """Transport nccl's data path without vLLM: rank 0 broadcasts `--length` MiB of bf16 in 64 MiB tensors to a
+    second process, NCCL between two GPUs (a GPU per rank: NCCL refuses two ranks on one device), gloo on the CPU
+    form. GB/s, and whether the last tensor arrived equal."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    cuda = torch.device(args.device).type == "cuda"
+    out: dict[str, Any] = {"mode": "broadcast", "device": args.device, "backend": "nccl" if cuda else "gloo"}
+    if cuda and torch.cuda.device_count() < 2:
+        return out | {"status": "SKIP", "reason": f"NCCL needs a GPU per rank: this host has "
+                      f"{torch.cuda.device_count()} (a learner and a server on two GPUs give the figure)"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    total = max(64, args.length)
+    result = Path(tempfile.mkdtemp(prefix="rmsft-broadcast-")) / "rank1.json"
+    mp.spawn(_broadcast_rank, args=(port, out["backend"], total, 64, str(result)), nprocs=2, join=True)
+    got = json.loads(result.read_text())
+    ok = got["equal"]
+    out |= {"status": "PASS" if ok else "FAIL", "mib": got["bytes"] // MiB, "wall_s": round(got["wall_s"], 3),
+            "gbps": round(got["bytes"] / got["wall_s"] / 1e9, 3)}
+    if not ok:
+        out["reason"] = "the received tensor differs from the sent one"
+    return out
+
+
+RUNNERS = {"step": run_step, "packing": run_packing, "offload": run_offload, "colocate": run_colocate,
+           "broadcast": run_broadcast}
 
 
 def main(argv: list[str] | None = None) -> None:

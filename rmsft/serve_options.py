@@ -42,4 +42,6 @@ def serve_options(job: RolloutMatchingJob, *, gpus: bool) -> dict[str, Any]:
         "max_pixels": vision.max_pixels or 0,
         "max_images_per_prompt": vision.max_images_per_prompt,
         "max_image_pixels": vision.max_image_pixels,
+        # spec.sync.transport nccl: the engine joins the learner's weight-transfer group with this backend.
+        "weight_transfer": job.spec.sync.group_backend("nvidia" if gpus else "none"),
     }

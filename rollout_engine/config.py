@@ -55,6 +55,9 @@ class ServeConfig:
     staging_dir: str = ""  # default: /dev/shm when present, else the temp dir
     shared_weights_dir: str = ""  # transport shm: where the learner writes updates (default: $RMSFT_SHARED_WEIGHTS_DIR)
     keep_rollback_copy: bool = True  # keep the last FULL stream staged to undo a failed apply
+    # Transport nccl: the engine's weight-transfer backend ("" = none: JoinWeightGroup refused), see
+    # rmsft.weight_wire.transfer.
+    weight_transfer: str = ""
     replica_ordinal: int = -1  # -1 = from POD_NAME / HOSTNAME "<name>-<k>", else 0
     grace_seconds: float = 5.0
 
@@ -117,6 +120,10 @@ class ServeConfig:
             problems.append("max_images_per_prompt must be >= 0 and max_image_pixels >= 1")
         if self.max_concurrent_requests < 1:
             problems.append("max_concurrent_requests must be >= 1")
+        if self.weight_transfer and self.weight_transfer not in ("nccl", "rmsft_gloo"):
+            problems.append(f"weight_transfer must be nccl or rmsft_gloo (or empty), got {self.weight_transfer!r}")
+        if self.weight_transfer == "nccl" and self.backend != "vllm":  # the hf backend joins gloo groups only
+            problems.append("weight_transfer nccl needs backend vllm")
         if bool(self.tls_cert) != bool(self.tls_key):
             problems.append("TLS needs both tls_cert and tls_key")
         if problems:

@@ -29,7 +29,15 @@ from typing import TYPE_CHECKING
 
 from rmsft.model_folder import is_vision_language
 from rollout_engine.config import ServeConfig
-from rollout_engine.engine import EngineError, EngineInputError, GenItem, GenOutput, Sampling, chat_prompt_ids
+from rollout_engine.engine import (
+    EngineDead,
+    EngineError,
+    EngineInputError,
+    GenItem,
+    GenOutput,
+    Sampling,
+    chat_prompt_ids,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -226,6 +234,36 @@ class HfEngine:
             for name, t in iter_staged_tensors(index_path):
                 if name in params:
                     params[name].copy_(t)
+
+    def join_weight_group(self, init_info: dict) -> None:
+        """Transport nccl's CPU stand-in, in this process (the hf backend has one worker)."""
+        from rmsft.weight_wire.transfer import open_group
+
+        self._group = None
+        try:
+            self._group = open_group(init_info["master_address"], init_info["master_port"], init_info["rank_offset"],
+                                     init_info["world_size"], init_info["timeout_s"])
+        except Exception as e:
+            raise EngineError(f"joining the learner's weight-transfer group failed: {e}") from e
+
+    def receive_weights(self, update_info: dict) -> None:
+        import torch
+
+        from rmsft.weight_wire.transfer import receive
+
+        if getattr(self, "_group", None) is None:
+            raise EngineError("this engine is in no weight-transfer group")
+        params = dict(self.hf.named_parameters())
+        params.update(dict(self.hf.named_buffers()))
+        try:
+            with torch.no_grad():
+                for name, t in receive(self._group, update_info["names"], update_info["dtype_names"],
+                                       update_info["shapes"]):
+                    if name in params:
+                        params[name].copy_(t)
+        except Exception as e:  # some tensors are in, the rest not
+            raise EngineDead(f"receiving weights over the weight-transfer group failed: {e}; the weights are partly "
+                             "replaced") from e
 
     def apply_adapter(self, adapter_dir: str, adapter_id: int, name: str) -> None:
         raise EngineError("the hf backend does not serve LoRA adapters")

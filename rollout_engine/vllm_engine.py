@@ -206,6 +206,8 @@ def engine_args(cfg: ServeConfig, *, on_gpu: bool) -> dict:
         kwargs["model_impl"] = cfg.model_impl
     if cfg.enable_lora:
         kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
+    if cfg.weight_transfer:  # transport nccl: each worker builds its end of the group at engine start
+        kwargs["weight_transfer_config"] = {"backend": cfg.weight_transfer}
     return kwargs
 
 
@@ -343,6 +345,31 @@ class VllmEngine:
         self._wait(self.llm.collective_rpc("rmsft_reload_weights", args=(index_path,)), "reloading weights")
         # The merged weights already hold any adapter; serving it on top would apply it twice.
         self.clear_adapter()
+
+    def join_weight_group(self, init_info: dict) -> None:
+        """Transport nccl: every worker joins the learner's group (returns once all members met)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self._wait(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)),
+                   "joining the learner's weight-transfer group")
+
+    def receive_weights(self, update_info: dict) -> None:
+        """Transport nccl: load the tensors `update_info` lists as they arrive over the group. Once the reload has
+        begun a failure leaves the model partly loaded (vLLM's layerwise reload keeps parameters on `meta` until
+        their layer is whole): nothing can serve from it, so that is EngineDead (the server exits and starts again
+        from the checkpoint; the learner re-syncs it over gRPC)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self._wait(self.llm.start_weight_update(), "starting a weight update")
+        try:
+            self._wait(self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info)),
+                       "receiving weights over the weight-transfer group")
+            self._wait(self.llm.finish_weight_update(), "finishing a weight update")
+        except EngineDead:
+            raise
+        except EngineError as e:
+            raise EngineDead(f"{e}; the weights are partly replaced") from e
+        self.clear_adapter()  # the merged weights hold any adapter already
 
     def apply_adapter(self, adapter_dir: str, adapter_id: int, name: str) -> None:
         from vllm.lora.request import LoRARequest

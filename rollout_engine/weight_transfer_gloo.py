@@ -19,14 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-BACKEND = "rmsft_gloo"
+from rmsft.weight_wire.transfer import GLOO as BACKEND
+from rmsft.weight_wire.transfer import open_group, receive
 
 
 def _engine_class() -> type:
     """The engine class, built on first use: vLLM's base classes import vllm.config, which a learner without an
     engine never needs."""
-    import torch
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
     from vllm.distributed.weight_transfer.base import (
         WeightTransferEngine,
         WeightTransferInitInfo,
@@ -46,6 +45,8 @@ def _engine_class() -> type:
         names: list[str] = field(default_factory=list)
         dtype_names: list[str] = field(default_factory=list)
         shapes: list[list[int]] = field(default_factory=list)
+        # name -> a second name to load the same tensor under (the tied head: rollout_engine.worker_ext._tied_head)
+        also_as: dict[str, str] = field(default_factory=dict)
 
     class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
         init_info_cls = GlooInitInfo
@@ -56,13 +57,10 @@ def _engine_class() -> type:
             self.group: Any = None
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-            import datetime
-
             p = self.parallel_config
             rank = getattr(p, "data_parallel_index", 0) * p.world_size + p.rank + init_info.rank_offset
-            self.group = stateless_init_torch_distributed_process_group(
-                init_info.master_address, init_info.master_port, rank, init_info.world_size, backend="gloo",
-                timeout=datetime.timedelta(seconds=init_info.timeout_s))
+            self.group = open_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
+                                    init_info.timeout_s)
 
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -77,11 +75,9 @@ def _engine_class() -> type:
         def receive_weights(self, update_info: GlooUpdateInfo) -> None:
             if self.group is None:
                 raise RuntimeError("the gloo weight transfer was not initialised (init_weight_transfer_engine first)")
-            for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes,
-                                               strict=True):
-                t = torch.empty(shape, dtype=getattr(torch, dtype_name))
-                self.group.broadcast(t.view(-1).view(torch.uint8), 0).wait()
-                self.model.load_weights([(name, t)])
+            for name, t in receive(self.group, update_info.names, update_info.dtype_names, update_info.shapes):
+                alias = update_info.also_as.get(name)
+                self.model.load_weights([(name, t)] if alias is None else [(name, t), (alias, t)])
 
         def shutdown(self) -> None:
             self.group = None
@@ -95,39 +91,3 @@ def register() -> None:
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, _engine_class())
-
-
-class GlooSender:
-    """The learner's side: rank 0 of the group. `join` blocks until every worker joined (call it while the engine's
-    init_weight_transfer_engine call runs); `send` broadcasts the tensors in the order `describe` listed them (call it
-    while the engine's update_weights call runs)."""
-
-    def __init__(self, host: str, port: int, world_size: int, timeout_s: float = 300.0) -> None:
-        self.host, self.port, self.world_size, self.timeout_s = host, port, world_size, timeout_s
-        self.group: Any = None
-
-    def init_info(self, rank_offset: int = 1) -> dict[str, Any]:
-        return {"master_address": self.host, "master_port": self.port, "world_size": self.world_size,
-                "rank_offset": rank_offset, "timeout_s": self.timeout_s}
-
-    def join(self) -> None:
-        import datetime
-
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
-        self.group = stateless_init_torch_distributed_process_group(
-            self.host, self.port, 0, self.world_size, backend="gloo",
-            timeout=datetime.timedelta(seconds=self.timeout_s))
-
-    @staticmethod
-    def describe(tensors: list[tuple[str, Any]]) -> dict[str, Any]:
-        """The update_weights dict of `tensors` ((checkpoint name, tensor) pairs): names, dtypes, shapes."""
-        return {"names": [n for n, _ in tensors],
-                "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
-                "shapes": [list(t.shape) for _, t in tensors]}
-
-    def send(self, tensors: list[tuple[str, Any]]) -> None:
-        import torch
-
-        for _, t in tensors:
-            self.group.broadcast(t.detach().contiguous().view(-1).view(torch.uint8), 0).wait()

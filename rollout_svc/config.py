@@ -52,6 +52,8 @@ _HELP = {
     "(default: $RMSFT_SHARED_WEIGHTS_DIR; unset = shm updates refused)",
     "keep_rollback_copy": "keep the last applied FULL stream in the staging dir so a failed apply can be "
     "undone (costs one model size of staging memory); without it a failed apply marks the server broken",
+    "weight_transfer": "transport nccl: the weight-transfer backend the engine joins the learner's group with: nccl "
+    "(GPUs) or rmsft_gloo (the CPU stand-in); unset = full weights come over gRPC or shm only",
     "replica_ordinal": "replica index reported by GetStatus (default: from POD_NAME/HOSTNAME suffix)",
     "grace_seconds": "shutdown grace for in-flight calls",
 }

@@ -55,6 +55,11 @@ def add_rollout_service(servicer, server: grpc.Server) -> None:
             request_deserializer=rollout_pb2.StatusRequest.FromString,
             response_serializer=rollout_pb2.StatusReply.SerializeToString,
         ),
+        "JoinWeightGroup": grpc.unary_unary_rpc_method_handler(
+            servicer.JoinWeightGroup,
+            request_deserializer=rollout_pb2.JoinWeightGroupRequest.FromString,
+            response_serializer=rollout_pb2.JoinWeightGroupReply.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

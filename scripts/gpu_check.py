@@ -19,6 +19,8 @@ Parts, each PASS / FAIL / SKIP with its reason and figures:
 - packing: one packed row vs a padded batch of the same segments (tokens/s ratio).
 - offload: the offload context's freed bytes (learner/train/offload.py).
 - colocate: a few colocated steps with the HF engine on the GPU (no vLLM needed).
+- broadcast: transport nccl's data path, NCCL from one GPU to another (GB/s; SKIP on a one-GPU host, with the
+  reason), gloo between two processes in the CPU form.
 Without CUDA the CPU-possible parts run at a tiny shape (step, packing; the plan's estimates for the real
 shapes are still computed) and the rest say SKIP with the reason; tests/test_gpu_check.py runs that form.
 
@@ -281,6 +283,7 @@ PACK_KEYS = ("device", "segments", "real_tokens", "padded_tokens", "packed_token
              "speedup", "packed_peak_gib", "padded_peak_gib")
 OFFLOAD_KEYS = ("moved_gib", "freed_gib", "resident_gib", "during_gib", "back_equal", "offload_s", "reload_s")
 COLOCATE_KEYS = ("device", "steps_done", "s_per_step", "rollouts", "peak_gib", "final_loss")
+BROADCAST_KEYS = ("device", "backend", "mib", "wall_s", "gbps")
 
 
 def plan_part(shape: str, length: int, ckpt: bool, step: dict[str, Any] | None) -> Part:
@@ -418,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                           "--gradient-checkpointing"], 120, PACK_KEYS)
         bench("offload", ["offload", "--shape", "qwen3-vl-2b", "--length", "2048"], 90, OFFLOAD_KEYS)
         bench("colocate", ["colocate", "--steps", "3"], 120, COLOCATE_KEYS)
+        bench("broadcast", ["broadcast", "--length", "4096"], 90, BROADCAST_KEYS)
     else:
         why = "needs CUDA (no GPU here): the CPU form ran the tiny shape instead"
         bench("step:tiny:ckpt0", ["step", "--shape", "tiny", "--length", "512", "--steps", "1"], 60, STEP_KEYS)
@@ -430,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                   "tested on the CPU in tests/learner/test_colocate_offload.py)"))
         emit(Part("colocate", "SKIP", "needs CUDA here; the same HF-engine colocated run on the CPU is "
                   "tests/learner/test_colocate.py::test_hf_engine_colocated_trains_and_matches_hf_server"))
+        bench("broadcast", ["broadcast", "--length", "256"], 60, BROADCAST_KEYS)
     total = time.perf_counter() - start
     write_report(out, env, parts, total)
     counts = {s: sum(p.status == s for p in parts) for s in STATUSES}

@@ -32,7 +32,7 @@ def test_cpu_form_runs_what_a_cpu_can_and_skips_the_rest_saying_why(tmp_path: Pa
     report = json.loads((tmp_path / "r" / "gpu-check-report.json").read_text())
     parts = {p["name"]: p for p in report["parts"]}
     real = [f"{kind}:{shape}:ckpt{c}" for kind in ("step", "plan") for shape in ("qwen3-vl-2b", "7b") for c in (0, 1)]
-    assert set(parts) == {"wheels", "tests", "step:tiny:ckpt0", "packing", "offload", "colocate", *real}
+    assert set(parts) == {"wheels", "tests", "step:tiny:ckpt0", "packing", "offload", "colocate", "broadcast", *real}
     assert report["environment"]["form"] == "cpu"
     # every status is one of three, every SKIP says why
     assert {p["status"] for p in parts.values()} <= {"PASS", "SKIP"}
@@ -52,6 +52,9 @@ def test_cpu_form_runs_what_a_cpu_can_and_skips_the_rest_saying_why(tmp_path: Pa
     assert parts["packing"]["status"] == "PASS" and packing["real_tokens"] < packing["padded_tokens"]
     assert packing["packed_tokens_per_s"] > 0 and packing["padded_tokens_per_s"] > 0 and packing["speedup"] > 0
     assert "CUDA" in parts["offload"]["reason"] and "CUDA" in parts["colocate"]["reason"]
+    # transport nccl's data path in its CPU form: a gloo broadcast between two processes, arrived equal
+    bcast = parts["broadcast"]
+    assert bcast["status"] == "PASS" and bcast["figures"]["backend"] == "gloo" and bcast["figures"]["gbps"] > 0
     # one RESULT line per part and one overall, in the output and the markdown report
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert [re.search(r"part=(\S+)", line).group(1) for line in lines] == [*parts, "overall"]

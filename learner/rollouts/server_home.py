@@ -22,7 +22,7 @@ class WeightSender(Protocol):
     """What the server home needs of the weight-sync client (`learner.sync.client.WeightSyncClient`)."""
 
     mode: str  # full | adapter | auto
-    transport: str  # grpc | shm
+    transport: str  # grpc | shm | nccl
 
     def sync(self, number: int) -> Any:
         """Push the learner's current weights as version `number` of this run to every server that is up; raise
@@ -30,6 +30,9 @@ class WeightSender(Protocol):
 
     def resync_server(self, server: RolloutServer) -> None:
         """Bring one server to the pool's current weight version (the rollout client's failover callback)."""
+
+    def close(self) -> None:
+        """Free what the sender holds between syncs (transport nccl: its end of the weight-transfer group)."""
 
 
 class ServerRollouts:
@@ -68,4 +71,5 @@ class ServerRollouts:
 
     def close(self) -> None:
         self.client.close()
+        self.sync_client.close()
         self.pool.close()

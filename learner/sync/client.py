@@ -7,7 +7,9 @@ acknowledged `version` of the pool's run: a weight version is the pair (run id, 
 (`rmsft.weight_wire.version`), every update announces both, and an answer naming another pair
 is no acknowledgement. The learner produces and sends an update once whatever the pool's size:
 over grpc to the first server, which relays it to the others; over shm written once into
-node-local shared memory that every server reads. A sync's result is one outcome per server; a
+node-local shared memory that every server reads; over nccl broadcast once to every server's engine
+workers through a weight-transfer group (`learner.sync.group`: FULL only; adapters, re-syncs and a group
+that cannot be used go over grpc). A sync's result is one outcome per server; a
 server that rejects the update fails the sync (after one switch to FULL when `fallback_to_full` is
 on and ADAPTER was rejected) and is fenced (its old version still serves, and no rollout goes to
 it until it is current). A server that is unreachable is marked down and left out: the rollout
@@ -34,6 +36,7 @@ import grpc
 from rmsft_protos import rollout_pb2
 
 from learner.rollouts.pool import RolloutServer, ServerPool
+from learner.sync.group import GroupUnusable, WeightGroup
 from learner.sync.weights import (
     adapter_named_tensors,
     adapter_unsupported_reason,
@@ -62,7 +65,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("rmsft.learner.sync")
 
 Mode = Literal["full", "adapter", "auto"]
-Transport = Literal["grpc", "shm"]
+Transport = Literal["grpc", "shm", "nccl"]
 _WIRE_MODE = {"full": FULL, "adapter": ADAPTER}
 # The server never got (or cannot answer about) the stream: leave it to the re-sync path.
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
@@ -98,8 +101,10 @@ class WeightSyncClient:
     bytes). name_map: extra renaming of FULL names (e.g. a VLM whose checkpoint names differ from
     its in-memory names). changed_only: FULL sends only the tensors training can change (a frozen vision
     tower is never resent; the servers keep what they have). transport: "grpc" (the stream goes to
-    the first server, which relays it to the others) or "shm" (written once into `shared_dir`, a
-    node-local shared-memory dir every server reads; gRPC carries only header and digest).
+    the first server, which relays it to the others), "shm" (written once into `shared_dir`, a
+    node-local shared-memory dir every server reads; gRPC carries only header and digest) or "nccl" (FULL
+    broadcast over a weight-transfer group of `group_backend`: "nccl" on GPUs, "rmsft_gloo" on the CPU;
+    `group_timeout_s` bounds its rendezvous and each broadcast).
     """
 
     def __init__(
@@ -117,11 +122,19 @@ class WeightSyncClient:
         changed_only: bool = False,
         transport: Transport = "grpc",
         shared_dir: str = "",
+        group_backend: str = "rmsft_gloo",
+        group_timeout_s: float = 120.0,
     ) -> None:
         if mode not in ("full", "adapter", "auto"):
             raise ValueError(f"sync mode must be 'full', 'adapter' or 'auto', got {mode!r}")
-        if transport not in ("grpc", "shm"):
-            raise ValueError(f"sync transport must be 'grpc' or 'shm', got {transport!r}")
+        if transport not in ("grpc", "shm", "nccl"):
+            raise ValueError(f"sync transport must be 'grpc', 'shm' or 'nccl', got {transport!r}")
+        self.group: WeightGroup | None = None
+        if transport == "nccl":
+            from rmsft.weight_wire.transfer import check_backend
+
+            check_backend(group_backend)
+            self.group = WeightGroup(group_backend, timeout_s=group_timeout_s, metadata=pool.metadata)
         if transport == "shm" and not (shared_dir and Path(shared_dir).is_dir()):
             raise ValueError(
                 f"sync transport 'shm' needs a shared-weights dir the servers read too (RMSFT_SHARED_WEIGHTS_DIR); "
@@ -159,6 +172,11 @@ class WeightSyncClient:
                 if not fallback_to_full:
                     raise ValueError(f"sync mode 'adapter' is impossible: {why} (use 'full' or 'auto')")
                 self._force_full(f"adapter sync impossible: {why}")
+
+    def close(self) -> None:
+        """Leave the weight-transfer group (transport nccl); the servers leave it at their next join."""
+        if self.group is not None:
+            self.group.drop()
 
     # -- mode -----------------------------------------------------------------------------------
     def _force_full(self, why: str) -> None:
@@ -258,10 +276,11 @@ class WeightSyncClient:
         if self.export_blocked:
             raise WeightSyncError(f"cannot re-sync {server.name} now: {self.export_blocked}")
         mode, _ = self.resolve_mode([server])
-        report = self._push(number, mode, [server])
+        # Over gRPC whatever the transport: the group's other members are not part of this one's catching up.
+        report = self._push(number, mode, [server], over_group=False)
         if report.rejected and mode == "adapter" and self.fallback_to_full:
             self._force_full(f"adapter update rejected: {report.rejected}")
-            report = self._push(number, "full", [server], previous=report)
+            report = self._push(number, "full", [server], previous=report, over_group=False)
         if not report.acked:
             errors = {**report.unreachable, **report.rejected}
             raise WeightSyncError(f"re-sync of {server.name} to weight version {current.describe()} failed: {errors}")
@@ -281,12 +300,18 @@ class WeightSyncClient:
         return specs, lazy, config_json
 
     def _push(
-        self, number: int, mode: str, servers: Sequence[RolloutServer], previous: SyncReport | None = None
+        self, number: int, mode: str, servers: Sequence[RolloutServer], previous: SyncReport | None = None,
+        over_group: bool = True,
     ) -> SyncReport:
         # One update at a time: a FULL export merges/unmerges LoRA layers of the live model while it runs.
         with self._export_lock:
             replies: dict[str, rollout_pb2.UpdateReply] = {}  # the servers the learner called itself
-            if self.transport == "shm":
+            grouped = None
+            if self.group is not None and over_group and mode == "full":
+                grouped = self._push_group(number, servers, replies)
+            if grouped is not None:
+                outcomes, total = grouped
+            elif self.transport == "shm":
                 outcomes, total = self._push_shared(number, mode, servers, replies)
             else:
                 outcomes, total = self._push_relayed(number, mode, servers, replies)
@@ -361,6 +386,31 @@ class WeightSyncClient:
                 outcomes.setdefault(o.address, o)
             pending = [s for s in rest if s.address not in outcomes]
         return outcomes, total
+
+    def _push_group(
+        self, number: int, servers: Sequence[RolloutServer], replies: dict[str, rollout_pb2.UpdateReply]
+    ) -> tuple[dict[str, rollout_pb2.RelayOutcome], int] | None:
+        """Transport nccl: the update over the weight-transfer group, built first when the targets or a member's
+        group changed; None when the group cannot be used now (the caller sends over gRPC; the log says why)."""
+        group = self.group
+        assert group is not None
+        statuses: dict[str, rollout_pb2.StatusReply] = {}
+        for s in servers:
+            try:
+                statuses[s.address] = self.pool.status(s)
+            except grpc.RpcError as e:
+                log.warning("weight version %s goes over gRPC: %s did not answer (%s)", number, s.name, e.code().name)
+                return None
+        try:
+            if not group.current_for(servers, statuses):
+                group.build(servers, statuses)
+            specs, tensors, _ = self._update_parts("full", number)
+            outcomes = group.push(servers, number=number, run_id=self.pool.run_id, specs=specs, tensors=tensors,
+                                  timeout_s=self.timeout_s, replies=replies)
+        except GroupUnusable as e:
+            log.warning("weight version %s goes over gRPC: %s", number, e)
+            return None
+        return outcomes, sum(spec.nbytes for _, spec in specs)
 
     def _push_shared(
         self, number: int, mode: str, servers: Sequence[RolloutServer], replies: dict[str, rollout_pb2.UpdateReply]

@@ -154,8 +154,8 @@ def sync_transport(sync: SyncSpec, shared_dir: str) -> str:
     (RMSFT_SHARED_WEIGHTS_DIR: set by `rmsft local` unless the job asks for grpc, and by the operator
     in both the learner and the rollout pods of a job that asks for shm); auto is shm exactly when
     there is one. Asking for shm without one is an error, never a silent fallback to grpc."""
-    if sync.transport == "grpc":
-        return "grpc"
+    if sync.transport in ("grpc", "nccl"):
+        return sync.transport
     if shared_dir:
         return "shm"
     if sync.transport == "shm":

@@ -37,6 +37,12 @@ def tls_roots_from_env() -> bytes | None:
                      "name a Secret of type kubernetes.io/tls")
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def server_pool(job: RolloutMatchingJob, addresses: Sequence[str] | ServersFile, *, run_id: str | None,
                 auth_token: str | None) -> ServerPool:
     """The learner's channels to the servers: the job's token, TLS when the operator mounted spec.rollout.tls's
@@ -63,6 +69,10 @@ def build_server_rollouts(job: RolloutMatchingJob, addresses: Sequence[str] | Se
         # change (a frozen vision tower is never resent).
         name_map=checkpoint_name_map(model) if vision_language else None, changed_only=vision_language,
         transport=sync_transport(sync, shared_dir_from_env()), shared_dir=shared_dir_from_env(),
+        # The servers' backend (rmsft.serve_options): NCCL when they and this learner run on GPUs.
+        group_backend=sync.group_backend("nvidia" if job.spec.placement.accelerator == "nvidia"
+                                         and _cuda() else "none") or "rmsft_gloo",
+        group_timeout_s=min(sync.timeout_seconds, 300.0),
     )
     if zero3:
         sync_client.export_blocked = ("ZeRO-3 partitions the weights across learner ranks; "

@@ -76,8 +76,8 @@ SPEC_RULES: list[dict[str, str]] = [
         "reason": "FieldValueInvalid",
     },
     {
-        "rule": f"self.placement.accelerator == 'none' || self.learner.nodes > 1 || {_POOL_GPUS} + self.learner.gpus "
-        "<= self.placement.gpusPerNode",
+        "rule": f"self.placement.accelerator == 'none' || self.learner.nodes > 1 || self.sync.transport == 'nccl' || "
+        f"{_POOL_GPUS} + self.learner.gpus <= self.placement.gpusPerNode",
         "message": "spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus "
         "must be <= spec.placement.gpusPerNode",
         "fieldPath": ".placement.gpusPerNode",
@@ -124,6 +124,24 @@ SPEC_RULES: list[dict[str, str]] = [
     {
         "rule": "self.placement.accelerator != 'none' || self.learner.gpus == 0",
         "message": "spec.learner.gpus must be 0 when spec.placement.accelerator is 'none'",
+        "fieldPath": ".learner.gpus",
+    },
+    {
+        "rule": "self.sync.transport != 'nccl' || self.sync.mode == 'full'",
+        "message": "spec.sync.transport 'nccl' carries full weights: spec.sync.mode must be 'full' (adapters go "
+        "over grpc)",
+        "fieldPath": ".sync.mode",
+    },
+    {
+        "rule": "self.sync.transport != 'nccl' || self.placement.accelerator != 'nvidia' "
+        "|| self.rollout.tensorParallelSize <= self.placement.gpusPerNode",
+        "message": "spec.rollout.tensorParallelSize must be <= spec.placement.gpusPerNode: a server is one pod",
+        "fieldPath": ".rollout.tensorParallelSize",
+    },
+    {
+        "rule": "self.sync.transport != 'nccl' || self.placement.accelerator != 'nvidia' || self.learner.nodes > 1 "
+        "|| self.learner.gpus <= self.placement.gpusPerNode",
+        "message": "spec.learner.gpus must be <= spec.placement.gpusPerNode: a learner pod is on one node",
         "fieldPath": ".learner.gpus",
     },
     {

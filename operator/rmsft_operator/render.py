@@ -638,6 +638,11 @@ def render_networkpolicy(job: RolloutMatchingJob, namespace: str, uid: str) -> d
                              {"podSelector": {"matchLabels": selector(name, "rollout")}}],
                     "ports": [{"protocol": "TCP", "port": r.port}],
                 },
+                *([{  # transport nccl: the weight-transfer group's own connections (its rendezvous on the learner,
+                    # then rank to rank on ports NCCL or gloo pick), from the same pods only
+                    "from": [{"podSelector": {"matchLabels": selector(name, "learner")}},
+                             {"podSelector": {"matchLabels": selector(name, "rollout")}}],
+                }] if job.spec.sync.cluster_transport == "nccl" else []),
                 {   # metrics from the monitoring namespace
                     "from": [{"namespaceSelector": {"matchLabels": {
                         "kubernetes.io/metadata.name": job.spec.monitoring.namespace}}}],

@@ -34,6 +34,38 @@ ADAPTER: SyncMode
 SHA256: DigestAlgorithm
 BLAKE3: DigestAlgorithm
 
+class JoinWeightGroupRequest(_message.Message):
+    __slots__ = ("group_id", "master_address", "master_port", "world_size", "rank_offset", "timeout_s")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int
+    timeout_s: float
+    def __init__(self, group_id: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class JoinWeightGroupReply(_message.Message):
+    __slots__ = ("group_id", "ranks")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    ranks: int
+    def __init__(self, group_id: _Optional[str] = ..., ranks: _Optional[int] = ...) -> None: ...
+
+class TransferGroup(_message.Message):
+    __slots__ = ("group_id", "tensors")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    tensors: _containers.RepeatedCompositeFieldContainer[SharedTensor]
+    def __init__(self, group_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[SharedTensor, _Mapping]]] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "stop", "stop_token_ids", "n", "logprobs", "min_tokens")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -133,7 +165,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., weight_version: _Optional[int] = ..., weight_run_id: _Optional[str] = ...) -> None: ...
 
 class WeightHeader(_message.Message):
-    __slots__ = ("version", "mode", "tensor_count", "total_bytes", "adapter_config_json", "digest_algorithm", "shared_file", "relay_to", "run_id")
+    __slots__ = ("version", "mode", "tensor_count", "total_bytes", "adapter_config_json", "digest_algorithm", "shared_file", "relay_to", "run_id", "transfer_group")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +175,7 @@ class WeightHeader(_message.Message):
     SHARED_FILE_FIELD_NUMBER: _ClassVar[int]
     RELAY_TO_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_GROUP_FIELD_NUMBER: _ClassVar[int]
     version: int
     mode: SyncMode
     tensor_count: int
@@ -152,7 +185,8 @@ class WeightHeader(_message.Message):
     shared_file: SharedFile
     relay_to: _containers.RepeatedScalarFieldContainer[str]
     run_id: str
-    def __init__(self, version: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, str]] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., adapter_config_json: _Optional[str] = ..., digest_algorithm: _Optional[_Union[DigestAlgorithm, str]] = ..., shared_file: _Optional[_Union[SharedFile, _Mapping]] = ..., relay_to: _Optional[_Iterable[str]] = ..., run_id: _Optional[str] = ...) -> None: ...
+    transfer_group: TransferGroup
+    def __init__(self, version: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, str]] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., adapter_config_json: _Optional[str] = ..., digest_algorithm: _Optional[_Union[DigestAlgorithm, str]] = ..., shared_file: _Optional[_Union[SharedFile, _Mapping]] = ..., relay_to: _Optional[_Iterable[str]] = ..., run_id: _Optional[str] = ..., transfer_group: _Optional[_Union[TransferGroup, _Mapping]] = ...) -> None: ...
 
 class SharedFile(_message.Message):
     __slots__ = ("path", "tensors")
@@ -239,7 +273,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("model", "tensor_parallel_size", "replica_ordinal", "weight_version", "active_adapter", "ready", "lora_enabled", "backend", "max_lora_rank", "weight_run_id", "pid")
+    __slots__ = ("model", "tensor_parallel_size", "replica_ordinal", "weight_version", "active_adapter", "ready", "lora_enabled", "backend", "max_lora_rank", "weight_run_id", "pid", "weight_group", "weight_transfer")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ORDINAL_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +285,8 @@ class StatusReply(_message.Message):
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_GROUP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     model: str
     tensor_parallel_size: int
     replica_ordinal: int
@@ -262,4 +298,6 @@ class StatusReply(_message.Message):
     max_lora_rank: int
     weight_run_id: str
     pid: int
-    def __init__(self, model: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., replica_ordinal: _Optional[int] = ..., weight_version: _Optional[int] = ..., active_adapter: _Optional[str] = ..., ready: _Optional[bool] = ..., lora_enabled: _Optional[bool] = ..., backend: _Optional[str] = ..., max_lora_rank: _Optional[int] = ..., weight_run_id: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    weight_group: str
+    weight_transfer: str
+    def __init__(self, model: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., replica_ordinal: _Optional[int] = ..., weight_version: _Optional[int] = ..., active_adapter: _Optional[str] = ..., ready: _Optional[bool] = ..., lora_enabled: _Optional[bool] = ..., backend: _Optional[str] = ..., max_lora_rank: _Optional[int] = ..., weight_run_id: _Optional[str] = ..., pid: _Optional[int] = ..., weight_group: _Optional[str] = ..., weight_transfer: _Optional[str] = ...) -> None: ...

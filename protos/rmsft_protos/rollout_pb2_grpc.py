@@ -49,6 +49,11 @@ class RolloutServiceStub:
                 request_serializer=rmsft__protos_dot_rollout__pb2.StatusRequest.SerializeToString,
                 response_deserializer=rmsft__protos_dot_rollout__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.JoinWeightGroup = channel.unary_unary(
+                '/rmsft.v1.RolloutService/JoinWeightGroup',
+                request_serializer=rmsft__protos_dot_rollout__pb2.JoinWeightGroupRequest.SerializeToString,
+                response_deserializer=rmsft__protos_dot_rollout__pb2.JoinWeightGroupReply.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -74,6 +79,14 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinWeightGroup(self, request, context):
+        """Transport nccl: join the learner's weight-transfer group (vLLM's init_weight_transfer_engine). Answers once
+        every member joined; a full update then comes as an UpdateWeights stream whose header has `transfer_group`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +104,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=rmsft__protos_dot_rollout__pb2.StatusRequest.FromString,
                     response_serializer=rmsft__protos_dot_rollout__pb2.StatusReply.SerializeToString,
+            ),
+            'JoinWeightGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinWeightGroup,
+                    request_deserializer=rmsft__protos_dot_rollout__pb2.JoinWeightGroupRequest.FromString,
+                    response_serializer=rmsft__protos_dot_rollout__pb2.JoinWeightGroupReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +192,33 @@ class RolloutService:
             '/rmsft.v1.RolloutService/GetStatus',
             rmsft__protos_dot_rollout__pb2.StatusRequest.SerializeToString,
             rmsft__protos_dot_rollout__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinWeightGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rmsft.v1.RolloutService/JoinWeightGroup',
+            rmsft__protos_dot_rollout__pb2.JoinWeightGroupRequest.SerializeToString,
+            rmsft__protos_dot_rollout__pb2.JoinWeightGroupReply.FromString,
             options,
             channel_credentials,
             insecure,

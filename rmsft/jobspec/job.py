@@ -64,7 +64,7 @@ def cross_field_errors(spec: JobSpec) -> list[str]:
             f"spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus ({spec.gpus_needed}) "
             f"must be <= spec.placement.gpusPerNode ({spec.placement.gpus_per_node})"
         )
-    if spec.placement.accelerator == "nvidia" and spec.learner.nodes == 1 \
+    if spec.placement.accelerator == "nvidia" and spec.learner.nodes == 1 and spec.sync.transport != "nccl" \
             and spec.gpus_needed > spec.placement.gpus_per_node:
         errs.append(
             f"spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus "
@@ -72,6 +72,13 @@ def cross_field_errors(spec: JobSpec) -> list[str]:
         )
     if spec.placement.accelerator == "none" and spec.learner.gpus > 0:
         errs.append("spec.learner.gpus must be 0 when spec.placement.accelerator is 'none'")
+    if spec.sync.transport == "nccl" and spec.sync.mode != "full":
+        errs.append("spec.sync.transport 'nccl' carries full weights: spec.sync.mode must be 'full' (adapters go "
+                    "over grpc)")
+    if spec.sync.transport == "nccl" and spec.placement.accelerator == "nvidia" \
+            and spec.rollout.tensor_parallel_size > spec.placement.gpus_per_node:
+        errs.append(f"spec.rollout.tensorParallelSize ({spec.rollout.tensor_parallel_size}) must be <= "
+                    f"spec.placement.gpusPerNode ({spec.placement.gpus_per_node}): a server is one pod")
     if spec.sync.mode == "adapter" and not spec.rollout.enable_lora:
         errs.append("spec.sync.mode 'adapter' requires spec.rollout.enableLora: true")
     if spec.sync.mode == "adapter" and spec.training.finetune != "lora":
@@ -103,6 +110,9 @@ def learner_pods_errors(spec: JobSpec) -> list[str]:
     if accelerated and lr.ranks_per_pod is not None and lr.ranks_per_pod != lr.gpus:
         errs.append(f"spec.learner.ranksPerPod ({lr.ranks_per_pod}) must equal spec.learner.gpus ({lr.gpus}) when "
                     "spec.placement.accelerator is 'nvidia' (one rank per GPU; leave it unset)")
+    if lr.nodes == 1 and spec.sync.transport == "nccl" and accelerated and lr.gpus > spec.placement.gpus_per_node:
+        errs.append(f"spec.learner.gpus ({lr.gpus}) must be <= spec.placement.gpusPerNode "
+                    f"({spec.placement.gpus_per_node}): a learner pod is on one node")
     if lr.nodes == 1:
         if spec.scheduling.learner_topology_key:
             errs.append("spec.scheduling.learnerTopologyKey applies to spec.learner.nodes > 1 (the learner's pods "

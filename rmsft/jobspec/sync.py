@@ -8,7 +8,7 @@ from pydantic import Field
 
 from rmsft.jobspec.base import _K8s
 
-SyncTransport = Literal["grpc", "shm"]
+SyncTransport = Literal["grpc", "shm", "nccl"]
 
 
 class SyncSpec(_K8s):
@@ -24,20 +24,30 @@ class SyncSpec(_K8s):
         True, description="After an adapter update fails, send full weights for the rest of the run.")
     frame_bytes: int = Field(4 << 20, ge=64 << 10, le=256 << 20, description="Max bytes per stream frame.")
     timeout_seconds: float = Field(600.0, gt=0, description="Deadline of one weight update, per server call.")
-    transport: Literal["auto", "grpc", "shm"] = Field(
+    transport: Literal["auto", "grpc", "shm", "nccl"] = Field(
         "auto", description="How an update reaches the rollout servers: grpc streams its bytes over gRPC (works "
         "across nodes); shm writes it once to a file in node-local shared memory and gRPC carries only a header "
-        "naming the file. auto = shm under `rmsft local` (one machine), grpc in a cluster. shm in a cluster is "
-        "opt-in: the learner and the whole pool on one node (they fit spec.placement.gpusPerNode; the operator "
-        "adds pod affinity) and a namespace whose Pod Security level allows hostPath volumes (privileged).",
+        "naming the file; nccl broadcasts full weights from the learner's rank 0 to every server's engine workers "
+        "over one weight-transfer group (vLLM's weight-transfer API; NCCL on GPUs, gloo on CPUs), driven over "
+        "gRPC, and needs sync.mode full (re-syncs of one server go over grpc). auto = shm under `rmsft local` (one "
+        "machine), grpc in a cluster. shm in a cluster is opt-in: the learner and the whole pool on one node (they "
+        "fit spec.placement.gpusPerNode; the operator adds pod affinity) and a namespace whose Pod Security level "
+        "allows hostPath volumes (privileged). nccl lets the learner and the pool span nodes.",
     )
 
     @property
     def cluster_transport(self) -> SyncTransport:
         """The transport the operator deploys: auto is grpc in a cluster, where pods may land on any node."""
-        return "shm" if self.transport == "shm" else "grpc"
+        return "grpc" if self.transport == "auto" else self.transport
 
     @property
     def local_transport(self) -> SyncTransport:
         """The transport of `rmsft local`: every process is on one machine, so auto is shm."""
-        return "grpc" if self.transport == "grpc" else "shm"
+        return "shm" if self.transport == "auto" else self.transport
+
+    def group_backend(self, accelerator: str) -> str | None:
+        """Transport nccl's weight-transfer backend (rmsft.weight_wire.transfer): vLLM's NCCL engine on GPUs,
+        rmsft's gloo stand-in on CPUs; None for the other transports."""
+        if self.transport != "nccl":
+            return None
+        return "nccl" if accelerator == "nvidia" else "rmsft_gloo"

@@ -14,6 +14,10 @@ RELAYED_METADATA_KEY = "rmsft-relayed-bin"  # "-bin": gRPC carries the value as 
 # Initial metadata of a shm update: the server has the shared file open (so it will remove it if the
 # learner dies before the trailer); the learner writes the file only once every server said so.
 SHARED_OPENED_METADATA = (("rmsft-shared-opened", "1"),)
+# Initial metadata of a transfer-group (transport nccl) update: the server checked the header's listing, drained
+# its running calls and waits for the learner's go (the trailer); the learner broadcasts only once every member
+# said so, since a member missing from a collective would hold the others until its timeout.
+GROUP_READY_METADATA = (("rmsft-group-ready", "1"),)
 
 
 def relayed_metadata(outcomes: list[rollout_pb2.RelayOutcome]) -> tuple[tuple[str, bytes], ...]:

@@ -35,6 +35,16 @@ class StagedTensor:
     start: int  # byte offset in the flat staging buffer
 
 
+@dataclass(frozen=True)
+class _Listed:
+    """A tensor a transfer-group header lists, as `StreamReader._open` reads a first piece."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int = 0
+
+
 @dataclass
 class StreamReader:
     """Validates one stream chunk by chunk and maps piece bytes onto a flat staging buffer.
@@ -171,8 +181,30 @@ class StreamReader:
             )
         self._current = None
 
+    def on_listing(self, tensors: Any) -> None:
+        """Transport nccl: the header lists the tensors (`header.transfer_group.tensors`: name, dtype, shape) that
+        come over the weight-transfer group, not in the stream. Check the list as a stream of them would be checked
+        (names, dtypes, shapes, counts, completeness), with no bytes and no digest."""
+        if self.header is None:
+            raise WireError("tensor listing before the header")
+        for entry in tensors:
+            cur = self._open(_Listed(entry.name, entry.dtype, tuple(entry.shape)))
+            self._current_done = cur.spec.nbytes
+            self.received_bytes += cur.spec.nbytes
+        self._check_complete()
+        self.finished = True
+
     def on_trailer(self, trailer: rollout_pb2.WeightTrailer) -> None:
         """Final checks: completeness, counts and the digest."""
+        self._check_complete()
+        if trailer.digest != self._digest.digest():
+            raise WireError(
+                f"{digest_name(self.header.digest_algorithm)} digest of the received data does not match "
+                "the trailer", reason="digest",
+            )
+        self.finished = True
+
+    def _check_complete(self) -> None:
         if self.header is None:
             raise WireError("trailer before the header")
         self._close_current()
@@ -188,12 +220,6 @@ class StreamReader:
             if missing:
                 raise WireError(f"FULL update lacks tensors {missing[:5]} (changed by earlier updates, or required)",
                                reason="count")
-        if trailer.digest != self._digest.digest():
-            raise WireError(
-                f"{digest_name(self.header.digest_algorithm)} digest of the received data does not match "
-                "the trailer", reason="digest",
-            )
-        self.finished = True
 
     def close(self) -> None:
         """Stop the digest's helper thread (waits for a hash in progress)."""

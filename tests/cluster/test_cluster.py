@@ -477,7 +477,12 @@ def test_a_learner_on_two_pods_survives_a_lost_pod_and_trains_what_one_pod_of_tw
     attempt fails at once (podFailurePolicy), an event names the pod, the operator starts attempt 2, which resumes
     from that checkpoint and completes. Then the same job on one pod of two ranks (ranksPerPod 2), never stopped:
     every one of the steps has the same loss, parts, rollout F1 and rows, to the digit the learner prints.
-    (DeepSpeed is not in the CPU image: plain data parallel.)"""
+    (DeepSpeed is not in the CPU image: plain data parallel.)
+
+    The one-pod job moves its weights with transport nccl (the CPU backend: one gloo weight-transfer group of the
+    learner's rank 0 and the server's engine worker, driven over gRPC), and its only server is deleted mid-run: the
+    restarted server is re-synced over gRPC and joins the group the learner then builds again. Its losses equal the
+    grpc job's: every update reached the server whole, over either path."""
     ns = namespace(cluster, "rmsft-nodes")
     claim_on_node(cluster, ns, "checkpoints")
     steps = 12
@@ -532,13 +537,23 @@ def test_a_learner_on_two_pods_survives_a_lost_pod_and_trains_what_one_pod_of_tw
     faulted = before | after
     cluster.kubectl("-n", ns, "delete", "rmj", job, "--wait=true", timeout=300)
 
-    # One pod of two ranks, never stopped.
+    # One pod of two ranks, never stopped; weights over transport nccl, the server deleted mid-run.
     job = "pod-1x2"
-    apply_job(cluster, job_doc(job, "/tmp/checkpoints", ranksPerPod=2), ns)
+    doc = job_doc(job, "/tmp/checkpoints", ranksPerPod=2)
+    doc["spec"]["sync"]["transport"] = "nccl"
+    apply_job(cluster, doc, ns)
+    pod0 = cluster.wait(lambda: (p := learner_pods(job)) and p[0]["status"].get("phase") == "Running"
+                        and p[0]["metadata"]["name"], 420, "the learner pod running", namespace=ns)
+    cluster.wait(lambda: (v := scrape(cluster, ns, pod0, "http://127.0.0.1:9090/metrics").get(
+        "rmsft_learner_global_step")) is not None and v >= 4 and v, 420, "step 4", namespace=ns)
+    cluster.kubectl("-n", ns, "delete", "pod", f"{job}-rollout-0", "--wait=false")
     status = cluster.wait_phase(ns, job, {"Complete"}, timeout=900)
     assert status.get("step") == steps, status
-    straight = step_lines(rank0_log(job))
+    log = rank0_log(job)
+    straight = step_lines(log)
     assert sorted(straight) == list(range(1, steps + 1)), sorted(straight)
+    groups = re.findall(r"weight-transfer group (\w+) \(rmsft_gloo\): the learner and 1 server", log)
+    assert len(groups) == 2 and groups[0] != groups[1], log[-3000:]  # built at the start, again after the restart
     cluster.kubectl("-n", ns, "delete", "rmj", job, "--wait=true", timeout=300)
     differ = {s: (faulted[s], straight[s]) for s in range(1, steps + 1) if faulted[s] != straight[s]}
     assert not differ, f"(loss, ce, coord, f1, rows) two pods, one lost, vs one pod of two ranks, by step: {differ}"

@@ -33,7 +33,7 @@ STEPS = 12
 
 @pytest.fixture(scope="module")
 def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shared-weights dir of transport shm (servers take both transports)."""
+    """The shared-weights dir of transport shm (servers take every transport)."""
     return tmp_path_factory.mktemp("shared-weights")
 
 
@@ -47,7 +47,8 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, shar
     with ThreadPoolExecutor(2) as pool:
         futs = [
             pool.submit(RolloutServer.start, tiny_model_dir, enable_lora=True, max_lora_rank=16, max_model_len=1024,
-                        dtype="float32", log_path=logs / f"rollout-{i}.log", env={SHARED_DIR_ENV: str(shared_dir)})
+                        dtype="float32", log_path=logs / f"rollout-{i}.log", env={SHARED_DIR_ENV: str(shared_dir)},
+                        weight_transfer="rmsft_gloo")
             for i in range(2)
         ]
         started = [f.result() for f in futs]
@@ -157,6 +158,23 @@ def test_full_mode_run(servers, tiny_model_dir: Path, data_path: Path, tmp_path:
         _run_and_check(trainer, STEPS)
         assert list(shared_dir.iterdir()) == []
         assert all(not trainer.pool.status(s).active_adapter for s in trainer.pool.servers)
+    finally:
+        trainer.close()
+
+
+def test_full_mode_run_over_a_weight_transfer_group(servers, tiny_model_dir: Path, data_path: Path, tmp_path: Path,
+                                                    monkeypatch) -> None:
+    """transport nccl with its CPU backend: every full sync of the run is one broadcast over one group of the learner
+    and both servers (none falls back to gRPC), and the servers answer as the learner's model at the end."""
+    monkeypatch.delenv(SHARED_DIR_ENV, raising=False)
+    job = _sync_spec(make_job(tiny_model_dir, data_path, tmp_path, mode="full"), "nccl")
+    trainer = TrainingLoop(job, [s.address for s in servers])
+    try:
+        assert trainer.sync_client.transport == "nccl"
+        _run_and_check(trainer, STEPS)
+        group = trainer.sync_client.group
+        assert group.builds == 1 and group.updates == trainer.version  # every sync, over the one group
+        assert {trainer.pool.status(s).weight_group for s in trainer.pool.servers} == {group.id}
     finally:
         trainer.close()
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from hf_servers import InProcessServer
+from hf_servers import InProcessServer, bump, fresh_model
 from rmsft_protos import rollout_pb2
 
 import learner.sync.client as sync_client_module
@@ -65,10 +65,7 @@ def pool_of(tiny_model_dir: Path, tmp_path: Path):
 
 @pytest.fixture
 def model(tiny_model_dir: Path):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    return fresh_model(tiny_model_dir)
 
 
 PROBE = "model.layers.0.mlp.up_proj.weight"
@@ -76,10 +73,7 @@ PROBE = "model.layers.0.mlp.up_proj.weight"
 
 def _bump(model, value: float) -> torch.Tensor:
     """Give the model new weights (every parameter moved) and return the probe tensor's new value."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(value)
-    return dict(model.named_parameters())[PROBE].detach().clone()
+    return bump(model, value)[PROBE]
 
 
 def _client(pool: ServerPool, model, transport: str, shared: Path, **kw) -> WeightSyncClient:

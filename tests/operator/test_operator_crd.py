@@ -199,6 +199,12 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("scheduling-scheduler-name", {"spec.scheduling.schedulerName": "Not_A_Name"}, ["spec.scheduling.schedulerName"]),
     ("scheduling-topology-with-one-pod", {"spec.scheduling.learnerTopologyKey": "topology.kubernetes.io/zone"},
      ["spec.scheduling.learnerTopologyKey", "spec.learner.nodes > 1"]),
+    # spec.sync.transport nccl (issue 45): full weights only; pods may span nodes, but each pod fits one
+    ("nccl-not-full", {"spec.sync.transport": "nccl", "spec.sync.mode": "auto"}, ["spec.sync.mode", "'nccl'"]),
+    ("nccl-server-beyond-a-node", {"spec.sync.transport": "nccl", "spec.rollout.tensorParallelSize": 16},
+     ["spec.rollout.tensorParallelSize", "one pod"]),
+    ("nccl-learner-beyond-a-node", {"spec.sync.transport": "nccl", "spec.learner.gpus": 12},
+     ["spec.learner.gpus", "one node"]),
 ]
 
 
@@ -251,6 +257,18 @@ def _assert_subset(crd: Any, model: Any, where: str) -> None:
             _assert_subset(value, model[key], f"{where}.{key}")
     else:
         assert crd == model, f"{where}: CRD gives {crd!r}, model gives {model!r}"
+
+
+def test_an_nccl_job_may_span_nodes_where_a_grpc_job_may_not() -> None:
+    """The one-node budget (pool + learner <= gpusPerNode) binds the node-local transports; nccl moves weights over
+    the network, so its pool and learner may take more GPUs than one node has."""
+    doc = _base()
+    _set(doc, "spec.rollout.replicas", 7)
+    _set(doc, "spec.sync.transport", "nccl")
+    assert admit(doc) == []
+    parse_job(doc)
+    _set(doc, "spec.sync.transport", "grpc")
+    assert any("spec.placement.gpusPerNode" in e for e in admit(doc))
 
 
 def test_shm_on_cpus_is_left_to_the_scheduler() -> None:

@@ -243,6 +243,28 @@ def test_network_policy_admits_only_learner_and_peers_to_grpc_and_monitoring_to_
     assert render.selector("qwen3vl-det", "learner").items() <= learner_labels.items()
 
 
+@pytest.mark.parametrize(("accelerator", "backend"), [("nvidia", "nccl"), ("none", "rmsft_gloo")])
+def test_an_nccl_job_starts_servers_that_join_groups_and_opens_the_group_ports_to_its_own_pods(
+        accelerator: str, backend: str) -> None:
+    """transport nccl: every server is started with the weight-transfer backend (NCCL on GPUs, the gloo stand-in on
+    CPUs), and the NetworkPolicy lets the job's learner and rollout pods reach the rollout pods on any port (the
+    group's rank-to-rank connections); a grpc job's servers join no group."""
+    path = "configs/job.yaml" if accelerator == "nvidia" else "configs/job-kind-cpu.yaml"
+    job = load_job(ROOT / path)
+    manifest = job.to_manifest()
+    manifest["spec"]["sync"].update(transport="nccl", mode="full")
+    nccl = parse_job(manifest)
+    objs = {render.child_key(o): o for o in render.render_all(nccl, "team-a", "0000-uid")}
+    assert yaml.safe_load(objs["ConfigMap"]["data"]["serve.yaml"])["weight_transfer"] == backend
+    name = nccl.metadata.name
+    group = [r for r in objs["NetworkPolicy"]["spec"]["ingress"] if "ports" not in r]
+    assert group == [{"from": [{"podSelector": {"matchLabels": render.selector(name, "learner")}},
+                               {"podSelector": {"matchLabels": render.selector(name, "rollout")}}]}]
+    plain = _by_kind(path)
+    assert yaml.safe_load(plain["ConfigMap"]["data"]["serve.yaml"]).get("weight_transfer") is None
+    assert all("ports" in r for r in plain["NetworkPolicy"]["spec"]["ingress"])
+
+
 def test_configmap_carries_the_defaulted_manifest_for_the_learner() -> None:
     cm = _by_kind("configs/job-3v1.yaml")["ConfigMap"]
     manifest = yaml.safe_load(cm["data"]["job.yaml"])

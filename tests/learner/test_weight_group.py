@@ -1,0 +1,176 @@
+"""Transport nccl's control path end to end against real servers (`RolloutServicer` + the HF engine behind real gRPC
+servers on loopback), with the CPU backend (`rmsft_gloo`): the learner's `WeightSyncClient` builds a weight-transfer
+group over gRPC (`JoinWeightGroup`), announces each FULL update in an `UpdateWeights` header, and broadcasts the
+tensors over the group once every member said ready.
+
+The real vLLM engine's side of the same path is tests/rollout/test_weight_transfer_gloo.py and the `rmsft local`
+test in tests/learner/test_e2e_local.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from hf_servers import InProcessServer, bump, fresh_model
+from rmsft_protos import rollout_pb2
+
+from learner.rollouts.pool import ServerPool
+from learner.sync.client import WeightSyncClient
+from rmsft.weight_wire import WeightVersion, update_weights_raw, version_of
+
+pytest.importorskip("vllm")  # the gloo group is opened with vLLM's stateless helper
+
+PROBE = "model.layers.0.mlp.up_proj.weight"
+
+
+@pytest.fixture
+def servers_of(tiny_model_dir: Path, tmp_path: Path):
+    made: list[InProcessServer] = []
+
+    def start(n: int, weight_transfer: str = "rmsft_gloo") -> list[InProcessServer]:
+        for _ in range(n):
+            made.append(InProcessServer(tiny_model_dir, tmp_path / f"stage-{len(made)}",
+                                        weight_transfer=weight_transfer))
+        return made[-n:]
+
+    start.restart = lambda old: made.append(InProcessServer(  # same address, a new process's state
+        tiny_model_dir, old.staging, port=old.port, weight_transfer="rmsft_gloo")) or made[-1]
+    yield start
+    for s in made:
+        s.close()
+
+
+@pytest.fixture
+def model(tiny_model_dir: Path):
+    return fresh_model(tiny_model_dir)
+
+
+
+
+def _client(pool: ServerPool, model) -> WeightSyncClient:
+    return WeightSyncClient(pool, model, dtype="float32", transport="nccl", group_backend="rmsft_gloo",
+                            group_timeout_s=20, timeout_s=60)
+
+
+def _holds(server: InProcessServer, want: dict[str, torch.Tensor]) -> bool:
+    params = dict(server.engine.hf.named_parameters())
+    return all(torch.equal(params[n], t) for n, t in want.items())
+
+
+def test_every_server_receives_each_full_update_over_one_group(servers_of, model, caplog) -> None:
+    servers = servers_of(3)
+    run = "3fa2c1d09e77"
+    with ServerPool([s.address for s in servers], run_id=run) as pool:
+        client = _client(pool, model)
+        for number in (1, 2):
+            want = bump(model, 0.01)
+            with caplog.at_level(logging.WARNING, logger="rmsft.learner.sync"):
+                report = client.sync(number)
+            assert not [r.message for r in caplog.records if "over gRPC" in r.message]  # not the fallback
+            assert {a: version_of(r) for a, r in report.acked.items()} == {
+                s.address: WeightVersion(run, number) for s in servers}
+            assert all(_holds(s, want) for s in servers)
+            assert [s.servicer.runner.weights for s in servers] == [WeightVersion(run, number)] * 3
+        assert client.group.builds == 1  # built once, used twice
+        assert {pool.status(s).weight_group for s in pool.servers} == {client.group.id}
+    for s in servers:  # the bytes never touched the servers' staging dirs
+        assert sum(p.stat().st_size for p in s.staging.iterdir()) == 0
+
+
+def test_a_restarted_server_is_resynced_over_grpc_and_joins_the_next_group(servers_of, model) -> None:
+    servers = servers_of(2)
+    with ServerPool([s.address for s in servers]) as pool:
+        client = _client(pool, model)
+        client.sync(1)
+        first_group = client.group.id
+        servers[1].close()
+        back = servers_of.restart(servers[1])  # base weights, in no group
+        pool.mark_down(pool.servers[1], "restarted")
+        assert pool.status(pool.servers[1], fresh_channel=True).weight_group == ""
+        client.resync_server(pool.servers[1])  # over gRPC: the group is not involved
+        assert back.servicer.runner.weights == pool.current
+        assert sum(p.stat().st_size for p in back.staging.iterdir()) > 0  # it came as a staged stream
+        want = bump(model, 0.02)
+        report = client.sync(2)
+        assert sorted(report.acked) == sorted(s.address for s in servers)
+        assert client.group.builds == 2 and client.group.id != first_group  # rebuilt with the restarted one
+        assert _holds(servers[0], want) and _holds(back, want)
+
+
+def test_a_server_gone_between_syncs_costs_one_grpc_sync_and_the_group_is_rebuilt_without_it(servers_of, model,
+                                                                                              caplog) -> None:
+    servers = servers_of(3)
+    with ServerPool([s.address for s in servers]) as pool:
+        client = _client(pool, model)
+        client.sync(1)
+        servers[2].close()
+        want = bump(model, 0.03)
+        with caplog.at_level(logging.WARNING, logger="rmsft.learner.sync"):
+            report = client.sync(2)  # it does not answer: this one goes over gRPC, no collective waits for it
+        assert any("over gRPC" in r.message and "did not answer" in r.message for r in caplog.records)
+        assert sorted(report.acked) == sorted(s.address for s in servers[:2])
+        assert servers[2].address in report.unreachable
+        want = bump(model, 0.03)
+        report = client.sync(3)
+        assert client.group.members == tuple(s.address for s in servers[:2]) and client.group.builds == 2
+        assert sorted(report.acked) == sorted(s.address for s in servers[:2])
+        assert all(_holds(s, want) for s in servers[:2])
+
+
+def test_a_server_without_weight_transfer_gets_the_update_over_grpc(servers_of, model, caplog) -> None:
+    servers = servers_of(1) + servers_of(1, weight_transfer="")
+    with ServerPool([s.address for s in servers]) as pool:
+        client = _client(pool, model)
+        want = bump(model, 0.01)
+        with caplog.at_level(logging.WARNING, logger="rmsft.learner.sync"):
+            report = client.sync(1)
+        assert sorted(report.acked) == sorted(s.address for s in servers)
+        assert all(_holds(s, want) for s in servers)
+        said = " ".join(r.message for r in caplog.records)
+        assert "not formed" in said and "started without --weight-transfer" in said
+
+
+def _group_update(address: str, header: rollout_pb2.WeightHeader, go: bool = True):
+    chunks = [rollout_pb2.WeightChunk(header=header).SerializeToString()]
+    if go:
+        chunks.append(rollout_pb2.WeightChunk(trailer=rollout_pb2.WeightTrailer()).SerializeToString())
+    with grpc.insecure_channel(address) as channel:
+        return update_weights_raw(channel)(iter(chunks), timeout=30)
+
+
+def _listing(model, group_id: str, **override) -> rollout_pb2.WeightHeader:
+    named = [(n, p) for n, p in model.state_dict().items() if n != "lm_head.weight"]
+    tensors = [rollout_pb2.SharedTensor(name=n, dtype="F32", shape=list(t.shape)) for n, t in named]
+    for name, shape in override.items():
+        next(t for t in tensors if t.name == name.replace("__", ".")).shape[:] = shape
+    return rollout_pb2.WeightHeader(version=5, run_id="3fa2c1d09e77", mode=1, tensor_count=len(tensors),
+                                    total_bytes=sum(t.numel() * 4 for _, t in named),
+                                    transfer_group=rollout_pb2.TransferGroup(group_id=group_id, tensors=tensors))
+
+
+def test_an_update_for_another_group_or_with_a_wrong_listing_is_refused_before_any_broadcast(servers_of,
+                                                                                               model) -> None:
+    (server,) = servers_of(1)
+    with ServerPool([server.address]) as pool:
+        client = _client(pool, model)
+        client.sync(1)
+        held = server.servicer.runner.weights
+        with pytest.raises(grpc.RpcError) as e:
+            _group_update(server.address, _listing(model, "not-this-one"))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "rebuilds the group" in e.value.details()
+        bad = _listing(model, client.group.id, **{"model__layers__0__mlp__up_proj__weight": [3, 3]})
+        with pytest.raises(grpc.RpcError) as e:
+            _group_update(server.address, bad)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "up_proj" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # called off after ready: the stream ends without the go
+            _group_update(server.address, _listing(model, client.group.id), go=False)
+        assert "called the update off" in e.value.details()
+        assert server.servicer.runner.weights == held  # nothing applied, the fence still names sync 1
+        # and the group still works for the learner
+        want = bump(model, 0.05)
+        client.sync(2)
+        assert _holds(server, want) and client.group.builds == 1
