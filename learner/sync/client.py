@@ -394,13 +394,12 @@ class WeightSyncClient:
         group changed; None when the group cannot be used now (the caller sends over gRPC; the log says why)."""
         group = self.group
         assert group is not None
-        statuses: dict[str, rollout_pb2.StatusReply] = {}
-        for s in servers:
-            try:
-                statuses[s.address] = self.pool.status(s)
-            except grpc.RpcError as e:
-                log.warning("weight version %s goes over gRPC: %s did not answer (%s)", number, s.name, e.code().name)
-                return None
+        replied = self.pool.refresh(servers)  # in parallel; None for a server that did not answer
+        silent = [s.name for s, r in zip(servers, replied, strict=True) if r is None]
+        if silent:
+            log.warning("weight version %s goes over gRPC: %s did not answer", number, ", ".join(silent))
+            return None
+        statuses = {s.address: r for s, r in zip(servers, replied, strict=True)}
         try:
             if not group.current_for(servers, statuses):
                 group.build(servers, statuses)

@@ -114,8 +114,8 @@ class WeightGroup:
                 call.result()
             except grpc.RpcError as e:
                 failed[server.address] = f"{e.code().name}: {e.details()}"
-        if failed:  # the rendezvous cannot complete: free the learner's end now rather than at its timeout
-            sender.close()
+        # Every server's join has ended (joined or failed), so none is held in the rendezvous any more; the learner's
+        # own end ends with them (or at its timeout).
         t.join(self.timeout_s + 30)
         if joined[0] is not None and not failed:
             failed["learner"] = str(joined[0])
@@ -160,13 +160,15 @@ class WeightGroup:
         calls = [update_weights_raw(s.channel).future(requests(), timeout=timeout_s, metadata=self.metadata)
                  for s in servers]
         refused = {}
+        ready = False
         try:
             for server, call in zip(servers, calls, strict=True):
                 metadata = call.initial_metadata() or ()
                 if not set(GROUP_READY_METADATA) <= set(metadata):
                     refused[server.address] = call
-        finally:
-            if not refused:
+            ready = not refused
+        finally:  # the go only when every member said ready; anything else ends every stream with nothing applied
+            if ready:
                 go.append(True)
             decided.set()
         if refused:
