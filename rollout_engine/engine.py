@@ -121,3 +121,17 @@ def tied_lm_head(model_dir: str | Path) -> bool:
     cfg = model_config(model_dir)
     text = cfg.get("text_config", cfg)
     return bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+
+
+# Checkpoint names of the input embedding: text models and Qwen2.5-VL, then Qwen3-VL; and of the output head.
+EMBED_NAMES, HEAD_NAME = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"), "lm_head.weight"
+
+
+def tied_head_alias(tied: bool, names: list[str]) -> dict[str, str]:
+    """{embedding's name: the head's} when an update of `names` must feed the head again under its own name, else
+    {}: vLLM's CPU backend refreshes a tied head only when `lm_head.weight` itself arrives
+    (rollout_engine.worker_ext._tied_head); the servicer's transfer-group updates pass the same to the gloo engine."""
+    if not tied or HEAD_NAME in names:
+        return {}
+    embed = next((e for e in EMBED_NAMES if e in names), None)
+    return {} if embed is None else {embed: HEAD_NAME}

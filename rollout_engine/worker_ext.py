@@ -7,6 +7,7 @@ the tensors directly.
 
 from __future__ import annotations
 
+from rollout_engine.engine import HEAD_NAME, tied_head_alias
 from rollout_engine.weight_transfer_gloo import register as _register_gloo_transfer
 
 # vLLM imports this module in every engine worker (worker_extension_cls): the gloo weight-transfer engine is added to
@@ -47,22 +48,18 @@ class RmsftWorkerExtension:
                     embed = t
                 yield name, t
             if head is not None and embed is not None:
-                yield _HEAD, embed
+                yield HEAD_NAME, embed
 
         reload = getattr(self, "reload_weights", None) or self.model_runner.reload_weights
         reload(weights_iterator=stream(), is_checkpoint_format=True)
         return count
 
 
-# Checkpoint names of the input embedding: text models and Qwen2.5-VL, then Qwen3-VL.
-_EMBEDS, _HEAD = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"), "lm_head.weight"
 
 
 def _tied_head_source(worker, names: list[str]) -> str | None:
     """The embedding's name when the head must be fed again under its own name (see `_tied_head`), else None."""
-    if not _ties_head(worker) or _HEAD in names:
-        return None
-    return next((e for e in _EMBEDS if e in names), None)
+    return next(iter(tied_head_alias(_ties_head(worker), names)), None)
 
 
 def _ties_head(worker) -> bool:
@@ -82,4 +79,4 @@ def _tied_head(worker, weights: list) -> list:
     embed = _tied_head_source(worker, [name for name, _ in weights])
     if embed is None:
         return []
-    return [(_HEAD, next(t for name, t in weights if name == embed))]
+    return [(HEAD_NAME, next(t for name, t in weights if name == embed))]

@@ -31,7 +31,14 @@ from rmsft.weight_wire.outcomes import GROUP_READY_METADATA, SHARED_OPENED_METAD
 from rmsft.weight_wire.transfer import update_info, worker_init_info
 from rollout_engine import metrics
 from rollout_engine.config import ServeConfig
-from rollout_engine.engine import EngineDead, EngineError, EngineInputError, checkpoint_table, tied_lm_head
+from rollout_engine.engine import (
+    EngineDead,
+    EngineError,
+    EngineInputError,
+    checkpoint_table,
+    tied_head_alias,
+    tied_lm_head,
+)
 from rollout_engine.prompts import PromptError, build_items, samples_per_prompt
 from rollout_svc.relay import Relay, relay_deadline
 from rollout_svc.runner import Cancelled, EngineRunner, RunnerStopped, VersionMismatch
@@ -438,8 +445,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if go.WhichOneof("kind") != "trailer":
             raise WireError("a transfer-group update is a header and a trailer only")
         t0 = time.perf_counter()
-        head = self._tied_head_alias([t.name for t in tensors])
-        self.engine.receive_weights(update_info(self.cfg.weight_transfer, [_Listing(t) for t in tensors], head))
+        # With tied embeddings the learner sends the embedding only; load it under the head's name too.
+        head = tied_head_alias(self._tied, [t.name for t in tensors])
+        self.engine.receive_weights(update_info(self.cfg.weight_transfer, [(t.name, t.spec) for t in tensors], head))
         self.engine.reset_prefix_cache()
         self._full_names = self._full_names | frozenset(t.name for t in tensors)
         if self._rollback is not None:  # the last gRPC stream is older than what serves now: no rollback copy
@@ -451,17 +459,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._adapter_dir = None
         self._record_version(version_of(header), "", tensors, sum(t.spec.nbytes for t in tensors),
                              time.perf_counter() - t0)
-
-    def _tied_head_alias(self, names: list[str]) -> dict[str, str]:
-        """With tied embeddings the learner sends the embedding only; vLLM's CPU backend refreshes its head only
-        when `lm_head.weight` itself arrives (rollout_engine.worker_ext._tied_head): load the embedding again
-        under the head's name."""
-        from rollout_engine.worker_ext import _EMBEDS, _HEAD
-
-        if not self._tied or _HEAD in names:
-            return {}
-        embed = next((e for e in _EMBEDS if e in names), None)
-        return {} if embed is None else {embed: _HEAD}
 
     @staticmethod
     def _relayed(relays: list[Relay]) -> list[rollout_pb2.RelayOutcome]:
@@ -596,13 +593,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             weight_group=self._group_id,
             weight_transfer=self.cfg.weight_transfer,
         ), runner.weights if runner else FRESH)
-
-
-class _Listing:
-    """A staged tensor as `update_info` reads a listed one (name, dtype, shape)."""
-
-    def __init__(self, t: StagedTensor) -> None:
-        self.name, self.dtype, self.shape = t.name, t.spec.dtype, t.spec.shape
 
 
 def _peek_group_header(chunks):

@@ -42,16 +42,16 @@ def worker_init_info(backend: str, *, master_address: str, master_port: int, wor
     return info
 
 
-def update_info(backend: str, tensors: Sequence[Any], also_as: dict[str, str]) -> dict[str, Any]:
-    """`update_weights`' update_info for the listed tensors (entries with name, dtype (safetensors name), shape).
+def update_info(backend: str, specs: Sequence[tuple[str, Any]], also_as: dict[str, str]) -> dict[str, Any]:
+    """`update_weights`' update_info for the listed tensors ((name, TensorSpec) pairs, in broadcast order).
     `also_as`: name -> a second name to load the same tensor under (rmsft's gloo engine only; the tied head)."""
     check_backend(backend)
     from rmsft.weight_wire import torch_dtype
 
     info: dict[str, Any] = {
-        "names": [t.name for t in tensors],
-        "dtype_names": [str(torch_dtype(t.dtype)).removeprefix("torch.") for t in tensors],
-        "shapes": [[int(d) for d in t.shape] for t in tensors],
+        "names": [name for name, _ in specs],
+        "dtype_names": [str(torch_dtype(spec.dtype)).removeprefix("torch.") for _, spec in specs],
+        "shapes": [[int(d) for d in spec.shape] for _, spec in specs],
     }
     if backend == GLOO and also_as:
         info["also_as"] = dict(also_as)
@@ -154,13 +154,6 @@ class GlooSender:
             self._listen.close()
             self._listen = None
         self.group = None
-
-    @staticmethod
-    def describe(tensors: list[tuple[str, Any]]) -> dict[str, Any]:
-        """The update_weights dict of `tensors` ((checkpoint name, tensor) pairs): names, dtypes, shapes."""
-        return {"names": [n for n, _ in tensors],
-                "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
-                "shapes": [list(t.shape) for _, t in tensors]}
 
     def send(self, tensors: Any) -> int:
         """Broadcast each (name, tensor) of `tensors`, one at a time, as it is produced; returns the bytes sent."""
