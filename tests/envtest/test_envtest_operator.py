@@ -555,34 +555,34 @@ def test_a_learner_on_two_pods_is_placed_apart_named_and_restarted_as_one(contro
     the status; the operator deletes the failed Job once its pods have stopped and creates attempt 2 while the pool
     runs on; after backoffLimit (2) restarts the job is Failed naming the pod, its pool scaled to 0."""
     cp = control_plane
-    _apply(cp, _manifest("juliet", **{"learner.nodes": 2, "learner.backoffLimit": 2, "sync.transport": "grpc",
+    _apply(cp, _manifest("oscar", **{"learner.nodes": 2, "learner.backoffLimit": 2, "sync.transport": "grpc",
                                      "rollout.replicas": 2}))
-    uid = _cr(cp, "juliet")["metadata"]["uid"]
-    svc = cp.wait_for(lambda: _child(cp, "Service", "juliet-learner"), 60, "the learner's Service")
+    uid = _cr(cp, "oscar")["metadata"]["uid"]
+    svc = cp.wait_for(lambda: _child(cp, "Service", "oscar-learner"), 60, "the learner's Service")
     assert svc["spec"]["clusterIP"] == "None" and svc["metadata"]["ownerReferences"][0]["uid"] == uid
-    _start_pool(cp, operator, "juliet", 2)
-    pods = cp.wait_for(lambda: _bound(_pods(cp, "juliet", "learner"), 2), 60, "2 learner pods scheduled")
+    _start_pool(cp, operator, "oscar", 2)
+    pods = cp.wait_for(lambda: _bound(_pods(cp, "oscar", "learner"), 2), 60, "2 learner pods scheduled")
     by_index = {p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"]: p for p in pods}
     assert sorted(by_index) == ["0", "1"]
     assert [(by_index[i]["spec"]["hostname"], by_index[i]["spec"]["subdomain"]) for i in ("0", "1")] == \
-        [("juliet-learner-0", "juliet-learner"), ("juliet-learner-1", "juliet-learner")]
+        [("oscar-learner-0", "oscar-learner"), ("oscar-learner-1", "oscar-learner")]
     assert len({p["spec"]["nodeName"] for p in pods}) == 2  # one learner pod per node
     for p in pods:
         cp.set_pod_phase(JOBS_NS, p["metadata"]["name"], "Running")
-    _wait_cr(cp, operator, "juliet", lambda c: c["status"]["phase"] == "Running", "Running")
+    _wait_cr(cp, operator, "oscar", lambda c: c["status"]["phase"] == "Running", "Running")
     # Attempt 1: pod 1 lost. The Job controller fails the Job (FailureTarget) and stops pod 0 (no kubelet here: the
     # test lets it go); once the Job is Failed the operator deletes it and creates attempt 2, whose pods start together.
-    old_job = _child(cp, "Job", "juliet-learner")
+    old_job = _child(cp, "Job", "oscar-learner")
     lost = by_index["1"]["metadata"]["name"]
     cp.set_pod_phase(JOBS_NS, lost, "Failed", exit_code=1)
-    cr = _wait_cr(cp, operator, "juliet", lambda c: lost in (c.get("status") or {}).get("message", ""),
+    cr = _wait_cr(cp, operator, "oscar", lambda c: lost in (c.get("status") or {}).get("message", ""),
                   "attempt 1's failure named")
     assert cr["status"]["phase"] == "Running" and "attempt 1 of 3 failed" in cr["status"]["message"]
-    cp.wait_for(lambda: (cp.reap_terminating_pods(JOBS_NS), (j := _child(cp, "Job", "juliet-learner")) and
+    cp.wait_for(lambda: (cp.reap_terminating_pods(JOBS_NS), (j := _child(cp, "Job", "oscar-learner")) and
                          j["metadata"]["uid"] != old_job["metadata"]["uid"] and j)[1], 90, "attempt 2's Job")
-    cr = _wait_cr(cp, operator, "juliet", lambda c: c["status"].get("learnerAttempt") == 2, "attempt 2 counted")
-    assert _child(cp, "StatefulSet", "juliet-rollout")["spec"]["replicas"] == 2  # the pool ran on
-    pods = cp.wait_for(lambda: _bound([p for p in _pods(cp, "juliet", "learner") if p["status"].get("phase")
+    cr = _wait_cr(cp, operator, "oscar", lambda c: c["status"].get("learnerAttempt") == 2, "attempt 2 counted")
+    assert _child(cp, "StatefulSet", "oscar-rollout")["spec"]["replicas"] == 2  # the pool ran on
+    pods = cp.wait_for(lambda: _bound([p for p in _pods(cp, "oscar", "learner") if p["status"].get("phase")
                                        not in ("Failed", "Succeeded")], 2), 60, "attempt 2's pods")
     # Attempts 2 and 3 (backoffLimit 2) fail the same way: then the job is Failed, naming the pod, the pool at 0.
     for attempt in (2, 3):
@@ -592,15 +592,15 @@ def test_a_learner_on_two_pods_is_placed_apart_named_and_restarted_as_one(contro
         cp.set_pod_phase(JOBS_NS, lost, "Failed", exit_code=1)
         if attempt == 3:
             break
-        cp.wait_for(lambda: (cp.reap_terminating_pods(JOBS_NS), _cr(cp, "juliet")["status"].get("learnerAttempt")
+        cp.wait_for(lambda: (cp.reap_terminating_pods(JOBS_NS), _cr(cp, "oscar")["status"].get("learnerAttempt")
                              == 3)[1], 90, "attempt 3 counted")
-        pods = cp.wait_for(lambda: _bound([p for p in _pods(cp, "juliet", "learner") if p["status"].get("phase")
+        pods = cp.wait_for(lambda: _bound([p for p in _pods(cp, "oscar", "learner") if p["status"].get("phase")
                                            not in ("Failed", "Succeeded")], 2), 60, "attempt 3's pods")
     cp.reap_terminating_pods(JOBS_NS)
-    cr = _wait_cr(cp, operator, "juliet", lambda c: c["status"]["phase"] == "Failed", "Failed")
+    cr = _wait_cr(cp, operator, "oscar", lambda c: c["status"]["phase"] == "Failed", "Failed")
     assert lost in cr["status"]["message"], cr["status"]["message"]
-    cp.wait_for(lambda: _child(cp, "StatefulSet", "juliet-rollout")["spec"]["replicas"] == 0, 30, "pool scaled to 0")
-    _finish(cp, "juliet")
+    cp.wait_for(lambda: _child(cp, "StatefulSet", "oscar-rollout")["spec"]["replicas"] == 0, 30, "pool scaled to 0")
+    _finish(cp, "oscar")
 
 
 def test_scheduling_pass_throughs_reach_the_pods_the_controllers_make(control_plane: ControlPlane,
