@@ -163,7 +163,7 @@ def test_full_finetuning_trains_what_freeze_leaves() -> None:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stages_shard_optimizer_then_gradients_then_weights(stage: int) -> None:
     job = _job(**{"training.finetune": "full", "training.precision": "bf16", "training.deepspeed_stage": stage,
-                  "rollout.replicas": 4, "learner.gpus": 4, "sync.transport": "grpc"})
+                  "rollout.replicas": 4, "learner.gpus": 4, "sync.transport": "shm"})
     plan = plan_memory(job, shape=SHAPE_7B)
     learner = plan.plans["server"].devices[1]
     assert learner.role == "learner GPU" and learner.count == 4
@@ -391,12 +391,13 @@ def _advice_cases() -> list[tuple[str, Any, int]]:
                                    "training.deepspeed_stage": stage, "learner.resources": {},
                                    "rollout.colocate": {"sleepLevel": sleep, "gpuMemoryUtilization": share}})
                 cases += [(f"colocate z{stage} {finetune} {share}/{sleep}", job, gib) for gib in (48, 64, 80)]
+    # shm: the one-node budget binds (over grpc a larger TP may take GPUs on another node, and is sound advice).
     for replicas in (4, 7):
-        job = _job(**{"rollout.replicas": replicas, "learner.gpus": 8 - replicas, "sync.transport": "grpc",
+        job = _job(**{"rollout.replicas": replicas, "learner.gpus": 8 - replicas, "sync.transport": "shm",
                       "rollout.gpuMemoryUtilization": 0.2})
         cases += [(f"server {replicas}+{8 - replicas} u0.2", job, gib) for gib in (64, 80)]
     job = _job(**{"training.finetune": "full", "training.precision": "fp32", "training.deepspeed_stage": 1,
-                  "rollout.replicas": 4, "learner.gpus": 4, "sync.transport": "grpc"})
+                  "rollout.replicas": 4, "learner.gpus": 4, "sync.transport": "shm"})
     cases += [("server full fp32", job, gib) for gib in (40, 80)]
     return cases
 
@@ -448,12 +449,14 @@ def test_advice_never_offloads_the_optimizer_under_zero3_nor_outgrows_the_node()
         plan = plan_memory(job(stage, 0.9), shape=SHAPE_7B, gpu_memory=64 * GiB)
         assert not plan.fits and plan.advice, stage
         assert "offloadOptimizer" not in " ".join(plan.advice), (stage, plan.advice)
-    # 7 servers at TP 1 and 1 learner fill the node: TP 2 would need 15 GPUs, the node has 8.
-    job = _job(**{"rollout.replicas": 7, "learner.gpus": 1, "sync.transport": "grpc",
-                  "rollout.gpuMemoryUtilization": 0.2})
-    plan = plan_memory(job, shape=SHAPE_7B, gpu_memory=80 * GiB)
-    assert plan.advice and "tensorParallelSize" not in " ".join(plan.advice)
-    assert "raise spec.rollout.gpuMemoryUtilization to" in " ".join(plan.advice)
+    # 7 servers at TP 1 and 1 learner fill the node: over shm (one node) TP 2 would need 15 GPUs, the node has 8;
+    # over grpc the pool may span nodes, and TP 2 is advice.
+    for transport, tp_advised in (("shm", False), ("grpc", True)):
+        job = _job(**{"rollout.replicas": 7, "learner.gpus": 1, "sync.transport": transport,
+                      "rollout.gpuMemoryUtilization": 0.2})
+        plan = plan_memory(job, shape=SHAPE_7B, gpu_memory=80 * GiB)
+        assert plan.advice and ("raise spec.rollout.tensorParallelSize to 2" in " ".join(plan.advice)) == tp_advised
+        assert "raise spec.rollout.gpuMemoryUtilization to" in " ".join(plan.advice)
 
 
 @pytest.mark.parametrize("value,expected", [(None, "refuse"), ("", "refuse"), ("refuse", "refuse"),

@@ -278,7 +278,7 @@ class TrainingLoop:
             return target
         with self.ranks.guard("waiting for the rollout servers (rank 0)"):
             if self.rollouts is not None:
-                self.rollouts.wait_ready(timeout_s=self.cfg.rollout.request_timeout_s)
+                self.rollouts.wait_ready(timeout_s=self.job.spec.pool_wait_seconds)
         held = self.feed.hold_ahead()  # batches ahead keep their lag behind the weights across this sync
         self.sync_weights()  # once before the first rollout, and again on resume
         self.feed.restore_ahead(held)

@@ -31,7 +31,7 @@ from rmsft.jobspec import (
     JobSpec,
     RecipeConfig,
 )
-from rmsft.jobspec.pods import _LABEL_VALUE, _QUALIFIED_KEY, RESERVED_KEY_PREFIXES
+from rmsft.jobspec.pods import _LABEL_VALUE, _QUALIFIED_KEY, KUEUE_QUEUE_LABEL, RESERVED_KEY_PREFIXES
 
 SHORT_NAMES = ["rmj"]
 PHASES = ["Pending", "Starting", "Running", "Complete", "Failed", "Invalid"]
@@ -65,22 +65,14 @@ def duration_rule(field: str) -> dict[str, str]:
 # Cross-field rules on `spec` (same text as rmsft.jobspec.cross_field_errors).
 SPEC_RULES: list[dict[str, str]] = [
     {
-        # The budget rule below holds the same numbers for every GPU job; this one names the
-        # transport, so an shm job too big for one node is told why one node matters.
+        # The one-node budget binds shm only (host memory is one node's); over grpc or nccl the pool
+        # and the learner may span nodes, and the rules below keep each pod within one.
         "rule": "self.sync.transport != 'shm' || self.placement.accelerator == 'none' || "
         f"{_POOL_GPUS} + self.learner.gpus <= self.placement.gpusPerNode",
         "message": "spec.sync.transport 'shm' needs the learner and the whole pool on one node: "
         "spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus "
         "must be <= spec.placement.gpusPerNode",
         "fieldPath": ".sync.transport",
-        "reason": "FieldValueInvalid",
-    },
-    {
-        "rule": f"self.placement.accelerator == 'none' || self.learner.nodes > 1 || self.sync.transport == 'nccl' || "
-        f"{_POOL_GPUS} + self.learner.gpus <= self.placement.gpusPerNode",
-        "message": "spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus "
-        "must be <= spec.placement.gpusPerNode",
-        "fieldPath": ".placement.gpusPerNode",
         "reason": "FieldValueInvalid",
     },
     {
@@ -91,10 +83,9 @@ SPEC_RULES: list[dict[str, str]] = [
         "fieldPath": ".learner.ranksPerPod",
     },
     {
-        "rule": "self.placement.accelerator != 'nvidia' || self.learner.nodes == 1 "
-        "|| self.learner.gpus <= self.placement.gpusPerNode",
-        "message": "spec.learner.gpus must be <= spec.placement.gpusPerNode: with spec.learner.nodes > 1 it counts "
-        "GPUs per learner pod",
+        "rule": "self.placement.accelerator != 'nvidia' || self.learner.gpus <= self.placement.gpusPerNode",
+        "message": "spec.learner.gpus must be <= spec.placement.gpusPerNode: a learner pod is on one node (with "
+        "spec.learner.nodes > 1 it counts GPUs per learner pod)",
         "fieldPath": ".learner.gpus",
     },
     {
@@ -133,16 +124,10 @@ SPEC_RULES: list[dict[str, str]] = [
         "fieldPath": ".sync.mode",
     },
     {
-        "rule": "self.sync.transport != 'nccl' || self.placement.accelerator != 'nvidia' "
+        "rule": "self.placement.accelerator != 'nvidia' "
         "|| self.rollout.tensorParallelSize <= self.placement.gpusPerNode",
         "message": "spec.rollout.tensorParallelSize must be <= spec.placement.gpusPerNode: a server is one pod",
         "fieldPath": ".rollout.tensorParallelSize",
-    },
-    {
-        "rule": "self.sync.transport != 'nccl' || self.placement.accelerator != 'nvidia' || self.learner.nodes > 1 "
-        "|| self.learner.gpus <= self.placement.gpusPerNode",
-        "message": "spec.learner.gpus must be <= spec.placement.gpusPerNode: a learner pod is on one node",
-        "fieldPath": ".learner.gpus",
     },
     {
         "rule": "self.sync.mode != 'adapter' || self.rollout.enableLora",
@@ -311,6 +296,9 @@ LOCAL_RULES: dict[str, list[dict[str, str]]] = {
                  f"self.podLabels[k].matches('{_LABEL_VALUE}'))",
          "message": "spec.scheduling.podLabels: a value is not a label value (<= 63 chars: letters, digits, -_. "
                     "inside)", "fieldPath": ".podLabels"},
+        {"rule": f"!has(self.podLabels) || !('{KUEUE_QUEUE_LABEL}' in self.podLabels)",
+         "message": f"spec.scheduling.podLabels: {KUEUE_QUEUE_LABEL} goes on the job's workloads, not its pods: set "
+                    "spec.scheduling.queueName", "fieldPath": ".podLabels"},
         {"rule": f"!has(self.learnerTopologyKey) || self.learnerTopologyKey.matches('{_QUALIFIED_KEY}')",
          "message": "spec.scheduling.learnerTopologyKey is not a node label key", "fieldPath": ".learnerTopologyKey"},
     ],

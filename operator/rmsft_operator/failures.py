@@ -177,9 +177,23 @@ def _scheduled_since(pod: dict[str, Any]) -> dt.datetime | None:
     return None
 
 
+def not_admitted(queue: str | None, suspended: bool, pool_ready_since: dt.datetime | None, timeout_s: int,
+                 now: dt.datetime) -> tuple[str, str] | None:
+    """("LearnerNotAdmitted", message) when a queued job's pool has been Ready for `timeout_s` while Kueue still holds
+    its learner Job: Kueue admits the two workloads one by one, and the pool's GPUs would idle for as long as the
+    learner waits in the queue. Pure."""
+    if not queue or not suspended or pool_ready_since is None or now - pool_ready_since < dt.timedelta(
+            seconds=timeout_s):
+        return None
+    return "LearnerNotAdmitted", (f"the learner Job was not admitted by Kueue (LocalQueue {queue}) within "
+                                  f"spec.rollout.startupTimeout ({_span(timeout_s)}) of the rollout pool being Ready, "
+                                  "whose GPUs idled meanwhile: give the LocalQueue room for both workloads (the pool "
+                                  "and the learner), or a gang scheduler (spec.scheduling.schedulerName)")
+
+
 def startup_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[str, Any]], pool_starting: bool,
                     timeout_s: int, now: dt.datetime, pool_since: dt.datetime | None = None,
-                    pool_refused: str | None = None) -> tuple[str, str] | None:
+                    pool_refused: str | None = None, queued: bool = False) -> tuple[str, str] | None:
     """(reason, message) when the job cannot start and should fail now, else None. Pure.
 
     While the pool is starting (the learner still waits for it): a rollout server that said its configuration
@@ -214,7 +228,10 @@ def startup_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[
                     why = _server_says(said) or ended.get("reason") or "no message"
                     return "RolloutCrashLoop", (f"rollout pod {pname} restarted {restarts} times without becoming "
                                                 f"Ready (last exit code {code}): {why}")[:_MAX_HINT]
-            created = pool_since or parse_time((pod.get("metadata") or {}).get("creationTimestamp"))
+            # Queued (spec.scheduling.queueName): the clock starts when the pod is placed, after Kueue admitted
+            # the pool; a pod not placed yet waits in the queue (Kueue's waitForPodsReady bounds what follows).
+            created = _scheduled_since(pod) if queued else \
+                pool_since or parse_time((pod.get("metadata") or {}).get("creationTimestamp"))
             if created is not None and now - created >= limit:
                 problem = pod_problem([pod])
                 detail = problem[1] if problem else f"pod {pname} is still starting"

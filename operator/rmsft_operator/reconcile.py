@@ -39,6 +39,7 @@ from rmsft_operator.failures import (
     job_finished,
     job_state,
     lost_servers,
+    not_admitted,
     parse_time,
     pod_problem,
     preflight_failure,
@@ -336,8 +337,11 @@ def decide(obs: Observed, now: str) -> Decision:
         if sts is not None and (sts.get("spec") or {}).get("replicas") != 0:
             d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": 0}}))
         job_obj = obs.children.get("Job")
-        if job_obj is not None and not any(job_state(job_obj)[:2]) and not (job_obj.get("spec") or {}).get("suspend"):
-            d.patches.append(Patch("Job", n["job"], {"spec": {"suspend": True}}))  # a running Job of a final job
+        if job_obj is not None and not any(job_state(job_obj)[:2]):  # a Job of a final job that has not ended
+            if _queued(obs.spec):  # queued or running under Kueue: only deleting it stops it
+                d.deletes.append(_stop_learner(n, job_obj))
+            elif not (job_obj.get("spec") or {}).get("suspend"):
+                d.patches.append(Patch("Job", n["job"], {"spec": {"suspend": True}}))
         return finish(d)
 
     # 2. Edits that cannot be applied in place are refused; the job keeps running as applied.
@@ -475,27 +479,38 @@ def decide(obs: Observed, now: str) -> Decision:
     # 5b. A start that cannot succeed fails the job and frees what it holds (the pool scaled to zero, the
     # learner Job suspended, which removes a pod that waits for a node), instead of crash-looping forever.
     suspended = bool((learner.get("spec") or {}).get("suspend"))
+    # spec.scheduling.queueName: Kueue owns the learner Job's suspend (it resumes it on admission and would resume it
+    # again were the operator to suspend it): the operator never touches it, and stops a learner by deleting its Job.
+    queued = bool(job.spec.scheduling.queue_name)
     stalled = _stalled(status, job, suspended, obs.learner_pods, now)
     # A rollout pod that cannot get its image fails the start; once the learner runs, a replacement server's
-    # trouble is the failover's (the other servers go on), as in startup_failure.
-    pool_starting = not colocated and suspended
+    # trouble is the failover's (the other servers go on), as in startup_failure. Queued, the learner may run
+    # before the pool is Ready: the pool starts until it first was (startTime).
+    pool_starting = not colocated and (not status.get("startTime") if queued else suspended)
     failure = preflight or image_failure(obs.rollout_pods if pool_starting else [], obs.learner_pods) \
         or startup_failure(
         obs.rollout_pods, obs.learner_pods, pool_starting=pool_starting,
         timeout_s=job.spec.rollout.startup_timeout_seconds, now=parse_time(now) or dt.datetime.now(dt.UTC),
-        pool_since=parse_time((sts.get("metadata") or {}).get("creationTimestamp")),
-        pool_refused=obs.failed_creates.get("StatefulSet")) \
+        # Queued, a rollout pod's clock starts once Kueue admits the pool and the pod is placed, not at the
+        # StatefulSet's creation: waiting in the queue is not a failure to start.
+        pool_since=None if queued else parse_time((sts.get("metadata") or {}).get("creationTimestamp")),
+        pool_refused=obs.failed_creates.get("StatefulSet"), queued=queued) \
+        or not_admitted(job.spec.scheduling.queue_name, suspended, _held_since(status, learner),
+                        job.spec.rollout.startup_timeout_seconds, parse_time(now) or dt.datetime.now(dt.UTC)) \
         or (("LearnerStalled", stalled) if stalled and job.spec.learner.fail_when_stalled else None)
     if failure:
         reason, message = failure
         if not colocated and (sts.get("spec") or {}).get("replicas") != 0:
             d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": 0}}))
-        if not suspended and not failed:
+        if queued and not failed and obs.children.get("Job") is not None:
+            d.deletes.append(_stop_learner(n, obs.children["Job"]))
+        elif not suspended and not failed:
             d.patches.append(Patch("Job", n["job"], {"spec": {"suspend": True}}))
         status["rolloutReplicas"] = 0
         status.setdefault("completionTime", now)
         status["message"] = message
-        learner_reason = reason if reason in ("LearnerUnschedulable", "LearnerStartupTimeout") else "Suspended"
+        learner_reason = reason if reason in ("LearnerUnschedulable", "LearnerStartupTimeout",
+                                              "LearnerNotAdmitted") else "Suspended"
         status["conditions"] = [
             cond("Complete", False, "NotComplete", message),
             cond("Failed", True, reason, message),
@@ -527,10 +542,12 @@ def decide(obs: Observed, now: str) -> Decision:
     if not colocated and (sts.get("spec") or {}).get("replicas") != want:
         d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": want}}))
     pool_ready = colocated or (want > 0 and ready >= want)
-    if pool_ready and suspended:
+    if pool_ready and suspended and not queued:
         d.patches.append(Patch("Job", n["job"], {"spec": {"suspend": False}}))
         suspended = False
         status["startTime"] = now
+    elif pool_ready and queued and not status.get("startTime"):
+        status["startTime"] = now  # the pool's start is over; Kueue decides when the learner runs
 
     # 7. Conditions: say what holds the job up, in words a person can act on.
     pool_msg = "rollouts run inside the learner (colocate)" if colocated else f"{ready}/{want} rollout servers Ready"
@@ -548,7 +565,10 @@ def decide(obs: Observed, now: str) -> Decision:
     learner_ready = int((learner.get("status") or {}).get("ready") or 0)
     learner_running = not suspended and (learner_ready >= 1 or any(
         (p.get("status") or {}).get("phase") == "Running" for p in obs.learner_pods))
-    if suspended:
+    if suspended and queued:
+        learner_reason, learner_msg = "Queued", (f"learner Job waits for Kueue to admit it (LocalQueue "
+                                                 f"{job.spec.scheduling.queue_name})")
+    elif suspended:
         learner_reason, learner_msg = "Suspended", "learner waits for the rollout pool"
     elif learner_running:
         learner_reason, learner_msg = "Running", "learner pod running"
@@ -584,6 +604,30 @@ def decide(obs: Observed, now: str) -> Decision:
     else:
         d.phase = "Pending"
     return finish(d)
+
+
+def _held_since(status: dict[str, Any], learner: dict[str, Any]) -> dt.datetime | None:
+    """Since when a queued job's pool has been Ready while its learner Job is held: the later of the pool's first
+    Ready (status.startTime) and the Job's last suspension (its Suspended condition: Kueue suspends a Job it
+    preempts, which queues it again), so a learner preempted mid-run gets its own wait. None before the pool was
+    Ready."""
+    ready = parse_time(status.get("startTime"))
+    if ready is None:
+        return None
+    held = [parse_time(c.get("lastTransitionTime")) for c in (learner.get("status") or {}).get("conditions") or []
+            if c.get("type") == "Suspended" and c.get("status") == "True"]
+    return max([ready, *[t for t in held if t is not None]])
+
+
+def _queued(spec: Any) -> bool:
+    """The job's spec names a Kueue queue (read from the raw spec: a final job is not parsed again)."""
+    return bool(isinstance(spec, dict) and ((spec.get("scheduling") or {}).get("queueName")))
+
+
+def _stop_learner(n: dict[str, str], job_obj: dict[str, Any]) -> Delete:
+    """A queued job's learner stopped: its Job deleted (with its pods, and its Kueue Workload, which frees the
+    queue's quota); suspending it would be undone by Kueue."""
+    return Delete("Job", n["job"], (job_obj.get("metadata") or {}).get("uid", ""))
 
 
 def _next_attempt(d: Decision, job: RolloutMatchingJob, learner: dict[str, Any], attempt: int, why: str, ready: int,

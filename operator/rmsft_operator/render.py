@@ -52,6 +52,7 @@ NODE_RANK_ENV = "RMSFT_NODE_RANK"
 # the ConfigMap's folder, not inside it: a mount point cannot be made in a read-only ConfigMap volume).
 TLS_VOLUME = "rollout-tls"
 TLS_DIR = "/etc/rmsft-tls"
+from rmsft.jobspec.pods import KUEUE_QUEUE_LABEL  # noqa: E402  (Kueue's, on the workloads it admits)
 from rmsft.jobspec.rollout import HEALTH_PORT_ENV, TLS_DIR_ENV  # noqa: E402  (what the pods read)
 
 
@@ -123,6 +124,16 @@ def _meta(job: RolloutMatchingJob, name: str, namespace: str, uid: str, role: st
         "labels": labels(job.metadata.name, role),
         "ownerReferences": [owner_reference(job.metadata.name, uid)],
     }
+
+
+def _workload_meta(job: RolloutMatchingJob, name: str, namespace: str, uid: str, role: str) -> dict[str, Any]:
+    """The metadata of a workload a queue admits (the rollout StatefulSet, the learner Job): `_meta`, with Kueue's
+    queue label when spec.scheduling.queueName names one. Nothing else of the job carries it (the shm cleanup Job
+    is rmsft's housekeeping, not the user's work)."""
+    meta = _meta(job, name, namespace, uid, role)
+    if job.spec.scheduling.queue_name:
+        meta["labels"][KUEUE_QUEUE_LABEL] = job.spec.scheduling.queue_name
+    return meta
 
 
 def render_secret(job: RolloutMatchingJob, namespace: str, uid: str, token: str | None = None) -> dict[str, Any]:
@@ -483,7 +494,7 @@ def render_statefulset(job: RolloutMatchingJob, namespace: str, uid: str,
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": _meta(job, n["statefulset"], namespace, uid, "rollout"),
+        "metadata": _workload_meta(job, n["statefulset"], namespace, uid, "rollout"),
         "spec": {
             "replicas": r.replicas if replicas is None else replicas,
             "serviceName": n["service"],
@@ -576,9 +587,10 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": _meta(job, n["job"], namespace, uid, "learner"),
+        "metadata": _workload_meta(job, n["job"], namespace, uid, "learner"),
         "spec": {
-            # Created suspended: the operator resumes it once every rollout server is Ready.
+            # Created suspended: the operator resumes it once every rollout server is Ready; or, with
+            # spec.scheduling.queueName, Kueue resumes it when it admits it (the learner then waits for the pool).
             "suspend": True,
             "backoffLimit": lr.backoff_limit,
             # A pod lost to a disruption (an eviction, a drain, a preemption: the pod gets a DisruptionTarget

@@ -45,6 +45,17 @@ class JobSpec(_K8s):
         return self
 
     @property
+    def pool_wait_seconds(self) -> float:
+        """How long the learner waits at start for every server to be Ready. The operator resumes the learner once
+        the pool is Ready, so one request's timeout is enough; queued (spec.scheduling.queueName), Kueue admits the
+        learner and the pool one by one and the learner may start first: it waits up to the pool's
+        startupTimeout too."""
+        wait = self.training.rollout.request_timeout_s
+        if self.scheduling.queue_name:
+            wait = max(wait, float(self.rollout.startup_timeout_seconds))
+        return wait
+
+    @property
     def gpus_needed(self) -> int:
         if self.rollout.colocated:  # the engine shares the learner's devices
             return self.learner.gpus
@@ -54,9 +65,9 @@ class JobSpec(_K8s):
 def cross_field_errors(spec: JobSpec) -> list[str]:
     """Rules that span sections; mirrored one-to-one by CEL rules in the CRD."""
     errs: list[str] = []
-    # First, so that an shm job too big for a node is told about the transport (the budget rule
-    # below then holds the same numbers; only the first message reaches the user here). Only an
-    # explicit shm: auto is grpc in a cluster, and `rmsft local` checks the machine's GPUs itself.
+    # The one-node budget binds shm only (host memory is one node's: the operator puts every pod on one node).
+    # Only an explicit shm: auto is grpc in a cluster, and `rmsft local` checks the machine's GPUs itself. Over
+    # grpc or nccl the pool and the learner may span nodes; each pod still fits one (below).
     if spec.sync.transport == "shm" and spec.placement.accelerator == "nvidia" \
             and spec.gpus_needed > spec.placement.gpus_per_node:
         errs.append(
@@ -64,19 +75,14 @@ def cross_field_errors(spec: JobSpec) -> list[str]:
             f"spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus ({spec.gpus_needed}) "
             f"must be <= spec.placement.gpusPerNode ({spec.placement.gpus_per_node})"
         )
-    if spec.placement.accelerator == "nvidia" and spec.learner.nodes == 1 and spec.sync.transport != "nccl" \
-            and spec.gpus_needed > spec.placement.gpus_per_node:
-        errs.append(
-            f"spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus "
-            f"({spec.gpus_needed}) must be <= spec.placement.gpusPerNode ({spec.placement.gpus_per_node})"
-        )
     if spec.placement.accelerator == "none" and spec.learner.gpus > 0:
         errs.append("spec.learner.gpus must be 0 when spec.placement.accelerator is 'none'")
     if spec.sync.transport == "nccl" and spec.sync.mode != "full":
         errs.append("spec.sync.transport 'nccl' carries full weights: spec.sync.mode must be 'full' (adapters go "
                     "over grpc)")
-    if spec.sync.transport == "nccl" and spec.placement.accelerator == "nvidia" \
-            and spec.rollout.tensor_parallel_size > spec.placement.gpus_per_node:
+    # Only shm needs the whole job on one node (above); over the network each pod must fit a node: a server's
+    # TP group and the learner's GPUs (per pod) are one pod each.
+    if spec.placement.accelerator == "nvidia" and spec.rollout.tensor_parallel_size > spec.placement.gpus_per_node:
         errs.append(f"spec.rollout.tensorParallelSize ({spec.rollout.tensor_parallel_size}) must be <= "
                     f"spec.placement.gpusPerNode ({spec.placement.gpus_per_node}): a server is one pod")
     if spec.sync.mode == "adapter" and not spec.rollout.enable_lora:
@@ -110,17 +116,15 @@ def learner_pods_errors(spec: JobSpec) -> list[str]:
     if accelerated and lr.ranks_per_pod is not None and lr.ranks_per_pod != lr.gpus:
         errs.append(f"spec.learner.ranksPerPod ({lr.ranks_per_pod}) must equal spec.learner.gpus ({lr.gpus}) when "
                     "spec.placement.accelerator is 'nvidia' (one rank per GPU; leave it unset)")
-    if lr.nodes == 1 and spec.sync.transport == "nccl" and accelerated and lr.gpus > spec.placement.gpus_per_node:
+    if accelerated and lr.gpus > spec.placement.gpus_per_node:
         errs.append(f"spec.learner.gpus ({lr.gpus}) must be <= spec.placement.gpusPerNode "
-                    f"({spec.placement.gpus_per_node}): a learner pod is on one node")
+                    f"({spec.placement.gpus_per_node}): a learner pod is on one node (with spec.learner.nodes > 1 it "
+                    "counts GPUs per learner pod)")
     if lr.nodes == 1:
         if spec.scheduling.learner_topology_key:
             errs.append("spec.scheduling.learnerTopologyKey applies to spec.learner.nodes > 1 (the learner's pods "
                         "meeting in one topology domain)")
         return errs
-    if accelerated and lr.gpus > spec.placement.gpus_per_node:
-        errs.append(f"spec.learner.gpus ({lr.gpus}) must be <= spec.placement.gpusPerNode "
-                    f"({spec.placement.gpus_per_node}): with spec.learner.nodes > 1 it counts GPUs per learner pod")
     if spec.rollout.colocated:
         errs.append("spec.learner.nodes > 1 is not available with spec.rollout.mode 'colocate' yet (one learner pod "
                     "holds the engines); use server mode")

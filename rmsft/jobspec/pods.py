@@ -151,6 +151,9 @@ _QUALIFIED_KEY = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-
 _LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 # Keys rmsft sets on its pods itself: the selectors, the learner's completion index, the scrape annotations.
 RESERVED_KEY_PREFIXES = ("app.kubernetes.io/", "rmsft.io/", "batch.kubernetes.io/", "prometheus.io/")
+# Kueue's queue label (kueue.sigs.k8s.io): set by spec.scheduling.queueName on the learner Job and the rollout
+# StatefulSet, the workloads Kueue admits; on a pod alone it would make each pod a workload of its own.
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 
 def _check_keys(where: str, v: dict[str, str], values: bool) -> dict[str, str]:
@@ -180,6 +183,13 @@ class SchedulingSpec(_K8s):
     pod_annotations: dict[str, str] = Field(
         default_factory=dict, max_length=64, description="Annotations added to every rollout and learner pod, e.g. "
         "k8s.v1.cni.cncf.io/networks for a secondary network (Multus). The same keys are rmsft's as for podLabels.")
+    queue_name: str | None = Field(
+        None, pattern=_DNS_LABEL, max_length=63, description="A Kueue LocalQueue in the job's namespace: its label "
+        "(kueue.x-k8s.io/queue-name) goes on the learner Job and the rollout StatefulSet, two workloads Kueue admits "
+        "one by one. Kueue then owns the learner Job's suspend: the operator never resumes it, the learner starts "
+        "when Kueue admits it and waits for the pool itself (up to spec.rollout.startupTimeout), and a job that ends "
+        "or fails has its learner Job deleted (which gives back its quota) rather than suspended. Rollout pods that "
+        "wait for admission do not count against spec.rollout.startupTimeout.")
     learner_topology_key: str | None = Field(
         None, max_length=253, description="With spec.learner.nodes > 1: a node label whose value every learner pod's "
         "node must share (required pod affinity on it), e.g. a rack or network-block label, so that the ranks "
@@ -188,6 +198,9 @@ class SchedulingSpec(_K8s):
     @field_validator("pod_labels")
     @classmethod
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        if KUEUE_QUEUE_LABEL in v:
+            raise ValueError(f"spec.scheduling.podLabels: {KUEUE_QUEUE_LABEL} goes on the job's workloads, not its "
+                             "pods: set spec.scheduling.queueName")
         return _check_keys("spec.scheduling.podLabels", v, values=True)
 
     @field_validator("pod_annotations")

@@ -620,6 +620,35 @@ def test_scheduling_pass_throughs_reach_the_pods_the_controllers_make(control_pl
     _finish(cp, "mike")
 
 
+def test_a_queued_job_waits_for_kueue_to_admit_its_learner(control_plane: ControlPlane, operator: Operator) -> None:
+    """Issue 45, item 3: spec.scheduling.queueName on the real API server, with the test in Kueue's place (this
+    cluster runs no Kueue): the queue label on the StatefulSet and the learner Job the API server stores; the pool
+    Ready, the operator leaves the Job suspended and says it waits for Kueue; once "admitted" (resumed as Kueue does)
+    the Job controller's learner pod runs and the job completes, its pool scaled to zero."""
+    cp = control_plane
+    _apply(cp, _manifest("papa", **{"rollout.replicas": 1, "sync.transport": "grpc",
+                                    "scheduling": {"queueName": "gpu-team"}}))
+    cp.wait_for(lambda: _child(cp, "Job", "papa-learner") is not None, 30, "the learner Job created")
+    for kind, child in (("StatefulSet", "papa-rollout"), ("Job", "papa-learner")):
+        assert _child(cp, kind, child)["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-team", kind
+    _start_pool(cp, operator, "papa", 1)
+    cr = _wait_cr(cp, operator, "papa", lambda c: _cond(c, "LearnerRunning").get("reason") == "Queued",
+                  "the learner queued")
+    assert "LocalQueue gpu-team" in _cond(cr, "LearnerRunning")["message"] and cr["status"].get("startTime")
+    time.sleep(3)  # more passes: still suspended, still no learner pod
+    assert _child(cp, "Job", "papa-learner")["spec"]["suspend"] is True and not _pods(cp, "papa", "learner")
+
+    cp.ok("PATCH", f"/apis/batch/v1/namespaces/{JOBS_NS}/jobs/papa-learner", {"spec": {"suspend": False}})  # Kueue
+    learner = _learner_pod(cp, "papa")
+    cp.set_pod_phase(JOBS_NS, learner["metadata"]["name"], "Running")
+    _wait_cr(cp, operator, "papa", lambda c: c["status"]["phase"] == "Running", "Running")
+    cp.set_pod_phase(JOBS_NS, learner["metadata"]["name"], "Succeeded")
+    _wait_cr(cp, operator, "papa", lambda c: c["status"]["phase"] == "Complete", "Complete")
+    cp.wait_for(lambda: _child(cp, "StatefulSet", "papa-rollout")["spec"]["replicas"] == 0, 30, "pool scaled to 0")
+    assert _child(cp, "Job", "papa-learner") is not None  # a learner Job that ended is kept
+    _finish(cp, "papa")
+
+
 def test_delete_garbage_collects_every_child(control_plane: ControlPlane, operator: Operator) -> None:
     """Deleting a job deletes its children; an shm job's (the reference job's transport) also gets the Job that
     empties its folder on its node, whose pod the API server admits: the operator's own image (the chart's, not the

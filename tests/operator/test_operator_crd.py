@@ -50,8 +50,11 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("privileged-port", {"spec.rollout.port": 80}, ["spec.rollout.port"]),
     ("same-ports", {"spec.rollout.port": 9090}, ["spec.rollout.port"]),
     ("sync-mode-enum", {"spec.sync.mode": "nccl"}, ["spec.sync.mode"]),
-    ("gpu-budget-dp", {"spec.rollout.replicas": 7, "spec.sync.transport": "grpc"},
-     ["spec.placement.gpusPerNode", "spec.rollout.replicas"]),
+    # Over the network the job may span nodes, but each pod fits one (issue 45).
+    ("tp-over-a-node", {"spec.sync.transport": "grpc", "spec.rollout.replicas": 1,
+                        "spec.rollout.tensorParallelSize": 16}, ["spec.rollout.tensorParallelSize", "one pod"]),
+    ("learner-gpus-over-a-node", {"spec.sync.transport": "grpc", "spec.learner.gpus": 9},
+     ["spec.learner.gpus", "a learner pod is on one node"]),
     # An shm job must fit one node (gpusPerNode); the refusal names the transport.
     ("shm-pool-too-big", {"spec.sync.transport": "shm", "spec.rollout.replicas": 7},
      ["spec.sync.transport", "spec.placement.gpusPerNode"]),
@@ -190,6 +193,9 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
      ["spec.learner.gpus", "spec.placement.gpusPerNode", "per learner pod"]),
     ("learner-ranks-per-pod-with-gpus", {"spec.learner.ranksPerPod": 3}, ["spec.learner.ranksPerPod"]),
     # spec.scheduling (issue 45): the user's pod labels and annotations never take rmsft's keys, and are valid
+    ("scheduling-queue-name", {"spec.scheduling.queueName": "GPU_team"}, ["spec.scheduling.queueName"]),
+    ("scheduling-queue-label-on-pods", {"spec.scheduling.podLabels": {"kueue.x-k8s.io/queue-name": "gpu-team"}},
+     ["spec.scheduling.podLabels", "spec.scheduling.queueName"]),
     ("scheduling-reserved-label", {"spec.scheduling.podLabels": {"rmsft.io/job": "other"}},
      ["spec.scheduling.podLabels", "rmsft's own"]),
     ("scheduling-reserved-annotation", {"spec.scheduling.podAnnotations": {"prometheus.io/port": "1"}},
@@ -259,16 +265,17 @@ def _assert_subset(crd: Any, model: Any, where: str) -> None:
         assert crd == model, f"{where}: CRD gives {crd!r}, model gives {model!r}"
 
 
-def test_an_nccl_job_may_span_nodes_where_a_grpc_job_may_not() -> None:
-    """The one-node budget (pool + learner <= gpusPerNode) binds the node-local transports; nccl moves weights over
-    the network, so its pool and learner may take more GPUs than one node has."""
+def test_a_job_over_the_network_may_span_nodes_where_an_shm_job_may_not() -> None:
+    """The one-node budget (pool + learner <= gpusPerNode) binds shm only (host memory is one node's); grpc and nccl
+    move weights over the network, so their pool and learner may take more GPUs than one node has."""
     doc = _base()
     _set(doc, "spec.rollout.replicas", 7)
-    _set(doc, "spec.sync.transport", "nccl")
-    assert admit(doc) == []
-    parse_job(doc)
-    _set(doc, "spec.sync.transport", "grpc")
-    assert any("spec.placement.gpusPerNode" in e for e in admit(doc))
+    for transport in ("grpc", "nccl", "auto"):
+        _set(doc, "spec.sync.transport", transport)
+        assert admit(doc) == [], transport
+        assert parse_job(doc).spec.gpus_needed == 9
+    _set(doc, "spec.sync.transport", "shm")
+    assert any("spec.placement.gpusPerNode" in e and "spec.sync.transport 'shm'" in e for e in admit(doc))
 
 
 def test_shm_on_cpus_is_left_to_the_scheduler() -> None:

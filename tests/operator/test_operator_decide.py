@@ -964,3 +964,120 @@ def test_the_servers_flags_follow_the_operator_so_an_older_configmap_gets_the_re
     patch = next(p for p in decide(obs, NOW).patches if p.kind == "ConfigMap")
     assert yaml.safe_load(patch.body["data"][render.SERVE_KEY])["relay_allow"] == serve["relay_allow"]
     assert render.SERVERS_KEY not in patch.body["data"]  # the server list was right: not rewritten
+
+
+# ------------------------------------------------------------------ spec.scheduling.queueName (Kueue, issue 45)
+
+_QUEUED = {"scheduling.queueName": "gpu-team"}
+
+
+def _placed(pod: dict[str, Any], minutes: int) -> dict[str, Any]:
+    """`pod`, placed by the scheduler `minutes` before NOW (PodScheduled True since then)."""
+    pod["status"].setdefault("conditions", []).append(
+        {"type": "PodScheduled", "status": "True", "lastTransitionTime": MIN_AGO[minutes]})
+    return pod
+
+
+def test_a_queued_job_labels_its_two_workloads_and_leaves_the_learners_suspend_to_kueue() -> None:
+    """Kueue admits the learner Job and the rollout StatefulSet by their queue label, and owns the Job's suspend: the
+    operator creates the Job suspended as always, never resumes it (not even with the pool Ready), says the learner
+    waits for Kueue, and the job's start is timed from the pool being Ready, as the learner (started by Kueue) waits
+    for it itself."""
+    spec = _spec(**_QUEUED)
+    d = decide(World(spec=spec, exists=()).observed(), NOW)
+    created = {render.child_key(o): o for o in d.creates}
+    assert created["Job"]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-team"
+    assert created["StatefulSet"]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-team"
+    assert created["Job"]["spec"]["suspend"] is True
+    assert not any("kueue.x-k8s.io/queue-name" in (o["metadata"].get("labels") or {}) for k, o in created.items()
+                   if k not in ("Job", "StatefulSet"))
+    assert not any("kueue.x-k8s.io/queue-name" in o["spec"]["template"]["metadata"]["labels"]
+                   for o in (created["Job"], created["StatefulSet"]))  # Kueue's webhooks label the pods
+    unqueued = {render.child_key(o): o for o in decide(World(exists=()).observed(), NOW).creates}
+    assert "kueue.x-k8s.io/queue-name" not in unqueued["Job"]["metadata"]["labels"]
+
+    ready = decide(World(spec=spec, ready=2).observed(), NOW)
+    assert ready.patches == [] and ready.status["startTime"] == NOW
+    lr = _cond(ready, "LearnerRunning")
+    assert (lr["status"], lr["reason"]) == ("False", "Queued") and "LocalQueue gpu-team" in lr["message"]
+    # Not resumed by the operator without a queue: the same world resumes it.
+    assert decide(World(ready=2).observed(), NOW).patches == [Patch("Job", N["job"], {"spec": {"suspend": False}})]
+    # Kueue admitted the learner before the pool was Ready: it runs and waits; the pool still starts.
+    early = decide(World(spec=spec, ready=1, suspended=False, job_status={"active": 1, "ready": 1},
+                         learner_pods=[_pod("learner", "l-1", "Running")]).observed(), NOW)
+    assert early.patches == [] and "startTime" not in early.status and early.phase == "Running"
+    assert _cond(early, "RolloutReady")["reason"] == "PoolNotReady"
+
+
+def test_a_queued_job_that_fails_to_start_deletes_its_learner_job_instead_of_suspending_it() -> None:
+    """Kueue would resume a Job the operator suspended: a queued job that fails stops its learner by deleting the Job
+    (its pods and its Workload go with it, which gives back the queue's quota); the pool is scaled to zero as for
+    any job. Once final, a learner Job still there (queued or running) is deleted too, never suspended."""
+    crash = [_server(restarts=3, ended={"exitCode": 1, "message": "RuntimeError: CUDA error: out of memory"})]
+    for suspended in (True, False):  # waiting in the queue, or admitted and waiting for the pool
+        d = decide(World(spec=_spec(**_QUEUED), suspended=suspended, rollout_pods=crash).observed(), NOW)
+        assert d.phase == "Failed" and _cond(d, "Failed")["reason"] == "RolloutCrashLoop"
+        assert d.deletes == [Delete("Job", N["job"], "job-uid-1")]
+        assert d.patches == [Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 0}})]
+    unqueued = decide(World(rollout_pods=crash).observed(), NOW)  # its Job stays suspended, as the operator made it
+    assert unqueued.phase == "Failed" and unqueued.deletes == [] and not [p for p in unqueued.patches
+                                                                          if p.kind == "Job"]
+
+    final = {"phase": "Failed", "message": "learner failed"}
+    d = decide(World(spec=_spec(**_QUEUED), suspended=False, status=final).observed(), NOW)
+    assert d.deletes == [Delete("Job", N["job"], "job-uid-1")] and not [p for p in d.patches if p.kind == "Job"]
+    ended = decide(World(spec=_spec(**_QUEUED), suspended=False, job_status={"succeeded": 1},
+                         status={"phase": "Complete"}).observed(), NOW)
+    assert ended.deletes == []  # a learner Job that ended is kept (its pods' logs)
+
+
+def test_a_queued_pool_is_timed_from_its_placement_not_its_creation() -> None:
+    """Rollout pods waiting for Kueue's admission (not placed: gated) are not failing to start, however long they
+    wait; once placed, spec.rollout.startupTimeout runs from the placement. Unqueued, the clock is the StatefulSet's
+    creation, so the same pods fail the job."""
+    spec = _spec(**{**_QUEUED, "rollout.startupTimeout": "30m"})
+    gated = _server("demo-rollout-0", created=120)
+    gated["status"]["conditions"].append({"type": "PodScheduled", "status": "False", "reason": "SchedulingGated"})
+    assert decide(World(spec=spec, rollout_pods=[gated]).observed(), NOW).phase == "Pending"
+    assert _cond(decide(World(spec=_spec(), rollout_pods=[copy.deepcopy(gated)]).observed(), NOW),
+                 "Failed")["reason"] == "RolloutStartupTimeout"
+    recent = _placed(_server("demo-rollout-0", created=120), 29)
+    assert decide(World(spec=spec, rollout_pods=[recent]).observed(), NOW).phase == "Pending"
+    stuck = _placed(_server("demo-rollout-0", created=120), 31)
+    failed = decide(World(spec=spec, rollout_pods=[stuck]).observed(), NOW)
+    assert _cond(failed, "Failed")["reason"] == "RolloutStartupTimeout"
+    assert "spec.rollout.startupTimeout (30 min)" in failed.status["message"]
+
+
+def test_a_pool_left_idle_by_a_learner_kueue_does_not_admit_fails_the_job_after_the_startup_timeout() -> None:
+    """Kueue admits the pool and the learner one by one: a pool Ready for spec.rollout.startupTimeout while its
+    learner Job still waits in the queue fails the job, naming the queue (its GPUs idled), the Job deleted and the
+    pool scaled to zero. A learner Kueue suspended again mid-run (a preemption: the Job's Suspended condition) gets
+    a wait of its own."""
+    spec = _spec(**{**_QUEUED, "rollout.startupTimeout": "30m"})
+    waiting = World(spec=spec, ready=2, status={"startTime": MIN_AGO[29]})
+    assert decide(waiting.observed(), NOW).phase == "Starting"
+    idle = decide(replace(waiting, status={"startTime": MIN_AGO[31]}).observed(), NOW)
+    assert idle.phase == "Failed" and _cond(idle, "Failed")["reason"] == "LearnerNotAdmitted"
+    assert _cond(idle, "LearnerRunning")["reason"] == "LearnerNotAdmitted"
+    assert "LocalQueue gpu-team" in idle.status["message"] and "spec.rollout.startupTimeout (30 min)" in \
+        idle.status["message"]
+    assert idle.deletes == [Delete("Job", N["job"], "job-uid-1")]
+    assert idle.patches == [Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 0}})]
+    preempted = replace(waiting, status={"startTime": MIN_AGO[120]}, job_status={"conditions": [
+        {"type": "Suspended", "status": "True", "reason": "JobSuspended", "lastTransitionTime": MIN_AGO[4]}]})
+    assert decide(preempted.observed(), NOW).phase != "Failed"
+    unqueued = World(ready=2, status={"startTime": MIN_AGO[120]})  # the operator resumes it: nothing to wait for
+    assert decide(unqueued.observed(), NOW).patches == [Patch("Job", N["job"], {"spec": {"suspend": False}})]
+
+
+def test_the_learner_kueue_starts_before_its_pool_waits_as_long_as_the_pool_may_take() -> None:
+    """The learner's first wait for its servers (learner.train.loop) is one request's timeout when the operator
+    resumes it (the pool is Ready by then); queued, Kueue may start it first, and it waits the pool's startupTimeout."""
+    spec = _spec(**{"rollout.startupTimeout": "30m"})
+    request = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
+                         "metadata": {"name": NAME}, "spec": spec}).spec
+    assert request.pool_wait_seconds == request.training.rollout.request_timeout_s < 1800
+    queued = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
+                        "metadata": {"name": NAME}, "spec": {**spec, "scheduling": {"queueName": "gpu-team"}}}).spec
+    assert queued.pool_wait_seconds == 1800

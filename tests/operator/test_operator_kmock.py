@@ -219,7 +219,7 @@ def test_replicas_edit_scales_statefulset_other_edits_refused(cluster: KmockClus
 def test_invalid_spec_reports_condition_and_creates_nothing(cluster: KmockCluster, operator: Any) -> None:
     # kmock enforces no CRD schema: the operator's own validation is the last line of defence.
     doc = _manifest("echo", **{"placement.accelerator": "nvidia", "placement.gpusPerNode": 8,
-                               "rollout.replicas": 7, "learner.gpus": 2})
+                               "rollout.replicas": 1, "learner.gpus": 9})
     _create(cluster, doc)
     cr = wait_for(lambda: (c := _cr(cluster, "echo")).get("status", {}).get("phase") == "Invalid" and c,
                   what="Invalid")
