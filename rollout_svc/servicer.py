@@ -1,4 +1,5 @@
-"""The `RolloutService` gRPC servicer: Generate, UpdateWeights, GetStatus, JoinWeightGroup."""
+"""The `RolloutService` gRPC servicer: Generate, UpdateWeights, GetStatus; JoinWeightGroup and the updates over a
+weight-transfer group (transport nccl) are rollout_svc.weight_group's."""
 
 from __future__ import annotations
 
@@ -20,15 +21,12 @@ from rmsft.weight_wire import (
     ADAPTER,
     FRESH,
     FULL,
-    StagedTensor,
-    StreamReader,
     WeightVersion,
     WireError,
     set_version,
     version_of,
 )
-from rmsft.weight_wire.outcomes import GROUP_READY_METADATA, SHARED_OPENED_METADATA, relayed_metadata
-from rmsft.weight_wire.transfer import update_info, worker_init_info
+from rmsft.weight_wire.outcomes import SHARED_OPENED_METADATA, relayed_metadata
 from rollout_engine import metrics
 from rollout_engine.config import ServeConfig
 from rollout_engine.engine import (
@@ -36,7 +34,6 @@ from rollout_engine.engine import (
     EngineError,
     EngineInputError,
     checkpoint_table,
-    tied_head_alias,
     tied_lm_head,
 )
 from rollout_engine.prompts import PromptError, build_items, samples_per_prompt
@@ -49,6 +46,7 @@ from rollout_svc.staging import (
     full_expectation,
     write_adapter_dir,
 )
+from rollout_svc.weight_group import GroupMember, peek_group_header
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +60,7 @@ class _Abort(Exception):
         self.code = code
 
 
-class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(self, cfg: ServeConfig, on_broken=None):
         self.cfg = cfg
         self.engine = None
@@ -149,6 +147,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def _finish(method: str, context, code: grpc.StatusCode, message: str):
         metrics.REQUESTS.labels(method=method, code=code.name).inc()
         context.abort(code, message)
+
+    def _abort_unless_ready(self, method: str, context) -> None:
+        try:
+            self._require_ready()
+        except _Abort as e:
+            self._finish(method, context, e.code, str(e))
 
     def _require_ready(self) -> None:
         if self._broken:
@@ -264,16 +268,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def UpdateWeights(self, request_iterator, context):
         t0 = time.perf_counter()
         mode = "unknown"
-        try:
-            self._require_ready()
-        except _Abort as e:
-            self._finish("UpdateWeights", context, e.code, str(e))
+        self._abort_unless_ready("UpdateWeights", context)
         if not self._update_lock.acquire(blocking=False):
             metrics.WEIGHT_SYNC_FAILURES.labels(reason="busy").inc()
             self._finish("UpdateWeights", context, grpc.StatusCode.ABORTED,
                          "another weight update is in progress on this server")
         try:
-            request_iterator, group_header = _peek_group_header(request_iterator)
+            request_iterator, group_header = peek_group_header(request_iterator)
         except grpc.RpcError:
             self._update_lock.release()
             self._finish("UpdateWeights", context, grpc.StatusCode.CANCELLED, "weight stream broken off")
@@ -351,114 +352,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             apply_seconds=self._last_apply_seconds,
             relayed=self._relayed(relays),
         ), self.runner.weights)
-
-    # Transport nccl ---------------------------------------------------------------------------
-    def JoinWeightGroup(self, request, context):
-        """Join the learner's weight-transfer group (rank 0 is the learner): replaces any group this server was in.
-        Runs with no Generate call running, as an apply does: the engine's workers block in the rendezvous."""
-        try:
-            self._require_ready()
-        except _Abort as e:
-            self._finish("JoinWeightGroup", context, e.code, str(e))
-        if not self.cfg.weight_transfer:
-            self._finish("JoinWeightGroup", context, grpc.StatusCode.FAILED_PRECONDITION,
-                         "this server was started without --weight-transfer (spec.sync.transport nccl starts servers "
-                         "with it); full weights reach it over gRPC")
-        if not self._update_lock.acquire(blocking=False):
-            self._finish("JoinWeightGroup", context, grpc.StatusCode.ABORTED,
-                         "a weight update is in progress on this server")
-        try:
-            info = worker_init_info(self.cfg.weight_transfer, master_address=request.master_address,
-                                    master_port=request.master_port, world_size=request.world_size,
-                                    rank_offset=request.rank_offset, timeout_s=request.timeout_s or 300.0)
-            self._group_id = ""  # the old group is left whatever happens next
-            self.runner.call(lambda: self.engine.join_weight_group(info))
-            self._group_id = request.group_id
-        except EngineDead as e:
-            self._dead(str(e))
-            self._finish("JoinWeightGroup", context, grpc.StatusCode.UNAVAILABLE, str(e))
-        except (EngineError, RunnerStopped) as e:
-            self._finish("JoinWeightGroup", context, grpc.StatusCode.UNAVAILABLE,
-                         f"joining weight-transfer group {request.group_id} failed: {e}")
-        finally:
-            self._update_lock.release()
-        log.info("joined weight-transfer group %s (%s, ranks %d..%d of %d)", request.group_id,
-                 self.cfg.weight_transfer, request.rank_offset,
-                 request.rank_offset + self.engine.tensor_parallel_size - 1, request.world_size)
-        metrics.REQUESTS.labels(method="JoinWeightGroup", code="OK").inc()
-        return rollout_pb2.JoinWeightGroupReply(group_id=request.group_id, ranks=self.engine.tensor_parallel_size)
-
-    def _update_over_group(self, header, rest, context, t0: float):
-        """An UpdateWeights stream whose header lists the tensors of a FULL update coming over the weight-transfer
-        group: check the listing, drain, say ready (initial metadata), wait for the learner's go (the trailer), then
-        receive and load. Called off before the go (the stream ended, cancelled): nothing applied. Under the update
-        lock (taken by UpdateWeights)."""
-        try:
-            tensors = self._check_group_update(header)
-            self.runner.call(lambda: self._receive_over_group(header, tensors, rest, context))
-        except WireError as e:
-            if e.reason == "truncated" and not context.is_active():
-                e.reason = "cancelled"
-            metrics.WEIGHT_SYNC_FAILURES.labels(reason=e.reason).inc()
-            log.warning("weight update over group refused (%s): %s", e.reason, e)
-            self._finish("UpdateWeights", context, getattr(grpc.StatusCode, e.code), str(e))
-        except EngineDead as e:
-            metrics.WEIGHT_SYNC_FAILURES.labels(reason="apply").inc()
-            self._group_id = ""
-            self._dead(str(e))
-            self._finish("UpdateWeights", context, grpc.StatusCode.UNAVAILABLE,
-                         f"{e}; this server is exiting to be restarted, and starts again from the checkpoint")
-        except (EngineError, RunnerStopped) as e:
-            metrics.WEIGHT_SYNC_FAILURES.labels(reason="apply").inc()
-            self._finish("UpdateWeights", context, grpc.StatusCode.UNAVAILABLE, f"{e}: nothing was applied")
-        finally:
-            self._update_lock.release()
-        metrics.WEIGHT_SYNC_SECONDS.labels(mode="full").observe(time.perf_counter() - t0)
-        metrics.REQUESTS.labels(method="UpdateWeights", code="OK").inc()
-        return set_version(rollout_pb2.UpdateReply(tensors_applied=len(self._last_applied),
-                                                   bytes_received=self._last_bytes,
-                                                   apply_seconds=self._last_apply_seconds), self.runner.weights)
-
-    def _check_group_update(self, header) -> list[StagedTensor]:
-        group = header.transfer_group
-        if header.mode != FULL:
-            raise WireError("a weight-transfer group carries FULL updates only (adapters go over gRPC)")
-        if group.group_id != self._group_id:
-            raise WireError(f"the update goes over weight-transfer group {group.group_id or '(none)'}; this server is "
-                            f"in {self._group_id or 'none'} (the learner rebuilds the group)",
-                            code="FAILED_PRECONDITION", reason="group")
-        if header.relay_to or header.HasField("shared_file"):
-            raise WireError("a transfer-group update neither relays nor names a shared file")
-        table, optional, require_all = self._expected_for(header)
-        reader = StreamReader(expected=table, optional=optional, require_all=require_all)
-        reader.on_header(header)
-        reader.on_listing(group.tensors)
-        return reader.tensors
-
-    def _receive_over_group(self, header, tensors: list[StagedTensor], rest, context) -> None:
-        context.send_initial_metadata(GROUP_READY_METADATA)
-        try:
-            go = next(rest)
-        except StopIteration:
-            raise WireError("the learner called the update off before sending (another member was not ready): "
-                            "nothing was applied", reason="truncated") from None
-        if go.WhichOneof("kind") != "trailer":
-            raise WireError("a transfer-group update is a header and a trailer only")
-        t0 = time.perf_counter()
-        # With tied embeddings the learner sends the embedding only; load it under the head's name too.
-        head = tied_head_alias(self._tied, [t.name for t in tensors])
-        self.engine.receive_weights(update_info(self.cfg.weight_transfer, [(t.name, t.spec) for t in tensors], head))
-        self.engine.reset_prefix_cache()
-        self._full_names = self._full_names | frozenset(t.name for t in tensors)
-        if self._rollback is not None:  # the last gRPC stream is older than what serves now: no rollback copy
-            self._rollback.cleanup()
-            self._rollback = None
-        self._rollback_is_checkpoint = False
-        if self._adapter_dir:
-            shutil.rmtree(self._adapter_dir, ignore_errors=True)
-            self._adapter_dir = None
-        self._record_version(version_of(header), "", tensors, sum(t.spec.nbytes for t in tensors),
-                             time.perf_counter() - t0)
 
     @staticmethod
     def _relayed(relays: list[Relay]) -> list[rollout_pb2.RelayOutcome]:
@@ -593,16 +486,3 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             weight_group=self._group_id,
             weight_transfer=self.cfg.weight_transfer,
         ), runner.weights if runner else FRESH)
-
-
-def _peek_group_header(chunks):
-    """(the stream, unchanged, and the header when it is a transfer-group update, else None). The first chunk is
-    read here and put back in front of the rest."""
-    it = iter(chunks)
-    try:
-        first = next(it)
-    except StopIteration:
-        return iter(()), None
-    if first.WhichOneof("kind") == "header" and first.header.HasField("transfer_group"):
-        return it, first.header
-    return itertools.chain([first], it), None

@@ -19,7 +19,7 @@ from hf_servers import InProcessServer, bump, fresh_model
 from rmsft_protos import rollout_pb2
 
 from learner.rollouts.pool import ServerPool
-from learner.sync.client import WeightSyncClient
+from learner.sync.client import WeightSyncClient, WeightSyncError
 from rmsft.weight_wire import WeightVersion, update_weights_raw, version_of
 
 pytest.importorskip("vllm")  # the gloo group is opened with vLLM's stateless helper
@@ -119,6 +119,64 @@ def test_a_server_gone_between_syncs_costs_one_grpc_sync_and_the_group_is_rebuil
         assert client.group.members == tuple(s.address for s in servers[:2]) and client.group.builds == 2
         assert sorted(report.acked) == sorted(s.address for s in servers[:2])
         assert all(_holds(s, want) for s in servers[:2])
+
+
+def test_a_member_lost_mid_broadcast_costs_one_sync_not_a_hang(servers_of, model, caplog) -> None:
+    """A server that dies after the first tensor of an update (its group aborted, as a killed process's is): the
+    learner's broadcast gives up within the group timeout instead of hanging, and so does the other member, which the
+    broadcast stopped reaching (gloo's root sends to the members in turn); both say they hold part of the update and
+    exit to be restarted, none claims version 2, and the sync fails naming each (in a run, the learner then waits
+    spec.rollout.recoveryTimeout for a server to come back). Restarted, they are re-synced over gRPC and the next
+    sync builds a new group."""
+    import time
+
+    from rmsft.weight_wire.transfer import receive
+
+    servers = servers_of(2)
+    lost = servers[1]
+    with ServerPool([s.address for s in servers], run_id="6b1e0c9d2a44") as pool:
+        client = WeightSyncClient(pool, model, dtype="float32", transport="nccl", group_backend="rmsft_gloo",
+                                  group_timeout_s=8, timeout_s=60)
+        client.sync(1)
+        first_group = client.group.id
+
+        def dies_after_one_tensor(info: dict) -> None:
+            group = lost.engine._group
+            next(receive(group, info["names"][:1], info["dtype_names"][:1], info["shapes"][:1]))
+            group.abort()  # the process is gone: its sockets close
+            raise EngineDead("killed mid-broadcast")
+
+        from rollout_engine.engine import EngineDead
+
+        lost.engine.receive_weights = dies_after_one_tensor
+        bump(model, 0.04)
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="rmsft.learner.sync"), pytest.raises(WeightSyncError) as e:
+            client.sync(2)  # no server holds version 2 whole: none acknowledges it
+        took = time.monotonic() - t0
+        assert took < 8 + 15, took  # the group timeout bounds it: no hang
+        assert any("failed mid-broadcast" in r.message for r in caplog.records), [r.message for r in caplog.records]
+        said = str(e.value)
+        assert f"{lost.address}: UNAVAILABLE: killed mid-broadcast" in said
+        # The other member: the broadcast stopped reaching it after the lost one's first tensor, so it holds part of
+        # version 2 and says so, and it too exits to be restarted from the checkpoint.
+        assert f"{servers[0].address}: UNAVAILABLE" in said and "partly replaced" in said
+        assert not any(s.servicer.ready for s in servers)
+        assert all(s.servicer.runner.weights == WeightVersion("6b1e0c9d2a44", 1) for s in servers)  # never 2
+        restarted = []
+        for i, s in enumerate(servers):
+            if not s.servicer.ready:
+                s.close()
+                restarted.append(servers_of.restart(s))
+                pool.mark_down(pool.servers[i], "restarted")
+        for server in pool.servers:
+            if pool.status(server, fresh_channel=True).weight_group == "":
+                client.resync_server(server)  # over gRPC, as the rollout client does before it gives it work
+        want = bump(model, 0.05)
+        report = client.sync(3)
+        assert sorted(report.acked) == sorted(s.address for s in servers)
+        assert client.group.id != first_group
+        assert len(restarted) == 2 and all(_holds(s, want) for s in restarted)
 
 
 def test_a_server_without_weight_transfer_gets_the_update_over_grpc(servers_of, model, caplog) -> None:
