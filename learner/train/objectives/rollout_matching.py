@@ -239,8 +239,10 @@ class RolloutMatching(Objective):
 
     def line(self, r: StepResult) -> str:
         f1 = f"{r.stats.f1:.3f}" if r.stats and r.channel == "B" else ("reuse" if r.channel == "B" else "- (A)")
-        return (f"step {r.step} v{r.weight_version} loss {r.loss:.4f} (ce {r.parts.get('ce', 0.0):.4f} "
-                f"coord {r.parts.get('coord', 0.0):.4f}) f1 {f1} rows {r.rows} fill {r.fill:.3f} {r.seconds:.2f}s")
+        # Six decimals: two runs that should train alike (one pod of two ranks, two pods of one) are compared from
+        # these lines to 1e-5 (tests/cluster); the progress bars round.
+        return (f"step {r.step} v{r.weight_version} loss {r.loss:.6f} (ce {r.parts.get('ce', 0.0):.6f} "
+                f"coord {r.parts.get('coord', 0.0):.6f}) f1 {f1} rows {r.rows} fill {r.fill:.3f} {r.seconds:.2f}s")
 
     def summarise(self, summary: Summary) -> None:
         # Rollout F1 of steps that sampled (a channel-A step's empty answers score 0 and say nothing).
