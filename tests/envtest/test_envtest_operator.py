@@ -624,7 +624,8 @@ def test_a_queued_job_waits_for_kueue_to_admit_its_learner(control_plane: Contro
     """Issue 45, item 3: spec.scheduling.queueName on the real API server, with the test in Kueue's place (this
     cluster runs no Kueue): the queue label on the StatefulSet and the learner Job the API server stores; the pool
     Ready, the operator leaves the Job suspended and says it waits for Kueue; once "admitted" (resumed as Kueue does)
-    the Job controller's learner pod runs and the job completes, its pool scaled to zero."""
+    the Job controller's learner pod runs and the job completes, its pool scaled to zero. A second job whose learner
+    is never admitted fails after its startup timeout, its learner Job deleted."""
     cp = control_plane
     _apply(cp, _manifest("papa", **{"rollout.replicas": 1, "sync.transport": "grpc",
                                     "scheduling": {"queueName": "gpu-team"}}))
@@ -647,6 +648,17 @@ def test_a_queued_job_waits_for_kueue_to_admit_its_learner(control_plane: Contro
     cp.wait_for(lambda: _child(cp, "StatefulSet", "papa-rollout")["spec"]["replicas"] == 0, 30, "pool scaled to 0")
     assert _child(cp, "Job", "papa-learner") is not None  # a learner Job that ended is kept
     _finish(cp, "papa")
+
+    # Kueue never admits the learner: once the pool has idled for the startup timeout the job fails naming the
+    # queue, and its learner Job is deleted (suspending it would not hold: Kueue owns suspend), the pool at zero.
+    _apply(cp, _manifest("quebec", **{"rollout.replicas": 1, "sync.transport": "grpc", "rollout.startupTimeout": "20s",
+                                      "scheduling": {"queueName": "gpu-team"}}))
+    _start_pool(cp, operator, "quebec", 1)
+    cr = _wait_cr(cp, operator, "quebec", lambda c: c["status"].get("phase") == "Failed", "Failed", timeout=90)
+    assert _cond(cr, "Failed")["reason"] == "LearnerNotAdmitted" and "LocalQueue gpu-team" in cr["status"]["message"]
+    cp.wait_for(lambda: _child(cp, "Job", "quebec-learner") is None, 30, "the learner Job deleted")
+    cp.wait_for(lambda: _child(cp, "StatefulSet", "quebec-rollout")["spec"]["replicas"] == 0, 30, "pool scaled to 0")
+    _finish(cp, "quebec")
 
 
 def test_delete_garbage_collects_every_child(control_plane: ControlPlane, operator: Operator) -> None:
