@@ -204,8 +204,14 @@ def startup_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[
     At any time: a learner pod the scheduler could not place for `timeout_s`, or one placed that long ago whose
     containers never started (a volume that does not attach or mount, an image still pulling, a missing
     ConfigMap key). The message is the server's (or scheduler's, or kubelet's) own words, prefixed with the pod's
-    name."""
+    name.
+
+    `queued` (spec.scheduling.queueName): waiting for Kueue to admit the pool is not a failure to start, so the
+    job's clock (`pool_since`) does not apply; a rollout pod's own clock starts when it is placed, after admission
+    (Kueue's waitForPodsReady bounds what follows)."""
     limit = dt.timedelta(seconds=timeout_s)
+    if queued:
+        pool_since = None
     if pool_starting and pool_refused and pool_since is not None and now - pool_since >= limit:
         return "RolloutStartupTimeout", (f"rollout pool not Ready within spec.rollout.startupTimeout "
                                          f"({_span(timeout_s)}): rollout pods cannot be created: {pool_refused}")[
@@ -228,8 +234,6 @@ def startup_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[
                     why = _server_says(said) or ended.get("reason") or "no message"
                     return "RolloutCrashLoop", (f"rollout pod {pname} restarted {restarts} times without becoming "
                                                 f"Ready (last exit code {code}): {why}")[:_MAX_HINT]
-            # Queued (spec.scheduling.queueName): the clock starts when the pod is placed, after Kueue admitted
-            # the pool; a pod not placed yet waits in the queue (Kueue's waitForPodsReady bounds what follows).
             created = _scheduled_since(pod) if queued else \
                 pool_since or parse_time((pod.get("metadata") or {}).get("creationTimestamp"))
             if created is not None and now - created >= limit:

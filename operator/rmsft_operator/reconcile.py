@@ -338,7 +338,7 @@ def decide(obs: Observed, now: str) -> Decision:
             d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": 0}}))
         job_obj = obs.children.get("Job")
         if job_obj is not None and not any(job_state(job_obj)[:2]):  # a Job of a final job that has not ended
-            if _queued(obs.spec):  # queued or running under Kueue: only deleting it stops it
+            if job.spec.scheduling.queue_name:  # queued or running under Kueue: only deleting it stops it
                 d.deletes.append(_stop_learner(n, job_obj))
             elif not (job_obj.get("spec") or {}).get("suspend"):
                 d.patches.append(Patch("Job", n["job"], {"spec": {"suspend": True}}))
@@ -491,9 +491,7 @@ def decide(obs: Observed, now: str) -> Decision:
         or startup_failure(
         obs.rollout_pods, obs.learner_pods, pool_starting=pool_starting,
         timeout_s=job.spec.rollout.startup_timeout_seconds, now=parse_time(now) or dt.datetime.now(dt.UTC),
-        # Queued, a rollout pod's clock starts once Kueue admits the pool and the pod is placed, not at the
-        # StatefulSet's creation: waiting in the queue is not a failure to start.
-        pool_since=None if queued else parse_time((sts.get("metadata") or {}).get("creationTimestamp")),
+        pool_since=parse_time((sts.get("metadata") or {}).get("creationTimestamp")),
         pool_refused=obs.failed_creates.get("StatefulSet"), queued=queued) \
         or not_admitted(job.spec.scheduling.queue_name, suspended, _held_since(status, learner),
                         job.spec.rollout.startup_timeout_seconds, parse_time(now) or dt.datetime.now(dt.UTC)) \
@@ -617,11 +615,6 @@ def _held_since(status: dict[str, Any], learner: dict[str, Any]) -> dt.datetime 
     held = [parse_time(c.get("lastTransitionTime")) for c in (learner.get("status") or {}).get("conditions") or []
             if c.get("type") == "Suspended" and c.get("status") == "True"]
     return max([ready, *[t for t in held if t is not None]])
-
-
-def _queued(spec: Any) -> bool:
-    """The job's spec names a Kueue queue (read from the raw spec: a final job is not parsed again)."""
-    return bool(isinstance(spec, dict) and ((spec.get("scheduling") or {}).get("queueName")))
 
 
 def _stop_learner(n: dict[str, str], job_obj: dict[str, Any]) -> Delete:

@@ -10,6 +10,7 @@ test in tests/learner/test_e2e_local.py.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import grpc
@@ -21,6 +22,8 @@ from rmsft_protos import rollout_pb2
 from learner.rollouts.pool import ServerPool
 from learner.sync.client import WeightSyncClient, WeightSyncError
 from rmsft.weight_wire import WeightVersion, update_weights_raw, version_of
+from rmsft.weight_wire.transfer import receive
+from rollout_engine.engine import EngineDead
 
 pytest.importorskip("vllm")  # the gloo group is opened with vLLM's stateless helper
 
@@ -128,10 +131,6 @@ def test_a_member_lost_mid_broadcast_costs_one_sync_not_a_hang(servers_of, model
     exit to be restarted, none claims version 2, and the sync fails naming each (in a run, the learner then waits
     spec.rollout.recoveryTimeout for a server to come back). Restarted, they are re-synced over gRPC and the next
     sync builds a new group."""
-    import time
-
-    from rmsft.weight_wire.transfer import receive
-
     servers = servers_of(2)
     lost = servers[1]
     with ServerPool([s.address for s in servers], run_id="6b1e0c9d2a44") as pool:
@@ -145,8 +144,6 @@ def test_a_member_lost_mid_broadcast_costs_one_sync_not_a_hang(servers_of, model
             next(receive(group, info["names"][:1], info["dtype_names"][:1], info["shapes"][:1]))
             group.abort()  # the process is gone: its sockets close
             raise EngineDead("killed mid-broadcast")
-
-        from rollout_engine.engine import EngineDead
 
         lost.engine.receive_weights = dies_after_one_tensor
         bump(model, 0.04)
