@@ -57,8 +57,12 @@ seeds: the difference of label-aware F1@0.5 with a 95% interval from a two-level
 replacement, then records, the same records for both arms), printed and in the RESULT line as
 `<setting>_<arm>_minus_sft_f1` (`_lo`, `_hi`); each recipe arm is compared with generation 1 the same way
 (`<setting>_<arm>_minus_gen1_f1`). A ledger from before the counts were kept gives no interval.
+OUT/NAME-detections.jsonl.gz keeps every final evaluation's boxes per record (ground truth, and the predictions in
+the order written); from it the label-aware COCO mAP differences get the same paired bootstrap
+(`<setting>_<arm>_minus_sft_map`, `..._minus_gen1_map`; 1000 draws, each mAP recomputed on the drawn records:
+benchmarks/paired.py). Runs from before the detections were kept give no mAP interval.
 
-Smoke mode (what tests/benchmarks/test_method_compare.py runs): `--steps 2 --warm 1 --heldout 2 --seeds 0
+Smoke mode (what tests/learner/test_method_compare.py runs): `--steps 2 --warm 1 --heldout 2 --seeds 0
 --settings readme --arms sft,gen2_b`.
 """
 
@@ -67,6 +71,8 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import gzip
+import json
 import math
 import shutil
 import statistics
@@ -80,6 +86,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from dense_start import CROWD_GRID, ROW_GRID  # noqa: E402  (the start and the settings share their layouts)
+from paired import RecordMatches, paired_bootstrap, record_matches  # noqa: E402
 
 README_JOB = ROOT / "configs" / "local-tiny-vl.yaml"
 DENSE_START = ROOT / "assets" / "tiny-vl-dense-model"
@@ -221,7 +228,8 @@ def train(job, servers, *, resume: bool, max_steps: int | None, tokens_before: i
                    "train_truncation_rate": sum(s.truncation_rate for s in b_stats) / n if n else math.nan,
                    "train_duplicate_rate": sum(s.duplicate_rate for s in b_stats) / n if n else math.nan,
                    "train_predicted_per_gt": sum(s.count_ratio for s in b_stats) / n if n else math.nan,
-                   "tokens_trained": tokens, "wall_s": time.perf_counter() - t0, "per_record": list(ev.per_record)}
+                   "tokens_trained": tokens, "wall_s": time.perf_counter() - t0, "per_record": list(ev.per_record),
+                   "detections": detections_of(ev)}
             rows.append(row)
             print(f"  {job.metadata.name} step {ev.step}: {ev.describe()}", flush=True)
 
@@ -231,6 +239,21 @@ def train(job, servers, *, resume: bool, max_steps: int | None, tokens_before: i
     finally:
         trainer.close()
     return rows
+
+
+def detections_of(ev) -> dict:
+    """An evaluation's boxes per record, for the detections ledger: ground truth and predictions (in the order
+    written, which ranks them) as [label, x1, y1, x2, y2] in pixels, and the records' [width, height]."""
+    from learner.data.episode import ground_truth_detections
+    from learner.evaluation.coco_map import boxes_from_detections
+
+    def rows(boxes) -> list[list]:
+        return [[b.label, *b.xyxy] for b in boxes]
+
+    return {"sizes": [[r.width, r.height] for r in ev.records],
+            "truth": [rows(boxes_from_detections(ground_truth_detections(r), rank_by_order=False))
+                      for r in ev.records],
+            "predicted": [rows(boxes_from_detections(p)) for p in ev.predictions]}
 
 
 # ---------------------------------------------------------------- the ledger
@@ -293,6 +316,35 @@ def append_record_rows(path: Path, rows: list[dict]) -> None:
                 w.writerow([*key, i, m, fp, fn])
 
 
+def detections_ledger(ledger: Path) -> Path:
+    """Beside OUT/NAME.csv: OUT/NAME-detections.jsonl.gz, each final evaluation's boxes per held-out record (what
+    a bootstrap of COCO mAP needs), one JSON line per run, gzip members appended."""
+    return ledger.with_name(f"{ledger.stem}-detections.jsonl.gz")
+
+
+def append_detection_rows(path: Path, rows: list[dict]) -> None:
+    """The detections of the final evaluations among `rows`, as `append_record_rows` keeps their counts."""
+    finals = [r for r in rows if r["step"] == (r["warm"] if r["arm"] == "warm" else r["steps"]) and r.get("detections")]
+    if not finals:
+        return
+    with gzip.open(path, "at") as f:
+        for r in finals:
+            f.write(json.dumps({"key": [r[k] for k in KEY], "step": r["step"], **r["detections"]}) + "\n")
+
+
+def read_detection_rows(path: Path) -> dict[tuple, RecordMatches]:
+    """Run key (KEY) -> its final evaluation's detections, matched (a later line of the same key replaces an
+    earlier one)."""
+    if not path.exists():
+        return {}
+    docs = {}
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            doc = json.loads(line)
+            docs[_key_of(dict(zip(KEY, doc["key"], strict=True)))] = doc
+    return {k: record_matches(doc) for k, doc in docs.items()}
+
+
 def _key_of(row: dict) -> tuple:
     """A run's key (KEY) from a ledger row, read back from the CSV or as written: the same tuple either way."""
     return tuple(round(float(row[k]), 6) if k == "ratio" else int(row[k]) if k in ("seed", "steps", "warm", "heldout")
@@ -310,39 +362,6 @@ def read_record_rows(path: Path) -> dict[tuple, list[tuple[int, int, int]]]:
             out.setdefault(_key_of(raw), {})[int(raw["record"])] = (int(raw["matched"]), int(raw["fp"]),
                                                                     int(raw["fn"]))
     return {k: [v[i] for i in sorted(v)] for k, v in out.items()}
-
-
-def _pooled_f1(counts: list[tuple[int, int, int]], idx: list[int]) -> float:
-    m = sum(counts[i][0] for i in idx)
-    fp = sum(counts[i][1] for i in idx)
-    fn = sum(counts[i][2] for i in idx)
-    return 2 * m / (2 * m + fp + fn) if m else 0.0
-
-
-def paired_bootstrap(a: dict[int, list[tuple[int, int, int]]], b: dict[int, list[tuple[int, int, int]]], *,
-                     draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """F1(a) - F1(b) on the same held-out records over the same seeds (each side: seed -> per-record counts):
-    the observed difference (mean over seeds of the pooled label-aware F1) and a 95% percentile interval from a
-    two-level bootstrap: seeds drawn with replacement, then records, the same records for both sides (paired: what
-    one image does to both models cancels). Seeds only one side has are left out."""
-    import random
-
-    seeds = sorted(set(a) & set(b))
-    if not seeds:
-        raise ValueError("no seed that both arms ran")
-    n = len(a[seeds[0]])
-    if any(len(a[s]) != n or len(b[s]) != n for s in seeds):
-        raise ValueError("the arms were evaluated on different held-out sets")
-    every = list(range(n))
-    observed = statistics.fmean(_pooled_f1(a[s], every) - _pooled_f1(b[s], every) for s in seeds)
-    rng = random.Random(seed)
-    diffs = []
-    for _ in range(draws):
-        picked = [rng.choice(seeds) for _ in seeds]
-        idx = [rng.randrange(n) for _ in range(n)]
-        diffs.append(statistics.fmean(_pooled_f1(a[s], idx) - _pooled_f1(b[s], idx) for s in picked))
-    diffs.sort()
-    return observed, diffs[int(0.025 * draws)], diffs[min(draws - 1, int(0.975 * draws))]
 
 
 def run_key(setting: str, arm: str, seed: int, plan: Plan) -> tuple:
@@ -395,23 +414,25 @@ def spread(values: list[float]) -> tuple[float, float, float]:
 
 
 def paired_lines(finals: dict[tuple[str, str], list[dict]], records: dict[tuple, list[tuple[int, int, int]]],
-                 settings: list[str], arms: list[str]) -> tuple[list[str], list[str]]:
+                 settings: list[str], arms: list[str], detections: dict[tuple, RecordMatches] | None = None,
+                 *, map_draws: int = 1000) -> tuple[list[str], list[str]]:
     """Each arm against plain SFT, and each recipe arm against generation 1, on the same held-out records and seeds
-    (paired_bootstrap): printed lines and RESULT parts. Arms without per-record counts (a ledger from before they
-    were kept) are left out."""
+    (paired_bootstrap): label-aware F1@0.5 from the per-record counts and, where the detections were kept, COCO mAP;
+    printed lines and RESULT parts. Arms without per-record counts (a ledger from before they were kept) are left
+    out, as is the mAP of runs without detections."""
     lines, parts = [], []
 
-    def counts(setting: str, arm: str) -> dict[int, list[tuple[int, int, int]]]:
-        got = {r["seed"]: records.get(_key_of(r)) for r in finals.get((setting, arm), [])}
+    def per_seed(table: dict, setting: str, arm: str) -> dict:
+        got = {r["seed"]: table.get(_key_of(r)) for r in finals.get((setting, arm), [])}
         return {k: v for k, v in got.items() if v}
 
     for setting in settings:
         for baseline in BASELINES:
-            base = counts(setting, baseline)
+            base = per_seed(records, setting, baseline)
             for arm in arms:
                 if arm in ("sft", "warm", baseline) or (baseline == "gen1" and not arm.startswith("gen2")) or not base:
                     continue
-                other = counts(setting, arm)
+                other = per_seed(records, setting, arm)
                 seeds = sorted(set(base) & set(other))
                 if not seeds:
                     continue
@@ -422,13 +443,25 @@ def paired_lines(finals: dict[tuple[str, str], list[dict]], records: dict[tuple,
                              f"records x {len(seeds)} seed(s))")
                 key = f"{setting}_{arm}_minus_{baseline}_f1"
                 parts.append(f"{key}={d:.4g} {key}_lo={lo:.4g} {key}_hi={hi:.4g}")
+                base_m, other_m = per_seed(detections or {}, setting, baseline), per_seed(detections or {}, setting,
+                                                                                           arm)
+                seeds_m = sorted(set(base_m) & set(other_m))
+                if not seeds_m:
+                    continue
+                d, lo, hi = paired_bootstrap(other_m, base_m, figure=RecordMatches.map, draws=map_draws)
+                lines.append(f"{setting}: {arm} - {baseline} label-aware mAP {d:+.3f}, 95% interval "
+                             f"[{lo:+.3f}, {hi:+.3f}] (half-width {(hi - lo) / 2:.3f}; paired bootstrap over "
+                             f"{len(base_m[seeds_m[0]])} records x {len(seeds_m)} seed(s))")
+                key = f"{setting}_{arm}_minus_{baseline}_map"
+                parts.append(f"{key}={d:.4g} {key}_lo={lo:.4g} {key}_hi={hi:.4g}")
     return lines, parts
 
 
 def report(rows: list[dict], out: Path, name: str, wall: float,
-           records: dict[tuple, list[tuple[int, int, int]]] | None = None) -> str:
+           records: dict[tuple, list[tuple[int, int, int]]] | None = None,
+           detections: dict[tuple, RecordMatches] | None = None) -> str:
     """The plot OUT/NAME.png, a table on stdout and the RESULT line (returned) of the ledger `rows` (with
-    `records`, the per-record counts: each arm against plain SFT, paired)."""
+    `records`, the per-record counts, and `detections`: each arm against plain SFT and generation 1, paired)."""
     finals = final_rows(rows)
     settings = list(dict.fromkeys(s for s, _ in finals))
     arms = [a for a in ("warm", *ARMS) if any(a == arm for _, arm in finals)]
@@ -448,7 +481,7 @@ def report(rows: list[dict], out: Path, name: str, wall: float,
                              f"{setting}_{arm}_{k}_max={hi:.4g}")
             print(f"{setting:8} {arm:7} {len(finals_sa):5} " + " ".join(f"{c:>22}" for c in cells))
     print("(mean over seeds [min, max]; warm: the shared start every arm resumes)")
-    lines, paired = paired_lines(finals, records or {}, settings, arms)
+    lines, paired = paired_lines(finals, records or {}, settings, arms, detections)
     for line in lines:
         print(line)
     parts += paired
@@ -522,9 +555,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.replot is not None:
         csvs = args.replot or [ledger]
         records: dict[tuple, list[tuple[int, int, int]]] = {}
+        detections: dict[tuple, RecordMatches] = {}
         for path in csvs:
             records.update(read_record_rows(records_ledger(path)))
-        print(report(read_rows(csvs), args.out, args.name, 0.0, records))
+            detections.update(read_detection_rows(detections_ledger(path)))
+        print(report(read_rows(csvs), args.out, args.name, 0.0, records, detections))
         return
 
     settings = [SETTINGS[s] for s in args.settings.split(",")]
@@ -553,7 +588,7 @@ def main(argv: list[str] | None = None) -> None:
         train_grid(todo, settings, plan, args, rows, ledger)
         rows = read_rows([ledger])
     print(report(rows, args.out, args.name, sum(r["wall_s"] for r in final_rows_list(rows)),
-                 read_record_rows(records_ledger(ledger))))
+                 read_record_rows(records_ledger(ledger)), read_detection_rows(detections_ledger(ledger))))
 
 
 def final_rows_list(rows: list[dict]) -> list[dict]:
@@ -612,6 +647,7 @@ def train_grid(todo: list[tuple], settings: list[Setting], plan: Plan, args, row
                 if warm_key not in done_runs(rows):
                     append_rows(ledger, new)
                     append_record_rows(records_ledger(ledger), new)
+                    append_detection_rows(detections_ledger(ledger), new)
                     rows += new
             warm_tokens = next(r["tokens_trained"] for r in rows if _key_of(r) == warm_key and r["step"] == plan.warm)
             arm_dir = work / f"{tag}-{arm}"
@@ -625,6 +661,7 @@ def train_grid(todo: list[tuple], settings: list[Setting], plan: Plan, args, row
             new = [{**dict(zip(KEY, key, strict=True)), **r} for r in got]
             append_rows(ledger, new)
             append_record_rows(records_ledger(ledger), new)
+            append_detection_rows(detections_ledger(ledger), new)
             rows += new
             shutil.rmtree(arm_dir, ignore_errors=True)
             left = todo[i + 1:]

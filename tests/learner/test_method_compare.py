@@ -54,6 +54,16 @@ def test_smoke_grid_trains_once_and_resumes(tiny_qwen3_vl_dir: Path, tmp_path: P
     lo, hi = float(figures["readme_gen2_b_minus_sft_f1_lo"]), float(figures["readme_gen2_b_minus_sft_f1_hi"])
     assert -1.0 <= lo <= float(figures["readme_gen2_b_minus_sft_f1"]) <= hi <= 1.0
     assert "readme: gen2_b - sft label-aware F1@0.5" in printed
+    # ...and their boxes, from which the COCO mAP is recomputed to what the evaluation reported, and compared.
+    detections = mc.read_detection_rows(tmp_path / "out" / "method_compare-detections.jsonl.gz")
+    assert sorted(k[1] for k in detections) == ["gen2_b", "sft", "warm"]
+    for key, matches in detections.items():
+        assert len(matches) == 2
+        row = rows[(key[1], 2 if key[1] != "warm" else 1)]
+        assert matches.map([0, 1]) == pytest.approx(float(row["map"]), abs=1e-5)
+    lo, hi = float(figures["readme_gen2_b_minus_sft_map_lo"]), float(figures["readme_gen2_b_minus_sft_map_hi"])
+    assert -1.0 <= lo <= float(figures["readme_gen2_b_minus_sft_map"]) <= hi <= 1.0
+    assert "readme: gen2_b - sft label-aware mAP" in printed
 
     mc.main(argv)  # resumed: nothing left to train (no servers start), the same report
     again = capsys.readouterr().out
