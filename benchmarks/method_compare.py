@@ -107,8 +107,8 @@ class Setting:
     max_tokens: int
     start: Path | None = None  # the model every arm starts from; None: the README job's (or --model)
     records: int = 1024
-    # Rough seconds per step (channel A, channel B) and per evaluation on 2 idle cores, for the first estimate
-    # (later ones come from the runs already in the CSV).
+    # Rough seconds per step (channel A, channel B) and per evaluation of 64 records on 2 idle cores, for the first
+    # estimate (later ones come from the runs already in the CSVs).
     cost: tuple[float, float, float] = (1.5, 6.0, 10.0)
     # Packed rows per optimizer step: enough for a step's segments, so every step trains on its own targets (one
     # 2048-token row holds 8 README answers but only 3-4 crowded ones: the rest would wait in the packer's carry
@@ -118,10 +118,10 @@ class Setting:
 
 SETTINGS = {
     "readme": Setting("readme", {"layout": "grid", "cells": 4, "max_objects": 2}, max_tokens=96),
-    "crowd": Setting("crowd", CROWD_GRID, max_tokens=360, start=DENSE_START, cost=(3.0, 20.0, 30.0),
+    "crowd": Setting("crowd", CROWD_GRID, max_tokens=360, start=DENSE_START, cost=(0.6, 6.0, 4.0),
                      grad_accumulation=3),
     # Up to 8 objects of about 43 tokens each and the end.
-    "row": Setting("row", ROW_GRID, max_tokens=400, start=DENSE_START, cost=(3.0, 20.0, 30.0), grad_accumulation=3),
+    "row": Setting("row", ROW_GRID, max_tokens=400, start=DENSE_START, cost=(0.7, 6.0, 5.0), grad_accumulation=3),
 }
 
 KEY = ("setting", "arm", "seed", "steps", "warm", "heldout", "ratio")
@@ -374,23 +374,39 @@ def done_runs(rows: list[dict]) -> set[tuple]:
             if r["step"] == (r["warm"] if r["arm"] == "warm" else r["steps"])}
 
 
-def estimate(todo: list[tuple], rows: list[dict], plan: Plan) -> float:
+def estimate(todo: list[tuple], rows: list[dict], plan: Plan, history: list[dict] | None = None) -> float:
     """Seconds the runs `todo` ((setting, arm, seed)) should take (servers' start aside): each (setting, arm)'s
-    median wall in the ledger for the same steps, else the setting's rough per-step costs."""
+    median wall in the ledger for the same steps, else in `history` (the other ledgers beside it: another held-out
+    size or split costs about the same), else the setting's rough per-step costs."""
     total = 0.0
     for setting, arm, _seed in todo:
         n = plan.warm if arm == "warm" else plan.steps - plan.warm  # steps this run trains
-        seen = [r["wall_s"] for r in rows if r["setting"] == setting and r["arm"] == arm
-                and r["steps"] == plan.steps and r["warm"] == plan.warm and r["step"] == (
-                    plan.warm if arm == "warm" else plan.steps)]
-        if seen:
-            total += statistics.median(seen)
-            continue
-        a_s, b_s, eval_s = SETTINGS[setting].cost
-        b = 0 if arm == "warm" else round(arm_ratio(arm, plan) * n)
-        evals = 1 + (n // plan.eval_every if plan.eval_every and arm != "warm" else 0)
-        total += (n - b) * a_s + b * b_s + evals * eval_s
+        for source in (rows, history or []):
+            seen = [r["wall_s"] for r in source if r["setting"] == setting and r["arm"] == arm
+                    and r["steps"] == plan.steps and r["warm"] == plan.warm and r["step"] == (
+                        plan.warm if arm == "warm" else plan.steps)]
+            if seen:
+                total += statistics.median(seen)
+                break
+        else:
+            a_s, b_s, eval_s = SETTINGS[setting].cost
+            b = 0 if arm == "warm" else round(arm_ratio(arm, plan) * n)
+            evals = 1 + (n // plan.eval_every if plan.eval_every and arm != "warm" else 0)
+            total += (n - b) * a_s + b * b_s + evals * eval_s * plan.heldout / 64
     return total
+
+
+def other_ledgers(ledger: Path) -> list[dict]:
+    """The rows of every other method_compare ledger in the ledger's folder (for `estimate`; one of an older
+    layout, without the columns read here, is passed over)."""
+    out: list[dict] = []
+    for path in sorted(ledger.parent.glob("method_compare*.csv")):
+        if path != ledger and not path.stem.endswith("-records"):
+            try:
+                out += read_rows([path])
+            except (KeyError, ValueError):
+                continue
+    return out
 
 
 # ---------------------------------------------------------------- the report
@@ -583,7 +599,7 @@ def main(argv: list[str] | None = None) -> None:
     warm_todo = sorted({(s, "warm", seed) for s, _a, seed in todo if run_key(s, "warm", seed, plan) not in done})
     skipped = len(settings) * len(seeds) * len(arms) - len(todo)
     print(f"{len(todo)} run(s) to train, {len(warm_todo)} warm start(s), {skipped} already in {ledger}; "
-          f"estimate {estimate(todo + warm_todo, rows, plan) / 60:.0f} min")
+          f"estimate {estimate(todo + warm_todo, rows, plan, other_ledgers(ledger)) / 60:.0f} min")
     if todo:
         train_grid(todo, settings, plan, args, rows, ledger)
         rows = read_rows([ledger])
@@ -603,6 +619,7 @@ def train_grid(todo: list[tuple], settings: list[Setting], plan: Plan, args, row
     from rmsft_dev.synthetic import write_visual_dataset
 
     console = Console(stderr=True)
+    history = other_ledgers(ledger)
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     base = load_job(README_JOB)
@@ -666,7 +683,7 @@ def train_grid(todo: list[tuple], settings: list[Setting], plan: Plan, args, row
             shutil.rmtree(arm_dir, ignore_errors=True)
             left = todo[i + 1:]
             console.print(f"  {s.name} / {arm} / seed {seed}: {new[-1]['wall_s']:.0f}s; {len(left)} run(s) left, "
-                          f"about {estimate(left, rows, plan) / 60:.0f} min "
+                          f"about {estimate(left, rows, plan, history) / 60:.0f} min "
                           f"({(time.perf_counter() - t_grid) / 60:.0f} min so far)")
     finally:
         for srv in servers:
