@@ -153,3 +153,20 @@ def test_the_rows_arm_changes_only_the_duplicate_radius(tmp_path: Path) -> None:
     truth = [ground_truth(r) for r in load_records(data)]
     assert sum(len(find_duplicates(g, base.duplicates)) for g in truth) > 0
     assert sum(len(find_duplicates(g, rows.duplicates)) for g in truth) == 0
+
+
+def test_the_estimate_reads_its_own_ledger_first_then_the_others_beside_it() -> None:
+    """Pure: a run's estimate is the median wall of the same setting, arm and steps in its own ledger, else in the
+    other ledgers (another held-out size costs about the same), else the setting's rough costs."""
+    mc = _benchmark()
+    plan = mc.Plan(steps=180, warm=20, heldout=128, eval_every=40, ratio=0.1)
+
+    def final(wall: float) -> dict:
+        return {"setting": "crowd", "arm": "sft", "steps": 180, "warm": 20, "step": 180, "wall_s": wall}
+
+    todo = [("crowd", "sft", 0)]
+    rough = mc.estimate(todo, [], plan)
+    assert rough > 0
+    assert mc.estimate(todo, [], plan, [final(100.0), final(140.0), final(900.0)]) == 140.0
+    assert mc.estimate(todo, [final(50.0)], plan, [final(100.0)]) == 50.0
+    assert mc.estimate(todo, [], plan, [{**final(100.0), "steps": 60}]) == rough  # other steps: not this run
