@@ -429,14 +429,40 @@ def spread(values: list[float]) -> tuple[float, float, float]:
     return sum(kept) / len(kept), min(kept), max(kept)
 
 
-def paired_lines(finals: dict[tuple[str, str], list[dict]], records: dict[tuple, list[tuple[int, int, int]]],
-                 settings: list[str], arms: list[str], detections: dict[tuple, RecordMatches] | None = None,
-                 *, map_draws: int = 1000) -> tuple[list[str], list[str]]:
+@dataclass(frozen=True)
+class Paired:
+    """One paired comparison: `arm` minus `baseline` on `setting`, of `figure` ("f1": label-aware F1@0.5, "map":
+    label-aware COCO mAP), the observed difference and its 95% bootstrap interval, over `records` x `seeds`."""
+
+    setting: str
+    arm: str
+    baseline: str
+    figure: str
+    diff: float
+    lo: float
+    hi: float
+    records: int
+    seeds: int
+
+    def line(self) -> str:
+        name = {"f1": "label-aware F1@0.5", "map": "label-aware mAP"}[self.figure]
+        return (f"{self.setting}: {self.arm} - {self.baseline} {name} {self.diff:+.3f}, 95% interval "
+                f"[{self.lo:+.3f}, {self.hi:+.3f}] (half-width {(self.hi - self.lo) / 2:.3f}; paired bootstrap over "
+                f"{self.records} records x {self.seeds} seed(s))")
+
+    def part(self) -> str:
+        key = f"{self.setting}_{self.arm}_minus_{self.baseline}_{self.figure}"
+        return f"{key}={self.diff:.4g} {key}_lo={self.lo:.4g} {key}_hi={self.hi:.4g}"
+
+
+def paired_differences(finals: dict[tuple[str, str], list[dict]], records: dict[tuple, list[tuple[int, int, int]]],
+                       settings: list[str], arms: list[str], detections: dict[tuple, RecordMatches] | None = None,
+                       *, map_draws: int = 1000) -> list[Paired]:
     """Each arm against plain SFT, and each recipe arm against generation 1, on the same held-out records and seeds
-    (paired_bootstrap): label-aware F1@0.5 from the per-record counts and, where the detections were kept, COCO mAP;
-    printed lines and RESULT parts. Arms without per-record counts (a ledger from before they were kept) are left
-    out, as is the mAP of runs without detections."""
-    lines, parts = [], []
+    (paired_bootstrap): label-aware F1@0.5 from the per-record counts and, where the detections were kept, COCO mAP.
+    Arms without per-record counts (a ledger from before they were kept) are left out, as is the mAP of runs
+    without detections."""
+    out = []
 
     def per_seed(table: dict, setting: str, arm: str) -> dict:
         got = {r["seed"]: table.get(_key_of(r)) for r in finals.get((setting, arm), [])}
@@ -444,33 +470,51 @@ def paired_lines(finals: dict[tuple[str, str], list[dict]], records: dict[tuple,
 
     for setting in settings:
         for baseline in BASELINES:
-            base = per_seed(records, setting, baseline)
             for arm in arms:
-                if arm in ("sft", "warm", baseline) or (baseline == "gen1" and not arm.startswith("gen2")) or not base:
+                if arm in ("sft", "warm", baseline) or (baseline == "gen1" and not arm.startswith("gen2")):
                     continue
-                other = per_seed(records, setting, arm)
-                seeds = sorted(set(base) & set(other))
-                if not seeds:
-                    continue
-                d, lo, hi = paired_bootstrap(other, base)
-                n = len(base[seeds[0]])
-                lines.append(f"{setting}: {arm} - {baseline} label-aware F1@0.5 {d:+.3f}, 95% interval "
-                             f"[{lo:+.3f}, {hi:+.3f}] (half-width {(hi - lo) / 2:.3f}; paired bootstrap over {n} "
-                             f"records x {len(seeds)} seed(s))")
-                key = f"{setting}_{arm}_minus_{baseline}_f1"
-                parts.append(f"{key}={d:.4g} {key}_lo={lo:.4g} {key}_hi={hi:.4g}")
-                base_m, other_m = per_seed(detections or {}, setting, baseline), per_seed(detections or {}, setting,
-                                                                                           arm)
-                seeds_m = sorted(set(base_m) & set(other_m))
-                if not seeds_m:
-                    continue
-                d, lo, hi = paired_bootstrap(other_m, base_m, figure=RecordMatches.map, draws=map_draws)
-                lines.append(f"{setting}: {arm} - {baseline} label-aware mAP {d:+.3f}, 95% interval "
-                             f"[{lo:+.3f}, {hi:+.3f}] (half-width {(hi - lo) / 2:.3f}; paired bootstrap over "
-                             f"{len(base_m[seeds_m[0]])} records x {len(seeds_m)} seed(s))")
-                key = f"{setting}_{arm}_minus_{baseline}_map"
-                parts.append(f"{key}={d:.4g} {key}_lo={lo:.4g} {key}_hi={hi:.4g}")
-    return lines, parts
+                for figure, table, kw in (("f1", records, {}),
+                                          ("map", detections or {}, {"figure": RecordMatches.map,
+                                                                     "draws": map_draws})):
+                    base, other = per_seed(table, setting, baseline), per_seed(table, setting, arm)
+                    seeds = sorted(set(base) & set(other))
+                    if not seeds:
+                        continue
+                    d, lo, hi = paired_bootstrap(other, base, **kw)
+                    out.append(Paired(setting, arm, baseline, figure, d, lo, hi, len(base[seeds[0]]), len(seeds)))
+    return out
+
+
+def plot_paired(diffs: list[Paired], path: Path, bar: float = 0.03) -> None:
+    """OUT/NAME-paired.png: each paired difference with its 95% interval, F1 and mAP side by side, the +-`bar`
+    lines of issue 43's bar (a difference resolved when its interval is narrower than 2 x bar)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = [f for f in ("f1", "map") if any(p.figure == f for p in diffs)]
+    names = list(dict.fromkeys(f"{p.setting}: {p.arm} - {p.baseline}" for p in diffs))
+    fig, axes = plt.subplots(1, len(figures), figsize=(4.6 * len(figures), 0.5 * len(names) + 1.4), squeeze=False,
+                             sharey=True)
+    for ax, figure in zip(axes[0], figures, strict=True):
+        for p in diffs:
+            if p.figure != figure:
+                continue
+            y = names.index(f"{p.setting}: {p.arm} - {p.baseline}")
+            ax.errorbar(p.diff, y, xerr=[[p.diff - p.lo], [p.hi - p.diff]], fmt="o", color="k", capsize=3)
+        ax.axvline(0.0, color="0.3", lw=0.8)
+        for x in (-bar, bar):
+            ax.axvline(x, color="0.6", lw=0.8, ls="--")
+        ax.set_yticks(range(len(names)), names, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title({"f1": "label-aware F1@0.5", "map": "label-aware mAP"}[figure] + ": difference, 95%",
+                     fontsize=9)
+        ax.tick_params(labelsize=8)
+    fig.suptitle("paired on the same records and seeds (two-level bootstrap); dashed: +-0.03", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def report(rows: list[dict], out: Path, name: str, wall: float,
@@ -497,10 +541,10 @@ def report(rows: list[dict], out: Path, name: str, wall: float,
                              f"{setting}_{arm}_{k}_max={hi:.4g}")
             print(f"{setting:8} {arm:7} {len(finals_sa):5} " + " ".join(f"{c:>22}" for c in cells))
     print("(mean over seeds [min, max]; warm: the shared start every arm resumes)")
-    lines, paired = paired_lines(finals, records or {}, settings, arms, detections)
-    for line in lines:
-        print(line)
-    parts += paired
+    diffs = paired_differences(finals, records or {}, settings, arms, detections)
+    for p in diffs:
+        print(p.line())
+    parts += [p.part() for p in diffs]
 
     import matplotlib
 
@@ -532,6 +576,8 @@ def report(rows: list[dict], out: Path, name: str, wall: float,
     fig.tight_layout()
     fig.savefig(out / f"{name}.png", dpi=100)
     plt.close(fig)
+    if diffs:
+        plot_paired(diffs, out / f"{name}-paired.png")
     return "RESULT " + " ".join(parts) + f" wall_s={wall:.1f}"
 
 

@@ -64,6 +64,7 @@ def test_smoke_grid_trains_once_and_resumes(tiny_qwen3_vl_dir: Path, tmp_path: P
     lo, hi = float(figures["readme_gen2_b_minus_sft_map_lo"]), float(figures["readme_gen2_b_minus_sft_map_hi"])
     assert -1.0 <= lo <= float(figures["readme_gen2_b_minus_sft_map"]) <= hi <= 1.0
     assert "readme: gen2_b - sft label-aware mAP" in printed
+    assert (tmp_path / "out" / "method_compare-paired.png").stat().st_size > 0
 
     mc.main(argv)  # resumed: nothing left to train (no servers start), the same report
     again = capsys.readouterr().out
@@ -92,28 +93,38 @@ def test_paired_bootstrap_cancels_what_the_records_share_and_sees_a_consistent_g
         mc.paired_bootstrap({0: records}, {1: records})
 
 
-def test_recipe_arms_are_compared_with_generation_1_and_every_arm_with_plain_sft() -> None:
-    """Pure: the paired lines of a ledger's final rows (two seeds, 20 records): sft is the baseline of every arm,
-    gen1 of the recipe arms only; the gain of an arm that finds one more object on every other record is seen."""
+def test_recipe_arms_are_compared_with_generation_1_and_every_arm_with_plain_sft(tmp_path: Path) -> None:
+    """Pure: the paired differences of a ledger's final rows (two seeds, 20 records): sft is the baseline of every
+    arm, gen1 of the recipe arms only; the gain of an arm that finds one more object on every other record is seen;
+    mAP only where both arms kept their detections; the forest plot of them all."""
+    from learner.evaluation.coco_map import Box
+
     mc = _benchmark()
     plan = mc.Plan(steps=4, warm=2, heldout=20, eval_every=0, ratio=0.25)
     base = [(1, 1, 1)] * 20
     gain = [(2, 1, 0) if i % 2 else (1, 1, 1) for i in range(20)]
     per_arm = {"sft": base, "gen1": base, "gen2": gain, "gen2_ref": base}
-    finals, records = {}, {}
+    truth = [[Box("cup", (0.0, 0.0, 10.0, 10.0)), Box("cup", (20.0, 0.0, 30.0, 10.0))]] * 20
+    found = {"sft": [t[:1] for t in truth], "gen2": [t if i % 2 else t[:1] for i, t in enumerate(truth)]}
+    finals, records, detections = {}, {}, {}
     for arm, counts in per_arm.items():
         for seed in (0, 1):
             row = {**dict(zip(mc.KEY, mc.run_key("row", arm, seed, plan), strict=True)), "step": 4}
             finals.setdefault(("row", arm), []).append(row)
             records[mc._key_of(row)] = counts
-    lines, parts = mc.paired_lines(finals, records, ["row"], list(per_arm))
-    pairs = [line.split(" label-aware")[0] for line in lines]
-    assert pairs == ["row: gen1 - sft", "row: gen2 - sft", "row: gen2_ref - sft", "row: gen2 - gen1",
-                     "row: gen2_ref - gen1"]
-    figures = dict(kv.split("=") for part in parts for kv in part.split())
+            if arm in found:  # gen1 and gen2_ref: a ledger from before the detections were kept
+                detections[mc._key_of(row)] = mc.RecordMatches(truth, found[arm], [(64, 64)] * 20)
+    diffs = mc.paired_differences(finals, records, ["row"], list(per_arm), detections, map_draws=100)
+    assert [(p.arm, p.baseline, p.figure) for p in diffs] == [
+        ("gen1", "sft", "f1"), ("gen2", "sft", "f1"), ("gen2", "sft", "map"), ("gen2_ref", "sft", "f1"),
+        ("gen2", "gen1", "f1"), ("gen2_ref", "gen1", "f1")]
+    figures = dict(kv.split("=") for p in diffs for kv in p.part().split())
     assert float(figures["row_gen2_minus_gen1_f1_lo"]) > 0  # the gain, outside zero
     assert float(figures["row_gen2_ref_minus_gen1_f1"]) == 0.0
-    assert "half-width" in lines[1]
+    assert float(figures["row_gen2_minus_sft_map_lo"]) > 0  # every other record's second cup, found
+    assert all("half-width" in p.line() and p.records == 20 and p.seeds == 2 for p in diffs)
+    mc.plot_paired(diffs, tmp_path / "paired.png")
+    assert (tmp_path / "paired.png").stat().st_size > 0
 
 
 def test_the_reference_losses_arm_drops_only_the_readme_jobs_loss_settings(tmp_path: Path) -> None:
