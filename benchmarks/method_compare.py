@@ -295,6 +295,11 @@ def append_rows(path: Path, rows: list[dict]) -> None:
 RECORD_COLUMNS = (*KEY, "step", "record", "matched", "fp", "fn")
 
 
+def _is_final(row: dict) -> bool:
+    """Whether a ledger row is its run's last evaluation (a warm start's: its step `warm`)."""
+    return row["step"] == (row["warm"] if row["arm"] == "warm" else row["steps"])
+
+
 def records_ledger(ledger: Path) -> Path:
     """Beside OUT/NAME.csv: OUT/NAME-records.csv, each final evaluation's label-aware counts per held-out record."""
     return ledger.with_name(f"{ledger.stem}-records.csv")
@@ -302,7 +307,7 @@ def records_ledger(ledger: Path) -> Path:
 
 def append_record_rows(path: Path, rows: list[dict]) -> None:
     """The per-record counts of the final evaluations among `rows` (a warm start's: its step `warm`)."""
-    finals = [r for r in rows if r["step"] == (r["warm"] if r["arm"] == "warm" else r["steps"]) and r.get("per_record")]
+    finals = [r for r in rows if _is_final(r) and r.get("per_record")]
     if not finals:
         return
     new = not path.exists()
@@ -324,7 +329,7 @@ def detections_ledger(ledger: Path) -> Path:
 
 def append_detection_rows(path: Path, rows: list[dict]) -> None:
     """The detections of the final evaluations among `rows`, as `append_record_rows` keeps their counts."""
-    finals = [r for r in rows if r["step"] == (r["warm"] if r["arm"] == "warm" else r["steps"]) and r.get("detections")]
+    finals = [r for r in rows if _is_final(r) and r.get("detections")]
     if not finals:
         return
     with gzip.open(path, "at") as f:
@@ -371,7 +376,7 @@ def run_key(setting: str, arm: str, seed: int, plan: Plan) -> tuple:
 def done_runs(rows: list[dict]) -> set[tuple]:
     """Keys of the runs whose last evaluation is in the ledger (a warm start's last step is `warm`)."""
     return {_key_of(r) for r in rows
-            if r["step"] == (r["warm"] if r["arm"] == "warm" else r["steps"])}
+            if _is_final(r)}
 
 
 def estimate(todo: list[tuple], rows: list[dict], plan: Plan, history: list[dict] | None = None) -> float:
@@ -416,7 +421,7 @@ def final_rows(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
     """(setting, arm) -> each seed's last row (arm `warm`: the shared start), the newest plan's only."""
     out: dict[tuple[str, str], dict[int, dict]] = {}
     for r in rows:
-        if r["step"] == (r["warm"] if r["arm"] == "warm" else r["steps"]):
+        if _is_final(r):
             out.setdefault((r["setting"], r["arm"]), {})[r["seed"]] = r  # a later row of the same seed wins
     return {k: [v[s] for s in sorted(v)] for k, v in out.items()}
 
