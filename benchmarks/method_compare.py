@@ -70,9 +70,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
-import gzip
-import json
 import math
 import shutil
 import statistics
@@ -85,8 +82,24 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from compare_ledger import (  # noqa: E402  (the ledger: what runs leave on disk, read back)
+    KEY,
+    append_detection_rows,
+    append_record_rows,
+    append_rows,
+    detections_ledger,
+    detections_of,
+    done_runs,
+    final_rows,
+    key_of,
+    other_ledgers,
+    read_detection_rows,
+    read_record_rows,
+    read_rows,
+    records_ledger,
+)
 from dense_start import CROWD_GRID, ROW_GRID  # noqa: E402  (the start and the settings share their layouts)
-from paired import RecordMatches, paired_bootstrap, record_matches  # noqa: E402
+from paired import RecordMatches, paired_bootstrap  # noqa: E402
 
 README_JOB = ROOT / "configs" / "local-tiny-vl.yaml"
 DENSE_START = ROOT / "assets" / "tiny-vl-dense-model"
@@ -124,11 +137,6 @@ SETTINGS = {
     "row": Setting("row", ROW_GRID, max_tokens=400, start=DENSE_START, cost=(0.7, 6.0, 5.0), grad_accumulation=3),
 }
 
-KEY = ("setting", "arm", "seed", "steps", "warm", "heldout", "ratio")
-FIGURES = ("f1", "f1_geometry", "precision", "recall", "map", "map_agnostic", "map_50", "truncation_rate",
-           "duplicate_rate", "predicted_per_gt", "predicted_per_answer", "gt_per_record", "train_truncation_rate",
-           "train_duplicate_rate", "train_predicted_per_gt", "tokens_trained", "wall_s")
-COLUMNS = (*KEY, "step", *FIGURES)
 # What the table, plot and RESULT line summarise (the CSV has every figure).
 SUMMARY = ("f1", "f1_geometry", "map", "map_agnostic", "truncation_rate", "duplicate_rate", "predicted_per_gt",
            "tokens_trained", "wall_s")
@@ -241,142 +249,8 @@ def train(job, servers, *, resume: bool, max_steps: int | None, tokens_before: i
     return rows
 
 
-def detections_of(ev) -> dict:
-    """An evaluation's boxes per record, for the detections ledger: ground truth and predictions (in the order
-    written, which ranks them) as [label, x1, y1, x2, y2] in pixels, and the records' [width, height]."""
-    from learner.data.episode import ground_truth_detections
-    from learner.evaluation.coco_map import boxes_from_detections
-
-    def rows(boxes) -> list[list]:
-        return [[b.label, *b.xyxy] for b in boxes]
-
-    return {"sizes": [[r.width, r.height] for r in ev.records],
-            "truth": [rows(boxes_from_detections(ground_truth_detections(r), rank_by_order=False))
-                      for r in ev.records],
-            "predicted": [rows(boxes_from_detections(p)) for p in ev.predictions]}
-
-
-# ---------------------------------------------------------------- the ledger
-
-
-def read_rows(paths: list[Path]) -> list[dict]:
-    rows = []
-    for path in paths:
-        if not path.exists():
-            continue
-        with path.open(newline="") as f:
-            for raw in csv.DictReader(f):
-                row: dict = {k: raw[k] for k in ("setting", "arm")}
-                for k in ("seed", "steps", "warm", "heldout", "step", "tokens_trained"):
-                    row[k] = int(raw[k])
-                for k in ("ratio", *FIGURES):
-                    if k != "tokens_trained":
-                        row[k] = float(raw[k]) if raw.get(k) not in (None, "") else math.nan
-                rows.append(row)
-    return rows
-
-
-def _cell(value: object) -> object:
-    """A CSV cell: floats to 6 significant digits (what `_key_of` reads back), the rest as they are."""
-    return f"{value:.6g}" if isinstance(value, float) else value
-
-
-def append_rows(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.writer(f)
-        if new:
-            w.writerow(COLUMNS)
-        for row in rows:
-            w.writerow([_cell(row[k]) for k in COLUMNS])
-
-
-RECORD_COLUMNS = (*KEY, "step", "record", "matched", "fp", "fn")
-
-
-def _is_final(row: dict) -> bool:
-    """Whether a ledger row is its run's last evaluation (a warm start's: its step `warm`)."""
-    return row["step"] == (row["warm"] if row["arm"] == "warm" else row["steps"])
-
-
-def records_ledger(ledger: Path) -> Path:
-    """Beside OUT/NAME.csv: OUT/NAME-records.csv, each final evaluation's label-aware counts per held-out record."""
-    return ledger.with_name(f"{ledger.stem}-records.csv")
-
-
-def append_record_rows(path: Path, rows: list[dict]) -> None:
-    """The per-record counts of the final evaluations among `rows` (a warm start's: its step `warm`)."""
-    finals = [r for r in rows if _is_final(r) and r.get("per_record")]
-    if not finals:
-        return
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.writer(f)
-        if new:
-            w.writerow(RECORD_COLUMNS)
-        for r in finals:
-            key = [_cell(r[k]) for k in (*KEY, "step")]
-            for i, (m, fp, fn) in enumerate(r["per_record"]):
-                w.writerow([*key, i, m, fp, fn])
-
-
-def detections_ledger(ledger: Path) -> Path:
-    """Beside OUT/NAME.csv: OUT/NAME-detections.jsonl.gz, each final evaluation's boxes per held-out record (what
-    a bootstrap of COCO mAP needs), one JSON line per run, gzip members appended."""
-    return ledger.with_name(f"{ledger.stem}-detections.jsonl.gz")
-
-
-def append_detection_rows(path: Path, rows: list[dict]) -> None:
-    """The detections of the final evaluations among `rows`, as `append_record_rows` keeps their counts."""
-    finals = [r for r in rows if _is_final(r) and r.get("detections")]
-    if not finals:
-        return
-    with gzip.open(path, "at") as f:
-        for r in finals:
-            f.write(json.dumps({"key": [r[k] for k in KEY], "step": r["step"], **r["detections"]}) + "\n")
-
-
-def read_detection_rows(path: Path) -> dict[tuple, RecordMatches]:
-    """Run key (KEY) -> its final evaluation's detections, matched (a later line of the same key replaces an
-    earlier one)."""
-    if not path.exists():
-        return {}
-    docs = {}
-    with gzip.open(path, "rt") as f:
-        for line in f:
-            doc = json.loads(line)
-            docs[_key_of(dict(zip(KEY, doc["key"], strict=True)))] = doc
-    return {k: record_matches(doc) for k, doc in docs.items()}
-
-
-def _key_of(row: dict) -> tuple:
-    """A run's key (KEY) from a ledger row, read back from the CSV or as written: the same tuple either way."""
-    return tuple(round(float(row[k]), 6) if k == "ratio" else int(row[k]) if k in ("seed", "steps", "warm", "heldout")
-                 else row[k] for k in KEY)
-
-
-def read_record_rows(path: Path) -> dict[tuple, list[tuple[int, int, int]]]:
-    """Run key (KEY) -> its final evaluation's (matched, fp, fn) per record (a later run of the same key replaces
-    an earlier one)."""
-    out: dict[tuple, dict[int, tuple[int, int, int]]] = {}
-    if not path.exists():
-        return {}
-    with path.open(newline="") as f:
-        for raw in csv.DictReader(f):
-            out.setdefault(_key_of(raw), {})[int(raw["record"])] = (int(raw["matched"]), int(raw["fp"]),
-                                                                    int(raw["fn"]))
-    return {k: [v[i] for i in sorted(v)] for k, v in out.items()}
-
-
 def run_key(setting: str, arm: str, seed: int, plan: Plan) -> tuple:
     return (setting, arm, seed, plan.steps, plan.warm, plan.heldout, round(arm_ratio(arm, plan), 6))
-
-
-def done_runs(rows: list[dict]) -> set[tuple]:
-    """Keys of the runs whose last evaluation is in the ledger (a warm start's last step is `warm`)."""
-    return {_key_of(r) for r in rows
-            if _is_final(r)}
 
 
 def estimate(todo: list[tuple], rows: list[dict], plan: Plan, history: list[dict] | None = None) -> float:
@@ -401,29 +275,7 @@ def estimate(todo: list[tuple], rows: list[dict], plan: Plan, history: list[dict
     return total
 
 
-def other_ledgers(ledger: Path) -> list[dict]:
-    """The rows of every other method_compare ledger in the ledger's folder (for `estimate`; one of an older
-    layout, without the columns read here, is passed over)."""
-    out: list[dict] = []
-    for path in sorted(ledger.parent.glob("method_compare*.csv")):
-        if path != ledger and not path.stem.endswith("-records"):
-            try:
-                out += read_rows([path])
-            except (KeyError, ValueError):
-                continue
-    return out
-
-
 # ---------------------------------------------------------------- the report
-
-
-def final_rows(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
-    """(setting, arm) -> each seed's last row (arm `warm`: the shared start), the newest plan's only."""
-    out: dict[tuple[str, str], dict[int, dict]] = {}
-    for r in rows:
-        if _is_final(r):
-            out.setdefault((r["setting"], r["arm"]), {})[r["seed"]] = r  # a later row of the same seed wins
-    return {k: [v[s] for s in sorted(v)] for k, v in out.items()}
 
 
 def spread(values: list[float]) -> tuple[float, float, float]:
@@ -470,7 +322,7 @@ def paired_differences(finals: dict[tuple[str, str], list[dict]], records: dict[
     out = []
 
     def per_seed(table: dict, setting: str, arm: str) -> dict:
-        got = {r["seed"]: table.get(_key_of(r)) for r in finals.get((setting, arm), [])}
+        got = {r["seed"]: table.get(key_of(r)) for r in finals.get((setting, arm), [])}
         return {k: v for k, v in got.items() if v}
 
     for setting in settings:
@@ -717,7 +569,7 @@ def train_grid(todo: list[tuple], settings: list[Setting], plan: Plan, args, row
                     append_record_rows(records_ledger(ledger), new)
                     append_detection_rows(detections_ledger(ledger), new)
                     rows += new
-            warm_tokens = next(r["tokens_trained"] for r in rows if _key_of(r) == warm_key and r["step"] == plan.warm)
+            warm_tokens = next(r["tokens_trained"] for r in rows if key_of(r) == warm_key and r["step"] == plan.warm)
             arm_dir = work / f"{tag}-{arm}"
             shutil.rmtree(arm_dir, ignore_errors=True)
             shutil.copytree(warm_dir, arm_dir, ignore=shutil.ignore_patterns("tensorboard"))

@@ -111,9 +111,9 @@ def test_recipe_arms_are_compared_with_generation_1_and_every_arm_with_plain_sft
         for seed in (0, 1):
             row = {**dict(zip(mc.KEY, mc.run_key("row", arm, seed, plan), strict=True)), "step": 4}
             finals.setdefault(("row", arm), []).append(row)
-            records[mc._key_of(row)] = counts
+            records[mc.key_of(row)] = counts
             if arm in found:  # gen1 and gen2_ref: a ledger from before the detections were kept
-                detections[mc._key_of(row)] = mc.RecordMatches(truth, found[arm], [(64, 64)] * 20)
+                detections[mc.key_of(row)] = mc.RecordMatches(truth, found[arm], [(64, 64)] * 20)
     diffs = mc.paired_differences(finals, records, ["row"], list(per_arm), detections, map_draws=100)
     assert [(p.arm, p.baseline, p.figure) for p in diffs] == [
         ("gen1", "sft", "f1"), ("gen2", "sft", "f1"), ("gen2", "sft", "map"), ("gen2_ref", "sft", "f1"),
