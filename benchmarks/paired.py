@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from learner.core.clean_prefix import normalize_label
-from learner.evaluation.coco_map import Box
+from learner.evaluation.coco_map import Box, clipped_xywh
 
 T = TypeVar("T")
 
@@ -78,15 +78,6 @@ def _iou(dt: np.ndarray, gt: np.ndarray) -> np.ndarray:
     return np.where(inter > 0, inter / np.where(union > 0, union, 1.0), 0.0)
 
 
-def _xywh(box: Box, width: float, height: float) -> list[float]:
-    """As learner.evaluation.coco_map gives boxes to COCO: corners sorted, clipped to the image."""
-    x1, x2 = sorted((box.xyxy[0], box.xyxy[2]))
-    y1, y2 = sorted((box.xyxy[1], box.xyxy[3]))
-    x1, x2 = min(max(x1, 0.0), width), min(max(x2, 0.0), width)
-    y1, y2 = min(max(y1, 0.0), height), min(max(y2, 0.0), height)
-    return [x1, y1, x2 - x1, y2 - y1]
-
-
 def _match(dt: np.ndarray, gt: np.ndarray) -> np.ndarray:
     """COCO's evaluateImg for one image and category (no crowd, no ignored ground truth): (T, D) whether each
     prediction, in score order, is matched at each IoU threshold. Greedy: each prediction takes the unmatched
@@ -128,12 +119,12 @@ class RecordMatches:
         rec, cats, scores, order, matched = [], [], [], [], []
         for r, (gts, dts, (w, h)) in enumerate(zip(truth, predicted, sizes, strict=True)):
             for c in {cat[category(b.label)] for b in (*gts, *dts)}:
-                g = [_xywh(b, w, h) for b in gts if cat[category(b.label)] == c]
+                g = [clipped_xywh(b, w, h) for b in gts if cat[category(b.label)] == c]
                 self.gt_counts[r, c] = len(g)
                 mine = [b for b in dts if cat[category(b.label)] == c]
                 # COCO sorts an image's predictions by score, stable (mergesort).
                 ranked = sorted(range(len(mine)), key=lambda i, mine=mine: -mine[i].score)
-                d = np.asarray([_xywh(mine[i], w, h) for i in ranked], dtype=float).reshape(-1, 4)
+                d = np.asarray([clipped_xywh(mine[i], w, h) for i in ranked], dtype=float).reshape(-1, 4)
                 m = _match(d, np.asarray(g, dtype=float).reshape(-1, 4))
                 for pos, i in enumerate(ranked):
                     rec.append(r)

@@ -81,7 +81,9 @@ def boxes_from_detections(detections: Sequence[Detection], *, rank_by_order: boo
     return out
 
 
-def _xywh(box: Box, width: int, height: int, where: str) -> list[float]:
+def clipped_xywh(box: Box, width: float, height: float, where: str = "box") -> list[float]:
+    """The box as COCO is given it: [x, y, w, h] with its corners sorted and clipped to the image (benchmarks/
+    paired.py's mAP draws convert the same way). `where` names the box in the error a malformed one raises."""
     if len(box.xyxy) != 4 or not all(math.isfinite(v) for v in box.xyxy):
         raise ValueError(f"{where}: box {box.xyxy!r} needs 4 finite numbers")
     x1, x2 = sorted((box.xyxy[0], box.xyxy[2]))
@@ -126,14 +128,14 @@ def coco_map(
             raise ValueError(f"image {i}: size {tuple(size)} must be positive (width, height)")
         images.append({"id": i + 1, "width": width, "height": height})
         for b in gt_boxes:
-            xywh = _xywh(b, width, height, f"image {i} ground truth {b.label!r}")
+            xywh = clipped_xywh(b, width, height, f"image {i} ground truth {b.label!r}")
             gts.append({"id": len(gts) + 1, "image_id": i + 1, "category_id": cat_id[cat(b.label)], "bbox": xywh,
                         "area": xywh[2] * xywh[3], "iscrowd": 0})
         for b in dt_boxes:
             if not math.isfinite(b.score):
                 raise ValueError(f"image {i} prediction {b.label!r}: score {b.score!r} is not finite")
             dts.append({"image_id": i + 1, "category_id": cat_id[cat(b.label)], "score": float(b.score),
-                        "bbox": _xywh(b, width, height, f"image {i} prediction {b.label!r}")})
+                        "bbox": clipped_xywh(b, width, height, f"image {i} prediction {b.label!r}")})
     counts = {"n_images": float(len(images)), "n_ground_truth": float(len(gts)), "n_predictions": float(len(dts)),
               "n_unknown_label": float(sum(cat(b.label) not in gt_labels for boxes in predictions for b in boxes))}
     if not gts:  # nothing to find: AP is undefined for every category
