@@ -374,6 +374,60 @@ def plot_paired(diffs: list[Paired], path: Path, bar: float = 0.03) -> None:
     plt.close(fig)
 
 
+def after_channel_b(step: int, warm: int, ratio: float) -> bool:
+    """Whether optimizer step `step` (1-based, the step an evaluation follows) of a run with `warm` warm-start steps
+    and channel-B ratio `ratio` was rollout matching (the trainer's schedule: learner.core.schedule, counted from
+    the first step after the warm start)."""
+    from learner.core.schedule import is_channel_b
+
+    return ratio > 0.0 and step > warm and is_channel_b(step - warm - 1, ratio)
+
+
+def plot_curves(rows: list[dict], finals: dict[tuple[str, str], list[dict]], path: Path) -> bool:
+    """OUT/NAME-curves.png: label-aware F1@0.5 and mAP at every evaluation, the mean over each arm's seeds, per
+    setting; an evaluation that came right after a rollout-matching (channel B) step is drawn filled, one after a
+    ground-truth step hollow (learner.core.schedule: the recipe's B steps close each block, so with `--eval-every`
+    a multiple of 1 / ratio every evaluation follows one). False (nothing drawn) when no run has three or more
+    evaluations."""
+    curves: dict[tuple[str, str], dict[int, list[dict]]] = {}
+    for (setting, arm), runs in finals.items():
+        keys = {key_of(r) for r in runs}
+        for r in rows:
+            if key_of(r) in keys:
+                curves.setdefault((setting, arm), {}).setdefault(r["step"], []).append(r)
+    curves = {k: v for k, v in curves.items() if len(v) >= 3 and k[1] != "warm"}
+    if not curves:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = list(dict.fromkeys(s for s, _ in curves))
+    fig, axes = plt.subplots(len(settings), 2, figsize=(10, 3.2 * len(settings)), squeeze=False)
+    for i, setting in enumerate(settings):
+        for j, (key, label) in enumerate((("f1", "label-aware F1@0.5"), ("map", "label-aware mAP"))):
+            ax = axes[i][j]
+            for (s, arm), by_step in curves.items():
+                if s != setting:
+                    continue
+                steps = sorted(by_step)
+                means = [statistics.mean(float(r[key]) for r in by_step[t]) for t in steps]
+                first = by_step[steps[-1]][0]
+                line, = ax.plot(steps, means, lw=1, label=f"{arm} ({len(by_step[steps[-1]])} seed(s))")
+                after_b = [after_channel_b(t, first["warm"], float(first["ratio"])) for t in steps]
+                ax.scatter(steps, means, s=14, color=line.get_color(), zorder=3,
+                           facecolors=[line.get_color() if b else "white" for b in after_b])
+            ax.set_title(f"{setting}: {label} (filled: right after a channel-B step)", fontsize=9)
+            ax.set_xlabel("optimizer step", fontsize=8)
+            ax.tick_params(labelsize=8)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def report(rows: list[dict], out: Path, name: str, wall: float,
            records: dict[tuple, list[tuple[int, int, int]]] | None = None,
            detections: dict[tuple, RecordMatches] | None = None) -> str:
@@ -435,6 +489,7 @@ def report(rows: list[dict], out: Path, name: str, wall: float,
     plt.close(fig)
     if diffs:
         plot_paired(diffs, out / f"{name}-paired.png")
+    plot_curves(rows, finals, out / f"{name}-curves.png")
     return "RESULT " + " ".join(parts) + f" wall_s={wall:.1f}"
 
 

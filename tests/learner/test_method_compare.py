@@ -181,3 +181,26 @@ def test_the_estimate_reads_its_own_ledger_first_then_the_others_beside_it() -> 
     assert mc.estimate(todo, [], plan, [final(100.0), final(140.0), final(900.0)]) == 140.0
     assert mc.estimate(todo, [final(50.0)], plan, [final(100.0)]) == 50.0
     assert mc.estimate(todo, [], plan, [{**final(100.0), "steps": 60}]) == rough  # other steps: not this run
+
+
+def test_curves_mark_the_evaluations_that_follow_a_rollout_matching_step(tmp_path: Path) -> None:
+    """The recipe's B steps close each block of 1 / ratio steps (the reference's schedule), so an evaluation every
+    10 steps at ratio 0.1 always follows one: the curves picture tells those points apart."""
+    mc = _benchmark()
+    assert [s for s in range(21, 61) if mc.after_channel_b(s, 20, 0.1)] == [30, 40, 50, 60]
+    assert not any(mc.after_channel_b(s, 20, 0.0) for s in range(1, 61))  # plain SFT: never
+    assert not any(mc.after_channel_b(s, 20, 1.0) for s in range(1, 21))  # the warm start: never
+    assert all(mc.after_channel_b(s, 20, 1.0) for s in range(21, 61))  # generation 1: every later step
+
+    def row(arm: str, step: int, ratio: float, f1: float) -> dict:
+        return {"setting": "row", "arm": arm, "seed": 0, "steps": 40, "warm": 20, "heldout": 8, "ratio": ratio,
+                "step": step, "f1": f1, "map": f1 / 2}
+
+    rows = [row(arm, step, ratio, 0.5 + step / 100) for arm, ratio in (("sft", 0.0), ("gen2", 0.1))
+            for step in (25, 30, 35, 40)]
+    path = tmp_path / "curves.png"
+    assert mc.plot_curves(rows, mc.final_rows(rows), path)
+    assert path.stat().st_size > 0
+    finals_only = [r for r in rows if r["step"] == 40]
+    assert not mc.plot_curves(finals_only, mc.final_rows(finals_only), tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
