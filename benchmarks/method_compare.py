@@ -46,7 +46,10 @@ rendered with seed 0, the dense start's with seeds of its own.
 Outputs: OUT/NAME.csv, one row per evaluation of every run (the ledger: a run whose final row is there, for the same
 steps, warm start, held-out size and ratio, is skipped, so an interrupted grid resumes where it stopped; warm-start
 checkpoints stay under `--work`); OUT/NAME.png, per setting and figure the final value of each arm as the mean over
-seeds with min-max bars (the warm-start point dotted); a table, and one `RESULT key=value ...` line with, per
+seeds with min-max bars (the warm-start point dotted); OUT/NAME-curves.png when runs were evaluated three or more
+times (`--eval-every`): F1 and mAP at every evaluation, mean over seeds, the points that follow a channel-B step
+filled (the recipe's B steps close each block of 1 / ratio steps, so `--eval-every 40` at ratio 0.1 only sees the
+model right after one; `--eval-every 5` shows both); a table, and one `RESULT key=value ...` line with, per
 setting, arm and figure, the mean over seeds and its min and max (`<setting>_<arm>_<figure>=mean`,
 `..._min`, `..._max`; arm `warm` is the shared starting point). `--replot` rebuilds the plot, table and RESULT line
 from the CSV (or the CSVs given) without training.
