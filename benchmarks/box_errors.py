@@ -11,7 +11,9 @@ threshold), and prints per arm, over its seeds and records:
 - per box edge (x1, y1, x2, y2), the mean absolute and the mean signed error in pixels (signed: prediction minus
   truth; a positive y2 error is a box drawn too far down);
 - the most common errors of each edge, rounded to whole pixels (on the grid tasks a box is off by whole cells).
-Objects taller than 1.5 times their width ("tall": the row setting's) and the others are reported apart.
+Objects taller than 1.5 times their width ("tall": the row setting's) and the others are reported apart, and per
+record-evaluation with tall pairs, whether none, some or all of them have a y2 off by more than a pixel (a whole
+row drawn a cell too tall or short is one judgement of the row's height, then copied along it).
 Last line: `RESULT <setting>_<arm>_iou75=... <setting>_<arm>_tall_y2_signed=... ...`.
 """
 
@@ -59,9 +61,9 @@ def pairs(truth: list[list], predicted: list[list], min_iou: float = 0.5) -> lis
     return out
 
 
-def arm_pairs(path: Path, setting: str | None = None, step: int | None = None) -> dict[tuple[str, str], list]:
-    """(setting, arm) -> every pair of its runs' final evaluations (a later line of the same run replaces an
-    earlier one, as the ledger is read for the report)."""
+def arm_pairs(path: Path, setting: str | None = None, step: int | None = None) -> dict[tuple[str, str], list[list]]:
+    """(setting, arm) -> per record-evaluation of its runs' final evaluations, its pairs (a later line of the same
+    run replaces an earlier one, as the ledger is read for the report)."""
     runs: dict[tuple, dict] = {}
     with gzip.open(path, "rt") as f:
         for line in f:
@@ -69,11 +71,23 @@ def arm_pairs(path: Path, setting: str | None = None, step: int | None = None) -
             key = tuple(doc["key"])
             if (setting is None or key[0] == setting) and (step is None or doc["step"] == step):
                 runs[key] = doc
-    out: dict[tuple[str, str], list] = {}
+    out: dict[tuple[str, str], list[list]] = {}
     for key, doc in runs.items():
         got = out.setdefault((key[0], key[1]), [])
         for truth, predicted in zip(doc["truth"], doc["predicted"], strict=True):
-            got += pairs(truth, predicted)
+            got.append(pairs(truth, predicted))
+    return out
+
+
+def tall_rows(per_record: list[list]) -> Counter:
+    """Record-evaluations with tall pairs, by how many of those have a y2 off by more than a pixel: "none", "some",
+    "all"."""
+    out: Counter = Counter()
+    for found in per_record:
+        tall = [p for p in found if p[2]]
+        if tall:
+            off = sum(abs(p[1][3]) > 1 for p in tall)
+            out["none" if off == 0 else "all" if off == len(tall) else "some"] += 1
     return out
 
 
@@ -105,10 +119,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.ledger}: no such detections ledger (benchmarks/method_compare.py writes "
                          "NAME-detections.jsonl.gz beside NAME.csv)")
     parts = []
-    for (setting, arm), found in sorted(arm_pairs(args.ledger, args.setting, args.step).items()):
-        s = summary(found)
+    for (setting, arm), per_record in sorted(arm_pairs(args.ledger, args.setting, args.step).items()):
+        s = summary([p for found in per_record for p in found])
+        rows = tall_rows(per_record)
         print(f"{setting} / {arm}: {s['pairs']} pairs, mean IoU {s['iou']:.4f}, IoU >= 0.75 {s['iou75']:.1%}, "
-              f">= 0.9 {s['iou90']:.1%}")
+              f">= 0.9 {s['iou90']:.1%}; record-evaluations with tall objects: y2 off on all {rows['all']}, "
+              f"some {rows['some']}, none {rows['none']}")
         for shape in ("tall", "other"):
             t = s[shape]
             edges = "; ".join(f"{e} |{t[e]['abs']:.2f}| {t[e]['signed']:+.2f} (most: "
@@ -116,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {shape} ({t['pairs']}): {edges}")
         key = f"{setting}_{arm}"
         parts += [f"{key}_iou75={s['iou75']:.4g}", f"{key}_iou={s['iou']:.4g}",
-                  f"{key}_tall_y2_signed={s['tall']['y2']['signed']:.4g}"]
+                  f"{key}_tall_y2_signed={s['tall']['y2']['signed']:.4g}", f"{key}_tall_rows_off={rows['all']}"]
     print("RESULT " + " ".join(parts))
 
 

@@ -60,9 +60,14 @@ def test_the_ledger_is_read_per_setting_and_arm_and_a_later_run_replaces_an_earl
         f.write(line("gen2", 0, [["red rectangle", 0, 0, 32, 96]]))
     found = be.arm_pairs(path)
     assert sorted(found) == [("row", "gen2"), ("row", "sft")]
-    assert [p[1] for p in found[("row", "sft")]] == [[0, 0, 0, 0]]
+    assert [p[1] for p in found[("row", "sft")][0]] == [[0, 0, 0, 0]]
+    assert be.tall_rows(found[("row", "gen2")]) == {"all": 1}
+    assert be.tall_rows(found[("row", "sft")]) == {"none": 1}
+    assert be.tall_rows([be.pairs(TRUTH, [["red rectangle", 0, 0, 32, 96], ["red rectangle", 32, 0, 64, 64]])]) == {
+        "some": 1}
     be.main([str(path)])
     out = capsys.readouterr().out
     assert "row_sft_iou75=1 " in out and "row_gen2_iou75=0 " in out and "row_gen2_tall_y2_signed=32" in out
+    assert "row_gen2_tall_rows_off=1" in out and "row_sft_tall_rows_off=0" in out
     with pytest.raises(SystemExit, match="no such detections ledger"):
         be.main([str(tmp_path / "absent.jsonl.gz")])
