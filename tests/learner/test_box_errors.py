@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from benchmark_module import load_benchmark
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("box_errors", ROOT / "benchmarks" / "box_errors.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("box_errors")
 
 
 # Two tall same-label neighbours (one cell of 32 px wide, two tall) and a one-cell shape of another label.

@@ -4,23 +4,17 @@ servers, the CSV ledger, the plot and the RESULT line; run again, every run is f
 from __future__ import annotations
 
 import csv
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
+from benchmark_module import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("method_compare", ROOT / "benchmarks" / "method_compare.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("method_compare")
 
 
 def test_smoke_grid_trains_once_and_resumes(tiny_qwen3_vl_dir: Path, tmp_path: Path, capsys) -> None:

@@ -4,25 +4,17 @@ label no ground truth uses, empty records, boxes past the image and reversed cor
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import pytest
+from benchmark_module import load_benchmark
 
 from learner.core.clean_prefix import normalize_label
 from learner.evaluation.coco_map import Box, coco_map, order_score
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _paired():
-    spec = importlib.util.spec_from_file_location("paired", ROOT / "benchmarks" / "paired.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("paired")
 
 
 LABELS = ("red circle", "Red_Circle", "blue square", "green triangle")
