@@ -17,6 +17,7 @@ import csv
 import gzip
 import json
 import math
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from paired import RecordMatches, record_matches
@@ -65,15 +66,19 @@ def _cell(value: object) -> object:
     return f"{value:.6g}" if isinstance(value, float) else value
 
 
-def append_rows(path: Path, rows: list[dict]) -> None:
+def _append_csv(path: Path, header: Sequence[str], lines: Iterable[list]) -> None:
+    """Append `lines` to the CSV at `path`, its header first when the file is new."""
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists()
     with path.open("a", newline="") as f:
         w = csv.writer(f)
         if new:
-            w.writerow(COLUMNS)
-        for row in rows:
-            w.writerow([_cell(row[k]) for k in COLUMNS])
+            w.writerow(header)
+        w.writerows(lines)
+
+
+def append_rows(path: Path, rows: list[dict]) -> None:
+    _append_csv(path, COLUMNS, ([_cell(row[k]) for k in COLUMNS] for row in rows))
 
 
 RECORD_COLUMNS = (*KEY, "step", "record", "matched", "fp", "fn")
@@ -94,15 +99,8 @@ def append_record_rows(path: Path, rows: list[dict]) -> None:
     finals = [r for r in rows if is_final(r) and r.get("per_record")]
     if not finals:
         return
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.writer(f)
-        if new:
-            w.writerow(RECORD_COLUMNS)
-        for r in finals:
-            key = [_cell(r[k]) for k in (*KEY, "step")]
-            for i, (m, fp, fn) in enumerate(r["per_record"]):
-                w.writerow([*key, i, m, fp, fn])
+    _append_csv(path, RECORD_COLUMNS, ([*(_cell(r[k]) for k in (*KEY, "step")), i, m, fp, fn]
+                                       for r in finals for i, (m, fp, fn) in enumerate(r["per_record"])))
 
 
 def detections_ledger(ledger: Path) -> Path:
