@@ -20,23 +20,18 @@ Last line: `RESULT <setting>_<arm>_iou75=... <setting>_<arm>_tall_y2_signed=... 
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
+import sys
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from learner.core.match import box_iou
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_ledger import read_detection_docs  # noqa: E402  (the ledger's one reader)
+
 EDGES = ("x1", "y1", "x2", "y2")
-
-
-def iou(a: Sequence[float], b: Sequence[float]) -> float:
-    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = ix * iy
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
 
 
 def pairs(truth: list[list], predicted: list[list], min_iou: float = 0.5) -> list[tuple[float, list[float], bool]]:
@@ -49,7 +44,7 @@ def pairs(truth: list[list], predicted: list[list], min_iou: float = 0.5) -> lis
         for j, (t_label, *t_box) in enumerate(truth):
             if j in used or t_label != label:
                 continue
-            v = iou(box, t_box)
+            v = box_iou(box, t_box)
             if v >= best:
                 best, best_j = v, j
         if best_j is None:
@@ -64,16 +59,11 @@ def pairs(truth: list[list], predicted: list[list], min_iou: float = 0.5) -> lis
 def arm_pairs(path: Path, setting: str | None = None, step: int | None = None) -> dict[tuple[str, str], list[list]]:
     """(setting, arm) -> per record-evaluation of its runs' final evaluations, its pairs (a later line of the same
     run replaces an earlier one, as the ledger is read for the report)."""
-    runs: dict[tuple, dict] = {}
-    with gzip.open(path, "rt") as f:
-        for line in f:
-            doc = json.loads(line)
-            key = tuple(doc["key"])
-            if (setting is None or key[0] == setting) and (step is None or doc["step"] == step):
-                runs[key] = doc
     out: dict[tuple[str, str], list[list]] = {}
-    for key, doc in runs.items():
-        got = out.setdefault((key[0], key[1]), [])
+    for (run_setting, arm, *_), doc in read_detection_docs(path).items():
+        if (setting is not None and run_setting != setting) or (step is not None and doc["step"] != step):
+            continue
+        got = out.setdefault((run_setting, arm), [])
         for truth, predicted in zip(doc["truth"], doc["predicted"], strict=True):
             got.append(pairs(truth, predicted))
     return out

@@ -119,9 +119,9 @@ def append_detection_rows(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps({"key": [r[k] for k in KEY], "step": r["step"], **r["detections"]}) + "\n")
 
 
-def read_detection_rows(path: Path) -> dict[tuple, RecordMatches]:
-    """Run key (KEY) -> its final evaluation's detections, matched (a later line of the same key replaces an
-    earlier one)."""
+def read_detection_docs(path: Path) -> dict[tuple, dict]:
+    """Run key (KEY) -> its final evaluation's detections line as written (`key`, `step`, `sizes`, `truth`,
+    `predicted`; a later line of the same key replaces an earlier one)."""
     if not path.exists():
         return {}
     docs = {}
@@ -129,7 +129,12 @@ def read_detection_rows(path: Path) -> dict[tuple, RecordMatches]:
         for line in f:
             doc = json.loads(line)
             docs[key_of(dict(zip(KEY, doc["key"], strict=True)))] = doc
-    return {k: record_matches(doc) for k, doc in docs.items()}
+    return docs
+
+
+def read_detection_rows(path: Path) -> dict[tuple, RecordMatches]:
+    """Run key (KEY) -> its final evaluation's detections, matched (read_detection_docs)."""
+    return {k: record_matches(doc) for k, doc in read_detection_docs(path).items()}
 
 
 def key_of(row: dict) -> tuple:

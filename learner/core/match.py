@@ -5,6 +5,7 @@ Public API
 - `match(pred, gt, cfg) -> MatchResult` with `pairs` ((pred_i, gt_j, iou), sorted by gt_j),
   `false_negatives` (unmatched gt indices, ascending) and `false_positives` (unmatched preds).
 - `iou(a, b, mask_resolution)`: boxes exactly; anything with a polygon by mask IoU.
+- `box_iou(a, b)`: IoU of two [x1, y1, x2, y2] boxes (what `iou` uses for two boxes).
 - `pair_by_iou(a, b, min_iou, allowed=None) -> dict[int, int]`: a one-to-one pairing of `a` with `b` of the
   highest total IoU among pairs at `min_iou` or above (`allowed`: an [len(a), len(b)] mask of pairs that may
   pair, e.g. same label); what an explorer's answer "supports" of the anchor's (recipe generation 2).
@@ -74,7 +75,8 @@ def _box_of(o: DetObject) -> tuple[float, float, float, float]:
     return float(min(xs)), float(min(ys)), float(max(xs)), float(max(ys))
 
 
-def _box_iou(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
+    """IoU of two [x1, y1, x2, y2] boxes (a reversed box has no area)."""
     area_a = max(0.0, a[2] - a[0]) * max(0.0, a[3] - a[1])
     area_b = max(0.0, b[2] - b[0]) * max(0.0, b[3] - b[1])
     iw = min(a[2], b[2]) - max(a[0], b[0])
@@ -124,8 +126,8 @@ def _mask_iou(a: DetObject, b: DetObject, resolution: int) -> float:
 
 def iou(a: DetObject, b: DetObject, mask_resolution: int = 128) -> float:
     if a.kind == "bbox_2d" and b.kind == "bbox_2d":
-        return _box_iou(_box_of(a), _box_of(b))
-    if _box_iou(_box_of(a), _box_of(b)) == 0.0:
+        return box_iou(_box_of(a), _box_of(b))
+    if box_iou(_box_of(a), _box_of(b)) == 0.0:
         return 0.0  # disjoint bounding boxes: skip rasterising
     return _mask_iou(a, b, mask_resolution)
 
