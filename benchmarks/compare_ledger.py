@@ -22,6 +22,8 @@ from pathlib import Path
 
 from paired import RecordMatches, record_matches
 
+# The arms a grid trains (benchmarks/method_compare.py says what each is), in the order reports list them.
+ARMS = ("sft", "gen1", "gen2", "gen2_ref", "gen2_rows", "gen2_b")
 KEY = ("setting", "arm", "seed", "steps", "warm", "heldout", "ratio")
 FIGURES = ("f1", "f1_geometry", "precision", "recall", "map", "map_agnostic", "map_50", "truncation_rate",
            "duplicate_rate", "predicted_per_gt", "predicted_per_answer", "gt_per_record", "train_truncation_rate",
