@@ -58,11 +58,11 @@ class Paired:
 
 def paired_differences(finals: dict[tuple[str, str], list[dict]], records: dict[tuple, list[tuple[int, int, int]]],
                        settings: list[str], arms: list[str], detections: dict[tuple, RecordMatches] | None = None,
-                       *, map_draws: int = 1000) -> list[Paired]:
+                       *, map_draws: int = 1000, vary: str = "both") -> list[Paired]:
     """Each arm against plain SFT, and each recipe arm against generation 1, on the same held-out records and seeds
     (paired_bootstrap): label-aware F1@0.5 from the per-record counts and, where the detections were kept, COCO mAP.
     Arms without per-record counts (a ledger from before they were kept) are left out, as is the mAP of runs
-    without detections."""
+    without detections. `vary`: which bootstrap level is drawn (paired_bootstrap)."""
     out = []
 
     def per_seed(table: dict, setting: str, arm: str) -> dict:
@@ -81,7 +81,7 @@ def paired_differences(finals: dict[tuple[str, str], list[dict]], records: dict[
                     seeds = sorted(set(base) & set(other))
                     if not seeds:
                         continue
-                    d, lo, hi = paired_bootstrap(other, base, **kw)
+                    d, lo, hi = paired_bootstrap(other, base, vary=vary, **kw)
                     out.append(Paired(setting, arm, baseline, figure, d, lo, hi, len(base[seeds[0]]), len(seeds)))
     return out
 

@@ -43,12 +43,18 @@ def pooled_f1(counts: Sequence[tuple[int, int, int]], idx: Sequence[int]) -> flo
 
 
 def paired_bootstrap(a: dict[int, T], b: dict[int, T], *, figure: Callable[[T, list[int]], float] = pooled_f1,
-                     draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+                     draws: int = 2000, seed: int = 0, vary: str = "both") -> tuple[float, float, float]:
     """figure(a) - figure(b) on the same held-out records over the same seeds (each side: seed -> that run's
     per-record data, anything `len` and `figure(data, record indices)` take): the observed difference (mean over
     seeds of the figure on every record) and a 95% percentile interval from a two-level bootstrap: seeds drawn with
     replacement, then records, the same records for both sides (paired: what one image does to both models
-    cancels). Seeds only one side has are left out."""
+    cancels). Seeds only one side has are left out.
+
+    `vary` says which level is drawn: "both" (the interval), or one alone, the other kept whole, to see which
+    level an interval's width comes from: "records" (every seed each draw: the width more seeds cannot narrow, only
+    a larger held-out set) or "seeds" (every record each draw: what more seeds narrow)."""
+    if vary not in ("both", "records", "seeds"):
+        raise ValueError(f"vary must be 'both', 'records' or 'seeds', not {vary!r}")
     seeds = sorted(set(a) & set(b))
     if not seeds:
         raise ValueError("no seed that both arms ran")
@@ -60,8 +66,8 @@ def paired_bootstrap(a: dict[int, T], b: dict[int, T], *, figure: Callable[[T, l
     rng = random.Random(seed)
     diffs = []
     for _ in range(draws):
-        picked = [rng.choice(seeds) for _ in seeds]
-        idx = [rng.randrange(n) for _ in range(n)]
+        picked = seeds if vary == "records" else [rng.choice(seeds) for _ in seeds]
+        idx = every if vary == "seeds" else [rng.randrange(n) for _ in range(n)]
         diffs.append(statistics.fmean(figure(a[s], idx) - figure(b[s], idx) for s in picked))
     diffs.sort()
     return observed, diffs[int(0.025 * draws)], diffs[min(draws - 1, int(0.975 * draws))]

@@ -87,6 +87,25 @@ def test_paired_bootstrap_cancels_what_the_records_share_and_sees_a_consistent_g
         mc.paired_bootstrap({0: records}, {1: records})
 
 
+def test_the_bootstrap_draws_one_level_alone_to_show_where_an_interval_is_wide() -> None:
+    """Pure. A gain the same on every seed: drawing seeds alone gives no width, drawing records alone does. A gain on
+    one seed of three: drawing seeds alone now gives width."""
+    mc = _benchmark()
+    records = [(3, 0, 0) if i % 2 else (0, 1, 3) for i in range(40)]
+    same = {s: list(records) for s in range(3)}
+    gain = [(m + 1, fp, fn - 1) if i % 4 == 0 and fn else (m, fp, fn) for i, (m, fp, fn) in enumerate(records)]
+    consistent = {s: list(gain) for s in range(3)}
+    d, lo, hi = mc.paired_bootstrap(consistent, same, draws=300, vary="seeds")
+    assert lo == pytest.approx(d) == pytest.approx(hi) and d > 0
+    d_r, lo_r, hi_r = mc.paired_bootstrap(consistent, same, draws=300, vary="records")
+    assert d_r == d and lo_r < d < hi_r
+    one_seed = {0: list(gain), 1: list(records), 2: list(records)}
+    d1, lo1, hi1 = mc.paired_bootstrap(one_seed, same, draws=300, vary="seeds")
+    assert lo1 == pytest.approx(0.0) and hi1 == pytest.approx(3 * d1) and d1 > 0  # all-unlucky and all-lucky draws
+    with pytest.raises(ValueError, match="vary must be"):
+        mc.paired_bootstrap(same, same, vary="runs")
+
+
 def test_recipe_arms_are_compared_with_generation_1_and_every_arm_with_plain_sft(tmp_path: Path) -> None:
     """Pure: the paired differences of a ledger's final rows (two seeds, 20 records): sft is the baseline of every
     arm, gen1 of the recipe arms only; the gain of an arm that finds one more object on every other record is seen;
