@@ -108,6 +108,12 @@ def step_lines(log: str) -> dict[int, tuple[str, ...]]:
     return {int(m.group(1)): m.groups()[1:] for m in STEP_LINE.finditer(log)}
 
 
+def same_step(a: tuple[str, ...], b: tuple[str, ...], tol: float) -> bool:
+    """Two step lines agree: loss, ce and coord within `tol`, rollout F1 and rows exactly."""
+    losses_a, losses_b = [float(x) for x in a[:3]], [float(x) for x in b[:3]]
+    return a[3:] == b[3:] and all(abs(x - y) <= tol for x, y in zip(losses_a, losses_b, strict=True))
+
+
 def fault_job(name: str, checkpoint_dir: str) -> dict[str, Any]:
     """The faulted job of test 1 and its uninterrupted twin of test 2: configs/job-kind-cpu.yaml, longer, one
     server (the default) over shm, a checkpoint every 5 steps."""
@@ -557,7 +563,11 @@ def test_a_learner_on_two_pods_survives_a_lost_pod_and_trains_what_one_pod_of_tw
     groups = re.findall(r"weight-transfer group (\w+) \(rmsft_gloo\): the learner and 1 server", log)
     assert len(groups) == 2 and groups[0] != groups[1], log[-3000:]  # built at the start, again after the restart
     cluster.kubectl("-n", ns, "delete", "rmj", job, "--wait=true", timeout=300)
-    differ = {s: (faulted[s], straight[s]) for s in range(1, steps + 1) if faulted[s] != straight[s]}
+    # Within 1e-5, not bit for bit: torchrun gives each of two ranks in one pod one OpenMP thread, a pod of one rank
+    # all the pod's cores, so the forward's sums run in another order (a CI run read 10.074573 vs 10.074567 at step
+    # 1, before any update). Rollout F1 and rows are counts: equal.
+    differ = {s: (faulted[s], straight[s]) for s in range(1, steps + 1)
+              if not same_step(faulted[s], straight[s], tol=1e-5)}
     assert not differ, f"(loss, ce, coord, f1, rows) two pods, one lost, vs one pod of two ranks, by step: {differ}"
 
 
