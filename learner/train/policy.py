@@ -252,6 +252,24 @@ def _apply_freeze(model: Any, cfg: TrainingConfig, vision_language: bool) -> Non
         p.requires_grad_(False)
 
 
+def warm_cpu_math_kernels() -> None:
+    """Run torch's CPU transcendental kernels once on every intra-op thread before the first training forward.
+
+    Why: in a learner process (not in a bare script), the first forward on the CPU sometimes computed the rotary
+    embedding's cos on one of the OpenMP threads' share with an error of about 1.5e-4 (cos(0.13335) as 0.990972,
+    not 0.991122), so that half of the packed row's logits moved by about 1e-3 and step 1 trained on them; every
+    later forward was exact. `scripts/first_forward_check.py` found it in 5 of 14 runs of the cluster tier's tiny
+    job on 2 cores (sdpa and eager attention alike; none of 6 on one thread), and in none of 16 with this call
+    first (docs/development.md, "The CPU learner's first forward"). The kernels' first use is what goes wrong, so
+    it happens here, on throwaway numbers. Cost: a few milliseconds, once per process."""
+    import torch
+
+    # Enough elements that torch's element-wise loops (grain 32768) hand every thread a share.
+    x = torch.linspace(0.0, 8.0, 4 * 32768 * max(1, torch.get_num_threads()))
+    for f in (torch.cos, torch.sin, torch.exp, torch.log, torch.tanh, torch.sigmoid, torch.rsqrt, torch.erf):
+        f(x)
+
+
 def load_policy(model_path: str | Path, cfg: TrainingConfig, dtype: str = "auto",
                 vision: VisionSpec | None = None) -> Policy:
     """Tokenizer (and processor, for a vision-language model) + model for training with `cfg`'s fine-tuning
@@ -263,6 +281,8 @@ def load_policy(model_path: str | Path, cfg: TrainingConfig, dtype: str = "auto"
     if not (path / "config.json").exists():
         raise ModelLoadError(f"model folder {path} has no config.json (is spec.model.path right?)")
     _check_attention(path, cfg, dtype)
+    if training_device_type(cfg) == "cpu":
+        warm_cpu_math_kernels()
     vision_language = is_vision_language(path)
     processor = load_processor(path, vision) if vision_language else None
     model_class = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM

@@ -240,7 +240,7 @@ class RolloutMatching(Objective):
     def line(self, r: StepResult) -> str:
         f1 = f"{r.stats.f1:.3f}" if r.stats and r.channel == "B" else ("reuse" if r.channel == "B" else "- (A)")
         # Six decimals: two runs that should train alike (one pod of two ranks, two pods of one) are compared from
-        # these lines to 1e-4 (tests/cluster; the CPU forward varies with load by about 1e-5); the progress bars round.
+        # these lines to 1e-4 (tests/cluster: their thread counts differ, so their sums do); the progress bars round.
         return (f"step {r.step} v{r.weight_version} loss {r.loss:.6f} (ce {r.parts.get('ce', 0.0):.6f} "
                 f"coord {r.parts.get('coord', 0.0):.6f}) f1 {f1} rows {r.rows} fill {r.fill:.3f} {r.seconds:.2f}s")
 
