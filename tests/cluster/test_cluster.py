@@ -277,9 +277,9 @@ def test_the_faulted_run_trained_what_an_uninterrupted_run_trains(cluster: Clust
     """Issue 41 (b): the run above, its only server deleted mid-run and its learner evicted and resumed, against
     the same job run with no fault (its checkpoints in the pod, every 5 steps as above): every one of the 40 steps
     has the same loss, CE and coordinate parts within 1e-4 (LOSS_TOLERANCE) and the same rollout F1 and row
-    count. The rollouts are sampled with seeds that are a function of
-    the step, the retried request after the server restart is the same request, and the resumed run restores the
-    optimizer and the data order, so nothing may differ beyond that."""
+    count. The rollouts are sampled with seeds that are a function of the step, the retried request after the
+    server restart is the same request, and the resumed run restores the optimizer and the data order, so nothing
+    may differ beyond that."""
     assert sorted(FAULTED) == list(range(1, FAULT_STEPS + 1)), "the faulted run above did not finish"
     job = "text-straight"
     apply_job(cluster, fault_job(job, "/tmp/checkpoints"), FAULT_NS)
