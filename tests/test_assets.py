@@ -1,6 +1,6 @@
 """The shipped starts are the ones their digests name: a changed or truncated file is caught here, not as other
 figures in a stranger's README run or benchmark (the README start; the dense start of the benchmark's crowd and row
-settings, benchmarks/dense_start.py)."""
+settings, studies/method/dense_start.py)."""
 
 from __future__ import annotations
 

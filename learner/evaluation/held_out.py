@@ -125,7 +125,7 @@ class Evaluation:
     geometry: dict[float, EpisodeStats] = field(default_factory=dict)  # the same gates, labels not compared
     coco_agnostic: dict[str, float] = field(default_factory=dict)  # every object one category
     # per record, label-aware at `iou`: (matched, false positives, false negatives); what a paired comparison of
-    # two models on the same records resamples (benchmarks/method_compare.py)
+    # two models on the same records resamples (studies/method/method_compare.py)
     per_record: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property

@@ -1,4 +1,4 @@
-"""benchmarks/box_errors.py: where a grid's boxes go wrong, read from its detections ledger (pure, no model)."""
+"""studies/method/box_errors.py: where a grid's boxes go wrong, read from its detections ledger (pure, no model)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-from benchmark_module import load_benchmark
+from benchmark_module import load_study
 
 
 def _module():
-    return load_benchmark("box_errors")
+    return load_study("box_errors")
 
 
 # Two tall same-label neighbours (one cell of 32 px wide, two tall) and a one-cell shape of another label.

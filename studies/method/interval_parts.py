@@ -1,6 +1,6 @@
 """Where the width of method_compare's paired intervals comes from: seeds or held-out records.
 
-    python benchmarks/interval_parts.py docs/img/NAME.csv [--setting row]
+    python studies/method/interval_parts.py docs/img/NAME.csv [--setting row]
 
 For every paired comparison of the grid's ledger (compare_report.paired_differences), the 95% interval's half-width
 three ways: both levels drawn (the interval the report prints), records alone (every seed in every draw: the part
@@ -14,9 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from compare_ledger import (  # noqa: E402 - after the path line above
+from compare_ledger import (
     detections_ledger,
     final_rows,
     read_detection_rows,
@@ -24,7 +22,7 @@ from compare_ledger import (  # noqa: E402 - after the path line above
     read_rows,
     records_ledger,
 )
-from compare_report import paired_differences  # noqa: E402
+from compare_report import paired_differences
 
 
 def main(argv: list[str] | None = None) -> None:

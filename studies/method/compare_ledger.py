@@ -1,4 +1,4 @@
-"""The ledger of benchmarks/method_compare.py: what every run's evaluations leave on disk, and how it is read back.
+"""The ledger of studies/method/method_compare.py: what every run's evaluations leave on disk, and how it is read back.
 
 Three files per grid, side by side in the output folder:
 - NAME.csv: one row per held-out evaluation of every run (COLUMNS: the run's KEY, the step, FIGURES). A run whose
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from paired import RecordMatches, record_matches
 
-# The arms a grid trains (benchmarks/method_compare.py says what each is), in the order reports list them.
+# The arms a grid trains (studies/method/method_compare.py says what each is), in the order reports list them.
 ARMS = ("sft", "gen1", "gen2", "gen2_ref", "gen2_rows", "gen2_b")
 KEY = ("setting", "arm", "seed", "steps", "warm", "heldout", "ratio")
 FIGURES = ("f1", "f1_geometry", "precision", "recall", "map", "map_agnostic", "map_50", "truncation_rate",

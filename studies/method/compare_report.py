@@ -1,5 +1,5 @@
-"""The report of benchmarks/method_compare.py: from a grid's ledger (benchmarks/compare_ledger.py), the table, the
-RESULT line, the paired comparisons with their 95% intervals (benchmarks/paired.py), and the pictures: NAME.png
+"""The report of studies/method/method_compare.py: from a grid's ledger (compare_ledger.py), the table, the
+RESULT line, the paired comparisons with their 95% intervals (studies/method/paired.py), and the pictures: NAME.png
 (final figures per arm), NAME-paired.png (the paired differences) and NAME-curves.png (every evaluation)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Plain SFT against the rollout-matching recipes, from one start, over seeds, on the grid visual task.
 
-Usage: python benchmarks/method_compare.py [--settings readme,crowd,row]
+Usage: python studies/method/method_compare.py [--settings readme,crowd,row]
            [--arms sft,gen1,gen2,gen2_ref,gen2_rows,gen2_b]
            [--seeds 0,1,2] [--steps 60] [--warm 20] [--ratio R] [--eval-every 0] [--heldout 32]
            [--split heldout|validation] [--model DIR] [--work .rmsft/method-compare] [--out docs/img]
@@ -9,7 +9,7 @@ Usage: python benchmarks/method_compare.py [--settings readme,crowd,row]
 Run it from the repository root (the README job's paths are relative to it). Every run of a setting and seed
 starts from the same point: the setting's start (`readme`: the README job's pretrained tiny Qwen3-VL, its
 `spec.model.path`, built by its annotations when absent; `crowd` and `row`: assets/tiny-vl-dense-model, that model
-taught to write long lists by benchmarks/dense_start.py; `--model` for another) trained `--warm` plain-SFT steps
+taught to write long lists by studies/method/dense_start.py; `--model` for another) trained `--warm` plain-SFT steps
 (channel A, ground truth only) by the README job once, checkpointed, and evaluated. Every arm resumes that
 checkpoint (weights, optimizer state, data order, learning-rate schedule) and trains to `--steps` optimizer steps in
 total with the README job's optimizer, loss and data:
@@ -63,7 +63,7 @@ replacement, then records, the same records for both arms), printed and in the R
 OUT/NAME-detections.jsonl.gz keeps every final evaluation's boxes per record (ground truth, and the predictions in
 the order written); from it the label-aware COCO mAP differences get the same paired bootstrap
 (`<setting>_<arm>_minus_sft_map`, `..._minus_gen1_map`; 1000 draws, each mAP recomputed on the drawn records:
-benchmarks/paired.py). Runs from before the detections were kept give no mAP interval.
+studies/method/paired.py). Runs from before the detections were kept give no mAP interval.
 
 Smoke mode (what tests/learner/test_method_compare.py runs): `--steps 2 --warm 1 --heldout 2 --seeds 0
 --settings readme --arms sft,gen2_b`.
@@ -83,9 +83,8 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from compare_ledger import (  # noqa: E402  (the ledger: what runs leave on disk, read back)
+# The study's own modules sit beside this script (a script's folder is on sys.path).
+from compare_ledger import (  # the ledger: what runs leave on disk, read back
     ARMS,
     KEY,
     append_detection_rows,
@@ -105,7 +104,7 @@ from compare_ledger import (  # noqa: E402  (the ledger: what runs leave on disk
 
 # The report's and the bootstrap's names are re-exported: tests and readers reach the whole comparison through
 # this one script.
-from compare_report import (  # noqa: E402, F401  (table, intervals and pictures from a ledger)
+from compare_report import (  # noqa: F401  (table, intervals and pictures from a ledger)
     Paired,
     after_channel_b,
     paired_differences,
@@ -114,8 +113,11 @@ from compare_report import (  # noqa: E402, F401  (table, intervals and pictures
     report,
     spread,
 )
-from dense_start import CROWD_GRID, ROW_GRID  # noqa: E402  (the start and the settings share their layouts)
-from paired import RecordMatches, paired_bootstrap  # noqa: E402, F401
+from dense_start import CROWD_GRID, ROW_GRID  # the start and the settings share their layouts
+from paired import RecordMatches, paired_bootstrap  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
 
 README_JOB = ROOT / "configs" / "local-tiny-vl.yaml"
 DENSE_START = ROOT / "assets" / "tiny-vl-dense-model"
@@ -305,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="start model of every setting (default: each setting's: the README job's, the dense start)")
     ap.add_argument("--work", type=Path, default=ROOT / ".rmsft" / "method-compare",
                     help="data, warm-start checkpoints and server logs (kept for resuming)")
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
+    ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--name", default=None, help="ledger and plot name (default: method_compare; -validation is "
                     "appended for --split validation, so that a validation ledger is never taken for a held-out one)")
     ap.add_argument("--replot", nargs="*", type=Path, default=None,
@@ -380,7 +382,7 @@ def train_grid(todo: list[tuple], settings: list[Setting], plan: Plan, args, row
     missing = sorted({str(m) for m in models.values() if not (m / "config.json").exists()})
     if missing:
         sys.exit(f"no start model in {', '.join(missing)} (assets/tiny-vl-dense-model is shipped; "
-                 "python benchmarks/dense_start.py builds it again)")
+                 "python studies/method/dense_start.py builds it again)")
     by_name = {s.name: s for s in settings}
     # One pair of servers for every run: each trainer's first FULL sync puts its own weights on them.
     unused = work / "unused.jsonl"  # the servers read the model and spec.rollout only
