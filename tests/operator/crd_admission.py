@@ -56,21 +56,27 @@ def _eval(rule: str, activation: dict[str, Any]) -> bool:
     return bool(result)
 
 
-def _cel(schema: dict[str, Any], obj: Any, old: Any, where: str) -> list[str]:
-    errs = []
+def _failed_rules(schema: dict[str, Any], obj: Any, old: Any, where: str) -> list[tuple[str, dict[str, str]]]:
+    """(schema path, rule) of every CEL rule that `obj` fails, walking the schema as the API server does."""
+    failed = []
     for rule in schema.get("x-kubernetes-validations", []):
         transition = "oldSelf" in rule["rule"]
         if transition and old is None:
             continue  # transition rules only run on updates where the old value exists
         activation = {"self": obj, **({"oldSelf": old} if transition else {})}
         if not _eval(rule["rule"], activation):
-            errs.append(f"{where or '<root>'}: Invalid value: {rule['message']}")
+            failed.append((where, rule))
     if isinstance(obj, dict) and schema.get("type") == "object":
         for key, sub in (schema.get("properties") or {}).items():
             if key in obj:
                 old_sub = old.get(key) if isinstance(old, dict) else None
-                errs += _cel(sub, obj[key], old_sub, f"{where}.{key}" if where else key)
-    return errs
+                failed += _failed_rules(sub, obj[key], old_sub, f"{where}.{key}" if where else key)
+    return failed
+
+
+def _cel(schema: dict[str, Any], obj: Any, old: Any, where: str) -> list[str]:
+    return [f"{path or '<root>'}: Invalid value: {rule['message']}" for path, rule in _failed_rules(schema, obj, old,
+                                                                                                   where)]
 
 
 def _typed(schema: dict[str, Any], obj: Any) -> Any:
@@ -101,6 +107,31 @@ def admit(doc: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
     if errs:
         return errs
     return _cel(schema, _typed(schema, obj), _typed(schema, old_obj) if old_obj is not None else None, "")
+
+
+def failed_rules(doc: dict[str, Any], old: dict[str, Any] | None = None) -> list[tuple[str, str]]:
+    """(schema path, rule text) of every CEL rule `doc` fails at admission (after the schema's own checks pass;
+    an empty list when the schema already refuses it, as the API server would not reach the rules)."""
+    schema = root_schema()
+    obj = apply_defaults(schema, doc)
+    old_obj = apply_defaults(schema, old) if old is not None else None
+    if _unknown(schema["properties"]["spec"], doc.get("spec") or {}, "spec") or list(
+            jsonschema.Draft4Validator(schema).iter_errors(obj)):
+        return []
+    typed_old = _typed(schema, old_obj) if old_obj is not None else None
+    return [(path, rule["rule"]) for path, rule in _failed_rules(schema, _typed(schema, obj), typed_old, "")]
+
+
+def every_rule(schema: dict[str, Any] | None = None, where: str = "") -> list[tuple[str, str, str]]:
+    """(schema path, rule text, message) of every CEL rule in the CRD's schema."""
+    schema = root_schema() if schema is None else schema
+    rules = [(where, r["rule"], r["message"]) for r in schema.get("x-kubernetes-validations", [])]
+    for key, sub in (schema.get("properties") or {}).items():
+        rules += every_rule(sub, f"{where}.{key}" if where else key)
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            rules += every_rule(schema[key], f"{where}[]")
+    return rules
 
 
 def default_errors(schema: dict[str, Any], where: str = "") -> list[str]:
