@@ -1,6 +1,6 @@
 """Where the boxes of a method_compare grid go wrong: per setting and arm, from its detections ledger.
 
-Usage: python studies/method/box_errors.py docs/img/NAME-detections.jsonl.gz [--setting row] [--step N]
+Usage: python studies/method/box_errors.py studies/method/results/NAME-detections.jsonl.gz [--setting row] [--step N]
 
 F1@0.5 counts a box right at IoU 0.5; COCO mAP also asks for 0.55 ... 0.95. Two arms can tie on F1 and differ on mAP
 because their right boxes are right by different margins. This reads every final evaluation kept in the ledger

@@ -1,6 +1,6 @@
 """Where the width of method_compare's paired intervals comes from: seeds or held-out records.
 
-    python studies/method/interval_parts.py docs/img/NAME.csv [--setting row]
+    python studies/method/interval_parts.py studies/method/results/NAME.csv [--setting row]
 
 For every paired comparison of the grid's ledger (compare_report.paired_differences), the 95% interval's half-width
 three ways: both levels drawn (the interval the report prints), records alone (every seed in every draw: the part

@@ -3,7 +3,7 @@
 Usage: python studies/method/method_compare.py [--settings readme,crowd,row]
            [--arms sft,gen1,gen2,gen2_ref,gen2_rows,gen2_b]
            [--seeds 0,1,2] [--steps 60] [--warm 20] [--ratio R] [--eval-every 0] [--heldout 32]
-           [--split heldout|validation] [--model DIR] [--work .rmsft/method-compare] [--out docs/img]
+           [--split heldout|validation] [--model DIR] [--work .rmsft/method-compare] [--out studies/method/results]
            [--name method_compare] [--replot [CSV ...]]
 
 Run it from the repository root (the README job's paths are relative to it). Every run of a setting and seed
