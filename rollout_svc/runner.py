@@ -57,6 +57,7 @@ class EngineRunner:
         self._cv = threading.Condition()
         self._running: set[Future] = set()  # engine work of admitted Generate calls
         self._applying = 0  # weight applies waiting for, or holding, the gate
+        self._waiting = 0  # Generate calls held at the gate by an apply
         self._apply_mutex = threading.Lock()  # one apply at a time
         self._stopped = False
         # An engine without `submit` (the HF backend) is not thread-safe: one call at a time, in arrival order.
@@ -79,10 +80,12 @@ class EngineRunner:
         the caller goes away (grpc's `context.add_callback`); it aborts the requests."""
         with self._cv:
             metrics.QUEUE_DEPTH.inc()
+            self._waiting += 1
             try:
                 while self._applying and not self._stopped:  # an apply waits: no new work until it is done
                     self._cv.wait()
             finally:
+                self._waiting -= 1
                 metrics.QUEUE_DEPTH.dec()
             if self._stopped:
                 raise RunnerStopped("server shutting down")
@@ -156,3 +159,15 @@ class EngineRunner:
     def running_calls(self) -> int:
         with self._cv:
             return len(self._running)
+
+    @property
+    def applies(self) -> int:
+        """Weight applies waiting for the gate or holding it (what tests and status wait on, not sleeps)."""
+        with self._cv:
+            return self._applying
+
+    @property
+    def waiting_calls(self) -> int:
+        """Generate calls that arrived while an apply held or waited for the gate, still held there."""
+        with self._cv:
+            return self._waiting

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 from cluster import OPERATOR_NS, ROOT, Cluster
 from rmsft_operator.failures import CRASH_LOOP_RESTARTS
@@ -291,12 +290,8 @@ def test_the_faulted_run_trained_what_an_uninterrupted_run_trains(cluster: Clust
     cluster.kubectl("-n", FAULT_NS, "delete", "rmj", job, "--wait=true", timeout=300)
 
 
-@pytest.mark.parametrize("config", ["configs/job-kind-cpu-vl.yaml", "configs/job-kind-cpu-grpo.yaml",
-                                    "configs/job-kind-cpu-colocate.yaml"],
-                         ids=["vision-language", "grpo", "colocate"])
-def test_cpu_job_runs_to_complete(cluster: Cluster, config: str) -> None:
-    """The vision-language job (tiny Qwen3-VL and its images baked into the image), the GRPO job and the
-    colocate job (the engine in the learner's pod, no pool), as shipped."""
+def _runs_to_complete(cluster: Cluster, config: str) -> tuple[str, str, str]:
+    """Apply a shipped job and wait for it to complete all its steps: (namespace, name, learner log)."""
     doc = yaml.safe_load((ROOT / config).read_text())
     ns = namespace(cluster, f"rmsft-{Path(config).stem.removeprefix('job-kind-cpu-')}")
     apply_job(cluster, doc, ns)
@@ -306,24 +301,45 @@ def test_cpu_job_runs_to_complete(cluster: Cluster, config: str) -> None:
     assert status.get("step") == steps, status
     log = cluster.logs(ns, f"job/{name}-learner")
     assert re.search(rf"training done: {steps} steps", log), log[-3000:]
-    if doc["spec"]["rollout"].get("mode") == "colocate":
-        assert "rollout engine in-process" in log, log[-3000:]
-        pods = cluster.get("pods", "-n", ns, "-l", "app.kubernetes.io/name=rmsft")["items"]
-        assert {p["metadata"]["labels"].get("app.kubernetes.io/component") for p in pods} == {"learner"}
-        return
-    sts = cluster.get("statefulset", f"{name}-rollout", "-n", ns)
-    assert sts["spec"]["replicas"] == 0  # the pool is released when the job ends
+    return ns, name, log
 
 
-def test_deleting_the_learner_job_of_a_complete_job_runs_nothing_again(cluster: Cluster) -> None:
-    """Issue 41, final is final: the GRPO job above is Complete; its learner Job deleted (by hand, or by a TTL),
-    the operator neither recreates it nor scales the pool up, and the status stays Complete, over two resyncs."""
-    doc = yaml.safe_load((ROOT / "configs/job-kind-cpu-grpo.yaml").read_text())
-    ns, name = "rmsft-grpo", doc["metadata"]["name"]
+def test_the_vision_language_job_runs_to_complete(cluster: Cluster) -> None:
+    """The vision-language job (tiny Qwen3-VL and its images baked into the image), as shipped; its pool is
+    released when it ends."""
+    ns, name, _ = _runs_to_complete(cluster, "configs/job-kind-cpu-vl.yaml")
+    assert cluster.get("statefulset", f"{name}-rollout", "-n", ns)["spec"]["replicas"] == 0
+
+
+def test_the_colocate_job_runs_to_complete_in_its_learner_pod(cluster: Cluster) -> None:
+    """The colocate job, as shipped: the engine in the learner's pod, no pool."""
+    ns, _, log = _runs_to_complete(cluster, "configs/job-kind-cpu-colocate.yaml")
+    assert "rollout engine in-process" in log, log[-3000:]
+    pods = cluster.get("pods", "-n", ns, "-l", "app.kubernetes.io/name=rmsft")["items"]
+    assert {p["metadata"]["labels"].get("app.kubernetes.io/component") for p in pods} == {"learner"}
+
+
+def operator_resync_passes(cluster: Cluster) -> float:
+    """Resync passes the operator finished (rmsft_operator_reconciles_total, trigger resync), read in its pod."""
+    code = ("import sys, urllib.request; "
+            "sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:8080/metrics', timeout=10).read().decode())")
+    proc = cluster.kubectl("-n", OPERATOR_NS, "exec", "deploy/rmsft", "--", "python", "-c", code, timeout=60)
+    return sum(float(m.group(1)) for m in re.finditer(
+        r'^rmsft_operator_reconciles_total\{[^}]*trigger="resync[^}]*\}\s+(\S+)', proc.stdout, re.M))
+
+
+def test_the_grpo_job_completes_and_deleting_its_learner_job_runs_nothing_again(cluster: Cluster) -> None:
+    """The GRPO job as shipped runs to Complete; then issue 41, final is final: its learner Job deleted (by hand,
+    or by a TTL), the operator neither recreates it nor scales the pool up, and the status stays Complete, over
+    two resync passes of every job (counted by the operator's own metric, not slept for)."""
+    ns, name, _ = _runs_to_complete(cluster, "configs/job-kind-cpu-grpo.yaml")
+    assert cluster.get("statefulset", f"{name}-rollout", "-n", ns)["spec"]["replicas"] == 0
     before = cluster.job(ns, name)["status"]
-    assert before["phase"] == "Complete", before  # the job test_cpu_job_runs_to_complete[grpo] ran
     cluster.kubectl("-n", ns, "delete", "job", f"{name}-learner", "--wait=true", timeout=120)
-    time.sleep(25)  # the chart runs the operator with resyncSeconds 10 here: two passes and an event
+    jobs = len(cluster.get("rmj", "-A")["items"])
+    passes = operator_resync_passes(cluster)
+    cluster.wait(lambda: operator_resync_passes(cluster) >= passes + 2 * jobs, 120,
+                 f"two more resync passes of each of {jobs} jobs", namespace=ns)
     assert cluster.get("job", f"{name}-learner", "-n", ns) is None, "the learner Job was recreated"
     assert cluster.get("statefulset", f"{name}-rollout", "-n", ns)["spec"]["replicas"] == 0
     after = cluster.job(ns, name)["status"]

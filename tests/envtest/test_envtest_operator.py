@@ -49,6 +49,19 @@ class Operator:
                 out[key] = float(value)
         return out
 
+    def resync_passes(self) -> float:
+        """Resync passes the operator finished (its rmsft_operator_reconciles_total counter), over every job."""
+        return sum(v for k, v in self.metrics().items()
+                   if k.startswith("rmsft_operator_reconciles_total{") and 'trigger="resync' in k)
+
+    def wait_passes(self, cp: ControlPlane, per_job: int) -> None:
+        """Wait until every job the API server holds has had `per_job` more resync passes (counted over all of
+        them: the counter has no job label), instead of sleeping for what the resync period should allow."""
+        jobs = len(cp.ok("GET", f"{RMJ}/rolloutmatchingjobs")["items"])
+        start = self.resync_passes()
+        cp.wait_for(lambda: self.resync_passes() >= start + per_job * max(jobs, 1), 60,
+                    f"{per_job} more resync passes of {jobs} jobs")
+
 
 def _helm(cp: ControlPlane, *args: str) -> str:
     exe = str(ROOT / ".tools/bin/helm") if (ROOT / ".tools/bin/helm").exists() else "helm"
@@ -443,7 +456,7 @@ def test_a_server_with_an_invalid_configuration_fails_the_job_and_frees_the_pool
                             for e in _events_of(cp, "india")), 30, "a Warning event with the server's words")
     assert _child(cp, "Job", "india-learner")["spec"]["suspend"] is True
     # Failed is final: the next passes (resync every 2 s) keep the pool at zero.
-    time.sleep(5)
+    operator.wait_passes(cp, 2)
     assert _cr(cp, "india")["status"]["phase"] == "Failed"
     assert _child(cp, "StatefulSet", "india-rollout")["spec"]["replicas"] == 0
     _finish(cp, "india")
@@ -636,7 +649,7 @@ def test_a_queued_job_waits_for_kueue_to_admit_its_learner(control_plane: Contro
     cr = _wait_cr(cp, operator, "papa", lambda c: _cond(c, "LearnerRunning").get("reason") == "Queued",
                   "the learner queued")
     assert "LocalQueue gpu-team" in _cond(cr, "LearnerRunning")["message"] and cr["status"].get("startTime")
-    time.sleep(3)  # more passes: still suspended, still no learner pod
+    operator.wait_passes(cp, 2)  # more passes: still suspended, still no learner pod
     assert _child(cp, "Job", "papa-learner")["spec"]["suspend"] is True and not _pods(cp, "papa", "learner")
 
     cp.ok("PATCH", f"/apis/batch/v1/namespaces/{JOBS_NS}/jobs/papa-learner", {"spec": {"suspend": False}})  # Kueue

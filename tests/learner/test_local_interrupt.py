@@ -230,7 +230,8 @@ def test_rmsft_local_stopped_at_any_moment_leaves_nothing_behind(job_doc: dict, 
     try:
         if moment == "server-start":  # its server process is loading its engine
             run.wait_for("rollout server process", lambda: bool(_ports(_run_processes(run.pid))))
-            time.sleep(3)
+            run.wait_for("the server loading its engine, not yet ready", lambda: run.server_log.exists() and (
+                "engine for" in (said := run.server_log.read_text(errors="replace")) and "ready:" not in said))
         else:
             assert run.paused() == f"{run.pid} {MOMENTS[moment]}"
         # Where it was stopped, seen before the signal: the update being written, the checkpoint not yet in place.

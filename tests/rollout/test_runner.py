@@ -39,10 +39,15 @@ class SubmitEngine:
                             for it in items])
 
     def wait_calls(self, n: int) -> None:
-        deadline = time.monotonic() + 10
-        while len(self.calls) < n:
-            assert time.monotonic() < deadline, f"{n} engine calls expected, saw {len(self.calls)}"
-            time.sleep(0.002)
+        _until(f"{n} engine calls", lambda: len(self.calls) >= n)
+
+
+def _until(what: str, check) -> None:
+    """Wait (10 s at most) for a state the runner reports, instead of sleeping and hoping it was reached."""
+    deadline = time.monotonic() + 10
+    while not check():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.002)
 
 
 def _item(first: int) -> GenItem:
@@ -104,11 +109,11 @@ def test_an_apply_drains_running_calls_and_holds_new_ones() -> None:
 
     applier = threading.Thread(target=runner.call, args=(apply,))
     applier.start()
-    time.sleep(0.1)
+    _until("the apply waits at the gate", lambda: runner.applies == 1)
     assert not applied.is_set()  # waits for the running call
     late_old = Caller(runner, [_item(2)], expected=v1)  # arrives while the apply waits
     late_any = Caller(runner, [_item(3)])
-    time.sleep(0.1)
+    _until("both late calls held at the gate", lambda: runner.waiting_calls == 2)
     assert len(engine.calls) == 1  # neither was handed to the engine before the apply
     engine.release(0)
     applier.join(10)
@@ -129,10 +134,7 @@ def test_cancel_reaches_the_engine() -> None:
     callbacks: list = []
     caller = Caller(runner, [_item(1)], on_cancel=callbacks.append)
     engine.wait_calls(1)
-    deadline = time.monotonic() + 5
-    while not callbacks:
-        assert time.monotonic() < deadline
-        time.sleep(0.002)
+    _until("the call registered its cancel callback", lambda: bool(callbacks))
     callbacks[0]()  # what grpc does when the client's deadline passes or it goes away
     kind, err = caller.join()
     assert kind == "error" and isinstance(err, Cancelled)
@@ -211,10 +213,10 @@ def test_stop_is_not_blocked_by_an_apply_that_hangs() -> None:
     """A weight apply stuck on a dying engine must not keep the server from shutting down."""
     engine = SubmitEngine()
     runner = EngineRunner(engine)
-    release = threading.Event()
-    applier = threading.Thread(target=runner.call, args=(lambda: release.wait(10),), daemon=True)
+    release, hanging = threading.Event(), threading.Event()
+    applier = threading.Thread(target=runner.call, args=(lambda: (hanging.set(), release.wait(10)),), daemon=True)
     applier.start()
-    time.sleep(0.05)
+    assert hanging.wait(10), "the apply never ran"
     done = threading.Event()
     threading.Thread(target=lambda: (runner.stop(), done.set()), daemon=True).start()
     assert done.wait(2), "stop waited for the hanging apply"
