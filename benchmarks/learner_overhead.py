@@ -30,10 +30,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "protos"))
 
-import grpc  # noqa: E402
-from rmsft_protos import rollout_pb2, rollout_pb2_grpc  # noqa: E402
+import grpc
+from rmsft_protos import rollout_pb2, rollout_pb2_grpc
 
-from rmsft.weight_wire import WeightVersion, set_version, version_of  # noqa: E402
+from rmsft.weight_wire import WeightVersion, set_version, version_of
 
 # The servers hold weight version 1 of this run, the learner's pool is this run's: what a sync would leave.
 RUN = WeightVersion("bench0000001", 1)
@@ -50,7 +50,7 @@ class DelayServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.response = list(range(100, 100 + response_len))
         self.version = version
 
-    def Generate(self, request, context):  # noqa: N802 - gRPC method name
+    def Generate(self, request, context):  # gRPC method name
         expected = version_of(request)
         if expected is not None and expected != self.version:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stale")
@@ -64,7 +64,7 @@ class DelayServicer(rollout_pb2_grpc.RolloutServiceServicer):
             ), self.version)
         return out
 
-    def GetStatus(self, request, context):  # noqa: N802
+    def GetStatus(self, request, context):
         return set_version(rollout_pb2.StatusReply(model="delay", ready=True, backend="delay"), self.version)
 
 

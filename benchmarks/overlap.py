@@ -71,7 +71,7 @@ def run_fake(args: argparse.Namespace) -> str:
                 time.sleep(args.train)
                 return 0.0, {}, len(rows), 1.0
 
-            trainer._m_step = m_step  # noqa: SLF001 - the benchmark's learner step
+            trainer._m_step = m_step  # the benchmark's learner step
             try:
                 trainer.run()
             finally:

@@ -28,10 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import binpacking  # noqa: E402
+import binpacking
 
-from learner.core.packing import Packer, select_indices  # noqa: E402
-from learner.core.targets import IGNORE_INDEX, Segment  # noqa: E402
+from learner.core.packing import Packer, select_indices
+from learner.core.targets import IGNORE_INDEX, Segment
 
 
 def detection_lengths(rng: random.Random, n: int) -> list[int]:

@@ -128,7 +128,7 @@ def _evaluate_model(job: RolloutMatchingJob, data: Path, opts: EvalOptions, cons
     if core.fmt.needs_image_size:
         from learner.data.vision import resized_image_size
 
-        def size(rec):  # noqa: ANN001, ANN202 - a record of `records`
+        def size(rec):  # a record of `records`
             imgs = images.load(rec)
             return resized_image_size(processor, imgs[0].pil()) if imgs and processor is not None else None
     setup = EvalSetup(vocab=vocab, fmt=core.fmt, matching=core.matching, vision_ids=vision_ids, image_size=size)

@@ -300,7 +300,7 @@ def await_servers(started: list, log_dir: Path, console: Console, *, backend: st
                 for f in futures:
                     try:
                         f.result()
-                    except Exception as exc:  # noqa: BLE001 - reported together below
+                    except Exception as exc:  # reported together below
                         errors.append(exc)
                         cancel.set()  # one failed: the run cannot start, stop waiting for the others
             finally:

@@ -97,7 +97,7 @@ def _problem(dist: str) -> str | None:
             importlib.import_module(module)
             return None
         return None if importlib.util.find_spec(module) is not None else "not installed"
-    except Exception as exc:  # noqa: BLE001 - a broken install raises anything from its import
+    except Exception as exc:  # a broken install raises anything from its import
         return f"cannot be imported ({type(exc).__name__}: {exc})"
 
 

@@ -29,7 +29,7 @@ class RmsftQwen3VLProcessor(Qwen3VLProcessor):
         super().__init__(image_processor, tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
 
 
-class RmsftQwen2_5_VLProcessor(Qwen2_5_VLProcessor):  # noqa: N801 - transformers' family name
+class RmsftQwen2_5_VLProcessor(Qwen2_5_VLProcessor):  # transformers' family name
     """Qwen2.5-VL processor without a video processor."""
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
@@ -42,7 +42,7 @@ class _Qwen3VLLookup(PretrainedConfig):
     model_type = "rmsft_qwen3_vl_processor"
 
 
-class _Qwen2_5_VLLookup(PretrainedConfig):  # noqa: N801
+class _Qwen2_5_VLLookup(PretrainedConfig):
     model_type = "rmsft_qwen2_5_vl_processor"
 
 

@@ -250,7 +250,7 @@ class Supervisor:
                             f"({self.restarts[i]}/{self.max_restarts}; log: {srv.log_path})")
                 try:
                     srv.restart(self._start_timeout, cancel=self._stop)
-                except Exception as e:  # noqa: BLE001 - reported; the next poll sees it down again
+                except Exception as e:  # reported; the next poll sees it down again
                     self.report(f"rollout server {i} did not come back: {e}")
                 else:
                     self.report(f"rollout server {i} ({srv.address}) is serving again")

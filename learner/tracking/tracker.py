@@ -104,7 +104,7 @@ class Tracker:
                                               name=run_name or None, config=dict(config or {}),
                                               dir=str(self._log_dir) if self._log_dir is not None else None)
                 self._wandb = module
-            except Exception as e:  # noqa: BLE001 - W&B's own errors (auth, network) have no common base
+            except Exception as e:  # W&B's own errors (auth, network) have no common base
                 if wandb:
                     self.close()
                     raise TrackingError(f"Weights & Biases could not start a run: {e}") from e

@@ -79,7 +79,7 @@ def claim_checkpoint_dir(root: str, run_id: str, job: str) -> WriterLock:
     return WriterLock(root, run_id=run_id, job=job, on_wait=log.warning)
 
 
-class StopRequested(Exception):  # noqa: N818 - a request, not an error
+class StopRequested(Exception):  # a request, not an error
     """The run was asked to stop (`TrainingLoop.request_stop`: SIGTERM to `rmsft train`, i.e. an eviction, a node
     drain, a preemption): raised on every rank after the step in progress, once the checkpoint of that step is
     written, so a restart resumes there instead of at the last periodic checkpoint."""

@@ -220,7 +220,7 @@ def _bring_back(done: list[Move], non_blocking: bool) -> None:
         for mv in done:
             try:
                 mv.tensor.data = _to_device(mv.tensor.data, mv.device, non_blocking)
-            except Exception as exc:  # noqa: BLE001 - raised below, after the other tensors came back
+            except Exception as exc:  # raised below, after the other tensors came back
                 error, left = error or exc, left + 1
     if error is not None:
         raise RuntimeError(f"{left} offloaded tensor(s) could not come back to {done[0].device} (is the engine "

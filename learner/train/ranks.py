@@ -81,7 +81,7 @@ class Ranks:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-        except Exception as exc:  # noqa: BLE001 - rendezvous errors come from deep inside c10d
+        except Exception as exc:  # rendezvous errors come from deep inside c10d
             raise RuntimeError(
                 f"cannot join the learner's process group (WORLD_SIZE={os.environ.get('WORLD_SIZE')}, "
                 f"MASTER_ADDR={os.environ.get('MASTER_ADDR')}, MASTER_PORT={os.environ.get('MASTER_PORT')}): {exc}"
@@ -123,7 +123,7 @@ class Ranks:
         error: BaseException | None = None
         try:
             yield
-        except Exception as exc:  # noqa: BLE001 - re-raised by check() on this rank
+        except Exception as exc:  # re-raised by check() on this rank
             error = exc
         self.check(error, what)
 
@@ -216,7 +216,7 @@ class Ranks:
                     dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
                 else:
                     dist.barrier(group=self.group)
-            except Exception as exc:  # noqa: BLE001 - a peer already gone must not hide the real exit status
+            except Exception as exc:  # a peer already gone must not hide the real exit status
                 log.warning("learner ranks did not meet before leaving the process group: %s", exc)
         dist.destroy_process_group()
         self.owns_group = False

@@ -18,7 +18,7 @@ from learner.sync.weights import checkpoint_name_map
 from learner.train.config import sync_transport
 from learner.train.overlap import RolloutsAhead
 from rmsft.jobspec import RolloutMatchingJob
-from rmsft.jobspec.rollout import TLS_DIR_ENV  # noqa: E402  (the Secret's folder the operator names; unset: plaintext)
+from rmsft.jobspec.rollout import TLS_DIR_ENV  # the Secret's folder the operator names; unset: plaintext
 from rmsft.weight_wire import shared_dir_from_env
 
 

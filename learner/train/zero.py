@@ -42,7 +42,7 @@ def require_deepspeed(stage: int) -> None:
         )
     try:
         import deepspeed  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - a broken install raises anything from its import
+    except Exception as exc:  # a broken install raises anything from its import
         raise RuntimeError(
             f"spec.training.deepspeed_stage {stage} needs DeepSpeed, which cannot be imported "
             f"({type(exc).__name__}: {exc}); install it (`pip install --no-build-isolation "

@@ -254,7 +254,7 @@ class PieceFrame:
     piece: Any
     data: memoryview
 
-    def WhichOneof(self, _group: str) -> str:  # noqa: N802 - protobuf's spelling
+    def WhichOneof(self, _group: str) -> str:  # protobuf's spelling
         return "piece"
 
 

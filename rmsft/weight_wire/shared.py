@@ -263,7 +263,7 @@ def check_shared(
         reader.on_trailer(trailer)
     finally:
         reader.close()  # no hash still reading the map
-        data = buf = None  # noqa: F841 - views must go before the map closes
+        data = buf = None  # views must go before the map closes
         if mm is not None:
             with contextlib.suppress(BufferError):  # a view kept elsewhere: the GC closes it
                 mm.close()

@@ -511,7 +511,7 @@ class ControlPlane(FakeKubelet):
                     return value
             except ControlPlaneDied:
                 raise
-            except Exception as e:  # noqa: BLE001 - e.g. a 404 from `ok` while the object is not there yet
+            except Exception as e:  # e.g. a 404 from `ok` while the object is not there yet
                 last_exc = e
             if time.monotonic() >= deadline:
                 extra = f" (last error: {last_exc!r})" if last_exc else ""

@@ -120,7 +120,7 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
         if self.token is not None and md.get("authorization") != f"Bearer {self.token}":
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
 
-    def Generate(self, request, context):  # noqa: N802 - gRPC method name
+    def Generate(self, request, context):  # gRPC method name
         self._auth(context)
         with self.lock:
             self.calls.append([(p.request_id, p.seed if p.HasField("seed") else None) for p in request.prompts])
@@ -166,7 +166,7 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
             with self.lock:
                 self.inflight -= 1
 
-    def UpdateWeights(self, request_iterator, context):  # noqa: N802
+    def UpdateWeights(self, request_iterator, context):
         self._auth(context)
         reader = StreamReader()
         buf = bytearray()
@@ -234,7 +234,7 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
             targets = [a for a in rest if a not in covered]
         return out
 
-    def GetStatus(self, request, context):  # noqa: N802
+    def GetStatus(self, request, context):
         self._auth(context)
         with self.lock:
             self.events.append("status")

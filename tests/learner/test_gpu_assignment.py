@@ -210,7 +210,7 @@ def _write(tmp_path: Path, doc: dict) -> Path:
 
 
 def _quiet() -> Console:
-    return Console(file=open(os.devnull, "w"))  # noqa: SIM115
+    return Console(file=open(os.devnull, "w"))
 
 
 def test_local_on_8_gpus_gives_every_process_its_own(machine, tmp_path: Path) -> None:

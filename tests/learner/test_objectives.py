@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F  # noqa: N812 - torch's own spelling
+import torch.nn.functional as F  # torch's own spelling
 from trainer_fixtures import make_job
 
 

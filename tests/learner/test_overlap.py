@@ -100,7 +100,7 @@ def test_batches_ahead_survive_a_checkpoint_with_their_lag() -> None:
     again.restore(saved, 12)  # the resumed run serves those weights as version 12
     taken = again.take(4, ["x"], None, 12)
     assert (taken.staleness, taken.version, taken.rollouts[0].weight_version) == (1, 11, 7)
-    assert again._generate.calls == []  # noqa: SLF001 - nothing regenerated
+    assert again._generate.calls == []  # nothing regenerated
     again.close()
 
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812 - torch's own spelling
+import torch.nn.functional as F  # torch's own spelling
 
 from learner.core.packing import PackedRow, Packer
 from learner.core.targets import IGNORE_INDEX, Segment

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from kmock_cluster import FAST_ENV, NAMESPACE, KmockCluster, free_port  # noqa: E402
+from kmock_cluster import FAST_ENV, NAMESPACE, KmockCluster, free_port
 
 
 @pytest.fixture(scope="module")

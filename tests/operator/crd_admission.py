@@ -144,7 +144,7 @@ def default_errors(schema: dict[str, Any], where: str = "") -> list[str]:
         errs += [f"{where}.default: {e.message}" for e in jsonschema.Draft4Validator(schema).iter_errors(value)]
         try:
             errs += [f"{where}.default: {e}" for e in _cel(schema, value, None, where)]
-        except Exception as exc:  # noqa: BLE001 - cel-python raises its own types for missing keys
+        except Exception as exc:  # cel-python raises its own types for missing keys
             errs.append(f"{where}.default: {type(exc).__name__}: {exc} evaluating a rule")
     for key, sub in (schema.get("properties") or {}).items():
         errs += default_errors(sub, f"{where}.{key}" if where else key)

@@ -359,7 +359,7 @@ def test_learner_progress_fills_step_column(cluster: KmockCluster, operator: Any
             b"rmsft_learner_eval_map50 0.75\n")
 
     class Metrics(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             self.send_response(200 if self.path == "/metrics" else 404)
             self.end_headers()
             self.wfile.write(body)

@@ -2,5 +2,5 @@
 depends on what an earlier one left (`make test-reverse`)."""
 
 
-def pytest_collection_modifyitems(session, config, items):  # noqa: ARG001 - pytest's hook signature
+def pytest_collection_modifyitems(session, config, items):  # pytest's hook signature
     items.reverse()

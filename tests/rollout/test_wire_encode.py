@@ -91,7 +91,7 @@ class _Recorder(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(self) -> None:
         self.tensors: dict[str, bytes] = {}
 
-    def UpdateWeights(self, request_iterator, context):  # noqa: N802
+    def UpdateWeights(self, request_iterator, context):
         reader = StreamReader()
         buf = bytearray()
         for chunk in request_iterator:

@@ -218,7 +218,7 @@ class InProcessVllm:
             try:
                 if core is not None and hasattr(core, "shutdown"):
                     core.shutdown()
-            except Exception:  # noqa: BLE001 - closing is best effort
+            except Exception:  # closing is best effort
                 log.debug("in-process engine shutdown failed", exc_info=True)
         import gc
 

@@ -78,7 +78,7 @@ class ColocatedRollouts:
             self._sleep()  # nothing generates until the first step: give the memory to training now
 
     # -- the rollout interface ------------------------------------------------------------------------
-    def wait_ready(self, timeout_s: float) -> None:  # noqa: ARG002 - in-process: ready once constructed
+    def wait_ready(self, timeout_s: float) -> None:  # in-process: ready once constructed
         if self.engine is None:
             raise ColocateError("the in-process rollout engine was closed")
 
@@ -191,14 +191,14 @@ class ColocatedRollouts:
     def _sleep(self) -> None:
         try:
             self.engine.sleep(self.sleep_level)
-        except Exception as e:  # noqa: BLE001 - any failure here ends the run, with its cause
+        except Exception as e:  # any failure here ends the run, with its cause
             raise ColocateError(f"the in-process engine could not sleep (level {self.sleep_level}): {e}") from e
         self._asleep = True
 
     def _wake(self) -> None:
         try:
             self.engine.wake_up()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise ColocateError(f"the in-process engine could not wake up: {e}") from e
         self._asleep = False
 
