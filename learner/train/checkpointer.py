@@ -107,14 +107,14 @@ class Checkpointer:
         with gathered_weights(self.updater, self.model):
             return {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(self.model).items()}
 
-    def checkpoint(self, model_state: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Rank 0's checkpoint (the single-rank layout plus `world_size` and `rank_states`);
-        `model_state` from `gathered_trainable_state` (whole weights under ZeRO-3 too)."""
+    def checkpoint(self, model_state: dict[str, torch.Tensor], rank_states: list[dict[str, Any]]) -> dict[str, Any]:
+        """Rank 0's checkpoint: `model_state` from `gathered_trainable_state` (whole weights under ZeRO-3 too),
+        `rank_states` every rank's `_rank_state` (its carry buffer, RNG, parts, ZeRO optimizer partition)."""
         s = self.state
         return {
-            "step": s.step, "version": s.version, "model": model_state,
+            "step": s.step, "version": s.version, "model": model_state, "rank_states": rank_states,
             "optimizer": self.updater.optimizer_state() if isinstance(self.updater, PlainUpdater) else None,
-            "rng": rng_state(), "packer": self.packer.carry(), "phase_seconds": dict(s.phase_seconds),
+            "phase_seconds": dict(s.phase_seconds),
             "world_size": self.ranks.world_size, "deepspeed_stage": self.cfg.deepspeed_stage,
             # The record of which runs wrote it (a resumed run never reuses one: it makes its own).
             "run_id": s.run_id, "run_ids": [*(s.resumed.run_ids if s.resumed else ()), s.run_id],
@@ -129,8 +129,7 @@ class Checkpointer:
         path = None
         with self.ranks.guard("saving the checkpoint (rank 0)"):
             if self.ranks.is_main:
-                ckpt = self.checkpoint(model_state)
-                ckpt["rank_states"] = rank_states
+                ckpt = self.checkpoint(model_state, rank_states)
                 ck = self.cfg.checkpoint
                 path = save_checkpoint(ck.dir, self.state.step, ckpt, keep=ck.keep, lineage=self.lineage)
         return path
@@ -164,7 +163,9 @@ class Checkpointer:
             return False
         with self.ranks.guard(f"loading checkpoint {name}"):
             # Our own file: it holds Python objects (packer segments, RNG state), hence weights_only=False.
-            ckpt = torch.load(Path(name) / "state.pt", weights_only=False)
+            # Onto the CPU: each tensor then goes where its owner lives (the model's and the optimizer's loads move
+            # it), not every rank's copy onto cuda:0 where it was saved.
+            ckpt = torch.load(Path(name) / "state.pt", weights_only=False, map_location="cpu")
             self._load(ckpt, name)
         s = self.state
         log.info("resumed from step %d (weight version %d of run %s); this run is %s", s.step,
@@ -172,19 +173,19 @@ class Checkpointer:
         return True
 
     def _load(self, ckpt: dict[str, Any], name: str) -> None:
-        saved_ws, ws = ckpt.get("world_size", 1), self.ranks.world_size
+        saved_ws, ws = ckpt["world_size"], self.ranks.world_size
         if saved_ws != ws:
             raise RuntimeError(f"checkpoint {name} was written by {saved_ws} learner rank(s), this run has {ws}: "
                                "resume with the same number of ranks (each rank's carry buffer and RNG are its own)")
-        if ckpt.get("deepspeed_stage", 0) != self.cfg.deepspeed_stage:
-            raise RuntimeError(f"checkpoint {name} was written with deepspeed_stage {ckpt.get('deepspeed_stage', 0)}, "
+        if ckpt["deepspeed_stage"] != self.cfg.deepspeed_stage:
+            raise RuntimeError(f"checkpoint {name} was written with deepspeed_stage {ckpt['deepspeed_stage']}, "
                                f"this run uses {self.cfg.deepspeed_stage}")
         missing = set(trainable_state(self.model)) - set(ckpt["model"])
         if missing:
             raise RuntimeError(f"checkpoint does not match the model: {len(missing)} trainable tensors missing")
         with gathered_weights(self.updater, self.model, modifier_rank=0):  # ZeRO-3: rank 0's load is re-partitioned
             self.model.load_state_dict(ckpt["model"], strict=False)
-        rank_states = ckpt.get("rank_states") or [{"packer": ckpt["packer"], "rng": ckpt["rng"]}]
+        rank_states = ckpt["rank_states"]
         mine = rank_states[self.ranks.rank]
         if isinstance(self.updater, PlainUpdater):
             self.updater.load_optimizer_state([ckpt["optimizer"]])
@@ -193,13 +194,11 @@ class Checkpointer:
         set_rng_state(mine["rng"])
         self.packer.restore(mine["packer"])
         for part_name, part in self.parts.items():
-            part.load_state_dict(mine.get(part_name) or {})
+            part.load_state_dict(mine[part_name])
         s = self.state
-        writer = ckpt.get("run_id", NO_RUN)
-        s.resumed = Resumed(ckpt["step"], WeightVersion(writer, ckpt["version"]),
-                            tuple(ckpt.get("run_ids") or ([writer] if writer else [])))
+        s.resumed = Resumed(ckpt["step"], WeightVersion(ckpt["run_id"], ckpt["version"]), tuple(ckpt["run_ids"]))
         # The numbers go on from the checkpoint's (the run id makes them new); never back below one this
         # run announced already, so no number of this run ever names two sets of weights.
         s.step, s.version = ckpt["step"], max(ckpt["version"], s.version)
         s.phase_seconds = dict(ckpt["phase_seconds"])
-        self.loaded_extra = dict(ckpt.get("extra") or {})
+        self.loaded_extra = dict(ckpt["extra"])
