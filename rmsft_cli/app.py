@@ -403,7 +403,7 @@ def plan_cmd(
 
     try:
         manifest = load_job(job)
-        memory = parse_bytes(gpu_memory) if gpu_memory is not None else None
+        memory = parse_bytes(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
         plan = plan_memory(manifest, gpu_memory=memory, model_config=model_config)
     except (JobSpecError, ModelShapeError, ValueError, OSError) as exc:
         _fail(exc)
