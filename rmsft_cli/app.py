@@ -197,8 +197,23 @@ def _fail(exc: Exception, code: int = 2) -> None:
 
     # soft_wrap: a message is one line even when piped (rich would cut it at 80 columns, paths mid-name);
     # escape: a path with square brackets is text, not markup
-    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {escape(str(exc))}")
+    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {escape(_message(exc))}")
     raise typer.Exit(code)
+
+
+def _message(exc: Exception) -> str:
+    """The one line of `exc`: an OS error as "PATH: what is wrong" (not "[Errno 36] File name too long: '...'"),
+    the rest as they say themselves."""
+    if type(exc) is not OSError and not (isinstance(exc, OSError) and type(exc).__module__ == "builtins"):
+        return str(exc)
+    import errno
+
+    what = {errno.ENAMETOOLONG: "file name too long (a name over 255 bytes, or a path over 4096)",
+            errno.EISDIR: "is a folder, where a file is expected",
+            errno.ENOTDIR: "a part of the path is a file, not a folder",
+            errno.ENOENT: "no such file or folder",
+            errno.EACCES: "permission denied"}.get(exc.errno or 0, exc.strerror or str(exc))
+    return f"{exc.filename}: {what}" if exc.filename else what
 
 
 # `rmsft train`'s exit code when another learner holds the checkpoint folder (EX_TEMPFAIL): the pod is retried.

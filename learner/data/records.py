@@ -101,10 +101,28 @@ def _describe(err: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def _first_line_error(path: Path, lineno: int, message: str) -> DataError:
+    """The error of a bad line; on line 1, a file of another known kind (a COCO instances or results file) is
+    named with the command for it instead of "not valid JSON" (learner/data/kinds.py)."""
+    if lineno == 1:
+        from learner.data.kinds import RECORDS, wrong_kind
+
+        other = wrong_kind(path, RECORDS)
+        if other is not None:
+            return DataError(f"{path}: {other}")
+    return DataError(f"{path}:{lineno}: {message}")
+
+
 def iter_records(path: str | Path) -> Iterator[Record]:
     path = Path(path)
-    if not path.exists():
+    try:
+        exists, folder = path.exists(), path.is_dir()
+    except OSError as exc:  # a name over 255 bytes: the OS's words, naming the file
+        raise DataError(f"dataset {path}: cannot be read ({exc.strerror})") from None
+    if not exists:
         raise DataError(f"dataset {path} does not exist")
+    if folder:
+        raise DataError(f"dataset {path} is a folder: give the records file in it (.jsonl or .jsonl.gz)")
     # spec.training.data.path may be .jsonl.gz: read through gzip, one line at a time as the plain file.
     opener = gzip.open if path.suffix == ".gz" else open
     lineno = 0
@@ -116,16 +134,24 @@ def iter_records(path: str | Path) -> Iterator[Record]:
                 try:
                     raw = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                    raise _first_line_error(path, lineno, f"not valid JSON ({exc.msg} at column {exc.colno})"
+                                            ) from None
+                except RecursionError:
+                    raise DataError(f"{path}:{lineno}: not a record: JSON nested deeper than a parser follows"
+                                    ) from None
+                except ValueError as exc:  # an integer of over 4300 digits (Python's int conversion limit)
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({exc})") from None
                 try:
                     yield Record.model_validate(raw)
                 except ValidationError as exc:
-                    raise DataError(f"{path}:{lineno}: {_describe(exc)}") from None
+                    raise _first_line_error(path, lineno, _describe(exc)) from None
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}:{lineno + 1}: not UTF-8 text ({exc.reason} at byte {exc.start}); a compressed "
                         "file needs the .gz suffix") from None
     except (gzip.BadGzipFile, EOFError) as exc:
         raise DataError(f"{path}: not a complete gzip file ({exc or type(exc).__name__})") from None
+    except OSError as exc:  # unreadable (permissions), a read error
+        raise DataError(f"dataset {path}: cannot be read ({exc.strerror or exc})") from None
 
 
 def load_records(path: str | Path) -> list[Record]:
