@@ -309,7 +309,10 @@ def _name_problem(name: str) -> str | None:
         return str(exc)
     for ch in name:
         if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"):
-            return f"holds {unicodedata.name(ch, f'U+{ord(ch):04X}').lower()} (U+{ord(ch):04X})"
+            what = {"\n": "a line break", "\r": "a carriage return", "\t": "a tab"}.get(ch) or (
+                "a control character" if unicodedata.category(ch) == "Cc" else unicodedata.name(ch, "").lower()
+                or "an invisible character")
+            return f"holds {what} (U+{ord(ch):04X})"
     if len(name) > MAX_CATEGORY_NAME:
         return f"{len(name)} characters long (at most {MAX_CATEGORY_NAME})"
     return None

@@ -25,7 +25,7 @@ Image references (`images`), resolved by learner/data/images.py:
 - `"data:image/png;base64,iVBOR..."`: the image bytes inline.
 
 Remote URIs (http://, s3://, ...) are refused. `load_dataset` (learner/data/dataset.py) checks every
-image at load (exists, decodes, at most `spec.model.vision.max_image_pixels`, and for a record with one
+image at load (exists, decodes, at most `spec.model.vision.maxImagePixels`, and for a record with one
 image, the image's size equals the record's `width`/`height`, the frame of its ground truth) and reports
 all problems at once. `load_records` reads the records only (text datasets, and callers that check images later).
 """
@@ -35,6 +35,7 @@ from __future__ import annotations
 import gzip
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -165,3 +166,33 @@ def load_records(path: str | Path) -> list[Record]:
         seen.add(r.id)
     return records
 
+
+@dataclass(frozen=True)
+class OutsideFrame:
+    """Objects with a coordinate outside their record's `width` x `height` frame (`outside_frame`): the grid
+    conversion clamps them to the image's edges (`pixel_to_bin`), so what is trained is not what the file says."""
+
+    objects: int = 0
+    records: int = 0
+    first: str = ""  # the first case, as `record 'id' object 2 bbox_2d [..] in 640x480`
+
+    def line(self, total: int) -> str:
+        return (f"{self.objects} of {total} objects (in {self.records} records) reach outside their image's "
+                f"width x height: training clamps them to its edges (first: {self.first})")
+
+
+def outside_frame(records: list[Record]) -> OutsideFrame:
+    """Count the objects of `records` with an x outside 0..width or a y outside 0..height."""
+    objects = in_records = 0
+    first = ""
+    for r in records:
+        hit = 0
+        for k, o in enumerate(r.objects, start=1):
+            kind, coords = ("bbox_2d", o.bbox_2d) if o.bbox_2d is not None else ("poly", o.poly)
+            xs, ys = coords[0::2], coords[1::2]  # type: ignore[index]
+            if min(xs) < 0 or min(ys) < 0 or max(xs) > r.width or max(ys) > r.height:
+                hit += 1
+                first = first or f"record {r.id!r} object {k} {kind} {coords} in {r.width}x{r.height}"
+        objects += hit
+        in_records += bool(hit)
+    return OutsideFrame(objects, in_records, first)

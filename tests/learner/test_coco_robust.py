@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from PIL import Image
 from typer.testing import CliRunner
 
+from learner.data import coco
 from learner.data.check import check_records
 from learner.data.coco import CocoError, convert_coco
 from learner.data.records import DataError, load_records
@@ -256,3 +257,112 @@ def test_mutated_real_files_exit_0_or_2_with_one_line(real: dict, tmp_path_facto
         code, output, exc = _run("data", "check", str(out))
         _one_line_or_report(code, output, exc, f"check records of {name} seed {seed}")
     shutil.rmtree(work)
+
+
+# the silent accepts, each refused or reported with its line ----------------------------------------------------
+
+
+def _sample(real: dict) -> tuple[dict[str, Any], Path]:
+    doc, folder = real["instances_val2017_sample.json"]
+    return copy.deepcopy(doc), folder
+
+
+def _convert(doc: dict[str, Any], folder: Path, tmp_path: Path):
+    path = tmp_path / "instances.json"
+    path.write_text(json.dumps(doc))
+    out = tmp_path / "train.jsonl"
+    summary = convert_coco(path, folder, out)
+    return summary, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_a_polygon_with_a_garbage_bbox_is_skipped_as_docs_data_md_says(real: dict, tmp_path: Path) -> None:
+    doc, folder = _sample(real)
+    doc["annotations"][0]["bbox"] = ["x", 1, 2, 3]  # its polygon is fine
+    summary, records = _convert(doc, folder, tmp_path)
+    assert summary.skipped_annotations == {coco.SKIP_BAD_BOX: 1, coco.SKIP_CROWD: 1}
+    assert summary.examples[coco.SKIP_BAD_BOX] == "annotation id 1"
+    assert [o["desc"] for o in records[0]["objects"]] == ["potted plant"]  # annotation 1's person is not written
+
+
+def test_a_negative_width_is_named_as_such(real: dict, tmp_path: Path) -> None:
+    doc, folder = _sample(real)
+    doc["annotations"][0]["bbox"] = [9.98, 3.12, -5.03, 11.54]
+    summary, _ = _convert(doc, folder, tmp_path)
+    assert summary.skipped_annotations[coco.SKIP_NEGATIVE_BOX] == 1
+    assert coco.SKIP_NEGATIVE_BOX == "bbox with a negative width or height"
+    assert coco.SKIP_BAD_BOX not in summary.skipped_annotations
+
+
+@pytest.mark.parametrize("key", ["image_id", "category_id"])
+def test_true_as_an_id_is_not_read_as_id_1(real: dict, tmp_path: Path, key: str) -> None:
+    doc, folder = _sample(real)
+    doc["images"][0]["id"] = 1  # an image 1 and a category 1 for `true` to land on
+    for ann in doc["annotations"]:
+        if ann["image_id"] == 139:
+            ann["image_id"] = 1
+    doc["annotations"][3][key] = True  # annotation 3 (a bear on image 285)
+    summary, records = _convert(doc, folder, tmp_path)
+    assert summary.skipped_annotations[coco.SKIP_BAD_ID] == 1
+    assert summary.examples[coco.SKIP_BAD_ID].startswith("annotation id 3, image_id ")
+    assert "bear" not in {o["desc"] for r in records for o in r["objects"]}
+
+
+@pytest.mark.parametrize(("name", "said"), [
+    ("traffic\nlight", "holds a line break (U+000A)"),
+    ("traffic\x07light", "holds a control character (U+0007)"),
+    ("traffic\u200blight", "holds zero width space (U+200B)"),
+    ("x" * 10_000, "10000 characters long (at most 200)"),
+])
+def test_category_names_no_answer_should_carry_are_skipped_with_the_reason(real: dict, tmp_path: Path, name: str,
+                                                                           said: str) -> None:
+    doc, folder = _sample(real)
+    doc["categories"][1]["name"] = name  # bear, annotation 3's
+    summary, records = _convert(doc, folder, tmp_path)
+    assert summary.skipped_annotations[coco.SKIP_BAD_CATEGORY] == 1
+    example = summary.examples[coco.SKIP_BAD_CATEGORY]
+    assert example.startswith("annotation id 3, category_id 23: ") and said in example and len(example) < 200
+    assert all(o["desc"] != name for r in records for o in r["objects"])
+
+
+def test_a_segmentation_that_is_no_polygon_list_is_said(real: dict, tmp_path: Path) -> None:
+    doc, folder = _sample(real)
+    doc["annotations"][0]["segmentation"] = "polygon"
+    doc["annotations"][3]["segmentation"] = [3.5, 20.25, 28.75, 20.0, 29.0, 31.5]  # flat, not a list of polygons
+    summary, _ = _convert(doc, folder, tmp_path)
+    assert summary.as_box[coco.AS_BOX_BAD_SEGMENTATION] == 2
+    # the flat list is not "a polygon in several parts": that stays the fixture's own annotation 2 alone
+    assert summary.as_box[coco.AS_BOX_MULTI] == 1 and summary.examples[coco.AS_BOX_MULTI] == "annotation id 2"
+
+
+def test_duplicate_annotation_ids_are_a_warning_line(real: dict, tmp_path: Path) -> None:
+    doc, folder = _sample(real)
+    doc["annotations"][1]["id"] = doc["annotations"][0]["id"]
+    summary, records = _convert(doc, folder, tmp_path)
+    assert summary.duplicate_ids == 1 and sum(len(r["objects"]) for r in records) == 3  # each still converted
+    assert ("warning: 1 annotation id used more than once (first: id 1): every annotation is converted, but a tool "
+            "that looks annotations up by id (COCO's evaluation) cannot tell them apart") in summary.lines()
+
+
+def test_data_check_warns_of_boxes_outside_the_image_and_of_a_file_without_objects(tmp_path: Path) -> None:
+    Image.new("RGB", (32, 24)).save(tmp_path / "a.png")
+    base = {"width": 32, "height": 24, "messages": [{"role": "user", "content": "Detect."}], "images": ["a.png"]}
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text("".join(json.dumps({**base, "id": str(i), "objects": objs}) + "\n" for i, objs in enumerate([
+        [{"desc": "a", "bbox_2d": [1, 1, 40, 20]}, {"desc": "b", "bbox_2d": [1, 1, 5, 5]}],
+        [{"desc": "a", "poly": [-3, 0, 10, 0, 10, 10]}],
+        [{"desc": "a", "bbox_2d": [0, 0, 32, 24]}],  # the whole image: inside
+    ])))
+    check = check_records(outside)
+    assert check.accepted
+    assert check.warnings == ["2 of 4 objects (in 2 records) reach outside their image's width x height: training "
+                              "clamps them to its edges (first: record '0' object 1 bbox_2d [1.0, 1.0, 40.0, 20.0] "
+                              "in 32x24)"]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("".join(json.dumps({**base, "id": str(i)}) + "\n" for i in range(3)))
+    check = check_records(empty)
+    assert check.warnings == ["all 3 records are without objects: a detection job would teach the model that the "
+                              "images hold nothing"]
+    code, output, exc = _run("data", "check", str(empty))
+    _one_line_or_report(code, output, exc, "check")
+    assert code == 0 and "warning: all 3 records are without objects" in output
+    assert "a job would accept this file (1 warning above)" in output
