@@ -355,6 +355,8 @@ def local(
     """Run a whole job on this machine: rollout servers as local processes, the learner in-process."""
     from rich.console import Console
 
+    if job is None and not clean:  # before the imports below, which take seconds (torch)
+        _fail(ValueError("give a job manifest (JOB), or --clean alone"))
     from learner.data.records import DataError
     from learner.rewards.interface import RewardConfigError
     from learner.train.checkpoint_owner import CheckpointFolderBusyError, CheckpointLineageError

@@ -54,3 +54,80 @@ def test_plan_refuses_gpu_memory_without_a_unit_in_one_line() -> None:
         assert res.returncode == 2, res.stdout
         assert expected in res.stderr and "KV cache" not in res.stderr and "Traceback" not in res.stderr
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+# 4: the wrong file, named with the command for it (the data commands' cases: tests/learner/test_coco_robust.py) --
+
+COCO = ROOT / "tests" / "learner" / "coco_fixtures" / "instances_val2017_sample.json"
+
+
+def test_a_data_file_given_as_a_job_and_a_job_given_as_data_are_named() -> None:
+    res = _rmsft("plan", str(COCO))
+    said = " ".join(res.stderr.split())
+    assert res.returncode == 2 and "this is a COCO instances file" in said and "rmsft data from-coco" in said
+    job = str(ROOT / "configs" / "local-tiny.yaml")
+    for args in (("data", "check", job), ("data", "from-coco", job, str(ROOT), "/tmp/never-written.jsonl")):
+        res = _rmsft(*args)
+        said = " ".join(res.stderr.split())
+        assert res.returncode == 2 and "this is a RolloutMatchingJob manifest (YAML)" in said, said
+        assert "`rmsft plan FILE`" in said and "not valid JSON" not in said
+    assert not Path("/tmp/never-written.jsonl").exists()
+
+
+# 7: wording, and "did you mean" -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("section", "key", "meant"), [
+    ("rollout", "replicaz", "replicas"), ("rollout", "maxmodellen", "maxModelLen"), ("training", "stpes", "steps"),
+    ("model", "vison", "vision"), ("placement", "nodeSelectr", "nodeSelector"),
+])
+def test_an_unknown_key_names_the_nearest_keys_of_its_section(section: str, key: str, meant: str) -> None:
+    import copy
+
+    import yaml
+
+    from rmsft.jobspec import JobSpecError, parse_job
+
+    doc = copy.deepcopy(yaml.safe_load((ROOT / "configs" / "local-tiny.yaml").read_text()))
+    doc["spec"][section][key] = 1
+    with pytest.raises(JobSpecError) as err:
+        parse_job(doc)
+    (line,) = err.value.errors
+    assert line.startswith(f"spec.{section}.{key}: unknown key (not part of the RolloutMatchingJob schema; did you "
+                           f"mean {meant}")
+
+
+def test_an_unknown_key_far_from_every_key_gets_no_guess() -> None:
+    import yaml
+
+    from rmsft.jobspec import JobSpecError, parse_job
+
+    doc = yaml.safe_load((ROOT / "configs" / "local-tiny.yaml").read_text())
+    doc["spec"]["training"]["checkpoint"]["zzzzqqq"] = 1
+    with pytest.raises(JobSpecError) as err:
+        parse_job(doc)
+    assert err.value.errors == ["spec.training.checkpoint.zzzzqqq: unknown key (not part of the RolloutMatchingJob "
+                                "schema)"]
+
+
+def test_local_without_a_job_says_so_before_importing_torch() -> None:
+    res = _rmsft("local")
+    assert res.returncode == 2 and "give a job manifest (JOB), or --clean alone" in res.stderr
+    # it used to take 5-8 s: the learner's imports (torch) came before the check
+    probe = ("import sys; from typer.testing import CliRunner; from rmsft_cli.app import app; "
+             "r = CliRunner().invoke(app, ['local']); print(r.exit_code, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
+
+
+def test_one_record_over_the_images_limit_carries(tmp_path: Path) -> None:
+    import json
+
+    from learner.data.check import check_records
+
+    record = {"id": "r", "width": 4, "height": 4, "messages": [{"role": "user", "content": "x"}],
+              "images": ["a.png", "b.png"]}
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    check = check_records(path, max_images_per_prompt=1)
+    assert "1 record carries more than spec.model.vision.maxImagesPerPrompt=1 images (first: 'r')" in check.refusals

@@ -219,7 +219,7 @@ def _not_instances(path: Path, annotations: list[Any]) -> str | None:
 def _load(path: Path) -> dict[str, Any]:
     """The file's JSON with `images`, `categories` and `annotations` lists; a missing or null `annotations`
     (an image-list or test-split file has none) reads as an empty list, which `convert_coco` decides on."""
-    from learner.data.kinds import INSTANCES, wrong_kind
+    from rmsft.file_kinds import INSTANCES, wrong_kind
 
     try:
         doc = json.loads(path.read_text())

@@ -104,9 +104,9 @@ def _describe(err: ValidationError) -> str:
 
 def _first_line_error(path: Path, lineno: int, message: str) -> DataError:
     """The error of a bad line; on line 1, a file of another known kind (a COCO instances or results file) is
-    named with the command for it instead of "not valid JSON" (learner/data/kinds.py)."""
+    named with the command for it instead of "not valid JSON" (rmsft/file_kinds.py)."""
     if lineno == 1:
-        from learner.data.kinds import RECORDS, wrong_kind
+        from rmsft.file_kinds import RECORDS, wrong_kind
 
         other = wrong_kind(path, RECORDS)
         if other is not None:

@@ -4,8 +4,9 @@ or a YAML file, every error a line that starts with the dotted path of the bad k
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -40,14 +41,58 @@ class RolloutMatchingJob(BaseModel):
         }
 
 
-def _format_errors(exc: ValidationError, prefix: str) -> list[str]:
+def _keys_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The keys a manifest may have at `loc` (the path of an unknown key, without the key): each model's keys as
+    written (camelCase aliases in the Kubernetes-facing sections, snake_case in `training`); [] when `loc` leads
+    into no model (a mapping such as nodeSelector takes any key)."""
+    for part in loc:
+        fields = {(f.alias or name): f for name, f in model.model_fields.items()}
+        fields.update(model.model_fields)
+        field = fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            if isinstance(part, int):  # a list's item: the model is the list's
+                continue
+            return []
+        inner = _model_of(field.annotation)
+        if inner is None:
+            return []
+        model = inner
+    return [f.alias or name for name, f in model.model_fields.items()]
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation (`X`, `X | None`, `list[X]`), None when there is none."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _did_you_mean(loc: tuple[Any, ...]) -> str:
+    """"; did you mean replicas?" for an unknown key close to known ones (difflib's nearest, case-blind), else ""."""
+    key = loc[-1] if loc and isinstance(loc[-1], str) else None
+    if key is None:
+        return ""
+    known = _keys_at(RolloutMatchingJob, loc[:-1])
+    by_lower = {k.lower(): k for k in known}
+    near = [by_lower[k] for k in difflib.get_close_matches(key.lower(), list(by_lower), n=3, cutoff=0.6)]
+    if not near:
+        return ""
+    return f"; did you mean {' or '.join(near)}?"
+
+
+def _format_errors(exc: ValidationError, prefix: str, root: tuple[str, ...] = ()) -> list[str]:
     out = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
         where = f"{prefix}.{loc}" if loc else prefix
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = "unknown key (not part of the RolloutMatchingJob schema)"
+            path = (*root, *(p for p in err["loc"] if not str(p).startswith("function-after")))
+            msg = f"unknown key (not part of the RolloutMatchingJob schema{_did_you_mean(path)})"
         elif err["type"] == "missing":
             msg = "required key is missing"
         elif "input" in err and err["type"] not in ("value_error",) and not isinstance(err["input"], dict):
@@ -63,7 +108,7 @@ def parse_spec(spec: dict[str, Any]) -> JobSpec:
     try:
         return JobSpec.model_validate(spec)
     except ValidationError as exc:
-        raise JobSpecError(_format_errors(exc, "spec")) from None
+        raise JobSpecError(_format_errors(exc, "spec", root=("spec",))) from None
 
 
 def parse_job(doc: dict[str, Any], source: str = "job spec") -> RolloutMatchingJob:
@@ -87,8 +132,17 @@ def load_job(path: str | Path) -> RolloutMatchingJob:
     except OSError as exc:
         raise JobSpecError([f"cannot read {path}: {exc.strerror}"], str(path)) from None
     except yaml.YAMLError as exc:
-        raise JobSpecError([f"not valid YAML: {exc}"], str(path)) from None
+        raise JobSpecError([f"not valid YAML{_other_kind(path)}: {exc}"], str(path)) from None
     jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
     if not jobs:
-        raise JobSpecError([f"no document with kind: {KIND}"], str(path))
+        raise JobSpecError([f"no document with kind: {KIND}{_other_kind(path)}"], str(path))
     return parse_job(jobs[0], source=str(path))
+
+
+def _other_kind(path: Path) -> str:
+    """" (this is a COCO instances file: ...)" for a data file given where a job manifest goes (JSON is YAML, and
+    "no document with kind" would not say what was given), else ""."""
+    from rmsft.file_kinds import JOB, wrong_kind
+
+    other = wrong_kind(path, JOB)
+    return f" ({other})" if other else ""

@@ -1,8 +1,9 @@
 """What kind of annotation file a path holds, for the error of a command given the wrong one: a COCO instances
 file given to `rmsft data check` (or as spec.training.data.path), training records given to
-`rmsft data from-coco`, a COCO results list given to either. The commands' own readers decide what they accept;
-this only names what was given instead and the command that reads it, so that "not valid JSON at line 2"
-becomes "this is a records file: check it with `rmsft data check`".
+`rmsft data from-coco`, a COCO results list given to either, a job manifest given to either, a data file given
+as a job (`rmsft plan`, `local`, ...). The commands' own readers decide what they accept; this only names what
+was given instead and the command that reads it, so that "not valid JSON at line 2" becomes "this is a records
+file: check it with `rmsft data check`".
 
 `kind_of(path) -> FileKind | None`: None when the file is none of the kinds named here (then the reader's own
 error stands). Torch-free, and it never raises: it runs while another error is being reported.
@@ -32,6 +33,8 @@ RECORDS = FileKind("a training records file (JSONL, one record per line)",
                    "it is what a job reads: check it with `rmsft data check FILE`")
 INSTANCES = FileKind("a COCO instances file (images, annotations, categories)",
                      "convert it to training records with `rmsft data from-coco FILE IMAGES_DIR OUT.jsonl`")
+JOB = FileKind("a RolloutMatchingJob manifest (YAML)",
+               "see what it would run with `rmsft plan FILE`, run it with `rmsft local FILE`")
 RESULTS = FileKind("a COCO results file (a list of detections with scores: a model's output, not ground truth)",
                    "training records are made from the split's instances file: `rmsft data from-coco "
                    "instances_*.json IMAGES_DIR OUT.jsonl`")
@@ -77,6 +80,8 @@ def kind_of(path: str | Path) -> FileKind | None:
         if _is_records_line(doc):  # a records file of one line
             return RECORDS
         return None
+    if "kind: RolloutMatchingJob" in text[:_PEEK]:  # YAML; JSON was tried above
+        return JOB
     first = text.lstrip().split("\n", 1)[0]
     try:
         line = json.loads(first)
