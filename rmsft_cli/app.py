@@ -422,11 +422,27 @@ def plan_cmd(
         manifest = load_job(job)
         memory = parse_bytes(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
         plan = plan_memory(manifest, gpu_memory=memory, model_config=model_config)
-    except (JobSpecError, ModelShapeError, ValueError, OSError) as exc:
+    except ModelShapeError as exc:
+        _fail(ValueError(_not_built(manifest, job) or str(exc)))
+    except (JobSpecError, ValueError, OSError) as exc:
         _fail(exc)
     Console().print(plan.render())
     if not plan.fits:
         _fail(ValueError(plan.message()))
+
+
+def _not_built(manifest, job: Path) -> str | None:
+    """The fix for an example job whose model is not built yet (its `rmsft.io/build-tiny-model` annotation says
+    how): `rmsft dev prepare JOB`, not "pass --model-config" or "point spec.model.path" elsewhere; None for any
+    other job, or when the model is there."""
+    notes = manifest.metadata.model_extra.get("annotations") or {} if manifest.metadata.model_extra else {}
+    build = str(notes.get("rmsft.io/build-tiny-model", "")).lower() if isinstance(notes, dict) else ""
+    model = Path(manifest.spec.model.path)
+    if build in ("", "false") or (model / "config.json").is_file():
+        return None
+    return (f"spec.model.path {model} is not built yet: this example job builds its own tiny model "
+            f"(metadata.annotations rmsft.io/build-tiny-model: {build}); run `rmsft dev prepare {job}` (what "
+            "`rmsft local` does before it starts), then this command again")
 
 
 @app.command("prepare-model")
@@ -470,7 +486,8 @@ def preflight_cmd(
         manifest = load_job(job)
         line = check_model(manifest.spec.model.path, manifest.spec.training.format)
     except (JobSpecError, ModelCheckError) as exc:
-        message = f"rmsft preflight: {exc}"
+        hint = _not_built(manifest, job) if isinstance(exc, ModelCheckError) else None
+        message = f"rmsft preflight: {hint or exc}"
         # Plain text, one line (no rich wrapping): in a pod the operator quotes it from the termination
         # message, which is this file or, failing that, the log's tail.
         write_termination_log(message)

@@ -131,3 +131,74 @@ def test_one_record_over_the_images_limit_carries(tmp_path: Path) -> None:
     path.write_text(json.dumps(record) + "\n")
     check = check_records(path, max_images_per_prompt=1)
     assert "1 record carries more than spec.model.vision.maxImagesPerPrompt=1 images (first: 'r')" in check.refusals
+
+
+# 1: plan and preflight on every example job; relative paths are the job file's -------------------------------
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def _in_process(*args: str) -> tuple[int, str]:
+    from typer.testing import CliRunner
+
+    from rmsft_cli.app import app
+
+    res = CliRunner().invoke(app, list(args))
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
+    return res.exit_code, " ".join((res.stdout + res.stderr).split())
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_example_job_passes_plan_and_preflight_or_is_told_the_fix_that_applies(config: Path) -> None:
+    import yaml
+
+    from rmsft.jobspec import load_job
+
+    job = load_job(config)
+    builds = yaml.safe_load(config.read_text())["metadata"].get("annotations", {}).get("rmsft.io/build-tiny-model")
+    built = (Path(job.spec.model.path) / "config.json").is_file()
+    prepare = f"run `rmsft dev prepare {config}` (what `rmsft local` does before it starts), then this command again"
+    for command in ("plan", "preflight"):
+        code, said = _in_process(command, str(config))
+        if code == 0:
+            continue
+        assert code == 2, (command, said)
+        if builds and not built:  # an example job before its first run: the fix is to build its model
+            assert prepare in said and "--model-config" not in said, (command, said)
+        else:  # a cluster job: its model is where the pods see it; only preflight checks the folder
+            assert command == "preflight" and "in a cluster: inside the pods" in said, (command, said)
+
+
+def test_relative_paths_are_the_job_files_folder_from_any_working_directory(tmp_path: Path) -> None:
+    from rmsft.jobspec import PATH_FIELDS, load_job
+
+    a = load_job(ROOT / "configs" / "local-tiny-vl.yaml")
+    assert a.spec.model.path == str(ROOT / "assets" / "tiny-vl-grid-model")
+    assert a.spec.training.data.path == str(ROOT / ".rmsft" / "tiny-vl-grid-data.jsonl")
+    assert a.spec.training.checkpoint.dir == str(ROOT / ".rmsft" / "checkpoints-vl")
+    # from another folder, the same files; preflight passes from there (the shipped model is found)
+    code, said = _in_process("preflight", str(ROOT / "configs" / "local-tiny-vl.yaml"))
+    res = _rmsft("preflight", "local-tiny-vl.yaml", cwd=ROOT / "configs")
+    assert code == 0 and res.returncode == 0, (said, res.stderr)
+    assert f"{ROOT / 'assets' / 'tiny-vl-grid-model'}: the tokenizer has the 1000" in res.stdout
+    # every path field, relative in a job elsewhere; absolute ones stay as written
+    doc = (ROOT / "configs" / "local-tiny.yaml").read_text()
+    (tmp_path / "sub").mkdir()
+    job = tmp_path / "sub" / "job.yaml"
+    extra = ("    eval: {data: held.jsonl, image_root: imgs}\n    export: {dir: out/export}\n    log_dir: tb\n"
+             "    checkpoint: {dir: /abs/ckpt}\n")
+    job.write_text(doc.replace("    checkpoint: {dir: ../.rmsft/checkpoints, every: 10, keep: 2}\n", extra)
+                   .replace("data: {path: ../.rmsft/tiny-data.jsonl}", "data: {path: d.jsonl, image_root: ./i}"))
+    spec = load_job(job).spec
+    got = {".".join(f): _get(spec, f) for f in PATH_FIELDS}
+    sub = tmp_path / "sub"
+    assert got == {"model.path": str(tmp_path / ".rmsft" / "tiny-model"), "training.data.path": str(sub / "d.jsonl"),
+                   "training.data.image_root": str(sub / "i"), "training.eval.data": str(sub / "held.jsonl"),
+                   "training.eval.image_root": str(sub / "imgs"), "training.checkpoint.dir": "/abs/ckpt",
+                   "training.export.dir": str(sub / "out" / "export"), "training.log_dir": str(sub / "tb")}
+
+
+def _get(spec: object, fields: tuple[str, ...]) -> object:
+    for name in fields:
+        spec = getattr(spec, name)
+    return spec

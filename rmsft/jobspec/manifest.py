@@ -5,6 +5,7 @@ or a YAML file, every error a line that starts with the dotted path of the bad k
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -136,7 +137,30 @@ def load_job(path: str | Path) -> RolloutMatchingJob:
     jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
     if not jobs:
         raise JobSpecError([f"no document with kind: {KIND}{_other_kind(path)}"], str(path))
-    return parse_job(jobs[0], source=str(path))
+    job = parse_job(jobs[0], source=str(path))
+    resolve_paths(job, path.parent)
+    return job
+
+
+# The spec's file and folder paths (section, ..., key): what `resolve_paths` reads relative to the job file's folder.
+PATH_FIELDS = (("model", "path"), ("training", "data", "path"), ("training", "data", "image_root"),
+               ("training", "eval", "data"), ("training", "eval", "image_root"), ("training", "checkpoint", "dir"),
+               ("training", "export", "dir"), ("training", "log_dir"))
+
+
+def resolve_paths(job: RolloutMatchingJob, folder: str | Path) -> None:
+    """Make the job's relative paths (PATH_FIELDS) absolute against `folder`, the job file's: a job file means the
+    same files from wherever it is run (`rmsft local configs/local-tiny.yaml` from the repository root and
+    `rmsft local local-tiny.yaml` from configs/ read one model), as a compose or kustomize file does. Absolute
+    paths stay as written; in a cluster every path is absolute, as the pods see it."""
+    base = os.path.abspath(folder)
+    for *parents, key in PATH_FIELDS:
+        section: Any = job.spec
+        for name in parents:
+            section = getattr(section, name)
+        value = getattr(section, key)
+        if value and not os.path.isabs(value) and "://" not in value:
+            setattr(section, key, os.path.normpath(os.path.join(base, value)))
 
 
 def _other_kind(path: Path) -> str:
