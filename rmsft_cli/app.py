@@ -10,11 +10,33 @@ from pathlib import Path
 
 import typer
 
-app = typer.Typer(help="Rollout-matching SFT for vision-language detection models.", no_args_is_help=True)
-dev_app = typer.Typer(help="Developer tools.", no_args_is_help=True)
+try:  # typer >= 0.20 vendors click; older ones use click itself
+    import typer._click._textwrap as _typer_textwrap
+except ImportError:  # pragma: no cover
+    import click._textwrap as _typer_textwrap  # type: ignore[no-redef]
+
+
+class _WholeWords(_typer_textwrap.TextWrapper):
+    """Help text wrapped between words only: textwrap's defaults break at hyphens and inside words longer than the
+    column (`/dev/shm/rmsft-` | `run-*`), which read as a cut. Typer's (vendored) click builds its wrapper from
+    this module's name at each call, so the help of every command (and of none else: this is the `rmsft` process)
+    wraps this way."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.update(break_on_hyphens=False, break_long_words=False)
+        super().__init__(*args, **kwargs)
+
+
+_typer_textwrap.TextWrapper = _WholeWords  # type: ignore[misc]
+
+# rich_markup_mode=None: click's plain help, wrapped at words. Rich's help panels cut option text that does not
+# fit a column with an ellipsis (`spec.model.vision.maxIma...` at 80 columns).
+app = typer.Typer(help="Rollout-matching SFT for vision-language detection models.", no_args_is_help=True,
+                  rich_markup_mode=None)
+dev_app = typer.Typer(help="Developer tools.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(dev_app, name="dev")
 data_app = typer.Typer(help="Datasets: convert detection annotations to training records, check a records file.",
-                       no_args_is_help=True)
+                       no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(data_app, name="data")
 
 
@@ -30,9 +52,8 @@ def tiny_model(
 ) -> None:
     """Build a tiny random model with the CoordExp vocabulary (no downloads): a Qwen2 text model, or with
     --vl a Qwen-VL model whose processor transformers and vLLM both load. --stock leaves the coord tokens out."""
-    from rich.console import Console
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = _console(stderr=True)
     with console.status(f"building tiny {'vision-language ' if vl else ''}model in {out_dir}"):
         if vl:
             from rmsft_dev.tiny_vl import build_tiny_vl_model
@@ -55,12 +76,11 @@ def dev_prepare(
     """Build the tiny models and synthetic data that job manifests ask for in their annotations
     (rmsft.io/build-tiny-model, rmsft.io/synthetic-records, ...), where they are absent: what `rmsft local`
     does before it starts, without starting anything. The CPU image bakes its cluster jobs' inputs so."""
-    from rich.console import Console
 
     from learner.local import prepare_inputs
     from rmsft.jobspec import load_job
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = _console(stderr=True)
     for config in configs:
         try:
             job = load_job(config)
@@ -110,7 +130,6 @@ def data_from_coco(
     """Convert COCO detection annotations to training records: category names as descs, one-part polygons as
     poly, other objects as bbox_2d, crowd annotations skipped, every image checked. Prints what was converted
     and what was skipped, with a count per reason (docs/data.md)."""
-    from rich.console import Console
     from rich.markup import escape
 
     from learner.data.coco import CocoError, CocoOptions, convert_coco
@@ -123,7 +142,7 @@ def data_from_coco(
         summary = convert_coco(annotations, images_dir, out, options)
     except (CocoError, ValueError, OSError) as exc:
         _fail(exc)
-    console = Console(stderr=True, soft_wrap=True)
+    console = _console(stderr=True)
     head, *rest = summary.lines()
     console.print(f"[green]{escape(head)}[/green]")
     for line in rest:
@@ -152,7 +171,6 @@ def data_check(
     """Load a records file with the learner's own loader and image check, as a job does: counts, a label
     histogram, the images found and missing and their sizes, and what a job would refuse. Exit 0 when a job
     would accept the file, 2 when not (docs/data.md)."""
-    from rich.console import Console
     from rich.markup import escape
 
     from learner.data.check import check_records
@@ -164,9 +182,8 @@ def data_check(
         report = check_records(file, images, **limits)
     except (DataError, ValueError, OSError) as exc:  # the records themselves do not load: one line, as a job says
         _fail(exc)
-    # The report is the command's output (stdout); soft_wrap and escape as in _fail: labels and paths are text,
-    # one line each when piped.
-    console = Console(soft_wrap=True)
+    # The report is the command's output (stdout); escape as in _fail: labels and paths are text.
+    console = _console()
     for line in report.lines():
         text = escape(line)
         if line.startswith("a job would "):  # the verdict
@@ -189,15 +206,27 @@ def serve(ctx: typer.Context) -> None:
     serve_main(list(ctx.args), prog="rmsft serve")
 
 
+def _console(stderr: bool = False):
+    """The console of every command's output, one rule for all: rich never wraps a line (soft_wrap: a message,
+    a path or a label stays one line, which a terminal folds at its edge and a pipe keeps whole for grep), and
+    when piped a table gets the width it needs instead of being squeezed into 80 columns (rich's default off a
+    terminal, which cut `rmsft plan`'s lines while the data commands kept theirs)."""
+    from rich.console import Console
+
+    console = Console(stderr=stderr, soft_wrap=True)
+    if not console.is_terminal:
+        console.width = 1 << 12
+    return console
+
+
 def _fail(exc: Exception, code: int = 2) -> None:
     """Print `exc` as one line and exit with `code`: 2, the learner Job's podFailurePolicy reads as a configuration
     that no retry fixes; another code (e.g. BUSY_EXIT) is retried under its backoffLimit."""
-    from rich.console import Console
     from rich.markup import escape
 
     # soft_wrap: a message is one line even when piped (rich would cut it at 80 columns, paths mid-name);
     # escape: a path with square brackets is text, not markup
-    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {escape(_message(exc))}")
+    _console(stderr=True).print(f"[red]error:[/red] {escape(_message(exc))}")
     raise typer.Exit(code)
 
 
@@ -353,7 +382,6 @@ def local(
                                "touched; every run also does this when it starts."),
 ) -> None:
     """Run a whole job on this machine: rollout servers as local processes, the learner in-process."""
-    from rich.console import Console
 
     if job is None and not clean:  # before the imports below, which take seconds (torch)
         _fail(ValueError("give a job manifest (JOB), or --clean alone"))
@@ -365,7 +393,7 @@ def local(
     from rmsft.memory_plan import MemoryPlanSettingError
     from rmsft.model_check import ModelCheckError
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = _console(stderr=True)
     if clean:
         from rmsft import run_dir
 
@@ -384,7 +412,7 @@ def local(
         configure_logging("warning", fmt="%(name)s %(levelname)s %(message)s")
         from learner.local import run_local
 
-        run_local(job, work_dir=work_dir, resume=resume)
+        run_local(job, work_dir=work_dir, resume=resume, console=console)
     except (JobSpecError, DataError, LogLevelError, RewardConfigError, ModelCheckError,
             MemoryPlanSettingError, CheckpointLineageError, CheckpointFolderBusyError) as exc:
         _fail(exc)
@@ -413,7 +441,6 @@ def plan_cmd(
 ) -> None:
     """The memory plan of a job, per GPU, in server and colocate mode: weights, gradients, optimizer state,
     activations, engine and KV cache. Exit 0 when the job's own mode fits, 2 (with the knobs to turn) when not."""
-    from rich.console import Console
 
     from rmsft.jobspec import JobSpecError, load_job
     from rmsft.memory_plan import ModelShapeError, parse_bytes, plan_memory
@@ -426,7 +453,7 @@ def plan_cmd(
         _fail(ValueError(_not_built(manifest, job) or str(exc)))
     except (JobSpecError, ValueError, OSError) as exc:
         _fail(exc)
-    Console().print(plan.render())
+    _console().print(plan.render())
     if not plan.fits:
         _fail(ValueError(plan.message()))
 
@@ -453,11 +480,10 @@ def prepare_model_cmd(
 ) -> None:
     """Add the 1000 <|coord_k|> tokens to a stock checkpoint: tokenizer, embedding rows (mean of the existing
     rows plus a small ordered component), output head, config; writes a complete model folder to DST."""
-    from rich.console import Console
 
     from rmsft.prepare_model import PrepareModelError, prepare_model
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = _console(stderr=True)
     try:
         with console.status(f"preparing {src} -> {dst}"):
             summary = prepare_model(src, dst, overwrite=overwrite)
@@ -515,14 +541,13 @@ def export_cmd(
 ) -> None:
     """Write a learner checkpoint as a model folder transformers and vLLM load: LoRA/DoRA merged into the base
     weights (or, with --adapter, the adapter alone), full fine-tunes whole, with processor/tokenizer."""
-    from rich.console import Console
 
     from learner.train.export import ExportError, export_checkpoint
     from learner.train.policy import ModelLoadError
     from rmsft.jobspec import JobSpecError
     from rmsft.logs import configure_logging
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = _console(stderr=True)
     configure_logging("warning")
     try:
         with console.status("exporting") as status:
@@ -557,7 +582,6 @@ def eval_cmd(
 ) -> None:
     """Held-out evaluation of a checkpoint: greedy answers from local rollout servers on MODEL, scored as the trainer
     scores training.eval (F1 at an IoU threshold, COCO mAP)."""
-    from rich.console import Console
 
     from learner.checkpoint_eval import EvalOptions, run_eval
     from learner.data.records import DataError
@@ -570,7 +594,7 @@ def eval_cmd(
     opts = EvalOptions(config=config, image_root=image_root, max_samples=max_samples, max_tokens=max_tokens,
                        iou=iou, out=out, format=fmt, coordinates=coordinates, work_dir=work_dir)
     try:
-        run_eval(model, data, opts, Console(stderr=True, soft_wrap=True))
+        run_eval(model, data, opts, _console(stderr=True))
     except (ExportError, JobSpecError, ModelLoadError, DataError, ValueError, RuntimeError, OSError) as exc:
         _fail(exc)
 

@@ -202,3 +202,54 @@ def _get(spec: object, fields: tuple[str, ...]) -> object:
     for name in fields:
         spec = getattr(spec, name)
     return spec
+
+
+# 3: help and output wrapping --------------------------------------------------------------------------------
+
+
+def _commands() -> list[tuple[list[str], object]]:
+    """Every command of `rmsft` with its click command, `serve` (argparse's own help) left out."""
+    import typer
+
+    from rmsft_cli.app import app
+
+    out = []
+
+    def walk(cmd: object, path: list[str]) -> None:
+        out.append((path, cmd))
+        for name, sub in getattr(cmd, "commands", {}).items():
+            if name != "serve":
+                walk(sub, [*path, name])
+
+    walk(typer.main.get_command(app), [])
+    return out
+
+
+def test_help_at_80_columns_keeps_every_word_and_option_text_whole() -> None:
+    from typer.testing import CliRunner
+
+    from rmsft_cli.app import app
+
+    checked = 0
+    for path, cmd in _commands():
+        res = CliRunner().invoke(app, [*path, "--help"], terminal_width=80)
+        assert res.exit_code == 0, (path, res.output)
+        lines = res.output.splitlines()
+        assert all(len(line) <= 80 for line in lines), (path, max(lines, key=len))
+        assert "…" not in res.output, (path, res.output)  # rich's help cut long words so
+        flat = " ".join(res.output.split())
+        for param in getattr(cmd, "params", []):
+            text = getattr(param, "help", None)
+            if text:
+                assert " ".join(text.split()) in flat, (path, param.name, text)
+                checked += 1
+    assert checked > 40  # every command's options were read
+
+
+def test_plan_output_is_not_wrapped_when_piped_like_the_data_commands() -> None:
+    res = _rmsft("plan", str(ROOT / "configs" / "job.yaml"))  # stdout is a pipe; no COLUMNS
+    assert res.returncode == 0, res.stderr
+    first = res.stdout.splitlines()[0]
+    assert first.startswith("memory plan of qwen3vl-det: ") and first.endswith("(analytic)"), first
+    assert len(first) > 80
+    assert "…" not in res.stdout
