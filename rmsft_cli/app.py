@@ -380,6 +380,13 @@ def local(
     clean: bool = typer.Option(False, "--clean", help="Remove the shared-memory folders (/dev/shm/rmsft-run-*) of "
                                "runs that were killed, then run JOB if one is given. A live run's are never "
                                "touched; every run also does this when it starts."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what the run would start (inputs, servers and "
+                                 "ports, weight sync transport, learner, steps, memory plan) and exit: nothing is "
+                                 "started, built or written."),
+    overrides: list[str] = typer.Option([], "--set", help="KEY=VALUE: set a field of JOB for this run, a dotted "
+                                        "path under spec as in the file (training.steps=10, rollout.replicas=1), "
+                                        "the value read as YAML; validated as the file is. Repeatable.",
+                                        show_default=False),
 ) -> None:
     """Run a whole job on this machine: rollout servers as local processes, the learner in-process."""
 
@@ -408,6 +415,19 @@ def local(
     if job is None:
         _fail(ValueError("give a job manifest (JOB), or --clean alone"))
     try:
+        if dry_run:
+            from learner.local import dry_run as describe
+            from rmsft.jobspec import load_job
+
+            out = _console()
+            for line in describe(load_job(job, overrides), work_dir=work_dir):
+                out.print(line, highlight=False, markup=False)
+            return
+        if overrides:  # every process of the run (the torchrun ranks too) reads the job with them set
+            from rmsft.jobspec import write_effective_job
+
+            job = write_effective_job(job, overrides, Path(work_dir) / "job.yaml")
+            console.print(f"the job with --set applied: {job}", highlight=False)
         # warning by default: info lines would break up the progress bar
         configure_logging("warning", fmt="%(name)s %(levelname)s %(message)s")
         from learner.local import run_local
@@ -438,6 +458,8 @@ def plan_cmd(
         help="config.json, model folder or preset (Qwen2.5-VL-7B, Qwen3-VL-2B, Qwen3-VL-4B, Qwen3-VL-8B) to plan "
         "with, when spec.model.path is not on this machine.",
     ),
+    overrides: list[str] = typer.Option([], "--set", help="KEY=VALUE: a field of JOB set for this plan, as "
+                                        "`rmsft local --set` (e.g. rollout.replicas=2).", show_default=False),
 ) -> None:
     """The memory plan of a job, per GPU, in server and colocate mode: weights, gradients, optimizer state,
     activations, engine and KV cache. Exit 0 when the job's own mode fits, 2 (with the knobs to turn) when not."""
@@ -446,7 +468,7 @@ def plan_cmd(
     from rmsft.memory_plan import ModelShapeError, parse_bytes, plan_memory
 
     try:
-        manifest = load_job(job)
+        manifest = load_job(job, overrides)
         memory = parse_bytes(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
         plan = plan_memory(manifest, gpu_memory=memory, model_config=model_config)
     except ModelShapeError as exc:

@@ -253,3 +253,65 @@ def test_plan_output_is_not_wrapped_when_piped_like_the_data_commands() -> None:
     assert first.startswith("memory plan of qwen3vl-det: ") and first.endswith("(analytic)"), first
     assert len(first) > 80
     assert "…" not in res.stdout
+
+
+# 8: `rmsft local --dry-run` and `--set` -------------------------------------------------------------------------
+
+
+def _vl_job(tmp_path: Path) -> Path:
+    """configs/local-tiny-vl.yaml in a folder of its own: the shipped model, data and checkpoints beside it."""
+    text = (ROOT / "configs" / "local-tiny-vl.yaml").read_text()
+    job = tmp_path / "job" / "vl.yaml"
+    job.parent.mkdir()
+    job.write_text(text.replace("../assets/tiny-vl-grid-model", str(ROOT / "assets" / "tiny-vl-grid-model"))
+                   .replace("../.rmsft/", "run/"))
+    return job
+
+
+def test_local_dry_run_says_what_it_would_start_and_starts_nothing(tmp_path: Path) -> None:
+    job, work = _vl_job(tmp_path), tmp_path / "work"
+    code, said = _in_process("local", str(job), "--dry-run", "--work-dir", str(work), "--set", "training.steps=7",
+                             "--set", "rollout.replicas=3", "--set", "sync.transport=grpc")
+    assert code == 0, said
+    for part in ("job local-tiny-vl: trainer rollout_matching, format coordexp",
+                 f"model: {ROOT / 'assets' / 'tiny-vl-grid-model'}",
+                 f"data: {job.parent / 'run' / 'tiny-vl-grid-data.jsonl'} (not there yet: 1024 synthetic records "
+                 "written at start)",
+                 "rollout servers: 3 x `rmsft serve` (vllm, TP 1, maxModelLen 1024), each on 127.0.0.1 at a free "
+                 "gRPC port and a free /metrics port picked at start",
+                 "weight sync: grpc (spec.sync.transport grpc", "steps: 7 of 8 prompts",
+                 f"checkpoints in {job.parent / 'run' / 'checkpoints-vl'} at the end only",
+                 "memory plan of local-tiny-vl: model 0.86M parameters", "3 x rollout process: peak",
+                 "dry run: nothing was started, built or written"):
+        assert part in said, (part, said)
+    assert not work.exists() and not (job.parent / "run").exists()  # no log, no data, no checkpoint folder
+
+
+@pytest.mark.parametrize(("override", "said"), [
+    ("training.stpes=7", "spec.training.stpes: unknown key (not part of the RolloutMatchingJob schema; did you mean "
+                         "steps?)"),
+    ("training.steps=many", "spec.training.steps: Input should be a valid integer"),
+    ("training.steps.x=1", "--set 'training.steps.x=1': spec.training.steps is int, not a mapping with keys"),
+    ("steps", "--set 'steps': expected key=value, e.g. training.steps=10"),
+    ("sync.transport=carrier-pigeon", "spec.sync.transport: Input should be"),
+])
+def test_set_is_validated_as_the_file_is(tmp_path: Path, override: str, said: str) -> None:
+    code, out = _in_process("local", str(_vl_job(tmp_path)), "--dry-run", "--set", override)
+    assert code == 2 and said in out and "Traceback" not in out, out
+
+
+def test_the_job_with_set_applied_is_what_every_process_reads(tmp_path: Path) -> None:
+    import yaml
+
+    from rmsft.jobspec import load_job, write_effective_job
+
+    job = _vl_job(tmp_path)
+    overrides = ["training.steps=3", "rollout.replicas=1", "training.lr=1e-4", "model.vision.maxImagePixels=200000"]
+    written = write_effective_job(job, overrides, tmp_path / "work" / "job.yaml")
+    direct, again = load_job(job, overrides), load_job(written)
+    assert again.spec == direct.spec and direct.spec.training.steps == 3 and direct.spec.rollout.replicas == 1
+    assert direct.spec.model.vision.max_image_pixels == 200_000 and direct.spec.training.lr == 1e-4
+    # annotations kept (they build the run's inputs), paths absolute (the written file lives elsewhere)
+    doc = yaml.safe_load(written.read_text())
+    assert doc["metadata"]["annotations"]["rmsft.io/synthetic-records"] == "1024"
+    assert doc["spec"]["training"]["data"]["path"] == str(job.parent / "run" / "tiny-vl-grid-data.jsonl")

@@ -44,10 +44,12 @@ from rmsft.jobspec.manifest import (
     PATH_FIELDS,
     ObjectMeta,
     RolloutMatchingJob,
+    apply_overrides,
     load_job,
     parse_job,
     parse_spec,
     resolve_paths,
+    write_effective_job,
 )
 from rmsft.jobspec.model import ModelSpec, ModelVolume, VisionSpec
 from rmsft.jobspec.pods import ImageSpec, LearnerSpec, MonitoringSpec, PlacementSpec, ResourceSpec, Toleration
@@ -96,5 +98,6 @@ __all__ = [
     "RecipeConfig", "ResourceSpec", "RewardEntry", "RolloutDecoding", "RolloutMatchingJob", "RolloutSpec",
     "RolloutTLSSpec", "TLS_COLOCATE", "TLS_HEALTH_PORT",
     "SyncSpec", "SyncTransport", "TargetsConfig", "Toleration", "TrainingConfig", "VisionSpec", "colocate_errors",
-    "cross_field_errors", "duration_seconds", "grpo_errors", "load_job", "parse_job", "parse_spec", "resolve_paths",
+    "apply_overrides", "cross_field_errors", "duration_seconds", "grpo_errors", "load_job", "parse_job", "parse_spec",
+    "resolve_paths", "write_effective_job",
 ]

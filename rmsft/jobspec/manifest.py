@@ -4,6 +4,7 @@ or a YAML file, every error a line that starts with the dotted path of the bad k
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 from pathlib import Path
@@ -125,9 +126,8 @@ def parse_job(doc: dict[str, Any], source: str = "job spec") -> RolloutMatchingJ
         raise JobSpecError(errs, source) from None
 
 
-def load_job(path: str | Path) -> RolloutMatchingJob:
-    """Read a manifest from a YAML file (the first document of kind RolloutMatchingJob)."""
-    path = Path(path)
+def _read_job_doc(path: Path) -> dict[str, Any]:
+    """The first document of kind RolloutMatchingJob in a YAML file, as written."""
     try:
         docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
     except OSError as exc:
@@ -137,9 +137,82 @@ def load_job(path: str | Path) -> RolloutMatchingJob:
     jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
     if not jobs:
         raise JobSpecError([f"no document with kind: {KIND}{_other_kind(path)}"], str(path))
-    job = parse_job(jobs[0], source=str(path))
+    return jobs[0]
+
+
+def apply_overrides(doc: dict[str, Any], overrides: list[str] | tuple[str, ...], source: str = "job spec"
+                    ) -> dict[str, Any]:
+    """A copy of the manifest `doc` with each `key=value` of `overrides` (`rmsft local JOB --set
+    training.steps=10`) set: the key a dotted path under `spec` (or starting at `spec.` / `metadata.`), written as
+    in the file (camelCase in the Kubernetes-facing sections); the value read as YAML (`10` a number, `true` a
+    flag, `[a, b]` a list, `null` the default). The result is validated as the file is, so an unknown key or a bad
+    value is refused naming it (`did you mean`)."""
+    out = copy.deepcopy(doc)
+    errors = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = [p for p in key.strip().split(".")]
+        if not sep or not key.strip() or any(not p for p in parts):
+            errors.append(f"--set {item!r}: expected key=value, e.g. training.steps=10")
+            continue
+        if parts[0] not in ("spec", "metadata"):
+            parts = ["spec", *parts]
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            errors.append(f"--set {item!r}: the value is not YAML ({problem})")
+            continue
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                errors.append(f"--set {item!r}: {'.'.join(parts[: i + 1])} is {type(child).__name__}, not a mapping "
+                              "with keys")
+                break
+            node = child
+        else:
+            if value is None:  # the field's default
+                node.pop(parts[-1], None)
+            else:
+                node[parts[-1]] = value
+    if errors:
+        raise JobSpecError(errors, source)
+    return out
+
+
+def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RolloutMatchingJob:
+    """Read a manifest from a YAML file (the first document of kind RolloutMatchingJob), with `overrides`
+    (`apply_overrides`) set; its relative paths are the file's folder's (`resolve_paths`)."""
+    path = Path(path)
+    doc = apply_overrides(_read_job_doc(path), overrides, str(path)) if overrides else _read_job_doc(path)
+    job = parse_job(doc, source=str(path))
     resolve_paths(job, path.parent)
     return job
+
+
+def write_effective_job(path: str | Path, overrides: list[str] | tuple[str, ...], out: str | Path) -> Path:
+    """Write the manifest at `path` with `overrides` set and its relative paths made absolute to `out`, as
+    written otherwise (its annotations kept): what the processes of `rmsft local --set` read, the learner's
+    torchrun ranks included. Validated first (raises JobSpecError as `load_job`)."""
+    path, out = Path(path), Path(out)
+    job = load_job(path, overrides)
+    doc = apply_overrides(_read_job_doc(path), overrides, str(path))
+    spec = doc["spec"]
+    for *parents, key in PATH_FIELDS:
+        node = spec
+        for name in parents:
+            node = node.get(name) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(key):
+            section: Any = job.spec
+            for name in parents:
+                section = getattr(section, name)
+            node[key] = getattr(section, key)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return out
 
 
 # The spec's file and folder paths (section, ..., key): what `resolve_paths` reads relative to the job file's folder.
