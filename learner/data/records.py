@@ -98,8 +98,22 @@ def _describe(err: ValidationError) -> str:
     parts = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "<record>"
-        parts.append(f"{loc}: {e['msg']}")
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = f"unknown key{_did_you_mean(e['loc'])}"
+        parts.append(f"{loc}: {msg}")
     return "; ".join(parts)
+
+
+def _did_you_mean(loc: tuple) -> str:
+    """" (did you mean bbox_2d?)" for an unknown key close to the keys of its place (a record, an object, a
+    message), else " (keys: ...)" naming them."""
+    import difflib
+
+    model = GroundTruthObject if "objects" in loc else Message if "messages" in loc else Record
+    keys = list(model.model_fields)
+    near = difflib.get_close_matches(str(loc[-1]), keys, n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(near)}?)" if near else f" (a {model.__name__} has {', '.join(keys)})"
 
 
 def _first_line_error(path: Path, lineno: int, message: str) -> DataError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import re
 import shutil
 import traceback
 from pathlib import Path
@@ -366,3 +367,16 @@ def test_data_check_warns_of_boxes_outside_the_image_and_of_a_file_without_objec
     _one_line_or_report(code, output, exc, "check")
     assert code == 0 and "warning: all 3 records are without objects" in output
     assert "a job would accept this file (1 warning above)" in output
+
+
+def test_an_unknown_key_in_a_record_names_the_nearest(tmp_path: Path) -> None:
+    base = {"id": "a", "width": 4, "height": 4, "messages": [{"role": "user", "content": "x"}]}
+    for extra, said in (({"objects": [{"desc": "a", "bbox": [1, 1, 2, 2]}]},
+                         "objects.0.bbox: unknown key (did you mean bbox_2d?)"),
+                        ({"messages": [{"role": "user", "contnet": "x"}]},
+                         "messages.0.contnet: unknown key (did you mean content?)"),
+                        ({"zzz": 1}, "zzz: unknown key (a Record has id, width, height, messages, images, objects,")):
+        path = tmp_path / "r.jsonl"
+        path.write_text(json.dumps({**base, **extra}) + "\n")
+        with pytest.raises(DataError, match=re.escape(said)):
+            load_records(path)
