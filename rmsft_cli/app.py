@@ -10,11 +10,33 @@ from pathlib import Path
 
 import typer
 
-app = typer.Typer(help="Rollout-matching SFT for vision-language detection models.", no_args_is_help=True)
-dev_app = typer.Typer(help="Developer tools.", no_args_is_help=True)
+try:  # typer >= 0.20 vendors click; older ones use click itself
+    import typer._click._textwrap as _typer_textwrap
+except ImportError:  # pragma: no cover
+    import click._textwrap as _typer_textwrap  # type: ignore[no-redef]
+
+
+class _WholeWords(_typer_textwrap.TextWrapper):
+    """Help text wrapped between words only: textwrap's defaults break at hyphens and inside words longer than the
+    column (`/dev/shm/rmsft-` | `run-*`), which read as a cut. Typer's (vendored) click builds its wrapper from
+    this module's name at each call, so the help of every command (and of none else: this is the `rmsft` process)
+    wraps this way."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.update(break_on_hyphens=False, break_long_words=False)
+        super().__init__(*args, **kwargs)
+
+
+_typer_textwrap.TextWrapper = _WholeWords  # type: ignore[misc]
+
+# rich_markup_mode=None: click's plain help, wrapped at words. Rich's help panels cut option text that does not
+# fit a column with an ellipsis (`spec.model.vision.maxIma...` at 80 columns).
+app = typer.Typer(help="Rollout-matching SFT for vision-language detection models.", no_args_is_help=True,
+                  rich_markup_mode=None)
+dev_app = typer.Typer(help="Developer tools.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(dev_app, name="dev")
 data_app = typer.Typer(help="Datasets: convert detection annotations to training records, check a records file.",
-                       no_args_is_help=True)
+                       no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(data_app, name="data")
 
 
@@ -30,9 +52,8 @@ def tiny_model(
 ) -> None:
     """Build a tiny random model with the CoordExp vocabulary (no downloads): a Qwen2 text model, or with
     --vl a Qwen-VL model whose processor transformers and vLLM both load. --stock leaves the coord tokens out."""
-    from rich.console import Console
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = _console(stderr=True)
     with console.status(f"building tiny {'vision-language ' if vl else ''}model in {out_dir}"):
         if vl:
             from rmsft_dev.tiny_vl import build_tiny_vl_model
@@ -55,12 +76,11 @@ def dev_prepare(
     """Build the tiny models and synthetic data that job manifests ask for in their annotations
     (rmsft.io/build-tiny-model, rmsft.io/synthetic-records, ...), where they are absent: what `rmsft local`
     does before it starts, without starting anything. The CPU image bakes its cluster jobs' inputs so."""
-    from rich.console import Console
 
     from learner.local import prepare_inputs
     from rmsft.jobspec import load_job
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = _console(stderr=True)
     for config in configs:
         try:
             job = load_job(config)
@@ -110,7 +130,6 @@ def data_from_coco(
     """Convert COCO detection annotations to training records: category names as descs, one-part polygons as
     poly, other objects as bbox_2d, crowd annotations skipped, every image checked. Prints what was converted
     and what was skipped, with a count per reason (docs/data.md)."""
-    from rich.console import Console
     from rich.markup import escape
 
     from learner.data.coco import CocoError, CocoOptions, convert_coco
@@ -123,7 +142,7 @@ def data_from_coco(
         summary = convert_coco(annotations, images_dir, out, options)
     except (CocoError, ValueError, OSError) as exc:
         _fail(exc)
-    console = Console(stderr=True, soft_wrap=True)
+    console = _console(stderr=True)
     head, *rest = summary.lines()
     console.print(f"[green]{escape(head)}[/green]")
     for line in rest:
@@ -152,7 +171,6 @@ def data_check(
     """Load a records file with the learner's own loader and image check, as a job does: counts, a label
     histogram, the images found and missing and their sizes, and what a job would refuse. Exit 0 when a job
     would accept the file, 2 when not (docs/data.md)."""
-    from rich.console import Console
     from rich.markup import escape
 
     from learner.data.check import check_records
@@ -164,9 +182,8 @@ def data_check(
         report = check_records(file, images, **limits)
     except (DataError, ValueError, OSError) as exc:  # the records themselves do not load: one line, as a job says
         _fail(exc)
-    # The report is the command's output (stdout); soft_wrap and escape as in _fail: labels and paths are text,
-    # one line each when piped.
-    console = Console(soft_wrap=True)
+    # The report is the command's output (stdout); escape as in _fail: labels and paths are text.
+    console = _console()
     for line in report.lines():
         text = escape(line)
         if line.startswith("a job would "):  # the verdict
@@ -189,16 +206,43 @@ def serve(ctx: typer.Context) -> None:
     serve_main(list(ctx.args), prog="rmsft serve")
 
 
+def _console(stderr: bool = False):
+    """The console of every command's output, one rule for all: rich never wraps a line (soft_wrap: a message,
+    a path or a label stays one line, which a terminal folds at its edge and a pipe keeps whole for grep), and
+    when piped a table gets the width it needs instead of being squeezed into 80 columns (rich's default off a
+    terminal, which cut `rmsft plan`'s lines while the data commands kept theirs)."""
+    from rich.console import Console
+
+    console = Console(stderr=stderr, soft_wrap=True)
+    if not console.is_terminal:
+        console.width = 1 << 12
+    return console
+
+
 def _fail(exc: Exception, code: int = 2) -> None:
     """Print `exc` as one line and exit with `code`: 2, the learner Job's podFailurePolicy reads as a configuration
     that no retry fixes; another code (e.g. BUSY_EXIT) is retried under its backoffLimit."""
-    from rich.console import Console
     from rich.markup import escape
 
     # soft_wrap: a message is one line even when piped (rich would cut it at 80 columns, paths mid-name);
     # escape: a path with square brackets is text, not markup
-    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {escape(str(exc))}")
+    _console(stderr=True).print(f"[red]error:[/red] {escape(_message(exc))}")
     raise typer.Exit(code)
+
+
+def _message(exc: Exception) -> str:
+    """The one line of `exc`: an OS error as "PATH: what is wrong" (not "[Errno 36] File name too long: '...'"),
+    the rest as they say themselves."""
+    if type(exc) is not OSError and not (isinstance(exc, OSError) and type(exc).__module__ == "builtins"):
+        return str(exc)
+    import errno
+
+    what = {errno.ENAMETOOLONG: "file name too long (a name over 255 bytes, or a path over 4096)",
+            errno.EISDIR: "is a folder, where a file is expected",
+            errno.ENOTDIR: "a part of the path is a file, not a folder",
+            errno.ENOENT: "no such file or folder",
+            errno.EACCES: "permission denied"}.get(exc.errno or 0, exc.strerror or str(exc))
+    return f"{exc.filename}: {what}" if exc.filename else what
 
 
 # `rmsft train`'s exit code when another learner holds the checkpoint folder (EX_TEMPFAIL): the pod is retried.
@@ -336,10 +380,18 @@ def local(
     clean: bool = typer.Option(False, "--clean", help="Remove the shared-memory folders (/dev/shm/rmsft-run-*) of "
                                "runs that were killed, then run JOB if one is given. A live run's are never "
                                "touched; every run also does this when it starts."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what the run would start (inputs, servers and "
+                                 "ports, weight sync transport, learner, steps, memory plan) and exit: nothing is "
+                                 "started, built or written."),
+    overrides: list[str] = typer.Option([], "--set", help="KEY=VALUE: set a field of JOB for this run, a dotted "
+                                        "path under spec as in the file (training.steps=10, rollout.replicas=1), "
+                                        "the value read as YAML; validated as the file is. Repeatable.",
+                                        show_default=False),
 ) -> None:
     """Run a whole job on this machine: rollout servers as local processes, the learner in-process."""
-    from rich.console import Console
 
+    if job is None and not clean:  # before the imports below, which take seconds (torch)
+        _fail(ValueError("give a job manifest (JOB), or --clean alone"))
     from learner.data.records import DataError
     from learner.rewards.interface import RewardConfigError
     from learner.train.checkpoint_owner import CheckpointFolderBusyError, CheckpointLineageError
@@ -348,7 +400,7 @@ def local(
     from rmsft.memory_plan import MemoryPlanSettingError
     from rmsft.model_check import ModelCheckError
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = _console(stderr=True)
     if clean:
         from rmsft import run_dir
 
@@ -363,11 +415,24 @@ def local(
     if job is None:
         _fail(ValueError("give a job manifest (JOB), or --clean alone"))
     try:
+        if dry_run:
+            from learner.local import dry_run as describe
+            from rmsft.jobspec import load_job
+
+            out = _console()
+            for line in describe(load_job(job, overrides), work_dir=work_dir):
+                out.print(line, highlight=False, markup=False)
+            return
+        if overrides:  # every process of the run (the torchrun ranks too) reads the job with them set
+            from rmsft.jobspec import write_effective_job
+
+            job = write_effective_job(job, overrides, Path(work_dir) / "job.yaml")
+            console.print(f"the job with --set applied: {job}", highlight=False)
         # warning by default: info lines would break up the progress bar
         configure_logging("warning", fmt="%(name)s %(levelname)s %(message)s")
         from learner.local import run_local
 
-        run_local(job, work_dir=work_dir, resume=resume)
+        run_local(job, work_dir=work_dir, resume=resume, console=console)
     except (JobSpecError, DataError, LogLevelError, RewardConfigError, ModelCheckError,
             MemoryPlanSettingError, CheckpointLineageError, CheckpointFolderBusyError) as exc:
         _fail(exc)
@@ -393,23 +458,40 @@ def plan_cmd(
         help="config.json, model folder or preset (Qwen2.5-VL-7B, Qwen3-VL-2B, Qwen3-VL-4B, Qwen3-VL-8B) to plan "
         "with, when spec.model.path is not on this machine.",
     ),
+    overrides: list[str] = typer.Option([], "--set", help="KEY=VALUE: a field of JOB set for this plan, as "
+                                        "`rmsft local --set` (e.g. rollout.replicas=2).", show_default=False),
 ) -> None:
     """The memory plan of a job, per GPU, in server and colocate mode: weights, gradients, optimizer state,
     activations, engine and KV cache. Exit 0 when the job's own mode fits, 2 (with the knobs to turn) when not."""
-    from rich.console import Console
 
     from rmsft.jobspec import JobSpecError, load_job
     from rmsft.memory_plan import ModelShapeError, parse_bytes, plan_memory
 
     try:
-        manifest = load_job(job)
-        memory = parse_bytes(gpu_memory) if gpu_memory is not None else None
+        manifest = load_job(job, overrides)
+        memory = parse_bytes(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
         plan = plan_memory(manifest, gpu_memory=memory, model_config=model_config)
-    except (JobSpecError, ModelShapeError, ValueError, OSError) as exc:
+    except ModelShapeError as exc:
+        _fail(ValueError(_not_built(manifest, job) or str(exc)))
+    except (JobSpecError, ValueError, OSError) as exc:
         _fail(exc)
-    Console().print(plan.render())
+    _console().print(plan.render())
     if not plan.fits:
         _fail(ValueError(plan.message()))
+
+
+def _not_built(manifest, job: Path) -> str | None:
+    """The fix for an example job whose model is not built yet (its `rmsft.io/build-tiny-model` annotation says
+    how): `rmsft dev prepare JOB`, not "pass --model-config" or "point spec.model.path" elsewhere; None for any
+    other job, or when the model is there."""
+    notes = manifest.metadata.model_extra.get("annotations") or {} if manifest.metadata.model_extra else {}
+    build = str(notes.get("rmsft.io/build-tiny-model", "")).lower() if isinstance(notes, dict) else ""
+    model = Path(manifest.spec.model.path)
+    if build in ("", "false") or (model / "config.json").is_file():
+        return None
+    return (f"spec.model.path {model} is not built yet: this example job builds its own tiny model "
+            f"(metadata.annotations rmsft.io/build-tiny-model: {build}); run `rmsft dev prepare {job}` (what "
+            "`rmsft local` does before it starts), then this command again")
 
 
 @app.command("prepare-model")
@@ -420,11 +502,10 @@ def prepare_model_cmd(
 ) -> None:
     """Add the 1000 <|coord_k|> tokens to a stock checkpoint: tokenizer, embedding rows (mean of the existing
     rows plus a small ordered component), output head, config; writes a complete model folder to DST."""
-    from rich.console import Console
 
     from rmsft.prepare_model import PrepareModelError, prepare_model
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = _console(stderr=True)
     try:
         with console.status(f"preparing {src} -> {dst}"):
             summary = prepare_model(src, dst, overwrite=overwrite)
@@ -453,7 +534,8 @@ def preflight_cmd(
         manifest = load_job(job)
         line = check_model(manifest.spec.model.path, manifest.spec.training.format)
     except (JobSpecError, ModelCheckError) as exc:
-        message = f"rmsft preflight: {exc}"
+        hint = _not_built(manifest, job) if isinstance(exc, ModelCheckError) else None
+        message = f"rmsft preflight: {hint or exc}"
         # Plain text, one line (no rich wrapping): in a pod the operator quotes it from the termination
         # message, which is this file or, failing that, the log's tail.
         write_termination_log(message)
@@ -481,14 +563,13 @@ def export_cmd(
 ) -> None:
     """Write a learner checkpoint as a model folder transformers and vLLM load: LoRA/DoRA merged into the base
     weights (or, with --adapter, the adapter alone), full fine-tunes whole, with processor/tokenizer."""
-    from rich.console import Console
 
     from learner.train.export import ExportError, export_checkpoint
     from learner.train.policy import ModelLoadError
     from rmsft.jobspec import JobSpecError
     from rmsft.logs import configure_logging
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = _console(stderr=True)
     configure_logging("warning")
     try:
         with console.status("exporting") as status:
@@ -523,7 +604,6 @@ def eval_cmd(
 ) -> None:
     """Held-out evaluation of a checkpoint: greedy answers from local rollout servers on MODEL, scored as the trainer
     scores training.eval (F1 at an IoU threshold, COCO mAP)."""
-    from rich.console import Console
 
     from learner.checkpoint_eval import EvalOptions, run_eval
     from learner.data.records import DataError
@@ -536,7 +616,7 @@ def eval_cmd(
     opts = EvalOptions(config=config, image_root=image_root, max_samples=max_samples, max_tokens=max_tokens,
                        iou=iou, out=out, format=fmt, coordinates=coordinates, work_dir=work_dir)
     try:
-        run_eval(model, data, opts, Console(stderr=True, soft_wrap=True))
+        run_eval(model, data, opts, _console(stderr=True))
     except (ExportError, JobSpecError, ModelLoadError, DataError, ValueError, RuntimeError, OSError) as exc:
         _fail(exc)
 

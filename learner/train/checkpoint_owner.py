@@ -38,6 +38,7 @@ WRITER_LOCK = ".writer.lock"
 LINEAGE_FIELDS = ("model.path", "trainer", "training.data.path", "training.data.image_root", "training.format",
                   "training.finetune", "training.lora", "training.freeze", "training.seed",
                   "training.prompts_per_step")
+PATH_LINEAGE_FIELDS = ("model.path", "training.data.path", "training.data.image_root")
 # How long a learner waits for the folder's previous writer (e.g. a pod still saving inside its grace period);
 # RMSFT_CHECKPOINT_WRITER_WAIT_S sets another.
 WRITER_WAIT_S = 300.0
@@ -87,7 +88,16 @@ def check_resumable(checkpoint: Path, mine: dict[str, Any], *, resume_any: bool)
     diffs = []
     if saved.get("job") != mine["job"]:
         diffs.append(f"job {saved.get('job')!r} (this one: {mine['job']!r})")
-    theirs = saved.get("fields") or {}
+    theirs = dict(saved.get("fields") or {})
+    # An rmsft before job files' paths were read against their folder recorded them as written (relative, read
+    # from the working directory): the same folder as this job's absolute path is no other lineage.
+    for f in PATH_LINEAGE_FIELDS:
+        value, own = theirs.get(f), mine["fields"].get(f)
+        if isinstance(value, str) and isinstance(own, str) and not os.path.isabs(value) \
+                and os.path.abspath(value) == own:
+            theirs[f] = own
+    if not diffs and all(theirs.get(f) == mine["fields"].get(f) for f in LINEAGE_FIELDS):
+        return None
     diffs += [f"spec.{f} {theirs.get(f)!r} (this job: {mine['fields'].get(f)!r})"
               for f in LINEAGE_FIELDS if theirs.get(f) != mine["fields"].get(f)]
     what = "; ".join(diffs) or f"lineage {saved.get('digest')} (this job: {mine['digest']})"

@@ -38,7 +38,7 @@ from learner.core.packing import PackedRow
 from learner.data.dataset import load_dataset
 from learner.data.images import ImageStore
 from learner.data.order import DataOrder
-from learner.data.records import Record
+from learner.data.records import Record, outside_frame
 from learner.evaluation.held_out import EvalSetup, Evaluation, evaluate
 from learner.rollouts.colocate import colocated_rollouts
 from learner.rollouts.interface import RolloutSource
@@ -166,6 +166,9 @@ class TrainingLoop:
             # Every image is opened and checked here, before anything is paid for.
             self.images: ImageStore
             self.records, self.images = load_dataset(cfg.data.path, cfg.data.image_root, vision.max_image_pixels)
+            outside = outside_frame(self.records)
+            if outside.objects and ranks.is_main:  # once per run, not once per rank or per step
+                log.warning("%s: %s", cfg.data.path, outside.line(sum(len(r.objects) for r in self.records)))
             self.eval_records: list[Record] = []
             self.eval_images: ImageStore | None = None
             if cfg.eval.data and ranks.is_main:  # held-out records: rank 0 evaluates

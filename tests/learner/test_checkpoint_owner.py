@@ -131,3 +131,20 @@ def test_rmsft_train_on_a_held_folder_exits_for_a_retry(tmp_path: Path, data_pat
     assert run.returncode == BUSY_EXIT, run.stderr[-2000:]
     assert "is held by another learner" in run.stderr and f"pid {holder.pid}" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_a_checkpoint_recording_the_same_paths_relative_to_the_working_directory_is_this_lineage(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 64: job files' relative paths are now read against their folder (absolute in the lineage); a
+    checkpoint an earlier rmsft wrote recorded them as written, relative to the working directory it ran in."""
+    monkeypatch.chdir(tmp_path)
+    mine = lineage_of(_job(**{"data": {"path": str(tmp_path / "d.jsonl")}}))
+    earlier = copy.deepcopy(mine)
+    earlier["fields"]["training.data.path"] = "d.jsonl"  # what the earlier run, started in tmp_path, wrote
+    earlier["digest"] = "0" * 16
+    ckpt = save_checkpoint(tmp_path / "a", 1, {"step": 1}, lineage=earlier)
+    assert check_resumable(ckpt, mine, resume_any=False) is None
+    earlier["fields"]["training.data.path"] = "other/d.jsonl"  # another file: still refused
+    other = save_checkpoint(tmp_path / "b", 1, {"step": 1}, lineage=earlier)
+    with pytest.raises(CheckpointLineageError, match="spec.training.data.path 'other/d.jsonl'"):
+        check_resumable(other, mine, resume_any=False)

@@ -118,7 +118,7 @@ def test_options_prompt_boxes_cap_and_paths(tmp_path: Path) -> None:
     # Over the loader's pixel limit (street.png is 64 x 48 = 3072 pixels): skipped with the loader's reason.
     summary = convert_coco(ann, images, out, CocoOptions(max_image_pixels=2000))
     assert summary.skipped_images[coco.IMG_UNUSABLE] == 2  # and broken.png
-    assert "3072 pixels, more than spec.model.vision.max_image_pixels (2000)" in summary.examples[coco.IMG_UNUSABLE]
+    assert "3072 pixels, more than spec.model.vision.maxImagePixels (2000)" in summary.examples[coco.IMG_UNUSABLE]
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["6"]
     # street.png holds 6 objects: over a cap of 4, so only the negative example is left.
     summary = convert_coco(ann, images, out, CocoOptions(max_objects=4))

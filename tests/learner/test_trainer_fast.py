@@ -242,3 +242,25 @@ def test_learning_rate_schedules() -> None:
     assert abs(lrs[-1] - 0.1) < 1e-9  # to the floor at the last step
     constant = TrainingConfig(data={"path": "d.jsonl"}, lr=1.0, steps=10, warmup_steps=2)
     assert [learning_rate(constant, s) for s in range(10)] == [0.5] + [1.0] * 9
+
+
+def test_training_says_once_how_many_boxes_it_clamps(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
+                                                      servers: list[FakeServer], caplog: pytest.LogCaptureFixture
+                                                      ) -> None:
+    """Issue 64: a box reaching outside its image is clamped to the edges by the grid conversion; the run says so
+    once, with the count, instead of training on other boxes than the file's without a word."""
+    import json
+    import logging
+
+    records = [json.loads(line) for line in data_path.read_text().splitlines()]
+    total = sum(len(r["objects"]) for r in records)
+    for r in records[:2]:  # two records, one box each, past the right edge and above the top
+        r["objects"][0]["bbox_2d"] = [-4, -4, r["width"] + 10, 20]
+    data = tmp_path / "outside.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with caplog.at_level(logging.WARNING, logger="rmsft.learner"):
+        _run(make_job(tiny_model_dir, data, tmp_path / "ck", steps=2), [s.address for s in servers])
+    said = [r.getMessage() for r in caplog.records if "reach outside" in r.getMessage()]
+    assert said == [f"{data}: 2 of {total} objects (in 2 records) reach outside their image's width x height: "
+                    f"training clamps them to its edges (first: record 'synthetic-0' object 1 bbox_2d "
+                    f"[-4.0, -4.0, {records[0]['width'] + 10}.0, 20.0] in 512x512)"]
