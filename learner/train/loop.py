@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from learner.core.head import row_outputs
 from learner.core.packing import PackedRow
 from learner.data.dataset import load_dataset
 from learner.data.images import ImageStore
@@ -393,7 +394,9 @@ class TrainingLoop:
             row = cpu_row.to(step.device)
             before = prepare(i, row) if prepare is not None else None
             with self.phase("forward"), step.autocast():
-                logits = step.forward(**row.model_inputs()).logits
+                # The full logits, or (loss.logits chunked) the hidden states and the head: logits only at targets.
+                logits = row_outputs(step.forward, self.model, row.model_inputs(), self.cfg.loss.logits,
+                                     self.cfg.loss.logits_chunk)
                 loss, metrics = row_loss(row, logits, before)
             with self.phase("backward"):
                 step.backward(loss)
