@@ -94,6 +94,7 @@ class Grpo(Objective):
 
     name = "grpo"
     loss_keys = _LOSS_METRICS
+    chunked_logits = True  # grpo_row_sums takes a RowHead
 
     def __init__(self, job: RolloutMatchingJob) -> None:
         if job.spec.trainer != "grpo":

@@ -49,6 +49,7 @@ class RolloutMatching(Objective):
 
     name = "rollout_matching"
     loss_keys = ("loss", *_PARTS)
+    chunked_logits = True  # loss_sums takes a RowHead
 
     def __init__(self, job: RolloutMatchingJob) -> None:
         super().__init__(job)
