@@ -73,6 +73,8 @@ from rmsft.jobspec import VisionSpec
 DEFAULT_PROMPTS = {
     "coordexp": "Detect every object in the image. Answer in JSON with a description and a bbox_2d or poly for each.",
     "qwen_json": "Detect every object in the image. Answer with a JSON list of its bbox_2d and label for each.",
+    "coordjson": "Detect every object in the image. Answer in JSON with a list of objects, a description and a "
+                 "bbox_2d or poly for each.",
 }
 CATEGORIES_PLACEHOLDER = "{categories}"
 _DECIMALS = 2  # coordinates are kept to 1/100 pixel: finer means nothing on the 1000-bin grid
@@ -105,7 +107,7 @@ class CocoError(ValueError):
 class CocoOptions:
     """How records are written. `prompt` None = the default prompt of `format`."""
 
-    format: Literal["coordexp", "qwen_json"] = "coordexp"
+    format: Literal["coordexp", "coordjson", "qwen_json"] = "coordexp"
     prompt: str | None = None
     geometry: Literal["auto", "box"] = "auto"  # auto: one-part polygons as poly, the rest as boxes
     max_objects: int | None = None

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from learner.core.codec import output_format
 from learner.core.vocab import VocabView
 from rmsft.jobspec import TrainingConfig, VisionSpec
 from rmsft.model_folder import is_vision_language
@@ -306,7 +307,7 @@ def policy_from_model(model: Any, tokenizer: Any, cfg: TrainingConfig, *, vision
 
     try:
         # Only coordexp writes coord tokens; qwen_json works with a stock Qwen-VL tokenizer.
-        vocab = VocabView.from_hf_tokenizer(tokenizer, coord_tokens=cfg.format == "coordexp")
+        vocab = VocabView.from_hf_tokenizer(tokenizer, coord_tokens=output_format(cfg.format).coord_tokens)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
 

@@ -278,7 +278,7 @@ LOCAL_RULES: dict[str, list[dict[str, str]]] = {
             "message": "spec.training.format_options.coordinates applies to format qwen_json only",
         },
         {
-            "rule": "!has(self.format) || self.format != 'qwen_json' || !has(self.format_options) "
+            "rule": "!has(self.format) || self.format == 'coordexp' || !has(self.format_options) "
             "|| !has(self.format_options.polygons) || self.format_options.polygons == 'pairs'",
             "message": "spec.training.format_options.polygons applies to format coordexp only",
         },

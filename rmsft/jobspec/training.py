@@ -150,9 +150,11 @@ class FormatOptions(_Learner):
 
 class TrainingConfig(_Learner):
     data: DataConfig
-    format: Literal["coordexp", "qwen_json"] = Field(
+    format: Literal["coordexp", "coordjson", "qwen_json"] = Field(
         "coordexp", description="Answer format: coordexp (coordinate tokens, coordinate losses; the model needs "
-        "them, see `rmsft prepare-model`) or qwen_json (Qwen-VL's native JSON list, plain-text integers, "
+        "them, see `rmsft prepare-model`), coordjson (the reference's CoordJSON since 2026-02: "
+        "{\"objects\": [{\"desc\": ..., \"bbox_2d\": [<|coord_k|>, ...]}]} with bare coordinate tokens; what a "
+        "reference stage-1 checkpoint writes) or qwen_json (Qwen-VL's native JSON list, plain-text integers, "
         "cross-entropy only).",
     )
     format_options: FormatOptions = Field(default_factory=FormatOptions)
@@ -227,9 +229,9 @@ class TrainingConfig(_Learner):
             raise ValueError(
                 f"spec.training.warmup_steps ({self.warmup_steps}) exceeds spec.training.steps ({self.steps})")
         # An option of the other format would be silently ignored: say so instead (CEL rules mirror these).
-        if self.format == "coordexp" and self.format_options.coordinates != "relative":
+        if self.format != "qwen_json" and self.format_options.coordinates != "relative":
             raise ValueError("spec.training.format_options.coordinates applies to format qwen_json only")
-        if self.format == "qwen_json" and self.format_options.polygons != "pairs":
+        if self.format != "coordexp" and self.format_options.polygons != "pairs":
             raise ValueError("spec.training.format_options.polygons applies to format coordexp only")
         if self.recipe.generation == 1:
             for name in RecipeConfig.SECOND_ONLY:
