@@ -32,6 +32,7 @@ from rmsft.jobspec import (
     RecipeConfig,
 )
 from rmsft.jobspec.pods import _LABEL_VALUE, _QUALIFIED_KEY, KUEUE_QUEUE_LABEL, RESERVED_KEY_PREFIXES
+from rmsft.jobspec.training import TRAIN_COORD_ROWS_QWEN_JSON
 
 SHORT_NAMES = ["rmj"]
 PHASES = ["Pending", "Starting", "Running", "Complete", "Failed", "Invalid"]
@@ -276,6 +277,11 @@ LOCAL_RULES: dict[str, list[dict[str, str]]] = {
             "rule": "(has(self.format) && self.format == 'qwen_json') || !has(self.format_options) "
             "|| !has(self.format_options.coordinates) || self.format_options.coordinates == 'relative'",
             "message": "spec.training.format_options.coordinates applies to format qwen_json only",
+        },
+        {
+            "rule": "!has(self.format) || self.format != 'qwen_json' || !has(self.lora) "
+            "|| !has(self.lora.coord_rows) || !self.lora.coord_rows",
+            "message": TRAIN_COORD_ROWS_QWEN_JSON,
         },
         {
             "rule": "!has(self.format) || self.format == 'coordexp' || !has(self.format_options) "

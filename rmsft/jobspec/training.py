@@ -20,6 +20,8 @@ from rmsft.jobspec.recipe import (
     TargetsConfig,
 )
 
+TRAIN_COORD_ROWS_QWEN_JSON = ("spec.training.lora.coord_rows applies to coordinate-token formats (coordexp, "
+                              "coordjson): qwen_json has no coordinate tokens")
 
 class DataConfig(_Learner):
     """The training records: one JSONL file (docs/data.md has the format)."""
@@ -98,6 +100,12 @@ class LoraConfig(_Learner):
         description="Names of the linear layers that get adapters (matched by PEFT).",
     )
     use_dora: bool = Field(False, description="DoRA (weight-decomposed LoRA); served as full weights only.")
+    coord_rows: bool | None = Field(
+        None, description="Train the 1000 coordinate tokens' embedding rows (and the tied output head's) beside the "
+        "adapter (peft trainable tokens): rmsft prepare-model adds them untrained, and under LoRA alone they would "
+        "stay so (the reference trains them). A FULL sync and the export carry them merged; a vLLM LoRA adapter "
+        "cannot, so sync.mode adapter falls back to FULL (auto picks FULL). Unset: true with a coordinate-token "
+        "format (coordexp, coordjson), false with qwen_json (which has no coordinate tokens).")
 
 
 class RolloutDecoding(_Learner):
@@ -231,6 +239,8 @@ class TrainingConfig(_Learner):
         # An option of the other format would be silently ignored: say so instead (CEL rules mirror these).
         if self.format != "qwen_json" and self.format_options.coordinates != "relative":
             raise ValueError("spec.training.format_options.coordinates applies to format qwen_json only")
+        if self.format == "qwen_json" and self.lora.coord_rows:
+            raise ValueError(TRAIN_COORD_ROWS_QWEN_JSON)
         if self.format != "coordexp" and self.format_options.polygons != "pairs":
             raise ValueError("spec.training.format_options.polygons applies to format coordexp only")
         if self.recipe.generation == 1:
