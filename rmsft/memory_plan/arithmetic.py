@@ -155,7 +155,11 @@ def trainable_params(spec: JobSpec, shape: ModelShape) -> int:
     training.freeze keeps fixed under full fine-tuning."""
     t = spec.training
     if t.finetune == "lora":
-        return shape.lora_params(t.lora.r, t.lora.target_modules, t.lora.use_dora)
+        adapters = shape.lora_params(t.lora.r, t.lora.target_modules, t.lora.use_dora)
+        # training.lora.coord_rows (unset: on with a coordinate-token format): the 1000 coordinate rows of the
+        # embedding train beside the adapter, and of an untied head too.
+        rows = t.lora.coord_rows if t.lora.coord_rows is not None else t.format != "qwen_json"
+        return adapters + (1000 * shape.hidden * (1 if shape.tied else 2) if rows else 0)
     n = shape.total_params
     if shape.vision_language:
         n -= shape.vision_tower_params if t.freeze.vision_tower else 0
