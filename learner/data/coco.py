@@ -476,6 +476,12 @@ def convert_coco(annotations: str | Path, images_dir: str | Path, out: str | Pat
         record = {"id": str(image["id"]), "width": image["width"], "height": image["height"],
                   "messages": [{"role": "user", "content": prompt}],
                   "images": [_image_ref(path, image["file_name"], out, options.paths)], "objects": objs}
+        if "neg_category_ids" in image or "not_exhaustive_category_ids" in image:  # an LVIS file: its verification
+            def named(ids: Any) -> list[str]:
+                return sorted({categories[i] for i in ids or () if categories.get(i)})
+            record["lvis"] = {"pos_categories": sorted({o["desc"] for o in objs}),
+                              "neg_categories": named(image.get("neg_category_ids")),
+                              "not_exhaustive_categories": named(image.get("not_exhaustive_category_ids"))}
         Record.model_validate(record)  # what the learner's loader will check; a failure here is a bug
         records.append(record)
         for _, as_box, where in entries:
