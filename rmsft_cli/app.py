@@ -97,7 +97,8 @@ def data_from_coco(
         ..., help="Training records to write (replaced if present): a .jsonl file, or .jsonl.gz for gzip."
     ),
     fmt: str = typer.Option(
-        "coordexp", "--format", help="The job's training.format (coordexp or qwen_json): picks the default prompt."
+        "coordexp", "--format",
+        help="The job's training.format (coordexp, coordjson or qwen_json): picks the default prompt."
     ),
     prompt: str | None = typer.Option(
         None, show_default=False,
@@ -597,7 +598,8 @@ def eval_cmd(
     max_tokens: int | None = typer.Option(None, min=1, help="Answer length (default: training.rollout.max_tokens)."),
     iou: float = typer.Option(0.5, min=0.0, max=1.0, help="IoU threshold of the reported F1."),
     out: Path | None = typer.Option(None, help="Write eval.json and pictures of the first answers here."),
-    fmt: str | None = typer.Option(None, "--format", help="Override training.format: coordexp or qwen_json."),
+    fmt: str | None = typer.Option(
+        None, "--format", help="Override training.format: coordexp, coordjson or qwen_json."),
     coordinates: str | None = typer.Option(
         None, help="Override training.format_options.coordinates (qwen_json): relative or pixels."),
     work_dir: Path = typer.Option(Path(".rmsft/eval"), help="Where server logs go."),

@@ -37,13 +37,14 @@ rows, so a packed row's loss is exactly the loss of its segments run one by one 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from learner.core.head import RowHead, logits_rows, squeeze_row, zero_of
 from learner.core.packing import PackedRow
 from learner.core.targets import IGNORE_INDEX, Segment
 
@@ -250,27 +251,31 @@ def grpo_tokens(row: PackedRow) -> GrpoTokens:
 # ---- the loss ----------------------------------------------------------------------------------
 
 
-def completion_logprobs(logits: torch.Tensor, row: PackedRow, temperature: float = 1.0) -> torch.Tensor:
+def _logprob_terms(temperature: float) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor]]:
+    def terms(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor]:
+        picked = logits.float()
+        if temperature != 1.0:
+            picked = picked / temperature
+        return (-F.cross_entropy(picked, labels, reduction="none"),)
+
+    return terms
+
+
+def completion_logprobs(logits: torch.Tensor | RowHead, row: PackedRow, temperature: float = 1.0) -> torch.Tensor:
     """[n] fp32 log-probs of the row's labelled tokens, in row order, with grad. `logits` is [1, L, V]
-    or [L, V]; the token at position p is predicted by the logits at p - 1 (a segment's first token
-    is never labelled, so nothing is read across a segment boundary)."""
-    if logits.dim() == 3:
-        if logits.shape[0] != 1:
-            raise ValueError(f"a packed row has batch size 1, got logits of shape {tuple(logits.shape)}")
-        logits = logits[0]
-    if logits.shape[0] != row.length:
-        raise ValueError(f"logits cover {logits.shape[0]} positions but the row has {row.length}")
-    labels = row.labels.reshape(-1).to(logits.device)
+    or [L, V], or a `RowHead` (logits made a chunk of labelled positions at a time, learner/core/head.py); the
+    token at position p is predicted by the logits at p - 1 (a segment's first token is never labelled, so nothing
+    is read across a segment boundary)."""
+    logits = squeeze_row(logits, row.length)
+    device = logits.hidden.device if isinstance(logits, RowHead) else logits.device
+    labels = row.labels.reshape(-1).to(device)
     if row.ce_positions is not None:
-        pos = row.ce_positions.to(logits.device)
+        pos = row.ce_positions.to(device)
     else:  # a row built by hand
         pos = torch.nonzero(labels != IGNORE_INDEX).flatten()
     if pos.numel() == 0:
-        return logits.reshape(-1)[:0].float()  # empty, but in the graph: backward still works
-    picked = logits[pos - 1].float()
-    if temperature != 1.0:
-        picked = picked / temperature
-    return -F.cross_entropy(picked, labels[pos], reduction="none")
+        return zero_of(logits).float().reshape(1)[:0]  # empty, but in the graph: backward still works
+    return logits_rows(logits, pos - 1, _logprob_terms(temperature), labels[pos])[0]
 
 
 @dataclass
@@ -365,7 +370,7 @@ def grpo_sums(
 
 
 def grpo_row_sums(
-    logits: torch.Tensor,
+    logits: torch.Tensor | RowHead,
     row: PackedRow,
     cfg: GrpoConfig,
     ref_logprobs: torch.Tensor | None = None,
@@ -378,7 +383,7 @@ def grpo_row_sums(
 
 
 def grpo_loss(
-    logits: torch.Tensor,
+    logits: torch.Tensor | RowHead,
     row: PackedRow,
     cfg: GrpoConfig,
     ref_logprobs: torch.Tensor | None = None,

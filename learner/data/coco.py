@@ -74,6 +74,8 @@ from rmsft.jobspec import VisionSpec
 DEFAULT_PROMPTS = {
     "coordexp": "Detect every object in the image. Answer in JSON with a description and a bbox_2d or poly for each.",
     "qwen_json": "Detect every object in the image. Answer with a JSON list of its bbox_2d and label for each.",
+    "coordjson": "Detect every object in the image. Answer in JSON with a list of objects, a description and a "
+                 "bbox_2d or poly for each.",
 }
 CATEGORIES_PLACEHOLDER = "{categories}"
 _DECIMALS = 2  # coordinates are kept to 1/100 pixel: finer means nothing on the 1000-bin grid
@@ -114,7 +116,7 @@ class CocoError(ValueError):
 class CocoOptions:
     """How records are written. `prompt` None = the default prompt of `format`."""
 
-    format: Literal["coordexp", "qwen_json"] = "coordexp"
+    format: Literal["coordexp", "coordjson", "qwen_json"] = "coordexp"
     prompt: str | None = None
     geometry: Literal["auto", "box"] = "auto"  # auto: one-part polygons as poly, the rest as boxes
     max_objects: int | None = None
@@ -559,6 +561,12 @@ def convert_coco(annotations: str | Path, images_dir: str | Path, out: str | Pat
         record = {"id": str(image["id"]), "width": image["width"], "height": image["height"],
                   "messages": [{"role": "user", "content": prompt}],
                   "images": [_image_ref(path, image["file_name"], out, options.paths)], "objects": objs}
+        if "neg_category_ids" in image or "not_exhaustive_category_ids" in image:  # an LVIS file: its verification
+            def named(ids: Any) -> list[str]:
+                return sorted({categories[i] for i in ids or () if categories.get(i)})
+            record["lvis"] = {"pos_categories": sorted({o["desc"] for o in objs}),
+                              "neg_categories": named(image.get("neg_category_ids")),
+                              "not_exhaustive_categories": named(image.get("not_exhaustive_category_ids"))}
         Record.model_validate(record)  # what the learner's loader will check; a failure here is a bug
         records.append(record)
         for _, as_box, where in entries:

@@ -78,6 +78,26 @@ class GroundTruthObject(BaseModel):
         return self
 
 
+class LvisMeta(BaseModel):
+    """LVIS's per-image category verification (federated annotation): which categories were checked on the image.
+    `pos_categories`: verified present (every instance annotated, unless also in `not_exhaustive_categories`);
+    `neg_categories`: verified absent. Category names, as the objects' `desc` writes them."""
+
+    model_config = ConfigDict(extra="forbid")
+    pos_categories: list[str] = Field(default_factory=list)
+    neg_categories: list[str] = Field(default_factory=list)
+    not_exhaustive_categories: list[str] = Field(default_factory=list)
+
+    def verified(self) -> frozenset[str]:
+        """Normalized names of the categories whose every instance on the image is known: a prediction of one of
+        them that matches no ground truth is wrong (exhaustively annotated present ones, and absent ones)."""
+        from learner.core.clean_prefix import normalize_label
+
+        partial = {normalize_label(n) for n in self.not_exhaustive_categories}
+        present = {normalize_label(n) for n in self.pos_categories} - partial
+        return frozenset(present | {normalize_label(n) for n in self.neg_categories})
+
+
 class Record(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: str
@@ -88,6 +108,9 @@ class Record(BaseModel):
     objects: list[GroundTruthObject] = Field(default_factory=list)
     # A short-answer task's expected answer (several accepted: a list), for GRPO's text rewards (`text_match`).
     answer: str | list[str] | None = None
+    # LVIS's verified categories of the image (optional): recipe generation 2's dead-anchor triage also takes out an
+    # unmatched object of a verified category (docs/data.md, docs/method.md).
+    lvis: LvisMeta | None = None
 
 
 class DataError(ValueError):

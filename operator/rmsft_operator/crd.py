@@ -32,6 +32,7 @@ from rmsft.jobspec import (
     RecipeConfig,
 )
 from rmsft.jobspec.pods import _LABEL_VALUE, _QUALIFIED_KEY, KUEUE_QUEUE_LABEL, RESERVED_KEY_PREFIXES
+from rmsft.jobspec.training import TRAIN_COORD_ROWS_QWEN_JSON
 
 SHORT_NAMES = ["rmj"]
 PHASES = ["Pending", "Starting", "Running", "Complete", "Failed", "Invalid"]
@@ -278,7 +279,12 @@ LOCAL_RULES: dict[str, list[dict[str, str]]] = {
             "message": "spec.training.format_options.coordinates applies to format qwen_json only",
         },
         {
-            "rule": "!has(self.format) || self.format != 'qwen_json' || !has(self.format_options) "
+            "rule": "!has(self.format) || self.format != 'qwen_json' || !has(self.lora) "
+            "|| !has(self.lora.coord_rows) || !self.lora.coord_rows",
+            "message": TRAIN_COORD_ROWS_QWEN_JSON,
+        },
+        {
+            "rule": "!has(self.format) || self.format == 'coordexp' || !has(self.format_options) "
             "|| !has(self.format_options.polygons) || self.format_options.polygons == 'pairs'",
             "message": "spec.training.format_options.polygons applies to format coordexp only",
         },

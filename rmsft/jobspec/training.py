@@ -20,6 +20,8 @@ from rmsft.jobspec.recipe import (
     TargetsConfig,
 )
 
+TRAIN_COORD_ROWS_QWEN_JSON = ("spec.training.lora.coord_rows applies to coordinate-token formats (coordexp, "
+                              "coordjson): qwen_json has no coordinate tokens")
 
 class DataConfig(_Learner):
     """The training records: one JSONL file (docs/data.md has the format)."""
@@ -98,6 +100,12 @@ class LoraConfig(_Learner):
         description="Names of the linear layers that get adapters (matched by PEFT).",
     )
     use_dora: bool = Field(False, description="DoRA (weight-decomposed LoRA); served as full weights only.")
+    coord_rows: bool | None = Field(
+        None, description="Train the 1000 coordinate tokens' embedding rows (and the tied output head's) beside the "
+        "adapter (peft trainable tokens): rmsft prepare-model adds them untrained, and under LoRA alone they would "
+        "stay so (the reference trains them). A FULL sync and the export carry them merged; a vLLM LoRA adapter "
+        "cannot, so sync.mode adapter falls back to FULL (auto picks FULL). Unset: true with a coordinate-token "
+        "format (coordexp, coordjson), false with qwen_json (which has no coordinate tokens).")
 
 
 class RolloutDecoding(_Learner):
@@ -150,9 +158,11 @@ class FormatOptions(_Learner):
 
 class TrainingConfig(_Learner):
     data: DataConfig
-    format: Literal["coordexp", "qwen_json"] = Field(
+    format: Literal["coordexp", "coordjson", "qwen_json"] = Field(
         "coordexp", description="Answer format: coordexp (coordinate tokens, coordinate losses; the model needs "
-        "them, see `rmsft prepare-model`) or qwen_json (Qwen-VL's native JSON list, plain-text integers, "
+        "them, see `rmsft prepare-model`), coordjson (the reference's CoordJSON since 2026-02: "
+        "{\"objects\": [{\"desc\": ..., \"bbox_2d\": [<|coord_k|>, ...]}]} with bare coordinate tokens; what a "
+        "reference stage-1 checkpoint writes) or qwen_json (Qwen-VL's native JSON list, plain-text integers, "
         "cross-entropy only).",
     )
     format_options: FormatOptions = Field(default_factory=FormatOptions)
@@ -227,9 +237,11 @@ class TrainingConfig(_Learner):
             raise ValueError(
                 f"spec.training.warmup_steps ({self.warmup_steps}) exceeds spec.training.steps ({self.steps})")
         # An option of the other format would be silently ignored: say so instead (CEL rules mirror these).
-        if self.format == "coordexp" and self.format_options.coordinates != "relative":
+        if self.format != "qwen_json" and self.format_options.coordinates != "relative":
             raise ValueError("spec.training.format_options.coordinates applies to format qwen_json only")
-        if self.format == "qwen_json" and self.format_options.polygons != "pairs":
+        if self.format == "qwen_json" and self.lora.coord_rows:
+            raise ValueError(TRAIN_COORD_ROWS_QWEN_JSON)
+        if self.format != "coordexp" and self.format_options.polygons != "pairs":
             raise ValueError("spec.training.format_options.polygons applies to format coordexp only")
         if self.recipe.generation == 1:
             for name in RecipeConfig.SECOND_ONLY:

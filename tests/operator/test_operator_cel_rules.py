@@ -257,6 +257,12 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any] | None]] = [
     ),
     (
         "spec.training",
+        "spec.training.lora.coord_rows applies",
+        {"spec.training.format": "qwen_json", "spec.training.lora.coord_rows": True},
+        None,
+    ),
+    (
+        "spec.training",
         "spec.training.format_options.polygons applies",
         {"spec.training.format": "qwen_json", "spec.training.format_options": {"polygons": "flat"}},
         None,

@@ -49,6 +49,7 @@ from learner.core.grpo import (
     grpo_segment,
     grpo_tokens,
 )
+from learner.core.head import row_outputs
 from learner.core.packing import PackedRow, Packer
 from learner.data.episode import check_rollout_prompts
 from learner.data.vision import patch_size, with_vision
@@ -93,6 +94,7 @@ class Grpo(Objective):
 
     name = "grpo"
     loss_keys = _LOSS_METRICS
+    chunked_logits = True  # grpo_row_sums takes a RowHead
 
     def __init__(self, job: RolloutMatchingJob) -> None:
         if job.spec.trainer != "grpo":
@@ -223,7 +225,8 @@ class Grpo(Objective):
         disabled; the job spec refuses kl_coef > 0 without LoRA), at the sampling temperature, without grad."""
         loop = self.loop
         with loop.phase("reference"), torch.no_grad(), loop.model.disable_adapter(), loop.updater.autocast():
-            logits = loop.model(**row.model_inputs()).logits
+            logits = row_outputs(loop.model, loop.model, row.model_inputs(), self.cfg.loss.logits,
+                                 self.cfg.loss.logits_chunk)
             return completion_logprobs(logits, row, self.grpo.loss.temperature)
 
     # -- reporting ------------------------------------------------------------------------------------------
