@@ -36,11 +36,13 @@ from learner.train.policy import Policy, prompt_ids
 from learner.train.ranks import Ranks, share_bounds
 from rmsft.jobspec import TrainingConfig
 
-__all__ = ["EXPLORER_SEED_OFFSET", "RolloutFeed"]
+__all__ = ["EXPLORER_SEED_OFFSET", "RESAMPLE_SEED_OFFSET", "RolloutFeed"]
 
 # Explorer rollouts (recipe generation 2) are seeded apart from the anchors': a request's explorer never repeats
 # another request's anchor.
 EXPLORER_SEED_OFFSET = 1 << 30
+# GRPO's dynamic-sampling round r (1, 2, ...) seeds its prompts r * this apart: never an anchor's or explorer's seed.
+RESAMPLE_SEED_OFFSET = 1 << 40
 
 
 class RolloutFeed:
@@ -134,6 +136,34 @@ class RolloutFeed:
                 else:
                     everything = self._take(k, sampling, upcoming)
         return self.scatter(everything, self.cfg.prompts_per_step, n), everything
+
+    def resample(self, k: int, positions: Sequence[int], sampling: object, *, seed_offset: int) -> list[Rollout]:
+        """Fresh completions (the `n` of `sampling` per prompt, prompt by prompt) of the prompts at `positions` of
+        E-step `k`'s batch (global places, this rank's own), generated now from the current weights and seeded
+        `seed_offset` apart. Collective in server mode: every rank calls it (with no position, if it has none);
+        rank 0 asks the pool for every rank's prompts at once and hands each rank its own."""
+        ranks = self.ranks
+        if self.source is not None and self.source.per_rank:
+            with ranks.guard("resampling flat groups (in-process engine)"):
+                if not positions:
+                    return []
+                reqs = [self.requests(k, p, p + 1, seed_offset)[0] for p in positions]
+                return self.source.generate(reqs, sampling, weight_version=self.state.version)
+        asked = ranks.gather_to_main(list(positions))
+        shares = None
+        with ranks.guard("resampling flat groups (rank 0)"):
+            if ranks.is_main:
+                flat = [p for part in asked for p in part]
+                outs = []
+                if flat:
+                    reqs = [self.requests(k, p, p + 1, seed_offset)[0] for p in flat]
+                    outs = self.source.generate(reqs, sampling, weight_version=self.state.version)
+                n = len(outs) // max(len(flat), 1)
+                shares, at = [], 0
+                for part in asked:
+                    shares.append(outs[at * n : (at + len(part)) * n])
+                    at += len(part)
+        return ranks.scatter_from_main(shares)
 
     def scatter(self, everything: list[Rollout] | None, prompts: int, n: int = 1) -> list[Rollout]:
         """Rank 0 hands each rank the completions of its contiguous share of the prompts (token-id lists)."""

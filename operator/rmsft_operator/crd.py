@@ -31,6 +31,7 @@ from rmsft.jobspec import (
     JobSpec,
     RecipeConfig,
 )
+from rmsft.jobspec.grpo import CORRECTION_NONE_BOUNDS, CORRECTION_TIS_LOW, OVERLONG_BUFFER
 from rmsft.jobspec.pods import _LABEL_VALUE, _QUALIFIED_KEY, KUEUE_QUEUE_LABEL, RESERVED_KEY_PREFIXES
 
 SHORT_NAMES = ["rmj"]
@@ -265,6 +266,14 @@ LOCAL_RULES: dict[str, list[dict[str, str]]] = {
         {"rule": "self.mode != 'colocate' || !has(self.tls)", "message": TLS_COLOCATE, "fieldPath": ".tls"},
         {"rule": "!has(self.tls) || (self.tls.healthPort != self.port && self.tls.healthPort != self.metricsPort)",
          "message": TLS_HEALTH_PORT, "fieldPath": ".tls.healthPort"},
+    ],
+    "training.grpo": [
+        {"rule": "self.correction != 'none' || (!has(self.correction_low) && !has(self.correction_high))",
+         "message": CORRECTION_NONE_BOUNDS, "fieldPath": ".correction"},
+        {"rule": "self.correction != 'tis' || !has(self.correction_low)", "message": CORRECTION_TIS_LOW,
+         "fieldPath": ".correction_low"},
+        {"rule": "!has(self.overlong_buffer) || self.overlong_buffer < self.max_tokens", "message": OVERLONG_BUFFER,
+         "fieldPath": ".overlong_buffer"},
     ],
     "training": [
         {"rule": "self.warmup_steps <= self.steps", "message": "spec.training.warmup_steps exceeds steps"},
