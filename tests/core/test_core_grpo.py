@@ -281,7 +281,10 @@ def test_packed_grpo_equals_sequences_one_by_one(tiny_model, cfg):
     packed.loss.backward()
     packed_grads = _grads(model)
 
-    assert packed.metrics["clip_fraction"].item() > 0  # the clip is exercised, on real logits
+    if cfg.correction == "none":
+        assert packed.metrics["clip_fraction"].item() > 0  # the clip is exercised, on real logits
+    else:  # the trust region is against the learner's own policy (ratio 1); the correction is what acts
+        assert packed.metrics["clip_fraction"].item() == 0 and 0 < packed.metrics["corrected_fraction"].item() < 1
     loss_diff = abs(packed.loss.item() - unpacked.loss.item())
     assert loss_diff <= 1e-5 and packed.loss.item() != 0.0
     for name in ("clip_fraction", "ratio_mean", "kl", "completion_length"):
@@ -369,6 +372,9 @@ def test_mismatch_kl_is_reported_and_none_leaves_the_loss_alone():
     _, toks, _ = _hand_case()
     same = grpo_sums(toks.old_logprobs.clone(), toks, GrpoConfig()).finish(GrpoConfig())
     assert same.metrics["mismatch_kl"].item() == 0.0
+    # Every token twice as likely to the learner: 2 - log 2 - 1 per token (the k1 estimate would read -log 2 < 0).
+    double = grpo_sums(toks.old_logprobs + math.log(2.0), toks, GrpoConfig()).finish(GrpoConfig())
+    assert double.metrics["mismatch_kl"].item() == pytest.approx(1.0 - math.log(2.0), abs=1e-6)
 
 
 def test_tis_truncates_the_token_ratio_from_above():
@@ -428,3 +434,25 @@ def test_correction_thresholds_are_validated():
         GrpoConfig(correction="ppo")  # type: ignore[arg-type]
     assert GrpoConfig(correction="icepop").correction_bounds == (0.5, 5.0)
     assert GrpoConfig(correction="mis", correction_high=3.0).correction_bounds == (0.0, 3.0)
+
+
+# ---- sampling rules (learner/train/objectives/grpo.py) ----------------------------------------
+
+
+def test_overlong_penalty_ramps_over_the_buffer():
+    from learner.train.objectives.grpo import overlong_penalty
+
+    # max_tokens 10, buffer 4: free up to 6 tokens, then -1/4 per token, -1 at 10 (and past it).
+    got = [overlong_penalty(n, 10, 4, 1.0) for n in (1, 6, 7, 8, 10, 12)]
+    assert got == pytest.approx([0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+    assert overlong_penalty(9, 10, 4, 2.0) == pytest.approx(-1.5)
+    with pytest.raises(ValueError, match="buffer"):
+        overlong_penalty(5, 10, 10, 1.0)
+
+
+def test_flat_groups_are_groups_of_equal_rewards():
+    from learner.train.objectives.grpo import flat_groups
+
+    assert flat_groups([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 2.0, 2.0], 2) == [True, False, True, True]
+    with pytest.raises(ValueError, match="groups of 3"):
+        flat_groups([1.0, 2.0], 3)
