@@ -221,7 +221,8 @@ def _one_step_totals(job, servers: list[InProcessServer]):
         trainer.run()
     finally:
         trainer.close()
-    _, (n_tokens, n_seqs), _ = seen[0]
+    built, (n_tokens, n_seqs), _ = seen[0]
+    trainer.built = built
     return trainer, int(n_tokens), int(n_seqs)
 
 
@@ -271,3 +272,6 @@ def test_overlong_answers_are_masked_or_penalised(tmp_path: Path, tiny_model_dir
     else:  # -0.5 on every answer (4 >= 4 - 2 + 2): trained as usual, the reported reward stays the job's
         assert (h.grpo.overlong_masked, h.grpo.overlong_penalised) == (0, PROMPTS * N)
         assert (n_tokens, n_seqs) == (PROMPTS * N * 4, PROMPTS * N)
+        scores = trainer.built.extra["scores"]
+        assert trainer.built.extra["rewards"] == pytest.approx([r - 0.5 for r in scores.totals])
+        assert h.grpo.reward_mean == pytest.approx(sum(scores.totals) / len(scores.totals))
