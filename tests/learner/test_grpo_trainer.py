@@ -84,6 +84,8 @@ def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model
     records = {r.id: r for r in load_records(answers)}
     tok = trainer.policy.tokenizer
     assert summary.steps == 3 and len(summary.rewards) == 3
+    # The servers and the learner run the same weights at the same temperature: the mismatch is float noise only.
+    assert len(summary.mismatch_kl) == 3 and all(0.0 <= k < 1e-4 for k in summary.mismatch_kl)
     assert [h.weight_version for h in trainer.history] == [1, 2, 3]  # a FULL sync before every step's samples
     for h, adv in zip(trainer.history, advantages, strict=True):
         # Every completion from the learner's version of that step: n per prompt, samples in order.
@@ -108,6 +110,7 @@ def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model
     assert m.REWARD.labels("mean")._value.get() == pytest.approx(summary.rewards[-1])
     scalars, _ = read_events(summary.log_dir)
     assert [v for _, v in scalars["grpo/reward_mean"]] == pytest.approx(summary.rewards)
+    assert [v for _, v in scalars["grpo/mismatch_kl"]] == pytest.approx(summary.mismatch_kl)
     assert {"grpo/clip_fraction", "grpo/kl", "grpo/completion_length",
             "grpo/reward/rmsft_dev.synthetic:CoordAnswerReward"} <= set(scalars)
     assert "train/channel_b" not in scalars  # rollout matching's channels are not GRPO's (issue 42)
@@ -149,6 +152,7 @@ def test_raw_log_probs_at_another_temperature_show_in_the_ratio(tmp_path: Path, 
         for s in raw:
             s.close()
     assert abs(trainer.history[0].grpo.ratio_mean - 1.0) > 0.05
+    assert trainer.history[0].grpo.mismatch_kl > 1e-2  # what the mismatch metric is there to show
 
 
 def test_an_unknown_reward_is_refused_before_anything_starts(tmp_path: Path, tiny_model_dir: Path,
