@@ -59,6 +59,8 @@ MISMATCH_KL = Gauge("rmsft_learner_grpo_mismatch_kl",
                     "k3 estimate of KL(servers' sampling policy || learner's policy), per completion token")
 CORRECTED_FRACTION = Gauge("rmsft_learner_grpo_corrected_tokens_ratio",
                            "Completion tokens whose importance weight the mismatch correction truncated or masked")
+SPANNING_ROLLOUTS = Counter("rmsft_learner_spanning_rollouts_total",
+                            "Rollouts whose tokens span weight versions (a sync applied while they generated)")
 DROPPED_GROUPS = Counter("rmsft_learner_grpo_dropped_groups_total",
                          "GRPO groups with all-equal rewards left out of the loss (dynamic_sampling)")
 RESAMPLED_GROUPS = Counter("rmsft_learner_grpo_resampled_groups_total",

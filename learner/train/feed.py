@@ -30,6 +30,7 @@ from learner.data.vision import VisionPrompt, render_prompt, resized_image_size
 from learner.evaluation.held_out import EvalSetup
 from learner.rollouts.client import Rollout, RolloutRequest
 from learner.rollouts.interface import RolloutSource
+from learner.tracking import metrics as m
 from learner.train.checkpointer import TrainState
 from learner.train.overlap import RolloutsAhead
 from learner.train.policy import Policy, prompt_ids
@@ -43,6 +44,11 @@ __all__ = ["EXPLORER_SEED_OFFSET", "RESAMPLE_SEED_OFFSET", "RolloutFeed"]
 EXPLORER_SEED_OFFSET = 1 << 30
 # GRPO's dynamic-sampling round r (1, 2, ...) seeds its prompts r * this apart: never an anchor's or explorer's seed.
 RESAMPLE_SEED_OFFSET = 1 << 40
+
+
+def _versions(o: Rollout) -> list:
+    """The weight versions a rollout names: its call's fence and each of its tokens' spans."""
+    return [o.weights, *(w for w, _, _ in o.spans)]
 
 
 class RolloutFeed:
@@ -193,21 +199,26 @@ class RolloutFeed:
         `within_window` is what the learner accepts."""
         st, ahead = self.state, self.ahead
         taken = ahead.take(k, self.requests(k), sampling, st.version)
+        spanning = sum(len({w for w, _, _ in o.spans}) > 1 for o in taken.rollouts)
+        if spanning:
+            m.SPANNING_ROLLOUTS.inc(spanning)
         for j in islice(upcoming, ahead.max_staleness):
             ahead.submit(j, self.requests(j), sampling, st.version)
         return taken.rollouts
 
     def within_window(self, outs: Sequence[Rollout]) -> bool:
         """Every rollout is from a weight version the learner may train on: its current one (max_staleness 0,
-        exactly), or this run's, at most max_staleness versions behind. A batch put back from a checkpoint
-        carries the version of the run that generated it (one the resumed run descends from): rank 0 checked
-        its lag when it took it."""
+        exactly), or this run's, at most max_staleness versions behind. A rollout whose tokens span versions (an
+        in-flight update, `rollout.inflight`) is counted by its oldest tokens' version: every span, and the
+        version its call was fenced to, must be within the window. A batch put back from a checkpoint carries the
+        version of the run that generated it (one the resumed run descends from): rank 0 checked its lag when it
+        took it."""
         st, window = self.state, self.cfg.rollout.max_staleness
         if not window:
-            return all(o.weights == st.weights for o in outs)
+            return all(w == st.weights for o in outs for w in _versions(o))
         restored = set(st.resumed.run_ids) if st.resumed is not None else set()
-        return all((o.weight_run_id == st.run_id and 0 <= st.version - o.weight_version <= window)
-                   or o.weight_run_id in restored for o in outs)
+        return all((w.run_id == st.run_id and 0 <= st.version - w.number <= window) or w.run_id in restored
+                   for o in outs for w in _versions(o))
 
     # -- what the engines serve ---------------------------------------------------------------------
     def served_version(self) -> int:
@@ -217,8 +228,9 @@ class RolloutFeed:
 
     def before_sync(self) -> None:
         """No Generate call in flight across a weight update, including one whose batch was abandoned
-        (learner/train/overlap.py)."""
-        if self.ahead is not None and self.ahead.pending():
+        (learner/train/overlap.py); with `rollout.inflight` the servers pause those calls instead, so nothing is
+        waited for here."""
+        if self.ahead is not None and self.ahead.pending() and not self.cfg.rollout.inflight:
             self.ahead.drain()
 
     def synced(self) -> None:

@@ -33,6 +33,7 @@ from rmsft.jobspec import (
 )
 from rmsft.jobspec.grpo import CORRECTION_NONE_BOUNDS, CORRECTION_TIS_LOW, OVERLONG_BUFFER
 from rmsft.jobspec.pods import _LABEL_VALUE, _QUALIFIED_KEY, KUEUE_QUEUE_LABEL, RESERVED_KEY_PREFIXES
+from rmsft.jobspec.training import INFLIGHT_STALENESS
 
 SHORT_NAMES = ["rmj"]
 PHASES = ["Pending", "Starting", "Running", "Complete", "Failed", "Invalid"]
@@ -266,6 +267,10 @@ LOCAL_RULES: dict[str, list[dict[str, str]]] = {
         {"rule": "self.mode != 'colocate' || !has(self.tls)", "message": TLS_COLOCATE, "fieldPath": ".tls"},
         {"rule": "!has(self.tls) || (self.tls.healthPort != self.port && self.tls.healthPort != self.metricsPort)",
          "message": TLS_HEALTH_PORT, "fieldPath": ".tls.healthPort"},
+    ],
+    "training.rollout": [
+        {"rule": "!self.inflight || self.max_staleness >= 1", "message": INFLIGHT_STALENESS,
+         "fieldPath": ".inflight"},
     ],
     "training.grpo": [
         {"rule": "self.correction != 'none' || (!has(self.correction_low) && !has(self.correction_high))",

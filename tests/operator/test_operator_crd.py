@@ -125,6 +125,8 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("grpo-kl-full-finetune", {**_GRPO, "spec.training.grpo.kl_coef": 1, "spec.training.finetune": "full"},
      ["spec.training.grpo.kl_coef", "finetune"]),
     ("grpo-top-p", {"spec.trainer": "grpo"}, ["spec.training.rollout", "top_p", "grpo"]),
+    ("inflight-without-staleness", {"spec.training.rollout.inflight": True, "spec.training.rollout.max_staleness": 0},
+     ["spec.training.rollout.inflight needs max_staleness >= 1"]),
     # spec.training.grpo corrections and sampling rules (issue 63)
     ("grpo-correction-enum", {**_GRPO, "spec.training.grpo.correction": "ppo"}, ["spec.training.grpo.correction"]),
     ("grpo-bounds-without-correction", {**_GRPO, "spec.training.grpo.correction_high": 3.0},
