@@ -279,3 +279,19 @@ def test_overlong_answers_are_masked_or_penalised(tmp_path: Path, tiny_model_dir
         scores = trainer.built.extra["scores"]
         assert trainer.built.extra["rewards"] == pytest.approx([r - 0.5 for r in scores.totals])
         assert h.grpo.reward_mean == pytest.approx(sum(scores.totals) / len(scores.totals))
+
+
+def test_inflight_syncs_with_rollouts_ahead_train_within_the_window(tmp_path: Path, tiny_model_dir: Path,
+                                                                    answers: Path, servers: list[InProcessServer]):
+    # spec.training.rollout.inflight: the sync does not wait for the batch generating ahead and asks the servers to
+    # keep generating; the HF backend cannot pause its requests, so these servers drain (the fallback), and every
+    # answer is one span of the version it was fenced to, within max_staleness 1.
+    job = grpo_job(tiny_model_dir, answers, tmp_path, steps=3, rollout={"max_staleness": 1, "inflight": True,
+                                                                       "request_timeout_s": 30})
+    trainer, summary, _ = run(job, [s.address for s in servers])
+    assert trainer.sync_client.keep_generating is True
+    assert summary.steps == 3
+    for h in trainer.history:
+        assert all(len(r.version_spans) == 1 and r.version_spans[0] == (r.weights, 0, len(r.token_ids))
+                   for r in h.rollouts)
+        assert all(0 <= h.weight_version - r.weight_version <= 1 for r in h.rollouts)
