@@ -304,3 +304,22 @@ def test_an_engine_that_cannot_pause_is_drained_even_when_asked_to_keep() -> Non
     applier.join(10)
     assert runner.weights == v2 and running.join()[0] == "ok"
     assert not runner.accepts(v1)  # drained: no grace for the old version
+
+
+def test_the_servicer_maps_engine_labels_to_version_spans() -> None:
+    from rollout_engine.engine import GenOutput
+    from rollout_svc.servicer import RolloutServicer
+
+    v0, v1, v2 = WeightVersion("", 0), WeightVersion("run1", 1), WeightVersion("run1", 2)
+    servicer = object.__new__(RolloutServicer)  # `_spans` reads the label table alone
+    servicer._labels = {"default": v0, "w1": v1, "w2": v2}
+    out = GenOutput([1], list(range(10)), "length", None, [("w1", 0, 4), ("w2", 4, 10)])
+    assert servicer._spans(out, v1) == [(v1, 0, 4), (v2, 4, 10)]
+    # The same version relabelled (a drained apply of the same weights) is one span.
+    servicer._labels["w3"] = v2
+    out = GenOutput([1], list(range(10)), "length", None, [("w1", 0, 4), ("w2", 4, 7), ("w3", 7, 10)])
+    assert servicer._spans(out, v1) == [(v1, 0, 4), (v2, 4, 10)]
+    # No labels (the HF engine), or spans that do not cover the tokens: one span of the admitted version.
+    assert servicer._spans(GenOutput([1], [5, 6], "stop"), v2) == [(v2, 0, 2)]
+    assert servicer._spans(GenOutput([1], [5, 6, 7], "stop", None, [("w2", 1, 3)]), v2) == [(v2, 0, 3)]
+    assert servicer._spans(GenOutput([1], [], "stop"), v2) == []
