@@ -324,6 +324,9 @@ def print_summary(summary, console: Console) -> None:
         table.add_row("rollout F1 (first -> last)", f"{summary.f1[0]:.3f} -> {summary.f1[-1]:.3f}")
     if summary.rewards:
         table.add_row("mean reward (first -> last)", f"{summary.rewards[0]:.3f} -> {summary.rewards[-1]:.3f}")
+    if summary.mismatch_kl:  # GRPO: KL(servers' sampling policy || learner's), per token
+        kl = summary.mismatch_kl
+        table.add_row("mismatch KL (first -> last, max)", f"{kl[0]:.2e} -> {kl[-1]:.2e}, {max(kl):.2e}")
     table.add_row("weight version", f"{summary.weight_version} of run {summary.run_id}" if summary.run_id
                   else str(summary.weight_version))
     table.add_row("rollout retries", str(summary.retries))

@@ -353,6 +353,9 @@ def _log_summary(summary) -> None:
         log.info("rollout F1 %.3f -> %.3f", summary.f1[0], summary.f1[-1])
     if summary.rewards:
         log.info("mean reward %.3f -> %.3f", summary.rewards[0], summary.rewards[-1])
+    if summary.mismatch_kl:
+        log.info("mismatch KL (servers' policy || learner's, per token) %.2e -> %.2e, max %.2e",
+                 summary.mismatch_kl[0], summary.mismatch_kl[-1], max(summary.mismatch_kl))
     rates = summary.rollout_rates()
     if rates is not None:
         log.info("training rollouts (mean of %d rollout-matching steps): truncated %.1f%%, duplicates %.1f%%, "

@@ -31,8 +31,9 @@ from rmsft.jobspec import (
     JobSpec,
     RecipeConfig,
 )
+from rmsft.jobspec.grpo import CORRECTION_NONE_BOUNDS, CORRECTION_TIS_LOW, OVERLONG_BUFFER
 from rmsft.jobspec.pods import _LABEL_VALUE, _QUALIFIED_KEY, KUEUE_QUEUE_LABEL, RESERVED_KEY_PREFIXES
-from rmsft.jobspec.training import TRAIN_COORD_ROWS_QWEN_JSON
+from rmsft.jobspec.training import INFLIGHT_STALENESS, TRAIN_COORD_ROWS_QWEN_JSON
 
 SHORT_NAMES = ["rmj"]
 PHASES = ["Pending", "Starting", "Running", "Complete", "Failed", "Invalid"]
@@ -266,6 +267,18 @@ LOCAL_RULES: dict[str, list[dict[str, str]]] = {
         {"rule": "self.mode != 'colocate' || !has(self.tls)", "message": TLS_COLOCATE, "fieldPath": ".tls"},
         {"rule": "!has(self.tls) || (self.tls.healthPort != self.port && self.tls.healthPort != self.metricsPort)",
          "message": TLS_HEALTH_PORT, "fieldPath": ".tls.healthPort"},
+    ],
+    "training.rollout": [
+        {"rule": "!self.inflight || self.max_staleness >= 1", "message": INFLIGHT_STALENESS,
+         "fieldPath": ".inflight"},
+    ],
+    "training.grpo": [
+        {"rule": "self.correction != 'none' || (!has(self.correction_low) && !has(self.correction_high))",
+         "message": CORRECTION_NONE_BOUNDS, "fieldPath": ".correction"},
+        {"rule": "self.correction != 'tis' || !has(self.correction_low)", "message": CORRECTION_TIS_LOW,
+         "fieldPath": ".correction_low"},
+        {"rule": "!has(self.overlong_buffer) || self.overlong_buffer < self.max_tokens", "message": OVERLONG_BUFFER,
+         "fieldPath": ".overlong_buffer"},
     ],
     "training": [
         {"rule": "self.warmup_steps <= self.steps", "message": "spec.training.warmup_steps exceeds steps"},

@@ -135,6 +135,23 @@ class RolloutDecoding(_Learner):
         "E-steps' rollouts (at most k) generate on the pool during training; a rollout is trained on only when the "
         "learner's weight version minus the one that generated it is <= k, else it is dropped and regenerated.",
     )
+    inflight: bool = Field(
+        False, description="Weight syncs do not wait for the rollouts generating ahead (needs max_staleness >= 1): "
+        "the servers pause them where they are (vLLM pause_generation mode keep), apply the new weights, recompute "
+        "their KV and resume them, so an answer may span versions (its tokens' version spans come back with it); "
+        "the staleness bound counts it by its oldest tokens' version. FULL syncs over grpc or shm; ADAPTER and "
+        "nccl syncs, and the HF backend, drain as without it.",
+    )
+
+    @model_validator(mode="after")
+    def _inflight(self) -> RolloutDecoding:
+        if self.inflight and self.max_staleness < 1:
+            raise ValueError(INFLIGHT_STALENESS)
+        return self
+
+
+INFLIGHT_STALENESS = ("spec.training.rollout.inflight needs max_staleness >= 1 (with 0 no rollout generates while "
+                      "a sync applies)")
 
 
 class BufferConfig(_Learner):
