@@ -45,6 +45,7 @@ def load_client_config() -> None:
 # kind -> (API prefix, plural) for the objects the operator owns.
 RESOURCES: dict[str, tuple[str, str]] = {
     "Secret": ("/api/v1", "secrets"),
+    "Pod": ("/api/v1", "pods"),
     "ConfigMap": ("/api/v1", "configmaps"),
     "Service": ("/api/v1", "services"),
     "StatefulSet": ("/apis/apps/v1", "statefulsets"),

@@ -71,6 +71,8 @@ class World:
     status: dict[str, Any] = field(default_factory=dict)
     namespace_labels: dict[str, str] | None = None  # read by observe for shm jobs only
     pool_created: str | None = None     # the StatefulSet's creationTimestamp (the job's start clock)
+    failed_create_since: dict[str, str] = field(default_factory=dict)  # first FailedCreate event time, by kind
+    job_started: str | None = None      # the learner Job's status.startTime (the Job controller's)
 
     def observed(self) -> Observed:
         kids: dict[str, dict[str, Any] | None] = {k: None for k in CHILD_KINDS}
@@ -84,10 +86,13 @@ class World:
                 kids["StatefulSet"]["metadata"]["creationTimestamp"] = self.pool_created
         if kids["Job"]:
             kids["Job"]["spec"]["suspend"] = self.suspended
-            kids["Job"]["status"] = self.job_status
+            kids["Job"]["status"] = dict(self.job_status)
+            if self.job_started:
+                kids["Job"]["status"]["startTime"] = self.job_started
             kids["Job"]["metadata"]["uid"] = "job-uid-1"
         return Observed(NAME, NS, UID, 1, copy.deepcopy(self.spec), self.status, kids, self.rollout_pods,
-                        self.learner_pods, self.failed_creates, namespace_labels=self.namespace_labels)
+                        self.learner_pods, self.failed_creates, namespace_labels=self.namespace_labels,
+                        failed_create_since=self.failed_create_since)
 
 
 def _cond(d: Decision, ctype: str) -> dict[str, Any]:
@@ -622,7 +627,8 @@ def test_a_colocate_job_creates_no_pool_and_resumes_its_learner_at_once() -> Non
 
 # ------------------------------------------------------------------- a start that cannot succeed
 
-MIN_AGO = {m: f"2026-11-23T{(600 - m) // 60:02d}:{(600 - m) % 60:02d}:00Z" for m in (4, 6, 29, 31, 120)}  # NOW=10:00
+MIN_AGO = {m: f"2026-11-23T{(600 - m) // 60:02d}:{(600 - m) % 60:02d}:00Z"  # NOW=10:00
+           for m in (1, 4, 6, 29, 31, 45, 59, 61, 120)}
 LOG_TAIL = ("INFO 11-23 09:59:58 [__init__.py:244] Automatically detected platform cuda.\n"
             "rmsft serve: invalid configuration:\n  model folder /models/missing does not exist\n")
 
@@ -927,7 +933,7 @@ def test_a_server_lost_mid_run_is_said_once_and_given_back_when_it_is_the_pools_
     assert "1 given back mid-run" in _cond(after, "RolloutReady")["message"]
     assert not any(e[1] == "ServerLost" for e in after.events)
     # rollout-1 lost below a Ready rollout-2: named and kept (a StatefulSet gives back only its top).
-    middle = [_server("demo-rollout-0", ready=True), _server("demo-rollout-1", created=120, restarts=9, ended=crash),
+    middle = [_server("demo-rollout-0", ready=True), _server("demo-rollout-1", created=45, restarts=9, ended=crash),
               _server("demo-rollout-2", ready=True)]
     kept = decide(running(middle), NOW)
     assert not any(p.kind == "StatefulSet" for p in kept.patches) and "releasedRolloutReplicas" not in kept.status
@@ -1081,3 +1087,191 @@ def test_the_learner_kueue_starts_before_its_pool_waits_as_long_as_the_pool_may_
     queued = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
                         "metadata": {"name": NAME}, "spec": {**spec, "scheduling": {"queueName": "gpu-team"}}}).spec
     assert queued.pool_wait_seconds == 1800
+
+
+# ------------------------------------------------------------------ issue 62: a clock for every way to hold GPUs
+
+_SCALE_TO_ZERO = Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 0}})
+
+
+def _failed_with(d: Decision, reason: str) -> None:
+    """`d` fails the job with `reason` and holds no GPU: the pool patched to zero (or already there), none wanted."""
+    assert d.phase == "Failed", (d.phase, d.status.get("message"))
+    assert _cond(d, "Failed")["reason"] == reason and _cond(d, "Failed")["status"] == "True"
+    assert d.status["rolloutReplicas"] == 0 and _SCALE_TO_ZERO in d.patches
+
+
+def test_a_learner_pod_the_api_refuses_to_create_fails_the_job_after_the_startup_timeout() -> None:
+    """(a) A namespace GPU ResourceQuota the pool already uses (or Pod Security, a webhook) refuses the learner's pod:
+    before, a condition and no deadline (3 days Starting with the pool Ready). The clock is the first refusal's event
+    time (the API's), so a lost status write (the status below is empty every pass) cannot restart it."""
+    quota = ('pods "demo-learner-x" is forbidden: exceeded quota: gpu, requested: nvidia.com/gpu=1, '
+             'used: nvidia.com/gpu=2')
+    world = World(ready=2, suspended=False, job_status={"active": 0}, failed_creates={"Job": quota},
+                  failed_create_since={"Job": MIN_AGO[29]}, job_started=MIN_AGO[29])
+    waiting = decide(world.observed(), NOW)
+    assert waiting.phase == "Starting" and _cond(waiting, "LearnerRunning")["reason"] == "FailedCreate"
+    assert _SCALE_TO_ZERO not in waiting.patches
+    late = decide(replace(world, failed_create_since={"Job": MIN_AGO[31]}).observed(), NOW)
+    _failed_with(late, "LearnerCreateRefused")
+    assert _cond(late, "LearnerRunning")["reason"] == "LearnerCreateRefused"
+    assert "exceeded quota" in late.status["message"]
+    assert "spec.rollout.startupTimeout (30 min)" in late.status["message"]
+    assert Patch("Job", N["job"], {"spec": {"suspend": True}}) in late.patches  # its pod removed
+    # No event seen (expired): the Job's own start is the clock.
+    _failed_with(decide(replace(world, failed_create_since={}, job_started=MIN_AGO[31]).observed(), NOW),
+                 "LearnerCreateRefused")
+
+
+class _RefusingJobs(_Refusing):
+    """A namespace whose quota on count/jobs.batch (or a webhook on Jobs) refuses the learner Job; the StatefulSet
+    created before it is kept as patched."""
+
+    def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any], sub: str | None = None,
+              expected: tuple[int, ...] = ()) -> dict[str, Any]:
+        super().patch(kind, namespace, name, body, sub, expected)
+        if kind == "StatefulSet":
+            self.objects["StatefulSet"]["spec"].update(body["spec"])
+        return body
+
+
+def _ago(minutes: int) -> str:
+    import datetime as dt
+    return (dt.datetime.now(dt.UTC) - dt.timedelta(minutes=minutes)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def test_a_learner_job_the_api_forbids_frees_the_pool_at_once_and_fails_after_the_startup_timeout() -> None:
+    """(b) 403 on the learner Job: before, the StatefulSet created just before it stayed at full size, retried for
+    ever. Now the pool is scaled to zero while it is retried, and the job is Failed once spec.rollout.startupTimeout
+    has passed since its creation (the API's metadata.creationTimestamp: no status write restarts it)."""
+    kube = _RefusingJobs("Job", 403)
+    body = {"metadata": {"name": NAME, "namespace": NS, "uid": UID, "generation": 1,
+                         "creationTimestamp": _ago(1)}, "spec": _spec()}
+    out = act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
+    assert out.phase == "Pending" and out.status["rolloutReplicas"] == 0
+    assert ("create", "StatefulSet") in kube.writes and kube.writes[-1] == ("patch", "StatefulSet")
+    assert kube.objects["StatefulSet"]["spec"]["replicas"] == 0
+    assert "the pool is scaled to zero meanwhile" in out.status["message"]
+    # The next passes (the resync): the pool stays at zero; 31 minutes after the job's creation it is Failed.
+    body["metadata"]["creationTimestamp"] = _ago(31)
+    kube.writes.clear()
+    late = act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
+    assert late.phase == "Failed" and kube.objects["StatefulSet"]["spec"]["replicas"] == 0
+    failed = next(c for c in late.status["conditions"] if c["type"] == "Failed")
+    assert (failed["status"], failed["reason"]) == ("True", "CreateRefused")
+    assert "still did after spec.rollout.startupTimeout" in late.status["message"]
+    body["status"] = late.status  # final: the next pass creates nothing, keeps the pool at zero
+    kube.writes.clear()
+    final = act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
+    assert final.phase == "Failed" and not any(w[0] == "create" for w in kube.writes)
+
+
+def _stuck_gang(minutes: int) -> World:
+    conditions = [{"type": "FailureTarget", "status": "True", "reason": "PodFailurePolicy", "message": _LOST,
+                   "lastTransitionTime": MIN_AGO[minutes]}]
+    terminating = _pod("learner", "demo-learner-0-ab", "Running")
+    terminating["metadata"]["deletionTimestamp"] = MIN_AGO[minutes]
+    return World(spec=_spec(**_GANG), ready=2, suspended=False, job_status={"conditions": conditions},
+                 status={"phase": "Running", "learnerAttempt": 1}, learner_pods=[terminating])
+
+
+def test_an_attempt_whose_pods_never_stop_fails_the_job_after_their_grace_period() -> None:
+    """(c) A learner on several pods waits for its failed Job's Failed condition, which Kubernetes 1.31+ writes only
+    once every pod is terminal: a pod on a lost node stays Terminating and the job sat Running with its pool. Past the
+    pods' grace period (10 min) plus 5 minutes from the FailureTarget (the Job controller's time), the job fails."""
+    waiting = decide(_stuck_gang(4).observed(), NOW)
+    assert waiting.phase == "Running" and waiting.deletes == [] and _SCALE_TO_ZERO not in waiting.patches
+    late = decide(_stuck_gang(31).observed(), NOW)
+    _failed_with(late, "LearnerNotStopped")
+    assert "demo-learner-0-ab still terminating" in late.status["message"]
+    assert _cond(late, "LearnerRunning")["reason"] == "LearnerNotStopped"
+    assert late.deletes == []  # no next attempt beside a pod that may still run
+
+
+def test_a_queued_pool_placed_only_in_part_is_timed_from_its_admission() -> None:
+    """(d) Kueue admitted the pool but only part of it was placed: the unplaced pods had no clock. The first
+    placement of any of its pods is the admission: spec.rollout.startupTimeout runs from it for every pod."""
+    spec = _spec(**{**_QUEUED, "rollout.startupTimeout": "30m"})
+
+    def pool(placed: int) -> list[dict[str, Any]]:
+        first = _placed(_server("demo-rollout-0", created=120, ready=True), placed)
+        unplaced = _unschedulable("rollout", "demo-rollout-1", 120)
+        return [first, unplaced]
+
+    assert decide(World(spec=spec, ready=1, rollout_pods=pool(29)).observed(), NOW).phase == "Starting"
+    late = decide(World(spec=spec, ready=1, rollout_pods=pool(31)).observed(), NOW)
+    _failed_with(late, "RolloutStartupTimeout")
+    assert "demo-rollout-1" in late.status["message"] and late.deletes == [Delete("Job", N["job"], "job-uid-1")]
+    gated = _pod("rollout", "demo-rollout-1", conditions=[{"type": "PodScheduled", "status": "False",
+                                                           "reason": "SchedulingGated"}])
+    still_queued = [_placed(_server("demo-rollout-0", created=120), 31)]
+    still_queued[0]["status"]["conditions"] = [{"type": "Ready", "status": "True"}, *still_queued[0]["status"][
+        "conditions"][1:]]
+    assert decide(World(spec=spec, ready=1, rollout_pods=[*still_queued, gated]).observed(), NOW).phase != "Failed"
+
+
+def test_a_lost_server_below_a_ready_one_is_given_back_after_twice_the_startup_timeout() -> None:
+    """(e) Mid-run, a lost server whose ordinal is below a Ready one kept its GPUs to the end of the run. Not Ready
+    for twice spec.rollout.startupTimeout (its pod's Ready condition: the API's clock), the pool shrinks to it: the
+    Ready servers above go with it (a StatefulSet gives back only its top), the lost one's GPUs are freed."""
+    spec = _spec(**{"rollout.replicas": 3})
+    crash = {"exitCode": 1, "message": "rmsft serve: CUDA out of memory"}
+
+    def world(minutes: int) -> Observed:
+        pods = [_server("demo-rollout-0", ready=True), _server("demo-rollout-1", created=minutes, restarts=9,
+                                                               ended=crash), _server("demo-rollout-2", ready=True)]
+        obs = World(spec=spec, ready=2, suspended=False, job_status={"active": 1, "ready": 1}, rollout_pods=pods,
+                    status={"startTime": MIN_AGO[120]}).observed()
+        obs.children["StatefulSet"]["spec"]["replicas"] = 3
+        return obs
+
+    kept = decide(world(59), NOW)
+    assert not any(p.kind == "StatefulSet" for p in kept.patches) and "kept ordinal(s) 1" in kept.status["message"]
+    late = decide(world(61), NOW)
+    assert Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 1}}) in late.patches
+    assert late.status["releasedRolloutReplicas"] == 2 and late.status["rolloutReplicas"] == 1
+    pool = _cond(late, "RolloutReady")
+    assert pool["reason"] == "ServerLost" and "1 Ready server(s) with them" in pool["message"]
+    assert "demo-rollout-1" in pool["message"] and "kept ordinal" not in pool["message"]
+    assert [e[1] for e in late.events if e[0] == "Warning"] == ["ServerLost"]
+
+
+class _LosingStatus(_Existing):
+    """A namespace holding the job's children whose status writes fail (a 500, an API server restart) `lose` times;
+    records every write that happened."""
+
+    def __init__(self, objects: dict[str, dict[str, Any]], lose: int) -> None:
+        super().__init__(objects)
+        self.lose, self.writes = lose, []
+
+    def list_pods(self, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        return [p for p in self.pods if labels.items() <= p["metadata"]["labels"].items()]
+
+    def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any], sub: str | None = None,
+              expected: tuple[int, ...] = ()) -> dict[str, Any]:
+        self.writes.append(("patch", kind, body))
+        return body
+
+    def patch_job_status(self, namespace: str, name: str, status: dict[str, Any],
+                         expected: tuple[int, ...] = ()) -> dict[str, Any]:
+        if self.lose:
+            self.lose -= 1
+            raise ApiError(500, "etcdserver: request timed out")
+        self.writes.append(("status", status["phase"], status))
+        return status
+
+
+def test_a_start_failure_whose_status_write_is_lost_is_not_undone_by_the_next_pass() -> None:
+    """(f) Before, the pool was scaled down and then the status written: with that write lost, the next pass saw no
+    failure (its pods were gone) and scaled the pool up again, clock restarted. Now the status is written first: a
+    lost write leaves the pool (and the crash loop, the evidence) as it was, the next pass fails the job again."""
+    kids = _children(_spec())
+    kube = _LosingStatus(kids, lose=1)
+    kube.pods = [_server(restarts=3, ended={"exitCode": 1, "message": "RuntimeError: CUDA error: out of memory"})]
+    body = {"metadata": {"name": NAME, "namespace": NS, "uid": UID, "generation": 1}, "spec": _spec()}
+    with pytest.raises(ApiError, match="500"):
+        act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
+    assert kube.writes == []  # nothing scaled down without its status
+    out = act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
+    assert out.phase == "Failed" and [w[:2] for w in kube.writes] == [("status", "Failed"), ("patch", "StatefulSet")]
+    assert kube.writes[1][2] == {"spec": {"replicas": 0}}
