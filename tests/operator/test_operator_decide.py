@@ -1275,3 +1275,135 @@ def test_a_start_failure_whose_status_write_is_lost_is_not_undone_by_the_next_pa
     out = act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
     assert out.phase == "Failed" and [w[:2] for w in kube.writes] == [("status", "Failed"), ("patch", "StatefulSet")]
     assert kube.writes[1][2] == {"spec": {"replicas": 0}}
+
+
+# ------------------------------------------------------------------ issue 62: start rules at the start only
+
+_RAN = {"startTime": MIN_AGO[120], "learnerStartTime": MIN_AGO[120], "phase": "Running"}
+
+
+def _not_failed(d: Decision) -> None:
+    assert d.phase != "Failed" and _cond(d, "Failed")["status"] == "False", d.status.get("message")
+    assert _SCALE_TO_ZERO not in d.patches
+
+
+def test_a_replacement_servers_preflight_killed_for_memory_is_a_fault_not_a_verdict() -> None:
+    """Mid-run, a replacement server's preflight OOMKilled (the node's memory, not the model): before, Failed
+    ModelPreflightFailed, final. Now the failover's: the other servers go on and the lost-server clock applies.
+    At the start too, a killed preflight is no verdict about the model (only its own exit is)."""
+    oom = _preflight(name="demo-rollout-1", exit_code=137, message="")
+    oom["status"]["initContainerStatuses"][0]["lastState"]["terminated"]["reason"] = "OOMKilled"
+    mid_run = World(**_STARTED, status=_RAN, rollout_pods=[_server("demo-rollout-0", ready=True), oom])
+    _not_failed(decide(mid_run.observed(), NOW))
+    verdict = _preflight(name="demo-rollout-1")  # the preflight's own refusal of the model, mid-run: a lost server too
+    _not_failed(decide(replace(mid_run, rollout_pods=[_server("demo-rollout-0", ready=True), verdict]).observed(), NOW))
+    at_start = decide(World(rollout_pods=[copy.deepcopy(oom)]).observed(), NOW)
+    _not_failed(at_start)
+    assert _cond(decide(World(rollout_pods=[verdict]).observed(), NOW), "Failed")["reason"] == "ModelPreflightFailed"
+
+
+def _learner_pull(message: str) -> dict[str, Any]:
+    return _waiting_for_image("ErrImagePull", message, role="learner", name="demo-learner-y")
+
+
+def test_a_replacement_learners_refused_pull_is_retried_within_its_attempts() -> None:
+    """Mid-run, a replacement learner pod whose pull the registry refuses with "unauthorized" (an expired registry
+    token): before, Failed ImageUnavailable at once, final. Now it waits like any pod; past spec.rollout.startupTimeout
+    it is deleted, so the learner Job retries it within spec.learner.backoffLimit (its attempts bound it)."""
+    said = 'failed to pull image "ghcr.io/x/rmsft:v9": 401 Unauthorized: unauthorized: authentication required'
+    fresh = World(**_STARTED, status=_RAN, learner_pods=[_learner_pull(said)])
+    _not_failed(d := decide(fresh.observed(), NOW))
+    assert d.deletes == []
+    # The same pod at the start: the registry's answer holds, the job fails at once (the start rule).
+    assert _cond(decide(replace(fresh, status={}).observed(), NOW), "Failed")["reason"] == "ImageUnavailable"
+    placed = _placed(_learner_pull(said), 31)
+    placed["metadata"]["uid"] = "pod-uid-y"
+    late = decide(replace(fresh, learner_pods=[placed]).observed(), NOW)
+    _not_failed(late)
+    assert late.deletes == [Delete("Pod", "demo-learner-y", "pod-uid-y")]
+    retried = [e for e in late.events if e[1] == "LearnerPodRetried"]
+    assert len(retried) == 1 and "spec.learner.backoffLimit 2" in retried[0][2] and "unauthorized" in retried[0][2]
+
+
+def test_a_replacement_learner_waiting_for_gpus_a_preemptor_took_is_retried_not_failed() -> None:
+    """Mid-run, the learner's replacement pod cannot be placed (a preemptor took its GPUs): before, Failed
+    LearnerUnschedulable after spec.rollout.startupTimeout, final. Now the pod is retried (deleted: the Job counts it
+    against its backoffLimit and makes another), so the run survives a preemptor that leaves in time. The same
+    learner had the job failed before it first ran (a start rule)."""
+    waiting = _unschedulable("learner", "demo-learner-z", 31)
+    waiting["metadata"]["uid"] = "pod-uid-z"
+    world = World(**_STARTED, status=_RAN, learner_pods=[waiting])
+    d = decide(world.observed(), NOW)
+    _not_failed(d)
+    assert d.deletes == [Delete("Pod", "demo-learner-z", "pod-uid-z")]
+    # What says the learner ran is read from the API too: the Job counted a failed pod (the status lost).
+    counted = replace(world, status={"startTime": MIN_AGO[120]}, job_status={"active": 1, "failed": 1})
+    _not_failed(decide(counted.observed(), NOW))
+    assert _cond(decide(replace(world, status={}).observed(), NOW), "Failed")["reason"] == "LearnerUnschedulable"
+
+
+def test_a_kueue_preemption_of_both_workloads_is_not_learner_not_admitted() -> None:
+    """Kueue preempted the pool and the learner: both wait in the queue, nothing holds GPUs. Before, more than
+    spec.rollout.startupTimeout of it failed the job as LearnerNotAdmitted. The rule is for a Ready pool idling while
+    its learner waits: it needs the pool Ready now, timed from its pods' Ready (the API's clock)."""
+    spec = _spec(**{**_QUEUED, "rollout.startupTimeout": "30m"})
+    suspended = {"conditions": [{"type": "Suspended", "status": "True", "reason": "JobSuspended",
+                                 "lastTransitionTime": MIN_AGO[120]}]}
+    preempted = World(spec=spec, ready=0, job_status=suspended, status={"startTime": MIN_AGO[120]})
+    _not_failed(decide(preempted.observed(), NOW))
+
+    def ready_pool(minutes: int) -> list[dict[str, Any]]:
+        pods = [_server(f"demo-rollout-{i}", created=120, ready=True) for i in (0, 1)]
+        for p in pods:
+            p["status"]["conditions"][0]["lastTransitionTime"] = MIN_AGO[minutes]
+        return pods
+
+    readmitted = replace(preempted, ready=2, rollout_pods=ready_pool(29))
+    _not_failed(decide(readmitted.observed(), NOW))  # its pool Ready again 29 minutes ago
+    idle = decide(replace(readmitted, rollout_pods=ready_pool(31)).observed(), NOW)
+    assert idle.phase == "Failed" and _cond(idle, "Failed")["reason"] == "LearnerNotAdmitted"
+
+
+def test_a_learner_redoing_steps_after_a_resume_is_not_stalled() -> None:
+    """status.step never goes back (the STEP column), yet after a resume from an older checkpoint the learner redoes
+    the steps up to it: the stall clock read status.step and, with failWhenStalled, failed the run. It now reads the
+    step the learner is on (status.currentStep)."""
+    spec = _spec(**{"learner.stallTimeout": "30m", "learner.failWhenStalled": True})
+    pods = [_pod("learner", "l-2", "Running")]
+    world = World(spec=spec, ready=2, suspended=False, job_status={"active": 1, "ready": 1}, learner_pods=pods,
+                  status={**_RAN, "step": 50, "currentStep": 50, "lastStepTime": MIN_AGO[45]})
+    status, steps = world.status, [(41, "2026-11-23T10:00:00Z"), (42, "2026-11-23T10:20:00Z"),
+                                   (43, "2026-11-23T10:40:00Z"), (44, "2026-11-23T11:00:00Z")]
+    for step, at in steps:
+        d = decide(replace(world.observed(), status=status, progress={"step": step}), at)
+        _not_failed(d)
+        assert d.status["step"] == 50 and d.status["currentStep"] == step and d.status["lastStepTime"] == at
+        status = d.status
+    # Still one clock: the learner stuck on step 44 for 31 minutes is stalled (and failed, as asked).
+    stuck = decide(replace(world.observed(), status=status, progress={"step": 44}), "2026-11-23T11:31:00Z")
+    assert stuck.phase == "Failed" and _cond(stuck, "Failed")["reason"] == "LearnerStalled"
+    assert "since step 44" in stuck.status["message"]
+
+
+def test_a_disruption_does_not_use_up_an_attempt_of_a_learner_on_several_pods() -> None:
+    """Issue 60 item 6: a pod of a learner on several pods evicted (drain, preemption: its DisruptionTarget, matched
+    by the Job's first podFailurePolicy rule) fails the attempt; it is run again without being counted, even on the
+    last attempt, and status.learnerDisruptions says how often."""
+    said = "Pod team-a/demo-learner-1-x9 has condition DisruptionTarget matching FailJob rule at index 0"
+    conditions = [{"type": k, "status": "True", "reason": "PodFailurePolicy", "message": said}
+                  for k in ("FailureTarget", "Failed")]
+    world = World(spec=_spec(**_GANG), ready=2, suspended=False, job_status={"conditions": conditions},
+                  status={"phase": "Running", "learnerAttempt": 3})  # backoffLimit 2: the last attempt
+    d = decide(world.observed(), NOW)
+    _not_failed(d)
+    assert d.deletes == [Delete("Job", N["job"], "job-uid-1")]
+    assert d.status["learnerAttempt"] == 3 and d.status["learnerDisruptions"] == 1
+    assert "disrupted (not counted)" in d.status["message"]
+    # A pod's own DisruptionTarget says it too, whatever the Job's words.
+    evicted = _pod("learner", "demo-learner-1-x9", "Failed", conditions=[
+        {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}])
+    plain = [{**c, "message": _LOST} for c in conditions]
+    again = decide(replace(world, job_status={"conditions": plain}, learner_pods=[evicted]).observed(), NOW)
+    assert again.status["learnerAttempt"] == 3 and again.deletes
+    # A fault (no disruption) on the last attempt still fails the job.
+    assert decide(replace(world, job_status={"conditions": plain}).observed(), NOW).phase == "Failed"

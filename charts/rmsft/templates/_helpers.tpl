@@ -51,10 +51,11 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["get", "create", "patch"]
-# Learner pods: found by label to read training progress from their /metrics.
+# Learner pods: found by label to read training progress from their /metrics. delete: mid-run, a replacement
+# learner pod that cannot start for spec.rollout.startupTimeout is retried (only that pod, by uid; the Job counts it).
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list"]
+  verbs: ["list", "delete"]
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
   verbs: ["get", "list", "watch", "create", "patch"]
