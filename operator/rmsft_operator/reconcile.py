@@ -58,16 +58,19 @@ log = logging.getLogger("rmsft_operator.reconcile")
 
 # The children of a job, in creation order: kinds, except the two PodDisruptionBudgets (render.child_key).
 CHILD_KINDS = ("Secret", "ConfigMap", "Service", "NetworkPolicy", "PoolDisruptionBudget", "StatefulSet",
-               "LearnerDisruptionBudget", "LearnerService", "Job")
+               "LearnerDisruptionBudget", "LearnerNetworkPolicy", "LearnerService", "Job")
 _CHILD_NAME = {"Secret": "secret", "ConfigMap": "config", "Service": "service", "NetworkPolicy": "networkpolicy",
                "PoolDisruptionBudget": "pool_budget", "StatefulSet": "statefulset",
-               "LearnerDisruptionBudget": "learner_budget", "LearnerService": "learner_service", "Job": "job"}
+               "LearnerDisruptionBudget": "learner_budget", "LearnerNetworkPolicy": "learner_networkpolicy",
+               "LearnerService": "learner_service", "Job": "job"}
 
 
 def api_kind(child: str) -> str:
     """The API kind of a child key of CHILD_KINDS."""
     if child == "LearnerService":
         return "Service"
+    if child == "LearnerNetworkPolicy":
+        return "NetworkPolicy"
     return "PodDisruptionBudget" if child.endswith("DisruptionBudget") else child
 # Pod Security admission: the namespace label that sets the enforced level, and the levels whose
 # policy refuses hostPath volumes (only `privileged` admits them).
@@ -151,12 +154,18 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
     # The learner's Service exists only for learner.nodes > 1: for any other job an object of that name is no
     # concern of this job's (not read, never a conflict).
     several = int((raw_spec.get("learner") or {}).get("nodes") or 1) > 1
+    # The token Secret is never read (the chart grants Secrets `create` only, so no Secret of the namespace is
+    # readable by the operator): it is the first child made, so the job's own ConfigMap, made after it, says it is
+    # there.
     found = {kind: kube.get(api_kind(kind), namespace, n[_CHILD_NAME[kind]])
-             if kind != "LearnerService" or several else None for kind in CHILD_KINDS}
+             if kind not in ("Secret", "LearnerService") or (kind == "LearnerService" and several) else None
+             for kind in CHILD_KINDS}
     uid = meta.get("uid") or ""
     foreign = {kind: obj["metadata"]["name"] for kind, obj in found.items()
                if obj is not None and not owned_by(obj, uid)}
     children = {kind: None if kind in foreign else obj for kind, obj in found.items()}
+    if children["ConfigMap"] is not None:
+        children["Secret"] = secret_stand_in(n["secret"], namespace)
     sts, learner = children["StatefulSet"], children["Job"]
     rollout_pods = kube.list_pods(namespace, render.selector(name, "rollout")) if sts else []
     learner_pods = kube.list_pods(namespace, render.selector(name, "learner")) if learner else []
@@ -200,6 +209,11 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
                     rollout_pods=rollout_pods, learner_pods=learner_pods, failed_creates=failed_creates,
                     progress=progress, namespace_labels=namespace_labels, foreign=foreign,
                     failed_create_since=failed_create_since, created=meta.get("creationTimestamp"))
+
+
+def secret_stand_in(name: str, namespace: str) -> dict[str, Any]:
+    """What `observe` records for the job's token Secret, which it never reads: its name, nothing of its content."""
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": namespace}}
 
 
 def owned_by(obj: dict[str, Any], uid: str) -> bool:
@@ -426,11 +440,12 @@ def decide(obs: Observed, now: str) -> Decision:
     d = Decision("Pending", {})
     d.creates = [desired[k] for k in CHILD_KINDS if k in desired and obs.children.get(k) is None]
     if cm is not None:
-        # Pool resized: the learner follows the server list. The servers' flags as this operator renders the
-        # applied spec (a server that starts later reads them; e.g. relay_allow, which an older operator's
-        # ConfigMap lacks, so that the job's own relays keep working).
+        # Pool resized: the learner follows the server list. The servers' flags (serve.yaml) are never rewritten
+        # (docs/upgrade.md): they were written, once, for the job's image, which its pods keep across an operator
+        # upgrade; an older `rmsft serve` refuses a key it does not know, so adding one would crash-loop the next
+        # server that restarts.
         data, applied = desired["ConfigMap"]["data"], cm.get("data") or {}
-        changed = {k: data[k] for k in (render.SERVERS_KEY, render.SERVE_KEY) if applied.get(k) != data[k]}
+        changed = {k: data[k] for k in (render.SERVERS_KEY,) if applied.get(k) != data[k]}
         if changed:
             d.patches.append(Patch("ConfigMap", n["config"], {"data": changed}))
     if obs.children.get("Job") is None and not job.spec.learner.checkpoint_claim:

@@ -87,10 +87,12 @@ def _static_claim(cp: ControlPlane, name: str) -> None:
 @pytest.fixture(scope="module")
 def operator(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
     cp = control_plane
-    out = _helm(cp, "install", RELEASE, str(ROOT / "charts/rmsft"), "--namespace", OP_NS, "--create-namespace")
+    cp.create_namespace(JOBS_NS)  # before the install, which makes a Role in it
+    # The default chart with the jobs' namespace listed: Roles in the release namespace and in team-a, nothing wider.
+    out = _helm(cp, "install", RELEASE, str(ROOT / "charts/rmsft"), "--namespace", OP_NS, "--create-namespace",
+                "--set", f"rbac.watchNamespaces={{{JOBS_NS}}}")
     assert "STATUS: deployed" in out
     cp.wait_for(lambda: cp.crd_established("rolloutmatchingjobs.rmsft.io"), 30, "CRD Established")
-    cp.create_namespace(JOBS_NS)
     for i in range(3):
         cp.create_node(f"gpu-{i}", gpus=8, labels=GPU_LABEL)
     for claim in ("models", "checkpoints"):

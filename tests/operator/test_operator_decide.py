@@ -598,7 +598,7 @@ def test_other_api_errors_on_create_are_left_to_the_retry() -> None:
         act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
 
 
-COLOCATE_CHILDREN = ("Secret", "ConfigMap", "LearnerDisruptionBudget", "Job")
+COLOCATE_CHILDREN = ("Secret", "ConfigMap", "LearnerDisruptionBudget", "LearnerNetworkPolicy", "Job")
 
 
 def _colocate_spec() -> dict[str, Any]:
@@ -610,7 +610,7 @@ def _colocate_spec() -> dict[str, Any]:
 def test_a_colocate_job_creates_no_pool_and_resumes_its_learner_at_once() -> None:
     spec = _colocate_spec()
     d = decide(World(spec=spec, exists=()).observed(), NOW)
-    assert [render.child_key(o) for o in d.creates] == ["Secret", "ConfigMap", "LearnerDisruptionBudget", "Job"]
+    assert [render.child_key(o) for o in d.creates] == list(COLOCATE_CHILDREN)
     d = decide(World(spec=spec, exists=COLOCATE_CHILDREN).observed(), NOW)
     assert d.creates == []
     assert d.patches == [Patch("Job", N["job"], {"spec": {"suspend": False}})]  # nothing to wait for
@@ -950,26 +950,27 @@ def _pod_ready_in(pod: dict[str, Any]) -> int:
     return int(any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", [])))
 
 
-def test_the_servers_flags_follow_the_operator_so_an_older_configmap_gets_the_relay_allowlist() -> None:
-    """Issue 41: a server relays weight updates only to the job's own servers (`relay_allow`, the StatefulSet's pod
-    names); a job applied under an older operator has a ConfigMap without it, and its servers, restarted on the new
-    image, would refuse the job's own relays. The ConfigMap's serve.yaml is brought to what this operator renders."""
+def test_the_relay_allowlist_names_the_jobs_own_servers_exactly() -> None:
+    """Issue 62: a server relays weight updates only to the job's own servers, named exactly (host:port, no pattern:
+    a glob's `*` spanned dots and colons), every ordinal the pool may have, so a resized pool needs no new flags."""
+    from rollout_engine.config import ServeConfig
+
     world = World(spec=_spec(**{"rollout.replicas": 3}), **_STARTED)
     obs = world.observed()
     serve = yaml.safe_load(obs.children["ConfigMap"]["data"][render.SERVE_KEY])
-    assert serve["relay_allow"] == f"{N['statefulset']}-*.{N['service']}.{NS}.svc:{serve['port']}"
-    from rollout_engine.config import ServeConfig
-
+    allowed = serve["relay_allow"].split(",")
+    port = serve["port"]
+    assert allowed == [f"{N['statefulset']}-{i}.{N['service']}.{NS}.svc:{port}" for i in range(256)]
+    assert not any(c in serve["relay_allow"] for c in "*?[]")
     allow = ServeConfig(model="m", relay_allow=serve["relay_allow"])
     servers = obs.children["ConfigMap"]["data"][render.SERVERS_KEY].split()
     assert len(servers) == 3 and all(map(allow.relay_allowed, servers))  # every address the learner relays to
-    assert not allow.relay_allowed(f"{N['statefulset']}-0.{N['service']}.other-team.svc:{serve['port']}")
+    for other in (f"{N['statefulset']}-0.{N['service']}.other-team.svc:{port}",  # another namespace
+                  f"{N['statefulset']}-0.{N['service']}.{NS}.svc:{port + 1}",  # another port
+                  f"{N['statefulset']}-0.x.{N['service']}.{NS}.svc:{port}",  # what `*` let through
+                  f"{N['statefulset']}-256.{N['service']}.{NS}.svc:{port}"):
+        assert not allow.relay_allowed(other), other
     assert decide(obs, NOW).patches == []  # as rendered: nothing to patch
-    old = {k: v for k, v in serve.items() if k != "relay_allow"}
-    obs.children["ConfigMap"]["data"][render.SERVE_KEY] = yaml.safe_dump(old, sort_keys=False)
-    patch = next(p for p in decide(obs, NOW).patches if p.kind == "ConfigMap")
-    assert yaml.safe_load(patch.body["data"][render.SERVE_KEY])["relay_allow"] == serve["relay_allow"]
-    assert render.SERVERS_KEY not in patch.body["data"]  # the server list was right: not rewritten
 
 
 # ------------------------------------------------------------------ spec.scheduling.queueName (Kueue, issue 45)
