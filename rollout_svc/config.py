@@ -6,6 +6,7 @@ file gives any of them, flags win.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
@@ -90,8 +91,11 @@ def parse_config(argv: list[str] | None = None, prog: str = "rmsft serve") -> Se
         known = {f.name for f in fields(ServeConfig)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise SystemExit(f"rmsft serve: unknown keys in {args.config}: {unknown}")
-        values.update(data)
+            # Tolerated, said on stderr (docs/upgrade.md): an operator newer than this image may write a key this
+            # image does not know into a job's serve.yaml; refusing it would crash-loop every server of the job.
+            print(f"rmsft serve: warning: ignoring unknown keys in {args.config}: {unknown} (written for a newer "
+                  "rmsft serve, or misspelt)", file=sys.stderr)
+        values.update({k: v for k, v in data.items() if k in known})
     for k, v in vars(args).items():
         if k != "config" and v is not None:
             values[k] = v

@@ -498,8 +498,20 @@ def status_schema() -> dict[str, Any]:
                                "description": "spec.learner.nodes > 1: the learner's attempt (1 first); a lost pod "
                                               "fails the attempt and the next resumes from the newest checkpoint, up "
                                               "to spec.learner.backoffLimit restarts."},
+            "learnerAttemptTime": {"type": "string", "format": "date-time",
+                                   "description": "spec.learner.nodes > 1: when the last failed attempt's Job was "
+                                                  "deleted (a re-created Job that a policy refuses is timed from it)."},
+            "learnerDisruptions": {"type": "integer", "minimum": 0,
+                                   "description": "spec.learner.nodes > 1: attempts run again after a disruption "
+                                                  "(eviction, drain, preemption), not counted as attempts."},
+            "learnerStartTime": {"type": "string", "format": "date-time",
+                                 "description": "When a learner pod was first seen running: from then on a pod's "
+                                                "trouble is a fault the job survives, not a failed start."},
             "learnerActive": {"type": "integer", "minimum": 0, "description": "Active learner pods."},
             "step": {"type": "integer", "minimum": 0, "description": "Optimizer step reported by the learner."},
+            "currentStep": {"type": "integer", "minimum": 0,
+                            "description": "The step the learner is on now: after a resume it redoes steps below "
+                                           "status.step (the highest reported); spec.learner.stallTimeout reads it."},
             "weightVersion": {"type": "integer", "minimum": 0,
                               "description": "Weight version reported by the learner (it counts weight updates)."},
             "evaluation": {
@@ -515,7 +527,8 @@ def status_schema() -> dict[str, Any]:
             "startTime": {"type": "string", "format": "date-time",
                           "description": "When the learner was started (the rollout pool Ready)."},
             "lastStepTime": {"type": "string", "format": "date-time",
-                             "description": "When status.step last moved (spec.learner.stallTimeout counts from it)."},
+                             "description": "When the learner's step last moved (spec.learner.stallTimeout counts from "
+                                            "it)."},
             "completionTime": {"type": "string", "format": "date-time",
                                "description": "When the learner finished, successfully or not."},
             "message": {"type": "string", "maxLength": 4096, "description": "The state in one line: the pool, the "
