@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rmsft.exit_codes import CONFIG_EXIT, RETRY_EXIT
 from rmsft.jobspec import RolloutMatchingJob
 
 LINEAGE_FILE = "lineage.json"
@@ -46,9 +47,13 @@ WRITER_WAIT_S = 300.0
 class CheckpointLineageError(RuntimeError):
     """The newest checkpoint belongs to another run (another job, or settings a resume must not change)."""
 
+    exit_code = CONFIG_EXIT  # the same spec meets the same checkpoint: no retry helps
+
 
 class CheckpointFolderBusyError(RuntimeError):
     """Another learner holds the checkpoint folder (its writer lock)."""
+
+    exit_code = RETRY_EXIT  # the holder ends (a pod still saving in its grace period): the retry gets the folder
 
 
 def _pick(tree: dict[str, Any], dotted: str) -> Any:
