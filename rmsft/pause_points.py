@@ -19,8 +19,9 @@ and sends SIGINT, SIGTERM or SIGKILL at that moment. The points (the number, whe
 A fault point raises instead of blocking (`fail_at`), so that a test makes one rank fail mid-run as a CUDA error or
 EIO on the claim would:
 
-    RMSFT_TEST_FAIL_AT=step:<n>[@<rank>]     the forward/backward of step <n> raises InjectedFault (an OSError,
-                                            EIO) on learner rank <rank> (RANK; default every rank)
+    RMSFT_TEST_FAIL_AT=step:<n>[@<rank>]     building step <n>'s training segments (rollout matching) raises
+                                            InjectedFault (an OSError, EIO) on learner rank <rank> (RANK; default
+                                            every rank)
 
 Unarmed (always outside tests), `pause_at` and `fail_at` cost one environment lookup. A pause point blocks on the
 main thread, where Python runs signal handlers, so SIGINT's KeyboardInterrupt (and `rmsft local`'s SIGTERM) unwinds

@@ -64,7 +64,6 @@ from learner.train.results import StepResult, Summary
 from learner.train.server_setup import server_rollouts_ahead
 from learner.train.start_checks import check_images_fit, check_memory_plan, collective_timeout_s
 from learner.train.updater import PlainUpdater, ZeroUpdater, gathered_weights, make_updater, resolve_device
-from rmsft import pause_points
 from rmsft.jobspec import RolloutMatchingJob
 from rmsft.weight_wire import new_run_id
 
@@ -372,7 +371,6 @@ class TrainingLoop:
                                "an empty carry buffer)")
         lr = learning_rate(self.cfg, self.state.step)
         with self.ranks.guard("forward/backward"):
-            pause_points.fail_at("step", self.state.step + 1)  # tests: one rank failing mid-run (rmsft.pause_points)
             sums = self.device_step(built, totals, lr)
         keys = self.objective.loss_keys  # the only host reads of the step: after it, once
         return dict(zip(keys, self.ranks.sum([float(sums[k]) for k in keys]), strict=True)), int(n_rows), \
