@@ -1072,12 +1072,14 @@ def test_a_pool_left_idle_by_a_learner_kueue_does_not_admit_fails_the_job_after_
 
 
 def test_the_learner_kueue_starts_before_its_pool_waits_as_long_as_the_pool_may_take() -> None:
-    """The learner's first wait for its servers (learner.train.loop) is one request's timeout when the operator
-    resumes it (the pool is Ready by then); queued, Kueue may start it first, and it waits the pool's startupTimeout."""
+    """The learner's wait for its servers at start (learner.train.loop) is the pool's startupTimeout at every start:
+    queued, Kueue may start it first; unqueued, a retry's pod (issue 60) starts while servers may still restart,
+    and waits as the first start does rather than one request's timeout."""
     spec = _spec(**{"rollout.startupTimeout": "30m"})
     request = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
                          "metadata": {"name": NAME}, "spec": spec}).spec
-    assert request.pool_wait_seconds == request.training.rollout.request_timeout_s < 1800
+    assert request.training.rollout.request_timeout_s < 1800
+    assert request.pool_wait_seconds == 1800
     queued = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
                         "metadata": {"name": NAME}, "spec": {**spec, "scheduling": {"queueName": "gpu-team"}}}).spec
     assert queued.pool_wait_seconds == 1800
