@@ -632,6 +632,19 @@ def _learner_failure_rules(pods: int) -> list[dict[str, Any]]:
                                                   "values": [CONFIG_EXIT_CODE]}}]
 
 
+def checkpoint_cadence(job: RolloutMatchingJob) -> str:
+    """When the learner saves, as the CheckpointsDurable condition says it at admission: a job with no periodic
+    checkpoint keeps nothing of a pod killed outright (an OOM, a lost node) but what it saved at the end or on
+    SIGTERM."""
+    ck, minutes = job.spec.training.checkpoint, job.spec.checkpoint_minutes
+    when = [f"every {ck.every} steps"] if ck.every else []
+    when += [f"every {minutes} minutes"] if minutes else []
+    if when:
+        return f"saved {' and '.join(when)}, at the end and on SIGTERM"
+    return ("no periodic checkpoint (spec.training.checkpoint.every and every_minutes are 0): saved only at the end "
+            "and on SIGTERM, so a learner killed outright (an OOM, a lost node) starts again from step 0")
+
+
 def torchrun_shutdown_seconds(grace_s: int) -> int:
     """How long torchrun's agent waits for its ranks after SIGTERM: the pod's grace period but a margin, so the
     ranks' step and checkpoint get nearly all of it and the kubelet's SIGKILL never comes first."""

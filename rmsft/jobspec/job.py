@@ -15,6 +15,9 @@ from rmsft.jobspec.rollout import RolloutSpec
 from rmsft.jobspec.sync import SyncSpec
 from rmsft.jobspec.training import TrainingConfig
 
+# training.checkpoint.every_minutes when unset and the job has a checkpoint claim
+DEFAULT_CHECKPOINT_MINUTES = 30
+
 
 class JobSpec(_K8s):
     """What a RolloutMatchingJob runs: the model, the pods (image, placement, rollout pool, learner), the
@@ -43,6 +46,15 @@ class JobSpec(_K8s):
         for message in cross_field_errors(self):
             raise ValueError(message)
         return self
+
+    @property
+    def checkpoint_minutes(self) -> int:
+        """Minutes between time-driven checkpoints (training.checkpoint.every_minutes; 0 = none): unset, 30 with a
+        checkpoint claim, where a later attempt finds them, and 0 without one."""
+        every = self.training.checkpoint.every_minutes
+        if every is not None:
+            return every
+        return DEFAULT_CHECKPOINT_MINUTES if self.learner.checkpoint_claim else 0
 
     @property
     def pool_wait_seconds(self) -> float:

@@ -1083,3 +1083,17 @@ def test_the_learner_kueue_starts_before_its_pool_waits_as_long_as_the_pool_may_
     queued = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
                         "metadata": {"name": NAME}, "spec": {**spec, "scheduling": {"queueName": "gpu-team"}}}).spec
     assert queued.pool_wait_seconds == 1800
+
+
+def test_a_job_without_a_periodic_checkpoint_says_so_at_admission() -> None:
+    """Issue 60: with a claim the learner saves every 30 minutes unless told otherwise (training.checkpoint.
+    every_minutes), and the condition says when it saves; a job with no periodic checkpoint at all (every 0,
+    every_minutes 0) says that a learner killed outright starts again from step 0, claim or not."""
+    claimed = decide(World(spec=_spec(**{"learner.checkpointClaim": "pvc"})).observed(), NOW)
+    assert "saved every 30 minutes, at the end and on SIGTERM" in _cond(claimed, "CheckpointsDurable")["message"]
+    steps = decide(World(spec=_spec(**{"learner.checkpointClaim": "pvc", "training.checkpoint.every": 50,
+                                       "training.checkpoint.every_minutes": 0})).observed(), NOW)
+    assert "saved every 50 steps, at the end" in _cond(steps, "CheckpointsDurable")["message"]
+    for spec in (_spec(), _spec(**{"learner.checkpointClaim": "pvc", "training.checkpoint.every_minutes": 0})):
+        message = _cond(decide(World(spec=spec).observed(), NOW), "CheckpointsDurable")["message"]
+        assert "no periodic checkpoint" in message and "killed outright" in message, message
