@@ -10,6 +10,8 @@ from pathlib import Path
 
 import typer
 
+from rmsft.exit_codes import CONFIG_EXIT, RETRY_EXIT, STOPPED_EXIT, exit_code_for, record_rank_exit
+
 try:  # typer >= 0.20 vendors click; older ones use click itself
     import typer._click._textwrap as _typer_textwrap
 except ImportError:  # pragma: no cover
@@ -246,8 +248,42 @@ def _message(exc: Exception) -> str:
     return f"{exc.filename}: {what}" if exc.filename else what
 
 
-# `rmsft train`'s exit code when another learner holds the checkpoint folder (EX_TEMPFAIL): the pod is retried.
-BUSY_EXIT = 75
+# `rmsft train`'s exit codes (rmsft.exit_codes): 2 a refused configuration, 75 a failure a retry may not meet
+# again (another learner holding the checkpoint folder among them), 143 stopped by SIGTERM with a checkpoint.
+BUSY_EXIT = RETRY_EXIT
+
+
+class Interrupted(BaseException):  # noqa: N818 - a signal, not an error
+    """SIGTERM before the first step of this process: nothing new to save, so the setup (loading the model,
+    waiting for the servers, resuming) is left at once rather than waited out to the grace period's SIGKILL. A
+    BaseException, so no `except Exception` of the setup (a rank's failure agreement) takes it for an error."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped ({signal.Signals(signum).name}) before the first step: nothing new to save; "
+                         "a restart resumes from the last checkpoint")
+
+
+class StopOnSignal:
+    """`rmsft train`'s SIGTERM handler, installed on its first line (before torch is imported and the model
+    loaded). Before the trainer's first step it raises Interrupted; from then on it asks the trainer to stop after
+    the step in progress (TrainingLoop.request_stop: every rank agrees on that step and saves it). `received`: a
+    signal came, so what the run ends with after it is the stop (exit 143), not an error of its own: a rank left in
+    a collective by a peer that stopped sees that peer's connection close."""
+
+    def __init__(self) -> None:
+        self.trainer = None
+        self.received: int | None = None
+
+    def install(self) -> StopOnSignal:
+        signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum: int, _frame) -> None:
+        self.received = signum
+        trainer = self.trainer
+        if trainer is None or not trainer.history:
+            raise Interrupted(signum)
+        trainer.request_stop(signal.Signals(signum).name)
 
 
 @app.command("train")
@@ -269,7 +305,22 @@ def train(
     ),
 ) -> None:
     """Run the learner against running rollout servers, or with its own engine in colocate mode (what the learner
-    Job runs)."""
+    Job runs). Exit 0 when it finished, 2 for a refused configuration, 75 for a failure a retry may not meet again,
+    143 when stopped by SIGTERM (its checkpoint written when a step was trained)."""
+    # First: an eviction, a drain or a preemption sends SIGTERM, then SIGKILL after the pod's grace period; a stop
+    # during the setup must not wait that out, and one during training keeps the step in progress (StopOnSignal).
+    stop = StopOnSignal().install()
+    try:
+        _train(stop, config, servers, servers_file, auth_token, resume, metrics_port)
+    except Interrupted as exc:
+        import logging
+
+        logging.getLogger("rmsft.train").warning("%s", exc)
+        raise typer.Exit(STOPPED_EXIT) from None
+
+
+def _train(stop: StopOnSignal, config: Path, servers: str, servers_file: Path | None, auth_token: str, resume: bool,
+           metrics_port: int) -> None:
     from learner.data.records import DataError, load_records
     from learner.rollouts.pool import ServersFile, ServersFileError
     from rmsft.jobspec import JobSpecError, load_job
@@ -308,17 +359,15 @@ def train(
         trainer = TrainingLoop(job, addresses, auth_token=auth_token or None)
     except (JobSpecError, DataError, ServersFileError, LogLevelError, MissingRequirementError, ValueError,
             RuntimeError, OSError) as exc:
-        from learner.train.checkpoint_owner import CheckpointFolderBusyError
-
-        _fail(exc, BUSY_EXIT if isinstance(exc, CheckpointFolderBusyError) else 2)
+        # A refusal (the spec, the model folder, another job's checkpoint) is 2; a CUDA error, EIO on the claim, the
+        # process group's rendezvous, a busy checkpoint folder are retried (rmsft.exit_codes.exit_code_for).
+        _fail(exc, _after_signal(stop, exc))
     from learner.rollouts.pool import NoServerAvailableError
-    from learner.train.checkpoint_owner import CheckpointLineageError
+    from learner.sync.client import WeightSyncError
     from learner.train.loop import StopRequested
     from learner.train.ranks import RankFailedError
 
-    # An eviction, a drain or a preemption sends SIGTERM, then SIGKILL after the pod's grace period: stop after the
-    # step in progress with a checkpoint of it (the restarted pod resumes there), not at the kill with nothing saved.
-    signal.signal(signal.SIGTERM, lambda signum, _frame: trainer.request_stop(signal.Signals(signum).name))
+    stop.trainer = trainer
     try:
         if resume:
             trainer.resume()
@@ -330,15 +379,27 @@ def train(
 
             # In a pod: the operator reads the final step from here (status.step); /metrics ends with the process.
             write_termination_log(final_progress_message(summary.steps, summary.weight_version))
-    except (RankFailedError, NoServerAvailableError, CheckpointLineageError) as exc:  # every rank exits with the cause
-        _fail(exc)
     except StopRequested as exc:
         import logging
 
         logging.getLogger("rmsft.train").warning("%s", exc)
-        raise typer.Exit(128 + signal.SIGTERM) from None
+        raise typer.Exit(STOPPED_EXIT) from None
+    except (RankFailedError, NoServerAvailableError, WeightSyncError, ValueError, RuntimeError, OSError) as exc:
+        # every rank exits with the cause: a lineage refusal 2 on every rank (RankFailedError carries the failed
+        # rank's code), one server restarting longer than spec.rollout.recoveryTimeout a retry
+        _fail(exc, _after_signal(stop, exc))
     finally:
         trainer.close()
+
+
+def _after_signal(stop: StopOnSignal, exc: BaseException) -> int:
+    """The exit code of a learner that ends with `exc`: its own (rmsft.exit_codes), except that after a SIGTERM
+    anything but a refusal is the stop's consequence (a peer that stopped first closes the collective this rank
+    waited in) and exits 143, as the stop does."""
+    code = exit_code_for(exc)
+    if stop.received is not None and code != CONFIG_EXIT:
+        return STOPPED_EXIT
+    return code
 
 
 def _log_summary(summary) -> None:
@@ -374,6 +435,21 @@ def _log_summary(summary) -> None:
                                              for k, v in sorted(summary.phase_seconds.items(), key=lambda kv: -kv[1])))
     if summary.exported is not None:
         log.info("trained model exported to %s", summary.exported)
+
+
+@app.command(
+    "torchrun",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+)
+def torchrun_cmd(ctx: typer.Context) -> None:
+    """torchrun (`python -m torch.distributed.run`) with these arguments, ending with its ranks' verdict: 2 when
+    a rank refused its configuration, the first failure's code, 143 when they stopped on SIGTERM; torchrun's own
+    exit (1 whatever its ranks said) only when no rank said. SIGTERM, SIGINT and SIGHUP are passed on to torchrun,
+    which passes them on to its ranks. What a learner pod of several ranks runs (rmsft.launch)."""
+    from rmsft.launch import run_torchrun
+
+    raise typer.Exit(run_torchrun(list(ctx.args)))
 
 
 @app.command("local")
@@ -650,9 +726,13 @@ def main() -> None:
         code: int | str | None = 0
     except SystemExit as e:
         code = e.code
+    except BaseException:
+        record_rank_exit(1)  # under `rmsft torchrun`: this rank failed with a traceback (Python's exit 1)
+        raise
     if isinstance(code, str):  # sys.exit("message"): Python prints it and exits 1
         print(code, file=sys.stderr)
         code = 1
+    record_rank_exit(code or 0)  # under `rmsft torchrun`: the code torchrun's own 1 would hide
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

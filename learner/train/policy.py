@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from learner.core.codec import output_format
 from learner.core.vocab import VocabView
+from rmsft.exit_codes import CONFIG_EXIT
 from rmsft.jobspec import TrainingConfig, VisionSpec
 from rmsft.model_folder import is_vision_language
 from rmsft.model_parts import ALIGNER, VISION_TOWER, part_of
@@ -42,6 +43,8 @@ _DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16"
 
 class ModelLoadError(RuntimeError):
     """The model folder cannot be used for training; the message says why."""
+
+    exit_code = CONFIG_EXIT  # spec.model.path or its settings: the same spec fails the same way
 
 
 @dataclass

@@ -353,10 +353,11 @@ def decide(obs: Observed, now: str) -> Decision:
     # Where the checkpoints live, said where users look (kubectl describe, the conditions): without a claim, a
     # learner pod lost (evicted, its node gone) takes them along, and its retry starts again from step 0.
     claim, ck_dir = job.spec.learner.checkpoint_claim, job.spec.training.checkpoint.dir
+    cadence = render.checkpoint_cadence(job)  # a job that saves only at the end says so here too (issue 60)
     durable.append(cond("CheckpointsDurable", bool(claim), "OnClaim" if claim else "NoCheckpointClaim",
-                        f"checkpoints in {ck_dir} on PersistentVolumeClaim {claim}" if claim else
+                        f"checkpoints in {ck_dir} on PersistentVolumeClaim {claim}; {cadence}" if claim else
                         f"no spec.learner.checkpointClaim: checkpoints in {ck_dir} live in an emptyDir of the learner "
-                        "pod and are lost with it; its retry starts again from step 0"))
+                        f"pod and are lost with it; its retry starts again from step 0; {cadence}"))
     # 1b. Final is final: a Complete or Failed job never runs again, whatever happens to its children later (its
     # learner Job deleted by hand or by a TTL, the pool edited): nothing is created, the pool stays at zero, the
     # status stays as it was written.

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from rmsft.exit_codes import CONFIG_EXIT
 from rmsft.jobspec import API_GROUP, API_VERSION, KIND, RolloutMatchingJob
 from rmsft.serve_options import serve_options
 
@@ -35,7 +36,13 @@ WRITABLE_MOUNTS = ("/dev/shm", "/tmp")
 SHARED_WEIGHTS_ENV = "RMSFT_SHARED_WEIGHTS_DIR"  # read by `rmsft train` and `rmsft serve`
 SHARED_WEIGHTS_VOLUME = "shared-weights"
 SHARED_WEIGHTS_MOUNT = "/rmsft-shared"
-CONFIG_EXIT_CODE = 2  # `rmsft train` refusing its configuration (rmsft_cli.app._fail): no retry can help
+CONFIG_EXIT_CODE = CONFIG_EXIT  # `rmsft train` refusing its configuration (rmsft.exit_codes): no retry can help
+# Several learner ranks in a pod: torchrun under `rmsft torchrun` (rmsft.launch), whose exit code is the ranks'
+# verdict rather than torchrun's 1, under tini (PID 1: it passes SIGTERM on and reaps what the ranks leave).
+TORCHRUN = ("tini", "--", "rmsft", "torchrun")
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torch.distributed.launcher.api.LaunchConfig reads it
+SHUTDOWN_MARGIN_S = 10  # of the grace period, left after torchrun's SIGKILL for the wrapper to exit
+TORCH_RENDEZVOUS_DEFAULT_S = 600  # torch's static rendezvous timeout (static_tcp_rendezvous._default_timeout_seconds)
 SHARED_WEIGHTS_HOST_ROOT = "/dev/shm/rmsft"  # on the node; one directory per job below it
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 STARTUP_PROBE_PERIOD = 10  # seconds between the rollout server's startup probes
@@ -580,19 +587,24 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
         container["env"] = [*container["env"], {"name": NODE_RANK_ENV, "valueFrom": {"fieldRef": {
             "fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}}}]
         container["ports"].append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
+        # The rendezvous waits as long as the operator's start clock (spec.rollout.startupTimeout) lets a pod take to
+        # start (torch's static rendezvous gives up after 600 s, before a pod still pulling its image is late).
+        rendezvous_s = max(TORCH_RENDEZVOUS_DEFAULT_S, job.spec.rollout.startup_timeout_seconds)
         container["command"] = [
-            "python", "-m", "torch.distributed.run", "--nnodes", str(pods), "--node-rank", f"$({NODE_RANK_ENV})",
+            *TORCHRUN, "--nnodes", str(pods), "--node-rank", f"$({NODE_RANK_ENV})",
             "--nproc-per-node", str(ranks), "--master-addr", learner_pod_host(job, namespace, 0),
-            "--master-port", str(RENDEZVOUS_PORT), "-m", "rmsft_cli",
+            "--master-port", str(RENDEZVOUS_PORT), "--rdzv-conf", f"timeout={rendezvous_s}", "-m", "rmsft_cli",
         ]
     elif ranks > 1:
         # One learner rank per GPU (or ranksPerPod gloo ranks on the CPU): torchrun starts them and sets
         # WORLD_SIZE/RANK/LOCAL_RANK, which `rmsft train` reads (rank 0 talks to the rollout servers, the others get
         # their share).
-        container["command"] = [
-            "python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-            "-m", "rmsft_cli",
-        ]
+        container["command"] = [*TORCHRUN, "--standalone", "--nproc-per-node", str(ranks), "-m", "rmsft_cli"]
+    if pods > 1 or ranks > 1:
+        # After SIGTERM torchrun's agent gives its ranks this long to finish the step and save before it SIGKILLs
+        # them (torch's default: 30 s); the rest of the grace period is the wrapper's, to read the ranks' verdict.
+        shutdown_s = torchrun_shutdown_seconds(lr.termination_grace_period_seconds)
+        container["env"] = [*container["env"], {"name": SHUTDOWN_TIMEOUT_ENV, "value": str(shutdown_s)}]
     pod_spec = _with_shared_weights(job, namespace, {
         **_pod_common(job), "restartPolicy": "Never", "containers": [container],
         # After SIGTERM: the step in progress, a checkpoint, exit (rmsft train), then the retry resumes.
@@ -644,6 +656,25 @@ def _learner_failure_rules(pods: int) -> list[dict[str, Any]]:
     return [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
             {"action": "FailJob", "onExitCodes": {"containerName": "learner", "operator": "In",
                                                   "values": [CONFIG_EXIT_CODE]}}]
+
+
+def checkpoint_cadence(job: RolloutMatchingJob) -> str:
+    """When the learner saves, as the CheckpointsDurable condition says it at admission: a job with no periodic
+    checkpoint keeps nothing of a pod killed outright (an OOM, a lost node) but what it saved at the end or on
+    SIGTERM."""
+    ck, minutes = job.spec.training.checkpoint, job.spec.checkpoint_minutes
+    when = [f"every {ck.every} steps"] if ck.every else []
+    when += [f"every {minutes} minutes"] if minutes else []
+    if when:
+        return f"saved {' and '.join(when)}, at the end and on SIGTERM"
+    return ("no periodic checkpoint (spec.training.checkpoint.every and every_minutes are 0): saved only at the end "
+            "and on SIGTERM, so a learner killed outright (an OOM, a lost node) starts again from step 0")
+
+
+def torchrun_shutdown_seconds(grace_s: int) -> int:
+    """How long torchrun's agent waits for its ranks after SIGTERM: the pod's grace period but a margin, so the
+    ranks' step and checkpoint get nearly all of it and the kubelet's SIGKILL never comes first."""
+    return max(1, grace_s - SHUTDOWN_MARGIN_S)
 
 
 def learner_pod_host(job: RolloutMatchingJob, namespace: str, index: int) -> str:

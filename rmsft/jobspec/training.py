@@ -54,6 +54,11 @@ class CheckpointConfig(_Learner):
         "learner.checkpointClaim mounted here, else a volume that lives as long as the pod).",
     )
     every: int = Field(0, ge=0, description="Save every N optimizer steps (0 = only at the end).")
+    every_minutes: int | None = Field(
+        None, ge=0, description="Also save after the first step that ends this many minutes after the last save "
+        "(0 = never by time). Unset: 30 with spec.learner.checkpointClaim (a week-long run killed outright, an OOM "
+        "or a lost node, loses at most that), 0 without (an emptyDir goes with the pod).",
+    )
     keep: int = Field(2, ge=1, description="Newest checkpoints of this run kept; its older ones are deleted (another "
                       "run's never are).")
     resume_any: bool = Field(

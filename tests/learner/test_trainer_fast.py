@@ -121,6 +121,37 @@ def test_a_stop_request_ends_the_run_after_its_step_with_a_checkpoint(tmp_path: 
     assert resumed.history[0].loss == pytest.approx(straight.history[2].loss, rel=1e-5)
 
 
+def test_a_checkpoint_is_saved_once_every_minutes_have_passed(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
+                                                              servers: list[FakeServer],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 60: training.checkpoint.every_minutes saves after the first step that ends that long after the last save
+    (checkpoint.every 0 here); the clock restarts at the save. Unset, it is 30 with a checkpoint claim."""
+    from learner.train import loop as loop_module
+    from learner.train.checkpoint_files import list_checkpoints
+    from learner.train.loop import TrainingLoop
+
+    clock = [1000.0]
+    monkeypatch.setattr(loop_module.time, "monotonic", lambda: clock[0])
+
+    def on_step(r) -> None:
+        clock[0] += 70.0 if r.step == 2 else 1.0  # step 2 ends more than a minute after the start
+
+    ckpt = tmp_path / "ckpt"
+    job = make_job(tiny_model_dir, data_path, ckpt, steps=4,
+                   checkpoint={"dir": str(ckpt), "every": 0, "keep": 5, "every_minutes": 1})
+    trainer = TrainingLoop(job, [s.address for s in servers], on_step=on_step)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    assert [p.name for p in list_checkpoints(ckpt)] == ["step-2", "step-4"]  # by time, then the end's
+    assert job.spec.checkpoint_minutes == 1
+    job.spec.training.checkpoint.every_minutes = None
+    assert job.spec.checkpoint_minutes == 0  # no claim: an emptyDir keeps nothing for a later attempt
+    job.spec.learner.checkpoint_claim = "pvc"
+    assert job.spec.checkpoint_minutes == 30
+
+
 def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
                                                               servers: list[FakeServer]) -> None:
     """Issue 41: pruning keeps the highest steps in the folder, so a fresh run beside an earlier run's step-3 and

@@ -1079,12 +1079,14 @@ def test_a_pool_left_idle_by_a_learner_kueue_does_not_admit_fails_the_job_after_
 
 
 def test_the_learner_kueue_starts_before_its_pool_waits_as_long_as_the_pool_may_take() -> None:
-    """The learner's first wait for its servers (learner.train.loop) is one request's timeout when the operator
-    resumes it (the pool is Ready by then); queued, Kueue may start it first, and it waits the pool's startupTimeout."""
+    """The learner's wait for its servers at start (learner.train.loop) is the pool's startupTimeout at every start:
+    queued, Kueue may start it first; unqueued, a retry's pod (issue 60) starts while servers may still restart,
+    and waits as the first start does rather than one request's timeout."""
     spec = _spec(**{"rollout.startupTimeout": "30m"})
     request = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
                          "metadata": {"name": NAME}, "spec": spec}).spec
-    assert request.pool_wait_seconds == request.training.rollout.request_timeout_s < 1800
+    assert request.training.rollout.request_timeout_s < 1800
+    assert request.pool_wait_seconds == 1800
     queued = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
                         "metadata": {"name": NAME}, "spec": {**spec, "scheduling": {"queueName": "gpu-team"}}}).spec
     assert queued.pool_wait_seconds == 1800
@@ -1408,3 +1410,15 @@ def test_a_disruption_does_not_use_up_an_attempt_of_a_learner_on_several_pods() 
     assert again.status["learnerAttempt"] == 3 and again.deletes
     # A fault (no disruption) on the last attempt still fails the job.
     assert decide(replace(world, job_status={"conditions": plain}).observed(), NOW).phase == "Failed"
+def test_a_job_without_a_periodic_checkpoint_says_so_at_admission() -> None:
+    """Issue 60: with a claim the learner saves every 30 minutes unless told otherwise (training.checkpoint.
+    every_minutes), and the condition says when it saves; a job with no periodic checkpoint at all (every 0,
+    every_minutes 0) says that a learner killed outright starts again from step 0, claim or not."""
+    claimed = decide(World(spec=_spec(**{"learner.checkpointClaim": "pvc"})).observed(), NOW)
+    assert "saved every 30 minutes, at the end and on SIGTERM" in _cond(claimed, "CheckpointsDurable")["message"]
+    steps = decide(World(spec=_spec(**{"learner.checkpointClaim": "pvc", "training.checkpoint.every": 50,
+                                       "training.checkpoint.every_minutes": 0})).observed(), NOW)
+    assert "saved every 50 steps, at the end" in _cond(steps, "CheckpointsDurable")["message"]
+    for spec in (_spec(), _spec(**{"learner.checkpointClaim": "pvc", "training.checkpoint.every_minutes": 0})):
+        message = _cond(decide(World(spec=spec).observed(), NOW), "CheckpointsDurable")["message"]
+        assert "no periodic checkpoint" in message and "killed outright" in message, message

@@ -117,13 +117,18 @@ def test_learner_runs_one_rank_per_gpu() -> None:
         return _by_kind(path)["Job"]["spec"]["template"]["spec"]["containers"][0]
 
     two = learner("configs/job.yaml")  # learner.gpus: 2
-    assert two["command"][:4] == ["python", "-m", "torch.distributed.run", "--standalone"]
-    assert two["command"][4:] == ["--nproc-per-node", "2", "-m", "rmsft_cli"]
+    # Issue 60: torchrun under `rmsft torchrun` (the container exits with its ranks' verdict, not torchrun's 1),
+    # under tini (PID 1), its agent waiting the pod's grace period but a margin for the ranks to save after SIGTERM.
+    assert two["command"][:5] == ["tini", "--", "rmsft", "torchrun", "--standalone"]
+    assert two["command"][5:] == ["--nproc-per-node", "2", "-m", "rmsft_cli"]
     assert two["args"][0] == "train"
+    grace = _by_kind("configs/job.yaml")["Job"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(grace - render.SHUTDOWN_MARGIN_S)} in two["env"]
     # One GPU, or none: the image's entrypoint (`rmsft`) runs `train` as a single process.
     for path in ("configs/job-3v1.yaml", "configs/job-kind-cpu.yaml"):
         one = learner(path)
         assert "command" not in one and one["args"][0] == "train"
+        assert all(e["name"] != "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" for e in one["env"])
 
 
 def _several(path: str = "configs/job-kind-cpu.yaml", **learner: object) -> dict:
@@ -153,10 +158,12 @@ def test_a_learner_on_several_pods_is_an_indexed_job_whose_pods_meet_at_pod_0() 
     assert svc["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
     assert svc["spec"]["selector"] == render.selector("tiny-cpu", "learner")
     c = pod["containers"][0]
-    assert c["command"] == ["python", "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+    # The static rendezvous waits as long as the start clock (spec.rollout.startupTimeout, 30 min by default), not
+    # torch's 600 s (issue 60).
+    assert c["command"] == ["tini", "--", "rmsft", "torchrun", "--nnodes", "2", "--node-rank",
                             "$(RMSFT_NODE_RANK)", "--nproc-per-node", "2", "--master-addr",
                             "tiny-cpu-learner-0.tiny-cpu-learner.team-a.svc", "--master-port", "29500",
-                            "-m", "rmsft_cli"]
+                            "--rdzv-conf", "timeout=1800", "-m", "rmsft_cli"]
     rank = next(e for e in c["env"] if e["name"] == "RMSFT_NODE_RANK")
     assert rank["valueFrom"]["fieldRef"]["fieldPath"] == \
         "metadata.annotations['batch.kubernetes.io/job-completion-index']"
@@ -173,7 +180,7 @@ def test_a_learner_on_several_pods_is_an_indexed_job_whose_pods_meet_at_pod_0() 
     # spread: false lets the pods share a node (a one-node cluster); nothing else changes
     shared = render.render_job(parse_job(_several(spread=False)), "team-a", "0000-uid")
     assert "affinity" not in shared["spec"]["template"]["spec"]
-    assert shared["spec"]["template"]["spec"]["containers"][0]["command"][8] == "1"  # --nproc-per-node: 1 on CPU
+    assert shared["spec"]["template"]["spec"]["containers"][0]["command"][9] == "1"  # --nproc-per-node: 1 on CPU
 
 
 def test_scheduling_pass_throughs_reach_every_rollout_and_learner_pod_and_never_replace_rmsfts_keys() -> None:
@@ -216,7 +223,7 @@ def test_one_learner_pod_keeps_its_retry_rules_and_cpu_ranks_use_torchrun_standa
     doc = yaml.safe_load((ROOT / "configs/job-kind-cpu.yaml").read_text())
     doc["spec"]["learner"]["ranksPerPod"] = 2
     c = render.render_job(parse_job(doc), "ns", "u")["spec"]["template"]["spec"]["containers"][0]
-    assert c["command"] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    assert c["command"] == ["tini", "--", "rmsft", "torchrun", "--standalone", "--nproc-per-node", "2",
                             "-m", "rmsft_cli"]
 
 

@@ -34,6 +34,7 @@ from learner.train.config import core_configs
 from learner.train.feed import EXPLORER_SEED_OFFSET
 from learner.train.objectives.base import Built, Objective, Prepare, RowLoss, StepPlan
 from learner.train.results import StepResult, Summary
+from rmsft import pause_points
 from rmsft.jobspec import RolloutMatchingJob
 
 __all__ = ["RolloutMatching"]
@@ -140,6 +141,7 @@ class RolloutMatching(Objective):
         mine = batch[lo:hi]
         policy = loop.policy
         with ranks.guard("building training segments"):
+            pause_points.fail_at("step", loop.state.step + 1)  # tests: one rank failing mid-run (rmsft.pause_points)
             if len(outs) != len(mine) or not feed.within_window(outs):
                 raise RuntimeError(f"rank {ranks.rank} got {len(outs)} rollout(s) for {len(mine)} prompt(s) "
                                    f"or a weight version outside {loop.state.weights} minus max_staleness "
