@@ -253,7 +253,7 @@ def _message(exc: Exception) -> str:
 BUSY_EXIT = RETRY_EXIT
 
 
-class Interrupted(BaseException):  # noqa: N818 - a signal, not an error
+class Interrupted(BaseException):  # a signal, not an error
     """SIGTERM before the first step of this process: nothing new to save, so the setup (loading the model,
     waiting for the servers, resuming) is left at once rather than waited out to the grace period's SIGKILL. A
     BaseException, so no `except Exception` of the setup (a rank's failure agreement) takes it for an error."""
