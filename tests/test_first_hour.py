@@ -329,3 +329,14 @@ def test_serve_help_wraps_between_words_too(monkeypatch: pytest.MonkeyPatch) -> 
     assert len(helps) > 20
     for h in helps:  # `--kv-cache-bytes` was cut as `--kv-` | `cache-bytes`
         assert " ".join(h.split()) in flat, h
+
+
+def test_a_job_copied_elsewhere_keeps_its_files_with_absolute_paths(tmp_path: Path) -> None:
+    import yaml
+
+    from rmsft.jobspec import absolute_paths, load_job
+
+    src = ROOT / "configs" / "local-tiny-vl.yaml"
+    copy_ = tmp_path / "copy.yaml"  # what benchmarks/local_run.py and overlap.py do
+    copy_.write_text(yaml.safe_dump(absolute_paths(yaml.safe_load(src.read_text()), src.parent)))
+    assert load_job(copy_).spec == load_job(src).spec
