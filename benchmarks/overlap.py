@@ -105,7 +105,7 @@ def run_vl(args: argparse.Namespace) -> str:
 
     from learner.local import prepare_inputs, start_servers
     from learner.train.loop import TrainingLoop
-    from rmsft.jobspec import load_job
+    from rmsft.jobspec import absolute_paths, load_job
 
     console = Console(stderr=True)
     work = Path(tempfile.mkdtemp(prefix="rmsft-overlap-vl-"))
@@ -113,7 +113,8 @@ def run_vl(args: argparse.Namespace) -> str:
     arms = (0, 1, 2) if args.inflight else (0, 1)  # 2: max_staleness 1 with in-flight syncs
     for arm in arms:
         staleness = min(arm, 1)
-        doc = yaml.safe_load((ROOT / args.job).read_text())
+        # the job's relative paths are its folder's: kept so in the copy written to `work`
+        doc = absolute_paths(yaml.safe_load((ROOT / args.job).read_text()), (ROOT / args.job).parent)
         t = doc["spec"]["training"]
         t.update(steps=args.steps, warm_start_steps=args.warm)
         t["checkpoint"] = {"dir": str(work / f"ck{arm}"), "every": 0, "keep": 1}

@@ -64,8 +64,26 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+class WholeWordsHelp(argparse.HelpFormatter):
+    """argparse's help, wrapped between words only, as every other `rmsft` command's (rmsft_cli.app): textwrap's
+    defaults break at hyphens (`--kv-` | `cache-bytes`) and inside words longer than the column."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.TextWrapper(width, break_on_hyphens=False, break_long_words=False).wrap(
+            self._whitespace_matcher.sub(" ", text).strip())
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap
+
+        return textwrap.TextWrapper(width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False,
+                                    break_long_words=False).fill(self._whitespace_matcher.sub(" ", text).strip())
+
+
 def build_parser(prog: str = "rmsft serve") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Serve one rollout engine over gRPC (rmsft contract).")
+    p = argparse.ArgumentParser(prog=prog, description="Serve one rollout engine over gRPC (rmsft contract).",
+                                formatter_class=WholeWordsHelp)
     p.add_argument("--config", help="YAML file with any of the options below (snake_case keys); flags win")
     for f in fields(ServeConfig):
         default = f.default if f.default is not MISSING else None

@@ -315,3 +315,28 @@ def test_the_job_with_set_applied_is_what_every_process_reads(tmp_path: Path) ->
     doc = yaml.safe_load(written.read_text())
     assert doc["metadata"]["annotations"]["rmsft.io/synthetic-records"] == "1024"
     assert doc["spec"]["training"]["data"]["path"] == str(job.parent / "run" / "tiny-vl-grid-data.jsonl")
+
+
+def test_serve_help_wraps_between_words_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollout_svc.config import build_parser
+
+    monkeypatch.setenv("COLUMNS", "80")
+    parser = build_parser("rmsft serve")
+    text = parser.format_help()
+    assert all(len(line) <= 80 for line in text.splitlines()), max(text.splitlines(), key=len)
+    flat = " ".join(text.split())
+    helps = [a.help for a in parser._actions if a.help and "%" not in a.help]
+    assert len(helps) > 20
+    for h in helps:  # `--kv-cache-bytes` was cut as `--kv-` | `cache-bytes`
+        assert " ".join(h.split()) in flat, h
+
+
+def test_a_job_copied_elsewhere_keeps_its_files_with_absolute_paths(tmp_path: Path) -> None:
+    import yaml
+
+    from rmsft.jobspec import absolute_paths, load_job
+
+    src = ROOT / "configs" / "local-tiny-vl.yaml"
+    copy_ = tmp_path / "copy.yaml"  # what benchmarks/local_run.py and overlap.py do
+    copy_.write_text(yaml.safe_dump(absolute_paths(yaml.safe_load(src.read_text()), src.parent)))
+    assert load_job(copy_).spec == load_job(src).spec

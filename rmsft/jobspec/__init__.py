@@ -44,6 +44,7 @@ from rmsft.jobspec.manifest import (
     PATH_FIELDS,
     ObjectMeta,
     RolloutMatchingJob,
+    absolute_paths,
     apply_overrides,
     load_job,
     parse_job,
@@ -98,6 +99,6 @@ __all__ = [
     "RecipeConfig", "ResourceSpec", "RewardEntry", "RolloutDecoding", "RolloutMatchingJob", "RolloutSpec",
     "RolloutTLSSpec", "TLS_COLOCATE", "TLS_HEALTH_PORT",
     "SyncSpec", "SyncTransport", "TargetsConfig", "Toleration", "TrainingConfig", "VisionSpec", "colocate_errors",
-    "apply_overrides", "cross_field_errors", "duration_seconds", "grpo_errors", "load_job", "parse_job", "parse_spec",
-    "resolve_paths", "write_effective_job",
+    "absolute_paths", "apply_overrides", "cross_field_errors", "duration_seconds", "grpo_errors", "load_job",
+    "parse_job", "parse_spec", "resolve_paths", "write_effective_job",
 ]

@@ -193,23 +193,29 @@ def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> R
     return job
 
 
+def absolute_paths(doc: dict[str, Any], folder: str | Path) -> dict[str, Any]:
+    """A copy of the manifest `doc` (as read from a file in `folder`) with its relative PATH_FIELDS made absolute
+    against `folder`, as `load_job` reads them: for a script that copies a job file elsewhere (a temporary folder)
+    and must keep the files it names."""
+    out = copy.deepcopy(doc)
+    base = os.path.abspath(folder)
+    for *parents, key in PATH_FIELDS:
+        node = out.get("spec")
+        for name in parents:
+            node = node.get(name) if isinstance(node, dict) else None
+        value = node.get(key) if isinstance(node, dict) else None
+        if isinstance(value, str) and value and not os.path.isabs(value) and "://" not in value:
+            node[key] = os.path.normpath(os.path.join(base, value))  # type: ignore[index]
+    return out
+
+
 def write_effective_job(path: str | Path, overrides: list[str] | tuple[str, ...], out: str | Path) -> Path:
     """Write the manifest at `path` with `overrides` set and its relative paths made absolute to `out`, as
     written otherwise (its annotations kept): what the processes of `rmsft local --set` read, the learner's
     torchrun ranks included. Validated first (raises JobSpecError as `load_job`)."""
     path, out = Path(path), Path(out)
-    job = load_job(path, overrides)
-    doc = apply_overrides(_read_job_doc(path), overrides, str(path))
-    spec = doc["spec"]
-    for *parents, key in PATH_FIELDS:
-        node = spec
-        for name in parents:
-            node = node.get(name) if isinstance(node, dict) else None
-        if isinstance(node, dict) and node.get(key):
-            section: Any = job.spec
-            for name in parents:
-                section = getattr(section, name)
-            node[key] = getattr(section, key)
+    load_job(path, overrides)
+    doc = absolute_paths(apply_overrides(_read_job_doc(path), overrides, str(path)), path.parent)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(doc, sort_keys=False))
     return out
