@@ -15,6 +15,7 @@ gave (refused) and anything else is retryable. Torch-free: the operator imports 
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,12 +29,20 @@ STOPPED_EXIT = 143
 EXIT_DIR_ENV = "RMSFT_RANK_EXIT_DIR"
 
 
+# An OSError with one of these behind a refusal (a model folder that cannot be read, say) is the storage failing,
+# not the spec: EIO, a stale or timed-out network mount. A retry may read it.
+TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.ENOMEM})
+
+
 def exit_code_for(exc: BaseException) -> int:
     """The exit code of a learner that ends with `exc` (module doc)."""
     code = getattr(exc, "exit_code", None)
-    if isinstance(code, int):
-        return code
-    return CONFIG_EXIT if isinstance(exc, ValueError) else RETRY_EXIT
+    if not isinstance(code, int):
+        code = CONFIG_EXIT if isinstance(exc, ValueError) else RETRY_EXIT
+    cause = exc.__cause__
+    if code == CONFIG_EXIT and isinstance(cause, OSError) and cause.errno in TRANSIENT_ERRNOS:
+        return RETRY_EXIT
+    return code
 
 
 def verdict(codes: Mapping[int, int], launcher_code: int) -> int:

@@ -34,6 +34,14 @@ def test_refusals_exit_2_and_transient_failures_exit_retryable() -> None:
                  NoServerAvailableError("rollout servers not ready after 300s"), WeightSyncError("cut off"),
                  CheckpointFolderBusyError("held by pod-1"), RankFailedError("rank 1 failed")]
     assert [exit_code_for(e) for e in transient] == [RETRY_EXIT] * len(transient)
+    # A refusal whose cause is the storage failing (EIO reading the model folder on a claim) is retried; a missing
+    # file is not.
+    for cause, expected in ((OSError(5, "Input/output error"), RETRY_EXIT),
+                            (FileNotFoundError(2, "No such file or directory"), CONFIG_EXIT)):
+        try:
+            raise ModelLoadError("cannot load model from /models/x") from cause
+        except ModelLoadError as exc:
+            assert exit_code_for(exc) == expected
 
 
 @pytest.mark.parametrize(("codes", "launcher", "expected"), [

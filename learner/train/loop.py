@@ -132,8 +132,6 @@ class TrainingLoop:
         self.reporter: RunReporter | None = None  # rank 0's TensorBoard and held-out reports
         self.exported: Path | None = None
         self._stop_why: str | None = None  # request_stop's reason (set from a signal handler)
-        self._last_save_t = time.monotonic()  # when this run last saved (or started): every_minutes' clock
-        self._saved_step: int | None = None  # the step of this process's last save
         self.lineage, self._writer_lock = lineage_of(job), None  # what checkpoints record; rank 0's hold on their dir
         try:
             self._setup(job, addresses, auth_token, model_path, device)
@@ -235,7 +233,7 @@ class TrainingLoop:
         target = self._begin(max_steps)  # reporter, run.json, servers ready, first sync
         ck_every = self.cfg.checkpoint.every
         ck_seconds = 60.0 * self.job.spec.checkpoint_minutes  # 0: none by time
-        self._last_save_t = time.monotonic()
+        self.checkpointer.last_save_t = time.monotonic()  # every_minutes counts from here
         while st.step < target:
             result = self._train_step(time.perf_counter())  # plan -> rows -> forward/backward/optimizer
             st.step += 1
@@ -245,7 +243,8 @@ class TrainingLoop:
             # matching's ground-truth steps, waits for the weights of the step before one that does).
             if st.step < target and self.objective.plan(st.step).samples:
                 self.sync_weights()
-            due = (bool(ck_every) and st.step % ck_every == 0) or (bool(ck_seconds) and self._time_to_save(ck_seconds))
+            due = (bool(ck_every) and st.step % ck_every == 0) or (
+                bool(ck_seconds) and self.checkpointer.time_to_save(ck_seconds))  # every_minutes
             saved = self.save() if due else None
             if self._eval_due(target):
                 self.evaluate_held_out()
@@ -253,12 +252,6 @@ class TrainingLoop:
             if why is not None:  # the step is whole: keep it, then stop (a restart resumes here)
                 raise StopRequested(why, st.step, saved if due else self.save())
         return self._end(t_start)
-
-    def _time_to_save(self, seconds: float) -> bool:
-        """training.checkpoint.every_minutes: whether `seconds` have passed since the last save, agreed by every rank
-        (the save is collective; the ranks' clocks are their own): one small all-reduce per step on several ranks."""
-        due = time.monotonic() - self._last_save_t >= seconds
-        return self.ranks.max([1.0 if due else 0.0])[0] > 0 if self.ranks.enabled else due
 
     def request_stop(self, why: str) -> None:
         """Stop after the step in progress, with a checkpoint of it (`StopRequested`). Only sets a field: safe from
@@ -301,7 +294,7 @@ class TrainingLoop:
     def _end(self, t_start: float) -> Summary:
         """The last checkpoint (unless one was just saved), rollout pictures, the export, the summary."""
         st, ck_every = self.state, self.cfg.checkpoint.every
-        if (ck_every == 0 or st.step % ck_every) and self._saved_step != st.step:  # not twice (every_minutes)
+        if (ck_every == 0 or st.step % ck_every) and self.checkpointer.saved_step != st.step:  # not twice
             self.save()
         if self.ranks.is_main:
             if self.policy.is_vision_language:  # the last rollouts drawn on their images
@@ -437,10 +430,7 @@ class TrainingLoop:
 
     def save(self) -> Path | None:
         self.checkpointer.extra.update(self.feed.state_dict())  # rank 0's rollouts generated ahead (overlap.py)
-        path = self.checkpointer.save()
-        self._last_save_t = time.monotonic()  # the clock of training.checkpoint.every_minutes
-        self._saved_step = self.state.step
-        return path
+        return self.checkpointer.save()
 
     def resume(self) -> bool:
         """Continue from the newest checkpoint (False when there is none). The run id stays this run's:

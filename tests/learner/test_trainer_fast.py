@@ -126,12 +126,12 @@ def test_a_checkpoint_is_saved_once_every_minutes_have_passed(tmp_path: Path, ti
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 60: training.checkpoint.every_minutes saves after the first step that ends that long after the last save
     (checkpoint.every 0 here); the clock restarts at the save. Unset, it is 30 with a checkpoint claim."""
-    from learner.train import loop as loop_module
+    from learner.train import checkpointer as clock_module
     from learner.train.checkpoint_files import list_checkpoints
     from learner.train.loop import TrainingLoop
 
     clock = [1000.0]
-    monkeypatch.setattr(loop_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(clock_module.time, "monotonic", lambda: clock[0])
 
     def on_step(r) -> None:
         clock[0] += 70.0 if r.step == 2 else 1.0  # step 2 ends more than a minute after the start
