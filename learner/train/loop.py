@@ -395,14 +395,14 @@ class TrainingLoop:
                   prepare: Prepare | None = None) -> dict[str, torch.Tensor]:
         step = self.updater
         sums: dict[str, torch.Tensor] = {}
+        mode = self.cfg.loss.logits if self.objective.chunked_logits else "full"
         step.begin()
         for i, cpu_row in enumerate(rows):
             row = cpu_row.to(step.device)
             before = prepare(i, row) if prepare is not None else None
             with self.phase("forward"), step.autocast():
-                # The full logits, or (loss.logits chunked) the hidden states and the head: logits only at targets.
-                logits = row_outputs(step.forward, self.model, row.model_inputs(), self.logits_mode,
-                                     self.cfg.loss.logits_chunk)
+                # Full logits, or (loss.logits chunked, an objective taking a RowHead) logits only at targets.
+                logits = row_outputs(step.forward, self.model, row.model_inputs(), mode, self.cfg.loss.logits_chunk)
                 loss, metrics = row_loss(row, logits, before)
             with self.phase("backward"):
                 step.backward(loss)
@@ -439,11 +439,6 @@ class TrainingLoop:
         if found:  # the servers hold none of the checkpoint's weights under this run's id
             self.feed.load_state_dict(self.checkpointer.loaded_extra)
         return found
-
-    @property
-    def logits_mode(self) -> str:
-        """`training.loss.logits`, for an objective whose row loss takes a RowHead; full logits otherwise."""
-        return self.cfg.loss.logits if self.objective.chunked_logits else "full"
 
     step = property(lambda self: self.state.step, doc="The last optimizer step done (state.step).")
     version = property(lambda self: self.state.version, doc="The learner's weight version number (state.version).")

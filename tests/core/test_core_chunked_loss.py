@@ -158,3 +158,17 @@ def test_unknown_mode_is_refused(tiny_model, tiny_tokenizer, tiny_vocab):
     row = pack(_first_generation(tiny_tokenizer, tiny_vocab)[:1])
     with pytest.raises(ValueError, match="loss.logits must be one of"):
         row_outputs(tiny_model, tiny_model, row.model_inputs(), "fused")
+
+
+def test_vision_language_models_give_the_head_their_final_hidden_states(tiny_vl_model_dir):
+    """Qwen3-VL and Qwen2.5-VL (the models users bring): the decoder the chunked path reads is the text model,
+    whose output through the head is the model's own logits."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl_model_dir, dtype=torch.float32).eval()
+    ids = torch.randint(5, 200, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = row_outputs(model, model, {"input_ids": ids}, "full")[0]
+        head = row_outputs(model, model, {"input_ids": ids}, "chunked", 7)
+        (rows,) = head.map(torch.arange(40), lambda lg: (lg,))
+    assert rows.shape == full.shape and torch.allclose(rows, full, rtol=1e-6, atol=1e-6)

@@ -295,3 +295,30 @@ def test_inflight_syncs_with_rollouts_ahead_train_within_the_window(tmp_path: Pa
         assert all(len(r.version_spans) == 1 and r.version_spans[0] == (r.weights, 0, len(r.token_ids))
                    for r in h.rollouts)
         assert all(0 <= h.weight_version - r.weight_version <= 1 for r in h.rollouts)
+def test_detection_completions_in_the_other_format_are_named_once(tmp_path: Path, tiny_model_dir: Path,
+                                                                  caplog) -> None:
+    """Issue 61, GRPO: a model that answers in CoordJSON, run with training.format coordexp and the detection
+    reward, parses to no object; after three steps the run names the format its completions are in, once."""
+    import logging
+
+    from learner_fakes import FakeEngine, FakeServer, chat_renderer
+    from transformers import AutoTokenizer
+
+    from learner.core.codec import COORDJSON, DetObject
+    from learner.core.vocab import VocabView
+    from rmsft_dev.synthetic import write_synthetic_dataset
+
+    data = write_synthetic_dataset(tmp_path / "det.jsonl", n=8, seed=0)
+    vocab = VocabView.from_hf_tokenizer(AutoTokenizer.from_pretrained(tiny_model_dir))
+    answer = list(vocab.encode(COORDJSON.render([DetObject("cat", "bbox_2d", (10, 20, 300, 400))]))) + [vocab.eos_id]
+    render = chat_renderer(str(tiny_model_dir))
+    fakes = [FakeServer(FakeEngine(ordinal=i, render=render, answer=lambda _ids, _t, _s: answer)) for i in range(2)]
+    try:
+        job = grpo_job(tiny_model_dir, data, tmp_path / "ck", steps=4, grpo={"rewards": [{"name": "detection"}]})
+        with caplog.at_level(logging.WARNING, logger="rmsft.learner"):
+            run(job, [s.address for s in fakes])
+    finally:
+        for s in fakes:
+            s.stop()
+    said = [r.getMessage() for r in caplog.records if "training.format" in r.getMessage()]
+    assert len(said) == 1 and "set spec.training.format: coordjson" in said[0]

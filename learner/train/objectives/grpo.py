@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from learner.core.format_watch import FormatWatch
 from learner.core.grpo import (
     GrpoTokens,
     completion_logprobs,
@@ -147,6 +148,7 @@ class Grpo(Objective):
         super().__init__(job)
         self.grpo = grpo_setup(self.cfg)
         self.rewards = build_job_rewards(job)
+        self._format_watch: FormatWatch | None = None  # rank 0: completions that parse to nothing
         self._reward_pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             self.cfg.grpo.reward_workers, thread_name_prefix="rmsft-reward")
 
@@ -285,7 +287,18 @@ class Grpo(Objective):
                     vocab=loop.policy.vocab, fmt=fmt, image_size=size,
                     finish_reason=out.finish_reason, sample_index=out.sample_index,
                 ))
+            self._watch_format(inputs, groups.responses)
             return score_batch(self.rewards, inputs, executor=self._reward_pool)
+
+    def _watch_format(self, inputs: Sequence[RewardInput], responses: Sequence[Sequence[int]]) -> None:
+        """Detection completions in another format than training.format parse to nothing: say so, once
+        (learner/core/format_watch.py); text tasks (no ground-truth objects) never trigger it."""
+        if not self.loop.ranks.is_main or not any(i.parsed is not None for i in inputs):
+            return
+        if self._format_watch is None:
+            self._format_watch = FormatWatch(self.loop.core.fmt, self.loop.policy.vocab)
+        predicted = sum(len(i.objects or ()) for i in inputs)
+        self._format_watch.observe(responses, predicted, sum(len(i.record.objects) for i in inputs))
 
     def _pack(self, groups: _Groups, advantages: torch.Tensor, keep: Sequence[bool], rules: _Rules
               ) -> list[PackedRow]:
