@@ -785,9 +785,9 @@ def refused_create(obs: Observed, decision: Decision, obj: dict[str, Any], exc: 
     final = invalid or expired
     phase = "Failed" if final else "Pending"
     patches = []
-    pool_made = obs.children.get("StatefulSet") is not None or any(
-        render.child_key(o) == "StatefulSet" for o in decision.creates[:decision.creates.index(obj)]
-        if obj in decision.creates)
+    before = decision.creates[:decision.creates.index(obj)] if obj in decision.creates else []
+    pool_made = obs.children.get("StatefulSet") is not None or any(render.child_key(o) == "StatefulSet"
+                                                                   for o in before)
     if kind != "StatefulSet" and pool_made and ((obs.children.get("StatefulSet") or {}).get("spec") or {}).get(
             "replicas") != 0:
         patches.append(Patch("StatefulSet", render.names(obs.name)["statefulset"], {"spec": {"replicas": 0}}))
