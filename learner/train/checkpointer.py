@@ -98,6 +98,11 @@ class Checkpointer:
         self.last_save_t = time.monotonic()  # training.checkpoint.every_minutes' clock: the last save, or the start
         self.saved_step: int | None = None  # the step of this process's last save
 
+    def due(self, step: int, every: int, seconds: float) -> bool:
+        """Whether step `step` saves: every `every` steps (training.checkpoint.every; 0: never by steps), or once
+        `seconds` passed since the last save (every_minutes; 0: never by time)."""
+        return (bool(every) and step % every == 0) or (bool(seconds) and self.time_to_save(seconds))
+
     def time_to_save(self, seconds: float) -> bool:
         """training.checkpoint.every_minutes: whether `seconds` have passed since the last save, agreed by every rank
         (the save is collective; the ranks' clocks are their own): one small all-reduce per step on several ranks."""

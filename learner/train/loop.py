@@ -167,8 +167,7 @@ class TrainingLoop:
             # Every image is opened and checked here, before anything is paid for.
             self.images: ImageStore
             self.records, self.images = load_dataset(cfg.data.path, cfg.data.image_root, vision.max_image_pixels)
-            outside = outside_frame(self.records)
-            if outside.objects and ranks.is_main:  # once per run, not once per rank or per step
+            if (outside := outside_frame(self.records)).objects and ranks.is_main:  # once per run, not per rank
                 log.warning("%s: %s", cfg.data.path, outside.line(sum(len(r.objects) for r in self.records)))
             self.eval_records: list[Record] = []
             self.eval_images: ImageStore | None = None
@@ -231,8 +230,7 @@ class TrainingLoop:
         t_start = time.perf_counter()
         st = self.state
         target = self._begin(max_steps)  # reporter, run.json, servers ready, first sync
-        ck_every = self.cfg.checkpoint.every
-        ck_seconds = 60.0 * self.job.spec.checkpoint_minutes  # 0: none by time
+        ck_every, ck_seconds = self.cfg.checkpoint.every, 60.0 * self.job.spec.checkpoint_minutes  # 0: none by time
         self.checkpointer.last_save_t = time.monotonic()  # every_minutes counts from here
         while st.step < target:
             result = self._train_step(time.perf_counter())  # plan -> rows -> forward/backward/optimizer
@@ -243,14 +241,12 @@ class TrainingLoop:
             # matching's ground-truth steps, waits for the weights of the step before one that does).
             if st.step < target and self.objective.plan(st.step).samples:
                 self.sync_weights()
-            due = (bool(ck_every) and st.step % ck_every == 0) or (
-                bool(ck_seconds) and self.checkpointer.time_to_save(ck_seconds))  # every_minutes
-            saved = self.save() if due else None
+            saved = self.save() if self.checkpointer.due(st.step, ck_every, ck_seconds) else None
             if self._eval_due(target):
                 self.evaluate_held_out()
             why = self._stop_agreed()
             if why is not None:  # the step is whole: keep it, then stop (a restart resumes here)
-                raise StopRequested(why, st.step, saved if due else self.save())
+                raise StopRequested(why, st.step, saved if self.checkpointer.saved_step == st.step else self.save())
         return self._end(t_start)
 
     def request_stop(self, why: str) -> None:
@@ -395,13 +391,12 @@ class TrainingLoop:
                   prepare: Prepare | None = None) -> dict[str, torch.Tensor]:
         step = self.updater
         sums: dict[str, torch.Tensor] = {}
-        mode = self.cfg.loss.logits if self.objective.chunked_logits else "full"
+        mode = self.cfg.loss.logits if self.objective.chunked_logits else "full"  # chunked: a RowHead, see below
         step.begin()
         for i, cpu_row in enumerate(rows):
             row = cpu_row.to(step.device)
             before = prepare(i, row) if prepare is not None else None
             with self.phase("forward"), step.autocast():
-                # Full logits, or (loss.logits chunked, an objective taking a RowHead) logits only at targets.
                 logits = row_outputs(step.forward, self.model, row.model_inputs(), mode, self.cfg.loss.logits_chunk)
                 loss, metrics = row_loss(row, logits, before)
             with self.phase("backward"):
