@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 from rmsft_operator.config import OperatorConfig
@@ -42,8 +43,24 @@ def test_cleanup_image_is_the_operators_from_the_environment(monkeypatch: pytest
         OperatorConfig.from_env()
 
 
+@pytest.fixture
+def handlers_imported_here() -> Iterator[None]:
+    """Importing `rmsft_operator.handlers` reads the operator's environment once (CFG) and registers its handlers in
+    kopf's default registry; a later test in this process that runs the operator (`kopf run -m
+    rmsft_operator.handlers`, tests/operator/test_operator_kmock.py) with its own environment must import it anew,
+    or it runs with this test's defaults (cluster scanning on, which kmock cannot serve)."""
+    import kopf
+
+    had = "rmsft_operator.handlers" in sys.modules
+    yield
+    if not had:
+        sys.modules.pop("rmsft_operator.handlers", None)
+        kopf.set_default_registry(kopf.OperatorRegistry())
+
+
 def test_an_operator_without_its_image_says_what_the_cleanup_runs(monkeypatch: pytest.MonkeyPatch,
-                                                                   caplog: pytest.LogCaptureFixture) -> None:
+                                                                   caplog: pytest.LogCaptureFixture,
+                                                                   handlers_imported_here: None) -> None:
     """Outside the chart the operator cannot know its image: it says so at start, and what the cleanup runs."""
     from types import SimpleNamespace
 
