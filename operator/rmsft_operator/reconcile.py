@@ -498,10 +498,14 @@ def decide(obs: Observed, now: str) -> Decision:
     pool_starting = not colocated and (not status.get("startTime") if queued else suspended)
     if not suspended and any((p.get("status") or {}).get("phase") == "Running" for p in obs.learner_pods):
         status.setdefault("learnerStartTime", now)
-    ran = bool(status.get("learnerStartTime")) or status.get("step") is not None \
-        or int((learner.get("status") or {}).get("failed") or 0) >= 1 or int(old_status.get("learnerAttempt") or 1) > 1
+    seen_running = bool(status.get("learnerStartTime")) or status.get("step") is not None \
+        or int(old_status.get("learnerAttempt") or 1) > 1
+    ran = seen_running or int((learner.get("status") or {}).get("failed") or 0) >= 1
     start_learner_pods = [] if ran else obs.learner_pods
-    preflight = preflight_failure(obs.rollout_pods if pool_starting or colocated else [], start_learner_pods)
+    # A learner pod whose preflight refused the model never ran, though the Job counts it failed: the preflight's
+    # verdict holds until a learner pod was seen running.
+    preflight = preflight_failure(obs.rollout_pods if pool_starting or colocated else [],
+                                  [] if seen_running else obs.learner_pods)
     # 5a. A learner on several pods is one torchrun world: one lost pod fails the Job's attempt as a whole (its
     # podFailurePolicy). Unless the learner refused its configuration (every attempt would), the next attempt
     # resumes from the newest checkpoint on the claim, up to spec.learner.backoffLimit restarts (a disruption, the

@@ -803,8 +803,9 @@ def test_a_start_that_cannot_succeed_fails_the_job_and_frees_the_pool(
 
 
 def test_a_learner_job_failed_by_its_preflight_reports_the_preflights_words() -> None:
-    # backoffLimit reached before the operator saw the pod: the Job is Failed, its pod kept with the exit.
-    world = World(**{**_STARTED, "job_status": {"conditions": [
+    # backoffLimit reached before the operator saw the pod: the Job is Failed (its pods counted failed: issue 62, no
+    # pod of it ran, so the preflight's verdict holds), its pod kept with the exit.
+    world = World(**{**_STARTED, "job_status": {"failed": 3, "conditions": [
         {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "Job has reached the "
          "specified backoff limit"}]}}, learner_pods=[_preflight("learner", "demo-learner-x", restarted=False)])
     d = decide(world.observed(), NOW)
