@@ -393,8 +393,7 @@ def train_in_process(job: RolloutMatchingJob, addresses: list[str], *, auth_toke
     try:
         if trainer is None:
             trainer = build_trainer(job, addresses, auth_token=auth_token, resume=resume)
-        console.print(f"TensorBoard event files in {job.spec.training.tensorboard_dir} "
-                      f"(tensorboard --logdir {job.spec.training.tensorboard_dir})")
+        console.print("tracking: " + "; ".join(job.spec.training.tracking_destinations))
         columns = (TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.fields[info]}"))
         with Progress(*columns, console=console) as progress:
@@ -540,7 +539,7 @@ def dry_run(job: RolloutMatchingJob, *, work_dir: str | Path = ".rmsft") -> list
     out.append(f"steps: {t.steps} of {t.prompts_per_step} prompts, rollouts of up to {t.rollout.max_tokens} tokens; "
                f"checkpoints in {t.checkpoint.dir} {_every(t.checkpoint.every)} (keep {t.checkpoint.keep})"
                + (f"; held-out evaluation {_every(t.eval.every)}" if t.eval.data else "")
-               + f"; TensorBoard in {t.tensorboard_dir}")
+               + "; tracking: " + "; ".join(t.tracking_destinations))
     try:
         out.extend(plan_memory(job).lines())
     except ModelShapeError as exc:

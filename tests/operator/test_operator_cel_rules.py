@@ -226,6 +226,8 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any] | None]] = [
         None,
     ),
     ("spec.training", "spec.training.warmup_steps exceeds steps", {"spec.training.warmup_steps": 5000}, None),
+    ("spec.training", "spec.training.report_to names a tracker more than once",
+     {"spec.training.report_to": ["mlflow", "tensorboard", "mlflow"]}, None),
     *(
         (
             "spec.training",
