@@ -35,8 +35,9 @@ MODULES = {
     "mlflow-skinny": "mlflow",
     "wandb": "wandb",
 }
-# Found is not enough for these: a DeepSpeed built against another torch fails only at import.
-_IMPORT_TO_CHECK = {"deepspeed"}
+# Found is not enough for these: a DeepSpeed built against another torch fails only at import, and so do the
+# trackers under a protobuf or cachetools they do not accept.
+_IMPORT_TO_CHECK = {"deepspeed", "mlflow-skinny", "wandb"}
 
 _TRAIN_EXTRA = "pip install -c requirements/constraints.txt '.[train]'"
 _TRACKING_EXTRA = "pip install -c requirements/constraints.txt 'rmsft[tracking]'"

@@ -77,11 +77,13 @@ def require_trackers(names: Iterable[str]) -> None:
         try:
             importlib.import_module(module)
         except Exception as e:  # noqa: BLE001 - a broken install raises anything from its import
-            missing.append(f"{name} ({dist}: {type(e).__name__}: {e})")
+            why = ("not installed" if isinstance(e, ModuleNotFoundError)
+                   else f"cannot be imported: {type(e).__name__}: {e}")
+            missing.append(f"{name} ({dist} {why})")
     if missing:
-        raise TrackingError(f"spec.training.report_to names {', '.join(missing)}, which is not installed: install "
-                            f"it with `{TRACKING_EXTRA}` (pinned: -c requirements/constraints.txt), or drop it "
-                            "from report_to")
+        raise TrackingError(f"spec.training.report_to names a tracker this environment lacks: {', '.join(missing)}; "
+                            f"install it with `{TRACKING_EXTRA}` (pinned: -c requirements/constraints.txt), or drop "
+                            "it from report_to")
 
 
 def _flat(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:

@@ -1,0 +1,113 @@
+"""spec.training.report_to: TensorBoard, MLflow (its file store) and Weights & Biases (offline) each get the
+same scalars and the job's config, read back from what each wrote to disk (TensorBoard's reader, MLflow's own
+client on the file store, the offline `run-<id>.wandb` file); a tracker that is not installed is refused at
+start naming the `tracking` extra. No network: W&B runs offline, MLflow on a `file:` store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from learner.tracking.tracker import TrackingError, read_events, read_wandb_offline, require_trackers, tracker_of
+from rmsft.jobspec import JobSpecError, parse_job
+from rmsft.requirements import MissingRequirementError, require_learner_runtime
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = {1: {"train/loss": 1.5, "train/reward": 0.25}, 2: {"train/loss": 1.25, "train/reward": 0.5}}
+
+
+def _doc(tmp_path: Path, **training) -> dict:
+    doc = yaml.safe_load((ROOT / "configs" / "local-tiny.yaml").read_text())
+    doc["spec"]["training"]["checkpoint"]["dir"] = str(tmp_path / "ck")
+    doc["spec"]["training"].update(training)
+    return doc
+
+
+@pytest.fixture
+def wandb_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """W&B's own settings and caches in tmp_path, no git probe, no console capture: nothing outside the test."""
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+
+
+@pytest.mark.usefixtures("wandb_home")
+def test_every_tracker_gets_the_same_scalars_and_the_config(tmp_path: Path) -> None:
+    job = parse_job(_doc(tmp_path, report_to=["tensorboard", "mlflow", "wandb"]))
+    manifest = json.loads(json.dumps(job.to_manifest()))
+    with tracker_of(job) as tracker:
+        for step, values in STEPS.items():
+            tracker.scalars(step, values)
+    want = {tag: [(s, v[tag]) for s, v in STEPS.items()] for tag in STEPS[1]}
+
+    tb, _ = read_events(tmp_path / "ck" / "tensorboard")
+    assert tb == want
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"file:{tmp_path / 'ck' / 'mlruns'}")
+    experiment = client.get_experiment_by_name(job.metadata.name)
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.run_name == job.metadata.name and run.info.status == "FINISHED"
+    assert {tag: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, tag)] for tag in want} == want
+    assert run.data.params["spec.training.lr"] == str(job.spec.training.lr)
+    assert run.data.params["spec.training.report_to"] == '["tensorboard", "mlflow", "wandb"]'
+    local = client.download_artifacts(run.info.run_id, "job.yaml", str(tmp_path / "dl"))
+    assert yaml.safe_load(Path(local).read_text()) == manifest
+
+    (run_file,) = (tmp_path / "ck" / "wandb").glob("offline-run-*/run-*.wandb")
+    scalars, config = read_wandb_offline(run_file)
+    assert scalars == want
+    assert config == manifest
+
+
+def test_report_to_default_empty_and_twice(tmp_path: Path) -> None:
+    t = parse_job(_doc(tmp_path)).spec.training
+    assert t.report_to == ["tensorboard"]
+    with tracker_of(parse_job(_doc(tmp_path, report_to=[]))) as tracker:
+        assert not tracker.enabled and tracker.log_dir is None
+    assert not (tmp_path / "ck").exists()  # nothing written with no tracker
+    with pytest.raises(JobSpecError, match="report_to names a tracker more than once: mlflow"):
+        parse_job(_doc(tmp_path, report_to=["mlflow", "tensorboard", "mlflow"]))
+    with pytest.raises(JobSpecError, match="report_to"):
+        parse_job(_doc(tmp_path, report_to=["swanlab"]))
+
+
+def test_a_tracker_not_installed_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # importing it raises ImportError
+    with pytest.raises(TrackingError, match=r"report_to names a tracker this environment lacks: wandb \(wandb not "
+                                            r"installed\); install it with `pip install 'rmsft\[tracking\]'`"):
+        require_trackers(["tensorboard", "mlflow", "wandb"])
+    require_trackers(["tensorboard", "mlflow"])
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(MissingRequirementError, match=r"mlflow-skinny \(spec.training.report_to: mlflow\) cannot be "
+                                                      r"imported .*install it with .*'rmsft\[tracking\]'"):
+        require_learner_runtime(parse_job(_doc(tmp_path, report_to=["mlflow"])))
+
+
+def test_rmsft_train_without_the_tracker_fails_at_start(tmp_path: Path) -> None:
+    shim = tmp_path / "shim" / "mlflow"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('mlflow is not installed in this image')\n")
+    doc = _doc(tmp_path, report_to=["tensorboard", "mlflow"])
+    doc["spec"]["model"]["path"] = str(tmp_path / "no-model")  # the check comes before anything looks at them
+    doc["spec"]["training"]["data"]["path"] = str(tmp_path / "no-data.jsonl")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim.parent), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-m", "rmsft_cli", "train", "--config", str(job), "--servers", "h:1"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
+    err = " ".join(res.stderr.split())
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "mlflow-skinny (spec.training.report_to: mlflow) cannot be imported (ImportError: mlflow is not" in err
+    assert "pip install -c requirements/constraints.txt 'rmsft[tracking]'" in err, err
