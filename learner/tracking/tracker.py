@@ -181,7 +181,8 @@ def tracker_of(job: RolloutMatchingJob, *, resume_step: int | None = None) -> Tr
                    config=job.to_manifest(), resume_step=resume_step,
                    mlflow=MlflowTarget(t.mlflow_uri, t.mlflow.experiment or name) if "mlflow" in t.report_to else None,
                    wandb="wandb" in t.report_to,
-                   wandb_options={"project": t.wandb.project or name, "mode": t.wandb.mode, "dir": t.wandb_dir})
+                   wandb_options={"project": t.wandb.project or os.environ.get(WANDB_PROJECT_ENV) or name,
+                                  "mode": t.wandb.mode, "dir": t.wandb_dir})
 
 
 class Tracker:
