@@ -40,6 +40,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from learner.gpu_assignment import CUDA_ENV, GpuAssignment, assign_gpus, visible_gpu_count
+from learner.tracking.tracker import require_trackers
 from rmsft import lifeline, run_dir
 from rmsft.jobspec import JobSpecError, RolloutMatchingJob, load_job
 from rmsft.logs import ENV as LOG_LEVEL_ENV
@@ -565,6 +566,7 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
     console = console or Console(stderr=True, soft_wrap=True)
     job = load_job(job_path)
     memory_plan_setting()  # a typo in RMSFT_MEMORY_PLAN fails now, not once the servers are up
+    require_trackers(job.spec.training.report_to)  # an MLflow / W&B not installed: now, not after the servers
     # Everything that can be refused from the spec and the machine alone, before anything starts.
     assignment = machine_gpus(job)
     # One learner GPU: the learner runs in this process, which already sees every GPU (and may have

@@ -111,3 +111,22 @@ def test_rmsft_train_without_the_tracker_fails_at_start(tmp_path: Path) -> None:
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "mlflow-skinny (spec.training.report_to: mlflow) cannot be imported (ImportError: mlflow is not" in err
     assert "pip install -c requirements/constraints.txt 'rmsft[tracking]'" in err, err
+
+
+def test_rmsft_local_without_the_tracker_fails_before_anything_starts(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from rmsft_cli.app import app
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    doc = _doc(tmp_path, report_to=["wandb"])
+    doc["spec"]["model"]["path"] = str(tmp_path / "no-model")  # refused before anything would look at it
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    res = CliRunner().invoke(app, ["local", str(job), "--work-dir", str(tmp_path / "work")])
+    said = " ".join((res.stdout + res.stderr).split())
+    assert res.exit_code == 2 and "Traceback" not in said, said
+    assert "report_to names a tracker this environment lacks: wandb (wandb not installed); install it with " \
+           "`pip install 'rmsft[tracking]'`" in said, said
+    assert not (tmp_path / "ck").exists()  # no checkpoint folder, no servers: nothing started
