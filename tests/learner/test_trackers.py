@@ -30,8 +30,9 @@ def _doc(tmp_path: Path, **training) -> dict:
 
 
 @pytest.fixture
-def wandb_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """W&B's own settings and caches in tmp_path, no git probe, no console capture: nothing outside the test."""
+def tracker_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """W&B's own settings and caches in tmp_path, no git probe, no console capture: nothing outside the test; MLflow's
+    file-store switch unset."""
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -39,9 +40,12 @@ def wandb_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_CONSOLE", "off")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
+    # Unset, as on a fresh learner: the tracker sets it for its file: store (setenv first so teardown unsets it).
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
 
 
-@pytest.mark.usefixtures("wandb_home")
+@pytest.mark.usefixtures("tracker_env")
 def test_every_tracker_gets_the_same_scalars_and_the_config(tmp_path: Path) -> None:
     job = parse_job(_doc(tmp_path, report_to=["tensorboard", "mlflow", "wandb"]))
     manifest = json.loads(json.dumps(job.to_manifest()))
@@ -130,3 +134,21 @@ def test_rmsft_local_without_the_tracker_fails_before_anything_starts(tmp_path: 
     assert "report_to names a tracker this environment lacks: wandb (wandb not installed); install it with " \
            "`pip install 'rmsft[tracking]'`" in said, said
     assert not (tmp_path / "ck").exists()  # no checkpoint folder, no servers: nothing started
+
+
+@pytest.mark.usefixtures("tracker_env")
+def test_a_tracker_that_fails_to_log_is_warned_about_once_and_training_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from mlflow.tracking import MlflowClient
+
+    job = parse_job(_doc(tmp_path, report_to=["tensorboard", "mlflow"]))
+    with tracker_of(job) as tracker:
+        def down(*a: object, **k: object) -> None:
+            raise ConnectionError("tracking server down")
+
+        monkeypatch.setattr(MlflowClient, "log_batch", down)
+        for step, values in STEPS.items():
+            tracker.scalars(step, values)  # no raise: the run goes on
+    assert caplog.text.count("MLflow could not log scalars (tracking server down)") == 1
+    tb, _ = read_events(tmp_path / "ck" / "tensorboard")
+    assert tb["train/loss"] == [(1, 1.5), (2, 1.25)]  # the other trackers still got them
