@@ -168,7 +168,7 @@ def _wandb_module(wanted: bool | None) -> Any | None:
     except ImportError as e:
         if wanted:
             raise TrackingError(f"Weights & Biases was asked for but cannot be imported ({e}); install it with "
-                                "`pip install wandb`, or leave it off") from e
+                                f"`{TRACKING_EXTRA}`, or leave it off") from e
         log.warning("%s is set but the wandb package is not installed: tracking to TensorBoard only",
                     WANDB_PROJECT_ENV)
         return None

@@ -125,7 +125,8 @@ def test_rmsft_local_without_the_tracker_fails_before_anything_starts(tmp_path: 
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
     doc = _doc(tmp_path, report_to=["wandb"])
-    doc["spec"]["model"]["path"] = str(tmp_path / "no-model")  # refused before anything would look at it
+    doc["spec"]["model"]["path"] = str(tmp_path / "no-model")  # refused before anything would look at them
+    doc["spec"]["training"]["data"]["path"] = str(tmp_path / "no-data.jsonl")
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(doc))
     res = CliRunner().invoke(app, ["local", str(job), "--work-dir", str(tmp_path / "work")])
