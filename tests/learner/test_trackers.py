@@ -153,3 +153,13 @@ def test_a_tracker_that_fails_to_log_is_warned_about_once_and_training_goes_on(
     assert caplog.text.count("MLflow could not log scalars (tracking server down)") == 1
     tb, _ = read_events(tmp_path / "ck" / "tensorboard")
     assert tb["train/loss"] == [(1, 1.5), (2, 1.25)]  # the other trackers still got them
+
+
+def test_the_dry_run_says_where_each_tracker_goes(tmp_path: Path) -> None:
+    from learner.local import dry_run
+
+    job = parse_job(_doc(tmp_path, report_to=["tensorboard", "mlflow", "wandb"], wandb={"dir": str(tmp_path / "w")}))
+    said = " ".join(dry_run(job, work_dir=tmp_path / "work"))
+    ck = tmp_path / "ck"
+    assert (f"tracking: TensorBoard in {ck}/tensorboard (tensorboard --logdir {ck}/tensorboard); "
+            f"MLflow at file:{ck}/mlruns; W&B (offline) in {tmp_path / 'w'}/wandb") in said, said
