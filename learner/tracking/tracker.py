@@ -318,9 +318,10 @@ def decode_png(data: bytes) -> Image.Image:
 
 
 def read_wandb_offline(run_file: str | Path) -> tuple[dict[str, list[tuple[int, float]]], dict[str, Any]]:
-    """The scalars (by key, `(step, value)` in order) and the config of a W&B run file (`run-<id>.wandb` in an
-    offline run's folder): for tests and users' scripts. wandb ships no reader of its own now, so this reads its
-    format (LevelDB's log: 7-byte header, then 32 KiB blocks of CRC-framed chunks, each a protobuf Record)."""
+    """The scalars (by key, `(step, value)` in order; images left out) and the config of a W&B run file
+    (`run-<id>.wandb` in an offline run's folder): for tests and users' scripts. wandb ships no reader of its own
+    now, so this reads its format (LevelDB's log: 7-byte header, then 32 KiB blocks of CRC-framed chunks, each a
+    protobuf Record)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = Path(run_file).read_bytes()
@@ -349,9 +350,11 @@ def read_wandb_offline(run_file: str | Path) -> tuple[dict[str, list[tuple[int, 
         which = rec.WhichOneof("record_type")
         if which == "history":
             for item in rec.history.item:
-                key = item.key or "/".join(item.nested_key)
-                if not key.startswith("_"):  # wandb's own _step, _runtime, _timestamp
-                    scalars.setdefault(key, []).append((rec.history.step.num, float(json.loads(item.value_json))))
+                parts, value = [item.key] if item.key else list(item.nested_key), json.loads(item.value_json)
+                # wandb's own _step, _runtime, _timestamp left out, and images (nested keys: width, path, ...)
+                if (len(parts) == 1 and not parts[0].startswith("_") and isinstance(value, int | float)
+                        and not isinstance(value, bool)):
+                    scalars.setdefault(parts[0], []).append((rec.history.step.num, float(value)))
         elif which in ("run", "config"):
             items = rec.run.config.update if which == "run" else rec.config.update
             for item in items:

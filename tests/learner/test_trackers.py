@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from PIL import Image
 
 from learner.tracking.tracker import TrackingError, read_events, read_wandb_offline, require_trackers, tracker_of
 from rmsft.jobspec import JobSpecError, parse_job
@@ -52,10 +53,11 @@ def test_every_tracker_gets_the_same_scalars_and_the_config(tmp_path: Path) -> N
     with tracker_of(job) as tracker:
         for step, values in STEPS.items():
             tracker.scalars(step, values)
+        tracker.image(2, "eval/pictures", Image.new("RGB", (16, 8), (200, 30, 30)))
     want = {tag: [(s, v[tag]) for s, v in STEPS.items()] for tag in STEPS[1]}
 
-    tb, _ = read_events(tmp_path / "ck" / "tensorboard")
-    assert tb == want
+    tb, tb_images = read_events(tmp_path / "ck" / "tensorboard")
+    assert tb == want and [s for s, _ in tb_images["eval/pictures"]] == [2]
 
     from mlflow.tracking import MlflowClient
 
@@ -66,12 +68,15 @@ def test_every_tracker_gets_the_same_scalars_and_the_config(tmp_path: Path) -> N
     assert {tag: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, tag)] for tag in want} == want
     assert run.data.params["spec.training.lr"] == str(job.spec.training.lr)
     assert run.data.params["spec.training.report_to"] == '["tensorboard", "mlflow", "wandb"]'
+    pictures = [a.path for a in client.list_artifacts(run.info.run_id, "images") if a.path.endswith(".png")]
+    assert len(pictures) == 1 and "eval~pictures+step+2+" in pictures[0]
     local = client.download_artifacts(run.info.run_id, "job.yaml", str(tmp_path / "dl"))
     assert yaml.safe_load(Path(local).read_text()) == manifest
 
     (run_file,) = (tmp_path / "ck" / "wandb").glob("offline-run-*/run-*.wandb")
     scalars, config = read_wandb_offline(run_file)
     assert scalars == want
+    assert len(list((run_file.parent / "files" / "media").rglob("*.png"))) == 1  # the picture
     assert config == manifest
 
 
