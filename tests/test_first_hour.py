@@ -186,6 +186,7 @@ def test_relative_paths_are_the_job_files_folder_from_any_working_directory(tmp_
     (tmp_path / "sub").mkdir()
     job = tmp_path / "sub" / "job.yaml"
     extra = ("    eval: {data: held.jsonl, image_root: imgs}\n    export: {dir: out/export}\n    log_dir: tb\n"
+             "    wandb: {dir: w}\n"
              "    checkpoint: {dir: /abs/ckpt}\n")
     job.write_text(doc.replace("    checkpoint: {dir: ../.rmsft/checkpoints, every: 10, keep: 2}\n", extra)
                    .replace("data: {path: ../.rmsft/tiny-data.jsonl}", "data: {path: d.jsonl, image_root: ./i}"))
@@ -195,7 +196,8 @@ def test_relative_paths_are_the_job_files_folder_from_any_working_directory(tmp_
     assert got == {"model.path": str(tmp_path / ".rmsft" / "tiny-model"), "training.data.path": str(sub / "d.jsonl"),
                    "training.data.image_root": str(sub / "i"), "training.eval.data": str(sub / "held.jsonl"),
                    "training.eval.image_root": str(sub / "imgs"), "training.checkpoint.dir": "/abs/ckpt",
-                   "training.export.dir": str(sub / "out" / "export"), "training.log_dir": str(sub / "tb")}
+                   "training.export.dir": str(sub / "out" / "export"), "training.log_dir": str(sub / "tb"),
+                   "training.wandb.dir": str(sub / "w")}
 
 
 def _get(spec: object, fields: tuple[str, ...]) -> object:

@@ -46,7 +46,7 @@ from learner.rollouts.interface import RolloutSource
 from learner.rollouts.pool import ServerPool, ServersFile
 from learner.sync.client import WeightSyncClient
 from learner.tracking import metrics as m
-from learner.tracking.tracker import Tracker, check_writable
+from learner.tracking.tracker import check_writable, require_trackers, tracker_of
 from learner.train import zero
 from learner.train.checkpoint_files import check_checkpoint_dir
 from learner.train.checkpoint_owner import WriterLock, lineage_of
@@ -157,7 +157,9 @@ class TrainingLoop:
         with ranks.guard("checking spec.training.checkpoint.dir (rank 0)"):
             if ranks.is_main:  # the rank that writes checkpoints; before anything is paid for
                 self._writer_lock = claim_checkpoint_dir(cfg.checkpoint.dir, self.state.run_id, self.lineage["job"])
-                check_writable(Path(cfg.tensorboard_dir))  # TensorBoard's folder: now, not after training
+                require_trackers(cfg.report_to)  # mlflow / wandb installed: now, not after the model loaded
+                if "tensorboard" in cfg.report_to:
+                    check_writable(Path(cfg.tensorboard_dir))  # TensorBoard's folder: now, not after training
         with ranks.guard("checking the memory plan"):
             check_memory_plan(job, log_it=ranks.is_main)  # before anything is loaded: say which knob to turn
         with ranks.guard("loading the data and the model"):
@@ -274,8 +276,7 @@ class TrainingLoop:
             self._fresh_start_done = True
         if self.ranks.is_main and self.reporter is None:
             # After resume(): TensorBoard hides what a crashed run wrote past its last checkpoint.
-            self.reporter = RunReporter(Tracker(self.cfg.tensorboard_dir, run_name=self.job.metadata.name,
-                                                config=self.job.to_manifest(), resume_step=st.step + 1))
+            self.reporter = RunReporter(tracker_of(self.job, resume_step=st.step + 1))
         self._log_start(target)
         if self.no_rollouts:  # no servers to wait for or to sync (a plain SFT run)
             return target
@@ -481,7 +482,8 @@ class TrainingLoop:
             self.state, self.history, self.evaluations, wall_seconds=wall, eval_iou=self.cfg.eval.iou,
             retries=int(m.counter_total(m.ROLLOUT_RETRIES) - self._retries_at_start), pictures=list(self.pictures),
             eval_pictures=list(self.eval_pictures), exported=self.exported,
-            log_dir=Path(self.cfg.tensorboard_dir) if self.ranks.is_main else None)
+            log_dir=Path(self.cfg.tensorboard_dir) if self.ranks.is_main and "tensorboard" in self.cfg.report_to
+            else None)
         self.objective.summarise(out)  # its own fields (rollout F1, rewards)
         return out
 

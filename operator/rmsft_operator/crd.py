@@ -26,6 +26,7 @@ from rmsft.jobspec import (
     QUANTITY_PATTERN,
     RECIPE_EXPLORERS_STALENESS,
     RECIPE_SECOND_ONLY,
+    REPORT_TO_TWICE,
     TLS_COLOCATE,
     TLS_HEALTH_PORT,
     JobSpec,
@@ -282,6 +283,8 @@ LOCAL_RULES: dict[str, list[dict[str, str]]] = {
     ],
     "training": [
         {"rule": "self.warmup_steps <= self.steps", "message": "spec.training.warmup_steps exceeds steps"},
+        {"rule": "!has(self.report_to) || self.report_to.all(t, self.report_to.exists_one(u, u == t))",
+         "message": REPORT_TO_TWICE, "fieldPath": ".report_to"},
         *({"rule": f"self.recipe.generation == 2 || !has(self.recipe.{name})",
            "message": RECIPE_SECOND_ONLY.format(name=name)} for name in RecipeConfig.SECOND_ONLY),
         {"rule": "!has(self.recipe.explorers) || self.recipe.explorers.count == 0 "

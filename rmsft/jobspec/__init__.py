@@ -76,6 +76,8 @@ from rmsft.jobspec.rollout import (
 )
 from rmsft.jobspec.sync import SyncSpec, SyncTransport
 from rmsft.jobspec.training import (
+    REPORT_TO_TWICE,
+    TRACKERS,
     BufferConfig,
     CheckpointConfig,
     DataConfig,
@@ -84,15 +86,18 @@ from rmsft.jobspec.training import (
     FormatOptions,
     FreezeConfig,
     LoraConfig,
+    MlflowConfig,
     RolloutDecoding,
     TrainingConfig,
+    WandbConfig,
 )
 
 __all__ = [
     "API_GROUP", "API_VERSION", "COLOCATE_REPLICAS", "COLOCATE_SLEEP_ZERO3", "COLOCATE_STALENESS",
     "DEFAULT_STARTUP_TIMEOUT", "DURATION_PATTERN", "GENERATION_DEFAULTS", "KIND", "PATH_FIELDS", "PLURAL",
     "QUANTITY_PATTERN",
-    "RECIPE_EXPLORERS_STALENESS", "RECIPE_SECOND_ONLY", "BufferConfig", "CheckpointConfig", "ColocateSpec",
+    "RECIPE_EXPLORERS_STALENESS", "RECIPE_SECOND_ONLY", "REPORT_TO_TWICE", "TRACKERS", "MlflowConfig", "WandbConfig",
+    "BufferConfig", "CheckpointConfig", "ColocateSpec",
     "DataConfig", "DuplicateControl", "EvalConfig", "ExplorerConfig", "ExportConfig", "FormatOptions",
     "FreezeConfig", "GrpoTrainingConfig", "ImageSpec", "JobSpec", "JobSpecError", "LearnerSpec", "LoraConfig",
     "LossConfig", "MatchingConfig", "ModelSpec", "ModelVolume", "MonitoringSpec", "ObjectMeta", "PlacementSpec",

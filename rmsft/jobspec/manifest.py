@@ -224,7 +224,7 @@ def write_effective_job(path: str | Path, overrides: list[str] | tuple[str, ...]
 # The spec's file and folder paths (section, ..., key): what `resolve_paths` reads relative to the job file's folder.
 PATH_FIELDS = (("model", "path"), ("training", "data", "path"), ("training", "data", "image_root"),
                ("training", "eval", "data"), ("training", "eval", "image_root"), ("training", "checkpoint", "dir"),
-               ("training", "export", "dir"), ("training", "log_dir"))
+               ("training", "export", "dir"), ("training", "log_dir"), ("training", "wandb", "dir"))
 
 
 def resolve_paths(job: RolloutMatchingJob, folder: str | Path) -> None:

@@ -178,6 +178,31 @@ class FormatOptions(_Learner):
     )
 
 
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+REPORT_TO_TWICE = "spec.training.report_to names a tracker more than once"  # the CEL rule says the same
+
+
+class MlflowConfig(_Learner):
+    """Where spec.training.report_to: [mlflow] logs (one MLflow run per learner process)."""
+
+    tracking_uri: str | None = Field(
+        None, min_length=1, description="A tracking server (http://...) or a local file store (file:/path); "
+        "unset = file:<checkpoint.dir>/mlruns.",
+    )
+    experiment: str | None = Field(None, min_length=1, description="Experiment name; unset = the job's name.")
+
+
+class WandbConfig(_Learner):
+    """Where spec.training.report_to: [wandb] logs."""
+
+    project: str | None = Field(None, min_length=1, description="W&B project; unset = the job's name.")
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: run files on disk only, no network or login (`wandb sync` uploads them "
+        "later); online: streams to the W&B server (needs WANDB_API_KEY).",
+    )
+    dir: str | None = Field(None, min_length=1, description="Where W&B writes its run files; unset = <checkpoint.dir>.")
+
+
 class TrainingConfig(_Learner):
     data: DataConfig
     format: Literal["coordexp", "coordjson", "qwen_json"] = Field(
@@ -242,11 +267,44 @@ class TrainingConfig(_Learner):
     log_dir: str | None = Field(
         None, min_length=1, description="TensorBoard event files (rank 0); unset = <checkpoint.dir>/tensorboard.",
     )
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=lambda: ["tensorboard"], max_length=len(TRACKERS),
+        description="Experiment trackers rank 0 logs the same scalars and the job's config to; [] = none. "
+        "mlflow and wandb need `pip install 'rmsft[tracking]'`.",
+    )
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="report_to: mlflow settings.")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="report_to: wandb settings.")
 
     @property
     def tensorboard_dir(self) -> str:
         """Where rank 0 writes TensorBoard event files (`log_dir`, else beside the checkpoints)."""
         return self.log_dir or f"{self.checkpoint.dir.rstrip('/')}/tensorboard"
+
+    @property
+    def mlflow_uri(self) -> str:
+        """Where report_to: mlflow logs (`mlflow.tracking_uri`, else a file store beside the checkpoints)."""
+        return self.mlflow.tracking_uri or f"file:{self.checkpoint.dir.rstrip('/')}/mlruns"
+
+    @property
+    def wandb_dir(self) -> str:
+        """Where report_to: wandb writes its run files (`wandb.dir`, else the checkpoint folder)."""
+        return self.wandb.dir or self.checkpoint.dir
+
+    @property
+    def tracking_destinations(self) -> list[str]:
+        """Where report_to sends the run, in words (`rmsft local` prints it, --dry-run too)."""
+        where = {"tensorboard": f"TensorBoard in {self.tensorboard_dir} (tensorboard --logdir {self.tensorboard_dir})",
+                 "mlflow": f"MLflow at {self.mlflow_uri}",
+                 "wandb": f"W&B ({self.wandb.mode}) in {self.wandb_dir}/wandb"}
+        return [where[t] for t in self.report_to] or ["no tracker (spec.training.report_to: [])"]
+
+    @field_validator("report_to")
+    @classmethod
+    def _distinct_trackers(cls, v: list[str]) -> list[str]:
+        twice = sorted({t for t in v if v.count(t) > 1})
+        if twice:
+            raise ValueError(f"{REPORT_TO_TWICE}: {', '.join(twice)}")
+        return v
 
     @property
     def export_dir(self) -> str:

@@ -235,6 +235,8 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any] | None]] = [
      {"spec.training.grpo.correction": "tis", "spec.training.grpo.correction_low": 0.5}, None),
     ("spec.training.grpo", "spec.training.grpo.overlong_buffer must be < max_tokens",
      {"spec.training.grpo.max_tokens": 64, "spec.training.grpo.overlong_buffer": 64}, None),
+    ("spec.training", "spec.training.report_to names a tracker more than once",
+     {"spec.training.report_to": ["mlflow", "tensorboard", "mlflow"]}, None),
     *(
         (
             "spec.training",
