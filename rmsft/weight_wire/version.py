@@ -35,6 +35,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from google.protobuf.message import Message
 from rmsft_protos import rollout_pb2
 
 from rmsft.weight_wire.contract import WireError
@@ -88,7 +89,7 @@ FRESH = WeightVersion(NO_RUN, 0)  # what a server holds before any update applie
 
 
 # message type -> (run id field, number field). The one place the wire names them.
-_FIELDS: dict[type, tuple[str, str]] = {
+_FIELDS: dict[type[Message], tuple[str, str]] = {
     rollout_pb2.WeightHeader: ("run_id", "version"),
     rollout_pb2.UpdateReply: ("run_id", "version"),
     rollout_pb2.RelayOutcome: ("run_id", "version"),
