@@ -23,11 +23,11 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 from rmsft.weight_wire import FRESH, WeightVersion, mismatch_message
 from rollout_engine import metrics
-from rollout_engine.engine import Engine, GenItem, GenOutput
+from rollout_engine.engine import BatchingEngine, Engine, GenItem, GenOutput
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +112,8 @@ class EngineRunner:
                 self._cv.notify_all()
 
     def _submit(self, items: list[GenItem]) -> Future:
-        if self._serial is None:
-            return self.engine.submit(items)
+        if self._serial is None:  # the engine has `submit` (__init__)
+            return cast(BatchingEngine, self.engine).submit(items)
         return self._serial.submit(self.engine.generate, items)
 
     # Weight applies ------------------------------------------------------------------------------
