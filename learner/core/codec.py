@@ -45,7 +45,7 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol, TypeGuard
 
 NUM_BINS = 1000
 QWEN_RELATIVE_MAX = 1000  # Qwen3-VL writes relative coordinates as integers 0..1000 inclusive
@@ -99,7 +99,7 @@ def check_desc(desc: object) -> str:
     return stripped
 
 
-def _is_int(v: object) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -143,16 +143,21 @@ class DetObject:
 
 
 class OutputFormat(Protocol):
-    """What the parser and target builder need from an output format."""
+    """What the parser and target builder need from an output format. Its four facts are read-only (properties
+    here): the formats give them as class constants, or (`needs_image_size`) as a property of their options."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
     # "object": a top-level JSON object of `"object_N": {...}` entries; "list": a top-level JSON list
     # of `{...}` entries. The parser's scanner and the appended tail's closing bracket follow it.
-    container: Container
+    @property
+    def container(self) -> Container: ...
     # Whether coordinates are coord tokens (coordinate losses) or plain text (cross-entropy only).
-    coord_tokens: bool
+    @property
+    def coord_tokens(self) -> bool: ...
     # True when coordinates are measured on the processor-resized image: bind with `for_image` first.
-    needs_image_size: bool
+    @property
+    def needs_image_size(self) -> bool: ...
 
     def render_entries(self, objects: Sequence[DetObject], start_index: int) -> str:
         """The entries without the container's brackets, joined by `", "`: `"object_{start}": {...},
@@ -310,9 +315,9 @@ class QwenJsonFormat:
         if not _is_int(v):
             return None
         if self.coordinates == "relative":
-            return min(v, NUM_BINS - 1) if 0 <= v <= QWEN_RELATIVE_MAX else None  # type: ignore[operator]
+            return min(v, NUM_BINS - 1) if 0 <= v <= QWEN_RELATIVE_MAX else None
         size = self._sizes()[axis]
-        return pixel_to_bin(v, size) if 0 <= v <= size else None  # type: ignore[operator,arg-type]
+        return pixel_to_bin(v, size) if 0 <= v <= size else None
 
     def _value(self, obj: DetObject) -> str:
         box = self.as_written(obj)

@@ -234,6 +234,8 @@ def loss_sums(
             soft_ce, w1, gate, coord_ce = soft_ce * cw, w1 * cw, gate * cw, coord_ce * cw
         soft_sum, w1_sum, gate_sum, coord_ce_sum = soft_ce.sum(), w1.sum(), gate.sum(), coord_ce.sum()
         if n_boxes:
+            assert row.box_coords is not None and row.box_bins is not None and row.box_weights is not None, \
+                "n_boxes > 0: the row was packed with its boxes' coords, bins and weights"
             value = expected_coord(coord_logits)
             l1, ciou = box_terms(value[row.box_coords.to(device)],
                                  row.box_bins.to(device).float() / (NUM_BINS - 1))
@@ -241,6 +243,7 @@ def loss_sums(
             l1_sum, ciou_sum = (l1 * bw).sum(), (ciou * bw).sum()
     ul_sum = zero
     if row.n_unlikelihood:
+        assert row.ul_positions is not None and row.ul_tokens is not None, "packed together (n_unlikelihood > 0)"
         upos = row.ul_positions.to(device)
         logp = torch.log_softmax(logits[upos - 1].float(), dim=-1)
         p = logp.gather(-1, row.ul_tokens.to(device)[:, None]).squeeze(-1).exp()
