@@ -51,7 +51,7 @@ from learner.data.images import ImageStore
 from learner.data.records import Record
 from learner.evaluation.coco_map import boxes_from_detections, coco_map
 from learner.evaluation.draw import RolloutPicture
-from learner.rollouts.client import RolloutClient
+from learner.rollouts.interface import RolloutSource
 
 ImageSize = Callable[[Record], "tuple[int, int] | None"]
 
@@ -242,7 +242,7 @@ def score(records: Sequence[Record], answers: Sequence[Sequence[int]], setup: Ev
                       per_record=per_record)
 
 
-def evaluate(client: RolloutClient, records: Sequence[Record], images: ImageStore, setup: EvalSetup, *,
+def evaluate(client: RolloutSource, records: Sequence[Record], images: ImageStore, setup: EvalSetup, *,
              version: int | None, max_tokens: int, iou: float = 0.5, step: int = 0) -> Evaluation:
     """Greedy answers to `records` from the servers holding weight version `version` (None: whatever the
     servers hold, for a model served as it is), scored."""

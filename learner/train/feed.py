@@ -129,6 +129,7 @@ class RolloutFeed:
         with ranks.guard(f"generating {what} (rank 0)"):
             if ranks.is_main:
                 if seed_offset or self.ahead is None:
+                    assert self.source is not None, "server mode: the pool's client is the source"
                     everything = self.source.generate(self.requests(k, seed_offset=seed_offset), sampling,
                                                       weight_version=self.state.version)
                 else:
@@ -139,9 +140,11 @@ class RolloutFeed:
         """Rank 0 hands each rank the completions of its contiguous share of the prompts (token-id lists)."""
         ranks = self.ranks
         if not ranks.enabled:
+            assert everything is not None, "one process: it is rank 0, which has the whole batch"
             return everything
         shares = None
         if ranks.is_main:
+            assert everything is not None, "rank 0 has the whole batch"
             bounds = [share_bounds(prompts, ranks.world_size, r) for r in range(ranks.world_size)]
             shares = [everything[lo * n : hi * n] for lo, hi in bounds]
         return ranks.scatter_from_main(shares)
@@ -162,6 +165,7 @@ class RolloutFeed:
         to generate while this one trains. The client fences each call to the version it was made with;
         `within_window` is what the learner accepts."""
         st, ahead = self.state, self.ahead
+        assert ahead is not None, "rollouts() takes from the ahead queue only when there is one"
         taken = ahead.take(k, self.requests(k), sampling, st.version)
         for j in islice(upcoming, ahead.max_staleness):
             ahead.submit(j, self.requests(j), sampling, st.version)

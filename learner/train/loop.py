@@ -43,7 +43,7 @@ from learner.evaluation.held_out import EvalSetup, Evaluation, evaluate
 from learner.rollouts.colocate import colocated_rollouts
 from learner.rollouts.interface import RolloutSource
 from learner.rollouts.pool import ServerPool, ServersFile
-from learner.sync.client import WeightSyncClient
+from learner.rollouts.server_home import WeightSender
 from learner.tracking import metrics as m
 from learner.tracking.tracker import Tracker, check_writable
 from learner.train import zero
@@ -120,18 +120,19 @@ class TrainingLoop:
         # (colocate). `pool` and `sync_client` are the server pool's parts (None with colocate).
         self.rollouts: RolloutSource | None = None
         self.pool: ServerPool | None = None
-        self.sync_client: WeightSyncClient | None = None
+        self.sync_client: WeightSender | None = None
         self.ahead: RolloutsAhead | None = None  # rank 0: rollouts generated ahead of training (overlap.py)
-        self.feed: RolloutFeed | None = None  # prompts, rollouts, what the engines serve (learner/train/feed.py)
+        self.feed: RolloutFeed  # prompts, rollouts, what the engines serve (learner/train/feed.py): set by _setup
         self._fresh_start_done = False  # an earlier run's checkpoints moved aside (`_begin`, runs not resumed)
-        self.updater: PlainUpdater | ZeroUpdater | None = None
+        self.updater: PlainUpdater | ZeroUpdater | None = None  # None once closed
         self.state = TrainState()
         self.history: list[StepResult] = []
         self.evaluations: list[Evaluation] = []
         self.reporter: RunReporter | None = None  # rank 0's TensorBoard and held-out reports
         self.exported: Path | None = None
         self._stop_why: str | None = None  # request_stop's reason (set from a signal handler)
-        self.lineage, self._writer_lock = lineage_of(job), None  # what checkpoints record; rank 0's hold on their dir
+        self.lineage = lineage_of(job)  # what checkpoints record
+        self._writer_lock: WriterLock | None = None  # rank 0's hold on their dir
         try:
             self._setup(job, addresses, auth_token, model_path, device)
         except BaseException:
@@ -165,6 +166,7 @@ class TrainingLoop:
             vision = job.spec.model.vision
             # Every image is opened and checked here, before anything is paid for.
             self.images: ImageStore
+            self.records: Sequence[Record]
             self.records, self.images = load_dataset(cfg.data.path, cfg.data.image_root, vision.max_image_pixels)
             self.eval_records: list[Record] = []
             self.eval_images: ImageStore | None = None
@@ -184,7 +186,8 @@ class TrainingLoop:
         with ranks.guard("setting up the optimizer step"):
             self.updater = make_updater(self.model, ranks, cfg, device=self.device,
                                         autocast_dtype=self.policy.autocast_dtype)
-        self.device = self.updater.device  # DeepSpeed may have placed the module itself
+        updater = self.updater
+        self.device = updater.device  # DeepSpeed may have placed the module itself
         self.core = core_configs(cfg)
         self.order = DataOrder(len(self.records), cfg.prompts_per_step, cfg.seed)
         self.packer = self.objective.make_packer()  # one per rank, lives across steps
@@ -205,7 +208,7 @@ class TrainingLoop:
                 self.rollouts = colocated_rollouts(
                     job, self.model, self.policy.tokenizer, run_id=self.state.run_id, world_size=ranks.world_size,
                     rank=ranks.rank, model_dir=model_dir, vision_language=self.policy.is_vision_language,
-                    around_generation=lambda: around_generation(job, self.updater, self.model),
+                    around_generation=lambda: around_generation(job, updater, self.model),
                 )
         else:
             with ranks.guard("connecting to the rollout servers (rank 0)"):
@@ -319,6 +322,8 @@ class TrainingLoop:
         # Every rank enters the guard (its failure agreement is collective); rank 0 alone talks to the servers.
         with self.phase("eval"), self.ranks.guard("evaluating the held-out records (rank 0)"):
             if self.ranks.is_main:
+                assert self.rollouts is not None and self.eval_images is not None and self.reporter is not None, \
+                    "rank 0 with training.eval.data: servers (no_rollouts refuses it without), its images, a reporter"
                 ev = evaluate(self.rollouts, self.eval_records, self.eval_images, self.eval_setup(self.eval_images),
                               version=self.state.version, iou=self.cfg.eval.iou, step=self.state.step,
                               max_tokens=self.cfg.eval.max_tokens or self.cfg.rollout.max_tokens)
@@ -337,6 +342,7 @@ class TrainingLoop:
         rank gathers the weights first). A folder that cannot be written is an error: the export is what a
         user takes away, but the checkpoint just saved still holds the weights (`rmsft export` redoes it)."""
         out = Path(self.cfg.export_dir)
+        assert self.updater is not None, "an open loop (close() lets go of it)"
         with self.phase("export"), self.ranks.guard(f"exporting the model to {out} (rank 0)"), \
                 gathered_weights(self.updater, self.model):
             if self.ranks.is_main:
@@ -387,6 +393,7 @@ class TrainingLoop:
     def _optimize(self, rows: Sequence[PackedRow], lr: float, row_loss: RowLoss,
                   prepare: Prepare | None = None) -> dict[str, torch.Tensor]:
         step = self.updater
+        assert step is not None, "an open loop (close() lets go of it)"
         sums: dict[str, torch.Tensor] = {}
         step.begin()
         for i, cpu_row in enumerate(rows):
@@ -411,6 +418,7 @@ class TrainingLoop:
         with self.phase("sync_drain"):
             self.feed.before_sync()  # no Generate call in flight across a weight update (overlap.py)
         version = self.state.version + 1
+        assert self.updater is not None, "an open loop (close() lets go of it)"
         # ZeRO-3: whole weights on every rank while rank 0 exports them (collective).
         with self.phase("sync"), self.ranks.guard(f"syncing weight version {version}"), \
                 gathered_weights(self.updater, self.model):
@@ -437,7 +445,7 @@ class TrainingLoop:
     @property
     def deepspeed_engine(self) -> object | None:
         """The DeepSpeed engine, when training.deepspeed_stage > 0 (not a rollout engine)."""
-        return getattr(self.updater, "engine", None)
+        return self.updater.engine if isinstance(self.updater, ZeroUpdater) else None
 
     # -- reporting ------------------------------------------------------------------------------
     @contextmanager
@@ -466,6 +474,7 @@ class TrainingLoop:
         m.LOSS.labels("total").set(r.loss)
         self.objective.gauges(r)
         if self.ranks.is_main:
+            assert self.reporter is not None, "rank 0's, made by _begin"
             self.reporter.step(r, self.state.phase_seconds, learning_rate(self.cfg, r.step - 1),
                                self.objective.scalars(r))
             log.info("%s", self.objective.line(r))

@@ -36,8 +36,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -65,6 +66,12 @@ __all__ = ["Grpo", "build_job_rewards"]
 
 # Per-step sums of the device step (normalised by the step's totals, so rows and ranks add up).
 _LOSS_METRICS = ("loss", "clip_fraction", "ratio_mean", "kl")
+
+
+class _PeftModel(Protocol):
+    """What the reference forward needs of a PEFT model: its base weights, adapters off, for a block."""
+
+    def disable_adapter(self) -> AbstractContextManager[Any]: ...
 
 
 def build_job_rewards(job: RolloutMatchingJob) -> RewardSum:
@@ -152,7 +159,10 @@ class Grpo(Objective):
             check_rollout_prompts([loop.records[i] for i in indices], [feed.prompt_ids(i) for i in indices], outs,
                                   loop.policy.tokenizer)
             responses = feed.trainable_responses(outs)
-        return _Groups(indices, list(outs), responses, everything if ranks.is_main else list(outs))
+        if not ranks.is_main:
+            return _Groups(indices, list(outs), responses, list(outs))
+        assert everything is not None, "rank 0 gets the whole batch (feed.rollouts)"
+        return _Groups(indices, list(outs), responses, everything)
 
     def _score(self, groups: _Groups) -> RewardScores:
         """Every completion's rewards, in order. Each is parsed with the run's output format first (a detection
@@ -179,6 +189,7 @@ class Grpo(Objective):
         with loop.phase("pack"), loop.ranks.guard("packing the completions"):
             segments = []
             for j, (idx, out, resp) in enumerate(zip(groups.indices, groups.rollouts, groups.responses, strict=True)):
+                assert out.logprobs is not None, "_sample refuses completions without log-probs"
                 seg = grpo_segment(loop.feed.prompt_ids(idx), resp, out.logprobs[: len(resp)], float(advantages[j]),
                                    meta={"record_id": out.request_id, "sample_index": out.sample_index})
                 if loop.policy.is_vision_language:  # pixels and M-RoPE positions for the packed forward
@@ -222,7 +233,10 @@ class Grpo(Objective):
         """The reference policy's log-probs of the row's completion tokens: the base weights (LoRA/DoRA adapters
         disabled; the job spec refuses kl_coef > 0 without LoRA), at the sampling temperature, without grad."""
         loop = self.loop
-        with loop.phase("reference"), torch.no_grad(), loop.model.disable_adapter(), loop.updater.autocast():
+        # A PEFT model (the job spec refuses kl_coef > 0 without LoRA), typed only as a torch Module in the loop.
+        adapted = cast(_PeftModel, loop.model)
+        assert loop.updater is not None, "bound to an open loop"
+        with loop.phase("reference"), torch.no_grad(), adapted.disable_adapter(), loop.updater.autocast():
             logits = loop.model(**row.model_inputs()).logits
             return completion_logprobs(logits, row, self.grpo.loss.temperature)
 
@@ -260,6 +274,7 @@ class Grpo(Objective):
 
     def gauges(self, r: StepResult) -> None:
         g = r.grpo
+        assert g is not None, "a GRPO step's result carries its stats (step())"
         m.REWARD.labels("mean").set(g.reward_mean)
         m.REWARD.labels("std").set(g.reward_std)
         m.REWARD.labels("group_std").set(g.group_reward_std)
@@ -272,6 +287,7 @@ class Grpo(Objective):
 
     def line(self, r: StepResult) -> str:
         g = r.grpo
+        assert g is not None, "a GRPO step's result carries its stats (step())"
         return (f"step {r.step} v{r.weight_version} loss {r.loss:.4f} reward {g.reward_mean:.3f} (std "
                 f"{g.reward_std:.3f}, flat groups {g.zero_std_groups:.2f}) clip {g.clip_fraction:.3f} ratio "
                 f"{g.ratio_mean:.4f} kl {g.kl:.4f} len {g.completion_length:.1f} rows {r.rows} fill {r.fill:.3f} "
