@@ -129,6 +129,7 @@ class Checkpointer:
         path = None
         with self.ranks.guard("saving the checkpoint (rank 0)"):
             if self.ranks.is_main:
+                assert rank_states is not None, "rank 0 gathers every rank's state"
                 ckpt = self.checkpoint(model_state, rank_states)
                 ck = self.cfg.checkpoint
                 path = save_checkpoint(ck.dir, self.state.step, ckpt, keep=ck.keep, lineage=self.lineage)
@@ -168,6 +169,7 @@ class Checkpointer:
             ckpt = torch.load(Path(name) / "state.pt", weights_only=False, map_location="cpu")
             self._load(ckpt, name)
         s = self.state
+        assert s.resumed is not None, "set by _load"
         log.info("resumed from step %d (weight version %d of run %s); this run is %s", s.step,
                  s.resumed.weights.number, s.resumed.weights.run_id or "(not recorded)", s.run_id)
         return True
