@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rmsft_protos import rollout_pb2
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
     import numpy as np
     import numpy.typing as npt
+    import torch
 
 SyncMode = int  # rollout_pb2.SyncMode value: rollout_pb2.FULL or rollout_pb2.ADAPTER
 FULL = rollout_pb2.FULL
