@@ -36,7 +36,7 @@ from learner.train.checkpoint_files import (
 )
 from learner.train.checkpoint_owner import check_resumable
 from learner.train.ranks import Ranks
-from learner.train.updater import PlainUpdater, ZeroUpdater, gathered_weights
+from learner.train.updater import PlainUpdater, StepStrategy, ZeroUpdater, gathered_weights
 from rmsft.jobspec import TrainingConfig
 from rmsft.weight_wire import NO_RUN, WeightVersion
 
@@ -81,7 +81,7 @@ class TrainState:
 
 
 class Checkpointer:
-    def __init__(self, cfg: TrainingConfig, ranks: Ranks, model: torch.nn.Module, updater: PlainUpdater | ZeroUpdater,
+    def __init__(self, cfg: TrainingConfig, ranks: Ranks, model: torch.nn.Module, updater: StepStrategy,
                  packer: Packer, state: TrainState, parts: Mapping[str, Stateful] | None = None,
                  lineage: dict[str, Any] | None = None) -> None:
         self.cfg, self.ranks, self.model, self.packer, self.state = cfg, ranks, model, packer, state

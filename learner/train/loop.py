@@ -30,7 +30,9 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -63,13 +65,23 @@ from learner.train.reporting import RunReporter, log_run_start, write_eval_pictu
 from learner.train.results import StepResult, Summary
 from learner.train.server_setup import server_rollouts_ahead
 from learner.train.start_checks import check_images_fit, check_memory_plan, collective_timeout_s
-from learner.train.updater import PlainUpdater, ZeroUpdater, gathered_weights, make_updater, resolve_device
+from learner.train.updater import StepStrategy, ZeroUpdater, gathered_weights, make_updater, resolve_device
 from rmsft.jobspec import RolloutMatchingJob
 from rmsft.weight_wire import new_run_id
 
 __all__ = ["StopRequested", "TrainingLoop"]
 
 log = logging.getLogger("rmsft.learner")
+
+
+T = TypeVar("T")
+
+
+def _open(part: T | None) -> T:
+    """A part of the loop that is None only before `_setup` made it or after `close` let go of it (the updater), or
+    on ranks other than 0 (the reporter): here, in an open loop on the rank that has it."""
+    assert part is not None, "a part of an open loop, on a rank that has it"
+    return part
 
 
 def claim_checkpoint_dir(root: str, run_id: str, job: str) -> WriterLock:
@@ -124,7 +136,7 @@ class TrainingLoop:
         self.ahead: RolloutsAhead | None = None  # rank 0: rollouts generated ahead of training (overlap.py)
         self.feed: RolloutFeed  # prompts, rollouts, what the engines serve (learner/train/feed.py): set by _setup
         self._fresh_start_done = False  # an earlier run's checkpoints moved aside (`_begin`, runs not resumed)
-        self.updater: PlainUpdater | ZeroUpdater | None = None  # None once closed
+        self.updater: StepStrategy | None = None  # None once closed
         self.state = TrainState()
         self.history: list[StepResult] = []
         self.evaluations: list[Evaluation] = []
@@ -166,7 +178,6 @@ class TrainingLoop:
             vision = job.spec.model.vision
             # Every image is opened and checked here, before anything is paid for.
             self.images: ImageStore
-            self.records: Sequence[Record]
             self.records, self.images = load_dataset(cfg.data.path, cfg.data.image_root, vision.max_image_pixels)
             self.eval_records: list[Record] = []
             self.eval_images: ImageStore | None = None
@@ -186,8 +197,7 @@ class TrainingLoop:
         with ranks.guard("setting up the optimizer step"):
             self.updater = make_updater(self.model, ranks, cfg, device=self.device,
                                         autocast_dtype=self.policy.autocast_dtype)
-        updater = self.updater
-        self.device = updater.device  # DeepSpeed may have placed the module itself
+        self.device = self.updater.device  # DeepSpeed may have placed the module itself
         self.core = core_configs(cfg)
         self.order = DataOrder(len(self.records), cfg.prompts_per_step, cfg.seed)
         self.packer = self.objective.make_packer()  # one per rank, lives across steps
@@ -208,7 +218,7 @@ class TrainingLoop:
                 self.rollouts = colocated_rollouts(
                     job, self.model, self.policy.tokenizer, run_id=self.state.run_id, world_size=ranks.world_size,
                     rank=ranks.rank, model_dir=model_dir, vision_language=self.policy.is_vision_language,
-                    around_generation=lambda: around_generation(job, updater, self.model),
+                    around_generation=partial(around_generation, job, self.updater, self.model),
                 )
         else:
             with ranks.guard("connecting to the rollout servers (rank 0)"):
@@ -342,9 +352,8 @@ class TrainingLoop:
         rank gathers the weights first). A folder that cannot be written is an error: the export is what a
         user takes away, but the checkpoint just saved still holds the weights (`rmsft export` redoes it)."""
         out = Path(self.cfg.export_dir)
-        assert self.updater is not None, "an open loop (close() lets go of it)"
         with self.phase("export"), self.ranks.guard(f"exporting the model to {out} (rank 0)"), \
-                gathered_weights(self.updater, self.model):
+                gathered_weights(_open(self.updater), self.model):
             if self.ranks.is_main:
                 self.exported = export_trained(self.model, self.policy, out, adapter_only=self.cfg.export.adapter,
                                                base_model_dir=self.job.spec.model.path)
@@ -392,8 +401,7 @@ class TrainingLoop:
 
     def _optimize(self, rows: Sequence[PackedRow], lr: float, row_loss: RowLoss,
                   prepare: Prepare | None = None) -> dict[str, torch.Tensor]:
-        step = self.updater
-        assert step is not None, "an open loop (close() lets go of it)"
+        step = _open(self.updater)
         sums: dict[str, torch.Tensor] = {}
         step.begin()
         for i, cpu_row in enumerate(rows):
@@ -418,10 +426,9 @@ class TrainingLoop:
         with self.phase("sync_drain"):
             self.feed.before_sync()  # no Generate call in flight across a weight update (overlap.py)
         version = self.state.version + 1
-        assert self.updater is not None, "an open loop (close() lets go of it)"
         # ZeRO-3: whole weights on every rank while rank 0 exports them (collective).
         with self.phase("sync"), self.ranks.guard(f"syncing weight version {version}"), \
-                gathered_weights(self.updater, self.model):
+                gathered_weights(_open(self.updater), self.model):
             if self.rollouts is not None:  # rank 0's pool, or every rank's in-process engine
                 self.rollouts.sync(version)  # counts bytes and sets the version gauge itself
         self.state.version = version  # only once the engines confirmed it (sync raises otherwise)
@@ -474,8 +481,7 @@ class TrainingLoop:
         m.LOSS.labels("total").set(r.loss)
         self.objective.gauges(r)
         if self.ranks.is_main:
-            assert self.reporter is not None, "rank 0's, made by _begin"
-            self.reporter.step(r, self.state.phase_seconds, learning_rate(self.cfg, r.step - 1),
+            _open(self.reporter).step(r, self.state.phase_seconds, learning_rate(self.cfg, r.step - 1),
                                self.objective.scalars(r))
             log.info("%s", self.objective.line(r))
         if self.on_step:

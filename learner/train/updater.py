@@ -148,7 +148,7 @@ def make_updater(model: torch.nn.Module, ranks: Ranks, cfg: Any, *, device: torc
 
 
 @contextlib.contextmanager
-def gathered_weights(step: PlainUpdater | ZeroUpdater, model: torch.nn.Module, **kw: Any) -> Iterator[None]:
+def gathered_weights(step: StepStrategy, model: torch.nn.Module, **kw: Any) -> Iterator[None]:
     """Whole parameters inside the block (ZeRO-3: collective on every rank; otherwise a no-op)."""
     with zero.gathered(getattr(step, "engine", None), model, **kw):
         yield
