@@ -49,9 +49,9 @@ from typing import Any, ClassVar, Literal, Protocol, TypeGuard
 
 NUM_BINS = 1000
 QWEN_RELATIVE_MAX = 1000  # Qwen3-VL writes relative coordinates as integers 0..1000 inclusive
-GEOMETRY_KINDS = ("bbox_2d", "poly")
-FORMAT_NAMES = ("coordexp", "qwen_json")
 Kind = Literal["bbox_2d", "poly"]
+GEOMETRY_KINDS: tuple[Kind, ...] = ("bbox_2d", "poly")
+FORMAT_NAMES = ("coordexp", "qwen_json")
 Container = Literal["object", "list"]
 _COORD_RE = re.compile(r"<\|coord_(\d{1,3})\|>")
 _KEY_RE = re.compile(r"object_([1-9]\d{0,8})")
@@ -248,11 +248,12 @@ class CoordExpFormat:
         texts = self._coord_texts(kinds[0], value[kinds[0]])
         if texts is None:
             return None
-        bins = [coord_bin_from_text(c) for c in texts]
-        if any(b is None for b in bins):
+        parsed = [coord_bin_from_text(c) for c in texts]
+        bins = [b for b in parsed if b is not None]
+        if len(bins) != len(parsed):
             return None
         try:
-            return DetObject(value["desc"], kinds[0], tuple(bins))  # type: ignore[arg-type]
+            return DetObject(value["desc"], kinds[0], tuple(bins))
         except ValueError:
             return None
 
@@ -339,11 +340,12 @@ class QwenJsonFormat:
         coords = value["bbox_2d"]
         if not isinstance(coords, list) or len(coords) != 4:
             return None
-        bins = [self._read(v, i % 2) for i, v in enumerate(coords)]
-        if any(b is None for b in bins):
+        read = [self._read(v, i % 2) for i, v in enumerate(coords)]
+        bins = [b for b in read if b is not None]
+        if len(bins) != len(read):
             return None
         try:
-            return DetObject(value["label"], "bbox_2d", tuple(bins))  # type: ignore[arg-type]
+            return DetObject(value["label"], "bbox_2d", tuple(bins))
         except ValueError:
             return None
 
