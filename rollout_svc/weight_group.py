@@ -154,7 +154,7 @@ class GroupMember:
         # With tied embeddings the learner sends the embedding only; load it under the head's name too.
         head = tied_head_alias(self._tied, [t.name for t in tensors])
         # A server started with --weight-transfer (JoinWeightGroup refuses others) runs such an engine.
-        engine = cast(TransferEngine, self.engine)
+        engine = cast("TransferEngine", self.engine)
         engine.receive_weights(update_info(self.cfg.weight_transfer, [(t.name, t.spec) for t in tensors], head))
         engine.reset_prefix_cache()
         self._full_names = self._full_names | frozenset(t.name for t in tensors)
