@@ -73,5 +73,7 @@ RUN if [ "$VARIANT" = cpu ]; then rmsft dev prepare /tmp/rmsft-configs/job-kind-
 LABEL org.opencontainers.image.title="rmsft" \
       org.opencontainers.image.description="Rollout-matching SFT: operator, rollout server and learner"
 USER 1000:1000
-ENTRYPOINT ["rmsft"]
+# tini as PID 1 (installed by the system phase): it passes SIGTERM on to rmsft, which PID 1 itself would not get
+# with its default action, and reaps orphaned processes; the learner's torchrun command starts with it too.
+ENTRYPOINT ["tini", "--", "rmsft"]
 CMD ["--help"]

@@ -59,10 +59,11 @@ def main() -> None:
     from learner.evaluation.held_out import evaluate
     from learner.local import prepare_inputs, start_servers
     from learner.train.loop import TrainingLoop
-    from rmsft.jobspec import load_job
+    from rmsft.jobspec import absolute_paths, load_job
 
     console = Console(stderr=True)
-    doc = yaml.safe_load(Path(args.job).read_text())
+    # the job's relative paths are its folder's: kept so in the copy written to a temporary folder below
+    doc = absolute_paths(yaml.safe_load(Path(args.job).read_text()), Path(args.job).parent)
     if args.steps:
         doc["spec"]["training"]["steps"] = args.steps
     work = Path(tempfile.mkdtemp(prefix="rmsft-local-run-"))

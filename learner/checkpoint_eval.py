@@ -22,6 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from learner.core.codec import output_format
 from learner.evaluation.held_out import Evaluation
 from rmsft.jobspec import API_GROUP, API_VERSION, KIND, RolloutMatchingJob, load_job, parse_job
 
@@ -123,7 +124,7 @@ def _evaluate_model(job: RolloutMatchingJob, data: Path, opts: EvalOptions, cons
         from transformers import AutoTokenizer
 
         tokenizer, vision_ids = AutoTokenizer.from_pretrained(model_dir), frozenset()
-    vocab = VocabView.from_hf_tokenizer(tokenizer, coord_tokens=cfg.format == "coordexp")
+    vocab = VocabView.from_hf_tokenizer(tokenizer, coord_tokens=output_format(cfg.format).coord_tokens)
     size = None
     if core.fmt.needs_image_size:
         from learner.data.vision import resized_image_size

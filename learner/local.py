@@ -41,7 +41,7 @@ from rich.table import Table
 
 from learner.gpu_assignment import CUDA_ENV, GpuAssignment, assign_gpus, visible_gpu_count
 from rmsft import lifeline, run_dir
-from rmsft.jobspec import RolloutMatchingJob, load_job
+from rmsft.jobspec import JobSpecError, RolloutMatchingJob, load_job
 from rmsft.logs import ENV as LOG_LEVEL_ENV
 from rmsft.memory_plan import memory_plan_setting
 from rmsft.model_check import check_model
@@ -325,6 +325,9 @@ def print_summary(summary, console: Console) -> None:
         table.add_row("rollout F1 (first -> last)", f"{summary.f1[0]:.3f} -> {summary.f1[-1]:.3f}")
     if summary.rewards:
         table.add_row("mean reward (first -> last)", f"{summary.rewards[0]:.3f} -> {summary.rewards[-1]:.3f}")
+    if summary.mismatch_kl:  # GRPO: KL(servers' sampling policy || learner's), per token
+        kl = summary.mismatch_kl
+        table.add_row("mismatch KL (first -> last, max)", f"{kl[0]:.2e} -> {kl[-1]:.2e}, {max(kl):.2e}")
     table.add_row("weight version", f"{summary.weight_version} of run {summary.run_id}" if summary.run_id
                   else str(summary.weight_version))
     table.add_row("rollout retries", str(summary.retries))
@@ -490,6 +493,70 @@ def train_with_torchrun(job_path: str | Path, job: RolloutMatchingJob, assignmen
         console.print(f"[red]error:[/red] {message}")  # a SystemExit with a code prints nothing itself
         raise LearnerExitError(rc, message)
     console.print(f"[green]learner finished[/green] ({ranks} ranks); its output is in {log_path}")
+
+
+def dry_run(job: RolloutMatchingJob, *, work_dir: str | Path = ".rmsft") -> list[str]:
+    """What `rmsft local JOB` would start, as lines, with nothing started, built or written (`--dry-run`): the
+    inputs (and what the annotations would build), the rollout servers with their GPUs and ports, the weight
+    sync's transport, the learner, the steps, checkpoints and evaluation, and the memory plan."""
+    from rmsft.memory_plan import ModelShapeError, plan_memory
+
+    spec, t = job.spec, job.spec.training
+    notes = _annotations(job)
+    out = [f"job {job.metadata.name}: trainer {spec.trainer}, format {t.format}, {t.finetune} fine-tune"]
+    model = Path(spec.model.path)
+    build = notes.get(BUILD_TINY_MODEL, "").lower()
+    if (model / "config.json").is_file():
+        out.append(f"model: {model}")
+    elif build and build != "false":
+        out.append(f"model: {model} (not there yet: built at start, {BUILD_TINY_MODEL}: {build})")
+    else:
+        out.append(f"model: {model} (missing: the run would stop here)")
+    for key, path, what in ((SYNTHETIC_RECORDS, t.data.path, "data"), (SYNTHETIC_EVAL_RECORDS, t.eval.data,
+                                                                       "held-out data")):
+        if not path:
+            continue
+        there = Path(path).exists()
+        how = "" if there else (f" (not there yet: {notes[key]} synthetic records written at start)"
+                                if notes.get(key) else " (missing: the run would stop here)")
+        out.append(f"{what}: {path}{how}")
+    if spec.placement.accelerator == "none":
+        gpus = "on CPUs (spec.placement.accelerator: none)"
+    else:
+        try:
+            gpus = machine_gpus(job).describe()
+        except JobSpecError as exc:  # GpuAssignmentError: too few GPUs here
+            gpus = f"cannot be placed on this machine: {exc}"
+    r = spec.rollout
+    if r.colocated:
+        out.append(f"rollouts: colocate: a {r.engine} engine inside each learner rank (no servers); {gpus}")
+        out.append("weight sync: in-process (the engine lives in the learner)")
+    else:
+        out.append(f"rollout servers: {r.replicas} x `rmsft serve` ({r.engine}, TP {r.tensor_parallel_size}, "
+                   f"maxModelLen {r.max_model_len}), each on 127.0.0.1 at a free gRPC port and a free /metrics port "
+                   f"picked at start, logs in {Path(work_dir) / 'logs'}/rollout-<i>.log; {gpus}")
+        transport = spec.sync.local_transport
+        out.append(f"weight sync: {transport} (spec.sync.transport {spec.sync.transport}; under `rmsft local` auto "
+                   f"is shm), mode {spec.sync.mode}")
+    # no learner /metrics under `rmsft local` (learner_command: spec.learner.metricsPort is the pod's port)
+    out.append(f"learner: {'in this process' if spec.learner.gpus <= 1 else f'{spec.learner.gpus} torchrun ranks'}"
+               ", no /metrics endpoint (spec.learner.metricsPort is the pod's)")
+    out.append(f"steps: {t.steps} of {t.prompts_per_step} prompts, rollouts of up to {t.rollout.max_tokens} tokens; "
+               f"checkpoints in {t.checkpoint.dir} {_every(t.checkpoint.every)} (keep {t.checkpoint.keep})"
+               + (f"; held-out evaluation {_every(t.eval.every)}" if t.eval.data else "")
+               + f"; TensorBoard in {t.tensorboard_dir}")
+    try:
+        out.extend(plan_memory(job).lines())
+    except ModelShapeError as exc:
+        out.append("memory plan: once the model is built (`rmsft dev prepare JOB` builds it without starting "
+                   "anything)" if build and build != "false" and not (model / "config.json").is_file()
+                   else f"memory plan: {exc}")
+    out.append("dry run: nothing was started, built or written")
+    return out
+
+
+def _every(n: int) -> str:
+    return f"every {n} steps" if n else "at the end only"
 
 
 def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: bool = False,

@@ -84,9 +84,9 @@ def coordexp_fix(model_path: str) -> str:
 
 
 def check_model(model_dir: str | Path, fmt: str, field: str = "spec.model.path") -> str:
-    """One line saying that the folder fits `fmt` (coordexp or qwen_json); raises ModelCheckError, whose message
-    names `field` and the fix, when it does not: no such folder, no model folder (config.json), no tokenizer,
-    or (coordexp) coord tokens missing, partly present or past the model's embedding rows."""
+    """One line saying that the folder fits `fmt` (coordexp, coordjson or qwen_json); raises ModelCheckError, whose
+    message names `field` and the fix, when it does not: no such folder, no model folder (config.json), no tokenizer,
+    or (coordexp, coordjson) coord tokens missing, partly present or past the model's embedding rows."""
     folder = Path(model_dir)
     if not folder.exists():
         raise ModelCheckError(f"model folder {folder} does not exist ({field}): point {field} at the model folder "
@@ -101,19 +101,19 @@ def check_model(model_dir: str | Path, fmt: str, field: str = "spec.model.path")
     tokens = tokenizer_tokens(folder)
     if fmt == "qwen_json":
         return f"{folder}: a model folder with a tokenizer; training.format qwen_json needs nothing more"
-    if fmt != "coordexp":
-        raise ModelCheckError(f"training.format must be coordexp or qwen_json, got {fmt!r}")
+    if fmt not in ("coordexp", "coordjson"):
+        raise ModelCheckError(f"training.format must be coordexp, coordjson or qwen_json, got {fmt!r}")
     present = [t for t in COORD_TOKENS if t in tokens]
     if not present:
         raise ModelCheckError(
-            f"the model in {folder} ({field}) does not fit training.format coordexp: its tokenizer has none of the "
+            f"the model in {folder} ({field}) does not fit training.format {fmt}: its tokenizer has none of the "
             f"{NUM_COORD_BINS} coordinate tokens <|coord_0|>..<|coord_{NUM_COORD_BINS - 1}|> that format writes "
             f"coordinates with (a stock checkpoint). Fix: {coordexp_fix(str(folder))}")
     if len(present) < NUM_COORD_BINS:
         missing = next(t for t in COORD_TOKENS if t not in tokens)
         raise ModelCheckError(
             f"the model in {folder} ({field}) has {len(present)} of the {NUM_COORD_BINS} coordinate tokens "
-            f"training.format coordexp needs (e.g. no {missing}): start from the stock checkpoint and "
+            f"training.format {fmt} needs (e.g. no {missing}): start from the stock checkpoint and "
             f"{coordexp_fix('STOCK')}")
     top = max(tokens[t] for t in COORD_TOKENS)
     rows = _embedding_rows(config) if isinstance(config, dict) else None
@@ -122,4 +122,4 @@ def check_model(model_dir: str | Path, fmt: str, field: str = "spec.model.path")
             f"the tokenizer in {folder} ({field}) has the coordinate tokens (ids up to {top}) but the model has "
             f"only {rows} embedding rows (config.json vocab_size): the tokens were added to the tokenizer alone. "
             f"Start from the stock checkpoint and {coordexp_fix('STOCK')}")
-    return f"{folder}: the tokenizer has the {NUM_COORD_BINS} coordinate tokens training.format coordexp needs"
+    return f"{folder}: the tokenizer has the {NUM_COORD_BINS} coordinate tokens training.format {fmt} needs"

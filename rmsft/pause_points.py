@@ -16,14 +16,22 @@ and sends SIGINT, SIGTERM or SIGKILL at that moment. The points (the number, whe
 - `checkpoint:<step>`: the step's checkpoint is written into its temporary folder, not yet renamed into place
   (learner.train.checkpoint_files).
 
-Unarmed (always outside tests), `pause_at` costs one environment lookup. It blocks on the main thread, where Python
-runs signal handlers, so SIGINT's KeyboardInterrupt (and `rmsft local`'s SIGTERM) unwinds the run from the point
-as it would from real work there; a point reached on another thread raises instead of blocking where no signal
-could end it.
+A fault point raises instead of blocking (`fail_at`), so that a test makes one rank fail mid-run as a CUDA error or
+EIO on the claim would:
+
+    RMSFT_TEST_FAIL_AT=step:<n>[@<rank>]     building step <n>'s training segments (rollout matching) raises
+                                            InjectedFault (an OSError, EIO) on learner rank <rank> (RANK; default
+                                            every rank)
+
+Unarmed (always outside tests), `pause_at` and `fail_at` cost one environment lookup. A pause point blocks on the
+main thread, where Python runs signal handlers, so SIGINT's KeyboardInterrupt (and `rmsft local`'s SIGTERM) unwinds
+the run from the point as it would from real work there; a point reached on another thread raises instead of
+blocking where no signal could end it.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -31,6 +39,12 @@ import time
 PAUSE_AT_ENV = "RMSFT_TEST_PAUSE_AT"
 MARKER_ENV = "RMSFT_TEST_PAUSE_MARKER"
 POINTS = ("generate", "sync", "checkpoint")
+FAIL_AT_ENV = "RMSFT_TEST_FAIL_AT"
+FAULT_POINTS = ("step",)
+
+
+class InjectedFault(OSError):
+    """The failure RMSFT_TEST_FAIL_AT asked for: an OSError (EIO), a transient failure as rmsft.exit_codes reads it."""
 
 
 class PausePointError(RuntimeError):
@@ -76,3 +90,19 @@ def pause_at(point: str, number: int) -> None:
     os.replace(tmp, marker)
     while True:
         time.sleep(3600)  # a signal's handler runs here (and may raise); nothing else ends the wait
+
+
+def fail_at(point: str, number: int) -> None:
+    """Raise InjectedFault when RMSFT_TEST_FAIL_AT arms `point` with this `number` on this rank (module doc)."""
+    if point not in FAULT_POINTS:
+        raise ValueError(f"unknown fault point {point!r}; the points are {FAULT_POINTS}")
+    raw = os.environ.get(FAIL_AT_ENV, "")
+    if not raw:
+        return
+    where, _, rank = raw.partition("@")
+    name, _, wanted = where.partition(":")
+    if name not in FAULT_POINTS or not wanted.isdigit() or (rank and not rank.isdigit()):
+        raise PausePointError(f"{FAIL_AT_ENV}={raw!r}: expected <point>:<number>[@<rank>] with a point of "
+                              f"{', '.join(FAULT_POINTS)} (e.g. step:3@1); unset it outside tests")
+    if name == point and int(wanted) == number and (not rank or rank == os.environ.get("RANK", "0")):
+        raise InjectedFault(errno.EIO, f"injected fault at {point}:{number} ({FAIL_AT_ENV})")

@@ -53,6 +53,8 @@ class MissingRequirementError(RuntimeError):
     """A package the job's spec needs is not importable here; the message names the spec key and
     the install command."""
 
+    exit_code = 2  # rmsft.exit_codes.CONFIG_EXIT: the image lacks what the spec asks for; a retry has it neither
+
 
 def learner_needs(job: RolloutMatchingJob) -> dict[str, str]:
     """Distribution -> why the learner (`rmsft train`) of `job` needs it."""

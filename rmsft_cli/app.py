@@ -10,11 +10,35 @@ from pathlib import Path
 
 import typer
 
-app = typer.Typer(help="Rollout-matching SFT for vision-language detection models.", no_args_is_help=True)
-dev_app = typer.Typer(help="Developer tools.", no_args_is_help=True)
+from rmsft.exit_codes import CONFIG_EXIT, RETRY_EXIT, STOPPED_EXIT, exit_code_for, record_rank_exit
+
+try:  # typer >= 0.20 vendors click; older ones use click itself
+    import typer._click._textwrap as _typer_textwrap
+except ImportError:  # pragma: no cover
+    import click._textwrap as _typer_textwrap  # type: ignore[no-redef]
+
+
+class _WholeWords(_typer_textwrap.TextWrapper):
+    """Help text wrapped between words only: textwrap's defaults break at hyphens and inside words longer than the
+    column (`/dev/shm/rmsft-` | `run-*`), which read as a cut. Typer's (vendored) click builds its wrapper from
+    this module's name at each call, so the help of every command (and of none else: this is the `rmsft` process)
+    wraps this way."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.update(break_on_hyphens=False, break_long_words=False)
+        super().__init__(*args, **kwargs)
+
+
+_typer_textwrap.TextWrapper = _WholeWords  # type: ignore[misc]
+
+# rich_markup_mode=None: click's plain help, wrapped at words. Rich's help panels cut option text that does not
+# fit a column with an ellipsis (`spec.model.vision.maxIma...` at 80 columns).
+app = typer.Typer(help="Rollout-matching SFT for vision-language detection models.", no_args_is_help=True,
+                  rich_markup_mode=None)
+dev_app = typer.Typer(help="Developer tools.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(dev_app, name="dev")
 data_app = typer.Typer(help="Datasets: convert detection annotations to training records, check a records file.",
-                       no_args_is_help=True)
+                       no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(data_app, name="data")
 
 
@@ -30,9 +54,8 @@ def tiny_model(
 ) -> None:
     """Build a tiny random model with the CoordExp vocabulary (no downloads): a Qwen2 text model, or with
     --vl a Qwen-VL model whose processor transformers and vLLM both load. --stock leaves the coord tokens out."""
-    from rich.console import Console
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = _console(stderr=True)
     with console.status(f"building tiny {'vision-language ' if vl else ''}model in {out_dir}"):
         if vl:
             from rmsft_dev.tiny_vl import build_tiny_vl_model
@@ -55,12 +78,11 @@ def dev_prepare(
     """Build the tiny models and synthetic data that job manifests ask for in their annotations
     (rmsft.io/build-tiny-model, rmsft.io/synthetic-records, ...), where they are absent: what `rmsft local`
     does before it starts, without starting anything. The CPU image bakes its cluster jobs' inputs so."""
-    from rich.console import Console
 
     from learner.local import prepare_inputs
     from rmsft.jobspec import load_job
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = _console(stderr=True)
     for config in configs:
         try:
             job = load_job(config)
@@ -77,7 +99,8 @@ def data_from_coco(
         ..., help="Training records to write (replaced if present): a .jsonl file, or .jsonl.gz for gzip."
     ),
     fmt: str = typer.Option(
-        "coordexp", "--format", help="The job's training.format (coordexp or qwen_json): picks the default prompt."
+        "coordexp", "--format",
+        help="The job's training.format (coordexp, coordjson or qwen_json): picks the default prompt."
     ),
     prompt: str | None = typer.Option(
         None, show_default=False,
@@ -110,7 +133,6 @@ def data_from_coco(
     """Convert COCO detection annotations to training records: category names as descs, one-part polygons as
     poly, other objects as bbox_2d, crowd annotations skipped, every image checked. Prints what was converted
     and what was skipped, with a count per reason (docs/data.md)."""
-    from rich.console import Console
     from rich.markup import escape
 
     from learner.data.coco import CocoError, CocoOptions, convert_coco
@@ -123,7 +145,7 @@ def data_from_coco(
         summary = convert_coco(annotations, images_dir, out, options)
     except (CocoError, ValueError, OSError) as exc:
         _fail(exc)
-    console = Console(stderr=True, soft_wrap=True)
+    console = _console(stderr=True)
     head, *rest = summary.lines()
     console.print(f"[green]{escape(head)}[/green]")
     for line in rest:
@@ -152,7 +174,6 @@ def data_check(
     """Load a records file with the learner's own loader and image check, as a job does: counts, a label
     histogram, the images found and missing and their sizes, and what a job would refuse. Exit 0 when a job
     would accept the file, 2 when not (docs/data.md)."""
-    from rich.console import Console
     from rich.markup import escape
 
     from learner.data.check import check_records
@@ -164,9 +185,8 @@ def data_check(
         report = check_records(file, images, **limits)
     except (DataError, ValueError, OSError) as exc:  # the records themselves do not load: one line, as a job says
         _fail(exc)
-    # The report is the command's output (stdout); soft_wrap and escape as in _fail: labels and paths are text,
-    # one line each when piped.
-    console = Console(soft_wrap=True)
+    # The report is the command's output (stdout); escape as in _fail: labels and paths are text.
+    console = _console()
     for line in report.lines():
         text = escape(line)
         if line.startswith("a job would "):  # the verdict
@@ -189,20 +209,81 @@ def serve(ctx: typer.Context) -> None:
     serve_main(list(ctx.args), prog="rmsft serve")
 
 
+def _console(stderr: bool = False):
+    """The console of every command's output, one rule for all: rich never wraps a line (soft_wrap: a message,
+    a path or a label stays one line, which a terminal folds at its edge and a pipe keeps whole for grep), and
+    when piped a table gets the width it needs instead of being squeezed into 80 columns (rich's default off a
+    terminal, which cut `rmsft plan`'s lines while the data commands kept theirs)."""
+    from rich.console import Console
+
+    console = Console(stderr=stderr, soft_wrap=True)
+    if not console.is_terminal:
+        console.width = 1 << 12
+    return console
+
+
 def _fail(exc: Exception, code: int = 2) -> None:
     """Print `exc` as one line and exit with `code`: 2, the learner Job's podFailurePolicy reads as a configuration
     that no retry fixes; another code (e.g. BUSY_EXIT) is retried under its backoffLimit."""
-    from rich.console import Console
     from rich.markup import escape
 
     # soft_wrap: a message is one line even when piped (rich would cut it at 80 columns, paths mid-name);
     # escape: a path with square brackets is text, not markup
-    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {escape(str(exc))}")
+    _console(stderr=True).print(f"[red]error:[/red] {escape(_message(exc))}")
     raise typer.Exit(code)
 
 
-# `rmsft train`'s exit code when another learner holds the checkpoint folder (EX_TEMPFAIL): the pod is retried.
-BUSY_EXIT = 75
+def _message(exc: Exception) -> str:
+    """The one line of `exc`: an OS error as "PATH: what is wrong" (not "[Errno 36] File name too long: '...'"),
+    the rest as they say themselves."""
+    if type(exc) is not OSError and not (isinstance(exc, OSError) and type(exc).__module__ == "builtins"):
+        return str(exc)
+    import errno
+
+    what = {errno.ENAMETOOLONG: "file name too long (a name over 255 bytes, or a path over 4096)",
+            errno.EISDIR: "is a folder, where a file is expected",
+            errno.ENOTDIR: "a part of the path is a file, not a folder",
+            errno.ENOENT: "no such file or folder",
+            errno.EACCES: "permission denied"}.get(exc.errno or 0, exc.strerror or str(exc))
+    return f"{exc.filename}: {what}" if exc.filename else what
+
+
+# `rmsft train`'s exit codes (rmsft.exit_codes): 2 a refused configuration, 75 a failure a retry may not meet
+# again (another learner holding the checkpoint folder among them), 143 stopped by SIGTERM with a checkpoint.
+BUSY_EXIT = RETRY_EXIT
+
+
+class Interrupted(BaseException):  # a signal, not an error
+    """SIGTERM before the first step of this process: nothing new to save, so the setup (loading the model,
+    waiting for the servers, resuming) is left at once rather than waited out to the grace period's SIGKILL. A
+    BaseException, so no `except Exception` of the setup (a rank's failure agreement) takes it for an error."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped ({signal.Signals(signum).name}) before the first step: nothing new to save; "
+                         "a restart resumes from the last checkpoint")
+
+
+class StopOnSignal:
+    """`rmsft train`'s SIGTERM handler, installed on its first line (before torch is imported and the model
+    loaded). Before the trainer's first step it raises Interrupted; from then on it asks the trainer to stop after
+    the step in progress (TrainingLoop.request_stop: every rank agrees on that step and saves it). `received`: a
+    signal came, so what the run ends with after it is the stop (exit 143), not an error of its own: a rank left in
+    a collective by a peer that stopped sees that peer's connection close."""
+
+    def __init__(self) -> None:
+        self.trainer = None
+        self.received: int | None = None
+
+    def install(self) -> StopOnSignal:
+        signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum: int, _frame) -> None:
+        self.received = signum
+        trainer = self.trainer
+        if trainer is None or not trainer.history:
+            raise Interrupted(signum)
+        trainer.request_stop(signal.Signals(signum).name)
 
 
 @app.command("train")
@@ -224,7 +305,22 @@ def train(
     ),
 ) -> None:
     """Run the learner against running rollout servers, or with its own engine in colocate mode (what the learner
-    Job runs)."""
+    Job runs). Exit 0 when it finished, 2 for a refused configuration, 75 for a failure a retry may not meet again,
+    143 when stopped by SIGTERM (its checkpoint written when a step was trained)."""
+    # First: an eviction, a drain or a preemption sends SIGTERM, then SIGKILL after the pod's grace period; a stop
+    # during the setup must not wait that out, and one during training keeps the step in progress (StopOnSignal).
+    stop = StopOnSignal().install()
+    try:
+        _train(stop, config, servers, servers_file, auth_token, resume, metrics_port)
+    except Interrupted as exc:
+        import logging
+
+        logging.getLogger("rmsft.train").warning("%s", exc)
+        raise typer.Exit(STOPPED_EXIT) from None
+
+
+def _train(stop: StopOnSignal, config: Path, servers: str, servers_file: Path | None, auth_token: str, resume: bool,
+           metrics_port: int) -> None:
     from learner.data.records import DataError, load_records
     from learner.rollouts.pool import ServersFile, ServersFileError
     from rmsft.jobspec import JobSpecError, load_job
@@ -263,17 +359,15 @@ def train(
         trainer = TrainingLoop(job, addresses, auth_token=auth_token or None)
     except (JobSpecError, DataError, ServersFileError, LogLevelError, MissingRequirementError, ValueError,
             RuntimeError, OSError) as exc:
-        from learner.train.checkpoint_owner import CheckpointFolderBusyError
-
-        _fail(exc, BUSY_EXIT if isinstance(exc, CheckpointFolderBusyError) else 2)
+        # A refusal (the spec, the model folder, another job's checkpoint) is 2; a CUDA error, EIO on the claim, the
+        # process group's rendezvous, a busy checkpoint folder are retried (rmsft.exit_codes.exit_code_for).
+        _fail(exc, _after_signal(stop, exc))
     from learner.rollouts.pool import NoServerAvailableError
-    from learner.train.checkpoint_owner import CheckpointLineageError
+    from learner.sync.client import WeightSyncError
     from learner.train.loop import StopRequested
     from learner.train.ranks import RankFailedError
 
-    # An eviction, a drain or a preemption sends SIGTERM, then SIGKILL after the pod's grace period: stop after the
-    # step in progress with a checkpoint of it (the restarted pod resumes there), not at the kill with nothing saved.
-    signal.signal(signal.SIGTERM, lambda signum, _frame: trainer.request_stop(signal.Signals(signum).name))
+    stop.trainer = trainer
     try:
         if resume:
             trainer.resume()
@@ -285,15 +379,27 @@ def train(
 
             # In a pod: the operator reads the final step from here (status.step); /metrics ends with the process.
             write_termination_log(final_progress_message(summary.steps, summary.weight_version))
-    except (RankFailedError, NoServerAvailableError, CheckpointLineageError) as exc:  # every rank exits with the cause
-        _fail(exc)
     except StopRequested as exc:
         import logging
 
         logging.getLogger("rmsft.train").warning("%s", exc)
-        raise typer.Exit(128 + signal.SIGTERM) from None
+        raise typer.Exit(STOPPED_EXIT) from None
+    except (RankFailedError, NoServerAvailableError, WeightSyncError, ValueError, RuntimeError, OSError) as exc:
+        # every rank exits with the cause: a lineage refusal 2 on every rank (RankFailedError carries the failed
+        # rank's code), one server restarting longer than spec.rollout.recoveryTimeout a retry
+        _fail(exc, _after_signal(stop, exc))
     finally:
         trainer.close()
+
+
+def _after_signal(stop: StopOnSignal, exc: BaseException) -> int:
+    """The exit code of a learner that ends with `exc`: its own (rmsft.exit_codes), except that after a SIGTERM
+    anything but a refusal is the stop's consequence (a peer that stopped first closes the collective this rank
+    waited in) and exits 143, as the stop does."""
+    code = exit_code_for(exc)
+    if stop.received is not None and code != CONFIG_EXIT:
+        return STOPPED_EXIT
+    return code
 
 
 def _log_summary(summary) -> None:
@@ -308,6 +414,9 @@ def _log_summary(summary) -> None:
         log.info("rollout F1 %.3f -> %.3f", summary.f1[0], summary.f1[-1])
     if summary.rewards:
         log.info("mean reward %.3f -> %.3f", summary.rewards[0], summary.rewards[-1])
+    if summary.mismatch_kl:
+        log.info("mismatch KL (servers' policy || learner's, per token) %.2e -> %.2e, max %.2e",
+                 summary.mismatch_kl[0], summary.mismatch_kl[-1], max(summary.mismatch_kl))
     rates = summary.rollout_rates()
     if rates is not None:
         log.info("training rollouts (mean of %d rollout-matching steps): truncated %.1f%%, duplicates %.1f%%, "
@@ -328,6 +437,21 @@ def _log_summary(summary) -> None:
         log.info("trained model exported to %s", summary.exported)
 
 
+@app.command(
+    "torchrun",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+)
+def torchrun_cmd(ctx: typer.Context) -> None:
+    """torchrun (`python -m torch.distributed.run`) with these arguments, ending with its ranks' verdict: 2 when
+    a rank refused its configuration, the first failure's code, 143 when they stopped on SIGTERM; torchrun's own
+    exit (1 whatever its ranks said) only when no rank said. SIGTERM, SIGINT and SIGHUP are passed on to torchrun,
+    which passes them on to its ranks. What a learner pod of several ranks runs (rmsft.launch)."""
+    from rmsft.launch import run_torchrun
+
+    raise typer.Exit(run_torchrun(list(ctx.args)))
+
+
 @app.command("local")
 def local(
     job: Path | None = typer.Argument(None, help="RolloutMatchingJob manifest (YAML).", show_default=False),
@@ -336,10 +460,18 @@ def local(
     clean: bool = typer.Option(False, "--clean", help="Remove the shared-memory folders (/dev/shm/rmsft-run-*) of "
                                "runs that were killed, then run JOB if one is given. A live run's are never "
                                "touched; every run also does this when it starts."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what the run would start (inputs, servers and "
+                                 "ports, weight sync transport, learner, steps, memory plan) and exit: nothing is "
+                                 "started, built or written."),
+    overrides: list[str] = typer.Option([], "--set", help="KEY=VALUE: set a field of JOB for this run, a dotted "
+                                        "path under spec as in the file (training.steps=10, rollout.replicas=1), "
+                                        "the value read as YAML; validated as the file is. Repeatable.",
+                                        show_default=False),
 ) -> None:
     """Run a whole job on this machine: rollout servers as local processes, the learner in-process."""
-    from rich.console import Console
 
+    if job is None and not clean:  # before the imports below, which take seconds (torch)
+        _fail(ValueError("give a job manifest (JOB), or --clean alone"))
     from learner.data.records import DataError
     from learner.rewards.interface import RewardConfigError
     from learner.train.checkpoint_owner import CheckpointFolderBusyError, CheckpointLineageError
@@ -348,7 +480,7 @@ def local(
     from rmsft.memory_plan import MemoryPlanSettingError
     from rmsft.model_check import ModelCheckError
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = _console(stderr=True)
     if clean:
         from rmsft import run_dir
 
@@ -363,11 +495,24 @@ def local(
     if job is None:
         _fail(ValueError("give a job manifest (JOB), or --clean alone"))
     try:
+        if dry_run:
+            from learner.local import dry_run as describe
+            from rmsft.jobspec import load_job
+
+            out = _console()
+            for line in describe(load_job(job, overrides), work_dir=work_dir):
+                out.print(line, highlight=False, markup=False)
+            return
+        if overrides:  # every process of the run (the torchrun ranks too) reads the job with them set
+            from rmsft.jobspec import write_effective_job
+
+            job = write_effective_job(job, overrides, Path(work_dir) / "job.yaml")
+            console.print(f"the job with --set applied: {job}", highlight=False)
         # warning by default: info lines would break up the progress bar
         configure_logging("warning", fmt="%(name)s %(levelname)s %(message)s")
         from learner.local import run_local
 
-        run_local(job, work_dir=work_dir, resume=resume)
+        run_local(job, work_dir=work_dir, resume=resume, console=console)
     except (JobSpecError, DataError, LogLevelError, RewardConfigError, ModelCheckError,
             MemoryPlanSettingError, CheckpointLineageError, CheckpointFolderBusyError) as exc:
         _fail(exc)
@@ -393,23 +538,40 @@ def plan_cmd(
         help="config.json, model folder or preset (Qwen2.5-VL-7B, Qwen3-VL-2B, Qwen3-VL-4B, Qwen3-VL-8B) to plan "
         "with, when spec.model.path is not on this machine.",
     ),
+    overrides: list[str] = typer.Option([], "--set", help="KEY=VALUE: a field of JOB set for this plan, as "
+                                        "`rmsft local --set` (e.g. rollout.replicas=2).", show_default=False),
 ) -> None:
     """The memory plan of a job, per GPU, in server and colocate mode: weights, gradients, optimizer state,
     activations, engine and KV cache. Exit 0 when the job's own mode fits, 2 (with the knobs to turn) when not."""
-    from rich.console import Console
 
     from rmsft.jobspec import JobSpecError, load_job
     from rmsft.memory_plan import ModelShapeError, parse_bytes, plan_memory
 
     try:
-        manifest = load_job(job)
-        memory = parse_bytes(gpu_memory) if gpu_memory is not None else None
+        manifest = load_job(job, overrides)
+        memory = parse_bytes(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
         plan = plan_memory(manifest, gpu_memory=memory, model_config=model_config)
-    except (JobSpecError, ModelShapeError, ValueError, OSError) as exc:
+    except ModelShapeError as exc:
+        _fail(ValueError(_not_built(manifest, job) or str(exc)))
+    except (JobSpecError, ValueError, OSError) as exc:
         _fail(exc)
-    Console().print(plan.render())
+    _console().print(plan.render())
     if not plan.fits:
         _fail(ValueError(plan.message()))
+
+
+def _not_built(manifest, job: Path) -> str | None:
+    """The fix for an example job whose model is not built yet (its `rmsft.io/build-tiny-model` annotation says
+    how): `rmsft dev prepare JOB`, not "pass --model-config" or "point spec.model.path" elsewhere; None for any
+    other job, or when the model is there."""
+    notes = manifest.metadata.model_extra.get("annotations") or {} if manifest.metadata.model_extra else {}
+    build = str(notes.get("rmsft.io/build-tiny-model", "")).lower() if isinstance(notes, dict) else ""
+    model = Path(manifest.spec.model.path)
+    if build in ("", "false") or (model / "config.json").is_file():
+        return None
+    return (f"spec.model.path {model} is not built yet: this example job builds its own tiny model "
+            f"(metadata.annotations rmsft.io/build-tiny-model: {build}); run `rmsft dev prepare {job}` (what "
+            "`rmsft local` does before it starts), then this command again")
 
 
 @app.command("prepare-model")
@@ -420,11 +582,10 @@ def prepare_model_cmd(
 ) -> None:
     """Add the 1000 <|coord_k|> tokens to a stock checkpoint: tokenizer, embedding rows (mean of the existing
     rows plus a small ordered component), output head, config; writes a complete model folder to DST."""
-    from rich.console import Console
 
     from rmsft.prepare_model import PrepareModelError, prepare_model
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = _console(stderr=True)
     try:
         with console.status(f"preparing {src} -> {dst}"):
             summary = prepare_model(src, dst, overwrite=overwrite)
@@ -453,7 +614,8 @@ def preflight_cmd(
         manifest = load_job(job)
         line = check_model(manifest.spec.model.path, manifest.spec.training.format)
     except (JobSpecError, ModelCheckError) as exc:
-        message = f"rmsft preflight: {exc}"
+        hint = _not_built(manifest, job) if isinstance(exc, ModelCheckError) else None
+        message = f"rmsft preflight: {hint or exc}"
         # Plain text, one line (no rich wrapping): in a pod the operator quotes it from the termination
         # message, which is this file or, failing that, the log's tail.
         write_termination_log(message)
@@ -481,14 +643,13 @@ def export_cmd(
 ) -> None:
     """Write a learner checkpoint as a model folder transformers and vLLM load: LoRA/DoRA merged into the base
     weights (or, with --adapter, the adapter alone), full fine-tunes whole, with processor/tokenizer."""
-    from rich.console import Console
 
     from learner.train.export import ExportError, export_checkpoint
     from learner.train.policy import ModelLoadError
     from rmsft.jobspec import JobSpecError
     from rmsft.logs import configure_logging
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = _console(stderr=True)
     configure_logging("warning")
     try:
         with console.status("exporting") as status:
@@ -516,14 +677,14 @@ def eval_cmd(
     max_tokens: int | None = typer.Option(None, min=1, help="Answer length (default: training.rollout.max_tokens)."),
     iou: float = typer.Option(0.5, min=0.0, max=1.0, help="IoU threshold of the reported F1."),
     out: Path | None = typer.Option(None, help="Write eval.json and pictures of the first answers here."),
-    fmt: str | None = typer.Option(None, "--format", help="Override training.format: coordexp or qwen_json."),
+    fmt: str | None = typer.Option(
+        None, "--format", help="Override training.format: coordexp, coordjson or qwen_json."),
     coordinates: str | None = typer.Option(
         None, help="Override training.format_options.coordinates (qwen_json): relative or pixels."),
     work_dir: Path = typer.Option(Path(".rmsft/eval"), help="Where server logs go."),
 ) -> None:
     """Held-out evaluation of a checkpoint: greedy answers from local rollout servers on MODEL, scored as the trainer
     scores training.eval (F1 at an IoU threshold, COCO mAP)."""
-    from rich.console import Console
 
     from learner.checkpoint_eval import EvalOptions, run_eval
     from learner.data.records import DataError
@@ -536,7 +697,7 @@ def eval_cmd(
     opts = EvalOptions(config=config, image_root=image_root, max_samples=max_samples, max_tokens=max_tokens,
                        iou=iou, out=out, format=fmt, coordinates=coordinates, work_dir=work_dir)
     try:
-        run_eval(model, data, opts, Console(stderr=True, soft_wrap=True))
+        run_eval(model, data, opts, _console(stderr=True))
     except (ExportError, JobSpecError, ModelLoadError, DataError, ValueError, RuntimeError, OSError) as exc:
         _fail(exc)
 
@@ -565,9 +726,13 @@ def main() -> None:
         code: int | str | None = 0
     except SystemExit as e:
         code = e.code
+    except BaseException:
+        record_rank_exit(1)  # under `rmsft torchrun`: this rank failed with a traceback (Python's exit 1)
+        raise
     if isinstance(code, str):  # sys.exit("message"): Python prints it and exits 1
         print(code, file=sys.stderr)
         code = 1
+    record_rank_exit(code or 0)  # under `rmsft torchrun`: the code torchrun's own 1 would hide
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -62,13 +62,19 @@ class GenOutput:
     token_ids: list[int]
     finish_reason: str  # "stop" | "length" | "abort"
     logprobs: list[float] | None = None  # one per token id, when the sampling asked for them
+    # (engine label, start, end): token_ids[start:end) came from the weights labelled so (`label_weights`); None
+    # from an engine that does not label its weights (one version per call: the runner drains before applies).
+    version_spans: list[tuple[str, int, int]] | None = None
 
 
 class Engine(Protocol):
     """What the servicer drives. An engine may also offer `submit(items) -> Future[list[GenOutput]]`, safe to
     call from many threads at once, whose requests join the running batch and whose `Future.cancel()` aborts
     them (the vLLM engine does); `EngineRunner` runs a `generate`-only engine one call at a time instead. An
-    engine whose process can die offers `dead_reason() -> str` ("" while alive), which the server watches."""
+    engine whose process can die offers `dead_reason() -> str` ("" while alive), which the server watches.
+    An engine that can update its weights under running requests (vLLM) offers `pause_keep()` / `resume()` (freeze
+    them where they are, and go on) and `label_weights(label)` (the label its outputs' `version_spans` name for the
+    tokens sampled from now on); `EngineRunner.call(fn, keep=True)` uses them, others are drained."""
 
     backend: str
     model: str

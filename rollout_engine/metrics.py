@@ -38,6 +38,10 @@ WEIGHT_VERSION = Gauge("rmsft_rollout_weight_version", "Weight version being ser
 WEIGHT_RUN = Gauge("rmsft_rollout_weight_run_info", "Learner run whose weight version is being served (1 per run_id)",
                    ["run_id"])
 READY = Gauge("rmsft_rollout_ready", "1 when the engine is loaded and serving")
+INFLIGHT_UPDATES = Counter("rmsft_rollout_inflight_updates_total",
+                           "Weight updates applied under paused running requests (keep_generating), not drained")
+KEPT_CALLS = Counter("rmsft_rollout_kept_calls_total",
+                     "Generate calls running when an in-flight weight update paused them (resumed on the new weights)")
 
 
 def set_weights(weights: WeightVersion) -> None:

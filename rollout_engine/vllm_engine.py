@@ -314,7 +314,11 @@ class VllmEngine:
         logprobs = None
         if s.logprobs:
             logprobs = [float(pos[tok].logprob) for pos, tok in zip(o.logprobs, ids, strict=True)]
-        return GenOutput(list(final.prompt_token_ids), ids, o.finish_reason or "abort", logprobs)
+        # vLLM tags each output token with the engine core's weight label at the step that sampled it
+        # (output_processor's weight_versions spans; `label_weights` sets the label).
+        spans = getattr(o, "weight_versions", None)
+        return GenOutput(list(final.prompt_token_ids), ids, o.finish_reason or "abort", logprobs,
+                         None if spans is None else [(str(sp.version), int(sp.start), int(sp.end)) for sp in spans])
 
     def dead_reason(self) -> str:
         """Why the engine can serve no more ("" while it can): its process died or its output loop failed."""
@@ -345,6 +349,20 @@ class VllmEngine:
             if _engine_dead(e):
                 raise EngineDead(f"vLLM's engine process died while {what} ({_explain(e)})") from e
             raise EngineError(f"vLLM {what} failed: {_explain(e)}") from e
+
+    # in-flight updates (EngineRunner.call(fn, keep=True)) -----------------------------------------
+    def pause_keep(self) -> None:
+        """Freeze every running request where it is (vLLM's pause_generation mode "keep": the scheduler stops
+        stepping, the requests and their KV stay); new requests queue. The caches are left for the apply's
+        `reset_prefix_cache(running=True)`."""
+        self._wait(self.llm.pause_generation(mode="keep", clear_cache=False), "pausing generation (keep)")
+
+    def resume(self) -> None:
+        self._wait(self.llm.resume_generation(), "resuming generation")
+
+    def label_weights(self, label: str) -> None:
+        """Tokens sampled from now on are tagged `label` in their output's version spans."""
+        self._wait(self.llm.update_weight_version(label), "labelling the weight version")
 
     def apply_full(self, index_path: str | None) -> None:
         self._wait(self.llm.collective_rpc("rmsft_reload_weights", args=(index_path,)), "reloading weights")
@@ -407,13 +425,18 @@ class VllmEngine:
                 log.debug("remove_lora after FULL reload failed", exc_info=True)
             self._lora = None
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, running: bool = False) -> None:
         """Forget what the old weights computed: cached prefixes, and the vision encoder's outputs (an
         image seen before a reload would otherwise reuse stale features; on the CPU backend the next
-        request with such an image killed the engine with "Encoder cache miss")."""
+        request with such an image killed the engine with "Encoder cache miss"). `running` (an in-flight
+        update): the paused requests' KV too, so each is recomputed (prompt and tokens so far) under the new
+        weights when it resumes: its next tokens are the new weights' continuation of that prefix."""
+        if running:
+            if not self._wait(self.llm.reset_prefix_cache(reset_running_requests=True), "resetting the KV cache"):
+                raise EngineError("vLLM refused to reset its KV cache under paused requests after a weight change")
         # The runner's gate keeps every request out of the engine now, so nothing can hold cached blocks; vLLM
         # answers False (and keeps the cache) when something does, and old weights' KV must never serve.
-        if not self._wait(self.llm.reset_prefix_cache(), "resetting the prefix cache"):
+        elif not self._wait(self.llm.reset_prefix_cache(), "resetting the prefix cache"):
             log.warning("vLLM kept its prefix cache (a request still held blocks): resetting running requests too")
             if not self._wait(self.llm.reset_prefix_cache(reset_running_requests=True), "resetting the prefix cache"):
                 raise EngineError("vLLM refused to reset its prefix cache after a weight change")

@@ -6,6 +6,7 @@ file gives any of them, flags win.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
@@ -63,8 +64,26 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+class WholeWordsHelp(argparse.HelpFormatter):
+    """argparse's help, wrapped between words only, as every other `rmsft` command's (rmsft_cli.app): textwrap's
+    defaults break at hyphens (`--kv-` | `cache-bytes`) and inside words longer than the column."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.TextWrapper(width, break_on_hyphens=False, break_long_words=False).wrap(
+            self._whitespace_matcher.sub(" ", text).strip())
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap
+
+        return textwrap.TextWrapper(width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False,
+                                    break_long_words=False).fill(self._whitespace_matcher.sub(" ", text).strip())
+
+
 def build_parser(prog: str = "rmsft serve") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Serve one rollout engine over gRPC (rmsft contract).")
+    p = argparse.ArgumentParser(prog=prog, description="Serve one rollout engine over gRPC (rmsft contract).",
+                                formatter_class=WholeWordsHelp)
     p.add_argument("--config", help="YAML file with any of the options below (snake_case keys); flags win")
     for f in fields(ServeConfig):
         default = f.default if f.default is not MISSING else None
@@ -90,8 +109,11 @@ def parse_config(argv: list[str] | None = None, prog: str = "rmsft serve") -> Se
         known = {f.name for f in fields(ServeConfig)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise SystemExit(f"rmsft serve: unknown keys in {args.config}: {unknown}")
-        values.update(data)
+            # Tolerated, said on stderr (docs/upgrade.md): an operator newer than this image may write a key this
+            # image does not know into a job's serve.yaml; refusing it would crash-loop every server of the job.
+            print(f"rmsft serve: warning: ignoring unknown keys in {args.config}: {unknown} (written for a newer "
+                  "rmsft serve, or misspelt)", file=sys.stderr)
+        values.update({k: v for k, v in data.items() if k in known})
     for k, v in vars(args).items():
         if k != "config" and v is not None:
             values[k] = v

@@ -111,6 +111,10 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
     def attach(self, engine) -> None:
         self.engine = engine
         self.runner = EngineRunner(engine)
+        # The engine's weight labels (GenOutput.version_spans) -> the versions they stand for: vLLM's engine core
+        # starts as "default" (the checkpoint's weights), then every apply labels its version (`_record_version`).
+        self._labels: dict[str, WeightVersion] = {"default": self.runner.weights}
+        self._label_ids = itertools.count(1)
         metrics.READY.set(1)
         if hasattr(engine, "dead_reason"):
             threading.Thread(target=self._watch_engine, name="rmsft-engine-watch", daemon=True).start()
@@ -177,7 +181,7 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
             self._require_ready()
             # The fence is the pair (run id, number): another run's weights under the same number are refused.
             expected = version_of(request)
-            if expected is not None and expected != self.runner.weights:
+            if expected is not None and not self.runner.accepts(expected):
                 raise VersionMismatch(expected, self.runner.weights)
             items = build_items(request, self.engine)
             # The callback runs when the call ends for any reason; when the client went away (deadline passed,
@@ -209,7 +213,7 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
         n = samples_per_prompt(request.sampling)
         n_prompt = n_gen = 0
         for k, out in enumerate(outs):
-            set_version(reply.completions.add(
+            c = set_version(reply.completions.add(
                 prompt_token_ids=out.prompt_token_ids,
                 token_ids=out.token_ids,
                 finish_reason=_FINISH.get(out.finish_reason, rollout_pb2.FINISH_REASON_UNSPECIFIED),
@@ -217,6 +221,8 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
                 sample_index=k % n,
                 logprobs=out.logprobs or (),
             ), version)
+            for weights, start, end in self._spans(out, version):
+                set_version(c.version_spans.add(start=start, end=end), weights)
             n_prompt += len(out.prompt_token_ids) if k % n == 0 else 0
             n_gen += len(out.token_ids)
         metrics.PROMPTS.inc(len(request.prompts))
@@ -226,6 +232,22 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
         metrics.GENERATE_SECONDS.observe(time.perf_counter() - t0)
         metrics.REQUESTS.labels(method="Generate", code="OK").inc()
         return reply
+
+    def _spans(self, out, admitted: WeightVersion) -> list[tuple[WeightVersion, int, int]]:
+        """Which version sampled which of `out`'s tokens: the engine's labelled spans, mapped to versions, or one
+        span of the version the call was admitted under (an engine without labels runs no call across an apply).
+        A label the server does not know (none should be) reads as the admitted version."""
+        n = len(out.token_ids)
+        spans = [(self._labels.get(label, admitted), s, e) for label, s, e in (out.version_spans or []) if e > s]
+        if not spans or spans[0][1] != 0 or spans[-1][2] != n:
+            return [(admitted, 0, n)] if n else []
+        merged: list[tuple[WeightVersion, int, int]] = []
+        for weights, s, e in spans:  # neighbours under one version (a label re-set to the same) are one span
+            if merged and merged[-1][0] == weights:
+                merged[-1] = (weights, merged[-1][1], e)
+            else:
+                merged.append((weights, s, e))
+        return merged
 
     def _mark_broken(self, reason: str, *, fatal: bool = False) -> None:
         """Refuse everything from now on (UNAVAILABLE naming `reason`) and tell the process: NOT_SERVING, and
@@ -313,7 +335,9 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
             mode = _MODE_NAME[staged.header.mode]
             metrics.WEIGHT_SYNC_BYTES.labels(mode=mode).inc(staged.bytes_received)
             if staged.header.mode == FULL:
-                self.runner.call(lambda: self._apply_full(staged))
+                # keep_generating: applied under the running calls, paused (an engine that cannot is drained);
+                # ADAPTER updates always drain (the running requests hold the old adapter).
+                self.runner.call(lambda: self._apply_full(staged), keep=staged.header.keep_generating)
                 staged = None  # kept as the rollback copy
             else:
                 self._apply_adapter(staged)
@@ -408,12 +432,12 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
                 if self._adapter_dir:  # the reload dropped the adapter that belongs to this version
                     self.engine.apply_adapter(self._adapter_dir, next(self._adapter_ids),
                                               self.runner.active_adapter)
-                self.engine.reset_prefix_cache()
+                self._reset_caches()
             except EngineError as e2:
                 self._mark_broken(f"FULL apply failed ({e}) and rollback failed ({e2})")
             staged.cleanup()
             raise
-        self.engine.reset_prefix_cache()
+        self._reset_caches()
         self._full_names = self._full_names | names
         if self._rollback is not None:
             self._rollback.cleanup()
@@ -427,6 +451,14 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
             shutil.rmtree(self._adapter_dir, ignore_errors=True)
             self._adapter_dir = None
         self._set_version(staged, "", time.perf_counter() - t0)
+
+    def _reset_caches(self) -> None:
+        """After a weight change: the engine's caches, and under an in-flight apply the paused requests' KV (they
+        are recomputed under the new weights when they resume)."""
+        if self.runner.keeping:
+            self.engine.reset_prefix_cache(running=True)
+        else:
+            self.engine.reset_prefix_cache()
 
     def _apply_adapter(self, staged: StagedWeights) -> None:
         adapter_id = next(self._adapter_ids)
@@ -473,6 +505,12 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
         assert self.runner is not None, "attached: callers passed _require_ready"
         self.runner.weights = weights
         self.runner.active_adapter = adapter
+        if hasattr(self.engine, "label_weights"):  # tokens sampled from now on name this version
+            label = f"w{next(self._label_ids)}"
+            self.engine.label_weights(label)
+            self._labels[label] = weights
+            while len(self._labels) > 64:  # no answer outlives that many updates (the learner's staleness <= 4)
+                self._labels.pop(next(iter(self._labels)))
         self._last_applied = tensors
         self._last_bytes = nbytes
         self._last_apply_seconds = apply_seconds

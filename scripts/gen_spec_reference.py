@@ -34,8 +34,15 @@ Every field of a `RolloutMatchingJob` (`apiVersion: {group_version}`, `kind: {ki
 its type, its default and what it does. The same text is what `kubectl explain rmj.spec.<field>` prints once
 the chart's CRD is installed, and the same model validates the manifest under `rmsft local`, `rmsft train`
 and the operator. The Kubernetes-facing sections use camelCase keys; `spec.training` is the learner's own
-config and uses snake_case keys. Unknown keys are errors everywhere. `metadata.name` is a DNS label of at
-most 40 characters (the job's child objects add suffixes to it).
+config and uses snake_case keys. Unknown keys are errors everywhere (`rmsft` names the nearest keys of the
+section: "did you mean replicas?"). `metadata.name` is a DNS label of at most 40 characters (the job's child
+objects add suffixes to it).
+
+Paths (`spec.model.path`, `training.data.path` and `image_root`, `training.eval.data` and `image_root`,
+`training.checkpoint.dir`, `training.export.dir`, `training.log_dir`) that are relative are read relative to the
+folder of the job file, wherever the command runs (`rmsft local`, `plan`, `preflight`, `train --config`, `dev
+prepare`): `configs/local-tiny.yaml`'s `../.rmsft/tiny-model` is the repository's `.rmsft/tiny-model` from any
+folder. In a cluster write them absolute, as the pods see them.
 
 In the tables: *required* marks a key with no default; *unset* a key whose absence means what its
 description says; a section's default is its fields' defaults. Ranges are inclusive unless written with

@@ -8,7 +8,6 @@ import hashlib
 from pathlib import Path
 
 import pytest
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "assets" / "tiny-vl-grid-model"
@@ -26,6 +25,9 @@ def test_shipped_tiny_model_matches_its_digests(name: str) -> None:
 
 
 def test_readme_job_starts_from_the_shipped_model() -> None:
-    job = next(d for d in yaml.safe_load_all((ROOT / "configs" / "local-tiny-vl.yaml").read_text()) if d)
-    assert (ROOT / job["spec"]["model"]["path"]).resolve() == MODEL
+    from rmsft.jobspec import load_job
+
+    # a job file's relative paths are its folder's (rmsft.jobspec.resolve_paths)
+    job = load_job(ROOT / "configs" / "local-tiny-vl.yaml")
+    assert Path(job.spec.model.path) == MODEL
     assert (MODEL / "config.json").is_file()

@@ -47,3 +47,54 @@ def test_the_method_study_keeps_its_ledgers_beside_it() -> None:
     assert sorted(p.name for p in (study / "results").glob("method_compare*.csv"))
     assert not sorted((ROOT / "docs" / "img").glob("method_compare*"))
     assert not sorted((ROOT / "benchmarks").glob("method_compare*.py"))
+
+
+def _cli_commands() -> list[str]:
+    import typer
+
+    from rmsft_cli.app import app
+
+    out: list[str] = []
+
+    def walk(cmd: object, path: list[str]) -> None:
+        subs = getattr(cmd, "commands", {})
+        if path and not subs:
+            out.append(" ".join(path))
+        for name, sub in subs.items():
+            walk(sub, [*path, name])
+
+    walk(typer.main.get_command(app), [])
+    return out
+
+
+def test_every_command_is_in_the_cli_tables_and_the_architecture_list() -> None:
+    """Issue 64: `rmsft data check` was in neither docs/cli.md's tables nor docs/architecture.md's list."""
+    rows = [line for line in (ROOT / "docs" / "cli.md").read_text().splitlines() if line.startswith("| `rmsft ")]
+    listed = {re.match(r"\| `rmsft ([a-z -]+?)(?: [A-Z\[(`-]|`)", row).group(1).strip() for row in rows}
+    app_row = next(line for line in (ROOT / "docs" / "architecture.md").read_text().splitlines()
+                   if line.startswith("| `rmsft_cli/app.py` |"))
+    for command in _cli_commands():
+        assert command in listed, (command, sorted(listed))
+        assert f"`{command}`" in app_row or f"`rmsft {command}`" in app_row, command
+
+
+def test_the_methods_docs_architecture_names_are_the_codes() -> None:
+    """Every `Class.member` docs/architecture.md names is defined on that class (in the source, or a field of that
+    message in the protos): `TrainingLoop._rollouts_for` and `._within_window` had moved to `RolloutFeed`."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    names = sorted(set(re.findall(r"`([A-Z][A-Za-z0-9]+)\.(_?[a-z_][A-Za-z0-9_]*)(?:\(\))?`", text)))
+    sources = {p: p.read_text() for d in ("learner", "rmsft", "rmsft_cli", "rollout_svc", "rollout_engine",
+                                          "operator", "rmsft_dev") for p in (ROOT / d).rglob("*.py")}
+    protos = "\n".join(p.read_text() for p in (ROOT / "protos").rglob("*.proto"))
+    missing = []
+    for cls, member in names:
+        files = [p for p, body in sources.items() if re.search(rf"^\s*class {cls}\b", body, re.M)]
+        if files:
+            found = any(re.search(rf"^\s+(?:async\s+)?def {member}\b|^\s+{member}\s*[:=]", sources[p], re.M)
+                        for p in files)
+        else:  # a protobuf message: the field in its block
+            block = re.search(rf"message {cls}\s*\{{(.*?)\n\}}", protos, re.S)
+            found = block is not None and re.search(rf"\b{member}\s*=", block.group(1)) is not None
+        if not found:
+            missing.append(f"{cls}.{member}")
+    assert len(names) > 10 and not missing, missing

@@ -29,6 +29,7 @@ from rmsft.memory_plan import (
     shape_from_folder,
     trainable_params,
 )
+from rmsft.memory_plan.arithmetic import activation_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = yaml.safe_load((ROOT / "configs" / "job.yaml").read_text())
@@ -150,6 +151,19 @@ def _job(**changes: Any) -> Any:
 
 
 SHAPE_7B = shape_from_config(PRESETS["Qwen2.5-VL-7B"], "preset")
+
+
+def test_the_chunked_loss_holds_one_chunk_of_logits_not_the_rows() -> None:
+    """training.loss.logits chunked (the default) counts logits_chunk positions' logits, full the whole row's: at
+    configs/job.yaml's 16384-token row and Qwen3-VL-2B's vocabulary the difference is (16384 - 1024) rows."""
+    shape = shape_from_config(PRESETS["Qwen3-VL-2B"], "preset")
+    full = activation_bytes(_job(**{"training.loss": {"logits": "full"}}).spec, shape)
+    chunked = activation_bytes(_job().spec, shape)
+    small = activation_bytes(_job(**{"training.loss": {"logits_chunk": 256}}).spec, shape)
+    per_row = shape.vocab * (2 * 2 + 8)  # bf16 logits and grad, fp32 copy and softmax grad
+    assert full - chunked == (16384 - 1024) * per_row
+    assert chunked - small == (1024 - 256) * per_row
+    assert full - chunked > 10 * 2**30  # the plan's activations drop by over 10 GiB
 
 
 def test_full_finetuning_trains_what_freeze_leaves() -> None:
@@ -347,7 +361,8 @@ def test_cli_plan_exit_codes_and_output(tmp_path: Path) -> None:
         assert row in out
     assert "preset Qwen3-VL-2B" in out and "assumptions:" in out
 
-    res = _rmsft("plan", str(ROOT / "configs" / "job.yaml"), "--gpu-memory", "24GiB")
+    # configs/job.yaml's learner GPU needs 13.7 GiB (the chunked loss: 39.8 with the whole row's logits)
+    res = _rmsft("plan", str(ROOT / "configs" / "job.yaml"), "--gpu-memory", "12GiB")
     assert res.returncode == 2
     err = " ".join(res.stderr.split())
     assert "does not fit (server mode)" in err and "spec.training." in err

@@ -185,17 +185,22 @@ def label_support(objects: Sequence[DetObject], explorers: Sequence[Sequence[Det
 
 
 def dead_anchors(kept: Sequence[DetObject], kept_matching: MatchResult,
-                 explorers: Sequence[tuple[Sequence[DetObject], Collection[int]]], min_iou: float) -> list[int]:
-    """Indices of `kept` unmatched and supported by no explorer answer (see the module docstring)."""
+                 explorers: Sequence[tuple[Sequence[DetObject], Collection[int]]], min_iou: float,
+                 verified: Collection[str] = ()) -> list[int]:
+    """Indices of `kept` unmatched and supported by no explorer answer (see the module docstring), and, as the
+    reference's triage does with LVIS's metadata, unmatched ones whose category the image's annotation verified
+    (`verified`: normalized names, `LvisMeta.verified`): every instance of such a category is in the ground truth
+    (or none is), so an unmatched one is wrong whatever the explorers say."""
     matched = set(kept_matching.gt_of_pred())
     unmatched = [i for i in range(len(kept)) if i not in matched]
+    checked = {i for i in unmatched if verified and normalize_label(kept[i].desc) in verified}
     # An unmatched object that repeats a matched one is not supported by the explorer's copy of that one.
     free = [i for i in unmatched if all(iou(kept[i], kept[m]) < min_iou for m in matched)]
     supported: set[int] = set()
     for view, view_matched in explorers:
         pairs = pair_by_iou(kept, view, min_iou)
         supported |= {i for i in free if i in pairs and pairs[i] not in view_matched}
-    return [i for i in unmatched if i not in supported]
+    return [i for i in unmatched if i not in supported or i in checked]
 
 
 @dataclass(frozen=True)

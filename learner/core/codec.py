@@ -21,6 +21,13 @@ Public API
   tokens (coordinate losses apply). A "poly" is read as a flat list of coords or as a list of
   `[x, y]` pairs (both forms are accepted on parse, mixing them is not); it is written as pairs
   (CoordExp's own form) unless `polygons="flat"`.
+- `CoordJsonFormat()` / `COORDJSON`: the reference's (CoordExp's) own answer since 2026-02, "CoordJSON":
+  `{"objects": [{"desc": "cat", "bbox_2d": [<|coord_12|>, <|coord_56|>, <|coord_200|>, <|coord_512|>]}, ...]}`,
+  one top-level key `objects` holding a list, coordinate tokens *bare* (not quoted: the text is JSON once each
+  token is read as a value), a poly a flat list; separators `", "` and `": "`, the empty answer `{"objects": []}`.
+  Written desc first (the reference's `object_field_order: desc_first`); a record with the geometry first is read
+  too. Strict validation as the reference's salvage parse: keys exactly {"desc", one geometry}, every coordinate
+  a bare coord token (a quoted one, an integer or a nested poly pair drops the record).
 - `QwenJsonFormat(coordinates="relative")` / `QWEN_JSON`: the native grounding answer of
   Qwen2.5-VL / Qwen3-VL, a JSON list `[{"bbox_2d": [x1, y1, x2, y2], "label": "cat"}, ...]` with
   integer coordinates as plain text (no coord tokens: cross-entropy only). `coordinates`:
@@ -51,8 +58,10 @@ NUM_BINS = 1000
 QWEN_RELATIVE_MAX = 1000  # Qwen3-VL writes relative coordinates as integers 0..1000 inclusive
 Kind = Literal["bbox_2d", "poly"]
 GEOMETRY_KINDS: tuple[Kind, ...] = ("bbox_2d", "poly")
-FORMAT_NAMES = ("coordexp", "qwen_json")
-Container = Literal["object", "list"]
+FORMAT_NAMES = ("coordexp", "coordjson", "qwen_json")
+Container = Literal["object", "list", "objects"]
+# The "objects" container's opener and closer: a top-level object whose one key holds the list of entries.
+OBJECTS_OPEN, OBJECTS_CLOSE = '{"objects": [', "]}"
 _COORD_RE = re.compile(r"<\|coord_(\d{1,3})\|>")
 _KEY_RE = re.compile(r"object_([1-9]\d{0,8})")
 _COORD_TEXT = "<|coord_"
@@ -149,12 +158,16 @@ class OutputFormat(Protocol):
     @property
     def name(self) -> str: ...
     # "object": a top-level JSON object of `"object_N": {...}` entries; "list": a top-level JSON list
-    # of `{...}` entries. The parser's scanner and the appended tail's closing bracket follow it.
+    # of `{...}` entries; "objects": `{"objects": [{...}, ...]}`. The parser's scanner and the appended tail's
+    # closing bracket follow it.
     @property
     def container(self) -> Container: ...
     # Whether coordinates are coord tokens (coordinate losses) or plain text (cross-entropy only).
     @property
     def coord_tokens(self) -> bool: ...
+    # Coord tokens written bare as array elements (CoordJSON) rather than each alone in a JSON string.
+    @property
+    def bare_coords(self) -> bool: ...
     # True when coordinates are measured on the processor-resized image: bind with `for_image` first.
     @property
     def needs_image_size(self) -> bool: ...
@@ -191,7 +204,10 @@ class OutputFormat(Protocol):
 
 
 def container_brackets(container: Container) -> tuple[str, str]:
-    """The opening and closing bracket of a format's container."""
+    """The opening and closing bracket of a format's container (the "objects" container's are several
+    characters: `{"objects": [` and `]}`)."""
+    if container == "objects":
+        return OBJECTS_OPEN, OBJECTS_CLOSE
     return ("[", "]") if container == "list" else ("{", "}")
 
 
@@ -201,6 +217,7 @@ class CoordExpFormat:
     name: ClassVar[str] = "coordexp"
     container: ClassVar[Container] = "object"
     coord_tokens: ClassVar[bool] = True
+    bare_coords: ClassVar[bool] = False
     needs_image_size: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
@@ -271,6 +288,58 @@ class CoordExpFormat:
 
 
 @dataclass(frozen=True)
+class CoordJsonFormat:
+    """The reference's CoordJSON (module doc). The parser hands `validate_entry` each bare coord token as the
+    string `"<|coord_k|>"` (it makes the entry JSON so), and counts the entry's bare coord tokens: a coordinate
+    written any other way leaves the count short and drops the record."""
+
+    name: ClassVar[str] = "coordjson"
+    container: ClassVar[Container] = "objects"
+    coord_tokens: ClassVar[bool] = True
+    bare_coords: ClassVar[bool] = True
+    needs_image_size: ClassVar[bool] = False
+
+    def _value(self, obj: DetObject) -> str:
+        coords = ", ".join(coord_token_text(b) for b in obj.bins)
+        return f'{{"desc": {json.dumps(obj.desc, ensure_ascii=False)}, "{obj.kind}": [{coords}]}}'
+
+    def render_entries(self, objects: Sequence[DetObject], start_index: int) -> str:
+        return ", ".join(self._value(o) for o in objects)
+
+    def render(self, objects: Sequence[DetObject]) -> str:
+        return OBJECTS_OPEN + self.render_entries(objects, 1) + OBJECTS_CLOSE
+
+    def object_index(self, key: str) -> int | None:
+        return None
+
+    def validate_entry(self, key: str | None, value: Any) -> DetObject | None:
+        if key is not None or not isinstance(value, dict):
+            return None
+        kinds = [k for k in GEOMETRY_KINDS if k in value]
+        if len(kinds) != 1 or set(value) != {"desc", kinds[0]}:
+            return None
+        coords = value[kinds[0]]
+        if not isinstance(coords, list) or not coords or not all(isinstance(c, str) for c in coords):
+            return None  # a poly of [x, y] pairs is not CoordJSON (the reference drops it too)
+        bins = [coord_bin_from_text(c) for c in coords]
+        if any(b is None for b in bins):
+            return None
+        try:
+            return DetObject(value["desc"], kinds[0], tuple(bins))  # type: ignore[arg-type]
+        except ValueError:
+            return None
+
+    def desc_value_spans(self, entries_text: str) -> list[tuple[int, int]]:
+        return [(m.start(1), m.end(1)) for m in re.finditer(r'\{"desc": "((?:[^"\\]|\\.)*)"', entries_text)]
+
+    def as_written(self, obj: DetObject) -> DetObject:
+        return obj
+
+    def for_image(self, width: int, height: int) -> CoordJsonFormat:
+        return self
+
+
+@dataclass(frozen=True)
 class QwenJsonFormat:
     coordinates: Literal["relative", "pixels"] = "relative"
     # The processor-resized image size a "pixels" format converts with; set by `for_image`.
@@ -279,6 +348,7 @@ class QwenJsonFormat:
     name: ClassVar[str] = "qwen_json"
     container: ClassVar[Container] = "list"
     coord_tokens: ClassVar[bool] = False
+    bare_coords: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.coordinates not in ("relative", "pixels"):
@@ -359,6 +429,7 @@ class QwenJsonFormat:
 
 
 COORDEXP = CoordExpFormat()
+COORDJSON = CoordJsonFormat()
 QWEN_JSON = QwenJsonFormat()
 
 
@@ -368,12 +439,15 @@ def output_format(
     polygons: Literal["pairs", "flat"] = "pairs",
 ) -> OutputFormat:
     """The format `training.format` names, with its `training.format_options` (each option applies to
-    one format only: `coordinates` to qwen_json, `polygons` to coordexp; the other is ignored)."""
+    one format only: `coordinates` to qwen_json, `polygons` to coordexp; the other is ignored, and coordjson
+    ignores both)."""
     if name == "coordexp":
         if coordinates not in ("relative", "pixels"):
             raise FormatError(
                 f"training.format_options.coordinates: expected 'relative' or 'pixels', got {coordinates!r}")
         return CoordExpFormat(polygons=polygons)
+    if name == "coordjson":  # no options: coordinate tokens, flat polygons (the job spec refuses both options)
+        return COORDJSON
     if name == "qwen_json":
         if polygons not in ("pairs", "flat"):
             raise FormatError(f"training.format_options.polygons: expected 'pairs' or 'flat', got {polygons!r}")

@@ -2,7 +2,8 @@
 
 Public API
 - `GrpoConfig(clip_eps=0.2, clip_eps_high=None, kl_coef=0.0, scale_rewards=True, loss_norm="token",
-  temperature=1.0)`; `.eps_high` (clip_eps_high, or clip_eps when unset).
+  temperature=1.0, correction="none", correction_low=None, correction_high=None)`; `.eps_high`
+  (clip_eps_high, or clip_eps when unset); `.correction_bounds` (the thresholds in force).
 - `group_advantages(rewards, group_sizes=None, *, scale=True, eps=1e-4) -> Tensor[N]`: per-prompt
   mean subtracted, divided by (std + eps) when `scale`; a group whose rewards are all equal (one
   sample included) gets exact zeros.
@@ -32,18 +33,43 @@ sequence's tokens, then mean over sequences (the original GRPO: each answer weig
 long wrong answer's tokens are each penalised less than a short one's). Both are sums of per-token
 terms with weights known before the forward (1 or 1/len(sequence)), and a segment never spans two
 rows, so a packed row's loss is exactly the loss of its segments run one by one and pooled.
+
+Train/inference mismatch (`correction`). `old_logp` is the behaviour policy's: what the server that
+sampled the token reported (its kernels, its precision, and with rollouts ahead or in flight an
+older weight version). With `correction: none` (the default) the ratio above is taken against it
+directly (verl's "bypass" mode): the PPO clip is the only guard. Any other correction decouples
+the two (the three-policy PPO of verl's rollout correction, AReaL's decoupled PPO): the trust
+region is taken against the learner's own policy at the step's start, whose log-probs are the
+forward's own, detached (rmsft takes one optimizer step per batch, so that policy is the one being
+differentiated: prox_t = logp_t.detach(), r_t = exp(logp_t - prox_t) = 1 in value), and the
+mismatch is corrected by an importance weight w_t, no gradient through it, of
+rho_t = exp(prox_t - old_logp_t) = pi_learner / pi_behaviour:
+    loss_t = -w_t * min(r_t * A, clip(r_t, ...) * A)   (+ the KL term as above)
+    tis     w_t = min(rho_t, C)                    token-level truncated IS (Yao et al. 2025, "Your
+            efficient RL framework secretly brings you off-policy RL training"; verl rollout_is:
+            token, truncated). C = correction_high, default 2.
+    mis     w_t = rho(y) if lo <= rho(y) <= C else 0, rho(y) = prod_t rho_t over the answer's trained
+            tokens: sequence-level masked IS (Liu, Li et al. 2025, "When Speed Kills Stability"; verl
+            seq-mis: a whole answer whose ratio leaves the band is dropped). C = correction_high,
+            default 2; lo = correction_low, default 0 (no lower bound).
+    icepop  w_t = rho_t if lo <= rho_t <= C else 0: token-level masking of both tails (Ling team 2025,
+            IcePop, Ring-1T: M(k) = k inside [alpha, beta]). lo default 0.5, C default 5.
+Whatever the correction, `mismatch_kl` reports the k3 estimate of KL(pi_behaviour || pi_learner) per
+token: exp(d) - d - 1 with d = prox_t - old_logp_t, whose mean over tokens sampled from the
+behaviour policy is that KL (0 when the servers and the learner agree).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from learner.core.head import RowHead, logits_rows, squeeze_row, zero_of
 from learner.core.packing import PackedRow
 from learner.core.targets import IGNORE_INDEX, Segment
 
@@ -52,6 +78,11 @@ META_OLD_LOGPROBS = "grpo_old_logprobs"
 META_ADVANTAGE = "grpo_advantage"
 
 LossNorm = Literal["token", "sequence"]
+Correction = Literal["none", "tis", "mis", "icepop"]
+CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis", "icepop")
+# (low, high) thresholds of each correction when unset (module doc: the peers' published defaults).
+CORRECTION_DEFAULTS: dict[str, tuple[float | None, float | None]] = {
+    "none": (None, None), "tis": (None, 2.0), "mis": (0.0, 2.0), "icepop": (0.5, 5.0)}
 
 
 class GrpoInputError(ValueError):
@@ -75,6 +106,8 @@ class GrpoConfig:
     temperature: the sampling temperature the old log-probs were taken at: the learner divides its
         logits by it so both sides of the ratio are the same distribution (the servers must then
         report log-probs of the temperature-scaled distribution).
+    correction / correction_low / correction_high: the train/inference mismatch correction and its
+        band (module doc); unset thresholds take `CORRECTION_DEFAULTS`. tis has no lower bound.
     """
 
     clip_eps: float = 0.2
@@ -83,6 +116,9 @@ class GrpoConfig:
     scale_rewards: bool = True
     loss_norm: LossNorm = "token"
     temperature: float = 1.0
+    correction: Correction = "none"
+    correction_low: float | None = None
+    correction_high: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.clip_eps < 1.0:
@@ -95,10 +131,29 @@ class GrpoConfig:
             raise ValueError(f"loss_norm must be 'token' or 'sequence', got {self.loss_norm!r}")
         if not self.temperature > 0.0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"correction must be one of {', '.join(CORRECTIONS)}, got {self.correction!r}")
+        if self.correction == "none" and (self.correction_low is not None or self.correction_high is not None):
+            raise ValueError("correction_low / correction_high need a correction (tis, mis or icepop)")
+        if self.correction == "tis" and self.correction_low is not None:
+            raise ValueError("correction tis truncates from above only: it takes correction_high, not correction_low")
+        lo, hi = self.correction_bounds
+        # The band must hold ratio 1 (server and learner agree): a correction that drops agreeing tokens is a typo.
+        if lo is not None and not 0.0 <= lo < 1.0:
+            raise ValueError(f"correction_low must be in [0, 1), got {lo}")
+        if hi is not None and not hi > 1.0:
+            raise ValueError(f"correction_high must be > 1, got {hi}")
 
     @property
     def eps_high(self) -> float:
         return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+
+    @property
+    def correction_bounds(self) -> tuple[float | None, float | None]:
+        """(low, high) of the correction in force: the given thresholds, else `CORRECTION_DEFAULTS`."""
+        lo, hi = CORRECTION_DEFAULTS.get(self.correction, (None, None))
+        return (lo if self.correction_low is None else self.correction_low,
+                hi if self.correction_high is None else self.correction_high)
 
 
 # ---- advantages --------------------------------------------------------------------------------
@@ -213,10 +268,12 @@ class GrpoTokens:
     inv_seq_len: torch.Tensor
     n_tokens: int
     n_seqs: int
+    # Which of the row's sequences (0 .. n_seqs - 1) each token belongs to: sequence-level corrections (mis).
+    seq_index: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> GrpoTokens:
         return GrpoTokens(self.old_logprobs.to(device), self.advantages.to(device), self.inv_seq_len.to(device),
-                          self.n_tokens, self.n_seqs)
+                          self.n_tokens, self.n_seqs, None if self.seq_index is None else self.seq_index.to(device))
 
 
 def grpo_tokens(row: PackedRow) -> GrpoTokens:
@@ -226,6 +283,7 @@ def grpo_tokens(row: PackedRow) -> GrpoTokens:
     old: list[float] = []
     adv: list[float] = []
     inv: list[float] = []
+    seq: list[int] = []
     n_seqs = 0
     for i, info in enumerate(row.segments):
         n = int((labels[info.offset : info.offset + info.length] != IGNORE_INDEX).sum())
@@ -241,36 +299,41 @@ def grpo_tokens(row: PackedRow) -> GrpoTokens:
         old.extend(olp)
         adv.extend([float(a)] * n)
         inv.extend([1.0 / n] * n)
+        seq.extend([n_seqs] * n)
         n_seqs += 1
     f32 = torch.float32
     return GrpoTokens(torch.tensor(old, dtype=f32), torch.tensor(adv, dtype=f32), torch.tensor(inv, dtype=f32),
-                      len(old), n_seqs)
+                      len(old), n_seqs, torch.tensor(seq, dtype=torch.int64))
 
 
 # ---- the loss ----------------------------------------------------------------------------------
 
 
-def completion_logprobs(logits: torch.Tensor, row: PackedRow, temperature: float = 1.0) -> torch.Tensor:
+def _logprob_terms(temperature: float) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor]]:
+    def terms(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor]:
+        picked = logits.float()
+        if temperature != 1.0:
+            picked = picked / temperature
+        return (-F.cross_entropy(picked, labels, reduction="none"),)
+
+    return terms
+
+
+def completion_logprobs(logits: torch.Tensor | RowHead, row: PackedRow, temperature: float = 1.0) -> torch.Tensor:
     """[n] fp32 log-probs of the row's labelled tokens, in row order, with grad. `logits` is [1, L, V]
-    or [L, V]; the token at position p is predicted by the logits at p - 1 (a segment's first token
-    is never labelled, so nothing is read across a segment boundary)."""
-    if logits.dim() == 3:
-        if logits.shape[0] != 1:
-            raise ValueError(f"a packed row has batch size 1, got logits of shape {tuple(logits.shape)}")
-        logits = logits[0]
-    if logits.shape[0] != row.length:
-        raise ValueError(f"logits cover {logits.shape[0]} positions but the row has {row.length}")
-    labels = row.labels.reshape(-1).to(logits.device)
+    or [L, V], or a `RowHead` (logits made a chunk of labelled positions at a time, learner/core/head.py); the
+    token at position p is predicted by the logits at p - 1 (a segment's first token is never labelled, so nothing
+    is read across a segment boundary)."""
+    logits = squeeze_row(logits, row.length)
+    device = logits.hidden.device if isinstance(logits, RowHead) else logits.device
+    labels = row.labels.reshape(-1).to(device)
     if row.ce_positions is not None:
-        pos = row.ce_positions.to(logits.device)
+        pos = row.ce_positions.to(device)
     else:  # a row built by hand
         pos = torch.nonzero(labels != IGNORE_INDEX).flatten()
     if pos.numel() == 0:
-        return logits.reshape(-1)[:0].float()  # empty, but in the graph: backward still works
-    picked = logits[pos - 1].float()
-    if temperature != 1.0:
-        picked = picked / temperature
-    return -F.cross_entropy(picked, labels[pos], reduction="none")
+        return zero_of(logits).float().reshape(1)[:0]  # empty, but in the graph: backward still works
+    return logits_rows(logits, pos - 1, _logprob_terms(temperature), labels[pos])[0]
 
 
 @dataclass
@@ -291,6 +354,9 @@ class GrpoSums:
     clipped: torch.Tensor
     ratio_sum: torch.Tensor
     kl_sum: torch.Tensor
+    mismatch_kl_sum: torch.Tensor  # k3 of KL(behaviour || learner) per token, summed
+    weight_sum: torch.Tensor  # the correction's importance weights w_t, summed (1 per token without one)
+    corrected: torch.Tensor  # tokens whose weight the correction truncated or masked
 
     def __add__(self, other: GrpoSums) -> GrpoSums:
         return GrpoSums(
@@ -301,6 +367,9 @@ class GrpoSums:
             self.clipped + other.clipped,
             self.ratio_sum + other.ratio_sum,
             self.kl_sum + other.kl_sum,
+            self.mismatch_kl_sum + other.mismatch_kl_sum,
+            self.weight_sum + other.weight_sum,
+            self.corrected + other.corrected,
         )
 
     def finish(self, cfg: GrpoConfig, total_tokens: int | None = None, total_seqs: int | None = None) -> GrpoOutput:
@@ -314,6 +383,9 @@ class GrpoSums:
             "clip_fraction": self.clipped / nt,
             "ratio_mean": self.ratio_sum / nt,
             "kl": self.kl_sum / nt,  # 0 when no reference log-probs were given
+            "mismatch_kl": self.mismatch_kl_sum / nt,
+            "is_weight_mean": self.weight_sum / nt,
+            "corrected_fraction": self.corrected / nt,
             "completion_length": torch.tensor(self.n_tokens / ns),
             "tokens": torch.tensor(self.n_tokens),
             "sequences": torch.tensor(self.n_seqs),
@@ -339,10 +411,19 @@ def grpo_sums(
     logp = logprobs.float()
     dev = logp.device
     old, adv, inv = (t.to(dev, torch.float32) for t in (tokens.old_logprobs, tokens.advantages, tokens.inv_seq_len))
-    ratio = torch.exp(logp - old)
+    # log(pi_learner / pi_behaviour) per token, no grad: the mismatch the metric reports and corrections weigh.
+    log_rho = logp.detach() - old
+    mismatch_kl_sum = (torch.exp(log_rho) - log_rho - 1.0).sum()
+    if cfg.correction == "none":
+        ratio = torch.exp(logp - old)  # against the behaviour policy: the clip is the only guard
+        weight = torch.ones_like(logp)
+        changed = torch.zeros_like(logp, dtype=torch.bool)
+    else:
+        ratio = torch.exp(logp - logp.detach())  # against the learner's own policy at the step's start: 1
+        weight, changed = _correction_weights(log_rho, tokens, cfg)
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.eps_high) * adv
-    per_token = -torch.minimum(unclipped, clipped)
+    per_token = -weight * torch.minimum(unclipped, clipped)
     kl_sum = torch.zeros((), device=dev)
     if ref_logprobs is not None:
         d = ref_logprobs.to(dev, torch.float32).detach() - logp
@@ -361,11 +442,39 @@ def grpo_sums(
         clipped=active.float().sum(),
         ratio_sum=ratio.detach().sum(),
         kl_sum=kl_sum,
+        mismatch_kl_sum=mismatch_kl_sum,
+        weight_sum=weight.sum(),
+        corrected=changed.float().sum(),
     )
 
 
+def _correction_weights(log_rho: torch.Tensor, tokens: GrpoTokens, cfg: GrpoConfig
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The importance weight of every token under `cfg.correction` (module doc) and which tokens it truncated or
+    masked. `log_rho` = learner minus behaviour log-probs, detached."""
+    lo, hi = cfg.correction_bounds
+    if cfg.correction == "tis":
+        rho = torch.exp(log_rho)
+        return rho.clamp(max=hi), rho > hi
+    if cfg.correction == "icepop":
+        rho = torch.exp(log_rho)
+        keep = (rho >= lo) & (rho <= hi)
+        return torch.where(keep, rho, torch.zeros_like(rho)), ~keep
+    if cfg.correction == "mis":
+        if tokens.seq_index is None:
+            raise GrpoInputError("correction mis needs each token's sequence (GrpoTokens.seq_index, from grpo_tokens)")
+        idx = tokens.seq_index.to(log_rho.device)
+        # The answer's ratio is the product of its tokens' ratios: summed in log space (fp32 over a few thousand
+        # tokens of |log rho| ~ 1e-2 is exact enough), exp'd once.
+        seq_log = torch.zeros(tokens.n_seqs, device=log_rho.device, dtype=log_rho.dtype).index_add_(0, idx, log_rho)
+        rho_seq = torch.exp(seq_log)
+        keep = ((rho_seq >= lo) & (rho_seq <= hi))[idx]
+        return torch.where(keep, rho_seq[idx], torch.zeros_like(log_rho)), ~keep
+    raise GrpoInputError(f"unknown correction {cfg.correction!r}")
+
+
 def grpo_row_sums(
-    logits: torch.Tensor,
+    logits: torch.Tensor | RowHead,
     row: PackedRow,
     cfg: GrpoConfig,
     ref_logprobs: torch.Tensor | None = None,
@@ -378,7 +487,7 @@ def grpo_row_sums(
 
 
 def grpo_loss(
-    logits: torch.Tensor,
+    logits: torch.Tensor | RowHead,
     row: PackedRow,
     cfg: GrpoConfig,
     ref_logprobs: torch.Tensor | None = None,

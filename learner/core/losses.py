@@ -3,9 +3,10 @@
 Public API
 - `LossWeights(ce=1.0, soft_ce=1.0, w1=1.0, gate=1.0, sigma=2.0)`.
 - `compute_loss(logits, row, coord_token_ids, weights) -> LossOutput(loss, parts)`.
-  `logits` is [1, L, V] or [L, V] for the row; positions in the row index *target* tokens, so
-  the loss reads logits at position - 1 (a segment's first token is never a target, so nothing
-  crosses a segment boundary). `parts` holds detached per-term means and the counts.
+  `logits` is [1, L, V] or [L, V] for the row, or a `learner.core.head.RowHead` (the row's hidden states and the
+  output head: logits made only at target positions, a chunk at a time, recomputed in backward); positions in
+  the row index *target* tokens, so the loss reads logits at position - 1 (a segment's first token is never a
+  target, so nothing crosses a segment boundary). `parts` holds detached per-term means and the counts.
 - `loss_sums(logits, row, coord_token_ids, sigma) -> LossSums`: the same terms as sums with grad;
   `(sums_a + sums_b).finish(weights)` pools several rows (gradient accumulation, unpacked runs).
   `coord_token_ids` may be empty (a format without coord tokens, e.g. qwen_json): rows then carry
@@ -32,13 +33,14 @@ pulled up to one bin inwards (the truncated target's mean/median sits inside).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from learner.core.codec import NUM_BINS
+from learner.core.head import RowHead, logits_rows, squeeze_row, zero_of
 from learner.core.packing import PackedRow
 from learner.core.targets import IGNORE_INDEX
 
@@ -188,28 +190,47 @@ def _detached(x: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
     return x.detach() if isinstance(x, torch.Tensor) else torch.zeros((), device=like.device) + x
 
 
+def _ce_terms(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor]:
+    return (F.cross_entropy(logits.float(), labels, reduction="none"),)
+
+
+def _coord_terms(ids: torch.Tensor, sigma: float, boxes: bool) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """Per coordinate position: (soft_ce, w1, gate, coord_ce[, expected value when the row has boxes])."""
+
+    def terms(full: torch.Tensor, bins: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        coord_logits = full[:, ids]
+        soft_ce, w1, gate = coord_loss_terms(coord_logits, full, bins, sigma)
+        # Hard CE over the whole vocabulary = gate (log of the mass off the coord tokens) + CE over the coord
+        # logits: the whole-vocabulary logsumexp is the gate's, not computed a second time.
+        coord_ce = gate + F.cross_entropy(coord_logits.float(), bins, reduction="none")
+        return (soft_ce, w1, gate, coord_ce, expected_coord(coord_logits)) if boxes else (soft_ce, w1, gate, coord_ce)
+
+    return terms
+
+
+def _ul_terms(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor]:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return (logp.gather(-1, tokens[:, None]).squeeze(-1).exp(),)
+
+
 def loss_sums(
-    logits: torch.Tensor, row: PackedRow, coord_token_ids: Sequence[int] | torch.Tensor, sigma: float = 2.0,
+    logits: torch.Tensor | RowHead, row: PackedRow, coord_token_ids: Sequence[int] | torch.Tensor, sigma: float = 2.0,
     weighted: bool = False,
 ) -> LossSums:
-    """Per-row sums of every loss term; see the module docstring for shapes."""
-    if logits.dim() == 3:
-        if logits.shape[0] != 1:
-            raise ValueError(f"a packed row has batch size 1, got logits of shape {tuple(logits.shape)}")
-        logits = logits[0]
-    if logits.shape[0] != row.length:
-        raise ValueError(f"logits cover {logits.shape[0]} positions but the row has {row.length}")
-    device = logits.device
+    """Per-row sums of every loss term; see the module docstring for shapes. `logits` may be a `RowHead` (the row's
+    hidden states and the head, `spec.training.loss.logits: chunked`): the same terms, the logits made a chunk of
+    target positions at a time (learner/core/head.py)."""
+    logits = squeeze_row(logits, row.length)
+    device = logits.hidden.device if isinstance(logits, RowHead) else logits.device
     labels = row.labels[0].to(device)
     if row.ce_positions is not None:
         ce_pos = row.ce_positions.to(device)
     else:  # a row built by hand
         ce_pos = torch.nonzero(labels != IGNORE_INDEX).flatten()
-    # A zero that stays in the graph (backward works on rows without targets), NaN-free for inf logits.
-    zero = 0.0 * logits.reshape(-1)[0].clamp(-1.0, 1.0)
+    zero = zero_of(logits)
     ce_sum = zero
     if ce_pos.numel():
-        per_token = F.cross_entropy(logits[ce_pos - 1].float(), labels[ce_pos], reduction="none")
+        (per_token,) = logits_rows(logits, ce_pos - 1, _ce_terms, labels[ce_pos])
         if row.ce_weights is not None:
             per_token = per_token * row.ce_weights.to(device)[ce_pos]
         ce_sum = per_token.sum()
@@ -222,13 +243,9 @@ def loss_sums(
             raise ValueError(
                 f"the row has {cpos.numel()} coord position(s) but {ids.numel()} coord token ids were given "
                 f"(need {NUM_BINS}): a format without coord tokens must not produce coord targets")
-        full = logits[cpos - 1]
-        coord_logits = full[:, ids]
         bins = row.coord_bins.to(device)
-        soft_ce, w1, gate = coord_loss_terms(coord_logits, full, bins, sigma)
-        # Hard CE over the whole vocabulary = gate (log of the mass off the coord tokens) + CE over the coord
-        # logits: the whole-vocabulary logsumexp is the gate's, not computed a second time.
-        coord_ce = gate + F.cross_entropy(coord_logits.float(), bins, reduction="none")
+        soft_ce, w1, gate, coord_ce, *value = logits_rows(
+            logits, cpos - 1, _coord_terms(ids, sigma, bool(n_boxes)), bins)
         if row.coord_weights is not None:
             cw = row.coord_weights.to(device)
             soft_ce, w1, gate, coord_ce = soft_ce * cw, w1 * cw, gate * cw, coord_ce * cw
@@ -236,8 +253,7 @@ def loss_sums(
         if n_boxes:
             assert row.box_coords is not None and row.box_bins is not None and row.box_weights is not None, \
                 "n_boxes > 0: the row was packed with its boxes' coords, bins and weights"
-            value = expected_coord(coord_logits)
-            l1, ciou = box_terms(value[row.box_coords.to(device)],
+            l1, ciou = box_terms(value[0][row.box_coords.to(device)],
                                  row.box_bins.to(device).float() / (NUM_BINS - 1))
             bw = row.box_weights.to(device)
             l1_sum, ciou_sum = (l1 * bw).sum(), (ciou * bw).sum()
@@ -245,8 +261,7 @@ def loss_sums(
     if row.n_unlikelihood:
         assert row.ul_positions is not None and row.ul_tokens is not None, "packed together (n_unlikelihood > 0)"
         upos = row.ul_positions.to(device)
-        logp = torch.log_softmax(logits[upos - 1].float(), dim=-1)
-        p = logp.gather(-1, row.ul_tokens.to(device)[:, None]).squeeze(-1).exp()
+        (p,) = logits_rows(logits, upos - 1, _ul_terms, row.ul_tokens.to(device))
         ul_sum = -torch.log((1 - p).clamp_min(1e-6)).sum()
     # Weighted denominators read the weights on the host: the training loop computes them once per step, before the
     # rows go to the device (`row_totals`), and calls this with `weighted` False.
@@ -275,7 +290,7 @@ def row_totals(row: PackedRow, weighted: bool = False) -> tuple[float, float, fl
 
 
 def compute_loss(
-    logits: torch.Tensor,
+    logits: torch.Tensor | RowHead,
     row: PackedRow,
     coord_token_ids: Sequence[int] | torch.Tensor,
     weights: LossWeights | None = None,

@@ -69,21 +69,37 @@ class ParsedRollout:
 
 
 class _Entry:
-    __slots__ = ("start", "end", "coords", "tainted")
+    __slots__ = ("start", "end", "coords", "bare", "tainted")
 
     def __init__(self, start: int) -> None:
         self.start = start
         self.end = -1
         self.coords: list[tuple[int, int]] = []  # (token index, bin)
+        self.bare: list[tuple[int, int, int]] = []  # bare coord tokens (CoordJSON): (byte start, byte end, bin)
         self.tainted = False
+
+    def json_text(self, buf: bytearray) -> str:
+        """The entry's text; each bare coord token quoted (`"<|coord_k|>"`), which makes CoordJSON JSON."""
+        out, pos = bytearray(), self.start
+        for a, b, _ in self.bare:
+            out += buf[pos:a] + b'"' + buf[a:b] + b'"'
+            pos = b
+        out += buf[pos : self.end]
+        return bytes(out).decode("utf-8")
 
 
 class _Scanner:
     """Byte-level state machine over the top-level container; see module docstring."""
 
-    def __init__(self, container: str) -> None:
-        self.is_list = container == "list"
-        self.opener, self.closer = (0x5B, 0x5D) if self.is_list else (0x7B, 0x7D)
+    def __init__(self, container: str, bare_coords: bool = False) -> None:
+        # The "objects" container is a list inside `{"objects": ` ... `}`: its opener `{` starts the `o_*` states
+        # (key, colon, `[`), and its list's `]` waits for the `}` that closes it.
+        self.wrapped = container == "objects"
+        self.is_list = container in ("list", "objects")
+        self.opener = 0x7B if self.wrapped else (0x5B if self.is_list else 0x7B)
+        self.closer = 0x5D if self.is_list else 0x7D
+        self.bare_coords = bare_coords
+        self.outer_key = bytearray()
         self.state = "start"
         self.stack: list[int] = []
         self.in_string = False
@@ -99,7 +115,20 @@ class _Scanner:
     def _stop(self) -> None:
         self.stopped = True
 
-    def coord(self, tok_index: int, k: int, length: int) -> None:
+    def coord(self, tok_index: int, k: int, length: int, pos: int = 0) -> None:
+        if self.bare_coords:  # CoordJSON: a coord token is an array element of a value, never inside a string
+            if self.state == "value" and not self.in_string and self.stack and self.stack[-1] == 0x5D \
+                    and self.entry is not None:
+                self.entry.coords.append((tok_index, k))
+                self.entry.bare.append((pos, pos + length, k))
+                return
+            if self.state in ("key", "value") and self.in_string:
+                if self.entry is not None:
+                    self.entry.tainted = True
+                self.str_len += length
+                return
+            self._stop()
+            return
         if self.state == "value" and self.in_string and self.str_len == 0 and self.entry is not None:
             self.pending_coord = (tok_index, k)
             self.str_len += length
@@ -130,7 +159,13 @@ class _Scanner:
                 self.pending_coord = None
                 if st == "key":
                     self.state = "colon"
+                elif st == "o_key":
+                    self.state = "o_colon" if bytes(self.outer_key) == b"objects" else "stopped"
+                    if self.state == "stopped":
+                        self._stop()
             else:
+                if st == "o_key":
+                    self.outer_key.append(c)
                 self.str_len += 1
             if self.pending_coord is not None and self.in_string:
                 if self.entry is not None:
@@ -140,17 +175,32 @@ class _Scanner:
         if st == "start":
             # The preamble: free text up to the first bracket, which must be the container's opener.
             if c == self.opener:
-                self.state = "first"
-                self.open_end = pos + 1
+                self.state = "o_open" if self.wrapped else "first"
+                if not self.wrapped:
+                    self.open_end = pos + 1
             elif c in (0x7B, 0x5B):
                 self._stop()
             return
         if c in _WS:
             return
-        if st in ("first", "next"):  # where an entry may start (`first`: or the container may close)
-            if c == self.closer and st == "first":
+        if st in ("o_open", "o_colon", "o_bracket", "o_close"):  # the "objects" container's own structure
+            if st == "o_open" and c == 0x22:
+                self.state = "o_key"
+                self._open_string()
+            elif st == "o_colon" and c == 0x3A:
+                self.state = "o_bracket"
+            elif st == "o_bracket" and c == 0x5B:
+                self.state = "first"
+                self.open_end = pos + 1
+            elif st == "o_close" and c == 0x7D:
                 self.state = "closed"
                 self.closed = True
+            else:
+                self._stop()
+            return
+        if st in ("first", "next"):  # where an entry may start (`first`: or the container may close)
+            if c == self.closer and st == "first":
+                self._close()
             elif self.is_list and c == 0x7B:
                 self._start_entry(pos)
             elif not self.is_list and c == 0x22:
@@ -190,10 +240,17 @@ class _Scanner:
             if c == 0x2C:
                 self.state = "next"
             elif c == self.closer:
-                self.state = "closed"
-                self.closed = True
+                self._close()
             else:
                 self._stop()
+
+    def _close(self) -> None:
+        """The container's closer: closed, or for the "objects" container the list closed, its `}` to come."""
+        if self.wrapped:
+            self.state = "o_close"
+        else:
+            self.state = "closed"
+            self.closed = True
 
     def _start_entry(self, pos: int) -> None:
         """A list entry: the object itself is the value."""
@@ -220,7 +277,7 @@ def parse(response_ids: Sequence[int], vocab: VocabView, fmt: OutputFormat = COO
             break
         ids.append(t)
 
-    scanner = _Scanner(fmt.container)
+    scanner = _Scanner(fmt.container, getattr(fmt, "bare_coords", False))
     offsets: list[int] = []  # byte offset where each scanned token starts
     buf = bytearray()
     n_vocab = vocab.vocab_size
@@ -234,7 +291,7 @@ def parse(response_ids: Sequence[int], vocab: VocabView, fmt: OutputFormat = COO
         data = vocab.token_bytes[t]
         k = vocab.coord_bin_of.get(t)
         if k is not None:
-            scanner.coord(ti, k, len(data))
+            scanner.coord(ti, k, len(data), len(buf))
             buf += data
             continue
         for c in data:
@@ -251,7 +308,7 @@ def parse(response_ids: Sequence[int], vocab: VocabView, fmt: OutputFormat = COO
     for entry in scanner.done:
         key: str | None = None
         try:
-            text = bytes(buf[entry.start : entry.end]).decode("utf-8")
+            text = entry.json_text(buf)
             if scanner.is_list:
                 value = json.loads(text, object_pairs_hook=list)
             else:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from learner.core.codec import check_desc
 from learner.data.coco import OUT_SUFFIXES
 from learner.data.images import ImageError, ImageStore
-from learner.data.records import load_records
+from learner.data.records import load_records, outside_frame
 from learner.data.wording import LISTED, counted, listed
 from rmsft.jobspec import VisionSpec
 
@@ -38,6 +38,8 @@ class RecordsCheck:
     unusable: int = 0  # exist, or inline, but unreadable, corrupt or too large
     sizes: Counter[tuple[int, int]] = field(default_factory=Counter)  # (width, height) of the found images
     refusals: list[str] = field(default_factory=list)  # what a job would refuse, in the loader's words
+    # What a job accepts but trains other than the file says (clamped boxes) or not at all (no objects): warnings.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def accepted(self) -> bool:
@@ -67,8 +69,10 @@ class RecordsCheck:
                 out.append(f"  sizes: {len(self.sizes)} distinct, {w0}x{h0} to {w1}x{h1} pixels; most common: {common}")
         else:
             out.append("images: none (a text-only file)")
+        out.extend(f"warning: {w}" for w in self.warnings)
         if self.accepted:
-            out.append("a job would accept this file")
+            out.append("a job would accept this file" + (f" ({counted(len(self.warnings), 'warning')} above)"
+                                                         if self.warnings else ""))
         else:
             out.append(f"a job would refuse this file: {counted(len(self.refusals), 'problem')}")
             out.extend(f"  - {p}" for p in self.refusals[:LISTED])
@@ -122,10 +126,17 @@ def check_records(path: str | Path, image_root: str | Path | None = None,
         check.most_objects = max(check.most_objects, len(r.objects))
         check.labels.update(check_desc(o.desc) for o in r.objects)
         check.image_refs += len(r.images)
+    outside = outside_frame(records)
+    if outside.objects:
+        check.warnings.append(outside.line(check.objects))
+    if check.objects == 0 and check.image_refs:  # a text-only file (GRPO's answers) has no objects by design
+        check.warnings.append(f"all {counted(check.records, 'record')} are without objects: a detection job would "
+                              "teach the model that the images hold nothing")
     # What the learner refuses at start (learner/train/start_checks.py), before the model is loaded.
     over = [r.id for r in records if len(r.images) > max_images_per_prompt]
     if over:
-        check.refusals.append(f"{counted(len(over), 'record')} carry more than spec.model.vision.maxImagesPerPrompt="
+        verb = "carries" if len(over) == 1 else "carry"
+        check.refusals.append(f"{counted(len(over), 'record')} {verb} more than spec.model.vision.maxImagesPerPrompt="
                               f"{max_images_per_prompt} images (first: {over[0]!r})")
     try:
         store.validate(records)

@@ -54,6 +54,7 @@ import io
 import json
 import math
 import os
+import unicodedata
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -73,6 +74,8 @@ from rmsft.jobspec import VisionSpec
 DEFAULT_PROMPTS = {
     "coordexp": "Detect every object in the image. Answer in JSON with a description and a bbox_2d or poly for each.",
     "qwen_json": "Detect every object in the image. Answer with a JSON list of its bbox_2d and label for each.",
+    "coordjson": "Detect every object in the image. Answer in JSON with a list of objects, a description and a "
+                 "bbox_2d or poly for each.",
 }
 CATEGORIES_PLACEHOLDER = "{categories}"
 _DECIMALS = 2  # coordinates are kept to 1/100 pixel: finer means nothing on the 1000-bin grid
@@ -85,6 +88,8 @@ SKIP_UNKNOWN_IMAGE = "annotation of an image id not in `images`"
 SKIP_UNKNOWN_CATEGORY = "annotation of a category id not in `categories`"
 SKIP_BAD_CATEGORY = "category name unusable as a desc"
 SKIP_BAD_BOX = "bbox missing or not 4 finite numbers"
+SKIP_NEGATIVE_BOX = "bbox with a negative width or height"
+SKIP_BAD_ID = "image_id or category_id not an integer id"
 SKIP_EMPTY_BOX = "box of zero width or height inside the image"
 IMG_MISSING = "image file missing"
 IMG_UNUSABLE = "image unreadable, corrupt or over --max-image-pixels"
@@ -95,6 +100,12 @@ IMG_EMPTY = "no annotation (--drop-empty)"
 AS_BOX_MULTI = "polygon in several parts, written as its box"
 AS_BOX_RLE = "RLE mask, written as its box"
 AS_BOX_BAD_POLYGON = "polygon of fewer than 3 points or no area, written as its box"
+AS_BOX_BAD_SEGMENTATION = "segmentation neither a list of polygons nor an RLE mask, written as its box"
+# A category name longer than this is no object's name (a description pasted into the wrong field, say): every
+# answer would repeat it once per object.
+MAX_CATEGORY_NAME = 200
+# The largest width/height read as a pixel size: int32, what image libraries hold a side in.
+MAX_SIDE = (1 << 31) - 1
 
 
 class CocoError(ValueError):
@@ -105,7 +116,7 @@ class CocoError(ValueError):
 class CocoOptions:
     """How records are written. `prompt` None = the default prompt of `format`."""
 
-    format: Literal["coordexp", "qwen_json"] = "coordexp"
+    format: Literal["coordexp", "coordjson", "qwen_json"] = "coordexp"
     prompt: str | None = None
     geometry: Literal["auto", "box"] = "auto"  # auto: one-part polygons as poly, the rest as boxes
     max_objects: int | None = None
@@ -155,6 +166,9 @@ class CocoSummary:
     skipped_images: Counter[str] = field(default_factory=Counter)
     as_box: Counter[str] = field(default_factory=Counter)
     examples: dict[str, str] = field(default_factory=dict)  # reason -> first case, for the summary
+    # Annotation ids used by more than one annotation (each is still converted: records are keyed by image).
+    duplicate_ids: int = 0
+    first_duplicate_id: str = ""
 
     def note(self, counter: Counter[str], reason: str, example: str) -> None:
         counter[reason] += 1
@@ -178,6 +192,10 @@ class CocoSummary:
                     head += f" ({counted(self.annotations_of_skipped_images, 'annotation')} of them not written)"
                 out.append(head)
                 out.extend(f"  {n} {reason} (first: {self.examples[reason]})" for reason, n in counter.most_common())
+        if self.duplicate_ids:
+            out.append(f"warning: {counted(self.duplicate_ids, 'annotation id')} used more than once (first: "
+                       f"{self.first_duplicate_id}): every annotation is converted, but a tool that looks "
+                       "annotations up by id (COCO's evaluation) cannot tell them apart")
         if self.prompt_has_categories and self.unused_categories:
             left_out = counted(len(self.unused_categories), "category", "categories")
             out.append(f"{CATEGORIES_PLACEHOLDER} leaves out {left_out} no written object has: "
@@ -203,14 +221,28 @@ def _not_instances(path: Path, annotations: list[Any]) -> str | None:
 def _load(path: Path) -> dict[str, Any]:
     """The file's JSON with `images`, `categories` and `annotations` lists; a missing or null `annotations`
     (an image-list or test-split file has none) reads as an empty list, which `convert_coco` decides on."""
+    from rmsft.file_kinds import INSTANCES, wrong_kind
+
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
         raise CocoError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise CocoError(f"{path}: is a folder; ANNOTATIONS is the COCO instances file (e.g. "
+                        "annotations/instances_train2017.json)") from None
     except OSError as exc:
-        raise CocoError(f"{path}: cannot be read ({exc.strerror})") from None
+        raise CocoError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        other = wrong_kind(path, INSTANCES)
+        raise CocoError(f"{path}: {other or f'not valid JSON ({exc})'}") from None
+    except RecursionError:
+        raise CocoError(f"{path}: not a COCO file: JSON nested deeper than a parser follows") from None
+    except ValueError as exc:  # an integer of over 4300 digits (Python's int conversion limit)
         raise CocoError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or ("annotations" not in doc and "categories" not in doc):
+        other = wrong_kind(path, INSTANCES)  # a records file of one line, a results list
+        if other is not None:
+            raise CocoError(f"{path}: {other}")
     if not isinstance(doc, dict):
         raise CocoError(f"{path}: expected a JSON object with images, annotations and categories")
     if isinstance(doc.get("annotations"), list):
@@ -236,7 +268,8 @@ def _entry(path: Path, key: str, i: int, item: Any, fields: dict[str, type | tup
     for name, kind in fields.items():
         value = item.get(name)
         if not isinstance(value, kind) or isinstance(value, bool):
-            raise CocoError(f"{path}: {key}[{i}].{name} is missing or not a {getattr(kind, '__name__', 'number')}")
+            what = {int: "an integer", str: "a string"}.get(kind, "a number")  # type: ignore[call-overload]
+            raise CocoError(f"{path}: {key}[{i}].{name} is missing or not {what} ({_short(value)})")
     return item
 
 
@@ -244,14 +277,47 @@ def _pixels(path: Path, i: int, image: dict[str, Any], key: str) -> int:
     """An image's `width` or `height` as an integer. Some exporters write 500.0: a whole number is a size as
     good as 500; 500.5 or 0 is no pixel size, and the record's frame would be a guess."""
     value = image.get(key)
-    where = f"{path}: images[{i}] (id {image['id']}, {image['file_name']})"
+    name = image["file_name"]
+    where = f"{path}: images[{i}] (id {image['id']}, {name if len(name) <= 80 else name[:80] + '...'})"
     if not isinstance(value, int | float) or isinstance(value, bool):
-        raise CocoError(f"{where}: {key} is missing or not a number ({value!r})")
-    if not (math.isfinite(value) and float(value).is_integer()):
+        raise CocoError(f"{where}: {key} is missing or not a number ({_short(value)})")
+    # an int is whole as it is (float() of a 400-digit one would overflow)
+    if not isinstance(value, int) and not (math.isfinite(value) and value.is_integer()):
         raise CocoError(f"{where}: {key} {value!r} is not a whole number of pixels")
     if value < 1:
         raise CocoError(f"{where}: {key} {value!r} must be >= 1")
+    if value > MAX_SIDE:
+        raise CocoError(f"{where}: {key} {_short(value)} is not a pixel size (at most {MAX_SIDE})")
     return int(value)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """`repr(value)` cut to `limit` characters: a message quotes the value at fault, not 10,000 characters."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's 4300-digit str() limit
+        return f"<an integer of over {limit} digits>"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _name_problem(name: str) -> str | None:
+    """Why a category name cannot be an object's desc, None when it can: what `check_desc` refuses (blank,
+    coordinate-token text), and what it lets through but no answer should carry: a line break or another
+    control character (the answer is one line of JSON), an invisible format character (a zero-width space
+    makes two names that look the same), a name of over MAX_CATEGORY_NAME characters."""
+    try:
+        check_desc(name)
+    except ValueError as exc:
+        return str(exc)
+    for ch in name:
+        if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"):
+            what = {"\n": "a line break", "\r": "a carriage return", "\t": "a tab"}.get(ch) or (
+                "a control character" if unicodedata.category(ch) == "Cc" else unicodedata.name(ch, "").lower()
+                or "an invisible character")
+            return f"holds {what} (U+{ord(ch):04X})"
+    if len(name) > MAX_CATEGORY_NAME:
+        return f"{len(name)} characters long (at most {MAX_CATEGORY_NAME})"
+    return None
 
 
 _CROWD_WORDS = {"0": False, "1": True, "false": False, "true": True}
@@ -271,9 +337,13 @@ def _is_crowd(value: Any) -> bool | None:
 def _finite(values: Any, n: int | None = None) -> list[float] | None:
     if not isinstance(values, list) or (n is not None and len(values) != n):
         return None
-    if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
         return None
-    return [float(v) for v in values]
+    try:
+        out = [float(v) for v in values]
+    except OverflowError:  # an integer past float's range is no coordinate
+        return None
+    return out if all(math.isfinite(v) for v in out) else None
 
 
 def _clamp(v: float, hi: int) -> float | int:
@@ -285,13 +355,27 @@ def _geometry(ann: dict[str, Any], width: int, height: int, geometry: str) -> tu
                                                                                    str | None, str | None]:
     """(geometry, skip reason, why a segmented object became a box) of one annotation. An annotation
     without segmentation (a detection-only file) is a box as a matter of course: nothing to report."""
+    # The bbox first, whatever the segmentation: an annotation whose bbox is garbage is skipped (docs/data.md),
+    # even when its polygon would be written; the two disagree, and which is right is not guessed.
+    bbox = _finite(ann.get("bbox"), 4)
+    if bbox is None:
+        return None, SKIP_BAD_BOX, None
+    x, y, w, h = bbox
+    if w < 0 or h < 0:
+        return None, SKIP_NEGATIVE_BOX, None
+    box = [_clamp(x, width), _clamp(y, height), _clamp(x + w, width), _clamp(y + h, height)]
+    if box[2] <= box[0] or box[3] <= box[1]:
+        return None, SKIP_EMPTY_BOX, None
     seg = ann.get("segmentation")
     as_box = None
     if geometry == "auto" and isinstance(seg, dict):
         as_box = AS_BOX_RLE
-    elif geometry == "auto" and isinstance(seg, list) and len(seg) > 1:
+    elif geometry == "auto" and seg is not None and not (isinstance(seg, list)
+                                                         and all(isinstance(part, list) for part in seg)):
+        as_box = AS_BOX_BAD_SEGMENTATION  # "polygon" (a string), a flat list of numbers, a number
+    elif geometry == "auto" and len(seg or []) > 1:
         as_box = AS_BOX_MULTI
-    elif geometry == "auto" and isinstance(seg, list) and len(seg) == 1:
+    elif geometry == "auto" and len(seg or []) == 1:
         part = _finite(seg[0])
         if part is not None and len(part) >= 6 and len(part) % 2 == 0:
             poly = [_clamp(v, width if k % 2 == 0 else height) for k, v in enumerate(part)]
@@ -299,15 +383,6 @@ def _geometry(ann: dict[str, Any], width: int, height: int, geometry: str) -> tu
             if max(xs) > min(xs) and max(ys) > min(ys):
                 return {"poly": poly}, None, None
         as_box = AS_BOX_BAD_POLYGON
-    bbox = _finite(ann.get("bbox"), 4)
-    if bbox is None:
-        return None, SKIP_BAD_BOX, None
-    x, y, w, h = bbox
-    if w < 0 or h < 0:
-        return None, SKIP_BAD_BOX, None
-    box = [_clamp(x, width), _clamp(y, height), _clamp(x + w, width), _clamp(y + h, height)]
-    if box[2] <= box[0] or box[3] <= box[1]:
-        return None, SKIP_EMPTY_BOX, None
     return {"bbox_2d": box}, None, as_box
 
 
@@ -381,16 +456,17 @@ def convert_coco(annotations: str | Path, images_dir: str | Path, out: str | Pat
 
     categories: dict[int, str | None] = {}
     raw_names: dict[int, str] = {}
+    name_problems: dict[int, str] = {}  # category id -> why its name is no desc, for the summary's example
     for i, raw in enumerate(doc["categories"]):
         cat = _entry(annotations, "categories", i, raw, {"id": int, "name": str})
         if cat["id"] in raw_names:  # the last would win silently, renaming every object of the first
             raise CocoError(f"{annotations}: categories[{i}].id {cat['id']} is used by {raw_names[cat['id']]!r} "
                             f"and {cat['name']!r}; category ids must be unique")
         raw_names[cat["id"]] = cat["name"]
-        try:
-            categories[cat["id"]] = check_desc(cat["name"])
-        except ValueError:
-            categories[cat["id"]] = None  # its annotations are skipped, each counted
+        problem = _name_problem(cat["name"])
+        categories[cat["id"]] = None if problem else check_desc(cat["name"])  # None: its annotations are skipped
+        if problem:
+            name_problems[cat["id"]] = f"{_short(cat['name'], 40)} {problem}"
     images: dict[int, dict[str, Any]] = {}
     for i, raw in enumerate(doc["images"]):
         img = _entry(annotations, "images", i, raw, {"id": int, "file_name": str})
@@ -407,30 +483,41 @@ def convert_coco(annotations: str | Path, images_dir: str | Path, out: str | Pat
     # Per image: (object, why it is a box when it is one by fallback, where) - counted once written.
     objects: dict[int, list[tuple[dict[str, Any], str | None, str]]] = {image_id: [] for image_id in images}
     annotated: Counter[int] = Counter()  # annotations per image, skipped ones included
+    ann_ids: Counter[Any] = Counter()
     for i, ann in enumerate(doc["annotations"]):
         if not isinstance(ann, dict):
             raise CocoError(f"{annotations}: annotations[{i}] must be an object")
-        where = f"annotation id {ann.get('id', f'#{i}')}"
-        image_id = ann.get("image_id")
+        where = f"annotation id {_short(ann.get('id', f'#{i}'))}"
+        if isinstance(ann.get("id"), int | str) and not isinstance(ann.get("id"), bool):
+            ann_ids[ann["id"]] += 1
+            if ann_ids[ann["id"]] == 2:
+                summary.duplicate_ids += 1
+                summary.first_duplicate_id = summary.first_duplicate_id or f"id {_short(ann['id'])}"
+        image_id, cat_id = ann.get("image_id"), ann.get("category_id")
+        # true is an int to Python (image 1), not an id to the file's author
+        if isinstance(image_id, bool) or isinstance(cat_id, bool):
+            summary.note(summary.skipped_annotations, SKIP_BAD_ID,
+                         f"{where}, image_id {_short(image_id)}, category_id {_short(cat_id)}")
+            continue
         image = images.get(image_id) if isinstance(image_id, int) else None
         if image is None:
-            summary.note(summary.skipped_annotations, SKIP_UNKNOWN_IMAGE, f"{where}, image_id {ann.get('image_id')!r}")
+            summary.note(summary.skipped_annotations, SKIP_UNKNOWN_IMAGE, f"{where}, image_id {_short(image_id)}")
             continue
         annotated[image["id"]] += 1
         crowd = _is_crowd(ann.get("iscrowd"))
         if crowd is None:
-            raise CocoError(f"{annotations}: annotations[{i}] ({where}): iscrowd {ann['iscrowd']!r} is neither 0 nor "
-                            "1 (nor true/false); whether it is one object or a crowd region is not guessed")
+            raise CocoError(f"{annotations}: annotations[{i}] ({where}): iscrowd {_short(ann['iscrowd'])} is neither 0 "
+                            "nor 1 (nor true/false); whether it is one object or a crowd region is not guessed")
         if crowd:
             summary.note(summary.skipped_annotations, SKIP_CROWD, where)
             continue
-        cat_id = ann.get("category_id")
         if not isinstance(cat_id, int) or cat_id not in categories:
-            summary.note(summary.skipped_annotations, SKIP_UNKNOWN_CATEGORY, f"{where}, category_id {cat_id!r}")
+            summary.note(summary.skipped_annotations, SKIP_UNKNOWN_CATEGORY, f"{where}, category_id {_short(cat_id)}")
             continue
         desc = categories[cat_id]
         if desc is None:
-            summary.note(summary.skipped_annotations, SKIP_BAD_CATEGORY, f"{where}, category_id {cat_id!r}")
+            why = f": {name_problems[cat_id]}" if cat_id in name_problems else ""
+            summary.note(summary.skipped_annotations, SKIP_BAD_CATEGORY, f"{where}, category_id {cat_id!r}{why}")
             continue
         geometry, skip, as_box = _geometry(ann, image["width"], image["height"], options.geometry)
         if geometry is None:
@@ -474,6 +561,12 @@ def convert_coco(annotations: str | Path, images_dir: str | Path, out: str | Pat
         record = {"id": str(image["id"]), "width": image["width"], "height": image["height"],
                   "messages": [{"role": "user", "content": prompt}],
                   "images": [_image_ref(path, image["file_name"], out, options.paths)], "objects": objs}
+        if "neg_category_ids" in image or "not_exhaustive_category_ids" in image:  # an LVIS file: its verification
+            def named(ids: Any) -> list[str]:
+                return sorted({categories[i] for i in ids or () if categories.get(i)})
+            record["lvis"] = {"pos_categories": sorted({o["desc"] for o in objs}),
+                              "neg_categories": named(image.get("neg_category_ids")),
+                              "not_exhaustive_categories": named(image.get("not_exhaustive_category_ids"))}
         Record.model_validate(record)  # what the learner's loader will check; a failure here is a bug
         records.append(record)
         for _, as_box, where in entries:

@@ -232,7 +232,8 @@ def build_segments(
                 if clean.dead_anchors:
                     dead_kept = frozenset(dead_anchors(
                         [objects[i] for i in kept], result,
-                        [(v, set(f.gt_of_pred())) for v, f in zip(views, found, strict=True)], dup_cfg.support_iou))
+                        [(v, set(f.gt_of_pred())) for v, f in zip(views, found, strict=True)], dup_cfg.support_iou,
+                        verified=rec.lvis.verified() if rec.lvis is not None else ()))
                     dead = [kept[j] for j in sorted(dead_kept)]
             t2 = time.perf_counter()
             if clean is None:

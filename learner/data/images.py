@@ -186,7 +186,7 @@ class ImageStore:
     # ------------------------------------------------------------------ inspection
 
     def _too_large(self, width: int, height: int) -> str:
-        return (f"is {width}x{height} = {width * height} pixels, more than spec.model.vision.max_image_pixels "
+        return (f"is {width}x{height} = {width * height} pixels, more than spec.model.vision.maxImagePixels "
                 f"({self.max_image_pixels})")
 
     def _open(self, source: _Source, data: bytes | None = None) -> Image.Image:
@@ -208,7 +208,7 @@ class ImageStore:
                 # Only past 2x PIL's limit, which __init__ keeps >= max_image_pixels: too large for us too.
                 m = _BOMB_PIXELS.search(str(exc))
                 size = f"{m[1]} pixels" if m else f"more than {2 * (Image.MAX_IMAGE_PIXELS or 0)} pixels"
-                raise _Problem(f"is {size}, more than spec.model.vision.max_image_pixels "
+                raise _Problem(f"is {size}, more than spec.model.vision.maxImagePixels "
                                f"({self.max_image_pixels})") from None
             except FileNotFoundError:
                 raise _Problem(f"file {fp} does not exist") from None

@@ -25,7 +25,7 @@ Image references (`images`), resolved by learner/data/images.py:
 - `"data:image/png;base64,iVBOR..."`: the image bytes inline.
 
 Remote URIs (http://, s3://, ...) are refused. `load_dataset` (learner/data/dataset.py) checks every
-image at load (exists, decodes, at most `spec.model.vision.max_image_pixels`, and for a record with one
+image at load (exists, decodes, at most `spec.model.vision.maxImagePixels`, and for a record with one
 image, the image's size equals the record's `width`/`height`, the frame of its ground truth) and reports
 all problems at once. `load_records` reads the records only (text datasets, and callers that check images later).
 """
@@ -35,6 +35,7 @@ from __future__ import annotations
 import gzip
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -77,6 +78,26 @@ class GroundTruthObject(BaseModel):
         return self
 
 
+class LvisMeta(BaseModel):
+    """LVIS's per-image category verification (federated annotation): which categories were checked on the image.
+    `pos_categories`: verified present (every instance annotated, unless also in `not_exhaustive_categories`);
+    `neg_categories`: verified absent. Category names, as the objects' `desc` writes them."""
+
+    model_config = ConfigDict(extra="forbid")
+    pos_categories: list[str] = Field(default_factory=list)
+    neg_categories: list[str] = Field(default_factory=list)
+    not_exhaustive_categories: list[str] = Field(default_factory=list)
+
+    def verified(self) -> frozenset[str]:
+        """Normalized names of the categories whose every instance on the image is known: a prediction of one of
+        them that matches no ground truth is wrong (exhaustively annotated present ones, and absent ones)."""
+        from learner.core.clean_prefix import normalize_label
+
+        partial = {normalize_label(n) for n in self.not_exhaustive_categories}
+        present = {normalize_label(n) for n in self.pos_categories} - partial
+        return frozenset(present | {normalize_label(n) for n in self.neg_categories})
+
+
 class Record(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: str
@@ -87,6 +108,9 @@ class Record(BaseModel):
     objects: list[GroundTruthObject] = Field(default_factory=list)
     # A short-answer task's expected answer (several accepted: a list), for GRPO's text rewards (`text_match`).
     answer: str | list[str] | None = None
+    # LVIS's verified categories of the image (optional): recipe generation 2's dead-anchor triage also takes out an
+    # unmatched object of a verified category (docs/data.md, docs/method.md).
+    lvis: LvisMeta | None = None
 
 
 class DataError(ValueError):
@@ -97,14 +121,46 @@ def _describe(err: ValidationError) -> str:
     parts = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "<record>"
-        parts.append(f"{loc}: {e['msg']}")
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = f"unknown key{_did_you_mean(e['loc'])}"
+        parts.append(f"{loc}: {msg}")
     return "; ".join(parts)
+
+
+def _did_you_mean(loc: tuple) -> str:
+    """" (did you mean bbox_2d?)" for an unknown key close to the keys of its place (a record, an object, a
+    message), else " (keys: ...)" naming them."""
+    import difflib
+
+    model = GroundTruthObject if "objects" in loc else Message if "messages" in loc else Record
+    keys = list(model.model_fields)
+    near = difflib.get_close_matches(str(loc[-1]), keys, n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(near)}?)" if near else f" (a {model.__name__} has {', '.join(keys)})"
+
+
+def _first_line_error(path: Path, lineno: int, message: str) -> DataError:
+    """The error of a bad line; on line 1, a file of another known kind (a COCO instances or results file) is
+    named with the command for it instead of "not valid JSON" (rmsft/file_kinds.py)."""
+    if lineno == 1:
+        from rmsft.file_kinds import RECORDS, wrong_kind
+
+        other = wrong_kind(path, RECORDS)
+        if other is not None:
+            return DataError(f"{path}: {other}")
+    return DataError(f"{path}:{lineno}: {message}")
 
 
 def iter_records(path: str | Path) -> Iterator[Record]:
     path = Path(path)
-    if not path.exists():
+    try:
+        exists, folder = path.exists(), path.is_dir()
+    except OSError as exc:  # a name over 255 bytes: the OS's words, naming the file
+        raise DataError(f"dataset {path}: cannot be read ({exc.strerror})") from None
+    if not exists:
         raise DataError(f"dataset {path} does not exist")
+    if folder:
+        raise DataError(f"dataset {path} is a folder: give the records file in it (.jsonl or .jsonl.gz)")
     # spec.training.data.path may be .jsonl.gz: read through gzip, one line at a time as the plain file.
     opener = gzip.open if path.suffix == ".gz" else open
     lineno = 0
@@ -116,16 +172,24 @@ def iter_records(path: str | Path) -> Iterator[Record]:
                 try:
                     raw = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                    raise _first_line_error(path, lineno, f"not valid JSON ({exc.msg} at column {exc.colno})"
+                                            ) from None
+                except RecursionError:
+                    raise DataError(f"{path}:{lineno}: not a record: JSON nested deeper than a parser follows"
+                                    ) from None
+                except ValueError as exc:  # an integer of over 4300 digits (Python's int conversion limit)
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({exc})") from None
                 try:
                     yield Record.model_validate(raw)
                 except ValidationError as exc:
-                    raise DataError(f"{path}:{lineno}: {_describe(exc)}") from None
+                    raise _first_line_error(path, lineno, _describe(exc)) from None
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}:{lineno + 1}: not UTF-8 text ({exc.reason} at byte {exc.start}); a compressed "
                         "file needs the .gz suffix") from None
     except (gzip.BadGzipFile, EOFError) as exc:
         raise DataError(f"{path}: not a complete gzip file ({exc or type(exc).__name__})") from None
+    except OSError as exc:  # unreadable (permissions), a read error
+        raise DataError(f"dataset {path}: cannot be read ({exc.strerror or exc})") from None
 
 
 def load_records(path: str | Path) -> list[Record]:
@@ -139,3 +203,33 @@ def load_records(path: str | Path) -> list[Record]:
         seen.add(r.id)
     return records
 
+
+@dataclass(frozen=True)
+class OutsideFrame:
+    """Objects with a coordinate outside their record's `width` x `height` frame (`outside_frame`): the grid
+    conversion clamps them to the image's edges (`pixel_to_bin`), so what is trained is not what the file says."""
+
+    objects: int = 0
+    records: int = 0
+    first: str = ""  # the first case, as `record 'id' object 2 bbox_2d [..] in 640x480`
+
+    def line(self, total: int) -> str:
+        return (f"{self.objects} of {total} objects (in {self.records} records) reach outside their image's "
+                f"width x height: training clamps them to its edges (first: {self.first})")
+
+
+def outside_frame(records: list[Record]) -> OutsideFrame:
+    """Count the objects of `records` with an x outside 0..width or a y outside 0..height."""
+    objects = in_records = 0
+    first = ""
+    for r in records:
+        hit = 0
+        for k, o in enumerate(r.objects, start=1):
+            kind, coords = ("bbox_2d", o.bbox_2d) if o.bbox_2d is not None else ("poly", o.poly)
+            xs, ys = coords[0::2], coords[1::2]  # type: ignore[index]
+            if min(xs) < 0 or min(ys) < 0 or max(xs) > r.width or max(ys) > r.height:
+                hit += 1
+                first = first or f"record {r.id!r} object {k} {kind} {coords} in {r.width}x{r.height}"
+        objects += hit
+        in_records += bool(hit)
+    return OutsideFrame(objects, in_records, first)

@@ -397,6 +397,8 @@ class RolloutClient:
                     server=server.address,
                     sample_index=c.sample_index,
                     logprobs=list(c.logprobs) if call.sampling.logprobs else None,
+                    version_spans=[(WeightVersion(s.weight_run_id, s.weight_version), s.start, s.end)
+                                   for s in c.version_spans],
                 )
         call.accepted.clear()
 

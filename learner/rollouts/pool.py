@@ -33,6 +33,7 @@ from rmsft_protos import rollout_pb2, rollout_pb2_grpc
 
 from learner.rollouts.servers_file import ServersFile, ServersFileError, parse_server_list  # noqa: F401 - re-exported
 from learner.tracking.metrics import SERVERS_READY
+from rmsft.exit_codes import RETRY_EXIT
 from rmsft.weight_wire import WeightVersion, WireError, check_run_id, new_run_id, version_of
 
 log = logging.getLogger("rmsft.learner.servers")
@@ -54,6 +55,8 @@ _CHANNEL_OPTIONS = (
 
 class NoServerAvailableError(RuntimeError):
     """No rollout server can take work; the message names every server and its last error."""
+
+    exit_code = RETRY_EXIT  # servers restarting, or not Ready yet at a retry's start: the retry waits for them again
 
 
 @dataclass

@@ -4,7 +4,7 @@ errors the rollout client raises. No gRPC calls here."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rmsft_protos import rollout_pb2
@@ -51,11 +51,26 @@ class Rollout:
     sample_index: int = 0  # which of the prompt's `sampling.n` samples
     logprobs: list[float] | None = None  # per token, when `sampling.logprobs` asked for them
     weight_run_id: str = ""  # ... and the learner run whose version that is
+    # Which version sampled which tokens: (version, start, end) over token_ids, in order. Empty: every token is
+    # `weights`' (a server from before spans, or none). More than one only after an in-flight weight update.
+    version_spans: list[tuple[WeightVersion, int, int]] = field(default_factory=list)
 
     @property
     def weights(self) -> WeightVersion:
-        """The weight version that produced it (run id and number)."""
+        """The weight version it was generated under: the call's fence, its oldest tokens' (run id and number).
+        The staleness bound counts a rollout by it."""
         return WeightVersion(self.weight_run_id, self.weight_version)
+
+    @property
+    def spans(self) -> list[tuple[WeightVersion, int, int]]:
+        """`version_spans`, or one span of `weights` over every token when the server sent none."""
+        # getattr: a Rollout pickled before spans existed (a checkpoint's batches ahead) has no such field.
+        return list(getattr(self, "version_spans", None) or ()) or [(self.weights, 0, len(self.token_ids))]
+
+    @property
+    def newest(self) -> WeightVersion:
+        """The version of its newest tokens (`weights` unless a weight update applied while it generated)."""
+        return self.spans[-1][0] if self.token_ids else self.weights
 
 
 @dataclass(frozen=True)

@@ -124,9 +124,13 @@ class WeightSyncClient:
         shared_dir: str = "",
         group_backend: str = "rmsft_gloo",
         group_timeout_s: float = 120.0,
+        keep_generating: bool = False,
     ) -> None:
         if mode not in ("full", "adapter", "auto"):
             raise ValueError(f"sync mode must be 'full', 'adapter' or 'auto', got {mode!r}")
+        # spec.training.rollout.inflight: FULL updates over grpc or shm ask the servers to apply under their
+        # running Generate calls (WeightHeader.keep_generating); ADAPTER and nccl updates always drain.
+        self.keep_generating = keep_generating
         if transport not in ("grpc", "shm", "nccl"):
             raise ValueError(f"sync transport must be 'grpc', 'shm' or 'nccl', got {transport!r}")
         self.group: WeightGroup | None = None
@@ -369,6 +373,7 @@ class WeightSyncClient:
                 adapter_config_json=config_json, frame_bytes=self.frame_bytes, relay_to=[s.address for s in rest],
             )
             total = header.total_bytes
+            header.keep_generating = self.keep_generating and mode == "full"  # serialized at the first frame
             source = _StoppableSource(requests)
             try:
                 reply = update_weights_raw(head.channel)(source, timeout=self.timeout_s, metadata=self.pool.metadata)
@@ -425,6 +430,7 @@ class WeightSyncClient:
         except SharedSpaceError as e:
             raise WeightSyncError(f"RESOURCE_EXHAUSTED: {e}; nothing was sent (free memory there, or use "
                                   "spec.sync.transport: grpc)") from e
+        update.header.keep_generating = self.keep_generating and mode == "full"
         done = threading.Event()
         digest: list[bytes] = []
 

@@ -50,11 +50,15 @@ def active_adapter(model: Any) -> str:
 
 def hf_name(key: str, adapter: str = "default") -> str | None:
     """The HF checkpoint name of a PEFT state-dict key, or None when the key is PEFT-only (LoRA
-    factors, DoRA magnitudes, the frozen copy behind `modules_to_save`, other adapters' copies)."""
+    factors, DoRA magnitudes, the frozen copy behind `modules_to_save`, other adapters' copies, trainable token
+    rows)."""
     key = key.removeprefix(_PEFT_PREFIX)
     parts = key.split(".")
     if any(p.startswith("lora_") for p in parts) or "original_module" in parts:
         return None
+    if "trainable_tokens_delta" in parts or "trainable_tokens_original" in parts:
+        return None  # trainable token rows (training.lora.coord_rows): sent merged into their base weight
+    parts = [p for p in parts if p != "token_adapter"]
     if "modules_to_save" in parts:
         i = parts.index("modules_to_save")
         if i + 1 >= len(parts) or parts[i + 1] != adapter:
@@ -235,6 +239,9 @@ def changed_keys(model: Any) -> set[str]:
             keys.add(f"{stem}.base_layer.weight")
             keys.add(f"{stem}.base_layer.bias")
             continue
+        if peft and ".trainable_tokens_delta." in name:  # trainable token rows: their embedding, sent merged
+            keys.add(f"{name.split('.trainable_tokens_delta.')[0]}.base_layer.weight")
+            continue
         keys.add(name)
     return keys
 
@@ -285,6 +292,13 @@ def full_export(
         spec = TensorSpec(dtype_name(wire), tuple(t.shape))
         if key in lora:
             module, prefix = lora[key]
+            if type(module).__name__ == "TrainableTokensLayer":
+                # Trainable token rows of a tied embedding: peft wraps the head too, on the same weight and the
+                # same rows; like any tied pair it is sent once, under the first name.
+                tie = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+                if t.numel() and tie in seen:
+                    continue
+                seen.add(tie)
             entries.append(_Entry(name, key, spec, wire, None, module, prefix))
             continue
         tie = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
@@ -343,6 +357,10 @@ def adapter_unsupported_reason(model: Any, max_lora_rank: int = 0) -> str | None
         return "DoRA adapters are not supported by vLLM's LoRA loader"
     if config.modules_to_save:
         return f"modules_to_save={sorted(config.modules_to_save)} is not part of a vLLM LoRA adapter"
+    if getattr(config, "trainable_token_indices", None):
+        return ("the coordinate tokens' embedding rows train beside the adapter (training.lora.coord_rows) and a "
+                "vLLM LoRA adapter cannot carry embedding rows; FULL sends them merged (set "
+                "training.lora.coord_rows: false to keep them frozen and sync adapters)")
     if config.bias != "none":
         return f"LoRA bias={config.bias!r} is not supported by vLLM"
     if config.rank_pattern or config.alpha_pattern:

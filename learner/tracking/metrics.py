@@ -55,6 +55,18 @@ ZERO_STD_GROUPS = Gauge("rmsft_learner_grpo_zero_std_groups_ratio",
                         "Share of the last step's groups whose rewards were all equal (no learning signal)")
 CLIP_FRACTION = Gauge("rmsft_learner_grpo_clip_fraction_ratio", "Completion tokens whose importance ratio was clipped")
 GRPO_KL = Gauge("rmsft_learner_grpo_kl", "k3 estimate of the KL to the reference policy, per completion token")
+MISMATCH_KL = Gauge("rmsft_learner_grpo_mismatch_kl",
+                    "k3 estimate of KL(servers' sampling policy || learner's policy), per completion token")
+CORRECTED_FRACTION = Gauge("rmsft_learner_grpo_corrected_tokens_ratio",
+                           "Completion tokens whose importance weight the mismatch correction truncated or masked")
+SPANNING_ROLLOUTS = Counter("rmsft_learner_spanning_rollouts_total",
+                            "Rollouts whose tokens span weight versions (a sync applied while they generated)")
+DROPPED_GROUPS = Counter("rmsft_learner_grpo_dropped_groups_total",
+                         "GRPO groups with all-equal rewards left out of the loss (dynamic_sampling)")
+RESAMPLED_GROUPS = Counter("rmsft_learner_grpo_resampled_groups_total",
+                           "GRPO groups sampled again because their rewards were all equal (dynamic_sampling resample)")
+OVERLONG_ANSWERS = Counter("rmsft_learner_grpo_overlong_answers_total",
+                           "GRPO answers cut at max_tokens that the overlong rule masked or penalised", ["action"])
 COMPLETION_LENGTH = Gauge("rmsft_learner_completion_length_tokens", "Mean completion length of the last GRPO step")
 
 

@@ -18,15 +18,19 @@ checkpoints of the saving run's lineage, and a resume refuses another lineage's.
 A fresh run (not resumed) in a folder that holds checkpoints moves them into
 `earlier-runs/<time>-before-run-<run id>/` first (`set_aside_earlier`; the new run's id names the folder): pruning
 keeps the highest step numbers in the folder, so beside an earlier run's checkpoints a new run would delete each of
-its own right after writing it, and a later `--resume` would continue the other run.
+its own right after writing it, and a later `--resume` would continue the other run. `earlier-runs/` keeps the
+newest EARLIER_RUNS_KEPT of those folders (`prune_earlier_runs`), so a job started fresh again and again does not
+fill its claim.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
+import re
 import shutil
 import time
 import uuid
@@ -38,6 +42,8 @@ import torch
 from learner.train.checkpoint_owner import LINEAGE_FILE, read_lineage
 from rmsft import pause_points
 from rmsft.output_folder import exchange as _exchange
+
+log = logging.getLogger("rmsft.learner")
 
 _PREFIX = "step-"
 _STATE = "state.pt"
@@ -158,6 +164,10 @@ def save_checkpoint(root: str | Path, step: int, state: dict[str, Any], keep: in
 
 
 EARLIER_RUNS = "earlier-runs"
+# How many earlier runs' folders earlier-runs/ keeps (the newest): a job restarted fresh every day for a week would
+# otherwise fill its claim with a checkpoint set per start. Each holds at most that run's `checkpoint.keep`.
+EARLIER_RUNS_KEPT = 3
+_EARLIER_NAME = re.compile(r"^\d{8}T\d{6}Z-before-run-")
 
 
 def set_aside_earlier(root: str | Path, run_id: str) -> tuple[Path, list[int]] | None:
@@ -176,7 +186,25 @@ def set_aside_earlier(root: str | Path, run_id: str) -> tuple[Path, list[int]] |
         steps.append(int(name.removeprefix(_PREFIX)))
     with contextlib.suppress(OSError):
         _fsync_path(Path(root))
+    prune_earlier_runs(root)
     return dest, steps
+
+
+def prune_earlier_runs(root: str | Path, kept: int = EARLIER_RUNS_KEPT) -> list[Path]:
+    """Delete all but the newest `kept` of the folders `set_aside_earlier` made in `root/earlier-runs/` (their names
+    start with the UTC time they were made, so they sort by it); anything else there is left alone. Returns what was
+    deleted."""
+    folder = Path(root) / EARLIER_RUNS
+    if not folder.is_dir():
+        return []
+    ours = sorted(p for p in folder.iterdir() if p.is_dir() and _EARLIER_NAME.match(p.name))
+    gone = ours[:-kept] if kept > 0 else ours
+    for old in gone:
+        shutil.rmtree(old, ignore_errors=True)
+    if gone:
+        log.warning("deleted %d earlier run(s)' checkpoints from %s (it keeps the newest %d): %s", len(gone), folder,
+                    kept, ", ".join(p.name for p in gone))
+    return gone
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:

@@ -21,6 +21,7 @@ same process (a test's second loop) shares the first one's instead of releasing 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rmsft.exit_codes import CONFIG_EXIT, RETRY_EXIT
 from rmsft.jobspec import RolloutMatchingJob
 
 LINEAGE_FILE = "lineage.json"
@@ -38,6 +40,7 @@ WRITER_LOCK = ".writer.lock"
 LINEAGE_FIELDS = ("model.path", "trainer", "training.data.path", "training.data.image_root", "training.format",
                   "training.finetune", "training.lora", "training.freeze", "training.seed",
                   "training.prompts_per_step")
+PATH_LINEAGE_FIELDS = ("model.path", "training.data.path", "training.data.image_root")
 # How long a learner waits for the folder's previous writer (e.g. a pod still saving inside its grace period);
 # RMSFT_CHECKPOINT_WRITER_WAIT_S sets another.
 WRITER_WAIT_S = 300.0
@@ -46,9 +49,24 @@ WRITER_WAIT_S = 300.0
 class CheckpointLineageError(RuntimeError):
     """The newest checkpoint belongs to another run (another job, or settings a resume must not change)."""
 
+    exit_code = CONFIG_EXIT  # the same spec meets the same checkpoint: no retry helps
+
+
+# fcntl.lockf's errors that say the filesystem has no POSIX locks (NFS mounted `nolock` or without its lock
+# service, some FUSE and object-store mounts), not that another process holds the lock (EAGAIN / EACCES).
+NO_LOCKS_ERRNOS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)
+
+
+class CheckpointFolderLockError(RuntimeError):
+    """The checkpoint folder's filesystem has no POSIX locks: the one-writer guarantee cannot be given there."""
+
+    exit_code = CONFIG_EXIT  # the volume the spec names: a retry mounts the same one
+
 
 class CheckpointFolderBusyError(RuntimeError):
     """Another learner holds the checkpoint folder (its writer lock)."""
+
+    exit_code = RETRY_EXIT  # the holder ends (a pod still saving in its grace period): the retry gets the folder
 
 
 def _pick(tree: dict[str, Any], dotted: str) -> Any:
@@ -88,7 +106,16 @@ def check_resumable(checkpoint: Path, mine: dict[str, Any], *, resume_any: bool)
     diffs = []
     if saved.get("job") != mine["job"]:
         diffs.append(f"job {saved.get('job')!r} (this one: {mine['job']!r})")
-    theirs = saved.get("fields") or {}
+    theirs = dict(saved.get("fields") or {})
+    # An rmsft before job files' paths were read against their folder recorded them as written (relative, read
+    # from the working directory): the same folder as this job's absolute path is no other lineage.
+    for f in PATH_LINEAGE_FIELDS:
+        value, own = theirs.get(f), mine["fields"].get(f)
+        if isinstance(value, str) and isinstance(own, str) and not os.path.isabs(value) \
+                and os.path.abspath(value) == own:
+            theirs[f] = own
+    if not diffs and all(theirs.get(f) == mine["fields"].get(f) for f in LINEAGE_FIELDS):
+        return None
     diffs += [f"spec.{f} {theirs.get(f)!r} (this job: {mine['fields'].get(f)!r})"
               for f in LINEAGE_FIELDS if theirs.get(f) != mine["fields"].get(f)]
     what = "; ".join(diffs) or f"lineage {saved.get('digest')} (this job: {mine['digest']})"
@@ -124,7 +151,16 @@ class WriterLock:
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
-            except OSError:
+            except OSError as exc:
+                if exc.errno in NO_LOCKS_ERRNOS:  # not another holder: this filesystem cannot lock at all
+                    os.close(fd)
+                    raise CheckpointFolderLockError(
+                        f"the checkpoint folder {root} is on a filesystem with no POSIX locks ({exc.strerror}, "
+                        f"{errno.errorcode.get(exc.errno, exc.errno)} from fcntl.lockf on {self.path}): the learner "
+                        "cannot make sure it is the folder's only writer. Mount the claim with locks (NFS: not "
+                        "`nolock`, with the lock service reachable; a FUSE or object-store mount: one that "
+                        "supports them) or give spec.learner.checkpointClaim a volume that does, e.g. a "
+                        "ReadWriteOnce block volume") from None
                 if time.monotonic() >= deadline:
                     holder = _read_holder(fd)
                     os.close(fd)

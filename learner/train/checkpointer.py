@@ -18,6 +18,7 @@ of the lives that led to it (`run_ids`, oldest first), for the record.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +95,19 @@ class Checkpointer:
         # Rank 0's further state for the next checkpoint (the rollouts generated ahead), and what the loaded one had.
         self.extra: dict[str, Any] = {}
         self.loaded_extra: dict[str, Any] = {}
+        self.last_save_t = time.monotonic()  # training.checkpoint.every_minutes' clock: the last save, or the start
+        self.saved_step: int | None = None  # the step of this process's last save
+
+    def due(self, step: int, every: int, seconds: float) -> bool:
+        """Whether step `step` saves: every `every` steps (training.checkpoint.every; 0: never by steps), or once
+        `seconds` passed since the last save (every_minutes; 0: never by time)."""
+        return (bool(every) and step % every == 0) or (bool(seconds) and self.time_to_save(seconds))
+
+    def time_to_save(self, seconds: float) -> bool:
+        """training.checkpoint.every_minutes: whether `seconds` have passed since the last save, agreed by every rank
+        (the save is collective; the ranks' clocks are their own): one small all-reduce per step on several ranks."""
+        due = time.monotonic() - self.last_save_t >= seconds
+        return self.ranks.max([1.0 if due else 0.0])[0] > 0 if self.ranks.enabled else due
 
     def _rank_state(self) -> dict[str, Any]:
         out: dict[str, Any] = {"packer": self.packer.carry(), "rng": rng_state(),
@@ -133,6 +147,7 @@ class Checkpointer:
                 ckpt = self.checkpoint(model_state, rank_states)
                 ck = self.cfg.checkpoint
                 path = save_checkpoint(ck.dir, self.state.step, ckpt, keep=ck.keep, lineage=self.lineage)
+        self.last_save_t, self.saved_step = time.monotonic(), self.state.step
         return path
 
     def start_fresh(self) -> None:

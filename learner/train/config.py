@@ -129,7 +129,9 @@ def grpo_setup(cfg: TrainingConfig) -> GrpoSetup:
     g = cfg.grpo
     return GrpoSetup(
         loss=GrpoConfig(clip_eps=g.clip_eps, clip_eps_high=g.clip_eps_high, kl_coef=g.kl_coef,
-                        scale_rewards=g.scale_rewards, loss_norm=g.loss_norm, temperature=g.temperature),
+                        scale_rewards=g.scale_rewards, loss_norm=g.loss_norm, temperature=g.temperature,
+                        correction=g.correction, correction_low=g.correction_low,
+                        correction_high=g.correction_high),
         sampling={"max_tokens": g.max_tokens, "temperature": g.temperature, "n": g.group_size, "logprobs": True},
         n=g.group_size,
         packing=(cfg.packing_length, max(cfg.packing_buffer, cfg.prompts_per_step * g.group_size), 0.0),

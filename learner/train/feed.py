@@ -30,17 +30,25 @@ from learner.data.vision import VisionPrompt, render_prompt, resized_image_size
 from learner.evaluation.held_out import EvalSetup
 from learner.rollouts.client import Rollout, RolloutRequest
 from learner.rollouts.interface import RolloutSource
+from learner.tracking import metrics as m
 from learner.train.checkpointer import TrainState
 from learner.train.overlap import RolloutsAhead
 from learner.train.policy import Policy, prompt_ids
 from learner.train.ranks import Ranks, share_bounds
 from rmsft.jobspec import TrainingConfig
 
-__all__ = ["EXPLORER_SEED_OFFSET", "RolloutFeed"]
+__all__ = ["EXPLORER_SEED_OFFSET", "RESAMPLE_SEED_OFFSET", "RolloutFeed"]
 
 # Explorer rollouts (recipe generation 2) are seeded apart from the anchors': a request's explorer never repeats
 # another request's anchor.
 EXPLORER_SEED_OFFSET = 1 << 30
+# GRPO's dynamic-sampling round r (1, 2, ...) seeds its prompts r * this apart: never an anchor's or explorer's seed.
+RESAMPLE_SEED_OFFSET = 1 << 40
+
+
+def _versions(o: Rollout) -> list:
+    """The weight versions a rollout names: its call's fence and each of its tokens' spans."""
+    return [o.weights, *(w for w, _, _ in o.spans)]
 
 
 class RolloutFeed:
@@ -136,6 +144,34 @@ class RolloutFeed:
                     everything = self._take(k, sampling, upcoming)
         return self.scatter(everything, self.cfg.prompts_per_step, n), everything
 
+    def resample(self, k: int, positions: Sequence[int], sampling: object, *, seed_offset: int) -> list[Rollout]:
+        """Fresh completions (the `n` of `sampling` per prompt, prompt by prompt) of the prompts at `positions` of
+        E-step `k`'s batch (global places, this rank's own), generated now from the current weights and seeded
+        `seed_offset` apart. Collective in server mode: every rank calls it (with no position, if it has none);
+        rank 0 asks the pool for every rank's prompts at once and hands each rank its own."""
+        ranks = self.ranks
+        if self.source is not None and self.source.per_rank:
+            with ranks.guard("resampling flat groups (in-process engine)"):
+                if not positions:
+                    return []
+                reqs = [self.requests(k, p, p + 1, seed_offset)[0] for p in positions]
+                return self.source.generate(reqs, sampling, weight_version=self.state.version)
+        asked = ranks.gather_to_main(list(positions))
+        shares = None
+        with ranks.guard("resampling flat groups (rank 0)"):
+            if ranks.is_main:
+                flat = [p for part in asked for p in part]
+                outs = []
+                if flat:
+                    reqs = [self.requests(k, p, p + 1, seed_offset)[0] for p in flat]
+                    outs = self.source.generate(reqs, sampling, weight_version=self.state.version)
+                n = len(outs) // max(len(flat), 1)
+                shares, at = [], 0
+                for part in asked:
+                    shares.append(outs[at * n : (at + len(part)) * n])
+                    at += len(part)
+        return ranks.scatter_from_main(shares)
+
     def scatter(self, everything: list[Rollout] | None, prompts: int, n: int = 1) -> list[Rollout]:
         """Rank 0 hands each rank the completions of its contiguous share of the prompts (token-id lists)."""
         ranks = self.ranks
@@ -167,21 +203,26 @@ class RolloutFeed:
         st, ahead = self.state, self.ahead
         assert ahead is not None, "rollouts() takes from the ahead queue only when there is one"
         taken = ahead.take(k, self.requests(k), sampling, st.version)
+        spanning = sum(len({w for w, _, _ in o.spans}) > 1 for o in taken.rollouts)
+        if spanning:
+            m.SPANNING_ROLLOUTS.inc(spanning)
         for j in islice(upcoming, ahead.max_staleness):
             ahead.submit(j, self.requests(j), sampling, st.version)
         return taken.rollouts
 
     def within_window(self, outs: Sequence[Rollout]) -> bool:
         """Every rollout is from a weight version the learner may train on: its current one (max_staleness 0,
-        exactly), or this run's, at most max_staleness versions behind. A batch put back from a checkpoint
-        carries the version of the run that generated it (one the resumed run descends from): rank 0 checked
-        its lag when it took it."""
+        exactly), or this run's, at most max_staleness versions behind. A rollout whose tokens span versions (an
+        in-flight update, `rollout.inflight`) is counted by its oldest tokens' version: every span, and the
+        version its call was fenced to, must be within the window. A batch put back from a checkpoint carries the
+        version of the run that generated it (one the resumed run descends from): rank 0 checked its lag when it
+        took it."""
         st, window = self.state, self.cfg.rollout.max_staleness
         if not window:
-            return all(o.weights == st.weights for o in outs)
+            return all(w == st.weights for o in outs for w in _versions(o))
         restored = set(st.resumed.run_ids) if st.resumed is not None else set()
-        return all((o.weight_run_id == st.run_id and 0 <= st.version - o.weight_version <= window)
-                   or o.weight_run_id in restored for o in outs)
+        return all((w.run_id == st.run_id and 0 <= st.version - w.number <= window) or w.run_id in restored
+                   for o in outs for w in _versions(o))
 
     # -- what the engines serve ---------------------------------------------------------------------
     def served_version(self) -> int:
@@ -191,8 +232,9 @@ class RolloutFeed:
 
     def before_sync(self) -> None:
         """No Generate call in flight across a weight update, including one whose batch was abandoned
-        (learner/train/overlap.py)."""
-        if self.ahead is not None and self.ahead.pending():
+        (learner/train/overlap.py); with `rollout.inflight` the servers pause those calls instead, so nothing is
+        waited for here."""
+        if self.ahead is not None and self.ahead.pending() and not self.cfg.rollout.inflight:
             self.ahead.drain()
 
     def synced(self) -> None:

@@ -36,11 +36,12 @@ from typing import TypeVar
 
 import torch
 
+from learner.core.head import row_outputs
 from learner.core.packing import PackedRow
 from learner.data.dataset import load_dataset
 from learner.data.images import ImageStore
 from learner.data.order import DataOrder
-from learner.data.records import Record
+from learner.data.records import Record, outside_frame
 from learner.evaluation.held_out import EvalSetup, Evaluation, evaluate
 from learner.rollouts.colocate import colocated_rollouts
 from learner.rollouts.interface import RolloutSource
@@ -179,6 +180,8 @@ class TrainingLoop:
             # Every image is opened and checked here, before anything is paid for.
             self.images: ImageStore
             self.records, self.images = load_dataset(cfg.data.path, cfg.data.image_root, vision.max_image_pixels)
+            if (outside := outside_frame(self.records)).objects and ranks.is_main:  # once per run, not per rank
+                log.warning("%s: %s", cfg.data.path, outside.line(sum(len(r.objects) for r in self.records)))
             self.eval_records: list[Record] = []
             self.eval_images: ImageStore | None = None
             if cfg.eval.data and ranks.is_main:  # held-out records: rank 0 evaluates
@@ -240,7 +243,8 @@ class TrainingLoop:
         t_start = time.perf_counter()
         st = self.state
         target = self._begin(max_steps)  # reporter, run.json, servers ready, first sync
-        ck_every = self.cfg.checkpoint.every
+        ck_every, ck_seconds = self.cfg.checkpoint.every, 60.0 * self.job.spec.checkpoint_minutes  # 0: none by time
+        self.checkpointer.last_save_t = time.monotonic()  # every_minutes counts from here
         while st.step < target:
             result = self._train_step(time.perf_counter())  # plan -> rows -> forward/backward/optimizer
             st.step += 1
@@ -250,13 +254,12 @@ class TrainingLoop:
             # matching's ground-truth steps, waits for the weights of the step before one that does).
             if st.step < target and self.objective.plan(st.step).samples:
                 self.sync_weights()
-            due = bool(ck_every) and st.step % ck_every == 0
-            saved = self.save() if due else None
+            saved = self.save() if self.checkpointer.due(st.step, ck_every, ck_seconds) else None
             if self._eval_due(target):
                 self.evaluate_held_out()
             why = self._stop_agreed()
             if why is not None:  # the step is whole: keep it, then stop (a restart resumes here)
-                raise StopRequested(why, st.step, saved if due else self.save())
+                raise StopRequested(why, st.step, saved if self.checkpointer.saved_step == st.step else self.save())
         return self._end(t_start)
 
     def request_stop(self, why: str) -> None:
@@ -300,7 +303,7 @@ class TrainingLoop:
     def _end(self, t_start: float) -> Summary:
         """The last checkpoint (unless one was just saved), rollout pictures, the export, the summary."""
         st, ck_every = self.state, self.cfg.checkpoint.every
-        if ck_every == 0 or st.step % ck_every:
+        if (ck_every == 0 or st.step % ck_every) and self.checkpointer.saved_step != st.step:  # not twice
             self.save()
         if self.ranks.is_main:
             if self.policy.is_vision_language:  # the last rollouts drawn on their images
@@ -403,12 +406,13 @@ class TrainingLoop:
                   prepare: Prepare | None = None) -> dict[str, torch.Tensor]:
         step = _open(self.updater)
         sums: dict[str, torch.Tensor] = {}
+        mode = self.cfg.loss.logits if self.objective.chunked_logits else "full"  # chunked: a RowHead, see below
         step.begin()
         for i, cpu_row in enumerate(rows):
             row = cpu_row.to(step.device)
             before = prepare(i, row) if prepare is not None else None
             with self.phase("forward"), step.autocast():
-                logits = step.forward(**row.model_inputs()).logits
+                logits = row_outputs(step.forward, self.model, row.model_inputs(), mode, self.cfg.loss.logits_chunk)
                 loss, metrics = row_loss(row, logits, before)
             with self.phase("backward"):
                 step.backward(loss)

@@ -18,6 +18,10 @@ The rules, all of them deterministic (a resumed or repeated run makes the same c
   update, the client's fence stays exact per call, and the pool's version advances only once the servers that
   apply it have confirmed (`WeightSyncClient.sync`). The cost: a sync waits for the batch generating ahead; with
   generation time G and a step of T the step takes max(G, T) + sync instead of G + T.
+- **In flight instead (`rollout.inflight`).** The trainer's sync does not drain: the servers pause the running call's
+  requests, apply and resume them (rollout_svc/runner.py), so a completion of that call may span two versions
+  (`Rollout.version_spans`); it is still reported under the version it was submitted (fenced) with, its oldest
+  tokens', which is the version `take` counts its staleness by. The rest of this doc holds as written.
 - **Staleness window.** `take` computes staleness = learner version - the batch's version. Within
   `max_staleness` it is trained on; beyond it (e.g. an extra sync for a held-out evaluation moved the version
   twice) the whole batch is dropped (counted in rmsft_learner_stale_rollouts_dropped_total) and regenerated now

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from learner.core.codec import output_format
 from learner.core.vocab import VocabView
+from rmsft.exit_codes import CONFIG_EXIT
 from rmsft.jobspec import TrainingConfig, VisionSpec
 from rmsft.model_folder import is_vision_language
 from rmsft.model_parts import ALIGNER, VISION_TOWER, part_of
@@ -41,6 +43,8 @@ _DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16"
 
 class ModelLoadError(RuntimeError):
     """The model folder cannot be used for training; the message says why."""
+
+    exit_code = CONFIG_EXIT  # spec.model.path or its settings: the same spec fails the same way
 
 
 @dataclass
@@ -306,7 +310,7 @@ def policy_from_model(model: Any, tokenizer: Any, cfg: TrainingConfig, *, vision
 
     try:
         # Only coordexp writes coord tokens; qwen_json works with a stock Qwen-VL tokenizer.
-        vocab = VocabView.from_hf_tokenizer(tokenizer, coord_tokens=cfg.format == "coordexp")
+        vocab = VocabView.from_hf_tokenizer(tokenizer, coord_tokens=output_format(cfg.format).coord_tokens)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
 
@@ -323,6 +327,7 @@ def policy_from_model(model: Any, tokenizer: Any, cfg: TrainingConfig, *, vision
             target_modules=_language_model_targets(targets) if vision_language else targets,
             use_dora=lora.use_dora,
             task_type="CAUSAL_LM",
+            trainable_token_indices=coord_row_indices(model, cfg, vocab),
         )
         # autocast_adapter_dtype (peft's default) already makes adapters fp32 on a bf16 base.
         model = get_peft_model(model, peft_cfg, autocast_adapter_dtype=True)
@@ -351,6 +356,27 @@ def policy_from_model(model: Any, tokenizer: Any, cfg: TrainingConfig, *, vision
         autocast_dtype=torch.bfloat16 if cfg.precision == "bf16" else None,
         processor=processor,
     )
+
+
+def train_coord_rows(cfg: TrainingConfig) -> bool:
+    """`training.lora.coord_rows` resolved: unset = on for a coordinate-token format (coordexp, coordjson)."""
+    if cfg.lora.coord_rows is not None:
+        return cfg.lora.coord_rows
+    return output_format(cfg.format).coord_tokens
+
+
+def coord_row_indices(model: Any, cfg: TrainingConfig, vocab: VocabView) -> dict[str, list[int]] | None:
+    """peft's `trainable_token_indices` for the coordinate tokens' rows (training.lora.coord_rows), or None.
+    The input embedding always; an untied output head too (a tied one is the same weight: peft wraps it with the
+    embedding's rows itself)."""
+    if not train_coord_rows(cfg) or not vocab.coord_token_ids:
+        return None
+    ids = [int(i) for i in vocab.coord_token_ids]
+    rows = {"embed_tokens": ids}
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and head.weight is not embed.weight:  # untied (the weights themselves say)
+        rows["lm_head"] = ids
+    return rows
 
 
 def _trainable(model: Any) -> Iterator[Any]:

@@ -25,13 +25,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rmsft.exit_codes import RETRY_EXIT, exit_code_for, verdict
+
 log = logging.getLogger("rmsft.learner")
 
 _BUCKET_BYTES = 32 << 20  # gradients are all-reduced in flat buckets of about this size
 
 
 class RankFailedError(RuntimeError):
-    """Another learner rank failed; the message names the rank, the phase and its error."""
+    """Another learner rank failed; the message names the rank, the phase and its error. `exit_code`: the failed
+    ranks' verdict (rmsft.exit_codes), so every rank exits as the failing one does (a refusal on rank 0 is a
+    refusal on rank 1 too, a transient error a retry)."""
+
+    def __init__(self, message: str, exit_code: int = RETRY_EXIT) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def share_bounds(n: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -106,15 +114,17 @@ class Ranks:
             if error is not None:
                 raise error
             return
-        mine = None if error is None else f"{type(error).__name__}: {error}"
-        got: list[str | None] = [None] * self.world_size
+        # The error's text and its exit code (rmsft.exit_codes): the other ranks exit with the failed one's code.
+        mine = None if error is None else (f"{type(error).__name__}: {error}", exit_code_for(error))
+        got: list[tuple[str, int] | None] = [None] * self.world_size
         dist.all_gather_object(got, mine, group=self.group)
         if error is not None:
             raise error
-        failed = [(r, msg) for r, msg in enumerate(got) if msg is not None]
+        failed = [(r, box) for r, box in enumerate(got) if box is not None]
         if failed:
             raise RankFailedError(
-                "; ".join(f"learner rank {r} failed while {what}: {msg}" for r, msg in failed)
+                "; ".join(f"learner rank {r} failed while {what}: {msg}" for r, (msg, _) in failed),
+                exit_code=verdict({r: code for r, (_, code) in failed}, 1),
             )
 
     @contextmanager

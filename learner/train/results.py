@@ -32,6 +32,17 @@ class GrpoStats:
     truncated: float  # share of completions cut by max_tokens
     completions: int
     groups: int
+    # Train/inference mismatch (learner/core/grpo.py): k3 of KL(servers' policy || learner's) per completion token,
+    # the correction's mean importance weight (1 with correction none) and the share of tokens it truncated/masked.
+    mismatch_kl: float = 0.0
+    is_weight_mean: float = 1.0
+    corrected_fraction: float = 0.0
+    # Sampling rules: groups left out of the loss as flat (dynamic_sampling), extra groups sampled to replace flat
+    # ones (resample), answers cut at the budget that were masked or penalised (overlong).
+    dropped_groups: int = 0
+    resampled_groups: int = 0
+    overlong_masked: int = 0
+    overlong_penalised: int = 0
 
     def scalars(self) -> dict[str, float]:
         out = {f"grpo/{k}": float(v) for k, v in vars(self).items() if k != "rewards"}
@@ -84,6 +95,7 @@ class Summary:
     log_dir: Path | None = None  # TensorBoard event files (rank 0)
     exported: Path | None = None  # the Hugging Face folder written at the end (training.export)
     rewards: list[float] = field(default_factory=list)  # GRPO: mean reward of each step
+    mismatch_kl: list[float] = field(default_factory=list)  # GRPO: KL(servers' policy || learner's) of each step
     run_id: str = ""  # the learner run whose weight version `weight_version` is
 
     @classmethod

@@ -52,6 +52,9 @@ class OperatorConfig:
     # (the pod's security context limits it, not the image); the operator says so at start.
     image: str = ""
     image_pull_policy: str = "IfNotPresent"
+    # The operator's own namespace (the chart sets it): where it posts the Event of a CRD version mismatch
+    # (crd_check). Empty: outside the chart; the mismatch is then only logged.
+    namespace: str = ""
 
     @classmethod
     def from_env(cls) -> OperatorConfig:
@@ -68,4 +71,5 @@ class OperatorConfig:
             image=os.environ.get("RMSFT_OPERATOR_IMAGE", "").strip(),
             image_pull_policy=_pull_policy("RMSFT_OPERATOR_IMAGE_PULL_POLICY", cls.image_pull_policy),
             scanning=os.environ.get("RMSFT_OPERATOR_SCANNING", "true").lower() not in ("0", "false", "no"),
+            namespace=os.environ.get("RMSFT_OPERATOR_NAMESPACE", "").strip(),
         )

@@ -31,7 +31,9 @@ from rmsft.jobspec import (
     JobSpec,
     RecipeConfig,
 )
+from rmsft.jobspec.grpo import CORRECTION_NONE_BOUNDS, CORRECTION_TIS_LOW, OVERLONG_BUFFER
 from rmsft.jobspec.pods import _LABEL_VALUE, _QUALIFIED_KEY, KUEUE_QUEUE_LABEL, RESERVED_KEY_PREFIXES
+from rmsft.jobspec.training import INFLIGHT_STALENESS, TRAIN_COORD_ROWS_QWEN_JSON
 
 SHORT_NAMES = ["rmj"]
 PHASES = ["Pending", "Starting", "Running", "Complete", "Failed", "Invalid"]
@@ -266,6 +268,18 @@ LOCAL_RULES: dict[str, list[dict[str, str]]] = {
         {"rule": "!has(self.tls) || (self.tls.healthPort != self.port && self.tls.healthPort != self.metricsPort)",
          "message": TLS_HEALTH_PORT, "fieldPath": ".tls.healthPort"},
     ],
+    "training.rollout": [
+        {"rule": "!self.inflight || self.max_staleness >= 1", "message": INFLIGHT_STALENESS,
+         "fieldPath": ".inflight"},
+    ],
+    "training.grpo": [
+        {"rule": "self.correction != 'none' || (!has(self.correction_low) && !has(self.correction_high))",
+         "message": CORRECTION_NONE_BOUNDS, "fieldPath": ".correction"},
+        {"rule": "self.correction != 'tis' || !has(self.correction_low)", "message": CORRECTION_TIS_LOW,
+         "fieldPath": ".correction_low"},
+        {"rule": "!has(self.overlong_buffer) || self.overlong_buffer < self.max_tokens", "message": OVERLONG_BUFFER,
+         "fieldPath": ".overlong_buffer"},
+    ],
     "training": [
         {"rule": "self.warmup_steps <= self.steps", "message": "spec.training.warmup_steps exceeds steps"},
         *({"rule": f"self.recipe.generation == 2 || !has(self.recipe.{name})",
@@ -278,7 +292,12 @@ LOCAL_RULES: dict[str, list[dict[str, str]]] = {
             "message": "spec.training.format_options.coordinates applies to format qwen_json only",
         },
         {
-            "rule": "!has(self.format) || self.format != 'qwen_json' || !has(self.format_options) "
+            "rule": "!has(self.format) || self.format != 'qwen_json' || !has(self.lora) "
+            "|| !has(self.lora.coord_rows) || !self.lora.coord_rows",
+            "message": TRAIN_COORD_ROWS_QWEN_JSON,
+        },
+        {
+            "rule": "!has(self.format) || self.format == 'coordexp' || !has(self.format_options) "
             "|| !has(self.format_options.polygons) || self.format_options.polygons == 'pairs'",
             "message": "spec.training.format_options.polygons applies to format coordexp only",
         },
@@ -479,8 +498,20 @@ def status_schema() -> dict[str, Any]:
                                "description": "spec.learner.nodes > 1: the learner's attempt (1 first); a lost pod "
                                               "fails the attempt and the next resumes from the newest checkpoint, up "
                                               "to spec.learner.backoffLimit restarts."},
+            "learnerAttemptTime": {"type": "string", "format": "date-time",
+                                   "description": "spec.learner.nodes > 1: when the last failed attempt's Job was "
+                                                  "deleted (a re-created Job that a policy refuses is timed from it)."},
+            "learnerDisruptions": {"type": "integer", "minimum": 0,
+                                   "description": "spec.learner.nodes > 1: attempts run again after a disruption "
+                                                  "(eviction, drain, preemption), not counted as attempts."},
+            "learnerStartTime": {"type": "string", "format": "date-time",
+                                 "description": "When a learner pod was first seen running: from then on a pod's "
+                                                "trouble is a fault the job survives, not a failed start."},
             "learnerActive": {"type": "integer", "minimum": 0, "description": "Active learner pods."},
             "step": {"type": "integer", "minimum": 0, "description": "Optimizer step reported by the learner."},
+            "currentStep": {"type": "integer", "minimum": 0,
+                            "description": "The step the learner is on now: after a resume it redoes steps below "
+                                           "status.step (the highest reported); spec.learner.stallTimeout reads it."},
             "weightVersion": {"type": "integer", "minimum": 0,
                               "description": "Weight version reported by the learner (it counts weight updates)."},
             "evaluation": {
@@ -496,7 +527,8 @@ def status_schema() -> dict[str, Any]:
             "startTime": {"type": "string", "format": "date-time",
                           "description": "When the learner was started (the rollout pool Ready)."},
             "lastStepTime": {"type": "string", "format": "date-time",
-                             "description": "When status.step last moved (spec.learner.stallTimeout counts from it)."},
+                             "description": "When the learner's step last moved (spec.learner.stallTimeout counts from "
+                                            "it)."},
             "completionTime": {"type": "string", "format": "date-time",
                                "description": "When the learner finished, successfully or not."},
             "message": {"type": "string", "maxLength": 4096, "description": "The state in one line: the pool, the "

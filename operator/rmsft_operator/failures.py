@@ -123,6 +123,15 @@ def _span(seconds: int) -> str:
     return f"{seconds // 60} min" if seconds % 60 == 0 and seconds >= 60 else f"{seconds} s"
 
 
+# A container the kernel's OOM killer (or a SIGKILL) ended said nothing about the model: it is the node's memory, a
+# fault to retry, never the preflight's verdict.
+_KILLED_EXIT = 137
+
+
+def _killed(ended: dict[str, Any]) -> bool:
+    return ended.get("reason") == "OOMKilled" or ended.get("exitCode") == _KILLED_EXIT
+
+
 def preflight_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[str, Any]]) -> tuple[str, str] | None:
     """("ModelPreflightFailed", message) when the model preflight init container of a rollout or learner pod
     exited non-zero, else None. Pure. Its verdict (the model folder does not fit the job, e.g. a stock
@@ -138,7 +147,7 @@ def preflight_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dic
                     continue
                 ended = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated") \
                     or {}
-                if ended.get("exitCode") in (None, 0):
+                if ended.get("exitCode") in (None, 0) or _killed(ended):
                     continue
                 said = str(ended.get("message") or "").strip()
                 at = said.rfind(PREFLIGHT_SAYS)
@@ -168,6 +177,13 @@ def image_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[st
                                                 f"image {cs.get('image') or '?'}: {reason}: {said}").strip(": ")[
                         :_MAX_HINT]
     return None
+
+
+def _gated(pod: dict[str, Any]) -> bool:
+    """The pod waits behind a scheduling gate (Kueue's, before admission): not yet asking for a node."""
+    return bool((pod.get("spec") or {}).get("schedulingGates")) or any(
+        c.get("type") == "PodScheduled" and c.get("reason") == "SchedulingGated"
+        for c in (pod.get("status") or {}).get("conditions") or [])
 
 
 def _scheduled_since(pod: dict[str, Any]) -> dt.datetime | None:
@@ -210,6 +226,11 @@ def startup_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[
     job's clock (`pool_since`) does not apply; a rollout pod's own clock starts when it is placed, after admission
     (Kueue's waitForPodsReady bounds what follows)."""
     limit = dt.timedelta(seconds=timeout_s)
+    # Queued: Kueue admits the pool's workload as a whole, so the first placement of any of its pods is the
+    # admission; a pod of an admitted pool that is still not placed (no room for it: a partial placement) is timed
+    # from then, not left without a clock.
+    placed = [t for p in rollout_pods if (t := _scheduled_since(p)) is not None]
+    admitted = min(placed) if placed else None
     if queued:
         pool_since = None
     if pool_starting and pool_refused and pool_since is not None and now - pool_since >= limit:
@@ -234,13 +255,23 @@ def startup_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[
                     why = _server_says(said) or ended.get("reason") or "no message"
                     return "RolloutCrashLoop", (f"rollout pod {pname} restarted {restarts} times without becoming "
                                                 f"Ready (last exit code {code}): {why}")[:_MAX_HINT]
-            created = _scheduled_since(pod) if queued else \
+            created = (_scheduled_since(pod) or (admitted if not _gated(pod) else None)) if queued else \
                 pool_since or parse_time((pod.get("metadata") or {}).get("creationTimestamp"))
             if created is not None and now - created >= limit:
                 problem = pod_problem([pod])
                 detail = problem[1] if problem else f"pod {pname} is still starting"
                 return "RolloutStartupTimeout", (f"rollout pool not Ready within spec.rollout.startupTimeout "
                                                  f"({_span(timeout_s)}): {detail}")[:_MAX_HINT]
+    stuck = stuck_learner_pod(learner_pods, timeout_s, now)
+    return stuck[:2] if stuck else None
+
+
+def stuck_learner_pod(learner_pods: list[dict[str, Any]], timeout_s: int,
+                      now: dt.datetime) -> tuple[str, str, dict[str, Any]] | None:
+    """(reason, message, pod) of a learner pod the scheduler could not place for `timeout_s`, or one placed that long
+    ago whose containers never started; None when there is none. Pure. At the start this fails the job
+    (startup_failure); mid-run the same pod is a replacement, retried instead (reconcile)."""
+    limit = dt.timedelta(seconds=timeout_s)
     for pod in sorted(learner_pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
         st = pod.get("status") or {}
         if st.get("phase") in ("Succeeded", "Failed") or (pod.get("metadata") or {}).get("deletionTimestamp"):
@@ -253,7 +284,7 @@ def startup_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[
                     pname = (pod.get("metadata") or {}).get("name", "?")
                     return "LearnerUnschedulable", (f"learner pod {pname} not scheduled within "
                                                     f"spec.rollout.startupTimeout ({_span(timeout_s)}): "
-                                                    f"{c.get('message', '')}").strip()[:_MAX_HINT]
+                                                    f"{c.get('message', '')}").strip()[:_MAX_HINT], pod
         placed = _scheduled_since(pod)
         if st.get("phase") == "Pending" and placed is not None and now - placed >= limit:
             pname = (pod.get("metadata") or {}).get("name", "?")
@@ -265,7 +296,7 @@ def startup_failure(rollout_pods: list[dict[str, Any]], learner_pods: list[dict[
             return "LearnerStartupTimeout", (f"learner pod {pname} placed on a node but not started within "
                                              f"spec.rollout.startupTimeout ({_span(timeout_s)}): {detail} (a volume "
                                              "that does not attach or mount shows in `kubectl describe pod "
-                                             f"{pname}`)")[:_MAX_HINT]
+                                             f"{pname}`)")[:_MAX_HINT], pod
     return None
 
 
@@ -296,6 +327,7 @@ def lost_servers(rollout_pods: list[dict[str, Any]], replicas: int, timeout_s: i
     by_ordinal = {o: p for p in rollout_pods if (o := _ordinal(p)) is not None and o < replicas
                   and not (p.get("metadata") or {}).get("deletionTimestamp")}
     lost: dict[int, str] = {}
+    long_lost: list[int] = []  # not Ready for twice the timeout
     for o, pod in sorted(by_ordinal.items()):
         since = _not_ready_since(pod)
         if _pod_ready(pod) or since is None or now - since < limit:
@@ -303,18 +335,101 @@ def lost_servers(rollout_pods: list[dict[str, Any]], replicas: int, timeout_s: i
         problem = pod_problem([pod])
         pname = (pod.get("metadata") or {}).get("name", "?")
         lost[o] = problem[1] if problem else f"pod {pname} is still starting"
+        if now - since >= 2 * limit:
+            long_lost.append(o)
     if not lost:
         return None
     release = 0
     while replicas - release - 1 in lost and replicas - release > 1:
         release += 1
     kept = sorted(set(lost) - set(range(replicas - release, replicas)))
+    # A lost server below a Ready one cannot be given back alone (a StatefulSet removes pods from the top). It is
+    # kept for one more timeout (deleting its pod retries it); lost for twice the timeout, the pool shrinks to it,
+    # the Ready servers above it given back with it: its GPUs are not held to the end of the run.
+    shrink = [o for o in kept if o in long_lost]
+    above = 0
+    if shrink:
+        new_release = max(release, min(replicas - max(min(shrink), 1), replicas - 1))
+        above = new_release - release - sum(1 for o in range(replicas - new_release, replicas - release) if o in lost)
+        release = new_release
+        kept = sorted(set(lost) - set(range(replicas - release, replicas)))
     said = "; ".join(lost[o] for o in sorted(lost))
     message = f"rollout server(s) not Ready for spec.rollout.startupTimeout ({_span(timeout_s)}) mid-run: {said}"
     if release:
         message += f"; the top {release} given back (the pool scaled to {replicas - release})"
+    if above:
+        message += (f", {above} Ready server(s) with them: the lost ordinal(s) below them were not Ready for twice "
+                    f"spec.rollout.startupTimeout ({_span(2 * timeout_s)}) and a StatefulSet gives back only its "
+                    "highest ordinals")
     if kept:
         message += (f"; kept ordinal(s) {', '.join(map(str, kept))}: a StatefulSet gives back only its highest "
                     "ordinals and the last server stays (delete the pod to retry it, or lower "
-                    "spec.rollout.replicas)")
+                    "spec.rollout.replicas)" + ("" if shrink else f"; not Ready for {_span(2 * timeout_s)}, the pool "
+                                                "shrinks to below it"))
     return release, message[:_MAX_HINT]
+
+
+def pool_ready_since(rollout_pods: list[dict[str, Any]], replicas: int) -> dt.datetime | None:
+    """Since when all `replicas` rollout pods have been Ready: the latest Ready transition among them (the API's
+    clock, which no lost status write moves); None when the pool is not Ready now."""
+    times = []
+    for pod in rollout_pods:
+        if (pod.get("metadata") or {}).get("deletionTimestamp") or not _pod_ready(pod):
+            continue
+        for c in (pod.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "Ready" and c.get("status") == "True":
+                times.append(parse_time(c.get("lastTransitionTime")))
+    if len(times) < replicas or replicas < 1 or any(t is None for t in times):
+        return None
+    return max(t for t in times if t is not None)
+
+
+def learner_refused(refused: str | None, since: dt.datetime | None, timeout_s: int,
+                    now: dt.datetime) -> tuple[str, str] | None:
+    """("LearnerCreateRefused", message) when the learner Job's pods have been refused at creation (a namespace
+    ResourceQuota, Pod Security admission, a webhook: the FailedCreate words `refused`) for `timeout_s` since `since`
+    (the first such refusal, else the Job's start: the API's clocks). The pool's GPUs are held meanwhile. Pure."""
+    if not refused or since is None or now - since < dt.timedelta(seconds=timeout_s):
+        return None
+    return "LearnerCreateRefused", (f"learner pod cannot be created for spec.rollout.startupTimeout "
+                                    f"({_span(timeout_s)}): {refused}")[:_MAX_HINT]
+
+
+# How long past a learner pod's grace period the Job controller may take to see it gone (the kubelet's last status
+# report): a pod still there after that is on a node that no longer answers.
+STOP_MARGIN_S = 300
+
+
+def attempt_not_stopping(learner: dict[str, Any], learner_pods: list[dict[str, Any]], grace_s: int,
+                         now: dt.datetime) -> tuple[str, str] | None:
+    """("LearnerNotStopped", message) when a learner Job on several pods was decided failed (FailureTarget) longer
+    than its pods' grace period plus STOP_MARGIN_S ago and is still not Failed: the Job controller writes Failed only
+    once every pod is terminal, and a pod on a lost node stays Terminating (it may even still run, cut off, writing
+    to the checkpoint folder, so no next attempt may start beside it). Pure."""
+    conds = {c.get("type"): c for c in (learner.get("status") or {}).get("conditions") or []
+             if c.get("status") == "True"}
+    target = conds.get("FailureTarget")
+    if target is None or "Failed" in conds:
+        return None
+    since = parse_time(target.get("lastTransitionTime"))
+    limit = grace_s + STOP_MARGIN_S
+    if since is None or (now - since).total_seconds() < limit:
+        return None
+    left = sorted((p.get("metadata") or {}).get("name", "?") for p in learner_pods
+                  if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed"))
+    return "LearnerNotStopped", (f"the failed learner attempt's pods did not stop within spec.learner."
+                                 f"terminationGracePeriod + {STOP_MARGIN_S} s ({_span(limit)}): "
+                                 f"{', '.join(left) or 'a pod'} still terminating (a node that no longer answers?); "
+                                 "no next attempt may start beside it, so the job is failed and its pool freed: "
+                                 "`kubectl get pods -o wide` names the node")[:_MAX_HINT]
+
+
+def disrupted(learner: dict[str, Any], learner_pods: list[dict[str, Any]]) -> bool:
+    """A learner Job on several pods failed because one of its pods was disrupted (evicted, drained, preempted: the
+    pod's DisruptionTarget condition, which the Job's first podFailurePolicy rule matches): no fault of the run."""
+    conds = [c for c in (learner.get("status") or {}).get("conditions") or []
+             if c.get("status") == "True" and c.get("type") in ("Failed", "FailureTarget")]
+    if any("DisruptionTarget" in str(c.get("message") or "") for c in conds):
+        return True
+    return any(c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+               for p in learner_pods for c in (p.get("status") or {}).get("conditions") or [])

@@ -14,8 +14,9 @@ import kopf
 from prometheus_client import start_http_server
 
 from rmsft.jobspec import API_GROUP, API_VERSION, KIND, PLURAL, JobSpecError, parse_job
-from rmsft_operator import metrics, reconcile, render
+from rmsft_operator import crd_check, metrics, reconcile, render
 from rmsft_operator.config import OperatorConfig
+from rmsft_operator.crd import build_crd
 from rmsft_operator.kube import ApiError, Kube, load_client_config
 from rmsft_operator.serial import PerKeyRunner
 
@@ -73,7 +74,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     if CFG.metrics_port and not _state["metrics_started"]:
         start_http_server(CFG.metrics_port)
         _state["metrics_started"] = True
-    _kube()
+    # Helm never upgrades crds/: an older CRD refuses or prunes what this operator writes. Said once, here.
+    crd_check.check(_kube(), CFG.namespace, build_crd())
 
 
 def _run_once(body: dict[str, Any], trigger: str) -> reconcile.Outcome:

@@ -45,6 +45,7 @@ def load_client_config() -> None:
 # kind -> (API prefix, plural) for the objects the operator owns.
 RESOURCES: dict[str, tuple[str, str]] = {
     "Secret": ("/api/v1", "secrets"),
+    "Pod": ("/api/v1", "pods"),
     "ConfigMap": ("/api/v1", "configmaps"),
     "Service": ("/api/v1", "services"),
     "StatefulSet": ("/apis/apps/v1", "statefulsets"),
@@ -121,7 +122,8 @@ class Kube:
     def ensure(self, obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """Create `obj` unless it exists; returns (live object, created?). Idempotent."""
         kind, meta = obj["kind"], obj["metadata"]
-        live = self.get(kind, meta["namespace"], meta["name"])
+        # A Secret is created, never read (the chart grants `create` only on Secrets): a 409 says it is there.
+        live = None if kind == "Secret" else self.get(kind, meta["namespace"], meta["name"])
         if live is not None:
             return live, False
         try:
@@ -132,6 +134,8 @@ class Kube:
             if exc.status != 409:
                 raise
         # 409: created meanwhile (a concurrent pass, or our own write whose response was lost).
+        if kind == "Secret":
+            return obj, False
         live = self.get(kind, meta["namespace"], meta["name"])
         if live is None:
             raise ApiError(409, f"{kind} {meta['name']} conflicts but cannot be read")

@@ -35,16 +35,21 @@ from rmsft.jobspec import (
 )
 from rmsft_operator import render
 from rmsft_operator.failures import (
+    attempt_not_stopping,
+    disrupted,
     image_failure,
     job_finished,
     job_state,
+    learner_refused,
     lost_servers,
     not_admitted,
     parse_time,
     pod_problem,
+    pool_ready_since,
     preflight_failure,
     refused_configuration,
     startup_failure,
+    stuck_learner_pod,
 )
 from rmsft_operator.kube import ApiError, Kube
 from rmsft_operator.progress import learner_final_progress, learner_progress
@@ -53,16 +58,19 @@ log = logging.getLogger("rmsft_operator.reconcile")
 
 # The children of a job, in creation order: kinds, except the two PodDisruptionBudgets (render.child_key).
 CHILD_KINDS = ("Secret", "ConfigMap", "Service", "NetworkPolicy", "PoolDisruptionBudget", "StatefulSet",
-               "LearnerDisruptionBudget", "LearnerService", "Job")
+               "LearnerDisruptionBudget", "LearnerNetworkPolicy", "LearnerService", "Job")
 _CHILD_NAME = {"Secret": "secret", "ConfigMap": "config", "Service": "service", "NetworkPolicy": "networkpolicy",
                "PoolDisruptionBudget": "pool_budget", "StatefulSet": "statefulset",
-               "LearnerDisruptionBudget": "learner_budget", "LearnerService": "learner_service", "Job": "job"}
+               "LearnerDisruptionBudget": "learner_budget", "LearnerNetworkPolicy": "learner_networkpolicy",
+               "LearnerService": "learner_service", "Job": "job"}
 
 
 def api_kind(child: str) -> str:
     """The API kind of a child key of CHILD_KINDS."""
     if child == "LearnerService":
         return "Service"
+    if child == "LearnerNetworkPolicy":
+        return "NetworkPolicy"
     return "PodDisruptionBudget" if child.endswith("DisruptionBudget") else child
 # Pod Security admission: the namespace label that sets the enforced level, and the levels whose
 # policy refuses hostPath volumes (only `privileged` admits them).
@@ -94,6 +102,9 @@ class Observed:
     # kind -> name of an object that has a child's name but is not this job's (no controller reference to its
     # uid): never patched, never counted as a child (`children` has None for it); the job waits, saying so.
     foreign: dict[str, str] = field(default_factory=dict)
+    # kind -> the first time of the FailedCreate events counted in `failed_creates` (the API's clock of the refusal)
+    failed_create_since: dict[str, str] = field(default_factory=dict)
+    created: str | None = None  # the job's metadata.creationTimestamp
 
 
 @dataclass(frozen=True)
@@ -144,12 +155,18 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
     # The learner's Service exists only for learner.nodes > 1: for any other job an object of that name is no
     # concern of this job's (not read, never a conflict).
     several = int((raw_spec.get("learner") or {}).get("nodes") or 1) > 1
+    # The token Secret is never read (the chart grants Secrets `create` only, so no Secret of the namespace is
+    # readable by the operator): it is the first child made, so the job's own ConfigMap, made after it, says it is
+    # there.
     found = {kind: kube.get(api_kind(kind), namespace, n[_CHILD_NAME[kind]])
-             if kind != "LearnerService" or several else None for kind in CHILD_KINDS}
+             if kind not in ("Secret", "LearnerService") or (kind == "LearnerService" and several) else None
+             for kind in CHILD_KINDS}
     uid = meta.get("uid") or ""
     foreign = {kind: obj["metadata"]["name"] for kind, obj in found.items()
                if obj is not None and not owned_by(obj, uid)}
     children = {kind: None if kind in foreign else obj for kind, obj in found.items()}
+    if children["ConfigMap"] is not None:
+        children["Secret"] = secret_stand_in(n["secret"], namespace)
     sts, learner = children["StatefulSet"], children["Job"]
     rollout_pods = kube.list_pods(namespace, render.selector(name, "rollout")) if sts else []
     learner_pods = kube.list_pods(namespace, render.selector(name, "learner")) if learner else []
@@ -164,6 +181,7 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
             and not job_finished(learner):
         missing.append(("Job", n["job"]))
     failed_creates: dict[str, str] = {}
+    failed_create_since: dict[str, str] = {}
     if missing:
         events = kube.list_events(namespace, "reason=FailedCreate")
         for kind, child in missing:
@@ -172,6 +190,10 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
             if mine:
                 newest = max(mine, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
                 failed_creates[kind] = str(newest.get("message") or "FailedCreate")
+                first = [t for e in mine if (t := e.get("firstTimestamp") or e.get("eventTime")
+                                             or e.get("lastTimestamp"))]
+                if first:
+                    failed_create_since[kind] = min(first)
 
     progress: dict[str, Any] = {}
     if learner and not (learner.get("spec") or {}).get("suspend") and progress_timeout > 0:
@@ -186,7 +208,13 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
     return Observed(name=name, namespace=namespace, uid=uid, generation=meta.get("generation"),
                     spec=body.get("spec"), status=body.get("status") or {}, children=children,
                     rollout_pods=rollout_pods, learner_pods=learner_pods, failed_creates=failed_creates,
-                    progress=progress, namespace_labels=namespace_labels, foreign=foreign)
+                    progress=progress, namespace_labels=namespace_labels, foreign=foreign,
+                    failed_create_since=failed_create_since, created=meta.get("creationTimestamp"))
+
+
+def secret_stand_in(name: str, namespace: str) -> dict[str, Any]:
+    """What `observe` records for the job's token Secret, which it never reads: its name, nothing of its content."""
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": namespace}}
 
 
 def owned_by(obj: dict[str, Any], uid: str) -> bool:
@@ -253,14 +281,15 @@ def _monotonic_progress(old: dict[str, Any], scraped: dict[str, Any], final: dic
 def _stalled(status: dict[str, Any], job: RolloutMatchingJob, suspended: bool, learner_pods: list[dict[str, Any]],
              now: str) -> str:
     """Why the running learner counts as stalled (no optimizer step for spec.learner.stallTimeout, the first one
-    counted from its start), or "" when it does not."""
+    counted from its start), or "" when it does not. lastStepTime moves with the step the learner is on
+    (status.currentStep), so a learner redoing steps below status.step after a resume is progressing."""
     running = not suspended and any((p.get("status") or {}).get("phase") == "Running" for p in learner_pods)
     since = parse_time(status.get("lastStepTime") or status.get("startTime"))
     at = parse_time(now)
     limit = job.spec.learner.stall_timeout_seconds
     if not running or since is None or at is None or (at - since).total_seconds() <= limit:
         return ""
-    step = status.get("step")
+    step = status.get("currentStep", status.get("step"))
     what = f"no optimizer step since step {step}" if step else "no optimizer step since the learner started"
     return (f"learner stalled: {what} ({int((at - since).total_seconds())}s, spec.learner.stallTimeout {limit}s); "
             f"its logs say where it waits (kubectl logs job/{render.names(job.metadata.name)['job']})")
@@ -325,10 +354,11 @@ def decide(obs: Observed, now: str) -> Decision:
     # Where the checkpoints live, said where users look (kubectl describe, the conditions): without a claim, a
     # learner pod lost (evicted, its node gone) takes them along, and its retry starts again from step 0.
     claim, ck_dir = job.spec.learner.checkpoint_claim, job.spec.training.checkpoint.dir
+    cadence = render.checkpoint_cadence(job)  # a job that saves only at the end says so here too (issue 60)
     durable.append(cond("CheckpointsDurable", bool(claim), "OnClaim" if claim else "NoCheckpointClaim",
-                        f"checkpoints in {ck_dir} on PersistentVolumeClaim {claim}" if claim else
+                        f"checkpoints in {ck_dir} on PersistentVolumeClaim {claim}; {cadence}" if claim else
                         f"no spec.learner.checkpointClaim: checkpoints in {ck_dir} live in an emptyDir of the learner "
-                        "pod and are lost with it; its retry starts again from step 0"))
+                        f"pod and are lost with it; its retry starts again from step 0; {cadence}"))
     # 1b. Final is final: a Complete or Failed job never runs again, whatever happens to its children later (its
     # learner Job deleted by hand or by a TTL, the pool edited): nothing is created, the pool stays at zero, the
     # status stays as it was written.
@@ -414,11 +444,12 @@ def decide(obs: Observed, now: str) -> Decision:
     d = Decision("Pending", {})
     d.creates = [desired[k] for k in CHILD_KINDS if k in desired and obs.children.get(k) is None]
     if cm is not None:
-        # Pool resized: the learner follows the server list. The servers' flags as this operator renders the
-        # applied spec (a server that starts later reads them; e.g. relay_allow, which an older operator's
-        # ConfigMap lacks, so that the job's own relays keep working).
+        # Pool resized: the learner follows the server list. The servers' flags (serve.yaml) are never rewritten
+        # (docs/upgrade.md): they were written, once, for the job's image, which its pods keep across an operator
+        # upgrade; an older `rmsft serve` refuses a key it does not know, so adding one would crash-loop the next
+        # server that restarts.
         data, applied_data = desired["ConfigMap"]["data"], cm.get("data") or {}
-        resized = {k: data[k] for k in (render.SERVERS_KEY, render.SERVE_KEY) if applied_data.get(k) != data[k]}
+        resized = {k: data[k] for k in (render.SERVERS_KEY,) if applied_data.get(k) != data[k]}
         if resized:
             d.patches.append(Patch("ConfigMap", n["config"], {"data": resized}))
     if obs.children.get("Job") is None and not job.spec.learner.checkpoint_claim:
@@ -434,10 +465,17 @@ def decide(obs: Observed, now: str) -> Decision:
     status = d.status
     status.update({"rolloutReplicas": want, "readyRolloutReplicas": ready,
                    "learnerActive": int((learner.get("status") or {}).get("active") or 0)})
-    for key in ("startTime", "completionTime", "step", "weightVersion", "evaluation", "lastStepTime"):
+    for key in ("startTime", "completionTime", "step", "weightVersion", "evaluation", "lastStepTime", "currentStep",
+                "learnerStartTime", "learnerAttemptTime", "learnerDisruptions"):
         if key in old_status:
             status[key] = old_status[key]
     status.update(_monotonic_progress(old_status, obs.progress, learner_final_progress(obs.learner_pods)))
+    # The stall clock (spec.learner.stallTimeout) reads the step the learner is on, not the highest one reported: after
+    # a resume from a checkpoint it redoes steps below status.step, and each of them is progress.
+    on_step = obs.progress.get("step")
+    if isinstance(on_step, int) and on_step != old_status.get("currentStep"):
+        status["currentStep"] = on_step
+        status["lastStepTime"] = now
     if status.get("step") is not None and status.get("step") != old_status.get("step"):
         status["lastStepTime"] = now
     evaluation, old_eval = obs.progress.get("evaluation"), old_status.get("evaluation")
@@ -451,19 +489,41 @@ def decide(obs: Observed, now: str) -> Decision:
 
     # 5. Terminal states free the GPUs: the pool is scaled to zero. A learner Job that failed because its
     # pod's model preflight failed is reported with the preflight's words (5b), not as a learner failure.
-    preflight = preflight_failure(obs.rollout_pods, obs.learner_pods)
+    suspended = bool((learner.get("spec") or {}).get("suspend"))
+    # spec.scheduling.queueName: Kueue owns the learner Job's suspend (it resumes it on admission and would resume it
+    # again were the operator to suspend it): the operator never touches it, and stops a learner by deleting its Job.
+    queued = bool(job.spec.scheduling.queue_name)
+    at = parse_time(now) or dt.datetime.now(dt.UTC)
+    # Start rules hold at the start only. The pool starts until the learner was let go (queued: until it was first
+    # Ready, as Kueue may start the learner before it); the learner starts until a pod of it was first seen running
+    # (status.learnerStartTime; also read from what no lost status write can take back: a step reported, a pod the
+    # Job controller counted failed, a later attempt). After that a pod's trouble (a replacement server's preflight
+    # killed, a replacement learner's pull refused or its GPUs taken) is a fault the job survives, retried.
+    pool_starting = not colocated and (not status.get("startTime") if queued else suspended)
+    if not suspended and any((p.get("status") or {}).get("phase") == "Running" for p in obs.learner_pods):
+        status.setdefault("learnerStartTime", now)
+    ran = bool(status.get("learnerStartTime")) or status.get("step") is not None \
+        or int((learner.get("status") or {}).get("failed") or 0) >= 1 or int(old_status.get("learnerAttempt") or 1) > 1
+    start_learner_pods = [] if ran else obs.learner_pods
+    preflight = preflight_failure(obs.rollout_pods if pool_starting or colocated else [], start_learner_pods)
     # 5a. A learner on several pods is one torchrun world: one lost pod fails the Job's attempt as a whole (its
     # podFailurePolicy). Unless the learner refused its configuration (every attempt would), the next attempt
-    # resumes from the newest checkpoint on the claim, up to spec.learner.backoffLimit restarts: the failed Job is
-    # deleted once the Job controller has stopped its pods (condition Failed, not only FailureTarget: no pod of the
-    # old world may still hold the rendezvous name or the checkpoint folder), and the next pass creates it again.
+    # resumes from the newest checkpoint on the claim, up to spec.learner.backoffLimit restarts (a disruption, the
+    # pod's DisruptionTarget, is not counted): the failed Job is deleted once the Job controller has stopped its pods
+    # (condition Failed, not only FailureTarget: no pod of the old world may still hold the rendezvous name or the
+    # checkpoint folder), and the next pass creates it again. Pods that never stop (a lost node) fail the job after
+    # their grace period (failures.attempt_not_stopping).
+    not_stopping = None
     if job.spec.learner.nodes > 1:
         attempt = int(old_status.get("learnerAttempt") or 1)
         status["learnerAttempt"] = attempt
-        if failed and not preflight and not refused_configuration(obs.learner_pods) \
-                and attempt <= job.spec.learner.backoff_limit:
-            return finish(_next_attempt(d, job, learner, attempt, why, ready, cond, invalid))
-    if succeeded or (failed and not preflight):
+        if failed and not preflight and not refused_configuration(obs.learner_pods):
+            not_stopping = attempt_not_stopping(learner, obs.learner_pods,
+                                                job.spec.learner.termination_grace_period_seconds, at)
+            gone = disrupted(learner, obs.learner_pods)
+            if not not_stopping and (attempt <= job.spec.learner.backoff_limit or gone):
+                return finish(_next_attempt(d, job, learner, attempt, why, ready, cond, invalid, now, gone))
+    if succeeded or (failed and not preflight and not not_stopping):
         if not colocated and (sts.get("spec") or {}).get("replicas") != 0:
             d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": 0}}))
         status["rolloutReplicas"] = 0
@@ -482,24 +542,36 @@ def decide(obs: Observed, now: str) -> Decision:
 
     # 5b. A start that cannot succeed fails the job and frees what it holds (the pool scaled to zero, the
     # learner Job suspended, which removes a pod that waits for a node), instead of crash-looping forever.
-    suspended = bool((learner.get("spec") or {}).get("suspend"))
-    # spec.scheduling.queueName: Kueue owns the learner Job's suspend (it resumes it on admission and would resume it
-    # again were the operator to suspend it): the operator never touches it, and stops a learner by deleting its Job.
-    queued = bool(job.spec.scheduling.queue_name)
     stalled = _stalled(status, job, suspended, obs.learner_pods, now)
     # A rollout pod that cannot get its image fails the start; once the learner runs, a replacement server's
-    # trouble is the failover's (the other servers go on), as in startup_failure. Queued, the learner may run
-    # before the pool is Ready: the pool starts until it first was (startTime).
-    pool_starting = not colocated and (not status.get("startTime") if queued else suspended)
-    failure = preflight or image_failure(obs.rollout_pods if pool_starting else [], obs.learner_pods) \
+    # trouble is the failover's (the other servers go on), as in startup_failure.
+    timeout_s = job.spec.rollout.startup_timeout_seconds
+    learner_clock = parse_time(obs.failed_create_since.get("Job")) or parse_time(
+        (learner.get("status") or {}).get("startTime")) or parse_time((learner.get("metadata") or {}).get(
+            "creationTimestamp"))
+    pool_ready_now = colocated or (want > 0 and ready >= want)
+    failure = preflight or not_stopping or image_failure(obs.rollout_pods if pool_starting else [],
+                                                         start_learner_pods) \
         or startup_failure(
-        obs.rollout_pods, obs.learner_pods, pool_starting=pool_starting,
-        timeout_s=job.spec.rollout.startup_timeout_seconds, now=parse_time(now) or dt.datetime.now(dt.UTC),
+        obs.rollout_pods, start_learner_pods, pool_starting=pool_starting, timeout_s=timeout_s, now=at,
         pool_since=parse_time((sts.get("metadata") or {}).get("creationTimestamp")),
         pool_refused=obs.failed_creates.get("StatefulSet"), queued=queued) \
-        or not_admitted(job.spec.scheduling.queue_name, suspended, _held_since(status, learner),
-                        job.spec.rollout.startup_timeout_seconds, parse_time(now) or dt.datetime.now(dt.UTC)) \
+        or (learner_refused(obs.failed_creates.get("Job"), learner_clock, timeout_s, at) if not suspended else None) \
+        or (not_admitted(job.spec.scheduling.queue_name, suspended, _held_since(status, learner, obs.rollout_pods,
+                                                                                want), timeout_s, at)
+            if pool_ready_now else None) \
         or (("LearnerStalled", stalled) if stalled and job.spec.learner.fail_when_stalled else None)
+    # Mid-run, a replacement learner pod that cannot start (not placed: a preemptor took its GPUs; placed but not
+    # started: an expired registry token) is retried after the start's own clock: the pod deleted, which the Job
+    # controller counts against spec.learner.backoffLimit and replaces; the attempts bound it, not a verdict now.
+    retry = stuck_learner_pod(obs.learner_pods, timeout_s, at) if ran and not failure and not suspended else None
+    if retry:
+        pod_meta = retry[2].get("metadata") or {}
+        d.deletes.append(Delete("Pod", pod_meta.get("name", ""), pod_meta.get("uid", "")))
+        d.events.append(("Warning", "LearnerPodRetried", f"{retry[1]}; mid-run: the pod is deleted and the learner "
+                         f"Job retries it (counted against spec.learner.backoffLimit "
+                         f"{job.spec.learner.backoff_limit})"))
+
     if failure:
         reason, message = failure
         if not colocated and (sts.get("spec") or {}).get("replicas") != 0:
@@ -511,8 +583,8 @@ def decide(obs: Observed, now: str) -> Decision:
         status["rolloutReplicas"] = 0
         status.setdefault("completionTime", now)
         status["message"] = message
-        learner_reason = reason if reason in ("LearnerUnschedulable", "LearnerStartupTimeout",
-                                              "LearnerNotAdmitted") else "Suspended"
+        learner_reason = reason if reason in ("LearnerUnschedulable", "LearnerStartupTimeout", "LearnerNotAdmitted",
+                                              "LearnerCreateRefused", "LearnerNotStopped") else "Suspended"
         status["conditions"] = [
             cond("Complete", False, "NotComplete", message),
             cond("Failed", True, reason, message),
@@ -608,12 +680,14 @@ def decide(obs: Observed, now: str) -> Decision:
     return finish(d)
 
 
-def _held_since(status: dict[str, Any], learner: dict[str, Any]) -> dt.datetime | None:
-    """Since when a queued job's pool has been Ready while its learner Job is held: the later of the pool's first
-    Ready (status.startTime) and the Job's last suspension (its Suspended condition: Kueue suspends a Job it
-    preempts, which queues it again), so a learner preempted mid-run gets its own wait. None before the pool was
-    Ready."""
-    ready = parse_time(status.get("startTime"))
+def _held_since(status: dict[str, Any], learner: dict[str, Any], rollout_pods: list[dict[str, Any]],
+                replicas: int) -> dt.datetime | None:
+    """Since when a queued job's pool has been Ready while its learner Job is held: the later of the pool being Ready
+    (the latest Ready transition of its pods, the API's clock; status.startTime when the pods do not say) and the
+    Job's last suspension (its Suspended condition: Kueue suspends a Job it preempts, which queues it again), so a
+    learner preempted mid-run gets its own wait, and a pool preempted with it and admitted again is timed from its
+    new Ready. None before the pool was Ready."""
+    ready = pool_ready_since(rollout_pods, replicas) or parse_time(status.get("startTime"))
     if ready is None:
         return None
     held = [parse_time(c.get("lastTransitionTime")) for c in (learner.get("status") or {}).get("conditions") or []
@@ -628,20 +702,30 @@ def _stop_learner(n: dict[str, str], job_obj: dict[str, Any]) -> Delete:
 
 
 def _next_attempt(d: Decision, job: RolloutMatchingJob, learner: dict[str, Any], attempt: int, why: str, ready: int,
-                  cond: Any, invalid: dict[str, Any]) -> Decision:
+                  cond: Any, invalid: dict[str, Any], now: str, disruption: bool = False) -> Decision:
     """Step 5a's decision: a failed attempt of a learner on several pods, another one allowed. The pool keeps
-    running (the next attempt re-syncs it); the Job is deleted once its pods have stopped."""
+    running (the next attempt re-syncs it); the Job is deleted once its pods have stopped. A disruption (a pod's
+    DisruptionTarget: evicted, drained, preempted) is no fault of the run: the attempt is run again, not counted
+    (status.learnerDisruptions counts those)."""
     limit = job.spec.learner.backoff_limit + 1
     conds = {c.get("type"): c for c in (learner.get("status") or {}).get("conditions") or []
              if c.get("status") == "True"}
-    head = f"learner attempt {attempt} of {limit} failed: {why}"
+    nxt = attempt if disruption else attempt + 1
+    head = f"learner attempt {attempt} of {limit} " + ("disrupted (not counted)" if disruption else "failed") + \
+        f": {why}"
     if "Failed" in conds:
         d.deletes.append(Delete("Job", render.names(job.metadata.name)["job"], learner["metadata"]["uid"]))
-        d.status["learnerAttempt"] = attempt + 1
-        message = f"{head}; attempt {attempt + 1} resumes from the newest checkpoint"
+        d.status["learnerAttempt"] = nxt
+        # When this attempt's Job went: the clock of a refused re-create (refused_create), written in the same status
+        # write that comes before the delete (act), so the delete never happens without it.
+        d.status["learnerAttemptTime"] = now
+        if disruption:
+            d.status["learnerDisruptions"] = int(d.status.get("learnerDisruptions") or 0) + 1
+        message = f"{head}; attempt {nxt} " + ("runs again" if disruption else "resumes") + \
+            " from the newest checkpoint"
         d.events.append(("Warning", "LearnerRestarted", message))
     else:
-        message = f"{head}; its other pods are stopping, then attempt {attempt + 1} starts"
+        message = f"{head}; its other pods are stopping, then attempt {nxt} starts"
     message = fit_message(message)
     want = job.spec.rollout.replicas
     assert want is not None, "RolloutSpec's validator sets replicas"
@@ -673,8 +757,12 @@ FORBIDDEN = 403
 def refused_create(obs: Observed, decision: Decision, obj: dict[str, Any], exc: ApiError, now: str) -> Decision:
     """The pass's decision once the API server refused to create `obj`. Pure. An invalid object fails the job (the
     next pass, final, scales to zero and suspends whatever was created before it); a forbidden one leaves it
-    Pending, retried on every resync (not in a tight loop), with the API's words in its status. Either way one
-    Warning event, not one per retry, and nothing else of the pass is applied."""
+    Pending, retried on every resync (not in a tight loop), with the API's words in its status, its pool scaled to
+    zero meanwhile (a StatefulSet created before the refused Job holds GPUs for nothing), for at most
+    spec.rollout.startupTimeout from the job's creation (or from its last learner attempt's end,
+    status.learnerAttemptTime: a re-created Job): then it is Failed. Both clocks are the API's or written before the
+    object went, so no lost status write restarts them. Either way one Warning event, not one per retry, and nothing
+    else of the pass is applied."""
     old_conds: list[dict[str, Any]] = obs.status.get("conditions") or []
     gen = obs.generation
 
@@ -684,20 +772,38 @@ def refused_create(obs: Observed, decision: Decision, obj: dict[str, Any], exc: 
     kind, name = obj["kind"], obj["metadata"]["name"]
     invalid = exc.status in INVALID_OBJECT
     reason = "CreateRefused"
+    try:
+        timeout_s = parse_spec(obs.spec).rollout.startup_timeout_seconds
+    except JobSpecError:
+        timeout_s = 0
+    starts = [t for t in (parse_time(obs.created), parse_time(obs.status.get("learnerAttemptTime"))) if t is not None]
+    at = parse_time(now) or dt.datetime.now(dt.UTC)
+    expired = not invalid and bool(starts) and (at - max(starts)).total_seconds() >= timeout_s
     message = fit_message(
         f"the API server refused to create {kind} {name}: {exc}; "
         + ("the object is invalid as rendered from this spec: fix the spec (or report it) and recreate the job"
-           if invalid else "a policy forbids it (RBAC, a ResourceQuota or an admission webhook): the operator tries "
-           "again on every resync until it is allowed"))
-    phase = "Failed" if invalid else "Pending"
-    status = {"rolloutReplicas": 0 if invalid else decision.status.get("rolloutReplicas", 0),
+           if invalid else f"a policy forbids it (RBAC, a ResourceQuota or an admission webhook) and still did after "
+           f"spec.rollout.startupTimeout ({timeout_s} s): the job is failed, its pool freed; recreate it once the "
+           "policy allows it" if expired else "a policy forbids it (RBAC, a ResourceQuota or an admission webhook): "
+           f"the pool is scaled to zero meanwhile and the operator tries again on every resync, for "
+           f"spec.rollout.startupTimeout ({timeout_s} s) from the job's start, until it is allowed"))
+    final = invalid or expired
+    phase = "Failed" if final else "Pending"
+    patches = []
+    before = decision.creates[:decision.creates.index(obj)] if obj in decision.creates else []
+    pool_made = obs.children.get("StatefulSet") is not None or any(render.child_key(o) == "StatefulSet"
+                                                                   for o in before)
+    if kind != "StatefulSet" and pool_made and ((obs.children.get("StatefulSet") or {}).get("spec") or {}).get(
+            "replicas") != 0:
+        patches.append(Patch("StatefulSet", render.names(obs.name)["statefulset"], {"spec": {"replicas": 0}}))
+    status = {"rolloutReplicas": 0,
               "readyRolloutReplicas": 0, "learnerActive": 0, "message": message, "phase": phase, "conditions": [
                   cond("RolloutReady", False, reason, message),
                   cond("LearnerRunning", False, reason, message),
                   cond("Complete", False, "NotComplete", message),
-                  cond("Failed", invalid, reason if invalid else "NotFailed", message),
+                  cond("Failed", final, reason if final else "NotFailed", message),
               ]}
-    if invalid:
+    if final:
         status["completionTime"] = obs.status.get("completionTime") or now
     if gen is not None:
         status["observedGeneration"] = gen
@@ -705,7 +811,7 @@ def refused_create(obs: Observed, decision: Decision, obj: dict[str, Any], exc: 
     prev = next((c for c in old_conds if c.get("type") == "RolloutReady"), {})
     if prev.get("reason") != reason or obs.status.get("phase") != phase:
         events.append(("Warning", reason, message))
-    return Decision(phase, status, events=events)
+    return Decision(phase, status, patches=patches, events=events)
 
 
 def act(kube: Kube, obs: Observed, decision: Decision) -> Outcome:
@@ -721,10 +827,13 @@ def act(kube: Kube, obs: Observed, decision: Decision) -> Outcome:
         if was_created:
             created.append(f"{obj['kind']}/{obj['metadata']['name']}")
     try:
-        for p in decision.patches:
-            kube.patch(p.kind, obs.namespace, p.name, p.body, expected=(404,))
+        # The status first, then what it decided: a decision that frees GPUs (a start failure, a server given back)
+        # is written before the pool is scaled down, so a status write that is lost leaves the evidence in place for
+        # the next pass instead of undoing the scale-down with the clock restarted.
         if any(obs.status.get(k) != v for k, v in decision.status.items()):
             kube.patch_job_status(obs.namespace, obs.name, decision.status, expected=(404,))
+        for p in decision.patches:
+            kube.patch(p.kind, obs.namespace, p.name, p.body, expected=(404,))
         # After the status: an attempt is counted before its Job goes, so a lost status write can only count one
         # twice (ending the restarts sooner), never let them run on uncounted.
         for gone in decision.deletes:  # 404: gone already; 409: the uid precondition (a namesake): left alone

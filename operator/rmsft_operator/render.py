@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from rmsft.exit_codes import CONFIG_EXIT
 from rmsft.jobspec import API_GROUP, API_VERSION, KIND, RolloutMatchingJob
 from rmsft.serve_options import serve_options
 
@@ -35,7 +36,13 @@ WRITABLE_MOUNTS = ("/dev/shm", "/tmp")
 SHARED_WEIGHTS_ENV = "RMSFT_SHARED_WEIGHTS_DIR"  # read by `rmsft train` and `rmsft serve`
 SHARED_WEIGHTS_VOLUME = "shared-weights"
 SHARED_WEIGHTS_MOUNT = "/rmsft-shared"
-CONFIG_EXIT_CODE = 2  # `rmsft train` refusing its configuration (rmsft_cli.app._fail): no retry can help
+CONFIG_EXIT_CODE = CONFIG_EXIT  # `rmsft train` refusing its configuration (rmsft.exit_codes): no retry can help
+# Several learner ranks in a pod: torchrun under `rmsft torchrun` (rmsft.launch), whose exit code is the ranks'
+# verdict rather than torchrun's 1, under tini (PID 1: it passes SIGTERM on and reaps what the ranks leave).
+TORCHRUN = ("tini", "--", "rmsft", "torchrun")
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torch.distributed.launcher.api.LaunchConfig reads it
+SHUTDOWN_MARGIN_S = 10  # of the grace period, left after torchrun's SIGKILL for the wrapper to exit
+TORCH_RENDEZVOUS_DEFAULT_S = 600  # torch's static rendezvous timeout (static_tcp_rendezvous._default_timeout_seconds)
 SHARED_WEIGHTS_HOST_ROOT = "/dev/shm/rmsft"  # on the node; one directory per job below it
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 STARTUP_PROBE_PERIOD = 10  # seconds between the rollout server's startup probes
@@ -67,6 +74,7 @@ def names(job_name: str) -> dict[str, str]:
         "pool_budget": f"{job_name}-rollout",
         "learner_budget": f"{job_name}-learner",
         "learner_service": f"{job_name}-learner",  # learner.nodes > 1: the pods' DNS names (pod 0: the rendezvous)
+        "learner_networkpolicy": f"{job_name}-learner",
     }
 
 
@@ -151,7 +159,6 @@ def render_secret(job: RolloutMatchingJob, namespace: str, uid: str, token: str 
 def serve_config(job: RolloutMatchingJob, namespace: str) -> dict[str, Any]:
     """Flags of `rmsft serve --config` (rollout_engine.config.ServeConfig keys) for this job's pods."""
     r = job.spec.rollout
-    n = names(job.metadata.name)
     opts = serve_options(job, gpus=job.spec.placement.accelerator == "nvidia")
     return {
         "model": job.spec.model.path,
@@ -159,11 +166,28 @@ def serve_config(job: RolloutMatchingJob, namespace: str) -> dict[str, Any]:
         "port": r.port,
         "metrics_port": r.metrics_port if job.spec.monitoring.enabled else 0,
         "staging_dir": "/dev/shm",
-        # Weight updates are relayed to this job's servers only (server_addresses' names, any ordinal).
-        "relay_allow": f"{n['statefulset']}-*.{n['service']}.{namespace}.svc:{r.port}",
+        # Weight updates are relayed to this job's servers only: their exact host:port names (server_addresses'),
+        # every ordinal the pool may have (spec.rollout.replicas' maximum), so a resized pool needs no new flags and no
+        # pattern can reach past the job's own StatefulSet.
+        "relay_allow": ",".join(relay_targets(job, namespace)),
         # spec.rollout.tls: the Secret's files (the server trusts its own tls.crt for its relays).
         **({"tls_cert": f"{TLS_DIR}/tls.crt", "tls_key": f"{TLS_DIR}/tls.key"} if r.tls else {}),
     }
+
+
+def _max_replicas() -> int:
+    """spec.rollout.replicas' maximum, from the spec's own field (its `le`)."""
+    from rmsft.jobspec.rollout import RolloutSpec
+
+    return int(next(m.le for m in RolloutSpec.model_fields["replicas"].metadata if getattr(m, "le", None)))
+
+
+def relay_targets(job: RolloutMatchingJob, namespace: str) -> list[str]:
+    """The exact host:port of every rollout server the job's pool may ever have (ordinals 0 to the spec's maximum - 1):
+    the only peers its servers relay weight updates to."""
+    n = names(job.metadata.name)
+    return [f"{n['statefulset']}-{i}.{n['service']}.{namespace}.svc:{job.spec.rollout.port}"
+            for i in range(_max_replicas())]
 
 
 def render_configmap(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:
@@ -269,16 +293,25 @@ def _volumes(job: RolloutMatchingJob, shm_size: str) -> tuple[list[dict[str, Any
     return volumes, mounts
 
 
-def _with_tls(job: RolloutMatchingJob, volumes: list[dict[str, Any]], mounts: list[dict[str, Any]]) -> None:
-    """spec.rollout.tls: the Secret as a volume, mounted read-only in the pod's main container (`mounts`; the
-    preflight init container gets only the mounts it needs). Mode 0440 with the pods' fsGroup: readable by the
+def _with_tls(job: RolloutMatchingJob, volumes: list[dict[str, Any]], mounts: list[dict[str, Any]],
+              role: str = "rollout") -> None:
+    """spec.rollout.tls: the Secret's keys, by name (`items`: never the whole Secret, whatever else it holds), mounted
+    read-only in the pod's main container (`mounts`; the preflight init container gets only the mounts it needs).
+    The servers get tls.crt and tls.key (the private key only where it is used); the learner only what it trusts:
+    ca.crt when the Secret has one (optional) and tls.crt. Mode 0440 with the pods' fsGroup: readable by the
     non-root user, by no other. The operator never reads the Secret (no RBAC on Secrets' contents needed): the
     kubelet mounts it; a missing one holds the pod in ContainerCreating (a FailedMount event) until the startup
     timeout fails the job."""
     tls = job.spec.rollout.tls
     if tls is None:
         return
-    volumes.append({"name": TLS_VOLUME, "secret": {"secretName": tls.secret_name, "defaultMode": 0o440}})
+    if role == "rollout":
+        volumes.append({"name": TLS_VOLUME, "secret": {"secretName": tls.secret_name, "defaultMode": 0o440, "items": [
+            {"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}]}})
+    else:
+        volumes.append({"name": TLS_VOLUME, "projected": {"defaultMode": 0o440, "sources": [
+            {"secret": {"name": tls.secret_name, "items": [{"key": "ca.crt", "path": "ca.crt"}], "optional": True}},
+            {"secret": {"name": tls.secret_name, "items": [{"key": "tls.crt", "path": "tls.crt"}]}}]}})
     mounts.append({"name": TLS_VOLUME, "mountPath": TLS_DIR, "readOnly": True})
 
 
@@ -526,7 +559,7 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
     preflight = _preflight_container(job, mounts)
     env = _common_env(job)
     if job.spec.rollout.tls and not job.spec.rollout.colocated:
-        _with_tls(job, volumes, mounts)
+        _with_tls(job, volumes, mounts, "learner")
         # What the learner trusts: ca.crt of the Secret, or its tls.crt (self-signed) when it has none. It reaches
         # the servers by the names the certificate must cover (server_addresses), so gRPC's own host name check of
         # each channel is the server name check.
@@ -555,19 +588,24 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
         container["env"] = [*container["env"], {"name": NODE_RANK_ENV, "valueFrom": {"fieldRef": {
             "fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}}}]
         container["ports"].append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
+        # The rendezvous waits as long as the operator's start clock (spec.rollout.startupTimeout) lets a pod take to
+        # start (torch's static rendezvous gives up after 600 s, before a pod still pulling its image is late).
+        rendezvous_s = max(TORCH_RENDEZVOUS_DEFAULT_S, job.spec.rollout.startup_timeout_seconds)
         container["command"] = [
-            "python", "-m", "torch.distributed.run", "--nnodes", str(pods), "--node-rank", f"$({NODE_RANK_ENV})",
+            *TORCHRUN, "--nnodes", str(pods), "--node-rank", f"$({NODE_RANK_ENV})",
             "--nproc-per-node", str(ranks), "--master-addr", learner_pod_host(job, namespace, 0),
-            "--master-port", str(RENDEZVOUS_PORT), "-m", "rmsft_cli",
+            "--master-port", str(RENDEZVOUS_PORT), "--rdzv-conf", f"timeout={rendezvous_s}", "-m", "rmsft_cli",
         ]
     elif ranks > 1:
         # One learner rank per GPU (or ranksPerPod gloo ranks on the CPU): torchrun starts them and sets
         # WORLD_SIZE/RANK/LOCAL_RANK, which `rmsft train` reads (rank 0 talks to the rollout servers, the others get
         # their share).
-        container["command"] = [
-            "python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-            "-m", "rmsft_cli",
-        ]
+        container["command"] = [*TORCHRUN, "--standalone", "--nproc-per-node", str(ranks), "-m", "rmsft_cli"]
+    if pods > 1 or ranks > 1:
+        # After SIGTERM torchrun's agent gives its ranks this long to finish the step and save before it SIGKILLs
+        # them (torch's default: 30 s); the rest of the grace period is the wrapper's, to read the ranks' verdict.
+        shutdown_s = torchrun_shutdown_seconds(lr.termination_grace_period_seconds)
+        container["env"] = [*container["env"], {"name": SHUTDOWN_TIMEOUT_ENV, "value": str(shutdown_s)}]
     pod_spec = _with_shared_weights(job, namespace, {
         **_pod_common(job), "restartPolicy": "Never", "containers": [container],
         # After SIGTERM: the step in progress, a checkpoint, exit (rmsft train), then the retry resumes.
@@ -621,6 +659,25 @@ def _learner_failure_rules(pods: int) -> list[dict[str, Any]]:
                                                   "values": [CONFIG_EXIT_CODE]}}]
 
 
+def checkpoint_cadence(job: RolloutMatchingJob) -> str:
+    """When the learner saves, as the CheckpointsDurable condition says it at admission: a job with no periodic
+    checkpoint keeps nothing of a pod killed outright (an OOM, a lost node) but what it saved at the end or on
+    SIGTERM."""
+    ck, minutes = job.spec.training.checkpoint, job.spec.checkpoint_minutes
+    when = [f"every {ck.every} steps"] if ck.every else []
+    when += [f"every {minutes} minutes"] if minutes else []
+    if when:
+        return f"saved {' and '.join(when)}, at the end and on SIGTERM"
+    return ("no periodic checkpoint (spec.training.checkpoint.every and every_minutes are 0): saved only at the end "
+            "and on SIGTERM, so a learner killed outright (an OOM, a lost node) starts again from step 0")
+
+
+def torchrun_shutdown_seconds(grace_s: int) -> int:
+    """How long torchrun's agent waits for its ranks after SIGTERM: the pod's grace period but a margin, so the
+    ranks' step and checkpoint get nearly all of it and the kubelet's SIGKILL never comes first."""
+    return max(1, grace_s - SHUTDOWN_MARGIN_S)
+
+
 def learner_pod_host(job: RolloutMatchingJob, namespace: str, index: int) -> str:
     """The stable DNS name of learner pod `index` of a learner.nodes > 1 job: the Indexed Job names its pods' hosts
     <job>-learner-<index>, and the headless Service makes them resolvable in the namespace."""
@@ -666,6 +723,31 @@ def render_networkpolicy(job: RolloutMatchingJob, namespace: str, uid: str) -> d
     }
 
 
+def render_learner_networkpolicy(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:
+    """Ingress to the learner pods: torchrun's rendezvous store (RENDEZVOUS_PORT) and the ranks' collectives (ports
+    NCCL or gloo pick) from the job's own learner pods only; with transport nccl, the weight-transfer group's store
+    and connections from the job's own rollout pods only (that group's traffic is not encrypted, TLS or not:
+    docs/operator.md, "Network"); /metrics from anywhere (the operator reads the learner's progress there, and
+    Prometheus). Nothing else reaches a learner pod."""
+    name = job.metadata.name
+    own_learners = {"podSelector": {"matchLabels": selector(name, "learner")}}
+    nccl = job.spec.sync.cluster_transport == "nccl" and not job.spec.rollout.colocated
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(job, names(name)["learner_networkpolicy"], namespace, uid, "learner"),
+        "spec": {
+            "podSelector": {"matchLabels": selector(name, "learner")},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [own_learners]},  # rendezvous + collectives, any port, the job's learner pods only
+                *([{"from": [{"podSelector": {"matchLabels": selector(name, "rollout")}}]}] if nccl else []),
+                {"ports": [{"protocol": "TCP", "port": job.spec.learner.metrics_port}]},
+            ],
+        },
+    }
+
+
 def render_disruption_budget(job: RolloutMatchingJob, namespace: str, uid: str, role: str) -> dict[str, Any]:
     """The PodDisruptionBudget of the rollout pool (`role` rollout: maxUnavailable 1, one server evicted at a time)
     or of the learner (`learner`: minAvailable = its pods, any eviction refused). A Job's pods can only be budgeted
@@ -694,6 +776,8 @@ def child_key(obj: dict[str, Any]) -> str:
     role = (obj.get("metadata") or {}).get("labels", {}).get(ROLE_LABEL)
     if obj["kind"] == "Service":
         return "LearnerService" if role == "learner" else "Service"
+    if obj["kind"] == "NetworkPolicy":
+        return "LearnerNetworkPolicy" if role == "learner" else "NetworkPolicy"
     if obj["kind"] != "PodDisruptionBudget":
         return obj["kind"]
     return "PoolDisruptionBudget" if role == "rollout" else "LearnerDisruptionBudget"
@@ -713,4 +797,5 @@ def render_all(job: RolloutMatchingJob, namespace: str, uid: str, token: str | N
         if job.spec.learner.disruption_budget else []
     learner_service = [render_learner_service(job, namespace, uid)] if job.spec.learner.nodes > 1 else []
     return [render_secret(job, namespace, uid, token), render_configmap(job, namespace, uid), *pool,
-            *learner_budget, *learner_service, render_job(job, namespace, uid)]
+            *learner_budget, render_learner_networkpolicy(job, namespace, uid), *learner_service,
+            render_job(job, namespace, uid)]

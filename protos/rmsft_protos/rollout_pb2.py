@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1armsft_protos/rollout.proto\x12\x08rmsft.v1\"\x93\x01\n\x16JoinWeightGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x13\n\x0brank_offset\x18\x05 \x01(\r\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\"7\n\x14JoinWeightGroupReply\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x01(\r\"J\n\rTransferGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.rmsft.v1.SharedTensor\"\xca\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\t\n\x01n\x18\x08 \x01(\r\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"C\n\x05Image\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03uri\x18\x02 \x01(\tH\x00\x12\x11\n\tmime_type\x18\x03 \x01(\tB\x08\n\x06source\"\x95\x01\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\'\n\x08messages\x18\x02 \x03(\x0b\x32\x15.rmsft.v1.ChatMessage\x12\x1f\n\x06images\x18\x03 \x03(\x0b\x32\x0f.rmsft.v1.Image\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x07\n\x05_seed\"\xc2\x01\n\x0fGenerateRequest\x12!\n\x07prompts\x18\x01 \x03(\x0b\x32\x10.rmsft.v1.Prompt\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.rmsft.v1.SamplingParams\x12$\n\x17\x65xpected_weight_version\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x1e\n\x16\x65xpected_weight_run_id\x18\x04 \x01(\tB\x1a\n\x18_expected_weight_version\"\xd3\x01\n\nCompletion\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.rmsft.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x04 \x01(\x04\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x14\n\x0csample_index\x18\x06 \x01(\r\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x15\n\rweight_run_id\x18\x08 \x01(\t\"l\n\x10GenerateResponse\x12)\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x14.rmsft.v1.Completion\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\x12\x15\n\rweight_run_id\x18\x03 \x01(\t\"\xbc\x02\n\x0cWeightHeader\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12 \n\x04mode\x18\x02 \x01(\x0e\x32\x12.rmsft.v1.SyncMode\x12\x14\n\x0ctensor_count\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13\x61\x64\x61pter_config_json\x18\x05 \x01(\t\x12\x33\n\x10\x64igest_algorithm\x18\x06 \x01(\x0e\x32\x19.rmsft.v1.DigestAlgorithm\x12)\n\x0bshared_file\x18\x07 \x01(\x0b\x32\x14.rmsft.v1.SharedFile\x12\x10\n\x08relay_to\x18\x08 \x03(\t\x12\x0e\n\x06run_id\x18\t \x01(\t\x12/\n\x0etransfer_group\x18\n \x01(\x0b\x32\x17.rmsft.v1.TransferGroup\"C\n\nSharedFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.rmsft.v1.SharedTensor\"I\n\x0cSharedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\r\n\x05start\x18\x04 \x01(\x04\"W\n\x0bTensorPiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x1f\n\rWeightTrailer\x12\x0e\n\x06\x64igest\x18\x01 \x01(\x0c\"\x93\x01\n\x0bWeightChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.rmsft.v1.WeightHeaderH\x00\x12&\n\x05piece\x18\x02 \x01(\x0b\x32\x15.rmsft.v1.TensorPieceH\x00\x12*\n\x07trailer\x18\x03 \x01(\x0b\x32\x17.rmsft.v1.WeightTrailerH\x00\x42\x06\n\x04kind\"\x9f\x01\n\x0bUpdateReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x17\n\x0ftensors_applied\x18\x02 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12\x15\n\rapply_seconds\x18\x04 \x01(\x01\x12\'\n\x07relayed\x18\x05 \x03(\x0b\x32\x16.rmsft.v1.RelayOutcome\x12\x0e\n\x06run_id\x18\x06 \x01(\t\"_\n\x0cRelayOutcome\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x0e\n\x06run_id\x18\x05 \x01(\t\"\x0f\n\rStatusRequest\"\xa3\x02\n\x0bStatusReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x02 \x01(\r\x12\x17\n\x0freplica_ordinal\x18\x03 \x01(\x05\x12\x16\n\x0eweight_version\x18\x04 \x01(\x04\x12\x16\n\x0e\x61\x63tive_adapter\x18\x05 \x01(\t\x12\r\n\x05ready\x18\x06 \x01(\x08\x12\x14\n\x0clora_enabled\x18\x07 \x01(\x08\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x15\n\rmax_lora_rank\x18\t \x01(\r\x12\x15\n\rweight_run_id\x18\n \x01(\t\x12\x0b\n\x03pid\x18\x0b \x01(\r\x12\x14\n\x0cweight_group\x18\x0c \x01(\t\x12\x17\n\x0fweight_transfer\x18\r \x01(\t*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03*<\n\x08SyncMode\x12\x19\n\x15SYNC_MODE_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46ULL\x10\x01\x12\x0b\n\x07\x41\x44\x41PTER\x10\x02*)\n\x0f\x44igestAlgorithm\x12\n\n\x06SHA256\x10\x00\x12\n\n\x06\x42LAKE3\x10\x01\x32\xa6\x02\n\x0eRolloutService\x12\x41\n\x08Generate\x12\x19.rmsft.v1.GenerateRequest\x1a\x1a.rmsft.v1.GenerateResponse\x12?\n\rUpdateWeights\x12\x15.rmsft.v1.WeightChunk\x1a\x15.rmsft.v1.UpdateReply(\x01\x12;\n\tGetStatus\x12\x17.rmsft.v1.StatusRequest\x1a\x15.rmsft.v1.StatusReply\x12S\n\x0fJoinWeightGroup\x12 .rmsft.v1.JoinWeightGroupRequest\x1a\x1e.rmsft.v1.JoinWeightGroupReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1armsft_protos/rollout.proto\x12\x08rmsft.v1\"\x93\x01\n\x16JoinWeightGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x13\n\x0brank_offset\x18\x05 \x01(\r\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\"7\n\x14JoinWeightGroupReply\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x01(\r\"J\n\rTransferGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.rmsft.v1.SharedTensor\"\xca\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\t\n\x01n\x18\x08 \x01(\r\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"C\n\x05Image\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03uri\x18\x02 \x01(\tH\x00\x12\x11\n\tmime_type\x18\x03 \x01(\tB\x08\n\x06source\"\x95\x01\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\'\n\x08messages\x18\x02 \x03(\x0b\x32\x15.rmsft.v1.ChatMessage\x12\x1f\n\x06images\x18\x03 \x03(\x0b\x32\x0f.rmsft.v1.Image\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x07\n\x05_seed\"\xc2\x01\n\x0fGenerateRequest\x12!\n\x07prompts\x18\x01 \x03(\x0b\x32\x10.rmsft.v1.Prompt\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.rmsft.v1.SamplingParams\x12$\n\x17\x65xpected_weight_version\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x1e\n\x16\x65xpected_weight_run_id\x18\x04 \x01(\tB\x1a\n\x18_expected_weight_version\"\x81\x02\n\nCompletion\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.rmsft.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x04 \x01(\x04\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x14\n\x0csample_index\x18\x06 \x01(\r\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x15\n\rweight_run_id\x18\x08 \x01(\t\x12,\n\rversion_spans\x18\t \x03(\x0b\x32\x15.rmsft.v1.VersionSpan\"X\n\x0bVersionSpan\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\x15\n\rweight_run_id\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0b\n\x03\x65nd\x18\x04 \x01(\r\"l\n\x10GenerateResponse\x12)\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x14.rmsft.v1.Completion\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\x12\x15\n\rweight_run_id\x18\x03 \x01(\t\"\xd5\x02\n\x0cWeightHeader\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12 \n\x04mode\x18\x02 \x01(\x0e\x32\x12.rmsft.v1.SyncMode\x12\x14\n\x0ctensor_count\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13\x61\x64\x61pter_config_json\x18\x05 \x01(\t\x12\x33\n\x10\x64igest_algorithm\x18\x06 \x01(\x0e\x32\x19.rmsft.v1.DigestAlgorithm\x12)\n\x0bshared_file\x18\x07 \x01(\x0b\x32\x14.rmsft.v1.SharedFile\x12\x10\n\x08relay_to\x18\x08 \x03(\t\x12\x0e\n\x06run_id\x18\t \x01(\t\x12/\n\x0etransfer_group\x18\n \x01(\x0b\x32\x17.rmsft.v1.TransferGroup\x12\x17\n\x0fkeep_generating\x18\x0b \x01(\x08\"C\n\nSharedFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.rmsft.v1.SharedTensor\"I\n\x0cSharedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\r\n\x05start\x18\x04 \x01(\x04\"W\n\x0bTensorPiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x1f\n\rWeightTrailer\x12\x0e\n\x06\x64igest\x18\x01 \x01(\x0c\"\x93\x01\n\x0bWeightChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.rmsft.v1.WeightHeaderH\x00\x12&\n\x05piece\x18\x02 \x01(\x0b\x32\x15.rmsft.v1.TensorPieceH\x00\x12*\n\x07trailer\x18\x03 \x01(\x0b\x32\x17.rmsft.v1.WeightTrailerH\x00\x42\x06\n\x04kind\"\x9f\x01\n\x0bUpdateReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x17\n\x0ftensors_applied\x18\x02 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12\x15\n\rapply_seconds\x18\x04 \x01(\x01\x12\'\n\x07relayed\x18\x05 \x03(\x0b\x32\x16.rmsft.v1.RelayOutcome\x12\x0e\n\x06run_id\x18\x06 \x01(\t\"_\n\x0cRelayOutcome\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x0e\n\x06run_id\x18\x05 \x01(\t\"\x0f\n\rStatusRequest\"\xa3\x02\n\x0bStatusReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x02 \x01(\r\x12\x17\n\x0freplica_ordinal\x18\x03 \x01(\x05\x12\x16\n\x0eweight_version\x18\x04 \x01(\x04\x12\x16\n\x0e\x61\x63tive_adapter\x18\x05 \x01(\t\x12\r\n\x05ready\x18\x06 \x01(\x08\x12\x14\n\x0clora_enabled\x18\x07 \x01(\x08\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x15\n\rmax_lora_rank\x18\t \x01(\r\x12\x15\n\rweight_run_id\x18\n \x01(\t\x12\x0b\n\x03pid\x18\x0b \x01(\r\x12\x14\n\x0cweight_group\x18\x0c \x01(\t\x12\x17\n\x0fweight_transfer\x18\r \x01(\t*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03*<\n\x08SyncMode\x12\x19\n\x15SYNC_MODE_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46ULL\x10\x01\x12\x0b\n\x07\x41\x44\x41PTER\x10\x02*)\n\x0f\x44igestAlgorithm\x12\n\n\x06SHA256\x10\x00\x12\n\n\x06\x42LAKE3\x10\x01\x32\xa6\x02\n\x0eRolloutService\x12\x41\n\x08Generate\x12\x19.rmsft.v1.GenerateRequest\x1a\x1a.rmsft.v1.GenerateResponse\x12?\n\rUpdateWeights\x12\x15.rmsft.v1.WeightChunk\x1a\x15.rmsft.v1.UpdateReply(\x01\x12;\n\tGetStatus\x12\x17.rmsft.v1.StatusRequest\x1a\x15.rmsft.v1.StatusReply\x12S\n\x0fJoinWeightGroup\x12 .rmsft.v1.JoinWeightGroupRequest\x1a\x1e.rmsft.v1.JoinWeightGroupReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rmsft_protos.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2621
-  _globals['_FINISHREASON']._serialized_end=2699
-  _globals['_SYNCMODE']._serialized_start=2701
-  _globals['_SYNCMODE']._serialized_end=2761
-  _globals['_DIGESTALGORITHM']._serialized_start=2763
-  _globals['_DIGESTALGORITHM']._serialized_end=2804
+  _globals['_FINISHREASON']._serialized_start=2782
+  _globals['_FINISHREASON']._serialized_end=2860
+  _globals['_SYNCMODE']._serialized_start=2862
+  _globals['_SYNCMODE']._serialized_end=2922
+  _globals['_DIGESTALGORITHM']._serialized_start=2924
+  _globals['_DIGESTALGORITHM']._serialized_end=2965
   _globals['_JOINWEIGHTGROUPREQUEST']._serialized_start=41
   _globals['_JOINWEIGHTGROUPREQUEST']._serialized_end=188
   _globals['_JOINWEIGHTGROUPREPLY']._serialized_start=190
@@ -54,29 +54,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=796
   _globals['_GENERATEREQUEST']._serialized_end=990
   _globals['_COMPLETION']._serialized_start=993
-  _globals['_COMPLETION']._serialized_end=1204
-  _globals['_GENERATERESPONSE']._serialized_start=1206
-  _globals['_GENERATERESPONSE']._serialized_end=1314
-  _globals['_WEIGHTHEADER']._serialized_start=1317
-  _globals['_WEIGHTHEADER']._serialized_end=1633
-  _globals['_SHAREDFILE']._serialized_start=1635
-  _globals['_SHAREDFILE']._serialized_end=1702
-  _globals['_SHAREDTENSOR']._serialized_start=1704
-  _globals['_SHAREDTENSOR']._serialized_end=1777
-  _globals['_TENSORPIECE']._serialized_start=1779
-  _globals['_TENSORPIECE']._serialized_end=1866
-  _globals['_WEIGHTTRAILER']._serialized_start=1868
-  _globals['_WEIGHTTRAILER']._serialized_end=1899
-  _globals['_WEIGHTCHUNK']._serialized_start=1902
-  _globals['_WEIGHTCHUNK']._serialized_end=2049
-  _globals['_UPDATEREPLY']._serialized_start=2052
-  _globals['_UPDATEREPLY']._serialized_end=2211
-  _globals['_RELAYOUTCOME']._serialized_start=2213
-  _globals['_RELAYOUTCOME']._serialized_end=2308
-  _globals['_STATUSREQUEST']._serialized_start=2310
-  _globals['_STATUSREQUEST']._serialized_end=2325
-  _globals['_STATUSREPLY']._serialized_start=2328
-  _globals['_STATUSREPLY']._serialized_end=2619
-  _globals['_ROLLOUTSERVICE']._serialized_start=2807
-  _globals['_ROLLOUTSERVICE']._serialized_end=3101
+  _globals['_COMPLETION']._serialized_end=1250
+  _globals['_VERSIONSPAN']._serialized_start=1252
+  _globals['_VERSIONSPAN']._serialized_end=1340
+  _globals['_GENERATERESPONSE']._serialized_start=1342
+  _globals['_GENERATERESPONSE']._serialized_end=1450
+  _globals['_WEIGHTHEADER']._serialized_start=1453
+  _globals['_WEIGHTHEADER']._serialized_end=1794
+  _globals['_SHAREDFILE']._serialized_start=1796
+  _globals['_SHAREDFILE']._serialized_end=1863
+  _globals['_SHAREDTENSOR']._serialized_start=1865
+  _globals['_SHAREDTENSOR']._serialized_end=1938
+  _globals['_TENSORPIECE']._serialized_start=1940
+  _globals['_TENSORPIECE']._serialized_end=2027
+  _globals['_WEIGHTTRAILER']._serialized_start=2029
+  _globals['_WEIGHTTRAILER']._serialized_end=2060
+  _globals['_WEIGHTCHUNK']._serialized_start=2063
+  _globals['_WEIGHTCHUNK']._serialized_end=2210
+  _globals['_UPDATEREPLY']._serialized_start=2213
+  _globals['_UPDATEREPLY']._serialized_end=2372
+  _globals['_RELAYOUTCOME']._serialized_start=2374
+  _globals['_RELAYOUTCOME']._serialized_end=2469
+  _globals['_STATUSREQUEST']._serialized_start=2471
+  _globals['_STATUSREQUEST']._serialized_end=2486
+  _globals['_STATUSREPLY']._serialized_start=2489
+  _globals['_STATUSREPLY']._serialized_end=2780
+  _globals['_ROLLOUTSERVICE']._serialized_start=2968
+  _globals['_ROLLOUTSERVICE']._serialized_end=3262
 # @@protoc_insertion_point(module_scope)

@@ -135,7 +135,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., expected_weight_version: _Optional[int] = ..., expected_weight_run_id: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("prompt_token_ids", "token_ids", "finish_reason", "weight_version", "request_id", "sample_index", "logprobs", "weight_run_id")
+    __slots__ = ("prompt_token_ids", "token_ids", "finish_reason", "weight_version", "request_id", "sample_index", "logprobs", "weight_run_id", "version_spans")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class Completion(_message.Message):
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
@@ -152,7 +153,20 @@ class Completion(_message.Message):
     sample_index: int
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     weight_run_id: str
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_run_id: _Optional[str] = ...) -> None: ...
+    version_spans: _containers.RepeatedCompositeFieldContainer[VersionSpan]
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_run_id: _Optional[str] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ...) -> None: ...
+
+class VersionSpan(_message.Message):
+    __slots__ = ("weight_version", "weight_run_id", "start", "end")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    weight_run_id: str
+    start: int
+    end: int
+    def __init__(self, weight_version: _Optional[int] = ..., weight_run_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("completions", "weight_version", "weight_run_id")
@@ -165,7 +179,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., weight_version: _Optional[int] = ..., weight_run_id: _Optional[str] = ...) -> None: ...
 
 class WeightHeader(_message.Message):
-    __slots__ = ("version", "mode", "tensor_count", "total_bytes", "adapter_config_json", "digest_algorithm", "shared_file", "relay_to", "run_id", "transfer_group")
+    __slots__ = ("version", "mode", "tensor_count", "total_bytes", "adapter_config_json", "digest_algorithm", "shared_file", "relay_to", "run_id", "transfer_group", "keep_generating")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +190,7 @@ class WeightHeader(_message.Message):
     RELAY_TO_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_GROUP_FIELD_NUMBER: _ClassVar[int]
+    KEEP_GENERATING_FIELD_NUMBER: _ClassVar[int]
     version: int
     mode: SyncMode
     tensor_count: int
@@ -186,7 +201,8 @@ class WeightHeader(_message.Message):
     relay_to: _containers.RepeatedScalarFieldContainer[str]
     run_id: str
     transfer_group: TransferGroup
-    def __init__(self, version: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, str]] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., adapter_config_json: _Optional[str] = ..., digest_algorithm: _Optional[_Union[DigestAlgorithm, str]] = ..., shared_file: _Optional[_Union[SharedFile, _Mapping]] = ..., relay_to: _Optional[_Iterable[str]] = ..., run_id: _Optional[str] = ..., transfer_group: _Optional[_Union[TransferGroup, _Mapping]] = ...) -> None: ...
+    keep_generating: bool
+    def __init__(self, version: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, str]] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., adapter_config_json: _Optional[str] = ..., digest_algorithm: _Optional[_Union[DigestAlgorithm, str]] = ..., shared_file: _Optional[_Union[SharedFile, _Mapping]] = ..., relay_to: _Optional[_Iterable[str]] = ..., run_id: _Optional[str] = ..., transfer_group: _Optional[_Union[TransferGroup, _Mapping]] = ..., keep_generating: _Optional[bool] = ...) -> None: ...
 
 class SharedFile(_message.Message):
     __slots__ = ("path", "tensors")

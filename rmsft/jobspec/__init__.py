@@ -40,7 +40,18 @@ from rmsft.jobspec.job import (
     cross_field_errors,
     grpo_errors,
 )
-from rmsft.jobspec.manifest import ObjectMeta, RolloutMatchingJob, load_job, parse_job, parse_spec
+from rmsft.jobspec.manifest import (
+    PATH_FIELDS,
+    ObjectMeta,
+    RolloutMatchingJob,
+    absolute_paths,
+    apply_overrides,
+    load_job,
+    parse_job,
+    parse_spec,
+    resolve_paths,
+    write_effective_job,
+)
 from rmsft.jobspec.model import ModelSpec, ModelVolume, VisionSpec
 from rmsft.jobspec.pods import ImageSpec, LearnerSpec, MonitoringSpec, PlacementSpec, ResourceSpec, Toleration
 from rmsft.jobspec.recipe import (
@@ -79,7 +90,8 @@ from rmsft.jobspec.training import (
 
 __all__ = [
     "API_GROUP", "API_VERSION", "COLOCATE_REPLICAS", "COLOCATE_SLEEP_ZERO3", "COLOCATE_STALENESS",
-    "DEFAULT_STARTUP_TIMEOUT", "DURATION_PATTERN", "GENERATION_DEFAULTS", "KIND", "PLURAL", "QUANTITY_PATTERN",
+    "DEFAULT_STARTUP_TIMEOUT", "DURATION_PATTERN", "GENERATION_DEFAULTS", "KIND", "PATH_FIELDS", "PLURAL",
+    "QUANTITY_PATTERN",
     "RECIPE_EXPLORERS_STALENESS", "RECIPE_SECOND_ONLY", "BufferConfig", "CheckpointConfig", "ColocateSpec",
     "DataConfig", "DuplicateControl", "EvalConfig", "ExplorerConfig", "ExportConfig", "FormatOptions",
     "FreezeConfig", "GrpoTrainingConfig", "ImageSpec", "JobSpec", "JobSpecError", "LearnerSpec", "LoraConfig",
@@ -87,5 +99,6 @@ __all__ = [
     "RecipeConfig", "ResourceSpec", "RewardEntry", "RolloutDecoding", "RolloutMatchingJob", "RolloutSpec",
     "RolloutTLSSpec", "TLS_COLOCATE", "TLS_HEALTH_PORT",
     "SyncSpec", "SyncTransport", "TargetsConfig", "Toleration", "TrainingConfig", "VisionSpec", "colocate_errors",
-    "cross_field_errors", "duration_seconds", "grpo_errors", "load_job", "parse_job", "parse_spec",
+    "absolute_paths", "apply_overrides", "cross_field_errors", "duration_seconds", "grpo_errors", "load_job",
+    "parse_job", "parse_spec", "resolve_paths", "write_effective_job",
 ]

@@ -15,6 +15,9 @@ from rmsft.jobspec.rollout import RolloutSpec
 from rmsft.jobspec.sync import SyncSpec
 from rmsft.jobspec.training import TrainingConfig
 
+# training.checkpoint.every_minutes when unset and the job has a checkpoint claim
+DEFAULT_CHECKPOINT_MINUTES = 30
+
 
 class JobSpec(_K8s):
     """What a RolloutMatchingJob runs: the model, the pods (image, placement, rollout pool, learner), the
@@ -45,15 +48,23 @@ class JobSpec(_K8s):
         return self
 
     @property
+    def checkpoint_minutes(self) -> int:
+        """Minutes between time-driven checkpoints (training.checkpoint.every_minutes; 0 = none): unset, 30 with a
+        checkpoint claim, where a later attempt finds them, and 0 without one."""
+        every = self.training.checkpoint.every_minutes
+        if every is not None:
+            return every
+        return DEFAULT_CHECKPOINT_MINUTES if self.learner.checkpoint_claim else 0
+
+    @property
     def pool_wait_seconds(self) -> float:
-        """How long the learner waits at start for every server to be Ready. The operator resumes the learner once
-        the pool is Ready, so one request's timeout is enough; queued (spec.scheduling.queueName), Kueue admits the
-        learner and the pool one by one and the learner may start first: it waits up to the pool's
-        startupTimeout too."""
-        wait = self.training.rollout.request_timeout_s
-        if self.scheduling.queue_name:
-            wait = max(wait, float(self.rollout.startup_timeout_seconds))
-        return wait
+        """How long the learner waits at start for every server to be Ready: the pool's startupTimeout (at least one
+        request's timeout), at every start. The operator resumes the learner's first pod once the pool is Ready, so
+        there the wait ends at once; but a retry's pod (the Job controller's, after an eviction or a transient
+        failure) starts while servers may be restarting too, and, queued (spec.scheduling.queueName), Kueue admits
+        the learner and the pool one by one, so the learner may start first. A server not Ready after this long is
+        NoServerAvailableError, a retryable exit (rmsft.exit_codes)."""
+        return max(self.training.rollout.request_timeout_s, float(self.rollout.startup_timeout_seconds))
 
     @property
     def gpus_needed(self) -> int:

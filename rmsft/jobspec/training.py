@@ -20,6 +20,8 @@ from rmsft.jobspec.recipe import (
     TargetsConfig,
 )
 
+TRAIN_COORD_ROWS_QWEN_JSON = ("spec.training.lora.coord_rows applies to coordinate-token formats (coordexp, "
+                              "coordjson): qwen_json has no coordinate tokens")
 
 class DataConfig(_Learner):
     """The training records: one JSONL file (docs/data.md has the format)."""
@@ -52,6 +54,11 @@ class CheckpointConfig(_Learner):
         "learner.checkpointClaim mounted here, else a volume that lives as long as the pod).",
     )
     every: int = Field(0, ge=0, description="Save every N optimizer steps (0 = only at the end).")
+    every_minutes: int | None = Field(
+        None, ge=0, description="Also save after the first step that ends this many minutes after the last save "
+        "(0 = never by time). Unset: 30 with spec.learner.checkpointClaim (a week-long run killed outright, an OOM "
+        "or a lost node, loses at most that), 0 without (an emptyDir goes with the pod).",
+    )
     keep: int = Field(2, ge=1, description="Newest checkpoints of this run kept; its older ones are deleted (another "
                       "run's never are).")
     resume_any: bool = Field(
@@ -98,6 +105,12 @@ class LoraConfig(_Learner):
         description="Names of the linear layers that get adapters (matched by PEFT).",
     )
     use_dora: bool = Field(False, description="DoRA (weight-decomposed LoRA); served as full weights only.")
+    coord_rows: bool | None = Field(
+        None, description="Train the 1000 coordinate tokens' embedding rows (and the tied output head's) beside the "
+        "adapter (peft trainable tokens): rmsft prepare-model adds them untrained, and under LoRA alone they would "
+        "stay so (the reference trains them). A FULL sync and the export carry them merged; a vLLM LoRA adapter "
+        "cannot, so sync.mode adapter falls back to FULL (auto picks FULL). Unset: true with a coordinate-token "
+        "format (coordexp, coordjson), false with qwen_json (which has no coordinate tokens).")
 
 
 class RolloutDecoding(_Learner):
@@ -127,6 +140,23 @@ class RolloutDecoding(_Learner):
         "E-steps' rollouts (at most k) generate on the pool during training; a rollout is trained on only when the "
         "learner's weight version minus the one that generated it is <= k, else it is dropped and regenerated.",
     )
+    inflight: bool = Field(
+        False, description="Weight syncs do not wait for the rollouts generating ahead (needs max_staleness >= 1): "
+        "the servers pause them where they are (vLLM pause_generation mode keep), apply the new weights, recompute "
+        "their KV and resume them, so an answer may span versions (its tokens' version spans come back with it); "
+        "the staleness bound counts it by its oldest tokens' version. FULL syncs over grpc or shm; ADAPTER and "
+        "nccl syncs, and the HF backend, drain as without it.",
+    )
+
+    @model_validator(mode="after")
+    def _inflight(self) -> RolloutDecoding:
+        if self.inflight and self.max_staleness < 1:
+            raise ValueError(INFLIGHT_STALENESS)
+        return self
+
+
+INFLIGHT_STALENESS = ("spec.training.rollout.inflight needs max_staleness >= 1 (with 0 no rollout generates while "
+                      "a sync applies)")
 
 
 class BufferConfig(_Learner):
@@ -150,9 +180,11 @@ class FormatOptions(_Learner):
 
 class TrainingConfig(_Learner):
     data: DataConfig
-    format: Literal["coordexp", "qwen_json"] = Field(
+    format: Literal["coordexp", "coordjson", "qwen_json"] = Field(
         "coordexp", description="Answer format: coordexp (coordinate tokens, coordinate losses; the model needs "
-        "them, see `rmsft prepare-model`) or qwen_json (Qwen-VL's native JSON list, plain-text integers, "
+        "them, see `rmsft prepare-model`), coordjson (the reference's CoordJSON since 2026-02: "
+        "{\"objects\": [{\"desc\": ..., \"bbox_2d\": [<|coord_k|>, ...]}]} with bare coordinate tokens; what a "
+        "reference stage-1 checkpoint writes) or qwen_json (Qwen-VL's native JSON list, plain-text integers, "
         "cross-entropy only).",
     )
     format_options: FormatOptions = Field(default_factory=FormatOptions)
@@ -227,9 +259,11 @@ class TrainingConfig(_Learner):
             raise ValueError(
                 f"spec.training.warmup_steps ({self.warmup_steps}) exceeds spec.training.steps ({self.steps})")
         # An option of the other format would be silently ignored: say so instead (CEL rules mirror these).
-        if self.format == "coordexp" and self.format_options.coordinates != "relative":
+        if self.format != "qwen_json" and self.format_options.coordinates != "relative":
             raise ValueError("spec.training.format_options.coordinates applies to format qwen_json only")
-        if self.format == "qwen_json" and self.format_options.polygons != "pairs":
+        if self.format == "qwen_json" and self.lora.coord_rows:
+            raise ValueError(TRAIN_COORD_ROWS_QWEN_JSON)
+        if self.format != "coordexp" and self.format_options.polygons != "pairs":
             raise ValueError("spec.training.format_options.polygons applies to format coordexp only")
         if self.recipe.generation == 1:
             for name in RecipeConfig.SECOND_ONLY:

@@ -39,8 +39,10 @@ ASSUMPTIONS = (
     "Gradients live from backward to the optimizer step (zero_grad frees them): none during generation.",
     "Activations: one packed row of training.packing_length tokens (batch 1); without gradient checkpointing "
     "every decoder layer keeps its inputs, q/k/v, attention output and the gated MLP's four intermediates; with "
-    "it, one hidden state per layer plus one layer recomputed. Logits over the whole row, and (upper bound) "
-    "every position a cross-entropy target in fp32. The vision tower keeps activations only when it is trained "
+    "it, one hidden state per layer plus one layer recomputed. Logits (with their fp32 copy, softmax and "
+    "gradients) over the whole row with training.loss.logits full, over training.loss.logits_chunk target "
+    "positions with chunked (the default: one chunk's logits exist at a time). The vision tower keeps "
+    "activations only when it is trained "
     f"(then {IMAGE_TOKEN_SHARE:.0%} of the row taken as image tokens).",
     "Engine (vLLM): gpuMemoryUtilization x GPU memory is its whole footprint (weights split over the TP group, "
     f"a forward over {ENGINE_BATCHED_TOKENS} batched tokens, {ENGINE_GRAPHS_BYTES // GiB} GiB of CUDA graphs; "
@@ -153,7 +155,11 @@ def trainable_params(spec: JobSpec, shape: ModelShape) -> int:
     training.freeze keeps fixed under full fine-tuning."""
     t = spec.training
     if t.finetune == "lora":
-        return shape.lora_params(t.lora.r, t.lora.target_modules, t.lora.use_dora)
+        adapters = shape.lora_params(t.lora.r, t.lora.target_modules, t.lora.use_dora)
+        # training.lora.coord_rows (unset: on with a coordinate-token format): the 1000 coordinate rows of the
+        # embedding train beside the adapter, and of an untied head too.
+        rows = t.lora.coord_rows if t.lora.coord_rows is not None else t.format != "qwen_json"
+        return adapters + (1000 * shape.hidden * (1 if shape.tied else 2) if rows else 0)
     n = shape.total_params
     if shape.vision_language:
         n -= shape.vision_tower_params if t.freeze.vision_tower else 0
@@ -200,7 +206,10 @@ def activation_bytes(spec: JobSpec, shape: ModelShape, act: int = 2, residual: i
         layers = s * shape.layers * h * residual + 2 * s * per_token  # boundaries + one layer and its grads
     else:
         layers = s * shape.layers * per_token
-    logits = s * shape.vocab * (2 * act + 8)  # logits and their grad; the loss's fp32 copy and softmax grad
+    # Logits and their grad; the loss's fp32 copy and softmax grad: over the whole row (loss.logits full), or over
+    # one chunk of target positions (chunked: the head runs per chunk and again per chunk in backward).
+    rows = s if t.loss.logits == "full" else min(s, t.loss.logits_chunk)
+    logits = rows * shape.vocab * (2 * act + 8)
     vision = 0
     if shape.vision_language and t.finetune == "full" and not t.freeze.vision_tower:
         patches = int(s * IMAGE_TOKEN_SHARE) * shape.spatial_merge**2

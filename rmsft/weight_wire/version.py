@@ -96,6 +96,7 @@ _FIELDS: dict[type[Message], tuple[str, str]] = {
     rollout_pb2.StatusReply: ("weight_run_id", "weight_version"),
     rollout_pb2.GenerateResponse: ("weight_run_id", "weight_version"),
     rollout_pb2.Completion: ("weight_run_id", "weight_version"),
+    rollout_pb2.VersionSpan: ("weight_run_id", "weight_version"),
     rollout_pb2.GenerateRequest: ("expected_weight_run_id", "expected_weight_version"),
 }
 

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     from learner.train.loop import TrainingLoop
 
     readme = yaml.safe_load(README_JOB.read_text())
-    model = (args.model or ROOT / readme["spec"]["model"]["path"]).resolve()
+    model = (args.model or README_JOB.parent / readme["spec"]["model"]["path"]).resolve()  # the job file's folder
     if not (model / "config.json").exists():
         sys.exit(f"{model}: no model there (the README job's start is shipped in assets/; `--model` for another)")
     work = args.work.resolve()

@@ -144,10 +144,11 @@ def cluster() -> Iterator[Cluster]:
         TIMINGS["image load" if imported else "image load (cached)"] = time.monotonic() - t0
         c = Cluster(backend, backend.kubeconfig, {k: str(v) for k, v in tools.items()})
         t0 = time.monotonic()
-        # The README's command, with the locally built image.
+        # The README's command, with the locally built image. rbac.clusterWide: the tests make a namespace of their
+        # own per case (the default chart watches the release namespace and rbac.watchNamespaces only).
         c.helm("upgrade", "--install", "rmsft", "charts/rmsft", "--namespace", OPERATOR_NS, "--create-namespace",
                "--set", "image.repository=rmsft", "--set", "image.tag=cpu", "--set", "image.pullPolicy=Never",
-               "--set", "operator.resyncSeconds=10", "--wait", "--timeout", "5m")
+               "--set", "operator.resyncSeconds=10", "--set", "rbac.clusterWide=true", "--wait", "--timeout", "5m")
         TIMINGS["helm install"] = time.monotonic() - t0
     except BaseException:
         teardown()

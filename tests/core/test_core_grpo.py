@@ -251,8 +251,9 @@ def _samples(model):
         GrpoConfig(),
         GrpoConfig(loss_norm="sequence", kl_coef=0.05),
         GrpoConfig(clip_eps=0.1, clip_eps_high=0.3, kl_coef=0.2, scale_rewards=False),
+        GrpoConfig(loss_norm="sequence", correction="mis", correction_high=1.5),
     ],
-    ids=["token", "sequence-kl", "token-kl-cliphigher"],
+    ids=["token", "sequence-kl", "token-kl-cliphigher", "sequence-mis"],
 )
 def test_packed_grpo_equals_sequences_one_by_one(tiny_model, cfg):
     torch.manual_seed(0)
@@ -280,7 +281,10 @@ def test_packed_grpo_equals_sequences_one_by_one(tiny_model, cfg):
     packed.loss.backward()
     packed_grads = _grads(model)
 
-    assert packed.metrics["clip_fraction"].item() > 0  # the clip is exercised, on real logits
+    if cfg.correction == "none":
+        assert packed.metrics["clip_fraction"].item() > 0  # the clip is exercised, on real logits
+    else:  # the trust region is against the learner's own policy (ratio 1); the correction is what acts
+        assert packed.metrics["clip_fraction"].item() == 0 and 0 < packed.metrics["corrected_fraction"].item() < 1
     loss_diff = abs(packed.loss.item() - unpacked.loss.item())
     assert loss_diff <= 1e-5 and packed.loss.item() != 0.0
     for name in ("clip_fraction", "ratio_mean", "kl", "completion_length"):
@@ -342,3 +346,113 @@ def test_tokens_of_a_hand_built_row():
     assert toks.old_logprobs.tolist() == [-1.0, -2.0, -0.5, -1.5, -3.0]
     assert toks.inv_seq_len.tolist() == pytest.approx([0.5, 0.5, 1 / 3, 1 / 3, 1 / 3])
     assert int((row.labels != IGNORE_INDEX).sum()) == toks.n_tokens
+
+
+# ---- train/inference mismatch corrections by hand ---------------------------------------------
+# The hand case's learner/behaviour ratios rho_t are RATIOS: (1.5, 0.9 | 0.5, 1.1, 1.0), advantages (+1, +1 | -2 x3).
+# With a correction the trust region is taken against the learner's own (detached) log-probs: r_t = 1 in value,
+# so loss_t = -w_t * A and d loss / d logp_t = -w_t * A / 5 (token norm), w_t the correction's weight.
+
+
+def _corrected(cfg: GrpoConfig):
+    _, toks, logp = _hand_case()
+    out = grpo_sums(logp, toks, cfg).finish(cfg)
+    out.loss.backward()
+    return out, logp.grad.tolist()
+
+
+def test_mismatch_kl_is_reported_and_none_leaves_the_loss_alone():
+    # k3 of KL(behaviour || learner) per token: rho - log(rho) - 1, averaged over the 5 tokens.
+    k3 = [0.5 - 0.4054651, -0.1 + 0.1053605, -0.5 + 0.6931472, 0.1 - 0.0953102, 0.0]
+    out, grad = _corrected(GrpoConfig())
+    assert out.metrics["mismatch_kl"].item() == pytest.approx(sum(k3) / 5, abs=1e-6)  # 0.0595465
+    assert out.loss.item() == pytest.approx(0.74, abs=1e-6)  # the plain clipped loss of test_clipped_loss_hand_computed
+    assert out.metrics["is_weight_mean"].item() == 1.0 and out.metrics["corrected_fraction"].item() == 0.0
+    # On policy: no mismatch.
+    _, toks, _ = _hand_case()
+    same = grpo_sums(toks.old_logprobs.clone(), toks, GrpoConfig()).finish(GrpoConfig())
+    assert same.metrics["mismatch_kl"].item() == 0.0
+    # Every token twice as likely to the learner: 2 - log 2 - 1 per token (the k1 estimate would read -log 2 < 0).
+    double = grpo_sums(toks.old_logprobs + math.log(2.0), toks, GrpoConfig()).finish(GrpoConfig())
+    assert double.metrics["mismatch_kl"].item() == pytest.approx(1.0 - math.log(2.0), abs=1e-6)
+
+
+def test_tis_truncates_the_token_ratio_from_above():
+    out, grad = _corrected(GrpoConfig(correction="tis", correction_high=1.2))
+    w = [1.2, 0.9, 0.5, 1.1, 1.0]  # 1.5 truncated to 1.2
+    adv = [1.0, 1.0, -2.0, -2.0, -2.0]
+    assert out.loss.item() == pytest.approx(sum(-wi * a for wi, a in zip(w, adv, strict=True)) / 5, abs=1e-6)  # 0.62
+    assert grad == pytest.approx([-wi * a / 5 for wi, a in zip(w, adv, strict=True)], abs=1e-6)
+    assert out.metrics["is_weight_mean"].item() == pytest.approx(4.7 / 5, abs=1e-6)
+    assert out.metrics["corrected_fraction"].item() == pytest.approx(1 / 5)
+    assert out.metrics["clip_fraction"].item() == 0.0  # the ratio to the learner's own policy is 1
+    # The default cap is 2: nothing truncated here, every weight is rho.
+    out2, _ = _corrected(GrpoConfig(correction="tis"))
+    assert out2.loss.item() == pytest.approx((-1.5 - 0.9 + 1.0 + 2.2 + 2.0) / 5, abs=1e-6)
+
+
+def test_icepop_masks_both_tails_of_the_token_ratio():
+    out, grad = _corrected(GrpoConfig(correction="icepop", correction_low=0.8, correction_high=1.4))
+    w = [0.0, 0.9, 0.0, 1.1, 1.0]  # 1.5 > 1.4 and 0.5 < 0.8 masked; the rest weighted by rho
+    adv = [1.0, 1.0, -2.0, -2.0, -2.0]
+    assert out.loss.item() == pytest.approx(3.3 / 5, abs=1e-6)
+    assert grad == pytest.approx([-wi * a / 5 for wi, a in zip(w, adv, strict=True)], abs=1e-6)
+    assert out.metrics["corrected_fraction"].item() == pytest.approx(2 / 5)
+    # Defaults [0.5, 5]: 0.5 is inside (the band is closed), nothing masked.
+    out2, _ = _corrected(GrpoConfig(correction="icepop"))
+    assert out2.metrics["corrected_fraction"].item() == 0.0
+
+
+def test_mis_masks_whole_answers_by_their_sequence_ratio():
+    # Sequence ratios: 1.5 * 0.9 = 1.35 and 0.5 * 1.1 * 1.0 = 0.55.
+    out, grad = _corrected(GrpoConfig(correction="mis", correction_high=1.2))
+    w = [0.0, 0.0, 0.55, 0.55, 0.55]  # answer 0 (1.35 > 1.2) dropped whole; answer 1 weighted by 0.55
+    adv = [1.0, 1.0, -2.0, -2.0, -2.0]
+    assert out.loss.item() == pytest.approx(3 * 2 * 0.55 / 5, abs=1e-6)  # 0.66
+    assert grad == pytest.approx([-wi * a / 5 for wi, a in zip(w, adv, strict=True)], abs=1e-6)
+    assert out.metrics["corrected_fraction"].item() == pytest.approx(2 / 5)
+    out2, _ = _corrected(GrpoConfig(correction="mis"))  # default [0, 2]: both kept
+    assert out2.loss.item() == pytest.approx((-2 * 1.35 + 6 * 0.55) / 5, abs=1e-6)  # 0.12
+    lower, _ = _corrected(GrpoConfig(correction="mis", correction_low=0.6))  # 0.55 < 0.6: answer 1 dropped
+    assert lower.loss.item() == pytest.approx(-2 * 1.35 / 5, abs=1e-6)
+    # Sequence norm: each answer's token mean, then the mean over answers.
+    seq = GrpoConfig(correction="mis", loss_norm="sequence")
+    _, toks, logp = _hand_case()
+    assert grpo_sums(logp, toks, seq).finish(seq).loss.item() == pytest.approx((-1.35 + 1.1) / 2, abs=1e-6)
+
+
+def test_correction_thresholds_are_validated():
+    with pytest.raises(ValueError, match="need a correction"):
+        GrpoConfig(correction_high=2.0)
+    with pytest.raises(ValueError, match="from above only"):
+        GrpoConfig(correction="tis", correction_low=0.5)
+    with pytest.raises(ValueError, match="correction_high must be > 1"):
+        GrpoConfig(correction="icepop", correction_high=0.9)
+    with pytest.raises(ValueError, match=r"correction_low must be in \[0, 1\)"):
+        GrpoConfig(correction="mis", correction_low=1.0)
+    with pytest.raises(ValueError, match="correction must be one of"):
+        GrpoConfig(correction="ppo")  # type: ignore[arg-type]
+    assert GrpoConfig(correction="icepop").correction_bounds == (0.5, 5.0)
+    assert GrpoConfig(correction="mis", correction_high=3.0).correction_bounds == (0.0, 3.0)
+
+
+# ---- sampling rules (learner/train/objectives/grpo.py) ----------------------------------------
+
+
+def test_overlong_penalty_ramps_over_the_buffer():
+    from learner.train.objectives.grpo import overlong_penalty
+
+    # max_tokens 10, buffer 4: free up to 6 tokens, then -1/4 per token, -1 at 10 (and past it).
+    got = [overlong_penalty(n, 10, 4, 1.0) for n in (1, 6, 7, 8, 10, 12)]
+    assert got == pytest.approx([0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+    assert overlong_penalty(9, 10, 4, 2.0) == pytest.approx(-1.5)
+    with pytest.raises(ValueError, match="buffer"):
+        overlong_penalty(5, 10, 10, 1.0)
+
+
+def test_flat_groups_are_groups_of_equal_rewards():
+    from learner.train.objectives.grpo import flat_groups
+
+    assert flat_groups([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 2.0, 2.0], 2) == [True, False, True, True]
+    with pytest.raises(ValueError, match="groups of 3"):
+        flat_groups([1.0, 2.0], 3)

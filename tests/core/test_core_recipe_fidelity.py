@@ -107,6 +107,29 @@ def test_what_supports_an_unmatched_anchor() -> None:
                         0.9) == [1]
 
 
+def test_an_unmatched_object_of_an_lvis_verified_category_is_dead_even_when_an_explorer_holds_it(tiny_vocab):
+    """The reference's triage with LVIS metadata: a category the image's annotation verified (present and
+    exhaustively annotated, or absent) has every instance in the ground truth, so an unmatched one is wrong."""
+    from learner.data.records import LvisMeta
+
+    lvis = LvisMeta(pos_categories=["Cat", "car"], neg_categories=["horse"], not_exhaustive_categories=["car"])
+    assert lvis.verified() == {"cat", "horse"}  # car: present but not exhaustively annotated
+    kept = [CAT, CAR, DetObject("horse", "bbox_2d", (500, 10, 600, 90)),
+            DetObject("cat", "bbox_2d", (10, 800, 90, 900))]
+    m = match(kept, [CAT], MATCHING)
+    held = [(kept[1:], set())]  # an explorer wrote the same three unmatched objects
+    assert dead_anchors(kept, m, held, 0.9) == []
+    assert dead_anchors(kept, m, held, 0.9, verified=lvis.verified()) == [2, 3]  # the horse and the second cat
+    # Through the episode: a record with the field; without it the explorer keeps the horse.
+    horse = kept[2]
+    rec = Record.model_validate({**_record([CAT]).model_dump(), "lvis": lvis.model_dump()})
+    segs, stats = build_segments([rec], [PROMPT], [PROMPT], [_answer(tiny_vocab, [CAT, horse])], tiny_vocab,
+                                 MATCHING, clean=CleanPrefixConfig(), explorer_ids=[[_answer(tiny_vocab, [horse])]])
+    assert _text(tiny_vocab, segs[0]) == COORDEXP.render([CAT]) and stats.dead == 1
+    seg, stats = _segment(tiny_vocab, [CAT, horse], [CAT], explorers=[[horse]])
+    assert _text(tiny_vocab, seg) == COORDEXP.render([CAT, horse]) and stats.dead == 0
+
+
 def test_one_to_one_pairing_takes_the_highest_total_iou() -> None:
     a = [DetObject("a", "bbox_2d", (0, 0, 100, 100)), DetObject("a", "bbox_2d", (10, 0, 110, 100))]
     b = [DetObject("b", "bbox_2d", (10, 0, 110, 100))]

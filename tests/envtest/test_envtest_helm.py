@@ -2,8 +2,9 @@
 with all-features values (those of tests/operator/test_operator_chart.py): the install succeeds,
 the CRD is Established, the operator's Deployment, ServiceAccount and RBAC exist, and the
 ServiceAccount's real rights (a TokenRequest token, checked by the server's RBAC) are what the
-chart promises: its namespaces only in namespaced mode, and no delete but of batch Jobs (the learner Job of a job
-whose learner runs on several pods, between two attempts)."""
+chart promises: by default (issue 62) the release namespace (and the listed ones) only, no Secret readable, nothing
+cluster-wide but its own CRD by name; no delete but of batch Jobs and pods (the learner Job of a job whose learner runs
+on several pods, between two attempts; a replacement learner pod that cannot start)."""
 
 from __future__ import annotations
 
@@ -112,8 +113,9 @@ def test_default_install(control_plane: ControlPlane, install: Any) -> None:
     assert _exists(cp, f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/{RELEASE}")
     assert _exists(cp, f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{RELEASE}")
     assert _exists(cp, f"/api/v1/namespaces/{NAMESPACE}/services/{RELEASE}-metrics")
-    assert _exists(cp, f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{RELEASE}")
-    binding = cp.get(f"/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/{RELEASE}")
+    assert _exists(cp, f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NAMESPACE}/roles/{RELEASE}")
+    assert not _exists(cp, f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{RELEASE}")  # cluster-wide: opt-in
+    binding = cp.get(f"/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/{RELEASE}-crd")
     assert binding and binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}]
     dashboards = cp.ok("GET", f"/api/v1/namespaces/{NAMESPACE}/configmaps?labelSelector=grafana_dashboard%3D1")
     assert len(dashboards["items"]) == 4
@@ -123,16 +125,26 @@ def test_default_install(control_plane: ControlPlane, install: Any) -> None:
     cp.wait_for(lambda: cp.ok("GET", f"/apis/apps/v1/namespaces/{NAMESPACE}/replicasets")["items"], 30,
                 "the operator Deployment's ReplicaSet")
 
-    # The operator's own identity, checked by the server's RBAC: jobs everywhere, no deletes but of batch Jobs.
+    # The operator's own identity, checked by the server's RBAC: its namespace only, no Secret readable.
     token = cp.token_for(NAMESPACE, RELEASE)
-    assert _can(cp, token, "/apis/rmsft.io/v1alpha1/rolloutmatchingjobs") == 200
-    assert _can(cp, token, "/apis/apps/v1/namespaces/default/statefulsets") == 200
-    assert _can(cp, token, "/api/v1/namespaces") == 200  # kopf's cluster scanning
-    assert _can(cp, token, "/api/v1/namespaces/default") == 200  # a job's Pod Security level (shm)
-    assert _can(cp, token, "/api/v1/namespaces/default/secrets") == 403  # get/create only, no list
-    status, body = cp.request("DELETE", "/api/v1/namespaces/default/configmaps/kube-root-ca.crt", token=token)
+    assert _can(cp, token, f"/apis/rmsft.io/v1alpha1/namespaces/{NAMESPACE}/rolloutmatchingjobs") == 200
+    assert _can(cp, token, f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets") == 200
+    assert _can(cp, token, f"/api/v1/namespaces/{NAMESPACE}") == 200  # a job's Pod Security level (shm)
+    assert _can(cp, token, "/apis/rmsft.io/v1alpha1/rolloutmatchingjobs") == 403  # not every namespace
+    assert _can(cp, token, "/apis/apps/v1/namespaces/default/statefulsets") == 403
+    assert _can(cp, token, "/api/v1/namespaces") == 403  # no kopf cluster scanning
+    assert _can(cp, token, "/api/v1/namespaces/default") == 403
+    for where in (NAMESPACE, "default"):  # create only: not even a Secret of its own namespace is readable
+        assert _can(cp, token, f"/api/v1/namespaces/{where}/secrets") == 403
+        assert _can(cp, token, f"/api/v1/namespaces/{where}/secrets/any") == 403
+    assert _can(cp, token, f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{CRD_NAME}") == 200
+    assert _can(cp, token, "/apis/apiextensions.k8s.io/v1/customresourcedefinitions") == 403  # that one only
+    status, body = cp.request("POST", "/apis/apps/v1/namespaces/default/statefulsets", {
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "x"}}, token=token)
+    assert status == 403, body  # no workload outside its namespace
+    status, body = cp.request("DELETE", f"/api/v1/namespaces/{NAMESPACE}/configmaps/kube-root-ca.crt", token=token)
     assert status == 403, body
-    status, body = cp.request("DELETE", "/apis/apps/v1/namespaces/default/statefulsets/any", token=token)
+    status, body = cp.request("DELETE", f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets/any", token=token)
     assert status == 403, body
 
 
@@ -156,7 +168,7 @@ def test_all_features_install(control_plane: ControlPlane, install: Any) -> None
     assert sa and ALL_FEATURES["serviceAccount"]["annotations"].items() <= sa["metadata"]["annotations"].items()
     assert not _exists(cp, f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{RELEASE}")
     assert not _exists(cp, f"/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/{RELEASE}")
-    for ns in watched:
+    for ns in [NAMESPACE, *watched]:
         assert _exists(cp, f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles/{RELEASE}")
         assert _exists(cp, f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings/{RELEASE}")
     assert _exists(cp, f"/apis/monitoring.coreos.com/v1/namespaces/{NAMESPACE}/servicemonitors/{RELEASE}-operator")

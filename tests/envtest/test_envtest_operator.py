@@ -28,6 +28,7 @@ from rmsft_operator.kube import RESOURCES
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE, OP_NS, JOBS_NS = "rmsft-lc", "rmsft-lc", "team-a"
+PSA_NAMESPACES = ("restricted-team", "baseline-team")
 RMJ = "/apis/rmsft.io/v1alpha1"
 GPU_LABEL = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
 KINDS = RESOURCES  # kind -> (API prefix, plural), as the operator addresses them
@@ -100,10 +101,15 @@ def _static_claim(cp: ControlPlane, name: str) -> None:
 @pytest.fixture(scope="module")
 def operator(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
     cp = control_plane
-    out = _helm(cp, "install", RELEASE, str(ROOT / "charts/rmsft"), "--namespace", OP_NS, "--create-namespace")
+    # The default chart with the jobs' namespaces listed (made before the install, which makes a Role in each): Roles
+    # in the release namespace and in those, nothing wider (issue 62).
+    cp.create_namespace(JOBS_NS)
+    for ns in PSA_NAMESPACES:  # the Pod Security tests' namespaces, at the level they test
+        cp.create_namespace(ns, labels={"pod-security.kubernetes.io/enforce": "baseline"})
+    out = _helm(cp, "install", RELEASE, str(ROOT / "charts/rmsft"), "--namespace", OP_NS, "--create-namespace",
+                "--set", f"rbac.watchNamespaces={{{','.join([JOBS_NS, *PSA_NAMESPACES])}}}")
     assert "STATUS: deployed" in out
     cp.wait_for(lambda: cp.crd_established("rolloutmatchingjobs.rmsft.io"), 30, "CRD Established")
-    cp.create_namespace(JOBS_NS)
     for i in range(3):
         cp.create_node(f"gpu-{i}", gpus=8, labels=GPU_LABEL)
     for claim in ("models", "checkpoints"):
@@ -712,6 +718,48 @@ def test_delete_garbage_collects_every_child(control_plane: ControlPlane, operat
     assert [v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v] == [f"/dev/shm/rmsft/{JOBS_NS}.golf"]
 
 
+def _own_ns_manifest(name: str, **edits: Any) -> dict[str, Any]:
+    """A job for the release namespace: a hostPath model, no claims (those live in team-a), gRPC."""
+    doc = _manifest(name, **{"model.volume": {"hostPath": "/srv/models", "mountPath": "/models"},
+                             "sync.transport": "grpc", "rollout.replicas": 1, **edits})
+    doc["spec"]["learner"].pop("checkpointClaim", None)
+    doc["metadata"]["namespace"] = OP_NS
+    return doc
+
+
+def _op_child(cp: ControlPlane, kind: str, name: str) -> dict[str, Any] | None:
+    prefix, plural = KINDS[kind]
+    return cp.get(f"{prefix}/namespaces/{OP_NS}/{plural}/{name}")
+
+
+def test_the_default_chart_reconciles_a_job_in_its_namespace_and_can_read_no_secret(
+        control_plane: ControlPlane, operator: Operator) -> None:
+    """Issue 62: under the default chart (Roles in the release namespace and the listed ones, nothing cluster-wide but
+    its CRD) the operator reconciles a job in its own namespace, and its ServiceAccount reads no Secret anywhere (its
+    own job's token included: it creates it, never reads it), and nothing in a namespace it was not given."""
+    cp = control_plane
+    _apply(cp, _own_ns_manifest("lima"))
+    cr = _wait_cr_ns(cp, operator, OP_NS, "lima", lambda c: c.get("status", {}).get("phase") in ("Pending", "Starting"),
+                     "reconciled in the release namespace")
+    assert _cond(cr, "RolloutReady")["status"] == "False"
+    for kind, name in (("Secret", "lima-token"), ("ConfigMap", "lima-config"), ("StatefulSet", "lima-rollout"),
+                       ("NetworkPolicy", "lima-learner"), ("Job", "lima-learner")):
+        assert cp.wait_for(lambda k=kind, n=name: _op_child(cp, k, n), 30, f"{kind} {name}"), (kind, name)
+    token = cp.token_for(OP_NS, RELEASE)
+    for path in (f"/api/v1/namespaces/{OP_NS}/secrets/lima-token", f"/api/v1/namespaces/{JOBS_NS}/secrets",
+                 "/api/v1/namespaces/default/secrets", "/api/v1/secrets"):
+        status, _ = cp.request("GET", path, token=token)
+        assert status == 403, path
+    for path in ("/apis/apps/v1/namespaces/default/statefulsets", "/apis/rmsft.io/v1alpha1/rolloutmatchingjobs",
+                 "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"):
+        status, _ = cp.request("GET", path, token=token)
+        assert status == 403, path
+    status, _ = cp.request("GET", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
+                           "rolloutmatchingjobs.rmsft.io", token=token)
+    assert status == 200  # its own CRD, by name: the version check at start
+    cp.kubectl("delete", "rolloutmatchingjob", "lima", "-n", OP_NS, "--wait=false")
+
+
 def test_operator_worked_under_rbac_with_zero_denials(control_plane: ControlPlane, operator: Operator) -> None:
     text = operator.output()
     # A 403 status, not the milliseconds of a log timestamp such as "11:02:52,403".
@@ -721,3 +769,31 @@ def test_operator_worked_under_rbac_with_zero_denials(control_plane: ControlPlan
     assert not any(k.startswith("rmsft_operator_errors_total") for k in metrics), \
         {k: v for k, v in metrics.items() if "errors" in k}
     assert operator.proc.poll() is None, "the operator died"
+
+
+def test_a_resourcequota_that_refuses_the_learner_job_fails_the_job_with_its_pool_at_zero(
+        control_plane: ControlPlane, operator: Operator) -> None:
+    """Issue 62 (b): a ResourceQuota on count/jobs.batch refuses the learner Job (403) after the StatefulSet was made.
+    Before, the pool stayed at full size and the create was retried for ever. Now the pool is scaled to zero at once
+    and, spec.rollout.startupTimeout after the job's creation, the job is Failed (CreateRefused), its pool at 0.
+    (After the zero-denials test: this one makes the operator hear a 403 on purpose.)"""
+    cp = control_plane
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-jobs", "namespace": OP_NS},
+             "spec": {"hard": {"count/jobs.batch": "0"}}}
+    cp.ok("POST", f"/api/v1/namespaces/{OP_NS}/resourcequotas", quota)
+    try:
+        _apply(cp, _own_ns_manifest("mike", **{"rollout.startupTimeout": 20}))
+        cp.wait_for(lambda: _op_child(cp, "StatefulSet", "mike-rollout"), 30, "the pool made before the Job")
+        cr = _wait_cr_ns(cp, operator, OP_NS, "mike", lambda c: _cond(c, "RolloutReady").get("reason") ==
+                         "CreateRefused", "the refusal said", timeout=30)
+        assert "exceeded quota" in cr["status"]["message"] or "forbidden" in cr["status"]["message"].lower()
+        cp.wait_for(lambda: _op_child(cp, "StatefulSet", "mike-rollout")["spec"]["replicas"] == 0, 30,
+                    "the pool scaled to zero while the Job is refused")
+        failed = _wait_cr_ns(cp, operator, OP_NS, "mike", lambda c: c["status"].get("phase") == "Failed",
+                             "Failed after spec.rollout.startupTimeout", timeout=60)
+        assert _cond(failed, "Failed")["reason"] == "CreateRefused" and failed["status"]["rolloutReplicas"] == 0
+        assert _op_child(cp, "StatefulSet", "mike-rollout")["spec"]["replicas"] == 0
+        assert _op_child(cp, "Job", "mike-learner") is None
+    finally:
+        cp.request("DELETE", f"/api/v1/namespaces/{OP_NS}/resourcequotas/no-jobs")
+        cp.kubectl("delete", "rolloutmatchingjob", "mike", "-n", OP_NS, "--wait=false", check=False)

@@ -51,3 +51,9 @@ def slow_index(inp: RewardInput) -> float:
 
 
 NOT_CALLABLE = 42
+
+
+def odd_records_vary(inp: RewardInput) -> float:
+    """Flat groups on purpose (GRPO dynamic sampling): the sample's index for a record `answer-<odd>`, 1 for the
+    others, whatever the completion."""
+    return float(inp.sample_index) if int(inp.record.id.rsplit("-", 1)[1]) % 2 else 1.0

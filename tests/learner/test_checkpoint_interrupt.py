@@ -180,3 +180,25 @@ def test_an_armed_point_needs_a_marker_and_the_main_thread(monkeypatch: pytest.M
     t.join(10)
     assert not t.is_alive() and len(errors) == 1 and "main thread" in str(errors[0])
     assert not (tmp_path / "paused").exists()
+
+
+def test_earlier_runs_keeps_the_newest_few(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 60: every fresh start moves the folder's checkpoints into earlier-runs/; it keeps the newest
+    EARLIER_RUNS_KEPT of those sets, whatever else a user put there, so a job restarted fresh all week does not fill
+    its claim."""
+    from learner.train import checkpoint_files
+    from learner.train.checkpoint_files import EARLIER_RUNS, EARLIER_RUNS_KEPT, set_aside_earlier
+
+    (tmp_path / EARLIER_RUNS / "my-notes").mkdir(parents=True)
+    made = []
+    for run in range(EARLIER_RUNS_KEPT + 2):
+        (tmp_path / "step-1").mkdir()
+        (tmp_path / "step-1" / "state.pt").write_bytes(b"x")
+        # one set-aside per "day": the folder names carry the time
+        monkeypatch.setattr(checkpoint_files.time, "gmtime", lambda *_a, r=run: time.struct_time(
+            (2026, 12, 1 + r, 12, 0, 0, 0, 335 + r, 0)))
+        dest, steps = set_aside_earlier(tmp_path, f"run{run}")
+        made.append(dest.name)
+        assert steps == [1]
+    kept = sorted(p.name for p in (tmp_path / EARLIER_RUNS).iterdir())
+    assert kept == sorted([*made[-EARLIER_RUNS_KEPT:], "my-notes"])

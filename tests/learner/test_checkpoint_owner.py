@@ -4,10 +4,13 @@ saving run's own checkpoints; a resume refuses another lineage's; one learner wr
 from __future__ import annotations
 
 import copy
+import errno
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -131,3 +134,40 @@ def test_rmsft_train_on_a_held_folder_exits_for_a_retry(tmp_path: Path, data_pat
     assert run.returncode == BUSY_EXIT, run.stderr[-2000:]
     assert "is held by another learner" in run.stderr and f"pid {holder.pid}" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_a_checkpoint_recording_the_same_paths_relative_to_the_working_directory_is_this_lineage(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 64: job files' relative paths are now read against their folder (absolute in the lineage); a
+    checkpoint an earlier rmsft wrote recorded them as written, relative to the working directory it ran in."""
+    monkeypatch.chdir(tmp_path)
+    mine = lineage_of(_job(**{"data": {"path": str(tmp_path / "d.jsonl")}}))
+    earlier = copy.deepcopy(mine)
+    earlier["fields"]["training.data.path"] = "d.jsonl"  # what the earlier run, started in tmp_path, wrote
+    earlier["digest"] = "0" * 16
+    ckpt = save_checkpoint(tmp_path / "a", 1, {"step": 1}, lineage=earlier)
+    assert check_resumable(ckpt, mine, resume_any=False) is None
+    earlier["fields"]["training.data.path"] = "other/d.jsonl"  # another file: still refused
+    other = save_checkpoint(tmp_path / "b", 1, {"step": 1}, lineage=earlier)
+    with pytest.raises(CheckpointLineageError, match="spec.training.data.path 'other/d.jsonl'"):
+        check_resumable(other, mine, resume_any=False)
+@pytest.mark.parametrize("code", [errno.ENOLCK, errno.ENOSYS])
+def test_a_filesystem_without_posix_locks_is_named_as_such(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           code: int) -> None:
+    """Issue 60: ENOLCK/ENOSYS from fcntl.lockf (NFS mounted nolock, a FUSE mount) is no other learner holding the
+    folder: the error says the filesystem has no POSIX locks and what to do, at once (no wait for a holder), and
+    refuses the configuration (exit 2: the same volume comes back on a retry)."""
+    from learner.train import checkpoint_owner
+    from learner.train.checkpoint_owner import CheckpointFolderLockError, WriterLock
+    from rmsft.exit_codes import CONFIG_EXIT, exit_code_for
+
+    def no_locks(fd: int, cmd: int) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(checkpoint_owner.fcntl, "lockf", no_locks)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointFolderLockError, match="filesystem with no POSIX locks") as caught:
+        WriterLock(tmp_path, run_id="r-1", job="ns/job", wait_s=30)
+    assert time.monotonic() - t0 < 5
+    assert "held by another learner" not in str(caught.value) and "nolock" in str(caught.value)
+    assert exit_code_for(caught.value) == CONFIG_EXIT

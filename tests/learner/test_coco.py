@@ -118,7 +118,7 @@ def test_options_prompt_boxes_cap_and_paths(tmp_path: Path) -> None:
     # Over the loader's pixel limit (street.png is 64 x 48 = 3072 pixels): skipped with the loader's reason.
     summary = convert_coco(ann, images, out, CocoOptions(max_image_pixels=2000))
     assert summary.skipped_images[coco.IMG_UNUSABLE] == 2  # and broken.png
-    assert "3072 pixels, more than spec.model.vision.max_image_pixels (2000)" in summary.examples[coco.IMG_UNUSABLE]
+    assert "3072 pixels, more than spec.model.vision.maxImagePixels (2000)" in summary.examples[coco.IMG_UNUSABLE]
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["6"]
     # street.png holds 6 objects: over a cap of 4, so only the negative example is left.
     summary = convert_coco(ann, images, out, CocoOptions(max_objects=4))
@@ -226,3 +226,25 @@ def test_local_vl_job_trains_on_the_converted_file(tiny_qwen3_vl_dir: Path, tmp_
     assert all(math.isfinite(loss) for loss in summary.losses)
     # The ground truth's coordinates were trained on: coordinate losses on the warm-start steps.
     assert all(h.parts.get("coord", 0.0) > 0 for h in summary.history[:2])
+
+
+def test_an_lvis_file_writes_each_images_verified_categories(tmp_path: Path) -> None:
+    """LVIS's images carry neg_category_ids / not_exhaustive_category_ids: the records keep them (the optional
+    `lvis` field) for recipe generation 2's triage, by name; a plain COCO file writes no such field."""
+    ann, images = write_coco(tmp_path)
+    doc = json.loads(ann.read_text())
+    doc["categories"].append({"id": 4, "name": "dog"})
+    doc["images"][0].update(neg_category_ids=[4], not_exhaustive_category_ids=[2])
+    lvis_file = tmp_path / "lvis.json"
+    lvis_file.write_text(json.dumps(doc))
+    out = tmp_path / "lvis.jsonl"
+    convert_coco(lvis_file, images, out)
+    street, empty = [json.loads(line) for line in out.read_text().splitlines()]
+    assert street["lvis"] == {"pos_categories": ["car", "person"], "neg_categories": ["dog"],
+                              "not_exhaustive_categories": ["car"]}
+    assert "lvis" not in empty
+    records, _ = load_dataset(out, None, 10**8)
+    assert records[0].lvis is not None and records[0].lvis.verified() == {"person", "dog"}
+    plain = tmp_path / "plain.jsonl"
+    convert_coco(ann, images, plain)
+    assert all("lvis" not in json.loads(line) for line in plain.read_text().splitlines())

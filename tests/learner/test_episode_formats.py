@@ -76,7 +76,7 @@ def test_default_format_is_coordexp(tiny_tokenizer) -> None:
 def test_job_spec_format_reaches_the_core() -> None:
     from typing import get_args
 
-    from learner.core.codec import FORMAT_NAMES, QWEN_JSON, CoordExpFormat, output_format
+    from learner.core.codec import COORDJSON, FORMAT_NAMES, QWEN_JSON, CoordExpFormat, output_format
     from learner.train.config import core_configs
     from rmsft.jobspec import FormatOptions, JobSpecError, TrainingConfig, parse_job
 
@@ -91,6 +91,10 @@ def test_job_spec_format_reaches_the_core() -> None:
     cfg = TrainingConfig(data={"path": "d.jsonl"}, format_options={"polygons": "flat"})
     assert core_configs(cfg).fmt == CoordExpFormat(polygons="flat")
     assert core_configs(TrainingConfig(data={"path": "d.jsonl"}, format="qwen_json")).fmt == QWEN_JSON
+    assert core_configs(TrainingConfig(data={"path": "d.jsonl"}, format="coordjson")).fmt == COORDJSON
+    for options in ({"polygons": "flat"}, {"coordinates": "pixels"}):  # coordjson has neither option
+        with pytest.raises(ValueError, match="applies to format"):
+            TrainingConfig(data={"path": "d.jsonl"}, format="coordjson", format_options=options)
 
     # A bad value is refused at load, naming the key.
     import yaml
@@ -100,5 +104,5 @@ def test_job_spec_format_reaches_the_core() -> None:
     doc["spec"]["training"]["format_options"] = {"coordinates": "absolute"}
     with pytest.raises(JobSpecError) as err:
         parse_job(doc)
-    assert "spec.training.format: Input should be 'coordexp' or 'qwen_json'" in str(err.value)
+    assert "spec.training.format: Input should be 'coordexp', 'coordjson' or 'qwen_json'" in str(err.value)
     assert "spec.training.format_options.coordinates: Input should be 'relative' or 'pixels'" in str(err.value)

@@ -61,7 +61,7 @@ def run(job, addresses: list[str], resume: bool = False):
     captured: list[torch.Tensor] = []
     objective = trainer.objective
     pack = objective._pack
-    objective._pack = lambda groups, adv: captured.append(adv.clone()) or pack(groups, adv)
+    objective._pack = lambda groups, adv, *rest: captured.append(adv.clone()) or pack(groups, adv, *rest)
     try:
         if resume:
             assert trainer.resume()
@@ -84,6 +84,8 @@ def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model
     records = {r.id: r for r in load_records(answers)}
     tok = trainer.policy.tokenizer
     assert summary.steps == 3 and len(summary.rewards) == 3
+    # The servers and the learner run the same weights at the same temperature: the mismatch is float noise only.
+    assert len(summary.mismatch_kl) == 3 and all(0.0 <= k < 1e-4 for k in summary.mismatch_kl)
     assert [h.weight_version for h in trainer.history] == [1, 2, 3]  # a FULL sync before every step's samples
     for h, adv in zip(trainer.history, advantages, strict=True):
         # Every completion from the learner's version of that step: n per prompt, samples in order.
@@ -108,6 +110,7 @@ def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model
     assert m.REWARD.labels("mean")._value.get() == pytest.approx(summary.rewards[-1])
     scalars, _ = read_events(summary.log_dir)
     assert [v for _, v in scalars["grpo/reward_mean"]] == pytest.approx(summary.rewards)
+    assert [v for _, v in scalars["grpo/mismatch_kl"]] == pytest.approx(summary.mismatch_kl)
     assert {"grpo/clip_fraction", "grpo/kl", "grpo/completion_length",
             "grpo/reward/rmsft_dev.synthetic:CoordAnswerReward"} <= set(scalars)
     assert "train/channel_b" not in scalars  # rollout matching's channels are not GRPO's (issue 42)
@@ -149,6 +152,7 @@ def test_raw_log_probs_at_another_temperature_show_in_the_ratio(tmp_path: Path, 
         for s in raw:
             s.close()
     assert abs(trainer.history[0].grpo.ratio_mean - 1.0) > 0.05
+    assert trainer.history[0].grpo.mismatch_kl > 1e-2  # what the mismatch metric is there to show
 
 
 def test_an_unknown_reward_is_refused_before_anything_starts(tmp_path: Path, tiny_model_dir: Path,
@@ -207,3 +211,114 @@ def test_a_whole_grpo_step_runs_on_the_training_device(tmp_path: Path, tiny_mode
         assert trained and all(p.grad is not None and p.grad.device.type == "meta" for p in trained)
     finally:
         meta.close()
+
+
+def _one_step_totals(job, servers: list[InProcessServer]):
+    """One step's trainer and the loss normalisers (completion tokens, completions) its device step got."""
+    from learner.train.loop import TrainingLoop
+
+    trainer = TrainingLoop(job, [s.address for s in servers])
+    seen = []
+    real = trainer.device_step
+    trainer.device_step = lambda *a, **k: seen.append(a) or real(*a, **k)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    built, (n_tokens, n_seqs), _ = seen[0]
+    trainer.built = built
+    return trainer, int(n_tokens), int(n_seqs)
+
+
+def test_dynamic_sampling_drop_leaves_flat_groups_out_of_the_loss(tmp_path: Path, tiny_model_dir: Path,
+                                                                  answers: Path, servers: list[InProcessServer]):
+    # Records answer-<odd> get the sample index as reward (signal), the others 1 whatever they answer (flat).
+    job = grpo_job(tiny_model_dir, answers, tmp_path, steps=1, grpo={
+        "rewards": [{"name": "reward_plugins:odd_records_vary"}], "dynamic_sampling": "drop"})
+    trainer, n_tokens, n_seqs = _one_step_totals(job, servers)
+    h = trainer.history[0]
+    odd = sum(int(i.rsplit("-", 1)[1]) % 2 for i in h.record_ids)
+    assert 0 < odd < PROMPTS  # the batch has both kinds (the data order is seeded)
+    assert h.grpo.dropped_groups == PROMPTS - odd and h.grpo.zero_std_groups == pytest.approx((PROMPTS - odd) / PROMPTS)
+    assert (n_seqs, n_tokens) == (odd * N, odd * N * 4)  # the normaliser counts the kept groups only
+    assert h.grpo.resampled_groups == 0 and h.grpo.completions == PROMPTS * N
+
+
+def test_dynamic_sampling_resample_is_bounded(tmp_path: Path, tiny_model_dir: Path, answers: Path,
+                                              servers: list[InProcessServer]):
+    # The completion's length as reward: max_tokens 4 and no stop token in 4 random tokens -> every group is flat,
+    # every round; 2 rounds resample all 4 groups twice, then all are dropped (one kept, fully masked: a row).
+    job = grpo_job(tiny_model_dir, answers, tmp_path, steps=1, grpo={
+        "rewards": [{"name": "reward_plugins:length_reward"}], "dynamic_sampling": "resample",
+        "dynamic_sampling_rounds": 2})
+    from learner.tracking import metrics as m
+
+    before = m.RESAMPLED_GROUPS._value.get()
+    trainer, n_tokens, n_seqs = _one_step_totals(job, servers)
+    g = trainer.history[0].grpo
+    assert (g.resampled_groups, g.dropped_groups) == (2 * PROMPTS, PROMPTS)
+    assert (n_tokens, n_seqs) == (0, 0) and trainer.history[0].loss == 0.0
+    assert m.RESAMPLED_GROUPS._value.get() - before == 2 * PROMPTS
+
+
+@pytest.mark.parametrize("rule", ["mask", "penalty"])
+def test_overlong_answers_are_masked_or_penalised(tmp_path: Path, tiny_model_dir: Path, answers: Path,
+                                                  servers: list[InProcessServer], rule: str):
+    # Every answer is cut at max_tokens 4 (finish reason length).
+    job = grpo_job(tiny_model_dir, answers, tmp_path, steps=1, grpo={
+        "overlong": rule, "overlong_buffer": 2, "overlong_penalty": 0.5})
+    trainer, n_tokens, n_seqs = _one_step_totals(job, servers)
+    h = trainer.history[0]
+    assert all(r.finish_reason == "length" for r in h.rollouts)
+    if rule == "mask":  # no token left in the loss; the answers still scored (the reward is the job's)
+        assert (h.grpo.overlong_masked, h.grpo.overlong_penalised) == (PROMPTS * N, 0)
+        assert (n_tokens, n_seqs) == (0, 0) and h.loss == 0.0
+    else:  # -0.5 on every answer (4 >= 4 - 2 + 2): trained as usual, the reported reward stays the job's
+        assert (h.grpo.overlong_masked, h.grpo.overlong_penalised) == (0, PROMPTS * N)
+        assert (n_tokens, n_seqs) == (PROMPTS * N * 4, PROMPTS * N)
+        scores = trainer.built.extra["scores"]
+        assert trainer.built.extra["rewards"] == pytest.approx([r - 0.5 for r in scores.totals])
+        assert h.grpo.reward_mean == pytest.approx(sum(scores.totals) / len(scores.totals))
+
+
+def test_inflight_syncs_with_rollouts_ahead_train_within_the_window(tmp_path: Path, tiny_model_dir: Path,
+                                                                    answers: Path, servers: list[InProcessServer]):
+    # spec.training.rollout.inflight: the sync does not wait for the batch generating ahead and asks the servers to
+    # keep generating; the HF backend cannot pause its requests, so these servers drain (the fallback), and every
+    # answer is one span of the version it was fenced to, within max_staleness 1.
+    job = grpo_job(tiny_model_dir, answers, tmp_path, steps=3, rollout={"max_staleness": 1, "inflight": True,
+                                                                       "request_timeout_s": 30})
+    trainer, summary, _ = run(job, [s.address for s in servers])
+    assert trainer.sync_client.keep_generating is True
+    assert summary.steps == 3
+    for h in trainer.history:
+        assert all(len(r.version_spans) == 1 and r.version_spans[0] == (r.weights, 0, len(r.token_ids))
+                   for r in h.rollouts)
+        assert all(0 <= h.weight_version - r.weight_version <= 1 for r in h.rollouts)
+def test_detection_completions_in_the_other_format_are_named_once(tmp_path: Path, tiny_model_dir: Path,
+                                                                  caplog) -> None:
+    """Issue 61, GRPO: a model that answers in CoordJSON, run with training.format coordexp and the detection
+    reward, parses to no object; after three steps the run names the format its completions are in, once."""
+    import logging
+
+    from learner_fakes import FakeEngine, FakeServer, chat_renderer
+    from transformers import AutoTokenizer
+
+    from learner.core.codec import COORDJSON, DetObject
+    from learner.core.vocab import VocabView
+    from rmsft_dev.synthetic import write_synthetic_dataset
+
+    data = write_synthetic_dataset(tmp_path / "det.jsonl", n=8, seed=0)
+    vocab = VocabView.from_hf_tokenizer(AutoTokenizer.from_pretrained(tiny_model_dir))
+    answer = list(vocab.encode(COORDJSON.render([DetObject("cat", "bbox_2d", (10, 20, 300, 400))]))) + [vocab.eos_id]
+    render = chat_renderer(str(tiny_model_dir))
+    fakes = [FakeServer(FakeEngine(ordinal=i, render=render, answer=lambda _ids, _t, _s: answer)) for i in range(2)]
+    try:
+        job = grpo_job(tiny_model_dir, data, tmp_path / "ck", steps=4, grpo={"rewards": [{"name": "detection"}]})
+        with caplog.at_level(logging.WARNING, logger="rmsft.learner"):
+            run(job, [s.address for s in fakes])
+    finally:
+        for s in fakes:
+            s.stop()
+    said = [r.getMessage() for r in caplog.records if "training.format" in r.getMessage()]
+    assert len(said) == 1 and "set spec.training.format: coordjson" in said[0]

@@ -158,7 +158,7 @@ CASES = {
     "data-uri-garbage": (lambda d: None, "data:image/png;base64,aGVsbG8=", r"is not an image PIL can read"),
     "empty-ref": (lambda d: None, " ", r"empty image reference"),
     "too-large": (lambda d: _write_png(d / "big.png", (12, 8)), "big.png",
-                  r"is 12x8 = 96 pixels, more than spec.model.vision.max_image_pixels \(95\)"),
+                  r"is 12x8 = 96 pixels, more than spec.model.vision.maxImagePixels \(95\)"),
     "size-mismatch": (lambda d: _write_png(d / "m.png", (10, 8)), "m.png",
                       r"image is 10x8 but the record says width=12, height=8 \(ground truth is in the record's"),
 }
@@ -239,9 +239,9 @@ def test_a_huge_claimed_size_is_refused_from_the_header_without_decoding(
             _store(tmp_path, max_image_pixels=20_000_000).validate(records)
     problems = err.value.problems
     assert len(problems) == 3
-    assert "is 5000x5000 = 25000000 pixels, more than spec.model.vision.max_image_pixels (20000000)" in problems[0]
+    assert "is 5000x5000 = 25000000 pixels, more than spec.model.vision.maxImagePixels (20000000)" in problems[0]
     assert "is 10000x10000 = 100000000 pixels, more than" in problems[1]
-    assert "is 10000000000 pixels, more than spec.model.vision.max_image_pixels (20000000)" in problems[2]
+    assert "is 10000000000 pixels, more than spec.model.vision.maxImagePixels (20000000)" in problems[2]
     assert all("decompression bomb" not in p for p in problems)
 
 

@@ -286,9 +286,12 @@ def test_gradient_checkpointing_gives_the_same_gradients(mode: str, tiny_model_d
 
 def test_gradient_checkpointing_with_bf16_and_frozen_embeddings(tiny_model_dir: Path) -> None:
     """LoRA freezes the embeddings: the checkpointed layers must still pass gradients to the adapters of
-    every layer, under autocast (the recompute runs in bf16 like the forward did)."""
+    every layer, under autocast (the recompute runs in bf16 like the forward did). The coordinate rows, which
+    train beside the adapter by default (training.lora.coord_rows), stay frozen here: the case is a whole frozen
+    embedding (qwen_json, or coord_rows false)."""
     torch.manual_seed(0)
-    policy = load_policy(tiny_model_dir, cfg(gradient_checkpointing=True, precision="bf16"))
+    policy = load_policy(tiny_model_dir, cfg(gradient_checkpointing=True, precision="bf16",
+                                             lora={"coord_rows": False}))
     perturb_adapters(policy.model, seed=1)
     assert not policy.model.get_input_embeddings().weight.requires_grad
     grads = grads_of_step(policy, pack(segments(policy)))

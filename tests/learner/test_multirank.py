@@ -288,6 +288,7 @@ def test_rank0_failure_stops_every_rank(tiny_model_dir, data_path, tmp_path) -> 
     job = write_job(tmp_path / "job.yaml", tiny_model_dir, data_path, tmp_path / "ckpt")
     doc = yaml.safe_load(job.read_text())
     doc["spec"]["training"]["rollout"]["request_timeout_s"] = 2
+    doc["spec"]["rollout"]["startupTimeout"] = "3s"  # the learner waits this long at start (pool_wait_seconds)
     job.write_text(yaml.safe_dump(doc))
     t0 = time.monotonic()
     proc = _run([*_torchrun(2), "-m", "rmsft_cli", "train", "--servers", f"127.0.0.1:{free_port()}",

@@ -129,3 +129,26 @@ def test_recipe_settings_are_refused_by_name(tiny_model_dir, data_path, tmp_path
                  rollout={"max_tokens": 16, "max_staleness": 1})
     with pytest.raises(JobSpecError, match=r"channel_b_ratio"):
         make_job(tiny_model_dir, data_path, tmp_path, recipe={"channel_b_ratio": 1.5})
+
+
+def test_a_model_that_writes_the_other_format_is_named_once(tmp_path, tiny_model_dir, data_path, servers,
+                                                            caplog) -> None:
+    """Issue 61: a checkpoint trained in the reference's CoordJSON, run with training.format coordexp, parses to no
+    object on every B step; after three such steps the run says once which format its answers are in."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from learner.core.codec import COORDJSON, DetObject
+    from learner.core.vocab import VocabView
+
+    vocab = VocabView.from_hf_tokenizer(AutoTokenizer.from_pretrained(tiny_model_dir))
+    answer = list(vocab.encode(COORDJSON.render([DetObject("cat", "bbox_2d", (10, 20, 300, 400))]))) + [vocab.eos_id]
+    for s in servers:
+        s.engine.answer = lambda _ids, _t, _seed: answer
+    recipe = {"channel_b_ratio": 1.0, "explorers": {"count": 0}}
+    with caplog.at_level(logging.WARNING, logger="rmsft.learner"):
+        trainer, _ = _run(make_job(tiny_model_dir, data_path, tmp_path, steps=5, recipe=recipe), servers)
+    assert all(h.channel == "B" and h.stats.predicted == 0 and h.stats.gt_objects > 0 for h in trainer.history)
+    said = [r.getMessage() for r in caplog.records if "training.format" in r.getMessage()]
+    assert len(said) == 1 and "set spec.training.format: coordjson" in said[0]

@@ -395,6 +395,38 @@ def test_adapter_then_full_sync_to_real_vllm_server(tiny_model_dir, tiny_tokeniz
         _check_served_weights(pool, model, tiny_tokenizer, 4)
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_full_sync_carries_trained_coordinate_rows_to_a_real_vllm_server(tiny_model_dir, tiny_tokenizer) -> None:
+    """Issue 61: coordinate rows trained beside LoRA (peft trainable tokens, training.lora.coord_rows) reach vLLM
+    merged in a FULL sync (tied head included): its greedy answers equal the HF model's with the rows, and differ
+    from the checkpoint's."""
+    from learner.core.vocab import VocabView
+    from rollout_svc.launcher import RolloutServer
+
+    coord = list(VocabView.from_hf_tokenizer(tiny_tokenizer).coord_token_ids)
+    model = _peft_model(tiny_model_dir, seed=7, trainable_token_indices={"embed_tokens": coord})
+    with torch.no_grad():  # "trained" rows: large enough that greedy decoding now writes coordinate tokens
+        for n, p in model.named_parameters():
+            if "trainable_tokens_delta" in n:
+                p.copy_(torch.randn_like(p) * 3.0)
+    prompts = _prompts(tiny_tokenizer, 6)
+    eos = {tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    with (
+        RolloutServer.start(tiny_model_dir, enable_lora=True, max_lora_rank=8, dtype="float32", timeout=400) as srv,
+        ServerPool([srv.address]) as pool,
+    ):
+        reqs = [RolloutRequest(token_ids=p, seed=i, request_id=f"c{i}") for i, p in enumerate(prompts)]
+        before = [r.token_ids for r in RolloutClient(pool).generate(reqs, {"max_tokens": 12, "temperature": 0.0})]
+        client = WeightSyncClient(pool, model, mode="auto", fallback_to_full=False)
+        report = client.sync(1)
+        assert report.mode == "full"  # auto: an adapter cannot carry the rows
+        _check_served_weights(pool, model, tiny_tokenizer, 1)
+        after = [r.token_ids for r in RolloutClient(pool).generate(reqs, {"max_tokens": 12, "temperature": 0.0})]
+    assert after != before and any(t in set(coord) for a in after for t in a)
+    assert after == _greedy_reference(model, prompts, 12, eos)
+
+
 @pytest.mark.parametrize(("code", "outcome"), [("UNAVAILABLE", "unreachable"), ("INTERNAL", "rejected")])
 def test_a_stream_broken_mid_way_does_not_hold_back_the_others(cluster, lora_model, code, outcome) -> None:
     servers, pool = cluster(3)

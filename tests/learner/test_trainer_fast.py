@@ -121,6 +121,37 @@ def test_a_stop_request_ends_the_run_after_its_step_with_a_checkpoint(tmp_path: 
     assert resumed.history[0].loss == pytest.approx(straight.history[2].loss, rel=1e-5)
 
 
+def test_a_checkpoint_is_saved_once_every_minutes_have_passed(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
+                                                              servers: list[FakeServer],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 60: training.checkpoint.every_minutes saves after the first step that ends that long after the last save
+    (checkpoint.every 0 here); the clock restarts at the save. Unset, it is 30 with a checkpoint claim."""
+    from learner.train import checkpointer as clock_module
+    from learner.train.checkpoint_files import list_checkpoints
+    from learner.train.loop import TrainingLoop
+
+    clock = [1000.0]
+    monkeypatch.setattr(clock_module.time, "monotonic", lambda: clock[0])
+
+    def on_step(r) -> None:
+        clock[0] += 70.0 if r.step == 2 else 1.0  # step 2 ends more than a minute after the start
+
+    ckpt = tmp_path / "ckpt"
+    job = make_job(tiny_model_dir, data_path, ckpt, steps=4,
+                   checkpoint={"dir": str(ckpt), "every": 0, "keep": 5, "every_minutes": 1})
+    trainer = TrainingLoop(job, [s.address for s in servers], on_step=on_step)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    assert [p.name for p in list_checkpoints(ckpt)] == ["step-2", "step-4"]  # by time, then the end's
+    assert job.spec.checkpoint_minutes == 1
+    job.spec.training.checkpoint.every_minutes = None
+    assert job.spec.checkpoint_minutes == 0  # no claim: an emptyDir keeps nothing for a later attempt
+    job.spec.learner.checkpoint_claim = "pvc"
+    assert job.spec.checkpoint_minutes == 30
+
+
 def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
                                                               servers: list[FakeServer]) -> None:
     """Issue 41: pruning keeps the highest steps in the folder, so a fresh run beside an earlier run's step-3 and
@@ -242,3 +273,25 @@ def test_learning_rate_schedules() -> None:
     assert abs(lrs[-1] - 0.1) < 1e-9  # to the floor at the last step
     constant = TrainingConfig(data={"path": "d.jsonl"}, lr=1.0, steps=10, warmup_steps=2)
     assert [learning_rate(constant, s) for s in range(10)] == [0.5] + [1.0] * 9
+
+
+def test_training_says_once_how_many_boxes_it_clamps(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
+                                                      servers: list[FakeServer], caplog: pytest.LogCaptureFixture
+                                                      ) -> None:
+    """Issue 64: a box reaching outside its image is clamped to the edges by the grid conversion; the run says so
+    once, with the count, instead of training on other boxes than the file's without a word."""
+    import json
+    import logging
+
+    records = [json.loads(line) for line in data_path.read_text().splitlines()]
+    total = sum(len(r["objects"]) for r in records)
+    for r in records[:2]:  # two records, one box each, past the right edge and above the top
+        r["objects"][0]["bbox_2d"] = [-4, -4, r["width"] + 10, 20]
+    data = tmp_path / "outside.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with caplog.at_level(logging.WARNING, logger="rmsft.learner"):
+        _run(make_job(tiny_model_dir, data, tmp_path / "ck", steps=2), [s.address for s in servers])
+    said = [r.getMessage() for r in caplog.records if "reach outside" in r.getMessage()]
+    assert said == [f"{data}: 2 of {total} objects (in 2 records) reach outside their image's width x height: "
+                    f"training clamps them to its edges (first: record 'synthetic-0' object 1 bbox_2d "
+                    f"[-4.0, -4.0, {records[0]['width'] + 10}.0, 20.0] in 512x512)"]

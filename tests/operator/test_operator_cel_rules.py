@@ -226,6 +226,15 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any] | None]] = [
         None,
     ),
     ("spec.training", "spec.training.warmup_steps exceeds steps", {"spec.training.warmup_steps": 5000}, None),
+    ("spec.training.rollout", "spec.training.rollout.inflight needs max_staleness >= 1",
+     {"spec.training.rollout.inflight": True, "spec.training.rollout.max_staleness": 0}, None),
+    # spec.training.grpo: its own fields together (rmsft.jobspec.grpo.grpo_config_errors)
+    ("spec.training.grpo", "spec.training.grpo.correction_low / correction_high need a correction",
+     {"spec.training.grpo.correction_high": 3.0}, None),
+    ("spec.training.grpo", "spec.training.grpo.correction tis truncates from above only",
+     {"spec.training.grpo.correction": "tis", "spec.training.grpo.correction_low": 0.5}, None),
+    ("spec.training.grpo", "spec.training.grpo.overlong_buffer must be < max_tokens",
+     {"spec.training.grpo.max_tokens": 64, "spec.training.grpo.overlong_buffer": 64}, None),
     *(
         (
             "spec.training",
@@ -253,6 +262,12 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any] | None]] = [
         "spec.training",
         "spec.training.format_options.coordinates applies",
         {"spec.training.format_options": {"coordinates": "pixels"}},
+        None,
+    ),
+    (
+        "spec.training",
+        "spec.training.lora.coord_rows applies",
+        {"spec.training.format": "qwen_json", "spec.training.lora.coord_rows": True},
         None,
     ),
     (

@@ -24,7 +24,7 @@ ALL_FEATURES = {
                      "nodeSelectorTerms": [{"matchExpressions": [
                          {"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]}]}]}}},
                  "podAnnotations": {"team": "ml"}},
-    "rbac": {"namespaced": True, "watchNamespaces": ["team-a", "team-b"]},
+    "rbac": {"watchNamespaces": ["team-a", "team-b"]},
     "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/x"}},
     "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
                 "podMonitor": {"enabled": True, "interval": "10s"}},
@@ -103,41 +103,85 @@ def test_rendered_objects_validate_against_kubernetes_1_32(which: str, request: 
         kubernetes_validate.validate(obj, "1.32", strict=True)
 
 
-def test_default_install_is_cluster_wide_least_privilege(default_objects: list[dict]) -> None:
-    kinds = _kinds(default_objects)
-    assert "ClusterRole" in kinds and "Role" not in kinds
-    assert "ServiceMonitor" not in kinds and "PodMonitor" not in kinds
-    role = next(o for o in default_objects if o["kind"] == "ClusterRole")
-    for rule in role["rules"]:
+# What a ClusterRole must never grant by default: reading Secrets, or making or changing workloads anywhere.
+WORKLOADS = {("", "pods"), ("apps", "statefulsets"), ("apps", "deployments"), ("batch", "jobs"), ("", "secrets"),
+             ("", "configmaps"), ("", "services")}
+
+
+def _grants(rule: dict, group: str, resource: str, verbs: set[str]) -> bool:
+    return (group in rule.get("apiGroups", []) or "*" in rule.get("apiGroups", [])) and \
+        (resource in rule.get("resources", []) or "*" in rule.get("resources", [])) and \
+        bool(verbs & set(rule.get("verbs", [])) or "*" in rule.get("verbs", []))
+
+
+def test_default_install_grants_rights_in_the_release_namespace_only(default_objects: list[dict]) -> None:
+    """Issue 62: least privilege by default. A Role in the release namespace and nowhere else; the one ClusterRole
+    reads this chart's own CRD (by name) and nothing else: none can read a Secret or create a workload."""
+    roles = [o for o in default_objects if o["kind"] == "Role"]
+    assert [(r["metadata"]["namespace"]) for r in roles] == ["rmsft-system"]
+    bindings = [o for o in default_objects if o["kind"] == "RoleBinding"]
+    assert [b["metadata"]["namespace"] for b in bindings] == ["rmsft-system"]
+    (cluster_role,) = [o for o in default_objects if o["kind"] == "ClusterRole"]
+    assert cluster_role["rules"] == [{"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
+                                      "resourceNames": ["rolloutmatchingjobs.rmsft.io"], "verbs": ["get"]}]
+    for rule in cluster_role["rules"]:
+        assert not _grants(rule, "", "secrets", {"get", "list", "watch"}), rule
+        for group, resource in WORKLOADS:
+            assert not _grants(rule, group, resource, {"create", "patch", "update", "delete"}), rule
+    for rule in roles[0]["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
-        # Children go away by owner references; the one delete is of the learner Job of a job whose learner runs on
-        # several pods, between two attempts (issue 45), and only of its own Job, by uid (reconcile.Delete).
-        assert "delete" not in rule["verbs"] or (rule["apiGroups"], rule["resources"]) == (["batch"], ["jobs"]), rule
+        # Secrets: create only (the job's own token, made once, never read back): no Secret is readable.
+        assert not _grants(rule, "", "secrets", {"get", "list", "watch"}), rule
+        # Children go away by owner references; the deletes are of the learner Job of a job whose learner runs on
+        # several pods, between two attempts (issue 45), and of a replacement learner pod that cannot start mid-run
+        # (issue 62), each only the job's own, by uid (reconcile.Delete).
+        assert "delete" not in rule["verbs"] or (rule["apiGroups"], rule["resources"]) in (
+            (["batch"], ["jobs"]), ([""], ["pods"])), rule
+    assert any(_grants(r, "", "secrets", {"create"}) for r in roles[0]["rules"])
+    kinds = _kinds(default_objects)
+    assert "ServiceMonitor" not in kinds and "PodMonitor" not in kinds
     dep = next(o for o in default_objects if o["kind"] == "Deployment")
     c = dep["spec"]["template"]["spec"]["containers"][0]
-    assert c["args"][:2] == ["operator", "--all-namespaces"]
+    assert c["args"][:2] == ["operator", "--namespace=rmsft-system"] and "--all-namespaces" not in c["args"]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["RMSFT_OPERATOR_SCANNING"] == "false"  # no cluster-wide listing without a ClusterRole
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
     # The shm cleanup Job runs the operator's own image (config.OperatorConfig.image), not a job author's.
-    env = {e["name"]: e["value"] for e in c["env"]}
     assert env["RMSFT_OPERATOR_IMAGE"] == c["image"] == f"ghcr.io/rmsft/rmsft:{_app_version()}"
     assert env["RMSFT_OPERATOR_IMAGE_PULL_POLICY"] == c["imagePullPolicy"] == "IfNotPresent"
 
 
-def test_namespaced_option_grants_roles_only_where_jobs_live(full_objects: list[dict]) -> None:
+def test_listed_namespaces_get_roles_beside_the_release_namespace(full_objects: list[dict]) -> None:
     kinds = _kinds(full_objects)
-    assert "ClusterRole" not in kinds and "ClusterRoleBinding" not in kinds
+    assert "ClusterRoleBinding" in kinds  # the CRD reader only
+    assert [o["metadata"]["name"] for o in full_objects if o["kind"] == "ClusterRole"] == ["rmsft-crd"]
     roles = {o["metadata"]["namespace"] for o in full_objects if o["kind"] == "Role"}
     bindings = {o["metadata"]["namespace"] for o in full_objects if o["kind"] == "RoleBinding"}
-    assert roles == bindings == {"team-a", "team-b"}
+    assert roles == bindings == {"rmsft-system", "team-a", "team-b"}
     dep = next(o for o in full_objects if o["kind"] == "Deployment")
     c = dep["spec"]["template"]["spec"]["containers"][0]
-    assert "--namespace=team-a" in c["args"] and "--namespace=team-b" in c["args"]
+    assert [a for a in c["args"] if a.startswith("--namespace")] == [
+        "--namespace=rmsft-system", "--namespace=team-a", "--namespace=team-b"]
     assert "--all-namespaces" not in c["args"]
     env = {e["name"]: e["value"] for e in c["env"]}
-    assert env["RMSFT_OPERATOR_SCANNING"] == "false"  # no cluster-wide listing without a ClusterRole
+    assert env["RMSFT_OPERATOR_SCANNING"] == "false"
     assert c["image"] == "ghcr.io/rmsft/rmsft:1.2.3"
     assert env["RMSFT_OPERATOR_IMAGE"] == c["image"] and env["RMSFT_OPERATOR_IMAGE_PULL_POLICY"] == "Always"
+
+
+def test_cluster_wide_is_an_explicit_opt_in(tmp_path: Path) -> None:
+    objs = template({"rbac": {"clusterWide": True}}, tmp_path)
+    assert "Role" not in _kinds(objs)
+    wide = next(o for o in objs if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "rmsft")
+    assert any(_grants(r, "apps", "statefulsets", {"create"}) for r in wide["rules"])
+    dep = next(o for o in objs if o["kind"] == "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"][:2] == ["operator", "--all-namespaces"]
+    assert {e["name"]: e["value"] for e in c["env"]}["RMSFT_OPERATOR_SCANNING"] == "true"
+    for obj in objs:
+        if obj["kind"] not in NON_CORE:
+            kubernetes_validate.validate(obj, "1.32", strict=True)
 
 
 def test_monitors_and_dashboards(full_objects: list[dict]) -> None:
@@ -166,7 +210,7 @@ def test_crd_in_chart_is_the_generated_one(default_objects: list[dict]) -> None:
 
 @pytest.mark.parametrize(("setting", "named"), [
     ("operator.replicas=2", "/operator/replicas"),
-    ("rbac.namespaced=true", "/rbac/watchNamespaces"),  # namespaced mode needs namespaces
+    ("rbac.namespaced=true", "rbac.namespaced is gone"),  # issue 62: the default now; says what to set
     ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
     ("metrics.podMonitor.interval=often", "/metrics/podMonitor/interval"),
     ("unknownKey=1", "unknownKey"),

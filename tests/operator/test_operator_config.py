@@ -49,8 +49,11 @@ def test_an_operator_without_its_image_says_what_the_cleanup_runs(monkeypatch: p
 
     from rmsft_operator import handlers
 
-    monkeypatch.setattr(handlers, "CFG", OperatorConfig(metrics_port=0))
+    monkeypatch.setattr(handlers, "CFG", OperatorConfig(metrics_port=0, namespace="rmsft-system"))
     monkeypatch.setattr(handlers, "_kube", lambda: None)
+    checked: list[tuple[str, str]] = []  # issue 62: the installed CRD is checked at every start, in the own namespace
+    monkeypatch.setattr(handlers.crd_check, "check",
+                        lambda kube, namespace, own: checked.append((namespace, own["metadata"]["name"])) or "")
     settings = SimpleNamespace(persistence=SimpleNamespace(), scanning=SimpleNamespace(), posting=SimpleNamespace(),
                                watching=SimpleNamespace(), networking=SimpleNamespace())
     with caplog.at_level("WARNING", logger="rmsft_operator"):
@@ -62,6 +65,7 @@ def test_an_operator_without_its_image_says_what_the_cleanup_runs(monkeypatch: p
     with caplog.at_level("WARNING", logger="rmsft_operator"):
         handlers.configure(settings)
     assert "RMSFT_OPERATOR_IMAGE" not in caplog.text
+    assert checked == [("rmsft-system", "rolloutmatchingjobs.rmsft.io"), ("", "rolloutmatchingjobs.rmsft.io")]
 
 
 def test_operator_command_needs_a_scope() -> None:

@@ -71,6 +71,8 @@ class World:
     status: dict[str, Any] = field(default_factory=dict)
     namespace_labels: dict[str, str] | None = None  # read by observe for shm jobs only
     pool_created: str | None = None     # the StatefulSet's creationTimestamp (the job's start clock)
+    failed_create_since: dict[str, str] = field(default_factory=dict)  # first FailedCreate event time, by kind
+    job_started: str | None = None      # the learner Job's status.startTime (the Job controller's)
 
     def observed(self) -> Observed:
         kids: dict[str, dict[str, Any] | None] = {k: None for k in CHILD_KINDS}
@@ -84,10 +86,13 @@ class World:
                 kids["StatefulSet"]["metadata"]["creationTimestamp"] = self.pool_created
         if kids["Job"]:
             kids["Job"]["spec"]["suspend"] = self.suspended
-            kids["Job"]["status"] = self.job_status
+            kids["Job"]["status"] = dict(self.job_status)
+            if self.job_started:
+                kids["Job"]["status"]["startTime"] = self.job_started
             kids["Job"]["metadata"]["uid"] = "job-uid-1"
         return Observed(NAME, NS, UID, 1, copy.deepcopy(self.spec), self.status, kids, self.rollout_pods,
-                        self.learner_pods, self.failed_creates, namespace_labels=self.namespace_labels)
+                        self.learner_pods, self.failed_creates, namespace_labels=self.namespace_labels,
+                        failed_create_since=self.failed_create_since)
 
 
 def _cond(d: Decision, ctype: str) -> dict[str, Any]:
@@ -593,7 +598,7 @@ def test_other_api_errors_on_create_are_left_to_the_retry() -> None:
         act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
 
 
-COLOCATE_CHILDREN = ("Secret", "ConfigMap", "LearnerDisruptionBudget", "Job")
+COLOCATE_CHILDREN = ("Secret", "ConfigMap", "LearnerDisruptionBudget", "LearnerNetworkPolicy", "Job")
 
 
 def _colocate_spec() -> dict[str, Any]:
@@ -605,7 +610,7 @@ def _colocate_spec() -> dict[str, Any]:
 def test_a_colocate_job_creates_no_pool_and_resumes_its_learner_at_once() -> None:
     spec = _colocate_spec()
     d = decide(World(spec=spec, exists=()).observed(), NOW)
-    assert [render.child_key(o) for o in d.creates] == ["Secret", "ConfigMap", "LearnerDisruptionBudget", "Job"]
+    assert [render.child_key(o) for o in d.creates] == list(COLOCATE_CHILDREN)
     d = decide(World(spec=spec, exists=COLOCATE_CHILDREN).observed(), NOW)
     assert d.creates == []
     assert d.patches == [Patch("Job", N["job"], {"spec": {"suspend": False}})]  # nothing to wait for
@@ -622,7 +627,8 @@ def test_a_colocate_job_creates_no_pool_and_resumes_its_learner_at_once() -> Non
 
 # ------------------------------------------------------------------- a start that cannot succeed
 
-MIN_AGO = {m: f"2026-11-23T{(600 - m) // 60:02d}:{(600 - m) % 60:02d}:00Z" for m in (4, 6, 29, 31, 120)}  # NOW=10:00
+MIN_AGO = {m: f"2026-11-23T{(600 - m) // 60:02d}:{(600 - m) % 60:02d}:00Z"  # NOW=10:00
+           for m in (1, 4, 6, 29, 31, 45, 59, 61, 120)}
 LOG_TAIL = ("INFO 11-23 09:59:58 [__init__.py:244] Automatically detected platform cuda.\n"
             "rmsft serve: invalid configuration:\n  model folder /models/missing does not exist\n")
 
@@ -927,7 +933,7 @@ def test_a_server_lost_mid_run_is_said_once_and_given_back_when_it_is_the_pools_
     assert "1 given back mid-run" in _cond(after, "RolloutReady")["message"]
     assert not any(e[1] == "ServerLost" for e in after.events)
     # rollout-1 lost below a Ready rollout-2: named and kept (a StatefulSet gives back only its top).
-    middle = [_server("demo-rollout-0", ready=True), _server("demo-rollout-1", created=120, restarts=9, ended=crash),
+    middle = [_server("demo-rollout-0", ready=True), _server("demo-rollout-1", created=45, restarts=9, ended=crash),
               _server("demo-rollout-2", ready=True)]
     kept = decide(running(middle), NOW)
     assert not any(p.kind == "StatefulSet" for p in kept.patches) and "releasedRolloutReplicas" not in kept.status
@@ -944,26 +950,27 @@ def _pod_ready_in(pod: dict[str, Any]) -> int:
     return int(any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", [])))
 
 
-def test_the_servers_flags_follow_the_operator_so_an_older_configmap_gets_the_relay_allowlist() -> None:
-    """Issue 41: a server relays weight updates only to the job's own servers (`relay_allow`, the StatefulSet's pod
-    names); a job applied under an older operator has a ConfigMap without it, and its servers, restarted on the new
-    image, would refuse the job's own relays. The ConfigMap's serve.yaml is brought to what this operator renders."""
+def test_the_relay_allowlist_names_the_jobs_own_servers_exactly() -> None:
+    """Issue 62: a server relays weight updates only to the job's own servers, named exactly (host:port, no pattern:
+    a glob's `*` spanned dots and colons), every ordinal the pool may have, so a resized pool needs no new flags."""
+    from rollout_engine.config import ServeConfig
+
     world = World(spec=_spec(**{"rollout.replicas": 3}), **_STARTED)
     obs = world.observed()
     serve = yaml.safe_load(obs.children["ConfigMap"]["data"][render.SERVE_KEY])
-    assert serve["relay_allow"] == f"{N['statefulset']}-*.{N['service']}.{NS}.svc:{serve['port']}"
-    from rollout_engine.config import ServeConfig
-
+    allowed = serve["relay_allow"].split(",")
+    port = serve["port"]
+    assert allowed == [f"{N['statefulset']}-{i}.{N['service']}.{NS}.svc:{port}" for i in range(256)]
+    assert not any(c in serve["relay_allow"] for c in "*?[]")
     allow = ServeConfig(model="m", relay_allow=serve["relay_allow"])
     servers = obs.children["ConfigMap"]["data"][render.SERVERS_KEY].split()
     assert len(servers) == 3 and all(map(allow.relay_allowed, servers))  # every address the learner relays to
-    assert not allow.relay_allowed(f"{N['statefulset']}-0.{N['service']}.other-team.svc:{serve['port']}")
+    for other in (f"{N['statefulset']}-0.{N['service']}.other-team.svc:{port}",  # another namespace
+                  f"{N['statefulset']}-0.{N['service']}.{NS}.svc:{port + 1}",  # another port
+                  f"{N['statefulset']}-0.x.{N['service']}.{NS}.svc:{port}",  # what `*` let through
+                  f"{N['statefulset']}-256.{N['service']}.{NS}.svc:{port}"):
+        assert not allow.relay_allowed(other), other
     assert decide(obs, NOW).patches == []  # as rendered: nothing to patch
-    old = {k: v for k, v in serve.items() if k != "relay_allow"}
-    obs.children["ConfigMap"]["data"][render.SERVE_KEY] = yaml.safe_dump(old, sort_keys=False)
-    patch = next(p for p in decide(obs, NOW).patches if p.kind == "ConfigMap")
-    assert yaml.safe_load(patch.body["data"][render.SERVE_KEY])["relay_allow"] == serve["relay_allow"]
-    assert render.SERVERS_KEY not in patch.body["data"]  # the server list was right: not rewritten
 
 
 # ------------------------------------------------------------------ spec.scheduling.queueName (Kueue, issue 45)
@@ -1072,12 +1079,346 @@ def test_a_pool_left_idle_by_a_learner_kueue_does_not_admit_fails_the_job_after_
 
 
 def test_the_learner_kueue_starts_before_its_pool_waits_as_long_as_the_pool_may_take() -> None:
-    """The learner's first wait for its servers (learner.train.loop) is one request's timeout when the operator
-    resumes it (the pool is Ready by then); queued, Kueue may start it first, and it waits the pool's startupTimeout."""
+    """The learner's wait for its servers at start (learner.train.loop) is the pool's startupTimeout at every start:
+    queued, Kueue may start it first; unqueued, a retry's pod (issue 60) starts while servers may still restart,
+    and waits as the first start does rather than one request's timeout."""
     spec = _spec(**{"rollout.startupTimeout": "30m"})
     request = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
                          "metadata": {"name": NAME}, "spec": spec}).spec
-    assert request.pool_wait_seconds == request.training.rollout.request_timeout_s < 1800
+    assert request.training.rollout.request_timeout_s < 1800
+    assert request.pool_wait_seconds == 1800
     queued = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
                         "metadata": {"name": NAME}, "spec": {**spec, "scheduling": {"queueName": "gpu-team"}}}).spec
     assert queued.pool_wait_seconds == 1800
+
+
+# ------------------------------------------------------------------ issue 62: a clock for every way to hold GPUs
+
+_SCALE_TO_ZERO = Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 0}})
+
+
+def _failed_with(d: Decision, reason: str) -> None:
+    """`d` fails the job with `reason` and holds no GPU: the pool patched to zero (or already there), none wanted."""
+    assert d.phase == "Failed", (d.phase, d.status.get("message"))
+    assert _cond(d, "Failed")["reason"] == reason and _cond(d, "Failed")["status"] == "True"
+    assert d.status["rolloutReplicas"] == 0 and _SCALE_TO_ZERO in d.patches
+
+
+def test_a_learner_pod_the_api_refuses_to_create_fails_the_job_after_the_startup_timeout() -> None:
+    """(a) A namespace GPU ResourceQuota the pool already uses (or Pod Security, a webhook) refuses the learner's pod:
+    before, a condition and no deadline (3 days Starting with the pool Ready). The clock is the first refusal's event
+    time (the API's), so a lost status write (the status below is empty every pass) cannot restart it."""
+    quota = ('pods "demo-learner-x" is forbidden: exceeded quota: gpu, requested: nvidia.com/gpu=1, '
+             'used: nvidia.com/gpu=2')
+    world = World(ready=2, suspended=False, job_status={"active": 0}, failed_creates={"Job": quota},
+                  failed_create_since={"Job": MIN_AGO[29]}, job_started=MIN_AGO[29])
+    waiting = decide(world.observed(), NOW)
+    assert waiting.phase == "Starting" and _cond(waiting, "LearnerRunning")["reason"] == "FailedCreate"
+    assert _SCALE_TO_ZERO not in waiting.patches
+    late = decide(replace(world, failed_create_since={"Job": MIN_AGO[31]}).observed(), NOW)
+    _failed_with(late, "LearnerCreateRefused")
+    assert _cond(late, "LearnerRunning")["reason"] == "LearnerCreateRefused"
+    assert "exceeded quota" in late.status["message"]
+    assert "spec.rollout.startupTimeout (30 min)" in late.status["message"]
+    assert Patch("Job", N["job"], {"spec": {"suspend": True}}) in late.patches  # its pod removed
+    # No event seen (expired): the Job's own start is the clock.
+    _failed_with(decide(replace(world, failed_create_since={}, job_started=MIN_AGO[31]).observed(), NOW),
+                 "LearnerCreateRefused")
+
+
+class _RefusingJobs(_Refusing):
+    """A namespace whose quota on count/jobs.batch (or a webhook on Jobs) refuses the learner Job; the StatefulSet
+    created before it is kept as patched."""
+
+    def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any], sub: str | None = None,
+              expected: tuple[int, ...] = ()) -> dict[str, Any]:
+        super().patch(kind, namespace, name, body, sub, expected)
+        if kind == "StatefulSet":
+            self.objects["StatefulSet"]["spec"].update(body["spec"])
+        return body
+
+
+def _ago(minutes: int) -> str:
+    import datetime as dt
+    return (dt.datetime.now(dt.UTC) - dt.timedelta(minutes=minutes)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def test_a_learner_job_the_api_forbids_frees_the_pool_at_once_and_fails_after_the_startup_timeout() -> None:
+    """(b) 403 on the learner Job: before, the StatefulSet created just before it stayed at full size, retried for
+    ever. Now the pool is scaled to zero while it is retried, and the job is Failed once spec.rollout.startupTimeout
+    has passed since its creation (the API's metadata.creationTimestamp: no status write restarts it)."""
+    kube = _RefusingJobs("Job", 403)
+    body = {"metadata": {"name": NAME, "namespace": NS, "uid": UID, "generation": 1,
+                         "creationTimestamp": _ago(1)}, "spec": _spec()}
+    out = act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
+    assert out.phase == "Pending" and out.status["rolloutReplicas"] == 0
+    assert ("create", "StatefulSet") in kube.writes and kube.writes[-1] == ("patch", "StatefulSet")
+    assert kube.objects["StatefulSet"]["spec"]["replicas"] == 0
+    assert "the pool is scaled to zero meanwhile" in out.status["message"]
+    # The next passes (the resync): the pool stays at zero; 31 minutes after the job's creation it is Failed.
+    body["metadata"]["creationTimestamp"] = _ago(31)
+    kube.writes.clear()
+    late = act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
+    assert late.phase == "Failed" and kube.objects["StatefulSet"]["spec"]["replicas"] == 0
+    failed = next(c for c in late.status["conditions"] if c["type"] == "Failed")
+    assert (failed["status"], failed["reason"]) == ("True", "CreateRefused")
+    assert "still did after spec.rollout.startupTimeout" in late.status["message"]
+    body["status"] = late.status  # final: the next pass creates nothing, keeps the pool at zero
+    kube.writes.clear()
+    final = act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
+    assert final.phase == "Failed" and not any(w[0] == "create" for w in kube.writes)
+
+
+def _stuck_gang(minutes: int) -> World:
+    conditions = [{"type": "FailureTarget", "status": "True", "reason": "PodFailurePolicy", "message": _LOST,
+                   "lastTransitionTime": MIN_AGO[minutes]}]
+    terminating = _pod("learner", "demo-learner-0-ab", "Running")
+    terminating["metadata"]["deletionTimestamp"] = MIN_AGO[minutes]
+    return World(spec=_spec(**_GANG), ready=2, suspended=False, job_status={"conditions": conditions},
+                 status={"phase": "Running", "learnerAttempt": 1}, learner_pods=[terminating])
+
+
+def test_an_attempt_whose_pods_never_stop_fails_the_job_after_their_grace_period() -> None:
+    """(c) A learner on several pods waits for its failed Job's Failed condition, which Kubernetes 1.31+ writes only
+    once every pod is terminal: a pod on a lost node stays Terminating and the job sat Running with its pool. Past the
+    pods' grace period (10 min) plus 5 minutes from the FailureTarget (the Job controller's time), the job fails."""
+    waiting = decide(_stuck_gang(4).observed(), NOW)
+    assert waiting.phase == "Running" and waiting.deletes == [] and _SCALE_TO_ZERO not in waiting.patches
+    late = decide(_stuck_gang(31).observed(), NOW)
+    _failed_with(late, "LearnerNotStopped")
+    assert "demo-learner-0-ab still terminating" in late.status["message"]
+    assert _cond(late, "LearnerRunning")["reason"] == "LearnerNotStopped"
+    assert late.deletes == []  # no next attempt beside a pod that may still run
+
+
+def test_a_queued_pool_placed_only_in_part_is_timed_from_its_admission() -> None:
+    """(d) Kueue admitted the pool but only part of it was placed: the unplaced pods had no clock. The first
+    placement of any of its pods is the admission: spec.rollout.startupTimeout runs from it for every pod."""
+    spec = _spec(**{**_QUEUED, "rollout.startupTimeout": "30m"})
+
+    def pool(placed: int) -> list[dict[str, Any]]:
+        first = _placed(_server("demo-rollout-0", created=120, ready=True), placed)
+        unplaced = _unschedulable("rollout", "demo-rollout-1", 120)
+        return [first, unplaced]
+
+    assert decide(World(spec=spec, ready=1, rollout_pods=pool(29)).observed(), NOW).phase == "Starting"
+    late = decide(World(spec=spec, ready=1, rollout_pods=pool(31)).observed(), NOW)
+    _failed_with(late, "RolloutStartupTimeout")
+    assert "demo-rollout-1" in late.status["message"] and late.deletes == [Delete("Job", N["job"], "job-uid-1")]
+    gated = _pod("rollout", "demo-rollout-1", conditions=[{"type": "PodScheduled", "status": "False",
+                                                           "reason": "SchedulingGated"}])
+    still_queued = [_placed(_server("demo-rollout-0", created=120), 31)]
+    still_queued[0]["status"]["conditions"] = [{"type": "Ready", "status": "True"}, *still_queued[0]["status"][
+        "conditions"][1:]]
+    assert decide(World(spec=spec, ready=1, rollout_pods=[*still_queued, gated]).observed(), NOW).phase != "Failed"
+
+
+def test_a_lost_server_below_a_ready_one_is_given_back_after_twice_the_startup_timeout() -> None:
+    """(e) Mid-run, a lost server whose ordinal is below a Ready one kept its GPUs to the end of the run. Not Ready
+    for twice spec.rollout.startupTimeout (its pod's Ready condition: the API's clock), the pool shrinks to it: the
+    Ready servers above go with it (a StatefulSet gives back only its top), the lost one's GPUs are freed."""
+    spec = _spec(**{"rollout.replicas": 3})
+    crash = {"exitCode": 1, "message": "rmsft serve: CUDA out of memory"}
+
+    def world(minutes: int) -> Observed:
+        pods = [_server("demo-rollout-0", ready=True), _server("demo-rollout-1", created=minutes, restarts=9,
+                                                               ended=crash), _server("demo-rollout-2", ready=True)]
+        obs = World(spec=spec, ready=2, suspended=False, job_status={"active": 1, "ready": 1}, rollout_pods=pods,
+                    status={"startTime": MIN_AGO[120]}).observed()
+        obs.children["StatefulSet"]["spec"]["replicas"] = 3
+        return obs
+
+    kept = decide(world(59), NOW)
+    assert not any(p.kind == "StatefulSet" for p in kept.patches) and "kept ordinal(s) 1" in kept.status["message"]
+    late = decide(world(61), NOW)
+    assert Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 1}}) in late.patches
+    assert late.status["releasedRolloutReplicas"] == 2 and late.status["rolloutReplicas"] == 1
+    pool = _cond(late, "RolloutReady")
+    assert pool["reason"] == "ServerLost" and "1 Ready server(s) with them" in pool["message"]
+    assert "demo-rollout-1" in pool["message"] and "kept ordinal" not in pool["message"]
+    assert [e[1] for e in late.events if e[0] == "Warning"] == ["ServerLost"]
+
+
+class _LosingStatus(_Existing):
+    """A namespace holding the job's children whose status writes fail (a 500, an API server restart) `lose` times;
+    records every write that happened."""
+
+    def __init__(self, objects: dict[str, dict[str, Any]], lose: int) -> None:
+        super().__init__(objects)
+        self.lose, self.writes = lose, []
+
+    def list_pods(self, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        return [p for p in self.pods if labels.items() <= p["metadata"]["labels"].items()]
+
+    def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any], sub: str | None = None,
+              expected: tuple[int, ...] = ()) -> dict[str, Any]:
+        self.writes.append(("patch", kind, body))
+        return body
+
+    def patch_job_status(self, namespace: str, name: str, status: dict[str, Any],
+                         expected: tuple[int, ...] = ()) -> dict[str, Any]:
+        if self.lose:
+            self.lose -= 1
+            raise ApiError(500, "etcdserver: request timed out")
+        self.writes.append(("status", status["phase"], status))
+        return status
+
+
+def test_a_start_failure_whose_status_write_is_lost_is_not_undone_by_the_next_pass() -> None:
+    """(f) Before, the pool was scaled down and then the status written: with that write lost, the next pass saw no
+    failure (its pods were gone) and scaled the pool up again, clock restarted. Now the status is written first: a
+    lost write leaves the pool (and the crash loop, the evidence) as it was, the next pass fails the job again."""
+    kids = _children(_spec())
+    kube = _LosingStatus(kids, lose=1)
+    kube.pods = [_server(restarts=3, ended={"exitCode": 1, "message": "RuntimeError: CUDA error: out of memory"})]
+    body = {"metadata": {"name": NAME, "namespace": NS, "uid": UID, "generation": 1}, "spec": _spec()}
+    with pytest.raises(ApiError, match="500"):
+        act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
+    assert kube.writes == []  # nothing scaled down without its status
+    out = act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
+    assert out.phase == "Failed" and [w[:2] for w in kube.writes] == [("status", "Failed"), ("patch", "StatefulSet")]
+    assert kube.writes[1][2] == {"spec": {"replicas": 0}}
+
+
+# ------------------------------------------------------------------ issue 62: start rules at the start only
+
+_RAN = {"startTime": MIN_AGO[120], "learnerStartTime": MIN_AGO[120], "phase": "Running"}
+
+
+def _not_failed(d: Decision) -> None:
+    assert d.phase != "Failed" and _cond(d, "Failed")["status"] == "False", d.status.get("message")
+    assert _SCALE_TO_ZERO not in d.patches
+
+
+def test_a_replacement_servers_preflight_killed_for_memory_is_a_fault_not_a_verdict() -> None:
+    """Mid-run, a replacement server's preflight OOMKilled (the node's memory, not the model): before, Failed
+    ModelPreflightFailed, final. Now the failover's: the other servers go on and the lost-server clock applies.
+    At the start too, a killed preflight is no verdict about the model (only its own exit is)."""
+    oom = _preflight(name="demo-rollout-1", exit_code=137, message="")
+    oom["status"]["initContainerStatuses"][0]["lastState"]["terminated"]["reason"] = "OOMKilled"
+    mid_run = World(**_STARTED, status=_RAN, rollout_pods=[_server("demo-rollout-0", ready=True), oom])
+    _not_failed(decide(mid_run.observed(), NOW))
+    verdict = _preflight(name="demo-rollout-1")  # the preflight's own refusal of the model, mid-run: a lost server too
+    _not_failed(decide(replace(mid_run, rollout_pods=[_server("demo-rollout-0", ready=True), verdict]).observed(), NOW))
+    at_start = decide(World(rollout_pods=[copy.deepcopy(oom)]).observed(), NOW)
+    _not_failed(at_start)
+    assert _cond(decide(World(rollout_pods=[verdict]).observed(), NOW), "Failed")["reason"] == "ModelPreflightFailed"
+
+
+def _learner_pull(message: str) -> dict[str, Any]:
+    return _waiting_for_image("ErrImagePull", message, role="learner", name="demo-learner-y")
+
+
+def test_a_replacement_learners_refused_pull_is_retried_within_its_attempts() -> None:
+    """Mid-run, a replacement learner pod whose pull the registry refuses with "unauthorized" (an expired registry
+    token): before, Failed ImageUnavailable at once, final. Now it waits like any pod; past spec.rollout.startupTimeout
+    it is deleted, so the learner Job retries it within spec.learner.backoffLimit (its attempts bound it)."""
+    said = 'failed to pull image "ghcr.io/x/rmsft:v9": 401 Unauthorized: unauthorized: authentication required'
+    fresh = World(**_STARTED, status=_RAN, learner_pods=[_learner_pull(said)])
+    _not_failed(d := decide(fresh.observed(), NOW))
+    assert d.deletes == []
+    # The same pod at the start: the registry's answer holds, the job fails at once (the start rule).
+    assert _cond(decide(replace(fresh, status={}).observed(), NOW), "Failed")["reason"] == "ImageUnavailable"
+    placed = _placed(_learner_pull(said), 31)
+    placed["metadata"]["uid"] = "pod-uid-y"
+    late = decide(replace(fresh, learner_pods=[placed]).observed(), NOW)
+    _not_failed(late)
+    assert late.deletes == [Delete("Pod", "demo-learner-y", "pod-uid-y")]
+    retried = [e for e in late.events if e[1] == "LearnerPodRetried"]
+    assert len(retried) == 1 and "spec.learner.backoffLimit 2" in retried[0][2] and "unauthorized" in retried[0][2]
+
+
+def test_a_replacement_learner_waiting_for_gpus_a_preemptor_took_is_retried_not_failed() -> None:
+    """Mid-run, the learner's replacement pod cannot be placed (a preemptor took its GPUs): before, Failed
+    LearnerUnschedulable after spec.rollout.startupTimeout, final. Now the pod is retried (deleted: the Job counts it
+    against its backoffLimit and makes another), so the run survives a preemptor that leaves in time. The same
+    learner had the job failed before it first ran (a start rule)."""
+    waiting = _unschedulable("learner", "demo-learner-z", 31)
+    waiting["metadata"]["uid"] = "pod-uid-z"
+    world = World(**_STARTED, status=_RAN, learner_pods=[waiting])
+    d = decide(world.observed(), NOW)
+    _not_failed(d)
+    assert d.deletes == [Delete("Pod", "demo-learner-z", "pod-uid-z")]
+    # What says the learner ran is read from the API too: the Job counted a failed pod (the status lost).
+    counted = replace(world, status={"startTime": MIN_AGO[120]}, job_status={"active": 1, "failed": 1})
+    _not_failed(decide(counted.observed(), NOW))
+    assert _cond(decide(replace(world, status={}).observed(), NOW), "Failed")["reason"] == "LearnerUnschedulable"
+
+
+def test_a_kueue_preemption_of_both_workloads_is_not_learner_not_admitted() -> None:
+    """Kueue preempted the pool and the learner: both wait in the queue, nothing holds GPUs. Before, more than
+    spec.rollout.startupTimeout of it failed the job as LearnerNotAdmitted. The rule is for a Ready pool idling while
+    its learner waits: it needs the pool Ready now, timed from its pods' Ready (the API's clock)."""
+    spec = _spec(**{**_QUEUED, "rollout.startupTimeout": "30m"})
+    suspended = {"conditions": [{"type": "Suspended", "status": "True", "reason": "JobSuspended",
+                                 "lastTransitionTime": MIN_AGO[120]}]}
+    preempted = World(spec=spec, ready=0, job_status=suspended, status={"startTime": MIN_AGO[120]})
+    _not_failed(decide(preempted.observed(), NOW))
+
+    def ready_pool(minutes: int) -> list[dict[str, Any]]:
+        pods = [_server(f"demo-rollout-{i}", created=120, ready=True) for i in (0, 1)]
+        for p in pods:
+            p["status"]["conditions"][0]["lastTransitionTime"] = MIN_AGO[minutes]
+        return pods
+
+    readmitted = replace(preempted, ready=2, rollout_pods=ready_pool(29))
+    _not_failed(decide(readmitted.observed(), NOW))  # its pool Ready again 29 minutes ago
+    idle = decide(replace(readmitted, rollout_pods=ready_pool(31)).observed(), NOW)
+    assert idle.phase == "Failed" and _cond(idle, "Failed")["reason"] == "LearnerNotAdmitted"
+
+
+def test_a_learner_redoing_steps_after_a_resume_is_not_stalled() -> None:
+    """status.step never goes back (the STEP column), yet after a resume from an older checkpoint the learner redoes
+    the steps up to it: the stall clock read status.step and, with failWhenStalled, failed the run. It now reads the
+    step the learner is on (status.currentStep)."""
+    spec = _spec(**{"learner.stallTimeout": "30m", "learner.failWhenStalled": True})
+    pods = [_pod("learner", "l-2", "Running")]
+    world = World(spec=spec, ready=2, suspended=False, job_status={"active": 1, "ready": 1}, learner_pods=pods,
+                  status={**_RAN, "step": 50, "currentStep": 50, "lastStepTime": MIN_AGO[45]})
+    status, steps = world.status, [(41, "2026-11-23T10:00:00Z"), (42, "2026-11-23T10:20:00Z"),
+                                   (43, "2026-11-23T10:40:00Z"), (44, "2026-11-23T11:00:00Z")]
+    for step, at in steps:
+        d = decide(replace(world.observed(), status=status, progress={"step": step}), at)
+        _not_failed(d)
+        assert d.status["step"] == 50 and d.status["currentStep"] == step and d.status["lastStepTime"] == at
+        status = d.status
+    # Still one clock: the learner stuck on step 44 for 31 minutes is stalled (and failed, as asked).
+    stuck = decide(replace(world.observed(), status=status, progress={"step": 44}), "2026-11-23T11:31:00Z")
+    assert stuck.phase == "Failed" and _cond(stuck, "Failed")["reason"] == "LearnerStalled"
+    assert "since step 44" in stuck.status["message"]
+
+
+def test_a_disruption_does_not_use_up_an_attempt_of_a_learner_on_several_pods() -> None:
+    """Issue 60 item 6: a pod of a learner on several pods evicted (drain, preemption: its DisruptionTarget, matched
+    by the Job's first podFailurePolicy rule) fails the attempt; it is run again without being counted, even on the
+    last attempt, and status.learnerDisruptions says how often."""
+    said = "Pod team-a/demo-learner-1-x9 has condition DisruptionTarget matching FailJob rule at index 0"
+    conditions = [{"type": k, "status": "True", "reason": "PodFailurePolicy", "message": said}
+                  for k in ("FailureTarget", "Failed")]
+    world = World(spec=_spec(**_GANG), ready=2, suspended=False, job_status={"conditions": conditions},
+                  status={"phase": "Running", "learnerAttempt": 3})  # backoffLimit 2: the last attempt
+    d = decide(world.observed(), NOW)
+    _not_failed(d)
+    assert d.deletes == [Delete("Job", N["job"], "job-uid-1")]
+    assert d.status["learnerAttempt"] == 3 and d.status["learnerDisruptions"] == 1
+    assert "disrupted (not counted)" in d.status["message"]
+    # A pod's own DisruptionTarget says it too, whatever the Job's words.
+    evicted = _pod("learner", "demo-learner-1-x9", "Failed", conditions=[
+        {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}])
+    plain = [{**c, "message": _LOST} for c in conditions]
+    again = decide(replace(world, job_status={"conditions": plain}, learner_pods=[evicted]).observed(), NOW)
+    assert again.status["learnerAttempt"] == 3 and again.deletes
+    # A fault (no disruption) on the last attempt still fails the job.
+    assert decide(replace(world, job_status={"conditions": plain}).observed(), NOW).phase == "Failed"
+def test_a_job_without_a_periodic_checkpoint_says_so_at_admission() -> None:
+    """Issue 60: with a claim the learner saves every 30 minutes unless told otherwise (training.checkpoint.
+    every_minutes), and the condition says when it saves; a job with no periodic checkpoint at all (every 0,
+    every_minutes 0) says that a learner killed outright starts again from step 0, claim or not."""
+    claimed = decide(World(spec=_spec(**{"learner.checkpointClaim": "pvc"})).observed(), NOW)
+    assert "saved every 30 minutes, at the end and on SIGTERM" in _cond(claimed, "CheckpointsDurable")["message"]
+    steps = decide(World(spec=_spec(**{"learner.checkpointClaim": "pvc", "training.checkpoint.every": 50,
+                                       "training.checkpoint.every_minutes": 0})).observed(), NOW)
+    assert "saved every 50 steps, at the end" in _cond(steps, "CheckpointsDurable")["message"]
+    for spec in (_spec(), _spec(**{"learner.checkpointClaim": "pvc", "training.checkpoint.every_minutes": 0})):
+        message = _cond(decide(World(spec=spec).observed(), NOW), "CheckpointsDurable")["message"]
+        assert "no periodic checkpoint" in message and "killed outright" in message, message

@@ -82,7 +82,9 @@ def _shell_var(name: str) -> str:
 
 def test_image_is_non_root_with_rmsft_entrypoint_and_no_buildkit_frontend() -> None:
     assert re.search(r"^USER\s+1000(:1000)?\s*$", DOCKERFILE, flags=re.M)
-    assert 'ENTRYPOINT ["rmsft"]' in DOCKERFILE
+    assert 'ENTRYPOINT ["tini", "--", "rmsft"]' in DOCKERFILE  # issue 60: never PID 1 itself
+    image = PYPROJECT["tool"]["rmsft"]["image"]
+    assert "tini" in image["cpu"]["apt"] and "tini" in image["gpu"]["apt"]
     assert re.search(r"^ARG VARIANT=gpu$", DOCKERFILE, flags=re.M)
     # A `# syntax=` line makes BuildKit pull a frontend image (no registry in air-gapped builds), and
     # the legacy builder builds every stage: one stage, whose steps depend on VARIANT.

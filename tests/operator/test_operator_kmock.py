@@ -29,7 +29,7 @@ KINDS = {  # kind -> (API prefix, plural)
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
 }
 # How many of each kind a server-mode job has: one, and two budgets (the pool's and the learner's).
-EACH = {**{kind: 1 for kind in KINDS}, "PodDisruptionBudget": 2}
+EACH = {**{kind: 1 for kind in KINDS}, "PodDisruptionBudget": 2, "NetworkPolicy": 2}  # the pool's and the learner's
 
 
 @pytest.fixture(scope="module")
@@ -336,9 +336,10 @@ def test_chart_rbac_allows_every_call_the_operator_made(cluster: KmockCluster, o
     from test_operator_chart import template
 
     _reconciled(cluster, "kilo")  # the calls a job's creation makes, whatever ran before
-    objs = template({"rbac": {"namespaced": True, "watchNamespaces": [NAMESPACE]}}, tmp_path)
-    role = next(o for o in objs if o["kind"] == "Role")
-    granted = {(verb, group, res) for rule in role["rules"] for group in rule["apiGroups"]
+    objs = template({"rbac": {"watchNamespaces": [NAMESPACE]}}, tmp_path)  # the default: Roles, no cluster rights
+    role = next(o for o in objs if o["kind"] == "Role" and o["metadata"]["namespace"] == NAMESPACE)
+    crd_reader = next(o for o in objs if o["kind"] == "ClusterRole")  # the one cluster-wide right: its own CRD
+    granted = {(verb, group, res) for rule in [*role["rules"], *crd_reader["rules"]] for group in rule["apiGroups"]
                for res in rule["resources"] for verb in rule["verbs"]}
     used = set(cluster.emulator.operator_access)
     assert ("create", "apps", "statefulsets") in used and ("patch", "rmsft.io", "rolloutmatchingjobs/status") in used

@@ -29,7 +29,7 @@ def test_rendered_objects_validate_against_kubernetes_1_32(path: str) -> None:
     objs = render.render_all(load_job(ROOT / path), "team-a", "0000-uid")
     assert [render.child_key(o) for o in objs] == ["Secret", "ConfigMap", "Service", "NetworkPolicy",
                                                    "PoolDisruptionBudget", "StatefulSet", "LearnerDisruptionBudget",
-                                                   "Job"]
+                                                   "LearnerNetworkPolicy", "Job"]
     for obj in objs:
         kubernetes_validate.validate(obj, "1.32", strict=True)
         ref = obj["metadata"]["ownerReferences"][0]
@@ -117,13 +117,18 @@ def test_learner_runs_one_rank_per_gpu() -> None:
         return _by_kind(path)["Job"]["spec"]["template"]["spec"]["containers"][0]
 
     two = learner("configs/job.yaml")  # learner.gpus: 2
-    assert two["command"][:4] == ["python", "-m", "torch.distributed.run", "--standalone"]
-    assert two["command"][4:] == ["--nproc-per-node", "2", "-m", "rmsft_cli"]
+    # Issue 60: torchrun under `rmsft torchrun` (the container exits with its ranks' verdict, not torchrun's 1),
+    # under tini (PID 1), its agent waiting the pod's grace period but a margin for the ranks to save after SIGTERM.
+    assert two["command"][:5] == ["tini", "--", "rmsft", "torchrun", "--standalone"]
+    assert two["command"][5:] == ["--nproc-per-node", "2", "-m", "rmsft_cli"]
     assert two["args"][0] == "train"
+    grace = _by_kind("configs/job.yaml")["Job"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(grace - render.SHUTDOWN_MARGIN_S)} in two["env"]
     # One GPU, or none: the image's entrypoint (`rmsft`) runs `train` as a single process.
     for path in ("configs/job-3v1.yaml", "configs/job-kind-cpu.yaml"):
         one = learner(path)
         assert "command" not in one and one["args"][0] == "train"
+        assert all(e["name"] != "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" for e in one["env"])
 
 
 def _several(path: str = "configs/job-kind-cpu.yaml", **learner: object) -> dict:
@@ -153,10 +158,12 @@ def test_a_learner_on_several_pods_is_an_indexed_job_whose_pods_meet_at_pod_0() 
     assert svc["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
     assert svc["spec"]["selector"] == render.selector("tiny-cpu", "learner")
     c = pod["containers"][0]
-    assert c["command"] == ["python", "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+    # The static rendezvous waits as long as the start clock (spec.rollout.startupTimeout, 30 min by default), not
+    # torch's 600 s (issue 60).
+    assert c["command"] == ["tini", "--", "rmsft", "torchrun", "--nnodes", "2", "--node-rank",
                             "$(RMSFT_NODE_RANK)", "--nproc-per-node", "2", "--master-addr",
                             "tiny-cpu-learner-0.tiny-cpu-learner.team-a.svc", "--master-port", "29500",
-                            "-m", "rmsft_cli"]
+                            "--rdzv-conf", "timeout=1800", "-m", "rmsft_cli"]
     rank = next(e for e in c["env"] if e["name"] == "RMSFT_NODE_RANK")
     assert rank["valueFrom"]["fieldRef"]["fieldPath"] == \
         "metadata.annotations['batch.kubernetes.io/job-completion-index']"
@@ -173,7 +180,7 @@ def test_a_learner_on_several_pods_is_an_indexed_job_whose_pods_meet_at_pod_0() 
     # spread: false lets the pods share a node (a one-node cluster); nothing else changes
     shared = render.render_job(parse_job(_several(spread=False)), "team-a", "0000-uid")
     assert "affinity" not in shared["spec"]["template"]["spec"]
-    assert shared["spec"]["template"]["spec"]["containers"][0]["command"][8] == "1"  # --nproc-per-node: 1 on CPU
+    assert shared["spec"]["template"]["spec"]["containers"][0]["command"][9] == "1"  # --nproc-per-node: 1 on CPU
 
 
 def test_scheduling_pass_throughs_reach_every_rollout_and_learner_pod_and_never_replace_rmsfts_keys() -> None:
@@ -216,7 +223,7 @@ def test_one_learner_pod_keeps_its_retry_rules_and_cpu_ranks_use_torchrun_standa
     doc = yaml.safe_load((ROOT / "configs/job-kind-cpu.yaml").read_text())
     doc["spec"]["learner"]["ranksPerPod"] = 2
     c = render.render_job(parse_job(doc), "ns", "u")["spec"]["template"]["spec"]["containers"][0]
-    assert c["command"] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    assert c["command"] == ["tini", "--", "rmsft", "torchrun", "--standalone", "--nproc-per-node", "2",
                             "-m", "rmsft_cli"]
 
 
@@ -475,7 +482,9 @@ def _tls_job(transport: str = "grpc") -> dict:
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
 def test_rollout_tls_mounts_the_secret_and_probes_a_plaintext_health_port(transport: str, tmp_path: Path) -> None:
     """spec.rollout.tls: the kubernetes.io/tls Secret mounted read-only (mode 0440, the pods' fsGroup reads it) in the
-    rollout and learner containers only; serve.yaml names its tls.crt and tls.key (and `rmsft serve`'s own parser
+    rollout and learner containers only, by key (issue 62: never the whole Secret; the private key only in the
+    servers, which use it; the learner gets what it trusts, ca.crt when there is one and tls.crt); serve.yaml names
+    its tls.crt and tls.key (and `rmsft serve`'s own parser
     takes it); the server gets RMSFT_HEALTH_PORT and the kubelet's gRPC probes go there (they cannot speak TLS); the
     learner gets the Secret's folder (what it trusts) and reaches the servers by names the documented SAN covers;
     the NetworkPolicy opens the health port to no pod. With either transport (shm only moves the bytes)."""
@@ -487,12 +496,20 @@ def test_rollout_tls_mounts_the_secret_and_probes_a_plaintext_health_port(transp
     objs = {render.child_key(o): o for o in render.render_all(job, "team-a", "0000-uid", token="t")}
     for obj in objs.values():
         kubernetes_validate.validate(obj, "1.32", strict=True)
-    volume = {"name": render.TLS_VOLUME, "secret": {"secretName": "qwen-rollout-tls", "defaultMode": 0o440}}
+    volumes = {"rollout": {"name": render.TLS_VOLUME, "secret": {
+        "secretName": "qwen-rollout-tls", "defaultMode": 0o440,
+        "items": [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}]}},
+        "learner": {"name": render.TLS_VOLUME, "projected": {"defaultMode": 0o440, "sources": [
+            {"secret": {"name": "qwen-rollout-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}], "optional": True}},
+            {"secret": {"name": "qwen-rollout-tls", "items": [{"key": "tls.crt", "path": "tls.crt"}]}}]}}}
     mount = {"name": render.TLS_VOLUME, "mountPath": "/etc/rmsft-tls", "readOnly": True}
     pods = {"rollout": objs["StatefulSet"]["spec"]["template"]["spec"],
             "learner": objs["Job"]["spec"]["template"]["spec"]}
     for role, pod in pods.items():
-        assert volume in pod["volumes"], role
+        assert volumes[role] in pod["volumes"], role
+        assert [v for v in pod["volumes"] if v["name"] == render.TLS_VOLUME] == [volumes[role]], role
+    assert "tls.key" not in yaml.safe_dump(pods["learner"]["volumes"])  # the private key stays with the servers
+    for role, pod in pods.items():
         (c,) = pod["containers"]
         assert mount in c["volumeMounts"], role
         for init in pod["initContainers"]:  # the preflight and the shared-weights owner read no certificate
@@ -593,7 +610,8 @@ def test_a_colocate_job_renders_only_the_learner_job() -> None:
     """spec.rollout.mode colocate: the engine lives in the learner's ranks, so no pool, no Service, no
     NetworkPolicy for it, and the learner follows no servers file."""
     objs = render.render_all(load_job(ROOT / "configs/job-kind-cpu-colocate.yaml"), "team-a", "0000-uid")
-    assert [o["kind"] for o in objs] == ["Secret", "ConfigMap", "PodDisruptionBudget", "Job"]  # the learner's budget
+    assert [o["kind"] for o in objs] == ["Secret", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy",
+                                         "Job"]  # the learner's budget and its NetworkPolicy
     for obj in objs:
         kubernetes_validate.validate(obj, "1.32", strict=True)
     job = objs[-1]
@@ -610,7 +628,7 @@ def test_a_gpu_colocate_job_gives_the_learner_all_its_gpus() -> None:
     doc["spec"]["learner"]["gpus"] = 4
     doc["spec"]["sync"] = {"mode": "full"}
     kids = {o["kind"]: o for o in render.render_all(parse_job(doc), "team-a", "0000-uid")}
-    assert set(kids) == {"Secret", "ConfigMap", "PodDisruptionBudget", "Job"}
+    assert set(kids) == {"Secret", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy", "Job"}
     pod = kids["Job"]["spec"]["template"]["spec"]
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
     assert pod["containers"][0]["command"][-2:] == ["-m", "rmsft_cli"]  # torchrun: one rank per GPU
@@ -710,3 +728,32 @@ def test_every_container_runs_on_a_read_only_image_and_the_learner_has_time_to_s
     doc["spec"].setdefault("learner", {})["terminationGracePeriod"] = "90s"
     assert render.render_job(parse_job(doc), "team-a", "0000-uid")["spec"]["template"]["spec"][
         "terminationGracePeriodSeconds"] == 90
+
+
+@pytest.mark.parametrize("transport", ["grpc", "nccl"])
+def test_the_learner_pods_get_a_networkpolicy_of_their_own(transport: str) -> None:
+    """Issue 62: before, nothing guarded the learner pods: torchrun's rendezvous store and the weight group's store
+    were open to every pod of the cluster. Now: any port from the job's own learner pods (rendezvous, collectives);
+    with transport nccl, from the job's own rollout pods (the weight-transfer group); /metrics from anywhere (the
+    operator's progress); nothing else."""
+    spec = yaml.safe_load((ROOT / "configs/job-kind-cpu.yaml").read_text())["spec"]
+    spec = {**spec, "sync": {**(spec.get("sync") or {}), "transport": transport},
+            "learner": {**spec["learner"], "nodes": 2, "spread": False, "checkpointClaim": "ck"}}
+    job = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
+                     "metadata": {"name": "demo", "namespace": "team-a"}, "spec": spec})
+    objs = {render.child_key(o): o for o in render.render_all(job, "team-a", "0000-uid", token="t")}
+    policy = objs["LearnerNetworkPolicy"]
+    kubernetes_validate.validate(policy, "1.32", strict=True)
+    learners, rollouts = render.selector("demo", "learner"), render.selector("demo", "rollout")
+    assert policy["metadata"]["name"] == "demo-learner" and policy["spec"]["podSelector"] == {"matchLabels": learners}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert learners.items() <= objs["Job"]["spec"]["template"]["metadata"]["labels"].items()  # it guards the pods
+    rules = policy["spec"]["ingress"]
+    assert rules[0] == {"from": [{"podSelector": {"matchLabels": learners}}]}  # rendezvous (29500) and ranks
+    assert rules[-1] == {"ports": [{"protocol": "TCP", "port": job.spec.learner.metrics_port}]}
+    group = [{"from": [{"podSelector": {"matchLabels": rollouts}}]}] if transport == "nccl" else []
+    assert rules[1:-1] == group
+    # No rule lets any other pod reach a port but /metrics: every `from` names this job's own pods.
+    for rule in rules:
+        for peer in rule.get("from", []):
+            assert set(peer) == {"podSelector"} and peer["podSelector"]["matchLabels"]["rmsft.io/job"] == "demo"

@@ -241,3 +241,87 @@ def test_the_same_number_of_another_run_is_another_version() -> None:
     engine.release(0)
     kind, (_, version) = ok.join()
     assert kind == "ok" and version == WeightVersion("9b0e5d2c4a11", 7)
+
+
+class PausingEngine(SubmitEngine):
+    """A SubmitEngine that can pause its running requests (vLLM's pause_generation mode "keep") and records the
+    order of pause, apply and resume."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[str] = []
+
+    def pause_keep(self) -> None:
+        self.events.append("pause")
+
+    def resume(self) -> None:
+        self.events.append("resume")
+
+
+def test_an_inflight_apply_pauses_running_calls_instead_of_draining_them() -> None:
+    engine = PausingEngine()
+    v1, v2, v3 = WeightVersion("run1", 1), WeightVersion("run1", 2), WeightVersion("run1", 3)
+    runner = EngineRunner(engine, v1)
+    running = Caller(runner, [_item(1)], expected=v1)
+    engine.wait_calls(1)
+
+    def apply() -> None:
+        assert runner.running_calls == 1 and runner.keeping  # the call is paused in the engine, not drained
+        engine.events.append("apply")
+        runner.weights = v2
+
+    runner.call(apply, keep=True)  # returns with the call still running: nothing waited for it
+    assert engine.events == ["pause", "apply", "resume"] and not runner.keeping
+    # A call of the batch ahead that reached the gate during that apply (fenced to v1) still runs, on the new
+    # weights, reported under the version it was fenced to; the version served is accepted too.
+    late = Caller(runner, [_item(2)], expected=v1)
+    engine.wait_calls(2)
+    fresh = Caller(runner, [_item(3)], expected=v2)
+    engine.wait_calls(3)
+    for k in range(3):
+        engine.release(k)
+    assert running.join()[0] == "ok" and running.result[1][1] == v1
+    assert late.join()[0] == "ok" and late.result[1][1] == v1
+    assert fresh.join()[0] == "ok" and fresh.result[1][1] == v2
+    # The next apply, drained this time, ends that grace: v1 is refused now, v2 too after it moved on.
+    runner.call(lambda: setattr(runner, "weights", v3))
+    assert not runner.accepts(v1) and not runner.accepts(v2) and runner.accepts(v3)
+    kind, err = Caller(runner, [_item(4)], expected=v2).join()
+    assert kind == "error" and isinstance(err, VersionMismatch)
+
+
+def test_an_engine_that_cannot_pause_is_drained_even_when_asked_to_keep() -> None:
+    engine = SubmitEngine()
+    v1, v2 = WeightVersion("run1", 1), WeightVersion("run1", 2)
+    runner = EngineRunner(engine, v1)
+    running = Caller(runner, [_item(1)], expected=v1)
+    engine.wait_calls(1)
+    assert not runner.can_keep
+    applier = threading.Thread(target=runner.call, args=(lambda: setattr(runner, "weights", v2),),
+                               kwargs={"keep": True})
+    applier.start()
+    time.sleep(0.1)
+    assert runner.weights == v1  # still waiting for the running call
+    engine.release(0)
+    applier.join(10)
+    assert runner.weights == v2 and running.join()[0] == "ok"
+    assert not runner.accepts(v1)  # drained: no grace for the old version
+
+
+def test_the_servicer_maps_engine_labels_to_version_spans() -> None:
+    from rollout_engine.engine import GenOutput
+    from rollout_svc.servicer import RolloutServicer
+
+    v0, v1, v2 = WeightVersion("", 0), WeightVersion("run1", 1), WeightVersion("run1", 2)
+    servicer = object.__new__(RolloutServicer)  # `_spans` reads the label table alone
+    servicer._labels = {"default": v0, "w1": v1, "w2": v2}
+    out = GenOutput([1], list(range(10)), "length", None, [("w1", 0, 4), ("w2", 4, 10)])
+    assert servicer._spans(out, v1) == [(v1, 0, 4), (v2, 4, 10)]
+    # The same version relabelled (a drained apply of the same weights) is one span.
+    servicer._labels["w3"] = v2
+    out = GenOutput([1], list(range(10)), "length", None, [("w1", 0, 4), ("w2", 4, 7), ("w3", 7, 10)])
+    assert servicer._spans(out, v1) == [(v1, 0, 4), (v2, 4, 10)]
+    # No labels (the HF engine), or spans that do not cover the tokens: one span of the admitted version.
+    assert servicer._spans(GenOutput([1], [5, 6], "stop"), v2) == [(v2, 0, 2)]
+    assert servicer._spans(GenOutput([1], [5, 6, 7], "stop", None, [("w2", 1, 3)]), v2) == [(v2, 0, 3)]
+    assert servicer._spans(GenOutput([1], [], "stop"), v2) == []

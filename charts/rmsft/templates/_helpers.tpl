@@ -32,6 +32,19 @@ app.kubernetes.io/component: operator
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{/* The namespaces the operator watches and gets a Role in (rbac.clusterWide false): the release namespace and
+     rbac.watchNamespaces, as a JSON list. With clusterWide: watchNamespaces only (empty: every namespace). */}}
+{{- define "rmsft.namespaces" -}}
+{{- $ns := list -}}
+{{- if not .Values.rbac.clusterWide -}}
+{{- $ns = append $ns .Release.Namespace -}}
+{{- end -}}
+{{- range .Values.rbac.watchNamespaces -}}
+{{- $ns = append $ns . -}}
+{{- end -}}
+{{- $ns | uniq | toJson -}}
+{{- end -}}
+
 {{/* Rules the operator needs inside a namespace: no delete anywhere (children are garbage
      collected through owner references), no list/watch on Secrets/ConfigMaps/Services. */}}
 {{- define "rmsft.namespacedRules" -}}
@@ -45,16 +58,22 @@ app.kubernetes.io/component: operator
 - apiGroups: ["rmsft.io"]
   resources: ["rolloutmatchingjobs/finalizers"]
   verbs: ["update"]
+# Secrets: create only, never get or list (no Secret of the namespace is readable): the operator makes each job's
+# own token Secret once and never reads it back (reconcile.observe; the TLS Secret is mounted by the kubelet).
 - apiGroups: [""]
-  resources: ["secrets", "services"]
+  resources: ["secrets"]
+  verbs: ["create"]
+- apiGroups: [""]
+  resources: ["services"]
   verbs: ["get", "create"]
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["get", "create", "patch"]
-# Learner pods: found by label to read training progress from their /metrics.
+# Learner pods: found by label to read training progress from their /metrics. delete: mid-run, a replacement
+# learner pod that cannot start for spec.rollout.startupTimeout is retried (only that pod, by uid; the Job counts it).
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list"]
+  verbs: ["list", "delete"]
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
   verbs: ["get", "list", "watch", "create", "patch"]

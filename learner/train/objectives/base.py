@@ -40,7 +40,9 @@ from rmsft.jobspec import RolloutMatchingJob
 __all__ = ["Built", "LoopParts", "Objective", "Prepare", "RowLoss", "StepPlan"]
 
 # One row's loss and the metrics summed beside it (device tensors), given the row on the device, its logits and
-# what `prepare` computed for it before the forward.
+# what `prepare` computed for it before the forward. Its logits are [1, L, V], or for an objective whose
+# `chunked_logits` is True and spec.training.loss.logits chunked a `learner.core.head.RowHead` (hidden states and
+# the head: the losses of learner/core/ take either).
 RowLoss = Callable[[PackedRow, torch.Tensor, Any], tuple[torch.Tensor, Mapping[str, torch.Tensor]]]
 # What row i needs before its forward (e.g. reference log-probs), given the row on the device.
 Prepare = Callable[[int, PackedRow], Any]
@@ -105,6 +107,9 @@ class Objective(ABC):
 
     name: ClassVar[str]  # spec.trainer's value
     loss_keys: ClassVar[tuple[str, ...]] = ("loss",)  # the device step's sums, "loss" first, summed over ranks
+    # Its row loss takes a RowHead (logits only at targets, a chunk at a time) when training.loss.logits is chunked;
+    # False: it always gets the full logits tensor, whatever the setting.
+    chunked_logits: ClassVar[bool] = False
 
     def __init__(self, job: RolloutMatchingJob) -> None:
         self.job, self.cfg = job, job.spec.training

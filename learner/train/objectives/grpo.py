@@ -13,6 +13,22 @@ One step (`build`, then the loop's update with `row_loss`):
              the adapters disabled, when kl_coef > 0), backward, optimizer
     sync     the new weights to every server (spec.sync.mode, FULL by default) before the next step samples.
 
+Sampling rules (spec.training.grpo; both off by default, which leaves a step as above):
+    dynamic_sampling  a group whose rewards are all equal has zero advantage: no signal, but with loss_norm token
+             its tokens still count in the normaliser and dilute the others. `drop` leaves such groups out of the
+             loss and the normaliser (DAPO's dynamic sampling without the refill); `resample` first samples those
+             prompts again, from the current weights with new seeds (RESAMPLE_SEED_OFFSET per round), keeping a
+             group that came back with signal, up to dynamic_sampling_rounds rounds, then drops what is still flat.
+             DAPO refills the batch with new prompts; rmsft keeps the data order's prompts (a step's batch is a
+             pure function of its index), so it resamples the same ones: a prompt too hard for 8 samples gets 16.
+             A rank whose every group is flat keeps one, fully masked, so it still has a row to step on.
+    overlong  answers cut at max_tokens (finish reason length). `mask`: their tokens leave the loss (DAPO's overlong
+             filtering; they still count in their group's advantage); `penalty`: DAPO's soft overlong punishment,
+             added to the reward before the advantages, for an answer of L tokens, budget L_max = max_tokens and
+             buffer B = overlong_buffer (max_tokens // 4 unset): 0 for L <= L_max - B, else
+             -overlong_penalty * (L - (L_max - B)) / B (so -overlong_penalty at L_max). rmsft's servers stop at
+             L_max, so the penalty ramps over the last B tokens of the budget.
+
 Every step samples, so every step but the last is followed by a sync. Everything else is the training loop's
 (`learner.train.loop`) and the rollout feed's (`learner.train.feed`): the rollout source (server pool or in-process
 engine) and weight sync, ranks, the step strategy (plain AdamW or ZeRO), checkpoints and resume, run.json, the
@@ -42,6 +58,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from learner.core.format_watch import FormatWatch
 from learner.core.grpo import (
     GrpoTokens,
     completion_logprobs,
@@ -50,6 +67,7 @@ from learner.core.grpo import (
     grpo_segment,
     grpo_tokens,
 )
+from learner.core.head import row_outputs
 from learner.core.packing import PackedRow, Packer
 from learner.data.episode import check_rollout_prompts
 from learner.data.vision import patch_size, with_vision
@@ -58,6 +76,7 @@ from learner.rewards.scoring import RewardScores, RewardSum, build_rewards, scor
 from learner.rollouts.client import Rollout
 from learner.tracking import metrics as m
 from learner.train.config import grpo_setup
+from learner.train.feed import RESAMPLE_SEED_OFFSET
 from learner.train.objectives.base import Built, Objective, Prepare, RowLoss, StepPlan
 from learner.train.results import GrpoStats, StepResult, Summary
 from rmsft.jobspec import RolloutMatchingJob
@@ -65,7 +84,7 @@ from rmsft.jobspec import RolloutMatchingJob
 __all__ = ["Grpo", "build_job_rewards"]
 
 # Per-step sums of the device step (normalised by the step's totals, so rows and ranks add up).
-_LOSS_METRICS = ("loss", "clip_fraction", "ratio_mean", "kl")
+_LOSS_METRICS = ("loss", "clip_fraction", "ratio_mean", "kl", "mismatch_kl", "is_weight_mean", "corrected_fraction")
 
 
 class _PeftModel(Protocol):
@@ -84,6 +103,34 @@ def build_job_rewards(job: RolloutMatchingJob) -> RewardSum:
         raise type(exc)(f"spec.training.grpo.{exc}") from exc
 
 
+def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment of an answer of `length` tokens (module doc): 0 up to max_tokens - buffer,
+    then linear down to -penalty at max_tokens (and beyond)."""
+    if buffer < 1 or buffer >= max_tokens:
+        raise ValueError(f"overlong buffer must be in [1, max_tokens), got {buffer} for max_tokens {max_tokens}")
+    start = max_tokens - buffer
+    if length <= start:
+        return 0.0
+    return -penalty * min(length - start, buffer) / buffer
+
+
+def flat_groups(rewards: Sequence[float], n: int) -> list[bool]:
+    """Per group of `n` consecutive rewards: True when they are all equal (zero advantage, no signal)."""
+    if len(rewards) % n:
+        raise ValueError(f"{len(rewards)} rewards do not split into groups of {n}")
+    return [max(rewards[j : j + n]) == min(rewards[j : j + n]) for j in range(0, len(rewards), n)]
+
+
+@dataclass
+class _Rules:
+    """What the sampling rules did to a step (module doc), this rank's counts."""
+
+    dropped: int = 0  # groups left out of the loss as flat
+    resampled: int = 0  # groups sampled again (each round counts)
+    masked: int = 0  # answers cut at the budget whose tokens left the loss
+    penalised: int = 0  # answers whose reward the overlong penalty lowered
+
+
 @dataclass
 class _Groups:
     """This rank's share of a step's samples: whole groups, prompt by prompt, samples in order."""
@@ -100,6 +147,7 @@ class Grpo(Objective):
 
     name = "grpo"
     loss_keys = _LOSS_METRICS
+    chunked_logits = True  # grpo_row_sums takes a RowHead
 
     def __init__(self, job: RolloutMatchingJob) -> None:
         if job.spec.trainer != "grpo":
@@ -107,6 +155,7 @@ class Grpo(Objective):
         super().__init__(job)
         self.grpo = grpo_setup(self.cfg)
         self.rewards = build_job_rewards(job)
+        self._format_watch: FormatWatch | None = None  # rank 0: completions that parse to nothing
         self._reward_pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             self.cfg.grpo.reward_workers, thread_name_prefix="rmsft-reward")
 
@@ -119,15 +168,75 @@ class Grpo(Objective):
 
     # -- sample, score, pack ------------------------------------------------------------------------------
     def build(self, plan: StepPlan) -> Built:
+        g, n, rules = self.cfg.grpo, self.grpo.n, _Rules()
         groups = self._sample(plan)  # n completions per prompt, all from weight version state.version
         scores = self._score(groups)  # rewards of every completion, on the host
-        advantages = group_advantages(scores.totals, self.grpo.n, scale=self.grpo.loss.scale_rewards)
-        rows = self._pack(groups, advantages)  # one segment per completion -> packed rows (all of them)
+        if g.dynamic_sampling == "resample":
+            groups, scores = self._resample(plan, groups, scores, rules)
+        rewards = self._shaped_rewards(groups, scores, rules)
+        advantages = group_advantages(rewards, n, scale=self.grpo.loss.scale_rewards)
+        keep = [True] * (len(rewards) // n)
+        if g.dynamic_sampling != "off":
+            keep = [not f for f in flat_groups(rewards, n)]
+            rules.dropped = keep.count(False)
+        rows = self._pack(groups, advantages, keep, rules)  # one segment per completion -> packed rows
         records = self.loop.records
-        return Built(rows, [records[i].id for i in groups.indices[:: self.grpo.n]], {
-            "groups": groups, "scores": scores,
+        return Built(rows, [records[i].id for i in groups.indices[:: n]], {
+            "groups": groups, "scores": scores, "rewards": rewards, "rules": rules,
             "tokens": [grpo_tokens(r) for r in rows],  # host reads of the labels, before the rows move
         })
+
+    def _shaped_rewards(self, groups: _Groups, scores: RewardScores, rules: _Rules) -> list[float]:
+        """The rewards the advantages are computed from: the job's, plus the overlong penalty when it is on."""
+        g = self.cfg.grpo
+        rewards = list(scores.totals)
+        if g.overlong != "penalty":
+            return rewards
+        buffer = g.overlong_buffer if g.overlong_buffer is not None else max(1, g.max_tokens // 4)
+        for j, out in enumerate(groups.rollouts):
+            p = overlong_penalty(len(out.token_ids), g.max_tokens, buffer, g.overlong_penalty)
+            if p:
+                rewards[j] += p
+                rules.penalised += 1
+        return rewards
+
+    def _resample(self, plan: StepPlan, groups: _Groups, scores: RewardScores, rules: _Rules
+                  ) -> tuple[_Groups, RewardScores]:
+        """dynamic_sampling resample: each flat group's prompt sampled again (collective: every rank takes part in
+        every round any rank needs), a group that comes back with signal replacing it; at most
+        dynamic_sampling_rounds rounds."""
+        loop, n, g = self.loop, self.grpo.n, self.cfg.grpo
+        lo, _ = loop.ranks.share(len(plan.batch))
+        rollouts, responses = list(groups.rollouts), list(groups.responses)
+        totals = list(scores.totals)
+        parts = {k: list(v) for k, v in scores.per_reward.items()}
+        for r in range(1, g.dynamic_sampling_rounds + 1):
+            flat = [j for j, f in enumerate(flat_groups(self._shaped_rewards(
+                _Groups(groups.indices, rollouts, responses, []), RewardScores(tuple(totals), parts), _Rules()), n))
+                if f]
+            if not int(loop.ranks.sum([float(len(flat))])[0]):
+                break
+            with loop.phase("rollout"):
+                outs = loop.feed.resample(plan.step, [lo + j for j in flat], self.grpo.sampling,
+                                          seed_offset=r * RESAMPLE_SEED_OFFSET)
+            indices = [groups.indices[j * n] for j in flat for _ in range(n)]
+            fresh = _Groups(indices, list(outs), self._check(outs, indices), [])
+            new_scores = self._score(fresh)
+            rules.resampled += len(flat)
+            fresh_flat = flat_groups(self._shaped_rewards(fresh, new_scores, _Rules()), n) if flat else []
+            for a, (j, still_flat) in enumerate(zip(flat, fresh_flat, strict=True)):
+                if still_flat:
+                    continue
+                src, dst = slice(a * n, (a + 1) * n), slice(j * n, (j + 1) * n)
+                rollouts[dst], responses[dst] = fresh.rollouts[src], fresh.responses[src]
+                totals[dst] = new_scores.totals[src]
+                for k in parts:
+                    parts[k][dst] = new_scores.per_reward[k][src]
+        # One process: the batch reported is the one trained on. Several ranks: rank 0 reports the batch as first
+        # sampled (gathering the replacements would cost an exchange for the run record alone).
+        everything = rollouts if not loop.ranks.enabled else groups.everything
+        return (_Groups(groups.indices, rollouts, responses, everything),
+                RewardScores(tuple(totals), {k: tuple(v) for k, v in parts.items()}))
 
     def _sample(self, plan: StepPlan) -> _Groups:
         """Each rank gets the groups of its share of prompts (n per prompt; rank 0's pool samples the whole batch,
@@ -142,9 +251,17 @@ class Grpo(Objective):
                                              upcoming=range(plan.step + 1, self.cfg.steps))
         lo, hi = ranks.share(len(plan.batch))
         indices = [i for i in plan.batch[lo:hi] for _ in range(n)]
+        responses = self._check(outs, indices)
+        return _Groups(indices, list(outs), responses, everything if ranks.is_main else list(outs))
+
+    def _check(self, outs: Sequence[Rollout], indices: Sequence[int]) -> list[list[int]]:
+        """Every rank checks its completions (one per entry of `indices`, the record of each): version, log-probs,
+        and the prompt ids the engine rendered; returns their trainable responses."""
+        loop, feed, ranks, n = self.loop, self.loop.feed, self.loop.ranks, self.grpo.n
         with ranks.guard("checking the sampled completions"):
             if len(outs) != len(indices):
-                raise RuntimeError(f"rank {ranks.rank} got {len(outs)} completion(s) for {hi - lo} prompt(s) x {n}")
+                raise RuntimeError(f"rank {ranks.rank} got {len(outs)} completion(s) for {len(indices) // n} "
+                                   f"prompt(s) x {n}")
             weights = loop.state.weights  # this run's version: the number alone is not enough
             stale = [(o.request_id, str(o.weights), o.server) for o in outs if not feed.within_window([o])]
             if stale:
@@ -159,10 +276,7 @@ class Grpo(Objective):
             check_rollout_prompts([loop.records[i] for i in indices], [feed.prompt_ids(i) for i in indices], outs,
                                   loop.policy.tokenizer)
             responses = feed.trainable_responses(outs)
-        if not ranks.is_main:
-            return _Groups(indices, list(outs), responses, list(outs))
-        assert everything is not None, "rank 0 gets the whole batch (feed.rollouts)"
-        return _Groups(indices, list(outs), responses, everything)
+        return responses
 
     def _score(self, groups: _Groups) -> RewardScores:
         """Every completion's rewards, in order. Each is parsed with the run's output format first (a detection
@@ -180,17 +294,37 @@ class Grpo(Objective):
                     vocab=loop.policy.vocab, fmt=fmt, image_size=size,
                     finish_reason=out.finish_reason, sample_index=out.sample_index,
                 ))
+            self._watch_format(inputs, groups.responses)
             return score_batch(self.rewards, inputs, executor=self._reward_pool)
 
-    def _pack(self, groups: _Groups, advantages: torch.Tensor) -> list[PackedRow]:
-        """One segment per completion (prompt unlabelled; its tokens labelled, with their sampling log-probs and
-        the group advantage), every one of them packed into this step's rows."""
-        loop = self.loop
+    def _watch_format(self, inputs: Sequence[RewardInput], responses: Sequence[Sequence[int]]) -> None:
+        """Detection completions in another format than training.format parse to nothing: say so, once
+        (learner/core/format_watch.py); text tasks (no ground-truth objects) never trigger it."""
+        if not self.loop.ranks.is_main or not any(i.parsed is not None for i in inputs):
+            return
+        if self._format_watch is None:
+            self._format_watch = FormatWatch(self.loop.core.fmt, self.loop.policy.vocab)
+        predicted = sum(len(i.objects or ()) for i in inputs)
+        self._format_watch.observe(responses, predicted, sum(len(i.record.objects) for i in inputs))
+
+    def _pack(self, groups: _Groups, advantages: torch.Tensor, keep: Sequence[bool], rules: _Rules
+              ) -> list[PackedRow]:
+        """One segment per completion of a kept group (prompt unlabelled; its tokens labelled, with their sampling
+        log-probs and the group advantage; an answer cut at the budget unlabelled under overlong mask), every one of
+        them packed into this step's rows. A rank that keeps no group packs its first completion fully masked."""
+        loop, n = self.loop, self.grpo.n
+        mask_overlong = self.cfg.grpo.overlong == "mask"
         with loop.phase("pack"), loop.ranks.guard("packing the completions"):
             segments = []
             for j, (idx, out, resp) in enumerate(zip(groups.indices, groups.rollouts, groups.responses, strict=True)):
-                assert out.logprobs is not None, "_sample refuses completions without log-probs"
+                assert out.logprobs is not None, "_check refuses completions without log-probs"
+                masked = not keep[j // n]
+                if masked and (any(keep) or j > 0):
+                    continue  # a flat group left out (dynamic_sampling)
+                cut = mask_overlong and out.finish_reason == "length"
+                rules.masked += int(cut and not masked)
                 seg = grpo_segment(loop.feed.prompt_ids(idx), resp, out.logprobs[: len(resp)], float(advantages[j]),
+                                   completion_mask=[False] * len(resp) if (cut or masked) else None,
                                    meta={"record_id": out.request_id, "sample_index": out.sample_index})
                 if loop.policy.is_vision_language:  # pixels and M-RoPE positions for the packed forward
                     seg = with_vision(loop.model, seg, loop.feed.vision_prompt(idx))
@@ -237,25 +371,32 @@ class Grpo(Objective):
         adapted = cast(_PeftModel, loop.model)
         assert loop.updater is not None, "bound to an open loop"
         with loop.phase("reference"), torch.no_grad(), adapted.disable_adapter(), loop.updater.autocast():
-            logits = loop.model(**row.model_inputs()).logits
+            logits = row_outputs(loop.model, loop.model, row.model_inputs(), self.cfg.loss.logits,
+                                 self.cfg.loss.logits_chunk)
             return completion_logprobs(logits, row, self.grpo.loss.temperature)
 
     # -- reporting ------------------------------------------------------------------------------------------
     def figures(self, plan: StepPlan, built: Built, sums: Mapping[str, float]) -> dict[str, Any]:
         groups = built.extra["groups"]
         return {"rollouts": groups.everything, "parts": {}, "stats": None,
-                "local_record_ids": list(built.local_ids), "grpo": self._stats(groups, built.extra["scores"], sums)}
+                "local_record_ids": list(built.local_ids),
+                "grpo": self._stats(groups, built.extra["scores"], sums, built.extra["rewards"], built.extra["rules"])}
 
-    def _stats(self, groups: _Groups, scores: RewardScores, totals: Mapping[str, float]) -> GrpoStats:
-        """The step's reward and completion figures over every rank (sums exchanged once)."""
+    def _stats(self, groups: _Groups, scores: RewardScores, totals: Mapping[str, float], shaped: Sequence[float],
+               rules: _Rules) -> GrpoStats:
+        """The step's reward and completion figures over every rank (sums exchanged once). The reward figures are
+        the job's rewards; the flat groups those of the rewards the advantages came from (with any overlong
+        penalty)."""
         n = self.grpo.n
         r = torch.tensor(scores.totals, dtype=torch.float64).reshape(-1, n)
+        flat = sum(flat_groups(list(shaped), n))
         labels = list(scores.per_reward)
         local = [
             float(r.sum()), float((r * r).sum()), float(r.numel()), float(r.std(dim=1).sum()), float(r.shape[0]),
-            float((r.amax(dim=1) == r.amin(dim=1)).sum()),
+            float(flat),
             float(sum(len(x) for x in groups.responses)),
             float(sum(o.finish_reason == "length" for o in groups.rollouts)),
+            float(rules.dropped), float(rules.resampled), float(rules.masked), float(rules.penalised),
             *(math.fsum(scores.per_reward[k]) for k in labels),
         ]
         s = self.loop.ranks.sum(local)
@@ -264,9 +405,12 @@ class Grpo(Objective):
         return GrpoStats(
             reward_mean=mean, reward_std=math.sqrt(max(s[1] / count - mean * mean, 0.0)),
             group_reward_std=s[3] / n_groups, zero_std_groups=s[5] / n_groups,
-            rewards={k: v / count for k, v in zip(labels, s[8:], strict=True)},
+            rewards={k: v / count for k, v in zip(labels, s[12:], strict=True)},
             clip_fraction=totals["clip_fraction"], ratio_mean=totals["ratio_mean"], kl=totals["kl"],
             completion_length=s[6] / count, truncated=s[7] / count, completions=int(s[2]), groups=int(s[4]),
+            mismatch_kl=totals["mismatch_kl"], is_weight_mean=totals["is_weight_mean"],
+            corrected_fraction=totals["corrected_fraction"], dropped_groups=int(s[8]), resampled_groups=int(s[9]),
+            overlong_masked=int(s[10]), overlong_penalised=int(s[11]),
         )
 
     def scalars(self, r: StepResult) -> dict[str, float]:
@@ -283,6 +427,12 @@ class Grpo(Objective):
         m.ZERO_STD_GROUPS.set(g.zero_std_groups)
         m.CLIP_FRACTION.set(g.clip_fraction)
         m.GRPO_KL.set(g.kl)
+        m.MISMATCH_KL.set(g.mismatch_kl)
+        m.CORRECTED_FRACTION.set(g.corrected_fraction)
+        m.DROPPED_GROUPS.inc(g.dropped_groups)
+        m.RESAMPLED_GROUPS.inc(g.resampled_groups)
+        m.OVERLONG_ANSWERS.labels("masked").inc(g.overlong_masked)
+        m.OVERLONG_ANSWERS.labels("penalised").inc(g.overlong_penalised)
         m.COMPLETION_LENGTH.set(g.completion_length)
 
     def line(self, r: StepResult) -> str:
@@ -290,11 +440,16 @@ class Grpo(Objective):
         assert g is not None, "a GRPO step's result carries its stats (step())"
         return (f"step {r.step} v{r.weight_version} loss {r.loss:.4f} reward {g.reward_mean:.3f} (std "
                 f"{g.reward_std:.3f}, flat groups {g.zero_std_groups:.2f}) clip {g.clip_fraction:.3f} ratio "
-                f"{g.ratio_mean:.4f} kl {g.kl:.4f} len {g.completion_length:.1f} rows {r.rows} fill {r.fill:.3f} "
-                f"{r.seconds:.2f}s")
+                f"{g.ratio_mean:.4f} kl {g.kl:.4f} mismatch kl {g.mismatch_kl:.2e} len {g.completion_length:.1f} "
+                f"rows {r.rows} fill {r.fill:.3f} {r.seconds:.2f}s"
+                + (f" dropped {g.dropped_groups} resampled {g.resampled_groups}"
+                   if g.dropped_groups or g.resampled_groups else "")
+                + (f" overlong masked {g.overlong_masked} penalised {g.overlong_penalised}"
+                   if g.overlong_masked or g.overlong_penalised else ""))
 
     def summarise(self, summary: Summary) -> None:
         summary.rewards = [h.grpo.reward_mean for h in summary.history if h.grpo is not None]
+        summary.mismatch_kl = [h.grpo.mismatch_kl for h in summary.history if h.grpo is not None]
 
     def close(self) -> None:
         pool, self._reward_pool = self._reward_pool, None

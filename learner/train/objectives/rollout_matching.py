@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from learner.core.format_watch import FormatWatch
 from learner.core.losses import loss_sums, row_totals
 from learner.core.packing import PackedRow, Packer
 from learner.data.episode import build_segments, check_rollout_prompts
@@ -33,6 +34,7 @@ from learner.train.config import core_configs
 from learner.train.feed import EXPLORER_SEED_OFFSET
 from learner.train.objectives.base import Built, Objective, Prepare, RowLoss, StepPlan
 from learner.train.results import StepResult, Summary
+from rmsft import pause_points
 from rmsft.jobspec import RolloutMatchingJob
 
 __all__ = ["RolloutMatching"]
@@ -49,11 +51,13 @@ class RolloutMatching(Objective):
 
     name = "rollout_matching"
     loss_keys = ("loss", *_PARTS)
+    chunked_logits = True  # loss_sums takes a RowHead
 
     def __init__(self, job: RolloutMatchingJob) -> None:
         super().__init__(job)
         self.core = core_configs(self.cfg)
         self._e_step_built: tuple[int, Built] | None = None  # the E-step whose rows its later M-steps reuse
+        self._format_watch: FormatWatch | None = None  # rank 0: rollouts that parse to nothing (format_watch.py)
 
     def make_packer(self) -> Packer:
         return Packer(*self.core.packing)
@@ -137,6 +141,7 @@ class RolloutMatching(Objective):
         mine = batch[lo:hi]
         policy = loop.policy
         with ranks.guard("building training segments"):
+            pause_points.fail_at("step", loop.state.step + 1)  # tests: one rank failing mid-run (rmsft.pause_points)
             if len(outs) != len(mine) or not feed.within_window(outs):
                 raise RuntimeError(f"rank {ranks.rank} got {len(outs)} rollout(s) for {len(mine)} prompt(s) "
                                    f"or a weight version outside {loop.state.weights} minus max_staleness "
@@ -149,11 +154,16 @@ class RolloutMatching(Objective):
             # A format in resized-image pixels (Qwen2.5-VL's) is bound to each record's image size.
             sizes = ([v.image_size(patch_size(policy.processor)) for v in vision]
                      if vl and core.fmt.needs_image_size else None)
+            responses = feed.trainable_responses(outs)
             segments, stats = build_segments(
-                recs, mine_ids, [o.prompt_token_ids for o in outs], feed.trainable_responses(outs), policy.vocab,
+                recs, mine_ids, [o.prompt_token_ids for o in outs], responses, policy.vocab,
                 core.matching, core.targets, fmt=core.fmt, image_sizes=sizes,
                 clean=core.recipe.clean, duplicates=core.recipe.duplicates, explorer_ids=explorers,
             )
+            if channel_b and ranks.is_main:  # answers in another format parse to nothing: say so, once
+                if self._format_watch is None:
+                    self._format_watch = FormatWatch(core.fmt, policy.vocab)
+                self._format_watch.observe(responses, stats.predicted, stats.gt_objects)
             if vl:  # pixels and per-segment M-RoPE positions for the packed forward
                 segments = [with_vision(loop.model, seg, v) for seg, v in zip(segments, vision, strict=True)]
             loop.add_phase("parse", stats.parse_s)
