@@ -215,7 +215,11 @@ def _write_records(job: RolloutMatchingJob, notes: dict[str, str], data: Path, n
 
         with console.status(f"rendering {n} synthetic {what}images for {data}"):
             # The instruction asks for the job's own output format (same images and objects either way).
-            write_visual_dataset(data, n=n, seed=data_seed, fmt=job.spec.training.format,
+            fmt = job.spec.training.format
+            if fmt == "coordjson":  # found by the type checker: the task has no coordjson instruction yet
+                raise ValueError("the synthetic visual task writes coordexp or qwen_json instructions; "
+                                 "spec.training.format coordjson has none")
+            write_visual_dataset(data, n=n, seed=data_seed, fmt=fmt,
                                  layout="grid" if task == "visual-grid" else "free",
                                  **({"max_objects": max_objects} if max_objects else {}))
     elif task == "answer":  # a short-answer task for GRPO (rmsft_dev.synthetic.CoordAnswerReward)

@@ -107,6 +107,20 @@ class BatchingEngine(Engine, Protocol):
     def submit(self, items: list[GenItem]) -> Future[list[GenOutput]]: ...
 
 
+class InFlightEngine(BatchingEngine, Protocol):
+    """A batching engine that can hold its running requests across a weight update (the vLLM engine): paused with
+    their KV kept, its prefix cache reset with them running, resumed; and that labels the tokens it samples from
+    now on with the weight version (rollout_svc.runner, rollout_svc.servicer)."""
+
+    def pause_keep(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def reset_prefix_cache(self, running: bool = False) -> None: ...
+
+    def label_weights(self, label: str) -> None: ...
+
+
 class TransferEngine(Engine, Protocol):
     """An engine that joins the learner's weight-transfer group (`--weight-transfer`, spec.sync.transport nccl)
     and receives FULL updates over it (rollout_svc.weight_group)."""

@@ -36,7 +36,7 @@ from typing import Any, cast
 
 from rmsft.weight_wire import FRESH, WeightVersion, mismatch_message
 from rollout_engine import metrics
-from rollout_engine.engine import BatchingEngine, Engine, GenItem, GenOutput
+from rollout_engine.engine import BatchingEngine, Engine, GenItem, GenOutput, InFlightEngine
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class EngineRunner:
                     self._kept_from = None
                     return fn()
                 kept = self.running_calls
-                self.engine.pause_keep()
+                cast(InFlightEngine, self.engine).pause_keep()  # `keep` is asked of such an engine only
                 self.keeping = True
                 try:
                     out = fn()
@@ -191,7 +191,7 @@ class EngineRunner:
         """After an in-flight apply: the paused requests go on (a dead engine has nothing to resume; its calls
         fail on their own, and the server exits)."""
         try:
-            self.engine.resume()
+            cast(InFlightEngine, self.engine).resume()
         except Exception:
             dead = getattr(self.engine, "dead_reason", lambda: "")()
             if not dead:

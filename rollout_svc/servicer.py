@@ -35,6 +35,7 @@ from rollout_engine.engine import (
     EngineDead,
     EngineError,
     EngineInputError,
+    InFlightEngine,
     MortalEngine,
     checkpoint_table,
     tied_lm_head,
@@ -455,8 +456,9 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
     def _reset_caches(self) -> None:
         """After a weight change: the engine's caches, and under an in-flight apply the paused requests' KV (they
         are recomputed under the new weights when they resume)."""
-        if self.runner.keeping:
-            self.engine.reset_prefix_cache(running=True)
+        assert self.engine is not None and self.runner is not None, "attached: callers passed _require_ready"
+        if self.runner.keeping:  # only an engine that can keep its requests keeps them
+            cast(InFlightEngine, self.engine).reset_prefix_cache(running=True)
         else:
             self.engine.reset_prefix_cache()
 
@@ -507,7 +509,7 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
         self.runner.active_adapter = adapter
         if hasattr(self.engine, "label_weights"):  # tokens sampled from now on name this version
             label = f"w{next(self._label_ids)}"
-            self.engine.label_weights(label)
+            cast(InFlightEngine, self.engine).label_weights(label)
             self._labels[label] = weights
             while len(self._labels) > 64:  # no answer outlives that many updates (the learner's staleness <= 4)
                 self._labels.pop(next(iter(self._labels)))

@@ -160,9 +160,11 @@ class RolloutFeed:
         shares = None
         with ranks.guard("resampling flat groups (rank 0)"):
             if ranks.is_main:
+                assert asked is not None, "rank 0 gathers every rank's positions"
                 flat = [p for part in asked for p in part]
-                outs = []
+                outs: list[Rollout] = []
                 if flat:
+                    assert self.source is not None, "server mode: the pool's client is the source"
                     reqs = [self.requests(k, p, p + 1, seed_offset)[0] for p in flat]
                     outs = self.source.generate(reqs, sampling, weight_version=self.state.version)
                 n = len(outs) // max(len(flat), 1)

@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from learner.core.head import RowHead
 from learner.core.packing import PackedRow, Packer
 from learner.data.images import ImageStore
 from learner.data.order import DataOrder
@@ -43,7 +44,7 @@ __all__ = ["Built", "LoopParts", "Objective", "Prepare", "RowLoss", "StepPlan"]
 # what `prepare` computed for it before the forward. Its logits are [1, L, V], or for an objective whose
 # `chunked_logits` is True and spec.training.loss.logits chunked a `learner.core.head.RowHead` (hidden states and
 # the head: the losses of learner/core/ take either).
-RowLoss = Callable[[PackedRow, torch.Tensor, Any], tuple[torch.Tensor, Mapping[str, torch.Tensor]]]
+RowLoss = Callable[[PackedRow, torch.Tensor | RowHead, Any], tuple[torch.Tensor, Mapping[str, torch.Tensor]]]
 # What row i needs before its forward (e.g. reference log-probs), given the row on the device.
 Prepare = Callable[[int, PackedRow], Any]
 

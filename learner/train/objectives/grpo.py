@@ -67,7 +67,7 @@ from learner.core.grpo import (
     grpo_segment,
     grpo_tokens,
 )
-from learner.core.head import row_outputs
+from learner.core.head import RowHead, row_outputs
 from learner.core.packing import PackedRow, Packer
 from learner.data.episode import check_rollout_prompts
 from learner.data.vision import patch_size, with_vision
@@ -211,8 +211,9 @@ class Grpo(Objective):
         totals = list(scores.totals)
         parts = {k: list(v) for k, v in scores.per_reward.items()}
         for r in range(1, g.dynamic_sampling_rounds + 1):
+            now = RewardScores(tuple(totals), {k: tuple(v) for k, v in parts.items()})
             flat = [j for j, f in enumerate(flat_groups(self._shaped_rewards(
-                _Groups(groups.indices, rollouts, responses, []), RewardScores(tuple(totals), parts), _Rules()), n))
+                _Groups(groups.indices, rollouts, responses, []), now, _Rules()), n))
                 if f]
             if not int(loop.ranks.sum([float(len(flat))])[0]):
                 break
@@ -252,7 +253,10 @@ class Grpo(Objective):
         lo, hi = ranks.share(len(plan.batch))
         indices = [i for i in plan.batch[lo:hi] for _ in range(n)]
         responses = self._check(outs, indices)
-        return _Groups(indices, list(outs), responses, everything if ranks.is_main else list(outs))
+        if not ranks.is_main:
+            return _Groups(indices, list(outs), responses, list(outs))
+        assert everything is not None, "rank 0 gets the whole batch (feed.rollouts)"
+        return _Groups(indices, list(outs), responses, everything)
 
     def _check(self, outs: Sequence[Rollout], indices: Sequence[int]) -> list[list[int]]:
         """Every rank checks its completions (one per entry of `indices`, the record of each): version, log-probs,
@@ -355,7 +359,7 @@ class Grpo(Objective):
             ref = self._reference_logprobs(row) if cfg.kl_coef > 0 else None
             return tokens[i].to(row.input_ids.device), ref
 
-        def row_loss(row: PackedRow, logits: torch.Tensor, before: tuple[GrpoTokens, torch.Tensor | None]
+        def row_loss(row: PackedRow, logits: torch.Tensor | RowHead, before: tuple[GrpoTokens, torch.Tensor | None]
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             row_tokens, ref = before
             out = grpo_row_sums(logits, row, cfg, ref, row_tokens).finish(cfg, total_tokens, total_seqs)
