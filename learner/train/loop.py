@@ -76,6 +76,7 @@ log = logging.getLogger("rmsft.learner")
 
 
 T = TypeVar("T")
+_NO_LOCK: WriterLock | None = None  # the checkpoint dir's writer lock before rank 0 claims it (typed for the loop's)
 
 
 def _open(part: T | None) -> T:
@@ -144,8 +145,7 @@ class TrainingLoop:
         self.reporter: RunReporter | None = None  # rank 0's TensorBoard and held-out reports
         self.exported: Path | None = None
         self._stop_why: str | None = None  # request_stop's reason (set from a signal handler)
-        self.lineage = lineage_of(job)  # what checkpoints record
-        self._writer_lock: WriterLock | None = None  # rank 0's hold on their dir
+        self.lineage, self._writer_lock = lineage_of(job), _NO_LOCK  # what checkpoints record; rank 0's lock on it
         try:
             self._setup(job, addresses, auth_token, model_path, device)
         except BaseException:
@@ -335,13 +335,11 @@ class TrainingLoop:
         # Every rank enters the guard (its failure agreement is collective); rank 0 alone talks to the servers.
         with self.phase("eval"), self.ranks.guard("evaluating the held-out records (rank 0)"):
             if self.ranks.is_main:
-                assert self.rollouts is not None and self.eval_images is not None and self.reporter is not None, \
-                    "rank 0 with training.eval.data: servers (no_rollouts refuses it without), its images, a reporter"
-                ev = evaluate(self.rollouts, self.eval_records, self.eval_images, self.eval_setup(self.eval_images),
-                              version=self.state.version, iou=self.cfg.eval.iou, step=self.state.step,
-                              max_tokens=self.cfg.eval.max_tokens or self.cfg.rollout.max_tokens)
+                ev = evaluate(_open(self.rollouts), self.eval_records, _open(self.eval_images), step=self.state.step,
+                              setup=self.eval_setup(_open(self.eval_images)), version=self.state.version,
+                              iou=self.cfg.eval.iou, max_tokens=self.cfg.eval.max_tokens or self.cfg.rollout.max_tokens)
                 self.evaluations.append(ev)
-                self.reporter.evaluation(ev, self.eval_images, self.cfg.eval.pictures)
+                _open(self.reporter).evaluation(ev, _open(self.eval_images), self.cfg.eval.pictures)
         if ev is not None and self.on_eval:
             self.on_eval(ev)
         return ev
