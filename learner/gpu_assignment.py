@@ -148,6 +148,7 @@ def assign_gpus(job: RolloutMatchingJob, available: int, *, visible_devices: str
                                  "CPU: leave it unset")
     ids = _device_ids(available, visible_devices)
     n, tp, learner = spec.rollout.replicas, spec.rollout.tensor_parallel_size, spec.learner.gpus
+    assert n is not None, "RolloutSpec's validator sets replicas"
     if spec.placement.accelerator == "none":  # the spec already holds learner.gpus at 0 here
         return GpuAssignment(servers=((),) * n, learner=(), device_ids=ids, accelerated=False)
     needed = n * tp + learner

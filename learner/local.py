@@ -216,7 +216,11 @@ def _write_records(job: RolloutMatchingJob, notes: dict[str, str], data: Path, n
 
         with console.status(f"rendering {n} synthetic {what}images for {data}"):
             # The instruction asks for the job's own output format (same images and objects either way).
-            write_visual_dataset(data, n=n, seed=data_seed, fmt=job.spec.training.format,
+            fmt = job.spec.training.format
+            if fmt == "coordjson":  # found by the type checker: the task has no coordjson instruction yet
+                raise ValueError("the synthetic visual task writes coordexp or qwen_json instructions; "
+                                 "spec.training.format coordjson has none")
+            write_visual_dataset(data, n=n, seed=data_seed, fmt=fmt,
                                  layout="grid" if task == "visual-grid" else "free",
                                  **({"max_objects": max_objects} if max_objects else {}))
     elif task == "answer":  # a short-answer task for GRPO (rmsft_dev.synthetic.CoordAnswerReward)
@@ -262,6 +266,7 @@ def spawn_servers(job: RolloutMatchingJob, log_dir: Path, assignment: GpuAssignm
     from rollout_svc.launcher import RolloutServer
 
     n = job.spec.rollout.replicas
+    assert n is not None, "RolloutSpec's validator sets replicas"
     if n < 1:
         raise ValueError("spec.rollout.replicas must be >= 1 for `rmsft local`")
     assignment = assignment or machine_gpus(job)
@@ -275,7 +280,7 @@ def spawn_servers(job: RolloutMatchingJob, log_dir: Path, assignment: GpuAssignm
     started: list = []
     try:
         for i in range(n):
-            extra = {"staging_dir": str(staging[i])} if staging else {}
+            extra: dict[str, Any] = {"staging_dir": str(staging[i])} if staging else {}
             started.append(RolloutServer.spawn(job.spec.model.path, log_path=log_dir / f"rollout-{i}.log",
                                                replica_ordinal=i, env={**env, **assignment.server_env(i)},
                                                **opts, **extra))
@@ -671,6 +676,7 @@ def _run_started(job_path: str | Path, job: RolloutMatchingJob, assignment: GpuA
                                 console=console)
             return None
         return train_in_process(job, [], auth_token="", resume=resume, console=console)
+    assert job.spec.rollout.replicas is not None, "RolloutSpec's validator sets replicas"
     staging = [run.sub(f"serve-{i}") for i in range(job.spec.rollout.replicas)] if run is not None else None
     servers = spawn_servers(job, log_dir, assignment, staging=staging)
     addresses = [s.address for s in servers]

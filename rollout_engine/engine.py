@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from rmsft.model_folder import model_config
 from rmsft.weight_wire import TensorSpec
@@ -98,6 +99,41 @@ class Engine(Protocol):
     def reset_prefix_cache(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+class BatchingEngine(Engine, Protocol):
+    """An engine whose `submit` joins the running batch (see `Engine`)."""
+
+    def submit(self, items: list[GenItem]) -> Future[list[GenOutput]]: ...
+
+
+class InFlightEngine(BatchingEngine, Protocol):
+    """A batching engine that can hold its running requests across a weight update (the vLLM engine): paused with
+    their KV kept, its prefix cache reset with them running, resumed; and that labels the tokens it samples from
+    now on with the weight version (rollout_svc.runner, rollout_svc.servicer)."""
+
+    def pause_keep(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def reset_prefix_cache(self, running: bool = False) -> None: ...
+
+    def label_weights(self, label: str) -> None: ...
+
+
+class TransferEngine(Engine, Protocol):
+    """An engine that joins the learner's weight-transfer group (`--weight-transfer`, spec.sync.transport nccl)
+    and receives FULL updates over it (rollout_svc.weight_group)."""
+
+    def join_weight_group(self, init_info: dict[str, Any]) -> None: ...
+
+    def receive_weights(self, update_info: dict[str, Any]) -> None: ...
+
+
+class MortalEngine(Engine, Protocol):
+    """An engine whose process can die (see `Engine`)."""
+
+    def dead_reason(self) -> str: ...
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:

@@ -65,7 +65,8 @@ class HfEngine:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-            self.hf = AutoModelForCausalLM.from_pretrained(cfg.model).to(self.device).eval()
+            # transformers types PreTrainedModel.to as an unbound wrapper (it wants the model as its first argument)
+            self.hf = AutoModelForCausalLM.from_pretrained(cfg.model).to(self.device).eval()  # type: ignore[arg-type]
         except Exception as e:
             raise EngineError(f"transformers failed to load {cfg.model}: {type(e).__name__}: {e}") from e
         self.vocab_size = self.hf.config.get_text_config().vocab_size

@@ -72,6 +72,7 @@ def _image(img: rollout_pb2.Image, max_pixels: int, where: str):
     if Image.MAX_IMAGE_PIXELS is not None and max_pixels > Image.MAX_IMAGE_PIXELS:
         Image.MAX_IMAGE_PIXELS = max_pixels
     kind = img.WhichOneof("source")
+    src: io.BytesIO | Path
     try:
         if kind == "data":
             src = io.BytesIO(img.data)
@@ -131,7 +132,8 @@ def build_items(request: rollout_pb2.GenerateRequest, engine) -> list[GenItem]:
                 raise PromptError(f"{where}: carries {len(p.images)} images; the server accepts at most "
                                   f"{limits.max_images_per_prompt} per prompt (--max-images-per-prompt, "
                                   "spec.model.vision.maxImagesPerPrompt)")
-        images = [_image(img, limits.max_image_pixels, where) for img in p.images] if p.images else []
+        # (images with no limits were refused above)
+        images = [_image(img, limits.max_image_pixels, where) for img in p.images] if p.images and limits else []
         text = None
         if p.token_ids:
             ids = list(p.token_ids)

@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any
 
 from rmsft.model_folder import is_vision_language
 from rollout_engine.async_loop import EngineCall, EventLoopThread
@@ -27,6 +28,9 @@ from rollout_engine.engine import (
     VisionLimits,
     chat_prompt_ids,
 )
+
+if TYPE_CHECKING:  # vLLM is imported where it is used (rmsft imports this module without it)
+    from vllm.lora.request import LoRARequest
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +258,7 @@ class VllmEngine:
                  sched.max_num_seqs, sched.max_num_batched_tokens, sched.enable_chunked_prefill)
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = self.llm.model_config.get_vocab_size()
-        self._lora = None  # active LoRARequest
+        self._lora: LoRARequest | None = None  # the active adapter
         self._ids = itertools.count()
 
     # generation ----------------------------------------------------------------------------------
@@ -283,6 +287,7 @@ class VllmEngine:
 
     async def _one(self, request_id: str, it: GenItem, lora) -> GenOutput:
         s = it.sampling
+        prompt: dict[str, Any]
         if it.images:
             prompt = {"prompt": it.prompt_text, "multi_modal_data": {"image": it.images}}
         else:

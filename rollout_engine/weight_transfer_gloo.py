@@ -17,10 +17,16 @@ which vLLM does in each worker because it is the engine's `worker_extension_cls`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 from rmsft.weight_wire.transfer import GLOO as BACKEND
 from rmsft.weight_wire.transfer import open_group, receive
+
+
+class _LoadsWeights(Protocol):
+    """A vLLM model (the engine's `model`, typed only as a torch Module): it loads (name, tensor) pairs."""
+
+    def load_weights(self, weights: Any) -> Any: ...
 
 
 def _engine_class() -> type:
@@ -77,7 +83,7 @@ def _engine_class() -> type:
                 raise RuntimeError("the gloo weight transfer was not initialised (init_weight_transfer_engine first)")
             for name, t in receive(self.group, update_info.names, update_info.dtype_names, update_info.shapes):
                 alias = update_info.also_as.get(name)
-                self.model.load_weights([(name, t)] if alias is None else [(name, t), (alias, t)])
+                cast(_LoadsWeights, self.model).load_weights([(name, t)] if alias is None else [(name, t), (alias, t)])
 
         def shutdown(self) -> None:
             self.group = None

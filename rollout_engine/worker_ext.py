@@ -7,6 +7,8 @@ the tensors directly.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from rollout_engine.engine import HEAD_NAME, tied_head_alias
 from rollout_engine.weight_transfer_gloo import register as _register_gloo_transfer
 
@@ -16,6 +18,9 @@ _register_gloo_transfer()
 
 
 class RmsftWorkerExtension:
+    if TYPE_CHECKING:  # vLLM's worker, which this class extends (worker_extension_cls), has it
+        model_runner: Any
+
     def rmsft_reload_weights(self, index_path: str | None) -> int:
         """Reload weights in place from a staged stream (None = the original checkpoint)."""
         if index_path is None:

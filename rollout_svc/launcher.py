@@ -103,6 +103,7 @@ class RolloutServer:
         return srv
 
     def _spawn(self, *, append: bool) -> None:
+        assert self._launch is not None, "set by start(), the only way to a server this side spawns"
         cmd, env = self._launch
         with open(self.log_path, "ab" if append else "wb") as log:
             # A session of its own: a Ctrl-C in the terminal reaches the learner, which stops the servers in
@@ -114,6 +115,7 @@ class RolloutServer:
         """Start the server again after its process ended (a dead engine exits 1): same command, same ports, so
         clients keep its address; its log goes on in the same file. Blocks until it is SERVING again (or
         `cancel` is set)."""
+        assert self.proc is not None, "a started server has its process (start() spawns it)"
         if self.proc.poll() is None:
             raise RuntimeError(f"rollout server {self.address} is still running")
         with contextlib.suppress(ProcessLookupError, PermissionError):  # engine processes the old one left behind
@@ -154,6 +156,7 @@ class RolloutServer:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def wait_healthy(self, timeout: float = 300.0, cancel: threading.Event | None = None) -> None:
+        assert self.proc is not None, "a started server has its process (start() spawns it)"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if cancel is not None and cancel.is_set():
@@ -184,6 +187,7 @@ class RolloutServer:
                 raise RuntimeError(f"rmsft serve on {self.address} said SERVING, then failed GetStatus: "
                                    f"{e.code().name}: {e.details()}") from e
             pid = None  # this run's token refused: another run's server
+        assert self.proc is not None, "a started server has its process (start() spawns it)"
         if pid != self.proc.pid:
             who = f"pid {pid}" if pid else "a server that refused this run's token"
             raise RuntimeError(f"port {self.port} is answered by another process ({who}), not by the rmsft serve "
@@ -192,6 +196,7 @@ class RolloutServer:
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (the server drains and shuts its engine down), SIGKILL to its whole process group after
         `timeout`; engine processes left behind by a server that ended are killed too."""
+        assert self.proc is not None, "a started server has its process (start() spawns it)"
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -202,6 +207,7 @@ class RolloutServer:
     def kill(self) -> int | None:
         """SIGKILL the server's whole process group (its engine runs in child processes of the same group) and
         reap it: for a server not worth a graceful stop, e.g. one still loading when the run is stopped."""
+        assert self.proc is not None, "a started server has its process (start() spawns it)"
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -236,6 +242,7 @@ class Supervisor:
     def _watch(self) -> None:
         while not self._stop.wait(self._poll_s):
             for i, srv in enumerate(self.servers):
+                assert srv.proc is not None, "the supervisor watches started servers"
                 code = srv.proc.poll()
                 # Exit code 0 is a server stopped on purpose (SIGTERM): not restarted.
                 if code in (None, 0) or self._stop.is_set() or self.restarts[i] < 0:

@@ -210,7 +210,10 @@ class Relay:
                 batch = self._pieces[sent:]
                 trailer = self._trailer
             for p in batch:
-                payload = memoryview(self._mm)[p.dest : p.dest + p.size] if p.size else b""
+                payload: memoryview | bytes = b""
+                if p.size:
+                    assert self._mm is not None, "a piece with bytes: `opened` mapped the file (total_bytes > 0)"
+                    payload = memoryview(self._mm)[p.dest : p.dest + p.size]
                 try:
                     request = encode_piece(p.name, p.spec, p.offset, payload)
                 finally:

@@ -32,11 +32,11 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 from rmsft.weight_wire import FRESH, WeightVersion, mismatch_message
 from rollout_engine import metrics
-from rollout_engine.engine import Engine, GenItem, GenOutput
+from rollout_engine.engine import BatchingEngine, Engine, GenItem, GenOutput, InFlightEngine
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +133,8 @@ class EngineRunner:
         return expected == self.weights or (self._kept_from is not None and expected == self._kept_from)
 
     def _submit(self, items: list[GenItem]) -> Future:
-        if self._serial is None:
-            return self.engine.submit(items)
+        if self._serial is None:  # the engine has `submit` (__init__)
+            return cast(BatchingEngine, self.engine).submit(items)
         return self._serial.submit(self.engine.generate, items)
 
     # Weight applies ------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ class EngineRunner:
                     self._kept_from = None
                     return fn()
                 kept = self.running_calls
-                self.engine.pause_keep()
+                cast(InFlightEngine, self.engine).pause_keep()  # `keep` is asked of such an engine only
                 self.keeping = True
                 try:
                     out = fn()
@@ -191,7 +191,7 @@ class EngineRunner:
         """After an in-flight apply: the paused requests go on (a dead engine has nothing to resume; its calls
         fail on their own, and the server exits)."""
         try:
-            self.engine.resume()
+            cast(InFlightEngine, self.engine).resume()
         except Exception:
             dead = getattr(self.engine, "dead_reason", lambda: "")()
             if not dead:

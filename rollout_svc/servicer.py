@@ -12,6 +12,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import cast
 
 import grpc
 from rmsft_protos import rollout_pb2, rollout_pb2_grpc
@@ -30,9 +31,12 @@ from rmsft.weight_wire.outcomes import SHARED_OPENED_METADATA, relayed_metadata
 from rollout_engine import metrics
 from rollout_engine.config import ServeConfig
 from rollout_engine.engine import (
+    Engine,
     EngineDead,
     EngineError,
     EngineInputError,
+    InFlightEngine,
+    MortalEngine,
     checkpoint_table,
     tied_lm_head,
 )
@@ -63,7 +67,7 @@ class _Abort(Exception):
 class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(self, cfg: ServeConfig, on_broken=None):
         self.cfg = cfg
-        self.engine = None
+        self.engine: Engine | None = None
         self.runner: EngineRunner | None = None
         self.ordinal = cfg.resolved_replica_ordinal()
         self.stager = Stager(cfg.resolved_staging_dir(), cfg.max_frame_bytes, cfg.resolved_shared_weights_dir())
@@ -119,8 +123,9 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
     def _watch_engine(self, every_s: float = 0.5) -> None:
         """Notice an engine that died while idle (its process killed, say): nothing else would until the next
         call, and the readiness probe and the learner's failover must react now."""
+        engine = cast(MortalEngine, self.engine)  # attach() watches only an engine with dead_reason
         while not self._closing and not self._broken:
-            reason = self.engine.dead_reason()
+            reason = engine.dead_reason()
             if reason and not self._closing:
                 self._dead(reason)
                 return
@@ -261,6 +266,7 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
 
     # UpdateWeights --------------------------------------------------------------------------
     def _check_header(self, header) -> None:
+        assert self.engine is not None and self.runner is not None, "attached: callers passed _require_ready"
         if header.mode == ADAPTER:
             if not self.engine.lora_enabled:
                 raise WireError(
@@ -397,12 +403,14 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
         self._finish("UpdateWeights", context, code, message)
 
     def _serve_dtype_text(self) -> str:
-        served = {v: k for k, v in SERVE_DTYPES.items()}.get(self._serve_dtype, self._serve_dtype)
+        names: dict[str | None, str | None] = {v: k for k, v in SERVE_DTYPES.items()}
+        served = names.get(self._serve_dtype, self._serve_dtype)
         if self.cfg.dtype == "auto":
             return f"{served} (--dtype auto: the checkpoint's dtype)"
         return f"{served} (--dtype {self.cfg.dtype})"
 
     def _apply_full(self, staged: StagedWeights) -> None:
+        assert self.engine is not None and self.runner is not None, "attached: callers passed _require_ready"
         t0 = time.perf_counter()
         names = frozenset(t.name for t in staged.tensors)
         try:
@@ -448,8 +456,9 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
     def _reset_caches(self) -> None:
         """After a weight change: the engine's caches, and under an in-flight apply the paused requests' KV (they
         are recomputed under the new weights when they resume)."""
-        if self.runner.keeping:
-            self.engine.reset_prefix_cache(running=True)
+        assert self.engine is not None and self.runner is not None, "attached: callers passed _require_ready"
+        if self.runner.keeping:  # only an engine that can keep its requests keeps them
+            cast(InFlightEngine, self.engine).reset_prefix_cache(running=True)
         else:
             self.engine.reset_prefix_cache()
 
@@ -468,6 +477,7 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
             raise EngineError(f"cannot write adapter folder {out_dir or self.stager.staging_dir}: {e}") from e
 
         def apply() -> None:
+            assert self.engine is not None, "attached: callers passed _require_ready"
             t0 = time.perf_counter()
             try:
                 self.engine.apply_adapter(out_dir, adapter_id, name)
@@ -480,6 +490,7 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
             self._adapter_dir = out_dir
             self._set_version(staged, name, time.perf_counter() - t0)
 
+        assert self.runner is not None, "attached: callers passed _require_ready"
         try:
             self.runner.call(apply)
         except RunnerStopped:
@@ -493,11 +504,12 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
                         apply_seconds: float) -> None:
         """The update applied: from now on the server holds its weight version, run id and number together
         (one assignment, inside the runner's apply, so no Generate call sees one without the other)."""
+        assert self.runner is not None, "attached: callers passed _require_ready"
         self.runner.weights = weights
         self.runner.active_adapter = adapter
         if hasattr(self.engine, "label_weights"):  # tokens sampled from now on name this version
             label = f"w{next(self._label_ids)}"
-            self.engine.label_weights(label)
+            cast(InFlightEngine, self.engine).label_weights(label)
             self._labels[label] = weights
             while len(self._labels) > 64:  # no answer outlives that many updates (the learner's staleness <= 4)
                 self._labels.pop(next(iter(self._labels)))

@@ -11,10 +11,10 @@ import math
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from rmsft_protos import rollout_pb2
 
@@ -106,10 +106,10 @@ class Stager:
     def stage(
         self,
         chunks: Iterable[rollout_pb2.WeightChunk],
-        expected_for: callable,
-        on_header: callable | None = None,
+        expected_for: Callable[..., Any],
+        on_header: Callable[..., Any] | None = None,
         observer: StageObserver | None = None,
-        on_shared_open: callable | None = None,
+        on_shared_open: Callable[..., Any] | None = None,
     ) -> StagedWeights:
         """Consume a whole update. `expected_for(header)` -> (table, optional names, require_all).
         `on_header(header)` may refuse it (raise) before anything is staged, or return the
@@ -186,7 +186,7 @@ class Stager:
 
     def _stage_shared(
         self, header: rollout_pb2.WeightHeader, it: Iterator, reader: StreamReader, index_path: str,
-        on_open: callable | None,
+        on_open: Callable[..., Any] | None,
     ) -> StagedWeights:
         fd = open_shared(self.shared_dir, header)
         try:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import itertools
 import logging
 import shutil
+import threading
 import time
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 from rmsft_protos import rollout_pb2
@@ -20,6 +22,13 @@ from rollout_engine import metrics
 from rollout_engine.engine import EngineDead, EngineError, tied_head_alias
 from rollout_svc.runner import RunnerStopped
 
+if TYPE_CHECKING:
+    from rmsft.weight_wire import WeightVersion
+    from rollout_engine.config import ServeConfig
+    from rollout_engine.engine import Engine, TransferEngine
+    from rollout_svc.runner import EngineRunner
+    from rollout_svc.staging import StagedWeights
+
 log = logging.getLogger(__name__)
 
 
@@ -28,6 +37,29 @@ class GroupMember:
     the servicer's state: `cfg`, `engine`, `runner`, `_update_lock` (held by UpdateWeights when it hands over),
     `_group_id` (the group the engine is in, "" for none), `_tied`, `_full_names`, `_rollback`, `_adapter_dir`,
     `_last_*`; and calls its `_abort_unless_ready`, `_finish`, `_dead`, `_expected_for`, `_record_version`."""
+
+    if TYPE_CHECKING:  # that state and those calls, as RolloutServicer defines them
+        cfg: ServeConfig
+        engine: Engine | None
+        runner: EngineRunner | None
+        _update_lock: threading.Lock
+        _group_id: str
+        _tied: bool
+        _full_names: frozenset[str]
+        _rollback: StagedWeights | None
+        _rollback_is_checkpoint: bool
+        _adapter_dir: str | None
+        _last_applied: list[StagedTensor]
+        _last_bytes: int
+        _last_apply_seconds: float
+
+        def _abort_unless_ready(self, method: str, context: Any) -> None: ...
+        @staticmethod
+        def _finish(method: str, context: Any, code: grpc.StatusCode, message: str) -> Any: ...
+        def _dead(self, reason: str) -> None: ...
+        def _expected_for(self, header: rollout_pb2.WeightHeader) -> Any: ...
+        def _record_version(self, weights: WeightVersion, adapter: str, tensors: list[StagedTensor], nbytes: int,
+                            apply_seconds: float) -> None: ...
 
     def JoinWeightGroup(self, request, context):
         """Join the learner's weight-transfer group (rank 0 is the learner): replaces any group this server was in.
@@ -66,6 +98,7 @@ class GroupMember:
         group: check the listing, drain, say ready (initial metadata), wait for the learner's go (the trailer), then
         receive and load. Called off before the go (the stream ended, cancelled): nothing applied. Under the update
         lock (taken by UpdateWeights)."""
+        assert self.runner is not None, "UpdateWeights passed _abort_unless_ready"
         try:
             tensors = self._check_group_update(header)
             self.runner.call(lambda: self._receive_over_group(header, tensors, rest, context))
@@ -120,8 +153,10 @@ class GroupMember:
         t0 = time.perf_counter()
         # With tied embeddings the learner sends the embedding only; load it under the head's name too.
         head = tied_head_alias(self._tied, [t.name for t in tensors])
-        self.engine.receive_weights(update_info(self.cfg.weight_transfer, [(t.name, t.spec) for t in tensors], head))
-        self.engine.reset_prefix_cache()
+        # A server started with --weight-transfer (JoinWeightGroup refuses others) runs such an engine.
+        engine = cast("TransferEngine", self.engine)
+        engine.receive_weights(update_info(self.cfg.weight_transfer, [(t.name, t.spec) for t in tensors], head))
+        engine.reset_prefix_cache()
         self._full_names = self._full_names | frozenset(t.name for t in tensors)
         if self._rollback is not None:  # the last gRPC stream is older than what serves now: no rollback copy
             self._rollback.cleanup()

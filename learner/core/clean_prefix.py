@@ -292,11 +292,11 @@ def build_clean_targets(
     parts_spec: list[tuple[DetObject, str, tuple[int, ...] | None, bool, float]] = []
     for j, i in enumerate(kept_idx):
         o = objs[i]
-        g = gt_of.get(j)
-        if g is None:
+        matched = gt_of.get(j)
+        if matched is None:
             parts_spec.append((o, "kept", None, False, 1.0))
             continue
-        target = gt[g]
+        target = gt[matched]
         same_shape = o.kind == target.kind and len(o.bins) == len(target.bins)
         parts_spec.append((o, "kept", target.bins if same_shape and fmt.coord_tokens else None, False, 1.0))
     recovered = set(recovered)

@@ -52,13 +52,13 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol, TypeGuard
 
 NUM_BINS = 1000
 QWEN_RELATIVE_MAX = 1000  # Qwen3-VL writes relative coordinates as integers 0..1000 inclusive
-GEOMETRY_KINDS = ("bbox_2d", "poly")
-FORMAT_NAMES = ("coordexp", "coordjson", "qwen_json")
 Kind = Literal["bbox_2d", "poly"]
+GEOMETRY_KINDS: tuple[Kind, ...] = ("bbox_2d", "poly")
+FORMAT_NAMES = ("coordexp", "coordjson", "qwen_json")
 Container = Literal["object", "list", "objects"]
 # The "objects" container's opener and closer: a top-level object whose one key holds the list of entries.
 OBJECTS_OPEN, OBJECTS_CLOSE = '{"objects": [', "]}"
@@ -108,7 +108,7 @@ def check_desc(desc: object) -> str:
     return stripped
 
 
-def _is_int(v: object) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -152,19 +152,25 @@ class DetObject:
 
 
 class OutputFormat(Protocol):
-    """What the parser and target builder need from an output format."""
+    """What the parser and target builder need from an output format. Its four facts are read-only (properties
+    here): the formats give them as class constants, or (`needs_image_size`) as a property of their options."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
     # "object": a top-level JSON object of `"object_N": {...}` entries; "list": a top-level JSON list
     # of `{...}` entries; "objects": `{"objects": [{...}, ...]}`. The parser's scanner and the appended tail's
     # closing bracket follow it.
-    container: Container
+    @property
+    def container(self) -> Container: ...
     # Whether coordinates are coord tokens (coordinate losses) or plain text (cross-entropy only).
-    coord_tokens: bool
+    @property
+    def coord_tokens(self) -> bool: ...
     # Coord tokens written bare as array elements (CoordJSON) rather than each alone in a JSON string.
-    bare_coords: bool
+    @property
+    def bare_coords(self) -> bool: ...
     # True when coordinates are measured on the processor-resized image: bind with `for_image` first.
-    needs_image_size: bool
+    @property
+    def needs_image_size(self) -> bool: ...
 
     def render_entries(self, objects: Sequence[DetObject], start_index: int) -> str:
         """The entries without the container's brackets, joined by `", "`: `"object_{start}": {...},
@@ -259,11 +265,12 @@ class CoordExpFormat:
         texts = self._coord_texts(kinds[0], value[kinds[0]])
         if texts is None:
             return None
-        bins = [coord_bin_from_text(c) for c in texts]
-        if any(b is None for b in bins):
+        parsed = [coord_bin_from_text(c) for c in texts]
+        bins = [b for b in parsed if b is not None]
+        if len(bins) != len(parsed):
             return None
         try:
-            return DetObject(value["desc"], kinds[0], tuple(bins))  # type: ignore[arg-type]
+            return DetObject(value["desc"], kinds[0], tuple(bins))
         except ValueError:
             return None
 
@@ -379,9 +386,9 @@ class QwenJsonFormat:
         if not _is_int(v):
             return None
         if self.coordinates == "relative":
-            return min(v, NUM_BINS - 1) if 0 <= v <= QWEN_RELATIVE_MAX else None  # type: ignore[operator]
+            return min(v, NUM_BINS - 1) if 0 <= v <= QWEN_RELATIVE_MAX else None
         size = self._sizes()[axis]
-        return pixel_to_bin(v, size) if 0 <= v <= size else None  # type: ignore[operator,arg-type]
+        return pixel_to_bin(v, size) if 0 <= v <= size else None
 
     def _value(self, obj: DetObject) -> str:
         box = self.as_written(obj)
@@ -403,11 +410,12 @@ class QwenJsonFormat:
         coords = value["bbox_2d"]
         if not isinstance(coords, list) or len(coords) != 4:
             return None
-        bins = [self._read(v, i % 2) for i, v in enumerate(coords)]
-        if any(b is None for b in bins):
+        read = [self._read(v, i % 2) for i, v in enumerate(coords)]
+        bins = [b for b in read if b is not None]
+        if len(bins) != len(read):
             return None
         try:
-            return DetObject(value["label"], "bbox_2d", tuple(bins))  # type: ignore[arg-type]
+            return DetObject(value["label"], "bbox_2d", tuple(bins))
         except ValueError:
             return None
 

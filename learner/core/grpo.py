@@ -454,9 +454,11 @@ def _correction_weights(log_rho: torch.Tensor, tokens: GrpoTokens, cfg: GrpoConf
     masked. `log_rho` = learner minus behaviour log-probs, detached."""
     lo, hi = cfg.correction_bounds
     if cfg.correction == "tis":
+        assert hi is not None, "tis has a high bound (CORRECTION_DEFAULTS)"
         rho = torch.exp(log_rho)
         return rho.clamp(max=hi), rho > hi
     if cfg.correction == "icepop":
+        assert lo is not None and hi is not None, "icepop has both bounds (CORRECTION_DEFAULTS)"
         rho = torch.exp(log_rho)
         keep = (rho >= lo) & (rho <= hi)
         return torch.where(keep, rho, torch.zeros_like(rho)), ~keep
@@ -464,6 +466,7 @@ def _correction_weights(log_rho: torch.Tensor, tokens: GrpoTokens, cfg: GrpoConf
         if tokens.seq_index is None:
             raise GrpoInputError("correction mis needs each token's sequence (GrpoTokens.seq_index, from grpo_tokens)")
         idx = tokens.seq_index.to(log_rho.device)
+        assert lo is not None and hi is not None, "mis has both bounds (CORRECTION_DEFAULTS)"
         # The answer's ratio is the product of its tokens' ratios: summed in log space (fp32 over a few thousand
         # tokens of |log rho| ~ 1e-2 is exact enough), exp'd once.
         seq_log = torch.zeros(tokens.n_seqs, device=log_rho.device, dtype=log_rho.dtype).index_add_(0, idx, log_rho)

@@ -135,7 +135,8 @@ def _chunkable(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module
                                      "spec.training.loss.logits: full")
     get_decoder = getattr(hf, "get_decoder", None)
     decoder = get_decoder() if callable(get_decoder) else None
-    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    get_head = getattr(hf, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     if not isinstance(decoder, torch.nn.Module) or not isinstance(head, torch.nn.Module):
         raise ChunkedLogitsError(f"{type(hf).__name__} exposes no decoder and output head (get_decoder, "
                                  "get_output_embeddings); set spec.training.loss.logits: full")

@@ -251,12 +251,15 @@ def loss_sums(
             soft_ce, w1, gate, coord_ce = soft_ce * cw, w1 * cw, gate * cw, coord_ce * cw
         soft_sum, w1_sum, gate_sum, coord_ce_sum = soft_ce.sum(), w1.sum(), gate.sum(), coord_ce.sum()
         if n_boxes:
+            assert row.box_coords is not None and row.box_bins is not None and row.box_weights is not None, \
+                "n_boxes > 0: the row was packed with its boxes' coords, bins and weights"
             l1, ciou = box_terms(value[0][row.box_coords.to(device)],
                                  row.box_bins.to(device).float() / (NUM_BINS - 1))
             bw = row.box_weights.to(device)
             l1_sum, ciou_sum = (l1 * bw).sum(), (ciou * bw).sum()
     ul_sum = zero
     if row.n_unlikelihood:
+        assert row.ul_positions is not None and row.ul_tokens is not None, "packed together (n_unlikelihood > 0)"
         upos = row.ul_positions.to(device)
         (p,) = logits_rows(logits, upos - 1, _ul_terms, row.ul_tokens.to(device))
         ul_sum = -torch.log((1 - p).clamp_min(1e-6)).sum()

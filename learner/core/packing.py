@@ -209,7 +209,7 @@ def _vision_inputs(
             f"{with_vision} of {len(segments)} segments carry vision inputs (M-RoPE positions): in a "
             "vision-language row every segment needs them, text-only ones too (learner.data.vision computes them)"
         )
-    visions = [s.vision for s in segments]
+    visions = [s.vision for s in segments if s.vision is not None]  # every one (checked above)
     mrope = torch.cat([v.mrope_positions.to(torch.long) for v in visions], dim=1)
     # Row 0 (restarting per segment) is what transformers derives the block-causal mask from; rows
     # 1-3 are the rotary positions. Without row 0 the mask would be causal over the whole row.
@@ -217,8 +217,9 @@ def _vision_inputs(
     with_images = [v for v in visions if v.pixel_values is not None]
     if not with_images:
         return position_ids, None, None
-    pixel_values = torch.cat([v.pixel_values for v in with_images], dim=0)
-    image_grid_thw = torch.cat([v.image_grid_thw for v in with_images], dim=0)
+    # (SegmentVision gives pixel_values and image_grid_thw together)
+    pixel_values = torch.cat([pv for v in with_images if (pv := v.pixel_values) is not None], dim=0)
+    image_grid_thw = torch.cat([g for v in with_images if (g := v.image_grid_thw) is not None], dim=0)
     return position_ids, pixel_values, image_grid_thw
 
 

@@ -85,6 +85,7 @@ class SegmentVision:
             raise TargetError("pixel_values and image_grid_thw go together: give both or neither")
         if self.image_grid_thw is not None:
             g, pv = self.image_grid_thw, self.pixel_values
+            assert pv is not None, "given together with image_grid_thw (checked above)"
             if g.ndim != 2 or g.shape[1] != 3 or g.shape[0] < 1 or g.is_floating_point():
                 raise TargetError(f"image_grid_thw must be an integer tensor of shape [images, 3], got {_shape(g)}")
             if pv.ndim < 1 or pv.shape[0] < 1:

@@ -268,7 +268,8 @@ def _entry(path: Path, key: str, i: int, item: Any, fields: dict[str, type | tup
     for name, kind in fields.items():
         value = item.get(name)
         if not isinstance(value, kind) or isinstance(value, bool):
-            what = {int: "an integer", str: "a string"}.get(kind, "a number")  # type: ignore[call-overload]
+            names: dict[type | tuple[type, ...], str] = {int: "an integer", str: "a string"}
+            what = names.get(kind, "a number")
             raise CocoError(f"{path}: {key}[{i}].{name} is missing or not {what} ({_short(value)})")
     return item
 
@@ -375,7 +376,7 @@ def _geometry(ann: dict[str, Any], width: int, height: int, geometry: str) -> tu
         as_box = AS_BOX_BAD_SEGMENTATION  # "polygon" (a string), a flat list of numbers, a number
     elif geometry == "auto" and len(seg or []) > 1:
         as_box = AS_BOX_MULTI
-    elif geometry == "auto" and len(seg or []) == 1:
+    elif geometry == "auto" and seg and len(seg) == 1:
         part = _finite(seg[0])
         if part is not None and len(part) >= 6 and len(part) % 2 == 0:
             poly = [_clamp(v, width if k % 2 == 0 else height) for k, v in enumerate(part)]
@@ -563,7 +564,7 @@ def convert_coco(annotations: str | Path, images_dir: str | Path, out: str | Pat
                   "images": [_image_ref(path, image["file_name"], out, options.paths)], "objects": objs}
         if "neg_category_ids" in image or "not_exhaustive_category_ids" in image:  # an LVIS file: its verification
             def named(ids: Any) -> list[str]:
-                return sorted({categories[i] for i in ids or () if categories.get(i)})
+                return sorted({name for i in ids or () if (name := categories.get(i))})
             record["lvis"] = {"pos_categories": sorted({o["desc"] for o in objs}),
                               "neg_categories": named(image.get("neg_category_ids")),
                               "not_exhaustive_categories": named(image.get("not_exhaustive_category_ids"))}

@@ -24,7 +24,7 @@ from learner.core.clean_prefix import (
     find_duplicates,
     label_support,
 )
-from learner.core.codec import COORDEXP, DetObject, FormatError, OutputFormat, bin_to_pixel
+from learner.core.codec import COORDEXP, DetObject, FormatError, Kind, OutputFormat, bin_to_pixel
 from learner.core.match import MatchConfig, match
 from learner.core.parse import ParsedRollout, parse
 from learner.core.targets import PromptMismatchError, Segment, TargetConfig, build_targets
@@ -91,7 +91,10 @@ def ground_truth(record: Record, fmt: OutputFormat = COORDEXP) -> list[DetObject
     a polygon becomes its enclosing box), so matching compares what the model is asked to write."""
     out = []
     for o in record.objects:
+        kind: Kind
+        coords: list[float] | None
         kind, coords = ("bbox_2d", o.bbox_2d) if o.bbox_2d is not None else ("poly", o.poly)
+        assert coords is not None, "a Record has exactly one of bbox_2d and poly (validated)"
         out.append(fmt.as_written(DetObject.from_pixels(o.desc, kind, coords, record.width, record.height)))
     return out
 

@@ -98,7 +98,7 @@ def render_prompt(processor: Any, messages: Sequence[dict], images: Sequence[Ima
     return VisionPrompt(ids, enc["pixel_values"], enc["image_grid_thw"].to(torch.long))
 
 
-def rope_model(model: torch.nn.Module) -> torch.nn.Module:
+def rope_model(model: torch.nn.Module) -> Any:
     """The module that owns `get_rope_index` (Qwen*VLModel), under a ForConditionalGeneration head
     and any peft wrapper. Looked up on the class, so peft's attribute forwarding is not involved."""
     for m in model.modules():

@@ -121,7 +121,9 @@ def coco_map(
     gt_labels = {cat(b.label) for boxes in ground_truth for b in boxes}
     labels = sorted(gt_labels | {cat(b.label) for boxes in predictions for b in boxes})
     cat_id = {label: i + 1 for i, label in enumerate(labels)}  # COCO ids start at 1
-    images, gts, dts = [], [], []
+    images: list[dict[str, Any]] = []
+    gts: list[dict[str, Any]] = []
+    dts: list[dict[str, Any]] = []
     for i, (gt_boxes, dt_boxes, size) in enumerate(zip(ground_truth, predictions, image_sizes, strict=True)):
         width, height = int(size[0]), int(size[1])
         if width <= 0 or height <= 0:

@@ -100,7 +100,7 @@ def draw_detections(
     body = image.convert("RGB").resize((image.width * scale, image.height * scale), Image.Resampling.NEAREST)
     font = ImageFont.load_default()
     probe = ImageDraw.Draw(body)
-    line_h = probe.textbbox((0, 0), "Ag", font=font)[3] + 4
+    line_h = int(probe.textbbox((0, 0), "Ag", font=font)[3]) + 4  # whole pixels (Pillow types the box as floats)
     header = 2 * line_h + 4
     canvas = Image.new("RGB", (body.width, body.height + header), HEADER_BG)
     canvas.paste(body, (0, header))

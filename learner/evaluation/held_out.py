@@ -52,6 +52,7 @@ from learner.data.records import Record
 from learner.evaluation.coco_map import boxes_from_detections, coco_map
 from learner.evaluation.draw import RolloutPicture
 from learner.rollouts.client import RolloutClient
+from learner.rollouts.interface import RolloutSource
 
 ImageSize = Callable[[Record], "tuple[int, int] | None"]
 
@@ -189,7 +190,7 @@ class Evaluation:
 
     def pictures(self, images: ImageStore, limit: int, label: str = "held-out") -> list[RolloutPicture]:
         """The first `limit` records with an image, their answer and ground truth drawn."""
-        out = []
+        out: list[RolloutPicture] = []
         for rec, pred in zip(self.records, self.predictions, strict=True):
             if len(out) >= limit:
                 break
@@ -242,7 +243,7 @@ def score(records: Sequence[Record], answers: Sequence[Sequence[int]], setup: Ev
                       per_record=per_record)
 
 
-def evaluate(client: RolloutClient, records: Sequence[Record], images: ImageStore, setup: EvalSetup, *,
+def evaluate(client: RolloutSource | RolloutClient, records: Sequence[Record], images: ImageStore, setup: EvalSetup, *,
              version: int | None, max_tokens: int, iou: float = 0.5, step: int = 0) -> Evaluation:
     """Greedy answers to `records` from the servers holding weight version `version` (None: whatever the
     servers hold, for a model served as it is), scored."""

@@ -141,10 +141,11 @@ class RolloutClient:
         if n <= self._threads_for:
             return
         old = (self._resync_pool, self._call_pool) if self._threads_for else ()
-        self._resync_pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="resync")
+        self._resync_pool: ThreadPoolExecutor = ThreadPoolExecutor(max_workers=n, thread_name_prefix="resync")
         # Blocking calls on worker threads: grpc's `.future()` starts a channel-spin thread per call
         # (about 1 ms each), which is most of the learner's per-call overhead.
-        self._call_pool = ThreadPoolExecutor(max_workers=n * self.max_inflight, thread_name_prefix="generate")
+        self._call_pool: ThreadPoolExecutor = ThreadPoolExecutor(max_workers=n * self.max_inflight,
+                                                                 thread_name_prefix="generate")
         self._threads_for = n
         for ex in old:
             ex.shutdown(wait=False)
@@ -217,6 +218,7 @@ class RolloutClient:
         missing = [i for i, r in enumerate(call.results) if r is None]
         if missing:  # _pump only stops with work left when nothing can take it
             if call.stale_refused:
+                assert expected is not None, "only a fenced call refuses stale completions"
                 raise StaleRolloutError(
                     f"{len(missing)} of {len(call.results)} completion(s) are missing from weight version "
                     f"{expected.describe()}; {call.stale_refused} stale completion(s) were refused: "
@@ -285,8 +287,13 @@ class RolloutClient:
             if idx not in call.resynced:
                 call.resynced.add(idx)
                 call.pending += 1
-                fut = self._resync_pool.submit(self.resync, server)  # type: ignore[arg-type]
-                fut.add_done_callback(lambda f, s=server: events.put(("resync", s, None, f)))
+                assert self.resync is not None, "a server is marked for re-sync only with a resync callback"
+                fut = self._resync_pool.submit(self.resync, server)
+
+                def resynced(f: Future[None], s: RolloutServer = server) -> None:
+                    events.put(("resync", s, None, f))
+
+                fut.add_done_callback(resynced)
         for idx in call.excluded:  # what waits for a server that gets no more work goes to the others
             self._orphan_queue(call, self.pool.servers[idx])
         usable = [s for s in self.pool.servers if s.index not in call.excluded and s.index not in call.resyncing]

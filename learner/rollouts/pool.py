@@ -132,8 +132,8 @@ class ServerPool:
         except WireError as e:
             raise ValueError(f"ServerPool: {e}") from None
         self.source = addresses if isinstance(addresses, ServersFile) else None
-        if self.source is not None:
-            addresses = self.source.read()
+        if isinstance(addresses, ServersFile):  # (self.source)
+            addresses = addresses.read()
         if not addresses:
             raise ValueError("ServerPool needs at least one rollout server address")
         _check_unique(addresses)

@@ -21,8 +21,10 @@ from learner.rollouts.requests import Rollout, RolloutRequest
 class WeightSender(Protocol):
     """What the server home needs of the weight-sync client (`learner.sync.client.WeightSyncClient`)."""
 
-    mode: str  # full | adapter | auto
-    transport: str  # grpc | shm | nccl
+    @property
+    def mode(self) -> str: ...  # full | adapter | auto
+    @property
+    def transport(self) -> str: ...  # grpc | shm | nccl
 
     def sync(self, number: int) -> Any:
         """Push the learner's current weights as version `number` of this run to every server that is up; raise

@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -213,9 +213,9 @@ class WeightSyncClient:
         if replaced:
             return "full", f"auto: {replaced} serve FULL-updated weights, an adapter would apply on top of them"
         ranks = [s.state.max_lora_rank for s in servers if s.state.max_lora_rank]
-        why = adapter_unsupported_reason(self.model, min(ranks) if ranks else 0)
-        if why is not None:
-            return "full", f"auto: {why}"
+        unsupported = adapter_unsupported_reason(self.model, min(ranks) if ranks else 0)
+        if unsupported is not None:
+            return "full", f"auto: {unsupported}"
         return "adapter", "auto: servers run LoRA and the adapter is LoRA"
 
     # -- sync -----------------------------------------------------------------------------------
@@ -292,6 +292,7 @@ class WeightSyncClient:
     def _update_parts(self, mode: str, number: int) -> tuple[list, Any, str]:
         """(specs, lazy tensors, adapter config JSON) of the update. FULL is planned from the model's
         metadata and its tensors produced as they are consumed (one LoRA layer merged at a time)."""
+        lazy: Iterable[tuple[str, torch.Tensor]]
         if mode == "adapter":
             tensors, config_json = adapter_named_tensors(self.model)
             _, planned = stream_header_and_specs(tensors, number=0, mode=ADAPTER, adapter_config_json=config_json)
@@ -404,7 +405,7 @@ class WeightSyncClient:
         if silent:
             log.warning("weight version %s goes over gRPC: %s did not answer", number, ", ".join(silent))
             return None
-        statuses = {s.address: r for s, r in zip(servers, replied, strict=True)}
+        statuses = {s.address: r for s, r in zip(servers, replied, strict=True) if r is not None}  # all (silent: out)
         try:
             if not group.current_for(servers, statuses):
                 group.build(servers, statuses)

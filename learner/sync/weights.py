@@ -153,6 +153,7 @@ class FullExport:
         layer = None
         for e in self._entries:
             if e.lora is None:
+                assert e.tensor is not None, "only a LoRA base parameter has no live tensor"
                 t = e.tensor if e.tensor.dtype == e.dtype else e.tensor.to(e.dtype)
             else:
                 if e.lora is not layer:

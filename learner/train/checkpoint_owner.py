@@ -70,9 +70,10 @@ class CheckpointFolderBusyError(RuntimeError):
 
 
 def _pick(tree: dict[str, Any], dotted: str) -> Any:
+    node: Any = tree
     for key in dotted.split("."):
-        tree = tree.get(key) if isinstance(tree, dict) else None  # type: ignore[assignment]
-    return tree
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
 
 
 def lineage_of(job: RolloutMatchingJob) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from learner.train.checkpoint_files import (
 )
 from learner.train.checkpoint_owner import check_resumable
 from learner.train.ranks import Ranks
-from learner.train.updater import PlainUpdater, ZeroUpdater, gathered_weights
+from learner.train.updater import PlainUpdater, StepStrategy, ZeroUpdater, gathered_weights
 from rmsft.jobspec import TrainingConfig
 from rmsft.weight_wire import NO_RUN, WeightVersion
 
@@ -82,7 +82,7 @@ class TrainState:
 
 
 class Checkpointer:
-    def __init__(self, cfg: TrainingConfig, ranks: Ranks, model: torch.nn.Module, updater: PlainUpdater | ZeroUpdater,
+    def __init__(self, cfg: TrainingConfig, ranks: Ranks, model: torch.nn.Module, updater: StepStrategy,
                  packer: Packer, state: TrainState, parts: Mapping[str, Stateful] | None = None,
                  lineage: dict[str, Any] | None = None) -> None:
         self.cfg, self.ranks, self.model, self.packer, self.state = cfg, ranks, model, packer, state
@@ -143,6 +143,7 @@ class Checkpointer:
         path = None
         with self.ranks.guard("saving the checkpoint (rank 0)"):
             if self.ranks.is_main:
+                assert rank_states is not None, "rank 0 gathers every rank's state"
                 ckpt = self.checkpoint(model_state, rank_states)
                 ck = self.cfg.checkpoint
                 path = save_checkpoint(ck.dir, self.state.step, ckpt, keep=ck.keep, lineage=self.lineage)
@@ -183,6 +184,7 @@ class Checkpointer:
             ckpt = torch.load(Path(name) / "state.pt", weights_only=False, map_location="cpu")
             self._load(ckpt, name)
         s = self.state
+        assert s.resumed is not None, "set by _load"
         log.info("resumed from step %d (weight version %d of run %s); this run is %s", s.step,
                  s.resumed.weights.number, s.resumed.weights.run_id or "(not recorded)", s.run_id)
         return True

@@ -17,7 +17,7 @@ from learner.core.losses import LossWeights
 from learner.core.match import MatchConfig
 from learner.core.schedule import is_channel_b
 from learner.core.targets import TargetConfig
-from rmsft.jobspec import GENERATION_DEFAULTS, DuplicateControl, ExplorerConfig, SyncSpec, TrainingConfig
+from rmsft.jobspec import GENERATION_DEFAULTS, DuplicateControl, ExplorerConfig, SyncSpec, SyncTransport, TrainingConfig
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def learning_rate(cfg: TrainingConfig, step: int) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def sync_transport(sync: SyncSpec, shared_dir: str) -> str:
+def sync_transport(sync: SyncSpec, shared_dir: str) -> SyncTransport:
     """The weight-sync transport this learner uses. `shared_dir`: the shared-weights dir it was given
     (RMSFT_SHARED_WEIGHTS_DIR: set by `rmsft local` unless the job asks for grpc, and by the operator
     in both the learner and the rollout pods of a job that asks for shm); auto is shm exactly when

@@ -137,6 +137,7 @@ class RolloutFeed:
         with ranks.guard(f"generating {what} (rank 0)"):
             if ranks.is_main:
                 if seed_offset or self.ahead is None:
+                    assert self.source is not None, "server mode: the pool's client is the source"
                     everything = self.source.generate(self.requests(k, seed_offset=seed_offset), sampling,
                                                       weight_version=self.state.version)
                 else:
@@ -159,9 +160,11 @@ class RolloutFeed:
         shares = None
         with ranks.guard("resampling flat groups (rank 0)"):
             if ranks.is_main:
+                assert asked is not None, "rank 0 gathers every rank's positions"
                 flat = [p for part in asked for p in part]
-                outs = []
+                outs: list[Rollout] = []
                 if flat:
+                    assert self.source is not None, "server mode: the pool's client is the source"
                     reqs = [self.requests(k, p, p + 1, seed_offset)[0] for p in flat]
                     outs = self.source.generate(reqs, sampling, weight_version=self.state.version)
                 n = len(outs) // max(len(flat), 1)
@@ -175,9 +178,11 @@ class RolloutFeed:
         """Rank 0 hands each rank the completions of its contiguous share of the prompts (token-id lists)."""
         ranks = self.ranks
         if not ranks.enabled:
+            assert everything is not None, "one process: it is rank 0, which has the whole batch"
             return everything
         shares = None
         if ranks.is_main:
+            assert everything is not None, "rank 0 has the whole batch"
             bounds = [share_bounds(prompts, ranks.world_size, r) for r in range(ranks.world_size)]
             shares = [everything[lo * n : hi * n] for lo, hi in bounds]
         return ranks.scatter_from_main(shares)
@@ -198,6 +203,7 @@ class RolloutFeed:
         to generate while this one trains. The client fences each call to the version it was made with;
         `within_window` is what the learner accepts."""
         st, ahead = self.state, self.ahead
+        assert ahead is not None, "rollouts() takes from the ahead queue only when there is one"
         taken = ahead.take(k, self.requests(k), sampling, st.version)
         spanning = sum(len({w for w, _, _ in o.spans}) > 1 for o in taken.rollouts)
         if spanning:

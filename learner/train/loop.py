@@ -30,7 +30,9 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -44,7 +46,7 @@ from learner.evaluation.held_out import EvalSetup, Evaluation, evaluate
 from learner.rollouts.colocate import colocated_rollouts
 from learner.rollouts.interface import RolloutSource
 from learner.rollouts.pool import ServerPool, ServersFile
-from learner.sync.client import WeightSyncClient
+from learner.rollouts.server_home import WeightSender
 from learner.tracking import metrics as m
 from learner.tracking.tracker import check_writable, require_trackers, tracker_of
 from learner.train import zero
@@ -64,13 +66,24 @@ from learner.train.reporting import RunReporter, log_run_start, write_eval_pictu
 from learner.train.results import StepResult, Summary
 from learner.train.server_setup import server_rollouts_ahead
 from learner.train.start_checks import check_images_fit, check_memory_plan, collective_timeout_s
-from learner.train.updater import PlainUpdater, ZeroUpdater, gathered_weights, make_updater, resolve_device
+from learner.train.updater import StepStrategy, ZeroUpdater, gathered_weights, make_updater, resolve_device
 from rmsft.jobspec import RolloutMatchingJob
 from rmsft.weight_wire import new_run_id
 
 __all__ = ["StopRequested", "TrainingLoop"]
 
 log = logging.getLogger("rmsft.learner")
+
+
+T = TypeVar("T")
+_NO_LOCK: WriterLock | None = None  # the checkpoint dir's writer lock before rank 0 claims it (typed for the loop's)
+
+
+def _open(part: T | None) -> T:
+    """A part of the loop that is None only before `_setup` made it or after `close` let go of it (the updater), or
+    on ranks other than 0 (the reporter): here, in an open loop on the rank that has it."""
+    assert part is not None, "a part of an open loop, on a rank that has it"
+    return part
 
 
 def claim_checkpoint_dir(root: str, run_id: str, job: str) -> WriterLock:
@@ -121,18 +134,18 @@ class TrainingLoop:
         # (colocate). `pool` and `sync_client` are the server pool's parts (None with colocate).
         self.rollouts: RolloutSource | None = None
         self.pool: ServerPool | None = None
-        self.sync_client: WeightSyncClient | None = None
+        self.sync_client: WeightSender | None = None
         self.ahead: RolloutsAhead | None = None  # rank 0: rollouts generated ahead of training (overlap.py)
-        self.feed: RolloutFeed | None = None  # prompts, rollouts, what the engines serve (learner/train/feed.py)
+        self.feed: RolloutFeed  # prompts, rollouts, what the engines serve (learner/train/feed.py): set by _setup
         self._fresh_start_done = False  # an earlier run's checkpoints moved aside (`_begin`, runs not resumed)
-        self.updater: PlainUpdater | ZeroUpdater | None = None
+        self.updater: StepStrategy | None = None  # None once closed
         self.state = TrainState()
         self.history: list[StepResult] = []
         self.evaluations: list[Evaluation] = []
         self.reporter: RunReporter | None = None  # rank 0's TensorBoard and held-out reports
         self.exported: Path | None = None
         self._stop_why: str | None = None  # request_stop's reason (set from a signal handler)
-        self.lineage, self._writer_lock = lineage_of(job), None  # what checkpoints record; rank 0's hold on their dir
+        self.lineage, self._writer_lock = lineage_of(job), _NO_LOCK  # what checkpoints record; rank 0's lock on it
         try:
             self._setup(job, addresses, auth_token, model_path, device)
         except BaseException:
@@ -210,7 +223,7 @@ class TrainingLoop:
                 self.rollouts = colocated_rollouts(
                     job, self.model, self.policy.tokenizer, run_id=self.state.run_id, world_size=ranks.world_size,
                     rank=ranks.rank, model_dir=model_dir, vision_language=self.policy.is_vision_language,
-                    around_generation=lambda: around_generation(job, self.updater, self.model),
+                    around_generation=partial(around_generation, job, self.updater, self.model),
                 )
         else:
             with ranks.guard("connecting to the rollout servers (rank 0)"):
@@ -323,11 +336,11 @@ class TrainingLoop:
         # Every rank enters the guard (its failure agreement is collective); rank 0 alone talks to the servers.
         with self.phase("eval"), self.ranks.guard("evaluating the held-out records (rank 0)"):
             if self.ranks.is_main:
-                ev = evaluate(self.rollouts, self.eval_records, self.eval_images, self.eval_setup(self.eval_images),
-                              version=self.state.version, iou=self.cfg.eval.iou, step=self.state.step,
-                              max_tokens=self.cfg.eval.max_tokens or self.cfg.rollout.max_tokens)
+                ev = evaluate(_open(self.rollouts), self.eval_records, _open(self.eval_images), step=self.state.step,
+                              setup=self.eval_setup(_open(self.eval_images)), version=self.state.version,
+                              iou=self.cfg.eval.iou, max_tokens=self.cfg.eval.max_tokens or self.cfg.rollout.max_tokens)
                 self.evaluations.append(ev)
-                self.reporter.evaluation(ev, self.eval_images, self.cfg.eval.pictures)
+                _open(self.reporter).evaluation(ev, _open(self.eval_images), self.cfg.eval.pictures)
         if ev is not None and self.on_eval:
             self.on_eval(ev)
         return ev
@@ -342,7 +355,7 @@ class TrainingLoop:
         user takes away, but the checkpoint just saved still holds the weights (`rmsft export` redoes it)."""
         out = Path(self.cfg.export_dir)
         with self.phase("export"), self.ranks.guard(f"exporting the model to {out} (rank 0)"), \
-                gathered_weights(self.updater, self.model):
+                gathered_weights(_open(self.updater), self.model):
             if self.ranks.is_main:
                 self.exported = export_trained(self.model, self.policy, out, adapter_only=self.cfg.export.adapter,
                                                base_model_dir=self.job.spec.model.path)
@@ -390,7 +403,7 @@ class TrainingLoop:
 
     def _optimize(self, rows: Sequence[PackedRow], lr: float, row_loss: RowLoss,
                   prepare: Prepare | None = None) -> dict[str, torch.Tensor]:
-        step = self.updater
+        step = _open(self.updater)
         sums: dict[str, torch.Tensor] = {}
         mode = self.cfg.loss.logits if self.objective.chunked_logits else "full"  # chunked: a RowHead, see below
         step.begin()
@@ -418,7 +431,7 @@ class TrainingLoop:
         version = self.state.version + 1
         # ZeRO-3: whole weights on every rank while rank 0 exports them (collective).
         with self.phase("sync"), self.ranks.guard(f"syncing weight version {version}"), \
-                gathered_weights(self.updater, self.model):
+                gathered_weights(_open(self.updater), self.model):
             if self.rollouts is not None:  # rank 0's pool, or every rank's in-process engine
                 self.rollouts.sync(version)  # counts bytes and sets the version gauge itself
         self.state.version = version  # only once the engines confirmed it (sync raises otherwise)
@@ -442,7 +455,7 @@ class TrainingLoop:
     @property
     def deepspeed_engine(self) -> object | None:
         """The DeepSpeed engine, when training.deepspeed_stage > 0 (not a rollout engine)."""
-        return getattr(self.updater, "engine", None)
+        return self.updater.engine if isinstance(self.updater, ZeroUpdater) else None
 
     # -- reporting ------------------------------------------------------------------------------
     @contextmanager
@@ -471,7 +484,7 @@ class TrainingLoop:
         m.LOSS.labels("total").set(r.loss)
         self.objective.gauges(r)
         if self.ranks.is_main:
-            self.reporter.step(r, self.state.phase_seconds, learning_rate(self.cfg, r.step - 1),
+            _open(self.reporter).step(r, self.state.phase_seconds, learning_rate(self.cfg, r.step - 1),
                                self.objective.scalars(r))
             log.info("%s", self.objective.line(r))
         if self.on_step:

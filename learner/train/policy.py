@@ -142,7 +142,7 @@ def _check_attention(path: Path, cfg: TrainingConfig, dtype: str) -> None:
         # FA2 kernels exist for fp16/bf16 only; transformers feeds them q/k/v in the autocast dtype or,
         # without autocast, in the weights' dtype, so fp32 weights without autocast fail at the first step.
         if cfg.precision == "fp32":
-            weights = getattr(torch, _DTYPES[dtype]) if _DTYPES.get(dtype) else _checkpoint_dtype(path)
+            weights = getattr(torch, name) if (name := _DTYPES.get(dtype)) else _checkpoint_dtype(path)
             if weights == torch.float32:
                 raise ModelLoadError(
                     f"{field} computes in bf16/fp16 only, but spec.training.precision is fp32 and the weights load "
@@ -166,7 +166,7 @@ def load_dtype(cfg: TrainingConfig, dtype: str) -> Any:
             log.info("spec.training.precision bf16 decides the learner's weight dtypes; spec.model.dtype %s "
                      "still applies to the rollout servers", dtype)
         return torch.bfloat16 if cfg.finetune == "lora" else torch.float32
-    return getattr(torch, _DTYPES[dtype]) if _DTYPES.get(dtype) else "auto"
+    return getattr(torch, name) if (name := _DTYPES.get(dtype)) else "auto"
 
 
 def _enable_gradient_checkpointing(hf_model: Any) -> None:
@@ -291,7 +291,7 @@ def load_policy(model_path: str | Path, cfg: TrainingConfig, dtype: str = "auto"
     processor = load_processor(path, vision) if vision_language else None
     model_class = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
     try:
-        tokenizer = processor.tokenizer if vision_language else AutoTokenizer.from_pretrained(path)
+        tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(path)
         model = model_class.from_pretrained(
             path, dtype=load_dtype(cfg, dtype), attn_implementation=cfg.attn_implementation
         )
@@ -322,7 +322,7 @@ def policy_from_model(model: Any, tokenizer: Any, cfg: TrainingConfig, *, vision
         targets = list(lora.target_modules)
         peft_cfg = LoraConfig(
             r=lora.r,
-            lora_alpha=lora.alpha,
+            lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates an int; it scales by alpha / r, a float too
             lora_dropout=lora.dropout,
             target_modules=_language_model_targets(targets) if vision_language else targets,
             use_dora=lora.use_dora,

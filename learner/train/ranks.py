@@ -144,7 +144,11 @@ class Ranks:
             assert per_rank is not None
             return per_rank[0]
         out: list[Any] = [None]
-        dist.scatter_object_list(out, list(per_rank) if self.is_main else None, src=self._global(0),
+        payloads = None
+        if self.is_main:
+            assert per_rank is not None, "rank 0 passes one payload per rank"
+            payloads = list(per_rank)
+        dist.scatter_object_list(out, payloads, src=self._global(0),
                                  group=self.group)
         return out[0]
 
@@ -164,6 +168,7 @@ class Ranks:
         return out
 
     def _global(self, group_rank: int) -> int:
+        assert self.group is not None, "collectives run only with several ranks, which have a group"
         return dist.get_global_rank(self.group, group_rank) if self.group is not dist.group.WORLD else group_rank
 
     # -- tensors ----------------------------------------------------------------------------
@@ -204,7 +209,7 @@ class Ranks:
         for p in reached:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        for bucket in _buckets([p.grad for p in reached]):
+        for bucket in _buckets([p.grad for p in reached if p.grad is not None]):  # every one (zeros above)
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
             _unflatten_into(flat, bucket)

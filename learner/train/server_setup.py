@@ -90,8 +90,12 @@ def server_rollouts_ahead(job: RolloutMatchingJob, addresses: Sequence[str] | Se
     move), and closing it ends a call still running ahead before waiting for it."""
     cfg = job.spec.training
     source: ServerRollouts | None = None
-    ahead = RolloutsAhead(lambda reqs, sampling, v: source.generate(reqs, sampling, weight_version=v),
-                          cfg.rollout.max_staleness)
+
+    def generate(reqs: Any, sampling: Any, v: Any) -> Any:
+        assert source is not None, "set below, before the prefetcher is given any work"
+        return source.generate(reqs, sampling, weight_version=v)
+
+    ahead = RolloutsAhead(generate, cfg.rollout.max_staleness)
     source = build_server_rollouts(job, addresses, model, run_id=run_id, auth_token=auth_token,
                                    checkpoint_dir=checkpoint_dir, vision_language=vision_language,
                                    zero3=cfg.deepspeed_stage == 3, fence_resync=ahead.fenced_resync)

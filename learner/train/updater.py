@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -35,6 +35,21 @@ def resolve_device(setting: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"spec.training.device is {setting!r} but CUDA is not available on this machine")
     return device
+
+
+class StepStrategy(Protocol):
+    """How the optimizer steps, as the loop drives it: `PlainUpdater` (torch AdamW) or `ZeroUpdater` (DeepSpeed)."""
+
+    device: torch.device
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]: ...
+    def forward(self, **inputs: Any) -> Any: ...
+    def begin(self) -> None: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def finish(self, n_rows: int, lr: float) -> None: ...
+    def optimizer_state(self) -> dict[str, Any]: ...
+    def load_optimizer_state(self, states: list[dict[str, Any]]) -> None: ...
+    def close(self) -> None: ...
 
 
 class PlainUpdater:
@@ -133,7 +148,7 @@ def make_updater(model: torch.nn.Module, ranks: Ranks, cfg: Any, *, device: torc
 
 
 @contextlib.contextmanager
-def gathered_weights(step: PlainUpdater | ZeroUpdater, model: torch.nn.Module, **kw: Any) -> Iterator[None]:
+def gathered_weights(step: StepStrategy, model: torch.nn.Module, **kw: Any) -> Iterator[None]:
     """Whole parameters inside the block (ZeRO-3: collective on every rank; otherwise a no-op)."""
     with zero.gathered(getattr(step, "engine", None), model, **kw):
         yield

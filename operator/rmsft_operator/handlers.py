@@ -95,10 +95,12 @@ def _run_once(body: dict[str, Any], trigger: str) -> reconcile.Outcome:
         log.info("%s/%s: phase %s -> %s%s", namespace, meta["name"], before or "-", outcome.phase,
                  f": {outcome.status['message']}" if outcome.status.get("message") else "")
     _record_phase(namespace, meta["name"], outcome.phase)
+    # kopf's posting reads any mapping with apiVersion/kind/metadata (bodies.build_object_reference); its
+    # annotations name only its own Body class, which this plain copy of one is not.
     for kind, reason, message in outcome.events:
-        kopf.event(body, type=kind, reason=reason, message=message)
+        kopf.event(body, type=kind, reason=reason, message=message)  # type: ignore[arg-type]
     if outcome.created:
-        kopf.info(body, reason="Created", message="created " + ", ".join(outcome.created))
+        kopf.info(body, reason="Created", message="created " + ", ".join(outcome.created))  # type: ignore[arg-type]
     return outcome
 
 
@@ -129,11 +131,12 @@ def resync(body: kopf.Body, **_: Any) -> None:
 
 
 @kopf.on.delete(API_GROUP, API_VERSION, PLURAL)
-def forget(body: kopf.Body, name: str, namespace: str, **_: Any) -> None:
+def forget(body: kopf.Body, name: str, namespace: str | None, **_: Any) -> None:
     """Children carry owner references: Kubernetes' garbage collector deletes them. What it cannot
     delete is what an shm job left in its directory in the node's /dev/shm (a hostPath): a short cleanup
     Job on that node empties it (render.render_shm_cleanup). Not optional: kopf's finalizer keeps the job (and
     its pods, which say which node) until this ran."""
+    assert namespace is not None, "kopf names the namespace of a namespaced resource (RolloutMatchingJob)"
     try:
         job = parse_job({"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
                          "metadata": {"name": name, "namespace": namespace}, "spec": dict(body.get("spec") or {})})
@@ -164,12 +167,14 @@ def _on_child(labels: dict[str, str], namespace: str, trigger: str) -> None:
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels=CHILD_FILTER)
-def on_statefulset(labels: kopf.Labels, namespace: str, type: str | None, **_: Any) -> None:
+def on_statefulset(labels: kopf.Labels, namespace: str | None, type: str | None, **_: Any) -> None:
+    assert namespace is not None, "kopf names the namespace of a namespaced resource (StatefulSet)"
     if type in ("ADDED", "MODIFIED", None):
         _on_child(dict(labels), namespace, "statefulset")
 
 
 @kopf.on.event("batch", "v1", "jobs", labels=CHILD_FILTER)
-def on_learner_job(labels: kopf.Labels, namespace: str, type: str | None, **_: Any) -> None:
+def on_learner_job(labels: kopf.Labels, namespace: str | None, type: str | None, **_: Any) -> None:
+    assert namespace is not None, "kopf names the namespace of a namespaced resource (Job)"
     if type in ("ADDED", "MODIFIED", None):
         _on_child(dict(labels), namespace, "job")

@@ -150,7 +150,8 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
     meta = body.get("metadata") or {}
     name, namespace = meta["name"], meta.get("namespace") or "default"
     n = render.names(name)
-    raw_spec = body.get("spec") if isinstance(body.get("spec"), dict) else {}
+    spec_field = body.get("spec")
+    raw_spec = spec_field if isinstance(spec_field, dict) else {}
     # The learner's Service exists only for learner.nodes > 1: for any other job an object of that name is no
     # concern of this job's (not read, never a conflict).
     several = int((raw_spec.get("learner") or {}).get("nodes") or 1) > 1
@@ -196,7 +197,7 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
 
     progress: dict[str, Any] = {}
     if learner and not (learner.get("spec") or {}).get("suspend") and progress_timeout > 0:
-        spec = body.get("spec") if isinstance(body.get("spec"), dict) else {}
+        spec = spec_field if isinstance(spec_field, dict) else {}
         port = (spec.get("learner") or {}).get("metricsPort") or LearnerSpec().metrics_port
         progress = learner_progress(learner_pods, int(port), progress_timeout)
 
@@ -318,7 +319,7 @@ def _by_kind(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def decide(obs: Observed, now: str) -> Decision:
     """What to create and patch, and the status to report, from what was observed. Pure."""
     old_status = obs.status
-    old_conds = old_status.get("conditions") or []
+    old_conds: list[dict[str, Any]] = old_status.get("conditions") or []
     gen = obs.generation
 
     def cond(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -430,10 +431,12 @@ def decide(obs: Observed, now: str) -> Decision:
 
     # 3c. Servers given back mid-run (5c) stay given back: the pool and the learner's server list are rendered
     # without them, so no pass scales them up again and the learner stops probing them.
+    assert job.spec.rollout.replicas is not None, "RolloutSpec's validator sets replicas (0 for colocate, else >= 1)"
     released = 0 if job.spec.rollout.colocated else max(0, min(int(old_status.get("releasedRolloutReplicas") or 0),
                                                                job.spec.rollout.replicas - 1))
     if released:
         job = job.model_copy(deep=True)
+        assert job.spec.rollout.replicas is not None, "a copy of the spec above"
         job.spec.rollout.replicas -= released
 
     # 4. Children: create what is missing (the token Secret is never rewritten).
@@ -445,10 +448,10 @@ def decide(obs: Observed, now: str) -> Decision:
         # (docs/upgrade.md): they were written, once, for the job's image, which its pods keep across an operator
         # upgrade; an older `rmsft serve` refuses a key it does not know, so adding one would crash-loop the next
         # server that restarts.
-        data, applied = desired["ConfigMap"]["data"], cm.get("data") or {}
-        changed = {k: data[k] for k in (render.SERVERS_KEY,) if applied.get(k) != data[k]}
-        if changed:
-            d.patches.append(Patch("ConfigMap", n["config"], {"data": changed}))
+        data, applied_data = desired["ConfigMap"]["data"], cm.get("data") or {}
+        resized = {k: data[k] for k in (render.SERVERS_KEY,) if applied_data.get(k) != data[k]}
+        if resized:
+            d.patches.append(Patch("ConfigMap", n["config"], {"data": resized}))
     if obs.children.get("Job") is None and not job.spec.learner.checkpoint_claim:
         d.events.append(("Warning", "CheckpointsEphemeral", durable[0]["message"]))
 
@@ -456,6 +459,7 @@ def decide(obs: Observed, now: str) -> Decision:
     sts = obs.children.get("StatefulSet") or desired.get("StatefulSet") or {}
     learner = obs.children.get("Job") or desired["Job"]
     want = job.spec.rollout.replicas
+    assert want is not None, "RolloutSpec's validator sets replicas"
     succeeded, failed, why = job_state(learner)
     ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
     status = d.status
@@ -576,8 +580,8 @@ def decide(obs: Observed, now: str) -> Decision:
         reason, message = failure
         if not colocated and (sts.get("spec") or {}).get("replicas") != 0:
             d.patches.append(Patch("StatefulSet", n["statefulset"], {"spec": {"replicas": 0}}))
-        if queued and not failed and obs.children.get("Job") is not None:
-            d.deletes.append(_stop_learner(n, obs.children["Job"]))
+        if queued and not failed and (learner_obj := obs.children.get("Job")) is not None:
+            d.deletes.append(_stop_learner(n, learner_obj))
         elif not suspended and not failed:
             d.patches.append(Patch("Job", n["job"], {"spec": {"suspend": True}}))
         status["rolloutReplicas"] = 0
@@ -728,6 +732,7 @@ def _next_attempt(d: Decision, job: RolloutMatchingJob, learner: dict[str, Any],
         message = f"{head}; its other pods are stopping, then attempt {nxt} starts"
     message = fit_message(message)
     want = job.spec.rollout.replicas
+    assert want is not None, "RolloutSpec's validator sets replicas"
     pool_ready = job.spec.rollout.colocated or ready >= want
     d.status["message"] = message
     d.status["conditions"] = [
@@ -762,7 +767,7 @@ def refused_create(obs: Observed, decision: Decision, obj: dict[str, Any], exc: 
     status.learnerAttemptTime: a re-created Job): then it is Failed. Both clocks are the API's or written before the
     object went, so no lost status write restarts them. Either way one Warning event, not one per retry, and nothing
     else of the pass is applied."""
-    old_conds = obs.status.get("conditions") or []
+    old_conds: list[dict[str, Any]] = obs.status.get("conditions") or []
     gen = obs.generation
 
     def cond(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:

@@ -107,6 +107,7 @@ def server_addresses(job: RolloutMatchingJob, namespace: str) -> list[str]:
     """Stable per-ordinal DNS names of the rollout servers (headless Service)."""
     n = names(job.metadata.name)
     port = job.spec.rollout.port
+    assert job.spec.rollout.replicas is not None, "RolloutSpec's validator sets replicas"
     return [
         f"{n['statefulset']}-{i}.{n['service']}.{namespace}.svc:{port}"
         for i in range(job.spec.rollout.replicas)
@@ -563,7 +564,7 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
         # the servers by the names the certificate must cover (server_addresses), so gRPC's own host name check of
         # each channel is the server name check.
         env = [*env, {"name": TLS_DIR_ENV, "value": TLS_DIR}]
-    container = {
+    container: dict[str, Any] = {
         "name": "learner",
         "image": job.spec.image.ref,
         "imagePullPolicy": job.spec.image.pull_policy,

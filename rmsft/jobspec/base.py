@@ -5,13 +5,16 @@ the two key conventions (camelCase Kubernetes-facing sections, the snake_case `t
 from __future__ import annotations
 
 import re
+from typing import Final
 
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
-API_GROUP = "rmsft.io"
-API_VERSION = "v1alpha1"
-KIND = "RolloutMatchingJob"
+# Final: their literal types are the manifest's Literal fields' (rmsft.jobspec.manifest)
+API_GROUP: Final = "rmsft.io"
+API_VERSION: Final = "v1alpha1"
+API_GROUP_VERSION: Final = "rmsft.io/v1alpha1"  # f"{API_GROUP}/{API_VERSION}", spelled out for its literal type
+KIND: Final = "RolloutMatchingJob"
 PLURAL = "rolloutmatchingjobs"
 
 QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"

@@ -70,6 +70,7 @@ class JobSpec(_K8s):
     def gpus_needed(self) -> int:
         if self.rollout.colocated:  # the engine shares the learner's devices
             return self.learner.gpus
+        assert self.rollout.replicas is not None, "RolloutSpec's validator sets replicas (1 for server mode)"
         return self.rollout.replicas * self.rollout.tensor_parallel_size + self.learner.gpus
 
 

@@ -13,7 +13,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rmsft.jobspec.base import _DNS_LABEL, API_GROUP, API_VERSION, KIND, JobSpecError
+from rmsft.jobspec.base import _DNS_LABEL, API_GROUP_VERSION, KIND, JobSpecError
 from rmsft.jobspec.job import JobSpec
 
 
@@ -25,7 +25,7 @@ class ObjectMeta(BaseModel):
 
 class RolloutMatchingJob(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)  # status/other metadata pass through
-    api_version: Literal["rmsft.io/v1alpha1"] = Field(f"{API_GROUP}/{API_VERSION}", alias="apiVersion")
+    api_version: Literal["rmsft.io/v1alpha1"] = Field(API_GROUP_VERSION, alias="apiVersion")
     kind: Literal["RolloutMatchingJob"] = KIND
     metadata: ObjectMeta
     spec: JobSpec

@@ -99,7 +99,7 @@ class ModePlan:
         return host_ok and all(d.fits for d in self.devices)
 
     def failures(self) -> list[str]:
-        out = []
+        out: list[str] = []
         for d in self.devices:
             out.extend(d.problems)
             if d.capacity is not None and d.peak > d.capacity:

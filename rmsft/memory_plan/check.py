@@ -10,7 +10,14 @@ from pathlib import Path
 
 from rmsft.jobspec import JobSpecError, RolloutMatchingJob
 from rmsft.memory_plan.advice import advise
-from rmsft.memory_plan.arithmetic import as_colocate, as_server, default_gpu_memory, plan_mode, trainable_params
+from rmsft.memory_plan.arithmetic import (
+    ModePlan,
+    as_colocate,
+    as_server,
+    default_gpu_memory,
+    plan_mode,
+    trainable_params,
+)
 from rmsft.memory_plan.render import MemoryPlan
 from rmsft.memory_plan.shapes import ModelShape, resolve_model_shape
 from rmsft.memory_plan.units import gib
@@ -56,14 +63,14 @@ def plan_memory(job: RolloutMatchingJob, *, gpu_memory: int | None = None,
     memory = gpu_memory if gpu_memory is not None else default_gpu_memory(spec)
     if spec.placement.accelerator == "none":
         memory = None  # CPU jobs: host memory, bounded only by the pods' limits
-    plans = {spec.rollout.mode: plan_mode(spec, shape, memory)}
+    plans: dict[str, ModePlan] = {spec.rollout.mode: plan_mode(spec, shape, memory)}
     notes: list[str] = []
     other = as_server(spec) if spec.rollout.colocated else as_colocate(spec)
     if other is not None:
         plans[other.rollout.mode] = plan_mode(other, shape, memory)
     else:
         notes.append("server mode for comparison needs at least 2 GPUs (one rollout, one learner)")
-    ordered = {k: plans[k] for k in ("server", "colocate") if k in plans}
+    ordered: dict[str, ModePlan] = {k: plans[k] for k in ("server", "colocate") if k in plans}
     if memory is not None:
         notes.append(f"GPU memory: {gib(memory)} per GPU"
                      + ("" if gpu_memory is not None else " (default for the accelerator / node selector; "

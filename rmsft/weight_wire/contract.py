@@ -9,11 +9,13 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rmsft_protos import rollout_pb2
 
 if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+    import numpy.typing as npt
     import torch
 
 SyncMode = int  # rollout_pb2.SyncMode value: rollout_pb2.FULL or rollout_pb2.ADAPTER
@@ -47,9 +49,10 @@ def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     try:
-        return getattr(torch, _TORCH_NAMES[name])
+        dtype: torch.dtype = getattr(torch, _TORCH_NAMES[name])
     except KeyError:
         raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(DTYPE_SIZES)}") from None
+    return dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -83,7 +86,15 @@ def digest_name(algorithm: int) -> str:
     return rollout_pb2.DigestAlgorithm.Name(algorithm) if algorithm in (SHA256, BLAKE3) else str(algorithm)
 
 
-def new_hash(algorithm: int, parallel: bool = False) -> Any:
+class Hasher(Protocol):
+    """What a digest is computed with: hashlib's and blake3's hash objects alike."""
+
+    # Any: a buffer (numpy declares its arrays buffers only from Python 3.12 on, collections.abc.Buffer)
+    def update(self, data: Any, /) -> object: ...
+    def digest(self) -> bytes: ...
+
+
+def new_hash(algorithm: int, parallel: bool = False) -> Hasher:
     """A fresh hash object (`update`/`digest`) for a `DigestAlgorithm` value. `parallel`: BLAKE3
     hashes each large `update` on every core (a tree hash: the same digest), for a reader that has
     the whole update in memory already (a shm file), not one receiving it frame by frame."""
@@ -110,7 +121,8 @@ class PipelinedDigest:
         self._pool: Any = None
         self._pending: Any = None
 
-    def update(self, data: bytes) -> None:
+    def update(self, data: bytes | memoryview | npt.NDArray[np.uint8]) -> None:
+        """Hash `data` next (a flat uint8 array's len is its byte count, as a bytes' or a byte memoryview's)."""
         if self._pending is not None:
             self._pending.result()
             self._pending = None
@@ -165,7 +177,8 @@ def _length_delimited_tag(message: Any, field_name: str) -> int:
     f = message.DESCRIPTOR.fields_by_name[field_name]
     if f.type not in (f.TYPE_MESSAGE, f.TYPE_BYTES, f.TYPE_STRING):
         raise TypeError(f"{message.DESCRIPTOR.name}.{field_name} is not length-delimited")
-    return (f.number << 3) | 2
+    tag: int = (f.number << 3) | 2
+    return tag
 
 
 PIECE_TAG = _length_delimited_tag(rollout_pb2.WeightChunk, "piece")  # WeightChunk.piece

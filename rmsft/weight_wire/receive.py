@@ -5,9 +5,9 @@ staging buffer; `decode_chunk` is the server's zero-copy deserializer of `Update
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from rmsft_protos import rollout_pb2
 
@@ -33,6 +33,20 @@ class StagedTensor:
     name: str
     spec: TensorSpec
     start: int  # byte offset in the flat staging buffer
+
+
+class PieceHead(Protocol):
+    """What `StreamReader` reads of a piece besides its bytes: a `rollout_pb2.TensorPiece`, or the views the
+    shared-file and transfer-group paths make of their index entries."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> Sequence[int]: ...
+    @property
+    def offset(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -91,7 +105,7 @@ class StreamReader:
         self._digest = PipelinedDigest(header.digest_algorithm, parallel=self.parallel_digest)
         self.header = header
 
-    def on_piece(self, piece: rollout_pb2.TensorPiece, data: bytes | None = None) -> int:
+    def on_piece(self, piece: rollout_pb2.TensorPiece | PieceHead, data: bytes | memoryview | None = None) -> int:
         """Check one piece; return the offset in the staging buffer where its data goes.
 
         Pass `data` when the caller already read `piece.data`: every read of a protobuf bytes
@@ -100,6 +114,8 @@ class StreamReader:
         if self.header is None:
             raise WireError("tensor piece before the header")
         if data is None:
+            if not isinstance(piece, rollout_pb2.TensorPiece):
+                raise TypeError(f"piece of {piece.name!r} comes without its bytes: pass `data`")
             data = piece.data
         if len(data) > self.max_frame_bytes:
             raise WireError(
@@ -131,7 +147,7 @@ class StreamReader:
         self._digest.update(data)
         return dest
 
-    def _open(self, piece: rollout_pb2.TensorPiece) -> StagedTensor:
+    def _open(self, piece: PieceHead) -> StagedTensor:
         name = piece.name
         if not name:
             raise WireError("tensor piece without a name")
@@ -319,7 +335,8 @@ def decode_chunk(raw: bytes) -> rollout_pb2.WeightChunk | PieceFrame:
         if data_span is None:
             raise IndexError("no data")
     except IndexError:
-        return rollout_pb2.WeightChunk.FromString(raw)
+        chunk: rollout_pb2.WeightChunk = rollout_pb2.WeightChunk.FromString(raw)
+        return chunk
     field_start, data_start, data_end = data_span
     meta = rollout_pb2.TensorPiece.FromString(bytes(buf[start:field_start]) + bytes(buf[data_end:end]))
     return PieceFrame(meta, buf[data_start:data_end])

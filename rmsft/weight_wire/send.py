@@ -47,11 +47,13 @@ from rmsft.weight_wire.contract import (
 from rmsft.weight_wire.version import NO_RUN, check_run_id
 
 if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+    import numpy.typing as npt
     import torch
 
 
 
-def _flat_bytes(tensor: torch.Tensor):
+def _flat_bytes(tensor: torch.Tensor) -> npt.NDArray[np.uint8]:
     """A uint8 numpy view of the tensor's bytes (CPU, contiguous); copies only when it must."""
     import torch
 
@@ -100,11 +102,12 @@ def stream_header(
     return rollout_pb2.WeightHeader(
         version=number,
         run_id=run_id,
-        mode=mode,
+        # protoc's stubs take an enum field as its class or name; protobuf takes any int (proto3 enums are open)
+        mode=mode,  # type: ignore[arg-type]
         tensor_count=len(specs),
         total_bytes=sum(s.nbytes for _, s in specs),
         adapter_config_json=adapter_config_json,
-        digest_algorithm=digest,
+        digest_algorithm=digest,  # type: ignore[arg-type]  # an int, as `mode` above
         relay_to=list(relay_to),
     )
 

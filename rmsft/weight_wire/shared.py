@@ -238,7 +238,8 @@ def check_shared(
         )
     reader.max_frame_bytes = frame_bytes
     mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None
-    data = None
+    data: memoryview | None = None
+    buf: memoryview | None
     try:
         buf = memoryview(mm) if mm is not None else memoryview(b"")
         for entry in header.shared_file.tensors:

@@ -138,7 +138,7 @@ class GlooSender:
         import socket
 
         self.world_size, self.timeout_s, self.address = world_size, timeout_s, address
-        self._listen = socket.create_server(("", port))
+        self._listen: socket.socket | None = socket.create_server(("", port))
         self.port = self._listen.getsockname()[1]
         self.group: Any = None
 

@@ -33,8 +33,9 @@ from __future__ import annotations
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
+from google.protobuf.message import Message
 from rmsft_protos import rollout_pb2
 
 from rmsft.weight_wire.contract import WireError
@@ -88,7 +89,7 @@ FRESH = WeightVersion(NO_RUN, 0)  # what a server holds before any update applie
 
 
 # message type -> (run id field, number field). The one place the wire names them.
-_FIELDS: dict[type, tuple[str, str]] = {
+_FIELDS: dict[type[Message], tuple[str, str]] = {
     rollout_pb2.WeightHeader: ("run_id", "version"),
     rollout_pb2.UpdateReply: ("run_id", "version"),
     rollout_pb2.RelayOutcome: ("run_id", "version"),
@@ -118,6 +119,15 @@ def _fields(message: Any) -> tuple[str, str]:
         raise TypeError(f"{type(message).__name__} carries no weight version") from None
 
 
+# The messages that always carry a version (a reply, a header); a GenerateRequest carries one only when fenced.
+_Versioned = (rollout_pb2.WeightHeader | rollout_pb2.UpdateReply | rollout_pb2.RelayOutcome | rollout_pb2.StatusReply
+              | rollout_pb2.GenerateResponse | rollout_pb2.Completion)
+
+
+@overload
+def version_of(message: _Versioned) -> WeightVersion: ...
+@overload
+def version_of(message: rollout_pb2.GenerateRequest) -> WeightVersion | None: ...
 def version_of(message: Any) -> WeightVersion | None:
     """The weight version a message carries; for a `GenerateRequest` the one it is fenced to, None
     when it is not fenced (`expected_weight_version` unset)."""

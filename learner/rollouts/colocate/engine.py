@@ -61,7 +61,8 @@ def _hf_classes_kept():
     import torch
 
     def subclasses(cls: type) -> Iterable[type]:
-        for sub in cls.__subclasses__():
+        subs: list[type] = cls.__subclasses__()
+        for sub in subs:
             yield sub
             yield from subclasses(sub)
 
@@ -120,10 +121,11 @@ class InProcessVllm:
             kwargs["enable_sleep_mode"] = True
         try:
             with v1_multiprocessing_off(), _rng_kept(), _hf_classes_kept(), _torch_threads_kept():
-                self.llm = LLM(**kwargs)
+                self.llm: LLM | None = LLM(**kwargs)  # None once closed
         except Exception as e:
             raise EngineError(f"vLLM failed to start in the learner's process on {cfg.model}: "
                               f"{type(e).__name__}: {e}") from e
+        assert self.llm is not None, "just made"
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         # vLLM decodes on one torch thread in steady-state serving (`set_torch_threads_for_runtime`: multi-threaded
@@ -138,6 +140,7 @@ class InProcessVllm:
             else {"prompt_token_ids": it.prompt_token_ids} for it in items
         ]
         params = [sampling_params(it.sampling) for it in items]
+        assert self.llm is not None, "an engine not closed"
         try:
             with self._serving_threads():
                 finals = self.llm.generate(prompts, params, use_tqdm=False)
@@ -151,7 +154,12 @@ class InProcessVllm:
             ids = list(o.token_ids)
             logprobs = None
             if it.sampling.logprobs:
-                logprobs = [float(pos[tok].logprob) for pos, tok in zip(o.logprobs, ids, strict=True)]
+                # vLLM's CompletionOutput types logprobs as Optional and each position's entry as Optional (a
+                # prompt's first token has none); a completion sampled with logprobs has one for every token.
+                assert o.logprobs is not None, "asked for (sampling.logprobs)"
+                logprobs = [float(pos[tok].logprob)  # type: ignore[index]
+                            for pos, tok in zip(o.logprobs, ids, strict=True)]
+            assert final.prompt_token_ids is not None, "vLLM returns the ids of a prompt it ran"
             outs.append(GenOutput(list(final.prompt_token_ids), ids, o.finish_reason or "abort", logprobs))
         return outs
 
@@ -176,6 +184,7 @@ class InProcessVllm:
     def load_weights(self, weights: Iterable[tuple[str, Any]], names: list[str]) -> int:
         """Load (checkpoint name, tensor) pairs into the engine's model in place, one at a time as they come,
         then forget every cache the old weights computed. Returns how many tensors were loaded."""
+        assert self.llm is not None, "an engine not closed"
         try:
             (count,) = self.llm.collective_rpc("rmsft_load_tensors", args=(weights, names))
         except Exception as e:
@@ -187,6 +196,7 @@ class InProcessVllm:
     def reset_caches(self) -> None:
         """Cached prefixes and vision-encoder outputs belong to the old weights (the server's reset, for the same
         reason: an image seen before a reload would reuse stale features)."""
+        assert self.llm is not None, "an engine not closed"
         if not self.llm.reset_prefix_cache():
             raise EngineError("vLLM refused to reset its prefix cache after a weight change")
         if self.vision is not None:
@@ -204,9 +214,11 @@ class InProcessVllm:
                 encoder()
 
     def sleep(self, level: int) -> None:
+        assert self.llm is not None, "an engine not closed"
         self.llm.sleep(level=level)
 
     def wake_up(self) -> None:
+        assert self.llm is not None, "an engine not closed"
         self.llm.wake_up()
 
     def close(self) -> None:

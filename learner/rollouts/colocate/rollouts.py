@@ -222,6 +222,7 @@ def colocated_rollouts(job: RolloutMatchingJob, model: Any, tokenizer: Any, *, r
     group = TpGroup(world_size, rank, c.tensor_parallel_size)
     opts = serve_options(job, gpus=on_gpu)
     try:
+        engine: HfEngine | InProcessVllm
         if r.engine == "hf":
             engine = HfEngine.around(model, tokenizer, max_model_len=r.max_model_len,
                                      logprobs_mode=opts["logprobs_mode"], name=str(model_dir))

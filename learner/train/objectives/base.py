@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from learner.core.head import RowHead
 from learner.core.packing import PackedRow, Packer
 from learner.data.images import ImageStore
 from learner.data.order import DataOrder
@@ -34,6 +35,7 @@ from learner.train.feed import RolloutFeed
 from learner.train.policy import Policy
 from learner.train.ranks import Ranks
 from learner.train.results import StepResult, Summary
+from learner.train.updater import StepStrategy
 from rmsft.jobspec import RolloutMatchingJob
 
 __all__ = ["Built", "LoopParts", "Objective", "Prepare", "RowLoss", "StepPlan"]
@@ -42,27 +44,41 @@ __all__ = ["Built", "LoopParts", "Objective", "Prepare", "RowLoss", "StepPlan"]
 # what `prepare` computed for it before the forward. Its logits are [1, L, V], or for an objective whose
 # `chunked_logits` is True and spec.training.loss.logits chunked a `learner.core.head.RowHead` (hidden states and
 # the head: the losses of learner/core/ take either).
-RowLoss = Callable[[PackedRow, torch.Tensor, Any], tuple[torch.Tensor, Mapping[str, torch.Tensor]]]
+RowLoss = Callable[[PackedRow, torch.Tensor | RowHead, Any], tuple[torch.Tensor, Mapping[str, torch.Tensor]]]
 # What row i needs before its forward (e.g. reference log-probs), given the row on the device.
 Prepare = Callable[[int, PackedRow], Any]
 
 
 class LoopParts(Protocol):
-    """What an objective reads of the loop it is bound to (`learner.train.loop.TrainingLoop` has them all)."""
+    """What an objective reads of the loop it is bound to (`learner.train.loop.TrainingLoop` has them all). Read
+    only (properties here): an objective never rebinds them."""
 
-    feed: RolloutFeed  # prompts, rollouts, the staleness window
-    ranks: Ranks
-    state: TrainState  # step, weight version, run id
-    order: DataOrder  # which records each E-step's batch holds
-    records: Sequence[Record]
-    images: ImageStore
-    policy: Policy  # tokenizer, processor, vocabulary
-    model: torch.nn.Module
-    updater: Any  # how the optimizer steps: plain AdamW or DeepSpeed ZeRO (learner/train/updater.py); its autocast
-    packer: Packer
-    core: CoreConfigs  # the output format and the matching of the run
+    @property
+    def feed(self) -> RolloutFeed: ...  # prompts, rollouts, the staleness window
+    @property
+    def ranks(self) -> Ranks: ...
+    @property
+    def state(self) -> TrainState: ...  # step, weight version, run id
+    @property
+    def order(self) -> DataOrder: ...  # which records each E-step's batch holds
+    @property
+    def records(self) -> Sequence[Record]: ...
+    @property
+    def images(self) -> ImageStore: ...
+    @property
+    def policy(self) -> Policy: ...  # tokenizer, processor, vocabulary
+    @property
+    def model(self) -> torch.nn.Module: ...
+    # How the optimizer steps: plain AdamW or DeepSpeed ZeRO (learner/train/updater.py); its autocast. None once
+    # the loop is closed.
+    @property
+    def updater(self) -> StepStrategy | None: ...
+    @property
+    def packer(self) -> Packer: ...
+    @property
+    def core(self) -> CoreConfigs: ...  # the output format and the matching of the run
 
-    def phase(self, name: str) -> AbstractContextManager: ...
+    def phase(self, name: str) -> AbstractContextManager[None]: ...
     def add_phase(self, name: str, seconds: float) -> None: ...
 
 

@@ -52,8 +52,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -66,7 +67,7 @@ from learner.core.grpo import (
     grpo_segment,
     grpo_tokens,
 )
-from learner.core.head import row_outputs
+from learner.core.head import RowHead, row_outputs
 from learner.core.packing import PackedRow, Packer
 from learner.data.episode import check_rollout_prompts
 from learner.data.vision import patch_size, with_vision
@@ -84,6 +85,12 @@ __all__ = ["Grpo", "build_job_rewards"]
 
 # Per-step sums of the device step (normalised by the step's totals, so rows and ranks add up).
 _LOSS_METRICS = ("loss", "clip_fraction", "ratio_mean", "kl", "mismatch_kl", "is_weight_mean", "corrected_fraction")
+
+
+class _PeftModel(Protocol):
+    """What the reference forward needs of a PEFT model: its base weights, adapters off, for a block."""
+
+    def disable_adapter(self) -> AbstractContextManager[Any]: ...
 
 
 def build_job_rewards(job: RolloutMatchingJob) -> RewardSum:
@@ -204,8 +211,9 @@ class Grpo(Objective):
         totals = list(scores.totals)
         parts = {k: list(v) for k, v in scores.per_reward.items()}
         for r in range(1, g.dynamic_sampling_rounds + 1):
+            now = RewardScores(tuple(totals), {k: tuple(v) for k, v in parts.items()})
             flat = [j for j, f in enumerate(flat_groups(self._shaped_rewards(
-                _Groups(groups.indices, rollouts, responses, []), RewardScores(tuple(totals), parts), _Rules()), n))
+                _Groups(groups.indices, rollouts, responses, []), now, _Rules()), n))
                 if f]
             if not int(loop.ranks.sum([float(len(flat))])[0]):
                 break
@@ -245,7 +253,10 @@ class Grpo(Objective):
         lo, hi = ranks.share(len(plan.batch))
         indices = [i for i in plan.batch[lo:hi] for _ in range(n)]
         responses = self._check(outs, indices)
-        return _Groups(indices, list(outs), responses, everything if ranks.is_main else list(outs))
+        if not ranks.is_main:
+            return _Groups(indices, list(outs), responses, list(outs))
+        assert everything is not None, "rank 0 gets the whole batch (feed.rollouts)"
+        return _Groups(indices, list(outs), responses, everything)
 
     def _check(self, outs: Sequence[Rollout], indices: Sequence[int]) -> list[list[int]]:
         """Every rank checks its completions (one per entry of `indices`, the record of each): version, log-probs,
@@ -310,6 +321,7 @@ class Grpo(Objective):
         with loop.phase("pack"), loop.ranks.guard("packing the completions"):
             segments = []
             for j, (idx, out, resp) in enumerate(zip(groups.indices, groups.rollouts, groups.responses, strict=True)):
+                assert out.logprobs is not None, "_check refuses completions without log-probs"
                 masked = not keep[j // n]
                 if masked and (any(keep) or j > 0):
                     continue  # a flat group left out (dynamic_sampling)
@@ -347,7 +359,7 @@ class Grpo(Objective):
             ref = self._reference_logprobs(row) if cfg.kl_coef > 0 else None
             return tokens[i].to(row.input_ids.device), ref
 
-        def row_loss(row: PackedRow, logits: torch.Tensor, before: tuple[GrpoTokens, torch.Tensor | None]
+        def row_loss(row: PackedRow, logits: torch.Tensor | RowHead, before: tuple[GrpoTokens, torch.Tensor | None]
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             row_tokens, ref = before
             out = grpo_row_sums(logits, row, cfg, ref, row_tokens).finish(cfg, total_tokens, total_seqs)
@@ -359,7 +371,10 @@ class Grpo(Objective):
         """The reference policy's log-probs of the row's completion tokens: the base weights (LoRA/DoRA adapters
         disabled; the job spec refuses kl_coef > 0 without LoRA), at the sampling temperature, without grad."""
         loop = self.loop
-        with loop.phase("reference"), torch.no_grad(), loop.model.disable_adapter(), loop.updater.autocast():
+        # A PEFT model (the job spec refuses kl_coef > 0 without LoRA), typed only as a torch Module in the loop.
+        adapted = cast(_PeftModel, loop.model)
+        assert loop.updater is not None, "bound to an open loop"
+        with loop.phase("reference"), torch.no_grad(), adapted.disable_adapter(), loop.updater.autocast():
             logits = row_outputs(loop.model, loop.model, row.model_inputs(), self.cfg.loss.logits,
                                  self.cfg.loss.logits_chunk)
             return completion_logprobs(logits, row, self.grpo.loss.temperature)
@@ -407,6 +422,7 @@ class Grpo(Objective):
 
     def gauges(self, r: StepResult) -> None:
         g = r.grpo
+        assert g is not None, "a GRPO step's result carries its stats (step())"
         m.REWARD.labels("mean").set(g.reward_mean)
         m.REWARD.labels("std").set(g.reward_std)
         m.REWARD.labels("group_std").set(g.group_reward_std)
@@ -425,6 +441,7 @@ class Grpo(Objective):
 
     def line(self, r: StepResult) -> str:
         g = r.grpo
+        assert g is not None, "a GRPO step's result carries its stats (step())"
         return (f"step {r.step} v{r.weight_version} loss {r.loss:.4f} reward {g.reward_mean:.3f} (std "
                 f"{g.reward_std:.3f}, flat groups {g.zero_std_groups:.2f}) clip {g.clip_fraction:.3f} ratio "
                 f"{g.ratio_mean:.4f} kl {g.kl:.4f} mismatch kl {g.mismatch_kl:.2e} len {g.completion_length:.1f} "

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from learner.core.format_watch import FormatWatch
+from learner.core.head import RowHead
 from learner.core.losses import loss_sums, row_totals
 from learner.core.packing import PackedRow, Packer
 from learner.data.episode import build_segments, check_rollout_prompts
@@ -215,7 +216,8 @@ class RolloutMatching(Objective):
         ce_total, coord_total, box_total, ul_total = totals
         coord_ids, weights = self.loop.policy.vocab.coord_token_ids, self.core.weights
 
-        def row_loss(row: PackedRow, logits: torch.Tensor, _: None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        def row_loss(row: PackedRow, logits: torch.Tensor | RowHead,
+                     _: None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             s = loss_sums(logits, row, coord_ids, weights.sigma)
             # Normalised by the step's global totals: summing rows' losses gives the pooled mean.
             out = s.normalised_by(ce_total, coord_total, box_total, ul_total).finish(weights)
