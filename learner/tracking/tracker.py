@@ -345,7 +345,7 @@ def read_wandb_offline(run_file: str | Path) -> tuple[dict[str, list[tuple[int, 
         buf = chunk if kind in (1, 2) else buf + chunk  # FULL / FIRST start a record, MIDDLE / LAST extend it
         if kind not in (1, 4):
             continue
-        rec = pb.Record()
+        rec = pb.Record()  # type: ignore[attr-defined]  # protoc-generated: wandb ships no stubs for its messages
         rec.ParseFromString(buf)
         which = rec.WhichOneof("record_type")
         if which == "history":

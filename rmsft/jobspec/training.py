@@ -178,7 +178,9 @@ class FormatOptions(_Learner):
     )
 
 
-TRACKERS = ("tensorboard", "mlflow", "wandb")
+Tracker = Literal["tensorboard", "mlflow", "wandb"]
+TRACKERS: tuple[Tracker, ...] = ("tensorboard", "mlflow", "wandb")
+DEFAULT_TRACKERS: tuple[Tracker, ...] = ("tensorboard",)
 REPORT_TO_TWICE = "spec.training.report_to names a tracker more than once"  # the CEL rule says the same
 
 
@@ -267,8 +269,8 @@ class TrainingConfig(_Learner):
     log_dir: str | None = Field(
         None, min_length=1, description="TensorBoard event files (rank 0); unset = <checkpoint.dir>/tensorboard.",
     )
-    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
-        default_factory=lambda: ["tensorboard"], max_length=len(TRACKERS),
+    report_to: list[Tracker] = Field(
+        default_factory=lambda: list(DEFAULT_TRACKERS), max_length=len(TRACKERS),
         description="Experiment trackers rank 0 logs the same scalars and the job's config to; [] = none. "
         "mlflow and wandb need `pip install 'rmsft[tracking]'`.",
     )
