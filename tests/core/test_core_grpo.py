@@ -456,3 +456,19 @@ def test_flat_groups_are_groups_of_equal_rewards():
     assert flat_groups([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 2.0, 2.0], 2) == [True, False, True, True]
     with pytest.raises(ValueError, match="groups of 3"):
         flat_groups([1.0, 2.0], 3)
+
+
+def test_correction_none_is_bit_for_bit_the_plain_clipped_loss():
+    # Default runs keep their numbers: the loss and its gradient equal the PPO-clip formula computed directly.
+    g = torch.Generator().manual_seed(3)
+    _, toks = _row([([-0.3 * (j + 1) for j in range(7)], 1.3), ([-0.2] * 5, -0.7), ([-1.1] * 9, 0.4)])
+    base = toks.old_logprobs + (torch.rand(toks.n_tokens, generator=g) - 0.5) * 0.6
+    cfg = GrpoConfig(clip_eps=0.2, clip_eps_high=0.28)
+    a = base.clone().requires_grad_(True)
+    out = grpo_sums(a, toks, cfg).finish(cfg)
+    out.loss.backward()
+    b = base.clone().requires_grad_(True)
+    r = torch.exp(b - toks.old_logprobs)
+    want = -torch.minimum(r * toks.advantages, r.clamp(0.8, 1.28) * toks.advantages).sum() / toks.n_tokens
+    want.backward()
+    assert torch.equal(out.loss, want) and torch.equal(a.grad, b.grad)
