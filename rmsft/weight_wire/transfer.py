@@ -73,7 +73,8 @@ def pack(tensors: Sequence[Any]) -> Any:
 
 def unpack(buffer: Any, dtype_names: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[Any]:
     """The tensors of one bucket, by the table: each at the offset its predecessors' sizes add up to. The results
-    are views of `buffer` (a fresh buffer per bucket, so nothing overwrites them)."""
+    are views of `buffer` (a fresh buffer per bucket, so nothing overwrites them), or a copy where the offset is
+    not a multiple of the dtype's size (a uint8 tensor of odd length before a float one)."""
     import math
 
     import torch
@@ -82,7 +83,10 @@ def unpack(buffer: Any, dtype_names: Sequence[str], shapes: Sequence[Sequence[in
     for dtype_name, shape in zip(dtype_names, shapes, strict=True):
         dtype = getattr(torch, dtype_name)
         n = math.prod(shape) * dtype.itemsize
-        out.append(buffer[offset:offset + n].view(dtype).view(list(shape)))
+        piece = buffer[offset:offset + n]
+        if offset % dtype.itemsize:  # after an odd-sized tensor: a view would be misaligned, so this one is a copy
+            piece = piece.clone()
+        out.append(piece.view(dtype).view(list(shape)))
         offset += n
     if offset != buffer.numel():
         raise ValueError(f"a bucket of {buffer.numel()} bytes holds {offset} bytes of the listed tensors")
