@@ -277,3 +277,25 @@ def test_a_server_that_does_not_echo_the_bucket_size_is_not_taken_into_the_group
         said = " ".join(r.message for r in caplog.records)
         assert "over gRPC" in said and "unpacks buckets of 0 bytes, the learner sends 1048576" in said, said
         assert client.group.id == ""  # no group: the next full sync tries again
+
+
+@pytest.mark.parametrize(("spec_mb", "want"), [(None, 512 << 20), (64, 64 << 20), (0, 0)])
+def test_spec_sync_bucket_megabytes_reaches_the_learners_group(spec_mb, want) -> None:
+    """spec.sync.bucketMegabytes (default 512 MiB) is the bucket size the learner's group sends and asks its members
+    to unpack with; 0 keeps one broadcast per tensor."""
+    import copy
+
+    import yaml
+
+    from learner.train.server_setup import build_server_rollouts
+    from rmsft.jobspec import parse_job
+
+    doc = copy.deepcopy(yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "local-tiny.yaml")
+                                       .read_text()))
+    sync = {**(doc["spec"].get("sync") or {}), "transport": "nccl"}
+    if spec_mb is not None:
+        sync["bucketMegabytes"] = spec_mb
+    doc["spec"]["sync"] = sync
+    rollouts = build_server_rollouts(parse_job(doc), ["127.0.0.1:9"], object(), run_id="x", auth_token=None,
+                                     checkpoint_dir="/tmp", vision_language=False, zero3=False)
+    assert rollouts.sync_client.group.bucket_bytes == want
