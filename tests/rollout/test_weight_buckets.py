@@ -107,3 +107,18 @@ def test_a_bucketed_broadcast_over_gloo_gives_the_receiver_the_senders_tensors_o
     carrying = sum(1 for s, e in plan if any(tensors[i][1].numel() for i in range(s, e)))
     assert sender.collectives == member["group"].broadcasts == carrying
     assert carrying == {512: 3, 0: 6, 1 << 20: 1}[bucket_bytes]
+
+
+def test_the_weight_sync_benchmark_runs_nccl_per_tensor_and_bucketed_as_two_cases(tmp_path) -> None:
+    """benchmarks/weight_sync.py's `nccl_bucketed` is transport nccl with --bucket-mb buckets, `nccl` one broadcast
+    per tensor: the one run compares the two (its RESULT line's bucketed_vs_per_tensor_N)."""
+    from benchmark_module import load_benchmark
+
+    from learner.rollouts.pool import ServerPool
+
+    bench = load_benchmark("weight_sync")
+    with ServerPool(["127.0.0.1:9"]) as pool:  # never called: the clients are only built
+        bucketed = bench._client(pool, object(), "nccl_bucketed", tmp_path, 8)
+        per_tensor = bench._client(pool, object(), "nccl", tmp_path, 8)
+    assert bucketed.transport == per_tensor.transport == "nccl"
+    assert (bucketed.group.bucket_bytes, per_tensor.group.bucket_bytes) == (8 << 20, 0)
