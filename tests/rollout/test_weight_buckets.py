@@ -122,3 +122,22 @@ def test_the_weight_sync_benchmark_runs_nccl_per_tensor_and_bucketed_as_two_case
         per_tensor = bench._client(pool, object(), "nccl", tmp_path, 8)
     assert bucketed.transport == per_tensor.transport == "nccl"
     assert (bucketed.group.bucket_bytes, per_tensor.group.bucket_bytes) == (8 << 20, 0)
+
+
+def test_the_engines_init_info_carries_the_groups_bucket_size_on_both_backends() -> None:
+    """What a server hands vLLM's `init_weight_transfer_engine`: rmsft's gloo engine reads `bucket_bytes`; vLLM's
+    NCCL engine is told to run its packed consumer with the same bucket (and buffers) as the learner's producer."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    from rmsft.weight_wire.transfer import NCCL_BUFFERS, worker_init_info
+    from rollout_engine.weight_transfer_gloo import _engine_class
+
+    def info(backend: str, bucket: int) -> dict:
+        return worker_init_info(backend, master_address="10.0.0.1", master_port=29500, world_size=3,
+                                rank_offset=1, timeout_s=30, bucket_bytes=bucket)
+
+    assert _engine_class().init_info_cls(**info("rmsft_gloo", 512 << 20)).bucket_bytes == 512 << 20
+    nccl = NCCLWeightTransferEngine.init_info_cls(**info("nccl", 512 << 20))
+    assert (nccl.packed, nccl.packed_buffer_size_bytes, nccl.packed_num_buffers) == (True, 512 << 20, NCCL_BUFFERS)
+    assert NCCLWeightTransferEngine.init_info_cls(**info("nccl", 0)).packed is False
