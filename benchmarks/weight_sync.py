@@ -1,7 +1,7 @@
 """Weight sync, every transport, 1 to N servers, in one run: what a FULL update costs end to end.
 
     python benchmarks/weight_sync.py [--gib 1.0] [--servers 1,2,4] [--backend hf] [--rounds 2]
-                                     [--transports grpc,shm,nccl]
+                                     [--transports grpc,shm,nccl,nccl_bucketed] [--bucket-mb 512]
 
 Builds a random Qwen2 checkpoint of >= --gib GiB (float32, tokenizer of the tiny model), starts
 max(--servers) `rmsft serve` processes on it (each with its own staging dir in /dev/shm, all with
@@ -14,6 +14,10 @@ every server's verify and apply) for each transport and pool size, rounds in alt
 - nccl: the update broadcast once from the learner to every server over a weight-transfer group, here with its
   CPU backend (gloo: `rollout_engine.weight_transfer_gloo`; on GPUs the same control path drives vLLM's NCCL engine).
   The group is built before the timed sync (untimed, as a run builds it once); its build time is reported apart.
+  "nccl" sends one broadcast per tensor; "nccl_bucketed" is the same group with spec.sync.bucketMegabytes
+  (--bucket-mb): the tensors packed into buckets, one broadcast per bucket (issue 60 item 4). Both in one run give
+  `bucketed_vs_per_tensor_N`. Here gloo stands in for NCCL (no GPU on this machine): the ratio says what packing
+  saves on gloo's per-collective cost, not what it saves on NCCL.
 
 Per case: wall seconds and GB/s (update bytes / wall; and without the engine's apply, the copy of
 the verified tensors into the model, as the servers the learner called report it), learner CPU-seconds (this process),
@@ -142,7 +146,9 @@ def main() -> None:
                     help="rollout engine; hf by default: 4 vLLM-CPU engines of a 1 GiB model and their KV caches "
                          "do not fit this machine beside the learner")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--transports", default="grpc,shm,nccl")
+    ap.add_argument("--transports", default="grpc,shm,nccl,nccl_bucketed",
+                    help="nccl: one broadcast per tensor; nccl_bucketed: buckets of --bucket-mb (the group's packing)")
+    ap.add_argument("--bucket-mb", type=int, default=512, help="nccl_bucketed's bucket size (MiB)")
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "rmsft-bench-sync-model"))
     args = ap.parse_args()
     sizes = [int(x) for x in args.servers.split(",")]
@@ -176,15 +182,16 @@ def main() -> None:
         with ServerPool([s.address for s in servers]) as pool:  # untimed: first-time costs on both ends
             for transport in transports:
                 version += 1
-                _client(pool, model, transport, shared).sync(version)
+                _client(pool, model, transport, shared, args.bucket_mb).sync(version)
         builds: list[float] = []  # seconds per weight-transfer group built (transport nccl)
+        collectives: dict[str, int] = {}  # broadcasts per update, per nccl variant
         results: dict[tuple[str, int], list[dict[str, float]]] = {}
         cases = [(t, n) for t in transports for n in sizes]
         for rnd in range(args.rounds):
             for transport, n in cases if rnd % 2 == 0 else list(reversed(cases)):
                 version += 1
                 with ServerPool([s.address for s in servers[:n]]) as pool:
-                    client = _client(pool, model, transport, shared)
+                    client = _client(pool, model, transport, shared, args.bucket_mb)
                     if client.group is not None:  # a run builds its group once: not part of a sync's cost
                         b0 = time.perf_counter()
                         client.group.build(pool.servers, {s.address: pool.status(s) for s in pool.servers})
@@ -200,6 +207,7 @@ def main() -> None:
                 assert len(report.acked) == n, report
                 if client.group is not None:
                     assert client.group.updates == 1, "the timed nccl sync fell back to gRPC (see the log)"
+                    collectives.setdefault(transport, client.group.sender.collectives)
                     client.close()
                 # The engine's apply (copying the verified tensors into the model) as the servers the
                 # learner called report it; the rest of the wall time is the transport's.
@@ -226,7 +234,7 @@ def main() -> None:
     for (transport, n), m in sorted(med.items()):
         # nccl: the broadcast happens inside the servers' apply (receive and load are one), so there is no
         # transfer time apart from it
-        apart = "-" if transport == "nccl" else f"{m['transfer_gbps']:.3f}"
+        apart = "-" if transport.startswith("nccl") else f"{m['transfer_gbps']:.3f}"
         print(f"| {transport} | {n} | {m['wall']:.2f} | {m['gbps']:.3f} | {m['apply']:.2f} | "
               f"{apart} | {m['learner_cpu']:.2f} | "
               f"{m['server_cpu']:.2f} | {m['stage_per_server'] / MIB:.0f} MiB | {m['shared'] / MIB:.0f} MiB | "
@@ -245,6 +253,13 @@ def main() -> None:
     if "grpc" in transports and "nccl" in transports:
         fields.append(f"nccl_vs_grpc_{lo}={med[('nccl', lo)]['gbps'] / med[('grpc', lo)]['gbps']:.2f}")
         fields.append(f"nccl_vs_grpc_{hi}={med[('nccl', hi)]['gbps'] / med[('grpc', hi)]['gbps']:.2f}")
+    for t, n in collectives.items():
+        fields.append(f"collectives_{t}={n}")
+    if "nccl" in transports and "nccl_bucketed" in transports:
+        fields.append(f"bucket_mb={args.bucket_mb}")
+        for n in (lo, hi):
+            fields.append(f"bucketed_vs_per_tensor_{n}="
+                          f"{med[('nccl_bucketed', n)]['gbps'] / med[('nccl', n)]['gbps']:.2f}")
     if "grpc" in transports and "shm" in transports:
         fields.append(f"shm_vs_grpc_{lo}={med[('shm', lo)]['gbps'] / med[('grpc', lo)]['gbps']:.2f}")
         fields.append(f"shm_vs_grpc_{lo}_without_apply="
@@ -252,9 +267,12 @@ def main() -> None:
     print("RESULT " + " ".join(fields))
 
 
-def _client(pool: ServerPool, model, transport: str, shared: Path) -> WeightSyncClient:
-    return WeightSyncClient(pool, model, dtype="float32", transport=transport, shared_dir=str(shared),
-                            timeout_s=1800, group_backend="rmsft_gloo", group_timeout_s=600)
+def _client(pool: ServerPool, model, transport: str, shared: Path, bucket_mb: int) -> WeightSyncClient:
+    """`transport` as the benchmark names it: nccl_bucketed is transport nccl with buckets of `bucket_mb` MiB."""
+    bucketed = transport == "nccl_bucketed"
+    return WeightSyncClient(pool, model, dtype="float32", transport="nccl" if bucketed else transport,
+                            shared_dir=str(shared), timeout_s=1800, group_backend="rmsft_gloo", group_timeout_s=600,
+                            group_bucket_bytes=bucket_mb * MIB if bucketed else 0)
 
 
 if __name__ == "__main__":

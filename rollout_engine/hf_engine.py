@@ -244,6 +244,7 @@ class HfEngine:
         try:
             self._group = open_group(init_info["master_address"], init_info["master_port"], init_info["rank_offset"],
                                      init_info["world_size"], init_info["timeout_s"])
+            self._bucket_bytes = int(init_info.get("bucket_bytes", 0))
         except Exception as e:
             raise EngineError(f"joining the learner's weight-transfer group failed: {e}") from e
 
@@ -259,7 +260,7 @@ class HfEngine:
         try:
             with torch.no_grad():
                 for name, t in receive(self._group, update_info["names"], update_info["dtype_names"],
-                                       update_info["shapes"]):
+                                       update_info["shapes"], getattr(self, "_bucket_bytes", 0)):
                     if name in params:
                         params[name].copy_(t)
         except Exception as e:  # some tensors are in, the rest not

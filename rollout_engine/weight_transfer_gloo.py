@@ -5,7 +5,8 @@ stand-in for vLLM's NCCL engine (issue 45), so the same control path runs where 
 The learner is rank 0 of a stateless group (vLLM's `stateless_init_torch_distributed_process_group`: a TCP store
 on the learner, no global process group touched on either side); each engine worker joins as rank
 `rank_offset + its rank in the engine`. Names, dtypes and shapes travel on the control plane (the `update_weights`
-dict); the bytes travel as broadcasts from rank 0, one tensor at a time, as uint8 views (gloo has no bf16 on every
+dict); the bytes travel as broadcasts from rank 0, packed into the group's buckets (set at the join:
+`rmsft.weight_wire.transfer.plan_buckets`; 0 is one tensor at a time), as uint8 views (gloo has no bf16 on every
 build). Each received tensor goes to the model's `load_weights` between vLLM's layerwise-reload start and finish.
 
 Registered inside every engine worker process (vLLM's CPU platform spawns its workers, so a registration in the
@@ -45,6 +46,7 @@ def _engine_class() -> type:
         world_size: int
         rank_offset: int = 1
         timeout_s: float = 300.0
+        bucket_bytes: int = 0  # the group's bucket size (rmsft.weight_wire.transfer.plan_buckets); 0: per tensor
 
     @dataclass(kw_only=True)
     class GlooUpdateInfo(WeightTransferUpdateInfo):
@@ -61,12 +63,14 @@ def _engine_class() -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.group: Any = None
+            self.bucket_bytes = 0
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             p = self.parallel_config
             rank = getattr(p, "data_parallel_index", 0) * p.world_size + p.rank + init_info.rank_offset
             self.group = open_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
                                     init_info.timeout_s)
+            self.bucket_bytes = init_info.bucket_bytes
 
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -81,7 +85,8 @@ def _engine_class() -> type:
         def receive_weights(self, update_info: GlooUpdateInfo) -> None:
             if self.group is None:
                 raise RuntimeError("the gloo weight transfer was not initialised (init_weight_transfer_engine first)")
-            for name, t in receive(self.group, update_info.names, update_info.dtype_names, update_info.shapes):
+            for name, t in receive(self.group, update_info.names, update_info.dtype_names, update_info.shapes,
+                                   self.bucket_bytes):
                 alias = update_info.also_as.get(name)
                 cast(_LoadsWeights, self.model).load_weights([(name, t)] if alias is None else [(name, t), (alias, t)])
 

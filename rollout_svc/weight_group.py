@@ -75,7 +75,8 @@ class GroupMember:
         try:
             info = worker_init_info(self.cfg.weight_transfer, master_address=request.master_address,
                                     master_port=request.master_port, world_size=request.world_size,
-                                    rank_offset=request.rank_offset, timeout_s=request.timeout_s or 300.0)
+                                    rank_offset=request.rank_offset, timeout_s=request.timeout_s or 300.0,
+                                    bucket_bytes=request.bucket_bytes)
             self._group_id = ""  # the old group is left whatever happens next
             self.runner.call(lambda: self.engine.join_weight_group(info))
             self._group_id = request.group_id
@@ -91,7 +92,8 @@ class GroupMember:
                  self.cfg.weight_transfer, request.rank_offset,
                  request.rank_offset + self.engine.tensor_parallel_size - 1, request.world_size)
         metrics.REQUESTS.labels(method="JoinWeightGroup", code="OK").inc()
-        return rollout_pb2.JoinWeightGroupReply(group_id=request.group_id, ranks=self.engine.tensor_parallel_size)
+        return rollout_pb2.JoinWeightGroupReply(group_id=request.group_id, ranks=self.engine.tensor_parallel_size,
+                                                bucket_bytes=request.bucket_bytes)
 
     def _update_over_group(self, header, rest, context, t0: float):
         """An UpdateWeights stream whose header lists the tensors of a FULL update coming over the weight-transfer

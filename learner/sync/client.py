@@ -104,7 +104,8 @@ class WeightSyncClient:
     the first server, which relays it to the others), "shm" (written once into `shared_dir`, a
     node-local shared-memory dir every server reads; gRPC carries only header and digest) or "nccl" (FULL
     broadcast over a weight-transfer group of `group_backend`: "nccl" on GPUs, "rmsft_gloo" on the CPU;
-    `group_timeout_s` bounds its rendezvous and each broadcast).
+    `group_timeout_s` bounds its rendezvous and each broadcast; `group_bucket_bytes` packs its tensors into
+    buckets of that size, one broadcast each, 0 one per tensor).
     """
 
     def __init__(
@@ -124,6 +125,7 @@ class WeightSyncClient:
         shared_dir: str = "",
         group_backend: str = "rmsft_gloo",
         group_timeout_s: float = 120.0,
+        group_bucket_bytes: int = 0,
         keep_generating: bool = False,
     ) -> None:
         if mode not in ("full", "adapter", "auto"):
@@ -138,7 +140,8 @@ class WeightSyncClient:
             from rmsft.weight_wire.transfer import check_backend
 
             check_backend(group_backend)
-            self.group = WeightGroup(group_backend, timeout_s=group_timeout_s, metadata=pool.metadata)
+            self.group = WeightGroup(group_backend, timeout_s=group_timeout_s, metadata=pool.metadata,
+                                     bucket_bytes=group_bucket_bytes)
         if transport == "shm" and not (shared_dir and Path(shared_dir).is_dir()):
             raise ValueError(
                 f"sync transport 'shm' needs a shared-weights dir the servers read too (RMSFT_SHARED_WEIGHTS_DIR); "

@@ -11,8 +11,11 @@ Control path, per full sync:
    checks the listing against its model, waits for its running calls to finish and says ready (initial
    metadata). Only when every member is ready does the learner send the trailer ("go") and broadcast; otherwise it
    ends the streams (nothing applied anywhere) and the sync goes over gRPC instead.
-3. **Broadcast.** One tensor at a time, as the export produces it (one LoRA layer merged at a time, as for gRPC).
-   Each server applies, takes the header's (run id, number) as its version and answers.
+3. **Broadcast.** As the export produces the tensors (one LoRA layer merged at a time, as for gRPC), packed into
+   buckets of `bucket_bytes` (spec.sync.bucketMegabytes), one broadcast per bucket; every member unpacks by the
+   header's listing with the bucket size it agreed at the join (its JoinWeightGroupReply echoes it; a member that
+   answers another size is not taken into the group). 0: one broadcast per tensor. Each server applies, takes the
+   header's (run id, number) as its version and answers.
 
 A member lost mid-broadcast fails its collective after the group's timeout; the learner's broadcast fails with it
 (the collective timeout is the bound, never a hang), the group is dropped, the servers that applied say so, and
@@ -54,11 +57,13 @@ def address_toward(server_address: str) -> str:
 
 class WeightGroup:
     """The learner's side of the weight-transfer group. `backend`: rmsft.weight_wire.transfer's NCCL or GLOO.
-    `timeout_s` bounds the rendezvous and each broadcast; `metadata`: the pool's call metadata (auth)."""
+    `timeout_s` bounds the rendezvous and each broadcast; `metadata`: the pool's call metadata (auth);
+    `bucket_bytes`: the bucket size of every update over the group (0: one broadcast per tensor)."""
 
     def __init__(self, backend: str, *, timeout_s: float, metadata: Sequence[tuple[str, str]] = (),
-                 address: str | None = None) -> None:
+                 address: str | None = None, bucket_bytes: int = 0) -> None:
         self.backend = backend
+        self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.metadata = tuple(metadata)
         self.address = address  # None: the route toward the first member decides
@@ -88,13 +93,13 @@ class WeightGroup:
         sizes = [max(1, statuses[s.address].tensor_parallel_size) for s in servers]
         world = 1 + sum(sizes)
         address = self.address or address_toward(servers[0].address)
-        sender = make_sender(self.backend, world, self.timeout_s, address=address)
+        sender = make_sender(self.backend, world, self.timeout_s, address=address, bucket_bytes=self.bucket_bytes)
         calls = []
         offset = 1
         for server, size in zip(servers, sizes, strict=True):
             request = rollout_pb2.JoinWeightGroupRequest(
                 group_id=group_id, master_address=address, master_port=sender.port, world_size=world,
-                rank_offset=offset, timeout_s=self.timeout_s)
+                rank_offset=offset, timeout_s=self.timeout_s, bucket_bytes=self.bucket_bytes)
             calls.append(rollout_pb2_grpc.RolloutServiceStub(server.channel).JoinWeightGroup.future(
                 request, timeout=self.timeout_s + 30, metadata=self.metadata))
             offset += size
@@ -111,9 +116,14 @@ class WeightGroup:
         failed = {}
         for server, call in zip(servers, calls, strict=True):
             try:
-                call.result()
+                reply = call.result()
             except grpc.RpcError as e:
                 failed[server.address] = f"{e.code().name}: {e.details()}"
+                continue
+            if reply.bucket_bytes != self.bucket_bytes:  # it would cut the broadcasts apart differently
+                failed[server.address] = (f"it unpacks buckets of {reply.bucket_bytes} bytes, the learner sends "
+                                          f"{self.bucket_bytes} (a server image older than spec.sync.bucketMegabytes "
+                                          "answers 0)")
         # Every server's join has ended (joined or failed), so none is held in the rendezvous any more; the learner's
         # own end ends with them (or at its timeout).
         t.join(self.timeout_s + 30)
@@ -125,8 +135,8 @@ class WeightGroup:
             raise GroupUnusable(f"weight-transfer group not formed: {why}")
         self.id, self.members, self.sender = group_id, tuple(s.address for s in servers), sender
         self.builds += 1
-        log.info("weight-transfer group %s (%s): the learner and %d server(s), %d ranks", group_id, self.backend,
-                 len(servers), world)
+        log.info("weight-transfer group %s (%s): the learner and %d server(s), %d ranks, buckets of %d bytes",
+                 group_id, self.backend, len(servers), world, self.bucket_bytes)
 
     def drop(self) -> None:
         if self.sender is not None:

@@ -73,6 +73,7 @@ def build_server_rollouts(job: RolloutMatchingJob, addresses: Sequence[str] | Se
         group_backend=sync.group_backend("nvidia" if job.spec.placement.accelerator == "nvidia"
                                          and _cuda() else "none") or "rmsft_gloo",
         group_timeout_s=min(sync.timeout_seconds, 300.0),
+        group_bucket_bytes=sync.bucket_megabytes << 20,
         keep_generating=job.spec.training.rollout.inflight,
     )
     if zero3:

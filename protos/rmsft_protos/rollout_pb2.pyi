@@ -35,28 +35,32 @@ SHA256: DigestAlgorithm
 BLAKE3: DigestAlgorithm
 
 class JoinWeightGroupRequest(_message.Message):
-    __slots__ = ("group_id", "master_address", "master_port", "world_size", "rank_offset", "timeout_s")
+    __slots__ = ("group_id", "master_address", "master_port", "world_size", "rank_offset", "timeout_s", "bucket_bytes")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     master_address: str
     master_port: int
     world_size: int
     rank_offset: int
     timeout_s: float
-    def __init__(self, group_id: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    bucket_bytes: int
+    def __init__(self, group_id: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., timeout_s: _Optional[float] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
 
 class JoinWeightGroupReply(_message.Message):
-    __slots__ = ("group_id", "ranks")
+    __slots__ = ("group_id", "ranks", "bucket_bytes")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     ranks: int
-    def __init__(self, group_id: _Optional[str] = ..., ranks: _Optional[int] = ...) -> None: ...
+    bucket_bytes: int
+    def __init__(self, group_id: _Optional[str] = ..., ranks: _Optional[int] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
 
 class TransferGroup(_message.Message):
     __slots__ = ("group_id", "tensors")

@@ -24,6 +24,14 @@ class SyncSpec(_K8s):
         True, description="After an adapter update fails, send full weights for the rest of the run.")
     frame_bytes: int = Field(4 << 20, ge=64 << 10, le=256 << 20, description="Max bytes per stream frame.")
     timeout_seconds: float = Field(600.0, gt=0, description="Deadline of one weight update, per server call.")
+    # 512 MiB: verl's default bucket for its weight sync; vLLM's own packed NCCL default is 1 GiB. Each bucket is
+    # a copy on the learner's device (two in flight on NCCL), so the size is also the sync's extra memory.
+    bucket_megabytes: int = Field(
+        512, ge=0, le=16384, description="Transport nccl: the weight-transfer group packs full weights into buckets "
+        "of this many MiB, one broadcast per bucket (a tensor larger than a bucket goes alone); each bucket is "
+        "an extra copy on the learner's device while it is sent (two in flight on NCCL). 0: one broadcast per "
+        "tensor.",
+    )
     transport: Literal["auto", "grpc", "shm", "nccl"] = Field(
         "auto", description="How an update reaches the rollout servers: grpc streams its bytes over gRPC (works "
         "across nodes); shm writes it once to a file in node-local shared memory and gRPC carries only a header "

@@ -3,12 +3,21 @@ weight-transfer API, and the learner's rank-0 end.
 
 Two backends, one control path (`JoinWeightGroup`, then an `UpdateWeights` header with `transfer_group`):
 - "nccl": vLLM's own NCCL engine (`vllm/distributed/weight_transfer/nccl_engine.py`), GPUs only; the learner's
-  rank 0 opens its end with vLLM's `trainer_init` and broadcasts from its CUDA device, unpacked (one tensor per
-  broadcast, so the order and sizes are the header's listing).
+  rank 0 opens its end with vLLM's `trainer_init` and broadcasts from its CUDA device, packed with vLLM's own
+  packed producer/consumer (`packed_tensor.py`: buckets of `packed_buffer_size_bytes`, two in flight) when the
+  group's bucket size is set, else one tensor per broadcast.
 - "rmsft_gloo": rmsft's gloo engine (`rollout_engine/weight_transfer_gloo.py`, registered in vLLM's registry from
   every engine worker), the CPU stand-in: the same calls on machines without a GPU (tests, `rmsft local` on the CPU).
   Its group is a stateless torch.distributed gloo group (vLLM's helper: a TCP store on the learner, no global
-  process group touched on either side); the bytes travel as uint8 broadcasts (gloo has no bf16 on every build).
+  process group touched on either side); the bytes travel as uint8 broadcasts (gloo has no bf16 on every build),
+  packed into buckets (`plan_buckets`) when the group's bucket size is set.
+
+Buckets (spec.sync.bucketMegabytes, issue 60): one collective per bucket instead of per tensor. Both ends derive the
+same plan from the header's table alone (names, dtypes, shapes, in order): `plan_buckets` fills a bucket while the
+next tensor fits, a tensor larger than a bucket goes alone, and each tensor's offset is the sum of the sizes before
+it in its bucket. A bucket of zero bytes (only empty tensors) is not broadcast. The size is agreed when the group is
+joined (JoinWeightGroupRequest.bucket_bytes, echoed in the reply), so a member that would unpack differently never
+takes part in an update.
 
 The server is started with `--weight-transfer BACKEND` (vLLM needs the backend when the engine is created); the
 learner picks the same from `spec.accelerator`. torch and vLLM are imported lazily.
@@ -29,16 +38,87 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"weight-transfer backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 
+# vLLM's packed NCCL path keeps this many buckets in flight on each side; both ends must agree, so it is fixed here.
+NCCL_BUFFERS = 2
+
+
+def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[tuple[int, int]]:
+    """Index ranges [start, end) of the tensors (their byte sizes, in the listing's order) that share a bucket.
+    `bucket_bytes` 0: one bucket per tensor. A bucket takes tensors while they fit; a tensor larger than a bucket
+    gets one of its own. Both ends call this on the header's table, so they agree without sending the plan."""
+    if bucket_bytes < 0:
+        raise ValueError(f"bucket_bytes must be >= 0, got {bucket_bytes}")
+    if bucket_bytes == 0:
+        return [(i, i + 1) for i in range(len(sizes))]
+    buckets: list[tuple[int, int]] = []
+    start, used = 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and used + size > bucket_bytes:
+            buckets.append((start, i))
+            start, used = i, 0
+        used += size
+    if start < len(sizes):
+        buckets.append((start, len(sizes)))
+    return buckets
+
+
+def pack(tensors: Sequence[Any]) -> Any:
+    """One flat uint8 buffer holding `tensors`' bytes back to back (the bucket a collective carries)."""
+    import torch
+
+    if not tensors:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors])
+
+
+def unpack(buffer: Any, dtype_names: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[Any]:
+    """The tensors of one bucket, by the table: each at the offset its predecessors' sizes add up to. The results
+    are views of `buffer` (a fresh buffer per bucket, so nothing overwrites them), or a copy where the offset is
+    not a multiple of the dtype's size (a uint8 tensor of odd length before a float one)."""
+    import math
+
+    import torch
+
+    out, offset = [], 0
+    for dtype_name, shape in zip(dtype_names, shapes, strict=True):
+        dtype = getattr(torch, dtype_name)
+        n = math.prod(shape) * dtype.itemsize
+        piece = buffer[offset:offset + n]
+        if offset % dtype.itemsize:  # after an odd-sized tensor: a view would be misaligned, so this one is a copy
+            piece = piece.clone()
+        out.append(piece.view(dtype).view(list(shape)))
+        offset += n
+    if offset != buffer.numel():
+        raise ValueError(f"a bucket of {buffer.numel()} bytes holds {offset} bytes of the listed tensors")
+    return out
+
+
+def tensor_nbytes(dtype_name: str, shape: Sequence[int]) -> int:
+    import math
+
+    import torch
+
+    dtype: torch.dtype = getattr(torch, dtype_name)
+    return math.prod(shape) * dtype.itemsize
+
+
 def worker_init_info(backend: str, *, master_address: str, master_port: int, world_size: int, rank_offset: int,
-                     timeout_s: float) -> dict[str, Any]:
-    """`init_weight_transfer_engine`'s init_info for one server, whose workers take ranks rank_offset.."""
+                     timeout_s: float, bucket_bytes: int = 0) -> dict[str, Any]:
+    """`init_weight_transfer_engine`'s init_info for one server, whose workers take ranks rank_offset..
+    `bucket_bytes`: the group's bucket size (0: one broadcast per tensor)."""
     check_backend(backend)
     info: dict[str, Any] = {"master_address": master_address, "master_port": master_port, "world_size": world_size,
                             "rank_offset": rank_offset}
     if backend == GLOO:
         info["timeout_s"] = timeout_s
+        info["bucket_bytes"] = bucket_bytes
     else:
-        info["packed"] = False  # one broadcast per tensor, in the listing's order
+        # vLLM's NCCL engine packs when told to, with its own packed consumer; its bucket rule (flush once a
+        # bucket passes the size) is vLLM's, the same on both ends because the learner uses vLLM's producer.
+        info["packed"] = bucket_bytes > 0
+        if bucket_bytes > 0:
+            info["packed_buffer_size_bytes"] = bucket_bytes
+            info["packed_num_buffers"] = NCCL_BUFFERS
     return info
 
 
@@ -62,8 +142,10 @@ class NcclSender:
     """The learner's end of an NCCL group (rank 0), with vLLM's trainer-side helper. `port` must be free on this
     host: vLLM's rendezvous binds it itself when `join` runs."""
 
-    def __init__(self, world_size: int, timeout_s: float = 300.0, *, address: str, port: int) -> None:
+    def __init__(self, world_size: int, timeout_s: float = 300.0, *, address: str, port: int,
+                 bucket_bytes: int = 0) -> None:
         self.world_size, self.timeout_s, self.address, self.port = world_size, timeout_s, address, port
+        self.bucket_bytes = bucket_bytes
         self.group: Any = None
 
     def join(self) -> None:
@@ -75,6 +157,8 @@ class NcclSender:
     def send(self, tensors: Iterable[tuple[str, Any]]) -> int:
         import torch
 
+        if self.bucket_bytes > 0:
+            return self._send_packed(tensors)
         total = 0
         stream = torch.cuda.current_stream()
         for _, t in tensors:
@@ -84,21 +168,37 @@ class NcclSender:
         stream.synchronize()
         return total
 
+    def _send_packed(self, tensors: Iterable[tuple[str, Any]]) -> int:
+        """vLLM's packed producer, the exact counterpart of the packed consumer its NCCL engine runs."""
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        sent = [0]
+
+        def counted() -> Any:
+            for name, t in tensors:
+                sent[0] += t.numel() * t.element_size()
+                yield name, t
+
+        packed_nccl_broadcast_producer(iterator=counted(), group=self.group, src=0,
+                                       post_iter_func=lambda item: item[1], buffer_size_bytes=self.bucket_bytes,
+                                       num_buffers=NCCL_BUFFERS)
+        return sent[0]
+
     def close(self) -> None:
         self.group = None
 
 
-def make_sender(backend: str, world_size: int, timeout_s: float, *, address: str) -> Any:
+def make_sender(backend: str, world_size: int, timeout_s: float, *, address: str, bucket_bytes: int = 0) -> Any:
     """The learner's rank-0 end for `backend`, its port chosen (`.port`); `join()` then meets the servers."""
     check_backend(backend)
     if backend == GLOO:
-        return GlooSender(world_size, timeout_s, address=address)
+        return GlooSender(world_size, timeout_s, address=address, bucket_bytes=bucket_bytes)
     import socket
 
     with socket.socket() as s:  # vLLM's NCCL rendezvous binds the port itself: a free one, chosen now
         s.bind(("", 0))
         port = s.getsockname()[1]
-    return NcclSender(world_size, timeout_s, address=address, port=port)
+    return NcclSender(world_size, timeout_s, address=address, port=port, bucket_bytes=bucket_bytes)
 
 
 def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float, listen_socket: Any = None) -> Any:
@@ -113,14 +213,20 @@ def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: floa
         timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def receive(group: Any, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> Any:
-    """(name, tensor) as each arrives from rank 0, in the order the update listed them."""
+def receive(group: Any, names: list[str], dtype_names: list[str], shapes: list[list[int]],
+            bucket_bytes: int = 0) -> Any:
+    """(name, tensor) as each bucket arrives from rank 0, in the order the update listed them; `bucket_bytes` is the
+    group's (the sender's) bucket size, so the plan here is the sender's."""
     import torch
 
-    for name, dtype_name, shape in zip(names, dtype_names, shapes, strict=True):
-        t = torch.empty(shape, dtype=getattr(torch, dtype_name))
-        group.broadcast(t.view(-1).view(torch.uint8), 0).wait()
-        yield name, t
+    if not len(names) == len(dtype_names) == len(shapes):
+        raise ValueError(f"the update lists {len(names)} names, {len(dtype_names)} dtypes and {len(shapes)} shapes")
+    sizes = [tensor_nbytes(d, s) for d, s in zip(dtype_names, shapes, strict=True)]
+    for start, end in plan_buckets(sizes, bucket_bytes):
+        buffer = torch.empty(sum(sizes[start:end]), dtype=torch.uint8)
+        if buffer.numel():  # the sender skips a bucket of empty tensors too
+            group.broadcast(buffer, 0).wait()
+        yield from zip(names[start:end], unpack(buffer, dtype_names[start:end], shapes[start:end]), strict=True)
 
 
 class GlooSender:
@@ -134,10 +240,12 @@ class GlooSender:
     to join."""
 
     def __init__(self, world_size: int, timeout_s: float = 300.0, *, address: str = "127.0.0.1",
-                 port: int = 0) -> None:
+                 port: int = 0, bucket_bytes: int = 0) -> None:
         import socket
 
         self.world_size, self.timeout_s, self.address = world_size, timeout_s, address
+        self.bucket_bytes = bucket_bytes
+        self.collectives = 0  # broadcasts issued by the last send (tests and the benchmark read it)
         self._listen: socket.socket | None = socket.create_server(("", port))
         self.port = self._listen.getsockname()[1]
         self.group: Any = None
@@ -156,12 +264,27 @@ class GlooSender:
         self.group = None
 
     def send(self, tensors: Any) -> int:
-        """Broadcast each (name, tensor) of `tensors`, one at a time, as it is produced; returns the bytes sent."""
-        import torch
-
+        """Broadcast `tensors` ((name, tensor), in the listing's order) as they are produced, a bucket at a time
+        (`plan_buckets`' rule, applied as they come: the receiver applies it to the whole listing); returns the
+        bytes sent. Holds at most one bucket (or one tensor larger than a bucket) beyond the export's own."""
+        self.collectives = 0
         total = 0
+        pending: list[Any] = []
+        used = 0
         for _, t in tensors:
-            flat = t.detach().contiguous().view(-1).view(torch.uint8)
-            self.group.broadcast(flat, 0).wait()
-            total += flat.numel()
+            size = t.numel() * t.element_size()
+            if pending and (self.bucket_bytes == 0 or used + size > self.bucket_bytes):
+                total += self._broadcast(pending)
+                pending, used = [], 0
+            pending.append(t)
+            used += size
+        if pending:
+            total += self._broadcast(pending)
         return total
+
+    def _broadcast(self, bucket: list[Any]) -> int:
+        flat = pack(bucket)
+        if flat.numel():  # a bucket of empty tensors carries nothing: the receiver skips it too
+            self.group.broadcast(flat, 0).wait()
+            self.collectives += 1
+        return int(flat.numel())

@@ -229,3 +229,73 @@ def test_an_update_for_another_group_or_with_a_wrong_listing_is_refused_before_a
         want = bump(model, 0.05)
         client.sync(2)
         assert _holds(server, want) and client.group.builds == 1
+
+
+def test_a_bucketed_group_sync_lands_whole_on_every_server_with_one_broadcast_per_bucket(servers_of, model) -> None:
+    """spec.sync.bucketMegabytes > 0: the learner packs the update into buckets, each server's engine unpacks them by
+    the header's listing with the bucket size it agreed at the join, and holds the learner's weights bit for bit."""
+    from rmsft.weight_wire.transfer import plan_buckets
+
+    servers = servers_of(2)
+    bucket = 64 << 10  # the tiny model's tensors: several buckets, some holding many tensors
+    with ServerPool([s.address for s in servers], run_id="5d0c3b2a1e99") as pool:
+        client = WeightSyncClient(pool, model, dtype="float32", transport="nccl", group_backend="rmsft_gloo",
+                                  group_timeout_s=20, timeout_s=60, group_bucket_bytes=bucket)
+        want = bump(model, 0.01)
+        report = client.sync(1)
+        assert sorted(report.acked) == sorted(s.address for s in servers)
+        assert all(_holds(s, want) for s in servers)
+        assert [s.servicer.runner.weights for s in servers] == [WeightVersion("5d0c3b2a1e99", 1)] * 2
+        sizes = [t.numel() * 4 for _, t in model.named_parameters()]
+        plan = plan_buckets(sizes, bucket)
+        assert client.group.sender.collectives == len(plan) < len(sizes)
+
+
+def test_a_server_that_does_not_echo_the_bucket_size_is_not_taken_into_the_group(servers_of, model, caplog,
+                                                                                 monkeypatch) -> None:
+    """A server image older than the buckets drops JoinWeightGroupRequest.bucket_bytes (it would read the broadcasts
+    as one tensor each): its reply says 0, the learner builds no group with it and the update goes over gRPC."""
+    (server,) = servers_of(1)
+    import rollout_svc.weight_group as server_side
+
+    class OlderProtos:  # the server's view of the protos, as an image built before the field was
+        def __getattr__(self, name):
+            return getattr(rollout_pb2, name)
+
+        @staticmethod
+        def JoinWeightGroupReply(**kw):
+            return rollout_pb2.JoinWeightGroupReply(**{k: v for k, v in kw.items() if k != "bucket_bytes"})
+
+    monkeypatch.setattr(server_side, "rollout_pb2", OlderProtos())
+    with ServerPool([server.address]) as pool:
+        client = WeightSyncClient(pool, model, dtype="float32", transport="nccl", group_backend="rmsft_gloo",
+                                  group_timeout_s=20, timeout_s=60, group_bucket_bytes=1 << 20)
+        want = bump(model, 0.02)
+        with caplog.at_level(logging.WARNING, logger="rmsft.learner.sync"):
+            report = client.sync(1)
+        assert sorted(report.acked) == [server.address] and _holds(server, want)
+        said = " ".join(r.message for r in caplog.records)
+        assert "over gRPC" in said and "unpacks buckets of 0 bytes, the learner sends 1048576" in said, said
+        assert client.group.id == ""  # no group: the next full sync tries again
+
+
+@pytest.mark.parametrize(("spec_mb", "want"), [(None, 512 << 20), (64, 64 << 20), (0, 0)])
+def test_spec_sync_bucket_megabytes_reaches_the_learners_group(spec_mb, want) -> None:
+    """spec.sync.bucketMegabytes (default 512 MiB) is the bucket size the learner's group sends and asks its members
+    to unpack with; 0 keeps one broadcast per tensor."""
+    import copy
+
+    import yaml
+
+    from learner.train.server_setup import build_server_rollouts
+    from rmsft.jobspec import parse_job
+
+    doc = copy.deepcopy(yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "local-tiny.yaml")
+                                       .read_text()))
+    sync = {**(doc["spec"].get("sync") or {}), "transport": "nccl"}
+    if spec_mb is not None:
+        sync["bucketMegabytes"] = spec_mb
+    doc["spec"]["sync"] = sync
+    rollouts = build_server_rollouts(parse_job(doc), ["127.0.0.1:9"], object(), run_id="x", auth_token=None,
+                                     checkpoint_dir="/tmp", vision_language=False, zero3=False)
+    assert rollouts.sync_client.group.bucket_bytes == want
