@@ -34,7 +34,7 @@ import os
 import struct
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,6 +64,14 @@ class TrackingError(RuntimeError):
 class MlflowTarget:
     uri: str
     experiment: str
+
+
+def check_trackers(report_to: Sequence[str], tensorboard_dir: str) -> None:
+    """Rank 0, before anything is paid for: every optional tracker `report_to` names installed (require_trackers),
+    and TensorBoard's folder writable when it is one of them (now, not after training)."""
+    require_trackers(report_to)
+    if "tensorboard" in report_to:
+        check_writable(Path(tensorboard_dir))
 
 
 def require_trackers(names: Iterable[str]) -> None:

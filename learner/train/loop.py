@@ -48,7 +48,7 @@ from learner.rollouts.interface import RolloutSource
 from learner.rollouts.pool import ServerPool, ServersFile
 from learner.rollouts.server_home import WeightSender
 from learner.tracking import metrics as m
-from learner.tracking.tracker import check_writable, require_trackers, tracker_of
+from learner.tracking.tracker import check_trackers, tracker_of
 from learner.train import zero
 from learner.train.checkpoint_files import check_checkpoint_dir
 from learner.train.checkpoint_owner import WriterLock, lineage_of
@@ -170,9 +170,7 @@ class TrainingLoop:
         with ranks.guard("checking spec.training.checkpoint.dir (rank 0)"):
             if ranks.is_main:  # the rank that writes checkpoints; before anything is paid for
                 self._writer_lock = claim_checkpoint_dir(cfg.checkpoint.dir, self.state.run_id, self.lineage["job"])
-                require_trackers(cfg.report_to)  # mlflow / wandb installed: now, not after the model loaded
-                if "tensorboard" in cfg.report_to:
-                    check_writable(Path(cfg.tensorboard_dir))  # TensorBoard's folder: now, not after training
+                check_trackers(cfg.report_to, cfg.tensorboard_dir)  # installed, writable: now, not after training
         with ranks.guard("checking the memory plan"):
             check_memory_plan(job, log_it=ranks.is_main)  # before anything is loaded: say which knob to turn
         with ranks.guard("loading the data and the model"):
