@@ -4,6 +4,7 @@ says what it would start. Each test fails without its fix; none starts a model o
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _rmsft(*args: str, cwd: Path = ROOT, columns: int | None = None) -> subprocess.CompletedProcess[str]:
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
+    # The installed rmsft (or the caller's own PYTHONPATH): not this process's sys.path, whose repository root
+    # entry would put the checkout's `operator/` folder before the standard library's `operator` module.
+    env = {"PATH": "/usr/bin:/bin", **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})}
     if columns is not None:
         env["COLUMNS"] = str(columns)
     return subprocess.run([sys.executable, "-m", "rmsft_cli", *args], capture_output=True, text=True, cwd=cwd,

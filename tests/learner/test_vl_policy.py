@@ -22,7 +22,9 @@ VISION = VisionSpec(min_pixels=32 * 32, max_pixels=96 * 96)
 
 
 def cfg(**kw) -> TrainingConfig:
-    kw.setdefault("lora", {"r": 4, "alpha": 8.0, "target_modules": TARGETS})
+    # coord_rows off: these tests are about where the LoRA adapters go (the trainable coordinate rows, on by default
+    # with coordexp, have their own tests in test_coord_rows_lora.py)
+    kw.setdefault("lora", {"r": 4, "alpha": 8.0, "target_modules": TARGETS, "coord_rows": False})
     return TrainingConfig(data={"path": "unused.jsonl"}, **kw)
 
 
