@@ -53,6 +53,7 @@ _OLD = ".old-"  # a checkpoint being replaced by a save of the same step
 
 class CheckpointDirError(RuntimeError):
     """training.checkpoint.dir cannot be written; the message names the path and what to change."""
+    exit_code = 2  # rmsft.exit_codes.CONFIG_EXIT: a refused configuration (a transient errno cause: retried)
 
 
 def check_checkpoint_dir(root: str | Path) -> None:
