@@ -71,6 +71,8 @@ def main() -> int:
         doc = yaml.safe_load(text)
         spec = doc["spec"]
         spec["training"]["steps"] = args.steps
+        # The check compares the row's whole logits: the full-logits path (the chunked loss hands the loss a RowHead).
+        spec["training"].setdefault("loss", {})["logits"] = "full"
         spec["training"]["checkpoint"] = {"dir": f"{tmp}/checkpoints", "every": 0}
         spec["rollout"]["replicas"] = 1
         job = Path(tmp) / "job.yaml"
