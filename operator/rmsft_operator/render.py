@@ -691,17 +691,23 @@ def render_learner_service(job: RolloutMatchingJob, namespace: str, uid: str) ->
         {"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT, "protocol": "TCP"}])
 
 
-def render_networkpolicy(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:
+def _ingress_policy(job: RolloutMatchingJob, namespace: str, uid: str, key: str, component: str,
+                    ingress: list[dict[str, Any]]) -> dict[str, Any]:
+    """A NetworkPolicy named `names(job)[key]` on the job's `component` pods: only `ingress` reaches them."""
     name = job.metadata.name
-    r = job.spec.rollout
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _meta(job, names(name)["networkpolicy"], namespace, uid, "rollout"),
-        "spec": {
-            "podSelector": {"matchLabels": selector(name, "rollout")},
-            "policyTypes": ["Ingress"],
-            "ingress": [
+        "metadata": _meta(job, names(name)[key], namespace, uid, component),
+        "spec": {"podSelector": {"matchLabels": selector(name, component)}, "policyTypes": ["Ingress"],
+                 "ingress": ingress},
+    }
+
+
+def render_networkpolicy(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:
+    name = job.metadata.name
+    r = job.spec.rollout
+    return _ingress_policy(job, namespace, uid, "networkpolicy", "rollout", [
                 {   # gRPC (Generate, UpdateWeights, health) only from this job's learner pod, and from
                     # its other rollout pods: an update is relayed server to server (rollout_svc/relay.py)
                     "from": [{"podSelector": {"matchLabels": selector(name, "learner")}},
@@ -718,9 +724,7 @@ def render_networkpolicy(job: RolloutMatchingJob, namespace: str, uid: str) -> d
                         "kubernetes.io/metadata.name": job.spec.monitoring.namespace}}}],
                     "ports": [{"protocol": "TCP", "port": r.metrics_port}],
                 },
-            ],
-        },
-    }
+    ])
 
 
 def render_learner_networkpolicy(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:
@@ -732,20 +736,11 @@ def render_learner_networkpolicy(job: RolloutMatchingJob, namespace: str, uid: s
     name = job.metadata.name
     own_learners = {"podSelector": {"matchLabels": selector(name, "learner")}}
     nccl = job.spec.sync.cluster_transport == "nccl" and not job.spec.rollout.colocated
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _meta(job, names(name)["learner_networkpolicy"], namespace, uid, "learner"),
-        "spec": {
-            "podSelector": {"matchLabels": selector(name, "learner")},
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": [own_learners]},  # rendezvous + collectives, any port, the job's learner pods only
-                *([{"from": [{"podSelector": {"matchLabels": selector(name, "rollout")}}]}] if nccl else []),
-                {"ports": [{"protocol": "TCP", "port": job.spec.learner.metrics_port}]},
-            ],
-        },
-    }
+    return _ingress_policy(job, namespace, uid, "learner_networkpolicy", "learner", [
+        {"from": [own_learners]},  # rendezvous + collectives, any port, the job's learner pods only
+        *([{"from": [{"podSelector": {"matchLabels": selector(name, "rollout")}}]}] if nccl else []),
+        {"ports": [{"protocol": "TCP", "port": job.spec.learner.metrics_port}]},
+    ])
 
 
 def render_disruption_budget(job: RolloutMatchingJob, namespace: str, uid: str, role: str) -> dict[str, Any]:
