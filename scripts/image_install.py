@@ -158,8 +158,15 @@ def write_lock(project: dict, variant: str) -> Path:
         subprocess.run(resolve(project, variant, report, isolated=True, locked=False), check=True, cwd=ROOT)
         pins = resolved_pins(json.loads(report.read_text()))
     lock = ROOT / spec["constraints"]
+    # A pin's comment (why a package is there, e.g. liger-kernel's in the gpu lock) survives the re-resolve.
+    notes = {}
+    for line in lock.read_text().splitlines() if lock.exists() else []:
+        pin, _, note = line.partition("  # ")
+        if "==" in pin and note:
+            notes[pin.split("==")[0].strip().lower()] = note
     lock.write_text(f"# The {variant} image's lock: `python scripts/image_install.py {variant} --lock` writes it.\n"
-                    + "".join(f"{n}=={v}\n" for n, v in sorted(pins.items())))
+                    + "".join(f"{n}=={v}" + (f"  # {notes[n]}" if n in notes else "") + "\n"
+                              for n, v in sorted(pins.items())))
     print(f"wrote {len(pins)} pins to {lock.relative_to(ROOT)}")
     return lock
 

@@ -65,12 +65,17 @@ def test_cpu_form_runs_what_a_cpu_can_and_skips_the_rest_saying_why(tmp_path: Pa
 
 def test_wheel_list_pins_the_lock_and_never_carries_the_hosts_cuda_builds() -> None:
     pinned, host = read_wheel_list()
-    lock = {}
-    for line in (ROOT / "requirements" / "constraints.txt").read_text().splitlines():
-        m = re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)", line.strip())
-        if m:
-            lock[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
-    assert {"pydantic", "pydantic-core", "grpcio-health-checking", "protobuf"} <= set(pinned)
+    locks: dict[str, dict[str, str]] = {}
+    for name in ("constraints.txt", "constraints-gpu.txt"):
+        locks[name] = {}
+        for line in (ROOT / "requirements" / name).read_text().splitlines():
+            m = re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)", line.split("  #")[0].strip())
+            if m:
+                locks[name][re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
+    # The CPU lock's pin; what only the GPU image installs (liger-kernel, the fused loss's kernel) the gpu lock's.
+    lock = {**{n: v for n, v in locks["constraints-gpu.txt"].items() if n not in locks["constraints.txt"]},
+            **locks["constraints.txt"]}
+    assert {"pydantic", "pydantic-core", "grpcio-health-checking", "protobuf", "liger-kernel"} <= set(pinned)
     assert {name: version for name, (version, _) in pinned.items()} == {name: lock[name] for name in pinned}
     assert check_list(pinned) == []
     assert {"torch", "transformers", "peft"} <= set(host)

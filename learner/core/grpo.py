@@ -62,14 +62,13 @@ behaviour policy is that KL (0 when the servers and the learner agree).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
-from learner.core.head import RowHead, logits_rows, squeeze_row, zero_of
+from learner.core.head import RowHead, squeeze_row, token_ce, zero_of
 from learner.core.packing import PackedRow
 from learner.core.targets import IGNORE_INDEX, Segment
 
@@ -309,16 +308,6 @@ def grpo_tokens(row: PackedRow) -> GrpoTokens:
 # ---- the loss ----------------------------------------------------------------------------------
 
 
-def _logprob_terms(temperature: float) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor]]:
-    def terms(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor]:
-        picked = logits.float()
-        if temperature != 1.0:
-            picked = picked / temperature
-        return (-F.cross_entropy(picked, labels, reduction="none"),)
-
-    return terms
-
-
 def completion_logprobs(logits: torch.Tensor | RowHead, row: PackedRow, temperature: float = 1.0) -> torch.Tensor:
     """[n] fp32 log-probs of the row's labelled tokens, in row order, with grad. `logits` is [1, L, V]
     or [L, V], or a `RowHead` (logits made a chunk of labelled positions at a time, learner/core/head.py); the
@@ -333,7 +322,8 @@ def completion_logprobs(logits: torch.Tensor | RowHead, row: PackedRow, temperat
         pos = torch.nonzero(labels != IGNORE_INDEX).flatten()
     if pos.numel() == 0:
         return zero_of(logits).float().reshape(1)[:0]  # empty, but in the graph: backward still works
-    return logits_rows(logits, pos - 1, _logprob_terms(temperature), labels[pos])[0]
+    # fused (temperature 1): liger-kernel's kernel, the log-prob being -CE of the token (learner/core/fused.py)
+    return -token_ce(logits, pos - 1, labels[pos], temperature)
 
 
 @dataclass

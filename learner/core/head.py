@@ -13,8 +13,13 @@ Public API
   `.map(rows, fn, *aux) -> tuple[Tensor, ...]`: `fn(logits [c, V], *aux_chunk)` returns [c]-shaped tensors; run on
   the logits of hidden rows `rows` (positions - 1: the logits that predict the targets), chunk by chunk, concatenated.
 - `logits_rows(source, rows, fn, *aux)`: the same on full logits [L, V] (one call, today's computation) or a RowHead.
+- `token_ce(source, rows, labels, temperature=1.0) -> [n]`: fp32 cross-entropy of `labels` under the logits of
+  `rows` (the CE term, GRPO's log-probs); with a `fused` RowHead one call of liger-kernel's fused linear
+  cross-entropy (learner/core/fused.py: no logits of more than its own small chunk exist, forward or backward),
+  else `logits_rows`.
 - `row_outputs(forward, model, inputs, mode, chunk) -> Tensor | RowHead`: the forward of one row: full logits
-  [1, L, V] (`full`), or the hidden states and the head with no logits computed (`chunked`).
+  [1, L, V] (`full`), or the hidden states and the head with no logits computed (`chunked`; `fused`, and `auto`
+  where the kernel can run: a RowHead with `fused` set, `learner.core.fused.resolve_logits_mode`).
 
 The values are those of the full path: the same functions run on the same rows of the same head's output (a GEMM on
 fewer rows may round its last bit differently; tests/core/test_core_chunked_loss.py bounds it).
@@ -30,7 +35,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 DEFAULT_CHUNK = 1024  # target positions per chunk: 1024 x 152k fp32 logits = 0.6 GB, a few % of a learner GPU
-LOGITS_MODES = ("chunked", "full")
+LOGITS_MODES = ("chunked", "fused", "full")  # and `auto`: fused where the kernel can run, else chunked
 
 RowTerms = Callable[..., tuple[torch.Tensor, ...]]
 
@@ -43,6 +48,9 @@ class RowHead:
     hidden: torch.Tensor
     head: Callable[[torch.Tensor], torch.Tensor]
     chunk: int = DEFAULT_CHUNK
+    # training.loss.logits fused: `token_ce` (the CE term, GRPO's log-probs) runs liger-kernel's fused linear
+    # cross-entropy on the head's weight; every other term still goes through `map` (learner/core/fused.py).
+    fused: bool = False
 
     def __post_init__(self) -> None:
         if self.hidden.dim() == 3:
@@ -88,6 +96,29 @@ def logits_rows(source: torch.Tensor | RowHead, rows: torch.Tensor, fn: RowTerms
     if isinstance(source, RowHead):
         return source.map(rows, fn, *aux)
     return tuple(fn(source[rows], *aux))
+
+
+def token_ce(source: torch.Tensor | RowHead, rows: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+             ) -> torch.Tensor:
+    """[n] fp32 cross-entropy of `labels` under the logits of `rows` divided by `temperature`, with grad: on full
+    logits or chunk by chunk (`logits_rows`), or with a fused RowHead in liger-kernel's kernel (temperature 1 only:
+    the kernel has no logit scale, and dividing bf16 hidden states instead would round differently; another
+    temperature takes the chunked path)."""
+    if isinstance(source, RowHead) and source.fused and temperature == 1.0:
+        from learner.core.fused import fused_token_ce  # imports liger_kernel: only where the mode is fused
+
+        return fused_token_ce(source.hidden[rows], source.head, labels)
+    return logits_rows(source, rows, _ce_terms(temperature), labels)[0]
+
+
+def _ce_terms(temperature: float) -> RowTerms:
+    def terms(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor]:
+        z = logits.float()
+        if temperature != 1.0:
+            z = z / temperature
+        return (torch.nn.functional.cross_entropy(z, labels, reduction="none"),)
+
+    return terms
 
 
 def squeeze_row(source: torch.Tensor | RowHead, length: int) -> torch.Tensor | RowHead:
@@ -150,9 +181,14 @@ def row_outputs(forward: Callable[..., Any], model: torch.nn.Module, inputs: Map
     (`logits_to_keep` an empty index: its head runs on 0 rows)."""
     if mode == "full":
         return forward(**inputs).logits
-    if mode != "chunked":
-        raise ValueError(f"spec.training.loss.logits must be one of {LOGITS_MODES}, got {mode!r}")
+    if mode not in (*LOGITS_MODES, "auto"):
+        raise ValueError(f"spec.training.loss.logits must be one of {('auto', *LOGITS_MODES)}, got {mode!r}")
     decoder, head = _chunkable(model)
+    fused = False
+    if mode in ("auto", "fused"):  # the kernel where it can run (auto), or refused where it cannot (fused)
+        from learner.core.fused import resolve_logits_mode
+
+        fused = resolve_logits_mode(mode, inputs["input_ids"].device, head) == "fused"
     seen: list[torch.Tensor] = []
 
     def keep(_m: torch.nn.Module, _a: Any, out: Any) -> None:
@@ -172,4 +208,4 @@ def row_outputs(forward: Callable[..., Any], model: torch.nn.Module, inputs: Map
     if hidden.dim() != 3 or hidden.shape[:2] != ids.shape[:2]:
         raise ChunkedLogitsError(f"the decoder's output {tuple(hidden.shape)} is not the row's hidden states "
                                  f"(input {tuple(ids.shape)}); set spec.training.loss.logits: full")
-    return RowHead(hidden, head, chunk)
+    return RowHead(hidden, head, chunk, fused=fused)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from learner.core.codec import NUM_BINS
-from learner.core.head import RowHead, logits_rows, squeeze_row, zero_of
+from learner.core.head import RowHead, logits_rows, squeeze_row, token_ce, zero_of
 from learner.core.packing import PackedRow
 from learner.core.targets import IGNORE_INDEX
 
@@ -190,10 +190,6 @@ def _detached(x: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
     return x.detach() if isinstance(x, torch.Tensor) else torch.zeros((), device=like.device) + x
 
 
-def _ce_terms(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor]:
-    return (F.cross_entropy(logits.float(), labels, reduction="none"),)
-
-
 def _coord_terms(ids: torch.Tensor, sigma: float, boxes: bool) -> Callable[..., tuple[torch.Tensor, ...]]:
     """Per coordinate position: (soft_ce, w1, gate, coord_ce[, expected value when the row has boxes])."""
 
@@ -230,7 +226,7 @@ def loss_sums(
     zero = zero_of(logits)
     ce_sum = zero
     if ce_pos.numel():
-        (per_token,) = logits_rows(logits, ce_pos - 1, _ce_terms, labels[ce_pos])
+        per_token = token_ce(logits, ce_pos - 1, labels[ce_pos])  # fused: liger-kernel's kernel (learner/core/fused.py)
         if row.ce_weights is not None:
             per_token = per_token * row.ce_weights.to(device)[ce_pos]
         ce_sum = per_token.sum()

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from learner.core.fused import check_logits_mode
 from learner.train import zero
 from learner.train.policy import autocast_context
 from learner.train.ranks import Ranks
@@ -139,7 +140,10 @@ class ZeroUpdater:
 
 def make_updater(model: torch.nn.Module, ranks: Ranks, cfg: Any, *, device: torch.device,
               autocast_dtype: torch.dtype | None = None) -> PlainUpdater | ZeroUpdater:
-    """The step strategy `training.deepspeed_stage` asks for, with the model already on `device`."""
+    """The step strategy `training.deepspeed_stage` asks for, with the model already on `device`. Refuses first, at
+    the learner's start, a `training.loss.logits: fused` this learner cannot run (no CUDA, no liger-kernel, a head
+    the kernel cannot take: learner/core/fused.py), saying to use chunked."""
+    check_logits_mode(cfg.loss.logits, device, model, cfg.deepspeed_stage)
     common = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "max_grad_norm": cfg.max_grad_norm,
               "device": device, "autocast_dtype": autocast_dtype}
     if cfg.deepspeed_stage:

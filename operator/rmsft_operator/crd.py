@@ -22,6 +22,8 @@ from rmsft.jobspec import (
     COLOCATE_STALENESS,
     DURATION_PATTERN,
     KIND,
+    LOGITS_FUSED_CPU,
+    LOGITS_FUSED_ZERO3,
     PLURAL,
     QUANTITY_PATTERN,
     RECIPE_EXPLORERS_STALENESS,
@@ -51,6 +53,9 @@ _MAX_PROPERTIES = 64
 _POOL_GPUS = ("(self.rollout.mode == 'colocate' ? 0 : (has(self.rollout.replicas) ? self.rollout.replicas : 1) "
               "* self.rollout.tensorParallelSize)")
 _COLOCATE = "self.rollout.mode != 'colocate' || "
+# training.loss.logits other than fused (its default is auto): rmsft.jobspec.job's LOGITS_FUSED_* rules.
+_NOT_FUSED = ("!has(self.training.loss) || !has(self.training.loss.logits) || self.training.loss.logits != 'fused' "
+              "|| ")
 
 # spec.rollout.startupTimeout and recoveryTimeout as rmsft.jobspec.duration_seconds reads them: seconds >= 1, or a
 # duration of hours/minutes/seconds that is not all zeros. The length bound keeps the rule's cost estimate finite.
@@ -114,6 +119,16 @@ SPEC_RULES: list[dict[str, str]] = [
         "message": "spec.learner.nodes > 1 needs spec.learner.checkpointClaim: every learner pod saves its share "
         "of a checkpoint into one folder and resumes from it (a ReadWriteMany claim across nodes)",
         "fieldPath": ".learner.checkpointClaim",
+    },
+    {
+        "rule": _NOT_FUSED + "self.placement.accelerator != 'none'",
+        "message": LOGITS_FUSED_CPU,
+        "fieldPath": ".training.loss.logits",
+    },
+    {
+        "rule": _NOT_FUSED + "self.training.deepspeed_stage != 3",
+        "message": LOGITS_FUSED_ZERO3,
+        "fieldPath": ".training.loss.logits",
     },
     {
         "rule": "self.placement.accelerator != 'none' || self.learner.gpus == 0",

@@ -35,6 +35,8 @@ from rmsft.jobspec.grpo import GrpoTrainingConfig, RewardEntry
 from rmsft.jobspec.job import (
     COLOCATE_SLEEP_ZERO3,
     COLOCATE_STALENESS,
+    LOGITS_FUSED_CPU,
+    LOGITS_FUSED_ZERO3,
     JobSpec,
     colocate_errors,
     cross_field_errors,
@@ -94,7 +96,8 @@ from rmsft.jobspec.training import (
 
 __all__ = [
     "API_GROUP", "API_VERSION", "COLOCATE_REPLICAS", "COLOCATE_SLEEP_ZERO3", "COLOCATE_STALENESS",
-    "DEFAULT_STARTUP_TIMEOUT", "DURATION_PATTERN", "GENERATION_DEFAULTS", "KIND", "PATH_FIELDS", "PLURAL",
+    "DEFAULT_STARTUP_TIMEOUT", "DURATION_PATTERN", "GENERATION_DEFAULTS", "KIND", "LOGITS_FUSED_CPU",
+    "LOGITS_FUSED_ZERO3", "PATH_FIELDS", "PLURAL",
     "QUANTITY_PATTERN",
     "RECIPE_EXPLORERS_STALENESS", "RECIPE_SECOND_ONLY", "REPORT_TO_TWICE", "TRACKERS", "MlflowConfig", "WandbConfig",
     "BufferConfig", "CheckpointConfig", "ColocateSpec",

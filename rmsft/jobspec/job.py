@@ -74,6 +74,14 @@ class JobSpec(_K8s):
         return self.rollout.replicas * self.rollout.tensor_parallel_size + self.learner.gpus
 
 
+# training.loss.logits fused where liger-kernel's kernel cannot run (learner/core/fused.py); auto takes chunked there.
+LOGITS_FUSED_CPU = ("spec.training.loss.logits 'fused' needs spec.placement.accelerator 'nvidia' (liger-kernel's fused "
+                    "cross-entropy is a CUDA kernel); set it to chunked or auto")
+LOGITS_FUSED_ZERO3 = ("spec.training.loss.logits 'fused' cannot run under spec.training.deepspeed_stage 3 (the "
+                      "kernel takes the output head's whole weight, which ZeRO-3 partitions); set it to chunked or "
+                      "auto")
+
+
 def cross_field_errors(spec: JobSpec) -> list[str]:
     """Rules that span sections; mirrored one-to-one by CEL rules in the CRD."""
     errs: list[str] = []
@@ -89,6 +97,10 @@ def cross_field_errors(spec: JobSpec) -> list[str]:
         )
     if spec.placement.accelerator == "none" and spec.learner.gpus > 0:
         errs.append("spec.learner.gpus must be 0 when spec.placement.accelerator is 'none'")
+    if spec.training.loss.logits == "fused" and spec.placement.accelerator == "none":
+        errs.append(LOGITS_FUSED_CPU)
+    if spec.training.loss.logits == "fused" and spec.training.deepspeed_stage == 3:
+        errs.append(LOGITS_FUSED_ZERO3)
     if spec.sync.transport == "nccl" and spec.sync.mode != "full":
         errs.append("spec.sync.transport 'nccl' carries full weights: spec.sync.mode must be 'full' (adapters go "
                     "over grpc)")

@@ -84,14 +84,19 @@ class LossConfig(_Learner):
         None, description="How each term is averaged over a step: weighted = sum(w * loss) / sum(w) (the reference's; "
         "an object's weight, e.g. an explorer-recovered one's, then reweights the step instead of adding loss), "
         "count = sum(w * loss) / number of positions." + _by_generation("loss.normalization"))
-    logits: Literal["chunked", "full"] = Field(
-        "chunked", description="How the loss gets its logits (every trainer, GRPO's log-probs and its reference "
+    logits: Literal["auto", "fused", "chunked", "full"] = Field(
+        "auto", description="How the loss gets its logits (every trainer, GRPO's log-probs and its reference "
         "policy's too): chunked = only at target positions, logits_chunk of them at a time, the output head "
         "applied per chunk and recomputed in backward (a prompt's and its image's positions get none, and one "
-        "chunk's logits exist at a time); full = the model's logits over the whole packed row [L, vocabulary]. "
-        "Same loss and gradients (learner/core/head.py).")
+        "chunk's logits exist at a time); fused = as chunked, but the token cross-entropy and GRPO's log-probs (at "
+        "grpo.temperature 1) in liger-kernel's fused linear cross-entropy kernel (CUDA; the GPU image has it), the "
+        "coordinate and unlikelihood terms chunked; refused on a CPU job, under deepspeed_stage 3, or where "
+        "the learner has no CUDA or no liger-kernel (set chunked there); auto = fused where it can run, else "
+        "chunked; full = the model's logits over the whole packed row [L, vocabulary]. Same loss and gradients "
+        "(learner/core/head.py, learner/core/fused.py).")
     logits_chunk: int = Field(
-        1024, ge=1, le=65536, description="chunked: target positions whose logits are made at once (memory: "
+        1024, ge=1, le=65536, description="chunked (and fused's chunked terms): target positions whose logits are "
+        "made at once (memory: "
         "logits_chunk x vocabulary x about 12 bytes while the loss runs).")
 
 

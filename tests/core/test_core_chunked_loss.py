@@ -157,7 +157,7 @@ def test_chunked_path_makes_one_chunk_of_logits_at_a_time(tiny_model, tiny_token
 def test_unknown_mode_is_refused(tiny_model, tiny_tokenizer, tiny_vocab):
     row = pack(_first_generation(tiny_tokenizer, tiny_vocab)[:1])
     with pytest.raises(ValueError, match="loss.logits must be one of"):
-        row_outputs(tiny_model, tiny_model, row.model_inputs(), "fused")
+        row_outputs(tiny_model, tiny_model, row.model_inputs(), "sparse")
 
 
 def test_vision_language_models_give_the_head_their_final_hidden_states(tiny_vl_model_dir):

@@ -75,6 +75,18 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any] | None]] = [
     ("spec", "spec.learner.gpus must be 0 when", {"spec.placement.accelerator": "none"}, None),
     (
         "spec",
+        "spec.training.loss.logits 'fused' needs spec.placement.accelerator",
+        {**_CPU, "spec.training.loss": {"logits": "fused"}},
+        None,
+    ),
+    (
+        "spec",
+        "spec.training.loss.logits 'fused' cannot run under",
+        {"spec.training.loss": {"logits": "fused"}, "spec.training.deepspeed_stage": 3},
+        None,
+    ),
+    (
+        "spec",
         "spec.sync.transport 'nccl' carries full weights",
         {"spec.sync.transport": "nccl", "spec.sync.mode": "auto"},
         None,
