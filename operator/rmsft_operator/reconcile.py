@@ -48,6 +48,7 @@ from rmsft_operator.failures import (
     pool_ready_since,
     preflight_failure,
     refused_configuration,
+    server_lost,
     startup_failure,
     stuck_learner_pod,
 )
@@ -554,6 +555,7 @@ def decide(obs: Observed, now: str) -> Decision:
         (learner.get("status") or {}).get("startTime")) or parse_time((learner.get("metadata") or {}).get(
             "creationTimestamp"))
     pool_ready_now = colocated or (want > 0 and ready >= want)
+    mid_run = not colocated and not suspended and bool(status.get("startTime"))
     failure = preflight or not_stopping or image_failure(obs.rollout_pods if pool_starting else [],
                                                          start_learner_pods) \
         or startup_failure(
@@ -564,7 +566,8 @@ def decide(obs: Observed, now: str) -> Decision:
         or (not_admitted(job.spec.scheduling.queue_name, suspended, _held_since(status, learner, obs.rollout_pods,
                                                                                 want), timeout_s, at)
             if pool_ready_now else None) \
-        or (("LearnerStalled", stalled) if stalled and job.spec.learner.fail_when_stalled else None)
+        or (("LearnerStalled", stalled) if stalled and job.spec.learner.fail_when_stalled else None) \
+        or (server_lost(obs.rollout_pods, want, timeout_s, at) if mid_run else None)
     # Mid-run, a replacement learner pod that cannot start (not placed: a preemptor took its GPUs; placed but not
     # started: an expired registry token) is retried after the start's own clock: the pod deleted, which the Job
     # controller counts against spec.learner.backoffLimit and replaces; the attempts bound it, not a verdict now.
@@ -602,10 +605,9 @@ def decide(obs: Observed, now: str) -> Decision:
 
     # 5c. Mid-run, a server that has not been Ready for the startup timeout (a replacement or added server that
     # crash-loops, cannot be scheduled or never loads) holds its GPUs while the others serve: said (condition, one
-    # event), and given back when the pool can give it back (its highest ordinals, never the last server).
-    lost = lost_servers(obs.rollout_pods, want, job.spec.rollout.startup_timeout_seconds,
-                        parse_time(now) or dt.datetime.now(dt.UTC)) \
-        if not colocated and not suspended and status.get("startTime") else None
+    # event), and given back when the pool can give it back (its highest ordinals, never the last server). One
+    # below a serving server is kept for one more timeout; past twice the timeout it fails the job (5b, ServerLost).
+    lost = lost_servers(obs.rollout_pods, want, timeout_s, at) if mid_run else None
     if lost:
         release, lost_msg = lost
         want -= release
