@@ -9,7 +9,7 @@ from typing import Any
 
 from rmsft.jobspec import JobSpecError, parse_spec
 from rmsft_operator import render
-from rmsft_operator.decision import Decision, Patch, condition, fit_message, now_rfc3339
+from rmsft_operator.decision import Decision, Patch, conditions, fit_message, now_rfc3339
 from rmsft_operator.failures import parse_time
 from rmsft_operator.kube import ApiError, Kube
 from rmsft_operator.observe import Observed
@@ -44,9 +44,6 @@ def refused_create(obs: Observed, decision: Decision, obj: dict[str, Any], exc: 
     old_conds: list[dict[str, Any]] = obs.status.get("conditions") or []
     gen = obs.generation
 
-    def cond(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
-        return condition(old_conds, ctype, ok, reason, message, gen, now)
-
     kind, name = obj["kind"], obj["metadata"]["name"]
     invalid = exc.status in INVALID_OBJECT
     reason = "CreateRefused"
@@ -74,13 +71,11 @@ def refused_create(obs: Observed, decision: Decision, obj: dict[str, Any], exc: 
     if kind != "StatefulSet" and pool_made and ((obs.children.get("StatefulSet") or {}).get("spec") or {}).get(
             "replicas") != 0:
         patches.append(Patch("StatefulSet", render.names(obs.name)["statefulset"], {"spec": {"replicas": 0}}))
-    status = {"rolloutReplicas": 0,
-              "readyRolloutReplicas": 0, "learnerActive": 0, "message": message, "phase": phase, "conditions": [
-                  cond("RolloutReady", False, reason, message),
-                  cond("LearnerRunning", False, reason, message),
-                  cond("Complete", False, "NotComplete", message),
-                  cond("Failed", final, reason if final else "NotFailed", message),
-              ]}
+    said = (False, reason, message)
+    status = {"rolloutReplicas": 0, "readyRolloutReplicas": 0, "learnerActive": 0, "message": message, "phase": phase,
+              "conditions": conditions(old_conds, gen, now, rollout=said, learner=said,
+                                       complete=(False, "NotComplete", message),
+                                       failed=(final, reason if final else "NotFailed", message))}
     if final:
         status["completionTime"] = obs.status.get("completionTime") or now
     if gen is not None:

@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from rmsft_operator.act import FORBIDDEN, INVALID_OBJECT, Outcome, act, refused_create
-from rmsft_operator.decide import PSA_ENFORCE_LABEL, SHARED_MEMORY_FORBIDDEN, decide, shared_memory_refusal
+from rmsft_operator.clocks import PSA_ENFORCE_LABEL, SHARED_MEMORY_FORBIDDEN, shared_memory_refusal
+from rmsft_operator.decide import decide
 from rmsft_operator.decision import MESSAGE_LIMIT, Decision, Delete, Patch, fit_message, now_rfc3339
 from rmsft_operator.kube import Kube
 from rmsft_operator.observe import CHILD_KINDS, Observed, api_kind, observe, owned_by, secret_stand_in
