@@ -44,32 +44,6 @@ from rmsft_operator.observe import CHILD_KINDS, Observed, api_kind
 from rmsft_operator.progress import learner_final_progress
 
 
-def _diff_paths(old: Any, new: Any, prefix: str = "spec") -> list[str]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        out: list[str] = []
-        for key in sorted(set(old) | set(new)):
-            out += _diff_paths(old.get(key), new.get(key), f"{prefix}.{key}")
-        return out
-    return [] if old == new else [prefix]
-
-
-
-def _monotonic_progress(old: dict[str, Any], scraped: dict[str, Any], final: dict[str, int]) -> dict[str, Any]:
-    """Progress to report: the newest of what was reported before, what /metrics says now and the finished
-    learner's own last word. Step and weight version never go back: a restarted learner reports 0 until it
-    finished its first step after resuming, yet the steps before it were done."""
-    out = dict(scraped)
-    for key in ("step", "weightVersion"):
-        seen = [v for v in (old.get(key), scraped.get(key), final.get(key)) if isinstance(v, int)]
-        if seen:
-            out[key] = max(seen)
-    return out
-
-
-def _by_kind(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {render.child_key(o): o for o in objs}
-
-
 @dataclass
 class _Pass:
     """What every stage of one decision reads: the observation, the clock and the job as it is applied."""
@@ -589,3 +563,31 @@ def _next_attempt(p: _Pass, s: _State, d: Decision, attempt: int, disruption: bo
         failed=(False, "NotFailed", message))
     d.phase = "Running"
     return d
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def _diff_paths(old: Any, new: Any, prefix: str = "spec") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for key in sorted(set(old) | set(new)):
+            out += _diff_paths(old.get(key), new.get(key), f"{prefix}.{key}")
+        return out
+    return [] if old == new else [prefix]
+
+
+def _monotonic_progress(old: dict[str, Any], scraped: dict[str, Any], final: dict[str, int]) -> dict[str, Any]:
+    """Progress to report: the newest of what was reported before, what /metrics says now and the finished
+    learner's own last word. Step and weight version never go back: a restarted learner reports 0 until it
+    finished its first step after resuming, yet the steps before it were done."""
+    out = dict(scraped)
+    for key in ("step", "weightVersion"):
+        seen = [v for v in (old.get(key), scraped.get(key), final.get(key)) if isinstance(v, int)]
+        if seen:
+            out[key] = max(seen)
+    return out
+
+
+def _by_kind(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {render.child_key(o): o for o in objs}
