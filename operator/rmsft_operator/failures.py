@@ -314,6 +314,32 @@ def _not_ready_since(pod: dict[str, Any]) -> dt.datetime | None:
     return parse_time((pod.get("metadata") or {}).get("creationTimestamp"))
 
 
+def _lost(rollout_pods: list[dict[str, Any]], replicas: int,
+          limit: dt.timedelta, now: dt.datetime) -> dict[int, tuple[str, dt.datetime]]:
+    """ordinal -> (what its pod says, since when it is not Ready) of the rollout pods of the first `replicas`
+    ordinals not Ready for `limit`."""
+    by_ordinal = {o: p for p in rollout_pods if (o := _ordinal(p)) is not None and o < replicas
+                  and not (p.get("metadata") or {}).get("deletionTimestamp")}
+    lost: dict[int, tuple[str, dt.datetime]] = {}
+    for o, pod in sorted(by_ordinal.items()):
+        since = _not_ready_since(pod)
+        if _pod_ready(pod) or since is None or now - since < limit:
+            continue
+        problem = pod_problem([pod])
+        pname = (pod.get("metadata") or {}).get("name", "?")
+        lost[o] = (problem[1] if problem else f"pod {pname} is still starting", since)
+    return lost
+
+
+def _releasable(lost: set[int], replicas: int) -> int:
+    """How many of the pool's highest ordinals are lost (a StatefulSet removes pods from the top), never the last
+    server."""
+    release = 0
+    while replicas - release - 1 in lost and replicas - release > 1:
+        release += 1
+    return release
+
+
 def lost_servers(rollout_pods: list[dict[str, Any]], replicas: int, timeout_s: int,
                  now: dt.datetime) -> tuple[int, str] | None:
     """Mid-run (the pool was Ready and the learner runs): (release, message) when a rollout pod of the first
@@ -322,51 +348,47 @@ def lost_servers(rollout_pods: list[dict[str, Any]], replicas: int, timeout_s: i
     finishes loading. It holds its GPUs while the others serve. `release`: how many of them the pool can give
     back now, the lost ones among its highest ordinals (a StatefulSet removes pods from the top), never the last
     server (with none up the learner fails the run after spec.rollout.recoveryTimeout, which frees the pool).
-    Lost pods below a Ready one are named and kept. Pure."""
-    limit = dt.timedelta(seconds=timeout_s)
-    by_ordinal = {o: p for p in rollout_pods if (o := _ordinal(p)) is not None and o < replicas
-                  and not (p.get("metadata") or {}).get("deletionTimestamp")}
-    lost: dict[int, str] = {}
-    long_lost: list[int] = []  # not Ready for twice the timeout
-    for o, pod in sorted(by_ordinal.items()):
-        since = _not_ready_since(pod)
-        if _pod_ready(pod) or since is None or now - since < limit:
-            continue
-        problem = pod_problem([pod])
-        pname = (pod.get("metadata") or {}).get("name", "?")
-        lost[o] = problem[1] if problem else f"pod {pname} is still starting"
-        if now - since >= 2 * limit:
-            long_lost.append(o)
+    Lost pods below a serving one are named and kept for one more timeout (server_lost ends that). Pure."""
+    lost = _lost(rollout_pods, replicas, dt.timedelta(seconds=timeout_s), now)
     if not lost:
         return None
-    release = 0
-    while replicas - release - 1 in lost and replicas - release > 1:
-        release += 1
+    release = _releasable(set(lost), replicas)
     kept = sorted(set(lost) - set(range(replicas - release, replicas)))
-    # A lost server below a Ready one cannot be given back alone (a StatefulSet removes pods from the top). It is
-    # kept for one more timeout (deleting its pod retries it); lost for twice the timeout, the pool shrinks to it,
-    # the Ready servers above it given back with it: its GPUs are not held to the end of the run.
-    shrink = [o for o in kept if o in long_lost]
-    above = 0
-    if shrink:
-        new_release = max(release, min(replicas - max(min(shrink), 1), replicas - 1))
-        above = new_release - release - sum(1 for o in range(replicas - new_release, replicas - release) if o in lost)
-        release = new_release
-        kept = sorted(set(lost) - set(range(replicas - release, replicas)))
-    said = "; ".join(lost[o] for o in sorted(lost))
+    said = "; ".join(lost[o][0] for o in sorted(lost))
     message = f"rollout server(s) not Ready for spec.rollout.startupTimeout ({_span(timeout_s)}) mid-run: {said}"
     if release:
         message += f"; the top {release} given back (the pool scaled to {replicas - release})"
-    if above:
-        message += (f", {above} Ready server(s) with them: the lost ordinal(s) below them were not Ready for twice "
-                    f"spec.rollout.startupTimeout ({_span(2 * timeout_s)}) and a StatefulSet gives back only its "
-                    "highest ordinals")
     if kept:
+        below = replicas - release - 1 not in lost  # a serving server above them, not only the last one left
         message += (f"; kept ordinal(s) {', '.join(map(str, kept))}: a StatefulSet gives back only its highest "
                     "ordinals and the last server stays (delete the pod to retry it, or lower "
-                    "spec.rollout.replicas)" + ("" if shrink else f"; not Ready for {_span(2 * timeout_s)}, the pool "
-                                                "shrinks to below it"))
+                    "spec.rollout.replicas)" + (f"; not Ready for {_span(2 * timeout_s)}, the job fails and its "
+                                                "pool is freed" if below else ""))
     return release, message[:_MAX_HINT]
+
+
+def server_lost(rollout_pods: list[dict[str, Any]], replicas: int, timeout_s: int,
+                now: dt.datetime) -> tuple[str, str] | None:
+    """Mid-run: ("ServerLost", message) when a rollout server below a serving one (which a StatefulSet cannot give
+    back alone: it removes pods from the top) has not been Ready for twice `timeout_s`, from its pod's Ready
+    condition (the API's clock: no lost status write restarts it; deleting the pod, the retry lost_servers asks
+    for, does). Kept for one timeout past the start's own, it is not coming back, and its GPUs would be held to the
+    end of the run: the job fails and frees the pool, as every other clock ends. Pure."""
+    lost = _lost(rollout_pods, replicas, dt.timedelta(seconds=timeout_s), now)
+    release = _releasable(set(lost), replicas)  # the top, given back this pass (lost_servers)
+    if replicas - release - 1 in lost:  # only the last server is left: the learner's recoveryTimeout ends that
+        return None
+    kept = [o for o, (_, since) in sorted(lost.items())
+            if o < replicas - release and now - since >= dt.timedelta(seconds=2 * timeout_s)]
+    if not kept:
+        return None
+    which = "; ".join(f"ordinal {o} not Ready since {lost[o][1].strftime('%Y-%m-%dT%H:%M:%SZ')}: {lost[o][0]}"
+                      for o in kept)
+    return "ServerLost", (f"rollout server(s) lost mid-run below a Ready one for twice spec.rollout.startupTimeout "
+                          f"({_span(2 * timeout_s)}): {which}. A StatefulSet gives back only its highest ordinals, so "
+                          "its GPUs would be held to the end of the run: the job is failed and its pool freed. Read "
+                          "the pod's logs (kubectl logs --previous), fix the cause, and recreate the job (it resumes "
+                          "from the newest checkpoint on spec.learner.checkpointClaim)")[:_MAX_HINT * 2]
 
 
 def pool_ready_since(rollout_pods: list[dict[str, Any]], replicas: int) -> dt.datetime | None:

@@ -1214,10 +1214,13 @@ def test_a_queued_pool_placed_only_in_part_is_timed_from_its_admission() -> None
     assert decide(World(spec=spec, ready=1, rollout_pods=[*still_queued, gated]).observed(), NOW).phase != "Failed"
 
 
-def test_a_lost_server_below_a_ready_one_is_given_back_after_twice_the_startup_timeout() -> None:
-    """(e) Mid-run, a lost server whose ordinal is below a Ready one kept its GPUs to the end of the run. Not Ready
-    for twice spec.rollout.startupTimeout (its pod's Ready condition: the API's clock), the pool shrinks to it: the
-    Ready servers above go with it (a StatefulSet gives back only its top), the lost one's GPUs are freed."""
+def test_a_lost_server_below_a_ready_one_fails_the_job_after_twice_the_startup_timeout() -> None:
+    """(e) Mid-run, a lost server whose ordinal is below a Ready one kept its GPUs to the end of the run (and then
+    the pool shrank to it, the run going on with the others' GPUs given back but the job's own still held). Kept
+    for one timeout past the start's own (deleting its pod retries it), then not Ready for twice
+    spec.rollout.startupTimeout (its pod's Ready condition: the API's clock, so the status below, empty every pass
+    as if every write were lost, cannot restart it): Failed, ServerLost naming the ordinal and since when, the pool
+    at zero and the learner suspended."""
     spec = _spec(**{"rollout.replicas": 3})
     crash = {"exitCode": 1, "message": "rmsft serve: CUDA out of memory"}
 
@@ -1230,14 +1233,25 @@ def test_a_lost_server_below_a_ready_one_is_given_back_after_twice_the_startup_t
         return obs
 
     kept = decide(world(59), NOW)
-    assert not any(p.kind == "StatefulSet" for p in kept.patches) and "kept ordinal(s) 1" in kept.status["message"]
+    assert kept.phase == "Running" and not any(p.kind == "StatefulSet" for p in kept.patches)
+    assert "kept ordinal(s) 1" in kept.status["message"] and "the job fails and its pool is freed" in \
+        kept.status["message"]
     late = decide(world(61), NOW)
-    assert Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 1}}) in late.patches
-    assert late.status["releasedRolloutReplicas"] == 2 and late.status["rolloutReplicas"] == 1
-    pool = _cond(late, "RolloutReady")
-    assert pool["reason"] == "ServerLost" and "1 Ready server(s) with them" in pool["message"]
-    assert "demo-rollout-1" in pool["message"] and "kept ordinal" not in pool["message"]
-    assert [e[1] for e in late.events if e[0] == "Warning"] == ["ServerLost"]
+    _failed_with(late, "ServerLost")
+    message = _cond(late, "Failed")["message"]
+    assert f"ordinal 1 not Ready since {MIN_AGO[61]}" in message and "rmsft serve: CUDA out of memory" in message
+    assert "recreate the job" in message and "twice spec.rollout.startupTimeout (60 min)" in message
+    assert Patch("Job", N["job"], {"spec": {"suspend": True}}) in late.patches  # the learner's GPUs freed too
+    assert _cond(late, "RolloutReady")["reason"] == "PoolScaledDown"
+    assert [e[1] for e in late.events if e[0] == "Warning"] == ["PhaseFailed"]
+    # The top server lost as long is given back, not failed: the others serve on.
+    top = [_server("demo-rollout-0", ready=True), _server("demo-rollout-1", ready=True),
+           _server("demo-rollout-2", created=61, restarts=9, ended=crash)]
+    obs = World(spec=spec, ready=2, suspended=False, job_status={"active": 1, "ready": 1}, rollout_pods=top,
+                status={"startTime": MIN_AGO[120]}).observed()
+    obs.children["StatefulSet"]["spec"]["replicas"] = 3
+    given = decide(obs, NOW)
+    assert given.phase == "Running" and given.status["releasedRolloutReplicas"] == 1
 
 
 class _LosingStatus(_Existing):
