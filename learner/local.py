@@ -250,10 +250,12 @@ def server_options(job: RolloutMatchingJob, assignment: GpuAssignment | None = N
 
 
 def start_servers(job: RolloutMatchingJob, log_dir: Path, console: Console, assignment: GpuAssignment | None = None, *,
-                  staging: list[Path] | None = None, timeout_s: float = 300.0) -> list:
-    """Start the job's servers and wait until every one serves (spawn_servers, then await_servers)."""
+                  staging: list[Path] | None = None, timeout_s: float | None = None) -> list:
+    """Start the job's servers and wait until every one serves (spawn_servers, then await_servers), at most
+    `timeout_s` (default: the job's spec.rollout.startupTimeout)."""
     started = spawn_servers(job, log_dir, assignment, staging=staging)
-    await_servers(started, log_dir, console, backend=job.spec.rollout.engine, timeout_s=timeout_s)
+    await_servers(started, log_dir, console, backend=job.spec.rollout.engine,
+                  timeout_s=job.spec.rollout.startup_timeout_seconds if timeout_s is None else timeout_s)
     return started
 
 
@@ -689,7 +691,10 @@ def _run_started(job_path: str | Path, job: RolloutMatchingJob, assignment: GpuA
         # for the servers is bounded by the request timeout, shorter than an engine's load).
         if len(assignment.learner) <= 1:
             trainer = build_trainer(job, addresses, auth_token=token, resume=resume)
-        await_servers(servers, log_dir, console, backend=job.spec.rollout.engine)
+        # The job's startupTimeout, as on a cluster (it was a fixed 300 s: a real-width model loads for minutes on a
+        # busy CPU machine, benchmarks/real_width.py); a server that dies is seen at once, whatever the timeout.
+        await_servers(servers, log_dir, console, backend=job.spec.rollout.engine,
+                      timeout_s=job.spec.rollout.startup_timeout_seconds)
     except BaseException:
         for s in servers:  # none outlives a failed start (await_servers kills them itself when it fails)
             s.kill()

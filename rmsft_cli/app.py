@@ -71,6 +71,37 @@ def tiny_model(
     console.print(f"[green]tiny {'stock ' if stock else ''}model written to[/green] {path}")
 
 
+@dev_app.command("real-width")
+def dev_real_width(
+    out_dir: Path = typer.Argument(..., help="Folder to write the processor, config and weights to."),
+    preset: str = typer.Option("Qwen3-VL-2B", help="The memory-plan preset whose widths and vocabulary to build "
+                               "(Qwen3-VL-2B, Qwen3-VL-4B, Qwen3-VL-8B)."),
+    text_layers: int | None = typer.Option(None, "--text-layers", min=1, show_default=False,
+                                           help="Decoder layers (default: the preset's)."),
+    vision_layers: int | None = typer.Option(None, "--vision-layers", min=1, show_default=False,
+                                             help="Vision blocks (default: the preset's)."),
+    seed: int = typer.Option(0, help="Seed for the tokenizer corpus and the random weights."),
+    stock: bool = typer.Option(False, "--stock", help="Without the <|coord_k|> tokens (the preset's vocabulary "
+                               "exactly, as a stock checkpoint comes, for prepare-model)."),
+    width_divisor: int = typer.Option(1, "--width-divisor", min=1, hidden=True,
+                                      help="Divide every width (tests: a cheap folder of the same structure)."),
+) -> None:
+    """Build a random Qwen3-VL at a preset's real widths and vocabulary (no download): the preset's vocabulary
+    plus the 1000 coordinate tokens, deepstack off (vLLM's CPU path cannot run it), bf16 weights. The depths
+    are options: Qwen3-VL-2B at 2 text layers and 1 vision block writes about 0.9 GB."""
+    from rmsft_dev.real_width import RealWidthError, build_real_width_model
+
+    console = _console(stderr=True)
+    try:
+        path = build_real_width_model(out_dir, preset, text_layers, vision_layers, seed=seed, coord_tokens=not stock,
+                                      width_divisor=width_divisor, progress=console.print)
+    except RealWidthError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    except OSError as exc:
+        _fail(exc)
+    console.print(f"[green]real-width model written to[/green] {path}")
+
+
 @dev_app.command("prepare")
 def dev_prepare(
     configs: list[Path] = typer.Argument(..., help="Job manifests whose rmsft.io/ annotations say what to build."),

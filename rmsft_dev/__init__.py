@@ -4,6 +4,7 @@ annotations ask for (`rmsft.io/build-tiny-model`, `rmsft.io/synthetic-records`, 
 
 - `tiny_model`: a tiny Qwen2 text model with the CoordExp vocabulary (`coord_tokens=False`: a stock one).
 - `tiny_vl`: a tiny Qwen3-VL or Qwen2.5-VL with its torchvision-free processor.
+- `real_width`: a random Qwen3-VL at a memory-plan preset's real widths and vocabulary (`rmsft dev real-width`).
 - `synthetic`: synthetic datasets for those models (text, the visual shapes task, the GRPO short-answer task
   and its reward `CoordAnswerReward`).
 

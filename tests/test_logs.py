@@ -157,3 +157,25 @@ def test_nothing_reads_rmsft_learner_gpus() -> None:
     readers = [str(p.relative_to(ROOT)) for p in sources
                if "RMSFT_LEARNER_GPUS" in p.read_text() and p.name != "render.py"]
     assert not readers
+
+
+def test_local_waits_for_servers_as_long_as_the_jobs_startup_timeout(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rmsft local` waited a fixed 300 s for its servers, whatever spec.rollout.startupTimeout said; a real-width
+    model's engine loads for minutes on a busy CPU machine (benchmarks/real_width.py)."""
+    from rich.console import Console
+
+    from learner.local import start_servers
+    from rmsft.jobspec import parse_job
+    from rollout_svc.launcher import RolloutServer
+
+    doc = yaml.safe_load((ROOT / "configs" / "local-tiny.yaml").read_text())
+    doc["spec"]["rollout"]["startupTimeout"] = "17m"
+    waits: list[float] = []
+
+    def fake_start(model, **kw):
+        return type("S", (), {"address": "127.0.0.1:1", "wait_healthy": lambda self, t, *a: waits.append(t)})()
+
+    monkeypatch.setattr(RolloutServer, "spawn", staticmethod(fake_start))
+    start_servers(parse_job(doc), tmp_path, Console(file=open(os.devnull, "w")))  # noqa: SIM115
+    assert waits == [17 * 60.0] * 2
