@@ -256,9 +256,11 @@ class Checkpointer:
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
-    """`obj` (a ZeRO optimizer state: dicts, lists, tensors and plain values) with every tensor on `device`."""
+    """`obj` (a ZeRO optimizer state: dicts, lists, tensors and plain values) with its partitions on `device`.
+    Scalars stay on the CPU: AdamW keeps its `step` counts there unless capturable or fused (a step count on the GPU
+    would be read back to the host every step)."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        return obj.to(device) if obj.dim() > 0 else obj
     if isinstance(obj, dict):
         return {k: _to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
