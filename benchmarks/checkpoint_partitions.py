@@ -17,7 +17,9 @@ Each load runs in fresh torchrun ranks that build the same model and engine, the
 Per rank: the load's peak RSS above the RSS before it (VmHWM, reset through /proc/self/clear_refs right before the
 load), and after the load the anonymous and file-backed RSS (RssAnon, RssFile: memory-mapped checkpoint pages are
 file-backed, which the kernel can drop). Both loads then train one more step on the same input: the losses must be
-equal (the same state was loaded). Prints one RESULT line.
+equal (the same state was loaded), and the peak RSS through that step over the same baseline is printed too (a
+memory-mapped part's pages are read when the step first uses them, so the load's peak alone would flatter it).
+Prints one RESULT line.
 """
 
 from __future__ import annotations
@@ -150,7 +152,9 @@ def child(args: argparse.Namespace) -> None:
     gc.collect()
     after = _status()
     loss = _step(updater, args, seed=2)
+    stepped = _status()
     mine = {"rank": ranks.rank, "load_peak_mib": (after["VmHWM"] - before["VmRSS"]) / MIB,
+            "step_peak_mib": (stepped["VmHWM"] - before["VmRSS"]) / MIB,
             "rss_before_mib": before["VmRSS"] / MIB, "anon_added_mib": (after["RssAnon"] - before["RssAnon"]) / MIB,
             "file_added_mib": (after["RssFile"] - before["RssFile"]) / MIB, "load_s": seconds, "next_loss": loss}
     every = ranks.gather_to_main(mine)
@@ -201,7 +205,8 @@ def main() -> None:
         for r in ranks:
             print(f"{mode:11s} rank {r['rank']}: load peak +{r['load_peak_mib']:.0f} MiB over {r['rss_before_mib']:.0f}"
                   f" MiB; after: anon +{r['anon_added_mib']:.0f} MiB, file-backed +{r['file_added_mib']:.0f} MiB;"
-                  f" {r['load_s']:.2f} s; next step's loss {r['next_loss']:.6f}")
+                  f" {r['load_s']:.2f} s; peak through the next step +{r['step_peak_mib']:.0f} MiB, its loss"
+                  f" {r['next_loss']:.6f}")
     old, new = res["one-file"], res["partitioned"]
     assert old is not None and new is not None
     same = all(a["next_loss"] == b["next_loss"] for a, b in zip(old, new, strict=True))
@@ -209,6 +214,8 @@ def main() -> None:
           f"one_file_mib={one_file:.0f} own_part_mib={max(v for k, v in sizes.items() if k.startswith('rank-')):.0f} "
           f"one_file_load_peak_mib={max(r['load_peak_mib'] for r in old):.0f} "
           f"partitioned_load_peak_mib={max(r['load_peak_mib'] for r in new):.0f} "
+          f"one_file_step_peak_mib={max(r['step_peak_mib'] for r in old):.0f} "
+          f"partitioned_step_peak_mib={max(r['step_peak_mib'] for r in new):.0f} "
           f"one_file_anon_mib={max(r['anon_added_mib'] for r in old):.0f} "
           f"partitioned_anon_mib={max(r['anon_added_mib'] for r in new):.0f} same_next_loss={same}")
 
