@@ -44,10 +44,17 @@ from learner.train.checkpoint_files import (
 from learner.train.checkpoint_owner import check_resumable
 from learner.train.ranks import Ranks
 from learner.train.updater import PlainUpdater, StepStrategy, ZeroUpdater, gathered_weights
+from rmsft.exit_codes import CONFIG_EXIT
 from rmsft.jobspec import TrainingConfig
 from rmsft.weight_wire import NO_RUN, WeightVersion
 
 log = logging.getLogger("rmsft.learner")
+
+class CheckpointMismatchError(RuntimeError):
+    """The newest checkpoint cannot be continued by this run (its layout, ranks, ZeRO stage or model)."""
+
+    exit_code = CONFIG_EXIT  # the same spec meets the same checkpoint: no retry helps
+
 
 # state.pt's "layout": each rank's state in its own rank-<r>.pt (checkpoint_files); the one-file layout had none.
 PER_RANK_LAYOUT = "per-rank"
@@ -218,21 +225,24 @@ class Checkpointer:
     def _check_loadable(self, ckpt: dict[str, Any], name: str) -> None:
         """Refuse a checkpoint this run cannot continue, before any rank reads its part."""
         if ckpt.get("layout") != PER_RANK_LAYOUT:
-            raise RuntimeError(
+            raise CheckpointMismatchError(
                 f"checkpoint {name} is in the one-file layout of earlier rmsft releases (every rank's state in "
                 "state.pt); this release keeps each rank's part in its own file (rank-<r>.pt) and cannot resume it: "
                 "finish the run with the release that wrote it, or export its weights (`rmsft export`) and start "
                 "fresh from them")
         saved_ws, ws = ckpt["world_size"], self.ranks.world_size
         if saved_ws != ws:
-            raise RuntimeError(f"checkpoint {name} was written by {saved_ws} learner rank(s), this run has {ws}: "
-                               "resume with the same number of ranks (each rank's carry buffer and RNG are its own)")
+            raise CheckpointMismatchError(
+                f"checkpoint {name} was written by {saved_ws} learner rank(s), this run has {ws}: resume with the "
+                "same number of ranks (each rank's carry buffer, RNG and optimizer partition are its own)")
         if ckpt["deepspeed_stage"] != self.cfg.deepspeed_stage:
-            raise RuntimeError(f"checkpoint {name} was written with deepspeed_stage {ckpt['deepspeed_stage']}, "
-                               f"this run uses {self.cfg.deepspeed_stage}")
+            raise CheckpointMismatchError(
+                f"checkpoint {name} was written with deepspeed_stage {ckpt['deepspeed_stage']}, "
+                f"this run uses {self.cfg.deepspeed_stage}")
         missing = set(trainable_state(self.model)) - set(ckpt["model"])
         if missing:
-            raise RuntimeError(f"checkpoint does not match the model: {len(missing)} trainable tensors missing")
+            raise CheckpointMismatchError(
+                f"checkpoint does not match the model: {len(missing)} trainable tensors missing")
 
     def _load(self, ckpt: dict[str, Any], mine: dict[str, Any]) -> None:
         """`ckpt`: rank 0's state.pt; `mine`: this rank's own part."""
