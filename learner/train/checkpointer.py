@@ -50,6 +50,7 @@ from rmsft.weight_wire import NO_RUN, WeightVersion
 
 log = logging.getLogger("rmsft.learner")
 
+
 class CheckpointMismatchError(RuntimeError):
     """The newest checkpoint cannot be continued by this run (its layout, ranks, ZeRO stage or model)."""
 
