@@ -1,10 +1,16 @@
 """Checkpoints: trainable weights, optimizer, data position, RNG, packer carry buffer, step, version.
 
-A checkpoint is a folder `step-<n>` holding `state.pt`, written under a temporary name (`.tmp-step-<n>`), flushed
-to disk and renamed into place, so a run stopped mid-save (any signal, SIGKILL included, or a crash) never leaves a
-half checkpoint that a resume would pick up: the newest complete one is taken. A save interrupted by an exception
-(SIGINT, `rmsft local`'s SIGTERM) removes its temporary folder; one left by a killed process is ignored, and removed
-by the next save. A folder named like a checkpoint but without its `state.pt` is not one.
+A checkpoint is a folder `step-<n>` holding `state.pt` (rank 0's: the trainable weights, the plain optimizer, step,
+version, the run's record) and one `rank-<r>.pt` per learner rank (that rank's own state: its packer carry buffer,
+RNG, objective parts and, under DeepSpeed ZeRO, its optimizer partition; `rank_part`). Each rank writes and reads
+only its own part, so no rank ever holds another rank's partition (host memory per rank: its part, not ranks x the
+checkpoint). The folder is written under a temporary name (`.tmp-step-<n>`): rank 0 makes it (`begin_save`), every
+rank writes its part into it (`write_part`), and only once every rank's part is on disk (the ranks agree after their
+writes) does rank 0 write `state.pt` and rename the folder into place (`finish_save`). So a run stopped mid-save (any
+signal, SIGKILL included, or a crash, on any rank) never leaves a half checkpoint that a resume would pick up: the
+newest complete one is taken. A save interrupted by an exception (SIGINT, `rmsft local`'s SIGTERM, a rank whose
+write failed) removes its temporary folder; one left by a killed process is ignored, and removed by the next save.
+A folder named like a checkpoint but without its `state.pt` is not one.
 
 Saving a step that is already there (a run resumed at its final step saves it again) swaps the new folder in with
 one atomic exchange (Linux's renameat2 RENAME_EXCHANGE) and only then removes the old copy. Where the filesystem
@@ -47,6 +53,7 @@ log = logging.getLogger("rmsft.learner")
 
 _PREFIX = "step-"
 _STATE = "state.pt"
+_RANK_PART = "rank-{}.pt"
 _TMP = ".tmp-"  # a save in progress, or one a killed process left
 _OLD = ".old-"  # a checkpoint being replaced by a save of the same step
 
@@ -121,26 +128,44 @@ def _restore_set_aside(root: Path) -> None:
         old.rename(final)
 
 
-def save_checkpoint(root: str | Path, step: int, state: dict[str, Any], keep: int = 2,
-                    lineage: dict[str, Any] | None = None) -> Path:
-    """Write `state` as the checkpoint of `step` under `root` (module doc: all or nothing), then keep the newest
-    `keep` checkpoints. With `lineage` (checkpoint_owner.lineage_of) the checkpoint records it and pruning counts
-    and deletes only checkpoints of that lineage: another run's are never touched. Returns the checkpoint's folder."""
+def rank_part(folder: str | Path, rank: int) -> Path:
+    """Learner rank `rank`'s own part of the checkpoint in `folder` (module doc)."""
+    return Path(folder) / _RANK_PART.format(rank)
+
+
+def begin_save(root: str | Path, step: int) -> Path:
+    """Rank 0: the empty temporary folder the checkpoint of `step` is written into (what killed saves left is
+    removed first, a set-aside copy put back). Returns it; `finish_save` puts it in place."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for left in root.glob(f"{_TMP}{_PREFIX}*"):  # what killed saves left
         shutil.rmtree(left, ignore_errors=True)
     _restore_set_aside(root)
-    final = root / f"{_PREFIX}{step}"
     tmp = root / f"{_TMP}{_PREFIX}{step}"
     tmp.mkdir()
+    return tmp
+
+
+def write_part(path: Path, obj: Any) -> None:
+    """Write `obj` to `path` and flush it to disk: on disk before the folder's name says "complete" (after a power
+    loss a renamed folder must not hold an empty file)."""
+    torch.save(obj, path)
+    _fsync_path(path)
+
+
+def finish_save(root: str | Path, step: int, tmp: Path, state: dict[str, Any], keep: int = 2,
+                lineage: dict[str, Any] | None = None) -> Path:
+    """Rank 0, once every rank's part is in `tmp`: write `state` (state.pt) and the lineage, rename `tmp` into place
+    as the checkpoint of `step` (module doc: all or nothing), then keep the newest `keep` checkpoints. With `lineage`
+    (checkpoint_owner.lineage_of) the checkpoint records it and pruning counts and deletes only checkpoints of that
+    lineage: another run's are never touched. Returns the checkpoint's folder."""
+    root = Path(root)
+    final = root / f"{_PREFIX}{step}"
     try:
         if lineage is not None:
             (tmp / LINEAGE_FILE).write_text(json.dumps(lineage, sort_keys=True))
             _fsync_path(tmp / LINEAGE_FILE)
-        torch.save(state, tmp / _STATE)
-        # On disk before the name says "complete": after a power loss a renamed folder must not hold an empty file.
-        _fsync_path(tmp / _STATE)
+        write_part(tmp / _STATE, state)
         pause_points.pause_at("checkpoint", step)  # tests: stopped here, the checkpoint is not one yet
         if final.exists():  # a resumed run saving a step again: the old one goes only once the new one is in place
             if _exchange(tmp, final):
@@ -162,6 +187,12 @@ def save_checkpoint(root: str | Path, step: int, state: dict[str, Any], keep: in
     for old in ours[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_checkpoint(root: str | Path, step: int, state: dict[str, Any], keep: int = 2,
+                    lineage: dict[str, Any] | None = None) -> Path:
+    """One process's checkpoint: `begin_save` and `finish_save` with no rank parts (the Checkpointer adds them)."""
+    return finish_save(root, step, begin_save(root, step), state, keep=keep, lineage=lineage)
 
 
 EARLIER_RUNS = "earlier-runs"

@@ -4,9 +4,11 @@
 identity. The `Checkpointer` saves and restores it with the model, the optimizer (through the step
 strategy) and the packer's carry buffer.
 
-Rank 0 writes model, optimizer, step and version; every rank's packer carry buffer and RNG (and,
-under DeepSpeed, its ZeRO optimizer partition) are gathered into the same `state.pt` as
-`rank_states`, so one atomic folder holds the whole group's state.
+Rank 0 writes model, optimizer, step and version (`state.pt`); every rank writes its own packer carry
+buffer, RNG, parts and, under DeepSpeed, its ZeRO optimizer partition (`rank-<r>.pt`) into the same
+folder, and reads back only its own, its optimizer partition onto its own device. Rank 0 puts the
+folder in place only after every rank's part is written (learner/train/checkpoint_files.py), so one
+atomic folder holds the whole group's state and no rank holds another's partition.
 
 A weight version is (run id, number) (`rmsft.weight_wire.version`). The run id is this learner
 process's own, made at start: a resume restores the step, the weights and the version *number*,
@@ -18,6 +20,7 @@ of the lives that led to it (`run_ids`, oldest first), for the record.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,20 +31,34 @@ import torch
 
 from learner.core.packing import Packer
 from learner.train.checkpoint_files import (
+    begin_save,
+    finish_save,
     list_checkpoints,
+    rank_part,
     rng_state,
-    save_checkpoint,
     set_aside_earlier,
     set_rng_state,
     trainable_state,
+    write_part,
 )
 from learner.train.checkpoint_owner import check_resumable
 from learner.train.ranks import Ranks
 from learner.train.updater import PlainUpdater, StepStrategy, ZeroUpdater, gathered_weights
+from rmsft.exit_codes import CONFIG_EXIT
 from rmsft.jobspec import TrainingConfig
 from rmsft.weight_wire import NO_RUN, WeightVersion
 
 log = logging.getLogger("rmsft.learner")
+
+
+class CheckpointMismatchError(RuntimeError):
+    """The newest checkpoint cannot be continued by this run (its layout, ranks, ZeRO stage or model)."""
+
+    exit_code = CONFIG_EXIT  # the same spec meets the same checkpoint: no retry helps
+
+
+# state.pt's "layout": each rank's state in its own rank-<r>.pt (checkpoint_files); the one-file layout had none.
+PER_RANK_LAYOUT = "per-rank"
 
 
 class Stateful(Protocol):
@@ -121,12 +138,12 @@ class Checkpointer:
         with gathered_weights(self.updater, self.model):
             return {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(self.model).items()}
 
-    def checkpoint(self, model_state: dict[str, torch.Tensor], rank_states: list[dict[str, Any]]) -> dict[str, Any]:
-        """Rank 0's checkpoint: `model_state` from `gathered_trainable_state` (whole weights under ZeRO-3 too),
-        `rank_states` every rank's `_rank_state` (its carry buffer, RNG, parts, ZeRO optimizer partition)."""
+    def checkpoint(self, model_state: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Rank 0's `state.pt`: `model_state` from `gathered_trainable_state` (whole weights under ZeRO-3 too) and
+        the run's record; each rank's own state is its part (`_rank_state`, `rank-<r>.pt`)."""
         s = self.state
         return {
-            "step": s.step, "version": s.version, "model": model_state, "rank_states": rank_states,
+            "step": s.step, "version": s.version, "model": model_state, "layout": PER_RANK_LAYOUT,
             "optimizer": self.updater.optimizer_state() if isinstance(self.updater, PlainUpdater) else None,
             "phase_seconds": dict(s.phase_seconds),
             "world_size": self.ranks.world_size, "deepspeed_stage": self.cfg.deepspeed_stage,
@@ -136,18 +153,31 @@ class Checkpointer:
         }
 
     def save(self) -> Path | None:
-        """Collective: every rank's packer carry buffer and RNG (and ZeRO optimizer part) go into
-        the one checkpoint rank 0 writes. Returns its path on rank 0, None elsewhere."""
-        rank_states = self.ranks.gather_to_main(self._rank_state())
+        """Collective: every rank writes its packer carry buffer, RNG, parts (and ZeRO optimizer partition) as its
+        own part; rank 0 writes the model and puts the checkpoint in place once every part is on disk. Returns its
+        path on rank 0, None elsewhere."""
         model_state = self.gathered_trainable_state()
-        path = None
-        with self.ranks.guard("saving the checkpoint (rank 0)"):
+        ck, step = self.cfg.checkpoint, self.state.step
+        tmp = None
+        with self.ranks.guard("preparing the checkpoint folder (rank 0)"):
             if self.ranks.is_main:
-                assert rank_states is not None, "rank 0 gathers every rank's state"
-                ckpt = self.checkpoint(model_state, rank_states)
-                ck = self.cfg.checkpoint
-                path = save_checkpoint(ck.dir, self.state.step, ckpt, keep=ck.keep, lineage=self.lineage)
-        self.last_save_t, self.saved_step = time.monotonic(), self.state.step
+                tmp = str(begin_save(ck.dir, step))
+        tmp = self.ranks.broadcast_from_main(tmp)
+        assert tmp is not None, "rank 0 made the folder"
+        path = None
+        try:
+            with self.ranks.guard("writing its part of the checkpoint"):
+                write_part(rank_part(tmp, self.ranks.rank), self._rank_state())
+            # Past the guard every rank's part is on disk (it is collective): only now may the folder become final.
+            with self.ranks.guard("saving the checkpoint (rank 0)"):
+                if self.ranks.is_main:
+                    path = finish_save(ck.dir, step, Path(tmp), self.checkpoint(model_state), keep=ck.keep,
+                                       lineage=self.lineage)
+        except BaseException:
+            if self.ranks.is_main:  # a rank's part failed: no checkpoint of this step, and nothing half left
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.last_save_t, self.saved_step = time.monotonic(), step
         return path
 
     def start_fresh(self) -> None:
@@ -178,36 +208,51 @@ class Checkpointer:
         if name is None:
             return False
         with self.ranks.guard(f"loading checkpoint {name}"):
-            # Our own file: it holds Python objects (packer segments, RNG state), hence weights_only=False.
-            # Onto the CPU: each tensor then goes where its owner lives (the model's and the optimizer's loads move
-            # it), not every rank's copy onto cuda:0 where it was saved.
-            ckpt = torch.load(Path(name) / "state.pt", weights_only=False, map_location="cpu")
-            self._load(ckpt, name)
+            # Our own files: they hold Python objects (packer segments, RNG state), hence weights_only=False.
+            # Memory-mapped onto the CPU: the model's load copies each tensor where the model lives, no anonymous
+            # host copy of the file. Then this rank's own part: its optimizer partition onto this rank's device.
+            ckpt = torch.load(Path(name) / "state.pt", weights_only=False, mmap=True, map_location="cpu")
+            self._check_loadable(ckpt, name)
+            mine = torch.load(rank_part(name, self.ranks.rank), weights_only=False, mmap=True, map_location="cpu")
+            if "zero_optimizer" in mine:
+                mine["zero_optimizer"] = _to_device(mine["zero_optimizer"], self.updater.device)
+            self._load(ckpt, mine)
         s = self.state
         assert s.resumed is not None, "set by _load"
         log.info("resumed from step %d (weight version %d of run %s); this run is %s", s.step,
                  s.resumed.weights.number, s.resumed.weights.run_id or "(not recorded)", s.run_id)
         return True
 
-    def _load(self, ckpt: dict[str, Any], name: str) -> None:
+    def _check_loadable(self, ckpt: dict[str, Any], name: str) -> None:
+        """Refuse a checkpoint this run cannot continue, before any rank reads its part."""
+        if ckpt.get("layout") != PER_RANK_LAYOUT:
+            raise CheckpointMismatchError(
+                f"checkpoint {name} is in the one-file layout of earlier rmsft releases (every rank's state in "
+                "state.pt); this release keeps each rank's part in its own file (rank-<r>.pt) and cannot resume it: "
+                "finish the run with the release that wrote it, or export its weights (`rmsft export`) and start "
+                "fresh from them")
         saved_ws, ws = ckpt["world_size"], self.ranks.world_size
         if saved_ws != ws:
-            raise RuntimeError(f"checkpoint {name} was written by {saved_ws} learner rank(s), this run has {ws}: "
-                               "resume with the same number of ranks (each rank's carry buffer and RNG are its own)")
+            raise CheckpointMismatchError(
+                f"checkpoint {name} was written by {saved_ws} learner rank(s), this run has {ws}: resume with the "
+                "same number of ranks (each rank's carry buffer, RNG and optimizer partition are its own)")
         if ckpt["deepspeed_stage"] != self.cfg.deepspeed_stage:
-            raise RuntimeError(f"checkpoint {name} was written with deepspeed_stage {ckpt['deepspeed_stage']}, "
-                               f"this run uses {self.cfg.deepspeed_stage}")
+            raise CheckpointMismatchError(
+                f"checkpoint {name} was written with deepspeed_stage {ckpt['deepspeed_stage']}, "
+                f"this run uses {self.cfg.deepspeed_stage}")
         missing = set(trainable_state(self.model)) - set(ckpt["model"])
         if missing:
-            raise RuntimeError(f"checkpoint does not match the model: {len(missing)} trainable tensors missing")
+            raise CheckpointMismatchError(
+                f"checkpoint does not match the model: {len(missing)} trainable tensors missing")
+
+    def _load(self, ckpt: dict[str, Any], mine: dict[str, Any]) -> None:
+        """`ckpt`: rank 0's state.pt; `mine`: this rank's own part."""
         with gathered_weights(self.updater, self.model, modifier_rank=0):  # ZeRO-3: rank 0's load is re-partitioned
             self.model.load_state_dict(ckpt["model"], strict=False)
-        rank_states = ckpt["rank_states"]
-        mine = rank_states[self.ranks.rank]
         if isinstance(self.updater, PlainUpdater):
-            self.updater.load_optimizer_state([ckpt["optimizer"]])
+            self.updater.load_optimizer_state(ckpt["optimizer"])
         else:
-            self.updater.load_optimizer_state([s["zero_optimizer"] for s in rank_states])
+            self.updater.load_optimizer_state(mine["zero_optimizer"])
         set_rng_state(mine["rng"])
         self.packer.restore(mine["packer"])
         for part_name, part in self.parts.items():
@@ -219,3 +264,16 @@ class Checkpointer:
         s.step, s.version = ckpt["step"], max(ckpt["version"], s.version)
         s.phase_seconds = dict(ckpt["phase_seconds"])
         self.loaded_extra = dict(ckpt["extra"])
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    """`obj` (a ZeRO optimizer state: dicts, lists, tensors and plain values) with its partitions on `device`.
+    Scalars stay on the CPU: AdamW keeps its `step` counts there unless capturable or fused (a step count on the GPU
+    would be read back to the host every step)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device) if obj.dim() > 0 else obj
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj

@@ -49,7 +49,7 @@ class StepStrategy(Protocol):
     def backward(self, loss: torch.Tensor) -> None: ...
     def finish(self, n_rows: int, lr: float) -> None: ...
     def optimizer_state(self) -> dict[str, Any]: ...
-    def load_optimizer_state(self, states: list[dict[str, Any]]) -> None: ...
+    def load_optimizer_state(self, state: dict[str, Any]) -> None: ...
     def close(self) -> None: ...
 
 
@@ -85,8 +85,8 @@ class PlainUpdater:
     def optimizer_state(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
 
-    def load_optimizer_state(self, states: list[dict[str, Any]]) -> None:
-        self.optimizer.load_state_dict(states[0])
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
 
     def close(self) -> None:
         """Nothing to release: the optimizer holds no process-group buffers (ZeroUpdater's engine does)."""
@@ -127,10 +127,12 @@ class ZeroUpdater:
         zero.zero_step(self.engine, lr)
 
     def optimizer_state(self) -> dict[str, Any]:
+        """This rank's optimizer partition (and its fp32 master weights): its own, saved in its own part."""
         return self.engine.optimizer.state_dict()
 
-    def load_optimizer_state(self, states: list[dict[str, Any]]) -> None:
-        zero.load_zero_optimizer(self.engine, states)
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """This rank's own partition, as `optimizer_state` gave it (same world size)."""
+        zero.load_zero_optimizer(self.engine, state)
 
     def close(self) -> None:
         if self.engine is not None:  # its optimizer holds buffers tied to the process group

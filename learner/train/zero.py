@@ -8,7 +8,7 @@ Why the details below:
   backward passes: ranks with fewer rows pad with zero-loss passes on a 2-token input, and the
   accumulation boundary is set by hand (rows per step vary), on a final zero-loss pass.
 - ZeRO keeps fp32 master partitions apart from the module's parameters: a checkpoint restores
-  them from every rank's saved partition (`load_zero_optimizer`), not from the module weights.
+  them from the rank's own saved partition (`load_zero_optimizer`), not from the module weights.
 - ZeRO-3 also partitions the parameters: every forward all-gathers them (collective, which the
   padding passes above keep in step), and whatever reads whole weights (weight export for a sync,
   checkpoints) runs inside `gathered`, entered by every rank at the same point. A rank-0-only
@@ -22,7 +22,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -160,6 +160,15 @@ def zero_step(engine: Any, lr: float) -> None:
     engine.step()
 
 
-def load_zero_optimizer(engine: Any, rank_states: Sequence[dict]) -> None:
-    """Restore every rank's optimizer partition and fp32 master weights from a checkpoint."""
-    engine.optimizer.load_state_dict(list(rank_states), load_optimizer_states=True, load_from_fp32_weights=True)
+def load_zero_optimizer(engine: Any, own: dict[str, Any]) -> None:
+    """Restore this rank's optimizer partition and fp32 master weights from its own saved partition.
+
+    DeepSpeed's load takes a list of every rank's state, for an elastic load into another world size; with the same
+    world size and a rigid (not `elastic_checkpoint`) state, ZeRO-1/2 and ZeRO-3 read only the entry at the rank's
+    own data-parallel index. So only that entry is given: no rank reads, or holds, another's partition (a
+    DeepSpeed that read another entry would fail on the None, not load the wrong partition)."""
+    opt = engine.optimizer
+    group = getattr(opt, "dp_process_group", None)
+    states: list[dict[str, Any] | None] = [None] * dist.get_world_size(group=group)
+    states[dist.get_rank(group=group)] = own
+    opt.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)

@@ -202,3 +202,24 @@ def test_earlier_runs_keeps_the_newest_few(tmp_path: Path, monkeypatch: pytest.M
         assert steps == [1]
     kept = sorted(p.name for p in (tmp_path / EARLIER_RUNS).iterdir())
     assert kept == sorted([*made[-EARLIER_RUNS_KEPT:], "my-notes"])
+
+
+def test_a_one_file_checkpoint_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    """A checkpoint of the one-file layout (every rank's state in state.pt, before issue 60) is refused before any
+    rank looks for its part, with what to do (finish with the release that wrote it, or export and start fresh), as a
+refused configuration (exit 2)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from learner.train.checkpointer import Checkpointer, TrainState
+    from learner.train.ranks import Ranks
+    from rmsft.exit_codes import CONFIG_EXIT, exit_code_for
+
+    save_checkpoint(tmp_path, 3, {"step": 3, "version": 3, "model": {}, "rank_states": [{}], "world_size": 1,
+                                  "deepspeed_stage": 0})
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(dir=str(tmp_path), resume_any=False), deepspeed_stage=0)
+    ckpt = Checkpointer(cfg, Ranks.single(), torch.nn.Linear(2, 2), None, None, TrainState())  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match=r"one-file layout of earlier rmsft releases.*rmsft export") as refused:
+        ckpt.resume()
+    assert exit_code_for(refused.value) == CONFIG_EXIT  # refused: the same claim fails the same way, no retry

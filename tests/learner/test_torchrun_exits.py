@@ -174,3 +174,50 @@ def test_rmsft_train_as_pid_1_stops_on_sigterm_while_it_loads(tiny_model_dir: Pa
     assert proc.returncode == STOPPED_EXIT, err[-4000:]
     assert "before the first step: nothing new to save" in err
     assert not STEP_LINE.search(err)
+
+
+ZERO2_FULL = {"deepspeed_stage": 2, "finetune": "full"}
+PARTITION_STEPS = 4  # resumed at 2: steps 3 and 4 both step from the restored partitions
+
+
+def test_zero2_full_each_rank_writes_and_reads_its_own_partition(tiny_model_dir: Path, data_path: Path,
+                                                                 tmp_path: Path) -> None:
+    """Issue 60 item 5: two ranks under ZeRO-2 with `finetune: full`. Each rank's `rank-<r>.pt` holds its own
+    optimizer partition only (the two fp32 master partitions are halves that together are the saved model);
+    stopped after 2 steps and resumed, the run's losses equal an uninterrupted one's (a rank that loaded another's
+    partition steps the wrong master weights from step 3 on)."""
+    import torch
+
+    pytest.importorskip("deepspeed")
+    steps = {"steps": PARTITION_STEPS, "warm_start_steps": PARTITION_STEPS}
+    straight = _run(container_command(write_job(tmp_path / "straight.yaml", tiny_model_dir, data_path,
+                                                tmp_path / "straight", **ZERO2_FULL, **steps)))
+    assert straight.returncode == 0, straight.stderr[-6000:]
+    want = _losses(straight.stderr)
+    assert sorted(want) == list(range(1, PARTITION_STEPS + 1)), straight.stderr[-3000:]
+
+    ckpt = tmp_path / "ckpt"
+    first = _run(container_command(write_job(tmp_path / "a.yaml", tiny_model_dir, data_path, ckpt, **ZERO2_FULL,
+                                             steps=2, warm_start_steps=PARTITION_STEPS)))
+    assert first.returncode == 0, first.stderr[-6000:]
+    folder = ckpt / "step-2"
+    assert sorted(p.name for p in folder.glob("*.pt")) == ["rank-0.pt", "rank-1.pt", "state.pt"]
+    state = torch.load(folder / "state.pt", weights_only=False)
+    assert "zero_optimizer" not in str(list(state)) and state["optimizer"] is None  # no partition in rank 0's file
+    parts = [torch.load(folder / f"rank-{r}.pt", weights_only=False)["zero_optimizer"] for r in (0, 1)]
+    masters = [torch.cat([t.reshape(-1) for t in p["single_partition_of_fp32_groups"]]) for p in parts]
+    whole = torch.cat([v.float().reshape(-1) for v in state["model"].values()])
+    assert masters[0].numel() + masters[1].numel() == whole.numel()  # each rank holds half, not the whole
+    assert abs(masters[0].numel() - masters[1].numel()) <= 2 * len(state["model"])  # halves, up to alignment
+    assert torch.equal(torch.cat(masters), whole)  # rank 0's half, then rank 1's: the model at step 2
+    moments = [sum(v.numel() for s in p["base_optimizer_state"]["state"].values() for v in s.values()
+                   if isinstance(v, torch.Tensor) and v.dim() > 0) for p in parts]
+    assert moments == [2 * m.numel() for m in masters]  # Adam's two moments, of its own half only
+
+    resumed = _run(container_command(write_job(tmp_path / "b.yaml", tiny_model_dir, data_path, ckpt, **ZERO2_FULL,
+                                               **steps)))
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    assert "resumed from step 2" in resumed.stderr
+    after = _losses(resumed.stderr)
+    assert sorted(after) == [3, 4], resumed.stderr[-3000:]
+    assert [after[s] for s in (3, 4)] == pytest.approx([want[3], want[4]], abs=2e-4)
