@@ -440,8 +440,10 @@ class WeightSyncClient:
                 self.pool.mark_stale(server, None, f"holds weight version {number} of an update that broke")
                 others.append(f"{server.name}: holds version {number} whole")
             else:
-                if "partly replaced" in o.message or code == grpc.StatusCode.UNAVAILABLE and not o.message:
-                    self.pool.mark_down(server, f"weight sync: {o.message}")
+                from rmsft.weight_wire.transfer import NOTHING_LOADED
+
+                if NOTHING_LOADED not in o.message:  # dead, or partly replaced (it exits): down until it answers
+                    self.pool.mark_down(server, f"weight sync: {code.name}: {o.message}")
                 others.append(f"{server.name}: {code.name}: {o.message}")
         said = ", ".join(s.name for s in failure.cut_off) or "none"
         raise WeightSyncError(

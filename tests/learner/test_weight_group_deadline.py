@@ -48,7 +48,9 @@ def test_a_server_stopped_mid_broadcast_is_cut_off_and_never_claims_the_version(
     servers = [RolloutServer.start(tiny_model_dir, backend="hf", weight_transfer="rmsft_gloo",
                                    staging_dir=str(tmp_path / f"stage-{i}"), log_path=tmp_path / f"serve-{i}.log")
                for i in range(2)]
-    stopped, other = servers
+    # The stopped one is the group's last rank: gloo's root sends each broadcast to its members in turn, so a member
+    # stalled first in that order would hold the others' bytes back too (then both are cut off, rightly).
+    other, stopped = servers
     resumed = False
     try:
         model = fresh_model(tiny_model_dir)
