@@ -45,9 +45,18 @@ def _generate_version(srv: RolloutServer, expected: WeightVersion) -> WeightVers
 
 def test_a_server_stopped_mid_broadcast_is_cut_off_and_never_claims_the_version(tiny_model_dir: Path,
                                                                                 tmp_path: Path) -> None:
-    servers = [RolloutServer.start(tiny_model_dir, backend="hf", weight_transfer="rmsft_gloo",
+    for i in range(2):
+        (tmp_path / f"stage-{i}").mkdir()
+    servers = [RolloutServer.spawn(tiny_model_dir, backend="hf", weight_transfer="rmsft_gloo",
                                    staging_dir=str(tmp_path / f"stage-{i}"), log_path=tmp_path / f"serve-{i}.log")
-               for i in range(2)]
+               for i in range(2)]  # both start at once
+    try:
+        for s in servers:
+            s.wait_healthy(120)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
     # The stopped one is the group's last rank: gloo's root sends each broadcast to its members in turn, so a member
     # stalled first in that order would hold the others' bytes back too (then both are cut off, rightly).
     other, stopped = servers
