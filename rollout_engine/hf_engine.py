@@ -249,23 +249,30 @@ class HfEngine:
             raise EngineError(f"joining the learner's weight-transfer group failed: {e}") from e
 
     def receive_weights(self, update_info: dict) -> None:
+        """Every tensor arrives before any is loaded (`receive_whole`): an update the learner called off, or one
+        whose group broke, leaves the model as it was (EngineError: nothing applied)."""
         import torch
 
-        from rmsft.weight_wire.transfer import receive
+        from rmsft.weight_wire.transfer import GroupAborted, receive_whole
 
         if getattr(self, "_group", None) is None:
             raise EngineError("this engine is in no weight-transfer group")
         params = dict(self.hf.named_parameters())
         params.update(dict(self.hf.named_buffers()))
         try:
+            tensors = receive_whole(self._group, update_info["names"], update_info["dtype_names"],
+                                    update_info["shapes"], getattr(self, "_bucket_bytes", 0))
+        except GroupAborted as e:
+            self._group = None  # broken: the learner builds a new group, which this engine joins again
+            raise EngineError(str(e)) from e
+        try:
             with torch.no_grad():
-                for name, t in receive(self._group, update_info["names"], update_info["dtype_names"],
-                                       update_info["shapes"], getattr(self, "_bucket_bytes", 0)):
+                for name, t in tensors:
                     if name in params:
                         params[name].copy_(t)
         except Exception as e:  # some tensors are in, the rest not
-            raise EngineDead(f"receiving weights over the weight-transfer group failed: {e}; the weights are partly "
-                             "replaced") from e
+            raise EngineDead(f"loading the weights received over the weight-transfer group failed: {e}; the "
+                             "weights are partly replaced") from e
 
     def apply_adapter(self, adapter_dir: str, adapter_id: int, name: str) -> None:
         raise EngineError("the hf backend does not serve LoRA adapters")

@@ -391,6 +391,10 @@ class VllmEngine:
         except EngineDead:
             raise
         except EngineError as e:
+            from rmsft.weight_wire.transfer import NOTHING_LOADED
+
+            if NOTHING_LOADED in str(e):  # rmsft's gloo engine: called off before the model was touched
+                raise
             raise EngineDead(f"{e}; the weights are partly replaced") from e
         self.clear_adapter()  # the merged weights hold any adapter already
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 from rmsft.weight_wire.transfer import GLOO as BACKEND
-from rmsft.weight_wire.transfer import open_group, receive
+from rmsft.weight_wire.transfer import open_group, receive_whole
 
 
 class _LoadsWeights(Protocol):
@@ -64,6 +64,7 @@ def _engine_class() -> type:
             super().__init__(*args, **kwargs)
             self.group: Any = None
             self.bucket_bytes = 0
+            self.reloading = False  # between initialize_layerwise_reload and its finalize
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             p = self.parallel_config
@@ -73,20 +74,29 @@ def _engine_class() -> type:
             self.bucket_bytes = init_info.bucket_bytes
 
         def start_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            initialize_layerwise_reload(self.model)
+            # The layerwise reload starts only once every bucket is here and the learner committed the update
+            # (`receive_weights`): an update called off or broken leaves the model whole, on its last version.
+            self.reloading = False
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-            finalize_layerwise_reload(self.model, self.model_config)
+            if self.reloading:
+                finalize_layerwise_reload(self.model, self.model_config)
+                self.reloading = False
 
         def receive_weights(self, update_info: GlooUpdateInfo) -> None:
             if self.group is None:
                 raise RuntimeError("the gloo weight transfer was not initialised (init_weight_transfer_engine first)")
-            for name, t in receive(self.group, update_info.names, update_info.dtype_names, update_info.shapes,
-                                   self.bucket_bytes):
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            # GroupAborted (its message says NOTHING_LOADED) before the model is touched: rollout_engine.vllm_engine
+            # reads that as "the previous version still serves".
+            tensors = receive_whole(self.group, update_info.names, update_info.dtype_names, update_info.shapes,
+                                    self.bucket_bytes)
+            initialize_layerwise_reload(self.model)
+            self.reloading = True
+            for name, t in tensors:
                 alias = update_info.also_as.get(name)
                 cast(_LoadsWeights, self.model).load_weights([(name, t)] if alias is None else [(name, t), (alias, t)])
 

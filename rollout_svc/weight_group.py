@@ -118,6 +118,10 @@ class GroupMember:
                          f"{e}; this server is exiting to be restarted, and starts again from the checkpoint")
         except (EngineError, RunnerStopped) as e:
             metrics.WEIGHT_SYNC_FAILURES.labels(reason="apply").inc()
+            # The group broke (its deadline passed, the learner called the update off or closed its end): this
+            # server leaves it, so the learner builds a new one before the next update over a group; the gate
+            # reopens (runner.call returned) on the version it had, and the update lock is released below.
+            self._group_id = ""
             self._finish("UpdateWeights", context, grpc.StatusCode.UNAVAILABLE, f"{e}: nothing was applied")
         finally:
             self._update_lock.release()

@@ -418,7 +418,38 @@ class WeightSyncClient:
         except GroupUnusable as e:
             log.warning("weight version %s goes over gRPC: %s", number, e)
             return None
+        if group.failure is not None:
+            self._group_failed(number, servers, group.failure)
         return outcomes, sum(spec.nbytes for _, spec in specs)
+
+    def _group_failed(self, number: int, servers: Sequence[RolloutServer], failure: Any) -> None:
+        """An update over the group broke (learner.sync.group.GroupFailure): nobody claims version `number`. The
+        members cut off are down until they answer again (in no group then, so the rollout client re-syncs them
+        over gRPC first); the others said what they hold, the previous whole version, and keep serving it. The
+        next full sync builds a new group of the servers then up."""
+        cut = {s.address for s in failure.cut_off}
+        for server in failure.cut_off:
+            self.pool.mark_down(server, f"cut off from the weight-transfer group at weight version {number}")
+        others = []
+        for server in servers:
+            o = failure.outcomes.get(server.address)
+            if server.address in cut or o is None:
+                continue
+            code = _STATUS_BY_VALUE.get(o.code, grpc.StatusCode.UNKNOWN)
+            if code == grpc.StatusCode.OK:  # it read the COMMIT before the update broke: whole, but not the pool's
+                self.pool.mark_stale(server, None, f"holds weight version {number} of an update that broke")
+                others.append(f"{server.name}: holds version {number} whole")
+            else:
+                from rmsft.weight_wire.transfer import NOTHING_LOADED
+
+                if NOTHING_LOADED not in o.message:  # dead, or partly replaced (it exits): down until it answers
+                    self.pool.mark_down(server, f"weight sync: {code.name}: {o.message}")
+                others.append(f"{server.name}: {code.name}: {o.message}")
+        said = ", ".join(s.name for s in failure.cut_off) or "none"
+        raise WeightSyncError(
+            f"weight version {number} over the weight-transfer group failed ({failure.reason}): no server took it. "
+            f"Cut off (missed the group's deadline of {self.group.timeout_s if self.group else 0:g}s; each re-syncs "
+            f"over gRPC when it answers again): {said}. The others: " + ("; ".join(others) or "none"))
 
     def _push_shared(
         self, number: int, mode: str, servers: Sequence[RolloutServer], replies: dict[str, rollout_pb2.UpdateReply]

@@ -28,8 +28,10 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -70,6 +72,8 @@ class WeightGroup:
         self.id = ""
         self.members: tuple[str, ...] = ()
         self.sender: Any = None
+        self.ranks: dict[str, range] = {}  # member address -> its group ranks
+        self.failure: GroupFailure | None = None  # how the last push broke, None when it did not
         self.builds = 0  # groups built in this run (the log and tests read it)
         self.updates = 0  # updates broadcast over a group in this run
 
@@ -95,11 +99,13 @@ class WeightGroup:
         address = self.address or address_toward(servers[0].address)
         sender = make_sender(self.backend, world, self.timeout_s, address=address, bucket_bytes=self.bucket_bytes)
         calls = []
+        ranks: dict[str, range] = {}
         offset = 1
         for server, size in zip(servers, sizes, strict=True):
             request = rollout_pb2.JoinWeightGroupRequest(
                 group_id=group_id, master_address=address, master_port=sender.port, world_size=world,
                 rank_offset=offset, timeout_s=self.timeout_s, bucket_bytes=self.bucket_bytes)
+            ranks[server.address] = range(offset, offset + size)
             calls.append(rollout_pb2_grpc.RolloutServiceStub(server.channel).JoinWeightGroup.future(
                 request, timeout=self.timeout_s + 30, metadata=self.metadata))
             offset += size
@@ -134,6 +140,7 @@ class WeightGroup:
             why = "; ".join(f"{a}: {m}" for a, m in failed.items()) if failed else "the learner's join timed out"
             raise GroupUnusable(f"weight-transfer group not formed: {why}")
         self.id, self.members, self.sender = group_id, tuple(s.address for s in servers), sender
+        self.ranks = ranks
         self.builds += 1
         log.info("weight-transfer group %s (%s): the learner and %d server(s), %d ranks, buckets of %d bytes",
                  group_id, self.backend, len(servers), world, self.bucket_bytes)
@@ -141,7 +148,7 @@ class WeightGroup:
     def drop(self) -> None:
         if self.sender is not None:
             self.sender.close()
-        self.id, self.members, self.sender = "", (), None
+        self.id, self.members, self.sender, self.ranks = "", (), None, {}
 
     # -- one update -----------------------------------------------------------------------------------
     def push(self, servers: Sequence[RolloutServer], *, number: int, run_id: str,
@@ -151,6 +158,7 @@ class WeightGroup:
         """Send one FULL update over the group to `servers` (its members, in order). Returns each server's outcome
         (and puts each OK reply in `replies`); raises GroupUnusable when a member was not ready (nothing was sent to
         anyone)."""
+        self.failure = None
         header = rollout_pb2.WeightHeader(
             version=number, run_id=run_id, mode=FULL, tensor_count=len(specs),
             total_bytes=sum(spec.nbytes for _, spec in specs),
@@ -196,10 +204,9 @@ class WeightGroup:
         try:
             self.sender.send(tensors)
             self.updates += 1
-        except Exception as e:  # a member lost mid-broadcast: each server's answer says what it holds
-            log.warning("weight-transfer group %s failed mid-broadcast (%s); it is rebuilt at the next full sync",
-                        self.id, e)
-            self.drop()
+        except Exception as e:  # a member late or lost mid-broadcast or at the finish: cut off, nothing committed
+            self.failure = self._cut_off(servers, calls, e, replies)
+            return self.failure.outcomes
         outcomes = {}
         for server, call in zip(servers, calls, strict=True):
             try:
@@ -211,3 +218,48 @@ class WeightGroup:
             except grpc.RpcError as e:
                 outcomes[server.address] = outcome_of_error(server.address, e)
         return outcomes
+
+    def _cut_off(self, servers: Sequence[RolloutServer], calls: list[Any], error: Exception,
+                 replies: dict[str, rollout_pb2.UpdateReply] | None) -> GroupFailure:
+        """The update broke (`error`): the group is closed (its members still in an op fail), the members it
+        names late, and those whose call does not answer within the deadline, are cut off (their calls
+        cancelled); every other member answers what it holds (nothing applied: the previous version)."""
+        from rmsft.weight_wire.transfer import MembersLate
+
+        late_ranks = set(error.ranks) if isinstance(error, MembersLate) else set()
+        log.warning("weight-transfer group %s failed mid-update (%s); it is rebuilt at the next full sync",
+                    self.id, error)
+        ranks = self.ranks
+        self.drop()
+        failure = GroupFailure(str(error))
+        deadline = time.monotonic() + self.timeout_s
+        for server, call in zip(servers, calls, strict=True):
+            if late_ranks & set(ranks.get(server.address, ())):
+                call.cancel()  # a stopped member answers nothing; a stalled one is not waited for twice
+                failure.cut_off.append(server)
+                continue
+            try:
+                reply = call.result(timeout=max(0.0, deadline - time.monotonic()))
+                if replies is not None:
+                    replies[server.address] = reply
+                failure.outcomes[server.address] = rollout_pb2.RelayOutcome(
+                    address=server.address, version=reply.version, run_id=reply.run_id)
+            except grpc.FutureTimeoutError:
+                call.cancel()
+                failure.cut_off.append(server)
+            except grpc.RpcError as e:
+                failure.outcomes[server.address] = outcome_of_error(server.address, e)
+        for server in failure.cut_off:
+            failure.outcomes[server.address] = rollout_pb2.RelayOutcome(
+                address=server.address, code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+                message=f"cut off: it missed the weight-transfer group's deadline of {self.timeout_s:g}s")
+        return failure
+
+
+@dataclass
+class GroupFailure:
+    """An update over the group that broke: why, the members cut off, and every member's outcome."""
+
+    reason: str
+    cut_off: list[RolloutServer] = field(default_factory=list)
+    outcomes: dict[str, rollout_pb2.RelayOutcome] = field(default_factory=dict)

@@ -72,7 +72,7 @@ def build_server_rollouts(job: RolloutMatchingJob, addresses: Sequence[str] | Se
         # The servers' backend (rmsft.serve_options): NCCL when they and this learner run on GPUs.
         group_backend=sync.group_backend("nvidia" if job.spec.placement.accelerator == "nvidia"
                                          and _cuda() else "none") or "rmsft_gloo",
-        group_timeout_s=min(sync.timeout_seconds, 300.0),
+        group_timeout_s=sync.group_timeout_seconds,
         group_bucket_bytes=sync.bucket_megabytes << 20,
         keep_generating=job.spec.training.rollout.inflight,
     )

@@ -32,6 +32,14 @@ class SyncSpec(_K8s):
         "an extra copy on the learner's device while it is sent (two in flight on NCCL). 0: one broadcast per "
         "tensor.",
     )
+    group_timeout_seconds: float = Field(
+        120.0, gt=0, le=3600, description="Transport nccl: the deadline of each operation of the weight-transfer "
+        "group, on the learner and on every server: the join, each bucket's broadcast, the update's finish (every "
+        "member says it holds every bucket before any loads them). A server that misses it is cut off: it loads "
+        "nothing of that update, serves the version it had, and is re-synced over gRPC when it answers again; the "
+        "other members load nothing either (the update is whole on all or on none) and the learner's sync fails "
+        "naming it. Also the NCCL group's init timeout on GPUs.",
+    )
     transport: Literal["auto", "grpc", "shm", "nccl"] = Field(
         "auto", description="How an update reaches the rollout servers: grpc streams its bytes over gRPC (works "
         "across nodes); shm writes it once to a file in node-local shared memory and gRPC carries only a header "

@@ -19,12 +19,24 @@ it in its bucket. A bucket of zero bytes (only empty tensors) is not broadcast. 
 joined (JoinWeightGroupRequest.bucket_bytes, echoed in the reply), so a member that would unpack differently never
 takes part in an update.
 
+Deadlines (spec.sync.groupTimeoutSeconds, issue 60): every group operation (the join's rendezvous, each broadcast,
+the finish) runs under the group's deadline on both ends: it is the gloo group's own timeout (every collective and
+point-to-point op of the group fails past it), and the learner waits on each of its ops with it
+(`Work.wait(timeout)`). The gloo group's update is whole or nothing: a member receives every bucket into buffers of
+its own first, then says it has them (`finish`: one word to rank 0), and loads them only when rank 0 answers COMMIT,
+which it sends only once every member said so within the deadline. A member that misses it (stopped, stalled, gone)
+is named (`MembersLate`), the others are answered ABORT (they load nothing and serve the version they had), and the
+learner's end is aborted (its sockets close), so the late member's next op fails when it runs again: it never loads
+the update. (A member stalled after it said it had every bucket, before it read the COMMIT, loads the update whole
+when it runs again: the two-generals corner; its version is then the learner's, never a part of one.)
+
 The server is started with `--weight-transfer BACKEND` (vLLM needs the backend when the engine is created); the
 learner picks the same from `spec.accelerator`. torch and vLLM are imported lazily.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -213,6 +225,53 @@ def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: floa
         timeout=datetime.timedelta(seconds=timeout_s))
 
 
+# The finish's words, rank 0 to each member (a float32 of one element: what every gloo build reduces and sends).
+COMMIT, ABORT = 1.0, 0.0
+FINISH_TAG = 7  # the finish's point-to-point messages (the group's only ones)
+# In every "nothing loaded" error of a member: the engine reads it to tell such a failure (its model whole, its
+# version the previous one) from one that left the model partly replaced.
+NOTHING_LOADED = "nothing was loaded"
+
+
+class GroupAborted(RuntimeError):
+    """This member's update over the group ended before COMMIT: nothing of it was loaded."""
+
+
+class MembersLate(RuntimeError):
+    """Members (their group ranks) that did not finish a group operation within the group's deadline."""
+
+    def __init__(self, ranks: Sequence[int], operation: str, timeout_s: float) -> None:
+        self.ranks, self.operation, self.timeout_s = tuple(ranks), operation, timeout_s
+        super().__init__(f"group rank(s) {', '.join(map(str, ranks))} did not finish {operation} within the "
+                         f"group's deadline of {timeout_s:g}s")
+
+
+def _timedelta(seconds: float) -> Any:
+    import datetime
+
+    return datetime.timedelta(seconds=max(seconds, 0.001))
+
+
+def receive_whole(group: Any, names: list[str], dtype_names: list[str], shapes: list[list[int]],
+                  bucket_bytes: int = 0) -> list[tuple[str, Any]]:
+    """Every tensor of the update, held until rank 0 commits it (module doc: whole or nothing). Raises GroupAborted
+    (nothing loaded: the caller's model is as it was) when rank 0 answers ABORT or any op of the group fails (its
+    deadline passed, the learner's end closed)."""
+    import torch
+
+    try:
+        tensors = list(receive(group, names, dtype_names, shapes, bucket_bytes))
+        group.send([torch.ones(1)], 0, FINISH_TAG).wait()  # "I have every bucket"
+        word = torch.zeros(1)
+        group.recv([word], 0, FINISH_TAG).wait()
+    except Exception as e:
+        raise GroupAborted(f"the update over the weight-transfer group broke ({e}); {NOTHING_LOADED}") from e
+    if word.item() != COMMIT:
+        raise GroupAborted(f"the learner called the update off (another member missed the group's deadline); "
+                           f"{NOTHING_LOADED}")
+    return tensors
+
+
 def receive(group: Any, names: list[str], dtype_names: list[str], shapes: list[list[int]],
             bucket_bytes: int = 0) -> Any:
     """(name, tensor) as each bucket arrives from rank 0, in the order the update listed them; `bucket_bytes` is the
@@ -261,9 +320,20 @@ class GlooSender:
         if self._listen is not None:
             self._listen.close()
             self._listen = None
+        if self.group is not None:
+            # Closes its sockets now (not whenever the object is collected): a member still in an op of this group
+            # fails at once, or when it runs again (a stopped one), instead of meeting a learner that went on.
+            with contextlib.suppress(Exception):
+                self.group.abort()
         self.group = None
 
     def send(self, tensors: Any) -> int:
+        """`broadcast` then `finish`: the update whole on every member, or on none (module doc)."""
+        total = self.broadcast(tensors)
+        self.finish()
+        return total
+
+    def broadcast(self, tensors: Any) -> int:
         """Broadcast `tensors` ((name, tensor), in the listing's order) as they are produced, a bucket at a time
         (`plan_buckets`' rule, applied as they come: the receiver applies it to the whole listing); returns the
         bytes sent. Holds at most one bucket (or one tensor larger than a bucket) beyond the export's own."""
@@ -285,6 +355,36 @@ class GlooSender:
     def _broadcast(self, bucket: list[Any]) -> int:
         flat = pack(bucket)
         if flat.numel():  # a bucket of empty tensors carries nothing: the receiver skips it too
-            self.group.broadcast(flat, 0).wait()
+            try:
+                self.group.broadcast(flat, 0).wait(_timedelta(self.timeout_s))
+            except Exception as e:  # which member held it up, a broadcast cannot say: the servers' answers do
+                raise MembersLate((), f"broadcast {self.collectives + 1} ({e})", self.timeout_s) from e
             self.collectives += 1
         return int(flat.numel())
+
+    def finish(self) -> None:
+        """Every member says it holds every bucket within the deadline, then each is told COMMIT; otherwise the
+        ones that said so are told ABORT and MembersLate names the rest (the caller closes the group)."""
+        import time
+
+        import torch
+
+        deadline = time.monotonic() + self.timeout_s
+        acks = {rank: torch.zeros(1) for rank in range(1, self.world_size)}
+        works = {rank: self.group.recv([t], rank, FINISH_TAG) for rank, t in acks.items()}
+        late = []
+        for rank, work in works.items():
+            try:
+                work.wait(_timedelta(deadline - time.monotonic()))
+            except Exception:
+                late.append(rank)
+        word = torch.full((1,), ABORT if late else COMMIT)
+        for rank in acks:
+            if rank in late:
+                continue
+            try:
+                self.group.send([word], rank, FINISH_TAG).wait(_timedelta(deadline - time.monotonic()))
+            except Exception:
+                late.append(rank)
+        if late:
+            raise MembersLate(sorted(late), "the update's finish", self.timeout_s)

@@ -10,7 +10,15 @@ import threading
 import pytest
 import torch
 
-from rmsft.weight_wire.transfer import GlooSender, open_group, pack, plan_buckets, receive, tensor_nbytes, unpack
+from rmsft.weight_wire.transfer import (
+    GlooSender,
+    open_group,
+    pack,
+    plan_buckets,
+    receive_whole,
+    tensor_nbytes,
+    unpack,
+)
 
 
 def _table(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[str], list[str], list[list[int]]]:
@@ -71,6 +79,12 @@ class _Counting:
         self.broadcasts += 1
         return self.group.broadcast(tensor, src)
 
+    def send(self, tensors, dst, tag):  # the update's finish (rmsft.weight_wire.transfer.receive_whole)
+        return self.group.send(tensors, dst, tag)
+
+    def recv(self, tensors, src, tag):
+        return self.group.recv(tensors, src, tag)
+
 
 @pytest.mark.parametrize("bucket_bytes", [512, 0, 1 << 20])
 def test_a_bucketed_broadcast_over_gloo_gives_the_receiver_the_senders_tensors_one_collective_per_bucket(
@@ -86,7 +100,7 @@ def test_a_bucketed_broadcast_over_gloo_gives_the_receiver_the_senders_tensors_o
     def receiver() -> None:
         try:
             member["group"] = _Counting(open_group("127.0.0.1", sender.port, 1, 2, 20))
-            member["got"] = dict(receive(member["group"], names, dtypes, shapes, bucket_bytes))
+            member["got"] = dict(receive_whole(member["group"], names, dtypes, shapes, bucket_bytes))
         except BaseException as e:  # reported on the test's thread
             errors.append(e)
 
