@@ -326,24 +326,14 @@ def print_summary(summary, console: Console) -> None:
     table = Table(title="rmsft local: summary", show_header=False)
     table.add_row("optimizer steps", str(summary.steps))
     table.add_row("loss (first -> last)", f"{summary.first_loss:.4f} -> {summary.last_loss:.4f}")
-    if summary.f1:
-        table.add_row("rollout F1 (first -> last)", f"{summary.f1[0]:.3f} -> {summary.f1[-1]:.3f}")
-    if summary.rewards:
-        table.add_row("mean reward (first -> last)", f"{summary.rewards[0]:.3f} -> {summary.rewards[-1]:.3f}")
-    if summary.mismatch_kl:  # GRPO: KL(servers' sampling policy || learner's), per token
-        kl = summary.mismatch_kl
-        table.add_row("mismatch KL (first -> last, max)", f"{kl[0]:.2e} -> {kl[-1]:.2e}, {max(kl):.2e}")
+    for label, text in summary.objective_rows():  # the objective's own figures (StepFigures.summary_rows)
+        table.add_row(label, text)
     table.add_row("weight version", f"{summary.weight_version} of run {summary.run_id}" if summary.run_id
                   else str(summary.weight_version))
     table.add_row("rollout retries", str(summary.retries))
     table.add_row("wall time", f"{summary.wall_seconds:.1f}s")
     if summary.pictures:
         table.add_row("rollout pictures", f"{len(summary.pictures)} in {summary.pictures[0].parent}")
-    rates = summary.rollout_rates()
-    if rates is not None:
-        table.add_row(f"training rollouts (mean of {rates['steps']:.0f} rollout-matching steps)",
-                      f"truncated {rates['truncation_rate']:.1%}, duplicates {rates['duplicate_rate']:.1%}, "
-                      f"{rates['predicted_per_gt']:.2f} predicted per ground-truth object")
     figures = {f.step: f for f in summary.held_out}
     for step, f1, mean_ap in summary.evaluations:
         fig = figures.get(step)
@@ -409,9 +399,9 @@ def train_in_process(job: RolloutMatchingJob, addresses: list[str], *, auth_toke
             task = progress.add_task("train", total=job.spec.training.steps, completed=trainer.step, info="")
 
             def on_step(r) -> None:
-                f1 = f" f1 {r.stats.f1:.2f}" if r.stats else ""
-                reward = f" reward {r.grpo.reward_mean:.3f}" if r.grpo else ""
-                progress.update(task, completed=r.step, info=f"loss {r.loss:.3f}{f1}{reward} v{r.weight_version}")
+                own = r.figures.bar()  # the objective's words (StepFigures.bar)
+                progress.update(task, completed=r.step, info=f"loss {r.loss:.3f}{' ' + own if own else ''} "
+                                f"v{r.weight_version}")
 
             trainer.on_step = on_step
             # A held-out evaluation gets its own line above the bar (the log is at warning level here).

@@ -410,18 +410,8 @@ def _log_summary(summary) -> None:
     log.info("training done: %d steps, loss %.4f -> %.4f, weight version %d of run %s, rollout retries %d, %.1fs",
              summary.steps, summary.first_loss, summary.last_loss, summary.weight_version, summary.run_id,
              summary.retries, summary.wall_seconds)
-    if summary.f1:
-        log.info("rollout F1 %.3f -> %.3f", summary.f1[0], summary.f1[-1])
-    if summary.rewards:
-        log.info("mean reward %.3f -> %.3f", summary.rewards[0], summary.rewards[-1])
-    if summary.mismatch_kl:
-        log.info("mismatch KL (servers' policy || learner's, per token) %.2e -> %.2e, max %.2e",
-                 summary.mismatch_kl[0], summary.mismatch_kl[-1], max(summary.mismatch_kl))
-    rates = summary.rollout_rates()
-    if rates is not None:
-        log.info("training rollouts (mean of %d rollout-matching steps): truncated %.1f%%, duplicates %.1f%%, "
-                 "%.2f predicted per ground-truth object", rates["steps"], 100 * rates["truncation_rate"],
-                 100 * rates["duplicate_rate"], rates["predicted_per_gt"])
+    for label, text in summary.objective_rows():  # the objective's own figures, as rmsft local's table has them
+        log.info("%s: %s", label, text)
     figures = {f.step: f for f in summary.held_out}
     for step, f1, mean_ap in summary.evaluations:
         fig = figures.get(step)
