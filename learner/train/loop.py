@@ -65,7 +65,7 @@ from learner.train.reporting import PhaseClock, RunReporter, log_run_start, writ
 from learner.train.results import StepResult, Summary, publish_figures
 from learner.train.server_setup import server_rollouts_ahead
 from learner.train.start_checks import check_images_fit, check_memory_plan, collective_timeout_s
-from learner.train.updater import StepStrategy, ZeroUpdater, gathered_weights, make_updater, resolve_device
+from learner.train.updater import Updater, ZeroUpdater, gathered_weights, make_updater, resolve_device
 from rmsft.jobspec import RolloutMatchingJob
 from rmsft.weight_wire import new_run_id
 
@@ -137,7 +137,7 @@ class TrainingLoop:
         self.ahead: RolloutsAhead | None = None  # rank 0: rollouts generated ahead of training (overlap.py)
         self.feed: RolloutFeed  # prompts, rollouts, what the engines serve (learner/train/feed.py): set by _setup
         self._fresh_start_done = False  # an earlier run's checkpoints moved aside (`_begin`, runs not resumed)
-        self.updater: StepStrategy | None = None  # None once closed
+        self.updater: Updater | None = None  # None once closed
         self.state = TrainState()
         self.phases = PhaseClock(self.state)  # the step's phase seconds (shared with the objective)
         self.history: list[StepResult] = []
@@ -457,7 +457,7 @@ class TrainingLoop:
     @property
     def deepspeed_engine(self) -> object | None:
         """The DeepSpeed engine, when training.deepspeed_stage > 0 (not a rollout engine)."""
-        return self.updater.engine if isinstance(self.updater, ZeroUpdater) else None
+        return self.updater.ds_engine if isinstance(self.updater, ZeroUpdater) else None
 
     # -- reporting ------------------------------------------------------------------------------
     def _log_start(self, target: int) -> None:

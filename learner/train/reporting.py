@@ -103,7 +103,7 @@ class RunReporter:
                   "train/step_seconds": r.seconds, "train/lr": lr}
         values.update({f"train/{k}": v for k, v in r.parts.items()})
         values.update(r.figures.scalars())
-        # Phase seconds are cumulative in the trainer's state: report this step's share of each.
+        # Phase seconds are cumulative in the training loop's state: report this step's share of each.
         for name, total in phase_seconds.items():
             values[f"time/{name}"] = total - self._phases_seen.get(name, 0.0)
         self._phases_seen = dict(phase_seconds)

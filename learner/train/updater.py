@@ -37,7 +37,7 @@ def resolve_device(setting: str) -> torch.device:
     return device
 
 
-class StepStrategy(Protocol):
+class Updater(Protocol):
     """How the optimizer steps, as the loop drives it: `PlainUpdater` (torch AdamW) or `ZeroUpdater` (DeepSpeed)."""
 
     device: torch.device
@@ -88,7 +88,7 @@ class PlainUpdater:
         self.optimizer.load_state_dict(states[0])
 
     def close(self) -> None:
-        """Nothing to release: the optimizer holds no process-group buffers (ZeroUpdater's engine does)."""
+        """Nothing to release: the optimizer holds no process-group buffers (ZeroUpdater's DeepSpeed engine does)."""
 
 
 class ZeroUpdater:
@@ -101,8 +101,8 @@ class ZeroUpdater:
         optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
         # DeepSpeed moves the module to its own device (cuda:LOCAL_RANK, or the CPU); rows follow it.
         precision = "bf16" if autocast_dtype == torch.bfloat16 else "fp32"
-        self.engine = zero.deepspeed_engine(model, optimizer, stage, max_grad_norm, precision)
-        self.device = torch.device(self.engine.device) if device.type != "meta" else device
+        self.ds_engine = zero.deepspeed_engine(model, optimizer, stage, max_grad_norm, precision)
+        self.device = torch.device(self.ds_engine.device) if device.type != "meta" else device
         self._autocast_dtype = autocast_dtype
         self._rows = 0
 
@@ -112,34 +112,34 @@ class ZeroUpdater:
     def forward(self, **inputs: Any) -> Any:
         # Through the engine: ZeRO-3 counts micro-steps in engine.forward (on the bare module every
         # micro-step's gradients would replace the previous ones).
-        return self.engine(**inputs)
+        return self.ds_engine(**inputs)
 
     def begin(self) -> None:
         self._rows = 0
 
     def backward(self, loss: torch.Tensor) -> None:
-        zero.zero_backward(self.engine, loss, self.ranks.world_size)
+        zero.zero_backward(self.ds_engine, loss, self.ranks.world_size)
         self._rows += 1
 
     def finish(self, n_rows: int, lr: float) -> None:
-        zero.pad_micro_steps(self.engine, self._rows, self.ranks)
-        zero.zero_step(self.engine, lr)
+        zero.pad_micro_steps(self.ds_engine, self._rows, self.ranks)
+        zero.zero_step(self.ds_engine, lr)
 
     def optimizer_state(self) -> dict[str, Any]:
-        return self.engine.optimizer.state_dict()
+        return self.ds_engine.optimizer.state_dict()
 
     def load_optimizer_state(self, states: list[dict[str, Any]]) -> None:
-        zero.load_zero_optimizer(self.engine, states)
+        zero.load_zero_optimizer(self.ds_engine, states)
 
     def close(self) -> None:
-        if self.engine is not None:  # its optimizer holds buffers tied to the process group
-            self.engine.destroy()
-            self.engine = None
+        if self.ds_engine is not None:  # its optimizer holds buffers tied to the process group
+            self.ds_engine.destroy()
+            self.ds_engine = None
 
 
 def make_updater(model: torch.nn.Module, ranks: Ranks, cfg: Any, *, device: torch.device,
               autocast_dtype: torch.dtype | None = None) -> PlainUpdater | ZeroUpdater:
-    """The step strategy `training.deepspeed_stage` asks for, with the model already on `device`."""
+    """The updater `training.deepspeed_stage` asks for, with the model already on `device`."""
     common = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "max_grad_norm": cfg.max_grad_norm,
               "device": device, "autocast_dtype": autocast_dtype}
     if cfg.deepspeed_stage:
@@ -148,9 +148,9 @@ def make_updater(model: torch.nn.Module, ranks: Ranks, cfg: Any, *, device: torc
 
 
 @contextlib.contextmanager
-def gathered_weights(step: StepStrategy, model: torch.nn.Module, **kw: Any) -> Iterator[None]:
+def gathered_weights(updater: Updater, model: torch.nn.Module, **kw: Any) -> Iterator[None]:
     """Whole parameters inside the block (ZeRO-3: collective on every rank; otherwise a no-op)."""
-    with zero.gathered(getattr(step, "engine", None), model, **kw):
+    with zero.gathered(getattr(updater, "ds_engine", None), model, **kw):
         yield
 
 

@@ -49,7 +49,7 @@ def test_a_third_objective_is_one_module_and_one_registry_line(tmp_path: Path, t
     expected = float(sum(nll)) / sum(len(p) - 1 for p in prompts)
     console = Console(record=True, width=300)
     with caplog.at_level(logging.INFO, logger="rmsft.learner"):  # rmsft local's bar and summary, closing the loop
-        summary = train_in_process(job, [], auth_token="", resume=False, console=console, trainer=loop)
+        summary = train_in_process(job, [], auth_token="", resume=False, console=console, loop=loop)
     assert summary.steps == 3 and summary.weight_version == 0  # trained, and never synced: nothing to sync to
     assert summary.losses[0] == pytest.approx(expected, rel=1e-4)  # packed = unpacked, through the loop
     assert [h.record_ids for h in loop.history][0] == [loop.records[i].id for i in first]

@@ -39,7 +39,7 @@ from learner.train.policy import Policy
 from learner.train.ranks import Ranks
 from learner.train.reporting import PhaseClock
 from learner.train.results import StepFigures, StepResult
-from learner.train.updater import StepStrategy
+from learner.train.updater import Updater
 from rmsft.jobspec import RolloutMatchingJob
 
 __all__ = ["Built", "Objective", "ObjectiveInputs", "Prepare", "RowLoss", "StepOutcome", "StepPlan"]
@@ -66,7 +66,7 @@ class ObjectiveInputs:
     images: ImageStore
     policy: Policy  # tokenizer, processor, vocabulary
     model: torch.nn.Module
-    updater: StepStrategy  # how the optimizer steps (plain AdamW or DeepSpeed ZeRO; learner/train/updater.py), autocast
+    updater: Updater  # how the optimizer steps (plain AdamW or DeepSpeed ZeRO; learner/train/updater.py), autocast
     packer: Packer
     core: CoreConfigs  # the output format and the matching of the run
     phases: PhaseClock  # times the step's phases (the step log's and /metrics' phase seconds)
