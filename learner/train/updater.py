@@ -94,6 +94,8 @@ class PlainUpdater:
 class ZeroUpdater:
     """DeepSpeed ZeRO-1/2/3 (learner/train/zero.py has why each call is what it is)."""
 
+    ds_engine: Any  # DeepSpeed's engine around the model and AdamW (not a rollout engine); None once closed
+
     def __init__(self, model: torch.nn.Module, ranks: Ranks, *, stage: int, lr: float, weight_decay: float,
                  max_grad_norm: float, device: torch.device, autocast_dtype: torch.dtype | None = None) -> None:
         self.ranks, self.device = ranks, device
