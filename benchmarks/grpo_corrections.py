@@ -69,12 +69,12 @@ def main() -> None:
                     summary = trainer.run()
                 finally:
                     trainer.close()
-                stats = [h.grpo for h in trainer.history]
-                tails.append(sum(summary.rewards[-5:]) / len(summary.rewards[-5:]))
-                kls.append(sum(summary.mismatch_kl) / len(summary.mismatch_kl))
+                stats = [h.figures for h in trainer.history]
+                tails.append(sum(summary.series("reward")[-5:]) / len(summary.series("reward")[-5:]))
+                kls.append(sum(summary.series("mismatch_kl")) / len(summary.series("mismatch_kl")))
                 fixed.append(sum(g.corrected_fraction for g in stats) / len(stats))
-                console.print(f"{correction} seed {seed}: rewards {[round(r, 3) for r in summary.rewards]} "
-                              f"mismatch kl {[f'{k:.1e}' for k in summary.mismatch_kl]}")
+                console.print(f"{correction} seed {seed}: rewards {[round(r, 3) for r in summary.series('reward')]} "
+                              f"mismatch kl {[f'{k:.1e}' for k in summary.series('mismatch_kl')]}")
             n = len(args.seeds)
             figures[correction] = {"reward": sum(tails) / n, "kl": sum(kls) / n, "corrected": sum(fixed) / n}
             console.print(f"{correction}: {figures[correction]}")

@@ -84,7 +84,7 @@ def main() -> None:
         trainer = TrainingLoop(job, [s.address for s in servers], auth_token=servers[0].token or None)
 
         def on_step(r) -> None:
-            line = f"step {r.step} loss {r.loss:.3f}" + (f" f1 {r.stats.f1:.3f}" if r.stats else "")
+            line = f"step {r.step} loss {r.loss:.3f}" + (f" f1 {r.figures.stats.f1:.3f}" if r.figures.stats else "")
             if held and (r.step % args.eval_every == 0 or r.step == 1 or r.step == job.spec.training.steps):
                 # The weights this step trained, on every server first (a new version).
                 trainer.sync_weights()
@@ -119,7 +119,7 @@ def main() -> None:
         w.writerow(["step", "weight_version", "loss", "ce", "coord", "f1", "heldout_f1", "heldout_f1_iou50",
                     "matched", "fp", "fn", "seconds"])
         for h in summary.history:
-            s = h.stats
+            s = h.figures.stats
             held_f1 = f"{evals[h.step]:.4f}" if h.step in evals else ""
             held_50 = f"{evals50[h.step]:.4f}" if h.step in evals50 else ""
             w.writerow([h.step, h.weight_version, f"{h.loss:.5f}", f"{h.parts.get('ce', 0):.5f}",
@@ -159,8 +159,8 @@ def main() -> None:
     if warm:
         ax.axvspan(0.5, warm + 0.5, color="0.92", label="warm start (ground truth)")
     ax2 = ax.twinx()
-    sampled = [h for h in summary.history if h.stats and h.channel == "B"]
-    ax2.plot([h.step for h in sampled], [h.stats.f1 for h in sampled], label="training-rollout F1",
+    sampled = [h for h in summary.history if h.figures.stats and h.figures.channel == "B"]
+    ax2.plot([h.step for h in sampled], [h.figures.stats.f1 for h in sampled], label="training-rollout F1",
              color="tab:orange", lw=0.8)
     gate = trainer_gate(job)
     if evals:
@@ -181,11 +181,11 @@ def main() -> None:
     for name, sec in sorted(summary.phase_seconds.items(), key=lambda kv: -kv[1]):
         print(f"| {name} | {sec:.2f} | {100 * sec / total:.0f}% |")
     shares = " ".join(f"{k}_s={v:.2f}" for k, v in sorted(summary.phase_seconds.items()))
-    f1_last = summary.f1[-1] if summary.f1 else 0.0
+    f1_last = summary.series("f1")[-1] if summary.series("f1") else 0.0
     held_last = evals[max(evals)] if evals else 0.0
     held50_last = evals50[max(evals50)] if evals50 else 0.0
     print(f"RESULT steps={summary.steps} first_loss={summary.first_loss:.4f} last_loss={summary.last_loss:.4f} "
-          f"max_f1={max(summary.f1, default=0):.4f} last_f1={f1_last:.4f} "
+          f"max_f1={max(summary.series('f1'), default=0):.4f} last_f1={f1_last:.4f} "
           f"max_heldout_f1={max(evals.values(), default=0):.4f} last_heldout_f1={held_last:.4f} "
           f"max_heldout_f1_iou50={max(evals50.values(), default=0):.4f} last_heldout_f1_iou50={held50_last:.4f} "
           f"wall_s={wall:.1f} {shares}")

@@ -13,7 +13,7 @@ every import counted, the lazy ones inside functions too):
     evaluation/  held-out evaluation, COCO mAP, pictures of answers                         core, data, rollouts
     rollouts/colocate/  the other home: the rollout engine inside the learner's ranks       core, rollouts, sync,
                                                                                             tracking, rollout_engine
-    train/       both trainer loops, step strategies, ranks, policy, checkpoints, export,   all of the above
+    train/       the training loop and its objectives, updaters, ranks, policy, checkpoints, export,   all of the above
                  the server home's wiring, the offload context
     local.py, checkpoint_eval.py, gpu_assignment.py: `rmsft local` / `rmsft eval`, on top     everything
 

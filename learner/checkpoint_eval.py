@@ -3,7 +3,7 @@
 The model is a Hugging Face folder, or a learner checkpoint (`step-<n>`, or a checkpoint dir: its newest),
 which is first exported to a temporary folder (`learner.train.export.export_checkpoint`, merged weights). Local
 rollout servers are started on it the way `rmsft local` starts them (same serve options from the job spec),
-the records are answered greedily and scored exactly as the trainer scores `training.eval`
+the records are answered greedily and scored exactly as the training loop scores `training.eval`
 (`learner.evaluation.held_out`): F1 at an IoU threshold and COCO mAP. The figures are printed, and with `--out` also
 written to `<out>/eval.json` with pictures of the first answers under `<out>/pictures/`.
 

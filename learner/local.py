@@ -180,16 +180,16 @@ def pretrain_tiny_model(job: RolloutMatchingJob, random_dir: Path, out_dir: Path
     pre = RolloutMatchingJob.model_validate(doc)
     n = int(notes.get(SYNTHETIC_RECORDS, "1024"))
     _write_records(pre, notes, data, n, job.spec.training.seed + PRETRAIN_SEED_OFFSET, "pretraining ", console)
-    trainer = TrainingLoop(pre, [])
+    loop = TrainingLoop(pre, [])
     try:
         columns = (TextColumn("[bold]pretraining the tiny model"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
         with Progress(*columns, console=console) as progress:
             bar = progress.add_task("pretrain", total=steps, info="")
-            trainer.on_step = lambda r: progress.update(bar, completed=r.step, info=f"loss {r.loss:.3f}")
-            trainer.run()
+            loop.on_step = lambda r: progress.update(bar, completed=r.step, info=f"loss {r.loss:.3f}")
+            loop.run()
     finally:
-        trainer.close()
+        loop.close()
     console.print(f"pretrained the tiny model ({steps} plain SFT steps on {n} records of its own) into {out_dir}")
     return out_dir
 
@@ -328,24 +328,14 @@ def print_summary(summary, console: Console) -> None:
     table = Table(title="rmsft local: summary", show_header=False)
     table.add_row("optimizer steps", str(summary.steps))
     table.add_row("loss (first -> last)", f"{summary.first_loss:.4f} -> {summary.last_loss:.4f}")
-    if summary.f1:
-        table.add_row("rollout F1 (first -> last)", f"{summary.f1[0]:.3f} -> {summary.f1[-1]:.3f}")
-    if summary.rewards:
-        table.add_row("mean reward (first -> last)", f"{summary.rewards[0]:.3f} -> {summary.rewards[-1]:.3f}")
-    if summary.mismatch_kl:  # GRPO: KL(servers' sampling policy || learner's), per token
-        kl = summary.mismatch_kl
-        table.add_row("mismatch KL (first -> last, max)", f"{kl[0]:.2e} -> {kl[-1]:.2e}, {max(kl):.2e}")
+    for label, text in summary.objective_rows():  # the objective's own figures (StepFigures.summary_rows)
+        table.add_row(label, text)
     table.add_row("weight version", f"{summary.weight_version} of run {summary.run_id}" if summary.run_id
                   else str(summary.weight_version))
     table.add_row("rollout retries", str(summary.retries))
     table.add_row("wall time", f"{summary.wall_seconds:.1f}s")
     if summary.pictures:
         table.add_row("rollout pictures", f"{len(summary.pictures)} in {summary.pictures[0].parent}")
-    rates = summary.rollout_rates()
-    if rates is not None:
-        table.add_row(f"training rollouts (mean of {rates['steps']:.0f} rollout-matching steps)",
-                      f"truncated {rates['truncation_rate']:.1%}, duplicates {rates['duplicate_rate']:.1%}, "
-                      f"{rates['predicted_per_gt']:.2f} predicted per ground-truth object")
     figures = {f.step: f for f in summary.held_out}
     for step, f1, mean_ap in summary.evaluations:
         fig = figures.get(step)
@@ -375,7 +365,7 @@ def print_summary(summary, console: Console) -> None:
     console.print(table)
 
 
-def build_trainer(job: RolloutMatchingJob, addresses: list[str], *, auth_token: str, resume: bool):
+def build_loop(job: RolloutMatchingJob, addresses: list[str], *, auth_token: str, resume: bool):
     """The learner of this process (imports, data, model, optimizer, a resumed checkpoint), on
     `job.spec.training.device`. Talks to no server: `rmsft local` builds it while its servers load their engines."""
     from learner.train.loop import TrainingLoop
@@ -387,43 +377,43 @@ def build_trainer(job: RolloutMatchingJob, addresses: list[str], *, auth_token: 
         # The learner's GPU becomes this process's current device, so anything that allocates on
         # "cuda" without an index lands there and not on cuda:0, a rollout server's GPU.
         torch.cuda.set_device(device)
-    trainer = TrainingLoop(job, addresses, auth_token=auth_token or None)  # the objective spec.trainer names
+    loop = TrainingLoop(job, addresses, auth_token=auth_token or None)  # the objective spec.trainer names
     try:
         if resume:
-            trainer.resume()
+            loop.resume()
     except BaseException:
-        trainer.close()
+        loop.close()
         raise
-    return trainer
+    return loop
 
 
 def train_in_process(job: RolloutMatchingJob, addresses: list[str], *, auth_token: str, resume: bool,
-                     console: Console, trainer=None) -> Summary:
-    """The learner in this process, with a progress bar; `job.spec.training.device` says where. `trainer`: one
-    build_trainer made already (it is closed here either way)."""
+                     console: Console, loop=None) -> Summary:
+    """The learner in this process, with a progress bar; `job.spec.training.device` says where. `loop`: one
+    build_loop made already (it is closed here either way)."""
     try:
-        if trainer is None:
-            trainer = build_trainer(job, addresses, auth_token=auth_token, resume=resume)
+        if loop is None:
+            loop = build_loop(job, addresses, auth_token=auth_token, resume=resume)
         console.print("tracking: " + "; ".join(job.spec.training.tracking_destinations))
         columns = (TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.fields[info]}"))
         with Progress(*columns, console=console) as progress:
-            task = progress.add_task("train", total=job.spec.training.steps, completed=trainer.step, info="")
+            task = progress.add_task("train", total=job.spec.training.steps, completed=loop.step, info="")
 
             def on_step(r) -> None:
-                f1 = f" f1 {r.stats.f1:.2f}" if r.stats else ""
-                reward = f" reward {r.grpo.reward_mean:.3f}" if r.grpo else ""
-                progress.update(task, completed=r.step, info=f"loss {r.loss:.3f}{f1}{reward} v{r.weight_version}")
+                own = r.figures.bar()  # the objective's words (StepFigures.bar)
+                progress.update(task, completed=r.step, info=f"loss {r.loss:.3f}{' ' + own if own else ''} "
+                                f"v{r.weight_version}")
 
-            trainer.on_step = on_step
+            loop.on_step = on_step
             # A held-out evaluation gets its own line above the bar (the log is at warning level here).
-            trainer.on_eval = lambda ev: progress.console.print(f"step {ev.step}: {ev.describe()}")
-            summary = trainer.run()
+            loop.on_eval = lambda ev: progress.console.print(f"step {ev.step}: {ev.describe()}")
+            summary = loop.run()
         print_summary(summary, console)
         return summary
     finally:
-        if trainer is not None:
-            trainer.close()
+        if loop is not None:
+            loop.close()
 
 
 def learner_command(job_path: str | Path, ranks: int, addresses: list[str], *, resume: bool) -> list[str]:
@@ -684,13 +674,13 @@ def _run_started(job_path: str | Path, job: RolloutMatchingJob, assignment: GpuA
     addresses = [s.address for s in servers]
     # The servers take RMSFT_AUTH_TOKEN from this environment: the learner must send the same.
     token = servers[0].token
-    trainer = None
+    loop = None
     try:
         # One learner in this process: it is built (imports, data, model) while the servers load their engines,
         # which it does not need until its first sync. torchrun's ranks start once the servers serve (their wait
         # for the servers is bounded by the request timeout, shorter than an engine's load).
         if len(assignment.learner) <= 1:
-            trainer = build_trainer(job, addresses, auth_token=token, resume=resume)
+            loop = build_loop(job, addresses, auth_token=token, resume=resume)
         # The job's startupTimeout, as on a cluster (it was a fixed 300 s: a real-width model loads for minutes on a
         # busy CPU machine, benchmarks/real_width.py); a server that dies is seen at once, whatever the timeout.
         await_servers(servers, log_dir, console, backend=job.spec.rollout.engine,
@@ -698,8 +688,8 @@ def _run_started(job_path: str | Path, job: RolloutMatchingJob, assignment: GpuA
     except BaseException:
         for s in servers:  # none outlives a failed start (await_servers kills them itself when it fails)
             s.kill()
-        if trainer is not None:
-            trainer.close()
+        if loop is not None:
+            loop.close()
         raise
     from rollout_svc.launcher import Supervisor
 
@@ -710,7 +700,7 @@ def _run_started(job_path: str | Path, job: RolloutMatchingJob, assignment: GpuA
             train_with_torchrun(job_path, job, assignment, addresses, auth_token=token, resume=resume, log_dir=log_dir,
                                 console=console)
             return None
-        return train_in_process(job, addresses, auth_token=token, resume=resume, console=console, trainer=trainer)
+        return train_in_process(job, addresses, auth_token=token, resume=resume, console=console, loop=loop)
     finally:
         # In order: the learner has closed (no call in flight), nothing restarts a server any more, the servers
         # drain and stop (together: each may take its grace period).

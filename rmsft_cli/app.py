@@ -296,13 +296,13 @@ class Interrupted(BaseException):  # a signal, not an error
 
 class StopOnSignal:
     """`rmsft train`'s SIGTERM handler, installed on its first line (before torch is imported and the model
-    loaded). Before the trainer's first step it raises Interrupted; from then on it asks the trainer to stop after
-    the step in progress (TrainingLoop.request_stop: every rank agrees on that step and saves it). `received`: a
+    loaded). Before the training loop's first step it raises Interrupted; from then on it asks the loop to stop
+    after the step in progress (TrainingLoop.request_stop: every rank agrees on that step and saves it). `received`: a
     signal came, so what the run ends with after it is the stop (exit 143), not an error of its own: a rank left in
     a collective by a peer that stopped sees that peer's connection close."""
 
     def __init__(self) -> None:
-        self.trainer = None
+        self.loop = None  # the TrainingLoop, once built
         self.received: int | None = None
 
     def install(self) -> StopOnSignal:
@@ -311,10 +311,10 @@ class StopOnSignal:
 
     def _handle(self, signum: int, _frame) -> None:
         self.received = signum
-        trainer = self.trainer
-        if trainer is None or not trainer.history:
+        loop = self.loop
+        if loop is None or not loop.history:
             raise Interrupted(signum)
-        trainer.request_stop(signal.Signals(signum).name)
+        loop.request_stop(signal.Signals(signum).name)
 
 
 @app.command("train")
@@ -387,7 +387,7 @@ def _train(stop: StopOnSignal, config: Path, servers: str, servers_file: Path | 
 
             start_http_server(port)
         # the objective spec.trainer names (learner.train.objectives: rollout_matching or grpo)
-        trainer = TrainingLoop(job, addresses, auth_token=auth_token or None)
+        loop = TrainingLoop(job, addresses, auth_token=auth_token or None)
     except (JobSpecError, DataError, ServersFileError, LogLevelError, MissingRequirementError, ValueError,
             RuntimeError, OSError) as exc:
         # A refusal (the spec, the model folder, another job's checkpoint) is 2; a CUDA error, EIO on the claim, the
@@ -398,11 +398,11 @@ def _train(stop: StopOnSignal, config: Path, servers: str, servers_file: Path | 
     from learner.train.loop import StopRequested
     from learner.train.ranks import RankFailedError
 
-    stop.trainer = trainer
+    stop.loop = loop
     try:
         if resume:
-            trainer.resume()
-        summary = trainer.run()
+            loop.resume()
+        summary = loop.run()
         if os.environ.get("RANK", "0") == "0":
             _log_summary(summary)
             from rmsft.termination import final_progress_message
@@ -420,7 +420,7 @@ def _train(stop: StopOnSignal, config: Path, servers: str, servers_file: Path | 
         # rank's code), one server restarting longer than spec.rollout.recoveryTimeout a retry
         _fail(exc, _after_signal(stop, exc))
     finally:
-        trainer.close()
+        loop.close()
 
 
 def _after_signal(stop: StopOnSignal, exc: BaseException) -> int:
@@ -441,18 +441,8 @@ def _log_summary(summary) -> None:
     log.info("training done: %d steps, loss %.4f -> %.4f, weight version %d of run %s, rollout retries %d, %.1fs",
              summary.steps, summary.first_loss, summary.last_loss, summary.weight_version, summary.run_id,
              summary.retries, summary.wall_seconds)
-    if summary.f1:
-        log.info("rollout F1 %.3f -> %.3f", summary.f1[0], summary.f1[-1])
-    if summary.rewards:
-        log.info("mean reward %.3f -> %.3f", summary.rewards[0], summary.rewards[-1])
-    if summary.mismatch_kl:
-        log.info("mismatch KL (servers' policy || learner's, per token) %.2e -> %.2e, max %.2e",
-                 summary.mismatch_kl[0], summary.mismatch_kl[-1], max(summary.mismatch_kl))
-    rates = summary.rollout_rates()
-    if rates is not None:
-        log.info("training rollouts (mean of %d rollout-matching steps): truncated %.1f%%, duplicates %.1f%%, "
-                 "%.2f predicted per ground-truth object", rates["steps"], 100 * rates["truncation_rate"],
-                 100 * rates["duplicate_rate"], rates["predicted_per_gt"])
+    for label, text in summary.objective_rows():  # the objective's own figures, as rmsft local's table has them
+        log.info("%s: %s", label, text)
     figures = {f.step: f for f in summary.held_out}
     for step, f1, mean_ap in summary.evaluations:
         fig = figures.get(step)
@@ -715,8 +705,8 @@ def eval_cmd(
         None, help="Override training.format_options.coordinates (qwen_json): relative or pixels."),
     work_dir: Path = typer.Option(Path(".rmsft/eval"), help="Where server logs go."),
 ) -> None:
-    """Held-out evaluation of a checkpoint: greedy answers from local rollout servers on MODEL, scored as the trainer
-    scores training.eval (F1 at an IoU threshold, COCO mAP)."""
+    """Held-out evaluation of a checkpoint: greedy answers from local rollout servers on MODEL, scored as the training
+    loop scores training.eval (F1 at an IoU threshold, COCO mAP)."""
 
     from learner.checkpoint_eval import EvalOptions, run_eval
     from learner.data.records import DataError

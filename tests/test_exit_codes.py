@@ -75,16 +75,16 @@ def test_sigterm_before_the_first_step_leaves_the_setup_and_after_it_stops_at_a_
     with pytest.raises(Interrupted, match=r"stopped \(SIGTERM\) before the first step"):
         stop._handle(signal.SIGTERM, None)  # loading the model: nothing to save
 
-    class Trainer:
+    class Loop:
         history = ["step 1"]
         asked: list[str] = []
 
         def request_stop(self, why: str) -> None:
             self.asked.append(why)
 
-    stop.trainer = Trainer()
+    stop.loop = Loop()
     stop._handle(signal.SIGTERM, None)
-    assert stop.trainer.asked == ["SIGTERM"]
+    assert stop.loop.asked == ["SIGTERM"]
     # After the signal, a peer's closed connection is the stop's consequence; a refusal stays a refusal.
     assert _after_signal(stop, RuntimeError("Connection closed by peer")) == STOPPED_EXIT
     assert _after_signal(stop, ValueError("bad spec")) == CONFIG_EXIT

@@ -100,7 +100,7 @@ class GrpoConfig:
     scale_rewards: divide each group's centred rewards by their std (DeepSeekMath GRPO, the default).
         Dr.GRPO argues against it: it up-weights groups that are nearly all right or all wrong (small
         std: questions that are too easy or too hard), a difficulty bias; off, advantages are the
-        plain centred rewards. The trainer passes it to `group_advantages`; the loss never reads it.
+        plain centred rewards. The training loop passes it to `group_advantages`; the loss never reads it.
     loss_norm: "token" or "sequence", see the module docstring.
     temperature: the sampling temperature the old log-probs were taken at: the learner divides its
         logits by it so both sides of the ratio are the same distribution (the servers must then

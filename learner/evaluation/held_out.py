@@ -22,7 +22,7 @@ same version fencing: every answer comes from weight version `version`) for gree
   and IoU >= 0.9 or centres close), and the mean predicted objects per answer against the mean
   ground-truth objects per record.
 
-The trainer runs it every `training.eval.every` steps and at the end (`TrainingLoop.evaluate_held_out`),
+The training loop runs it every `training.eval.every` steps and at the end (`TrainingLoop.evaluate_held_out`),
 `rmsft eval` runs it offline against servers it starts itself.
 """
 

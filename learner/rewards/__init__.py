@@ -1,4 +1,4 @@
-"""Rewards of the GRPO trainer: what a completion is worth, as a float, by plain Python callables.
+"""Rewards of the GRPO objective: what a completion is worth, as a float, by plain Python callables.
 
 - `interface`: `RewardInput` (one completion to score), `Reward` (the protocol), the errors.
 - `builtins`: the built-in rewards (`detection`, `text_match`) and their pure scoring.

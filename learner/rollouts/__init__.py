@@ -1,6 +1,6 @@
 """Rollouts: where the learner's rollouts come from. One interface, two homes.
 
-- `interface`: the rollout interface every trainer loop drives (`RolloutSource`, `SourceInfo`); read it first.
+- `interface`: the rollout interface the training loop drives (`RolloutSource`, `SourceInfo`); read it first.
 - `server_home`: home 1, the pool of rollout servers over gRPC (`ServerRollouts`, rank 0's), given its weight
   sender by the caller (learner/train/server_setup.py builds both on one pool).
 - `colocate/`: home 2, the engine inside every learner rank (`ColocatedRollouts`, spec.rollout.mode: colocate).

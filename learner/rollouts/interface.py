@@ -28,7 +28,7 @@ class SourceInfo:
 
 class RolloutSource(Protocol):
     # True: every learner rank holds a source and generates its own share of the batch (colocate);
-    # False: rank 0's source answers for the whole batch and the trainer scatters the shares (server pool).
+    # False: rank 0's source answers for the whole batch and the training loop scatters the shares (server pool).
     per_rank: bool
 
     def wait_ready(self, timeout_s: float) -> None:

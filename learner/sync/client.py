@@ -171,7 +171,7 @@ class WeightSyncClient:
         # at a time, held until its producer has stopped (see _push).
         self._export_lock = threading.Lock()
         # Why `resync_server` (rank 0 alone, mid-rollout) cannot export the model, or None: under
-        # ZeRO-3 only the trainer's collective sync sees whole parameters.
+        # ZeRO-3 only the training loop's collective sync sees whole parameters.
         self.export_blocked: str | None = None
         if mode == "adapter":
             why = adapter_unsupported_reason(model)

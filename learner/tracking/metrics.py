@@ -23,6 +23,10 @@ OBJECTS = Counter("rmsft_learner_objects_total", "Matching outcomes", ["outcome"
 DROPPED_OBJECTS = Counter("rmsft_learner_dropped_objects_total", "Rollout objects dropped by the parser")
 TRUNCATED_ROLLOUTS = Counter("rmsft_learner_truncated_rollouts_total", "Rollouts without a closed JSON object")
 LOSS = Gauge("rmsft_learner_loss", "Last step's loss by part", ["part"])
+# Every figure an objective reports of a step (its StepFigures.scalars, named as in TensorBoard, e.g. train/f1,
+# grpo/reward_mean): a new objective's figures reach /metrics with no metric of their own.
+OBJECTIVE_FIGURE = Gauge("rmsft_learner_objective_figure", "Last step's figures of the objective, by TensorBoard name",
+                         ["name"])
 TRAINED_TOKENS = Counter("rmsft_learner_trained_tokens_total", "Tokens in packed training rows")
 ROLLOUT_REQUESTS = Counter("rmsft_learner_rollout_requests_total", "Prompts sent to rollout servers")
 ROLLOUT_RETRIES = Counter("rmsft_learner_rollout_retries_total", "Chunks retried on another server", ["reason"])

@@ -1,8 +1,8 @@
 """The training loop's train state and its checkpointer, composed into `learner.train.loop.TrainingLoop`.
 
 `TrainState` is what the loop advances (step, weight version, time by phase) and this run's
-identity. The `Checkpointer` saves and restores it with the model, the optimizer (through the step
-strategy) and the packer's carry buffer.
+identity. The `Checkpointer` saves and restores it with the model, the optimizer (through the
+updater) and the packer's carry buffer.
 
 Rank 0 writes model, optimizer, step and version (`state.pt`); every rank writes its own packer carry
 buffer, RNG, parts and, under DeepSpeed, its ZeRO optimizer partition (`rank-<r>.pt`) into the same
@@ -43,7 +43,7 @@ from learner.train.checkpoint_files import (
 )
 from learner.train.checkpoint_owner import check_resumable
 from learner.train.ranks import Ranks
-from learner.train.updater import PlainUpdater, StepStrategy, ZeroUpdater, gathered_weights
+from learner.train.updater import PlainUpdater, Updater, ZeroUpdater, gathered_weights
 from rmsft.exit_codes import CONFIG_EXIT
 from rmsft.jobspec import TrainingConfig
 from rmsft.weight_wire import NO_RUN, WeightVersion
@@ -99,7 +99,7 @@ class TrainState:
 
 
 class Checkpointer:
-    def __init__(self, cfg: TrainingConfig, ranks: Ranks, model: torch.nn.Module, updater: StepStrategy,
+    def __init__(self, cfg: TrainingConfig, ranks: Ranks, model: torch.nn.Module, updater: Updater,
                  packer: Packer, state: TrainState, parts: Mapping[str, Stateful] | None = None,
                  lineage: dict[str, Any] | None = None) -> None:
         self.cfg, self.ranks, self.model, self.packer, self.state = cfg, ranks, model, packer, state

@@ -112,7 +112,7 @@ def core_configs(cfg: TrainingConfig) -> CoreConfigs:
 
 @dataclass(frozen=True)
 class GrpoSetup:
-    """`training.grpo` for the GRPO trainer: the loss's config, the Generate call's sampling (n samples per
+    """`training.grpo` for the GRPO objective: the loss's config, the Generate call's sampling (n samples per
     prompt, each with its log-probs), the group size and the packer (every sample of a step fits its buffer)."""
 
     loss: GrpoConfig

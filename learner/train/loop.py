@@ -29,7 +29,6 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -57,16 +56,16 @@ from learner.train.config import core_configs, learning_rate
 from learner.train.export import export_trained
 from learner.train.feed import RolloutFeed
 from learner.train.objectives import Built, Objective, objective_for
-from learner.train.objectives.base import Prepare, RowLoss
+from learner.train.objectives.base import ObjectiveInputs, Prepare, RowLoss
 from learner.train.offload import around_generation
 from learner.train.overlap import RolloutsAhead
 from learner.train.policy import Policy, load_policy
 from learner.train.ranks import Ranks
-from learner.train.reporting import RunReporter, log_run_start, write_eval_pictures, write_rollout_pictures
-from learner.train.results import StepResult, Summary
+from learner.train.reporting import PhaseClock, RunReporter, log_run_start, write_eval_pictures, write_rollout_pictures
+from learner.train.results import StepResult, Summary, publish_figures
 from learner.train.server_setup import server_rollouts_ahead
 from learner.train.start_checks import check_images_fit, check_memory_plan, collective_timeout_s
-from learner.train.updater import StepStrategy, ZeroUpdater, gathered_weights, make_updater, resolve_device
+from learner.train.updater import Updater, ZeroUpdater, gathered_weights, make_updater, resolve_device
 from rmsft.jobspec import RolloutMatchingJob
 from rmsft.weight_wire import new_run_id
 
@@ -138,8 +137,9 @@ class TrainingLoop:
         self.ahead: RolloutsAhead | None = None  # rank 0: rollouts generated ahead of training (overlap.py)
         self.feed: RolloutFeed  # prompts, rollouts, what the engines serve (learner/train/feed.py): set by _setup
         self._fresh_start_done = False  # an earlier run's checkpoints moved aside (`_begin`, runs not resumed)
-        self.updater: StepStrategy | None = None  # None once closed
+        self.updater: Updater | None = None  # None once closed
         self.state = TrainState()
+        self.phases = PhaseClock(self.state)  # the step's phase seconds (shared with the objective)
         self.history: list[StepResult] = []
         self.evaluations: list[Evaluation] = []
         self.reporter: RunReporter | None = None  # rank 0's TensorBoard and held-out reports
@@ -235,7 +235,10 @@ class TrainingLoop:
         self.pictures: list[Path] = []
         self.eval_pictures: list[Path] = []
         self._retries_at_start = m.counter_total(m.ROLLOUT_RETRIES)
-        self.objective.bind(self)  # last: the objective reads the parts above
+        self.objective.attach(ObjectiveInputs(  # last: what the objective reads of the parts above
+            feed=self.feed, ranks=ranks, state=self.state, order=self.order, records=self.records, images=self.images,
+            policy=self.policy, model=self.model, updater=self.updater, packer=self.packer, core=self.core,
+            phases=self.phases))
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self, max_steps: int | None = None) -> Summary:
@@ -332,7 +335,7 @@ class TrainingLoop:
             self.sync_weights()
         ev = None
         # Every rank enters the guard (its failure agreement is collective); rank 0 alone talks to the servers.
-        with self.phase("eval"), self.ranks.guard("evaluating the held-out records (rank 0)"):
+        with self.phases.time("eval"), self.ranks.guard("evaluating the held-out records (rank 0)"):
             if self.ranks.is_main:
                 ev = evaluate(_open(self.rollouts), self.eval_records, _open(self.eval_images), step=self.state.step,
                               setup=self.eval_setup(_open(self.eval_images)), version=self.state.version,
@@ -352,7 +355,7 @@ class TrainingLoop:
         rank gathers the weights first). A folder that cannot be written is an error: the export is what a
         user takes away, but the checkpoint just saved still holds the weights (`rmsft export` redoes it)."""
         out = Path(self.cfg.export_dir)
-        with self.phase("export"), self.ranks.guard(f"exporting the model to {out} (rank 0)"), \
+        with self.phases.time("export"), self.ranks.guard(f"exporting the model to {out} (rank 0)"), \
                 gathered_weights(_open(self.updater), self.model):
             if self.ranks.is_main:
                 self.exported = export_trained(self.model, self.policy, out, adapter_only=self.cfg.export.adapter,
@@ -368,12 +371,12 @@ class TrainingLoop:
         plan = objective.plan(st.step)  # what the step needs: a pure function of the step index
         built = objective.build(plan)  # this rank's rows: rollouts (or the ground truth) -> targets -> packed rows
         totals, n_rows, fill = self._update(built)  # forward, loss, backward, optimizer over every rank's rows
+        out = objective.outcome(built, totals)  # its rollouts, loss parts and own figures
         return StepResult(
             step=st.step + 1, weight_version=st.version, rank=self.ranks.rank, seconds=time.perf_counter() - t0,
             record_ids=[self.records[i].id for i in plan.batch], loss=totals["loss"], rows=n_rows, fill=fill,
             local_rows=len(built.rows), local_tokens=sum(r.length for r in built.rows),
-            **objective.figures(plan, built, totals),  # the objective's own fields (rollouts, loss parts, ...)
-        )
+            local_record_ids=list(built.local_ids), rollouts=out.rollouts, parts=out.parts, figures=out.figures)
 
     def _update(self, built: Built) -> tuple[dict[str, float], int, float]:
         """One optimizer step on every rank's rows. The loss is normalised by the objective's totals over all ranks
@@ -401,34 +404,35 @@ class TrainingLoop:
 
     def _optimize(self, rows: Sequence[PackedRow], lr: float, row_loss: RowLoss,
                   prepare: Prepare | None = None) -> dict[str, torch.Tensor]:
-        step = _open(self.updater)
+        updater = _open(self.updater)
         sums: dict[str, torch.Tensor] = {}
         mode = self.cfg.loss.logits if self.objective.chunked_logits else "full"  # chunked: a RowHead, see below
-        step.begin()
+        updater.begin()
         for i, cpu_row in enumerate(rows):
-            row = cpu_row.to(step.device)
+            row = cpu_row.to(updater.device)
             before = prepare(i, row) if prepare is not None else None
-            with self.phase("forward"), step.autocast():
-                logits = row_outputs(step.forward, self.model, row.model_inputs(), mode, self.cfg.loss.logits_chunk)
+            with self.phases.time("forward"), updater.autocast():
+                logits = row_outputs(updater.forward, self.model, row.model_inputs(), mode,
+                                     self.cfg.loss.logits_chunk)
                 loss, metrics = row_loss(row, logits, before)
-            with self.phase("backward"):
-                step.backward(loss)
+            with self.phases.time("backward"):
+                updater.backward(loss)
             for k, v in (("loss", loss.detach()), *metrics.items()):
                 sums[k] = sums[k] + v if k in sums else v
             m.TRAINED_TOKENS.inc(row.length)
-        with self.phase("optimizer"):
-            step.finish(len(rows), lr)
+        with self.phases.time("optimizer"):
+            updater.finish(len(rows), lr)
         return sums
 
     # -- sync, checkpoints ----------------------------------------------------------------------
     def sync_weights(self) -> None:
         """Push the learner's current weights to every engine as a new version (before each step that samples, and
         when an evaluation finds the engines behind); every rank calls it (collective under ZeRO-3 and colocate)."""
-        with self.phase("sync_drain"):
+        with self.phases.time("sync_drain"):
             self.feed.before_sync()  # no Generate call in flight across a weight update (overlap.py)
         version = self.state.version + 1
         # ZeRO-3: whole weights on every rank while rank 0 exports them (collective).
-        with self.phase("sync"), self.ranks.guard(f"syncing weight version {version}"), \
+        with self.phases.time("sync"), self.ranks.guard(f"syncing weight version {version}"), \
                 gathered_weights(_open(self.updater), self.model):
             if self.rollouts is not None:  # rank 0's pool, or every rank's in-process engine
                 self.rollouts.sync(version)  # counts bytes and sets the version gauge itself
@@ -453,22 +457,9 @@ class TrainingLoop:
     @property
     def deepspeed_engine(self) -> object | None:
         """The DeepSpeed engine, when training.deepspeed_stage > 0 (not a rollout engine)."""
-        return self.updater.engine if isinstance(self.updater, ZeroUpdater) else None
+        return self.updater.ds_engine if isinstance(self.updater, ZeroUpdater) else None
 
     # -- reporting ------------------------------------------------------------------------------
-    @contextmanager
-    def phase(self, name: str):
-        """Time the block as one of the step's phases (the step log's and /metrics' phase seconds)."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add_phase(name, time.perf_counter() - t0)
-
-    def add_phase(self, name: str, seconds: float) -> None:
-        m.PHASE_SECONDS.labels(name).observe(seconds)
-        self.state.phase_seconds[name] = self.state.phase_seconds.get(name, 0.0) + seconds
-
     def _log_start(self, target: int) -> None:
         if self.ranks.is_main:  # run.json and the run's first log lines
             log_run_start(self.job, self.state, self.rollouts.describe() if self.rollouts is not None else None,
@@ -480,23 +471,22 @@ class TrainingLoop:
         m.STEP_SECONDS.observe(r.seconds)
         m.PACKING_FILL.set(r.fill)
         m.LOSS.labels("total").set(r.loss)
-        self.objective.gauges(r)
+        for k, v in r.parts.items():
+            m.LOSS.labels(k).set(v)
+        publish_figures(r.figures)  # the objective's own: /metrics' generic figure gauge, and its own gauges
         if self.ranks.is_main:
-            _open(self.reporter).step(r, self.state.phase_seconds, learning_rate(self.cfg, r.step - 1),
-                               self.objective.scalars(r))
+            _open(self.reporter).step(r, self.state.phase_seconds, learning_rate(self.cfg, r.step - 1))
             log.info("%s", self.objective.line(r))
         if self.on_step:
             self.on_step(r)
 
     def summary(self, wall: float) -> Summary:
-        out = Summary.of_run(
+        return Summary.of_run(
             self.state, self.history, self.evaluations, wall_seconds=wall, eval_iou=self.cfg.eval.iou,
             retries=int(m.counter_total(m.ROLLOUT_RETRIES) - self._retries_at_start), pictures=list(self.pictures),
             eval_pictures=list(self.eval_pictures), exported=self.exported,
             log_dir=Path(self.cfg.tensorboard_dir) if self.ranks.is_main and "tensorboard" in self.cfg.report_to
             else None)
-        self.objective.summarise(out)  # its own fields (rollout F1, rewards)
-        return out
 
     def close(self) -> None:
         for part in (self.ahead, self.rollouts, self.updater, self.reporter, self.objective, self._writer_lock):

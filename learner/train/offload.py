@@ -1,6 +1,6 @@
 """The offload context: training state in host memory while the in-process engine generates.
 
-    with offloaded(step, model, params=spec.offload_model, optimizer=spec.offload_optimizer) as report:
+    with offloaded(updater, model, params=spec.offload_model, optimizer=spec.offload_optimizer) as report:
         completions = engine.generate(...)      # the accelerator's memory is the engine's meanwhile
     # parameters, gradients and optimizer state are back: same objects, device, dtype, bits
 
@@ -14,7 +14,7 @@ Why it is built this way:
 - The copies are exact: a host tensor of the same dtype and strides, filled by `copy_`, and back the same way.
   No cast, no re-layout, so training resumes bit for bit as if nothing had moved.
 - What moves is decided first, as a pure plan (`offload_moves`): every parameter, gradient and optimizer-state
-  tensor on the training device (`step.device`), each once (tied weights are one Parameter). The plan reads no
+  tensor on the training device (`updater.device`), each once (tied weights are one Parameter). The plan reads no
   data, so on the `meta` device it shows where everything would go (tests/learner/test_colocate_offload.py);
   executing it needs data, which `meta` has not, so that refuses.
 - Buffers (rotary tables and the like) stay: they are small, and the engine has its own.
@@ -23,7 +23,7 @@ Why it is built this way:
   uses DeepSpeed's own `engine.offload_states` / `reload_states` (DeepSpeed >= 0.16; 0.19 has them for
   stages 1-3), which know its partitions, master weights and gradient buffers.
 - Only between optimizer steps: DeepSpeed drops ZeRO-3's partially accumulated gradients when it offloads
-  them, so the context is not for the middle of a step (the colocate loop generates before `step.begin()`).
+  them, so the context is not for the middle of a step (the colocate loop generates before `updater.begin()`).
 - Host copies are pinned when CUDA is there (faster copies both ways; torch's pinned allocator keeps the blocks
   cached for the next generation instead of paying cudaHostAlloc every time).
 - Whatever happens inside the block, everything comes back (`finally`); a failure half-way out brings back
@@ -46,9 +46,9 @@ from rmsft.jobspec import RolloutMatchingJob
 KINDS = ("param", "grad", "optimizer")
 
 
-class OffloadableStep(Protocol):
-    """What the context reads of a step strategy (learner/train/updater.py): where training runs, and either a torch
-    optimizer (`PlainUpdater.optimizer`) or a DeepSpeed engine (`ZeroUpdater.engine`), found with getattr so this
+class OffloadableUpdater(Protocol):
+    """What the context reads of an updater (learner/train/updater.py): where training runs, and either a torch
+    optimizer (`PlainUpdater.optimizer`) or a DeepSpeed engine (`ZeroUpdater.ds_engine`), found with getattr so this
     room needs nothing from learner.train (which sits above it)."""
 
     device: torch.device
@@ -67,7 +67,7 @@ class Move:
 
 @dataclass
 class OffloadReport:
-    """What one offload did, for logs and metrics (the caller records it: the trainer's phase times)."""
+    """What one offload did, for logs and metrics (the caller records it: the training loop's phase times)."""
 
     via: str = "none"  # none (both flags off) | torch | deepspeed
     moved_bytes: dict[str, int] = field(default_factory=dict)  # by kind; exact on the torch path
@@ -85,12 +85,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def offload_moves(step: OffloadableStep, model: torch.nn.Module, *, params: bool, optimizer: bool) -> list[Move]:
+def offload_moves(updater: OffloadableUpdater, model: torch.nn.Module, *, params: bool, optimizer: bool) -> list[Move]:
     """Every tensor the torch path would move to host: the model's parameters on the training device and their
     gradients (`params`), the optimizer's state tensors there (`optimizer`). Reads no tensor data."""
-    if getattr(step, "engine", None) is not None:
-        raise ValueError("a DeepSpeed step moves its own buffers (engine.offload_states); there is no torch plan")
-    device = step.device
+    if getattr(updater, "ds_engine", None) is not None:
+        raise ValueError("a DeepSpeed updater moves its own buffers (engine.offload_states); there is no torch plan")
+    device = updater.device
     moves: list[Move] = []
     seen: set[int] = set()
 
@@ -107,9 +107,9 @@ def offload_moves(step: OffloadableStep, model: torch.nn.Module, *, params: bool
             add("param", name, p)
             add("grad", name + ".grad", p.grad)
     if optimizer:
-        opt = getattr(step, "optimizer", None)
+        opt = getattr(updater, "optimizer", None)
         if opt is None:
-            raise ValueError(f"{type(step).__name__} has no optimizer to offload")
+            raise ValueError(f"{type(updater).__name__} has no optimizer to offload")
         for p, state in opt.state.items():
             for key, t in state.items():
                 if isinstance(t, torch.Tensor):
@@ -128,7 +128,7 @@ def _refuse_shared_storage(moves: list[Move]) -> None:
         if key in owner:
             raise RuntimeError(
                 f"cannot offload {mv.name}: it shares its storage with {owner[key]} (views of one buffer); moving "
-                "them one by one would untie them. A DeepSpeed step offloads through its engine instead."
+                "them one by one would untie them. A DeepSpeed updater offloads through its DeepSpeed engine instead."
             )
         owner[key] = mv.name
 
@@ -156,7 +156,7 @@ def _allocated(device: torch.device) -> int | None:
 
 
 @contextlib.contextmanager
-def offloaded(step: OffloadableStep, model: torch.nn.Module, *, params: bool, optimizer: bool,
+def offloaded(updater: OffloadableUpdater, model: torch.nn.Module, *, params: bool, optimizer: bool,
               host: str | torch.device = "cpu") -> Iterator[OffloadReport]:
     """Inside the block, the training parameters (with their gradients) and/or the optimizer state live in `host`
     memory and the training device's copies are freed; on exit (an exception included) they are back on the same
@@ -167,13 +167,13 @@ def offloaded(step: OffloadableStep, model: torch.nn.Module, *, params: bool, op
         yield report
         return
     host = torch.device(host)
-    engine = getattr(step, "engine", None)
+    engine = getattr(updater, "ds_engine", None)
     if engine is not None:
-        with _deepspeed_offloaded(engine, torch.device(step.device), params, optimizer, host, report):
+        with _deepspeed_offloaded(engine, torch.device(updater.device), params, optimizer, host, report):
             yield report
         return
-    moves = offload_moves(step, model, params=params, optimizer=optimizer)
-    with _torch_offloaded(moves, torch.device(step.device), host, report):
+    moves = offload_moves(updater, model, params=params, optimizer=optimizer)
+    with _torch_offloaded(moves, torch.device(updater.device), host, report):
         yield report
 
 
@@ -278,10 +278,11 @@ def _deepspeed_offloaded(engine: Any, device: torch.device, params: bool, optimi
         report.reload_s = time.perf_counter() - t1
 
 
-def around_generation(job: RolloutMatchingJob, step: OffloadableStep, model: torch.nn.Module) -> AbstractContextManager:
+def around_generation(job: RolloutMatchingJob, updater: OffloadableUpdater,
+                      model: torch.nn.Module) -> AbstractContextManager:
     """Colocate: what happens to the training state while the in-process engine decodes: parameters and/or
     optimizer state to host memory (spec.rollout.colocate offloadModel / offloadOptimizer), back after."""
     c = job.spec.rollout.colocate
     if not (c.offload_model or c.offload_optimizer):
         return nullcontext()
-    return offloaded(step, model, params=c.offload_model, optimizer=c.offload_optimizer)
+    return offloaded(updater, model, params=c.offload_model, optimizer=c.offload_optimizer)

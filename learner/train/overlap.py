@@ -1,7 +1,7 @@
 """Rollouts generated ahead of training, under a fenced staleness bound (`spec.training.rollout.max_staleness`).
 
 `RolloutsAhead` is a bounded prefetcher around one callable, `generate(requests, sampling, weight_version) ->
-list[Rollout]` (rank 0's `RolloutClient.generate`, or any other rollout source with that shape). The trainer asks
+list[Rollout]` (rank 0's `RolloutClient.generate`, or any other rollout source with that shape). The training loop asks
 it for an E-step's rollouts with `take`, then `submit`s the next E-steps' requests; those generate on a background
 thread while the learner trains.
 
@@ -18,7 +18,7 @@ The rules, all of them deterministic (a resumed or repeated run makes the same c
   update, the client's fence stays exact per call, and the pool's version advances only once the servers that
   apply it have confirmed (`WeightSyncClient.sync`). The cost: a sync waits for the batch generating ahead; with
   generation time G and a step of T the step takes max(G, T) + sync instead of G + T.
-- **In flight instead (`rollout.inflight`).** The trainer's sync does not drain: the servers pause the running call's
+- **In flight instead (`rollout.inflight`).** The loop's sync does not drain: the servers pause the running call's
   requests, apply and resume them (rollout_svc/runner.py), so a completion of that call may span two versions
   (`Rollout.version_spans`); it is still reported under the version it was submitted (fenced) with, its oldest
   tokens', which is the version `take` counts its staleness by. The rest of this doc holds as written.
@@ -40,7 +40,7 @@ The rules, all of them deterministic (a resumed or repeated run makes the same c
   them back after a resume relative to the version the resumed run announces for the checkpoint's weights, so the
   resumed run trains on exactly the rollouts the uninterrupted one would have. A batch still generating when the
   checkpoint was written is not in it: a resumed run generates it when it is due (same requests, same seeds, at
-  the resumed run's version). The trainer's checkpoints follow its syncs, which drain, so that only happens to a
+  the resumed run's version). The training loop's checkpoints follow its syncs, which drain, so that only happens to a
   checkpoint between syncs (`buffer.m_steps` > 1).
 
 `max_staleness` 0 is the synchronous loop: nothing is submitted ahead, `take` generates inline at the current

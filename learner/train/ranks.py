@@ -58,7 +58,7 @@ def env_world_size() -> int:
 
 
 class Ranks:
-    """This process's place among the learner ranks, and the collectives the trainer needs."""
+    """This process's place among the learner ranks, and the collectives the training loop needs."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, owns_group: bool = False) -> None:
         self.group = group

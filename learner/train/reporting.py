@@ -3,18 +3,21 @@ held-out evaluations (log line, Prometheus gauges, TensorBoard scalars and pictu
 label-aware F1 and mAP as the headline, geometry-only F1 and class-agnostic mAP beside them, the answers'
 truncation and duplicate rates and object counts).
 
-The trainer decides when; this room only says where each figure goes, so the step loop stays readable.
-Tags: `train/*` (loss and its parts, rollout F1/precision/recall, fill, rows, learning rate, step
-seconds), `grpo/*` (GRPO steps: reward mean/std, each reward, clip fraction, ratio, KL, completion
-length), `time/*` (seconds per phase in the step), `sync/bytes` (bytes streamed to the servers since
-the start), `eval/*` (see `learner.evaluation.held_out.Evaluation.scalars`), images under `eval/<record id>`.
+The loop decides when; this room only says where each figure goes, so the step loop stays readable.
+Tags: `train/*` (loss and its parts, fill, rows, learning rate, step seconds), then the objective's own
+(`StepFigures.scalars`: rollout matching's `train/f1`, precision, recall, ...; GRPO's `grpo/*`: reward mean/std,
+each reward, clip fraction, ratio, KL, completion length), `time/*` (seconds per phase in the step),
+`sync/bytes` (bytes streamed to the servers since the start), `eval/*` (see
+`learner.evaluation.held_out.Evaluation.scalars`), images under `eval/<record id>`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -32,6 +35,27 @@ from learner.train.results import StepResult
 from rmsft.jobspec import RolloutMatchingJob
 
 log = logging.getLogger("rmsft.learner")
+
+
+class PhaseClock:
+    """Times the phases of a run's steps: seconds per phase summed into the train state (the step log's, the
+    checkpoint's) and observed on /metrics. The loop and its objective share one."""
+
+    def __init__(self, state: TrainState) -> None:
+        self.state = state
+
+    @contextmanager
+    def time(self, name: str) -> Iterator[None]:
+        """Time the block as phase `name`."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+
+    def add(self, name: str, seconds: float) -> None:
+        m.PHASE_SECONDS.labels(name).observe(seconds)
+        self.state.phase_seconds[name] = self.state.phase_seconds.get(name, 0.0) + seconds
 
 
 def log_run_start(job: RolloutMatchingJob, st: TrainState, source: SourceInfo | None, *, records: int, target: int,
@@ -73,14 +97,13 @@ class RunReporter:
         self._phases_seen: dict[str, float] = {}
         self._sync_bytes_at_start = m.counter_total(m.WEIGHT_SYNC_BYTES)
 
-    def step(self, r: StepResult, phase_seconds: Mapping[str, float], lr: float,
-             objective_values: Mapping[str, float] | None = None) -> None:
-        """A step's figures: the loop's own, and `objective_values`, the objective's (`Objective.scalars`)."""
+    def step(self, r: StepResult, phase_seconds: Mapping[str, float], lr: float) -> None:
+        """A step's figures: the loop's own, and the objective's (`r.figures.scalars()`)."""
         values = {"train/loss": r.loss, "train/fill": r.fill, "train/rows": float(r.rows),
                   "train/step_seconds": r.seconds, "train/lr": lr}
         values.update({f"train/{k}": v for k, v in r.parts.items()})
-        values.update(objective_values or {})
-        # Phase seconds are cumulative in the trainer's state: report this step's share of each.
+        values.update(r.figures.scalars())
+        # Phase seconds are cumulative in the training loop's state: report this step's share of each.
         for name, total in phase_seconds.items():
             values[f"time/{name}"] = total - self._phases_seen.get(name, 0.0)
         self._phases_seen = dict(phase_seconds)

@@ -38,7 +38,7 @@ def resolve_device(setting: str) -> torch.device:
     return device
 
 
-class StepStrategy(Protocol):
+class Updater(Protocol):
     """How the optimizer steps, as the loop drives it: `PlainUpdater` (torch AdamW) or `ZeroUpdater` (DeepSpeed)."""
 
     device: torch.device
@@ -89,11 +89,13 @@ class PlainUpdater:
         self.optimizer.load_state_dict(state)
 
     def close(self) -> None:
-        """Nothing to release: the optimizer holds no process-group buffers (ZeroUpdater's engine does)."""
+        """Nothing to release: the optimizer holds no process-group buffers (ZeroUpdater's DeepSpeed engine does)."""
 
 
 class ZeroUpdater:
     """DeepSpeed ZeRO-1/2/3 (learner/train/zero.py has why each call is what it is)."""
+
+    ds_engine: Any  # DeepSpeed's engine around the model and AdamW (not a rollout engine); None once closed
 
     def __init__(self, model: torch.nn.Module, ranks: Ranks, *, stage: int, lr: float, weight_decay: float,
                  max_grad_norm: float, device: torch.device, autocast_dtype: torch.dtype | None = None) -> None:
@@ -102,8 +104,8 @@ class ZeroUpdater:
         optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
         # DeepSpeed moves the module to its own device (cuda:LOCAL_RANK, or the CPU); rows follow it.
         precision = "bf16" if autocast_dtype == torch.bfloat16 else "fp32"
-        self.engine = zero.deepspeed_engine(model, optimizer, stage, max_grad_norm, precision)
-        self.device = torch.device(self.engine.device) if device.type != "meta" else device
+        self.ds_engine = zero.deepspeed_engine(model, optimizer, stage, max_grad_norm, precision)
+        self.device = torch.device(self.ds_engine.device) if device.type != "meta" else device
         self._autocast_dtype = autocast_dtype
         self._rows = 0
 
@@ -113,36 +115,36 @@ class ZeroUpdater:
     def forward(self, **inputs: Any) -> Any:
         # Through the engine: ZeRO-3 counts micro-steps in engine.forward (on the bare module every
         # micro-step's gradients would replace the previous ones).
-        return self.engine(**inputs)
+        return self.ds_engine(**inputs)
 
     def begin(self) -> None:
         self._rows = 0
 
     def backward(self, loss: torch.Tensor) -> None:
-        zero.zero_backward(self.engine, loss, self.ranks.world_size)
+        zero.zero_backward(self.ds_engine, loss, self.ranks.world_size)
         self._rows += 1
 
     def finish(self, n_rows: int, lr: float) -> None:
-        zero.pad_micro_steps(self.engine, self._rows, self.ranks)
-        zero.zero_step(self.engine, lr)
+        zero.pad_micro_steps(self.ds_engine, self._rows, self.ranks)
+        zero.zero_step(self.ds_engine, lr)
 
     def optimizer_state(self) -> dict[str, Any]:
         """This rank's optimizer partition (and its fp32 master weights): its own, saved in its own part."""
-        return self.engine.optimizer.state_dict()
+        return self.ds_engine.optimizer.state_dict()
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         """This rank's own partition, as `optimizer_state` gave it (same world size)."""
-        zero.load_zero_optimizer(self.engine, state)
+        zero.load_zero_optimizer(self.ds_engine, state)
 
     def close(self) -> None:
-        if self.engine is not None:  # its optimizer holds buffers tied to the process group
-            self.engine.destroy()
-            self.engine = None
+        if self.ds_engine is not None:  # its optimizer holds buffers tied to the process group
+            self.ds_engine.destroy()
+            self.ds_engine = None
 
 
 def make_updater(model: torch.nn.Module, ranks: Ranks, cfg: Any, *, device: torch.device,
               autocast_dtype: torch.dtype | None = None) -> PlainUpdater | ZeroUpdater:
-    """The step strategy `training.deepspeed_stage` asks for, with the model already on `device`. Refuses first, at
+    """The updater `training.deepspeed_stage` asks for, with the model already on `device`. Refuses first, at
     the learner's start, a `training.loss.logits: fused` this learner cannot run (no CUDA, no liger-kernel, a head
     the kernel cannot take: learner/core/fused.py), saying to use chunked."""
     check_logits_mode(cfg.loss.logits, device, model, cfg.deepspeed_stage)
@@ -154,9 +156,9 @@ def make_updater(model: torch.nn.Module, ranks: Ranks, cfg: Any, *, device: torc
 
 
 @contextlib.contextmanager
-def gathered_weights(step: StepStrategy, model: torch.nn.Module, **kw: Any) -> Iterator[None]:
+def gathered_weights(updater: Updater, model: torch.nn.Module, **kw: Any) -> Iterator[None]:
     """Whole parameters inside the block (ZeRO-3: collective on every rank; otherwise a no-op)."""
-    with zero.gathered(getattr(step, "engine", None), model, **kw):
+    with zero.gathered(getattr(updater, "ds_engine", None), model, **kw):
         yield
 
 

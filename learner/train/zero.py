@@ -105,21 +105,21 @@ def deepspeed_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
         "steps_per_print": 1 << 30,
         **precision_section(precision),
     }
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
-    return engine
+    ds_engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
+    return ds_engine
 
 
-def partitions_parameters(engine: Any) -> bool:
-    """True when `engine` shards the parameters themselves (ZeRO-3)."""
-    return engine is not None and engine.zero_optimization_stage() == 3
+def partitions_parameters(ds_engine: Any) -> bool:
+    """True when `ds_engine` (DeepSpeed's) shards the parameters themselves (ZeRO-3)."""
+    return ds_engine is not None and ds_engine.zero_optimization_stage() == 3
 
 
 @contextlib.contextmanager
-def gathered(engine: Any, model: torch.nn.Module, *, modifier_rank: int | None = None) -> Iterator[None]:
+def gathered(ds_engine: Any, model: torch.nn.Module, *, modifier_rank: int | None = None) -> Iterator[None]:
     """Whole parameters on every rank inside the block (ZeRO-3; a no-op otherwise). Collective:
     every rank must enter at the same point. With `modifier_rank`, that rank's in-place changes
     are kept (broadcast and re-partitioned on exit); without, they are dropped."""
-    if not partitions_parameters(engine):
+    if not partitions_parameters(ds_engine):
         yield
         return
     import deepspeed
@@ -128,46 +128,46 @@ def gathered(engine: Any, model: torch.nn.Module, *, modifier_rank: int | None =
         yield
 
 
-def _zero_loss(engine: Any) -> torch.Tensor:
+def _zero_loss(ds_engine: Any) -> torch.Tensor:
     """A loss of exactly 0 whose backward reaches every trainable parameter (fires ZeRO's hooks).
-    Through the engine's forward, which advances ZeRO-3's micro-step count."""
-    device = next(engine.module.parameters()).device
+    Through the DeepSpeed engine's forward, which advances ZeRO-3's micro-step count."""
+    device = next(ds_engine.module.parameters()).device
     ids = torch.zeros((1, 2), dtype=torch.long, device=device)
-    return engine(input_ids=ids, use_cache=False).logits.float().sum() * 0.0
+    return ds_engine(input_ids=ids, use_cache=False).logits.float().sum() * 0.0
 
 
-def zero_backward(engine: Any, loss: torch.Tensor, world_size: int) -> None:
+def zero_backward(ds_engine: Any, loss: torch.Tensor, world_size: int) -> None:
     """One micro-step inside an optimizer step (never the boundary)."""
-    engine.set_gradient_accumulation_boundary(False)
-    engine.backward(loss * world_size)
-    engine.step()
+    ds_engine.set_gradient_accumulation_boundary(False)
+    ds_engine.backward(loss * world_size)
+    ds_engine.step()
 
 
-def pad_micro_steps(engine: Any, n_local: int, ranks: Ranks) -> None:
+def pad_micro_steps(ds_engine: Any, n_local: int, ranks: Ranks) -> None:
     """Zero-loss micro-steps up to the most rows any rank trained this step (ZeRO-2's gradient
     reduction is collective, so every rank must run as many backward passes)."""
     most = int(ranks.max([n_local])[0])
     for _ in range(most - n_local):
-        zero_backward(engine, _zero_loss(engine), ranks.world_size)
+        zero_backward(ds_engine, _zero_loss(ds_engine), ranks.world_size)
 
 
-def zero_step(engine: Any, lr: float) -> None:
+def zero_step(ds_engine: Any, lr: float) -> None:
     """The optimizer step (clipping by the global norm included) on a final zero-loss pass."""
-    for g in engine.optimizer.param_groups:
+    for g in ds_engine.optimizer.param_groups:
         g["lr"] = lr
-    engine.set_gradient_accumulation_boundary(True)
-    engine.backward(_zero_loss(engine))
-    engine.step()
+    ds_engine.set_gradient_accumulation_boundary(True)
+    ds_engine.backward(_zero_loss(ds_engine))
+    ds_engine.step()
 
 
-def load_zero_optimizer(engine: Any, own: dict[str, Any]) -> None:
+def load_zero_optimizer(ds_engine: Any, own: dict[str, Any]) -> None:
     """Restore this rank's optimizer partition and fp32 master weights from its own saved partition.
 
     DeepSpeed's load takes a list of every rank's state, for an elastic load into another world size; with the same
     world size and a rigid (not `elastic_checkpoint`) state, ZeRO-1/2 and ZeRO-3 read only the entry at the rank's
     own data-parallel index. So only that entry is given: no rank reads, or holds, another's partition (a
     DeepSpeed that read another entry would fail on the None, not load the wrong partition)."""
-    opt = engine.optimizer
+    opt = ds_engine.optimizer
     group = getattr(opt, "dp_process_group", None)
     states: list[dict[str, Any] | None] = [None] * dist.get_world_size(group=group)
     states[dist.get_rank(group=group)] = own

@@ -15,6 +15,7 @@ One module per idea, each importing only those above it in this list:
 - sync.py: spec.sync (how new weights reach the engines).
 - recipe.py: spec.training.recipe and the matching, target and loss settings whose defaults follow its generation.
 - grpo.py: spec.training.grpo.
+- objectives.py: the registry of training objectives (spec.trainer's names, each class's import path).
 - training.py: spec.training, the learner's own config.
 - job.py: `JobSpec` and the rules that span its sections (mirrored by the CRD's CEL rules).
 - manifest.py: the whole manifest (`RolloutMatchingJob`) and reading one (`parse_job`, `load_job`).

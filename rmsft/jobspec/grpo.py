@@ -1,4 +1,4 @@
-"""spec.training.grpo: the GRPO trainer's group sampling, clipped objective and rewards (`spec.trainer: grpo`)."""
+"""spec.training.grpo: the GRPO objective's group sampling, clipped objective and rewards (`spec.trainer: grpo`)."""
 
 from __future__ import annotations
 

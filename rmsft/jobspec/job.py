@@ -4,12 +4,11 @@ CRD, message for message).
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rmsft.jobspec.base import _K8s
 from rmsft.jobspec.model import ModelSpec
+from rmsft.jobspec.objectives import DEFAULT_OBJECTIVE, OBJECTIVES
 from rmsft.jobspec.pods import ImageSpec, LearnerSpec, MonitoringSpec, PlacementSpec, SchedulingSpec
 from rmsft.jobspec.rollout import RolloutSpec
 from rmsft.jobspec.sync import SyncSpec
@@ -23,8 +22,11 @@ class JobSpec(_K8s):
     """What a RolloutMatchingJob runs: the model, the pods (image, placement, rollout pool, learner), the
     training, the weight sync and monitoring."""
 
-    trainer: Literal["rollout_matching", "grpo"] = Field(
-        "rollout_matching", description="The learner's algorithm: rollout-matching SFT, or GRPO (training.grpo).",
+    trainer: str = Field(
+        DEFAULT_OBJECTIVE, description="The learner's training objective: rollout-matching SFT, or GRPO "
+        "(training.grpo).",
+        # The enum is the registry's names, read when the schema is generated (the CRD's too).
+        json_schema_extra=lambda schema: schema.update(enum=list(OBJECTIVES)),
     )
     model: ModelSpec
     image: ImageSpec = Field(default_factory=ImageSpec)
@@ -38,6 +40,13 @@ class JobSpec(_K8s):
     sync: SyncSpec = Field(default_factory=SyncSpec)
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+
+    @field_validator("trainer")
+    @classmethod
+    def _known_objective(cls, v: str) -> str:
+        if v not in OBJECTIVES:
+            raise ValueError(f"spec.trainer {v!r} names no objective (known: {', '.join(sorted(OBJECTIVES))})")
+        return v
 
     @model_validator(mode="after")
     def _cross_checks(self) -> JobSpec:

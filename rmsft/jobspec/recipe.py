@@ -85,7 +85,7 @@ class LossConfig(_Learner):
         "an object's weight, e.g. an explorer-recovered one's, then reweights the step instead of adding loss), "
         "count = sum(w * loss) / number of positions." + _by_generation("loss.normalization"))
     logits: Literal["auto", "fused", "chunked", "full"] = Field(
-        "auto", description="How the loss gets its logits (every trainer, GRPO's log-probs and its reference "
+        "auto", description="How the loss gets its logits (every objective, GRPO's log-probs and its reference "
         "policy's too): chunked = only at target positions, logits_chunk of them at a time, the output head "
         "applied per chunk and recomputed in backward (a prompt's and its image's positions get none, and one "
         "chunk's logits exist at a time); fused = as chunked, but the token cross-entropy and GRPO's log-probs (at "

@@ -231,8 +231,8 @@ def train(job, servers, *, resume: bool, max_steps: int | None, tokens_before: i
         def on_step(r) -> None:
             nonlocal tokens
             tokens += r.local_tokens
-            if r.channel == "B" and r.stats is not None and r.stats.rollouts:
-                b_stats.append(r.stats)
+            if r.figures.channel == "B" and r.figures.stats is not None and r.figures.stats.rollouts:
+                b_stats.append(r.figures.stats)
 
         def on_eval(ev) -> None:
             fig, at = ev.figures(), ev.stats[ev.iou]

@@ -37,7 +37,7 @@ def _snapshot(model: torch.nn.Module, step: Any) -> dict[str, torch.Tensor]:
     out = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     out |= {n + ".grad": p.grad.cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
     opt = getattr(step, "optimizer", None)
-    if opt is not None and not hasattr(step, "engine"):
+    if opt is not None and not hasattr(step, "ds_engine"):
         out |= {f"opt{i}.{k}": v.cpu().clone() for i, st in enumerate(opt.state.values()) for k, v in st.items()}
     return out
 

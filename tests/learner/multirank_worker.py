@@ -44,7 +44,8 @@ def main(job_path: str, address: str, out_dir: str) -> None:
                     "local_tokens": h.local_tokens, "weight_version": h.weight_version,
                     "rollout_ids": [r.request_id for r in h.rollouts],
                     "rollout_versions": sorted({r.weight_version for r in h.rollouts}),
-                    "matched": h.stats.matched, "fp": h.stats.false_positives, "fn": h.stats.false_negatives,
+                    "matched": h.figures.stats.matched, "fp": h.figures.stats.false_positives,
+                    "fn": h.figures.stats.false_negatives,
                 }
                 for h in trainer.history
             ],

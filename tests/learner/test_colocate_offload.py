@@ -280,15 +280,15 @@ def _zero_run(tiny_model_dir: Path, stage: int, flags: tuple[bool, bool] | None)
             else:
                 with offloaded(step, model, params=flags[0], optimizer=flags[1]) as report:
                     assert report.via == "deepspeed"
-                    done = step.engine.optimizer.offloaded_states
+                    done = step.ds_engine.optimizer.offloaded_states
                     assert {s.value for s in done} >= ({"lp_params"} if flags[0] else set()) | (
                         {"hp_params", "optim_states"} if flags[1] else set())
                     _fake_generation()
-                assert not step.engine.optimizer.offloaded_states
+                assert not step.ds_engine.optimizer.offloaded_states
             losses.append(_train_step(step, ids))
         from learner.train.zero import gathered
 
-        with gathered(step.engine, model):
+        with gathered(step.ds_engine, model):
             weights = [_bits(p) for p in model.parameters()]
         return losses, weights
     finally:
@@ -313,11 +313,11 @@ def test_zero3_optimizer_offload_is_refused_and_an_exception_reloads(tiny_model_
         with pytest.raises(RuntimeError, match="offloadOptimizer.*FusedAdam"), \
                 offloaded(step, model, params=True, optimizer=True):
             pass
-        assert not step.engine.optimizer.offloaded_states
+        assert not step.ds_engine.optimizer.offloaded_states
         with pytest.raises(RuntimeError, match="engine died"), offloaded(step, model, params=True, optimizer=False):
-            assert step.engine.optimizer.offloaded_states
+            assert step.ds_engine.optimizer.offloaded_states
             raise RuntimeError("engine died")
-        assert not step.engine.optimizer.offloaded_states  # reloaded on the way out
+        assert not step.ds_engine.optimizer.offloaded_states  # reloaded on the way out
         assert _train_step(step, _rows()[0]) > 0  # and training goes on
     finally:
         step.close()

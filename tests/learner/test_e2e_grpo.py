@@ -86,7 +86,7 @@ def test_grpo_steps_on_vllm(servers, tiny_model_dir: Path, tmp_path: Path) -> No
     assert summary.steps == 3 and [h.weight_version for h in trainer.history] == [1, 2, 3]
     for h in trainer.history:
         assert {r.weight_version for r in h.rollouts} == {h.weight_version} and len(h.rollouts) == 16
-        g = h.grpo
+        g = h.figures
         assert all(math.isfinite(v) for v in g.scalars().values()) and math.isfinite(h.loss)
         # vLLM's processed log-probs and the learner's (logits / temperature) are one distribution.
         assert g.ratio_mean == pytest.approx(1.0, abs=5e-3), g

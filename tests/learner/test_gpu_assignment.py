@@ -175,9 +175,9 @@ def machine(monkeypatch: pytest.MonkeyPatch):
         calls.setdefault("built", []).append(job.spec.training.device)
         return f"learner on {job.spec.training.device}"
 
-    def fake_in_process(job, addresses, *, auth_token, resume, console, trainer=None):
+    def fake_in_process(job, addresses, *, auth_token, resume, console, loop=None):
         # The learner was built before the servers were awaited (rmsft local overlaps the two), and is this one.
-        assert trainer == f"learner on {job.spec.training.device}"
+        assert loop == f"learner on {job.spec.training.device}"
         calls["in_process"].append({"device": job.spec.training.device, "addresses": addresses, "token": auth_token})
 
     def fake_process(cmd, env, log_path, console):
@@ -185,7 +185,7 @@ def machine(monkeypatch: pytest.MonkeyPatch):
         return calls.get("rc", 0)
 
     monkeypatch.setattr(RolloutServer, "spawn", staticmethod(fake_start))
-    monkeypatch.setattr(local, "build_trainer", fake_build)
+    monkeypatch.setattr(local, "build_loop", fake_build)
     monkeypatch.setattr(local, "train_in_process", fake_in_process)
     monkeypatch.setattr(local, "run_learner_process", fake_process)
     # The simulated machine has no model folder: what these tests check is where every process runs.

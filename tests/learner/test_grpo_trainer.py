@@ -83,9 +83,9 @@ def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model
     trainer, summary, advantages = run(grpo_job(tiny_model_dir, answers, tmp_path), [s.address for s in servers])
     records = {r.id: r for r in load_records(answers)}
     tok = trainer.policy.tokenizer
-    assert summary.steps == 3 and len(summary.rewards) == 3
+    assert summary.steps == 3 and len(summary.series("reward")) == 3
     # The servers and the learner run the same weights at the same temperature: the mismatch is float noise only.
-    assert len(summary.mismatch_kl) == 3 and all(0.0 <= k < 1e-4 for k in summary.mismatch_kl)
+    assert len(summary.series("mismatch_kl")) == 3 and all(0.0 <= k < 1e-4 for k in summary.series("mismatch_kl"))
     assert [h.weight_version for h in trainer.history] == [1, 2, 3]  # a FULL sync before every step's samples
     for h, adv in zip(trainer.history, advantages, strict=True):
         # Every completion from the learner's version of that step: n per prompt, samples in order.
@@ -97,7 +97,7 @@ def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model
         reward = CoordAnswerReward(width=WIDTH)
         want = [reward(RewardInput(records[r.request_id], tok.decode(r.token_ids, skip_special_tokens=True)))
                 for r in h.rollouts]
-        g = h.grpo
+        g = h.figures
         assert g.reward_mean == pytest.approx(sum(want) / len(want))
         assert g.rewards["rmsft_dev.synthetic:CoordAnswerReward"] == pytest.approx(g.reward_mean)  # by spec name
         assert torch.allclose(adv, group_advantages(want, N))
@@ -107,10 +107,10 @@ def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model
         # Same weights, same temperature on both sides of the ratio: 1 up to float noise, nothing clipped.
         assert g.ratio_mean == pytest.approx(1.0, abs=1e-3) and g.clip_fraction == 0.0
         assert g.kl == 0.0 and g.completion_length == pytest.approx(4.0)  # no stop token in 4 random tokens
-    assert m.REWARD.labels("mean")._value.get() == pytest.approx(summary.rewards[-1])
+    assert m.REWARD.labels("mean")._value.get() == pytest.approx(summary.series("reward")[-1])
     scalars, _ = read_events(summary.log_dir)
-    assert [v for _, v in scalars["grpo/reward_mean"]] == pytest.approx(summary.rewards)
-    assert [v for _, v in scalars["grpo/mismatch_kl"]] == pytest.approx(summary.mismatch_kl)
+    assert [v for _, v in scalars["grpo/reward_mean"]] == pytest.approx(summary.series("reward"))
+    assert [v for _, v in scalars["grpo/mismatch_kl"]] == pytest.approx(summary.series("mismatch_kl"))
     assert {"grpo/clip_fraction", "grpo/kl", "grpo/completion_length",
             "grpo/reward/rmsft_dev.synthetic:CoordAnswerReward"} <= set(scalars)
     assert "train/channel_b" not in scalars  # rollout matching's channels are not GRPO's (issue 42)
@@ -123,7 +123,7 @@ def test_kl_to_the_reference_is_zero_until_the_adapters_move(tmp_path: Path, tin
     job = grpo_job(tiny_model_dir, answers, tmp_path, steps=2, grpo={"kl_coef": 0.5}, finetune="lora",
                    lora={"r": 8, "alpha": 16})
     trainer, summary, _ = run(job, [s.address for s in servers])
-    kls = [h.grpo.kl for h in trainer.history]
+    kls = [h.figures.kl for h in trainer.history]
     assert kls[0] == 0.0 and kls[1] > 0.0
     assert all(math.isfinite(h.loss) for h in trainer.history)
 
@@ -137,7 +137,7 @@ def test_resume_samples_and_trains_what_a_straight_run_does(tmp_path: Path, tiny
     assert [h.step for h in resumed.history] == [3] and resumed.history[0].weight_version == first.version + 1
     last, again = straight.history[2], resumed.history[0]
     assert [r.token_ids for r in again.rollouts] == [r.token_ids for r in last.rollouts]  # same seeds, same weights
-    assert again.grpo.reward_mean == pytest.approx(last.grpo.reward_mean)
+    assert again.figures.reward_mean == pytest.approx(last.figures.reward_mean)
     assert again.loss == pytest.approx(last.loss, rel=1e-4, abs=1e-6)
 
 
@@ -151,8 +151,8 @@ def test_raw_log_probs_at_another_temperature_show_in_the_ratio(tmp_path: Path, 
     finally:
         for s in raw:
             s.close()
-    assert abs(trainer.history[0].grpo.ratio_mean - 1.0) > 0.05
-    assert trainer.history[0].grpo.mismatch_kl > 1e-2  # what the mismatch metric is there to show
+    assert abs(trainer.history[0].figures.ratio_mean - 1.0) > 0.05
+    assert trainer.history[0].figures.mismatch_kl > 1e-2  # what the mismatch metric is there to show
 
 
 def test_an_unknown_reward_is_refused_before_anything_starts(tmp_path: Path, tiny_model_dir: Path,
@@ -239,9 +239,10 @@ def test_dynamic_sampling_drop_leaves_flat_groups_out_of_the_loss(tmp_path: Path
     h = trainer.history[0]
     odd = sum(int(i.rsplit("-", 1)[1]) % 2 for i in h.record_ids)
     assert 0 < odd < PROMPTS  # the batch has both kinds (the data order is seeded)
-    assert h.grpo.dropped_groups == PROMPTS - odd and h.grpo.zero_std_groups == pytest.approx((PROMPTS - odd) / PROMPTS)
+    g = h.figures
+    assert g.dropped_groups == PROMPTS - odd and g.zero_std_groups == pytest.approx((PROMPTS - odd) / PROMPTS)
     assert (n_seqs, n_tokens) == (odd * N, odd * N * 4)  # the normaliser counts the kept groups only
-    assert h.grpo.resampled_groups == 0 and h.grpo.completions == PROMPTS * N
+    assert h.figures.resampled_groups == 0 and h.figures.completions == PROMPTS * N
 
 
 def test_dynamic_sampling_resample_is_bounded(tmp_path: Path, tiny_model_dir: Path, answers: Path,
@@ -255,7 +256,7 @@ def test_dynamic_sampling_resample_is_bounded(tmp_path: Path, tiny_model_dir: Pa
 
     before = m.RESAMPLED_GROUPS._value.get()
     trainer, n_tokens, n_seqs = _one_step_totals(job, servers)
-    g = trainer.history[0].grpo
+    g = trainer.history[0].figures
     assert (g.resampled_groups, g.dropped_groups) == (2 * PROMPTS, PROMPTS)
     assert (n_tokens, n_seqs) == (0, 0) and trainer.history[0].loss == 0.0
     assert m.RESAMPLED_GROUPS._value.get() - before == 2 * PROMPTS
@@ -271,14 +272,14 @@ def test_overlong_answers_are_masked_or_penalised(tmp_path: Path, tiny_model_dir
     h = trainer.history[0]
     assert all(r.finish_reason == "length" for r in h.rollouts)
     if rule == "mask":  # no token left in the loss; the answers still scored (the reward is the job's)
-        assert (h.grpo.overlong_masked, h.grpo.overlong_penalised) == (PROMPTS * N, 0)
+        assert (h.figures.overlong_masked, h.figures.overlong_penalised) == (PROMPTS * N, 0)
         assert (n_tokens, n_seqs) == (0, 0) and h.loss == 0.0
     else:  # -0.5 on every answer (4 >= 4 - 2 + 2): trained as usual, the reported reward stays the job's
-        assert (h.grpo.overlong_masked, h.grpo.overlong_penalised) == (0, PROMPTS * N)
+        assert (h.figures.overlong_masked, h.figures.overlong_penalised) == (0, PROMPTS * N)
         assert (n_tokens, n_seqs) == (PROMPTS * N * 4, PROMPTS * N)
         scores = trainer.built.extra["scores"]
         assert trainer.built.extra["rewards"] == pytest.approx([r - 0.5 for r in scores.totals])
-        assert h.grpo.reward_mean == pytest.approx(sum(scores.totals) / len(scores.totals))
+        assert h.figures.reward_mean == pytest.approx(sum(scores.totals) / len(scores.totals))
 
 
 def test_inflight_syncs_with_rollouts_ahead_train_within_the_window(tmp_path: Path, tiny_model_dir: Path,

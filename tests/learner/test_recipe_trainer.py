@@ -33,7 +33,7 @@ def test_channels_follow_the_schedule_and_a_steps_neither_generate_nor_sync(tmp_
     trainer, summary = _run(make_job(tiny_model_dir, data_path, tmp_path, steps=5, warm_start_steps=1,
                                      recipe=recipe), servers)
     # Step 1: the warm start; then A B A B (ratio 0.5 counted from the end of the warm start).
-    assert [h.channel for h in trainer.history] == ["A", "A", "B", "A", "B"]
+    assert [h.figures.channel for h in trainer.history] == ["A", "A", "B", "A", "B"]
     assert [bool(h.rollouts and h.rollouts[0].token_ids) for h in trainer.history] == [False, False, True, False, True]
     generated = sum(len(c) for s in servers for c in s.engine.calls)
     assert generated == 2 * 2  # two B steps x prompts_per_step
@@ -41,16 +41,17 @@ def test_channels_follow_the_schedule_and_a_steps_neither_generate_nor_sync(tmp_
     assert sorted({u.header.version for s in servers for u in s.engine.updates}) == [1, 2, 3]
     assert [h.weight_version for h in trainer.history] == [1, 1, 2, 2, 3]
     # The rollout F1 of the summary counts B steps only.
-    assert len(summary.f1) == 2
+    assert len(summary.series("f1")) == 2
     # Channel A trains on the whole ground truth: every A step's answer is empty and every object missed.
-    assert all(h.stats.matched == 0 and h.stats.false_negatives > 0 for h in trainer.history if h.channel == "A")
+    assert all(h.figures.stats.matched == 0 and h.figures.stats.false_negatives > 0
+               for h in trainer.history if h.figures.channel == "A")
     # TensorBoard gets the objective's own figures (Objective.scalars): the channel of every step, the rollout
     # figures of the B steps only.
     from learner.tracking.tracker import read_events
 
     scalars, _ = read_events(summary.log_dir)
     assert [v for _, v in scalars["train/channel_b"]] == [0.0, 0.0, 1.0, 0.0, 1.0]
-    assert [s for s, _ in scalars["train/f1"]] == [3, 5] and [v for _, v in scalars["train/f1"]] == summary.f1
+    assert [s for s, _ in scalars["train/f1"]] == [3, 5] and [v for _, v in scalars["train/f1"]] == summary.series("f1")
     assert [s for s, _ in scalars["train/dead_anchors"]] == [3, 5] and "grpo/reward_mean" not in scalars
 
 
@@ -65,7 +66,7 @@ def test_anchor_is_greedy_and_explorers_sample_apart(tmp_path, tiny_model_dir, d
     explorers = [s for s in _seeds(servers) if s >= EXPLORER_SEED_OFFSET]
     assert len(anchors) == len(explorers) == 2 * 2  # prompts_per_step x steps, one call each way
     assert [s - EXPLORER_SEED_OFFSET for s in explorers] == anchors
-    assert summary.steps == 2 and all(h.channel == "B" and h.rollouts for h in trainer.history)
+    assert summary.steps == 2 and all(h.figures.channel == "B" and h.rollouts for h in trainer.history)
 
 
 def test_what_only_the_explorers_found_reaches_the_targets(tmp_path, tiny_model_dir, data_path, servers,
@@ -87,7 +88,7 @@ def test_what_only_the_explorers_found_reaches_the_targets(tmp_path, tiny_model_
         s.engine.answer = answer
     recipe = {"channel_b_ratio": 1.0, "explorers": {"count": 2, "temperature": 0.7}}
     trainer, _ = _run(make_job(tiny_model_dir, data_path, tmp_path, steps=2, recipe=recipe), servers)
-    stats = [h.stats for h in trainer.history]
+    stats = [h.figures.stats for h in trainer.history]
     gt = sum(st.gt_objects for st in stats)
     assert gt >= 2 * 2  # two prompts a step, one object or more each
     assert [st.matched for st in stats] == [0, 0]  # the anchors found nothing
@@ -104,15 +105,15 @@ def test_schedule_resumes_exactly_from_a_checkpoint(tmp_path, tiny_model_dir, da
         resumed.run()
     finally:
         resumed.close()
-    assert [h.channel for h in straight.history] == ["A", "B", "A", "B"]
-    assert [(h.step, h.channel) for h in resumed.history] == [(4, "B")]
+    assert [h.figures.channel for h in straight.history] == ["A", "B", "A", "B"]
+    assert [(h.step, h.figures.channel) for h in resumed.history] == [(4, "B")]
     assert resumed.history[0].record_ids == straight.history[3].record_ids
     assert resumed.history[0].loss == pytest.approx(straight.history[3].loss, rel=1e-5)
 
 
 def test_generation_1_samples_every_step_with_its_own_targets(tmp_path, tiny_model_dir, data_path, servers) -> None:
     trainer, _ = _run(make_job(tiny_model_dir, data_path, tmp_path, steps=2, recipe={"generation": 1}), servers)
-    assert [h.channel for h in trainer.history] == ["B", "B"]
+    assert [h.figures.channel for h in trainer.history] == ["B", "B"]
     core = trainer.core
     assert core.recipe.clean is None and core.recipe.explorers == 0
     assert (core.matching.iou_gate, core.weights.soft_ce, core.weights.smooth_l1) == (0.3, 1.0, 0.0)
@@ -149,6 +150,7 @@ def test_a_model_that_writes_the_other_format_is_named_once(tmp_path, tiny_model
     recipe = {"channel_b_ratio": 1.0, "explorers": {"count": 0}}
     with caplog.at_level(logging.WARNING, logger="rmsft.learner"):
         trainer, _ = _run(make_job(tiny_model_dir, data_path, tmp_path, steps=5, recipe=recipe), servers)
-    assert all(h.channel == "B" and h.stats.predicted == 0 and h.stats.gt_objects > 0 for h in trainer.history)
+    assert all(h.figures.channel == "B" and h.figures.stats.predicted == 0 and h.figures.stats.gt_objects > 0
+               for h in trainer.history)
     said = [r.getMessage() for r in caplog.records if "training.format" in r.getMessage()]
     assert len(said) == 1 and "set spec.training.format: coordjson" in said[0]

@@ -10,11 +10,22 @@ from rich.console import Console
 from learner.data.episode import EpisodeStats
 from learner.evaluation.held_out import HeldOutFigures
 from learner.local import print_summary
-from learner.train.results import StepResult, Summary
+from learner.train.results import RolloutMatchingFigures, StepResult, Summary, rollout_rates
+
+
+def _step(step: int, channel: str, stats: EpisodeStats | None) -> StepResult:
+    return StepResult(step=step, weight_version=step, rollouts=[], record_ids=[], loss=1.0, parts={}, rows=1,
+                      fill=1.0, seconds=0.1, figures=RolloutMatchingFigures(channel, stats))
+
+
+# Two sampling steps of rollout F1 0.4 and 0.6 (P = R = F1), one ground-truth step between them.
+_F1_STEPS = [_step(1, "B", EpisodeStats(matched=2, false_positives=3, false_negatives=3)),
+             _step(2, "A", EpisodeStats(false_negatives=5)),
+             _step(3, "B", EpisodeStats(matched=3, false_positives=2, false_negatives=2))]
 
 
 def _summary(**kw) -> Summary:
-    base = dict(steps=60, first_loss=4.0, last_loss=3.0, losses=[4.0, 3.0], f1=[0.4, 0.6], weight_version=41,
+    base = dict(steps=60, first_loss=4.0, last_loss=3.0, losses=[4.0, 3.0], history=_F1_STEPS, weight_version=41,
                 phase_seconds={"rollout": 2.0}, wall_seconds=10.0)
     return Summary(**(base | kw))
 
@@ -39,21 +50,17 @@ def test_print_summary_names_them_and_the_pictures_folder(tmp_path: Path) -> Non
     assert "rollout F1 (first -> last)" in text and "0.400 -> 0.600" in text
 
 
-def _step(step: int, channel: str, stats: EpisodeStats | None) -> StepResult:
-    return StepResult(step=step, weight_version=step, rollouts=[], record_ids=[], loss=1.0, parts={}, stats=stats,
-                      rows=1, fill=1.0, seconds=0.1, channel=channel)
-
-
 def test_rollout_rates_are_the_mean_over_rollout_matching_steps() -> None:
     # Step 1 is channel A (nothing generated: its stats would say 0 truncated of 0); step 4 reuses a batch.
     history = [_step(1, "A", EpisodeStats(rollouts=8, gt_objects=12)),
                _step(2, "B", EpisodeStats(rollouts=4, truncated=1, predicted=10, duplicates=1, gt_objects=5)),
                _step(3, "B", EpisodeStats(rollouts=4, truncated=3, predicted=6, duplicates=3, gt_objects=6)),
                _step(4, "B", None)]
-    rates = _summary(history=history).rollout_rates()
+    assert _summary().series("f1") == pytest.approx([0.4, 0.6])  # the sampling steps' only
+    rates = rollout_rates([h.figures for h in history])
     assert rates == {"steps": 2.0, "truncation_rate": pytest.approx((0.25 + 0.75) / 2),
                      "duplicate_rate": pytest.approx((0.1 + 0.5) / 2), "predicted_per_gt": pytest.approx((2 + 1) / 2)}
-    assert _summary(history=history[:1]).rollout_rates() is None
+    assert rollout_rates([h.figures for h in history[:1]]) is None
 
 
 def test_print_summary_shows_every_held_out_figure_and_the_rollout_rates() -> None:

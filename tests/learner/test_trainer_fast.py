@@ -253,7 +253,7 @@ def test_warm_start_trains_on_ground_truth_without_generating(tmp_path: Path, ti
     assert all(r.finish_reason != "warm_start" and r.token_ids for h in fresh for r in h.rollouts)
     # Warm-start steps: empty answers (the targets are the whole ground truth), nothing generated.
     assert all(r.token_ids == [] and r.finish_reason == "warm_start" for h in warm for r in h.rollouts)
-    assert all(h.stats.false_negatives > 0 and h.stats.matched == 0 for h in warm)
+    assert all(h.figures.stats.false_negatives > 0 and h.figures.stats.matched == 0 for h in warm)
     generated = [r for s in servers for c in s.engine.calls for r in c]
     assert len(generated) == 2 * 2  # steps 3 and 4 only
     # No sync nobody reads: version 1 before the run, version 2 after the last warm-start step, then per step.

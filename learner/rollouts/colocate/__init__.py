@@ -12,7 +12,7 @@ and sample alike.
     rollouts.py   the rollout source: requests -> engine -> fenced completions; weight sync; sleep / wake
 
 The training state's side of sharing the devices (parameters and optimizer state to host memory while the engine
-generates) is the trainer's: learner/train/offload.py.
+generates) is the training loop's: learner/train/offload.py.
 """
 
 from learner.rollouts.colocate.rollouts import ColocatedRollouts, ColocateError, colocated_rollouts

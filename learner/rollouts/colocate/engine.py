@@ -82,7 +82,7 @@ def _hf_classes_kept():
 @contextmanager
 def _torch_threads_kept():
     """vLLM's CPU worker lowers torch's thread count "for serving" and then replaces `torch.set_num_threads` with a
-    no-op for the rest of the process. Here the process is also the trainer: both are put back afterwards, so
+    no-op for the rest of the process. Here the process is also the training loop: both are put back afterwards, so
     training keeps its threads; `generate` switches to the serving count itself (measured on 2 busy cores:
     8 x 64 tokens in 1.9 s on one thread, 5-15 s on two)."""
     import torch

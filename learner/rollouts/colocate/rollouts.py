@@ -109,7 +109,7 @@ class ColocatedRollouts:
     def sync(self, number: int) -> None:
         """The learner's current weights into the engine, as version `number`. vLLM: every tensor straight from the
         training model (merged, cast, renamed), loaded in place; prefix and encoder caches reset. Asleep: the engine
-        wakes for the push and sleeps again, so the weights always go in here, where the trainer calls it: inside
+        wakes for the push and sleeps again, so the weights always go in here, where the training loop calls it: inside
         its ZeRO-3 gather (whole parameters) and outside the offload context (parameters on the device)."""
         t0 = time.perf_counter()
         if not self.shares_model:

@@ -7,20 +7,22 @@ The loop (`learner.train.loop.TrainingLoop._train_step`) runs one optimizer step
     totals = objective.denominators(built)      this rank's normalisers, summed over every rank by the loop
     row_loss, prepare = objective.row_loss(built, totals)   each row's share of the step's loss
     ... forward / backward / optimizer over the rows (the loop's) ...
-    figures = objective.figures(plan, built, sums)          the objective's fields of the step's result
+    outcome = objective.outcome(built, sums)               its rollouts, loss parts and own figures of the step
 
-and publishes `objective.line(result)` and `objective.gauges(result)`. An objective is bound to one loop
-(`bind`) once the loop's parts exist, and reads only the parts `LoopParts` names: the feed (prompts, rollouts,
-the staleness window), the ranks, the packer, the model, the run state. It never calls back into the loop's step.
+and logs `objective.line(result)`. The step's `StepResult.figures` (the objective's `StepFigures`) are what the
+progress bar, TensorBoard, /metrics and the summaries show of it, with no code of theirs per objective.
+
+An objective holds no reference to the loop: once the loop's parts exist it is handed them, explicitly, as an
+`ObjectiveInputs` (`attach`): the feed (prompts, rollouts, the staleness window), the ranks, the packer, the
+model, the run state, the phase clock. What it needs of a step comes in as arguments.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import torch
 
@@ -29,16 +31,18 @@ from learner.core.packing import PackedRow, Packer
 from learner.data.images import ImageStore
 from learner.data.order import DataOrder
 from learner.data.records import Record
+from learner.rollouts.client import Rollout
 from learner.train.checkpointer import TrainState
 from learner.train.config import CoreConfigs
 from learner.train.feed import RolloutFeed
 from learner.train.policy import Policy
 from learner.train.ranks import Ranks
-from learner.train.results import StepResult, Summary
-from learner.train.updater import StepStrategy
+from learner.train.reporting import PhaseClock
+from learner.train.results import StepFigures, StepResult
+from learner.train.updater import Updater
 from rmsft.jobspec import RolloutMatchingJob
 
-__all__ = ["Built", "LoopParts", "Objective", "Prepare", "RowLoss", "StepPlan"]
+__all__ = ["Built", "Objective", "ObjectiveInputs", "Prepare", "RowLoss", "StepOutcome", "StepPlan"]
 
 # One row's loss and the metrics summed beside it (device tensors), given the row on the device, its logits and
 # what `prepare` computed for it before the forward. Its logits are [1, L, V], or for an objective whose
@@ -49,37 +53,23 @@ RowLoss = Callable[[PackedRow, torch.Tensor | RowHead, Any], tuple[torch.Tensor,
 Prepare = Callable[[int, PackedRow], Any]
 
 
-class LoopParts(Protocol):
-    """What an objective reads of the loop it is bound to (`learner.train.loop.TrainingLoop` has them all). Read
-    only (properties here): an objective never rebinds them."""
+@dataclass(frozen=True)
+class ObjectiveInputs:
+    """What an objective reads of the run, handed to it by the loop once they exist (`Objective.attach`). Read only:
+    an objective never rebinds them."""
 
-    @property
-    def feed(self) -> RolloutFeed: ...  # prompts, rollouts, the staleness window
-    @property
-    def ranks(self) -> Ranks: ...
-    @property
-    def state(self) -> TrainState: ...  # step, weight version, run id
-    @property
-    def order(self) -> DataOrder: ...  # which records each E-step's batch holds
-    @property
-    def records(self) -> Sequence[Record]: ...
-    @property
-    def images(self) -> ImageStore: ...
-    @property
-    def policy(self) -> Policy: ...  # tokenizer, processor, vocabulary
-    @property
-    def model(self) -> torch.nn.Module: ...
-    # How the optimizer steps: plain AdamW or DeepSpeed ZeRO (learner/train/updater.py); its autocast. None once
-    # the loop is closed.
-    @property
-    def updater(self) -> StepStrategy | None: ...
-    @property
-    def packer(self) -> Packer: ...
-    @property
-    def core(self) -> CoreConfigs: ...  # the output format and the matching of the run
-
-    def phase(self, name: str) -> AbstractContextManager[None]: ...
-    def add_phase(self, name: str, seconds: float) -> None: ...
+    feed: RolloutFeed  # prompts, rollouts, the staleness window
+    ranks: Ranks
+    state: TrainState  # step, weight version, run id
+    order: DataOrder  # which records each E-step's batch holds
+    records: Sequence[Record]
+    images: ImageStore
+    policy: Policy  # tokenizer, processor, vocabulary
+    model: torch.nn.Module
+    updater: Updater  # how the optimizer steps (plain AdamW or DeepSpeed ZeRO; learner/train/updater.py), autocast
+    packer: Packer
+    core: CoreConfigs  # the output format and the matching of the run
+    phases: PhaseClock  # times the step's phases (the step log's and /metrics' phase seconds)
 
 
 @dataclass(frozen=True)
@@ -94,6 +84,15 @@ class StepPlan:
 
 
 @dataclass
+class StepOutcome:
+    """What a step gave besides its loss, in the objective's words (`Objective.outcome`)."""
+
+    rollouts: list[Rollout]  # the step's fresh rollouts (rank 0: the whole batch's; others: their share), or []
+    figures: StepFigures  # the objective's own figures of the step
+    parts: dict[str, float] = field(default_factory=dict)  # the loss's named parts, over every rank
+
+
+@dataclass
 class Built:
     """This rank's rows of a step, and what the objective keeps beside them for its loss and figures."""
 
@@ -104,7 +103,7 @@ class Built:
 
 class Objective(ABC):
     """One training objective (module doc). Construction takes the job only and resolves what can fail before
-    anything is paid for; `bind` attaches it to the loop whose parts it reads."""
+    anything is paid for; `attach` hands it the run's parts it reads (`ObjectiveInputs`)."""
 
     name: ClassVar[str]  # spec.trainer's value
     loss_keys: ClassVar[tuple[str, ...]] = ("loss",)  # the device step's sums, "loss" first, summed over ranks
@@ -114,17 +113,17 @@ class Objective(ABC):
 
     def __init__(self, job: RolloutMatchingJob) -> None:
         self.job, self.cfg = job, job.spec.training
-        self._loop: LoopParts | None = None
+        self._inputs: ObjectiveInputs | None = None
 
     @property
-    def loop(self) -> LoopParts:
-        if self._loop is None:
-            raise RuntimeError(f"objective {self.name!r} is not bound to a training loop yet")
-        return self._loop
+    def inputs(self) -> ObjectiveInputs:
+        if self._inputs is None:
+            raise RuntimeError(f"objective {self.name!r} has no inputs yet (attach)")
+        return self._inputs
 
-    def bind(self, loop: LoopParts) -> None:
-        """Attach to the loop, once its parts (feed, ranks, packer, model) exist."""
-        self._loop = loop
+    def attach(self, inputs: ObjectiveInputs) -> None:
+        """The run's parts this objective reads (feed, ranks, packer, model), once they exist."""
+        self._inputs = inputs
 
     # -- what a step is -------------------------------------------------------------------------------
     def needs_rollouts(self) -> str | None:
@@ -153,9 +152,9 @@ class Objective(ABC):
         its forward (None: nothing)."""
 
     @abstractmethod
-    def figures(self, plan: StepPlan, built: Built, sums: Mapping[str, float]) -> dict[str, Any]:
-        """The objective's fields of the step's `StepResult` (rollouts, parts, stats, ...), given the device
-        step's sums over every rank."""
+    def outcome(self, built: Built, sums: Mapping[str, float]) -> StepOutcome:
+        """The step's rollouts, loss parts and the objective's own figures, given the device step's sums (its
+        `loss_keys`) over every rank."""
 
     # -- checkpoint ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -170,19 +169,6 @@ class Objective(ABC):
     @abstractmethod
     def line(self, r: StepResult) -> str:
         """Rank 0's one log line of a step."""
-
-    def gauges(self, r: StepResult) -> None:
-        """The objective's own Prometheus gauges of a step (the loop sets the step, its time, fill and loss)."""
-        return None
-
-    def scalars(self, r: StepResult) -> dict[str, float]:
-        """The objective's own TensorBoard figures of a step (the loop writes the loss, its parts, fill, rows,
-        time, learning rate and sync bytes); {} by default."""
-        return {}
-
-    def summarise(self, summary: Summary) -> None:
-        """The objective's own fields of the run's summary."""
-        return None
 
     def close(self) -> None:
         """Release what the objective holds (threads)."""

@@ -77,8 +77,8 @@ from learner.rollouts.client import Rollout
 from learner.tracking import metrics as m
 from learner.train.config import grpo_setup
 from learner.train.feed import RESAMPLE_SEED_OFFSET
-from learner.train.objectives.base import Built, Objective, Prepare, RowLoss, StepPlan
-from learner.train.results import GrpoStats, StepResult, Summary
+from learner.train.objectives.base import Built, Objective, Prepare, RowLoss, StepOutcome, StepPlan
+from learner.train.results import GrpoStats, StepResult
 from rmsft.jobspec import RolloutMatchingJob
 
 __all__ = ["Grpo", "build_job_rewards"]
@@ -164,7 +164,7 @@ class Grpo(Objective):
 
     def plan(self, step: int) -> StepPlan:
         """Every step samples its own batch from the newest weights."""
-        return StepPlan(step=step, e_step=step, batch=self.loop.order.batch(step), builds=True, samples=True)
+        return StepPlan(step=step, e_step=step, batch=self.inputs.order.batch(step), builds=True, samples=True)
 
     # -- sample, score, pack ------------------------------------------------------------------------------
     def build(self, plan: StepPlan) -> Built:
@@ -180,7 +180,7 @@ class Grpo(Objective):
             keep = [not f for f in flat_groups(rewards, n)]
             rules.dropped = keep.count(False)
         rows = self._pack(groups, advantages, keep, rules)  # one segment per completion -> packed rows
-        records = self.loop.records
+        records = self.inputs.records
         return Built(rows, [records[i].id for i in groups.indices[:: n]], {
             "groups": groups, "scores": scores, "rewards": rewards, "rules": rules,
             "tokens": [grpo_tokens(r) for r in rows],  # host reads of the labels, before the rows move
@@ -205,8 +205,8 @@ class Grpo(Objective):
         """dynamic_sampling resample: each flat group's prompt sampled again (collective: every rank takes part in
         every round any rank needs), a group that comes back with signal replacing it; at most
         dynamic_sampling_rounds rounds."""
-        loop, n, g = self.loop, self.grpo.n, self.cfg.grpo
-        lo, _ = loop.ranks.share(len(plan.batch))
+        inp, n, g = self.inputs, self.grpo.n, self.cfg.grpo
+        lo, _ = inp.ranks.share(len(plan.batch))
         rollouts, responses = list(groups.rollouts), list(groups.responses)
         totals = list(scores.totals)
         parts = {k: list(v) for k, v in scores.per_reward.items()}
@@ -215,10 +215,10 @@ class Grpo(Objective):
             flat = [j for j, f in enumerate(flat_groups(self._shaped_rewards(
                 _Groups(groups.indices, rollouts, responses, []), now, _Rules()), n))
                 if f]
-            if not int(loop.ranks.sum([float(len(flat))])[0]):
+            if not int(inp.ranks.sum([float(len(flat))])[0]):
                 break
-            with loop.phase("rollout"):
-                outs = loop.feed.resample(plan.step, [lo + j for j in flat], self.grpo.sampling,
+            with inp.phases.time("rollout"):
+                outs = inp.feed.resample(plan.step, [lo + j for j in flat], self.grpo.sampling,
                                           seed_offset=r * RESAMPLE_SEED_OFFSET)
             indices = [groups.indices[j * n] for j in flat for _ in range(n)]
             fresh = _Groups(indices, list(outs), self._check(outs, indices), [])
@@ -235,7 +235,7 @@ class Grpo(Objective):
                     parts[k][dst] = new_scores.per_reward[k][src]
         # One process: the batch reported is the one trained on. Several ranks: rank 0 reports the batch as first
         # sampled (gathering the replacements would cost an exchange for the run record alone).
-        everything = rollouts if not loop.ranks.enabled else groups.everything
+        everything = rollouts if not inp.ranks.enabled else groups.everything
         return (_Groups(groups.indices, rollouts, responses, everything),
                 RewardScores(tuple(totals), {k: tuple(v) for k, v in parts.items()}))
 
@@ -243,9 +243,9 @@ class Grpo(Objective):
         """Each rank gets the groups of its share of prompts (n per prompt; rank 0's pool samples the whole batch,
         or every rank's in-process engine its own share); every rank checks its completions: version, log-probs,
         and the prompt ids the engine rendered."""
-        loop, feed, ranks, n = self.loop, self.loop.feed, self.loop.ranks, self.grpo.n
+        inp, feed, ranks, n = self.inputs, self.inputs.feed, self.inputs.ranks, self.grpo.n
         feed.new_e_step()
-        with loop.phase("rollout"):
+        with inp.phases.time("rollout"):
             # Sample k of prompt j is at j * n + k; each call is fenced to the version it was made with: the
             # learner's, or up to max_staleness behind it (generated ahead, overlap.py).
             outs, everything = feed.rollouts(plan.step, self.grpo.sampling, n=n,
@@ -261,12 +261,12 @@ class Grpo(Objective):
     def _check(self, outs: Sequence[Rollout], indices: Sequence[int]) -> list[list[int]]:
         """Every rank checks its completions (one per entry of `indices`, the record of each): version, log-probs,
         and the prompt ids the engine rendered; returns their trainable responses."""
-        loop, feed, ranks, n = self.loop, self.loop.feed, self.loop.ranks, self.grpo.n
+        inp, feed, ranks, n = self.inputs, self.inputs.feed, self.inputs.ranks, self.grpo.n
         with ranks.guard("checking the sampled completions"):
             if len(outs) != len(indices):
                 raise RuntimeError(f"rank {ranks.rank} got {len(outs)} completion(s) for {len(indices) // n} "
                                    f"prompt(s) x {n}")
-            weights = loop.state.weights  # this run's version: the number alone is not enough
+            weights = inp.state.weights  # this run's version: the number alone is not enough
             stale = [(o.request_id, str(o.weights), o.server) for o in outs if not feed.within_window([o])]
             if stale:
                 raise RuntimeError(f"{len(stale)} completion(s) not from the learner's weight version {weights} "
@@ -277,25 +277,25 @@ class Grpo(Objective):
             if bad:
                 raise RuntimeError(f"{len(bad)} completion(s) came without one log-prob per token (request, sample, "
                                    f"server): {bad[:3]}; GRPO needs the servers' sampling log-probs")
-            check_rollout_prompts([loop.records[i] for i in indices], [feed.prompt_ids(i) for i in indices], outs,
-                                  loop.policy.tokenizer)
+            check_rollout_prompts([inp.records[i] for i in indices], [feed.prompt_ids(i) for i in indices], outs,
+                                  inp.policy.tokenizer)
             responses = feed.trainable_responses(outs)
         return responses
 
     def _score(self, groups: _Groups) -> RewardScores:
         """Every completion's rewards, in order. Each is parsed with the run's output format first (a detection
         reward reads the objects; others ignore them). A failing reward names itself and the record."""
-        loop = self.loop
-        tok, vl, fmt = loop.policy.tokenizer, loop.policy.is_vision_language, loop.core.fmt
-        with loop.phase("reward"), loop.ranks.guard("scoring the completions"):
+        inp = self.inputs
+        tok, vl, fmt = inp.policy.tokenizer, inp.policy.is_vision_language, inp.core.fmt
+        with inp.phases.time("reward"), inp.ranks.guard("scoring the completions"):
             inputs = []
             for idx, out, resp in zip(groups.indices, groups.rollouts, groups.responses, strict=True):
                 size = None
                 if vl and fmt.needs_image_size:
-                    size = loop.feed.vision_prompt(idx).image_size(patch_size(loop.policy.processor))
+                    size = inp.feed.vision_prompt(idx).image_size(patch_size(inp.policy.processor))
                 inputs.append(RewardInput.from_completion(
-                    loop.records[idx], tok.decode(resp, skip_special_tokens=True), resp,
-                    vocab=loop.policy.vocab, fmt=fmt, image_size=size,
+                    inp.records[idx], tok.decode(resp, skip_special_tokens=True), resp,
+                    vocab=inp.policy.vocab, fmt=fmt, image_size=size,
                     finish_reason=out.finish_reason, sample_index=out.sample_index,
                 ))
             self._watch_format(inputs, groups.responses)
@@ -304,10 +304,10 @@ class Grpo(Objective):
     def _watch_format(self, inputs: Sequence[RewardInput], responses: Sequence[Sequence[int]]) -> None:
         """Detection completions in another format than training.format parse to nothing: say so, once
         (learner/core/format_watch.py); text tasks (no ground-truth objects) never trigger it."""
-        if not self.loop.ranks.is_main or not any(i.parsed is not None for i in inputs):
+        if not self.inputs.ranks.is_main or not any(i.parsed is not None for i in inputs):
             return
         if self._format_watch is None:
-            self._format_watch = FormatWatch(self.loop.core.fmt, self.loop.policy.vocab)
+            self._format_watch = FormatWatch(self.inputs.core.fmt, self.inputs.policy.vocab)
         predicted = sum(len(i.objects or ()) for i in inputs)
         self._format_watch.observe(responses, predicted, sum(len(i.record.objects) for i in inputs))
 
@@ -316,9 +316,9 @@ class Grpo(Objective):
         """One segment per completion of a kept group (prompt unlabelled; its tokens labelled, with their sampling
         log-probs and the group advantage; an answer cut at the budget unlabelled under overlong mask), every one of
         them packed into this step's rows. A rank that keeps no group packs its first completion fully masked."""
-        loop, n = self.loop, self.grpo.n
+        inp, n = self.inputs, self.grpo.n
         mask_overlong = self.cfg.grpo.overlong == "mask"
-        with loop.phase("pack"), loop.ranks.guard("packing the completions"):
+        with inp.phases.time("pack"), inp.ranks.guard("packing the completions"):
             segments = []
             for j, (idx, out, resp) in enumerate(zip(groups.indices, groups.rollouts, groups.responses, strict=True)):
                 assert out.logprobs is not None, "_check refuses completions without log-probs"
@@ -327,17 +327,17 @@ class Grpo(Objective):
                     continue  # a flat group left out (dynamic_sampling)
                 cut = mask_overlong and out.finish_reason == "length"
                 rules.masked += int(cut and not masked)
-                seg = grpo_segment(loop.feed.prompt_ids(idx), resp, out.logprobs[: len(resp)], float(advantages[j]),
+                seg = grpo_segment(inp.feed.prompt_ids(idx), resp, out.logprobs[: len(resp)], float(advantages[j]),
                                    completion_mask=[False] * len(resp) if (cut or masked) else None,
                                    meta={"record_id": out.request_id, "sample_index": out.sample_index})
-                if loop.policy.is_vision_language:  # pixels and M-RoPE positions for the packed forward
-                    seg = with_vision(loop.model, seg, loop.feed.vision_prompt(idx))
+                if inp.policy.is_vision_language:  # pixels and M-RoPE positions for the packed forward
+                    seg = with_vision(inp.model, seg, inp.feed.vision_prompt(idx))
                 segments.append(seg)
-            loop.packer.add(segments)
+            inp.packer.add(segments)
             rows = []
-            while (row := loop.packer.next_row()) is not None:
+            while (row := inp.packer.next_row()) is not None:
                 rows.append(row)
-        m.PACKER_PENDING.set(loop.packer.pending)
+        m.PACKER_PENDING.set(inp.packer.pending)
         return rows
 
     # -- update -------------------------------------------------------------------------------------------
@@ -370,21 +370,19 @@ class Grpo(Objective):
     def _reference_logprobs(self, row: PackedRow) -> torch.Tensor:
         """The reference policy's log-probs of the row's completion tokens: the base weights (LoRA/DoRA adapters
         disabled; the job spec refuses kl_coef > 0 without LoRA), at the sampling temperature, without grad."""
-        loop = self.loop
+        inp = self.inputs
         # A PEFT model (the job spec refuses kl_coef > 0 without LoRA), typed only as a torch Module in the loop.
-        adapted = cast(_PeftModel, loop.model)
-        assert loop.updater is not None, "bound to an open loop"
-        with loop.phase("reference"), torch.no_grad(), adapted.disable_adapter(), loop.updater.autocast():
-            logits = row_outputs(loop.model, loop.model, row.model_inputs(), self.cfg.loss.logits,
+        adapted = cast(_PeftModel, inp.model)
+        with inp.phases.time("reference"), torch.no_grad(), adapted.disable_adapter(), inp.updater.autocast():
+            logits = row_outputs(inp.model, inp.model, row.model_inputs(), self.cfg.loss.logits,
                                  self.cfg.loss.logits_chunk)
             return completion_logprobs(logits, row, self.grpo.loss.temperature)
 
     # -- reporting ------------------------------------------------------------------------------------------
-    def figures(self, plan: StepPlan, built: Built, sums: Mapping[str, float]) -> dict[str, Any]:
+    def outcome(self, built: Built, sums: Mapping[str, float]) -> StepOutcome:
         groups = built.extra["groups"]
-        return {"rollouts": groups.everything, "parts": {}, "stats": None,
-                "local_record_ids": list(built.local_ids),
-                "grpo": self._stats(groups, built.extra["scores"], sums, built.extra["rewards"], built.extra["rules"])}
+        return StepOutcome(rollouts=groups.everything, figures=self._stats(
+            groups, built.extra["scores"], sums, built.extra["rewards"], built.extra["rules"]))
 
     def _stats(self, groups: _Groups, scores: RewardScores, totals: Mapping[str, float], shaped: Sequence[float],
                rules: _Rules) -> GrpoStats:
@@ -403,7 +401,7 @@ class Grpo(Objective):
             float(rules.dropped), float(rules.resampled), float(rules.masked), float(rules.penalised),
             *(math.fsum(scores.per_reward[k]) for k in labels),
         ]
-        s = self.loop.ranks.sum(local)
+        s = self.inputs.ranks.sum(local)
         count, n_groups = max(s[2], 1.0), max(s[4], 1.0)
         mean = s[0] / count
         return GrpoStats(
@@ -417,31 +415,9 @@ class Grpo(Objective):
             overlong_masked=int(s[10]), overlong_penalised=int(s[11]),
         )
 
-    def scalars(self, r: StepResult) -> dict[str, float]:
-        return r.grpo.scalars() if r.grpo is not None else {}
-
-    def gauges(self, r: StepResult) -> None:
-        g = r.grpo
-        assert g is not None, "a GRPO step's result carries its stats (step())"
-        m.REWARD.labels("mean").set(g.reward_mean)
-        m.REWARD.labels("std").set(g.reward_std)
-        m.REWARD.labels("group_std").set(g.group_reward_std)
-        for label, v in g.rewards.items():
-            m.REWARD_PART.labels(label).set(v)
-        m.ZERO_STD_GROUPS.set(g.zero_std_groups)
-        m.CLIP_FRACTION.set(g.clip_fraction)
-        m.GRPO_KL.set(g.kl)
-        m.MISMATCH_KL.set(g.mismatch_kl)
-        m.CORRECTED_FRACTION.set(g.corrected_fraction)
-        m.DROPPED_GROUPS.inc(g.dropped_groups)
-        m.RESAMPLED_GROUPS.inc(g.resampled_groups)
-        m.OVERLONG_ANSWERS.labels("masked").inc(g.overlong_masked)
-        m.OVERLONG_ANSWERS.labels("penalised").inc(g.overlong_penalised)
-        m.COMPLETION_LENGTH.set(g.completion_length)
-
     def line(self, r: StepResult) -> str:
-        g = r.grpo
-        assert g is not None, "a GRPO step's result carries its stats (step())"
+        g = r.figures
+        assert isinstance(g, GrpoStats), "a GRPO step's figures (outcome())"
         return (f"step {r.step} v{r.weight_version} loss {r.loss:.4f} reward {g.reward_mean:.3f} (std "
                 f"{g.reward_std:.3f}, flat groups {g.zero_std_groups:.2f}) clip {g.clip_fraction:.3f} ratio "
                 f"{g.ratio_mean:.4f} kl {g.kl:.4f} mismatch kl {g.mismatch_kl:.2e} len {g.completion_length:.1f} "
@@ -450,10 +426,6 @@ class Grpo(Objective):
                    if g.dropped_groups or g.resampled_groups else "")
                 + (f" overlong masked {g.overlong_masked} penalised {g.overlong_penalised}"
                    if g.overlong_masked or g.overlong_penalised else ""))
-
-    def summarise(self, summary: Summary) -> None:
-        summary.rewards = [h.grpo.reward_mean for h in summary.history if h.grpo is not None]
-        summary.mismatch_kl = [h.grpo.mismatch_kl for h in summary.history if h.grpo is not None]
 
     def close(self) -> None:
         pool, self._reward_pool = self._reward_pool, None

@@ -33,8 +33,8 @@ from learner.rollouts.client import Rollout
 from learner.tracking import metrics as m
 from learner.train.config import core_configs
 from learner.train.feed import EXPLORER_SEED_OFFSET
-from learner.train.objectives.base import Built, Objective, Prepare, RowLoss, StepPlan
-from learner.train.results import StepResult, Summary
+from learner.train.objectives.base import Built, Objective, Prepare, RowLoss, StepOutcome, StepPlan
+from learner.train.results import RolloutMatchingFigures, StepResult
 from rmsft import pause_points
 from rmsft.jobspec import RolloutMatchingJob
 
@@ -80,7 +80,7 @@ class RolloutMatching(Objective):
     def plan(self, step: int) -> StepPlan:
         k, m_steps = divmod(step, self.core.m_steps)
         builds = m_steps == 0
-        return StepPlan(step=step, e_step=k, batch=self.loop.order.batch(k), builds=builds,
+        return StepPlan(step=step, e_step=k, batch=self.inputs.order.batch(k), builds=builds,
                         samples=builds and self.e_step_samples(k))
 
     def _sampling_e_steps_after(self, k: int) -> Iterator[int]:
@@ -105,7 +105,7 @@ class RolloutMatching(Objective):
 
     def state_dict(self) -> dict[str, Any]:
         """Between an E-step's M-steps, this rank's rows of that E-step (what its later M-steps train on again)."""
-        kept, step = self._e_step_built, self.loop.state.step
+        kept, step = self._e_step_built, self.inputs.state.step
         if kept is None or self.plan(step).builds or kept[0] != step // self.core.m_steps:
             return {}
         built = kept[1]
@@ -120,12 +120,12 @@ class RolloutMatching(Objective):
 
     def _e_step(self, plan: StepPlan) -> Built:
         """This rank's share of the E-step's rollouts (by its channel), built into segments and packed into rows."""
-        loop, feed, ranks, core = self.loop, self.loop.feed, self.loop.ranks, self.core
+        inp, feed, ranks, core = self.inputs, self.inputs.feed, self.inputs.ranks, self.core
         feed.new_e_step()
         k, batch = plan.e_step, plan.batch
         channel_b = self.e_step_samples(k)
         explorers = None
-        with loop.phase("rollout"):
+        with inp.phases.time("rollout"):
             if channel_b:  # the model's own answers (anchors), and with recipe generation 2 its explorers'
                 outs, everything = feed.rollouts(k, core.sampling, upcoming=self._sampling_e_steps_after(k))
                 if core.recipe.explorers:
@@ -133,21 +133,21 @@ class RolloutMatching(Objective):
             else:  # no generation: an empty answer makes the targets the whole ground truth
                 everything = None
                 if ranks.is_main:
-                    st = loop.state
+                    st = inp.state
                     reason = "warm_start" if plan.step < self.cfg.warm_start_steps else "channel_a"
-                    everything = [Rollout(loop.records[i].id, feed.prompt_ids(i), [], reason, st.version, "",
+                    everything = [Rollout(inp.records[i].id, feed.prompt_ids(i), [], reason, st.version, "",
                                           weight_run_id=st.run_id) for i in batch]
                 outs = feed.scatter(everything, len(batch))
         lo, hi = ranks.share(len(batch))
         mine = batch[lo:hi]
-        policy = loop.policy
+        policy = inp.policy
         with ranks.guard("building training segments"):
-            pause_points.fail_at("step", loop.state.step + 1)  # tests: one rank failing mid-run (rmsft.pause_points)
+            pause_points.fail_at("step", inp.state.step + 1)  # tests: one rank failing mid-run (rmsft.pause_points)
             if len(outs) != len(mine) or not feed.within_window(outs):
                 raise RuntimeError(f"rank {ranks.rank} got {len(outs)} rollout(s) for {len(mine)} prompt(s) "
-                                   f"or a weight version outside {loop.state.weights} minus max_staleness "
+                                   f"or a weight version outside {inp.state.weights} minus max_staleness "
                                    f"{self.cfg.rollout.max_staleness}")
-            recs = [loop.records[i] for i in mine]
+            recs = [inp.records[i] for i in mine]
             vl = policy.is_vision_language
             vision = [feed.vision_prompt(i) for i in mine] if vl else []
             mine_ids = [v.input_ids for v in vision] if vl else [feed.text_prompt(i) for i in mine]
@@ -166,15 +166,15 @@ class RolloutMatching(Objective):
                     self._format_watch = FormatWatch(core.fmt, policy.vocab)
                 self._format_watch.observe(responses, stats.predicted, stats.gt_objects)
             if vl:  # pixels and per-segment M-RoPE positions for the packed forward
-                segments = [with_vision(loop.model, seg, v) for seg, v in zip(segments, vision, strict=True)]
-            loop.add_phase("parse", stats.parse_s)
-            loop.add_phase("match", stats.match_s)
-            loop.add_phase("targets", stats.targets_s)
-            with loop.phase("pack"):
-                loop.packer.add(segments)
+                segments = [with_vision(inp.model, seg, v) for seg, v in zip(segments, vision, strict=True)]
+            inp.phases.add("parse", stats.parse_s)
+            inp.phases.add("match", stats.match_s)
+            inp.phases.add("targets", stats.targets_s)
+            with inp.phases.time("pack"):
+                inp.packer.add(segments)
                 rows = []
                 for _ in range(self.cfg.grad_accumulation):
-                    row = loop.packer.next_row()
+                    row = inp.packer.next_row()
                     if row is None:
                         break
                     rows.append(row)
@@ -188,7 +188,7 @@ class RolloutMatching(Objective):
             m.OBJECTS.labels("fn").inc(stats.false_negatives)
             m.DROPPED_OBJECTS.inc(stats.dropped)
             m.TRUNCATED_ROLLOUTS.inc(stats.truncated)
-        m.PACKER_PENDING.set(loop.packer.pending)
+        m.PACKER_PENDING.set(inp.packer.pending)
         return Built(rows, [r.id for r in recs], {
             "rollouts": everything if ranks.is_main else outs, "stats": stats, "channel": "B" if channel_b else "A",
             "fresh": True})
@@ -197,11 +197,11 @@ class RolloutMatching(Objective):
         """Recipe generation 2, a B step: this rank's prompts' explorer answers (`explorers` sampled completions per
         prompt, seeded apart from the anchors), grouped per prompt. A Generate call of their own: with rollouts
         generated ahead there are no explorers (the spec refuses them), so no other call is in flight."""
-        recipe, feed = self.core.recipe, self.loop.feed
+        recipe, feed = self.core.recipe, self.inputs.feed
         n = recipe.explorers
         mine, _ = feed.rollouts(k, recipe.explorer_sampling, n=n, seed_offset=EXPLORER_SEED_OFFSET, gather=False)
         if not feed.within_window(mine):
-            raise RuntimeError(f"explorer rollouts from a weight version other than {self.loop.state.weights}")
+            raise RuntimeError(f"explorer rollouts from a weight version other than {self.inputs.state.weights}")
         responses = feed.trainable_responses(mine)
         return [responses[i * n : (i + 1) * n] for i in range(len(responses) // n)]
 
@@ -214,7 +214,7 @@ class RolloutMatching(Objective):
 
     def row_loss(self, built: Built, totals: Sequence[float]) -> tuple[RowLoss, Prepare | None]:
         ce_total, coord_total, box_total, ul_total = totals
-        coord_ids, weights = self.loop.policy.vocab.coord_token_ids, self.core.weights
+        coord_ids, weights = self.inputs.policy.vocab.coord_token_ids, self.core.weights
 
         def row_loss(row: PackedRow, logits: torch.Tensor | RowHead,
                      _: None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -225,37 +225,18 @@ class RolloutMatching(Objective):
 
         return row_loss, None
 
-    def figures(self, plan: StepPlan, built: Built, sums: Mapping[str, float]) -> dict[str, Any]:
+    def outcome(self, built: Built, sums: Mapping[str, float]) -> StepOutcome:
         fresh = built.extra["fresh"]
-        return {"rollouts": built.extra["rollouts"] if fresh else [], "parts": {k: sums[k] for k in _PARTS},
-                "stats": built.extra["stats"] if fresh else None, "channel": built.extra["channel"],
-                "local_record_ids": list(built.local_ids)}
+        stats = built.extra["stats"] if fresh else None
+        return StepOutcome(rollouts=built.extra["rollouts"] if fresh else [], parts={k: sums[k] for k in _PARTS},
+                           figures=RolloutMatchingFigures(built.extra["channel"], stats))
 
     # -- reporting ------------------------------------------------------------------------------------
-    def scalars(self, r: StepResult) -> dict[str, float]:
-        values = {"train/channel_b": float(r.channel == "B")}
-        st = r.stats
-        if st is not None and r.channel == "B":  # fresh rollouts this step (not an M-step reusing a batch)
-            n = max(st.rollouts, 1)
-            values.update({"train/f1": st.f1, "train/precision": st.precision, "train/recall": st.recall,
-                           "train/dropped": float(st.dropped), "train/truncated": float(st.truncated),
-                           "train/truncation_rate": st.truncation_rate, "train/duplicate_rate": st.duplicate_rate,
-                           # unmatched objects no explorer supports, out of the prefix (recipe generation 2)
-                           "train/dead_anchors": st.dead / n, "train/predicted_per_gt": st.count_ratio,
-                           "train/predicted_objects": st.predicted / n, "train/gt_objects": st.gt_objects / n})
-        return values
-
-    def gauges(self, r: StepResult) -> None:
-        for k, v in r.parts.items():
-            m.LOSS.labels(k).set(v)
-
     def line(self, r: StepResult) -> str:
-        f1 = f"{r.stats.f1:.3f}" if r.stats and r.channel == "B" else ("reuse" if r.channel == "B" else "- (A)")
+        fig = r.figures
+        assert isinstance(fig, RolloutMatchingFigures), "a rollout-matching step's figures (outcome())"
+        f1 = f"{fig.stats.f1:.3f}" if fig.sampled and fig.stats else ("reuse" if fig.channel == "B" else "- (A)")
         # Six decimals: two runs that should train alike (one pod of two ranks, two pods of one) are compared from
         # these lines to 1e-4 (tests/cluster: their thread counts differ, so their sums do); the progress bars round.
         return (f"step {r.step} v{r.weight_version} loss {r.loss:.6f} (ce {r.parts.get('ce', 0.0):.6f} "
                 f"coord {r.parts.get('coord', 0.0):.6f}) f1 {f1} rows {r.rows} fill {r.fill:.3f} {r.seconds:.2f}s")
-
-    def summarise(self, summary: Summary) -> None:
-        # Rollout F1 of steps that sampled (a channel-A step's empty answers score 0 and say nothing).
-        summary.f1 = [h.stats.f1 for h in summary.history if h.stats and h.channel == "B"]
