@@ -416,16 +416,46 @@ def train_in_process(job: RolloutMatchingJob, addresses: list[str], *, auth_toke
             loop.close()
 
 
-def learner_command(job_path: str | Path, ranks: int, addresses: list[str], *, resume: bool) -> list[str]:
-    """`rmsft train` under torchrun: `ranks` data-parallel ranks on one node."""
+def learner_command(job_path: str | Path, ranks: int, addresses: list[str], *, resume: bool,
+                    metrics_port: int = 0) -> list[str]:
+    """`rmsft train` under torchrun: `ranks` data-parallel ranks on one node; rank 0 serves /metrics on
+    `metrics_port` (0: none). Never spec.learner.metricsPort: that is the pod's port and may well be taken on a
+    workstation (Prometheus itself uses 9090)."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
         "-m", "rmsft_cli", "train", "--config", str(job_path), "--servers", ",".join(addresses),
-        "--resume" if resume else "--no-resume",
-        # No /metrics endpoint, as with the in-process learner: spec.learner.metricsPort is the
-        # pod's port and may well be taken on a workstation (Prometheus itself uses 9090).
-        "--metrics-port", "0",
+        "--resume" if resume else "--no-resume", "--metrics-port", str(metrics_port),
     ]
+
+
+class MetricsPortError(ValueError):
+    """The learner's /metrics port cannot be bound (`rmsft local --metrics-port`)."""
+
+
+FREE_PORT = -1  # `rmsft local --metrics-port`'s default: a free port, picked at start
+
+
+@contextlib.contextmanager
+def learner_metrics(port: int, console: Console, *, colocated: bool) -> Iterator[int]:
+    """The in-process learner's Prometheus /metrics on 127.0.0.1:`port` (FREE_PORT: a free one, picked now; 0: no
+    endpoint) while the run lasts, as the learner pod serves spec.learner.metricsPort. Yields the port (0: none)
+    and prints where it is, so a Prometheus can be pointed at it."""
+    if port == 0:
+        yield 0
+        return
+    from rmsft.metrics_http import learner_registry, start_metrics_server
+
+    try:
+        httpd = start_metrics_server(max(port, 0), addr="127.0.0.1", registry=learner_registry(colocated=colocated))
+    except OSError as exc:
+        raise MetricsPortError(f"cannot serve the learner's /metrics on 127.0.0.1:{port}: {exc}; give another "
+                               "--metrics-port (0: none)") from exc
+    console.print(f"learner /metrics: http://127.0.0.1:{httpd.server_port}/metrics", highlight=False)
+    try:
+        yield httpd.server_port
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def run_learner_process(cmd: list[str], env: dict[str, str], log_path: Path, console: Console) -> int:
@@ -466,13 +496,20 @@ def _stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> None:
 
 def train_with_torchrun(job_path: str | Path, job: RolloutMatchingJob, assignment: GpuAssignment,
                         addresses: list[str], *, auth_token: str, resume: bool, log_dir: Path,
-                        console: Console) -> None:
+                        console: Console, metrics_port: int = 0) -> None:
     """The learner as `len(assignment.learner)` torchrun ranks in a subprocess on the learner's GPUs.
 
     A subprocess because the ranks must see only their own GPUs (torchrun's `auto` device is
     cuda:LOCAL_RANK) and `CUDA_VISIBLE_DEVICES` can only be set for a process before it starts.
+    Rank 0 serves /metrics on `metrics_port` (FREE_PORT: a free one, picked now; 0: none).
     Raises LearnerExitError when it fails."""
     ranks = len(assignment.learner)
+    if metrics_port == FREE_PORT:
+        from rollout_svc.launcher import free_port
+
+        metrics_port = free_port()
+    if metrics_port:
+        console.print(f"learner /metrics (rank 0): http://127.0.0.1:{metrics_port}/metrics", highlight=False)
     env = {
         **assignment.learner_env(),
         LOG_LEVEL_ENV: job.spec.monitoring.log_level,  # as the servers, and the learner pod
@@ -483,7 +520,8 @@ def train_with_torchrun(job_path: str | Path, job: RolloutMatchingJob, assignmen
     log_path = log_dir / "learner.log"
     console.print(f"learner: {ranks} ranks under torchrun on GPUs {assignment.names(assignment.learner)}, "
                   f"output also in {log_path}")
-    rc = run_learner_process(learner_command(job_path, ranks, addresses, resume=resume), env, log_path, console)
+    cmd = learner_command(job_path, ranks, addresses, resume=resume, metrics_port=metrics_port)
+    rc = run_learner_process(cmd, env, log_path, console)
     if rc != 0:
         message = f"the learner ({ranks} torchrun ranks) exited with {rc}; its output is in {log_path}"
         console.print(f"[red]error:[/red] {message}")  # a SystemExit with a code prints nothing itself
@@ -534,9 +572,9 @@ def dry_run(job: RolloutMatchingJob, *, work_dir: str | Path = ".rmsft") -> list
         transport = spec.sync.local_transport
         out.append(f"weight sync: {transport} (spec.sync.transport {spec.sync.transport}; under `rmsft local` auto "
                    f"is shm), mode {spec.sync.mode}")
-    # no learner /metrics under `rmsft local` (learner_command: spec.learner.metricsPort is the pod's port)
+    # the learner's /metrics: `rmsft local --metrics-port` (learner_metrics), never spec.learner.metricsPort (the pod's)
     out.append(f"learner: {'in this process' if spec.learner.gpus <= 1 else f'{spec.learner.gpus} torchrun ranks'}"
-               ", no /metrics endpoint (spec.learner.metricsPort is the pod's)")
+               ", /metrics on 127.0.0.1 at a free port picked at start (--metrics-port)")
     out.append(f"steps: {t.steps} of {t.prompts_per_step} prompts, rollouts of up to {t.rollout.max_tokens} tokens; "
                f"checkpoints in {t.checkpoint.dir} {_every(t.checkpoint.every)} (keep {t.checkpoint.keep})"
                + (f"; held-out evaluation {_every(t.eval.every)}" if t.eval.data else "")
@@ -556,13 +594,14 @@ def _every(n: int) -> str:
 
 
 def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: bool = False,
-              console: Console | None = None) -> Summary | None:
+              console: Console | None = None, metrics_port: int = FREE_PORT) -> Summary | None:
     """Run the whole job on this machine; servers are stopped on success, error or Ctrl-C.
 
     Returns the learner's Summary when it ran in this process, None when it ran as torchrun ranks
-    (their output says how it went). Raises GpuAssignmentError before anything starts when the machine
-    cannot hold the job, ModelCheckError when the model folder does not fit training.format,
-    LearnerExitError when the torchrun learner fails."""
+    (their output says how it went). The learner serves Prometheus /metrics on 127.0.0.1:`metrics_port`
+    (FREE_PORT: a free one; 0: none), printed at start, as the servers do on theirs. Raises GpuAssignmentError
+    before anything starts when the machine cannot hold the job, ModelCheckError when the model folder does not
+    fit training.format, LearnerExitError when the torchrun learner fails."""
     console = console or Console(stderr=True, soft_wrap=True)
     job = load_job(job_path)
     memory_plan_setting()  # a typo in RMSFT_MEMORY_PLAN fails now, not once the servers are up
@@ -583,8 +622,13 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
     log_dir = Path(work_dir) / "logs"
     if assignment.accelerated:
         console.print(f"GPUs: {assignment.describe()}")
-    with stop_on_signals(), shared_weights_dir(job, console) as run:
-        return _run_started(job_path, job, assignment, log_dir, resume=resume, console=console, run=run)
+    # The in-process learner's /metrics from now on, while the servers load: a Prometheus pointed at it sees the
+    # whole run. torchrun's rank 0 serves its own (train_with_torchrun).
+    in_process = metrics_port if len(assignment.learner) <= 1 else 0
+    with stop_on_signals(), shared_weights_dir(job, console) as run, \
+            learner_metrics(in_process, console, colocated=job.spec.rollout.colocated):
+        return _run_started(job_path, job, assignment, log_dir, resume=resume, console=console, run=run,
+                            metrics_port=metrics_port)
 
 
 @contextlib.contextmanager
@@ -660,18 +704,23 @@ def shared_weights_dir(job: RolloutMatchingJob, console: Console) -> Iterator[ru
 
 
 def _run_started(job_path: str | Path, job: RolloutMatchingJob, assignment: GpuAssignment, log_dir: Path, *,
-                 resume: bool, console: Console, run: run_dir.RunDir | None = None) -> Summary | None:
+                 resume: bool, console: Console, run: run_dir.RunDir | None = None,
+                 metrics_port: int = FREE_PORT) -> Summary | None:
+    ranks = len(assignment.learner)
     if job.spec.rollout.colocated:  # no servers: every learner rank starts its own engine
         console.print(f"rollouts: colocate (a {job.spec.rollout.engine} engine inside the learner)")
-        if len(assignment.learner) > 1:
+        if ranks > 1:
             train_with_torchrun(job_path, job, assignment, [], auth_token="", resume=resume, log_dir=log_dir,
-                                console=console)
+                                console=console, metrics_port=metrics_port)
             return None
         return train_in_process(job, [], auth_token="", resume=resume, console=console)
     assert job.spec.rollout.replicas is not None, "RolloutSpec's validator sets replicas"
     staging = [run.sub(f"serve-{i}") for i in range(job.spec.rollout.replicas)] if run is not None else None
     servers = spawn_servers(job, log_dir, assignment, staging=staging)
     addresses = [s.address for s in servers]
+    for i, s in enumerate(servers):  # where to point a Prometheus: the endpoints serve while the engines load
+        console.print(f"rollout server {i}: gRPC {s.address}, /metrics http://127.0.0.1:{s.metrics_port}/metrics",
+                      highlight=False)
     # The servers take RMSFT_AUTH_TOKEN from this environment: the learner must send the same.
     token = servers[0].token
     loop = None
@@ -696,9 +745,9 @@ def _run_started(job_path: str | Path, job: RolloutMatchingJob, assignment: GpuA
     # A server whose engine died exits 1; like a pod, it is restarted, and the learner re-syncs it.
     supervisor = Supervisor(servers, report=lambda m: console.print(f"[yellow]{m}[/yellow]"))
     try:
-        if len(assignment.learner) > 1:
+        if ranks > 1:
             train_with_torchrun(job_path, job, assignment, addresses, auth_token=token, resume=resume, log_dir=log_dir,
-                                console=console)
+                                console=console, metrics_port=metrics_port)
             return None
         return train_in_process(job, addresses, auth_token=token, resume=resume, console=console, loop=loop)
     finally:

@@ -383,9 +383,9 @@ def _train(stop: StopOnSignal, config: Path, servers: str, servers_file: Path | 
 
         port = job.spec.learner.metrics_port if metrics_port < 0 else metrics_port
         if port and os.environ.get("RANK", "0") == "0":  # one endpoint per learner pod: rank 0's
-            from prometheus_client import start_http_server
+            from rmsft.metrics_http import learner_registry, start_metrics_server
 
-            start_http_server(port)
+            start_metrics_server(port, registry=learner_registry(colocated=job.spec.rollout.colocated))
         # the objective spec.trainer names (learner.train.objectives: rollout_matching or grpo)
         loop = TrainingLoop(job, addresses, auth_token=auth_token or None)
     except (JobSpecError, DataError, ServersFileError, LogLevelError, MissingRequirementError, ValueError,
@@ -488,12 +488,16 @@ def local(
                                         "path under spec as in the file (training.steps=10, rollout.replicas=1), "
                                         "the value read as YAML; validated as the file is. Repeatable.",
                                         show_default=False),
+    metrics_port: int = typer.Option(
+        -1, min=-1, max=65535, show_default=False, help="The learner's Prometheus /metrics port on 127.0.0.1 (-1 = "
+        "a free one, printed at start; 0 = none). The servers' /metrics are on free ports, printed too."),
 ) -> None:
     """Run a whole job on this machine: rollout servers as local processes, the learner in-process."""
 
     if job is None and not clean:  # before the imports below, which take seconds (torch)
         _fail(ValueError("give a job manifest (JOB), or --clean alone"))
     from learner.data.records import DataError
+    from learner.local import MetricsPortError
     from learner.rewards.interface import RewardConfigError
     from learner.tracking.tracker import TrackingError
     from learner.train.checkpoint_owner import CheckpointFolderBusyError, CheckpointLineageError
@@ -534,9 +538,10 @@ def local(
         configure_logging("warning", fmt="%(name)s %(levelname)s %(message)s")
         from learner.local import run_local
 
-        run_local(job, work_dir=work_dir, resume=resume, console=console)
+        run_local(job, work_dir=work_dir, resume=resume, console=console, metrics_port=metrics_port)
     except (JobSpecError, DataError, LogLevelError, RewardConfigError, ModelCheckError,
-            MemoryPlanSettingError, CheckpointLineageError, CheckpointFolderBusyError, TrackingError) as exc:
+            MemoryPlanSettingError, CheckpointLineageError, CheckpointFolderBusyError, TrackingError,
+            MetricsPortError) as exc:
         _fail(exc)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (learner.local.Terminated)
         import signal

@@ -232,10 +232,10 @@ def serve(cfg: ServeConfig) -> int:
               "answers health checks itself")
     health_server = _health_only_server(health_svc, cfg.host, health_port) if health_port else None
     if cfg.metrics_port:
-        from prometheus_client import start_http_server
+        from rmsft.metrics_http import start_metrics_server
 
         try:
-            start_http_server(cfg.metrics_port, addr=cfg.host)
+            start_metrics_server(cfg.metrics_port, addr=cfg.host)  # vLLM's `vllm:*` names kept for Prometheus 2
         except OSError as e:
             _fail(f"cannot serve metrics on port {cfg.metrics_port}: {e}")
     server.start()

@@ -146,6 +146,7 @@ def test_learner_device(learner: int, requested: str, expected: str) -> None:
 class FakeServer:
     def __init__(self, n: int, env: dict[str, str], options: dict) -> None:
         self.address, self.token, self.env, self.options = f"127.0.0.1:{5000 + n}", "s3cret", env, options
+        self.metrics_port = 6000 + n  # printed by `rmsft local` as where to scrape it
         self.stopped = False
 
     def wait_healthy(self, timeout: float, cancel: object = None) -> None:
@@ -224,11 +225,12 @@ def test_local_on_8_gpus_gives_every_process_its_own(machine, tmp_path: Path) ->
     assert not calls["in_process"]
     (run,) = calls["torchrun"]
     cmd = run["cmd"]
-    assert cmd[1:] == [
+    assert cmd[1:-1] == [
         "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "rmsft_cli", "train",
         "--config", str(job_path), "--servers", ",".join(f"127.0.0.1:{5000 + i}" for i in range(6)),
-        "--no-resume", "--metrics-port", "0",
+        "--no-resume", "--metrics-port",
     ]
+    assert int(cmd[-1]) > 0  # rank 0's /metrics on a free port (`rmsft local --metrics-port`), never 9090
     assert run["env"][CUDA_ENV] == "6,7" and run["env"]["RMSFT_AUTH_TOKEN"] == "s3cret"
     assert "s3cret" not in cmd
     assert run["log"] == tmp_path / "w" / "logs" / "learner.log"
