@@ -140,6 +140,7 @@ def main() -> None:
     from rich.console import Console
 
     from learner.local import shared_weights_dir, start_servers
+    from learner.train.checkpoint_files import list_checkpoints
     from learner.train.loop import TrainingLoop
     from rmsft.jobspec import load_job
     from rmsft_dev.real_width import build_real_width_model
@@ -193,6 +194,7 @@ def main() -> None:
     resumed_saves: list[float] = []
     syncs: dict[str, dict[str, float]] = {}
     resume: dict[str, float] = {}
+    failed: list[str] = []  # what could not be measured (its traceback printed)
     # As `rmsft local`: the run's folder in /dev/shm (the servers' staging dirs; the shared-weights dir, which makes
     # transport auto shm). The server is started for a job naming transport nccl so that it joins the
     # weight-transfer groups of the per-transport syncs below (it takes grpc and shm updates as well).
@@ -227,29 +229,38 @@ def main() -> None:
             version = trainer.state.version
             for transport in transports:
                 version += 1
-                syncs[transport] = sync_over(job, transport, trainer, addresses, token, version)
+                try:  # one transport that fails is a finding: the others and the rest still run
+                    syncs[transport] = sync_over(job, transport, trainer, addresses, token, version)
+                except Exception:
+                    console.print_exception()
+                    failed.append(f"sync_{transport}")
+                    continue
                 console.print(f"sync over {transport}: {syncs[transport]}")
             trainer.close()  # frees the checkpoint dir's writer lock for the resumed learner
             trainer = None
             gc.collect()
-            # The resume: the same job one step longer (training.steps is no part of a checkpoint's lineage).
-            job2_path = work / "job-resume.yaml"
-            job2_path.write_text(yaml.safe_dump(job_doc(args.steps + 1)))
-            job2 = load_job(job2_path)
-            t = time.perf_counter()
-            trainer2 = TrainingLoop(job2, addresses, auth_token=token)
-            resume["build_s"] = time.perf_counter() - t
-            t = time.perf_counter()
-            assert trainer2.resume(), "no checkpoint to resume"
-            resume["load_s"] = time.perf_counter() - t
-            assert trainer2.step == summary.steps, (trainer2.step, summary.steps)
-            timed_saves(trainer2, resumed_saves)
-            t = time.perf_counter()
-            resumed = trainer2.run()
-            resume["run_s"] = time.perf_counter() - t
-            resume["step_s"] = trainer2.history[-1].seconds
-            resume["steps"] = resumed.steps
-            console.print(f"resumed at step {summary.steps}, ran to {resumed.steps}: {resume}")
+            try:  # a resume that fails is a finding: the export below still runs on the first run's checkpoint
+                # The resume: the same job one step longer (training.steps is no part of a checkpoint's lineage).
+                job2_path = work / "job-resume.yaml"
+                job2_path.write_text(yaml.safe_dump(job_doc(args.steps + 1)))
+                job2 = load_job(job2_path)
+                t = time.perf_counter()
+                trainer2 = TrainingLoop(job2, addresses, auth_token=token)
+                resume["build_s"] = time.perf_counter() - t
+                t = time.perf_counter()
+                assert trainer2.resume(), "no checkpoint to resume"
+                resume["load_s"] = time.perf_counter() - t
+                assert trainer2.step == summary.steps, (trainer2.step, summary.steps)
+                timed_saves(trainer2, resumed_saves)
+                t = time.perf_counter()
+                resumed = trainer2.run()
+                resume["run_s"] = time.perf_counter() - t
+                resume["step_s"] = trainer2.history[-1].seconds
+                resume["steps"] = resumed.steps
+                console.print(f"resumed at step {summary.steps}, ran to {resumed.steps}: {resume}")
+            except Exception:
+                console.print_exception()
+                failed.append("resume")
         finally:
             stop.set()
             for t_ in (trainer, trainer2):
@@ -258,7 +269,7 @@ def main() -> None:
             for s in servers:
                 s.stop()
     learner_peak_end = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    ckpts = sorted((work / "ckpt").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    ckpts = list_checkpoints(work / "ckpt")  # complete ones, oldest first
     ckpt_gb = dir_bytes(ckpts[-1]) / 1e9
     # The export as a user runs it, on the newest checkpoint (the resumed run's), with the server gone.
     exported = work / "exported"
@@ -268,7 +279,7 @@ def main() -> None:
     export_cmd_s = time.perf_counter() - t
     print("rmsft export:\n" + res.stdout + res.stderr)
     if res.returncode:
-        raise SystemExit(f"rmsft export failed ({res.returncode})")
+        failed.append(f"export_rc{res.returncode}")
     exported_gb = sum(f.stat().st_size for f in exported.glob("*.safetensors")) / 1e9
     weights = sorted(model.glob("*.safetensors"))
     t = time.perf_counter()
@@ -293,11 +304,14 @@ def main() -> None:
                   f"sync_{transport}_vs_copy={r['s'] / same:.1f}"]
         if "group_build_s" in r:
             extra.append(f"{transport}_group_build_s={r['group_build_s']:.2f}")
+    nan = float("nan")
     extra += [f"ckpt_saves={len(saves)}", f"ckpt_save_s={max(saves):.2f}", f"ckpt_gb={ckpt_gb:.2f}",
-              f"resume_build_s={resume['build_s']:.1f}", f"resume_load_s={resume['load_s']:.2f}",
-              f"resumed_steps={int(resume['steps'])}", f"resumed_step_s={resume['step_s']:.1f}",
-              f"resumed_ckpt_save_s={max(resumed_saves):.2f}", f"export_cmd_s={export_cmd_s:.1f}",
+              f"resume_build_s={resume.get('build_s', nan):.1f}", f"resume_load_s={resume.get('load_s', nan):.2f}",
+              f"resumed_steps={resume.get('steps', 0):.0f}", f"resumed_step_s={resume.get('step_s', nan):.1f}",
+              f"resumed_ckpt_save_s={max(resumed_saves, default=nan):.2f}", f"export_cmd_s={export_cmd_s:.1f}",
               f"exported_gb={exported_gb:.2f}", f"learner_peak_rss_end_gib={learner_peak_end / GIB:.2f}"]
+    if failed:
+        extra.append(f"failed={','.join(failed)}")
     print(f"RESULT preset={args.preset} text_layers={args.text_layers} vision_layers={args.vision_layers} "
           f"image={width}x{height} steps={summary.steps} first_loss={summary.first_loss:.4f} "
           f"last_loss={summary.last_loss:.4f} learner_peak_rss_gib={learner_peak / GIB:.2f} {servers_gib} "
