@@ -219,7 +219,7 @@ def main() -> None:
         try:
             trainer = TrainingLoop(job, addresses, auth_token=token)
             timed_saves(trainer, saves)
-            trainer.on_step = lambda r: console.print(f"step {r.step} channel {r.channel} rollouts {len(r.rollouts)} "
+            trainer.on_step = lambda r: console.print(f"step {r.step} {r.figures.bar()} rollouts {len(r.rollouts)} "
                                                       f"loss {r.loss:.3f} {r.seconds:.1f} s")
             summary = trainer.run()
             wall = time.perf_counter() - t0
