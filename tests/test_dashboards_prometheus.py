@@ -157,7 +157,7 @@ def test_every_dashboard_panel_returns_data_from_a_local_run(tiny_model_dir: Pat
         # adds a flat series to every per-pod rollout panel (and a server's version 0 to "Weight version").
         by_pod = {(s["metric"]["__name__"].split("_")[1], s["metric"]["pod"])
                   for s in prom.api("query_range", query='{__name__=~"rmsft_.*"}', start=start, end=end,
-                                    step=60)["result"]}
+                                    step=5)["result"]}  # a run shorter than the step would evaluate only at its start
         # How the scrapes went, for the failure message: a scrape that times out ingests nothing.
         scrapes = {r["metric"]["pod"]: r["value"][1] for r in prom.api(
             "query", query=f"sum by (pod) (sum_over_time(up[{int(end - start) + 1}s])) / sum by (pod) "

@@ -122,7 +122,12 @@ def test_sigterm_mid_run_saves_the_agreed_step_exits_143_and_resumes_as_if_never
     step = int(found.group(1))
     assert 2 <= step < STEPS
     assert [p.name for p in list_checkpoints(ckpt)] == [f"step-{step}"]
-    assert "another rank was asked to stop" not in err  # both ranks got the signal from torchrun's agent
+    # Both ranks stop at that one step. torchrun's agent passes SIGTERM to each rank in turn, so a rank may reach the
+    # step's agreement before its own signal lands: it then stops because "another rank was asked to stop"; either
+    # way each stops after the agreed step and exits 143 (checked below from the wrapper's verdict).
+    stops = re.findall(r"stopped \((SIGTERM|another rank was asked to stop)\) after step (\d+)", err)
+    assert len(stops) == 2 and {int(s) for _, s in stops} == {step}, err[-6000:]
+    assert ("SIGTERM", str(step)) in stops, err[-6000:]
     assert "rmsft torchrun: torchrun exited" in err and "rank 0: 143, rank 1: 143" in err
     resumed = _run(container_command(job))
     assert resumed.returncode == 0, resumed.stderr[-6000:]
