@@ -143,9 +143,11 @@ def test_every_dashboard_panel_returns_data_from_a_local_run(tiny_model_dir: Pat
         assert evaluated > 50, evaluated
         # Each component's series come from its own target: a learner exporting the servers' rmsft_rollout_* at 0
         # adds a flat series to every per-pod rollout panel (and a server's version 0 to "Weight version").
+        # Evaluated every 5 s: a step longer than the run evaluates at `start` alone, before the first scrape, and
+        # finds nothing (the run here takes about 30 s).
         by_pod = {(s["metric"]["__name__"].split("_")[1], s["metric"]["pod"])
                   for s in prom.api("query_range", query='{__name__=~"rmsft_.*"}', start=start, end=end,
-                                    step=60)["result"]}
+                                    step=5)["result"]}
         # How the scrapes went, for the failure message: a scrape that times out ingests nothing.
         scrapes = {r["metric"]["pod"]: r["value"][1] for r in prom.api(
             "query", query=f"sum by (pod) (sum_over_time(up[{int(end - start) + 1}s])) / sum by (pod) "
