@@ -32,6 +32,15 @@ WEIGHT_SYNC_BYTES = Counter("rmsft_rollout_weight_sync_bytes_total", "Tensor byt
 WEIGHT_SYNC_FAILURES = Counter(
     "rmsft_rollout_weight_sync_failures_total", "Rejected or failed weight updates", ["reason"]
 )
+# Every reason the server counts (rmsft.weight_wire.WireError's, whose default is "malformed", and the servicer's
+# own), each exported at 0 from the start: a counter's labelled series exists only from its first .labels() call,
+# and a dashboard must tell "no failure" (0) from "no data" (tests/test_dashboards.py keeps the list whole).
+WEIGHT_SYNC_FAILURE_REASONS = (
+    "name", "shape", "dtype", "count", "digest", "frame_size", "malformed", "truncated", "cancelled", "lora_disabled",
+    "lora_rank", "staging_space", "busy", "apply", "shm_unavailable", "shm_path", "run_id", "group", "relay_refused",
+)
+for _reason in WEIGHT_SYNC_FAILURE_REASONS:
+    WEIGHT_SYNC_FAILURES.labels(reason=_reason)
 WEIGHT_VERSION = Gauge("rmsft_rollout_weight_version", "Weight version being served (its number)")
 # Which learner run's weights are served: one series, value 1, labelled with the run id ("" before any
 # update: the checkpoint's weights). A weight version is (run id, number): the number alone repeats.

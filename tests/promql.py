@@ -164,3 +164,29 @@ def series_with_data(prom: Prometheus, expr: str, start: float, end: float) -> l
     number: a histogram_quantile over no observations is NaN at every point, which a panel draws as nothing."""
     result = prom.api("query_range", query=expr, start=start, end=end, step=SCRAPE_INTERVAL_S)["result"]
     return [s for s in result if any(not math.isnan(float(v)) for _, v in s["values"])]
+
+
+def used_variables(panels: list[Panel], variables: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The template variables some of `panels` query: a variable no panel uses changes no query (the operator
+    dashboard's `namespace` is read from a learner metric, which a scrape of the operator alone has none of)."""
+    names = {m[1] or m[2] for p in panels for m in _VARIABLE.finditer(p.expr)}
+    return [v for v in variables if v.get("name") in names]
+
+
+def empty_panels(prom: Prometheus, path: Path, start: float, end: float, keep=lambda panel: True
+                 ) -> tuple[list[Panel], list[str]]:
+    """Evaluates the panels of dashboard `path` that `keep` selects over [start, end]: (those evaluated, the ones
+    that draw nothing, each described with its query). The check every dashboard test shares."""
+    panels, variables = dashboard_panels(path)
+    chosen = [p for p in panels if keep(p)]
+    values = variable_values(prom, used_variables(chosen, variables), start, end)
+    return chosen, [str(p) for p in chosen if not series_with_data(prom, substitute(p.expr, values), start, end)]
+
+
+def dashboard(stem: str) -> Path:
+    return next(p for p in DASHBOARDS if p.stem == stem)
+
+
+# Panels set by a `spec.trainer: grpo` step only (labelled gauges: the stat, each reward's name), evaluated against a
+# GRPO run (tests/learner/test_grpo_trainer.py), not the rollout-matching run of tests/test_dashboards_prometheus.py.
+GRPO_PANELS = {("training", "Reward"), ("training", "Reward by part")}

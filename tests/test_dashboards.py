@@ -294,3 +294,29 @@ def test_monitoring_page_lists_exactly_the_declared_metrics() -> None:
     text = (ROOT / "docs/monitoring.md").read_text()
     listed = set(re.findall(r"^\| `(rmsft_[a-z0-9_]+)` \|", text, flags=re.M))
     assert listed == set(declared_metrics())
+
+
+def _reasons_in(paths: list[Path], pattern: str) -> set[str]:
+    return {m for p in paths for m in re.findall(pattern, p.read_text())}
+
+
+def test_every_failure_reason_is_exported_at_zero_from_the_start() -> None:
+    """The failure panels ("Rejected or failed updates", "Learner retries on another server") draw 0, not "no data",
+    in a healthy run: every reason the code can count is exported before the first failure. A reason added to the
+    code but not to the list fails here."""
+    from learner.tracking import metrics as learner_metrics
+    from rollout_engine import metrics as rollout_metrics
+
+    server_code = [p for d in ("rmsft/weight_wire", "rollout_svc", "rollout_engine") for p in (ROOT / d).glob("*.py")]
+    # WireError(..., reason="x") and WEIGHT_SYNC_FAILURES.labels(reason="x"); finish_reason="stop" is no such reason.
+    counted = _reasons_in(server_code, r'(?<![A-Za-z_])reason="([a-z_]+)"') | {"malformed"}  # WireError's default
+    assert {"busy", "apply", "truncated", "relay_refused"} <= counted, counted  # the scan finds what it should
+    retried = _reasons_in([ROOT / "learner/rollouts/client.py"], r'self\._retry\(call, server, chunk, "([a-z_]+)"')
+    assert retried == {"bad_reply", "stale_version"}, retried
+    for counter, reasons, must in ((rollout_metrics.WEIGHT_SYNC_FAILURES, rollout_metrics.WEIGHT_SYNC_FAILURE_REASONS,
+                                    counted),
+                                   (learner_metrics.ROLLOUT_RETRIES, learner_metrics.ROLLOUT_RETRY_REASONS,
+                                    retried | {"unavailable", "deadline_exceeded", "resource_exhausted"})):
+        assert must <= set(reasons), f"{counter._name}: add {sorted(must - set(reasons))} to its reasons tuple"
+        exported = {s.labels["reason"] for mf in counter.collect() for s in mf.samples if s.name.endswith("_total")}
+        assert set(reasons) <= exported, f"{counter._name}: not exported before a failure: {set(reasons) - exported}"

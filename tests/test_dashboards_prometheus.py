@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from promql import DASHBOARDS, Panel, Prometheus, dashboard_panels, series_with_data, substitute, variable_values
+from promql import DASHBOARDS, GRPO_PANELS, Panel, Prometheus, empty_panels, series_with_data, substitute
 
 from rmsft_dev.synthetic import write_synthetic_dataset
 
@@ -30,22 +30,15 @@ ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "rmsft-local"
 STEPS = 24  # about 20 s of steps here: enough scrapes of the learner for every rate() window
 
-# Not evaluated here, each with why; tests/test_dashboards.py still checks their metric names. Kept short: a panel
-# added to a dashboard is evaluated unless it is named here.
+# Not evaluated here, each with why and where it is: a panel added to a dashboard is evaluated unless named here.
 ELSEWHERE = {  # whole dashboards
-    "operator": "the operator's rmsft_operator_* come from the kopf operator, which needs a Kubernetes API; the "
-                "envtest tier reads its /metrics directly (tests/envtest/test_envtest_operator.py), no Prometheus",
+    "operator": "the operator's rmsft_operator_* come from the kopf operator, which needs a Kubernetes API: "
+                "tests/envtest/test_envtest_operator.py evaluates them against a Prometheus scraping it",
 }
-NOT_HERE: dict[tuple[str, str], str] = {
-    # GRPO's gauges are labelled (stat, reward) and set by a `spec.trainer: grpo` step only; this run is the
-    # rollout-matching trainer (the GRPO row's unlabelled gauges, exported at 0, are evaluated).
-    ("training", "Reward"): "spec.trainer grpo only",
-    ("training", "Reward by part"): "spec.trainer grpo only",
-    # Counters labelled by what went wrong: no series until the first failure, which a healthy run has none of.
-    ("rollout", "Learner retries on another server"): "a series per retry reason, from the first retry on",
-    ("weight-sync", "Rejected or failed updates"): "a series per failure reason, from the first failure on",
-}
-
+# GRPO's labelled gauges (stat, reward) are set by a `spec.trainer: grpo` step only; this run is the rollout-matching
+# trainer (the GRPO row's unlabelled gauges, exported at 0, are evaluated here). A GRPO run evaluates them:
+# tests/learner/test_grpo_trainer.py.
+NOT_HERE = GRPO_PANELS
 
 def _job(tiny_model_dir: Path, where: Path) -> Path:
     doc = copy.deepcopy(yaml.safe_load((ROOT / "configs" / "local-tiny.yaml").read_text()))
@@ -144,20 +137,17 @@ def test_every_dashboard_panel_returns_data_from_a_local_run(tiny_model_dir: Pat
         for path in DASHBOARDS:
             if path.stem in ELSEWHERE:
                 continue
-            panels, variables = dashboard_panels(path)
-            values = variable_values(prom, variables, start, end)
-            for panel in panels:
-                if (panel.dashboard, panel.title) in NOT_HERE:
-                    continue
-                evaluated += 1
-                if not series_with_data(prom, substitute(panel.expr, values), start, end):
-                    empty.append(str(panel))
+            chosen, nothing = empty_panels(prom, path, start, end, lambda p: (p.dashboard, p.title) not in NOT_HERE)
+            evaluated += len(chosen)
+            empty += nothing
         assert evaluated > 50, evaluated
         # Each component's series come from its own target: a learner exporting the servers' rmsft_rollout_* at 0
         # adds a flat series to every per-pod rollout panel (and a server's version 0 to "Weight version").
+        # Evaluated every 5 s: a step longer than the run evaluates at `start` alone, before the first scrape, and
+        # finds nothing (the run here takes about 30 s).
         by_pod = {(s["metric"]["__name__"].split("_")[1], s["metric"]["pod"])
                   for s in prom.api("query_range", query='{__name__=~"rmsft_.*"}', start=start, end=end,
-                                    step=5)["result"]}  # a run shorter than the step would evaluate only at its start
+                                    step=5)["result"]}
         # How the scrapes went, for the failure message: a scrape that times out ingests nothing.
         scrapes = {r["metric"]["pod"]: r["value"][1] for r in prom.api(
             "query", query=f"sum by (pod) (sum_over_time(up[{int(end - start) + 1}s])) / sum by (pod) "

@@ -30,6 +30,14 @@ OBJECTIVE_FIGURE = Gauge("rmsft_learner_objective_figure", "Last step's figures 
 TRAINED_TOKENS = Counter("rmsft_learner_trained_tokens_total", "Tokens in packed training rows")
 ROLLOUT_REQUESTS = Counter("rmsft_learner_rollout_requests_total", "Prompts sent to rollout servers")
 ROLLOUT_RETRIES = Counter("rmsft_learner_rollout_retries_total", "Chunks retried on another server", ["reason"])
+# The reasons of learner/rollouts/client.py's retries (a gRPC status, lower case, that is not the request's own
+# fault; a reply that breaks the contract; a reply from weights older than the call's), each exported at 0 from
+# the start: a labelled series exists only from its first .labels() call, and a dashboard must tell "no retry"
+# (0) from "no data". A status not listed (e.g. "internal") gets its series from its first retry.
+ROLLOUT_RETRY_REASONS = ("unavailable", "deadline_exceeded", "resource_exhausted", "failed_precondition", "aborted",
+                         "cancelled", "bad_reply", "stale_version")
+for _reason in ROLLOUT_RETRY_REASONS:
+    ROLLOUT_RETRIES.labels(reason=_reason)
 WEIGHT_SYNC_BYTES = Counter("rmsft_learner_weight_sync_bytes_total", "Bytes streamed to servers", ["mode"])
 SERVERS_READY = Gauge("rmsft_learner_servers_ready", "Rollout servers healthy and on the current version")
 # Held-out evaluation (training.eval), set after each one; the operator copies them into

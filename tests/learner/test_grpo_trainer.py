@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -323,3 +324,32 @@ def test_detection_completions_in_the_other_format_are_named_once(tmp_path: Path
             s.stop()
     said = [r.getMessage() for r in caplog.records if "training.format" in r.getMessage()]
     assert len(said) == 1 and "set spec.training.format: coordjson" in said[0]
+
+
+def test_the_reward_panels_draw_a_grpo_run(tmp_path: Path, tiny_model_dir: Path, answers: Path,
+                                           servers: list[InProcessServer]) -> None:
+    """The training dashboard's GRPO reward panels (promql.GRPO_PANELS: gauges labelled by stat and by reward, set by
+    a GRPO step only, so the rollout-matching run of tests/test_dashboards_prometheus.py leaves them out) against a
+    real Prometheus scraping this process's /metrics after a GRPO step: each must give a series with a number."""
+    from prometheus_client import start_http_server
+    from promql import GRPO_PANELS, Prometheus, dashboard, empty_panels, free_port
+
+    run(grpo_job(tiny_model_dir, answers, tmp_path / "ckpt", steps=1), [s.address for s in servers])
+    # The gauges hold the last step's values: this process's registry, served as a learner pod serves it.
+    port = free_port()
+    http, _ = start_http_server(port, addr="127.0.0.1")
+    prom = Prometheus(tmp_path)
+    try:
+        prom.set_targets([(f"127.0.0.1:{port}", {"namespace": "grpo", "pod": "grpo-learner"})])
+        start = time.time()
+        # Two scrapes at least: the first one may be under way while the target file is read.
+        prom.wait(lambda: float((prom.api("query", query="count_over_time(up[1m])")["result"] or
+                                 [{"value": [0, "0"]}])[0]["value"][1]) >= 2, 30, "two scrapes of this process")
+        chosen, empty = empty_panels(prom, dashboard("training"), start - 5, time.time(),
+                                     lambda p: (p.dashboard, p.title) in GRPO_PANELS)
+        assert {(p.dashboard, p.title) for p in chosen} == GRPO_PANELS  # a renamed panel is no panel left out
+        assert not empty, "GRPO panels that draw nothing after a GRPO step:\n" + "\n".join(empty)
+    finally:
+        prom.stop()
+        http.shutdown()
+        http.server_close()
