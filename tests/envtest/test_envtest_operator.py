@@ -300,21 +300,13 @@ def test_learner_failure_marks_failed(control_plane: ControlPlane, operator: Ope
     _finish(cp, "bravo")
 
 
-# The operator dashboard's queries that have no series in a healthy run, each with why (the rest must draw data).
-OPERATOR_FAILURES_ONLY = {
-    # Labelled by the HTTP status or "connection": an open set, so no series before the first error; the run here
-    # has none (test_operator_worked_under_rbac_with_zero_denials). tests/operator/test_operator_kmock.py counts them.
-    "rmsft_operator_errors_total": "a series per API error code, from the first error on",
-}
-
-
 def test_every_operator_dashboard_panel_returns_data_from_the_operator(control_plane: ControlPlane,
                                                                       operator: Operator, tmp_path: Path) -> None:
     """charts/rmsft/dashboards/operator.json against a real Prometheus (tests/promql.py) scraping this operator's
     /metrics every second while it reconciles a new job: every panel query (a range query over the window, as a
     panel runs it) must give a series with a number; tests/test_dashboards_prometheus.py does the same for the
     learner's and the servers' dashboards."""
-    from promql import Prometheus, dashboard, empty_panels
+    from promql import Prometheus, dashboard, empty_panels, series_with_data
 
     cp = control_plane
     prom = Prometheus(tmp_path)
@@ -322,18 +314,22 @@ def test_every_operator_dashboard_panel_returns_data_from_the_operator(control_p
         prom.set_targets([(f"127.0.0.1:{operator.metrics_port}", {"namespace": OP_NS, "pod": f"{RELEASE}-0"})])
         prom.wait(lambda: list(prom.targets_up().values()) == ["up"], 30, "the operator's /metrics up")
         start = time.time()
-        _apply(cp, _manifest("papa", **{"rollout.replicas": 0}))  # children created and reconciles, in the window
-        cp.wait_for(lambda: _child(cp, "StatefulSet", "papa-rollout"), 60, "papa's StatefulSet")
+        _apply(cp, _manifest("dashop", **{"rollout.replicas": 0}))  # children created and reconciles, in the window
+        cp.wait_for(lambda: _child(cp, "StatefulSet", "dashop-rollout"), 60, "dashop's StatefulSet")
         operator.wait_passes(cp, 2)
         time.sleep(3)  # three more scrapes: every rate() has two samples after the job's first reconciles
         end = time.time()
-        chosen, empty = empty_panels(prom, dashboard("operator"), start, end,
-                                     lambda p: not any(m in p.expr for m in OPERATOR_FAILURES_ONLY))
-        assert len(chosen) >= 6, chosen
+        chosen, empty = empty_panels(prom, dashboard("operator"), start, end)
+        assert len(chosen) >= 7, chosen
         assert not empty, "operator panels that draw nothing while it reconciles a job:\n" + "\n".join(empty)
+        # The API-errors panel draws 0 (its `or vector(0)`) in a run with no error, not "no data", and no code.
+        errors = next(p.expr for p in chosen if "rmsft_operator_errors_total" in p.expr)
+        series = series_with_data(prom, errors, start, end)
+        assert [s["metric"] for s in series] == [{"code": "none"}], series
+        assert {float(v) for s in series for _, v in s["values"]} == {0.0}, series
     finally:
         prom.stop()
-        _finish(cp, "papa")
+        _finish(cp, "dashop")
 
 
 def test_scale_down_before_the_learner_starts_hands_it_only_live_servers(control_plane: ControlPlane,
