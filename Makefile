@@ -1,4 +1,4 @@
-# One setup path for users and CI. `make test` = setup (fast when nothing changed) + ruff + mypy (typecheck) + pytest.
+# One setup path for users and CI. `make test` = setup (fast when nothing changed) + ruff (format, lint) + mypy (typecheck) + pytest.
 VENV ?= .venv
 STAMP := $(VENV)/.rmsft-installed
 PYTEST_ARGS ?=
@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml requirements/constraints.txt scripts/setup.sh scripts/s
 	touch $@
 
 lint: setup
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
 # The type checker: every package rmsft ships (pyproject.toml [tool.mypy]: the paths, the pydantic plugin, the

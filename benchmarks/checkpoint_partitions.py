@@ -75,13 +75,27 @@ def _build(args: argparse.Namespace, ckpt_dir: Path) -> tuple[Any, ...]:
     ranks = Ranks.from_env()
     torch.manual_seed(0)
     heads = max(1, args.hidden // 64)
-    config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75),
-                         num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads,
-                         tie_word_embeddings=True, max_position_embeddings=512)
+    config = Qwen2Config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=int(args.hidden * 2.75),
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+    )
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     cfg = _cfg(ckpt_dir)
-    updater = ZeroUpdater(model, ranks, stage=2, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                          max_grad_norm=cfg.max_grad_norm, device=torch.device("cpu"))
+    updater = ZeroUpdater(
+        model,
+        ranks,
+        stage=2,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm,
+        device=torch.device("cpu"),
+    )
     packer = Packer(cfg.packing_length, cfg.packing_buffer)
     ckpt = Checkpointer(cfg, ranks, model, updater, packer, TrainState(run_id="bench"))
     return ranks, model, updater, ckpt
@@ -121,8 +135,9 @@ def _load_one_file(ckpt: Any, updater: Any, model: Any, folder: Path) -> None:
     state = torch.load(folder / "state.pt", weights_only=False, map_location="cpu")
     model.load_state_dict(state["model"], strict=False)
     rank_states = state["rank_states"]
-    updater.engine.optimizer.load_state_dict([s["zero_optimizer"] for s in rank_states],
-                                             load_optimizer_states=True, load_from_fp32_weights=True)
+    updater.engine.optimizer.load_state_dict(
+        [s["zero_optimizer"] for s in rank_states], load_optimizer_states=True, load_from_fp32_weights=True
+    )
     mine = rank_states[ckpt.ranks.rank]
     set_rng_state(mine["rng"])
     ckpt.packer.restore(mine["packer"])
@@ -153,10 +168,16 @@ def child(args: argparse.Namespace) -> None:
     after = _status()
     loss = _step(updater, args, seed=2)
     stepped = _status()
-    mine = {"rank": ranks.rank, "load_peak_mib": (after["VmHWM"] - before["VmRSS"]) / MIB,
-            "step_peak_mib": (stepped["VmHWM"] - before["VmRSS"]) / MIB,
-            "rss_before_mib": before["VmRSS"] / MIB, "anon_added_mib": (after["RssAnon"] - before["RssAnon"]) / MIB,
-            "file_added_mib": (after["RssFile"] - before["RssFile"]) / MIB, "load_s": seconds, "next_loss": loss}
+    mine = {
+        "rank": ranks.rank,
+        "load_peak_mib": (after["VmHWM"] - before["VmRSS"]) / MIB,
+        "step_peak_mib": (stepped["VmHWM"] - before["VmRSS"]) / MIB,
+        "rss_before_mib": before["VmRSS"] / MIB,
+        "anon_added_mib": (after["RssAnon"] - before["RssAnon"]) / MIB,
+        "file_added_mib": (after["RssFile"] - before["RssFile"]) / MIB,
+        "load_s": seconds,
+        "next_loss": loss,
+    }
     every = ranks.gather_to_main(mine)
     if ranks.is_main:
         print("RESULT_JSON " + json.dumps(every), flush=True)
@@ -166,9 +187,26 @@ def child(args: argparse.Namespace) -> None:
 def _torchrun(args: argparse.Namespace, mode: str) -> list[dict[str, Any]] | None:
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
-           __file__, "--child", "--mode", mode, "--work", args.work, "--hidden", str(args.hidden), "--layers",
-           str(args.layers), "--vocab", str(args.vocab)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(args.ranks),
+        __file__,
+        "--child",
+        "--mode",
+        mode,
+        "--work",
+        args.work,
+        "--hidden",
+        str(args.hidden),
+        "--layers",
+        str(args.layers),
+        "--vocab",
+        str(args.vocab),
+    ]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise SystemExit(f"{mode} failed ({out.returncode}):\n{out.stderr[-6000:]}")
@@ -197,27 +235,34 @@ def main() -> None:
         folder = Path(work) / "partitioned" / "step-1"
         sizes = {f.name: f.stat().st_size / MIB for f in sorted(folder.glob("*.pt"))}
         one_file = (Path(work) / "one-file" / "step-1" / "state.pt").stat().st_size / MIB
-        print("files (MiB): partitioned " + ", ".join(f"{k} {v:.0f}" for k, v in sizes.items())
-              + f"; one-file state.pt {one_file:.0f}")
+        print(
+            "files (MiB): partitioned "
+            + ", ".join(f"{k} {v:.0f}" for k, v in sizes.items())
+            + f"; one-file state.pt {one_file:.0f}"
+        )
         res = {mode: _torchrun(args, mode) for mode in ("one-file", "partitioned")}
     for mode, ranks in res.items():
         assert ranks is not None
         for r in ranks:
-            print(f"{mode:11s} rank {r['rank']}: load peak +{r['load_peak_mib']:.0f} MiB over {r['rss_before_mib']:.0f}"
-                  f" MiB; after: anon +{r['anon_added_mib']:.0f} MiB, file-backed +{r['file_added_mib']:.0f} MiB;"
-                  f" {r['load_s']:.2f} s; peak through the next step +{r['step_peak_mib']:.0f} MiB, its loss"
-                  f" {r['next_loss']:.6f}")
+            print(
+                f"{mode:11s} rank {r['rank']}: load peak +{r['load_peak_mib']:.0f} MiB over {r['rss_before_mib']:.0f}"
+                f" MiB; after: anon +{r['anon_added_mib']:.0f} MiB, file-backed +{r['file_added_mib']:.0f} MiB;"
+                f" {r['load_s']:.2f} s; peak through the next step +{r['step_peak_mib']:.0f} MiB, its loss"
+                f" {r['next_loss']:.6f}"
+            )
     old, new = res["one-file"], res["partitioned"]
     assert old is not None and new is not None
     same = all(a["next_loss"] == b["next_loss"] for a, b in zip(old, new, strict=True))
-    print(f"RESULT ranks={args.ranks} hidden={args.hidden} layers={args.layers} vocab={args.vocab} "
-          f"one_file_mib={one_file:.0f} own_part_mib={max(v for k, v in sizes.items() if k.startswith('rank-')):.0f} "
-          f"one_file_load_peak_mib={max(r['load_peak_mib'] for r in old):.0f} "
-          f"partitioned_load_peak_mib={max(r['load_peak_mib'] for r in new):.0f} "
-          f"one_file_step_peak_mib={max(r['step_peak_mib'] for r in old):.0f} "
-          f"partitioned_step_peak_mib={max(r['step_peak_mib'] for r in new):.0f} "
-          f"one_file_anon_mib={max(r['anon_added_mib'] for r in old):.0f} "
-          f"partitioned_anon_mib={max(r['anon_added_mib'] for r in new):.0f} same_next_loss={same}")
+    print(
+        f"RESULT ranks={args.ranks} hidden={args.hidden} layers={args.layers} vocab={args.vocab} "
+        f"one_file_mib={one_file:.0f} own_part_mib={max(v for k, v in sizes.items() if k.startswith('rank-')):.0f} "
+        f"one_file_load_peak_mib={max(r['load_peak_mib'] for r in old):.0f} "
+        f"partitioned_load_peak_mib={max(r['load_peak_mib'] for r in new):.0f} "
+        f"one_file_step_peak_mib={max(r['step_peak_mib'] for r in old):.0f} "
+        f"partitioned_step_peak_mib={max(r['step_peak_mib'] for r in new):.0f} "
+        f"one_file_anon_mib={max(r['anon_added_mib'] for r in old):.0f} "
+        f"partitioned_anon_mib={max(r['anon_added_mib'] for r in new):.0f} same_next_loss={same}"
+    )
 
 
 if __name__ == "__main__":

@@ -91,8 +91,9 @@ def child(mode: str, model: Path, data: Path, steps: int, out: Path, transport: 
 
         shared = Path(tempfile.mkdtemp(prefix="bench-weights-", dir="/dev/shm"))
         os.environ[SHARED_DIR_ENV] = str(shared)
-        server = RolloutServer.start(model, log_path=work / "serve.log", env={SHARED_DIR_ENV: str(shared)},
-                                     **serve_options(job, gpus=False))
+        server = RolloutServer.start(
+            model, log_path=work / "serve.log", env={SHARED_DIR_ENV: str(shared)}, **serve_options(job, gpus=False)
+        )
         addresses = [server.address]
     ticks: list[float] = []
     trainer = TrainingLoop(job, addresses)
@@ -109,11 +110,20 @@ def child(mode: str, model: Path, data: Path, steps: int, out: Path, transport: 
             server.stop()
     learner_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     steady = (ticks[-1] - ticks[0]) / (len(ticks) - 1)  # after the first step: warm-up and the first sync excluded
-    out.write_text(json.dumps({
-        "mode": mode, "step_s": steady, "sync_s": sync_s / max(1, syncs), "syncs": syncs,
-        "peak_bytes": learner_peak + server_peak, "learner_peak": learner_peak, "server_peak": server_peak,
-        "phases": phases,
-    }))
+    out.write_text(
+        json.dumps(
+            {
+                "mode": mode,
+                "step_s": steady,
+                "sync_s": sync_s / max(1, syncs),
+                "syncs": syncs,
+                "peak_bytes": learner_peak + server_peak,
+                "learner_peak": learner_peak,
+                "server_peak": server_peak,
+                "phases": phases,
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -136,32 +146,60 @@ def main() -> None:
     model = build_tiny_model(work / "model", hidden_size=args.hidden, num_layers=args.layers)
     data = write_synthetic_dataset(work / "data.jsonl", n=8 * args.steps, seed=0)
     weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
-    print(f"model: hidden {args.hidden}, {args.layers} layers, {weights / 2**20:.0f} MiB of weights; "
-          f"{args.steps} steps of 8 prompts x 64 tokens", flush=True)
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers, {weights / 2**20:.0f} MiB of weights; "
+        f"{args.steps} steps of 8 prompts x 64 tokens",
+        flush=True,
+    )
     best: dict[str, dict] = {}
     for r in range(args.rounds):
-        for mode in (("server", "colocate") if r % 2 == 0 else ("colocate", "server")):
+        for mode in ("server", "colocate") if r % 2 == 0 else ("colocate", "server"):
             out = work / f"{mode}-{r}.json"
-            proc = subprocess.run([sys.executable, __file__, "--transport", args.transport, "--child", mode,
-                                   str(model), str(data), str(args.steps), str(out)],
-                                  cwd=ROOT, capture_output=True, text=True)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--transport",
+                    args.transport,
+                    "--child",
+                    mode,
+                    str(model),
+                    str(data),
+                    str(args.steps),
+                    str(out),
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+            )
             if proc.returncode:
                 sys.exit(f"{mode} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
             res = json.loads(out.read_text())
-            print(f"round {r} {mode:8s}: {res['step_s']:.2f} s/step, sync {res['sync_s'] * 1000:.0f} ms, "
-                  f"peak {res['peak_bytes'] / 2**30:.2f} GiB (learner {res['learner_peak'] / 2**30:.2f}, "
-                  f"server {res['server_peak'] / 2**30:.2f})", flush=True)
+            print(
+                f"round {r} {mode:8s}: {res['step_s']:.2f} s/step, sync {res['sync_s'] * 1000:.0f} ms, "
+                f"peak {res['peak_bytes'] / 2**30:.2f} GiB (learner {res['learner_peak'] / 2**30:.2f}, "
+                f"server {res['server_peak'] / 2**30:.2f})",
+                flush=True,
+            )
             keep = best.get(mode)
-            best[mode] = {k: min(v, keep[k]) if keep and isinstance(v, float | int) else v
-                          for k, v in res.items()} if keep else res
+            best[mode] = (
+                {k: min(v, keep[k]) if keep and isinstance(v, float | int) else v for k, v in res.items()}
+                if keep
+                else res
+            )
     s, c = best["server"], best["colocate"]
-    step_ratio, sync_ratio, mem_ratio = c["step_s"] / s["step_s"], c["sync_s"] / s["sync_s"], \
-        c["peak_bytes"] / s["peak_bytes"]
-    print(f"RESULT transport={args.transport} server_step_s={s['step_s']:.3f} colocate_step_s={c['step_s']:.3f} "
-          f"step_ratio={step_ratio:.3f} "
-          f"server_sync_ms={s['sync_s'] * 1000:.1f} colocate_sync_ms={c['sync_s'] * 1000:.1f} "
-          f"sync_ratio={sync_ratio:.3f} server_peak_gib={s['peak_bytes'] / 2**30:.2f} "
-          f"colocate_peak_gib={c['peak_bytes'] / 2**30:.2f} peak_ratio={mem_ratio:.3f}")
+    step_ratio, sync_ratio, mem_ratio = (
+        c["step_s"] / s["step_s"],
+        c["sync_s"] / s["sync_s"],
+        c["peak_bytes"] / s["peak_bytes"],
+    )
+    print(
+        f"RESULT transport={args.transport} server_step_s={s['step_s']:.3f} colocate_step_s={c['step_s']:.3f} "
+        f"step_ratio={step_ratio:.3f} "
+        f"server_sync_ms={s['sync_s'] * 1000:.1f} colocate_sync_ms={c['sync_s'] * 1000:.1f} "
+        f"sync_ratio={sync_ratio:.3f} server_peak_gib={s['peak_bytes'] / 2**30:.2f} "
+        f"colocate_peak_gib={c['peak_bytes'] / 2**30:.2f} peak_ratio={mem_ratio:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -148,19 +148,26 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     hidden = args.hidden
     cfg = Qwen2Config(
-        vocab_size=4096, hidden_size=hidden, intermediate_size=int(2.75 * hidden), num_hidden_layers=args.layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 512), head_dim=64,
+        vocab_size=4096,
+        hidden_size=hidden,
+        intermediate_size=int(2.75 * hidden),
+        num_hidden_layers=args.layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 512),
+        head_dim=64,
         tie_word_embeddings=True,
     )
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = get_peft_model(Qwen2ForCausalLM(cfg), LoraConfig(r=16, lora_alpha=32, target_modules=targets,
-                                                             init_lora_weights=False))
+    model = get_peft_model(
+        Qwen2ForCausalLM(cfg), LoraConfig(r=16, lora_alpha=32, target_modules=targets, init_lora_weights=False)
+    )
     dtype = getattr(torch, args.dtype) if args.dtype else None
     bases = [m.get_base_layer().weight for m in model.modules() if isinstance(m, BaseTunerLayer)]
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     trackers = [AllocationTracker()]  # a fresh one for the measured sync
 
     if args.child == "old":
+
         def plan(self, mode: str):  # the sync client before streaming: the whole merged list first
             with trackers[0]:
                 tensors = _old_full_named_tensors(self.model, self.dtype)
@@ -168,6 +175,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
         sync_client.WeightSyncClient._plan = plan
     else:
+
         class Tracked:
             def __init__(self, export) -> None:
                 self.export, self.specs = export, export.specs
@@ -192,10 +200,15 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         peak_rss = _hwm() - base_rss
     _settle()
     return {
-        "variant": args.child, "model_mib": sum(nbytes(p) for p in model.parameters()) / MIB,
-        "lora_weights_mib": sum(nbytes(w) for w in bases) / MIB, "largest_mib": max(nbytes(w) for w in bases) / MIB,
-        "stream_mib": report.tensor_bytes / MIB, "seconds": seconds, "peak_rss_mib": peak_rss / MIB,
-        "peak_tensors_mib": tracker.peak / MIB, "left_after_mib": tracker.live_bytes() / MIB,
+        "variant": args.child,
+        "model_mib": sum(nbytes(p) for p in model.parameters()) / MIB,
+        "lora_weights_mib": sum(nbytes(w) for w in bases) / MIB,
+        "largest_mib": max(nbytes(w) for w in bases) / MIB,
+        "stream_mib": report.tensor_bytes / MIB,
+        "seconds": seconds,
+        "peak_rss_mib": peak_rss / MIB,
+        "peak_tensors_mib": tracker.peak / MIB,
+        "left_after_mib": tracker.live_bytes() / MIB,
     }
 
 
@@ -211,14 +224,27 @@ def main() -> None:
         print("RESULT_JSON " + json.dumps(child(args)), flush=True)
         return
 
-    sink = subprocess.Popen([sys.executable, "-c", SINK], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            cwd=ROOT)
+    sink = subprocess.Popen(
+        [sys.executable, "-c", SINK], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
     try:
         address = f"127.0.0.1:{int(sink.stdout.readline())}"
         rows = []
         for variant in ("old", "new"):
-            cmd = [sys.executable, __file__, "--child", variant, "--sink", address, "--hidden", str(args.hidden),
-                   "--layers", str(args.layers), "--dtype", args.dtype]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                variant,
+                "--sink",
+                address,
+                "--hidden",
+                str(args.hidden),
+                "--layers",
+                str(args.layers),
+                "--dtype",
+                args.dtype,
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT_JSON ")), None)
             if out.returncode != 0 or line is None:
@@ -228,17 +254,23 @@ def main() -> None:
         sink.stdin.close()
         sink.wait(timeout=30)
     r = rows[0]
-    print(f"model {r['model_mib']:.0f} MiB ({args.layers} layers, hidden {args.hidden}), LoRA-targeted weights "
-          f"{r['lora_weights_mib']:.0f} MiB, largest {r['largest_mib']:.1f} MiB, stream {r['stream_mib']:.0f} MiB "
-          f"({args.dtype or 'as trained'})")
+    print(
+        f"model {r['model_mib']:.0f} MiB ({args.layers} layers, hidden {args.hidden}), LoRA-targeted weights "
+        f"{r['lora_weights_mib']:.0f} MiB, largest {r['largest_mib']:.1f} MiB, stream {r['stream_mib']:.0f} MiB "
+        f"({args.dtype or 'as trained'})"
+    )
     print(f"{'variant':8} {'peak RSS MiB':>13} {'peak tensors MiB':>17} {'left after MiB':>15} {'sync s':>7}")
     for r in rows:
-        print(f"{r['variant']:8} {r['peak_rss_mib']:13.1f} {r['peak_tensors_mib']:17.1f} {r['left_after_mib']:15.1f} "
-              f"{r['seconds']:7.2f}")
+        print(
+            f"{r['variant']:8} {r['peak_rss_mib']:13.1f} {r['peak_tensors_mib']:17.1f} {r['left_after_mib']:15.1f} "
+            f"{r['seconds']:7.2f}"
+        )
     old, new = rows
-    print(f"RESULT old_rss_mib={old['peak_rss_mib']:.1f} new_rss_mib={new['peak_rss_mib']:.1f} "
-          f"old_tensors_mib={old['peak_tensors_mib']:.1f} new_tensors_mib={new['peak_tensors_mib']:.1f} "
-          f"largest_mib={new['largest_mib']:.1f} old_s={old['seconds']:.2f} new_s={new['seconds']:.2f}")
+    print(
+        f"RESULT old_rss_mib={old['peak_rss_mib']:.1f} new_rss_mib={new['peak_rss_mib']:.1f} "
+        f"old_tensors_mib={old['peak_tensors_mib']:.1f} new_tensors_mib={new['peak_tensors_mib']:.1f} "
+        f"largest_mib={new['largest_mib']:.1f} old_s={old['seconds']:.2f} new_s={new['seconds']:.2f}"
+    )
 
 
 if __name__ == "__main__":

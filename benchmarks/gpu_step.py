@@ -64,19 +64,39 @@ def decoder_config(shape: str, max_positions: int) -> Any:
     from rmsft.memory_plan import PRESETS
 
     if shape == "tiny":
-        return Qwen2Config(vocab_size=2304, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True,
-                           max_position_embeddings=max_positions)
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads")
+        return Qwen2Config(
+            vocab_size=2304,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            tie_word_embeddings=True,
+            max_position_embeddings=max_positions,
+        )
+    keys = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+    )
     if shape == "qwen3-vl-2b":
         text = PRESETS["Qwen3-VL-2B"]["text_config"]
-        return Qwen3Config(**{k: text[k] for k in keys}, head_dim=text["head_dim"], attention_bias=False,
-                           tie_word_embeddings=True, max_position_embeddings=max_positions)
+        return Qwen3Config(
+            **{k: text[k] for k in keys},
+            head_dim=text["head_dim"],
+            attention_bias=False,
+            tie_word_embeddings=True,
+            max_position_embeddings=max_positions,
+        )
     if shape == "7b":
         top = PRESETS["Qwen2.5-VL-7B"]
-        return Qwen2Config(**{k: top[k] for k in keys}, tie_word_embeddings=False,
-                           max_position_embeddings=max_positions)
+        return Qwen2Config(
+            **{k: top[k] for k in keys}, tie_word_embeddings=False, max_position_embeddings=max_positions
+        )
     raise SystemExit(f"--shape {shape!r}: expected one of {', '.join(SHAPES)}")
 
 
@@ -91,8 +111,13 @@ def job_for(length: int, gradient_checkpointing: bool, device: str) -> Any:
     spec["learner"]["gpus"] = 1
     spec["rollout"]["replicas"] = 1
     t = spec["training"]
-    t.update(deepspeed_stage=0, packing_length=length, gradient_checkpointing=gradient_checkpointing,
-             precision="bf16", device=device)
+    t.update(
+        deepspeed_stage=0,
+        packing_length=length,
+        gradient_checkpointing=gradient_checkpointing,
+        precision="bf16",
+        device=device,
+    )
     return parse_job(doc)
 
 
@@ -118,8 +143,9 @@ def build_policy(config: Any, cfg: Any, device: Any) -> Any:
         raise SystemExit(f"the tokenizer has {len(tokenizer)} tokens, more than the shape's {config.vocab_size}")
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=load_dtype(cfg, "auto"),
-                                                 attn_implementation=cfg.attn_implementation)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=load_dtype(cfg, "auto"), attn_implementation=cfg.attn_implementation
+        )
     return policy_from_model(model, tokenizer, cfg)
 
 
@@ -134,14 +160,22 @@ def make_segments(lengths: list[int], coord_ids: list[int], seed: int = 0) -> li
     out = []
     for n in lengths:
         ids = torch.randint(0, 1000, (n,), generator=g).tolist()
-        labels = [IGNORE_INDEX] * (n // 2) + ids[n // 2:]
+        labels = [IGNORE_INDEX] * (n // 2) + ids[n // 2 :]
         cpos = list(range(n // 2, n, 8))
         bins = [int(b) for b in torch.randint(0, 1000, (len(cpos),), generator=g)]
         for p, b in zip(cpos, bins, strict=True):
             ids[p] = coord_ids[b]
             labels[p] = coord_ids[b]
-        out.append(Segment(input_ids=tuple(ids), labels=tuple(labels), coord_positions=tuple(cpos),
-                           coord_bins=tuple(bins), prompt_len=n // 2, prefix_len=0))
+        out.append(
+            Segment(
+                input_ids=tuple(ids),
+                labels=tuple(labels),
+                coord_positions=tuple(cpos),
+                coord_bins=tuple(bins),
+                prompt_len=n // 2,
+                prefix_len=0,
+            )
+        )
     return out
 
 
@@ -201,8 +235,13 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
     ce_total, coord_total = int(row.ce_positions.numel()), int(row.coord_positions.numel())
     estimate = plan_estimate(job, config)
     out: dict[str, Any] = {
-        "mode": "step", "shape": args.shape, "device": str(device), "length": args.length,
-        "grad_ckpt": int(args.gradient_checkpointing), "finetune": cfg.finetune, "use_dora": cfg.lora.use_dora,
+        "mode": "step",
+        "shape": args.shape,
+        "device": str(device),
+        "length": args.length,
+        "grad_ckpt": int(args.gradient_checkpointing),
+        "finetune": cfg.finetune,
+        "use_dora": cfg.lora.use_dora,
         "params_m": round(sum(p.numel() for p in policy.model.parameters()) / 1e6, 1),
         "plan_estimate_gib": round(estimate / GiB, 3),
     }
@@ -227,8 +266,12 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
         med, peak = _timed(one, args.steps, device)
     except torch.OutOfMemoryError as exc:
         return out | {"status": "FAIL", "reason": f"out of memory: {str(exc).splitlines()[0]}"}
-    out |= {"status": "PASS", "step_ms": round(med * 1000, 1), "tokens_per_s": round(args.length / med),
-            "peak_gib": round(peak / GiB, 3)}
+    out |= {
+        "status": "PASS",
+        "step_ms": round(med * 1000, 1),
+        "tokens_per_s": round(args.length / med),
+        "peak_gib": round(peak / GiB, 3),
+    }
     if device.type == "cuda":
         # On the CPU the peak is the process's RSS (Python, libraries): no figure the plan's bytes compare to.
         # Reserved: what the caching allocator held at most (its fragmentation on top of the tensors' peak).
@@ -270,9 +313,9 @@ def run_packing(args: argparse.Namespace) -> dict[str, Any]:
     labels = torch.full((len(segs), width), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(segs), width), dtype=torch.long)
     for i, s in enumerate(segs):
-        ids[i, :len(s.input_ids)] = torch.tensor(s.input_ids)
-        labels[i, :len(s.labels)] = torch.tensor(s.labels)
-        mask[i, :len(s.input_ids)] = 1
+        ids[i, : len(s.input_ids)] = torch.tensor(s.input_ids)
+        labels[i, : len(s.labels)] = torch.tensor(s.labels)
+        mask[i, : len(s.input_ids)] = 1
 
     def loss_of(logits: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
         # The same token-level loss for both layouts (shifted CE over supervised positions), so the ratio is
@@ -302,17 +345,28 @@ def run_packing(args: argparse.Namespace) -> dict[str, Any]:
         return time.perf_counter() - t0
 
     real = sum(lengths)
-    out: dict[str, Any] = {"mode": "packing", "shape": args.shape, "device": str(device), "segments": len(lengths),
-                           "real_tokens": real, "padded_tokens": len(lengths) * width,
-                           "grad_ckpt": int(args.gradient_checkpointing)}
+    out: dict[str, Any] = {
+        "mode": "packing",
+        "shape": args.shape,
+        "device": str(device),
+        "segments": len(lengths),
+        "real_tokens": real,
+        "padded_tokens": len(lengths) * width,
+        "grad_ckpt": int(args.gradient_checkpointing),
+    }
     try:
         t_packed, peak_packed = _timed(packed, args.steps, device)
         t_padded, peak_padded = _timed(padded, args.steps, device)
     except torch.OutOfMemoryError as exc:
         return out | {"status": "FAIL", "reason": f"out of memory: {str(exc).splitlines()[0]}"}
-    return out | {"status": "PASS", "packed_tokens_per_s": round(real / t_packed),
-                  "padded_tokens_per_s": round(real / t_padded), "speedup": round(t_padded / t_packed, 3),
-                  "packed_peak_gib": round(peak_packed / GiB, 3), "padded_peak_gib": round(peak_padded / GiB, 3)}
+    return out | {
+        "status": "PASS",
+        "packed_tokens_per_s": round(real / t_packed),
+        "padded_tokens_per_s": round(real / t_padded),
+        "speedup": round(t_padded / t_packed, 3),
+        "packed_peak_gib": round(peak_packed / GiB, 3),
+        "padded_peak_gib": round(peak_padded / GiB, 3),
+    }
 
 
 def run_offload(args: argparse.Namespace) -> dict[str, Any]:
@@ -322,8 +376,11 @@ def run_offload(args: argparse.Namespace) -> dict[str, Any]:
 
     out: dict[str, Any] = {"mode": "offload", "shape": args.shape, "device": args.device}
     if not args.device.startswith("cuda") or not torch.cuda.is_available():
-        return out | {"status": "SKIP", "reason": "needs CUDA: on the CPU nothing is freed (the plan and the "
-                      "bit-exact return are tested on the CPU in tests/learner/test_colocate_offload.py)"}
+        return out | {
+            "status": "SKIP",
+            "reason": "needs CUDA: on the CPU nothing is freed (the plan and the "
+            "bit-exact return are tested on the CPU in tests/learner/test_colocate_offload.py)",
+        }
     device, _config, job, policy, step = _setup(args, True)
     cfg = job.spec.training
     model = policy.model
@@ -343,14 +400,23 @@ def run_offload(args: argparse.Namespace) -> dict[str, Any]:
     back = torch.cuda.memory_allocated(device)
     moved = report.total_bytes
     ok = on_host and report.freed_bytes is not None and report.freed_bytes >= 0.99 * moved and back == resident
-    out |= {"status": "PASS" if ok else "FAIL", "moved_gib": round(moved / GiB, 3),
-            "freed_gib": round((report.freed_bytes or 0) / GiB, 3), "resident_gib": round(resident / GiB, 3),
-            "during_gib": round(during / GiB, 3), "back_equal": int(back == resident),
-            "offload_s": round(report.offload_s, 3), "reload_s": round(report.reload_s, 3), "tensors": report.tensors}
+    out |= {
+        "status": "PASS" if ok else "FAIL",
+        "moved_gib": round(moved / GiB, 3),
+        "freed_gib": round((report.freed_bytes or 0) / GiB, 3),
+        "resident_gib": round(resident / GiB, 3),
+        "during_gib": round(during / GiB, 3),
+        "back_equal": int(back == resident),
+        "offload_s": round(report.offload_s, 3),
+        "reload_s": round(report.reload_s, 3),
+        "tensors": report.tensors,
+    }
     if not ok:
-        out["reason"] = ("the offload freed less than it moved, or memory did not come back to what it was "
-                         f"(resident {resident}, during {during}, after {back}, moved {moved}, "
-                         f"freed {report.freed_bytes})")
+        out["reason"] = (
+            "the offload freed less than it moved, or memory did not come back to what it was "
+            f"(resident {resident}, during {during}, after {back}, moved {moved}, "
+            f"freed {report.freed_bytes})"
+        )
     return out
 
 
@@ -374,8 +440,13 @@ def colocate_job(work: Path, device_type: str, steps: int) -> Any:
         spec["placement"] = {"accelerator": "nvidia", "gpusPerNode": 1}
         spec["learner"]["gpus"] = 1
     t = spec["training"]
-    t.update(steps=steps, prompts_per_step=4, packing_length=1024, device=device_type,
-             precision="bf16" if device_type == "cuda" else "fp32")
+    t.update(
+        steps=steps,
+        prompts_per_step=4,
+        packing_length=1024,
+        device=device_type,
+        precision="bf16" if device_type == "cuda" else "fp32",
+    )
     t["data"]["path"] = str(data)
     t["checkpoint"] = {"dir": str(work / "ckpt"), "every": 0, "keep": 1}
     t["export"] = {"enabled": False}
@@ -404,9 +475,14 @@ def run_colocate(args: argparse.Namespace) -> dict[str, Any]:
         trainer.close()
     completions = sum(len(getattr(h, "rollouts", ()) or ()) for h in history)
     ok = len(history) == args.steps and model_device.type == device.type
-    out |= {"status": "PASS" if ok else "FAIL", "steps_done": len(history), "s_per_step": round(wall / args.steps, 3),
-            "model_device": str(model_device), "rollouts": completions,
-            "final_loss": round(float(history[-1].loss), 4) if history else None}
+    out |= {
+        "status": "PASS" if ok else "FAIL",
+        "steps_done": len(history),
+        "s_per_step": round(wall / args.steps, 3),
+        "model_device": str(model_device),
+        "rollouts": completions,
+        "final_loss": round(float(history[-1].loss), 4) if history else None,
+    }
     if device.type == "cuda":
         out["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / GiB, 3)
     if not ok:
@@ -421,8 +497,9 @@ def _broadcast_rank(rank: int, port: int, backend: str, total_mib: int, piece_mi
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
+    )
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     n = piece_mib * MiB // 2
     pieces = max(1, total_mib // piece_mib)
@@ -441,8 +518,9 @@ def _broadcast_rank(rank: int, port: int, backend: str, total_mib: int, piece_mi
         torch.cuda.synchronize(device)
     wall = time.perf_counter() - t0
     if rank == 1:
-        Path(out).write_text(json.dumps({"wall_s": wall, "equal": bool(torch.equal(buf, sent)),
-                                         "bytes": pieces * n * 2}))
+        Path(out).write_text(
+            json.dumps({"wall_s": wall, "equal": bool(torch.equal(buf, sent)), "bytes": pieces * n * 2})
+        )
     dist.destroy_process_group()
 
 
@@ -458,8 +536,11 @@ def run_broadcast(args: argparse.Namespace) -> dict[str, Any]:
     cuda = torch.device(args.device).type == "cuda"
     out: dict[str, Any] = {"mode": "broadcast", "device": args.device, "backend": "nccl" if cuda else "gloo"}
     if cuda and torch.cuda.device_count() < 2:
-        return out | {"status": "SKIP", "reason": f"NCCL needs a GPU per rank: this host has "
-                      f"{torch.cuda.device_count()} (a learner and a server on two GPUs give the figure)"}
+        return out | {
+            "status": "SKIP",
+            "reason": f"NCCL needs a GPU per rank: this host has "
+            f"{torch.cuda.device_count()} (a learner and a server on two GPUs give the figure)",
+        }
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -468,15 +549,24 @@ def run_broadcast(args: argparse.Namespace) -> dict[str, Any]:
     mp.spawn(_broadcast_rank, args=(port, out["backend"], total, 64, str(result)), nprocs=2, join=True)
     got = json.loads(result.read_text())
     ok = got["equal"]
-    out |= {"status": "PASS" if ok else "FAIL", "mib": got["bytes"] // MiB, "wall_s": round(got["wall_s"], 3),
-            "gbps": round(got["bytes"] / got["wall_s"] / 1e9, 3)}
+    out |= {
+        "status": "PASS" if ok else "FAIL",
+        "mib": got["bytes"] // MiB,
+        "wall_s": round(got["wall_s"], 3),
+        "gbps": round(got["bytes"] / got["wall_s"] / 1e9, 3),
+    }
     if not ok:
         out["reason"] = "the received tensor differs from the sent one"
     return out
 
 
-RUNNERS = {"step": run_step, "packing": run_packing, "offload": run_offload, "colocate": run_colocate,
-           "broadcast": run_broadcast}
+RUNNERS = {
+    "step": run_step,
+    "packing": run_packing,
+    "offload": run_offload,
+    "colocate": run_colocate,
+    "broadcast": run_broadcast,
+}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,8 +41,9 @@ def main() -> None:
 
     rows = []
     for content, answer in prompts.items():
-        ids = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=True)["input_ids"]
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, -1]
         first = int(logits.argmax())
@@ -59,8 +60,10 @@ def main() -> None:
     mean = sum(greedy[r["messages"][0]["content"]] for r in records) / len(records)
     distinct = len({leading_bin(t) for _, _, t, _, _ in rows})
     exact = sum(r == 1.0 for *_, r in rows)
-    print(f"RESULT classes={len(rows)} distinct_answers={distinct} exact={exact} greedy_reward={mean:.3f} "
-          f"best_constant={best:.3f}")
+    print(
+        f"RESULT classes={len(rows)} distinct_answers={distinct} exact={exact} greedy_reward={mean:.3f} "
+        f"best_constant={best:.3f}"
+    )
 
 
 class _Input:

@@ -63,8 +63,9 @@ def main() -> None:
         for correction in args.corrections:
             tails, kls, fixed = [], [], []
             for seed in args.seeds:
-                trainer = TrainingLoop(job_for(correction, seed), [s.address for s in servers],
-                                       auth_token=servers[0].token or None)
+                trainer = TrainingLoop(
+                    job_for(correction, seed), [s.address for s in servers], auth_token=servers[0].token or None
+                )
                 try:
                     summary = trainer.run()
                 finally:
@@ -73,16 +74,20 @@ def main() -> None:
                 tails.append(sum(summary.series("reward")[-5:]) / len(summary.series("reward")[-5:]))
                 kls.append(sum(summary.series("mismatch_kl")) / len(summary.series("mismatch_kl")))
                 fixed.append(sum(g.corrected_fraction for g in stats) / len(stats))
-                console.print(f"{correction} seed {seed}: rewards {[round(r, 3) for r in summary.series('reward')]} "
-                              f"mismatch kl {[f'{k:.1e}' for k in summary.series('mismatch_kl')]}")
+                console.print(
+                    f"{correction} seed {seed}: rewards {[round(r, 3) for r in summary.series('reward')]} "
+                    f"mismatch kl {[f'{k:.1e}' for k in summary.series('mismatch_kl')]}"
+                )
             n = len(args.seeds)
             figures[correction] = {"reward": sum(tails) / n, "kl": sum(kls) / n, "corrected": sum(fixed) / n}
             console.print(f"{correction}: {figures[correction]}")
     finally:
         for s in servers:
             s.stop()
-    parts = " ".join(f"{c}_reward={f['reward']:.4f} {c}_mismatch_kl={f['kl']:.2e} {c}_corrected={f['corrected']:.4f}"
-                     for c, f in figures.items())
+    parts = " ".join(
+        f"{c}_reward={f['reward']:.4f} {c}_mismatch_kl={f['kl']:.2e} {c}_corrected={f['corrected']:.4f}"
+        for c, f in figures.items()
+    )
     print(f"RESULT steps={args.steps} seeds={','.join(map(str, args.seeds))} staleness={args.staleness} {parts}")
 
 

@@ -46,8 +46,13 @@ def main() -> None:
     flat = [by_tag["grpo/zero_std_groups"][s] for s in steps]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, mean, marker="o", ms=3, label="mean reward")
-    ax.fill_between(steps, [m - d for m, d in zip(mean, std, strict=True)],
-                    [m + d for m, d in zip(mean, std, strict=True)], alpha=0.2, label="± std over completions")
+    ax.fill_between(
+        steps,
+        [m - d for m, d in zip(mean, std, strict=True)],
+        [m + d for m, d in zip(mean, std, strict=True)],
+        alpha=0.2,
+        label="± std over completions",
+    )
     ax.plot(steps, flat, ls="--", label="groups with equal rewards (share)")
     ax.set_xlabel("step")
     ax.set_ylim(0, 1)
@@ -56,8 +61,10 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(out / f"{args.name}.png", dpi=110)
     k = min(5, len(mean))
-    print(f"RESULT steps={len(steps)} first_reward={mean[0]:.3f} last_reward={mean[-1]:.3f} "
-          f"first{k}_mean={sum(mean[:k]) / k:.3f} last{k}_mean={sum(mean[-k:]) / k:.3f} max_reward={max(mean):.3f}")
+    print(
+        f"RESULT steps={len(steps)} first_reward={mean[0]:.3f} last_reward={mean[-1]:.3f} "
+        f"first{k}_mean={sum(mean[:k]) / k:.3f} last{k}_mean={sum(mean[-k:]) / k:.3f} max_reward={max(mean):.3f}"
+    )
 
 
 if __name__ == "__main__":

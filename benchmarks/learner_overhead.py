@@ -58,10 +58,15 @@ class DelayServicer(rollout_pb2_grpc.RolloutServiceServicer):
             time.sleep(self.delay_s * len(request.prompts))
         out = set_version(rollout_pb2.GenerateResponse(), self.version)
         for p in request.prompts:
-            set_version(out.completions.add(
-                prompt_token_ids=p.token_ids, token_ids=self.response, finish_reason=rollout_pb2.STOP,
-                request_id=p.request_id,
-            ), self.version)
+            set_version(
+                out.completions.add(
+                    prompt_token_ids=p.token_ids,
+                    token_ids=self.response,
+                    finish_reason=rollout_pb2.STOP,
+                    request_id=p.request_id,
+                ),
+                self.version,
+            )
         return out
 
     def GetStatus(self, request, context):
@@ -81,9 +86,17 @@ def start_servers(n: int, args: argparse.Namespace) -> tuple[list[subprocess.Pop
     procs, addrs = [], []
     for _ in range(n):
         p = subprocess.Popen(
-            [sys.executable, __file__, "--serve", "--delay-ms", str(args.delay_ms),
-             "--response-len", str(args.response_len)],
-            stdout=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                __file__,
+                "--serve",
+                "--delay-ms",
+                str(args.delay_ms),
+                "--response-len",
+                str(args.response_len),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         procs.append(p)
     for p in procs:
@@ -133,8 +146,9 @@ def run(args: argparse.Namespace) -> None:
 
     n = args.prompts
     reqs = [
-        RolloutRequest(token_ids=[(i * 7 + j) % 2000 for j in range(args.prompt_len)], seed=1000 + i,
-                       request_id=f"r{i}")
+        RolloutRequest(
+            token_ids=[(i * 7 + j) % 2000 for j in range(args.prompt_len)], seed=1000 + i, request_id=f"r{i}"
+        )
         for i in range(n)
     ]
     sampling = {"max_tokens": args.response_len, "temperature": 1.0, "top_p": 0.95}
@@ -161,8 +175,12 @@ def run(args: argparse.Namespace) -> None:
             calls = -(-per_server // args.batch)
             rows.append(
                 {
-                    "servers": s, "time_s": t, "busy_s": busy, "overhead_ms_per_prompt": (t - busy) / per_server * 1e3,
-                    "overhead_ms_per_call": (t - busy) / calls * 1e3, "min_s": min(times),
+                    "servers": s,
+                    "time_s": t,
+                    "busy_s": busy,
+                    "overhead_ms_per_prompt": (t - busy) / per_server * 1e3,
+                    "overhead_ms_per_call": (t - busy) / calls * 1e3,
+                    "min_s": min(times),
                 }
             )
             if s == 1:
@@ -181,8 +199,10 @@ def run(args: argparse.Namespace) -> None:
         f"\nN={n} prompts ({args.prompt_len} prompt + {args.response_len} response tokens), server delay "
         f"{args.delay_ms} ms/prompt, generate batch {args.batch}, median of {args.repeats} runs"
     )
-    print(f"{'servers':>7} {'time s':>8} {'ideal s':>8} {'speed-up':>9} {'x/S':>6} {'ovh ms/prompt':>14} "
-          f"{'ovh ms/call':>12}")
+    print(
+        f"{'servers':>7} {'time s':>8} {'ideal s':>8} {'speed-up':>9} {'x/S':>6} {'ovh ms/prompt':>14} "
+        f"{'ovh ms/call':>12}"
+    )
     for r in rows:
         sp = t1 / r["time_s"]
         print(

@@ -36,8 +36,14 @@ def heldout_records(job, work: Path, n: int):
     task = notes.get(SYNTHETIC_TASK)
     if task in ("visual", "visual-grid"):
         extra = {"max_objects": int(notes[SYNTHETIC_MAX_OBJECTS])} if notes.get(SYNTHETIC_MAX_OBJECTS) else {}
-        write_visual_dataset(path, n=n, seed=seed, fmt=job.spec.training.format,
-                             layout="grid" if task == "visual-grid" else "free", **extra)
+        write_visual_dataset(
+            path,
+            n=n,
+            seed=seed,
+            fmt=job.spec.training.format,
+            layout="grid" if task == "visual-grid" else "free",
+            **extra,
+        )
     else:
         write_synthetic_dataset(path, n=n, seed=seed)
     return load_dataset(path, None, job.spec.model.vision.max_image_pixels)
@@ -48,8 +54,12 @@ def main() -> None:
     ap.add_argument("--job", default="configs/local-tiny-vl.yaml")
     ap.add_argument("--steps", type=int, default=0, help="override training.steps (0 = keep)")
     ap.add_argument("--heldout", type=int, default=32, help="held-out records (0 = no held-out evaluation)")
-    ap.add_argument("--eval-every", type=int, default=0,
-                    help="0: the job's own held-out evaluations (training.eval); N: extra ones every N steps")
+    ap.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="0: the job's own held-out evaluations (training.eval); N: extra ones every N steps",
+    )
     ap.add_argument("--out", default="docs/img")
     ap.add_argument("--name", default="local_run_vl")
     args = ap.parse_args()
@@ -88,8 +98,15 @@ def main() -> None:
             if held and (r.step % args.eval_every == 0 or r.step == 1 or r.step == job.spec.training.steps):
                 # The weights this step trained, on every server first (a new version).
                 trainer.sync_weights()
-                result = evaluate(trainer.rollouts, held, held_images, trainer.eval_setup(held_images),
-                                  version=trainer.version, max_tokens=job.spec.training.rollout.max_tokens, iou=0.5)
+                result = evaluate(
+                    trainer.rollouts,
+                    held,
+                    held_images,
+                    trainer.eval_setup(held_images),
+                    version=trainer.version,
+                    max_tokens=job.spec.training.rollout.max_tokens,
+                    iou=0.5,
+                )
                 evals[r.step] = result.stats[trainer.core.matching.iou_gate].f1
                 evals50[r.step] = result.stats[0.5].f1
                 last_eval[:] = [(r.step, result.predictions)]
@@ -116,16 +133,42 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     with (out / f"{args.name}.csv").open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["step", "weight_version", "loss", "ce", "coord", "f1", "heldout_f1", "heldout_f1_iou50",
-                    "matched", "fp", "fn", "seconds"])
+        w.writerow(
+            [
+                "step",
+                "weight_version",
+                "loss",
+                "ce",
+                "coord",
+                "f1",
+                "heldout_f1",
+                "heldout_f1_iou50",
+                "matched",
+                "fp",
+                "fn",
+                "seconds",
+            ]
+        )
         for h in summary.history:
             s = h.figures.stats
             held_f1 = f"{evals[h.step]:.4f}" if h.step in evals else ""
             held_50 = f"{evals50[h.step]:.4f}" if h.step in evals50 else ""
-            w.writerow([h.step, h.weight_version, f"{h.loss:.5f}", f"{h.parts.get('ce', 0):.5f}",
-                        f"{h.parts.get('coord', 0):.5f}", f"{s.f1:.4f}" if s else "", held_f1, held_50,
-                        s.matched if s else "", s.false_positives if s else "", s.false_negatives if s else "",
-                        f"{h.seconds:.3f}"])
+            w.writerow(
+                [
+                    h.step,
+                    h.weight_version,
+                    f"{h.loss:.5f}",
+                    f"{h.parts.get('ce', 0):.5f}",
+                    f"{h.parts.get('coord', 0):.5f}",
+                    f"{s.f1:.4f}" if s else "",
+                    held_f1,
+                    held_50,
+                    s.matched if s else "",
+                    s.false_positives if s else "",
+                    s.false_negatives if s else "",
+                    f"{h.seconds:.3f}",
+                ]
+            )
     for i, p in enumerate(summary.pictures[:2]):
         shutil.copy(p, out / f"{args.name}-rollout{i}.png")
     for i, p in enumerate(summary.eval_pictures[:4]):  # the job's own last evaluation, as rmsft local draws it
@@ -136,9 +179,16 @@ def main() -> None:
 
         step, predictions = last_eval[0]
         items = [
-            RolloutPicture(step=step, record_id=rec.id, image=held_images.load(rec)[0].pil(), predicted=pred,
-                           ground_truth=ground_truth_detections(rec), title=f"held-out {rec.id}, step {step} (greedy)")
-            for rec, pred in list(zip(held, predictions, strict=True))[:4] if rec.images
+            RolloutPicture(
+                step=step,
+                record_id=rec.id,
+                image=held_images.load(rec)[0].pil(),
+                predicted=pred,
+                ground_truth=ground_truth_detections(rec),
+                title=f"held-out {rec.id}, step {step} (greedy)",
+            )
+            for rec, pred in list(zip(held, predictions, strict=True))[:4]
+            if rec.images
         ]
         for i, p in enumerate(save_rollout_pictures(items, work / "heldout-pictures")):
             shutil.copy(p, out / f"{args.name}-heldout{i}.png")
@@ -160,15 +210,20 @@ def main() -> None:
         ax.axvspan(0.5, warm + 0.5, color="0.92", label="warm start (ground truth)")
     ax2 = ax.twinx()
     sampled = [h for h in summary.history if h.figures.stats and h.figures.channel == "B"]
-    ax2.plot([h.step for h in sampled], [h.figures.stats.f1 for h in sampled], label="training-rollout F1",
-             color="tab:orange", lw=0.8)
+    ax2.plot(
+        [h.step for h in sampled],
+        [h.figures.stats.f1 for h in sampled],
+        label="training-rollout F1",
+        color="tab:orange",
+        lw=0.8,
+    )
     gate = trainer_gate(job)
     if evals:
         n_held = len(held) or job.spec.training.eval.max_samples
-        ax2.plot(list(evals), list(evals.values()), "o-", label=f"held-out F1, IoU {gate} ({n_held} greedy)",
-                 color="tab:red")
-        ax2.plot(list(evals50), list(evals50.values()), "s--", label="held-out F1, IoU 0.5", color="tab:brown",
-                 ms=4)
+        ax2.plot(
+            list(evals), list(evals.values()), "o-", label=f"held-out F1, IoU {gate} ({n_held} greedy)", color="tab:red"
+        )
+        ax2.plot(list(evals50), list(evals50.values()), "s--", label="held-out F1, IoU 0.5", color="tab:brown", ms=4)
     ax2.set_ylabel("F1")
     ax2.set_ylim(0, 1)
     fig.legend(loc="lower center", ncol=4, fontsize=7, frameon=False)
@@ -184,11 +239,13 @@ def main() -> None:
     f1_last = summary.series("f1")[-1] if summary.series("f1") else 0.0
     held_last = evals[max(evals)] if evals else 0.0
     held50_last = evals50[max(evals50)] if evals50 else 0.0
-    print(f"RESULT steps={summary.steps} first_loss={summary.first_loss:.4f} last_loss={summary.last_loss:.4f} "
-          f"max_f1={max(summary.series('f1'), default=0):.4f} last_f1={f1_last:.4f} "
-          f"max_heldout_f1={max(evals.values(), default=0):.4f} last_heldout_f1={held_last:.4f} "
-          f"max_heldout_f1_iou50={max(evals50.values(), default=0):.4f} last_heldout_f1_iou50={held50_last:.4f} "
-          f"wall_s={wall:.1f} {shares}")
+    print(
+        f"RESULT steps={summary.steps} first_loss={summary.first_loss:.4f} last_loss={summary.last_loss:.4f} "
+        f"max_f1={max(summary.series('f1'), default=0):.4f} last_f1={f1_last:.4f} "
+        f"max_heldout_f1={max(evals.values(), default=0):.4f} last_heldout_f1={held_last:.4f} "
+        f"max_heldout_f1_iou50={max(evals50.values(), default=0):.4f} last_heldout_f1_iou50={held50_last:.4f} "
+        f"wall_s={wall:.1f} {shares}"
+    )
 
 
 if __name__ == "__main__":

@@ -109,9 +109,16 @@ def child(args: argparse.Namespace) -> dict:
         del logits
     seconds = time.perf_counter() - t0
     peak_rss = _status("VmHWM") - base_rss
-    return {"mode": args.mode, "loss": float(out.loss), "peak_tensor_bytes": tracker.peak, "peak_rss_bytes": peak_rss,
-            "seconds": seconds, "targets": int(row.ce_positions.numel() + row.coord_positions.numel()),
-            "coords": int(row.coord_positions.numel()), "grad_norm": float(hidden.grad.float().norm())}
+    return {
+        "mode": args.mode,
+        "loss": float(out.loss),
+        "peak_tensor_bytes": tracker.peak,
+        "peak_rss_bytes": peak_rss,
+        "seconds": seconds,
+        "targets": int(row.ce_positions.numel() + row.coord_positions.numel()),
+        "coords": int(row.coord_positions.numel()),
+        "grad_norm": float(hidden.grad.float().norm()),
+    }
 
 
 def main() -> None:
@@ -129,25 +136,43 @@ def main() -> None:
         return
     rows = {}
     for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, "--mode", mode, *(f"--{k}={getattr(args, k)}" for k in
-                                                          ("tokens", "vocab", "hidden", "chunk", "dtype"))]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--mode",
+            mode,
+            *(f"--{k}={getattr(args, k)}" for k in ("tokens", "vocab", "hidden", "chunk", "dtype")),
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True)
         line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT_JSON ")), None)
         if res.returncode or line is None:
             raise SystemExit(f"mode {mode} failed (exit {res.returncode}): {res.stderr[-2000:]}")
         rows[mode] = r = json.loads(line.removeprefix("RESULT_JSON "))
-        print(f"{mode:8s} loss {r['loss']:.6f}  peak tensors {r['peak_tensor_bytes'] / MIB:9.1f} MiB  peak RSS "
-              f"{r['peak_rss_bytes'] / MIB:9.1f} MiB  {r['seconds']:.1f} s  ({r['targets']} targets, "
-              f"{r['coords']} coordinates, |grad hidden| {r['grad_norm']:.6g})", flush=True)
-    fields = [f"tokens={args.tokens}", f"vocab={args.vocab}", f"hidden={args.hidden}", f"chunk={args.chunk}",
-              f"dtype={args.dtype}"]
+        print(
+            f"{mode:8s} loss {r['loss']:.6f}  peak tensors {r['peak_tensor_bytes'] / MIB:9.1f} MiB  peak RSS "
+            f"{r['peak_rss_bytes'] / MIB:9.1f} MiB  {r['seconds']:.1f} s  ({r['targets']} targets, "
+            f"{r['coords']} coordinates, |grad hidden| {r['grad_norm']:.6g})",
+            flush=True,
+        )
+    fields = [
+        f"tokens={args.tokens}",
+        f"vocab={args.vocab}",
+        f"hidden={args.hidden}",
+        f"chunk={args.chunk}",
+        f"dtype={args.dtype}",
+    ]
     for mode, r in rows.items():
-        fields += [f"{mode}_peak_tensor_mib={r['peak_tensor_bytes'] / MIB:.1f}",
-                   f"{mode}_peak_rss_mib={r['peak_rss_bytes'] / MIB:.1f}", f"{mode}_s={r['seconds']:.1f}"]
+        fields += [
+            f"{mode}_peak_tensor_mib={r['peak_tensor_bytes'] / MIB:.1f}",
+            f"{mode}_peak_rss_mib={r['peak_rss_bytes'] / MIB:.1f}",
+            f"{mode}_s={r['seconds']:.1f}",
+        ]
     if {"full", "chunked"} <= rows.keys():
         f, c = rows["full"], rows["chunked"]
-        fields += [f"ratio_tensors={f['peak_tensor_bytes'] / c['peak_tensor_bytes']:.1f}",
-                   f"loss_diff={abs(f['loss'] - c['loss']):.2e}"]
+        fields += [
+            f"ratio_tensors={f['peak_tensor_bytes'] / c['peak_tensor_bytes']:.1f}",
+            f"loss_diff={abs(f['loss'] - c['loss']):.2e}",
+        ]
     print("RESULT " + " ".join(fields))
 
 

@@ -34,9 +34,14 @@ from kmock_cluster import KmockCluster  # noqa: E402
 
 NS = "bench"
 CR_PATH = f"/apis/rmsft.io/v1alpha1/namespaces/{NS}/rolloutmatchingjobs"
-CHILDREN = [("/api/v1", "secrets"), ("/api/v1", "configmaps"), ("/api/v1", "services"),
-            ("/apis/networking.k8s.io/v1", "networkpolicies"), ("/apis/apps/v1", "statefulsets"),
-            ("/apis/batch/v1", "jobs")]
+CHILDREN = [
+    ("/api/v1", "secrets"),
+    ("/api/v1", "configmaps"),
+    ("/api/v1", "services"),
+    ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    ("/apis/apps/v1", "statefulsets"),
+    ("/apis/batch/v1", "jobs"),
+]
 
 
 def manifest(name: str, real: bool = False) -> dict[str, Any]:
@@ -149,11 +154,18 @@ def bench_real(many: int, timeout: float, lines: list[str]) -> dict[str, float]:
     finally:
         cp.stop()
     med = statistics.median(singles)
-    lines.append(f"real API server: round trip {api_ms:.1f} ms; 1 job, median of 10: {med:.3f} s "
-                 f"(min {min(singles):.3f}, max {max(singles):.3f}); {many} at once: all done after "
-                 f"{many_wall:.2f} s, p50 {statistics.median(many_lat):.2f} s")
-    return {"real_api_ms": api_ms, "real_one_job_median_s": med, "real_one_job_max_s": max(singles),
-            "real_many_wall_s": many_wall, "real_many_p50_s": statistics.median(many_lat)}
+    lines.append(
+        f"real API server: round trip {api_ms:.1f} ms; 1 job, median of 10: {med:.3f} s "
+        f"(min {min(singles):.3f}, max {max(singles):.3f}); {many} at once: all done after "
+        f"{many_wall:.2f} s, p50 {statistics.median(many_lat):.2f} s"
+    )
+    return {
+        "real_api_ms": api_ms,
+        "real_one_job_median_s": med,
+        "real_one_job_max_s": max(singles),
+        "real_many_wall_s": many_wall,
+        "real_many_p50_s": statistics.median(many_lat),
+    }
 
 
 def bench_kmock(many: int, timeout: float, lines: list[str]) -> dict[str, float]:
@@ -162,8 +174,9 @@ def bench_kmock(many: int, timeout: float, lines: list[str]) -> dict[str, float]
     kubeconfig = cluster.write_kubeconfig(Path(tempfile.mkdtemp()) / "config", NS)
     # kmock never bumps resourceVersion (kopf would wait out its consistency timeout) and cannot
     # list cluster-scoped namespaces (no scanning).
-    os.environ.update({"KUBECONFIG": str(kubeconfig), "RMSFT_OPERATOR_SCANNING": "false",
-                       "RMSFT_OPERATOR_CONSISTENCY_SECONDS": "0.2"})
+    os.environ.update(
+        {"KUBECONFIG": str(kubeconfig), "RMSFT_OPERATOR_SCANNING": "false", "RMSFT_OPERATOR_CONSISTENCY_SECONDS": "0.2"}
+    )
     runner = run_operator(lambda: ("watch", "rmsft.io", "rolloutmatchingjobs") in cluster.emulator.operator_access)
     try:
         api_ms = round_trip_ms(cluster)
@@ -175,10 +188,19 @@ def bench_kmock(many: int, timeout: float, lines: list[str]) -> dict[str, float]
     if runner.exception is not None:
         raise SystemExit(f"operator crashed: {runner.exception!r}")
     p50 = statistics.median(lat)
-    lines.append(f"kmock: round trip {api_ms:.1f} ms; 1 job: all children after {one[0]:.2f} s; {many} at once: "
-                 f"all done after {many_wall:.2f} s, per job p50 {p50:.2f} s, max {max(lat):.2f} s")
-    return {"api_ms": api_ms, "one_job_s": one[0], "many_wall_s": many_wall, "many_p50_s": p50,
-            "many_max_s": max(lat), "ratio": many_wall / one[0], "jobs_per_s": many / many_wall}
+    lines.append(
+        f"kmock: round trip {api_ms:.1f} ms; 1 job: all children after {one[0]:.2f} s; {many} at once: "
+        f"all done after {many_wall:.2f} s, per job p50 {p50:.2f} s, max {max(lat):.2f} s"
+    )
+    return {
+        "api_ms": api_ms,
+        "one_job_s": one[0],
+        "many_wall_s": many_wall,
+        "many_p50_s": p50,
+        "many_max_s": max(lat),
+        "ratio": many_wall / one[0],
+        "jobs_per_s": many / many_wall,
+    }
 
 
 def main() -> None:
@@ -194,8 +216,11 @@ def main() -> None:
         results: dict[str, str] = {}
         for api in ([] if args.no_real else ["real"]) + ["kmock"]:
             print(f"{api}: running ...", file=sys.stderr, flush=True)
-            proc = subprocess.run([sys.executable, __file__, "--api", api, "--many", str(args.many),
-                                   "--timeout", str(args.timeout)], capture_output=True, text=True)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--api", api, "--many", str(args.many), "--timeout", str(args.timeout)],
+                capture_output=True,
+                text=True,
+            )
             if proc.returncode != 0:
                 raise SystemExit(f"{api} round failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             for line in proc.stdout.splitlines():
@@ -209,10 +234,14 @@ def main() -> None:
     import logging
 
     logging.disable(logging.INFO)
-    os.environ.update({
-        "RMSFT_OPERATOR_RESYNC_SECONDS": "30", "RMSFT_OPERATOR_METRICS_PORT": "0",
-        "RMSFT_OPERATOR_API_BACKOFF_SECONDS": "0.05", "RMSFT_OPERATOR_PROGRESS_TIMEOUT_SECONDS": "0",
-    })
+    os.environ.update(
+        {
+            "RMSFT_OPERATOR_RESYNC_SECONDS": "30",
+            "RMSFT_OPERATOR_METRICS_PORT": "0",
+            "RMSFT_OPERATOR_API_BACKOFF_SECONDS": "0.05",
+            "RMSFT_OPERATOR_PROGRESS_TIMEOUT_SECONDS": "0",
+        }
+    )
     lines: list[str] = []  # KopfRunner captures stdout inside its block: print afterwards
     if args.api == "real":
         part = bench_real(args.many, args.timeout, lines)

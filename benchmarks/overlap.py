@@ -78,8 +78,12 @@ def spread_lengths(requests: Sequence[Any], lengths: Sequence[int]) -> list[int]
     return out
 
 
-def spread_generate(generate: Callable[[Sequence[Any], Any, int], list[Any]], lengths: Sequence[int],
-                    pool: ThreadPoolExecutor, seconds: list[float]) -> Callable[[Sequence[Any], Any, int], list[Any]]:
+def spread_generate(
+    generate: Callable[[Sequence[Any], Any, int], list[Any]],
+    lengths: Sequence[int],
+    pool: ThreadPoolExecutor,
+    seconds: list[float],
+) -> Callable[[Sequence[Any], Any, int], list[Any]]:
     """`generate(requests, sampling, version)` (the prefetcher's call) with every request's answer exactly its
     `spread_lengths` length: one concurrent call per length (the wire's sampling is per call), results put back
     in input order (`n` samples per request kept together). Each batch's wall time is appended to `seconds`."""
@@ -102,7 +106,7 @@ def spread_generate(generate: Callable[[Sequence[Any], Any, int], list[Any]], le
         for length, idx in groups.items():
             got = futures[length].result()
             for j, i in enumerate(idx):
-                out[i * n:(i + 1) * n] = got[j * n:(j + 1) * n]
+                out[i * n : (i + 1) * n] = got[j * n : (j + 1) * n]
         seconds.append(time.perf_counter() - t0)
         return out
 
@@ -136,8 +140,10 @@ def run_fake(args: argparse.Namespace) -> str:
             trainer = TrainingLoop(job, [s.address for s in servers])
             ends: list[float] = []
             waits: list[float] = []
-            trainer.on_step = lambda r, t=trainer, e=ends, w=waits: (e.append(time.perf_counter()),
-                                                                     w.append(t.ahead.stats.waited_s))
+            trainer.on_step = lambda r, t=trainer, e=ends, w=waits: (
+                e.append(time.perf_counter()),
+                w.append(t.ahead.stats.waited_s),
+            )
 
             def m_step(rows, t=trainer):  # the optimizer step, as a sleep of T (no CPU taken)
                 time.sleep(args.train)
@@ -150,10 +156,16 @@ def run_fake(args: argparse.Namespace) -> str:
                 trainer.close()
             rate = _steady_rate(ends)
             stats = trainer.ahead.stats
-            out[staleness] = {"rate": rate, "wait": _steady_per_step(waits),
-                              "idle": stats.pool_idle_s / max(1, len(stats.staleness) - 1)}
-            print(f"max_staleness {staleness}: {rate:.3f} steps/s, waiting {out[staleness]['wait']:.3f} s/step, "
-                  f"pool idle {out[staleness]['idle']:.3f} s/step, staleness {stats.staleness}", file=sys.stderr)
+            out[staleness] = {
+                "rate": rate,
+                "wait": _steady_per_step(waits),
+                "idle": stats.pool_idle_s / max(1, len(stats.staleness) - 1),
+            }
+            print(
+                f"max_staleness {staleness}: {rate:.3f} steps/s, waiting {out[staleness]['wait']:.3f} s/step, "
+                f"pool idle {out[staleness]['idle']:.3f} s/step, staleness {stats.staleness}",
+                file=sys.stderr,
+            )
     finally:
         for s in servers:
             s.stop()
@@ -162,11 +174,13 @@ def run_fake(args: argparse.Namespace) -> str:
     rest = 1 / out[0]["rate"] - g - t  # per step: sync, E-step glue, bookkeeping
     ideal_rest = (g + t + rest) / (max(g, t) + rest)
     speedup = out[1]["rate"] / out[0]["rate"]
-    return (f"RESULT part=fake gen_s={g} train_s={t} steps={args.steps} sync_steps_per_s={out[0]['rate']:.3f} "
-            f"async_steps_per_s={out[1]['rate']:.3f} speedup={speedup:.3f} ideal={ideal:.3f} "
-            f"speedup_over_ideal={speedup / ideal:.3f} rest_s={rest:.3f} ideal_with_rest={ideal_rest:.3f} "
-            f"sync_wait_s={out[0]['wait']:.3f} async_wait_s={out[1]['wait']:.3f} "
-            f"sync_pool_idle_s={out[0]['idle']:.3f} async_pool_idle_s={out[1]['idle']:.3f}")
+    return (
+        f"RESULT part=fake gen_s={g} train_s={t} steps={args.steps} sync_steps_per_s={out[0]['rate']:.3f} "
+        f"async_steps_per_s={out[1]['rate']:.3f} speedup={speedup:.3f} ideal={ideal:.3f} "
+        f"speedup_over_ideal={speedup / ideal:.3f} rest_s={rest:.3f} ideal_with_rest={ideal_rest:.3f} "
+        f"sync_wait_s={out[0]['wait']:.3f} async_wait_s={out[1]['wait']:.3f} "
+        f"sync_pool_idle_s={out[0]['idle']:.3f} async_pool_idle_s={out[1]['idle']:.3f}"
+    )
 
 
 PROMPT_ROOM = 512  # tokens kept beside the longest spread answer for its prompt
@@ -186,25 +200,32 @@ def _ratio(a: float, b: float) -> float:
 def vl_result(args: argparse.Namespace, out: dict[str, dict[str, float]]) -> str:
     """The RESULT line of `vl` from each run's figures (wait, rate, wall, train, idle, drain, spanning per run)."""
     order = ",".join(a for a in vl_arms(args) if a != "inflight")
-    head = (f"RESULT part=vl steps={args.steps} warm={args.warm} order={order} staleness={args.staleness} "
-            f"spread={args.spread or 'none'}")
+    head = (
+        f"RESULT part=vl steps={args.steps} warm={args.warm} order={order} staleness={args.staleness} "
+        f"spread={args.spread or 'none'}"
+    )
     fields = [head]
     for arm in ("sync", "async", "inflight"):
         if arm not in out:
             continue
         o = out[arm]
-        fields.append(f"{arm}_wait_s={o['wait']:.3f} {arm}_steps_per_s={o['rate']:.4f} {arm}_wall_s={o['wall']:.1f} "
-                      f"{arm}_train_s={o['train']:.3f} {arm}_pool_idle_s={o['idle']:.3f} "
-                      f"{arm}_drain_s={o['drain']:.3f} {arm}_gen_s={o['gen']:.3f} {arm}_spanning={int(o['spanning'])}")
+        fields.append(
+            f"{arm}_wait_s={o['wait']:.3f} {arm}_steps_per_s={o['rate']:.4f} {arm}_wall_s={o['wall']:.1f} "
+            f"{arm}_train_s={o['train']:.3f} {arm}_pool_idle_s={o['idle']:.3f} "
+            f"{arm}_drain_s={o['drain']:.3f} {arm}_gen_s={o['gen']:.3f} {arm}_spanning={int(o['spanning'])}"
+        )
     if "sync" in out:
         s0, s1 = out["sync"], out["async"]
-        fields.append(f"wait_reduction={1 - _ratio(s1['wait'], s0['wait']):.3f} "
-                      f"speedup={_ratio(s1['rate'], s0['rate']):.3f}")
+        fields.append(
+            f"wait_reduction={1 - _ratio(s1['wait'], s0['wait']):.3f} speedup={_ratio(s1['rate'], s0['rate']):.3f}"
+        )
     if "inflight" in out:
         a, f = out["async"], out["inflight"]
-        fields.append(f"inflight_speedup_vs_async={_ratio(f['rate'], a['rate']):.3f} "
-                      f"inflight_wait_saved_s={a['wait'] - f['wait']:.3f} "
-                      f"inflight_pool_idle_vs_async={_ratio(f['idle'], a['idle']):.3f}")
+        fields.append(
+            f"inflight_speedup_vs_async={_ratio(f['rate'], a['rate']):.3f} "
+            f"inflight_wait_saved_s={a['wait'] - f['wait']:.3f} "
+            f"inflight_pool_idle_vs_async={_ratio(f['idle'], a['idle']):.3f}"
+        )
     return " ".join(fields)
 
 
@@ -264,35 +285,45 @@ def run_vl(args: argparse.Namespace) -> str:
             trainer = TrainingLoop(job, [s.address for s in servers], auth_token=servers[0].token or None)
             ends: list[float] = []
             waits: list[float] = []
-            trainer.on_step = lambda r, t=trainer, e=ends, w=waits: (e.append(time.perf_counter()),
-                                                                     w.append(t.ahead.stats.waited_s))
+            trainer.on_step = lambda r, t=trainer, e=ends, w=waits: (
+                e.append(time.perf_counter()),
+                w.append(t.ahead.stats.waited_s),
+            )
             gen_seconds.clear()
             try:
                 trainer.run()
             finally:
                 trainer.close()
             # From the first rollout step's end on: its inline generation and the warm start left out.
-            rollout_ends = ends[args.warm:]
+            rollout_ends = ends[args.warm :]
             stats = trainer.ahead.stats
             n = len(stats.staleness)
             phases = trainer.state.phase_seconds
-            out[arm] = {"wait": _steady_per_step(waits[args.warm:]), "wall": rollout_ends[-1] - rollout_ends[0],
-                        "rate": _steady_rate(rollout_ends), "idle": stats.pool_idle_s / max(1, n - 1),
-                        "train": sum(phases.get(k, 0.0) for k in ("forward", "backward", "optimizer")) / len(ends),
-                        "drain": phases.get("sync_drain", 0.0) / max(1, len(rollout_ends)),
-                        "spanning": spanning(trainer.history),
-                        # G: a batch's generation (spread runs; the first, inline one left out), against T (train)
-                        "gen": sum(gen_seconds[1:]) / max(1, len(gen_seconds) - 1)}
-            console.print(f"{arm} (max_staleness {job.spec.training.rollout.max_staleness}): {out[arm]} staleness "
-                          f"{stats.staleness} phases {({k: round(v, 2) for k, v in phases.items()})}")
+            out[arm] = {
+                "wait": _steady_per_step(waits[args.warm :]),
+                "wall": rollout_ends[-1] - rollout_ends[0],
+                "rate": _steady_rate(rollout_ends),
+                "idle": stats.pool_idle_s / max(1, n - 1),
+                "train": sum(phases.get(k, 0.0) for k in ("forward", "backward", "optimizer")) / len(ends),
+                "drain": phases.get("sync_drain", 0.0) / max(1, len(rollout_ends)),
+                "spanning": spanning(trainer.history),
+                # G: a batch's generation (spread runs; the first, inline one left out), against T (train)
+                "gen": sum(gen_seconds[1:]) / max(1, len(gen_seconds) - 1),
+            }
+            console.print(
+                f"{arm} (max_staleness {job.spec.training.rollout.max_staleness}): {out[arm]} staleness "
+                f"{stats.staleness} phases { ({k: round(v, 2) for k, v in phases.items()}) }"
+            )
     finally:
         for s in servers:
             s.stop()
         split_pool.shutdown(wait=False)
     if args.inflight and not out["inflight"]["spanning"]:
-        raise SystemExit("no answer spanned two weight versions in the in-flight run: every sync came after the "
-                         "batch ahead was done, so it measured nothing in-flight updates change; make generation "
-                         "longer than a training step (--spread with longer lengths, --staleness 2)")
+        raise SystemExit(
+            "no answer spanned two weight versions in the in-flight run: every sync came after the "
+            "batch ahead was done, so it measured nothing in-flight updates change; make generation "
+            "longer than a training step (--spread with longer lengths, --staleness 2)"
+        )
     return vl_result(args, out)
 
 
@@ -307,13 +338,22 @@ def parser() -> argparse.ArgumentParser:
     vl.add_argument("--job", default="configs/local-tiny-vl.yaml")
     vl.add_argument("--steps", type=int, default=16)
     vl.add_argument("--warm", type=int, default=2)
-    vl.add_argument("--async-first", action="store_true",
-                    help="run max_staleness 1 before 0 (the load of a shared machine drifts: run both orders)")
-    vl.add_argument("--inflight", action="store_true",
-                    help="a third run: max_staleness K with in-flight syncs (spec.training.rollout.inflight)")
+    vl.add_argument(
+        "--async-first",
+        action="store_true",
+        help="run max_staleness 1 before 0 (the load of a shared machine drifts: run both orders)",
+    )
+    vl.add_argument(
+        "--inflight",
+        action="store_true",
+        help="a third run: max_staleness K with in-flight syncs (spec.training.rollout.inflight)",
+    )
     vl.add_argument("--staleness", type=int, default=1, help="K: max_staleness of the async and in-flight runs")
-    vl.add_argument("--spread", default="",
-                    help="answer lengths in tokens, comma-separated: each answer exactly one of them (module doc)")
+    vl.add_argument(
+        "--spread",
+        default="",
+        help="answer lengths in tokens, comma-separated: each answer exactly one of them (module doc)",
+    )
     vl.add_argument("--skip-sync", action="store_true", help="leave the max_staleness 0 run out")
     return ap
 

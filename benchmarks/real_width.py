@@ -82,9 +82,16 @@ def sync_over(job, transport: str, trainer, addresses: list[str], token: str | N
 
     jt = job.model_copy(deep=True)
     jt.spec.sync.transport = transport
-    src = build_server_rollouts(jt, addresses, trainer.model, run_id=trainer.state.run_id, auth_token=token,
-                                checkpoint_dir=job.spec.model.path, vision_language=trainer.policy.is_vision_language,
-                                zero3=False)
+    src = build_server_rollouts(
+        jt,
+        addresses,
+        trainer.model,
+        run_id=trainer.state.run_id,
+        auth_token=token,
+        checkpoint_dir=job.spec.model.path,
+        vision_language=trainer.policy.is_vision_language,
+        zero3=False,
+    )
     out: dict[str, float] = {}
     try:
         client, pool = src.sync_client, src.pool
@@ -131,8 +138,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32, help="training.rollout.max_tokens")
     ap.add_argument("--side", default="640x480", help="image width x height")
     ap.add_argument("--finetune", default="lora", choices=["lora", "full"])
-    ap.add_argument("--transports", default="grpc,shm,nccl",
-                    help="one timed FULL sync over each after the run (nccl: gloo on the CPU); empty: none")
+    ap.add_argument(
+        "--transports",
+        default="grpc,shm,nccl",
+        help="one timed FULL sync over each after the run (nccl: gloo on the CPU); empty: none",
+    )
     args = ap.parse_args()
     transports = [t for t in args.transports.split(",") if t]
     width, height = (int(v) for v in args.side.split("x"))
@@ -155,26 +165,42 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="rmsft-real-width-"))
     data = work / "data.jsonl"
     # Shapes drawn on images of exactly width x height (min_side = max_side pins both sides).
-    write_visual_dataset(data, n=args.images, seed=0, min_side=min(width, height), max_side=max(width, height),
-                         max_objects=2)
+    write_visual_dataset(
+        data, n=args.images, seed=0, min_side=min(width, height), max_side=max(width, height), max_objects=2
+    )
 
     def job_doc(steps: int) -> dict:
         return {
-            "apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob", "metadata": {"name": "real-width"},
+            "apiVersion": "rmsft.io/v1alpha1",
+            "kind": "RolloutMatchingJob",
+            "metadata": {"name": "real-width"},
             "spec": {
-                "model": {"path": str(model), "dtype": "bfloat16",
-                          "vision": {"minPixels": 256 * 256, "maxPixels": width * height, "maxImagesPerPrompt": 1}},
+                "model": {
+                    "path": str(model),
+                    "dtype": "bfloat16",
+                    "vision": {"minPixels": 256 * 256, "maxPixels": width * height, "maxImagesPerPrompt": 1},
+                },
                 "placement": {"accelerator": "none", "gpusPerNode": 0},
                 "rollout": {"replicas": 1, "maxModelLen": 2048, "kvCacheBytes": 512 << 20},
                 "learner": {"gpus": 0},
                 "training": {
-                    "data": {"path": str(data)}, "steps": steps, "prompts_per_step": 2, "lr": 1e-4,
-                    "warm_start_steps": 1, "packing_length": 2048, "packing_buffer": 4,
+                    "data": {"path": str(data)},
+                    "steps": steps,
+                    "prompts_per_step": 2,
+                    "lr": 1e-4,
+                    "warm_start_steps": 1,
+                    "packing_length": 2048,
+                    "packing_buffer": 4,
                     "checkpoint": {"dir": str(work / "ckpt"), "every": 1, "keep": 1},
                     "finetune": args.finetune,
                     "recipe": {"channel_b_ratio": 1.0},  # every step after the warm start generates and matches
-                    "rollout": {"max_tokens": args.max_tokens, "temperature": 0.3, "seed": 0,
-                                "request_timeout_s": 900, "max_staleness": 0},
+                    "rollout": {
+                        "max_tokens": args.max_tokens,
+                        "temperature": 0.3,
+                        "seed": 0,
+                        "request_timeout_s": 900,
+                        "max_staleness": 0,
+                    },
                 },
                 "sync": {"mode": "full"},
             },
@@ -182,8 +208,12 @@ def main() -> None:
 
     job_path = work / "job.yaml"
     job_path.write_text(yaml.safe_dump(job_doc(args.steps)))
-    plan = subprocess.run([sys.executable, "-m", "rmsft_cli", "plan", str(job_path)], capture_output=True, text=True,
-                          env={**os.environ, "COLUMNS": "160"})
+    plan = subprocess.run(
+        [sys.executable, "-m", "rmsft_cli", "plan", str(job_path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "160"},
+    )
     print("rmsft plan:\n" + plan.stdout + plan.stderr)
     job = load_job(job_path)
 
@@ -219,8 +249,9 @@ def main() -> None:
         try:
             trainer = TrainingLoop(job, addresses, auth_token=token)
             timed_saves(trainer, saves)
-            trainer.on_step = lambda r: console.print(f"step {r.step} {r.figures.bar()} rollouts {len(r.rollouts)} "
-                                                      f"loss {r.loss:.3f} {r.seconds:.1f} s")
+            trainer.on_step = lambda r: console.print(
+                f"step {r.step} {r.figures.bar()} rollouts {len(r.rollouts)} loss {r.loss:.3f} {r.seconds:.1f} s"
+            )
             summary = trainer.run()
             wall = time.perf_counter() - t0
             learner_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -274,8 +305,9 @@ def main() -> None:
     # The export as a user runs it, on the newest checkpoint (the resumed run's), with the server gone.
     exported = work / "exported"
     t = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "rmsft_cli", "export", str(ckpts[-1]), str(exported)],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "rmsft_cli", "export", str(ckpts[-1]), str(exported)], capture_output=True, text=True
+    )
     export_cmd_s = time.perf_counter() - t
     print("rmsft export:\n" + res.stdout + res.stderr)
     if res.returncode:
@@ -299,24 +331,38 @@ def main() -> None:
     extra = [f"sync_transport={sync_transport}"]
     for transport, r in syncs.items():
         same = copy_bytes_s(weights, int(r["bytes"]), "/dev/shm/rmsft-real-width-copy-sync")
-        extra += [f"sync_{transport}_s={r['s']:.2f}", f"sync_{transport}_gb={r['bytes'] / 1e9:.2f}",
-                  f"sync_{transport}_apply_s={r['apply_s']:.2f}", f"copy_{transport}_bytes_s={same:.2f}",
-                  f"sync_{transport}_vs_copy={r['s'] / same:.1f}"]
+        extra += [
+            f"sync_{transport}_s={r['s']:.2f}",
+            f"sync_{transport}_gb={r['bytes'] / 1e9:.2f}",
+            f"sync_{transport}_apply_s={r['apply_s']:.2f}",
+            f"copy_{transport}_bytes_s={same:.2f}",
+            f"sync_{transport}_vs_copy={r['s'] / same:.1f}",
+        ]
         if "group_build_s" in r:
             extra.append(f"{transport}_group_build_s={r['group_build_s']:.2f}")
     nan = float("nan")
-    extra += [f"ckpt_saves={len(saves)}", f"ckpt_save_s={max(saves):.2f}", f"ckpt_gb={ckpt_gb:.2f}",
-              f"resume_build_s={resume.get('build_s', nan):.1f}", f"resume_load_s={resume.get('load_s', nan):.2f}",
-              f"resumed_steps={resume.get('steps', 0):.0f}", f"resumed_step_s={resume.get('step_s', nan):.1f}",
-              f"resumed_ckpt_save_s={max(resumed_saves, default=nan):.2f}", f"export_cmd_s={export_cmd_s:.1f}",
-              f"exported_gb={exported_gb:.2f}", f"learner_peak_rss_end_gib={learner_peak_end / GIB:.2f}"]
+    extra += [
+        f"ckpt_saves={len(saves)}",
+        f"ckpt_save_s={max(saves):.2f}",
+        f"ckpt_gb={ckpt_gb:.2f}",
+        f"resume_build_s={resume.get('build_s', nan):.1f}",
+        f"resume_load_s={resume.get('load_s', nan):.2f}",
+        f"resumed_steps={resume.get('steps', 0):.0f}",
+        f"resumed_step_s={resume.get('step_s', nan):.1f}",
+        f"resumed_ckpt_save_s={max(resumed_saves, default=nan):.2f}",
+        f"export_cmd_s={export_cmd_s:.1f}",
+        f"exported_gb={exported_gb:.2f}",
+        f"learner_peak_rss_end_gib={learner_peak_end / GIB:.2f}",
+    ]
     if failed:
         extra.append(f"failed={','.join(failed)}")
-    print(f"RESULT preset={args.preset} text_layers={args.text_layers} vision_layers={args.vision_layers} "
-          f"image={width}x{height} steps={summary.steps} first_loss={summary.first_loss:.4f} "
-          f"last_loss={summary.last_loss:.4f} learner_peak_rss_gib={learner_peak / GIB:.2f} {servers_gib} "
-          f"weights_gb={gb:.2f} copy_to_shm_s={copy_s:.2f} "
-          f"build_s={build_s:.1f} server_start_s={start_s:.1f} wall_s={wall:.1f} {phases} {' '.join(extra)}")
+    print(
+        f"RESULT preset={args.preset} text_layers={args.text_layers} vision_layers={args.vision_layers} "
+        f"image={width}x{height} steps={summary.steps} first_loss={summary.first_loss:.4f} "
+        f"last_loss={summary.last_loss:.4f} learner_peak_rss_gib={learner_peak / GIB:.2f} {servers_gib} "
+        f"weights_gb={gb:.2f} copy_to_shm_s={copy_s:.2f} "
+        f"build_s={build_s:.1f} server_start_s={start_s:.1f} wall_s={wall:.1f} {phases} {' '.join(extra)}"
+    )
 
 
 if __name__ == "__main__":

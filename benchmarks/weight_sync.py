@@ -70,9 +70,17 @@ def build_model(out: Path, gib: float) -> None:
     per_layer = 4 * (hidden * hidden * 2 + hidden * 64 * 2 + 3 * hidden * inter)
     layers = max(1, int(gib * GIB / per_layer) + 1)
     cfg = Qwen2Config(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048,
-        tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
     print(f"building a {layers}-layer random Qwen2 in {out} ...", flush=True)
     torch.manual_seed(0)
@@ -119,8 +127,12 @@ class Sampler(threading.Thread):
         self.peak = [max(a, b) for a, b in zip(self.peak, self._sample(), strict=True)]
         n = len(self.staging)
         grow = [p - b for p, b in zip(self.peak, self.base, strict=True)]
-        return {"stage_per_server": max(grow[:n]), "held_before": max(self.base[:n]),
-                "shared": self.peak[n], "shm": grow[n + 1]}
+        return {
+            "stage_per_server": max(grow[:n]),
+            "held_before": max(self.base[:n]),
+            "shared": self.peak[n],
+            "shm": grow[n + 1],
+        }
 
 
 def _tree_cpu(procs: list[psutil.Process]) -> float:
@@ -142,12 +154,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=1.0, help="checkpoint size (float32)")
     ap.add_argument("--servers", default="1,2,4", help="pool sizes to compare")
-    ap.add_argument("--backend", default="hf", choices=["hf", "vllm"],
-                    help="rollout engine; hf by default: 4 vLLM-CPU engines of a 1 GiB model and their KV caches "
-                         "do not fit this machine beside the learner")
+    ap.add_argument(
+        "--backend",
+        default="hf",
+        choices=["hf", "vllm"],
+        help="rollout engine; hf by default: 4 vLLM-CPU engines of a 1 GiB model and their KV caches "
+        "do not fit this machine beside the learner",
+    )
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--transports", default="grpc,shm,nccl,nccl_bucketed",
-                    help="nccl: one broadcast per tensor; nccl_bucketed: buckets of --bucket-mb (the group's packing)")
+    ap.add_argument(
+        "--transports",
+        default="grpc,shm,nccl,nccl_bucketed",
+        help="nccl: one broadcast per tensor; nccl_bucketed: buckets of --bucket-mb (the group's packing)",
+    )
     ap.add_argument("--bucket-mb", type=int, default=512, help="nccl_bucketed's bucket size (MiB)")
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "rmsft-bench-sync-model"))
     args = ap.parse_args()
@@ -172,11 +191,20 @@ def main() -> None:
     version = 0
     try:
         for i, stage in enumerate(staging):
-            servers.append(RolloutServer.start(
-                model_dir, backend=args.backend, dtype="float32", max_model_len=512, kv_cache_bytes=64 * MIB,
-                staging_dir=str(stage), env={SHARED_DIR_ENV: str(shared)}, timeout=900,
-                log_path=work / f"serve-{i}.log", weight_transfer="rmsft_gloo",
-            ))
+            servers.append(
+                RolloutServer.start(
+                    model_dir,
+                    backend=args.backend,
+                    dtype="float32",
+                    max_model_len=512,
+                    kv_cache_bytes=64 * MIB,
+                    staging_dir=str(stage),
+                    env={SHARED_DIR_ENV: str(shared)},
+                    timeout=900,
+                    log_path=work / f"serve-{i}.log",
+                    weight_transfer="rmsft_gloo",
+                )
+            )
         print(f"servers ready in {time.perf_counter() - t0:.0f}s", flush=True)
         procs = [psutil.Process(s.proc.pid) for s in servers]
         with ServerPool([s.address for s in servers]) as pool:  # untimed: first-time costs on both ends
@@ -212,14 +240,24 @@ def main() -> None:
                 # The engine's apply (copying the verified tensors into the model) as the servers the
                 # learner called report it; the rest of the wall time is the transport's.
                 apply_s = max(r.apply_seconds for r in report.acked.values())
-                row = {"wall": wall, "gbps": report.tensor_bytes / wall / 1e9, "learner_cpu": c1 - c0,
-                       "server_cpu": s1 - s0, "bytes": report.tensor_bytes, "apply": apply_s,
-                       "transfer_gbps": report.tensor_bytes / (wall - apply_s) / 1e9, **mem}
+                row = {
+                    "wall": wall,
+                    "gbps": report.tensor_bytes / wall / 1e9,
+                    "learner_cpu": c1 - c0,
+                    "server_cpu": s1 - s0,
+                    "bytes": report.tensor_bytes,
+                    "apply": apply_s,
+                    "transfer_gbps": report.tensor_bytes / (wall - apply_s) / 1e9,
+                    **mem,
+                }
                 results.setdefault((transport, n), []).append(row)
-                print(f"round {rnd + 1} {transport:4s} x{n}: {wall:6.2f}s {row['gbps']:.3f} GB/s, learner "
-                      f"{row['learner_cpu']:.2f} CPU-s, servers {row['server_cpu']:.2f} CPU-s, staging/server "
-                      f"+{mem['stage_per_server'] / MIB:.0f} MiB (held {mem['held_before'] / MIB:.0f}), shared "
-                      f"{mem['shared'] / MIB:.0f} MiB, /dev/shm +{mem['shm'] / MIB:.0f} MiB", flush=True)
+                print(
+                    f"round {rnd + 1} {transport:4s} x{n}: {wall:6.2f}s {row['gbps']:.3f} GB/s, learner "
+                    f"{row['learner_cpu']:.2f} CPU-s, servers {row['server_cpu']:.2f} CPU-s, staging/server "
+                    f"+{mem['stage_per_server'] / MIB:.0f} MiB (held {mem['held_before'] / MIB:.0f}), shared "
+                    f"{mem['shared'] / MIB:.0f} MiB, /dev/shm +{mem['shm'] / MIB:.0f} MiB",
+                    flush=True,
+                )
     finally:
         for s in servers:
             s.stop()
@@ -228,17 +266,21 @@ def main() -> None:
     med = {k: {f: statistics.median(r[f] for r in rows) for f in rows[0]} for k, rows in results.items()}
     update = next(iter(med.values()))["bytes"]
     print(f"\nmedian of {args.rounds} rounds; update {update / GIB:.2f} GiB, frame {DEFAULT_FRAME_BYTES / MIB:g} MiB")
-    print("| transport | servers | wall s | GB/s | apply s | GB/s without apply | learner CPU-s | server CPU-s |"
-          " staging/server (peak growth) | shared dir peak | /dev/shm peak growth |")
+    print(
+        "| transport | servers | wall s | GB/s | apply s | GB/s without apply | learner CPU-s | server CPU-s |"
+        " staging/server (peak growth) | shared dir peak | /dev/shm peak growth |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for (transport, n), m in sorted(med.items()):
         # nccl: the broadcast happens inside the servers' apply (receive and load are one), so there is no
         # transfer time apart from it
         apart = "-" if transport.startswith("nccl") else f"{m['transfer_gbps']:.3f}"
-        print(f"| {transport} | {n} | {m['wall']:.2f} | {m['gbps']:.3f} | {m['apply']:.2f} | "
-              f"{apart} | {m['learner_cpu']:.2f} | "
-              f"{m['server_cpu']:.2f} | {m['stage_per_server'] / MIB:.0f} MiB | {m['shared'] / MIB:.0f} MiB | "
-              f"{m['shm'] / MIB:.0f} MiB |")
+        print(
+            f"| {transport} | {n} | {m['wall']:.2f} | {m['gbps']:.3f} | {m['apply']:.2f} | "
+            f"{apart} | {m['learner_cpu']:.2f} | "
+            f"{m['server_cpu']:.2f} | {m['stage_per_server'] / MIB:.0f} MiB | {m['shared'] / MIB:.0f} MiB | "
+            f"{m['shm'] / MIB:.0f} MiB |"
+        )
     lo, hi = min(sizes), max(sizes)
     fields = [f"gib={args.gib}", f"backend={args.backend}", f"rounds={args.rounds}"]
     for t in transports:
@@ -258,21 +300,32 @@ def main() -> None:
     if "nccl" in transports and "nccl_bucketed" in transports:
         fields.append(f"bucket_mb={args.bucket_mb}")
         for n in (lo, hi):
-            fields.append(f"bucketed_vs_per_tensor_{n}="
-                          f"{med[('nccl_bucketed', n)]['gbps'] / med[('nccl', n)]['gbps']:.2f}")
+            fields.append(
+                f"bucketed_vs_per_tensor_{n}={med[('nccl_bucketed', n)]['gbps'] / med[('nccl', n)]['gbps']:.2f}"
+            )
     if "grpc" in transports and "shm" in transports:
         fields.append(f"shm_vs_grpc_{lo}={med[('shm', lo)]['gbps'] / med[('grpc', lo)]['gbps']:.2f}")
-        fields.append(f"shm_vs_grpc_{lo}_without_apply="
-                      f"{med[('shm', lo)]['transfer_gbps'] / med[('grpc', lo)]['transfer_gbps']:.2f}")
+        fields.append(
+            f"shm_vs_grpc_{lo}_without_apply="
+            f"{med[('shm', lo)]['transfer_gbps'] / med[('grpc', lo)]['transfer_gbps']:.2f}"
+        )
     print("RESULT " + " ".join(fields))
 
 
 def _client(pool: ServerPool, model, transport: str, shared: Path, bucket_mb: int) -> WeightSyncClient:
     """`transport` as the benchmark names it: nccl_bucketed is transport nccl with buckets of `bucket_mb` MiB."""
     bucketed = transport == "nccl_bucketed"
-    return WeightSyncClient(pool, model, dtype="float32", transport="nccl" if bucketed else transport,
-                            shared_dir=str(shared), timeout_s=1800, group_backend="rmsft_gloo", group_timeout_s=600,
-                            group_bucket_bytes=bucket_mb * MIB if bucketed else 0)
+    return WeightSyncClient(
+        pool,
+        model,
+        dtype="float32",
+        transport="nccl" if bucketed else transport,
+        shared_dir=str(shared),
+        timeout_s=1800,
+        group_backend="rmsft_gloo",
+        group_timeout_s=600,
+        group_bucket_bytes=bucket_mb * MIB if bucketed else 0,
+    )
 
 
 if __name__ == "__main__":

@@ -42,9 +42,15 @@ class EvalOptions:
 
 
 def _default_job(model: Path, data: Path) -> RolloutMatchingJob:
-    return parse_job({"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "metadata": {"name": "eval"},
-                      "spec": {"model": {"path": str(model)}, "training": {"data": {"path": str(data)}}}},
-                     source="rmsft eval defaults")
+    return parse_job(
+        {
+            "apiVersion": f"{API_GROUP}/{API_VERSION}",
+            "kind": KIND,
+            "metadata": {"name": "eval"},
+            "spec": {"model": {"path": str(model)}, "training": {"data": {"path": str(data)}}},
+        },
+        source="rmsft eval defaults",
+    )
 
 
 def _job(target: Path, data: Path, opts: EvalOptions, checkpoint: Path | None) -> RolloutMatchingJob:
@@ -132,6 +138,7 @@ def _evaluate_model(job: RolloutMatchingJob, data: Path, opts: EvalOptions, cons
         def size(rec):  # a record of `records`
             imgs = images.load(rec)
             return resized_image_size(processor, imgs[0].pil()) if imgs and processor is not None else None
+
     setup = EvalSetup(vocab=vocab, fmt=core.fmt, matching=core.matching, vision_ids=vision_ids, image_size=size)
 
     servers = start_servers(job, opts.work_dir / "logs", console)
@@ -142,8 +149,15 @@ def _evaluate_model(job: RolloutMatchingJob, data: Path, opts: EvalOptions, cons
         client = RolloutClient(pool, timeout_s=cfg.rollout.request_timeout_s)
         with console.status(f"answering {len(records)} record(s) greedily"):
             # The model as served, never synced: no version to enforce.
-            ev = evaluate(client, records, images, setup, version=None,
-                          max_tokens=opts.max_tokens or cfg.rollout.max_tokens, iou=opts.iou)
+            ev = evaluate(
+                client,
+                records,
+                images,
+                setup,
+                version=None,
+                max_tokens=opts.max_tokens or cfg.rollout.max_tokens,
+                iou=opts.iou,
+            )
     finally:
         for part in (client, pool):
             if part is not None:
@@ -165,7 +179,11 @@ def _report(ev: Evaluation, images: Any, opts: EvalOptions, console: Console) ->
     from learner.evaluation.draw import save_rollout_pictures
 
     paths = save_rollout_pictures(ev.pictures(images, opts.pictures), opts.out / "pictures")
-    doc = {"records": len(ev.records), "iou": ev.iou, "figures": ev.scalars(),
-           "per_record": [{"id": r.id, "predicted": p} for r, p in zip(ev.records, ev.predictions, strict=True)]}
+    doc = {
+        "records": len(ev.records),
+        "iou": ev.iou,
+        "figures": ev.scalars(),
+        "per_record": [{"id": r.id, "predicted": p} for r, p in zip(ev.records, ev.predictions, strict=True)],
+    }
     (opts.out / "eval.json").write_text(json.dumps(doc, indent=2) + "\n")
     console.print(f"figures in {opts.out / 'eval.json'}, {len(paths)} picture(s) in {opts.out / 'pictures'}")

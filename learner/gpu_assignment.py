@@ -85,7 +85,8 @@ class GpuAssignment:
             if requested != "auto":
                 raise GpuAssignmentError(
                     f"spec.training.device {requested} would put all {len(self.learner)} learner ranks "
-                    f"(spec.learner.gpus) on one GPU; use auto (each rank on cuda:LOCAL_RANK)")
+                    f"(spec.learner.gpus) on one GPU; use auto (each rank on cuda:LOCAL_RANK)"
+                )
             return requested
         if requested == "auto":
             return f"cuda:{self.learner[0]}" if self.learner else "cpu"
@@ -98,7 +99,8 @@ class GpuAssignment:
         if k > 0:  # one learner GPU here: several were handled above
             raise GpuAssignmentError(
                 f"spec.training.device {requested} is the learner's GPU {k}, but spec.learner.gpus is 1 "
-                f"(its GPU is cuda:0); use auto")
+                f"(its GPU is cuda:0); use auto"
+            )
         return f"cuda:{self.learner[0]}"
 
     def names(self, indices: tuple[int, ...]) -> str:
@@ -109,6 +111,7 @@ class GpuAssignment:
         """One line for the console: which device ids each process got."""
         if not self.accelerated:
             return "on CPUs" + (" (GPUs hidden: spec.placement.accelerator is none)" if self.device_ids else "")
+
         def gpus(indices: tuple[int, ...]) -> str:
             return f"GPU{'s' if len(indices) > 1 else ''} {self.names(indices)}" if indices else "on CPUs"
 
@@ -125,7 +128,8 @@ def _device_ids(available: int, visible_devices: str | None) -> tuple[str, ...]:
     if len(ids) < available:
         raise GpuAssignmentError(
             f"{CUDA_ENV}={visible_devices!r} names {len(ids)} device(s) but CUDA sees {available}; "
-            f"cannot tell which device is which")
+            f"cannot tell which device is which"
+        )
     return ids[:available]
 
 
@@ -140,12 +144,16 @@ def assign_gpus(job: RolloutMatchingJob, available: int, *, visible_devices: str
     # The learner's pod layout is a cluster's (rmsft_operator.render): here the learner is one process group on this
     # machine, one rank per learner GPU, or one process on the CPU.
     if spec.learner.nodes > 1:
-        raise GpuAssignmentError(f"spec.learner.nodes ({spec.learner.nodes}) spreads the learner over pods of a "
-                                 "cluster; `rmsft local` runs it on this machine: set spec.learner.nodes to 1")
+        raise GpuAssignmentError(
+            f"spec.learner.nodes ({spec.learner.nodes}) spreads the learner over pods of a "
+            "cluster; `rmsft local` runs it on this machine: set spec.learner.nodes to 1"
+        )
     if spec.learner.ranks_per_pod not in (None, 1) and spec.placement.accelerator == "none":
-        raise GpuAssignmentError(f"spec.learner.ranksPerPod ({spec.learner.ranks_per_pod}) runs several CPU ranks in "
-                                 "a cluster's learner pod; `rmsft local` runs the learner in one process on the "
-                                 "CPU: leave it unset")
+        raise GpuAssignmentError(
+            f"spec.learner.ranksPerPod ({spec.learner.ranks_per_pod}) runs several CPU ranks in "
+            "a cluster's learner pod; `rmsft local` runs the learner in one process on the "
+            "CPU: leave it unset"
+        )
     ids = _device_ids(available, visible_devices)
     n, tp, learner = spec.rollout.replicas, spec.rollout.tensor_parallel_size, spec.learner.gpus
     assert n is not None, "RolloutSpec's validator sets replicas"
@@ -153,13 +161,16 @@ def assign_gpus(job: RolloutMatchingJob, available: int, *, visible_devices: str
         return GpuAssignment(servers=((),) * n, learner=(), device_ids=ids, accelerated=False)
     needed = n * tp + learner
     if needed > available:
-        sum_ = (f"spec.rollout.replicas {n} x spec.rollout.tensorParallelSize {tp} + spec.learner.gpus {learner} "
-                f"= {needed} GPUs needed")
+        sum_ = (
+            f"spec.rollout.replicas {n} x spec.rollout.tensorParallelSize {tp} + spec.learner.gpus {learner} "
+            f"= {needed} GPUs needed"
+        )
         if available == 0:
             seen = f" ({CUDA_ENV}={visible_devices!r})" if visible_devices is not None else ""
             raise GpuAssignmentError(
                 f"the job asks for GPUs (spec.placement.accelerator nvidia: {sum_}), but this machine has none"
-                f"{seen}; to run on CPUs set spec.placement.accelerator: none and spec.learner.gpus: 0")
+                f"{seen}; to run on CPUs set spec.placement.accelerator: none and spec.learner.gpus: 0"
+            )
         seen = f" visible ({CUDA_ENV}={visible_devices})" if visible_devices is not None else ""
         raise GpuAssignmentError(f"{sum_}, this machine has {available}{seen}")
     servers = tuple(tuple(range(i * tp, (i + 1) * tp)) for i in range(n))

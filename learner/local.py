@@ -101,12 +101,16 @@ def prepare_inputs(job: RolloutMatchingJob, console: Console) -> None:
     build = notes.get(BUILD_TINY_MODEL, "").lower()
     task = notes.get(SYNTHETIC_TASK, "text")
     if task not in SYNTHETIC_TASKS:  # before anything is built
-        raise ValueError(f"metadata.annotations[{SYNTHETIC_TASK!r}] must be one of "
-                         f"{', '.join(map(repr, SYNTHETIC_TASKS))}, got {task!r}")
+        raise ValueError(
+            f"metadata.annotations[{SYNTHETIC_TASK!r}] must be one of "
+            f"{', '.join(map(repr, SYNTHETIC_TASKS))}, got {task!r}"
+        )
     pretrain_steps = int(notes.get(PRETRAIN_TINY_MODEL, "0"))
     if pretrain_steps < 0 or (pretrain_steps and build in ("", "false")):
-        raise ValueError(f"metadata.annotations[{PRETRAIN_TINY_MODEL!r}] needs a number of steps >= 0 and "
-                         f"{BUILD_TINY_MODEL!r} (it pretrains the tiny model that annotation builds)")
+        raise ValueError(
+            f"metadata.annotations[{PRETRAIN_TINY_MODEL!r}] needs a number of steps >= 0 and "
+            f"{BUILD_TINY_MODEL!r} (it pretrains the tiny model that annotation builds)"
+        )
     final_dir = model_dir
     if pretrain_steps and not (final_dir / "config.json").exists():
         model_dir = pretrain_dir(final_dir) / "random"  # the random build, then pretrained into spec.model.path
@@ -116,8 +120,7 @@ def prepare_inputs(job: RolloutMatchingJob, console: Console) -> None:
     _write_data(job, notes, console)
 
 
-def _build_model(job: RolloutMatchingJob, notes: dict[str, str], build: str, model_dir: Path,
-                 console: Console) -> None:
+def _build_model(job: RolloutMatchingJob, notes: dict[str, str], build: str, model_dir: Path, console: Console) -> None:
     coord_tokens = notes.get(TINY_MODEL_STOCK, "false").lower() != "true"
     if build and build != "false" and not (model_dir / "config.json").exists():
         with console.status(f"building the tiny model in {model_dir}"):
@@ -130,15 +133,21 @@ def _build_model(job: RolloutMatchingJob, notes: dict[str, str], build: str, mod
 
                 coords = notes.get(TINY_MODEL_COORDS, "random").lower()
                 if coords not in ("random", "smooth"):
-                    raise ValueError(f"metadata.annotations[{TINY_MODEL_COORDS!r}] must be \"random\" or \"smooth\", "
-                                     f"got {coords!r}")
+                    raise ValueError(
+                        f'metadata.annotations[{TINY_MODEL_COORDS!r}] must be "random" or "smooth", got {coords!r}'
+                    )
                 try:
-                    build_tiny_vl_model(model_dir, arch=build, seed=job.spec.training.seed,
-                                        size=notes.get(TINY_MODEL_SIZE, "tiny"), coord_tokens=coord_tokens,
-                                        smooth_coords=coords == "smooth")
+                    build_tiny_vl_model(
+                        model_dir,
+                        arch=build,
+                        seed=job.spec.training.seed,
+                        size=notes.get(TINY_MODEL_SIZE, "tiny"),
+                        coord_tokens=coord_tokens,
+                        smooth_coords=coords == "smooth",
+                    )
                 except ValueError as exc:
                     raise ValueError(
-                        f"metadata.annotations[{BUILD_TINY_MODEL!r}]: {exc} (or \"true\": a text model)"
+                        f'metadata.annotations[{BUILD_TINY_MODEL!r}]: {exc} (or "true": a text model)'
                     ) from None
         console.print(f"built the tiny model in {model_dir}")
 
@@ -148,8 +157,7 @@ def pretrain_dir(model_dir: Path) -> Path:
     return model_dir.with_name(model_dir.name + "-pretrain")
 
 
-def pretrain_tiny_model(job: RolloutMatchingJob, random_dir: Path, out_dir: Path, steps: int,
-                        console: Console) -> Path:
+def pretrain_tiny_model(job: RolloutMatchingJob, random_dir: Path, out_dir: Path, steps: int, console: Console) -> Path:
     """`steps` of plain SFT (every step a warm-start step: the targets are the whole ground truth) of the model
     at `random_dir` on a synthetic set of the job's task rendered with a seed of its own (never the training or
     held-out records), with the job's own optimizer settings (the coordinate target's width from
@@ -166,9 +174,14 @@ def pretrain_tiny_model(job: RolloutMatchingJob, random_dir: Path, out_dir: Path
     doc["metadata"] = {"name": f"{job.metadata.name}-pretrain"}
     t = doc["spec"]["training"]
     data = work / "data.jsonl"
-    t.update(steps=steps, warm_start_steps=steps, data={"path": str(data)}, eval={},
-             checkpoint={"dir": str(work / "checkpoints"), "every": 0, "keep": 1},
-             export={"enabled": True, "dir": str(out_dir)})
+    t.update(
+        steps=steps,
+        warm_start_steps=steps,
+        data={"path": str(data)},
+        eval={},
+        checkpoint={"dir": str(work / "checkpoints"), "every": 0, "keep": 1},
+        export={"enabled": True, "dir": str(out_dir)},
+    )
     doc["spec"]["model"]["path"] = str(random_dir)
     # Stage 1 is plain SFT with the first generation's coordinate losses (soft CE + W1 at weight 1, no box terms):
     # the objective the shipped start (assets/tiny-vl-grid-model) was made with, whatever the job's recipe.
@@ -182,8 +195,13 @@ def pretrain_tiny_model(job: RolloutMatchingJob, random_dir: Path, out_dir: Path
     _write_records(pre, notes, data, n, job.spec.training.seed + PRETRAIN_SEED_OFFSET, "pretraining ", console)
     loop = TrainingLoop(pre, [])
     try:
-        columns = (TextColumn("[bold]pretraining the tiny model"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
+        columns = (
+            TextColumn("[bold]pretraining the tiny model"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"),
+        )
         with Progress(*columns, console=console) as progress:
             bar = progress.add_task("pretrain", total=steps, info="")
             loop.on_step = lambda r: progress.update(bar, completed=r.step, info=f"loss {r.loss:.3f}")
@@ -206,8 +224,9 @@ def _write_data(job: RolloutMatchingJob, notes: dict[str, str], console: Console
         _write_records(job, notes, data, int(notes[key]), data_seed, what, console)
 
 
-def _write_records(job: RolloutMatchingJob, notes: dict[str, str], data: Path, n: int, data_seed: int, what: str,
-                   console: Console) -> None:
+def _write_records(
+    job: RolloutMatchingJob, notes: dict[str, str], data: Path, n: int, data_seed: int, what: str, console: Console
+) -> None:
     """`n` records of the annotated synthetic task, rendered with `data_seed`, to `data`."""
     task = notes.get(SYNTHETIC_TASK, "text")
     max_objects = int(notes.get(SYNTHETIC_MAX_OBJECTS, "0")) or None
@@ -218,11 +237,18 @@ def _write_records(job: RolloutMatchingJob, notes: dict[str, str], data: Path, n
             # The instruction asks for the job's own output format (same images and objects either way).
             fmt = job.spec.training.format
             if fmt == "coordjson":  # found by the type checker: the task has no coordjson instruction yet
-                raise ValueError("the synthetic visual task writes coordexp or qwen_json instructions; "
-                                 "spec.training.format coordjson has none")
-            write_visual_dataset(data, n=n, seed=data_seed, fmt=fmt,
-                                 layout="grid" if task == "visual-grid" else "free",
-                                 **({"max_objects": max_objects} if max_objects else {}))
+                raise ValueError(
+                    "the synthetic visual task writes coordexp or qwen_json instructions; "
+                    "spec.training.format coordjson has none"
+                )
+            write_visual_dataset(
+                data,
+                n=n,
+                seed=data_seed,
+                fmt=fmt,
+                layout="grid" if task == "visual-grid" else "free",
+                **({"max_objects": max_objects} if max_objects else {}),
+            )
     elif task == "answer":  # a short-answer task for GRPO (rmsft_dev.synthetic.CoordAnswerReward)
         from rmsft_dev.synthetic import write_answer_dataset
 
@@ -249,18 +275,35 @@ def server_options(job: RolloutMatchingJob, assignment: GpuAssignment | None = N
     return serve_options(job, gpus=torch.cuda.is_available())
 
 
-def start_servers(job: RolloutMatchingJob, log_dir: Path, console: Console, assignment: GpuAssignment | None = None, *,
-                  staging: list[Path] | None = None, timeout_s: float | None = None) -> list:
+def start_servers(
+    job: RolloutMatchingJob,
+    log_dir: Path,
+    console: Console,
+    assignment: GpuAssignment | None = None,
+    *,
+    staging: list[Path] | None = None,
+    timeout_s: float | None = None,
+) -> list:
     """Start the job's servers and wait until every one serves (spawn_servers, then await_servers), at most
     `timeout_s` (default: the job's spec.rollout.startupTimeout)."""
     started = spawn_servers(job, log_dir, assignment, staging=staging)
-    await_servers(started, log_dir, console, backend=job.spec.rollout.engine,
-                  timeout_s=job.spec.rollout.startup_timeout_seconds if timeout_s is None else timeout_s)
+    await_servers(
+        started,
+        log_dir,
+        console,
+        backend=job.spec.rollout.engine,
+        timeout_s=job.spec.rollout.startup_timeout_seconds if timeout_s is None else timeout_s,
+    )
     return started
 
 
-def spawn_servers(job: RolloutMatchingJob, log_dir: Path, assignment: GpuAssignment | None = None, *,
-                  staging: list[Path] | None = None) -> list:
+def spawn_servers(
+    job: RolloutMatchingJob,
+    log_dir: Path,
+    assignment: GpuAssignment | None = None,
+    *,
+    staging: list[Path] | None = None,
+) -> list:
     """Start the job's server processes, each on the GPUs `assignment` gives it (default: this machine's) and, when
     given, with `staging[i]` as its staging dir, and return at once: they load their engines while the caller does
     something else (await_servers waits for them). The processes are started from this thread (their parent-death
@@ -277,15 +320,24 @@ def spawn_servers(job: RolloutMatchingJob, log_dir: Path, assignment: GpuAssignm
     # The servers log at the job's spec.monitoring.logLevel, as they would in their pods. They take callers with
     # this run's token only: the user's RMSFT_AUTH_TOKEN, else a random one made for this run, so another process
     # on the machine (another user's, another run's learner) cannot generate on them or push weights into them.
-    env = {LOG_LEVEL_ENV: job.spec.monitoring.log_level,
-           AUTH_TOKEN_ENV: os.environ.get(AUTH_TOKEN_ENV) or secrets.token_urlsafe(24)}
+    env = {
+        LOG_LEVEL_ENV: job.spec.monitoring.log_level,
+        AUTH_TOKEN_ENV: os.environ.get(AUTH_TOKEN_ENV) or secrets.token_urlsafe(24),
+    }
     started: list = []
     try:
         for i in range(n):
             extra: dict[str, Any] = {"staging_dir": str(staging[i])} if staging else {}
-            started.append(RolloutServer.spawn(job.spec.model.path, log_path=log_dir / f"rollout-{i}.log",
-                                               replica_ordinal=i, env={**env, **assignment.server_env(i)},
-                                               **opts, **extra))
+            started.append(
+                RolloutServer.spawn(
+                    job.spec.model.path,
+                    log_path=log_dir / f"rollout-{i}.log",
+                    replica_ordinal=i,
+                    env={**env, **assignment.server_env(i)},
+                    **opts,
+                    **extra,
+                )
+            )
     except BaseException:
         for s in started:
             s.kill()
@@ -293,14 +345,16 @@ def spawn_servers(job: RolloutMatchingJob, log_dir: Path, assignment: GpuAssignm
     return started
 
 
-def await_servers(started: list, log_dir: Path, console: Console, *, backend: str = "",
-                  timeout_s: float = 300.0) -> None:
+def await_servers(
+    started: list, log_dir: Path, console: Console, *, backend: str = "", timeout_s: float = 300.0
+) -> None:
     """Wait for every spawned server to serve, together. If anything stops the wait (a server that fails, a
     signal), every server is killed before this raises: none outlives a failed start."""
     cancel = threading.Event()
     try:
-        with console.status(f"starting {len(started)} rollout server(s){f' ({backend})' if backend else ''}, "
-                            f"logs in {log_dir}"):
+        with console.status(
+            f"starting {len(started)} rollout server(s){f' ({backend})' if backend else ''}, logs in {log_dir}"
+        ):
             pool = ThreadPoolExecutor(max_workers=len(started))
             try:
                 futures = [pool.submit(s.wait_healthy, timeout_s, cancel) for s in started]
@@ -330,8 +384,10 @@ def print_summary(summary, console: Console) -> None:
     table.add_row("loss (first -> last)", f"{summary.first_loss:.4f} -> {summary.last_loss:.4f}")
     for label, text in summary.objective_rows():  # the objective's own figures (StepFigures.summary_rows)
         table.add_row(label, text)
-    table.add_row("weight version", f"{summary.weight_version} of run {summary.run_id}" if summary.run_id
-                  else str(summary.weight_version))
+    table.add_row(
+        "weight version",
+        f"{summary.weight_version} of run {summary.run_id}" if summary.run_id else str(summary.weight_version),
+    )
     table.add_row("rollout retries", str(summary.retries))
     table.add_row("wall time", f"{summary.wall_seconds:.1f}s")
     if summary.pictures:
@@ -339,22 +395,31 @@ def print_summary(summary, console: Console) -> None:
     figures = {f.step: f for f in summary.held_out}
     for step, f1, mean_ap in summary.evaluations:
         fig = figures.get(step)
-        table.add_row(f"held-out, step {step}", f"label-aware F1 {f1:.3f}  mAP {mean_ap:.3f}" + (
-            "" if fig is None else
-            f"  | geometry F1 {fig.f1_geometry:.3f}, class-agnostic mAP {fig.map_agnostic:.3f} | "
-            f"truncated {fig.truncation_rate:.1%}, duplicates {fig.duplicate_rate:.1%}, "
-            f"objects {fig.predicted_per_answer:.2f}/answer vs {fig.gt_per_record:.2f} true"))
+        table.add_row(
+            f"held-out, step {step}",
+            f"label-aware F1 {f1:.3f}  mAP {mean_ap:.3f}"
+            + (
+                ""
+                if fig is None
+                else f"  | geometry F1 {fig.f1_geometry:.3f}, class-agnostic mAP {fig.map_agnostic:.3f} | "
+                f"truncated {fig.truncation_rate:.1%}, duplicates {fig.duplicate_rate:.1%}, "
+                f"objects {fig.predicted_per_answer:.2f}/answer vs {fig.gt_per_record:.2f} true"
+            ),
+        )
     final, best = summary.final_evaluation, summary.best_evaluation
     if final is not None and best is not None:
         # The final figure is what the exported model scores; the best says whether it peaked earlier.
         # Label-aware: a prediction counts only when its box and its label match (COCO practice).
         name = f"held-out label-aware F1@{summary.eval_iou:g}"
-        table.add_row(f"[bold]{name}, final[/bold]",
-                      f"[bold]{final[1]:.3f}[/bold] (mAP {final[2]:.3f}) at step {final[0]}")
+        table.add_row(
+            f"[bold]{name}, final[/bold]", f"[bold]{final[1]:.3f}[/bold] (mAP {final[2]:.3f}) at step {final[0]}"
+        )
         table.add_row(f"{name}, best", f"{best[1]:.3f} (mAP {best[2]:.3f}) at step {best[0]}")
     if summary.eval_pictures:
-        table.add_row("held-out pictures", f"{len(summary.eval_pictures)} in {summary.eval_pictures[0].parent} "
-                      "(predicted solid, ground truth dashed)")
+        table.add_row(
+            "held-out pictures",
+            f"{len(summary.eval_pictures)} in {summary.eval_pictures[0].parent} (predicted solid, ground truth dashed)",
+        )
     if summary.log_dir is not None:
         table.add_row("TensorBoard", f"tensorboard --logdir {summary.log_dir}")
     if summary.exported is not None:
@@ -387,23 +452,30 @@ def build_loop(job: RolloutMatchingJob, addresses: list[str], *, auth_token: str
     return loop
 
 
-def train_in_process(job: RolloutMatchingJob, addresses: list[str], *, auth_token: str, resume: bool,
-                     console: Console, loop=None) -> Summary:
+def train_in_process(
+    job: RolloutMatchingJob, addresses: list[str], *, auth_token: str, resume: bool, console: Console, loop=None
+) -> Summary:
     """The learner in this process, with a progress bar; `job.spec.training.device` says where. `loop`: one
     build_loop made already (it is closed here either way)."""
     try:
         if loop is None:
             loop = build_loop(job, addresses, auth_token=auth_token, resume=resume)
         console.print("tracking: " + "; ".join(job.spec.training.tracking_destinations))
-        columns = (TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("{task.fields[info]}"))
+        columns = (
+            TextColumn("[bold]training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"),
+        )
         with Progress(*columns, console=console) as progress:
             task = progress.add_task("train", total=job.spec.training.steps, completed=loop.step, info="")
 
             def on_step(r) -> None:
                 own = r.figures.bar()  # the objective's words (StepFigures.bar)
-                progress.update(task, completed=r.step, info=f"loss {r.loss:.3f}{' ' + own if own else ''} "
-                                f"v{r.weight_version}")
+                progress.update(
+                    task, completed=r.step, info=f"loss {r.loss:.3f}{' ' + own if own else ''} v{r.weight_version}"
+                )
 
             loop.on_step = on_step
             # A held-out evaluation gets its own line above the bar (the log is at warning level here).
@@ -416,15 +488,29 @@ def train_in_process(job: RolloutMatchingJob, addresses: list[str], *, auth_toke
             loop.close()
 
 
-def learner_command(job_path: str | Path, ranks: int, addresses: list[str], *, resume: bool,
-                    metrics_port: int = 0) -> list[str]:
+def learner_command(
+    job_path: str | Path, ranks: int, addresses: list[str], *, resume: bool, metrics_port: int = 0
+) -> list[str]:
     """`rmsft train` under torchrun: `ranks` data-parallel ranks on one node; rank 0 serves /metrics on
     `metrics_port` (0: none). Never spec.learner.metricsPort: that is the pod's port and may well be taken on a
     workstation (Prometheus itself uses 9090)."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-        "-m", "rmsft_cli", "train", "--config", str(job_path), "--servers", ",".join(addresses),
-        "--resume" if resume else "--no-resume", "--metrics-port", str(metrics_port),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        "-m",
+        "rmsft_cli",
+        "train",
+        "--config",
+        str(job_path),
+        "--servers",
+        ",".join(addresses),
+        "--resume" if resume else "--no-resume",
+        "--metrics-port",
+        str(metrics_port),
     ]
 
 
@@ -448,8 +534,9 @@ def learner_metrics(port: int, console: Console, *, colocated: bool) -> Iterator
     try:
         httpd = start_metrics_server(max(port, 0), addr="127.0.0.1", registry=learner_registry(colocated=colocated))
     except OSError as exc:
-        raise MetricsPortError(f"cannot serve the learner's /metrics on 127.0.0.1:{port}: {exc}; give another "
-                               "--metrics-port (0: none)") from exc
+        raise MetricsPortError(
+            f"cannot serve the learner's /metrics on 127.0.0.1:{port}: {exc}; give another --metrics-port (0: none)"
+        ) from exc
     console.print(f"learner /metrics: http://127.0.0.1:{httpd.server_port}/metrics", highlight=False)
     try:
         yield httpd.server_port
@@ -466,8 +553,9 @@ def run_learner_process(cmd: list[str], env: dict[str, str], log_path: Path, con
     with open(log_path, "wb") as log_file:
         # Same process group: a Ctrl-C in the terminal reaches torchrun, which stops its ranks. SIGTERM (which
         # torchrun passes on to its ranks) when this process ends without stopping it: rmsft.lifeline.
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                **lifeline.popen_options({**os.environ, **env}))
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **lifeline.popen_options({**os.environ, **env})
+        )
         try:
             assert proc.stdout is not None
             for raw in proc.stdout:
@@ -494,9 +582,18 @@ def _stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> None:
         proc.wait(10)
 
 
-def train_with_torchrun(job_path: str | Path, job: RolloutMatchingJob, assignment: GpuAssignment,
-                        addresses: list[str], *, auth_token: str, resume: bool, log_dir: Path,
-                        console: Console, metrics_port: int = 0) -> None:
+def train_with_torchrun(
+    job_path: str | Path,
+    job: RolloutMatchingJob,
+    assignment: GpuAssignment,
+    addresses: list[str],
+    *,
+    auth_token: str,
+    resume: bool,
+    log_dir: Path,
+    console: Console,
+    metrics_port: int = 0,
+) -> None:
     """The learner as `len(assignment.learner)` torchrun ranks in a subprocess on the learner's GPUs.
 
     A subprocess because the ranks must see only their own GPUs (torchrun's `auto` device is
@@ -518,8 +615,10 @@ def train_with_torchrun(job_path: str | Path, job: RolloutMatchingJob, assignmen
     if auth_token:  # in the environment, not on the command line, where `ps` would show it
         env[AUTH_TOKEN_ENV] = auth_token
     log_path = log_dir / "learner.log"
-    console.print(f"learner: {ranks} ranks under torchrun on GPUs {assignment.names(assignment.learner)}, "
-                  f"output also in {log_path}")
+    console.print(
+        f"learner: {ranks} ranks under torchrun on GPUs {assignment.names(assignment.learner)}, "
+        f"output also in {log_path}"
+    )
     cmd = learner_command(job_path, ranks, addresses, resume=resume, metrics_port=metrics_port)
     rc = run_learner_process(cmd, env, log_path, console)
     if rc != 0:
@@ -546,13 +645,22 @@ def dry_run(job: RolloutMatchingJob, *, work_dir: str | Path = ".rmsft") -> list
         out.append(f"model: {model} (not there yet: built at start, {BUILD_TINY_MODEL}: {build})")
     else:
         out.append(f"model: {model} (missing: the run would stop here)")
-    for key, path, what in ((SYNTHETIC_RECORDS, t.data.path, "data"), (SYNTHETIC_EVAL_RECORDS, t.eval.data,
-                                                                       "held-out data")):
+    for key, path, what in (
+        (SYNTHETIC_RECORDS, t.data.path, "data"),
+        (SYNTHETIC_EVAL_RECORDS, t.eval.data, "held-out data"),
+    ):
         if not path:
             continue
         there = Path(path).exists()
-        how = "" if there else (f" (not there yet: {notes[key]} synthetic records written at start)"
-                                if notes.get(key) else " (missing: the run would stop here)")
+        how = (
+            ""
+            if there
+            else (
+                f" (not there yet: {notes[key]} synthetic records written at start)"
+                if notes.get(key)
+                else " (missing: the run would stop here)"
+            )
+        )
         out.append(f"{what}: {path}{how}")
     if spec.placement.accelerator == "none":
         gpus = "on CPUs (spec.placement.accelerator: none)"
@@ -566,25 +674,36 @@ def dry_run(job: RolloutMatchingJob, *, work_dir: str | Path = ".rmsft") -> list
         out.append(f"rollouts: colocate: a {r.engine} engine inside each learner rank (no servers); {gpus}")
         out.append("weight sync: in-process (the engine lives in the learner)")
     else:
-        out.append(f"rollout servers: {r.replicas} x `rmsft serve` ({r.engine}, TP {r.tensor_parallel_size}, "
-                   f"maxModelLen {r.max_model_len}), each on 127.0.0.1 at a free gRPC port and a free /metrics port "
-                   f"picked at start, logs in {Path(work_dir) / 'logs'}/rollout-<i>.log; {gpus}")
+        out.append(
+            f"rollout servers: {r.replicas} x `rmsft serve` ({r.engine}, TP {r.tensor_parallel_size}, "
+            f"maxModelLen {r.max_model_len}), each on 127.0.0.1 at a free gRPC port and a free /metrics port "
+            f"picked at start, logs in {Path(work_dir) / 'logs'}/rollout-<i>.log; {gpus}"
+        )
         transport = spec.sync.local_transport
-        out.append(f"weight sync: {transport} (spec.sync.transport {spec.sync.transport}; under `rmsft local` auto "
-                   f"is shm), mode {spec.sync.mode}")
+        out.append(
+            f"weight sync: {transport} (spec.sync.transport {spec.sync.transport}; under `rmsft local` auto "
+            f"is shm), mode {spec.sync.mode}"
+        )
     # the learner's /metrics: `rmsft local --metrics-port` (learner_metrics), never spec.learner.metricsPort (the pod's)
-    out.append(f"learner: {'in this process' if spec.learner.gpus <= 1 else f'{spec.learner.gpus} torchrun ranks'}"
-               ", /metrics on 127.0.0.1 at a free port picked at start (--metrics-port)")
-    out.append(f"steps: {t.steps} of {t.prompts_per_step} prompts, rollouts of up to {t.rollout.max_tokens} tokens; "
-               f"checkpoints in {t.checkpoint.dir} {_every(t.checkpoint.every)} (keep {t.checkpoint.keep})"
-               + (f"; held-out evaluation {_every(t.eval.every)}" if t.eval.data else "")
-               + "; tracking: " + "; ".join(t.tracking_destinations))
+    out.append(
+        f"learner: {'in this process' if spec.learner.gpus <= 1 else f'{spec.learner.gpus} torchrun ranks'}"
+        ", /metrics on 127.0.0.1 at a free port picked at start (--metrics-port)"
+    )
+    out.append(
+        f"steps: {t.steps} of {t.prompts_per_step} prompts, rollouts of up to {t.rollout.max_tokens} tokens; "
+        f"checkpoints in {t.checkpoint.dir} {_every(t.checkpoint.every)} (keep {t.checkpoint.keep})"
+        + (f"; held-out evaluation {_every(t.eval.every)}" if t.eval.data else "")
+        + "; tracking: "
+        + "; ".join(t.tracking_destinations)
+    )
     try:
         out.extend(plan_memory(job).lines())
     except ModelShapeError as exc:
-        out.append("memory plan: once the model is built (`rmsft dev prepare JOB` builds it without starting "
-                   "anything)" if build and build != "false" and not (model / "config.json").is_file()
-                   else f"memory plan: {exc}")
+        out.append(
+            "memory plan: once the model is built (`rmsft dev prepare JOB` builds it without starting anything)"
+            if build and build != "false" and not (model / "config.json").is_file()
+            else f"memory plan: {exc}"
+        )
     out.append("dry run: nothing was started, built or written")
     return out
 
@@ -593,8 +712,14 @@ def _every(n: int) -> str:
     return f"every {n} steps" if n else "at the end only"
 
 
-def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: bool = False,
-              console: Console | None = None, metrics_port: int = FREE_PORT) -> Summary | None:
+def run_local(
+    job_path: str | Path,
+    *,
+    work_dir: str | Path = ".rmsft",
+    resume: bool = False,
+    console: Console | None = None,
+    metrics_port: int = FREE_PORT,
+) -> Summary | None:
     """Run the whole job on this machine; servers are stopped on success, error or Ctrl-C.
 
     Returns the learner's Summary when it ran in this process, None when it ran as torchrun ranks
@@ -625,10 +750,14 @@ def run_local(job_path: str | Path, *, work_dir: str | Path = ".rmsft", resume: 
     # The in-process learner's /metrics from now on, while the servers load: a Prometheus pointed at it sees the
     # whole run. torchrun's rank 0 serves its own (train_with_torchrun).
     in_process = metrics_port if len(assignment.learner) <= 1 else 0
-    with stop_on_signals(), shared_weights_dir(job, console) as run, \
-            learner_metrics(in_process, console, colocated=job.spec.rollout.colocated):
-        return _run_started(job_path, job, assignment, log_dir, resume=resume, console=console, run=run,
-                            metrics_port=metrics_port)
+    with (
+        stop_on_signals(),
+        shared_weights_dir(job, console) as run,
+        learner_metrics(in_process, console, colocated=job.spec.rollout.colocated),
+    ):
+        return _run_started(
+            job_path, job, assignment, log_dir, resume=resume, console=console, run=run, metrics_port=metrics_port
+        )
 
 
 @contextlib.contextmanager
@@ -681,13 +810,17 @@ def shared_weights_dir(job: RolloutMatchingJob, console: Console) -> Iterator[ru
         return
     removed = run_dir.remove_stale()
     if removed:
-        console.print(f"removed {len(removed)} shared-memory folder(s) of runs that were killed: "
-                      f"{', '.join(str(p) for p in removed)}")
+        console.print(
+            f"removed {len(removed)} shared-memory folder(s) of runs that were killed: "
+            f"{', '.join(str(p) for p in removed)}"
+        )
     before = os.environ.get(SHARED_DIR_ENV)
     with run_dir.owned() as run:
         if job.spec.sync.local_transport == "nccl":
-            console.print("weight sync: nccl (full weights broadcast over one weight-transfer group, driven over "
-                          "gRPC; gloo on the CPU)")
+            console.print(
+                "weight sync: nccl (full weights broadcast over one weight-transfer group, driven over "
+                "gRPC; gloo on the CPU)"
+            )
         elif job.spec.sync.local_transport != "shm":
             console.print("weight sync: grpc (one stream from the learner, relayed server to server)")
         else:
@@ -703,15 +836,32 @@ def shared_weights_dir(job: RolloutMatchingJob, console: Console) -> Iterator[ru
                 os.environ[SHARED_DIR_ENV] = before
 
 
-def _run_started(job_path: str | Path, job: RolloutMatchingJob, assignment: GpuAssignment, log_dir: Path, *,
-                 resume: bool, console: Console, run: run_dir.RunDir | None = None,
-                 metrics_port: int = FREE_PORT) -> Summary | None:
+def _run_started(
+    job_path: str | Path,
+    job: RolloutMatchingJob,
+    assignment: GpuAssignment,
+    log_dir: Path,
+    *,
+    resume: bool,
+    console: Console,
+    run: run_dir.RunDir | None = None,
+    metrics_port: int = FREE_PORT,
+) -> Summary | None:
     ranks = len(assignment.learner)
     if job.spec.rollout.colocated:  # no servers: every learner rank starts its own engine
         console.print(f"rollouts: colocate (a {job.spec.rollout.engine} engine inside the learner)")
         if ranks > 1:
-            train_with_torchrun(job_path, job, assignment, [], auth_token="", resume=resume, log_dir=log_dir,
-                                console=console, metrics_port=metrics_port)
+            train_with_torchrun(
+                job_path,
+                job,
+                assignment,
+                [],
+                auth_token="",
+                resume=resume,
+                log_dir=log_dir,
+                console=console,
+                metrics_port=metrics_port,
+            )
             return None
         return train_in_process(job, [], auth_token="", resume=resume, console=console)
     assert job.spec.rollout.replicas is not None, "RolloutSpec's validator sets replicas"
@@ -719,8 +869,9 @@ def _run_started(job_path: str | Path, job: RolloutMatchingJob, assignment: GpuA
     servers = spawn_servers(job, log_dir, assignment, staging=staging)
     addresses = [s.address for s in servers]
     for i, s in enumerate(servers):  # where to point a Prometheus: the endpoints serve while the engines load
-        console.print(f"rollout server {i}: gRPC {s.address}, /metrics http://127.0.0.1:{s.metrics_port}/metrics",
-                      highlight=False)
+        console.print(
+            f"rollout server {i}: gRPC {s.address}, /metrics http://127.0.0.1:{s.metrics_port}/metrics", highlight=False
+        )
     # The servers take RMSFT_AUTH_TOKEN from this environment: the learner must send the same.
     token = servers[0].token
     loop = None
@@ -732,8 +883,13 @@ def _run_started(job_path: str | Path, job: RolloutMatchingJob, assignment: GpuA
             loop = build_loop(job, addresses, auth_token=token, resume=resume)
         # The job's startupTimeout, as on a cluster (it was a fixed 300 s: a real-width model loads for minutes on a
         # busy CPU machine, benchmarks/real_width.py); a server that dies is seen at once, whatever the timeout.
-        await_servers(servers, log_dir, console, backend=job.spec.rollout.engine,
-                      timeout_s=job.spec.rollout.startup_timeout_seconds)
+        await_servers(
+            servers,
+            log_dir,
+            console,
+            backend=job.spec.rollout.engine,
+            timeout_s=job.spec.rollout.startup_timeout_seconds,
+        )
     except BaseException:
         for s in servers:  # none outlives a failed start (await_servers kills them itself when it fails)
             s.kill()
@@ -746,8 +902,17 @@ def _run_started(job_path: str | Path, job: RolloutMatchingJob, assignment: GpuA
     supervisor = Supervisor(servers, report=lambda m: console.print(f"[yellow]{m}[/yellow]"))
     try:
         if ranks > 1:
-            train_with_torchrun(job_path, job, assignment, addresses, auth_token=token, resume=resume, log_dir=log_dir,
-                                console=console, metrics_port=metrics_port)
+            train_with_torchrun(
+                job_path,
+                job,
+                assignment,
+                addresses,
+                auth_token=token,
+                resume=resume,
+                log_dir=log_dir,
+                console=console,
+                metrics_port=metrics_port,
+            )
             return None
         return train_in_process(job, addresses, auth_token=token, resume=resume, console=console, loop=loop)
     finally:

@@ -29,15 +29,23 @@ class FileKind:
     command: str  # what to do with it
 
 
-RECORDS = FileKind("a training records file (JSONL, one record per line)",
-                   "it is what a job reads: check it with `rmsft data check FILE`")
-INSTANCES = FileKind("a COCO instances file (images, annotations, categories)",
-                     "convert it to training records with `rmsft data from-coco FILE IMAGES_DIR OUT.jsonl`")
-JOB = FileKind("a RolloutMatchingJob manifest (YAML)",
-               "see what it would run with `rmsft plan FILE`, run it with `rmsft local FILE`")
-RESULTS = FileKind("a COCO results file (a list of detections with scores: a model's output, not ground truth)",
-                   "training records are made from the split's instances file: `rmsft data from-coco "
-                   "instances_*.json IMAGES_DIR OUT.jsonl`")
+RECORDS = FileKind(
+    "a training records file (JSONL, one record per line)",
+    "it is what a job reads: check it with `rmsft data check FILE`",
+)
+INSTANCES = FileKind(
+    "a COCO instances file (images, annotations, categories)",
+    "convert it to training records with `rmsft data from-coco FILE IMAGES_DIR OUT.jsonl`",
+)
+JOB = FileKind(
+    "a RolloutMatchingJob manifest (YAML)",
+    "see what it would run with `rmsft plan FILE`, run it with `rmsft local FILE`",
+)
+RESULTS = FileKind(
+    "a COCO results file (a list of detections with scores: a model's output, not ground truth)",
+    "training records are made from the split's instances file: `rmsft data from-coco "
+    "instances_*.json IMAGES_DIR OUT.jsonl`",
+)
 
 
 def _is_records_line(doc: Any) -> bool:
@@ -45,13 +53,20 @@ def _is_records_line(doc: Any) -> bool:
 
 
 def _is_instances(doc: Any) -> bool:
-    return isinstance(doc, dict) and isinstance(doc.get("images"), list) and (
-        "annotations" in doc or "categories" in doc)
+    return (
+        isinstance(doc, dict) and isinstance(doc.get("images"), list) and ("annotations" in doc or "categories" in doc)
+    )
 
 
 def _is_results(doc: Any) -> bool:
-    return (isinstance(doc, list) and bool(doc) and isinstance(doc[0], dict) and "image_id" in doc[0]
-            and "score" in doc[0] and ("bbox" in doc[0] or "segmentation" in doc[0]))
+    return (
+        isinstance(doc, list)
+        and bool(doc)
+        and isinstance(doc[0], dict)
+        and "image_id" in doc[0]
+        and "score" in doc[0]
+        and ("bbox" in doc[0] or "segmentation" in doc[0])
+    )
 
 
 def _text(path: Path, limit: int) -> str:
@@ -91,8 +106,11 @@ def kind_of(path: str | Path) -> FileKind | None:
         return RECORDS
     # Too big to parse here, or pretty-printed and cut at the peek: the top-level keys say it.
     head = text.lstrip()[:_PEEK]
-    if head.startswith("{") and '"images"' in head and ('"annotations"' in head or '"categories"' in head
-                                                       or '"licenses"' in head):
+    if (
+        head.startswith("{")
+        and '"images"' in head
+        and ('"annotations"' in head or '"categories"' in head or '"licenses"' in head)
+    ):
         return INSTANCES
     if head.startswith("[") and '"score"' in head[:4096] and '"image_id"' in head[:4096]:
         return RESULTS
@@ -100,7 +118,7 @@ def kind_of(path: str | Path) -> FileKind | None:
 
 
 def wrong_kind(path: str | Path, expected: FileKind) -> str | None:
-    """"this is X, not Y: <command>" when `path` is a known kind other than `expected`, else None."""
+    """ "this is X, not Y: <command>" when `path` is a known kind other than `expected`, else None."""
     kind = kind_of(path)
     if kind is None or kind is expected:
         return None

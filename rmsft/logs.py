@@ -23,9 +23,7 @@ def parse_level(value: str, source: str = ENV) -> int:
     """`debug|info|warning|error` (any case) -> the logging level; LogLevelError otherwise."""
     key = value.strip().lower()
     if key not in LEVELS:
-        raise LogLevelError(
-            f"{source} must be one of {', '.join(LEVELS)} (spec.monitoring.logLevel), got {value!r}"
-        )
+        raise LogLevelError(f"{source} must be one of {', '.join(LEVELS)} (spec.monitoring.logLevel), got {value!r}")
     return LEVELS[key]
 
 

@@ -31,8 +31,9 @@ def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ModelCheckError(f"{path} cannot be read as JSON ({exc}); copy the checkpoint's tokenizer files "
-                              "into the folder again") from None
+        raise ModelCheckError(
+            f"{path} cannot be read as JSON ({exc}); copy the checkpoint's tokenizer files into the folder again"
+        ) from None
 
 
 def _ids(mapping: Any) -> dict[str, int]:
@@ -48,8 +49,10 @@ def tokenizer_tokens(model_dir: str | Path) -> dict[str, int]:
     folder = Path(model_dir)
     present = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
     if not present:
-        raise ModelCheckError(f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
-                              "checkpoint's tokenizer files into it")
+        raise ModelCheckError(
+            f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
+            "checkpoint's tokenizer files into it"
+        )
     tokens: dict[str, int] = {}
     for path in present:
         data = _read_json(path)
@@ -78,9 +81,11 @@ def _embedding_rows(config: dict[str, Any]) -> int | None:
 
 def coordexp_fix(model_path: str) -> str:
     """The two ways out for a checkpoint without the coord tokens."""
-    return (f"run `rmsft prepare-model {model_path} DST` (it adds the tokens and writes a new model folder) and "
-            "set spec.model.path to DST, or set spec.training.format: qwen_json (plain-text coordinates, the "
-            "stock Qwen-VL answer format)")
+    return (
+        f"run `rmsft prepare-model {model_path} DST` (it adds the tokens and writes a new model folder) and "
+        "set spec.model.path to DST, or set spec.training.format: qwen_json (plain-text coordinates, the "
+        "stock Qwen-VL answer format)"
+    )
 
 
 def check_model(model_dir: str | Path, fmt: str, field: str = "spec.model.path") -> str:
@@ -89,14 +94,18 @@ def check_model(model_dir: str | Path, fmt: str, field: str = "spec.model.path")
     or (coordexp, coordjson) coord tokens missing, partly present or past the model's embedding rows."""
     folder = Path(model_dir)
     if not folder.exists():
-        raise ModelCheckError(f"model folder {folder} does not exist ({field}): point {field} at the model folder "
-                              "as the job's processes see it (in a cluster: inside the pods, where spec.model.volume "
-                              "mounts it)")
+        raise ModelCheckError(
+            f"model folder {folder} does not exist ({field}): point {field} at the model folder "
+            "as the job's processes see it (in a cluster: inside the pods, where spec.model.volume "
+            "mounts it)"
+        )
     if not folder.is_dir():
         raise ModelCheckError(f"{folder} ({field}) is a file, not a model folder")
     if not (folder / "config.json").is_file():
-        raise ModelCheckError(f"{folder} ({field}) is not a model folder: it has no config.json (a Hugging Face "
-                              "checkpoint folder has config.json, weights and tokenizer files)")
+        raise ModelCheckError(
+            f"{folder} ({field}) is not a model folder: it has no config.json (a Hugging Face "
+            "checkpoint folder has config.json, weights and tokenizer files)"
+        )
     config = _read_json(folder / "config.json")
     tokens = tokenizer_tokens(folder)
     if fmt == "qwen_json":
@@ -108,18 +117,21 @@ def check_model(model_dir: str | Path, fmt: str, field: str = "spec.model.path")
         raise ModelCheckError(
             f"the model in {folder} ({field}) does not fit training.format {fmt}: its tokenizer has none of the "
             f"{NUM_COORD_BINS} coordinate tokens <|coord_0|>..<|coord_{NUM_COORD_BINS - 1}|> that format writes "
-            f"coordinates with (a stock checkpoint). Fix: {coordexp_fix(str(folder))}")
+            f"coordinates with (a stock checkpoint). Fix: {coordexp_fix(str(folder))}"
+        )
     if len(present) < NUM_COORD_BINS:
         missing = next(t for t in COORD_TOKENS if t not in tokens)
         raise ModelCheckError(
             f"the model in {folder} ({field}) has {len(present)} of the {NUM_COORD_BINS} coordinate tokens "
             f"training.format {fmt} needs (e.g. no {missing}): start from the stock checkpoint and "
-            f"{coordexp_fix('STOCK')}")
+            f"{coordexp_fix('STOCK')}"
+        )
     top = max(tokens[t] for t in COORD_TOKENS)
     rows = _embedding_rows(config) if isinstance(config, dict) else None
     if rows is not None and top >= rows:
         raise ModelCheckError(
             f"the tokenizer in {folder} ({field}) has the coordinate tokens (ids up to {top}) but the model has "
             f"only {rows} embedding rows (config.json vocab_size): the tokens were added to the tokenizer alone. "
-            f"Start from the stock checkpoint and {coordexp_fix('STOCK')}")
+            f"Start from the stock checkpoint and {coordexp_fix('STOCK')}"
+        )
     return f"{folder}: the tokenizer has the {NUM_COORD_BINS} coordinate tokens training.format {fmt} needs"

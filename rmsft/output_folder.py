@@ -81,8 +81,9 @@ def sweep_leftovers(dst: str | Path) -> list[Path]:
     if not parent.is_dir():
         return []
     pattern = re.compile(rf"^\.{re.escape(dst.name)}\.(tmp|old)-(\d+)-[0-9a-f]+$")
-    found = sorted((m.group(1), int(m.group(2)), p) for p in parent.iterdir()
-                   if (m := pattern.match(p.name)) is not None)
+    found = sorted(
+        (m.group(1), int(m.group(2)), p) for p in parent.iterdir() if (m := pattern.match(p.name)) is not None
+    )
     done = []
     for kind, pid, path in found:
         if _writer_alive(pid):

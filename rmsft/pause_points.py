@@ -58,8 +58,10 @@ def _arming() -> tuple[str, int | None] | None:
         return None
     name, _, number = raw.partition(":")
     if name not in POINTS or (number and not number.isdigit()):
-        raise PausePointError(f"{PAUSE_AT_ENV}={raw!r}: expected one of {', '.join(POINTS)}, optionally followed "
-                              "by :<number> (e.g. sync:3); unset it outside tests")
+        raise PausePointError(
+            f"{PAUSE_AT_ENV}={raw!r}: expected one of {', '.join(POINTS)}, optionally followed "
+            "by :<number> (e.g. sync:3); unset it outside tests"
+        )
     return name, int(number) if number else None
 
 
@@ -79,11 +81,14 @@ def pause_at(point: str, number: int) -> None:
         return
     marker = os.environ.get(MARKER_ENV, "")
     if not marker:
-        raise PausePointError(f"{PAUSE_AT_ENV} is set but {MARKER_ENV} is not: set it to the file to write when "
-                              "the point is reached")
+        raise PausePointError(
+            f"{PAUSE_AT_ENV} is set but {MARKER_ENV} is not: set it to the file to write when the point is reached"
+        )
     if threading.current_thread() is not threading.main_thread():
-        raise PausePointError(f"pause point {point}:{number} reached on thread {threading.current_thread().name}, "
-                              "where no signal can interrupt it (points block on the main thread only)")
+        raise PausePointError(
+            f"pause point {point}:{number} reached on thread {threading.current_thread().name}, "
+            "where no signal can interrupt it (points block on the main thread only)"
+        )
     tmp = f"{marker}.tmp"
     with open(tmp, "w") as f:  # renamed into place: a test polling for the marker never reads half of it
         f.write(f"{os.getpid()} {point}:{number}\n")
@@ -102,7 +107,9 @@ def fail_at(point: str, number: int) -> None:
     where, _, rank = raw.partition("@")
     name, _, wanted = where.partition(":")
     if name not in FAULT_POINTS or not wanted.isdigit() or (rank and not rank.isdigit()):
-        raise PausePointError(f"{FAIL_AT_ENV}={raw!r}: expected <point>:<number>[@<rank>] with a point of "
-                              f"{', '.join(FAULT_POINTS)} (e.g. step:3@1); unset it outside tests")
+        raise PausePointError(
+            f"{FAIL_AT_ENV}={raw!r}: expected <point>:<number>[@<rank>] with a point of "
+            f"{', '.join(FAULT_POINTS)} (e.g. step:3@1); unset it outside tests"
+        )
     if name == point and int(wanted) == number and (not rank or rank == os.environ.get("RANK", "0")):
         raise InjectedFault(errno.EIO, f"injected fault at {point}:{number} ({FAIL_AT_ENV})")

@@ -47,8 +47,15 @@ ORDER_SEED = 0  # the two directions of the ordered component: the same for ever
 # the new ones), and the tiny builders' markers (a copy would make `rmsft dev tiny-model DST` think its
 # model were there).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
-_NOT_COPIED = {"config.json", "added_tokens.json", MARKER_FILE, "rmsft_tiny_model.json", "rmsft_tiny_vl_model.json",
-               "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+_NOT_COPIED = {
+    "config.json",
+    "added_tokens.json",
+    MARKER_FILE,
+    "rmsft_tiny_model.json",
+    "rmsft_tiny_vl_model.json",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+}
 
 
 class PrepareModelError(ValueError):
@@ -184,8 +191,9 @@ def _already_done(src: Path, dst: Path, fingerprint: str) -> PrepareSummary | No
     if not (dst / "config.json").exists():
         return None
     fields = {k: v for k, v in (marker.get("summary") or {}).items() if k in PrepareSummary.__dataclass_fields__}
-    fields.update(src=str(src), dst=str(dst), changed=False,
-                  reason=f"{dst} already holds {src} prepared (nothing changed)")
+    fields.update(
+        src=str(src), dst=str(dst), changed=False, reason=f"{dst} already holds {src} prepared (nothing changed)"
+    )
     return PrepareSummary(**fields)
 
 
@@ -208,9 +216,14 @@ def prepare_model(src: str | Path, dst: str | Path, *, overwrite: bool = False) 
                 f"{src}: the tokenizer has the coord tokens (ids up to {max(ids)}) but the model has only {rows} "
                 "embedding rows; it was changed by hand half way. Start from the stock checkpoint"
             )
-        return PrepareSummary(str(src), str(dst), changed=False, vision_language=vision_language,
-                              reason=f"{src} already has the {NUM_COORD_BINS} coord tokens: nothing to do "
-                                     "(use it as it is; nothing was written)")
+        return PrepareSummary(
+            str(src),
+            str(dst),
+            changed=False,
+            vision_language=vision_language,
+            reason=f"{src} already has the {NUM_COORD_BINS} coord tokens: nothing to do "
+            "(use it as it is; nothing was written)",
+        )
     if present:
         missing = [t for t in COORD_TOKENS if t not in set(present)]
         raise PrepareModelError(
@@ -238,9 +251,12 @@ def prepare_model(src: str | Path, dst: str | Path, *, overwrite: bool = False) 
             ours = {p.name for p in tmp.iterdir()} - {"generation_config.json"}
             _copy_other_files(src, tmp, skip=written | ours)
             _check_written(tmp, summary)
-            (tmp / MARKER_FILE).write_text(json.dumps(
-                {"source": str(src.resolve()), "source_fingerprint": fingerprint, "summary": asdict(summary)},
-                indent=2))
+            (tmp / MARKER_FILE).write_text(
+                json.dumps(
+                    {"source": str(src.resolve()), "source_fingerprint": fingerprint, "summary": asdict(summary)},
+                    indent=2,
+                )
+            )
     except OutputFolderError as exc:
         raise PrepareModelError(str(exc)) from None
     except OSError as exc:
@@ -272,13 +288,17 @@ def _add_coord_tokens(model: Any, tokenizer: Any, src: Path, dst: Path, vision_l
     old_rows = inp.weight.shape[0]
     tied = head is not None and head.weight.data_ptr() == inp.weight.data_ptr()
     if old_ids and old_ids[-1] >= old_rows:
-        raise PrepareModelError(f"{src}: the tokenizer has ids up to {old_ids[-1]} but the model only {old_rows} "
-                                "embedding rows; the folder is inconsistent")
+        raise PrepareModelError(
+            f"{src}: the tokenizer has ids up to {old_ids[-1]} but the model only {old_rows} "
+            "embedding rows; the folder is inconsistent"
+        )
     added = tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in COORD_TOKENS])
     ids = tokenizer.convert_tokens_to_ids(COORD_TOKENS)
     if added != NUM_COORD_BINS or len(set(ids)) != NUM_COORD_BINS or min(ids) < old_vocab:
-        raise PrepareModelError(f"{src}: the tokenizer gave the coord tokens unexpected ids ({added} added, ids "
-                                f"{min(ids)}..{max(ids)} for {old_vocab} tokens before)")
+        raise PrepareModelError(
+            f"{src}: the tokenizer gave the coord tokens unexpected ids ({added} added, ids "
+            f"{min(ids)}..{max(ids)} for {old_vocab} tokens before)"
+        )
     need = max(ids) + 1
     if need > old_rows:
         # mean_resizing=False: transformers' own mean init samples rows at random; ours replace them below.
@@ -298,9 +318,20 @@ def _add_coord_tokens(model: Any, tokenizer: Any, src: Path, dst: Path, vision_l
                 head.bias[index] = head.bias[torch.tensor(old_ids)].float().mean().to(head.bias.dtype)
     dtype = str(w.dtype).removeprefix("torch.")
     return PrepareSummary(
-        str(src), str(dst), changed=True, reason=f"prepared {src} -> {dst}", tokens_added=added,
-        first_coord_id=ids[0], last_coord_id=ids[-1], old_vocab=old_vocab, new_vocab=len(tokenizer),
-        old_rows=old_rows, new_rows=new_rows, tied=tied, vision_language=vision_language, dtype=dtype,
+        str(src),
+        str(dst),
+        changed=True,
+        reason=f"prepared {src} -> {dst}",
+        tokens_added=added,
+        first_coord_id=ids[0],
+        last_coord_id=ids[-1],
+        old_vocab=old_vocab,
+        new_vocab=len(tokenizer),
+        old_rows=old_rows,
+        new_rows=new_rows,
+        tied=tied,
+        vision_language=vision_language,
+        dtype=dtype,
     )
 
 
@@ -328,5 +359,7 @@ def _check_written(folder: Path, summary: PrepareSummary) -> None:
     tok = _load_tokenizer(folder)
     ids = tok.convert_tokens_to_ids(COORD_TOKENS)
     if ids[0] != summary.first_coord_id or ids[-1] != summary.last_coord_id or len(tok) != summary.new_vocab:
-        raise PrepareModelError(f"the tokenizer written to {folder} does not read back with the coord tokens "
-                                f"at ids {summary.first_coord_id}..{summary.last_coord_id}")
+        raise PrepareModelError(
+            f"the tokenizer written to {folder} does not read back with the coord tokens "
+            f"at ids {summary.first_coord_id}..{summary.last_coord_id}"
+        )

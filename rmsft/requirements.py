@@ -42,9 +42,12 @@ _IMPORT_TO_CHECK = {"deepspeed", "mlflow-skinny", "wandb", "liger-kernel"}  # li
 
 _TRAIN_EXTRA = "pip install -c requirements/constraints.txt '.[train]'"
 _TRACKING_EXTRA = "pip install -c requirements/constraints.txt 'rmsft[tracking]'"
-_INSTALL = {"deepspeed": "pip install --no-build-isolation -c requirements/constraints.txt deepspeed",
-            "mlflow-skinny": _TRACKING_EXTRA, "wandb": _TRACKING_EXTRA,
-            "liger-kernel": "pip install -c requirements/constraints-gpu.txt 'rmsft[fused]'"}
+_INSTALL = {
+    "deepspeed": "pip install --no-build-isolation -c requirements/constraints.txt deepspeed",
+    "mlflow-skinny": _TRACKING_EXTRA,
+    "wandb": _TRACKING_EXTRA,
+    "liger-kernel": "pip install -c requirements/constraints-gpu.txt 'rmsft[fused]'",
+}
 # spec.training.report_to name -> the distribution it needs (tensorboard comes with the train extra).
 _TRACKER_DIST = {"mlflow": "mlflow-skinny", "wandb": "wandb"}
 _HINT = {
@@ -54,10 +57,28 @@ _HINT = {
     "chunked (the same loss without the kernel) or auto (the kernel where it can run)",
 }
 # What every learner imports (learner/, rmsft.weight_wire) and every rollout server (rollout_svc/).
-_LEARNER_BASE = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "scipy", "grpcio", "protobuf",
-                 "blake3", "prometheus-client")
-_ROLLOUT_BASE = ("torch", "transformers", "safetensors", "grpcio", "grpcio-health-checking", "protobuf", "blake3",
-                 "prometheus-client")
+_LEARNER_BASE = (
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "numpy",
+    "scipy",
+    "grpcio",
+    "protobuf",
+    "blake3",
+    "prometheus-client",
+)
+_ROLLOUT_BASE = (
+    "torch",
+    "transformers",
+    "safetensors",
+    "grpcio",
+    "grpcio-health-checking",
+    "protobuf",
+    "blake3",
+    "prometheus-client",
+)
 
 
 class MissingRequirementError(RuntimeError):

@@ -33,12 +33,16 @@ _typer_textwrap.TextWrapper = _WholeWords  # type: ignore[misc]
 
 # rich_markup_mode=None: click's plain help, wrapped at words. Rich's help panels cut option text that does not
 # fit a column with an ellipsis (`spec.model.vision.maxIma...` at 80 columns).
-app = typer.Typer(help="Rollout-matching SFT for vision-language detection models.", no_args_is_help=True,
-                  rich_markup_mode=None)
+app = typer.Typer(
+    help="Rollout-matching SFT for vision-language detection models.", no_args_is_help=True, rich_markup_mode=None
+)
 dev_app = typer.Typer(help="Developer tools.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(dev_app, name="dev")
-data_app = typer.Typer(help="Datasets: convert detection annotations to training records, check a records file.",
-                       no_args_is_help=True, rich_markup_mode=None)
+data_app = typer.Typer(
+    help="Datasets: convert detection annotations to training records, check a records file.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
 app.add_typer(data_app, name="data")
 
 
@@ -74,17 +78,30 @@ def tiny_model(
 @dev_app.command("real-width")
 def dev_real_width(
     out_dir: Path = typer.Argument(..., help="Folder to write the processor, config and weights to."),
-    preset: str = typer.Option("Qwen3-VL-2B", help="The memory-plan preset whose widths and vocabulary to build "
-                               "(Qwen3-VL-2B, Qwen3-VL-4B, Qwen3-VL-8B)."),
-    text_layers: int | None = typer.Option(None, "--text-layers", min=1, show_default=False,
-                                           help="Decoder layers (default: the preset's)."),
-    vision_layers: int | None = typer.Option(None, "--vision-layers", min=1, show_default=False,
-                                             help="Vision blocks (default: the preset's)."),
+    preset: str = typer.Option(
+        "Qwen3-VL-2B",
+        help="The memory-plan preset whose widths and vocabulary to build (Qwen3-VL-2B, Qwen3-VL-4B, Qwen3-VL-8B).",
+    ),
+    text_layers: int | None = typer.Option(
+        None, "--text-layers", min=1, show_default=False, help="Decoder layers (default: the preset's)."
+    ),
+    vision_layers: int | None = typer.Option(
+        None, "--vision-layers", min=1, show_default=False, help="Vision blocks (default: the preset's)."
+    ),
     seed: int = typer.Option(0, help="Seed for the tokenizer corpus and the random weights."),
-    stock: bool = typer.Option(False, "--stock", help="Without the <|coord_k|> tokens (the preset's vocabulary "
-                               "exactly, as a stock checkpoint comes, for prepare-model)."),
-    width_divisor: int = typer.Option(1, "--width-divisor", min=1, hidden=True,
-                                      help="Divide every width (tests: a cheap folder of the same structure)."),
+    stock: bool = typer.Option(
+        False,
+        "--stock",
+        help="Without the <|coord_k|> tokens (the preset's vocabulary "
+        "exactly, as a stock checkpoint comes, for prepare-model).",
+    ),
+    width_divisor: int = typer.Option(
+        1,
+        "--width-divisor",
+        min=1,
+        hidden=True,
+        help="Divide every width (tests: a cheap folder of the same structure).",
+    ),
 ) -> None:
     """Build a random Qwen3-VL at a preset's real widths and vocabulary (no download): the preset's vocabulary
     plus the 1000 coordinate tokens, deepstack off (vLLM's CPU path cannot run it), bf16 weights. The depths
@@ -93,8 +110,16 @@ def dev_real_width(
 
     console = _console(stderr=True)
     try:
-        path = build_real_width_model(out_dir, preset, text_layers, vision_layers, seed=seed, coord_tokens=not stock,
-                                      width_divisor=width_divisor, progress=console.print)
+        path = build_real_width_model(
+            out_dir,
+            preset,
+            text_layers,
+            vision_layers,
+            seed=seed,
+            coord_tokens=not stock,
+            width_divisor=width_divisor,
+            progress=console.print,
+        )
     except RealWidthError as exc:
         raise typer.BadParameter(str(exc)) from None
     except OSError as exc:
@@ -130,33 +155,43 @@ def data_from_coco(
         ..., help="Training records to write (replaced if present): a .jsonl file, or .jsonl.gz for gzip."
     ),
     fmt: str = typer.Option(
-        "coordexp", "--format",
-        help="The job's training.format (coordexp, coordjson or qwen_json): picks the default prompt."
+        "coordexp",
+        "--format",
+        help="The job's training.format (coordexp, coordjson or qwen_json): picks the default prompt.",
     ),
     prompt: str | None = typer.Option(
-        None, show_default=False,
+        None,
+        show_default=False,
         help="The user message of every record (default: the --format's detection prompt). {categories} in it is "
         "replaced by the names of the categories the written objects have, comma-separated.",
     ),
     boxes: bool = typer.Option(False, "--boxes", help="Every object as its bbox_2d, polygons too."),
     max_objects: int | None = typer.Option(
-        None, "--max-objects", min=1, show_default=False,
+        None,
+        "--max-objects",
+        min=1,
+        show_default=False,
         help="Skip images with more objects than this (their answer would outgrow training.rollout.max_tokens).",
     ),
     keep_empty: bool = typer.Option(
         True, "--keep-empty/--drop-empty", help="Write images without any annotation as records with no objects."
     ),
     max_image_pixels: int | None = typer.Option(
-        None, "--max-image-pixels", min=1, show_default=False,
+        None,
+        "--max-image-pixels",
+        min=1,
+        show_default=False,
         help="Skip images larger than this (width x height): the job's spec.model.vision.maxImagePixels "
         "(default: that field's default).",
     ),
     paths: str = typer.Option(
-        "out", help="Image references: out (relative to OUT's folder), images (relative to IMAGES_DIR: set "
+        "out",
+        help="Image references: out (relative to OUT's folder), images (relative to IMAGES_DIR: set "
         "spec.training.data.image_root to it) or absolute.",
     ),
     allow_no_annotations: bool = typer.Option(
-        False, "--allow-no-annotations",
+        False,
+        "--allow-no-annotations",
         help="Convert a file without any annotation (an image list or test split) into records without objects; "
         "refused otherwise.",
     ),
@@ -170,9 +205,16 @@ def data_from_coco(
 
     try:
         limit = {} if max_image_pixels is None else {"max_image_pixels": max_image_pixels}
-        options = CocoOptions(format=fmt, prompt=prompt, geometry="box" if boxes else "auto",  # type: ignore[arg-type]
-                              max_objects=max_objects, keep_empty=keep_empty,
-                              allow_no_annotations=allow_no_annotations, paths=paths, **limit)  # type: ignore[arg-type]
+        options = CocoOptions(
+            format=fmt,
+            prompt=prompt,
+            geometry="box" if boxes else "auto",  # type: ignore[arg-type]
+            max_objects=max_objects,
+            keep_empty=keep_empty,
+            allow_no_annotations=allow_no_annotations,
+            paths=paths,
+            **limit,
+        )  # type: ignore[arg-type]
         summary = convert_coco(annotations, images_dir, out, options)
     except (CocoError, ValueError, OSError) as exc:
         _fail(exc)
@@ -189,16 +231,24 @@ def data_from_coco(
 def data_check(
     file: Path = typer.Argument(..., help="Training records (.jsonl or .jsonl.gz), as spec.training.data.path."),
     images: Path | None = typer.Option(
-        None, "--images", show_default=False,
+        None,
+        "--images",
+        show_default=False,
         help="Folder the records' relative image paths are relative to: the job's spec.training.data.image_root "
         "(default: FILE's folder, as when that is unset).",
     ),
     max_image_pixels: int | None = typer.Option(
-        None, "--max-image-pixels", min=1, show_default=False,
+        None,
+        "--max-image-pixels",
+        min=1,
+        show_default=False,
         help="The job's spec.model.vision.maxImagePixels (default: that field's default).",
     ),
     max_images_per_prompt: int | None = typer.Option(
-        None, "--max-images-per-prompt", min=0, show_default=False,
+        None,
+        "--max-images-per-prompt",
+        min=0,
+        show_default=False,
         help="The job's spec.model.vision.maxImagesPerPrompt (default: that field's default).",
     ),
 ) -> None:
@@ -210,8 +260,11 @@ def data_check(
     from learner.data.check import check_records
     from learner.data.records import DataError
 
-    limits = {k: v for k, v in (("max_image_pixels", max_image_pixels),
-                                ("max_images_per_prompt", max_images_per_prompt)) if v is not None}
+    limits = {
+        k: v
+        for k, v in (("max_image_pixels", max_image_pixels), ("max_images_per_prompt", max_images_per_prompt))
+        if v is not None
+    }
     try:
         report = check_records(file, images, **limits)
     except (DataError, ValueError, OSError) as exc:  # the records themselves do not load: one line, as a job says
@@ -271,11 +324,13 @@ def _message(exc: Exception) -> str:
         return str(exc)
     import errno
 
-    what = {errno.ENAMETOOLONG: "file name too long (a name over 255 bytes, or a path over 4096)",
-            errno.EISDIR: "is a folder, where a file is expected",
-            errno.ENOTDIR: "a part of the path is a file, not a folder",
-            errno.ENOENT: "no such file or folder",
-            errno.EACCES: "permission denied"}.get(exc.errno or 0, exc.strerror or str(exc))
+    what = {
+        errno.ENAMETOOLONG: "file name too long (a name over 255 bytes, or a path over 4096)",
+        errno.EISDIR: "is a folder, where a file is expected",
+        errno.ENOTDIR: "a part of the path is a file, not a folder",
+        errno.ENOENT: "no such file or folder",
+        errno.EACCES: "permission denied",
+    }.get(exc.errno or 0, exc.strerror or str(exc))
     return f"{exc.filename}: {what}" if exc.filename else what
 
 
@@ -290,8 +345,10 @@ class Interrupted(BaseException):  # a signal, not an error
     BaseException, so no `except Exception` of the setup (a rank's failure agreement) takes it for an error."""
 
     def __init__(self, signum: int) -> None:
-        super().__init__(f"stopped ({signal.Signals(signum).name}) before the first step: nothing new to save; "
-                         "a restart resumes from the last checkpoint")
+        super().__init__(
+            f"stopped ({signal.Signals(signum).name}) before the first step: nothing new to save; "
+            "a restart resumes from the last checkpoint"
+        )
 
 
 class StopOnSignal:
@@ -321,11 +378,16 @@ class StopOnSignal:
 def train(
     config: Path = typer.Option(..., "--config", help="RolloutMatchingJob manifest (YAML)."),
     servers: str = typer.Option(
-        "", envvar="RMSFT_ROLLOUT_SERVERS", show_default=False,
+        "",
+        envvar="RMSFT_ROLLOUT_SERVERS",
+        show_default=False,
         help="Comma-separated host:port of the rollout servers, in order (a fixed list).",
     ),
     servers_file: Path | None = typer.Option(
-        None, "--servers-file", envvar="RMSFT_ROLLOUT_SERVERS_FILE", show_default=False,
+        None,
+        "--servers-file",
+        envvar="RMSFT_ROLLOUT_SERVERS_FILE",
+        show_default=False,
         help="File with one host:port per line, in order, followed during the run (the operator's "
         "/etc/rmsft/servers). Give exactly one of --servers and --servers-file.",
     ),
@@ -350,8 +412,15 @@ def train(
         raise typer.Exit(STOPPED_EXIT) from None
 
 
-def _train(stop: StopOnSignal, config: Path, servers: str, servers_file: Path | None, auth_token: str, resume: bool,
-           metrics_port: int) -> None:
+def _train(
+    stop: StopOnSignal,
+    config: Path,
+    servers: str,
+    servers_file: Path | None,
+    auth_token: str,
+    resume: bool,
+    metrics_port: int,
+) -> None:
     from learner.data.records import DataError, load_records
     from learner.rollouts.pool import ServersFile, ServersFileError
     from rmsft.jobspec import JobSpecError, load_job
@@ -363,8 +432,10 @@ def _train(stop: StopOnSignal, config: Path, servers: str, servers_file: Path | 
         job = load_job(config)  # validate the inputs before paying for torch's import
         given = bool(servers.strip()) or servers_file is not None
         if job.spec.rollout.colocated and given:
-            raise ValueError("spec.rollout.mode is colocate (the rollout engine runs in the learner): give neither "
-                             "--servers nor --servers-file")
+            raise ValueError(
+                "spec.rollout.mode is colocate (the rollout engine runs in the learner): give neither "
+                "--servers nor --servers-file"
+            )
         if not job.spec.rollout.colocated and bool(servers.strip()) == (servers_file is not None):
             raise ValueError(
                 "give exactly one of --servers (RMSFT_ROLLOUT_SERVERS) and --servers-file (RMSFT_ROLLOUT_SERVERS_FILE)"
@@ -388,8 +459,16 @@ def _train(stop: StopOnSignal, config: Path, servers: str, servers_file: Path | 
             start_metrics_server(port, registry=learner_registry(colocated=job.spec.rollout.colocated))
         # the objective spec.trainer names (learner.train.objectives: rollout_matching or grpo)
         loop = TrainingLoop(job, addresses, auth_token=auth_token or None)
-    except (JobSpecError, DataError, ServersFileError, LogLevelError, MissingRequirementError, ValueError,
-            RuntimeError, OSError) as exc:
+    except (
+        JobSpecError,
+        DataError,
+        ServersFileError,
+        LogLevelError,
+        MissingRequirementError,
+        ValueError,
+        RuntimeError,
+        OSError,
+    ) as exc:
         # A refusal (the spec, the model folder, another job's checkpoint) is 2; a CUDA error, EIO on the claim, the
         # process group's rendezvous, a busy checkpoint folder are retried (rmsft.exit_codes.exit_code_for).
         _fail(exc, _after_signal(stop, exc))
@@ -438,22 +517,41 @@ def _log_summary(summary) -> None:
     import logging
 
     log = logging.getLogger("rmsft.train")
-    log.info("training done: %d steps, loss %.4f -> %.4f, weight version %d of run %s, rollout retries %d, %.1fs",
-             summary.steps, summary.first_loss, summary.last_loss, summary.weight_version, summary.run_id,
-             summary.retries, summary.wall_seconds)
+    log.info(
+        "training done: %d steps, loss %.4f -> %.4f, weight version %d of run %s, rollout retries %d, %.1fs",
+        summary.steps,
+        summary.first_loss,
+        summary.last_loss,
+        summary.weight_version,
+        summary.run_id,
+        summary.retries,
+        summary.wall_seconds,
+    )
     for label, text in summary.objective_rows():  # the objective's own figures, as rmsft local's table has them
         log.info("%s: %s", label, text)
     figures = {f.step: f for f in summary.held_out}
     for step, f1, mean_ap in summary.evaluations:
         fig = figures.get(step)
-        log.info("held-out evaluation at step %d: label-aware F1@%g %.3f mAP %.3f%s", step, summary.eval_iou, f1,
-                 mean_ap, "" if fig is None else
-                 f"; geometry F1 {fig.f1_geometry:.3f}, class-agnostic mAP {fig.map_agnostic:.3f}, truncated "
-                 f"{fig.truncation_rate:.1%}, duplicates {fig.duplicate_rate:.1%}, objects "
-                 f"{fig.predicted_per_answer:.2f}/answer vs {fig.gt_per_record:.2f} true")
+        log.info(
+            "held-out evaluation at step %d: label-aware F1@%g %.3f mAP %.3f%s",
+            step,
+            summary.eval_iou,
+            f1,
+            mean_ap,
+            ""
+            if fig is None
+            else f"; geometry F1 {fig.f1_geometry:.3f}, class-agnostic mAP {fig.map_agnostic:.3f}, truncated "
+            f"{fig.truncation_rate:.1%}, duplicates {fig.duplicate_rate:.1%}, objects "
+            f"{fig.predicted_per_answer:.2f}/answer vs {fig.gt_per_record:.2f} true",
+        )
     total = sum(summary.phase_seconds.values()) or 1.0
-    log.info("time by phase: %s", ", ".join(f"{k} {v:.1f}s ({100 * v / total:.0f}%)"
-                                             for k, v in sorted(summary.phase_seconds.items(), key=lambda kv: -kv[1])))
+    log.info(
+        "time by phase: %s",
+        ", ".join(
+            f"{k} {v:.1f}s ({100 * v / total:.0f}%)"
+            for k, v in sorted(summary.phase_seconds.items(), key=lambda kv: -kv[1])
+        ),
+    )
     if summary.exported is not None:
         log.info("trained model exported to %s", summary.exported)
 
@@ -478,19 +576,36 @@ def local(
     job: Path | None = typer.Argument(None, help="RolloutMatchingJob manifest (YAML).", show_default=False),
     work_dir: Path = typer.Option(Path(".rmsft"), help="Where server logs go."),
     resume: bool = typer.Option(False, help="Resume from the newest checkpoint in training.checkpoint.dir."),
-    clean: bool = typer.Option(False, "--clean", help="Remove the shared-memory folders (/dev/shm/rmsft-run-*) of "
-                               "runs that were killed, then run JOB if one is given. A live run's are never "
-                               "touched; every run also does this when it starts."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print what the run would start (inputs, servers and "
-                                 "ports, weight sync transport, learner, steps, memory plan) and exit: nothing is "
-                                 "started, built or written."),
-    overrides: list[str] = typer.Option([], "--set", help="KEY=VALUE: set a field of JOB for this run, a dotted "
-                                        "path under spec as in the file (training.steps=10, rollout.replicas=1), "
-                                        "the value read as YAML; validated as the file is. Repeatable.",
-                                        show_default=False),
+    clean: bool = typer.Option(
+        False,
+        "--clean",
+        help="Remove the shared-memory folders (/dev/shm/rmsft-run-*) of "
+        "runs that were killed, then run JOB if one is given. A live run's are never "
+        "touched; every run also does this when it starts.",
+    ),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Print what the run would start (inputs, servers and "
+        "ports, weight sync transport, learner, steps, memory plan) and exit: nothing is "
+        "started, built or written.",
+    ),
+    overrides: list[str] = typer.Option(
+        [],
+        "--set",
+        help="KEY=VALUE: set a field of JOB for this run, a dotted "
+        "path under spec as in the file (training.steps=10, rollout.replicas=1), "
+        "the value read as YAML; validated as the file is. Repeatable.",
+        show_default=False,
+    ),
     metrics_port: int = typer.Option(
-        -1, min=-1, max=65535, show_default=False, help="The learner's Prometheus /metrics port on 127.0.0.1 (-1 = "
-        "a free one, printed at start; 0 = none). The servers' /metrics are on free ports, printed too."),
+        -1,
+        min=-1,
+        max=65535,
+        show_default=False,
+        help="The learner's Prometheus /metrics port on 127.0.0.1 (-1 = "
+        "a free one, printed at start; 0 = none). The servers' /metrics are on free ports, printed too.",
+    ),
 ) -> None:
     """Run a whole job on this machine: rollout servers as local processes, the learner in-process."""
 
@@ -514,8 +629,10 @@ def local(
         for path in removed:
             console.print(f"removed {path} (its run is gone)")
         kept = run_dir.live()
-        console.print(f"{len(removed)} folder(s) of killed runs removed"
-                      + (f"; {len(kept)} of live runs kept: {', '.join(map(str, kept))}" if kept else ""))
+        console.print(
+            f"{len(removed)} folder(s) of killed runs removed"
+            + (f"; {len(kept)} of live runs kept: {', '.join(map(str, kept))}" if kept else "")
+        )
         if job is None:
             return
     if job is None:
@@ -539,16 +656,27 @@ def local(
         from learner.local import run_local
 
         run_local(job, work_dir=work_dir, resume=resume, console=console, metrics_port=metrics_port)
-    except (JobSpecError, DataError, LogLevelError, RewardConfigError, ModelCheckError,
-            MemoryPlanSettingError, CheckpointLineageError, CheckpointFolderBusyError, TrackingError,
-            MetricsPortError) as exc:
+    except (
+        JobSpecError,
+        DataError,
+        LogLevelError,
+        RewardConfigError,
+        ModelCheckError,
+        MemoryPlanSettingError,
+        CheckpointLineageError,
+        CheckpointFolderBusyError,
+        TrackingError,
+        MetricsPortError,
+    ) as exc:
         _fail(exc)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (learner.local.Terminated)
         import signal
 
         signum = getattr(exc, "signum", signal.SIGINT)
-        console.print(f"stopped ({signal.Signals(signum).name}): the rollout servers and the run's shared memory "
-                      "are gone; --resume continues from the last checkpoint")
+        console.print(
+            f"stopped ({signal.Signals(signum).name}): the rollout servers and the run's shared memory "
+            "are gone; --resume continues from the last checkpoint"
+        )
         raise typer.Exit(128 + signum) from None
 
 
@@ -556,17 +684,25 @@ def local(
 def plan_cmd(
     job: Path = typer.Argument(..., help="RolloutMatchingJob manifest (YAML)."),
     gpu_memory: str | None = typer.Option(
-        None, "--gpu-memory", show_default=False,
+        None,
+        "--gpu-memory",
+        show_default=False,
         help="Memory of one GPU, e.g. 80GiB, 141GiB (default: the size in the node selector's "
         "nvidia.com/gpu.product, else 80 GiB).",
     ),
     model_config: str | None = typer.Option(
-        None, "--model-config", show_default=False,
+        None,
+        "--model-config",
+        show_default=False,
         help="config.json, model folder or preset (Qwen2.5-VL-7B, Qwen3-VL-2B, Qwen3-VL-4B, Qwen3-VL-8B) to plan "
         "with, when spec.model.path is not on this machine.",
     ),
-    overrides: list[str] = typer.Option([], "--set", help="KEY=VALUE: a field of JOB set for this plan, as "
-                                        "`rmsft local --set` (e.g. rollout.replicas=2).", show_default=False),
+    overrides: list[str] = typer.Option(
+        [],
+        "--set",
+        help="KEY=VALUE: a field of JOB set for this plan, as `rmsft local --set` (e.g. rollout.replicas=2).",
+        show_default=False,
+    ),
 ) -> None:
     """The memory plan of a job, per GPU, in server and colocate mode: weights, gradients, optimizer state,
     activations, engine and KV cache. Exit 0 when the job's own mode fits, 2 (with the knobs to turn) when not."""
@@ -596,9 +732,11 @@ def _not_built(manifest, job: Path) -> str | None:
     model = Path(manifest.spec.model.path)
     if build in ("", "false") or (model / "config.json").is_file():
         return None
-    return (f"spec.model.path {model} is not built yet: this example job builds its own tiny model "
-            f"(metadata.annotations rmsft.io/build-tiny-model: {build}); run `rmsft dev prepare {job}` (what "
-            "`rmsft local` does before it starts), then this command again")
+    return (
+        f"spec.model.path {model} is not built yet: this example job builds its own tiny model "
+        f"(metadata.annotations rmsft.io/build-tiny-model: {build}); run `rmsft dev prepare {job}` (what "
+        "`rmsft local` does before it starts), then this command again"
+    )
 
 
 @app.command("prepare-model")
@@ -658,7 +796,9 @@ def export_cmd(
     ),
     out: Path = typer.Argument(..., help="Folder to write the Hugging Face model to (new or empty)."),
     config: Path | None = typer.Option(
-        None, "--config", show_default=False,
+        None,
+        "--config",
+        show_default=False,
         help="The job manifest the checkpoint was trained with (default: run.json beside the checkpoint).",
     ),
     adapter: bool = typer.Option(False, "--adapter", help="The PEFT adapter alone instead of merged weights."),
@@ -680,8 +820,16 @@ def export_cmd(
     configure_logging("warning")
     try:
         with console.status("exporting") as status:
-            result = export_checkpoint(checkpoint, out, config=config, adapter_only=adapter, dtype=dtype,
-                                       base_model=base_model, overwrite=overwrite, progress=status.update)
+            result = export_checkpoint(
+                checkpoint,
+                out,
+                config=config,
+                adapter_only=adapter,
+                dtype=dtype,
+                base_model=base_model,
+                overwrite=overwrite,
+                progress=status.update,
+            )
     except (ExportError, JobSpecError, ModelLoadError) as exc:
         _fail(exc)
     head, *rest = result.lines()
@@ -695,7 +843,9 @@ def eval_cmd(
     model: Path = typer.Argument(..., help="Model folder, or a learner checkpoint (step-<n> or a checkpoint dir)."),
     data: Path = typer.Argument(..., help="JSONL of held-out records (the training data's schema)."),
     config: Path | None = typer.Option(
-        None, "--config", show_default=False,
+        None,
+        "--config",
+        show_default=False,
         help="Job manifest: output format, matcher, image bounds (default: run.json beside a checkpoint, else "
         "the defaults).",
     ),
@@ -705,9 +855,11 @@ def eval_cmd(
     iou: float = typer.Option(0.5, min=0.0, max=1.0, help="IoU threshold of the reported F1."),
     out: Path | None = typer.Option(None, help="Write eval.json and pictures of the first answers here."),
     fmt: str | None = typer.Option(
-        None, "--format", help="Override training.format: coordexp, coordjson or qwen_json."),
+        None, "--format", help="Override training.format: coordexp, coordjson or qwen_json."
+    ),
     coordinates: str | None = typer.Option(
-        None, help="Override training.format_options.coordinates (qwen_json): relative or pixels."),
+        None, help="Override training.format_options.coordinates (qwen_json): relative or pixels."
+    ),
     work_dir: Path = typer.Option(Path(".rmsft/eval"), help="Where server logs go."),
 ) -> None:
     """Held-out evaluation of a checkpoint: greedy answers from local rollout servers on MODEL, scored as the training
@@ -721,8 +873,17 @@ def eval_cmd(
     from rmsft.logs import configure_logging
 
     configure_logging("warning")
-    opts = EvalOptions(config=config, image_root=image_root, max_samples=max_samples, max_tokens=max_tokens,
-                       iou=iou, out=out, format=fmt, coordinates=coordinates, work_dir=work_dir)
+    opts = EvalOptions(
+        config=config,
+        image_root=image_root,
+        max_samples=max_samples,
+        max_tokens=max_tokens,
+        iou=iou,
+        out=out,
+        format=fmt,
+        coordinates=coordinates,
+        work_dir=work_dir,
+    )
     try:
         run_eval(model, data, opts, _console(stderr=True))
     except (ExportError, JobSpecError, ModelLoadError, DataError, ValueError, RuntimeError, OSError) as exc:

@@ -33,11 +33,19 @@ MARKER_FILE = "rmsft_real_width_model.json"
 # M-RoPE over head_dim 128 ([24, 20, 20], interleaved), rope_theta 5e6, gelu-tanh vision MLP, and the image
 # processor's pixel range (256x256 .. 4096x4096, patch 16, merge 2).
 _QWEN3_VL_BUILD: dict[str, Any] = {
-    "rope_parameters": {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20],
-                        "mrope_interleaved": True},
-    "max_position_embeddings": 262_144, "rms_norm_eps": 1e-6, "hidden_act": "silu", "initializer_range": 0.02,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 5_000_000.0,
+        "mrope_section": [24, 20, 20],
+        "mrope_interleaved": True,
+    },
+    "max_position_embeddings": 262_144,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
     "vision_hidden_act": "gelu_pytorch_tanh",
-    "min_pixels": 256 * 256, "max_pixels": 4096 * 4096,
+    "min_pixels": 256 * 256,
+    "max_pixels": 4096 * 4096,
 }
 
 
@@ -56,8 +64,10 @@ def preset_config(preset: str) -> tuple[str, dict[str, Any]]:
         raise RealWidthError(f"unknown preset {preset!r}; choose one of {', '.join(qwen3)}")
     cfg = PRESETS[name]
     if cfg.get("model_type") != "qwen3_vl":
-        raise RealWidthError(f"preset {name} is a {cfg.get('model_type')} model; `rmsft dev real-width` builds the "
-                             f"Qwen3-VL presets ({', '.join(qwen3)})")
+        raise RealWidthError(
+            f"preset {name} is a {cfg.get('model_type')} model; `rmsft dev real-width` builds the "
+            f"Qwen3-VL presets ({', '.join(qwen3)})"
+        )
     return name, cfg
 
 
@@ -81,14 +91,23 @@ def build_tokenizer(vocab_size: int, seed: int = 0, coord_tokens: bool = True):
     if coord_tokens:
         # As `rmsft prepare-model` adds them: ordinary added tokens after the stock vocabulary.
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in COORD_TOKENS])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=VL_SPECIAL_TOKENS[1:])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=VL_SPECIAL_TOKENS[1:],
+    )
     fast.chat_template = VL_CHAT_TEMPLATE
     return fast
 
 
-def model_config(preset: str, tokenizer: Any, text_layers: int | None = None, vision_layers: int | None = None,
-                 width_divisor: int = 1):
+def model_config(
+    preset: str,
+    tokenizer: Any,
+    text_layers: int | None = None,
+    vision_layers: int | None = None,
+    width_divisor: int = 1,
+):
     """The `Qwen3VLConfig` of the preset at the given depths (None: the preset's), vocabulary `len(tokenizer)`.
     `width_divisor` divides every width and head count (head_dim kept): a cheap folder of the same structure,
     for tests only."""
@@ -110,34 +129,61 @@ def model_config(preset: str, tokenizer: Any, text_layers: int | None = None, vi
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VL_SPECIAL_TOKENS}
     build = _QWEN3_VL_BUILD
     text_cfg = dict(
-        vocab_size=len(tokenizer), hidden_size=div(text["hidden_size"]),
-        intermediate_size=div(text["intermediate_size"]), num_hidden_layers=layers,
-        num_attention_heads=div(text["num_attention_heads"]), num_key_value_heads=div(text["num_key_value_heads"]),
-        head_dim=text["head_dim"], attention_bias=text.get("attention_bias", False),
-        max_position_embeddings=build["max_position_embeddings"], rms_norm_eps=build["rms_norm_eps"],
-        hidden_act=build["hidden_act"], initializer_range=build["initializer_range"],
-        rope_parameters=dict(build["rope_parameters"]), tie_word_embeddings=cfg["tie_word_embeddings"],
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=div(text["hidden_size"]),
+        intermediate_size=div(text["intermediate_size"]),
+        num_hidden_layers=layers,
+        num_attention_heads=div(text["num_attention_heads"]),
+        num_key_value_heads=div(text["num_key_value_heads"]),
+        head_dim=text["head_dim"],
+        attention_bias=text.get("attention_bias", False),
+        max_position_embeddings=build["max_position_embeddings"],
+        rms_norm_eps=build["rms_norm_eps"],
+        hidden_act=build["hidden_act"],
+        initializer_range=build["initializer_range"],
+        rope_parameters=dict(build["rope_parameters"]),
+        tie_word_embeddings=cfg["tie_word_embeddings"],
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     vision_cfg = dict(
-        depth=depth, hidden_size=div(vision["hidden_size"]), intermediate_size=div(vision["intermediate_size"]),
-        num_heads=div(vision["num_heads"]), in_channels=vision["in_channels"], patch_size=vision["patch_size"],
-        spatial_merge_size=vision["spatial_merge_size"], temporal_patch_size=vision["temporal_patch_size"],
-        num_position_embeddings=vision["num_position_embeddings"], out_hidden_size=text_cfg["hidden_size"],
-        hidden_act=build["vision_hidden_act"], initializer_range=build["initializer_range"],
+        depth=depth,
+        hidden_size=div(vision["hidden_size"]),
+        intermediate_size=div(vision["intermediate_size"]),
+        num_heads=div(vision["num_heads"]),
+        in_channels=vision["in_channels"],
+        patch_size=vision["patch_size"],
+        spatial_merge_size=vision["spatial_merge_size"],
+        temporal_patch_size=vision["temporal_patch_size"],
+        num_position_embeddings=vision["num_position_embeddings"],
+        out_hidden_size=text_cfg["hidden_size"],
+        hidden_act=build["vision_hidden_act"],
+        initializer_range=build["initializer_range"],
         deepstack_visual_indexes=[],  # see the module docstring
     )
     return Qwen3VLConfig(
-        text_config=text_cfg, vision_config=vision_cfg, tie_word_embeddings=cfg["tie_word_embeddings"],
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        text_config=text_cfg,
+        vision_config=vision_cfg,
+        tie_word_embeddings=cfg["tie_word_embeddings"],
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
         dtype=text.get("dtype", "bfloat16"),
     )
 
 
-def build_real_width_model(out_dir: str | Path, preset: str = "Qwen3-VL-2B", text_layers: int | None = None,
-                           vision_layers: int | None = None, seed: int = 0, coord_tokens: bool = True,
-                           width_divisor: int = 1, progress: Callable[[str], None] | None = None) -> Path:
+def build_real_width_model(
+    out_dir: str | Path,
+    preset: str = "Qwen3-VL-2B",
+    text_layers: int | None = None,
+    vision_layers: int | None = None,
+    seed: int = 0,
+    coord_tokens: bool = True,
+    width_divisor: int = 1,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
     """Write processor, config and random weights (the preset's dtype) of `preset` at the given depths to
     `out_dir`; idempotent per its arguments (a marker file). `progress` gets one line before the weights are
     written (their size: gigabytes at real widths) and one after."""
@@ -150,8 +196,14 @@ def build_real_width_model(out_dir: str | Path, preset: str = "Qwen3-VL-2B", tex
     name, cfg = preset_config(preset)
     out = Path(out_dir)
     marker = out / MARKER_FILE
-    params = {"preset": name, "text_layers": text_layers, "vision_layers": vision_layers, "seed": seed,
-              "coord_tokens": coord_tokens, "width_divisor": width_divisor}
+    params = {
+        "preset": name,
+        "text_layers": text_layers,
+        "vision_layers": vision_layers,
+        "seed": seed,
+        "coord_tokens": coord_tokens,
+        "width_divisor": width_divisor,
+    }
     if marker.exists() and json.loads(marker.read_text()) == params:
         return out
     tokenizer = build_tokenizer(cfg["text_config"]["vocab_size"], seed, coord_tokens=coord_tokens)
@@ -161,23 +213,29 @@ def build_real_width_model(out_dir: str | Path, preset: str = "Qwen3-VL-2B", tex
     torch.manual_seed(seed)
     dtype = getattr(torch, str(config.text_config.dtype or "bfloat16").removeprefix("torch."))
     model = Qwen3VLForConditionalGeneration._from_config(config, dtype=dtype)
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id, do_sample=False)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
+    )
     n = sum(p.numel() for p in model.parameters())
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     say = progress or (lambda line: None)
-    say(f"writing {size / 1e9:.2f} GB of random {str(dtype).removeprefix('torch.')} weights ({n / 1e6:.0f}M "
+    say(
+        f"writing {size / 1e9:.2f} GB of random {str(dtype).removeprefix('torch.')} weights ({n / 1e6:.0f}M "
         f"parameters: {name} widths, {config.text_config.num_hidden_layers} text layers, "
-        f"{config.vision_config.depth} vision blocks, vocabulary {len(tokenizer)}) to {out}")
+        f"{config.vision_config.depth} vision blocks, vocabulary {len(tokenizer)}) to {out}"
+    )
     start = time.monotonic()
     image_processor = Qwen2VLImageProcessorPil(
         size={"shortest_edge": _QWEN3_VL_BUILD["min_pixels"], "longest_edge": _QWEN3_VL_BUILD["max_pixels"]},
-        patch_size=config.vision_config.patch_size, temporal_patch_size=config.vision_config.temporal_patch_size,
+        patch_size=config.vision_config.patch_size,
+        temporal_patch_size=config.vision_config.temporal_patch_size,
         merge_size=config.vision_config.spatial_merge_size,
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],  # Qwen3-VL's normalisation
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],  # Qwen3-VL's normalisation
     )
-    processor = PROCESSORS["qwen3_vl"](image_processor=image_processor, tokenizer=tokenizer,
-                                       chat_template=VL_CHAT_TEMPLATE)
+    processor = PROCESSORS["qwen3_vl"](
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=VL_CHAT_TEMPLATE
+    )
     model.save_pretrained(out, safe_serialization=True)
     processor.save_pretrained(out)
     marker.write_text(json.dumps(params))

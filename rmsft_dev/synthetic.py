@@ -45,6 +45,7 @@ def make_record(rng: random.Random, index: int, max_objects: int = 4) -> dict:
         w, h = rng.randint(width // 10, width // 2), rng.randint(height // 10, height // 2)
         x1, y1 = rng.randint(0, width - w), rng.randint(0, height - h)
         objects.append({"desc": rng.choice(CLASS_NAMES), "bbox_2d": [x1, y1, x1 + w, y1 + h]})
+
     # The prompt states each box on the 1000-bin grid, so the answer is a copy task a tiny model
     # can learn within a short run (the rollout F1 then shows whether training is working).
     def grid(box: list[int]) -> list[int]:
@@ -99,9 +100,13 @@ def write_answer_dataset(path: str | Path, n: int = 64, seed: int = 0, classes: 
     with path.open("w") as f:
         for i in range(n):
             name = names[i % classes] if i < classes else rng.choice(names)
-            rec = {"id": f"answer-{i}", "width": 1000, "height": 1000,
-                   "messages": [{"role": "user", "content": ANSWER_PROMPT.format(name=name)}],
-                   "answer": coord_token_text(answer_bin(name, classes))}
+            rec = {
+                "id": f"answer-{i}",
+                "width": 1000,
+                "height": 1000,
+                "messages": [{"role": "user", "content": ANSWER_PROMPT.format(name=name)}],
+                "answer": coord_token_text(answer_bin(name, classes)),
+            }
             f.write(json.dumps(rec) + "\n")
     return path
 
@@ -176,8 +181,10 @@ def _triangle(rng: random.Random, size: int) -> list[tuple[int, int]]:
     """A fat triangle (vertices about 120 degrees apart on a circle) with its bbox at the origin."""
     radius = size / 2
     start = rng.uniform(0, 2 * math.pi)
-    pts = [(radius * math.cos(a), radius * math.sin(a))
-           for a in (start + k * 2 * math.pi / 3 + rng.uniform(-0.25, 0.25) for k in range(3))]
+    pts = [
+        (radius * math.cos(a), radius * math.sin(a))
+        for a in (start + k * 2 * math.pi / 3 + rng.uniform(-0.25, 0.25) for k in range(3))
+    ]
     x0, y0 = min(p[0] for p in pts), min(p[1] for p in pts)
     pts_int = [(round(x - x0), round(y - y0)) for x, y in pts]
     # Canonical vertex order (top-most first, then clockwise as generated): one right answer per triangle.
@@ -214,7 +221,11 @@ def _box_of(obj: dict) -> list[int]:
 
 
 def make_visual_sample(
-    seed: int, index: int, min_side: int = 96, max_side: int = 256, max_objects: int = 3,
+    seed: int,
+    index: int,
+    min_side: int = 96,
+    max_side: int = 256,
+    max_objects: int = 3,
     fmt: Literal["coordexp", "qwen_json"] = "coordexp",
 ) -> tuple[Image.Image, dict]:
     """One image and its record (without `images`, which the writer sets). Each sample has its own
@@ -247,8 +258,12 @@ def make_visual_sample(
             box = _box_of(obj)
             # Keep every earlier object identifiable: its marker pixel stays uncovered, overlaps stay
             # partial, and overlapping shapes differ in colour (same-colour shapes would merge).
-            if all(not _covers(box, visual_marker(o)) and _iou(box, _box_of(o)) <= 0.4
-                   and (_iou(box, _box_of(o)) == 0 or o["desc"].split()[0] != colour) for o in placed):
+            if all(
+                not _covers(box, visual_marker(o))
+                and _iou(box, _box_of(o)) <= 0.4
+                and (_iou(box, _box_of(o)) == 0 or o["desc"].split()[0] != colour)
+                for o in placed
+            ):
                 break
         else:
             break  # no room for another object in this image
@@ -279,9 +294,15 @@ GRID_SHAPES = ("circle", "rectangle")
 
 
 def make_grid_sample(
-    seed: int, index: int, cells: int = 4, max_objects: int = 2, min_cells: int = 1, max_cells: int = 2,
+    seed: int,
+    index: int,
+    cells: int = 4,
+    max_objects: int = 2,
+    min_cells: int = 1,
+    max_cells: int = 2,
     min_objects: int = 1,
-    fmt: Literal["coordexp", "qwen_json"] = "coordexp", colours: tuple[str, ...] = tuple(VISUAL_COLOURS),
+    fmt: Literal["coordexp", "qwen_json"] = "coordexp",
+    colours: tuple[str, ...] = tuple(VISUAL_COLOURS),
     shapes: tuple[str, ...] = GRID_SHAPES,
 ) -> tuple[Image.Image, dict]:
     """One image of `cells` x `cells` grid cells of GRID_CELL pixels and its record: `min_objects`..`max_objects` shapes
@@ -320,13 +341,23 @@ def make_grid_sample(
         (draw.ellipse if shape == "circle" else draw.rectangle)(shape_box, fill=fill)
         objects.append({"desc": f"{colour} {shape}", "bbox_2d": box})
     objects.sort(key=lambda o: (o["bbox_2d"][1], o["bbox_2d"][0]))  # reading order: one canonical answer
-    record = {"id": f"grid-{index}", "width": side, "height": side,
-              "messages": [{"role": "user", "content": VISUAL_PROMPTS[fmt]}], "objects": objects}
+    record = {
+        "id": f"grid-{index}",
+        "width": side,
+        "height": side,
+        "messages": [{"role": "user", "content": VISUAL_PROMPTS[fmt]}],
+        "objects": objects,
+    }
     return img, record
 
 
 def make_row_sample(
-    seed: int, index: int, cells: int = 6, min_row: int = 3, max_row: int = 6, max_others: int = 2,
+    seed: int,
+    index: int,
+    cells: int = 6,
+    min_row: int = 3,
+    max_row: int = 6,
+    max_others: int = 2,
     fmt: Literal["coordexp", "qwen_json"] = "coordexp",
 ) -> tuple[Image.Image, dict]:
     """One image of `cells` x `cells` grid cells with a row of `min_row`..`max_row` same-label tall rectangles side
@@ -349,15 +380,23 @@ def make_row_sample(
     k, tall = rng.randint(min_row, max_row), rng.randint(2, 3)
     x0, y0 = rng.randint(0, cells - k), rng.randint(0, cells - tall)
     taken = {(x0 + i, y0 + j) for i in range(k) for j in range(tall)}
-    objects = [{"desc": f"{colour} rectangle",
-                "bbox_2d": [(x0 + i) * GRID_CELL, y0 * GRID_CELL, (x0 + i + 1) * GRID_CELL, (y0 + tall) * GRID_CELL]}
-               for i in range(k)]
+    objects = [
+        {
+            "desc": f"{colour} rectangle",
+            "bbox_2d": [(x0 + i) * GRID_CELL, y0 * GRID_CELL, (x0 + i + 1) * GRID_CELL, (y0 + tall) * GRID_CELL],
+        }
+        for i in range(k)
+    ]
     free = sorted({(x, y) for x in range(cells) for y in range(cells)} - taken)
     for _ in range(rng.randint(0, max_others)):
         other = rng.choice([c for c in VISUAL_COLOURS if c != colour])
         x, y = free.pop(rng.randrange(len(free)))
-        objects.append({"desc": f"{other} {rng.choice(GRID_SHAPES)}",
-                        "bbox_2d": [x * GRID_CELL, y * GRID_CELL, (x + 1) * GRID_CELL, (y + 1) * GRID_CELL]})
+        objects.append(
+            {
+                "desc": f"{other} {rng.choice(GRID_SHAPES)}",
+                "bbox_2d": [x * GRID_CELL, y * GRID_CELL, (x + 1) * GRID_CELL, (y + 1) * GRID_CELL],
+            }
+        )
     for obj in objects:
         b = obj["bbox_2d"]
         # One pixel in from the right and bottom edges: neighbours in the row stay two shapes, not one long bar.
@@ -365,8 +404,13 @@ def make_row_sample(
         fill = VISUAL_COLOURS[obj["desc"].split()[0]]
         (draw.ellipse if obj["desc"].endswith("circle") else draw.rectangle)(shape_box, fill=fill)
     objects.sort(key=lambda o: (o["bbox_2d"][1], o["bbox_2d"][0]))  # reading order: one canonical answer
-    record = {"id": f"row-{index}", "width": side, "height": side,
-              "messages": [{"role": "user", "content": VISUAL_PROMPTS[fmt]}], "objects": objects}
+    record = {
+        "id": f"row-{index}",
+        "width": side,
+        "height": side,
+        "messages": [{"role": "user", "content": VISUAL_PROMPTS[fmt]}],
+        "objects": objects,
+    }
     return img, record
 
 

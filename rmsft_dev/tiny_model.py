@@ -31,8 +31,22 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 CLASS_NAMES = [
-    "person", "car", "dog", "cat", "bicycle", "traffic light", "chair", "bottle",
-    "cup", "bird", "horse", "truck", "boat", "bench", "umbrella", "red apple",
+    "person",
+    "car",
+    "dog",
+    "cat",
+    "bicycle",
+    "traffic light",
+    "chair",
+    "bottle",
+    "cup",
+    "bird",
+    "horse",
+    "truck",
+    "boat",
+    "bench",
+    "umbrella",
+    "red apple",
 ]
 MARKER_FILE = "rmsft_tiny_model.json"
 
@@ -58,8 +72,12 @@ def _corpus(rng: random.Random, n: int = 400) -> list[str]:
     return lines
 
 
-def build_tokenizer(seed: int = 0, special_tokens: list[str] = CHAT_SPECIAL_TOKENS, chat_template: str = CHAT_TEMPLATE,
-                    coord_tokens: bool = True):
+def build_tokenizer(
+    seed: int = 0,
+    special_tokens: list[str] = CHAT_SPECIAL_TOKENS,
+    chat_template: str = CHAT_TEMPLATE,
+    coord_tokens: bool = True,
+):
     """Byte-level BPE tokenizer wrapped as a `PreTrainedTokenizerFast` with a chat template; with
     `coord_tokens=False` the same tokenizer without the `<|coord_k|>` tokens (a stock vocabulary)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers

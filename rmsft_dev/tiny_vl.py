@@ -45,8 +45,14 @@ SIZES = {
 }
 
 
-def build_tiny_vl_model(out_dir: str | Path, arch: str = "qwen3_vl", seed: int = 0, size: str = "tiny",
-                        coord_tokens: bool = True, smooth_coords: bool = False) -> Path:
+def build_tiny_vl_model(
+    out_dir: str | Path,
+    arch: str = "qwen3_vl",
+    seed: int = 0,
+    size: str = "tiny",
+    coord_tokens: bool = True,
+    smooth_coords: bool = False,
+) -> Path:
     """Write processor + random weights of a tiny `arch` model to `out_dir`; idempotent per (arch, seed, size,
     coord_tokens, smooth_coords). `coord_tokens=False`: a stock model whose tokenizer has no `<|coord_k|>`
     tokens. `smooth_coords`: the coordinate tokens' embedding rows start as a smooth function of the bin
@@ -64,8 +70,12 @@ def build_tiny_vl_model(out_dir: str | Path, arch: str = "qwen3_vl", seed: int =
     out = Path(out_dir)
     marker = out / MARKER_FILE
     # Non-default options only, so folders built before an option existed keep their marker (no rebuild).
-    params = ({"arch": arch, "seed": seed} | ({"size": size} if size != "tiny" else {})
-              | ({} if coord_tokens else {"coord_tokens": False}) | ({"smooth_coords": True} if smooth_coords else {}))
+    params = (
+        {"arch": arch, "seed": seed}
+        | ({"size": size} if size != "tiny" else {})
+        | ({} if coord_tokens else {"coord_tokens": False})
+        | ({"smooth_coords": True} if smooth_coords else {})
+    )
     if marker.exists() and json.loads(marker.read_text()) == params:
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -87,7 +97,9 @@ def build_tiny_vl_model(out_dir: str | Path, arch: str = "qwen3_vl", seed: int =
     )
     image_processor = Qwen2VLImageProcessorPil(
         size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-        patch_size=PATCH_SIZE, temporal_patch_size=2, merge_size=MERGE_SIZE,
+        patch_size=PATCH_SIZE,
+        temporal_patch_size=2,
+        merge_size=MERGE_SIZE,
     )
     processor = PROCESSORS[arch](image_processor=image_processor, tokenizer=tokenizer, chat_template=VL_CHAT_TEMPLATE)
     model.save_pretrained(out, safe_serialization=True)
@@ -127,30 +139,62 @@ def _model_class(arch: str):
     return Qwen2_5_VLForConditionalGeneration
 
 
-def _config(arch: str, vocab_size: int, ids: dict[str, int], tokenizer, *, text_hidden: int, text_layers: int,
-            vision_depth: int, vision_hidden: int):
+def _config(
+    arch: str,
+    vocab_size: int,
+    ids: dict[str, int],
+    tokenizer,
+    *,
+    text_hidden: int,
+    text_layers: int,
+    vision_depth: int,
+    vision_hidden: int,
+):
     text = dict(
-        vocab_size=vocab_size, hidden_size=text_hidden, intermediate_size=2 * text_hidden,
-        num_hidden_layers=text_layers, num_attention_heads=text_hidden // 64, num_key_value_heads=1, head_dim=64,
+        vocab_size=vocab_size,
+        hidden_size=text_hidden,
+        intermediate_size=2 * text_hidden,
+        num_hidden_layers=text_layers,
+        num_attention_heads=text_hidden // 64,
+        num_key_value_heads=1,
+        head_dim=64,
         max_position_embeddings=8192,
-        initializer_range=0.08, tie_word_embeddings=True,
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        initializer_range=0.08,
+        tie_word_embeddings=True,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
-    vision = dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
-                  patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=2,
-                  out_hidden_size=text_hidden, initializer_range=0.08)
+    vision = dict(
+        depth=vision_depth,
+        hidden_size=vision_hidden,
+        intermediate_size=2 * vision_hidden,
+        num_heads=2,
+        patch_size=PATCH_SIZE,
+        spatial_merge_size=MERGE_SIZE,
+        temporal_patch_size=2,
+        out_hidden_size=text_hidden,
+        initializer_range=0.08,
+    )
     tokens = dict(
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
     )
     if arch == "qwen3_vl":
         from transformers import Qwen3VLConfig
 
-        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
-                                   "mrope_section": [8, 12, 12], "mrope_interleaved": True}
+        text["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [8, 12, 12],
+            "mrope_interleaved": True,
+        }
         vision.update(deepstack_visual_indexes=[], num_position_embeddings=256)
-        return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
-                             dtype="float32", **tokens)
+        return Qwen3VLConfig(
+            text_config=text, vision_config=vision, tie_word_embeddings=True, dtype="float32", **tokens
+        )
     from transformers import Qwen2_5_VLConfig
 
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]}

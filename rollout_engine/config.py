@@ -113,8 +113,11 @@ class ServeConfig:
             problems.append(f"logprobs_mode must be raw or processed, got {self.logprobs_mode!r}")
         if self.model_impl not in ("auto", "vllm", "transformers"):
             problems.append(f"model_impl must be auto, vllm or transformers, got {self.model_impl!r}")
-        if self.min_pixels < 0 or self.max_pixels < 0 or (self.min_pixels and self.max_pixels
-                                                          and self.min_pixels > self.max_pixels):
+        if (
+            self.min_pixels < 0
+            or self.max_pixels < 0
+            or (self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels)
+        ):
             problems.append(f"pixel bounds must be >= 0 with min <= max, got {self.min_pixels}..{self.max_pixels}")
         if self.max_images_per_prompt < 0 or self.max_image_pixels < 1:
             problems.append("max_images_per_prompt must be >= 0 and max_image_pixels >= 1")

@@ -56,8 +56,10 @@ class HfEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if is_vision_language(cfg.model):
-            raise EngineError(f"--backend hf serves text models only; {cfg.model} is a vision-language model: "
-                              "serve it with --backend vllm (spec.rollout.engine: vllm)")
+            raise EngineError(
+                f"--backend hf serves text models only; {cfg.model} is a vision-language model: "
+                "serve it with --backend vllm (spec.rollout.engine: vllm)"
+            )
         self.vision = None
         self.model = cfg.model
         self.tensor_parallel_size = 1
@@ -156,14 +158,29 @@ class HfEngine:
             while any(r is None for r in reasons):
                 # Positions count real tokens only, so a left-padded row sees the positions it would alone.
                 pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
-                res = self.hf(input_ids=step_ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                              use_cache=True, logits_to_keep=1)
+                res = self.hf(
+                    input_ids=step_ids,
+                    attention_mask=mask,
+                    position_ids=pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
                 cache = res.past_key_values
                 logits = res.logits[:, -1, :].float()
                 live = [r for r in range(n) if reasons[r] is None]
-                picked = [self._pick(logits[r], items[r].sampling, gens[r], None if seen is None else seen[r],
-                                     want_lp[r], self.processed_logprobs,
-                                     stops[r] if len(toks[r]) < items[r].sampling.min_tokens else ()) for r in live]
+                picked = [
+                    self._pick(
+                        logits[r],
+                        items[r].sampling,
+                        gens[r],
+                        None if seen is None else seen[r],
+                        want_lp[r],
+                        self.processed_logprobs,
+                        stops[r] if len(toks[r]) < items[r].sampling.min_tokens else (),
+                    )
+                    for r in live
+                ]
                 # One device->host copy per step rather than one per row.
                 chosen = torch.stack([t for t, _ in picked]).tolist()
                 chosen_lp = torch.stack([lp for _, lp in picked]).tolist() if any(want_lp) else [0.0] * len(live)
@@ -184,13 +201,21 @@ class HfEngine:
                 # Finished rows keep a 1 too: their pad tokens are never read, and one mask update serves all rows.
                 mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=dev)], dim=1)
 
-        return [GenOutput(list(it.prompt_token_ids), toks[r], reasons[r] or "length", lps[r] if want_lp[r] else None)
-                for r, it in enumerate(items)]
+        return [
+            GenOutput(list(it.prompt_token_ids), toks[r], reasons[r] or "length", lps[r] if want_lp[r] else None)
+            for r, it in enumerate(items)
+        ]
 
     @staticmethod
-    def _pick(raw: torch.Tensor, s: Sampling, g: torch.Generator, seen: torch.Tensor | None,
-              want_lp: bool, processed: bool = False,
-              blocked: Collection[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pick(
+        raw: torch.Tensor,
+        s: Sampling,
+        g: torch.Generator,
+        seen: torch.Tensor | None,
+        want_lp: bool,
+        processed: bool = False,
+        blocked: Collection[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Next token of one row (and its log-prob, raw or `processed`, or 0 when not asked), from that row's
         logits alone; `blocked` tokens (the stop tokens before min_tokens) cannot be picked."""
         import torch
@@ -242,8 +267,13 @@ class HfEngine:
 
         self._group = None
         try:
-            self._group = open_group(init_info["master_address"], init_info["master_port"], init_info["rank_offset"],
-                                     init_info["world_size"], init_info["timeout_s"])
+            self._group = open_group(
+                init_info["master_address"],
+                init_info["master_port"],
+                init_info["rank_offset"],
+                init_info["world_size"],
+                init_info["timeout_s"],
+            )
             self._bucket_bytes = int(init_info.get("bucket_bytes", 0))
         except Exception as e:
             raise EngineError(f"joining the learner's weight-transfer group failed: {e}") from e
@@ -260,8 +290,13 @@ class HfEngine:
         params = dict(self.hf.named_parameters())
         params.update(dict(self.hf.named_buffers()))
         try:
-            tensors = receive_whole(self._group, update_info["names"], update_info["dtype_names"],
-                                    update_info["shapes"], getattr(self, "_bucket_bytes", 0))
+            tensors = receive_whole(
+                self._group,
+                update_info["names"],
+                update_info["dtype_names"],
+                update_info["shapes"],
+                getattr(self, "_bucket_bytes", 0),
+            )
         except GroupAborted as e:
             self._group = None  # broken: the learner builds a new group, which this engine joins again
             raise EngineError(str(e)) from e
@@ -271,8 +306,10 @@ class HfEngine:
                     if name in params:
                         params[name].copy_(t)
         except Exception as e:  # some tensors are in, the rest not
-            raise EngineDead(f"loading the weights received over the weight-transfer group failed: {e}; the "
-                             "weights are partly replaced") from e
+            raise EngineDead(
+                f"loading the weights received over the weight-transfer group failed: {e}; the "
+                "weights are partly replaced"
+            ) from e
 
     def apply_adapter(self, adapter_dir: str, adapter_id: int, name: str) -> None:
         raise EngineError("the hf backend does not serve LoRA adapters")

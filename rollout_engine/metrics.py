@@ -25,8 +25,10 @@ GENERATE_SECONDS = Histogram(
 QUEUE_DEPTH = Gauge("rmsft_rollout_queue_depth", "Generate calls held at the gate while a weight update applies")
 INFLIGHT = Gauge("rmsft_rollout_inflight_requests", "Generate calls whose requests are in the engine")
 WEIGHT_SYNC_SECONDS = Histogram(
-    "rmsft_rollout_weight_sync_seconds", "Receive + verify + apply time of one weight update",
-    ["mode"], buckets=_LATENCY_BUCKETS,
+    "rmsft_rollout_weight_sync_seconds",
+    "Receive + verify + apply time of one weight update",
+    ["mode"],
+    buckets=_LATENCY_BUCKETS,
 )
 WEIGHT_SYNC_BYTES = Counter("rmsft_rollout_weight_sync_bytes_total", "Tensor bytes received", ["mode"])
 WEIGHT_SYNC_FAILURES = Counter(
@@ -36,21 +38,43 @@ WEIGHT_SYNC_FAILURES = Counter(
 # own), each exported at 0 from the start: a counter's labelled series exists only from its first .labels() call,
 # and a dashboard must tell "no failure" (0) from "no data" (tests/test_dashboards.py keeps the list whole).
 WEIGHT_SYNC_FAILURE_REASONS = (
-    "name", "shape", "dtype", "count", "digest", "frame_size", "malformed", "truncated", "cancelled", "lora_disabled",
-    "lora_rank", "staging_space", "busy", "apply", "shm_unavailable", "shm_path", "run_id", "group", "relay_refused",
+    "name",
+    "shape",
+    "dtype",
+    "count",
+    "digest",
+    "frame_size",
+    "malformed",
+    "truncated",
+    "cancelled",
+    "lora_disabled",
+    "lora_rank",
+    "staging_space",
+    "busy",
+    "apply",
+    "shm_unavailable",
+    "shm_path",
+    "run_id",
+    "group",
+    "relay_refused",
 )
 for _reason in WEIGHT_SYNC_FAILURE_REASONS:
     WEIGHT_SYNC_FAILURES.labels(reason=_reason)
 WEIGHT_VERSION = Gauge("rmsft_rollout_weight_version", "Weight version being served (its number)")
 # Which learner run's weights are served: one series, value 1, labelled with the run id ("" before any
 # update: the checkpoint's weights). A weight version is (run id, number): the number alone repeats.
-WEIGHT_RUN = Gauge("rmsft_rollout_weight_run_info", "Learner run whose weight version is being served (1 per run_id)",
-                   ["run_id"])
+WEIGHT_RUN = Gauge(
+    "rmsft_rollout_weight_run_info", "Learner run whose weight version is being served (1 per run_id)", ["run_id"]
+)
 READY = Gauge("rmsft_rollout_ready", "1 when the engine is loaded and serving")
-INFLIGHT_UPDATES = Counter("rmsft_rollout_inflight_updates_total",
-                           "Weight updates applied under paused running requests (keep_generating), not drained")
-KEPT_CALLS = Counter("rmsft_rollout_kept_calls_total",
-                     "Generate calls running when an in-flight weight update paused them (resumed on the new weights)")
+INFLIGHT_UPDATES = Counter(
+    "rmsft_rollout_inflight_updates_total",
+    "Weight updates applied under paused running requests (keep_generating), not drained",
+)
+KEPT_CALLS = Counter(
+    "rmsft_rollout_kept_calls_total",
+    "Generate calls running when an in-flight weight update paused them (resumed on the new weights)",
+)
 
 
 def set_weights(weights: WeightVersion) -> None:

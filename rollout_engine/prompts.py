@@ -86,16 +86,20 @@ def _image(img: rollout_pb2.Image, max_pixels: int, where: str):
         with Image.open(src) as im:  # reads the header only
             w, h = im.size
             if w * h > max_pixels:
-                raise PromptError(f"{where}: image of {w}x{h} = {w * h} pixels exceeds the server's limit of "
-                                  f"{max_pixels} (--max-image-pixels, spec.model.vision.maxImagePixels)")
+                raise PromptError(
+                    f"{where}: image of {w}x{h} = {w * h} pixels exceeds the server's limit of "
+                    f"{max_pixels} (--max-image-pixels, spec.model.vision.maxImagePixels)"
+                )
             return im.convert("RGB")
     except PromptError:
         raise
     except FileNotFoundError:
         raise PromptError(f"{where}: image file {img.uri!r} does not exist on the server") from None
     except Image.DecompressionBombError as e:  # PIL's guard fires before the header check for enormous sizes
-        raise PromptError(f"{where}: image exceeds the server's limit of {max_pixels} pixels "
-                          f"(--max-image-pixels, spec.model.vision.maxImagePixels): {e}") from None
+        raise PromptError(
+            f"{where}: image exceeds the server's limit of {max_pixels} pixels "
+            f"(--max-image-pixels, spec.model.vision.maxImagePixels): {e}"
+        ) from None
     except (UnidentifiedImageError, OSError, ValueError) as e:
         raise PromptError(f"{where}: cannot decode image: {type(e).__name__}: {e}") from None
 
@@ -123,15 +127,20 @@ def build_items(request: rollout_pb2.GenerateRequest, engine) -> list[GenItem]:
         s = sampling_of(request.sampling, p.seed if p.HasField("seed") else None)
         if p.images:
             if p.token_ids:
-                raise PromptError(f"{where}: images need messages, not token_ids (the server renders the image "
-                                  "tokens with its processor)")
+                raise PromptError(
+                    f"{where}: images need messages, not token_ids (the server renders the image "
+                    "tokens with its processor)"
+                )
             if limits is None:
-                raise PromptError(f"{where}: carries {len(p.images)} image(s) but {engine.model} is not a "
-                                  "vision-language model")
+                raise PromptError(
+                    f"{where}: carries {len(p.images)} image(s) but {engine.model} is not a vision-language model"
+                )
             if len(p.images) > limits.max_images_per_prompt:
-                raise PromptError(f"{where}: carries {len(p.images)} images; the server accepts at most "
-                                  f"{limits.max_images_per_prompt} per prompt (--max-images-per-prompt, "
-                                  "spec.model.vision.maxImagesPerPrompt)")
+                raise PromptError(
+                    f"{where}: carries {len(p.images)} images; the server accepts at most "
+                    f"{limits.max_images_per_prompt} per prompt (--max-images-per-prompt, "
+                    "spec.model.vision.maxImagesPerPrompt)"
+                )
         # (images with no limits were refused above)
         images = [_image(img, limits.max_image_pixels, where) for img in p.images] if p.images and limits else []
         text = None
@@ -140,8 +149,9 @@ def build_items(request: rollout_pb2.GenerateRequest, engine) -> list[GenItem]:
         elif p.messages:
             msgs = [{"role": m.role, "content": m.content} for m in p.messages]
             if images:
-                text = engine.tokenizer.apply_chat_template(_with_images(msgs, len(images), where), tokenize=False,
-                                                            add_generation_prompt=True)
+                text = engine.tokenizer.apply_chat_template(
+                    _with_images(msgs, len(images), where), tokenize=False, add_generation_prompt=True
+                )
                 ids = []
             else:
                 ids = engine.render_chat(msgs)

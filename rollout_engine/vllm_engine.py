@@ -82,9 +82,7 @@ def one_serving_thread(on_cpu: bool) -> AbstractContextManager[None]:
     return _env_while("OMP_NUM_THREADS", "1" if on_cpu and "OMP_NUM_THREADS" not in os.environ else None)
 
 
-_OOM_HINT = (
-    "vLLM ran out of memory: lower --gpu-memory-utilization or --kv-cache-bytes, or --max-model-len"
-)
+_OOM_HINT = "vLLM ran out of memory: lower --gpu-memory-utilization or --kv-cache-bytes, or --max-model-len"
 # vLLM-CPU sizes a fraction-based KV cache as `fraction x RAM of the NUMA node - the worker's RSS`,
 # which goes negative on a small node (8 GiB nodes exist on 24 GiB machines); an explicit size
 # does not depend on the node.
@@ -106,8 +104,10 @@ def _memory_kwargs(cfg: ServeConfig, *, on_gpu: bool) -> dict:
 def _explain(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}"
     if "kv cache allocation" in text:
-        return (f"{text}. On the CPU backend a --gpu-memory-utilization share of the NUMA node's RAM must hold "
-                "the worker's weights as well as the KV cache: set --kv-cache-bytes instead (or free memory)")
+        return (
+            f"{text}. On the CPU backend a --gpu-memory-utilization share of the NUMA node's RAM must hold "
+            "the worker's weights as well as the KV cache: set --kv-cache-bytes instead (or free memory)"
+        )
     if "out of memory" in text.lower() or isinstance(e, MemoryError):
         return f"{_OOM_HINT} ({text})"
     return text
@@ -254,8 +254,12 @@ class VllmEngine:
             self._loop.stop()
             raise EngineError(f"vLLM failed to start on {cfg.model}: {_explain(e)}") from e
         sched = self.llm.vllm_config.scheduler_config
-        log.info("engine: max_num_seqs=%s max_num_batched_tokens=%s enable_chunked_prefill=%s",
-                 sched.max_num_seqs, sched.max_num_batched_tokens, sched.enable_chunked_prefill)
+        log.info(
+            "engine: max_num_seqs=%s max_num_batched_tokens=%s enable_chunked_prefill=%s",
+            sched.max_num_seqs,
+            sched.max_num_batched_tokens,
+            sched.enable_chunked_prefill,
+        )
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = self.llm.model_config.get_vocab_size()
         self._lora: LoRARequest | None = None  # the active adapter
@@ -304,8 +308,9 @@ class VllmEngine:
             if _refused_input(cause):  # vLLM's input checks (e.g. a prompt longer than max_model_len)
                 raise EngineInputError(f"vLLM refused the prompt: {cause}") from e
             if _engine_dead(e):
-                raise EngineDead(f"vLLM's engine process died during generate ({_explain(e)}); its log above has "
-                                 "the cause") from e
+                raise EngineDead(
+                    f"vLLM's engine process died during generate ({_explain(e)}); its log above has the cause"
+                ) from e
             raise EngineError(f"vLLM generate failed: {_explain(cause)}") from e
         if final is None:
             raise EngineError(f"vLLM returned no output for request {request_id}")
@@ -317,8 +322,13 @@ class VllmEngine:
         # vLLM tags each output token with the engine core's weight label at the step that sampled it
         # (output_processor's weight_versions spans; `label_weights` sets the label).
         spans = getattr(o, "weight_versions", None)
-        return GenOutput(list(final.prompt_token_ids), ids, o.finish_reason or "abort", logprobs,
-                         None if spans is None else [(str(sp.version), int(sp.start), int(sp.end)) for sp in spans])
+        return GenOutput(
+            list(final.prompt_token_ids),
+            ids,
+            o.finish_reason or "abort",
+            logprobs,
+            None if spans is None else [(str(sp.version), int(sp.start), int(sp.end)) for sp in spans],
+        )
 
     def dead_reason(self) -> str:
         """Why the engine can serve no more ("" while it can): its process died or its output loop failed."""
@@ -373,8 +383,10 @@ class VllmEngine:
         """Transport nccl: every worker joins the learner's group (returns once all members met)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        self._wait(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)),
-                   "joining the learner's weight-transfer group")
+        self._wait(
+            self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)),
+            "joining the learner's weight-transfer group",
+        )
 
     def receive_weights(self, update_info: dict) -> None:
         """Transport nccl: load the tensors `update_info` lists as they arrive over the group. Once the reload has
@@ -385,8 +397,10 @@ class VllmEngine:
 
         self._wait(self.llm.start_weight_update(), "starting a weight update")
         try:
-            self._wait(self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info)),
-                       "receiving weights over the weight-transfer group")
+            self._wait(
+                self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info)),
+                "receiving weights over the weight-transfer group",
+            )
             self._wait(self.llm.finish_weight_update(), "finishing a weight update")
         except EngineDead:
             raise

@@ -69,8 +69,9 @@ def _engine_class() -> type:
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             p = self.parallel_config
             rank = getattr(p, "data_parallel_index", 0) * p.world_size + p.rank + init_info.rank_offset
-            self.group = open_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
-                                    init_info.timeout_s)
+            self.group = open_group(
+                init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s
+            )
             self.bucket_bytes = init_info.bucket_bytes
 
         def start_weight_update(self) -> None:
@@ -92,8 +93,9 @@ def _engine_class() -> type:
 
             # GroupAborted (its message says NOTHING_LOADED) before the model is touched: rollout_engine.vllm_engine
             # reads that as "the previous version still serves".
-            tensors = receive_whole(self.group, update_info.names, update_info.dtype_names, update_info.shapes,
-                                    self.bucket_bytes)
+            tensors = receive_whole(
+                self.group, update_info.names, update_info.dtype_names, update_info.shapes, self.bucket_bytes
+            )
             initialize_layerwise_reload(self.model)
             self.reloading = True
             for name, t in tensors:

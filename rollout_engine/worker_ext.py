@@ -36,7 +36,6 @@ class RmsftWorkerExtension:
         reload(weights_iterator=weights, is_checkpoint_format=True)
         return count
 
-
     def rmsft_load_tensors(self, weights, names: list[str]) -> int:
         """In-process engines (colocate: the engine lives in the learner's process, so the tensors themselves
         arrive, by reference): load `weights`, an iterable of (checkpoint name, tensor) consumed once, layer by
@@ -58,8 +57,6 @@ class RmsftWorkerExtension:
         reload = getattr(self, "reload_weights", None) or self.model_runner.reload_weights
         reload(weights_iterator=stream(), is_checkpoint_format=True)
         return count
-
-
 
 
 def _tied_head_source(worker, names: list[str]) -> str | None:

@@ -72,25 +72,33 @@ class WholeWordsHelp(argparse.HelpFormatter):
         import textwrap
 
         return textwrap.TextWrapper(width, break_on_hyphens=False, break_long_words=False).wrap(
-            self._whitespace_matcher.sub(" ", text).strip())
+            self._whitespace_matcher.sub(" ", text).strip()
+        )
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         import textwrap
 
-        return textwrap.TextWrapper(width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False,
-                                    break_long_words=False).fill(self._whitespace_matcher.sub(" ", text).strip())
+        return textwrap.TextWrapper(
+            width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False, break_long_words=False
+        ).fill(self._whitespace_matcher.sub(" ", text).strip())
 
 
 def build_parser(prog: str = "rmsft serve") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Serve one rollout engine over gRPC (rmsft contract).",
-                                formatter_class=WholeWordsHelp)
+    p = argparse.ArgumentParser(
+        prog=prog, description="Serve one rollout engine over gRPC (rmsft contract).", formatter_class=WholeWordsHelp
+    )
     p.add_argument("--config", help="YAML file with any of the options below (snake_case keys); flags win")
     for f in fields(ServeConfig):
         default = f.default if f.default is not MISSING else None
         text = _HELP.get(f.name, "")
         if f.type in ("bool", "bool | None"):
-            p.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                           help=f"{text} (default {default})")
+            p.add_argument(
+                _flag(f.name),
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"{text} (default {default})",
+            )
         else:
             typ = {"int": int, "float": float, "float | None": float}.get(str(f.type), str)
             p.add_argument(_flag(f.name), dest=f.name, type=typ, default=None, help=f"{text} (default {default!r})")
@@ -111,8 +119,11 @@ def parse_config(argv: list[str] | None = None, prog: str = "rmsft serve") -> Se
         if unknown:
             # Tolerated, said on stderr (docs/upgrade.md): an operator newer than this image may write a key this
             # image does not know into a job's serve.yaml; refusing it would crash-loop every server of the job.
-            print(f"rmsft serve: warning: ignoring unknown keys in {args.config}: {unknown} (written for a newer "
-                  "rmsft serve, or misspelt)", file=sys.stderr)
+            print(
+                f"rmsft serve: warning: ignoring unknown keys in {args.config}: {unknown} (written for a newer "
+                "rmsft serve, or misspelt)",
+                file=sys.stderr,
+            )
         values.update({k: v for k, v in data.items() if k in known})
     for k, v in vars(args).items():
         if k != "config" and v is not None:

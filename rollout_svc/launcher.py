@@ -44,8 +44,15 @@ def _flags(options: dict[str, Any]) -> list[str]:
 
 
 class RolloutServer:
-    def __init__(self, proc: subprocess.Popen | None, port: int, metrics_port: int, log_path: Path,
-                 token: str = "", host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        proc: subprocess.Popen | None,
+        port: int,
+        metrics_port: int,
+        log_path: Path,
+        token: str = "",
+        host: str = "127.0.0.1",
+    ):
         self.proc, self.port, self.metrics_port = proc, port, metrics_port
         self._launch: tuple[list[str], dict[str, str]] | None = None
         self.log_path, self.token, self.host = log_path, token, host
@@ -55,9 +62,17 @@ class RolloutServer:
         return f"{self.host}:{self.port}"
 
     @classmethod
-    def start(cls, model: str | Path, *, timeout: float = 300.0, port: int | None = None,
-              metrics_port: int | None = None, env: dict[str, str] | None = None,
-              log_path: str | Path | None = None, **options: Any) -> RolloutServer:
+    def start(
+        cls,
+        model: str | Path,
+        *,
+        timeout: float = 300.0,
+        port: int | None = None,
+        metrics_port: int | None = None,
+        env: dict[str, str] | None = None,
+        log_path: str | Path | None = None,
+        **options: Any,
+    ) -> RolloutServer:
         """Spawn the server and block until its health service says SERVING.
 
         `options` are `rmsft serve` flags in snake_case (e.g. backend="hf", enable_lora=True).
@@ -72,8 +87,16 @@ class RolloutServer:
         return srv
 
     @classmethod
-    def spawn(cls, model: str | Path, *, port: int | None = None, metrics_port: int | None = None,
-              env: dict[str, str] | None = None, log_path: str | Path | None = None, **options: Any) -> RolloutServer:
+    def spawn(
+        cls,
+        model: str | Path,
+        *,
+        port: int | None = None,
+        metrics_port: int | None = None,
+        env: dict[str, str] | None = None,
+        log_path: str | Path | None = None,
+        **options: Any,
+    ) -> RolloutServer:
         """Start the server process and return at once (`wait_healthy` waits for it). The process dies with this
         one, whatever ends this one (rmsft.lifeline)."""
         if port:
@@ -88,8 +111,18 @@ class RolloutServer:
         port = port or free_port()
         metrics_port = free_port() if metrics_port is None else metrics_port
         opts = {"host": "127.0.0.1", "max_model_len": 2048, **options}
-        cmd = [sys.executable, "-m", "rollout_svc", "--model", str(model), "--port", str(port),
-               "--metrics-port", str(metrics_port), *_flags(opts)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rollout_svc",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            *_flags(opts),
+        ]
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"rmsft-serve-{port}-", suffix=".log")
             os.close(fd)
@@ -108,8 +141,9 @@ class RolloutServer:
         with open(self.log_path, "ab" if append else "wb") as log:
             # A session of its own: a Ctrl-C in the terminal reaches the learner, which stops the servers in
             # order, not all at once. Its own process group, so its engine processes are stopped with it.
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         **popen_options(env))
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **popen_options(env)
+            )
 
     def restart(self, timeout: float = 300.0, cancel: threading.Event | None = None) -> None:
         """Start the server again after its process ended (a dead engine exits 1): same command, same ports, so
@@ -136,8 +170,7 @@ class RolloutServer:
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(
             self.address,
-            options=[("grpc.max_receive_message_length", 256 << 20),
-                     ("grpc.max_send_message_length", 256 << 20)],
+            options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)],
         )
 
     def stub(self, channel: grpc.Channel | None = None):
@@ -184,14 +217,17 @@ class RolloutServer:
                 pid = self.stub(ch).GetStatus(rollout_pb2.StatusRequest(), metadata=self.metadata(), timeout=10).pid
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.UNAUTHENTICATED:
-                raise RuntimeError(f"rmsft serve on {self.address} said SERVING, then failed GetStatus: "
-                                   f"{e.code().name}: {e.details()}") from e
+                raise RuntimeError(
+                    f"rmsft serve on {self.address} said SERVING, then failed GetStatus: {e.code().name}: {e.details()}"
+                ) from e
             pid = None  # this run's token refused: another run's server
         assert self.proc is not None, "a started server has its process (start() spawns it)"
         if pid != self.proc.pid:
             who = f"pid {pid}" if pid else "a server that refused this run's token"
-            raise RuntimeError(f"port {self.port} is answered by another process ({who}), not by the rmsft serve "
-                               f"started here (pid {self.proc.pid}), which could not bind it:\n{self.log_tail()}")
+            raise RuntimeError(
+                f"port {self.port} is answered by another process ({who}), not by the rmsft serve "
+                f"started here (pid {self.proc.pid}), which could not bind it:\n{self.log_tail()}"
+            )
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (the server drains and shuts its engine down), SIGKILL to its whole process group after
@@ -228,8 +264,15 @@ class Supervisor:
     server that cannot start stays down (the learner fails over to the others) instead of looping; a server that
     exited 0 was stopped on purpose and stays down; `report(message)` hears about every event."""
 
-    def __init__(self, servers: list[RolloutServer], *, report=print, max_restarts: int = 3,
-                 poll_s: float = 1.0, start_timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        servers: list[RolloutServer],
+        *,
+        report=print,
+        max_restarts: int = 3,
+        poll_s: float = 1.0,
+        start_timeout: float = 300.0,
+    ) -> None:
         self.servers = servers
         self.report = report
         self.max_restarts = max_restarts
@@ -248,13 +291,17 @@ class Supervisor:
                 if code in (None, 0) or self._stop.is_set() or self.restarts[i] < 0:
                     continue
                 if self.restarts[i] >= self.max_restarts:
-                    self.report(f"rollout server {i} ({srv.address}) exited with {code} after {self.restarts[i]} "
-                                f"restart(s); leaving it down (log: {srv.log_path})")
+                    self.report(
+                        f"rollout server {i} ({srv.address}) exited with {code} after {self.restarts[i]} "
+                        f"restart(s); leaving it down (log: {srv.log_path})"
+                    )
                     self.restarts[i] = -1  # reported once
                     continue
                 self.restarts[i] += 1
-                self.report(f"rollout server {i} ({srv.address}) exited with {code}: restarting it "
-                            f"({self.restarts[i]}/{self.max_restarts}; log: {srv.log_path})")
+                self.report(
+                    f"rollout server {i} ({srv.address}) exited with {code}: restarting it "
+                    f"({self.restarts[i]}/{self.max_restarts}; log: {srv.log_path})"
+                )
                 try:
                     srv.restart(self._start_timeout, cancel=self._stop)
                 except Exception as e:  # reported; the next poll sees it down again

@@ -124,17 +124,21 @@ def check_shared_dir(
     None. The servers stage nothing of their own then; the shared filesystem holds the update the
     learner is writing plus the previous one, which the servers keep open as their rollback copy."""
     if not os.path.isdir(shared_dir) or not os.access(shared_dir, os.R_OK | os.X_OK):
-        return (f"shared-weights dir {shared_dir} does not exist or is not readable (--shared-weights-dir / "
-                "RMSFT_SHARED_WEIGHTS_DIR)")
+        return (
+            f"shared-weights dir {shared_dir} does not exist or is not readable (--shared-weights-dir / "
+            "RMSFT_SHARED_WEIGHTS_DIR)"
+        )
     wb = _weight_bytes_or_problem(model_dir, dtype)
     if not isinstance(wb, int):
         return wb
     size = filesystem_bytes(shared_dir, statvfs)
     if 2 * wb <= size:
         return None
-    return (f"shared-weights dir {shared_dir} has {size / GIB:.1f} GiB; transport shm needs about "
-            f"{2 * wb / GIB:.1f} GiB there (the update being written + the previous one, which the servers keep "
-            "as their rollback copy): give the node more shared memory or use spec.sync.transport: grpc")
+    return (
+        f"shared-weights dir {shared_dir} has {size / GIB:.1f} GiB; transport shm needs about "
+        f"{2 * wb / GIB:.1f} GiB there (the update being written + the previous one, which the servers keep "
+        "as their rollback copy): give the node more shared memory or use spec.sync.transport: grpc"
+    )
 
 
 def write_termination_log(message: str, path: str = TERMINATION_LOG) -> bool:

@@ -120,8 +120,9 @@ class Relay:
         self._done.wait(max(0.0, self._deadline - time.monotonic()) + 5.0)
         with self._cond:
             got = {o.address for o in self._outcomes}
-            missing = [self._not_reached(a, "no answer before the learner's deadline")
-                       for a in self.targets if a not in got]
+            missing = [
+                self._not_reached(a, "no answer before the learner's deadline") for a in self.targets if a not in got
+            ]
             return list(self._outcomes) + missing
 
     def close(self) -> None:
@@ -175,10 +176,13 @@ class Relay:
                 with self._cond:
                     broken = self._broken
                 if broken is not None:
-                    return [rollout_pb2.RelayOutcome(
-                        address=address, code=grpc.StatusCode.CANCELLED.value[0],
-                        message=f"relay stopped: the stream was refused upstream ({broken})",
-                    )]
+                    return [
+                        rollout_pb2.RelayOutcome(
+                            address=address,
+                            code=grpc.StatusCode.CANCELLED.value[0],
+                            message=f"relay stopped: the stream was refused upstream ({broken})",
+                        )
+                    ]
                 if e.code() == grpc.StatusCode.ABORTED and attempt < _BUSY_RETRIES:
                     time.sleep(_BUSY_WAIT_S)  # e.g. still ending a stream from a relay that died
                     continue

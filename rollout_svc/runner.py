@@ -116,8 +116,11 @@ class EngineRunner:
                 fut.cancel()
             return fut.result(), version
         except CancelledError:
-            raise (RunnerStopped("server shutting down: the call's requests were aborted") if self._stopped
-                   else Cancelled("the call was cancelled: its requests were aborted")) from None
+            raise (
+                RunnerStopped("server shutting down: the call's requests were aborted")
+                if self._stopped
+                else Cancelled("the call was cancelled: its requests were aborted")
+            ) from None
         finally:
             with self._cv:
                 self._running.discard(fut)

@@ -136,8 +136,9 @@ def _health_port() -> int:
 def _health_only_server(health_svc: health.HealthServicer, host: str, port: int) -> grpc.Server:
     """grpc.health.v1 and nothing else, in plaintext: what it tells (SERVING or not) is what the TLS port's own
     health service tells, the same servicer object; no rollout call, no token, no weights."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"),
-                         options=[("grpc.so_reuseport", 0)])
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"), options=[("grpc.so_reuseport", 0)]
+    )
     health_pb2_grpc.add_HealthServicer_to_server(health_svc, server)
     _listen(server, f"{host}:{port}", None, " for health checks")
     return server
@@ -228,8 +229,10 @@ def serve(cfg: ServeConfig) -> int:
     _listen(server, address, creds)
     health_port = _health_port()
     if health_port and not cfg.tls_cert:
-        _fail(f"{HEALTH_PORT_ENV} is for a server with TLS (--tls-cert/--tls-key); without TLS the gRPC port "
-              "answers health checks itself")
+        _fail(
+            f"{HEALTH_PORT_ENV} is for a server with TLS (--tls-cert/--tls-key); without TLS the gRPC port "
+            "answers health checks itself"
+        )
     health_server = _health_only_server(health_svc, cfg.host, health_port) if health_port else None
     if cfg.metrics_port:
         from rmsft.metrics_http import start_metrics_server
@@ -241,8 +244,15 @@ def serve(cfg: ServeConfig) -> int:
     server.start()
     if health_server is not None:
         health_server.start()
-    log.info("listening on %s%s (metrics :%s%s), loading %s engine for %s", address, " (TLS)" if cfg.tls_cert else "",
-             cfg.metrics_port, f", health :{health_port} plaintext" if health_server else "", cfg.backend, cfg.model)
+    log.info(
+        "listening on %s%s (metrics :%s%s), loading %s engine for %s",
+        address,
+        " (TLS)" if cfg.tls_cert else "",
+        cfg.metrics_port,
+        f", health :{health_port} plaintext" if health_server else "",
+        cfg.backend,
+        cfg.model,
+    )
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

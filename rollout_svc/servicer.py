@@ -72,8 +72,11 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
         self.ordinal = cfg.resolved_replica_ordinal()
         self.stager = Stager(cfg.resolved_staging_dir(), cfg.max_frame_bytes, cfg.resolved_shared_weights_dir())
         if self.stager.removed_at_start:
-            log.info("removed %d staging file(s) of rollout servers that are gone: %s",
-                     len(self.stager.removed_at_start), ", ".join(self.stager.removed_at_start))
+            log.info(
+                "removed %d staging file(s) of rollout servers that are gone: %s",
+                len(self.stager.removed_at_start),
+                ", ".join(self.stager.removed_at_start),
+            )
         # How this server calls its peers when it relays an update: the pool shares one token, and
         # (with TLS) one certificate chain, which then also serves as the roots to trust.
         token = cfg.resolved_auth_token()
@@ -174,9 +177,13 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
         t0 = time.perf_counter()
         with self._admit_lock:
             if self._admitted >= self.cfg.max_concurrent_requests:
-                self._finish("Generate", context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"server is at its limit of {self.cfg.max_concurrent_requests} concurrent "
-                             "Generate calls; retry later or on another replica")
+                self._finish(
+                    "Generate",
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"server is at its limit of {self.cfg.max_concurrent_requests} concurrent "
+                    "Generate calls; retry later or on another replica",
+                )
             self._admitted += 1
         try:
             self._require_ready()
@@ -193,14 +200,22 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
         except PromptError as e:
             self._finish("Generate", context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except VersionMismatch as e:
-            self._finish("Generate", context, grpc.StatusCode.FAILED_PRECONDITION,
-                         f"{e}; sync weights first or drop expected_weight_version")
+            self._finish(
+                "Generate",
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{e}; sync weights first or drop expected_weight_version",
+            )
         except EngineInputError as e:
             self._finish("Generate", context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDead as e:
             self._dead(str(e))
-            self._finish("Generate", context, grpc.StatusCode.UNAVAILABLE,
-                         f"{e}; this server is exiting to be restarted: retry on another server")
+            self._finish(
+                "Generate",
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"{e}; this server is exiting to be restarted: retry on another server",
+            )
         except EngineError as e:
             self._finish("Generate", context, grpc.StatusCode.INTERNAL, str(e))
         except Cancelled as e:
@@ -214,14 +229,17 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
         n = samples_per_prompt(request.sampling)
         n_prompt = n_gen = 0
         for k, out in enumerate(outs):
-            c = set_version(reply.completions.add(
-                prompt_token_ids=out.prompt_token_ids,
-                token_ids=out.token_ids,
-                finish_reason=_FINISH.get(out.finish_reason, rollout_pb2.FINISH_REASON_UNSPECIFIED),
-                request_id=request.prompts[k // n].request_id,
-                sample_index=k % n,
-                logprobs=out.logprobs or (),
-            ), version)
+            c = set_version(
+                reply.completions.add(
+                    prompt_token_ids=out.prompt_token_ids,
+                    token_ids=out.token_ids,
+                    finish_reason=_FINISH.get(out.finish_reason, rollout_pb2.FINISH_REASON_UNSPECIFIED),
+                    request_id=request.prompts[k // n].request_id,
+                    sample_index=k % n,
+                    logprobs=out.logprobs or (),
+                ),
+                version,
+            )
             for weights, start, end in self._spans(out, version):
                 set_version(c.version_spans.add(start=start, end=end), weights)
             n_prompt += len(out.prompt_token_ids) if k % n == 0 else 0
@@ -272,7 +290,8 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
                 raise WireError(
                     "ADAPTER sync needs a server started with --enable-lora; this one serves "
                     f"backend={self.engine.backend} without LoRA (use FULL sync)",
-                    code="FAILED_PRECONDITION", reason="lora_disabled",
+                    code="FAILED_PRECONDITION",
+                    reason="lora_disabled",
                 )
             try:
                 cfg = json.loads(header.adapter_config_json)
@@ -284,8 +303,9 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
             ranks = [rank, *map(int, (cfg.get("rank_pattern") or {}).values())]
             if rank <= 0 or max(ranks) > self.engine.max_lora_rank:
                 raise WireError(
-                    f"adapter rank {max(ranks)} is outside 1..{self.engine.max_lora_rank} "
-                    "(server --max-lora-rank)", code="FAILED_PRECONDITION", reason="lora_rank",
+                    f"adapter rank {max(ranks)} is outside 1..{self.engine.max_lora_rank} (server --max-lora-rank)",
+                    code="FAILED_PRECONDITION",
+                    reason="lora_rank",
                 )
 
     def _expected_for(self, header):
@@ -299,8 +319,9 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
         self._abort_unless_ready("UpdateWeights", context)
         if not self._update_lock.acquire(blocking=False):
             metrics.WEIGHT_SYNC_FAILURES.labels(reason="busy").inc()
-            self._finish("UpdateWeights", context, grpc.StatusCode.ABORTED,
-                         "another weight update is in progress on this server")
+            self._finish(
+                "UpdateWeights", context, grpc.StatusCode.ABORTED, "another weight update is in progress on this server"
+            )
         try:
             request_iterator, group_header = peek_group_header(request_iterator)
         except grpc.RpcError:
@@ -319,18 +340,27 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
                 return None
             refused = [t for t in header.relay_to if not self.cfg.relay_allowed(t)]
             if refused:  # only the job's own servers: a caller cannot make this server stream weights elsewhere
-                raise WireError(f"relay to {', '.join(refused)} refused: not among this server's peers "
-                                f"(--relay-allow {self.cfg.relay_allow})", code="PERMISSION_DENIED",
-                                reason="relay_refused")
-            relays.append(Relay(
-                header, metadata=self._peer_metadata, root_certificates=self._peer_roots,
-                deadline=relay_deadline(context.time_remaining(), len(header.relay_to)),
-            ))
+                raise WireError(
+                    f"relay to {', '.join(refused)} refused: not among this server's peers "
+                    f"(--relay-allow {self.cfg.relay_allow})",
+                    code="PERMISSION_DENIED",
+                    reason="relay_refused",
+                )
+            relays.append(
+                Relay(
+                    header,
+                    metadata=self._peer_metadata,
+                    root_certificates=self._peer_roots,
+                    deadline=relay_deadline(context.time_remaining(), len(header.relay_to)),
+                )
+            )
             return relays[0]
 
         try:
             staged = self.stager.stage(
-                request_iterator, self._expected_for, on_header=on_header,
+                request_iterator,
+                self._expected_for,
+                on_header=on_header,
                 on_shared_open=lambda: context.send_initial_metadata(SHARED_OPENED_METADATA),
             )
             mode = _MODE_NAME[staged.header.mode]
@@ -347,23 +377,33 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
                 e.reason = "cancelled"  # grpc ends the request iterator quietly on a client cancel
             message = str(e)
             if e.reason == "dtype" and modes == [FULL]:
-                message += (f": this server serves {self._serve_dtype_text()}, and FULL weights must be sent in "
-                            "that dtype (the learner casts to spec.model.dtype)")
+                message += (
+                    f": this server serves {self._serve_dtype_text()}, and FULL weights must be sent in "
+                    "that dtype (the learner casts to spec.model.dtype)"
+                )
             metrics.WEIGHT_SYNC_FAILURES.labels(reason=e.reason).inc()
             log.warning("weight update refused (%s): %s", e.reason, message)
             self._refuse(context, relays, getattr(grpc.StatusCode, e.code), message)
         except EngineDead as e:
             metrics.WEIGHT_SYNC_FAILURES.labels(reason="apply").inc()
             self._dead(str(e))
-            self._refuse(context, relays, grpc.StatusCode.UNAVAILABLE,
-                         f"{e}; this server is exiting to be restarted, and starts again from the checkpoint")
+            self._refuse(
+                context,
+                relays,
+                grpc.StatusCode.UNAVAILABLE,
+                f"{e}; this server is exiting to be restarted, and starts again from the checkpoint",
+            )
         except RunnerStopped as e:
             metrics.WEIGHT_SYNC_FAILURES.labels(reason="apply").inc()
             self._refuse(context, relays, grpc.StatusCode.UNAVAILABLE, f"{e}: nothing was applied")
         except EngineError as e:
             metrics.WEIGHT_SYNC_FAILURES.labels(reason="apply").inc()
-            self._refuse(context, relays, grpc.StatusCode.INTERNAL,
-                         f"{e}; the previous weights ({self.runner.weights}) are still serving")
+            self._refuse(
+                context,
+                relays,
+                grpc.StatusCode.INTERNAL,
+                f"{e}; the previous weights ({self.runner.weights}) are still serving",
+            )
         except grpc.RpcError as e:
             # The client cancelled or the connection dropped mid-stream: nothing was applied.
             metrics.WEIGHT_SYNC_FAILURES.labels(reason="cancelled").inc()
@@ -376,12 +416,15 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
         elapsed = time.perf_counter() - t0
         metrics.WEIGHT_SYNC_SECONDS.labels(mode=mode).observe(elapsed)
         metrics.REQUESTS.labels(method="UpdateWeights", code="OK").inc()
-        return set_version(rollout_pb2.UpdateReply(
-            tensors_applied=len(self._last_applied),
-            bytes_received=self._last_bytes,
-            apply_seconds=self._last_apply_seconds,
-            relayed=self._relayed(relays),
-        ), self.runner.weights)
+        return set_version(
+            rollout_pb2.UpdateReply(
+                tensors_applied=len(self._last_applied),
+                bytes_received=self._last_bytes,
+                apply_seconds=self._last_apply_seconds,
+                relayed=self._relayed(relays),
+            ),
+            self.runner.weights,
+        )
 
     @staticmethod
     def _relayed(relays: list[Relay]) -> list[rollout_pb2.RelayOutcome]:
@@ -431,8 +474,7 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
                     self.engine.apply_full(None)
                 self.engine.apply_full(prev)
                 if self._adapter_dir:  # the reload dropped the adapter that belongs to this version
-                    self.engine.apply_adapter(self._adapter_dir, next(self._adapter_ids),
-                                              self.runner.active_adapter)
+                    self.engine.apply_adapter(self._adapter_dir, next(self._adapter_ids), self.runner.active_adapter)
                 self._reset_caches()
             except EngineError as e2:
                 self._mark_broken(f"FULL apply failed ({e}) and rollback failed ({e2})")
@@ -500,8 +542,9 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
     def _set_version(self, staged: StagedWeights, adapter: str, apply_seconds: float) -> None:
         self._record_version(version_of(staged.header), adapter, staged.tensors, staged.bytes_received, apply_seconds)
 
-    def _record_version(self, weights: WeightVersion, adapter: str, tensors: list, nbytes: int,
-                        apply_seconds: float) -> None:
+    def _record_version(
+        self, weights: WeightVersion, adapter: str, tensors: list, nbytes: int, apply_seconds: float
+    ) -> None:
         """The update applied: from now on the server holds its weight version, run id and number together
         (one assignment, inside the runner's apply, so no Generate call sees one without the other)."""
         assert self.runner is not None, "attached: callers passed _require_ready"
@@ -523,16 +566,19 @@ class RolloutServicer(GroupMember, rollout_pb2_grpc.RolloutServiceServicer):
     def GetStatus(self, request, context):
         metrics.REQUESTS.labels(method="GetStatus", code="OK").inc()
         eng, runner = self.engine, self.runner
-        return set_version(rollout_pb2.StatusReply(
-            model=self.cfg.model,
-            tensor_parallel_size=self.cfg.tensor_parallel_size if eng is None else eng.tensor_parallel_size,
-            replica_ordinal=self.ordinal,
-            active_adapter=runner.active_adapter if runner else "",
-            ready=self.ready,
-            lora_enabled=bool(eng and eng.lora_enabled),
-            backend=self.cfg.backend,
-            max_lora_rank=eng.max_lora_rank if eng else 0,
-            pid=os.getpid(),
-            weight_group=self._group_id,
-            weight_transfer=self.cfg.weight_transfer,
-        ), runner.weights if runner else FRESH)
+        return set_version(
+            rollout_pb2.StatusReply(
+                model=self.cfg.model,
+                tensor_parallel_size=self.cfg.tensor_parallel_size if eng is None else eng.tensor_parallel_size,
+                replica_ordinal=self.ordinal,
+                active_adapter=runner.active_adapter if runner else "",
+                ready=self.ready,
+                lora_enabled=bool(eng and eng.lora_enabled),
+                backend=self.cfg.backend,
+                max_lora_rank=eng.max_lora_rank if eng else 0,
+                pid=os.getpid(),
+                weight_group=self._group_id,
+                weight_transfer=self.cfg.weight_transfer,
+            ),
+            runner.weights if runner else FRESH,
+        )

@@ -137,8 +137,11 @@ class Stager:
         reader.on_header(header)
         most = most_bytes(table)
         if most is not None and header.total_bytes > most:  # before any space is taken
-            raise WireError(f"the update announces {header.total_bytes} bytes, more than the {most} bytes every tensor "
-                            f"it may carry takes ({len(table)} tensors): refused before staging", reason="count")
+            raise WireError(
+                f"the update announces {header.total_bytes} bytes, more than the {most} bytes every tensor "
+                f"it may carry takes ({len(table)} tensors): refused before staging",
+                reason="count",
+            )
         base = os.path.join(self.staging_dir, f"{STAGE_PREFIX}{os.getpid()}-{header.version}-{uuid.uuid4().hex[:8]}")
         if header.HasField("shared_file"):
             if header.relay_to:
@@ -185,7 +188,11 @@ class Stager:
             os.close(fd)
 
     def _stage_shared(
-        self, header: rollout_pb2.WeightHeader, it: Iterator, reader: StreamReader, index_path: str,
+        self,
+        header: rollout_pb2.WeightHeader,
+        it: Iterator,
+        reader: StreamReader,
+        index_path: str,
         on_open: Callable[..., Any] | None,
     ) -> StagedWeights:
         fd = open_shared(self.shared_dir, header)
@@ -199,16 +206,24 @@ class Stager:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(shared_path(self.shared_dir, header))
                 if isinstance(e, StopIteration):
-                    raise WireError("stream ended before the trailer (the shared file was removed)",
-                                    reason="truncated") from None
+                    raise WireError(
+                        "stream ended before the trailer (the shared file was removed)", reason="truncated"
+                    ) from None
                 raise
             if trailer.WhichOneof("kind") != "trailer":
                 raise WireError("a shm update is a header and a trailer; the tensors are in the shared file")
             for _ in it:
                 raise WireError("data after the trailer")
             check_shared(fd, header, trailer.trailer, reader)
-            staged = StagedWeights(index_path, f"/proc/{os.getpid()}/fd/{fd}", header, reader.tensors,
-                                   reader.received_bytes, fd=fd, shared=True)
+            staged = StagedWeights(
+                index_path,
+                f"/proc/{os.getpid()}/fd/{fd}",
+                header,
+                reader.tensors,
+                reader.received_bytes,
+                fd=fd,
+                shared=True,
+            )
             _write_index(staged)
             return staged
         except BaseException:
@@ -230,8 +245,11 @@ class Stager:
             try:
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:
-                raise WireError(f"cannot reserve {nbytes} staging bytes in {self.staging_dir}: {e}",
-                                code="RESOURCE_EXHAUSTED", reason="staging_space") from e
+                raise WireError(
+                    f"cannot reserve {nbytes} staging bytes in {self.staging_dir}: {e}",
+                    code="RESOURCE_EXHAUSTED",
+                    reason="staging_space",
+                ) from e
 
 
 _WIDEST = max(DTYPE_SIZES.values())  # bytes of the widest element the wire knows
@@ -309,5 +327,4 @@ def write_adapter_dir(staged: StagedWeights, out_dir: str) -> str:
     return out_dir
 
 
-__all__ = ["FULL", "Stager", "StagedWeights", "full_expectation",
-           "adapter_expectation", "write_adapter_dir"]
+__all__ = ["FULL", "Stager", "StagedWeights", "full_expectation", "adapter_expectation", "write_adapter_dir"]

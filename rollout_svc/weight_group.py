@@ -58,25 +58,36 @@ class GroupMember:
         def _finish(method: str, context: Any, code: grpc.StatusCode, message: str) -> Any: ...
         def _dead(self, reason: str) -> None: ...
         def _expected_for(self, header: rollout_pb2.WeightHeader) -> Any: ...
-        def _record_version(self, weights: WeightVersion, adapter: str, tensors: list[StagedTensor], nbytes: int,
-                            apply_seconds: float) -> None: ...
+        def _record_version(
+            self, weights: WeightVersion, adapter: str, tensors: list[StagedTensor], nbytes: int, apply_seconds: float
+        ) -> None: ...
 
     def JoinWeightGroup(self, request, context):
         """Join the learner's weight-transfer group (rank 0 is the learner): replaces any group this server was in.
         Runs with no Generate call running, as an apply does: the engine's workers block in the rendezvous."""
         self._abort_unless_ready("JoinWeightGroup", context)
         if not self.cfg.weight_transfer:
-            self._finish("JoinWeightGroup", context, grpc.StatusCode.FAILED_PRECONDITION,
-                         "this server was started without --weight-transfer (spec.sync.transport nccl starts servers "
-                         "with it); full weights reach it over gRPC")
+            self._finish(
+                "JoinWeightGroup",
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this server was started without --weight-transfer (spec.sync.transport nccl starts servers "
+                "with it); full weights reach it over gRPC",
+            )
         if not self._update_lock.acquire(blocking=False):
-            self._finish("JoinWeightGroup", context, grpc.StatusCode.ABORTED,
-                         "a weight update is in progress on this server")
+            self._finish(
+                "JoinWeightGroup", context, grpc.StatusCode.ABORTED, "a weight update is in progress on this server"
+            )
         try:
-            info = worker_init_info(self.cfg.weight_transfer, master_address=request.master_address,
-                                    master_port=request.master_port, world_size=request.world_size,
-                                    rank_offset=request.rank_offset, timeout_s=request.timeout_s or 300.0,
-                                    bucket_bytes=request.bucket_bytes)
+            info = worker_init_info(
+                self.cfg.weight_transfer,
+                master_address=request.master_address,
+                master_port=request.master_port,
+                world_size=request.world_size,
+                rank_offset=request.rank_offset,
+                timeout_s=request.timeout_s or 300.0,
+                bucket_bytes=request.bucket_bytes,
+            )
             self._group_id = ""  # the old group is left whatever happens next
             self.runner.call(lambda: self.engine.join_weight_group(info))
             self._group_id = request.group_id
@@ -84,16 +95,26 @@ class GroupMember:
             self._dead(str(e))
             self._finish("JoinWeightGroup", context, grpc.StatusCode.UNAVAILABLE, str(e))
         except (EngineError, RunnerStopped) as e:
-            self._finish("JoinWeightGroup", context, grpc.StatusCode.UNAVAILABLE,
-                         f"joining weight-transfer group {request.group_id} failed: {e}")
+            self._finish(
+                "JoinWeightGroup",
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"joining weight-transfer group {request.group_id} failed: {e}",
+            )
         finally:
             self._update_lock.release()
-        log.info("joined weight-transfer group %s (%s, ranks %d..%d of %d)", request.group_id,
-                 self.cfg.weight_transfer, request.rank_offset,
-                 request.rank_offset + self.engine.tensor_parallel_size - 1, request.world_size)
+        log.info(
+            "joined weight-transfer group %s (%s, ranks %d..%d of %d)",
+            request.group_id,
+            self.cfg.weight_transfer,
+            request.rank_offset,
+            request.rank_offset + self.engine.tensor_parallel_size - 1,
+            request.world_size,
+        )
         metrics.REQUESTS.labels(method="JoinWeightGroup", code="OK").inc()
-        return rollout_pb2.JoinWeightGroupReply(group_id=request.group_id, ranks=self.engine.tensor_parallel_size,
-                                                bucket_bytes=request.bucket_bytes)
+        return rollout_pb2.JoinWeightGroupReply(
+            group_id=request.group_id, ranks=self.engine.tensor_parallel_size, bucket_bytes=request.bucket_bytes
+        )
 
     def _update_over_group(self, header, rest, context, t0: float):
         """An UpdateWeights stream whose header lists the tensors of a FULL update coming over the weight-transfer
@@ -114,8 +135,12 @@ class GroupMember:
             metrics.WEIGHT_SYNC_FAILURES.labels(reason="apply").inc()
             self._group_id = ""
             self._dead(str(e))
-            self._finish("UpdateWeights", context, grpc.StatusCode.UNAVAILABLE,
-                         f"{e}; this server is exiting to be restarted, and starts again from the checkpoint")
+            self._finish(
+                "UpdateWeights",
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"{e}; this server is exiting to be restarted, and starts again from the checkpoint",
+            )
         except (EngineError, RunnerStopped) as e:
             metrics.WEIGHT_SYNC_FAILURES.labels(reason="apply").inc()
             # The group broke (its deadline passed, the learner called the update off or closed its end): this
@@ -127,18 +152,26 @@ class GroupMember:
             self._update_lock.release()
         metrics.WEIGHT_SYNC_SECONDS.labels(mode="full").observe(time.perf_counter() - t0)
         metrics.REQUESTS.labels(method="UpdateWeights", code="OK").inc()
-        return set_version(rollout_pb2.UpdateReply(tensors_applied=len(self._last_applied),
-                                                   bytes_received=self._last_bytes,
-                                                   apply_seconds=self._last_apply_seconds), self.runner.weights)
+        return set_version(
+            rollout_pb2.UpdateReply(
+                tensors_applied=len(self._last_applied),
+                bytes_received=self._last_bytes,
+                apply_seconds=self._last_apply_seconds,
+            ),
+            self.runner.weights,
+        )
 
     def _check_group_update(self, header) -> list[StagedTensor]:
         group = header.transfer_group
         if header.mode != FULL:
             raise WireError("a weight-transfer group carries FULL updates only (adapters go over gRPC)")
         if group.group_id != self._group_id:
-            raise WireError(f"the update goes over weight-transfer group {group.group_id or '(none)'}; this server is "
-                            f"in {self._group_id or 'none'} (the learner rebuilds the group)",
-                            code="FAILED_PRECONDITION", reason="group")
+            raise WireError(
+                f"the update goes over weight-transfer group {group.group_id or '(none)'}; this server is "
+                f"in {self._group_id or 'none'} (the learner rebuilds the group)",
+                code="FAILED_PRECONDITION",
+                reason="group",
+            )
         if header.relay_to or header.HasField("shared_file"):
             raise WireError("a transfer-group update neither relays nor names a shared file")
         table, optional, require_all = self._expected_for(header)
@@ -152,8 +185,10 @@ class GroupMember:
         try:
             go = next(rest)
         except StopIteration:
-            raise WireError("the learner called the update off before sending (another member was not ready): "
-                            "nothing was applied", reason="truncated") from None
+            raise WireError(
+                "the learner called the update off before sending (another member was not ready): nothing was applied",
+                reason="truncated",
+            ) from None
         if go.WhichOneof("kind") != "trailer":
             raise WireError("a transfer-group update is a header and a trailer only")
         t0 = time.perf_counter()
@@ -171,8 +206,9 @@ class GroupMember:
         if self._adapter_dir:
             shutil.rmtree(self._adapter_dir, ignore_errors=True)
             self._adapter_dir = None
-        self._record_version(version_of(header), "", tensors, sum(t.spec.nbytes for t in tensors),
-                             time.perf_counter() - t0)
+        self._record_version(
+            version_of(header), "", tensors, sum(t.spec.nbytes for t in tensors), time.perf_counter() - t0
+        )
 
 
 def peek_group_header(chunks):

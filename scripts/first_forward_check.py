@@ -79,17 +79,26 @@ def main() -> int:
         job.write_text(yaml.safe_dump(doc))
         for i in range(args.runs):
             env = {**os.environ, "CHECK_STEPS": str(args.steps)}
-            p = subprocess.run([sys.executable, "-c", CHILD, str(job), f"{tmp}/run{i}"], env=env,
-                               capture_output=True, text=True, timeout=900)
-            steps = [json.loads(ln[len("CHECK "):]) for ln in p.stderr.splitlines() if ln.startswith("CHECK ")]
+            p = subprocess.run(
+                [sys.executable, "-c", CHILD, str(job), f"{tmp}/run{i}"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
+            steps = [json.loads(ln[len("CHECK ") :]) for ln in p.stderr.splitlines() if ln.startswith("CHECK ")]
             if p.returncode or len(steps) != args.steps:
-                print(f"run {i}: rmsft local failed (exit {p.returncode}, {len(steps)} of {args.steps} steps "
-                      f"checked):\n{p.stderr[-2000:]}", file=sys.stderr)
+                print(
+                    f"run {i}: rmsft local failed (exit {p.returncode}, {len(steps)} of {args.steps} steps "
+                    f"checked):\n{p.stderr[-2000:]}",
+                    file=sys.stderr,
+                )
                 return 1
             bad = any(s["first_half"] or s["second_half"] for s in steps)
             faulty += bad
-            cells = "  ".join(f"step {k + 1}: {s['first_half']:.1e}/{s['second_half']:.1e}"
-                              for k, s in enumerate(steps))
+            cells = "  ".join(
+                f"step {k + 1}: {s['first_half']:.1e}/{s['second_half']:.1e}" for k, s in enumerate(steps)
+            )
             print(f"run {i}: {'DIFFERS' if bad else 'equal  '}  {cells}", flush=True)
     print(f"RESULT runs={args.runs} differing={faulty}")
     return 0

@@ -32,8 +32,11 @@ def generate(out_dir: Path) -> list[Path]:
         ]
         if protoc.main(args) != 0:
             raise SystemExit(f"protoc failed on {rel}")
-    return sorted(p for p in (out_dir / "rmsft_protos").iterdir() if p.name.startswith(tuple(
-        proto.stem for proto in protos)) and p.suffix in (".py", ".pyi"))
+    return sorted(
+        p
+        for p in (out_dir / "rmsft_protos").iterdir()
+        if p.name.startswith(tuple(proto.stem for proto in protos)) and p.suffix in (".py", ".pyi")
+    )
 
 
 if __name__ == "__main__":

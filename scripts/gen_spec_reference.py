@@ -177,12 +177,19 @@ def render() -> str:
     filled = _filled_in()
     for path, node in _sections(root["properties"]["spec"], "spec"):
         lines += _table(path, node, filled)
-    lines += ["## Rules across fields", "",
-              "Checked by the API server (CEL rules of the CRD) and by the model alike, with the same message:", ""]
+    lines += [
+        "## Rules across fields",
+        "",
+        "Checked by the API server (CEL rules of the CRD) and by the model alike, with the same message:",
+        "",
+    ]
     messages = [r["message"] for r in SPEC_RULES] + [r["message"] for rules in LOCAL_RULES.values() for r in rules]
     lines += [f"- {' '.join(m.split())}" for m in messages]
-    lines += ["- every field but `spec.rollout.replicas` is immutable once the job exists (scale the rollout pool "
-              "with `replicas`; anything else: delete and re-create the job)", ""]
+    lines += [
+        "- every field but `spec.rollout.replicas` is immutable once the job exists (scale the rollout pool "
+        "with `replicas`; anything else: delete and re-create the job)",
+        "",
+    ]
     for path, node in _sections(root["properties"]["status"], "status"):
         lines += _table(path, node, None)
     return "\n".join(lines).rstrip("\n") + "\n"

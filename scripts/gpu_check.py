@@ -119,8 +119,9 @@ def _host_version(dist: str) -> str | None:
         return None
 
 
-def select_wheels(wheels: list[Path], pinned: dict[str, tuple[str, bool]],
-                  host_version: Any) -> tuple[list[Path], list[str], list[str]]:
+def select_wheels(
+    wheels: list[Path], pinned: dict[str, tuple[str, bool]], host_version: Any
+) -> tuple[list[Path], list[str], list[str]]:
     """(wheels to install, their descriptions, the host's own kept): a listed wheel goes in when the host lacks
     its distribution, or has an older one and the list marks it `replace-older`; wheels the list does not name
     (an older list's) never do. `host_version(dist)` is the host's version or None."""
@@ -151,13 +152,30 @@ def install_wheels(wheels_dir: Path, site: Path) -> Part:
         chosen, installed, kept = select_wheels(sorted(wheels_dir.glob("*.whl")), pinned, _host_version)
         if chosen:
             site.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                   "--no-cache-dir", "--disable-pip-version-check", "--upgrade", "--target", str(site),
-                   *map(str, chosen)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                "--no-compile",
+                "--no-cache-dir",
+                "--disable-pip-version-check",
+                "--upgrade",
+                "--target",
+                str(site),
+                *map(str, chosen),
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
-                return Part("wheels", "FAIL", f"pip install from {wheels_dir} failed: {proc.stderr[-800:]}",
-                            seconds=time.perf_counter() - t0)
+                return Part(
+                    "wheels",
+                    "FAIL",
+                    f"pip install from {wheels_dir} failed: {proc.stderr[-800:]}",
+                    seconds=time.perf_counter() - t0,
+                )
             _prepend_path(site)
         figures = {"installed": len(installed), "host_kept": len(kept)}
     importlib.invalidate_caches()
@@ -168,17 +186,23 @@ def install_wheels(wheels_dir: Path, site: Path) -> Part:
     if kept:
         reason_parts.append("host's own kept: " + ", ".join(kept))
     if missing_host:
-        reason_parts.append("the host lacks " + ", ".join(missing_host) + ": the image must bring them (they are "
-                            "too large for the bundle or must match its CUDA build)")
+        reason_parts.append(
+            "the host lacks " + ", ".join(missing_host) + ": the image must bring them (they are "
+            "too large for the bundle or must match its CUDA build)"
+        )
         return Part("wheels", "FAIL", "; ".join(reason_parts), figures, time.perf_counter() - t0)
     if not wheels_dir.is_dir():
         still = [n for n in ("pydantic", "grpc_health") if importlib.util.find_spec(n) is None]
         status = "FAIL" if still else "SKIP"
-        return Part("wheels", status, f"no wheel folder {wheels_dir} (run `make gpu-check-wheels` beforehand)"
-                    + (f"; missing here: {', '.join(still)}" if still else "; everything is installed here already"),
-                    figures, time.perf_counter() - t0)
-    return Part("wheels", "PASS", "; ".join(reason_parts) or "nothing to install", figures,
-                time.perf_counter() - t0)
+        return Part(
+            "wheels",
+            status,
+            f"no wheel folder {wheels_dir} (run `make gpu-check-wheels` beforehand)"
+            + (f"; missing here: {', '.join(still)}" if still else "; everything is installed here already"),
+            figures,
+            time.perf_counter() - t0,
+        )
+    return Part("wheels", "PASS", "; ".join(reason_parts) or "nothing to install", figures, time.perf_counter() - t0)
 
 
 def _prepend_path(folder: Path) -> None:
@@ -209,8 +233,18 @@ def run_tests(timeout: float, scratch: Path) -> Part:
     if not files:
         return Part("tests", "FAIL", "no test file marks tests `gpu` (grep for pytest.mark.gpu found none)")
     xml = scratch / "gpu-tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
-           *(str(f.relative_to(ROOT)) for f in files)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={xml}",
+        *(str(f.relative_to(ROOT)) for f in files),
+    ]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(), capture_output=True, text=True, timeout=timeout)
@@ -218,8 +252,12 @@ def run_tests(timeout: float, scratch: Path) -> Part:
         return Part("tests", "FAIL", f"pytest ran past {timeout:.0f} s", seconds=time.perf_counter() - t0)
     seconds = time.perf_counter() - t0
     if not xml.exists():
-        return Part("tests", "FAIL", f"pytest exited {proc.returncode} without a report: "
-                    f"{(proc.stdout + proc.stderr)[-1500:]}", seconds=seconds)
+        return Part(
+            "tests",
+            "FAIL",
+            f"pytest exited {proc.returncode} without a report: {(proc.stdout + proc.stderr)[-1500:]}",
+            seconds=seconds,
+        )
     passed, failed, skipped = [], [], {}
     for case in ET.parse(xml).getroot().iter("testcase"):
         name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
@@ -236,8 +274,9 @@ def run_tests(timeout: float, scratch: Path) -> Part:
         return Part("tests", "FAIL", why, figures, seconds)
     skips = "; ".join(f"{k}: {v}" for k, v in skipped.items())
     if not passed:
-        return Part("tests", "SKIP", f"every gpu test skipped: {skips}" if skips else "no gpu test collected",
-                    figures, seconds)
+        return Part(
+            "tests", "SKIP", f"every gpu test skipped: {skips}" if skips else "no gpu test collected", figures, seconds
+        )
     return Part("tests", "PASS", f"skipped: {skips}" if skips else "", figures, seconds)
 
 
@@ -259,8 +298,9 @@ def _bench_inline(args: list[str]) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_step
 
-    ns = argparse.Namespace(device="cpu", shape="tiny", length=512, segments=4, gradient_checkpointing=False,
-                            steps=1, json=None)
+    ns = argparse.Namespace(
+        device="cpu", shape="tiny", length=512, segments=4, gradient_checkpointing=False, steps=1, json=None
+    )
     it = iter(args)
     for a in it:
         if a == "--gradient-checkpointing":
@@ -277,10 +317,18 @@ def _part_from(name: str, result: dict[str, Any], keys: tuple[str, ...], seconds
     return Part(name, result.get("status", "FAIL"), result.get("reason", ""), figures, seconds)
 
 
-STEP_KEYS = ("device", "length", "params_m", "step_ms", "tokens_per_s", "peak_gib", "reserved_gib",
-             "plan_estimate_gib")
-PACK_KEYS = ("device", "segments", "real_tokens", "padded_tokens", "packed_tokens_per_s", "padded_tokens_per_s",
-             "speedup", "packed_peak_gib", "padded_peak_gib")
+STEP_KEYS = ("device", "length", "params_m", "step_ms", "tokens_per_s", "peak_gib", "reserved_gib", "plan_estimate_gib")
+PACK_KEYS = (
+    "device",
+    "segments",
+    "real_tokens",
+    "padded_tokens",
+    "packed_tokens_per_s",
+    "padded_tokens_per_s",
+    "speedup",
+    "packed_peak_gib",
+    "padded_peak_gib",
+)
 OFFLOAD_KEYS = ("moved_gib", "freed_gib", "resident_gib", "during_gib", "back_equal", "offload_s", "reload_s")
 COLOCATE_KEYS = ("device", "steps_done", "s_per_step", "rollouts", "peak_gib", "final_loss")
 BROADCAST_KEYS = ("device", "backend", "mib", "wall_s", "gbps")
@@ -293,33 +341,51 @@ def plan_part(shape: str, length: int, ckpt: bool, step: dict[str, Any] | None) 
     import gpu_step
 
     name = f"plan:{shape}:ckpt{int(ckpt)}"
-    estimate = gpu_step.plan_estimate(gpu_step.job_for(length, ckpt, "cuda"),
-                                      gpu_step.decoder_config(shape, max(8192, length)))
+    estimate = gpu_step.plan_estimate(
+        gpu_step.job_for(length, ckpt, "cuda"), gpu_step.decoder_config(shape, max(8192, length))
+    )
     figures: dict[str, Any] = {"length": length, "plan_estimate_gib": round(estimate / gpu_step.GiB, 3)}
     oom = step is not None and str(step.get("reason", "")).startswith("out of memory") and "gpu_gib" in step
     if oom and estimate / gpu_step.GiB + 1 <= step["gpu_gib"]:
         figures["gpu_gib"] = step["gpu_gib"]
-        return Part(name, "FAIL", f"the step ran out of memory on a {step['gpu_gib']} GiB GPU, which the plan says "
-                    "it fits (with its 1 GiB CUDA-context reserve): the plan would let this job through",
-                    figures, time.perf_counter() - t0)
+        return Part(
+            name,
+            "FAIL",
+            f"the step ran out of memory on a {step['gpu_gib']} GiB GPU, which the plan says "
+            "it fits (with its 1 GiB CUDA-context reserve): the plan would let this job through",
+            figures,
+            time.perf_counter() - t0,
+        )
     if step is None or step.get("status") != "PASS" or "plan_ratio" not in step:
-        why = "no GPU peak to compare (needs CUDA)" if step is None else \
-            f"the step did not run ({step.get('reason', step.get('status'))})"
+        why = (
+            "no GPU peak to compare (needs CUDA)"
+            if step is None
+            else f"the step did not run ({step.get('reason', step.get('status'))})"
+        )
         return Part(name, "SKIP", why, figures, time.perf_counter() - t0)
     figures |= {"peak_gib": step["peak_gib"], "reserved_gib": step.get("reserved_gib"), "ratio": step["plan_ratio"]}
     if step["plan_ratio"] > 1.0:
-        why = ("the measured peak is above the plan's estimate: the plan would let through a job that does not fit "
-               "(rmsft/memory_plan/arithmetic.py ASSUMPTIONS)")
+        why = (
+            "the measured peak is above the plan's estimate: the plan would let through a job that does not fit "
+            "(rmsft/memory_plan/arithmetic.py ASSUMPTIONS)"
+        )
         return Part(name, "FAIL", why, figures, time.perf_counter() - t0)
     return Part(name, "PASS", "", figures, time.perf_counter() - t0)
 
 
 def environment() -> dict[str, Any]:
-    env: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine(),
-                           "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
     try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                       text=True, timeout=10).stdout.strip() or "unknown"
+        env["commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or "unknown"
+        )
     except (OSError, subprocess.SubprocessError):
         env["commit"] = "unknown"  # a bundle copied without .git
     for dist in ("torch", "transformers", "peft", "grpcio", "pydantic", "protobuf"):
@@ -345,11 +411,16 @@ def write_report(out: Path, env: dict[str, Any], parts: list[Part], total_s: flo
     counts = {s: sum(p.status == s for p in parts) for s in STATUSES}
     doc = {"environment": env, "seconds": round(total_s, 1), "counts": counts, "parts": [asdict(p) for p in parts]}
     (out / "gpu-check-report.json").write_text(json.dumps(doc, indent=1))
-    lines = [f"# rmsft gpu-check, {env['date']}", "",
-             f"{env.get('gpu') or 'no CUDA device'}; torch {env.get('torch')}, transformers {env.get('transformers')}, "
-             f"Python {env['python']}, commit {env.get('commit')}; {total_s:.0f} s; "
-             + ", ".join(f"{n} {s}" for s, n in counts.items()), "",
-             "| part | status | figures | reason |", "|---|---|---|---|"]
+    lines = [
+        f"# rmsft gpu-check, {env['date']}",
+        "",
+        f"{env.get('gpu') or 'no CUDA device'}; torch {env.get('torch')}, transformers {env.get('transformers')}, "
+        f"Python {env['python']}, commit {env.get('commit')}; {total_s:.0f} s; "
+        + ", ".join(f"{n} {s}" for s, n in counts.items()),
+        "",
+        "| part | status | figures | reason |",
+        "|---|---|---|---|",
+    ]
     for p in parts:
         figs = ", ".join(f"{k} {v}" for k, v in p.figures.items())
         lines.append(f"| {p.name} | {p.status} | {figs} | {p.reason.replace('|', '/')[:400]} |")
@@ -361,10 +432,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None, help="report folder (default: $OUT, else ./gpu-check)")
     ap.add_argument("--wheels", type=Path, default=DEFAULT_WHEELS, help="wheel folder of `make gpu-check-wheels`")
-    ap.add_argument("--site", type=Path, default=Path(tempfile.gettempdir()) / "rmsft-gpu-check-site",
-                    help="private folder the wheels are installed into (put first on PYTHONPATH)")
-    ap.add_argument("--budget-s", type=float, default=450.0,
-                    help="parts that would start with less time left than their own limit are skipped")
+    ap.add_argument(
+        "--site",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "rmsft-gpu-check-site",
+        help="private folder the wheels are installed into (put first on PYTHONPATH)",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=450.0,
+        help="parts that would start with less time left than their own limit are skipped",
+    )
     ap.add_argument("--cpu", action="store_true", help="the CPU form even where CUDA is available")
     args = ap.parse_args(argv)
     out = args.out or Path(os.environ.get("OUT") or ROOT / "gpu-check")
@@ -387,8 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         env = environment() | {"form": "none"}
         write_report(out, env, parts, time.perf_counter() - start)
-        print(f"RESULT part=overall status=FAIL form=none reason=no_torch ({exc}) "
-              f"report={out / 'gpu-check-report.json'}")
+        print(
+            f"RESULT part=overall status=FAIL form=none reason=no_torch ({exc}) report={out / 'gpu-check-report.json'}"
+        )
         return 1
 
     cuda = torch.cuda.is_available() and not args.cpu
@@ -397,13 +477,22 @@ def main(argv: list[str] | None = None) -> int:
 
     def bench(name: str, argv_: list[str], limit: float, keys: tuple[str, ...]) -> dict[str, Any] | None:
         if limit > left():
-            emit(Part(name, "SKIP", f"time budget: {left():.0f} s left of --budget-s {args.budget_s:.0f}, this part "
-                      f"may take {limit:.0f} s"))
+            emit(
+                Part(
+                    name,
+                    "SKIP",
+                    f"time budget: {left():.0f} s left of --budget-s {args.budget_s:.0f}, this part "
+                    f"may take {limit:.0f} s",
+                )
+            )
             return None
         t0 = time.perf_counter()
         try:
-            result = (_bench_child(argv_ + ["--device", "cuda"], limit, scratch, name.replace(":", "-")) if cuda
-                      else _bench_inline(argv_))
+            result = (
+                _bench_child(argv_ + ["--device", "cuda"], limit, scratch, name.replace(":", "-"))
+                if cuda
+                else _bench_inline(argv_)
+            )
         except Exception as exc:  # a CPU-form failure is this part's FAIL, not the end of the report
             result = {"status": "FAIL", "reason": f"{type(exc).__name__}: {exc}"}
         emit(_part_from(name, result, keys, time.perf_counter() - t0))
@@ -414,11 +503,19 @@ def main(argv: list[str] | None = None) -> int:
         for shape, length in REAL_SHAPES:
             for ckpt in (False, True):
                 flag = ["--gradient-checkpointing"] if ckpt else []
-                step = bench(f"step:{shape}:ckpt{int(ckpt)}", ["step", "--shape", shape, "--length", str(length),
-                                                               "--steps", "3", *flag], 120, STEP_KEYS)
+                step = bench(
+                    f"step:{shape}:ckpt{int(ckpt)}",
+                    ["step", "--shape", shape, "--length", str(length), "--steps", "3", *flag],
+                    120,
+                    STEP_KEYS,
+                )
                 emit(plan_part(shape, length, ckpt, step))
-        bench("packing", ["packing", "--shape", "qwen3-vl-2b", "--length", "8192", "--steps", "3",
-                          "--gradient-checkpointing"], 120, PACK_KEYS)
+        bench(
+            "packing",
+            ["packing", "--shape", "qwen3-vl-2b", "--length", "8192", "--steps", "3", "--gradient-checkpointing"],
+            120,
+            PACK_KEYS,
+        )
         bench("offload", ["offload", "--shape", "qwen3-vl-2b", "--length", "2048"], 90, OFFLOAD_KEYS)
         bench("colocate", ["colocate", "--steps", "3"], 120, COLOCATE_KEYS)
         bench("broadcast", ["broadcast", "--length", "4096"], 90, BROADCAST_KEYS)
@@ -430,17 +527,32 @@ def main(argv: list[str] | None = None) -> int:
                 emit(Part(f"step:{shape}:ckpt{int(ckpt)}", "SKIP", why))
                 emit(plan_part(shape, length, ckpt, None))
         bench("packing", ["packing", "--shape", "tiny", "--length", "512", "--steps", "1"], 60, PACK_KEYS)
-        emit(Part("offload", "SKIP", "needs CUDA: on the CPU nothing is freed (the plan and the bit-exact return are "
-                  "tested on the CPU in tests/learner/test_colocate_offload.py)"))
-        emit(Part("colocate", "SKIP", "needs CUDA here; the same HF-engine colocated run on the CPU is "
-                  "tests/learner/test_colocate.py::test_hf_engine_colocated_trains_and_matches_hf_server"))
+        emit(
+            Part(
+                "offload",
+                "SKIP",
+                "needs CUDA: on the CPU nothing is freed (the plan and the bit-exact return are "
+                "tested on the CPU in tests/learner/test_colocate_offload.py)",
+            )
+        )
+        emit(
+            Part(
+                "colocate",
+                "SKIP",
+                "needs CUDA here; the same HF-engine colocated run on the CPU is "
+                "tests/learner/test_colocate.py::test_hf_engine_colocated_trains_and_matches_hf_server",
+            )
+        )
         bench("broadcast", ["broadcast", "--length", "256"], 60, BROADCAST_KEYS)
     total = time.perf_counter() - start
     write_report(out, env, parts, total)
     counts = {s: sum(p.status == s for p in parts) for s in STATUSES}
     overall = "FAIL" if counts["FAIL"] else "PASS"
-    print(f"RESULT part=overall status={overall} form={env['form']} pass={counts['PASS']} fail={counts['FAIL']} "
-          f"skip={counts['SKIP']} seconds={total:.0f} report={out / 'gpu-check-report.json'}", flush=True)
+    print(
+        f"RESULT part=overall status={overall} form={env['form']} pass={counts['PASS']} fail={counts['FAIL']} "
+        f"skip={counts['SKIP']} seconds={total:.0f} report={out / 'gpu-check-report.json'}",
+        flush=True,
+    )
     return 1 if counts["FAIL"] else 0
 
 

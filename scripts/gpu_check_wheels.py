@@ -22,8 +22,14 @@ from gpu_check import WHEEL_LIST, normalize, read_wheel_list  # noqa: E402
 
 MiB = 1 << 20
 # pip matches manylinux tags exactly: name the ones wheels of these packages are built for.
-PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_27_x86_64", "manylinux_2_28_x86_64",
-             "manylinux_2_34_x86_64", "manylinux1_x86_64")
+PLATFORMS = (
+    "manylinux2014_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_34_x86_64",
+    "manylinux1_x86_64",
+)
 FORBIDDEN = ("torch", "transformers", "peft", "tokenizers", "safetensors", "numpy", "triton", "nvidia-")
 
 
@@ -34,10 +40,32 @@ def check_list(pinned: dict[str, tuple[str, bool]]) -> list[str]:
 
 def download(dest: Path, pinned: dict[str, tuple[str, bool]]) -> None:
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
-           "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312",
-           "--abi", "abi3", "--abi", "none", *(a for p in PLATFORMS for a in ("--platform", p)), "--platform", "any",
-           "-d", str(dest), *(f"{name}=={version}" for name, (version, _) in pinned.items())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--disable-pip-version-check",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
+        "--abi",
+        "cp312",
+        "--abi",
+        "abi3",
+        "--abi",
+        "none",
+        *(a for p in PLATFORMS for a in ("--platform", p)),
+        "--platform",
+        "any",
+        "-d",
+        str(dest),
+        *(f"{name}=={version}" for name, (version, _) in pinned.items()),
+    ]
     subprocess.run(cmd, check=True)
 
 
@@ -47,8 +75,12 @@ def wheel_names(dest: Path) -> dict[str, Path]:
 
 def git_tree_bytes() -> int:
     """What a host is sent of the repository: tracked files and untracked ones git does not ignore."""
-    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                         capture_output=True, check=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout
     total = 0
     for rel in filter(None, out.decode().split("\0")):
         p = ROOT / rel
@@ -66,8 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     pinned, _ = read_wheel_list()
     bad = check_list(pinned)
     if bad:
-        print(f"error: {WHEEL_LIST.relative_to(ROOT)} names {', '.join(bad)}: the host image's own builds must stay; "
-              "remove them from the list", file=sys.stderr)
+        print(
+            f"error: {WHEEL_LIST.relative_to(ROOT)} names {', '.join(bad)}: the host image's own builds must stay; "
+            "remove them from the list",
+            file=sys.stderr,
+        )
         return 1
     if not args.check_only:
         download(args.dest, pinned)
@@ -81,15 +116,20 @@ def main(argv: list[str] | None = None) -> int:
     tree = git_tree_bytes()
     total = tree + wheels
     fits = total <= args.limit_mib * MiB
-    print(f"RESULT part=bundle status={'PASS' if fits and not missing else 'FAIL'} tree_mib={tree / MiB:.1f} "
-          f"wheels_mib={wheels / MiB:.1f} total_mib={total / MiB:.1f} limit_mib={args.limit_mib:g} "
-          f"wheels={len(wanted) - len(missing)}/{len(wanted)}")
+    print(
+        f"RESULT part=bundle status={'PASS' if fits and not missing else 'FAIL'} tree_mib={tree / MiB:.1f} "
+        f"wheels_mib={wheels / MiB:.1f} total_mib={total / MiB:.1f} limit_mib={args.limit_mib:g} "
+        f"wheels={len(wanted) - len(missing)}/{len(wanted)}"
+    )
     if missing:
-        print(f"error: not in {args.dest}: {', '.join(missing)} (run without --check-only, with network)",
-              file=sys.stderr)
+        print(
+            f"error: not in {args.dest}: {', '.join(missing)} (run without --check-only, with network)", file=sys.stderr
+        )
     if not fits:
-        print(f"error: the bundle is {total / MiB:.1f} MiB, over {args.limit_mib:g} MiB: a host takes no more",
-              file=sys.stderr)
+        print(
+            f"error: the bundle is {total / MiB:.1f} MiB, over {args.limit_mib:g} MiB: a host takes no more",
+            file=sys.stderr,
+        )
     return 0 if fits and not missing else 1
 
 

@@ -35,8 +35,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("system", "deps", "project")
 # The order these run in (see `commands`); anything else in a variant's table is a typo.
-KEYS = ("constraints", "apt", "python-headers", "torch", "torch-index", "engine", "remove", "extras",
-        "no-build-isolation")
+KEYS = (
+    "constraints",
+    "apt",
+    "python-headers",
+    "torch",
+    "torch-index",
+    "engine",
+    "remove",
+    "extras",
+    "no-build-isolation",
+)
 
 
 def load(pyproject: Path = ROOT / "pyproject.toml") -> dict:
@@ -77,8 +86,14 @@ def project_requirements(project: dict, extras: list[str]) -> list[str]:
     return list(dict.fromkeys(re.sub(r"\s+", "", r) for r in reqs))
 
 
-def commands(project: dict, variant: str, python: str = sys.executable, phase: str | None = None,
-             source: str = ".", torch_index: str | None = None) -> list[list[str]]:
+def commands(
+    project: dict,
+    variant: str,
+    python: str = sys.executable,
+    phase: str | None = None,
+    source: str = ".",
+    torch_index: str | None = None,
+) -> list[list[str]]:
     """The commands that install `variant` (one phase, or all in order):
     system:  apt-get install of `apt` (after an update);
     deps:    1. `torch` (from `torch-index` as an extra index when set; `torch_index` overrides it, "" = none),
@@ -107,11 +122,13 @@ def commands(project: dict, variant: str, python: str = sys.executable, phase: s
             out.append([*install, spec["engine"]])
         if spec.get("remove"):
             out.append([*pip, "uninstall", "-y", *spec["remove"]])
-        out.append([*install, *project_requirements(project, spec.get("extras", [])),
-                    *project["build-system"]["requires"]])
+        out.append(
+            [*install, *project_requirements(project, spec.get("extras", [])), *project["build-system"]["requires"]]
+        )
         if spec.get("no-build-isolation"):
-            out.append([*pip, "install", "--no-build-isolation", "-c", spec["constraints"],
-                        *spec["no-build-isolation"]])
+            out.append(
+                [*pip, "install", "--no-build-isolation", "-c", spec["constraints"], *spec["no-build-isolation"]]
+            )
     if phase in (None, "project"):
         out.append([*install, "--no-deps", "--no-build-isolation", source])
     return out
@@ -127,8 +144,15 @@ def install_set(project: dict, variant: str) -> tuple[list[str], set[str]]:
     return reqs, set(spec.get("remove", []))
 
 
-def resolve(project: dict, variant: str, report: Path, isolated: bool, python: str = sys.executable,
-            torch_index: str | None = None, locked: bool = True) -> list[str]:
+def resolve(
+    project: dict,
+    variant: str,
+    report: Path,
+    isolated: bool,
+    python: str = sys.executable,
+    torch_index: str | None = None,
+    locked: bool = True,
+) -> list[str]:
     """The pip command that resolves `variant`'s whole install set (against its lock when `locked`)
     without installing or downloading it: --dry-run, and fast-deps reads each wheel's metadata with
     HTTP range requests, so the GPU wheels are never fetched. `isolated`: ignore this machine's pip
@@ -139,10 +163,23 @@ def resolve(project: dict, variant: str, report: Path, isolated: bool, python: s
     reqs, _ = install_set(project, variant)
     index = spec.get("torch-index", "") if torch_index is None else torch_index
     cert = os.environ.get("PIP_CERT") if isolated else None
-    return [python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--use-feature=fast-deps",
-            *(["--isolated"] if isolated else []), *(["--cert", cert] if cert else []),
-            *(["--extra-index-url", index] if index else []), "--report", str(report),
-            *(["-c", spec["constraints"]] if locked else []), *reqs]
+    return [
+        python,
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "--ignore-installed",
+        "--quiet",
+        "--use-feature=fast-deps",
+        *(["--isolated"] if isolated else []),
+        *(["--cert", cert] if cert else []),
+        *(["--extra-index-url", index] if index else []),
+        "--report",
+        str(report),
+        *(["-c", spec["constraints"]] if locked else []),
+        *reqs,
+    ]
 
 
 def resolved_pins(report: dict) -> dict[str, str]:
@@ -164,9 +201,10 @@ def write_lock(project: dict, variant: str) -> Path:
         pin, _, note = line.partition("  # ")
         if "==" in pin and note:
             notes[pin.split("==")[0].strip().lower()] = note
-    lock.write_text(f"# The {variant} image's lock: `python scripts/image_install.py {variant} --lock` writes it.\n"
-                    + "".join(f"{n}=={v}" + (f"  # {notes[n]}" if n in notes else "") + "\n"
-                              for n, v in sorted(pins.items())))
+    lock.write_text(
+        f"# The {variant} image's lock: `python scripts/image_install.py {variant} --lock` writes it.\n"
+        + "".join(f"{n}=={v}" + (f"  # {notes[n]}" if n in notes else "") + "\n" for n, v in sorted(pins.items()))
+    )
     print(f"wrote {len(pins)} pins to {lock.relative_to(ROOT)}")
     return lock
 
@@ -200,9 +238,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--phase", choices=PHASES, help="one phase (default: all, in order)")
     p.add_argument("--source", default=".", help="the project's source folder (phase project)")
     p.add_argument("--dry-run", action="store_true", help="print the commands instead of running them")
-    p.add_argument("--lock", action="store_true",
-                   help="re-resolve the variant's install set from the package index (this machine's pip "
-                        "configuration ignored) and write its lock file; nothing is installed")
+    p.add_argument(
+        "--lock",
+        action="store_true",
+        help="re-resolve the variant's install set from the package index (this machine's pip "
+        "configuration ignored) and write its lock file; nothing is installed",
+    )
     a = p.parse_args(argv)
     project = load()
     if a.lock:

@@ -22,8 +22,12 @@ from suite_clock import DURATIONS, SLOWEST, TIMES_OUT, slowest, work_unit  # noq
 
 
 def markdown(times: dict) -> str:
-    lines = [f"Wall {times['wall_s'] / 60:.1f} min on {times['workers']} worker(s).", "",
-             "| tier | tests | test time (s) |", "|---|---:|---:|"]
+    lines = [
+        f"Wall {times['wall_s'] / 60:.1f} min on {times['workers']} worker(s).",
+        "",
+        "| tier | tests | test time (s) |",
+        "|---|---:|---:|",
+    ]
     for tier, v in times["tiers"].items():
         lines.append(f"| {tier} | {v['tests']} | {v['seconds']:.0f} |")
     for tier, figures in times.get("tier_timings", {}).items():
@@ -52,10 +56,18 @@ def main() -> None:
     if args.update:
         if not times.get("whole_run"):
             sys.exit("not updating tests/durations.json: the figures are of a partial run (run `make test` whole)")
-        DURATIONS.write_text(json.dumps({
-            "about": "seconds each xdist work unit took in a whole `make test` (tests/suite_clock.py schedules the "
-                     "longest first); regenerate with `python scripts/test_times.py --update`",
-            "units": units(times)}, indent=1) + "\n")
+        DURATIONS.write_text(
+            json.dumps(
+                {
+                    "about": "seconds each xdist work unit took in a whole `make test` "
+                    "(tests/suite_clock.py schedules the longest first); "
+                    "regenerate with `python scripts/test_times.py --update`",
+                    "units": units(times),
+                },
+                indent=1,
+            )
+            + "\n"
+        )
         print(f"\nwrote {DURATIONS.relative_to(ROOT)}", file=sys.stderr)
 
 

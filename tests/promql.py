@@ -52,8 +52,9 @@ def dashboard_panels(path: Path) -> tuple[list[Panel], list[dict[str, Any]]]:
 
     def walk(panels: list[dict[str, Any]]) -> None:
         for p in panels:
-            found.extend(Panel(path.stem, p.get("title", "?"), t["expr"])
-                         for t in p.get("targets", []) if t.get("expr"))
+            found.extend(
+                Panel(path.stem, p.get("title", "?"), t["expr"]) for t in p.get("targets", []) if t.get("expr")
+            )
             walk(p.get("panels", []))
 
     walk(dash.get("panels", []))
@@ -66,23 +67,37 @@ class Prometheus:
     def __init__(self, where: Path) -> None:
         binary = shutil.which("prometheus")
         if binary is None:
-            unavailable("dashboards-against-Prometheus", "no `prometheus` binary: Debian's package (apt-get install "
-                        "prometheus; scripts/setup-cluster.sh installs it as root)")
+            unavailable(
+                "dashboards-against-Prometheus",
+                "no `prometheus` binary: Debian's package (apt-get install "
+                "prometheus; scripts/setup-cluster.sh installs it as root)",
+            )
         self.targets_file = where / "targets.json"
         self.targets_file.write_text("[]")
         config = where / "prometheus.yml"
-        config.write_text(json.dumps({  # YAML is a superset of JSON
-            "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "scrape_timeout": f"{SCRAPE_INTERVAL_S}s"},
-            # file_sd: the targets' ports are known only once the run prints them; Prometheus watches the file.
-            "scrape_configs": [{"job_name": "rmsft", "file_sd_configs": [{"files": [str(self.targets_file)]}]}],
-        }))
+        config.write_text(
+            json.dumps(
+                {  # YAML is a superset of JSON
+                    "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "scrape_timeout": f"{SCRAPE_INTERVAL_S}s"},
+                    # file_sd: the targets' ports are known only once the run prints them; Prometheus watches the file.
+                    "scrape_configs": [{"job_name": "rmsft", "file_sd_configs": [{"files": [str(self.targets_file)]}]}],
+                }
+            )
+        )
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = where / "prometheus.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [binary, f"--config.file={config}", f"--storage.tsdb.path={where / 'tsdb'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}"], stdout=out, stderr=subprocess.STDOUT)
+                [
+                    binary,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={where / 'tsdb'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         self.wait(lambda: self._ready(), 30, "Prometheus to answer /-/ready")
 
     def _ready(self) -> bool:
@@ -98,8 +113,9 @@ class Prometheus:
             if self.proc.poll() is not None:
                 raise AssertionError(f"prometheus exited with {self.proc.returncode}: {self.log.read_text()[-3000:]}")
             if time.monotonic() > deadline:
-                raise AssertionError(f"waited {timeout_s:.0f} s for {what}; prometheus log: "
-                                     f"{self.log.read_text()[-2000:]}")
+                raise AssertionError(
+                    f"waited {timeout_s:.0f} s for {what}; prometheus log: {self.log.read_text()[-2000:]}"
+                )
             time.sleep(0.2)
 
     def set_targets(self, targets: list[tuple[str, dict[str, str]]]) -> None:
@@ -141,8 +157,9 @@ def variable_values(prom: Prometheus, variables: list[dict[str, Any]], start: fl
         if var.get("type") == "datasource":
             continue
         m = _LABEL_VALUES.match(var.get("query") or "")
-        assert var.get("type") == "query" and m, f"template variable {var.get('name')!r} of a kind this test " \
-            f"cannot substitute yet: {var}"
+        assert var.get("type") == "query" and m, (
+            f"template variable {var.get('name')!r} of a kind this test cannot substitute yet: {var}"
+        )
         values = prom.api(f"label/{m[2]}/values", **{"match[]": m[1], "start": start, "end": end})
         assert values, f"variable {var['name']!r} ({var['query']}) has no values: its panels would all be empty"
         # Regex-escaped, then each backslash doubled inside PromQL's double-quoted string (Grafana does the same).
@@ -173,8 +190,9 @@ def used_variables(panels: list[Panel], variables: list[dict[str, Any]]) -> list
     return [v for v in variables if v.get("name") in names]
 
 
-def empty_panels(prom: Prometheus, path: Path, start: float, end: float, keep=lambda panel: True
-                 ) -> tuple[list[Panel], list[str]]:
+def empty_panels(
+    prom: Prometheus, path: Path, start: float, end: float, keep=lambda panel: True
+) -> tuple[list[Panel], list[str]]:
     """Evaluates the panels of dashboard `path` that `keep` selects over [start, end]: (those evaluated, the ones
     that draw nothing, each described with its query). The check every dashboard test shares."""
     panels, variables = dashboard_panels(path)

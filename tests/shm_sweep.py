@@ -59,8 +59,11 @@ class ShmSweep:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         # The controller sweeps once, at the end of a whole run (CI's `make test`): not an xdist worker, not a
         # selection or a collection (test_markers collects the suite from inside it).
-        if hasattr(session.config, "workerinput") or session.config.option.collectonly \
-                or not _whole_run(session.config):
+        if (
+            hasattr(session.config, "workerinput")
+            or session.config.option.collectonly
+            or not _whole_run(session.config)
+        ):
             return
         for p in unheld_since(SHM, self.since):
             with contextlib.suppress(OSError):
@@ -69,5 +72,7 @@ class ShmSweep:
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if self.removed:
-            terminalreporter.write_line(f"removed {len(self.removed)} shared-memory file(s) in {SHM} that processes "
-                                        "this run killed left (tests/shm_sweep.py)")
+            terminalreporter.write_line(
+                f"removed {len(self.removed)} shared-memory file(s) in {SHM} that processes "
+                "this run killed left (tests/shm_sweep.py)"
+            )

@@ -57,10 +57,14 @@ def work_unit(nodeid: str) -> str:
 def _whole_run(config: pytest.Config) -> bool:
     """True for the run CI makes: every test under testpaths, nothing selected away or reordered by cache."""
     opt = config.option
-    return (config.args_source == pytest.Config.ArgsSource.TESTPATHS
-            and not getattr(opt, "keyword", "") and not getattr(opt, "markexpr", "")
-            and not getattr(opt, "deselect", None) and not getattr(opt, "lf", False)
-            and not getattr(opt, "failedfirst", False))
+    return (
+        config.args_source == pytest.Config.ArgsSource.TESTPATHS
+        and not getattr(opt, "keyword", "")
+        and not getattr(opt, "markexpr", "")
+        and not getattr(opt, "deselect", None)
+        and not getattr(opt, "lf", False)
+        and not getattr(opt, "failedfirst", False)
+    )
 
 
 def unit_order(units: list[str], known: dict[str, float]) -> dict[str, int]:
@@ -144,7 +148,8 @@ class SuiteClock:
             self.over_budget = (
                 f"the suite took {wall:.0f} s, over its budget of {budget:.0f} s (rmsft_suite_budget_s in "
                 f"pyproject.toml) by {wall - budget:.0f} s: see the slowest tests above; make the new test cheaper "
-                "(share the fixture that pays, docs/development.md \"Test time\") rather than raising the budget")
+                '(share the fixture that pays, docs/development.md "Test time") rather than raising the budget'
+            )
             if session.exitstatus == pytest.ExitCode.OK:
                 session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -184,5 +189,9 @@ def _workers(config: pytest.Config) -> int:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addini("rmsft_suite_budget_s", "a whole run (make test, as CI runs it) must end within this many "
-                  "seconds of pytest's own time, else it fails (tests/suite_clock.py)", default="")
+    parser.addini(
+        "rmsft_suite_budget_s",
+        "a whole run (make test, as CI runs it) must end within this many "
+        "seconds of pytest's own time, else it fails (tests/suite_clock.py)",
+        default="",
+    )

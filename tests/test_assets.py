@@ -16,8 +16,11 @@ MODEL = ROOT / "assets" / "tiny-vl-grid-model"
 @pytest.mark.parametrize("name", ["tiny-vl-grid-model", "tiny-vl-dense-model"])
 def test_shipped_tiny_model_matches_its_digests(name: str) -> None:
     model = ROOT / "assets" / name
-    listed = dict(reversed(line.split(maxsplit=1)) for line in
-                  (ROOT / "assets" / f"{name}.sha256").read_text().splitlines() if line.strip())
+    listed = dict(
+        reversed(line.split(maxsplit=1))
+        for line in (ROOT / "assets" / f"{name}.sha256").read_text().splitlines()
+        if line.strip()
+    )
     assert "model.safetensors" in listed and "tokenizer.json" in listed
     assert sorted(p.name for p in model.iterdir()) == sorted(listed)
     for file, digest in listed.items():

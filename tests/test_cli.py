@@ -13,8 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _rmsft(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rmsft_cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "rmsft_cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
 
 
 def _bad_jobs(tmp_path: Path) -> list[tuple[Path, str]]:

@@ -28,9 +28,15 @@ _NAME = re.compile(r"(?<![A-Za-z0-9_:])(rmsft_[A-Za-z0-9_]+|vllm:[A-Za-z0-9_:]+)
 _KINDS = {"Counter", "Gauge", "Histogram", "Summary", "Info", "Enum"}
 # What the rollout dashboard's vLLM row must show: KV-cache usage, running/waiting requests,
 # preemptions, token counters, time to first token (as the series names its queries use).
-VLLM_VIEWS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
-              "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-              "vllm:time_to_first_token_seconds_bucket")
+VLLM_VIEWS = (
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:time_to_first_token_seconds_bucket",
+)
 
 
 def declared_metrics() -> dict[str, str]:
@@ -98,8 +104,7 @@ def test_every_metrics_module_declares_metrics() -> None:
 def test_checker_catches_an_undeclared_metric() -> None:
     allowed = allowed_series()
     assert unknown_metrics("rate(rmsft_rollout_generate_seconds_bucket[5m])", allowed) == []
-    assert unknown_metrics("rate(rmsft_rollout_tokens_per_second[5m])", allowed) == \
-        ["rmsft_rollout_tokens_per_second"]
+    assert unknown_metrics("rate(rmsft_rollout_tokens_per_second[5m])", allowed) == ["rmsft_rollout_tokens_per_second"]
     assert unknown_metrics("rmsft_learner_global_step_bucket", allowed) == ["rmsft_learner_global_step_bucket"]
 
 
@@ -133,11 +138,18 @@ def test_dashboard_queries_only_exported_metrics(path: Path) -> None:
 
 def test_dashboards_cover_the_required_views() -> None:
     text = " ".join(expr for d in DASHBOARDS for _, expr in panel_queries(json.loads(d.read_text())))
-    for needed in ("rmsft_learner_phase_seconds", "rmsft_rollout_generated_tokens_total",
-                   "rmsft_rollout_generate_seconds", "rmsft_rollout_weight_sync_seconds",
-                   "rmsft_rollout_weight_sync_bytes_total", "rmsft_learner_packing_fill_ratio",
-                   "rmsft_rollout_ready", "rmsft_operator_reconciles_total", "rmsft_operator_jobs",
-                   *VLLM_VIEWS):
+    for needed in (
+        "rmsft_learner_phase_seconds",
+        "rmsft_rollout_generated_tokens_total",
+        "rmsft_rollout_generate_seconds",
+        "rmsft_rollout_weight_sync_seconds",
+        "rmsft_rollout_weight_sync_bytes_total",
+        "rmsft_learner_packing_fill_ratio",
+        "rmsft_rollout_ready",
+        "rmsft_operator_reconciles_total",
+        "rmsft_operator_jobs",
+        *VLLM_VIEWS,
+    ):
         assert needed in text, needed
 
 
@@ -147,9 +159,15 @@ def test_training_dashboard_has_the_grpo_row() -> None:
     assert len(rows) == 1
     below = [p for p in dash["panels"] if p.get("type") != "row" and p["gridPos"]["y"] > rows[0]["gridPos"]["y"]]
     text = " ".join(t["expr"] for p in below for t in p.get("targets", []))
-    for needed in ('rmsft_learner_reward{stat="mean"', 'rmsft_learner_reward{stat="std"', "rmsft_learner_reward_part",
-                   "rmsft_learner_grpo_clip_fraction_ratio", "rmsft_learner_grpo_zero_std_groups_ratio",
-                   "rmsft_learner_grpo_kl", "rmsft_learner_completion_length_tokens"):
+    for needed in (
+        'rmsft_learner_reward{stat="mean"',
+        'rmsft_learner_reward{stat="std"',
+        "rmsft_learner_reward_part",
+        "rmsft_learner_grpo_clip_fraction_ratio",
+        "rmsft_learner_grpo_zero_std_groups_ratio",
+        "rmsft_learner_grpo_kl",
+        "rmsft_learner_completion_length_tokens",
+    ):
         assert needed in text, needed
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
@@ -161,8 +179,12 @@ def test_training_dashboard_has_the_rollouts_ahead_row() -> None:
     assert len(rows) == 1
     below = [p for p in dash["panels"] if p.get("type") != "row" and p["gridPos"]["y"] > rows[0]["gridPos"]["y"]]
     text = " ".join(t["expr"] for p in below for t in p.get("targets", []))
-    for needed in ("rmsft_learner_rollout_wait_seconds_total", "rmsft_learner_pool_idle_seconds_total",
-                   "rmsft_learner_rollout_staleness_versions_bucket", "rmsft_learner_stale_rollouts_dropped_total"):
+    for needed in (
+        "rmsft_learner_rollout_wait_seconds_total",
+        "rmsft_learner_pool_idle_seconds_total",
+        "rmsft_learner_rollout_staleness_versions_bucket",
+        "rmsft_learner_stale_rollouts_dropped_total",
+    ):
         assert needed in text, needed
 
 
@@ -231,10 +253,16 @@ def test_dashboard_vllm_series_are_what_prometheus_client_exposes() -> None:
     """Metrics built as vLLM builds them expose every `vllm:*` series the dashboards query."""
     registry = CollectorRegistry()
     _register(registry, list(VLLM_METRICS))
-    scraped = {s.name for fam in text_string_to_metric_families(generate_latest(registry).decode())
-               for s in fam.samples}
-    queried = {m for d in DASHBOARDS for _, expr in panel_queries(json.loads(d.read_text()))
-               for m in _NAME.findall(expr) if m.startswith("vllm:")}
+    scraped = {
+        s.name for fam in text_string_to_metric_families(generate_latest(registry).decode()) for s in fam.samples
+    }
+    queried = {
+        m
+        for d in DASHBOARDS
+        for _, expr in panel_queries(json.loads(d.read_text()))
+        for m in _NAME.findall(expr)
+        if m.startswith("vllm:")
+    }
     assert queried >= set(VLLM_VIEWS)
     assert queried <= scraped, sorted(queried - scraped)
 
@@ -252,8 +280,7 @@ def test_installed_vllm_declares_the_metrics_dashboards_query() -> None:
     kinds = {"_counter_cls": "counter", "_gauge_cls": "gauge", "_histogram_cls": "histogram"}
     built: dict[str, str] = {}
     for node in ast.walk(ast.parse(loggers.read_text())):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr in kinds):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in kinds:
             for kw in node.keywords:
                 if kw.arg == "name" and isinstance(kw.value, ast.Constant):
                     built[kw.value.value] = kinds[node.func.attr]
@@ -313,10 +340,14 @@ def test_every_failure_reason_is_exported_at_zero_from_the_start() -> None:
     assert {"busy", "apply", "truncated", "relay_refused"} <= counted, counted  # the scan finds what it should
     retried = _reasons_in([ROOT / "learner/rollouts/client.py"], r'self\._retry\(call, server, chunk, "([a-z_]+)"')
     assert retried == {"bad_reply", "stale_version"}, retried
-    for counter, reasons, must in ((rollout_metrics.WEIGHT_SYNC_FAILURES, rollout_metrics.WEIGHT_SYNC_FAILURE_REASONS,
-                                    counted),
-                                   (learner_metrics.ROLLOUT_RETRIES, learner_metrics.ROLLOUT_RETRY_REASONS,
-                                    retried | {"unavailable", "deadline_exceeded", "resource_exhausted"})):
+    for counter, reasons, must in (
+        (rollout_metrics.WEIGHT_SYNC_FAILURES, rollout_metrics.WEIGHT_SYNC_FAILURE_REASONS, counted),
+        (
+            learner_metrics.ROLLOUT_RETRIES,
+            learner_metrics.ROLLOUT_RETRY_REASONS,
+            retried | {"unavailable", "deadline_exceeded", "resource_exhausted"},
+        ),
+    ):
         assert must <= set(reasons), f"{counter._name}: add {sorted(must - set(reasons))} to its reasons tuple"
         exported = {s.labels["reason"] for mf in counter.collect() for s in mf.samples if s.name.endswith("_total")}
         assert set(reasons) <= exported, f"{counter._name}: not exported before a failure: {set(reasons) - exported}"

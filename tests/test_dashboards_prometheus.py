@@ -33,12 +33,13 @@ STEPS = 24  # about 20 s of steps here: enough scrapes of the learner for every 
 # Not evaluated here, each with why and where it is: a panel added to a dashboard is evaluated unless named here.
 ELSEWHERE = {  # whole dashboards
     "operator": "the operator's rmsft_operator_* come from the kopf operator, which needs a Kubernetes API: "
-                "tests/envtest/test_envtest_operator.py evaluates them against a Prometheus scraping it",
+    "tests/envtest/test_envtest_operator.py evaluates them against a Prometheus scraping it",
 }
 # GRPO's labelled gauges (stat, reward) are set by a `spec.trainer: grpo` step only; this run is the rollout-matching
 # trainer (the GRPO row's unlabelled gauges, exported at 0, are evaluated here). A GRPO run evaluates them:
 # tests/learner/test_grpo_trainer.py.
 NOT_HERE = GRPO_PANELS
+
 
 def _job(tiny_model_dir: Path, where: Path) -> Path:
     doc = copy.deepcopy(yaml.safe_load((ROOT / "configs" / "local-tiny.yaml").read_text()))
@@ -50,8 +51,11 @@ def _job(tiny_model_dir: Path, where: Path) -> Path:
     t.update(steps=STEPS, packing_length=1024, prompts_per_step=2)
     t["data"]["path"] = str(write_synthetic_dataset(where / "train.jsonl", n=16, seed=0))
     # The held-out row: an evaluation in the middle of the run, scraped while the run goes on.
-    t["eval"] = {"data": str(write_synthetic_dataset(where / "heldout.jsonl", n=4, seed=1)), "every": 8,
-                 "max_samples": 4}
+    t["eval"] = {
+        "data": str(write_synthetic_dataset(where / "heldout.jsonl", n=4, seed=1)),
+        "every": 8,
+        "max_samples": 4,
+    }
     # The rollouts-ahead row (staleness histogram): one step generated ahead.
     t["rollout"].update(max_tokens=48, max_staleness=1)
     t["checkpoint"] = {"dir": str(where / "ckpt"), "every": 0, "keep": 1}
@@ -64,11 +68,19 @@ class Run:
     """`rmsft local JOB` in a subprocess; its output lines collected as they come."""
 
     def __init__(self, job: Path, work: Path) -> None:
-        env = {**os.environ, "COLUMNS": "200",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen([sys.executable, "-m", "rmsft_cli", "local", str(job), "--work-dir", str(work)],
-                                     cwd=work.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
+        env = {
+            **os.environ,
+            "COLUMNS": "200",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rmsft_cli", "local", str(job), "--work-dir", str(work)],
+            cwd=work.parent,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -114,11 +126,13 @@ def test_every_dashboard_panel_returns_data_from_a_local_run(tiny_model_dir: Pat
             now = run.endpoints()
             if now != seen:
                 seen.update(now)
-                prom.set_targets([(addr, {"namespace": NAMESPACE, "pod": f"local-tiny-{pod}"})
-                                  for pod, addr in sorted(seen.items())])
+                prom.set_targets(
+                    [(addr, {"namespace": NAMESPACE, "pod": f"local-tiny-{pod}"}) for pod, addr in sorted(seen.items())]
+                )
             return {"learner", "rollout-0"} <= set(seen)
 
         prom.wait(all_known, 300, "the run to print the learner's and the server's /metrics")
+
         def both_up() -> bool:
             up = prom.targets_up()
             assert run.proc.poll() is None, f"rmsft local ended before both targets were up ({up}):\n{run.output}"
@@ -145,15 +159,25 @@ def test_every_dashboard_panel_returns_data_from_a_local_run(tiny_model_dir: Pat
         # adds a flat series to every per-pod rollout panel (and a server's version 0 to "Weight version").
         # Evaluated every 5 s: a step longer than the run evaluates at `start` alone, before the first scrape, and
         # finds nothing (the run here takes about 30 s).
-        by_pod = {(s["metric"]["__name__"].split("_")[1], s["metric"]["pod"])
-                  for s in prom.api("query_range", query='{__name__=~"rmsft_.*"}', start=start, end=end,
-                                    step=5)["result"]}
+        by_pod = {
+            (s["metric"]["__name__"].split("_")[1], s["metric"]["pod"])
+            for s in prom.api("query_range", query='{__name__=~"rmsft_.*"}', start=start, end=end, step=5)["result"]
+        }
         # How the scrapes went, for the failure message: a scrape that times out ingests nothing.
-        scrapes = {r["metric"]["pod"]: r["value"][1] for r in prom.api(
-            "query", query=f"sum by (pod) (sum_over_time(up[{int(end - start) + 1}s])) / sum by (pod) "
-            f"(count_over_time(up[{int(end - start) + 1}s]))", time=end)["result"]}
-        assert not empty, ("panels that draw nothing over a whole `rmsft local` run:\n" + "\n".join(empty)
-                           + f"\nshare of scrapes that succeeded: {scrapes}; last scrape errors: {errors}")
+        scrapes = {
+            r["metric"]["pod"]: r["value"][1]
+            for r in prom.api(
+                "query",
+                query=f"sum by (pod) (sum_over_time(up[{int(end - start) + 1}s])) / sum by (pod) "
+                f"(count_over_time(up[{int(end - start) + 1}s]))",
+                time=end,
+            )["result"]
+        }
+        assert not empty, (
+            "panels that draw nothing over a whole `rmsft local` run:\n"
+            + "\n".join(empty)
+            + f"\nshare of scrapes that succeeded: {scrapes}; last scrape errors: {errors}"
+        )
         assert by_pod == {("learner", "local-tiny-learner"), ("rollout", "local-tiny-rollout-0")}, by_pod
     finally:
         prom.stop()
@@ -170,7 +194,7 @@ def test_an_empty_panel_is_reported(tmp_path: Path) -> None:
         assert series_with_data(prom, "vector(0) / 0", now - 5, now) == []
         assert substitute('up{namespace=~"$namespace"}', {"namespace": "(a|b)"}) == 'up{namespace=~"(a|b)"}'
         with pytest.raises(AssertionError, match="no template variable"):
-            substitute("up{pod=~\"$pod\"}", {"namespace": "(a)"})
+            substitute('up{pod=~"$pod"}', {"namespace": "(a)"})
         assert Panel("d", "t", "e").dashboard == "d"
     finally:
         prom.stop()

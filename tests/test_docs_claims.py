@@ -71,8 +71,11 @@ def test_every_command_is_in_the_cli_tables_and_the_architecture_list() -> None:
     """Issue 64: `rmsft data check` was in neither docs/cli.md's tables nor docs/architecture.md's list."""
     rows = [line for line in (ROOT / "docs" / "cli.md").read_text().splitlines() if line.startswith("| `rmsft ")]
     listed = {re.match(r"\| `rmsft ([a-z -]+?)(?: [A-Z\[(`-]|`)", row).group(1).strip() for row in rows}
-    app_row = next(line for line in (ROOT / "docs" / "architecture.md").read_text().splitlines()
-                   if line.startswith("| `rmsft_cli/app.py` |"))
+    app_row = next(
+        line
+        for line in (ROOT / "docs" / "architecture.md").read_text().splitlines()
+        if line.startswith("| `rmsft_cli/app.py` |")
+    )
     for command in _cli_commands():
         assert command in listed, (command, sorted(listed))
         assert f"`{command}`" in app_row or f"`rmsft {command}`" in app_row, command
@@ -83,15 +86,19 @@ def test_the_methods_docs_architecture_names_are_the_codes() -> None:
     message in the protos): `TrainingLoop._rollouts_for` and `._within_window` had moved to `RolloutFeed`."""
     text = (ROOT / "docs" / "architecture.md").read_text()
     names = sorted(set(re.findall(r"`([A-Z][A-Za-z0-9]+)\.(_?[a-z_][A-Za-z0-9_]*)(?:\(\))?`", text)))
-    sources = {p: p.read_text() for d in ("learner", "rmsft", "rmsft_cli", "rollout_svc", "rollout_engine",
-                                          "operator", "rmsft_dev") for p in (ROOT / d).rglob("*.py")}
+    sources = {
+        p: p.read_text()
+        for d in ("learner", "rmsft", "rmsft_cli", "rollout_svc", "rollout_engine", "operator", "rmsft_dev")
+        for p in (ROOT / d).rglob("*.py")
+    }
     protos = "\n".join(p.read_text() for p in (ROOT / "protos").rglob("*.proto"))
     missing = []
     for cls, member in names:
         files = [p for p, body in sources.items() if re.search(rf"^\s*class {cls}\b", body, re.M)]
         if files:
-            found = any(re.search(rf"^\s+(?:async\s+)?def {member}\b|^\s+{member}\s*[:=]", sources[p], re.M)
-                        for p in files)
+            found = any(
+                re.search(rf"^\s+(?:async\s+)?def {member}\b|^\s+{member}\s*[:=]", sources[p], re.M) for p in files
+            )
         else:  # a protobuf message: the field in its block
             block = re.search(rf"message {cls}\s*\{{(.*?)\n\}}", protos, re.S)
             found = block is not None and re.search(rf"\b{member}\s*=", block.group(1)) is not None

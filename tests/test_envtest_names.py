@@ -21,8 +21,12 @@ def _names_by_test() -> dict[str, set[str]]:
         if not (isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_")):
             continue
         for node in ast.walk(fn):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_manifest" and node.args \
-                    and isinstance(node.args[0], ast.Constant):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "_manifest"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
                 used[node.args[0].value].add(fn.name)
     return used
 

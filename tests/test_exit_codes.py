@@ -24,35 +24,51 @@ def test_refusals_exit_2_and_transient_failures_exit_retryable() -> None:
     from rmsft.model_check import ModelCheckError
     from rmsft.requirements import MissingRequirementError
 
-    refused = [JobSpecError("spec"), DataError("records"), ModelCheckError("no coord tokens"),
-               CheckpointLineageError("another job's"), ModelLoadError("no config.json"),
-               MissingRequirementError("no deepspeed"), ValueError("prompts_per_step < ranks"),
-               RankFailedError("rank 0 refused", exit_code=CONFIG_EXIT)]
+    refused = [
+        JobSpecError("spec"),
+        DataError("records"),
+        ModelCheckError("no coord tokens"),
+        CheckpointLineageError("another job's"),
+        ModelLoadError("no config.json"),
+        MissingRequirementError("no deepspeed"),
+        ValueError("prompts_per_step < ranks"),
+        RankFailedError("rank 0 refused", exit_code=CONFIG_EXIT),
+    ]
     assert [exit_code_for(e) for e in refused] == [CONFIG_EXIT] * len(refused)
     # A CUDA error, EIO on the claim, the rendezvous, servers gone, a busy folder, another rank's transient error.
-    transient = [RuntimeError("CUDA error: an illegal memory access"), OSError(5, "Input/output error"),
-                 NoServerAvailableError("rollout servers not ready after 300s"), WeightSyncError("cut off"),
-                 CheckpointFolderBusyError("held by pod-1"), RankFailedError("rank 1 failed")]
+    transient = [
+        RuntimeError("CUDA error: an illegal memory access"),
+        OSError(5, "Input/output error"),
+        NoServerAvailableError("rollout servers not ready after 300s"),
+        WeightSyncError("cut off"),
+        CheckpointFolderBusyError("held by pod-1"),
+        RankFailedError("rank 1 failed"),
+    ]
     assert [exit_code_for(e) for e in transient] == [RETRY_EXIT] * len(transient)
     # A refusal whose cause is the storage failing (EIO reading the model folder on a claim) is retried; a missing
     # file is not.
-    for cause, expected in ((OSError(5, "Input/output error"), RETRY_EXIT),
-                            (FileNotFoundError(2, "No such file or directory"), CONFIG_EXIT)):
+    for cause, expected in (
+        (OSError(5, "Input/output error"), RETRY_EXIT),
+        (FileNotFoundError(2, "No such file or directory"), CONFIG_EXIT),
+    ):
         try:
             raise ModelLoadError("cannot load model from /models/x") from cause
         except ModelLoadError as exc:
             assert exit_code_for(exc) == expected
 
 
-@pytest.mark.parametrize(("codes", "launcher", "expected"), [
-    ({0: 0, 1: 0}, 0, 0),
-    ({0: 143, 1: 143}, 1, STOPPED_EXIT),  # torchrun's own 1 after a SIGTERM is not the last word
-    ({0: 75, 1: 2}, 1, CONFIG_EXIT),  # a refusal anywhere is the job's
-    ({0: 143, 1: 75}, 1, RETRY_EXIT),  # the survivor torchrun SIGTERMed stopped; the failure is the cause
-    ({1: 75}, 1, RETRY_EXIT),  # rank 0 killed before it could say
-    ({}, 1, 1),  # no rank said: torchrun's code (retryable)
-    ({}, -9, 137),  # torchrun itself killed
-])
+@pytest.mark.parametrize(
+    ("codes", "launcher", "expected"),
+    [
+        ({0: 0, 1: 0}, 0, 0),
+        ({0: 143, 1: 143}, 1, STOPPED_EXIT),  # torchrun's own 1 after a SIGTERM is not the last word
+        ({0: 75, 1: 2}, 1, CONFIG_EXIT),  # a refusal anywhere is the job's
+        ({0: 143, 1: 75}, 1, RETRY_EXIT),  # the survivor torchrun SIGTERMed stopped; the failure is the cause
+        ({1: 75}, 1, RETRY_EXIT),  # rank 0 killed before it could say
+        ({}, 1, 1),  # no rank said: torchrun's code (retryable)
+        ({}, -9, 137),  # torchrun itself killed
+    ],
+)
 def test_the_verdict_of_several_ranks(codes: dict[int, int], launcher: int, expected: int) -> None:
     assert verdict(codes, launcher) == expected
 
@@ -108,7 +124,23 @@ def test_torchrun_reads_the_shutdown_timeout_the_operator_sets(monkeypatch: pyte
 def test_the_rendezvous_timeout_flag_reaches_torchs_static_rendezvous() -> None:
     from torch.distributed.run import config_from_args, parse_args
 
-    args = parse_args(["--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1", "--master-addr", "pod-0",
-                       "--master-port", "29500", "--rdzv-conf", "timeout=1800", "-m", "rmsft_cli"])
+    args = parse_args(
+        [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            "pod-0",
+            "--master-port",
+            "29500",
+            "--rdzv-conf",
+            "timeout=1800",
+            "-m",
+            "rmsft_cli",
+        ]
+    )
     config, _, _ = config_from_args(args)
     assert config.rdzv_backend == "static" and int(config.rdzv_configs["timeout"]) == 1800

@@ -22,8 +22,9 @@ def _rmsft(*args: str, cwd: Path = ROOT, columns: int | None = None) -> subproce
     env = {"PATH": "/usr/bin:/bin", **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})}
     if columns is not None:
         env["COLUMNS"] = str(columns)
-    return subprocess.run([sys.executable, "-m", "rmsft_cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "rmsft_cli", *args], capture_output=True, text=True, cwd=cwd, timeout=120, env=env
+    )
 
 
 # 2: units ----------------------------------------------------------------------------------------------------
@@ -80,10 +81,16 @@ def test_a_data_file_given_as_a_job_and_a_job_given_as_data_are_named() -> None:
 # 7: wording, and "did you mean" -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("section", "key", "meant"), [
-    ("rollout", "replicaz", "replicas"), ("rollout", "maxmodellen", "maxModelLen"), ("training", "stpes", "steps"),
-    ("model", "vison", "vision"), ("placement", "nodeSelectr", "nodeSelector"),
-])
+@pytest.mark.parametrize(
+    ("section", "key", "meant"),
+    [
+        ("rollout", "replicaz", "replicas"),
+        ("rollout", "maxmodellen", "maxModelLen"),
+        ("training", "stpes", "steps"),
+        ("model", "vison", "vision"),
+        ("placement", "nodeSelectr", "nodeSelector"),
+    ],
+)
 def test_an_unknown_key_names_the_nearest_keys_of_its_section(section: str, key: str, meant: str) -> None:
     import copy
 
@@ -96,8 +103,9 @@ def test_an_unknown_key_names_the_nearest_keys_of_its_section(section: str, key:
     with pytest.raises(JobSpecError) as err:
         parse_job(doc)
     (line,) = err.value.errors
-    assert line.startswith(f"spec.{section}.{key}: unknown key (not part of the RolloutMatchingJob schema; did you "
-                           f"mean {meant}")
+    assert line.startswith(
+        f"spec.{section}.{key}: unknown key (not part of the RolloutMatchingJob schema; did you mean {meant}"
+    )
 
 
 def test_an_unknown_key_far_from_every_key_gets_no_guess() -> None:
@@ -109,16 +117,19 @@ def test_an_unknown_key_far_from_every_key_gets_no_guess() -> None:
     doc["spec"]["training"]["checkpoint"]["zzzzqqq"] = 1
     with pytest.raises(JobSpecError) as err:
         parse_job(doc)
-    assert err.value.errors == ["spec.training.checkpoint.zzzzqqq: unknown key (not part of the RolloutMatchingJob "
-                                "schema)"]
+    assert err.value.errors == [
+        "spec.training.checkpoint.zzzzqqq: unknown key (not part of the RolloutMatchingJob schema)"
+    ]
 
 
 def test_local_without_a_job_says_so_before_importing_torch() -> None:
     res = _rmsft("local")
     assert res.returncode == 2 and "give a job manifest (JOB), or --clean alone" in res.stderr
     # it used to take 5-8 s: the learner's imports (torch) came before the check
-    probe = ("import sys; from typer.testing import CliRunner; from rmsft_cli.app import app; "
-             "r = CliRunner().invoke(app, ['local']); print(r.exit_code, 'torch' in sys.modules)")
+    probe = (
+        "import sys; from typer.testing import CliRunner; from rmsft_cli.app import app; "
+        "r = CliRunner().invoke(app, ['local']); print(r.exit_code, 'torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
 
@@ -128,8 +139,13 @@ def test_one_record_over_the_images_limit_carries(tmp_path: Path) -> None:
 
     from learner.data.check import check_records
 
-    record = {"id": "r", "width": 4, "height": 4, "messages": [{"role": "user", "content": "x"}],
-              "images": ["a.png", "b.png"]}
+    record = {
+        "id": "r",
+        "width": 4,
+        "height": 4,
+        "messages": [{"role": "user", "content": "x"}],
+        "images": ["a.png", "b.png"],
+    }
     path = tmp_path / "r.jsonl"
     path.write_text(json.dumps(record) + "\n")
     check = check_records(path, max_images_per_prompt=1)
@@ -188,19 +204,30 @@ def test_relative_paths_are_the_job_files_folder_from_any_working_directory(tmp_
     doc = (ROOT / "configs" / "local-tiny.yaml").read_text()
     (tmp_path / "sub").mkdir()
     job = tmp_path / "sub" / "job.yaml"
-    extra = ("    eval: {data: held.jsonl, image_root: imgs}\n    export: {dir: out/export}\n    log_dir: tb\n"
-             "    wandb: {dir: w}\n"
-             "    checkpoint: {dir: /abs/ckpt}\n")
-    job.write_text(doc.replace("    checkpoint: {dir: ../.rmsft/checkpoints, every: 10, keep: 2}\n", extra)
-                   .replace("data: {path: ../.rmsft/tiny-data.jsonl}", "data: {path: d.jsonl, image_root: ./i}"))
+    extra = (
+        "    eval: {data: held.jsonl, image_root: imgs}\n    export: {dir: out/export}\n    log_dir: tb\n"
+        "    wandb: {dir: w}\n"
+        "    checkpoint: {dir: /abs/ckpt}\n"
+    )
+    job.write_text(
+        doc.replace("    checkpoint: {dir: ../.rmsft/checkpoints, every: 10, keep: 2}\n", extra).replace(
+            "data: {path: ../.rmsft/tiny-data.jsonl}", "data: {path: d.jsonl, image_root: ./i}"
+        )
+    )
     spec = load_job(job).spec
     got = {".".join(f): _get(spec, f) for f in PATH_FIELDS}
     sub = tmp_path / "sub"
-    assert got == {"model.path": str(tmp_path / ".rmsft" / "tiny-model"), "training.data.path": str(sub / "d.jsonl"),
-                   "training.data.image_root": str(sub / "i"), "training.eval.data": str(sub / "held.jsonl"),
-                   "training.eval.image_root": str(sub / "imgs"), "training.checkpoint.dir": "/abs/ckpt",
-                   "training.export.dir": str(sub / "out" / "export"), "training.log_dir": str(sub / "tb"),
-                   "training.wandb.dir": str(sub / "w")}
+    assert got == {
+        "model.path": str(tmp_path / ".rmsft" / "tiny-model"),
+        "training.data.path": str(sub / "d.jsonl"),
+        "training.data.image_root": str(sub / "i"),
+        "training.eval.data": str(sub / "held.jsonl"),
+        "training.eval.image_root": str(sub / "imgs"),
+        "training.checkpoint.dir": "/abs/ckpt",
+        "training.export.dir": str(sub / "out" / "export"),
+        "training.log_dir": str(sub / "tb"),
+        "training.wandb.dir": str(sub / "w"),
+    }
 
 
 def _get(spec: object, fields: tuple[str, ...]) -> object:
@@ -268,38 +295,61 @@ def _vl_job(tmp_path: Path) -> Path:
     text = (ROOT / "configs" / "local-tiny-vl.yaml").read_text()
     job = tmp_path / "job" / "vl.yaml"
     job.parent.mkdir()
-    job.write_text(text.replace("../assets/tiny-vl-grid-model", str(ROOT / "assets" / "tiny-vl-grid-model"))
-                   .replace("../.rmsft/", "run/"))
+    job.write_text(
+        text.replace("../assets/tiny-vl-grid-model", str(ROOT / "assets" / "tiny-vl-grid-model")).replace(
+            "../.rmsft/", "run/"
+        )
+    )
     return job
 
 
 def test_local_dry_run_says_what_it_would_start_and_starts_nothing(tmp_path: Path) -> None:
     job, work = _vl_job(tmp_path), tmp_path / "work"
-    code, said = _in_process("local", str(job), "--dry-run", "--work-dir", str(work), "--set", "training.steps=7",
-                             "--set", "rollout.replicas=3", "--set", "sync.transport=grpc")
+    code, said = _in_process(
+        "local",
+        str(job),
+        "--dry-run",
+        "--work-dir",
+        str(work),
+        "--set",
+        "training.steps=7",
+        "--set",
+        "rollout.replicas=3",
+        "--set",
+        "sync.transport=grpc",
+    )
     assert code == 0, said
-    for part in ("job local-tiny-vl: trainer rollout_matching, format coordexp",
-                 f"model: {ROOT / 'assets' / 'tiny-vl-grid-model'}",
-                 f"data: {job.parent / 'run' / 'tiny-vl-grid-data.jsonl'} (not there yet: 1024 synthetic records "
-                 "written at start)",
-                 "rollout servers: 3 x `rmsft serve` (vllm, TP 1, maxModelLen 1024), each on 127.0.0.1 at a free "
-                 "gRPC port and a free /metrics port picked at start",
-                 "weight sync: grpc (spec.sync.transport grpc", "steps: 7 of 8 prompts",
-                 f"checkpoints in {job.parent / 'run' / 'checkpoints-vl'} at the end only",
-                 "memory plan of local-tiny-vl: model 0.86M parameters", "3 x rollout process: peak",
-                 "dry run: nothing was started, built or written"):
+    for part in (
+        "job local-tiny-vl: trainer rollout_matching, format coordexp",
+        f"model: {ROOT / 'assets' / 'tiny-vl-grid-model'}",
+        f"data: {job.parent / 'run' / 'tiny-vl-grid-data.jsonl'} (not there yet: 1024 synthetic records "
+        "written at start)",
+        "rollout servers: 3 x `rmsft serve` (vllm, TP 1, maxModelLen 1024), each on 127.0.0.1 at a free "
+        "gRPC port and a free /metrics port picked at start",
+        "weight sync: grpc (spec.sync.transport grpc",
+        "steps: 7 of 8 prompts",
+        f"checkpoints in {job.parent / 'run' / 'checkpoints-vl'} at the end only",
+        "memory plan of local-tiny-vl: model 0.86M parameters",
+        "3 x rollout process: peak",
+        "dry run: nothing was started, built or written",
+    ):
         assert part in said, (part, said)
     assert not work.exists() and not (job.parent / "run").exists()  # no log, no data, no checkpoint folder
 
 
-@pytest.mark.parametrize(("override", "said"), [
-    ("training.stpes=7", "spec.training.stpes: unknown key (not part of the RolloutMatchingJob schema; did you mean "
-                         "steps?)"),
-    ("training.steps=many", "spec.training.steps: Input should be a valid integer"),
-    ("training.steps.x=1", "--set 'training.steps.x=1': spec.training.steps is int, not a mapping with keys"),
-    ("steps", "--set 'steps': expected key=value, e.g. training.steps=10"),
-    ("sync.transport=carrier-pigeon", "spec.sync.transport: Input should be"),
-])
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        (
+            "training.stpes=7",
+            "spec.training.stpes: unknown key (not part of the RolloutMatchingJob schema; did you mean steps?)",
+        ),
+        ("training.steps=many", "spec.training.steps: Input should be a valid integer"),
+        ("training.steps.x=1", "--set 'training.steps.x=1': spec.training.steps is int, not a mapping with keys"),
+        ("steps", "--set 'steps': expected key=value, e.g. training.steps=10"),
+        ("sync.transport=carrier-pigeon", "spec.sync.transport: Input should be"),
+    ],
+)
 def test_set_is_validated_as_the_file_is(tmp_path: Path, override: str, said: str) -> None:
     code, out = _in_process("local", str(_vl_job(tmp_path)), "--dry-run", "--set", override)
     assert code == 2 and said in out and "Traceback" not in out, out

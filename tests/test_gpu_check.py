@@ -25,9 +25,22 @@ MiB = 1 << 20
 def test_cpu_form_runs_what_a_cpu_can_and_skips_the_rest_saying_why(tmp_path: Path) -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
     env.pop("OUT", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(tmp_path / "r"),
-                           "--wheels", str(tmp_path / "no-wheels"), "--cpu"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "gpu_check.py"),
+            "--out",
+            str(tmp_path / "r"),
+            "--wheels",
+            str(tmp_path / "no-wheels"),
+            "--cpu",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "r" / "gpu-check-report.json").read_text())
     parts = {p["name"]: p for p in report["parts"]}
@@ -44,8 +57,10 @@ def test_cpu_form_runs_what_a_cpu_can_and_skips_the_rest_saying_why(tmp_path: Pa
     assert step["status"] == "PASS" and step["figures"]["tokens_per_s"] > 0 and step["figures"]["length"] == 512
     # the plan's estimates for the real shapes, computed without a GPU: checkpointing saves memory, 7B > 2B
     est = {n: parts[n]["figures"]["plan_estimate_gib"] for n in real if n.startswith("plan")}
-    assert est["plan:7b:ckpt0"] > est["plan:7b:ckpt1"] > 0 and est["plan:qwen3-vl-2b:ckpt0"] > est[
-        "plan:qwen3-vl-2b:ckpt1"] > 0
+    assert (
+        est["plan:7b:ckpt0"] > est["plan:7b:ckpt1"] > 0
+        and est["plan:qwen3-vl-2b:ckpt0"] > est["plan:qwen3-vl-2b:ckpt1"] > 0
+    )
     assert est["plan:7b:ckpt1"] > est["plan:qwen3-vl-2b:ckpt1"]
     assert all(parts[n]["status"] == "SKIP" and "CUDA" in parts[n]["reason"] for n in real)
     packing = parts["packing"]["figures"]
@@ -73,22 +88,33 @@ def test_wheel_list_pins_the_lock_and_never_carries_the_hosts_cuda_builds() -> N
             if m:
                 locks[name][re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
     # The CPU lock's pin; what only the GPU image installs (liger-kernel, the fused loss's kernel) the gpu lock's.
-    lock = {**{n: v for n, v in locks["constraints-gpu.txt"].items() if n not in locks["constraints.txt"]},
-            **locks["constraints.txt"]}
+    lock = {
+        **{n: v for n, v in locks["constraints-gpu.txt"].items() if n not in locks["constraints.txt"]},
+        **locks["constraints.txt"],
+    }
     assert {"pydantic", "pydantic-core", "grpcio-health-checking", "protobuf", "liger-kernel"} <= set(pinned)
     assert {name: version for name, (version, _) in pinned.items()} == {name: lock[name] for name in pinned}
     assert check_list(pinned) == []
     assert {"torch", "transformers", "peft"} <= set(host)
     # the guard itself: a list naming the host's builds is refused
     assert check_list({"torch": ("2.13.0", False), "nvidia-cublas": ("13", False), "pydantic": ("2", False)}) == [
-        "torch", "nvidia-cublas"]
+        "torch",
+        "nvidia-cublas",
+    ]
 
 
 def test_the_host_keeps_its_own_packages_unless_older_than_a_replace_older_pin() -> None:
     pinned = {"pydantic": ("2.14.3", False), "grpcio": ("1.85.1", True), "typing-inspection": ("0.4.5", False)}
-    wheels = [Path(w) for w in ("pydantic-2.14.3-py3-none-any.whl", "grpcio-1.85.1-cp312-cp312-manylinux2014.whl",
-                                "typing_inspection-0.4.5-py3-none-any.whl", "pydantic-2.0.0-py3-none-any.whl",
-                                "scipy-1.17.1-cp312-cp312-manylinux2014.whl")]
+    wheels = [
+        Path(w)
+        for w in (
+            "pydantic-2.14.3-py3-none-any.whl",
+            "grpcio-1.85.1-cp312-cp312-manylinux2014.whl",
+            "typing_inspection-0.4.5-py3-none-any.whl",
+            "pydantic-2.0.0-py3-none-any.whl",
+            "scipy-1.17.1-cp312-cp312-manylinux2014.whl",
+        )
+    ]
 
     def host(versions: dict[str, str]):
         return lambda dist: versions.get(dist)

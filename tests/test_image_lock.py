@@ -48,10 +48,12 @@ def test_variant_install_set_resolves_against_its_lock(variant: str, tmp_path: P
         cmd = IMAGE_INSTALL.resolve(PROJECT, variant, report, isolated=True)
     else:
         # As the image is built here: the CPU torch from the local wheelhouse when there is one.
-        cmd = IMAGE_INSTALL.resolve(PROJECT, variant, report, isolated=False,
-                                    torch_index="" if _local_torch_wheel() else None)
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PIP_RETRIES": "1"})
+        cmd = IMAGE_INSTALL.resolve(
+            PROJECT, variant, report, isolated=False, torch_index="" if _local_torch_wheel() else None
+        )
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "PIP_RETRIES": "1"}
+    )
     assert proc.returncode == 0, f"{variant}: {' '.join(cmd)}\n{proc.stderr[-4000:]}"
     resolved = {canonicalize_name(k): v for k, v in IMAGE_INSTALL.resolved_pins(json.loads(report.read_text())).items()}
     pins = lock_pins(variant)

@@ -38,8 +38,15 @@ PACKAGES = {
 # generated gRPC stubs. Every part may import it; it imports none of them.
 BASE = {"rmsft", "rmsft_protos"}
 LEARNER_BELOW_TOP = {
-    "learner.core", "learner.tracking", "learner.rollouts", "learner.sync", "learner.data", "learner.rewards",
-    "learner.evaluation", "learner.rollouts.colocate", "learner.train",
+    "learner.core",
+    "learner.tracking",
+    "learner.rollouts",
+    "learner.sync",
+    "learner.data",
+    "learner.rewards",
+    "learner.evaluation",
+    "learner.rollouts.colocate",
+    "learner.train",
 }
 LAYERS: dict[str, set[str]] = {
     "rmsft_protos": set(),
@@ -55,8 +62,8 @@ LAYERS: dict[str, set[str]] = {
     "learner.evaluation": BASE | {"learner.core", "learner.data", "learner.rollouts"},
     # the other home, the engine inside the learner's ranks: it drives the rollout engines, syncs weights
     # in-process, reports
-    "learner.rollouts.colocate": BASE | {"learner.rollouts", "learner.sync", "learner.tracking", "learner.core",
-                                         "rollout_engine"},
+    "learner.rollouts.colocate": BASE
+    | {"learner.rollouts", "learner.sync", "learner.tracking", "learner.core", "rollout_engine"},
     "learner.train": BASE | LEARNER_BELOW_TOP - {"learner.train"},
     # learner's top-level modules (`rmsft local`, `rmsft eval`, the GPU assignment of `rmsft local`)
     "learner": BASE | LEARNER_BELOW_TOP | {"rmsft_dev", "rollout_svc"},
@@ -130,7 +137,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return [*path[path.index(nxt):], nxt]
+                return [*path[path.index(nxt) :], nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         path.pop()
@@ -155,19 +162,25 @@ def test_the_graph_sees_every_part_and_every_kind_of_import(graph: dict[str, set
     assert "learner.train.loop" in graph["learner.local"]  # inside a function
     assert "rmsft_cli.app" in graph["rmsft_cli.__main__"]
     modules = project_modules()
-    lazy = '''
+    lazy = """
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from learner.data.records import Record
 def f():
     from learner.train import zero
     import learner.rollouts.client as c
-'''
-    assert imports_of("learner.x", lazy, modules) == {"learner.data.records", "learner.train.zero",
-                                                       "learner.rollouts.client"}
+"""
+    assert imports_of("learner.x", lazy, modules) == {
+        "learner.data.records",
+        "learner.train.zero",
+        "learner.rollouts.client",
+    }
     relative = "from . import codec\nfrom .parse import parse\nfrom .. import local\n"
-    assert imports_of("learner.core.x", relative, modules) == {"learner.core.codec", "learner.core.parse",
-                                                               "learner.local"}
+    assert imports_of("learner.core.x", relative, modules) == {
+        "learner.core.codec",
+        "learner.core.parse",
+        "learner.local",
+    }
 
 
 def test_no_import_cycle_anywhere(graph: dict[str, set[str]]) -> None:
@@ -180,9 +193,12 @@ def test_the_layers_form_no_cycle_themselves() -> None:
 
 
 def test_every_part_imports_only_the_layers_below_it(graph: dict[str, set[str]]) -> None:
-    bad = sorted(f"{src} ({layer_of(src)}) imports {dst} ({layer_of(dst)})"
-                 for src, targets in graph.items() for dst in targets
-                 if layer_of(dst) != layer_of(src) and layer_of(dst) not in LAYERS[layer_of(src)])
+    bad = sorted(
+        f"{src} ({layer_of(src)}) imports {dst} ({layer_of(dst)})"
+        for src, targets in graph.items()
+        for dst in targets
+        if layer_of(dst) != layer_of(src) and layer_of(dst) not in LAYERS[layer_of(src)]
+    )
     assert not bad, "\n".join(bad)
 
 
@@ -196,16 +212,32 @@ def test_every_part_imports_only_the_layers_below_it(graph: dict[str, set[str]])
         ("rmsft_operator", ("learner", "rollout_svc", "rollout_engine", "rmsft_protos", "rmsft_cli", "rmsft_dev")),
         ("learner.core", ("rmsft", "rmsft_protos", "rollout_svc", "rollout_engine", "rmsft_operator")),
         # the server home is given its weight sender; only the colocated home reaches the engines
-        ("learner.rollouts", ("learner.sync", "learner.rollouts.colocate", "learner.train", "rollout_engine",
-                              "rollout_svc")),
-        ("rmsft_dev", ("learner.rollouts", "learner.sync", "learner.train", "rollout_svc", "rollout_engine",
-                       "rmsft_operator", "rmsft_cli")),
+        (
+            "learner.rollouts",
+            ("learner.sync", "learner.rollouts.colocate", "learner.train", "rollout_engine", "rollout_svc"),
+        ),
+        (
+            "rmsft_dev",
+            (
+                "learner.rollouts",
+                "learner.sync",
+                "learner.train",
+                "rollout_svc",
+                "rollout_engine",
+                "rmsft_operator",
+                "rmsft_cli",
+            ),
+        ),
     ],
 )
 def test_part_never_imports(graph: dict[str, set[str]], part: str, never: tuple[str, ...]) -> None:
-    bad = sorted(f"{src} imports {dst}" for src, targets in graph.items() if layer_of(src) == part
-                 for dst in targets if any(layer_of(dst) == n or layer_of(dst).startswith(n + ".") for n in never)
-                 and layer_of(dst) != part)
+    bad = sorted(
+        f"{src} imports {dst}"
+        for src, targets in graph.items()
+        if layer_of(src) == part
+        for dst in targets
+        if any(layer_of(dst) == n or layer_of(dst).startswith(n + ".") for n in never) and layer_of(dst) != part
+    )
     assert not bad, "\n".join(bad)
 
 
@@ -269,7 +301,7 @@ def import_picture(graph: dict[str, set[str]]) -> str:
 def test_the_import_picture_in_the_docs_is_current(graph: dict[str, set[str]]) -> None:
     text = PICTURE_DOC.read_text()
     assert PICTURE_BEGIN in text and PICTURE_END in text, f"{PICTURE_DOC} has no import picture"
-    shown = text[text.index(PICTURE_BEGIN): text.index(PICTURE_END) + len(PICTURE_END)]
+    shown = text[text.index(PICTURE_BEGIN) : text.index(PICTURE_END) + len(PICTURE_END)]
     assert shown == import_picture(graph), "the import picture is stale: run python scripts/gen_import_picture.py"
     # The base sits at the bottom: no arrow leaves it for a part above it.
     assert not [e for e in layer_edges(graph) if e[0] in BASE and e[1] not in BASE]

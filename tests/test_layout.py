@@ -36,9 +36,11 @@ def test_import_operator_from_repo_root_is_stdlib(argv: list[str]) -> None:
     if argv[-1] == "operator":
         # `python -m operator` would try to run the stdlib module as a script (no __main__ code);
         # instead check what `-m` resolution finds, with the repo root first on sys.path.
-        argv = [sys.executable, "-c",
-                "import sys; sys.path.insert(0, '.'); import importlib.util as u;"
-                " print(u.find_spec('operator').origin)"]
+        argv = [
+            sys.executable,
+            "-c",
+            "import sys; sys.path.insert(0, '.'); import importlib.util as u; print(u.find_spec('operator').origin)",
+        ]
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     assert out == _stdlib_operator_file(), out
     assert str(ROOT / "operator") not in out
@@ -68,10 +70,26 @@ def _imported_modules(path: Path) -> set[str]:
 @pytest.mark.parametrize(
     ("folder", "forbidden"),
     [
-        ("learner/core", {"grpc", "vllm", "kubernetes", "kopf", "rollout_svc", "rollout_engine", "rmsft_protos",
-                          "socket", "requests", "subprocess", "urllib"}),
-        ("operator/rmsft_operator", {"torch", "vllm", "learner", "rollout_svc", "rollout_engine", "transformers",
-                                     "peft"}),
+        (
+            "learner/core",
+            {
+                "grpc",
+                "vllm",
+                "kubernetes",
+                "kopf",
+                "rollout_svc",
+                "rollout_engine",
+                "rmsft_protos",
+                "socket",
+                "requests",
+                "subprocess",
+                "urllib",
+            },
+        ),
+        (
+            "operator/rmsft_operator",
+            {"torch", "vllm", "learner", "rollout_svc", "rollout_engine", "transformers", "peft"},
+        ),
     ],
 )
 def test_forbidden_imports(folder: str, forbidden: set[str]) -> None:

@@ -181,8 +181,9 @@ def test_rmsft_local_clean_removes_killed_runs_only(tmp_path: Path, monkeypatch:
 
 
 # -- rmsft local's own shutdown -----------------------------------------------------------------------------------
-def test_sigterm_while_the_servers_start_kills_every_one_and_unwinds(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sigterm_while_the_servers_start_kills_every_one_and_unwinds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SIGTERM raises `Terminated` in the main thread (its handler put back afterwards), the wait for the servers
     stops, and every server started so far is killed before the error leaves start_servers; a second signal while
     unwinding is ignored."""

@@ -59,9 +59,27 @@ def _huge_model(folder: Path) -> Path:
 def _serve(tmp_path: Path, level: str) -> subprocess.CompletedProcess:
     model = tmp_path / "huge" if (tmp_path / "huge").exists() else _huge_model(tmp_path / "huge")
     return subprocess.run(
-        [sys.executable, "-m", "rmsft_cli", "serve", "--model", str(model), "--backend", "hf",
-         "--staging-dir", str(tmp_path), "--port", "0", "--metrics-port", "0"],
-        capture_output=True, text=True, cwd=ROOT, timeout=120, env={**os.environ, ENV: level},
+        [
+            sys.executable,
+            "-m",
+            "rmsft_cli",
+            "serve",
+            "--model",
+            str(model),
+            "--backend",
+            "hf",
+            "--staging-dir",
+            str(tmp_path),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={**os.environ, ENV: level},
     )
 
 
@@ -85,11 +103,13 @@ def _job(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("level", "expected"), [("debug", logging.DEBUG), ("error", logging.ERROR),
-                                                 ("", logging.INFO)])
+@pytest.mark.parametrize(
+    ("level", "expected"), [("debug", logging.DEBUG), ("error", logging.ERROR), ("", logging.INFO)]
+)
 def test_train_honours_the_level(tmp_path: Path, root_logger, level: str, expected: int) -> None:
-    res = CliRunner().invoke(app, ["train", "--config", str(_job(tmp_path)), "--servers-file",
-                                   str(tmp_path / "absent")], env={ENV: level})
+    res = CliRunner().invoke(
+        app, ["train", "--config", str(_job(tmp_path)), "--servers-file", str(tmp_path / "absent")], env={ENV: level}
+    )
     assert res.exit_code == 2  # stops at the missing servers file, after logging was set up
     assert root_logger.level == expected
 
@@ -97,7 +117,11 @@ def test_train_honours_the_level(tmp_path: Path, root_logger, level: str, expect
 def test_train_rejects_a_bad_level(tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "rmsft_cli", "train", "--config", str(_job(tmp_path)), "--servers", "x:1"],
-        capture_output=True, text=True, cwd=ROOT, timeout=120, env={**os.environ, ENV: "chatty"},
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={**os.environ, ENV: "chatty"},
     )
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "RMSFT_LOG_LEVEL must be one of debug, info, warning, error" in " ".join(res.stderr.split())
@@ -132,11 +156,17 @@ def test_local_starts_servers_at_the_jobs_log_level(tmp_path: Path, monkeypatch:
 
 
 # -- rmsft operator ----------------------------------------------------------------------------------
-@pytest.mark.parametrize(("level", "verbose", "expected"), [
-    ("warning", False, logging.WARNING), ("", False, logging.INFO), ("error", True, logging.DEBUG),
-])
-def test_operator_honours_the_level_and_verbose_wins(monkeypatch: pytest.MonkeyPatch, root_logger, level: str,
-                                                     verbose: bool, expected: int) -> None:
+@pytest.mark.parametrize(
+    ("level", "verbose", "expected"),
+    [
+        ("warning", False, logging.WARNING),
+        ("", False, logging.INFO),
+        ("error", True, logging.DEBUG),
+    ],
+)
+def test_operator_honours_the_level_and_verbose_wins(
+    monkeypatch: pytest.MonkeyPatch, root_logger, level: str, verbose: bool, expected: int
+) -> None:
     import kopf
     from rmsft_operator.__main__ import run
 
@@ -154,13 +184,15 @@ def test_nothing_reads_rmsft_learner_gpus() -> None:
     rank count comes from torchrun's WORLD_SIZE), so it can go without replacement."""
     sources = [p for d in ("rmsft", "learner", "rollout_svc", "operator") for p in (ROOT / d).rglob("*.py")]
     # render.py is where the operator wrote it (a writer, not a reader), if it still does.
-    readers = [str(p.relative_to(ROOT)) for p in sources
-               if "RMSFT_LEARNER_GPUS" in p.read_text() and p.name != "render.py"]
+    readers = [
+        str(p.relative_to(ROOT)) for p in sources if "RMSFT_LEARNER_GPUS" in p.read_text() and p.name != "render.py"
+    ]
     assert not readers
 
 
-def test_local_waits_for_servers_as_long_as_the_jobs_startup_timeout(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_waits_for_servers_as_long_as_the_jobs_startup_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`rmsft local` waited a fixed 300 s for its servers, whatever spec.rollout.startupTimeout said; a real-width
     model's engine loads for minutes on a busy CPU machine (benchmarks/real_width.py)."""
     from rich.console import Console

@@ -46,17 +46,25 @@ README_EXPRESSIONS = _readme_expressions()
 def _mark_names(tree: ast.AST) -> set[str]:
     """NAME of every `pytest.mark.NAME` in the tree (decorators, `pytestmark`, aliases like
     `slow = pytest.mark.slow`), comments and strings left out."""
-    return {node.attr for node in ast.walk(tree)
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-            and node.value.attr == "mark" and isinstance(node.value.value, ast.Name)
-            and node.value.value.id == "pytest"}
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "mark"
+        and isinstance(node.value.value, ast.Name)
+        and node.value.value.id == "pytest"
+    }
 
 
 def _module_marks(tree: ast.Module) -> set[str]:
     """Markers a module's top-level `pytestmark` puts on all its tests."""
-    return {name for stmt in tree.body if isinstance(stmt, ast.Assign)
-            and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in stmt.targets)
-            for name in _mark_names(stmt.value)}
+    return {
+        name
+        for stmt in tree.body
+        if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in stmt.targets)
+        for name in _mark_names(stmt.value)
+    }
 
 
 def _sources() -> dict[str, tuple[set[str], set[str]]]:
@@ -76,8 +84,13 @@ def _file(nodeid: str) -> str:
 def collections(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     exprs = sorted({*MARKERS, *(f"not {m}" for m in MARKERS), *README_EXPRESSIONS})
     out = tmp_path_factory.mktemp("markers") / "collections.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "collect_selection.py"), str(out), *exprs],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "collect_selection.py"), str(out), *exprs],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result[""]["exit"] == 0, "collection without -m failed:\n" + proc.stdout[-3000:]
@@ -125,6 +138,7 @@ def test_marker_selects_exactly_what_it_names(collections: dict[str, dict[str, A
 
 def _evaluate(expr: str, marks: set[str]) -> bool:
     """A `-m` expression (names, `not`, `and`, `or`, parentheses) over an item's markers."""
+
     def walk(node: ast.AST) -> bool:
         if isinstance(node, ast.Name):
             return node.id in marks
@@ -139,8 +153,7 @@ def _evaluate(expr: str, marks: set[str]) -> bool:
 
 
 @pytest.mark.parametrize("expr", README_EXPRESSIONS)
-def test_readme_expression_selects_what_its_markers_name(collections: dict[str, dict[str, Any]],
-                                                         expr: str) -> None:
+def test_readme_expression_selects_what_its_markers_name(collections: dict[str, dict[str, Any]], expr: str) -> None:
     carrying = {m: _carrying(collections, m) for m in MARKERS}
     marks_of = {nodeid: {m for m in MARKERS if nodeid in carrying[m]} for nodeid in collections[""]["items"]}
     expected = {nodeid for nodeid, marks in marks_of.items() if _evaluate(expr, marks)}

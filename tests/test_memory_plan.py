@@ -40,15 +40,38 @@ JOB = yaml.safe_load((ROOT / "configs" / "job.yaml").read_text())
 def _qwen2_text(tied: bool) -> Any:
     from transformers import Qwen2Config
 
-    return Qwen2Config(vocab_size=1000, hidden_size=128, intermediate_size=320, num_hidden_layers=3,
-                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    return Qwen2Config(
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=320,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
 
 
 def _vl(arch: str, tied: bool, deepstack: list[int]) -> Any:
-    text = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=64, tie_word_embeddings=tied)
-    vision = dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=2, patch_size=16, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=128)
+    text = dict(
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        tie_word_embeddings=tied,
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_heads=2,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=128,
+    )
     if arch == "qwen3_vl":
         from transformers import Qwen3VLConfig
 
@@ -78,9 +101,12 @@ def _vision_split(model: Any) -> tuple[int, int]:
 
 
 CASES = [
-    ("qwen2", lambda: _qwen2_text(False)), ("qwen2 tied", lambda: _qwen2_text(True)),
-    ("qwen2.5-vl", lambda: _vl("qwen2_5_vl", True, [])), ("qwen2.5-vl untied", lambda: _vl("qwen2_5_vl", False, [])),
-    ("qwen3-vl", lambda: _vl("qwen3_vl", True, [])), ("qwen3-vl deepstack", lambda: _vl("qwen3_vl", False, [0, 1])),
+    ("qwen2", lambda: _qwen2_text(False)),
+    ("qwen2 tied", lambda: _qwen2_text(True)),
+    ("qwen2.5-vl", lambda: _vl("qwen2_5_vl", True, [])),
+    ("qwen2.5-vl untied", lambda: _vl("qwen2_5_vl", False, [])),
+    ("qwen3-vl", lambda: _vl("qwen3_vl", True, [])),
+    ("qwen3-vl deepstack", lambda: _vl("qwen3_vl", False, [0, 1])),
 ]
 
 
@@ -132,8 +158,10 @@ def test_lora_params_equal_peft(dora: bool) -> None:
 
     config = _vl("qwen2_5_vl", True, [])
     targets = ["q_proj", "v_proj", "gate_proj", "down_proj"]
-    model = get_peft_model(_model(config, device="cpu"), LoraConfig(
-        r=4, lora_alpha=8, target_modules=_language_model_targets(targets), use_dora=dora))
+    model = get_peft_model(
+        _model(config, device="cpu"),
+        LoraConfig(r=4, lora_alpha=8, target_modules=_language_model_targets(targets), use_dora=dora),
+    )
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert shape_from_config(config.to_dict()).lora_params(4, targets, dora) == trained
 
@@ -176,8 +204,16 @@ def test_full_finetuning_trains_what_freeze_leaves() -> None:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stages_shard_optimizer_then_gradients_then_weights(stage: int) -> None:
-    job = _job(**{"training.finetune": "full", "training.precision": "bf16", "training.deepspeed_stage": stage,
-                  "rollout.replicas": 4, "learner.gpus": 4, "sync.transport": "shm"})
+    job = _job(
+        **{
+            "training.finetune": "full",
+            "training.precision": "bf16",
+            "training.deepspeed_stage": stage,
+            "rollout.replicas": 4,
+            "learner.gpus": 4,
+            "sync.transport": "shm",
+        }
+    )
     plan = plan_memory(job, shape=SHAPE_7B)
     learner = plan.plans["server"].devices[1]
     assert learner.role == "learner GPU" and learner.count == 4
@@ -197,34 +233,56 @@ def test_zero_stages_shard_optimizer_then_gradients_then_weights(stage: int) -> 
 def test_a_learner_on_several_pods_shards_over_every_pods_gpus() -> None:
     """Issue 45: learner.nodes 2 x 4 GPUs is a world of 8: ZeRO-3 keeps an eighth of the weights, optimizer state and
     gradients per GPU, as 8 GPUs in one pod would; the layout says where they are."""
-    common = {"training.finetune": "full", "training.precision": "bf16", "training.deepspeed_stage": 3,
-              "rollout.replicas": 4, "sync.transport": "grpc"}
+    common = {
+        "training.finetune": "full",
+        "training.precision": "bf16",
+        "training.deepspeed_stage": 3,
+        "rollout.replicas": 4,
+        "sync.transport": "grpc",
+    }
     pods = plan_memory(_job(**common, **{"learner.gpus": 4, "learner.nodes": 2}), shape=SHAPE_7B).plans["server"]
-    one = plan_memory(_job(**common, **{"learner.gpus": 8, "placement.gpusPerNode": 16}),
-                      shape=SHAPE_7B).plans["server"]
+    one = plan_memory(_job(**common, **{"learner.gpus": 8, "placement.gpusPerNode": 16}), shape=SHAPE_7B).plans[
+        "server"
+    ]
     assert pods.devices[1].count == 8 and pods.devices[1].phases["step"] == one.devices[1].phases["step"]
     assert pods.devices[1].phases["step"]["training weights"] == 4 * SHAPE_7B.total_params // 8
     assert "2 learner pods x 4 GPU(s)" in pods.layout, pods.layout
 
 
 def _colocate(**changes: Any) -> Any:
-    base = {"rollout.mode": "colocate", "rollout.replicas": None, "learner.gpus": 8, "sync.transport": "auto",
-            "training.gradient_checkpointing": True, "training.packing_length": 8192}
+    base = {
+        "rollout.mode": "colocate",
+        "rollout.replicas": None,
+        "learner.gpus": 8,
+        "sync.transport": "auto",
+        "training.gradient_checkpointing": True,
+        "training.packing_length": 8192,
+    }
     return _job(**{**base, **changes})
 
 
 def test_colocate_peak_is_the_sum_awake_and_the_max_asleep_with_offload() -> None:
     awake = plan_memory(_colocate(), shape=SHAPE_7B).plans["colocate"].devices[0]
-    awake_offload = plan_memory(_colocate(**{"rollout.colocate": {"offloadModel": True, "offloadOptimizer": True}}),
-                                shape=SHAPE_7B).plans["colocate"].devices[0]
+    awake_offload = (
+        plan_memory(_colocate(**{"rollout.colocate": {"offloadModel": True, "offloadOptimizer": True}}), shape=SHAPE_7B)
+        .plans["colocate"]
+        .devices[0]
+    )
     asleep = plan_memory(_colocate(**{"rollout.colocate": {"sleepLevel": 1}}), shape=SHAPE_7B).plans["colocate"]
-    asleep_offload = plan_memory(_colocate(**{"rollout.colocate": {
-        "sleepLevel": 1, "offloadModel": True, "offloadOptimizer": True}}), shape=SHAPE_7B).plans["colocate"]
+    asleep_offload = plan_memory(
+        _colocate(**{"rollout.colocate": {"sleepLevel": 1, "offloadModel": True, "offloadOptimizer": True}}),
+        shape=SHAPE_7B,
+    ).plans["colocate"]
     share = int(0.45 * 80 * GiB)
     train = awake.phases["train"]
     # Awake, the engine's weights and KV cache stay through training: the peak is training plus the share.
-    assert train["engine weights"] + train["KV cache"] + train["CUDA graphs, vLLM runtime"] \
-        + awake.phases["generate"]["engine activations"] == share
+    assert (
+        train["engine weights"]
+        + train["KV cache"]
+        + train["CUDA graphs, vLLM runtime"]
+        + awake.phases["generate"]["engine activations"]
+        == share
+    )
     assert awake.peak_phase == "train"
     lines = plan_memory(_colocate(), shape=SHAPE_7B).lines()  # what the learner logs at start
     assert lines[0].startswith("memory plan of qwen3vl-det: model 8.29B parameters (preset)")
@@ -249,28 +307,51 @@ def test_colocate_peak_is_the_sum_awake_and_the_max_asleep_with_offload() -> Non
 def test_a_colocate_job_that_cannot_fit_is_refused_naming_the_knob() -> None:
     # 7B full fine-tuning, ZeRO-2 over 8 GPUs, the engine asleep while training: generation holds the fp32
     # weights, the optimizer shard and a 0.55 engine share at once.
-    job = _colocate(**{"training.finetune": "full", "training.precision": "bf16", "training.deepspeed_stage": 2,
-                       "rollout.colocate": {"sleepLevel": 1, "gpuMemoryUtilization": 0.55}, "learner.resources": {}})
+    job = _colocate(
+        **{
+            "training.finetune": "full",
+            "training.precision": "bf16",
+            "training.deepspeed_stage": 2,
+            "rollout.colocate": {"sleepLevel": 1, "gpuMemoryUtilization": 0.55},
+            "learner.resources": {},
+        }
+    )
     with pytest.raises(MemoryPlanError) as info:
         check_memory_plan(job, model_config="Qwen2.5-VL-7B")
     err = info.value
     assert isinstance(err, JobSpecError) and isinstance(err, ValueError)
     text = str(err)
     assert "does not fit (colocate mode): a GPU needs" in text and "generate phase" in text
-    for knob in ("lower spec.rollout.colocate.gpuMemoryUtilization to 0.45",
-                 "set spec.rollout.colocate.offloadOptimizer: true", "set spec.rollout.colocate.offloadModel: true"):
+    for knob in (
+        "lower spec.rollout.colocate.gpuMemoryUtilization to 0.45",
+        "set spec.rollout.colocate.offloadOptimizer: true",
+        "set spec.rollout.colocate.offloadModel: true",
+    ):
         assert knob in text, text
     # ZeRO-3 would fit too, but the spec refuses it with a sleeping engine: the advice never names a refused job.
     assert "deepspeed_stage: 3" not in text, text
-    fixed = _colocate(**{"training.finetune": "full", "training.precision": "bf16", "training.deepspeed_stage": 2,
-                         "rollout.colocate": {"sleepLevel": 1, "gpuMemoryUtilization": 0.55, "offloadOptimizer": True},
-                         "learner.resources": {}})
+    fixed = _colocate(
+        **{
+            "training.finetune": "full",
+            "training.precision": "bf16",
+            "training.deepspeed_stage": 2,
+            "rollout.colocate": {"sleepLevel": 1, "gpuMemoryUtilization": 0.55, "offloadOptimizer": True},
+            "learner.resources": {},
+        }
+    )
     assert check_memory_plan(fixed, model_config="Qwen2.5-VL-7B").fits  # what the advice names is enough
     # The learner pod's memory limit bounds what may be offloaded: 8 ranks' optimizer shards and sleeping
     # engine weights do not fit 64 GiB of host memory.
     colocate = {"sleepLevel": 1, "gpuMemoryUtilization": 0.55, "offloadOptimizer": True}
-    limited = _colocate(**{"training.finetune": "full", "training.precision": "bf16", "training.deepspeed_stage": 2,
-                           "rollout.colocate": colocate, "learner.resources": {"limits": {"memory": "64Gi"}}})
+    limited = _colocate(
+        **{
+            "training.finetune": "full",
+            "training.precision": "bf16",
+            "training.deepspeed_stage": 2,
+            "rollout.colocate": colocate,
+            "learner.resources": {"limits": {"memory": "64Gi"}},
+        }
+    )
     with pytest.raises(MemoryPlanError, match="spec.learner.resources.limits.memory"):
         check_memory_plan(limited, model_config="Qwen2.5-VL-7B")
 
@@ -289,8 +370,9 @@ def test_lowering_the_engine_share_is_advised_with_the_value_that_fits() -> None
 
 
 def test_a_kv_cache_smaller_than_one_sequence_is_refused() -> None:
-    job = _job(**{"rollout.gpuMemoryUtilization": 0.1, "rollout.maxModelLen": 32768,
-                  "training.gradient_checkpointing": True})
+    job = _job(
+        **{"rollout.gpuMemoryUtilization": 0.1, "rollout.maxModelLen": 32768, "training.gradient_checkpointing": True}
+    )
     plan = plan_memory(job, shape=SHAPE_7B)
     assert not plan.fits
     assert any("maxModelLen" in p for p in plan.own.devices[0].problems)
@@ -308,8 +390,10 @@ def test_gpu_memory_and_presets_from_the_spec() -> None:
     job = _job()
     assert default_gpu_memory(job.spec) == 80 * GiB  # NVIDIA-H100-80GB-HBM3
     assert default_gpu_memory(_job(**{"placement.nodeSelector": {}}).spec) == 80 * GiB
-    assert default_gpu_memory(_job(**{"placement.nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200-141GB"}
-                                      }).spec) == 141 * GiB
+    assert (
+        default_gpu_memory(_job(**{"placement.nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200-141GB"}}).spec)
+        == 141 * GiB
+    )
     assert preset_for("/models/Qwen3-VL-2B-Instruct") == "Qwen3-VL-2B"
     assert preset_for("/models/qwen2.5-vl-7b-instruct/") == "Qwen2.5-VL-7B"
     assert preset_for("/models/Qwen3-VL-235B-A22B") is None
@@ -344,8 +428,14 @@ def test_runtime_reserve_is_counted_once_per_training_gpu() -> None:
 
 
 def _rmsft(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rmsft_cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120, env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        [sys.executable, "-m", "rmsft_cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"},
+    )
 
 
 def test_cli_plan_exit_codes_and_output(tmp_path: Path) -> None:
@@ -377,14 +467,27 @@ def test_cli_plan_exit_codes_and_output(tmp_path: Path) -> None:
 
 
 def test_a_sync_wakes_a_sleeping_engines_weights_and_moe_is_refused() -> None:
-    job = _colocate(**{"training.finetune": "full", "training.precision": "bf16", "training.deepspeed_stage": 2,
-                       "rollout.colocate": {"sleepLevel": 2}})
+    job = _colocate(
+        **{
+            "training.finetune": "full",
+            "training.precision": "bf16",
+            "training.deepspeed_stage": 2,
+            "rollout.colocate": {"sleepLevel": 2},
+        }
+    )
     d = plan_memory(job, shape=SHAPE_7B).own.devices[0]
     assert "engine weights" not in d.phases["train"]
     assert d.phases["sync"]["engine weights"] == d.phases["generate"]["engine weights"] > 0
     assert d.host_bytes == 0  # level 2 discards the engine's weights; the learner restores them
-    moe = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-           "num_attention_heads": 2, "vocab_size": 100, "num_experts": 8}
+    moe = {
+        "model_type": "qwen3_moe",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "vocab_size": 100,
+        "num_experts": 8,
+    }
     with pytest.raises(ModelShapeError, match="mixture-of-experts"):
         shape_from_config(moe)
 
@@ -402,17 +505,37 @@ def _advice_cases() -> list[tuple[str, Any, int]]:
             for share, sleep in ((0.45, 0), (0.55, 1), (0.9, 1)):
                 if stage == 3 and sleep:  # refused by the spec (a sleeping engine under ZeRO-3 is unproven)
                     continue
-                job = _colocate(**{"training.finetune": finetune, "training.precision": "bf16",
-                                   "training.deepspeed_stage": stage, "learner.resources": {},
-                                   "rollout.colocate": {"sleepLevel": sleep, "gpuMemoryUtilization": share}})
+                job = _colocate(
+                    **{
+                        "training.finetune": finetune,
+                        "training.precision": "bf16",
+                        "training.deepspeed_stage": stage,
+                        "learner.resources": {},
+                        "rollout.colocate": {"sleepLevel": sleep, "gpuMemoryUtilization": share},
+                    }
+                )
                 cases += [(f"colocate z{stage} {finetune} {share}/{sleep}", job, gib) for gib in (48, 64, 80)]
     # shm: the one-node budget binds (over grpc a larger TP may take GPUs on another node, and is sound advice).
     for replicas in (4, 7):
-        job = _job(**{"rollout.replicas": replicas, "learner.gpus": 8 - replicas, "sync.transport": "shm",
-                      "rollout.gpuMemoryUtilization": 0.2})
+        job = _job(
+            **{
+                "rollout.replicas": replicas,
+                "learner.gpus": 8 - replicas,
+                "sync.transport": "shm",
+                "rollout.gpuMemoryUtilization": 0.2,
+            }
+        )
         cases += [(f"server {replicas}+{8 - replicas} u0.2", job, gib) for gib in (64, 80)]
-    job = _job(**{"training.finetune": "full", "training.precision": "fp32", "training.deepspeed_stage": 1,
-                  "rollout.replicas": 4, "learner.gpus": 4, "sync.transport": "shm"})
+    job = _job(
+        **{
+            "training.finetune": "full",
+            "training.precision": "fp32",
+            "training.deepspeed_stage": 1,
+            "rollout.replicas": 4,
+            "learner.gpus": 4,
+            "sync.transport": "shm",
+        }
+    )
     cases += [("server full fp32", job, gib) for gib in (40, 80)]
     return cases
 
@@ -437,8 +560,9 @@ def test_every_piece_of_advice_is_a_job_the_validator_accepts_and_that_fits() ->
             except Exception as exc:  # reported with the advice that made it
                 pytest.fail(f"{label}: refused by the validator: {exc}")
             c = fixed.rollout.colocate
-            assert not (fixed.rollout.colocated and c.offload_optimizer and fixed.training.deepspeed_stage == 3), \
+            assert not (fixed.rollout.colocated and c.offload_optimizer and fixed.training.deepspeed_stage == 3), (
                 f"{label}: offloadOptimizer under ZeRO-3 (the learner refuses it at start)"
+            )
             doc = job.to_manifest()
             doc["spec"] = fixed.model_dump(by_alias=True)
             assert plan_memory(parse_job(doc), shape=SHAPE_7B, gpu_memory=gib * GiB).fits, label
@@ -453,10 +577,16 @@ def test_advice_never_offloads_the_optimizer_under_zero3_nor_outgrows_the_node()
     # Offloading the optimizer is advice under ZeRO 1 and 2, never under ZeRO-3 (DeepSpeed moves ZeRO-3's
     # optimizer state only for its own FusedAdam): neither alone at stage 3 nor paired with going to stage 3.
     def job(stage: int, share: float) -> Any:
-        return _colocate(**{"training.finetune": "full", "training.precision": "bf16",
-                            "training.deepspeed_stage": stage, "learner.resources": {},
-                            # a sleeping engine under ZeRO-3 is refused by the spec: awake there
-                            "rollout.colocate": {"sleepLevel": 0 if stage == 3 else 1, "gpuMemoryUtilization": share}})
+        return _colocate(
+            **{
+                "training.finetune": "full",
+                "training.precision": "bf16",
+                "training.deepspeed_stage": stage,
+                "learner.resources": {},
+                # a sleeping engine under ZeRO-3 is refused by the spec: awake there
+                "rollout.colocate": {"sleepLevel": 0 if stage == 3 else 1, "gpuMemoryUtilization": share},
+            }
+        )
 
     offload = "set spec.rollout.colocate.offloadOptimizer: true"
     assert offload in " ".join(plan_memory(job(2, 0.55), shape=SHAPE_7B).advice)
@@ -467,15 +597,23 @@ def test_advice_never_offloads_the_optimizer_under_zero3_nor_outgrows_the_node()
     # 7 servers at TP 1 and 1 learner fill the node: over shm (one node) TP 2 would need 15 GPUs, the node has 8;
     # over grpc the pool may span nodes, and TP 2 is advice.
     for transport, tp_advised in (("shm", False), ("grpc", True)):
-        job = _job(**{"rollout.replicas": 7, "learner.gpus": 1, "sync.transport": transport,
-                      "rollout.gpuMemoryUtilization": 0.2})
+        job = _job(
+            **{
+                "rollout.replicas": 7,
+                "learner.gpus": 1,
+                "sync.transport": transport,
+                "rollout.gpuMemoryUtilization": 0.2,
+            }
+        )
         plan = plan_memory(job, shape=SHAPE_7B, gpu_memory=80 * GiB)
         assert plan.advice and ("raise spec.rollout.tensorParallelSize to 2" in " ".join(plan.advice)) == tp_advised
         assert "raise spec.rollout.gpuMemoryUtilization to" in " ".join(plan.advice)
 
 
-@pytest.mark.parametrize("value,expected", [(None, "refuse"), ("", "refuse"), ("refuse", "refuse"),
-                                            ("warn", "warn"), ("off", "off"), (" WARN ", "warn")])
+@pytest.mark.parametrize(
+    "value,expected",
+    [(None, "refuse"), ("", "refuse"), ("refuse", "refuse"), ("warn", "warn"), ("off", "off"), (" WARN ", "warn")],
+)
 def test_memory_plan_setting_takes_its_documented_values(value: str | None, expected: str) -> None:
     from rmsft.memory_plan import MEMORY_PLAN_ENV, memory_plan_setting
 

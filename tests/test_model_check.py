@@ -31,7 +31,8 @@ def test_a_coordexp_tokenizer_fits_both_formats(tokenizer_folders: dict[str, Pat
 
 
 def test_a_stock_tokenizer_fits_qwen_json_only_and_the_message_names_both_fixes(
-        tokenizer_folders: dict[str, Path]) -> None:
+    tokenizer_folders: dict[str, Path],
+) -> None:
     folder = tokenizer_folders["stock"]
     assert "qwen_json" in check_model(folder, "qwen_json")
     with pytest.raises(ModelCheckError) as err:
@@ -95,8 +96,11 @@ def _with_tokens(src: Path, dst: Path, keep: int) -> Path:
 
 def test_some_coord_tokens_are_not_enough(tokenizer_folders: dict[str, Path], tmp_path: Path) -> None:
     folder = _with_tokens(tokenizer_folders["coordexp"], tmp_path / "half", 500)
-    with pytest.raises(ModelCheckError, match=r"has 500 of the 1000 coordinate tokens .*no <\|coord_500\|>.*"
-                                              r"start from the stock checkpoint"):
+    with pytest.raises(
+        ModelCheckError,
+        match=r"has 500 of the 1000 coordinate tokens .*no <\|coord_500\|>.*"
+        r"start from the stock checkpoint",
+    ):
         check_model(folder, "coordexp")
 
 
@@ -128,8 +132,10 @@ def test_what_is_no_model_folder_is_named(tokenizer_folders: dict[str, Path], tm
 
 
 def test_the_check_needs_neither_torch_nor_transformers() -> None:
-    code = ("import sys; import rmsft.model_check as m; "
-            "print(sorted(k for k in ('torch', 'transformers', 'tokenizers') if k in sys.modules))")
+    code = (
+        "import sys; import rmsft.model_check as m; "
+        "print(sorted(k for k in ('torch', 'transformers', 'tokenizers') if k in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
 

@@ -30,8 +30,9 @@ def _siblings(dst: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("can_exchange", [True, False], ids=["exchange", "two-renames"])
-def test_a_folder_is_replaced_whole_and_nothing_is_left_beside_it(tmp_path: Path, can_exchange: bool,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_folder_is_replaced_whole_and_nothing_is_left_beside_it(
+    tmp_path: Path, can_exchange: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dst = _folder(tmp_path / "export", "old")
     if can_exchange:
         probe_a, probe_b = _folder(tmp_path / "a", "a"), _folder(tmp_path / "b", "b")
@@ -95,7 +96,9 @@ def test_leftovers_named_with_this_process_id_are_a_previous_incarnations(tmp_pa
 
 def test_a_folder_with_files_is_refused_without_overwrite_and_nothing_is_written(tmp_path: Path) -> None:
     dst = _folder(tmp_path / "export", "old")
-    with pytest.raises(OutputFolderError, match="exists and is not empty.*--overwrite"), \
-            staged_folder(dst, overwrite=False):
+    with (
+        pytest.raises(OutputFolderError, match="exists and is not empty.*--overwrite"),
+        staged_folder(dst, overwrite=False),
+    ):
         pytest.fail("the block must not run")
     assert _siblings(dst) == ["export"]

@@ -29,8 +29,9 @@ def stock_vl(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     from rmsft.vl_processor import register
 
     register()
-    return request.param, build_tiny_vl_model(tmp_path_factory.mktemp(f"stock-{request.param}"), arch=request.param,
-                                              coord_tokens=False)
+    return request.param, build_tiny_vl_model(
+        tmp_path_factory.mktemp(f"stock-{request.param}"), arch=request.param, coord_tokens=False
+    )
 
 
 def _digests(folder: Path) -> dict[str, str]:
@@ -51,8 +52,9 @@ def _embedding_key(tensors: dict[str, torch.Tensor]) -> str:
 # ---------------------------------------------------------------- stock tiny models
 
 
-def test_stock_tiny_model_is_the_coordexp_one_without_coord_tokens(tmp_path: Path, stock_text: Path,
-                                                                    tiny_model_dir: Path) -> None:
+def test_stock_tiny_model_is_the_coordexp_one_without_coord_tokens(
+    tmp_path: Path, stock_text: Path, tiny_model_dir: Path
+) -> None:
     from transformers import AutoTokenizer
 
     stock, coord = AutoTokenizer.from_pretrained(stock_text), AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -88,8 +90,13 @@ def test_stock_vl_marker_and_rebuild(tmp_path: Path) -> None:
 
 def test_cli_builds_a_stock_model(tmp_path: Path) -> None:
     out = tmp_path / "stock"
-    res = subprocess.run([sys.executable, "-m", "rmsft_cli", "dev", "tiny-model", str(out), "--stock"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "rmsft_cli", "dev", "tiny-model", str(out), "--stock"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     assert "stock" in res.stderr
     assert "<|coord_0|>" not in (out / "tokenizer.json").read_text()
@@ -123,8 +130,9 @@ def _vl_inputs(processor, text: str, n_images: int):
 
     images = [Image.new("RGB", (96 + 32 * i, 64), (40 * i, 180, 90)) for i in range(n_images)]
     content = [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
-    rendered = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                             tokenize=False)
+    rendered = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
     return processor(text=[rendered], images=images or None, return_tensors="pt")
 
 
@@ -181,8 +189,11 @@ def test_prepare_vl_model(tmp_path: Path, stock_vl: tuple[str, Path]) -> None:
     m_src = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32).eval()
     m_dst = AutoModelForImageTextToText.from_pretrained(dst, dtype=torch.float32).eval()
     assert m_dst.get_output_embeddings().weight.data_ptr() == m_dst.get_input_embeddings().weight.data_ptr()
-    for n_images, prompt in ((0, "Detect every shape."), (1, "Detect every shape in the image."),
-                             (2, "What is there?")):
+    for n_images, prompt in (
+        (0, "Detect every shape."),
+        (1, "Detect every shape in the image."),
+        (2, "What is there?"),
+    ):
         enc_src, enc_dst = _vl_inputs(p_src, prompt, n_images), _vl_inputs(p_dst, prompt, n_images)
         assert torch.equal(enc_src["input_ids"], enc_dst["input_ids"])
         with torch.no_grad():
@@ -333,12 +344,22 @@ def test_cli_refuses_a_non_empty_dst(tmp_path: Path, stock_text: Path) -> None:
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "x").write_text("x")
-    res = subprocess.run([sys.executable, "-m", "rmsft_cli", "prepare-model", str(stock_text), str(busy)],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "rmsft_cli", "prepare-model", str(stock_text), str(busy)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert res.returncode == 2, res.stderr
     assert "not empty" in res.stderr and "--overwrite" in res.stderr and "Traceback" not in res.stderr
-    ok = subprocess.run([sys.executable, "-m", "rmsft_cli", "prepare-model", str(stock_text), str(tmp_path / "out")],
-                        capture_output=True, text=True, cwd=ROOT, timeout=300)
+    ok = subprocess.run(
+        [sys.executable, "-m", "rmsft_cli", "prepare-model", str(stock_text), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert ok.returncode == 0, ok.stderr
     assert "tokens added: 1000" in ok.stderr and "1200 -> 2200" in ok.stderr
 
@@ -355,13 +376,21 @@ def test_vllm_serves_the_prepared_model_as_transformers_does(tmp_path: Path, sto
     dst = tmp_path / "prepared"
     prepare_model(stock_text, dst)
     tok = AutoTokenizer.from_pretrained(dst)
-    ids = [prompt_ids(tok, [{"role": "user", "content": t}]) for t in
-           ("Detect every object in the image and answer in JSON.", "Find the cars.", "Where is the umbrella?")]
+    ids = [
+        prompt_ids(tok, [{"role": "user", "content": t}])
+        for t in ("Detect every object in the image and answer in JSON.", "Find the cars.", "Where is the umbrella?")
+    ]
     (tmp_path / "prompts.json").write_text(json.dumps({"ids": ids, "max_tokens": 16}))
-    cmd = [sys.executable, str(ROOT / "tests" / "vllm_greedy.py"), str(dst), str(tmp_path / "prompts.json"),
-           str(tmp_path / "out.json")]
-    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
-                         timeout=600)
+    cmd = [
+        sys.executable,
+        str(ROOT / "tests" / "vllm_greedy.py"),
+        str(dst),
+        str(tmp_path / "prompts.json"),
+        str(tmp_path / "out.json"),
+    ]
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=600
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     got = json.loads((tmp_path / "out.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(stock_text, dtype=torch.float32).eval()  # the stock model
@@ -369,4 +398,4 @@ def test_vllm_serves_the_prepared_model_as_transformers_does(tmp_path: Path, sto
     with torch.no_grad():
         for prompt, out in zip(ids, got, strict=True):
             want = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=eos)
-            assert out == want[0, len(prompt):].tolist()
+            assert out == want[0, len(prompt) :].tolist()

@@ -18,10 +18,7 @@ def _load_generator():
 def test_generated_stubs_are_fresh(tmp_path: Path) -> None:
     generated = _load_generator().generate(tmp_path)
     assert {p.name for p in generated} >= {"rollout_pb2.py", "rollout_pb2.pyi", "rollout_pb2_grpc.py"}
-    stale = [
-        p.name for p in generated
-        if p.read_text() != (ROOT / "protos" / "rmsft_protos" / p.name).read_text()
-    ]
+    stale = [p.name for p in generated if p.read_text() != (ROOT / "protos" / "rmsft_protos" / p.name).read_text()]
     assert not stale, f"stale generated stubs {stale}: run `make protos` and commit"
 
 

@@ -47,8 +47,15 @@ def test_config_and_meta_model_at_the_presets_widths(tokenizer) -> None:
     text, vision = config.text_config, config.vision_config
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
         assert getattr(text, key) == preset["text_config"][key], key
-    for key in ("hidden_size", "intermediate_size", "num_heads", "patch_size", "spatial_merge_size",
-                "num_position_embeddings", "out_hidden_size"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_heads",
+        "patch_size",
+        "spatial_merge_size",
+        "num_position_embeddings",
+        "out_hidden_size",
+    ):
         assert getattr(vision, key) == preset["vision_config"][key], key
     assert (text.num_hidden_layers, vision.depth) == (2, 1)
     assert vision.deepstack_visual_indexes == []  # vLLM's CPU (Transformers) backend drops deepstack
@@ -62,7 +69,13 @@ def test_config_and_meta_model_at_the_presets_widths(tokenizer) -> None:
     # minus deepstack's mergers).
     ours, stock = shape_from_config(config.to_dict()), shape_from_config(preset)
     assert (ours.hidden, ours.heads, ours.kv_heads, ours.head_dim, ours.intermediate, ours.vision_hidden) == (
-        stock.hidden, stock.heads, stock.kv_heads, stock.head_dim, stock.intermediate, stock.vision_hidden)
+        stock.hidden,
+        stock.heads,
+        stock.kv_heads,
+        stock.head_dim,
+        stock.intermediate,
+        stock.vision_hidden,
+    )
     assert ours.decoder_params == pytest.approx(stock.decoder_params * 2 / 28, rel=1e-4)
     assert ours.embed_params == sum(p.numel() for p in model.get_input_embeddings().parameters())
     assert ours.total_params == sum(p.numel() for p in model.parameters())
@@ -85,8 +98,24 @@ def test_cli_writes_a_folder_transformers_loads(tmp_path: Path) -> None:
     from rmsft.vl_processor import register
 
     out = tmp_path / "real-width"
-    res = subprocess.run([sys.executable, "-m", "rmsft_cli", "dev", "real-width", str(out), "--text-layers", "1",
-                          "--vision-layers", "1", "--width-divisor", "16"], capture_output=True, text=True)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rmsft_cli",
+            "dev",
+            "real-width",
+            str(out),
+            "--text-layers",
+            "1",
+            "--vision-layers",
+            "1",
+            "--width-divisor",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr
     assert "GB of random bfloat16 weights" in res.stderr and "vocabulary 152936" in res.stderr
     register()

@@ -34,8 +34,11 @@ def test_this_environment_has_what_the_configs_need() -> None:
 def test_a_missing_package_is_named_with_the_spec_key(monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
-    with pytest.raises(MissingRequirementError, match=r"peft \(spec.training.finetune: lora\) not installed: "
-                                                      r"install it with `pip install -c requirements/constraints.txt"):
+    with pytest.raises(
+        MissingRequirementError,
+        match=r"peft \(spec.training.finetune: lora\) not installed: "
+        r"install it with `pip install -c requirements/constraints.txt",
+    ):
         require_learner_runtime(parse_job(_doc()))
     require_learner_runtime(parse_job(_doc(finetune="full")))  # full fine-tuning does not need peft
 
@@ -52,8 +55,14 @@ def test_rmsft_train_without_deepspeed_fails_at_start(tmp_path: Path) -> None:
     job.write_text(yaml.safe_dump(doc))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim.parent), os.environ.get("PYTHONPATH", "")])}
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "rmsft_cli", "train", "--config", str(job), "--servers", "h:1"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
+    res = subprocess.run(
+        [sys.executable, "-m", "rmsft_cli", "train", "--config", str(job), "--servers", "h:1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env=env,
+    )
     err = " ".join(res.stderr.split())
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "deepspeed (spec.training.deepspeed_stage: 2) cannot be imported" in err

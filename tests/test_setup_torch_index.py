@@ -19,8 +19,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _run(env_extra: dict[str, str], drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in drop and k != "TORCH_INDEX_URL"}
-    return subprocess.run(["bash", str(ROOT / "scripts/torch_index.sh")], capture_output=True, text=True,
-                          env={**env, "PYTHON": sys.executable, **env_extra}, timeout=60)
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts/torch_index.sh")],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHON": sys.executable, **env_extra},
+        timeout=60,
+    )
 
 
 def test_an_index_that_answers_is_given_to_pip(tmp_path: Path) -> None:
@@ -58,4 +63,4 @@ def test_none_when_set_empty_and_pyprojects_cpu_index_by_default() -> None:
 
 def test_setup_installs_torch_with_what_the_script_prints() -> None:
     setup = (ROOT / "scripts/setup.sh").read_text()
-    assert 'bash scripts/torch_index.sh)' in setup and '"${TORCH_FROM[@]}" "torch==$TORCH_VERSION"' in setup
+    assert "bash scripts/torch_index.sh)" in setup and '"${TORCH_FROM[@]}" "torch==$TORCH_VERSION"' in setup

@@ -18,9 +18,16 @@ def test_only_files_no_process_holds_made_since_the_start_are_swept(tmp_path: Pa
     left, held, other = tmp_path / "psm_left", tmp_path / "rmsft-stage-1-2-ab.bin", tmp_path / "mine.bin"
     for p in (left, held, other):
         p.write_bytes(b"x")
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'rb'); "
-                               "print('open', flush=True); time.sleep(60)", str(held)], stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; f = open(sys.argv[1], 'rb'); print('open', flush=True); time.sleep(60)",
+            str(held),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "open"
         assert unheld_since(tmp_path, since) == [left]  # not the held one, not an older one, not another kind

@@ -66,11 +66,15 @@ def test_every_crd_field_has_a_description() -> None:
     assert len(fields) > 150 and set(owners) <= {p for p, _ in fields}  # the walk reaches every model field
     # `metadata` is the standard ObjectMeta (kubectl explain has its own text): the API server refuses a CRD that
     # says anything about it but name/generateName rules, a description included.
-    missing = [f"{path} ({owners.get(path, 'rmsft_operator/crd.py')})"
-               for path, sub in fields if not sub.get("description", "").strip() and path.split(".")[0] != "metadata"]
-    assert not missing, (f"{len(missing)} CRD fields without a description (kubectl explain shows nothing for "
-                         "them); give each a Field(description=...) or its class a docstring:\n  "
-                         + "\n  ".join(missing))
+    missing = [
+        f"{path} ({owners.get(path, 'rmsft_operator/crd.py')})"
+        for path, sub in fields
+        if not sub.get("description", "").strip() and path.split(".")[0] != "metadata"
+    ]
+    assert not missing, (
+        f"{len(missing)} CRD fields without a description (kubectl explain shows nothing for "
+        "them); give each a Field(description=...) or its class a docstring:\n  " + "\n  ".join(missing)
+    )
 
 
 def test_spec_reference_page_is_current() -> None:

@@ -22,20 +22,29 @@ def _project(tmp_path: Path, budget_s: float) -> Path:
     (tmp_path / "conftest.py").write_text(
         "from suite_clock import SuiteClock, pytest_addoption  # noqa: F401\n\n"
         "def pytest_configure(config):\n"
-        "    config.pluginmanager.register(SuiteClock(config), 'rmsft-suite-clock')\n")
+        "    config.pluginmanager.register(SuiteClock(config), 'rmsft-suite-clock')\n"
+    )
     (tmp_path / "test_two.py").write_text(
-        "import time\n\n"
-        "def test_slow():\n    time.sleep(1.2)\n\n"
-        "def test_quick():\n    pass\n")
+        "import time\n\ndef test_slow():\n    time.sleep(1.2)\n\ndef test_quick():\n    pass\n"
+    )
     return tmp_path
 
 
 def _pytest(project: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
     out = project / "times.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-           "RMSFT_TEST_TIMES": str(out)}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=project, env=env,
-                          capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        "RMSFT_TEST_TIMES": str(out),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return proc, json.loads(out.read_text())
 
 
@@ -65,8 +74,7 @@ def test_a_run_inside_its_budget_passes_and_a_selected_run_is_not_held_to_it(tmp
 
 def test_two_workers_report_every_test_once_with_its_time(tmp_path: Path) -> None:
     """Under xdist the controller reports: each test once, its time, the budget still applied to the whole run."""
-    proc, times = _pytest(_project(tmp_path, budget_s=0.5), "-n", "2", "--dist", "loadscope",
-                          "--no-loadscope-reorder")
+    proc, times = _pytest(_project(tmp_path, budget_s=0.5), "-n", "2", "--dist", "loadscope", "--no-loadscope-reorder")
     assert proc.returncode == 1 and "2 passed" in proc.stdout, proc.stdout[-3000:]
     assert sorted(times["tests"]) == ["test_two.py::test_quick", "test_two.py::test_slow"], times
     assert times["workers"] == 2 and times["tests"]["test_two.py::test_slow"][1] >= 1.2, times
@@ -76,6 +84,12 @@ def test_units_are_queued_longest_first_in_file_order_on_ties() -> None:
     units = ["tests/a.py", "tests/a.py", "cluster", "tests/b.py", "envtest", "tests/new.py", "tests/c.py"]
     known = {"tests/a.py": 10.0, "cluster": 900.0, "tests/b.py": 300.0, "envtest": 120.0, "tests/c.py": 10.0}
     rank = unit_order(units, known)
-    assert sorted(rank, key=rank.__getitem__) == ["cluster", "tests/b.py", "envtest", "tests/a.py", "tests/c.py",
-                                                  "tests/new.py"]
+    assert sorted(rank, key=rank.__getitem__) == [
+        "cluster",
+        "tests/b.py",
+        "envtest",
+        "tests/a.py",
+        "tests/c.py",
+        "tests/new.py",
+    ]
     assert UNKNOWN_UNIT_S < 10.0  # a never-measured module waits behind the measured ones

@@ -15,8 +15,9 @@ def test_in_ci_a_missing_tier_fails_with_its_reason(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.parametrize("value", [None, "", "false", "0"])
-def test_elsewhere_a_missing_tier_is_skipped_with_its_reason(monkeypatch: pytest.MonkeyPatch,
-                                                             value: str | None) -> None:
+def test_elsewhere_a_missing_tier_is_skipped_with_its_reason(
+    monkeypatch: pytest.MonkeyPatch, value: str | None
+) -> None:
     if value is None:
         monkeypatch.delenv("CI", raising=False)
     else:

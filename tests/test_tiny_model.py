@@ -67,7 +67,7 @@ def _hf_greedy(model_dir: Path, prompt_ids: list[list[int]], max_tokens: int) ->
     with torch.no_grad():
         for ids in prompt_ids:
             gen = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
-            outs.append(gen[0, len(ids):].tolist())
+            outs.append(gen[0, len(ids) :].tolist())
     return outs
 
 
@@ -75,8 +75,9 @@ def _hf_greedy(model_dir: Path, prompt_ids: list[list[int]], max_tokens: int) ->
 @pytest.mark.slow
 def test_vllm_and_transformers_agree_greedy(tmp_path: Path, tiny_model_dir: Path, tiny_tokenizer) -> None:
     prompt_ids = [
-        tiny_tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                           tokenize=True)["input_ids"]
+        tiny_tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)[
+            "input_ids"
+        ]
         for p in PROMPTS
     ]
     max_tokens = 24
@@ -84,8 +85,11 @@ def test_vllm_and_transformers_agree_greedy(tmp_path: Path, tiny_model_dir: Path
     script = Path(__file__).with_name("vllm_greedy.py")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     res = subprocess.run(
-        [sys.executable, str(script), str(tiny_model_dir), str(tmp_path / "prompts.json"),
-         str(tmp_path / "out.json")], capture_output=True, text=True, env=env, timeout=600,
+        [sys.executable, str(script), str(tiny_model_dir), str(tmp_path / "prompts.json"), str(tmp_path / "out.json")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert res.returncode == 0, res.stderr[-4000:]
     vllm_out = json.loads((tmp_path / "out.json").read_text())

@@ -20,9 +20,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = {"rmsft": ROOT / "rmsft", "rmsft_cli": ROOT / "rmsft_cli", "rmsft_dev": ROOT / "rmsft_dev",
-           "learner": ROOT / "learner", "rollout_svc": ROOT / "rollout_svc", "rollout_engine": ROOT / "rollout_engine",
-           "rmsft_operator": ROOT / "operator" / "rmsft_operator", "rmsft_protos": ROOT / "protos" / "rmsft_protos"}
+SOURCES = {
+    "rmsft": ROOT / "rmsft",
+    "rmsft_cli": ROOT / "rmsft_cli",
+    "rmsft_dev": ROOT / "rmsft_dev",
+    "learner": ROOT / "learner",
+    "rollout_svc": ROOT / "rollout_svc",
+    "rollout_engine": ROOT / "rollout_engine",
+    "rmsft_operator": ROOT / "operator" / "rmsft_operator",
+    "rmsft_protos": ROOT / "protos" / "rmsft_protos",
+}
 
 pytestmark = pytest.mark.slow
 
@@ -49,8 +56,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for top in ("rmsft", "rmsft_cli", "rmsft_dev", "learner", "rollout_svc", "rollout_engine", "operator", "protos"):
         shutil.copytree(ROOT / top, src / top, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                    str(src)], check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     (whl,) = out.glob("rmsft-*.whl")
     return whl
 
@@ -58,14 +69,27 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv = tmp_path_factory.mktemp("venv")
-    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(venv)],
-                   check=True, timeout=120)
+    subprocess.run(
+        [getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(venv)],
+        check=True,
+        timeout=120,
+    )
     python = venv / "bin" / "python"
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     (site / "dev-env-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     return venv
 
 
@@ -89,8 +113,13 @@ def test_every_module_imports_from_the_installed_wheel(installed: Path, tmp_path
         "        out[m] = 'ERROR ' + type(e).__name__ + ': ' + str(e)\n"
         "print(json.dumps(out))\n"
     )
-    proc = subprocess.run([str(installed / "bin" / "python"), "-c", code, *source_modules()], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [str(installed / "bin" / "python"), "-c", code, *source_modules()],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = json.loads(proc.stdout.strip().splitlines()[-1])
     errors = {m: f for m, f in files.items() if f.startswith("ERROR")}
@@ -100,11 +129,15 @@ def test_every_module_imports_from_the_installed_wheel(installed: Path, tmp_path
 
 
 def test_the_console_script_and_the_vllm_plugin_are_installed(installed: Path, tmp_path: Path) -> None:
-    proc = subprocess.run([str(installed / "bin" / "rmsft"), "--help"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [str(installed / "bin" / "rmsft"), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and "local" in proc.stdout, proc.stderr[-2000:]
-    code = ("from importlib.metadata import entry_points; "
-            "print([e.value for e in entry_points(group='vllm.general_plugins') if e.dist.name == 'rmsft'])")
-    out = subprocess.run([str(installed / "bin" / "python"), "-c", code], cwd=tmp_path, capture_output=True,
-                         text=True, check=True).stdout
+    code = (
+        "from importlib.metadata import entry_points; "
+        "print([e.value for e in entry_points(group='vllm.general_plugins') if e.dist.name == 'rmsft'])"
+    )
+    out = subprocess.run(
+        [str(installed / "bin" / "python"), "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout
     assert "register" in out, out

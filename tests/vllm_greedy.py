@@ -25,15 +25,24 @@ def main() -> None:
     model_dir, prompts_path, out_path = sys.argv[1:4]
     with open(prompts_path) as f:
         prompts = json.load(f)
-    llm = LLM(model=model_dir, dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=1024,
-              enforce_eager=True, seed=0, **prompts.get("llm", {}))
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        kv_cache_memory_bytes=256 << 20,
+        max_model_len=1024,
+        enforce_eager=True,
+        seed=0,
+        **prompts.get("llm", {}),
+    )
     params = SamplingParams(temperature=0.0, max_tokens=prompts["max_tokens"])
     if "texts" in prompts:
         from PIL import Image
 
         requests = [
-            {"prompt": text, **({"multi_modal_data": {"image": [Image.open(p).convert("RGB") for p in paths]}}
-                                if paths else {})}
+            {
+                "prompt": text,
+                **({"multi_modal_data": {"image": [Image.open(p).convert("RGB") for p in paths]}} if paths else {}),
+            }
             for text, paths in zip(prompts["texts"], prompts["images"], strict=True)
         ]
     else:

@@ -119,8 +119,9 @@ def _touches_border(o: DetObject) -> bool:
     return any(b in (0, NUM_BINS - 1) for b in o.bins)
 
 
-def find_duplicates(objects: Sequence[DetObject], cfg: DuplicateConfig | None = None,
-                    support: Sequence[int] | None = None) -> dict[int, int]:
+def find_duplicates(
+    objects: Sequence[DetObject], cfg: DuplicateConfig | None = None, support: Sequence[int] | None = None
+) -> dict[int, int]:
     cfg = cfg or DuplicateConfig()
     if support is not None and len(support) != len(objects):
         raise ValueError(f"support for {len(support)} object(s), not {len(objects)}")
@@ -152,8 +153,11 @@ def find_duplicates(objects: Sequence[DetObject], cfg: DuplicateConfig | None = 
         clusters.setdefault(find(i), []).append(i)
     dups = {}
     for members in clusters.values():
-        if len(members) < 2 or sum(1 for m in members if sup[m] > 0) >= 2 or _spread_wide(
-                [objects[m] for m in members], cfg):
+        if (
+            len(members) < 2
+            or sum(1 for m in members if sup[m] > 0) >= 2
+            or _spread_wide([objects[m] for m in members], cfg)
+        ):
             continue
         survivor = min(members, key=lambda m: (-sup[m], _touches_border(objects[m]), m))
         dups.update({m: survivor for m in members if m != survivor})
@@ -167,8 +171,9 @@ def _spread_wide(members: Sequence[DetObject], cfg: DuplicateConfig) -> bool:
         return False
     limit = cfg.spread * cfg.center_radius * math.sqrt(max(1.0, max(_area(o) for o in members)))
     centers = [_center(o) for o in members]
-    return any(math.hypot(ax - bx, ay - by) > limit
-               for k, (ax, ay) in enumerate(centers) for bx, by in centers[k + 1:])
+    return any(
+        math.hypot(ax - bx, ay - by) > limit for k, (ax, ay) in enumerate(centers) for bx, by in centers[k + 1 :]
+    )
 
 
 def label_support(objects: Sequence[DetObject], explorers: Sequence[Sequence[DetObject]], min_iou: float) -> list[int]:
@@ -178,15 +183,20 @@ def label_support(objects: Sequence[DetObject], explorers: Sequence[Sequence[Det
     labels = [normalize_label(o.desc) for o in objects]
     for view in explorers:
         same = np.array([[a == normalize_label(b.desc) for b in view] for a in labels], dtype=bool).reshape(
-            len(objects), len(view))
+            len(objects), len(view)
+        )
         for i in pair_by_iou(objects, view, min_iou, same):
             support[i] += 1
     return support
 
 
-def dead_anchors(kept: Sequence[DetObject], kept_matching: MatchResult,
-                 explorers: Sequence[tuple[Sequence[DetObject], Collection[int]]], min_iou: float,
-                 verified: Collection[str] = ()) -> list[int]:
+def dead_anchors(
+    kept: Sequence[DetObject],
+    kept_matching: MatchResult,
+    explorers: Sequence[tuple[Sequence[DetObject], Collection[int]]],
+    min_iou: float,
+    verified: Collection[str] = (),
+) -> list[int]:
     """Indices of `kept` unmatched and supported by no explorer answer (see the module docstring), and, as the
     reference's triage does with LVIS's metadata, unmatched ones whose category the image's annotation verified
     (`verified`: normalized names, `LvisMeta.verified`): every instance of such a category is in the ground truth
@@ -243,8 +253,9 @@ def _body(fmt: OutputFormat, objects: Sequence[DetObject]) -> tuple[str, list[tu
         entry = fmt.render_entries([o], i + 1)
         start = pos + len(sep.encode())
         end = start + len(entry.encode())
-        desc = [(start + len(entry[:s].encode()), start + len(entry[:e].encode()))
-                for s, e in fmt.desc_value_spans(entry)]
+        desc = [
+            (start + len(entry[:s].encode()), start + len(entry[:e].encode())) for s, e in fmt.desc_value_spans(entry)
+        ]
         spans.append((start, end, desc))
         pieces.append(sep + entry)
         pos = end
@@ -309,8 +320,10 @@ def build_clean_targets(
     head_ids = list(vocab.encode(opener))
     body_ids = list(vocab.encode(body))
     response = head_ids + body_ids + [vocab.eos_id]
-    parts = [_Part(o, s, e, tuple(d), kind, bins, sup, w)
-             for (o, kind, bins, sup, w), (s, e, d) in zip(parts_spec, spans, strict=True)]
+    parts = [
+        _Part(o, s, e, tuple(d), kind, bins, sup, w)
+        for (o, kind, bins, sup, w), (s, e, d) in zip(parts_spec, spans, strict=True)
+    ]
     kept_end = parts[n_kept - 1].end if n_kept else 0  # body bytes up to here are the model's own objects
     close_start = len(body.encode()) - len(container_brackets(fmt.container)[1].encode())
 

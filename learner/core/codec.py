@@ -222,8 +222,7 @@ class CoordExpFormat:
 
     def __post_init__(self) -> None:
         if self.polygons not in ("pairs", "flat"):
-            raise FormatError(
-                f"training.format_options.polygons: expected 'pairs' or 'flat', got {self.polygons!r}")
+            raise FormatError(f"training.format_options.polygons: expected 'pairs' or 'flat', got {self.polygons!r}")
 
     def _geometry(self, obj: DetObject) -> str:
         tokens = [f'"{coord_token_text(b)}"' for b in obj.bins]
@@ -251,8 +250,9 @@ class CoordExpFormat:
             return None
         if all(isinstance(c, str) for c in coords):
             return coords
-        if kind == "poly" and all(isinstance(p, list) and len(p) == 2 and all(isinstance(c, str) for c in p)
-                                  for p in coords):
+        if kind == "poly" and all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(c, str) for c in p) for p in coords
+        ):
             return [c for p in coords for c in p]
         return None
 
@@ -353,11 +353,13 @@ class QwenJsonFormat:
     def __post_init__(self) -> None:
         if self.coordinates not in ("relative", "pixels"):
             raise FormatError(
-                f"training.format_options.coordinates: expected 'relative' or 'pixels', got {self.coordinates!r}")
+                f"training.format_options.coordinates: expected 'relative' or 'pixels', got {self.coordinates!r}"
+            )
         if (self.width is None) != (self.height is None):
             raise FormatError("qwen_json: give both width and height, or neither")
-        if self.width is not None and not (_is_int(self.width) and _is_int(self.height)
-                                           and self.width > 0 and self.height > 0):
+        if self.width is not None and not (
+            _is_int(self.width) and _is_int(self.height) and self.width > 0 and self.height > 0
+        ):
             raise FormatError(f"qwen_json: image size must be positive integers, got {self.width}x{self.height}")
 
     @property
@@ -373,7 +375,8 @@ class QwenJsonFormat:
         if self.width is None or self.height is None:
             raise FormatError(
                 "qwen_json with format_options.coordinates 'pixels' writes pixels of the resized image: bind the "
-                "format to that size with for_image(width, height) before rendering or parsing")
+                "format to that size with for_image(width, height) before rendering or parsing"
+            )
         return self.width, self.height
 
     def _write(self, b: int, axis: int) -> int:
@@ -444,7 +447,8 @@ def output_format(
     if name == "coordexp":
         if coordinates not in ("relative", "pixels"):
             raise FormatError(
-                f"training.format_options.coordinates: expected 'relative' or 'pixels', got {coordinates!r}")
+                f"training.format_options.coordinates: expected 'relative' or 'pixels', got {coordinates!r}"
+            )
         return CoordExpFormat(polygons=polygons)
     if name == "coordjson":  # no options: coordinate tokens, flat polygons (the job spec refuses both options)
         return COORDJSON

@@ -63,14 +63,20 @@ class FormatWatch:
             return None
 
     def _message(self) -> str:
-        head = (f"the rollouts of {self.empty_steps} rollout-matching steps in a row ({len(self.responses)} answers) "
-                f"parsed to no object in training.format {self.fmt.name} while their ground truth has "
-                f"{self.gt_objects} objects, so those steps trained on the ground truth alone")
+        head = (
+            f"the rollouts of {self.empty_steps} rollout-matching steps in a row ({len(self.responses)} answers) "
+            f"parsed to no object in training.format {self.fmt.name} while their ground truth has "
+            f"{self.gt_objects} objects, so those steps trained on the ground truth alone"
+        )
         found = {n: k for n in FORMAT_NAMES if n != self.fmt.name and (k := self._objects_as(n))}
         if not found:
             others = ", ".join(n for n in FORMAT_NAMES if n != self.fmt.name)
-            return (f"{head}; read as {others} they give no object either: check the prompt and that spec.model.path "
-                    "is a checkpoint trained to answer in this format")
+            return (
+                f"{head}; read as {others} they give no object either: check the prompt and that spec.model.path "
+                "is a checkpoint trained to answer in this format"
+            )
         best = max(found, key=lambda n: found[n])
-        return (f"{head}; the same answers read as {best} give {found[best]} objects: the checkpoint likely writes "
-                f"{best} (a reference CoordExp stage-1 checkpoint writes coordjson): set spec.training.format: {best}")
+        return (
+            f"{head}; the same answers read as {best} give {found[best]} objects: the checkpoint likely writes "
+            f"{best} (a reference CoordExp stage-1 checkpoint writes coordjson): set spec.training.format: {best}"
+        )

@@ -55,8 +55,10 @@ def _liger_missing() -> str | None:
     try:
         importlib.import_module(LIGER_MODULE)
     except Exception as exc:  # not installed, or its Triton cannot load: either way the kernel is not there
-        return (f"the liger-kernel package cannot be imported ({type(exc).__name__}: {exc}); the GPU image installs "
-                "it (pyproject.toml's `fused` extra), the CPU image does not")
+        return (
+            f"the liger-kernel package cannot be imported ({type(exc).__name__}: {exc}); the GPU image installs "
+            "it (pyproject.toml's `fused` extra), the CPU image does not"
+        )
     return None
 
 
@@ -84,8 +86,9 @@ def _weight_source(head: torch.nn.Module) -> Callable[[], torch.Tensor] | str:
     return lambda: head.weight
 
 
-def fused_unavailable(device: torch.device | str, head: torch.nn.Module | None = None,
-                      deepspeed_stage: int = 0) -> str | None:
+def fused_unavailable(
+    device: torch.device | str, head: torch.nn.Module | None = None, deepspeed_stage: int = 0
+) -> str | None:
     """Why liger-kernel's fused cross-entropy cannot run for this learner, or None when it can."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return f"it is a CUDA (Triton) kernel and this learner runs on {torch.device(device).type}"
@@ -104,8 +107,9 @@ def fused_unavailable(device: torch.device | str, head: torch.nn.Module | None =
 _told: set[tuple[str, str]] = set()
 
 
-def resolve_logits_mode(mode: str, device: torch.device | str, head: torch.nn.Module | None = None,
-                        deepspeed_stage: int = 0) -> str:
+def resolve_logits_mode(
+    mode: str, device: torch.device | str, head: torch.nn.Module | None = None, deepspeed_stage: int = 0
+) -> str:
     """The loss's logits mode for this learner: `auto` -> fused where the kernel can run, else chunked (said once);
     `fused` where it cannot -> FusedLogitsError; chunked and full as they are."""
     if mode in ("chunked", "full"):
@@ -116,14 +120,21 @@ def resolve_logits_mode(mode: str, device: torch.device | str, head: torch.nn.Mo
     if why is None:
         picked = "fused"
     elif mode == "fused":
-        raise FusedLogitsError(f"spec.training.loss.logits fused (liger-kernel's fused linear cross-entropy) cannot "
-                               f"run here: {why}; {_USE_CHUNKED}")
+        raise FusedLogitsError(
+            f"spec.training.loss.logits fused (liger-kernel's fused linear cross-entropy) cannot "
+            f"run here: {why}; {_USE_CHUNKED}"
+        )
     else:
         picked = "chunked"
     if mode == "auto" and (picked, why or "") not in _told:
         _told.add((picked, why or ""))
-        log.info("training.loss.logits auto: %s%s", picked, f" ({why})" if why else
-                 " (liger-kernel's fused cross-entropy for the CE term and log-probs; learner/core/fused.py)")
+        log.info(
+            "training.loss.logits auto: %s%s",
+            picked,
+            f" ({why})"
+            if why
+            else " (liger-kernel's fused cross-entropy for the CE term and log-probs; learner/core/fused.py)",
+        )
     return picked
 
 
@@ -137,8 +148,9 @@ def check_logits_mode(mode: str, device: torch.device | str, model: torch.nn.Mod
     resolve_logits_mode(mode, device, head if isinstance(head, torch.nn.Module) else None, deepspeed_stage)
 
 
-def fused_token_ce(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor] | torch.nn.Module,
-                   labels: torch.Tensor) -> torch.Tensor:
+def fused_token_ce(
+    hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor] | torch.nn.Module, labels: torch.Tensor
+) -> torch.Tensor:
     """[n] fp32 cross-entropy of `labels` under `head(hidden)`, through the kernel (reduction "none": its backward
     recomputes the chunk's logits and folds in each position's upstream gradient, so per-token weights multiplied
     onto the result are exact)."""

@@ -81,7 +81,11 @@ Correction = Literal["none", "tis", "mis", "icepop"]
 CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis", "icepop")
 # (low, high) thresholds of each correction when unset (module doc: the peers' published defaults).
 CORRECTION_DEFAULTS: dict[str, tuple[float | None, float | None]] = {
-    "none": (None, None), "tis": (None, 2.0), "mis": (0.0, 2.0), "icepop": (0.5, 5.0)}
+    "none": (None, None),
+    "tis": (None, 2.0),
+    "mis": (0.0, 2.0),
+    "icepop": (0.5, 5.0),
+}
 
 
 class GrpoInputError(ValueError):
@@ -151,8 +155,10 @@ class GrpoConfig:
     def correction_bounds(self) -> tuple[float | None, float | None]:
         """(low, high) of the correction in force: the given thresholds, else `CORRECTION_DEFAULTS`."""
         lo, hi = CORRECTION_DEFAULTS.get(self.correction, (None, None))
-        return (lo if self.correction_low is None else self.correction_low,
-                hi if self.correction_high is None else self.correction_high)
+        return (
+            lo if self.correction_low is None else self.correction_low,
+            hi if self.correction_high is None else self.correction_high,
+        )
 
 
 # ---- advantages --------------------------------------------------------------------------------
@@ -239,7 +245,8 @@ def grpo_segment(
     if len(old_logprobs) != len(completion):
         raise GrpoInputError(
             f"{len(old_logprobs)} old log-probs for {len(completion)} completion tokens: the rollout must "
-            "report one log-prob per sampled token")
+            "report one log-prob per sampled token"
+        )
     mask = [True] * len(completion) if completion_mask is None else [bool(m) for m in completion_mask]
     if len(mask) != len(completion):
         raise GrpoInputError(f"completion_mask has {len(mask)} entries for {len(completion)} completion tokens")
@@ -271,8 +278,14 @@ class GrpoTokens:
     seq_index: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> GrpoTokens:
-        return GrpoTokens(self.old_logprobs.to(device), self.advantages.to(device), self.inv_seq_len.to(device),
-                          self.n_tokens, self.n_seqs, None if self.seq_index is None else self.seq_index.to(device))
+        return GrpoTokens(
+            self.old_logprobs.to(device),
+            self.advantages.to(device),
+            self.inv_seq_len.to(device),
+            self.n_tokens,
+            self.n_seqs,
+            None if self.seq_index is None else self.seq_index.to(device),
+        )
 
 
 def grpo_tokens(row: PackedRow) -> GrpoTokens:
@@ -289,8 +302,10 @@ def grpo_tokens(row: PackedRow) -> GrpoTokens:
         olp, a = info.meta.get(META_OLD_LOGPROBS), info.meta.get(META_ADVANTAGE)
         if olp is None or a is None:
             missing = [k for k, v in ((META_OLD_LOGPROBS, olp), (META_ADVANTAGE, a)) if v is None]
-            raise GrpoInputError(f"segment {i} of the row has no {' / '.join(missing)} in its meta: build GRPO "
-                                 "segments with grpo_segment")
+            raise GrpoInputError(
+                f"segment {i} of the row has no {' / '.join(missing)} in its meta: build GRPO "
+                "segments with grpo_segment"
+            )
         if len(olp) != n:
             raise GrpoInputError(f"segment {i} of the row has {n} labelled tokens but {len(olp)} old log-probs")
         if n == 0:  # a fully masked completion: no token, no sequence (it would be 0/0 in the mean)
@@ -301,8 +316,14 @@ def grpo_tokens(row: PackedRow) -> GrpoTokens:
         seq.extend([n_seqs] * n)
         n_seqs += 1
     f32 = torch.float32
-    return GrpoTokens(torch.tensor(old, dtype=f32), torch.tensor(adv, dtype=f32), torch.tensor(inv, dtype=f32),
-                      len(old), n_seqs, torch.tensor(seq, dtype=torch.int64))
+    return GrpoTokens(
+        torch.tensor(old, dtype=f32),
+        torch.tensor(adv, dtype=f32),
+        torch.tensor(inv, dtype=f32),
+        len(old),
+        n_seqs,
+        torch.tensor(seq, dtype=torch.int64),
+    )
 
 
 # ---- the loss ----------------------------------------------------------------------------------
@@ -438,8 +459,9 @@ def grpo_sums(
     )
 
 
-def _correction_weights(log_rho: torch.Tensor, tokens: GrpoTokens, cfg: GrpoConfig
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def _correction_weights(
+    log_rho: torch.Tensor, tokens: GrpoTokens, cfg: GrpoConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The importance weight of every token under `cfg.correction` (module doc) and which tokens it truncated or
     masked. `log_rho` = learner minus behaviour log-probs, detached."""
     lo, hi = cfg.correction_bounds

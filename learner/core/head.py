@@ -85,21 +85,24 @@ class RowHead:
             return pieces[0]
         return tuple(torch.cat(cols) for cols in zip(*pieces, strict=True))
 
-    def _terms(self, hidden: torch.Tensor, idx: torch.Tensor, fn: RowTerms, *aux: torch.Tensor
-               ) -> tuple[torch.Tensor, ...]:
+    def _terms(
+        self, hidden: torch.Tensor, idx: torch.Tensor, fn: RowTerms, *aux: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         return tuple(fn(self.head(hidden[idx]), *aux))
 
 
-def logits_rows(source: torch.Tensor | RowHead, rows: torch.Tensor, fn: RowTerms, *aux: torch.Tensor
-                ) -> tuple[torch.Tensor, ...]:
+def logits_rows(
+    source: torch.Tensor | RowHead, rows: torch.Tensor, fn: RowTerms, *aux: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     """`fn(logits[rows], *aux)`: on full logits [L, V] in one call, on a `RowHead` chunk by chunk."""
     if isinstance(source, RowHead):
         return source.map(rows, fn, *aux)
     return tuple(fn(source[rows], *aux))
 
 
-def token_ce(source: torch.Tensor | RowHead, rows: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
-             ) -> torch.Tensor:
+def token_ce(
+    source: torch.Tensor | RowHead, rows: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """[n] fp32 cross-entropy of `labels` under the logits of `rows` divided by `temperature`, with grad: on full
     logits or chunk by chunk (`logits_rows`), or with a fused RowHead in liger-kernel's kernel (temperature 1 only:
     the kernel has no logit scale, and dividing bf16 hidden states instead would round differently; another
@@ -162,20 +165,29 @@ def _chunkable(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module
     text = getattr(cfg, "text_config", None) or cfg
     for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         if getattr(text, attr, None) not in (None, 1.0):
-            raise ChunkedLogitsError(f"{type(hf).__name__} transforms its logits after the head ({attr}); set "
-                                     "spec.training.loss.logits: full")
+            raise ChunkedLogitsError(
+                f"{type(hf).__name__} transforms its logits after the head ({attr}); set "
+                "spec.training.loss.logits: full"
+            )
     get_decoder = getattr(hf, "get_decoder", None)
     decoder = get_decoder() if callable(get_decoder) else None
     get_head = getattr(hf, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if not isinstance(decoder, torch.nn.Module) or not isinstance(head, torch.nn.Module):
-        raise ChunkedLogitsError(f"{type(hf).__name__} exposes no decoder and output head (get_decoder, "
-                                 "get_output_embeddings); set spec.training.loss.logits: full")
+        raise ChunkedLogitsError(
+            f"{type(hf).__name__} exposes no decoder and output head (get_decoder, "
+            "get_output_embeddings); set spec.training.loss.logits: full"
+        )
     return decoder, head
 
 
-def row_outputs(forward: Callable[..., Any], model: torch.nn.Module, inputs: Mapping[str, Any], mode: str,
-                chunk: int = DEFAULT_CHUNK) -> torch.Tensor | RowHead:
+def row_outputs(
+    forward: Callable[..., Any],
+    model: torch.nn.Module,
+    inputs: Mapping[str, Any],
+    mode: str,
+    chunk: int = DEFAULT_CHUNK,
+) -> torch.Tensor | RowHead:
     """One packed row's forward through `forward` (the updater's, or the model itself): the full logits, or with
     `chunked` the row's final hidden states and the head, the model asked for the logits of no position
     (`logits_to_keep` an empty index: its head runs on 0 rows)."""
@@ -201,11 +213,15 @@ def row_outputs(forward: Callable[..., Any], model: torch.nn.Module, inputs: Map
     finally:
         hook.remove()
     if len(seen) != 1 or out.logits.shape[-2] != 0:
-        raise ChunkedLogitsError(f"{type(_unwrap(model)).__name__}'s forward ran its decoder {len(seen)} time(s) and "
-                                 f"returned logits of shape {tuple(out.logits.shape)} for an empty logits_to_keep; "
-                                 "set spec.training.loss.logits: full")
+        raise ChunkedLogitsError(
+            f"{type(_unwrap(model)).__name__}'s forward ran its decoder {len(seen)} time(s) and "
+            f"returned logits of shape {tuple(out.logits.shape)} for an empty logits_to_keep; "
+            "set spec.training.loss.logits: full"
+        )
     hidden = seen[0]
     if hidden.dim() != 3 or hidden.shape[:2] != ids.shape[:2]:
-        raise ChunkedLogitsError(f"the decoder's output {tuple(hidden.shape)} is not the row's hidden states "
-                                 f"(input {tuple(ids.shape)}); set spec.training.loss.logits: full")
+        raise ChunkedLogitsError(
+            f"the decoder's output {tuple(hidden.shape)} is not the row's hidden states "
+            f"(input {tuple(ids.shape)}); set spec.training.loss.logits: full"
+        )
     return RowHead(hidden, head, chunk, fused=fused)

@@ -62,8 +62,10 @@ class LossWeights:
     weighted_mean: bool = False
 
     def __post_init__(self) -> None:
-        if min(self.ce, self.soft_ce, self.w1, self.gate, self.coord_ce, self.smooth_l1, self.ciou,
-               self.unlikelihood) < 0:
+        if (
+            min(self.ce, self.soft_ce, self.w1, self.gate, self.coord_ce, self.smooth_l1, self.ciou, self.unlikelihood)
+            < 0
+        ):
             raise ValueError("loss weights must be >= 0")
         if self.sigma <= 0:
             raise ValueError(f"sigma must be > 0, got {self.sigma}")
@@ -108,8 +110,15 @@ def expected_coord(coord_logits: torch.Tensor) -> torch.Tensor:
 def box_terms(pred: torch.Tensor, target: torch.Tensor, eps: float = 1e-7) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-box (SmoothL1 mean over the four coordinates, 1 - CIoU) of [b, 4] (x1, y1, x2, y2) boxes in [0, 1].
     The predicted corners are put in order first (a model may write x2 < x1 early on)."""
-    p = torch.stack([torch.minimum(pred[:, 0], pred[:, 2]), torch.minimum(pred[:, 1], pred[:, 3]),
-                     torch.maximum(pred[:, 0], pred[:, 2]), torch.maximum(pred[:, 1], pred[:, 3])], dim=1)
+    p = torch.stack(
+        [
+            torch.minimum(pred[:, 0], pred[:, 2]),
+            torch.minimum(pred[:, 1], pred[:, 3]),
+            torch.maximum(pred[:, 0], pred[:, 2]),
+            torch.maximum(pred[:, 1], pred[:, 3]),
+        ],
+        dim=1,
+    )
     t = target.float()
     l1 = F.smooth_l1_loss(p, t, beta=1.0, reduction="none").mean(-1)
     pw, ph = (p[:, 2] - p[:, 0]).clamp_min(eps), (p[:, 3] - p[:, 1]).clamp_min(eps)
@@ -164,8 +173,7 @@ class LossSums:
         """Token-level means over everything summed so far, weighted into one loss."""
         w = weights or LossWeights()
         # A denominator of 0 has no term to divide (its sum is 0 too); weighted ones may be below 1.
-        nc, nk, nb, nu = (n if n > 0 else 1 for n in (self.ce_count, self.coord_count, self.box_count,
-                                                       self.ul_count))
+        nc, nk, nb, nu = (n if n > 0 else 1 for n in (self.ce_count, self.coord_count, self.box_count, self.ul_count))
         ce = self.ce_sum / nc
         soft, w1, gate, coord_ce = self.soft_ce_sum / nk, self.w1_sum / nk, self.gate_sum / nk, self.coord_ce_sum / nk
         l1, ciou, ul = self.l1_sum / nb, self.ciou_sum / nb, self.ul_sum / nu
@@ -210,7 +218,10 @@ def _ul_terms(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor]
 
 
 def loss_sums(
-    logits: torch.Tensor | RowHead, row: PackedRow, coord_token_ids: Sequence[int] | torch.Tensor, sigma: float = 2.0,
+    logits: torch.Tensor | RowHead,
+    row: PackedRow,
+    coord_token_ids: Sequence[int] | torch.Tensor,
+    sigma: float = 2.0,
     weighted: bool = False,
 ) -> LossSums:
     """Per-row sums of every loss term; see the module docstring for shapes. `logits` may be a `RowHead` (the row's
@@ -238,19 +249,21 @@ def loss_sums(
         if ids.numel() != NUM_BINS:
             raise ValueError(
                 f"the row has {cpos.numel()} coord position(s) but {ids.numel()} coord token ids were given "
-                f"(need {NUM_BINS}): a format without coord tokens must not produce coord targets")
+                f"(need {NUM_BINS}): a format without coord tokens must not produce coord targets"
+            )
         bins = row.coord_bins.to(device)
         soft_ce, w1, gate, coord_ce, *value = logits_rows(
-            logits, cpos - 1, _coord_terms(ids, sigma, bool(n_boxes)), bins)
+            logits, cpos - 1, _coord_terms(ids, sigma, bool(n_boxes)), bins
+        )
         if row.coord_weights is not None:
             cw = row.coord_weights.to(device)
             soft_ce, w1, gate, coord_ce = soft_ce * cw, w1 * cw, gate * cw, coord_ce * cw
         soft_sum, w1_sum, gate_sum, coord_ce_sum = soft_ce.sum(), w1.sum(), gate.sum(), coord_ce.sum()
         if n_boxes:
-            assert row.box_coords is not None and row.box_bins is not None and row.box_weights is not None, \
+            assert row.box_coords is not None and row.box_bins is not None and row.box_weights is not None, (
                 "n_boxes > 0: the row was packed with its boxes' coords, bins and weights"
-            l1, ciou = box_terms(value[0][row.box_coords.to(device)],
-                                 row.box_bins.to(device).float() / (NUM_BINS - 1))
+            )
+            l1, ciou = box_terms(value[0][row.box_coords.to(device)], row.box_bins.to(device).float() / (NUM_BINS - 1))
             bw = row.box_weights.to(device)
             l1_sum, ciou_sum = (l1 * bw).sum(), (ciou * bw).sum()
     ul_sum = zero
@@ -261,10 +274,12 @@ def loss_sums(
         ul_sum = -torch.log((1 - p).clamp_min(1e-6)).sum()
     # Weighted denominators read the weights on the host: the training loop computes them once per step, before the
     # rows go to the device (`row_totals`), and calls this with `weighted` False.
-    ce_n, coord_n, box_n, ul_n = (row_totals(row, True) if weighted else
-                                  (int(ce_pos.numel()), int(cpos.numel()), n_boxes, row.n_unlikelihood))
-    return LossSums(ce_sum, ce_n, soft_sum, w1_sum, gate_sum, coord_n,
-                    coord_ce_sum, l1_sum, ciou_sum, box_n, ul_sum, ul_n)
+    ce_n, coord_n, box_n, ul_n = (
+        row_totals(row, True) if weighted else (int(ce_pos.numel()), int(cpos.numel()), n_boxes, row.n_unlikelihood)
+    )
+    return LossSums(
+        ce_sum, ce_n, soft_sum, w1_sum, gate_sum, coord_n, coord_ce_sum, l1_sum, ciou_sum, box_n, ul_sum, ul_n
+    )
 
 
 def row_totals(row: PackedRow, weighted: bool = False) -> tuple[float, float, float, float]:

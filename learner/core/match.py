@@ -64,8 +64,11 @@ class MatchResult:
             raise ValueError(f"predictions {sorted(removed)} include matched ones")
         n = len(self.pairs) + len(self.false_positives)
         new = {old: i for i, old in enumerate(j for j in range(n) if j not in removed)}
-        return MatchResult(tuple((new[p], g, v) for p, g, v in self.pairs), self.false_negatives,
-                           tuple(new[p] for p in self.false_positives if p not in removed))
+        return MatchResult(
+            tuple((new[p], g, v) for p, g, v in self.pairs),
+            self.false_negatives,
+            tuple(new[p] for p in self.false_positives if p not in removed),
+        )
 
 
 def _box_of(o: DetObject) -> tuple[float, float, float, float]:
@@ -167,8 +170,13 @@ def match(pred: Sequence[DetObject], gt: Sequence[DetObject], cfg: MatchConfig |
     )
 
 
-def pair_by_iou(a: Sequence[DetObject], b: Sequence[DetObject], min_iou: float, allowed: np.ndarray | None = None,
-                mask_resolution: int = 128) -> dict[int, int]:
+def pair_by_iou(
+    a: Sequence[DetObject],
+    b: Sequence[DetObject],
+    min_iou: float,
+    allowed: np.ndarray | None = None,
+    mask_resolution: int = 128,
+) -> dict[int, int]:
     """One-to-one pairs (index in `a` -> index in `b`) of the highest total IoU, each at `min_iou` or above and
     allowed by `allowed` (all pairs when None). Labels play no part unless `allowed` says so."""
     if not a or not b:

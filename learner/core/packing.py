@@ -160,8 +160,11 @@ def pack(segments: Sequence[Segment], packing_length: int | None = None) -> Pack
         cpos.extend(off + p for p in seg.coord_positions)
         cbins.extend(seg.coord_bins)
         infos.append(SegmentInfo(off, len(seg), c0, len(cpos), dict(seg.meta)))
-        ce_w.extend(seg.ce_weights if seg.ce_weights is not None
-                    else (0.0 if lab == IGNORE_INDEX else 1.0 for lab in seg.labels))
+        ce_w.extend(
+            seg.ce_weights
+            if seg.ce_weights is not None
+            else (0.0 if lab == IGNORE_INDEX else 1.0 for lab in seg.labels)
+        )
         coord_w.extend(seg.coord_weights if seg.coord_weights is not None else [1.0] * len(seg.coord_positions))
         ul_pos.extend(off + p for p in seg.ul_positions)
         ul_tok.extend(seg.ul_tokens)

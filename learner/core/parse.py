@@ -117,8 +117,13 @@ class _Scanner:
 
     def coord(self, tok_index: int, k: int, length: int, pos: int = 0) -> None:
         if self.bare_coords:  # CoordJSON: a coord token is an array element of a value, never inside a string
-            if self.state == "value" and not self.in_string and self.stack and self.stack[-1] == 0x5D \
-                    and self.entry is not None:
+            if (
+                self.state == "value"
+                and not self.in_string
+                and self.stack
+                and self.stack[-1] == 0x5D
+                and self.entry is not None
+            ):
                 self.entry.coords.append((tok_index, k))
                 self.entry.bare.append((pos, pos + length, k))
                 return

@@ -59,8 +59,10 @@ class RecordsCheck:
         histogram = sorted(self.labels.items(), key=lambda kv: (-kv[1], kv[0]))  # most objects first
         out.extend(f"  {n:>{width}} {label}" for label, n in histogram)
         if self.image_refs:
-            out.append(f"images: {self.images} distinct ({self.image_refs} references) under {self.image_root}: "
-                       f"{self.found} found, {len(self.missing)} missing, {self.unusable} unusable")
+            out.append(
+                f"images: {self.images} distinct ({self.image_refs} references) under {self.image_root}: "
+                f"{self.found} found, {len(self.missing)} missing, {self.unusable} unusable"
+            )
             if self.missing:
                 out.append(f"  missing: {listed(self.missing)}")
             if self.sizes:
@@ -71,8 +73,10 @@ class RecordsCheck:
             out.append("images: none (a text-only file)")
         out.extend(f"warning: {w}" for w in self.warnings)
         if self.accepted:
-            out.append("a job would accept this file" + (f" ({counted(len(self.warnings), 'warning')} above)"
-                                                         if self.warnings else ""))
+            out.append(
+                "a job would accept this file"
+                + (f" ({counted(len(self.warnings), 'warning')} above)" if self.warnings else "")
+            )
         else:
             out.append(f"a job would refuse this file: {counted(len(self.refusals), 'problem')}")
             out.extend(f"  - {p}" for p in self.refusals[:LISTED])
@@ -104,10 +108,12 @@ class _NotingStore(ImageStore):
         return size
 
 
-def check_records(path: str | Path, image_root: str | Path | None = None,
-                  max_image_pixels: int = VisionSpec.model_fields["max_image_pixels"].default,
-                  max_images_per_prompt: int = VisionSpec.model_fields["max_images_per_prompt"].default
-                  ) -> RecordsCheck:
+def check_records(
+    path: str | Path,
+    image_root: str | Path | None = None,
+    max_image_pixels: int = VisionSpec.model_fields["max_image_pixels"].default,
+    max_images_per_prompt: int = VisionSpec.model_fields["max_images_per_prompt"].default,
+) -> RecordsCheck:
     """Load a records file as a job does (`load_records`, then the image store's `validate` with `image_root`,
     None = the file's folder as for an unset spec.training.data.image_root) and report on it. A file whose
     records do not load at all raises the loader's `DataError` (file, line, field); image problems, a name a job
@@ -130,14 +136,18 @@ def check_records(path: str | Path, image_root: str | Path | None = None,
     if outside.objects:
         check.warnings.append(outside.line(check.objects))
     if check.objects == 0 and check.image_refs:  # a text-only file (GRPO's answers) has no objects by design
-        check.warnings.append(f"all {counted(check.records, 'record')} are without objects: a detection job would "
-                              "teach the model that the images hold nothing")
+        check.warnings.append(
+            f"all {counted(check.records, 'record')} are without objects: a detection job would "
+            "teach the model that the images hold nothing"
+        )
     # What the learner refuses at start (learner/train/start_checks.py), before the model is loaded.
     over = [r.id for r in records if len(r.images) > max_images_per_prompt]
     if over:
         verb = "carries" if len(over) == 1 else "carry"
-        check.refusals.append(f"{counted(len(over), 'record')} {verb} more than spec.model.vision.maxImagesPerPrompt="
-                              f"{max_images_per_prompt} images (first: {over[0]!r})")
+        check.refusals.append(
+            f"{counted(len(over), 'record')} {verb} more than spec.model.vision.maxImagesPerPrompt="
+            f"{max_images_per_prompt} images (first: {over[0]!r})"
+        )
     try:
         store.validate(records)
     except ImageError as exc:

@@ -75,7 +75,7 @@ DEFAULT_PROMPTS = {
     "coordexp": "Detect every object in the image. Answer in JSON with a description and a bbox_2d or poly for each.",
     "qwen_json": "Detect every object in the image. Answer with a JSON list of its bbox_2d and label for each.",
     "coordjson": "Detect every object in the image. Answer in JSON with a list of objects, a description and a "
-                 "bbox_2d or poly for each.",
+    "bbox_2d or poly for each.",
 }
 CATEGORIES_PLACEHOLDER = "{categories}"
 _DECIMALS = 2  # coordinates are kept to 1/100 pixel: finer means nothing on the 1000-bin grid
@@ -182,9 +182,11 @@ class CocoSummary:
             f"read {counted(self.images_in, 'image')} and {counted(self.annotations_in, 'annotation')}; "
             f"{counted(self.empty_records, 'record')} without objects (images with no annotation)",
         ]
-        for title, counter in (("skipped annotations", self.skipped_annotations),
-                               ("skipped images", self.skipped_images),
-                               ("written as boxes", self.as_box)):
+        for title, counter in (
+            ("skipped annotations", self.skipped_annotations),
+            ("skipped images", self.skipped_images),
+            ("written as boxes", self.as_box),
+        ):
             if counter:
                 head = f"{title}: {sum(counter.values())}"
                 if counter is self.skipped_images:
@@ -193,13 +195,17 @@ class CocoSummary:
                 out.append(head)
                 out.extend(f"  {n} {reason} (first: {self.examples[reason]})" for reason, n in counter.most_common())
         if self.duplicate_ids:
-            out.append(f"warning: {counted(self.duplicate_ids, 'annotation id')} used more than once (first: "
-                       f"{self.first_duplicate_id}): every annotation is converted, but a tool that looks "
-                       "annotations up by id (COCO's evaluation) cannot tell them apart")
+            out.append(
+                f"warning: {counted(self.duplicate_ids, 'annotation id')} used more than once (first: "
+                f"{self.first_duplicate_id}): every annotation is converted, but a tool that looks "
+                "annotations up by id (COCO's evaluation) cannot tell them apart"
+            )
         if self.prompt_has_categories and self.unused_categories:
             left_out = counted(len(self.unused_categories), "category", "categories")
-            out.append(f"{CATEGORIES_PLACEHOLDER} leaves out {left_out} no written object has: "
-                       f"{listed(self.unused_categories)}")
+            out.append(
+                f"{CATEGORIES_PLACEHOLDER} leaves out {left_out} no written object has: "
+                f"{listed(self.unused_categories)}"
+            )
         return out
 
 
@@ -211,8 +217,9 @@ def _not_instances(path: Path, annotations: list[Any]) -> str | None:
     if not anns or any("category_id" in a or "bbox" in a for a in anns):
         return None
     if any("segments_info" in a for a in anns):
-        return ("a panoptic file (its annotations are segments_info lists and PNG file_names, with no bbox or "
-                "category_id)")
+        return (
+            "a panoptic file (its annotations are segments_info lists and PNG file_names, with no bbox or category_id)"
+        )
     if any("caption" in a for a in anns):
         return "a captions file (its annotations are captions, with no bbox or category_id)"
     return None
@@ -228,8 +235,9 @@ def _load(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise CocoError(f"{path}: no such file") from None
     except IsADirectoryError:
-        raise CocoError(f"{path}: is a folder; ANNOTATIONS is the COCO instances file (e.g. "
-                        "annotations/instances_train2017.json)") from None
+        raise CocoError(
+            f"{path}: is a folder; ANNOTATIONS is the COCO instances file (e.g. annotations/instances_train2017.json)"
+        ) from None
     except OSError as exc:
         raise CocoError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -249,14 +257,17 @@ def _load(path: Path) -> dict[str, Any]:
         # Before the keys: a captions file has no `categories`, and "key missing" would not say what it is.
         kind = _not_instances(path, doc["annotations"])
         if kind is not None:
-            raise CocoError(f"{path}: this is not an instances (detection) file: it looks like {kind}; give the "
-                            "split's instances_*.json")
+            raise CocoError(
+                f"{path}: this is not an instances (detection) file: it looks like {kind}; give the "
+                "split's instances_*.json"
+            )
     if doc.get("annotations") is None and isinstance(doc.get("images"), list):
         doc["annotations"] = []
     for key in ("images", "annotations", "categories"):
         if not isinstance(doc.get(key), list):
-            raise CocoError(f"{path}: key {key!r} must be a list (a COCO instances file has images, annotations "
-                            "and categories)")
+            raise CocoError(
+                f"{path}: key {key!r} must be a list (a COCO instances file has images, annotations and categories)"
+            )
     return doc
 
 
@@ -313,8 +324,10 @@ def _name_problem(name: str) -> str | None:
     for ch in name:
         if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"):
             what = {"\n": "a line break", "\r": "a carriage return", "\t": "a tab"}.get(ch) or (
-                "a control character" if unicodedata.category(ch) == "Cc" else unicodedata.name(ch, "").lower()
-                or "an invisible character")
+                "a control character"
+                if unicodedata.category(ch) == "Cc"
+                else unicodedata.name(ch, "").lower() or "an invisible character"
+            )
             return f"holds {what} (U+{ord(ch):04X})"
     if len(name) > MAX_CATEGORY_NAME:
         return f"{len(name)} characters long (at most {MAX_CATEGORY_NAME})"
@@ -352,8 +365,9 @@ def _clamp(v: float, hi: int) -> float | int:
     return int(v) if v.is_integer() else v  # 12, not 12.0: COCO's integer pixels stay integers
 
 
-def _geometry(ann: dict[str, Any], width: int, height: int, geometry: str) -> tuple[dict[str, list[float]] | None,
-                                                                                   str | None, str | None]:
+def _geometry(
+    ann: dict[str, Any], width: int, height: int, geometry: str
+) -> tuple[dict[str, list[float]] | None, str | None, str | None]:
     """(geometry, skip reason, why a segmented object became a box) of one annotation. An annotation
     without segmentation (a detection-only file) is a box as a matter of course: nothing to report."""
     # The bbox first, whatever the segmentation: an annotation whose bbox is garbage is skipped (docs/data.md),
@@ -371,8 +385,11 @@ def _geometry(ann: dict[str, Any], width: int, height: int, geometry: str) -> tu
     as_box = None
     if geometry == "auto" and isinstance(seg, dict):
         as_box = AS_BOX_RLE
-    elif geometry == "auto" and seg is not None and not (isinstance(seg, list)
-                                                         and all(isinstance(part, list) for part in seg)):
+    elif (
+        geometry == "auto"
+        and seg is not None
+        and not (isinstance(seg, list) and all(isinstance(part, list) for part in seg))
+    ):
         as_box = AS_BOX_BAD_SEGMENTATION  # "polygon" (a string), a flat list of numbers, a number
     elif geometry == "auto" and len(seg or []) > 1:
         as_box = AS_BOX_MULTI
@@ -418,8 +435,9 @@ def _check_out(out: Path) -> None:
     """Refuse an OUT that cannot be written before anything is read or written: found after the conversion, it
     would leave OUT.tmp behind and say only what the OS said."""
     if not out.name.endswith(OUT_SUFFIXES):
-        raise CocoError(f"{out}: the output must be a .jsonl file, or .jsonl.gz for gzip (what "
-                        "spec.training.data.path takes)")
+        raise CocoError(
+            f"{out}: the output must be a .jsonl file, or .jsonl.gz for gzip (what spec.training.data.path takes)"
+        )
     if out.is_dir():
         raise CocoError(f"{out}: is a folder; OUT is the file to write (e.g. {out / 'train.jsonl'})")
     above = next((p for p in out.parents if p.exists()), None)
@@ -437,13 +455,16 @@ def _writer(tmp: Path, out: Path) -> Iterator[TextIO]:
             return
         # OUT's name in the header, not the temporary one (gunzip -N restores it), and mtime 0: the same
         # conversion writes the same bytes.
-        with gzip.GzipFile(filename=out.name, mode="wb", fileobj=raw, mtime=0) as gz, \
-                io.TextIOWrapper(gz, encoding="utf-8") as f:
+        with (
+            gzip.GzipFile(filename=out.name, mode="wb", fileobj=raw, mtime=0) as gz,
+            io.TextIOWrapper(gz, encoding="utf-8") as f,
+        ):
             yield f
 
 
-def convert_coco(annotations: str | Path, images_dir: str | Path, out: str | Path,
-                 options: CocoOptions | None = None) -> CocoSummary:
+def convert_coco(
+    annotations: str | Path, images_dir: str | Path, out: str | Path, options: CocoOptions | None = None
+) -> CocoSummary:
     """Convert a COCO instances file to a JSONL of training records at `out` (overwritten; gzip when it ends in
     .gz); see the module docstring for what becomes what. Raises `CocoError` for a file that is not COCO
     instances or that yields no record, and for an `out` that cannot be written (nothing is left behind)."""
@@ -461,8 +482,10 @@ def convert_coco(annotations: str | Path, images_dir: str | Path, out: str | Pat
     for i, raw in enumerate(doc["categories"]):
         cat = _entry(annotations, "categories", i, raw, {"id": int, "name": str})
         if cat["id"] in raw_names:  # the last would win silently, renaming every object of the first
-            raise CocoError(f"{annotations}: categories[{i}].id {cat['id']} is used by {raw_names[cat['id']]!r} "
-                            f"and {cat['name']!r}; category ids must be unique")
+            raise CocoError(
+                f"{annotations}: categories[{i}].id {cat['id']} is used by {raw_names[cat['id']]!r} "
+                f"and {cat['name']!r}; category ids must be unique"
+            )
         raw_names[cat["id"]] = cat["name"]
         problem = _name_problem(cat["name"])
         categories[cat["id"]] = None if problem else check_desc(cat["name"])  # None: its annotations are skipped
@@ -473,13 +496,18 @@ def convert_coco(annotations: str | Path, images_dir: str | Path, out: str | Pat
         img = _entry(annotations, "images", i, raw, {"id": int, "file_name": str})
         if img["id"] in images:
             raise CocoError(f"{annotations}: images[{i}].id {img['id']} is used by another image too")
-        images[img["id"]] = {**img, "width": _pixels(annotations, i, img, "width"),
-                             "height": _pixels(annotations, i, img, "height")}
+        images[img["id"]] = {
+            **img,
+            "width": _pixels(annotations, i, img, "width"),
+            "height": _pixels(annotations, i, img, "height"),
+        }
 
     # After the structure's checks, which say more about a broken file than "no annotations" would.
     if not doc["annotations"] and not options.allow_no_annotations:
-        raise CocoError(f"{annotations}: the file has no annotations (it looks like an image-list or test-split "
-                        "file): every record would be without objects; --allow-no-annotations converts it anyway")
+        raise CocoError(
+            f"{annotations}: the file has no annotations (it looks like an image-list or test-split "
+            "file): every record would be without objects; --allow-no-annotations converts it anyway"
+        )
 
     # Per image: (object, why it is a box when it is one by fallback, where) - counted once written.
     objects: dict[int, list[tuple[dict[str, Any], str | None, str]]] = {image_id: [] for image_id in images}
@@ -497,8 +525,11 @@ def convert_coco(annotations: str | Path, images_dir: str | Path, out: str | Pat
         image_id, cat_id = ann.get("image_id"), ann.get("category_id")
         # true is an int to Python (image 1), not an id to the file's author
         if isinstance(image_id, bool) or isinstance(cat_id, bool):
-            summary.note(summary.skipped_annotations, SKIP_BAD_ID,
-                         f"{where}, image_id {_short(image_id)}, category_id {_short(cat_id)}")
+            summary.note(
+                summary.skipped_annotations,
+                SKIP_BAD_ID,
+                f"{where}, image_id {_short(image_id)}, category_id {_short(cat_id)}",
+            )
             continue
         image = images.get(image_id) if isinstance(image_id, int) else None
         if image is None:
@@ -507,8 +538,10 @@ def convert_coco(annotations: str | Path, images_dir: str | Path, out: str | Pat
         annotated[image["id"]] += 1
         crowd = _is_crowd(ann.get("iscrowd"))
         if crowd is None:
-            raise CocoError(f"{annotations}: annotations[{i}] ({where}): iscrowd {_short(ann['iscrowd'])} is neither 0 "
-                            "nor 1 (nor true/false); whether it is one object or a crowd region is not guessed")
+            raise CocoError(
+                f"{annotations}: annotations[{i}] ({where}): iscrowd {_short(ann['iscrowd'])} is neither 0 "
+                "nor 1 (nor true/false); whether it is one object or a crowd region is not guessed"
+            )
         if crowd:
             summary.note(summary.skipped_annotations, SKIP_CROWD, where)
             continue
@@ -559,15 +592,24 @@ def convert_coco(annotations: str | Path, images_dir: str | Path, out: str | Pat
     records = []
     for image, entries, path in kept:
         objs = [obj for obj, _, _ in entries]
-        record = {"id": str(image["id"]), "width": image["width"], "height": image["height"],
-                  "messages": [{"role": "user", "content": prompt}],
-                  "images": [_image_ref(path, image["file_name"], out, options.paths)], "objects": objs}
+        record = {
+            "id": str(image["id"]),
+            "width": image["width"],
+            "height": image["height"],
+            "messages": [{"role": "user", "content": prompt}],
+            "images": [_image_ref(path, image["file_name"], out, options.paths)],
+            "objects": objs,
+        }
         if "neg_category_ids" in image or "not_exhaustive_category_ids" in image:  # an LVIS file: its verification
+
             def named(ids: Any) -> list[str]:
                 return sorted({name for i in ids or () if (name := categories.get(i))})
-            record["lvis"] = {"pos_categories": sorted({o["desc"] for o in objs}),
-                              "neg_categories": named(image.get("neg_category_ids")),
-                              "not_exhaustive_categories": named(image.get("not_exhaustive_category_ids"))}
+
+            record["lvis"] = {
+                "pos_categories": sorted({o["desc"] for o in objs}),
+                "neg_categories": named(image.get("neg_category_ids")),
+                "not_exhaustive_categories": named(image.get("not_exhaustive_category_ids")),
+            }
         Record.model_validate(record)  # what the learner's loader will check; a failure here is a bug
         records.append(record)
         for _, as_box, where in entries:
@@ -591,4 +633,3 @@ def convert_coco(annotations: str | Path, images_dir: str | Path, out: str | Pat
         tmp.unlink(missing_ok=True)
         raise CocoError(f"{out}: cannot be written ({exc.strerror or exc})") from None
     return summary
-

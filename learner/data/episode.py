@@ -110,19 +110,31 @@ Detection = tuple[str, str, list[float]]  # (desc, "bbox_2d" | "poly", pixel coo
 def rollout_request(record: Record, image_bytes: Sequence[bytes], seed: int | None = None) -> RolloutRequest:
     """A record as the servers get it: its chat messages and its images' bytes (the server renders the prompt
     with its own processor and returns the ids it used)."""
-    return RolloutRequest(seed=seed, request_id=record.id, messages=[(m.role, m.content) for m in record.messages],
-                          images=list(image_bytes))
+    return RolloutRequest(
+        seed=seed,
+        request_id=record.id,
+        messages=[(m.role, m.content) for m in record.messages],
+        images=list(image_bytes),
+    )
 
 
 def ground_truth_detections(record: Record) -> list[Detection]:
-    return [(o.desc, "bbox_2d" if o.bbox_2d is not None else "poly", list(o.bbox_2d or o.poly or []))
-            for o in record.objects]
+    return [
+        (o.desc, "bbox_2d" if o.bbox_2d is not None else "poly", list(o.bbox_2d or o.poly or []))
+        for o in record.objects
+    ]
 
 
 def predicted_detections(parsed: ParsedRollout, record: Record) -> list[Detection]:
     """The objects of a parsed response, in the record's pixel coordinates."""
-    return [(o.obj.desc, o.obj.kind, [bin_to_pixel(b, record.width if i % 2 == 0 else record.height)
-                                      for i, b in enumerate(o.obj.bins)]) for o in parsed.objects]
+    return [
+        (
+            o.obj.desc,
+            o.obj.kind,
+            [bin_to_pixel(b, record.width if i % 2 == 0 else record.height) for i, b in enumerate(o.obj.bins)],
+        )
+        for o in parsed.objects
+    ]
 
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
@@ -145,8 +157,9 @@ def vision_safe_response(response: Sequence[int], vision_ids: frozenset[int]) ->
     return list(response)
 
 
-def check_rollout_prompts(records: Sequence[Record], learner_ids: Sequence[Sequence[int]],
-                          rollouts: Sequence[Any], tokenizer: Any) -> None:
+def check_rollout_prompts(
+    records: Sequence[Record], learner_ids: Sequence[Sequence[int]], rollouts: Sequence[Any], tokenizer: Any
+) -> None:
     """Refuse a rollout whose server rendered the prompt differently from the learner: training on it
     would teacher-force a prompt the answer was not sampled from. The message says which record, which
     server, where the ids part and what each side has there (decoded), and what usually causes it."""
@@ -163,8 +176,10 @@ def check_rollout_prompts(records: Sequence[Record], learner_ids: Sequence[Seque
         image_pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
         hint = ""
         if sum(t == image_pad for t in mine) != sum(t == image_pad for t in theirs):
-            hint = (" The image token counts differ: the server's processor resizes images differently (check that "
-                    "spec.model.vision minPixels/maxPixels reach both, and that both load the same processor).")
+            hint = (
+                " The image token counts differ: the server's processor resizes images differently (check that "
+                "spec.model.vision minPixels/maxPixels reach both, and that both load the same processor)."
+            )
         raise PromptMismatchError(
             f"record {rec.id!r}: server {getattr(out, 'server', '?')} rendered a prompt of {len(theirs)} tokens, "
             f"the learner {len(mine)}; they part at token {i}: learner {show(mine)} vs server {show(theirs)}.{hint} "
@@ -205,8 +220,9 @@ def build_segments(
     dup_cfg = duplicates or DuplicateConfig()
     stats = EpisodeStats()
     segments = []
-    for rec, p_ids, r_p_ids, resp, size, extra in zip(records, prompt_ids, rollout_prompt_ids, response_ids, sizes,
-                                                      explorers, strict=True):
+    for rec, p_ids, r_p_ids, resp, size, extra in zip(
+        records, prompt_ids, rollout_prompt_ids, response_ids, sizes, explorers, strict=True
+    ):
         rec_fmt = record_format(fmt, size)
         try:
             gt = ground_truth(rec, rec_fmt)
@@ -230,19 +246,34 @@ def build_segments(
                     recovered |= {g for _, g, _ in f.pairs}
                 recovered &= set(result.false_negatives)
                 if clean.dead_anchors:
-                    dead_kept = frozenset(dead_anchors(
-                        [objects[i] for i in kept], result,
-                        [(v, set(f.gt_of_pred())) for v, f in zip(views, found, strict=True)], dup_cfg.support_iou,
-                        verified=rec.lvis.verified() if rec.lvis is not None else ()))
+                    dead_kept = frozenset(
+                        dead_anchors(
+                            [objects[i] for i in kept],
+                            result,
+                            [(v, set(f.gt_of_pred())) for v, f in zip(views, found, strict=True)],
+                            dup_cfg.support_iou,
+                            verified=rec.lvis.verified() if rec.lvis is not None else (),
+                        )
+                    )
                     dead = [kept[j] for j in sorted(dead_kept)]
             t2 = time.perf_counter()
             if clean is None:
-                seg = build_targets(p_ids, parsed, result, gt, vocab, rec_fmt, rollout_prompt_ids=r_p_ids,
-                                    cfg=targets)
+                seg = build_targets(p_ids, parsed, result, gt, vocab, rec_fmt, rollout_prompt_ids=r_p_ids, cfg=targets)
             else:
                 kept_result = result.without_predictions(dead_kept)
-                seg = build_clean_targets(p_ids, parsed, dups, kept_result, gt, vocab, rec_fmt,
-                                          rollout_prompt_ids=r_p_ids, cfg=clean, recovered=recovered, dead=dead)
+                seg = build_clean_targets(
+                    p_ids,
+                    parsed,
+                    dups,
+                    kept_result,
+                    gt,
+                    vocab,
+                    rec_fmt,
+                    rollout_prompt_ids=r_p_ids,
+                    cfg=clean,
+                    recovered=recovered,
+                    dead=dead,
+                )
             segments.append(seg)
         except FormatError as exc:  # e.g. a pixels format and a record without an image size
             raise FormatError(f"record {rec.id!r}: {exc}") from exc

@@ -146,16 +146,22 @@ class ImageStore:
         if ref.startswith("file:"):
             parts = urlsplit(ref)
             if parts.netloc not in ("", "localhost"):
-                raise ImageError(f"{_where(record_id, ref)}: file URI names host {parts.netloc!r}; only local files "
-                                 "(file:///path) and data URIs are supported")
+                raise ImageError(
+                    f"{_where(record_id, ref)}: file URI names host {parts.netloc!r}; only local files "
+                    "(file:///path) and data URIs are supported"
+                )
             path = Path(unquote(parts.path))
             if not path.is_absolute():
-                raise ImageError(f"{_where(record_id, ref)}: a file URI needs an absolute path (file:///data/a.jpg); "
-                                 "write relative paths without file:")
+                raise ImageError(
+                    f"{_where(record_id, ref)}: a file URI needs an absolute path (file:///data/a.jpg); "
+                    "write relative paths without file:"
+                )
         elif _REMOTE.match(ref):
             scheme = ref.split("://", 1)[0]
-            raise ImageError(f"{_where(record_id, ref)}: {scheme}:// images are not fetched; only local files "
-                             "(relative or absolute paths, file:// URIs) and data:image/...;base64 URIs are supported")
+            raise ImageError(
+                f"{_where(record_id, ref)}: {scheme}:// images are not fetched; only local files "
+                "(relative or absolute paths, file:// URIs) and data:image/...;base64 URIs are supported"
+            )
         else:
             path = Path(ref)
             if not path.is_absolute():
@@ -170,11 +176,14 @@ class ImageStore:
             raise ImageError(f"{_where(record_id, ref)}: malformed data URI; expected data:image/<fmt>;base64,<data>")
         mime, params = m["mime"].strip().lower(), m["params"].lower().split(";")
         if not mime.startswith("image/"):
-            raise ImageError(f"{_where(record_id, ref)}: data URI has media type {mime or '(none)'!r}; "
-                             "expected data:image/<fmt>;base64,<data>")
+            raise ImageError(
+                f"{_where(record_id, ref)}: data URI has media type {mime or '(none)'!r}; "
+                "expected data:image/<fmt>;base64,<data>"
+            )
         if "base64" not in params:
-            raise ImageError(f"{_where(record_id, ref)}: data URI is not base64-encoded; "
-                             "expected data:image/<fmt>;base64,<data>")
+            raise ImageError(
+                f"{_where(record_id, ref)}: data URI is not base64-encoded; expected data:image/<fmt>;base64,<data>"
+            )
         try:
             data = base64.b64decode("".join(m["payload"].split()), validate=True)
         except (binascii.Error, ValueError) as exc:
@@ -186,8 +195,10 @@ class ImageStore:
     # ------------------------------------------------------------------ inspection
 
     def _too_large(self, width: int, height: int) -> str:
-        return (f"is {width}x{height} = {width * height} pixels, more than spec.model.vision.maxImagePixels "
-                f"({self.max_image_pixels})")
+        return (
+            f"is {width}x{height} = {width * height} pixels, more than spec.model.vision.maxImagePixels "
+            f"({self.max_image_pixels})"
+        )
 
     def _open(self, source: _Source, data: bytes | None = None) -> Image.Image:
         """Open (header only) and check the size before anything is decoded."""
@@ -208,8 +219,9 @@ class ImageStore:
                 # Only past 2x PIL's limit, which __init__ keeps >= max_image_pixels: too large for us too.
                 m = _BOMB_PIXELS.search(str(exc))
                 size = f"{m[1]} pixels" if m else f"more than {2 * (Image.MAX_IMAGE_PIXELS or 0)} pixels"
-                raise _Problem(f"is {size}, more than spec.model.vision.maxImagePixels "
-                               f"({self.max_image_pixels})") from None
+                raise _Problem(
+                    f"is {size}, more than spec.model.vision.maxImagePixels ({self.max_image_pixels})"
+                ) from None
             except FileNotFoundError:
                 raise _Problem(f"file {fp} does not exist") from None
             except IsADirectoryError:
@@ -313,8 +325,10 @@ class ImageStore:
 
     @staticmethod
     def _mismatch(record: Record, ref: str, width: int, height: int) -> str:
-        return (f"{_where(record.id, ref)}: image is {width}x{height} but the record says "
-                f"width={record.width}, height={record.height} (ground truth is in the record's pixel coordinates)")
+        return (
+            f"{_where(record.id, ref)}: image is {width}x{height} but the record says "
+            f"width={record.width}, height={record.height} (ground truth is in the record's pixel coordinates)"
+        )
 
     def load(self, record: Record) -> list[LoadedImage]:
         """The record's images, bytes as stored; read from disk once while they stay in the cache."""
@@ -348,8 +362,9 @@ class ImageStore:
                 try:
                     data = _read_file(source.path)
                 except FileNotFoundError:
-                    raise _Problem(f"file {source.path} does not exist (it was there when the dataset "
-                                   "was validated)") from None
+                    raise _Problem(
+                        f"file {source.path} does not exist (it was there when the dataset was validated)"
+                    ) from None
                 except IsADirectoryError:
                     raise _Problem(f"{source.path} is a folder, not an image file") from None
                 except OSError as exc:
@@ -361,8 +376,14 @@ class ImageStore:
         return data, im.size[0], im.size[1]
 
 
-_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF8", "GIF"), (b"BM", "BMP"),
-               (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"))
+_SIGNATURES = (
+    (b"\x89PNG\r\n\x1a\n", "PNG"),
+    (b"\xff\xd8\xff", "JPEG"),
+    (b"GIF8", "GIF"),
+    (b"BM", "BMP"),
+    (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"),
+)
 
 
 def _sniff(data: bytes | None, path: Path | None) -> str | None:

@@ -129,7 +129,7 @@ def _describe(err: ValidationError) -> str:
 
 
 def _did_you_mean(loc: tuple) -> str:
-    """" (did you mean bbox_2d?)" for an unknown key close to the keys of its place (a record, an object, a
+    """ " (did you mean bbox_2d?)" for an unknown key close to the keys of its place (a record, an object, a
     message), else " (keys: ...)" naming them."""
     import difflib
 
@@ -172,11 +172,11 @@ def iter_records(path: str | Path) -> Iterator[Record]:
                 try:
                     raw = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise _first_line_error(path, lineno, f"not valid JSON ({exc.msg} at column {exc.colno})"
-                                            ) from None
+                    raise _first_line_error(path, lineno, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
                 except RecursionError:
-                    raise DataError(f"{path}:{lineno}: not a record: JSON nested deeper than a parser follows"
-                                    ) from None
+                    raise DataError(
+                        f"{path}:{lineno}: not a record: JSON nested deeper than a parser follows"
+                    ) from None
                 except ValueError as exc:  # an integer of over 4300 digits (Python's int conversion limit)
                     raise DataError(f"{path}:{lineno}: not valid JSON ({exc})") from None
                 try:
@@ -184,8 +184,10 @@ def iter_records(path: str | Path) -> Iterator[Record]:
                 except ValidationError as exc:
                     raise _first_line_error(path, lineno, _describe(exc)) from None
     except UnicodeDecodeError as exc:
-        raise DataError(f"{path}:{lineno + 1}: not UTF-8 text ({exc.reason} at byte {exc.start}); a compressed "
-                        "file needs the .gz suffix") from None
+        raise DataError(
+            f"{path}:{lineno + 1}: not UTF-8 text ({exc.reason} at byte {exc.start}); a compressed "
+            "file needs the .gz suffix"
+        ) from None
     except (gzip.BadGzipFile, EOFError) as exc:
         raise DataError(f"{path}: not a complete gzip file ({exc or type(exc).__name__})") from None
     except OSError as exc:  # unreadable (permissions), a read error
@@ -214,8 +216,10 @@ class OutsideFrame:
     first: str = ""  # the first case, as `record 'id' object 2 bbox_2d [..] in 640x480`
 
     def line(self, total: int) -> str:
-        return (f"{self.objects} of {total} objects (in {self.records} records) reach outside their image's "
-                f"width x height: training clamps them to its edges (first: {self.first})")
+        return (
+            f"{self.objects} of {total} objects (in {self.records} records) reach outside their image's "
+            f"width x height: training clamps them to its edges (first: {self.first})"
+        )
 
 
 def outside_frame(records: list[Record]) -> OutsideFrame:

@@ -115,8 +115,10 @@ def coco_map(
     `n_ground_truth`, `n_predictions`, `n_unknown_label` (predictions whose label no ground truth uses).
     The mAPs are NaN when no image has ground truth, 0.0 when there is ground truth but no prediction."""
     if not len(ground_truth) == len(predictions) == len(image_sizes):
-        raise ValueError(f"{len(ground_truth)} ground-truth list(s), {len(predictions)} prediction list(s) and "
-                         f"{len(image_sizes)} image size(s): one of each per image")
+        raise ValueError(
+            f"{len(ground_truth)} ground-truth list(s), {len(predictions)} prediction list(s) and "
+            f"{len(image_sizes)} image size(s): one of each per image"
+        )
     cat = category or (lambda label: label)
     gt_labels = {cat(b.label) for boxes in ground_truth for b in boxes}
     labels = sorted(gt_labels | {cat(b.label) for boxes in predictions for b in boxes})
@@ -131,24 +133,47 @@ def coco_map(
         images.append({"id": i + 1, "width": width, "height": height})
         for b in gt_boxes:
             xywh = clipped_xywh(b, width, height, f"image {i} ground truth {b.label!r}")
-            gts.append({"id": len(gts) + 1, "image_id": i + 1, "category_id": cat_id[cat(b.label)], "bbox": xywh,
-                        "area": xywh[2] * xywh[3], "iscrowd": 0})
+            gts.append(
+                {
+                    "id": len(gts) + 1,
+                    "image_id": i + 1,
+                    "category_id": cat_id[cat(b.label)],
+                    "bbox": xywh,
+                    "area": xywh[2] * xywh[3],
+                    "iscrowd": 0,
+                }
+            )
         for b in dt_boxes:
             if not math.isfinite(b.score):
                 raise ValueError(f"image {i} prediction {b.label!r}: score {b.score!r} is not finite")
-            dts.append({"image_id": i + 1, "category_id": cat_id[cat(b.label)], "score": float(b.score),
-                        "bbox": clipped_xywh(b, width, height, f"image {i} prediction {b.label!r}")})
-    counts = {"n_images": float(len(images)), "n_ground_truth": float(len(gts)), "n_predictions": float(len(dts)),
-              "n_unknown_label": float(sum(cat(b.label) not in gt_labels for boxes in predictions for b in boxes))}
+            dts.append(
+                {
+                    "image_id": i + 1,
+                    "category_id": cat_id[cat(b.label)],
+                    "score": float(b.score),
+                    "bbox": clipped_xywh(b, width, height, f"image {i} prediction {b.label!r}"),
+                }
+            )
+    counts = {
+        "n_images": float(len(images)),
+        "n_ground_truth": float(len(gts)),
+        "n_predictions": float(len(dts)),
+        "n_unknown_label": float(sum(cat(b.label) not in gt_labels for boxes in predictions for b in boxes)),
+    }
     if not gts:  # nothing to find: AP is undefined for every category
         return {**dict.fromkeys(KEYS, math.nan), **counts}
 
     # Imported here: it also imports OpenCV when installed (vLLM brings it), which only an evaluating rank needs.
     from faster_coco_eval import COCO, COCOeval_faster
 
-    coco_gt = COCO({"images": images, "annotations": gts,
-                    "categories": [{"id": cat_id[label], "name": label} for label in labels]},
-                   print_function=_quiet)
+    coco_gt = COCO(
+        {
+            "images": images,
+            "annotations": gts,
+            "categories": [{"id": cat_id[label], "name": label} for label in labels],
+        },
+        print_function=_quiet,
+    )
     coco_dt = coco_gt.loadRes(dts)
     coco_dt.print_function = _quiet
     ev = COCOeval_faster(coco_gt, coco_dt, "bbox", print_function=_quiet)
@@ -172,5 +197,4 @@ def coco_map(
     def at(iou: float) -> np.ndarray:
         return precision[np.isclose(thresholds, iou)]
 
-    return {"map": mean(precision), "map_50": mean(at(0.5)), "map_75": mean(at(0.75)), "mar": mean(recall),
-            **counts}
+    return {"map": mean(precision), "map_50": mean(at(0.5)), "map_75": mean(at(0.75)), "mar": mean(recall), **counts}

@@ -56,12 +56,19 @@ def _dashed(draw: ImageDraw.ImageDraw, a: Point, b: Point, fill: tuple[int, int,
     steps = max(1, math.ceil(length / (2 * DASH)))
     for k in range(steps):  # each dash starts at a multiple of 2*DASH from `a`, so corners are drawn
         t0, t1 = (2 * DASH * k) / length, min(1.0, (2 * DASH * k + DASH) / length)
-        draw.line([(a[0] + (b[0] - a[0]) * t0, a[1] + (b[1] - a[1]) * t0),
-                   (a[0] + (b[0] - a[0]) * t1, a[1] + (b[1] - a[1]) * t1)], fill=fill, width=width)
+        draw.line(
+            [
+                (a[0] + (b[0] - a[0]) * t0, a[1] + (b[1] - a[1]) * t0),
+                (a[0] + (b[0] - a[0]) * t1, a[1] + (b[1] - a[1]) * t1),
+            ],
+            fill=fill,
+            width=width,
+        )
 
 
-def _outline(draw: ImageDraw.ImageDraw, pts: list[Point], fill: tuple[int, int, int], dashed: bool,
-             halo: bool = False) -> None:
+def _outline(
+    draw: ImageDraw.ImageDraw, pts: list[Point], fill: tuple[int, int, int], dashed: bool, halo: bool = False
+) -> None:
     """The closed outline through `pts`; with `halo`, its black underlay (drawn in a pass before
     every coloured line, so no halo covers another outline's colour)."""
     if len(pts) < 2:
@@ -75,8 +82,15 @@ def _outline(draw: ImageDraw.ImageDraw, pts: list[Point], fill: tuple[int, int, 
             draw.line([a, b], fill=colour, width=width)
 
 
-def _label(draw: ImageDraw.ImageDraw, xy: tuple[float, float], text: str, colour: tuple[int, int, int],
-           font: ImageFont.ImageFont | ImageFont.FreeTypeFont, canvas: tuple[int, int], above: bool) -> None:
+def _label(
+    draw: ImageDraw.ImageDraw,
+    xy: tuple[float, float],
+    text: str,
+    colour: tuple[int, int, int],
+    font: ImageFont.ImageFont | ImageFont.FreeTypeFont,
+    canvas: tuple[int, int],
+    above: bool,
+) -> None:
     """Text on a dark box, kept on the canvas: above the outline's top-left corner (predictions) or
     below its bottom-left (ground truth), so the two labels of a matched pair do not overlap."""
     left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
@@ -111,8 +125,10 @@ def draw_detections(
         text = text[:-4] + "..." if len(text) > 4 else ""
     draw.text((4, 2), text, fill=HEADER_FG, font=font)
     x, y = 4, 2 + line_h
-    for colour, dashed, name in ((GT_COLOUR, True, f"ground truth ({len(ground_truth)})"),
-                                 (PRED_COLOUR, False, f"predicted ({len(predicted)})")):
+    for colour, dashed, name in (
+        (GT_COLOUR, True, f"ground truth ({len(ground_truth)})"),
+        (PRED_COLOUR, False, f"predicted ({len(predicted)})"),
+    ):
         _outline(draw, [(x, y + line_h / 2), (x + 20, y + line_h / 2)], colour, dashed, halo=True)
         _outline(draw, [(x, y + line_h / 2), (x + 20, y + line_h / 2)], colour, dashed)
         draw.text((x + 24, y), name, fill=HEADER_FG, font=font)
@@ -173,8 +189,9 @@ def save_rollout_pictures(items: Iterable[RolloutPicture], out_dir: str | Path) 
     for item in items:
         title = item.title
         if title is None:
-            title = f"step {item.step}  record {item.record_id}" + (f"  sample {item.sample}"
-                                                                  if item.sample is not None else "")
+            title = f"step {item.step}  record {item.record_id}" + (
+                f"  sample {item.sample}" if item.sample is not None else ""
+            )
         path = out / picture_name(item.step, item.record_id, item.sample)
         draw_detections(item.image, item.ground_truth, item.predicted, title=title).save(path, format="PNG")
         paths.append(path)

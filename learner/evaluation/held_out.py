@@ -155,38 +155,61 @@ class Evaluation:
     def figures(self) -> HeldOutFigures:
         at = self.answer_stats
         n = max(at.rollouts, 1)
-        return HeldOutFigures(step=self.step, f1=self.f1, f1_geometry=self.f1_geometry, map=self.map,
-                              map_agnostic=self.map_agnostic, truncation_rate=at.truncation_rate,
-                              duplicate_rate=at.duplicate_rate, predicted_per_answer=at.predicted / n,
-                              gt_per_record=at.gt_objects / n)
+        return HeldOutFigures(
+            step=self.step,
+            f1=self.f1,
+            f1_geometry=self.f1_geometry,
+            map=self.map,
+            map_agnostic=self.map_agnostic,
+            truncation_rate=at.truncation_rate,
+            duplicate_rate=at.duplicate_rate,
+            predicted_per_answer=at.predicted / n,
+            gt_per_record=at.gt_objects / n,
+        )
 
     def scalars(self) -> dict[str, float]:
         """The figures, named as TensorBoard tags (`eval/f1`, `eval/map`: label-aware)."""
         at, geo = self.stats[self.iou], self.geometry[self.iou]
-        out = {"eval/f1": at.f1, "eval/precision": at.precision, "eval/recall": at.recall,
-               "eval/f1_geometry": geo.f1, "eval/precision_geometry": geo.precision,
-               "eval/recall_geometry": geo.recall,
-               "eval/map": self.coco["map"], "eval/map_50": self.coco["map_50"], "eval/map_75": self.coco["map_75"],
-               "eval/map_agnostic": self.coco_agnostic["map"], "eval/map_50_agnostic": self.coco_agnostic["map_50"]}
+        out = {
+            "eval/f1": at.f1,
+            "eval/precision": at.precision,
+            "eval/recall": at.recall,
+            "eval/f1_geometry": geo.f1,
+            "eval/precision_geometry": geo.precision,
+            "eval/recall_geometry": geo.recall,
+            "eval/map": self.coco["map"],
+            "eval/map_50": self.coco["map_50"],
+            "eval/map_75": self.coco["map_75"],
+            "eval/map_agnostic": self.coco_agnostic["map"],
+            "eval/map_50_agnostic": self.coco_agnostic["map_50"],
+        }
         for gate, st in self.stats.items():
             if gate != self.iou:
                 out[f"eval/f1_iou{gate:g}"] = st.f1
                 out[f"eval/f1_geometry_iou{gate:g}"] = self.geometry[gate].f1
         fig = self.figures()
         if at.rollouts:
-            out.update({"eval/truncation_rate": fig.truncation_rate, "eval/duplicate_rate": fig.duplicate_rate,
-                        "eval/predicted_per_answer": fig.predicted_per_answer,
-                        "eval/gt_per_record": fig.gt_per_record, "eval/predicted_per_gt": fig.count_ratio,
-                        "eval/dropped_per_answer": at.dropped / at.rollouts})
+            out.update(
+                {
+                    "eval/truncation_rate": fig.truncation_rate,
+                    "eval/duplicate_rate": fig.duplicate_rate,
+                    "eval/predicted_per_answer": fig.predicted_per_answer,
+                    "eval/gt_per_record": fig.gt_per_record,
+                    "eval/predicted_per_gt": fig.count_ratio,
+                    "eval/dropped_per_answer": at.dropped / at.rollouts,
+                }
+            )
         return out
 
     def describe(self) -> str:
         at, geo, fig = self.stats[self.iou], self.geometry[self.iou], self.figures()
-        return (f"held-out label-aware F1@{self.iou:g} {at.f1:.3f} (P {at.precision:.3f} R {at.recall:.3f}), "
-                f"geometry F1 {geo.f1:.3f}, mAP {self.coco['map']:.3f} mAP50 {self.coco['map_50']:.3f} "
-                f"(class-agnostic mAP {self.coco_agnostic['map']:.3f}); truncated {fig.truncation_rate:.1%}, "
-                f"duplicates {fig.duplicate_rate:.1%}, objects {fig.predicted_per_answer:.2f}/answer vs "
-                f"{fig.gt_per_record:.2f} true, on {len(self.records)} record(s)")
+        return (
+            f"held-out label-aware F1@{self.iou:g} {at.f1:.3f} (P {at.precision:.3f} R {at.recall:.3f}), "
+            f"geometry F1 {geo.f1:.3f}, mAP {self.coco['map']:.3f} mAP50 {self.coco['map_50']:.3f} "
+            f"(class-agnostic mAP {self.coco_agnostic['map']:.3f}); truncated {fig.truncation_rate:.1%}, "
+            f"duplicates {fig.duplicate_rate:.1%}, objects {fig.predicted_per_answer:.2f}/answer vs "
+            f"{fig.gt_per_record:.2f} true, on {len(self.records)} record(s)"
+        )
 
     def pictures(self, images: ImageStore, limit: int, label: str = "held-out") -> list[RolloutPicture]:
         """The first `limit` records with an image, their answer and ground truth drawn."""
@@ -195,9 +218,16 @@ class Evaluation:
             if len(out) >= limit:
                 break
             if rec.images:
-                out.append(RolloutPicture(step=self.step, record_id=rec.id, image=images.load(rec)[0].pil(),
-                                          ground_truth=ground_truth_detections(rec), predicted=pred,
-                                          title=f"{label} {rec.id}, step {self.step}"))
+                out.append(
+                    RolloutPicture(
+                        step=self.step,
+                        record_id=rec.id,
+                        image=images.load(rec)[0].pil(),
+                        ground_truth=ground_truth_detections(rec),
+                        predicted=pred,
+                        title=f"{label} {rec.id}, step {self.step}",
+                    )
+                )
         return out
 
 
@@ -205,8 +235,9 @@ def _one_category(_label: str) -> str:
     return "object"
 
 
-def score(records: Sequence[Record], answers: Sequence[Sequence[int]], setup: EvalSetup, *, iou: float = 0.5,
-          step: int = 0) -> Evaluation:
+def score(
+    records: Sequence[Record], answers: Sequence[Sequence[int]], setup: EvalSetup, *, iou: float = 0.5, step: int = 0
+) -> Evaluation:
     """Parse and score one answer per record (pure: no servers)."""
     if len(records) != len(answers):
         raise ValueError(f"{len(records)} record(s) but {len(answers)} answer(s)")
@@ -222,29 +253,54 @@ def score(records: Sequence[Record], answers: Sequence[Sequence[int]], setup: Ev
         predictions.append(predicted_detections(parsed, rec))
         gt = ground_truth(rec, fmt)  # as the format writes it (qwen_json: polygons as their boxes)
         objs = [o.obj for o in parsed.objects]
-        answer = EpisodeStats(rollouts=1, dropped=parsed.n_dropped, truncated=int(parsed.truncated),
-                              response_tokens=len(ids), predicted=len(objs), gt_objects=len(gt),
-                              duplicates=len(find_duplicates(objs)))
+        answer = EpisodeStats(
+            rollouts=1,
+            dropped=parsed.n_dropped,
+            truncated=int(parsed.truncated),
+            response_tokens=len(ids),
+            predicted=len(objs),
+            gt_objects=len(gt),
+            duplicates=len(find_duplicates(objs)),
+        )
         for gate, cfg in configs.items():
             for into, result in ((stats, match_by_label(objs, gt, cfg)), (geometry, match(objs, gt, cfg))):
-                into[gate] += dataclasses.replace(answer, matched=len(result.pairs),
-                                                  false_positives=len(result.false_positives),
-                                                  false_negatives=len(result.false_negatives))
+                into[gate] += dataclasses.replace(
+                    answer,
+                    matched=len(result.pairs),
+                    false_positives=len(result.false_positives),
+                    false_negatives=len(result.false_negatives),
+                )
                 if gate == iou and into is stats:
-                    per_record.append((len(result.pairs), len(result.false_positives),
-                                       len(result.false_negatives)))
+                    per_record.append((len(result.pairs), len(result.false_positives), len(result.false_negatives)))
     # Written order as confidence (a greedy answer has no other): the first object ranks first.
     truth = [boxes_from_detections(ground_truth_detections(r), rank_by_order=False) for r in records]
     ranked = [boxes_from_detections(p) for p in predictions]
     sizes = [(r.width, r.height) for r in records]
-    return Evaluation(step=step, iou=iou, stats=stats, coco=coco_map(truth, ranked, sizes, category=normalize_label),
-                      records=list(records), predictions=predictions, answers=[list(a) for a in cut],
-                      geometry=geometry, coco_agnostic=coco_map(truth, ranked, sizes, category=_one_category),
-                      per_record=per_record)
+    return Evaluation(
+        step=step,
+        iou=iou,
+        stats=stats,
+        coco=coco_map(truth, ranked, sizes, category=normalize_label),
+        records=list(records),
+        predictions=predictions,
+        answers=[list(a) for a in cut],
+        geometry=geometry,
+        coco_agnostic=coco_map(truth, ranked, sizes, category=_one_category),
+        per_record=per_record,
+    )
 
 
-def evaluate(client: RolloutSource | RolloutClient, records: Sequence[Record], images: ImageStore, setup: EvalSetup, *,
-             version: int | None, max_tokens: int, iou: float = 0.5, step: int = 0) -> Evaluation:
+def evaluate(
+    client: RolloutSource | RolloutClient,
+    records: Sequence[Record],
+    images: ImageStore,
+    setup: EvalSetup,
+    *,
+    version: int | None,
+    max_tokens: int,
+    iou: float = 0.5,
+    step: int = 0,
+) -> Evaluation:
     """Greedy answers to `records` from the servers holding weight version `version` (None: whatever the
     servers hold, for a model served as it is), scored."""
     requests = [rollout_request(r, [img.data for img in images.load(r)]) for r in records]

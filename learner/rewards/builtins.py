@@ -59,8 +59,9 @@ def format_score(parsed: ParsedRollout, finish_reason: str | None = None) -> flo
     return 1.0 - parsed.n_dropped / parsed.n_entries
 
 
-def _matched_ious(pred: Sequence[DetObject], gt: Sequence[DetObject], cfg: MatchConfig,
-                  labels: Literal["ignore", "match"]) -> list[float]:
+def _matched_ious(
+    pred: Sequence[DetObject], gt: Sequence[DetObject], cfg: MatchConfig, labels: Literal["ignore", "match"]
+) -> list[float]:
     """IoU of every matched (pred, gt) pair by rmsft's matcher, across all objects or label by label."""
     if labels == "ignore":
         return [iou for _, _, iou in match(pred, gt, cfg).pairs]
@@ -171,12 +172,19 @@ class DetectionReward:
 
     def __call__(self, inp: RewardInput) -> float:
         if inp.parsed is None or inp.fmt is None:
-            raise ValueError("the detection reward needs the parsed completion and its output format "
-                             "(RewardInput.from_completion with vocab= and fmt=)")
+            raise ValueError(
+                "the detection reward needs the parsed completion and its output format "
+                "(RewardInput.from_completion with vocab= and fmt=)"
+            )
         pred = [o.obj for o in inp.parsed.objects]
-        metric = detection_metric(pred, ground_truth(inp.record, inp.fmt), metric=self.metric,
-                                  matching=self.matching, labels=self.labels,
-                                  penalize_false_positives=self.penalize_false_positives)
+        metric = detection_metric(
+            pred,
+            ground_truth(inp.record, inp.fmt),
+            metric=self.metric,
+            matching=self.matching,
+            labels=self.labels,
+            penalize_false_positives=self.penalize_false_positives,
+        )
         fmt_score = format_score(inp.parsed, inp.finish_reason)
         return (1.0 - self.format_weight) * metric + self.format_weight * fmt_score
 

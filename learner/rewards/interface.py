@@ -102,8 +102,17 @@ class RewardInput:
             except FormatError as exc:  # e.g. a pixels format and a record without an image size
                 raise FormatError(f"record {record.id!r}: {exc}") from exc
         ans = tuple(answer) if answer is not None and not isinstance(answer, str) else answer
-        return cls(record=record, text=text, token_ids=tuple(token_ids), parsed=parsed, fmt=bound,
-                   image_size=image_size, finish_reason=finish_reason, sample_index=sample_index, answer=ans)
+        return cls(
+            record=record,
+            text=text,
+            token_ids=tuple(token_ids),
+            parsed=parsed,
+            fmt=bound,
+            image_size=image_size,
+            finish_reason=finish_reason,
+            sample_index=sample_index,
+            answer=ans,
+        )
 
 
 @runtime_checkable

@@ -58,19 +58,24 @@ def _import_path(path: str) -> Any:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise UnknownRewardError(f"reward {path!r}: no module named {exc.name!r} (looked up as an import path "
-                                     "'package.module:callable')") from exc
-        raise UnknownRewardError(f"reward {path!r}: importing module {module_name!r} failed: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+            raise UnknownRewardError(
+                f"reward {path!r}: no module named {exc.name!r} (looked up as an import path 'package.module:callable')"
+            ) from exc
+        raise UnknownRewardError(
+            f"reward {path!r}: importing module {module_name!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
     except Exception as exc:
-        raise UnknownRewardError(f"reward {path!r}: importing module {module_name!r} failed: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+        raise UnknownRewardError(
+            f"reward {path!r}: importing module {module_name!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
     walked = module_name
     for part in attr.split("."):
         if not hasattr(obj, part):
             public = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None)))
-            raise UnknownRewardError(f"reward {path!r}: {walked!r} has no attribute {part!r} (its public callables: "
-                                     f"{', '.join(public) or 'none'})")
+            raise UnknownRewardError(
+                f"reward {path!r}: {walked!r} has no attribute {part!r} (its public callables: "
+                f"{', '.join(public) or 'none'})"
+            )
         obj = getattr(obj, part)
         walked = f"{walked}:{part}" if walked == module_name else f"{walked}.{part}"
     return obj
@@ -92,16 +97,21 @@ def _lookup(name: str) -> Any:
         raise UnknownRewardError(
             f"unknown reward {name!r}: looked up as a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) and as an "
             f"entry point of group {ENTRY_POINT_GROUP!r} (installed: {', '.join(installed) or 'none'}); a reward "
-            "outside both is named by its import path, 'package.module:callable'")
+            "outside both is named by its import path, 'package.module:callable'"
+        )
     if len(found) > 1:
-        raise RewardConfigError(f"reward {name!r}: {len(found)} entry points of group {ENTRY_POINT_GROUP!r} have "
-                                f"that name ({', '.join(ep.value for ep in found)}); name one by its import path")
+        raise RewardConfigError(
+            f"reward {name!r}: {len(found)} entry points of group {ENTRY_POINT_GROUP!r} have "
+            f"that name ({', '.join(ep.value for ep in found)}); name one by its import path"
+        )
     ep = found[0]
     try:
         return ep.load()
     except Exception as exc:
-        raise UnknownRewardError(f"reward {name!r}: entry point {ep.value!r} of group {ENTRY_POINT_GROUP!r} failed "
-                                 f"to load: {type(exc).__name__}: {exc}") from exc
+        raise UnknownRewardError(
+            f"reward {name!r}: entry point {ep.value!r} of group {ENTRY_POINT_GROUP!r} failed "
+            f"to load: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _signature(obj: Any) -> str:
@@ -122,8 +132,9 @@ def resolve_reward(name: str, params: Mapping[str, Any] | None = None) -> Reward
         try:
             reward = obj(**params)
         except (TypeError, ValueError) as exc:
-            raise RewardConfigError(f"reward {name!r}: cannot build it with params {params}: {exc} "
-                                    f"(it takes {_signature(obj)})") from exc
+            raise RewardConfigError(
+                f"reward {name!r}: cannot build it with params {params}: {exc} (it takes {_signature(obj)})"
+            ) from exc
     else:
         reward = obj
     if not callable(reward):
@@ -290,9 +301,12 @@ def score_batch(
     if failures:
         first = failures[0]
         if len(failures) > 1:
-            err = RewardError(first.reward, first.record_id, first.sample_index,
-                              f"{first.detail} (and {len(failures) - 1} more failing "
-                              f"completion(s) in this batch of {len(inputs)})")
+            err = RewardError(
+                first.reward,
+                first.record_id,
+                first.sample_index,
+                f"{first.detail} (and {len(failures) - 1} more failing completion(s) in this batch of {len(inputs)})",
+            )
             raise err from first.__cause__
         raise first
     scores = [r for r in results if not isinstance(r, RewardError)]

@@ -144,8 +144,9 @@ class RolloutClient:
         self._resync_pool: ThreadPoolExecutor = ThreadPoolExecutor(max_workers=n, thread_name_prefix="resync")
         # Blocking calls on worker threads: grpc's `.future()` starts a channel-spin thread per call
         # (about 1 ms each), which is most of the learner's per-call overhead.
-        self._call_pool: ThreadPoolExecutor = ThreadPoolExecutor(max_workers=n * self.max_inflight,
-                                                                 thread_name_prefix="generate")
+        self._call_pool: ThreadPoolExecutor = ThreadPoolExecutor(
+            max_workers=n * self.max_inflight, thread_name_prefix="generate"
+        )
         self._threads_for = n
         for ex in old:
             ex.shutdown(wait=False)
@@ -229,7 +230,8 @@ class RolloutClient:
             # Waited for only when every server is down (a server that is up but failed the chunks has had its
             # attempts); then once one is back.
             if self.pool.up_servers() or not self.pool.wait_for_a_server(
-                    f"{len(missing)} completion(s) left when every server failed"):
+                f"{len(missing)} completion(s) left when every server failed"
+            ):
                 raise AllServersDownError(
                     f"{len(missing)} of {len(call.results)} completion(s) could not be generated, no rollout "
                     f"server left: " + self._describe(call)
@@ -257,8 +259,9 @@ class RolloutClient:
                 call.excluded[s.index] = err or "down"
             elif call.expected is None or held == call.expected:
                 planned.append(s)
-            elif self._start_resync_ok(call, s, f"holds weight version {_version_text(held)}, learner at "
-                                                f"{call.expected.describe()}"):
+            elif self._start_resync_ok(
+                call, s, f"holds weight version {_version_text(held)}, learner at {call.expected.describe()}"
+            ):
                 planned.append(s)  # gets its share once the re-sync is done
         return planned
 
@@ -341,8 +344,9 @@ class RolloutClient:
         reason to re-sync again or to give up on the server."""
         return early and server.index in call.resynced
 
-    def _on_generate(self, call: _Call, server: RolloutServer, chunk: Chunk, fut: Future, *,
-                     early: bool = False) -> None:
+    def _on_generate(
+        self, call: _Call, server: RolloutServer, chunk: Chunk, fut: Future, *, early: bool = False
+    ) -> None:
         try:
             reply: rollout_pb2.GenerateResponse = fut.result()
         except grpc.RpcError as e:
@@ -397,13 +401,15 @@ class RolloutClient:
                     server=server.address,
                     sample_index=c.sample_index,
                     logprobs=list(c.logprobs) if call.sampling.logprobs else None,
-                    version_spans=[(WeightVersion(s.weight_run_id, s.weight_version), s.start, s.end)
-                                   for s in c.version_spans],
+                    version_spans=[
+                        (WeightVersion(s.weight_run_id, s.weight_version), s.start, s.end) for s in c.version_spans
+                    ],
                 )
         call.accepted.clear()
 
-    def _on_rpc_error(self, call: _Call, server: RolloutServer, chunk: Chunk, e: grpc.RpcError, *,
-                      early: bool = False) -> None:
+    def _on_rpc_error(
+        self, call: _Call, server: RolloutServer, chunk: Chunk, e: grpc.RpcError, *, early: bool = False
+    ) -> None:
         code = e.code()
         why = describe_rpc_error(e)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (e.details() or ""):

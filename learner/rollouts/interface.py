@@ -34,8 +34,13 @@ class RolloutSource(Protocol):
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the source can generate (servers up), or raise naming what is missing."""
 
-    def generate(self, requests: Sequence[RolloutRequest], sampling: Mapping[str, Any] | Any, *,
-                 weight_version: int | None = None) -> list[Rollout]:
+    def generate(
+        self,
+        requests: Sequence[RolloutRequest],
+        sampling: Mapping[str, Any] | Any,
+        *,
+        weight_version: int | None = None,
+    ) -> list[Rollout]:
         """One completion per request and sample, in request order, each produced by `weight_version` of this
         run (None: no fencing)."""
 

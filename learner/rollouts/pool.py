@@ -326,7 +326,8 @@ class ServerPool:
         now = time.monotonic()
         with self.lock:
             due = [
-                s for s in self.servers
+                s
+                for s in self.servers
                 if (not s.state.up or s.state.version is None)
                 and (s.state.version is None or now - s.state.last_probe >= self.reprobe_interval_s)
             ]
@@ -363,15 +364,24 @@ class ServerPool:
         if self.recovery_s <= 0:
             return False
         t0 = time.monotonic()
-        log.warning("no rollout server is up for %s (%s): waiting up to %.0fs for one to come back "
-                    "(spec.rollout.recoveryTimeout)", what, self.describe_down(), self.recovery_s)
+        log.warning(
+            "no rollout server is up for %s (%s): waiting up to %.0fs for one to come back "
+            "(spec.rollout.recoveryTimeout)",
+            what,
+            self.describe_down(),
+            self.recovery_s,
+        )
         while True:
             self.follow()
             self.refresh()
             up = self.up_servers()
             if up:
-                log.warning("rollout server(s) %s back after %.0fs; going on with %s",
-                            ", ".join(s.name for s in up), time.monotonic() - t0, what)
+                log.warning(
+                    "rollout server(s) %s back after %.0fs; going on with %s",
+                    ", ".join(s.name for s in up),
+                    time.monotonic() - t0,
+                    what,
+                )
                 return True
             if time.monotonic() - t0 >= self.recovery_s:
                 return False

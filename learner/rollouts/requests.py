@@ -155,8 +155,7 @@ def sampling_params(sampling: rollout_pb2.SamplingParams | Mapping[str, Any] | N
 def check_versions(rollouts: Sequence[Rollout], version: WeightVersion) -> None:
     """Raise StaleRolloutError when any rollout was not produced by weight version `version` (its run
     id and number)."""
-    stale = [(i, r.request_id, str(r.weights), r.server) for i, r in enumerate(rollouts)
-             if r.weights != version]
+    stale = [(i, r.request_id, str(r.weights), r.server) for i, r in enumerate(rollouts) if r.weights != version]
     if stale:
         raise StaleRolloutError(
             f"{len(stale)} rollout(s) not produced by the current weight version {version.describe()} "

@@ -43,11 +43,20 @@ class ServerRollouts:
 
     per_rank = False
 
-    def __init__(self, pool: ServerPool, sync_client: WeightSender, *, timeout_s: float, generate_batch_size: int,
-                 fence_resync: Callable[[Callable], Callable] | None = None) -> None:
+    def __init__(
+        self,
+        pool: ServerPool,
+        sync_client: WeightSender,
+        *,
+        timeout_s: float,
+        generate_batch_size: int,
+        fence_resync: Callable[[Callable], Callable] | None = None,
+    ) -> None:
         self.pool, self.sync_client = pool, sync_client
         self.client = RolloutClient(
-            pool, timeout_s=timeout_s, generate_batch_size=generate_batch_size,
+            pool,
+            timeout_s=timeout_s,
+            generate_batch_size=generate_batch_size,
             # `fence_resync` wraps the re-sync of one server (e.g. refused while the learner's weights move).
             resync=fence_resync(sync_client.resync_server) if fence_resync else sync_client.resync_server,
         )
@@ -55,16 +64,22 @@ class ServerRollouts:
     def wait_ready(self, timeout_s: float) -> None:
         self.pool.wait_ready(timeout_s=timeout_s)
 
-    def generate(self, requests: Sequence[RolloutRequest], sampling: Mapping[str, Any] | Any, *,
-                 weight_version: int | None = None) -> list[Rollout]:
+    def generate(
+        self,
+        requests: Sequence[RolloutRequest],
+        sampling: Mapping[str, Any] | Any,
+        *,
+        weight_version: int | None = None,
+    ) -> list[Rollout]:
         return self.client.generate(requests, sampling, weight_version=weight_version)
 
     def sync(self, number: int) -> None:
         self.sync_client.sync(number)  # counts bytes and sets the version gauge itself
 
     def describe(self) -> SourceInfo:
-        return SourceInfo("server", tuple(s.address for s in self.pool.servers), self.sync_client.mode,
-                          self.sync_client.transport)
+        return SourceInfo(
+            "server", tuple(s.address for s in self.pool.servers), self.sync_client.mode, self.sync_client.transport
+        )
 
     def abort(self) -> None:
         """End a generate call in flight now: its RPCs are cancelled with the servers' channels (it then raises).

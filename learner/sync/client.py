@@ -140,8 +140,9 @@ class WeightSyncClient:
             from rmsft.weight_wire.transfer import check_backend
 
             check_backend(group_backend)
-            self.group = WeightGroup(group_backend, timeout_s=group_timeout_s, metadata=pool.metadata,
-                                     bucket_bytes=group_bucket_bytes)
+            self.group = WeightGroup(
+                group_backend, timeout_s=group_timeout_s, metadata=pool.metadata, bucket_bytes=group_bucket_bytes
+            )
         if transport == "shm" and not (shared_dir and Path(shared_dir).is_dir()):
             raise ValueError(
                 f"sync transport 'shm' needs a shared-weights dir the servers read too (RMSFT_SHARED_WEIGHTS_DIR); "
@@ -265,7 +266,11 @@ class WeightSyncClient:
         report.seconds = time.perf_counter() - t0  # the loop times its "sync" phase itself
         log.info(
             "weight version %s synced (%s, %s) to %d server(s) in %.2fs%s",
-            self.pool.version(number).describe(), report.mode, why, len(report.acked), report.seconds,
+            self.pool.version(number).describe(),
+            report.mode,
+            why,
+            len(report.acked),
+            report.seconds,
             f"; unreachable: {sorted(report.unreachable)}" if report.unreachable else "",
         )
         return report
@@ -308,7 +313,11 @@ class WeightSyncClient:
         return specs, lazy, config_json
 
     def _push(
-        self, number: int, mode: str, servers: Sequence[RolloutServer], previous: SyncReport | None = None,
+        self,
+        number: int,
+        mode: str,
+        servers: Sequence[RolloutServer],
+        previous: SyncReport | None = None,
         over_group: bool = True,
     ) -> SyncReport:
         # One update at a time: a FULL export merges/unmerges LoRA layers of the live model while it runs.
@@ -330,13 +339,15 @@ class WeightSyncClient:
         for server in servers:
             o = outcomes.get(server.address)
             if o is None:
-                o = rollout_pb2.RelayOutcome(address=server.address, code=grpc.StatusCode.UNAVAILABLE.value[0],
-                                             message="no outcome reported")
+                o = rollout_pb2.RelayOutcome(
+                    address=server.address, code=grpc.StatusCode.UNAVAILABLE.value[0], message="no outcome reported"
+                )
             code = _STATUS_BY_VALUE.get(o.code, grpc.StatusCode.UNKNOWN)
             got = version_of(o)
             if code == grpc.StatusCode.OK and got == want:
-                report.acked[server.address] = (replies.get(server.address)
-                                                or set_version(rollout_pb2.UpdateReply(), got))
+                report.acked[server.address] = replies.get(server.address) or set_version(
+                    rollout_pb2.UpdateReply(), got
+                )
                 self.pool.mark_up(server, weights=want)
                 with self.pool.lock:
                     server.state.base_replaced = mode == "full"
@@ -372,8 +383,14 @@ class WeightSyncClient:
             # The header is built here, in the caller, so a bad tensor name or dtype raises a clear
             # error now instead of a cancelled RPC from gRPC's thread.
             header, requests = encode_planned_stream(
-                specs, tensors, number=number, run_id=self.pool.run_id, mode=_WIRE_MODE[mode],
-                adapter_config_json=config_json, frame_bytes=self.frame_bytes, relay_to=[s.address for s in rest],
+                specs,
+                tensors,
+                number=number,
+                run_id=self.pool.run_id,
+                mode=_WIRE_MODE[mode],
+                adapter_config_json=config_json,
+                frame_bytes=self.frame_bytes,
+                relay_to=[s.address for s in rest],
             )
             total = header.total_bytes
             header.keep_generating = self.keep_generating and mode == "full"  # serialized at the first frame
@@ -413,8 +430,15 @@ class WeightSyncClient:
             if not group.current_for(servers, statuses):
                 group.build(servers, statuses)
             specs, tensors, _ = self._update_parts("full", number)
-            outcomes = group.push(servers, number=number, run_id=self.pool.run_id, specs=specs, tensors=tensors,
-                                  timeout_s=self.timeout_s, replies=replies)
+            outcomes = group.push(
+                servers,
+                number=number,
+                run_id=self.pool.run_id,
+                specs=specs,
+                tensors=tensors,
+                timeout_s=self.timeout_s,
+                replies=replies,
+            )
         except GroupUnusable as e:
             log.warning("weight version %s goes over gRPC: %s", number, e)
             return None
@@ -449,7 +473,8 @@ class WeightSyncClient:
         raise WeightSyncError(
             f"weight version {number} over the weight-transfer group failed ({failure.reason}): no server took it. "
             f"Cut off (missed the group's deadline of {self.group.timeout_s if self.group else 0:g}s; each re-syncs "
-            f"over gRPC when it answers again): {said}. The others: " + ("; ".join(others) or "none"))
+            f"over gRPC when it answers again): {said}. The others: " + ("; ".join(others) or "none")
+        )
 
     def _push_shared(
         self, number: int, mode: str, servers: Sequence[RolloutServer], replies: dict[str, rollout_pb2.UpdateReply]
@@ -459,11 +484,18 @@ class WeightSyncClient:
         removed once all of them answered, or on any failure."""
         specs, tensors, config_json = self._update_parts(mode, number)
         try:
-            update = SharedUpdate.create(self.shared_dir, specs, number=number, run_id=self.pool.run_id,
-                                         mode=_WIRE_MODE[mode], adapter_config_json=config_json)
+            update = SharedUpdate.create(
+                self.shared_dir,
+                specs,
+                number=number,
+                run_id=self.pool.run_id,
+                mode=_WIRE_MODE[mode],
+                adapter_config_json=config_json,
+            )
         except SharedSpaceError as e:
-            raise WeightSyncError(f"RESOURCE_EXHAUSTED: {e}; nothing was sent (free memory there, or use "
-                                  "spec.sync.transport: grpc)") from e
+            raise WeightSyncError(
+                f"RESOURCE_EXHAUSTED: {e}; nothing was sent (free memory there, or use spec.sync.transport: grpc)"
+            ) from e
         update.header.keep_generating = self.keep_generating and mode == "full"
         done = threading.Event()
         digest: list[bytes] = []
@@ -477,8 +509,10 @@ class WeightSyncClient:
 
         results: list[rollout_pb2.RelayOutcome] = []
         try:
-            calls = [update_weights_raw(s.channel).future(requests(), timeout=self.timeout_s,
-                                                          metadata=self.pool.metadata) for s in servers]
+            calls = [
+                update_weights_raw(s.channel).future(requests(), timeout=self.timeout_s, metadata=self.pool.metadata)
+                for s in servers
+            ]
             try:
                 # Write only once every server has the file open (or has already refused): from then on,
                 # if this process dies mid-write, each of them sees its call end and removes the file.
@@ -500,9 +534,13 @@ class WeightSyncClient:
                     except grpc.RpcError as e:
                         results.append(outcome_of_error(server.address, e))
                     except grpc.FutureCancelledError:  # abandoned above
-                        results.append(rollout_pb2.RelayOutcome(address=server.address,
-                                                                code=grpc.StatusCode.CANCELLED.value[0],
-                                                                message="the update was not written"))
+                        results.append(
+                            rollout_pb2.RelayOutcome(
+                                address=server.address,
+                                code=grpc.StatusCode.CANCELLED.value[0],
+                                message="the update was not written",
+                            )
+                        )
         finally:
             update.remove()
         return {o.address: o for o in results}, update.header.total_bytes

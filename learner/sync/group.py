@@ -62,8 +62,15 @@ class WeightGroup:
     `timeout_s` bounds the rendezvous and each broadcast; `metadata`: the pool's call metadata (auth);
     `bucket_bytes`: the bucket size of every update over the group (0: one broadcast per tensor)."""
 
-    def __init__(self, backend: str, *, timeout_s: float, metadata: Sequence[tuple[str, str]] = (),
-                 address: str | None = None, bucket_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        backend: str,
+        *,
+        timeout_s: float,
+        metadata: Sequence[tuple[str, str]] = (),
+        address: str | None = None,
+        bucket_bytes: int = 0,
+    ) -> None:
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
@@ -80,19 +87,26 @@ class WeightGroup:
     # -- membership ---------------------------------------------------------------------------------
     def current_for(self, servers: Sequence[RolloutServer], statuses: dict[str, rollout_pb2.StatusReply]) -> bool:
         """Whether the group as built serves a sync to `servers` as they report now."""
-        return (bool(self.id) and tuple(s.address for s in servers) == self.members
-                and all(statuses[s.address].weight_group == self.id for s in servers))
+        return (
+            bool(self.id)
+            and tuple(s.address for s in servers) == self.members
+            and all(statuses[s.address].weight_group == self.id for s in servers)
+        )
 
     def build(self, servers: Sequence[RolloutServer], statuses: dict[str, rollout_pb2.StatusReply]) -> None:
         """A new group of the learner and `servers`. Raises GroupUnusable naming the servers that did not join."""
         from rmsft.weight_wire.transfer import make_sender
 
         self.drop()
-        other = [f"{s.name} ({statuses[s.address].weight_transfer or 'started without --weight-transfer'})"
-                 for s in servers if statuses[s.address].weight_transfer != self.backend]
+        other = [
+            f"{s.name} ({statuses[s.address].weight_transfer or 'started without --weight-transfer'})"
+            for s in servers
+            if statuses[s.address].weight_transfer != self.backend
+        ]
         if other:  # a member that cannot join would hold the others in the rendezvous until its timeout
-            raise GroupUnusable(f"weight-transfer group not formed: not every server joins {self.backend} groups: "
-                                + ", ".join(other))
+            raise GroupUnusable(
+                f"weight-transfer group not formed: not every server joins {self.backend} groups: " + ", ".join(other)
+            )
         group_id = uuid.uuid4().hex[:12]
         sizes = [max(1, statuses[s.address].tensor_parallel_size) for s in servers]
         world = 1 + sum(sizes)
@@ -103,11 +117,20 @@ class WeightGroup:
         offset = 1
         for server, size in zip(servers, sizes, strict=True):
             request = rollout_pb2.JoinWeightGroupRequest(
-                group_id=group_id, master_address=address, master_port=sender.port, world_size=world,
-                rank_offset=offset, timeout_s=self.timeout_s, bucket_bytes=self.bucket_bytes)
+                group_id=group_id,
+                master_address=address,
+                master_port=sender.port,
+                world_size=world,
+                rank_offset=offset,
+                timeout_s=self.timeout_s,
+                bucket_bytes=self.bucket_bytes,
+            )
             ranks[server.address] = range(offset, offset + size)
-            calls.append(rollout_pb2_grpc.RolloutServiceStub(server.channel).JoinWeightGroup.future(
-                request, timeout=self.timeout_s + 30, metadata=self.metadata))
+            calls.append(
+                rollout_pb2_grpc.RolloutServiceStub(server.channel).JoinWeightGroup.future(
+                    request, timeout=self.timeout_s + 30, metadata=self.metadata
+                )
+            )
             offset += size
         joined: list[BaseException | None] = [None]
 
@@ -127,9 +150,11 @@ class WeightGroup:
                 failed[server.address] = f"{e.code().name}: {e.details()}"
                 continue
             if reply.bucket_bytes != self.bucket_bytes:  # it would cut the broadcasts apart differently
-                failed[server.address] = (f"it unpacks buckets of {reply.bucket_bytes} bytes, the learner sends "
-                                          f"{self.bucket_bytes} (a server image older than spec.sync.bucketMegabytes "
-                                          "answers 0)")
+                failed[server.address] = (
+                    f"it unpacks buckets of {reply.bucket_bytes} bytes, the learner sends "
+                    f"{self.bucket_bytes} (a server image older than spec.sync.bucketMegabytes "
+                    "answers 0)"
+                )
         # Every server's join has ended (joined or failed), so none is held in the rendezvous any more; the learner's
         # own end ends with them (or at its timeout).
         t.join(self.timeout_s + 30)
@@ -142,8 +167,14 @@ class WeightGroup:
         self.id, self.members, self.sender = group_id, tuple(s.address for s in servers), sender
         self.ranks = ranks
         self.builds += 1
-        log.info("weight-transfer group %s (%s): the learner and %d server(s), %d ranks, buckets of %d bytes",
-                 group_id, self.backend, len(servers), world, self.bucket_bytes)
+        log.info(
+            "weight-transfer group %s (%s): the learner and %d server(s), %d ranks, buckets of %d bytes",
+            group_id,
+            self.backend,
+            len(servers),
+            world,
+            self.bucket_bytes,
+        )
 
     def drop(self) -> None:
         if self.sender is not None:
@@ -151,19 +182,34 @@ class WeightGroup:
         self.id, self.members, self.sender, self.ranks = "", (), None, {}
 
     # -- one update -----------------------------------------------------------------------------------
-    def push(self, servers: Sequence[RolloutServer], *, number: int, run_id: str,
-             specs: Sequence[tuple[str, TensorSpec]], tensors: Iterable[tuple[str, Any]],
-             timeout_s: float, replies: dict[str, rollout_pb2.UpdateReply] | None = None,
-             ) -> dict[str, rollout_pb2.RelayOutcome]:
+    def push(
+        self,
+        servers: Sequence[RolloutServer],
+        *,
+        number: int,
+        run_id: str,
+        specs: Sequence[tuple[str, TensorSpec]],
+        tensors: Iterable[tuple[str, Any]],
+        timeout_s: float,
+        replies: dict[str, rollout_pb2.UpdateReply] | None = None,
+    ) -> dict[str, rollout_pb2.RelayOutcome]:
         """Send one FULL update over the group to `servers` (its members, in order). Returns each server's outcome
         (and puts each OK reply in `replies`); raises GroupUnusable when a member was not ready (nothing was sent to
         anyone)."""
         self.failure = None
         header = rollout_pb2.WeightHeader(
-            version=number, run_id=run_id, mode=FULL, tensor_count=len(specs),
+            version=number,
+            run_id=run_id,
+            mode=FULL,
+            tensor_count=len(specs),
             total_bytes=sum(spec.nbytes for _, spec in specs),
-            transfer_group=rollout_pb2.TransferGroup(group_id=self.id, tensors=[
-                rollout_pb2.SharedTensor(name=n, dtype=spec.dtype, shape=list(spec.shape)) for n, spec in specs]))
+            transfer_group=rollout_pb2.TransferGroup(
+                group_id=self.id,
+                tensors=[
+                    rollout_pb2.SharedTensor(name=n, dtype=spec.dtype, shape=list(spec.shape)) for n, spec in specs
+                ],
+            ),
+        )
         first = rollout_pb2.WeightChunk(header=header).SerializeToString()
         go_chunk = rollout_pb2.WeightChunk(trailer=rollout_pb2.WeightTrailer()).SerializeToString()
         decided = threading.Event()
@@ -175,8 +221,9 @@ class WeightGroup:
             if go:
                 yield go_chunk
 
-        calls = [update_weights_raw(s.channel).future(requests(), timeout=timeout_s, metadata=self.metadata)
-                 for s in servers]
+        calls = [
+            update_weights_raw(s.channel).future(requests(), timeout=timeout_s, metadata=self.metadata) for s in servers
+        ]
         refused = {}
         ready = False
         try:
@@ -213,22 +260,29 @@ class WeightGroup:
                 reply = call.result()
                 if replies is not None:
                     replies[server.address] = reply
-                outcomes[server.address] = rollout_pb2.RelayOutcome(address=server.address, version=reply.version,
-                                                                    run_id=reply.run_id)
+                outcomes[server.address] = rollout_pb2.RelayOutcome(
+                    address=server.address, version=reply.version, run_id=reply.run_id
+                )
             except grpc.RpcError as e:
                 outcomes[server.address] = outcome_of_error(server.address, e)
         return outcomes
 
-    def _cut_off(self, servers: Sequence[RolloutServer], calls: list[Any], error: Exception,
-                 replies: dict[str, rollout_pb2.UpdateReply] | None) -> GroupFailure:
+    def _cut_off(
+        self,
+        servers: Sequence[RolloutServer],
+        calls: list[Any],
+        error: Exception,
+        replies: dict[str, rollout_pb2.UpdateReply] | None,
+    ) -> GroupFailure:
         """The update broke (`error`): the group is closed (its members still in an op fail), the members it
         names late, and those whose call does not answer within the deadline, are cut off (their calls
         cancelled); every other member answers what it holds (nothing applied: the previous version)."""
         from rmsft.weight_wire.transfer import MembersLate
 
         late_ranks = set(error.ranks) if isinstance(error, MembersLate) else set()
-        log.warning("weight-transfer group %s failed mid-update (%s); it is rebuilt at the next full sync",
-                    self.id, error)
+        log.warning(
+            "weight-transfer group %s failed mid-update (%s); it is rebuilt at the next full sync", self.id, error
+        )
         ranks = self.ranks
         self.drop()
         failure = GroupFailure(str(error))
@@ -243,7 +297,8 @@ class WeightGroup:
                 if replies is not None:
                     replies[server.address] = reply
                 failure.outcomes[server.address] = rollout_pb2.RelayOutcome(
-                    address=server.address, version=reply.version, run_id=reply.run_id)
+                    address=server.address, version=reply.version, run_id=reply.run_id
+                )
             except grpc.FutureTimeoutError:
                 call.cancel()
                 failure.cut_off.append(server)
@@ -251,8 +306,10 @@ class WeightGroup:
                 failure.outcomes[server.address] = outcome_of_error(server.address, e)
         for server in failure.cut_off:
             failure.outcomes[server.address] = rollout_pb2.RelayOutcome(
-                address=server.address, code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
-                message=f"cut off: it missed the weight-transfer group's deadline of {self.timeout_s:g}s")
+                address=server.address,
+                code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+                message=f"cut off: it missed the weight-transfer group's deadline of {self.timeout_s:g}s",
+            )
         return failure
 
 

@@ -218,8 +218,9 @@ def checkpoint_name_map(model: Any) -> Callable[[str], str] | None:
     for n in names:
         out = list(revert_weight_conversion(hf, {n: probe}))
         if len(out) != 1:
-            raise ValueError(f"{type(hf).__name__}: {n} does not map to one checkpoint tensor ({out}); "
-                             "weight sync cannot rename it")
+            raise ValueError(
+                f"{type(hf).__name__}: {n} does not map to one checkpoint tensor ({out}); weight sync cannot rename it"
+            )
         mapping[n] = out[0]
     if all(k == v for k, v in mapping.items()):
         return None
@@ -358,9 +359,11 @@ def adapter_unsupported_reason(model: Any, max_lora_rank: int = 0) -> str | None
     if config.modules_to_save:
         return f"modules_to_save={sorted(config.modules_to_save)} is not part of a vLLM LoRA adapter"
     if getattr(config, "trainable_token_indices", None):
-        return ("the coordinate tokens' embedding rows train beside the adapter (training.lora.coord_rows) and a "
-                "vLLM LoRA adapter cannot carry embedding rows; FULL sends them merged (set "
-                "training.lora.coord_rows: false to keep them frozen and sync adapters)")
+        return (
+            "the coordinate tokens' embedding rows train beside the adapter (training.lora.coord_rows) and a "
+            "vLLM LoRA adapter cannot carry embedding rows; FULL sends them merged (set "
+            "training.lora.coord_rows: false to keep them frozen and sync adapters)"
+        )
     if config.bias != "none":
         return f"LoRA bias={config.bias!r} is not supported by vLLM"
     if config.rank_pattern or config.alpha_pattern:

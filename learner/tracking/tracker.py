@@ -85,13 +85,18 @@ def require_trackers(names: Iterable[str]) -> None:
         try:
             importlib.import_module(module)
         except Exception as e:
-            why = ("not installed" if isinstance(e, ModuleNotFoundError)
-                   else f"cannot be imported: {type(e).__name__}: {e}")
+            why = (
+                "not installed"
+                if isinstance(e, ModuleNotFoundError)
+                else f"cannot be imported: {type(e).__name__}: {e}"
+            )
             missing.append(f"{name} ({dist} {why})")
     if missing:
-        raise TrackingError(f"spec.training.report_to names a tracker this environment lacks: {', '.join(missing)}; "
-                            f"install it with `{TRACKING_EXTRA}` (pinned: -c requirements/constraints.txt), or drop "
-                            "it from report_to")
+        raise TrackingError(
+            f"spec.training.report_to names a tracker this environment lacks: {', '.join(missing)}; "
+            f"install it with `{TRACKING_EXTRA}` (pinned: -c requirements/constraints.txt), or drop "
+            "it from report_to"
+        )
 
 
 def _flat(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -102,8 +107,9 @@ def _flat(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
         if isinstance(value, Mapping) and value:
             out.update(_flat(value, name + "."))
         else:
-            out[name] = (json.dumps(value) if isinstance(value, list | dict | bool) or value is None
-                         else str(value))[:6000]  # MLflow's longest param value
+            out[name] = (json.dumps(value) if isinstance(value, list | dict | bool) or value is None else str(value))[
+                :6000
+            ]  # MLflow's longest param value
     return out
 
 
@@ -124,7 +130,7 @@ class _Mlflow:
         if config is not None:
             params = [Param(k, v) for k, v in _flat(config).items()]
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
-                self.client.log_batch(self.run_id, params=params[i:i + 100])
+                self.client.log_batch(self.run_id, params=params[i : i + 100])
             self.client.log_text(self.run_id, yaml.safe_dump(dict(config), sort_keys=False), "job.yaml")
 
     def _guard(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
@@ -175,30 +181,46 @@ def _wandb_module(wanted: bool | None) -> Any | None:
         return importlib.import_module("wandb")
     except ImportError as e:
         if wanted:
-            raise TrackingError(f"Weights & Biases was asked for but cannot be imported ({e}); install it with "
-                                f"`{TRACKING_EXTRA}`, or leave it off") from e
-        log.warning("%s is set but the wandb package is not installed: tracking to TensorBoard only",
-                    WANDB_PROJECT_ENV)
+            raise TrackingError(
+                f"Weights & Biases was asked for but cannot be imported ({e}); install it with "
+                f"`{TRACKING_EXTRA}`, or leave it off"
+            ) from e
+        log.warning("%s is set but the wandb package is not installed: tracking to TensorBoard only", WANDB_PROJECT_ENV)
         return None
 
 
 def tracker_of(job: RolloutMatchingJob, *, resume_step: int | None = None) -> Tracker:
     """Rank 0's tracker of `job`: the trackers spec.training.report_to names, each given the job as its config."""
     t, name = job.spec.training, job.metadata.name
-    return Tracker(t.tensorboard_dir if "tensorboard" in t.report_to else None, run_name=name,
-                   config=job.to_manifest(), resume_step=resume_step,
-                   mlflow=MlflowTarget(t.mlflow_uri, t.mlflow.experiment or name) if "mlflow" in t.report_to else None,
-                   wandb="wandb" in t.report_to,
-                   wandb_options={"project": t.wandb.project or os.environ.get(WANDB_PROJECT_ENV) or name,
-                                  "mode": t.wandb.mode, "dir": t.wandb_dir})
+    return Tracker(
+        t.tensorboard_dir if "tensorboard" in t.report_to else None,
+        run_name=name,
+        config=job.to_manifest(),
+        resume_step=resume_step,
+        mlflow=MlflowTarget(t.mlflow_uri, t.mlflow.experiment or name) if "mlflow" in t.report_to else None,
+        wandb="wandb" in t.report_to,
+        wandb_options={
+            "project": t.wandb.project or os.environ.get(WANDB_PROJECT_ENV) or name,
+            "mode": t.wandb.mode,
+            "dir": t.wandb_dir,
+        },
+    )
 
 
 class Tracker:
     """Scalars and images of one run, to TensorBoard (and Weights & Biases when asked for)."""
 
-    def __init__(self, log_dir: str | Path | None, *, run_name: str = "", config: Mapping[str, Any] | None = None,
-                 wandb: bool | None = None, resume_step: int | None = None, mlflow: MlflowTarget | None = None,
-                 wandb_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        log_dir: str | Path | None,
+        *,
+        run_name: str = "",
+        config: Mapping[str, Any] | None = None,
+        wandb: bool | None = None,
+        resume_step: int | None = None,
+        mlflow: MlflowTarget | None = None,
+        wandb_options: Mapping[str, Any] | None = None,
+    ) -> None:
         """`resume_step`: the first step this process will write when it resumes a run; TensorBoard then
         hides what an earlier process wrote at that step and later (a crashed run's steps done again).
         `log_dir=None` leaves TensorBoard off; `mlflow` turns MLflow on."""
@@ -212,8 +234,9 @@ class Tracker:
             try:
                 self._mlflow = _Mlflow(mlflow, run_name, config)
             except Exception as e:
-                raise TrackingError(f"MLflow could not start a run at {mlflow.uri}: {e}; check "
-                                    "spec.training.mlflow.tracking_uri") from e
+                raise TrackingError(
+                    f"MLflow could not start a run at {mlflow.uri}: {e}; check spec.training.mlflow.tracking_uri"
+                ) from e
         if self._log_dir is None and not wandb:
             return  # the no-op tracker: never starts a W&B run from WANDB_PROJECT alone (e.g. on rank 1)
         if self._log_dir is not None:
@@ -230,8 +253,11 @@ class Tracker:
         module = _wandb_module(wandb)
         if module is not None:
             try:
-                options = {"project": os.environ.get(WANDB_PROJECT_ENV) or None,
-                           "dir": str(self._log_dir) if self._log_dir is not None else None, **(wandb_options or {})}
+                options = {
+                    "project": os.environ.get(WANDB_PROJECT_ENV) or None,
+                    "dir": str(self._log_dir) if self._log_dir is not None else None,
+                    **(wandb_options or {}),
+                }
                 if options.get("dir"):
                     Path(options["dir"]).mkdir(parents=True, exist_ok=True)
                 self._wandb_run = module.init(name=run_name or None, config=dict(config or {}), **options)
@@ -348,7 +374,7 @@ def read_wandb_offline(run_file: str | Path) -> tuple[dict[str, list[tuple[int, 
         if kind == 0:
             pos += left
             continue
-        chunk = data[pos + 7:pos + 7 + length]
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         buf = chunk if kind in (1, 2) else buf + chunk  # FULL / FIRST start a record, MIDDLE / LAST extend it
         if kind not in (1, 4):
@@ -360,8 +386,12 @@ def read_wandb_offline(run_file: str | Path) -> tuple[dict[str, list[tuple[int, 
             for item in rec.history.item:
                 parts, value = [item.key] if item.key else list(item.nested_key), json.loads(item.value_json)
                 # wandb's own _step, _runtime, _timestamp left out, and images (nested keys: width, path, ...)
-                if (len(parts) == 1 and not parts[0].startswith("_") and isinstance(value, int | float)
-                        and not isinstance(value, bool)):
+                if (
+                    len(parts) == 1
+                    and not parts[0].startswith("_")
+                    and isinstance(value, int | float)
+                    and not isinstance(value, bool)
+                ):
                     scalars.setdefault(parts[0], []).append((rec.history.step.num, float(value)))
         elif which in ("run", "config"):
             items = rec.run.config.update if which == "run" else rec.config.update

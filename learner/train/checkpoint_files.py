@@ -60,6 +60,7 @@ _OLD = ".old-"  # a checkpoint being replaced by a save of the same step
 
 class CheckpointDirError(RuntimeError):
     """training.checkpoint.dir cannot be written; the message names the path and what to change."""
+
     exit_code = 2  # rmsft.exit_codes.CONFIG_EXIT: a refused configuration (a transient errno cause: retried)
 
 
@@ -111,7 +112,7 @@ def _fsync_path(path: Path) -> None:
 
 
 def _step_of(path: Path, prefix: str) -> int | None:
-    rest = path.name[len(prefix):] if path.name.startswith(prefix) else ""
+    rest = path.name[len(prefix) :] if path.name.startswith(prefix) else ""
     return int(rest) if rest.isdigit() else None
 
 
@@ -153,8 +154,9 @@ def write_part(path: Path, obj: Any) -> None:
     _fsync_path(path)
 
 
-def finish_save(root: str | Path, step: int, tmp: Path, state: dict[str, Any], keep: int = 2,
-                lineage: dict[str, Any] | None = None) -> Path:
+def finish_save(
+    root: str | Path, step: int, tmp: Path, state: dict[str, Any], keep: int = 2, lineage: dict[str, Any] | None = None
+) -> Path:
     """Rank 0, once every rank's part is in `tmp`: write `state` (state.pt) and the lineage, rename `tmp` into place
     as the checkpoint of `step` (module doc: all or nothing), then keep the newest `keep` checkpoints. With `lineage`
     (checkpoint_owner.lineage_of) the checkpoint records it and pruning counts and deletes only checkpoints of that
@@ -182,15 +184,19 @@ def finish_save(root: str | Path, step: int, tmp: Path, state: dict[str, Any], k
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half is left behind (a killed process leaves it: above)
         raise
-    ours = [p for p in list_checkpoints(root)
-            if lineage is None or (read_lineage(p) or {}).get("digest") == lineage["digest"]]
+    ours = [
+        p
+        for p in list_checkpoints(root)
+        if lineage is None or (read_lineage(p) or {}).get("digest") == lineage["digest"]
+    ]
     for old in ours[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def save_checkpoint(root: str | Path, step: int, state: dict[str, Any], keep: int = 2,
-                    lineage: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(
+    root: str | Path, step: int, state: dict[str, Any], keep: int = 2, lineage: dict[str, Any] | None = None
+) -> Path:
     """One process's checkpoint: `begin_save` and `finish_save` with no rank parts (the Checkpointer adds them)."""
     return finish_save(root, step, begin_save(root, step), state, keep=keep, lineage=lineage)
 
@@ -234,8 +240,13 @@ def prune_earlier_runs(root: str | Path, kept: int = EARLIER_RUNS_KEPT) -> list[
     for old in gone:
         shutil.rmtree(old, ignore_errors=True)
     if gone:
-        log.warning("deleted %d earlier run(s)' checkpoints from %s (it keeps the newest %d): %s", len(gone), folder,
-                    kept, ", ".join(p.name for p in gone))
+        log.warning(
+            "deleted %d earlier run(s)' checkpoints from %s (it keeps the newest %d): %s",
+            len(gone),
+            folder,
+            kept,
+            ", ".join(p.name for p in gone),
+        )
     return gone
 
 

@@ -37,9 +37,18 @@ from rmsft.jobspec import RolloutMatchingJob
 LINEAGE_FILE = "lineage.json"
 WRITER_LOCK = ".writer.lock"
 # Settings a resume must keep (dotted paths into the manifest's spec): changing one makes another run.
-LINEAGE_FIELDS = ("model.path", "trainer", "training.data.path", "training.data.image_root", "training.format",
-                  "training.finetune", "training.lora", "training.freeze", "training.seed",
-                  "training.prompts_per_step")
+LINEAGE_FIELDS = (
+    "model.path",
+    "trainer",
+    "training.data.path",
+    "training.data.image_root",
+    "training.format",
+    "training.finetune",
+    "training.lora",
+    "training.freeze",
+    "training.seed",
+    "training.prompts_per_step",
+)
 PATH_LINEAGE_FIELDS = ("model.path", "training.data.path", "training.data.image_root")
 # How long a learner waits for the folder's previous writer (e.g. a pod still saving inside its grace period);
 # RMSFT_CHECKPOINT_WRITER_WAIT_S sets another.
@@ -99,8 +108,10 @@ def check_resumable(checkpoint: Path, mine: dict[str, Any], *, resume_any: bool)
     returns a warning to log when it cannot be told (no lineage recorded) or is resumed anyway, else None."""
     saved = read_lineage(checkpoint)
     if saved is None:
-        return (f"checkpoint {checkpoint} records no lineage (written by an older rmsft): resumed without checking "
-                "that this job wrote it")
+        return (
+            f"checkpoint {checkpoint} records no lineage (written by an older rmsft): resumed without checking "
+            "that this job wrote it"
+        )
     if saved.get("digest") == mine["digest"]:
         return None
     diffs = []
@@ -111,13 +122,20 @@ def check_resumable(checkpoint: Path, mine: dict[str, Any], *, resume_any: bool)
     # from the working directory): the same folder as this job's absolute path is no other lineage.
     for f in PATH_LINEAGE_FIELDS:
         value, own = theirs.get(f), mine["fields"].get(f)
-        if isinstance(value, str) and isinstance(own, str) and not os.path.isabs(value) \
-                and os.path.abspath(value) == own:
+        if (
+            isinstance(value, str)
+            and isinstance(own, str)
+            and not os.path.isabs(value)
+            and os.path.abspath(value) == own
+        ):
             theirs[f] = own
     if not diffs and all(theirs.get(f) == mine["fields"].get(f) for f in LINEAGE_FIELDS):
         return None
-    diffs += [f"spec.{f} {theirs.get(f)!r} (this job: {mine['fields'].get(f)!r})"
-              for f in LINEAGE_FIELDS if theirs.get(f) != mine["fields"].get(f)]
+    diffs += [
+        f"spec.{f} {theirs.get(f)!r} (this job: {mine['fields'].get(f)!r})"
+        for f in LINEAGE_FIELDS
+        if theirs.get(f) != mine["fields"].get(f)
+    ]
     what = "; ".join(diffs) or f"lineage {saved.get('digest')} (this job: {mine['digest']})"
     if resume_any:
         return f"checkpoint {checkpoint} belongs to another run ({what}): resumed anyway (checkpoint.resume_any)"
@@ -125,7 +143,8 @@ def check_resumable(checkpoint: Path, mine: dict[str, Any], *, resume_any: bool)
         f"checkpoint {checkpoint} belongs to another run: {what}. Resuming it would continue that run's weights, "
         "optimizer and data position under this job's settings. Give this job its own spec.training.checkpoint.dir, "
         "start it fresh (`--no-resume`: the folder's checkpoints are moved to earlier-runs/), or set "
-        "spec.training.checkpoint.resume_any: true to continue it anyway")
+        "spec.training.checkpoint.resume_any: true to continue it anyway"
+    )
 
 
 class WriterLock:
@@ -133,8 +152,16 @@ class WriterLock:
 
     _held: dict[str, tuple[int, int]] = {}  # folder -> (fd, holds) in this process
 
-    def __init__(self, root: str | Path, *, run_id: str, job: str, wait_s: float | None = None,
-                 poll_s: float = 1.0, on_wait: Any = None) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        run_id: str,
+        job: str,
+        wait_s: float | None = None,
+        poll_s: float = 1.0,
+        on_wait: Any = None,
+    ) -> None:
         if wait_s is None:
             wait_s = float(os.environ.get("RMSFT_CHECKPOINT_WRITER_WAIT_S") or WRITER_WAIT_S)
         self._holding = False
@@ -160,22 +187,37 @@ class WriterLock:
                         "cannot make sure it is the folder's only writer. Mount the claim with locks (NFS: not "
                         "`nolock`, with the lock service reachable; a FUSE or object-store mount: one that "
                         "supports them) or give spec.learner.checkpointClaim a volume that does, e.g. a "
-                        "ReadWriteOnce block volume") from None
+                        "ReadWriteOnce block volume"
+                    ) from None
                 if time.monotonic() >= deadline:
                     holder = _read_holder(fd)
                     os.close(fd)
                     raise CheckpointFolderBusyError(
                         f"the checkpoint folder {root} is held by another learner ({holder}) after waiting "
                         f"{wait_s:.0f} s: two learners writing one folder would mix their checkpoints. Stop the other "
-                        "one, or give this job its own spec.training.checkpoint.dir") from None
+                        "one, or give this job its own spec.training.checkpoint.dir"
+                    ) from None
                 if not told and on_wait is not None:
-                    on_wait(f"the checkpoint folder {root} is held by another learner ({_read_holder(fd)}); waiting "
-                            f"up to {wait_s:.0f} s for it to finish")
+                    on_wait(
+                        f"the checkpoint folder {root} is held by another learner ({_read_holder(fd)}); waiting "
+                        f"up to {wait_s:.0f} s for it to finish"
+                    )
                     told = True
                 time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))  # never past the deadline
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id, "job": job,
-                                  "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode(), 0)
+        os.pwrite(
+            fd,
+            json.dumps(
+                {
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "run_id": run_id,
+                    "job": job,
+                    "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                }
+            ).encode(),
+            0,
+        )
         WriterLock._held[self.key] = (fd, 1)
         self._holding = True
 
@@ -202,5 +244,7 @@ def _read_holder(fd: int) -> str:
         rec = {}
     if not rec:
         return "holder not recorded"
-    return (f"host {rec.get('host')}, pid {rec.get('pid')}, run {rec.get('run_id')}, job {rec.get('job')}, "
-            f"since {rec.get('since')}")
+    return (
+        f"host {rec.get('host')}, pid {rec.get('pid')}, run {rec.get('run_id')}, job {rec.get('job')}, "
+        f"since {rec.get('since')}"
+    )

@@ -99,9 +99,17 @@ class TrainState:
 
 
 class Checkpointer:
-    def __init__(self, cfg: TrainingConfig, ranks: Ranks, model: torch.nn.Module, updater: Updater,
-                 packer: Packer, state: TrainState, parts: Mapping[str, Stateful] | None = None,
-                 lineage: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: TrainingConfig,
+        ranks: Ranks,
+        model: torch.nn.Module,
+        updater: Updater,
+        packer: Packer,
+        state: TrainState,
+        parts: Mapping[str, Stateful] | None = None,
+        lineage: dict[str, Any] | None = None,
+    ) -> None:
         self.cfg, self.ranks, self.model, self.packer, self.state = cfg, ranks, model, packer, state
         # This run's lineage (checkpoint_owner.lineage_of): recorded in each checkpoint, checked on resume; pruning
         # deletes only its own. None: not recorded, nothing refused (tests that build a Checkpointer bare).
@@ -127,8 +135,11 @@ class Checkpointer:
         return self.ranks.max([1.0 if due else 0.0])[0] > 0 if self.ranks.enabled else due
 
     def _rank_state(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"packer": self.packer.carry(), "rng": rng_state(),
-                               **{name: part.state_dict() for name, part in self.parts.items()}}
+        out: dict[str, Any] = {
+            "packer": self.packer.carry(),
+            "rng": rng_state(),
+            **{name: part.state_dict() for name, part in self.parts.items()},
+        }
         if isinstance(self.updater, ZeroUpdater):  # ZeRO partitions the optimizer: every rank holds its own part
             out["zero_optimizer"] = self.updater.optimizer_state()
         return out
@@ -143,12 +154,17 @@ class Checkpointer:
         the run's record; each rank's own state is its part (`_rank_state`, `rank-<r>.pt`)."""
         s = self.state
         return {
-            "step": s.step, "version": s.version, "model": model_state, "layout": PER_RANK_LAYOUT,
+            "step": s.step,
+            "version": s.version,
+            "model": model_state,
+            "layout": PER_RANK_LAYOUT,
             "optimizer": self.updater.optimizer_state() if isinstance(self.updater, PlainUpdater) else None,
             "phase_seconds": dict(s.phase_seconds),
-            "world_size": self.ranks.world_size, "deepspeed_stage": self.cfg.deepspeed_stage,
+            "world_size": self.ranks.world_size,
+            "deepspeed_stage": self.cfg.deepspeed_stage,
             # The record of which runs wrote it (a resumed run never reuses one: it makes its own).
-            "run_id": s.run_id, "run_ids": [*(s.resumed.run_ids if s.resumed else ()), s.run_id],
+            "run_id": s.run_id,
+            "run_ids": [*(s.resumed.run_ids if s.resumed else ()), s.run_id],
             "extra": dict(self.extra),
         }
 
@@ -171,8 +187,9 @@ class Checkpointer:
             # Past the guard every rank's part is on disk (it is collective): only now may the folder become final.
             with self.ranks.guard("saving the checkpoint (rank 0)"):
                 if self.ranks.is_main:
-                    path = finish_save(ck.dir, step, Path(tmp), self.checkpoint(model_state), keep=ck.keep,
-                                       lineage=self.lineage)
+                    path = finish_save(
+                        ck.dir, step, Path(tmp), self.checkpoint(model_state), keep=ck.keep, lineage=self.lineage
+                    )
         except BaseException:
             if self.ranks.is_main:  # a rank's part failed: no checkpoint of this step, and nothing half left
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -188,9 +205,13 @@ class Checkpointer:
         moved = set_aside_earlier(self.cfg.checkpoint.dir, self.state.run_id)
         if moved is not None:
             where, steps = moved
-            log.warning("training.checkpoint.dir %s held checkpoint(s) of an earlier run (step %s): moved to %s; this "
-                        "run starts fresh (--resume continues the newest checkpoint instead)", self.cfg.checkpoint.dir,
-                        ", ".join(map(str, steps)), where)
+            log.warning(
+                "training.checkpoint.dir %s held checkpoint(s) of an earlier run (step %s): moved to %s; this "
+                "run starts fresh (--resume continues the newest checkpoint instead)",
+                self.cfg.checkpoint.dir,
+                ", ".join(map(str, steps)),
+                where,
+            )
 
     def resume(self) -> bool:
         """Load the newest checkpoint in training.checkpoint.dir; False when there is none.
@@ -219,8 +240,13 @@ class Checkpointer:
             self._load(ckpt, mine)
         s = self.state
         assert s.resumed is not None, "set by _load"
-        log.info("resumed from step %d (weight version %d of run %s); this run is %s", s.step,
-                 s.resumed.weights.number, s.resumed.weights.run_id or "(not recorded)", s.run_id)
+        log.info(
+            "resumed from step %d (weight version %d of run %s); this run is %s",
+            s.step,
+            s.resumed.weights.number,
+            s.resumed.weights.run_id or "(not recorded)",
+            s.run_id,
+        )
         return True
 
     def _check_loadable(self, ckpt: dict[str, Any], name: str) -> None:
@@ -230,20 +256,24 @@ class Checkpointer:
                 f"checkpoint {name} is in the one-file layout of earlier rmsft releases (every rank's state in "
                 "state.pt); this release keeps each rank's part in its own file (rank-<r>.pt) and cannot resume it: "
                 "finish the run with the release that wrote it, or export its weights (`rmsft export`) and start "
-                "fresh from them")
+                "fresh from them"
+            )
         saved_ws, ws = ckpt["world_size"], self.ranks.world_size
         if saved_ws != ws:
             raise CheckpointMismatchError(
                 f"checkpoint {name} was written by {saved_ws} learner rank(s), this run has {ws}: resume with the "
-                "same number of ranks (each rank's carry buffer, RNG and optimizer partition are its own)")
+                "same number of ranks (each rank's carry buffer, RNG and optimizer partition are its own)"
+            )
         if ckpt["deepspeed_stage"] != self.cfg.deepspeed_stage:
             raise CheckpointMismatchError(
                 f"checkpoint {name} was written with deepspeed_stage {ckpt['deepspeed_stage']}, "
-                f"this run uses {self.cfg.deepspeed_stage}")
+                f"this run uses {self.cfg.deepspeed_stage}"
+            )
         missing = set(trainable_state(self.model)) - set(ckpt["model"])
         if missing:
             raise CheckpointMismatchError(
-                f"checkpoint does not match the model: {len(missing)} trainable tensors missing")
+                f"checkpoint does not match the model: {len(missing)} trainable tensors missing"
+            )
 
     def _load(self, ckpt: dict[str, Any], mine: dict[str, Any]) -> None:
         """`ckpt`: rank 0's state.pt; `mine`: this rank's own part."""

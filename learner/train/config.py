@@ -72,16 +72,32 @@ def recipe_setup(cfg: TrainingConfig) -> Recipe:
     return Recipe(
         generation=2,
         channel_b_ratio=0.05 if r.channel_b_ratio is None else r.channel_b_ratio,
-        duplicates=DuplicateConfig(iou=dup.iou, center_radius=dup.center_radius, clusters=dup.method == "clusters",
-                                   support_iou=exp.support_iou, spread=dup.spread),
-        clean=CleanPrefixConfig(structure_ce=1.0 if r.structure_ce is None else r.structure_ce,
-                                supervise_fn_desc=resolved(cfg, "targets.supervise_fn_desc"),
-                                unlikelihood=dup.unlikelihood > 0, recovered_weight=exp.recovered_weight,
-                                prefix_labels=r.prefix_labels is not False, dead_anchors=r.dead_anchors != "keep"),
+        duplicates=DuplicateConfig(
+            iou=dup.iou,
+            center_radius=dup.center_radius,
+            clusters=dup.method == "clusters",
+            support_iou=exp.support_iou,
+            spread=dup.spread,
+        ),
+        clean=CleanPrefixConfig(
+            structure_ce=1.0 if r.structure_ce is None else r.structure_ce,
+            supervise_fn_desc=resolved(cfg, "targets.supervise_fn_desc"),
+            unlikelihood=dup.unlikelihood > 0,
+            recovered_weight=exp.recovered_weight,
+            prefix_labels=r.prefix_labels is not False,
+            dead_anchors=r.dead_anchors != "keep",
+        ),
         explorers=count,
-        explorer_sampling={"max_tokens": cfg.rollout.max_tokens, "temperature": exp.temperature, "top_p": exp.top_p,
-                           "top_k": exp.top_k, "repetition_penalty": resolved(cfg, "rollout.repetition_penalty"),
-                           "n": count} if count else None,
+        explorer_sampling={
+            "max_tokens": cfg.rollout.max_tokens,
+            "temperature": exp.temperature,
+            "top_p": exp.top_p,
+            "top_k": exp.top_k,
+            "repetition_penalty": resolved(cfg, "rollout.repetition_penalty"),
+            "n": count,
+        }
+        if count
+        else None,
         unlikelihood=dup.unlikelihood,
     )
 
@@ -91,21 +107,34 @@ def core_configs(cfg: TrainingConfig) -> CoreConfigs:
     recipe = recipe_setup(cfg)
     greedy_anchor = recipe.generation == 2 and (cfg.recipe.anchor or "greedy") == "greedy"
     return CoreConfigs(
-        weights=LossWeights(ce=cfg.loss.ce, soft_ce=resolved(cfg, "loss.coord_soft_ce"),
-                            w1=resolved(cfg, "loss.coord_w1"), gate=cfg.loss.coord_gate, sigma=cfg.loss.coord_sigma,
-                            coord_ce=resolved(cfg, "loss.coord_ce"), smooth_l1=resolved(cfg, "loss.smooth_l1"),
-                            ciou=resolved(cfg, "loss.ciou"), unlikelihood=recipe.unlikelihood,
-                            weighted_mean=resolved(cfg, "loss.normalization") == "weighted"),
-        matching=MatchConfig(iou_gate=resolved(cfg, "matching.iou_gate"), fp_cost=resolved(cfg, "matching.fp_cost"),
-                             fn_cost=resolved(cfg, "matching.fn_cost")),
+        weights=LossWeights(
+            ce=cfg.loss.ce,
+            soft_ce=resolved(cfg, "loss.coord_soft_ce"),
+            w1=resolved(cfg, "loss.coord_w1"),
+            gate=cfg.loss.coord_gate,
+            sigma=cfg.loss.coord_sigma,
+            coord_ce=resolved(cfg, "loss.coord_ce"),
+            smooth_l1=resolved(cfg, "loss.smooth_l1"),
+            ciou=resolved(cfg, "loss.ciou"),
+            unlikelihood=recipe.unlikelihood,
+            weighted_mean=resolved(cfg, "loss.normalization") == "weighted",
+        ),
+        matching=MatchConfig(
+            iou_gate=resolved(cfg, "matching.iou_gate"),
+            fp_cost=resolved(cfg, "matching.fp_cost"),
+            fn_cost=resolved(cfg, "matching.fn_cost"),
+        ),
         targets=TargetConfig(supervise_fn_desc=resolved(cfg, "targets.supervise_fn_desc")),
-        sampling={"max_tokens": dec.max_tokens, "temperature": 0.0 if greedy_anchor else dec.temperature,
-                  "top_p": 1.0 if greedy_anchor else dec.top_p, "top_k": -1 if greedy_anchor else dec.top_k,
-                  "repetition_penalty": resolved(cfg, "rollout.repetition_penalty")},
+        sampling={
+            "max_tokens": dec.max_tokens,
+            "temperature": 0.0 if greedy_anchor else dec.temperature,
+            "top_p": 1.0 if greedy_anchor else dec.top_p,
+            "top_k": -1 if greedy_anchor else dec.top_k,
+            "repetition_penalty": resolved(cfg, "rollout.repetition_penalty"),
+        },
         m_steps=cfg.buffer.m_steps if cfg.buffer.enabled else 1,
         packing=(cfg.packing_length, cfg.packing_buffer, cfg.packing_min_fill),
-        fmt=output_format(cfg.format, coordinates=cfg.format_options.coordinates,
-                          polygons=cfg.format_options.polygons),
+        fmt=output_format(cfg.format, coordinates=cfg.format_options.coordinates, polygons=cfg.format_options.polygons),
         recipe=recipe,
     )
 
@@ -128,10 +157,17 @@ def grpo_setup(cfg: TrainingConfig) -> GrpoSetup:
     distribution. The packer takes a whole step's samples at once and is drained every step (min_fill 0)."""
     g = cfg.grpo
     return GrpoSetup(
-        loss=GrpoConfig(clip_eps=g.clip_eps, clip_eps_high=g.clip_eps_high, kl_coef=g.kl_coef,
-                        scale_rewards=g.scale_rewards, loss_norm=g.loss_norm, temperature=g.temperature,
-                        correction=g.correction, correction_low=g.correction_low,
-                        correction_high=g.correction_high),
+        loss=GrpoConfig(
+            clip_eps=g.clip_eps,
+            clip_eps_high=g.clip_eps_high,
+            kl_coef=g.kl_coef,
+            scale_rewards=g.scale_rewards,
+            loss_norm=g.loss_norm,
+            temperature=g.temperature,
+            correction=g.correction,
+            correction_low=g.correction_low,
+            correction_high=g.correction_high,
+        ),
         sampling={"max_tokens": g.max_tokens, "temperature": g.temperature, "n": g.group_size, "logprobs": True},
         n=g.group_size,
         packing=(cfg.packing_length, max(cfg.packing_buffer, cfg.prompts_per_step * g.group_size), 0.0),

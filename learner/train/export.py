@@ -69,10 +69,15 @@ class ExportResult:
     info: dict[str, Any] = field(default_factory=dict)
 
     def lines(self) -> list[str]:
-        what = {"merged": "LoRA/DoRA merged into the base weights", "full": "the fully fine-tuned model",
-                "adapter": "the PEFT adapter alone"}[self.mode]
-        out = [f"exported {what} to {self.path}",
-               f"{self.tensors} tensors, {self.nbytes / 2**20:.1f} MiB, {self.dtype}; files: {', '.join(self.files)}"]
+        what = {
+            "merged": "LoRA/DoRA merged into the base weights",
+            "full": "the fully fine-tuned model",
+            "adapter": "the PEFT adapter alone",
+        }[self.mode]
+        out = [
+            f"exported {what} to {self.path}",
+            f"{self.tensors} tensors, {self.nbytes / 2**20:.1f} MiB, {self.dtype}; files: {', '.join(self.files)}",
+        ]
         if self.info.get("step") is not None:
             out.insert(1, f"from checkpoint {self.info.get('checkpoint')} (step {self.info['step']})")
         if self.mode == "adapter" and self.info.get("use_dora"):
@@ -107,9 +112,17 @@ def export_trained(
     Call it where the whole weights are visible (under ZeRO-3: inside `learner.train.updater.gathered_weights`,
     which every rank enters, with rank 0 exporting). Raises `ExportError` (unwritable path, an adapter
     export of a model without one, a bad dtype, a model the writer cannot rename)."""
-    return _export(model, _saver(policy_or_processor), Path(out_dir), adapter_only=adapter_only, dtype=dtype,
-                   base_model_dir=base_model_dir, overwrite=overwrite, info=info or {},
-                   max_shard_bytes=max_shard_bytes).path
+    return _export(
+        model,
+        _saver(policy_or_processor),
+        Path(out_dir),
+        adapter_only=adapter_only,
+        dtype=dtype,
+        base_model_dir=base_model_dir,
+        overwrite=overwrite,
+        info=info or {},
+        max_shard_bytes=max_shard_bytes,
+    ).path
 
 
 def _saver(policy_or_processor: Any) -> Any:
@@ -120,17 +133,34 @@ def _saver(policy_or_processor: Any) -> Any:
     return policy_or_processor
 
 
-def _export(model: Any, processor: Any, out: Path, *, adapter_only: bool, dtype: str | torch.dtype | None,
-            base_model_dir: str | Path | None, overwrite: bool, info: dict[str, Any],
-            flag: str = "overwrite=True", max_shard_bytes: int = MAX_SHARD_BYTES) -> ExportResult:
+def _export(
+    model: Any,
+    processor: Any,
+    out: Path,
+    *,
+    adapter_only: bool,
+    dtype: str | torch.dtype | None,
+    base_model_dir: str | Path | None,
+    overwrite: bool,
+    info: dict[str, Any],
+    flag: str = "overwrite=True",
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> ExportResult:
     from learner.sync.weights import is_peft_model
 
     peft = is_peft_model(model)
     if adapter_only and not peft:
-        raise ExportError("an adapter export needs a LoRA/DoRA model (training.finetune: lora); this model was "
-                          "fully fine-tuned: export the whole model instead (no --adapter)")
-    _refuse_own_inputs(out, {"base model": base_model_dir or getattr(_hf_model(model), "name_or_path", None),
-                             **{k: v for k, v in info.items() if k == "checkpoint"}})
+        raise ExportError(
+            "an adapter export needs a LoRA/DoRA model (training.finetune: lora); this model was "
+            "fully fine-tuned: export the whole model instead (no --adapter)"
+        )
+    _refuse_own_inputs(
+        out,
+        {
+            "base model": base_model_dir or getattr(_hf_model(model), "name_or_path", None),
+            **{k: v for k, v in info.items() if k == "checkpoint"},
+        },
+    )
     wire = _resolve_dtype(dtype, model, base_model_dir, adapter_only)
     mode = "adapter" if adapter_only else ("merged" if peft else "full")
     try:
@@ -151,8 +181,9 @@ def _export(model: Any, processor: Any, out: Path, *, adapter_only: bool, dtype:
     except ExportError:
         raise
     except OSError as exc:
-        raise ExportError(f"cannot write the export to {out}: {exc.strerror or exc}"
-                          f"{f' ({exc.filename})' if exc.filename else ''}") from None
+        raise ExportError(
+            f"cannot write the export to {out}: {exc.strerror or exc}{f' ({exc.filename})' if exc.filename else ''}"
+        ) from None
     except (ValueError, RuntimeError) as exc:  # e.g. a model whose tensors cannot be named or merged
         raise ExportError(f"cannot export the model to {out}: {type(exc).__name__}: {exc}") from exc
     return ExportResult(out, mode, dtype_str, tensors, nbytes, files, info)
@@ -181,8 +212,9 @@ def _hf_model(model: Any) -> Any:
     return model.get_base_model() if is_peft_model(model) else model
 
 
-def _resolve_dtype(dtype: str | torch.dtype | None, model: Any, base_model_dir: str | Path | None,
-                   adapter_only: bool) -> torch.dtype | None:
+def _resolve_dtype(
+    dtype: str | torch.dtype | None, model: Any, base_model_dir: str | Path | None, adapter_only: bool
+) -> torch.dtype | None:
     """The torch dtype floating tensors are written in; None = as they are."""
     import torch
 
@@ -217,8 +249,9 @@ def _dtype_of(specs: list[Any]) -> str:
     return str(torch_dtype(max(by, key=by.__getitem__))).removeprefix("torch.")
 
 
-def _write_merged(model: Any, out: Path, dtype: torch.dtype | None,
-                  max_shard_bytes: int = MAX_SHARD_BYTES) -> tuple[int, int, str]:
+def _write_merged(
+    model: Any, out: Path, dtype: torch.dtype | None, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> tuple[int, int, str]:
     """Weights (merged, under checkpoint names, tied duplicates dropped, cast to `dtype`), config and
     generation config into `out`. Returns (tensors, bytes, dtype name)."""
     from safetensors.torch import save_file
@@ -309,8 +342,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return found[-1]
     if not path.exists():
         raise ExportError(f"no checkpoint at {path}: no such folder")
-    raise ExportError(f"no learner checkpoint at {path}: expected a step-<n> folder holding state.pt "
-                      "(<training.checkpoint.dir>/step-<n>) or a training.checkpoint.dir that holds such folders")
+    raise ExportError(
+        f"no learner checkpoint at {path}: expected a step-<n> folder holding state.pt "
+        "(<training.checkpoint.dir>/step-<n>) or a training.checkpoint.dir that holds such folders"
+    )
 
 
 def job_for_checkpoint(checkpoint: str | Path, config: str | Path | None = None) -> RolloutMatchingJob:
@@ -341,8 +376,15 @@ def export_config(cfg: TrainingConfig) -> TrainingConfig:
     in fp32 precision (no autocast, weights in the export dtype), sdpa attention, no gradient
     checkpointing. Fine-tuning mode, LoRA settings and freezes (which decide the trainable tensors a
     checkpoint holds) stay as trained."""
-    return cfg.model_copy(update={"precision": "fp32", "gradient_checkpointing": False, "attn_implementation": "sdpa",
-                                  "device": "cpu", "deepspeed_stage": 0})
+    return cfg.model_copy(
+        update={
+            "precision": "fp32",
+            "gradient_checkpointing": False,
+            "attn_implementation": "sdpa",
+            "device": "cpu",
+            "deepspeed_stage": 0,
+        }
+    )
 
 
 def export_checkpoint(
@@ -367,8 +409,10 @@ def export_checkpoint(
     job = job_for_checkpoint(step_dir, config)
     cfg = job.spec.training
     if adapter_only and cfg.finetune != "lora":
-        raise ExportError(f"--adapter needs a LoRA/DoRA run; {step_dir} was trained with training.finetune: "
-                          f"{cfg.finetune}: export the whole model instead (no --adapter)")
+        raise ExportError(
+            f"--adapter needs a LoRA/DoRA run; {step_dir} was trained with training.finetune: "
+            f"{cfg.finetune}: export the whole model instead (no --adapter)"
+        )
     try:
         check_output_folder(out_dir, overwrite=overwrite)  # before minutes of loading
     except OutputFolderError as exc:
@@ -413,9 +457,23 @@ def export_checkpoint(
     except RuntimeError as exc:  # shapes: another base model, or another LoRA rank
         raise ExportError(f"checkpoint {step_dir} does not fit the model built from {base}: {exc}") from None
     model.eval()
-    info = {"source": "checkpoint", "checkpoint": str(step_dir.resolve()), "step": state.get("step"),
-            "weight_version": state.get("version"), "base_model": str(base.resolve()),
-            "job": job.metadata.name}
+    info = {
+        "source": "checkpoint",
+        "checkpoint": str(step_dir.resolve()),
+        "step": state.get("step"),
+        "weight_version": state.get("version"),
+        "base_model": str(base.resolve()),
+        "job": job.metadata.name,
+    }
     say(f"writing {out_dir}")
-    return _export(model, policy.processor or policy.tokenizer, Path(out_dir), adapter_only=adapter_only,
-                   dtype=dtype, base_model_dir=base, overwrite=overwrite, info=info, flag="--overwrite")
+    return _export(
+        model,
+        policy.processor or policy.tokenizer,
+        Path(out_dir),
+        adapter_only=adapter_only,
+        dtype=dtype,
+        base_model_dir=base,
+        overwrite=overwrite,
+        info=info,
+        flag="--overwrite",
+    )

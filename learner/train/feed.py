@@ -56,9 +56,19 @@ class RolloutFeed:
     (rank 0's server pool, or this rank's in-process engine; None on a rank that talks to no engine, or in a run
     without rollouts); `ahead` rank 0's prefetcher in server mode."""
 
-    def __init__(self, *, cfg: TrainingConfig, ranks: Ranks, state: TrainState, order: DataOrder,
-                 records: Sequence[Record], images: ImageStore, policy: Policy, source: RolloutSource | None,
-                 ahead: RolloutsAhead | None) -> None:
+    def __init__(
+        self,
+        *,
+        cfg: TrainingConfig,
+        ranks: Ranks,
+        state: TrainState,
+        order: DataOrder,
+        records: Sequence[Record],
+        images: ImageStore,
+        policy: Policy,
+        source: RolloutSource | None,
+        ahead: RolloutsAhead | None,
+    ) -> None:
         self.cfg, self.ranks, self.state, self.order = cfg, ranks, state, order
         self.records, self.images, self.policy = records, images, policy
         self.source, self.ahead = source, ahead
@@ -80,8 +90,9 @@ class RolloutFeed:
         if idx not in self._step_prompts:
             rec = self.records[idx]
             images = [img.pil() for img in self.images.load(rec)]
-            self._step_prompts[idx] = render_prompt(self.policy.processor, [m.model_dump() for m in rec.messages],
-                                                    images)
+            self._step_prompts[idx] = render_prompt(
+                self.policy.processor, [m.model_dump() for m in rec.messages], images
+            )
         return self._step_prompts[idx]
 
     def prompt_ids(self, idx: int) -> list[int]:
@@ -108,15 +119,26 @@ class RolloutFeed:
         format (bound to each image's resized size when it measures in resized pixels) and the matcher."""
         size = None
         if fmt.needs_image_size:
+
             def size(rec: Record) -> tuple[int, int] | None:
                 imgs = images.load(rec)
                 return resized_image_size(self.policy.processor, imgs[0].pil()) if imgs else None
-        return EvalSetup(vocab=self.policy.vocab, fmt=fmt, matching=matching, vision_ids=self.vision_token_ids,
-                         image_size=size)
+
+        return EvalSetup(
+            vocab=self.policy.vocab, fmt=fmt, matching=matching, vision_ids=self.vision_token_ids, image_size=size
+        )
 
     # -- rollouts -----------------------------------------------------------------------------------
-    def rollouts(self, k: int, sampling: object, *, n: int = 1, upcoming: Iterable[int] = (),
-                 seed_offset: int = 0, gather: bool = True) -> tuple[list[Rollout], list[Rollout] | None]:
+    def rollouts(
+        self,
+        k: int,
+        sampling: object,
+        *,
+        n: int = 1,
+        upcoming: Iterable[int] = (),
+        seed_offset: int = 0,
+        gather: bool = True,
+    ) -> tuple[list[Rollout], list[Rollout] | None]:
         """E-step `k`'s completions of this rank's share of its batch (n per prompt, prompt by prompt) and, on rank 0,
         the whole batch's (None elsewhere). Server mode: rank 0 takes them from the pool, generated now or ahead of
         time (overlap.py); `upcoming` names the later E-steps that sample, of which the first `max_staleness` are
@@ -127,8 +149,9 @@ class RolloutFeed:
         if self.source is not None and self.source.per_rank:
             lo, hi = ranks.share(self.cfg.prompts_per_step)
             with ranks.guard(f"generating {what} (in-process engine)"):
-                mine = self.source.generate(self.requests(k, lo, hi, seed_offset), sampling,
-                                            weight_version=self.state.version)
+                mine = self.source.generate(
+                    self.requests(k, lo, hi, seed_offset), sampling, weight_version=self.state.version
+                )
             if not gather:
                 return mine, None
             parts = ranks.gather_to_main(mine)
@@ -138,8 +161,9 @@ class RolloutFeed:
             if ranks.is_main:
                 if seed_offset or self.ahead is None:
                     assert self.source is not None, "server mode: the pool's client is the source"
-                    everything = self.source.generate(self.requests(k, seed_offset=seed_offset), sampling,
-                                                      weight_version=self.state.version)
+                    everything = self.source.generate(
+                        self.requests(k, seed_offset=seed_offset), sampling, weight_version=self.state.version
+                    )
                 else:
                     everything = self._take(k, sampling, upcoming)
         return self.scatter(everything, self.cfg.prompts_per_step, n), everything
@@ -195,8 +219,10 @@ class RolloutFeed:
         # Messages (+ image bytes): the engine renders the prompt with its own processor and returns the ids it
         # used, which the objective checks against the learner's rendering.
         recs = [self.records[i] for i in batch]
-        return [rollout_request(recs[j], [img.data for img in self.images.load(recs[j])], seed=base + j)
-                for j in range(lo, len(recs) if hi is None else hi)]
+        return [
+            rollout_request(recs[j], [img.data for img in self.images.load(recs[j])], seed=base + j)
+            for j in range(lo, len(recs) if hi is None else hi)
+        ]
 
     def _take(self, k: int, sampling: object, upcoming: Iterable[int]) -> list[Rollout]:
         """Rank 0 (server mode): E-step `k`'s rollouts, then the next sampling E-steps (up to max_staleness) submitted
@@ -223,8 +249,11 @@ class RolloutFeed:
         if not window:
             return all(w == st.weights for o in outs for w in _versions(o))
         restored = set(st.resumed.run_ids) if st.resumed is not None else set()
-        return all((w.run_id == st.run_id and 0 <= st.version - w.number <= window) or w.run_id in restored
-                   for o in outs for w in _versions(o))
+        return all(
+            (w.run_id == st.run_id and 0 <= st.version - w.number <= window) or w.run_id in restored
+            for o in outs
+            for w in _versions(o)
+        )
 
     # -- what the engines serve ---------------------------------------------------------------------
     def served_version(self) -> int:

@@ -152,8 +152,14 @@ class TrainingLoop:
             self.close()
             raise
 
-    def _setup(self, job: RolloutMatchingJob, addresses: Sequence[str] | ServersFile, auth_token: str | None,
-               model_path: str | Path | None, device: torch.device | str | None) -> None:
+    def _setup(
+        self,
+        job: RolloutMatchingJob,
+        addresses: Sequence[str] | ServersFile,
+        auth_token: str | None,
+        model_path: str | Path | None,
+        device: torch.device | str | None,
+    ) -> None:
         ranks, cfg = self.ranks, self.cfg
         if not ranks.is_main:
             log.setLevel(logging.WARNING)  # the one-line-per-step log is rank 0's
@@ -198,47 +204,91 @@ class TrainingLoop:
             torch.manual_seed(cfg.seed + ranks.rank)  # e.g. dropout masks differ per rank
             random.seed(cfg.seed + ranks.rank)
         with ranks.guard("setting up the optimizer step"):
-            self.updater = make_updater(self.model, ranks, cfg, device=self.device,
-                                        autocast_dtype=self.policy.autocast_dtype)
+            self.updater = make_updater(
+                self.model, ranks, cfg, device=self.device, autocast_dtype=self.policy.autocast_dtype
+            )
         self.device = self.updater.device  # DeepSpeed may have placed the module itself
         self.core = core_configs(cfg)
         self.order = DataOrder(len(self.records), cfg.prompts_per_step, cfg.seed)
         self.packer = self.objective.make_packer()  # one per rank, lives across steps
-        self.checkpointer = Checkpointer(cfg, ranks, self.model, self.updater, self.packer, self.state,
-                                         parts={"objective": self.objective}, lineage=self.lineage)
+        self.checkpointer = Checkpointer(
+            cfg,
+            ranks,
+            self.model,
+            self.updater,
+            self.packer,
+            self.state,
+            parts={"objective": self.objective},
+            lineage=self.lineage,
+        )
         model_dir = model_path or job.spec.model.path
         # No servers at all (server mode): a run whose objective samples nothing and that has no held-out evaluation
         # needs none, e.g. the pretraining of `rmsft local`'s tiny model (learner.local.pretrain_tiny_model).
-        self.no_rollouts = (not job.spec.rollout.colocated and not isinstance(addresses, ServersFile)
-                            and not list(addresses))
+        self.no_rollouts = (
+            not job.spec.rollout.colocated and not isinstance(addresses, ServersFile) and not list(addresses)
+        )
         if self.no_rollouts:
-            why = self.objective.needs_rollouts() or ("training.eval.data is set: the held-out evaluation asks "
-                                                       "the servers" if cfg.eval.data else None)
+            why = self.objective.needs_rollouts() or (
+                "training.eval.data is set: the held-out evaluation asks the servers" if cfg.eval.data else None
+            )
             if why:
                 raise ValueError(f"no rollout servers given, and this run needs them: {why}")
         if job.spec.rollout.colocated:
             with ranks.guard("starting the in-process rollout engine"):
                 self.rollouts = colocated_rollouts(
-                    job, self.model, self.policy.tokenizer, run_id=self.state.run_id, world_size=ranks.world_size,
-                    rank=ranks.rank, model_dir=model_dir, vision_language=self.policy.is_vision_language,
+                    job,
+                    self.model,
+                    self.policy.tokenizer,
+                    run_id=self.state.run_id,
+                    world_size=ranks.world_size,
+                    rank=ranks.rank,
+                    model_dir=model_dir,
+                    vision_language=self.policy.is_vision_language,
                     around_generation=partial(around_generation, job, self.updater, self.model),
                 )
         else:
             with ranks.guard("connecting to the rollout servers (rank 0)"):
                 if ranks.is_main and not self.no_rollouts:  # the only rank that talks to rollout servers
                     self.rollouts, self.ahead = server_rollouts_ahead(
-                        job, addresses, self.model, run_id=self.state.run_id, auth_token=auth_token,
-                        checkpoint_dir=model_dir, vision_language=self.policy.is_vision_language)
+                        job,
+                        addresses,
+                        self.model,
+                        run_id=self.state.run_id,
+                        auth_token=auth_token,
+                        checkpoint_dir=model_dir,
+                        vision_language=self.policy.is_vision_language,
+                    )
                     self.pool, self.sync_client = self.rollouts.pool, self.rollouts.sync_client
-        self.feed = RolloutFeed(cfg=cfg, ranks=ranks, state=self.state, order=self.order, records=self.records,
-                                images=self.images, policy=self.policy, source=self.rollouts, ahead=self.ahead)
+        self.feed = RolloutFeed(
+            cfg=cfg,
+            ranks=ranks,
+            state=self.state,
+            order=self.order,
+            records=self.records,
+            images=self.images,
+            policy=self.policy,
+            source=self.rollouts,
+            ahead=self.ahead,
+        )
         self.pictures: list[Path] = []
         self.eval_pictures: list[Path] = []
         self._retries_at_start = m.counter_total(m.ROLLOUT_RETRIES)
-        self.objective.attach(ObjectiveInputs(  # last: what the objective reads of the parts above
-            feed=self.feed, ranks=ranks, state=self.state, order=self.order, records=self.records, images=self.images,
-            policy=self.policy, model=self.model, updater=self.updater, packer=self.packer, core=self.core,
-            phases=self.phases))
+        self.objective.attach(
+            ObjectiveInputs(  # last: what the objective reads of the parts above
+                feed=self.feed,
+                ranks=ranks,
+                state=self.state,
+                order=self.order,
+                records=self.records,
+                images=self.images,
+                policy=self.policy,
+                model=self.model,
+                updater=self.updater,
+                packer=self.packer,
+                core=self.core,
+                phases=self.phases,
+            )
+        )
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self, max_steps: int | None = None) -> Summary:
@@ -309,12 +359,20 @@ class TrainingLoop:
             self.save()
         if self.ranks.is_main:
             if self.policy.is_vision_language:  # the last rollouts drawn on their images
-                self.pictures = write_rollout_pictures(self.history, self.records, self.images,
-                                                       self.cfg.checkpoint.dir, self.eval_setup(self.images),
-                                                       iou=self.cfg.eval.iou)
-            self.eval_pictures = write_eval_pictures(self.evaluations[-1] if self.evaluations else None,
-                                                     self.eval_images, self.cfg.checkpoint.dir,
-                                                     self.cfg.eval.pictures)
+                self.pictures = write_rollout_pictures(
+                    self.history,
+                    self.records,
+                    self.images,
+                    self.cfg.checkpoint.dir,
+                    self.eval_setup(self.images),
+                    iou=self.cfg.eval.iou,
+                )
+            self.eval_pictures = write_eval_pictures(
+                self.evaluations[-1] if self.evaluations else None,
+                self.eval_images,
+                self.cfg.checkpoint.dir,
+                self.cfg.eval.pictures,
+            )
         if st.step >= self.cfg.steps and self.cfg.export.enabled:
             self.export()
         return self.summary(time.perf_counter() - t_start)
@@ -337,9 +395,16 @@ class TrainingLoop:
         # Every rank enters the guard (its failure agreement is collective); rank 0 alone talks to the servers.
         with self.phases.time("eval"), self.ranks.guard("evaluating the held-out records (rank 0)"):
             if self.ranks.is_main:
-                ev = evaluate(_open(self.rollouts), self.eval_records, _open(self.eval_images), step=self.state.step,
-                              setup=self.eval_setup(_open(self.eval_images)), version=self.state.version,
-                              iou=self.cfg.eval.iou, max_tokens=self.cfg.eval.max_tokens or self.cfg.rollout.max_tokens)
+                ev = evaluate(
+                    _open(self.rollouts),
+                    self.eval_records,
+                    _open(self.eval_images),
+                    step=self.state.step,
+                    setup=self.eval_setup(_open(self.eval_images)),
+                    version=self.state.version,
+                    iou=self.cfg.eval.iou,
+                    max_tokens=self.cfg.eval.max_tokens or self.cfg.rollout.max_tokens,
+                )
                 self.evaluations.append(ev)
                 _open(self.reporter).evaluation(ev, _open(self.eval_images), self.cfg.eval.pictures)
         if ev is not None and self.on_eval:
@@ -355,13 +420,24 @@ class TrainingLoop:
         rank gathers the weights first). A folder that cannot be written is an error: the export is what a
         user takes away, but the checkpoint just saved still holds the weights (`rmsft export` redoes it)."""
         out = Path(self.cfg.export_dir)
-        with self.phases.time("export"), self.ranks.guard(f"exporting the model to {out} (rank 0)"), \
-                gathered_weights(_open(self.updater), self.model):
+        with (
+            self.phases.time("export"),
+            self.ranks.guard(f"exporting the model to {out} (rank 0)"),
+            gathered_weights(_open(self.updater), self.model),
+        ):
             if self.ranks.is_main:
-                self.exported = export_trained(self.model, self.policy, out, adapter_only=self.cfg.export.adapter,
-                                               base_model_dir=self.job.spec.model.path)
-                log.info("trained model exported to %s (%s)", self.exported,
-                         "adapter" if self.cfg.export.adapter else "merged weights")
+                self.exported = export_trained(
+                    self.model,
+                    self.policy,
+                    out,
+                    adapter_only=self.cfg.export.adapter,
+                    base_model_dir=self.job.spec.model.path,
+                )
+                log.info(
+                    "trained model exported to %s (%s)",
+                    self.exported,
+                    "adapter" if self.cfg.export.adapter else "merged weights",
+                )
         return self.exported
 
     # -- one optimizer step ---------------------------------------------------------------------
@@ -373,26 +449,43 @@ class TrainingLoop:
         totals, n_rows, fill = self._update(built)  # forward, loss, backward, optimizer over every rank's rows
         out = objective.outcome(built, totals)  # its rollouts, loss parts and own figures
         return StepResult(
-            step=st.step + 1, weight_version=st.version, rank=self.ranks.rank, seconds=time.perf_counter() - t0,
-            record_ids=[self.records[i].id for i in plan.batch], loss=totals["loss"], rows=n_rows, fill=fill,
-            local_rows=len(built.rows), local_tokens=sum(r.length for r in built.rows),
-            local_record_ids=list(built.local_ids), rollouts=out.rollouts, parts=out.parts, figures=out.figures)
+            step=st.step + 1,
+            weight_version=st.version,
+            rank=self.ranks.rank,
+            seconds=time.perf_counter() - t0,
+            record_ids=[self.records[i].id for i in plan.batch],
+            loss=totals["loss"],
+            rows=n_rows,
+            fill=fill,
+            local_rows=len(built.rows),
+            local_tokens=sum(r.length for r in built.rows),
+            local_record_ids=list(built.local_ids),
+            rollouts=out.rollouts,
+            parts=out.parts,
+            figures=out.figures,
+        )
 
     def _update(self, built: Built) -> tuple[dict[str, float], int, float]:
         """One optimizer step on every rank's rows. The loss is normalised by the objective's totals over all ranks
         (exchanged before the forward), so the step is one process training on all the rows. Returns the device
         step's sums over rows and ranks, the number of rows and their mean fill."""
-        *totals, n_rows, fill_sum = self.ranks.sum([*self.objective.denominators(built), len(built.rows),
-                                                    sum(r.fill for r in built.rows)])
+        *totals, n_rows, fill_sum = self.ranks.sum(
+            [*self.objective.denominators(built), len(built.rows), sum(r.fill for r in built.rows)]
+        )
         if not n_rows:
-            raise RuntimeError(f"the step packed into no row on any rank ({self.objective.name}: empty rollouts and "
-                               "an empty carry buffer)")
+            raise RuntimeError(
+                f"the step packed into no row on any rank ({self.objective.name}: empty rollouts and "
+                "an empty carry buffer)"
+            )
         lr = learning_rate(self.cfg, self.state.step)
         with self.ranks.guard("forward/backward"):
             sums = self.device_step(built, totals, lr)
         keys = self.objective.loss_keys  # the only host reads of the step: after it, once
-        return dict(zip(keys, self.ranks.sum([float(sums[k]) for k in keys]), strict=True)), int(n_rows), \
-            fill_sum / n_rows
+        return (
+            dict(zip(keys, self.ranks.sum([float(sums[k]) for k in keys]), strict=True)),
+            int(n_rows),
+            fill_sum / n_rows,
+        )
 
     def device_step(self, built: Built, totals: Sequence[float], lr: float) -> dict[str, torch.Tensor]:
         """Forward/backward of every row on the training device, then the optimizer step. The objective's row loss
@@ -402,8 +495,9 @@ class TrainingLoop:
         row_loss, prepare = self.objective.row_loss(built, totals)
         return self._optimize(built.rows, lr, row_loss, prepare)
 
-    def _optimize(self, rows: Sequence[PackedRow], lr: float, row_loss: RowLoss,
-                  prepare: Prepare | None = None) -> dict[str, torch.Tensor]:
+    def _optimize(
+        self, rows: Sequence[PackedRow], lr: float, row_loss: RowLoss, prepare: Prepare | None = None
+    ) -> dict[str, torch.Tensor]:
         updater = _open(self.updater)
         sums: dict[str, torch.Tensor] = {}
         mode = self.cfg.loss.logits if self.objective.chunked_logits else "full"  # chunked: a RowHead, see below
@@ -412,8 +506,7 @@ class TrainingLoop:
             row = cpu_row.to(updater.device)
             before = prepare(i, row) if prepare is not None else None
             with self.phases.time("forward"), updater.autocast():
-                logits = row_outputs(updater.forward, self.model, row.model_inputs(), mode,
-                                     self.cfg.loss.logits_chunk)
+                logits = row_outputs(updater.forward, self.model, row.model_inputs(), mode, self.cfg.loss.logits_chunk)
                 loss, metrics = row_loss(row, logits, before)
             with self.phases.time("backward"):
                 updater.backward(loss)
@@ -432,8 +525,11 @@ class TrainingLoop:
             self.feed.before_sync()  # no Generate call in flight across a weight update (overlap.py)
         version = self.state.version + 1
         # ZeRO-3: whole weights on every rank while rank 0 exports them (collective).
-        with self.phases.time("sync"), self.ranks.guard(f"syncing weight version {version}"), \
-                gathered_weights(_open(self.updater), self.model):
+        with (
+            self.phases.time("sync"),
+            self.ranks.guard(f"syncing weight version {version}"),
+            gathered_weights(_open(self.updater), self.model),
+        ):
             if self.rollouts is not None:  # rank 0's pool, or every rank's in-process engine
                 self.rollouts.sync(version)  # counts bytes and sets the version gauge itself
         self.state.version = version  # only once the engines confirmed it (sync raises otherwise)
@@ -462,9 +558,16 @@ class TrainingLoop:
     # -- reporting ------------------------------------------------------------------------------
     def _log_start(self, target: int) -> None:
         if self.ranks.is_main:  # run.json and the run's first log lines
-            log_run_start(self.job, self.state, self.rollouts.describe() if self.rollouts is not None else None,
-                          records=len(self.records), target=target, world_size=self.ranks.world_size,
-                          device=self.device, deepspeed=self.deepspeed_engine is not None)
+            log_run_start(
+                self.job,
+                self.state,
+                self.rollouts.describe() if self.rollouts is not None else None,
+                records=len(self.records),
+                target=target,
+                world_size=self.ranks.world_size,
+                device=self.device,
+                deepspeed=self.deepspeed_engine is not None,
+            )
 
     def _publish(self, r: StepResult) -> None:
         m.GLOBAL_STEP.set(r.step)
@@ -482,11 +585,19 @@ class TrainingLoop:
 
     def summary(self, wall: float) -> Summary:
         return Summary.of_run(
-            self.state, self.history, self.evaluations, wall_seconds=wall, eval_iou=self.cfg.eval.iou,
-            retries=int(m.counter_total(m.ROLLOUT_RETRIES) - self._retries_at_start), pictures=list(self.pictures),
-            eval_pictures=list(self.eval_pictures), exported=self.exported,
-            log_dir=Path(self.cfg.tensorboard_dir) if self.ranks.is_main and "tensorboard" in self.cfg.report_to
-            else None)
+            self.state,
+            self.history,
+            self.evaluations,
+            wall_seconds=wall,
+            eval_iou=self.cfg.eval.iou,
+            retries=int(m.counter_total(m.ROLLOUT_RETRIES) - self._retries_at_start),
+            pictures=list(self.pictures),
+            eval_pictures=list(self.eval_pictures),
+            exported=self.exported,
+            log_dir=Path(self.cfg.tensorboard_dir)
+            if self.ranks.is_main and "tensorboard" in self.cfg.report_to
+            else None,
+        )
 
     def close(self) -> None:
         for part in (self.ahead, self.rollouts, self.updater, self.reporter, self.objective, self._writer_lock):
@@ -494,4 +605,3 @@ class TrainingLoop:
                 part.close()
         self.updater = None
         self.ranks.close()
-

@@ -156,8 +156,14 @@ def _allocated(device: torch.device) -> int | None:
 
 
 @contextlib.contextmanager
-def offloaded(updater: OffloadableUpdater, model: torch.nn.Module, *, params: bool, optimizer: bool,
-              host: str | torch.device = "cpu") -> Iterator[OffloadReport]:
+def offloaded(
+    updater: OffloadableUpdater,
+    model: torch.nn.Module,
+    *,
+    params: bool,
+    optimizer: bool,
+    host: str | torch.device = "cpu",
+) -> Iterator[OffloadReport]:
     """Inside the block, the training parameters (with their gradients) and/or the optimizer state live in `host`
     memory and the training device's copies are freed; on exit (an exception included) they are back on the same
     device, in the same dtype, with the same values, in the same objects. Both flags off: a no-op. Yields the
@@ -178,11 +184,14 @@ def offloaded(updater: OffloadableUpdater, model: torch.nn.Module, *, params: bo
 
 
 @contextlib.contextmanager
-def _torch_offloaded(moves: list[Move], device: torch.device, host: torch.device,
-                     report: OffloadReport) -> Iterator[None]:
+def _torch_offloaded(
+    moves: list[Move], device: torch.device, host: torch.device, report: OffloadReport
+) -> Iterator[None]:
     if device.type == "meta":
-        raise ValueError("the training device is meta: its tensors have no data to copy to the host (offload_moves "
-                         "shows where they would go)")
+        raise ValueError(
+            "the training device is meta: its tensors have no data to copy to the host (offload_moves "
+            "shows where they would go)"
+        )
     pin = host.type == "cpu" and device.type == "cuda"
     report.via = "torch"
     report.moved_bytes = dict.fromkeys(KINDS, 0)
@@ -223,16 +232,20 @@ def _bring_back(done: list[Move], non_blocking: bool) -> None:
             except Exception as exc:  # raised below, after the other tensors came back
                 error, left = error or exc, left + 1
     if error is not None:
-        raise RuntimeError(f"{left} offloaded tensor(s) could not come back to {done[0].device} (is the engine "
-                           "still holding the memory?)") from error
+        raise RuntimeError(
+            f"{left} offloaded tensor(s) could not come back to {done[0].device} (is the engine "
+            "still holding the memory?)"
+        ) from error
 
 
 def _deepspeed_states(params: bool, optimizer: bool) -> tuple[list[Any], Any]:
     try:
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
     except ImportError as exc:  # a DeepSpeed too old to offload its states
-        raise RuntimeError("spec.rollout.colocate offloading under ZeRO needs DeepSpeed's engine.offload_states "
-                           f"(DeepSpeed >= 0.16), which this DeepSpeed lacks ({exc})") from exc
+        raise RuntimeError(
+            "spec.rollout.colocate offloading under ZeRO needs DeepSpeed's engine.offload_states "
+            f"(DeepSpeed >= 0.16), which this DeepSpeed lacks ({exc})"
+        ) from exc
     s = OffloadStateTypeEnum
     include = []
     if params:  # the module's weights, their gradient partitions, ZeRO-3's gradient bucket
@@ -243,13 +256,16 @@ def _deepspeed_states(params: bool, optimizer: bool) -> tuple[list[Any], Any]:
 
 
 @contextlib.contextmanager
-def _deepspeed_offloaded(engine: Any, device: torch.device, params: bool, optimizer: bool, host: torch.device,
-                         report: OffloadReport) -> Iterator[None]:
+def _deepspeed_offloaded(
+    engine: Any, device: torch.device, params: bool, optimizer: bool, host: torch.device, report: OffloadReport
+) -> Iterator[None]:
     if host.type != "cpu":
         raise ValueError(f"DeepSpeed offloads its states to the CPU only, not {host}")
     if not hasattr(engine, "offload_states") or not hasattr(engine.optimizer, "offload_states"):
-        raise RuntimeError("spec.rollout.colocate offloading under ZeRO needs DeepSpeed's engine.offload_states "
-                           f"(DeepSpeed >= 0.16); {type(engine.optimizer).__name__} of this DeepSpeed has none")
+        raise RuntimeError(
+            "spec.rollout.colocate offloading under ZeRO needs DeepSpeed's engine.offload_states "
+            f"(DeepSpeed >= 0.16); {type(engine.optimizer).__name__} of this DeepSpeed has none"
+        )
     if optimizer and engine.zero_optimization_stage() == 3:
         from deepspeed.ops.adam import FusedAdam
 
@@ -278,8 +294,9 @@ def _deepspeed_offloaded(engine: Any, device: torch.device, params: bool, optimi
         report.reload_s = time.perf_counter() - t1
 
 
-def around_generation(job: RolloutMatchingJob, updater: OffloadableUpdater,
-                      model: torch.nn.Module) -> AbstractContextManager:
+def around_generation(
+    job: RolloutMatchingJob, updater: OffloadableUpdater, model: torch.nn.Module
+) -> AbstractContextManager:
     """Colocate: what happens to the training state while the in-process engine decodes: parameters and/or
     optimizer state to host memory (spec.rollout.colocate offloadModel / offloadOptimizer), back after."""
     c = job.spec.rollout.colocate

@@ -104,8 +104,14 @@ class RolloutsAhead:
     """The bounded prefetcher (module doc). One background thread: submitted batches generate one after the
     other, in submission order. Not for concurrent use by several learner threads."""
 
-    def __init__(self, generate: GenerateFn, max_staleness: int, *, abort: Callable[[], None] | None = None,
-                 close_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        generate: GenerateFn,
+        max_staleness: int,
+        *,
+        abort: Callable[[], None] | None = None,
+        close_timeout_s: float = 60.0,
+    ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self._generate = generate
@@ -140,8 +146,15 @@ class RolloutsAhead:
             made_at = batch.version
             if not 0 <= version - made_at <= self.max_staleness:
                 dropped += len(rollouts)
-                log.info("dropping E-step %d's %d rollout(s) of weight version %d (learner at %d, max_staleness "
-                         "%d); regenerating them now", key, dropped, made_at, version, self.max_staleness)
+                log.info(
+                    "dropping E-step %d's %d rollout(s) of weight version %d (learner at %d, max_staleness "
+                    "%d); regenerating them now",
+                    key,
+                    dropped,
+                    made_at,
+                    version,
+                    self.max_staleness,
+                )
                 rollouts, made_at = None, version
         if rollouts is None:
             # One generate call at a time: the client is not made for concurrent calls (its executors are remade
@@ -223,8 +236,10 @@ class RolloutsAhead:
 
         def guarded(server: Any) -> None:
             if self._weights_moved:
-                raise ResyncRefusedError("the learner is training past the pool's weight version (rollouts ahead): "
-                                         "this server is brought up by the next weight sync")
+                raise ResyncRefusedError(
+                    "the learner is training past the pool's weight version (rollouts ahead): "
+                    "this server is brought up by the next weight sync"
+                )
             resync(server)
 
         return guarded
@@ -261,8 +276,10 @@ class RolloutsAhead:
                 calls = [f for f in self._calls if not f.done()]
             _, running = wait(calls, timeout=self._close_timeout_s)
             if running:
-                log.warning("closing the rollouts-ahead prefetcher: a generate call still runs after %.0fs",
-                            self._close_timeout_s)
+                log.warning(
+                    "closing the rollouts-ahead prefetcher: a generate call still runs after %.0fs",
+                    self._close_timeout_s,
+                )
         self._ahead.clear()
 
     # -- internals ------------------------------------------------------------------------------

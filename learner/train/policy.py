@@ -163,8 +163,11 @@ def load_dtype(cfg: TrainingConfig, dtype: str) -> Any:
 
     if cfg.precision == "bf16":
         if dtype not in ("auto", "bfloat16"):
-            log.info("spec.training.precision bf16 decides the learner's weight dtypes; spec.model.dtype %s "
-                     "still applies to the rollout servers", dtype)
+            log.info(
+                "spec.training.precision bf16 decides the learner's weight dtypes; spec.model.dtype %s "
+                "still applies to the rollout servers",
+                dtype,
+            )
         return torch.bfloat16 if cfg.finetune == "lora" else torch.float32
     return getattr(torch, name) if (name := _DTYPES.get(dtype)) else "auto"
 
@@ -274,8 +277,9 @@ def warm_cpu_math_kernels() -> None:
         f(x)
 
 
-def load_policy(model_path: str | Path, cfg: TrainingConfig, dtype: str = "auto",
-                vision: VisionSpec | None = None) -> Policy:
+def load_policy(
+    model_path: str | Path, cfg: TrainingConfig, dtype: str = "auto", vision: VisionSpec | None = None
+) -> Policy:
     """Tokenizer (and processor, for a vision-language model) + model for training with `cfg`'s fine-tuning
     mode, precision, attention kernel and gradient checkpointing. The model stays on the CPU, in train
     mode; the caller moves it to its device."""
@@ -300,8 +304,9 @@ def load_policy(model_path: str | Path, cfg: TrainingConfig, dtype: str = "auto"
     return policy_from_model(model, tokenizer, cfg, vision_language=vision_language, processor=processor)
 
 
-def policy_from_model(model: Any, tokenizer: Any, cfg: TrainingConfig, *, vision_language: bool = False,
-                      processor: Any = None) -> Policy:
+def policy_from_model(
+    model: Any, tokenizer: Any, cfg: TrainingConfig, *, vision_language: bool = False, processor: Any = None
+) -> Policy:
     """A loaded transformers model (weights in `load_dtype(cfg, dtype)`) made the training
     policy `cfg` asks for: LoRA/DoRA or freezing, fp32 masters under bf16, gradient checkpointing, train
     mode. `load_policy` ends here; benchmarks/gpu_step.py, which builds real-size models from a config with
@@ -344,7 +349,11 @@ def policy_from_model(model: Any, tokenizer: Any, cfg: TrainingConfig, *, vision
     model.train()
     log.info(
         "policy: %s finetune=%s precision=%s attn=%s gradient_checkpointing=%s trainable=%d",
-        type(hf_model).__name__, cfg.finetune, cfg.precision, cfg.attn_implementation, cfg.gradient_checkpointing,
+        type(hf_model).__name__,
+        cfg.finetune,
+        cfg.precision,
+        cfg.attn_implementation,
+        cfg.gradient_checkpointing,
         sum(p.numel() for p in _trainable(model)),
     )
     return Policy(

@@ -148,8 +148,7 @@ class Ranks:
         if self.is_main:
             assert per_rank is not None, "rank 0 passes one payload per rank"
             payloads = list(per_rank)
-        dist.scatter_object_list(out, payloads, src=self._global(0),
-                                 group=self.group)
+        dist.scatter_object_list(out, payloads, src=self._global(0), group=self.group)
         return out[0]
 
     def broadcast_from_main(self, obj: Any) -> Any:

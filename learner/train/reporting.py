@@ -58,21 +58,43 @@ class PhaseClock:
         self.state.phase_seconds[name] = self.state.phase_seconds.get(name, 0.0) + seconds
 
 
-def log_run_start(job: RolloutMatchingJob, st: TrainState, source: SourceInfo | None, *, records: int, target: int,
-                  world_size: int, device: torch.device, deepspeed: bool) -> None:
+def log_run_start(
+    job: RolloutMatchingJob,
+    st: TrainState,
+    source: SourceInfo | None,
+    *,
+    records: int,
+    target: int,
+    world_size: int,
+    device: torch.device,
+    deepspeed: bool,
+) -> None:
     """Rank 0, as a run starts (or resumes): run.json in the checkpoint folder (servers, seeds, versions, hashes,
     the resolved spec; which run this is and which runs wrote the checkpoint it resumed from) and the run's first
     log lines. A run.json that cannot be written is a warning: the folder was writable at start."""
     cfg = job.spec.training
     source = source or SourceInfo("none", (), "none", "none")
-    record = run_record(job, servers=list(source.servers), rollout_mode=source.mode, sync_mode=source.sync_mode,
-                        sync_transport=source.sync_transport, world_size=world_size, model_dir=job.spec.model.path,
-                        data_path=cfg.data.path, image_root=cfg.data.image_root, eval_data_path=cfg.eval.data,
-                        eval_image_root=cfg.eval.image_root)
+    record = run_record(
+        job,
+        servers=list(source.servers),
+        rollout_mode=source.mode,
+        sync_mode=source.sync_mode,
+        sync_transport=source.sync_transport,
+        world_size=world_size,
+        model_dir=job.spec.model.path,
+        data_path=cfg.data.path,
+        image_root=cfg.data.image_root,
+        eval_data_path=cfg.eval.data,
+        eval_image_root=cfg.eval.image_root,
+    )
     record["run_id"] = st.run_id
     if st.resumed is not None:  # oldest first
-        record["resumed_from"] = {"step": st.resumed.step, "weight_version": st.resumed.weights.number,
-                                  "run_id": st.resumed.weights.run_id, "run_ids": list(st.resumed.run_ids)}
+        record["resumed_from"] = {
+            "step": st.resumed.step,
+            "weight_version": st.resumed.weights.number,
+            "run_id": st.resumed.weights.run_id,
+            "run_ids": list(st.resumed.run_ids),
+        }
     try:
         path = write_run_record(cfg.checkpoint.dir, record)
         log.info("run record (servers, seeds, versions, hashes, resolved spec): %s", path)
@@ -82,10 +104,16 @@ def log_run_start(job: RolloutMatchingJob, st: TrainState, source: SourceInfo | 
     log.info("run: %s", json.dumps({k: v for k, v in record.items() if k != "job"}, default=str))
     log.info(
         "rmsft learner run %s: %d record(s), %s, sync %s, seed %d, steps %d -> %d, ranks %d, device %s%s",
-        st.run_id, records,
+        st.run_id,
+        records,
         f"servers {list(source.servers)}" if source.mode != "colocate" else "rollout engine in-process",
         job.spec.sync.mode if source.mode == "server" else source.sync_mode,
-        cfg.seed, st.step, target, world_size, device, f", DeepSpeed ZeRO-{cfg.deepspeed_stage}" if deepspeed else "",
+        cfg.seed,
+        st.step,
+        target,
+        world_size,
+        device,
+        f", DeepSpeed ZeRO-{cfg.deepspeed_stage}" if deepspeed else "",
     )
 
 
@@ -99,8 +127,13 @@ class RunReporter:
 
     def step(self, r: StepResult, phase_seconds: Mapping[str, float], lr: float) -> None:
         """A step's figures: the loop's own, and the objective's (`r.figures.scalars()`)."""
-        values = {"train/loss": r.loss, "train/fill": r.fill, "train/rows": float(r.rows),
-                  "train/step_seconds": r.seconds, "train/lr": lr}
+        values = {
+            "train/loss": r.loss,
+            "train/fill": r.fill,
+            "train/rows": float(r.rows),
+            "train/step_seconds": r.seconds,
+            "train/lr": lr,
+        }
         values.update({f"train/{k}": v for k, v in r.parts.items()})
         values.update(r.figures.scalars())
         # Phase seconds are cumulative in the training loop's state: report this step's share of each.
@@ -125,16 +158,27 @@ class RunReporter:
         self.tracker.scalars(ev.step, ev.scalars())
         if images is not None and pictures:
             for item in ev.pictures(images, pictures):
-                self.tracker.image(ev.step, f"eval/{item.record_id}",
-                                   draw_detections(item.image, item.ground_truth, item.predicted, title=item.title))
+                self.tracker.image(
+                    ev.step,
+                    f"eval/{item.record_id}",
+                    draw_detections(item.image, item.ground_truth, item.predicted, title=item.title),
+                )
         self.tracker.flush()
 
     def close(self) -> None:
         self.tracker.close()
 
 
-def write_rollout_pictures(history: Sequence[StepResult], records: Sequence[Record], images: ImageStore,
-                           checkpoint_dir: str, setup: EvalSetup, *, iou: float, limit: int = 4) -> list[Path]:
+def write_rollout_pictures(
+    history: Sequence[StepResult],
+    records: Sequence[Record],
+    images: ImageStore,
+    checkpoint_dir: str,
+    setup: EvalSetup,
+    *,
+    iou: float,
+    limit: int = 4,
+) -> list[Path]:
     """Rank 0: the last fresh rollouts of a vision-language run drawn on their images (predicted and ground-truth
     objects) under <checkpoint.dir>/rollouts/. A picture that cannot be written is a warning: the trained model is
     what the run is for."""
@@ -156,8 +200,9 @@ def write_rollout_pictures(history: Sequence[StepResult], records: Sequence[Reco
     return paths
 
 
-def write_eval_pictures(ev: Evaluation | None, images: ImageStore | None, checkpoint_dir: str,
-                        pictures: int) -> list[Path]:
+def write_eval_pictures(
+    ev: Evaluation | None, images: ImageStore | None, checkpoint_dir: str, pictures: int
+) -> list[Path]:
     """Rank 0: the last held-out evaluation's answers drawn on their images under <checkpoint.dir>/heldout/
     (TensorBoard has every evaluation's; this folder is what a newcomer opens after the run)."""
     if ev is None or images is None or not pictures:

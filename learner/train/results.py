@@ -88,12 +88,22 @@ class RolloutMatchingFigures(StepFigures):
         st = self.stats
         if st is not None and self.channel == "B":
             n = max(st.rollouts, 1)
-            values.update({"train/f1": st.f1, "train/precision": st.precision, "train/recall": st.recall,
-                           "train/dropped": float(st.dropped), "train/truncated": float(st.truncated),
-                           "train/truncation_rate": st.truncation_rate, "train/duplicate_rate": st.duplicate_rate,
-                           # unmatched objects no explorer supports, out of the prefix (recipe generation 2)
-                           "train/dead_anchors": st.dead / n, "train/predicted_per_gt": st.count_ratio,
-                           "train/predicted_objects": st.predicted / n, "train/gt_objects": st.gt_objects / n})
+            values.update(
+                {
+                    "train/f1": st.f1,
+                    "train/precision": st.precision,
+                    "train/recall": st.recall,
+                    "train/dropped": float(st.dropped),
+                    "train/truncated": float(st.truncated),
+                    "train/truncation_rate": st.truncation_rate,
+                    "train/duplicate_rate": st.duplicate_rate,
+                    # unmatched objects no explorer supports, out of the prefix (recipe generation 2)
+                    "train/dead_anchors": st.dead / n,
+                    "train/predicted_per_gt": st.count_ratio,
+                    "train/predicted_objects": st.predicted / n,
+                    "train/gt_objects": st.gt_objects / n,
+                }
+            )
         return values
 
     def series(self) -> dict[str, float]:
@@ -108,9 +118,13 @@ class RolloutMatchingFigures(StepFigures):
             rows.append(("rollout F1 (first -> last)", f"{f1[0]:.3f} -> {f1[-1]:.3f}"))
         rates = rollout_rates(steps)
         if rates is not None:
-            rows.append((f"training rollouts (mean of {rates['steps']:.0f} rollout-matching steps)",
-                         f"truncated {rates['truncation_rate']:.1%}, duplicates {rates['duplicate_rate']:.1%}, "
-                         f"{rates['predicted_per_gt']:.2f} predicted per ground-truth object"))
+            rows.append(
+                (
+                    f"training rollouts (mean of {rates['steps']:.0f} rollout-matching steps)",
+                    f"truncated {rates['truncation_rate']:.1%}, duplicates {rates['duplicate_rate']:.1%}, "
+                    f"{rates['predicted_per_gt']:.2f} predicted per ground-truth object",
+                )
+            )
         return rows
 
 
@@ -118,14 +132,20 @@ def rollout_rates(steps: Sequence[StepFigures]) -> dict[str, float] | None:
     """What the training rollouts looked like: the truncation rate, duplicate rate and predicted objects per
     ground-truth object, each the mean over the steps that trained on fresh rollouts (channel B; not the
     ground-truth steps, which generate nothing, nor the M-steps reusing a batch). None without such a step."""
-    stats = [f.stats for f in steps if isinstance(f, RolloutMatchingFigures) and f.channel == "B"
-             and f.stats is not None and f.stats.rollouts]
+    stats = [
+        f.stats
+        for f in steps
+        if isinstance(f, RolloutMatchingFigures) and f.channel == "B" and f.stats is not None and f.stats.rollouts
+    ]
     if not stats:
         return None
     n = len(stats)
-    return {"steps": float(n), "truncation_rate": sum(s.truncation_rate for s in stats) / n,
-            "duplicate_rate": sum(s.duplicate_rate for s in stats) / n,
-            "predicted_per_gt": sum(s.count_ratio for s in stats) / n}
+    return {
+        "steps": float(n),
+        "truncation_rate": sum(s.truncation_rate for s in stats) / n,
+        "duplicate_rate": sum(s.duplicate_rate for s in stats) / n,
+        "predicted_per_gt": sum(s.count_ratio for s in stats) / n,
+    }
 
 
 @dataclass
@@ -238,15 +258,24 @@ class Summary:
     run_id: str = ""  # the learner run whose weight version `weight_version` is
 
     @classmethod
-    def of_run(cls, state: TrainState, history: Sequence[StepResult], evaluations: Sequence[Evaluation],
-               **fields: Any) -> Summary:
+    def of_run(
+        cls, state: TrainState, history: Sequence[StepResult], evaluations: Sequence[Evaluation], **fields: Any
+    ) -> Summary:
         """The summary of a run at `state`, from its steps and held-out evaluations; `fields` the rest."""
         losses = [h.loss for h in history]
-        return cls(steps=state.step, first_loss=losses[0] if losses else float("nan"),
-                   last_loss=losses[-1] if losses else float("nan"), losses=losses, weight_version=state.version,
-                   run_id=state.run_id, phase_seconds=dict(state.phase_seconds), history=list(history),
-                   evaluations=[(e.step, e.f1, e.map) for e in evaluations],
-                   held_out=[e.figures() for e in evaluations], **fields)
+        return cls(
+            steps=state.step,
+            first_loss=losses[0] if losses else float("nan"),
+            last_loss=losses[-1] if losses else float("nan"),
+            losses=losses,
+            weight_version=state.version,
+            run_id=state.run_id,
+            phase_seconds=dict(state.phase_seconds),
+            history=list(history),
+            evaluations=[(e.step, e.f1, e.map) for e in evaluations],
+            held_out=[e.figures() for e in evaluations],
+            **fields,
+        )
 
     def series(self, name: str) -> list[float]:
         """The value of the objective's figure `name` at each step that has it (`StepFigures.series`), in order:
@@ -269,4 +298,3 @@ class Summary:
     def best_evaluation(self) -> tuple[int, float, float] | None:
         """The held-out (step, F1, mAP) of the highest F1 (the earliest on a tie)."""
         return max(self.evaluations, key=lambda e: (e[1], -e[0])) if self.evaluations else None
-

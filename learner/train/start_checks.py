@@ -30,12 +30,16 @@ def check_images_fit(records: Sequence[Record], policy: Policy, max_images: int,
     """Refuse at start what no server would take: images for a text model, more images than allowed."""
     with_images = [r for r in records if r.images]
     if with_images and not policy.is_vision_language:
-        raise ValueError(f"{path}: {len(with_images)} record(s) carry images (first: {with_images[0].id!r}) but "
-                         "spec.model.path is a text model; use a vision-language model or drop the images")
+        raise ValueError(
+            f"{path}: {len(with_images)} record(s) carry images (first: {with_images[0].id!r}) but "
+            "spec.model.path is a text model; use a vision-language model or drop the images"
+        )
     over = [r.id for r in with_images if len(r.images) > max_images]
     if over:
-        raise ValueError(f"{path}: {len(over)} record(s) carry more than spec.model.vision.maxImagesPerPrompt="
-                         f"{max_images} images (first: {over[0]!r})")
+        raise ValueError(
+            f"{path}: {len(over)} record(s) carry more than spec.model.vision.maxImagesPerPrompt="
+            f"{max_images} images (first: {over[0]!r})"
+        )
 
 
 def check_memory_plan(job: RolloutMatchingJob, *, log_it: bool) -> None:
@@ -62,8 +66,10 @@ def check_memory_plan(job: RolloutMatchingJob, *, log_it: bool) -> None:
             log.info("memory plan: %s", line)
     if not plan.fits:
         if setting == "warn":
-            log.warning("the memory plan says this job does not fit (%s=warn: going on): %s", MEMORY_PLAN_ENV,
-                        plan.message())
+            log.warning(
+                "the memory plan says this job does not fit (%s=warn: going on): %s", MEMORY_PLAN_ENV, plan.message()
+            )
             return
-        raise MemoryPlanError(f"{plan.message()} ({MEMORY_PLAN_ENV}=warn goes on anyway: the plan is an estimate)",
-                              plan)
+        raise MemoryPlanError(
+            f"{plan.message()} ({MEMORY_PLAN_ENV}=warn goes on anyway: the plan is an estimate)", plan
+        )

@@ -56,8 +56,17 @@ class Updater(Protocol):
 class PlainUpdater:
     """torch AdamW; with several ranks, gradients are summed (all-reduce) before clipping."""
 
-    def __init__(self, model: torch.nn.Module, ranks: Ranks, *, lr: float, weight_decay: float,
-                 max_grad_norm: float, device: torch.device, autocast_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ranks: Ranks,
+        *,
+        lr: float,
+        weight_decay: float,
+        max_grad_norm: float,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
         self.model, self.ranks, self.device, self.max_grad_norm = model, ranks, device, max_grad_norm
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
@@ -97,8 +106,18 @@ class ZeroUpdater:
 
     ds_engine: Any  # DeepSpeed's engine around the model and AdamW (not a rollout engine); None once closed
 
-    def __init__(self, model: torch.nn.Module, ranks: Ranks, *, stage: int, lr: float, weight_decay: float,
-                 max_grad_norm: float, device: torch.device, autocast_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ranks: Ranks,
+        *,
+        stage: int,
+        lr: float,
+        weight_decay: float,
+        max_grad_norm: float,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
         self.ranks, self.device = ranks, device
         self.params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
@@ -142,14 +161,20 @@ class ZeroUpdater:
             self.ds_engine = None
 
 
-def make_updater(model: torch.nn.Module, ranks: Ranks, cfg: Any, *, device: torch.device,
-              autocast_dtype: torch.dtype | None = None) -> PlainUpdater | ZeroUpdater:
+def make_updater(
+    model: torch.nn.Module, ranks: Ranks, cfg: Any, *, device: torch.device, autocast_dtype: torch.dtype | None = None
+) -> PlainUpdater | ZeroUpdater:
     """The updater `training.deepspeed_stage` asks for, with the model already on `device`. Refuses first, at
     the learner's start, a `training.loss.logits: fused` this learner cannot run (no CUDA, no liger-kernel, a head
     the kernel cannot take: learner/core/fused.py), saying to use chunked."""
     check_logits_mode(cfg.loss.logits, device, model, cfg.deepspeed_stage)
-    common = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "max_grad_norm": cfg.max_grad_norm,
-              "device": device, "autocast_dtype": autocast_dtype}
+    common = {
+        "lr": cfg.lr,
+        "weight_decay": cfg.weight_decay,
+        "max_grad_norm": cfg.max_grad_norm,
+        "device": device,
+        "autocast_dtype": autocast_dtype,
+    }
     if cfg.deepspeed_stage:
         return ZeroUpdater(model, ranks, stage=cfg.deepspeed_stage, **common)
     return PlainUpdater(model, ranks, **common)
@@ -160,5 +185,3 @@ def gathered_weights(updater: Updater, model: torch.nn.Module, **kw: Any) -> Ite
     """Whole parameters inside the block (ZeRO-3: collective on every rank; otherwise a no-op)."""
     with zero.gathered(getattr(updater, "ds_engine", None), model, **kw):
         yield
-
-

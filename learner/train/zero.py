@@ -87,8 +87,9 @@ def precision_section(precision: str) -> dict[str, Any]:
     return {"bf16": {"enabled": False}, "fp16": {"enabled": False}}
 
 
-def deepspeed_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int, max_grad_norm: float,
-                     precision: str = "fp32"):
+def deepspeed_engine(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int, max_grad_norm: float, precision: str = "fp32"
+):
     """Wrap `model` and the learner's AdamW in a DeepSpeed engine (ZeRO `stage`)."""
     require_deepspeed(stage)
     _ensure_group()

@@ -19,8 +19,7 @@ def run(namespaces: list[str], all_namespaces: bool, liveness: str | None, verbo
     except LogLevelError as e:
         raise SystemExit(f"rmsft operator: {e}") from None
     # One operator replica owns all jobs (no kopf peering objects to create or RBAC for).
-    kopf.run(standalone=True, clusterwide=all_namespaces, namespaces=namespaces,
-             liveness_endpoint=liveness)
+    kopf.run(standalone=True, clusterwide=all_namespaces, namespaces=namespaces, liveness_endpoint=liveness)
 
 
 def main(argv: list[str] | None = None) -> None:

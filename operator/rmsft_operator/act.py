@@ -56,26 +56,46 @@ def refused_create(obs: Observed, decision: Decision, obj: dict[str, Any], exc: 
     expired = not invalid and bool(starts) and (at - max(starts)).total_seconds() >= timeout_s
     message = fit_message(
         f"the API server refused to create {kind} {name}: {exc}; "
-        + ("the object is invalid as rendered from this spec: fix the spec (or report it) and recreate the job"
-           if invalid else f"a policy forbids it (RBAC, a ResourceQuota or an admission webhook) and still did after "
-           f"spec.rollout.startupTimeout ({timeout_s} s): the job is failed, its pool freed; recreate it once the "
-           "policy allows it" if expired else "a policy forbids it (RBAC, a ResourceQuota or an admission webhook): "
-           f"the pool is scaled to zero meanwhile and the operator tries again on every resync, for "
-           f"spec.rollout.startupTimeout ({timeout_s} s) from the job's start, until it is allowed"))
+        + (
+            "the object is invalid as rendered from this spec: fix the spec (or report it) and recreate the job"
+            if invalid
+            else f"a policy forbids it (RBAC, a ResourceQuota or an admission webhook) and still did after "
+            f"spec.rollout.startupTimeout ({timeout_s} s): the job is failed, its pool freed; recreate it once the "
+            "policy allows it"
+            if expired
+            else "a policy forbids it (RBAC, a ResourceQuota or an admission webhook): "
+            f"the pool is scaled to zero meanwhile and the operator tries again on every resync, for "
+            f"spec.rollout.startupTimeout ({timeout_s} s) from the job's start, until it is allowed"
+        )
+    )
     final = invalid or expired
     phase = "Failed" if final else "Pending"
     patches = []
-    before = decision.creates[:decision.creates.index(obj)] if obj in decision.creates else []
-    pool_made = obs.children.get("StatefulSet") is not None or any(render.child_key(o) == "StatefulSet"
-                                                                   for o in before)
-    if kind != "StatefulSet" and pool_made and ((obs.children.get("StatefulSet") or {}).get("spec") or {}).get(
-            "replicas") != 0:
+    before = decision.creates[: decision.creates.index(obj)] if obj in decision.creates else []
+    pool_made = obs.children.get("StatefulSet") is not None or any(render.child_key(o) == "StatefulSet" for o in before)
+    if (
+        kind != "StatefulSet"
+        and pool_made
+        and ((obs.children.get("StatefulSet") or {}).get("spec") or {}).get("replicas") != 0
+    ):
         patches.append(Patch("StatefulSet", render.names(obs.name)["statefulset"], {"spec": {"replicas": 0}}))
     said = (False, reason, message)
-    status = {"rolloutReplicas": 0, "readyRolloutReplicas": 0, "learnerActive": 0, "message": message, "phase": phase,
-              "conditions": conditions(old_conds, gen, now, rollout=said, learner=said,
-                                       complete=(False, "NotComplete", message),
-                                       failed=(final, reason if final else "NotFailed", message))}
+    status = {
+        "rolloutReplicas": 0,
+        "readyRolloutReplicas": 0,
+        "learnerActive": 0,
+        "message": message,
+        "phase": phase,
+        "conditions": conditions(
+            old_conds,
+            gen,
+            now,
+            rollout=said,
+            learner=said,
+            complete=(False, "NotComplete", message),
+            failed=(final, reason if final else "NotFailed", message),
+        ),
+    }
     if final:
         status["completionTime"] = obs.status.get("completionTime") or now
     if gen is not None:
@@ -115,8 +135,9 @@ def act(kube: Kube, obs: Observed, decision: Decision) -> Outcome:
             except ApiError as exc:
                 if exc.status != 409:
                     raise
-                log.info("%s/%s: %s %s is not the one observed; not deleted", obs.namespace, obs.name, gone.kind,
-                         gone.name)
+                log.info(
+                    "%s/%s: %s %s is not the one observed; not deleted", obs.namespace, obs.name, gone.kind, gone.name
+                )
     except ApiError as exc:
         if exc.status != 404:
             raise

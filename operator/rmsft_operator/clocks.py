@@ -28,8 +28,13 @@ SHARED_MEMORY_FORBIDDEN = "SharedMemoryForbidden"
 
 
 # Failed reasons that are the learner's own: its LearnerRunning condition says them too (else "Suspended").
-LEARNER_REASONS = ("LearnerUnschedulable", "LearnerStartupTimeout", "LearnerNotAdmitted", "LearnerCreateRefused",
-                   "LearnerNotStopped")
+LEARNER_REASONS = (
+    "LearnerUnschedulable",
+    "LearnerStartupTimeout",
+    "LearnerNotAdmitted",
+    "LearnerCreateRefused",
+    "LearnerNotStopped",
+)
 
 
 @dataclass(frozen=True)
@@ -47,35 +52,54 @@ class ClockInputs:
     ran: bool  # a learner pod was seen running, or the Job counted a failed one: start rules are over for it
 
 
-def clock_failure(obs: Observed, job: RolloutMatchingJob, status: dict[str, Any], s: ClockInputs, stalled: str,
-                  at: dt.datetime) -> tuple[str, str] | None:
+def clock_failure(
+    obs: Observed, job: RolloutMatchingJob, status: dict[str, Any], s: ClockInputs, stalled: str, at: dt.datetime
+) -> tuple[str, str] | None:
     """(reason, message) of the first start rule or clock that fails the job now, else None. A rollout pod that cannot
     get its image fails the start; once the learner runs, a replacement server's trouble is the failover's (the other
     servers go on), as in startup_failure. Mid-run, a lost server below a serving one fails the job past twice the
     start's timeout (server_lost): a StatefulSet cannot give it back alone."""
     timeout_s = job.spec.rollout.startup_timeout_seconds
-    learner_clock = parse_time(obs.failed_create_since.get("Job")) or parse_time(
-        (s.learner.get("status") or {}).get("startTime")) or parse_time((s.learner.get("metadata") or {}).get(
-            "creationTimestamp"))
+    learner_clock = (
+        parse_time(obs.failed_create_since.get("Job"))
+        or parse_time((s.learner.get("status") or {}).get("startTime"))
+        or parse_time((s.learner.get("metadata") or {}).get("creationTimestamp"))
+    )
     pool_ready_now = s.colocated or (s.want > 0 and s.ready >= s.want)
     mid_run = not s.colocated and not s.suspended and bool(status.get("startTime"))
     start_learner_pods = [] if s.ran else obs.learner_pods
-    return image_failure(obs.rollout_pods if s.pool_starting else [], start_learner_pods) \
+    return (
+        image_failure(obs.rollout_pods if s.pool_starting else [], start_learner_pods)
         or startup_failure(
-            obs.rollout_pods, start_learner_pods, pool_starting=s.pool_starting, timeout_s=timeout_s, now=at,
+            obs.rollout_pods,
+            start_learner_pods,
+            pool_starting=s.pool_starting,
+            timeout_s=timeout_s,
+            now=at,
             pool_since=parse_time((s.sts.get("metadata") or {}).get("creationTimestamp")),
-            pool_refused=obs.failed_creates.get("StatefulSet"), queued=s.queued) \
-        or (learner_refused(obs.failed_creates.get("Job"), learner_clock, timeout_s, at) if not s.suspended
-            else None) \
-        or (not_admitted(job.spec.scheduling.queue_name, s.suspended,
-                         held_since(status, s.learner, obs.rollout_pods, s.want), timeout_s, at)
-            if pool_ready_now else None) \
-        or (("LearnerStalled", stalled) if stalled and job.spec.learner.fail_when_stalled else None) \
+            pool_refused=obs.failed_creates.get("StatefulSet"),
+            queued=s.queued,
+        )
+        or (learner_refused(obs.failed_creates.get("Job"), learner_clock, timeout_s, at) if not s.suspended else None)
+        or (
+            not_admitted(
+                job.spec.scheduling.queue_name,
+                s.suspended,
+                held_since(status, s.learner, obs.rollout_pods, s.want),
+                timeout_s,
+                at,
+            )
+            if pool_ready_now
+            else None
+        )
+        or (("LearnerStalled", stalled) if stalled and job.spec.learner.fail_when_stalled else None)
         or (server_lost(obs.rollout_pods, s.want, timeout_s, at) if mid_run else None)
+    )
 
 
-def stall(status: dict[str, Any], job: RolloutMatchingJob, suspended: bool, learner_pods: list[dict[str, Any]],
-             now: str) -> str:
+def stall(
+    status: dict[str, Any], job: RolloutMatchingJob, suspended: bool, learner_pods: list[dict[str, Any]], now: str
+) -> str:
     """Why the running learner counts as stalled (no optimizer step for spec.learner.stallTimeout, the first one
     counted from its start), or "" when it does not. lastStepTime moves with the step the learner is on
     (status.currentStep), so a learner redoing steps below status.step after a resume is progressing."""
@@ -87,8 +111,10 @@ def stall(status: dict[str, Any], job: RolloutMatchingJob, suspended: bool, lear
         return ""
     step = status.get("currentStep", status.get("step"))
     what = f"no optimizer step since step {step}" if step else "no optimizer step since the learner started"
-    return (f"learner stalled: {what} ({int((at - since).total_seconds())}s, spec.learner.stallTimeout {limit}s); "
-            f"its logs say where it waits (kubectl logs job/{render.names(job.metadata.name)['job']})")
+    return (
+        f"learner stalled: {what} ({int((at - since).total_seconds())}s, spec.learner.stallTimeout {limit}s); "
+        f"its logs say where it waits (kubectl logs job/{render.names(job.metadata.name)['job']})"
+    )
 
 
 def shared_memory_refusal(job: RolloutMatchingJob, namespace: str, labels: dict[str, str] | None) -> str:
@@ -101,15 +127,18 @@ def shared_memory_refusal(job: RolloutMatchingJob, namespace: str, labels: dict[
     level = labels.get(PSA_ENFORCE_LABEL, "")
     if level not in _HOSTPATH_REFUSED_LEVELS:
         return ""
-    return (f"spec.sync.transport 'shm' needs a hostPath volume (the node's "
-            f"{render.shared_weights_host_path(namespace, job.metadata.name)}, shared by the learner and the "
-            f"rollout servers), which namespace {namespace}'s Pod Security level forbids "
-            f"({PSA_ENFORCE_LABEL}={level}); nothing is created: recreate the job with spec.sync.transport: grpc, "
-            f"or set the namespace's label to privileged")
+    return (
+        f"spec.sync.transport 'shm' needs a hostPath volume (the node's "
+        f"{render.shared_weights_host_path(namespace, job.metadata.name)}, shared by the learner and the "
+        f"rollout servers), which namespace {namespace}'s Pod Security level forbids "
+        f"({PSA_ENFORCE_LABEL}={level}); nothing is created: recreate the job with spec.sync.transport: grpc, "
+        f"or set the namespace's label to privileged"
+    )
 
 
-def held_since(status: dict[str, Any], learner: dict[str, Any], rollout_pods: list[dict[str, Any]],
-               replicas: int) -> dt.datetime | None:
+def held_since(
+    status: dict[str, Any], learner: dict[str, Any], rollout_pods: list[dict[str, Any]], replicas: int
+) -> dt.datetime | None:
     """Since when a queued job's pool has been Ready while its learner Job is held: the later of the pool being Ready
     (the latest Ready transition of its pods, the API's clock; status.startTime when the pods do not say) and the
     Job's last suspension (its Suspended condition: Kueue suspends a Job it preempts, which queues it again), so a
@@ -118,6 +147,9 @@ def held_since(status: dict[str, Any], learner: dict[str, Any], rollout_pods: li
     ready = pool_ready_since(rollout_pods, replicas) or parse_time(status.get("startTime"))
     if ready is None:
         return None
-    held = [parse_time(c.get("lastTransitionTime")) for c in (learner.get("status") or {}).get("conditions") or []
-            if c.get("type") == "Suspended" and c.get("status") == "True"]
+    held = [
+        parse_time(c.get("lastTransitionTime"))
+        for c in (learner.get("status") or {}).get("conditions") or []
+        if c.get("type") == "Suspended" and c.get("status") == "True"
+    ]
     return max([ready, *[t for t in held if t is not None]])

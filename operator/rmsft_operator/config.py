@@ -34,13 +34,13 @@ def _pull_policy(name: str, default: str) -> str:
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    resync_seconds: float = 30.0        # periodic reconcile of every job (safety net for missed events)
+    resync_seconds: float = 30.0  # periodic reconcile of every job (safety net for missed events)
     retry_backoff_seconds: float = 5.0  # kopf handler retry delay after a failed reconcile
-    api_retries: int = 3                # in-place retries of one API call on 5xx/429/connection errors
-    api_backoff_seconds: float = 0.5    # first in-place retry delay (doubles each time)
-    consistency_seconds: float = 5.0    # kopf: wait this long for its own patch to come back
+    api_retries: int = 3  # in-place retries of one API call on 5xx/429/connection errors
+    api_backoff_seconds: float = 0.5  # first in-place retry delay (doubles each time)
+    consistency_seconds: float = 5.0  # kopf: wait this long for its own patch to come back
     watch_timeout_seconds: float = 300  # server-side watch timeout (reconnects after it)
-    metrics_port: int = 8080            # 0 disables the operator's /metrics endpoint
+    metrics_port: int = 8080  # 0 disables the operator's /metrics endpoint
     # kopf's cluster scanning lists namespaces and CRDs cluster-wide; a namespaced install (and
     # the kmock tests) turn it off and watch the exact namespaces given on the command line.
     scanning: bool = True
@@ -66,8 +66,7 @@ class OperatorConfig:
             consistency_seconds=_float("RMSFT_OPERATOR_CONSISTENCY_SECONDS", cls.consistency_seconds),
             watch_timeout_seconds=_float("RMSFT_OPERATOR_WATCH_TIMEOUT_SECONDS", cls.watch_timeout_seconds),
             metrics_port=int(_float("RMSFT_OPERATOR_METRICS_PORT", cls.metrics_port)),
-            progress_timeout_seconds=_float("RMSFT_OPERATOR_PROGRESS_TIMEOUT_SECONDS",
-                                            cls.progress_timeout_seconds),
+            progress_timeout_seconds=_float("RMSFT_OPERATOR_PROGRESS_TIMEOUT_SECONDS", cls.progress_timeout_seconds),
             image=os.environ.get("RMSFT_OPERATOR_IMAGE", "").strip(),
             image_pull_policy=_pull_policy("RMSFT_OPERATOR_IMAGE_PULL_POLICY", cls.image_pull_policy),
             scanning=os.environ.get("RMSFT_OPERATOR_SCANNING", "true").lower() not in ("0", "false", "no"),

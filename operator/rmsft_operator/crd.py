@@ -26,8 +26,15 @@ from rmsft_operator.crd_rules import DURATION_FIELDS, LOCAL_RULES, SPEC_RULES, d
 
 SHORT_NAMES = ["rmj"]
 PHASES = ["Pending", "Starting", "Running", "Complete", "Failed", "Invalid"]
-CONDITION_TYPES = ["RolloutReady", "LearnerRunning", "Progressing", "Complete", "Failed", "InvalidSpec",
-                   "CheckpointsDurable"]
+CONDITION_TYPES = [
+    "RolloutReady",
+    "LearnerRunning",
+    "Progressing",
+    "Complete",
+    "Failed",
+    "InvalidSpec",
+    "CheckpointsDurable",
+]
 
 # Bounds that keep the API server's CEL cost estimate finite (unbounded strings/lists make
 # `self == oldSelf` rules "too expensive" and the CRD would be refused).
@@ -58,8 +65,7 @@ def _to_openapi(node: dict[str, Any]) -> dict[str, Any]:
     if sorted(o.get("type", "") for o in node.get("anyOf", [])) == ["integer", "string"]:
         # int | str (seconds or a duration): Kubernetes' int-or-string, the one union a structural schema has.
         # Its form is checked by a CEL rule (duration_rule), which a plain pattern cannot do for an integer.
-        return {**{k: node[k] for k in ("description", "default") if k in node},
-                "x-kubernetes-int-or-string": True}
+        return {**{k: node[k] for k in ("description", "default") if k in node}, "x-kubernetes-int-or-string": True}
     if "anyOf" in node:  # Optional[X] -> X (absent means None)
         options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
         if len(options) != 1:
@@ -69,8 +75,20 @@ def _to_openapi(node: dict[str, Any]) -> dict[str, Any]:
         if default is not None:
             node["default"] = default
     out: dict[str, Any] = {}
-    for key in ("description", "type", "enum", "default", "pattern", "minLength", "maxLength",
-                "minimum", "maximum", "minItems", "maxItems", "required"):
+    for key in (
+        "description",
+        "type",
+        "enum",
+        "default",
+        "pattern",
+        "minLength",
+        "maxLength",
+        "minimum",
+        "maximum",
+        "minItems",
+        "maxItems",
+        "required",
+    ):
         if key in node:
             out[key] = node[key]
     if "const" in node:
@@ -93,8 +111,7 @@ def _to_openapi(node: dict[str, Any]) -> dict[str, Any]:
         for name, sub in node["properties"].items():
             conv = _to_openapi(sub)
             optional_object = "anyOf" in sub
-            if conv.get("type") == "object" and name not in required and "default" not in conv \
-                    and not optional_object:
+            if conv.get("type") == "object" and name not in required and "default" not in conv and not optional_object:
                 # An omitted section gets its nested defaults. Written out in full, not as `{}`:
                 # the API server checks every declared default against the schema and its CEL
                 # rules exactly as written, without filling in nested defaults first, so `{}`
@@ -141,12 +158,14 @@ def spec_schema() -> dict[str, Any]:
                 if "default" not in fsub:
                     # A field's own transition rule runs only when both old and new values exist,
                     # so adding or removing an optional field needs a rule on its parent.
-                    sub.setdefault("x-kubernetes-validations", []).append({
-                        "rule": f"has(self.{field}) == has(oldSelf.{field})",
-                        "message": f"spec.rollout.{field} is immutable once the job exists "
-                                   "(it cannot be added or removed)",
-                        "fieldPath": f".{field}",
-                    })
+                    sub.setdefault("x-kubernetes-validations", []).append(
+                        {
+                            "rule": f"has(self.{field}) == has(oldSelf.{field})",
+                            "message": f"spec.rollout.{field} is immutable once the job exists "
+                            "(it cannot be added or removed)",
+                            "fieldPath": f".{field}",
+                        }
+                    )
         else:
             _immutable(sub, f"spec.{section}")
     return schema
@@ -167,59 +186,95 @@ def status_schema() -> dict[str, Any]:
         "required": ["type", "status"],
         "description": "One aspect of the job's state.",
         "properties": {
-            "type": {"type": "string", "enum": CONDITION_TYPES, "description": "The aspect: " + ", ".join(
-                CONDITION_TYPES) + "."},
+            "type": {
+                "type": "string",
+                "enum": CONDITION_TYPES,
+                "description": "The aspect: " + ", ".join(CONDITION_TYPES) + ".",
+            },
             "status": {"type": "string", "enum": ["True", "False", "Unknown"], "description": "Whether it holds."},
             "reason": {"type": "string", "maxLength": 256, "description": "Why, in one CamelCase word."},
             "message": {"type": "string", "maxLength": 4096, "description": "Why, in words a person can act on."},
-            "lastTransitionTime": {"type": "string", "format": "date-time",
-                                   "description": "When status last changed."},
-            "observedGeneration": {"type": "integer", "minimum": 0,
-                                   "description": "The metadata.generation the condition was set from."},
+            "lastTransitionTime": {"type": "string", "format": "date-time", "description": "When status last changed."},
+            "observedGeneration": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "The metadata.generation the condition was set from.",
+            },
         },
     }
     return {
         "type": "object",
         "description": "What the operator observed, written by the operator.",
         "properties": {
-            "phase": {"type": "string", "enum": PHASES, "description": "Pending (no rollout server Ready yet), "
-                      "Starting (servers coming up, or the learner resumed and its pod not running yet), Running "
-                      "(learner pod running), Complete (the learner Job succeeded), Failed (the learner Job failed), "
-                      "Invalid (the spec was refused)."},
+            "phase": {
+                "type": "string",
+                "enum": PHASES,
+                "description": "Pending (no rollout server Ready yet), "
+                "Starting (servers coming up, or the learner resumed and its pod not running yet), Running "
+                "(learner pod running), Complete (the learner Job succeeded), Failed (the learner Job failed), "
+                "Invalid (the spec was refused).",
+            },
             "conditions": {
-                "type": "array", "items": condition, "maxItems": 16,
-                "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"],
+                "type": "array",
+                "items": condition,
+                "maxItems": 16,
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["type"],
                 "description": "RolloutReady, LearnerRunning, Progressing, Complete, Failed, InvalidSpec and "
                 "CheckpointsDurable, each with its reason and message.",
             },
-            "observedGeneration": {"type": "integer", "minimum": 0,
-                                   "description": "The metadata.generation this status was computed from."},
+            "observedGeneration": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "The metadata.generation this status was computed from.",
+            },
             "rolloutReplicas": {"type": "integer", "minimum": 0, "description": "Rollout servers wanted now."},
-            "releasedRolloutReplicas": {"type": "integer", "minimum": 0,
-                                        "description": "Rollout servers given back mid-run: not Ready for "
-                                                       "spec.rollout.startupTimeout (condition RolloutReady, reason "
-                                                       "ServerLost)."},
+            "releasedRolloutReplicas": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "Rollout servers given back mid-run: not Ready for "
+                "spec.rollout.startupTimeout (condition RolloutReady, reason "
+                "ServerLost).",
+            },
             "readyRolloutReplicas": {"type": "integer", "minimum": 0, "description": "Rollout servers Ready."},
-            "learnerAttempt": {"type": "integer", "minimum": 1,
-                               "description": "spec.learner.nodes > 1: the learner's attempt (1 first); a lost pod "
-                                              "fails the attempt and the next resumes from the newest checkpoint, up "
-                                              "to spec.learner.backoffLimit restarts."},
-            "learnerAttemptTime": {"type": "string", "format": "date-time",
-                                   "description": "spec.learner.nodes > 1: when the last failed attempt's Job was "
-                                                  "deleted (a re-created Job that a policy refuses is timed from it)."},
-            "learnerDisruptions": {"type": "integer", "minimum": 0,
-                                   "description": "spec.learner.nodes > 1: attempts run again after a disruption "
-                                                  "(eviction, drain, preemption), not counted as attempts."},
-            "learnerStartTime": {"type": "string", "format": "date-time",
-                                 "description": "When a learner pod was first seen running: from then on a pod's "
-                                                "trouble is a fault the job survives, not a failed start."},
+            "learnerAttempt": {
+                "type": "integer",
+                "minimum": 1,
+                "description": "spec.learner.nodes > 1: the learner's attempt (1 first); a lost pod "
+                "fails the attempt and the next resumes from the newest checkpoint, up "
+                "to spec.learner.backoffLimit restarts.",
+            },
+            "learnerAttemptTime": {
+                "type": "string",
+                "format": "date-time",
+                "description": "spec.learner.nodes > 1: when the last failed attempt's Job was "
+                "deleted (a re-created Job that a policy refuses is timed from it).",
+            },
+            "learnerDisruptions": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "spec.learner.nodes > 1: attempts run again after a disruption "
+                "(eviction, drain, preemption), not counted as attempts.",
+            },
+            "learnerStartTime": {
+                "type": "string",
+                "format": "date-time",
+                "description": "When a learner pod was first seen running: from then on a pod's "
+                "trouble is a fault the job survives, not a failed start.",
+            },
             "learnerActive": {"type": "integer", "minimum": 0, "description": "Active learner pods."},
             "step": {"type": "integer", "minimum": 0, "description": "Optimizer step reported by the learner."},
-            "currentStep": {"type": "integer", "minimum": 0,
-                            "description": "The step the learner is on now: after a resume it redoes steps below "
-                                           "status.step (the highest reported); spec.learner.stallTimeout reads it."},
-            "weightVersion": {"type": "integer", "minimum": 0,
-                              "description": "Weight version reported by the learner (it counts weight updates)."},
+            "currentStep": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "The step the learner is on now: after a resume it redoes steps below "
+                "status.step (the highest reported); spec.learner.stallTimeout reads it.",
+            },
+            "weightVersion": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "Weight version reported by the learner (it counts weight updates).",
+            },
             "evaluation": {
                 "type": "object",
                 "description": "The learner's last held-out evaluation (spec.training.eval); absent before the first.",
@@ -230,15 +285,26 @@ def status_schema() -> dict[str, Any]:
                     "mAP50": {**_FRACTION, "description": "COCO bbox mAP@.50."},
                 },
             },
-            "startTime": {"type": "string", "format": "date-time",
-                          "description": "When the learner was started (the rollout pool Ready)."},
-            "lastStepTime": {"type": "string", "format": "date-time",
-                             "description": "When the learner's step last moved (spec.learner.stallTimeout counts from "
-                                            "it)."},
-            "completionTime": {"type": "string", "format": "date-time",
-                               "description": "When the learner finished, successfully or not."},
-            "message": {"type": "string", "maxLength": 4096, "description": "The state in one line: the pool, the "
-                        "learner, or why the job stopped or was refused."},
+            "startTime": {
+                "type": "string",
+                "format": "date-time",
+                "description": "When the learner was started (the rollout pool Ready).",
+            },
+            "lastStepTime": {
+                "type": "string",
+                "format": "date-time",
+                "description": "When the learner's step last moved (spec.learner.stallTimeout counts from it).",
+            },
+            "completionTime": {
+                "type": "string",
+                "format": "date-time",
+                "description": "When the learner finished, successfully or not.",
+            },
+            "message": {
+                "type": "string",
+                "maxLength": 4096,
+                "description": "The state in one line: the pool, the learner, or why the job stopped or was refused.",
+            },
         },
     }
 
@@ -251,15 +317,29 @@ def build_crd() -> dict[str, Any]:
         "subresources": {"status": {}},
         "additionalPrinterColumns": [
             {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-            {"name": "Ready", "type": "integer", "jsonPath": ".status.readyRolloutReplicas",
-             "description": "Rollout servers Ready"},
+            {
+                "name": "Ready",
+                "type": "integer",
+                "jsonPath": ".status.readyRolloutReplicas",
+                "description": "Rollout servers Ready",
+            },
             {"name": "Replicas", "type": "integer", "jsonPath": ".spec.rollout.replicas"},
             {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
             # Held-out figures: `kubectl get rmj -o wide` (priority 1) keeps the default listing narrow.
-            {"name": "Eval-F1", "type": "number", "jsonPath": ".status.evaluation.f1", "priority": 1,
-             "description": "Held-out F1 at IoU spec.training.eval.iou, last evaluation"},
-            {"name": "Eval-mAP", "type": "number", "jsonPath": ".status.evaluation.mAP", "priority": 1,
-             "description": "Held-out COCO bbox mAP@[.50:.95], last evaluation"},
+            {
+                "name": "Eval-F1",
+                "type": "number",
+                "jsonPath": ".status.evaluation.f1",
+                "priority": 1,
+                "description": "Held-out F1 at IoU spec.training.eval.iou, last evaluation",
+            },
+            {
+                "name": "Eval-mAP",
+                "type": "number",
+                "jsonPath": ".status.evaluation.mAP",
+                "priority": 1,
+                "description": "Held-out COCO bbox mAP@[.50:.95], last evaluation",
+            },
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         ],
         "schema": {
@@ -273,13 +353,21 @@ def build_crd() -> dict[str, Any]:
                     # The rule sits on the name itself (not on the root, where the API server
                     # reports the field as `<nil>`); CRDs may restrict only name and generateName, and the API
                     # server refuses anything else on `metadata`, a description included.
-                    "metadata": {"type": "object", "properties": {"name": {
-                        "type": "string",
-                        "x-kubernetes-validations": [{
-                            "rule": "self.size() <= 40",
-                            "message": "metadata.name must be at most 40 characters (child names add suffixes)",
-                        }],
-                    }}},
+                    "metadata": {
+                        "type": "object",
+                        "properties": {
+                            "name": {
+                                "type": "string",
+                                "x-kubernetes-validations": [
+                                    {
+                                        "rule": "self.size() <= 40",
+                                        "message": "metadata.name must be at most 40 characters "
+                                        "(child names add suffixes)",
+                                    }
+                                ],
+                            }
+                        },
+                    },
                     "spec": spec_schema(),
                     "status": status_schema(),
                 },

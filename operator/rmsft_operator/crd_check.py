@@ -21,8 +21,10 @@ log = logging.getLogger("rmsft_operator.crd_check")
 CRD_NAME = f"{PLURAL}.{API_GROUP}"
 CRD_PATH = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{CRD_NAME}"
 REASON = "CRDVersionMismatch"
-FIX = ("apply the chart's CRD: kubectl apply --server-side -f charts/rmsft/crds/rolloutmatchingjobs.yaml "
-       "(Helm never upgrades crds/; docs/upgrade.md)")
+FIX = (
+    "apply the chart's CRD: kubectl apply --server-side -f charts/rmsft/crds/rolloutmatchingjobs.yaml "
+    "(Helm never upgrades crds/; docs/upgrade.md)"
+)
 
 
 def _properties(schema: dict[str, Any], prefix: str) -> set[str]:
@@ -62,12 +64,16 @@ def mismatch(installed: dict[str, Any] | None, own: dict[str, Any]) -> str:
     their_schema = (theirs.get("schema") or {}).get("openAPIV3Schema") or {}
     problems = []
     for part in ("status", "spec"):
-        lacks = sorted(_properties(mine_schema["properties"][part], part)
-                       - _properties((their_schema.get("properties") or {}).get(part) or {}, part))
+        lacks = sorted(
+            _properties(mine_schema["properties"][part], part)
+            - _properties((their_schema.get("properties") or {}).get(part) or {}, part)
+        )
         if lacks:
             what = "pruned from every status write" if part == "status" else "pruned from every job"
-            problems.append(f"{len(lacks)} {part} field(s) it lacks ({what}): {', '.join(lacks[:12])}"
-                            + (" ..." if len(lacks) > 12 else ""))
+            problems.append(
+                f"{len(lacks)} {part} field(s) it lacks ({what}): {', '.join(lacks[:12])}"
+                + (" ..." if len(lacks) > 12 else "")
+            )
 
     def enum(schema: dict[str, Any], *path: str) -> set[str]:
         node: Any = schema
@@ -75,15 +81,16 @@ def mismatch(installed: dict[str, Any] | None, own: dict[str, Any]) -> str:
             node = (node or {}).get(key) if isinstance(node, dict) else None
         return set((node or {}).get("enum") or []) if isinstance(node, dict) else set()
 
-    for label, path in (("condition types", ("properties", "status", "properties", "conditions", "items",
-                                             "properties", "type")),
-                        ("phases", ("properties", "status", "properties", "phase"))):
+    for label, path in (
+        ("condition types", ("properties", "status", "properties", "conditions", "items", "properties", "type")),
+        ("phases", ("properties", "status", "properties", "phase")),
+    ):
         missing = sorted(enum(mine_schema, *path) - enum(their_schema, *path))
         if missing and enum(their_schema, *path):
             problems.append(f"{label} it refuses (every status write naming one fails with 422): {', '.join(missing)}")
     if not problems:
         return ""
-    return (f"the installed CRD {CRD_NAME} is older than this operator: " + "; ".join(problems) + f"; {FIX}")
+    return f"the installed CRD {CRD_NAME} is older than this operator: " + "; ".join(problems) + f"; {FIX}"
 
 
 def check(kube: Kube, namespace: str, own: dict[str, Any]) -> str:
@@ -105,12 +112,24 @@ def check(kube: Kube, namespace: str, own: dict[str, Any]) -> str:
     log.error("%s", said)
     if namespace:
         now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        event = {"apiVersion": "v1", "kind": "Event",
-                 "metadata": {"generateName": "rmsft-crd-", "namespace": namespace},
-                 "involvedObject": {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-                                    "name": CRD_NAME, "namespace": namespace},
-                 "reason": REASON, "message": said[:1024], "type": "Warning", "count": 1,
-                 "firstTimestamp": now, "lastTimestamp": now, "source": {"component": "rmsft-operator"}}
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": "rmsft-crd-", "namespace": namespace},
+            "involvedObject": {
+                "apiVersion": "apiextensions.k8s.io/v1",
+                "kind": "CustomResourceDefinition",
+                "name": CRD_NAME,
+                "namespace": namespace,
+            },
+            "reason": REASON,
+            "message": said[:1024],
+            "type": "Warning",
+            "count": 1,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "source": {"component": "rmsft-operator"},
+        }
         try:
             kube.request("POST", f"/api/v1/namespaces/{namespace}/events", event)
         except ApiError as exc:

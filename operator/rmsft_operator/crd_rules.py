@@ -23,12 +23,13 @@ from rmsft.jobspec.pods import _LABEL_VALUE, _QUALIFIED_KEY, KUEUE_QUEUE_LABEL, 
 from rmsft.jobspec.training import INFLIGHT_STALENESS, TRAIN_COORD_ROWS_QWEN_JSON
 
 # GPUs of the rollout pool: none with colocate (the engine shares the learner's); replicas unset = 1 server.
-_POOL_GPUS = ("(self.rollout.mode == 'colocate' ? 0 : (has(self.rollout.replicas) ? self.rollout.replicas : 1) "
-              "* self.rollout.tensorParallelSize)")
+_POOL_GPUS = (
+    "(self.rollout.mode == 'colocate' ? 0 : (has(self.rollout.replicas) ? self.rollout.replicas : 1) "
+    "* self.rollout.tensorParallelSize)"
+)
 _COLOCATE = "self.rollout.mode != 'colocate' || "
 # training.loss.logits other than fused (its default is auto): rmsft.jobspec.job's LOGITS_FUSED_* rules.
-_NOT_FUSED = ("!has(self.training.loss) || !has(self.training.loss.logits) || self.training.loss.logits != 'fused' "
-              "|| ")
+_NOT_FUSED = "!has(self.training.loss) || !has(self.training.loss.logits) || self.training.loss.logits != 'fused' || "
 
 # spec.rollout.startupTimeout and recoveryTimeout as rmsft.jobspec.duration_seconds reads them: seconds >= 1, or a
 # duration of hours/minutes/seconds that is not all zeros. The length bound keeps the rule's cost estimate finite.
@@ -251,32 +252,57 @@ LOCAL_RULES: dict[str, list[dict[str, str]]] = {
     ],
     "rollout": [
         {"rule": "self.port != self.metricsPort", "message": "spec.rollout.port and metricsPort must differ"},
-        {"rule": "self.mode != 'colocate' || !has(self.replicas) || self.replicas == 0",
-         "message": COLOCATE_REPLICAS, "fieldPath": ".replicas"},
+        {
+            "rule": "self.mode != 'colocate' || !has(self.replicas) || self.replicas == 0",
+            "message": COLOCATE_REPLICAS,
+            "fieldPath": ".replicas",
+        },
         {"rule": "self.mode != 'colocate' || !has(self.tls)", "message": TLS_COLOCATE, "fieldPath": ".tls"},
-        {"rule": "!has(self.tls) || (self.tls.healthPort != self.port && self.tls.healthPort != self.metricsPort)",
-         "message": TLS_HEALTH_PORT, "fieldPath": ".tls.healthPort"},
+        {
+            "rule": "!has(self.tls) || (self.tls.healthPort != self.port && self.tls.healthPort != self.metricsPort)",
+            "message": TLS_HEALTH_PORT,
+            "fieldPath": ".tls.healthPort",
+        },
     ],
     "training.rollout": [
-        {"rule": "!self.inflight || self.max_staleness >= 1", "message": INFLIGHT_STALENESS,
-         "fieldPath": ".inflight"},
+        {"rule": "!self.inflight || self.max_staleness >= 1", "message": INFLIGHT_STALENESS, "fieldPath": ".inflight"},
     ],
     "training.grpo": [
-        {"rule": "self.correction != 'none' || (!has(self.correction_low) && !has(self.correction_high))",
-         "message": CORRECTION_NONE_BOUNDS, "fieldPath": ".correction"},
-        {"rule": "self.correction != 'tis' || !has(self.correction_low)", "message": CORRECTION_TIS_LOW,
-         "fieldPath": ".correction_low"},
-        {"rule": "!has(self.overlong_buffer) || self.overlong_buffer < self.max_tokens", "message": OVERLONG_BUFFER,
-         "fieldPath": ".overlong_buffer"},
+        {
+            "rule": "self.correction != 'none' || (!has(self.correction_low) && !has(self.correction_high))",
+            "message": CORRECTION_NONE_BOUNDS,
+            "fieldPath": ".correction",
+        },
+        {
+            "rule": "self.correction != 'tis' || !has(self.correction_low)",
+            "message": CORRECTION_TIS_LOW,
+            "fieldPath": ".correction_low",
+        },
+        {
+            "rule": "!has(self.overlong_buffer) || self.overlong_buffer < self.max_tokens",
+            "message": OVERLONG_BUFFER,
+            "fieldPath": ".overlong_buffer",
+        },
     ],
     "training": [
         {"rule": "self.warmup_steps <= self.steps", "message": "spec.training.warmup_steps exceeds steps"},
-        {"rule": "!has(self.report_to) || self.report_to.all(t, self.report_to.exists_one(u, u == t))",
-         "message": REPORT_TO_TWICE, "fieldPath": ".report_to"},
-        *({"rule": f"self.recipe.generation == 2 || !has(self.recipe.{name})",
-           "message": RECIPE_SECOND_ONLY.format(name=name)} for name in RecipeConfig.SECOND_ONLY),
-        {"rule": "!has(self.recipe.explorers) || self.recipe.explorers.count == 0 "
-                 "|| self.rollout.max_staleness == 0", "message": RECIPE_EXPLORERS_STALENESS},
+        {
+            "rule": "!has(self.report_to) || self.report_to.all(t, self.report_to.exists_one(u, u == t))",
+            "message": REPORT_TO_TWICE,
+            "fieldPath": ".report_to",
+        },
+        *(
+            {
+                "rule": f"self.recipe.generation == 2 || !has(self.recipe.{name})",
+                "message": RECIPE_SECOND_ONLY.format(name=name),
+            }
+            for name in RecipeConfig.SECOND_ONLY
+        ),
+        {
+            "rule": "!has(self.recipe.explorers) || self.recipe.explorers.count == 0 "
+            "|| self.rollout.max_staleness == 0",
+            "message": RECIPE_EXPLORERS_STALENESS,
+        },
         {
             "rule": "(has(self.format) && self.format == 'qwen_json') || !has(self.format_options) "
             "|| !has(self.format_options.coordinates) || self.format_options.coordinates == 'relative'",
@@ -294,23 +320,43 @@ LOCAL_RULES: dict[str, list[dict[str, str]]] = {
         },
     ],
     "scheduling": [
-        *({"rule": f"!has(self.{field}) || self.{field}.all(k, "
-                   + " && ".join(f"!k.startsWith('{pre}')" for pre in RESERVED_KEY_PREFIXES) + ")",
-           "message": f"spec.scheduling.{field}: keys under {', '.join(RESERVED_KEY_PREFIXES)} are rmsft's own (the "
-                      "operator sets them on its pods)", "fieldPath": f".{field}"}
-          for field in ("podLabels", "podAnnotations")),
-        *({"rule": f"!has(self.{field}) || self.{field}.all(k, k.size() <= 253 && k.matches('{_QUALIFIED_KEY}'))",
-           "message": f"spec.scheduling.{field}: a key is not a Kubernetes qualified name (prefix/name)",
-           "fieldPath": f".{field}"} for field in ("podLabels", "podAnnotations")),
-        {"rule": "!has(self.podLabels) || self.podLabels.all(k, self.podLabels[k].size() <= 63 && "
-                 f"self.podLabels[k].matches('{_LABEL_VALUE}'))",
-         "message": "spec.scheduling.podLabels: a value is not a label value (<= 63 chars: letters, digits, -_. "
-                    "inside)", "fieldPath": ".podLabels"},
-        {"rule": f"!has(self.podLabels) || !('{KUEUE_QUEUE_LABEL}' in self.podLabels)",
-         "message": f"spec.scheduling.podLabels: {KUEUE_QUEUE_LABEL} goes on the job's workloads, not its pods: set "
-                    "spec.scheduling.queueName", "fieldPath": ".podLabels"},
-        {"rule": f"!has(self.learnerTopologyKey) || self.learnerTopologyKey.matches('{_QUALIFIED_KEY}')",
-         "message": "spec.scheduling.learnerTopologyKey is not a node label key", "fieldPath": ".learnerTopologyKey"},
+        *(
+            {
+                "rule": f"!has(self.{field}) || self.{field}.all(k, "
+                + " && ".join(f"!k.startsWith('{pre}')" for pre in RESERVED_KEY_PREFIXES)
+                + ")",
+                "message": f"spec.scheduling.{field}: keys under {', '.join(RESERVED_KEY_PREFIXES)} "
+                "are rmsft's own (the operator sets them on its pods)",
+                "fieldPath": f".{field}",
+            }
+            for field in ("podLabels", "podAnnotations")
+        ),
+        *(
+            {
+                "rule": f"!has(self.{field}) || self.{field}.all(k, k.size() <= 253 && k.matches('{_QUALIFIED_KEY}'))",
+                "message": f"spec.scheduling.{field}: a key is not a Kubernetes qualified name (prefix/name)",
+                "fieldPath": f".{field}",
+            }
+            for field in ("podLabels", "podAnnotations")
+        ),
+        {
+            "rule": "!has(self.podLabels) || self.podLabels.all(k, self.podLabels[k].size() <= 63 && "
+            f"self.podLabels[k].matches('{_LABEL_VALUE}'))",
+            "message": "spec.scheduling.podLabels: a value is not a label value (<= 63 chars: letters, digits, -_. "
+            "inside)",
+            "fieldPath": ".podLabels",
+        },
+        {
+            "rule": f"!has(self.podLabels) || !('{KUEUE_QUEUE_LABEL}' in self.podLabels)",
+            "message": f"spec.scheduling.podLabels: {KUEUE_QUEUE_LABEL} goes on the job's workloads, not its pods: set "
+            "spec.scheduling.queueName",
+            "fieldPath": ".podLabels",
+        },
+        {
+            "rule": f"!has(self.learnerTopologyKey) || self.learnerTopologyKey.matches('{_QUALIFIED_KEY}')",
+            "message": "spec.scheduling.learnerTopologyKey is not a node label key",
+            "fieldPath": ".learnerTopologyKey",
+        },
     ],
     "model.vision": [
         {

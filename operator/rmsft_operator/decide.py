@@ -58,17 +58,30 @@ class _Pass:
     released: int = 0  # servers given back mid-run by earlier passes (status.releasedRolloutReplicas)
 
     def cond(self, ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
-        return condition(self.obs.status.get("conditions") or [], ctype, ok, reason, message, self.obs.generation,
-                         self.now)
+        return condition(
+            self.obs.status.get("conditions") or [], ctype, ok, reason, message, self.obs.generation, self.now
+        )
 
-    def conditions(self, *, rollout: Said, learner: Said, complete: Said, failed: Said,
-                   progressing: Said | None = None) -> list[dict[str, Any]]:
+    def conditions(
+        self, *, rollout: Said, learner: Said, complete: Said, failed: Said, progressing: Said | None = None
+    ) -> list[dict[str, Any]]:
         """decision.conditions, with this pass's InvalidSpec (an edit refused, or the spec accepted)."""
-        invalid = (bool(self.refused), "ImmutableFieldChanged" if self.refused else "SpecValid",
-                   self.refused or "spec accepted")
-        return conditions(self.obs.status.get("conditions") or [], self.obs.generation, self.now, rollout=rollout,
-                          learner=learner, progressing=progressing, complete=complete, failed=failed,
-                          invalid=invalid)
+        invalid = (
+            bool(self.refused),
+            "ImmutableFieldChanged" if self.refused else "SpecValid",
+            self.refused or "spec accepted",
+        )
+        return conditions(
+            self.obs.status.get("conditions") or [],
+            self.obs.generation,
+            self.now,
+            rollout=rollout,
+            learner=learner,
+            progressing=progressing,
+            complete=complete,
+            failed=failed,
+            invalid=invalid,
+        )
 
     def old_reason(self, ctype: str) -> Any:
         old: list[dict[str, Any]] = self.obs.status.get("conditions") or []
@@ -140,25 +153,44 @@ def _read(obs: Observed, now: str) -> _Pass | Decision:
     """1. Validate (an API server without the CRD's validation may let anything through); 2. refuse the edits that
     cannot be applied in place (the job keeps running as applied); 3c. servers given back mid-run stay given back."""
     try:
-        job = parse_job({"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
-                         "metadata": {"name": obs.name, "namespace": obs.namespace}, "spec": obs.spec})
+        job = parse_job(
+            {
+                "apiVersion": f"{API_GROUP}/{API_VERSION}",
+                "kind": KIND,
+                "metadata": {"name": obs.name, "namespace": obs.namespace},
+                "spec": obs.spec,
+            }
+        )
     except JobSpecError as exc:
         msg = "; ".join(exc.errors)
-        invalid = condition(obs.status.get("conditions") or [], "InvalidSpec", True, "SpecInvalid", msg,
-                            obs.generation, now)
+        invalid = condition(
+            obs.status.get("conditions") or [], "InvalidSpec", True, "SpecInvalid", msg, obs.generation, now
+        )
         return Decision("Invalid", {"conditions": [invalid], "message": msg})
     job, refused = _applied(obs, job)
     released = _released(obs, job)
-    p = _Pass(obs, now, parse_time(now) or dt.datetime.now(dt.UTC), _without(job, released), refused,
-              n=render.names(obs.name), released=released)
+    p = _Pass(
+        obs,
+        now,
+        parse_time(now) or dt.datetime.now(dt.UTC),
+        _without(job, released),
+        refused,
+        n=render.names(obs.name),
+        released=released,
+    )
     # Where the checkpoints live, said where users look (kubectl describe, the conditions): without a claim, a
     # learner pod lost (evicted, its node gone) takes them along, and its retry starts again from step 0.
     claim, ck_dir = job.spec.learner.checkpoint_claim, job.spec.training.checkpoint.dir
     cadence = render.checkpoint_cadence(job)  # a job that saves only at the end says so here too (issue 60)
-    p.durable = p.cond("CheckpointsDurable", bool(claim), "OnClaim" if claim else "NoCheckpointClaim",
-                       f"checkpoints in {ck_dir} on PersistentVolumeClaim {claim}; {cadence}" if claim else
-                       f"no spec.learner.checkpointClaim: checkpoints in {ck_dir} live in an emptyDir of the learner "
-                       f"pod and are lost with it; its retry starts again from step 0; {cadence}")
+    p.durable = p.cond(
+        "CheckpointsDurable",
+        bool(claim),
+        "OnClaim" if claim else "NoCheckpointClaim",
+        f"checkpoints in {ck_dir} on PersistentVolumeClaim {claim}; {cadence}"
+        if claim
+        else f"no spec.learner.checkpointClaim: checkpoints in {ck_dir} live in an emptyDir of the learner "
+        f"pod and are lost with it; its retry starts again from step 0; {cadence}",
+    )
     return p
 
 
@@ -179,16 +211,21 @@ def _applied(obs: Observed, job: RolloutMatchingJob) -> tuple[RolloutMatchingJob
     if not changed:
         return job, ""
     applied.spec.rollout.replicas = job.spec.rollout.replicas
-    return applied, (f"{', '.join(changed)} cannot change once the job exists (only spec.rollout.replicas can); "
-                     "revert the edit, or delete and recreate the job")
+    return applied, (
+        f"{', '.join(changed)} cannot change once the job exists (only spec.rollout.replicas can); "
+        "revert the edit, or delete and recreate the job"
+    )
 
 
 def _released(obs: Observed, job: RolloutMatchingJob) -> int:
     """3c. Servers given back mid-run (5c) stay given back: the pool and the learner's server list are rendered
     without them, so no pass scales them up again and the learner stops probing them."""
     assert job.spec.rollout.replicas is not None, "RolloutSpec's validator sets replicas (0 for colocate, else >= 1)"
-    return 0 if job.spec.rollout.colocated else max(0, min(int(obs.status.get("releasedRolloutReplicas") or 0),
-                                                           job.spec.rollout.replicas - 1))
+    return (
+        0
+        if job.spec.rollout.colocated
+        else max(0, min(int(obs.status.get("releasedRolloutReplicas") or 0), job.spec.rollout.replicas - 1))
+    )
 
 
 def _without(job: RolloutMatchingJob, released: int) -> RolloutMatchingJob:
@@ -234,19 +271,28 @@ def _hold(p: _Pass) -> Decision | None:
         return _held(p, SHARED_MEMORY_FORBIDDEN, forbidden)
     if obs.foreign:
         named = ", ".join(f"{api_kind(kind)} {name}" for kind, name in sorted(obs.foreign.items()))
-        return _held(p, "NameConflict", f"{named} already exists in namespace {obs.namespace} and is not this job's "
-                     "(no controller reference to it): rmsft does not adopt or replace objects it did not create; "
-                     "delete or rename it, or recreate the job under another name")
+        return _held(
+            p,
+            "NameConflict",
+            f"{named} already exists in namespace {obs.namespace} and is not this job's "
+            "(no controller reference to it): rmsft does not adopt or replace objects it did not create; "
+            "delete or rename it, or recreate the job under another name",
+        )
     return None
 
 
 def _held(p: _Pass, reason: str, message: str) -> Decision:
     """Pending with nothing created, saying why (the Warning event once, not on every pass)."""
     said = (False, reason, message)
-    status = {"rolloutReplicas": p.job.spec.rollout.replicas, "readyRolloutReplicas": 0, "learnerActive": 0,
-              "message": message, "conditions": p.conditions(rollout=said, learner=said,
-                                                             complete=(False, "NotComplete", message),
-                                                             failed=(False, "NotFailed", message))}
+    status = {
+        "rolloutReplicas": p.job.spec.rollout.replicas,
+        "readyRolloutReplicas": 0,
+        "learnerActive": 0,
+        "message": message,
+        "conditions": p.conditions(
+            rollout=said, learner=said, complete=(False, "NotComplete", message), failed=(False, "NotFailed", message)
+        ),
+    }
     d = Decision("Pending", status)
     if p.old_reason("RolloutReady") != reason:
         d.events.append(("Warning", reason, message))
@@ -298,20 +344,44 @@ def _classify(p: _Pass, desired: dict[str, dict[str, Any]]) -> _State:
     # again were the operator to suspend it): the operator never touches it, and stops a learner by deleting its Job.
     queued = bool(job.spec.scheduling.queue_name)
     colocated = job.spec.rollout.colocated  # no pool: the engine is in the learner's ranks
-    return _State(sts=sts, learner=learner, want=want, ready=int((sts.get("status") or {}).get("readyReplicas") or 0),
-                  succeeded=succeeded, failed=failed, why=why, suspended=suspended, queued=queued,
-                  colocated=colocated,
-                  pool_starting=not colocated and (not obs.status.get("startTime") if queued else suspended))
+    return _State(
+        sts=sts,
+        learner=learner,
+        want=want,
+        ready=int((sts.get("status") or {}).get("readyReplicas") or 0),
+        succeeded=succeeded,
+        failed=failed,
+        why=why,
+        suspended=suspended,
+        queued=queued,
+        colocated=colocated,
+        pool_starting=not colocated and (not obs.status.get("startTime") if queued else suspended),
+    )
 
 
 def _carry_status(p: _Pass, s: _State, status: dict[str, Any]) -> None:
     """The status this pass starts from: the pool's and the learner's counts, what earlier passes recorded, and the
     learner's progress (never going back)."""
     obs, old, now = p.obs, p.obs.status, p.now
-    status.update({"rolloutReplicas": s.want, "readyRolloutReplicas": s.ready,
-                   "learnerActive": int((s.learner.get("status") or {}).get("active") or 0)})
-    for key in ("startTime", "completionTime", "step", "weightVersion", "evaluation", "lastStepTime", "currentStep",
-                "learnerStartTime", "learnerAttemptTime", "learnerDisruptions"):
+    status.update(
+        {
+            "rolloutReplicas": s.want,
+            "readyRolloutReplicas": s.ready,
+            "learnerActive": int((s.learner.get("status") or {}).get("active") or 0),
+        }
+    )
+    for key in (
+        "startTime",
+        "completionTime",
+        "step",
+        "weightVersion",
+        "evaluation",
+        "lastStepTime",
+        "currentStep",
+        "learnerStartTime",
+        "learnerAttemptTime",
+        "learnerDisruptions",
+    ):
         if key in old:
             status[key] = old[key]
     status.update(_monotonic_progress(old, obs.progress, learner_final_progress(obs.learner_pods)))
@@ -333,8 +403,11 @@ def _carry_status(p: _Pass, s: _State, status: dict[str, Any]) -> None:
         status.setdefault("learnerStartTime", now)
     if p.job.spec.learner.nodes > 1:
         status["learnerAttempt"] = int(old.get("learnerAttempt") or 1)
-    s.seen_running = bool(status.get("learnerStartTime")) or status.get("step") is not None \
+    s.seen_running = (
+        bool(status.get("learnerStartTime"))
+        or status.get("step") is not None
         or int(old.get("learnerAttempt") or 1) > 1
+    )
     s.ran = s.seen_running or int((s.learner.get("status") or {}).get("failed") or 0) >= 1
 
 
@@ -351,8 +424,13 @@ def _finished(p: _Pass, s: _State, d: Decision) -> Decision | None:
     no pod of the old world may still hold the rendezvous name or the checkpoint folder), and the next pass creates
     it again. Pods that never stop (a lost node) fail the job after their grace period (attempt_not_stopping)."""
     job, status = p.job, d.status
-    if s.failed and job.spec.learner.nodes > 1 and not _preflight(p, s) \
-            and not refused_configuration(p.obs.learner_pods) and not _not_stopping(p, s):
+    if (
+        s.failed
+        and job.spec.learner.nodes > 1
+        and not _preflight(p, s)
+        and not refused_configuration(p.obs.learner_pods)
+        and not _not_stopping(p, s)
+    ):
         attempt = int(status["learnerAttempt"])
         gone = disrupted(s.learner, p.obs.learner_pods)
         if attempt <= job.spec.learner.backoff_limit or gone:
@@ -367,24 +445,29 @@ def _finished(p: _Pass, s: _State, d: Decision) -> Decision | None:
         complete=(s.succeeded, "LearnerSucceeded" if s.succeeded else "NotComplete", message),
         failed=(s.failed, "LearnerFailed" if s.failed else "NotFailed", message),
         learner=(False, "LearnerFinished", message),
-        rollout=(False, "PoolScaledDown", "no rollout pool (colocate)" if s.colocated else
-                 "rollout pool scaled to zero"))
+        rollout=(
+            False,
+            "PoolScaledDown",
+            "no rollout pool (colocate)" if s.colocated else "rollout pool scaled to zero",
+        ),
+    )
     return d
 
 
 def _preflight(p: _Pass, s: _State) -> tuple[str, str] | None:
     """A model preflight's refusal. A learner pod whose preflight refused the model never ran, though the Job counts
     it failed: the preflight's verdict holds until a learner pod was seen running."""
-    return preflight_failure(p.obs.rollout_pods if s.pool_starting or s.colocated else [],
-                             [] if s.seen_running else p.obs.learner_pods)
+    return preflight_failure(
+        p.obs.rollout_pods if s.pool_starting or s.colocated else [], [] if s.seen_running else p.obs.learner_pods
+    )
 
 
 def _not_stopping(p: _Pass, s: _State) -> tuple[str, str] | None:
-    if not (s.failed and p.job.spec.learner.nodes > 1) or _preflight(p, s) \
-            or refused_configuration(p.obs.learner_pods):
+    if not (s.failed and p.job.spec.learner.nodes > 1) or _preflight(p, s) or refused_configuration(p.obs.learner_pods):
         return None
-    return attempt_not_stopping(s.learner, p.obs.learner_pods, p.job.spec.learner.termination_grace_period_seconds,
-                                p.at)
+    return attempt_not_stopping(
+        s.learner, p.obs.learner_pods, p.job.spec.learner.termination_grace_period_seconds, p.at
+    )
 
 
 def _scale_to_zero(p: _Pass, s: _State, d: Decision) -> None:
@@ -400,24 +483,45 @@ def _failed_or_running(p: _Pass, s: _State, d: Decision) -> Decision:
     not started: an expired registry token) is retried after the start's own clock: the pod deleted, which the Job
     controller counts against spec.learner.backoffLimit and replaces; the attempts bound it, not a verdict now."""
     stalled = stall(d.status, p.job, s.suspended, p.obs.learner_pods, p.now)
-    failure = _preflight(p, s) or _not_stopping(p, s) or clock_failure(
-        p.obs, p.job, d.status, _clock_inputs(s), stalled, p.at)
-    retry = stuck_learner_pod(p.obs.learner_pods, p.job.spec.rollout.startup_timeout_seconds, p.at) \
-        if s.ran and not failure and not s.suspended else None
+    failure = (
+        _preflight(p, s)
+        or _not_stopping(p, s)
+        or clock_failure(p.obs, p.job, d.status, _clock_inputs(s), stalled, p.at)
+    )
+    retry = (
+        stuck_learner_pod(p.obs.learner_pods, p.job.spec.rollout.startup_timeout_seconds, p.at)
+        if s.ran and not failure and not s.suspended
+        else None
+    )
     if retry:
         pod_meta = retry[2].get("metadata") or {}
         d.deletes.append(Delete("Pod", pod_meta.get("name", ""), pod_meta.get("uid", "")))
-        d.events.append(("Warning", "LearnerPodRetried", f"{retry[1]}; mid-run: the pod is deleted and the learner "
-                         f"Job retries it (counted against spec.learner.backoffLimit "
-                         f"{p.job.spec.learner.backoff_limit})"))
+        d.events.append(
+            (
+                "Warning",
+                "LearnerPodRetried",
+                f"{retry[1]}; mid-run: the pod is deleted and the learner "
+                f"Job retries it (counted against spec.learner.backoffLimit "
+                f"{p.job.spec.learner.backoff_limit})",
+            )
+        )
     if failure:
         return _failed(p, s, d, *failure)
     return _running(p, s, d, stalled)
 
 
 def _clock_inputs(s: _State) -> ClockInputs:
-    return ClockInputs(sts=s.sts, learner=s.learner, want=s.want, ready=s.ready, suspended=s.suspended,
-                       queued=s.queued, colocated=s.colocated, pool_starting=s.pool_starting, ran=s.ran)
+    return ClockInputs(
+        sts=s.sts,
+        learner=s.learner,
+        want=s.want,
+        ready=s.ready,
+        suspended=s.suspended,
+        queued=s.queued,
+        colocated=s.colocated,
+        pool_starting=s.pool_starting,
+        ran=s.ran,
+    )
 
 
 def _failed(p: _Pass, s: _State, d: Decision, reason: str, message: str) -> Decision:
@@ -430,10 +534,15 @@ def _failed(p: _Pass, s: _State, d: Decision, reason: str, message: str) -> Deci
     d.status["message"] = message
     learner_reason = reason if reason in LEARNER_REASONS else "Suspended"
     d.status["conditions"] = p.conditions(
-        complete=(False, "NotComplete", message), failed=(True, reason, message),
+        complete=(False, "NotComplete", message),
+        failed=(True, reason, message),
         learner=(False, learner_reason, message),
-        rollout=(False, "PoolScaledDown", "no rollout pool (colocate)" if s.colocated else
-                 "rollout pool scaled to zero"))
+        rollout=(
+            False,
+            "PoolScaledDown",
+            "no rollout pool (colocate)" if s.colocated else "rollout pool scaled to zero",
+        ),
+    )
     d.phase = "Failed"
     return d
 
@@ -446,8 +555,7 @@ def _running(p: _Pass, s: _State, d: Decision, stalled: str) -> Decision:
     the pool to the spec; resume the learner once every server is Ready. 7. Say what holds the job up."""
     status, want, released = d.status, s.want, p.released
     mid_run = not s.colocated and not s.suspended and bool(status.get("startTime"))
-    lost = lost_servers(p.obs.rollout_pods, want, p.job.spec.rollout.startup_timeout_seconds, p.at) \
-        if mid_run else None
+    lost = lost_servers(p.obs.rollout_pods, want, p.job.spec.rollout.startup_timeout_seconds, p.at) if mid_run else None
     if lost:
         want -= lost[0]
         released += lost[0]
@@ -475,9 +583,13 @@ def _running(p: _Pass, s: _State, d: Decision, stalled: str) -> Decision:
         progressing = (True, "StepsAdvancing", f"step {status.get('step', 0)}")
     else:
         progressing = (False, "NotStarted", learner[2])
-    status["conditions"] = p.conditions(rollout=pool, learner=learner, progressing=progressing,
-                                        complete=(False, "NotComplete", learner[2]),
-                                        failed=(False, "NotFailed", learner[2]))
+    status["conditions"] = p.conditions(
+        rollout=pool,
+        learner=learner,
+        progressing=progressing,
+        complete=(False, "NotComplete", learner[2]),
+        failed=(False, "NotFailed", learner[2]),
+    )
     status["message"] = p.refused or f"{pool[2]}; {learner[2]}"
     d.phase = "Running" if running else "Starting" if not s.suspended or s.ready else "Pending"
     return d
@@ -505,11 +617,15 @@ def _pool_said(p: _Pass, s: _State, want: int, released: int, pool_ready: bool, 
 def _learner_said(p: _Pass, s: _State) -> Said:
     """LearnerRunning: whether a learner pod runs, and what it waits for."""
     learner_ready = int((s.learner.get("status") or {}).get("ready") or 0)
-    running = not s.suspended and (learner_ready >= 1 or any(
-        (pod.get("status") or {}).get("phase") == "Running" for pod in p.obs.learner_pods))
+    running = not s.suspended and (
+        learner_ready >= 1 or any((pod.get("status") or {}).get("phase") == "Running" for pod in p.obs.learner_pods)
+    )
     if s.suspended and s.queued:
-        return False, "Queued", (f"learner Job waits for Kueue to admit it (LocalQueue "
-                                 f"{p.job.spec.scheduling.queue_name})")
+        return (
+            False,
+            "Queued",
+            (f"learner Job waits for Kueue to admit it (LocalQueue {p.job.spec.scheduling.queue_name})"),
+        )
     if s.suspended:
         return False, "Suspended", "learner waits for the rollout pool"
     if running:
@@ -535,11 +651,15 @@ def _next_attempt(p: _Pass, s: _State, d: Decision, attempt: int, disruption: bo
     DisruptionTarget: evicted, drained, preempted) is no fault of the run: the attempt is run again, not counted
     (status.learnerDisruptions counts those)."""
     limit = p.job.spec.learner.backoff_limit + 1
-    conds = {c.get("type"): c for c in (s.learner.get("status") or {}).get("conditions") or []
-             if c.get("status") == "True"}
+    conds = {
+        c.get("type"): c for c in (s.learner.get("status") or {}).get("conditions") or [] if c.get("status") == "True"
+    }
     nxt = attempt if disruption else attempt + 1
-    head = f"learner attempt {attempt} of {limit} " + ("disrupted (not counted)" if disruption else "failed") + \
-        f": {s.why}"
+    head = (
+        f"learner attempt {attempt} of {limit} "
+        + ("disrupted (not counted)" if disruption else "failed")
+        + f": {s.why}"
+    )
     if "Failed" in conds:
         d.deletes.append(Delete("Job", p.n["job"], s.learner["metadata"]["uid"]))
         d.status["learnerAttempt"] = nxt
@@ -548,8 +668,9 @@ def _next_attempt(p: _Pass, s: _State, d: Decision, attempt: int, disruption: bo
         d.status["learnerAttemptTime"] = p.now
         if disruption:
             d.status["learnerDisruptions"] = int(d.status.get("learnerDisruptions") or 0) + 1
-        message = f"{head}; attempt {nxt} " + ("runs again" if disruption else "resumes") + \
-            " from the newest checkpoint"
+        message = (
+            f"{head}; attempt {nxt} " + ("runs again" if disruption else "resumes") + " from the newest checkpoint"
+        )
         d.events.append(("Warning", "LearnerRestarted", message))
     else:
         message = f"{head}; its other pods are stopping, then attempt {nxt} starts"
@@ -558,9 +679,16 @@ def _next_attempt(p: _Pass, s: _State, d: Decision, attempt: int, disruption: bo
     d.status["message"] = message
     failed: Said = (False, "AttemptFailed", message)
     d.status["conditions"] = p.conditions(
-        rollout=(pool_ready, "PoolReady" if pool_ready else "PoolNotReady", f"{s.ready}/{s.want} rollout servers "
-                 "Ready"), learner=failed, progressing=failed, complete=(False, "NotComplete", message),
-        failed=(False, "NotFailed", message))
+        rollout=(
+            pool_ready,
+            "PoolReady" if pool_ready else "PoolNotReady",
+            f"{s.ready}/{s.want} rollout servers Ready",
+        ),
+        learner=failed,
+        progressing=failed,
+        complete=(False, "NotComplete", message),
+        failed=(False, "NotFailed", message),
+    )
     d.phase = "Running"
     return d
 

@@ -42,14 +42,20 @@ def fit_message(text: str, limit: int = MESSAGE_LIMIT) -> str:
     return f"{text[:keep]} ... [{len(text) - keep} more characters cut]"
 
 
-def condition(old: list[dict[str, Any]], ctype: str, ok: bool, reason: str, message: str,
-              generation: int | None, now: str) -> dict[str, Any]:
+def condition(
+    old: list[dict[str, Any]], ctype: str, ok: bool, reason: str, message: str, generation: int | None, now: str
+) -> dict[str, Any]:
     """One condition; its lastTransitionTime kept from `old` while its status stays."""
     status = "True" if ok else "False"
     prev = next((c for c in old if c.get("type") == ctype), None)
     since = prev.get("lastTransitionTime") if prev and prev.get("status") == status else None
-    cond = {"type": ctype, "status": status, "reason": reason, "message": fit_message(message),
-            "lastTransitionTime": since or now}
+    cond = {
+        "type": ctype,
+        "status": status,
+        "reason": reason,
+        "message": fit_message(message),
+        "lastTransitionTime": since or now,
+    }
     if generation is not None:
         cond["observedGeneration"] = generation
     return cond
@@ -59,14 +65,29 @@ def condition(old: list[dict[str, Any]], ctype: str, ok: bool, reason: str, mess
 Said = tuple[bool, str, str]
 
 
-def conditions(old: list[dict[str, Any]], generation: int | None, now: str, *, rollout: Said, learner: Said,
-               complete: Said, failed: Said, progressing: Said | None = None,
-               invalid: Said | None = None) -> list[dict[str, Any]]:
+def conditions(
+    old: list[dict[str, Any]],
+    generation: int | None,
+    now: str,
+    *,
+    rollout: Said,
+    learner: Said,
+    complete: Said,
+    failed: Said,
+    progressing: Said | None = None,
+    invalid: Said | None = None,
+) -> list[dict[str, Any]]:
     """The job's conditions, in one order whatever the state: RolloutReady, LearnerRunning, Progressing (once the
     learner may run), Complete, Failed, InvalidSpec (once the spec was read). Every state of decide (and
     act's refused create) says its words through this."""
-    said = [("RolloutReady", rollout), ("LearnerRunning", learner), ("Progressing", progressing),
-            ("Complete", complete), ("Failed", failed), ("InvalidSpec", invalid)]
+    said = [
+        ("RolloutReady", rollout),
+        ("LearnerRunning", learner),
+        ("Progressing", progressing),
+        ("Complete", complete),
+        ("Failed", failed),
+        ("InvalidSpec", invalid),
+    ]
     return [condition(old, ctype, *words, generation, now) for ctype, words in said if words is not None]
 
 

@@ -60,17 +60,24 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # structural schema would prune) and nothing is named after kopf.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=API_GROUP, key="last-handled-configuration")
+        prefix=API_GROUP, key="last-handled-configuration"
+    )
     settings.persistence.finalizer = f"{API_GROUP}/operator"
     settings.scanning.disabled = not CFG.scanning
     settings.posting.level = logging.INFO
     settings.persistence.consistency_timeout = CFG.consistency_seconds
     settings.watching.server_timeout = CFG.watch_timeout_seconds
-    settings.networking.error_backoffs = [CFG.retry_backoff_seconds / 4, CFG.retry_backoff_seconds / 2,
-                                          CFG.retry_backoff_seconds]
+    settings.networking.error_backoffs = [
+        CFG.retry_backoff_seconds / 4,
+        CFG.retry_backoff_seconds / 2,
+        CFG.retry_backoff_seconds,
+    ]
     if not CFG.image:
-        log.warning("RMSFT_OPERATOR_IMAGE is not set (the chart sets it): the cleanup Job of a deleted shm job will "
-                    "run that job's own image (as UID %d, no capabilities, on the job's own folder only)", render.UID)
+        log.warning(
+            "RMSFT_OPERATOR_IMAGE is not set (the chart sets it): the cleanup Job of a deleted shm job will "
+            "run that job's own image (as UID %d, no capabilities, on the job's own folder only)",
+            render.UID,
+        )
     if CFG.metrics_port and not _state["metrics_started"]:
         start_http_server(CFG.metrics_port)
         _state["metrics_started"] = True
@@ -92,8 +99,14 @@ def _run_once(body: dict[str, Any], trigger: str) -> reconcile.Outcome:
     namespace = meta.get("namespace", "")
     before = _phases.get((namespace, meta["name"]))
     if outcome.phase != before:  # the operator's log tells each job's story (docs/operator.md, "Logs")
-        log.info("%s/%s: phase %s -> %s%s", namespace, meta["name"], before or "-", outcome.phase,
-                 f": {outcome.status['message']}" if outcome.status.get("message") else "")
+        log.info(
+            "%s/%s: phase %s -> %s%s",
+            namespace,
+            meta["name"],
+            before or "-",
+            outcome.phase,
+            f": {outcome.status['message']}" if outcome.status.get("message") else "",
+        )
     _record_phase(namespace, meta["name"], outcome.phase)
     # kopf's posting reads any mapping with apiVersion/kind/metadata (bodies.build_object_reference); its
     # annotations name only its own Body class, which this plain copy of one is not.
@@ -138,8 +151,14 @@ def forget(body: kopf.Body, name: str, namespace: str | None, **_: Any) -> None:
     its pods, which say which node) until this ran."""
     assert namespace is not None, "kopf names the namespace of a namespaced resource (RolloutMatchingJob)"
     try:
-        job = parse_job({"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
-                         "metadata": {"name": name, "namespace": namespace}, "spec": dict(body.get("spec") or {})})
+        job = parse_job(
+            {
+                "apiVersion": f"{API_GROUP}/{API_VERSION}",
+                "kind": KIND,
+                "metadata": {"name": name, "namespace": namespace},
+                "spec": dict(body.get("spec") or {}),
+            }
+        )
     except JobSpecError:  # an invalid spec never got children, nor a directory
         job = None
     if job is not None and job.spec.sync.cluster_transport == "shm":
@@ -147,8 +166,14 @@ def forget(body: kopf.Body, name: str, namespace: str | None, **_: Any) -> None:
         for node in sorted(nodes):  # one node: the job's pods are co-located (required affinity)
             cleanup = render.render_shm_cleanup(job, namespace, node, CFG.image, CFG.image_pull_policy)
             _kube().ensure(cleanup)
-            log.info("%s/%s deleted: emptying %s on node %s (Job %s)", namespace, name,
-                     render.shared_weights_host_path(namespace, name), node, cleanup["metadata"]["name"])
+            log.info(
+                "%s/%s deleted: emptying %s on node %s (Job %s)",
+                namespace,
+                name,
+                render.shared_weights_host_path(namespace, name),
+                node,
+                cleanup["metadata"]["name"],
+            )
     _record_phase(namespace, name, None)
 
 

@@ -63,10 +63,19 @@ class Kube:
         self.cfg = cfg
         self.api = api_client or client.ApiClient()
 
-    def _once(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
-              query: list[tuple[str, str]] | None = None) -> Any:
+    def _once(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/json",
+        query: list[tuple[str, str]] | None = None,
+    ) -> Any:
         m, url, headers, payload, post = self.api.param_serialize(
-            method=method, resource_path=path, body=body, query_params=query or [],
+            method=method,
+            resource_path=path,
+            body=body,
+            query_params=query or [],
             header_params={"Accept": "application/json", "Content-Type": content_type},
             auth_settings=["BearerToken"],
         )
@@ -76,8 +85,15 @@ class Kube:
             raise ApiException(status=resp.status, reason=resp.reason, http_resp=resp.response)
         return json.loads(data) if data else {}
 
-    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
-                query: list[tuple[str, str]] | None = None, expected: tuple[int, ...] = ()) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/json",
+        query: list[tuple[str, str]] | None = None,
+        expected: tuple[int, ...] = (),
+    ) -> Any:
         """`expected`: statuses that are answers, not errors (a 404 on get-before-create): raised as
         ApiError like the rest but not counted in rmsft_operator_errors_total."""
         delay = self.cfg.api_backoff_seconds
@@ -141,26 +157,45 @@ class Kube:
             raise ApiError(409, f"{kind} {meta['name']} conflicts but cannot be read")
         return live, False
 
-    def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any],
-              sub: str | None = None, expected: tuple[int, ...] = ()) -> dict[str, Any]:
+    def patch(
+        self,
+        kind: str,
+        namespace: str,
+        name: str,
+        body: dict[str, Any],
+        sub: str | None = None,
+        expected: tuple[int, ...] = (),
+    ) -> dict[str, Any]:
         return self.request("PATCH", self.path(kind, namespace, name, sub), body, MERGE_PATCH, expected=expected)
 
     def delete(self, kind: str, namespace: str, name: str, uid: str, expected: tuple[int, ...] = ()) -> None:
         """Deletes the object `name` only while it is the one with `uid` (a precondition: never a namesake created
         since it was observed); its dependents go through the garbage collector."""
-        self.request("DELETE", self.path(kind, namespace, name),
-                     {"propagationPolicy": "Background", "preconditions": {"uid": uid}}, expected=expected)
+        self.request(
+            "DELETE",
+            self.path(kind, namespace, name),
+            {"propagationPolicy": "Background", "preconditions": {"uid": uid}},
+            expected=expected,
+        )
 
     def list_pods(self, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
         selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-        items = self.request("GET", f"/api/v1/namespaces/{namespace}/pods",
-                             query=[("labelSelector", selector)]).get("items") or []
+        items = (
+            self.request("GET", f"/api/v1/namespaces/{namespace}/pods", query=[("labelSelector", selector)]).get(
+                "items"
+            )
+            or []
+        )
         # filter here too: not every API (kmock) honours labelSelector
         return [p for p in items if labels.items() <= ((p.get("metadata") or {}).get("labels") or {}).items()]
 
     def list_events(self, namespace: str, field_selector: str) -> list[dict[str, Any]]:
-        return self.request("GET", f"/api/v1/namespaces/{namespace}/events",
-                            query=[("fieldSelector", field_selector)]).get("items") or []
+        return (
+            self.request(
+                "GET", f"/api/v1/namespaces/{namespace}/events", query=[("fieldSelector", field_selector)]
+            ).get("items")
+            or []
+        )
 
     def namespace_labels(self, name: str) -> dict[str, str] | None:
         """A namespace's labels (its Pod Security level), None when it cannot be read. A denial is
@@ -177,8 +212,9 @@ class Kube:
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.get("RolloutMatchingJob", namespace, name)
 
-    def patch_job_status(self, namespace: str, name: str, status: dict[str, Any],
-                         expected: tuple[int, ...] = ()) -> dict[str, Any]:
+    def patch_job_status(
+        self, namespace: str, name: str, status: dict[str, Any], expected: tuple[int, ...] = ()
+    ) -> dict[str, Any]:
         return self.patch("RolloutMatchingJob", namespace, name, {"status": status}, sub="status", expected=expected)
 
 

@@ -13,12 +13,30 @@ from rmsft_operator.kube import Kube
 from rmsft_operator.progress import learner_progress
 
 # The children of a job, in creation order: kinds, except the two PodDisruptionBudgets (render.child_key).
-CHILD_KINDS = ("Secret", "ConfigMap", "Service", "NetworkPolicy", "PoolDisruptionBudget", "StatefulSet",
-               "LearnerDisruptionBudget", "LearnerNetworkPolicy", "LearnerService", "Job")
-_CHILD_NAME = {"Secret": "secret", "ConfigMap": "config", "Service": "service", "NetworkPolicy": "networkpolicy",
-               "PoolDisruptionBudget": "pool_budget", "StatefulSet": "statefulset",
-               "LearnerDisruptionBudget": "learner_budget", "LearnerNetworkPolicy": "learner_networkpolicy",
-               "LearnerService": "learner_service", "Job": "job"}
+CHILD_KINDS = (
+    "Secret",
+    "ConfigMap",
+    "Service",
+    "NetworkPolicy",
+    "PoolDisruptionBudget",
+    "StatefulSet",
+    "LearnerDisruptionBudget",
+    "LearnerNetworkPolicy",
+    "LearnerService",
+    "Job",
+)
+_CHILD_NAME = {
+    "Secret": "secret",
+    "ConfigMap": "config",
+    "Service": "service",
+    "NetworkPolicy": "networkpolicy",
+    "PoolDisruptionBudget": "pool_budget",
+    "StatefulSet": "statefulset",
+    "LearnerDisruptionBudget": "learner_budget",
+    "LearnerNetworkPolicy": "learner_networkpolicy",
+    "LearnerService": "learner_service",
+    "Job": "job",
+}
 
 
 def api_kind(child: str) -> str:
@@ -28,6 +46,8 @@ def api_kind(child: str) -> str:
     if child == "LearnerNetworkPolicy":
         return "NetworkPolicy"
     return "PodDisruptionBudget" if child.endswith("DisruptionBudget") else child
+
+
 # Pod Security admission: the namespace label that sets the enforced level, and the levels whose
 
 
@@ -58,7 +78,6 @@ class Observed:
     created: str | None = None  # the job's metadata.creationTimestamp
 
 
-
 def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> Observed:
     meta = body.get("metadata") or {}
     name, namespace = meta["name"], meta.get("namespace") or "default"
@@ -71,12 +90,16 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
     # The token Secret is never read (the chart grants Secrets `create` only, so no Secret of the namespace is
     # readable by the operator): it is the first child made, so the job's own ConfigMap, made after it, says it is
     # there.
-    found = {kind: kube.get(api_kind(kind), namespace, n[_CHILD_NAME[kind]])
-             if kind not in ("Secret", "LearnerService") or (kind == "LearnerService" and several) else None
-             for kind in CHILD_KINDS}
+    found = {
+        kind: kube.get(api_kind(kind), namespace, n[_CHILD_NAME[kind]])
+        if kind not in ("Secret", "LearnerService") or (kind == "LearnerService" and several)
+        else None
+        for kind in CHILD_KINDS
+    }
     uid = meta.get("uid") or ""
-    foreign = {kind: obj["metadata"]["name"] for kind, obj in found.items()
-               if obj is not None and not owned_by(obj, uid)}
+    foreign = {
+        kind: obj["metadata"]["name"] for kind, obj in found.items() if obj is not None and not owned_by(obj, uid)
+    }
     children = {kind: None if kind in foreign else obj for kind, obj in found.items()}
     if children["ConfigMap"] is not None:
         children["Secret"] = secret_stand_in(n["secret"], namespace)
@@ -89,22 +112,31 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
     missing = []
     if sts and len(rollout_pods) < int((sts.get("spec") or {}).get("replicas") or 0):
         missing.append(("StatefulSet", n["statefulset"]))
-    if learner and not (learner.get("spec") or {}).get("suspend") \
-            and len(learner_pods) < int((learner.get("spec") or {}).get("parallelism") or 1) \
-            and not job_finished(learner):
+    if (
+        learner
+        and not (learner.get("spec") or {}).get("suspend")
+        and len(learner_pods) < int((learner.get("spec") or {}).get("parallelism") or 1)
+        and not job_finished(learner)
+    ):
         missing.append(("Job", n["job"]))
     failed_creates: dict[str, str] = {}
     failed_create_since: dict[str, str] = {}
     if missing:
         events = kube.list_events(namespace, "reason=FailedCreate")
         for kind, child in missing:
-            mine = [e for e in events if (e.get("involvedObject") or {}).get("kind") == kind
-                    and (e.get("involvedObject") or {}).get("name") == child and e.get("reason") == "FailedCreate"]
+            mine = [
+                e
+                for e in events
+                if (e.get("involvedObject") or {}).get("kind") == kind
+                and (e.get("involvedObject") or {}).get("name") == child
+                and e.get("reason") == "FailedCreate"
+            ]
             if mine:
                 newest = max(mine, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
                 failed_creates[kind] = str(newest.get("message") or "FailedCreate")
-                first = [t for e in mine if (t := e.get("firstTimestamp") or e.get("eventTime")
-                                             or e.get("lastTimestamp"))]
+                first = [
+                    t for e in mine if (t := e.get("firstTimestamp") or e.get("eventTime") or e.get("lastTimestamp"))
+                ]
                 if first:
                     failed_create_since[kind] = min(first)
 
@@ -118,11 +150,23 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
     # other jobs cost no extra call (and need no right on namespaces).
     namespace_labels = kube.namespace_labels(namespace) if _asks_for_shm(body.get("spec")) else None
 
-    return Observed(name=name, namespace=namespace, uid=uid, generation=meta.get("generation"),
-                    spec=body.get("spec"), status=body.get("status") or {}, children=children,
-                    rollout_pods=rollout_pods, learner_pods=learner_pods, failed_creates=failed_creates,
-                    progress=progress, namespace_labels=namespace_labels, foreign=foreign,
-                    failed_create_since=failed_create_since, created=meta.get("creationTimestamp"))
+    return Observed(
+        name=name,
+        namespace=namespace,
+        uid=uid,
+        generation=meta.get("generation"),
+        spec=body.get("spec"),
+        status=body.get("status") or {},
+        children=children,
+        rollout_pods=rollout_pods,
+        learner_pods=learner_pods,
+        failed_creates=failed_creates,
+        progress=progress,
+        namespace_labels=namespace_labels,
+        foreign=foreign,
+        failed_create_since=failed_create_since,
+        created=meta.get("creationTimestamp"),
+    )
 
 
 def secret_stand_in(name: str, namespace: str) -> dict[str, Any]:

@@ -18,8 +18,12 @@ log = logging.getLogger("rmsft_operator.progress")
 _SERIES = {"step": "rmsft_learner_global_step", "weightVersion": "rmsft_learner_weight_version"}
 # status.evaluation key -> learner gauge (learner/tracking/metrics.py). The gauges start at 0: an eval step below 1
 # means no evaluation yet, and then there is no status.evaluation at all.
-EVAL_SERIES = {"step": "rmsft_learner_eval_step", "f1": "rmsft_learner_eval_f1",
-               "mAP": "rmsft_learner_eval_map", "mAP50": "rmsft_learner_eval_map50"}
+EVAL_SERIES = {
+    "step": "rmsft_learner_eval_step",
+    "f1": "rmsft_learner_eval_f1",
+    "mAP": "rmsft_learner_eval_map",
+    "mAP50": "rmsft_learner_eval_map50",
+}
 EVAL_DIGITS = 4  # status figures are read by people (printer columns); more digits only churn the status
 
 

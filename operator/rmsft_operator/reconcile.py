@@ -26,10 +26,30 @@ from rmsft_operator.kube import Kube
 from rmsft_operator.observe import CHILD_KINDS, Observed, api_kind, observe, owned_by, secret_stand_in
 
 # What callers (handlers, tests) name through this module: the stages' own modules hold them.
-__all__ = ["CHILD_KINDS", "FORBIDDEN", "INVALID_OBJECT", "MESSAGE_LIMIT", "PSA_ENFORCE_LABEL",
-           "SHARED_MEMORY_FORBIDDEN", "Decision", "Delete", "Observed", "Outcome", "Patch", "act", "api_kind",
-           "decide", "fit_message", "now_rfc3339", "observe", "owned_by", "reconcile", "refused_create",
-           "secret_stand_in", "shared_memory_refusal"]
+__all__ = [
+    "CHILD_KINDS",
+    "FORBIDDEN",
+    "INVALID_OBJECT",
+    "MESSAGE_LIMIT",
+    "PSA_ENFORCE_LABEL",
+    "SHARED_MEMORY_FORBIDDEN",
+    "Decision",
+    "Delete",
+    "Observed",
+    "Outcome",
+    "Patch",
+    "act",
+    "api_kind",
+    "decide",
+    "fit_message",
+    "now_rfc3339",
+    "observe",
+    "owned_by",
+    "reconcile",
+    "refused_create",
+    "secret_stand_in",
+    "shared_memory_refusal",
+]
 
 
 def reconcile(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> Outcome:

@@ -151,8 +151,9 @@ def relay_targets(job: RolloutMatchingJob, namespace: str) -> list[str]:
     """The exact host:port of every rollout server the job's pool may ever have (ordinals 0 to the spec's maximum - 1):
     the only peers its servers relay weight updates to."""
     n = names(job.metadata.name)
-    return [f"{n['statefulset']}-{i}.{n['service']}.{namespace}.svc:{job.spec.rollout.port}"
-            for i in range(_max_replicas())]
+    return [
+        f"{n['statefulset']}-{i}.{n['service']}.{namespace}.svc:{job.spec.rollout.port}" for i in range(_max_replicas())
+    ]
 
 
 def render_configmap(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:
@@ -174,8 +175,9 @@ def render_configmap(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[
     }
 
 
-def _headless_service(job: RolloutMatchingJob, namespace: str, uid: str, role: str, name: str,
-                      ports: list[dict[str, Any]]) -> dict[str, Any]:
+def _headless_service(
+    job: RolloutMatchingJob, namespace: str, uid: str, role: str, name: str, ports: list[dict[str, Any]]
+) -> dict[str, Any]:
     """A headless Service over the job's `role` pods: DNS names for each pod, published before any is Ready (the
     learner resolves every server ordinal up front and waits on gRPC health itself; learner pods have no readiness
     probe, and their names must resolve as soon as they have addresses)."""
@@ -183,17 +185,28 @@ def _headless_service(job: RolloutMatchingJob, namespace: str, uid: str, role: s
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": object_meta(job, name, namespace, uid, role),
-        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
-                 "selector": selector(job.metadata.name, role), "ports": ports},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector(job.metadata.name, role),
+            "ports": ports,
+        },
     }
 
 
 def render_service(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:
     r = job.spec.rollout
-    return _headless_service(job, namespace, uid, "rollout", names(job.metadata.name)["service"], [
-        {"name": "grpc", "port": r.port, "targetPort": "grpc", "protocol": "TCP"},
-        {"name": "metrics", "port": r.metrics_port, "targetPort": "metrics", "protocol": "TCP"},
-    ])
+    return _headless_service(
+        job,
+        namespace,
+        uid,
+        "rollout",
+        names(job.metadata.name)["service"],
+        [
+            {"name": "grpc", "port": r.port, "targetPort": "grpc", "protocol": "TCP"},
+            {"name": "metrics", "port": r.metrics_port, "targetPort": "metrics", "protocol": "TCP"},
+        ],
+    )
 
 
 def checkpoint_cadence(job: RolloutMatchingJob) -> str:
@@ -205,50 +218,84 @@ def checkpoint_cadence(job: RolloutMatchingJob) -> str:
     when += [f"every {minutes} minutes"] if minutes else []
     if when:
         return f"saved {' and '.join(when)}, at the end and on SIGTERM"
-    return ("no periodic checkpoint (spec.training.checkpoint.every and every_minutes are 0): saved only at the end "
-            "and on SIGTERM, so a learner killed outright (an OOM, a lost node) starts again from step 0")
+    return (
+        "no periodic checkpoint (spec.training.checkpoint.every and every_minutes are 0): saved only at the end "
+        "and on SIGTERM, so a learner killed outright (an OOM, a lost node) starts again from step 0"
+    )
 
 
 def render_learner_service(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:
     """learner.nodes > 1: the headless Service that gives each learner pod a DNS name (pod 0's is the rendezvous)."""
-    return _headless_service(job, namespace, uid, "learner", names(job.metadata.name)["learner_service"], [
-        {"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT, "protocol": "TCP"}])
+    return _headless_service(
+        job,
+        namespace,
+        uid,
+        "learner",
+        names(job.metadata.name)["learner_service"],
+        [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT, "protocol": "TCP"}],
+    )
 
 
-def _ingress_policy(job: RolloutMatchingJob, namespace: str, uid: str, key: str, component: str,
-                    ingress: list[dict[str, Any]]) -> dict[str, Any]:
+def _ingress_policy(
+    job: RolloutMatchingJob, namespace: str, uid: str, key: str, component: str, ingress: list[dict[str, Any]]
+) -> dict[str, Any]:
     """A NetworkPolicy named `names(job)[key]` on the job's `component` pods: only `ingress` reaches them."""
     name = job.metadata.name
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": object_meta(job, names(name)[key], namespace, uid, component),
-        "spec": {"podSelector": {"matchLabels": selector(name, component)}, "policyTypes": ["Ingress"],
-                 "ingress": ingress},
+        "spec": {
+            "podSelector": {"matchLabels": selector(name, component)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
     }
 
 
 def render_networkpolicy(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:
     name = job.metadata.name
     r = job.spec.rollout
-    return _ingress_policy(job, namespace, uid, "networkpolicy", "rollout", [
-                {   # gRPC (Generate, UpdateWeights, health) only from this job's learner pod, and from
-                    # its other rollout pods: an update is relayed server to server (rollout_svc/relay.py)
-                    "from": [{"podSelector": {"matchLabels": selector(name, "learner")}},
-                             {"podSelector": {"matchLabels": selector(name, "rollout")}}],
-                    "ports": [{"protocol": "TCP", "port": r.port}],
-                },
-                *([{  # transport nccl: the weight-transfer group's own connections (its rendezvous on the learner,
-                    # then rank to rank on ports NCCL or gloo pick), from the same pods only
-                    "from": [{"podSelector": {"matchLabels": selector(name, "learner")}},
-                             {"podSelector": {"matchLabels": selector(name, "rollout")}}],
-                }] if job.spec.sync.cluster_transport == "nccl" else []),
-                {   # metrics from the monitoring namespace
-                    "from": [{"namespaceSelector": {"matchLabels": {
-                        "kubernetes.io/metadata.name": job.spec.monitoring.namespace}}}],
-                    "ports": [{"protocol": "TCP", "port": r.metrics_port}],
-                },
-    ])
+    return _ingress_policy(
+        job,
+        namespace,
+        uid,
+        "networkpolicy",
+        "rollout",
+        [
+            {  # gRPC (Generate, UpdateWeights, health) only from this job's learner pod, and from
+                # its other rollout pods: an update is relayed server to server (rollout_svc/relay.py)
+                "from": [
+                    {"podSelector": {"matchLabels": selector(name, "learner")}},
+                    {"podSelector": {"matchLabels": selector(name, "rollout")}},
+                ],
+                "ports": [{"protocol": "TCP", "port": r.port}],
+            },
+            *(
+                [
+                    {  # transport nccl: the weight-transfer group's own connections (its rendezvous on the learner,
+                        # then rank to rank on ports NCCL or gloo pick), from the same pods only
+                        "from": [
+                            {"podSelector": {"matchLabels": selector(name, "learner")}},
+                            {"podSelector": {"matchLabels": selector(name, "rollout")}},
+                        ],
+                    }
+                ]
+                if job.spec.sync.cluster_transport == "nccl"
+                else []
+            ),
+            {  # metrics from the monitoring namespace
+                "from": [
+                    {
+                        "namespaceSelector": {
+                            "matchLabels": {"kubernetes.io/metadata.name": job.spec.monitoring.namespace}
+                        }
+                    }
+                ],
+                "ports": [{"protocol": "TCP", "port": r.metrics_port}],
+            },
+        ],
+    )
 
 
 def render_learner_networkpolicy(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, Any]:
@@ -260,11 +307,18 @@ def render_learner_networkpolicy(job: RolloutMatchingJob, namespace: str, uid: s
     name = job.metadata.name
     own_learners = {"podSelector": {"matchLabels": selector(name, "learner")}}
     nccl = job.spec.sync.cluster_transport == "nccl" and not job.spec.rollout.colocated
-    return _ingress_policy(job, namespace, uid, "learner_networkpolicy", "learner", [
-        {"from": [own_learners]},  # rendezvous + collectives, any port, the job's learner pods only
-        *([{"from": [{"podSelector": {"matchLabels": selector(name, "rollout")}}]}] if nccl else []),
-        {"ports": [{"protocol": "TCP", "port": job.spec.learner.metrics_port}]},
-    ])
+    return _ingress_policy(
+        job,
+        namespace,
+        uid,
+        "learner_networkpolicy",
+        "learner",
+        [
+            {"from": [own_learners]},  # rendezvous + collectives, any port, the job's learner pods only
+            *([{"from": [{"podSelector": {"matchLabels": selector(name, "rollout")}}]}] if nccl else []),
+            {"ports": [{"protocol": "TCP", "port": job.spec.learner.metrics_port}]},
+        ],
+    )
 
 
 def render_disruption_budget(job: RolloutMatchingJob, namespace: str, uid: str, role: str) -> dict[str, Any]:
@@ -306,15 +360,26 @@ def render_all(job: RolloutMatchingJob, namespace: str, uid: str, token: str | N
     """Every child in creation order (config before the pods that mount it, a budget before the pods it covers).
     A colocate job has no rollout pool: no StatefulSet, Service, NetworkPolicy or pool budget, only the learner
     Job (its GPUs hold the engine too)."""
-    pool = [] if job.spec.rollout.colocated else [
-        render_service(job, namespace, uid),
-        render_networkpolicy(job, namespace, uid),
-        *([render_disruption_budget(job, namespace, uid, "rollout")] if job.spec.rollout.disruption_budget else []),
-        render_statefulset(job, namespace, uid),
-    ]
-    learner_budget = [render_disruption_budget(job, namespace, uid, "learner")] \
-        if job.spec.learner.disruption_budget else []
+    pool = (
+        []
+        if job.spec.rollout.colocated
+        else [
+            render_service(job, namespace, uid),
+            render_networkpolicy(job, namespace, uid),
+            *([render_disruption_budget(job, namespace, uid, "rollout")] if job.spec.rollout.disruption_budget else []),
+            render_statefulset(job, namespace, uid),
+        ]
+    )
+    learner_budget = (
+        [render_disruption_budget(job, namespace, uid, "learner")] if job.spec.learner.disruption_budget else []
+    )
     learner_service = [render_learner_service(job, namespace, uid)] if job.spec.learner.nodes > 1 else []
-    return [render_secret(job, namespace, uid, token), render_configmap(job, namespace, uid), *pool,
-            *learner_budget, render_learner_networkpolicy(job, namespace, uid), *learner_service,
-            render_job(job, namespace, uid)]
+    return [
+        render_secret(job, namespace, uid, token),
+        render_configmap(job, namespace, uid),
+        *pool,
+        *learner_budget,
+        render_learner_networkpolicy(job, namespace, uid),
+        *learner_service,
+        render_job(job, namespace, uid),
+    ]

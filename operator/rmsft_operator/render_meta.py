@@ -99,10 +99,7 @@ def server_addresses(job: RolloutMatchingJob, namespace: str) -> list[str]:
     n = names(job.metadata.name)
     port = job.spec.rollout.port
     assert job.spec.rollout.replicas is not None, "RolloutSpec's validator sets replicas"
-    return [
-        f"{n['statefulset']}-{i}.{n['service']}.{namespace}.svc:{port}"
-        for i in range(job.spec.rollout.replicas)
-    ]
+    return [f"{n['statefulset']}-{i}.{n['service']}.{namespace}.svc:{port}" for i in range(job.spec.rollout.replicas)]
 
 
 def immutable_view(spec: dict[str, Any]) -> dict[str, Any]:

@@ -73,8 +73,7 @@ def _container_security() -> dict[str, Any]:
 def _common_env(job: RolloutMatchingJob) -> list[dict[str, Any]]:
     n = names(job.metadata.name)
     return [
-        {"name": "RMSFT_AUTH_TOKEN",
-         "valueFrom": {"secretKeyRef": {"name": n["secret"], "key": TOKEN_KEY}}},
+        {"name": "RMSFT_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": n["secret"], "key": TOKEN_KEY}}},
         {"name": "RMSFT_LOG_LEVEL", "value": job.spec.monitoring.log_level},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "HOME", "value": "/tmp"},
@@ -96,16 +95,16 @@ def _volumes(job: RolloutMatchingJob, shm_size: str) -> tuple[list[dict[str, Any
     vol = job.spec.model.volume
     if vol is not None and (vol.claim_name or vol.host_path):
         if vol.claim_name:
-            volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": vol.claim_name,
-                                                                        "readOnly": True}})
+            volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": vol.claim_name, "readOnly": True}})
         else:
             volumes.append({"name": "model", "hostPath": {"path": vol.host_path, "type": "Directory"}})
         mounts.append({"name": "model", "mountPath": vol.mount_path, "readOnly": True})
     return volumes, mounts
 
 
-def _with_tls(job: RolloutMatchingJob, volumes: list[dict[str, Any]], mounts: list[dict[str, Any]],
-              role: str = "rollout") -> None:
+def _with_tls(
+    job: RolloutMatchingJob, volumes: list[dict[str, Any]], mounts: list[dict[str, Any]], role: str = "rollout"
+) -> None:
     """spec.rollout.tls: the Secret's keys, by name (`items`: never the whole Secret, whatever else it holds), mounted
     read-only in the pod's main container (`mounts`; the preflight init container gets only the mounts it needs).
     The servers get tls.crt and tls.key (the private key only where it is used); the learner only what it trusts:
@@ -117,12 +116,35 @@ def _with_tls(job: RolloutMatchingJob, volumes: list[dict[str, Any]], mounts: li
     if tls is None:
         return
     if role == "rollout":
-        volumes.append({"name": TLS_VOLUME, "secret": {"secretName": tls.secret_name, "defaultMode": 0o440, "items": [
-            {"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}]}})
+        volumes.append(
+            {
+                "name": TLS_VOLUME,
+                "secret": {
+                    "secretName": tls.secret_name,
+                    "defaultMode": 0o440,
+                    "items": [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}],
+                },
+            }
+        )
     else:
-        volumes.append({"name": TLS_VOLUME, "projected": {"defaultMode": 0o440, "sources": [
-            {"secret": {"name": tls.secret_name, "items": [{"key": "ca.crt", "path": "ca.crt"}], "optional": True}},
-            {"secret": {"name": tls.secret_name, "items": [{"key": "tls.crt", "path": "tls.crt"}]}}]}})
+        volumes.append(
+            {
+                "name": TLS_VOLUME,
+                "projected": {
+                    "defaultMode": 0o440,
+                    "sources": [
+                        {
+                            "secret": {
+                                "name": tls.secret_name,
+                                "items": [{"key": "ca.crt", "path": "ca.crt"}],
+                                "optional": True,
+                            }
+                        },
+                        {"secret": {"name": tls.secret_name, "items": [{"key": "tls.crt", "path": "tls.crt"}]}},
+                    ],
+                },
+            }
+        )
     mounts.append({"name": TLS_VOLUME, "mountPath": TLS_DIR, "readOnly": True})
 
 
@@ -139,8 +161,11 @@ def _preflight_container(job: RolloutMatchingJob, mounts: list[dict[str, Any]]) 
         "image": job.spec.image.ref,
         "imagePullPolicy": job.spec.image.pull_policy,
         "args": ["preflight", f"{CONFIG_DIR}/{CONFIG_KEY}"],
-        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
-                {"name": "CUDA_VISIBLE_DEVICES", "value": ""}],
+        "env": [
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
+            {"name": "CUDA_VISIBLE_DEVICES", "value": ""},
+        ],
         # A Qwen-VL tokenizer (150k tokens) takes about 0.6 s and 110 MiB. Requests equal to limits: a pod whose
         # containers all have that keeps its Guaranteed QoS class.
         "resources": {"requests": dict(PREFLIGHT_RESOURCES), "limits": dict(PREFLIGHT_RESOURCES)},
@@ -154,8 +179,11 @@ def _preflight_container(job: RolloutMatchingJob, mounts: list[dict[str, Any]]) 
 def _pod_common(job: RolloutMatchingJob) -> dict[str, Any]:
     p = job.spec.placement
     # Neither rollout servers nor learners call the Kubernetes API: no token in their pods.
-    spec: dict[str, Any] = {"securityContext": _pod_security(), "enableServiceLinks": False,
-                            "automountServiceAccountToken": False}
+    spec: dict[str, Any] = {
+        "securityContext": _pod_security(),
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+    }
     if p.node_selector:
         spec["nodeSelector"] = dict(p.node_selector)
     if p.tolerations:
@@ -171,10 +199,14 @@ def _pod_meta(job: RolloutMatchingJob, role: str, metrics_port: int) -> dict[str
     """A rollout or learner pod template's metadata: rmsft's labels and scrape annotations, and the user's
     (spec.scheduling.podLabels / podAnnotations, whose keys cannot be rmsft's: the spec refuses them)."""
     sch = job.spec.scheduling
-    return {"labels": {**sch.pod_labels, **labels(job.metadata.name, role)},
-            "annotations": {**sch.pod_annotations,
-                            "prometheus.io/scrape": str(job.spec.monitoring.enabled).lower(),
-                            "prometheus.io/port": str(metrics_port)}}
+    return {
+        "labels": {**sch.pod_labels, **labels(job.metadata.name, role)},
+        "annotations": {
+            **sch.pod_annotations,
+            "prometheus.io/scrape": str(job.spec.monitoring.enabled).lower(),
+            "prometheus.io/port": str(metrics_port),
+        },
+    }
 
 
 def shared_weights_host_path(namespace: str, job_name: str) -> str:
@@ -194,9 +226,13 @@ def _colocation(job_name: str) -> dict[str, Any]:
     a second node when the first is full, where they could not open the learner's files; required
     leaves such a pod Pending instead, and the RolloutReady condition quotes the scheduler.
     """
-    return {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-        {"labelSelector": {"matchLabels": {JOB_LABEL: job_name}}, "topologyKey": HOSTNAME_TOPOLOGY},
-    ]}}
+    return {
+        "podAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": {"matchLabels": {JOB_LABEL: job_name}}, "topologyKey": HOSTNAME_TOPOLOGY},
+            ]
+        }
+    }
 
 
 def _with_shared_weights(job: RolloutMatchingJob, namespace: str, pod: dict[str, Any], writer: bool) -> dict[str, Any]:
@@ -208,13 +244,22 @@ def _with_shared_weights(job: RolloutMatchingJob, namespace: str, pod: dict[str,
     if job.spec.sync.cluster_transport != "shm":
         return pod
     mount = {"name": SHARED_WEIGHTS_VOLUME, "mountPath": SHARED_WEIGHTS_MOUNT}
-    volume = {"name": SHARED_WEIGHTS_VOLUME, "hostPath": {
-        "path": shared_weights_host_path(namespace, job.metadata.name), "type": "DirectoryOrCreate"}}
+    volume = {
+        "name": SHARED_WEIGHTS_VOLUME,
+        "hostPath": {"path": shared_weights_host_path(namespace, job.metadata.name), "type": "DirectoryOrCreate"},
+    }
     (container,) = pod["containers"]
-    container = {**container, "env": [*container["env"], {"name": SHARED_WEIGHTS_ENV, "value": SHARED_WEIGHTS_MOUNT}],
-                 "volumeMounts": [*container["volumeMounts"], mount]}
-    pod = {**pod, "affinity": _colocation(job.metadata.name), "containers": [container],
-           "volumes": [*pod["volumes"], volume]}
+    container = {
+        **container,
+        "env": [*container["env"], {"name": SHARED_WEIGHTS_ENV, "value": SHARED_WEIGHTS_MOUNT}],
+        "volumeMounts": [*container["volumeMounts"], mount],
+    }
+    pod = {
+        **pod,
+        "affinity": _colocation(job.metadata.name),
+        "containers": [container],
+        "volumes": [*pod["volumes"], volume],
+    }
     if not writer:
         return pod  # a directory made by the kubelet (root, 0755) or by the learner (below) is readable
     # The kubelet creates a missing hostPath directory as root with mode 0755, and fsGroup does not
@@ -227,9 +272,13 @@ def _with_shared_weights(job: RolloutMatchingJob, namespace: str, pod: dict[str,
         # Root, with only the two capabilities chown/chmod of a directory need (FOWNER: it is no
         # longer root's once an earlier learner pod of the job ran this). The hostPath volume
         # already needs a namespace at Pod Security level privileged, which admits it.
-        "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
-                            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]},
-                            "readOnlyRootFilesystem": True},
+        "securityContext": {
+            "runAsUser": 0,
+            "runAsNonRoot": False,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]},
+            "readOnlyRootFilesystem": True,
+        },
         "volumeMounts": [dict(mount)],
     }
     return {**pod, "initContainers": [*pod.get("initContainers", []), owner]}
@@ -238,8 +287,9 @@ def _with_shared_weights(job: RolloutMatchingJob, namespace: str, pod: dict[str,
 SHM_CLEANUP_MOUNT = "/shared-weights"  # the job's own folder, in the cleanup container
 
 
-def render_shm_cleanup(job: RolloutMatchingJob, namespace: str, node: str, image: str = "",
-                       pull_policy: str = "IfNotPresent") -> dict[str, Any]:
+def render_shm_cleanup(
+    job: RolloutMatchingJob, namespace: str, node: str, image: str = "", pull_policy: str = "IfNotPresent"
+) -> dict[str, Any]:
     """A Job that empties the job's shared-weights directory (/dev/shm/rmsft/<ns>.<job>) on `node`,
     created when an shm job is deleted: nothing else can, since the kubelet never removes a hostPath
     directory and the operator cannot reach a node's files. No owner reference (its owner is going
@@ -260,11 +310,16 @@ def render_shm_cleanup(job: RolloutMatchingJob, namespace: str, node: str, image
     under the same name and namespace reuses it."""
     if not image:
         image, pull_policy = job.spec.image.ref, job.spec.image.pull_policy
-    volume = {"name": SHARED_WEIGHTS_VOLUME, "hostPath": {
-        # Directory, not DirectoryOrCreate: a folder that is not there has nothing to remove, and
-        # creating it would leave a root-owned one behind (the pod then never starts; the deadline
-        # below ends the Job and the TTL deletes it).
-        "path": shared_weights_host_path(namespace, job.metadata.name), "type": "Directory"}}
+    volume = {
+        "name": SHARED_WEIGHTS_VOLUME,
+        "hostPath": {
+            # Directory, not DirectoryOrCreate: a folder that is not there has nothing to remove, and
+            # creating it would leave a root-owned one behind (the pod then never starts; the deadline
+            # below ends the Job and the TTL deletes it).
+            "path": shared_weights_host_path(namespace, job.metadata.name),
+            "type": "Directory",
+        },
+    }
     container = {
         "name": "remove",
         "image": image,
@@ -278,20 +333,37 @@ def render_shm_cleanup(job: RolloutMatchingJob, namespace: str, node: str, image
     }
     # No fsGroup: it would add nothing (a hostPath volume is never chowned to it) and the user's own
     # group is the folder's group already.
-    security = {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID,
-                "seccompProfile": {"type": "RuntimeDefault"}}
-    pod = {**_pod_common(job), "securityContext": security,
-           "restartPolicy": "Never", "nodeName": node, "containers": [container], "volumes": [volume]}
+    security = {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "seccompProfile": {"type": "RuntimeDefault"}}
+    pod = {
+        **_pod_common(job),
+        "securityContext": security,
+        "restartPolicy": "Never",
+        "nodeName": node,
+        "containers": [container],
+        "volumes": [volume],
+    }
     pod.pop("nodeSelector", None)  # nodeName places it; the job's selector chose that node already
-    meta = {"name": f"{job.metadata.name}-shm-cleanup", "namespace": namespace,
-            "labels": labels(job.metadata.name, "shm-cleanup")}
-    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
-            "spec": {"backoffLimit": 2, "ttlSecondsAfterFinished": 0, "activeDeadlineSeconds": 300,
-                     "template": {"metadata": {"labels": labels(job.metadata.name, "shm-cleanup")}, "spec": pod}}}
+    meta = {
+        "name": f"{job.metadata.name}-shm-cleanup",
+        "namespace": namespace,
+        "labels": labels(job.metadata.name, "shm-cleanup"),
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta,
+        "spec": {
+            "backoffLimit": 2,
+            "ttlSecondsAfterFinished": 0,
+            "activeDeadlineSeconds": 300,
+            "template": {"metadata": {"labels": labels(job.metadata.name, "shm-cleanup")}, "spec": pod},
+        },
+    }
 
 
-def render_statefulset(job: RolloutMatchingJob, namespace: str, uid: str,
-                       replicas: int | None = None) -> dict[str, Any]:
+def render_statefulset(
+    job: RolloutMatchingJob, namespace: str, uid: str, replicas: int | None = None
+) -> dict[str, Any]:
     name = job.metadata.name
     n = names(name)
     r = job.spec.rollout
@@ -306,8 +378,10 @@ def render_statefulset(job: RolloutMatchingJob, namespace: str, uid: str,
     # process per probe, every 5 s.
     probe_port = r.tls.health_port if r.tls else r.port
     env = _common_env(job)
-    ports = [{"name": "grpc", "containerPort": r.port, "protocol": "TCP"},
-             {"name": "metrics", "containerPort": r.metrics_port, "protocol": "TCP"}]
+    ports = [
+        {"name": "grpc", "containerPort": r.port, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": r.metrics_port, "protocol": "TCP"},
+    ]
     if r.tls:
         env = [*env, {"name": HEALTH_PORT_ENV, "value": str(r.tls.health_port)}]
         ports.append({"name": "health", "containerPort": r.tls.health_port, "protocol": "TCP"})
@@ -322,8 +396,11 @@ def render_statefulset(job: RolloutMatchingJob, namespace: str, uid: str,
         # Engine load takes minutes on big models: the startup probe holds liveness off until then, for as
         # long as spec.rollout.startupTimeout allows (the kubelet must not restart a server the operator
         # still waits for; past it the operator fails the job anyway).
-        "startupProbe": {"grpc": {"port": probe_port}, "periodSeconds": STARTUP_PROBE_PERIOD,
-                         "failureThreshold": -(-r.startup_timeout_seconds // STARTUP_PROBE_PERIOD)},
+        "startupProbe": {
+            "grpc": {"port": probe_port},
+            "periodSeconds": STARTUP_PROBE_PERIOD,
+            "failureThreshold": -(-r.startup_timeout_seconds // STARTUP_PROBE_PERIOD),
+        },
         "readinessProbe": {"grpc": {"port": probe_port}, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {"grpc": {"port": probe_port}, "periodSeconds": 20, "failureThreshold": 6},
         "resources": _resources(r.resources, r.tensor_parallel_size, accelerated),
@@ -333,9 +410,12 @@ def render_statefulset(job: RolloutMatchingJob, namespace: str, uid: str,
         # pod's status, where the operator reads it into the RolloutReady condition.
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    pod_spec = _with_shared_weights(job, namespace, {**_pod_common(job), "containers": [container],
-                                                     "initContainers": [preflight],
-                                                     "volumes": volumes}, writer=False)
+    pod_spec = _with_shared_weights(
+        job,
+        namespace,
+        {**_pod_common(job), "containers": [container], "initContainers": [preflight], "volumes": volumes},
+        writer=False,
+    )
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -371,8 +451,12 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
         "image": job.spec.image.ref,
         "imagePullPolicy": job.spec.image.pull_policy,
         # Colocate: the rollout engine runs in the learner's own ranks, there are no servers to follow.
-        "args": ["train", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}",
-                 *(() if job.spec.rollout.colocated else ("--servers-file", f"{CONFIG_DIR}/{SERVERS_KEY}"))],
+        "args": [
+            "train",
+            "--config",
+            f"{CONFIG_DIR}/{CONFIG_KEY}",
+            *(() if job.spec.rollout.colocated else ("--servers-file", f"{CONFIG_DIR}/{SERVERS_KEY}")),
+        ],
         "env": env,
         "ports": [{"name": "metrics", "containerPort": lr.metrics_port, "protocol": "TCP"}],
         "resources": _resources(lr.resources, lr.gpus, accelerated),
@@ -382,11 +466,20 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
     }
     ranks, pods = lr.ranks(accelerated), lr.nodes
     _with_launcher(job, namespace, container, pods, ranks)
-    pod_spec = _with_shared_weights(job, namespace, {
-        **_pod_common(job), "restartPolicy": "Never", "containers": [container],
-        # After SIGTERM: the step in progress, a checkpoint, exit (rmsft train), then the retry resumes.
-        "terminationGracePeriodSeconds": lr.termination_grace_period_seconds,
-        "initContainers": [preflight], "volumes": volumes}, writer=True)
+    pod_spec = _with_shared_weights(
+        job,
+        namespace,
+        {
+            **_pod_common(job),
+            "restartPolicy": "Never",
+            "containers": [container],
+            # After SIGTERM: the step in progress, a checkpoint, exit (rmsft train), then the retry resumes.
+            "terminationGracePeriodSeconds": lr.termination_grace_period_seconds,
+            "initContainers": [preflight],
+            "volumes": volumes,
+        },
+        writer=True,
+    )
     if pods > 1:
         _place_learner_pods(job, pod_spec)
     return {
@@ -434,16 +527,33 @@ def _with_launcher(job: RolloutMatchingJob, namespace: str, container: dict[str,
         # stable name, which the Indexed Job's hostname and the headless Service give it), each pod's node rank its
         # completion index; WORLD_SIZE = pods x ranks, RANK = node rank x ranks + local rank (`rmsft train` reads them:
         # global rank 0 talks to the rollout servers, every rank gets its share of the batch).
-        container["env"] = [*container["env"], {"name": NODE_RANK_ENV, "valueFrom": {"fieldRef": {
-            "fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}}}]
+        container["env"] = [
+            *container["env"],
+            {
+                "name": NODE_RANK_ENV,
+                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}},
+            },
+        ]
         container["ports"].append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
         # The rendezvous waits as long as the operator's start clock (spec.rollout.startupTimeout) lets a pod take to
         # start (torch's static rendezvous gives up after 600 s, before a pod still pulling its image is late).
         rendezvous_s = max(TORCH_RENDEZVOUS_DEFAULT_S, job.spec.rollout.startup_timeout_seconds)
         container["command"] = [
-            *TORCHRUN, "--nnodes", str(pods), "--node-rank", f"$({NODE_RANK_ENV})",
-            "--nproc-per-node", str(ranks), "--master-addr", learner_pod_host(job, namespace, 0),
-            "--master-port", str(RENDEZVOUS_PORT), "--rdzv-conf", f"timeout={rendezvous_s}", "-m", "rmsft_cli",
+            *TORCHRUN,
+            "--nnodes",
+            str(pods),
+            "--node-rank",
+            f"$({NODE_RANK_ENV})",
+            "--nproc-per-node",
+            str(ranks),
+            "--master-addr",
+            learner_pod_host(job, namespace, 0),
+            "--master-port",
+            str(RENDEZVOUS_PORT),
+            "--rdzv-conf",
+            f"timeout={rendezvous_s}",
+            "-m",
+            "rmsft_cli",
         ]
     elif ranks > 1:
         # One learner rank per GPU (or ranksPerPod gloo ranks on the CPU): torchrun starts them and sets
@@ -466,12 +576,17 @@ def _place_learner_pods(job: RolloutMatchingJob, pod_spec: dict[str, Any]) -> No
     if lr.spread:
         pod_spec.setdefault("affinity", {})["podAntiAffinity"] = {
             "requiredDuringSchedulingIgnoredDuringExecution": [
-                {"labelSelector": mine, "topologyKey": HOSTNAME_TOPOLOGY}]}
+                {"labelSelector": mine, "topologyKey": HOSTNAME_TOPOLOGY}
+            ]
+        }
     if job.spec.scheduling.learner_topology_key:
         # Every learner pod in the domain of the first one placed (a pod whose required term matches no pod yet
         # may go anywhere when it matches its own term: the first one picks the domain).
-        pod_spec.setdefault("affinity", {})["podAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": [
-            {"labelSelector": mine, "topologyKey": job.spec.scheduling.learner_topology_key}]}
+        pod_spec.setdefault("affinity", {})["podAffinity"] = {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": mine, "topologyKey": job.spec.scheduling.learner_topology_key}
+            ]
+        }
 
 
 def _learner_failure_rules(pods: int) -> list[dict[str, Any]]:
@@ -481,11 +596,17 @@ def _learner_failure_rules(pods: int) -> list[dict[str, Any]]:
     Job fails at once and its condition names the pod, instead of restarting that pod alone into a world that is
     gone."""
     if pods > 1:
-        return [{"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-                {"action": "FailJob", "onExitCodes": {"operator": "NotIn", "values": [0]}}]
-    return [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-            {"action": "FailJob", "onExitCodes": {"containerName": "learner", "operator": "In",
-                                                  "values": [CONFIG_EXIT_CODE]}}]
+        return [
+            {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            {"action": "FailJob", "onExitCodes": {"operator": "NotIn", "values": [0]}},
+        ]
+    return [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        {
+            "action": "FailJob",
+            "onExitCodes": {"containerName": "learner", "operator": "In", "values": [CONFIG_EXIT_CODE]},
+        },
+    ]
 
 
 def torchrun_shutdown_seconds(grace_s: int) -> int:

@@ -30,56 +30,82 @@ class GrpoTrainingConfig(_Learner):
     max_tokens: int = Field(512, ge=1, description="Longest completion, in tokens.")
     clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="Lower clip of the importance ratio: 1 - clip_eps.")
     clip_eps_high: float | None = Field(
-        None, gt=0.0, le=10.0, description="Upper clip: 1 + clip_eps_high (DAPO's clip-higher); unset = clip_eps.",
+        None,
+        gt=0.0,
+        le=10.0,
+        description="Upper clip: 1 + clip_eps_high (DAPO's clip-higher); unset = clip_eps.",
     )
     kl_coef: float = Field(
-        0.0, ge=0.0, le=100.0, description="Weight of the KL to the reference policy (the base weights, adapters "
+        0.0,
+        ge=0.0,
+        le=100.0,
+        description="Weight of the KL to the reference policy (the base weights, adapters "
         "disabled); 0 = no reference forward.",
     )
     scale_rewards: bool = Field(True, description="Divide each group's centred rewards by their std.")
     loss_norm: Literal["token", "sequence"] = Field(
-        "token", description="token: mean over every completion token of the step; sequence: mean of each "
+        "token",
+        description="token: mean over every completion token of the step; sequence: mean of each "
         "completion's token mean.",
     )
     rewards: list[RewardEntry] = Field(
-        default_factory=lambda: [RewardEntry(name="detection")], min_length=1, max_length=16,
+        default_factory=lambda: [RewardEntry(name="detection")],
+        min_length=1,
+        max_length=16,
         description="Rewards summed with their weights (default: the detection reward).",
     )
     reward_workers: int = Field(4, ge=1, le=64, description="Threads scoring completions.")
     # Train/inference mismatch (learner/core/grpo.py's module doc has the formulas and the peers' names).
     correction: Literal["none", "tis", "mis", "icepop"] = Field(
-        "none", description="Importance correction of the gap between the servers' and the learner's log-probs: "
+        "none",
+        description="Importance correction of the gap between the servers' and the learner's log-probs: "
         "none (the PPO clip against the servers' log-probs), tis (token-level truncated IS), mis (sequence-level "
         "masked IS), icepop (token-level masking of both tails).",
     )
     correction_low: float | None = Field(
-        None, ge=0.0, lt=1.0, description="Lower bound of the learner/server probability ratio kept (mis: the "
+        None,
+        ge=0.0,
+        lt=1.0,
+        description="Lower bound of the learner/server probability ratio kept (mis: the "
         "answer's, icepop: the token's); unset: mis 0, icepop 0.5. Not for tis.",
     )
     correction_high: float | None = Field(
-        None, gt=1.0, le=1000.0, description="Upper bound: tis truncates the ratio there, mis and icepop drop what "
+        None,
+        gt=1.0,
+        le=1000.0,
+        description="Upper bound: tis truncates the ratio there, mis and icepop drop what "
         "passes it; unset: tis 2, mis 2, icepop 5.",
     )
     # Sampling rules (learner/train/objectives/grpo.py).
     dynamic_sampling: Literal["off", "drop", "resample"] = Field(
-        "off", description="Groups whose rewards are all equal (no signal): off (kept, zero advantage), drop (left "
+        "off",
+        description="Groups whose rewards are all equal (no signal): off (kept, zero advantage), drop (left "
         "out of the loss and its normaliser), resample (sampled again with new seeds, up to "
         "dynamic_sampling_rounds times, then dropped).",
     )
     dynamic_sampling_rounds: int = Field(
-        1, ge=1, le=8, description="dynamic_sampling resample: most extra sampling rounds of a step's flat groups.",
+        1,
+        ge=1,
+        le=8,
+        description="dynamic_sampling resample: most extra sampling rounds of a step's flat groups.",
     )
     overlong: Literal["off", "mask", "penalty"] = Field(
-        "off", description="Answers cut at max_tokens: off (trained as they are), mask (their tokens left out of the "
+        "off",
+        description="Answers cut at max_tokens: off (trained as they are), mask (their tokens left out of the "
         "loss; they still count in their group's advantage), penalty (DAPO's soft overlong punishment added to the "
         "reward of answers longer than max_tokens - overlong_buffer).",
     )
     overlong_buffer: int | None = Field(
-        None, ge=1, description="overlong penalty: the last tokens of the budget over which the penalty ramps from 0 "
+        None,
+        ge=1,
+        description="overlong penalty: the last tokens of the budget over which the penalty ramps from 0 "
         "to overlong_penalty; unset: max_tokens // 4. Must be < max_tokens.",
     )
     overlong_penalty: float = Field(
-        1.0, gt=0.0, le=100.0, description="overlong penalty: the penalty at max_tokens (subtracted from the reward).",
+        1.0,
+        gt=0.0,
+        le=100.0,
+        description="overlong penalty: the penalty at max_tokens (subtracted from the reward).",
     )
 
     @model_validator(mode="after")
@@ -92,8 +118,9 @@ class GrpoTrainingConfig(_Learner):
 
 # Mirrored by CEL rules on spec.training.grpo (operator/rmsft_operator/crd.py LOCAL_RULES).
 CORRECTION_NONE_BOUNDS = "spec.training.grpo.correction_low / correction_high need a correction (tis, mis or icepop)"
-CORRECTION_TIS_LOW = ("spec.training.grpo.correction tis truncates from above only: set correction_high, not "
-                      "correction_low")
+CORRECTION_TIS_LOW = (
+    "spec.training.grpo.correction tis truncates from above only: set correction_high, not correction_low"
+)
 OVERLONG_BUFFER = "spec.training.grpo.overlong_buffer must be < max_tokens"
 
 

@@ -23,8 +23,8 @@ class JobSpec(_K8s):
     training, the weight sync and monitoring."""
 
     trainer: str = Field(
-        DEFAULT_OBJECTIVE, description="The learner's training objective: rollout-matching SFT, or GRPO "
-        "(training.grpo).",
+        DEFAULT_OBJECTIVE,
+        description="The learner's training objective: rollout-matching SFT, or GRPO (training.grpo).",
         # The enum is the registry's names, read when the schema is generated (the CRD's too).
         json_schema_extra=lambda schema: schema.update(enum=list(OBJECTIVES)),
     )
@@ -34,7 +34,8 @@ class JobSpec(_K8s):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     learner: LearnerSpec = Field(default_factory=LearnerSpec)
     training: TrainingConfig = Field(
-        ..., description="The learner's own config (snake_case keys): data, format, optimizer, steps, rollouts, "
+        ...,
+        description="The learner's own config (snake_case keys): data, format, optimizer, steps, rollouts, "
         "matching, losses, evaluation, export.",
     )
     sync: SyncSpec = Field(default_factory=SyncSpec)
@@ -84,11 +85,15 @@ class JobSpec(_K8s):
 
 
 # training.loss.logits fused where liger-kernel's kernel cannot run (learner/core/fused.py); auto takes chunked there.
-LOGITS_FUSED_CPU = ("spec.training.loss.logits 'fused' needs spec.placement.accelerator 'nvidia' (liger-kernel's fused "
-                    "cross-entropy is a CUDA kernel); set it to chunked or auto")
-LOGITS_FUSED_ZERO3 = ("spec.training.loss.logits 'fused' cannot run under spec.training.deepspeed_stage 3 (the "
-                      "kernel takes the output head's whole weight, which ZeRO-3 partitions); set it to chunked or "
-                      "auto")
+LOGITS_FUSED_CPU = (
+    "spec.training.loss.logits 'fused' needs spec.placement.accelerator 'nvidia' (liger-kernel's fused "
+    "cross-entropy is a CUDA kernel); set it to chunked or auto"
+)
+LOGITS_FUSED_ZERO3 = (
+    "spec.training.loss.logits 'fused' cannot run under spec.training.deepspeed_stage 3 (the "
+    "kernel takes the output head's whole weight, which ZeRO-3 partitions); set it to chunked or "
+    "auto"
+)
 
 
 def cross_field_errors(spec: JobSpec) -> list[str]:
@@ -97,8 +102,11 @@ def cross_field_errors(spec: JobSpec) -> list[str]:
     # The one-node budget binds shm only (host memory is one node's: the operator puts every pod on one node).
     # Only an explicit shm: auto is grpc in a cluster, and `rmsft local` checks the machine's GPUs itself. Over
     # grpc or nccl the pool and the learner may span nodes; each pod still fits one (below).
-    if spec.sync.transport == "shm" and spec.placement.accelerator == "nvidia" \
-            and spec.gpus_needed > spec.placement.gpus_per_node:
+    if (
+        spec.sync.transport == "shm"
+        and spec.placement.accelerator == "nvidia"
+        and spec.gpus_needed > spec.placement.gpus_per_node
+    ):
         errs.append(
             f"spec.sync.transport 'shm' needs the learner and the whole pool on one node: "
             f"spec.rollout.replicas * spec.rollout.tensorParallelSize + spec.learner.gpus ({spec.gpus_needed}) "
@@ -111,13 +119,16 @@ def cross_field_errors(spec: JobSpec) -> list[str]:
     if spec.training.loss.logits == "fused" and spec.training.deepspeed_stage == 3:
         errs.append(LOGITS_FUSED_ZERO3)
     if spec.sync.transport == "nccl" and spec.sync.mode != "full":
-        errs.append("spec.sync.transport 'nccl' carries full weights: spec.sync.mode must be 'full' (adapters go "
-                    "over grpc)")
+        errs.append(
+            "spec.sync.transport 'nccl' carries full weights: spec.sync.mode must be 'full' (adapters go over grpc)"
+        )
     # Only shm needs the whole job on one node (above); over the network each pod must fit a node: a server's
     # TP group and the learner's GPUs (per pod) are one pod each.
     if spec.placement.accelerator == "nvidia" and spec.rollout.tensor_parallel_size > spec.placement.gpus_per_node:
-        errs.append(f"spec.rollout.tensorParallelSize ({spec.rollout.tensor_parallel_size}) must be <= "
-                    f"spec.placement.gpusPerNode ({spec.placement.gpus_per_node}): a server is one pod")
+        errs.append(
+            f"spec.rollout.tensorParallelSize ({spec.rollout.tensor_parallel_size}) must be <= "
+            f"spec.placement.gpusPerNode ({spec.placement.gpus_per_node}): a server is one pod"
+        )
     if spec.sync.mode == "adapter" and not spec.rollout.enable_lora:
         errs.append("spec.sync.mode 'adapter' requires spec.rollout.enableLora: true")
     if spec.sync.mode == "adapter" and spec.training.finetune != "lora":
@@ -147,36 +158,51 @@ def learner_pods_errors(spec: JobSpec) -> list[str]:
     lr, errs = spec.learner, []
     accelerated = spec.placement.accelerator == "nvidia"
     if accelerated and lr.ranks_per_pod is not None and lr.ranks_per_pod != lr.gpus:
-        errs.append(f"spec.learner.ranksPerPod ({lr.ranks_per_pod}) must equal spec.learner.gpus ({lr.gpus}) when "
-                    "spec.placement.accelerator is 'nvidia' (one rank per GPU; leave it unset)")
+        errs.append(
+            f"spec.learner.ranksPerPod ({lr.ranks_per_pod}) must equal spec.learner.gpus ({lr.gpus}) when "
+            "spec.placement.accelerator is 'nvidia' (one rank per GPU; leave it unset)"
+        )
     if accelerated and lr.gpus > spec.placement.gpus_per_node:
-        errs.append(f"spec.learner.gpus ({lr.gpus}) must be <= spec.placement.gpusPerNode "
-                    f"({spec.placement.gpus_per_node}): a learner pod is on one node (with spec.learner.nodes > 1 it "
-                    "counts GPUs per learner pod)")
+        errs.append(
+            f"spec.learner.gpus ({lr.gpus}) must be <= spec.placement.gpusPerNode "
+            f"({spec.placement.gpus_per_node}): a learner pod is on one node (with spec.learner.nodes > 1 it "
+            "counts GPUs per learner pod)"
+        )
     if lr.nodes == 1:
         if spec.scheduling.learner_topology_key:
-            errs.append("spec.scheduling.learnerTopologyKey applies to spec.learner.nodes > 1 (the learner's pods "
-                        "meeting in one topology domain)")
+            errs.append(
+                "spec.scheduling.learnerTopologyKey applies to spec.learner.nodes > 1 (the learner's pods "
+                "meeting in one topology domain)"
+            )
         return errs
     if spec.rollout.colocated:
-        errs.append("spec.learner.nodes > 1 is not available with spec.rollout.mode 'colocate' yet (one learner pod "
-                    "holds the engines); use server mode")
+        errs.append(
+            "spec.learner.nodes > 1 is not available with spec.rollout.mode 'colocate' yet (one learner pod "
+            "holds the engines); use server mode"
+        )
     if spec.sync.transport == "shm":
-        errs.append("spec.sync.transport 'shm' cannot reach learner pods on several nodes (host memory is one "
-                    "node's): with spec.learner.nodes > 1 use grpc or auto")
+        errs.append(
+            "spec.sync.transport 'shm' cannot reach learner pods on several nodes (host memory is one "
+            "node's): with spec.learner.nodes > 1 use grpc or auto"
+        )
     if not lr.checkpoint_claim:
-        errs.append("spec.learner.nodes > 1 needs spec.learner.checkpointClaim: every learner pod saves its share "
-                    "of a checkpoint into one folder and resumes from it (a ReadWriteMany claim across nodes)")
+        errs.append(
+            "spec.learner.nodes > 1 needs spec.learner.checkpointClaim: every learner pod saves its share "
+            "of a checkpoint into one folder and resumes from it (a ReadWriteMany claim across nodes)"
+        )
     return errs
 
 
-COLOCATE_STALENESS = ("spec.training.rollout.max_staleness must be 0 with spec.rollout.mode 'colocate': the engine "
-                      "shares the learner's devices, so generation cannot overlap training")
+COLOCATE_STALENESS = (
+    "spec.training.rollout.max_staleness must be 0 with spec.rollout.mode 'colocate': the engine "
+    "shares the learner's devices, so generation cannot overlap training"
+)
 
 
 COLOCATE_SLEEP_ZERO3 = (
     "spec.rollout.colocate.sleepLevel > 0 cannot be combined with spec.training.deepspeed_stage 3: a sleeping engine "
-    "with partitioned training weights has not been proven on a GPU (use stage 0-2, or sleepLevel 0)")
+    "with partitioned training weights has not been proven on a GPU (use stage 0-2, or sleepLevel 0)"
+)
 
 
 def colocate_errors(spec: JobSpec) -> list[str]:
@@ -184,28 +210,42 @@ def colocate_errors(spec: JobSpec) -> list[str]:
     c, errs = spec.rollout.colocate, []
     cpu = spec.placement.accelerator == "none"
     if cpu and c.tensor_parallel_size != 1:
-        errs.append("spec.rollout.colocate.tensorParallelSize must be 1 when spec.placement.accelerator is 'none' "
-                    "(vLLM's CPU backend runs TP > 1 in worker processes of its own, not in the learner's)")
+        errs.append(
+            "spec.rollout.colocate.tensorParallelSize must be 1 when spec.placement.accelerator is 'none' "
+            "(vLLM's CPU backend runs TP > 1 in worker processes of its own, not in the learner's)"
+        )
     if not cpu and (spec.learner.gpus < 1 or spec.learner.gpus % c.tensor_parallel_size):
-        errs.append(f"spec.rollout.colocate.tensorParallelSize ({c.tensor_parallel_size}) must divide "
-                    f"spec.learner.gpus ({spec.learner.gpus}): the learner's ranks form whole TP groups")
+        errs.append(
+            f"spec.rollout.colocate.tensorParallelSize ({c.tensor_parallel_size}) must divide "
+            f"spec.learner.gpus ({spec.learner.gpus}): the learner's ranks form whole TP groups"
+        )
     if c.sleep_level > 0 and (cpu or spec.rollout.engine != "vllm"):
-        errs.append("spec.rollout.colocate.sleepLevel > 0 needs spec.placement.accelerator 'nvidia' and "
-                    "spec.rollout.engine 'vllm' (vLLM's sleep mode is CUDA's; the CPU backend has none)")
+        errs.append(
+            "spec.rollout.colocate.sleepLevel > 0 needs spec.placement.accelerator 'nvidia' and "
+            "spec.rollout.engine 'vllm' (vLLM's sleep mode is CUDA's; the CPU backend has none)"
+        )
     if c.sleep_level > 0 and spec.training.deepspeed_stage == 3:
         errs.append(COLOCATE_SLEEP_ZERO3)
     if cpu and (c.offload_model or c.offload_optimizer):
-        errs.append("spec.rollout.colocate.offloadModel and offloadOptimizer move training state off the GPUs; "
-                    "with spec.placement.accelerator 'none' there is nothing to move (set them false)")
+        errs.append(
+            "spec.rollout.colocate.offloadModel and offloadOptimizer move training state off the GPUs; "
+            "with spec.placement.accelerator 'none' there is nothing to move (set them false)"
+        )
     if spec.rollout.engine == "hf" and c.tensor_parallel_size != 1:
-        errs.append("spec.rollout.colocate.tensorParallelSize must be 1 with spec.rollout.engine 'hf' (the HF "
-                    "engine is the training model itself)")
+        errs.append(
+            "spec.rollout.colocate.tensorParallelSize must be 1 with spec.rollout.engine 'hf' (the HF "
+            "engine is the training model itself)"
+        )
     if spec.sync.mode == "adapter":
-        errs.append("spec.sync.mode 'adapter' is not available with spec.rollout.mode 'colocate': the in-process "
-                    "engine takes merged weights (use full or auto)")
+        errs.append(
+            "spec.sync.mode 'adapter' is not available with spec.rollout.mode 'colocate': the in-process "
+            "engine takes merged weights (use full or auto)"
+        )
     if spec.sync.transport != "auto":
-        errs.append("spec.sync.transport must stay 'auto' with spec.rollout.mode 'colocate': weights go straight "
-                    "into the in-process engine, with no transport")
+        errs.append(
+            "spec.sync.transport must stay 'auto' with spec.rollout.mode 'colocate': weights go straight "
+            "into the in-process engine, with no transport"
+        )
     if spec.training.rollout.max_staleness > 0:
         errs.append(COLOCATE_STALENESS)
     return errs
@@ -216,23 +256,35 @@ def grpo_errors(spec: JobSpec) -> list[str]:
     t, g = spec.training, spec.training.grpo
     errs: list[str] = []
     if g.max_tokens >= spec.rollout.max_model_len:
-        errs.append(f"spec.training.grpo.max_tokens ({g.max_tokens}) must be < spec.rollout.maxModelLen "
-                    f"({spec.rollout.max_model_len})")
+        errs.append(
+            f"spec.training.grpo.max_tokens ({g.max_tokens}) must be < spec.rollout.maxModelLen "
+            f"({spec.rollout.max_model_len})"
+        )
     if t.buffer.enabled and t.buffer.m_steps > 1:
-        errs.append("spec.training.buffer.m_steps > 1 is not supported by spec.trainer 'grpo': every step samples "
-                    "fresh groups from the learner's current weights (disable the buffer or set m_steps: 1)")
+        errs.append(
+            "spec.training.buffer.m_steps > 1 is not supported by spec.trainer 'grpo': every step samples "
+            "fresh groups from the learner's current weights (disable the buffer or set m_steps: 1)"
+        )
     if t.warm_start_steps > 0:
-        errs.append("spec.training.warm_start_steps applies to spec.trainer 'rollout_matching' only (GRPO has no "
-                    "ground-truth targets to warm start on)")
+        errs.append(
+            "spec.training.warm_start_steps applies to spec.trainer 'rollout_matching' only (GRPO has no "
+            "ground-truth targets to warm start on)"
+        )
     if t.grad_accumulation != 1:
-        errs.append("spec.training.grad_accumulation must be 1 with spec.trainer 'grpo': a step trains on every "
-                    "completion it sampled, in as many packed rows as they fill")
+        errs.append(
+            "spec.training.grad_accumulation must be 1 with spec.trainer 'grpo': a step trains on every "
+            "completion it sampled, in as many packed rows as they fill"
+        )
     if g.kl_coef > 0 and t.finetune != "lora":
-        errs.append("spec.training.grpo.kl_coef > 0 needs spec.training.finetune: lora (the reference policy is the "
-                    "base weights, the adapters disabled); with finetune: full set kl_coef: 0")
+        errs.append(
+            "spec.training.grpo.kl_coef > 0 needs spec.training.finetune: lora (the reference policy is the "
+            "base weights, the adapters disabled); with finetune: full set kl_coef: 0"
+        )
     d = t.rollout
     if d.top_p != 1.0 or d.top_k > 0 or d.repetition_penalty not in (None, 1.0):
-        errs.append("spec.training.rollout.top_p, top_k and repetition_penalty must stay off with spec.trainer "
-                    "'grpo' (it samples at spec.training.grpo.temperature alone, so that the learner's log-probs "
-                    "are those of the distribution sampled from)")
+        errs.append(
+            "spec.training.rollout.top_p, top_k and repetition_penalty must stay off with spec.trainer "
+            "'grpo' (it samples at spec.training.grpo.temperature alone, so that the learner's log-probs "
+            "are those of the distribution sampled from)"
+        )
     return errs

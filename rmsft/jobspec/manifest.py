@@ -74,7 +74,7 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
 
 
 def _did_you_mean(loc: tuple[Any, ...]) -> str:
-    """"; did you mean replicas?" for an unknown key close to known ones (difflib's nearest, case-blind), else ""."""
+    """ "; did you mean replicas?" for an unknown key close to known ones (difflib's nearest, case-blind), else ""."""
     key = loc[-1] if loc and isinstance(loc[-1], str) else None
     if key is None:
         return ""
@@ -140,8 +140,9 @@ def _read_job_doc(path: Path) -> dict[str, Any]:
     return jobs[0]
 
 
-def apply_overrides(doc: dict[str, Any], overrides: list[str] | tuple[str, ...], source: str = "job spec"
-                    ) -> dict[str, Any]:
+def apply_overrides(
+    doc: dict[str, Any], overrides: list[str] | tuple[str, ...], source: str = "job spec"
+) -> dict[str, Any]:
     """A copy of the manifest `doc` with each `key=value` of `overrides` (`rmsft local JOB --set
     training.steps=10`) set: the key a dotted path under `spec` (or starting at `spec.` / `metadata.`), written as
     in the file (camelCase in the Kubernetes-facing sections); the value read as YAML (`10` a number, `true` a
@@ -169,8 +170,9 @@ def apply_overrides(doc: dict[str, Any], overrides: list[str] | tuple[str, ...],
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                errors.append(f"--set {item!r}: {'.'.join(parts[: i + 1])} is {type(child).__name__}, not a mapping "
-                              "with keys")
+                errors.append(
+                    f"--set {item!r}: {'.'.join(parts[: i + 1])} is {type(child).__name__}, not a mapping with keys"
+                )
                 break
             node = child
         else:
@@ -222,9 +224,17 @@ def write_effective_job(path: str | Path, overrides: list[str] | tuple[str, ...]
 
 
 # The spec's file and folder paths (section, ..., key): what `resolve_paths` reads relative to the job file's folder.
-PATH_FIELDS = (("model", "path"), ("training", "data", "path"), ("training", "data", "image_root"),
-               ("training", "eval", "data"), ("training", "eval", "image_root"), ("training", "checkpoint", "dir"),
-               ("training", "export", "dir"), ("training", "log_dir"), ("training", "wandb", "dir"))
+PATH_FIELDS = (
+    ("model", "path"),
+    ("training", "data", "path"),
+    ("training", "data", "image_root"),
+    ("training", "eval", "data"),
+    ("training", "eval", "image_root"),
+    ("training", "checkpoint", "dir"),
+    ("training", "export", "dir"),
+    ("training", "log_dir"),
+    ("training", "wandb", "dir"),
+)
 
 
 def resolve_paths(job: RolloutMatchingJob, folder: str | Path) -> None:
@@ -243,7 +253,7 @@ def resolve_paths(job: RolloutMatchingJob, folder: str | Path) -> None:
 
 
 def _other_kind(path: Path) -> str:
-    """" (this is a COCO instances file: ...)" for a data file given where a job manifest goes (JSON is YAML, and
+    """ " (this is a COCO instances file: ...)" for a data file given where a job manifest goes (JSON is YAML, and
     "no document with kind" would not say what was given), else ""."""
     from rmsft.file_kinds import JOB, wrong_kind
 

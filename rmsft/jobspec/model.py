@@ -31,7 +31,9 @@ class VisionSpec(_K8s):
     max_pixels: int | None = Field(None, ge=1, le=1 << 30, description="Largest resized image area, pixels.")
     max_images_per_prompt: int = Field(4, ge=0, le=64, description="Images one prompt may carry (vLLM's limit).")
     max_image_pixels: int = Field(
-        50_000_000, ge=1, le=1 << 34,
+        50_000_000,
+        ge=1,
+        le=1 << 34,
         description="Largest source image (width x height) a record or a request may carry; larger ones are refused.",
     )
 
@@ -48,7 +50,8 @@ class ModelSpec(_K8s):
     path: str = Field(..., min_length=1, description="Model directory (HF layout) as seen in the pods.")
     volume: ModelVolume | None = Field(None, description="Volume that holds the model; none = baked in image.")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="Weights' dtype: what the servers serve in and FULL weight updates are sent in, and "
+        "auto",
+        description="Weights' dtype: what the servers serve in and FULL weight updates are sent in, and "
         "the learner's weights under training.precision fp32 (bf16 decides its own); auto = the checkpoint's "
         "(config.json).",
     )

@@ -12,7 +12,8 @@ from rmsft.jobspec.base import _Learner
 
 RECIPE_EXPLORERS_STALENESS = (
     "spec.training.recipe.explorers.count must be 0 with spec.training.rollout.max_staleness > 0 (explorers are "
-    "generated on their step, not ahead)")
+    "generated on their step, not ahead)"
+)
 RECIPE_SECOND_ONLY = "spec.training.recipe: {name} applies to recipe generation 2 only"
 
 
@@ -42,14 +43,19 @@ class MatchingConfig(_Learner):
     """Hungarian matching of predicted to ground-truth objects (geometry only: labels are not compared)."""
 
     iou_gate: float | None = Field(
-        None, ge=0.0, le=1.0,
-        description="Pairs below this IoU are never matched." + _by_generation("matching.iou_gate"))
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Pairs below this IoU are never matched." + _by_generation("matching.iou_gate"),
+    )
     fp_cost: float | None = Field(
-        None, ge=0.0,
-        description="Cost of leaving a prediction unmatched." + _by_generation("matching.fp_cost"))
+        None, ge=0.0, description="Cost of leaving a prediction unmatched." + _by_generation("matching.fp_cost")
+    )
     fn_cost: float | None = Field(
-        None, ge=0.0,
-        description="Cost of leaving a ground-truth object unmatched." + _by_generation("matching.fn_cost"))
+        None,
+        ge=0.0,
+        description="Cost of leaving a ground-truth object unmatched." + _by_generation("matching.fn_cost"),
+    )
 
 
 class TargetsConfig(_Learner):
@@ -64,28 +70,43 @@ class TargetsConfig(_Learner):
 class LossConfig(_Learner):
     ce: float = Field(1.0, ge=0.0, description="Weight of the token cross-entropy.")
     coord_soft_ce: float | None = Field(
-        None, ge=0.0, description="Soft cross-entropy of coordinate tokens against a Gaussian over bins."
-        + _by_generation("loss.coord_soft_ce"))
+        None,
+        ge=0.0,
+        description="Soft cross-entropy of coordinate tokens against a Gaussian over bins."
+        + _by_generation("loss.coord_soft_ce"),
+    )
     coord_w1: float | None = Field(
-        None, ge=0.0, description="W1 distance between the predicted and target bin distributions."
-        + _by_generation("loss.coord_w1"))
+        None,
+        ge=0.0,
+        description="W1 distance between the predicted and target bin distributions." + _by_generation("loss.coord_w1"),
+    )
     coord_gate: float = Field(
-        1.0, ge=0.0, description="logsumexp(all logits) - logsumexp(coordinate logits) at coordinate positions.")
+        1.0, ge=0.0, description="logsumexp(all logits) - logsumexp(coordinate logits) at coordinate positions."
+    )
     coord_sigma: float = Field(2.0, gt=0.0, description="Width (bins) of the soft cross-entropy's Gaussian.")
     coord_ce: float | None = Field(
-        None, ge=0.0, description="Hard cross-entropy of the target bin's token." + _by_generation("loss.coord_ce"))
+        None, ge=0.0, description="Hard cross-entropy of the target bin's token." + _by_generation("loss.coord_ce")
+    )
     smooth_l1: float | None = Field(
-        None, ge=0.0, description="SmoothL1 between a box's expected coordinates (sum_k p(k) k / 999) and the "
-        "ground truth, for matched and appended boxes." + _by_generation("loss.smooth_l1"))
+        None,
+        ge=0.0,
+        description="SmoothL1 between a box's expected coordinates (sum_k p(k) k / 999) and the "
+        "ground truth, for matched and appended boxes." + _by_generation("loss.smooth_l1"),
+    )
     ciou: float | None = Field(
-        None, ge=0.0,
-        description="1 - CIoU of the same expected box and the ground truth." + _by_generation("loss.ciou"))
+        None,
+        ge=0.0,
+        description="1 - CIoU of the same expected box and the ground truth." + _by_generation("loss.ciou"),
+    )
     normalization: Literal["weighted", "count"] | None = Field(
-        None, description="How each term is averaged over a step: weighted = sum(w * loss) / sum(w) (the reference's; "
+        None,
+        description="How each term is averaged over a step: weighted = sum(w * loss) / sum(w) (the reference's; "
         "an object's weight, e.g. an explorer-recovered one's, then reweights the step instead of adding loss), "
-        "count = sum(w * loss) / number of positions." + _by_generation("loss.normalization"))
+        "count = sum(w * loss) / number of positions." + _by_generation("loss.normalization"),
+    )
     logits: Literal["auto", "fused", "chunked", "full"] = Field(
-        "auto", description="How the loss gets its logits (every objective, GRPO's log-probs and its reference "
+        "auto",
+        description="How the loss gets its logits (every objective, GRPO's log-probs and its reference "
         "policy's too): chunked = only at target positions, logits_chunk of them at a time, the output head "
         "applied per chunk and recomputed in backward (a prompt's and its image's positions get none, and one "
         "chunk's logits exist at a time); fused = as chunked, but the token cross-entropy and GRPO's log-probs (at "
@@ -93,11 +114,16 @@ class LossConfig(_Learner):
         "coordinate and unlikelihood terms chunked; refused on a CPU job, under deepspeed_stage 3, or where "
         "the learner has no CUDA or no liger-kernel (set chunked there); auto = fused where it can run, else "
         "chunked; full = the model's logits over the whole packed row [L, vocabulary]. Same loss and gradients "
-        "(learner/core/head.py, learner/core/fused.py).")
+        "(learner/core/head.py, learner/core/fused.py).",
+    )
     logits_chunk: int = Field(
-        1024, ge=1, le=65536, description="chunked (and fused's chunked terms): target positions whose logits are "
+        1024,
+        ge=1,
+        le=65536,
+        description="chunked (and fused's chunked terms): target positions whose logits are "
         "made at once (memory: "
-        "logits_chunk x vocabulary x about 12 bytes while the loss runs).")
+        "logits_chunk x vocabulary x about 12 bytes while the loss runs).",
+    )
 
 
 class DuplicateControl(_Learner):
@@ -105,18 +131,27 @@ class DuplicateControl(_Learner):
 
     iou: float = Field(0.9, gt=0.0, le=1.0, description="Same normalized label and IoU at least this: a duplicate.")
     center_radius: float = Field(
-        0.8, ge=0.0, description="Or same label and centres closer than this times sqrt(the smaller box's area), "
-        "on the 1000-bin grid (0: IoU alone).")
+        0.8,
+        ge=0.0,
+        description="Or same label and centres closer than this times sqrt(the smaller box's area), "
+        "on the 1000-bin grid (0: IoU alone).",
+    )
     method: Literal["clusters", "greedy"] = Field(
-        "clusters", description="clusters (the reference's): duplicate-like objects are joined into clusters; a "
+        "clusters",
+        description="clusters (the reference's): duplicate-like objects are joined into clusters; a "
         "cluster stays whole when two or more members are held by an explorer or when it is spread wide (a row of "
         "like objects), else its best-supported member stays and the others are duplicates. greedy: each object "
-        "against the earlier kept ones, in answer order.")
+        "against the earlier kept ones, in answer order.",
+    )
     spread: float = Field(
-        2.5, gt=0.0, description="clusters: a cluster whose members' centres lie farther apart than this times "
-        "center_radius times sqrt(the largest member's area) is a row, kept whole.")
+        2.5,
+        gt=0.0,
+        description="clusters: a cluster whose members' centres lie farther apart than this times "
+        "center_radius times sqrt(the largest member's area) is a row, kept whole.",
+    )
     unlikelihood: float = Field(
-        1.0, ge=0.0, description="Weight of -log(1 - p) on the token that started each duplicate (0: removal only).")
+        1.0, ge=0.0, description="Weight of -log(1 - p) on the token that started each duplicate (0: removal only)."
+    )
 
 
 class ExplorerConfig(_Learner):
@@ -128,10 +163,15 @@ class ExplorerConfig(_Learner):
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling of the explorers.")
     top_k: int = Field(64, ge=-1, description="Top-k of the explorers (-1: off).")
     recovered_weight: float = Field(
-        2.0, gt=0.0, description="Weight of an object the anchor missed and an explorer found.")
+        2.0, gt=0.0, description="Weight of an object the anchor missed and an explorer found."
+    )
     support_iou: float = Field(
-        0.9, gt=0.0, le=1.0, description="An explorer's object at this IoU or more supports an anchor object: keeps "
-        "an unmatched one in the prefix (dead anchors) and counts for duplicate exemptions (same label there).")
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="An explorer's object at this IoU or more supports an anchor object: keeps "
+        "an unmatched one in the prefix (dead anchors) and counts for duplicate exemptions (same label there).",
+    )
 
 
 class RecipeConfig(_Learner):
@@ -142,27 +182,45 @@ class RecipeConfig(_Learner):
 
     generation: Literal[1, 2] = Field(2, description="2: two channels, clean prefix (default). 1: the first objective.")
     channel_b_ratio: float | None = Field(
-        None, ge=0.0, le=1.0,
+        None,
+        ge=0.0,
+        le=1.0,
         description="Generation 2: share of optimizer steps after the warm start that are rollout matching "
         "(channel B, chosen deterministically: step s is B when floor((s+1) r) > floor(s r)); the rest teacher-force "
         "the ground truth (channel A). Unset: 0.05.",
     )
     anchor: Literal["greedy", "sampled"] | None = Field(
-        None, description="Generation 2: the answer a B step trains on is greedy (temperature 0; unset) or sampled "
-        "with training.rollout's temperature.")
+        None,
+        description="Generation 2: the answer a B step trains on is greedy (temperature 0; unset) or sampled "
+        "with training.rollout's temperature.",
+    )
     structure_ce: float | None = Field(
-        None, ge=0.0, description="Generation 2: cross-entropy weight on the kept prefix's structure tokens (keys, "
-        "brackets, punctuation). Unset: 1.0.")
+        None,
+        ge=0.0,
+        description="Generation 2: cross-entropy weight on the kept prefix's structure tokens (keys, "
+        "brackets, punctuation). Unset: 1.0.",
+    )
     prefix_labels: bool | None = Field(
-        None, description="Generation 2: cross-entropy (at structure_ce) on the labels of the kept prefix's objects, "
-        "as the reference's code trains them; false: the labels the model wrote get no loss. Unset: true.")
+        None,
+        description="Generation 2: cross-entropy (at structure_ce) on the labels of the kept prefix's objects, "
+        "as the reference's code trains them; false: the labels the model wrote get no loss. Unset: true.",
+    )
     dead_anchors: Literal["remove", "keep"] | None = Field(
-        None, description="Generation 2: unmatched objects of the answer that no explorer supports (dead anchors; "
+        None,
+        description="Generation 2: unmatched objects of the answer that no explorer supports (dead anchors; "
         "see explorers.support_iou): remove them from the prefix, so that closing is trained right after the last "
         "supported object (the reference's default), or keep them with no loss on their content. With no explorer "
-        "(explorers.count 0) every unmatched object is dead. Unset: remove.")
+        "(explorers.count 0) every unmatched object is dead. Unset: remove.",
+    )
     duplicates: DuplicateControl | None = Field(None, description="Generation 2: duplicate control (unset: defaults).")
     explorers: ExplorerConfig | None = Field(None, description="Generation 2: explorer rollouts (unset: defaults).")
 
-    SECOND_ONLY: ClassVar[tuple[str, ...]] = ("channel_b_ratio", "anchor", "structure_ce", "prefix_labels",
-                                              "dead_anchors", "duplicates", "explorers")
+    SECOND_ONLY: ClassVar[tuple[str, ...]] = (
+        "channel_b_ratio",
+        "anchor",
+        "structure_ce",
+        "prefix_labels",
+        "dead_anchors",
+        "duplicates",
+        "explorers",
+    )

@@ -41,8 +41,23 @@ from rmsft.memory_plan.shapes import PRESETS, ModelShapeError, preset_for, shape
 from rmsft.memory_plan.units import GiB, parse_bytes
 
 __all__ = [
-    "MEMORY_PLAN_ENV", "PRESETS", "RUNTIME_BYTES", "ZERO_REDUCE_BUCKET", "GiB", "MemoryPlanError",
-    "MemoryPlanSettingError", "ModelShapeError", "advised_knobs", "changed", "check_memory_plan",
-    "default_gpu_memory", "memory_plan_setting", "parse_bytes", "plan_memory", "preset_for", "shape_from_config",
-    "shape_from_folder", "trainable_params",
+    "MEMORY_PLAN_ENV",
+    "PRESETS",
+    "RUNTIME_BYTES",
+    "ZERO_REDUCE_BUCKET",
+    "GiB",
+    "MemoryPlanError",
+    "MemoryPlanSettingError",
+    "ModelShapeError",
+    "advised_knobs",
+    "changed",
+    "check_memory_plan",
+    "default_gpu_memory",
+    "memory_plan_setting",
+    "parse_bytes",
+    "plan_memory",
+    "preset_for",
+    "shape_from_config",
+    "shape_from_folder",
+    "trainable_params",
 ]

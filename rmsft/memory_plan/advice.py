@@ -53,14 +53,22 @@ def _knobs(spec: JobSpec, shape: ModelShape, gpu_memory: int | None) -> list[_Kn
         for share in shares:
             if share != c.gpu_memory_utilization and fits_with(_set("rollout.colocate.gpu_memory_utilization", share)):
                 verb = "lower" if share < c.gpu_memory_utilization else "raise"
-                knobs.append((f"{verb} spec.rollout.colocate.gpuMemoryUtilization to {share}",
-                              _set("rollout.colocate.gpu_memory_utilization", share)))
+                knobs.append(
+                    (
+                        f"{verb} spec.rollout.colocate.gpuMemoryUtilization to {share}",
+                        _set("rollout.colocate.gpu_memory_utilization", share),
+                    )
+                )
                 break
         else:  # none fits alone: a smaller share to pair with another knob
             share = round(c.gpu_memory_utilization - 0.1, 2)
             if share >= 0.1:
-                knobs.append((f"lower spec.rollout.colocate.gpuMemoryUtilization to {share}",
-                              _set("rollout.colocate.gpu_memory_utilization", share)))
+                knobs.append(
+                    (
+                        f"lower spec.rollout.colocate.gpuMemoryUtilization to {share}",
+                        _set("rollout.colocate.gpu_memory_utilization", share),
+                    )
+                )
     if r.colocated and gpu and r.engine == "vllm":
         offloads = [("offload_optimizer", "offloadOptimizer"), ("offload_model", "offloadModel")]
         for attr, name in offloads:
@@ -71,8 +79,12 @@ def _knobs(spec: JobSpec, shape: ModelShape, gpu_memory: int | None) -> list[_Kn
         n = spec.learner.gpus
         for tp in (2, 4, 8):
             if tp > c.tensor_parallel_size and n % tp == 0:
-                knobs.append((f"raise spec.rollout.colocate.tensorParallelSize to {tp}",
-                              _set("rollout.colocate.tensor_parallel_size", tp)))
+                knobs.append(
+                    (
+                        f"raise spec.rollout.colocate.tensorParallelSize to {tp}",
+                        _set("rollout.colocate.tensor_parallel_size", tp),
+                    )
+                )
                 break
     if not r.colocated and gpu and t.deepspeed_stage >= 1:
         # Rollout GPUs to the learner: ZeRO shards the training state over more ranks on the same node.
@@ -80,24 +92,32 @@ def _knobs(spec: JobSpec, shape: ModelShape, gpu_memory: int | None) -> list[_Kn
         while learners <= spec.gpus_needed - r.tensor_parallel_size:
             servers = (spec.gpus_needed - learners) // r.tensor_parallel_size
             if servers >= 1:
-                knobs.append((f"move GPUs to the learner (spec.rollout.replicas {servers}, spec.learner.gpus "
-                              f"{learners})", _shift(servers, learners)))
+                knobs.append(
+                    (
+                        f"move GPUs to the learner (spec.rollout.replicas {servers}, spec.learner.gpus {learners})",
+                        _shift(servers, learners),
+                    )
+                )
                 break
             learners *= 2
     if not r.colocated and gpu and r.engine == "vllm" and not r.kv_cache_bytes:
         for share in [round(x * 0.05, 2) for x in range(1, 20)]:
             if share > r.gpu_memory_utilization and fits_with(_set("rollout.gpu_memory_utilization", share)):
-                knobs.append((f"raise spec.rollout.gpuMemoryUtilization to {share}",
-                              _set("rollout.gpu_memory_utilization", share)))
+                knobs.append(
+                    (
+                        f"raise spec.rollout.gpuMemoryUtilization to {share}",
+                        _set("rollout.gpu_memory_utilization", share),
+                    )
+                )
                 break
         for tp in (2, 4, 8):
             if tp > r.tensor_parallel_size:
-                knobs.append((f"raise spec.rollout.tensorParallelSize to {tp}",
-                              _set("rollout.tensor_parallel_size", tp)))
+                knobs.append(
+                    (f"raise spec.rollout.tensorParallelSize to {tp}", _set("rollout.tensor_parallel_size", tp))
+                )
                 break
     if not t.gradient_checkpointing:
-        knobs.append(("set spec.training.gradient_checkpointing: true",
-                      _set("training.gradient_checkpointing", True)))
+        knobs.append(("set spec.training.gradient_checkpointing: true", _set("training.gradient_checkpointing", True)))
     # The longest packing length that fits, halving; a packed row must still hold one whole sequence.
     length, floor = t.packing_length // 2, max(64, r.max_model_len)
     while length >= floor:
@@ -125,8 +145,10 @@ def _knobs(spec: JobSpec, shape: ModelShape, gpu_memory: int | None) -> list[_Kn
     return knobs
 
 
-OFFLOAD_OPTIMIZER_ZERO3 = ("spec.rollout.colocate.offloadOptimizer is not available with "
-                           "spec.training.deepspeed_stage 3 (the learner refuses it at start)")
+OFFLOAD_OPTIMIZER_ZERO3 = (
+    "spec.rollout.colocate.offloadOptimizer is not available with "
+    "spec.training.deepspeed_stage 3 (the learner refuses it at start)"
+)
 
 
 def changed(spec: JobSpec, *chosen: _Knob) -> JobSpec:
@@ -161,8 +183,11 @@ def advise(spec: JobSpec, shape: ModelShape, gpu_memory: int | None) -> tuple[st
         return (f"Raise spec.learner.resources.limits.memory to at least {gib(base.host_total)} or offload less.",)
     if spec.placement.accelerator == "none":  # CPU pods: their memory limits are the only capacity
         need = max((d.peak for d in base.devices if d.capacity is not None and d.peak > d.capacity), default=0)
-        where = "spec.learner.resources.limits.memory" if spec.rollout.colocated else \
-            "spec.learner.resources.limits.memory / spec.rollout.resources.limits.memory"
+        where = (
+            "spec.learner.resources.limits.memory"
+            if spec.rollout.colocated
+            else "spec.learner.resources.limits.memory / spec.rollout.resources.limits.memory"
+        )
         return (f"Raise the pods' memory limit ({where}) to at least {gib(need)}.",)
     singles, pair = advised_knobs(spec, shape, gpu_memory)
     out = []
@@ -179,8 +204,9 @@ def advise(spec: JobSpec, shape: ModelShape, gpu_memory: int | None) -> tuple[st
     return tuple(out)
 
 
-def advised_knobs(spec: JobSpec, shape: ModelShape,
-                  gpu_memory: int | None) -> tuple[list[_Knob], tuple[_Knob, _Knob] | None]:
+def advised_knobs(
+    spec: JobSpec, shape: ModelShape, gpu_memory: int | None
+) -> tuple[list[_Knob], tuple[_Knob, _Knob] | None]:
     """The knobs `advise` names for a GPU job that does not fit: the single ones that each make it fit, and a
     pair that does together (None when there is no pair or a gentle single knob is enough)."""
     # Only changes the job would be accepted with: what the validator refuses, or the learner refuses at start,
@@ -198,7 +224,7 @@ def advised_knobs(spec: JobSpec, shape: ModelShape,
     pair = None
     if not any(k in gentle for k in singles):
         for pool in (gentle, knobs) if not singles else (gentle,):
-            pair = next(((a, b) for i, a in enumerate(pool) for b in pool[i + 1:] if fits(a, b)), None)
+            pair = next(((a, b) for i, a in enumerate(pool) for b in pool[i + 1 :] if fits(a, b)), None)
             if pair is not None:
                 break
     return singles, pair

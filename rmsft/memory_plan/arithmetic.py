@@ -103,11 +103,14 @@ class ModePlan:
         for d in self.devices:
             out.extend(d.problems)
             if d.capacity is not None and d.peak > d.capacity:
-                out.append(f"a {d.role} needs {gib(d.peak)} in its {d.peak_phase} phase, more than its "
-                           f"{gib(d.capacity)}")
+                out.append(
+                    f"a {d.role} needs {gib(d.peak)} in its {d.peak_phase} phase, more than its {gib(d.capacity)}"
+                )
         if self.host_limit is not None and self.host_total > self.host_limit:
-            out.append(f"offloaded state needs {gib(self.host_total)} of host memory in the learner pod, more "
-                       f"than spec.learner.resources.limits.memory ({gib(self.host_limit)})")
+            out.append(
+                f"offloaded state needs {gib(self.host_total)} of host memory in the learner pod, more "
+                f"than spec.learner.resources.limits.memory ({gib(self.host_limit)})"
+            )
         return out
 
 
@@ -187,8 +190,9 @@ def _training(spec: JobSpec, shape: ModelShape, ranks: int) -> _Training:
         optimizer //= ranks
         step_temp //= ranks
     act = 2 if (t.precision == "bf16" or base == 2) else 4  # autocast or 16-bit weights compute in 16 bits
-    return _Training(weights, weights_full, grads, optimizer, step_temp,
-                     activation_bytes(spec, shape, act, base), trainable)
+    return _Training(
+        weights, weights_full, grads, optimizer, step_temp, activation_bytes(spec, shape, act, base), trainable
+    )
 
 
 def activation_bytes(spec: JobSpec, shape: ModelShape, act: int = 2, residual: int = 2) -> int:
@@ -216,8 +220,9 @@ def activation_bytes(spec: JobSpec, shape: ModelShape, act: int = 2, residual: i
         vh, vi = shape.vision_hidden, shape.vision_intermediate
         per_patch = act * (8 * vh + 4 * vi)
         depth = 1 if t.gradient_checkpointing else shape.vision_depth
-        vision = patches * per_patch * depth + (patches * vh * residual * shape.vision_depth
-                                                if t.gradient_checkpointing else 0)
+        vision = patches * per_patch * depth + (
+            patches * vh * residual * shape.vision_depth if t.gradient_checkpointing else 0
+        )
     return layers + logits + vision
 
 
@@ -251,8 +256,16 @@ class _Engine:
     notes: tuple[str, ...]
 
 
-def _engine(spec: JobSpec, shape: ModelShape, *, tp: int, share: float | None, kv_bytes: int | None,
-            capacity: int | None, where: str) -> _Engine:
+def _engine(
+    spec: JobSpec,
+    shape: ModelShape,
+    *,
+    tp: int,
+    share: float | None,
+    kv_bytes: int | None,
+    capacity: int | None,
+    where: str,
+) -> _Engine:
     """The engine on one device: weights at the serving dtype over `tp` GPUs, activations, CUDA graphs and a
     KV cache of `kv_bytes` or, from a share of `capacity`, whatever the share leaves."""
     r = spec.rollout
@@ -271,16 +284,18 @@ def _engine(spec: JobSpec, shape: ModelShape, *, tp: int, share: float | None, k
                 f"{where} x {gib(capacity)} = {gib(int(share * capacity))} leaves the engine "
                 f"{gib(max(kv, 0))} of KV cache after {gib(weights)} of weights and {gib(acts + graphs)} of "
                 f"activations and graphs; one {r.max_model_len}-token sequence (spec.rollout.maxModelLen) needs "
-                f"{gib(kv_min)}")
+                f"{gib(kv_min)}"
+            )
         kv = max(kv, 0)
     else:
         kv = kv_bytes if kv_bytes is not None else CPU_DEFAULT_KV_CACHE_BYTES
         if kv < kv_min:
-            problems.append(f"a KV cache of {gib(kv)} holds {kv // per_token} tokens, fewer than one "
-                            f"{r.max_model_len}-token sequence (spec.rollout.maxModelLen)")
+            problems.append(
+                f"a KV cache of {gib(kv)} holds {kv // per_token} tokens, fewer than one "
+                f"{r.max_model_len}-token sequence (spec.rollout.maxModelLen)"
+            )
     seqs = kv / kv_min if kv_min else 0
-    notes = (f"KV cache: {kv // per_token:,} tokens, {seqs:.1f} sequences of maxModelLen "
-             f"{r.max_model_len}",)
+    notes = (f"KV cache: {kv // per_token:,} tokens, {seqs:.1f} sequences of maxModelLen {r.max_model_len}",)
     return _Engine(weights, acts, graphs, kv, kv_min, per_token, tuple(problems), notes)
 
 
@@ -291,8 +306,9 @@ def _hf_engine(spec: JobSpec, shape: ModelShape, sequences: int) -> _Engine:
     per_token = _kv_per_token(shape, nbytes, 1)
     kv = sequences * spec.rollout.max_model_len * per_token
     acts = sequences * shape.vocab * 4 + _engine_activations(shape, nbytes, 1) - ENGINE_MAX_SEQS * shape.vocab * 4
-    return _Engine(0, acts, 0, kv, 0, per_token, (),
-                   (f"HF engine: a dynamic KV cache for {sequences} sequences of maxModelLen",))
+    return _Engine(
+        0, acts, 0, kv, 0, per_token, (), (f"HF engine: a dynamic KV cache for {sequences} sequences of maxModelLen",)
+    )
 
 
 def _completions_per_step(spec: JobSpec) -> int:
@@ -310,12 +326,27 @@ def _server_plan(spec: JobSpec, shape: ModelShape, gpu_memory: int | None) -> Mo
     if r.engine == "hf":
         seqs = math.ceil(_completions_per_step(spec) / max(1, r.replicas or 1))
         eng = _hf_engine(spec, shape, spec.training.rollout.generate_batch_size or seqs)
-        eng = _Engine(shape.total_params * _dtype_bytes(spec.model.dtype, shape), eng.activations, 0, eng.kv, 0,
-                      eng.kv_per_token, (), eng.notes)
+        eng = _Engine(
+            shape.total_params * _dtype_bytes(spec.model.dtype, shape),
+            eng.activations,
+            0,
+            eng.kv,
+            0,
+            eng.kv_per_token,
+            (),
+            eng.notes,
+        )
     else:
         kv_bytes = r.kv_cache_bytes if (r.kv_cache_bytes or not gpu) else None
-        eng = _engine(spec, shape, tp=tp, share=r.gpu_memory_utilization, kv_bytes=kv_bytes, capacity=rollout_cap,
-                      where="spec.rollout.gpuMemoryUtilization")
+        eng = _engine(
+            spec,
+            shape,
+            tp=tp,
+            share=r.gpu_memory_utilization,
+            kv_bytes=kv_bytes,
+            capacity=rollout_cap,
+            where="spec.rollout.gpuMemoryUtilization",
+        )
     rollout_phase = {"engine weights": eng.weights, "engine activations": eng.activations, "KV cache": eng.kv}
     if eng.graphs:
         rollout_phase["CUDA graphs, vLLM runtime"] = eng.graphs
@@ -323,33 +354,66 @@ def _server_plan(spec: JobSpec, shape: ModelShape, gpu_memory: int | None) -> Mo
     learner_phases = _learner_phases(spec, tr, gpu)
     unit = "GPU" if gpu else "process"
     devices = (
-        Device(f"rollout {unit}", (r.replicas or 0) * (tp if gpu else 1), rollout_cap, {"generate": rollout_phase},
-               problems=eng.problems, notes=eng.notes),
+        Device(
+            f"rollout {unit}",
+            (r.replicas or 0) * (tp if gpu else 1),
+            rollout_cap,
+            {"generate": rollout_phase},
+            problems=eng.problems,
+            notes=eng.notes,
+        ),
         Device(f"learner {unit}", ranks if gpu else 1, learner_cap, learner_phases),
     )
     pods = spec.learner.nodes
-    learner = f"{spec.learner.gpus} learner GPU(s)" if pods == 1 else \
-        f"{pods} learner pods x {spec.learner.gpus} GPU(s) (one node each)"
-    layout = (f"{r.replicas} rollout server(s) x TP {tp} + {learner}" if gpu
-              else f"{r.replicas} rollout server process(es) + {pods} learner process(es), host memory")
+    learner = (
+        f"{spec.learner.gpus} learner GPU(s)"
+        if pods == 1
+        else f"{pods} learner pods x {spec.learner.gpus} GPU(s) (one node each)"
+    )
+    layout = (
+        f"{r.replicas} rollout server(s) x TP {tp} + {learner}"
+        if gpu
+        else f"{r.replicas} rollout server process(es) + {pods} learner process(es), host memory"
+    )
     return ModePlan("server", layout, devices)
 
 
-def _learner_phases(spec: JobSpec, tr: _Training, gpu: bool, engine: dict[str, int] | None = None,
-                    sync_engine: dict[str, int] | None = None) -> dict[str, dict[str, int]]:
+def _learner_phases(
+    spec: JobSpec,
+    tr: _Training,
+    gpu: bool,
+    engine: dict[str, int] | None = None,
+    sync_engine: dict[str, int] | None = None,
+) -> dict[str, dict[str, int]]:
     """train (forward/backward), step (AdamW), and for ZeRO-3 the sync's whole-model gather. `engine`: what a
     colocated engine holds meanwhile; `sync_engine`: what it holds while weights are written into it."""
     runtime = {"CUDA context, NCCL": RUNTIME_BYTES} if gpu else {}
     engine = engine or {}
     sync_engine = engine if sync_engine is None else sync_engine
-    train = {"training weights": tr.weights, "gradients": tr.grads, "optimizer state": tr.optimizer,
-             "activations": tr.activations, **engine, **runtime}
-    step = {"training weights": tr.weights, "gradients": tr.grads, "optimizer state": tr.optimizer,
-            "optimizer step temp": tr.step_temp, **engine, **runtime}
+    train = {
+        "training weights": tr.weights,
+        "gradients": tr.grads,
+        "optimizer state": tr.optimizer,
+        "activations": tr.activations,
+        **engine,
+        **runtime,
+    }
+    step = {
+        "training weights": tr.weights,
+        "gradients": tr.grads,
+        "optimizer state": tr.optimizer,
+        "optimizer step temp": tr.step_temp,
+        **engine,
+        **runtime,
+    }
     phases = {"train": train, "step": step}
     if spec.training.deepspeed_stage == 3:
-        phases["sync"] = {"training weights": tr.weights_full, "optimizer state": tr.optimizer, **sync_engine,
-                          **runtime}
+        phases["sync"] = {
+            "training weights": tr.weights_full,
+            "optimizer state": tr.optimizer,
+            **sync_engine,
+            **runtime,
+        }
     elif sync_engine != engine:  # a sleeping colocated engine wakes for the push, on top of the training state
         phases["sync"] = {"training weights": tr.weights, "optimizer state": tr.optimizer, **sync_engine, **runtime}
     return phases
@@ -365,8 +429,15 @@ def _colocate_plan(spec: JobSpec, shape: ModelShape, gpu_memory: int | None) -> 
         eng = _hf_engine(spec, shape, seqs)
     else:
         kv_bytes = c.kv_cache_bytes if (c.kv_cache_bytes or not gpu) else None
-        eng = _engine(spec, shape, tp=tp, share=c.gpu_memory_utilization, kv_bytes=kv_bytes, capacity=cap,
-                      where="spec.rollout.colocate.gpuMemoryUtilization")
+        eng = _engine(
+            spec,
+            shape,
+            tp=tp,
+            share=c.gpu_memory_utilization,
+            kv_bytes=kv_bytes,
+            capacity=cap,
+            where="spec.rollout.colocate.gpuMemoryUtilization",
+        )
     tr = _training(spec, shape, ranks)
     asleep = c.sleep_level > 0
     graphs = {"CUDA graphs, vLLM runtime": eng.graphs} if eng.graphs else {}
@@ -375,25 +446,47 @@ def _colocate_plan(spec: JobSpec, shape: ModelShape, gpu_memory: int | None) -> 
     idle = graphs if asleep else {"engine weights": eng.weights, "KV cache": eng.kv, **graphs}
     # A sync writes into the engine's weights, so a sleeping engine wakes them first (its KV cache may wait).
     waking = {"engine weights": eng.weights, **idle}
-    phases = _learner_phases(spec, tr, gpu, {k: v for k, v in idle.items() if v},
-                             {k: v for k, v in waking.items() if v})
+    phases = _learner_phases(
+        spec, tr, gpu, {k: v for k, v in idle.items() if v}, {k: v for k, v in waking.items() if v}
+    )
     generate = {
         "training weights": 0 if c.offload_model else tr.weights,
         "optimizer state": 0 if c.offload_optimizer else tr.optimizer,
-        "engine weights": eng.weights, "engine activations": eng.activations, "KV cache": eng.kv, **graphs,
+        "engine weights": eng.weights,
+        "engine activations": eng.activations,
+        "KV cache": eng.kv,
+        **graphs,
     }
     if gpu:
         generate["CUDA context, NCCL"] = RUNTIME_BYTES
     phases["generate"] = {k: v for k, v in generate.items() if v or k == "training weights"}
-    host = (tr.weights if c.offload_model else 0) + (tr.optimizer if c.offload_optimizer else 0) \
+    host = (
+        (tr.weights if c.offload_model else 0)
+        + (tr.optimizer if c.offload_optimizer else 0)
         + (eng.weights if c.sleep_level == 1 else 0)
-    knobs = [f"TP {tp}", f"gpuMemoryUtilization {c.gpu_memory_utilization}" if not c.kv_cache_bytes
-             else f"kvCacheBytes {gib(c.kv_cache_bytes)}", f"sleepLevel {c.sleep_level}"]
+    )
+    knobs = [
+        f"TP {tp}",
+        f"gpuMemoryUtilization {c.gpu_memory_utilization}"
+        if not c.kv_cache_bytes
+        else f"kvCacheBytes {gib(c.kv_cache_bytes)}",
+        f"sleepLevel {c.sleep_level}",
+    ]
     knobs += [k for k, on in (("offloadModel", c.offload_model), ("offloadOptimizer", c.offload_optimizer)) if on]
-    layout = (f"{spec.learner.gpus} GPU(s), each a learner rank with its engine share ({', '.join(knobs)})" if gpu
-              else "1 learner process with its in-process engine, host memory")
-    device = Device("GPU" if gpu else "learner process", ranks if gpu else 1, cap, phases, host_bytes=host,
-                    problems=eng.problems, notes=eng.notes)
+    layout = (
+        f"{spec.learner.gpus} GPU(s), each a learner rank with its engine share ({', '.join(knobs)})"
+        if gpu
+        else "1 learner process with its in-process engine, host memory"
+    )
+    device = Device(
+        "GPU" if gpu else "learner process",
+        ranks if gpu else 1,
+        cap,
+        phases,
+        host_bytes=host,
+        problems=eng.problems,
+        notes=eng.notes,
+    )
     host_limit = _limit(spec.learner.resources) if gpu else None
     return ModePlan("colocate", layout, (device,), host_limit=host_limit, host_total=host * ranks)
 

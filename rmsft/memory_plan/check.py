@@ -48,13 +48,19 @@ def memory_plan_setting(environ: Mapping[str, str] | None = None) -> str:
     raw = (os.environ if environ is None else environ).get(MEMORY_PLAN_ENV, "")
     value = raw.strip().lower() or "refuse"
     if value not in MEMORY_PLAN_SETTINGS:
-        raise MemoryPlanSettingError(f"{MEMORY_PLAN_ENV} must be one of {', '.join(MEMORY_PLAN_SETTINGS)} "
-                                     f"(refuse when unset), got {raw!r}")
+        raise MemoryPlanSettingError(
+            f"{MEMORY_PLAN_ENV} must be one of {', '.join(MEMORY_PLAN_SETTINGS)} (refuse when unset), got {raw!r}"
+        )
     return value
 
 
-def plan_memory(job: RolloutMatchingJob, *, gpu_memory: int | None = None,
-                model_config: str | Path | None = None, shape: ModelShape | None = None) -> MemoryPlan:
+def plan_memory(
+    job: RolloutMatchingJob,
+    *,
+    gpu_memory: int | None = None,
+    model_config: str | Path | None = None,
+    shape: ModelShape | None = None,
+) -> MemoryPlan:
     """The memory plan of `job` in both modes. `gpu_memory`: bytes per GPU (default: the node selector's GPU
     product, else 80 GiB for nvidia); `model_config`: a config.json, model folder or preset name to use instead
     of spec.model.path. Raises ModelShapeError when no model shape can be found."""
@@ -72,16 +78,29 @@ def plan_memory(job: RolloutMatchingJob, *, gpu_memory: int | None = None,
         notes.append("server mode for comparison needs at least 2 GPUs (one rollout, one learner)")
     ordered: dict[str, ModePlan] = {k: plans[k] for k in ("server", "colocate") if k in plans}
     if memory is not None:
-        notes.append(f"GPU memory: {gib(memory)} per GPU"
-                     + ("" if gpu_memory is not None else " (default for the accelerator / node selector; "
-                        "--gpu-memory to change)"))
-    return MemoryPlan(job=job.metadata.name, mode=spec.rollout.mode, accelerator=spec.placement.accelerator,
-                      model=shape, trainable_params=trainable_params(spec, shape), plans=ordered,
-                      advice=advise(spec, shape, memory), notes=tuple(notes))
+        notes.append(
+            f"GPU memory: {gib(memory)} per GPU"
+            + (
+                ""
+                if gpu_memory is not None
+                else " (default for the accelerator / node selector; --gpu-memory to change)"
+            )
+        )
+    return MemoryPlan(
+        job=job.metadata.name,
+        mode=spec.rollout.mode,
+        accelerator=spec.placement.accelerator,
+        model=shape,
+        trainable_params=trainable_params(spec, shape),
+        plans=ordered,
+        advice=advise(spec, shape, memory),
+        notes=tuple(notes),
+    )
 
 
-def check_memory_plan(job: RolloutMatchingJob, *, gpu_memory: int | None = None,
-                      model_config: str | Path | None = None) -> MemoryPlan:
+def check_memory_plan(
+    job: RolloutMatchingJob, *, gpu_memory: int | None = None, model_config: str | Path | None = None
+) -> MemoryPlan:
     """The plan of `job`; raises MemoryPlanError (a JobSpecError, so a ValueError) naming the knobs to turn
     when its own mode cannot fit. The learner calls this at start; pass the real device's memory as
     `gpu_memory` where it is known."""

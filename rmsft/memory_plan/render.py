@@ -43,8 +43,10 @@ class MemoryPlan:
 
     def lines(self) -> list[str]:
         """The plan as plain lines (for logs)."""
-        out = [f"memory plan of {self.job}: model {_params(self.model.total_params)} parameters "
-               f"({self.model.source}), {_params(self.trainable_params)} trainable"]
+        out = [
+            f"memory plan of {self.job}: model {_params(self.model.total_params)} parameters "
+            f"({self.model.source}), {_params(self.trainable_params)} trainable"
+        ]
         for name, plan in self.plans.items():
             tag = "the job's mode" if name == self.mode else "for comparison"
             out.append(f"{name} ({tag}): {plan.layout}: {'fits' if plan.fits else 'does NOT fit'}")
@@ -63,10 +65,13 @@ class MemoryPlan:
         from rich.table import Table
         from rich.text import Text
 
-        parts: list[Any] = [Text(
-            f"memory plan of {self.job}: {_params(self.model.total_params)} parameters "
-            f"({_params(self.model.vision_tower_params + self.model.aligner_params)} in the vision tower and "
-            f"aligner), {_params(self.trainable_params)} trainable; counts from {self.model.source}")]
+        parts: list[Any] = [
+            Text(
+                f"memory plan of {self.job}: {_params(self.model.total_params)} parameters "
+                f"({_params(self.model.vision_tower_params + self.model.aligner_params)} in the vision tower and "
+                f"aligner), {_params(self.trainable_params)} trainable; counts from {self.model.source}"
+            )
+        ]
         for name, plan in self.plans.items():
             own = name == self.mode
             verdict = "[green]fits[/green]" if plan.fits else "[red]does NOT fit[/red]"
@@ -89,8 +94,7 @@ class MemoryPlan:
                 for note in (*d.notes, *d.problems):
                     parts.append(Text(f"  {d.role}: {note}"))
                 if d.host_bytes:
-                    parts.append(Text(f"  {d.role}: {gib(d.host_bytes)} of host memory per device "
-                                      "(offload / sleep)"))
+                    parts.append(Text(f"  {d.role}: {gib(d.host_bytes)} of host memory per device (offload / sleep)"))
             for failure in plan.failures():
                 parts.append(Text(f"  does not fit: {failure}", style="red"))
         if self.advice:

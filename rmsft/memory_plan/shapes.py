@@ -47,8 +47,13 @@ class ModelShape:
 
     @property
     def total_params(self) -> int:
-        return (self.embed_params + self.lm_head_params + self.decoder_params + self.vision_tower_params
-                + self.aligner_params)
+        return (
+            self.embed_params
+            + self.lm_head_params
+            + self.decoder_params
+            + self.vision_tower_params
+            + self.aligner_params
+        )
 
     @property
     def vision_language(self) -> bool:
@@ -57,8 +62,15 @@ class ModelShape:
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of each decoder-layer linear LoRA may target, by module name."""
         h, qd, kvd, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        return {"q_proj": (h, qd), "k_proj": (h, kvd), "v_proj": (h, kvd), "o_proj": (qd, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        return {
+            "q_proj": (h, qd),
+            "k_proj": (h, kvd),
+            "v_proj": (h, kvd),
+            "o_proj": (qd, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
 
     def lora_params(self, r: int, targets: list[str], dora: bool) -> int:
         """Adapter parameters peft adds on the language model's decoder layers: r x (in + out) per targeted
@@ -89,8 +101,10 @@ def shape_from_config(cfg: dict, source: str = "config.json (analytic)") -> Mode
         h, layers, heads = int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["num_attention_heads"])
         vocab, inter = int(text["vocab_size"]), int(text["intermediate_size"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise ModelShapeError(f"model config has no {exc} (hidden_size, num_hidden_layers, num_attention_heads, "
-                              "vocab_size and intermediate_size are needed)") from None
+        raise ModelShapeError(
+            f"model config has no {exc} (hidden_size, num_hidden_layers, num_attention_heads, "
+            "vocab_size and intermediate_size are needed)"
+        ) from None
     if text.get("num_experts") or text.get("num_local_experts"):
         # Expert layers are not the dense MLP counted below; an undercount would let a job through.
         raise ModelShapeError("mixture-of-experts models are not covered by the memory plan yet")
@@ -123,10 +137,24 @@ def shape_from_config(cfg: dict, source: str = "config.json (analytic)") -> Mode
         if dtype:
             break
     return ModelShape(
-        source=source, vocab=vocab, hidden=h, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-        intermediate=inter, tied=tied, embed_params=embed, lm_head_params=0 if tied else vocab * h,
-        decoder_params=decoder, vision_tower_params=tower, aligner_params=aligner, checkpoint_dtype=dtype,
-        vision_hidden=v.get("hidden", 0), vision_depth=v.get("depth", 0), vision_intermediate=v.get("inter", 0),
+        source=source,
+        vocab=vocab,
+        hidden=h,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate=inter,
+        tied=tied,
+        embed_params=embed,
+        lm_head_params=0 if tied else vocab * h,
+        decoder_params=decoder,
+        vision_tower_params=tower,
+        aligner_params=aligner,
+        checkpoint_dtype=dtype,
+        vision_hidden=v.get("hidden", 0),
+        vision_depth=v.get("depth", 0),
+        vision_intermediate=v.get("inter", 0),
         spatial_merge=v.get("merge", 1),
     )
 
@@ -190,50 +218,122 @@ def shape_from_folder(folder: str | Path) -> ModelShape:
     floating = {k: v for k, v in by_dtype.items() if k in ("BF16", "F16", "F32")}
     dtype = shape.checkpoint_dtype or (max(floating, key=floating.__getitem__) if floating else None)
     return ModelShape(
-        **{**shape.__dict__, "source": f"{path} safetensors headers (exact)", "embed_params": counts["embeddings"],
-           "lm_head_params": counts["lm_head"], "decoder_params": counts["decoder"],
-           "vision_tower_params": counts["vision_tower"], "aligner_params": counts["aligner"],
-           "checkpoint_dtype": dtype,
-           "exact": True},
+        **{
+            **shape.__dict__,
+            "source": f"{path} safetensors headers (exact)",
+            "embed_params": counts["embeddings"],
+            "lm_head_params": counts["lm_head"],
+            "decoder_params": counts["decoder"],
+            "vision_tower_params": counts["vision_tower"],
+            "aligner_params": counts["aligner"],
+            "checkpoint_dtype": dtype,
+            "exact": True,
+        },
     )
 
 
 # Stock checkpoints' config.json values (Hugging Face, Qwen org), only what the counts read. A folder prepared
 # for coordexp (`rmsft prepare-model`) has up to 1000 more vocabulary rows.
-_QWEN3_VL_VISION = {"model_type": "qwen3_vl", "depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
-                    "num_heads": 16, "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2,
-                    "temporal_patch_size": 2, "num_position_embeddings": 2304,
-                    "deepstack_visual_indexes": [8, 16, 24]}
+_QWEN3_VL_VISION = {
+    "model_type": "qwen3_vl",
+    "depth": 27,
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_heads": 16,
+    "in_channels": 3,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "num_position_embeddings": 2304,
+    "deepstack_visual_indexes": [8, 16, 24],
+}
 PRESETS: dict[str, dict[str, Any]] = {
     "Qwen2.5-VL-7B": {
-        "model_type": "qwen2_5_vl", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
+        "model_type": "qwen2_5_vl",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
-        "vision_config": {"model_type": "qwen2_5_vl", "depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
-                          "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
-                          "spatial_merge_size": 2, "temporal_patch_size": 2},
+        "vision_config": {
+            "model_type": "qwen2_5_vl",
+            "depth": 32,
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "num_heads": 16,
+            "in_chans": 3,
+            "out_hidden_size": 3584,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
     },
     "Qwen3-VL-2B": {
-        "model_type": "qwen3_vl", "tie_word_embeddings": True,
-        "text_config": {"model_type": "qwen3_vl_text", "hidden_size": 2048, "intermediate_size": 6144,
-                        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-                        "head_dim": 128, "vocab_size": 151936, "attention_bias": False, "dtype": "bfloat16"},
-        "vision_config": {**_QWEN3_VL_VISION, "depth": 24, "hidden_size": 1024, "intermediate_size": 4096,
-                          "out_hidden_size": 2048, "deepstack_visual_indexes": [5, 11, 17]},
+        "model_type": "qwen3_vl",
+        "tie_word_embeddings": True,
+        "text_config": {
+            "model_type": "qwen3_vl_text",
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "attention_bias": False,
+            "dtype": "bfloat16",
+        },
+        "vision_config": {
+            **_QWEN3_VL_VISION,
+            "depth": 24,
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "out_hidden_size": 2048,
+            "deepstack_visual_indexes": [5, 11, 17],
+        },
     },
     "Qwen3-VL-4B": {
-        "model_type": "qwen3_vl", "tie_word_embeddings": True,
-        "text_config": {"model_type": "qwen3_vl_text", "hidden_size": 2560, "intermediate_size": 9728,
-                        "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-                        "head_dim": 128, "vocab_size": 151936, "attention_bias": False, "dtype": "bfloat16"},
-        "vision_config": {**_QWEN3_VL_VISION, "depth": 24, "hidden_size": 1024, "intermediate_size": 4096,
-                          "out_hidden_size": 2560, "deepstack_visual_indexes": [5, 11, 17]},
+        "model_type": "qwen3_vl",
+        "tie_word_embeddings": True,
+        "text_config": {
+            "model_type": "qwen3_vl_text",
+            "hidden_size": 2560,
+            "intermediate_size": 9728,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "attention_bias": False,
+            "dtype": "bfloat16",
+        },
+        "vision_config": {
+            **_QWEN3_VL_VISION,
+            "depth": 24,
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "out_hidden_size": 2560,
+            "deepstack_visual_indexes": [5, 11, 17],
+        },
     },
     "Qwen3-VL-8B": {
-        "model_type": "qwen3_vl", "tie_word_embeddings": False,
-        "text_config": {"model_type": "qwen3_vl_text", "hidden_size": 4096, "intermediate_size": 12288,
-                        "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-                        "head_dim": 128, "vocab_size": 151936, "attention_bias": False, "dtype": "bfloat16"},
+        "model_type": "qwen3_vl",
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "qwen3_vl_text",
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "attention_bias": False,
+            "dtype": "bfloat16",
+        },
         "vision_config": {**_QWEN3_VL_VISION, "out_hidden_size": 4096},
     },
 }
@@ -265,8 +365,9 @@ def resolve_model_shape(spec: JobSpec, model_config: str | Path | None = None) -
             return shape_from_config(cfg if isinstance(cfg, dict) else {}, f"{path} (analytic)")
         preset = preset_for(text)
         if preset is None:
-            raise ModelShapeError(f"--model-config {text!r} is neither a config.json, a model folder nor a preset "
-                                  f"({', '.join(PRESETS)})")
+            raise ModelShapeError(
+                f"--model-config {text!r} is neither a config.json, a model folder nor a preset ({', '.join(PRESETS)})"
+            )
         return shape_from_config(PRESETS[preset], f"preset {preset} (analytic)")
     folder = Path(spec.model.path)
     if (folder / "config.json").is_file():
@@ -274,5 +375,7 @@ def resolve_model_shape(spec: JobSpec, model_config: str | Path | None = None) -
     preset = preset_for(spec.model.path)
     if preset is not None:
         return shape_from_config(PRESETS[preset], f"preset {preset}, from spec.model.path's name (analytic)")
-    raise ModelShapeError(f"spec.model.path {spec.model.path} is not on this machine and names no preset; pass "
-                          f"--model-config with its config.json or one of {', '.join(PRESETS)}")
+    raise ModelShapeError(
+        f"spec.model.path {spec.model.path} is not on this machine and names no preset; pass "
+        f"--model-config with its config.json or one of {', '.join(PRESETS)}"
+    )

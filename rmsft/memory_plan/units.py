@@ -16,9 +16,25 @@ def gib(n: int | None) -> str:
 
 
 _QUANTITY = re.compile(r"^\s*([0-9.]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*$")
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-          "tb": 10**12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40, "kib": 1 << 10,
-          "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "ki": 1 << 10,
+    "mi": 1 << 20,
+    "gi": 1 << 30,
+    "ti": 1 << 40,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
 
 
 ACCEPTED = "80GiB or 80Gi (binary), 80G or 80GB (decimal), 512MiB"
@@ -35,8 +51,10 @@ def parse_bytes(text: str, *, what: str | None = None) -> int:
     if m is None or unit not in _UNITS:
         raise ValueError(f"{name}{text!r} is not a memory size (e.g. {ACCEPTED})")
     if what is not None and unit == "":
-        raise ValueError(f"{name}{text!r} has no unit: write {m.group(1)}GiB (binary) or {m.group(1)}GB "
-                         f"(decimal); accepted forms: {ACCEPTED}")
+        raise ValueError(
+            f"{name}{text!r} has no unit: write {m.group(1)}GiB (binary) or {m.group(1)}GB "
+            f"(decimal); accepted forms: {ACCEPTED}"
+        )
     try:
         n = int(float(m.group(1)) * _UNITS[unit])
     except (ValueError, OverflowError):  # "1.2.3", "1e999"

@@ -38,5 +38,3 @@ def outcome_of_error(address: str, error: grpc.RpcError) -> rollout_pb2.RelayOut
     code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
     details = error.details() if callable(getattr(error, "details", None)) else str(error)
     return rollout_pb2.RelayOutcome(address=address, code=code.value[0], message=details or code.name)
-
-

@@ -119,8 +119,7 @@ class StreamReader:
             data = piece.data
         if len(data) > self.max_frame_bytes:
             raise WireError(
-                f"piece of {piece.name!r} carries {len(data)} bytes; the frame limit is "
-                f"{self.max_frame_bytes}",
+                f"piece of {piece.name!r} carries {len(data)} bytes; the frame limit is {self.max_frame_bytes}",
                 reason="frame_size",
             )
         cur = self._current
@@ -192,9 +191,7 @@ class StreamReader:
     def _close_current(self) -> None:
         cur = self._current
         if cur is not None and self._current_done != cur.spec.nbytes:
-            raise WireError(
-                f"tensor {cur.name!r} ended after {self._current_done} of {cur.spec.nbytes} bytes"
-            )
+            raise WireError(f"tensor {cur.name!r} ended after {self._current_done} of {cur.spec.nbytes} bytes")
         self._current = None
 
     def on_listing(self, tensors: Any) -> None:
@@ -215,8 +212,8 @@ class StreamReader:
         self._check_complete()
         if trailer.digest != self._digest.digest():
             raise WireError(
-                f"{digest_name(self.header.digest_algorithm)} digest of the received data does not match "
-                "the trailer", reason="digest",
+                f"{digest_name(self.header.digest_algorithm)} digest of the received data does not match the trailer",
+                reason="digest",
             )
         self.finished = True
 
@@ -226,16 +223,19 @@ class StreamReader:
         self._close_current()
         h = self.header
         if len(self.tensors) != h.tensor_count:
-            raise WireError(f"stream carried {len(self.tensors)} tensors, header announced {h.tensor_count}",
-                            reason="count")
+            raise WireError(
+                f"stream carried {len(self.tensors)} tensors, header announced {h.tensor_count}", reason="count"
+            )
         if self.received_bytes != h.total_bytes:
-            raise WireError(f"stream carried {self.received_bytes} bytes, header announced {h.total_bytes}",
-                            reason="count")
+            raise WireError(
+                f"stream carried {self.received_bytes} bytes, header announced {h.total_bytes}", reason="count"
+            )
         if self.require_all and self.expected is not None:
             missing = sorted(set(self.expected) - self._seen - self.optional)
             if missing:
-                raise WireError(f"FULL update lacks tensors {missing[:5]} (changed by earlier updates, or required)",
-                               reason="count")
+                raise WireError(
+                    f"FULL update lacks tensors {missing[:5]} (changed by earlier updates, or required)", reason="count"
+                )
 
     def close(self) -> None:
         """Stop the digest's helper thread (waits for a hash in progress)."""

@@ -52,7 +52,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 
-
 def _flat_bytes(tensor: torch.Tensor) -> npt.NDArray[np.uint8]:
     """A uint8 numpy view of the tensor's bytes (CPU, contiguous); copies only when it must."""
     import torch
@@ -128,9 +127,14 @@ def stream_header_and_specs(
     items = list(named_tensors)
     planned = [(n, t, TensorSpec(dtype_name(t.dtype), tuple(t.shape))) for n, t in items]
     header = stream_header(
-        [(n, s) for n, _, s in planned], number=number, run_id=run_id, mode=mode,
+        [(n, s) for n, _, s in planned],
+        number=number,
+        run_id=run_id,
+        mode=mode,
         adapter_config_json=adapter_config_json,
-        frame_bytes=frame_bytes, digest=digest, relay_to=relay_to,
+        frame_bytes=frame_bytes,
+        digest=digest,
+        relay_to=relay_to,
     )
     return header, planned
 
@@ -196,8 +200,13 @@ def iter_weight_chunks(
     that inspect or edit them; the learner sends `encode_weight_stream`'s pre-serialized bytes,
     the same bytes with two fewer payload copies)."""
     header, planned = stream_header_and_specs(
-        named_tensors, number=number, run_id=run_id, mode=mode, adapter_config_json=adapter_config_json,
-        frame_bytes=frame_bytes, digest=digest,
+        named_tensors,
+        number=number,
+        run_id=run_id,
+        mode=mode,
+        adapter_config_json=adapter_config_json,
+        frame_bytes=frame_bytes,
+        digest=digest,
     )
     yield rollout_pb2.WeightChunk(header=header)
     hasher = PipelinedDigest(header.digest_algorithm)
@@ -256,8 +265,14 @@ def encode_weight_stream(
     caller); the pieces are produced lazily, one frame at a time.
     """
     header, planned = stream_header_and_specs(
-        named_tensors, number=number, run_id=run_id, mode=mode, adapter_config_json=adapter_config_json,
-        frame_bytes=frame_bytes, digest=digest, relay_to=relay_to,
+        named_tensors,
+        number=number,
+        run_id=run_id,
+        mode=mode,
+        adapter_config_json=adapter_config_json,
+        frame_bytes=frame_bytes,
+        digest=digest,
+        relay_to=relay_to,
     )
     return header, _requests(header, planned, frame_bytes)
 
@@ -281,8 +296,14 @@ def encode_planned_stream(
     Same bytes as `encode_weight_stream` of the same tensors."""
     specs = list(specs)
     header = stream_header(
-        specs, number=number, run_id=run_id, mode=mode, adapter_config_json=adapter_config_json,
-        frame_bytes=frame_bytes, digest=digest, relay_to=relay_to,
+        specs,
+        number=number,
+        run_id=run_id,
+        mode=mode,
+        adapter_config_json=adapter_config_json,
+        frame_bytes=frame_bytes,
+        digest=digest,
+        relay_to=relay_to,
     )
     return header, _requests(header, _checked(specs, tensors), frame_bytes)
 

@@ -94,8 +94,9 @@ class SharedUpdate:
         digest: int = DEFAULT_DIGEST,
     ) -> SharedUpdate:
         specs = list(specs)
-        header = stream_header(specs, number=number, run_id=run_id, mode=mode,
-                               adapter_config_json=adapter_config_json, digest=digest)
+        header = stream_header(
+            specs, number=number, run_id=run_id, mode=mode, adapter_config_json=adapter_config_json, digest=digest
+        )
         directory = str(directory)
         path = os.path.join(directory, f"{FILE_PREFIX}v{number}-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin")
         # Readable by the servers, which may run as another user in their own pods.
@@ -145,8 +146,9 @@ class SharedUpdate:
                         _pwrite_all(self._fd, frame, start + offset)
                     except OSError as e:
                         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                            raise SharedSpaceError(f"shared-weights dir {os.path.dirname(self.path)} filled up "
-                                                   f"while writing: {e}") from e
+                            raise SharedSpaceError(
+                                f"shared-weights dir {os.path.dirname(self.path)} filled up while writing: {e}"
+                            ) from e
                         raise
                     hasher.update(frame)  # hashed on a helper thread while the next frame is written
                 hasher.settle()  # the producer may reuse this tensor's memory once asked for the next
@@ -180,7 +182,8 @@ def shared_path(directory: str, header: rollout_pb2.WeightHeader) -> str:
         raise WireError(
             "this server has no shared-weights dir (start it with --shared-weights-dir or "
             "RMSFT_SHARED_WEIGHTS_DIR), so it cannot take a shm update; use transport grpc",
-            code="FAILED_PRECONDITION", reason="shm_unavailable",
+            code="FAILED_PRECONDITION",
+            reason="shm_unavailable",
         )
     path = header.shared_file.path
     name = os.path.basename(path)
@@ -188,7 +191,8 @@ def shared_path(directory: str, header: rollout_pb2.WeightHeader) -> str:
         raise WireError(
             f"shared update file {path!r} is not an rmsft update directly inside this server's shared-weights dir "
             f"{directory}: learner and server must mount the same directory (RMSFT_SHARED_WEIGHTS_DIR)",
-            code="FAILED_PRECONDITION", reason="shm_path",
+            code="FAILED_PRECONDITION",
+            reason="shm_path",
         )
     return os.path.join(directory, name)
 
@@ -200,8 +204,9 @@ def open_shared(directory: str, header: rollout_pb2.WeightHeader) -> int:
     try:
         return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
-        raise WireError(f"cannot open shared update file {path}: {e}", code="FAILED_PRECONDITION",
-                        reason="shm_path") from e
+        raise WireError(
+            f"cannot open shared update file {path}: {e}", code="FAILED_PRECONDITION", reason="shm_path"
+        ) from e
 
 
 @dataclass
@@ -233,8 +238,8 @@ def check_shared(
     size = os.fstat(fd).st_size
     if size != header.total_bytes:
         raise WireError(
-            f"shared update file holds {size} bytes, the header announced {header.total_bytes} "
-            "(truncated or replaced)", reason="truncated",
+            f"shared update file holds {size} bytes, the header announced {header.total_bytes} (truncated or replaced)",
+            reason="truncated",
         )
     reader.max_frame_bytes = frame_bytes
     mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None
@@ -256,7 +261,8 @@ def check_shared(
                 if dest != entry.start + offset:
                     raise WireError(
                         f"tensor {entry.name!r} starts at byte {entry.start} of the shared file; tensors must lie "
-                        "back to back from byte 0 in index order", reason="count",
+                        "back to back from byte 0 in index order",
+                        reason="count",
                     )
                 offset += n
                 if offset >= spec_bytes:

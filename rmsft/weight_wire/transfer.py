@@ -95,7 +95,7 @@ def unpack(buffer: Any, dtype_names: Sequence[str], shapes: Sequence[Sequence[in
     for dtype_name, shape in zip(dtype_names, shapes, strict=True):
         dtype = getattr(torch, dtype_name)
         n = math.prod(shape) * dtype.itemsize
-        piece = buffer[offset:offset + n]
+        piece = buffer[offset : offset + n]
         if offset % dtype.itemsize:  # after an odd-sized tensor: a view would be misaligned, so this one is a copy
             piece = piece.clone()
         out.append(piece.view(dtype).view(list(shape)))
@@ -114,13 +114,25 @@ def tensor_nbytes(dtype_name: str, shape: Sequence[int]) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def worker_init_info(backend: str, *, master_address: str, master_port: int, world_size: int, rank_offset: int,
-                     timeout_s: float, bucket_bytes: int = 0) -> dict[str, Any]:
+def worker_init_info(
+    backend: str,
+    *,
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank_offset: int,
+    timeout_s: float,
+    bucket_bytes: int = 0,
+) -> dict[str, Any]:
     """`init_weight_transfer_engine`'s init_info for one server, whose workers take ranks rank_offset..
     `bucket_bytes`: the group's bucket size (0: one broadcast per tensor)."""
     check_backend(backend)
-    info: dict[str, Any] = {"master_address": master_address, "master_port": master_port, "world_size": world_size,
-                            "rank_offset": rank_offset}
+    info: dict[str, Any] = {
+        "master_address": master_address,
+        "master_port": master_port,
+        "world_size": world_size,
+        "rank_offset": rank_offset,
+    }
     if backend == GLOO:
         info["timeout_s"] = timeout_s
         info["bucket_bytes"] = bucket_bytes
@@ -154,8 +166,9 @@ class NcclSender:
     """The learner's end of an NCCL group (rank 0), with vLLM's trainer-side helper. `port` must be free on this
     host: vLLM's rendezvous binds it itself when `join` runs."""
 
-    def __init__(self, world_size: int, timeout_s: float = 300.0, *, address: str, port: int,
-                 bucket_bytes: int = 0) -> None:
+    def __init__(
+        self, world_size: int, timeout_s: float = 300.0, *, address: str, port: int, bucket_bytes: int = 0
+    ) -> None:
         self.world_size, self.timeout_s, self.address, self.port = world_size, timeout_s, address, port
         self.bucket_bytes = bucket_bytes
         self.group: Any = None
@@ -163,8 +176,9 @@ class NcclSender:
     def join(self) -> None:
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
-        self.group = trainer_init({"master_address": self.address, "master_port": self.port,
-                                   "world_size": self.world_size})
+        self.group = trainer_init(
+            {"master_address": self.address, "master_port": self.port, "world_size": self.world_size}
+        )
 
     def send(self, tensors: Iterable[tuple[str, Any]]) -> int:
         import torch
@@ -191,9 +205,14 @@ class NcclSender:
                 sent[0] += t.numel() * t.element_size()
                 yield name, t
 
-        packed_nccl_broadcast_producer(iterator=counted(), group=self.group, src=0,
-                                       post_iter_func=lambda item: item[1], buffer_size_bytes=self.bucket_bytes,
-                                       num_buffers=NCCL_BUFFERS)
+        packed_nccl_broadcast_producer(
+            iterator=counted(),
+            group=self.group,
+            src=0,
+            post_iter_func=lambda item: item[1],
+            buffer_size_bytes=self.bucket_bytes,
+            num_buffers=NCCL_BUFFERS,
+        )
         return sent[0]
 
     def close(self) -> None:
@@ -221,8 +240,14 @@ def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: floa
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
     return stateless_init_torch_distributed_process_group(
-        host, port, rank, world_size, backend="gloo", listen_socket=listen_socket,
-        timeout=datetime.timedelta(seconds=timeout_s))
+        host,
+        port,
+        rank,
+        world_size,
+        backend="gloo",
+        listen_socket=listen_socket,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 # The finish's words, rank 0 to each member (a float32 of one element: what every gloo build reduces and sends).
@@ -242,8 +267,10 @@ class MembersLate(RuntimeError):
 
     def __init__(self, ranks: Sequence[int], operation: str, timeout_s: float) -> None:
         self.ranks, self.operation, self.timeout_s = tuple(ranks), operation, timeout_s
-        super().__init__(f"group rank(s) {', '.join(map(str, ranks))} did not finish {operation} within the "
-                         f"group's deadline of {timeout_s:g}s")
+        super().__init__(
+            f"group rank(s) {', '.join(map(str, ranks))} did not finish {operation} within the "
+            f"group's deadline of {timeout_s:g}s"
+        )
 
 
 def _timedelta(seconds: float) -> Any:
@@ -252,8 +279,9 @@ def _timedelta(seconds: float) -> Any:
     return datetime.timedelta(seconds=max(seconds, 0.001))
 
 
-def receive_whole(group: Any, names: list[str], dtype_names: list[str], shapes: list[list[int]],
-                  bucket_bytes: int = 0) -> list[tuple[str, Any]]:
+def receive_whole(
+    group: Any, names: list[str], dtype_names: list[str], shapes: list[list[int]], bucket_bytes: int = 0
+) -> list[tuple[str, Any]]:
     """Every tensor of the update, held until rank 0 commits it (module doc: whole or nothing). Raises GroupAborted
     (nothing loaded: the caller's model is as it was) when rank 0 answers ABORT or any op of the group fails (its
     deadline passed, the learner's end closed)."""
@@ -267,13 +295,15 @@ def receive_whole(group: Any, names: list[str], dtype_names: list[str], shapes: 
     except Exception as e:
         raise GroupAborted(f"the update over the weight-transfer group broke ({e}); {NOTHING_LOADED}") from e
     if word.item() != COMMIT:
-        raise GroupAborted(f"the learner called the update off (another member missed the group's deadline); "
-                           f"{NOTHING_LOADED}")
+        raise GroupAborted(
+            f"the learner called the update off (another member missed the group's deadline); {NOTHING_LOADED}"
+        )
     return tensors
 
 
-def receive(group: Any, names: list[str], dtype_names: list[str], shapes: list[list[int]],
-            bucket_bytes: int = 0) -> Any:
+def receive(
+    group: Any, names: list[str], dtype_names: list[str], shapes: list[list[int]], bucket_bytes: int = 0
+) -> Any:
     """(name, tensor) as each bucket arrives from rank 0, in the order the update listed them; `bucket_bytes` is the
     group's (the sender's) bucket size, so the plan here is the sender's."""
     import torch
@@ -298,8 +328,15 @@ class GlooSender:
     picks a free one, held from now on (the socket listens already), so `port` is known before any server is told
     to join."""
 
-    def __init__(self, world_size: int, timeout_s: float = 300.0, *, address: str = "127.0.0.1",
-                 port: int = 0, bucket_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        timeout_s: float = 300.0,
+        *,
+        address: str = "127.0.0.1",
+        port: int = 0,
+        bucket_bytes: int = 0,
+    ) -> None:
         import socket
 
         self.world_size, self.timeout_s, self.address = world_size, timeout_s, address
@@ -311,8 +348,9 @@ class GlooSender:
 
     def join(self) -> None:
         try:
-            self.group = open_group(self.address, self.port, 0, self.world_size, self.timeout_s,
-                                    listen_socket=self._listen)
+            self.group = open_group(
+                self.address, self.port, 0, self.world_size, self.timeout_s, listen_socket=self._listen
+            )
         finally:
             self._listen = None  # the store owns the socket now (or it failed with it)
 

@@ -60,7 +60,8 @@ def check_run_id(run_id: str, *, allow_none: bool = True) -> str:
     if not isinstance(run_id, str) or len(run_id) > MAX_RUN_ID_LENGTH or not _RUN_ID.fullmatch(run_id):
         raise WireError(
             f"run id {run_id!r} is not valid: 1 to {MAX_RUN_ID_LENGTH} characters of [0-9A-Za-z._-], starting "
-            "with a letter or digit", reason="run_id",
+            "with a letter or digit",
+            reason="run_id",
         )
     return run_id
 
@@ -120,8 +121,14 @@ def _fields(message: Any) -> tuple[str, str]:
 
 
 # The messages that always carry a version (a reply, a header); a GenerateRequest carries one only when fenced.
-_Versioned = (rollout_pb2.WeightHeader | rollout_pb2.UpdateReply | rollout_pb2.RelayOutcome | rollout_pb2.StatusReply
-              | rollout_pb2.GenerateResponse | rollout_pb2.Completion)
+_Versioned = (
+    rollout_pb2.WeightHeader
+    | rollout_pb2.UpdateReply
+    | rollout_pb2.RelayOutcome
+    | rollout_pb2.StatusReply
+    | rollout_pb2.GenerateResponse
+    | rollout_pb2.Completion
+)
 
 
 @overload
@@ -154,5 +161,14 @@ def mismatch_message(expected: WeightVersion, actual: WeightVersion) -> str:
     return text
 
 
-__all__ = ["FRESH", "MAX_RUN_ID_LENGTH", "NO_RUN", "WeightVersion", "check_run_id", "mismatch_message",
-           "new_run_id", "set_version", "version_of"]
+__all__ = [
+    "FRESH",
+    "MAX_RUN_ID_LENGTH",
+    "NO_RUN",
+    "WeightVersion",
+    "check_run_id",
+    "mismatch_message",
+    "new_run_id",
+    "set_version",
+    "version_of",
+]

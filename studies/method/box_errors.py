@@ -80,9 +80,12 @@ def tall_rows(per_record: list[list]) -> Counter:
 
 def summary(found: list[tuple[float, list[float], bool]]) -> dict:
     ious = np.array([p[0] for p in found], dtype=float)
-    out = {"pairs": len(found), "iou": float(ious.mean()) if len(found) else float("nan"),
-           "iou75": float((ious >= 0.75).mean()) if len(found) else float("nan"),
-           "iou90": float((ious >= 0.9).mean()) if len(found) else float("nan")}
+    out = {
+        "pairs": len(found),
+        "iou": float(ious.mean()) if len(found) else float("nan"),
+        "iou75": float((ious >= 0.75).mean()) if len(found) else float("nan"),
+        "iou90": float((ious >= 0.9).mean()) if len(found) else float("nan"),
+    }
     for shape, tall in (("tall", True), ("other", False)):
         errs = np.array([p[1] for p in found if p[2] is tall], dtype=float).reshape(-1, 4)
         out[shape] = {"pairs": len(errs)}
@@ -103,23 +106,35 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step", type=int, default=None, help="only evaluations at this step (default: every final)")
     args = ap.parse_args(argv)
     if not args.ledger.exists():
-        raise SystemExit(f"{args.ledger}: no such detections ledger (studies/method/method_compare.py writes "
-                         "NAME-detections.jsonl.gz beside NAME.csv)")
+        raise SystemExit(
+            f"{args.ledger}: no such detections ledger (studies/method/method_compare.py writes "
+            "NAME-detections.jsonl.gz beside NAME.csv)"
+        )
     parts = []
     for (setting, arm), per_record in sorted(arm_pairs(args.ledger, args.setting, args.step).items()):
         s = summary([p for found in per_record for p in found])
         rows = tall_rows(per_record)
-        print(f"{setting} / {arm}: {s['pairs']} pairs, mean IoU {s['iou']:.4f}, IoU >= 0.75 {s['iou75']:.1%}, "
-              f">= 0.9 {s['iou90']:.1%}; record-evaluations with tall objects: y2 off on all {rows['all']}, "
-              f"some {rows['some']}, none {rows['none']}")
+        print(
+            f"{setting} / {arm}: {s['pairs']} pairs, mean IoU {s['iou']:.4f}, IoU >= 0.75 {s['iou75']:.1%}, "
+            f">= 0.9 {s['iou90']:.1%}; record-evaluations with tall objects: y2 off on all {rows['all']}, "
+            f"some {rows['some']}, none {rows['none']}"
+        )
         for shape in ("tall", "other"):
             t = s[shape]
-            edges = "; ".join(f"{e} |{t[e]['abs']:.2f}| {t[e]['signed']:+.2f} (most: "
-                              + ", ".join(f"{v:+d} px x{n}" for v, n in t[e]["common"]) + ")" for e in EDGES)
+            edges = "; ".join(
+                f"{e} |{t[e]['abs']:.2f}| {t[e]['signed']:+.2f} (most: "
+                + ", ".join(f"{v:+d} px x{n}" for v, n in t[e]["common"])
+                + ")"
+                for e in EDGES
+            )
             print(f"  {shape} ({t['pairs']}): {edges}")
         key = f"{setting}_{arm}"
-        parts += [f"{key}_iou75={s['iou75']:.4g}", f"{key}_iou={s['iou']:.4g}",
-                  f"{key}_tall_y2_signed={s['tall']['y2']['signed']:.4g}", f"{key}_tall_rows_off={rows['all']}"]
+        parts += [
+            f"{key}_iou75={s['iou75']:.4g}",
+            f"{key}_iou={s['iou']:.4g}",
+            f"{key}_tall_y2_signed={s['tall']['y2']['signed']:.4g}",
+            f"{key}_tall_rows_off={rows['all']}",
+        ]
     print("RESULT " + " ".join(parts))
 
 

@@ -25,9 +25,25 @@ from paired import RecordMatches, record_matches
 # The arms a grid trains (studies/method/method_compare.py says what each is), in the order reports list them.
 ARMS = ("sft", "gen1", "gen2", "gen2_ref", "gen2_rows", "gen2_b")
 KEY = ("setting", "arm", "seed", "steps", "warm", "heldout", "ratio")
-FIGURES = ("f1", "f1_geometry", "precision", "recall", "map", "map_agnostic", "map_50", "truncation_rate",
-           "duplicate_rate", "predicted_per_gt", "predicted_per_answer", "gt_per_record", "train_truncation_rate",
-           "train_duplicate_rate", "train_predicted_per_gt", "tokens_trained", "wall_s")
+FIGURES = (
+    "f1",
+    "f1_geometry",
+    "precision",
+    "recall",
+    "map",
+    "map_agnostic",
+    "map_50",
+    "truncation_rate",
+    "duplicate_rate",
+    "predicted_per_gt",
+    "predicted_per_answer",
+    "gt_per_record",
+    "train_truncation_rate",
+    "train_duplicate_rate",
+    "train_predicted_per_gt",
+    "tokens_trained",
+    "wall_s",
+)
 COLUMNS = (*KEY, "step", *FIGURES)
 
 
@@ -40,10 +56,11 @@ def detections_of(ev) -> dict:
     def rows(boxes) -> list[list]:
         return [[b.label, *b.xyxy] for b in boxes]
 
-    return {"sizes": [[r.width, r.height] for r in ev.records],
-            "truth": [rows(boxes_from_detections(ground_truth_detections(r), rank_by_order=False))
-                      for r in ev.records],
-            "predicted": [rows(boxes_from_detections(p)) for p in ev.predictions]}
+    return {
+        "sizes": [[r.width, r.height] for r in ev.records],
+        "truth": [rows(boxes_from_detections(ground_truth_detections(r), rank_by_order=False)) for r in ev.records],
+        "predicted": [rows(boxes_from_detections(p)) for p in ev.predictions],
+    }
 
 
 def read_rows(paths: list[Path]) -> list[dict]:
@@ -101,8 +118,15 @@ def append_record_rows(path: Path, rows: list[dict]) -> None:
     finals = [r for r in rows if is_final(r) and r.get("per_record")]
     if not finals:
         return
-    _append_csv(path, RECORD_COLUMNS, ([*(_cell(r[k]) for k in (*KEY, "step")), i, m, fp, fn]
-                                       for r in finals for i, (m, fp, fn) in enumerate(r["per_record"])))
+    _append_csv(
+        path,
+        RECORD_COLUMNS,
+        (
+            [*(_cell(r[k]) for k in (*KEY, "step")), i, m, fp, fn]
+            for r in finals
+            for i, (m, fp, fn) in enumerate(r["per_record"])
+        ),
+    )
 
 
 def detections_ledger(ledger: Path) -> Path:
@@ -141,8 +165,14 @@ def read_detection_rows(path: Path) -> dict[tuple, RecordMatches]:
 
 def key_of(row: dict) -> tuple:
     """A run's key (KEY) from a ledger row, read back from the CSV or as written: the same tuple either way."""
-    return tuple(round(float(row[k]), 6) if k == "ratio" else int(row[k]) if k in ("seed", "steps", "warm", "heldout")
-                 else row[k] for k in KEY)
+    return tuple(
+        round(float(row[k]), 6)
+        if k == "ratio"
+        else int(row[k])
+        if k in ("seed", "steps", "warm", "heldout")
+        else row[k]
+        for k in KEY
+    )
 
 
 def read_record_rows(path: Path) -> dict[tuple, list[tuple[int, int, int]]]:
@@ -153,15 +183,13 @@ def read_record_rows(path: Path) -> dict[tuple, list[tuple[int, int, int]]]:
         return {}
     with path.open(newline="") as f:
         for raw in csv.DictReader(f):
-            out.setdefault(key_of(raw), {})[int(raw["record"])] = (int(raw["matched"]), int(raw["fp"]),
-                                                                    int(raw["fn"]))
+            out.setdefault(key_of(raw), {})[int(raw["record"])] = (int(raw["matched"]), int(raw["fp"]), int(raw["fn"]))
     return {k: [v[i] for i in sorted(v)] for k, v in out.items()}
 
 
 def done_runs(rows: list[dict]) -> set[tuple]:
     """Keys of the runs whose last evaluation is in the ledger (a warm start's last step is `warm`)."""
-    return {key_of(r) for r in rows
-            if is_final(r)}
+    return {key_of(r) for r in rows if is_final(r)}
 
 
 def other_ledgers(ledger: Path) -> list[dict]:

@@ -15,11 +15,25 @@ from paired import RecordMatches, paired_bootstrap
 # Paired comparisons (arm, baseline): every arm against plain SFT, every recipe arm against generation 1.
 BASELINES = ("sft", "gen1")
 # What the table, plot and RESULT line summarise (the CSV has every figure).
-SUMMARY = ("f1", "f1_geometry", "map", "map_agnostic", "truncation_rate", "duplicate_rate", "predicted_per_gt",
-           "tokens_trained", "wall_s")
-PANELS = (("f1", "label-aware F1@0.5"), ("f1_geometry", "geometry F1@0.5"), ("map", "label-aware mAP"),
-          ("truncation_rate", "truncated answers"), ("duplicate_rate", "duplicate objects"),
-          ("predicted_per_gt", "predicted / true objects"))
+SUMMARY = (
+    "f1",
+    "f1_geometry",
+    "map",
+    "map_agnostic",
+    "truncation_rate",
+    "duplicate_rate",
+    "predicted_per_gt",
+    "tokens_trained",
+    "wall_s",
+)
+PANELS = (
+    ("f1", "label-aware F1@0.5"),
+    ("f1_geometry", "geometry F1@0.5"),
+    ("map", "label-aware mAP"),
+    ("truncation_rate", "truncated answers"),
+    ("duplicate_rate", "duplicate objects"),
+    ("predicted_per_gt", "predicted / true objects"),
+)
 
 
 def spread(values: list[float]) -> tuple[float, float, float]:
@@ -47,18 +61,27 @@ class Paired:
 
     def line(self) -> str:
         name = {"f1": "label-aware F1@0.5", "map": "label-aware mAP"}[self.figure]
-        return (f"{self.setting}: {self.arm} - {self.baseline} {name} {self.diff:+.3f}, 95% interval "
-                f"[{self.lo:+.3f}, {self.hi:+.3f}] (half-width {(self.hi - self.lo) / 2:.3f}; paired bootstrap over "
-                f"{self.records} records x {self.seeds} seed(s))")
+        return (
+            f"{self.setting}: {self.arm} - {self.baseline} {name} {self.diff:+.3f}, 95% interval "
+            f"[{self.lo:+.3f}, {self.hi:+.3f}] (half-width {(self.hi - self.lo) / 2:.3f}; paired bootstrap over "
+            f"{self.records} records x {self.seeds} seed(s))"
+        )
 
     def part(self) -> str:
         key = f"{self.setting}_{self.arm}_minus_{self.baseline}_{self.figure}"
         return f"{key}={self.diff:.4g} {key}_lo={self.lo:.4g} {key}_hi={self.hi:.4g}"
 
 
-def paired_differences(finals: dict[tuple[str, str], list[dict]], records: dict[tuple, list[tuple[int, int, int]]],
-                       settings: list[str], arms: list[str], detections: dict[tuple, RecordMatches] | None = None,
-                       *, map_draws: int = 1000, vary: str = "both") -> list[Paired]:
+def paired_differences(
+    finals: dict[tuple[str, str], list[dict]],
+    records: dict[tuple, list[tuple[int, int, int]]],
+    settings: list[str],
+    arms: list[str],
+    detections: dict[tuple, RecordMatches] | None = None,
+    *,
+    map_draws: int = 1000,
+    vary: str = "both",
+) -> list[Paired]:
     """Each arm against plain SFT, and each recipe arm against generation 1, on the same held-out records and seeds
     (paired_bootstrap): label-aware F1@0.5 from the per-record counts and, where the detections were kept, COCO mAP.
     Arms without per-record counts (a ledger from before they were kept) are left out, as is the mAP of runs
@@ -74,9 +97,10 @@ def paired_differences(finals: dict[tuple[str, str], list[dict]], records: dict[
             for arm in arms:
                 if arm in ("sft", "warm", baseline) or (baseline == "gen1" and not arm.startswith("gen2")):
                     continue
-                for figure, table, kw in (("f1", records, {}),
-                                          ("map", detections or {}, {"figure": RecordMatches.map,
-                                                                     "draws": map_draws})):
+                for figure, table, kw in (
+                    ("f1", records, {}),
+                    ("map", detections or {}, {"figure": RecordMatches.map, "draws": map_draws}),
+                ):
                     base, other = per_seed(table, setting, baseline), per_seed(table, setting, arm)
                     seeds = sorted(set(base) & set(other))
                     if not seeds:
@@ -96,8 +120,9 @@ def plot_paired(diffs: list[Paired], path: Path, bar: float = 0.03) -> None:
 
     figures = [f for f in ("f1", "map") if any(p.figure == f for p in diffs)]
     names = list(dict.fromkeys(f"{p.setting}: {p.arm} - {p.baseline}" for p in diffs))
-    fig, axes = plt.subplots(1, len(figures), figsize=(4.6 * len(figures), 0.5 * len(names) + 1.4), squeeze=False,
-                             sharey=True)
+    fig, axes = plt.subplots(
+        1, len(figures), figsize=(4.6 * len(figures), 0.5 * len(names) + 1.4), squeeze=False, sharey=True
+    )
     for ax, figure in zip(axes[0], figures, strict=True):
         for p in diffs:
             if p.figure != figure:
@@ -109,8 +134,7 @@ def plot_paired(diffs: list[Paired], path: Path, bar: float = 0.03) -> None:
             ax.axvline(x, color="0.6", lw=0.8, ls="--")
         ax.set_yticks(range(len(names)), names, fontsize=8)
         ax.invert_yaxis()
-        ax.set_title({"f1": "label-aware F1@0.5", "map": "label-aware mAP"}[figure] + ": difference, 95%",
-                     fontsize=9)
+        ax.set_title({"f1": "label-aware F1@0.5", "map": "label-aware mAP"}[figure] + ": difference, 95%", fontsize=9)
         ax.tick_params(labelsize=8)
     fig.suptitle("paired on the same records and seeds (two-level bootstrap); dashed: +-0.03", fontsize=9)
     fig.tight_layout()
@@ -158,10 +182,16 @@ def plot_curves(rows: list[dict], finals: dict[tuple[str, str], list[dict]], pat
                 steps = sorted(by_step)
                 means = [statistics.mean(float(r[key]) for r in by_step[t]) for t in steps]
                 first = by_step[steps[-1]][0]
-                line, = ax.plot(steps, means, lw=1, label=f"{arm} ({len(by_step[steps[-1]])} seed(s))")
+                (line,) = ax.plot(steps, means, lw=1, label=f"{arm} ({len(by_step[steps[-1]])} seed(s))")
                 after_b = [after_channel_b(t, first["warm"], float(first["ratio"])) for t in steps]
-                ax.scatter(steps, means, s=14, color=line.get_color(), zorder=3,
-                           facecolors=[line.get_color() if b else "white" for b in after_b])
+                ax.scatter(
+                    steps,
+                    means,
+                    s=14,
+                    color=line.get_color(),
+                    zorder=3,
+                    facecolors=[line.get_color() if b else "white" for b in after_b],
+                )
             ax.set_title(f"{setting}: {label} (filled: right after a channel-B step)", fontsize=9)
             ax.set_xlabel("optimizer step", fontsize=8)
             ax.tick_params(labelsize=8)
@@ -172,9 +202,14 @@ def plot_curves(rows: list[dict], finals: dict[tuple[str, str], list[dict]], pat
     return True
 
 
-def report(rows: list[dict], out: Path, name: str, wall: float,
-           records: dict[tuple, list[tuple[int, int, int]]] | None = None,
-           detections: dict[tuple, RecordMatches] | None = None) -> str:
+def report(
+    rows: list[dict],
+    out: Path,
+    name: str,
+    wall: float,
+    records: dict[tuple, list[tuple[int, int, int]]] | None = None,
+    detections: dict[tuple, RecordMatches] | None = None,
+) -> str:
     """The plot OUT/NAME.png, a table on stdout and the RESULT line (returned) of the ledger `rows` (with
     `records`, the per-record counts, and `detections`: each arm against plain SFT and generation 1, paired)."""
     finals = final_rows(rows)
@@ -192,8 +227,9 @@ def report(rows: list[dict], out: Path, name: str, wall: float,
                 mean, lo, hi = spread([float(r[k]) for r in finals_sa])
                 fmt = ".0f" if k in ("tokens_trained", "wall_s") else ".3f"
                 cells.append(f"{mean:{fmt}} [{lo:{fmt}},{hi:{fmt}}]")
-                parts.append(f"{setting}_{arm}_{k}={mean:.4g} {setting}_{arm}_{k}_min={lo:.4g} "
-                             f"{setting}_{arm}_{k}_max={hi:.4g}")
+                parts.append(
+                    f"{setting}_{arm}_{k}={mean:.4g} {setting}_{arm}_{k}_min={lo:.4g} {setting}_{arm}_{k}_max={hi:.4g}"
+                )
             print(f"{setting:8} {arm:7} {len(finals_sa):5} " + " ".join(f"{c:>22}" for c in cells))
     print("(mean over seeds [min, max]; warm: the shared start every arm resumes)")
     diffs = paired_differences(finals, records or {}, settings, arms, detections)
@@ -208,15 +244,18 @@ def report(rows: list[dict], out: Path, name: str, wall: float,
 
     out.mkdir(parents=True, exist_ok=True)
     trained = [a for a in arms if a != "warm"]
-    fig, axes = plt.subplots(max(1, len(settings)), len(PANELS), figsize=(2.9 * len(PANELS), 2.8 * len(settings)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        max(1, len(settings)), len(PANELS), figsize=(2.9 * len(PANELS), 2.8 * len(settings)), squeeze=False
+    )
     for r, setting in enumerate(settings):
         for c, (key, label) in enumerate(PANELS):
             ax = axes[r][c]
             stats = [spread([float(x[key]) for x in finals.get((setting, a), [])]) for a in trained]
             means = [s[0] for s in stats]
-            err = [[m - s[1] for m, s in zip(means, stats, strict=True)],
-                   [s[2] - m for m, s in zip(means, stats, strict=True)]]
+            err = [
+                [m - s[1] for m, s in zip(means, stats, strict=True)],
+                [s[2] - m for m, s in zip(means, stats, strict=True)],
+            ]
             ax.bar(range(len(trained)), means, yerr=err, capsize=3, color="0.6")
             if (setting, "warm") in finals:
                 start = spread([float(x[key]) for x in finals[(setting, "warm")]])[0]
@@ -226,8 +265,11 @@ def report(rows: list[dict], out: Path, name: str, wall: float,
             ax.set_title(f"{setting} ({seeds} seed{'s' if seeds != 1 else ''}): {label}", fontsize=9)
             ax.tick_params(labelsize=7)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("same start, same optimizer steps: mean over the seeds, bars min-max"
-                 + (f", {wall / 60:.0f} min" if wall else ""), fontsize=10)
+    fig.suptitle(
+        "same start, same optimizer steps: mean over the seeds, bars min-max"
+        + (f", {wall / 60:.0f} min" if wall else ""),
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(out / f"{name}.png", dpi=100)
     plt.close(fig)

@@ -70,9 +70,14 @@ def start_job(model: Path, data: Path, work: Path, steps: int, check_every: int,
     doc["metadata"] = {"name": "dense-start"}
     doc["spec"]["model"]["path"] = str(model)
     t = doc["spec"]["training"]
-    t.update(steps=steps, warm_start_steps=steps, data={"path": str(data)}, eval={},
-             checkpoint={"dir": str(work / "checkpoints"), "every": check_every, "keep": 1},
-             export={"enabled": True, "dir": str(out)})
+    t.update(
+        steps=steps,
+        warm_start_steps=steps,
+        data={"path": str(data)},
+        eval={},
+        checkpoint={"dir": str(work / "checkpoints"), "every": check_every, "keep": 1},
+        export={"enabled": True, "dir": str(out)},
+    )
     # Recipe generation 1's targets and the README job's coordinate losses, as the README start's pretraining.
     t["recipe"] = {"generation": 1}
     # A step's eight crowded answers (up to ~350 tokens each, 36 image tokens) are two or three 2048-token rows.
@@ -82,8 +87,9 @@ def start_job(model: Path, data: Path, work: Path, steps: int, check_every: int,
 
 
 def digests(folder: Path) -> str:
-    return "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n"
-                   for p in sorted(folder.iterdir()) if p.is_file())
+    return "".join(
+        f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in sorted(folder.iterdir()) if p.is_file()
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -123,8 +129,11 @@ def main(argv: list[str] | None = None) -> None:
             losses.append(r.loss)
             if r.step % args.check_every == 0 or r.step == args.steps:
                 rate = (time.perf_counter() - t0) / len(losses)
-                print(f"  step {r.step}/{args.steps} loss {r.loss:.4f} ({rate:.1f} s/step, about "
-                      f"{rate * (args.steps - r.step) / 60:.0f} min left)", flush=True)
+                print(
+                    f"  step {r.step}/{args.steps} loss {r.loss:.4f} ({rate:.1f} s/step, about "
+                    f"{rate * (args.steps - r.step) / 60:.0f} min left)",
+                    flush=True,
+                )
 
         loop.on_step = on_step
         loop.run()
@@ -132,11 +141,21 @@ def main(argv: list[str] | None = None) -> None:
         loop.close()
     wall = time.perf_counter() - t0
     (out.parent / f"{out.name}.sha256").write_text(digests(out))
-    (work / "made.json").write_text(json.dumps({"steps": args.steps, "records": args.records, "model": str(model),
-                                                "final_loss": losses[-1] if losses else None}))
+    (work / "made.json").write_text(
+        json.dumps(
+            {
+                "steps": args.steps,
+                "records": args.records,
+                "model": str(model),
+                "final_loss": losses[-1] if losses else None,
+            }
+        )
+    )
     print(f"exported to {out} (digests in {out.name}.sha256)")
-    print(f"RESULT steps={args.steps} records={args.records} final_loss={losses[-1] if losses else float('nan'):.4f} "
-          f"wall_s={wall:.0f}")
+    print(
+        f"RESULT steps={args.steps} records={args.records} final_loss={losses[-1] if losses else float('nan'):.4f} "
+        f"wall_s={wall:.0f}"
+    )
 
 
 if __name__ == "__main__":

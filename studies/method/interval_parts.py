@@ -38,15 +38,16 @@ def main(argv: list[str] | None = None) -> None:
     arms = sorted({a for _, a in finals})
     records = read_record_rows(records_ledger(args.ledger))
     detections = read_detection_rows(detections_ledger(args.ledger))
-    parts = {vary: paired_differences(finals, records, settings, arms, detections, map_draws=args.draws, vary=vary)
-             for vary in ("both", "records", "seeds")}
+    parts = {
+        vary: paired_differences(finals, records, settings, arms, detections, map_draws=args.draws, vary=vary)
+        for vary in ("both", "records", "seeds")
+    }
     print(f"{'comparison':<28} {'figure':<6} {'seeds':>5} {'diff':>7} {'hw both':>8} {'records':>8} {'seeds':>8}")
     result = []
     for both, rec, sd in zip(parts["both"], parts["records"], parts["seeds"], strict=True):
         name = f"{both.setting}: {both.arm} - {both.baseline}"
         hws = [(p.hi - p.lo) / 2 for p in (both, rec, sd)]
-        print(f"{name:<28} {both.figure:<6} {both.seeds:>5} {both.diff:>+7.3f} "
-              + " ".join(f"{h:>8.3f}" for h in hws))
+        print(f"{name:<28} {both.figure:<6} {both.seeds:>5} {both.diff:>+7.3f} " + " ".join(f"{h:>8.3f}" for h in hws))
         key = f"{both.setting}_{both.arm}_minus_{both.baseline}_{both.figure}"
         result += [f"{key}_hw={hws[0]:.4g}", f"{key}_hw_records={hws[1]:.4g}", f"{key}_hw_seeds={hws[2]:.4g}"]
     print("(half-widths of 95% intervals: both levels drawn; records alone; seeds alone)")

@@ -146,12 +146,10 @@ class Setting:
 
 SETTINGS = {
     "readme": Setting("readme", {"layout": "grid", "cells": 4, "max_objects": 2}, max_tokens=96),
-    "crowd": Setting("crowd", CROWD_GRID, max_tokens=360, start=DENSE_START, cost=(0.6, 6.0, 4.0),
-                     grad_accumulation=3),
+    "crowd": Setting("crowd", CROWD_GRID, max_tokens=360, start=DENSE_START, cost=(0.6, 6.0, 4.0), grad_accumulation=3),
     # Up to 8 objects of about 43 tokens each and the end.
     "row": Setting("row", ROW_GRID, max_tokens=400, start=DENSE_START, cost=(0.7, 6.0, 5.0), grad_accumulation=3),
 }
-
 
 
 @dataclass(frozen=True)
@@ -202,8 +200,12 @@ def make_job(setting: Setting, arm: str, seed: int, plan: Plan, model: Path, dat
     if recipe:
         t["recipe"] = recipe
     t["data"]["path"] = str(data)
-    t["eval"] = {"data": str(held), "every": 0 if arm == "warm" else plan.eval_every, "max_samples": plan.heldout,
-                 "pictures": 0}
+    t["eval"] = {
+        "data": str(held),
+        "every": 0 if arm == "warm" else plan.eval_every,
+        "max_samples": plan.heldout,
+        "pictures": 0,
+    }
     t["rollout"]["max_tokens"] = setting.max_tokens
     t["rollout"]["seed"] = seed
     # Long crowded answers are many segments per row: room for them (64, the README job's, overflowed in `crowd`).
@@ -237,16 +239,28 @@ def train(job, servers, *, resume: bool, max_steps: int | None, tokens_before: i
         def on_eval(ev) -> None:
             fig, at = ev.figures(), ev.stats[ev.iou]
             n = len(b_stats)
-            row = {"step": ev.step, "f1": fig.f1, "f1_geometry": fig.f1_geometry, "precision": at.precision,
-                   "recall": at.recall, "map": fig.map, "map_agnostic": fig.map_agnostic, "map_50": ev.coco["map_50"],
-                   "truncation_rate": fig.truncation_rate, "duplicate_rate": fig.duplicate_rate,
-                   "predicted_per_gt": fig.count_ratio, "predicted_per_answer": fig.predicted_per_answer,
-                   "gt_per_record": fig.gt_per_record,
-                   "train_truncation_rate": sum(s.truncation_rate for s in b_stats) / n if n else math.nan,
-                   "train_duplicate_rate": sum(s.duplicate_rate for s in b_stats) / n if n else math.nan,
-                   "train_predicted_per_gt": sum(s.count_ratio for s in b_stats) / n if n else math.nan,
-                   "tokens_trained": tokens, "wall_s": time.perf_counter() - t0, "per_record": list(ev.per_record),
-                   "detections": detections_of(ev)}
+            row = {
+                "step": ev.step,
+                "f1": fig.f1,
+                "f1_geometry": fig.f1_geometry,
+                "precision": at.precision,
+                "recall": at.recall,
+                "map": fig.map,
+                "map_agnostic": fig.map_agnostic,
+                "map_50": ev.coco["map_50"],
+                "truncation_rate": fig.truncation_rate,
+                "duplicate_rate": fig.duplicate_rate,
+                "predicted_per_gt": fig.count_ratio,
+                "predicted_per_answer": fig.predicted_per_answer,
+                "gt_per_record": fig.gt_per_record,
+                "train_truncation_rate": sum(s.truncation_rate for s in b_stats) / n if n else math.nan,
+                "train_duplicate_rate": sum(s.duplicate_rate for s in b_stats) / n if n else math.nan,
+                "train_predicted_per_gt": sum(s.count_ratio for s in b_stats) / n if n else math.nan,
+                "tokens_trained": tokens,
+                "wall_s": time.perf_counter() - t0,
+                "per_record": list(ev.per_record),
+                "detections": detections_of(ev),
+            }
             rows.append(row)
             print(f"  {job.metadata.name} step {ev.step}: {ev.describe()}", flush=True)
 
@@ -270,9 +284,15 @@ def estimate(todo: list[tuple], rows: list[dict], plan: Plan, history: list[dict
     for setting, arm, _seed in todo:
         n = plan.warm if arm == "warm" else plan.steps - plan.warm  # steps this run trains
         for source in (rows, history or []):
-            seen = [r["wall_s"] for r in source if r["setting"] == setting and r["arm"] == arm
-                    and r["steps"] == plan.steps and r["warm"] == plan.warm and r["step"] == (
-                        plan.warm if arm == "warm" else plan.steps)]
+            seen = [
+                r["wall_s"]
+                for r in source
+                if r["setting"] == setting
+                and r["arm"] == arm
+                and r["steps"] == plan.steps
+                and r["warm"] == plan.warm
+                and r["step"] == (plan.warm if arm == "warm" else plan.steps)
+            ]
             if seen:
                 total += statistics.median(seen)
                 break
@@ -295,23 +315,52 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=int(t["steps"]), help="optimizer steps in all (README job's)")
-    ap.add_argument("--warm", type=int, default=int(t.get("warm_start_steps", 0)),
-                    help="ground-truth steps every arm shares (README job's)")
-    ap.add_argument("--ratio", type=float, default=None,
-                    help=f"gen2's channel-B ratio (default: the README job's, else {DEFAULT_RATIO})")
+    ap.add_argument(
+        "--warm",
+        type=int,
+        default=int(t.get("warm_start_steps", 0)),
+        help="ground-truth steps every arm shares (README job's)",
+    )
+    ap.add_argument(
+        "--ratio",
+        type=float,
+        default=None,
+        help=f"gen2's channel-B ratio (default: the README job's, else {DEFAULT_RATIO})",
+    )
     ap.add_argument("--eval-every", type=int, default=0, help="held-out evaluations between (0: warm start and end)")
     ap.add_argument("--heldout", type=int, default=32, help="records evaluated (of the held-out or validation set)")
-    ap.add_argument("--split", choices=tuple(SPLIT_SEEDS), default="heldout",
-                    help="evaluate on the held-out set (report) or the validation set (choose settings)")
-    ap.add_argument("--model", type=Path, default=None,
-                    help="start model of every setting (default: each setting's: the README job's, the dense start)")
-    ap.add_argument("--work", type=Path, default=ROOT / ".rmsft" / "method-compare",
-                    help="data, warm-start checkpoints and server logs (kept for resuming)")
+    ap.add_argument(
+        "--split",
+        choices=tuple(SPLIT_SEEDS),
+        default="heldout",
+        help="evaluate on the held-out set (report) or the validation set (choose settings)",
+    )
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="start model of every setting (default: each setting's: the README job's, the dense start)",
+    )
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=ROOT / ".rmsft" / "method-compare",
+        help="data, warm-start checkpoints and server logs (kept for resuming)",
+    )
     ap.add_argument("--out", type=Path, default=HERE / "results")
-    ap.add_argument("--name", default=None, help="ledger and plot name (default: method_compare; -validation is "
-                    "appended for --split validation, so that a validation ledger is never taken for a held-out one)")
-    ap.add_argument("--replot", nargs="*", type=Path, default=None,
-                    help="no training: plot, table and RESULT line from the CSV (or these CSVs)")
+    ap.add_argument(
+        "--name",
+        default=None,
+        help="ledger and plot name (default: method_compare; -validation is "
+        "appended for --split validation, so that a validation ledger is never taken for a held-out one)",
+    )
+    ap.add_argument(
+        "--replot",
+        nargs="*",
+        type=Path,
+        default=None,
+        help="no training: plot, table and RESULT line from the CSV (or these CSVs)",
+    )
     args = ap.parse_args(argv)
     args.name = args.name or "method_compare"
     if args.split == "validation" and not args.name.endswith("-validation"):
@@ -343,17 +392,32 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = read_rows([ledger])
     done = done_runs(rows)
-    todo = [(s.name, a, seed) for s in settings for seed in seeds for a in arms
-            if run_key(s.name, a, seed, plan) not in done]
+    todo = [
+        (s.name, a, seed)
+        for s in settings
+        for seed in seeds
+        for a in arms
+        if run_key(s.name, a, seed, plan) not in done
+    ]
     warm_todo = sorted({(s, "warm", seed) for s, _a, seed in todo if run_key(s, "warm", seed, plan) not in done})
     skipped = len(settings) * len(seeds) * len(arms) - len(todo)
-    print(f"{len(todo)} run(s) to train, {len(warm_todo)} warm start(s), {skipped} already in {ledger}; "
-          f"estimate {estimate(todo + warm_todo, rows, plan, other_ledgers(ledger)) / 60:.0f} min")
+    print(
+        f"{len(todo)} run(s) to train, {len(warm_todo)} warm start(s), {skipped} already in {ledger}; "
+        f"estimate {estimate(todo + warm_todo, rows, plan, other_ledgers(ledger)) / 60:.0f} min"
+    )
     if todo:
         train_grid(todo, settings, plan, args, rows, ledger)
         rows = read_rows([ledger])
-    print(report(rows, args.out, args.name, sum(r["wall_s"] for r in final_rows_list(rows)),
-                 read_record_rows(records_ledger(ledger)), read_detection_rows(detections_ledger(ledger))))
+    print(
+        report(
+            rows,
+            args.out,
+            args.name,
+            sum(r["wall_s"] for r in final_rows_list(rows)),
+            read_record_rows(records_ledger(ledger)),
+            read_detection_rows(detections_ledger(ledger)),
+        )
+    )
 
 
 def final_rows_list(rows: list[dict]) -> list[dict]:
@@ -377,18 +441,24 @@ def train_grid(todo: list[tuple], settings: list[Setting], plan: Plan, args, row
         readme_model = Path(base.spec.model.path).resolve()
     else:
         readme_model = args.model.resolve()
-    models = {s.name: readme_model if args.model is not None or s.start is None else s.start.resolve()
-              for s in settings}
+    models = {
+        s.name: readme_model if args.model is not None or s.start is None else s.start.resolve() for s in settings
+    }
     missing = sorted({str(m) for m in models.values() if not (m / "config.json").exists()})
     if missing:
-        sys.exit(f"no start model in {', '.join(missing)} (assets/tiny-vl-dense-model is shipped; "
-                 "python studies/method/dense_start.py builds it again)")
+        sys.exit(
+            f"no start model in {', '.join(missing)} (assets/tiny-vl-dense-model is shipped; "
+            "python studies/method/dense_start.py builds it again)"
+        )
     by_name = {s.name: s for s in settings}
     # One pair of servers for every run: each trainer's first FULL sync puts its own weights on them.
     unused = work / "unused.jsonl"  # the servers read the model and spec.rollout only
     # The servers load the first setting's start; every run's first sync puts its own weights (same architecture).
-    servers = start_servers(make_job(settings[0], "warm", 0, plan, models[settings[0].name], unused, unused,
-                                     work / "unused"), work / "logs", console)
+    servers = start_servers(
+        make_job(settings[0], "warm", 0, plan, models[settings[0].name], unused, unused, work / "unused"),
+        work / "logs",
+        console,
+    )
     t_grid = time.perf_counter()
     try:
         for i, (name, arm, seed) in enumerate(todo):
@@ -407,8 +477,13 @@ def train_grid(todo: list[tuple], settings: list[Setting], plan: Plan, args, row
             if warm_key not in done_runs(rows) or not any(warm_dir.glob("step-*")):
                 console.print(f"[bold]{s.name} seed {seed}: warm start[/bold], {plan.warm} ground-truth steps")
                 shutil.rmtree(warm_dir, ignore_errors=True)
-                got = train(make_job(s, "warm", seed, plan, model, data, held, warm_dir), servers, resume=False,
-                            max_steps=plan.warm, tokens_before=0)
+                got = train(
+                    make_job(s, "warm", seed, plan, model, data, held, warm_dir),
+                    servers,
+                    resume=False,
+                    max_steps=plan.warm,
+                    tokens_before=0,
+                )
                 new = [{**dict(zip(KEY, warm_key, strict=True)), **r} for r in got]
                 if warm_key not in done_runs(rows):
                     append_rows(ledger, new)
@@ -419,10 +494,17 @@ def train_grid(todo: list[tuple], settings: list[Setting], plan: Plan, args, row
             arm_dir = work / f"{tag}-{arm}"
             shutil.rmtree(arm_dir, ignore_errors=True)
             shutil.copytree(warm_dir, arm_dir, ignore=shutil.ignore_patterns("tensorboard"))
-            console.print(f"[bold]{s.name} / {arm} / seed {seed}[/bold] ({i + 1} of {len(todo)}): "
-                          f"steps {plan.warm + 1}..{plan.steps} resumed from the warm start")
-            got = train(make_job(s, arm, seed, plan, model, data, held, arm_dir), servers, resume=True,
-                        max_steps=None, tokens_before=warm_tokens)
+            console.print(
+                f"[bold]{s.name} / {arm} / seed {seed}[/bold] ({i + 1} of {len(todo)}): "
+                f"steps {plan.warm + 1}..{plan.steps} resumed from the warm start"
+            )
+            got = train(
+                make_job(s, arm, seed, plan, model, data, held, arm_dir),
+                servers,
+                resume=True,
+                max_steps=None,
+                tokens_before=warm_tokens,
+            )
             key = run_key(s.name, arm, seed, plan)
             new = [{**dict(zip(KEY, key, strict=True)), **r} for r in got]
             append_rows(ledger, new)
@@ -430,10 +512,12 @@ def train_grid(todo: list[tuple], settings: list[Setting], plan: Plan, args, row
             append_detection_rows(detections_ledger(ledger), new)
             rows += new
             shutil.rmtree(arm_dir, ignore_errors=True)
-            left = todo[i + 1:]
-            console.print(f"  {s.name} / {arm} / seed {seed}: {new[-1]['wall_s']:.0f}s; {len(left)} run(s) left, "
-                          f"about {estimate(left, rows, plan, history) / 60:.0f} min "
-                          f"({(time.perf_counter() - t_grid) / 60:.0f} min so far)")
+            left = todo[i + 1 :]
+            console.print(
+                f"  {s.name} / {arm} / seed {seed}: {new[-1]['wall_s']:.0f}s; {len(left)} run(s) left, "
+                f"about {estimate(left, rows, plan, history) / 60:.0f} min "
+                f"({(time.perf_counter() - t_grid) / 60:.0f} min so far)"
+            )
     finally:
         for srv in servers:
             srv.stop()

@@ -42,8 +42,15 @@ def pooled_f1(counts: Sequence[tuple[int, int, int]], idx: Sequence[int]) -> flo
     return 2 * m / (2 * m + fp + fn) if m else 0.0
 
 
-def paired_bootstrap(a: dict[int, T], b: dict[int, T], *, figure: Callable[[T, list[int]], float] = pooled_f1,
-                     draws: int = 2000, seed: int = 0, vary: str = "both") -> tuple[float, float, float]:
+def paired_bootstrap(
+    a: dict[int, T],
+    b: dict[int, T],
+    *,
+    figure: Callable[[T, list[int]], float] = pooled_f1,
+    draws: int = 2000,
+    seed: int = 0,
+    vary: str = "both",
+) -> tuple[float, float, float]:
     """figure(a) - figure(b) on the same held-out records over the same seeds (each side: seed -> that run's
     per-record data, anything `len` and `figure(data, record indices)` take): the observed difference (mean over
     seeds of the figure on every record) and a 95% percentile interval from a two-level bootstrap: seeds drawn with
@@ -75,10 +82,12 @@ def paired_bootstrap(a: dict[int, T], b: dict[int, T], *, figure: Callable[[T, l
 
 def _iou(dt: np.ndarray, gt: np.ndarray) -> np.ndarray:
     """COCO's box IoU (maskApi's bbIou, no crowd) of (D, 4) and (G, 4) xywh boxes, in its order of operations."""
-    w = np.minimum(dt[:, None, 0] + dt[:, None, 2], gt[None, :, 0] + gt[None, :, 2]) - np.maximum(dt[:, None, 0],
-                                                                                                 gt[None, :, 0])
-    h = np.minimum(dt[:, None, 1] + dt[:, None, 3], gt[None, :, 1] + gt[None, :, 3]) - np.maximum(dt[:, None, 1],
-                                                                                                 gt[None, :, 1])
+    w = np.minimum(dt[:, None, 0] + dt[:, None, 2], gt[None, :, 0] + gt[None, :, 2]) - np.maximum(
+        dt[:, None, 0], gt[None, :, 0]
+    )
+    h = np.minimum(dt[:, None, 1] + dt[:, None, 3], gt[None, :, 1] + gt[None, :, 3]) - np.maximum(
+        dt[:, None, 1], gt[None, :, 1]
+    )
     inter = np.where((w > 0) & (h > 0), w * h, 0.0)
     union = (dt[:, 2] * dt[:, 3])[:, None] + (gt[:, 2] * gt[:, 3])[None, :] - inter
     return np.where(inter > 0, inter / np.where(union > 0, union, 1.0), 0.0)
@@ -113,11 +122,19 @@ class RecordMatches:
     `truth` and `predicted` hold one list of boxes per record; a prediction's `score` ranks it (the held-out
     evaluation's: the order written); `sizes` the records' (width, height)."""
 
-    def __init__(self, truth: Sequence[Sequence[Box]], predicted: Sequence[Sequence[Box]],
-                 sizes: Sequence[tuple[float, float]], *, category: Callable[[str], str] = normalize_label) -> None:
+    def __init__(
+        self,
+        truth: Sequence[Sequence[Box]],
+        predicted: Sequence[Sequence[Box]],
+        sizes: Sequence[tuple[float, float]],
+        *,
+        category: Callable[[str], str] = normalize_label,
+    ) -> None:
         if not len(truth) == len(predicted) == len(sizes):
-            raise ValueError(f"{len(truth)} ground-truth list(s), {len(predicted)} prediction list(s) and "
-                             f"{len(sizes)} size(s): one of each per record")
+            raise ValueError(
+                f"{len(truth)} ground-truth list(s), {len(predicted)} prediction list(s) and "
+                f"{len(sizes)} size(s): one of each per record"
+            )
         names = sorted({category(b.label) for boxes in (*truth, *predicted) for b in boxes})
         cat = {name: i for i, name in enumerate(names)}
         self.n_categories = len(names)
@@ -186,8 +203,13 @@ def record_matches(doc: dict[str, Any]) -> RecordMatches:
     from learner.evaluation.coco_map import order_score
 
     def boxes(objs: list, ranked: bool) -> list[Box]:
-        return [Box(str(o[0]), (float(o[1]), float(o[2]), float(o[3]), float(o[4])),
-                    order_score(i) if ranked else 1.0) for i, o in enumerate(objs)]
+        return [
+            Box(str(o[0]), (float(o[1]), float(o[2]), float(o[3]), float(o[4])), order_score(i) if ranked else 1.0)
+            for i, o in enumerate(objs)
+        ]
 
-    return RecordMatches([boxes(t, False) for t in doc["truth"]], [boxes(p, True) for p in doc["predicted"]],
-                         [(float(w), float(h)) for w, h in doc["sizes"]])
+    return RecordMatches(
+        [boxes(t, False) for t in doc["truth"]],
+        [boxes(p, True) for p in doc["predicted"]],
+        [(float(w), float(h)) for w, h in doc["sizes"]],
+    )

@@ -83,7 +83,7 @@ def _backend(workdir: Path, kubectl: str):
     real = RealNode(workdir, os.environ.get("KUBEBUILDER_ASSETS"), kubectl)
     kind = Kind(workdir)
     reasons = {}
-    for backend in ([real] if choice == "realnode" else [kind] if choice == "kind" else [real, kind]):
+    for backend in [real] if choice == "realnode" else [kind] if choice == "kind" else [real, kind]:
         why = backend.why_not()
         if why is None:
             return backend, None
@@ -130,8 +130,7 @@ def cluster() -> Iterator[Cluster]:
     try:
         t0 = time.monotonic()
         engine.ensure()
-        if backend.name == "realnode" and run("docker", "image", "inspect", "python:3.11-slim",
-                                              check=False).returncode:
+        if backend.name == "realnode" and run("docker", "image", "inspect", "python:3.11-slim", check=False).returncode:
             # no registry here: the base image is the stand-in ../shared/realnode ships
             run("sh", "-c", f"xz -dc {REALNODE / 'images-base.tar.xz'} | docker load", timeout=300)
         TIMINGS["docker engine"] = time.monotonic() - t0
@@ -146,9 +145,28 @@ def cluster() -> Iterator[Cluster]:
         t0 = time.monotonic()
         # The README's command, with the locally built image. rbac.clusterWide: the tests make a namespace of their
         # own per case (the default chart watches the release namespace and rbac.watchNamespaces only).
-        c.helm("upgrade", "--install", "rmsft", "charts/rmsft", "--namespace", OPERATOR_NS, "--create-namespace",
-               "--set", "image.repository=rmsft", "--set", "image.tag=cpu", "--set", "image.pullPolicy=Never",
-               "--set", "operator.resyncSeconds=10", "--set", "rbac.clusterWide=true", "--wait", "--timeout", "5m")
+        c.helm(
+            "upgrade",
+            "--install",
+            "rmsft",
+            "charts/rmsft",
+            "--namespace",
+            OPERATOR_NS,
+            "--create-namespace",
+            "--set",
+            "image.repository=rmsft",
+            "--set",
+            "image.tag=cpu",
+            "--set",
+            "image.pullPolicy=Never",
+            "--set",
+            "operator.resyncSeconds=10",
+            "--set",
+            "rbac.clusterWide=true",
+            "--wait",
+            "--timeout",
+            "5m",
+        )
         TIMINGS["helm install"] = time.monotonic() - t0
     except BaseException:
         teardown()

@@ -16,12 +16,14 @@ import time
 from pathlib import Path
 
 
-def run(*args: str, timeout: float = 120, check: bool = True, input: str | None = None,
-        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, timeout: float = 120, check: bool = True, input: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, input=input, env=env)
     if check and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}):\n"
-                           f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        raise RuntimeError(
+            f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
@@ -42,8 +44,9 @@ def stop_group(proc: subprocess.Popen, grace: float = 10) -> None:
 def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env)
+        return subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env
+        )
 
 
 def unmount_under(root: Path) -> None:
@@ -93,8 +96,10 @@ class DockerEngine:
         deadline = time.monotonic() + timeout
         while not self.answers():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"dockerd exited ({self.proc.returncode}): "
-                                   f"{(self.workdir / 'logs' / 'dockerd.log').read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"dockerd exited ({self.proc.returncode}): "
+                    f"{(self.workdir / 'logs' / 'dockerd.log').read_text()[-2000:]}"
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"dockerd did not answer within {timeout:.0f} s")
             time.sleep(0.5)
@@ -105,8 +110,9 @@ class DockerEngine:
         stop_group(self.proc, grace=20)
         self.proc = None
         # dockerd's own containerd (a child it normally stops itself) and its bridge
-        subprocess.run(["pkill", "-f", "containerd --config /var/run/docker/containerd/containerd.toml"],
-                       capture_output=True)
+        subprocess.run(
+            ["pkill", "-f", "containerd --config /var/run/docker/containerd/containerd.toml"], capture_output=True
+        )
         subprocess.run(["ip", "link", "del", "docker0"], capture_output=True)
 
 

@@ -89,8 +89,15 @@ def build_image(tag: str, variant: str = "cpu", log: Path | None = None, timeout
             cmd += ["--build-arg", f"{key}={value}"]
         env = {**os.environ, "DOCKER_BUILDKIT": "0"}
         with open(log, "w") if log else contextlib.nullcontext(None) as out:
-            proc = subprocess.run([*cmd, "."], cwd=ROOT, env=env, stdout=out or subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, timeout=timeout)
+            proc = subprocess.run(
+                [*cmd, "."],
+                cwd=ROOT,
+                env=env,
+                stdout=out or subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=timeout,
+            )
         if proc.returncode != 0:
             tail = log.read_text()[-6000:] if log else (proc.stdout or "")[-6000:]
             raise RuntimeError(f"docker build of {tag} failed ({proc.returncode}):\n{tail}")

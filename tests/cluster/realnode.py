@@ -81,8 +81,10 @@ class RealNode:
             return f"{REALNODE} lacks node-*.tar.xz (kubelet, kube-proxy) or images-base.tar.xz"
         missing = [t for t in HOST_TOOLS if not shutil.which(t)]
         if missing or not (CNI_BIN / "bridge").exists():
-            return (f"missing {', '.join(missing) or '/usr/lib/cni/bridge'}: apt-get install containerd runc "
-                    "containernetworking-plugins iptables conntrack dnsmasq-base (`make cluster-deps`)")
+            return (
+                f"missing {', '.join(missing) or '/usr/lib/cni/bridge'}: apt-get install containerd runc "
+                "containernetworking-plugins iptables conntrack dnsmasq-base (`make cluster-deps`)"
+            )
         return None
 
     @property
@@ -127,15 +129,21 @@ class RealNode:
 
         for proc in psutil.process_iter(["pid", "cmdline"]):
             cmd = proc.info["cmdline"] or []
-            if len(cmd) == 3 and Path(cmd[0]).name == "containerd" and cmd[1] == "--config" \
-                    and "/rmsft-cluster-" in cmd[2] and not cmd[2].startswith(str(self.node)):
+            if (
+                len(cmd) == 3
+                and Path(cmd[0]).name == "containerd"
+                and cmd[1] == "--config"
+                and "/rmsft-cluster-" in cmd[2]
+                and not cmd[2].startswith(str(self.node))
+            ):
                 try:
                     stale = f'root = "{self.state / "containerd"}"' in Path(cmd[2]).read_text()
                 except OSError:  # its folder is gone: judged by the name alone
                     stale = True
                 if stale:
-                    print(f"realnode: stopping a containerd a killed run left (pid {proc.pid}, {cmd[2]})",
-                          file=sys.stderr)
+                    print(
+                        f"realnode: stopping a containerd a killed run left (pid {proc.pid}, {cmd[2]})", file=sys.stderr
+                    )
                     proc.kill()
                     psutil.wait_procs([proc], timeout=30)
 
@@ -145,8 +153,8 @@ class RealNode:
         self.state.mkdir(parents=True, exist_ok=True)
         config = self.node / "containerd.toml"
         config.write_text(f"""version = 2
-root = "{self.state / 'containerd'}"
-state = "{self.node / 'containerd-state'}"
+root = "{self.state / "containerd"}"
+state = "{self.node / "containerd-state"}"
 [grpc]
   address = "{self.sock}"
 [plugins."io.containerd.grpc.v1.cri"]
@@ -160,24 +168,44 @@ state = "{self.node / 'containerd-state'}"
       runtime_type = "io.containerd.runc.v2"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "{CNI_BIN}"
-    conf_dir = "{self.node / 'cni'}"
+    conf_dir = "{self.node / "cni"}"
 """)
-        (self.node / "cni" / "10-rmsft.conflist").write_text(json.dumps({
-            "cniVersion": "1.0.0", "name": CNI_NETWORK, "plugins": [
-                {"type": "bridge", "bridge": BRIDGE, "isGateway": True, "ipMasq": False, "hairpinMode": True,
-                 "ipam": {"type": "host-local", "ranges": [[{"subnet": POD_CIDR}]], "routes": [{"dst": "0.0.0.0/0"}]}},
-                {"type": "portmap", "capabilities": {"portMappings": True}}]}))
+        (self.node / "cni" / "10-rmsft.conflist").write_text(
+            json.dumps(
+                {
+                    "cniVersion": "1.0.0",
+                    "name": CNI_NETWORK,
+                    "plugins": [
+                        {
+                            "type": "bridge",
+                            "bridge": BRIDGE,
+                            "isGateway": True,
+                            "ipMasq": False,
+                            "hairpinMode": True,
+                            "ipam": {
+                                "type": "host-local",
+                                "ranges": [[{"subnet": POD_CIDR}]],
+                                "routes": [{"dst": "0.0.0.0/0"}],
+                            },
+                        },
+                        {"type": "portmap", "capabilities": {"portMappings": True}},
+                    ],
+                }
+            )
+        )
         self.procs["containerd"] = spawn(["containerd", "--config", str(config)], self.node / "logs" / "containerd.log")
         self._wait(lambda: self.sock.exists(), 30, "containerd's socket", "containerd")
         self._remove_containers()  # a run that died may have left CRI containers in the kept store
 
-    def ctr(self, *args: str, timeout: float = 600, check: bool = True,
-            stdin: IO[bytes] | None = None) -> subprocess.CompletedProcess[str]:
+    def ctr(
+        self, *args: str, timeout: float = 600, check: bool = True, stdin: IO[bytes] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """`ctr` against this node's containerd, namespace k8s.io; `stdin` feeds an image stream."""
         cmd = ["ctr", "--address", str(self.sock), "-n", "k8s.io", *args]
         proc = subprocess.run(cmd, stdin=stdin, capture_output=True, timeout=timeout)
-        out = subprocess.CompletedProcess(cmd, proc.returncode, proc.stdout.decode(errors="replace"),
-                                          proc.stderr.decode(errors="replace"))
+        out = subprocess.CompletedProcess(
+            cmd, proc.returncode, proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
+        )
         if check and out.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed: {out.stderr[-2000:]}")
         return out
@@ -261,16 +289,46 @@ imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 enforceNodeAllocatable: []
 """)
-        self.procs["kubelet"] = spawn([str(self.bin / "kubelet"), "--config", str(config), "--kubeconfig", str(kcfg),
-                                       "--hostname-override", NODE_NAME, "--node-ip", NODE_IP,
-                                       "--root-dir", str(self.node / "kubelet"), "--cert-dir",
-                                       str(self.node / "kubelet-pki"), "-v=1"], self.node / "logs" / "kubelet.log")
-        self.procs["kube-proxy"] = spawn([str(self.bin / "kube-proxy"), "--kubeconfig", str(kcfg),
-                                          "--hostname-override", NODE_NAME, "--cluster-cidr", "10.244.0.0/16",
-                                          "--proxy-mode", "iptables", "--conntrack-max-per-core", "0",
-                                          "--metrics-bind-address", f"127.0.0.1:{free_port()}",
-                                          "--healthz-bind-address", f"127.0.0.1:{free_port()}", "-v=1"],
-                                         self.node / "logs" / "kube-proxy.log")
+        self.procs["kubelet"] = spawn(
+            [
+                str(self.bin / "kubelet"),
+                "--config",
+                str(config),
+                "--kubeconfig",
+                str(kcfg),
+                "--hostname-override",
+                NODE_NAME,
+                "--node-ip",
+                NODE_IP,
+                "--root-dir",
+                str(self.node / "kubelet"),
+                "--cert-dir",
+                str(self.node / "kubelet-pki"),
+                "-v=1",
+            ],
+            self.node / "logs" / "kubelet.log",
+        )
+        self.procs["kube-proxy"] = spawn(
+            [
+                str(self.bin / "kube-proxy"),
+                "--kubeconfig",
+                str(kcfg),
+                "--hostname-override",
+                NODE_NAME,
+                "--cluster-cidr",
+                "10.244.0.0/16",
+                "--proxy-mode",
+                "iptables",
+                "--conntrack-max-per-core",
+                "0",
+                "--metrics-bind-address",
+                f"127.0.0.1:{free_port()}",
+                "--healthz-bind-address",
+                f"127.0.0.1:{free_port()}",
+                "-v=1",
+            ],
+            self.node / "logs" / "kube-proxy.log",
+        )
 
     def _start_dns(self) -> None:
         """dnsmasq on NODE_IP:53 answers cluster names from a hosts file that dns-sync.py keeps
@@ -281,16 +339,37 @@ enforceNodeAllocatable: []
         hosts.write_text("")
         names = ("kubernetes.default.svc.cluster.local", "kubernetes.default.svc", "kubernetes.default", "kubernetes")
         records = [f"--host-record={n},10.0.0.1" for n in names]
-        self.procs["dnsmasq"] = spawn(["dnsmasq", "--no-daemon", "--keep-in-foreground", f"--listen-address={NODE_IP}",
-                                       "--bind-interfaces", "--port=53", "--no-resolv", "--no-hosts",
-                                       "--local=/cluster.local/", "--local=/svc/", f"--addn-hosts={hosts}", *records],
-                                      self.node / "logs" / "dnsmasq.log")
+        self.procs["dnsmasq"] = spawn(
+            [
+                "dnsmasq",
+                "--no-daemon",
+                "--keep-in-foreground",
+                f"--listen-address={NODE_IP}",
+                "--bind-interfaces",
+                "--port=53",
+                "--no-resolv",
+                "--no-hosts",
+                "--local=/cluster.local/",
+                "--local=/svc/",
+                f"--addn-hosts={hosts}",
+                *records,
+            ],
+            self.node / "logs" / "dnsmasq.log",
+        )
         time.sleep(0.5)
         if self.procs["dnsmasq"].poll() is not None:
             raise RuntimeError(f"dnsmasq did not start: {(self.node / 'logs' / 'dnsmasq.log').read_text()[-1000:]}")
-        self.procs["dns-sync"] = spawn([sys.executable, str(REALNODE / "dns-sync.py"), self.kubectl,
-                                        str(self.cp.admin_kubeconfig), str(hosts), str(self.procs["dnsmasq"].pid)],
-                                       self.node / "logs" / "dns-sync.log")
+        self.procs["dns-sync"] = spawn(
+            [
+                sys.executable,
+                str(REALNODE / "dns-sync.py"),
+                self.kubectl,
+                str(self.cp.admin_kubeconfig),
+                str(hosts),
+                str(self.procs["dnsmasq"].pid),
+            ],
+            self.node / "logs" / "dns-sync.log",
+        )
 
     def _wait(self, ok, timeout: float, what: str, proc: str | None = None) -> None:
         deadline = time.monotonic() + timeout
@@ -312,15 +391,21 @@ enforceNodeAllocatable: []
         self._wait(ready, 120, f"node {NODE_NAME} Ready", "kubelet")
         self.check_alive()
         # kube-proxy has written the `kubernetes` Service's rules: pods can reach the API server
-        self._wait(lambda: "KUBE-SVC" in (run("iptables-save", "-t", "nat", check=False).stdout or ""), 60,
-                   "kube-proxy's Service rules", "kube-proxy")
+        self._wait(
+            lambda: "KUBE-SVC" in (run("iptables-save", "-t", "nat", check=False).stdout or ""),
+            60,
+            "kube-proxy's Service rules",
+            "kube-proxy",
+        )
 
     def check_alive(self) -> None:
         """Every node process still runs (a dead kube-proxy or dnsmasq fails later in obscure ways)."""
         dead = {name: p.returncode for name, p in self.procs.items() if p.poll() is not None}
         if dead:
-            raise RuntimeError("node processes exited: " + "; ".join(
-                f"{name} ({code}):\n{self.log_tail(name)}" for name, code in dead.items()))
+            raise RuntimeError(
+                "node processes exited: "
+                + "; ".join(f"{name} ({code}):\n{self.log_tail(name)}" for name, code in dead.items())
+            )
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.node / "logs" / f"{name}.log"

@@ -58,8 +58,11 @@ def apply_job(cluster: Cluster, doc: dict[str, Any], ns: str) -> str:
 
 
 def learner_pod(cluster: Cluster, ns: str, job: str, running: bool = True) -> dict[str, Any] | None:
-    pods = [p for p in cluster.pods(ns, f"rmsft.io/job={job},app.kubernetes.io/component=learner")
-            if not p["metadata"].get("deletionTimestamp")]
+    pods = [
+        p
+        for p in cluster.pods(ns, f"rmsft.io/job={job},app.kubernetes.io/component=learner")
+        if not p["metadata"].get("deletionTimestamp")
+    ]
     if running:
         pods = [p for p in pods if p["status"].get("phase") == "Running"]
     return max(pods, key=lambda p: p["metadata"]["creationTimestamp"]) if pods else None
@@ -68,8 +71,9 @@ def learner_pod(cluster: Cluster, ns: str, job: str, running: bool = True) -> di
 def scrape(cluster: Cluster, ns: str, pod: str, url: str) -> dict[str, float]:
     """GET a /metrics page from inside `pod` (every image has python): {series: value} of samples
     without labels and the sum over labels of the others."""
-    code = ("import sys, urllib.request; "
-            "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())")
+    code = (
+        "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
+    )
     proc = cluster.kubectl("-n", ns, "exec", pod, "--", "python", "-c", code, url, check=False, timeout=60)
     out: dict[str, float] = {}
     for line in proc.stdout.splitlines():
@@ -87,8 +91,12 @@ def learner_metric(cluster: Cluster, ns: str, job: str, name: str) -> float | No
 
 
 def wait_learner_step(cluster: Cluster, ns: str, job: str, step: int, timeout: float = 420) -> float:
-    return cluster.wait(lambda: (v := learner_metric(cluster, ns, job, "rmsft_learner_global_step")) is not None
-                        and v >= step and v, timeout, f"{job}'s learner at step {step}", namespace=ns)
+    return cluster.wait(
+        lambda: (v := learner_metric(cluster, ns, job, "rmsft_learner_global_step")) is not None and v >= step and v,
+        timeout,
+        f"{job}'s learner at step {step}",
+        namespace=ns,
+    )
 
 
 def dashboard_metrics(name: str) -> set[str]:
@@ -123,8 +131,9 @@ def same_step(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
 def fault_job(name: str, checkpoint_dir: str) -> dict[str, Any]:
     """The faulted job of test 1 and its uninterrupted twin of test 2: configs/job-kind-cpu.yaml, longer, one
     server (the default) over shm, a checkpoint every 5 steps."""
-    doc = manifest("configs/job-kind-cpu.yaml", name, steps=FAULT_STEPS,
-                   checkpoint={"dir": checkpoint_dir, "every": 5, "keep": 2})
+    doc = manifest(
+        "configs/job-kind-cpu.yaml", name, steps=FAULT_STEPS, checkpoint={"dir": checkpoint_dir, "every": 5, "keep": 2}
+    )
     doc["spec"]["rollout"]["replicas"] = 1
     doc["spec"]["sync"]["transport"] = "shm"
     doc["spec"]["monitoring"] = {"enabled": True}  # the servers' /metrics (the learner always has one)
@@ -137,18 +146,38 @@ def claim_on_node(cluster: Cluster, ns: str, name: str) -> None:
     CLAIM_DIRS.append(host_dir)
     cluster.backend.node_rmtree(host_dir)
     cluster.backend.node_mkdir(host_dir, uid=1000)
-    cluster.apply([
-        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-{name}"},
-         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "manual",
-                  "persistentVolumeReclaimPolicy": "Delete", "hostPath": {"path": host_dir, "type": "Directory"},
-                  "claimRef": {"namespace": ns, "name": name}}},
-        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": ns},
-         "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "manual", "volumeName": f"{ns}-{name}",
-                  "resources": {"requests": {"storage": "1Gi"}}}},
-    ])
+    cluster.apply(
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": f"{ns}-{name}"},
+                "spec": {
+                    "capacity": {"storage": "1Gi"},
+                    "accessModes": ["ReadWriteOnce"],
+                    "storageClassName": "manual",
+                    "persistentVolumeReclaimPolicy": "Delete",
+                    "hostPath": {"path": host_dir, "type": "Directory"},
+                    "claimRef": {"namespace": ns, "name": name},
+                },
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": name, "namespace": ns},
+                "spec": {
+                    "accessModes": ["ReadWriteOnce"],
+                    "storageClassName": "manual",
+                    "volumeName": f"{ns}-{name}",
+                    "resources": {"requests": {"storage": "1Gi"}},
+                },
+            },
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
+
 
 def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_learner(cluster: Cluster) -> None:
     """configs/job-kind-cpu.yaml over shm with one server (the default), longer, its checkpoints on a
@@ -195,8 +224,9 @@ def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_
     # The new server is fenced until the learner re-syncs it, then generates the learner's rollouts.
     def resynced_and_working() -> dict[str, float] | None:
         m = scrape(cluster, ns, f"{job}-rollout-0", "http://127.0.0.1:9090/metrics")
-        return m if m.get("rmsft_rollout_weight_version", 0) > 0 and m.get("rmsft_rollout_prompts_total", 0) > 0 \
-            else None
+        return (
+            m if m.get("rmsft_rollout_weight_version", 0) > 0 and m.get("rmsft_rollout_prompts_total", 0) > 0 else None
+        )
 
     rollout_metrics = cluster.wait(resynced_and_working, 300, "rollout-0 re-synced and serving", namespace=ns)
     server_log = cluster.logs(ns, f"{job}-rollout-0", "--tail=400")
@@ -210,17 +240,23 @@ def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_
 
     def scraped() -> dict[str, dict[str, float]] | None:
         # again until every component answered: on a loaded machine one GET can take past its 10 s
-        got = {"operator": scrape(cluster, ns, probe, f"http://rmsft-metrics.{OPERATOR_NS}.svc:8080/metrics"),
-               "learner": scrape(cluster, ns, probe, f"http://{learner_ip}:9090/metrics"),
-               "rollout": scrape(cluster, ns, probe, f"http://{rollout_ip}:9090/metrics")}
+        got = {
+            "operator": scrape(cluster, ns, probe, f"http://rmsft-metrics.{OPERATOR_NS}.svc:8080/metrics"),
+            "learner": scrape(cluster, ns, probe, f"http://{learner_ip}:9090/metrics"),
+            "rollout": scrape(cluster, ns, probe, f"http://{rollout_ip}:9090/metrics"),
+        }
         return got if all(any(k.startswith(f"rmsft_{c}_") for k in m) for c, m in got.items()) else None
 
     remote = cluster.wait(scraped, 120, "every component's /metrics scraped through the network", namespace=ns)
     for component, got in remote.items():
         assert any(k.startswith(f"rmsft_{component}_") for k in got), (component, sorted(got)[:20])
     seen = {base_name(k) for got in remote.values() for k in got} | {base_name(k) for k in rollout_metrics}
-    for board, must in (("operator.json", {"rmsft_operator_"}), ("rollout.json", {"rmsft_rollout_", "vllm:"}),
-                        ("training.json", {"rmsft_learner_"}), ("weight-sync.json", {"rmsft_learner_weight_sync"})):
+    for board, must in (
+        ("operator.json", {"rmsft_operator_"}),
+        ("rollout.json", {"rmsft_rollout_", "vllm:"}),
+        ("training.json", {"rmsft_learner_"}),
+        ("weight-sync.json", {"rmsft_learner_weight_sync"}),
+    ):
         queried = {base_name(q) for q in dashboard_metrics(board)}
         shown = queried & seen
         assert shown, f"{board}: none of {sorted(queried)} is exported by a running component"
@@ -228,10 +264,19 @@ def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_
             assert any(q.startswith(prefix) for q in shown), (board, prefix, sorted(shown))
 
     # 2. The learner evicted (what a drain or the cluster autoscaler does), while it trains.
-    eviction = {"apiVersion": "policy/v1", "kind": "Eviction",
-                "metadata": {"name": first["metadata"]["name"], "namespace": ns}}
-    cluster.kubectl("create", "--raw", f"/api/v1/namespaces/{ns}/pods/{first['metadata']['name']}/eviction",
-                    "-f", "-", input=json.dumps(eviction))
+    eviction = {
+        "apiVersion": "policy/v1",
+        "kind": "Eviction",
+        "metadata": {"name": first["metadata"]["name"], "namespace": ns},
+    }
+    cluster.kubectl(
+        "create",
+        "--raw",
+        f"/api/v1/namespaces/{ns}/pods/{first['metadata']['name']}/eviction",
+        "-f",
+        "-",
+        input=json.dumps(eviction),
+    )
     log = first_log.wait(timeout=600)
     before = step_lines(log)
     # Logs as docs/operator.md describes them: it waited for its only server, which came back and was re-synced.
@@ -248,8 +293,9 @@ def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_
     log = cluster.logs(ns, second["metadata"]["name"])
     assert re.search(rf"step {FAULT_STEPS} v\d+ loss ", log), log[-3000:]
     assert re.search(rf"training done: {FAULT_STEPS} steps, .* weight version \d+\b", log), log[-3000:]
-    resumed = re.search(r"resumed from step (\d+) \(weight version (\d+) of run ([\w.-]+)\); this run is ([\w.-]+)",
-                        log)
+    resumed = re.search(
+        r"resumed from step (\d+) \(weight version (\d+) of run ([\w.-]+)\); this run is ([\w.-]+)", log
+    )
     assert resumed, log[-3000:]
     assert int(resumed.group(1)) == saved, (saved, log[-3000:])  # the save made on SIGTERM, not an older one
     # A new run (issue 27): its weight versions are (its run id, number), never taken for the evicted one's.
@@ -257,8 +303,10 @@ def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_
     assert dead != live and f"learner run {live}" in log and f"of run {live} synced" in log, log[-3000:]
     assert not re.search(rf"step {saved} v\d+ loss ", log), log[-3000:]  # it went on from there, nothing redone
     after = step_lines(log)
-    assert sorted(before) == list(range(1, saved + 1)) and sorted(after) == list(range(saved + 1, FAULT_STEPS + 1)), \
-        (sorted(before), sorted(after))
+    assert sorted(before) == list(range(1, saved + 1)) and sorted(after) == list(range(saved + 1, FAULT_STEPS + 1)), (
+        sorted(before),
+        sorted(after),
+    )
     FAULTED.update(before | after)
     operator_log = cluster.logs(OPERATOR_NS, "deploy/rmsft", "--tail=400")
     assert f"{ns}/{job}" in operator_log and "Complete" in operator_log, operator_log[-3000:]
@@ -268,8 +316,12 @@ def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_
     cluster.backend.node_mkdir(f"{shm_dir}/left-over", uid=1000)
     assert cluster.backend.node_holds_anything(shm_dir)
     cluster.kubectl("-n", ns, "delete", "rmj", job, "--wait=true", timeout=300)
-    cluster.wait(lambda: not cluster.backend.node_holds_anything(shm_dir), 120,
-                 f"{shm_dir} emptied on the node after the job was deleted", namespace=ns)
+    cluster.wait(
+        lambda: not cluster.backend.node_holds_anything(shm_dir),
+        120,
+        f"{shm_dir} emptied on the node after the job was deleted",
+        namespace=ns,
+    )
 
 
 def test_the_faulted_run_trained_what_an_uninterrupted_run_trains(cluster: Cluster) -> None:
@@ -321,11 +373,17 @@ def test_the_colocate_job_runs_to_complete_in_its_learner_pod(cluster: Cluster) 
 
 def operator_resync_passes(cluster: Cluster) -> float:
     """Resync passes the operator finished (rmsft_operator_reconciles_total, trigger resync), read in its pod."""
-    code = ("import sys, urllib.request; "
-            "sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:8080/metrics', timeout=10).read().decode())")
+    code = (
+        "import sys, urllib.request; "
+        "sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:8080/metrics', timeout=10).read().decode())"
+    )
     proc = cluster.kubectl("-n", OPERATOR_NS, "exec", "deploy/rmsft", "--", "python", "-c", code, timeout=60)
-    return sum(float(m.group(1)) for m in re.finditer(
-        r'^rmsft_operator_reconciles_total\{[^}]*trigger="resync[^}]*\}\s+(\S+)', proc.stdout, re.M))
+    return sum(
+        float(m.group(1))
+        for m in re.finditer(
+            r'^rmsft_operator_reconciles_total\{[^}]*trigger="resync[^}]*\}\s+(\S+)', proc.stdout, re.M
+        )
+    )
 
 
 def test_the_grpo_job_completes_and_deleting_its_learner_job_runs_nothing_again(cluster: Cluster) -> None:
@@ -338,14 +396,22 @@ def test_the_grpo_job_completes_and_deleting_its_learner_job_runs_nothing_again(
     cluster.kubectl("-n", ns, "delete", "job", f"{name}-learner", "--wait=true", timeout=120)
     jobs = len(cluster.get("rmj", "-A")["items"])
     passes = operator_resync_passes(cluster)
-    cluster.wait(lambda: operator_resync_passes(cluster) >= passes + 2 * jobs, 120,
-                 f"two more resync passes of each of {jobs} jobs", namespace=ns)
+    cluster.wait(
+        lambda: operator_resync_passes(cluster) >= passes + 2 * jobs,
+        120,
+        f"two more resync passes of each of {jobs} jobs",
+        namespace=ns,
+    )
     assert cluster.get("job", f"{name}-learner", "-n", ns) is None, "the learner Job was recreated"
     assert cluster.get("statefulset", f"{name}-rollout", "-n", ns)["spec"]["replicas"] == 0
     after = cluster.job(ns, name)["status"]
     assert after["phase"] == "Complete" and after.get("step") == before.get("step"), after
-    cluster.wait(lambda: not cluster.pods(ns, f"rmsft.io/job={name}"), 60,
-                 "no pod of the finished job (its learner pod goes with the Job; nothing comes back)", namespace=ns)
+    cluster.wait(
+        lambda: not cluster.pods(ns, f"rmsft.io/job={name}"),
+        60,
+        "no pod of the finished job (its learner pod goes with the Job; nothing comes back)",
+        namespace=ns,
+    )
 
 
 def test_a_learner_whose_image_cannot_be_had_fails_at_once_in_the_kubelets_words(cluster: Cluster) -> None:
@@ -364,11 +430,18 @@ def test_a_learner_whose_image_cannot_be_had_fails_at_once_in_the_kubelets_words
     status = cluster.wait_phase(ns, job, {"Failed"}, timeout=240)
     took = time.monotonic() - t0
     assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == "ImageUnavailable", status
-    assert re.search(rf"learner pod {job}-learner-\S+: container \S+ cannot get image \S*rmsft:no-such-tag: "
-                     r"ErrImageNeverPull: .*not present with pull policy of Never", status["message"]), status
+    assert re.search(
+        rf"learner pod {job}-learner-\S+: container \S+ cannot get image \S*rmsft:no-such-tag: "
+        r"ErrImageNeverPull: .*not present with pull policy of Never",
+        status["message"],
+    ), status
     assert took < 180, took  # the start deadline is 10 minutes
-    cluster.wait(lambda: cluster.get("job", f"{job}-learner", "-n", ns)["spec"].get("suspend") is True, 60,
-                 "the learner Job suspended", namespace=ns)
+    cluster.wait(
+        lambda: cluster.get("job", f"{job}-learner", "-n", ns)["spec"].get("suspend") is True,
+        60,
+        "the learner Job suspended",
+        namespace=ns,
+    )
 
 
 def test_a_job_named_like_a_statefulset_it_does_not_own_leaves_it_untouched(cluster: Cluster) -> None:
@@ -377,11 +450,20 @@ def test_a_job_named_like_a_statefulset_it_does_not_own_leaves_it_untouched(clus
     nothing."""
     ns = namespace(cluster, "rmsft-squatter")
     job = "squatter"
-    theirs = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": f"{job}-rollout",
-                                                                            "labels": {"made-by": "someone-else"}},
-              "spec": {"replicas": 0, "serviceName": "none", "selector": {"matchLabels": {"app": "theirs"}},
-                       "template": {"metadata": {"labels": {"app": "theirs"}}, "spec": {"containers": [
-                           {"name": "c", "image": "rmsft:cpu", "imagePullPolicy": "Never"}]}}}}
+    theirs = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": f"{job}-rollout", "labels": {"made-by": "someone-else"}},
+        "spec": {
+            "replicas": 0,
+            "serviceName": "none",
+            "selector": {"matchLabels": {"app": "theirs"}},
+            "template": {
+                "metadata": {"labels": {"app": "theirs"}},
+                "spec": {"containers": [{"name": "c", "image": "rmsft:cpu", "imagePullPolicy": "Never"}]},
+            },
+        },
+    }
     cluster.apply(theirs, ns)
     before = cluster.get("statefulset", f"{job}-rollout", "-n", ns)
     apply_job(cluster, manifest("configs/job-kind-cpu.yaml", job), ns)
@@ -414,8 +496,12 @@ def test_a_job_whose_model_path_does_not_exist_fails_and_frees_its_pool(cluster:
     status = cluster.wait_phase(ns, job, {"Failed"}, timeout=300)
     assert "model folder /models/does-not-exist does not exist" in status["message"], status
     assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == "ModelPreflightFailed", status
-    cluster.wait(lambda: cluster.get("statefulset", f"{job}-rollout", "-n", ns)["spec"]["replicas"] == 0, 60,
-                 "the pool scaled to 0", namespace=ns)
+    cluster.wait(
+        lambda: cluster.get("statefulset", f"{job}-rollout", "-n", ns)["spec"]["replicas"] == 0,
+        60,
+        "the pool scaled to 0",
+        namespace=ns,
+    )
     events = cluster.get("events", "-n", ns, "--field-selector", f"involvedObject.name={job},type=Warning")
     assert any("/models/does-not-exist" in e["message"] for e in events["items"]), events
 
@@ -443,11 +529,19 @@ def test_a_stock_checkpoint_with_the_coordexp_format_is_refused_before_any_serve
     status = cluster.wait(failed, 300, f"job {ns}/{job} Failed", interval=1.0, namespace=ns)
     assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == "ModelPreflightFailed", status
     message = status["message"]
-    for words in (f"the model in {model}", "coordinate tokens", f"rmsft prepare-model {model}",
-                  "spec.training.format: qwen_json"):
+    for words in (
+        f"the model in {model}",
+        "coordinate tokens",
+        f"rmsft prepare-model {model}",
+        "spec.training.format: qwen_json",
+    ):
         assert words in message, (words, message)
-    cluster.wait(lambda: cluster.get("statefulset", f"{job}-rollout", "-n", ns)["spec"]["replicas"] == 0, 60,
-                 "the pool scaled to 0", namespace=ns)
+    cluster.wait(
+        lambda: cluster.get("statefulset", f"{job}-rollout", "-n", ns)["spec"]["replicas"] == 0,
+        60,
+        "the pool scaled to 0",
+        namespace=ns,
+    )
     learner = cluster.get("job", f"{job}-learner", "-n", ns)
     assert learner["spec"]["suspend"] is True, learner["spec"]  # the learner never got to start either
 
@@ -462,8 +556,11 @@ def test_a_stock_checkpoint_with_the_coordexp_format_is_refused_before_any_serve
                 assert set(cs.get("state") or {}) <= {"waiting"} and not cs.get("lastState"), (name, cs)
                 assert cs.get("restartCount", 0) == 0 and not cs.get("started"), (name, cs)
     events = cluster.get("events", "-n", ns, "--field-selector", "involvedObject.kind=Pod")["items"]
-    started = {(e["involvedObject"]["name"], e["involvedObject"].get("fieldPath", "")) for e in events
-               if e["reason"] == "Started" and e["involvedObject"]["name"].startswith(f"{job}-")}
+    started = {
+        (e["involvedObject"]["name"], e["involvedObject"].get("fieldPath", ""))
+        for e in events
+        if e["reason"] == "Started" and e["involvedObject"]["name"].startswith(f"{job}-")
+    }
     assert any(pod in rollout_pods and path.startswith("spec.initContainers{") for pod, path in started), events
     assert not [s for s in started if not s[1].startswith("spec.initContainers{")], started
     warnings = cluster.get("events", "-n", ns, "--field-selector", f"involvedObject.name={job},type=Warning")
@@ -486,20 +583,28 @@ def test_a_rollout_server_that_crash_loops_fails_the_job_within_its_startup_time
     status = cluster.wait_phase(ns, job, {"Failed"}, timeout=deadline_s + 60)
     took = time.monotonic() - t0
     assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == "RolloutCrashLoop", status
-    said = re.search(rf"rollout pod {job}-rollout-0 restarted (\d+) times without becoming Ready \(last exit code "
-                     r"(\d+)\): (rmsft serve: staging dir /dev/shm has .*)", status["message"])
+    said = re.search(
+        rf"rollout pod {job}-rollout-0 restarted (\d+) times without becoming Ready \(last exit code "
+        r"(\d+)\): (rmsft serve: staging dir /dev/shm has .*)",
+        status["message"],
+    )
     assert said, status["message"]
     assert int(said.group(1)) >= CRASH_LOOP_RESTARTS and int(said.group(2)) != 0, status["message"]
     assert "raise spec.rollout.shmSize" in said.group(3), status["message"]  # the server's words, with the fix
     assert took < deadline_s, (took, status)
-    cluster.wait(lambda: cluster.get("statefulset", f"{job}-rollout", "-n", ns)["spec"]["replicas"] == 0, 60,
-                 "the pool scaled to 0", namespace=ns)
+    cluster.wait(
+        lambda: cluster.get("statefulset", f"{job}-rollout", "-n", ns)["spec"]["replicas"] == 0,
+        60,
+        "the pool scaled to 0",
+        namespace=ns,
+    )
     events = cluster.get("events", "-n", ns, "--field-selector", f"involvedObject.name={job},type=Warning")
     assert any(said.group(3)[:80] in e["message"] for e in events["items"]), events
 
 
 def test_a_learner_on_two_pods_survives_a_lost_pod_and_trains_what_one_pod_of_two_ranks_trains(
-        cluster: Cluster) -> None:
+    cluster: Cluster,
+) -> None:
     """Issue 45: configs/job-kind-cpu.yaml with learner.nodes 2 (one gloo rank per pod, both pods on this one node:
     spread false; checkpoints every 4 steps on a claim both mount; weights over grpc): the two pods find each other by
     pod 0's DNS name (torchrun's static rendezvous, the node rank from the Indexed Job's completion index). Learner pod
@@ -520,8 +625,7 @@ def test_a_learner_on_two_pods_survives_a_lost_pod_and_trains_what_one_pod_of_tw
     steps = 12
 
     def job_doc(job: str, checkpoint_dir: str, **learner: Any) -> dict[str, Any]:
-        doc = manifest("configs/job-kind-cpu.yaml", job, steps=steps,
-                       checkpoint={"dir": checkpoint_dir, "every": 4})
+        doc = manifest("configs/job-kind-cpu.yaml", job, steps=steps, checkpoint={"dir": checkpoint_dir, "every": 4})
         doc["spec"]["rollout"]["replicas"] = 1
         doc["spec"]["sync"]["transport"] = "grpc"
         doc["spec"]["training"]["deepspeed_stage"] = 2
@@ -529,8 +633,7 @@ def test_a_learner_on_two_pods_survives_a_lost_pod_and_trains_what_one_pod_of_tw
         return doc
 
     def learner_pods(job: str) -> list[dict[str, Any]]:
-        return sorted(cluster.pods(ns, f"rmsft.io/job={job},app.kubernetes.io/component=learner"),
-                      key=completion_index)
+        return sorted(cluster.pods(ns, f"rmsft.io/job={job},app.kubernetes.io/component=learner"), key=completion_index)
 
     def rank0_log(job: str) -> str:
         log = cluster.logs(ns, learner_pods(job)[0]["metadata"]["name"])
@@ -539,29 +642,52 @@ def test_a_learner_on_two_pods_survives_a_lost_pod_and_trains_what_one_pod_of_tw
 
     # Two pods, pod 1 lost mid-run.
     job = "pods-2x1"
-    apply_job(cluster, job_doc(job, "/checkpoints", nodes=2, spread=False, checkpointClaim="checkpoints",
-                               backoffLimit=1), ns)
-    pods = cluster.wait(lambda: (live := [p for p in learner_pods(job) if p["status"].get("phase") == "Running"])
-                        and len(live) == 2 and live, 420, "both learner pods running", namespace=ns)
+    apply_job(
+        cluster, job_doc(job, "/checkpoints", nodes=2, spread=False, checkpointClaim="checkpoints", backoffLimit=1), ns
+    )
+    pods = cluster.wait(
+        lambda: (
+            (live := [p for p in learner_pods(job) if p["status"].get("phase") == "Running"])
+            and len(live) == 2
+            and live
+        ),
+        420,
+        "both learner pods running",
+        namespace=ns,
+    )
     assert [p["spec"].get("hostname") for p in pods] == [f"{job}-learner-0", f"{job}-learner-1"]
     pod0, lost = pods[0]["metadata"]["name"], pods[1]["metadata"]["name"]
     first_log = cluster.follow_logs(ns, pod0)
-    cluster.wait(lambda: (v := scrape(cluster, ns, pod0, "http://127.0.0.1:9090/metrics").get(
-        "rmsft_learner_global_step")) is not None and v >= 5 and v, 420, "attempt 1 at step 5", namespace=ns)
+    cluster.wait(
+        lambda: (
+            (v := scrape(cluster, ns, pod0, "http://127.0.0.1:9090/metrics").get("rmsft_learner_global_step"))
+            is not None
+            and v >= 5
+            and v
+        ),
+        420,
+        "attempt 1 at step 5",
+        namespace=ns,
+    )
     cluster.kubectl("-n", ns, "delete", "pod", lost, "--wait=false")
     log = first_log.wait(timeout=600)
-    stopped = re.search(r"stopped \((?:SIGTERM|another rank was asked to stop)\) after step (\d+): "
-                        r"checkpoint /checkpoints/step-(\d+) written", log)
+    stopped = re.search(
+        r"stopped \((?:SIGTERM|another rank was asked to stop)\) after step (\d+): "
+        r"checkpoint /checkpoints/step-(\d+) written",
+        log,
+    )
     assert stopped and stopped.group(1) == stopped.group(2), log[-3000:]
     saved = int(stopped.group(1))
     before = step_lines(log)
     assert sorted(before) == list(range(1, saved + 1)), (saved, sorted(before))
     status = cluster.wait_phase(ns, job, {"Complete"}, timeout=900)
     assert status.get("step") == steps and status.get("learnerAttempt") == 2, status
-    events = json.loads(cluster.kubectl("-n", ns, "get", "events", "--field-selector", "reason=LearnerRestarted",
-                                        "-o", "json").stdout)["items"]
-    assert any("attempt 1 of 2 failed" in e["message"] and f"{job}-learner-" in e["message"] for e in events), \
-        [e["message"] for e in events]
+    events = json.loads(
+        cluster.kubectl("-n", ns, "get", "events", "--field-selector", "reason=LearnerRestarted", "-o", "json").stdout
+    )["items"]
+    assert any("attempt 1 of 2 failed" in e["message"] and f"{job}-learner-" in e["message"] for e in events), [
+        e["message"] for e in events
+    ]
     log = rank0_log(job)
     resumed = re.search(r"resumed from step (\d+) ", log)
     assert resumed and int(resumed.group(1)) == saved, log[-3000:]
@@ -575,10 +701,23 @@ def test_a_learner_on_two_pods_survives_a_lost_pod_and_trains_what_one_pod_of_tw
     doc = job_doc(job, "/tmp/checkpoints", ranksPerPod=2)
     doc["spec"]["sync"]["transport"] = "nccl"
     apply_job(cluster, doc, ns)
-    pod0 = cluster.wait(lambda: (p := learner_pods(job)) and p[0]["status"].get("phase") == "Running"
-                        and p[0]["metadata"]["name"], 420, "the learner pod running", namespace=ns)
-    cluster.wait(lambda: (v := scrape(cluster, ns, pod0, "http://127.0.0.1:9090/metrics").get(
-        "rmsft_learner_global_step")) is not None and v >= 4 and v, 420, "step 4", namespace=ns)
+    pod0 = cluster.wait(
+        lambda: (p := learner_pods(job)) and p[0]["status"].get("phase") == "Running" and p[0]["metadata"]["name"],
+        420,
+        "the learner pod running",
+        namespace=ns,
+    )
+    cluster.wait(
+        lambda: (
+            (v := scrape(cluster, ns, pod0, "http://127.0.0.1:9090/metrics").get("rmsft_learner_global_step"))
+            is not None
+            and v >= 4
+            and v
+        ),
+        420,
+        "step 4",
+        namespace=ns,
+    )
     cluster.kubectl("-n", ns, "delete", "pod", f"{job}-rollout-0", "--wait=false")
     status = cluster.wait_phase(ns, job, {"Complete"}, timeout=900)
     assert status.get("step") == steps, status
@@ -603,8 +742,12 @@ def test_deleting_the_jobs_and_uninstalling_leaves_nothing(cluster: Cluster) -> 
     job = apply_job(cluster, doc, ns)
     children = "pods,statefulsets,jobs,services,configmaps,secrets,networkpolicies"
     kinds = {"StatefulSet", "Job", "ConfigMap", "Secret", "Service", "NetworkPolicy"}
-    cluster.wait(lambda: kinds <= {o["kind"] for o in cluster.get(children, "-n", ns, "-l", f"rmsft.io/job={job}")[
-        "items"]}, 120, f"{job}'s children", namespace=ns)
+    cluster.wait(
+        lambda: kinds <= {o["kind"] for o in cluster.get(children, "-n", ns, "-l", f"rmsft.io/job={job}")["items"]},
+        120,
+        f"{job}'s children",
+        namespace=ns,
+    )
     on_cluster = [(j["metadata"]["namespace"], j["metadata"]["name"]) for j in cluster.get("rmj", "-A")["items"]]
     assert (ns, job) in on_cluster, on_cluster
     for job_ns in sorted({n for n, _ in on_cluster}):

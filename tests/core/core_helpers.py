@@ -12,8 +12,32 @@ from learner.core.vocab import VocabView
 
 # Multi-character pieces that real BPE vocabularies fuse across the cut point of the kept prefix
 # (the last ones are qwen_json's: list brackets fused with braces and digits).
-FUSED = ["}}", "},", '"]}', '"]}}', '"]},', '{"', '}, "', 'é"}', '"}}', '"}', "}}\n", "} ", '"]]}', "]]},",
-         "}]", "},{", "}, {", '[{"', '"}]', '"},', "0]", '], "', ": [", ' {"']
+FUSED = [
+    "}}",
+    "},",
+    '"]}',
+    '"]}}',
+    '"]},',
+    '{"',
+    '}, "',
+    'é"}',
+    '"}}',
+    '"}',
+    "}}\n",
+    "} ",
+    '"]]}',
+    "]]},",
+    "}]",
+    "},{",
+    "}, {",
+    '[{"',
+    '"}]',
+    '"},',
+    "0]",
+    '], "',
+    ": [",
+    ' {"',
+]
 
 
 def fused_vocab(coord_tokens: bool = True) -> VocabView:

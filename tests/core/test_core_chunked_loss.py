@@ -23,8 +23,9 @@ BIRD = DetObject("bird", "bbox_2d", (10, 600, 90, 900))
 CAR = DetObject("red car", "poly", (10, 600, 400, 990, 200, 700))
 
 FIRST = LossWeights(ce=1.0, soft_ce=0.7, w1=1.3, gate=0.5, sigma=2.0)
-SECOND = LossWeights(ce=1.0, soft_ce=0.1, w1=0.02, gate=1.0, coord_ce=0.02, smooth_l1=1.0, ciou=0.5,
-                     unlikelihood=1.0, weighted_mean=True)
+SECOND = LossWeights(
+    ce=1.0, soft_ce=0.1, w1=0.02, gate=1.0, coord_ce=0.02, smooth_l1=1.0, ciou=0.5, unlikelihood=1.0, weighted_mean=True
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +61,11 @@ def _second_generation(tok, vocab):
         dups = find_duplicates(objs, DuplicateConfig())
         kept = [o for j, o in enumerate(objs) if j not in dups]
         m = match(kept, gt, MatchConfig(iou_gate=0.5, fp_cost=1.0, fn_cost=1.2))
-        segs.append(build_clean_targets(_prompt(tok, i), parsed, dups, m, gt, vocab, COORDEXP,
-                                        cfg=CleanPrefixConfig(), recovered=recovered))
+        segs.append(
+            build_clean_targets(
+                _prompt(tok, i), parsed, dups, m, gt, vocab, COORDEXP, cfg=CleanPrefixConfig(), recovered=recovered
+            )
+        )
     return segs
 
 
@@ -122,10 +126,12 @@ def test_chunked_grpo_equals_full(tiny_model, cfg):
         segs.append(grpo_segment(prompt, completion, old, [0.8, -1.1, 0.3][i]))
     row = pack(segs, packing_length=256)
     with torch.no_grad():  # the reference policy's log-probs (here the same weights), both ways
-        ref_full = completion_logprobs(row_outputs(tiny_model, tiny_model, row.model_inputs(), "full"), row,
-                                       cfg.temperature)
-        ref_chunked = completion_logprobs(row_outputs(tiny_model, tiny_model, row.model_inputs(), "chunked", 4),
-                                          row, cfg.temperature)
+        ref_full = completion_logprobs(
+            row_outputs(tiny_model, tiny_model, row.model_inputs(), "full"), row, cfg.temperature
+        )
+        ref_chunked = completion_logprobs(
+            row_outputs(tiny_model, tiny_model, row.model_inputs(), "chunked", 4), row, cfg.temperature
+        )
     assert torch.allclose(ref_full, ref_chunked, rtol=1e-6, atol=1e-6)
     ref = ref_full if cfg.kl_coef > 0 else None
     full = _loss_and_grads(tiny_model, row, "full", 0, lambda lg: grpo_loss(lg, row, cfg, ref))

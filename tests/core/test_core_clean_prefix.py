@@ -97,8 +97,10 @@ def test_no_duplicate_no_unlikelihood(tiny_vocab) -> None:
 def _labels_by_part(vocab, seg):
     """(token text, label supervised?, weight) of the response tokens."""
     weights = seg.ce_weights or tuple(0.0 if lab == IGNORE_INDEX else 1.0 for lab in seg.labels)
-    return [(vocab.token_bytes[t].decode(errors="replace"), lab != IGNORE_INDEX, w)
-            for t, lab, w in zip(seg.input_ids, seg.labels, weights, strict=True)][len(PROMPT):]
+    return [
+        (vocab.token_bytes[t].decode(errors="replace"), lab != IGNORE_INDEX, w)
+        for t, lab, w in zip(seg.input_ids, seg.labels, weights, strict=True)
+    ][len(PROMPT) :]
 
 
 @pytest.mark.parametrize("vocab_name", ["tiny_vocab", "fused"])
@@ -133,12 +135,14 @@ def test_supervision_of_each_part(request, vocab_name) -> None:
 
 def test_labels_of_appended_objects_are_supervised_by_default(tiny_vocab) -> None:
     seg, _ = build(tiny_vocab, answer(tiny_vocab, []), [DOG])
-    sup_text = b"".join(tiny_vocab.token_bytes[t] for t, lab in zip(seg.input_ids, seg.labels, strict=True)
-                        if lab != IGNORE_INDEX)
+    sup_text = b"".join(
+        tiny_vocab.token_bytes[t] for t, lab in zip(seg.input_ids, seg.labels, strict=True) if lab != IGNORE_INDEX
+    )
     assert b"dog" in sup_text
     seg2, _ = build(tiny_vocab, answer(tiny_vocab, []), [DOG], CleanPrefixConfig(supervise_fn_desc=False))
-    sup_text2 = b"".join(tiny_vocab.token_bytes[t] for t, lab in zip(seg2.input_ids, seg2.labels, strict=True)
-                         if lab != IGNORE_INDEX)
+    sup_text2 = b"".join(
+        tiny_vocab.token_bytes[t] for t, lab in zip(seg2.input_ids, seg2.labels, strict=True) if lab != IGNORE_INDEX
+    )
     assert b"dog" not in sup_text2 and b"desc" in sup_text2
 
 
@@ -175,12 +179,15 @@ def test_qwen_json_clean_prefix_has_no_coordinate_targets(stock_vocab) -> None:
     seg, dups = build(stock_vocab, ids, gt, fmt=QWEN_JSON)
     assert dups == {1: 0} and seg.coord_positions == () and seg.box_positions == ()
     assert json.loads(stock_vocab.decode_bytes(seg.input_ids[len(PROMPT) : -1]).decode()) == json.loads(
-        QWEN_JSON.render(gt))
+        QWEN_JSON.render(gt)
+    )
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.sampled_from([CAT, DOG, BIRD, DetObject("cat", "bbox_2d", (102, 98, 301, 300))]), max_size=6),
-       st.lists(st.sampled_from([CAT, DOG, BIRD]), min_size=1, max_size=3, unique=True))
+@given(
+    st.lists(st.sampled_from([CAT, DOG, BIRD, DetObject("cat", "bbox_2d", (102, 98, 301, 300))]), max_size=6),
+    st.lists(st.sampled_from([CAT, DOG, BIRD]), min_size=1, max_size=3, unique=True),
+)
 def test_y_train_is_valid_json_with_every_ground_truth_object(fused, pred, gt) -> None:
     seg, dups = build(fused, answer(fused, pred), gt)
     text = fused.decode_bytes(seg.input_ids[len(PROMPT) : -1]).decode()
@@ -191,7 +198,7 @@ def test_y_train_is_valid_json_with_every_ground_truth_object(fused, pred, gt) -
     kept = [(p.desc, p.bins) for i, p in enumerate(pred) if i not in dups]
     # The model's own objects first (duplicates out), then the ground truth it missed.
     assert written[: len(kept)] == kept
-    assert all(w in {(g.desc, g.bins) for g in gt} for w in written[len(kept):])
+    assert all(w in {(g.desc, g.bins) for g in gt} for w in written[len(kept) :])
     assert all(p < len(seg) for p in seg.ul_positions)
 
 
@@ -265,10 +272,12 @@ def test_unlikelihood_and_weights_change_the_loss_as_written(tiny_vocab) -> None
     assert sums.ul_sum.item() == pytest.approx(-math.log(1 - p.item()), rel=1e-5)
     # The weighted CE sum is the plain per-token CE times each position's weight.
     pos = [i for i, lab in enumerate(a.labels) if lab != IGNORE_INDEX]
-    ce = torch.nn.functional.cross_entropy(logits[[i - 1 for i in pos]], torch.tensor([a.labels[i] for i in pos]),
-                                           reduction="none")
-    assert sums.ce_sum.item() == pytest.approx((ce * torch.tensor([a.ce_weights[i] for i in pos])).sum().item(),
-                                               rel=1e-5)
+    ce = torch.nn.functional.cross_entropy(
+        logits[[i - 1 for i in pos]], torch.tensor([a.labels[i] for i in pos]), reduction="none"
+    )
+    assert sums.ce_sum.item() == pytest.approx(
+        (ce * torch.tensor([a.ce_weights[i] for i in pos])).sum().item(), rel=1e-5
+    )
     assert sums.ce_count == len(pos)
 
 
@@ -292,7 +301,6 @@ def test_channel_schedule() -> None:
     assert sum(is_channel_b(k, 0.3) for k in range(1000)) == 300
     with pytest.raises(ValueError):
         is_channel_b(0, 1.5)
-
 
 
 def test_hard_coordinate_ce_is_the_whole_vocabulary_cross_entropy(tiny_vocab) -> None:

@@ -90,8 +90,9 @@ def test_coord_text():
 def test_coordexp_poly_pairs_and_flat():
     tri = DetObject("t", "poly", (1, 2, 3, 4, 5, 6))
     pairs = COORDEXP.render([tri])
-    assert ('"poly": [["<|coord_1|>", "<|coord_2|>"], ["<|coord_3|>", "<|coord_4|>"], '
-            '["<|coord_5|>", "<|coord_6|>"]]') in pairs
+    assert (
+        '"poly": [["<|coord_1|>", "<|coord_2|>"], ["<|coord_3|>", "<|coord_4|>"], ["<|coord_5|>", "<|coord_6|>"]]'
+    ) in pairs
     flat = CoordExpFormat(polygons="flat").render([tri])
     assert '"poly": ["<|coord_1|>", "<|coord_2|>", "<|coord_3|>", "<|coord_4|>", "<|coord_5|>", "<|coord_6|>"]' in flat
     for text in (pairs, flat):  # each is read by either setting: the option only picks what is written
@@ -102,10 +103,15 @@ def test_coordexp_poly_pairs_and_flat():
 def test_det_object_rules():
     assert DetObject("  cat \n", "bbox_2d", [1, 2, 3, 4]) == DetObject("cat", "bbox_2d", (1, 2, 3, 4))
     assert DetObject("cat", "bbox_2d", [1, 2, 3, 4]).bins == (1, 2, 3, 4)  # hashable whatever it was given
-    for bad, match in [(("  ", "bbox_2d", (1, 2, 3, 4)), "blank"), (("a<|coord_1|>", "bbox_2d", (1, 2, 3, 4)), "coord"),
-                       (("a", "bbox_2d", (1, 2, 0, 4)), "reversed"), (("a", "bbox_2d", (1, 5, 3, 4)), "reversed"),
-                       (("a", "bbox_2d", (True, 2, 3, 4)), "outside"), (("a", "bbox_2d", (1.0, 2, 3, 4)), "outside"),
-                       ((5, "bbox_2d", (1, 2, 3, 4)), "string")]:
+    for bad, match in [
+        (("  ", "bbox_2d", (1, 2, 3, 4)), "blank"),
+        (("a<|coord_1|>", "bbox_2d", (1, 2, 3, 4)), "coord"),
+        (("a", "bbox_2d", (1, 2, 0, 4)), "reversed"),
+        (("a", "bbox_2d", (1, 5, 3, 4)), "reversed"),
+        (("a", "bbox_2d", (True, 2, 3, 4)), "outside"),
+        (("a", "bbox_2d", (1.0, 2, 3, 4)), "outside"),
+        ((5, "bbox_2d", (1, 2, 3, 4)), "string"),
+    ]:
         with pytest.raises(ValueError, match=match):
             DetObject(*bad)
     tri = DetObject("t", "poly", (500, 10, 900, 700, 100, 400))
@@ -119,8 +125,9 @@ def test_qwen_json_render_relative():
     objs = [DetObject("cat", "bbox_2d", (0, 12, 500, 999)), DetObject('a "b"', "poly", (500, 10, 900, 700, 100, 400))]
     text = QWEN_JSON.render(objs)
     # Qwen-VL's own answer shape, single line; a polygon is written as its enclosing box.
-    assert text == ('[{"bbox_2d": [0, 12, 500, 999], "label": "cat"}, '
-                    '{"bbox_2d": [100, 10, 900, 700], "label": "a \\"b\\""}]')
+    assert text == (
+        '[{"bbox_2d": [0, 12, 500, 999], "label": "cat"}, {"bbox_2d": [100, 10, 900, 700], "label": "a \\"b\\""}]'
+    )
     assert [QWEN_JSON.validate_entry(None, v) for v in json.loads(text)] == [QWEN_JSON.as_written(o) for o in objs]
     entries = QWEN_JSON.render_entries(objs, 7)  # a list has no keys: the start index is irrelevant
     assert entries == text[1:-1]
@@ -188,9 +195,11 @@ def test_output_format_factory():
     assert output_format("qwen_json", polygons="flat") == QWEN_JSON
     assert (COORDEXP.container, COORDEXP.coord_tokens) == ("object", True)
     assert (QWEN_JSON.container, QWEN_JSON.coord_tokens) == ("list", False)
-    for kwargs, key in [({"name": "qwen"}, "training.format:"),
-                        ({"name": "qwen_json", "coordinates": "abs"}, "training.format_options.coordinates:"),
-                        ({"name": "coordexp", "polygons": "rings"}, "training.format_options.polygons:")]:
+    for kwargs, key in [
+        ({"name": "qwen"}, "training.format:"),
+        ({"name": "qwen_json", "coordinates": "abs"}, "training.format_options.coordinates:"),
+        ({"name": "coordexp", "polygons": "rings"}, "training.format_options.polygons:"),
+    ]:
         with pytest.raises(FormatError, match=key):
             output_format(**kwargs)
 

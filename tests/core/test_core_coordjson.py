@@ -30,10 +30,13 @@ def ids(vocab, text, eos=True):
 
 
 def test_render_matches_the_references_golden_strings():
-    assert COORDJSON.render([CAT]) == ('{"objects": [{"desc": "cat", "bbox_2d": [<|coord_12|>, <|coord_56|>, '
-                                       '<|coord_200|>, <|coord_512|>]}]}')
-    assert COORDJSON.render([TRI]) == ('{"objects": [{"desc": "triangle", "poly": [<|coord_1|>, <|coord_2|>, '
-                                       '<|coord_3|>, <|coord_4|>, <|coord_5|>, <|coord_6|>]}]}')
+    assert COORDJSON.render([CAT]) == (
+        '{"objects": [{"desc": "cat", "bbox_2d": [<|coord_12|>, <|coord_56|>, <|coord_200|>, <|coord_512|>]}]}'
+    )
+    assert COORDJSON.render([TRI]) == (
+        '{"objects": [{"desc": "triangle", "poly": [<|coord_1|>, <|coord_2|>, '
+        "<|coord_3|>, <|coord_4|>, <|coord_5|>, <|coord_6|>]}]}"
+    )
     assert COORDJSON.render([]) == '{"objects": []}'
     assert strict_json(COORDJSON.render([CAT, TRI]))["objects"][1] == {"desc": "triangle", "poly": [1, 2, 3, 4, 5, 6]}
     assert output_format("coordjson") is COORDJSON
@@ -86,7 +89,8 @@ def test_a_cut_answer_keeps_its_complete_records_and_the_prefix_closes_to_coordj
     assert [o.obj for o in p.objects] == [CAT] and p.truncated and not p.closed
     prefix = vocab.decode_bytes(p.prefix_ids).decode()
     assert prefix.startswith("Sure: ") and strict_json(prefix.removeprefix("Sure: ") + "]}")["objects"] == [
-        {"desc": "cat", "bbox_2d": [12, 56, 200, 512]}]
+        {"desc": "cat", "bbox_2d": [12, 56, 200, 512]}
+    ]
     # Nothing complete, or not even the opener: the prefix is the opener the parser writes.
     for text in ('{"objects": [{"desc": "ca', '{"obj', '{"things": []}'):
         q = parse(ids(vocab, text, eos=False), vocab, COORDJSON)
@@ -94,7 +98,7 @@ def test_a_cut_answer_keeps_its_complete_records_and_the_prefix_closes_to_coordj
 
 
 def _response_text(vocab, seg):
-    return vocab.decode_bytes([t for t in seg.input_ids[len(PROMPT):] if t != vocab.eos_id]).decode()
+    return vocab.decode_bytes([t for t in seg.input_ids[len(PROMPT) :] if t != vocab.eos_id]).decode()
 
 
 @pytest.mark.parametrize("vocab_name", ["tiny_vocab", "fused"])

@@ -134,8 +134,9 @@ def test_the_kernel_gets_the_weight_the_heads_forward_uses_with_lora_coordinate_
             assert not torch.allclose(base_source(), trained)
 
 
-def test_a_fused_head_sends_ce_and_logprobs_to_the_kernel_and_the_rest_to_the_chunks(monkeypatch, tiny_model,
-                                                                                    tiny_vocab):
+def test_a_fused_head_sends_ce_and_logprobs_to_the_kernel_and_the_rest_to_the_chunks(
+    monkeypatch, tiny_model, tiny_vocab
+):
     """With the kernel standing in (the same CE from the head's logits), a fused RowHead computes the CE term in one
     kernel call over every labelled position, the coordinate terms chunk by chunk, and the same loss; GRPO's
     log-probs use the kernel at temperature 1 and the chunks at another."""

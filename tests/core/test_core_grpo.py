@@ -47,7 +47,8 @@ def test_group_advantages_hand_computed():
     flat = [r for g in groups for r in g]
     assert torch.equal(group_advantages(flat, [3, 3, 1, 2, 3], eps=eps), got)
     assert group_advantages([1.0, 0.0, 4.0, 4.0], 2).tolist() == pytest.approx(
-        [0.5 / (math.sqrt(0.5) + 1e-4), -0.5 / (math.sqrt(0.5) + 1e-4), 0.0, 0.0], abs=1e-6)
+        [0.5 / (math.sqrt(0.5) + 1e-4), -0.5 / (math.sqrt(0.5) + 1e-4), 0.0, 0.0], abs=1e-6
+    )
 
 
 def test_group_advantages_unscaled_is_centred_rewards():
@@ -158,8 +159,10 @@ def test_on_policy_ratio_is_one_and_loss_is_minus_mean_advantage():
 def test_sequence_and_token_norm_differ_iff_lengths_differ():
     tok, seq = GrpoConfig(loss_norm="token"), GrpoConfig(loss_norm="sequence")
     _, toks, logp = _hand_case(requires_grad=False)  # lengths 2 and 3
-    assert abs(grpo_sums(logp, toks, tok).finish(tok).loss.item()
-               - grpo_sums(logp, toks, seq).finish(seq).loss.item()) > 0.1
+    assert (
+        abs(grpo_sums(logp, toks, tok).finish(tok).loss.item() - grpo_sums(logp, toks, seq).finish(seq).loss.item())
+        > 0.1
+    )
     _, toks = _row([([-1.0, -2.0, -0.5], 1.0), ([-0.5, -1.5, -3.0], -2.0)])  # both of length 3
     logp = toks.old_logprobs + torch.tensor([0.4, -0.1, 0.05, -0.6, 0.2, 0.0])
     a, b = grpo_sums(logp, toks, tok).finish(tok).loss, grpo_sums(logp, toks, seq).finish(seq).loss
@@ -292,8 +295,10 @@ def test_packed_grpo_equals_sequences_one_by_one(tiny_model, cfg):
     assert packed_grads.keys() == unpacked_grads.keys() and packed_grads
     worst = max(float((packed_grads[n] - unpacked_grads[n]).abs().max()) for n in packed_grads)
     assert worst <= 1e-4
-    print(f"packed vs unpacked ({cfg.loss_norm}, kl {cfg.kl_coef}): loss {packed.loss.item():.6f}, "
-          f"diff {loss_diff:.2e}, grad diff {worst:.2e}, clip {packed.metrics['clip_fraction'].item():.2f}")
+    print(
+        f"packed vs unpacked ({cfg.loss_norm}, kl {cfg.kl_coef}): loss {packed.loss.item():.6f}, "
+        f"diff {loss_diff:.2e}, grad diff {worst:.2e}, clip {packed.metrics['clip_fraction'].item():.2f}"
+    )
 
     # Several rows, each backwarded alone and normalised by the step's totals (what a trainer does).
     model.zero_grad()

@@ -96,7 +96,10 @@ def test_degenerate_geometry_has_zero_iou():
 
 boxes = st.builds(
     lambda x, y, w, h: box(x, y, min(999, x + w), min(999, y + h)),
-    st.integers(0, 900), st.integers(0, 900), st.integers(1, 200), st.integers(1, 200),
+    st.integers(0, 900),
+    st.integers(0, 900),
+    st.integers(1, 200),
+    st.integers(1, 200),
 )
 
 

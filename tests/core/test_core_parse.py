@@ -27,14 +27,20 @@ FORMATS = {
 }
 # (vocabulary, format) pairs: coordexp needs coord tokens; qwen_json runs with or without them.
 CASES = [
-    ("tiny_vocab", "coordexp"), ("fused", "coordexp"), ("fused", "coordexp_flat"),
-    ("stock_vocab", "qwen_relative"), ("fused_plain", "qwen_relative"), ("tiny_vocab", "qwen_relative"),
-    ("stock_vocab", "qwen_pixels"), ("fused_plain", "qwen_pixels"),
+    ("tiny_vocab", "coordexp"),
+    ("fused", "coordexp"),
+    ("fused", "coordexp_flat"),
+    ("stock_vocab", "qwen_relative"),
+    ("fused_plain", "qwen_relative"),
+    ("tiny_vocab", "qwen_relative"),
+    ("stock_vocab", "qwen_pixels"),
+    ("fused_plain", "qwen_pixels"),
 ]
 
 
-def check_invariants(ids: list[int], parsed: ParsedRollout, vocab: VocabView,
-                     fmt: OutputFormat = COORDEXP) -> list[tuple[str | None, object]]:
+def check_invariants(
+    ids: list[int], parsed: ParsedRollout, vocab: VocabView, fmt: OutputFormat = COORDEXP
+) -> list[tuple[str | None, object]]:
     n_own = parsed.n_own_prefix_ids
     assert list(parsed.prefix_ids[:n_own]) == list(ids[:n_own]), "own prefix ids must be the rollout's"
     assert len(parsed.prefix_ids) - n_own <= 8, "only the straddling token may be re-encoded"
@@ -92,8 +98,9 @@ def test_truncated(request, vocab_name, fmt_name, objects, data):
     assert kept == [fmt.as_written(o) for o in objects[: len(kept)]] and parsed.n_dropped == 0
     # Every object whose tokens are all inside the cut (and followed by its closing brace) is kept.
     full_prefix = vocab.decode_bytes(ids[:cut])
-    complete = sum(1 for i in range(len(objects))
-                   if full_prefix.startswith(render(objects[: i + 1], fmt)[:-1].encode()))
+    complete = sum(
+        1 for i in range(len(objects)) if full_prefix.startswith(render(objects[: i + 1], fmt)[:-1].encode())
+    )
     assert len(kept) == complete
 
 
@@ -102,8 +109,7 @@ def corrupted(draw, vocab: VocabView, fmt: OutputFormat = COORDEXP):
     objects = draw(object_lists)
     ids = list(vocab.encode(render(objects, fmt)))
     coords = [vocab.coord_token_ids[0], vocab.coord_token_ids[999]] if vocab.coord_token_ids else []
-    hot = [vocab.eos_id, *vocab.special_ids, *coords, -1,
-           vocab.vocab_size, *vocab.encode('"}],{[: \\7')]
+    hot = [vocab.eos_id, *vocab.special_ids, *coords, -1, vocab.vocab_size, *vocab.encode('"}],{[: \\7')]
     any_id = st.one_of(st.integers(-3, vocab.vocab_size + 3), st.sampled_from(hot))
     for _ in range(draw(st.integers(1, 4))):
         op = draw(st.sampled_from(["sub", "ins", "del", "cut"]))
@@ -119,10 +125,17 @@ def corrupted(draw, vocab: VocabView, fmt: OutputFormat = COORDEXP):
     return ids
 
 
-@pytest.mark.parametrize(("vocab_name", "fmt_name", "n"), [
-    ("tiny_vocab", "coordexp", 700), ("fused", "coordexp", 400), ("fused", "coordexp_flat", 200),
-    ("stock_vocab", "qwen_relative", 400), ("tiny_vocab", "qwen_relative", 300), ("fused_plain", "qwen_pixels", 300),
-])
+@pytest.mark.parametrize(
+    ("vocab_name", "fmt_name", "n"),
+    [
+        ("tiny_vocab", "coordexp", 700),
+        ("fused", "coordexp", 400),
+        ("fused", "coordexp_flat", 200),
+        ("stock_vocab", "qwen_relative", 400),
+        ("tiny_vocab", "qwen_relative", 300),
+        ("fused_plain", "qwen_pixels", 300),
+    ],
+)
 def test_corrupted_never_raises(request, vocab_name, fmt_name, n):
     vocab, fmt = request.getfixturevalue(vocab_name), FORMATS[fmt_name]
 
@@ -217,12 +230,15 @@ def test_vocab_view_token_bytes_match_the_tokenizer(tiny_vocab, tiny_tokenizer, 
 # ---------------------------------------------------------------- text before the container
 
 
-@pytest.mark.parametrize(("vocab_name", "fmt_name", "preamble", "after"), [
-    ("tiny_vocab", "coordexp", "Sure: ", ""),
-    ("fused", "coordexp", "Here you go:\n```json\n", "\n```"),
-    ("stock_vocab", "qwen_relative", "```json\n", "\n```"),
-    ("fused_plain", "qwen_pixels", "Boxes é: ", ""),
-])
+@pytest.mark.parametrize(
+    ("vocab_name", "fmt_name", "preamble", "after"),
+    [
+        ("tiny_vocab", "coordexp", "Sure: ", ""),
+        ("fused", "coordexp", "Here you go:\n```json\n", "\n```"),
+        ("stock_vocab", "qwen_relative", "```json\n", "\n```"),
+        ("fused_plain", "qwen_pixels", "Boxes é: ", ""),
+    ],
+)
 def test_preamble_is_kept_and_the_container_parsed(request, vocab_name, fmt_name, preamble, after):
     """Decision (as CoordExp): text before the opening bracket stays in the prefix as the rollout's own
     ids and the container after it is parsed."""
@@ -250,8 +266,9 @@ def test_preamble_is_kept_and_the_container_parsed(request, vocab_name, fmt_name
     assert parsed.n_own_prefix_ids >= len(vocab.encode(preamble)) - 1  # at most a fused ` {` is re-encoded
 
 
-@pytest.mark.parametrize(("vocab_name", "fmt_name"), [("tiny_vocab", "coordexp"), ("tiny_vocab", "qwen_relative"),
-                                                      ("fused", "coordexp")])
+@pytest.mark.parametrize(
+    ("vocab_name", "fmt_name"), [("tiny_vocab", "coordexp"), ("tiny_vocab", "qwen_relative"), ("fused", "coordexp")]
+)
 def test_coord_or_special_token_before_the_container_ends_the_scan(request, vocab_name, fmt_name):
     vocab, fmt = request.getfixturevalue(vocab_name), FORMATS[fmt_name]
     answer = list(vocab.encode(render([DetObject("cat", "bbox_2d", (1, 2, 3, 4))], fmt))) + [vocab.eos_id]
@@ -290,8 +307,11 @@ def test_poly_as_pairs_or_flat(request, vocab_name):
     line up with the bins, so a matched polygon's coords get the coordinate loss."""
     vocab = request.getfixturevalue(vocab_name)
     tri = DetObject("red triangle", "poly", (10, 20, 30, 40, 50, 60))
-    pairs = '{"object_1": {"desc": "red triangle", "poly": [[' + "], [".join(
-        f"{_coord(x)}, {_coord(y)}" for x, y in ((10, 20), (30, 40), (50, 60))) + "]]}"
+    pairs = (
+        '{"object_1": {"desc": "red triangle", "poly": [['
+        + "], [".join(f"{_coord(x)}, {_coord(y)}" for x, y in ((10, 20), (30, 40), (50, 60)))
+        + "]]}"
+    )
     flat = '{"object_1": {"desc": "red triangle", "poly": [' + ", ".join(_coord(k) for k in tri.bins) + "]"
     assert COORDEXP.render([tri]) == pairs + "}"
     assert CoordExpFormat(polygons="flat").render([tri]) == flat + "}}"
@@ -301,12 +321,43 @@ def test_poly_as_pairs_or_flat(request, vocab_name):
         check_invariants(ids, parsed, vocab)
         assert [o.obj for o in parsed.objects] == [tri]
         assert [vocab.coord_bin_of[ids[i]] for i in parsed.objects[0].coord_token_indices] == list(tri.bins)
-    mixed = ('{"object_1": {"desc": "x", "poly": [[' + _coord(1) + ", " + _coord(2) + "], " + _coord(3) + ", "
-             + _coord(4) + ", " + _coord(5) + ", " + _coord(6) + "]}, "
-             '"object_2": {"desc": "y", "poly": [[' + _coord(1) + ", " + _coord(2) + ", " + _coord(3) + "], ["
-             + _coord(4) + ", " + _coord(5) + ", " + _coord(6) + "]]}, "
-             '"object_3": {"desc": "z", "bbox_2d": [[' + _coord(1) + ", " + _coord(2) + "], ["
-             + _coord(3) + ", " + _coord(4) + "]]}}")
+    mixed = (
+        '{"object_1": {"desc": "x", "poly": [['
+        + _coord(1)
+        + ", "
+        + _coord(2)
+        + "], "
+        + _coord(3)
+        + ", "
+        + _coord(4)
+        + ", "
+        + _coord(5)
+        + ", "
+        + _coord(6)
+        + "]}, "
+        '"object_2": {"desc": "y", "poly": [['
+        + _coord(1)
+        + ", "
+        + _coord(2)
+        + ", "
+        + _coord(3)
+        + "], ["
+        + _coord(4)
+        + ", "
+        + _coord(5)
+        + ", "
+        + _coord(6)
+        + "]]}, "
+        '"object_3": {"desc": "z", "bbox_2d": [['
+        + _coord(1)
+        + ", "
+        + _coord(2)
+        + "], ["
+        + _coord(3)
+        + ", "
+        + _coord(4)
+        + "]]}}"
+    )
     ids = list(vocab.encode(mixed)) + [vocab.eos_id]
     parsed = parse(ids, vocab)
     check_invariants(ids, parsed, vocab)
@@ -322,8 +373,10 @@ def test_reversed_box_is_dropped_by_both_formats(tiny_vocab, stock_vocab):
     with pytest.raises(ValueError, match="reversed corners"):
         DetObject("cat", "bbox_2d", (10, 50, 40, 20))
     DetObject("line", "bbox_2d", (10, 10, 10, 20))  # zero width is a (degenerate) box, not a reversed one
-    text = ('{"object_1": {"desc": "cat", "bbox_2d": [' + ", ".join(_coord(k) for k in (50, 10, 40, 20)) + "]}, "
-            '"object_2": {"desc": "dog", "bbox_2d": [' + ", ".join(_coord(k) for k in (1, 2, 3, 4)) + "]}}")
+    text = (
+        '{"object_1": {"desc": "cat", "bbox_2d": [' + ", ".join(_coord(k) for k in (50, 10, 40, 20)) + "]}, "
+        '"object_2": {"desc": "dog", "bbox_2d": [' + ", ".join(_coord(k) for k in (1, 2, 3, 4)) + "]}}"
+    )
     ids = list(tiny_vocab.encode(text)) + [tiny_vocab.eos_id]
     parsed = parse(ids, tiny_vocab)
     check_invariants(ids, parsed, tiny_vocab)
@@ -338,8 +391,11 @@ def test_reversed_box_is_dropped_by_both_formats(tiny_vocab, stock_vocab):
 def test_desc_and_label_are_stripped(tiny_vocab, stock_vocab):
     """Decision: surrounding whitespace of a desc/label is not part of the name (DetObject strips it)."""
     assert DetObject(" cat\n", "bbox_2d", (1, 2, 3, 4)) == DetObject("cat", "bbox_2d", (1, 2, 3, 4))
-    ids = list(tiny_vocab.encode('{"object_1": {"desc": "  cat ", "bbox_2d": [' + ", ".join(
-        _coord(k) for k in (1, 2, 3, 4)) + "]}}")) + [tiny_vocab.eos_id]
+    ids = list(
+        tiny_vocab.encode(
+            '{"object_1": {"desc": "  cat ", "bbox_2d": [' + ", ".join(_coord(k) for k in (1, 2, 3, 4)) + "]}}"
+        )
+    ) + [tiny_vocab.eos_id]
     assert [o.obj.desc for o in parse(ids, tiny_vocab).objects] == ["cat"]
     ids = list(stock_vocab.encode('[{"bbox_2d": [1, 2, 3, 4], "label": " cat "}]')) + [stock_vocab.eos_id]
     assert [o.obj.desc for o in parse(ids, stock_vocab, QWEN_JSON).objects] == ["cat"]
@@ -354,8 +410,12 @@ def test_desc_and_label_are_stripped(tiny_vocab, stock_vocab):
 def test_qwen_json_coord_tokens_inside_entries_invalidate_them(tiny_vocab):
     # A vocabulary with coord tokens, a format without: a coord id inside a label, or as a quoted
     # coordinate, drops the entry; outside any string it ends the scan.
-    in_label = (tiny_vocab.encode('[{"bbox_2d": [1, 2, 3, 4], "label": "') + [tiny_vocab.coord_token_ids[3]]
-                + tiny_vocab.encode('"}, {"bbox_2d": [1, 2, 3, 4], "label": "cat"}]') + [tiny_vocab.eos_id])
+    in_label = (
+        tiny_vocab.encode('[{"bbox_2d": [1, 2, 3, 4], "label": "')
+        + [tiny_vocab.coord_token_ids[3]]
+        + tiny_vocab.encode('"}, {"bbox_2d": [1, 2, 3, 4], "label": "cat"}]')
+        + [tiny_vocab.eos_id]
+    )
     parsed = parse(in_label, tiny_vocab, QWEN_JSON)
     check_invariants(in_label, parsed, tiny_vocab, QWEN_JSON)
     assert [o.obj.desc for o in parsed.objects] == ["cat"] and parsed.n_dropped == 1
@@ -366,8 +426,9 @@ def test_qwen_json_coord_tokens_inside_entries_invalidate_them(tiny_vocab):
 
 def test_qwen_json_multiline_answer(stock_vocab):
     """Qwen-VL models often write the list one object per line, inside a ```json fence."""
-    text = ('```json\n[\n\t{"bbox_2d": [10, 20, 300, 400], "label": "cat"},\n'
-            '\t{"bbox_2d": [1, 2, 3], "label": "x"}\n]\n```')
+    text = (
+        '```json\n[\n\t{"bbox_2d": [10, 20, 300, 400], "label": "cat"},\n\t{"bbox_2d": [1, 2, 3], "label": "x"}\n]\n```'
+    )
     ids = list(stock_vocab.encode(text)) + [stock_vocab.eos_id]
     parsed = parse(ids, stock_vocab, QWEN_JSON)
     check_invariants(ids, parsed, stock_vocab, QWEN_JSON)

@@ -37,18 +37,31 @@ def _answer(vocab, objects) -> list[int]:
 
 def _record(objects: list[DetObject]) -> Record:
     """A 1000 x 1000 image: pixel coordinates are the bins."""
-    return Record.model_validate({
-        "id": "r", "width": 1000, "height": 1000, "messages": [{"role": "user", "content": "Detect."}],
-        "objects": [{"desc": o.desc, "bbox_2d": list(o.bins)} for o in objects],
-    })
+    return Record.model_validate(
+        {
+            "id": "r",
+            "width": 1000,
+            "height": 1000,
+            "messages": [{"role": "user", "content": "Detect."}],
+            "objects": [{"desc": o.desc, "bbox_2d": list(o.bins)} for o in objects],
+        }
+    )
 
 
 def _segment(vocab, answer, gt, explorers=(), clean=None, dup=None):
     rec = _record(gt)
     assert ground_truth(rec) == list(gt)  # the grid is the image: the objects as written
-    segs, stats = build_segments([rec], [PROMPT], [PROMPT], [_answer(vocab, answer)], vocab, MATCHING,
-                                 clean=clean or CleanPrefixConfig(), duplicates=dup,
-                                 explorer_ids=[[_answer(vocab, e) for e in explorers]])
+    segs, stats = build_segments(
+        [rec],
+        [PROMPT],
+        [PROMPT],
+        [_answer(vocab, answer)],
+        vocab,
+        MATCHING,
+        clean=clean or CleanPrefixConfig(),
+        duplicates=dup,
+        explorer_ids=[[_answer(vocab, e) for e in explorers]],
+    )
     return segs[0], stats
 
 
@@ -58,8 +71,11 @@ def _text(vocab, seg) -> str:
 
 def _supervised(vocab, seg) -> list[tuple[str, float]]:
     weights = seg.ce_weights or tuple(0.0 if lab == IGNORE_INDEX else 1.0 for lab in seg.labels)
-    return [(vocab.token_bytes[t].decode(errors="replace"), w)
-            for t, lab, w in zip(seg.input_ids, seg.labels, weights, strict=True) if lab != IGNORE_INDEX]
+    return [
+        (vocab.token_bytes[t].decode(errors="replace"), w)
+        for t, lab, w in zip(seg.input_ids, seg.labels, weights, strict=True)
+        if lab != IGNORE_INDEX
+    ]
 
 
 # -- dead anchors --------------------------------------------------------------------------------------------
@@ -79,8 +95,12 @@ def test_a_dead_anchor_leaves_the_prefix_and_closing_is_trained_after_the_last_k
 def test_an_image_with_nothing_trains_closing_at_once_not_the_hallucinations(tiny_vocab) -> None:
     seg, stats = _segment(tiny_vocab, [CAR, DetObject("car", "bbox_2d", (100, 700, 200, 800))], [])
     assert _text(tiny_vocab, seg) == COORDEXP.render([]) and stats.fallback == 1
-    kept, _ = _segment(tiny_vocab, [CAR, DetObject("car", "bbox_2d", (100, 700, 200, 800))], [],
-                       clean=CleanPrefixConfig(dead_anchors=False))
+    kept, _ = _segment(
+        tiny_vocab,
+        [CAR, DetObject("car", "bbox_2d", (100, 700, 200, 800))],
+        [],
+        clean=CleanPrefixConfig(dead_anchors=False),
+    )
     assert len(_supervised(tiny_vocab, kept)) > 3 * len(_supervised(tiny_vocab, seg))
 
 
@@ -103,8 +123,7 @@ def test_what_supports_an_unmatched_anchor() -> None:
     # An unmatched object repeating a matched one is not held by the explorer's copy of that one.
     twin = DetObject("lion", "bbox_2d", (101, 100, 300, 301))
     m2 = match([CAT, twin], [CAT], MATCHING)
-    assert dead_anchors([CAT, twin], m2, [([DetObject("x", "bbox_2d", (100, 101, 301, 300)), CAT], set())],
-                        0.9) == [1]
+    assert dead_anchors([CAT, twin], m2, [([DetObject("x", "bbox_2d", (100, 101, 301, 300)), CAT], set())], 0.9) == [1]
 
 
 def test_an_unmatched_object_of_an_lvis_verified_category_is_dead_even_when_an_explorer_holds_it(tiny_vocab):
@@ -114,8 +133,12 @@ def test_an_unmatched_object_of_an_lvis_verified_category_is_dead_even_when_an_e
 
     lvis = LvisMeta(pos_categories=["Cat", "car"], neg_categories=["horse"], not_exhaustive_categories=["car"])
     assert lvis.verified() == {"cat", "horse"}  # car: present but not exhaustively annotated
-    kept = [CAT, CAR, DetObject("horse", "bbox_2d", (500, 10, 600, 90)),
-            DetObject("cat", "bbox_2d", (10, 800, 90, 900))]
+    kept = [
+        CAT,
+        CAR,
+        DetObject("horse", "bbox_2d", (500, 10, 600, 90)),
+        DetObject("cat", "bbox_2d", (10, 800, 90, 900)),
+    ]
     m = match(kept, [CAT], MATCHING)
     held = [(kept[1:], set())]  # an explorer wrote the same three unmatched objects
     assert dead_anchors(kept, m, held, 0.9) == []
@@ -123,8 +146,16 @@ def test_an_unmatched_object_of_an_lvis_verified_category_is_dead_even_when_an_e
     # Through the episode: a record with the field; without it the explorer keeps the horse.
     horse = kept[2]
     rec = Record.model_validate({**_record([CAT]).model_dump(), "lvis": lvis.model_dump()})
-    segs, stats = build_segments([rec], [PROMPT], [PROMPT], [_answer(tiny_vocab, [CAT, horse])], tiny_vocab,
-                                 MATCHING, clean=CleanPrefixConfig(), explorer_ids=[[_answer(tiny_vocab, [horse])]])
+    segs, stats = build_segments(
+        [rec],
+        [PROMPT],
+        [PROMPT],
+        [_answer(tiny_vocab, [CAT, horse])],
+        tiny_vocab,
+        MATCHING,
+        clean=CleanPrefixConfig(),
+        explorer_ids=[[_answer(tiny_vocab, [horse])]],
+    )
     assert _text(tiny_vocab, segs[0]) == COORDEXP.render([CAT]) and stats.dead == 1
     seg, stats = _segment(tiny_vocab, [CAT, horse], [CAT], explorers=[[horse]])
     assert _text(tiny_vocab, seg) == COORDEXP.render([CAT, horse]) and stats.dead == 0
@@ -190,13 +221,19 @@ def test_the_labels_of_kept_objects_get_cross_entropy(tiny_vocab) -> None:
     def label_weights(cfg: CleanPrefixConfig) -> dict[str, float]:
         seg = build_clean_targets(PROMPT, parsed, {}, m, [CAT, DOG], tiny_vocab, cfg=cfg)
         weights = seg.ce_weights or tuple(0.0 if lab == IGNORE_INDEX else 1.0 for lab in seg.labels)
-        return {tiny_vocab.token_bytes[t].decode(): w for t, w in zip(seg.input_ids, weights, strict=True)
-                if tiny_vocab.token_bytes[t] in (b"cat", b"car", b"dog")}
+        return {
+            tiny_vocab.token_bytes[t].decode(): w
+            for t, w in zip(seg.input_ids, weights, strict=True)
+            if tiny_vocab.token_bytes[t] in (b"cat", b"car", b"dog")
+        }
 
     # Matched (cat) and unmatched (car) alike, at the structure weight; the appended dog as before.
     assert label_weights(CleanPrefixConfig(structure_ce=0.5)) == {"cat": 0.5, "car": 0.5, "dog": 1.0}
-    assert label_weights(CleanPrefixConfig(structure_ce=0.5, prefix_labels=False)) == {"cat": 0.0, "car": 0.0,
-                                                                                        "dog": 1.0}
+    assert label_weights(CleanPrefixConfig(structure_ce=0.5, prefix_labels=False)) == {
+        "cat": 0.0,
+        "car": 0.0,
+        "dog": 1.0,
+    }
 
 
 # -- weighted means ------------------------------------------------------------------------------------------
@@ -209,8 +246,9 @@ def test_weights_reweight_the_mean_instead_of_adding_loss(tiny_vocab) -> None:
     logits = torch.randn(len(seg), tiny_vocab.vocab_size, generator=torch.Generator().manual_seed(0))
     pos = [i for i, lab in enumerate(seg.labels) if lab != IGNORE_INDEX]
     w = torch.tensor([seg.ce_weights[i] for i in pos])
-    ce = torch.nn.functional.cross_entropy(logits[[i - 1 for i in pos]], torch.tensor([seg.labels[i] for i in pos]),
-                                           reduction="none")
+    ce = torch.nn.functional.cross_entropy(
+        logits[[i - 1 for i in pos]], torch.tensor([seg.labels[i] for i in pos]), reduction="none"
+    )
     assert w.max() == 2.0 and w.min() == 1.0
     only_ce = dict(soft_ce=0.0, w1=0.0, gate=0.0)
     weighted = compute_loss(logits, row, ids, LossWeights(**only_ce, weighted_mean=True))
@@ -226,15 +264,24 @@ def test_weights_reweight_the_mean_instead_of_adding_loss(tiny_vocab) -> None:
 
 def test_packed_equals_unpacked_with_weighted_means(tiny_vocab) -> None:
     parsed = parse(_answer(tiny_vocab, [CAT]), tiny_vocab, COORDEXP)
-    a = build_clean_targets(PROMPT, parsed, {}, match([CAT], [CAT, DOG], MATCHING), [CAT, DOG], tiny_vocab,
-                            recovered={1})
-    b = build_clean_targets(PROMPT, parse(_answer(tiny_vocab, [DOG]), tiny_vocab, COORDEXP), {},
-                            match([DOG], [DOG], MATCHING), [DOG], tiny_vocab)
+    a = build_clean_targets(
+        PROMPT, parsed, {}, match([CAT], [CAT, DOG], MATCHING), [CAT, DOG], tiny_vocab, recovered={1}
+    )
+    b = build_clean_targets(
+        PROMPT,
+        parse(_answer(tiny_vocab, [DOG]), tiny_vocab, COORDEXP),
+        {},
+        match([DOG], [DOG], MATCHING),
+        [DOG],
+        tiny_vocab,
+    )
     w = LossWeights(soft_ce=0.1, w1=0.02, coord_ce=0.02, smooth_l1=1.0, ciou=0.5, weighted_mean=True)
     ids = tiny_vocab.coord_token_ids
     g = torch.Generator().manual_seed(1)
-    la, lb = torch.randn(len(a), tiny_vocab.vocab_size, generator=g), torch.randn(len(b), tiny_vocab.vocab_size,
-                                                                                   generator=g)
+    la, lb = (
+        torch.randn(len(a), tiny_vocab.vocab_size, generator=g),
+        torch.randn(len(b), tiny_vocab.vocab_size, generator=g),
+    )
     whole = compute_loss(torch.cat([la, lb])[None], pack([a, b]), ids, w)
     pooled = (loss_sums(la, pack([a]), ids, w.sigma, True) + loss_sums(lb, pack([b]), ids, w.sigma, True)).finish(w)
     assert torch.allclose(whole.loss, pooled.loss, atol=1e-5)

@@ -76,15 +76,24 @@ def test_prefix_plus_missed_objects(request, vocab_name):
     assert all(label == IGNORE_INDEX for label in seg.labels[:own_end])
     assert list(seg.labels[own_end:tail_start]) == list(seg.input_ids[own_end:tail_start])
     assert seg.labels[-1] == vocab.eos_id
-    supervised = bytes(b for i in range(tail_start, len(seg)) if seg.labels[i] != IGNORE_INDEX
-                       for b in vocab.token_bytes[seg.input_ids[i]]).decode()
+    supervised = bytes(
+        b
+        for i in range(tail_start, len(seg))
+        if seg.labels[i] != IGNORE_INDEX
+        for b in vocab.token_bytes[seg.input_ids[i]]
+    ).decode()
     assert "dog" not in supervised and "bird" not in supervised and "object_3" in supervised
     assert seg.meta["n_fn"] == 2 and seg.meta["n_matched"] == 1 and seg.meta["truncated"]
 
-    _, _, _, seg2 = build(vocab, prompt, [near_cat, far, BIRD], [CAT, DOG, BIRD], len(full) - 6,
-                          TargetConfig(supervise_fn_desc=True))
-    supervised = bytes(b for i in range(tail_start, len(seg2)) if seg2.labels[i] != IGNORE_INDEX
-                       for b in vocab.token_bytes[seg2.input_ids[i]]).decode()
+    _, _, _, seg2 = build(
+        vocab, prompt, [near_cat, far, BIRD], [CAT, DOG, BIRD], len(full) - 6, TargetConfig(supervise_fn_desc=True)
+    )
+    supervised = bytes(
+        b
+        for i in range(tail_start, len(seg2))
+        if seg2.labels[i] != IGNORE_INDEX
+        for b in vocab.token_bytes[seg2.input_ids[i]]
+    ).decode()
     assert "dog" in supervised and "bird" in supervised
 
 
@@ -109,9 +118,14 @@ def test_prompt_mismatch_is_a_clear_error(tiny_vocab):
         build_targets([5, 6, 7], parsed, m, [CAT], tiny_vocab, rollout_prompt_ids=[5, 6, 7, 8])
 
 
-@pytest.mark.parametrize(("vocab_name", "fmt"), [
-    ("fused", COORDEXP), ("fused_plain", QWEN_JSON), ("fused_plain", QwenJsonFormat("pixels").for_image(1280, 1000)),
-])
+@pytest.mark.parametrize(
+    ("vocab_name", "fmt"),
+    [
+        ("fused", COORDEXP),
+        ("fused_plain", QWEN_JSON),
+        ("fused_plain", QwenJsonFormat("pixels").for_image(1280, 1000)),
+    ],
+)
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(gt=object_lists, pred=object_lists, data=st.data())
 def test_y_train_is_valid_and_complete(request, vocab_name, fmt, gt, pred, data):
@@ -133,15 +147,18 @@ def test_y_train_is_valid_and_complete(request, vocab_name, fmt, gt, pred, data)
         assert seg.coord_positions == () and seg.coord_bins == ()
         return
     assert len(seg.coord_positions) == sum(
-        len(gt[g].bins) for p, g, _ in m.pairs if parsed.objects[p].obj.kind == gt[g].kind
-        and len(parsed.objects[p].obj.bins) == len(gt[g].bins)
+        len(gt[g].bins)
+        for p, g, _ in m.pairs
+        if parsed.objects[p].obj.kind == gt[g].kind and len(parsed.objects[p].obj.bins) == len(gt[g].bins)
     ) + sum(len(gt[g].bins) for g in m.false_negatives)
     for p in seg.coord_positions:
         assert seg.input_ids[p] in vocab.coord_bin_of
 
 
-@pytest.mark.parametrize(("vocab_name", "fmt"), [("tiny_vocab", COORDEXP), ("fused", COORDEXP),
-                                                 ("stock_vocab", QWEN_JSON), ("fused_plain", QWEN_JSON)])
+@pytest.mark.parametrize(
+    ("vocab_name", "fmt"),
+    [("tiny_vocab", COORDEXP), ("fused", COORDEXP), ("stock_vocab", QWEN_JSON), ("fused_plain", QWEN_JSON)],
+)
 @pytest.mark.parametrize("response", ["garbage, no brace", '", "object_1": "x"', "", '{"bbox_2d": [1, 2, 3, 4]}'])
 def test_rollout_without_an_opening_brace_is_taught_to_open(request, vocab_name, fmt, response):
     """A rollout with no usable start keeps no ids of its own: the opener (`{`, or qwen_json's `[`) the
@@ -206,8 +223,11 @@ def test_ground_truth_desc_whitespace_never_reaches_the_tail(tiny_vocab, stock_v
         assert text == fmt.render([CAT]) and '"cat"' in text
         # And a predicted " cat " matches ground truth "cat": same object.
         pred = '{"object_1": {"desc": " cat ", "bbox_2d": [' if fmt is COORDEXP else '[{"bbox_2d": ['
-        body = (", ".join(f'"<|coord_{b}|>"' for b in CAT.bins) + "]}}" if fmt is COORDEXP
-                else ", ".join(str(b) for b in CAT.bins) + '], "label": " cat "}]')
+        body = (
+            ", ".join(f'"<|coord_{b}|>"' for b in CAT.bins) + "]}}"
+            if fmt is COORDEXP
+            else ", ".join(str(b) for b in CAT.bins) + '], "label": " cat "}]'
+        )
         parsed = parse(list(vocab.encode(pred + body)) + [vocab.eos_id], vocab, fmt)
         assert [o.obj for o in parsed.objects] == [CAT]
 
@@ -280,8 +300,12 @@ def test_qwen_json_end_to_end(stock_vocab, coordinates):
     tail_start = seg.prompt_len + seg.prefix_len
     assert list(seg.labels[own_end:tail_start]) == list(seg.input_ids[own_end:tail_start])
     assert seg.labels[-1] == vocab.eos_id
-    supervised = bytes(b for i in range(tail_start, len(seg)) if seg.labels[i] != IGNORE_INDEX
-                       for b in vocab.token_bytes[seg.input_ids[i]]).decode()
+    supervised = bytes(
+        b
+        for i in range(tail_start, len(seg))
+        if seg.labels[i] != IGNORE_INDEX
+        for b in vocab.token_bytes[seg.input_ids[i]]
+    ).decode()
     assert '"bbox_2d": [' in supervised and '"label": "' in supervised and supervised.endswith("]<|im_end|>")
     assert "dog" not in supervised and "bird" not in supervised
     dog_digits = ", ".join(str(v) for v in json.loads("[" + tail_text + "]")[0]["bbox_2d"])
@@ -289,8 +313,12 @@ def test_qwen_json_end_to_end(stock_vocab, coordinates):
     assert seg.meta["n_fn"] == 2 and seg.meta["n_matched"] == 1 and seg.meta["matched_unsupervised"] == 0
 
     seg2 = build_targets(prompt, parsed, m, gt, vocab, fmt, rollout_prompt_ids=prompt, cfg=TargetConfig(True))
-    supervised = bytes(b for i in range(tail_start, len(seg2)) if seg2.labels[i] != IGNORE_INDEX
-                       for b in vocab.token_bytes[seg2.input_ids[i]]).decode()
+    supervised = bytes(
+        b
+        for i in range(tail_start, len(seg2))
+        if seg2.labels[i] != IGNORE_INDEX
+        for b in vocab.token_bytes[seg2.input_ids[i]]
+    ).decode()
     assert "dog" in supervised and "bird" in supervised
 
     # A perfect rollout: Y_train closes it with `]` and teaches nothing but the close and the eos.

@@ -55,8 +55,10 @@ class ControlPlaneDied(ControlPlaneError):
 def missing_binaries(assets: str | os.PathLike[str] | None) -> str | None:
     """Why the control plane cannot start from `assets` (None when it can)."""
     if not assets:
-        return ("KUBEBUILDER_ASSETS is not set: run `make setup` (unpacks ../shared/envtest into "
-                ".tools/envtest/bin) or setup-envtest, then export KUBEBUILDER_ASSETS")
+        return (
+            "KUBEBUILDER_ASSETS is not set: run `make setup` (unpacks ../shared/envtest into "
+            ".tools/envtest/bin) or setup-envtest, then export KUBEBUILDER_ASSETS"
+        )
     missing = [b for b in BINARIES if not os.access(Path(assets) / b, os.X_OK)]
     if missing:
         return f"KUBEBUILDER_ASSETS={assets} lacks {', '.join(missing)}"
@@ -72,23 +74,48 @@ def free_port() -> int:
 # ---------------------------------------------------------------------------------------------
 # PKI: one CA signs the serving cert and every client cert; an RSA key pair signs SA tokens.
 
+
 def _pem_key(key: Any) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
-def _cert(subject: x509.Name, key: Any, issuer: x509.Name, issuer_key: Any, *, ca: bool = False,
-          server_sans: list[x509.GeneralName] | None = None) -> x509.Certificate:
+def _cert(
+    subject: x509.Name,
+    key: Any,
+    issuer: x509.Name,
+    issuer_key: Any,
+    *,
+    ca: bool = False,
+    server_sans: list[x509.GeneralName] | None = None,
+) -> x509.Certificate:
     now = dt.datetime.now(dt.UTC)
-    b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
-         .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
-         .not_valid_after(now + dt.timedelta(days=2))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=2))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if ca:
-        b = b.add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                          content_commitment=False, key_encipherment=False,
-                                          data_encipherment=False, key_agreement=False,
-                                          encipher_only=False, decipher_only=False), critical=True)
+        b = b.add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
     else:
         usages = [x509.ExtendedKeyUsageOID.SERVER_AUTH] if server_sans else [x509.ExtendedKeyUsageOID.CLIENT_AUTH]
         b = b.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
@@ -201,8 +228,11 @@ class ControlPlane(FakeKubelet):
                     self.crd_errors[crd["metadata"]["name"]] = str(e)
             self._start_controller_manager()
             self._start_scheduler()
-            self.wait_for(lambda: self.get("/api/v1/namespaces/default/serviceaccounts/default") is not None,
-                          timeout, "the default ServiceAccount (kube-controller-manager running)")
+            self.wait_for(
+                lambda: self.get("/api/v1/namespaces/default/serviceaccounts/default") is not None,
+                timeout,
+                "the default ServiceAccount (kube-controller-manager running)",
+            )
         except BaseException:
             self.stop()
             raise
@@ -243,10 +273,15 @@ class ControlPlane(FakeKubelet):
     def _spawn(self, name: str, args: list[str]) -> None:
         log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - the child owns it
         try:
-            self.procs[name] = subprocess.Popen([str(self.assets / name), *args], stdout=log,
-                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                cwd=self.dir, start_new_session=True,
-                                                preexec_fn=_die_with_parent)
+            self.procs[name] = subprocess.Popen(
+                [str(self.assets / name), *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=self.dir,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         finally:
             log.close()
 
@@ -278,11 +313,19 @@ class ControlPlane(FakeKubelet):
         self.ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
 
         service_ip = next(ipaddress.ip_network(SERVICE_CIDR).hosts())
-        sans: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address(ip))
-                                        for ip in ("127.0.0.1", *self.extra_server_ips)]
+        sans: list[x509.GeneralName] = [
+            x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", *self.extra_server_ips)
+        ]
         sans += [x509.IPAddress(service_ip), x509.DNSName("localhost")]
-        sans += [x509.DNSName(n) for n in ("kubernetes", "kubernetes.default", "kubernetes.default.svc",
-                                           "kubernetes.default.svc.cluster.local")]
+        sans += [
+            x509.DNSName(n)
+            for n in (
+                "kubernetes",
+                "kubernetes.default",
+                "kubernetes.default.svc",
+                "kubernetes.default.svc.cluster.local",
+            )
+        ]
         srv_key = ec.generate_private_key(ec.SECP256R1())
         srv = _cert(_name("kube-apiserver"), srv_key, ca_name, ca_key, server_sans=sans)
         (pki / "apiserver.crt").write_bytes(srv.public_bytes(serialization.Encoding.PEM))
@@ -291,14 +334,21 @@ class ControlPlane(FakeKubelet):
         # ServiceAccount token signing key (RSA: what every SA-token consumer supports).
         sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
         (pki / "sa.key").write_bytes(_pem_key(sa_key))
-        (pki / "sa.pub").write_bytes(sa_key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+        (pki / "sa.pub").write_bytes(
+            sa_key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+        )
 
         # Client certs: the admin (system:masters) and the two components under their bootstrap
         # RBAC identities, so RBAC is exercised for them as in a real cluster.
         # The API server's own client identity towards kubelets (logs, exec, port-forward).
-        for user, org in (("admin", "system:masters"), ("system:kube-controller-manager", None),
-                          ("system:kube-scheduler", None), ("kube-apiserver-kubelet-client", "system:masters")):
+        for user, org in (
+            ("admin", "system:masters"),
+            ("system:kube-controller-manager", None),
+            ("system:kube-scheduler", None),
+            ("kube-apiserver-kubelet-client", "system:masters"),
+        ):
             key = ec.generate_private_key(ec.SECP256R1())
             cert = _cert(_name(user, org), key, ca_name, ca_key)
             base = user.split(":")[-1]
@@ -315,12 +365,17 @@ class ControlPlane(FakeKubelet):
 
     def _write_kubeconfig_doc(self, path: Path, user: dict[str, str], namespace: str) -> Path:
         doc = {
-            "apiVersion": "v1", "kind": "Config", "current-context": "envtest", "preferences": {},
-            "clusters": [{"name": "envtest", "cluster": {"server": self.url,
-                                                         "certificate-authority": str(self.ca_file)}}],
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "envtest",
+            "preferences": {},
+            "clusters": [
+                {"name": "envtest", "cluster": {"server": self.url, "certificate-authority": str(self.ca_file)}}
+            ],
             "users": [{"name": "envtest-user", "user": user}],
-            "contexts": [{"name": "envtest", "context": {"cluster": "envtest", "user": "envtest-user",
-                                                         "namespace": namespace}}],
+            "contexts": [
+                {"name": "envtest", "context": {"cluster": "envtest", "user": "envtest-user", "namespace": namespace}}
+            ],
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(doc))
@@ -330,55 +385,74 @@ class ControlPlane(FakeKubelet):
     def _start_etcd(self) -> None:
         client, peer = free_port(), free_port()
         self.etcd_url = f"http://127.0.0.1:{client}"
-        self._spawn("etcd", [
-            "--name=envtest", f"--data-dir={self.dir / 'etcd'}",
-            f"--listen-client-urls={self.etcd_url}", f"--advertise-client-urls={self.etcd_url}",
-            f"--listen-peer-urls=http://127.0.0.1:{peer}", f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-cluster=envtest=http://127.0.0.1:{peer}", "--unsafe-no-fsync",
-        ])
+        self._spawn(
+            "etcd",
+            [
+                "--name=envtest",
+                f"--data-dir={self.dir / 'etcd'}",
+                f"--listen-client-urls={self.etcd_url}",
+                f"--advertise-client-urls={self.etcd_url}",
+                f"--listen-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-cluster=envtest=http://127.0.0.1:{peer}",
+                "--unsafe-no-fsync",
+            ],
+        )
 
     def _start_apiserver(self) -> None:
         pki = self.pki
-        self._spawn("kube-apiserver", [
-            f"--etcd-servers={self.etcd_url}",
-            f"--bind-address={self.bind_address}", f"--advertise-address={self.advertise_address}",
-            f"--secure-port={self.port}",
-            f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
-            f"--cert-dir={pki}",
-            f"--client-ca-file={self.ca_file}",
-            "--authorization-mode=Node,RBAC",
-            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-            f"--service-account-key-file={pki / 'sa.pub'}", f"--service-account-signing-key-file={pki / 'sa.key'}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-            f"--endpoint-reconciler-type={self.endpoint_reconciler}",
-            "--allow-privileged=true",
-            f"--kubelet-client-certificate={pki / 'kube-apiserver-kubelet-client.crt'}",
-            f"--kubelet-client-key={pki / 'kube-apiserver-kubelet-client.key'}",
-            "--kubelet-preferred-address-types=InternalIP",
-        ])
+        self._spawn(
+            "kube-apiserver",
+            [
+                f"--etcd-servers={self.etcd_url}",
+                f"--bind-address={self.bind_address}",
+                f"--advertise-address={self.advertise_address}",
+                f"--secure-port={self.port}",
+                f"--tls-cert-file={pki / 'apiserver.crt'}",
+                f"--tls-private-key-file={pki / 'apiserver.key'}",
+                f"--cert-dir={pki}",
+                f"--client-ca-file={self.ca_file}",
+                "--authorization-mode=Node,RBAC",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={pki / 'sa.pub'}",
+                f"--service-account-signing-key-file={pki / 'sa.key'}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                f"--endpoint-reconciler-type={self.endpoint_reconciler}",
+                "--allow-privileged=true",
+                f"--kubelet-client-certificate={pki / 'kube-apiserver-kubelet-client.crt'}",
+                f"--kubelet-client-key={pki / 'kube-apiserver-kubelet-client.key'}",
+                "--kubelet-preferred-address-types=InternalIP",
+            ],
+        )
 
     def _start_controller_manager(self) -> None:
-        self._spawn("kube-controller-manager", [
-            f"--kubeconfig={self.dir / 'kube-controller-manager.kubeconfig'}",
-            f"--authentication-kubeconfig={self.dir / 'kube-controller-manager.kubeconfig'}",
-            f"--authorization-kubeconfig={self.dir / 'kube-controller-manager.kubeconfig'}",
-            f"--service-account-private-key-file={self.pki / 'sa.key'}",
-            f"--root-ca-file={self.ca_file}",
-            "--use-service-account-credentials=true",
-            "--leader-elect=false",
-            f"--controllers={self.controllers}",
-            "--secure-port=0",  # no health/metrics server: nothing to collide with in parallel runs
-            "--v=2",  # the log then shows the GC's discovery resyncs and what it deletes
-        ])
+        self._spawn(
+            "kube-controller-manager",
+            [
+                f"--kubeconfig={self.dir / 'kube-controller-manager.kubeconfig'}",
+                f"--authentication-kubeconfig={self.dir / 'kube-controller-manager.kubeconfig'}",
+                f"--authorization-kubeconfig={self.dir / 'kube-controller-manager.kubeconfig'}",
+                f"--service-account-private-key-file={self.pki / 'sa.key'}",
+                f"--root-ca-file={self.ca_file}",
+                "--use-service-account-credentials=true",
+                "--leader-elect=false",
+                f"--controllers={self.controllers}",
+                "--secure-port=0",  # no health/metrics server: nothing to collide with in parallel runs
+                "--v=2",  # the log then shows the GC's discovery resyncs and what it deletes
+            ],
+        )
 
     def _start_scheduler(self) -> None:
-        self._spawn("kube-scheduler", [
-            f"--kubeconfig={self.dir / 'kube-scheduler.kubeconfig'}",
-            f"--authentication-kubeconfig={self.dir / 'kube-scheduler.kubeconfig'}",
-            f"--authorization-kubeconfig={self.dir / 'kube-scheduler.kubeconfig'}",
-            "--leader-elect=false",
-            "--secure-port=0",
-        ])
+        self._spawn(
+            "kube-scheduler",
+            [
+                f"--kubeconfig={self.dir / 'kube-scheduler.kubeconfig'}",
+                f"--authentication-kubeconfig={self.dir / 'kube-scheduler.kubeconfig'}",
+                f"--authorization-kubeconfig={self.dir / 'kube-scheduler.kubeconfig'}",
+                "--leader-elect=false",
+                "--secure-port=0",
+            ],
+        )
 
     def _readyz(self) -> bool:
         self._check_alive()
@@ -390,8 +464,15 @@ class ControlPlane(FakeKubelet):
 
     # ---- API access --------------------------------------------------------------------------
 
-    def request(self, method: str, path: str, body: Any = None, content_type: str | None = None,
-                token: str | None = None, timeout: float = 30) -> tuple[int, Any]:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str | None = None,
+        token: str | None = None,
+        timeout: float = 30,
+    ) -> tuple[int, Any]:
         """One API call. As the admin (client cert, system:masters) unless `token` is given (then
         as that bearer token and with no client cert). Returns (HTTP status, decoded JSON body, or
         the text when it is not JSON)."""
@@ -400,7 +481,8 @@ class ControlPlane(FakeKubelet):
         if body is not None:
             data = body if isinstance(body, bytes) else json.dumps(body).encode()
             headers["Content-Type"] = content_type or (
-                "application/merge-patch+json" if method.upper() == "PATCH" else "application/json")
+                "application/merge-patch+json" if method.upper() == "PATCH" else "application/json"
+            )
         if token:
             headers["Authorization"] = f"Bearer {token}"
         req = urllib.request.Request(self.url + path, data=data, method=method.upper(), headers=headers)
@@ -432,9 +514,11 @@ class ControlPlane(FakeKubelet):
         return out
 
     def create_namespace(self, name: str, labels: dict[str, str] | None = None) -> dict:
-        status, out = self.request("POST", "/api/v1/namespaces",
-                                   {"apiVersion": "v1", "kind": "Namespace",
-                                    "metadata": {"name": name, "labels": labels or {}}})
+        status, out = self.request(
+            "POST",
+            "/api/v1/namespaces",
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels or {}}},
+        )
         if status == 409:
             return self.ok("GET", f"/api/v1/namespaces/{name}")
         if status != 201:
@@ -449,17 +533,20 @@ class ControlPlane(FakeKubelet):
         status, out = self.request("POST", base, crd)
         if status == 409:
             current = self.ok("GET", f"{base}/{name}")
-            body = {**crd, "metadata": {**crd["metadata"],
-                                        "resourceVersion": current["metadata"]["resourceVersion"]}}
+            body = {**crd, "metadata": {**crd["metadata"], "resourceVersion": current["metadata"]["resourceVersion"]}}
             out = self.ok("PUT", f"{base}/{name}", body)
         elif status != 201:
             raise ControlPlaneError(f"create CRD {name} -> {status}: {out}")
         self.wait_for(lambda: self.crd_established(name), timeout, f"CRD {name} Established")
         group, plural = crd["spec"]["group"], crd["spec"]["names"]["plural"]
         for version in (v["name"] for v in crd["spec"]["versions"] if v.get("served", True)):
-            self.wait_for(lambda v=version: any(r["name"] == plural for r in
-                                                (self.get(f"/apis/{group}/{v}") or {}).get("resources", [])),
-                          timeout, f"{plural}.{group}/{version} in discovery")
+            self.wait_for(
+                lambda v=version: any(
+                    r["name"] == plural for r in (self.get(f"/apis/{group}/{v}") or {}).get("resources", [])
+                ),
+                timeout,
+                f"{plural}.{group}/{version} in discovery",
+            )
         return out
 
     def crd_established(self, name: str) -> bool:
@@ -469,13 +556,16 @@ class ControlPlane(FakeKubelet):
 
     def token_for(self, namespace: str, serviceaccount: str, seconds: int = 3600) -> str:
         """A bound ServiceAccount token from the TokenRequest API."""
-        out = self.ok("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{serviceaccount}/token",
-                      {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-                       "spec": {"expirationSeconds": seconds}})
+        out = self.ok(
+            "POST",
+            f"/api/v1/namespaces/{namespace}/serviceaccounts/{serviceaccount}/token",
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": seconds}},
+        )
         return out["status"]["token"]
 
-    def write_kubeconfig(self, path: str | os.PathLike[str], token: str | None = None,
-                         namespace: str = "default") -> Path:
+    def write_kubeconfig(
+        self, path: str | os.PathLike[str], token: str | None = None, namespace: str = "default"
+    ) -> Path:
         """A kubeconfig for a bearer-token user (e.g. from `token_for`), or for the admin when
         `token` is None; `namespace` is the context's default namespace."""
         if token is None:
@@ -484,13 +574,24 @@ class ControlPlane(FakeKubelet):
             user = {"token": token}
         return self._write_kubeconfig_doc(Path(path), user, namespace)
 
-    def kubectl(self, *args: str, kubeconfig: str | os.PathLike[str] | None = None, check: bool = True,
-                input: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self,
+        *args: str,
+        kubeconfig: str | os.PathLike[str] | None = None,
+        check: bool = True,
+        input: str | None = None,
+        timeout: float = 120,
+    ) -> subprocess.CompletedProcess[str]:
         """Runs kubectl (PATH, else .tools/bin) against this control plane (admin by default)."""
         root = Path(__file__).resolve().parents[2]
         exe = shutil.which("kubectl") or str(root / ".tools/bin/kubectl")
-        proc = subprocess.run([exe, f"--kubeconfig={kubeconfig or self.admin_kubeconfig}", *args],
-                              capture_output=True, text=True, input=input, timeout=timeout)
+        proc = subprocess.run(
+            [exe, f"--kubeconfig={kubeconfig or self.admin_kubeconfig}", *args],
+            capture_output=True,
+            text=True,
+            input=input,
+            timeout=timeout,
+        )
         if check and proc.returncode != 0:
             raise ControlPlaneError(f"kubectl {' '.join(args)} -> {proc.returncode}:\n{proc.stdout}{proc.stderr}")
         return proc
@@ -518,8 +619,15 @@ class ControlPlane(FakeKubelet):
                 raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}{extra}")
             time.sleep(interval)
 
-    def wait_for_gc_ready(self, api_version: str, plural: str, kind: str, body: dict[str, Any] | None = None,
-                          namespace: str = "default", timeout: float = 90) -> float:
+    def wait_for_gc_ready(
+        self,
+        api_version: str,
+        plural: str,
+        kind: str,
+        body: dict[str, Any] | None = None,
+        namespace: str = "default",
+        timeout: float = 90,
+    ) -> float:
         """Waits until the controller-manager's garbage collector watches custom resources of
         `api_version` `kind` (a controller-manager that started before the CRD existed learns the
         kind on its ~30 s discovery resync). Returns the seconds it took.
@@ -542,23 +650,40 @@ class ControlPlane(FakeKubelet):
         while True:
             probe = f"gc-probe-{uuid.uuid4().hex[:8]}"
             probes.append(probe)
-            owner = self.ok("POST", base, {**(body or {}), "apiVersion": api_version, "kind": kind,
-                                           "metadata": {"name": probe}})
-            ref = {"apiVersion": api_version, "kind": kind, "name": probe, "uid": owner["metadata"]["uid"],
-                   "blockOwnerDeletion": True}
-            self.ok("POST", cms, {"apiVersion": "v1", "kind": "ConfigMap",
-                                  "metadata": {"name": probe, "ownerReferences": [ref]}})
+            owner = self.ok(
+                "POST", base, {**(body or {}), "apiVersion": api_version, "kind": kind, "metadata": {"name": probe}}
+            )
+            ref = {
+                "apiVersion": api_version,
+                "kind": kind,
+                "name": probe,
+                "uid": owner["metadata"]["uid"],
+                "blockOwnerDeletion": True,
+            }
+            self.ok(
+                "POST",
+                cms,
+                {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": probe, "ownerReferences": [ref]}},
+            )
             self.request("PATCH", f"{base}/{probe}", {"metadata": {"finalizers": None}})  # e.g. an operator's
-            self.ok("DELETE", f"{base}/{probe}", {"kind": "DeleteOptions", "apiVersion": "v1",
-                                                 "propagationPolicy": "Foreground"})
+            self.ok(
+                "DELETE",
+                f"{base}/{probe}",
+                {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Foreground"},
+            )
             round_end = time.monotonic() + min(5.0, max(0.5, deadline - time.monotonic()))
             while time.monotonic() < round_end:
                 if self.get(f"{base}/{probe}") is None and self.get(f"{cms}/{probe}") is None:
                     took = time.monotonic() - t0
-                    self.wait_for(lambda: all(self.get(f"{base}/{p}") is None for p in probes),
-                                  max(10.0, deadline - time.monotonic()), "the GC to finish earlier probes")
+                    self.wait_for(
+                        lambda: all(self.get(f"{base}/{p}") is None for p in probes),
+                        max(10.0, deadline - time.monotonic()),
+                        "the GC to finish earlier probes",
+                    )
                     return took
                 time.sleep(0.2)
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"the garbage collector did not learn {kind} ({api_version}) in {timeout:.0f}s:\n"
-                                   f"{self.log_tail('kube-controller-manager')}")
+                raise TimeoutError(
+                    f"the garbage collector did not learn {kind} ({api_version}) in {timeout:.0f}s:\n"
+                    f"{self.log_tail('kube-controller-manager')}"
+                )

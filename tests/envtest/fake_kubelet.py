@@ -18,39 +18,97 @@ def _now() -> str:
 class FakeKubelet:
     _pod_ips = 0  # fake pod IPs handed out so far
 
-    def create_node(self, name: str, gpus: int = 8, cpu: str = "96", memory: str = "1024Gi", pods: int = 110,
-                    labels: dict[str, str] | None = None, taints: list[dict] | None = None) -> dict:
+    def create_node(
+        self,
+        name: str,
+        gpus: int = 8,
+        cpu: str = "96",
+        memory: str = "1024Gi",
+        pods: int = 110,
+        labels: dict[str, str] | None = None,
+        taints: list[dict] | None = None,
+    ) -> dict:
         """A Node as a kubelet would register it: capacity/allocatable incl. `nvidia.com/gpu`, and
         a Ready condition set through the status subresource, and only `taints` as taints. No
         heartbeats are needed: the node lifecycle controller is off (see _start_controller_manager)."""
         resources = {"cpu": cpu, "memory": memory, "pods": str(pods), "ephemeral-storage": "1Ti"}
         if gpus:
             resources["nvidia.com/gpu"] = str(gpus)
-        node_labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
-                       **(labels or {})}
-        self.ok("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node",
-                                          "metadata": {"name": name, "labels": node_labels},
-                                          "spec": {"taints": taints or []}})
+        node_labels = {
+            "kubernetes.io/hostname": name,
+            "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": "amd64",
+            **(labels or {}),
+        }
+        self.ok(
+            "POST",
+            "/api/v1/nodes",
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": name, "labels": node_labels},
+                "spec": {"taints": taints or []},
+            },
+        )
         now = _now()
-        conditions = [{"type": t, "status": "False", "reason": f"Kubelet{r}", "message": "fake kubelet",
-                       "lastHeartbeatTime": now, "lastTransitionTime": now}
-                      for t, r in (("MemoryPressure", "HasSufficientMemory"), ("DiskPressure", "HasNoDiskPressure"),
-                                   ("PIDPressure", "HasSufficientPID"))]
-        conditions.append({"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "fake kubelet",
-                           "lastHeartbeatTime": now, "lastTransitionTime": now})
-        status = {"capacity": resources, "allocatable": resources, "conditions": conditions,
-                  "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
-                  "nodeInfo": {"architecture": "amd64", "operatingSystem": "linux", "kubeletVersion": "v1.32.13",
-                               "kubeProxyVersion": "", "containerRuntimeVersion": "fake://1", "kernelVersion": "",
-                               "osImage": "fake", "machineID": "", "systemUUID": "", "bootID": ""}}
+        conditions = [
+            {
+                "type": t,
+                "status": "False",
+                "reason": f"Kubelet{r}",
+                "message": "fake kubelet",
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": now,
+            }
+            for t, r in (
+                ("MemoryPressure", "HasSufficientMemory"),
+                ("DiskPressure", "HasNoDiskPressure"),
+                ("PIDPressure", "HasSufficientPID"),
+            )
+        ]
+        conditions.append(
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "KubeletReady",
+                "message": "fake kubelet",
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": now,
+            }
+        )
+        status = {
+            "capacity": resources,
+            "allocatable": resources,
+            "conditions": conditions,
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
+            "nodeInfo": {
+                "architecture": "amd64",
+                "operatingSystem": "linux",
+                "kubeletVersion": "v1.32.13",
+                "kubeProxyVersion": "",
+                "containerRuntimeVersion": "fake://1",
+                "kernelVersion": "",
+                "osImage": "fake",
+                "machineID": "",
+                "systemUUID": "",
+                "bootID": "",
+            },
+        }
         self.ok("PATCH", f"/api/v1/nodes/{name}/status", {"status": status})
         # The TaintNodesByCondition admission plugin gives every new Node the
         # node.kubernetes.io/not-ready:NoSchedule taint; the node lifecycle controller would lift it
         # once the node is Ready. It is off here, so the fake kubelet lifts it (keeping `taints`).
         return self.ok("PATCH", f"/api/v1/nodes/{name}", {"spec": {"taints": taints or None}})
 
-    def set_pod_phase(self, namespace: str, name: str, phase: str, ready: bool | None = None,
-                      container_state: dict[str, Any] | None = None, exit_code: int | None = None) -> dict:
+    def set_pod_phase(
+        self,
+        namespace: str,
+        name: str,
+        phase: str,
+        ready: bool | None = None,
+        container_state: dict[str, Any] | None = None,
+        exit_code: int | None = None,
+    ) -> dict:
         """Acts as the kubelet for one pod: writes its status through the `status` subresource.
 
         phase Running (Ready unless ready=False), Succeeded (exit 0) or Failed (exit 1, or
@@ -69,28 +127,57 @@ class FakeKubelet:
                 container_state = {"running": {"startedAt": started}}
             elif phase in ("Succeeded", "Failed"):
                 code = exit_code if exit_code is not None else (0 if phase == "Succeeded" else 1)
-                container_state = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                                                  "startedAt": started, "finishedAt": now}}
+                container_state = {
+                    "terminated": {
+                        "exitCode": code,
+                        "reason": "Completed" if code == 0 else "Error",
+                        "startedAt": started,
+                        "finishedAt": now,
+                    }
+                }
             else:
                 container_state = {"waiting": {"reason": "ContainerCreating"}}
         running = "running" in container_state
-        statuses = [{"name": c["name"], "image": c["image"], "imageID": f"fake://{c['image']}",
-                     "containerID": f"fake://{uuid.uuid5(uuid.NAMESPACE_URL, pod['metadata']['uid'] + c['name'])}",
-                     "ready": bool(ready and running), "started": running, "restartCount": 0,
-                     "state": container_state}
-                    for c in pod["spec"]["containers"]]
+        statuses = [
+            {
+                "name": c["name"],
+                "image": c["image"],
+                "imageID": f"fake://{c['image']}",
+                "containerID": f"fake://{uuid.uuid5(uuid.NAMESPACE_URL, pod['metadata']['uid'] + c['name'])}",
+                "ready": bool(ready and running),
+                "started": running,
+                "restartCount": 0,
+                "state": container_state,
+            }
+            for c in pod["spec"]["containers"]
+        ]
         ip = old.get("podIP") or self._next_pod_ip()
         cond_ready = "True" if ready and running else "False"
-        conditions = [{"type": t, "status": s, "lastTransitionTime": now, "lastProbeTime": None}
-                      for t, s in (("PodReadyToStartContainers", "True"), ("Initialized", "True"),
-                                   ("Ready", cond_ready), ("ContainersReady", cond_ready), ("PodScheduled", "True"))]
+        conditions = [
+            {"type": t, "status": s, "lastTransitionTime": now, "lastProbeTime": None}
+            for t, s in (
+                ("PodReadyToStartContainers", "True"),
+                ("Initialized", "True"),
+                ("Ready", cond_ready),
+                ("ContainersReady", cond_ready),
+                ("PodScheduled", "True"),
+            )
+        ]
         if phase in ("Succeeded", "Failed"):
             for c in conditions:
                 if c["type"] in ("Ready", "ContainersReady"):
                     c["status"], c["reason"] = "False", "PodCompleted"
-        status = {"phase": phase, "conditions": conditions, "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
-                  "podIP": ip, "podIPs": [{"ip": ip}], "startTime": started, "containerStatuses": statuses,
-                  "qosClass": old.get("qosClass", "BestEffort")}
+        status = {
+            "phase": phase,
+            "conditions": conditions,
+            "hostIP": "127.0.0.1",
+            "hostIPs": [{"ip": "127.0.0.1"}],
+            "podIP": ip,
+            "podIPs": [{"ip": ip}],
+            "startTime": started,
+            "containerStatuses": statuses,
+            "qosClass": old.get("qosClass", "BestEffort"),
+        }
         return self.ok("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}/status", {"status": status})
 
     def _next_pod_ip(self) -> str:
@@ -101,8 +188,11 @@ class FakeKubelet:
     def delete_pod(self, namespace: str, name: str) -> int:
         """Deletes a pod at once (grace period 0): with no kubelet, a pod bound to a node and
         deleted with a grace period would stay Terminating forever. Returns the HTTP status."""
-        status, _ = self.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}",
-                                 {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0})
+        status, _ = self.request(
+            "DELETE",
+            f"/api/v1/namespaces/{namespace}/pods/{name}",
+            {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0},
+        )
         return status
 
     def reap_terminating_pods(self, namespace: str) -> list[str]:

@@ -19,8 +19,11 @@ import yaml
 from controlplane import ControlPlane
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted(p for p in (ROOT / "configs").glob("*.yaml")
-                  if any(d and d.get("kind") == "RolloutMatchingJob" for d in yaml.safe_load_all(p.read_text())))
+EXAMPLES = sorted(
+    p
+    for p in (ROOT / "configs").glob("*.yaml")
+    if any(d and d.get("kind") == "RolloutMatchingJob" for d in yaml.safe_load_all(p.read_text()))
+)
 API = "/apis/rmsft.io/v1alpha1"
 
 
@@ -111,8 +114,9 @@ UNKNOWN_FIELD_CASES = {"unknown-key", "freeze-unknown", "grpo-reward-unknown-key
 
 
 @pytest.mark.parametrize("case", INVALID, ids=[c[0] for c in INVALID])
-def test_invalid_spec_is_refused_naming_the_field(control_plane: ControlPlane, jobs_ns: str,
-                                                  case: tuple[str, dict[str, Any], list[str]]) -> None:
+def test_invalid_spec_is_refused_naming_the_field(
+    control_plane: ControlPlane, jobs_ns: str, case: tuple[str, dict[str, Any], list[str]]
+) -> None:
     case_id, edits, fields = case
     doc = _job()
     for dotted, value in edits.items():
@@ -147,8 +151,11 @@ def _patch(cp: ControlPlane, job: dict[str, Any], dotted: str, value: Any) -> tu
     patch: dict[str, Any] = {}
     _set(patch, dotted, value)
     meta = job["metadata"]
-    return cp.request("PATCH", f"{API}/namespaces/{meta['namespace']}/rolloutmatchingjobs/{meta['name']}"
-                               "?fieldValidation=Strict", patch)
+    return cp.request(
+        "PATCH",
+        f"{API}/namespaces/{meta['namespace']}/rolloutmatchingjobs/{meta['name']}?fieldValidation=Strict",
+        patch,
+    )
 
 
 IMMUTABLE_EDITS = [
@@ -163,8 +170,9 @@ IMMUTABLE_EDITS = [
 
 
 @pytest.mark.parametrize(("dotted", "value", "field"), IMMUTABLE_EDITS, ids=[e[0] for e in IMMUTABLE_EDITS])
-def test_edit_of_immutable_field_is_refused(control_plane: ControlPlane, existing_job: dict[str, Any],
-                                            dotted: str, value: Any, field: str) -> None:
+def test_edit_of_immutable_field_is_refused(
+    control_plane: ControlPlane, existing_job: dict[str, Any], dotted: str, value: Any, field: str
+) -> None:
     status, body = _patch(control_plane, existing_job, dotted, value)
     message = _message(body)
     assert status == 422, f"editing {dotted} was not refused ({status}): {message}"

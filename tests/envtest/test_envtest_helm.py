@@ -42,13 +42,27 @@ def _monitoring_crd(kind: str, plural: str) -> dict[str, Any]:
     """A minimal stand-in for a Prometheus Operator CRD (any spec accepted): enough for the
     chart's ServiceMonitor/PodMonitor to be created, which is all the chart is responsible for."""
     return {
-        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
         "metadata": {"name": f"{plural}.monitoring.coreos.com"},
-        "spec": {"group": "monitoring.coreos.com", "scope": "Namespaced",
-                 "names": {"kind": kind, "listKind": f"{kind}List", "plural": plural, "singular": kind.lower()},
-                 "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
-                     "type": "object", "properties": {"spec": {"type": "object",
-                                                               "x-kubernetes-preserve-unknown-fields": True}}}}}]},
+        "spec": {
+            "group": "monitoring.coreos.com",
+            "scope": "Namespaced",
+            "names": {"kind": kind, "listKind": f"{kind}List", "plural": plural, "singular": kind.lower()},
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "properties": {"spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                        }
+                    },
+                }
+            ],
+        },
     }
 
 
@@ -56,8 +70,13 @@ def _helm(cp: ControlPlane, *args: str, check: bool = True) -> subprocess.Comple
     exe = shutil.which("helm") or str(ROOT / ".tools/bin/helm")
     if not os.access(exe, os.X_OK):
         pytest.fail("helm not found on PATH or in .tools/bin: run `make setup`")
-    env = {**os.environ, "KUBECONFIG": str(cp.admin_kubeconfig), "HELM_CACHE_HOME": str(cp.dir / "helm/cache"),
-           "HELM_CONFIG_HOME": str(cp.dir / "helm/config"), "HELM_DATA_HOME": str(cp.dir / "helm/data")}
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(cp.admin_kubeconfig),
+        "HELM_CACHE_HOME": str(cp.dir / "helm/cache"),
+        "HELM_CONFIG_HOME": str(cp.dir / "helm/config"),
+        "HELM_DATA_HOME": str(cp.dir / "helm/data"),
+    }
     proc = subprocess.run([exe, *args], capture_output=True, text=True, env=env, timeout=180)
     if check and proc.returncode != 0:
         raise AssertionError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
@@ -82,8 +101,7 @@ def install(control_plane: ControlPlane, tmp_path: Path) -> Iterator[Any]:
 
     yield run
     for release in installed:
-        _helm(control_plane, "uninstall", release, "--namespace", NAMESPACE, "--wait", "--timeout", "60s",
-              check=False)
+        _helm(control_plane, "uninstall", release, "--namespace", NAMESPACE, "--wait", "--timeout", "60s", check=False)
 
 
 def _assert_crd_served_from_chart(cp: ControlPlane) -> None:
@@ -122,8 +140,11 @@ def test_default_install(control_plane: ControlPlane, install: Any) -> None:
 
     # The controller-manager acts on it: a ReplicaSet for the Deployment (PodSecurity admission,
     # at its default, lets the operator pod through; with no node it stays Pending).
-    cp.wait_for(lambda: cp.ok("GET", f"/apis/apps/v1/namespaces/{NAMESPACE}/replicasets")["items"], 30,
-                "the operator Deployment's ReplicaSet")
+    cp.wait_for(
+        lambda: cp.ok("GET", f"/apis/apps/v1/namespaces/{NAMESPACE}/replicasets")["items"],
+        30,
+        "the operator Deployment's ReplicaSet",
+    )
 
     # The operator's own identity, checked by the server's RBAC: its namespace only, no Secret readable.
     token = cp.token_for(NAMESPACE, RELEASE)
@@ -139,8 +160,12 @@ def test_default_install(control_plane: ControlPlane, install: Any) -> None:
         assert _can(cp, token, f"/api/v1/namespaces/{where}/secrets/any") == 403
     assert _can(cp, token, f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{CRD_NAME}") == 200
     assert _can(cp, token, "/apis/apiextensions.k8s.io/v1/customresourcedefinitions") == 403  # that one only
-    status, body = cp.request("POST", "/apis/apps/v1/namespaces/default/statefulsets", {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "x"}}, token=token)
+    status, body = cp.request(
+        "POST",
+        "/apis/apps/v1/namespaces/default/statefulsets",
+        {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "x"}},
+        token=token,
+    )
     assert status == 403, body  # no workload outside its namespace
     status, body = cp.request("DELETE", f"/api/v1/namespaces/{NAMESPACE}/configmaps/kube-root-ca.crt", token=token)
     assert status == 403, body

@@ -22,38 +22,58 @@ CHART_CRD = ROOT / "charts/rmsft/crds/rolloutmatchingjobs.yaml"
 
 def _helm(cp: ControlPlane, *args: str) -> str:
     exe = str(ROOT / ".tools/bin/helm") if (ROOT / ".tools/bin/helm").exists() else "helm"
-    env = {**os.environ, "KUBECONFIG": str(cp.admin_kubeconfig), "HELM_CACHE_HOME": str(cp.dir / "helm-up/cache"),
-           "HELM_CONFIG_HOME": str(cp.dir / "helm-up/config"), "HELM_DATA_HOME": str(cp.dir / "helm-up/data")}
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(cp.admin_kubeconfig),
+        "HELM_CACHE_HOME": str(cp.dir / "helm-up/cache"),
+        "HELM_CONFIG_HOME": str(cp.dir / "helm-up/config"),
+        "HELM_DATA_HOME": str(cp.dir / "helm-up/data"),
+    }
     proc = subprocess.run([exe, *args], capture_output=True, text=True, env=env, timeout=180)
     assert proc.returncode == 0, f"helm {' '.join(args)}:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
 
-def test_the_operator_against_an_older_crd_logs_and_emits_the_mismatch(control_plane: ControlPlane,
-                                                                       tmp_path: Path) -> None:
+def test_the_operator_against_an_older_crd_logs_and_emits_the_mismatch(
+    control_plane: ControlPlane, tmp_path: Path
+) -> None:
     cp = control_plane
-    assert "STATUS: deployed" in _helm(cp, "install", RELEASE, str(ROOT / "charts/rmsft"), "--namespace", NS,
-                                       "--create-namespace")
+    assert "STATUS: deployed" in _helm(
+        cp, "install", RELEASE, str(ROOT / "charts/rmsft"), "--namespace", NS, "--create-namespace"
+    )
     proc = None
     try:
         cp.apply_crd(yaml.safe_load(OLD_CRD.read_text()))
         dep = cp.ok("GET", f"/apis/apps/v1/namespaces/{NS}/deployments/{RELEASE}")
         pod = dep["spec"]["template"]["spec"]
         container = pod["containers"][0]
-        kubeconfig = cp.write_kubeconfig(tmp_path / "kubeconfig", token=cp.token_for(NS, pod["serviceAccountName"]),
-                                         namespace=NS)
+        kubeconfig = cp.write_kubeconfig(
+            tmp_path / "kubeconfig", token=cp.token_for(NS, pod["serviceAccountName"]), namespace=NS
+        )
         args = [re.sub(r":\d+/healthz$", f":{free_port()}/healthz", a) for a in container["args"]]
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")},
-               **{e["name"]: e["value"] for e in container.get("env", []) if "value" in e},
-               "KUBECONFIG": str(kubeconfig), "RMSFT_OPERATOR_METRICS_PORT": str(free_port()),
-               "RMSFT_OPERATOR_PROGRESS_TIMEOUT_SECONDS": "0"}
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")},
+            **{e["name"]: e["value"] for e in container.get("env", []) if "value" in e},
+            "KUBECONFIG": str(kubeconfig),
+            "RMSFT_OPERATOR_METRICS_PORT": str(free_port()),
+            "RMSFT_OPERATOR_PROGRESS_TIMEOUT_SECONDS": "0",
+        }
         assert env["RMSFT_OPERATOR_NAMESPACE"] == NS  # the chart says where the Event goes
         log = tmp_path / "operator.log"
         with log.open("wb") as fh:
-            proc = subprocess.Popen([sys.executable, "-m", "rmsft_cli", *args], stdout=fh, stderr=subprocess.STDOUT,
-                                    env=env, cwd=ROOT, start_new_session=True)
-        said = cp.wait_for(lambda: "older than this operator" in log.read_text(errors="replace") or
-                           proc.poll() is not None, 60, "the operator's log line on the CRD")
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "rmsft_cli", *args],
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+                start_new_session=True,
+            )
+        said = cp.wait_for(
+            lambda: "older than this operator" in log.read_text(errors="replace") or proc.poll() is not None,
+            60,
+            "the operator's log line on the CRD",
+        )
         text = log.read_text(errors="replace")
         assert said and proc.poll() is None, text[-4000:]
         assert "status.learnerAttempt" in text and "kubectl apply --server-side -f charts/rmsft/crds" in text
@@ -78,6 +98,7 @@ def test_the_operator_against_an_older_crd_logs_and_emits_the_mismatch(control_p
 
 
 def test_the_chart_crd_is_back_after_the_old_one(control_plane: ControlPlane) -> None:
-    served = control_plane.ok("GET", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
-                              "rolloutmatchingjobs.rmsft.io")
+    served = control_plane.ok(
+        "GET", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/rolloutmatchingjobs.rmsft.io"
+    )
     assert served["spec"]["versions"] == yaml.safe_load(CHART_CRD.read_text())["spec"]["versions"]

@@ -86,8 +86,9 @@ def test_zero2_offload_through_deepspeed_frees_the_gpu(tiny_model_dir: Path) -> 
     from learner.train.updater import ZeroUpdater
 
     model = _model(tiny_model_dir)
-    step = ZeroUpdater(model, Ranks.single(), stage=2, lr=1e-3, weight_decay=0.0, max_grad_norm=1.0,
-                    device=torch.device("cuda", 0))
+    step = ZeroUpdater(
+        model, Ranks.single(), stage=2, lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, device=torch.device("cuda", 0)
+    )
     try:
         _one_step(step)
         before = _snapshot(model, step)

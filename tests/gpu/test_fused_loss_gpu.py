@@ -16,8 +16,10 @@ import torch
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (no GPU on this machine)"),
-    pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None,
-                       reason="needs liger-kernel (the GPU image's `fused` extra; make gpu-check-wheels brings it)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("liger_kernel") is None,
+        reason="needs liger-kernel (the GPU image's `fused` extra; make gpu-check-wheels brings it)",
+    ),
 ]
 
 DEVICE = "cuda"
@@ -51,10 +53,16 @@ def _row(tok, vocab, generation: int):
             parsed = parse(list(vocab.encode(COORDEXP.render(pred))) + [vocab.eos_id], vocab)
             objs = [o.obj for o in parsed.objects]
             dups = find_duplicates(objs, DuplicateConfig())
-            m = match([o for j, o in enumerate(objs) if j not in dups], gt,
-                      MatchConfig(iou_gate=0.5, fp_cost=1.0, fn_cost=1.2))
-            segs.append(build_clean_targets(_prompt(tok, i), parsed, dups, m, gt, vocab, COORDEXP,
-                                            cfg=CleanPrefixConfig(), recovered=rec))
+            m = match(
+                [o for j, o in enumerate(objs) if j not in dups],
+                gt,
+                MatchConfig(iou_gate=0.5, fp_cost=1.0, fn_cost=1.2),
+            )
+            segs.append(
+                build_clean_targets(
+                    _prompt(tok, i), parsed, dups, m, gt, vocab, COORDEXP, cfg=CleanPrefixConfig(), recovered=rec
+                )
+            )
     return pack(segs, packing_length=4096)
 
 
@@ -110,9 +118,21 @@ def test_fused_loss_equals_chunked_on_cuda(cuda_model, tiny_tokenizer, tiny_voca
     row = _row(tiny_tokenizer, tiny_vocab, generation).to(DEVICE)
     if generation == 2:  # the per-token CE weights the kernel's reduction "none" must honour are in the row
         assert row.ce_weights is not None and bool((row.ce_weights != 1).any()) and row.n_unlikelihood
-    w = (LossWeights(ce=1.0, soft_ce=0.7, w1=1.3, gate=0.5) if generation == 1 else
-         LossWeights(ce=1.0, soft_ce=0.1, w1=0.02, gate=1.0, coord_ce=0.02, smooth_l1=1.0, ciou=0.5,
-                     unlikelihood=1.0, weighted_mean=True))
+    w = (
+        LossWeights(ce=1.0, soft_ce=0.7, w1=1.3, gate=0.5)
+        if generation == 1
+        else LossWeights(
+            ce=1.0,
+            soft_ce=0.1,
+            w1=0.02,
+            gate=1.0,
+            coord_ce=0.02,
+            smooth_l1=1.0,
+            ciou=0.5,
+            unlikelihood=1.0,
+            weighted_mean=True,
+        )
+    )
 
     def loss_of(source):
         return compute_loss(source, row, tiny_vocab.coord_token_ids, w)
@@ -132,20 +152,24 @@ def test_fused_grpo_equals_chunked_on_cuda(cuda_model, temperature: float) -> No
     segs = []
     for i, (p, c) in enumerate([(9, 11), (5, 23), (14, 3)]):
         prompt, completion = torch.randint(3, 200, (p,), generator=g).tolist(), torch.randint(3, 200, (c,), generator=g)
-        segs.append(grpo_segment(prompt, completion.tolist(), (-torch.rand(c, generator=g) * 3).tolist(),
-                                 [0.8, -1.1, 0.3][i]))
+        segs.append(
+            grpo_segment(prompt, completion.tolist(), (-torch.rand(c, generator=g) * 3).tolist(), [0.8, -1.1, 0.3][i])
+        )
     row = pack(segs, packing_length=256).to(DEVICE)
     with torch.no_grad():  # the reference policy's log-probs both ways
-        refs = [completion_logprobs(row_outputs(cuda_model, cuda_model, row.model_inputs(), mode, 4), row,
-                                    temperature) for mode in ("fused", "chunked")]
+        refs = [
+            completion_logprobs(row_outputs(cuda_model, cuda_model, row.model_inputs(), mode, 4), row, temperature)
+            for mode in ("fused", "chunked")
+        ]
     assert torch.allclose(refs[0], refs[1], rtol=1e-5, atol=1e-5)
     fused = _run(cuda_model, row, "fused", lambda s: grpo_loss(s, row, cfg, refs[1]))
     chunked = _run(cuda_model, row, "chunked", lambda s: grpo_loss(s, row, cfg, refs[1]))
     _assert_same(fused, chunked, ("clip_fraction", "ratio_mean", "kl"))
 
 
-def test_fused_loss_trains_the_coordinate_rows_as_chunked_under_lora(tiny_model_dir: Path, tiny_tokenizer,
-                                                                     tiny_vocab) -> None:
+def test_fused_loss_trains_the_coordinate_rows_as_chunked_under_lora(
+    tiny_model_dir: Path, tiny_tokenizer, tiny_vocab
+) -> None:
     """finetune: lora with its coordinate rows (peft's trainable token rows on the tied head): the kernel takes
     their merged weight, so their delta's gradient is chunked's."""
     from learner.core.losses import LossWeights, compute_loss
@@ -175,6 +199,8 @@ def test_fused_bf16_loss_is_chunked_within_bf16(cuda_model, tiny_tokenizer, tiny
 
     row = _row(tiny_tokenizer, tiny_vocab, 1).to(DEVICE)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        outs = [_run(cuda_model, row, mode, lambda s: compute_loss(s, row, tiny_vocab.coord_token_ids))
-                for mode in ("fused", "chunked")]
+        outs = [
+            _run(cuda_model, row, mode, lambda s: compute_loss(s, row, tiny_vocab.coord_token_ids))
+            for mode in ("fused", "chunked")
+        ]
     _assert_same(outs[0], outs[1], ("ce",), rtol=2e-2, grad_rtol=5e-2)

@@ -38,7 +38,7 @@ def _segments(vocab, n: int = 4, length: int = 48):
         bins = (17, 900)
         for p, b in zip(cpos, bins, strict=True):
             ids[p] = vocab.coord_token_ids[b]
-        labels = [IGNORE_INDEX] * (length // 2) + ids[length // 2:]
+        labels = [IGNORE_INDEX] * (length // 2) + ids[length // 2 :]
         out.append(Segment(tuple(ids), tuple(labels), cpos, bins, prompt_len=length // 2, prefix_len=0))
     return out
 
@@ -98,10 +98,24 @@ def test_zero2_two_ranks_on_nccl(tmp_path: Path, tiny_model_dir: Path) -> None:
     job_file.write_text(yaml.safe_dump(job.to_manifest()))
     server = FakeServer(FakeEngine())
     try:
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               str(ROOT / "tests/learner/multirank_worker.py"), str(job_file), server.address,
-                               str(tmp_path)], capture_output=True, text=True, timeout=900,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                str(ROOT / "tests/learner/multirank_worker.py"),
+                str(job_file),
+                server.address,
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
     finally:
         server.stop()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -11,8 +11,17 @@ import torch
 
 
 class InProcessServer:
-    def __init__(self, model_dir: Path, staging: Path, *, dtype: str = "auto", shared: Path | None = None,
-                 port: int = 0, logprobs_mode: str = "raw", weight_transfer: str = "") -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        staging: Path,
+        *,
+        dtype: str = "auto",
+        shared: Path | None = None,
+        port: int = 0,
+        logprobs_mode: str = "raw",
+        weight_transfer: str = "",
+    ) -> None:
         from rollout_engine.config import ServeConfig
         from rollout_engine.hf_engine import HfEngine
         from rollout_svc.server import add_rollout_service
@@ -20,9 +29,15 @@ class InProcessServer:
 
         staging.mkdir(parents=True, exist_ok=True)
         self.staging = staging
-        cfg = ServeConfig(model=str(model_dir), backend="hf", dtype=dtype, staging_dir=str(staging),
-                          shared_weights_dir=str(shared or ""), logprobs_mode=logprobs_mode,
-                          weight_transfer=weight_transfer)
+        cfg = ServeConfig(
+            model=str(model_dir),
+            backend="hf",
+            dtype=dtype,
+            staging_dir=str(staging),
+            shared_weights_dir=str(shared or ""),
+            logprobs_mode=logprobs_mode,
+            weight_transfer=weight_transfer,
+        )
         self.servicer = RolloutServicer(cfg)
         self.engine = HfEngine(cfg)
         self.servicer.attach(self.engine)

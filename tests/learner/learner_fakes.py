@@ -142,8 +142,10 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch_message(expected, self.weights))
             if self.delay_s:
                 time.sleep(self.delay_s)
-            version = WeightVersion(self.run_id if self.reply_run_id is None else self.reply_run_id,
-                                    self.version if self.reply_version is None else self.reply_version)
+            version = WeightVersion(
+                self.run_id if self.reply_run_id is None else self.reply_run_id,
+                self.version if self.reply_version is None else self.reply_version,
+            )
             out = set_version(rollout_pb2.GenerateResponse(), version)
             for p in request.prompts:
                 ids = list(p.token_ids)
@@ -151,16 +153,22 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
                     ids = self.render([{"role": m.role, "content": m.content} for m in p.messages])
                 for k in range(request.sampling.n or 1):  # the real server's sample order and seed rule
                     seed = sample_seed(p.seed, k) if p.HasField("seed") else None
-                    toks = (fake_tokens(ids, seed) if self.answer is None
-                            else self.answer(ids, request.sampling.temperature, seed))
-                    set_version(out.completions.add(
-                        prompt_token_ids=ids,
-                        token_ids=toks,
-                        finish_reason=rollout_pb2.STOP,
-                        request_id=p.request_id,
-                        sample_index=k,
-                        logprobs=[-0.5] * len(toks) if request.sampling.logprobs else (),
-                    ), version)
+                    toks = (
+                        fake_tokens(ids, seed)
+                        if self.answer is None
+                        else self.answer(ids, request.sampling.temperature, seed)
+                    )
+                    set_version(
+                        out.completions.add(
+                            prompt_token_ids=ids,
+                            token_ids=toks,
+                            finish_reason=rollout_pb2.STOP,
+                            request_id=p.request_id,
+                            sample_index=k,
+                            logprobs=[-0.5] * len(toks) if request.sampling.logprobs else (),
+                        ),
+                        version,
+                    )
             return out
         finally:
             with self.lock:
@@ -202,10 +210,14 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
             self.run_id, self.version = reader.header.run_id, reader.header.version  # together, as the server
             self.active_adapter = f"adapter-v{self.version}" if reader.header.mode == ADAPTER else ""
             self.events.append(f"update:{reader.header.version}")
-        return set_version(rollout_pb2.UpdateReply(
-            tensors_applied=len(tensors), bytes_received=reader.received_bytes,
-            relayed=self._relay(received, context),
-        ), version_of(reader.header))
+        return set_version(
+            rollout_pb2.UpdateReply(
+                tensors_applied=len(tensors),
+                bytes_received=reader.received_bytes,
+                relayed=self._relay(received, context),
+            ),
+            version_of(reader.header),
+        )
 
     def _relay(self, chunks: list[rollout_pb2.WeightChunk], context) -> list[rollout_pb2.RelayOutcome]:
         """Forward the whole stream to header.relay_to, one server after the other (the real server
@@ -238,11 +250,18 @@ class FakeEngine(rollout_pb2_grpc.RolloutServiceServicer):
         self._auth(context)
         with self.lock:
             self.events.append("status")
-        return set_version(rollout_pb2.StatusReply(
-            model="fake", replica_ordinal=self.ordinal, ready=True,
-            lora_enabled=self.lora_enabled, backend="fake", max_lora_rank=self.max_lora_rank,
-            active_adapter=self.active_adapter,
-        ), self.weights)
+        return set_version(
+            rollout_pb2.StatusReply(
+                model="fake",
+                replica_ordinal=self.ordinal,
+                ready=True,
+                lora_enabled=self.lora_enabled,
+                backend="fake",
+                max_lora_rank=self.max_lora_rank,
+                active_adapter=self.active_adapter,
+            ),
+            self.weights,
+        )
 
 
 class FakeServer:
@@ -252,8 +271,10 @@ class FakeServer:
     def __init__(self, engine: FakeEngine, port: int = 0) -> None:
         self.engine = engine
         # Accepts what `rmsft serve` accepts (rollout_svc.server.GENERATE_RECEIVE_BYTES), not grpc's 4 MiB default.
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
-                                   options=[("grpc.max_receive_message_length", GENERATE_RECEIVE_BYTES)])
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=8),
+            options=[("grpc.max_receive_message_length", GENERATE_RECEIVE_BYTES)],
+        )
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(engine, self._server)
         self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
         if self.port == 0:

@@ -39,12 +39,19 @@ def main(job_path: str, address: str, out_dir: str) -> None:
             "exported": str(trainer.exported) if trainer.exported else None,
             "steps": [
                 {
-                    "step": h.step, "loss": h.loss, "parts": h.parts, "record_ids": h.record_ids,
-                    "local_record_ids": h.local_record_ids, "local_rows": h.local_rows, "rows": h.rows,
-                    "local_tokens": h.local_tokens, "weight_version": h.weight_version,
+                    "step": h.step,
+                    "loss": h.loss,
+                    "parts": h.parts,
+                    "record_ids": h.record_ids,
+                    "local_record_ids": h.local_record_ids,
+                    "local_rows": h.local_rows,
+                    "rows": h.rows,
+                    "local_tokens": h.local_tokens,
+                    "weight_version": h.weight_version,
                     "rollout_ids": [r.request_id for r in h.rollouts],
                     "rollout_versions": sorted({r.weight_version for r in h.rollouts}),
-                    "matched": h.figures.stats.matched, "fp": h.figures.stats.false_positives,
+                    "matched": h.figures.stats.matched,
+                    "fp": h.figures.stats.false_positives,
                     "fn": h.figures.stats.false_negatives,
                 }
                 for h in trainer.history

@@ -38,14 +38,23 @@ def test_each_prediction_pairs_once_in_the_order_written_and_its_edge_errors_are
     assert s["other"]["y2"]["signed"] == pytest.approx(1.0)
 
 
-def test_the_ledger_is_read_per_setting_and_arm_and_a_later_run_replaces_an_earlier_one(tmp_path: Path,
-                                                                                          capsys) -> None:
+def test_the_ledger_is_read_per_setting_and_arm_and_a_later_run_replaces_an_earlier_one(tmp_path: Path, capsys) -> None:
     be = _module()
     path = tmp_path / "g-detections.jsonl.gz"
 
     def line(arm: str, seed: int, predicted: list) -> str:
-        return json.dumps({"key": ["row", arm, seed, 40, 20, 1, 0.0], "step": 40, "sizes": [[192, 192]],
-                           "truth": [TRUTH], "predicted": [predicted]}) + "\n"
+        return (
+            json.dumps(
+                {
+                    "key": ["row", arm, seed, 40, 20, 1, 0.0],
+                    "step": 40,
+                    "sizes": [[192, 192]],
+                    "truth": [TRUTH],
+                    "predicted": [predicted],
+                }
+            )
+            + "\n"
+        )
 
     with gzip.open(path, "wt") as f:
         f.write(line("sft", 0, [["red rectangle", 0, 0, 32, 96]]))
@@ -57,7 +66,8 @@ def test_the_ledger_is_read_per_setting_and_arm_and_a_later_run_replaces_an_earl
     assert be.tall_rows(found[("row", "gen2")]) == {"all": 1}
     assert be.tall_rows(found[("row", "sft")]) == {"none": 1}
     assert be.tall_rows([be.pairs(TRUTH, [["red rectangle", 0, 0, 32, 96], ["red rectangle", 32, 0, 64, 64]])]) == {
-        "some": 1}
+        "some": 1
+    }
     be.main([str(path)])
     out = capsys.readouterr().out
     assert "row_sft_iou75=1 " in out and "row_gen2_iou75=0 " in out and "row_gen2_tall_y2_signed=32" in out

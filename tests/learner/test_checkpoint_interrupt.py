@@ -43,8 +43,13 @@ print("not paused", flush=True)
 def _paused_child(tmp_path: Path, step: int) -> tuple[subprocess.Popen, Path]:
     marker = tmp_path / "paused"
     env = {**os.environ, "PYTHONPATH": str(ROOT), PAUSE_AT_ENV: f"checkpoint:{step}", MARKER_ENV: str(marker)}
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "ckpt"), str(step)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(tmp_path / "ckpt"), str(step)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not marker.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -57,8 +62,9 @@ def _paused_child(tmp_path: Path, step: int) -> tuple[subprocess.Popen, Path]:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
 @pytest.mark.parametrize("step", [4, 2], ids=["new-step", "same-step-again"])
-def test_checkpoint_stopped_mid_save_leaves_the_last_complete_one(tmp_path: Path, sig: signal.Signals,
-                                                                  step: int) -> None:
+def test_checkpoint_stopped_mid_save_leaves_the_last_complete_one(
+    tmp_path: Path, sig: signal.Signals, step: int
+) -> None:
     proc, ckpt = _paused_child(tmp_path, step)
     try:
         # Stopped mid-save: the new checkpoint is in its temporary folder, the old one complete.
@@ -111,8 +117,9 @@ def test_saving_a_step_again_swaps_it_in_whole(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4"]
 
 
-def test_a_re_save_killed_between_its_renames_loses_neither_copy(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_re_save_killed_between_its_renames_loses_neither_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Where the filesystem cannot exchange, the old copy is renamed aside first; stopped right after that rename
     (the new one not yet in place), the old copy is still the checkpoint of its step, and the next save puts it back
     instead of deleting it as a leftover (issue 41)."""
@@ -195,8 +202,11 @@ def test_earlier_runs_keeps_the_newest_few(tmp_path: Path, monkeypatch: pytest.M
         (tmp_path / "step-1").mkdir()
         (tmp_path / "step-1" / "state.pt").write_bytes(b"x")
         # one set-aside per "day": the folder names carry the time
-        monkeypatch.setattr(checkpoint_files.time, "gmtime", lambda *_a, r=run: time.struct_time(
-            (2026, 12, 1 + r, 12, 0, 0, 0, 335 + r, 0)))
+        monkeypatch.setattr(
+            checkpoint_files.time,
+            "gmtime",
+            lambda *_a, r=run: time.struct_time((2026, 12, 1 + r, 12, 0, 0, 0, 335 + r, 0)),
+        )
         dest, steps = set_aside_earlier(tmp_path, f"run{run}")
         made.append(dest.name)
         assert steps == [1]
@@ -207,7 +217,7 @@ def test_earlier_runs_keeps_the_newest_few(tmp_path: Path, monkeypatch: pytest.M
 def test_a_one_file_checkpoint_is_refused_with_what_to_do(tmp_path: Path) -> None:
     """A checkpoint of the one-file layout (every rank's state in state.pt, before issue 60) is refused before any
     rank looks for its part, with what to do (finish with the release that wrote it, or export and start fresh), as a
-refused configuration (exit 2)."""
+    refused configuration (exit 2)."""
     from types import SimpleNamespace
 
     import torch
@@ -216,8 +226,9 @@ refused configuration (exit 2)."""
     from learner.train.ranks import Ranks
     from rmsft.exit_codes import CONFIG_EXIT, exit_code_for
 
-    save_checkpoint(tmp_path, 3, {"step": 3, "version": 3, "model": {}, "rank_states": [{}], "world_size": 1,
-                                  "deepspeed_stage": 0})
+    save_checkpoint(
+        tmp_path, 3, {"step": 3, "version": 3, "model": {}, "rank_states": [{}], "world_size": 1, "deepspeed_stage": 0}
+    )
     cfg = SimpleNamespace(checkpoint=SimpleNamespace(dir=str(tmp_path), resume_any=False), deepspeed_stage=0)
     ckpt = Checkpointer(cfg, Ranks.single(), torch.nn.Linear(2, 2), None, None, TrainState())  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match=r"one-file layout of earlier rmsft releases.*rmsft export") as refused:

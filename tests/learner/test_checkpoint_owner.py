@@ -41,8 +41,13 @@ def _job(name: str = "tiny", **training):
 def test_the_lineage_keeps_what_a_resume_may_change_and_names_what_it_may_not() -> None:
     mine = lineage_of(_job())
     assert lineage_of(_job(steps=500, lr=3e-4, warmup_steps=5))["digest"] == mine["digest"]
-    for other in (_job(name="other"), _job(seed=7), _job(prompts_per_step=8), _job(finetune="full"),
-                  _job(data={"path": "elsewhere.jsonl"})):
+    for other in (
+        _job(name="other"),
+        _job(seed=7),
+        _job(prompts_per_step=8),
+        _job(finetune="full"),
+        _job(data={"path": "elsewhere.jsonl"}),
+    ):
         assert lineage_of(other)["digest"] != mine["digest"]
 
 
@@ -83,8 +88,7 @@ _HOLDER = textwrap.dedent("""
 
 
 def _hold(folder: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder)], stdout=subprocess.PIPE, text=True,
-                            cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
     return proc
 
@@ -104,8 +108,9 @@ def test_one_writer_per_folder_until_the_holder_is_gone(tmp_path: Path) -> None:
     lock = WriterLock(tmp_path, run_id="r-2", job="ns/second", wait_s=0)  # SIGKILL released it
     again = WriterLock(tmp_path, run_id="r-3", job="ns/second", wait_s=0)  # this process: shared, not released
     again.release()
-    refused = subprocess.run([sys.executable, "-c", _HOLDER, str(tmp_path)], cwd=ROOT, timeout=60,
-                             capture_output=True, text=True)  # still held by `lock` after the second hold's release
+    refused = subprocess.run(
+        [sys.executable, "-c", _HOLDER, str(tmp_path)], cwd=ROOT, timeout=60, capture_output=True, text=True
+    )  # still held by `lock` after the second hold's release
     assert refused.returncode != 0 and "CheckpointFolderBusyError" in refused.stderr
     lock.release()
     _hold(tmp_path).kill()  # and free once the last hold is released
@@ -118,16 +123,22 @@ def test_rmsft_train_on_a_held_folder_exits_for_a_retry(tmp_path: Path, data_pat
 
     ckpt = tmp_path / "ckpt"
     doc = copy.deepcopy(BASE)
-    doc["spec"]["training"].update(checkpoint={"dir": str(ckpt)}, data={"path": str(data_path)},
-                                   log_dir=str(tmp_path / "tb"))
+    doc["spec"]["training"].update(
+        checkpoint={"dir": str(ckpt)}, data={"path": str(data_path)}, log_dir=str(tmp_path / "tb")
+    )
     cfg = tmp_path / "job.yaml"
     cfg.write_text(yaml.safe_dump(doc))
     ckpt.mkdir()
     holder = _hold(ckpt)
     try:
-        run = subprocess.run([sys.executable, "-m", "rmsft_cli", "train", "--config", str(cfg), "--servers",
-                              "127.0.0.1:1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                             env={**__import__("os").environ, "RMSFT_CHECKPOINT_WRITER_WAIT_S": "0"})
+        run = subprocess.run(
+            [sys.executable, "-m", "rmsft_cli", "train", "--config", str(cfg), "--servers", "127.0.0.1:1"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**__import__("os").environ, "RMSFT_CHECKPOINT_WRITER_WAIT_S": "0"},
+        )
     finally:
         holder.kill()
         holder.wait()
@@ -137,7 +148,8 @@ def test_rmsft_train_on_a_held_folder_exits_for_a_retry(tmp_path: Path, data_pat
 
 
 def test_a_checkpoint_recording_the_same_paths_relative_to_the_working_directory_is_this_lineage(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 64: job files' relative paths are now read against their folder (absolute in the lineage); a
     checkpoint an earlier rmsft wrote recorded them as written, relative to the working directory it ran in."""
     monkeypatch.chdir(tmp_path)
@@ -151,9 +163,12 @@ def test_a_checkpoint_recording_the_same_paths_relative_to_the_working_directory
     other = save_checkpoint(tmp_path / "b", 1, {"step": 1}, lineage=earlier)
     with pytest.raises(CheckpointLineageError, match="spec.training.data.path 'other/d.jsonl'"):
         check_resumable(other, mine, resume_any=False)
+
+
 @pytest.mark.parametrize("code", [errno.ENOLCK, errno.ENOSYS])
-def test_a_filesystem_without_posix_locks_is_named_as_such(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                           code: int) -> None:
+def test_a_filesystem_without_posix_locks_is_named_as_such(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
     """Issue 60: ENOLCK/ENOSYS from fcntl.lockf (NFS mounted nolock, a FUSE mount) is no other learner holding the
     folder: the error says the filesystem has no POSIX locks and what to do, at once (no wait for a holder), and
     refuses the configuration (exit 2: the same volume comes back on a retry)."""

@@ -59,8 +59,9 @@ def data_path(tmp_path: Path) -> Path:
     return write_synthetic_dataset(tmp_path / "train.jsonl", n=4, seed=0)
 
 
-def test_trainer_fails_at_start_before_any_server_or_model_work(tiny_model_dir, data_path, tmp_path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_trainer_fails_at_start_before_any_server_or_model_work(
+    tiny_model_dir, data_path, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import learner.train.loop as loop_mod
     import learner.train.loop as trainer_mod
     from rmsft.jobspec import parse_job
@@ -87,8 +88,22 @@ def test_rmsft_train_exits_2_naming_the_folder(tiny_model_dir, data_path, tmp_pa
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(_job_doc(tiny_model_dir, data_path, target)))
     res = subprocess.run(
-        [sys.executable, "-m", "rmsft_cli", "train", "--config", str(job), "--servers", "127.0.0.1:1",
-         "--metrics-port", "0"], capture_output=True, text=True, cwd=ROOT, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "rmsft_cli",
+            "train",
+            "--config",
+            str(job),
+            "--servers",
+            "127.0.0.1:1",
+            "--metrics-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=180,
     )
     err = " ".join(res.stderr.split())
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr

@@ -24,8 +24,15 @@ def _png(path: Path, size: tuple[int, int]) -> None:
 
 
 def _ann(ann_id: int, image_id: int, category_id: int, bbox: list[float], **extra: object) -> dict:
-    return {"id": ann_id, "image_id": image_id, "category_id": category_id, "bbox": bbox, "iscrowd": 0,
-            "area": bbox[2] * bbox[3], **extra}
+    return {
+        "id": ann_id,
+        "image_id": image_id,
+        "category_id": category_id,
+        "bbox": bbox,
+        "iscrowd": 0,
+        "area": bbox[2] * bbox[3],
+        **extra,
+    }
 
 
 def write_coco(tmp: Path) -> tuple[Path, Path]:
@@ -93,17 +100,28 @@ def test_conversion_writes_records_the_learner_loads(tmp_path: Path) -> None:
     assert empty["objects"] == [] and empty["images"] == ["../images/empty.png"]
 
     assert (summary.records, summary.objects, summary.polygons, summary.boxes, summary.empty_records) == (2, 6, 1, 5, 1)
-    assert summary.skipped_annotations == {coco.SKIP_CROWD: 2, coco.SKIP_EMPTY_BOX: 1, coco.SKIP_BAD_CATEGORY: 1,
-                                           coco.SKIP_UNKNOWN_CATEGORY: 1, coco.SKIP_UNKNOWN_IMAGE: 1}
-    assert summary.skipped_images == {coco.IMG_MISSING: 1, coco.IMG_UNUSABLE: 1, coco.IMG_SIZE: 1,
-                                      coco.IMG_ALL_SKIPPED: 1}
+    assert summary.skipped_annotations == {
+        coco.SKIP_CROWD: 2,
+        coco.SKIP_EMPTY_BOX: 1,
+        coco.SKIP_BAD_CATEGORY: 1,
+        coco.SKIP_UNKNOWN_CATEGORY: 1,
+        coco.SKIP_UNKNOWN_IMAGE: 1,
+    }
+    assert summary.skipped_images == {
+        coco.IMG_MISSING: 1,
+        coco.IMG_UNUSABLE: 1,
+        coco.IMG_SIZE: 1,
+        coco.IMG_ALL_SKIPPED: 1,
+    }
     assert summary.as_box == {coco.AS_BOX_MULTI: 1, coco.AS_BOX_RLE: 1, coco.AS_BOX_BAD_POLYGON: 1}
     lines = summary.lines()
     assert f"  1 {coco.IMG_MISSING} (first: {images / 'gone.png'})" in lines
     assert f"  2 {coco.SKIP_CROWD} (first: annotation id 13)" in lines
     assert f"  1 {coco.IMG_SIZE} (first: {images / 'small.png'} is 20x20, the annotation says 30x30)" in lines
-    assert any(line.startswith(f"  1 {coco.IMG_UNUSABLE} (first: {images / 'broken.png'}: is not an image PIL")
-               for line in lines), lines
+    assert any(
+        line.startswith(f"  1 {coco.IMG_UNUSABLE} (first: {images / 'broken.png'}: is not an image PIL")
+        for line in lines
+    ), lines
 
     # The learner's own loader takes the file: records valid, every image found, decoded and of its size.
     loaded, store = load_dataset(out, None, 10**8)
@@ -124,8 +142,9 @@ def test_options_prompt_boxes_cap_and_paths(tmp_path: Path) -> None:
     summary = convert_coco(ann, images, out, CocoOptions(max_objects=4))
     assert summary.skipped_images[coco.IMG_TOO_MANY] == 1
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["6"]
-    options = CocoOptions(format="qwen_json", prompt="Find: {categories}.", geometry="box", keep_empty=False,
-                          paths="images")
+    options = CocoOptions(
+        format="qwen_json", prompt="Find: {categories}.", geometry="box", keep_empty=False, paths="images"
+    )
     summary = convert_coco(ann, images, out, options)
     assert summary.skipped_images[coco.IMG_EMPTY] == 1
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -159,10 +178,18 @@ def test_output_must_be_jsonl(tmp_path: Path) -> None:
     [
         ("[1, 2", "not valid JSON"),
         ({"images": [], "annotations": []}, "key 'categories' must be a list"),
-        ({"images": [{"id": 1, "width": 3, "height": 3}], "annotations": [], "categories": []},
-         r"images\[0\].file_name is missing"),
-        ({"images": [{"id": 1, "file_name": "a.png", "width": 3, "height": 3}] * 2, "annotations": [],
-          "categories": []}, r"images\[1\].id 1 is used by another image"),
+        (
+            {"images": [{"id": 1, "width": 3, "height": 3}], "annotations": [], "categories": []},
+            r"images\[0\].file_name is missing",
+        ),
+        (
+            {
+                "images": [{"id": 1, "file_name": "a.png", "width": 3, "height": 3}] * 2,
+                "annotations": [],
+                "categories": [],
+            },
+            r"images\[1\].id 1 is used by another image",
+        ),
     ],
 )
 def test_bad_files_name_the_key(tmp_path: Path, doc: object, expected: str) -> None:
@@ -175,15 +202,36 @@ def test_bad_files_name_the_key(tmp_path: Path, doc: object, expected: str) -> N
 def test_cli_prints_the_summary_and_fails_cleanly(tmp_path: Path) -> None:
     ann, images = write_coco(tmp_path)
     out = tmp_path / "train.jsonl"
-    run = subprocess.run([sys.executable, "-m", "rmsft_cli", "data", "from-coco", str(ann), str(images), str(out),
-                          "--max-objects", "10"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rmsft_cli",
+            "data",
+            "from-coco",
+            str(ann),
+            str(images),
+            str(out),
+            "--max-objects",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     said = " ".join(run.stderr.split())  # rich wraps long lines
     assert "2 records with 6 objects (1 polygon, 5 boxes)" in said
     assert f"1 {coco.IMG_UNUSABLE}" in said and "skipped annotations: 6" in said
     assert len(out.read_text().splitlines()) == 2
-    bad = subprocess.run([sys.executable, "-m", "rmsft_cli", "data", "from-coco", str(tmp_path / "nope.json"),
-                          str(images), str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "rmsft_cli", "data", "from-coco", str(tmp_path / "nope.json"), str(images), str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "nope.json: no such file" in " ".join(bad.stderr.split())
 
@@ -240,8 +288,11 @@ def test_an_lvis_file_writes_each_images_verified_categories(tmp_path: Path) -> 
     out = tmp_path / "lvis.jsonl"
     convert_coco(lvis_file, images, out)
     street, empty = [json.loads(line) for line in out.read_text().splitlines()]
-    assert street["lvis"] == {"pos_categories": ["car", "person"], "neg_categories": ["dog"],
-                              "not_exhaustive_categories": ["car"]}
+    assert street["lvis"] == {
+        "pos_categories": ["car", "person"],
+        "neg_categories": ["dog"],
+        "not_exhaustive_categories": ["car"],
+    }
     assert "lvis" not in empty
     records, _ = load_dataset(out, None, 10**8)
     assert records[0].lvis is not None and records[0].lvis.verified() == {"person", "dog"}

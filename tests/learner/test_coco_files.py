@@ -33,14 +33,30 @@ BASE: dict[str, Any] = {
         {"id": 2, "file_name": "b.png", "width": 32, "height": 32, "license": 0},
     ],
     "annotations": [
-        {"id": 1, "image_id": 1, "category_id": 1, "bbox": [4, 4, 10, 10], "area": 100, "iscrowd": 0,
-         "segmentation": [[4, 4, 14, 4, 14, 14, 4, 14]]},
-        {"id": 2, "image_id": 1, "category_id": 2, "bbox": [20, 20, 10, 10], "area": 100, "iscrowd": 0,
-         "segmentation": []},
+        {
+            "id": 1,
+            "image_id": 1,
+            "category_id": 1,
+            "bbox": [4, 4, 10, 10],
+            "area": 100,
+            "iscrowd": 0,
+            "segmentation": [[4, 4, 14, 4, 14, 14, 4, 14]],
+        },
+        {
+            "id": 2,
+            "image_id": 1,
+            "category_id": 2,
+            "bbox": [20, 20, 10, 10],
+            "area": 100,
+            "iscrowd": 0,
+            "segmentation": [],
+        },
         {"id": 3, "image_id": 2, "category_id": 1, "bbox": [1, 1, 5, 5], "area": 25, "iscrowd": 0},
     ],
-    "categories": [{"id": 1, "name": "person", "supercategory": "person"},
-                   {"id": 2, "name": "car", "supercategory": "vehicle"}],
+    "categories": [
+        {"id": 1, "name": "person", "supercategory": "person"},
+        {"id": 2, "name": "car", "supercategory": "vehicle"},
+    ],
 }
 
 
@@ -69,8 +85,9 @@ def _records(path: Path) -> list[dict[str, Any]]:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rmsft_cli", "data", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "rmsft_cli", "data", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
 
 
 # 1 ---------------------------------------------------------------------------------------------------------------
@@ -152,15 +169,21 @@ def test_output_folder_is_refused_before_anything_is_written(tmp_path: Path) -> 
 
 
 PANOPTIC = {
-    "info": {}, "licenses": [],
+    "info": {},
+    "licenses": [],
     "images": [{"id": 1, "file_name": "a.jpg", "width": 64, "height": 48}],
-    "annotations": [{"image_id": 1, "file_name": "a.png",
-                     "segments_info": [{"id": 3226956, "category_id": 1, "iscrowd": 0, "bbox": [4, 4, 10, 10],
-                                        "area": 100}]}],
+    "annotations": [
+        {
+            "image_id": 1,
+            "file_name": "a.png",
+            "segments_info": [{"id": 3226956, "category_id": 1, "iscrowd": 0, "bbox": [4, 4, 10, 10], "area": 100}],
+        }
+    ],
     "categories": [{"id": 1, "name": "person", "supercategory": "person", "isthing": 1, "color": [220, 20, 60]}],
 }
 CAPTIONS = {  # captions_train2017.json has no categories at all
-    "info": {}, "licenses": [],
+    "info": {},
+    "licenses": [],
     "images": [{"id": 1, "file_name": "a.jpg", "width": 64, "height": 48}],
     "annotations": [{"image_id": 1, "id": 48, "caption": "A person next to a car."}],
 }
@@ -231,8 +254,12 @@ def test_integral_float_sizes_are_sizes_and_others_are_refused(tmp_path: Path) -
     first = _records(out)[0]
     assert (first["width"], first["height"]) == (64, 48) and isinstance(first["width"], int)
     load_dataset(out, None, 10**8)
-    for key, bad, said in (("width", 64.5, "is not a whole number of pixels"), ("height", 0.0, "must be >= 1"),
-                           ("height", -48, "must be >= 1"), ("width", "64", "is missing or not a number")):
+    for key, bad, said in (
+        ("width", 64.5, "is not a whole number of pixels"),
+        ("height", 0.0, "must be >= 1"),
+        ("height", -48, "must be >= 1"),
+        ("width", "64", "is missing or not a number"),
+    ):
         broken = _doc()
         broken["images"][1][key] = bad
         ann.write_text(json.dumps(broken))
@@ -245,8 +272,11 @@ def test_integral_float_sizes_are_sizes_and_others_are_refused(tmp_path: Path) -
 
 def test_categories_placeholder_names_only_categories_of_written_objects(tmp_path: Path) -> None:
     doc = _doc()
-    doc["categories"] = [{"id": 0, "name": "_background_", "supercategory": None}, *doc["categories"],
-                         {"id": 3, "name": "dog", "supercategory": "animal"}]  # labelme2coco writes category 0 so
+    doc["categories"] = [
+        {"id": 0, "name": "_background_", "supercategory": None},
+        *doc["categories"],
+        {"id": 3, "name": "dog", "supercategory": "animal"},
+    ]  # labelme2coco writes category 0 so
     doc["images"].append({"id": 3, "file_name": "gone.png", "width": 32, "height": 32})
     doc["annotations"].append({"id": 4, "image_id": 3, "category_id": 3, "bbox": [1, 1, 5, 5], "iscrowd": 0})
     ann, images = _files(tmp_path, doc)
@@ -286,7 +316,8 @@ def test_check_records_counts_labels_images_and_refusals(tmp_path: Path) -> None
     assert not report.accepted and report.found == 0 and len(report.missing) == 3
     assert "record '1', image 'a.png': file" in report.refusals[0] and "does not exist" in report.refusals[0]
     assert check_records(out, images, max_images_per_prompt=0).refusals == [
-        "3 records carry more than spec.model.vision.maxImagesPerPrompt=0 images (first: '1')"]
+        "3 records carry more than spec.model.vision.maxImagesPerPrompt=0 images (first: '1')"
+    ]
 
 
 def test_cli_refusals_are_one_line_and_data_check_prints_unwrapped(tmp_path: Path) -> None:

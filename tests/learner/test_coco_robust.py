@@ -63,8 +63,10 @@ def _one_line_or_report(code: int, output: str, exc: BaseException | None, what:
     """Exit 0 or 2, no traceback; an error is one `error:` line (from-coco's "no image could be converted" adds
     its summary below it)."""
     if exc is not None and not isinstance(exc, SystemExit):
-        pytest.fail(f"{what}: {type(exc).__name__} escaped:\n"
-                    + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        pytest.fail(
+            f"{what}: {type(exc).__name__} escaped:\n"
+            + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        )
     assert code in (0, 2), (what, code, output)
     assert "Traceback" not in output, (what, output)
     errors = [line for line in output.splitlines() if line.startswith("error:")]
@@ -103,8 +105,11 @@ def test_a_huge_json_integer_is_a_refusal_or_a_skip_not_an_overflow(real: dict, 
     path.write_text(json.dumps(doc).replace('"HUGE"', huge))
     out = tmp_path / "train.jsonl"
     if where in ("width", "height"):
-        with pytest.raises(CocoError, match=rf"images\[0\] \(id 139, 000000000139.jpg\): {where} 1000.* is not a "
-                                            "pixel size"):
+        with pytest.raises(
+            CocoError,
+            match=rf"images\[0\] \(id 139, 000000000139.jpg\): {where} 1000.* is not a "
+            "pixel size",
+        ):
             convert_coco(path, folder, out)
         return
     summary = convert_coco(path, folder, out)
@@ -159,23 +164,32 @@ def test_a_wrong_file_is_named_with_the_command_for_it(real: dict, tmp_path: Pat
     one_line = tmp_path / "one.jsonl"
     one_line.write_text(records.read_text().splitlines()[0] + "\n")
     results = tmp_path / "instances_val2017_fakebbox_results.json"  # what cocoapi's results/ files hold
-    results.write_text(json.dumps([{"image_id": 139, "category_id": 1, "bbox": [9.9, 3.1, 5.0, 11.5],
-                                    "score": 0.236}]))
+    results.write_text(json.dumps([{"image_id": 139, "category_id": 1, "bbox": [9.9, 3.1, 5.0, 11.5], "score": 0.236}]))
     flat = tmp_path / "flat.json"  # the instances file on one line
     flat.write_text(json.dumps(doc))
     cases = [
-        (("check", str(FIXTURES / "instances_val2017_sample.json")),
-         "this is a COCO instances file (images, annotations, categories), not a training records file",
-         "`rmsft data from-coco FILE IMAGES_DIR OUT.jsonl`"),
+        (
+            ("check", str(FIXTURES / "instances_val2017_sample.json")),
+            "this is a COCO instances file (images, annotations, categories), not a training records file",
+            "`rmsft data from-coco FILE IMAGES_DIR OUT.jsonl`",
+        ),
         (("check", str(flat)), "this is a COCO instances file", "rmsft data from-coco"),
         (("check", str(results)), "this is a COCO results file", "from the split's instances file"),
-        (("from-coco", str(records), str(folder), str(tmp_path / "o.jsonl")),
-         "this is a training records file (JSONL, one record per line), not a COCO instances file",
-         "`rmsft data check FILE`"),
-        (("from-coco", str(one_line), str(folder), str(tmp_path / "o.jsonl")), "this is a training records file",
-         "rmsft data check"),
-        (("from-coco", str(results), str(folder), str(tmp_path / "o.jsonl")), "this is a COCO results file",
-         "instances_*.json"),
+        (
+            ("from-coco", str(records), str(folder), str(tmp_path / "o.jsonl")),
+            "this is a training records file (JSONL, one record per line), not a COCO instances file",
+            "`rmsft data check FILE`",
+        ),
+        (
+            ("from-coco", str(one_line), str(folder), str(tmp_path / "o.jsonl")),
+            "this is a training records file",
+            "rmsft data check",
+        ),
+        (
+            ("from-coco", str(results), str(folder), str(tmp_path / "o.jsonl")),
+            "this is a COCO results file",
+            "instances_*.json",
+        ),
     ]
     for args, kind, command in cases:
         code, output, exc = _run("data", *args)
@@ -186,9 +200,34 @@ def test_a_wrong_file_is_named_with_the_command_for_it(real: dict, tmp_path: Pat
 
 # the property test: mutated real files ----------------------------------------------------------------------------
 
-NASTY: list[Any] = [None, True, False, 0, -1, 1.5, -1e308, 10**400, "", "polygon", "1", "\n", [], {}, [[]],
-                    [1, 2], [[1, 2, 3]], {"counts": "x", "size": [1]}, "x" * 10_000, "a\u200bb", "\x00", "DEEP",
-                    [0, 0, 0, 0], [1e308, 1e308, 1e308, 1e308], [-5, -5, 2, 2], [100, 100, 50, 50]]
+NASTY: list[Any] = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1.5,
+    -1e308,
+    10**400,
+    "",
+    "polygon",
+    "1",
+    "\n",
+    [],
+    {},
+    [[]],
+    [1, 2],
+    [[1, 2, 3]],
+    {"counts": "x", "size": [1]},
+    "x" * 10_000,
+    "a\u200bb",
+    "\x00",
+    "DEEP",
+    [0, 0, 0, 0],
+    [1e308, 1e308, 1e308, 1e308],
+    [-5, -5, 2, 2],
+    [100, 100, 50, 50],
+]
 
 
 def _paths(node: Any, at: tuple = ()) -> list[tuple]:
@@ -230,12 +269,21 @@ def _text(doc: Any) -> str:
     return json.dumps(doc).replace('"DEEP"', "[" * 5000 + "]" * 5000)
 
 
-@settings(max_examples=120, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(which=st.integers(0, len(REAL) - 1), seed=st.integers(0, 2**32 - 1), edits=st.integers(1, 6),
-       cut=st.one_of(st.none(), st.floats(0.0, 1.0)))
-def test_mutated_real_files_exit_0_or_2_with_one_line(real: dict, tmp_path_factory: pytest.TempPathFactory,
-                                                       which: int, seed: int, edits: int, cut: float | None) -> None:
+@settings(
+    max_examples=120,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    which=st.integers(0, len(REAL) - 1),
+    seed=st.integers(0, 2**32 - 1),
+    edits=st.integers(1, 6),
+    cut=st.one_of(st.none(), st.floats(0.0, 1.0)),
+)
+def test_mutated_real_files_exit_0_or_2_with_one_line(
+    real: dict, tmp_path_factory: pytest.TempPathFactory, which: int, seed: int, edits: int, cut: float | None
+) -> None:
     name = REAL[which].name
     doc, folder = real[name]
     rng = random.Random(seed)
@@ -308,14 +356,18 @@ def test_true_as_an_id_is_not_read_as_id_1(real: dict, tmp_path: Path, key: str)
     assert "bear" not in {o["desc"] for r in records for o in r["objects"]}
 
 
-@pytest.mark.parametrize(("name", "said"), [
-    ("traffic\nlight", "holds a line break (U+000A)"),
-    ("traffic\x07light", "holds a control character (U+0007)"),
-    ("traffic\u200blight", "holds zero width space (U+200B)"),
-    ("x" * 10_000, "10000 characters long (at most 200)"),
-])
-def test_category_names_no_answer_should_carry_are_skipped_with_the_reason(real: dict, tmp_path: Path, name: str,
-                                                                           said: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("traffic\nlight", "holds a line break (U+000A)"),
+        ("traffic\x07light", "holds a control character (U+0007)"),
+        ("traffic\u200blight", "holds zero width space (U+200B)"),
+        ("x" * 10_000, "10000 characters long (at most 200)"),
+    ],
+)
+def test_category_names_no_answer_should_carry_are_skipped_with_the_reason(
+    real: dict, tmp_path: Path, name: str, said: str
+) -> None:
     doc, folder = _sample(real)
     doc["categories"][1]["name"] = name  # bear, annotation 3's
     summary, records = _convert(doc, folder, tmp_path)
@@ -340,29 +392,41 @@ def test_duplicate_annotation_ids_are_a_warning_line(real: dict, tmp_path: Path)
     doc["annotations"][1]["id"] = doc["annotations"][0]["id"]
     summary, records = _convert(doc, folder, tmp_path)
     assert summary.duplicate_ids == 1 and sum(len(r["objects"]) for r in records) == 3  # each still converted
-    assert ("warning: 1 annotation id used more than once (first: id 1): every annotation is converted, but a tool "
-            "that looks annotations up by id (COCO's evaluation) cannot tell them apart") in summary.lines()
+    assert (
+        "warning: 1 annotation id used more than once (first: id 1): every annotation is converted, but a tool "
+        "that looks annotations up by id (COCO's evaluation) cannot tell them apart"
+    ) in summary.lines()
 
 
 def test_data_check_warns_of_boxes_outside_the_image_and_of_a_file_without_objects(tmp_path: Path) -> None:
     Image.new("RGB", (32, 24)).save(tmp_path / "a.png")
     base = {"width": 32, "height": 24, "messages": [{"role": "user", "content": "Detect."}], "images": ["a.png"]}
     outside = tmp_path / "outside.jsonl"
-    outside.write_text("".join(json.dumps({**base, "id": str(i), "objects": objs}) + "\n" for i, objs in enumerate([
-        [{"desc": "a", "bbox_2d": [1, 1, 40, 20]}, {"desc": "b", "bbox_2d": [1, 1, 5, 5]}],
-        [{"desc": "a", "poly": [-3, 0, 10, 0, 10, 10]}],
-        [{"desc": "a", "bbox_2d": [0, 0, 32, 24]}],  # the whole image: inside
-    ])))
+    outside.write_text(
+        "".join(
+            json.dumps({**base, "id": str(i), "objects": objs}) + "\n"
+            for i, objs in enumerate(
+                [
+                    [{"desc": "a", "bbox_2d": [1, 1, 40, 20]}, {"desc": "b", "bbox_2d": [1, 1, 5, 5]}],
+                    [{"desc": "a", "poly": [-3, 0, 10, 0, 10, 10]}],
+                    [{"desc": "a", "bbox_2d": [0, 0, 32, 24]}],  # the whole image: inside
+                ]
+            )
+        )
+    )
     check = check_records(outside)
     assert check.accepted
-    assert check.warnings == ["2 of 4 objects (in 2 records) reach outside their image's width x height: training "
-                              "clamps them to its edges (first: record '0' object 1 bbox_2d [1.0, 1.0, 40.0, 20.0] "
-                              "in 32x24)"]
+    assert check.warnings == [
+        "2 of 4 objects (in 2 records) reach outside their image's width x height: training "
+        "clamps them to its edges (first: record '0' object 1 bbox_2d [1.0, 1.0, 40.0, 20.0] "
+        "in 32x24)"
+    ]
     empty = tmp_path / "empty.jsonl"
     empty.write_text("".join(json.dumps({**base, "id": str(i)}) + "\n" for i in range(3)))
     check = check_records(empty)
-    assert check.warnings == ["all 3 records are without objects: a detection job would teach the model that the "
-                              "images hold nothing"]
+    assert check.warnings == [
+        "all 3 records are without objects: a detection job would teach the model that the images hold nothing"
+    ]
     code, output, exc = _run("data", "check", str(empty))
     _one_line_or_report(code, output, exc, "check")
     assert code == 0 and "warning: all 3 records are without objects" in output
@@ -371,11 +435,11 @@ def test_data_check_warns_of_boxes_outside_the_image_and_of_a_file_without_objec
 
 def test_an_unknown_key_in_a_record_names_the_nearest(tmp_path: Path) -> None:
     base = {"id": "a", "width": 4, "height": 4, "messages": [{"role": "user", "content": "x"}]}
-    for extra, said in (({"objects": [{"desc": "a", "bbox": [1, 1, 2, 2]}]},
-                         "objects.0.bbox: unknown key (did you mean bbox_2d?)"),
-                        ({"messages": [{"role": "user", "contnet": "x"}]},
-                         "messages.0.contnet: unknown key (did you mean content?)"),
-                        ({"zzz": 1}, "zzz: unknown key (a Record has id, width, height, messages, images, objects,")):
+    for extra, said in (
+        ({"objects": [{"desc": "a", "bbox": [1, 1, 2, 2]}]}, "objects.0.bbox: unknown key (did you mean bbox_2d?)"),
+        ({"messages": [{"role": "user", "contnet": "x"}]}, "messages.0.contnet: unknown key (did you mean content?)"),
+        ({"zzz": 1}, "zzz: unknown key (a Record has id, width, height, messages, images, objects,"),
+    ):
         path = tmp_path / "r.jsonl"
         path.write_text(json.dumps({**base, **extra}) + "\n")
         with pytest.raises(DataError, match=re.escape(said)):

@@ -32,8 +32,17 @@ def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n=24, seed=0)
 
 
-def make_job(model_dir: Path, data: Path, ckpt: Path, *, mode: str, engine: str = "vllm", temperature: float = 1.0,
-             finetune: str = "lora", **training):
+def make_job(
+    model_dir: Path,
+    data: Path,
+    ckpt: Path,
+    *,
+    mode: str,
+    engine: str = "vllm",
+    temperature: float = 1.0,
+    finetune: str = "lora",
+    **training,
+):
     doc = copy.deepcopy(yaml.safe_load((ROOT / "configs" / "local-tiny.yaml").read_text()))
     doc["metadata"].pop("annotations")
     spec = doc["spec"]
@@ -81,12 +90,14 @@ def server(tiny_model_dir: Path, data_path: Path, tmp_path_factory: pytest.TempP
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_colocate_equals_server_mode_step_by_step(server, tiny_model_dir: Path, data_path: Path, tmp_path: Path,
-                                                  temperature: float) -> None:
+def test_colocate_equals_server_mode_step_by_step(
+    server, tiny_model_dir: Path, data_path: Path, tmp_path: Path, temperature: float
+) -> None:
     server_job = make_job(tiny_model_dir, data_path, tmp_path / "server", mode="server", temperature=temperature)
     colocate_job = make_job(tiny_model_dir, data_path, tmp_path / "colocate", mode="colocate", temperature=temperature)
     assert serve_options(server_job, gpus=False) == serve_options(
-        make_job(tiny_model_dir, data_path, tmp_path / "x", mode="server"), gpus=False)  # the shared server fits
+        make_job(tiny_model_dir, data_path, tmp_path / "x", mode="server"), gpus=False
+    )  # the shared server fits
     server_history, server_info = _run(server_job, [server.address])
     colocate_history, colocate_info = _run(colocate_job, [])
     assert (server_info.mode, colocate_info.mode) == ("server", "colocate")
@@ -110,7 +121,7 @@ def _hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[in
     with torch.no_grad():
         for ids in prompts:
             out = merged.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
-            outs.append(out[0, len(ids):].tolist())
+            outs.append(out[0, len(ids) :].tolist())
     return outs
 
 
@@ -125,12 +136,16 @@ def test_in_process_engine_equals_hf_after_every_sync(tiny_model_dir: Path, data
     base = _hf_greedy(copy.deepcopy(trainer.model).eval(), prompts, 16)
     checked, answers = [], []
     try:
+
         def check(result) -> None:
             if result.step % 2:
                 return
             trainer.sync_weights()  # the version the next step would sync, now, so the engine holds these weights
-            eng = trainer.rollouts.generate([RolloutRequest(token_ids=p, seed=0) for p in prompts],
-                                            {"max_tokens": 16, "temperature": 0.0}, weight_version=trainer.version)
+            eng = trainer.rollouts.generate(
+                [RolloutRequest(token_ids=p, seed=0) for p in prompts],
+                {"max_tokens": 16, "temperature": 0.0},
+                weight_version=trainer.version,
+            )
             hf = _hf_greedy(copy.deepcopy(trainer.model).eval(), prompts, 16)
             got = [list(r.token_ids) for r in eng]
             assert got == hf and all(got), (result.step, got, hf)  # whole answers: an empty one matches nothing
@@ -146,8 +161,9 @@ def test_in_process_engine_equals_hf_after_every_sync(tiny_model_dir: Path, data
     assert answers[-1] != base
 
 
-def test_hf_engine_colocated_trains_and_matches_hf_server(tiny_model_dir: Path, data_path: Path,
-                                                          tmp_path: Path) -> None:
+def test_hf_engine_colocated_trains_and_matches_hf_server(
+    tiny_model_dir: Path, data_path: Path, tmp_path: Path
+) -> None:
     """spec.rollout.engine: hf, colocated: the training model itself decodes (nothing to sync); same rollouts
     and losses as an HF rollout server (tests/learner/hf_servers.py) on the same job."""
     from hf_servers import InProcessServer
@@ -166,8 +182,9 @@ def test_hf_engine_colocated_trains_and_matches_hf_server(tiny_model_dir: Path, 
         assert c.loss == pytest.approx(s.loss, rel=1e-5, abs=1e-6)
 
 
-def test_engine_failure_mid_run_fails_fast_with_its_cause(tiny_model_dir: Path, data_path: Path,
-                                                         tmp_path: Path) -> None:
+def test_engine_failure_mid_run_fails_fast_with_its_cause(
+    tiny_model_dir: Path, data_path: Path, tmp_path: Path
+) -> None:
     from rollout_engine.engine import EngineError
 
     job = make_job(tiny_model_dir, data_path, tmp_path / "ck", mode="colocate", engine="hf")
@@ -203,8 +220,9 @@ def test_sleep_mode_is_refused_on_the_cpu(tiny_model_dir: Path, data_path: Path,
         TrainingLoop(doc_job, [])
 
 
-def test_the_learner_refuses_at_start_a_job_its_memory_plan_cannot_fit(tiny_model_dir: Path, data_path: Path,
-                                                                      tmp_path: Path, monkeypatch) -> None:
+def test_the_learner_refuses_at_start_a_job_its_memory_plan_cannot_fit(
+    tiny_model_dir: Path, data_path: Path, tmp_path: Path, monkeypatch
+) -> None:
     """`rmsft plan`'s arithmetic at the learner's start: here a pod memory limit the training state and the
     in-process engine's KV cache cannot fit in. Refused before the model loads, naming the limit; the plan is an
     estimate, so RMSFT_MEMORY_PLAN=warn goes on."""
@@ -222,8 +240,7 @@ def test_the_learner_refuses_at_start_a_job_its_memory_plan_cannot_fit(tiny_mode
     TrainingLoop(job, []).close()
 
 
-def test_a_tp_group_gathers_its_requests_and_each_rank_keeps_its_slice(tiny_model_dir: Path,
-                                                                       tmp_path: Path) -> None:
+def test_a_tp_group_gathers_its_requests_and_each_rank_keeps_its_slice(tiny_model_dir: Path, tmp_path: Path) -> None:
     """2 gloo ranks in one TP group (each a TP-1 HF engine standing in for its shard): whatever each rank brings
     (uneven, or nothing) comes back to it alone, in order, exactly as one engine answers the same requests alone:
     same per-prompt seeds, same n samples."""
@@ -240,16 +257,33 @@ def test_a_tp_group_gathers_its_requests_and_each_rank_keeps_its_slice(tiny_mode
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
     worker = Path(__file__).with_name("colocate_group_worker.py")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(worker), str(tiny_model_dir), str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(worker),
+            str(tiny_model_dir),
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     alone = source(str(tiny_model_dir), TpGroup(1, 0, 1), 0)
     for k, call in enumerate(CALLS):
         for r in range(2):
-            want = [[o.request_id, o.sample_index, list(o.token_ids), 1]
-                    for o in alone.generate(requests(call[r]), SAMPLING, weight_version=1)]
+            want = [
+                [o.request_id, o.sample_index, list(o.token_ids), 1]
+                for o in alone.generate(requests(call[r]), SAMPLING, weight_version=1)
+            ]
             assert ranks[r][k] == want, (k, r)
             assert [c[0] for c in ranks[r][k]] == [f"p{i}" for i in call[r] for _ in range(SAMPLING["n"])]
     assert any(c[2] for c in ranks[0][0])
@@ -258,8 +292,9 @@ def test_a_tp_group_gathers_its_requests_and_each_rank_keeps_its_slice(tiny_mode
         group_ranks(4, 3)
 
 
-def test_offload_around_generation_leaves_training_bit_identical(tiny_model_dir: Path, data_path: Path,
-                                                                tmp_path: Path, monkeypatch) -> None:
+def test_offload_around_generation_leaves_training_bit_identical(
+    tiny_model_dir: Path, data_path: Path, tmp_path: Path, monkeypatch
+) -> None:
     """The trainer wraps every in-process generation in the offload context (spec.rollout.colocate offloadModel /
     offloadOptimizer; refused on CPUs by the spec, set here past it: the CPU is both "device" and "host"). The
     optimizer state really goes (its storage swapped) and comes back: the same losses and weights as without."""

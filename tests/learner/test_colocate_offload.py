@@ -41,8 +41,9 @@ def _plain_step(model: torch.nn.Module, device: str = "cpu") -> Any:
     from learner.train.ranks import Ranks
     from learner.train.updater import PlainUpdater
 
-    return PlainUpdater(model, Ranks.single(), lr=1e-2, weight_decay=0.01, max_grad_norm=1.0,
-                        device=torch.device(device))
+    return PlainUpdater(
+        model, Ranks.single(), lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, device=torch.device(device)
+    )
 
 
 def _rows(n: int = 3, length: int = 24) -> list[torch.Tensor]:
@@ -121,25 +122,32 @@ def meta_step(tiny_model_dir: Path) -> tuple[Any, torch.nn.Module]:
 
 
 @pytest.mark.parametrize(("params", "optimizer"), [(True, True), (True, False), (False, True)])
-def test_the_plan_sends_every_accelerator_tensor_to_the_host_once(meta_step: Any, params: bool,
-                                                                  optimizer: bool) -> None:
+def test_the_plan_sends_every_accelerator_tensor_to_the_host_once(
+    meta_step: Any, params: bool, optimizer: bool
+) -> None:
     step, model = meta_step
     on_device = {name: t for name, t in _tensors(step, model).items() if t.device.type == "meta"}
-    kinds = {name: "grad" if name.endswith(".grad") else "optimizer" if name.startswith("opt") else "param"
-             for name in on_device}
+    kinds = {
+        name: "grad" if name.endswith(".grad") else "optimizer" if name.startswith("opt") else "param"
+        for name in on_device
+    }
     assert set(kinds.values()) == {"param", "grad", "optimizer"}
     assert any(not p.requires_grad for p in model.parameters())  # the frozen base moves too
 
     with _OpRecorder() as ops:  # the plan reads no tensor: no op at all runs on the way
         moves = offload_moves(step, model, params=params, optimizer=optimizer)
     assert ops.seen == []
-    wanted = {id(t) for name, t in on_device.items()
-              if (kinds[name] != "optimizer" and params) or (kinds[name] == "optimizer" and optimizer)}
+    wanted = {
+        id(t)
+        for name, t in on_device.items()
+        if (kinds[name] != "optimizer" and params) or (kinds[name] == "optimizer" and optimizer)
+    }
     planned = [id(mv.tensor) for mv in moves]
     assert len(planned) == len(set(planned)) and set(planned) == wanted  # all of them, each once, nothing else
     assert all(mv.device == torch.device("meta") for mv in moves)
-    assert sum(mv.nbytes for mv in moves) == sum(t.numel() * t.element_size() for t in on_device.values()
-                                                 if id(t) in wanted)
+    assert sum(mv.nbytes for mv in moves) == sum(
+        t.numel() * t.element_size() for t in on_device.values() if id(t) in wanted
+    )
     # the host-side state stays where it is (AdamW's step counters)
     assert all(t.device.type == "cpu" for name, t in _tensors(step, model).items() if name not in on_device)
 
@@ -173,8 +181,11 @@ def test_both_flags_off_is_a_no_op(meta_step: Any) -> None:
 # -- real data: bit for bit ----------------------------------------------------------------------------------
 
 
-def _run(tiny_model_dir: Path, finetune: str, around: Callable[[Any, torch.nn.Module], Any] | None,
-         ) -> tuple[list[float], dict[str, bytes], list[OffloadReport]]:
+def _run(
+    tiny_model_dir: Path,
+    finetune: str,
+    around: Callable[[Any, torch.nn.Module], Any] | None,
+) -> tuple[list[float], dict[str, bytes], list[OffloadReport]]:
     torch.manual_seed(0)
     model = _policy(tiny_model_dir, finetune=finetune)
     step = _plain_step(model)
@@ -190,8 +201,9 @@ def _run(tiny_model_dir: Path, finetune: str, around: Callable[[Any, torch.nn.Mo
 
 @pytest.mark.parametrize("finetune", ["lora", "full"])
 @pytest.mark.parametrize(("params", "optimizer"), [(True, True), (True, False), (False, True)])
-def test_training_with_offload_around_generation_is_bit_identical(tiny_model_dir: Path, finetune: str,
-                                                                  params: bool, optimizer: bool) -> None:
+def test_training_with_offload_around_generation_is_bit_identical(
+    tiny_model_dir: Path, finetune: str, params: bool, optimizer: bool
+) -> None:
     def around(step: Any, model: torch.nn.Module) -> OffloadReport:
         tensors = _tensors(step, model)
         objects = {name: id(t) for name, t in tensors.items()}
@@ -237,8 +249,9 @@ def test_an_exception_inside_the_block_brings_everything_back(tiny_model_dir: Pa
     _train_step(step, _rows()[1])  # and training goes on
 
 
-def test_a_failure_half_way_out_brings_back_what_had_moved(tiny_model_dir: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failure_half_way_out_brings_back_what_had_moved(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = _policy(tiny_model_dir, finetune="full")
     step = _plain_step(model)
     _train_step(step, _rows()[0])
@@ -270,8 +283,9 @@ def _zero_run(tiny_model_dir: Path, stage: int, flags: tuple[bool, bool] | None)
 
     torch.manual_seed(0)
     model = _policy(tiny_model_dir, finetune="full")
-    step = ZeroUpdater(model, Ranks.single(), stage=stage, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0,
-                    device=torch.device("cpu"))
+    step = ZeroUpdater(
+        model, Ranks.single(), stage=stage, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, device=torch.device("cpu")
+    )
     try:
         losses = []
         for ids in _rows():
@@ -282,7 +296,8 @@ def _zero_run(tiny_model_dir: Path, stage: int, flags: tuple[bool, bool] | None)
                     assert report.via == "deepspeed"
                     done = step.ds_engine.optimizer.offloaded_states
                     assert {s.value for s in done} >= ({"lp_params"} if flags[0] else set()) | (
-                        {"hp_params", "optim_states"} if flags[1] else set())
+                        {"hp_params", "optim_states"} if flags[1] else set()
+                    )
                     _fake_generation()
                 assert not step.ds_engine.optimizer.offloaded_states
             losses.append(_train_step(step, ids))
@@ -296,8 +311,9 @@ def _zero_run(tiny_model_dir: Path, stage: int, flags: tuple[bool, bool] | None)
 
 
 @pytest.mark.parametrize(("stage", "flags"), [(2, (True, True)), (3, (True, False))], ids=["zero2", "zero3"])
-def test_zero_offload_through_deepspeed_is_bit_identical(tiny_model_dir: Path, stage: int,
-                                                         flags: tuple[bool, bool]) -> None:
+def test_zero_offload_through_deepspeed_is_bit_identical(
+    tiny_model_dir: Path, stage: int, flags: tuple[bool, bool]
+) -> None:
     assert _zero_run(tiny_model_dir, stage, flags) == _zero_run(tiny_model_dir, stage, None)
 
 
@@ -307,11 +323,14 @@ def test_zero3_optimizer_offload_is_refused_and_an_exception_reloads(tiny_model_
     from learner.train.updater import ZeroUpdater
 
     model = _policy(tiny_model_dir, finetune="full")
-    step = ZeroUpdater(model, Ranks.single(), stage=3, lr=1e-2, weight_decay=0.0, max_grad_norm=1.0,
-                    device=torch.device("cpu"))
+    step = ZeroUpdater(
+        model, Ranks.single(), stage=3, lr=1e-2, weight_decay=0.0, max_grad_norm=1.0, device=torch.device("cpu")
+    )
     try:
-        with pytest.raises(RuntimeError, match="offloadOptimizer.*FusedAdam"), \
-                offloaded(step, model, params=True, optimizer=True):
+        with (
+            pytest.raises(RuntimeError, match="offloadOptimizer.*FusedAdam"),
+            offloaded(step, model, params=True, optimizer=True),
+        ):
             pass
         assert not step.ds_engine.optimizer.offloaded_states
         with pytest.raises(RuntimeError, match="engine died"), offloaded(step, model, params=True, optimizer=False):

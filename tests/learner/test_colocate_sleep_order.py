@@ -34,8 +34,14 @@ def _source(level: int, events: list[str], monkeypatch: pytest.MonkeyPatch) -> C
         yield
         events.append("restore")
 
-    src = ColocatedRollouts(_Engine(events), model=None, run_id="run-a", group=TpGroup(1, 0, 1), sleep_level=level,
-                            around_generation=offloaded)
+    src = ColocatedRollouts(
+        _Engine(events),
+        model=None,
+        run_id="run-a",
+        group=TpGroup(1, 0, 1),
+        sleep_level=level,
+        around_generation=offloaded,
+    )
     monkeypatch.setattr(src, "_push", lambda: events.append("push"))
     monkeypatch.setattr(src, "_call", lambda reqs, sp, n: events.append("generate") or [])
     return src
@@ -52,13 +58,17 @@ def test_a_sync_while_asleep_pushes_at_once_awake(level: int, monkeypatch: pytes
     assert events == ["wake", "push", f"sleep{level}"]
 
 
-@pytest.mark.parametrize(("level", "expected"), [
-    (1, ["wake", "offload", "generate", "restore", "sleep1"]),
-    # Level 2 dropped the weights: they go back before the training state leaves the device.
-    (2, ["wake", "push", "offload", "generate", "restore", "sleep2"]),
-])
-def test_generation_wakes_and_writes_before_the_offload(level: int, expected: list[str],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("level", "expected"),
+    [
+        (1, ["wake", "offload", "generate", "restore", "sleep1"]),
+        # Level 2 dropped the weights: they go back before the training state leaves the device.
+        (2, ["wake", "push", "offload", "generate", "restore", "sleep2"]),
+    ],
+)
+def test_generation_wakes_and_writes_before_the_offload(
+    level: int, expected: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     events: list[str] = []
     src = _source(level, events, monkeypatch)
     src.sync(1)

@@ -15,8 +15,9 @@ def _policy(model_dir, **lora):
     from rmsft.jobspec import TrainingConfig
 
     torch.manual_seed(0)
-    cfg = TrainingConfig(data={"path": "d.jsonl"}, finetune="lora",
-                         lora={"r": 4, "target_modules": ["q_proj", "v_proj"], **lora})
+    cfg = TrainingConfig(
+        data={"path": "d.jsonl"}, finetune="lora", lora={"r": 4, "target_modules": ["q_proj", "v_proj"], **lora}
+    )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return policy_from_model(model, AutoTokenizer.from_pretrained(model_dir), cfg)
 

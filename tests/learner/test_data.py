@@ -10,8 +10,9 @@ from rmsft_dev.synthetic import write_synthetic_dataset
 
 
 def _rec(objects: list[dict]) -> str:
-    return json.dumps({"id": "x", "width": 10, "height": 10, "messages": [{"role": "user", "content": "a"}],
-                       "objects": objects})
+    return json.dumps(
+        {"id": "x", "width": 10, "height": 10, "messages": [{"role": "user", "content": "a"}], "objects": objects}
+    )
 
 
 def test_synthetic_dataset_loads_and_is_deterministic(tmp_path: Path) -> None:
@@ -32,26 +33,64 @@ def test_synthetic_dataset_loads_and_is_deterministic(tmp_path: Path) -> None:
     [
         ("{not json", ":2: not valid JSON"),
         (json.dumps({"id": "x", "width": 10, "height": 10, "messages": []}), "messages"),
-        (json.dumps({"id": "x", "width": 0, "height": 10, "messages": [{"role": "user", "content": "a"}]}),
-         "width"),
-        (json.dumps({"id": "x", "width": 10, "height": 10, "messages": [{"role": "user", "content": "a"}],
-                     "objects": [{"desc": "a", "bbox_2d": [1, 2, 3]}]}), "objects.0: Value error, bbox_2d needs 4"),
-        (json.dumps({"id": "x", "width": 10, "height": 10, "messages": [{"role": "user", "content": "a"}],
-                     "objects": [{"desc": "a", "bbox_2d": [1, 2, 3, 4], "poly": [1, 2, 3, 4, 5, 6]}]}),
-         "exactly one of bbox_2d or poly"),
-        (json.dumps({"id": "x", "width": 10, "height": 10, "messages": [{"role": "user", "content": "a"}],
-                     "objects": [{"desc": "", "poly": [1, 2, 3, 4, 5, 6]}]}), "objects.0.desc"),
-        (json.dumps({"id": "x", "width": 10, "height": 10, "messages": [{"role": "bot", "content": "a"}]}),
-         "messages.0.role"),
+        (json.dumps({"id": "x", "width": 0, "height": 10, "messages": [{"role": "user", "content": "a"}]}), "width"),
+        (
+            json.dumps(
+                {
+                    "id": "x",
+                    "width": 10,
+                    "height": 10,
+                    "messages": [{"role": "user", "content": "a"}],
+                    "objects": [{"desc": "a", "bbox_2d": [1, 2, 3]}],
+                }
+            ),
+            "objects.0: Value error, bbox_2d needs 4",
+        ),
+        (
+            json.dumps(
+                {
+                    "id": "x",
+                    "width": 10,
+                    "height": 10,
+                    "messages": [{"role": "user", "content": "a"}],
+                    "objects": [{"desc": "a", "bbox_2d": [1, 2, 3, 4], "poly": [1, 2, 3, 4, 5, 6]}],
+                }
+            ),
+            "exactly one of bbox_2d or poly",
+        ),
+        (
+            json.dumps(
+                {
+                    "id": "x",
+                    "width": 10,
+                    "height": 10,
+                    "messages": [{"role": "user", "content": "a"}],
+                    "objects": [{"desc": "", "poly": [1, 2, 3, 4, 5, 6]}],
+                }
+            ),
+            "objects.0.desc",
+        ),
+        (
+            json.dumps({"id": "x", "width": 10, "height": 10, "messages": [{"role": "bot", "content": "a"}]}),
+            "messages.0.role",
+        ),
         # Object rules of the core, applied at load so the error names the line and the field:
-        (_rec([{"desc": "a", "bbox_2d": [1, 2, 3, 4]}, {"desc": " \t ", "bbox_2d": [1, 2, 3, 4]}]),
-         ":2: objects.1.desc: Value error, object desc must not be blank"),
-        (_rec([{"desc": "cat <|coord_12|>", "poly": [1, 2, 3, 4, 5, 6]}]),
-         ":2: objects.0.desc: Value error, object desc must not contain coordinate-token text"),
-        (_rec([{"desc": "a", "bbox_2d": [5, 2, 3, 4]}]), ":2: objects.0: Value error, bbox_2d [5.0, 2.0, 3.0, 4.0] "
-                                                         "has x2 < x1 or y2 < y1"),
-        (_rec([{"desc": "a", "bbox_2d": [1, 2, 3, 4]}]).replace("4]", "NaN]"),
-         ":2: objects.0.bbox_2d.3: Input should be a finite number"),
+        (
+            _rec([{"desc": "a", "bbox_2d": [1, 2, 3, 4]}, {"desc": " \t ", "bbox_2d": [1, 2, 3, 4]}]),
+            ":2: objects.1.desc: Value error, object desc must not be blank",
+        ),
+        (
+            _rec([{"desc": "cat <|coord_12|>", "poly": [1, 2, 3, 4, 5, 6]}]),
+            ":2: objects.0.desc: Value error, object desc must not contain coordinate-token text",
+        ),
+        (
+            _rec([{"desc": "a", "bbox_2d": [5, 2, 3, 4]}]),
+            ":2: objects.0: Value error, bbox_2d [5.0, 2.0, 3.0, 4.0] has x2 < x1 or y2 < y1",
+        ),
+        (
+            _rec([{"desc": "a", "bbox_2d": [1, 2, 3, 4]}]).replace("4]", "NaN]"),
+            ":2: objects.0.bbox_2d.3: Input should be a finite number",
+        ),
     ],
 )
 def test_bad_lines_name_line_and_field(tmp_path: Path, line: str, expected: str) -> None:
@@ -80,8 +119,18 @@ def test_gzip_dataset_loads_and_a_misnamed_one_is_named(tmp_path: Path) -> None:
     """spec.training.data.path accepts .jsonl.gz: the loader reads it as the plain file."""
     import gzip
 
-    lines = [json.dumps({"id": f"r{i}", "width": 10, "height": 10, "messages": [{"role": "user", "content": "a"}],
-                         "objects": [{"desc": "cat", "bbox_2d": [1, 1, 5, 5]}]}) for i in range(3)]
+    lines = [
+        json.dumps(
+            {
+                "id": f"r{i}",
+                "width": 10,
+                "height": 10,
+                "messages": [{"role": "user", "content": "a"}],
+                "objects": [{"desc": "cat", "bbox_2d": [1, 1, 5, 5]}],
+            }
+        )
+        for i in range(3)
+    ]
     packed = tmp_path / "train.jsonl.gz"
     packed.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
     assert [r.id for r in load_records(packed)] == ["r0", "r1", "r2"]
@@ -99,8 +148,9 @@ def test_descs_load_as_written_and_reach_the_core_stripped(tmp_path: Path) -> No
     from learner.data.episode import ground_truth
 
     path = tmp_path / "d.jsonl"
-    path.write_text(_rec([{"desc": " cat ", "bbox_2d": [1, 2, 3, 4]},
-                          {"desc": "tri", "poly": [0, 0, 10, 0, 5, 5]}]) + "\n")
+    path.write_text(
+        _rec([{"desc": " cat ", "bbox_2d": [1, 2, 3, 4]}, {"desc": "tri", "poly": [0, 0, 10, 0, 5, 5]}]) + "\n"
+    )
     (record,) = load_records(path)
     assert record.objects[0].desc == " cat "
     gt = ground_truth(record)

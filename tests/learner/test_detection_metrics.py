@@ -13,10 +13,14 @@ SIZES = [(100, 100), (100, 100)]
 # Image 1: a cat found, then found again (a duplicate), and a bird called "dog" (a label other ground truth
 # uses: a false positive of "dog" and a miss of "bird"). Image 2: a cat found exactly, a dog found with IoU
 # 0.72 (40x28.8 inside 40x40).
-GT = [[Box("cat", (0, 0, 40, 40)), Box("bird", (50, 50, 90, 90))],
-      [Box("cat", (10, 10, 50, 50)), Box("dog", (60, 60, 100, 100))]]
-PRED = [[Box("cat", (0, 0, 40, 40), 0.9), Box("cat", (2, 2, 40, 40), 0.8), Box("dog", (50, 50, 90, 90), 0.7)],
-        [Box("cat", (10, 10, 50, 50), 0.6), Box("dog", (60, 60, 100, 88.8), 0.5)]]
+GT = [
+    [Box("cat", (0, 0, 40, 40)), Box("bird", (50, 50, 90, 90))],
+    [Box("cat", (10, 10, 50, 50)), Box("dog", (60, 60, 100, 100))],
+]
+PRED = [
+    [Box("cat", (0, 0, 40, 40), 0.9), Box("cat", (2, 2, 40, 40), 0.8), Box("dog", (50, 50, 90, 90), 0.7)],
+    [Box("cat", (10, 10, 50, 50), 0.6), Box("dog", (60, 60, 100, 88.8), 0.5)],
+]
 
 # By hand, COCO's rules: per category, predictions of all images sorted by score; each takes the unmatched
 # ground truth it overlaps best at IoU >= t; precision made non-increasing from the right; AP = its mean at

@@ -86,8 +86,13 @@ def test_large_images_keep_their_size_and_bad_geometry_is_refused() -> None:
 def test_save_rollout_pictures_writes_one_png_per_rollout(tmp_path: Path) -> None:
     src = Image.new("RGB", (96, 128), BG)
     items = [
-        RolloutPicture(step=12, record_id="visual-3", image=src, ground_truth=[("a", "bbox_2d", [1, 1, 30, 30])],
-                       predicted=[("a", "bbox_2d", [2, 2, 31, 31])]),
+        RolloutPicture(
+            step=12,
+            record_id="visual-3",
+            image=src,
+            ground_truth=[("a", "bbox_2d", [1, 1, 30, 30])],
+            predicted=[("a", "bbox_2d", [2, 2, 31, 31])],
+        ),
         RolloutPicture(step=12, record_id="visual-3", image=src, sample=1),
         RolloutPicture(step=12, record_id="a/b", image=src),
         RolloutPicture(step=12, record_id="a_b", image=src),

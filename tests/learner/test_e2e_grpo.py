@@ -34,8 +34,17 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
     logs = tmp_path_factory.mktemp("serve-logs")
     with ThreadPoolExecutor(2) as pool:
-        futs = [pool.submit(RolloutServer.start, tiny_model_dir, max_model_len=512, dtype="float32",
-                            logprobs_mode="processed", log_path=logs / f"rollout-{i}.log") for i in range(2)]
+        futs = [
+            pool.submit(
+                RolloutServer.start,
+                tiny_model_dir,
+                max_model_len=512,
+                dtype="float32",
+                logprobs_mode="processed",
+                log_path=logs / f"rollout-{i}.log",
+            )
+            for i in range(2)
+        ]
         started = [f.result() for f in futs]
     yield started
     for s in started:
@@ -56,8 +65,12 @@ def grpo_job(model_dir: Path, data: Path, ckpt: Path, steps: int):
     t["checkpoint"] = {"dir": str(ckpt), "every": 0, "keep": 1}
     t["export"] = {"enabled": False}
     # The widest reward: a few steps of a random model see non-zero advantages.
-    t["grpo"].update(group_size=4, temperature=TEMPERATURE, max_tokens=6,
-                     rewards=[{"name": "rmsft_dev.synthetic:CoordAnswerReward", "params": {"width": 1000}}])
+    t["grpo"].update(
+        group_size=4,
+        temperature=TEMPERATURE,
+        max_tokens=6,
+        rewards=[{"name": "rmsft_dev.synthetic:CoordAnswerReward", "params": {"width": 1000}}],
+    )
     return parse_job(doc)
 
 

@@ -46,9 +46,17 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, shar
     logs = tmp_path_factory.mktemp("serve-logs")
     with ThreadPoolExecutor(2) as pool:
         futs = [
-            pool.submit(RolloutServer.start, tiny_model_dir, enable_lora=True, max_lora_rank=16, max_model_len=1024,
-                        dtype="float32", log_path=logs / f"rollout-{i}.log", env={SHARED_DIR_ENV: str(shared_dir)},
-                        weight_transfer="rmsft_gloo")
+            pool.submit(
+                RolloutServer.start,
+                tiny_model_dir,
+                enable_lora=True,
+                max_lora_rank=16,
+                max_model_len=1024,
+                dtype="float32",
+                log_path=logs / f"rollout-{i}.log",
+                env={SHARED_DIR_ENV: str(shared_dir)},
+                weight_transfer="rmsft_gloo",
+            )
             for i in range(2)
         ]
         started = [f.result() for f in futs]
@@ -92,7 +100,7 @@ def _greedy_hf(trainer: TrainingLoop, prompts: list[list[int]]) -> list[list[int
     model.eval()
     with torch.no_grad():
         return [
-            model.generate(input_ids=torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
+            model.generate(input_ids=torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p) :].tolist()
             for p in prompts
         ]
 
@@ -134,8 +142,9 @@ def _sync_spec(job, transport: str):
     return job
 
 
-def test_adapter_mode_run(servers, tiny_model_dir: Path, data_path: Path, tmp_path: Path, transport,
-                               shared_dir: Path) -> None:
+def test_adapter_mode_run(
+    servers, tiny_model_dir: Path, data_path: Path, tmp_path: Path, transport, shared_dir: Path
+) -> None:
     job = _sync_spec(make_job(tiny_model_dir, data_path, tmp_path, mode="adapter"), transport)
     # Trained coordinate rows cannot travel in a vLLM adapter (the sync would fall back to FULL): this run is
     # about the adapter path, so they stay frozen.
@@ -152,8 +161,9 @@ def test_adapter_mode_run(servers, tiny_model_dir: Path, data_path: Path, tmp_pa
         trainer.close()
 
 
-def test_full_mode_run(servers, tiny_model_dir: Path, data_path: Path, tmp_path: Path, transport,
-                            shared_dir: Path) -> None:
+def test_full_mode_run(
+    servers, tiny_model_dir: Path, data_path: Path, tmp_path: Path, transport, shared_dir: Path
+) -> None:
     job = _sync_spec(make_job(tiny_model_dir, data_path, tmp_path, mode="full"), transport)
     trainer = TrainingLoop(job, [s.address for s in servers])
     try:
@@ -165,8 +175,9 @@ def test_full_mode_run(servers, tiny_model_dir: Path, data_path: Path, tmp_path:
         trainer.close()
 
 
-def test_full_mode_run_over_a_weight_transfer_group(servers, tiny_model_dir: Path, data_path: Path, tmp_path: Path,
-                                                    monkeypatch) -> None:
+def test_full_mode_run_over_a_weight_transfer_group(
+    servers, tiny_model_dir: Path, data_path: Path, tmp_path: Path, monkeypatch
+) -> None:
     """transport nccl with its CPU backend: every full sync of the run is one broadcast over one group of the learner
     and both servers (none falls back to gRPC), and the servers answer as the learner's model at the end."""
     monkeypatch.delenv(SHARED_DIR_ENV, raising=False)
@@ -219,11 +230,20 @@ def test_server_killed_mid_run(servers, tiny_model_dir, data_path, tmp_path) -> 
 
     def on_step(r) -> None:
         if r.step == 6:  # a restarted pod: same address, base weights, version 0
-            restarted.append(RolloutServer.start(tiny_model_dir, port=victim.port, enable_lora=True,
-                                                 max_lora_rank=16, max_model_len=1024, dtype="float32"))
+            restarted.append(
+                RolloutServer.start(
+                    tiny_model_dir,
+                    port=victim.port,
+                    enable_lora=True,
+                    max_lora_rank=16,
+                    max_model_len=1024,
+                    dtype="float32",
+                )
+            )
 
-    trainer = TrainingLoop(make_job(tiny_model_dir, data_path, tmp_path, steps=12), [s.address for s in servers],
-                      on_step=on_step)
+    trainer = TrainingLoop(
+        make_job(tiny_model_dir, data_path, tmp_path, steps=12), [s.address for s in servers], on_step=on_step
+    )
     real_generate = trainer.rollouts.generate
 
     def generate_killing_once(*args, **kwargs):
@@ -269,8 +289,12 @@ def test_full_sync_of_tied_embedding_reaches_the_output_head(servers, tiny_model
         model.model.embed_tokens.weight.add_(torch.randn_like(model.model.embed_tokens.weight) * 0.1)
     assert "lm_head.weight" not in dict(full_named_tensors(model))  # only the embedding is sent
     tok = tiny_tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": f"Find object {i}."}], add_generation_prompt=True,
-                                       tokenize=True)["input_ids"] for i in range(4)]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": f"Find object {i}."}], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+        for i in range(4)
+    ]
     pool = ServerPool([s.address for s in servers])
     sync = WeightSyncClient(pool, model, mode="full")
     client = RolloutClient(pool, resync=sync.resync_server)
@@ -278,11 +302,15 @@ def test_full_sync_of_tied_embedding_reaches_the_output_head(servers, tiny_model
         pool.wait_ready(timeout_s=60)
         version = max(pool.status(s).weight_version for s in pool.servers) + 1
         sync.sync(version)
-        outs = client.generate([RolloutRequest(token_ids=p, seed=0, request_id=str(i)) for i, p in enumerate(prompts)],
-                               {"max_tokens": 16, "temperature": 0.0})
+        outs = client.generate(
+            [RolloutRequest(token_ids=p, seed=0, request_id=str(i)) for i, p in enumerate(prompts)],
+            {"max_tokens": 16, "temperature": 0.0},
+        )
         with torch.no_grad():
-            hf = [model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
-                  for p in prompts]
+            hf = [
+                model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p) :].tolist()
+                for p in prompts
+            ]
         assert [o.token_ids for o in outs] == hf
         assert {o.server for o in outs} == {s.address for s in servers}  # both servers checked
     finally:

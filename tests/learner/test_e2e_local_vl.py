@@ -28,8 +28,16 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS_PER_STEP = 2
 STEPS = 12  # the loss of the last 5 steps is compared with that of the first 5: no step in both
-SERVE = dict(enable_lora=True, max_lora_rank=16, max_model_len=1024, dtype="float32", kv_cache_bytes=256 << 20,
-             max_images_per_prompt=1, min_pixels=4096, max_pixels=65536)
+SERVE = dict(
+    enable_lora=True,
+    max_lora_rank=16,
+    max_model_len=1024,
+    dtype="float32",
+    kv_cache_bytes=256 << 20,
+    max_images_per_prompt=1,
+    min_pixels=4096,
+    max_pixels=65536,
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +48,10 @@ def servers(tiny_qwen3_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
     logs = tmp_path_factory.mktemp("serve-logs-vl")
     with ThreadPoolExecutor(2) as pool:
-        futs = [pool.submit(RolloutServer.start, tiny_qwen3_vl_dir, log_path=logs / f"rollout-{i}.log", **SERVE)
-                for i in range(2)]
+        futs = [
+            pool.submit(RolloutServer.start, tiny_qwen3_vl_dir, log_path=logs / f"rollout-{i}.log", **SERVE)
+            for i in range(2)
+        ]
         started = [f.result() for f in futs]
     yield started
     for s in started:
@@ -60,8 +70,14 @@ def make_job(model_dir: Path, data: Path, ckpt: Path, *, mode: str, finetune: st
     spec["model"]["path"] = str(model_dir)
     spec["sync"]["mode"] = mode
     t = spec["training"]
-    t.update(steps=steps, prompts_per_step=PROMPTS_PER_STEP, packing_length=1024, warm_start_steps=0,
-             finetune=finetune, warmup_steps=0)
+    t.update(
+        steps=steps,
+        prompts_per_step=PROMPTS_PER_STEP,
+        packing_length=1024,
+        warm_start_steps=0,
+        finetune=finetune,
+        warmup_steps=0,
+    )
     t["freeze"] = {"vision_tower": True, "aligner": False}
     t["data"]["path"] = str(data)
     t.pop("eval")  # the held-out set is written by `rmsft local` from the annotation; not tested here
@@ -85,8 +101,14 @@ def _images_served(servers) -> float:
 def _greedy_servers(trainer: TrainingLoop, idx: list[int]) -> list[list[int]]:
     recs = [trainer.records[i] for i in idx]
     outs = trainer.rollouts.generate(
-        [RolloutRequest(request_id=r.id, messages=[(m.role, m.content) for m in r.messages],
-                        images=[img.data for img in trainer.images.load(r)]) for r in recs],
+        [
+            RolloutRequest(
+                request_id=r.id,
+                messages=[(m.role, m.content) for m in r.messages],
+                images=[img.data for img in trainer.images.load(r)],
+            )
+            for r in recs
+        ],
         {"max_tokens": 16, "temperature": 0.0},
     )
     return [o.token_ids for o in outs]
@@ -101,11 +123,18 @@ def _greedy_hf(trainer: TrainingLoop, idx: list[int]) -> list[list[int]]:
         for i in idx:
             p = trainer.feed.vision_prompt(i)
             ids = torch.tensor([p.input_ids])
-            y = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=p.pixel_values,
-                               image_grid_thw=p.image_grid_thw, max_new_tokens=16, do_sample=False,
-                               mm_token_type_ids=mm_token_type_ids(trainer.policy.model.config, ids),
-                               eos_token_id=eos, pad_token_id=eos)
-            toks = y[0, ids.shape[1]:].tolist()
+            y = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                pixel_values=p.pixel_values,
+                image_grid_thw=p.image_grid_thw,
+                max_new_tokens=16,
+                do_sample=False,
+                mm_token_type_ids=mm_token_type_ids(trainer.policy.model.config, ids),
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )
+            toks = y[0, ids.shape[1] :].tolist()
             outs.append(toks[: toks.index(eos) + 1] if eos in toks else toks)
     model.train()
     return outs
@@ -119,8 +148,9 @@ def _hf_margin(trainer: TrainingLoop, i: int, prefix: list[int]) -> float:
     ids = torch.tensor([p.input_ids + prefix])
     types = mm_token_type_ids(trainer.policy.model.config, ids)
     with torch.no_grad():
-        logits = model(input_ids=ids, pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw,
-                       mm_token_type_ids=types).logits[0, -1]
+        logits = model(
+            input_ids=ids, pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw, mm_token_type_ids=types
+        ).logits[0, -1]
     model.train()
     top = torch.topk(logits.float(), 2).values
     return float(top[0] - top[1])
@@ -173,8 +203,7 @@ def test_adapter_mode_run(servers, tiny_qwen3_vl_dir: Path, data_path: Path, tmp
         trainer.close()
 
 
-def test_full_mode_run_sends_what_can_change(servers, tiny_qwen3_vl_dir: Path, data_path: Path,
-                                                  tmp_path: Path) -> None:
+def test_full_mode_run_sends_what_can_change(servers, tiny_qwen3_vl_dir: Path, data_path: Path, tmp_path: Path) -> None:
     job = make_job(tiny_qwen3_vl_dir, data_path, tmp_path, mode="full", finetune="full")
     trainer = TrainingLoop(job, [s.address for s in servers])
     try:
@@ -184,8 +213,9 @@ def test_full_mode_run_sends_what_can_change(servers, tiny_qwen3_vl_dir: Path, d
         assert all(not trainer.pool.status(s).active_adapter for s in trainer.pool.servers)
         from learner.sync.weights import full_export
 
-        names = [n for n, _ in full_export(trainer.model, name_map=trainer.sync_client.name_map,
-                                           changed_only=True).specs]
+        names = [
+            n for n, _ in full_export(trainer.model, name_map=trainer.sync_client.name_map, changed_only=True).specs
+        ]
         assert names and not any("visual" in n and "merger" not in n for n in names)  # frozen tower not resent
         assert trainer.sync_client.changed_only
     finally:

@@ -91,9 +91,14 @@ def test_stock_model_trains_with_qwen_json_evaluates_tracks_and_exports(stock_vl
     assert job.spec.training.format == "qwen_json"
     # The export: a Hugging Face folder; `rmsft eval` on it repeats the trainer's last evaluation.
     assert summary.exported is not None and (summary.exported / "config.json").is_file()
-    ev = run_eval(summary.exported, tmp_path / "held.jsonl",
-                  EvalOptions(config=job_path, max_samples=4, max_tokens=48, out=tmp_path / "eval",
-                              work_dir=tmp_path / "eval-work"), _quiet())
+    ev = run_eval(
+        summary.exported,
+        tmp_path / "held.jsonl",
+        EvalOptions(
+            config=job_path, max_samples=4, max_tokens=48, out=tmp_path / "eval", work_dir=tmp_path / "eval-work"
+        ),
+        _quiet(),
+    )
     _, f1, mean_ap = summary.evaluations[-1]
     assert (ev.f1, ev.map) == pytest.approx((f1, mean_ap), abs=1e-9)
     assert json.loads((tmp_path / "eval" / "eval.json").read_text())["figures"]["eval/f1"] == pytest.approx(f1)

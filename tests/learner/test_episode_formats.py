@@ -16,8 +16,15 @@ from learner.data.records import Record
 
 
 def _record(rid: str, objects: list[dict], width: int = 640, height: int = 480) -> Record:
-    return Record.model_validate({"id": rid, "width": width, "height": height, "objects": objects,
-                                  "messages": [{"role": "user", "content": "Detect."}]})
+    return Record.model_validate(
+        {
+            "id": rid,
+            "width": width,
+            "height": height,
+            "objects": objects,
+            "messages": [{"role": "user", "content": "Detect."}],
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -30,16 +37,21 @@ def stock_vocab() -> VocabView:
 def test_pixels_format_is_bound_per_record(stock_vocab: VocabView) -> None:
     vocab = stock_vocab
     # Originals 640x480 and 1280x960; the processor resized them to 320x240 and 640x480.
-    recs = [_record("a", [{"desc": "cat", "bbox_2d": [64, 48, 320, 240]}]),
-            _record("b", [{"desc": "dog", "poly": [0, 0, 1280, 0, 640, 960]}], 1280, 960)]
+    recs = [
+        _record("a", [{"desc": "cat", "bbox_2d": [64, 48, 320, 240]}]),
+        _record("b", [{"desc": "dog", "poly": [0, 0, 1280, 0, 640, 960]}], 1280, 960),
+    ]
     sizes = [(320, 240), (640, 480)]
     prompt = list(vocab.encode("Detect.")) + [vocab.eos_id]
     fmt = QwenJsonFormat(coordinates="pixels")
     # Record a answered right in its resized pixels; record b answered with nothing.
-    responses = [list(vocab.encode('[{"bbox_2d": [32, 24, 160, 120], "label": "cat"}]')) + [vocab.eos_id],
-                 list(vocab.encode("[]")) + [vocab.eos_id]]
-    segs, stats = build_segments(recs, [prompt] * 2, [prompt] * 2, responses, vocab, MatchConfig(),
-                                 fmt=fmt, image_sizes=sizes)
+    responses = [
+        list(vocab.encode('[{"bbox_2d": [32, 24, 160, 120], "label": "cat"}]')) + [vocab.eos_id],
+        list(vocab.encode("[]")) + [vocab.eos_id],
+    ]
+    segs, stats = build_segments(
+        recs, [prompt] * 2, [prompt] * 2, responses, vocab, MatchConfig(), fmt=fmt, image_sizes=sizes
+    )
     assert (stats.matched, stats.false_negatives, stats.false_positives, stats.dropped) == (1, 1, 0, 0)
     texts = [vocab.decode_bytes(s.input_ids[len(prompt) : -1]).decode() for s in segs]
     assert texts[0] == '[{"bbox_2d": [32, 24, 160, 120], "label": "cat"}]'
@@ -57,8 +69,9 @@ def test_pixels_format_is_bound_per_record(stock_vocab: VocabView) -> None:
     with pytest.raises(FormatError, match="record 'a'.*for_image"):
         build_segments(recs, [prompt] * 2, [prompt] * 2, responses, vocab, MatchConfig(), fmt=fmt)
     with pytest.raises(ValueError, match="1 image size"):
-        build_segments(recs, [prompt] * 2, [prompt] * 2, responses, vocab, MatchConfig(), fmt=fmt,
-                       image_sizes=sizes[:1])
+        build_segments(
+            recs, [prompt] * 2, [prompt] * 2, responses, vocab, MatchConfig(), fmt=fmt, image_sizes=sizes[:1]
+        )
 
 
 def test_default_format_is_coordexp(tiny_tokenizer) -> None:
@@ -66,8 +79,9 @@ def test_default_format_is_coordexp(tiny_tokenizer) -> None:
     rec = _record("a", [{"desc": "cat", "bbox_2d": [64, 48, 320, 240]}])
     prompt = list(vocab.encode("Detect.")) + [vocab.eos_id]
     old, _ = build_segments([rec], [prompt], [prompt], [[vocab.eos_id]], vocab, MatchConfig())
-    new, _ = build_segments([rec], [prompt], [prompt], [[vocab.eos_id]], vocab, MatchConfig(), fmt=COORDEXP,
-                            image_sizes=[(320, 240)])  # coordexp ignores sizes
+    new, _ = build_segments(
+        [rec], [prompt], [prompt], [[vocab.eos_id]], vocab, MatchConfig(), fmt=COORDEXP, image_sizes=[(320, 240)]
+    )  # coordexp ignores sizes
     assert old == new
     assert vocab.decode_bytes(old[0].input_ids[len(prompt) : -1]).decode() == COORDEXP.render(ground_truth(rec))
     assert len(old[0].coord_positions) == 4

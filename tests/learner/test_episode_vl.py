@@ -28,9 +28,15 @@ def vl_tokenizer(tiny_qwen3_vl_dir: Path):
 
 
 def _record(rid: str, images: int = 0) -> Record:
-    return Record.model_validate({"id": rid, "width": 64, "height": 48,
-                                  "messages": [{"role": "user", "content": "Detect."}],
-                                  "images": [f"img-{rid}-{k}.png" for k in range(images)]})
+    return Record.model_validate(
+        {
+            "id": rid,
+            "width": 64,
+            "height": 48,
+            "messages": [{"role": "user", "content": "Detect."}],
+            "images": [f"img-{rid}-{k}.png" for k in range(images)],
+        }
+    )
 
 
 # ---------------------------------------------------------------- vision tokens in answers
@@ -81,7 +87,8 @@ def _expanded(tokenizer, pads_per_image: int) -> list[int]:
     """A one-image prompt with its image token expanded as a processor does."""
     return tokenizer(
         f"<|im_start|>user\n<|vision_start|>{'<|image_pad|>' * pads_per_image}<|vision_end|>Find cats.<|im_end|>\n"
-        "<|im_start|>assistant\n")["input_ids"]
+        "<|im_start|>assistant\n"
+    )["input_ids"]
 
 
 def test_equal_prompts_pass(vl_tokenizer) -> None:
@@ -94,15 +101,19 @@ def test_a_different_image_token_count_is_explained(vl_tokenizer) -> None:
     mine, theirs = _expanded(vl_tokenizer, 4), _expanded(vl_tokenizer, 6)
     records = [_record("ok"), _record("img-7", 1)]
     ok = _rendered(vl_tokenizer, 0)
-    rollouts = [SimpleNamespace(prompt_token_ids=ok, server="srv-0"),
-                SimpleNamespace(prompt_token_ids=theirs, server="rollout-1:50051")]
+    rollouts = [
+        SimpleNamespace(prompt_token_ids=ok, server="srv-0"),
+        SimpleNamespace(prompt_token_ids=theirs, server="rollout-1:50051"),
+    ]
     with pytest.raises(PromptMismatchError) as err:
         check_rollout_prompts(records, [ok, mine], rollouts, vl_tokenizer)
     msg = str(err.value)
     i = next(k for k, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b)
     assert mine[i] == vl_tokenizer.convert_tokens_to_ids("<|vision_end|>")  # the learner's pads ran out first
-    assert msg.startswith("record 'img-7': server rollout-1:50051 rendered a prompt of "
-                          f"{len(theirs)} tokens, the learner {len(mine)}; they part at token {i}:")
+    assert msg.startswith(
+        "record 'img-7': server rollout-1:50051 rendered a prompt of "
+        f"{len(theirs)} tokens, the learner {len(mine)}; they part at token {i}:"
+    )
     lo = max(0, i - 8)
     learner_side = repr(vl_tokenizer.decode(mine[lo : i + 8], skip_special_tokens=False))
     server_side = repr(vl_tokenizer.decode(theirs[lo : i + 8], skip_special_tokens=False))
@@ -132,8 +143,9 @@ def test_a_prompt_that_is_a_prefix_of_the_other_parts_at_its_end(vl_tokenizer) -
     mine = _rendered(vl_tokenizer, 1)
     theirs = mine[:-2]
     with pytest.raises(PromptMismatchError, match=rf"they part at token {len(theirs)}:"):
-        check_rollout_prompts([_record("p")], [mine], [SimpleNamespace(prompt_token_ids=theirs, server="s")],
-                              vl_tokenizer)
+        check_rollout_prompts(
+            [_record("p")], [mine], [SimpleNamespace(prompt_token_ids=theirs, server="s")], vl_tokenizer
+        )
 
 
 # ---------------------------------------------------------------- datasets at start

@@ -69,16 +69,36 @@ def _perturb(model: Any, seed: int) -> None:
                 p.add_(noise * 0.02)
 
 
-def _train(model_dir: Path, tmp: Path, *, finetune: str = "lora", dora: bool = False, seed: int = 0,
-           run_json: bool = True, **training: Any) -> Trained:
-    job = make_job(model_dir, tmp / "data.jsonl", tmp / "ckpt", finetune=finetune,
-                   lora={"r": 8, "alpha": 16, "target_modules": TARGETS, "use_dora": dora}, **training)
+def _train(
+    model_dir: Path,
+    tmp: Path,
+    *,
+    finetune: str = "lora",
+    dora: bool = False,
+    seed: int = 0,
+    run_json: bool = True,
+    **training: Any,
+) -> Trained:
+    job = make_job(
+        model_dir,
+        tmp / "data.jsonl",
+        tmp / "ckpt",
+        finetune=finetune,
+        lora={"r": 8, "alpha": 16, "target_modules": TARGETS, "use_dora": dora},
+        **training,
+    )
     cfg = job.spec.training
     policy = load_policy(model_dir, cfg, job.spec.model.dtype, job.spec.model.vision)
     _perturb(policy.model, seed)
     ranks = Ranks.single()
-    step = PlainUpdater(policy.model, ranks, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-                     device=torch.device("cpu"))
+    step = PlainUpdater(
+        policy.model,
+        ranks,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm,
+        device=torch.device("cpu"),
+    )
     packer = Packer(cfg.packing_length, cfg.packing_buffer)
     ckpt = Checkpointer(cfg, ranks, policy.model, step, packer, TrainState(step=5, version=5)).save()
     assert ckpt is not None
@@ -110,8 +130,9 @@ def _vl_cases(processor: Any, images: list[Path]) -> list[tuple[str, list[Path]]
     cases = []
     for text, n in VL_PROMPTS:
         content = [{"type": "image"}] * n + [{"type": "text", "text": text}]
-        rendered = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                                 tokenize=False)
+        rendered = processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
         cases.append((rendered, images[:n]))
     return cases
 
@@ -119,8 +140,10 @@ def _vl_cases(processor: Any, images: list[Path]) -> list[tuple[str, list[Path]]
 def _inputs(policy: Policy, images: list[Path]) -> list[dict[str, torch.Tensor]]:
     """The prompts as model inputs: chat prompts for a text model, prompts with 0-2 images for a VL one."""
     if not policy.is_vision_language:
-        return [{"input_ids": torch.tensor([prompt_ids(policy.tokenizer, [{"role": "user", "content": t}])])}
-                for t in TEXT_PROMPTS]
+        return [
+            {"input_ids": torch.tensor([prompt_ids(policy.tokenizer, [{"role": "user", "content": t}])])}
+            for t in TEXT_PROMPTS
+        ]
     from PIL import Image
 
     out = []
@@ -159,17 +182,21 @@ def _state(model: Any) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- merged / full exports
 
 
-@pytest.mark.parametrize("finetune,dora", [("lora", False), ("lora", True), ("full", False)],
-                         ids=["lora", "dora", "full"])
-def test_text_export_gives_the_learner_greedy_tokens(tmp_path: Path, tiny_model_dir: Path, finetune: str,
-                                                     dora: bool) -> None:
+@pytest.mark.parametrize(
+    "finetune,dora", [("lora", False), ("lora", True), ("full", False)], ids=["lora", "dora", "full"]
+)
+def test_text_export_gives_the_learner_greedy_tokens(
+    tmp_path: Path, tiny_model_dir: Path, finetune: str, dora: bool
+) -> None:
     _check_merged_export(tmp_path, _train(tiny_model_dir, tmp_path, finetune=finetune, dora=dora))
 
 
-@pytest.mark.parametrize("finetune,dora", [("lora", False), ("lora", True), ("full", False)],
-                         ids=["lora", "dora", "full"])
-def test_vl_export_gives_the_learner_greedy_tokens(tmp_path: Path, tiny_vl_model_dir: Path, finetune: str,
-                                                   dora: bool) -> None:
+@pytest.mark.parametrize(
+    "finetune,dora", [("lora", False), ("lora", True), ("full", False)], ids=["lora", "dora", "full"]
+)
+def test_vl_export_gives_the_learner_greedy_tokens(
+    tmp_path: Path, tiny_vl_model_dir: Path, finetune: str, dora: bool
+) -> None:
     _check_merged_export(tmp_path, _train(tiny_vl_model_dir, tmp_path, finetune=finetune, dora=dora))
 
 
@@ -193,8 +220,14 @@ def _check_merged_export(tmp_path: Path, t: Trained) -> None:
     result = export_checkpoint(t.ckpt, out)  # the job from run.json beside the checkpoint
     assert result.mode == ("full" if t.job.spec.training.finetune == "full" else "merged")
     assert result.dtype == "float32" and result.info["step"] == 5
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja",
-            EXPORT_INFO_FILE} <= set(result.files)
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "chat_template.jinja",
+        EXPORT_INFO_FILE,
+    } <= set(result.files)
     assert not any(f.startswith("adapter") for f in result.files)
     assert ("processor_config.json" in result.files) == vl
     loaded = _load_hf(out, vl)
@@ -230,8 +263,9 @@ def test_sharded_export_loads(tmp_path: Path, tiny_model_dir: Path) -> None:
     eos = t.policy.tokenizer.eos_token_id
     out = export_trained(t.policy.model, t.policy, tmp_path / "one", base_model_dir=tiny_model_dir)
     # Small shards: several files and an index, which transformers follows.
-    small = export_trained(t.policy.model, t.policy, tmp_path / "small", base_model_dir=tiny_model_dir,
-                           max_shard_bytes=1 << 20)
+    small = export_trained(
+        t.policy.model, t.policy, tmp_path / "small", base_model_dir=tiny_model_dir, max_shard_bytes=1 << 20
+    )
     assert not (small / "model.safetensors").exists()
     shards = sorted(p.name for p in small.glob("model-*.safetensors"))
     assert len(shards) >= 2 and (small / "model.safetensors.index.json").exists()
@@ -375,8 +409,13 @@ def test_cli_export_without_a_job_says_to_pass_config(tmp_path: Path) -> None:
     step = tmp_path / "ckpt" / "step-3"
     step.mkdir(parents=True)
     torch.save({"step": 3, "model": {}}, step / "state.pt")
-    res = subprocess.run([sys.executable, "-m", "rmsft_cli", "export", str(step), str(tmp_path / "out")],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "rmsft_cli", "export", str(step), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert res.returncode == 2, res.stderr
     assert "--config" in res.stderr and "run.json" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "out").exists()
@@ -387,8 +426,13 @@ def test_cli_export(tmp_path: Path, tiny_model_dir: Path) -> None:
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(t.job.to_manifest()))
     (t.ckpt.parent / RUN_FILE).unlink()
-    res = subprocess.run([sys.executable, "-m", "rmsft_cli", "export", str(t.ckpt), str(tmp_path / "out"), "--config",
-                          str(config)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "rmsft_cli", "export", str(t.ckpt), str(tmp_path / "out"), "--config", str(config)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     assert "merged" in res.stderr and "step 5" in res.stderr
     eos = t.policy.tokenizer.eos_token_id
@@ -421,8 +465,9 @@ def test_vllm_serves_the_text_export_with_the_learner_greedy_tokens(tmp_path: Pa
     inputs = _inputs(t.policy, [])
     eos = t.policy.tokenizer.eos_token_id
     want = _greedy(t.policy.model, inputs, eos)
-    got = _vllm_greedy(out, {"ids": [enc["input_ids"][0].tolist() for enc in inputs], "max_tokens": MAX_TOKENS},
-                       tmp_path)
+    got = _vllm_greedy(
+        out, {"ids": [enc["input_ids"][0].tolist() for enc in inputs], "max_tokens": MAX_TOKENS}, tmp_path
+    )
     assert _cut_at_eos(got, eos) == _cut_at_eos(want, eos)
 
 
@@ -436,7 +481,11 @@ def test_vllm_serves_the_vl_export_with_the_learner_greedy_tokens(tmp_path: Path
     eos = t.policy.tokenizer.eos_token_id
     want = _greedy(t.policy.model, _inputs(t.policy, images), eos)
     cases = _vl_cases(t.policy.processor, images)
-    prompts = {"texts": [c[0] for c in cases], "images": [[str(p) for p in c[1]] for c in cases],
-               "max_tokens": MAX_TOKENS, "llm": {"model_impl": "transformers", "limit_mm_per_prompt": {"image": 2}}}
+    prompts = {
+        "texts": [c[0] for c in cases],
+        "images": [[str(p) for p in c[1]] for c in cases],
+        "max_tokens": MAX_TOKENS,
+        "llm": {"model_impl": "transformers", "limit_mm_per_prompt": {"image": 2}},
+    }
     got = _vllm_greedy(out, prompts, tmp_path)
     assert _cut_at_eos(got, eos) == _cut_at_eos(want, eos)

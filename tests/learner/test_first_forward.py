@@ -21,8 +21,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_first_training_forward_equals_itself_done_again() -> None:
-    p = subprocess.run([sys.executable, "scripts/first_forward_check.py", "configs/job-kind-cpu.yaml", "--runs", "3",
-                        "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "scripts/first_forward_check.py", "configs/job-kind-cpu.yaml", "--runs", "3", "--steps", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     runs = re.findall(r"^run \d+: (equal|DIFFERS) +step 1: (\S+)/(\S+)$", p.stdout, re.M)
     assert len(runs) == 3, p.stdout

@@ -37,11 +37,22 @@ def _model(layers: int = 12, hidden: int = 256, dora: bool = False):
 
     torch.manual_seed(0)
     cfg = Qwen2Config(
-        vocab_size=1200, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True,
+        vocab_size=1200,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=1,
+        head_dim=64,
+        tie_word_embeddings=True,
     )
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "up_proj"],
-                      init_lora_weights=False, use_dora=dora)
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "o_proj", "up_proj"],
+        init_lora_weights=False,
+        use_dora=dora,
+    )
     return get_peft_model(Qwen2ForCausalLM(cfg), lora)
 
 

@@ -40,19 +40,23 @@ def gpu_job(replicas: int = 6, tp: int = 1, learner: int = 2, device: str = "aut
 
 
 # -- the planner ---------------------------------------------------------------------------------
-@pytest.mark.parametrize(("replicas", "tp", "learner", "available", "visible", "servers", "learner_env"), [
-    (6, 1, 2, 8, None, ["0", "1", "2", "3", "4", "5"], "6,7"),  # configs/job.yaml
-    (2, 2, 1, 8, None, ["0,1", "2,3"], "4"),
-    (3, 2, 2, 8, None, ["0,1", "2,3", "4,5"], "6,7"),
-    (1, 4, 4, 8, None, ["0,1,2,3"], "4,5,6,7"),
-    (2, 1, 0, 4, None, ["0", "1"], ""),
-    (2, 1, 2, 4, "4,5,6,7", ["4", "5"], "6,7"),  # the user's CUDA_VISIBLE_DEVICES, mapped back
-    (1, 2, 1, 3, "7, 2,5", ["7,2"], "5"),
-    (1, 1, 1, 2, "GPU-aaaa,GPU-bbbb", ["GPU-aaaa"], "GPU-bbbb"),  # UUIDs pass through as given
-    (1, 1, 1, 2, "3,1,-1,0", ["3"], "1"),  # CUDA stops at the invalid entry: 2 devices visible
-])
-def test_plan_table(replicas: int, tp: int, learner: int, available: int, visible: str | None, servers: list[str],
-                    learner_env: str) -> None:
+@pytest.mark.parametrize(
+    ("replicas", "tp", "learner", "available", "visible", "servers", "learner_env"),
+    [
+        (6, 1, 2, 8, None, ["0", "1", "2", "3", "4", "5"], "6,7"),  # configs/job.yaml
+        (2, 2, 1, 8, None, ["0,1", "2,3"], "4"),
+        (3, 2, 2, 8, None, ["0,1", "2,3", "4,5"], "6,7"),
+        (1, 4, 4, 8, None, ["0,1,2,3"], "4,5,6,7"),
+        (2, 1, 0, 4, None, ["0", "1"], ""),
+        (2, 1, 2, 4, "4,5,6,7", ["4", "5"], "6,7"),  # the user's CUDA_VISIBLE_DEVICES, mapped back
+        (1, 2, 1, 3, "7, 2,5", ["7,2"], "5"),
+        (1, 1, 1, 2, "GPU-aaaa,GPU-bbbb", ["GPU-aaaa"], "GPU-bbbb"),  # UUIDs pass through as given
+        (1, 1, 1, 2, "3,1,-1,0", ["3"], "1"),  # CUDA stops at the invalid entry: 2 devices visible
+    ],
+)
+def test_plan_table(
+    replicas: int, tp: int, learner: int, available: int, visible: str | None, servers: list[str], learner_env: str
+) -> None:
     plan = assign_gpus(gpu_job(replicas, tp, learner), available, visible_devices=visible)
     assert plan.accelerated
     assert [plan.server_env(i)[CUDA_ENV] for i in range(replicas)] == servers
@@ -74,20 +78,45 @@ def test_every_fitting_plan_gives_disjoint_contiguous_gpus() -> None:
         assert all(len(g) == tp and list(g) == list(range(g[0], g[0] + tp)) for g in plan.servers)
 
 
-@pytest.mark.parametrize(("replicas", "tp", "learner", "available", "visible", "message"), [
-    (6, 1, 2, 4, None, "spec.rollout.replicas 6 x spec.rollout.tensorParallelSize 1 + spec.learner.gpus 2 "
-                       "= 8 GPUs needed, this machine has 4"),
-    (3, 2, 1, 6, None, "spec.rollout.replicas 3 x spec.rollout.tensorParallelSize 2 + spec.learner.gpus 1 "
-                       "= 7 GPUs needed, this machine has 6"),
-    (2, 1, 1, 2, "0,3", "= 3 GPUs needed, this machine has 2 visible (CUDA_VISIBLE_DEVICES=0,3)"),
-    (2, 1, 1, 0, None, "the job asks for GPUs (spec.placement.accelerator nvidia: spec.rollout.replicas 2 x "
-                       "spec.rollout.tensorParallelSize 1 + spec.learner.gpus 1 = 3 GPUs needed), but this "
-                       "machine has none; to run on CPUs set spec.placement.accelerator: none"),
-    (1, 1, 0, 0, "", "this machine has none (CUDA_VISIBLE_DEVICES='')"),
-    (1, 1, 1, 2, "0", "CUDA_VISIBLE_DEVICES='0' names 1 device(s) but CUDA sees 2"),
-])
-def test_too_few_gpus_names_the_keys_and_numbers(replicas: int, tp: int, learner: int, available: int,
-                                                 visible: str | None, message: str) -> None:
+@pytest.mark.parametrize(
+    ("replicas", "tp", "learner", "available", "visible", "message"),
+    [
+        (
+            6,
+            1,
+            2,
+            4,
+            None,
+            "spec.rollout.replicas 6 x spec.rollout.tensorParallelSize 1 + spec.learner.gpus 2 "
+            "= 8 GPUs needed, this machine has 4",
+        ),
+        (
+            3,
+            2,
+            1,
+            6,
+            None,
+            "spec.rollout.replicas 3 x spec.rollout.tensorParallelSize 2 + spec.learner.gpus 1 "
+            "= 7 GPUs needed, this machine has 6",
+        ),
+        (2, 1, 1, 2, "0,3", "= 3 GPUs needed, this machine has 2 visible (CUDA_VISIBLE_DEVICES=0,3)"),
+        (
+            2,
+            1,
+            1,
+            0,
+            None,
+            "the job asks for GPUs (spec.placement.accelerator nvidia: spec.rollout.replicas 2 x "
+            "spec.rollout.tensorParallelSize 1 + spec.learner.gpus 1 = 3 GPUs needed), but this "
+            "machine has none; to run on CPUs set spec.placement.accelerator: none",
+        ),
+        (1, 1, 0, 0, "", "this machine has none (CUDA_VISIBLE_DEVICES='')"),
+        (1, 1, 1, 2, "0", "CUDA_VISIBLE_DEVICES='0' names 1 device(s) but CUDA sees 2"),
+    ],
+)
+def test_too_few_gpus_names_the_keys_and_numbers(
+    replicas: int, tp: int, learner: int, available: int, visible: str | None, message: str
+) -> None:
     with pytest.raises(GpuAssignmentError) as err:
         assign_gpus(gpu_job(replicas, tp, learner), available, visible_devices=visible)
     assert message in str(err.value)
@@ -102,8 +131,9 @@ def test_cpu_job_on_cpu_and_gpu_machines() -> None:
     assert not gpu.accelerated and gpu.server_env(1) == {CUDA_ENV: ""} and gpu.learner_device("auto") == "cpu"
     with pytest.raises(GpuAssignmentError, match="spec.training.device cuda:0 asks for a GPU, but spec.placement.acc"):
         gpu.learner_device("cuda:0")
-    with pytest.raises(GpuAssignmentError,
-                       match="spec.training.device cuda asks for a GPU, but this machine has no GPU"):
+    with pytest.raises(
+        GpuAssignmentError, match="spec.training.device cuda asks for a GPU, but this machine has no GPU"
+    ):
         cpu.learner_device("cuda")
 
 
@@ -121,18 +151,21 @@ def test_a_learner_laid_out_for_a_clusters_pods_is_refused_by_rmsft_local() -> N
         assign_gpus(parse_job(doc), 0)
 
 
-@pytest.mark.parametrize(("learner", "requested", "expected"), [
-    (1, "auto", "cuda:6"),
-    (1, "cuda", "cuda:6"),     # the learner's own GPU 0, as in its pod
-    (1, "cuda:0", "cuda:6"),
-    (1, "cpu", "cpu"),
-    (0, "auto", "cpu"),        # not torch's auto: that would be cuda:0, rollout-0's GPU
-    (2, "auto", "auto"),       # torchrun ranks: cuda:LOCAL_RANK among the learner's GPUs
-    (2, "cpu", "cpu"),
-    (1, "cuda:1", "spec.training.device cuda:1 is the learner's GPU 1, but spec.learner.gpus is 1"),
-    (0, "cuda:0", "spec.training.device cuda:0 asks for a GPU, but spec.learner.gpus is 0"),
-    (2, "cuda:0", "spec.training.device cuda:0 would put all 2 learner ranks (spec.learner.gpus) on one GPU"),
-])
+@pytest.mark.parametrize(
+    ("learner", "requested", "expected"),
+    [
+        (1, "auto", "cuda:6"),
+        (1, "cuda", "cuda:6"),  # the learner's own GPU 0, as in its pod
+        (1, "cuda:0", "cuda:6"),
+        (1, "cpu", "cpu"),
+        (0, "auto", "cpu"),  # not torch's auto: that would be cuda:0, rollout-0's GPU
+        (2, "auto", "auto"),  # torchrun ranks: cuda:LOCAL_RANK among the learner's GPUs
+        (2, "cpu", "cpu"),
+        (1, "cuda:1", "spec.training.device cuda:1 is the learner's GPU 1, but spec.learner.gpus is 1"),
+        (0, "cuda:0", "spec.training.device cuda:0 asks for a GPU, but spec.learner.gpus is 0"),
+        (2, "cuda:0", "spec.training.device cuda:0 would put all 2 learner ranks (spec.learner.gpus) on one GPU"),
+    ],
+)
 def test_learner_device(learner: int, requested: str, expected: str) -> None:
     plan = assign_gpus(gpu_job(6, 1, learner), 8)
     if expected.startswith("spec."):
@@ -226,9 +259,20 @@ def test_local_on_8_gpus_gives_every_process_its_own(machine, tmp_path: Path) ->
     (run,) = calls["torchrun"]
     cmd = run["cmd"]
     assert cmd[1:-1] == [
-        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "rmsft_cli", "train",
-        "--config", str(job_path), "--servers", ",".join(f"127.0.0.1:{5000 + i}" for i in range(6)),
-        "--no-resume", "--metrics-port",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "rmsft_cli",
+        "train",
+        "--config",
+        str(job_path),
+        "--servers",
+        ",".join(f"127.0.0.1:{5000 + i}" for i in range(6)),
+        "--no-resume",
+        "--metrics-port",
     ]
     assert int(cmd[-1]) > 0  # rank 0's /metrics on a free port (`rmsft local --metrics-port`), never 9090
     assert run["env"][CUDA_ENV] == "6,7" and run["env"]["RMSFT_AUTH_TOKEN"] == "s3cret"
@@ -243,8 +287,9 @@ def test_local_one_learner_gpu_trains_in_process_on_it(machine, tmp_path: Path) 
     local.run_local(_write(tmp_path, gpu_doc(3, 2, 1)), work_dir=tmp_path, console=_quiet())
     assert sorted(s.env[CUDA_ENV] for s in calls["servers"]) == ["0,1", "2,3", "4,5"]
     assert all(s.options["tensor_parallel_size"] == 2 for s in calls["servers"])
-    assert calls["in_process"] == [{"device": "cuda:6", "addresses": [f"127.0.0.1:{5000 + i}" for i in range(3)],
-                                    "token": "s3cret"}]
+    assert calls["in_process"] == [
+        {"device": "cuda:6", "addresses": [f"127.0.0.1:{5000 + i}" for i in range(3)], "token": "s3cret"}
+    ]
     assert not calls["torchrun"]
 
 
@@ -269,8 +314,10 @@ def test_local_cpu_job(machine, tmp_path: Path) -> None:
 def test_local_refuses_a_job_bigger_than_the_machine_before_starting_anything(machine, tmp_path: Path) -> None:
     calls = machine(4)
     job_path = _write(tmp_path, gpu_doc(6, 1, 2))
-    message = ("spec.rollout.replicas 6 x spec.rollout.tensorParallelSize 1 + spec.learner.gpus 2 = 8 GPUs "
-               "needed, this machine has 4")
+    message = (
+        "spec.rollout.replicas 6 x spec.rollout.tensorParallelSize 1 + spec.learner.gpus 2 = 8 GPUs "
+        "needed, this machine has 4"
+    )
     with pytest.raises(GpuAssignmentError) as err:
         local.run_local(job_path, work_dir=tmp_path / "w", console=_quiet())
     assert str(err.value) == message

@@ -38,9 +38,8 @@ def _greedy(trainer: TrainingLoop, records, images, max_tokens: int) -> list[lis
             messages = vision_messages([m.model_dump() for m in rec.messages], 1)
             text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             enc = processor(text=[text], images=[img.pil() for img in images.load(rec)], return_tensors="pt")
-            out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
-                                 pad_token_id=eos)
-            answers.append(out[0, enc["input_ids"].shape[1]:].tolist())
+            out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+            answers.append(out[0, enc["input_ids"].shape[1] :].tolist())
     return answers
 
 
@@ -52,8 +51,9 @@ def test_the_readme_task_moves_held_out_f1_above_the_untrained_models(tmp_path: 
     doc["metadata"].pop("annotations")
     model = build_tiny_vl_model(tmp_path / "model", seed=job0.spec.training.seed, smooth_coords=True)
     data = write_visual_dataset(tmp_path / "train.jsonl", n=512, seed=0, layout="grid", max_objects=max_objects)
-    held = write_visual_dataset(tmp_path / "held.jsonl", n=HELD_OUT, seed=10_000, layout="grid",
-                                max_objects=max_objects)
+    held = write_visual_dataset(
+        tmp_path / "held.jsonl", n=HELD_OUT, seed=10_000, layout="grid", max_objects=max_objects
+    )
     t = doc["spec"]["training"]
     doc["spec"]["model"]["path"] = str(model)
     # Plain SFT from the random model: what the README job's pretraining does (its lr, batch and coordinate target).
@@ -79,10 +79,12 @@ def test_the_readme_task_moves_held_out_f1_above_the_untrained_models(tmp_path: 
         trainer.close()
     at = ev.geometry[0.5]
     near = ev.geometry[min(ev.geometry)]  # the matching gate (0.3): objects paired by place, looser
-    said = (f"held-out geometry F1@0.5 {before.f1_geometry:.3f} -> {ev.f1_geometry:.3f}, matched "
-            f"{before.geometry[0.5].matched} -> {at.matched} at IoU 0.5 and {near.matched} at IoU {min(ev.geometry)} "
-            f"of {at.gt_objects} objects, {at.predicted} predicted; label-aware F1 {before.f1:.3f} -> {ev.f1:.3f}, "
-            f"mAP@0.5 {before.coco['map_50']:.3f} -> {ev.coco['map_50']:.3f}: the shipped task no longer learns")
+    said = (
+        f"held-out geometry F1@0.5 {before.f1_geometry:.3f} -> {ev.f1_geometry:.3f}, matched "
+        f"{before.geometry[0.5].matched} -> {at.matched} at IoU 0.5 and {near.matched} at IoU {min(ev.geometry)} "
+        f"of {at.gt_objects} objects, {at.predicted} predicted; label-aware F1 {before.f1:.3f} -> {ev.f1:.3f}, "
+        f"mAP@0.5 {before.coco['map_50']:.3f} -> {ev.coco['map_50']:.3f}: the shipped task no longer learns"
+    )
     # Against the untrained model's figures (it matches nothing: its answers run to the token limit), on geometry
     # (objects paired by place): 120 steps teach where the shapes are and how many, not yet reliably their names
     # (the label-aware figures and COCO's mAP@0.5, which want both, stay near 0 here; the README run's pretraining

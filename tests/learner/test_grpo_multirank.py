@@ -30,8 +30,9 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     from rollout_svc.launcher import RolloutServer
 
     log = tmp_path_factory.mktemp("serve") / "rollout.log"
-    srv = RolloutServer.start(tiny_model_dir, backend="hf", max_model_len=1024, logprobs_mode="processed",
-                              log_path=log, timeout=180)
+    srv = RolloutServer.start(
+        tiny_model_dir, backend="hf", max_model_len=1024, logprobs_mode="processed", log_path=log, timeout=180
+    )
     yield srv
     srv.stop()
 
@@ -49,8 +50,12 @@ def write_job(path: Path, model_dir: Path, data: Path, ckpt: Path) -> Path:
     t["export"] = {"enabled": False}
     t["rollout"].update(request_timeout_s=60, max_tokens=64)  # (< maxModelLen; what held-out answers would use)
     # The widest reward: a few steps of a random model see non-zero advantages.
-    t["grpo"].update(group_size=4, temperature=0.7, max_tokens=4,
-                     rewards=[{"name": "rmsft_dev.synthetic:CoordAnswerReward", "params": {"width": 1000}}])
+    t["grpo"].update(
+        group_size=4,
+        temperature=0.7,
+        max_tokens=4,
+        rewards=[{"name": "rmsft_dev.synthetic:CoordAnswerReward", "params": {"width": 1000}}],
+    )
     parse_job(doc)
     path.write_text(yaml.safe_dump(doc))
     return path

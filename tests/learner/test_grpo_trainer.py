@@ -72,8 +72,9 @@ def run(job, addresses: list[str], resume: bool = False):
     return trainer, summary, captured
 
 
-def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model_dir: Path, answers: Path,
-                                                      servers: list[InProcessServer]) -> None:
+def test_steps_are_fenced_scored_per_group_and_finite(
+    tmp_path: Path, tiny_model_dir: Path, answers: Path, servers: list[InProcessServer]
+) -> None:
     from learner.core.grpo import group_advantages
     from learner.data.records import load_records
     from learner.rewards.interface import RewardInput
@@ -96,8 +97,10 @@ def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model
         assert all(r.logprobs is not None and len(r.logprobs) == len(r.token_ids) for r in h.rollouts)
         # The rewards are the task's, per completion; the advantages are normalised within each prompt's group.
         reward = CoordAnswerReward(width=WIDTH)
-        want = [reward(RewardInput(records[r.request_id], tok.decode(r.token_ids, skip_special_tokens=True)))
-                for r in h.rollouts]
+        want = [
+            reward(RewardInput(records[r.request_id], tok.decode(r.token_ids, skip_special_tokens=True)))
+            for r in h.rollouts
+        ]
         g = h.figures
         assert g.reward_mean == pytest.approx(sum(want) / len(want))
         assert g.rewards["rmsft_dev.synthetic:CoordAnswerReward"] == pytest.approx(g.reward_mean)  # by spec name
@@ -112,25 +115,32 @@ def test_steps_are_fenced_scored_per_group_and_finite(tmp_path: Path, tiny_model
     scalars, _ = read_events(summary.log_dir)
     assert [v for _, v in scalars["grpo/reward_mean"]] == pytest.approx(summary.series("reward"))
     assert [v for _, v in scalars["grpo/mismatch_kl"]] == pytest.approx(summary.series("mismatch_kl"))
-    assert {"grpo/clip_fraction", "grpo/kl", "grpo/completion_length",
-            "grpo/reward/rmsft_dev.synthetic:CoordAnswerReward"} <= set(scalars)
+    assert {
+        "grpo/clip_fraction",
+        "grpo/kl",
+        "grpo/completion_length",
+        "grpo/reward/rmsft_dev.synthetic:CoordAnswerReward",
+    } <= set(scalars)
     assert "train/channel_b" not in scalars  # rollout matching's channels are not GRPO's (issue 42)
 
 
-def test_kl_to_the_reference_is_zero_until_the_adapters_move(tmp_path: Path, tiny_model_dir: Path, answers: Path,
-                                                             servers: list[InProcessServer]) -> None:
+def test_kl_to_the_reference_is_zero_until_the_adapters_move(
+    tmp_path: Path, tiny_model_dir: Path, answers: Path, servers: list[InProcessServer]
+) -> None:
     # LoRA starts as the identity (B = 0): the policy is the reference, so the k3 term is exactly 0; one step
     # later the adapters have moved and the KL is positive.
-    job = grpo_job(tiny_model_dir, answers, tmp_path, steps=2, grpo={"kl_coef": 0.5}, finetune="lora",
-                   lora={"r": 8, "alpha": 16})
+    job = grpo_job(
+        tiny_model_dir, answers, tmp_path, steps=2, grpo={"kl_coef": 0.5}, finetune="lora", lora={"r": 8, "alpha": 16}
+    )
     trainer, summary, _ = run(job, [s.address for s in servers])
     kls = [h.figures.kl for h in trainer.history]
     assert kls[0] == 0.0 and kls[1] > 0.0
     assert all(math.isfinite(h.loss) for h in trainer.history)
 
 
-def test_resume_samples_and_trains_what_a_straight_run_does(tmp_path: Path, tiny_model_dir: Path, answers: Path,
-                                                            servers: list[InProcessServer]) -> None:
+def test_resume_samples_and_trains_what_a_straight_run_does(
+    tmp_path: Path, tiny_model_dir: Path, answers: Path, servers: list[InProcessServer]
+) -> None:
     addrs = [s.address for s in servers]
     straight, _, _ = run(grpo_job(tiny_model_dir, answers, tmp_path / "a", steps=3), addrs)
     first, _, _ = run(grpo_job(tiny_model_dir, answers, tmp_path / "b", steps=2), addrs)
@@ -142,8 +152,9 @@ def test_resume_samples_and_trains_what_a_straight_run_does(tmp_path: Path, tiny
     assert again.loss == pytest.approx(last.loss, rel=1e-4, abs=1e-6)
 
 
-def test_raw_log_probs_at_another_temperature_show_in_the_ratio(tmp_path: Path, tiny_model_dir: Path,
-                                                                answers: Path) -> None:
+def test_raw_log_probs_at_another_temperature_show_in_the_ratio(
+    tmp_path: Path, tiny_model_dir: Path, answers: Path
+) -> None:
     # Why GRPO servers report processed log-probs: raw ones (the model's own distribution) against the learner's
     # temperature-0.7 log-probs put the ratio far from 1 at the very first step, where the weights are equal.
     raw = [InProcessServer(tiny_model_dir, tmp_path / f"raw-{i}") for i in range(2)]
@@ -156,8 +167,9 @@ def test_raw_log_probs_at_another_temperature_show_in_the_ratio(tmp_path: Path, 
     assert trainer.history[0].figures.mismatch_kl > 1e-2  # what the mismatch metric is there to show
 
 
-def test_an_unknown_reward_is_refused_before_anything_starts(tmp_path: Path, tiny_model_dir: Path,
-                                                             answers: Path) -> None:
+def test_an_unknown_reward_is_refused_before_anything_starts(
+    tmp_path: Path, tiny_model_dir: Path, answers: Path
+) -> None:
     from learner.rewards.interface import UnknownRewardError
     from learner.train.loop import TrainingLoop
 
@@ -177,8 +189,9 @@ def test_spec_trainer_picks_the_objective(tiny_model_dir: Path, answers: Path, t
 
 
 @pytest.mark.parametrize("kl_coef", [0.0, 0.1], ids=["no-kl", "kl"])
-def test_a_whole_grpo_step_runs_on_the_training_device(tmp_path: Path, tiny_model_dir: Path, answers: Path,
-                                                       servers: list[InProcessServer], kl_coef: float) -> None:
+def test_a_whole_grpo_step_runs_on_the_training_device(
+    tmp_path: Path, tiny_model_dir: Path, answers: Path, servers: list[InProcessServer], kl_coef: float
+) -> None:
     # As tests/learner/test_placement.py proves for rollout matching: rows built on the CPU, then the device step
     # (reference forward with the adapters disabled, policy forward, GRPO loss, backward, AdamW) with every
     # parameter on `meta`, flagging any op given a tensor off the device and counting host reads.
@@ -198,8 +211,9 @@ def test_a_whole_grpo_step_runs_on_the_training_device(tmp_path: Path, tiny_mode
     built, (n_tokens, n_seqs), _ = seen[0]
     rows = built.rows
     assert rows and n_tokens == PROMPTS * N * 4 and n_seqs == PROMPTS * N
-    meta = TrainingLoop(grpo_job(tiny_model_dir, answers, tmp_path / "meta", steps=1, **kw), ["127.0.0.1:1"],
-                       device="meta")
+    meta = TrainingLoop(
+        grpo_job(tiny_model_dir, answers, tmp_path / "meta", steps=1, **kw), ["127.0.0.1:1"], device="meta"
+    )
     try:
         fence = DeviceFence("meta")
         with fence:
@@ -231,11 +245,17 @@ def _one_step_totals(job, servers: list[InProcessServer]):
     return trainer, int(n_tokens), int(n_seqs)
 
 
-def test_dynamic_sampling_drop_leaves_flat_groups_out_of_the_loss(tmp_path: Path, tiny_model_dir: Path,
-                                                                  answers: Path, servers: list[InProcessServer]):
+def test_dynamic_sampling_drop_leaves_flat_groups_out_of_the_loss(
+    tmp_path: Path, tiny_model_dir: Path, answers: Path, servers: list[InProcessServer]
+):
     # Records answer-<odd> get the sample index as reward (signal), the others 1 whatever they answer (flat).
-    job = grpo_job(tiny_model_dir, answers, tmp_path, steps=1, grpo={
-        "rewards": [{"name": "reward_plugins:odd_records_vary"}], "dynamic_sampling": "drop"})
+    job = grpo_job(
+        tiny_model_dir,
+        answers,
+        tmp_path,
+        steps=1,
+        grpo={"rewards": [{"name": "reward_plugins:odd_records_vary"}], "dynamic_sampling": "drop"},
+    )
     trainer, n_tokens, n_seqs = _one_step_totals(job, servers)
     h = trainer.history[0]
     odd = sum(int(i.rsplit("-", 1)[1]) % 2 for i in h.record_ids)
@@ -246,13 +266,22 @@ def test_dynamic_sampling_drop_leaves_flat_groups_out_of_the_loss(tmp_path: Path
     assert h.figures.resampled_groups == 0 and h.figures.completions == PROMPTS * N
 
 
-def test_dynamic_sampling_resample_is_bounded(tmp_path: Path, tiny_model_dir: Path, answers: Path,
-                                              servers: list[InProcessServer]):
+def test_dynamic_sampling_resample_is_bounded(
+    tmp_path: Path, tiny_model_dir: Path, answers: Path, servers: list[InProcessServer]
+):
     # The completion's length as reward: max_tokens 4 and no stop token in 4 random tokens -> every group is flat,
     # every round; 2 rounds resample all 4 groups twice, then all are dropped (one kept, fully masked: a row).
-    job = grpo_job(tiny_model_dir, answers, tmp_path, steps=1, grpo={
-        "rewards": [{"name": "reward_plugins:length_reward"}], "dynamic_sampling": "resample",
-        "dynamic_sampling_rounds": 2})
+    job = grpo_job(
+        tiny_model_dir,
+        answers,
+        tmp_path,
+        steps=1,
+        grpo={
+            "rewards": [{"name": "reward_plugins:length_reward"}],
+            "dynamic_sampling": "resample",
+            "dynamic_sampling_rounds": 2,
+        },
+    )
     from learner.tracking import metrics as m
 
     before = m.RESAMPLED_GROUPS._value.get()
@@ -264,11 +293,17 @@ def test_dynamic_sampling_resample_is_bounded(tmp_path: Path, tiny_model_dir: Pa
 
 
 @pytest.mark.parametrize("rule", ["mask", "penalty"])
-def test_overlong_answers_are_masked_or_penalised(tmp_path: Path, tiny_model_dir: Path, answers: Path,
-                                                  servers: list[InProcessServer], rule: str):
+def test_overlong_answers_are_masked_or_penalised(
+    tmp_path: Path, tiny_model_dir: Path, answers: Path, servers: list[InProcessServer], rule: str
+):
     # Every answer is cut at max_tokens 4 (finish reason length).
-    job = grpo_job(tiny_model_dir, answers, tmp_path, steps=1, grpo={
-        "overlong": rule, "overlong_buffer": 2, "overlong_penalty": 0.5})
+    job = grpo_job(
+        tiny_model_dir,
+        answers,
+        tmp_path,
+        steps=1,
+        grpo={"overlong": rule, "overlong_buffer": 2, "overlong_penalty": 0.5},
+    )
     trainer, n_tokens, n_seqs = _one_step_totals(job, servers)
     h = trainer.history[0]
     assert all(r.finish_reason == "length" for r in h.rollouts)
@@ -283,22 +318,30 @@ def test_overlong_answers_are_masked_or_penalised(tmp_path: Path, tiny_model_dir
         assert h.figures.reward_mean == pytest.approx(sum(scores.totals) / len(scores.totals))
 
 
-def test_inflight_syncs_with_rollouts_ahead_train_within_the_window(tmp_path: Path, tiny_model_dir: Path,
-                                                                    answers: Path, servers: list[InProcessServer]):
+def test_inflight_syncs_with_rollouts_ahead_train_within_the_window(
+    tmp_path: Path, tiny_model_dir: Path, answers: Path, servers: list[InProcessServer]
+):
     # spec.training.rollout.inflight: the sync does not wait for the batch generating ahead and asks the servers to
     # keep generating; the HF backend cannot pause its requests, so these servers drain (the fallback), and every
     # answer is one span of the version it was fenced to, within max_staleness 1.
-    job = grpo_job(tiny_model_dir, answers, tmp_path, steps=3, rollout={"max_staleness": 1, "inflight": True,
-                                                                       "request_timeout_s": 30})
+    job = grpo_job(
+        tiny_model_dir,
+        answers,
+        tmp_path,
+        steps=3,
+        rollout={"max_staleness": 1, "inflight": True, "request_timeout_s": 30},
+    )
     trainer, summary, _ = run(job, [s.address for s in servers])
     assert trainer.sync_client.keep_generating is True
     assert summary.steps == 3
     for h in trainer.history:
-        assert all(len(r.version_spans) == 1 and r.version_spans[0] == (r.weights, 0, len(r.token_ids))
-                   for r in h.rollouts)
+        assert all(
+            len(r.version_spans) == 1 and r.version_spans[0] == (r.weights, 0, len(r.token_ids)) for r in h.rollouts
+        )
         assert all(0 <= h.weight_version - r.weight_version <= 1 for r in h.rollouts)
-def test_detection_completions_in_the_other_format_are_named_once(tmp_path: Path, tiny_model_dir: Path,
-                                                                  caplog) -> None:
+
+
+def test_detection_completions_in_the_other_format_are_named_once(tmp_path: Path, tiny_model_dir: Path, caplog) -> None:
     """Issue 61, GRPO: a model that answers in CoordJSON, run with training.format coordexp and the detection
     reward, parses to no object; after three steps the run names the format its completions are in, once."""
     import logging
@@ -326,8 +369,9 @@ def test_detection_completions_in_the_other_format_are_named_once(tmp_path: Path
     assert len(said) == 1 and "set spec.training.format: coordjson" in said[0]
 
 
-def test_the_reward_panels_draw_a_grpo_run(tmp_path: Path, tiny_model_dir: Path, answers: Path,
-                                           servers: list[InProcessServer]) -> None:
+def test_the_reward_panels_draw_a_grpo_run(
+    tmp_path: Path, tiny_model_dir: Path, answers: Path, servers: list[InProcessServer]
+) -> None:
     """The training dashboard's GRPO reward panels (promql.GRPO_PANELS: gauges labelled by stat and by reward, set by
     a GRPO step only, so the rollout-matching run of tests/test_dashboards_prometheus.py leaves them out) against a
     real Prometheus scraping this process's /metrics after a GRPO step: each must give a series with a number."""
@@ -343,10 +387,21 @@ def test_the_reward_panels_draw_a_grpo_run(tmp_path: Path, tiny_model_dir: Path,
         prom.set_targets([(f"127.0.0.1:{port}", {"namespace": "grpo", "pod": "grpo-learner"})])
         start = time.time()
         # Two scrapes at least: the first one may be under way while the target file is read.
-        prom.wait(lambda: float((prom.api("query", query="count_over_time(up[1m])")["result"] or
-                                 [{"value": [0, "0"]}])[0]["value"][1]) >= 2, 30, "two scrapes of this process")
-        chosen, empty = empty_panels(prom, dashboard("training"), start - 5, time.time(),
-                                     lambda p: (p.dashboard, p.title) in GRPO_PANELS)
+        prom.wait(
+            lambda: (
+                float(
+                    (prom.api("query", query="count_over_time(up[1m])")["result"] or [{"value": [0, "0"]}])[0]["value"][
+                        1
+                    ]
+                )
+                >= 2
+            ),
+            30,
+            "two scrapes of this process",
+        )
+        chosen, empty = empty_panels(
+            prom, dashboard("training"), start - 5, time.time(), lambda p: (p.dashboard, p.title) in GRPO_PANELS
+        )
         assert {(p.dashboard, p.title) for p in chosen} == GRPO_PANELS  # a renamed panel is no panel left out
         assert not empty, "GRPO panels that draw nothing after a GRPO step:\n" + "\n".join(empty)
     finally:

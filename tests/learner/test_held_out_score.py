@@ -34,8 +34,9 @@ def _vocab() -> VocabView:
                 i += 1
         return out
 
-    return VocabView(coord_token_ids=tuple(range(256, 256 + NUM_BINS)), token_bytes=tuple(pieces), encode=encode,
-                     eos_id=eos)
+    return VocabView(
+        coord_token_ids=tuple(range(256, 256 + NUM_BINS)), token_bytes=tuple(pieces), encode=encode, eos_id=eos
+    )
 
 
 VOCAB = _vocab()
@@ -46,8 +47,13 @@ GREEN = ("green triangle", [0, 60, 30, 90])
 
 
 def _record(rid: str, *objects: tuple[str, list[float]]) -> Record:
-    return Record(id=rid, width=100, height=100, messages=[Message(role="user", content="find the shapes")],
-                  objects=[GroundTruthObject(desc=d, bbox_2d=b) for d, b in objects])
+    return Record(
+        id=rid,
+        width=100,
+        height=100,
+        messages=[Message(role="user", content="find the shapes")],
+        objects=[GroundTruthObject(desc=d, bbox_2d=b) for d, b in objects],
+    )
 
 
 def _answer(*objects: tuple[str, list[float]], cut: int | None = None) -> list[int]:
@@ -108,7 +114,8 @@ def test_truncation_duplicates_and_counts() -> None:
     assert ev.stats[0.5].matched == 3 and ev.stats[0.5].false_positives == 1 and ev.stats[0.5].false_negatives == 2
     s = ev.scalars()
     assert (s["eval/truncation_rate"], s["eval/duplicate_rate"], s["eval/predicted_per_gt"]) == pytest.approx(
-        (0.5, 0.25, 0.8))
+        (0.5, 0.25, 0.8)
+    )
     assert "truncated 50.0%" in ev.describe() and "duplicates 25.0%" in ev.describe()
 
 
@@ -124,4 +131,5 @@ def test_match_by_label_pairs_only_equal_labels_and_is_the_matcher_within_one_la
     assert r.false_positives == (0, 3) and r.false_negatives == (0, 1)
     same = [DetObject("cat", o.kind, o.bins) for o in pred]
     assert match_by_label(same, [DetObject("cat", o.kind, o.bins) for o in gt], cfg) == match(
-        same, [DetObject("cat", o.kind, o.bins) for o in gt], cfg)
+        same, [DetObject("cat", o.kind, o.bins) for o in gt], cfg
+    )

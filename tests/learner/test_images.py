@@ -59,8 +59,15 @@ def _png_claiming(width: int, height: int) -> bytes:
 
 
 def _record(rid: str, images: list[str], size: tuple[int, int] = (12, 8)) -> Record:
-    return Record.model_validate({"id": rid, "width": size[0], "height": size[1],
-                                  "messages": [{"role": "user", "content": "Detect."}], "images": images})
+    return Record.model_validate(
+        {
+            "id": rid,
+            "width": size[0],
+            "height": size[1],
+            "messages": [{"role": "user", "content": "Detect."}],
+            "images": images,
+        }
+    )
 
 
 def _store(tmp_path: Path, max_image_pixels: int = BIG, image_root: Path | None = None, cache: int = 256) -> ImageStore:
@@ -120,8 +127,9 @@ def test_load_dataset_validates_images_and_keeps_text_datasets_working(tmp_path:
         load_dataset(bad, None, BIG)
 
     text = tmp_path / "text.jsonl"
-    text.write_text(json.dumps({"id": "t", "width": 5, "height": 5,
-                                "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    text.write_text(
+        json.dumps({"id": "t", "width": 5, "height": 5, "messages": [{"role": "user", "content": "hi"}]}) + "\n"
+    )
     records, store = load_dataset(text, None, 1)  # no image to check, whatever the limit
     assert store.load(records[0]) == []
 
@@ -138,17 +146,29 @@ def _flipped_png(path: Path) -> None:
 CASES = {
     "missing": (lambda d: None, "nope.png", r"file .*nope\.png does not exist"),
     "folder": (lambda d: (d / "sub.png").mkdir(), "sub.png", r"is a folder, not an image file"),
-    "truncated-png": (lambda d: (d / "t.png").write_bytes(_cut(_noise((12, 8), "PNG"), 0.8)), "t.png",
-                      r"is corrupt or truncated \(PNG"),
-    "png-cut-in-header": (lambda d: (d / "h.png").write_bytes(_png_bytes((12, 8))[:30]), "h.png",
-                          r"starts like a PNG file but its header is corrupt or truncated"),
+    "truncated-png": (
+        lambda d: (d / "t.png").write_bytes(_cut(_noise((12, 8), "PNG"), 0.8)),
+        "t.png",
+        r"is corrupt or truncated \(PNG",
+    ),
+    "png-cut-in-header": (
+        lambda d: (d / "h.png").write_bytes(_png_bytes((12, 8))[:30]),
+        "h.png",
+        r"starts like a PNG file but its header is corrupt or truncated",
+    ),
     "bit-flipped-png": (lambda d: _flipped_png(d / "f.png"), "f.png", r"corrupt or truncated \(PNG: .*checksum"),
-    "truncated-jpeg": (lambda d: (d / "t.jpg").write_bytes(_cut(_noise((12, 8), "JPEG"), 0.9)), "t.jpg",
-                       r"is corrupt or truncated \(JPEG: .*truncated"),
+    "truncated-jpeg": (
+        lambda d: (d / "t.jpg").write_bytes(_cut(_noise((12, 8), "JPEG"), 0.9)),
+        "t.jpg",
+        r"is corrupt or truncated \(JPEG: .*truncated",
+    ),
     "not-an-image": (lambda d: (d / "x.png").write_text("hello, I am text"), "x.png", r"is not an image PIL can read"),
     "empty-file": (lambda d: (d / "e.png").write_bytes(b""), "e.png", r"is not an image PIL can read"),
-    "http": (lambda d: None, "http://example.com/a.png",
-             r"http:// images are not fetched; only local files .* and data:image/...;base64 URIs are supported"),
+    "http": (
+        lambda d: None,
+        "http://example.com/a.png",
+        r"http:// images are not fetched; only local files .* and data:image/...;base64 URIs are supported",
+    ),
     "s3": (lambda d: None, "s3://bucket/a.png", r"s3:// images are not fetched; only local files"),
     "remote-file-host": (lambda d: None, "file://server/a.png", r"file URI names host 'server'; only local files"),
     "relative-file-uri": (lambda d: None, "file:a.png", r"a file URI needs an absolute path"),
@@ -157,10 +177,16 @@ CASES = {
     "data-uri-not-image": (lambda d: None, "data:text/plain;base64,aGk=", r"data URI has media type 'text/plain'"),
     "data-uri-garbage": (lambda d: None, "data:image/png;base64,aGVsbG8=", r"is not an image PIL can read"),
     "empty-ref": (lambda d: None, " ", r"empty image reference"),
-    "too-large": (lambda d: _write_png(d / "big.png", (12, 8)), "big.png",
-                  r"is 12x8 = 96 pixels, more than spec.model.vision.maxImagePixels \(95\)"),
-    "size-mismatch": (lambda d: _write_png(d / "m.png", (10, 8)), "m.png",
-                      r"image is 10x8 but the record says width=12, height=8 \(ground truth is in the record's"),
+    "too-large": (
+        lambda d: _write_png(d / "big.png", (12, 8)),
+        "big.png",
+        r"is 12x8 = 96 pixels, more than spec.model.vision.maxImagePixels \(95\)",
+    ),
+    "size-mismatch": (
+        lambda d: _write_png(d / "m.png", (10, 8)),
+        "m.png",
+        r"image is 10x8 but the record says width=12, height=8 \(ground truth is in the record's",
+    ),
 }
 
 

@@ -26,21 +26,37 @@ def _feed(window: int, version: int, inflight: bool = True, ahead=None) -> Rollo
 
 
 def _rollout(fenced: int, spans: list[tuple[int, int, int]], run: str = RUN) -> Rollout:
-    return Rollout("r0", [1, 2], list(range(10)), "length", fenced, "srv:1", weight_run_id=RUN,
-                   version_spans=[(WeightVersion(run, v), s, e) for v, s, e in spans])
+    return Rollout(
+        "r0",
+        [1, 2],
+        list(range(10)),
+        "length",
+        fenced,
+        "srv:1",
+        weight_run_id=RUN,
+        version_spans=[(WeightVersion(run, v), s, e) for v, s, e in spans],
+    )
 
 
-@pytest.mark.parametrize(("window", "fenced", "spans", "ok"), [
-    # learner at version 5
-    (1, 4, [(4, 0, 6), (5, 6, 10)], True),  # oldest tokens one version behind: inside the window of 1
-    (1, 3, [(3, 0, 2), (4, 2, 6), (5, 6, 10)], False),  # 2 behind for its first 2 tokens: out, though most are newer
-    (2, 3, [(3, 0, 2), (4, 2, 6), (5, 6, 10)], True),
-    (1, 3, [(4, 0, 6), (5, 6, 10)], False),  # fenced to 3 (it waited at a gate): counted by the fence too
-    (1, 4, [(4, 0, 6), (6, 6, 10)], False),  # a span newer than the learner: no such version of this run
-    (0, 5, [(5, 0, 10)], True),
-    (0, 4, [(4, 0, 3), (5, 3, 10)], False),  # max_staleness 0: every token from the current version
-    (1, 4, [], True),  # a server that sends no spans: every token is its fenced version's
-])
+@pytest.mark.parametrize(
+    ("window", "fenced", "spans", "ok"),
+    [
+        # learner at version 5
+        (1, 4, [(4, 0, 6), (5, 6, 10)], True),  # oldest tokens one version behind: inside the window of 1
+        (
+            1,
+            3,
+            [(3, 0, 2), (4, 2, 6), (5, 6, 10)],
+            False,
+        ),  # 2 behind for its first 2 tokens: out, though most are newer
+        (2, 3, [(3, 0, 2), (4, 2, 6), (5, 6, 10)], True),
+        (1, 3, [(4, 0, 6), (5, 6, 10)], False),  # fenced to 3 (it waited at a gate): counted by the fence too
+        (1, 4, [(4, 0, 6), (6, 6, 10)], False),  # a span newer than the learner: no such version of this run
+        (0, 5, [(5, 0, 10)], True),
+        (0, 4, [(4, 0, 3), (5, 3, 10)], False),  # max_staleness 0: every token from the current version
+        (1, 4, [], True),  # a server that sends no spans: every token is its fenced version's
+    ],
+)
 def test_the_staleness_bound_counts_an_answer_by_its_oldest_tokens(window, fenced, spans, ok) -> None:
     assert _feed(window, 5).within_window([_rollout(fenced, spans)]) is ok
 
@@ -76,4 +92,3 @@ def test_a_sync_drains_the_batch_ahead_unless_updates_are_inflight(inflight: boo
     ahead = _Ahead()
     _feed(1, 5, inflight=inflight, ahead=ahead).before_sync()
     assert ahead.drained == (0 if inflight else 1)
-

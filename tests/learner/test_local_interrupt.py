@@ -61,10 +61,12 @@ IN_CHAIN = {("checkpoint", signal.SIGINT), ("checkpoint", signal.SIGKILL), ("syn
 # not, and SIGINT's own exit code and words are checked in the chain (mid-checkpoint). A run costs a minute or more
 # here (issue 40): these cells would repeat the other signal's cell of their moment (mid-checkpoint, SIGINT's is the
 # chain's reference run, stopped mid-checkpoint of its last step: temporary folder gone, complete ones kept).
-SAME_PATH = {("server-start", signal.SIGINT): ("server-start", signal.SIGTERM),
-             ("generate", signal.SIGINT): ("generate", signal.SIGTERM),
-             ("sync", signal.SIGINT): ("sync", signal.SIGTERM),
-             ("checkpoint", signal.SIGTERM): ("checkpoint", signal.SIGINT)}
+SAME_PATH = {
+    ("server-start", signal.SIGINT): ("server-start", signal.SIGTERM),
+    ("generate", signal.SIGINT): ("generate", signal.SIGTERM),
+    ("sync", signal.SIGINT): ("sync", signal.SIGTERM),
+    ("checkpoint", signal.SIGTERM): ("checkpoint", signal.SIGINT),
+}
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +147,9 @@ class Run:
         self.server_log = where / f"work-{n}" / "logs" / "rollout-0.log"
         cmd = [sys.executable, "-m", "rmsft_cli", "local", str(job), "--work-dir", str(where / f"work-{n}")]
         with open(self.out, "wb") as log:
-            self.proc = subprocess.Popen([*cmd, "--resume"] if resume else cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, cwd=where)
+            self.proc = subprocess.Popen(
+                [*cmd, "--resume"] if resume else cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=where
+            )
         self.pid = self.proc.pid
 
     def said(self) -> str:
@@ -217,21 +220,31 @@ def _half_checkpoints(ckpt: Path) -> list[str]:
     return sorted(p.name for p in ckpt.glob(".tmp-step-*"))
 
 
-@pytest.mark.parametrize(("moment", "sig"), [
-    pytest.param(moment, sig, id=f"{moment}-{sig.name}")
-    for moment in MOMENTS for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)
-    if (moment, sig) not in IN_CHAIN and (moment, sig) not in SAME_PATH
-])
-def test_rmsft_local_stopped_at_any_moment_leaves_nothing_behind(job_doc: dict, tmp_path: Path, moment: str,
-                                                                 sig: signal.Signals) -> None:
+@pytest.mark.parametrize(
+    ("moment", "sig"),
+    [
+        pytest.param(moment, sig, id=f"{moment}-{sig.name}")
+        for moment in MOMENTS
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)
+        if (moment, sig) not in IN_CHAIN and (moment, sig) not in SAME_PATH
+    ],
+)
+def test_rmsft_local_stopped_at_any_moment_leaves_nothing_behind(
+    job_doc: dict, tmp_path: Path, moment: str, sig: signal.Signals
+) -> None:
     job = _job(job_doc, tmp_path)
     ckpt = tmp_path / "ckpt"
     run = Run(job, pause=MOMENTS[moment])
     try:
         if moment == "server-start":  # its server process is loading its engine
             run.wait_for("rollout server process", lambda: bool(_ports(_run_processes(run.pid))))
-            run.wait_for("the server loading its engine, not yet ready", lambda: run.server_log.exists() and (
-                "engine for" in (said := run.server_log.read_text(errors="replace")) and "ready:" not in said))
+            run.wait_for(
+                "the server loading its engine, not yet ready",
+                lambda: (
+                    run.server_log.exists()
+                    and ("engine for" in (said := run.server_log.read_text(errors="replace")) and "ready:" not in said)
+                ),
+            )
         else:
             assert run.paused() == f"{run.pid} {MOMENTS[moment]}"
         # Where it was stopped, seen before the signal: the update being written, the checkpoint not yet in place.
@@ -246,8 +259,14 @@ def test_rmsft_local_stopped_at_any_moment_leaves_nothing_behind(job_doc: dict, 
         assert [p.name for p in list_checkpoints(ckpt)] == complete
         said = ""
         if sig == signal.SIGKILL:  # its folder is left (Run.stop checked): `rmsft local --clean` removes it
-            clean = subprocess.run([sys.executable, "-m", "rmsft_cli", "local", "--clean"], capture_output=True,
-                                   text=True, env=run.env, cwd=tmp_path, timeout=60)
+            clean = subprocess.run(
+                [sys.executable, "-m", "rmsft_cli", "local", "--clean"],
+                capture_output=True,
+                text=True,
+                env=run.env,
+                cwd=tmp_path,
+                timeout=60,
+            )
             assert clean.returncode == 0, clean.stderr
             said = clean.stderr
         # Gone, by --clean or, under pytest-xdist, by another test's `rmsft local` starting meanwhile (a next run

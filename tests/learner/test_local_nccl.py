@@ -38,10 +38,20 @@ def test_rmsft_local_moves_full_weights_over_one_weight_transfer_group(tiny_mode
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(doc))
     work = tmp_path / "work"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "COLUMNS": "200", "RMSFT_LOG_LEVEL": "info"}  # the learner's group and sync lines on stderr
-    proc = subprocess.run([sys.executable, "-m", "rmsft_cli", "local", str(job), "--work-dir", str(work)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "COLUMNS": "200",
+        "RMSFT_LOG_LEVEL": "info",
+    }  # the learner's group and sync lines on stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "rmsft_cli", "local", str(job), "--work-dir", str(work)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     said = proc.stdout + proc.stderr
     assert proc.returncode == 0, said[-4000:]
     assert "weight sync: nccl" in said, said[-4000:]
@@ -50,9 +60,11 @@ def test_rmsft_local_moves_full_weights_over_one_weight_transfer_group(tiny_mode
     for log in servers:
         assert len(re.findall(r"joined weight-transfer group (\w+) \(rmsft_gloo", log)) == 1, log[-3000:]
     applied = [[int(v) for v in re.findall(r"weights v(\d+) of run \S+ applied", log)] for log in servers]
-    assert applied[0] == applied[1] and applied[0] == list(range(1, len(applied[0]) + 1)) and len(applied[0]) >= 2, \
+    assert applied[0] == applied[1] and applied[0] == list(range(1, len(applied[0]) + 1)) and len(applied[0]) >= 2, (
         applied
+    )
     learner = "\n".join(text for name, text in logs.items() if not name.startswith("rollout")) + said
-    assert len(re.findall(r"weight-transfer group \w+ \(rmsft_gloo\): the learner and 2 server", learner)) == 1, \
+    assert len(re.findall(r"weight-transfer group \w+ \(rmsft_gloo\): the learner and 2 server", learner)) == 1, (
         learner[-4000:]
+    )
     assert "goes over gRPC" not in learner

@@ -19,9 +19,26 @@ def _benchmark():
 
 def test_smoke_grid_trains_once_and_resumes(tiny_qwen3_vl_dir: Path, tmp_path: Path, capsys) -> None:
     mc = _benchmark()
-    argv = ["--steps", "2", "--warm", "1", "--heldout", "2", "--seeds", "0", "--settings", "readme",
-            "--arms", "sft,gen2_b", "--model", str(tiny_qwen3_vl_dir), "--work", str(tmp_path / "work"),
-            "--out", str(tmp_path / "out")]
+    argv = [
+        "--steps",
+        "2",
+        "--warm",
+        "1",
+        "--heldout",
+        "2",
+        "--seeds",
+        "0",
+        "--settings",
+        "readme",
+        "--arms",
+        "sft,gen2_b",
+        "--model",
+        str(tiny_qwen3_vl_dir),
+        "--work",
+        str(tmp_path / "work"),
+        "--out",
+        str(tmp_path / "out"),
+    ]
     mc.main(argv)
     printed = capsys.readouterr().out
     with (tmp_path / "out" / "method_compare.csv").open() as f:
@@ -75,8 +92,10 @@ def test_paired_bootstrap_cancels_what_the_records_share_and_sees_a_consistent_g
     d, lo, hi = mc.paired_bootstrap(same, same, draws=500)
     assert (d, lo, hi) == (0.0, 0.0, 0.0)  # paired: the records' own spread does not widen the interval
     # One more object found on every fourth record, every seed: a small gain, yet outside zero.
-    better = {s: [(m + 1, fp, fn - 1) if i % 4 == 0 and fn else (m, fp, fn) for i, (m, fp, fn) in enumerate(records)]
-              for s in range(3)}
+    better = {
+        s: [(m + 1, fp, fn - 1) if i % 4 == 0 and fn else (m, fp, fn) for i, (m, fp, fn) in enumerate(records)]
+        for s in range(3)
+    }
     d, lo, hi = mc.paired_bootstrap(better, same, draws=500)
     assert 0.0 < lo <= d <= hi
     d2, lo2, hi2 = mc.paired_bootstrap(same, better, draws=500)
@@ -129,8 +148,13 @@ def test_recipe_arms_are_compared_with_generation_1_and_every_arm_with_plain_sft
                 detections[mc.key_of(row)] = mc.RecordMatches(truth, found[arm], [(64, 64)] * 20)
     diffs = mc.paired_differences(finals, records, ["row"], list(per_arm), detections, map_draws=100)
     assert [(p.arm, p.baseline, p.figure) for p in diffs] == [
-        ("gen1", "sft", "f1"), ("gen2", "sft", "f1"), ("gen2", "sft", "map"), ("gen2_ref", "sft", "f1"),
-        ("gen2", "gen1", "f1"), ("gen2_ref", "gen1", "f1")]
+        ("gen1", "sft", "f1"),
+        ("gen2", "sft", "f1"),
+        ("gen2", "sft", "map"),
+        ("gen2_ref", "sft", "f1"),
+        ("gen2", "gen1", "f1"),
+        ("gen2_ref", "gen1", "f1"),
+    ]
     figures = dict(kv.split("=") for p in diffs for kv in p.part().split())
     assert float(figures["row_gen2_minus_gen1_f1_lo"]) > 0  # the gain, outside zero
     assert float(figures["row_gen2_ref_minus_gen1_f1"]) == 0.0
@@ -145,8 +169,12 @@ def test_the_reference_losses_arm_drops_only_the_readme_jobs_loss_settings(tmp_p
     job's (none of them); the same recipe and ratio otherwise."""
     mc = _benchmark()
     plan = mc.Plan(steps=4, warm=2, heldout=2, eval_every=0, ratio=0.25)
-    jobs = {arm: mc.make_job(mc.SETTINGS["row"], arm, 0, plan, tmp_path, tmp_path / "d.jsonl", tmp_path / "h.jsonl",
-                             tmp_path / "ckpt") for arm in ("gen2", "gen2_ref")}
+    jobs = {
+        arm: mc.make_job(
+            mc.SETTINGS["row"], arm, 0, plan, tmp_path, tmp_path / "d.jsonl", tmp_path / "h.jsonl", tmp_path / "ckpt"
+        )
+        for arm in ("gen2", "gen2_ref")
+    }
     from learner.train.config import resolved
 
     ours, ref = (jobs[a].spec.training for a in ("gen2", "gen2_ref"))
@@ -162,8 +190,12 @@ def test_the_rows_arm_changes_only_the_duplicate_radius(tmp_path: Path) -> None:
     it no two true neighbours of a rendered row are duplicates, under the default 0.8 some are."""
     mc = _benchmark()
     plan = mc.Plan(steps=4, warm=2, heldout=2, eval_every=0, ratio=0.25)
-    jobs = {arm: mc.make_job(mc.SETTINGS["row"], arm, 0, plan, tmp_path, tmp_path / "d.jsonl", tmp_path / "h.jsonl",
-                             tmp_path / "ckpt") for arm in ("gen2", "gen2_rows")}
+    jobs = {
+        arm: mc.make_job(
+            mc.SETTINGS["row"], arm, 0, plan, tmp_path, tmp_path / "d.jsonl", tmp_path / "h.jsonl", tmp_path / "ckpt"
+        )
+        for arm in ("gen2", "gen2_rows")
+    }
     from learner.core.clean_prefix import find_duplicates
     from learner.data.episode import ground_truth
     from learner.data.records import load_records
@@ -206,11 +238,24 @@ def test_curves_mark_the_evaluations_that_follow_a_rollout_matching_step(tmp_pat
     assert all(mc.after_channel_b(s, 20, 1.0) for s in range(21, 61))  # generation 1: every later step
 
     def row(arm: str, step: int, ratio: float, f1: float) -> dict:
-        return {"setting": "row", "arm": arm, "seed": 0, "steps": 40, "warm": 20, "heldout": 8, "ratio": ratio,
-                "step": step, "f1": f1, "map": f1 / 2}
+        return {
+            "setting": "row",
+            "arm": arm,
+            "seed": 0,
+            "steps": 40,
+            "warm": 20,
+            "heldout": 8,
+            "ratio": ratio,
+            "step": step,
+            "f1": f1,
+            "map": f1 / 2,
+        }
 
-    rows = [row(arm, step, ratio, 0.5 + step / 100) for arm, ratio in (("sft", 0.0), ("gen2", 0.1))
-            for step in (25, 30, 35, 40)]
+    rows = [
+        row(arm, step, ratio, 0.5 + step / 100)
+        for arm, ratio in (("sft", 0.0), ("gen2", 0.1))
+        for step in (25, 30, 35, 40)
+    ]
     path = tmp_path / "curves.png"
     assert mc.plot_curves(rows, mc.final_rows(rows), path)
     assert path.stat().st_size > 0

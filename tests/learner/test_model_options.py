@@ -58,8 +58,15 @@ def assert_isolated(model, segs: list[Segment], atol: float, device: str = "cpu"
     with torch.no_grad():
         packed = next_token_logprobs(model, row, device)
         # The same tokens with positions running on: a mask that ignored the restarts would match this.
-        unrestarted = PackedRow(row.input_ids, torch.arange(row.length)[None], row.labels, row.coord_positions,
-                                row.coord_bins, row.segments, row.fill)
+        unrestarted = PackedRow(
+            row.input_ids,
+            torch.arange(row.length)[None],
+            row.labels,
+            row.coord_positions,
+            row.coord_bins,
+            row.segments,
+            row.fill,
+        )
         leaky = next_token_logprobs(model, unrestarted, device)
         for info, seg in zip(row.segments, segs, strict=True):
             alone = next_token_logprobs(model, pack([seg]), device)
@@ -130,8 +137,9 @@ def test_packed_rows_stay_isolated(impl: str, tiny_model_dir: Path, monkeypatch:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
-                    reason="torch.compile on the CPU needs a C++ compiler")
+@pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="torch.compile on the CPU needs a C++ compiler"
+)
 def test_compiled_flex_attention_isolates_packed_rows(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The real path: transformers' compiled FlexAttention kernel and compiled block mask (forward only,
     on the CPU; equal segment lengths keep it to two compiled shapes). 12-30 s, mostly compiling.
@@ -144,11 +152,12 @@ def test_compiled_flex_attention_isolates_packed_rows(tiny_model_dir: Path, tmp_
     process (vLLM patches inductor and sets its environment where an engine starts), or that inductor cache, which
     the suite's processes and rollout servers share. This process has neither. A GPU run compiles Triton kernels,
     not these; what the test checks is the mask."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("TORCHINDUCTOR_", "VLLM_")) and k != "LD_PRELOAD"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "VLLM_")) and k != "LD_PRELOAD"}
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
-    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_model_options as t; "
-            f"t.check_compiled_flex({str(tiny_model_dir)!r})")
+    code = (
+        f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_model_options as t; "
+        f"t.check_compiled_flex({str(tiny_model_dir)!r})"
+    )
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "packed rows isolated" in proc.stdout, proc.stderr[-4000:]
 
@@ -185,8 +194,9 @@ def test_flash_attention_2_prerequisites_named(tiny_model_dir: Path, monkeypatch
         with pytest.raises(ModelLoadError, match="needs the flash_attn package") as err:
             load_policy(tiny_model_dir, cfg(attn_implementation="flash_attention_2", device="cuda"))
         assert "CUDA" not in str(err.value)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn"
-                        else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a)
+    )
     for dtype in ("auto", "float32"):  # the tiny checkpoint is float32
         with pytest.raises(ModelLoadError, match=r"bf16/fp16 only.*spec\.training\.precision: bf16"):
             load_policy(tiny_model_dir, cfg(attn_implementation="flash_attention_2", device="cuda"), dtype=dtype)
@@ -290,8 +300,7 @@ def test_gradient_checkpointing_with_bf16_and_frozen_embeddings(tiny_model_dir: 
     train beside the adapter by default (training.lora.coord_rows), stay frozen here: the case is a whole frozen
     embedding (qwen_json, or coord_rows false)."""
     torch.manual_seed(0)
-    policy = load_policy(tiny_model_dir, cfg(gradient_checkpointing=True, precision="bf16",
-                                             lora={"coord_rows": False}))
+    policy = load_policy(tiny_model_dir, cfg(gradient_checkpointing=True, precision="bf16", lora={"coord_rows": False}))
     perturb_adapters(policy.model, seed=1)
     assert not policy.model.get_input_embeddings().weight.requires_grad
     grads = grads_of_step(policy, pack(segments(policy)))

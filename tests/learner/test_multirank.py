@@ -49,8 +49,9 @@ def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n=16, seed=0)
 
 
-def write_job(path: Path, model_dir: Path, data: Path, ckpt: Path, *, steps: int = STEPS, colocate: bool = False,
-              **training) -> Path:
+def write_job(
+    path: Path, model_dir: Path, data: Path, ckpt: Path, *, steps: int = STEPS, colocate: bool = False, **training
+) -> Path:
     doc = copy.deepcopy(yaml.safe_load((ROOT / "configs" / "local-tiny.yaml").read_text()))
     doc["metadata"].pop("annotations")
     spec = doc["spec"]
@@ -178,8 +179,9 @@ def test_two_ranks_equal_one_rank(server, one_rank, tiny_model_dir, data_path, t
 
 
 @slow
-def test_two_colocated_ranks_equal_one_rank_with_a_server(server, one_rank, tiny_model_dir, data_path,
-                                                          tmp_path) -> None:
+def test_two_colocated_ranks_equal_one_rank_with_a_server(
+    server, one_rank, tiny_model_dir, data_path, tmp_path
+) -> None:
     """spec.rollout.mode colocate on 2 ranks: each rank's in-process engine generates its own share (same
     per-prompt seeds), rank 0 gathers the batch's rollouts; the result is the one-rank server run's."""
     (base,), (base_params,), _ = one_rank
@@ -201,13 +203,15 @@ def test_two_colocated_ranks_equal_one_rank_with_a_server(server, one_rank, tiny
 
 @slow
 @pytest.mark.parametrize("deepspeed_stage", [2, 3], ids=["zero2", "zero3"])
-def test_two_ranks_deepspeed_equal_one_rank(server, one_rank, tiny_model_dir, data_path, tmp_path,
-                                            deepspeed_stage) -> None:
+def test_two_ranks_deepspeed_equal_one_rank(
+    server, one_rank, tiny_model_dir, data_path, tmp_path, deepspeed_stage
+) -> None:
     """ZeRO-2 shards gradients and optimizer state; ZeRO-3 the parameters too, so every sync
     gathers them on all ranks while rank 0 exports: the servers still see what one rank sends."""
     pytest.importorskip("deepspeed")
-    job = write_job(tmp_path / "job.yaml", tiny_model_dir, data_path, tmp_path / "ckpt",
-                    deepspeed_stage=deepspeed_stage)
+    job = write_job(
+        tmp_path / "job.yaml", tiny_model_dir, data_path, tmp_path / "ckpt", deepspeed_stage=deepspeed_stage
+    )
     reports, params, calls = _train(server, job, tmp_path / "out", 2)
     assert reports[0]["deepspeed"] and reports[1]["deepspeed"]
     _check_two_ranks(one_rank, reports, params, calls)
@@ -215,8 +219,9 @@ def test_two_ranks_deepspeed_equal_one_rank(server, one_rank, tiny_model_dir, da
 
 @slow
 @pytest.mark.parametrize("deepspeed_stage", [0, 2, 3], ids=["torch", "zero2", "zero3"])
-def test_rmsft_train_under_torchrun_resumes(server, one_rank, tiny_model_dir, data_path, tmp_path,
-                                            deepspeed_stage) -> None:
+def test_rmsft_train_under_torchrun_resumes(
+    server, one_rank, tiny_model_dir, data_path, tmp_path, deepspeed_stage
+) -> None:
     """`torchrun -m rmsft_cli train`: 2 steps, then a resumed run to STEPS, ends where one rank does
     (with ZeRO-2 the optimizer partitions and fp32 master weights come back from the checkpoint)."""
     if deepspeed_stage:
@@ -246,9 +251,19 @@ def test_two_ranks_with_rollouts_ahead_equal_one_rank(server, tiny_model_dir, da
     trains; both ranks accept the lagged version, and 2 ranks still end where 1 rank does."""
     runs = {}
     for ranks in (1, 2):
-        job = write_job(tmp_path / f"job{ranks}.yaml", tiny_model_dir, data_path, tmp_path / f"ckpt{ranks}",
-                        rollout={"max_tokens": 48, "temperature": 0.0, "generate_batch_size": 4,
-                                 "request_timeout_s": 60, "max_staleness": 1})
+        job = write_job(
+            tmp_path / f"job{ranks}.yaml",
+            tiny_model_dir,
+            data_path,
+            tmp_path / f"ckpt{ranks}",
+            rollout={
+                "max_tokens": 48,
+                "temperature": 0.0,
+                "generate_batch_size": 4,
+                "request_timeout_s": 60,
+                "max_staleness": 1,
+            },
+        )
         runs[ranks] = _train(server, job, tmp_path / f"out{ranks}", ranks)
     (base,), (base_params,), base_calls = runs[1]
     (r0, r1), params, calls = runs[2]
@@ -256,8 +271,9 @@ def test_two_ranks_with_rollouts_ahead_equal_one_rank(server, tiny_model_dir, da
     for s0, s1, sb in zip(r0["steps"], r1["steps"], base["steps"], strict=True):
         # the first step's rollouts come from the first sync; later ones from one version before the step's
         lag = 0 if s0["step"] == 1 else 1
-        assert s0["rollout_versions"] == s1["rollout_versions"] == sb["rollout_versions"] == [
-            s0["weight_version"] - lag]
+        assert (
+            s0["rollout_versions"] == s1["rollout_versions"] == sb["rollout_versions"] == [s0["weight_version"] - lag]
+        )
         assert s0["loss"] == pytest.approx(s1["loss"], abs=1e-9)
         assert s0["loss"] == pytest.approx(sb["loss"], rel=1e-5, abs=1e-6)
     assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])
@@ -269,8 +285,13 @@ def test_two_ranks_evaluate_held_out_and_export(server, tiny_model_dir, data_pat
     """Held-out evaluation and the end-of-run export under two ranks: rank 0 evaluates (after a sync every rank
     joins) and exports, rank 1 waits in the same collectives instead of deadlocking."""
     held = write_synthetic_dataset(tmp_path / "held.jsonl", n=4, seed=1)
-    job = write_job(tmp_path / "job.yaml", tiny_model_dir, data_path, tmp_path / "ckpt",
-                    eval={"data": str(held), "every": 2, "max_samples": 4, "max_tokens": 32})
+    job = write_job(
+        tmp_path / "job.yaml",
+        tiny_model_dir,
+        data_path,
+        tmp_path / "ckpt",
+        eval={"data": str(held), "every": 2, "max_samples": 4, "max_tokens": 32},
+    )
     reports, _, calls = _train(server, job, tmp_path / "out", 2)
     r0, r1 = reports
     assert [e[0] for e in r0["evaluations"]] == [2, STEPS] and r1["evaluations"] == []
@@ -292,8 +313,10 @@ def test_rank0_failure_stops_every_rank(tiny_model_dir, data_path, tmp_path) -> 
     doc["spec"]["rollout"]["startupTimeout"] = "3s"  # the learner waits this long at start (pool_wait_seconds)
     job.write_text(yaml.safe_dump(doc))
     t0 = time.monotonic()
-    proc = _run([*_torchrun(2), "-m", "rmsft_cli", "train", "--servers", f"127.0.0.1:{free_port()}",
-                 "--config", str(job)], timeout=300)
+    proc = _run(
+        [*_torchrun(2), "-m", "rmsft_cli", "train", "--servers", f"127.0.0.1:{free_port()}", "--config", str(job)],
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 240
     err = re.sub(r"\s+", " ", proc.stderr)

@@ -15,9 +15,13 @@ import torch.nn.functional as F  # torch's own spelling
 from trainer_fixtures import make_job
 
 
-def test_a_third_objective_is_one_module_and_one_registry_line(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch,
-                                                               caplog: pytest.LogCaptureFixture) -> None:
+def test_a_third_objective_is_one_module_and_one_registry_line(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    data_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     from rich.console import Console
     from rmsft_operator.crd import spec_schema
     from toy_objective import PromptLM
@@ -44,8 +48,12 @@ def test_a_third_objective_is_one_module_and_one_registry_line(tmp_path: Path, t
     first = loop.objective.plan(0).batch
     prompts = [loop.feed.text_prompt(i) for i in first]
     with torch.no_grad():  # the first step's loss, unpacked, by the untrained model
-        nll = [F.cross_entropy(loop.model(input_ids=torch.tensor([p])).logits[0, :-1].float(),
-                               torch.tensor(p[1:]), reduction="sum") for p in prompts]
+        nll = [
+            F.cross_entropy(
+                loop.model(input_ids=torch.tensor([p])).logits[0, :-1].float(), torch.tensor(p[1:]), reduction="sum"
+            )
+            for p in prompts
+        ]
     expected = float(sum(nll)) / sum(len(p) - 1 for p in prompts)
     console = Console(record=True, width=300)
     with caplog.at_level(logging.INFO, logger="rmsft.learner"):  # rmsft local's bar and summary, closing the loop
@@ -56,8 +64,10 @@ def test_a_third_objective_is_one_module_and_one_registry_line(tmp_path: Path, t
     assert sum("prompt-lm loss" in r.getMessage() for r in caplog.records) == 3  # the objective's log line
     assert [p.name for p in list_checkpoints(tmp_path / "ck")] == ["step-3"]
     # Its own figure, printed by shared code that knows nothing of it: the bar, the summary table, /metrics.
-    tokens = [float(sum(len(p) - 1 for p in (loop.feed.text_prompt(i) for i in loop.objective.plan(k).batch)))
-              for k in range(3)]
+    tokens = [
+        float(sum(len(p) - 1 for p in (loop.feed.text_prompt(i) for i in loop.objective.plan(k).batch)))
+        for k in range(3)
+    ]
     text = console.export_text()
     assert f"prompt tokens {tokens[-1]:.0f} v0" in text  # the bar's last words
     assert re.search(rf"prompt tokens \(first -> last\)\s*│\s*{tokens[0]:.4g} -> {tokens[-1]:.4g}", text)
@@ -82,8 +92,9 @@ def test_the_spec_s_trainer_choices_are_the_registry_s_and_the_crd_s() -> None:
         assert issubclass(cls, Objective) and cls.name == name
 
 
-def test_an_unknown_trainer_names_the_objectives_there_are(tiny_model_dir: Path, data_path: Path,
-                                                           tmp_path: Path) -> None:
+def test_an_unknown_trainer_names_the_objectives_there_are(
+    tiny_model_dir: Path, data_path: Path, tmp_path: Path
+) -> None:
     from learner.train.objectives import objective_for
 
     job = make_job(tiny_model_dir, data_path, tmp_path / "ck")

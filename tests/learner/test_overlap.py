@@ -273,8 +273,9 @@ def _events(servers: list[FakeServer]) -> list[str]:
     return [e for i, e in enumerate(ev) if i == 0 or ev[i - 1] != e]
 
 
-def test_staleness_zero_is_the_synchronous_loop(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
-                                                servers: list[FakeServer]) -> None:
+def test_staleness_zero_is_the_synchronous_loop(
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]
+) -> None:
     addrs = [s.address for s in servers]
     sync = _run(_job(tiny_model_dir, data_path, tmp_path / "a", 0), addrs)
     # sync before the first rollout, then each step's rollouts from exactly the version synced before them
@@ -296,7 +297,8 @@ def test_staleness_zero_is_the_synchronous_loop(tmp_path: Path, tiny_model_dir: 
 
 
 def test_staleness_one_overlaps_generation_with_training_within_the_bound(
-        tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]) -> None:
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]
+) -> None:
     for s in servers:
         s.engine.delay_s = 0.3  # generation long enough to see it run during training
     trainer = _trainer(_job(tiny_model_dir, data_path, tmp_path, 1, steps=5), [s.address for s in servers])
@@ -318,7 +320,8 @@ def test_staleness_one_overlaps_generation_with_training_within_the_bound(
 
 
 def test_an_extra_sync_makes_the_batch_ahead_too_stale_it_is_dropped_and_regenerated(
-        tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]) -> None:
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]
+) -> None:
     addrs = [s.address for s in servers]
     reference = _run(_job(tiny_model_dir, data_path, tmp_path / "ref", 1), addrs)
     trainer = _trainer(_job(tiny_model_dir, data_path, tmp_path / "run", 1), addrs)
@@ -339,7 +342,8 @@ def test_an_extra_sync_makes_the_batch_ahead_too_stale_it_is_dropped_and_regener
 
 
 def test_a_server_killed_while_the_next_rollouts_are_in_flight_fails_over_with_the_same_seeds(
-        tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]) -> None:
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]
+) -> None:
     addrs = [s.address for s in servers]
     reference = _run(_job(tiny_model_dir, data_path, tmp_path / "ref", 1), addrs)
     servers[1].engine.delay_s = 3.0  # server 1's share of step 2's rollouts is still generating after step 1
@@ -365,7 +369,8 @@ def test_a_server_killed_while_the_next_rollouts_are_in_flight_fails_over_with_t
 
 
 def test_a_server_needing_a_resync_while_the_learner_trains_is_left_to_the_next_sync(
-        tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]) -> None:
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]
+) -> None:
     """Between `take` and the sync the learner's weights are no version: a server that turns stale then (here:
     it suddenly holds weights of another run) is not re-synced with them; its chunks go to the other server and
     the next sync brings it back."""
@@ -405,8 +410,9 @@ def test_a_server_needing_a_resync_while_the_learner_trains_is_left_to_the_next_
     assert servers[1].engine.weights == trainer.state.weights  # the next sync brought it back
 
 
-def test_a_learner_restarted_mid_run_resumes_exactly(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
-                                                     servers: list[FakeServer]) -> None:
+def test_a_learner_restarted_mid_run_resumes_exactly(
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]
+) -> None:
     addrs = [s.address for s in servers]
     straight = _run(_job(tiny_model_dir, data_path, tmp_path / "a", 1), addrs)
     first = _run(_job(tiny_model_dir, data_path, tmp_path / "b", 1), addrs, max_steps=2)  # checkpoint at step 2
@@ -428,7 +434,8 @@ def test_a_learner_restarted_mid_run_resumes_exactly(tmp_path: Path, tiny_model_
 
 
 def test_a_learner_crashing_mid_run_resumes_from_its_periodic_checkpoint_exactly(
-        tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]) -> None:
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]
+) -> None:
     addrs = [s.address for s in servers]
     straight = _run(_job(tiny_model_dir, data_path, tmp_path / "a", 1, steps=5), addrs)
     ck = {"dir": str(tmp_path / "b"), "every": 2, "keep": 2}
@@ -455,8 +462,9 @@ def test_a_learner_crashing_mid_run_resumes_from_its_periodic_checkpoint_exactly
     assert [h.loss for h in resumed.history] == pytest.approx([h.loss for h in straight.history[2:]], rel=1e-5)
 
 
-def test_grpo_with_staleness_one_trains_within_the_bound(tmp_path: Path, tiny_model_dir: Path,
-                                                         servers: list[FakeServer]) -> None:
+def test_grpo_with_staleness_one_trains_within_the_bound(
+    tmp_path: Path, tiny_model_dir: Path, servers: list[FakeServer]
+) -> None:
     import copy
 
     import yaml
@@ -486,8 +494,9 @@ def test_grpo_with_staleness_one_trains_within_the_bound(tmp_path: Path, tiny_mo
         assert h.rollouts and {h.weight_version - r.weight_version for r in h.rollouts} <= {0, 1}
 
 
-def test_a_failed_sync_leaves_the_servers_weights_where_they_were(tmp_path: Path, tiny_model_dir: Path,
-                                                                 data_path: Path, servers: list[FakeServer]) -> None:
+def test_a_failed_sync_leaves_the_servers_weights_where_they_were(
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]
+) -> None:
     """The sync bookkeeping advances only once the servers confirmed: after a failed sync the trainer still knows
     they hold the previous step's weights, so a held-out evaluation syncs first and a checkpoint's batches ahead
     keep the right lag."""

@@ -33,8 +33,11 @@ def test_a_call_is_split_by_length_and_put_back_in_order() -> None:
 
     def generate(reqs, sampling, version):  # one rollout per sample: its seed and the length it was asked for
         seen.append(([r.seed for r in reqs], sampling.max_tokens, sampling.min_tokens, version))
-        return [Rollout(f"{r.seed}/{k}", [], [0] * sampling.max_tokens, "length", version, "s", sample_index=k)
-                for r in reqs for k in range(sampling.n)]
+        return [
+            Rollout(f"{r.seed}/{k}", [], [0] * sampling.max_tokens, "length", version, "s", sample_index=k)
+            for r in reqs
+            for k in range(sampling.n)
+        ]
 
     reqs = _requests(6)
     seconds: list[float] = []
@@ -59,8 +62,16 @@ def test_spanning_counts_answers_of_more_than_one_version() -> None:
 def test_the_result_line_compares_drain_with_in_flight() -> None:
     args = bench.parser().parse_args(["vl", "--inflight", "--skip-sync", "--staleness", "2", "--spread", "8,64"])
     assert bench.vl_arms(args) == ["async", "inflight"]
-    figures = {"wait": 1.0, "rate": 0.2, "wall": 30.0, "train": 4.0, "idle": 2.0, "drain": 1.0, "gen": 5.0,
-               "spanning": 0}
+    figures = {
+        "wait": 1.0,
+        "rate": 0.2,
+        "wall": 30.0,
+        "train": 4.0,
+        "idle": 2.0,
+        "drain": 1.0,
+        "gen": 5.0,
+        "spanning": 0,
+    }
     out = {"async": figures, "inflight": {**figures, "wait": 0.25, "rate": 0.3, "idle": 0.5, "spanning": 3}}
     line = bench.vl_result(args, out)
     fields = dict(f.split("=", 1) for f in line.split()[1:])

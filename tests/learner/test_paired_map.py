@@ -50,8 +50,9 @@ def test_resampled_map_equals_faster_coco_eval(seed: int) -> None:
     matches = paired.RecordMatches(truth, predicted, sizes)
     draws = [list(range(40)), list(range(39, -1, -1))] + [[rng.randrange(40) for _ in range(40)] for _ in range(6)]
     for idx in draws:
-        want = coco_map([truth[i] for i in idx], [predicted[i] for i in idx], [sizes[i] for i in idx],
-                        category=normalize_label)["map"]
+        want = coco_map(
+            [truth[i] for i in idx], [predicted[i] for i in idx], [sizes[i] for i in idx], category=normalize_label
+        )["map"]
         assert matches.map(idx) == pytest.approx(want, abs=1e-12), idx
     assert 0.05 < matches.map(list(range(40))) < 0.95  # neither empty nor perfect: the comparison has content
 
@@ -73,8 +74,14 @@ def test_the_map_bootstrap_cancels_shared_difficulty_and_sees_a_gain() -> None:
     rng = random.Random(3)
     truth, predicted, sizes = _records(rng, 30)
     base = paired.RecordMatches(truth, [p[:1] for p in predicted], sizes)
-    more = paired.RecordMatches(truth, [p[:1] + ([Box(g.label, g.xyxy, 0.01) for g in t] if i % 3 == 0 else [])
-                                        for i, (p, t) in enumerate(zip(predicted, truth, strict=True))], sizes)
+    more = paired.RecordMatches(
+        truth,
+        [
+            p[:1] + ([Box(g.label, g.xyxy, 0.01) for g in t] if i % 3 == 0 else [])
+            for i, (p, t) in enumerate(zip(predicted, truth, strict=True))
+        ],
+        sizes,
+    )
     figure = paired.RecordMatches.map
     assert paired.paired_bootstrap({0: base, 1: base}, {0: base, 1: base}, figure=figure, draws=200) == (0, 0, 0)
     d, lo, hi = paired.paired_bootstrap({0: more, 1: more}, {0: base, 1: base}, figure=figure, draws=200)

@@ -61,8 +61,9 @@ def server(tiny_model_dir: Path) -> Iterator[FakeServer]:
 
 
 @pytest.fixture(scope="module")
-def step_inputs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, data_path: Path,
-                server: FakeServer) -> tuple[Any, list[float]]:
+def step_inputs(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, data_path: Path, server: FakeServer
+) -> tuple[Any, list[float]]:
     """Real packed rows of one step (built on the CPU by a CPU trainer) and the step's loss denominators."""
     from learner.train.loop import TrainingLoop
 
@@ -92,8 +93,9 @@ def _meta_trainer(tmp_path: Path, tiny_model_dir: Path, data_path: Path, server:
 
 
 @pytest.mark.parametrize("finetune", ["lora", "full"])
-def test_a_whole_step_runs_on_the_training_device(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
-                                                  server: FakeServer, step_inputs: Any, finetune: str) -> None:
+def test_a_whole_step_runs_on_the_training_device(
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, server: FakeServer, step_inputs: Any, finetune: str
+) -> None:
     built, totals = step_inputs
     rows = built.rows
     trainer = _meta_trainer(tmp_path, tiny_model_dir, data_path, server, finetune=finetune)
@@ -121,9 +123,14 @@ def test_a_whole_step_runs_on_the_training_device(tmp_path: Path, tiny_model_dir
         trainer.close()
 
 
-def test_the_fence_catches_a_row_left_on_the_cpu(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
-                                                 server: FakeServer, step_inputs: Any,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_fence_catches_a_row_left_on_the_cpu(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    data_path: Path,
+    server: FakeServer,
+    step_inputs: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The control: forget the one `.to(device)` of the rows and the test above would fail."""
     from learner.core.packing import PackedRow
 
@@ -143,8 +150,9 @@ def test_the_fence_catches_a_row_left_on_the_cpu(tmp_path: Path, tiny_model_dir:
         trainer.close()
 
 
-def test_deepspeed_rows_follow_the_engine_device(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
-                                                 server: FakeServer, step_inputs: Any) -> None:
+def test_deepspeed_rows_follow_the_engine_device(
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, server: FakeServer, step_inputs: Any
+) -> None:
     """ZeRO: DeepSpeed places the module itself (cuda:LOCAL_RANK on GPUs); the step's device is the
     engine's, and every row reaches the engine there."""
     pytest.importorskip("deepspeed")

@@ -27,11 +27,13 @@ def _seeds(servers) -> list[int]:
     return sorted(seed for s in servers for call in s.engine.calls for _, seed in call)
 
 
-def test_channels_follow_the_schedule_and_a_steps_neither_generate_nor_sync(tmp_path, tiny_model_dir, data_path,
-                                                                          servers) -> None:
+def test_channels_follow_the_schedule_and_a_steps_neither_generate_nor_sync(
+    tmp_path, tiny_model_dir, data_path, servers
+) -> None:
     recipe = {"channel_b_ratio": 0.5, "explorers": {"count": 0}}
-    trainer, summary = _run(make_job(tiny_model_dir, data_path, tmp_path, steps=5, warm_start_steps=1,
-                                     recipe=recipe), servers)
+    trainer, summary = _run(
+        make_job(tiny_model_dir, data_path, tmp_path, steps=5, warm_start_steps=1, recipe=recipe), servers
+    )
     # Step 1: the warm start; then A B A B (ratio 0.5 counted from the end of the warm start).
     assert [h.figures.channel for h in trainer.history] == ["A", "A", "B", "A", "B"]
     assert [bool(h.rollouts and h.rollouts[0].token_ids) for h in trainer.history] == [False, False, True, False, True]
@@ -43,8 +45,11 @@ def test_channels_follow_the_schedule_and_a_steps_neither_generate_nor_sync(tmp_
     # The rollout F1 of the summary counts B steps only.
     assert len(summary.series("f1")) == 2
     # Channel A trains on the whole ground truth: every A step's answer is empty and every object missed.
-    assert all(h.figures.stats.matched == 0 and h.figures.stats.false_negatives > 0
-               for h in trainer.history if h.figures.channel == "A")
+    assert all(
+        h.figures.stats.matched == 0 and h.figures.stats.false_negatives > 0
+        for h in trainer.history
+        if h.figures.channel == "A"
+    )
     # TensorBoard gets the objective's own figures (Objective.scalars): the channel of every step, the rollout
     # figures of the B steps only.
     from learner.tracking.tracker import read_events
@@ -69,8 +74,9 @@ def test_anchor_is_greedy_and_explorers_sample_apart(tmp_path, tiny_model_dir, d
     assert summary.steps == 2 and all(h.figures.channel == "B" and h.rollouts for h in trainer.history)
 
 
-def test_what_only_the_explorers_found_reaches_the_targets(tmp_path, tiny_model_dir, data_path, servers,
-                                                          tiny_tokenizer) -> None:
+def test_what_only_the_explorers_found_reaches_the_targets(
+    tmp_path, tiny_model_dir, data_path, servers, tiny_tokenizer
+) -> None:
     """The anchor (greedy) answers nothing; the explorers answer every object the prompt states (the text task's
     prompt lists them): each one is a ground-truth object the anchor missed and an explorer found, and the targets
     take it as recovered. Without the explorers' answers in the targets, nothing is recovered."""
@@ -126,14 +132,20 @@ def test_recipe_settings_are_refused_by_name(tiny_model_dir, data_path, tmp_path
     with pytest.raises(JobSpecError, match=r"spec.training.recipe: channel_b_ratio applies to recipe generation 2"):
         make_job(tiny_model_dir, data_path, tmp_path, recipe={"generation": 1, "channel_b_ratio": 0.5})
     with pytest.raises(JobSpecError, match=r"spec.training.recipe.explorers.count must be 0 with"):
-        make_job(tiny_model_dir, data_path, tmp_path, recipe={"explorers": {"count": 1}},
-                 rollout={"max_tokens": 16, "max_staleness": 1})
+        make_job(
+            tiny_model_dir,
+            data_path,
+            tmp_path,
+            recipe={"explorers": {"count": 1}},
+            rollout={"max_tokens": 16, "max_staleness": 1},
+        )
     with pytest.raises(JobSpecError, match=r"channel_b_ratio"):
         make_job(tiny_model_dir, data_path, tmp_path, recipe={"channel_b_ratio": 1.5})
 
 
-def test_a_model_that_writes_the_other_format_is_named_once(tmp_path, tiny_model_dir, data_path, servers,
-                                                            caplog) -> None:
+def test_a_model_that_writes_the_other_format_is_named_once(
+    tmp_path, tiny_model_dir, data_path, servers, caplog
+) -> None:
     """Issue 61: a checkpoint trained in the reference's CoordJSON, run with training.format coordexp, parses to no
     object on every B step; after three such steps the run says once which format its answers are in."""
     import logging
@@ -150,7 +162,9 @@ def test_a_model_that_writes_the_other_format_is_named_once(tmp_path, tiny_model
     recipe = {"channel_b_ratio": 1.0, "explorers": {"count": 0}}
     with caplog.at_level(logging.WARNING, logger="rmsft.learner"):
         trainer, _ = _run(make_job(tiny_model_dir, data_path, tmp_path, steps=5, recipe=recipe), servers)
-    assert all(h.figures.channel == "B" and h.figures.stats.predicted == 0 and h.figures.stats.gt_objects > 0
-               for h in trainer.history)
+    assert all(
+        h.figures.channel == "B" and h.figures.stats.predicted == 0 and h.figures.stats.gt_objects > 0
+        for h in trainer.history
+    )
     said = [r.getMessage() for r in caplog.records if "training.format" in r.getMessage()]
     assert len(said) == 1 and "set spec.training.format: coordjson" in said[0]

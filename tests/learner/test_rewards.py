@@ -33,25 +33,39 @@ def stock_vocab() -> VocabView:
 
 
 def _record(rid: str, objects: list[dict], width: int = 1000, height: int = 1000) -> Record:
-    return Record.model_validate({"id": rid, "width": width, "height": height, "objects": objects,
-                                  "messages": [{"role": "user", "content": "Detect."}]})
+    return Record.model_validate(
+        {
+            "id": rid,
+            "width": width,
+            "height": height,
+            "objects": objects,
+            "messages": [{"role": "user", "content": "Detect."}],
+        }
+    )
 
 
 # A 1000x1000 image: pixels are bins. cat: IoU 0.5 with the answer below (half its height); dog: exact;
 # bird: missed; the answer's fish: a false positive.
-GT = [{"desc": "cat", "bbox_2d": [0, 0, 100, 100]}, {"desc": "dog", "bbox_2d": [200, 200, 300, 300]},
-      {"desc": "bird", "bbox_2d": [500, 500, 600, 600]}]
+GT = [
+    {"desc": "cat", "bbox_2d": [0, 0, 100, 100]},
+    {"desc": "dog", "bbox_2d": [200, 200, 300, 300]},
+    {"desc": "bird", "bbox_2d": [500, 500, 600, 600]},
+]
 
 
 def _c(*bins: int) -> str:
     return ", ".join(f'"<|coord_{b}|>"' for b in bins)
 
 
-COORDEXP_ANSWER = ('{"object_1": {"desc": "cat", "bbox_2d": [' + _c(0, 0, 100, 50) + ']}, '
-                   '"object_2": {"desc": "dog", "bbox_2d": [' + _c(200, 200, 300, 300) + ']}, '
-                   '"object_3": {"desc": "fish", "bbox_2d": [' + _c(800, 800, 900, 900) + ']}}')
-QWEN_ANSWER = ('[{"bbox_2d": [0, 0, 100, 50], "label": "cat"}, {"bbox_2d": [200, 200, 300, 300], "label": "dog"}, '
-               '{"bbox_2d": [800, 800, 900, 900], "label": "fish"}]')
+COORDEXP_ANSWER = (
+    '{"object_1": {"desc": "cat", "bbox_2d": [' + _c(0, 0, 100, 50) + "]}, "
+    '"object_2": {"desc": "dog", "bbox_2d": [' + _c(200, 200, 300, 300) + "]}, "
+    '"object_3": {"desc": "fish", "bbox_2d": [' + _c(800, 800, 900, 900) + "]}}"
+)
+QWEN_ANSWER = (
+    '[{"bbox_2d": [0, 0, 100, 50], "label": "cat"}, {"bbox_2d": [200, 200, 300, 300], "label": "dog"}, '
+    '{"bbox_2d": [800, 800, 900, 900], "label": "fish"}]'
+)
 
 
 def _inp(rec: Record, text: str, vocab: VocabView, fmt, *, eos: bool = True, **kw) -> RewardInput:
@@ -94,8 +108,10 @@ def test_mean_iou_by_hand(answer: RewardInput) -> None:
 def test_labels_match_pairs_within_a_label(coord_vocab: VocabView) -> None:
     rec = _record("lab", GT[:2])
     # Both boxes exact, both called "dog": geometry alone matches both; label by label only the real dog.
-    text = ('{"object_1": {"desc": "dog", "bbox_2d": [' + _c(0, 0, 100, 100) + ']}, '
-            '"object_2": {"desc": "dog", "bbox_2d": [' + _c(200, 200, 300, 300) + ']}}')
+    text = (
+        '{"object_1": {"desc": "dog", "bbox_2d": [' + _c(0, 0, 100, 100) + "]}, "
+        '"object_2": {"desc": "dog", "bbox_2d": [' + _c(200, 200, 300, 300) + "]}}"
+    )
     inp = _inp(rec, text, coord_vocab, COORDEXP)
     assert DetectionReward("f1", 0.0)(inp) == 1.0
     assert DetectionReward("f1", 0.0, labels="match")(inp) == pytest.approx(2 * 1 / 4)
@@ -132,8 +148,12 @@ def test_parse_failure_costs_the_format_term(coord_vocab: VocabView, stock_vocab
     assert prose.objects == () and DetectionReward("f1", 0.1)(prose) == 0.0
 
     # One entry of two invalid (reversed corners: dropped, never repaired): format 1 - 1/2.
-    bad = _inp(_record("r3", GT[:1]), '[{"bbox_2d": [0, 0, 100, 100], "label": "cat"}, '
-               '{"bbox_2d": [300, 0, 200, 100], "label": "dog"}]', stock_vocab, QWEN_JSON)
+    bad = _inp(
+        _record("r3", GT[:1]),
+        '[{"bbox_2d": [0, 0, 100, 100], "label": "cat"}, {"bbox_2d": [300, 0, 200, 100], "label": "dog"}]',
+        stock_vocab,
+        QWEN_JSON,
+    )
     assert bad.parsed.n_dropped == 1
     assert format_score(bad.parsed) == 0.5
     assert DetectionReward("f1", 0.5)(bad) == pytest.approx(0.5 * 1.0 + 0.5 * 0.5)
@@ -170,8 +190,15 @@ class QARecord(Record):
 
 
 def _qa(text: str, answer: str | list[str], rid: str = "q1") -> RewardInput:
-    rec = QARecord.model_validate({"id": rid, "width": 1, "height": 1, "answer": answer,
-                                   "messages": [{"role": "user", "content": "Capital of France?"}]})
+    rec = QARecord.model_validate(
+        {
+            "id": rid,
+            "width": 1,
+            "height": 1,
+            "answer": answer,
+            "messages": [{"role": "user", "content": "Capital of France?"}],
+        }
+    )
     return RewardInput(rec, text)
 
 
@@ -193,8 +220,11 @@ def test_text_exact_and_partial() -> None:
 
 
 def test_text_without_answer_names_the_record() -> None:
-    with pytest.raises(RewardError, match=r"reward 'text_match' failed on record 'plain' \(sample 0\): "
-                                          r"ValueError: no expected answer"):
+    with pytest.raises(
+        RewardError,
+        match=r"reward 'text_match' failed on record 'plain' \(sample 0\): "
+        r"ValueError: no expected answer",
+    ):
         score_batch(TextMatchReward(), [RewardInput(_record("plain", []), "x")])
 
 
@@ -205,8 +235,11 @@ def test_builtins_by_name() -> None:
     assert isinstance(resolve_reward("detection"), DetectionReward)
     det = resolve_reward("detection", {"metric": "mean_iou", "format_weight": 0.2})
     assert (det.metric, det.format_weight) == ("mean_iou", 0.2)
-    with pytest.raises(RewardConfigError, match=r"reward 'detection': cannot build it with params \{'metrc': 'f1'\}"
-                                                r".*unexpected keyword.*it takes \(metric"):
+    with pytest.raises(
+        RewardConfigError,
+        match=r"reward 'detection': cannot build it with params \{'metrc': 'f1'\}"
+        r".*unexpected keyword.*it takes \(metric",
+    ):
         resolve_reward("detection", {"metrc": "f1"})
 
 
@@ -231,21 +264,28 @@ def _fake_entry_points(monkeypatch: pytest.MonkeyPatch, *pairs: tuple[str, str])
     def entry_points(**kw):
         groups.append(kw.get("group"))
         return importlib.metadata.EntryPoints(
-            importlib.metadata.EntryPoint(name, value, kw.get("group")) for name, value in pairs)
+            importlib.metadata.EntryPoint(name, value, kw.get("group")) for name, value in pairs
+        )
 
     monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
     return groups
 
 
 def test_entry_points(monkeypatch: pytest.MonkeyPatch) -> None:
-    groups = _fake_entry_points(monkeypatch, ("scaled", "reward_plugins:ScaledLength"),
-                                ("broken", "no_such_module_xyz:fn"), ("detection", "reward_plugins:length_reward"))
+    groups = _fake_entry_points(
+        monkeypatch,
+        ("scaled", "reward_plugins:ScaledLength"),
+        ("broken", "no_such_module_xyz:fn"),
+        ("detection", "reward_plugins:length_reward"),
+    )
     reward = resolve_reward("scaled", {"scale": 0.5})
     assert groups == [ENTRY_POINT_GROUP]
     assert reward(RewardInput(_record("p", []), "", (7, 7))) == 1.0
     assert isinstance(resolve_reward("detection"), DetectionReward)  # a built-in name wins
-    with pytest.raises(UnknownRewardError, match="entry point 'no_such_module_xyz:fn' of group 'rmsft.rewards' "
-                                                 "failed to load: ModuleNotFoundError"):
+    with pytest.raises(
+        UnknownRewardError,
+        match="entry point 'no_such_module_xyz:fn' of group 'rmsft.rewards' failed to load: ModuleNotFoundError",
+    ):
         resolve_reward("broken")
     with pytest.raises(UnknownRewardError) as err:
         resolve_reward("bleu")
@@ -278,15 +318,20 @@ def test_spec_from_mapping() -> None:
 
 
 def test_build_rewards_weighted_sum(coord_vocab: VocabView) -> None:
-    total = build_rewards([{"name": "detection", "format_weight": 0.0, "weight": 2.0},
-                           {"name": "reward_plugins:length_reward", "weight": -0.01},
-                           {"name": "detection", "metric": "mean_iou", "format_weight": 0.0}])
+    total = build_rewards(
+        [
+            {"name": "detection", "format_weight": 0.0, "weight": 2.0},
+            {"name": "reward_plugins:length_reward", "weight": -0.01},
+            {"name": "detection", "metric": "mean_iou", "format_weight": 0.0},
+        ]
+    )
     assert isinstance(total, RewardSum)
     assert total.labels == ("detection#0", "reward_plugins:length_reward", "detection#2")
     inp = _inp(_record("w", GT), COORDEXP_ANSWER, coord_vocab, COORDEXP)
     n = len(inp.token_ids)
-    assert total.scores(inp) == pytest.approx({"detection#0": 2 / 3, "reward_plugins:length_reward": n,
-                                               "detection#2": 0.375})
+    assert total.scores(inp) == pytest.approx(
+        {"detection#0": 2 / 3, "reward_plugins:length_reward": n, "detection#2": 0.375}
+    )
     assert total(inp) == pytest.approx(2 * 2 / 3 - 0.01 * n + 0.375)
     with pytest.raises(RewardConfigError, match=r"rewards\[1\] \(detection\): reward 'detection': cannot build"):
         build_rewards(["text_match", {"name": "detection", "iou": 0.5}])
@@ -321,14 +366,18 @@ def test_score_batch_keeps_input_order_on_a_pool() -> None:
 
 def test_score_batch_errors_name_reward_and_record() -> None:
     total = build_rewards(["text_match", "reward_plugins:fails_on_bad"])
-    inputs = [RewardInput(_record(rid, []), "a", answer="a", sample_index=i)
-              for i, rid in enumerate(["ok", "bad-1", "ok2", "bad-2"])]
+    inputs = [
+        RewardInput(_record(rid, []), "a", answer="a", sample_index=i)
+        for i, rid in enumerate(["ok", "bad-1", "ok2", "bad-2"])
+    ]
     with pytest.raises(RewardError) as err:
         score_batch(total, inputs, workers=3)
     e = err.value
     assert (e.reward, e.record_id, e.sample_index) == ("reward_plugins:fails_on_bad", "bad-1", 1)
-    assert str(e) == ("reward 'reward_plugins:fails_on_bad' failed on record 'bad-1' (sample 1): KeyError: 'boom' "
-                      "(and 1 more failing completion(s) in this batch of 4)")
+    assert str(e) == (
+        "reward 'reward_plugins:fails_on_bad' failed on record 'bad-1' (sample 1): KeyError: 'boom' "
+        "(and 1 more failing completion(s) in this batch of 4)"
+    )
     assert isinstance(e.__cause__, KeyError)
     with pytest.raises(RewardError, match="reward 'reward_plugins:returns_nan' failed on record 'ok'.*returned nan"):
         score_batch(build_rewards(["reward_plugins:returns_nan"]), inputs[:1])

@@ -78,8 +78,7 @@ def test_plan_is_contiguous_balanced_and_bounded(n: int, k: int, batch: int) -> 
             assert not sizes or max(sizes) - min(sizes) <= 1
 
 
-@given(st.lists(st.integers(1, 50), min_size=0, max_size=60), st.integers(1, 5), st.integers(0, 7),
-       st.integers(1, 120))
+@given(st.lists(st.integers(1, 50), min_size=0, max_size=60), st.integers(1, 5), st.integers(0, 7), st.integers(1, 120))
 def test_plan_cuts_by_bytes_only_where_needed(sizes: list[int], k: int, batch: int, max_bytes: int) -> None:
     chunks = split_into_chunks(len(sizes), k, batch, sizes, max_bytes)
     assert (chunks[-1].stop if chunks else 0) == len(sizes)
@@ -133,8 +132,10 @@ def test_by_default_each_server_gets_its_whole_share_in_one_call(cluster) -> Non
 
 def test_a_share_too_big_for_one_message_is_cut(cluster) -> None:
     servers, pool = cluster(1)
-    big = [RolloutRequest(messages=[("user", "look")], images=[bytes(7 << 20)], seed=i, request_id=f"r{i}")
-           for i in range(5)]  # 35 MiB of images: more than one Generate call may carry (MAX_CHUNK_BYTES)
+    big = [
+        RolloutRequest(messages=[("user", "look")], images=[bytes(7 << 20)], seed=i, request_id=f"r{i}")
+        for i in range(5)
+    ]  # 35 MiB of images: more than one Generate call may carry (MAX_CHUNK_BYTES)
     out = RolloutClient(pool).generate(big)
     assert [r.request_id for r in out] == [q.request_id for q in big]
     assert sorted(len(c) for c in servers[0].engine.calls) == [1, 2, 2]  # (the calls run concurrently)
@@ -163,7 +164,8 @@ def test_n_samples_come_back_in_order_and_reproduce_after_failover(cluster) -> N
     failed_over = RolloutClient(pool).generate(reqs, sampling)
     assert {r.server for r in failed_over} == {servers[1].address}
     assert [(r.request_id, r.sample_index, r.token_ids) for r in failed_over] == [
-        (r.request_id, r.sample_index, r.token_ids) for r in healthy]
+        (r.request_id, r.sample_index, r.token_ids) for r in healthy
+    ]
     assert all(r.logprobs is None for r in RolloutClient(pool).generate(reqs[:1], {"max_tokens": 4, "n": 2}))
 
 
@@ -509,8 +511,13 @@ def test_random_faults_lose_and_duplicate_nothing(cluster, seed) -> None:
 
     rng = random.Random(seed)
     servers, pool = cluster(4, delay_s=0.005)
-    codes = [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED,
-             grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN]
+    codes = [
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNKNOWN,
+    ]
     for s in rng.sample(servers, 3):  # one server always stays healthy
         s.engine.fail_generate = rng.choice(codes)
         s.engine.fail_times = rng.randint(1, 3)

@@ -56,8 +56,9 @@ def servers(tiny_model_dir: Path, tmp_path: Path) -> Iterator[list[InProcessServ
 
 
 def _job(tiny_model_dir: Path, data_path: Path, ckpt: Path, *, steps: int, every: int = 0):
-    return make_job(tiny_model_dir, data_path, ckpt, steps=steps,
-                    checkpoint={"dir": str(ckpt), "every": every, "keep": 2})
+    return make_job(
+        tiny_model_dir, data_path, ckpt, steps=steps, checkpoint={"dir": str(ckpt), "every": every, "keep": 2}
+    )
 
 
 class _Killed(RuntimeError):
@@ -107,8 +108,13 @@ class _Recorder:
 
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
 def test_a_server_held_back_from_the_resumed_learners_first_sync_is_fenced_and_resynced(
-        servers: list[InProcessServer], tiny_model_dir: Path, data_path: Path, tmp_path: Path, transport: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    servers: list[InProcessServer],
+    tiny_model_dir: Path,
+    data_path: Path,
+    tmp_path: Path,
+    transport: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The fault of issue 27: a learner checkpointing every 2 steps is killed after it synced v4 (past its
     checkpoint's v3). Its retry resumes from the checkpoint as a new run and syncs v4 of that run while one
     server is cut off; that server comes back holding the dead run's v4, the very number the live learner
@@ -201,7 +207,8 @@ def test_a_server_held_back_from_the_resumed_learners_first_sync_is_fenced_and_r
 
 
 def test_two_learner_runs_against_one_pool_never_accept_each_others_rollouts(
-        servers: list[InProcessServer], tiny_model_dir: Path, data_path: Path, tmp_path: Path) -> None:
+    servers: list[InProcessServer], tiny_model_dir: Path, data_path: Path, tmp_path: Path
+) -> None:
     """Two learners (two runs) against the same servers, each syncing in the middle of the other's step: at the
     same version number, each one's requests are refused by servers holding the other's weights (naming both
     runs), it re-syncs them, and trains only on completions of its own weights."""
@@ -248,7 +255,8 @@ def test_two_learner_runs_against_one_pool_never_accept_each_others_rollouts(
 
 
 def test_a_server_refuses_a_call_fenced_to_another_runs_version_naming_both(
-        servers: list[InProcessServer], tiny_model_dir: Path) -> None:
+    servers: list[InProcessServer], tiny_model_dir: Path
+) -> None:
     """The server's half: (run id, number) applied together with the weights, reported in status, replies and
     completions, exported as a metric, and the fence compares both."""
     from transformers import AutoModelForCausalLM
@@ -262,8 +270,9 @@ def test_a_server_refuses_a_call_fenced_to_another_runs_version_naming_both(
         assert version_of(status) == FRESH  # no run, version 0: never current for any learner
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         mine = WeightVersion("3fa2c1d09e77", 22)
-        reply = stub.UpdateWeights(iter_weight_chunks(model.state_dict().items(), number=22, run_id=mine.run_id,
-                                                      mode=FULL), timeout=60)
+        reply = stub.UpdateWeights(
+            iter_weight_chunks(model.state_dict().items(), number=22, run_id=mine.run_id, mode=FULL), timeout=60
+        )
         assert version_of(reply) == mine
         assert version_of(stub.GetStatus(rollout_pb2.StatusRequest(), timeout=10)) == mine
         assert _run_info() == {mine.run_id: 1.0}
@@ -282,8 +291,9 @@ def test_a_server_refuses_a_call_fenced_to_another_runs_version_naming_both(
                 generate(other)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             details = err.value.details()
-            assert details.startswith(f"expected weight version {other.describe()}, server has 22 of run "
-                                      f"{mine.run_id}"), details
+            assert details.startswith(
+                f"expected weight version {other.describe()}, server has 22 of run {mine.run_id}"
+            ), details
             assert "sync weights first" in details
         assert "another run's weights" in str(_details(generate, WeightVersion("9b0e5d2c4a11", 22)))
         assert version_of(generate(None)) == mine  # an unfenced call is served, labelled with the pair
@@ -314,16 +324,19 @@ def _run_info() -> dict[str, float]:
     return out
 
 
-def test_a_run_id_is_new_for_every_learner_and_named_in_its_start_log(caplog, servers, tiny_model_dir: Path,
-                                                                       data_path: Path, tmp_path: Path) -> None:
+def test_a_run_id_is_new_for_every_learner_and_named_in_its_start_log(
+    caplog, servers, tiny_model_dir: Path, data_path: Path, tmp_path: Path
+) -> None:
     import logging
 
     from learner.tracking import metrics as learner_metrics
 
     caplog.set_level(logging.INFO, logger="rmsft.learner")
     t0 = time.monotonic()
-    made = [TrainingLoop(_job(tiny_model_dir, data_path, tmp_path / f"c{i}", steps=1), [servers[0].address])
-            for i in range(2)]
+    made = [
+        TrainingLoop(_job(tiny_model_dir, data_path, tmp_path / f"c{i}", steps=1), [servers[0].address])
+        for i in range(2)
+    ]
     try:
         ids = [t.state.run_id for t in made]
         assert len(set(ids)) == 2 and all(re.fullmatch(r"[0-9a-f]{12}", i) for i in ids)

@@ -35,8 +35,9 @@ def _model(root: Path, fill: float = 0.0, rows: int = 4) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps({"hidden_size": 8}))
     (root / "tokenizer.json").write_text(json.dumps({"vocab": ["a", "b"]}))
-    save_file({"w": np.full((rows, 8), fill, dtype=np.float32)}, str(root / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {"w": np.full((rows, 8), fill, dtype=np.float32)}, str(root / "model.safetensors"), metadata={"format": "pt"}
+    )
     (root / "training_args.bin").write_bytes(bytes([int(fill) % 256]) * 16)
     (root / ".cache").mkdir(exist_ok=True)
     (root / ".cache" / "download.lock").write_text(str(fill))  # the hub cache's own files: not the model
@@ -47,8 +48,12 @@ def _data(root: Path) -> Path:
     (root / "imgs").mkdir(parents=True, exist_ok=True)
     (root / "imgs" / "a.png").write_bytes(b"A" * 100)
     (root / "imgs" / "b.png").write_bytes(b"B" * 50)
-    lines = [{"id": "1", "images": ["imgs/a.png"]}, {"id": "2", "images": ["imgs/a.png", "imgs/b.png"]},
-             {"id": "3", "images": ["data:image/png;base64,AAAA"]}, {"id": "4"}]
+    lines = [
+        {"id": "1", "images": ["imgs/a.png"]},
+        {"id": "2", "images": ["imgs/a.png", "imgs/b.png"]},
+        {"id": "3", "images": ["data:image/png;base64,AAAA"]},
+        {"id": "4"},
+    ]
     path = root / "train.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     return path
@@ -104,9 +109,16 @@ def test_data_digest_over_budget_hashes_sizes(tmp_path: Path) -> None:
 
 
 def _record(tmp_path: Path, **training) -> dict:
-    return run_record(_job(**training), servers=["127.0.0.1:5001", "127.0.0.1:5002"], sync_mode="full",
-                      world_size=2, model_dir=_model(tmp_path / "m"), data_path=_data(tmp_path / "d"),
-                      image_root=None, eval_data_path=tmp_path / "d" / "train.jsonl")
+    return run_record(
+        _job(**training),
+        servers=["127.0.0.1:5001", "127.0.0.1:5002"],
+        sync_mode="full",
+        world_size=2,
+        model_dir=_model(tmp_path / "m"),
+        data_path=_data(tmp_path / "d"),
+        image_root=None,
+        eval_data_path=tmp_path / "d" / "train.jsonl",
+    )
 
 
 def test_run_record_contents(tmp_path: Path) -> None:

@@ -269,15 +269,24 @@ def test_trainer_does_not_wait_for_a_server_removed_before_the_run(tmp_path, fak
 # -- rmsft train -------------------------------------------------------------------------------------
 def _train(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("RMSFT_ROLLOUT_SERVERS")}
-    return subprocess.run([sys.executable, "-m", "rmsft_cli", "train", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120, env={**full_env, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "rmsft_cli", "train", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={**full_env, **(env or {})},
+    )
 
 
 def test_train_needs_exactly_one_server_source_and_names_a_bad_file(tmp_path: Path) -> None:
     job = tmp_path / "job.yaml"
     job.write_text((ROOT / "configs" / "local-tiny.yaml").read_text())
-    for args, env in (([], {}), (["--servers", "h:1", "--servers-file", str(tmp_path / "s")], {}),
-                      (["--servers", "h:1"], {"RMSFT_ROLLOUT_SERVERS_FILE": str(tmp_path / "s")})):
+    for args, env in (
+        ([], {}),
+        (["--servers", "h:1", "--servers-file", str(tmp_path / "s")], {}),
+        (["--servers", "h:1"], {"RMSFT_ROLLOUT_SERVERS_FILE": str(tmp_path / "s")}),
+    ):
         res = _train("--config", str(job), *args, env=env)
         assert res.returncode == 2, res.stderr
         assert "give exactly one of --servers" in " ".join(res.stderr.split())

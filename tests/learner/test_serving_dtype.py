@@ -142,8 +142,11 @@ def test_server_rejects_a_dtype_it_does_not_serve_with_a_clear_error(hf_server, 
     bf16 = hf_server("bfloat16")
     auto = hf_server("auto")  # the tiny checkpoint is float32
     with ServerPool([bf16.address]) as pool:
-        with pytest.raises(WeightSyncError, match=r"INVALID_ARGUMENT.*dtype F32, the model expects BF16: this "
-                                                  r"server serves bfloat16 \(--dtype bfloat16\)"):
+        with pytest.raises(
+            WeightSyncError,
+            match=r"INVALID_ARGUMENT.*dtype F32, the model expects BF16: this "
+            r"server serves bfloat16 \(--dtype bfloat16\)",
+        ):
             WeightSyncClient(pool, fp32_lora, dtype="float32").sync(1)
         assert pool.status(pool.servers[0]).weight_version == 0  # nothing applied
     with ServerPool([auto.address]) as pool:

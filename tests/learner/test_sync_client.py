@@ -321,8 +321,11 @@ def _greedy_reference(model, prompts: list[list[int]], max_tokens: int, eos: set
     with torch.no_grad():
         for ids in prompts:
             gen = merged.generate(
-                input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=max_tokens, do_sample=False, eos_token_id=sorted(eos),
+                input_ids=torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=sorted(eos),
             )[0, len(ids) :].tolist()
             for j, t in enumerate(gen):
                 if t in eos:
@@ -335,8 +338,13 @@ def _greedy_reference(model, prompts: list[list[int]], max_tokens: int, eos: set
 def _prompts(tokenizer, n: int) -> list[list[int]]:
     texts = [f"Find every {w} in the picture." for w in ("dog", "car", "person", "red apple", "cup", "boat")]
     return [
-        list(tokenizer.apply_chat_template([{"role": "user", "content": texts[i % len(texts)] + " " * (i // 6)}],
-                                           tokenize=True, add_generation_prompt=True)["input_ids"])
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": texts[i % len(texts)] + " " * (i // 6)}],
+                tokenize=True,
+                add_generation_prompt=True,
+            )["input_ids"]
+        )
         for i in range(n)
     ]
 

@@ -101,7 +101,9 @@ def test_objects_are_the_small_class_set_with_the_right_geometry(records: list[R
 
 
 def test_some_objects_overlap(records: list[Record]) -> None:
-    pairs = sum(_overlap(_box(a), _box(b)) for r in records for i, a in enumerate(r.objects) for b in r.objects[i + 1:])
+    pairs = sum(
+        _overlap(_box(a), _box(b)) for r in records for i, a in enumerate(r.objects) for b in r.objects[i + 1 :]
+    )
     assert pairs >= 3
 
 
@@ -178,15 +180,18 @@ def test_qwen_json_instruction_same_records(tmp_path: Path) -> None:
 def test_row_layout_is_a_row_of_same_label_neighbours_drawn_where_the_boxes_say(tmp_path: Path) -> None:
     """The benchmark's row setting (studies/method/method_compare.py): 3-6 same-label tall rectangles in adjacent
     columns, each a shape of its own in the pixels (a gap between neighbours), other shapes elsewhere."""
-    path = write_visual_dataset(tmp_path / "row.jsonl", n=24, seed=5, layout="row", cells=6, min_row=3, max_row=6,
-                                max_others=2)
+    path = write_visual_dataset(
+        tmp_path / "row.jsonl", n=24, seed=5, layout="row", cells=6, min_row=3, max_row=6, max_others=2
+    )
     records, _store = load_dataset(path, None, 50_000_000)
     lengths = set()
     for record in records:
         boxes = [tuple(o.bbox_2d) for o in record.objects]
         assert boxes == sorted(boxes, key=lambda b: (b[1], b[0]))  # reading order
-        label, n = max(((d, sum(o.desc == d for o in record.objects)) for d in {o.desc for o in record.objects}),
-                       key=lambda dn: dn[1])
+        label, n = max(
+            ((d, sum(o.desc == d for o in record.objects)) for d in {o.desc for o in record.objects}),
+            key=lambda dn: dn[1],
+        )
         row = sorted(tuple(o.bbox_2d) for o in record.objects if o.desc == label)
         assert 3 <= n <= 6 and label.endswith("rectangle")
         lengths.add(n)
@@ -202,6 +207,7 @@ def test_row_layout_is_a_row_of_same_label_neighbours_drawn_where_the_boxes_say(
             assert img.getpixel((b[0] + 16, (b[1] + b[3]) // 2)) == colour
             assert img.getpixel((b[2] - 1, (b[1] + b[3]) // 2)) != colour
     assert len(lengths) >= 3  # rows of several lengths, not one
-    again = write_visual_dataset(tmp_path / "again" / "row.jsonl", n=24, seed=5, layout="row", cells=6, min_row=3,
-                                 max_row=6, max_others=2)
+    again = write_visual_dataset(
+        tmp_path / "again" / "row.jsonl", n=24, seed=5, layout="row", cells=6, min_row=3, max_row=6, max_others=2
+    )
     assert again.read_text() == path.read_text()

@@ -75,10 +75,12 @@ def _env(**extra: str) -> dict[str, str]:
 def container_command(job: Path, ranks: int = 2, wrapper: bool = True) -> list[str]:
     """The learner container's command as operator/rmsft_operator/render.py writes it (tini and all), or with
     `wrapper` False the plain torchrun it replaced."""
-    launch = ["tini", "--", sys.executable, "-m", "rmsft_cli", "torchrun"] if wrapper else \
-        [sys.executable, "-m", "torch.distributed.run"]
-    return [*launch, "--standalone", "--nproc-per-node", str(ranks), "-m", "rmsft_cli", "train", "--config",
-            str(job)]
+    launch = (
+        ["tini", "--", sys.executable, "-m", "rmsft_cli", "torchrun"]
+        if wrapper
+        else [sys.executable, "-m", "torch.distributed.run"]
+    )
+    return [*launch, "--standalone", "--nproc-per-node", str(ranks), "-m", "rmsft_cli", "train", "--config", str(job)]
 
 
 def _run(cmd: list[str], timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
@@ -101,7 +103,8 @@ def straight(tiny_model_dir: Path, data_path: Path, tmp_path_factory: pytest.Tem
 
 
 def test_sigterm_mid_run_saves_the_agreed_step_exits_143_and_resumes_as_if_never_stopped(
-        straight: dict[int, float], tiny_model_dir: Path, data_path: Path, tmp_path: Path) -> None:
+    straight: dict[int, float], tiny_model_dir: Path, data_path: Path, tmp_path: Path
+) -> None:
     ckpt = tmp_path / "ckpt"
     job = write_job(tmp_path / "job.yaml", tiny_model_dir, data_path, ckpt)
     proc = subprocess.Popen(container_command(job), cwd=ROOT, env=_env(), stderr=subprocess.PIPE, text=True)
@@ -147,8 +150,9 @@ def test_sigterm_mid_run_saves_the_agreed_step_exits_143_and_resumes_as_if_never
     assert plain.returncode == 1  # what the failure policy saw before: never "a refused configuration"
 
 
-def test_a_transient_error_on_rank_1_mid_run_exits_retryable(tiny_model_dir: Path, data_path: Path,
-                                                             tmp_path: Path) -> None:
+def test_a_transient_error_on_rank_1_mid_run_exits_retryable(
+    tiny_model_dir: Path, data_path: Path, tmp_path: Path
+) -> None:
     job = write_job(tmp_path / "job.yaml", tiny_model_dir, data_path, tmp_path / "ckpt")
     proc = _run(container_command(job), **{FAIL_AT_ENV: "step:3@1"})
     err = re.sub(r"\s+", " ", proc.stderr)
@@ -159,16 +163,22 @@ def test_a_transient_error_on_rank_1_mid_run_exits_retryable(tiny_model_dir: Pat
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux) for a PID namespace")
-def test_rmsft_train_as_pid_1_stops_on_sigterm_while_it_loads(tiny_model_dir: Path, data_path: Path,
-                                                               tmp_path: Path) -> None:
+def test_rmsft_train_as_pid_1_stops_on_sigterm_while_it_loads(
+    tiny_model_dir: Path, data_path: Path, tmp_path: Path
+) -> None:
     """PID 1 of a PID namespace gets no default action for a signal it has no handler for: without the handler on
     `rmsft train`'s first line a SIGTERM while torch imports and the model loads was ignored (the kubelet's SIGKILL
     came at the end of the grace period)."""
     if subprocess.run(["unshare", "-Urpf", "true"], capture_output=True).returncode != 0:
         pytest.skip("unprivileged user and PID namespaces are not allowed here")
     job = write_job(tmp_path / "job.yaml", tiny_model_dir, data_path, tmp_path / "ckpt")
-    proc = subprocess.Popen(["unshare", "-Urpf", "--kill-child", sys.executable, "-m", "rmsft_cli", "train",
-                             "--config", str(job)], cwd=ROOT, env=_env(), stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        ["unshare", "-Urpf", "--kill-child", sys.executable, "-m", "rmsft_cli", "train", "--config", str(job)],
+        cwd=ROOT,
+        env=_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(1.5)  # in its imports or the model's load: before any step
     child = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert child, "the namespace's PID 1 did not start"
@@ -185,8 +195,9 @@ ZERO2_FULL = {"deepspeed_stage": 2, "finetune": "full"}
 PARTITION_STEPS = 4  # resumed at 2: steps 3 and 4 both step from the restored partitions
 
 
-def test_zero2_full_each_rank_writes_and_reads_its_own_partition(tiny_model_dir: Path, data_path: Path,
-                                                                 tmp_path: Path) -> None:
+def test_zero2_full_each_rank_writes_and_reads_its_own_partition(
+    tiny_model_dir: Path, data_path: Path, tmp_path: Path
+) -> None:
     """Issue 60 item 5: two ranks under ZeRO-2 with `finetune: full`. Each rank's `rank-<r>.pt` holds its own
     optimizer partition only (the two fp32 master partitions are halves that together are the saved model);
     stopped after 2 steps and resumed, the run's losses equal an uninterrupted one's (a rank that loaded another's
@@ -195,15 +206,31 @@ def test_zero2_full_each_rank_writes_and_reads_its_own_partition(tiny_model_dir:
 
     pytest.importorskip("deepspeed")
     steps = {"steps": PARTITION_STEPS, "warm_start_steps": PARTITION_STEPS}
-    straight = _run(container_command(write_job(tmp_path / "straight.yaml", tiny_model_dir, data_path,
-                                                tmp_path / "straight", **ZERO2_FULL, **steps)))
+    straight = _run(
+        container_command(
+            write_job(
+                tmp_path / "straight.yaml", tiny_model_dir, data_path, tmp_path / "straight", **ZERO2_FULL, **steps
+            )
+        )
+    )
     assert straight.returncode == 0, straight.stderr[-6000:]
     want = _losses(straight.stderr)
     assert sorted(want) == list(range(1, PARTITION_STEPS + 1)), straight.stderr[-3000:]
 
     ckpt = tmp_path / "ckpt"
-    first = _run(container_command(write_job(tmp_path / "a.yaml", tiny_model_dir, data_path, ckpt, **ZERO2_FULL,
-                                             steps=2, warm_start_steps=PARTITION_STEPS)))
+    first = _run(
+        container_command(
+            write_job(
+                tmp_path / "a.yaml",
+                tiny_model_dir,
+                data_path,
+                ckpt,
+                **ZERO2_FULL,
+                steps=2,
+                warm_start_steps=PARTITION_STEPS,
+            )
+        )
+    )
     assert first.returncode == 0, first.stderr[-6000:]
     folder = ckpt / "step-2"
     assert sorted(p.name for p in folder.glob("*.pt")) == ["rank-0.pt", "rank-1.pt", "state.pt"]
@@ -215,12 +242,20 @@ def test_zero2_full_each_rank_writes_and_reads_its_own_partition(tiny_model_dir:
     assert masters[0].numel() + masters[1].numel() == whole.numel()  # each rank holds half, not the whole
     assert abs(masters[0].numel() - masters[1].numel()) <= 2 * len(state["model"])  # halves, up to alignment
     assert torch.equal(torch.cat(masters), whole)  # rank 0's half, then rank 1's: the model at step 2
-    moments = [sum(v.numel() for s in p["base_optimizer_state"]["state"].values() for v in s.values()
-                   if isinstance(v, torch.Tensor) and v.dim() > 0) for p in parts]
+    moments = [
+        sum(
+            v.numel()
+            for s in p["base_optimizer_state"]["state"].values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
+        for p in parts
+    ]
     assert moments == [2 * m.numel() for m in masters]  # Adam's two moments, of its own half only
 
-    resumed = _run(container_command(write_job(tmp_path / "b.yaml", tiny_model_dir, data_path, ckpt, **ZERO2_FULL,
-                                               **steps)))
+    resumed = _run(
+        container_command(write_job(tmp_path / "b.yaml", tiny_model_dir, data_path, ckpt, **ZERO2_FULL, **steps))
+    )
     assert resumed.returncode == 0, resumed.stderr[-6000:]
     assert "resumed from step 2" in resumed.stderr
     after = _losses(resumed.stderr)

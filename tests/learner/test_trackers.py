@@ -94,13 +94,19 @@ def test_report_to_default_empty_and_twice(tmp_path: Path) -> None:
 
 def test_a_tracker_not_installed_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # importing it raises ImportError
-    with pytest.raises(TrackingError, match=r"report_to names a tracker this environment lacks: wandb \(wandb not "
-                                            r"installed\); install it with `pip install 'rmsft\[tracking\]'`"):
+    with pytest.raises(
+        TrackingError,
+        match=r"report_to names a tracker this environment lacks: wandb \(wandb not "
+        r"installed\); install it with `pip install 'rmsft\[tracking\]'`",
+    ):
         require_trackers(["tensorboard", "mlflow", "wandb"])
     require_trackers(["tensorboard", "mlflow"])
     monkeypatch.setitem(sys.modules, "mlflow", None)
-    with pytest.raises(MissingRequirementError, match=r"mlflow-skinny \(spec.training.report_to: mlflow\) cannot be "
-                                                      r"imported .*install it with .*'rmsft\[tracking\]'"):
+    with pytest.raises(
+        MissingRequirementError,
+        match=r"mlflow-skinny \(spec.training.report_to: mlflow\) cannot be "
+        r"imported .*install it with .*'rmsft\[tracking\]'",
+    ):
         require_learner_runtime(parse_job(_doc(tmp_path, report_to=["mlflow"])))
 
 
@@ -114,16 +120,23 @@ def test_rmsft_train_without_the_tracker_fails_at_start(tmp_path: Path) -> None:
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(doc))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim.parent), os.environ.get("PYTHONPATH", "")])}
-    res = subprocess.run([sys.executable, "-m", "rmsft_cli", "train", "--config", str(job), "--servers", "h:1"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
+    res = subprocess.run(
+        [sys.executable, "-m", "rmsft_cli", "train", "--config", str(job), "--servers", "h:1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env=env,
+    )
     err = " ".join(res.stderr.split())
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "mlflow-skinny (spec.training.report_to: mlflow) cannot be imported (ImportError: mlflow is not" in err
     assert "pip install -c requirements/constraints.txt 'rmsft[tracking]'" in err, err
 
 
-def test_rmsft_local_without_the_tracker_fails_before_anything_starts(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rmsft_local_without_the_tracker_fails_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from typer.testing import CliRunner
 
     from rmsft_cli.app import app
@@ -137,18 +150,22 @@ def test_rmsft_local_without_the_tracker_fails_before_anything_starts(tmp_path: 
     res = CliRunner().invoke(app, ["local", str(job), "--work-dir", str(tmp_path / "work")])
     said = " ".join((res.stdout + res.stderr).split())
     assert res.exit_code == 2 and "Traceback" not in said, said
-    assert "report_to names a tracker this environment lacks: wandb (wandb not installed); install it with " \
-           "`pip install 'rmsft[tracking]'`" in said, said
+    assert (
+        "report_to names a tracker this environment lacks: wandb (wandb not installed); install it with "
+        "`pip install 'rmsft[tracking]'`" in said
+    ), said
     assert not (tmp_path / "ck").exists()  # no checkpoint folder, no servers: nothing started
 
 
 @pytest.mark.usefixtures("tracker_env")
 def test_a_tracker_that_fails_to_log_is_warned_about_once_and_training_goes_on(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     from mlflow.tracking import MlflowClient
 
     job = parse_job(_doc(tmp_path, report_to=["tensorboard", "mlflow"]))
     with tracker_of(job) as tracker:
+
         def down(*a: object, **k: object) -> None:
             raise ConnectionError("tracking server down")
 
@@ -166,5 +183,7 @@ def test_the_dry_run_says_where_each_tracker_goes(tmp_path: Path) -> None:
     job = parse_job(_doc(tmp_path, report_to=["tensorboard", "mlflow", "wandb"], wandb={"dir": str(tmp_path / "w")}))
     said = " ".join(dry_run(job, work_dir=tmp_path / "work"))
     ck = tmp_path / "ck"
-    assert (f"tracking: TensorBoard in {ck}/tensorboard (tensorboard --logdir {ck}/tensorboard); "
-            f"MLflow at file:{ck}/mlruns; W&B (offline) in {tmp_path / 'w'}/wandb") in said, said
+    assert (
+        f"tracking: TensorBoard in {ck}/tensorboard (tensorboard --logdir {ck}/tensorboard); "
+        f"MLflow at file:{ck}/mlruns; W&B (offline) in {tmp_path / 'w'}/wandb"
+    ) in said, said

@@ -17,8 +17,12 @@ from learner.tracking.tracker import Tracker, TrackingError, decode_png, read_ev
 
 def _picture() -> Image.Image:
     img = Image.new("RGB", (96, 64), (40, 40, 40))
-    return draw_detections(img, [("red circle", "bbox_2d", [10, 10, 40, 40])],
-                           [("red circle", "bbox_2d", [12, 11, 41, 38])], title="held-out r1, step 3")
+    return draw_detections(
+        img,
+        [("red circle", "bbox_2d", [10, 10, 40, 40])],
+        [("red circle", "bbox_2d", [12, 11, 41, 38])],
+        title="held-out r1, step 3",
+    )
 
 
 def test_scalars_and_an_image_read_back(tmp_path: Path) -> None:
@@ -35,7 +39,7 @@ def test_scalars_and_an_image_read_back(tmp_path: Path) -> None:
     assert [v for _, v in scalars["train/loss"]] == pytest.approx([1.0, 0.5, 1 / 3])
     assert scalars["train/f1"][-1] == (3, pytest.approx(0.3))
     assert scalars["eval/map"] == [(3, 0.25)]
-    (step, png), = images["eval/r1"]
+    ((step, png),) = images["eval/r1"]
     back = decode_png(png)
     assert step == 3 and back.size == pic.size and back.format == "PNG"
     assert back.convert("RGB").getpixel((200, 200)) == pic.getpixel((200, 200))
@@ -124,8 +128,9 @@ def test_wandb_only_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert read_events(tmp_path / "c")[0]["train/loss"] == [(5, 0.5)]  # TensorBoard too
 
 
-def test_wandb_missing_or_failing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_wandb_missing_or_failing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
     monkeypatch.setenv("WANDB_PROJECT", "det")
     with caplog.at_level("WARNING", logger="rmsft.learner"):

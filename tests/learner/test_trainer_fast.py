@@ -24,8 +24,9 @@ def _run(job, addresses: list[str], **kw):
     return trainer, summary
 
 
-def test_rollout_buffer_reuses_each_e_step_for_m_steps(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
-                                                       servers: list[FakeServer]) -> None:
+def test_rollout_buffer_reuses_each_e_step_for_m_steps(
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]
+) -> None:
     job = make_job(tiny_model_dir, data_path, tmp_path, steps=4, buffer={"enabled": True, "m_steps": 2})
     trainer, summary = _run(job, [s.address for s in servers])
     assert summary.steps == 4
@@ -40,7 +41,8 @@ def test_rollout_buffer_reuses_each_e_step_for_m_steps(tmp_path: Path, tiny_mode
 
 
 def test_a_run_resumed_inside_an_e_step_equals_the_uninterrupted_run(
-        tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]) -> None:
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]
+) -> None:
     """Issue 41: a checkpoint between an E-step's M-steps (m_steps 2, a checkpoint every step) used to stop the
     resumed run with RolloutBufferError (the built rows were not in the checkpoint) and to skip the sync before the
     next E-step (the sync decision read the buffer's state, not the step). The checkpoint now keeps each rank's rows
@@ -52,10 +54,12 @@ def test_a_run_resumed_inside_an_e_step_equals_the_uninterrupted_run(
     buffer = {"enabled": True, "m_steps": 2}
     every = {"dir": str(tmp_path / "ck"), "every": 1, "keep": 2}
     straight, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "a", steps=6, buffer=buffer), addrs)
-    first, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "ck", steps=3, buffer=buffer, checkpoint=every),
-                    addrs)
-    resumed = TrainingLoop(make_job(tiny_model_dir, data_path, tmp_path / "ck", steps=6, buffer=buffer,
-                                    checkpoint=every), addrs)
+    first, _ = _run(
+        make_job(tiny_model_dir, data_path, tmp_path / "ck", steps=3, buffer=buffer, checkpoint=every), addrs
+    )
+    resumed = TrainingLoop(
+        make_job(tiny_model_dir, data_path, tmp_path / "ck", steps=6, buffer=buffer, checkpoint=every), addrs
+    )
     try:
         assert resumed.resume() and resumed.step == 3  # inside E-step 1 (steps 3 and 4, 1-based)
         resumed.run()
@@ -72,8 +76,9 @@ def test_a_run_resumed_inside_an_e_step_equals_the_uninterrupted_run(
     assert all(max(u.header.version for u in s.engine.updates) == v + 1 for s in servers)  # what they serve
 
 
-def test_resume_continues_where_the_checkpoint_left(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
-                                                    servers: list[FakeServer]) -> None:
+def test_resume_continues_where_the_checkpoint_left(
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]
+) -> None:
     addrs = [s.address for s in servers]
     straight, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "a", steps=3), addrs)
     first, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=2), addrs)
@@ -90,9 +95,9 @@ def test_resume_continues_where_the_checkpoint_left(tmp_path: Path, tiny_model_d
     assert resumed.history[0].loss == pytest.approx(straight.history[2].loss, rel=1e-5)
 
 
-def test_a_stop_request_ends_the_run_after_its_step_with_a_checkpoint(tmp_path: Path, tiny_model_dir: Path,
-                                                                      data_path: Path,
-                                                                      servers: list[FakeServer]) -> None:
+def test_a_stop_request_ends_the_run_after_its_step_with_a_checkpoint(
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]
+) -> None:
     """What `rmsft train` does on SIGTERM (an eviction, a drain, a preemption): the step in progress finishes, its
     checkpoint is written though none was due (checkpoint.every 0), the run stops; resumed, it trains on as if never
     stopped (issue 41)."""
@@ -102,8 +107,11 @@ def test_a_stop_request_ends_the_run_after_its_step_with_a_checkpoint(tmp_path: 
     addrs = [s.address for s in servers]
     straight, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "a", steps=3), addrs)
     ckpt = tmp_path / "b"
-    stopped = TrainingLoop(make_job(tiny_model_dir, data_path, ckpt, steps=3), addrs,
-                      on_step=lambda r: stopped.request_stop("SIGTERM") if r.step == 2 else None)
+    stopped = TrainingLoop(
+        make_job(tiny_model_dir, data_path, ckpt, steps=3),
+        addrs,
+        on_step=lambda r: stopped.request_stop("SIGTERM") if r.step == 2 else None,
+    )
     try:
         with pytest.raises(StopRequested, match=r"stopped \(SIGTERM\) after step 2: checkpoint .*step-2 written"):
             stopped.run()
@@ -121,9 +129,9 @@ def test_a_stop_request_ends_the_run_after_its_step_with_a_checkpoint(tmp_path: 
     assert resumed.history[0].loss == pytest.approx(straight.history[2].loss, rel=1e-5)
 
 
-def test_a_checkpoint_is_saved_once_every_minutes_have_passed(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
-                                                              servers: list[FakeServer],
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_checkpoint_is_saved_once_every_minutes_have_passed(
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 60: training.checkpoint.every_minutes saves after the first step that ends that long after the last save
     (checkpoint.every 0 here); the clock restarts at the save. Unset, it is 30 with a checkpoint claim."""
     from learner.train import checkpointer as clock_module
@@ -137,8 +145,13 @@ def test_a_checkpoint_is_saved_once_every_minutes_have_passed(tmp_path: Path, ti
         clock[0] += 70.0 if r.step == 2 else 1.0  # step 2 ends more than a minute after the start
 
     ckpt = tmp_path / "ckpt"
-    job = make_job(tiny_model_dir, data_path, ckpt, steps=4,
-                   checkpoint={"dir": str(ckpt), "every": 0, "keep": 5, "every_minutes": 1})
+    job = make_job(
+        tiny_model_dir,
+        data_path,
+        ckpt,
+        steps=4,
+        checkpoint={"dir": str(ckpt), "every": 0, "keep": 5, "every_minutes": 1},
+    )
     trainer = TrainingLoop(job, [s.address for s in servers], on_step=on_step)
     try:
         trainer.run()
@@ -152,8 +165,9 @@ def test_a_checkpoint_is_saved_once_every_minutes_have_passed(tmp_path: Path, ti
     assert job.spec.checkpoint_minutes == 30
 
 
-def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
-                                                              servers: list[FakeServer]) -> None:
+def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside(
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]
+) -> None:
     """Issue 41: pruning keeps the highest steps in the folder, so a fresh run beside an earlier run's step-3 and
     step-4 deleted each checkpoint of its own right after writing it, and --resume then continued the other run.
     The earlier checkpoints now go to earlier-runs/ first, whole; the new run's own are kept and resumed from."""
@@ -188,16 +202,18 @@ def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside(tmp_path: Path, tin
         assert other.step == 0
     finally:
         other.close()
-    anyway = TrainingLoop(make_job(tiny_model_dir, data_path, ckpt, steps=3, seed=5,
-                                   checkpoint={**every, "resume_any": True}), addrs)
+    anyway = TrainingLoop(
+        make_job(tiny_model_dir, data_path, ckpt, steps=3, seed=5, checkpoint={**every, "resume_any": True}), addrs
+    )
     try:
         assert anyway.resume() and anyway.step == 2
     finally:
         anyway.close()
 
 
-def test_a_server_dying_mid_run_fails_over(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
-                                           servers: list[FakeServer]) -> None:
+def test_a_server_dying_mid_run_fails_over(
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]
+) -> None:
     from learner.train.loop import TrainingLoop
 
     job = make_job(tiny_model_dir, data_path, tmp_path, steps=3)
@@ -218,8 +234,9 @@ def test_a_server_dying_mid_run_fails_over(tmp_path: Path, tiny_model_dir: Path,
         assert {r.weight_version for r in h.rollouts} == {h.weight_version}
 
 
-def test_a_server_answering_with_another_version_is_fenced(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
-                                                            servers: list[FakeServer]) -> None:
+def test_a_server_answering_with_another_version_is_fenced(
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]
+) -> None:
     servers[1].engine.reply_version = 99  # a server that claims weights the learner never sent
     trainer, summary = _run(make_job(tiny_model_dir, data_path, tmp_path, steps=2), [s.address for s in servers])
     assert summary.steps == 2
@@ -229,8 +246,9 @@ def test_a_server_answering_with_another_version_is_fenced(tmp_path: Path, tiny_
 
 
 @pytest.mark.parametrize("finetune", ["lora", "full"])
-def test_a_bf16_run_completes(tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer],
-                              finetune: str) -> None:
+def test_a_bf16_run_completes(
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer], finetune: str
+) -> None:
     import math
 
     import torch
@@ -244,8 +262,9 @@ def test_a_bf16_run_completes(tmp_path: Path, tiny_model_dir: Path, data_path: P
         assert torch.bfloat16 in {p.dtype for p in trainer.model.parameters() if not p.requires_grad}
 
 
-def test_warm_start_trains_on_ground_truth_without_generating(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
-                                                               servers: list[FakeServer]) -> None:
+def test_warm_start_trains_on_ground_truth_without_generating(
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]
+) -> None:
     job = make_job(tiny_model_dir, data_path, tmp_path, steps=4, warm_start_steps=2)
     trainer, summary = _run(job, [s.address for s in servers])
     assert summary.steps == 4
@@ -265,8 +284,9 @@ def test_learning_rate_schedules() -> None:
     from learner.train.config import learning_rate
     from rmsft.jobspec import TrainingConfig
 
-    cfg = TrainingConfig(data={"path": "d.jsonl"}, lr=1.0, steps=10, warmup_steps=2, lr_schedule="cosine",
-                         lr_min_ratio=0.1)
+    cfg = TrainingConfig(
+        data={"path": "d.jsonl"}, lr=1.0, steps=10, warmup_steps=2, lr_schedule="cosine", lr_min_ratio=0.1
+    )
     lrs = [learning_rate(cfg, s) for s in range(10)]
     assert lrs[:3] == [0.5, 1.0, 1.0]  # warmup, then the peak
     assert all(a >= b for a, b in zip(lrs[2:], lrs[3:], strict=False))  # decays monotonically
@@ -275,9 +295,9 @@ def test_learning_rate_schedules() -> None:
     assert [learning_rate(constant, s) for s in range(10)] == [0.5] + [1.0] * 9
 
 
-def test_training_says_once_how_many_boxes_it_clamps(tmp_path: Path, tiny_model_dir: Path, data_path: Path,
-                                                      servers: list[FakeServer], caplog: pytest.LogCaptureFixture
-                                                      ) -> None:
+def test_training_says_once_how_many_boxes_it_clamps(
+    tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer], caplog: pytest.LogCaptureFixture
+) -> None:
     """Issue 64: a box reaching outside its image is clamped to the edges by the grid conversion; the run says so
     once, with the count, instead of training on other boxes than the file's without a word."""
     import json
@@ -292,6 +312,8 @@ def test_training_says_once_how_many_boxes_it_clamps(tmp_path: Path, tiny_model_
     with caplog.at_level(logging.WARNING, logger="rmsft.learner"):
         _run(make_job(tiny_model_dir, data, tmp_path / "ck", steps=2), [s.address for s in servers])
     said = [r.getMessage() for r in caplog.records if "reach outside" in r.getMessage()]
-    assert said == [f"{data}: 2 of {total} objects (in 2 records) reach outside their image's width x height: "
-                    f"training clamps them to its edges (first: record 'synthetic-0' object 1 bbox_2d "
-                    f"[-4.0, -4.0, {records[0]['width'] + 10}.0, 20.0] in 512x512)"]
+    assert said == [
+        f"{data}: 2 of {total} objects (in 2 records) reach outside their image's width x height: "
+        f"training clamps them to its edges (first: record 'synthetic-0' object 1 bbox_2d "
+        f"[-4.0, -4.0, {records[0]['width'] + 10}.0, 20.0] in 512x512)"
+    ]

@@ -43,8 +43,9 @@ def vl(tiny_vl_model_dir: Path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(tiny_vl_model_dir)
-    model = AutoModelForImageTextToText.from_pretrained(tiny_vl_model_dir, dtype=torch.float32,
-                                                        attn_implementation="sdpa").eval()
+    model = AutoModelForImageTextToText.from_pretrained(
+        tiny_vl_model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
     tok = processor.tokenizer
     segments, prompts = [], []
     for i, (sizes, user, response) in enumerate(SPECS):
@@ -52,8 +53,9 @@ def vl(tiny_vl_model_dir: Path):
         prompt = render_prompt(processor, msgs, [image(s, 10 * i + k) for k, s in enumerate(sizes)])
         resp = tok.encode(response, add_special_tokens=False) + [tok.eos_token_id]
         n = len(prompt.input_ids)
-        seg = Segment(tuple(prompt.input_ids) + tuple(resp), (IGNORE_INDEX,) * n + tuple(resp),
-                      (n + 1,), (7 * i,), n, 0, {"i": i})
+        seg = Segment(
+            tuple(prompt.input_ids) + tuple(resp), (IGNORE_INDEX,) * n + tuple(resp), (n + 1,), (7 * i,), n, 0, {"i": i}
+        )
         segments.append(with_vision(model, seg, prompt))
         prompts.append(prompt)
     return model, processor, segments, prompts
@@ -68,8 +70,13 @@ def alone_forward(model, seg: Segment) -> torch.Tensor:
     """The model's standard unpacked call: it computes its own M-RoPE positions."""
     ids = torch.tensor([seg.input_ids])
     v = seg.vision
-    out = model(input_ids=ids, pixel_values=v.pixel_values, image_grid_thw=v.image_grid_thw,
-                mm_token_type_ids=mm_token_type_ids(model.config, ids), use_cache=False)
+    out = model(
+        input_ids=ids,
+        pixel_values=v.pixel_values,
+        image_grid_thw=v.image_grid_thw,
+        mm_token_type_ids=mm_token_type_ids(model.config, ids),
+        use_cache=False,
+    )
     return out.logits[0]
 
 
@@ -95,8 +102,9 @@ def test_render_prompt_matches_processor_and_tokenizer(vl):
     # Images: the processor's own marking of image tokens equals ours.
     imgs = [image(s, 20 + k) for k, s in enumerate(SPECS[2][0])]
     content = [{"type": "image"}] * 2 + [{"type": "text", "text": "two images"}]
-    text = processor.apply_chat_template([msgs[0], {"role": "user", "content": content}],
-                                         add_generation_prompt=True, tokenize=False)
+    text = processor.apply_chat_template(
+        [msgs[0], {"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
     enc = processor(text=[text], images=imgs, return_tensors="pt")
     assert prompts[2].input_ids == enc["input_ids"][0].tolist()
     assert torch.equal(prompts[2].pixel_values, enc["pixel_values"])
@@ -114,8 +122,9 @@ def test_row_layout(vl):
     _, _, segments, _ = vl
     row = pack(segments)
     assert row.position_ids.shape == (4, 1, row.length)
-    assert row.pixel_values.shape[0] == sum(int(s.vision.image_grid_thw.prod(-1).sum())
-                                            for s in segments if s.vision.image_grid_thw is not None)
+    assert row.pixel_values.shape[0] == sum(
+        int(s.vision.image_grid_thw.prod(-1).sum()) for s in segments if s.vision.image_grid_thw is not None
+    )
     assert row.image_grid_thw.shape == (6, 3)
     inputs = row.to("cpu").model_inputs()
     assert set(inputs) == {"input_ids", "position_ids", "use_cache", "pixel_values", "image_grid_thw"}
@@ -147,8 +156,10 @@ def test_packed_gradients_match_segments_alone(vl):
     params = [p for _, p in named]
 
     def grads(loss: torch.Tensor) -> list[torch.Tensor]:
-        return [g if g is not None else torch.zeros_like(p)
-                for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True), strict=True)]
+        return [
+            g if g is not None else torch.zeros_like(p)
+            for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True), strict=True)
+        ]
 
     def supervised_logprob_sum(logits: torch.Tensor, seg_labels: torch.Tensor) -> torch.Tensor:
         pos = (seg_labels != IGNORE_INDEX).nonzero()[:, 0]

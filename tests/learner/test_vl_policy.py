@@ -63,8 +63,11 @@ def test_the_processor_gets_the_spec_pixel_bounds(tiny_vl_model_dir: Path) -> No
     assert policy.is_vision_language and policy.tokenizer is policy.processor.tokenizer
     assert dict(policy.processor.image_processor.size) == {"shortest_edge": 32 * 32, "longest_edge": 96 * 96}
     # The bound is what the processor resizes with: a 256x256 image is brought down to <= 96*96 pixels.
-    enc = policy.processor(text=["<|vision_start|><|image_pad|><|vision_end|>"],
-                           images=[Image.new("RGB", (256, 256), (9, 9, 9))], return_tensors="pt")
+    enc = policy.processor(
+        text=["<|vision_start|><|image_pad|><|vision_end|>"],
+        images=[Image.new("RGB", (256, 256), (9, 9, 9))],
+        return_tensors="pt",
+    )
     t, h, w = enc["image_grid_thw"][0].tolist()
     assert h * w * PATCH_SIZE**2 <= 96 * 96 and t == 1
     # Unset bounds keep the folder's own; one bound alone changes only its side.
@@ -144,9 +147,14 @@ def test_freeze_embeddings(tiny_vl_model_dir: Path) -> None:
 def test_checkpoint_name_map(tiny_vl_model_dir: Path) -> None:
     for model in (shared_model(tiny_vl_model_dir, "full"), shared_model(tiny_vl_model_dir, "lora")):
         mapping = checkpoint_name_map(model)
-        names = ["model.language_model.layers.0.self_attn.q_proj.weight", "model.language_model.embed_tokens.weight",
-                 "model.visual.blocks.0.attn.qkv.weight", "model.visual.merger.linear_fc1.weight"
-                 if arch(tiny_vl_model_dir) == "qwen3_vl" else "model.visual.merger.mlp.0.weight"]
+        names = [
+            "model.language_model.layers.0.self_attn.q_proj.weight",
+            "model.language_model.embed_tokens.weight",
+            "model.visual.blocks.0.attn.qkv.weight",
+            "model.visual.merger.linear_fc1.weight"
+            if arch(tiny_vl_model_dir) == "qwen3_vl"
+            else "model.visual.merger.mlp.0.weight",
+        ]
         if arch(tiny_vl_model_dir) == "qwen3_vl":  # state-dict names are the checkpoint's
             assert mapping is None or all(mapping(n) == n for n in names)
         else:
@@ -183,8 +191,12 @@ def test_lora_export_sends_only_the_merged_target_weights(tiny_vl_model_dir: Pat
     names = [n for n, _ in export]
     qwen25 = arch(tiny_vl_model_dir) == "qwen2_5_vl"
     layers = "model.layers" if qwen25 else "model.language_model.layers"
-    want = {f"{layers}.{i}.{part}.{t}.weight" for i in range(2) for t in TARGETS
-            for part in (("self_attn",) if t in ("q_proj", "v_proj") else ("mlp",))}
+    want = {
+        f"{layers}.{i}.{part}.{t}.weight"
+        for i in range(2)
+        for t in TARGETS
+        for part in (("self_attn",) if t in ("q_proj", "v_proj") else ("mlp",))
+    }
     # The base layer's bias (Qwen2.5-VL's q/v_proj have one) comes along, unchanged by the merge.
     assert {n for n in names if n.endswith(".weight")} == want
     assert all(n.endswith(".bias") and n.removesuffix(".bias") + ".weight" in want for n in names if n not in want)

@@ -36,12 +36,19 @@ def servers_of(tiny_model_dir: Path, tmp_path: Path):
 
     def start(n: int, weight_transfer: str = "rmsft_gloo") -> list[InProcessServer]:
         for _ in range(n):
-            made.append(InProcessServer(tiny_model_dir, tmp_path / f"stage-{len(made)}",
-                                        weight_transfer=weight_transfer))
+            made.append(
+                InProcessServer(tiny_model_dir, tmp_path / f"stage-{len(made)}", weight_transfer=weight_transfer)
+            )
         return made[-n:]
 
-    start.restart = lambda old: made.append(InProcessServer(  # same address, a new process's state
-        tiny_model_dir, old.staging, port=old.port, weight_transfer="rmsft_gloo")) or made[-1]
+    start.restart = lambda old: (
+        made.append(
+            InProcessServer(  # same address, a new process's state
+                tiny_model_dir, old.staging, port=old.port, weight_transfer="rmsft_gloo"
+            )
+        )
+        or made[-1]
+    )
     yield start
     for s in made:
         s.close()
@@ -52,11 +59,10 @@ def model(tiny_model_dir: Path):
     return fresh_model(tiny_model_dir)
 
 
-
-
 def _client(pool: ServerPool, model) -> WeightSyncClient:
-    return WeightSyncClient(pool, model, dtype="float32", transport="nccl", group_backend="rmsft_gloo",
-                            group_timeout_s=20, timeout_s=60)
+    return WeightSyncClient(
+        pool, model, dtype="float32", transport="nccl", group_backend="rmsft_gloo", group_timeout_s=20, timeout_s=60
+    )
 
 
 def _holds(server: InProcessServer, want: dict[str, torch.Tensor]) -> bool:
@@ -75,7 +81,8 @@ def test_every_server_receives_each_full_update_over_one_group(servers_of, model
                 report = client.sync(number)
             assert not [r.message for r in caplog.records if "over gRPC" in r.message]  # not the fallback
             assert {a: version_of(r) for a, r in report.acked.items()} == {
-                s.address: WeightVersion(run, number) for s in servers}
+                s.address: WeightVersion(run, number) for s in servers
+            }
             assert all(_holds(s, want) for s in servers)
             assert [s.servicer.runner.weights for s in servers] == [WeightVersion(run, number)] * 3
         assert client.group.builds == 1  # built once, used twice
@@ -104,8 +111,9 @@ def test_a_restarted_server_is_resynced_over_grpc_and_joins_the_next_group(serve
         assert _holds(servers[0], want) and _holds(back, want)
 
 
-def test_a_server_gone_between_syncs_costs_one_grpc_sync_and_the_group_is_rebuilt_without_it(servers_of, model,
-                                                                                              caplog) -> None:
+def test_a_server_gone_between_syncs_costs_one_grpc_sync_and_the_group_is_rebuilt_without_it(
+    servers_of, model, caplog
+) -> None:
     servers = servers_of(3)
     with ServerPool([s.address for s in servers]) as pool:
         client = _client(pool, model)
@@ -133,8 +141,9 @@ def test_a_member_lost_mid_broadcast_costs_one_sync_not_a_hang(servers_of, model
     servers = servers_of(2)
     lost = servers[1]
     with ServerPool([s.address for s in servers], run_id="6b1e0c9d2a44") as pool:
-        client = WeightSyncClient(pool, model, dtype="float32", transport="nccl", group_backend="rmsft_gloo",
-                                  group_timeout_s=8, timeout_s=60)
+        client = WeightSyncClient(
+            pool, model, dtype="float32", transport="nccl", group_backend="rmsft_gloo", group_timeout_s=8, timeout_s=60
+        )
         client.sync(1)
         first_group = client.group.id
 
@@ -196,13 +205,17 @@ def _listing(model, group_id: str, **override) -> rollout_pb2.WeightHeader:
     tensors = [rollout_pb2.SharedTensor(name=n, dtype="F32", shape=list(t.shape)) for n, t in named]
     for name, shape in override.items():
         next(t for t in tensors if t.name == name.replace("__", ".")).shape[:] = shape
-    return rollout_pb2.WeightHeader(version=5, run_id="3fa2c1d09e77", mode=1, tensor_count=len(tensors),
-                                    total_bytes=sum(t.numel() * 4 for _, t in named),
-                                    transfer_group=rollout_pb2.TransferGroup(group_id=group_id, tensors=tensors))
+    return rollout_pb2.WeightHeader(
+        version=5,
+        run_id="3fa2c1d09e77",
+        mode=1,
+        tensor_count=len(tensors),
+        total_bytes=sum(t.numel() * 4 for _, t in named),
+        transfer_group=rollout_pb2.TransferGroup(group_id=group_id, tensors=tensors),
+    )
 
 
-def test_an_update_for_another_group_or_with_a_wrong_listing_is_refused_before_any_broadcast(servers_of,
-                                                                                               model) -> None:
+def test_an_update_for_another_group_or_with_a_wrong_listing_is_refused_before_any_broadcast(servers_of, model) -> None:
     (server,) = servers_of(1)
     with ServerPool([server.address]) as pool:
         client = _client(pool, model)
@@ -233,8 +246,16 @@ def test_a_bucketed_group_sync_lands_whole_on_every_server_with_one_broadcast_pe
     servers = servers_of(2)
     bucket = 64 << 10  # the tiny model's tensors: several buckets, some holding many tensors
     with ServerPool([s.address for s in servers], run_id="5d0c3b2a1e99") as pool:
-        client = WeightSyncClient(pool, model, dtype="float32", transport="nccl", group_backend="rmsft_gloo",
-                                  group_timeout_s=20, timeout_s=60, group_bucket_bytes=bucket)
+        client = WeightSyncClient(
+            pool,
+            model,
+            dtype="float32",
+            transport="nccl",
+            group_backend="rmsft_gloo",
+            group_timeout_s=20,
+            timeout_s=60,
+            group_bucket_bytes=bucket,
+        )
         want = bump(model, 0.01)
         report = client.sync(1)
         assert sorted(report.acked) == sorted(s.address for s in servers)
@@ -245,8 +266,9 @@ def test_a_bucketed_group_sync_lands_whole_on_every_server_with_one_broadcast_pe
         assert client.group.sender.collectives == len(plan) < len(sizes)
 
 
-def test_a_server_that_does_not_echo_the_bucket_size_is_not_taken_into_the_group(servers_of, model, caplog,
-                                                                                 monkeypatch) -> None:
+def test_a_server_that_does_not_echo_the_bucket_size_is_not_taken_into_the_group(
+    servers_of, model, caplog, monkeypatch
+) -> None:
     """A server image older than the buckets drops JoinWeightGroupRequest.bucket_bytes (it would read the broadcasts
     as one tensor each): its reply says 0, the learner builds no group with it and the update goes over gRPC."""
     (server,) = servers_of(1)
@@ -262,8 +284,16 @@ def test_a_server_that_does_not_echo_the_bucket_size_is_not_taken_into_the_group
 
     monkeypatch.setattr(server_side, "rollout_pb2", OlderProtos())
     with ServerPool([server.address]) as pool:
-        client = WeightSyncClient(pool, model, dtype="float32", transport="nccl", group_backend="rmsft_gloo",
-                                  group_timeout_s=20, timeout_s=60, group_bucket_bytes=1 << 20)
+        client = WeightSyncClient(
+            pool,
+            model,
+            dtype="float32",
+            transport="nccl",
+            group_backend="rmsft_gloo",
+            group_timeout_s=20,
+            timeout_s=60,
+            group_bucket_bytes=1 << 20,
+        )
         want = bump(model, 0.02)
         with caplog.at_level(logging.WARNING, logger="rmsft.learner.sync"):
             report = client.sync(1)
@@ -284,12 +314,21 @@ def test_spec_sync_bucket_megabytes_reaches_the_learners_group(spec_mb, want) ->
     from learner.train.server_setup import build_server_rollouts
     from rmsft.jobspec import parse_job
 
-    doc = copy.deepcopy(yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "local-tiny.yaml")
-                                       .read_text()))
+    doc = copy.deepcopy(
+        yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "local-tiny.yaml").read_text())
+    )
     sync = {**(doc["spec"].get("sync") or {}), "transport": "nccl"}
     if spec_mb is not None:
         sync["bucketMegabytes"] = spec_mb
     doc["spec"]["sync"] = sync
-    rollouts = build_server_rollouts(parse_job(doc), ["127.0.0.1:9"], object(), run_id="x", auth_token=None,
-                                     checkpoint_dir="/tmp", vision_language=False, zero3=False)
+    rollouts = build_server_rollouts(
+        parse_job(doc),
+        ["127.0.0.1:9"],
+        object(),
+        run_id="x",
+        auth_token=None,
+        checkpoint_dir="/tmp",
+        vision_language=False,
+        zero3=False,
+    )
     assert rollouts.sync_client.group.bucket_bytes == want

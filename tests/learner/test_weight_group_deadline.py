@@ -36,20 +36,29 @@ def _status(srv: RolloutServer) -> rollout_pb2.StatusReply:
 
 def _generate_version(srv: RolloutServer, expected: WeightVersion) -> WeightVersion:
     """One Generate call fenced to `expected`; the version its answer says produced it."""
-    req = set_version(rollout_pb2.GenerateRequest(
-        sampling=rollout_pb2.SamplingParams(max_tokens=2, temperature=0.0)), expected)
+    req = set_version(
+        rollout_pb2.GenerateRequest(sampling=rollout_pb2.SamplingParams(max_tokens=2, temperature=0.0)), expected
+    )
     req.prompts.add(token_ids=[1, 2, 3], request_id="r0")
     with srv.channel() as ch:
         return version_of(srv.stub(ch).Generate(req, timeout=60))
 
 
-def test_a_server_stopped_mid_broadcast_is_cut_off_and_never_claims_the_version(tiny_model_dir: Path,
-                                                                                tmp_path: Path) -> None:
+def test_a_server_stopped_mid_broadcast_is_cut_off_and_never_claims_the_version(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     for i in range(2):
         (tmp_path / f"stage-{i}").mkdir()
-    servers = [RolloutServer.spawn(tiny_model_dir, backend="hf", weight_transfer="rmsft_gloo",
-                                   staging_dir=str(tmp_path / f"stage-{i}"), log_path=tmp_path / f"serve-{i}.log")
-               for i in range(2)]  # both start at once
+    servers = [
+        RolloutServer.spawn(
+            tiny_model_dir,
+            backend="hf",
+            weight_transfer="rmsft_gloo",
+            staging_dir=str(tmp_path / f"stage-{i}"),
+            log_path=tmp_path / f"serve-{i}.log",
+        )
+        for i in range(2)
+    ]  # both start at once
     try:
         for s in servers:
             s.wait_healthy(120)
@@ -65,8 +74,16 @@ def test_a_server_stopped_mid_broadcast_is_cut_off_and_never_claims_the_version(
         model = fresh_model(tiny_model_dir)
         with ServerPool([s.address for s in servers], run_id=RUN) as pool:
             # One broadcast per tensor, so "mid-broadcast" is a moment between two of them.
-            client = WeightSyncClient(pool, model, dtype="float32", transport="nccl", group_backend="rmsft_gloo",
-                                      group_timeout_s=DEADLINE, timeout_s=120, group_bucket_bytes=0)
+            client = WeightSyncClient(
+                pool,
+                model,
+                dtype="float32",
+                transport="nccl",
+                group_backend="rmsft_gloo",
+                group_timeout_s=DEADLINE,
+                timeout_s=120,
+                group_bucket_bytes=0,
+            )
             client.sync(1)
             v1 = WeightVersion(RUN, 1)
             assert [version_of(_status(s)) for s in servers] == [v1, v1]
@@ -82,6 +99,7 @@ def test_a_server_stopped_mid_broadcast_is_cut_off_and_never_claims_the_version(
                         if i == 2:
                             os.kill(stopped.proc.pid, signal.SIGSTOP)
                         yield item
+
                 return specs, gen(), config
 
             client._update_parts = stopping_after_the_first_broadcast  # type: ignore[method-assign]

@@ -56,8 +56,9 @@ def pool_of(tiny_model_dir: Path, tmp_path: Path):
         return made[-n:]
 
     start.shared = shared
-    start.restart = lambda old: made.append(
-        InProcessServer(tiny_model_dir, old.staging, shared=shared, port=old.port)) or made[-1]
+    start.restart = lambda old: (
+        made.append(InProcessServer(tiny_model_dir, old.staging, shared=shared, port=old.port)) or made[-1]
+    )
     yield start
     for s in made:
         s.close()
@@ -77,8 +78,15 @@ def _bump(model, value: float) -> torch.Tensor:
 
 
 def _client(pool: ServerPool, model, transport: str, shared: Path, **kw) -> WeightSyncClient:
-    return WeightSyncClient(pool, model, dtype="float32", transport=transport,
-                            shared_dir=str(shared) if transport == "shm" else "", timeout_s=60, **kw)
+    return WeightSyncClient(
+        pool,
+        model,
+        dtype="float32",
+        transport=transport,
+        shared_dir=str(shared) if transport == "shm" else "",
+        timeout_s=60,
+        **kw,
+    )
 
 
 def _shared_files(shared: Path) -> list[str]:
@@ -184,8 +192,9 @@ def test_full_staging_is_resource_exhausted_and_applies_nothing(pool_of, model, 
     before = servers[0].param(PROBE).detach().clone()
     tiny = real_shutil.disk_usage("/")._replace(free=1 << 10)
     # grpc: the servers' staging dir is full; shm: the shared dir the learner writes into is
-    target = "rollout_svc.staging.shutil.disk_usage" if transport == "grpc" else \
-        "rmsft.weight_wire.shared.shutil.disk_usage"
+    target = (
+        "rollout_svc.staging.shutil.disk_usage" if transport == "grpc" else "rmsft.weight_wire.shared.shutil.disk_usage"
+    )
     monkeypatch.setattr(target, lambda _p: tiny)
     with ServerPool([s.address for s in servers]) as pool:
         client = _client(pool, model, transport, pool_of.shared)
@@ -234,8 +243,10 @@ def _shared_update(model, shared: Path, version: int) -> tuple[SharedUpdate, byt
 
 
 def _send_header_and_trailer(address: str, update: SharedUpdate, digest: bytes) -> rollout_pb2.UpdateReply:
-    chunks = [rollout_pb2.WeightChunk(header=update.header).SerializeToString(),
-              rollout_pb2.WeightChunk(trailer=rollout_pb2.WeightTrailer(digest=digest)).SerializeToString()]
+    chunks = [
+        rollout_pb2.WeightChunk(header=update.header).SerializeToString(),
+        rollout_pb2.WeightChunk(trailer=rollout_pb2.WeightTrailer(digest=digest)).SerializeToString(),
+    ]
     with grpc.insecure_channel(address) as channel:
         return update_weights_raw(channel)(iter(chunks), timeout=30)
 
@@ -281,7 +292,7 @@ def test_a_shared_file_outside_the_servers_dir_is_refused(pool_of, model, tmp_pa
         update.remove()
 
 
-_DYING_LEARNER = textwrap.dedent('''
+_DYING_LEARNER = textwrap.dedent("""
     import os, sys, time
     import grpc
     from rmsft_protos import rollout_pb2
@@ -298,7 +309,7 @@ _DYING_LEARNER = textwrap.dedent('''
         os.pwrite(update._fd, bytes(4096), 0)  # part of the data
         print("writing", flush=True)
         time.sleep(600)  # "mid-write": killed here
-''')
+""")
 
 
 def test_a_learner_killed_mid_write_leaves_no_file_behind(pool_of, tmp_path) -> None:
@@ -306,8 +317,9 @@ def test_a_learner_killed_mid_write_leaves_no_file_behind(pool_of, tmp_path) -> 
     script = tmp_path / "dying_learner.py"
     script.write_text(_DYING_LEARNER)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "protos")])}
-    proc = subprocess.Popen([sys.executable, str(script), str(pool_of.shared), server.address], env=env,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(pool_of.shared), server.address], env=env, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == "writing"
         assert len(_shared_files(pool_of.shared)) == 1
@@ -361,8 +373,11 @@ def test_a_server_relays_only_to_its_allowed_peers(pool_of, model) -> None:
     with ServerPool([s.address for s in servers]) as pool:
         client = _client(pool, model, "grpc", pool_of.shared)
         _bump(model, 0.01)
-        with pytest.raises(WeightSyncError, match=rf"PERMISSION_DENIED: relay to {servers[1].address} refused: not "
-                                                  r"among this server's peers \(--relay-allow rollout-\*"):
+        with pytest.raises(
+            WeightSyncError,
+            match=rf"PERMISSION_DENIED: relay to {servers[1].address} refused: not "
+            r"among this server's peers \(--relay-allow rollout-\*",
+        ):
             client.sync(1)
         assert torch.equal(servers[0].param(PROBE), before)  # nothing applied where it was refused
         servers[0].servicer.cfg.relay_allow = "127.0.0.1:*"

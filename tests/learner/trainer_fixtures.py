@@ -28,4 +28,3 @@ def make_job(model_dir: Path, data: Path, ckpt: Path, *, steps: int = 2, **train
     for key, value in training.items():
         t[key] = value
     return parse_job(doc)
-

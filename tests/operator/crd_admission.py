@@ -75,8 +75,9 @@ def _failed_rules(schema: dict[str, Any], obj: Any, old: Any, where: str) -> lis
 
 
 def _cel(schema: dict[str, Any], obj: Any, old: Any, where: str) -> list[str]:
-    return [f"{path or '<root>'}: Invalid value: {rule['message']}" for path, rule in _failed_rules(schema, obj, old,
-                                                                                                   where)]
+    return [
+        f"{path or '<root>'}: Invalid value: {rule['message']}" for path, rule in _failed_rules(schema, obj, old, where)
+    ]
 
 
 def _typed(schema: dict[str, Any], obj: Any) -> Any:
@@ -102,8 +103,7 @@ def admit(doc: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
     obj = apply_defaults(schema, doc)
     old_obj = apply_defaults(schema, old) if old is not None else None
     validator = jsonschema.Draft4Validator(schema)
-    errs = [f"{_path(list(e.absolute_path)) or '<root>'}: {e.message}"
-            for e in validator.iter_errors(obj)]
+    errs = [f"{_path(list(e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(obj)]
     if errs:
         return errs
     return _cel(schema, _typed(schema, obj), _typed(schema, old_obj) if old_obj is not None else None, "")
@@ -116,7 +116,8 @@ def failed_rules(doc: dict[str, Any], old: dict[str, Any] | None = None) -> list
     obj = apply_defaults(schema, doc)
     old_obj = apply_defaults(schema, old) if old is not None else None
     if _unknown(schema["properties"]["spec"], doc.get("spec") or {}, "spec") or list(
-            jsonschema.Draft4Validator(schema).iter_errors(obj)):
+        jsonschema.Draft4Validator(schema).iter_errors(obj)
+    ):
         return []
     typed_old = _typed(schema, old_obj) if old_obj is not None else None
     return [(path, rule["rule"]) for path, rule in _failed_rules(schema, _typed(schema, obj), typed_old, "")]

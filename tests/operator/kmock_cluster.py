@@ -101,11 +101,12 @@ class KmockCluster:
         async with Emulator() as emulator, kmock.Server(emulator) as server:
             for key, (kind, subresources) in RESOURCES.items():
                 emulator.resources[key] = kmock.ResourceInfo(
-                    kind=kind, namespaced=True, verbs=VERBS, subresources=subresources,
-                    singular=kind.lower())
+                    kind=kind, namespaced=True, verbs=VERBS, subresources=subresources, singular=kind.lower()
+                )
             for key, kind in CLUSTER_RESOURCES.items():
                 emulator.resources[key] = kmock.ResourceInfo(
-                    kind=kind, namespaced=False, verbs=VERBS, singular=kind.lower())
+                    kind=kind, namespaced=False, verbs=VERBS, singular=kind.lower()
+                )
             self.emulator = emulator
             self.url = str(server.url).rstrip("/")
             self._ready.set()
@@ -127,7 +128,10 @@ class KmockCluster:
         def seed() -> None:
             assert self.emulator is not None
             self.emulator.objects["v1/namespaces", None, name] = {
-                "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {"name": name},
+            }
 
         self.call(seed)
 
@@ -141,22 +145,28 @@ class KmockCluster:
 
     def write_kubeconfig(self, path: Path, namespace: str) -> Path:
         cfg = {
-            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "kmock",
             "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
             "users": [{"name": "kmock", "user": {"token": "kmock-token"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock",
-                                                        "namespace": namespace}}],
+            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": namespace}}],
         }
         path.write_text(json.dumps(cfg))
         return path
 
     # ------------------------------------------------------------------ plain HTTP client
 
-    def request(self, method: str, path: str, body: Any = None,
-                content_type: str = "application/json") -> tuple[int, Any]:
+    def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": content_type, "Accept": "application/json"})
+        req = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method=method,
+            headers={"Content-Type": content_type, "Accept": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=10) as resp:
                 raw = resp.read()

@@ -238,17 +238,37 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any] | None]] = [
         None,
     ),
     ("spec.training", "spec.training.warmup_steps exceeds steps", {"spec.training.warmup_steps": 5000}, None),
-    ("spec.training.rollout", "spec.training.rollout.inflight needs max_staleness >= 1",
-     {"spec.training.rollout.inflight": True, "spec.training.rollout.max_staleness": 0}, None),
+    (
+        "spec.training.rollout",
+        "spec.training.rollout.inflight needs max_staleness >= 1",
+        {"spec.training.rollout.inflight": True, "spec.training.rollout.max_staleness": 0},
+        None,
+    ),
     # spec.training.grpo: its own fields together (rmsft.jobspec.grpo.grpo_config_errors)
-    ("spec.training.grpo", "spec.training.grpo.correction_low / correction_high need a correction",
-     {"spec.training.grpo.correction_high": 3.0}, None),
-    ("spec.training.grpo", "spec.training.grpo.correction tis truncates from above only",
-     {"spec.training.grpo.correction": "tis", "spec.training.grpo.correction_low": 0.5}, None),
-    ("spec.training.grpo", "spec.training.grpo.overlong_buffer must be < max_tokens",
-     {"spec.training.grpo.max_tokens": 64, "spec.training.grpo.overlong_buffer": 64}, None),
-    ("spec.training", "spec.training.report_to names a tracker more than once",
-     {"spec.training.report_to": ["mlflow", "tensorboard", "mlflow"]}, None),
+    (
+        "spec.training.grpo",
+        "spec.training.grpo.correction_low / correction_high need a correction",
+        {"spec.training.grpo.correction_high": 3.0},
+        None,
+    ),
+    (
+        "spec.training.grpo",
+        "spec.training.grpo.correction tis truncates from above only",
+        {"spec.training.grpo.correction": "tis", "spec.training.grpo.correction_low": 0.5},
+        None,
+    ),
+    (
+        "spec.training.grpo",
+        "spec.training.grpo.overlong_buffer must be < max_tokens",
+        {"spec.training.grpo.max_tokens": 64, "spec.training.grpo.overlong_buffer": 64},
+        None,
+    ),
+    (
+        "spec.training",
+        "spec.training.report_to names a tracker more than once",
+        {"spec.training.report_to": ["mlflow", "tensorboard", "mlflow"]},
+        None,
+    ),
     *(
         (
             "spec.training",

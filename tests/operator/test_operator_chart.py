@@ -18,16 +18,28 @@ CHART = ROOT / "charts/rmsft"
 ALL_FEATURES = {
     "image": {"tag": "1.2.3", "pullPolicy": "Always"},
     "imagePullSecrets": [{"name": "regcred"}],
-    "operator": {"logLevel": "debug", "resyncSeconds": 10, "nodeSelector": {"role": "system"},
-                 "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
-                 "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                     "nodeSelectorTerms": [{"matchExpressions": [
-                         {"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]}]}]}}},
-                 "podAnnotations": {"team": "ml"}},
+    "operator": {
+        "logLevel": "debug",
+        "resyncSeconds": 10,
+        "nodeSelector": {"role": "system"},
+        "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]}]}
+                    ]
+                }
+            }
+        },
+        "podAnnotations": {"team": "ml"},
+    },
     "rbac": {"watchNamespaces": ["team-a", "team-b"]},
     "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/x"}},
-    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
-                "podMonitor": {"enabled": True, "interval": "10s"}},
+    "metrics": {
+        "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+        "podMonitor": {"enabled": True, "interval": "10s"},
+    },
     "dashboards": {"enabled": True, "namespace": "monitoring", "annotations": {"grafana_folder": "rmsft"}},
 }
 # Prometheus Operator kinds have no built-in schema: checked structurally below instead.
@@ -37,16 +49,19 @@ NON_CORE = {"ServiceMonitor", "PodMonitor"}
 def helm_binary() -> str:
     """The real helm (scripts/setup.sh installs it into .tools/bin). Missing helm is a failure:
     CI installs it, and a skipped chart test would hide a broken chart."""
-    found = shutil.which("helm") or (str(ROOT / ".tools/bin/helm") if (ROOT / ".tools/bin/helm").exists()
-                                     else None)
+    found = shutil.which("helm") or (str(ROOT / ".tools/bin/helm") if (ROOT / ".tools/bin/helm").exists() else None)
     if not found:
         pytest.fail("helm not found on PATH or in .tools/bin: run `bash scripts/setup.sh` (or `make setup`)")
     return found
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HELM_CACHE_HOME": "/tmp/rmsft-helm/cache", "HELM_CONFIG_HOME": "/tmp/rmsft-helm/config",
-           "HELM_DATA_HOME": "/tmp/rmsft-helm/data"}
+    env = {
+        **os.environ,
+        "HELM_CACHE_HOME": "/tmp/rmsft-helm/cache",
+        "HELM_CONFIG_HOME": "/tmp/rmsft-helm/config",
+        "HELM_DATA_HOME": "/tmp/rmsft-helm/data",
+    }
     proc = subprocess.run([helm_binary(), *args], capture_output=True, text=True, env=env, timeout=120)
     if check and proc.returncode != 0:
         raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
@@ -104,14 +119,23 @@ def test_rendered_objects_validate_against_kubernetes_1_32(which: str, request: 
 
 
 # What a ClusterRole must never grant by default: reading Secrets, or making or changing workloads anywhere.
-WORKLOADS = {("", "pods"), ("apps", "statefulsets"), ("apps", "deployments"), ("batch", "jobs"), ("", "secrets"),
-             ("", "configmaps"), ("", "services")}
+WORKLOADS = {
+    ("", "pods"),
+    ("apps", "statefulsets"),
+    ("apps", "deployments"),
+    ("batch", "jobs"),
+    ("", "secrets"),
+    ("", "configmaps"),
+    ("", "services"),
+}
 
 
 def _grants(rule: dict, group: str, resource: str, verbs: set[str]) -> bool:
-    return (group in rule.get("apiGroups", []) or "*" in rule.get("apiGroups", [])) and \
-        (resource in rule.get("resources", []) or "*" in rule.get("resources", [])) and \
-        bool(verbs & set(rule.get("verbs", [])) or "*" in rule.get("verbs", []))
+    return (
+        (group in rule.get("apiGroups", []) or "*" in rule.get("apiGroups", []))
+        and (resource in rule.get("resources", []) or "*" in rule.get("resources", []))
+        and bool(verbs & set(rule.get("verbs", [])) or "*" in rule.get("verbs", []))
+    )
 
 
 def test_default_install_grants_rights_in_the_release_namespace_only(default_objects: list[dict]) -> None:
@@ -122,8 +146,14 @@ def test_default_install_grants_rights_in_the_release_namespace_only(default_obj
     bindings = [o for o in default_objects if o["kind"] == "RoleBinding"]
     assert [b["metadata"]["namespace"] for b in bindings] == ["rmsft-system"]
     (cluster_role,) = [o for o in default_objects if o["kind"] == "ClusterRole"]
-    assert cluster_role["rules"] == [{"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
-                                      "resourceNames": ["rolloutmatchingjobs.rmsft.io"], "verbs": ["get"]}]
+    assert cluster_role["rules"] == [
+        {
+            "apiGroups": ["apiextensions.k8s.io"],
+            "resources": ["customresourcedefinitions"],
+            "resourceNames": ["rolloutmatchingjobs.rmsft.io"],
+            "verbs": ["get"],
+        }
+    ]
     for rule in cluster_role["rules"]:
         assert not _grants(rule, "", "secrets", {"get", "list", "watch"}), rule
         for group, resource in WORKLOADS:
@@ -136,7 +166,9 @@ def test_default_install_grants_rights_in_the_release_namespace_only(default_obj
         # several pods, between two attempts (issue 45), and of a replacement learner pod that cannot start mid-run
         # (issue 62), each only the job's own, by uid (reconcile.Delete).
         assert "delete" not in rule["verbs"] or (rule["apiGroups"], rule["resources"]) in (
-            (["batch"], ["jobs"]), ([""], ["pods"])), rule
+            (["batch"], ["jobs"]),
+            ([""], ["pods"]),
+        ), rule
     assert any(_grants(r, "", "secrets", {"create"}) for r in roles[0]["rules"])
     kinds = _kinds(default_objects)
     assert "ServiceMonitor" not in kinds and "PodMonitor" not in kinds
@@ -162,7 +194,10 @@ def test_listed_namespaces_get_roles_beside_the_release_namespace(full_objects: 
     dep = next(o for o in full_objects if o["kind"] == "Deployment")
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert [a for a in c["args"] if a.startswith("--namespace")] == [
-        "--namespace=rmsft-system", "--namespace=team-a", "--namespace=team-b"]
+        "--namespace=rmsft-system",
+        "--namespace=team-a",
+        "--namespace=team-b",
+    ]
     assert "--all-namespaces" not in c["args"]
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["RMSFT_OPERATOR_SCANNING"] == "false"
@@ -208,13 +243,16 @@ def test_crd_in_chart_is_the_generated_one(default_objects: list[dict]) -> None:
     assert crd == build_crd()
 
 
-@pytest.mark.parametrize(("setting", "named"), [
-    ("operator.replicas=2", "/operator/replicas"),
-    ("rbac.namespaced=true", "rbac.namespaced is gone"),  # issue 62: the default now; says what to set
-    ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
-    ("metrics.podMonitor.interval=often", "/metrics/podMonitor/interval"),
-    ("unknownKey=1", "unknownKey"),
-])
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ("operator.replicas=2", "/operator/replicas"),
+        ("rbac.namespaced=true", "rbac.namespaced is gone"),  # issue 62: the default now; says what to set
+        ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
+        ("metrics.podMonitor.interval=often", "/metrics/podMonitor/interval"),
+        ("unknownKey=1", "unknownKey"),
+    ],
+)
 def test_values_schema_rejects_bad_values(setting: str, named: str) -> None:
     proc = helm("template", "rmsft", str(CHART), "--set", setting, check=False)
     assert proc.returncode != 0

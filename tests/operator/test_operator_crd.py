@@ -51,28 +51,56 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("same-ports", {"spec.rollout.port": 9090}, ["spec.rollout.port"]),
     ("sync-mode-enum", {"spec.sync.mode": "nccl"}, ["spec.sync.mode"]),
     # Over the network the job may span nodes, but each pod fits one (issue 45).
-    ("tp-over-a-node", {"spec.sync.transport": "grpc", "spec.rollout.replicas": 1,
-                        "spec.rollout.tensorParallelSize": 16}, ["spec.rollout.tensorParallelSize", "one pod"]),
-    ("learner-gpus-over-a-node", {"spec.sync.transport": "grpc", "spec.learner.gpus": 9},
-     ["spec.learner.gpus", "a learner pod is on one node"]),
+    (
+        "tp-over-a-node",
+        {"spec.sync.transport": "grpc", "spec.rollout.replicas": 1, "spec.rollout.tensorParallelSize": 16},
+        ["spec.rollout.tensorParallelSize", "one pod"],
+    ),
+    (
+        "learner-gpus-over-a-node",
+        {"spec.sync.transport": "grpc", "spec.learner.gpus": 9},
+        ["spec.learner.gpus", "a learner pod is on one node"],
+    ),
     # An shm job must fit one node (gpusPerNode); the refusal names the transport.
-    ("shm-pool-too-big", {"spec.sync.transport": "shm", "spec.rollout.replicas": 7},
-     ["spec.sync.transport", "spec.placement.gpusPerNode"]),
-    ("shm-tp-too-big", {"spec.sync.transport": "shm", "spec.rollout.replicas": 3,
-                        "spec.rollout.tensorParallelSize": 2, "spec.learner.gpus": 4},
-     ["spec.sync.transport", "spec.placement.gpusPerNode"]),
+    (
+        "shm-pool-too-big",
+        {"spec.sync.transport": "shm", "spec.rollout.replicas": 7},
+        ["spec.sync.transport", "spec.placement.gpusPerNode"],
+    ),
+    (
+        "shm-tp-too-big",
+        {
+            "spec.sync.transport": "shm",
+            "spec.rollout.replicas": 3,
+            "spec.rollout.tensorParallelSize": 2,
+            "spec.learner.gpus": 4,
+        },
+        ["spec.sync.transport", "spec.placement.gpusPerNode"],
+    ),
     ("sync-transport-enum", {"spec.sync.transport": "rdma"}, ["spec.sync.transport"]),
-    ("gpu-budget-tp", {"spec.rollout.replicas": 2, "spec.rollout.tensorParallelSize": 4},
-     ["spec.placement.gpusPerNode"]),
+    (
+        "gpu-budget-tp",
+        {"spec.rollout.replicas": 2, "spec.rollout.tensorParallelSize": 4},
+        ["spec.placement.gpusPerNode"],
+    ),
     ("cpu-learner-gpus", {"spec.placement.accelerator": "none"}, ["spec.learner.gpus"]),
     ("adapter-without-lora", {"spec.sync.mode": "adapter"}, ["spec.sync.mode", "enableLora"]),
-    ("adapter-dora", {"spec.sync.mode": "adapter", "spec.rollout.enableLora": True},
-     ["spec.sync.mode", "use_dora"]),
-    ("adapter-full-ft", {"spec.sync.mode": "adapter", "spec.rollout.enableLora": True,
-                         "spec.training.lora.use_dora": False, "spec.training.finetune": "full"},
-     ["spec.sync.mode", "finetune"]),
-    ("lora-rank", {"spec.rollout.enableLora": True, "spec.rollout.maxLoraRank": 16},
-     ["spec.training.lora.r", "maxLoraRank"]),
+    ("adapter-dora", {"spec.sync.mode": "adapter", "spec.rollout.enableLora": True}, ["spec.sync.mode", "use_dora"]),
+    (
+        "adapter-full-ft",
+        {
+            "spec.sync.mode": "adapter",
+            "spec.rollout.enableLora": True,
+            "spec.training.lora.use_dora": False,
+            "spec.training.finetune": "full",
+        },
+        ["spec.sync.mode", "finetune"],
+    ),
+    (
+        "lora-rank",
+        {"spec.rollout.enableLora": True, "spec.rollout.maxLoraRank": 16},
+        ["spec.training.lora.r", "maxLoraRank"],
+    ),
     ("max-tokens", {"spec.training.rollout.max_tokens": 8192}, ["spec.training.rollout.max_tokens"]),
     ("lr-zero", {"spec.training.lr": 0}, ["spec.training.lr"]),
     ("data-not-jsonl", {"spec.training.data.path": "/data/train.csv"}, ["spec.training.data.path"]),
@@ -84,22 +112,33 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("two-volume-sources", {"spec.model.volume.hostPath": "/mnt/models"}, ["spec.model.volume"]),
     ("warmup", {"spec.training.warmup_steps": 5000}, ["spec.training.warmup_steps"]),
     ("pull-policy", {"spec.image.pullPolicy": "Sometimes"}, ["spec.image.pullPolicy"]),
-    ("toleration-op", {"spec.placement.tolerations": [{"key": "a", "operator": "Maybe"}]},
-     ["spec.placement.tolerations", "operator"]),
+    (
+        "toleration-op",
+        {"spec.placement.tolerations": [{"key": "a", "operator": "Maybe"}]},
+        ["spec.placement.tolerations", "operator"],
+    ),
     ("name-too-long", {"metadata.name": "x" * 41}, ["metadata.name"]),
     ("bad-quantity", {"spec.rollout.resources.requests.cpu": "lots"}, ["spec.rollout.resources.requests"]),
     ("m-steps-zero", {"spec.training.buffer.m_steps": 0}, ["spec.training.buffer.m_steps"]),
     ("deepspeed-stage", {"spec.training.deepspeed_stage": 4}, ["spec.training.deepspeed_stage"]),
-    ("vision-pixel-bounds", {"spec.model.vision": {"minPixels": 100000, "maxPixels": 1000}},
-     ["spec.model.vision", "minPixels"]),
+    (
+        "vision-pixel-bounds",
+        {"spec.model.vision": {"minPixels": 100000, "maxPixels": 1000}},
+        ["spec.model.vision", "minPixels"],
+    ),
     ("model-impl", {"spec.rollout.modelImpl": "onnx"}, ["spec.rollout.modelImpl"]),
     ("freeze-unknown", {"spec.training.freeze.text_tower": True}, ["spec.training.freeze"]),
     ("format-enum", {"spec.training.format": "yolo"}, ["spec.training.format"]),
-    ("coordexp-pixels", {"spec.training.format_options": {"coordinates": "pixels"}},
-     ["spec.training.format_options.coordinates"]),
-    ("qwen-json-flat-polys",
-     {"spec.training.format": "qwen_json", "spec.training.format_options": {"polygons": "flat"}},
-     ["spec.training.format_options.polygons"]),
+    (
+        "coordexp-pixels",
+        {"spec.training.format_options": {"coordinates": "pixels"}},
+        ["spec.training.format_options.coordinates"],
+    ),
+    (
+        "qwen-json-flat-polys",
+        {"spec.training.format": "qwen_json", "spec.training.format_options": {"polygons": "flat"}},
+        ["spec.training.format_options.polygons"],
+    ),
     ("eval-not-jsonl", {"spec.training.eval": {"data": "/data/held.csv"}}, ["spec.training.eval.data"]),
     ("eval-iou-zero", {"spec.training.eval": {"data": "/data/held.jsonl", "iou": 0}}, ["spec.training.eval.iou"]),
     # spec.trainer: grpo (configs/job.yaml samples with top-p and a repetition penalty, which GRPO refuses)
@@ -111,79 +150,167 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("grpo-kl-negative", {**_GRPO, "spec.training.grpo.kl_coef": -0.1}, ["spec.training.grpo.kl_coef"]),
     ("grpo-loss-norm", {**_GRPO, "spec.training.grpo.loss_norm": "batch"}, ["spec.training.grpo.loss_norm"]),
     ("grpo-no-rewards", {**_GRPO, "spec.training.grpo.rewards": []}, ["spec.training.grpo.rewards"]),
-    ("grpo-reward-without-name", {**_GRPO, "spec.training.grpo.rewards": [{"weight": 2.0}]},
-     ["spec.training.grpo.rewards[0]", "name"]),
-    ("grpo-reward-unknown-key", {**_GRPO, "spec.training.grpo.rewards": [{"name": "detection", "wieght": 2.0}]},
-     ["spec.training.grpo.rewards[0].wieght"]),
+    (
+        "grpo-reward-without-name",
+        {**_GRPO, "spec.training.grpo.rewards": [{"weight": 2.0}]},
+        ["spec.training.grpo.rewards[0]", "name"],
+    ),
+    (
+        "grpo-reward-unknown-key",
+        {**_GRPO, "spec.training.grpo.rewards": [{"name": "detection", "wieght": 2.0}]},
+        ["spec.training.grpo.rewards[0].wieght"],
+    ),
     ("grpo-max-tokens", {**_GRPO, "spec.training.grpo.max_tokens": 8192}, ["spec.training.grpo.max_tokens"]),
-    ("grpo-rollout-buffer", {**_GRPO, "spec.training.buffer": {"enabled": True, "m_steps": 2}},
-     ["spec.training.buffer.m_steps", "grpo"]),
+    (
+        "grpo-rollout-buffer",
+        {**_GRPO, "spec.training.buffer": {"enabled": True, "m_steps": 2}},
+        ["spec.training.buffer.m_steps", "grpo"],
+    ),
     ("grpo-warm-start", {**_GRPO, "spec.training.warm_start_steps": 10}, ["spec.training.warm_start_steps"]),
-    ("grpo-grad-accumulation", {**_GRPO, "spec.training.grad_accumulation": 2},
-     ["spec.training.grad_accumulation", "grpo"]),
+    (
+        "grpo-grad-accumulation",
+        {**_GRPO, "spec.training.grad_accumulation": 2},
+        ["spec.training.grad_accumulation", "grpo"],
+    ),
     # written as an integer: the API server hands a `number` field to CEL as a double
-    ("grpo-kl-full-finetune", {**_GRPO, "spec.training.grpo.kl_coef": 1, "spec.training.finetune": "full"},
-     ["spec.training.grpo.kl_coef", "finetune"]),
+    (
+        "grpo-kl-full-finetune",
+        {**_GRPO, "spec.training.grpo.kl_coef": 1, "spec.training.finetune": "full"},
+        ["spec.training.grpo.kl_coef", "finetune"],
+    ),
     ("grpo-top-p", {"spec.trainer": "grpo"}, ["spec.training.rollout", "top_p", "grpo"]),
-    ("inflight-without-staleness", {"spec.training.rollout.inflight": True, "spec.training.rollout.max_staleness": 0},
-     ["spec.training.rollout.inflight needs max_staleness >= 1"]),
+    (
+        "inflight-without-staleness",
+        {"spec.training.rollout.inflight": True, "spec.training.rollout.max_staleness": 0},
+        ["spec.training.rollout.inflight needs max_staleness >= 1"],
+    ),
     # spec.training.grpo corrections and sampling rules (issue 63)
     ("grpo-correction-enum", {**_GRPO, "spec.training.grpo.correction": "ppo"}, ["spec.training.grpo.correction"]),
-    ("grpo-bounds-without-correction", {**_GRPO, "spec.training.grpo.correction_high": 3.0},
-     ["spec.training.grpo.correction_low / correction_high need a correction"]),
-    ("grpo-tis-with-low", {**_GRPO, "spec.training.grpo.correction": "tis", "spec.training.grpo.correction_low": 0.5},
-     ["spec.training.grpo.correction tis truncates from above only"]),
-    ("grpo-correction-high-at-1", {**_GRPO, "spec.training.grpo.correction": "icepop",
-                                   "spec.training.grpo.correction_high": 1.0}, ["spec.training.grpo.correction_high"]),
-    ("grpo-correction-low-at-1", {**_GRPO, "spec.training.grpo.correction": "mis",
-                                  "spec.training.grpo.correction_low": 1.0}, ["spec.training.grpo.correction_low"]),
-    ("grpo-dynamic-sampling-enum", {**_GRPO, "spec.training.grpo.dynamic_sampling": "refill"},
-     ["spec.training.grpo.dynamic_sampling"]),
-    ("grpo-dynamic-sampling-rounds", {**_GRPO, "spec.training.grpo.dynamic_sampling_rounds": 9},
-     ["spec.training.grpo.dynamic_sampling_rounds"]),
+    (
+        "grpo-bounds-without-correction",
+        {**_GRPO, "spec.training.grpo.correction_high": 3.0},
+        ["spec.training.grpo.correction_low / correction_high need a correction"],
+    ),
+    (
+        "grpo-tis-with-low",
+        {**_GRPO, "spec.training.grpo.correction": "tis", "spec.training.grpo.correction_low": 0.5},
+        ["spec.training.grpo.correction tis truncates from above only"],
+    ),
+    (
+        "grpo-correction-high-at-1",
+        {**_GRPO, "spec.training.grpo.correction": "icepop", "spec.training.grpo.correction_high": 1.0},
+        ["spec.training.grpo.correction_high"],
+    ),
+    (
+        "grpo-correction-low-at-1",
+        {**_GRPO, "spec.training.grpo.correction": "mis", "spec.training.grpo.correction_low": 1.0},
+        ["spec.training.grpo.correction_low"],
+    ),
+    (
+        "grpo-dynamic-sampling-enum",
+        {**_GRPO, "spec.training.grpo.dynamic_sampling": "refill"},
+        ["spec.training.grpo.dynamic_sampling"],
+    ),
+    (
+        "grpo-dynamic-sampling-rounds",
+        {**_GRPO, "spec.training.grpo.dynamic_sampling_rounds": 9},
+        ["spec.training.grpo.dynamic_sampling_rounds"],
+    ),
     ("grpo-overlong-enum", {**_GRPO, "spec.training.grpo.overlong": "truncate"}, ["spec.training.grpo.overlong"]),
-    ("grpo-overlong-buffer", {**_GRPO, "spec.training.grpo.max_tokens": 64, "spec.training.grpo.overlong_buffer": 64},
-     ["spec.training.grpo.overlong_buffer must be < max_tokens"]),
+    (
+        "grpo-overlong-buffer",
+        {**_GRPO, "spec.training.grpo.max_tokens": 64, "spec.training.grpo.overlong_buffer": 64},
+        ["spec.training.grpo.overlong_buffer must be < max_tokens"],
+    ),
     # spec.rollout.mode: colocate (configs/job.yaml: 8 GPUs per node, a 4-GPU learner)
     ("mode-enum", {"spec.rollout.mode": "hybrid"}, ["spec.rollout.mode"]),
     ("colocate-with-replicas", {**_COLOCATE, "spec.rollout.replicas": 2}, ["spec.rollout.replicas", "colocate"]),
-    ("colocate-tp-not-dividing", {**_COLOCATE, "spec.rollout.colocate.tensorParallelSize": 3},
-     ["spec.rollout.colocate.tensorParallelSize", "spec.learner.gpus"]),
-    ("colocate-tp-on-cpu", {**_COLOCATE, **_CPU, "spec.rollout.colocate.tensorParallelSize": 2},
-     ["spec.rollout.colocate.tensorParallelSize", "'none'"]),
-    ("colocate-sleep-on-cpu", {**_COLOCATE, **_CPU, "spec.rollout.colocate.sleepLevel": 1},
-     ["spec.rollout.colocate.sleepLevel", "CPU"]),
-    ("colocate-sleep-level-3", {**_COLOCATE, "spec.rollout.colocate.sleepLevel": 3},
-     ["spec.rollout.colocate.sleepLevel"]),
-    ("colocate-offload-on-cpu", {**_COLOCATE, **_CPU, "spec.rollout.colocate.offloadModel": True},
-     ["spec.rollout.colocate.offloadModel"]),
-    ("colocate-hf-tp", {**_COLOCATE, "spec.rollout.engine": "hf", "spec.rollout.colocate.tensorParallelSize": 2},
-     ["spec.rollout.colocate.tensorParallelSize", "'hf'"]),
-    ("colocate-adapter-sync", {**_COLOCATE, "spec.sync.mode": "adapter", "spec.rollout.enableLora": True,
-                               "spec.training.finetune": "lora", "spec.training.lora.use_dora": False},
-     ["spec.sync.mode", "colocate"]),
+    (
+        "colocate-tp-not-dividing",
+        {**_COLOCATE, "spec.rollout.colocate.tensorParallelSize": 3},
+        ["spec.rollout.colocate.tensorParallelSize", "spec.learner.gpus"],
+    ),
+    (
+        "colocate-tp-on-cpu",
+        {**_COLOCATE, **_CPU, "spec.rollout.colocate.tensorParallelSize": 2},
+        ["spec.rollout.colocate.tensorParallelSize", "'none'"],
+    ),
+    (
+        "colocate-sleep-on-cpu",
+        {**_COLOCATE, **_CPU, "spec.rollout.colocate.sleepLevel": 1},
+        ["spec.rollout.colocate.sleepLevel", "CPU"],
+    ),
+    (
+        "colocate-sleep-level-3",
+        {**_COLOCATE, "spec.rollout.colocate.sleepLevel": 3},
+        ["spec.rollout.colocate.sleepLevel"],
+    ),
+    (
+        "colocate-offload-on-cpu",
+        {**_COLOCATE, **_CPU, "spec.rollout.colocate.offloadModel": True},
+        ["spec.rollout.colocate.offloadModel"],
+    ),
+    (
+        "colocate-hf-tp",
+        {**_COLOCATE, "spec.rollout.engine": "hf", "spec.rollout.colocate.tensorParallelSize": 2},
+        ["spec.rollout.colocate.tensorParallelSize", "'hf'"],
+    ),
+    (
+        "colocate-adapter-sync",
+        {
+            **_COLOCATE,
+            "spec.sync.mode": "adapter",
+            "spec.rollout.enableLora": True,
+            "spec.training.finetune": "lora",
+            "spec.training.lora.use_dora": False,
+        },
+        ["spec.sync.mode", "colocate"],
+    ),
     ("colocate-shm", {**_COLOCATE, "spec.sync.transport": "shm"}, ["spec.sync.transport", "colocate"]),
-    ("colocate-max-staleness", {**_COLOCATE, "spec.sync.transport": "auto", "spec.training.rollout.max_staleness": 1},
-     ["spec.training.rollout.max_staleness", "spec.rollout.mode", "colocate"]),
+    (
+        "colocate-max-staleness",
+        {**_COLOCATE, "spec.sync.transport": "auto", "spec.training.rollout.max_staleness": 1},
+        ["spec.training.rollout.max_staleness", "spec.rollout.mode", "colocate"],
+    ),
     ("max-staleness-negative", {"spec.training.rollout.max_staleness": -1}, ["max_staleness"]),
-    ("colocate-sleep-zero3", {**_COLOCATE, "spec.sync.transport": "auto", "spec.rollout.colocate": {"sleepLevel": 1},
-                              "spec.training.deepspeed_stage": 3},
-     ["spec.rollout.colocate.sleepLevel", "deepspeed_stage 3"]),
+    (
+        "colocate-sleep-zero3",
+        {
+            **_COLOCATE,
+            "spec.sync.transport": "auto",
+            "spec.rollout.colocate": {"sleepLevel": 1},
+            "spec.training.deepspeed_stage": 3,
+        },
+        ["spec.rollout.colocate.sleepLevel", "deepspeed_stage 3"],
+    ),
     ("recipe-ratio-above-1", {"spec.training.recipe.channel_b_ratio": 1.5}, ["channel_b_ratio"]),
     ("recipe-generation-3", {"spec.training.recipe.generation": 3}, ["generation"]),
-    ("recipe-gen1-with-ratio", {"spec.training.recipe.generation": 1, "spec.training.recipe.channel_b_ratio": 0.5},
-     ["spec.training.recipe", "channel_b_ratio", "generation 2 only"]),
-    ("recipe-gen1-with-explorers", {"spec.training.recipe.generation": 1,
-                                    "spec.training.recipe.channel_b_ratio": _DELETE,
-                                    "spec.training.recipe.explorers": {"count": 0}},
-     ["spec.training.recipe", "explorers", "generation 2 only"]),
-    ("recipe-explorers-ahead", {"spec.training.recipe.explorers": {"count": 1},
-                                "spec.training.rollout.max_staleness": 1},
-     ["spec.training.recipe.explorers.count", "max_staleness"]),
+    (
+        "recipe-gen1-with-ratio",
+        {"spec.training.recipe.generation": 1, "spec.training.recipe.channel_b_ratio": 0.5},
+        ["spec.training.recipe", "channel_b_ratio", "generation 2 only"],
+    ),
+    (
+        "recipe-gen1-with-explorers",
+        {
+            "spec.training.recipe.generation": 1,
+            "spec.training.recipe.channel_b_ratio": _DELETE,
+            "spec.training.recipe.explorers": {"count": 0},
+        },
+        ["spec.training.recipe", "explorers", "generation 2 only"],
+    ),
+    (
+        "recipe-explorers-ahead",
+        {"spec.training.recipe.explorers": {"count": 1}, "spec.training.rollout.max_staleness": 1},
+        ["spec.training.recipe.explorers.count", "max_staleness"],
+    ),
     ("recipe-duplicate-iou-zero", {"spec.training.recipe.duplicates": {"iou": 0.0}}, ["iou"]),
     ("max-staleness-too-large", {"spec.training.rollout.max_staleness": 5}, ["max_staleness"]),
-    ("colocate-gpu-memory", {**_COLOCATE, "spec.rollout.colocate.gpuMemoryUtilization": 1.0},
-     ["spec.rollout.colocate.gpuMemoryUtilization"]),
+    (
+        "colocate-gpu-memory",
+        {**_COLOCATE, "spec.rollout.colocate.gpuMemoryUtilization": 1.0},
+        ["spec.rollout.colocate.gpuMemoryUtilization"],
+    ),
     # spec.rollout.startupTimeout: seconds or a duration, more than zero
     ("startup-timeout-zero", {"spec.rollout.startupTimeout": 0}, ["spec.rollout.startupTimeout"]),
     ("startup-timeout-zero-duration", {"spec.rollout.startupTimeout": "0m0s"}, ["spec.rollout.startupTimeout"]),
@@ -195,41 +322,77 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     # spec.rollout.tls: a Secret's name, server mode only, a health port of its own
     ("tls-without-secret", {"spec.rollout.tls": {}}, ["spec.rollout.tls", "secretName"]),
     ("tls-secret-not-a-name", {"spec.rollout.tls": {"secretName": "Rollout_TLS"}}, ["spec.rollout.tls.secretName"]),
-    ("tls-with-colocate", {**_COLOCATE, "spec.sync.transport": "auto", "spec.rollout.tls": {"secretName": "tls"}},
-     ["spec.rollout.tls", "colocate"]),
-    ("tls-health-port-is-metrics", {"spec.rollout.tls": {"secretName": "tls", "healthPort": 9090}},
-     ["spec.rollout.tls.healthPort"]),
-    ("tls-health-port-is-grpc", {"spec.rollout.tls": {"secretName": "tls", "healthPort": 50051}},
-     ["spec.rollout.tls.healthPort"]),
+    (
+        "tls-with-colocate",
+        {**_COLOCATE, "spec.sync.transport": "auto", "spec.rollout.tls": {"secretName": "tls"}},
+        ["spec.rollout.tls", "colocate"],
+    ),
+    (
+        "tls-health-port-is-metrics",
+        {"spec.rollout.tls": {"secretName": "tls", "healthPort": 9090}},
+        ["spec.rollout.tls.healthPort"],
+    ),
+    (
+        "tls-health-port-is-grpc",
+        {"spec.rollout.tls": {"secretName": "tls", "healthPort": 50051}},
+        ["spec.rollout.tls.healthPort"],
+    ),
     # spec.learner.nodes > 1 (issue 45): a network transport, one checkpoint folder, server mode, GPUs per pod
     ("learner-nodes-zero", {"spec.learner.nodes": 0}, ["spec.learner.nodes"]),
     ("learner-nodes-over-shm", {"spec.learner.nodes": 2}, ["spec.sync.transport", "spec.learner.nodes > 1"]),
-    ("learner-nodes-without-claim", {"spec.learner.nodes": 2, "spec.sync.transport": "grpc",
-                                     "spec.learner.checkpointClaim": _DELETE}, ["spec.learner.checkpointClaim"]),
-    ("learner-nodes-colocate", {**_COLOCATE, "spec.sync.transport": "auto", "spec.learner.nodes": 2},
-     ["spec.learner.nodes > 1", "colocate"]),
-    ("learner-nodes-gpus-per-pod", {"spec.learner.nodes": 2, "spec.sync.transport": "grpc", "spec.learner.gpus": 9},
-     ["spec.learner.gpus", "spec.placement.gpusPerNode", "per learner pod"]),
+    (
+        "learner-nodes-without-claim",
+        {"spec.learner.nodes": 2, "spec.sync.transport": "grpc", "spec.learner.checkpointClaim": _DELETE},
+        ["spec.learner.checkpointClaim"],
+    ),
+    (
+        "learner-nodes-colocate",
+        {**_COLOCATE, "spec.sync.transport": "auto", "spec.learner.nodes": 2},
+        ["spec.learner.nodes > 1", "colocate"],
+    ),
+    (
+        "learner-nodes-gpus-per-pod",
+        {"spec.learner.nodes": 2, "spec.sync.transport": "grpc", "spec.learner.gpus": 9},
+        ["spec.learner.gpus", "spec.placement.gpusPerNode", "per learner pod"],
+    ),
     ("learner-ranks-per-pod-with-gpus", {"spec.learner.ranksPerPod": 3}, ["spec.learner.ranksPerPod"]),
     # spec.scheduling (issue 45): the user's pod labels and annotations never take rmsft's keys, and are valid
     ("scheduling-queue-name", {"spec.scheduling.queueName": "GPU_team"}, ["spec.scheduling.queueName"]),
-    ("scheduling-queue-label-on-pods", {"spec.scheduling.podLabels": {"kueue.x-k8s.io/queue-name": "gpu-team"}},
-     ["spec.scheduling.podLabels", "spec.scheduling.queueName"]),
-    ("scheduling-reserved-label", {"spec.scheduling.podLabels": {"rmsft.io/job": "other"}},
-     ["spec.scheduling.podLabels", "rmsft's own"]),
-    ("scheduling-reserved-annotation", {"spec.scheduling.podAnnotations": {"prometheus.io/port": "1"}},
-     ["spec.scheduling.podAnnotations", "rmsft's own"]),
+    (
+        "scheduling-queue-label-on-pods",
+        {"spec.scheduling.podLabels": {"kueue.x-k8s.io/queue-name": "gpu-team"}},
+        ["spec.scheduling.podLabels", "spec.scheduling.queueName"],
+    ),
+    (
+        "scheduling-reserved-label",
+        {"spec.scheduling.podLabels": {"rmsft.io/job": "other"}},
+        ["spec.scheduling.podLabels", "rmsft's own"],
+    ),
+    (
+        "scheduling-reserved-annotation",
+        {"spec.scheduling.podAnnotations": {"prometheus.io/port": "1"}},
+        ["spec.scheduling.podAnnotations", "rmsft's own"],
+    ),
     ("scheduling-label-value", {"spec.scheduling.podLabels": {"team": "not ok!"}}, ["spec.scheduling.podLabels"]),
     ("scheduling-label-key", {"spec.scheduling.podLabels": {"bad key": "x"}}, ["spec.scheduling.podLabels"]),
     ("scheduling-scheduler-name", {"spec.scheduling.schedulerName": "Not_A_Name"}, ["spec.scheduling.schedulerName"]),
-    ("scheduling-topology-with-one-pod", {"spec.scheduling.learnerTopologyKey": "topology.kubernetes.io/zone"},
-     ["spec.scheduling.learnerTopologyKey", "spec.learner.nodes > 1"]),
+    (
+        "scheduling-topology-with-one-pod",
+        {"spec.scheduling.learnerTopologyKey": "topology.kubernetes.io/zone"},
+        ["spec.scheduling.learnerTopologyKey", "spec.learner.nodes > 1"],
+    ),
     # spec.sync.transport nccl (issue 45): full weights only; pods may span nodes, but each pod fits one
     ("nccl-not-full", {"spec.sync.transport": "nccl", "spec.sync.mode": "auto"}, ["spec.sync.mode", "'nccl'"]),
-    ("nccl-server-beyond-a-node", {"spec.sync.transport": "nccl", "spec.rollout.tensorParallelSize": 16},
-     ["spec.rollout.tensorParallelSize", "one pod"]),
-    ("nccl-learner-beyond-a-node", {"spec.sync.transport": "nccl", "spec.learner.gpus": 12},
-     ["spec.learner.gpus", "one node"]),
+    (
+        "nccl-server-beyond-a-node",
+        {"spec.sync.transport": "nccl", "spec.rollout.tensorParallelSize": 16},
+        ["spec.rollout.tensorParallelSize", "one pod"],
+    ),
+    (
+        "nccl-learner-beyond-a-node",
+        {"spec.sync.transport": "nccl", "spec.learner.gpus": 12},
+        ["spec.learner.gpus", "one node"],
+    ),
 ]
 
 
@@ -312,9 +475,13 @@ def test_replicas_may_change_everything_else_is_immutable() -> None:
     scaled = copy.deepcopy(old)
     scaled["spec"]["rollout"]["replicas"] = 4
     assert admit(scaled, old=old) == []
-    for dotted, value in [("spec.training.lr", 0.001), ("spec.rollout.tensorParallelSize", 2),
-                          ("spec.model.path", "/models/other"), ("spec.learner.gpus", 1),
-                          ("spec.sync.transport", "grpc")]:
+    for dotted, value in [
+        ("spec.training.lr", 0.001),
+        ("spec.rollout.tensorParallelSize", 2),
+        ("spec.model.path", "/models/other"),
+        ("spec.learner.gpus", 1),
+        ("spec.sync.transport", "grpc"),
+    ]:
         edited = copy.deepcopy(old)
         _set(edited, dotted, value)
         errors = admit(edited, old=old)
@@ -329,10 +496,12 @@ def test_every_default_passes_its_rules_as_written() -> None:
 
 
 def test_default_checker_catches_a_rule_reading_a_nested_default() -> None:
-    section = {"type": "object", "default": {},
-               "properties": {"port": {"type": "integer", "default": 1}, "metricsPort": {"type": "integer",
-                                                                                         "default": 2}},
-               "x-kubernetes-validations": [{"rule": "self.port != self.metricsPort", "message": "differ"}]}
+    section = {
+        "type": "object",
+        "default": {},
+        "properties": {"port": {"type": "integer", "default": 1}, "metricsPort": {"type": "integer", "default": 2}},
+        "x-kubernetes-validations": [{"rule": "self.port != self.metricsPort", "message": "differ"}],
+    }
     assert default_errors({"type": "object", "properties": {"rollout": section}})
 
 
@@ -397,8 +566,9 @@ def test_no_key_reads_as_a_boolean_in_yaml_1_1() -> None:
     assert not bad, bad
 
 
-@pytest.mark.parametrize("value,seconds", [(1800, 1800), ("1800", 1800), ("45m", 2700), ("1h30m", 5400),
-                                           ("90s", 90), ("2h", 7200)])
+@pytest.mark.parametrize(
+    "value,seconds", [(1800, 1800), ("1800", 1800), ("45m", 2700), ("1h30m", 5400), ("90s", 90), ("2h", 7200)]
+)
 def test_startup_timeout_takes_seconds_or_a_duration(value: Any, seconds: int) -> None:
     doc = _base()
     doc["spec"]["rollout"]["startupTimeout"] = value

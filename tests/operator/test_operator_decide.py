@@ -46,8 +46,14 @@ def _spec(**edits: Any) -> dict[str, Any]:
 
 
 def _children(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    job = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
-                     "metadata": {"name": NAME, "namespace": NS}, "spec": spec})
+    job = parse_job(
+        {
+            "apiVersion": "rmsft.io/v1alpha1",
+            "kind": "RolloutMatchingJob",
+            "metadata": {"name": NAME, "namespace": NS},
+            "spec": spec,
+        }
+    )
     return {render.child_key(o): o for o in render.render_all(job, NS, UID, token="t")}
 
 
@@ -60,19 +66,19 @@ class World:
     """A readable way to write an observed state: start from 'all children exist', then edit."""
 
     spec: dict[str, Any] = field(default_factory=_spec)
-    ready: int = 0                      # StatefulSet readyReplicas
-    suspended: bool = True              # learner Job
+    ready: int = 0  # StatefulSet readyReplicas
+    suspended: bool = True  # learner Job
     job_status: dict[str, Any] = field(default_factory=dict)
     exists: tuple[str, ...] = CHILD_KINDS
-    applied_spec: dict[str, Any] | None = None   # what the ConfigMap holds (default: spec)
+    applied_spec: dict[str, Any] | None = None  # what the ConfigMap holds (default: spec)
     rollout_pods: list[dict[str, Any]] = field(default_factory=list)
     learner_pods: list[dict[str, Any]] = field(default_factory=list)
     failed_creates: dict[str, str] = field(default_factory=dict)
     status: dict[str, Any] = field(default_factory=dict)
     namespace_labels: dict[str, str] | None = None  # read by observe for shm jobs only
-    pool_created: str | None = None     # the StatefulSet's creationTimestamp (the job's start clock)
+    pool_created: str | None = None  # the StatefulSet's creationTimestamp (the job's start clock)
     failed_create_since: dict[str, str] = field(default_factory=dict)  # first FailedCreate event time, by kind
-    job_started: str | None = None      # the learner Job's status.startTime (the Job controller's)
+    job_started: str | None = None  # the learner Job's status.startTime (the Job controller's)
 
     def observed(self) -> Observed:
         kids: dict[str, dict[str, Any] | None] = {k: None for k in CHILD_KINDS}
@@ -90,9 +96,20 @@ class World:
             if self.job_started:
                 kids["Job"]["status"]["startTime"] = self.job_started
             kids["Job"]["metadata"]["uid"] = "job-uid-1"
-        return Observed(NAME, NS, UID, 1, copy.deepcopy(self.spec), self.status, kids, self.rollout_pods,
-                        self.learner_pods, self.failed_creates, namespace_labels=self.namespace_labels,
-                        failed_create_since=self.failed_create_since)
+        return Observed(
+            NAME,
+            NS,
+            UID,
+            1,
+            copy.deepcopy(self.spec),
+            self.status,
+            kids,
+            self.rollout_pods,
+            self.learner_pods,
+            self.failed_creates,
+            namespace_labels=self.namespace_labels,
+            failed_create_since=self.failed_create_since,
+        )
 
 
 def _cond(d: Decision, ctype: str) -> dict[str, Any]:
@@ -111,8 +128,9 @@ def test_new_job_creates_every_child_in_order_and_warns_about_ephemeral_checkpoi
 def test_a_learner_on_several_pods_gets_its_service_before_its_job() -> None:
     """Issue 45: learner.nodes 2 adds the learner's headless Service (the pods' DNS names, pod 0's the rendezvous),
     created before the Job whose pods need it, and nothing else changes."""
-    spec = _spec(**{"learner.nodes": 2, "learner.spread": False, "learner.checkpointClaim": "ck",
-                    "sync.transport": "grpc"})
+    spec = _spec(
+        **{"learner.nodes": 2, "learner.spread": False, "learner.checkpointClaim": "ck", "sync.transport": "grpc"}
+    )
     d = decide(World(spec=spec, exists=()).observed(), NOW)
     assert [render.child_key(o) for o in d.creates] == list(CHILD_KINDS)
     service = d.creates[-2]
@@ -127,10 +145,20 @@ def test_a_claim_means_no_ephemeral_checkpoint_warning() -> None:
     assert not any(e[1] == "CheckpointsEphemeral" for e in d.events)
 
 
-@pytest.mark.parametrize("world", [World(), World(ready=2, suspended=False, job_status={"active": 1, "ready": 1},
-                                                  learner_pods=[_pod("learner", "l-1", "Running")]),
-                                   World(ready=2, suspended=False, job_status={"succeeded": 1})],
-                         ids=["pending", "running", "complete"])
+@pytest.mark.parametrize(
+    "world",
+    [
+        World(),
+        World(
+            ready=2,
+            suspended=False,
+            job_status={"active": 1, "ready": 1},
+            learner_pods=[_pod("learner", "l-1", "Running")],
+        ),
+        World(ready=2, suspended=False, job_status={"succeeded": 1}),
+    ],
+    ids=["pending", "running", "complete"],
+)
 def test_where_the_checkpoints_live_is_a_condition_in_every_phase(world: World) -> None:
     """Issue 41: a job whose checkpoints are not on a claim says so where users look (the Warning event once at
     creation, and a condition for as long as the job lives); with a claim it says which."""
@@ -147,31 +175,120 @@ def test_where_the_checkpoints_live_is_a_condition_in_every_phase(world: World) 
 TABLE: list[tuple[str, World, str, str, tuple[str, str], list[Patch]]] = [
     ("nothing-ready", World(), "Pending", "PoolNotReady", ("False", "Suspended"), []),
     ("part-ready", World(ready=1), "Starting", "PoolNotReady", ("False", "Suspended"), []),
-    ("pool-ready-resumes-learner", World(ready=2), "Starting", "PoolReady", ("False", "PodPending"),
-     [Patch("Job", N["job"], {"spec": {"suspend": False}})]),
-    ("learner-pod-pending", World(ready=2, suspended=False, learner_pods=[_pod("learner", "l-1")]),
-     "Starting", "PoolReady", ("False", "PodPending"), []),
-    ("learner-pod-running", World(ready=2, suspended=False, job_status={"active": 1, "ready": 1},
-                                  learner_pods=[_pod("learner", "l-1", "Running")]),
-     "Running", "PoolReady", ("True", "Running"), []),
-    ("learner-unschedulable", World(ready=2, suspended=False, learner_pods=[_pod(
-        "learner", "l-1", conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                       "message": "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."}])]),
-     "Starting", "PoolReady", ("False", "Unschedulable"), []),
-    ("learner-pods-refused", World(ready=2, suspended=False,
-                                   failed_creates={"Job": 'pods "demo-learner-x" is forbidden: violates PodSecurity'}),
-     "Starting", "PoolReady", ("False", "FailedCreate"), []),
-    ("rollout-pods-refused", World(failed_creates={"StatefulSet": "violates PodSecurity \"baseline:latest\""}),
-     "Pending", "FailedCreate", ("False", "Suspended"), []),
-    ("rollout-crashloop", World(rollout_pods=[_pod("rollout", "demo-rollout-0", "Running", containerStatuses=[{
-        "name": "rollout", "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-        "lastState": {"terminated": {"exitCode": 2, "message": "staging dir /dev/shm has 64.0 MiB; raise "
-                                                               "spec.rollout.shmSize to at least 1Gi"}}}])]),
-     "Pending", "CrashLoopBackOff", ("False", "Suspended"), []),
-    ("scaled-down-before-learner", World(spec=_spec(**{"rollout.replicas": 1}), applied_spec=_spec()),
-     "Pending", "PoolNotReady", ("False", "Suspended"),
-     [Patch("ConfigMap", N["config"], {"data": {"servers": f"{N['statefulset']}-0.{N['service']}.{NS}.svc:50051"}}),
-      Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 1}})]),
+    (
+        "pool-ready-resumes-learner",
+        World(ready=2),
+        "Starting",
+        "PoolReady",
+        ("False", "PodPending"),
+        [Patch("Job", N["job"], {"spec": {"suspend": False}})],
+    ),
+    (
+        "learner-pod-pending",
+        World(ready=2, suspended=False, learner_pods=[_pod("learner", "l-1")]),
+        "Starting",
+        "PoolReady",
+        ("False", "PodPending"),
+        [],
+    ),
+    (
+        "learner-pod-running",
+        World(
+            ready=2,
+            suspended=False,
+            job_status={"active": 1, "ready": 1},
+            learner_pods=[_pod("learner", "l-1", "Running")],
+        ),
+        "Running",
+        "PoolReady",
+        ("True", "Running"),
+        [],
+    ),
+    (
+        "learner-unschedulable",
+        World(
+            ready=2,
+            suspended=False,
+            learner_pods=[
+                _pod(
+                    "learner",
+                    "l-1",
+                    conditions=[
+                        {
+                            "type": "PodScheduled",
+                            "status": "False",
+                            "reason": "Unschedulable",
+                            "message": "0/1 nodes are available: 1 Insufficient nvidia.com/gpu.",
+                        }
+                    ],
+                )
+            ],
+        ),
+        "Starting",
+        "PoolReady",
+        ("False", "Unschedulable"),
+        [],
+    ),
+    (
+        "learner-pods-refused",
+        World(
+            ready=2, suspended=False, failed_creates={"Job": 'pods "demo-learner-x" is forbidden: violates PodSecurity'}
+        ),
+        "Starting",
+        "PoolReady",
+        ("False", "FailedCreate"),
+        [],
+    ),
+    (
+        "rollout-pods-refused",
+        World(failed_creates={"StatefulSet": 'violates PodSecurity "baseline:latest"'}),
+        "Pending",
+        "FailedCreate",
+        ("False", "Suspended"),
+        [],
+    ),
+    (
+        "rollout-crashloop",
+        World(
+            rollout_pods=[
+                _pod(
+                    "rollout",
+                    "demo-rollout-0",
+                    "Running",
+                    containerStatuses=[
+                        {
+                            "name": "rollout",
+                            "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                            "lastState": {
+                                "terminated": {
+                                    "exitCode": 2,
+                                    "message": "staging dir /dev/shm has 64.0 MiB; raise "
+                                    "spec.rollout.shmSize to at least 1Gi",
+                                }
+                            },
+                        }
+                    ],
+                )
+            ]
+        ),
+        "Pending",
+        "CrashLoopBackOff",
+        ("False", "Suspended"),
+        [],
+    ),
+    (
+        "scaled-down-before-learner",
+        World(spec=_spec(**{"rollout.replicas": 1}), applied_spec=_spec()),
+        "Pending",
+        "PoolNotReady",
+        ("False", "Suspended"),
+        [
+            Patch(
+                "ConfigMap", N["config"], {"data": {"servers": f"{N['statefulset']}-0.{N['service']}.{NS}.svc:50051"}}
+            ),
+            Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 1}}),
+        ],
+    ),
 ]
 
 
@@ -199,18 +316,33 @@ def test_conditions_carry_what_a_person_needs() -> None:
     assert "Insufficient nvidia.com/gpu" in _cond(decide(sched.observed(), NOW), "LearnerRunning")["message"]
 
 
-@pytest.mark.parametrize("conditions,phase,message", [
-    ([{"type": "Complete", "status": "True"}], "Complete", "learner finished"),
-    ([{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "backoff"}], "Failed",
-     "learner failed: BackoffLimitExceeded: backoff"),
-    # The Job controller's decision, before its other pods are gone (a learner on several pods, issue 45: pod 0
-    # may sit in a collective for its grace period while Failed waits for it)
-    ([{"type": "FailureTarget", "status": "True", "reason": "PodFailurePolicy",
-       "message": "Container learner for pod team-a/demo-learner-1-x9 failed with exit code 1 matching FailJob rule "
-                  "at index 1"}], "Failed",
-     "learner failed: PodFailurePolicy: Container learner for pod team-a/demo-learner-1-x9 failed with exit code 1 "
-     "matching FailJob rule at index 1"),
-])
+@pytest.mark.parametrize(
+    "conditions,phase,message",
+    [
+        ([{"type": "Complete", "status": "True"}], "Complete", "learner finished"),
+        (
+            [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "backoff"}],
+            "Failed",
+            "learner failed: BackoffLimitExceeded: backoff",
+        ),
+        # The Job controller's decision, before its other pods are gone (a learner on several pods, issue 45: pod 0
+        # may sit in a collective for its grace period while Failed waits for it)
+        (
+            [
+                {
+                    "type": "FailureTarget",
+                    "status": "True",
+                    "reason": "PodFailurePolicy",
+                    "message": "Container learner for pod team-a/demo-learner-1-x9 failed with exit code 1 "
+                    "matching FailJob rule at index 1",
+                }
+            ],
+            "Failed",
+            "learner failed: PodFailurePolicy: Container learner for pod team-a/demo-learner-1-x9 "
+            "failed with exit code 1 matching FailJob rule at index 1",
+        ),
+    ],
+)
 def test_terminal_learner_frees_the_pool(conditions: list[dict[str, Any]], phase: str, message: str) -> None:
     d = decide(World(ready=2, suspended=False, job_status={"conditions": conditions}).observed(), NOW)
     assert d.phase == phase and d.status["message"] == message
@@ -220,16 +352,26 @@ def test_terminal_learner_frees_the_pool(conditions: list[dict[str, Any]], phase
     assert d.events[-1][0] == ("Warning" if phase == "Failed" else "Normal")
 
 
-_GANG = {"learner.nodes": 2, "learner.spread": False, "learner.checkpointClaim": "ck", "sync.transport": "grpc",
-         "learner.backoffLimit": 2}
-_LOST = ("Container learner for pod team-a/demo-learner-1-x9 failed with exit code 1 matching FailJob rule at "
-         "index 1")
+_GANG = {
+    "learner.nodes": 2,
+    "learner.spread": False,
+    "learner.checkpointClaim": "ck",
+    "sync.transport": "grpc",
+    "learner.backoffLimit": 2,
+}
+_LOST = "Container learner for pod team-a/demo-learner-1-x9 failed with exit code 1 matching FailJob rule at index 1"
 
 
 def _gang_failed(*kinds: str, attempt: int = 1, pods: list[dict[str, Any]] | None = None) -> Decision:
     conditions = [{"type": k, "status": "True", "reason": "PodFailurePolicy", "message": _LOST} for k in kinds]
-    world = World(spec=_spec(**_GANG), ready=2, suspended=False, job_status={"conditions": conditions},
-                  status={"phase": "Running", "learnerAttempt": attempt}, learner_pods=pods or [])
+    world = World(
+        spec=_spec(**_GANG),
+        ready=2,
+        suspended=False,
+        job_status={"conditions": conditions},
+        status={"phase": "Running", "learnerAttempt": attempt},
+        learner_pods=pods or [],
+    )
     return decide(world.observed(), NOW)
 
 
@@ -249,8 +391,15 @@ def test_a_failed_attempt_of_a_learner_on_several_pods_is_restarted_once_its_pod
     assert "attempt 2 resumes from the newest checkpoint" in stopped.status["message"]
     assert [e[1] for e in stopped.events] == ["LearnerRestarted"]
     # the next pass: the Job is gone, so it is created again (suspended, resumed at once: the pool is Ready)
-    again = decide(World(spec=_spec(**_GANG), ready=2, exists=tuple(k for k in CHILD_KINDS if k != "Job"),
-                         status={"phase": "Running", "learnerAttempt": 2}).observed(), NOW)
+    again = decide(
+        World(
+            spec=_spec(**_GANG),
+            ready=2,
+            exists=tuple(k for k in CHILD_KINDS if k != "Job"),
+            status={"phase": "Running", "learnerAttempt": 2},
+        ).observed(),
+        NOW,
+    )
     assert [o["kind"] for o in again.creates] == ["Job"] and again.status["learnerAttempt"] == 2
     assert Patch("Job", N["job"], {"spec": {"suspend": False}}) in again.patches
 
@@ -260,8 +409,12 @@ def test_a_learner_on_several_pods_fails_the_job_when_its_attempts_are_spent_or_
     assert spent.phase == "Failed" and spent.deletes == []
     assert "demo-learner-1-x9" in spent.status["message"]
     assert Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 0}}) in spent.patches
-    refused = _pod("learner", "demo-learner-0-ab", "Failed", containerStatuses=[
-        {"name": "learner", "state": {"terminated": {"exitCode": 2}}}])
+    refused = _pod(
+        "learner",
+        "demo-learner-0-ab",
+        "Failed",
+        containerStatuses=[{"name": "learner", "state": {"terminated": {"exitCode": 2}}}],
+    )
     config = _gang_failed("FailureTarget", "Failed", pods=[refused])
     assert config.phase == "Failed" and config.deletes == []
 
@@ -270,11 +423,23 @@ def test_a_learner_on_several_pods_fails_the_job_when_its_attempts_are_spent_or_
 def test_a_final_job_never_runs_again(phase: str) -> None:
     """Issue 41: the learner Job of a finished job deleted (by hand, by a TTL): nothing is created again, the pool stays
     at zero, the status stays. Before, the Job was recreated, the pool scaled up and the run started over."""
-    done = decide(World(ready=2, suspended=False, job_status={"conditions": [
-        {"type": phase, "status": "True", "reason": "BackoffLimitExceeded", "message": "m"}]}).observed(), NOW)
+    done = decide(
+        World(
+            ready=2,
+            suspended=False,
+            job_status={
+                "conditions": [{"type": phase, "status": "True", "reason": "BackoffLimitExceeded", "message": "m"}]
+            },
+        ).observed(),
+        NOW,
+    )
     assert done.phase == phase
-    gone = World(ready=0, exists=tuple(k for k in CHILD_KINDS if k != "Job"), status=done.status,
-                 spec=_spec(**{"rollout.replicas": 2}))
+    gone = World(
+        ready=0,
+        exists=tuple(k for k in CHILD_KINDS if k != "Job"),
+        status=done.status,
+        spec=_spec(**{"rollout.replicas": 2}),
+    )
     d = decide(gone.observed(), "2026-11-23T12:00:00Z")
     assert d.phase == phase and d.creates == [] and d.status == done.status
     assert d.patches == [Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 0}})]  # the render's 2
@@ -285,8 +450,16 @@ def test_every_status_message_fits_the_crd() -> None:
     from rmsft_operator.reconcile import MESSAGE_LIMIT, fit_message
 
     long = "x" * 10_000
-    d = decide(World(ready=2, suspended=False, job_status={"conditions": [
-        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": long}]}).observed(), NOW)
+    d = decide(
+        World(
+            ready=2,
+            suspended=False,
+            job_status={
+                "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": long}]
+            },
+        ).observed(),
+        NOW,
+    )
     assert MESSAGE_LIMIT - 5 <= len(d.status["message"]) <= MESSAGE_LIMIT
     assert d.status["message"].endswith("more characters cut]")
     assert all(len(c["message"]) <= MESSAGE_LIMIT for c in d.status["conditions"])
@@ -317,8 +490,13 @@ def test_a_learner_with_no_step_for_its_stall_timeout_is_reported_and_failed_onl
     moved = decide(replace(quiet, status=late.status, progress={"step": 6}), "2026-11-23T10:41:00Z")
     assert _cond(moved, "Progressing")["status"] == "True" and moved.status["lastStepTime"] == "2026-11-23T10:41:00Z"
     # Asked to fail: Failed, the pool scaled to zero, the learner Job suspended (its pod removed).
-    failing = World(spec=_spec(**{"learner.stallTimeout": "30m", "learner.failWhenStalled": True}), ready=2,
-                    suspended=False, job_status={"active": 1, "ready": 1}, learner_pods=pods)
+    failing = World(
+        spec=_spec(**{"learner.stallTimeout": "30m", "learner.failWhenStalled": True}),
+        ready=2,
+        suspended=False,
+        job_status={"active": 1, "ready": 1},
+        learner_pods=pods,
+    )
     obs = replace(failing.observed(), status=first.status, progress={"step": 5})
     failed = decide(obs, "2026-11-23T10:31:00Z")
     assert failed.phase == "Failed" and _cond(failed, "Failed")["reason"] == "LearnerStalled"
@@ -345,8 +523,9 @@ def test_invalid_spec_creates_nothing() -> None:
 
 
 def test_learner_progress_is_reported_and_kept_while_unreachable() -> None:
-    running = World(ready=2, suspended=False, job_status={"active": 1, "ready": 1},
-                    learner_pods=[_pod("learner", "l-1", "Running")])
+    running = World(
+        ready=2, suspended=False, job_status={"active": 1, "ready": 1}, learner_pods=[_pod("learner", "l-1", "Running")]
+    )
     evaluation = {"step": 20, "f1": 0.41, "mAP": 0.22, "mAP50": 0.5}
     progress = {"step": 23, "weightVersion": 23, "evaluation": evaluation}
     d = decide(replace(running.observed(), progress=progress), NOW)
@@ -359,16 +538,15 @@ def test_learner_progress_is_reported_and_kept_while_unreachable() -> None:
 
 
 def test_a_figure_the_new_evaluation_lacks_is_removed_not_kept_stale() -> None:
-    running = World(ready=2, suspended=False, job_status={"active": 1, "ready": 1},
-                    learner_pods=[_pod("learner", "l-1", "Running")])
+    running = World(
+        ready=2, suspended=False, job_status={"active": 1, "ready": 1}, learner_pods=[_pod("learner", "l-1", "Running")]
+    )
     old = decide(replace(running.observed(), progress={"evaluation": {"step": 20, "f1": 0.4, "mAP": 0.2}}), NOW)
-    new = decide(replace(running.observed(), status=old.status,
-                         progress={"evaluation": {"step": 30, "f1": 0.5}}), NOW)
+    new = decide(replace(running.observed(), status=old.status, progress={"evaluation": {"step": 30, "f1": 0.5}}), NOW)
     # The status is a merge patch: null deletes the old mAP instead of leaving it beside step 30.
     assert new.status["evaluation"] == {"step": 30, "f1": 0.5, "mAP": None}
     written = {**new.status, "evaluation": {"step": 30, "f1": 0.5}}  # what the API server stores
-    again = decide(replace(running.observed(), status=written, progress={"evaluation": {"step": 30, "f1": 0.5}}),
-                   NOW)
+    again = decide(replace(running.observed(), status=written, progress={"evaluation": {"step": 30, "f1": 0.5}}), NOW)
     assert again.status == written  # a fixed point: nothing more to write
 
 
@@ -400,8 +578,11 @@ SHM_TABLE: list[tuple[str, World, bool]] = [
     # no label: the cluster's default level, which the operator cannot see (FailedCreate names a refusal)
     ("shm-unlabelled", World(spec=_spec(**SHM), exists=(), namespace_labels=_psa(None)), False),
     ("shm-namespace-unreadable", World(spec=_spec(**SHM), exists=(), namespace_labels=None), False),
-    ("grpc-baseline", World(spec=_spec(**{"sync.transport": "grpc"}), exists=(),
-                            namespace_labels=_psa("baseline")), False),
+    (
+        "grpc-baseline",
+        World(spec=_spec(**{"sync.transport": "grpc"}), exists=(), namespace_labels=_psa("baseline")),
+        False,
+    ),
     ("auto-baseline", World(exists=(), namespace_labels=_psa("baseline")), False),  # auto = grpc in a cluster
 ]
 
@@ -422,8 +603,15 @@ def test_shm_in_a_namespace_that_refuses_hostpath_creates_nothing(case: tuple[st
     msg = d.status["message"]
     assert msg == _cond(d, "RolloutReady")["message"]
     level = world.namespace_labels[PSA_ENFORCE_LABEL]
-    for words in ("spec.sync.transport", "hostPath", f"{PSA_ENFORCE_LABEL}={level}", f"namespace {NS}",
-                  "spec.sync.transport: grpc", "privileged", f"/dev/shm/rmsft/{NS}.{NAME}"):
+    for words in (
+        "spec.sync.transport",
+        "hostPath",
+        f"{PSA_ENFORCE_LABEL}={level}",
+        f"namespace {NS}",
+        "spec.sync.transport: grpc",
+        "privileged",
+        f"/dev/shm/rmsft/{NS}.{NAME}",
+    ):
         assert words in msg, (words, msg)
     assert _cond(d, "InvalidSpec")["status"] == "False"
     assert not any(e[1] == "CheckpointsEphemeral" for e in d.events)  # no learner is on its way
@@ -437,15 +625,27 @@ def test_shm_in_a_namespace_that_refuses_hostpath_creates_nothing(case: tuple[st
 
 
 def test_shm_job_already_running_when_the_namespace_is_relabelled_keeps_running() -> None:
-    world = World(spec=_spec(**SHM), ready=2, suspended=False, job_status={"active": 1, "ready": 1},
-                  learner_pods=[_pod("learner", "l-1", "Running")], namespace_labels=_psa("baseline"))
+    world = World(
+        spec=_spec(**SHM),
+        ready=2,
+        suspended=False,
+        job_status={"active": 1, "ready": 1},
+        learner_pods=[_pod("learner", "l-1", "Running")],
+        namespace_labels=_psa("baseline"),
+    )
     d = decide(world.observed(), NOW)
     assert d.phase == "Running" and _cond(d, "RolloutReady")["reason"] == "PoolReady"
 
 
 def test_shared_memory_refusal_names_nothing_for_grpc() -> None:
-    job = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
-                     "metadata": {"name": NAME}, "spec": _spec(**{"sync.transport": "grpc"})})
+    job = parse_job(
+        {
+            "apiVersion": "rmsft.io/v1alpha1",
+            "kind": "RolloutMatchingJob",
+            "metadata": {"name": NAME},
+            "spec": _spec(**{"sync.transport": "grpc"}),
+        }
+    )
     assert shared_memory_refusal(job, NS, _psa("restricted")) == ""
 
 
@@ -556,13 +756,21 @@ class _Refusing(_Existing):
         self.writes.append(("create", obj["kind"]))
         return obj, True
 
-    def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any], sub: str | None = None,
-              expected: tuple[int, ...] = ()) -> dict[str, Any]:
+    def patch(
+        self,
+        kind: str,
+        namespace: str,
+        name: str,
+        body: dict[str, Any],
+        sub: str | None = None,
+        expected: tuple[int, ...] = (),
+    ) -> dict[str, Any]:
         self.writes.append(("patch", kind))
         return body
 
-    def patch_job_status(self, namespace: str, name: str, status: dict[str, Any],
-                         expected: tuple[int, ...] = ()) -> dict[str, Any]:
+    def patch_job_status(
+        self, namespace: str, name: str, status: dict[str, Any], expected: tuple[int, ...] = ()
+    ) -> dict[str, Any]:
         self.writes.append(("status", status["phase"]))
         return status
 
@@ -573,12 +781,19 @@ def test_a_create_the_api_refuses_is_reported_once_not_retried_in_a_loop(status:
     body = {"metadata": {"name": NAME, "namespace": NS, "uid": UID, "generation": 1}, "spec": _spec()}
     out = act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
     # What came before the refused child was created; nothing after it, and no patch of this pass was applied.
-    assert kube.writes == [("create", "Secret"), ("create", "ConfigMap"), ("create", "Service"),
-                           ("create", "NetworkPolicy"), ("create", "PodDisruptionBudget"), ("status", phase)]
+    assert kube.writes == [
+        ("create", "Secret"),
+        ("create", "ConfigMap"),
+        ("create", "Service"),
+        ("create", "NetworkPolicy"),
+        ("create", "PodDisruptionBudget"),
+        ("status", phase),
+    ]
     assert out.phase == phase
     failed = next(c for c in out.status["conditions"] if c["type"] == "Failed")
-    assert (failed["status"], failed["reason"]) == (("True", "CreateRefused") if phase == "Failed"
-                                                    else ("False", "NotFailed"))
+    assert (failed["status"], failed["reason"]) == (
+        ("True", "CreateRefused") if phase == "Failed" else ("False", "NotFailed")
+    )
     assert f"refused to create StatefulSet {N['statefulset']}" in out.status["message"]
     assert "admission webhook said no" in out.status["message"]
     assert [(t, r) for t, r, _ in out.events] == [("Warning", "CreateRefused")]
@@ -615,73 +830,139 @@ def test_a_colocate_job_creates_no_pool_and_resumes_its_learner_at_once() -> Non
     assert d.creates == []
     assert d.patches == [Patch("Job", N["job"], {"spec": {"suspend": False}})]  # nothing to wait for
     assert _cond(d, "RolloutReady")["reason"] == "Colocated"
-    running = World(spec=spec, exists=COLOCATE_CHILDREN, suspended=False,
-                    job_status={"active": 1, "ready": 1}, learner_pods=[_pod("learner", "l-1", "Running")])
+    running = World(
+        spec=spec,
+        exists=COLOCATE_CHILDREN,
+        suspended=False,
+        job_status={"active": 1, "ready": 1},
+        learner_pods=[_pod("learner", "l-1", "Running")],
+    )
     d = decide(running.observed(), NOW)
     assert d.phase == "Running" and d.patches == [] and d.status["rolloutReplicas"] == 0
-    done = World(spec=spec, exists=COLOCATE_CHILDREN, suspended=False,
-                 job_status={"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
+    done = World(
+        spec=spec,
+        exists=COLOCATE_CHILDREN,
+        suspended=False,
+        job_status={"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]},
+    )
     d = decide(done.observed(), NOW)
     assert d.phase == "Complete" and d.patches == []  # no StatefulSet to scale down
 
 
 # ------------------------------------------------------------------- a start that cannot succeed
 
-MIN_AGO = {m: f"2026-11-23T{(600 - m) // 60:02d}:{(600 - m) % 60:02d}:00Z"  # NOW=10:00
-           for m in (1, 4, 6, 29, 31, 45, 59, 61, 120)}
-LOG_TAIL = ("INFO 11-23 09:59:58 [__init__.py:244] Automatically detected platform cuda.\n"
-            "rmsft serve: invalid configuration:\n  model folder /models/missing does not exist\n")
+MIN_AGO = {
+    m: f"2026-11-23T{(600 - m) // 60:02d}:{(600 - m) % 60:02d}:00Z"  # NOW=10:00
+    for m in (1, 4, 6, 29, 31, 45, 59, 61, 120)
+}
+LOG_TAIL = (
+    "INFO 11-23 09:59:58 [__init__.py:244] Automatically detected platform cuda.\n"
+    "rmsft serve: invalid configuration:\n  model folder /models/missing does not exist\n"
+)
 
 
-def _server(name: str = "demo-rollout-0", created: int = 4, ready: bool = False, restarts: int = 0,
-            ended: dict[str, Any] | None = None, **status: Any) -> dict[str, Any]:
+def _server(
+    name: str = "demo-rollout-0",
+    created: int = 4,
+    ready: bool = False,
+    restarts: int = 0,
+    ended: dict[str, Any] | None = None,
+    **status: Any,
+) -> dict[str, Any]:
     """A rollout pod `created` minutes before NOW, in CrashLoopBackOff after `ended` when given."""
-    cs: dict[str, Any] = {"name": "rollout", "restartCount": restarts, "ready": ready,
-                          "state": {"running": {}} if ready or not ended else
-                          {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}}}
+    cs: dict[str, Any] = {
+        "name": "rollout",
+        "restartCount": restarts,
+        "ready": ready,
+        "state": {"running": {}}
+        if ready or not ended
+        else {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+    }
     if ended:
         cs["lastState"] = {"terminated": {"reason": "Error", **ended}}
-    pod = _pod("rollout", name, "Running", containerStatuses=[cs], conditions=[
-        {"type": "Ready", "status": "True" if ready else "False"}], **status)
+    pod = _pod(
+        "rollout",
+        name,
+        "Running",
+        containerStatuses=[cs],
+        conditions=[{"type": "Ready", "status": "True" if ready else "False"}],
+        **status,
+    )
     pod["metadata"]["creationTimestamp"] = MIN_AGO[created]
     return pod
 
 
 def _unschedulable(role: str, name: str, since: int) -> dict[str, Any]:
-    pod = _pod(role, name, conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                        "lastTransitionTime": MIN_AGO[since],
-                                        "message": "0/1 nodes are available: 1 Insufficient cpu."}])
+    pod = _pod(
+        role,
+        name,
+        conditions=[
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "lastTransitionTime": MIN_AGO[since],
+                "message": "0/1 nodes are available: 1 Insufficient cpu.",
+            }
+        ],
+    )
     pod["metadata"]["creationTimestamp"] = MIN_AGO[since]
     return pod
 
 
 _STARTED = {"ready": 2, "suspended": False, "job_status": {"active": 1}}
-PREFLIGHT_SAID = ("rmsft preflight: the model in /models/Qwen3-VL-2B-Instruct (spec.model.path) does not fit "
-                  f"training.format coordexp: ... Fix: {coordexp_fix('/models/Qwen3-VL-2B-Instruct')}")
+PREFLIGHT_SAID = (
+    "rmsft preflight: the model in /models/Qwen3-VL-2B-Instruct (spec.model.path) does not fit "
+    f"training.format coordexp: ... Fix: {coordexp_fix('/models/Qwen3-VL-2B-Instruct')}"
+)
 
 
-def _preflight(role: str = "rollout", name: str = "demo-rollout-0", exit_code: int = 2, restarted: bool = True,
-               container: str = render.PREFLIGHT_CONTAINER, message: str = PREFLIGHT_SAID) -> dict[str, Any]:
+def _preflight(
+    role: str = "rollout",
+    name: str = "demo-rollout-0",
+    exit_code: int = 2,
+    restarted: bool = True,
+    container: str = render.PREFLIGHT_CONTAINER,
+    message: str = PREFLIGHT_SAID,
+) -> dict[str, Any]:
     """A pod whose init container `container` exited with `exit_code`: a rollout pod then waits in
     Init:CrashLoopBackOff (the exit in lastState) unless not yet `restarted`; a learner pod (restartPolicy
     Never) is Failed."""
-    ended = {"terminated": {"exitCode": exit_code, "reason": "Error" if exit_code else "Completed",
-                            "message": message}}
-    init = {"name": container, "restartCount": 1 if restarted else 0, "ready": exit_code == 0,
-            **({"state": {"waiting": {"reason": "CrashLoopBackOff"}}, "lastState": ended} if restarted and exit_code
-               else {"state": ended, "lastState": {}})}
-    main = {"name": role, "restartCount": 0, "ready": False,
-            "state": {"waiting": {"reason": "PodInitializing"}} if exit_code else {"running": {}}}
+    ended = {"terminated": {"exitCode": exit_code, "reason": "Error" if exit_code else "Completed", "message": message}}
+    init = {
+        "name": container,
+        "restartCount": 1 if restarted else 0,
+        "ready": exit_code == 0,
+        **(
+            {"state": {"waiting": {"reason": "CrashLoopBackOff"}}, "lastState": ended}
+            if restarted and exit_code
+            else {"state": ended, "lastState": {}}
+        ),
+    }
+    main = {
+        "name": role,
+        "restartCount": 0,
+        "ready": False,
+        "state": {"waiting": {"reason": "PodInitializing"}} if exit_code else {"running": {}},
+    }
     phase = "Failed" if role == "learner" and exit_code else "Pending" if exit_code else "Running"
     pod = _pod(role, name, phase, initContainerStatuses=[init], containerStatuses=[main])
     pod["metadata"]["creationTimestamp"] = MIN_AGO[4]
     return pod
-def _waiting_for_image(reason: str, message: str, role: str = "rollout", name: str = "demo-rollout-0",
-                       init: bool = False) -> dict[str, Any]:
+
+
+def _waiting_for_image(
+    reason: str, message: str, role: str = "rollout", name: str = "demo-rollout-0", init: bool = False
+) -> dict[str, Any]:
     """A pod created 4 minutes before NOW whose container (the preflight init container when `init`) waits with
     the kubelet's `reason` and `message`."""
-    waiting = {"name": render.PREFLIGHT_CONTAINER if init else role, "image": "rmsft:missing", "ready": False,
-               "restartCount": 0, "state": {"waiting": {"reason": reason, "message": message}}}
+    waiting = {
+        "name": render.PREFLIGHT_CONTAINER if init else role,
+        "image": "rmsft:missing",
+        "ready": False,
+        "restartCount": 0,
+        "state": {"waiting": {"reason": reason, "message": message}},
+    }
     pod = _pod(role, name, **{"initContainerStatuses" if init else "containerStatuses": [waiting]})
     pod["metadata"]["creationTimestamp"] = MIN_AGO[4]
     return pod
@@ -689,97 +970,283 @@ def _waiting_for_image(reason: str, message: str, role: str = "rollout", name: s
 
 def _placed_not_started(since: int) -> dict[str, Any]:
     """A learner pod placed on a node `since` minutes before NOW, its container still being created."""
-    pod = _pod("learner", "demo-learner-x", conditions=[
-        {"type": "PodScheduled", "status": "True", "lastTransitionTime": MIN_AGO[since]}],
-        containerStatuses=[{"name": "learner", "ready": False, "restartCount": 0,
-                            "state": {"waiting": {"reason": "ContainerCreating"}}}])
+    pod = _pod(
+        "learner",
+        "demo-learner-x",
+        conditions=[{"type": "PodScheduled", "status": "True", "lastTransitionTime": MIN_AGO[since]}],
+        containerStatuses=[
+            {
+                "name": "learner",
+                "ready": False,
+                "restartCount": 0,
+                "state": {"waiting": {"reason": "ContainerCreating"}},
+            }
+        ],
+    )
     pod["metadata"]["creationTimestamp"] = MIN_AGO[since]
     return pod
 
 
 # (id, world, Failed reason or None, words the message holds)
 STARTUP_TABLE: list[tuple[str, World, str | None, list[str]]] = [
-    ("invalid-config", World(rollout_pods=[_server(ended={"exitCode": 1, "message": LOG_TAIL})]),
-     "RolloutInvalidConfig", ["demo-rollout-0", "rmsft serve: invalid configuration",
-                              "model folder /models/missing does not exist"]),
-    ("invalid-config-written-at-exit", World(rollout_pods=[_server(), _server("demo-rollout-1", ended={
-        "exitCode": 1, "message": "rmsft serve: invalid configuration:\n  tensor_parallel_size must be >= 1"})]),
-     "RolloutInvalidConfig", ["demo-rollout-1", "tensor_parallel_size must be >= 1"]),
-    ("crash-loop", World(rollout_pods=[_server(restarts=3, ended={"exitCode": 1, "message": (
-        "Traceback (most recent call last):\n...\nRuntimeError: CUDA error: out of memory")})]),
-     "RolloutCrashLoop", ["demo-rollout-0", "restarted 3 times", "exit code 1", "CUDA error: out of memory"]),
+    (
+        "invalid-config",
+        World(rollout_pods=[_server(ended={"exitCode": 1, "message": LOG_TAIL})]),
+        "RolloutInvalidConfig",
+        ["demo-rollout-0", "rmsft serve: invalid configuration", "model folder /models/missing does not exist"],
+    ),
+    (
+        "invalid-config-written-at-exit",
+        World(
+            rollout_pods=[
+                _server(),
+                _server(
+                    "demo-rollout-1",
+                    ended={
+                        "exitCode": 1,
+                        "message": "rmsft serve: invalid configuration:\n  tensor_parallel_size must be >= 1",
+                    },
+                ),
+            ]
+        ),
+        "RolloutInvalidConfig",
+        ["demo-rollout-1", "tensor_parallel_size must be >= 1"],
+    ),
+    (
+        "crash-loop",
+        World(
+            rollout_pods=[
+                _server(
+                    restarts=3,
+                    ended={
+                        "exitCode": 1,
+                        "message": ("Traceback (most recent call last):\n...\nRuntimeError: CUDA error: out of memory"),
+                    },
+                )
+            ]
+        ),
+        "RolloutCrashLoop",
+        ["demo-rollout-0", "restarted 3 times", "exit code 1", "CUDA error: out of memory"],
+    ),
     ("two-restarts-is-not-yet-a-loop", World(rollout_pods=[_server(restarts=2, ended={"exitCode": 1})]), None, []),
-    ("pool-not-ready-past-the-deadline", World(rollout_pods=[_unschedulable("rollout", "demo-rollout-1", 31)]),
-     "RolloutStartupTimeout", ["spec.rollout.startupTimeout (30 min)", "demo-rollout-1", "Insufficient cpu"]),
-    ("still-loading-past-the-deadline", World(rollout_pods=[_server(created=31)]),
-     "RolloutStartupTimeout", ["spec.rollout.startupTimeout (30 min)", "demo-rollout-0 is still starting"]),
-    ("pool-not-ready-within-the-deadline", World(rollout_pods=[_unschedulable("rollout", "demo-rollout-1", 29)]),
-     None, []),
-    ("own-deadline", World(spec=_spec(**{"rollout.startupTimeout": "5m"}), rollout_pods=[_server(created=6)]),
-     "RolloutStartupTimeout", ["spec.rollout.startupTimeout (5 min)"]),
-    ("own-deadline-in-seconds", World(spec=_spec(**{"rollout.startupTimeout": 3000}),
-                                      rollout_pods=[_server(created=31)]), None, []),
+    (
+        "pool-not-ready-past-the-deadline",
+        World(rollout_pods=[_unschedulable("rollout", "demo-rollout-1", 31)]),
+        "RolloutStartupTimeout",
+        ["spec.rollout.startupTimeout (30 min)", "demo-rollout-1", "Insufficient cpu"],
+    ),
+    (
+        "still-loading-past-the-deadline",
+        World(rollout_pods=[_server(created=31)]),
+        "RolloutStartupTimeout",
+        ["spec.rollout.startupTimeout (30 min)", "demo-rollout-0 is still starting"],
+    ),
+    (
+        "pool-not-ready-within-the-deadline",
+        World(rollout_pods=[_unschedulable("rollout", "demo-rollout-1", 29)]),
+        None,
+        [],
+    ),
+    (
+        "own-deadline",
+        World(spec=_spec(**{"rollout.startupTimeout": "5m"}), rollout_pods=[_server(created=6)]),
+        "RolloutStartupTimeout",
+        ["spec.rollout.startupTimeout (5 min)"],
+    ),
+    (
+        "own-deadline-in-seconds",
+        World(spec=_spec(**{"rollout.startupTimeout": 3000}), rollout_pods=[_server(created=31)]),
+        None,
+        [],
+    ),
     ("a-ready-server-is-not-late", World(ready=1, rollout_pods=[_server(created=120, ready=True)]), None, []),
     # Once the learner runs, a server that restarts is the failover's business, not a failed start.
-    ("learner-started", World(**_STARTED, rollout_pods=[_server(created=120, restarts=5, ended={
-        "exitCode": 1, "message": "rmsft serve: the engine is dead"})]), None, []),
-    ("learner-unschedulable-past-the-deadline", World(**_STARTED, learner_pods=[
-        _unschedulable("learner", "demo-learner-x", 31)]),
-     "LearnerUnschedulable", ["demo-learner-x", "spec.rollout.startupTimeout (30 min)", "Insufficient cpu"]),
-    ("learner-unschedulable-within-the-deadline", World(**_STARTED, learner_pods=[
-        _unschedulable("learner", "demo-learner-x", 29)]), None, []),
+    (
+        "learner-started",
+        World(
+            **_STARTED,
+            rollout_pods=[
+                _server(created=120, restarts=5, ended={"exitCode": 1, "message": "rmsft serve: the engine is dead"})
+            ],
+        ),
+        None,
+        [],
+    ),
+    (
+        "learner-unschedulable-past-the-deadline",
+        World(**_STARTED, learner_pods=[_unschedulable("learner", "demo-learner-x", 31)]),
+        "LearnerUnschedulable",
+        ["demo-learner-x", "spec.rollout.startupTimeout (30 min)", "Insufficient cpu"],
+    ),
+    (
+        "learner-unschedulable-within-the-deadline",
+        World(**_STARTED, learner_pods=[_unschedulable("learner", "demo-learner-x", 29)]),
+        None,
+        [],
+    ),
     # The model preflight (init container) refused the checkpoint: fail at once, whatever the pool does.
-    ("preflight-refused-the-model", World(rollout_pods=[_server(), _preflight(name="demo-rollout-1")]),
-     "ModelPreflightFailed", ["rollout pod demo-rollout-1", "exit code 2", "rmsft prepare-model", "DST",
-                              "spec.training.format: qwen_json"]),
-    ("preflight-refused-before-its-first-restart", World(rollout_pods=[_preflight(restarted=False)]),
-     "ModelPreflightFailed", ["rollout pod demo-rollout-0", "rmsft prepare-model"]),
-    ("preflight-said-it-in-its-log-tail", World(rollout_pods=[_preflight(message=(
-        "INFO 11-23 09:59:58 [__init__.py:244] Automatically detected platform cuda.\n" + PREFLIGHT_SAID))]),
-     "ModelPreflightFailed", ["rollout pod demo-rollout-0", "rmsft preflight: the model in"]),
-    ("preflight-refused-the-learners-model", World(**_STARTED, learner_pods=[
-        _preflight("learner", "demo-learner-x", restarted=False)]),
-     "ModelPreflightFailed", ["learner pod demo-learner-x", "rmsft prepare-model"]),
+    (
+        "preflight-refused-the-model",
+        World(rollout_pods=[_server(), _preflight(name="demo-rollout-1")]),
+        "ModelPreflightFailed",
+        ["rollout pod demo-rollout-1", "exit code 2", "rmsft prepare-model", "DST", "spec.training.format: qwen_json"],
+    ),
+    (
+        "preflight-refused-before-its-first-restart",
+        World(rollout_pods=[_preflight(restarted=False)]),
+        "ModelPreflightFailed",
+        ["rollout pod demo-rollout-0", "rmsft prepare-model"],
+    ),
+    (
+        "preflight-said-it-in-its-log-tail",
+        World(
+            rollout_pods=[
+                _preflight(
+                    message=(
+                        "INFO 11-23 09:59:58 [__init__.py:244] Automatically detected platform cuda.\n" + PREFLIGHT_SAID
+                    )
+                )
+            ]
+        ),
+        "ModelPreflightFailed",
+        ["rollout pod demo-rollout-0", "rmsft preflight: the model in"],
+    ),
+    (
+        "preflight-refused-the-learners-model",
+        World(**_STARTED, learner_pods=[_preflight("learner", "demo-learner-x", restarted=False)]),
+        "ModelPreflightFailed",
+        ["learner pod demo-learner-x", "rmsft prepare-model"],
+    ),
     ("preflight-passed", World(rollout_pods=[_preflight(exit_code=0, message="")]), None, []),
     # Issue 41: an image that cannot be had fails at once, in the kubelet's words (before: the start deadline,
     # 30 minutes, and "pod ... is still starting").
-    ("image-never-pulled", World(rollout_pods=[_waiting_for_image("ErrImageNeverPull", (
-        'Container image "rmsft:missing" is not present with pull policy of Never'))]),
-     "ImageUnavailable", ["rollout pod demo-rollout-0", "container rollout", "rmsft:missing", "ErrImageNeverPull",
-                          "is not present with pull policy of Never"]),
-    ("preflight-image-invalid", World(rollout_pods=[_waiting_for_image("InvalidImageName", (
-        'Failed to apply default image tag "Rmsft:Bad": invalid reference format'), init=True)]),
-     "ImageUnavailable", ["container preflight", "InvalidImageName", "invalid reference format"]),
-    ("learner-image-not-in-the-registry", World(**_STARTED, learner_pods=[_waiting_for_image("ErrImagePull", (
-        'failed to pull and unpack image "ghcr.io/x/rmsft:v9": ghcr.io/x/rmsft:v9: not found'),
-        role="learner", name="demo-learner-x")]),
-     "ImageUnavailable", ["learner pod demo-learner-x", "ErrImagePull", "rmsft:v9: not found"]),
-    ("a-pull-timeout-waits-for-the-deadline", World(rollout_pods=[_waiting_for_image("ErrImagePull", (
-        'failed to pull image "ghcr.io/x/rmsft:v9": dial tcp 10.0.0.1:443: i/o timeout'))]), None, []),
+    (
+        "image-never-pulled",
+        World(
+            rollout_pods=[
+                _waiting_for_image(
+                    "ErrImageNeverPull", ('Container image "rmsft:missing" is not present with pull policy of Never')
+                )
+            ]
+        ),
+        "ImageUnavailable",
+        [
+            "rollout pod demo-rollout-0",
+            "container rollout",
+            "rmsft:missing",
+            "ErrImageNeverPull",
+            "is not present with pull policy of Never",
+        ],
+    ),
+    (
+        "preflight-image-invalid",
+        World(
+            rollout_pods=[
+                _waiting_for_image(
+                    "InvalidImageName",
+                    ('Failed to apply default image tag "Rmsft:Bad": invalid reference format'),
+                    init=True,
+                )
+            ]
+        ),
+        "ImageUnavailable",
+        ["container preflight", "InvalidImageName", "invalid reference format"],
+    ),
+    (
+        "learner-image-not-in-the-registry",
+        World(
+            **_STARTED,
+            learner_pods=[
+                _waiting_for_image(
+                    "ErrImagePull",
+                    ('failed to pull and unpack image "ghcr.io/x/rmsft:v9": ghcr.io/x/rmsft:v9: not found'),
+                    role="learner",
+                    name="demo-learner-x",
+                )
+            ],
+        ),
+        "ImageUnavailable",
+        ["learner pod demo-learner-x", "ErrImagePull", "rmsft:v9: not found"],
+    ),
+    (
+        "a-pull-timeout-waits-for-the-deadline",
+        World(
+            rollout_pods=[
+                _waiting_for_image(
+                    "ErrImagePull", ('failed to pull image "ghcr.io/x/rmsft:v9": dial tcp 10.0.0.1:443: i/o timeout')
+                )
+            ]
+        ),
+        None,
+        [],
+    ),
     # A learner pod placed on a node whose containers never start (a volume that does not attach) gets the
     # start deadline too (before: no clock at all).
-    ("learner-never-starts", World(**_STARTED, learner_pods=[_placed_not_started(31)]),
-     "LearnerStartupTimeout", ["learner pod demo-learner-x", "spec.rollout.startupTimeout (30 min)",
-                               "learner: ContainerCreating", "kubectl describe pod demo-learner-x"]),
+    (
+        "learner-never-starts",
+        World(**_STARTED, learner_pods=[_placed_not_started(31)]),
+        "LearnerStartupTimeout",
+        [
+            "learner pod demo-learner-x",
+            "spec.rollout.startupTimeout (30 min)",
+            "learner: ContainerCreating",
+            "kubectl describe pod demo-learner-x",
+        ],
+    ),
     ("learner-starting-within-the-deadline", World(**_STARTED, learner_pods=[_placed_not_started(29)]), None, []),
     # The pool's clock is the job's (the StatefulSet's creation), not each pod's: a pod made again 4 minutes ago
     # in a pool asked for 31 minutes ago is late, and so are pods the API refused to create all along.
-    ("pool-clock-is-the-jobs", World(pool_created=MIN_AGO[31], rollout_pods=[_server(created=4)]),
-     "RolloutStartupTimeout", ["spec.rollout.startupTimeout (30 min)", "demo-rollout-0 is still starting"]),
-    ("pool-pods-refused-past-the-deadline", World(pool_created=MIN_AGO[31], failed_creates={
-        "StatefulSet": 'pods "demo-rollout-1" is forbidden: exceeded quota: gpu, requested: nvidia.com/gpu=1'}),
-     "RolloutStartupTimeout", ["rollout pods cannot be created", "exceeded quota"]),
-    ("pool-pods-refused-within-the-deadline", World(pool_created=MIN_AGO[29], failed_creates={
-        "StatefulSet": 'pods "demo-rollout-1" is forbidden: exceeded quota'}), None, []),
-    ("another-init-container-failed", World(**_STARTED, learner_pods=[
-        _preflight("learner", "demo-learner-x", exit_code=1, restarted=False, container="shared-weights-owner",
-                   message="chown: /rmsft-shared: Operation not permitted")]), None, []),
+    (
+        "pool-clock-is-the-jobs",
+        World(pool_created=MIN_AGO[31], rollout_pods=[_server(created=4)]),
+        "RolloutStartupTimeout",
+        ["spec.rollout.startupTimeout (30 min)", "demo-rollout-0 is still starting"],
+    ),
+    (
+        "pool-pods-refused-past-the-deadline",
+        World(
+            pool_created=MIN_AGO[31],
+            failed_creates={
+                "StatefulSet": 'pods "demo-rollout-1" is forbidden: exceeded quota: gpu, requested: nvidia.com/gpu=1'
+            },
+        ),
+        "RolloutStartupTimeout",
+        ["rollout pods cannot be created", "exceeded quota"],
+    ),
+    (
+        "pool-pods-refused-within-the-deadline",
+        World(
+            pool_created=MIN_AGO[29],
+            failed_creates={"StatefulSet": 'pods "demo-rollout-1" is forbidden: exceeded quota'},
+        ),
+        None,
+        [],
+    ),
+    (
+        "another-init-container-failed",
+        World(
+            **_STARTED,
+            learner_pods=[
+                _preflight(
+                    "learner",
+                    "demo-learner-x",
+                    exit_code=1,
+                    restarted=False,
+                    container="shared-weights-owner",
+                    message="chown: /rmsft-shared: Operation not permitted",
+                )
+            ],
+        ),
+        None,
+        [],
+    ),
 ]
 
 
 @pytest.mark.parametrize("case", STARTUP_TABLE, ids=[c[0] for c in STARTUP_TABLE])
 def test_a_start_that_cannot_succeed_fails_the_job_and_frees_the_pool(
-        case: tuple[str, World, str | None, list[str]]) -> None:
+    case: tuple[str, World, str | None, list[str]],
+) -> None:
     _, world, reason, words = case
     d = decide(world.observed(), NOW)
     scale_to_zero = Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 0}})
@@ -795,8 +1262,7 @@ def test_a_start_that_cannot_succeed_fails_the_job_and_frees_the_pool(
     assert "Automatically detected platform" not in d.status["message"]  # the server's words, not its log
     assert failed["message"] == d.status["message"]
     # Nothing held: the pool at zero; a learner that was let go is suspended (its pending pod removed).
-    expected = [scale_to_zero] + ([Patch("Job", N["job"], {"spec": {"suspend": True}})] if not world.suspended
-                                  else [])
+    expected = [scale_to_zero] + ([Patch("Job", N["job"], {"spec": {"suspend": True}})] if not world.suspended else [])
     assert d.patches == expected
     assert d.status["rolloutReplicas"] == 0 and d.status["completionTime"] == NOW
     assert d.events[-1] == ("Warning", "PhaseFailed", d.status["message"])
@@ -805,9 +1271,23 @@ def test_a_start_that_cannot_succeed_fails_the_job_and_frees_the_pool(
 def test_a_learner_job_failed_by_its_preflight_reports_the_preflights_words() -> None:
     # backoffLimit reached before the operator saw the pod: the Job is Failed (its pods counted failed: issue 62, no
     # pod of it ran, so the preflight's verdict holds), its pod kept with the exit.
-    world = World(**{**_STARTED, "job_status": {"failed": 3, "conditions": [
-        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "Job has reached the "
-         "specified backoff limit"}]}}, learner_pods=[_preflight("learner", "demo-learner-x", restarted=False)])
+    world = World(
+        **{
+            **_STARTED,
+            "job_status": {
+                "failed": 3,
+                "conditions": [
+                    {
+                        "type": "Failed",
+                        "status": "True",
+                        "reason": "BackoffLimitExceeded",
+                        "message": "Job has reached the specified backoff limit",
+                    }
+                ],
+            },
+        },
+        learner_pods=[_preflight("learner", "demo-learner-x", restarted=False)],
+    )
     d = decide(world.observed(), NOW)
     assert d.phase == "Failed" and _cond(d, "Failed")["reason"] == "ModelPreflightFailed"
     assert "rmsft prepare-model" in d.status["message"] and "BackoffLimitExceeded" not in d.status["message"]
@@ -827,16 +1307,25 @@ def test_a_failed_start_stays_failed_once_its_pods_are_gone() -> None:
 
 
 def test_admission_checks_come_before_the_start_deadline() -> None:
-    world = World(spec=_spec(**{"rollout.port": 9090, "rollout.metricsPort": 9090}), applied_spec=_spec(),
-                  rollout_pods=[_server(ended={"exitCode": 1, "message": LOG_TAIL})])
+    world = World(
+        spec=_spec(**{"rollout.port": 9090, "rollout.metricsPort": 9090}),
+        applied_spec=_spec(),
+        rollout_pods=[_server(ended={"exitCode": 1, "message": LOG_TAIL})],
+    )
     d = decide(world.observed(), NOW)
     assert d.phase == "Invalid" and d.patches == []
 
 
 def test_the_startup_probe_waits_as_long_as_the_deadline() -> None:
     for value, threshold in (("30m", 180), (95, 10), ("1h", 360)):
-        job = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
-                         "metadata": {"name": NAME}, "spec": _spec(**{"rollout.startupTimeout": value})})
+        job = parse_job(
+            {
+                "apiVersion": "rmsft.io/v1alpha1",
+                "kind": "RolloutMatchingJob",
+                "metadata": {"name": NAME},
+                "spec": _spec(**{"rollout.startupTimeout": value}),
+            }
+        )
         probe = render.render_statefulset(job, NS, UID)["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
         assert probe["periodSeconds"] * probe["failureThreshold"] >= job.spec.rollout.startup_timeout_seconds
         assert probe["failureThreshold"] == threshold
@@ -847,13 +1336,30 @@ def test_the_startup_probe_waits_as_long_as_the_deadline() -> None:
 
 def _finished_learner(name: str, message: str, phase: str = "Succeeded") -> dict[str, Any]:
     code = 0 if phase == "Succeeded" else 1
-    return _pod("learner", name, phase, containerStatuses=[{"name": "learner", "restartCount": 0, "state": {
-        "terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error", "message": message}}}])
+    return _pod(
+        "learner",
+        name,
+        phase,
+        containerStatuses=[
+            {
+                "name": "learner",
+                "restartCount": 0,
+                "state": {
+                    "terminated": {
+                        "exitCode": code,
+                        "reason": "Completed" if code == 0 else "Error",
+                        "message": message,
+                    }
+                },
+            }
+        ],
+    )
 
 
 def test_step_never_goes_back_across_a_learner_restart() -> None:
-    running = World(ready=2, suspended=False, job_status={"active": 1, "ready": 1},
-                    learner_pods=[_pod("learner", "l-2", "Running")])
+    running = World(
+        ready=2, suspended=False, job_status={"active": 1, "ready": 1}, learner_pods=[_pod("learner", "l-2", "Running")]
+    )
     before = {**running.observed().status, "step": 14, "weightVersion": 14}
     # The restarted learner's /metrics says 0 until it finished its first step after resuming.
     d = decide(replace(running.observed(), status=before, progress={"step": 0, "weightVersion": 0}), NOW)
@@ -864,28 +1370,40 @@ def test_step_never_goes_back_across_a_learner_restart() -> None:
 
 def test_a_complete_job_reports_the_learners_last_step_not_the_last_scrape() -> None:
     # The last /metrics read saw step 14; the learner went on to 24 and said so when it exited.
-    done = World(ready=2, suspended=False, job_status={"succeeded": 1, "conditions": [
-        {"type": "Complete", "status": "True"}]}, learner_pods=[
-        _finished_learner("l-1", "rmsft train: finished at step 24, weight version 24\n")],
-        status={"phase": "Running", "step": 14, "weightVersion": 14})
+    done = World(
+        ready=2,
+        suspended=False,
+        job_status={"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]},
+        learner_pods=[_finished_learner("l-1", "rmsft train: finished at step 24, weight version 24\n")],
+        status={"phase": "Running", "step": 14, "weightVersion": 14},
+    )
     d = decide(done.observed(), NOW)
     assert d.phase == "Complete"
     assert (d.status["step"], d.status["weightVersion"]) == (24, 24)
 
 
 def test_a_failed_learner_keeps_the_last_step_seen() -> None:
-    failed = World(ready=2, suspended=False, job_status={"failed": 1, "conditions": [
-        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}, learner_pods=[
-        _finished_learner("l-1", "Traceback ...\nRuntimeError: boom", "Failed")],
-        status={"phase": "Running", "step": 14, "weightVersion": 14})
+    failed = World(
+        ready=2,
+        suspended=False,
+        job_status={
+            "failed": 1,
+            "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}],
+        },
+        learner_pods=[_finished_learner("l-1", "Traceback ...\nRuntimeError: boom", "Failed")],
+        status={"phase": "Running", "step": 14, "weightVersion": 14},
+    )
     d = decide(failed.observed(), NOW)
     assert d.phase == "Failed" and d.status["step"] == 14
 
 
 def test_final_progress_is_the_highest_any_finished_learner_pod_wrote() -> None:
-    pods = [_finished_learner("l-1", "rmsft train: finished at step 25, weight version 25"),
-            _finished_learner("l-2", "rmsft train: finished at step 60, weight version 61"),
-            _finished_learner("l-3", "RuntimeError: boom", "Failed"), _pod("learner", "l-4", "Running")]
+    pods = [
+        _finished_learner("l-1", "rmsft train: finished at step 25, weight version 25"),
+        _finished_learner("l-2", "rmsft train: finished at step 60, weight version 61"),
+        _finished_learner("l-3", "RuntimeError: boom", "Failed"),
+        _pod("learner", "l-4", "Running"),
+    ]
     assert learner_final_progress(pods) == {"step": 60, "weightVersion": 61}
     assert learner_final_progress(pods[2:]) == {}
     # what the learner writes is what the operator reads
@@ -904,9 +1422,14 @@ def test_a_server_lost_mid_run_is_said_once_and_given_back_when_it_is_the_pools_
     ready = [_server(f"demo-rollout-{i}", ready=True) for i in (0, 1)]
 
     def running(pods: list[dict[str, Any]], status: dict[str, Any] | None = None, pool: int = 3) -> Observed:
-        obs = World(spec=spec, ready=sum(_pod_ready_in(p) for p in pods), suspended=False,
-                    job_status={"active": 1, "ready": 1}, rollout_pods=pods,
-                    status={"startTime": MIN_AGO[120], **(status or {})}).observed()
+        obs = World(
+            spec=spec,
+            ready=sum(_pod_ready_in(p) for p in pods),
+            suspended=False,
+            job_status={"active": 1, "ready": 1},
+            rollout_pods=pods,
+            status={"startTime": MIN_AGO[120], **(status or {})},
+        ).observed()
         obs.children["StatefulSet"]["spec"]["replicas"] = pool  # as the last patch left it
         return obs
 
@@ -934,8 +1457,11 @@ def test_a_server_lost_mid_run_is_said_once_and_given_back_when_it_is_the_pools_
     assert "1 given back mid-run" in _cond(after, "RolloutReady")["message"]
     assert not any(e[1] == "ServerLost" for e in after.events)
     # rollout-1 lost below a Ready rollout-2: named and kept (a StatefulSet gives back only its top).
-    middle = [_server("demo-rollout-0", ready=True), _server("demo-rollout-1", created=45, restarts=9, ended=crash),
-              _server("demo-rollout-2", ready=True)]
+    middle = [
+        _server("demo-rollout-0", ready=True),
+        _server("demo-rollout-1", created=45, restarts=9, ended=crash),
+        _server("demo-rollout-2", ready=True),
+    ]
     kept = decide(running(middle), NOW)
     assert not any(p.kind == "StatefulSet" for p in kept.patches) and "releasedRolloutReplicas" not in kept.status
     assert "kept ordinal(s) 1" in _cond(kept, "RolloutReady")["message"]
@@ -966,10 +1492,12 @@ def test_the_relay_allowlist_names_the_jobs_own_servers_exactly() -> None:
     allow = ServeConfig(model="m", relay_allow=serve["relay_allow"])
     servers = obs.children["ConfigMap"]["data"][render.SERVERS_KEY].split()
     assert len(servers) == 3 and all(map(allow.relay_allowed, servers))  # every address the learner relays to
-    for other in (f"{N['statefulset']}-0.{N['service']}.other-team.svc:{port}",  # another namespace
-                  f"{N['statefulset']}-0.{N['service']}.{NS}.svc:{port + 1}",  # another port
-                  f"{N['statefulset']}-0.x.{N['service']}.{NS}.svc:{port}",  # what `*` let through
-                  f"{N['statefulset']}-256.{N['service']}.{NS}.svc:{port}"):
+    for other in (
+        f"{N['statefulset']}-0.{N['service']}.other-team.svc:{port}",  # another namespace
+        f"{N['statefulset']}-0.{N['service']}.{NS}.svc:{port + 1}",  # another port
+        f"{N['statefulset']}-0.x.{N['service']}.{NS}.svc:{port}",  # what `*` let through
+        f"{N['statefulset']}-256.{N['service']}.{NS}.svc:{port}",
+    ):
         assert not allow.relay_allowed(other), other
     assert decide(obs, NOW).patches == []  # as rendered: nothing to patch
 
@@ -982,7 +1510,8 @@ _QUEUED = {"scheduling.queueName": "gpu-team"}
 def _placed(pod: dict[str, Any], minutes: int) -> dict[str, Any]:
     """`pod`, placed by the scheduler `minutes` before NOW (PodScheduled True since then)."""
     pod["status"].setdefault("conditions", []).append(
-        {"type": "PodScheduled", "status": "True", "lastTransitionTime": MIN_AGO[minutes]})
+        {"type": "PodScheduled", "status": "True", "lastTransitionTime": MIN_AGO[minutes]}
+    )
     return pod
 
 
@@ -997,10 +1526,15 @@ def test_a_queued_job_labels_its_two_workloads_and_leaves_the_learners_suspend_t
     assert created["Job"]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-team"
     assert created["StatefulSet"]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-team"
     assert created["Job"]["spec"]["suspend"] is True
-    assert not any("kueue.x-k8s.io/queue-name" in (o["metadata"].get("labels") or {}) for k, o in created.items()
-                   if k not in ("Job", "StatefulSet"))
-    assert not any("kueue.x-k8s.io/queue-name" in o["spec"]["template"]["metadata"]["labels"]
-                   for o in (created["Job"], created["StatefulSet"]))  # Kueue's webhooks label the pods
+    assert not any(
+        "kueue.x-k8s.io/queue-name" in (o["metadata"].get("labels") or {})
+        for k, o in created.items()
+        if k not in ("Job", "StatefulSet")
+    )
+    assert not any(
+        "kueue.x-k8s.io/queue-name" in o["spec"]["template"]["metadata"]["labels"]
+        for o in (created["Job"], created["StatefulSet"])
+    )  # Kueue's webhooks label the pods
     unqueued = {render.child_key(o): o for o in decide(World(exists=()).observed(), NOW).creates}
     assert "kueue.x-k8s.io/queue-name" not in unqueued["Job"]["metadata"]["labels"]
 
@@ -1011,8 +1545,16 @@ def test_a_queued_job_labels_its_two_workloads_and_leaves_the_learners_suspend_t
     # Not resumed by the operator without a queue: the same world resumes it.
     assert decide(World(ready=2).observed(), NOW).patches == [Patch("Job", N["job"], {"spec": {"suspend": False}})]
     # Kueue admitted the learner before the pool was Ready: it runs and waits; the pool still starts.
-    early = decide(World(spec=spec, ready=1, suspended=False, job_status={"active": 1, "ready": 1},
-                         learner_pods=[_pod("learner", "l-1", "Running")]).observed(), NOW)
+    early = decide(
+        World(
+            spec=spec,
+            ready=1,
+            suspended=False,
+            job_status={"active": 1, "ready": 1},
+            learner_pods=[_pod("learner", "l-1", "Running")],
+        ).observed(),
+        NOW,
+    )
     assert early.patches == [] and "startTime" not in early.status and early.phase == "Running"
     assert _cond(early, "RolloutReady")["reason"] == "PoolNotReady"
 
@@ -1028,14 +1570,19 @@ def test_a_queued_job_that_fails_to_start_deletes_its_learner_job_instead_of_sus
         assert d.deletes == [Delete("Job", N["job"], "job-uid-1")]
         assert d.patches == [Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 0}})]
     unqueued = decide(World(rollout_pods=crash).observed(), NOW)  # its Job stays suspended, as the operator made it
-    assert unqueued.phase == "Failed" and unqueued.deletes == [] and not [p for p in unqueued.patches
-                                                                          if p.kind == "Job"]
+    assert (
+        unqueued.phase == "Failed" and unqueued.deletes == [] and not [p for p in unqueued.patches if p.kind == "Job"]
+    )
 
     final = {"phase": "Failed", "message": "learner failed"}
     d = decide(World(spec=_spec(**_QUEUED), suspended=False, status=final).observed(), NOW)
     assert d.deletes == [Delete("Job", N["job"], "job-uid-1")] and not [p for p in d.patches if p.kind == "Job"]
-    ended = decide(World(spec=_spec(**_QUEUED), suspended=False, job_status={"succeeded": 1},
-                         status={"phase": "Complete"}).observed(), NOW)
+    ended = decide(
+        World(
+            spec=_spec(**_QUEUED), suspended=False, job_status={"succeeded": 1}, status={"phase": "Complete"}
+        ).observed(),
+        NOW,
+    )
     assert ended.deletes == []  # a learner Job that ended is kept (its pods' logs)
 
 
@@ -1047,8 +1594,10 @@ def test_a_queued_pool_is_timed_from_its_placement_not_its_creation() -> None:
     gated = _server("demo-rollout-0", created=120)
     gated["status"]["conditions"].append({"type": "PodScheduled", "status": "False", "reason": "SchedulingGated"})
     assert decide(World(spec=spec, rollout_pods=[gated]).observed(), NOW).phase == "Pending"
-    assert _cond(decide(World(spec=_spec(), rollout_pods=[copy.deepcopy(gated)]).observed(), NOW),
-                 "Failed")["reason"] == "RolloutStartupTimeout"
+    assert (
+        _cond(decide(World(spec=_spec(), rollout_pods=[copy.deepcopy(gated)]).observed(), NOW), "Failed")["reason"]
+        == "RolloutStartupTimeout"
+    )
     recent = _placed(_server("demo-rollout-0", created=120), 29)
     assert decide(World(spec=spec, rollout_pods=[recent]).observed(), NOW).phase == "Pending"
     stuck = _placed(_server("demo-rollout-0", created=120), 31)
@@ -1068,12 +1617,21 @@ def test_a_pool_left_idle_by_a_learner_kueue_does_not_admit_fails_the_job_after_
     idle = decide(replace(waiting, status={"startTime": MIN_AGO[31]}).observed(), NOW)
     assert idle.phase == "Failed" and _cond(idle, "Failed")["reason"] == "LearnerNotAdmitted"
     assert _cond(idle, "LearnerRunning")["reason"] == "LearnerNotAdmitted"
-    assert "LocalQueue gpu-team" in idle.status["message"] and "spec.rollout.startupTimeout (30 min)" in \
-        idle.status["message"]
+    assert (
+        "LocalQueue gpu-team" in idle.status["message"]
+        and "spec.rollout.startupTimeout (30 min)" in idle.status["message"]
+    )
     assert idle.deletes == [Delete("Job", N["job"], "job-uid-1")]
     assert idle.patches == [Patch("StatefulSet", N["statefulset"], {"spec": {"replicas": 0}})]
-    preempted = replace(waiting, status={"startTime": MIN_AGO[120]}, job_status={"conditions": [
-        {"type": "Suspended", "status": "True", "reason": "JobSuspended", "lastTransitionTime": MIN_AGO[4]}]})
+    preempted = replace(
+        waiting,
+        status={"startTime": MIN_AGO[120]},
+        job_status={
+            "conditions": [
+                {"type": "Suspended", "status": "True", "reason": "JobSuspended", "lastTransitionTime": MIN_AGO[4]}
+            ]
+        },
+    )
     assert decide(preempted.observed(), NOW).phase != "Failed"
     unqueued = World(ready=2, status={"startTime": MIN_AGO[120]})  # the operator resumes it: nothing to wait for
     assert decide(unqueued.observed(), NOW).patches == [Patch("Job", N["job"], {"spec": {"suspend": False}})]
@@ -1084,12 +1642,19 @@ def test_the_learner_kueue_starts_before_its_pool_waits_as_long_as_the_pool_may_
     queued, Kueue may start it first; unqueued, a retry's pod (issue 60) starts while servers may still restart,
     and waits as the first start does rather than one request's timeout."""
     spec = _spec(**{"rollout.startupTimeout": "30m"})
-    request = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
-                         "metadata": {"name": NAME}, "spec": spec}).spec
+    request = parse_job(
+        {"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob", "metadata": {"name": NAME}, "spec": spec}
+    ).spec
     assert request.training.rollout.request_timeout_s < 1800
     assert request.pool_wait_seconds == 1800
-    queued = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
-                        "metadata": {"name": NAME}, "spec": {**spec, "scheduling": {"queueName": "gpu-team"}}}).spec
+    queued = parse_job(
+        {
+            "apiVersion": "rmsft.io/v1alpha1",
+            "kind": "RolloutMatchingJob",
+            "metadata": {"name": NAME},
+            "spec": {**spec, "scheduling": {"queueName": "gpu-team"}},
+        }
+    ).spec
     assert queued.pool_wait_seconds == 1800
 
 
@@ -1109,10 +1674,17 @@ def test_a_learner_pod_the_api_refuses_to_create_fails_the_job_after_the_startup
     """(a) A namespace GPU ResourceQuota the pool already uses (or Pod Security, a webhook) refuses the learner's pod:
     before, a condition and no deadline (3 days Starting with the pool Ready). The clock is the first refusal's event
     time (the API's), so a lost status write (the status below is empty every pass) cannot restart it."""
-    quota = ('pods "demo-learner-x" is forbidden: exceeded quota: gpu, requested: nvidia.com/gpu=1, '
-             'used: nvidia.com/gpu=2')
-    world = World(ready=2, suspended=False, job_status={"active": 0}, failed_creates={"Job": quota},
-                  failed_create_since={"Job": MIN_AGO[29]}, job_started=MIN_AGO[29])
+    quota = (
+        'pods "demo-learner-x" is forbidden: exceeded quota: gpu, requested: nvidia.com/gpu=1, used: nvidia.com/gpu=2'
+    )
+    world = World(
+        ready=2,
+        suspended=False,
+        job_status={"active": 0},
+        failed_creates={"Job": quota},
+        failed_create_since={"Job": MIN_AGO[29]},
+        job_started=MIN_AGO[29],
+    )
     waiting = decide(world.observed(), NOW)
     assert waiting.phase == "Starting" and _cond(waiting, "LearnerRunning")["reason"] == "FailedCreate"
     assert _SCALE_TO_ZERO not in waiting.patches
@@ -1123,16 +1695,24 @@ def test_a_learner_pod_the_api_refuses_to_create_fails_the_job_after_the_startup
     assert "spec.rollout.startupTimeout (30 min)" in late.status["message"]
     assert Patch("Job", N["job"], {"spec": {"suspend": True}}) in late.patches  # its pod removed
     # No event seen (expired): the Job's own start is the clock.
-    _failed_with(decide(replace(world, failed_create_since={}, job_started=MIN_AGO[31]).observed(), NOW),
-                 "LearnerCreateRefused")
+    _failed_with(
+        decide(replace(world, failed_create_since={}, job_started=MIN_AGO[31]).observed(), NOW), "LearnerCreateRefused"
+    )
 
 
 class _RefusingJobs(_Refusing):
     """A namespace whose quota on count/jobs.batch (or a webhook on Jobs) refuses the learner Job; the StatefulSet
     created before it is kept as patched."""
 
-    def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any], sub: str | None = None,
-              expected: tuple[int, ...] = ()) -> dict[str, Any]:
+    def patch(
+        self,
+        kind: str,
+        namespace: str,
+        name: str,
+        body: dict[str, Any],
+        sub: str | None = None,
+        expected: tuple[int, ...] = (),
+    ) -> dict[str, Any]:
         super().patch(kind, namespace, name, body, sub, expected)
         if kind == "StatefulSet":
             self.objects["StatefulSet"]["spec"].update(body["spec"])
@@ -1141,6 +1721,7 @@ class _RefusingJobs(_Refusing):
 
 def _ago(minutes: int) -> str:
     import datetime as dt
+
     return (dt.datetime.now(dt.UTC) - dt.timedelta(minutes=minutes)).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -1149,8 +1730,10 @@ def test_a_learner_job_the_api_forbids_frees_the_pool_at_once_and_fails_after_th
     ever. Now the pool is scaled to zero while it is retried, and the job is Failed once spec.rollout.startupTimeout
     has passed since its creation (the API's metadata.creationTimestamp: no status write restarts it)."""
     kube = _RefusingJobs("Job", 403)
-    body = {"metadata": {"name": NAME, "namespace": NS, "uid": UID, "generation": 1,
-                         "creationTimestamp": _ago(1)}, "spec": _spec()}
+    body = {
+        "metadata": {"name": NAME, "namespace": NS, "uid": UID, "generation": 1, "creationTimestamp": _ago(1)},
+        "spec": _spec(),
+    }
     out = act(kube, obs := observe(kube, body), decide(obs, NOW))  # type: ignore[arg-type]
     assert out.phase == "Pending" and out.status["rolloutReplicas"] == 0
     assert ("create", "StatefulSet") in kube.writes and kube.writes[-1] == ("patch", "StatefulSet")
@@ -1171,12 +1754,25 @@ def test_a_learner_job_the_api_forbids_frees_the_pool_at_once_and_fails_after_th
 
 
 def _stuck_gang(minutes: int) -> World:
-    conditions = [{"type": "FailureTarget", "status": "True", "reason": "PodFailurePolicy", "message": _LOST,
-                   "lastTransitionTime": MIN_AGO[minutes]}]
+    conditions = [
+        {
+            "type": "FailureTarget",
+            "status": "True",
+            "reason": "PodFailurePolicy",
+            "message": _LOST,
+            "lastTransitionTime": MIN_AGO[minutes],
+        }
+    ]
     terminating = _pod("learner", "demo-learner-0-ab", "Running")
     terminating["metadata"]["deletionTimestamp"] = MIN_AGO[minutes]
-    return World(spec=_spec(**_GANG), ready=2, suspended=False, job_status={"conditions": conditions},
-                 status={"phase": "Running", "learnerAttempt": 1}, learner_pods=[terminating])
+    return World(
+        spec=_spec(**_GANG),
+        ready=2,
+        suspended=False,
+        job_status={"conditions": conditions},
+        status={"phase": "Running", "learnerAttempt": 1},
+        learner_pods=[terminating],
+    )
 
 
 def test_an_attempt_whose_pods_never_stop_fails_the_job_after_their_grace_period() -> None:
@@ -1206,11 +1802,16 @@ def test_a_queued_pool_placed_only_in_part_is_timed_from_its_admission() -> None
     late = decide(World(spec=spec, ready=1, rollout_pods=pool(31)).observed(), NOW)
     _failed_with(late, "RolloutStartupTimeout")
     assert "demo-rollout-1" in late.status["message"] and late.deletes == [Delete("Job", N["job"], "job-uid-1")]
-    gated = _pod("rollout", "demo-rollout-1", conditions=[{"type": "PodScheduled", "status": "False",
-                                                           "reason": "SchedulingGated"}])
+    gated = _pod(
+        "rollout",
+        "demo-rollout-1",
+        conditions=[{"type": "PodScheduled", "status": "False", "reason": "SchedulingGated"}],
+    )
     still_queued = [_placed(_server("demo-rollout-0", created=120), 31)]
-    still_queued[0]["status"]["conditions"] = [{"type": "Ready", "status": "True"}, *still_queued[0]["status"][
-        "conditions"][1:]]
+    still_queued[0]["status"]["conditions"] = [
+        {"type": "Ready", "status": "True"},
+        *still_queued[0]["status"]["conditions"][1:],
+    ]
     assert decide(World(spec=spec, ready=1, rollout_pods=[*still_queued, gated]).observed(), NOW).phase != "Failed"
 
 
@@ -1225,17 +1826,28 @@ def test_a_lost_server_below_a_ready_one_fails_the_job_after_twice_the_startup_t
     crash = {"exitCode": 1, "message": "rmsft serve: CUDA out of memory"}
 
     def world(minutes: int) -> Observed:
-        pods = [_server("demo-rollout-0", ready=True), _server("demo-rollout-1", created=minutes, restarts=9,
-                                                               ended=crash), _server("demo-rollout-2", ready=True)]
-        obs = World(spec=spec, ready=2, suspended=False, job_status={"active": 1, "ready": 1}, rollout_pods=pods,
-                    status={"startTime": MIN_AGO[120]}).observed()
+        pods = [
+            _server("demo-rollout-0", ready=True),
+            _server("demo-rollout-1", created=minutes, restarts=9, ended=crash),
+            _server("demo-rollout-2", ready=True),
+        ]
+        obs = World(
+            spec=spec,
+            ready=2,
+            suspended=False,
+            job_status={"active": 1, "ready": 1},
+            rollout_pods=pods,
+            status={"startTime": MIN_AGO[120]},
+        ).observed()
         obs.children["StatefulSet"]["spec"]["replicas"] = 3
         return obs
 
     kept = decide(world(59), NOW)
     assert kept.phase == "Running" and not any(p.kind == "StatefulSet" for p in kept.patches)
-    assert "kept ordinal(s) 1" in kept.status["message"] and "the job fails and its pool is freed" in \
-        kept.status["message"]
+    assert (
+        "kept ordinal(s) 1" in kept.status["message"]
+        and "the job fails and its pool is freed" in kept.status["message"]
+    )
     late = decide(world(61), NOW)
     _failed_with(late, "ServerLost")
     message = _cond(late, "Failed")["message"]
@@ -1245,10 +1857,19 @@ def test_a_lost_server_below_a_ready_one_fails_the_job_after_twice_the_startup_t
     assert _cond(late, "RolloutReady")["reason"] == "PoolScaledDown"
     assert [e[1] for e in late.events if e[0] == "Warning"] == ["PhaseFailed"]
     # The top server lost as long is given back, not failed: the others serve on.
-    top = [_server("demo-rollout-0", ready=True), _server("demo-rollout-1", ready=True),
-           _server("demo-rollout-2", created=61, restarts=9, ended=crash)]
-    obs = World(spec=spec, ready=2, suspended=False, job_status={"active": 1, "ready": 1}, rollout_pods=top,
-                status={"startTime": MIN_AGO[120]}).observed()
+    top = [
+        _server("demo-rollout-0", ready=True),
+        _server("demo-rollout-1", ready=True),
+        _server("demo-rollout-2", created=61, restarts=9, ended=crash),
+    ]
+    obs = World(
+        spec=spec,
+        ready=2,
+        suspended=False,
+        job_status={"active": 1, "ready": 1},
+        rollout_pods=top,
+        status={"startTime": MIN_AGO[120]},
+    ).observed()
     obs.children["StatefulSet"]["spec"]["replicas"] = 3
     given = decide(obs, NOW)
     assert given.phase == "Running" and given.status["releasedRolloutReplicas"] == 1
@@ -1265,13 +1886,21 @@ class _LosingStatus(_Existing):
     def list_pods(self, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
         return [p for p in self.pods if labels.items() <= p["metadata"]["labels"].items()]
 
-    def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any], sub: str | None = None,
-              expected: tuple[int, ...] = ()) -> dict[str, Any]:
+    def patch(
+        self,
+        kind: str,
+        namespace: str,
+        name: str,
+        body: dict[str, Any],
+        sub: str | None = None,
+        expected: tuple[int, ...] = (),
+    ) -> dict[str, Any]:
         self.writes.append(("patch", kind, body))
         return body
 
-    def patch_job_status(self, namespace: str, name: str, status: dict[str, Any],
-                         expected: tuple[int, ...] = ()) -> dict[str, Any]:
+    def patch_job_status(
+        self, namespace: str, name: str, status: dict[str, Any], expected: tuple[int, ...] = ()
+    ) -> dict[str, Any]:
         if self.lose:
             self.lose -= 1
             raise ApiError(500, "etcdserver: request timed out")
@@ -1365,8 +1994,11 @@ def test_a_kueue_preemption_of_both_workloads_is_not_learner_not_admitted() -> N
     spec.rollout.startupTimeout of it failed the job as LearnerNotAdmitted. The rule is for a Ready pool idling while
     its learner waits: it needs the pool Ready now, timed from its pods' Ready (the API's clock)."""
     spec = _spec(**{**_QUEUED, "rollout.startupTimeout": "30m"})
-    suspended = {"conditions": [{"type": "Suspended", "status": "True", "reason": "JobSuspended",
-                                 "lastTransitionTime": MIN_AGO[120]}]}
+    suspended = {
+        "conditions": [
+            {"type": "Suspended", "status": "True", "reason": "JobSuspended", "lastTransitionTime": MIN_AGO[120]}
+        ]
+    }
     preempted = World(spec=spec, ready=0, job_status=suspended, status={"startTime": MIN_AGO[120]})
     _not_failed(decide(preempted.observed(), NOW))
 
@@ -1388,10 +2020,23 @@ def test_a_learner_redoing_steps_after_a_resume_is_not_stalled() -> None:
     step the learner is on (status.currentStep)."""
     spec = _spec(**{"learner.stallTimeout": "30m", "learner.failWhenStalled": True})
     pods = [_pod("learner", "l-2", "Running")]
-    world = World(spec=spec, ready=2, suspended=False, job_status={"active": 1, "ready": 1}, learner_pods=pods,
-                  status={**_RAN, "step": 50, "currentStep": 50, "lastStepTime": MIN_AGO[45]})
-    status, steps = world.status, [(41, "2026-11-23T10:00:00Z"), (42, "2026-11-23T10:20:00Z"),
-                                   (43, "2026-11-23T10:40:00Z"), (44, "2026-11-23T11:00:00Z")]
+    world = World(
+        spec=spec,
+        ready=2,
+        suspended=False,
+        job_status={"active": 1, "ready": 1},
+        learner_pods=pods,
+        status={**_RAN, "step": 50, "currentStep": 50, "lastStepTime": MIN_AGO[45]},
+    )
+    status, steps = (
+        world.status,
+        [
+            (41, "2026-11-23T10:00:00Z"),
+            (42, "2026-11-23T10:20:00Z"),
+            (43, "2026-11-23T10:40:00Z"),
+            (44, "2026-11-23T11:00:00Z"),
+        ],
+    )
     for step, at in steps:
         d = decide(replace(world.observed(), status=status, progress={"step": step}), at)
         _not_failed(d)
@@ -1408,31 +2053,54 @@ def test_a_disruption_does_not_use_up_an_attempt_of_a_learner_on_several_pods() 
     by the Job's first podFailurePolicy rule) fails the attempt; it is run again without being counted, even on the
     last attempt, and status.learnerDisruptions says how often."""
     said = "Pod team-a/demo-learner-1-x9 has condition DisruptionTarget matching FailJob rule at index 0"
-    conditions = [{"type": k, "status": "True", "reason": "PodFailurePolicy", "message": said}
-                  for k in ("FailureTarget", "Failed")]
-    world = World(spec=_spec(**_GANG), ready=2, suspended=False, job_status={"conditions": conditions},
-                  status={"phase": "Running", "learnerAttempt": 3})  # backoffLimit 2: the last attempt
+    conditions = [
+        {"type": k, "status": "True", "reason": "PodFailurePolicy", "message": said}
+        for k in ("FailureTarget", "Failed")
+    ]
+    world = World(
+        spec=_spec(**_GANG),
+        ready=2,
+        suspended=False,
+        job_status={"conditions": conditions},
+        status={"phase": "Running", "learnerAttempt": 3},
+    )  # backoffLimit 2: the last attempt
     d = decide(world.observed(), NOW)
     _not_failed(d)
     assert d.deletes == [Delete("Job", N["job"], "job-uid-1")]
     assert d.status["learnerAttempt"] == 3 and d.status["learnerDisruptions"] == 1
     assert "disrupted (not counted)" in d.status["message"]
     # A pod's own DisruptionTarget says it too, whatever the Job's words.
-    evicted = _pod("learner", "demo-learner-1-x9", "Failed", conditions=[
-        {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}])
+    evicted = _pod(
+        "learner",
+        "demo-learner-1-x9",
+        "Failed",
+        conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}],
+    )
     plain = [{**c, "message": _LOST} for c in conditions]
     again = decide(replace(world, job_status={"conditions": plain}, learner_pods=[evicted]).observed(), NOW)
     assert again.status["learnerAttempt"] == 3 and again.deletes
     # A fault (no disruption) on the last attempt still fails the job.
     assert decide(replace(world, job_status={"conditions": plain}).observed(), NOW).phase == "Failed"
+
+
 def test_a_job_without_a_periodic_checkpoint_says_so_at_admission() -> None:
     """Issue 60: with a claim the learner saves every 30 minutes unless told otherwise (training.checkpoint.
     every_minutes), and the condition says when it saves; a job with no periodic checkpoint at all (every 0,
     every_minutes 0) says that a learner killed outright starts again from step 0, claim or not."""
     claimed = decide(World(spec=_spec(**{"learner.checkpointClaim": "pvc"})).observed(), NOW)
     assert "saved every 30 minutes, at the end and on SIGTERM" in _cond(claimed, "CheckpointsDurable")["message"]
-    steps = decide(World(spec=_spec(**{"learner.checkpointClaim": "pvc", "training.checkpoint.every": 50,
-                                       "training.checkpoint.every_minutes": 0})).observed(), NOW)
+    steps = decide(
+        World(
+            spec=_spec(
+                **{
+                    "learner.checkpointClaim": "pvc",
+                    "training.checkpoint.every": 50,
+                    "training.checkpoint.every_minutes": 0,
+                }
+            )
+        ).observed(),
+        NOW,
+    )
     assert "saved every 50 steps, at the end" in _cond(steps, "CheckpointsDurable")["message"]
     for spec in (_spec(), _spec(**{"learner.checkpointClaim": "pvc", "training.checkpoint.every_minutes": 0})):
         message = _cond(decide(World(spec=spec).observed(), NOW), "CheckpointsDurable")["message"]

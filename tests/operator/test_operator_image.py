@@ -173,8 +173,12 @@ def test_image_carries_every_python_package() -> None:
     find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     # packages by discovery: setuptools' own finder over the same where/include, each top-level
     # package mapped to the folder the Dockerfile must copy
-    dirs = {p if where == "." else where for where in find["where"]
-            for p in find_packages(str(ROOT / where), include=find["include"]) if "." not in p}
+    dirs = {
+        p if where == "." else where
+        for where in find["where"]
+        for p in find_packages(str(ROOT / where), include=find["include"])
+        if "." not in p
+    }
     assert {"rmsft", "rmsft_cli", "rmsft_dev", "learner", "rollout_svc", "rollout_engine", "operator", "protos"} <= dirs
     copied = set(re.findall(r"^COPY\s+(\S+)\s", DOCKERFILE, flags=re.M))
     assert dirs <= copied, dirs - copied
@@ -183,8 +187,17 @@ def test_image_carries_every_python_package() -> None:
 def test_dockerignore_keeps_local_state_out() -> None:
     ignored = set((ROOT / ".dockerignore").read_text().split())
     assert {".git", ".venv", ".tools"} <= ignored
-    for needed in ("rmsft", "rmsft_cli", "rmsft_dev", "learner", "rollout_svc", "rollout_engine", "operator", "protos",
-                   "pyproject.toml"):
+    for needed in (
+        "rmsft",
+        "rmsft_cli",
+        "rmsft_dev",
+        "learner",
+        "rollout_svc",
+        "rollout_engine",
+        "operator",
+        "protos",
+        "pyproject.toml",
+    ):
         assert needed not in ignored
 
 

@@ -39,8 +39,10 @@ def operator(cluster: KmockCluster, operator_env: dict[str, str]) -> Iterator[An
     cluster.create_namespace(NAMESPACE)
     args = ["run", "--standalone", "--namespace", NAMESPACE, "-m", "rmsft_operator.handlers"]
     with KopfRunner(args, timeout=30) as runner:
-        wait_for(lambda: ("watch", "rmsft.io", "rolloutmatchingjobs") in cluster.emulator.operator_access,
-                 what="operator watching")
+        wait_for(
+            lambda: ("watch", "rmsft.io", "rolloutmatchingjobs") in cluster.emulator.operator_access,
+            what="operator watching",
+        )
         yield runner
     # The operator survived every scenario (no crash loop) and stopped cleanly.
     assert runner.exception is None, runner.output[-3000:]
@@ -53,8 +55,13 @@ def _method(request: Any) -> str:
 
 def _manifest(name: str, **spec_overrides: Any) -> dict[str, Any]:
     doc = yaml.safe_load((ROOT / "configs/job-kind-cpu.yaml").read_text())
-    doc["metadata"] = {"name": name, "namespace": NAMESPACE, "uid": f"uid-{name}",
-                       "generation": 1, "resourceVersion": "1"}
+    doc["metadata"] = {
+        "name": name,
+        "namespace": NAMESPACE,
+        "uid": f"uid-{name}",
+        "generation": 1,
+        "resourceVersion": "1",
+    }
     for dotted, value in spec_overrides.items():
         node = doc["spec"]
         *parents, leaf = dotted.split(".")
@@ -95,8 +102,12 @@ def _condition(cr: dict[str, Any], ctype: str) -> dict[str, Any]:
 
 def _patch_status(cluster: KmockCluster, kind: str, name: str, status: dict[str, Any]) -> None:
     prefix, plural = KINDS[kind]
-    code, body = cluster.request("PATCH", f"{prefix}/namespaces/{NAMESPACE}/{plural}/{name}/status",
-                                 {"status": status}, "application/merge-patch+json")
+    code, body = cluster.request(
+        "PATCH",
+        f"{prefix}/namespaces/{NAMESPACE}/{plural}/{name}/status",
+        {"status": status},
+        "application/merge-patch+json",
+    )
     assert code == 200, body
 
 
@@ -112,8 +123,12 @@ def _all_children_present(cluster: KmockCluster, job: str) -> bool:
 def _start_pool(cluster: KmockCluster, name: str, replicas: int) -> None:
     n = render.names(name)
     wait_for(lambda: _all_children_present(cluster, name), what=f"children of {name}")
-    _patch_status(cluster, "StatefulSet", n["statefulset"],
-                  {"replicas": replicas, "readyReplicas": replicas, "availableReplicas": replicas})
+    _patch_status(
+        cluster,
+        "StatefulSet",
+        n["statefulset"],
+        {"replicas": replicas, "readyReplicas": replicas, "availableReplicas": replicas},
+    )
     wait_for(lambda: _child(cluster, "Job", n["job"])["spec"]["suspend"] is False, what="learner resumed")
     # The Job controller's view of a learner pod that runs and is Ready (LearnerRunning needs it).
     _patch_status(cluster, "Job", n["job"], {"active": 1, "ready": 1})
@@ -125,8 +140,9 @@ def test_create_renders_owned_children_and_suspended_learner(cluster: KmockClust
     kids = _children(cluster, "alpha")
     for kind, objs in kids.items():
         refs = objs[0]["metadata"].get("ownerReferences") or []
-        assert [(r["kind"], r["name"], r["uid"], r.get("controller")) for r in refs] == \
-            [("RolloutMatchingJob", "alpha", "uid-alpha", True)], kind
+        assert [(r["kind"], r["name"], r["uid"], r.get("controller")) for r in refs] == [
+            ("RolloutMatchingJob", "alpha", "uid-alpha", True)
+        ], kind
     learner = kids["Job"][0]
     assert learner["spec"]["suspend"] is True
     sts = kids["StatefulSet"][0]
@@ -135,15 +151,15 @@ def test_create_renders_owned_children_and_suspended_learner(cluster: KmockClust
     cfg = yaml.safe_load(kids["ConfigMap"][0]["data"]["job.yaml"])
     assert cfg["spec"]["training"]["lr"] == pytest.approx(1e-4)  # training passed through
     assert len(kids["ConfigMap"][0]["data"]["servers"].splitlines()) == 2
-    cr = wait_for(lambda: (c := _cr(cluster, "alpha")).get("status", {}).get("phase") == "Pending" and c,
-                  what="phase Pending")
+    cr = wait_for(
+        lambda: (c := _cr(cluster, "alpha")).get("status", {}).get("phase") == "Pending" and c, what="phase Pending"
+    )
     assert _condition(cr, "RolloutReady")["status"] == "False"
     assert _condition(cr, "LearnerRunning")["reason"] == "Suspended"
     assert cr["status"]["observedGeneration"] == 1
 
 
-def test_pool_ready_resumes_learner_then_complete_scales_pool_to_zero(cluster: KmockCluster,
-                                                                      operator: Any) -> None:
+def test_pool_ready_resumes_learner_then_complete_scales_pool_to_zero(cluster: KmockCluster, operator: Any) -> None:
     _create(cluster, _manifest("bravo"))
     n = render.names("bravo")
     wait_for(lambda: _all_children_present(cluster, "bravo"), what="children")
@@ -153,15 +169,17 @@ def test_pool_ready_resumes_learner_then_complete_scales_pool_to_zero(cluster: K
     assert _child(cluster, "Job", n["job"])["spec"]["suspend"] is True
 
     _start_pool(cluster, "bravo", 2)
-    cr = wait_for(lambda: (c := _cr(cluster, "bravo"))["status"].get("phase") == "Running" and c,
-                  what="Running")
+    cr = wait_for(lambda: (c := _cr(cluster, "bravo"))["status"].get("phase") == "Running" and c, what="Running")
     assert _condition(cr, "RolloutReady")["status"] == "True"
     assert _condition(cr, "LearnerRunning")["status"] == "True"
 
-    _patch_status(cluster, "Job", n["job"], {"succeeded": 1, "conditions": [
-        {"type": "Complete", "status": "True", "reason": "Completed"}]})
-    cr = wait_for(lambda: (c := _cr(cluster, "bravo"))["status"].get("phase") == "Complete" and c,
-                  what="Complete")
+    _patch_status(
+        cluster,
+        "Job",
+        n["job"],
+        {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True", "reason": "Completed"}]},
+    )
+    cr = wait_for(lambda: (c := _cr(cluster, "bravo"))["status"].get("phase") == "Complete" and c, what="Complete")
     assert _condition(cr, "Complete")["status"] == "True"
     assert _child(cluster, "StatefulSet", n["statefulset"])["spec"]["replicas"] == 0
 
@@ -170,19 +188,36 @@ def test_learner_failure_marks_failed_and_frees_gpus(cluster: KmockCluster, oper
     _create(cluster, _manifest("charlie"))
     n = render.names("charlie")
     _start_pool(cluster, "charlie", 2)
-    _patch_status(cluster, "Job", n["job"], {"failed": 1, "conditions": [
-        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
-         "message": "Job has reached the specified backoff limit"}]})
-    cr = wait_for(lambda: (c := _cr(cluster, "charlie"))["status"].get("phase") == "Failed" and c,
-                  what="Failed")
+    _patch_status(
+        cluster,
+        "Job",
+        n["job"],
+        {
+            "failed": 1,
+            "conditions": [
+                {
+                    "type": "Failed",
+                    "status": "True",
+                    "reason": "BackoffLimitExceeded",
+                    "message": "Job has reached the specified backoff limit",
+                }
+            ],
+        },
+    )
+    cr = wait_for(lambda: (c := _cr(cluster, "charlie"))["status"].get("phase") == "Failed" and c, what="Failed")
     failed = _condition(cr, "Failed")
     assert failed["status"] == "True" and "BackoffLimitExceeded" in failed["message"]
-    wait_for(lambda: _child(cluster, "StatefulSet", n["statefulset"])["spec"]["replicas"] == 0,
-             what="pool scaled to zero")
+    wait_for(
+        lambda: _child(cluster, "StatefulSet", n["statefulset"])["spec"]["replicas"] == 0, what="pool scaled to zero"
+    )
     # A Warning event was posted for the transition.
-    wait_for(lambda: any(e.get("reason") == "PhaseFailed" and e["type"] == "Warning"
-                         and e["involvedObject"]["name"] == "charlie"
-                         for e in cluster.items("/api/v1", NAMESPACE, "events")), what="PhaseFailed event")
+    wait_for(
+        lambda: any(
+            e.get("reason") == "PhaseFailed" and e["type"] == "Warning" and e["involvedObject"]["name"] == "charlie"
+            for e in cluster.items("/api/v1", NAMESPACE, "events")
+        ),
+        what="PhaseFailed event",
+    )
 
 
 def test_replicas_edit_scales_statefulset_other_edits_refused(cluster: KmockCluster, operator: Any) -> None:
@@ -191,22 +226,33 @@ def test_replicas_edit_scales_statefulset_other_edits_refused(cluster: KmockClus
     wait_for(lambda: _all_children_present(cluster, "delta"), what="children")
     sts_before = _child(cluster, "StatefulSet", n["statefulset"])
 
-    code, body = cluster.request("PATCH", f"{CR_PATH}/delta",
-                                 {"metadata": {"generation": 2}, "spec": {"rollout": {"replicas": 3}}},
-                                 "application/merge-patch+json")
+    code, body = cluster.request(
+        "PATCH",
+        f"{CR_PATH}/delta",
+        {"metadata": {"generation": 2}, "spec": {"rollout": {"replicas": 3}}},
+        "application/merge-patch+json",
+    )
     assert code == 200, body
-    wait_for(lambda: _child(cluster, "StatefulSet", n["statefulset"])["spec"]["replicas"] == 3,
-             what="StatefulSet scaled to 3")
-    wait_for(lambda: len(_child(cluster, "ConfigMap", n["config"])["data"]["servers"].splitlines()) == 3,
-             what="server list updated")
+    wait_for(
+        lambda: _child(cluster, "StatefulSet", n["statefulset"])["spec"]["replicas"] == 3,
+        what="StatefulSet scaled to 3",
+    )
+    wait_for(
+        lambda: len(_child(cluster, "ConfigMap", n["config"])["data"]["servers"].splitlines()) == 3,
+        what="server list updated",
+    )
 
-    code, body = cluster.request("PATCH", f"{CR_PATH}/delta",
-                                 {"metadata": {"generation": 3},
-                                  "spec": {"training": {"lr": 0.5}, "rollout": {"maxModelLen": 2048}}},
-                                 "application/merge-patch+json")
+    code, body = cluster.request(
+        "PATCH",
+        f"{CR_PATH}/delta",
+        {"metadata": {"generation": 3}, "spec": {"training": {"lr": 0.5}, "rollout": {"maxModelLen": 2048}}},
+        "application/merge-patch+json",
+    )
     assert code == 200, body
-    cr = wait_for(lambda: (c := _cr(cluster, "delta")) and _condition(c, "InvalidSpec")["status"] == "True"
-                  and c, what="edit refused")
+    cr = wait_for(
+        lambda: (c := _cr(cluster, "delta")) and _condition(c, "InvalidSpec")["status"] == "True" and c,
+        what="edit refused",
+    )
     cond = _condition(cr, "InvalidSpec")
     assert cond["reason"] == "ImmutableFieldChanged"
     assert "spec.training.lr" in cond["message"] and "spec.rollout.maxModelLen" in cond["message"]
@@ -218,11 +264,12 @@ def test_replicas_edit_scales_statefulset_other_edits_refused(cluster: KmockClus
 
 def test_invalid_spec_reports_condition_and_creates_nothing(cluster: KmockCluster, operator: Any) -> None:
     # kmock enforces no CRD schema: the operator's own validation is the last line of defence.
-    doc = _manifest("echo", **{"placement.accelerator": "nvidia", "placement.gpusPerNode": 8,
-                               "rollout.replicas": 1, "learner.gpus": 9})
+    doc = _manifest(
+        "echo",
+        **{"placement.accelerator": "nvidia", "placement.gpusPerNode": 8, "rollout.replicas": 1, "learner.gpus": 9},
+    )
     _create(cluster, doc)
-    cr = wait_for(lambda: (c := _cr(cluster, "echo")).get("status", {}).get("phase") == "Invalid" and c,
-                  what="Invalid")
+    cr = wait_for(lambda: (c := _cr(cluster, "echo")).get("status", {}).get("phase") == "Invalid" and c, what="Invalid")
     cond = _condition(cr, "InvalidSpec")
     assert cond["status"] == "True" and "spec.placement.gpusPerNode" in cond["message"]
     assert not any(_children(cluster, "echo").values())
@@ -329,8 +376,7 @@ def test_rendered_children_match_offline_rendering(cluster: KmockCluster, operat
                 assert json.loads(json.dumps(live[key])) == obj[key], (obj["kind"], key)
 
 
-def test_chart_rbac_allows_every_call_the_operator_made(cluster: KmockCluster, operator: Any,
-                                                        tmp_path: Path) -> None:
+def test_chart_rbac_allows_every_call_the_operator_made(cluster: KmockCluster, operator: Any, tmp_path: Path) -> None:
     """Least privilege that still works: each (verb, resource) the real operator used against the
     API in this module is granted by the chart's namespaced rules."""
     from test_operator_chart import template
@@ -339,8 +385,13 @@ def test_chart_rbac_allows_every_call_the_operator_made(cluster: KmockCluster, o
     objs = template({"rbac": {"watchNamespaces": [NAMESPACE]}}, tmp_path)  # the default: Roles, no cluster rights
     role = next(o for o in objs if o["kind"] == "Role" and o["metadata"]["namespace"] == NAMESPACE)
     crd_reader = next(o for o in objs if o["kind"] == "ClusterRole")  # the one cluster-wide right: its own CRD
-    granted = {(verb, group, res) for rule in [*role["rules"], *crd_reader["rules"]] for group in rule["apiGroups"]
-               for res in rule["resources"] for verb in rule["verbs"]}
+    granted = {
+        (verb, group, res)
+        for rule in [*role["rules"], *crd_reader["rules"]]
+        for group in rule["apiGroups"]
+        for res in rule["resources"]
+        for verb in rule["verbs"]
+    }
     used = set(cluster.emulator.operator_access)
     assert ("create", "apps", "statefulsets") in used and ("patch", "rmsft.io", "rolloutmatchingjobs/status") in used
     missing = sorted(used - granted)
@@ -354,10 +405,12 @@ def test_learner_progress_fills_step_column(cluster: KmockCluster, operator: Any
 
     from kmock_cluster import free_port
 
-    body = (b"# HELP rmsft_learner_global_step Optimizer steps done\n# TYPE rmsft_learner_global_step gauge\n"
-            b"rmsft_learner_global_step 7.0\nrmsft_learner_weight_version 8.0\n"
-            b"rmsft_learner_eval_step 5.0\nrmsft_learner_eval_f1 0.5\nrmsft_learner_eval_map 0.25\n"
-            b"rmsft_learner_eval_map50 0.75\n")
+    body = (
+        b"# HELP rmsft_learner_global_step Optimizer steps done\n# TYPE rmsft_learner_global_step gauge\n"
+        b"rmsft_learner_global_step 7.0\nrmsft_learner_weight_version 8.0\n"
+        b"rmsft_learner_eval_step 5.0\nrmsft_learner_eval_f1 0.5\nrmsft_learner_eval_map 0.25\n"
+        b"rmsft_learner_eval_map50 0.75\n"
+    )
 
     class Metrics(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -374,11 +427,17 @@ def test_learner_progress_fills_step_column(cluster: KmockCluster, operator: Any
     try:
         _create(cluster, _manifest("hotel", **{"learner.metricsPort": port}))
         _start_pool(cluster, "hotel", 2)
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": "hotel-learner-abcde", "namespace": NAMESPACE,
-                            "labels": render.labels("hotel", "learner")},
-               "spec": {"containers": [{"name": "learner", "image": "rmsft:cpu"}]},
-               "status": {"phase": "Running", "podIP": "127.0.0.1"}}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "hotel-learner-abcde",
+                "namespace": NAMESPACE,
+                "labels": render.labels("hotel", "learner"),
+            },
+            "spec": {"containers": [{"name": "learner", "image": "rmsft:cpu"}]},
+            "status": {"phase": "Running", "podIP": "127.0.0.1"},
+        }
         code, out = cluster.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", pod)
         assert code in (200, 201), out
         cr = wait_for(lambda: (c := _cr(cluster, "hotel"))["status"].get("step") == 7 and c, what="step 7")

@@ -27,9 +27,17 @@ def _by_kind(path: str) -> dict[str, dict]:
 @pytest.mark.parametrize("path", EXAMPLES)
 def test_rendered_objects_validate_against_kubernetes_1_32(path: str) -> None:
     objs = render.render_all(load_job(ROOT / path), "team-a", "0000-uid")
-    assert [render.child_key(o) for o in objs] == ["Secret", "ConfigMap", "Service", "NetworkPolicy",
-                                                   "PoolDisruptionBudget", "StatefulSet", "LearnerDisruptionBudget",
-                                                   "LearnerNetworkPolicy", "Job"]
+    assert [render.child_key(o) for o in objs] == [
+        "Secret",
+        "ConfigMap",
+        "Service",
+        "NetworkPolicy",
+        "PoolDisruptionBudget",
+        "StatefulSet",
+        "LearnerDisruptionBudget",
+        "LearnerNetworkPolicy",
+        "Job",
+    ]
     for obj in objs:
         kubernetes_validate.validate(obj, "1.32", strict=True)
         ref = obj["metadata"]["ownerReferences"][0]
@@ -52,7 +60,8 @@ def test_disruption_budgets_cover_the_pool_and_the_learner_by_default_and_go_whe
     assert _selects(pool, rollout_pods) and not _selects(pool, learner_pods)
     assert _selects(learner, learner_pods) and not _selects(learner, rollout_pods)
     assert {pool["spec"]["unhealthyPodEvictionPolicy"], learner["spec"]["unhealthyPodEvictionPolicy"]} == {
-        "AlwaysAllow"}
+        "AlwaysAllow"
+    }
     doc = yaml.safe_load((ROOT / "configs/job.yaml").read_text())
     doc["spec"]["rollout"]["disruptionBudget"] = False
     doc["spec"]["learner"]["disruptionBudget"] = False
@@ -64,8 +73,10 @@ def test_a_grpo_job_renders_the_same_children_with_processed_log_probs() -> None
     # spec.trainer picks the learner inside `rmsft train`; the pool differs only in what its log-probs are.
     grpo, rm = _by_kind("configs/job-grpo-6v2.yaml"), _by_kind("configs/job.yaml")
     assert grpo["StatefulSet"]["spec"]["replicas"] == 6
-    assert grpo["Job"]["spec"]["template"]["spec"]["containers"][0]["args"] == \
-        rm["Job"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert (
+        grpo["Job"]["spec"]["template"]["spec"]["containers"][0]["args"]
+        == rm["Job"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
     assert grpo["Job"]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
     serve = yaml.safe_load(grpo["ConfigMap"]["data"]["serve.yaml"])
     assert serve["logprobs_mode"] == "processed" and serve["gpu_memory_utilization"] == 0.6
@@ -160,18 +171,39 @@ def test_a_learner_on_several_pods_is_an_indexed_job_whose_pods_meet_at_pod_0() 
     c = pod["containers"][0]
     # The static rendezvous waits as long as the start clock (spec.rollout.startupTimeout, 30 min by default), not
     # torch's 600 s (issue 60).
-    assert c["command"] == ["tini", "--", "rmsft", "torchrun", "--nnodes", "2", "--node-rank",
-                            "$(RMSFT_NODE_RANK)", "--nproc-per-node", "2", "--master-addr",
-                            "tiny-cpu-learner-0.tiny-cpu-learner.team-a.svc", "--master-port", "29500",
-                            "--rdzv-conf", "timeout=1800", "-m", "rmsft_cli"]
+    assert c["command"] == [
+        "tini",
+        "--",
+        "rmsft",
+        "torchrun",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "$(RMSFT_NODE_RANK)",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "tiny-cpu-learner-0.tiny-cpu-learner.team-a.svc",
+        "--master-port",
+        "29500",
+        "--rdzv-conf",
+        "timeout=1800",
+        "-m",
+        "rmsft_cli",
+    ]
     rank = next(e for e in c["env"] if e["name"] == "RMSFT_NODE_RANK")
-    assert rank["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert (
+        rank["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
     assert {"name": "rendezvous", "containerPort": 29500, "protocol": "TCP"} in c["ports"]
     assert svc["spec"]["ports"][0]["port"] == 29500
     apart = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert apart == [{"labelSelector": {"matchLabels": render.selector("tiny-cpu", "learner")},
-                      "topologyKey": "kubernetes.io/hostname"}]
+    assert apart == [
+        {
+            "labelSelector": {"matchLabels": render.selector("tiny-cpu", "learner")},
+            "topologyKey": "kubernetes.io/hostname",
+        }
+    ]
     assert kids["LearnerDisruptionBudget"]["spec"]["minAvailable"] == 2  # evicting either pod stops both
     rules = job["spec"]["podFailurePolicy"]["rules"]
     assert [r["action"] for r in rules] == ["FailJob", "FailJob"]
@@ -188,9 +220,12 @@ def test_scheduling_pass_throughs_reach_every_rollout_and_learner_pod_and_never_
     network's annotation, a cost-centre label), beside rmsft's own selectors and scrape annotations; the learner's
     pods of a learner.nodes 2 job held to one domain of learnerTopologyKey as well as one pod per node."""
     doc = _several()
-    doc["spec"]["scheduling"] = {"schedulerName": "volcano", "podLabels": {"team": "vision", "example.com/cost": "a1"},
-                                 "podAnnotations": {"k8s.v1.cni.cncf.io/networks": "roce-net"},
-                                 "learnerTopologyKey": "example.com/network-block"}
+    doc["spec"]["scheduling"] = {
+        "schedulerName": "volcano",
+        "podLabels": {"team": "vision", "example.com/cost": "a1"},
+        "podAnnotations": {"k8s.v1.cni.cncf.io/networks": "roce-net"},
+        "learnerTopologyKey": "example.com/network-block",
+    }
     objs = render.render_all(parse_job(doc), "team-a", "0000-uid")
     for obj in objs:
         kubernetes_validate.validate(obj, "1.32", strict=True)
@@ -198,8 +233,11 @@ def test_scheduling_pass_throughs_reach_every_rollout_and_learner_pod_and_never_
     for kind, role in (("StatefulSet", "rollout"), ("Job", "learner")):
         template = kids[kind]["spec"]["template"]
         assert template["spec"]["schedulerName"] == "volcano"
-        assert template["metadata"]["labels"] == {"team": "vision", "example.com/cost": "a1",
-                                                  **render.labels("tiny-cpu", role)}
+        assert template["metadata"]["labels"] == {
+            "team": "vision",
+            "example.com/cost": "a1",
+            **render.labels("tiny-cpu", role),
+        }
         assert template["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "roce-net"
         assert template["metadata"]["annotations"]["prometheus.io/scrape"] in ("true", "false")
     for kind in ("StatefulSet", "Job", "Service", "ConfigMap"):  # the owners keep only rmsft's labels
@@ -207,9 +245,11 @@ def test_scheduling_pass_throughs_reach_every_rollout_and_learner_pod_and_never_
     affinity = kids["Job"]["spec"]["template"]["spec"]["affinity"]
     mine = {"matchLabels": render.selector("tiny-cpu", "learner")}
     assert affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [
-        {"labelSelector": mine, "topologyKey": "example.com/network-block"}]
+        {"labelSelector": mine, "topologyKey": "example.com/network-block"}
+    ]
     assert affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [
-        {"labelSelector": mine, "topologyKey": "kubernetes.io/hostname"}]
+        {"labelSelector": mine, "topologyKey": "kubernetes.io/hostname"}
+    ]
     plain = _by_kind("configs/job-kind-cpu.yaml")["Job"]["spec"]["template"]
     assert "schedulerName" not in plain["spec"] and "team" not in plain["metadata"]["labels"]
 
@@ -223,8 +263,17 @@ def test_one_learner_pod_keeps_its_retry_rules_and_cpu_ranks_use_torchrun_standa
     doc = yaml.safe_load((ROOT / "configs/job-kind-cpu.yaml").read_text())
     doc["spec"]["learner"]["ranksPerPod"] = 2
     c = render.render_job(parse_job(doc), "ns", "u")["spec"]["template"]["spec"]["containers"][0]
-    assert c["command"] == ["tini", "--", "rmsft", "torchrun", "--standalone", "--nproc-per-node", "2",
-                            "-m", "rmsft_cli"]
+    assert c["command"] == [
+        "tini",
+        "--",
+        "rmsft",
+        "torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "rmsft_cli",
+    ]
 
 
 def test_cpu_job_requests_no_gpus() -> None:
@@ -239,11 +288,12 @@ def test_network_policy_admits_only_learner_and_peers_to_grpc_and_monitoring_to_
     assert np["podSelector"]["matchLabels"] == render.selector("qwen3vl-det", "rollout")
     grpc, metrics = np["ingress"]
     # the learner, and the job's other rollout pods (an update is relayed server to server)
-    assert grpc["from"] == [{"podSelector": {"matchLabels": render.selector("qwen3vl-det", "learner")}},
-                            {"podSelector": {"matchLabels": render.selector("qwen3vl-det", "rollout")}}]
+    assert grpc["from"] == [
+        {"podSelector": {"matchLabels": render.selector("qwen3vl-det", "learner")}},
+        {"podSelector": {"matchLabels": render.selector("qwen3vl-det", "rollout")}},
+    ]
     assert grpc["ports"] == [{"protocol": "TCP", "port": 50051}]
-    assert metrics["from"][0]["namespaceSelector"]["matchLabels"] == {
-        "kubernetes.io/metadata.name": "monitoring"}
+    assert metrics["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
     assert metrics["ports"] == [{"protocol": "TCP", "port": 9090}]
     # the learner pod's labels really match the gRPC rule
     learner_labels = _by_kind("configs/job.yaml")["Job"]["spec"]["template"]["metadata"]["labels"]
@@ -252,7 +302,8 @@ def test_network_policy_admits_only_learner_and_peers_to_grpc_and_monitoring_to_
 
 @pytest.mark.parametrize(("accelerator", "backend"), [("nvidia", "nccl"), ("none", "rmsft_gloo")])
 def test_an_nccl_job_starts_servers_that_join_groups_and_opens_the_group_ports_to_its_own_pods(
-        accelerator: str, backend: str) -> None:
+    accelerator: str, backend: str
+) -> None:
     """transport nccl: every server is started with the weight-transfer backend (NCCL on GPUs, the gloo stand-in on
     CPUs), and the NetworkPolicy lets the job's learner and rollout pods reach the rollout pods on any port (the
     group's rank-to-rank connections); a grpc job's servers join no group."""
@@ -265,8 +316,14 @@ def test_an_nccl_job_starts_servers_that_join_groups_and_opens_the_group_ports_t
     assert yaml.safe_load(objs["ConfigMap"]["data"]["serve.yaml"])["weight_transfer"] == backend
     name = nccl.metadata.name
     group = [r for r in objs["NetworkPolicy"]["spec"]["ingress"] if "ports" not in r]
-    assert group == [{"from": [{"podSelector": {"matchLabels": render.selector(name, "learner")}},
-                               {"podSelector": {"matchLabels": render.selector(name, "rollout")}}]}]
+    assert group == [
+        {
+            "from": [
+                {"podSelector": {"matchLabels": render.selector(name, "learner")}},
+                {"podSelector": {"matchLabels": render.selector(name, "rollout")}},
+            ]
+        }
+    ]
     plain = _by_kind(path)
     assert yaml.safe_load(plain["ConfigMap"]["data"]["serve.yaml"]).get("weight_transfer") is None
     assert all("ports" in r for r in plain["NetworkPolicy"]["spec"]["ingress"])
@@ -380,7 +437,9 @@ def test_shm_shares_one_node_memory_directory_between_learner_and_servers() -> N
         pod, c = template["spec"], template["spec"]["containers"][0]
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes[render.SHARED_WEIGHTS_VOLUME] == {
-            "name": render.SHARED_WEIGHTS_VOLUME, "hostPath": {"path": host_path, "type": "DirectoryOrCreate"}}
+            "name": render.SHARED_WEIGHTS_VOLUME,
+            "hostPath": {"path": host_path, "type": "DirectoryOrCreate"},
+        }
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory", role  # the pod's own /dev/shm stays
         assert {"name": render.SHARED_WEIGHTS_VOLUME, "mountPath": render.SHARED_WEIGHTS_MOUNT} in c["volumeMounts"]
         assert {"name": "RMSFT_SHARED_WEIGHTS_DIR", "value": "/rmsft-shared"} in c["env"], role
@@ -420,10 +479,17 @@ def test_shm_cleanup_runs_the_operators_image_unprivileged_on_the_jobs_own_folde
     pod = cleanup["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert (c["image"], c["imagePullPolicy"]) == ("registry.example/ops/rmsft:9.9", "Always")
-    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": render.UID, "runAsGroup": render.UID,
-                                      "seccompProfile": {"type": "RuntimeDefault"}}
-    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
-                                    "readOnlyRootFilesystem": True}
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": render.UID,
+        "runAsGroup": render.UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert c["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
+    }
     assert "initContainers" not in pod and pod["nodeName"] == "node-1" and pod["automountServiceAccountToken"] is False
     (volume,) = pod["volumes"]
     assert volume["hostPath"] == {"path": "/dev/shm/rmsft/team-a.qwen3vl-det", "type": "Directory"}
@@ -431,7 +497,9 @@ def test_shm_cleanup_runs_the_operators_image_unprivileged_on_the_jobs_own_folde
     assert c["command"] == ["find", render.SHM_CLEANUP_MOUNT, "-mindepth", "1", "-delete"]
     fallback = render.render_shm_cleanup(job, "team-a", "node-1")["spec"]["template"]["spec"]
     assert (fallback["containers"][0]["image"], fallback["containers"][0]["imagePullPolicy"]) == (
-        job.spec.image.ref, job.spec.image.pull_policy)
+        job.spec.image.ref,
+        job.spec.image.pull_policy,
+    )
     assert fallback["securityContext"] == pod["securityContext"]
     assert fallback["containers"][0]["securityContext"] == c["securityContext"]
 
@@ -496,15 +564,37 @@ def test_rollout_tls_mounts_the_secret_and_probes_a_plaintext_health_port(transp
     objs = {render.child_key(o): o for o in render.render_all(job, "team-a", "0000-uid", token="t")}
     for obj in objs.values():
         kubernetes_validate.validate(obj, "1.32", strict=True)
-    volumes = {"rollout": {"name": render.TLS_VOLUME, "secret": {
-        "secretName": "qwen-rollout-tls", "defaultMode": 0o440,
-        "items": [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}]}},
-        "learner": {"name": render.TLS_VOLUME, "projected": {"defaultMode": 0o440, "sources": [
-            {"secret": {"name": "qwen-rollout-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}], "optional": True}},
-            {"secret": {"name": "qwen-rollout-tls", "items": [{"key": "tls.crt", "path": "tls.crt"}]}}]}}}
+    volumes = {
+        "rollout": {
+            "name": render.TLS_VOLUME,
+            "secret": {
+                "secretName": "qwen-rollout-tls",
+                "defaultMode": 0o440,
+                "items": [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}],
+            },
+        },
+        "learner": {
+            "name": render.TLS_VOLUME,
+            "projected": {
+                "defaultMode": 0o440,
+                "sources": [
+                    {
+                        "secret": {
+                            "name": "qwen-rollout-tls",
+                            "items": [{"key": "ca.crt", "path": "ca.crt"}],
+                            "optional": True,
+                        }
+                    },
+                    {"secret": {"name": "qwen-rollout-tls", "items": [{"key": "tls.crt", "path": "tls.crt"}]}},
+                ],
+            },
+        },
+    }
     mount = {"name": render.TLS_VOLUME, "mountPath": "/etc/rmsft-tls", "readOnly": True}
-    pods = {"rollout": objs["StatefulSet"]["spec"]["template"]["spec"],
-            "learner": objs["Job"]["spec"]["template"]["spec"]}
+    pods = {
+        "rollout": objs["StatefulSet"]["spec"]["template"]["spec"],
+        "learner": objs["Job"]["spec"]["template"]["spec"],
+    }
     for role, pod in pods.items():
         assert volumes[role] in pod["volumes"], role
         assert [v for v in pod["volumes"] if v["name"] == render.TLS_VOLUME] == [volumes[role]], role
@@ -592,8 +682,9 @@ def test_grpc_renders_what_it_always_did_and_shm_only_adds_the_shared_directory(
         assert shm_objs[kind] == by_kind[kind], kind  # same Service/NetworkPolicy: gRPC still carries the header
 
 
-@pytest.mark.parametrize("transport,local,cluster", [("auto", "shm", "grpc"), ("grpc", "grpc", "grpc"),
-                                                     ("shm", "shm", "shm")])
+@pytest.mark.parametrize(
+    "transport,local,cluster", [("auto", "shm", "grpc"), ("grpc", "grpc", "grpc"), ("shm", "shm", "shm")]
+)
 def test_effective_transport(transport: str, local: str, cluster: str) -> None:
     sync = parse_job(_reference(transport)).spec.sync
     assert (sync.local_transport, sync.cluster_transport) == (local, cluster)
@@ -610,8 +701,13 @@ def test_a_colocate_job_renders_only_the_learner_job() -> None:
     """spec.rollout.mode colocate: the engine lives in the learner's ranks, so no pool, no Service, no
     NetworkPolicy for it, and the learner follows no servers file."""
     objs = render.render_all(load_job(ROOT / "configs/job-kind-cpu-colocate.yaml"), "team-a", "0000-uid")
-    assert [o["kind"] for o in objs] == ["Secret", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy",
-                                         "Job"]  # the learner's budget and its NetworkPolicy
+    assert [o["kind"] for o in objs] == [
+        "Secret",
+        "ConfigMap",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+        "Job",
+    ]  # the learner's budget and its NetworkPolicy
     for obj in objs:
         kubernetes_validate.validate(obj, "1.32", strict=True)
     job = objs[-1]
@@ -623,8 +719,11 @@ def test_a_colocate_job_renders_only_the_learner_job() -> None:
 
 def test_a_gpu_colocate_job_gives_the_learner_all_its_gpus() -> None:
     doc = yaml.safe_load((ROOT / "configs/job.yaml").read_text())
-    doc["spec"]["rollout"] = {"mode": "colocate", "maxModelLen": 8192,
-                              "colocate": {"tensorParallelSize": 2, "gpuMemoryUtilization": 0.4}}
+    doc["spec"]["rollout"] = {
+        "mode": "colocate",
+        "maxModelLen": 8192,
+        "colocate": {"tensorParallelSize": 2, "gpuMemoryUtilization": 0.4},
+    }
     doc["spec"]["learner"]["gpus"] = 4
     doc["spec"]["sync"] = {"mode": "full"}
     kids = {o["kind"]: o for o in render.render_all(parse_job(doc), "team-a", "0000-uid")}
@@ -660,7 +759,8 @@ def test_every_pod_checks_the_model_before_its_container_loads_it(path: str) -> 
 
 @pytest.mark.parametrize("fmt,code", [("coordexp", 2), ("qwen_json", 0)])
 def test_the_preflight_container_refuses_a_stock_checkpoint_for_coordexp(
-        tokenizer_folders: dict[str, Path], tmp_path: Path, fmt: str, code: int) -> None:
+    tokenizer_folders: dict[str, Path], tmp_path: Path, fmt: str, code: int
+) -> None:
     """What the init container runs, on the manifest the ConfigMap mounts: a stock checkpoint with coordexp
     exits 2 with both fixes, with qwen_json it passes."""
     doc = yaml.safe_load((ROOT / "configs/job-kind-cpu.yaml").read_text())
@@ -671,8 +771,9 @@ def test_the_preflight_container_refuses_a_stock_checkpoint_for_coordexp(
     (tmp_path / "job.yaml").write_text(objs["ConfigMap"]["data"]["job.yaml"])
     init = objs["StatefulSet"]["spec"]["template"]["spec"]["initContainers"][0]
     args = [a.replace("/etc/rmsft", str(tmp_path)) for a in init["args"]]
-    proc = subprocess.run([sys.executable, "-m", "rmsft_cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rmsft_cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert proc.returncode == code, proc.stderr
     if code:
         said = proc.stderr.strip()
@@ -695,8 +796,12 @@ def test_a_disruption_is_not_a_failure_and_a_refused_configuration_is_final() ->
     assert rules[1]["onExitCodes"]["containerName"] in names and spec["template"]["spec"]["restartPolicy"] == "Never"
     assert spec["backoffLimit"] == job.spec.learner.backoff_limit == 1  # as configs/job.yaml sets it
     assert load_job(ROOT / "configs/job-kind-cpu.yaml").spec.learner.backoff_limit == 2  # the default
-    refused = subprocess.run([sys.executable, "-m", "rmsft_cli", "train", "--config", str(ROOT / "README.md"),
-                              "--servers", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
+    refused = subprocess.run(
+        [sys.executable, "-m", "rmsft_cli", "train", "--config", str(ROOT / "README.md"), "--servers", "127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert refused.returncode == render.CONFIG_EXIT_CODE, refused.stderr[-2000:]
 
 
@@ -704,8 +809,9 @@ def _containers(pod_spec: dict) -> list[dict]:
     return [*pod_spec.get("initContainers", []), *pod_spec["containers"]]
 
 
-@pytest.mark.parametrize("path", ["configs/job.yaml", "configs/job-kind-cpu.yaml",
-                                  "configs/job-kind-cpu-colocate.yaml"])
+@pytest.mark.parametrize(
+    "path", ["configs/job.yaml", "configs/job-kind-cpu.yaml", "configs/job-kind-cpu-colocate.yaml"]
+)
 def test_every_container_runs_on_a_read_only_image_and_the_learner_has_time_to_save(path: str) -> None:
     """Issue 41: readOnlyRootFilesystem on every rmsft container (the rollout server, the learner, their model
     preflight, the shared-weights owner and the shm cleanup), what they write going to mounted volumes; and the
@@ -718,7 +824,8 @@ def test_every_container_runs_on_a_read_only_image_and_the_learner_has_time_to_s
     containers = [c for pod in pods for c in _containers(pod)]
     assert len(containers) >= 2
     assert {c["name"]: c["securityContext"].get("readOnlyRootFilesystem") for c in containers} == {
-        c["name"]: True for c in containers}
+        c["name"]: True for c in containers
+    }
     for pod in pods:  # what they write has a place: /tmp is a volume in every pod that runs rmsft
         mounted = {m["mountPath"] for c in pod["containers"] for m in c.get("volumeMounts", [])}
         assert "/tmp" in mounted or pod["containers"][0]["name"] == "remove", mounted
@@ -726,8 +833,12 @@ def test_every_container_runs_on_a_read_only_image_and_the_learner_has_time_to_s
     assert learner["terminationGracePeriodSeconds"] == 600
     doc = yaml.safe_load((ROOT / path).read_text())
     doc["spec"].setdefault("learner", {})["terminationGracePeriod"] = "90s"
-    assert render.render_job(parse_job(doc), "team-a", "0000-uid")["spec"]["template"]["spec"][
-        "terminationGracePeriodSeconds"] == 90
+    assert (
+        render.render_job(parse_job(doc), "team-a", "0000-uid")["spec"]["template"]["spec"][
+            "terminationGracePeriodSeconds"
+        ]
+        == 90
+    )
 
 
 @pytest.mark.parametrize("transport", ["grpc", "nccl"])
@@ -737,10 +848,19 @@ def test_the_learner_pods_get_a_networkpolicy_of_their_own(transport: str) -> No
     with transport nccl, from the job's own rollout pods (the weight-transfer group); /metrics from anywhere (the
     operator's progress); nothing else."""
     spec = yaml.safe_load((ROOT / "configs/job-kind-cpu.yaml").read_text())["spec"]
-    spec = {**spec, "sync": {**(spec.get("sync") or {}), "transport": transport},
-            "learner": {**spec["learner"], "nodes": 2, "spread": False, "checkpointClaim": "ck"}}
-    job = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
-                     "metadata": {"name": "demo", "namespace": "team-a"}, "spec": spec})
+    spec = {
+        **spec,
+        "sync": {**(spec.get("sync") or {}), "transport": transport},
+        "learner": {**spec["learner"], "nodes": 2, "spread": False, "checkpointClaim": "ck"},
+    }
+    job = parse_job(
+        {
+            "apiVersion": "rmsft.io/v1alpha1",
+            "kind": "RolloutMatchingJob",
+            "metadata": {"name": "demo", "namespace": "team-a"},
+            "spec": spec,
+        }
+    )
     objs = {render.child_key(o): o for o in render.render_all(job, "team-a", "0000-uid", token="t")}
     policy = objs["LearnerNetworkPolicy"]
     kubernetes_validate.validate(policy, "1.32", strict=True)

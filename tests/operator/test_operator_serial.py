@@ -33,9 +33,9 @@ def test_events_during_a_pass_fold_into_exactly_one_more_pass() -> None:
     assert [runner.run("job", fn, wait=False) for _ in range(5)] == [None] * 5
     release.set()
     t.join(5)
-    assert not t.is_alive()          # the waiting caller came back (a lost wake-up would hang it)
-    assert passes == [0, 1]          # one extra pass covers the whole burst
-    assert result["r"] == "pass 1"   # the caller gets the latest outcome
+    assert not t.is_alive()  # the waiting caller came back (a lost wake-up would hang it)
+    assert passes == [0, 1]  # one extra pass covers the whole burst
+    assert result["r"] == "pass 1"  # the caller gets the latest outcome
     assert active["max"] == 1
 
 
@@ -55,6 +55,7 @@ def test_waiting_callers_run_one_after_another_and_keys_are_independent() -> Non
                 both.set()
             time.sleep(0.05)
             active[key] -= 1
+
         return fn
 
     threads = [threading.Thread(target=runner.run, args=(k, make(k), True)) for k in "aaab"]
@@ -64,8 +65,8 @@ def test_waiting_callers_run_one_after_another_and_keys_are_independent() -> Non
         t.join(5)
     assert [t.is_alive() for t in threads] == [False] * 4  # every waiting caller got its turn
     assert sorted(calls) == ["a", "a", "a", "b"]  # one pass each: a waiting caller is never folded away
-    assert overlap["a"] == 1      # same key never overlaps
-    assert both.is_set()          # different keys do run side by side
+    assert overlap["a"] == 1  # same key never overlaps
+    assert both.is_set()  # different keys do run side by side
 
 
 def test_a_failing_pass_releases_the_key() -> None:

@@ -30,6 +30,9 @@ def test_no_operator_function_is_longer_than_the_limit() -> None:
 
 
 def test_no_operator_module_is_longer_than_the_limit() -> None:
-    long = [f"{path.relative_to(ROOT)}: {n} lines" for path in _sources()
-            if (n := len(path.read_text().splitlines())) > MODULE_LIMIT]
+    long = [
+        f"{path.relative_to(ROOT)}: {n} lines"
+        for path in _sources()
+        if (n := len(path.read_text().splitlines())) > MODULE_LIMIT
+    ]
     assert long == [], f"modules past {MODULE_LIMIT} lines (split them by idea): {long}"

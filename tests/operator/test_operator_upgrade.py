@@ -72,13 +72,20 @@ def test_the_previous_releases_serve_parser_reads_what_this_operator_writes_for_
 
 
 def test_this_releases_serve_parser_reads_a_serve_yaml_with_keys_it_does_not_know(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The other way, decided once: from this release on, `rmsft serve` ignores a key it does not know, saying so,
     so a later operator's serve.yaml cannot crash-loop a job running this image."""
     from rollout_svc.config import parse_config
 
-    job = parse_job({"apiVersion": "rmsft.io/v1alpha1", "kind": "RolloutMatchingJob",
-                     "metadata": {"name": "demo", "namespace": "team-a"}, "spec": _spec()})
+    job = parse_job(
+        {
+            "apiVersion": "rmsft.io/v1alpha1",
+            "kind": "RolloutMatchingJob",
+            "metadata": {"name": "demo", "namespace": "team-a"},
+            "spec": _spec(),
+        }
+    )
     serve = render.serve_config(job, "team-a")
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump({**serve, "model": str(tmp_path), "a_key_from_a_later_release": 1}))
@@ -122,10 +129,12 @@ def test_an_older_crd_is_named_with_what_it_would_prune_or_refuse(caplog: pytest
     # A condition type the old schema's enum lacks is named as refused (422).
     fewer = copy.deepcopy(own)
     cond = fewer["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"][
-        "conditions"]["items"]["properties"]["type"]
+        "conditions"
+    ]["items"]["properties"]["type"]
     cond["enum"] = [t for t in cond["enum"] if t != "CheckpointsDurable"]
-    assert "condition types it refuses" in crd_check.mismatch(fewer, own) and "CheckpointsDurable" in \
-        crd_check.mismatch(fewer, own)
+    assert "condition types it refuses" in crd_check.mismatch(
+        fewer, own
+    ) and "CheckpointsDurable" in crd_check.mismatch(fewer, own)
     # check(): an error in the log and one Warning Event in the operator's namespace.
     api = _Api(old)
     with caplog.at_level("ERROR", logger="rmsft_operator.crd_check"):

@@ -33,9 +33,15 @@ def hf_greedy(model, prompts: list[list[int]], max_tokens: int, eos: int) -> lis
     with torch.no_grad():
         for ids in prompts:
             x = torch.tensor([ids])
-            y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
-                               do_sample=False, eos_token_id=eos, pad_token_id=eos)
-            toks = y[0, len(ids):].tolist()
+            y = model.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )
+            toks = y[0, len(ids) :].tolist()
             if eos in toks:
                 toks = toks[: toks.index(eos) + 1]
             outs.append(toks)
@@ -46,8 +52,19 @@ def prompt_ids(tok) -> list[list[int]]:
     return [tok(t)["input_ids"] for t in PROMPT_TEXTS]
 
 
-def generate(stub, md, prompts, *, max_tokens=16, temperature=0.0, seeds=None, expected=None, timeout=120,
-             min_tokens=0, future=False):
+def generate(
+    stub,
+    md,
+    prompts,
+    *,
+    max_tokens=16,
+    temperature=0.0,
+    seeds=None,
+    expected=None,
+    timeout=120,
+    min_tokens=0,
+    future=False,
+):
     """One Generate call; with `future`, its grpc.Future (which can be cancelled) instead of the reply."""
     req = rollout_pb2.GenerateRequest(
         sampling=rollout_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, min_tokens=min_tokens),
@@ -100,8 +117,13 @@ def lora_adapter(base, seed: int, tmp: Path):
     from safetensors.torch import load_file
 
     torch.manual_seed(seed)
-    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
-                     init_lora_weights=False, lora_dropout=0.0)
+    cfg = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+        init_lora_weights=False,
+        lora_dropout=0.0,
+    )
     peft_model = get_peft_model(copy.deepcopy(base), cfg)
     out = tmp / f"adapter-{seed}"
     peft_model.save_pretrained(out)

@@ -124,8 +124,12 @@ def test_processed_logprobs_are_those_of_the_distribution_sampled_from(engine: H
     # --logprobs-mode processed (GRPO): after temperature (and top-k/top-p, the penalty), vLLM's processed_logprobs.
     engine.processed_logprobs = True
     try:
-        samplings = [sampled(5, logprobs=True, temperature=0.7), sampled(6, logprobs=True, temperature=1.3),
-                     Sampling(max_tokens=6, logprobs=True), sampled(7, logprobs=True, top_k=20)]
+        samplings = [
+            sampled(5, logprobs=True, temperature=0.7),
+            sampled(6, logprobs=True, temperature=1.3),
+            Sampling(max_tokens=6, logprobs=True),
+            sampled(7, logprobs=True, top_k=20),
+        ]
         outs = engine.generate([GenItem(p, s) for p, s in zip(PROMPTS, samplings, strict=True)])
         same_seed = engine.generate([GenItem(PROMPTS[0], samplings[0])])[0]
     finally:

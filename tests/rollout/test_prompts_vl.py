@@ -121,11 +121,14 @@ def test_images_go_before_the_text_of_the_first_user_message(engine: FakeEngine)
 def test_prompts_without_images_are_rendered_to_ids_as_before(engine: FakeEngine, tmp_path: Path) -> None:
     path = tmp_path / "a.png"
     path.write_bytes(_png((16, 16)))
-    items = build_items(_request(
-        {"messages": _user("Hello.")},
-        {"messages": _user("Hello."), "images": [rollout_pb2.Image(uri=f"file://{path}")]},
-        {"messages": _user("Hello."), "images": [rollout_pb2.Image(uri=str(path))]},  # a bare path too
-    ), engine)
+    items = build_items(
+        _request(
+            {"messages": _user("Hello.")},
+            {"messages": _user("Hello."), "images": [rollout_pb2.Image(uri=f"file://{path}")]},
+            {"messages": _user("Hello."), "images": [rollout_pb2.Image(uri=str(path))]},  # a bare path too
+        ),
+        engine,
+    )
     assert items[0].prompt_token_ids == engine.render_chat([{"role": "user", "content": "Hello."}])
     assert items[0].prompt_text is None and items[0].images == []
     assert items[1].prompt_text == f"<|im_start|>user\n{IMG}Hello.<|im_end|>\n<|im_start|>assistant\n"
@@ -156,8 +159,9 @@ def test_more_images_than_the_limit_are_refused(engine: FakeEngine) -> None:
 
 @pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # 10000x10000: PIL warns only
 @pytest.mark.parametrize("size", [(301, 300), (5000, 5000), (10000, 10000)])
-def test_an_oversized_image_is_refused_from_its_header(engine: FakeEngine, size: tuple[int, int],
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_oversized_image_is_refused_from_its_header(
+    engine: FakeEngine, size: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     def no_decoding(self) -> None:
         raise AssertionError("pixel data was decoded")
 
@@ -184,17 +188,21 @@ def test_a_limit_above_pils_own_is_honoured(tokenizer, monkeypatch: pytest.Monke
     engine = FakeEngine(tokenizer, vision=VisionLimits(1, 300_000_000))
     w, h = 15000, 14000
     assert w * h > 2 * Image.MAX_IMAGE_PIXELS
-    [item] = build_items(_request({"messages": _user(), "images": [rollout_pb2.Image(data=_png_claiming(w, h))]}),
-                         engine)
+    [item] = build_items(
+        _request({"messages": _user(), "images": [rollout_pb2.Image(data=_png_claiming(w, h))]}), engine
+    )
     assert item.images[0].size == (w, h)
 
 
-@pytest.mark.parametrize("data", [
-    _png((40, 30))[:60],  # a real PNG cut inside its pixel data
-    _png_claiming(50, 50),  # a valid header, pixel data missing
-    b"hello, not an image",
-    b"",
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        _png((40, 30))[:60],  # a real PNG cut inside its pixel data
+        _png_claiming(50, 50),  # a valid header, pixel data missing
+        b"hello, not an image",
+        b"",
+    ],
+)
 def test_undecodable_bytes_are_refused(engine: FakeEngine, data: bytes) -> None:
     msg = _refusal(engine, {"messages": _user(), "images": [rollout_pb2.Image(data=data)]})
     assert "cannot decode image" in msg
@@ -242,14 +250,17 @@ def test_images_without_a_user_message_name_the_prompt(engine: FakeEngine) -> No
 # ---------------------------------------------------------------- vLLM engine arguments
 
 
-@pytest.mark.parametrize(("setting", "vision_language", "on_gpu", "want"), [
-    ("auto", True, False, "transformers"),  # no torchvision on CPU machines: vLLM's Transformers backend
-    ("auto", True, True, "auto"),
-    ("auto", False, False, "auto"),
-    ("vllm", True, False, "vllm"),  # an explicit setting wins
-    ("transformers", True, True, "transformers"),
-    ("transformers", False, False, "transformers"),
-])
+@pytest.mark.parametrize(
+    ("setting", "vision_language", "on_gpu", "want"),
+    [
+        ("auto", True, False, "transformers"),  # no torchvision on CPU machines: vLLM's Transformers backend
+        ("auto", True, True, "auto"),
+        ("auto", False, False, "auto"),
+        ("vllm", True, False, "vllm"),  # an explicit setting wins
+        ("transformers", True, True, "transformers"),
+        ("transformers", False, False, "transformers"),
+    ],
+)
 def test_model_impl_for(setting: str, vision_language: bool, on_gpu: bool, want: str) -> None:
     assert model_impl_for(setting, vision_language=vision_language, on_gpu=on_gpu) == want
 
@@ -261,11 +272,14 @@ def test_vision_kwargs_without_pixel_bounds() -> None:
     assert _vision_kwargs(ServeConfig(model="m", model_impl="vllm"), on_gpu=False)["model_impl"] == "vllm"
 
 
-@pytest.mark.parametrize(("min_pixels", "max_pixels", "size"), [
-    (1024, 0, {"shortest_edge": 1024}),
-    (0, 65536, {"longest_edge": 65536}),
-    (1024, 65536, {"shortest_edge": 1024, "longest_edge": 65536}),
-])
+@pytest.mark.parametrize(
+    ("min_pixels", "max_pixels", "size"),
+    [
+        (1024, 0, {"shortest_edge": 1024}),
+        (0, 65536, {"longest_edge": 65536}),
+        (1024, 65536, {"shortest_edge": 1024, "longest_edge": 65536}),
+    ],
+)
 def test_vision_kwargs_pass_pixel_bounds_to_the_processor(min_pixels: int, max_pixels: int, size: dict) -> None:
     cfg = ServeConfig(model="m", min_pixels=min_pixels, max_pixels=max_pixels, max_images_per_prompt=1)
     kw = _vision_kwargs(cfg, on_gpu=True)

@@ -122,11 +122,19 @@ def test_seeded_batch_bigger_than_one_engine_step_completes(srv) -> None:
 
 def test_a_call_arriving_during_a_running_batch_joins_it(srv, ref) -> None:
     # min_tokens holds (what keeps the long call below running): no end-of-turn before it.
-    at_least = generate(srv.stub(), srv.metadata(), _random_prompts(4, 20, salt=1), max_tokens=24, min_tokens=24,
-                        temperature=1.0, seeds=list(range(4)))
+    at_least = generate(
+        srv.stub(),
+        srv.metadata(),
+        _random_prompts(4, 20, salt=1),
+        max_tokens=24,
+        min_tokens=24,
+        temperature=1.0,
+        seeds=list(range(4)),
+    )
     assert [len(c.token_ids) for c in at_least.completions] == [24] * 4
-    long = Background(srv, _random_prompts(32, 20), max_tokens=LONG, min_tokens=LONG, temperature=1.0,
-                      seeds=list(range(32)))
+    long = Background(
+        srv, _random_prompts(32, 20), max_tokens=LONG, min_tokens=LONG, temperature=1.0, seeds=list(range(32))
+    )
     _wait_running(srv, 8, long)
     t0 = time.monotonic()
     short = generate(srv.stub(), srv.metadata(), ref.prompts[:2])
@@ -142,8 +150,16 @@ def test_a_call_arriving_during_a_running_batch_joins_it(srv, ref) -> None:
 
 def test_a_deadline_exceeded_call_leaves_nothing_running(srv) -> None:
     with pytest.raises(grpc.RpcError) as info:
-        generate(srv.stub(), srv.metadata(), _random_prompts(16, 20, salt=3), max_tokens=LONG * 2,
-                 min_tokens=LONG, temperature=1.0, seeds=list(range(16)), timeout=1.5)
+        generate(
+            srv.stub(),
+            srv.metadata(),
+            _random_prompts(16, 20, salt=3),
+            max_tokens=LONG * 2,
+            min_tokens=LONG,
+            temperature=1.0,
+            seeds=list(range(16)),
+            timeout=1.5,
+        )
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert _wait_engine_idle(srv, timeout=10) == 0, "the engine still runs requests whose caller gave up"
     assert srv.health() == "SERVING"
@@ -166,13 +182,15 @@ def test_a_cancelled_call_is_aborted_in_the_engine(srv) -> None:
 
 
 def test_n_samples_with_logprobs_of_the_sampled_tokens(srv, ref) -> None:
-    req = rollout_pb2.GenerateRequest(sampling=rollout_pb2.SamplingParams(max_tokens=12, temperature=1.0, n=3,
-                                                                          logprobs=True))
+    req = rollout_pb2.GenerateRequest(
+        sampling=rollout_pb2.SamplingParams(max_tokens=12, temperature=1.0, n=3, logprobs=True)
+    )
     for i, ids in enumerate(ref.prompts[:2]):
         req.prompts.add(token_ids=ids, request_id=f"p{i}", seed=40 + i)
     reply = srv.stub().Generate(req, metadata=srv.metadata(), timeout=60)
     assert [(c.request_id, c.sample_index) for c in reply.completions] == [
-        (f"p{i}", k) for i in range(2) for k in range(3)]
+        (f"p{i}", k) for i in range(2) for k in range(3)
+    ]
     samples = [list(c.token_ids) for c in reply.completions]
     assert len({tuple(s) for s in samples}) == 6  # different seeds per sample
     # Sample 0 is what the prompt's own seed gives with n = 1.
@@ -244,7 +262,8 @@ def test_killed_engine_flips_health_and_the_learner_fails_over(srv, tiny_model_d
             failed_over = RolloutClient(pool, timeout_s=60).generate(requests, sampling)
         assert {r.server for r in failed_over} == {srv.address}
         assert [(r.request_id, r.sample_index, r.token_ids) for r in failed_over] == [
-            (r.request_id, r.sample_index, r.token_ids) for r in on_victim]
+            (r.request_id, r.sample_index, r.token_ids) for r in on_victim
+        ]
         deadline = time.monotonic() + 60
         while victim.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -285,8 +304,14 @@ def test_shutdown_aborts_running_calls_cleanly(srv) -> None:
     """Very last: it stops the module's server. 64 sampled prompts of at least 1500 tokens: some run past the 5 s
     grace period on this machine, and those are cancelled (on a fast machine the call may finish inside the grace
     period, which is a clean shutdown too)."""
-    long = Background(srv, _random_prompts(64, 20, salt=9), max_tokens=LONG * 2, min_tokens=LONG,
-                      temperature=1.0, seeds=list(range(64)))
+    long = Background(
+        srv,
+        _random_prompts(64, 20, salt=9),
+        max_tokens=LONG * 2,
+        min_tokens=LONG,
+        temperature=1.0,
+        seeds=list(range(64)),
+    )
     _wait_running(srv, 8, long)
     t0 = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)

@@ -21,7 +21,8 @@ def test_yaml_then_flags_win(tmp_path: Path, tiny_model_dir: Path) -> None:
 
 
 def test_unknown_yaml_keys_are_ignored_with_a_warning_and_bad_values_fail_clearly(
-        tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Issue 62: a key this `rmsft serve` does not know (written by a newer operator, or misspelt) is named on stderr
     and ignored, never a crash loop of every server of a running job."""
     cfg_file = tmp_path / "serve.yaml"
@@ -66,8 +67,9 @@ def test_kv_cache_memory_arguments(tiny_model_dir: Path) -> None:
     assert _memory_kwargs(cfg, on_gpu=True) == {"gpu_memory_utilization": 0.9}
     cfg = parse_config(["--model", str(tiny_model_dir), "--gpu-memory-utilization", "0.3"])
     assert _memory_kwargs(cfg, on_gpu=False) == {"gpu_memory_utilization": 0.3}
-    cfg = parse_config(["--model", str(tiny_model_dir), "--gpu-memory-utilization", "0.3",
-                        "--kv-cache-bytes", str(64 << 20)])
+    cfg = parse_config(
+        ["--model", str(tiny_model_dir), "--gpu-memory-utilization", "0.3", "--kv-cache-bytes", str(64 << 20)]
+    )
     assert _memory_kwargs(cfg, on_gpu=True) == {"kv_cache_memory_bytes": 64 << 20}
     with pytest.raises(SystemExit, match="kv_cache_bytes must be >= 0"):
         parse_config(["--model", str(tiny_model_dir), "--kv-cache-bytes", "-1"])

@@ -26,13 +26,21 @@ def _hf_continue(model, ids: list[int], n: int, eos: int) -> list[int]:
     """HF greedy: `n` new tokens after `ids`, EOS suppressed as vLLM's min_tokens does."""
     with torch.no_grad():
         x = torch.tensor([ids])
-        y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, eos_token_id=eos, pad_token_id=eos)
-    return y[0, len(ids):].tolist()
+        y = model.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )
+    return y[0, len(ids) :].tolist()
 
 
 def test_an_inflight_update_pauses_an_answer_and_finishes_it_on_the_new_weights(
-        tiny_model_dir: Path, tiny_tokenizer, tmp_path: Path) -> None:
+    tiny_model_dir: Path, tiny_tokenizer, tmp_path: Path
+) -> None:
     import threading
 
     from rollout_svc_helpers import generate
@@ -46,8 +54,14 @@ def test_an_inflight_update_pauses_an_answer_and_finishes_it_on_the_new_weights(
         chunks = list(iter_weight_chunks(new.state_dict().items(), number=v0 + 1, mode=FULL, frame_bytes=1 << 20))
         chunks[0].header.keep_generating = True
         box: dict = {}
-        call = threading.Thread(target=lambda: box.setdefault("reply", generate(
-            srv.stub(), srv.metadata(), [prompt], max_tokens=LONG, min_tokens=LONG, expected=v0, timeout=300)))
+        call = threading.Thread(
+            target=lambda: box.setdefault(
+                "reply",
+                generate(
+                    srv.stub(), srv.metadata(), [prompt], max_tokens=LONG, min_tokens=LONG, expected=v0, timeout=300
+                ),
+            )
+        )
         call.start()
         deadline = time.monotonic() + 60
         while metric(scrape(srv), "vllm:num_requests_running") < 1:

@@ -40,6 +40,7 @@ from rollout_svc.launcher import RolloutServer
 
 pytestmark = pytest.mark.vllm
 
+
 # -- fixtures ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stage_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -49,9 +50,15 @@ def stage_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def srv(tiny_model_dir: Path, stage_dir: Path):
     with RolloutServer.start(
-        tiny_model_dir, staging_dir=str(stage_dir), enable_lora=True, max_lora_rank=8,
-        enable_prefix_caching=True, dtype="float32", max_frame_bytes=MAX_FRAME,
-        env={"RMSFT_AUTH_TOKEN": TOKEN}, timeout=400,
+        tiny_model_dir,
+        staging_dir=str(stage_dir),
+        enable_lora=True,
+        max_lora_rank=8,
+        enable_prefix_caching=True,
+        dtype="float32",
+        max_frame_bytes=MAX_FRAME,
+        env={"RMSFT_AUTH_TOKEN": TOKEN},
+        timeout=400,
     ) as s:
         yield s
 
@@ -171,8 +178,12 @@ def test_adapter_sync_matches_merged_hf_and_replaces(srv, ref, tmp_path) -> None
     seen = []
     for k, seed in enumerate((7, 8)):
         tensors, cfg_json, merged = lora_adapter(base, seed, tmp_path)
-        reply = update(srv, iter_weight_chunks(tensors, number=v0 + 1 + k, mode=ADAPTER,
-                                                adapter_config_json=cfg_json, frame_bytes=32 << 10))
+        reply = update(
+            srv,
+            iter_weight_chunks(
+                tensors, number=v0 + 1 + k, mode=ADAPTER, adapter_config_json=cfg_json, frame_bytes=32 << 10
+            ),
+        )
         assert reply.version == v0 + 1 + k
         st = status(srv)
         assert st.weight_version == v0 + 1 + k and st.active_adapter
@@ -185,8 +196,11 @@ def test_adapter_sync_matches_merged_hf_and_replaces(srv, ref, tmp_path) -> None
 
 # -- faults: each leaves the server healthy on the old version, answering as before ------------
 def _full_chunks(ref, version, **kw):
-    return list(iter_weight_chunks(ref.model.state_dict().items(), number=version, mode=FULL,
-                                   frame_bytes=kw.pop("frame_bytes", 64 << 10), **kw))
+    return list(
+        iter_weight_chunks(
+            ref.model.state_dict().items(), number=version, mode=FULL, frame_bytes=kw.pop("frame_bytes", 64 << 10), **kw
+        )
+    )
 
 
 def _expect_refused(srv, ref, chunks, code, text) -> None:
@@ -236,8 +250,10 @@ def test_fault_adapter_rank_above_server_limit(srv, ref, tmp_path) -> None:
 
 def _cut_failures(text: str) -> float:
     # Depending on when the cancel reaches the server's reader it sees an error or an early end.
-    return sum(max(0.0, metric(text, "rmsft_rollout_weight_sync_failures_total", f'reason="{r}"'))
-               for r in ("cancelled", "truncated"))
+    return sum(
+        max(0.0, metric(text, "rmsft_rollout_weight_sync_failures_total", f'reason="{r}"'))
+        for r in ("cancelled", "truncated")
+    )
 
 
 def test_fault_stream_cancelled_midway(srv, ref, stage_dir) -> None:
@@ -290,7 +306,8 @@ def test_metrics_move_with_traffic(srv, ref) -> None:
     m1 = scrape(srv)
     v = status(srv).weight_version
     assert metric(m1, "rmsft_rollout_requests_total", 'code="OK",method="Generate"') > metric(
-        m0, "rmsft_rollout_requests_total", 'code="OK",method="Generate"')
+        m0, "rmsft_rollout_requests_total", 'code="OK",method="Generate"'
+    )
     assert metric(m1, "rmsft_rollout_generated_tokens_total") > metric(m0, "rmsft_rollout_generated_tokens_total")
     assert metric(m1, "rmsft_rollout_prompt_tokens_total") > metric(m0, "rmsft_rollout_prompt_tokens_total")
     assert metric(m1, "rmsft_rollout_generate_seconds_count") > metric(m0, "rmsft_rollout_generate_seconds_count")
@@ -309,9 +326,22 @@ def test_metrics_move_with_traffic(srv, ref) -> None:
 def test_port_taken_fails_fast(srv, tiny_model_dir) -> None:
     t0 = time.monotonic()
     r = subprocess.run(
-        [sys.executable, "-m", "rollout_svc", "--model", str(tiny_model_dir), "--host", "127.0.0.1",
-         "--port", str(srv.port), "--metrics-port", "0"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "rollout_svc",
+            "--model",
+            str(tiny_model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(srv.port),
+            "--metrics-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode != 0
     assert "port taken" in r.stderr, r.stderr[-2000:]
@@ -331,8 +361,9 @@ def test_hf_backend_adapter_refused_and_greedy_equal(hf_srv, ref, tiny_model_dir
     assert st.backend == "hf" and not st.lora_enabled
     tensors, cfg_json, _ = lora_adapter(base, 3, tmp_path)
     with pytest.raises(grpc.RpcError) as info:
-        hf_srv.stub().UpdateWeights(iter_weight_chunks(tensors, number=5, mode=ADAPTER,
-                                                       adapter_config_json=cfg_json), timeout=60)
+        hf_srv.stub().UpdateWeights(
+            iter_weight_chunks(tensors, number=5, mode=ADAPTER, adapter_config_json=cfg_json), timeout=60
+        )
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "--enable-lora" in info.value.details()
     st2 = status(hf_srv)

@@ -31,8 +31,9 @@ MAX_TOKENS = 12
 MAX_IMAGES = 3
 MAX_IMAGE_PIXELS = 300 * 300
 # Pixel bounds other than the processor's own (64*64 .. 256*256): the server and the learner must both apply them.
-VISION = VisionSpec(min_pixels=48 * 48, max_pixels=192 * 192, max_images_per_prompt=MAX_IMAGES,
-                    max_image_pixels=MAX_IMAGE_PIXELS)
+VISION = VisionSpec(
+    min_pixels=48 * 48, max_pixels=192 * 192, max_images_per_prompt=MAX_IMAGES, max_image_pixels=MAX_IMAGE_PIXELS
+)
 
 
 def _png(size: tuple[int, int], colour: tuple[int, int, int], seed: int) -> bytes:
@@ -45,8 +46,12 @@ def _png(size: tuple[int, int], colour: tuple[int, int, int], seed: int) -> byte
     return buf.getvalue()
 
 
-IMAGES = [_png((200, 120), (30, 160, 40), 1), _png((64, 256), (180, 20, 40), 2), _png((256, 256), (10, 20, 200), 3),
-          _png((96, 160), (200, 200, 20), 4)]
+IMAGES = [
+    _png((200, 120), (30, 160, 40), 1),
+    _png((64, 256), (180, 20, 40), 2),
+    _png((256, 256), (10, 20, 200), 3),
+    _png((96, 160), (200, 200, 20), 4),
+]
 # (text, image indexes): 0-3 images per prompt, of different sizes.
 PROMPTS = [
     ("Detect every shape in the image.", []),
@@ -62,9 +67,16 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def vl_srv(tiny_vl_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     with RolloutServer.start(
-        tiny_vl_model_dir, staging_dir=str(tmp_path_factory.mktemp("vl-staging")), enable_lora=True,
-        max_lora_rank=8, dtype="float32", timeout=400, min_pixels=VISION.min_pixels, max_pixels=VISION.max_pixels,
-        max_images_per_prompt=MAX_IMAGES, max_image_pixels=MAX_IMAGE_PIXELS,
+        tiny_vl_model_dir,
+        staging_dir=str(tmp_path_factory.mktemp("vl-staging")),
+        enable_lora=True,
+        max_lora_rank=8,
+        dtype="float32",
+        timeout=400,
+        min_pixels=VISION.min_pixels,
+        max_pixels=VISION.max_pixels,
+        max_images_per_prompt=MAX_IMAGES,
+        max_image_pixels=MAX_IMAGE_PIXELS,
     ) as s:
         yield s
 
@@ -140,8 +152,11 @@ def test_greedy_with_images_equals_hf_and_prompt_ids_match(vl_srv, oracle) -> No
     _check_equal(vl_srv, processor, model)
     assert metric(scrape(vl_srv), "rmsft_rollout_images_total") - before == sum(len(i) for _, i in PROMPTS)
     # The spec's pixel bounds reached the server: an image above maxPixels has fewer tokens than by default.
-    grid = processor(text=["<|vision_start|><|image_pad|><|vision_end|>"],
-                     images=[Image.open(io.BytesIO(IMAGES[2]))], return_tensors="pt")["image_grid_thw"]
+    grid = processor(
+        text=["<|vision_start|><|image_pad|><|vision_end|>"],
+        images=[Image.open(io.BytesIO(IMAGES[2]))],
+        return_tensors="pt",
+    )["image_grid_thw"]
     assert int(grid.prod()) // 4 < (256 // 32) ** 2
 
 
@@ -207,15 +222,26 @@ def test_adapter_sync_on_the_language_model(vl_srv, oracle, tmp_path) -> None:
     processor, model = oracle
     v0 = status(vl_srv).weight_version
     torch.manual_seed(5)
-    cfg = LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
-                     target_modules=_language_model_targets(["q_proj", "k_proj", "v_proj", "o_proj"]))
+    cfg = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        init_lora_weights=False,
+        target_modules=_language_model_targets(["q_proj", "k_proj", "v_proj", "o_proj"]),
+    )
     peft_model = get_peft_model(copy.deepcopy(model), cfg)
     peft_model.save_pretrained(tmp_path / "adapter")
     tensors = sorted(load_file(tmp_path / "adapter" / "adapter_model.safetensors").items())
     assert tensors and all("language_model" in n for n, _ in tensors)
-    reply = update(vl_srv, iter_weight_chunks(tensors, number=v0 + 1, mode=ADAPTER, frame_bytes=32 << 10,
-                                              adapter_config_json=(tmp_path / "adapter" / "adapter_config.json")
-                                              .read_text()))
+    reply = update(
+        vl_srv,
+        iter_weight_chunks(
+            tensors,
+            number=v0 + 1,
+            mode=ADAPTER,
+            frame_bytes=32 << 10,
+            adapter_config_json=(tmp_path / "adapter" / "adapter_config.json").read_text(),
+        ),
+    )
     assert reply.version == v0 + 1 and status(vl_srv).active_adapter
     merged = peft_model.merge_and_unload().eval()
     _check_equal(vl_srv, processor, merged, expected=v0 + 1)

@@ -35,8 +35,9 @@ class SubmitEngine:
         if error is not None:
             fut.set_exception(error)
         else:
-            fut.set_result([GenOutput(list(it.prompt_token_ids), [it.prompt_token_ids[0] + 1000], "stop")
-                            for it in items])
+            fut.set_result(
+                [GenOutput(list(it.prompt_token_ids), [it.prompt_token_ids[0] + 1000], "stop") for it in items]
+            )
 
     def wait_calls(self, n: int) -> None:
         _until(f"{n} engine calls", lambda: len(self.calls) >= n)
@@ -57,8 +58,9 @@ def _item(first: int) -> GenItem:
 class Caller:
     """One Generate call on its own thread; `.result` is ("ok", value) or ("error", exception)."""
 
-    def __init__(self, runner: EngineRunner, items: list[GenItem], expected: WeightVersion | None = None,
-                 on_cancel=None) -> None:
+    def __init__(
+        self, runner: EngineRunner, items: list[GenItem], expected: WeightVersion | None = None, on_cancel=None
+    ) -> None:
         self.result: tuple[str, object] = ("pending", None)
 
         def run() -> None:
@@ -233,8 +235,10 @@ def test_the_same_number_of_another_run_is_another_version() -> None:
     runner = EngineRunner(engine, WeightVersion("9b0e5d2c4a11", 7))
     kind, err = Caller(runner, [_item(1)], expected=WeightVersion("3fa2c1d09e77", 7)).join()
     assert kind == "error" and isinstance(err, VersionMismatch)
-    assert str(err) == ("expected weight version 7 of run 3fa2c1d09e77, server has 7 of run 9b0e5d2c4a11 "
-                        "(same number, another run's weights)")
+    assert str(err) == (
+        "expected weight version 7 of run 3fa2c1d09e77, server has 7 of run 9b0e5d2c4a11 "
+        "(same number, another run's weights)"
+    )
     assert engine.calls == []  # nothing reached the engine
     ok = Caller(runner, [_item(2)], expected=WeightVersion("9b0e5d2c4a11", 7))
     engine.wait_calls(1)
@@ -297,8 +301,9 @@ def test_an_engine_that_cannot_pause_is_drained_even_when_asked_to_keep() -> Non
     running = Caller(runner, [_item(1)], expected=v1)
     engine.wait_calls(1)
     assert not runner.can_keep
-    applier = threading.Thread(target=runner.call, args=(lambda: setattr(runner, "weights", v2),),
-                               kwargs={"keep": True})
+    applier = threading.Thread(
+        target=runner.call, args=(lambda: setattr(runner, "weights", v2),), kwargs={"keep": True}
+    )
     applier.start()
     time.sleep(0.1)
     assert runner.weights == v1  # still waiting for the running call

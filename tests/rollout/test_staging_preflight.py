@@ -56,8 +56,11 @@ def header_only_model(folder: Path, tensors: dict[str, tuple[str, list[int]]], c
 
 # -- weight bytes from headers ----------------------------------------------------------------------
 def test_weight_bytes_sum_every_shard_from_the_headers(tmp_path: Path) -> None:
-    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)}, tmp_path / "model-1.safetensors",
-              metadata={"format": "pt"})
+    save_file(
+        {"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)},
+        tmp_path / "model-1.safetensors",
+        metadata={"format": "pt"},
+    )
     save_file({"c": torch.zeros(2, 2, dtype=torch.int64)}, tmp_path / "model-2.safetensors")
     assert weight_bytes(tmp_path) == 3 * 4 * 4 + 5 * 2 + 2 * 2 * 8
     assert set(safetensors_header(tmp_path / "model-1.safetensors")) == {"__metadata__", "a", "b"}
@@ -179,14 +182,34 @@ def test_serve_exits_before_the_engine_when_staging_is_too_small(tmp_path: Path)
     stage.mkdir()
     t0 = time.monotonic()
     res = subprocess.run(
-        [sys.executable, "-m", "rmsft_cli", "serve", "--model", str(model), "--backend", "hf",
-         "--staging-dir", str(stage), "--port", "0", "--metrics-port", "0"],
-        capture_output=True, text=True, cwd=ROOT, timeout=120, env={**os.environ, "RMSFT_LOG_LEVEL": "info"},
+        [
+            sys.executable,
+            "-m",
+            "rmsft_cli",
+            "serve",
+            "--model",
+            str(model),
+            "--backend",
+            "hf",
+            "--staging-dir",
+            str(stage),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={**os.environ, "RMSFT_LOG_LEVEL": "info"},
     )
     assert res.returncode != 0
     assert f"rmsft serve: staging dir {stage} has" in res.stderr
-    assert "needs about 8192.0 GiB (the update + a rollback copy): raise spec.rollout.shmSize to at least 8192Gi" \
+    assert (
+        "needs about 8192.0 GiB (the update + a rollback copy): raise spec.rollout.shmSize to at least 8192Gi"
         in res.stderr
+    )
     assert "listening on" not in res.stderr and "Traceback" not in res.stderr
     assert time.monotonic() - t0 < 60
 

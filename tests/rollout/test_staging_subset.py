@@ -112,13 +112,15 @@ def test_an_untied_or_headed_table_is_left_alone() -> None:
     full, optional, _ = full_expectation(dict(table), True, {"lm_head.weight"})
     assert full == table and optional == {"model.embed_tokens.weight"}  # the checkpoint's own head: required
     assert full_expectation({"model.embed_tokens.weight": table["model.embed_tokens.weight"]}, False)[0] == {
-        "model.embed_tokens.weight": table["model.embed_tokens.weight"]}
+        "model.embed_tokens.weight": table["model.embed_tokens.weight"]
+    }
 
 
 def test_the_stager_stages_a_subset(tmp_path: Path) -> None:
     tensors, chunks = _stream(LM)
     staged = Stager(str(tmp_path), max_frame_bytes=1 << 20).stage(
-        iter(chunks), lambda header: full_expectation(dict(TABLE), True, {"model.norm.weight"}))
+        iter(chunks), lambda header: full_expectation(dict(TABLE), True, {"model.norm.weight"})
+    )
     try:
         got = dict(iter_staged_tensors(staged.index_path))
         assert list(got) == list(LM)
@@ -138,8 +140,9 @@ def test_a_header_announcing_more_bytes_than_the_model_holds_is_refused_before_s
     assert header.total_bytes < most  # a subset: honest
     header.total_bytes = 1 << 50  # a PiB for a checkpoint of a few kB (no disk could take it without the check)
     with pytest.raises(WireError, match=rf"announces {1 << 50} bytes, more than the {most} bytes") as err:
-        Stager(str(tmp_path), max_frame_bytes=1 << 20).stage(iter(chunks),
-                                                             lambda h: full_expectation(dict(TABLE), True))
+        Stager(str(tmp_path), max_frame_bytes=1 << 20).stage(
+            iter(chunks), lambda h: full_expectation(dict(TABLE), True)
+        )
     assert err.value.reason == "count"
     assert list(tmp_path.iterdir()) == []  # no staging file was made, no space taken
 
@@ -165,8 +168,12 @@ def test_adapter_names_of_the_language_model_layout_are_accepted_for_a_vl_checkp
     a = torch.zeros(4, 8, dtype=torch.float32)
     b = torch.zeros(8, 4, dtype=torch.bfloat16)  # any float dtype
     stem = "base_model.model.model.language_model.layers.0.self_attn.q_proj"
-    chunks = iter_weight_chunks([(f"{stem}.lora_A.weight", a), (f"{stem}.lora_B.weight", b)], number=2,
-                                mode=ADAPTER, adapter_config_json=json.dumps(CONFIG))
+    chunks = iter_weight_chunks(
+        [(f"{stem}.lora_A.weight", a), (f"{stem}.lora_B.weight", b)],
+        number=2,
+        mode=ADAPTER,
+        adapter_config_json=json.dumps(CONFIG),
+    )
     reader = _read(chunks, out, set(), False)
     assert [t.name for t in reader.tensors] == [f"{stem}.lora_A.weight", f"{stem}.lora_B.weight"]
 
@@ -177,16 +184,19 @@ def test_a_text_checkpoint_gets_no_language_model_alias() -> None:
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in out
     assert not any("language_model" in n for n in out)
     stem = "base_model.model.model.language_model.layers.0.self_attn.q_proj"
-    chunks = iter_weight_chunks([(f"{stem}.lora_A.weight", torch.zeros(4, 8))], number=2, mode=ADAPTER,
-                                adapter_config_json=json.dumps(CONFIG))
+    chunks = iter_weight_chunks(
+        [(f"{stem}.lora_A.weight", torch.zeros(4, 8))], number=2, mode=ADAPTER, adapter_config_json=json.dumps(CONFIG)
+    )
     with pytest.raises(WireError) as err:
         _read(chunks, out, set(), False)
     assert err.value.reason == "name"
 
 
 def test_a_qwen3_vl_checkpoint_keeps_its_own_names() -> None:
-    table = {"model.language_model.layers.0.self_attn.q_proj.weight": TensorSpec("BF16", (8, 8)),
-             "model.visual.blocks.0.attn.qkv.weight": TensorSpec("BF16", (24, 8))}
+    table = {
+        "model.language_model.layers.0.self_attn.q_proj.weight": TensorSpec("BF16", (8, 8)),
+        "model.visual.blocks.0.attn.qkv.weight": TensorSpec("BF16", (24, 8)),
+    }
     out = adapter_expectation(table, CONFIG)
     assert "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight" in out
     assert not any("language_model.language_model" in n for n in out)
@@ -206,15 +216,21 @@ def test_a_killed_servers_staging_files_are_removed_by_the_next_server(tmp_path)
     gone.wait()
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        names = {f"rmsft-stage-{gone.pid}-3-0123abcd.bin": False, f"rmsft-stage-{gone.pid}-3-0123abcd.json": False,
-                 f"rmsft-stage-{live.pid}-4-89abcdef.bin": True, f"rmsft-stage-{os.getpid()}-5-00000000.bin": True,
-                 "rmsft-stage-3-2f81ce71.bin": True, "other.bin": True}
+        names = {
+            f"rmsft-stage-{gone.pid}-3-0123abcd.bin": False,
+            f"rmsft-stage-{gone.pid}-3-0123abcd.json": False,
+            f"rmsft-stage-{live.pid}-4-89abcdef.bin": True,
+            f"rmsft-stage-{os.getpid()}-5-00000000.bin": True,
+            "rmsft-stage-3-2f81ce71.bin": True,
+            "other.bin": True,
+        }
         for n in names:
             (tmp_path / n).write_bytes(b"x")
         stager = Stager(str(tmp_path), max_frame_bytes=1 << 20)
         assert {p.name for p in tmp_path.iterdir()} == {n for n, stays in names.items() if stays}
         assert sorted(os.path.basename(p) for p in stager.removed_at_start) == sorted(
-            n for n, stays in names.items() if not stays)
+            n for n, stays in names.items() if not stays
+        )
     finally:
         live.kill()
         live.wait()

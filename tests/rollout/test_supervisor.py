@@ -70,8 +70,9 @@ def test_a_server_whose_starter_is_killed_stops_by_itself(tiny_model_dir: Path, 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "protos")])}
     log = tmp_path / "serve.log"
-    starter = subprocess.Popen([sys.executable, "-c", _STARTER, str(tiny_model_dir), str(log)], env=env,
-                               stdout=subprocess.PIPE, text=True)
+    starter = subprocess.Popen(
+        [sys.executable, "-c", _STARTER, str(tiny_model_dir), str(log)], env=env, stdout=subprocess.PIPE, text=True
+    )
     pid = None
     try:
         pid, port = map(int, starter.stdout.readline().split())
@@ -108,8 +109,9 @@ def test_a_health_check_only_passes_for_the_server_started_here(tiny_model_dir: 
     import subprocess
     import sys
 
-    with RolloutServer.start(tiny_model_dir, backend="hf", timeout=120, log_path=tmp_path / "other.log",
-                             auth_token="other-run") as other:
+    with RolloutServer.start(
+        tiny_model_dir, backend="hf", timeout=120, log_path=tmp_path / "other.log", auth_token="other-run"
+    ) as other:
         assert other.health() == "SERVING"  # the check passes for the server started here
         for token in ("other-run", "this-run"):  # the same token (a user's fixed one), and a per-run one
             # This run's server, started on the port the other took: it cannot bind it (here: a process that

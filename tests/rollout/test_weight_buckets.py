@@ -22,20 +22,23 @@ from rmsft.weight_wire.transfer import (
 
 
 def _table(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[str], list[str], list[list[int]]]:
-    return ([n for n, _ in tensors], [str(t.dtype).removeprefix("torch.") for _, t in tensors],
-            [list(t.shape) for _, t in tensors])
+    return (
+        [n for n, _ in tensors],
+        [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+        [list(t.shape) for _, t in tensors],
+    )
 
 
 def _mixed() -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
     return [
-        ("a.f32", torch.randn(10, 10, generator=g)),                          # 400 B
-        ("b.bf16", torch.randn(30, generator=g).to(torch.bfloat16)),          # 60 B
-        ("c.empty", torch.empty(0, 4, dtype=torch.float16)),                  # 0 B
-        ("d.big", torch.randn(300, generator=g)),                             # 1200 B: larger than a bucket
-        ("e.i64", torch.arange(7, dtype=torch.int64)),                        # 56 B
+        ("a.f32", torch.randn(10, 10, generator=g)),  # 400 B
+        ("b.bf16", torch.randn(30, generator=g).to(torch.bfloat16)),  # 60 B
+        ("c.empty", torch.empty(0, 4, dtype=torch.float16)),  # 0 B
+        ("d.big", torch.randn(300, generator=g)),  # 1200 B: larger than a bucket
+        ("e.i64", torch.arange(7, dtype=torch.int64)),  # 56 B
         ("f.u8", torch.randint(0, 255, (5, 3), generator=g, dtype=torch.uint8)),  # 15 B
-        ("g.f16", torch.randn(2, 2, 2, generator=g).to(torch.float16)),       # 16 B
+        ("g.f16", torch.randn(2, 2, 2, generator=g).to(torch.float16)),  # 16 B
     ]
 
 
@@ -88,7 +91,8 @@ class _Counting:
 
 @pytest.mark.parametrize("bucket_bytes", [512, 0, 1 << 20])
 def test_a_bucketed_broadcast_over_gloo_gives_the_receiver_the_senders_tensors_one_collective_per_bucket(
-        bucket_bytes: int) -> None:
+    bucket_bytes: int,
+) -> None:
     pytest.importorskip("vllm")  # the group is vLLM's stateless gloo helper, as in production
     tensors = _mixed()
     names, dtypes, shapes = _table(tensors)
@@ -148,8 +152,15 @@ def test_the_engines_init_info_carries_the_groups_bucket_size_on_both_backends()
     from rollout_engine.weight_transfer_gloo import _engine_class
 
     def info(backend: str, bucket: int) -> dict:
-        return worker_init_info(backend, master_address="10.0.0.1", master_port=29500, world_size=3,
-                                rank_offset=1, timeout_s=30, bucket_bytes=bucket)
+        return worker_init_info(
+            backend,
+            master_address="10.0.0.1",
+            master_port=29500,
+            world_size=3,
+            rank_offset=1,
+            timeout_s=30,
+            bucket_bytes=bucket,
+        )
 
     assert _engine_class().init_info_cls(**info("rmsft_gloo", 512 << 20)).bucket_bytes == 512 << 20
     nccl = NCCLWeightTransferEngine.init_info_cls(**info("nccl", 512 << 20))

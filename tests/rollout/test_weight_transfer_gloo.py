@@ -32,8 +32,9 @@ def group_srv(tiny_model_dir: Path):
         yield s
 
 
-def test_a_vllm_server_synced_over_a_gloo_group_answers_as_hf_with_those_weights(group_srv, tiny_model_dir,
-                                                                               tiny_tokenizer) -> None:
+def test_a_vllm_server_synced_over_a_gloo_group_answers_as_hf_with_those_weights(
+    group_srv, tiny_model_dir, tiny_tokenizer
+) -> None:
     model = hf_model(tiny_model_dir)
     assert model.config.tie_word_embeddings  # what the head alias is for
     prompts = prompt_ids(tiny_tokenizer)[:4]
@@ -43,8 +44,15 @@ def test_a_vllm_server_synced_over_a_gloo_group_answers_as_hf_with_those_weights
     run = "5c0ffee1d2a3"
     with ServerPool([group_srv.address], run_id=run) as pool, grpc.insecure_channel(group_srv.address) as ch:
         stub = rollout_pb2_grpc.RolloutServiceStub(ch)
-        client = WeightSyncClient(pool, model, dtype="float32", transport="nccl", group_backend="rmsft_gloo",
-                                  group_timeout_s=60, timeout_s=120)
+        client = WeightSyncClient(
+            pool,
+            model,
+            dtype="float32",
+            transport="nccl",
+            group_backend="rmsft_gloo",
+            group_timeout_s=60,
+            timeout_s=120,
+        )
         with torch.no_grad():
             g = torch.Generator().manual_seed(1)
             for p in model.parameters():

@@ -140,8 +140,7 @@ def test_truncated_stream_and_missing_tensor() -> None:
         return chunks[:2] + chunks[3:]
 
     with pytest.raises(WireError):
-        _receive(drop_piece(list(iter_weight_chunks(_tensors(), number=1, mode=FULL, frame_bytes=100))),
-                 StreamReader())
+        _receive(drop_piece(list(iter_weight_chunks(_tensors(), number=1, mode=FULL, frame_bytes=100))), StreamReader())
 
 
 def test_full_header_count_must_match_model() -> None:
@@ -279,9 +278,15 @@ def test_weight_version_is_the_pair_on_every_message_that_carries_one() -> None:
     from rmsft.weight_wire import FRESH, NO_RUN, WeightVersion, mismatch_message, new_run_id, set_version, version_of
 
     v = WeightVersion("3fa2c1d09e77", 22)
-    for message in (rollout_pb2.WeightHeader(), rollout_pb2.UpdateReply(), rollout_pb2.RelayOutcome(),
-                    rollout_pb2.StatusReply(), rollout_pb2.GenerateResponse(), rollout_pb2.Completion(),
-                    rollout_pb2.GenerateRequest()):
+    for message in (
+        rollout_pb2.WeightHeader(),
+        rollout_pb2.UpdateReply(),
+        rollout_pb2.RelayOutcome(),
+        rollout_pb2.StatusReply(),
+        rollout_pb2.GenerateResponse(),
+        rollout_pb2.Completion(),
+        rollout_pb2.GenerateRequest(),
+    ):
         assert version_of(type(message).FromString(set_version(message, v).SerializeToString())) == v
     assert version_of(rollout_pb2.GenerateRequest()) is None  # not fenced
     assert version_of(set_version(rollout_pb2.GenerateRequest(), FRESH)) == FRESH  # fenced to v0 of no run
@@ -292,6 +297,7 @@ def test_weight_version_is_the_pair_on_every_message_that_carries_one() -> None:
     assert v != WeightVersion("9b0e5d2c4a11", 22) and v != WeightVersion(v.run_id, 21)
     assert mismatch_message(WeightVersion("9b0e5d2c4a11", 22), v) == (
         "expected weight version 22 of run 9b0e5d2c4a11, server has 22 of run 3fa2c1d09e77 (same number, another "
-        "run's weights)")
+        "run's weights)"
+    )
     ids = {new_run_id() for _ in range(1000)}
     assert len(ids) == 1000 and all(len(i) == 12 and int(i, 16) >= 0 for i in ids)

@@ -126,4 +126,3 @@ def test_stager_rejects_a_corrupted_decoded_payload(tmp_path):
     with pytest.raises(WireError, match="digest of the received data"):
         Stager(str(tmp_path), 1 << 20).stage((decode_chunk(r) for r in raws), lambda h: (None, set(), False))
     assert not list(tmp_path.iterdir()), "a refused stream leaves no staging files"
-

@@ -50,11 +50,21 @@ def named_tensors(draw) -> list[tuple[str, torch.Tensor]]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(tensors=named_tensors(), frame=st.integers(1, 200), version=st.integers(0, 2**63),
-       adapter=st.booleans(), run_id=st.sampled_from(["", "3fa2c1d09e77", "run.A_b-" + "x" * 55]))
+@given(
+    tensors=named_tensors(),
+    frame=st.integers(1, 200),
+    version=st.integers(0, 2**63),
+    adapter=st.booleans(),
+    run_id=st.sampled_from(["", "3fa2c1d09e77", "run.A_b-" + "x" * 55]),
+)
 def test_encoded_stream_is_byte_identical_to_protobuf(tensors, frame, version, adapter, run_id):
-    kw = dict(number=version, run_id=run_id, mode=ADAPTER if adapter else FULL, frame_bytes=frame,
-              adapter_config_json='{"r": 8}' if adapter else "")
+    kw = dict(
+        number=version,
+        run_id=run_id,
+        mode=ADAPTER if adapter else FULL,
+        frame_bytes=frame,
+        adapter_config_json='{"r": 8}' if adapter else "",
+    )
     want = [c.SerializeToString() for c in iter_weight_chunks(tensors, **kw)]
     header, requests = encode_weight_stream(tensors, **kw)
     got = list(requests)
@@ -63,13 +73,20 @@ def test_encoded_stream_is_byte_identical_to_protobuf(tensors, frame, version, a
 
 
 @settings(max_examples=100, deadline=None)
-@given(name=st.text(max_size=30), shape=st.lists(st.integers(0, 2**40), max_size=4),
-       offset=st.integers(0, 2**63 - 1), data=st.binary(max_size=400))
+@given(
+    name=st.text(max_size=30),
+    shape=st.lists(st.integers(0, 2**40), max_size=4),
+    offset=st.integers(0, 2**63 - 1),
+    data=st.binary(max_size=400),
+)
 def test_piece_round_trips_through_both_parsers(name, shape, offset, data):
     raw = encode_piece(name, TensorSpec("U8", tuple(shape)), offset, memoryview(data))
     msg = rollout_pb2.WeightChunk.FromString(raw)
     assert (msg.piece.name, tuple(msg.piece.shape), msg.piece.offset, msg.piece.data) == (
-        name, tuple(shape), offset, data
+        name,
+        tuple(shape),
+        offset,
+        data,
     )
     fast = decode_chunk(raw)
     assert bytes(fast.data if isinstance(fast, PieceFrame) else fast.piece.data) == data

@@ -19,14 +19,16 @@ def _spec(t: torch.Tensor) -> TensorSpec:
 
 
 @settings(max_examples=60, deadline=None)
-@given(shapes=st.lists(st.lists(st.integers(0, 40), max_size=3), max_size=6), frame=st.integers(1, 300),
-       bf16=st.booleans())
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 40), max_size=3), max_size=6), frame=st.integers(1, 300), bf16=st.booleans()
+)
 def test_planned_stream_is_byte_identical(shapes, frame, bf16) -> None:
     dtype = torch.bfloat16 if bf16 else torch.float32
     tensors = [(f"w{i}", torch.randn(shape).to(dtype)) for i, shape in enumerate(shapes)]
     want_header, want = encode_weight_stream(tensors, number=3, mode=FULL, frame_bytes=frame)
-    header, got = encode_planned_stream([(n, _spec(t)) for n, t in tensors], iter(tensors), number=3, mode=FULL,
-                                        frame_bytes=frame)
+    header, got = encode_planned_stream(
+        [(n, _spec(t)) for n, t in tensors], iter(tensors), number=3, mode=FULL, frame_bytes=frame
+    )
     assert header == want_header
     assert list(got) == list(want)
 

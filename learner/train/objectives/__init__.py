@@ -20,8 +20,17 @@ from learner.train.objectives.rollout_matching import RolloutMatching
 from rmsft.jobspec import RolloutMatchingJob
 from rmsft.jobspec.objectives import OBJECTIVES
 
-__all__ = ["Built", "Grpo", "Objective", "ObjectiveInputs", "RolloutMatching", "StepOutcome", "StepPlan",
-           "objective_class", "objective_for"]
+__all__ = [
+    "Built",
+    "Grpo",
+    "Objective",
+    "ObjectiveInputs",
+    "RolloutMatching",
+    "StepOutcome",
+    "StepPlan",
+    "objective_class",
+    "objective_for",
+]
 
 
 def objective_class(name: str) -> type[Objective]:

@@ -157,7 +157,8 @@ class Grpo(Objective):
         self.rewards = build_job_rewards(job)
         self._format_watch: FormatWatch | None = None  # rank 0: completions that parse to nothing
         self._reward_pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
-            self.cfg.grpo.reward_workers, thread_name_prefix="rmsft-reward")
+            self.cfg.grpo.reward_workers, thread_name_prefix="rmsft-reward"
+        )
 
     def make_packer(self) -> Packer:
         return Packer(*self.grpo.packing)
@@ -181,10 +182,17 @@ class Grpo(Objective):
             rules.dropped = keep.count(False)
         rows = self._pack(groups, advantages, keep, rules)  # one segment per completion -> packed rows
         records = self.inputs.records
-        return Built(rows, [records[i].id for i in groups.indices[:: n]], {
-            "groups": groups, "scores": scores, "rewards": rewards, "rules": rules,
-            "tokens": [grpo_tokens(r) for r in rows],  # host reads of the labels, before the rows move
-        })
+        return Built(
+            rows,
+            [records[i].id for i in groups.indices[::n]],
+            {
+                "groups": groups,
+                "scores": scores,
+                "rewards": rewards,
+                "rules": rules,
+                "tokens": [grpo_tokens(r) for r in rows],  # host reads of the labels, before the rows move
+            },
+        )
 
     def _shaped_rewards(self, groups: _Groups, scores: RewardScores, rules: _Rules) -> list[float]:
         """The rewards the advantages are computed from: the job's, plus the overlong penalty when it is on."""
@@ -200,8 +208,9 @@ class Grpo(Objective):
                 rules.penalised += 1
         return rewards
 
-    def _resample(self, plan: StepPlan, groups: _Groups, scores: RewardScores, rules: _Rules
-                  ) -> tuple[_Groups, RewardScores]:
+    def _resample(
+        self, plan: StepPlan, groups: _Groups, scores: RewardScores, rules: _Rules
+    ) -> tuple[_Groups, RewardScores]:
         """dynamic_sampling resample: each flat group's prompt sampled again (collective: every rank takes part in
         every round any rank needs), a group that comes back with signal replacing it; at most
         dynamic_sampling_rounds rounds."""
@@ -212,14 +221,21 @@ class Grpo(Objective):
         parts = {k: list(v) for k, v in scores.per_reward.items()}
         for r in range(1, g.dynamic_sampling_rounds + 1):
             now = RewardScores(tuple(totals), {k: tuple(v) for k, v in parts.items()})
-            flat = [j for j, f in enumerate(flat_groups(self._shaped_rewards(
-                _Groups(groups.indices, rollouts, responses, []), now, _Rules()), n))
-                if f]
+            flat = [
+                j
+                for j, f in enumerate(
+                    flat_groups(
+                        self._shaped_rewards(_Groups(groups.indices, rollouts, responses, []), now, _Rules()), n
+                    )
+                )
+                if f
+            ]
             if not int(inp.ranks.sum([float(len(flat))])[0]):
                 break
             with inp.phases.time("rollout"):
-                outs = inp.feed.resample(plan.step, [lo + j for j in flat], self.grpo.sampling,
-                                          seed_offset=r * RESAMPLE_SEED_OFFSET)
+                outs = inp.feed.resample(
+                    plan.step, [lo + j for j in flat], self.grpo.sampling, seed_offset=r * RESAMPLE_SEED_OFFSET
+                )
             indices = [groups.indices[j * n] for j in flat for _ in range(n)]
             fresh = _Groups(indices, list(outs), self._check(outs, indices), [])
             new_scores = self._score(fresh)
@@ -236,8 +252,10 @@ class Grpo(Objective):
         # One process: the batch reported is the one trained on. Several ranks: rank 0 reports the batch as first
         # sampled (gathering the replacements would cost an exchange for the run record alone).
         everything = rollouts if not inp.ranks.enabled else groups.everything
-        return (_Groups(groups.indices, rollouts, responses, everything),
-                RewardScores(tuple(totals), {k: tuple(v) for k, v in parts.items()}))
+        return (
+            _Groups(groups.indices, rollouts, responses, everything),
+            RewardScores(tuple(totals), {k: tuple(v) for k, v in parts.items()}),
+        )
 
     def _sample(self, plan: StepPlan) -> _Groups:
         """Each rank gets the groups of its share of prompts (n per prompt; rank 0's pool samples the whole batch,
@@ -248,8 +266,9 @@ class Grpo(Objective):
         with inp.phases.time("rollout"):
             # Sample k of prompt j is at j * n + k; each call is fenced to the version it was made with: the
             # learner's, or up to max_staleness behind it (generated ahead, overlap.py).
-            outs, everything = feed.rollouts(plan.step, self.grpo.sampling, n=n,
-                                             upcoming=range(plan.step + 1, self.cfg.steps))
+            outs, everything = feed.rollouts(
+                plan.step, self.grpo.sampling, n=n, upcoming=range(plan.step + 1, self.cfg.steps)
+            )
         lo, hi = ranks.share(len(plan.batch))
         indices = [i for i in plan.batch[lo:hi] for _ in range(n)]
         responses = self._check(outs, indices)
@@ -264,21 +283,30 @@ class Grpo(Objective):
         inp, feed, ranks, n = self.inputs, self.inputs.feed, self.inputs.ranks, self.grpo.n
         with ranks.guard("checking the sampled completions"):
             if len(outs) != len(indices):
-                raise RuntimeError(f"rank {ranks.rank} got {len(outs)} completion(s) for {len(indices) // n} "
-                                   f"prompt(s) x {n}")
+                raise RuntimeError(
+                    f"rank {ranks.rank} got {len(outs)} completion(s) for {len(indices) // n} prompt(s) x {n}"
+                )
             weights = inp.state.weights  # this run's version: the number alone is not enough
             stale = [(o.request_id, str(o.weights), o.server) for o in outs if not feed.within_window([o])]
             if stale:
-                raise RuntimeError(f"{len(stale)} completion(s) not from the learner's weight version {weights} "
-                                   f"(or max_staleness {self.cfg.rollout.max_staleness} behind it) "
-                                   f"(request, version, server): {stale[:3]}")
-            bad = [(o.request_id, o.sample_index, o.server) for o in outs
-                   if o.logprobs is None or len(o.logprobs) != len(o.token_ids)]
+                raise RuntimeError(
+                    f"{len(stale)} completion(s) not from the learner's weight version {weights} "
+                    f"(or max_staleness {self.cfg.rollout.max_staleness} behind it) "
+                    f"(request, version, server): {stale[:3]}"
+                )
+            bad = [
+                (o.request_id, o.sample_index, o.server)
+                for o in outs
+                if o.logprobs is None or len(o.logprobs) != len(o.token_ids)
+            ]
             if bad:
-                raise RuntimeError(f"{len(bad)} completion(s) came without one log-prob per token (request, sample, "
-                                   f"server): {bad[:3]}; GRPO needs the servers' sampling log-probs")
-            check_rollout_prompts([inp.records[i] for i in indices], [feed.prompt_ids(i) for i in indices], outs,
-                                  inp.policy.tokenizer)
+                raise RuntimeError(
+                    f"{len(bad)} completion(s) came without one log-prob per token (request, sample, "
+                    f"server): {bad[:3]}; GRPO needs the servers' sampling log-probs"
+                )
+            check_rollout_prompts(
+                [inp.records[i] for i in indices], [feed.prompt_ids(i) for i in indices], outs, inp.policy.tokenizer
+            )
             responses = feed.trainable_responses(outs)
         return responses
 
@@ -293,11 +321,18 @@ class Grpo(Objective):
                 size = None
                 if vl and fmt.needs_image_size:
                     size = inp.feed.vision_prompt(idx).image_size(patch_size(inp.policy.processor))
-                inputs.append(RewardInput.from_completion(
-                    inp.records[idx], tok.decode(resp, skip_special_tokens=True), resp,
-                    vocab=inp.policy.vocab, fmt=fmt, image_size=size,
-                    finish_reason=out.finish_reason, sample_index=out.sample_index,
-                ))
+                inputs.append(
+                    RewardInput.from_completion(
+                        inp.records[idx],
+                        tok.decode(resp, skip_special_tokens=True),
+                        resp,
+                        vocab=inp.policy.vocab,
+                        fmt=fmt,
+                        image_size=size,
+                        finish_reason=out.finish_reason,
+                        sample_index=out.sample_index,
+                    )
+                )
             self._watch_format(inputs, groups.responses)
             return score_batch(self.rewards, inputs, executor=self._reward_pool)
 
@@ -311,8 +346,7 @@ class Grpo(Objective):
         predicted = sum(len(i.objects or ()) for i in inputs)
         self._format_watch.observe(responses, predicted, sum(len(i.record.objects) for i in inputs))
 
-    def _pack(self, groups: _Groups, advantages: torch.Tensor, keep: Sequence[bool], rules: _Rules
-              ) -> list[PackedRow]:
+    def _pack(self, groups: _Groups, advantages: torch.Tensor, keep: Sequence[bool], rules: _Rules) -> list[PackedRow]:
         """One segment per completion of a kept group (prompt unlabelled; its tokens labelled, with their sampling
         log-probs and the group advantage; an answer cut at the budget unlabelled under overlong mask), every one of
         them packed into this step's rows. A rank that keeps no group packs its first completion fully masked."""
@@ -327,9 +361,14 @@ class Grpo(Objective):
                     continue  # a flat group left out (dynamic_sampling)
                 cut = mask_overlong and out.finish_reason == "length"
                 rules.masked += int(cut and not masked)
-                seg = grpo_segment(inp.feed.prompt_ids(idx), resp, out.logprobs[: len(resp)], float(advantages[j]),
-                                   completion_mask=[False] * len(resp) if (cut or masked) else None,
-                                   meta={"record_id": out.request_id, "sample_index": out.sample_index})
+                seg = grpo_segment(
+                    inp.feed.prompt_ids(idx),
+                    resp,
+                    out.logprobs[: len(resp)],
+                    float(advantages[j]),
+                    completion_mask=[False] * len(resp) if (cut or masked) else None,
+                    meta={"record_id": out.request_id, "sample_index": out.sample_index},
+                )
                 if inp.policy.is_vision_language:  # pixels and M-RoPE positions for the packed forward
                     seg = with_vision(inp.model, seg, inp.feed.vision_prompt(idx))
                 segments.append(seg)
@@ -359,8 +398,9 @@ class Grpo(Objective):
             ref = self._reference_logprobs(row) if cfg.kl_coef > 0 else None
             return tokens[i].to(row.input_ids.device), ref
 
-        def row_loss(row: PackedRow, logits: torch.Tensor | RowHead, before: tuple[GrpoTokens, torch.Tensor | None]
-                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        def row_loss(
+            row: PackedRow, logits: torch.Tensor | RowHead, before: tuple[GrpoTokens, torch.Tensor | None]
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             row_tokens, ref = before
             out = grpo_row_sums(logits, row, cfg, ref, row_tokens).finish(cfg, total_tokens, total_seqs)
             return out.loss, {k: out.metrics[k] for k in _LOSS_METRICS[1:]}
@@ -374,18 +414,22 @@ class Grpo(Objective):
         # A PEFT model (the job spec refuses kl_coef > 0 without LoRA), typed only as a torch Module in the loop.
         adapted = cast(_PeftModel, inp.model)
         with inp.phases.time("reference"), torch.no_grad(), adapted.disable_adapter(), inp.updater.autocast():
-            logits = row_outputs(inp.model, inp.model, row.model_inputs(), self.cfg.loss.logits,
-                                 self.cfg.loss.logits_chunk)
+            logits = row_outputs(
+                inp.model, inp.model, row.model_inputs(), self.cfg.loss.logits, self.cfg.loss.logits_chunk
+            )
             return completion_logprobs(logits, row, self.grpo.loss.temperature)
 
     # -- reporting ------------------------------------------------------------------------------------------
     def outcome(self, built: Built, sums: Mapping[str, float]) -> StepOutcome:
         groups = built.extra["groups"]
-        return StepOutcome(rollouts=groups.everything, figures=self._stats(
-            groups, built.extra["scores"], sums, built.extra["rewards"], built.extra["rules"]))
+        return StepOutcome(
+            rollouts=groups.everything,
+            figures=self._stats(groups, built.extra["scores"], sums, built.extra["rewards"], built.extra["rules"]),
+        )
 
-    def _stats(self, groups: _Groups, scores: RewardScores, totals: Mapping[str, float], shaped: Sequence[float],
-               rules: _Rules) -> GrpoStats:
+    def _stats(
+        self, groups: _Groups, scores: RewardScores, totals: Mapping[str, float], shaped: Sequence[float], rules: _Rules
+    ) -> GrpoStats:
         """The step's reward and completion figures over every rank (sums exchanged once). The reward figures are
         the job's rewards; the flat groups those of the rewards the advantages came from (with any overlong
         penalty)."""
@@ -394,38 +438,64 @@ class Grpo(Objective):
         flat = sum(flat_groups(list(shaped), n))
         labels = list(scores.per_reward)
         local = [
-            float(r.sum()), float((r * r).sum()), float(r.numel()), float(r.std(dim=1).sum()), float(r.shape[0]),
+            float(r.sum()),
+            float((r * r).sum()),
+            float(r.numel()),
+            float(r.std(dim=1).sum()),
+            float(r.shape[0]),
             float(flat),
             float(sum(len(x) for x in groups.responses)),
             float(sum(o.finish_reason == "length" for o in groups.rollouts)),
-            float(rules.dropped), float(rules.resampled), float(rules.masked), float(rules.penalised),
+            float(rules.dropped),
+            float(rules.resampled),
+            float(rules.masked),
+            float(rules.penalised),
             *(math.fsum(scores.per_reward[k]) for k in labels),
         ]
         s = self.inputs.ranks.sum(local)
         count, n_groups = max(s[2], 1.0), max(s[4], 1.0)
         mean = s[0] / count
         return GrpoStats(
-            reward_mean=mean, reward_std=math.sqrt(max(s[1] / count - mean * mean, 0.0)),
-            group_reward_std=s[3] / n_groups, zero_std_groups=s[5] / n_groups,
+            reward_mean=mean,
+            reward_std=math.sqrt(max(s[1] / count - mean * mean, 0.0)),
+            group_reward_std=s[3] / n_groups,
+            zero_std_groups=s[5] / n_groups,
             rewards={k: v / count for k, v in zip(labels, s[12:], strict=True)},
-            clip_fraction=totals["clip_fraction"], ratio_mean=totals["ratio_mean"], kl=totals["kl"],
-            completion_length=s[6] / count, truncated=s[7] / count, completions=int(s[2]), groups=int(s[4]),
-            mismatch_kl=totals["mismatch_kl"], is_weight_mean=totals["is_weight_mean"],
-            corrected_fraction=totals["corrected_fraction"], dropped_groups=int(s[8]), resampled_groups=int(s[9]),
-            overlong_masked=int(s[10]), overlong_penalised=int(s[11]),
+            clip_fraction=totals["clip_fraction"],
+            ratio_mean=totals["ratio_mean"],
+            kl=totals["kl"],
+            completion_length=s[6] / count,
+            truncated=s[7] / count,
+            completions=int(s[2]),
+            groups=int(s[4]),
+            mismatch_kl=totals["mismatch_kl"],
+            is_weight_mean=totals["is_weight_mean"],
+            corrected_fraction=totals["corrected_fraction"],
+            dropped_groups=int(s[8]),
+            resampled_groups=int(s[9]),
+            overlong_masked=int(s[10]),
+            overlong_penalised=int(s[11]),
         )
 
     def line(self, r: StepResult) -> str:
         g = r.figures
         assert isinstance(g, GrpoStats), "a GRPO step's figures (outcome())"
-        return (f"step {r.step} v{r.weight_version} loss {r.loss:.4f} reward {g.reward_mean:.3f} (std "
-                f"{g.reward_std:.3f}, flat groups {g.zero_std_groups:.2f}) clip {g.clip_fraction:.3f} ratio "
-                f"{g.ratio_mean:.4f} kl {g.kl:.4f} mismatch kl {g.mismatch_kl:.2e} len {g.completion_length:.1f} "
-                f"rows {r.rows} fill {r.fill:.3f} {r.seconds:.2f}s"
-                + (f" dropped {g.dropped_groups} resampled {g.resampled_groups}"
-                   if g.dropped_groups or g.resampled_groups else "")
-                + (f" overlong masked {g.overlong_masked} penalised {g.overlong_penalised}"
-                   if g.overlong_masked or g.overlong_penalised else ""))
+        return (
+            f"step {r.step} v{r.weight_version} loss {r.loss:.4f} reward {g.reward_mean:.3f} (std "
+            f"{g.reward_std:.3f}, flat groups {g.zero_std_groups:.2f}) clip {g.clip_fraction:.3f} ratio "
+            f"{g.ratio_mean:.4f} kl {g.kl:.4f} mismatch kl {g.mismatch_kl:.2e} len {g.completion_length:.1f} "
+            f"rows {r.rows} fill {r.fill:.3f} {r.seconds:.2f}s"
+            + (
+                f" dropped {g.dropped_groups} resampled {g.resampled_groups}"
+                if g.dropped_groups or g.resampled_groups
+                else ""
+            )
+            + (
+                f" overlong masked {g.overlong_masked} penalised {g.overlong_penalised}"
+                if g.overlong_masked or g.overlong_penalised
+                else ""
+            )
+        )
 
     def close(self) -> None:
         pool, self._reward_pool = self._reward_pool, None

@@ -43,8 +43,21 @@ __all__ = ["RolloutMatching"]
 log = logging.getLogger("rmsft.learner")
 
 _PARTS = ("ce", "soft_ce", "w1", "gate", "coord", "geo", "ul")
-_COUNTS = ("rollouts", "matched", "false_positives", "false_negatives", "dropped", "truncated", "response_tokens",
-           "predicted", "gt_objects", "duplicates", "dead", "recovered", "fallback")
+_COUNTS = (
+    "rollouts",
+    "matched",
+    "false_positives",
+    "false_negatives",
+    "dropped",
+    "truncated",
+    "response_tokens",
+    "predicted",
+    "gt_objects",
+    "duplicates",
+    "dead",
+    "recovered",
+    "fallback",
+)
 
 
 class RolloutMatching(Objective):
@@ -74,14 +87,21 @@ class RolloutMatching(Objective):
     def needs_rollouts(self) -> str | None:
         if self.cfg.warm_start_steps >= self.cfg.steps:
             return None  # every step teaches the ground truth (e.g. rmsft local's pretraining)
-        return ("training.warm_start_steps < training.steps: the steps after the warm start sample (only a run whose "
-                "every step is a warm-start step runs without servers)")
+        return (
+            "training.warm_start_steps < training.steps: the steps after the warm start sample (only a run whose "
+            "every step is a warm-start step runs without servers)"
+        )
 
     def plan(self, step: int) -> StepPlan:
         k, m_steps = divmod(step, self.core.m_steps)
         builds = m_steps == 0
-        return StepPlan(step=step, e_step=k, batch=self.inputs.order.batch(k), builds=builds,
-                        samples=builds and self.e_step_samples(k))
+        return StepPlan(
+            step=step,
+            e_step=k,
+            batch=self.inputs.order.batch(k),
+            builds=builds,
+            samples=builds and self.e_step_samples(k),
+        )
 
     def _sampling_e_steps_after(self, k: int) -> Iterator[int]:
         """The run's later E-steps that sample, in order (lazily: the feed takes the first `max_staleness`)."""
@@ -97,8 +117,12 @@ class RolloutMatching(Objective):
         if not plan.builds and kept is not None and kept[0] == plan.e_step:
             return Built(kept[1].rows, kept[1].local_ids, {**kept[1].extra, "fresh": False})
         if not plan.builds:
-            log.warning("step %d is inside E-step %d, whose rows neither this process nor its checkpoint holds: "
-                        "building them again from new rollouts", plan.step + 1, plan.e_step)
+            log.warning(
+                "step %d is inside E-step %d, whose rows neither this process nor its checkpoint holds: "
+                "building them again from new rollouts",
+                plan.step + 1,
+                plan.e_step,
+            )
         built = self._e_step(plan)
         self._e_step_built = (plan.e_step, built)
         return built
@@ -109,14 +133,19 @@ class RolloutMatching(Objective):
         if kept is None or self.plan(step).builds or kept[0] != step // self.core.m_steps:
             return {}
         built = kept[1]
-        return {"e_step": kept[0], "rows": built.rows, "local_ids": built.local_ids,
-                "channel": built.extra["channel"]}
+        return {"e_step": kept[0], "rows": built.rows, "local_ids": built.local_ids, "channel": built.extra["channel"]}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self._e_step_built = None
         if saved:
-            self._e_step_built = (saved["e_step"], Built(list(saved["rows"]), list(saved["local_ids"]), {
-                "channel": saved["channel"], "rollouts": [], "stats": None, "fresh": False}))
+            self._e_step_built = (
+                saved["e_step"],
+                Built(
+                    list(saved["rows"]),
+                    list(saved["local_ids"]),
+                    {"channel": saved["channel"], "rollouts": [], "stats": None, "fresh": False},
+                ),
+            )
 
     def _e_step(self, plan: StepPlan) -> Built:
         """This rank's share of the E-step's rollouts (by its channel), built into segments and packed into rows."""
@@ -135,8 +164,12 @@ class RolloutMatching(Objective):
                 if ranks.is_main:
                     st = inp.state
                     reason = "warm_start" if plan.step < self.cfg.warm_start_steps else "channel_a"
-                    everything = [Rollout(inp.records[i].id, feed.prompt_ids(i), [], reason, st.version, "",
-                                          weight_run_id=st.run_id) for i in batch]
+                    everything = [
+                        Rollout(
+                            inp.records[i].id, feed.prompt_ids(i), [], reason, st.version, "", weight_run_id=st.run_id
+                        )
+                        for i in batch
+                    ]
                 outs = feed.scatter(everything, len(batch))
         lo, hi = ranks.share(len(batch))
         mine = batch[lo:hi]
@@ -144,22 +177,36 @@ class RolloutMatching(Objective):
         with ranks.guard("building training segments"):
             pause_points.fail_at("step", inp.state.step + 1)  # tests: one rank failing mid-run (rmsft.pause_points)
             if len(outs) != len(mine) or not feed.within_window(outs):
-                raise RuntimeError(f"rank {ranks.rank} got {len(outs)} rollout(s) for {len(mine)} prompt(s) "
-                                   f"or a weight version outside {inp.state.weights} minus max_staleness "
-                                   f"{self.cfg.rollout.max_staleness}")
+                raise RuntimeError(
+                    f"rank {ranks.rank} got {len(outs)} rollout(s) for {len(mine)} prompt(s) "
+                    f"or a weight version outside {inp.state.weights} minus max_staleness "
+                    f"{self.cfg.rollout.max_staleness}"
+                )
             recs = [inp.records[i] for i in mine]
             vl = policy.is_vision_language
             vision = [feed.vision_prompt(i) for i in mine] if vl else []
             mine_ids = [v.input_ids for v in vision] if vl else [feed.text_prompt(i) for i in mine]
             check_rollout_prompts(recs, mine_ids, outs, policy.tokenizer)
             # A format in resized-image pixels (Qwen2.5-VL's) is bound to each record's image size.
-            sizes = ([v.image_size(patch_size(policy.processor)) for v in vision]
-                     if vl and core.fmt.needs_image_size else None)
+            sizes = (
+                [v.image_size(patch_size(policy.processor)) for v in vision]
+                if vl and core.fmt.needs_image_size
+                else None
+            )
             responses = feed.trainable_responses(outs)
             segments, stats = build_segments(
-                recs, mine_ids, [o.prompt_token_ids for o in outs], responses, policy.vocab,
-                core.matching, core.targets, fmt=core.fmt, image_sizes=sizes,
-                clean=core.recipe.clean, duplicates=core.recipe.duplicates, explorer_ids=explorers,
+                recs,
+                mine_ids,
+                [o.prompt_token_ids for o in outs],
+                responses,
+                policy.vocab,
+                core.matching,
+                core.targets,
+                fmt=core.fmt,
+                image_sizes=sizes,
+                clean=core.recipe.clean,
+                duplicates=core.recipe.duplicates,
+                explorer_ids=explorers,
             )
             if channel_b and ranks.is_main:  # answers in another format parse to nothing: say so, once
                 if self._format_watch is None:
@@ -189,9 +236,16 @@ class RolloutMatching(Objective):
             m.DROPPED_OBJECTS.inc(stats.dropped)
             m.TRUNCATED_ROLLOUTS.inc(stats.truncated)
         m.PACKER_PENDING.set(inp.packer.pending)
-        return Built(rows, [r.id for r in recs], {
-            "rollouts": everything if ranks.is_main else outs, "stats": stats, "channel": "B" if channel_b else "A",
-            "fresh": True})
+        return Built(
+            rows,
+            [r.id for r in recs],
+            {
+                "rollouts": everything if ranks.is_main else outs,
+                "stats": stats,
+                "channel": "B" if channel_b else "A",
+                "fresh": True,
+            },
+        )
 
     def _explorers(self, k: int) -> list[list[list[int]]]:
         """Recipe generation 2, a B step: this rank's prompts' explorer answers (`explorers` sampled completions per
@@ -216,8 +270,9 @@ class RolloutMatching(Objective):
         ce_total, coord_total, box_total, ul_total = totals
         coord_ids, weights = self.inputs.policy.vocab.coord_token_ids, self.core.weights
 
-        def row_loss(row: PackedRow, logits: torch.Tensor | RowHead,
-                     _: None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        def row_loss(
+            row: PackedRow, logits: torch.Tensor | RowHead, _: None
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             s = loss_sums(logits, row, coord_ids, weights.sigma)
             # Normalised by the step's global totals: summing rows' losses gives the pooled mean.
             out = s.normalised_by(ce_total, coord_total, box_total, ul_total).finish(weights)
@@ -228,8 +283,11 @@ class RolloutMatching(Objective):
     def outcome(self, built: Built, sums: Mapping[str, float]) -> StepOutcome:
         fresh = built.extra["fresh"]
         stats = built.extra["stats"] if fresh else None
-        return StepOutcome(rollouts=built.extra["rollouts"] if fresh else [], parts={k: sums[k] for k in _PARTS},
-                           figures=RolloutMatchingFigures(built.extra["channel"], stats))
+        return StepOutcome(
+            rollouts=built.extra["rollouts"] if fresh else [],
+            parts={k: sums[k] for k in _PARTS},
+            figures=RolloutMatchingFigures(built.extra["channel"], stats),
+        )
 
     # -- reporting ------------------------------------------------------------------------------------
     def line(self, r: StepResult) -> str:
@@ -238,5 +296,7 @@ class RolloutMatching(Objective):
         f1 = f"{fig.stats.f1:.3f}" if fig.sampled and fig.stats else ("reuse" if fig.channel == "B" else "- (A)")
         # Six decimals: two runs that should train alike (one pod of two ranks, two pods of one) are compared from
         # these lines to 1e-4 (tests/cluster: their thread counts differ, so their sums do); the progress bars round.
-        return (f"step {r.step} v{r.weight_version} loss {r.loss:.6f} (ce {r.parts.get('ce', 0.0):.6f} "
-                f"coord {r.parts.get('coord', 0.0):.6f}) f1 {f1} rows {r.rows} fill {r.fill:.3f} {r.seconds:.2f}s")
+        return (
+            f"step {r.step} v{r.weight_version} loss {r.loss:.6f} (ce {r.parts.get('ce', 0.0):.6f} "
+            f"coord {r.parts.get('coord', 0.0):.6f}) f1 {f1} rows {r.rows} fill {r.fill:.3f} {r.seconds:.2f}s"
+        )
