@@ -78,7 +78,7 @@ def _vm_hwm(pid: int) -> int:
 
 def child(mode: str, model: Path, data: Path, steps: int, out: Path, transport: str) -> None:
     """One run of one mode in this (fresh) process; writes its figures as JSON to `out`."""
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
     from rmsft.jobspec import parse_job
     from rmsft.serve_options import serve_options
     from rmsft.weight_wire import SHARED_DIR_ENV
@@ -96,7 +96,7 @@ def child(mode: str, model: Path, data: Path, steps: int, out: Path, transport: 
         )
         addresses = [server.address]
     ticks: list[float] = []
-    trainer = TrainingLoop(job, addresses)
+    trainer = build_loop(job, addresses)
     try:
         trainer.on_step = lambda r: ticks.append(time.perf_counter())
         trainer.run()

@@ -457,14 +457,14 @@ def colocate_job(work: Path, device_type: str, steps: int) -> Any:
 def run_colocate(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here: pass --device cpu")
     job = colocate_job(Path(tempfile.mkdtemp(prefix="rmsft-gpu-colocate-")), device.type, args.steps)
     out: dict[str, Any] = {"mode": "colocate", "engine": "hf", "device": str(device), "steps": args.steps}
-    trainer = TrainingLoop(job, [])
+    trainer = build_loop(job, [])
     try:
         model_device = next(trainer.policy.model.parameters()).device
         t0 = time.perf_counter()

@@ -35,7 +35,7 @@ def main() -> None:
     from rich.console import Console
 
     from learner.local import prepare_inputs, start_servers
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
     from rmsft.jobspec import load_job
 
     console = Console(stderr=True)
@@ -63,7 +63,7 @@ def main() -> None:
         for correction in args.corrections:
             tails, kls, fixed = [], [], []
             for seed in args.seeds:
-                trainer = TrainingLoop(
+                trainer = build_loop(
                     job_for(correction, seed), [s.address for s in servers], auth_token=servers[0].token or None
                 )
                 try:

@@ -68,7 +68,7 @@ def main() -> None:
 
     from learner.evaluation.held_out import evaluate
     from learner.local import prepare_inputs, start_servers
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
     from rmsft.jobspec import absolute_paths, load_job
 
     console = Console(stderr=True)
@@ -91,7 +91,7 @@ def main() -> None:
     last_eval: list = []  # [(step, predictions)] of the last evaluation, drawn below
     trainer = None
     try:
-        trainer = TrainingLoop(job, [s.address for s in servers], auth_token=servers[0].token or None)
+        trainer = build_loop(job, [s.address for s in servers], auth_token=servers[0].token or None)
 
         def on_step(r) -> None:
             line = f"step {r.step} loss {r.loss:.3f}" + (f" f1 {r.figures.stats.f1:.3f}" if r.figures.stats else "")

@@ -122,7 +122,7 @@ def run_fake(args: argparse.Namespace) -> str:
     from learner_fakes import FakeEngine, FakeServer, chat_renderer
     from trainer_fixtures import make_job
 
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
     from rmsft_dev.synthetic import write_synthetic_dataset
     from rmsft_dev.tiny_model import build_tiny_model
 
@@ -137,7 +137,7 @@ def run_fake(args: argparse.Namespace) -> str:
             job = make_job(model, data, work / f"ck{staleness}", steps=args.steps)
             job.spec.training.rollout.max_staleness = staleness
             job.spec.training.export.enabled = False
-            trainer = TrainingLoop(job, [s.address for s in servers])
+            trainer = build_loop(job, [s.address for s in servers])
             ends: list[float] = []
             waits: list[float] = []
             trainer.on_step = lambda r, t=trainer, e=ends, w=waits: (
@@ -233,9 +233,9 @@ def run_vl(args: argparse.Namespace) -> str:
     import yaml
     from rich.console import Console
 
-    import learner.train.loop as loop_module
+    import learner.train.build as loop_module
     from learner.local import prepare_inputs, start_servers
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
     from rmsft.jobspec import absolute_paths, load_job
 
     console = Console(stderr=True)
@@ -282,7 +282,7 @@ def run_vl(args: argparse.Namespace) -> str:
     try:
         for arm in arms:
             job = jobs[arm]
-            trainer = TrainingLoop(job, [s.address for s in servers], auth_token=servers[0].token or None)
+            trainer = build_loop(job, [s.address for s in servers], auth_token=servers[0].token or None)
             ends: list[float] = []
             waits: list[float] = []
             trainer.on_step = lambda r, t=trainer, e=ends, w=waits: (

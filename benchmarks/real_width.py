@@ -150,8 +150,8 @@ def main() -> None:
     from rich.console import Console
 
     from learner.local import shared_weights_dir, start_servers
+    from learner.train.build import build_loop
     from learner.train.checkpoint_files import list_checkpoints
-    from learner.train.loop import TrainingLoop
     from rmsft.jobspec import load_job
     from rmsft_dev.real_width import build_real_width_model
     from rmsft_dev.synthetic import write_visual_dataset
@@ -247,7 +247,7 @@ def main() -> None:
         sampler.start()
         trainer = trainer2 = None
         try:
-            trainer = TrainingLoop(job, addresses, auth_token=token)
+            trainer = build_loop(job, addresses, auth_token=token)
             timed_saves(trainer, saves)
             trainer.on_step = lambda r: console.print(
                 f"step {r.step} {r.figures.bar()} rollouts {len(r.rollouts)} loss {r.loss:.3f} {r.seconds:.1f} s"
@@ -276,7 +276,7 @@ def main() -> None:
                 job2_path.write_text(yaml.safe_dump(job_doc(args.steps + 1)))
                 job2 = load_job(job2_path)
                 t = time.perf_counter()
-                trainer2 = TrainingLoop(job2, addresses, auth_token=token)
+                trainer2 = build_loop(job2, addresses, auth_token=token)
                 resume["build_s"] = time.perf_counter() - t
                 t = time.perf_counter()
                 assert trainer2.resume(), "no checkpoint to resume"

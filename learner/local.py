@@ -167,7 +167,7 @@ def pretrain_tiny_model(job: RolloutMatchingJob, random_dir: Path, out_dir: Path
     coordinates; rollout matching then refines its own answers. A random tiny model has nothing worth
     matching, so the local demo gives it that starting point once, cached under `.rmsft/` (a later run
     reuses `out_dir`). Runs in this process without rollout servers; deterministic (same job, same weights)."""
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
     work = pretrain_dir(out_dir)
     doc = job.to_manifest()
@@ -193,7 +193,7 @@ def pretrain_tiny_model(job: RolloutMatchingJob, random_dir: Path, out_dir: Path
     pre = RolloutMatchingJob.model_validate(doc)
     n = int(notes.get(SYNTHETIC_RECORDS, "1024"))
     _write_records(pre, notes, data, n, job.spec.training.seed + PRETRAIN_SEED_OFFSET, "pretraining ", console)
-    loop = TrainingLoop(pre, [])
+    loop = build_loop(pre, [])
     try:
         columns = (
             TextColumn("[bold]pretraining the tiny model"),
@@ -430,10 +430,10 @@ def print_summary(summary, console: Console) -> None:
     console.print(table)
 
 
-def build_loop(job: RolloutMatchingJob, addresses: list[str], *, auth_token: str, resume: bool):
+def local_learner(job: RolloutMatchingJob, addresses: list[str], *, auth_token: str, resume: bool):
     """The learner of this process (imports, data, model, optimizer, a resumed checkpoint), on
     `job.spec.training.device`. Talks to no server: `rmsft local` builds it while its servers load their engines."""
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
     device = job.spec.training.device
     if device.startswith("cuda"):
@@ -442,7 +442,7 @@ def build_loop(job: RolloutMatchingJob, addresses: list[str], *, auth_token: str
         # The learner's GPU becomes this process's current device, so anything that allocates on
         # "cuda" without an index lands there and not on cuda:0, a rollout server's GPU.
         torch.cuda.set_device(device)
-    loop = TrainingLoop(job, addresses, auth_token=auth_token or None)  # the objective spec.trainer names
+    loop = build_loop(job, addresses, auth_token=auth_token or None)  # the objective spec.trainer names
     try:
         if resume:
             loop.resume()
@@ -456,10 +456,10 @@ def train_in_process(
     job: RolloutMatchingJob, addresses: list[str], *, auth_token: str, resume: bool, console: Console, loop=None
 ) -> Summary:
     """The learner in this process, with a progress bar; `job.spec.training.device` says where. `loop`: one
-    build_loop made already (it is closed here either way)."""
+    local_learner made already (it is closed here either way)."""
     try:
         if loop is None:
-            loop = build_loop(job, addresses, auth_token=auth_token, resume=resume)
+            loop = local_learner(job, addresses, auth_token=auth_token, resume=resume)
         console.print("tracking: " + "; ".join(job.spec.training.tracking_destinations))
         columns = (
             TextColumn("[bold]training"),
@@ -880,7 +880,7 @@ def _run_started(
         # which it does not need until its first sync. torchrun's ranks start once the servers serve (their wait
         # for the servers is bounded by the request timeout, shorter than an engine's load).
         if len(assignment.learner) <= 1:
-            loop = build_loop(job, addresses, auth_token=token, resume=resume)
+            loop = local_learner(job, addresses, auth_token=token, resume=resume)
         # The job's startupTimeout, as on a cluster (it was a fixed 300 s: a real-width model loads for minutes on a
         # busy CPU machine, benchmarks/real_width.py); a server that dies is seen at once, whatever the timeout.
         await_servers(

@@ -450,7 +450,7 @@ def _train(
         # e.g. deepspeed_stage > 0 without DeepSpeed: say so now, not after the model loaded
         require_learner_runtime(job)
         load_records(job.spec.training.data.path)
-        from learner.train.loop import TrainingLoop
+        from learner.train.build import build_loop
 
         port = job.spec.learner.metrics_port if metrics_port < 0 else metrics_port
         if port and os.environ.get("RANK", "0") == "0":  # one endpoint per learner pod: rank 0's
@@ -458,7 +458,7 @@ def _train(
 
             start_metrics_server(port, registry=learner_registry(colocated=job.spec.rollout.colocated))
         # the objective spec.trainer names (learner.train.objectives: rollout_matching or grpo)
-        loop = TrainingLoop(job, addresses, auth_token=auth_token or None)
+        loop = build_loop(job, addresses, auth_token=auth_token or None)
     except (
         JobSpecError,
         DataError,

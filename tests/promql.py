@@ -135,6 +135,13 @@ class Prometheus:
             raise ValueError(f"{path} {params}: {body.get('errorType')}: {body.get('error')}")
         return body["data"]
 
+    def scrapes_since(self, t: float) -> int:
+        """The fewest scrapes any target has had since time `t` (samples of `up` after it; a rate() needs two)."""
+        now = time.time()
+        window = max(1, int(now - t))  # whole seconds, none before t
+        result = self.api("query", query=f"count_over_time(up[{window}s])", time=now)["result"]
+        return min((int(float(r["value"][1])) for r in result), default=0)
+
     def targets_up(self) -> dict[str, str]:
         """scrape URL -> health ("up", "down", "unknown") of every active target."""
         return {t["scrapeUrl"]: t["health"] for t in self.api("targets")["activeTargets"]}

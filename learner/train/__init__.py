@@ -1,6 +1,7 @@
 """Training: the loops and what they are made of.
 
-- `loop`: `TrainingLoop`, the one training loop (step, sync, checkpoint, evaluation, export; setup and reporting).
+- `loop`: `TrainingLoop`, the one training loop (step, sync, checkpoint, evaluation, export, reporting).
+- `build`: `build_loop`, the loop's parts made in the order a real start pays for them, then the loop over them.
 - `objectives/`: what a step trains on and its loss, one module per objective (`rollout_matching`: channel A the
   ground truth, channel B the model's answers; `grpo`), chosen by `spec.trainer` from `OBJECTIVES`.
 - `feed`: `RolloutFeed`, what a step reads from the engines: prompts, rollouts handed out between ranks, the

@@ -9,7 +9,8 @@ The loop holds two collaborators. The **objective** (`learner.train.objectives`,
 registry) says what a step trains on and its loss: rollout-matching SFT (channel-A steps teach the ground truth,
 channel-B steps the model's own answers) or GRPO. The **rollout feed** (`learner.train.feed`) is what a step reads
 from the engines: prompts, rollouts handed out between ranks, the staleness window, and what the engines serve.
-Everything else is written once here: setup, weight sync, checkpoints and resume, evaluation, export, reporting.
+Everything else is written once here: weight sync, checkpoints and resume, evaluation, export, reporting. The parts
+are made before the loop, in the order a real start pays for them, by `learner.train.build.build_loop`.
 
 One optimizer step = `grad_accumulation` packed rows (micro-steps). Several ranks (torchrun, or a process group
 passed in) train data-parallel: rank 0 alone owns the server pool, generates the whole global batch
@@ -26,70 +27,84 @@ run that wrote its checkpoint announced (`rmsft.weight_wire.version`).
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 
 from learner.core.head import row_outputs
-from learner.core.packing import PackedRow
-from learner.data.dataset import load_dataset
+from learner.core.packing import PackedRow, Packer
 from learner.data.images import ImageStore
 from learner.data.order import DataOrder
-from learner.data.records import Record, outside_frame
+from learner.data.records import Record
 from learner.evaluation.held_out import EvalSetup, Evaluation, evaluate
-from learner.rollouts.colocate import colocated_rollouts
 from learner.rollouts.interface import RolloutSource
-from learner.rollouts.pool import ServerPool, ServersFile
+from learner.rollouts.pool import ServerPool
 from learner.rollouts.server_home import WeightSender
 from learner.tracking import metrics as m
-from learner.tracking.tracker import check_trackers, tracker_of
-from learner.train import zero
-from learner.train.checkpoint_files import check_checkpoint_dir
-from learner.train.checkpoint_owner import WriterLock, lineage_of
+from learner.tracking.tracker import tracker_of
+from learner.train.checkpoint_owner import WriterLock
 from learner.train.checkpointer import Checkpointer, TrainState
-from learner.train.config import core_configs, learning_rate
+from learner.train.config import CoreConfigs, learning_rate
 from learner.train.export import export_trained
 from learner.train.feed import RolloutFeed
-from learner.train.objectives import Built, Objective, objective_for
-from learner.train.objectives.base import ObjectiveInputs, Prepare, RowLoss
-from learner.train.offload import around_generation
+from learner.train.objectives import Built, Objective
+from learner.train.objectives.base import Prepare, RowLoss
 from learner.train.overlap import RolloutsAhead
-from learner.train.policy import Policy, load_policy
+from learner.train.policy import Policy
 from learner.train.ranks import Ranks
 from learner.train.reporting import PhaseClock, RunReporter, log_run_start, write_eval_pictures, write_rollout_pictures
 from learner.train.results import StepResult, Summary, publish_figures
-from learner.train.server_setup import server_rollouts_ahead
-from learner.train.start_checks import check_images_fit, check_memory_plan, collective_timeout_s
-from learner.train.updater import Updater, ZeroUpdater, gathered_weights, make_updater, resolve_device
+from learner.train.updater import Updater, ZeroUpdater, gathered_weights
 from rmsft.jobspec import RolloutMatchingJob
-from rmsft.weight_wire import new_run_id
 
-__all__ = ["StopRequested", "TrainingLoop"]
+__all__ = ["LoopParts", "StopRequested", "TrainingLoop"]
 
 log = logging.getLogger("rmsft.learner")
 
 
 T = TypeVar("T")
-_NO_LOCK: WriterLock | None = None  # the checkpoint dir's writer lock before rank 0 claims it (typed for the loop's)
 
 
 def _open(part: T | None) -> T:
-    """A part of the loop that is None only before `_setup` made it or after `close` let go of it (the updater), or
-    on ranks other than 0 (the reporter): here, in an open loop on the rank that has it."""
+    """A part of the loop that is None only after `close` let go of it (the updater), or on ranks other than 0 (the
+    reporter, the evaluation's images): here, in an open loop on the rank that has it."""
     assert part is not None, "a part of an open loop, on a rank that has it"
     return part
 
 
-def claim_checkpoint_dir(root: str, run_id: str, job: str) -> WriterLock:
-    """Rank 0, before anything is paid for: `root` must be writable, and this run its one writer for as long as it
-    lives (checkpoint_owner.WriterLock: a second learner waits for it, then stops naming the holder)."""
-    check_checkpoint_dir(root)
-    return WriterLock(root, run_id=run_id, job=job, on_wait=log.warning)
+@dataclass
+class LoopParts:
+    """What a training loop is made of (`learner.train.build.build_loop` makes them; `TrainingLoop` runs over them)."""
+
+    job: RolloutMatchingJob
+    objective: Objective
+    ranks: Ranks
+    state: TrainState
+    phases: PhaseClock  # the step's phase seconds (shared with the objective)
+    lineage: dict[str, str]  # what checkpoints record of the run's job
+    writer_lock: WriterLock | None  # rank 0's lock on the checkpoint folder (None on other ranks)
+    records: list[Record]
+    images: ImageStore
+    eval_records: list[Record]  # held-out records: rank 0's (empty on other ranks)
+    eval_images: ImageStore | None
+    device: torch.device
+    policy: Policy
+    model: torch.nn.Module
+    updater: Updater
+    core: CoreConfigs
+    order: DataOrder
+    packer: Packer
+    checkpointer: Checkpointer
+    no_rollouts: bool  # server mode with no servers: a run that samples nothing and evaluates nothing
+    rollouts: RolloutSource | None  # rank 0's server pool, or an engine in every rank (colocate)
+    pool: ServerPool | None  # the server pool's parts (None with colocate and on ranks other than 0)
+    sync_client: WeightSender | None
+    ahead: RolloutsAhead | None  # rank 0: rollouts generated ahead of training (overlap.py)
+    feed: RolloutFeed
 
 
 class StopRequested(Exception):  # a request, not an error
@@ -104,191 +119,36 @@ class StopRequested(Exception):  # a request, not an error
 
 
 class TrainingLoop:
-    """The learner loop (module doc). `objective`: what a step is (default: the one `spec.trainer` names, from
-    `learner.train.objectives.OBJECTIVES`). Under torchrun (WORLD_SIZE > 1) or with `process_group`, one rank of a
-    data-parallel group: only rank 0 builds the server pool and talks to the rollout servers. `addresses`: the
-    ordered server list, or a `ServersFile` the pool follows during the run. `device` overrides `training.device`
-    (tests run a step on the `meta` device)."""
+    """The learner loop (module doc), over parts `learner.train.build.build_loop` made (`LoopParts`): build one with
+    `build_loop(job, addresses, ...)`. Under torchrun (WORLD_SIZE > 1) or with a process group, one rank of a
+    data-parallel group: only rank 0 holds the server pool and talks to the rollout servers."""
 
-    def __init__(
-        self,
-        job: RolloutMatchingJob,
-        addresses: Sequence[str] | ServersFile,
-        *,
-        auth_token: str | None = None,
-        model_path: str | Path | None = None,
-        on_step: Callable[[StepResult], None] | None = None,
-        process_group: torch.distributed.ProcessGroup | None = None,
-        device: torch.device | str | None = None,
-        objective: Objective | None = None,
-    ) -> None:
-        # What can fail in the objective (a reward's name) fails before anything is paid for.
-        self.objective = objective if objective is not None else objective_for(job)
-        self.job = job
-        self.cfg = job.spec.training
+    def __init__(self, parts: LoopParts, *, on_step: Callable[[StepResult], None] | None = None) -> None:
+        self.job, self.cfg = parts.job, parts.job.spec.training
+        self.objective, self.ranks, self.state, self.phases = parts.objective, parts.ranks, parts.state, parts.phases
         self.on_step = on_step  # called on every rank with that rank's StepResult
         self.on_eval: Callable[[Evaluation], None] | None = None  # rank 0, after each held-out evaluation
-        self.ranks = Ranks(process_group) if process_group is not None else Ranks.from_env(collective_timeout_s(job))
+        self.lineage, self._writer_lock = parts.lineage, parts.writer_lock  # what checkpoints record; rank 0's lock
+        self.records, self.images = parts.records, parts.images
+        self.eval_records, self.eval_images = parts.eval_records, parts.eval_images
+        self.device, self.policy, self.model = parts.device, parts.policy, parts.model
+        self.updater: Updater | None = parts.updater  # None once closed
+        self.core, self.order, self.packer = parts.core, parts.order, parts.packer
+        self.checkpointer = parts.checkpointer
         # Where rollouts come from (learner.rollouts.interface): rank 0's server pool, or an engine in every rank
         # (colocate). `pool` and `sync_client` are the server pool's parts (None with colocate).
-        self.rollouts: RolloutSource | None = None
-        self.pool: ServerPool | None = None
-        self.sync_client: WeightSender | None = None
-        self.ahead: RolloutsAhead | None = None  # rank 0: rollouts generated ahead of training (overlap.py)
-        self.feed: RolloutFeed  # prompts, rollouts, what the engines serve (learner/train/feed.py): set by _setup
+        self.no_rollouts, self.rollouts, self.ahead = parts.no_rollouts, parts.rollouts, parts.ahead
+        self.pool, self.sync_client = parts.pool, parts.sync_client
+        self.feed = parts.feed  # prompts, rollouts, what the engines serve (learner/train/feed.py)
         self._fresh_start_done = False  # an earlier run's checkpoints moved aside (`_begin`, runs not resumed)
-        self.updater: Updater | None = None  # None once closed
-        self.state = TrainState()
-        self.phases = PhaseClock(self.state)  # the step's phase seconds (shared with the objective)
         self.history: list[StepResult] = []
         self.evaluations: list[Evaluation] = []
         self.reporter: RunReporter | None = None  # rank 0's TensorBoard and held-out reports
         self.exported: Path | None = None
-        self._stop_why: str | None = None  # request_stop's reason (set from a signal handler)
-        self.lineage, self._writer_lock = lineage_of(job), _NO_LOCK  # what checkpoints record; rank 0's lock on it
-        try:
-            self._setup(job, addresses, auth_token, model_path, device)
-        except BaseException:
-            self.close()
-            raise
-
-    def _setup(
-        self,
-        job: RolloutMatchingJob,
-        addresses: Sequence[str] | ServersFile,
-        auth_token: str | None,
-        model_path: str | Path | None,
-        device: torch.device | str | None,
-    ) -> None:
-        ranks, cfg = self.ranks, self.cfg
-        if not ranks.is_main:
-            log.setLevel(logging.WARNING)  # the one-line-per-step log is rank 0's
-        # This run's identity, in every weight version it announces: rank 0's, on every rank.
-        self.state.run_id = ranks.broadcast_from_main(new_run_id() if ranks.is_main else None)
-        if ranks.is_main:
-            m.set_run(self.state.run_id)
-            log.info("learner run %s (this process's own; a restart makes a new one)", self.state.run_id)
-        if cfg.prompts_per_step < ranks.world_size:
-            raise ValueError(
-                f"spec.training.prompts_per_step ({cfg.prompts_per_step}) is the global batch and must be "
-                f">= the number of learner ranks ({ranks.world_size})"
-            )
-        with ranks.guard("checking spec.training.checkpoint.dir (rank 0)"):
-            if ranks.is_main:  # the rank that writes checkpoints; before anything is paid for
-                self._writer_lock = claim_checkpoint_dir(cfg.checkpoint.dir, self.state.run_id, self.lineage["job"])
-                check_trackers(cfg.report_to, cfg.tensorboard_dir)  # installed, writable: now, not after training
-        with ranks.guard("checking the memory plan"):
-            check_memory_plan(job, log_it=ranks.is_main)  # before anything is loaded: say which knob to turn
-        with ranks.guard("loading the data and the model"):
-            if cfg.deepspeed_stage:
-                zero.require_deepspeed(cfg.deepspeed_stage)
-            vision = job.spec.model.vision
-            # Every image is opened and checked here, before anything is paid for.
-            self.images: ImageStore
-            self.records, self.images = load_dataset(cfg.data.path, cfg.data.image_root, vision.max_image_pixels)
-            if (outside := outside_frame(self.records)).objects and ranks.is_main:  # once per run, not per rank
-                log.warning("%s: %s", cfg.data.path, outside.line(sum(len(r.objects) for r in self.records)))
-            self.eval_records: list[Record] = []
-            self.eval_images: ImageStore | None = None
-            if cfg.eval.data and ranks.is_main:  # held-out records: rank 0 evaluates
-                held, self.eval_images = load_dataset(cfg.eval.data, cfg.eval.image_root, vision.max_image_pixels)
-                self.eval_records = held[: cfg.eval.max_samples]
-            torch.manual_seed(cfg.seed)
-            random.seed(cfg.seed)
-            self.device = torch.device(device) if device is not None else resolve_device(cfg.device)
-            self.policy: Policy = load_policy(model_path or job.spec.model.path, cfg, job.spec.model.dtype, vision)
-            check_images_fit(self.records, self.policy, vision.max_images_per_prompt, cfg.data.path)
-        self.model = self.policy.model.to(self.device)
-        ranks.broadcast_params([p for p in self.model.parameters() if p.requires_grad])  # rank 0's init (LoRA)
-        if ranks.rank:
-            torch.manual_seed(cfg.seed + ranks.rank)  # e.g. dropout masks differ per rank
-            random.seed(cfg.seed + ranks.rank)
-        with ranks.guard("setting up the optimizer step"):
-            self.updater = make_updater(
-                self.model, ranks, cfg, device=self.device, autocast_dtype=self.policy.autocast_dtype
-            )
-        self.device = self.updater.device  # DeepSpeed may have placed the module itself
-        self.core = core_configs(cfg)
-        self.order = DataOrder(len(self.records), cfg.prompts_per_step, cfg.seed)
-        self.packer = self.objective.make_packer()  # one per rank, lives across steps
-        self.checkpointer = Checkpointer(
-            cfg,
-            ranks,
-            self.model,
-            self.updater,
-            self.packer,
-            self.state,
-            parts={"objective": self.objective},
-            lineage=self.lineage,
-        )
-        model_dir = model_path or job.spec.model.path
-        # No servers at all (server mode): a run whose objective samples nothing and that has no held-out evaluation
-        # needs none, e.g. the pretraining of `rmsft local`'s tiny model (learner.local.pretrain_tiny_model).
-        self.no_rollouts = (
-            not job.spec.rollout.colocated and not isinstance(addresses, ServersFile) and not list(addresses)
-        )
-        if self.no_rollouts:
-            why = self.objective.needs_rollouts() or (
-                "training.eval.data is set: the held-out evaluation asks the servers" if cfg.eval.data else None
-            )
-            if why:
-                raise ValueError(f"no rollout servers given, and this run needs them: {why}")
-        if job.spec.rollout.colocated:
-            with ranks.guard("starting the in-process rollout engine"):
-                self.rollouts = colocated_rollouts(
-                    job,
-                    self.model,
-                    self.policy.tokenizer,
-                    run_id=self.state.run_id,
-                    world_size=ranks.world_size,
-                    rank=ranks.rank,
-                    model_dir=model_dir,
-                    vision_language=self.policy.is_vision_language,
-                    around_generation=partial(around_generation, job, self.updater, self.model),
-                )
-        else:
-            with ranks.guard("connecting to the rollout servers (rank 0)"):
-                if ranks.is_main and not self.no_rollouts:  # the only rank that talks to rollout servers
-                    self.rollouts, self.ahead = server_rollouts_ahead(
-                        job,
-                        addresses,
-                        self.model,
-                        run_id=self.state.run_id,
-                        auth_token=auth_token,
-                        checkpoint_dir=model_dir,
-                        vision_language=self.policy.is_vision_language,
-                    )
-                    self.pool, self.sync_client = self.rollouts.pool, self.rollouts.sync_client
-        self.feed = RolloutFeed(
-            cfg=cfg,
-            ranks=ranks,
-            state=self.state,
-            order=self.order,
-            records=self.records,
-            images=self.images,
-            policy=self.policy,
-            source=self.rollouts,
-            ahead=self.ahead,
-        )
         self.pictures: list[Path] = []
         self.eval_pictures: list[Path] = []
+        self._stop_why: str | None = None  # request_stop's reason (set from a signal handler)
         self._retries_at_start = m.counter_total(m.ROLLOUT_RETRIES)
-        self.objective.attach(
-            ObjectiveInputs(  # last: what the objective reads of the parts above
-                feed=self.feed,
-                ranks=ranks,
-                state=self.state,
-                order=self.order,
-                records=self.records,
-                images=self.images,
-                policy=self.policy,
-                model=self.model,
-                updater=self.updater,
-                packer=self.packer,
-                core=self.core,
-                phases=self.phases,
-            )
-        )
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self, max_steps: int | None = None) -> Summary:

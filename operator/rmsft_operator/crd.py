@@ -180,8 +180,9 @@ def _immutable(node: dict[str, Any], where: str) -> None:
 _FRACTION = {"type": "number", "minimum": 0, "maximum": 1}
 
 
-def status_schema() -> dict[str, Any]:
-    condition = {
+def _condition_schema() -> dict[str, Any]:
+    """One item of status.conditions."""
+    return {
         "type": "object",
         "required": ["type", "status"],
         "description": "One aspect of the job's state.",
@@ -202,6 +203,9 @@ def status_schema() -> dict[str, Any]:
             },
         },
     }
+
+
+def status_schema() -> dict[str, Any]:
     return {
         "type": "object",
         "description": "What the operator observed, written by the operator.",
@@ -216,7 +220,7 @@ def status_schema() -> dict[str, Any]:
             },
             "conditions": {
                 "type": "array",
-                "items": condition,
+                "items": _condition_schema(),
                 "maxItems": 16,
                 "x-kubernetes-list-type": "map",
                 "x-kubernetes-list-map-keys": ["type"],
@@ -237,54 +241,8 @@ def status_schema() -> dict[str, Any]:
                 "ServerLost).",
             },
             "readyRolloutReplicas": {"type": "integer", "minimum": 0, "description": "Rollout servers Ready."},
-            "learnerAttempt": {
-                "type": "integer",
-                "minimum": 1,
-                "description": "spec.learner.nodes > 1: the learner's attempt (1 first); a lost pod "
-                "fails the attempt and the next resumes from the newest checkpoint, up "
-                "to spec.learner.backoffLimit restarts.",
-            },
-            "learnerAttemptTime": {
-                "type": "string",
-                "format": "date-time",
-                "description": "spec.learner.nodes > 1: when the last failed attempt's Job was "
-                "deleted (a re-created Job that a policy refuses is timed from it).",
-            },
-            "learnerDisruptions": {
-                "type": "integer",
-                "minimum": 0,
-                "description": "spec.learner.nodes > 1: attempts run again after a disruption "
-                "(eviction, drain, preemption), not counted as attempts.",
-            },
-            "learnerStartTime": {
-                "type": "string",
-                "format": "date-time",
-                "description": "When a learner pod was first seen running: from then on a pod's "
-                "trouble is a fault the job survives, not a failed start.",
-            },
-            "learnerActive": {"type": "integer", "minimum": 0, "description": "Active learner pods."},
-            "step": {"type": "integer", "minimum": 0, "description": "Optimizer step reported by the learner."},
-            "currentStep": {
-                "type": "integer",
-                "minimum": 0,
-                "description": "The step the learner is on now: after a resume it redoes steps below "
-                "status.step (the highest reported); spec.learner.stallTimeout reads it.",
-            },
-            "weightVersion": {
-                "type": "integer",
-                "minimum": 0,
-                "description": "Weight version reported by the learner (it counts weight updates).",
-            },
-            "evaluation": {
-                "type": "object",
-                "description": "The learner's last held-out evaluation (spec.training.eval); absent before the first.",
-                "properties": {
-                    "step": {"type": "integer", "minimum": 0, "description": "Optimizer step it was taken at."},
-                    "f1": {**_FRACTION, "description": "F1 at IoU spec.training.eval.iou (0.5 by default)."},
-                    "mAP": {**_FRACTION, "description": "COCO bbox mAP@[.50:.95]."},
-                    "mAP50": {**_FRACTION, "description": "COCO bbox mAP@.50."},
-                },
-            },
+            **_learner_status(),
+            **_progress_status(),
             "startTime": {
                 "type": "string",
                 "format": "date-time",
@@ -309,39 +267,104 @@ def status_schema() -> dict[str, Any]:
     }
 
 
+def _learner_status() -> dict[str, Any]:
+    """The learner's attempts and start, in status."""
+    return {
+        "learnerAttempt": {
+            "type": "integer",
+            "minimum": 1,
+            "description": "spec.learner.nodes > 1: the learner's attempt (1 first); a lost pod "
+            "fails the attempt and the next resumes from the newest checkpoint, up "
+            "to spec.learner.backoffLimit restarts.",
+        },
+        "learnerAttemptTime": {
+            "type": "string",
+            "format": "date-time",
+            "description": "spec.learner.nodes > 1: when the last failed attempt's Job was "
+            "deleted (a re-created Job that a policy refuses is timed from it).",
+        },
+        "learnerDisruptions": {
+            "type": "integer",
+            "minimum": 0,
+            "description": "spec.learner.nodes > 1: attempts run again after a disruption "
+            "(eviction, drain, preemption), not counted as attempts.",
+        },
+        "learnerStartTime": {
+            "type": "string",
+            "format": "date-time",
+            "description": "When a learner pod was first seen running: from then on a pod's "
+            "trouble is a fault the job survives, not a failed start.",
+        },
+        "learnerActive": {"type": "integer", "minimum": 0, "description": "Active learner pods."},
+    }
+
+
+def _progress_status() -> dict[str, Any]:
+    """The learner's progress, in status: its step, weight version and last evaluation."""
+    return {
+        "step": {"type": "integer", "minimum": 0, "description": "Optimizer step reported by the learner."},
+        "currentStep": {
+            "type": "integer",
+            "minimum": 0,
+            "description": "The step the learner is on now: after a resume it redoes steps below "
+            "status.step (the highest reported); spec.learner.stallTimeout reads it.",
+        },
+        "weightVersion": {
+            "type": "integer",
+            "minimum": 0,
+            "description": "Weight version reported by the learner (it counts weight updates).",
+        },
+        "evaluation": {
+            "type": "object",
+            "description": "The learner's last held-out evaluation (spec.training.eval); absent before the first.",
+            "properties": {
+                "step": {"type": "integer", "minimum": 0, "description": "Optimizer step it was taken at."},
+                "f1": {**_FRACTION, "description": "F1 at IoU spec.training.eval.iou (0.5 by default)."},
+                "mAP": {**_FRACTION, "description": "COCO bbox mAP@[.50:.95]."},
+                "mAP50": {**_FRACTION, "description": "COCO bbox mAP@.50."},
+            },
+        },
+    }
+
+
+def _printer_columns() -> list[dict[str, Any]]:
+    """`kubectl get rmj`'s columns."""
+    return [
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {
+            "name": "Ready",
+            "type": "integer",
+            "jsonPath": ".status.readyRolloutReplicas",
+            "description": "Rollout servers Ready",
+        },
+        {"name": "Replicas", "type": "integer", "jsonPath": ".spec.rollout.replicas"},
+        {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
+        # Held-out figures: `kubectl get rmj -o wide` (priority 1) keeps the default listing narrow.
+        {
+            "name": "Eval-F1",
+            "type": "number",
+            "jsonPath": ".status.evaluation.f1",
+            "priority": 1,
+            "description": "Held-out F1 at IoU spec.training.eval.iou, last evaluation",
+        },
+        {
+            "name": "Eval-mAP",
+            "type": "number",
+            "jsonPath": ".status.evaluation.mAP",
+            "priority": 1,
+            "description": "Held-out COCO bbox mAP@[.50:.95], last evaluation",
+        },
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+
 def build_crd() -> dict[str, Any]:
     version = {
         "name": API_VERSION,
         "served": True,
         "storage": True,
         "subresources": {"status": {}},
-        "additionalPrinterColumns": [
-            {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-            {
-                "name": "Ready",
-                "type": "integer",
-                "jsonPath": ".status.readyRolloutReplicas",
-                "description": "Rollout servers Ready",
-            },
-            {"name": "Replicas", "type": "integer", "jsonPath": ".spec.rollout.replicas"},
-            {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
-            # Held-out figures: `kubectl get rmj -o wide` (priority 1) keeps the default listing narrow.
-            {
-                "name": "Eval-F1",
-                "type": "number",
-                "jsonPath": ".status.evaluation.f1",
-                "priority": 1,
-                "description": "Held-out F1 at IoU spec.training.eval.iou, last evaluation",
-            },
-            {
-                "name": "Eval-mAP",
-                "type": "number",
-                "jsonPath": ".status.evaluation.mAP",
-                "priority": 1,
-                "description": "Held-out COCO bbox mAP@[.50:.95], last evaluation",
-            },
-            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-        ],
+        "additionalPrinterColumns": _printer_columns(),
         "schema": {
             "openAPIV3Schema": {
                 "type": "object",

@@ -107,8 +107,49 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
     rollout_pods = kube.list_pods(namespace, render.selector(name, "rollout")) if sts else []
     learner_pods = kube.list_pods(namespace, render.selector(name, "learner")) if learner else []
 
-    # Pods that could not even be created (Pod Security admission, quota...) exist only as
-    # FailedCreate events on their controller: look for them only when pods are missing.
+    failed_creates, failed_create_since = _failed_creates(kube, namespace, n, sts, learner, rollout_pods, learner_pods)
+
+    progress: dict[str, Any] = {}
+    if learner and not (learner.get("spec") or {}).get("suspend") and progress_timeout > 0:
+        spec = spec_field if isinstance(spec_field, dict) else {}
+        port = (spec.get("learner") or {}).get("metricsPort") or LearnerSpec().metrics_port
+        progress = learner_progress(learner_pods, int(port), progress_timeout)
+
+    # The namespace's Pod Security level decides whether an shm job's hostPath volume is admitted;
+    # other jobs cost no extra call (and need no right on namespaces).
+    namespace_labels = kube.namespace_labels(namespace) if _asks_for_shm(body.get("spec")) else None
+
+    return Observed(
+        name=name,
+        namespace=namespace,
+        uid=uid,
+        generation=meta.get("generation"),
+        spec=body.get("spec"),
+        status=body.get("status") or {},
+        children=children,
+        rollout_pods=rollout_pods,
+        learner_pods=learner_pods,
+        failed_creates=failed_creates,
+        progress=progress,
+        namespace_labels=namespace_labels,
+        foreign=foreign,
+        failed_create_since=failed_create_since,
+        created=meta.get("creationTimestamp"),
+    )
+
+
+def _failed_creates(
+    kube: Kube,
+    namespace: str,
+    n: dict[str, str],
+    sts: dict[str, Any] | None,
+    learner: dict[str, Any] | None,
+    rollout_pods: list[dict[str, Any]],
+    learner_pods: list[dict[str, Any]],
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Pods that could not even be created (Pod Security admission, quota...) exist only as FailedCreate events on
+    their controller: looked for only when pods are missing. Per kind, the newest event's message and the first
+    event's time (the API's clock of the refusal)."""
     missing = []
     if sts and len(rollout_pods) < int((sts.get("spec") or {}).get("replicas") or 0):
         missing.append(("StatefulSet", n["statefulset"]))
@@ -139,34 +180,7 @@ def observe(kube: Kube, body: dict[str, Any], progress_timeout: float = 0.0) -> 
                 ]
                 if first:
                     failed_create_since[kind] = min(first)
-
-    progress: dict[str, Any] = {}
-    if learner and not (learner.get("spec") or {}).get("suspend") and progress_timeout > 0:
-        spec = spec_field if isinstance(spec_field, dict) else {}
-        port = (spec.get("learner") or {}).get("metricsPort") or LearnerSpec().metrics_port
-        progress = learner_progress(learner_pods, int(port), progress_timeout)
-
-    # The namespace's Pod Security level decides whether an shm job's hostPath volume is admitted;
-    # other jobs cost no extra call (and need no right on namespaces).
-    namespace_labels = kube.namespace_labels(namespace) if _asks_for_shm(body.get("spec")) else None
-
-    return Observed(
-        name=name,
-        namespace=namespace,
-        uid=uid,
-        generation=meta.get("generation"),
-        spec=body.get("spec"),
-        status=body.get("status") or {},
-        children=children,
-        rollout_pods=rollout_pods,
-        learner_pods=learner_pods,
-        failed_creates=failed_creates,
-        progress=progress,
-        namespace_labels=namespace_labels,
-        foreign=foreign,
-        failed_create_since=failed_create_since,
-        created=meta.get("creationTimestamp"),
-    )
+    return failed_creates, failed_create_since
 
 
 def secret_stand_in(name: str, namespace: str) -> dict[str, Any]:

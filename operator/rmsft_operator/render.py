@@ -15,6 +15,7 @@ import yaml
 from rmsft.jobspec import RolloutMatchingJob
 from rmsft.jobspec.rollout import HEALTH_PORT_ENV
 from rmsft.serve_options import serve_options
+from rmsft_operator.render_cleanup import SHM_CLEANUP_MOUNT, render_shm_cleanup
 from rmsft_operator.render_meta import (
     COMPLETION_INDEX_ANNOTATION,
     CONFIG_DIR,
@@ -48,15 +49,14 @@ from rmsft_operator.render_meta import (
     spec_hash,
 )
 from rmsft_operator.render_pods import (
-    SHM_CLEANUP_MOUNT,
     render_job,
-    render_shm_cleanup,
     render_statefulset,
     shared_weights_host_path,
     torchrun_shutdown_seconds,
 )
 
-# The module callers name (reconcile, handlers, tests): the builders of render_meta and render_pods with its own.
+# The module callers name (reconcile, handlers, tests): the builders of render_meta, render_pods and render_cleanup
+# with its own.
 __all__ = [
     "HEALTH_PORT_ENV",
     "COMPLETION_INDEX_ANNOTATION",

@@ -1,5 +1,6 @@
 """The job's pods, pure: the rollout servers' StatefulSet and the learner Job, with what their pod templates share
-(resources, security contexts, volumes, TLS, the model preflight, the shared-memory volume and its cleanup Job)."""
+(resources, security contexts, volumes, TLS, the model preflight, the shared-memory volume; its cleanup Job is
+render_cleanup's)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def _pod_security() -> dict[str, Any]:
     }
 
 
-def _container_security() -> dict[str, Any]:
+def container_security() -> dict[str, Any]:
     # A read-only image: what the processes write goes to /tmp (an emptyDir, HOME too: vLLM's, Triton's and
     # inductor's caches), /dev/shm, the checkpoint folder and the mounted volumes.
     return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True}
@@ -170,13 +171,13 @@ def _preflight_container(job: RolloutMatchingJob, mounts: list[dict[str, Any]]) 
         # containers all have that keeps its Guaranteed QoS class.
         "resources": {"requests": dict(PREFLIGHT_RESOURCES), "limits": dict(PREFLIGHT_RESOURCES)},
         "volumeMounts": [dict(m) for m in mounts if m["mountPath"] in wanted],
-        "securityContext": _container_security(),
+        "securityContext": container_security(),
         # `rmsft preflight` writes its message to /dev/termination-log; the log's tail if it could not.
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
 
 
-def _pod_common(job: RolloutMatchingJob) -> dict[str, Any]:
+def pod_common(job: RolloutMatchingJob) -> dict[str, Any]:
     p = job.spec.placement
     # Neither rollout servers nor learners call the Kubernetes API: no token in their pods.
     spec: dict[str, Any] = {
@@ -284,83 +285,6 @@ def _with_shared_weights(job: RolloutMatchingJob, namespace: str, pod: dict[str,
     return {**pod, "initContainers": [*pod.get("initContainers", []), owner]}
 
 
-SHM_CLEANUP_MOUNT = "/shared-weights"  # the job's own folder, in the cleanup container
-
-
-def render_shm_cleanup(
-    job: RolloutMatchingJob, namespace: str, node: str, image: str = "", pull_policy: str = "IfNotPresent"
-) -> dict[str, Any]:
-    """A Job that empties the job's shared-weights directory (/dev/shm/rmsft/<ns>.<job>) on `node`,
-    created when an shm job is deleted: nothing else can, since the kubelet never removes a hostPath
-    directory and the operator cannot reach a node's files. No owner reference (its owner is going
-    away); `ttlSecondsAfterFinished: 0` has Kubernetes delete it, and its pod, once it has run.
-
-    `image`: the operator's own (RMSFT_OPERATOR_IMAGE, which the chart sets); empty, for an operator
-    run outside the chart, the job's own image, which grants nothing more: the learner pod already
-    ran that image on that folder, and the privilege below comes from the pod's security context,
-    whatever the image.
-
-    Least privilege: the learner's non-root user (UID: the folder is the learner's, chowned to it with
-    mode 0770 by the shared-weights-owner init container), no capability, a read-only image, and only
-    the job's own folder mounted (never the node's whole /dev/shm/rmsft, where the other jobs' folders
-    are). It removes everything inside the folder and leaves the folder itself, empty: removing it
-    would need write access on its root-owned parent, that is root (or DAC_OVERRIDE) with the parent
-    mounted, which is what this Job must not have. An empty directory in tmpfs holds no pages (an
-    inode's worth of kernel memory); it goes with the node's next reboot, and a job created again
-    under the same name and namespace reuses it."""
-    if not image:
-        image, pull_policy = job.spec.image.ref, job.spec.image.pull_policy
-    volume = {
-        "name": SHARED_WEIGHTS_VOLUME,
-        "hostPath": {
-            # Directory, not DirectoryOrCreate: a folder that is not there has nothing to remove, and
-            # creating it would leave a root-owned one behind (the pod then never starts; the deadline
-            # below ends the Job and the TTL deletes it).
-            "path": shared_weights_host_path(namespace, job.metadata.name),
-            "type": "Directory",
-        },
-    }
-    container = {
-        "name": "remove",
-        "image": image,
-        "imagePullPolicy": pull_policy,
-        # Everything in the folder, not the folder (the mount point itself cannot go anyway). The
-        # learner's files and subfolders are its user's: the folder's write bit is all it takes.
-        "command": ["find", SHM_CLEANUP_MOUNT, "-mindepth", "1", "-delete"],
-        "securityContext": _container_security(),
-        "volumeMounts": [{"name": SHARED_WEIGHTS_VOLUME, "mountPath": SHM_CLEANUP_MOUNT}],
-        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
-    }
-    # No fsGroup: it would add nothing (a hostPath volume is never chowned to it) and the user's own
-    # group is the folder's group already.
-    security = {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "seccompProfile": {"type": "RuntimeDefault"}}
-    pod = {
-        **_pod_common(job),
-        "securityContext": security,
-        "restartPolicy": "Never",
-        "nodeName": node,
-        "containers": [container],
-        "volumes": [volume],
-    }
-    pod.pop("nodeSelector", None)  # nodeName places it; the job's selector chose that node already
-    meta = {
-        "name": f"{job.metadata.name}-shm-cleanup",
-        "namespace": namespace,
-        "labels": labels(job.metadata.name, "shm-cleanup"),
-    }
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": meta,
-        "spec": {
-            "backoffLimit": 2,
-            "ttlSecondsAfterFinished": 0,
-            "activeDeadlineSeconds": 300,
-            "template": {"metadata": {"labels": labels(job.metadata.name, "shm-cleanup")}, "spec": pod},
-        },
-    }
-
-
 def render_statefulset(
     job: RolloutMatchingJob, namespace: str, uid: str, replicas: int | None = None
 ) -> dict[str, Any]:
@@ -405,7 +329,7 @@ def render_statefulset(
         "livenessProbe": {"grpc": {"port": probe_port}, "periodSeconds": 20, "failureThreshold": 6},
         "resources": _resources(r.resources, r.tensor_parallel_size, accelerated),
         "volumeMounts": mounts,
-        "securityContext": _container_security(),
+        "securityContext": container_security(),
         # A server that exits at start (e.g. /dev/shm too small for a FULL sync) says why in the
         # pod's status, where the operator reads it into the RolloutReady condition.
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -413,7 +337,7 @@ def render_statefulset(
     pod_spec = _with_shared_weights(
         job,
         namespace,
-        {**_pod_common(job), "containers": [container], "initContainers": [preflight], "volumes": volumes},
+        {**pod_common(job), "containers": [container], "initContainers": [preflight], "volumes": volumes},
         writer=False,
     )
     return {
@@ -461,7 +385,7 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
         "ports": [{"name": "metrics", "containerPort": lr.metrics_port, "protocol": "TCP"}],
         "resources": _resources(lr.resources, lr.gpus, accelerated),
         "volumeMounts": mounts,
-        "securityContext": _container_security(),
+        "securityContext": container_security(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     ranks, pods = lr.ranks(accelerated), lr.nodes
@@ -470,7 +394,7 @@ def render_job(job: RolloutMatchingJob, namespace: str, uid: str) -> dict[str, A
         job,
         namespace,
         {
-            **_pod_common(job),
+            **pod_common(job),
             "restartPolicy": "Never",
             "containers": [container],
             # After SIGTERM: the step in progress, a checkpoint, exit (rmsft train), then the retry resumes.

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps < 1 or args.records < 2 or args.check_every < 1:
         sys.exit("--steps and --check-every must be >= 1 and --records >= 2")
 
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
     readme = yaml.safe_load(README_JOB.read_text())
     model = (args.model or README_JOB.parent / readme["spec"]["model"]["path"]).resolve()  # the job file's folder
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         write_start_data(data, args.records)
     out = args.out.resolve()
     job = start_job(model, data, work, args.steps, args.check_every, out)
-    loop = TrainingLoop(job, [])
+    loop = build_loop(job, [])
     t0 = time.perf_counter()
     losses: list[float] = []
     try:

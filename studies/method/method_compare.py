@@ -219,13 +219,13 @@ def make_job(setting: Setting, arm: str, seed: int, plan: Plan, model: Path, dat
 
 def train(job, servers, *, resume: bool, max_steps: int | None, tokens_before: int) -> list[dict]:
     """Train `job` (resumed from its checkpoint folder when `resume`) and return one row per held-out evaluation."""
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
     rows: list[dict] = []
     tokens = tokens_before
     b_stats = []
     t0 = time.perf_counter()
-    trainer = TrainingLoop(job, [s.address for s in servers], auth_token=servers[0].token or None)
+    trainer = build_loop(job, [s.address for s in servers], auth_token=servers[0].token or None)
     try:
         if resume and not trainer.resume():
             raise RuntimeError(f"no warm-start checkpoint in {job.spec.training.checkpoint.dir}")

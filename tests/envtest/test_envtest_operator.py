@@ -420,7 +420,8 @@ def test_every_operator_dashboard_panel_returns_data_from_the_operator(
         _apply(cp, _manifest("dashop", **{"rollout.replicas": 0}))  # children created and reconciles, in the window
         cp.wait_for(lambda: _child(cp, "StatefulSet", "dashop-rollout"), 60, "dashop's StatefulSet")
         operator.wait_passes(cp, 2)
-        time.sleep(3)  # three more scrapes: every rate() has two samples after the job's first reconciles
+        passed = time.time()  # every rate() needs two samples after the job's first reconciles: three scrapes
+        prom.wait(lambda: prom.scrapes_since(passed) >= 3, 30, "three scrapes of the operator after its reconciles")
         end = time.time()
         chosen, empty = empty_panels(prom, dashboard("operator"), start, end)
         assert len(chosen) >= 7, chosen

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from learner.train.loop import TrainingLoop
+from learner.train.build import build_loop
 from rmsft.jobspec import load_job
 
 
 def main(job_path: str, address: str, out_dir: str) -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     out = Path(out_dir)
-    trainer = TrainingLoop(load_job(job_path), [address])
+    trainer = build_loop(load_job(job_path), [address])
     try:
         summary = trainer.run()
         rank = trainer.ranks.rank

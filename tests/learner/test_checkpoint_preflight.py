@@ -62,8 +62,7 @@ def data_path(tmp_path: Path) -> Path:
 def test_trainer_fails_at_start_before_any_server_or_model_work(
     tiny_model_dir, data_path, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import learner.train.loop as loop_mod
-    import learner.train.loop as trainer_mod
+    import learner.train.build as build_mod
     from rmsft.jobspec import parse_job
 
     (tmp_path / "file").write_text("")
@@ -72,14 +71,49 @@ def test_trainer_fails_at_start_before_any_server_or_model_work(
     def no_model(*a, **kw):
         raise AssertionError("the model was loaded before the checkpoint folder was checked")
 
-    monkeypatch.setattr(loop_mod, "load_policy", no_model)  # the loop's setup loads the model
+    monkeypatch.setattr(build_mod, "load_policy", no_model)  # build_loop loads the model
     server = FakeServer(FakeEngine())
     try:
         with pytest.raises(CheckpointDirError, match="spec.training.checkpoint.dir"):
-            trainer_mod.TrainingLoop(job, [server.address])
+            build_mod.build_loop(job, [server.address])
         assert server.engine.events == []  # no status, no sync, no rollout
     finally:
         server.stop()
+
+
+def test_a_start_that_fails_after_the_claim_lets_go_of_what_it_made(
+    tiny_model_dir, data_path, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """build_loop fails at the model's load, after rank 0 claimed the checkpoint folder: the claim is let go (a
+    second writer takes the folder at once, no wait), and the same process then starts the same job."""
+    import learner.train.build as build_mod
+    from learner.train.checkpoint_owner import WRITER_LOCK, WriterLock
+    from rmsft.jobspec import parse_job
+
+    doc = _job_doc(tiny_model_dir, data_path, tmp_path / "ckpt")
+    doc["spec"]["training"]["warm_start_steps"] = doc["spec"]["training"]["steps"]  # samples nothing: no server
+    job = parse_job(doc)
+    claimed: list[WriterLock] = []
+    claim = build_mod.claim_checkpoint_dir
+    monkeypatch.setattr(build_mod, "claim_checkpoint_dir", lambda *a: claimed.append(claim(*a)) or claimed[-1])
+
+    def broken_model(*a, **kw):
+        raise OSError(5, "Input/output error")  # e.g. EIO on the model's claim
+
+    real_load = build_mod.load_policy
+    monkeypatch.setattr(build_mod, "load_policy", broken_model)
+    with pytest.raises(OSError, match="Input/output error"):
+        build_mod.build_loop(job, [])
+    assert len(claimed) == 1
+    # Let go: the holder's record is gone with the hold (an open lock would name this run, and another learner
+    # process would wait for it to end).
+    assert (tmp_path / "ckpt" / WRITER_LOCK).read_text() == ""
+    monkeypatch.setattr(build_mod, "load_policy", real_load)
+    loop = build_mod.build_loop(job, [])
+    try:
+        assert loop.state.run_id != "" and len(claimed) == 2
+    finally:
+        loop.close()
 
 
 def test_rmsft_train_exits_2_naming_the_folder(tiny_model_dir, data_path, tmp_path: Path) -> None:

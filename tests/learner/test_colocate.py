@@ -18,7 +18,7 @@ import yaml
 
 from learner.rollouts.client import RolloutRequest
 from learner.rollouts.colocate import ColocatedRollouts, ColocateError
-from learner.train.loop import TrainingLoop
+from learner.train.build import build_loop
 from rmsft.jobspec import parse_job
 from rmsft.serve_options import serve_options
 from rmsft_dev.synthetic import write_synthetic_dataset
@@ -62,7 +62,7 @@ def make_job(
 
 
 def _run(job, addresses: list[str]) -> tuple[list, object]:
-    trainer = TrainingLoop(job, addresses)
+    trainer = build_loop(job, addresses)
     try:
         trainer.run()
         return list(trainer.history), trainer.rollouts.describe()
@@ -131,7 +131,7 @@ def test_in_process_engine_equals_hf_after_every_sync(tiny_model_dir: Path, data
     """Full fine-tuning (the weights the engine must load are the whole model): after each step's sync the
     engine answers greedily exactly as Hugging Face does with the learner's weights."""
     job = make_job(tiny_model_dir, data_path, tmp_path / "ck", mode="colocate", finetune="full", lr=5e-3)
-    trainer = TrainingLoop(job, [])
+    trainer = build_loop(job, [])
     prompts = [[5, 9, 13, 21, 40], [7, 7, 100, 3]]
     base = _hf_greedy(copy.deepcopy(trainer.model).eval(), prompts, 16)
     checked, answers = [], []
@@ -188,7 +188,7 @@ def test_engine_failure_mid_run_fails_fast_with_its_cause(
     from rollout_engine.engine import EngineError
 
     job = make_job(tiny_model_dir, data_path, tmp_path / "ck", mode="colocate", engine="hf")
-    trainer = TrainingLoop(job, [])
+    trainer = build_loop(job, [])
     try:
         assert isinstance(trainer.rollouts, ColocatedRollouts)
         real = trainer.rollouts.engine.generate
@@ -217,7 +217,7 @@ def test_sleep_mode_is_refused_on_the_cpu(tiny_model_dir: Path, data_path: Path,
     # Past the spec (e.g. a GPU job on a machine without CUDA): the learner refuses at start, never ignores it.
     doc_job.spec.rollout.colocate.sleep_level = 1
     with pytest.raises(ColocateError, match="sleep mode"):
-        TrainingLoop(doc_job, [])
+        build_loop(doc_job, [])
 
 
 def test_the_learner_refuses_at_start_a_job_its_memory_plan_cannot_fit(
@@ -231,13 +231,13 @@ def test_the_learner_refuses_at_start_a_job_its_memory_plan_cannot_fit(
     job = make_job(tiny_model_dir, data_path, tmp_path / "ck", mode="colocate", engine="hf")
     job.spec.learner.resources.limits["memory"] = "32Mi"
     with pytest.raises(MemoryPlanError, match="does not fit") as exc:
-        TrainingLoop(job, [])
+        build_loop(job, [])
     assert "RMSFT_MEMORY_PLAN=warn" in str(exc.value)
     monkeypatch.setenv("RMSFT_MEMORY_PLAN", "wran")  # a typo is an error naming the values, not a silent "refuse"
     with pytest.raises(MemoryPlanSettingError, match="RMSFT_MEMORY_PLAN must be one of refuse, warn, off"):
-        TrainingLoop(job, [])
+        build_loop(job, [])
     monkeypatch.setenv("RMSFT_MEMORY_PLAN", "warn")
-    TrainingLoop(job, []).close()
+    build_loop(job, []).close()
 
 
 def test_a_tp_group_gathers_its_requests_and_each_rank_keeps_its_slice(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -75,10 +75,10 @@ def grpo_job(model_dir: Path, data: Path, ckpt: Path, steps: int):
 
 
 def test_grpo_steps_on_vllm(servers, tiny_model_dir: Path, tmp_path: Path) -> None:
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
     data = write_answer_dataset(tmp_path / "answers.jsonl", n=16, seed=0)
-    trainer = TrainingLoop(grpo_job(tiny_model_dir, data, tmp_path / "ckpt", steps=3), [s.address for s in servers])
+    trainer = build_loop(grpo_job(tiny_model_dir, data, tmp_path / "ckpt", steps=3), [s.address for s in servers])
     try:
         summary = trainer.run()
         trainer.sync_weights()  # the servers get the weights of the last step too (a run does not sync after it)

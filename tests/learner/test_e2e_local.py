@@ -17,6 +17,7 @@ import torch
 import yaml
 
 from learner.rollouts.client import RolloutRequest
+from learner.train.build import build_loop
 from learner.train.loop import TrainingLoop
 from rmsft.jobspec import parse_job
 from rmsft.weight_wire import SHARED_DIR_ENV
@@ -149,7 +150,7 @@ def test_adapter_mode_run(
     # Trained coordinate rows cannot travel in a vLLM adapter (the sync would fall back to FULL): this run is
     # about the adapter path, so they stay frozen.
     job.spec.training.lora.coord_rows = False
-    trainer = TrainingLoop(job, [s.address for s in servers])
+    trainer = build_loop(job, [s.address for s in servers])
     try:
         assert trainer.sync_client.transport == transport
         _run_and_check(trainer, STEPS)
@@ -165,7 +166,7 @@ def test_full_mode_run(
     servers, tiny_model_dir: Path, data_path: Path, tmp_path: Path, transport, shared_dir: Path
 ) -> None:
     job = _sync_spec(make_job(tiny_model_dir, data_path, tmp_path, mode="full"), transport)
-    trainer = TrainingLoop(job, [s.address for s in servers])
+    trainer = build_loop(job, [s.address for s in servers])
     try:
         assert trainer.sync_client.transport == transport
         _run_and_check(trainer, STEPS)
@@ -182,7 +183,7 @@ def test_full_mode_run_over_a_weight_transfer_group(
     and both servers (none falls back to gRPC), and the servers answer as the learner's model at the end."""
     monkeypatch.delenv(SHARED_DIR_ENV, raising=False)
     job = _sync_spec(make_job(tiny_model_dir, data_path, tmp_path, mode="full"), "nccl")
-    trainer = TrainingLoop(job, [s.address for s in servers])
+    trainer = build_loop(job, [s.address for s in servers])
     try:
         assert trainer.sync_client.transport == "nccl"
         _run_and_check(trainer, STEPS)
@@ -195,14 +196,14 @@ def test_full_mode_run_over_a_weight_transfer_group(
 
 def test_resume_continues_data_order_and_steps(servers, tiny_model_dir, data_path, tmp_path) -> None:
     addrs = [s.address for s in servers]
-    straight = TrainingLoop(make_job(tiny_model_dir, data_path, tmp_path / "a", steps=6), addrs)
+    straight = build_loop(make_job(tiny_model_dir, data_path, tmp_path / "a", steps=6), addrs)
     try:
         straight.run()
         expected = [h.record_ids for h in straight.history]
     finally:
         straight.close()
 
-    first = TrainingLoop(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=6), addrs)
+    first = build_loop(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=6), addrs)
     try:
         first.run(max_steps=3)  # saves a checkpoint at the end
         assert first.step == 3
@@ -210,7 +211,7 @@ def test_resume_continues_data_order_and_steps(servers, tiny_model_dir, data_pat
         packer_left = first.packer.pending
     finally:
         first.close()
-    resumed = TrainingLoop(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=6), addrs)
+    resumed = build_loop(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=6), addrs)
     try:
         assert resumed.resume()
         assert resumed.step == 3 and resumed.packer.pending == packer_left
@@ -241,7 +242,7 @@ def test_server_killed_mid_run(servers, tiny_model_dir, data_path, tmp_path) -> 
                 )
             )
 
-    trainer = TrainingLoop(
+    trainer = build_loop(
         make_job(tiny_model_dir, data_path, tmp_path, steps=12), [s.address for s in servers], on_step=on_step
     )
     real_generate = trainer.rollouts.generate

@@ -19,6 +19,7 @@ import yaml
 
 from learner.data.vision import mm_token_type_ids
 from learner.rollouts.client import RolloutRequest
+from learner.train.build import build_loop
 from learner.train.loop import TrainingLoop
 from rmsft.jobspec import parse_job
 from rmsft_dev.synthetic import write_visual_dataset
@@ -194,7 +195,7 @@ def _run_and_check(trainer: TrainingLoop, servers, steps: int) -> None:
 def test_adapter_mode_run(servers, tiny_qwen3_vl_dir: Path, data_path: Path, tmp_path: Path) -> None:
     job = make_job(tiny_qwen3_vl_dir, data_path, tmp_path, mode="adapter", finetune="lora")
     job.spec.training.lora.coord_rows = False  # an adapter cannot carry trained coordinate rows (issue 61)
-    trainer = TrainingLoop(job, [s.address for s in servers])
+    trainer = build_loop(job, [s.address for s in servers])
     try:
         _run_and_check(trainer, servers, STEPS)
         assert trainer.sync_client.forced_full_reason is None  # really ran as ADAPTER
@@ -205,7 +206,7 @@ def test_adapter_mode_run(servers, tiny_qwen3_vl_dir: Path, data_path: Path, tmp
 
 def test_full_mode_run_sends_what_can_change(servers, tiny_qwen3_vl_dir: Path, data_path: Path, tmp_path: Path) -> None:
     job = make_job(tiny_qwen3_vl_dir, data_path, tmp_path, mode="full", finetune="full")
-    trainer = TrainingLoop(job, [s.address for s in servers])
+    trainer = build_loop(job, [s.address for s in servers])
     try:
         tower = [n for n, p in trainer.model.named_parameters() if "visual" in n and "merger" not in n]
         assert tower and not any(p.requires_grad for n, p in trainer.model.named_parameters() if n in tower)
@@ -233,7 +234,7 @@ def test_server_killed_mid_run(servers, tiny_qwen3_vl_dir: Path, data_path: Path
             restarted.append(RolloutServer.start(tiny_qwen3_vl_dir, port=victim.port, **SERVE))
 
     job = make_job(tiny_qwen3_vl_dir, data_path, tmp_path, mode="full", finetune="full", steps=10)
-    trainer = TrainingLoop(job, [s.address for s in servers], on_step=on_step)
+    trainer = build_loop(job, [s.address for s in servers], on_step=on_step)
     real_generate = trainer.rollouts.generate
 
     def generate_killing_once(*args, **kwargs):

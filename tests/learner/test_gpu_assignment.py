@@ -219,7 +219,7 @@ def machine(monkeypatch: pytest.MonkeyPatch):
         return calls.get("rc", 0)
 
     monkeypatch.setattr(RolloutServer, "spawn", staticmethod(fake_start))
-    monkeypatch.setattr(local, "build_loop", fake_build)
+    monkeypatch.setattr(local, "local_learner", fake_build)
     monkeypatch.setattr(local, "train_in_process", fake_in_process)
     monkeypatch.setattr(local, "run_learner_process", fake_process)
     # The simulated machine has no model folder: what these tests check is where every process runs.

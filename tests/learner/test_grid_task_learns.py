@@ -17,6 +17,7 @@ from learner.data.dataset import load_dataset
 from learner.data.vision import vision_messages
 from learner.evaluation.held_out import score
 from learner.local import PRETRAIN_COORD_SIGMA, SYNTHETIC_MAX_OBJECTS, _annotations
+from learner.train.build import build_loop
 from learner.train.loop import TrainingLoop
 from rmsft.jobspec import parse_job
 from rmsft_dev.synthetic import write_visual_dataset
@@ -65,7 +66,7 @@ def test_the_readme_task_moves_held_out_f1_above_the_untrained_models(tmp_path: 
     t["checkpoint"] = {"dir": str(tmp_path / "ckpt"), "every": 0, "keep": 1}
     t["export"] = {"enabled": False}
     job = parse_job(doc)
-    trainer = TrainingLoop(job, [])  # no servers: nothing is generated
+    trainer = build_loop(job, [])  # no servers: nothing is generated
     max_tokens = job.spec.training.rollout.max_tokens
     try:
         records, images = load_dataset(held, None, 10**8)
@@ -108,7 +109,7 @@ def test_a_run_that_generates_needs_servers(tmp_path: Path) -> None:
     t.pop("eval")
     t["checkpoint"] = {"dir": str(tmp_path / "ckpt"), "every": 0, "keep": 1}
     with pytest.raises(ValueError, match="no rollout servers given"):
-        TrainingLoop(parse_job(doc), [])
+        build_loop(parse_job(doc), [])
 
 
 @pytest.fixture(autouse=True)

@@ -56,9 +56,9 @@ def grpo_job(model_dir: Path, data: Path, ckpt: Path, *, steps: int = 3, grpo: d
 
 
 def run(job, addresses: list[str], resume: bool = False):
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
-    trainer = TrainingLoop(job, addresses)
+    trainer = build_loop(job, addresses)
     captured: list[torch.Tensor] = []
     objective = trainer.objective
     pack = objective._pack
@@ -171,11 +171,11 @@ def test_an_unknown_reward_is_refused_before_anything_starts(
     tmp_path: Path, tiny_model_dir: Path, answers: Path
 ) -> None:
     from learner.rewards.interface import UnknownRewardError
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
     job = grpo_job(tiny_model_dir, answers, tmp_path, grpo={"rewards": [{"name": "detection"}, {"name": "nope"}]})
     with pytest.raises(UnknownRewardError, match=r"spec\.training\.grpo\.rewards\[1\] \(nope\): unknown reward"):
-        TrainingLoop(job, ["127.0.0.1:1"])
+        build_loop(job, ["127.0.0.1:1"])
 
 
 def test_spec_trainer_picks_the_objective(tiny_model_dir: Path, answers: Path, tmp_path: Path) -> None:
@@ -197,10 +197,10 @@ def test_a_whole_grpo_step_runs_on_the_training_device(
     # parameter on `meta`, flagging any op given a tensor off the device and counting host reads.
     from test_placement import DeviceFence
 
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
     kw = {"grpo": {"kl_coef": kl_coef}, "finetune": "lora", "lora": {"r": 8, "alpha": 16}}
-    cpu = TrainingLoop(grpo_job(tiny_model_dir, answers, tmp_path / "cpu", steps=1, **kw), [s.address for s in servers])
+    cpu = build_loop(grpo_job(tiny_model_dir, answers, tmp_path / "cpu", steps=1, **kw), [s.address for s in servers])
     seen = []
     real = cpu.device_step
     cpu.device_step = lambda *a, **k: seen.append(a) or real(*a, **k)
@@ -211,7 +211,7 @@ def test_a_whole_grpo_step_runs_on_the_training_device(
     built, (n_tokens, n_seqs), _ = seen[0]
     rows = built.rows
     assert rows and n_tokens == PROMPTS * N * 4 and n_seqs == PROMPTS * N
-    meta = TrainingLoop(
+    meta = build_loop(
         grpo_job(tiny_model_dir, answers, tmp_path / "meta", steps=1, **kw), ["127.0.0.1:1"], device="meta"
     )
     try:
@@ -230,9 +230,9 @@ def test_a_whole_grpo_step_runs_on_the_training_device(
 
 def _one_step_totals(job, servers: list[InProcessServer]):
     """One step's trainer and the loss normalisers (completion tokens, completions) its device step got."""
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
-    trainer = TrainingLoop(job, [s.address for s in servers])
+    trainer = build_loop(job, [s.address for s in servers])
     seen = []
     real = trainer.device_step
     trainer.device_step = lambda *a, **k: seen.append(a) or real(*a, **k)

@@ -28,8 +28,8 @@ def test_a_third_objective_is_one_module_and_one_registry_line(
 
     from learner.local import train_in_process
     from learner.tracking import metrics as m
+    from learner.train.build import build_loop
     from learner.train.checkpoint_files import list_checkpoints
-    from learner.train.loop import TrainingLoop
     from learner.train.objectives import objective_for
     from rmsft.jobspec import JobSpecError, parse_job
     from rmsft.jobspec.objectives import OBJECTIVES
@@ -44,7 +44,7 @@ def test_a_third_objective_is_one_module_and_one_registry_line(
     assert spec_schema()["properties"]["trainer"]["enum"] == ["rollout_matching", "grpo", "prompt_lm"]
     job = parse_job(manifest)
     assert type(objective_for(job)) is PromptLM
-    loop = TrainingLoop(job, [])  # no servers: this objective samples nothing
+    loop = build_loop(job, [])  # no servers: this objective samples nothing
     first = loop.objective.plan(0).batch
     prompts = [loop.feed.text_prompt(i) for i in first]
     with torch.no_grad():  # the first step's loss, unpacked, by the untrained model

@@ -30,12 +30,14 @@ class _Gen:
         self.inflight = 0
         self.max_inflight = 0
         self.lock = threading.Lock()
+        self.started = threading.Event()  # set once a call has begun
 
     def __call__(self, requests, sampling, version: int) -> list[Rollout]:
         with self.lock:
             self.calls.append((tuple(requests), version))
             self.inflight += 1
             self.max_inflight = max(self.max_inflight, self.inflight)
+        self.started.set()
         time.sleep(self.delay_s)
         with self.lock:
             self.inflight -= 1
@@ -217,7 +219,7 @@ def test_close_during_a_call_ends_it_before_returning() -> None:
     slow = _Gen(delay_s=0.3)
     ahead = RolloutsAhead(slow, 1)
     ahead.submit(1, ["b"], None, 1)
-    time.sleep(0.05)
+    assert slow.started.wait(5)  # the call runs: close must wait for it, not drop it
     ahead.close()
     assert slow.inflight == 0 and len(slow.calls) == 1
 
@@ -249,9 +251,9 @@ def _job(model: Path, data: Path, ckpt: Path, staleness: int, steps: int = 4, **
 
 
 def _trainer(job, addresses: list[str]):
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
-    return TrainingLoop(job, addresses)
+    return build_loop(job, addresses)
 
 
 def _run(job, addresses: list[str], max_steps: int | None = None):
@@ -470,7 +472,7 @@ def test_grpo_with_staleness_one_trains_within_the_bound(
     import yaml
     from trainer_fixtures import ROOT
 
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
     from rmsft.jobspec import parse_job
     from rmsft_dev.synthetic import write_answer_dataset
 
@@ -484,7 +486,7 @@ def test_grpo_with_staleness_one_trains_within_the_bound(
     t["export"] = {"enabled": False}
     t["rollout"].update(request_timeout_s=30, max_staleness=1)
     t["grpo"].update({"group_size": 2, "max_tokens": 4})
-    trainer = TrainingLoop(parse_job(doc), [s.address for s in servers])
+    trainer = build_loop(parse_job(doc), [s.address for s in servers])
     try:
         trainer.run()
     finally:

@@ -65,10 +65,10 @@ def step_inputs(
     tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, data_path: Path, server: FakeServer
 ) -> tuple[Any, list[float]]:
     """Real packed rows of one step (built on the CPU by a CPU trainer) and the step's loss denominators."""
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
     job = make_job(tiny_model_dir, data_path, tmp_path_factory.mktemp("ck"), steps=1)
-    trainer = TrainingLoop(job, [server.address])
+    trainer = build_loop(job, [server.address])
     seen: list[tuple[Any, list[float]]] = []
     real = trainer.device_step
 
@@ -87,9 +87,9 @@ def step_inputs(
 
 
 def _meta_trainer(tmp_path: Path, tiny_model_dir: Path, data_path: Path, server: FakeServer, **training: Any):
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
-    return TrainingLoop(make_job(tiny_model_dir, data_path, tmp_path, **training), [server.address], device="meta")
+    return build_loop(make_job(tiny_model_dir, data_path, tmp_path, **training), [server.address], device="meta")
 
 
 @pytest.mark.parametrize("finetune", ["lora", "full"])
@@ -156,11 +156,11 @@ def test_deepspeed_rows_follow_the_engine_device(
     """ZeRO: DeepSpeed places the module itself (cuda:LOCAL_RANK on GPUs); the step's device is the
     engine's, and every row reaches the engine there."""
     pytest.importorskip("deepspeed")
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
     built, totals = step_inputs
     job = make_job(tiny_model_dir, data_path, tmp_path, deepspeed_stage=2, precision="bf16")
-    trainer = TrainingLoop(job, [server.address])
+    trainer = build_loop(job, [server.address])
     try:
         engine = trainer.deepspeed_engine
         assert trainer.device == torch.device(engine.device)

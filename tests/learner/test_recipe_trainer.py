@@ -9,9 +9,9 @@ from trainer_fixtures import make_job
 
 
 def _trainer(job, servers):
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
-    return TrainingLoop(job, [s.address for s in servers])
+    return build_loop(job, [s.address for s in servers])
 
 
 def _run(job, servers):

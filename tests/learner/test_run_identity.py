@@ -24,6 +24,7 @@ from net_faults import BlockingProxy
 from rmsft_protos import rollout_pb2
 from trainer_fixtures import make_job
 
+from learner.train.build import build_loop
 from learner.train.loop import TrainingLoop
 from rmsft.weight_wire import (
     FRESH,
@@ -136,7 +137,7 @@ def test_a_server_held_back_from_the_resumed_learners_first_sync_is_fenced_and_r
         if r.step == 4:  # after the sync of v4 (following step 3), before step 4's checkpoint
             raise _Killed("learner killed")
 
-    first = TrainingLoop(job(), addresses, on_step=killed_at_step_4)
+    first = build_loop(job(), addresses, on_step=killed_at_step_4)
     try:
         assert first.sync_client.transport == transport
         with pytest.raises(_Killed):
@@ -151,7 +152,7 @@ def test_a_server_held_back_from_the_resumed_learners_first_sync_is_fenced_and_r
     assert (saved["step"], saved["version"], saved["run_id"], saved["run_ids"]) == (2, 3, dead, [dead])
     assert not (ckpt / "step-4").exists()
 
-    second = TrainingLoop(job(), addresses)
+    second = build_loop(job(), addresses)
     try:
         assert second.resume()
         live = second.state.run_id
@@ -213,8 +214,8 @@ def test_two_learner_runs_against_one_pool_never_accept_each_others_rollouts(
     same version number, each one's requests are refused by servers holding the other's weights (naming both
     runs), it re-syncs them, and trains only on completions of its own weights."""
     addresses = [s.address for s in servers]
-    one = TrainingLoop(_job(tiny_model_dir, data_path, tmp_path / "one", steps=1), addresses)
-    two = TrainingLoop(_job(tiny_model_dir, data_path, tmp_path / "two", steps=1), addresses)
+    one = build_loop(_job(tiny_model_dir, data_path, tmp_path / "one", steps=1), addresses)
+    two = build_loop(_job(tiny_model_dir, data_path, tmp_path / "two", steps=1), addresses)
     try:
         assert one.state.run_id != two.state.run_id
         seen = {t.state.run_id: _Recorder(t) for t in (one, two)}
@@ -334,8 +335,7 @@ def test_a_run_id_is_new_for_every_learner_and_named_in_its_start_log(
     caplog.set_level(logging.INFO, logger="rmsft.learner")
     t0 = time.monotonic()
     made = [
-        TrainingLoop(_job(tiny_model_dir, data_path, tmp_path / f"c{i}", steps=1), [servers[0].address])
-        for i in range(2)
+        build_loop(_job(tiny_model_dir, data_path, tmp_path / f"c{i}", steps=1), [servers[0].address]) for i in range(2)
     ]
     try:
         ids = [t.state.run_id for t in made]

@@ -210,7 +210,7 @@ def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.timeout(300)
 def test_trainer_follows_the_pool_scaled_down_then_up(tmp_path: Path, fakes, tiny_model_dir, data_path) -> None:
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
     s0, s1 = fakes(2)
     f = tmp_path / "servers"
@@ -227,7 +227,7 @@ def test_trainer_follows_the_pool_scaled_down_then_up(tmp_path: Path, fakes, tin
             added.extend(fakes(1))
             write_servers(f, [s0.address, added[0].address])
 
-    trainer = TrainingLoop(make_job(tiny_model_dir, data_path, tmp_path / "ckpt", steps=4), ServersFile(f))
+    trainer = build_loop(make_job(tiny_model_dir, data_path, tmp_path / "ckpt", steps=4), ServersFile(f))
     trainer.on_step = on_step
     try:
         summary = trainer.run()
@@ -248,12 +248,12 @@ def test_trainer_follows_the_pool_scaled_down_then_up(tmp_path: Path, fakes, tin
 
 @pytest.mark.timeout(300)
 def test_trainer_does_not_wait_for_a_server_removed_before_the_run(tmp_path, fakes, tiny_model_dir, data_path):
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
     s0, s1 = fakes(2)
     f = tmp_path / "servers"
     write_servers(f, [s0.address, s1.address])
-    trainer = TrainingLoop(make_job(tiny_model_dir, data_path, tmp_path / "ckpt", steps=2), ServersFile(f))
+    trainer = build_loop(make_job(tiny_model_dir, data_path, tmp_path / "ckpt", steps=2), ServersFile(f))
     try:
         s1.stop()  # scaled down before the learner got going; the kubelet updates the file later
         threading.Timer(1.0, write_servers, (f, [s0.address])).start()

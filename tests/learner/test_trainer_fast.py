@@ -14,9 +14,9 @@ from trainer_fixtures import make_job
 
 
 def _run(job, addresses: list[str], **kw):
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
-    trainer = TrainingLoop(job, addresses, **kw)
+    trainer = build_loop(job, addresses, **kw)
     try:
         summary = trainer.run()
     finally:
@@ -48,7 +48,7 @@ def test_a_run_resumed_inside_an_e_step_equals_the_uninterrupted_run(
     next E-step (the sync decision read the buffer's state, not the step). The checkpoint now keeps each rank's rows
     of the E-step in progress and the plan is a function of the step: the resumed run trains what the uninterrupted
     one did, and syncs before the next E-step."""
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
     addrs = [s.address for s in servers]
     buffer = {"enabled": True, "m_steps": 2}
@@ -57,7 +57,7 @@ def test_a_run_resumed_inside_an_e_step_equals_the_uninterrupted_run(
     first, _ = _run(
         make_job(tiny_model_dir, data_path, tmp_path / "ck", steps=3, buffer=buffer, checkpoint=every), addrs
     )
-    resumed = TrainingLoop(
+    resumed = build_loop(
         make_job(tiny_model_dir, data_path, tmp_path / "ck", steps=6, buffer=buffer, checkpoint=every), addrs
     )
     try:
@@ -82,9 +82,9 @@ def test_resume_continues_where_the_checkpoint_left(
     addrs = [s.address for s in servers]
     straight, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "a", steps=3), addrs)
     first, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=2), addrs)
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
-    resumed = TrainingLoop(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=3), addrs)
+    resumed = build_loop(make_job(tiny_model_dir, data_path, tmp_path / "b", steps=3), addrs)
     try:
         assert resumed.resume() and (resumed.step, resumed.version) == (2, first.version)
         resumed.run()
@@ -101,13 +101,14 @@ def test_a_stop_request_ends_the_run_after_its_step_with_a_checkpoint(
     """What `rmsft train` does on SIGTERM (an eviction, a drain, a preemption): the step in progress finishes, its
     checkpoint is written though none was due (checkpoint.every 0), the run stops; resumed, it trains on as if never
     stopped (issue 41)."""
+    from learner.train.build import build_loop
     from learner.train.checkpoint_files import list_checkpoints
-    from learner.train.loop import StopRequested, TrainingLoop
+    from learner.train.loop import StopRequested
 
     addrs = [s.address for s in servers]
     straight, _ = _run(make_job(tiny_model_dir, data_path, tmp_path / "a", steps=3), addrs)
     ckpt = tmp_path / "b"
-    stopped = TrainingLoop(
+    stopped = build_loop(
         make_job(tiny_model_dir, data_path, ckpt, steps=3),
         addrs,
         on_step=lambda r: stopped.request_stop("SIGTERM") if r.step == 2 else None,
@@ -119,7 +120,7 @@ def test_a_stop_request_ends_the_run_after_its_step_with_a_checkpoint(
         stopped.close()
     assert [h.step for h in stopped.history] == [1, 2]
     assert [p.name for p in list_checkpoints(ckpt)] == ["step-2"]
-    resumed = TrainingLoop(make_job(tiny_model_dir, data_path, ckpt, steps=3), addrs)
+    resumed = build_loop(make_job(tiny_model_dir, data_path, ckpt, steps=3), addrs)
     try:
         assert resumed.resume() and resumed.step == 2
         resumed.run()
@@ -135,8 +136,8 @@ def test_a_checkpoint_is_saved_once_every_minutes_have_passed(
     """Issue 60: training.checkpoint.every_minutes saves after the first step that ends that long after the last save
     (checkpoint.every 0 here); the clock restarts at the save. Unset, it is 30 with a checkpoint claim."""
     from learner.train import checkpointer as clock_module
+    from learner.train.build import build_loop
     from learner.train.checkpoint_files import list_checkpoints
-    from learner.train.loop import TrainingLoop
 
     clock = [1000.0]
     monkeypatch.setattr(clock_module.time, "monotonic", lambda: clock[0])
@@ -152,7 +153,7 @@ def test_a_checkpoint_is_saved_once_every_minutes_have_passed(
         steps=4,
         checkpoint={"dir": str(ckpt), "every": 0, "keep": 5, "every_minutes": 1},
     )
-    trainer = TrainingLoop(job, [s.address for s in servers], on_step=on_step)
+    trainer = build_loop(job, [s.address for s in servers], on_step=on_step)
     try:
         trainer.run()
     finally:
@@ -173,8 +174,8 @@ def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside(
     The earlier checkpoints now go to earlier-runs/ first, whole; the new run's own are kept and resumed from."""
     import torch
 
+    from learner.train.build import build_loop
     from learner.train.checkpoint_files import EARLIER_RUNS, list_checkpoints
-    from learner.train.loop import TrainingLoop
 
     addrs = [s.address for s in servers]
     ckpt = tmp_path / "ckpt"
@@ -187,7 +188,7 @@ def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside(
     assert len(aside) == 1 and aside[0].name.endswith(f"-before-run-{fresh.state.run_id}")
     assert sorted(p.name for p in aside[0].iterdir()) == ["step-3", "step-4"]
     assert torch.load(aside[0] / "step-4" / "state.pt", weights_only=False)["run_id"] == earlier.state.run_id
-    resumed = TrainingLoop(make_job(tiny_model_dir, data_path, ckpt, steps=3, checkpoint=every), addrs)
+    resumed = build_loop(make_job(tiny_model_dir, data_path, ckpt, steps=3, checkpoint=every), addrs)
     try:
         assert resumed.resume() and resumed.step == 2 and resumed.state.resumed.weights.run_id == fresh.state.run_id
     finally:
@@ -195,14 +196,14 @@ def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside(
     # A job with another seed is another run: its resume is refused before anything is loaded, unless asked for.
     from learner.train.checkpoint_owner import CheckpointLineageError
 
-    other = TrainingLoop(make_job(tiny_model_dir, data_path, ckpt, steps=3, checkpoint=every, seed=5), addrs)
+    other = build_loop(make_job(tiny_model_dir, data_path, ckpt, steps=3, checkpoint=every, seed=5), addrs)
     try:
         with pytest.raises(CheckpointLineageError, match=r"spec.training.seed 0 \(this job: 5\)"):
             other.resume()
         assert other.step == 0
     finally:
         other.close()
-    anyway = TrainingLoop(
+    anyway = build_loop(
         make_job(tiny_model_dir, data_path, ckpt, steps=3, seed=5, checkpoint={**every, "resume_any": True}), addrs
     )
     try:
@@ -214,10 +215,10 @@ def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside(
 def test_a_server_dying_mid_run_fails_over(
     tmp_path: Path, tiny_model_dir: Path, data_path: Path, servers: list[FakeServer]
 ) -> None:
-    from learner.train.loop import TrainingLoop
+    from learner.train.build import build_loop
 
     job = make_job(tiny_model_dir, data_path, tmp_path, steps=3)
-    trainer = TrainingLoop(job, [s.address for s in servers])
+    trainer = build_loop(job, [s.address for s in servers])
 
     def on_step(r) -> None:
         if r.step == 1:  # the engine dies after step 1's sync: its Generate calls fail from now on
