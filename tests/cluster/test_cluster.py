@@ -130,14 +130,32 @@ def same_step(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
 
 def fault_job(name: str, checkpoint_dir: str) -> dict[str, Any]:
     """The faulted job of test 1 and its uninterrupted twin of test 2: configs/job-kind-cpu.yaml, longer, one
-    server (the default) over shm, a checkpoint every 5 steps."""
+    server (the default) over shm, a checkpoint every 5 steps, and a learner of two ranks in its one pod (ranksPerPod
+    2: `rmsft torchrun`, gloo), as a real learner of several GPUs starts (issue 60): a SIGTERM must reach both
+    ranks, which agree on the step to stop after."""
     doc = manifest(
         "configs/job-kind-cpu.yaml", name, steps=FAULT_STEPS, checkpoint={"dir": checkpoint_dir, "every": 5, "keep": 2}
     )
     doc["spec"]["rollout"]["replicas"] = 1
     doc["spec"]["sync"]["transport"] = "shm"
     doc["spec"]["monitoring"] = {"enabled": True}  # the servers' /metrics (the learner always has one)
+    doc["spec"]["learner"]["ranksPerPod"] = 2
     return doc
+
+
+# Run in a learner pod (every image has python): SIGKILL to the processes of torchrun's rank 1 (found by the RANK and
+# LOCAL_RANK its agent gives them), as the kernel's OOM killer or a crashed CUDA context ends one rank; prints them.
+KILL_RANK_1 = """
+import os, signal
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        env = open(f"/proc/{pid}/environ", "rb").read().split(bytes(1))
+    except OSError:
+        continue
+    if b"RANK=1" in env and b"LOCAL_RANK=1" in env:
+        os.kill(int(pid), signal.SIGKILL)
+        print(pid)
+"""
 
 
 def claim_on_node(cluster: Cluster, ns: str, name: str) -> None:
@@ -181,22 +199,26 @@ def claim_on_node(cluster: Cluster, ns: str, name: str) -> None:
 
 def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_learner(cluster: Cluster) -> None:
     """configs/job-kind-cpu.yaml over shm with one server (the default), longer, its checkpoints on a
-    PersistentVolume (a local volume on the node), backoffLimit 0. Three faults in turn on one job (issue 40: one
-    job, not one per fault; issue 41 (a) and (b)): its only rollout pod and the operator pod deleted mid-run (the
-    learner waits for the recreated server, re-syncs it and goes on), then the learner pod evicted through the
-    Eviction API (SIGTERM: it finishes the step, saves it and exits; the Job's podFailurePolicy does not count the
-    disruption, so even with backoffLimit 0 the retry resumes from that save as a new run); the job completes with
-    status.step equal to its steps. On the way: each component's logs and /metrics as the docs say. Deleting the
-    job empties the node's /dev/shm/rmsft/<ns>.<job> directory (its cleanup Job, least privilege, leaves the
-    directory itself). (The cluster's default transport, grpc, is what
-    the vision-language and GRPO jobs below run; two servers failing over is tests/learner/test_e2e_local.py's.)"""
+    PersistentVolume (a local volume on the node), backoffLimit 1, its learner two ranks under torchrun in one pod.
+    Four faults in turn on one job (issue 40: one job, not one per fault; issue 41 (a) and (b); issue 60): its only
+    rollout pod and the operator pod deleted mid-run (the learner waits for the recreated server, re-syncs it and
+    goes on); then the learner pod evicted through the Eviction API (SIGTERM: both ranks finish the step they agree
+    on, rank 0 saves it, both exit 143 within the grace period, torchrun's shutdown timeout set from it; the Job's
+    podFailurePolicy does not count the disruption, and the retry resumes from that save as a new run); then rank 1
+    of the resumed learner killed (SIGKILL, as the OOM killer ends one rank): the pod fails, the Job counts it (its
+    one retry: the eviction used none) and the third pod resumes from the newest periodic checkpoint, redoing the
+    steps after it with the same figures. The job completes with status.step equal to its steps. On the way: each
+    component's logs and /metrics as the docs say. Deleting the job empties the node's /dev/shm/rmsft/<ns>.<job>
+    directory (its cleanup Job, least privilege, leaves the directory itself). (The cluster's default transport,
+    grpc, is what the vision-language and GRPO jobs below run; two servers failing over is
+    tests/learner/test_e2e_local.py's.)"""
     ns = namespace(cluster, FAULT_NS)
     job = "text-faults"
     claim_on_node(cluster, ns, "checkpoints")
     doc = fault_job(job, "/checkpoints")
-    # No learner budget: it would refuse the eviction (docs/operator.md); backoffLimit 0: only a retry that is
-    # not counted (the podFailurePolicy's disruption rule) can resume the run.
-    doc["spec"]["learner"].update(checkpointClaim="checkpoints", backoffLimit=0, disruptionBudget=False)
+    # No learner budget: it would refuse the eviction (docs/operator.md); backoffLimit 1: the one counted retry is
+    # the killed rank's, so the eviction's retry must be the podFailurePolicy's uncounted one (its disruption rule).
+    doc["spec"]["learner"].update(checkpointClaim="checkpoints", backoffLimit=1, disruptionBudget=False)
     apply_job(cluster, doc, ns)
     wait_learner_step(cluster, ns, job, 3)
     shm_dir = f"/dev/shm/rmsft/{ns}.{job}"
@@ -282,31 +304,63 @@ def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_
     # Logs as docs/operator.md describes them: it waited for its only server, which came back and was re-synced.
     assert re.search(r"no rollout server is up for .* waiting up to \d+s for one to come back", log), log[-3000:]
     assert re.search(r"rollout server\(s\) .+ back after \d+s; going on", log), log[-3000:]
-    stopped = re.search(r"stopped \(SIGTERM\) after step (\d+): checkpoint /checkpoints/step-(\d+) written", log)
+    # torchrun's agent signals its ranks in turn: rank 0 stops for the SIGTERM or because rank 1 was asked first;
+    # either way after the step both agreed on, rank 0 writing its checkpoint, and both ranks exit 143.
+    stopped = re.search(
+        r"stopped \((?:SIGTERM|another rank was asked to stop)\) after step (\d+): "
+        r"checkpoint /checkpoints/step-(\d+) written",
+        log,
+    )
     assert stopped and stopped.group(1) == stopped.group(2), log[-3000:]
     saved = int(stopped.group(1))
+    assert re.search(rf"stopped \(.+\) after step {saved}: its checkpoint written by rank 0", log), log[-3000:]
+    assert re.search(r"ranks 2, device cpu", log), log[-3000:]  # one pod, two ranks under torchrun
 
-    status = cluster.wait_phase(ns, job, {"Complete"}, timeout=900)
-    assert status.get("step") == FAULT_STEPS, status  # the STEP column: the last step, across the restart too
-    second = learner_pod(cluster, ns, job, running=False)
-    assert second is not None and second["metadata"]["uid"] != first["metadata"]["uid"]
-    log = cluster.logs(ns, second["metadata"]["name"])
-    assert re.search(rf"step {FAULT_STEPS} v\d+ loss ", log), log[-3000:]
-    assert re.search(rf"training done: {FAULT_STEPS} steps, .* weight version \d+\b", log), log[-3000:]
+    # 3. Rank 1 of the resumed learner killed mid-run, after the resumed run's first periodic checkpoint.
+    second = cluster.wait(
+        lambda: (p := learner_pod(cluster, ns, job)) and p["metadata"]["uid"] != first["metadata"]["uid"] and p,
+        420,
+        "the resumed learner pod running",
+        namespace=ns,
+    )
+    second_log = cluster.follow_logs(ns, second["metadata"]["name"])
+    periodic = (saved // 5 + 1) * 5  # checkpoint.every 5
+    assert periodic + 2 <= FAULT_STEPS, f"the eviction came too late (after step {saved}) to leave steps to kill in"
+    wait_learner_step(cluster, ns, job, periodic + 1)
+    killed = cluster.kubectl("-n", ns, "exec", second["metadata"]["name"], "--", "python", "-c", KILL_RANK_1)
+    assert killed.stdout.split(), "no process of rank 1 found in the learner pod"
+    log = second_log.wait(timeout=600)
+    # A new run (issue 27): its weight versions are (its run id, number), never taken for the evicted one's.
     resumed = re.search(
         r"resumed from step (\d+) \(weight version (\d+) of run ([\w.-]+)\); this run is ([\w.-]+)", log
     )
     assert resumed, log[-3000:]
     assert int(resumed.group(1)) == saved, (saved, log[-3000:])  # the save made on SIGTERM, not an older one
-    # A new run (issue 27): its weight versions are (its run id, number), never taken for the evicted one's.
     dead, live = resumed.group(3), resumed.group(4)
     assert dead != live and f"learner run {live}" in log and f"of run {live} synced" in log, log[-3000:]
     assert not re.search(rf"step {saved} v\d+ loss ", log), log[-3000:]  # it went on from there, nothing redone
+    middle = step_lines(log)
+    assert min(middle) == saved + 1 and max(middle) > periodic, (saved, periodic, sorted(middle))
+
+    status = cluster.wait_phase(ns, job, {"Complete"}, timeout=900)
+    assert status.get("step") == FAULT_STEPS, status  # the STEP column: the last step, across the restarts too
+    learner_job = cluster.get("job", f"{job}-learner", "-n", ns)
+    assert learner_job["status"].get("failed") == 1, learner_job["status"]  # the kill counted, the eviction not
+    third = learner_pod(cluster, ns, job, running=False)
+    assert third is not None and third["metadata"]["uid"] not in (first["metadata"]["uid"], second["metadata"]["uid"])
+    log = cluster.logs(ns, third["metadata"]["name"])
+    assert re.search(rf"step {FAULT_STEPS} v\d+ loss ", log), log[-3000:]
+    assert re.search(rf"training done: {FAULT_STEPS} steps, .* weight version \d+\b", log), log[-3000:]
+    again = re.search(r"resumed from step (\d+) ", log)
+    assert again and periodic <= int(again.group(1)) <= max(middle), (periodic, sorted(middle), log[-3000:])
+    redone = int(again.group(1))
     after = step_lines(log)
-    assert sorted(before) == list(range(1, saved + 1)) and sorted(after) == list(range(saved + 1, FAULT_STEPS + 1)), (
-        sorted(before),
-        sorted(after),
-    )
+    assert sorted(before) == list(range(1, saved + 1)), (saved, sorted(before))
+    assert sorted(after) == list(range(redone + 1, FAULT_STEPS + 1)), (redone, sorted(after))
+    # The steps the killed run had done past its checkpoint, done again from it: the same figures.
+    twice = {s: (middle[s], after[s]) for s in middle if s in after and not same_step(middle[s], after[s])}
+    assert not twice, f"(loss, ce, coord, f1, rows) before the kill vs redone, by step: {twice}"
+    after = {s: v for s, v in middle.items() if s <= redone} | after
     FAULTED.update(before | after)
     operator_log = cluster.logs(OPERATOR_NS, "deploy/rmsft", "--tail=400")
     assert f"{ns}/{job}" in operator_log and "Complete" in operator_log, operator_log[-3000:]
@@ -325,7 +379,8 @@ def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_
 
 
 def test_the_faulted_run_trained_what_an_uninterrupted_run_trains(cluster: Cluster) -> None:
-    """Issue 41 (b): the run above, its only server deleted mid-run and its learner evicted and resumed, against
+    """Issue 41 (b): the run above, its only server deleted mid-run, its learner evicted and resumed, then one of its
+    ranks killed and the learner resumed again, against
     the same job run with no fault (its checkpoints in the pod, every 5 steps as above): every one of the 40 steps
     has the same loss, CE and coordinate parts within 1e-4 (LOSS_TOLERANCE) and the same rollout F1 and row
     count. The rollouts are sampled with seeds that are a function of the step, the retried request after the
@@ -504,6 +559,37 @@ def test_a_job_whose_model_path_does_not_exist_fails_and_frees_its_pool(cluster:
     )
     events = cluster.get("events", "-n", ns, "--field-selector", f"involvedObject.name={job},type=Warning")
     assert any("/models/does-not-exist" in e["message"] for e in events["items"]), events
+
+
+def test_a_two_rank_learner_that_refuses_its_configuration_fails_at_once(cluster: Cluster) -> None:
+    """Issue 60: a refusal under torchrun is the job's refusal, not torchrun's 1. A learner of two ranks in one pod
+    whose configuration only the learner can refuse (a global batch of 1 prompt for 2 ranks: the spec alone does not
+    know the ranks' count is wrong for it) exits 2 on both ranks; `rmsft torchrun` exits 2 with them, the Job's
+    podFailurePolicy fails the job at once (LearnerFailed) although backoffLimit would allow two retries: one pod,
+    one attempt, the pool scaled to 0, the refusal in the pod's log."""
+    ns = namespace(cluster, "rmsft-refused")
+    job = "refused-2r"
+    doc = manifest("configs/job-kind-cpu.yaml", job, prompts_per_step=1)
+    doc["spec"]["rollout"]["replicas"] = 1
+    doc["spec"]["learner"].update(ranksPerPod=2, backoffLimit=2)
+    apply_job(cluster, doc, ns)
+    status = cluster.wait_phase(ns, job, {"Failed"}, timeout=600)
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "LearnerFailed" and "exit code 2" in status["message"], status
+    learner_job = cluster.get("job", f"{job}-learner", "-n", ns)
+    assert learner_job["status"].get("failed") == 1, learner_job["status"]
+    pods = cluster.pods(ns, f"rmsft.io/job={job},app.kubernetes.io/component=learner")
+    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]  # no retry
+    log = cluster.logs(ns, pods[0]["metadata"]["name"])
+    refusal = "spec.training.prompts_per_step (1) is the global batch and must be >= the number of learner ranks (2)"
+    assert refusal in log, log[-3000:]
+    cluster.wait(
+        lambda: cluster.get("statefulset", f"{job}-rollout", "-n", ns)["spec"]["replicas"] == 0,
+        60,
+        "the pool scaled to 0",
+        namespace=ns,
+    )
+    cluster.kubectl("-n", ns, "delete", "rmj", job, "--wait=true", timeout=300)
 
 
 def test_a_stock_checkpoint_with_the_coordexp_format_is_refused_before_any_server_starts(cluster: Cluster) -> None:
