@@ -17,7 +17,7 @@ from rmsft_protos import rollout_pb2
 
 from rmsft.weight_wire import FULL, StagedTensor, StreamReader, WireError, set_version, version_of
 from rmsft.weight_wire.outcomes import GROUP_READY_METADATA
-from rmsft.weight_wire.transfer import update_info, worker_init_info
+from rmsft.weight_wire.transfer import JOIN_SLACK_S, receive_bound_s, update_info, worker_init_info
 from rollout_engine import metrics
 from rollout_engine.engine import EngineDead, EngineError, tied_head_alias
 from rollout_svc.runner import RunnerStopped
@@ -30,6 +30,33 @@ if TYPE_CHECKING:
     from rollout_svc.staging import StagedWeights
 
 log = logging.getLogger(__name__)
+
+
+def within(bound_s: float, what: str, fn: Any) -> Any:
+    """`fn()`, but not waited for past `bound_s`: an engine stuck in a group operation (an NCCL collective whose
+    peer is gone waits for ever, and so would this server, its gate closed and its update lock held) is EngineDead,
+    so the server exits to be restarted and the learner re-syncs it. `fn` runs on a thread of its own, left behind
+    when the bound passes (the process is exiting)."""
+    done = threading.Event()
+    out: list[Any] = [None, None]
+
+    def run() -> None:
+        try:
+            out[0] = fn()
+        except BaseException as e:  # raised on the caller's thread below
+            out[1] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="rmsft-group-op", daemon=True).start()
+    if not done.wait(bound_s):
+        raise EngineDead(
+            f"{what} did not end within {bound_s:g}s (the weight-transfer group's deadline for each of its "
+            "operations): the engine is stuck in the group"
+        )
+    if out[1] is not None:
+        raise out[1]
+    return out[0]
 
 
 class GroupMember:
@@ -62,6 +89,10 @@ class GroupMember:
             self, weights: WeightVersion, adapter: str, tensors: list[StagedTensor], nbytes: int, apply_seconds: float
         ) -> None: ...
 
+    # the group's deadline for each operation and its bucket size, as the last join set them
+    _group_timeout_s: float = 300.0
+    _group_bucket_bytes: int = 0
+
     def JoinWeightGroup(self, request, context):
         """Join the learner's weight-transfer group (rank 0 is the learner): replaces any group this server was in.
         Runs with no Generate call running, as an apply does: the engine's workers block in the rendezvous."""
@@ -79,18 +110,27 @@ class GroupMember:
                 "JoinWeightGroup", context, grpc.StatusCode.ABORTED, "a weight update is in progress on this server"
             )
         try:
+            timeout_s = request.timeout_s or 300.0
             info = worker_init_info(
                 self.cfg.weight_transfer,
                 master_address=request.master_address,
                 master_port=request.master_port,
                 world_size=request.world_size,
                 rank_offset=request.rank_offset,
-                timeout_s=request.timeout_s or 300.0,
+                timeout_s=timeout_s,
                 bucket_bytes=request.bucket_bytes,
             )
             self._group_id = ""  # the old group is left whatever happens next
-            self.runner.call(lambda: self.engine.join_weight_group(info))
+            engine = cast("TransferEngine", self.engine)
+            self.runner.call(
+                lambda: within(
+                    timeout_s + JOIN_SLACK_S,
+                    "joining the weight-transfer group",
+                    lambda: engine.join_weight_group(info),
+                )
+            )
             self._group_id = request.group_id
+            self._group_timeout_s, self._group_bucket_bytes = timeout_s, request.bucket_bytes
         except EngineDead as e:
             self._dead(str(e))
             self._finish("JoinWeightGroup", context, grpc.StatusCode.UNAVAILABLE, str(e))
@@ -196,7 +236,9 @@ class GroupMember:
         head = tied_head_alias(self._tied, [t.name for t in tensors])
         # A server started with --weight-transfer (JoinWeightGroup refuses others) runs such an engine.
         engine = cast("TransferEngine", self.engine)
-        engine.receive_weights(update_info(self.cfg.weight_transfer, [(t.name, t.spec) for t in tensors], head))
+        info = update_info(self.cfg.weight_transfer, [(t.name, t.spec) for t in tensors], head)
+        bound = receive_bound_s(self._group_timeout_s, [t.spec.nbytes for t in tensors], self._group_bucket_bytes)
+        within(bound, "receiving the update over the weight-transfer group", lambda: engine.receive_weights(info))
         engine.reset_prefix_cache()
         self._full_names = self._full_names | frozenset(t.name for t in tensors)
         if self._rollback is not None:  # the last gRPC stream is older than what serves now: no rollback copy

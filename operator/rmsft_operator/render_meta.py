@@ -34,6 +34,8 @@ CONFIG_EXIT_CODE = CONFIG_EXIT  # `rmsft train` refusing its configuration (rmsf
 # verdict rather than torchrun's 1, under tini (PID 1: it passes SIGTERM on and reaps what the ranks leave).
 TORCHRUN = ("tini", "--", "rmsft", "torchrun")
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torch.distributed.launcher.api.LaunchConfig reads it
+# torch's ProcessGroupNCCL reads it: what its watchdog does with a collective past the group's timeout
+NCCL_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 SHUTDOWN_MARGIN_S = 10  # of the grace period, left after torchrun's SIGKILL for the wrapper to exit
 TORCH_RENDEZVOUS_DEFAULT_S = 600  # torch's static rendezvous timeout (static_tcp_rendezvous._default_timeout_seconds)
 SHARED_WEIGHTS_HOST_ROOT = "/dev/shm/rmsft"  # on the node; one directory per job below it

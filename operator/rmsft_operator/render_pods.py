@@ -16,6 +16,7 @@ from rmsft_operator.render_meta import (
     GPU_RESOURCE,
     HOSTNAME_TOPOLOGY,
     JOB_LABEL,
+    NCCL_ERROR_HANDLING_ENV,
     NODE_RANK_ENV,
     PREFLIGHT_CONTAINER,
     PREFLIGHT_RESOURCES,
@@ -489,6 +490,14 @@ def _with_launcher(job: RolloutMatchingJob, namespace: str, container: dict[str,
         # them (torch's default: 30 s); the rest of the grace period is the wrapper's, to read the ranks' verdict.
         shutdown_s = torchrun_shutdown_seconds(lr.termination_grace_period_seconds)
         container["env"] = [*container["env"], {"name": SHUTDOWN_TIMEOUT_ENV, "value": str(shutdown_s)}]
+        if job.spec.placement.accelerator == "nvidia":
+            # The ranks' NCCL group: torch's watchdog fails a collective past the group's timeout (`rmsft train`
+            # gives it learner.train.start_checks.collective_timeout_s); 1 aborts the communicator before it ends
+            # the rank, so the other ranks' collectives fail at once instead of each waiting out its own timeout,
+            # and the container's verdict (75, retried) follows. torchrun's agent sets 1 when the variable is unset
+            # (torch's own default is 3: end the process, communicator left); set here so it holds under any
+            # launcher and shows in the pod's spec.
+            container["env"] = [*container["env"], {"name": NCCL_ERROR_HANDLING_ENV, "value": "1"}]
 
 
 def _place_learner_pods(job: RolloutMatchingJob, pod_spec: dict[str, Any]) -> None:

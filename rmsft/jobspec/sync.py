@@ -46,7 +46,9 @@ class SyncSpec(_K8s):
         "member says it holds every bucket before any loads them). A server that misses it is cut off: it loads "
         "nothing of that update, serves the version it had, and is re-synced over gRPC when it answers again; the "
         "other members load nothing either (the update is whole on all or on none) and the learner's sync fails "
-        "naming it. Also the NCCL group's init timeout on GPUs.",
+        "naming it. On GPUs (NCCL, which has no timeout of its own) also the rendezvous's timeout, the learner's "
+        "watchdog (it aborts the communicator when no broadcast completed for this long) and each server's bound on "
+        "its engine (this x (the update's collectives + 2); past it the server exits to be restarted).",
     )
     transport: Literal["auto", "grpc", "shm", "nccl"] = Field(
         "auto",

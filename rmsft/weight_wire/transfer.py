@@ -3,9 +3,10 @@ weight-transfer API, and the learner's rank-0 end.
 
 Two backends, one control path (`JoinWeightGroup`, then an `UpdateWeights` header with `transfer_group`):
 - "nccl": vLLM's own NCCL engine (`vllm/distributed/weight_transfer/nccl_engine.py`), GPUs only; the learner's
-  rank 0 opens its end with vLLM's `trainer_init` and broadcasts from its CUDA device, packed with vLLM's own
-  packed producer/consumer (`packed_tensor.py`: buckets of `packed_buffer_size_bytes`, two in flight) when the
-  group's bucket size is set, else one tensor per broadcast.
+  rank 0 opens its end with vLLM's rendezvous and communicator (as its `trainer_init` does, with the group's
+  deadline) and broadcasts from its CUDA device, packed with vLLM's own packed producer/consumer
+  (`packed_tensor.py`: buckets of `packed_buffer_size_bytes`, two in flight) when the group's bucket size is set,
+  else one tensor per broadcast.
 - "rmsft_gloo": rmsft's gloo engine (`rollout_engine/weight_transfer_gloo.py`, registered in vLLM's registry from
   every engine worker), the CPU stand-in: the same calls on machines without a GPU (tests, `rmsft local` on the CPU).
   Its group is a stateless torch.distributed gloo group (vLLM's helper: a TCP store on the learner, no global
@@ -29,6 +30,11 @@ is named (`MembersLate`), the others are answered ABORT (they load nothing and s
 learner's end is aborted (its sockets close), so the late member's next op fails when it runs again: it never loads
 the update. (A member stalled after it said it had every bucket, before it read the COMMIT, loads the update whole
 when it runs again: the two-generals corner; its version is then the learner's, never a part of one.)
+NCCL has no timeout of its own (a collective's kernel waits for its peers for ever): there the learner's deadline is
+a `Watchdog` that aborts its communicator when no operation completed within the deadline (MembersLate, as gloo's),
+the rendezvous's store takes the deadline, and each server bounds its engine's join and receive (rollout_svc.
+weight_group: past `receive_bound_s` it exits to be restarted; vLLM's NCCL engine loads as it receives, so a broken
+update leaves nothing whole to serve).
 
 The server is started with `--weight-transfer BACKEND` (vLLM needs the backend when the engine is created); the
 learner picks the same from `spec.accelerator`. torch and vLLM are imported lazily.
@@ -72,6 +78,17 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[tuple[int, int
     if start < len(sizes):
         buckets.append((start, len(sizes)))
     return buckets
+
+
+# A member's join may take this long past the group's deadline: the rendezvous, then the communicator's own init.
+JOIN_SLACK_S = 30.0
+
+
+def receive_bound_s(timeout_s: float, sizes: Sequence[int], bucket_bytes: int) -> float:
+    """The longest a member's whole receive of one update can take when each of its operations (the collectives of
+    the plan, the update's start and finish) ends within the group's deadline `timeout_s`: past it the member is
+    stuck, not slow (a server bounds its engine's receive by it, rollout_svc.weight_group)."""
+    return timeout_s * (len(plan_buckets(sizes, bucket_bytes)) + 2)
 
 
 def pack(tensors: Sequence[Any]) -> Any:
@@ -162,46 +179,144 @@ def update_info(backend: str, specs: Sequence[tuple[str, Any]], also_as: dict[st
     return info
 
 
+class Watchdog:
+    """A deadline for a group whose operations have none of their own (NCCL: a collective's kernel waits for its
+    peers for ever, and a host thread synchronising its stream with it). Used as `with Watchdog(...) as dog:`
+    around a run of operations, calling `dog.kick()` each time one of them completes: when `timeout_s` passes
+    with no kick, `abort` runs once on the watchdog's thread (ncclCommAbort: the kernels still in a collective end
+    and the host's waits return), and leaving the block raises MembersLate for `operation` (which member held it
+    up, an NCCL collective cannot say: the servers' answers do, learner.sync.group). The block's own exception,
+    if it raised one after the abort, becomes the cause."""
+
+    def __init__(self, timeout_s: float, operation: str, abort: Any) -> None:
+        import threading
+
+        self.timeout_s, self.operation, self._abort = timeout_s, operation, abort
+        self.expired = False
+        self.kicks = 0
+        self._cv = threading.Condition()
+        self._done = False
+        self._last = 0.0
+        self._thread = threading.Thread(target=self._watch, name="rmsft-group-watchdog", daemon=True)
+
+    def kick(self, what: str = "") -> None:
+        """One operation completed: the next has `timeout_s` from now."""
+        import time
+
+        with self._cv:
+            self._last = time.monotonic()
+            self.kicks += 1
+            if what:
+                self.operation = what
+
+    def _watch(self) -> None:
+        import time
+
+        with self._cv:
+            while not self._done:
+                left = self._last + self.timeout_s - time.monotonic()
+                if left <= 0:
+                    self.expired = True
+                    break
+                self._cv.wait(left)
+        if self.expired:
+            self._abort()
+
+    def __enter__(self) -> Watchdog:
+        import time
+
+        self._last = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        with self._cv:
+            self._done = True
+            self._cv.notify_all()
+        self._thread.join()
+        if self.expired:
+            raise MembersLate((), self.operation, self.timeout_s) from exc
+
+
 class NcclSender:
-    """The learner's end of an NCCL group (rank 0), with vLLM's trainer-side helper. `port` must be free on this
-    host: vLLM's rendezvous binds it itself when `join` runs."""
+    """The learner's end of an NCCL group (rank 0), built on vLLM's own parts (its StatelessProcessGroup rendezvous
+    and PyNcclCommunicator, as its `trainer_init` builds them) so that the rendezvous takes the group's deadline
+    (`trainer_init` fixes its store's timeout at 300 s). `port` must be free on this host: the rendezvous binds it
+    itself when `join` runs.
+
+    NCCL has no deadline of its own: every operation here runs under a `Watchdog` of `timeout_s` that aborts the
+    communicator (ncclCommAbort) when no operation completed for that long, so a member lost or stopped mid-update
+    fails the learner's send with MembersLate within the deadline instead of hanging it. The members' side of the
+    same deadline is the server's (rollout_svc.weight_group: its engine's receive bounded, past which it exits to
+    be restarted)."""
 
     def __init__(
         self, world_size: int, timeout_s: float = 300.0, *, address: str, port: int, bucket_bytes: int = 0
     ) -> None:
         self.world_size, self.timeout_s, self.address, self.port = world_size, timeout_s, address, port
         self.bucket_bytes = bucket_bytes
+        self.collectives = 0  # broadcasts (unpacked) or tensors handed to the packed producer by the last send
         self.group: Any = None
 
     def join(self) -> None:
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+        import math
 
-        self.group = trainer_init(
-            {"master_address": self.address, "master_port": self.port, "world_size": self.world_size}
+        import torch
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+        from vllm.utils.nccl import unpinned_nccl_env
+
+        store = StatelessProcessGroup.create(
+            host=self.address,
+            port=self.port,
+            rank=0,
+            world_size=self.world_size,
+            store_timeout=max(1, math.ceil(self.timeout_s)),
         )
+        with unpinned_nccl_env():
+            # ncclCommInitRank and its warm-up all-reduce wait for every member: bounded by the group's join
+            # (learner.sync.group waits for it at most the deadline and 30 s, then closes this end).
+            self.group = PyNcclCommunicator(store, device=torch.accelerator.current_device_index())
+
+    def _abort(self) -> None:
+        group = self.group
+        if group is not None:
+            group.destroy()  # vLLM's: ncclCommAbort on a thread of its own, waited for 5 s
 
     def send(self, tensors: Iterable[tuple[str, Any]]) -> int:
         import torch
 
-        if self.bucket_bytes > 0:
-            return self._send_packed(tensors)
-        total = 0
-        stream = torch.cuda.current_stream()
-        for _, t in tensors:
-            flat = t.detach().contiguous()  # NCCL sends numel elements from data_ptr: never a strided view
-            self.group.broadcast(flat, src=0, stream=stream)
-            total += flat.numel() * flat.element_size()
-        stream.synchronize()
+        self.collectives = 0
+        with Watchdog(self.timeout_s, "the update's first broadcast", self._abort) as dog:
+            if self.bucket_bytes > 0:
+                total = self._send_packed(tensors, dog)
+            else:
+                total, done = 0, []
+                stream = torch.cuda.current_stream()
+                for _, t in tensors:
+                    flat = t.detach().contiguous()  # NCCL sends numel elements from data_ptr: never a strided view
+                    self.group.broadcast(flat, src=0, stream=stream)
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves its __init__ untyped
+                    event.record(stream)
+                    done.append((event, flat))  # the tensor is held until its broadcast completed
+                    total += flat.numel() * flat.element_size()
+                for i, (event, _) in enumerate(done):
+                    event.synchronize()  # returns once the collective completed, or once the watchdog aborted it
+                    dog.kick(f"broadcast {i + 2}")
+                    self.collectives += 1
         return total
 
-    def _send_packed(self, tensors: Iterable[tuple[str, Any]]) -> int:
-        """vLLM's packed producer, the exact counterpart of the packed consumer its NCCL engine runs."""
+    def _send_packed(self, tensors: Iterable[tuple[str, Any]], dog: Watchdog) -> int:
+        """vLLM's packed producer, the exact counterpart of the packed consumer its NCCL engine runs. It waits for
+        a bucket's broadcast before it reuses the bucket's buffer, so each tensor it asks for is progress."""
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
         sent = [0]
 
         def counted() -> Any:
             for name, t in tensors:
+                dog.kick(f"the broadcast after tensor {self.collectives}")
+                self.collectives += 1
                 sent[0] += t.numel() * t.element_size()
                 yield name, t
 
@@ -216,6 +331,7 @@ class NcclSender:
         return sent[0]
 
     def close(self) -> None:
+        self._abort()  # a communicator left open holds its peers' sockets and GPU memory
         self.group = None
 
 
@@ -267,10 +383,8 @@ class MembersLate(RuntimeError):
 
     def __init__(self, ranks: Sequence[int], operation: str, timeout_s: float) -> None:
         self.ranks, self.operation, self.timeout_s = tuple(ranks), operation, timeout_s
-        super().__init__(
-            f"group rank(s) {', '.join(map(str, ranks))} did not finish {operation} within the "
-            f"group's deadline of {timeout_s:g}s"
-        )
+        who = f"group rank(s) {', '.join(map(str, ranks))}" if ranks else "a member of the group"
+        super().__init__(f"{who} did not finish {operation} within the group's deadline of {timeout_s:g}s")
 
 
 def _timedelta(seconds: float) -> Any:

@@ -135,6 +135,13 @@ def test_learner_runs_one_rank_per_gpu() -> None:
     assert two["args"][0] == "train"
     grace = _by_kind("configs/job.yaml")["Job"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(grace - render.SHUTDOWN_MARGIN_S)} in two["env"]
+    # NCCL's watchdog: a collective past the ranks' timeout aborts the communicator, then ends the rank.
+    assert {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"} in two["env"]
+    doc = yaml.safe_load((ROOT / "configs/job-kind-cpu.yaml").read_text())
+    doc["spec"]["learner"]["ranksPerPod"] = 2
+    cpu_ranks = render.render_job(parse_job(doc), "ns", "u")["spec"]["template"]["spec"]["containers"][0]
+    assert cpu_ranks["command"][:4] == ["tini", "--", "rmsft", "torchrun"]  # ranks on gloo: no NCCL to set
+    assert all(e["name"] != "TORCH_NCCL_ASYNC_ERROR_HANDLING" for e in cpu_ranks["env"])
     # One GPU, or none: the image's entrypoint (`rmsft`) runs `train` as a single process.
     for path in ("configs/job-3v1.yaml", "configs/job-kind-cpu.yaml"):
         one = learner(path)

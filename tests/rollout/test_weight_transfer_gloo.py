@@ -9,6 +9,11 @@ engine."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
+import time
 from pathlib import Path
 
 import grpc
@@ -18,8 +23,9 @@ from rmsft_protos import rollout_pb2, rollout_pb2_grpc
 from rollout_svc_helpers import hf_greedy, hf_model, prompt_ids
 
 from learner.rollouts.pool import ServerPool
-from learner.sync.client import WeightSyncClient
+from learner.sync.client import WeightSyncClient, WeightSyncError
 from rmsft.weight_wire import WeightVersion, set_version, version_of
+from rmsft.weight_wire.transfer import receive_bound_s
 from rollout_svc.launcher import RolloutServer
 
 pytestmark = pytest.mark.vllm
@@ -78,3 +84,74 @@ def _fenced(stub, metadata, prompts: list[list[int]], version: WeightVersion) ->
     reply = stub.Generate(req, metadata=metadata, timeout=120)
     assert version_of(reply) == version
     return [list(c.token_ids) for c in reply.completions]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (vLLM's engine core and the workers it spawns), not `pid` itself."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = [int(c) for c in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def test_a_server_whose_engine_stalls_in_a_group_update_gives_up_at_its_bound_and_exits(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 60, item 3, the members' side of the deadline: the server's own process answers, its engine does not
+    (every engine process stopped, as a worker stuck in an NCCL collective whose peer is gone would be). The
+    learner's sync fails within its deadline naming it; the server, its update lock held and its gate closed while
+    it waits on the engine, gives up at `receive_bound_s` (the deadline for each of the update's collectives, its
+    start and finish), says why and exits to be restarted: it never claims the version, and never waits for ever."""
+    deadline = 3.0
+    run = "7e57a11ed0c4"
+    srv = RolloutServer.spawn(
+        tiny_model_dir, dtype="float32", weight_transfer="rmsft_gloo", log_path=tmp_path / "serve.log"
+    )
+    stopped: list[int] = []
+    try:
+        srv.wait_healthy(400)
+        model = hf_model(tiny_model_dir)
+        with ServerPool([srv.address], run_id=run) as pool:
+            client = WeightSyncClient(
+                pool,
+                model,
+                dtype="float32",
+                transport="nccl",
+                group_backend="rmsft_gloo",
+                group_timeout_s=deadline,
+                timeout_s=120,
+                group_bucket_bytes=1 << 30,  # one bucket: the bound is the deadline x 3
+            )
+            client.sync(1)
+            assert client.group.updates == 1
+            sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
+            bound = receive_bound_s(deadline, sizes, 1 << 30)
+            assert bound == 3 * deadline
+            stopped = _descendants(srv.proc.pid)
+            assert stopped, "no engine process below the server"
+            for pid in stopped:
+                os.kill(pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(WeightSyncError, match="deadline"):
+                client.sync(2)
+            assert time.monotonic() - t0 < 2 * deadline + 10
+            code = srv.proc.wait(timeout=bound + 60)  # not for ever
+            took = time.monotonic() - t0
+        assert code == 1, srv.log_tail()
+        assert took >= bound - 0.5, took  # not before the bound: a slow member is not a stuck one
+        log = srv.log_path.read_text(errors="replace")
+        assert f"receiving the update over the weight-transfer group did not end within {bound:g}s" in log, log[-3000:]
+        assert not re.search(r"weights v2 of run \S+ applied", log), log[-3000:]  # never claimed
+    finally:
+        for pid in stopped:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        srv.stop()
