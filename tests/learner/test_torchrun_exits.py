@@ -7,7 +7,8 @@ ground-truth step (no server, no sampling: seconds a run).
   uninterrupted run's.
 - A refused configuration on rank 0 only (the checkpoint of another run, a lineage refusal): the container exits 2,
   rank 1 with rank 0's code, where torchrun alone exits 1.
-- A transient error (EIO) on rank 1 mid-run: the container exits 75, retryable.
+- A transient error (EIO) on rank 1 mid-run: the container exits 75, retryable, and the retry resumes from the
+  periodic checkpoint with the uninterrupted run's losses.
 - `rmsft train` as PID 1 of its own PID namespace (a container without an init): a SIGTERM while it still loads is
   handled from its first line, not ignored to the grace period's SIGKILL.
 """
@@ -153,16 +154,33 @@ def test_sigterm_mid_run_saves_the_agreed_step_exits_143_and_resumes_as_if_never
     assert plain.returncode == 1  # what the failure policy saw before: never "a refused configuration"
 
 
-def test_a_transient_error_on_rank_1_mid_run_exits_retryable(
-    tiny_model_dir: Path, data_path: Path, tmp_path: Path
+def test_a_transient_error_on_rank_1_mid_run_exits_retryable_and_the_retry_resumes(
+    straight: dict[int, float], tiny_model_dir: Path, data_path: Path, tmp_path: Path
 ) -> None:
-    job = write_job(tmp_path / "job.yaml", tiny_model_dir, data_path, tmp_path / "ckpt")
-    proc = _run(container_command(job), **{FAIL_AT_ENV: "step:3@1"})
+    """Rank 1 raises EIO building step 5's segments (as a CUDA error or EIO on the claim would): the container exits
+    75, which the Job's podFailurePolicy counts and retries; the retry (the same command on the same claim, as the
+    Job's next pod runs it) resumes from the periodic checkpoint of step 4 and trains steps 5-12 as the uninterrupted
+    run did."""
+    ckpt = tmp_path / "ckpt"
+    job = write_job(tmp_path / "job.yaml", tiny_model_dir, data_path, ckpt)
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"]["training"]["checkpoint"]["every"] = 2
+    job.write_text(yaml.safe_dump(doc))
+    proc = _run(container_command(job), **{FAIL_AT_ENV: "step:5@1"})
     err = re.sub(r"\s+", " ", proc.stderr)
     assert proc.returncode == RETRY_EXIT, proc.stderr[-6000:]
-    assert "injected fault at step:3" in err
+    assert "injected fault at step:5" in err
     assert "learner rank 1 failed while building training segments" in err  # rank 0's message names rank 1
     assert "rank 0: 75, rank 1: 75" in err
+    assert sorted(_losses(proc.stderr)) == [1, 2, 3, 4]
+    assert [p.name for p in list_checkpoints(ckpt)][-1] == "step-4"
+
+    retry = _run(container_command(job))  # attempt 2: the fault was transient
+    assert retry.returncode == 0, retry.stderr[-6000:]
+    assert "resumed from step 4" in retry.stderr
+    after = _losses(retry.stderr)
+    assert sorted(after) == list(range(5, STEPS + 1))
+    assert [after[s] for s in sorted(after)] == pytest.approx([straight[s] for s in sorted(after)], abs=2e-4)
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux) for a PID namespace")
