@@ -299,7 +299,7 @@ def main() -> None:
         fields.append(f"collectives_{t}={n}")
     if "nccl" in transports and "nccl_bucketed" in transports:
         fields.append(f"bucket_mb={args.bucket_mb}")
-        for n in (lo, hi):
+        for n in sorted({lo, hi}):  # one key when one pool size was asked for
             fields.append(
                 f"bucketed_vs_per_tensor_{n}={med[('nccl_bucketed', n)]['gbps'] / med[('nccl', n)]['gbps']:.2f}"
             )

@@ -18,7 +18,10 @@ from rollout_svc.launcher import RolloutServer
 
 pytestmark = pytest.mark.vllm
 
-LONG = 320  # new tokens, EOS suppressed (min_tokens): long enough for the update to land mid-answer
+# New tokens, EOS suppressed (min_tokens): long enough for the update to land mid-answer. The tiny model answers 320 in
+# 0.3 s on 2 cores, so an answer of 320 was over before an update sent 0.3 s in was applied (a CI run's failure).
+LONG = 1600
+STARTED = 16  # generated tokens after which the update is sent: a few in, far from the end
 COMPARE = 40  # tokens compared with HF on each side of the switch (short: vLLM and HF agree exactly that far)
 
 
@@ -64,10 +67,11 @@ def test_an_inflight_update_pauses_an_answer_and_finishes_it_on_the_new_weights(
         )
         call.start()
         deadline = time.monotonic() + 60
-        while metric(scrape(srv), "vllm:num_requests_running") < 1:
+        while metric(text := scrape(srv), "vllm:num_requests_running") < 1 or (
+            metric(text, "vllm:generation_tokens_total") < STARTED
+        ):
             assert time.monotonic() < deadline and call.is_alive(), "the answer never started"
-            time.sleep(0.02)
-        time.sleep(0.3)  # a few tokens in
+            time.sleep(0.01)
         assert call.is_alive(), "the answer finished before the update: the test would prove nothing"
         reply = update(srv, chunks)  # applied under the running answer: not waiting for it
         assert reply.version == v0 + 1
@@ -87,8 +91,8 @@ def test_an_inflight_update_pauses_an_answer_and_finishes_it_on_the_new_weights(
     print(f"switch at token {k} of {LONG}")
     # Before the switch: the old weights' greedy answer; after: the new weights' continuation of that prefix
     # (vLLM recomputed the prefix's KV under the new weights, so this holds exactly).
-    before = _hf_continue(old, prompt, k, eos)
-    assert tokens[: min(k, COMPARE)] == before[: min(k, COMPARE)]
+    before = _hf_continue(old, prompt, min(k, COMPARE), eos)
+    assert tokens[: min(k, COMPARE)] == before
     after = _hf_continue(new, prompt + tokens[:k], min(COMPARE, LONG - k), eos)
     assert tokens[k : k + len(after)] == after
     # And not the old weights' continuation (the switch is real).
