@@ -133,15 +133,26 @@ def fault_job(name: str, checkpoint_dir: str) -> dict[str, Any]:
 SIGNAL_RANKS = (Path(__file__).parent / "signal_ranks.py").read_text()
 
 
-def signal_ranks(cluster: Cluster, ns: str, pod: str, **options: Any) -> tuple[list[str], float | None]:
+def signal_ranks(cluster: Cluster, ns: str, pod: str, **options: Any) -> float | None:
     """Run signal_ranks.py in `pod` with these key=value options (sig, rank, step, url, pending: its docstring):
-    (the pids it signalled, the learner step it waited for or None). In the pod, so that the signal lands at the
-    learner's step however fast the steps are; a failure (a timeout, no such rank) fails the test with its words."""
+    the learner step it waited for, or None without step=. In the pod, so that the signal lands at the learner's
+    step however fast the steps are; a failure (a timeout, no such rank) fails the test with its words."""
     argv = [f"{k}={v}" for k, v in options.items()]
     out = cluster.kubectl("-n", ns, "exec", pod, "--", "python", "-c", SIGNAL_RANKS, *argv, timeout=480).stdout
     lines = out.splitlines()
-    assert lines and lines[0].split(), (options, out)
-    return lines[0].split(), float(lines[1].split()[1]) if "step" in options else None
+    assert lines and lines[0].split(), (options, out)  # the pids signalled
+    return float(lines[1].split()[1]) if "step" in options else None
+
+
+def wait_recreated(cluster: Cluster, ns: str, pod: dict[str, Any]) -> dict[str, Any]:
+    """The pod of that name again, once its controller made a new one (another uid)."""
+    name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
+    return cluster.wait(
+        lambda: (p := cluster.get("pod", name, "-n", ns)) and p["metadata"]["uid"] != uid and p,
+        300,
+        f"{name} recreated",
+        namespace=ns,
+    )
 
 
 def claim_on_node(cluster: Cluster, ns: str, name: str) -> None:
@@ -215,7 +226,7 @@ def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_
     # Each fault lands while the learner is held (signal_ranks.py: rank 1 stopped, rank 0 waiting for it in the
     # step's collective, its /metrics answering): on a fast machine the whole job is shorter than a scrape and an
     # exec from outside, and a fault that landed after the last step would test nothing.
-    _, held = signal_ranks(cluster, ns, learner, sig="STOP", rank=1, step=3)
+    held = signal_ranks(cluster, ns, learner, sig="STOP", rank=1, step=3)
     assert held is not None and 3 <= held < FAULT_STEPS - 10, held
     shm_dir = f"/dev/shm/rmsft/{ns}.{job}"
     assert cluster.backend.node_exists(shm_dir)
@@ -226,18 +237,11 @@ def test_one_server_job_survives_its_deleted_server_the_operator_and_an_evicted_
     cluster.kubectl("-n", ns, "delete", "pod", f"{job}-rollout-0", "--wait=false")
     op_pods = cluster.pods(OPERATOR_NS, "app.kubernetes.io/name=rmsft")
     cluster.kubectl("-n", OPERATOR_NS, "delete", "pod", op_pods[0]["metadata"]["name"], "--wait=false")
-    cluster.wait(
-        lambda: (
-            (p := cluster.get("pod", f"{job}-rollout-0", "-n", ns)) and p["metadata"]["uid"] != old["metadata"]["uid"]
-        ),
-        300,
-        "rollout-0 recreated",
-        namespace=ns,
-    )
+    wait_recreated(cluster, ns, old)
     signal_ranks(cluster, ns, learner, sig="CONT", rank=1)
     # Held again two steps on (trained on the recreated server's rollouts) while it is checked, every component's
     # /metrics is scraped and the learner evicted.
-    _, held = signal_ranks(cluster, ns, learner, sig="STOP", rank=1, step=int(held) + 2)
+    held = signal_ranks(cluster, ns, learner, sig="STOP", rank=1, step=int(held) + 2)
     assert held is not None and held < FAULT_STEPS - 8, held
 
     def recreated_and_ready() -> dict[str, Any] | None:
@@ -767,7 +771,7 @@ def test_a_learner_on_two_pods_survives_a_lost_pod_and_trains_what_one_pod_of_tw
     first_log = cluster.follow_logs(ns, pod0)
     # Pod 1 deleted while the learner is held at step 5 (its rank stopped, rank 0 waiting for it): its SIGTERM waits
     # at the stopped rank, which goes on once it is there, so the stop lands mid-run however fast the steps are.
-    _, held = signal_ranks(
+    held = signal_ranks(
         cluster, ns, lost, sig="STOP", rank=1, step=5, url=f"http://{pods[0]['status']['podIP']}:9090/metrics"
     )
     assert held is not None and 5 <= held < steps, held
@@ -815,18 +819,10 @@ def test_a_learner_on_two_pods_survives_a_lost_pod_and_trains_what_one_pod_of_tw
     # server gone.
     server = cluster.get("pod", f"{job}-rollout-0", "-n", ns)
     assert server is not None, cluster.diagnostics(ns)
-    _, held = signal_ranks(cluster, ns, pod0, sig="STOP", rank=1, step=2)
+    held = signal_ranks(cluster, ns, pod0, sig="STOP", rank=1, step=2)
     assert held is not None and 2 <= held < steps, held  # mid-run
     cluster.kubectl("-n", ns, "delete", "pod", f"{job}-rollout-0", "--wait=false")
-    cluster.wait(
-        lambda: (
-            (p := cluster.get("pod", f"{job}-rollout-0", "-n", ns))
-            and p["metadata"]["uid"] != server["metadata"]["uid"]
-        ),
-        300,
-        "rollout-0 recreated",
-        namespace=ns,
-    )
+    wait_recreated(cluster, ns, server)
     signal_ranks(cluster, ns, pod0, sig="CONT", rank=1)
     status = cluster.wait_phase(ns, job, {"Complete"}, timeout=900)
     assert status.get("step") == steps, status
